@@ -1,0 +1,33 @@
+"""ucp_dcp: universal checkpoints for torch.distributed.checkpoint.
+
+Save a training state under one parallel layout, load it into any other
+layout and world size, reading only the bytes each rank needs::
+
+    import torch.distributed.checkpoint as dcp
+    from ucp_dcp import UCPSavePlanner, UCPLoadPlanner, UCPStorageWriter, UCPStorageReader
+
+    dcp.save(sd, storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())
+    dcp.load(sd, storage_reader=UCPStorageReader(path), planner=UCPLoadPlanner())
+"""
+
+from .format import FORMAT_VERSION, CheckpointFormatError
+from .index import load_index, rebuild_index
+from .planners import CheckpointKeyError, UCPLoadPlanner, UCPSavePlanner
+from .storage import UCPStorageReader, UCPStorageWriter
+from .values import RankLocal, UnsupportedValueError
+
+__all__ = [
+    "UCPSavePlanner",
+    "UCPLoadPlanner",
+    "UCPStorageWriter",
+    "UCPStorageReader",
+    "RankLocal",
+    "CheckpointFormatError",
+    "CheckpointKeyError",
+    "UnsupportedValueError",
+    "load_index",
+    "rebuild_index",
+    "FORMAT_VERSION",
+]
+
+__version__ = "0.1.0"

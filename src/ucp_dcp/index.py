@@ -1,0 +1,284 @@
+"""Building, writing, reading and rebuilding the global index.
+
+The coordinator builds the index at the end of a save from what every rank
+reports it wrote (:class:`WrittenEntry`); :func:`rebuild_index` builds the
+same index from the data files' headers alone. Both go through
+:func:`build_index`, which stores a tensor compactly when its chunks are
+exactly those of the DTensor layout it was saved with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .format import (
+    INDEX_FILE,
+    CheckpointFormatError,
+    ChunkRecord,
+    EntryMeta,
+    FileHeader,
+    FileRecord,
+    Index,
+    Layout,
+    Location,
+    TensorRecord,
+    chunk_entry_name,
+    read_header,
+)
+from .sharding import Box
+from .values import dtype_from_name
+
+__all__ = ["WrittenEntry", "build_index", "write_index", "load_index", "rebuild_index", "ChunkLocator"]
+
+
+@dataclass(frozen=True)
+class WrittenEntry:
+    """One entry a rank wrote: its name, metadata and absolute byte range."""
+
+    name: str
+    meta: EntryMeta
+    start: int
+    nbytes: int
+
+
+def build_index(
+    world_size: int,
+    files: list[FileRecord],
+    written: list[list[WrittenEntry]],
+    layouts: dict[str, Layout | None] | None = None,
+) -> Index:
+    """The index of a checkpoint whose file ``i`` holds ``written[i]``.
+
+    ``layouts`` (from the save planner) overrides the layout recorded in the
+    entries; a tensor is stored compactly when its layout's chunk boxes are
+    exactly the boxes written, each once.
+    """
+    per_tensor: dict[str, list[tuple[int, WrittenEntry]]] = defaultdict(list)
+    values: dict[str, Location] = {}
+    rank_local: dict[str, dict[int, Location]] = defaultdict(dict)
+    for fi, entries in enumerate(written):
+        for e in entries:
+            loc = Location(fi, e.start, e.nbytes, e.meta.xxh3)
+            if e.meta.kind == "tensor":
+                per_tensor[e.meta.fqn].append((fi, e))
+            elif e.meta.kind == "value":
+                values[e.meta.fqn] = loc
+            elif e.meta.kind == "rank_local":
+                rank_local[e.meta.fqn][files[fi].rank] = loc
+            else:
+                raise CheckpointFormatError(f"{files[fi].name}: entry {e.name!r} has unknown kind {e.meta.kind!r}")
+    tensors: dict[str, TensorRecord] = {}
+    for fqn in sorted(per_tensor):
+        items = per_tensor[fqn]
+        first = items[0][1].meta
+        for fi, e in items:
+            if (e.meta.dtype, e.meta.shape) != (first.dtype, first.shape):
+                raise CheckpointFormatError(
+                    f"tensor {fqn!r} is saved as {first.dtype}{list(first.shape)} in one file and as "
+                    f"{e.meta.dtype}{list(e.meta.shape)} in {files[fi].name}"
+                )
+        dtype = dtype_from_name(first.dtype)
+        chunks = {
+            Box(e.meta.offsets, e.meta.sizes): (fi, e) for fi, e in items
+        }
+        if layouts is not None and fqn in layouts:
+            layout = layouts[fqn]
+        else:
+            found = {e.meta.layout for _, e in items}
+            layout = found.pop() if len(found) == 1 else None
+        compact_files = _compact(layout, first.shape, chunks, len(items))
+        if compact_files is not None:
+            tensors[fqn] = TensorRecord(dtype, first.shape, layout, True, compact_files)
+        else:
+            recs = [
+                ChunkRecord(box, Location(fi, e.start, e.nbytes, e.meta.xxh3))
+                for box, (fi, e) in sorted(chunks.items(), key=lambda kv: kv[0].offsets)
+            ]
+            tensors[fqn] = TensorRecord(dtype, first.shape, layout, False, chunks=recs)
+    return Index(world_size, files, tensors, values, dict(rank_local))
+
+
+def _compact(
+    layout: Layout | None,
+    shape: tuple[int, ...],
+    chunks: dict[Box, tuple[int, WrittenEntry]],
+    n_written: int,
+) -> list[int] | None:
+    if layout is None or n_written != len(chunks):
+        return None
+    try:
+        boxes = layout.chunks(shape)
+    except ValueError:
+        return None
+    if len(boxes) != len(chunks) or any(b not in chunks for b in boxes):
+        return None
+    return [chunks[b][0] for b in boxes]
+
+
+def write_index(directory: str, index: Index) -> None:
+    """Write ``ucp_index.json`` atomically: temp file, fsync, rename, fsync dir.
+
+    Readers see either the previous index or the complete new one, never a
+    partial file.
+    """
+    final = os.path.join(directory, INDEX_FILE)
+    tmp = os.path.join(directory, f".{INDEX_FILE}.{uuid.uuid4().hex[:8]}.tmp")
+    data = json.dumps(index.to_json(), separators=(",", ":")).encode("utf-8")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        dfd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:  # some file systems refuse fsync on directories
+        pass
+    finally:
+        os.close(dfd)
+
+
+def load_index(directory: str) -> Index:
+    """Read and validate ``ucp_index.json`` of checkpoint ``directory``."""
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise CheckpointFormatError(f"{directory}: not a checkpoint (no such directory)")
+    path = os.path.join(directory, INDEX_FILE)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        hint = ""
+        if os.path.exists(os.path.join(directory, ".metadata")):
+            hint = " (it holds a DCP .metadata file: it was saved with DCP's default FileSystemWriter)"
+        raise CheckpointFormatError(
+            f"{directory}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing{hint}. "
+            "A save that did not finish leaves no index; load an earlier checkpoint "
+            "or rebuild the index from complete data files with ucp_dcp.rebuild_index"
+        ) from None
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointFormatError(f"{path}: truncated or corrupt index ({e})") from None
+    return Index.from_json(doc, path)
+
+
+def rebuild_index(directory: str, *, write: bool = False) -> Index:
+    """Rebuild the index from the data files' headers alone.
+
+    Recovers a checkpoint whose index was lost, and checks that the data
+    files describe themselves. With ``write=True`` the result is written as
+    ``ucp_index.json`` (refused if one exists).
+    """
+    names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    if not names:
+        raise CheckpointFormatError(f"{directory}: no .safetensors data files to rebuild an index from")
+    headers = [read_header(os.path.join(directory, n)) for n in names]
+    files = [FileRecord(n, h.rank, h.size) for n, h in zip(names, headers)]
+    written = [
+        [WrittenEntry(name, m, *h.ranges[name]) for name, m in h.meta.items()] for h in headers
+    ]
+    world = max(h.world_size for h in headers)
+    index = build_index(world, files, written)
+    if write:
+        if os.path.exists(os.path.join(directory, INDEX_FILE)):
+            raise FileExistsError(f"{directory}/{INDEX_FILE} exists; not overwriting it")
+        write_index(directory, index)
+    return index
+
+
+class ChunkLocator:
+    """Finds the bytes of saved chunks, reading data-file headers on demand.
+
+    Explicit index entries carry their location; compact ones name only the
+    file, and the byte range comes from that file's header (read once per
+    file, only for files this rank actually reads from).
+    """
+
+    def __init__(self, directory: str, index: Index) -> None:
+        self.directory = directory
+        self.index = index
+        self.paths = [os.path.join(directory, f.name) for f in index.files]
+        self._headers: dict[int, FileHeader] = {}
+        self._chunk_lists: dict[str, list[ChunkRecord]] = {}
+        self._by_offsets: dict[str, dict[tuple[int, ...], int]] = {}
+        self._lock = threading.Lock()
+
+    def chunks(self, fqn: str) -> list[ChunkRecord]:
+        """The chunk list of tensor ``fqn`` (cached)."""
+        cl = self._chunk_lists.get(fqn)
+        if cl is None:
+            cl = self.index.tensors[fqn].chunk_list()
+            self._chunk_lists[fqn] = cl
+        return cl
+
+    def chunk_index(self, fqn: str, offsets: tuple[int, ...], hint: int | None) -> int:
+        """Position of the chunk of ``fqn`` starting at ``offsets``."""
+        cl = self.chunks(fqn)
+        if hint is not None and 0 <= hint < len(cl) and cl[hint].box.offsets == offsets:
+            return hint
+        m = self._by_offsets.get(fqn)
+        if m is None:
+            m = {c.box.offsets: i for i, c in enumerate(cl)}
+            self._by_offsets[fqn] = m
+        try:
+            return m[offsets]
+        except KeyError:
+            raise CheckpointFormatError(f"tensor {fqn!r} has no saved chunk at offsets {list(offsets)}") from None
+
+    def header(self, file: int) -> FileHeader:
+        """Parsed header of file number ``file``; checks its size against the index."""
+        h = self._headers.get(file)
+        if h is None:
+            with self._lock:
+                h = self._headers.get(file)
+                if h is None:
+                    h = read_header(self.paths[file])
+                    rec = self.index.files[file]
+                    if h.size != rec.size:
+                        raise CheckpointFormatError(
+                            f"{self.paths[file]}: {h.size} bytes on disk but the index recorded {rec.size}: "
+                            "the file was truncated or replaced after the checkpoint was committed"
+                        )
+                    self._headers[file] = h
+        return h
+
+    def locate(self, fqn: str, idx: int) -> Location:
+        """Location of chunk ``idx`` of tensor ``fqn``."""
+        rec = self.index.tensors[fqn]
+        chunk = self.chunks(fqn)[idx]
+        if chunk.location is not None:
+            return chunk.location
+        file = rec.files[idx]
+        h = self.header(file)
+        name = chunk_entry_name(fqn, chunk.box.offsets)
+        try:
+            start, nbytes = h.ranges[name]
+            meta = h.meta[name]
+        except KeyError:
+            raise CheckpointFormatError(
+                f"{self.paths[file]}: the index says it holds chunk {name!r} of {fqn!r}, but it does not"
+            ) from None
+        want = chunk.box.numel * rec.dtype.itemsize
+        if nbytes != want or meta.fqn != fqn:
+            raise CheckpointFormatError(
+                f"{self.paths[file]}: entry {name!r} has {nbytes} bytes, expected {want} for chunk "
+                f"{list(chunk.box.sizes)} of {fqn!r}"
+            )
+        return Location(file, start, nbytes, meta.xxh3)

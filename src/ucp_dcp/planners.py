@@ -1,0 +1,494 @@
+"""DCP planners: what each rank saves, and what each rank reads back.
+
+``UCPSavePlanner`` records every tensor's DTensor layout, encodes non-tensor
+values as tagged JSON (never pickle), checks that values saved once for all
+ranks really are the same on every rank, and spreads the writing of
+replicated chunks across their replicas.
+
+``UCPLoadPlanner`` turns the target state dict (any layout, any world size)
+into reads of exactly the overlapping boxes of the saved chunks, with
+strictness rules on keys, shapes and dtypes, and hands each rank its own
+rank-local values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import warnings
+from collections import defaultdict
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    STORAGE_TYPES,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_write_items
+from torch.distributed.tensor import DTensor
+
+from .format import RANK_LOCAL_PREFIX, Layout, dtype_name
+from .rangeio import tensor_view
+from .sharding import Box, intersect, placement_to_str
+from .values import RankLocal, ReshardFn, decode_value, encode_value
+
+__all__ = ["UCPSavePlanner", "UCPLoadPlanner", "rank_local_key", "CheckpointKeyError"]
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointKeyError(KeyError):
+    """Keys, shapes or dtypes of the state dict do not match the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+def rank_local_key(rank: int, fqn: str) -> str:
+    """Storage key of ``rank``'s copy of rank-local value ``fqn``."""
+    return f"{RANK_LOCAL_PREFIX}{rank}/{fqn}"
+
+
+def _split_rank_local_key(key: str) -> tuple[int, str] | None:
+    if not key.startswith(RANK_LOCAL_PREFIX):
+        return None
+    rank, _, fqn = key[len(RANK_LOCAL_PREFIX) :].partition("/")
+    return int(rank), fqn
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _digest(t: torch.Tensor) -> str:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return xxhash.xxh3_64_hexdigest(tensor_view(t.contiguous()))
+
+
+def _describe(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+
+
+# ====================================================================== save
+
+
+class UCPSavePlanner(DefaultSavePlanner):
+    """Save planner for the universal format.
+
+    Args:
+        divergent_values: what to do when a non-tensor value or a plain
+            (non-DTensor) tensor stored under one key differs between ranks.
+            ``"error"`` (default) refuses the save, naming the key and ranks;
+            ``"rank_local"`` saves each rank's own copy as if it had been
+            wrapped in :class:`~ucp_dcp.RankLocal`. DCP itself would keep one
+            rank's copy and hand it to everyone on load.
+        check_replicated_tensors: hash plain tensors on every rank to detect
+            divergence (costs one pass over them; DTensors are not hashed:
+            their placements say what is replicated).
+    """
+
+    def __init__(self, *, divergent_values: str = "error", check_replicated_tensors: bool = True) -> None:
+        if divergent_values not in ("error", "rank_local"):
+            raise ValueError(f"divergent_values must be 'error' or 'rank_local', got {divergent_values!r}")
+        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True)
+        self.divergent_values = divergent_values
+        self.check_replicated_tensors = check_replicated_tensors
+        self._encoded: dict[str, bytes] = {}
+        self._layouts: dict[str, Layout | None] = {}
+
+    # ------------------------------------------------------------ local
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        """Flatten the state dict (DCP's rules); remember this rank's identity."""
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        self.rank, self.world_size = _rank_and_world()
+        self._encoded.clear()
+        self._layouts.clear()
+
+    def layout_of(self, fqn: str) -> Layout | None:
+        """The layout this rank saves tensor ``fqn`` with (None for non-tensors)."""
+        return self._layouts.get(fqn)
+
+    def encoded_value(self, key: str) -> bytes:
+        """The encoded bytes of value ``key`` (a state-dict key or a rank-local key)."""
+        rl = _split_rank_local_key(key)
+        return self._encoded[rl[1] if rl else key]
+
+    def create_local_plan(self) -> SavePlan:
+        """One write item per local chunk and per value, plus what the coordinator needs."""
+        items: list[WriteItem] = []
+        digests: dict[str, str] = {}
+        layouts: dict[str, Any] = {}
+        rank_local: list[str] = []
+        for fqn, obj in self.state_dict.items():
+            if isinstance(obj, RankLocal):
+                self._encoded[fqn] = encode_value(obj.value, fqn)
+                rank_local.append(fqn)
+                items.append(WriteItem(MetadataIndex(rank_local_key(self.rank, fqn)), WriteItemType.BYTE_IO))
+            elif isinstance(obj, DTensor):
+                try:
+                    layout = Layout(tuple(obj.device_mesh.shape), tuple(placement_to_str(p) for p in obj.placements))
+                except ValueError as e:
+                    raise ValueError(f"tensor {fqn!r}: {e}") from None
+                self._layouts[fqn] = layout
+                layouts[fqn] = layout.to_json()
+                # Empty local shards (uneven FSDP splits) hold no bytes; keep
+                # them only for an empty tensor, so that it is still recorded.
+                items.extend(
+                    i for i in _create_write_items(fqn, obj)
+                    if i.tensor_data.chunk.sizes.numel() or not obj.numel()
+                )
+            elif isinstance(obj, torch.Tensor):
+                self._layouts[fqn] = Layout()
+                layouts[fqn] = Layout().to_json()
+                if self.check_replicated_tensors and self.world_size > 1:
+                    digests[fqn] = _digest(obj)
+                items.extend(_create_write_items(fqn, obj))
+            else:
+                data = encode_value(obj, fqn)
+                self._encoded[fqn] = data
+                digests[fqn] = xxhash.xxh3_64_hexdigest(data)
+                items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
+        plan = SavePlan(
+            items,
+            planner_data={"rank": self.rank, "digests": digests, "layouts": layouts, "rank_local": rank_local},
+        )
+        self.plan = plan
+        return plan
+
+    # ------------------------------------------------------------ global
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """Check cross-rank consistency, pick one writer per chunk, build metadata."""
+        self._check_divergence(all_plans)
+        to_rank_local = self._divergent
+        # chunk key -> ranks holding it, and one representative write item
+        holders: dict[tuple[str, tuple[int, ...]], list[int]] = defaultdict(list)
+        first: dict[tuple[str, tuple[int, ...]], WriteItem] = {}
+        props: dict[str, tuple[TensorProperties, torch.Size, int]] = {}
+        for r, plan in enumerate(all_plans):
+            for item in plan.items:
+                fqn = item.index.fqn
+                if item.type == WriteItemType.BYTE_IO:
+                    continue
+                td = item.tensor_data
+                seen = props.get(fqn)
+                if seen is None:
+                    props[fqn] = (td.properties, td.size, r)
+                elif (seen[0].dtype, seen[1]) != (td.properties.dtype, td.size):
+                    raise ValueError(
+                        f"tensor {fqn!r} is {dtype_name(seen[0].dtype)}{list(seen[1])} on rank {seen[2]} but "
+                        f"{dtype_name(td.properties.dtype)}{list(td.size)} on rank {r}; one key must name one "
+                        "tensor on every rank (pipeline stages: rename stage-local layers to global names)"
+                    )
+                key = (fqn, tuple(td.chunk.offsets))
+                holders[key].append(r)
+                first.setdefault(key, item)
+        # One writer per distinct chunk. The replica is chosen per tensor (the
+        # same replica index for all its chunks) to keep the index compact,
+        # and tensors are placed largest first on the least-loaded replica.
+        load = [0] * len(all_plans)
+        writer: dict[tuple[str, tuple[int, ...]], int] = {}
+        by_tensor: dict[str, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
+        for key in holders:
+            by_tensor[key[0]].append(key)
+        sizes = {
+            fqn: sum((first[k].tensor_storage_size() or 0) for k in keys) for fqn, keys in by_tensor.items()
+        }
+        for fqn in sorted(by_tensor, key=lambda f: (-sizes[f], f)):
+            keys = by_tensor[fqn]
+            reps0 = sorted(holders[keys[0]])
+            k = min(range(len(reps0)), key=lambda i: (load[reps0[i]], i))
+            for key in keys:
+                reps = sorted(holders[key])
+                w = reps[k % len(reps)]
+                writer[key] = w
+                load[w] += first[key].tensor_storage_size() or 0
+        new_plans = []
+        for r, plan in enumerate(all_plans):
+            items = []
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    fqn = item.index.fqn
+                    if fqn in to_rank_local:
+                        item = WriteItem(MetadataIndex(rank_local_key(r, fqn)), WriteItemType.BYTE_IO)
+                    elif _split_rank_local_key(fqn) is None and r != self._value_writer(fqn, all_plans):
+                        continue
+                    items.append(item)
+                elif writer[(item.index.fqn, tuple(item.tensor_data.chunk.offsets))] == r:
+                    items.append(item)
+            new_plans.append(dataclasses.replace(plan, items=items))
+        md: dict[str, STORAGE_TYPES] = {}
+        for fqn, (p, size, _) in props.items():
+            md[fqn] = TensorStorageMetadata(
+                p, size, [first[k].tensor_data.chunk for k in by_tensor[fqn]]
+            )
+        layouts: dict[str, Layout | None] = {}
+        for plan in all_plans:
+            for fqn, lj in plan.planner_data["layouts"].items():
+                lay = Layout(tuple(lj["mesh"]), tuple(lj["placements"]))
+                layouts[fqn] = lay if layouts.get(fqn, lay) == lay else None
+        for plan in all_plans:
+            for fqn in plan.planner_data["digests"]:
+                if fqn not in props:
+                    md[fqn] = BytesStorageMetadata()
+            for fqn in plan.planner_data["rank_local"]:
+                md[fqn] = BytesStorageMetadata()
+        self.metadata = Metadata(
+            state_dict_metadata=md,
+            planner_data={"layouts": layouts, "world_size": len(all_plans)},
+        )
+        return new_plans, self.metadata
+
+    def _value_writer(self, fqn: str, all_plans: list[SavePlan]) -> int:
+        # Values are small: the lowest rank holding one writes it.
+        w = self._value_writers.get(fqn)
+        if w is None:
+            w = min(r for r, p in enumerate(all_plans) if fqn in p.planner_data["digests"])
+            self._value_writers[fqn] = w
+        return w
+
+    def _check_divergence(self, all_plans: list[SavePlan]) -> None:
+        self._value_writers: dict[str, int] = {}
+        per_key: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+        for r, plan in enumerate(all_plans):
+            for fqn, d in plan.planner_data["digests"].items():
+                per_key[fqn][d].append(r)
+        divergent = {fqn: groups for fqn, groups in per_key.items() if len(groups) > 1}
+        tensors = {fqn for plan in all_plans for fqn in plan.planner_data["layouts"]}
+        bad_tensors = sorted(f for f in divergent if f in tensors)
+        if bad_tensors or (divergent and self.divergent_values == "error"):
+            fqn = (bad_tensors or sorted(divergent))[0]
+            groups = sorted(divergent[fqn].values())
+            what = "plain tensor" if fqn in tensors else "non-tensor value"
+            raise ValueError(
+                f"{what} {fqn!r} differs across ranks (ranks {_describe(groups[0])} hold one value, "
+                f"ranks {_describe(groups[1])} another; {len(divergent)} key(s) differ in all). Saving one copy "
+                "would hand every rank the same value on load. Wrap per-rank state in ucp_dcp.RankLocal(...)"
+                + (", or pass UCPSavePlanner(divergent_values='rank_local')" if fqn not in tensors else
+                   ", or make it a DTensor with the placements it really has")
+            )
+        self._divergent = set(divergent)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """Keep the coordinator's plan (the chunks this rank writes)."""
+        self.plan = new_plan
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        """The bytes of a value, or the local tensor of a chunk (detached)."""
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self.encoded_value(write_item.index.fqn))
+        return super().resolve_data(write_item).detach()
+
+
+# ====================================================================== load
+
+
+class UCPLoadPlanner(DefaultLoadPlanner):
+    """Load planner for the universal format: any saved layout into any target.
+
+    Args:
+        allow_partial_load: keys of the state dict that the checkpoint lacks
+            are skipped instead of failing the load.
+        allow_dtype_cast: a tensor saved in another dtype is cast on load
+            instead of failing.
+        rank_local_reshard: ``fn(key, saved_by_rank, rank, world_size)`` that
+            produces a rank-local value when the world size changed (a
+            :class:`~ucp_dcp.RankLocal` in the state dict may carry its own).
+
+    After a load, ``unexpected_keys`` lists checkpoint keys the state dict
+    did not ask for (also logged as a warning on the coordinator).
+    """
+
+    def __init__(
+        self,
+        *,
+        allow_partial_load: bool = False,
+        allow_dtype_cast: bool = False,
+        rank_local_reshard: ReshardFn | None = None,
+    ) -> None:
+        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=allow_partial_load)
+        self.allow_dtype_cast = allow_dtype_cast
+        self.rank_local_reshard = rank_local_reshard
+        self.unexpected_keys: list[str] = []
+        self.missing_keys: list[str] = []
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        """Flatten the target state dict (DCP's rules), keeping RankLocal wrappers."""
+        # DCP's set-up replaces every object it does not know (RankLocal among
+        # them) with None, in the caller's dict; put the wrappers back.
+        wrappers = list(_find_rank_local(state_dict))
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if wrappers:
+            for container, key, w in wrappers:
+                container[key] = w
+            self.state_dict, self.mappings = flatten_state_dict(_flatten_sharded_tensors(state_dict))
+        self.rank, self.world_size = _rank_and_world()
+        self._pending: dict[str, tuple[int, dict[int, Any], ReshardFn]] = {}
+
+    def create_local_plan(self) -> LoadPlan:
+        """Read items for every overlap of a target box with a saved chunk."""
+        md = self.metadata
+        assert md is not None, "set_up_planner was not called with checkpoint metadata"
+        pdata = md.planner_data or {}
+        rank_local: dict[str, list[int]] = pdata.get("rank_local", {})
+        saved_world = pdata.get("world_size")
+        items: list[ReadItem] = []
+        missing: list[str] = []
+        for fqn, obj in self.state_dict.items():
+            if fqn in rank_local:
+                items.extend(self._rank_local_items(fqn, obj, rank_local[fqn], saved_world))
+                continue
+            smd = md.state_dict_metadata.get(fqn)
+            if smd is None:
+                missing.append(fqn)
+                continue
+            if isinstance(obj, torch.Tensor):
+                items.extend(self._tensor_items(fqn, obj, smd))
+            else:
+                if not isinstance(smd, BytesStorageMetadata):
+                    raise CheckpointKeyError(
+                        f"{fqn!r} is a tensor of shape {list(smd.size)} in the checkpoint but a "
+                        f"{type(obj).__name__} in the state dict"
+                    )
+                items.append(_bytes_item(fqn, fqn))
+        self.missing_keys = sorted(missing)
+        if missing and not self.allow_partial_load:
+            raise CheckpointKeyError(
+                f"{len(missing)} key(s) of the state dict are missing from the checkpoint: "
+                f"{_key_list(self.missing_keys)}. Pass UCPLoadPlanner(allow_partial_load=True) to load the rest"
+            )
+        known = set(self.state_dict)
+        self.unexpected_keys = sorted(k for k in md.state_dict_metadata if k not in known)
+        if self.unexpected_keys and self.is_coordinator:
+            warnings.warn(
+                f"{len(self.unexpected_keys)} checkpoint key(s) not in the state dict were not loaded: "
+                f"{_key_list(self.unexpected_keys)}",
+                stacklevel=2,
+            )
+        self.plan = LoadPlan(items)
+        return self.plan
+
+    def _tensor_items(self, fqn: str, obj: torch.Tensor, smd: STORAGE_TYPES) -> list[ReadItem]:
+        if not isinstance(smd, TensorStorageMetadata):
+            raise CheckpointKeyError(f"{fqn!r} is a non-tensor value in the checkpoint but a tensor in the state dict")
+        if tuple(obj.shape) != tuple(smd.size):
+            raise CheckpointKeyError(
+                f"size mismatch for {fqn!r}: the checkpoint has shape {list(smd.size)}, "
+                f"the state dict expects {list(obj.shape)}"
+            )
+        if obj.dtype != smd.properties.dtype and not self.allow_dtype_cast:
+            raise CheckpointKeyError(
+                f"dtype mismatch for {fqn!r}: the checkpoint has {dtype_name(smd.properties.dtype)}, "
+                f"the state dict expects {dtype_name(obj.dtype)}. Pass UCPLoadPlanner(allow_dtype_cast=True) "
+                "to cast on load"
+            )
+        saved = [Box(tuple(c.offsets), tuple(c.sizes)) for c in smd.chunks]
+        items = []
+        for chunk in _create_chunk_list(obj):
+            target = Box(tuple(chunk.offsets), tuple(chunk.sizes))
+            covered = 0
+            for idx, s in enumerate(saved):
+                inter = intersect(target, s)
+                if inter is None:
+                    continue
+                covered += inter.numel
+                items.append(
+                    ReadItem(
+                        type=LoadItemType.TENSOR,
+                        dest_index=MetadataIndex(fqn, target.offsets),
+                        dest_offsets=torch.Size(o - t for o, t in zip(inter.offsets, target.offsets)),
+                        storage_index=MetadataIndex(fqn, s.offsets, idx),
+                        storage_offsets=torch.Size(o - so for o, so in zip(inter.offsets, s.offsets)),
+                        lengths=torch.Size(inter.sizes),
+                    )
+                )
+            if covered != target.numel:
+                raise CheckpointKeyError(
+                    f"{fqn!r}: the saved chunks cover {covered} of the {target.numel} elements this rank needs "
+                    f"(box at {list(target.offsets)} of size {list(target.sizes)}): the checkpoint is incomplete"
+                )
+        return items
+
+    def _rank_local_items(self, fqn: str, obj: Any, saved_ranks: list[int], saved_world: int | None) -> list[ReadItem]:
+        if saved_world == self.world_size and self.rank in saved_ranks:
+            return [_bytes_item(fqn, rank_local_key(self.rank, fqn))]
+        fn = obj.reshard if isinstance(obj, RankLocal) and obj.reshard else self.rank_local_reshard
+        if fn is None:
+            raise CheckpointKeyError(
+                f"rank-local value {fqn!r} was saved by {len(saved_ranks)} rank(s) (world size {saved_world}) "
+                f"but rank {self.rank} of world size {self.world_size} is loading it; another rank's value "
+                "would be wrong here. Pass RankLocal(value, reshard=fn) or "
+                "UCPLoadPlanner(rank_local_reshard=fn) to say how to map it"
+            )
+        self._pending[fqn] = (len(saved_ranks), {}, fn)
+        return [_bytes_item(fqn, rank_local_key(r, fqn)) for r in saved_ranks]
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Decode a JSON value and put it in place (rank-local values too)."""
+        fqn = read_item.dest_index.fqn
+        decoded = decode_value(value.getvalue(), fqn)
+        pending = self._pending.get(fqn)
+        if pending is not None:
+            n, got, fn = pending
+            rl = _split_rank_local_key(read_item.storage_index.fqn)
+            got[rl[0] if rl else 0] = decoded
+            if len(got) < n:
+                return
+            del self._pending[fqn]
+            decoded = fn(fqn, dict(sorted(got.items())), self.rank, self.world_size)
+        target = self.state_dict.get(fqn)
+        if isinstance(target, RankLocal):
+            target.value = decoded  # the wrapper object is shared with the caller's dict
+            return
+        self.state_dict[fqn] = decoded
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], decoded)
+
+
+def _find_rank_local(obj: Any) -> Iterator[tuple[Any, Any, RankLocal]]:
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        if isinstance(v, RankLocal):
+            yield obj, k, v
+        else:
+            yield from _find_rank_local(v)
+
+
+def _bytes_item(dest_fqn: str, storage_fqn: str) -> ReadItem:
+    return ReadItem(
+        type=LoadItemType.BYTE_IO,
+        dest_index=MetadataIndex(dest_fqn),
+        dest_offsets=torch.Size([0]),
+        storage_index=MetadataIndex(storage_fqn),
+        storage_offsets=torch.Size([0]),
+        lengths=torch.Size([0]),
+    )
+
+
+def _key_list(keys: list[str], limit: int = 20) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return f"[{shown}{', ...' if len(keys) > limit else ''}]"

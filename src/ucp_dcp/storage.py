@@ -1,0 +1,452 @@
+"""DCP storage layer: each rank writes one safetensors file; reads are exact byte ranges.
+
+``UCPStorageWriter`` lays out the rank's file (aligned, self-describing),
+hashes every entry while writing it, and the coordinator commits the save by
+writing the JSON index last. ``UCPStorageReader`` serves DCP's read items
+with offset reads straight into the destination tensors (through a bounded
+staging buffer only for casts and non-CPU destinations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from .format import (
+    ALIGN,
+    INDEX_FILE,
+    CheckpointFormatError,
+    EntryMeta,
+    FileRecord,
+    Index,
+    Location,
+    PlannedEntry,
+    chunk_entry_name,
+    data_file_name,
+    dtype_name,
+    layout_file,
+    rank_local_entry_name,
+    st_dtype,
+    value_entry_name,
+)
+from .index import ChunkLocator, WrittenEntry, build_index, load_index, write_index
+from .planners import UCPLoadPlanner, UCPSavePlanner, _split_rank_local_key
+from .rangeio import RangeReader, Segment, storage_view, tensor_view
+from .sharding import Box, runs, slabs
+
+__all__ = ["UCPStorageWriter", "UCPStorageReader"]
+
+_PLACEHOLDER = "0" * 16  # an xxh3-64 hex digest has a fixed width
+_MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class _WriteRecord:
+    """What one rank reports to the coordinator per entry (WriteResult.storage_data)."""
+
+    file: str
+    file_size: int
+    entry: WrittenEntry
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+# ====================================================================== writer
+
+
+class UCPStorageWriter(StorageWriter):
+    """Writes a universal checkpoint into directory ``path``.
+
+    Args:
+        path: checkpoint directory (created if needed).
+        overwrite: allow saving into a directory that already holds a
+            committed checkpoint. The old checkpoint stays loadable until the
+            new index replaces it; its data files are removed after that.
+        sync_files: fsync data files and the index before the save returns.
+        align: byte alignment of tensor data in the data files.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        sync_files: bool = True,
+        align: int = ALIGN,
+    ) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.overwrite = overwrite
+        self.sync_files = sync_files
+        self.align = align
+        self.save_id = ""
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint directory."""
+        return self.path
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new save, optionally into another directory."""
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = ""
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Remember whether this rank commits the checkpoint, and its rank."""
+        self.is_coordinator = is_coordinator
+        rank = kwargs.get("rank")
+        self.rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
+
+    def storage_meta(self) -> StorageMeta | None:
+        """Tell DCP where this checkpoint goes."""
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id or None)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Nothing to add per rank."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: check the target directory and name every rank's file."""
+        index = os.path.join(self.path, INDEX_FILE)
+        if os.path.exists(index) and not self.overwrite:
+            raise FileExistsError(
+                f"{self.path} already holds a committed checkpoint ({INDEX_FILE}); refusing to replace it. "
+                "Save into a new directory, or pass UCPStorageWriter(path, overwrite=True)"
+            )
+        os.makedirs(self.path, exist_ok=True)
+        save_id = uuid.uuid4().hex[:8]
+        return [
+            dataclasses.replace(p, storage_data={"file": data_file_name(r, save_id), "world_size": len(plans)})
+            for r, p in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's file: layout, data (hashed as written), header, fsync."""
+        if not isinstance(planner, UCPSavePlanner):
+            raise TypeError(
+                "UCPStorageWriter needs planner=UCPSavePlanner(): other planners pickle non-tensor values"
+            )
+        fut: Future[list[WriteResult]] = Future()
+        if not plan.items:
+            fut.set_result([])
+            return fut
+        name = plan.storage_data["file"]
+        world = plan.storage_data["world_size"]
+        entries: list[PlannedEntry] = []
+        values: dict[int, bytes] = {}
+        for i, item in enumerate(plan.items):
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item).getvalue()
+                values[i] = data
+                rl = _split_rank_local_key(fqn)
+                kind, key = ("rank_local", rl[1]) if rl else ("value", fqn)
+                ename = rank_local_entry_name(key) if rl else value_entry_name(key)
+                meta = EntryMeta(kind, key, "uint8", (len(data),), (), (), xxhash.xxh3_64_hexdigest(data))
+                entries.append(PlannedEntry(ename, "U8", (len(data),), len(data), meta))
+            else:
+                td = item.tensor_data
+                dtype = td.properties.dtype
+                sizes = tuple(td.chunk.sizes)
+                nbytes = td.chunk.sizes.numel() * dtype.itemsize
+                st = st_dtype(dtype)
+                meta = EntryMeta(
+                    "tensor", fqn, dtype_name(dtype), tuple(td.size), tuple(td.chunk.offsets), sizes,
+                    _PLACEHOLDER, planner.layout_of(fqn),
+                )
+                shape = sizes if st else (nbytes,)
+                entries.append(PlannedEntry(chunk_entry_name(fqn, td.chunk.offsets), st or "U8", shape, nbytes, meta))
+        header, starts, size = layout_file(entries, self.rank, world, self.align)
+        path = os.path.join(self.path, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, size)  # padding stays a hole: reads as zeros, costs no writes
+            for i, (item, entry, start) in enumerate(zip(plan.items, entries, starts)):
+                if i in values:
+                    _write_all(fd, memoryview(values[i]), start)
+                    continue
+                t = planner.resolve_data(item)
+                if t.device.type != "cpu":
+                    t = t.cpu()
+                view = tensor_view(t.contiguous())
+                entries[i] = dataclasses.replace(
+                    entry, meta=dataclasses.replace(entry.meta, xxh3=xxhash.xxh3_64_hexdigest(view))
+                )
+                _write_all(fd, view, start)
+                del t, view
+            final, _, _ = layout_file(entries, self.rank, world, self.align)
+            if len(final) != len(header):  # cannot happen: checksums are fixed-width
+                raise AssertionError(f"{path}: header length changed while writing")
+            _write_all(fd, memoryview(final), 0)
+            if self.sync_files:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        fut.set_result(
+            [
+                WriteResult(item.index, e.nbytes, _WriteRecord(name, size, WrittenEntry(e.name, e.meta, s, e.nbytes)))
+                for item, e, s in zip(plan.items, entries, starts)
+            ]
+        )
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: build and commit the index, then drop files of older saves."""
+        files: list[FileRecord] = []
+        written: list[list[WrittenEntry]] = []
+        for rank, res in enumerate(results):
+            if not res:
+                continue
+            rec: _WriteRecord = res[0].storage_data
+            files.append(FileRecord(rec.file, rank, rec.file_size))
+            written.append([r.storage_data.entry for r in res])
+        pdata = metadata.planner_data or {}
+        index = build_index(pdata.get("world_size", len(results)), files, written, pdata.get("layouts"))
+        write_index(self.path, index)
+        keep = {f.name for f in files}
+        for name in os.listdir(self.path):
+            # Only our own data files: never delete anything else a user keeps here.
+            if name.startswith("rank") and name.endswith(".safetensors") and name not in keep:
+                os.remove(os.path.join(self.path, name))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Any local path can receive a checkpoint."""
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+# ====================================================================== reader
+
+
+class UCPStorageReader(StorageReader):
+    """Reads a universal checkpoint from directory ``path``.
+
+    Args:
+        path: checkpoint directory.
+        io_threads: threads issuing reads in parallel.
+        max_buffer_bytes: bound on staging memory (used for dtype casts and
+            non-CPU destinations; CPU tensors are filled in place).
+        gap_bytes: neighbouring byte ranges closer than this are read with
+            one call. The default, one page less a byte, never pulls in a
+            page that holds no needed byte.
+        max_request_bytes: largest single read, so big tensors are read by
+            several threads at once.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        io_threads: int = 4,
+        max_buffer_bytes: int = 64 * _MiB,
+        gap_bytes: int | None = None,
+        max_request_bytes: int = 16 * _MiB,
+    ) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.io_threads = io_threads
+        self.max_buffer_bytes = max(max_buffer_bytes, _MiB)
+        self.gap_bytes = (os.sysconf("SC_PAGE_SIZE") - 1) if gap_bytes is None else gap_bytes
+        self.max_request_bytes = max_request_bytes
+        self.index: Index | None = None
+        self.bytes_requested = 0
+        self.read_calls = 0
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint directory."""
+        return self.path
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new load, optionally from another directory."""
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self.index = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Parse the JSON index into DCP's metadata (no unpickling)."""
+        self.index = index = load_index(self.path)
+        self._locator = ChunkLocator(self.path, index)
+        md: dict[str, Any] = {}
+        for fqn, t in index.tensors.items():
+            chunks = [
+                ChunkStorageMetadata(torch.Size(c.box.offsets), torch.Size(c.box.sizes))
+                for c in self._locator.chunks(fqn)
+            ]
+            md[fqn] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape), chunks)
+        for fqn in [*index.values, *index.rank_local]:
+            md[fqn] = BytesStorageMetadata()
+        return Metadata(
+            state_dict_metadata=md,
+            planner_data={
+                "world_size": index.world_size,
+                "rank_local": {k: sorted(v) for k, v in index.rank_local.items()},
+            },
+            storage_meta=StorageMeta(checkpoint_id=self.path),
+        )
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Make sure the index is loaded (DCP may hand us metadata read elsewhere)."""
+        if self.index is None:
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Nothing to add per rank."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Nothing to coordinate: every rank reads its own byte ranges."""
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every item of ``plan`` into the tensors ``planner`` resolves."""
+        assert self.index is not None
+        loc = self._locator
+        reader = RangeReader(
+            loc.paths, threads=self.io_threads, gap_bytes=self.gap_bytes, max_request_bytes=self.max_request_bytes
+        )
+        try:
+            segments: list[Segment] = []
+            pending: list[tuple[ReadItem, torch.Tensor]] = []
+            staged: list[tuple[ReadItem, torch.Tensor, Location, Box, torch.dtype]] = []
+            value_items: list[ReadItem] = []
+            for ri in plan.items:
+                if ri.type == LoadItemType.BYTE_IO:
+                    value_items.append(ri)
+                    continue
+                fqn = ri.storage_index.fqn
+                src_dtype = self.index.tensors[fqn].dtype
+                idx = loc.chunk_index(fqn, tuple(ri.storage_index.offset), ri.storage_index.index)
+                location = loc.locate(fqn, idx)
+                chunk = loc.chunks(fqn)[idx].box
+                dest = planner.resolve_tensor(ri)
+                if dest.device.type != "cpu" or dest.dtype != src_dtype:
+                    staged.append((ri, dest, location, chunk, src_dtype))
+                    continue
+                region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
+                segments.extend(_segments(location, chunk.sizes, region, dest, storage_view(dest)))
+                pending.append((ri, dest))
+                if len(segments) >= 65536:  # bound the bookkeeping, not just the data
+                    self._flush(reader, segments, pending, planner)
+            self._flush(reader, segments, pending, planner)
+            for ri, dest, location, chunk, src_dtype in staged:
+                self._read_staged(reader, ri, dest, location, chunk, src_dtype, planner)
+            if value_items and not isinstance(planner, UCPLoadPlanner):
+                raise TypeError("UCPStorageReader needs planner=UCPLoadPlanner() to decode non-tensor values")
+            for ri in value_items:
+                planner.load_bytes(ri, io.BytesIO(self._read_value(reader, ri.storage_index.fqn)))
+        finally:
+            reader.close()
+            self.bytes_requested += reader.stats.bytes
+            self.read_calls += reader.stats.calls
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @staticmethod
+    def _flush(
+        reader: RangeReader,
+        segments: list[Segment],
+        pending: list[tuple[ReadItem, torch.Tensor]],
+        planner: LoadPlanner,
+    ) -> None:
+        reader.read(segments)
+        for ri, dest in pending:
+            planner.commit_tensor(ri, dest)
+        segments.clear()
+        pending.clear()
+
+    def _read_staged(
+        self,
+        reader: RangeReader,
+        ri: ReadItem,
+        dest: torch.Tensor,
+        location: Location,
+        chunk: Box,
+        src_dtype: torch.dtype,
+        planner: LoadPlanner,
+    ) -> None:
+        # Read slab by slab into a bounded staging buffer in the saved dtype,
+        # then copy (casting, or to the device) into the destination.
+        pin = dest.device.type == "cuda"
+        budget = min(self.max_buffer_bytes, max(ri.lengths.numel() * src_dtype.itemsize, 1))
+        staging = torch.empty(budget, dtype=torch.uint8, pin_memory=pin)
+        view = storage_view(staging)
+        base = tuple(ri.storage_offsets)
+        for offs, sizes in slabs(tuple(ri.lengths), src_dtype.itemsize, budget):
+            n = torch.Size(sizes).numel()
+            buf = staging[: n * src_dtype.itemsize].view(src_dtype).view(sizes)
+            region = Box(tuple(b + o for b, o in zip(base, offs)), sizes)
+            reader.read(list(_segments(location, chunk.sizes, region, buf, view)))
+            target = dest
+            for d, (o, s) in enumerate(zip(offs, sizes)):
+                target = target.narrow(d, o, s)
+            # Blocking: the next slab reuses the staging buffer.
+            target.copy_(buf)
+        planner.commit_tensor(ri, dest)
+
+    def _read_value(self, reader: RangeReader, key: str) -> bytes:
+        assert self.index is not None
+        rl = _split_rank_local_key(key)
+        try:
+            location = self.index.rank_local[rl[1]][rl[0]] if rl else self.index.values[key]
+        except KeyError:
+            raise CheckpointFormatError(f"{self.path}: no saved value for {key!r}") from None
+        buf = bytearray(location.nbytes)
+        reader.read([Segment(location.file, location.start, memoryview(buf))])
+        if xxhash.xxh3_64_hexdigest(buf) != location.xxh3:
+            raise CheckpointFormatError(
+                f"{reader_path(self, location)}: checksum mismatch for value {key!r}: the file is corrupt"
+            )
+        return bytes(buf)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a directory holding a ucp_dcp index."""
+        return os.path.isfile(os.path.join(os.fspath(checkpoint_id), INDEX_FILE))
+
+
+def reader_path(reader: UCPStorageReader, location: Location) -> str:
+    """Path of the file a location points into (for error messages)."""
+    assert reader.index is not None
+    return os.path.join(reader.path, reader.index.files[location.file].name)
+
+
+def _segments(location: Location, chunk_sizes: tuple[int, ...], region: Box, dest: torch.Tensor, view: memoryview):
+    """Segments that read ``region`` of a saved chunk into ``dest`` (same shape as region)."""
+    es = dest.element_size()
+    _, it = runs(chunk_sizes, region, dest.stride(), dest.storage_offset())
+    for r in it:
+        yield Segment(location.file, location.start + r.src * es, view[r.dst * es : (r.dst + r.count) * es])
