@@ -1,0 +1,42 @@
+"""Real multi-process ranks for tests: torch.multiprocessing.spawn + gloo on CPU."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world: int, init_file: str, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks with a gloo group.
+
+    ``fn`` must be a module-level function. An exception on any rank fails
+    the call with that rank's traceback.
+    """
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_entry, args=(world, os.path.join(d, "init"), fn, args), nprocs=world, join=True)
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaNs, -0.0 and all), not numeric equality."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
