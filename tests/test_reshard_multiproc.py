@@ -118,3 +118,21 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_reshard_load(sources: str, world: int, pairs: list[tuple[str, str]]) -> None:
     """Every pair loads bit-exactly into the target layout (dp4 was saved with async_save)."""
     run_ranks(world, _load_targets, sources, pairs)
+
+
+def test_regular_layouts_are_stored_compactly(sources: str) -> None:
+    """FSDP, FSDP+TP (with _StridedShard) and HSDP tensors are indexed by layout, not chunk lists."""
+    from ucp_dcp import load_index
+
+    for layouts in SOURCES.values():
+        for layout in layouts:
+            index = load_index(os.path.join(sources, layout))
+            explicit = sorted(k for k, t in index.tensors.items() if not t.compact)
+            assert not explicit, f"{layout}: stored with explicit chunk lists: {explicit}"
+            # Every file-run list is a handful of arithmetic progressions.
+            assert all(len(t.files) <= 4 for t in index.tensors.values())
+            placements = {p for t in index.tensors.values() for p in t.layout.placements}
+            if layout == "dp2tp2":
+                assert {"SS(0,2)", "S(0)", "S(1)"} <= placements, placements
+            if layout == "hsdp2x2":
+                assert {"R", "S(0)"} <= placements, placements
