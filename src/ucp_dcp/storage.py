@@ -82,10 +82,25 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
+class _Directory:
+    """A checkpoint that is a local directory (``checkpoint_id`` is its path)."""
+
+    path: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint directory."""
+        return self.path
+
+    def _set_path(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+
+
 # ====================================================================== writer
 
 
-class UCPStorageWriter(StorageWriter):
+class UCPStorageWriter(_Directory, StorageWriter):
     """Writes a universal checkpoint into directory ``path``.
 
     Args:
@@ -112,15 +127,9 @@ class UCPStorageWriter(StorageWriter):
         self.align = align
         self.save_id = ""
 
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint directory."""
-        return self.path
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save, optionally into another directory."""
-        if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
+        self._set_path(checkpoint_id)
         self.save_id = ""
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -250,7 +259,7 @@ class UCPStorageWriter(StorageWriter):
 # ====================================================================== reader
 
 
-class UCPStorageReader(StorageReader):
+class UCPStorageReader(_Directory, StorageReader):
     """Reads a universal checkpoint from directory ``path``.
 
     Args:
@@ -284,15 +293,9 @@ class UCPStorageReader(StorageReader):
         self.bytes_requested = 0
         self.read_calls = 0
 
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint directory."""
-        return self.path
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load, optionally from another directory."""
-        if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
+        self._set_path(checkpoint_id)
         self.index = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
