@@ -464,6 +464,7 @@ class FileHeader:
     size: int
     rank: int
     world_size: int
+    save_id: str
     ranges: dict[str, tuple[int, int]]  # entry name -> (start, nbytes), absolute
     shapes: dict[str, tuple[int, ...]]  # entry name -> shape of the stored chunk
     meta: dict[str, EntryMeta]  # entry name -> ucp metadata (pads have none)
@@ -509,6 +510,7 @@ def read_header(path: str, fd: int | None = None) -> FileHeader:
         entries_meta = ucp["entries"]
         rank = int(ucp["rank"])
         world_size = int(ucp["world_size"])
+        save_id = str(ucp["save_id"])
     except (KeyError, TypeError, ValueError, json.JSONDecodeError):
         raise CheckpointFormatError(f"{path}: safetensors file without ucp_dcp metadata") from None
     if ucp.get("version") != FORMAT_VERSION:
@@ -543,7 +545,7 @@ def read_header(path: str, fd: int | None = None) -> FileHeader:
             )
         except (KeyError, TypeError) as e:
             raise CheckpointFormatError(f"{path}: metadata of entry {name!r} is malformed ({e})") from None
-    return FileHeader(path, size, rank, world_size, ranges, shapes, meta)
+    return FileHeader(path, size, rank, world_size, save_id, ranges, shapes, meta)
 
 
 @dataclass
@@ -558,7 +560,7 @@ class PlannedEntry:
 
 
 def layout_file(
-    entries: Iterable[PlannedEntry], rank: int, world_size: int, align: int = ALIGN
+    entries: Iterable[PlannedEntry], rank: int, world_size: int, save_id: str, align: int = ALIGN
 ) -> tuple[bytes, list[int], int]:
     """Lay out a data file: its header bytes and each entry's absolute offset.
 
@@ -597,6 +599,7 @@ def layout_file(
                 "version": FORMAT_VERSION,
                 "rank": rank,
                 "world_size": world_size,
+                "save_id": save_id,
                 "entries": {e.name: e.meta.to_json() for e in entries if e.meta is not None},
             },
             separators=(",", ":"),

@@ -10,6 +10,7 @@ exactly those of the DTensor layout it was saved with.
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import uuid
@@ -179,23 +180,44 @@ def load_index(directory: str) -> Index:
     return Index.from_json(doc, path)
 
 
-def rebuild_index(directory: str, *, write: bool = False) -> Index:
+def rebuild_index(directory: str, *, save_id: str | None = None, write: bool = False) -> Index:
     """Rebuild the index from the data files' headers alone.
 
     Recovers a checkpoint whose index was lost, and checks that the data
-    files describe themselves. With ``write=True`` the result is written as
-    ``ucp_index.json`` (refused if one exists).
+    files describe themselves. A directory can also hold the files of a save
+    that never committed; when files of several saves are present, pick one
+    with ``save_id`` (it is part of every data file name) rather than have
+    them mixed. The result must cover every tensor it names completely. With
+    ``write=True`` it is written as ``ucp_index.json`` (refused if one exists).
     """
     names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
     if not names:
         raise CheckpointFormatError(f"{directory}: no .safetensors data files to rebuild an index from")
-    headers = [read_header(os.path.join(directory, n)) for n in names]
-    files = [FileRecord(n, h.rank, h.size) for n, h in zip(names, headers)]
+    headers = {n: read_header(os.path.join(directory, n)) for n in names}
+    saves: dict[str, list[str]] = defaultdict(list)
+    for n, h in headers.items():
+        saves[h.save_id].append(n)
+    if save_id is None and len(saves) > 1:
+        listing = "; ".join(f"{sid}: {len(ns)} file(s)" for sid, ns in sorted(saves.items()))
+        raise CheckpointFormatError(
+            f"{directory}: holds data files of {len(saves)} different saves ({listing}); "
+            "pass rebuild_index(path, save_id=...) to choose the one to rebuild"
+        )
+    chosen = saves.get(save_id) if save_id is not None else next(iter(saves.values()))
+    if not chosen:
+        raise CheckpointFormatError(f"{directory}: no data files of save {save_id!r}")
+    files = [FileRecord(n, headers[n].rank, headers[n].size) for n in chosen]
     written = [
-        [WrittenEntry(name, m, *h.ranges[name]) for name, m in h.meta.items()] for h in headers
+        [WrittenEntry(name, m, *headers[n].ranges[name]) for name, m in headers[n].meta.items()] for n in chosen
     ]
-    world = max(h.world_size for h in headers)
-    index = build_index(world, files, written)
+    index = build_index(max(headers[n].world_size for n in chosen), files, written)
+    for fqn, t in index.tensors.items():
+        covered = sum(c.box.numel for c in t.chunk_list())
+        if covered != math.prod(t.shape):
+            raise CheckpointFormatError(
+                f"{directory}: the data files of save {headers[chosen[0]].save_id} cover {covered} of the "
+                f"{math.prod(t.shape)} elements of {fqn!r}: a data file is missing"
+            )
     if write:
         if os.path.exists(os.path.join(directory, INDEX_FILE)):
             raise FileExistsError(f"{directory}/{INDEX_FILE} exists; not overwriting it")

@@ -466,7 +466,29 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             return
         self.state_dict[fqn] = decoded
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], decoded)
+            _set_in_place(self.original_state_dict, self.mappings[fqn], decoded)
+
+
+def _set_in_place(root: Any, path: tuple[Any, ...], value: Any) -> None:
+    """Put ``value`` at ``path`` of the caller's nested state dict.
+
+    DCP's flattened paths hold ``str(key)`` for dict keys; where the caller's
+    dict has a non-str key with that spelling (``{0: ...}`` in optimizer-style
+    state), use the caller's key rather than adding a new str one.
+    """
+    cur = root
+    for i, p in enumerate(path):
+        key = p
+        if isinstance(cur, dict) and p not in cur:
+            key = next((k for k in cur if str(k) == str(p)), p)
+        if i == len(path) - 1:
+            cur[key] = value
+            return
+        try:
+            cur = cur[key]
+        except (KeyError, IndexError, TypeError):
+            set_element(root, path, value)  # a missing container: DCP's own rules create it
+            return
 
 
 def _find_rank_local(obj: Any) -> Iterator[tuple[Any, Any, RankLocal]]:

@@ -157,7 +157,9 @@ class UCPStorageWriter(_Directory, StorageWriter):
         os.makedirs(self.path, exist_ok=True)
         save_id = uuid.uuid4().hex[:8]
         return [
-            dataclasses.replace(p, storage_data={"file": data_file_name(r, save_id), "world_size": len(plans)})
+            dataclasses.replace(
+                p, storage_data={"file": data_file_name(r, save_id), "world_size": len(plans), "save_id": save_id}
+            )
             for r, p in enumerate(plans)
         ]
 
@@ -173,6 +175,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
             return fut
         name = plan.storage_data["file"]
         world = plan.storage_data["world_size"]
+        save_id = plan.storage_data["save_id"]
         entries: list[PlannedEntry] = []
         values: dict[int, bytes] = {}
         for i, item in enumerate(plan.items):
@@ -197,7 +200,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
                 )
                 shape = sizes if st else (nbytes,)
                 entries.append(PlannedEntry(chunk_entry_name(fqn, td.chunk.offsets), st or "U8", shape, nbytes, meta))
-        header, starts, size = layout_file(entries, self.rank, world, self.align)
+        header, starts, size = layout_file(entries, self.rank, world, save_id, self.align)
         path = os.path.join(self.path, name)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -215,7 +218,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
                 )
                 _write_all(fd, view, start)
                 del t, view
-            final, _, _ = layout_file(entries, self.rank, world, self.align)
+            final, _, _ = layout_file(entries, self.rank, world, save_id, self.align)
             if len(final) != len(header):  # cannot happen: checksums are fixed-width
                 raise AssertionError(f"{path}: header length changed while writing")
             _write_all(fd, memoryview(final), 0)

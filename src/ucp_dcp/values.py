@@ -55,8 +55,24 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def _encode(obj: Any, path: str) -> Any:
-    # bool is an int subclass: test it first so True does not become 1.
-    if obj is None or isinstance(obj, (bool, str)):
+    # Subclasses before their bases: numpy.float64 is a float, torch.Size a
+    # tuple, bool an int; each must keep its own type through a round trip.
+    if obj is None:
+        return None
+    np = _numpy()
+    if np is not None:
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject:
+                raise UnsupportedValueError(f"{path}: numpy arrays of Python objects cannot be saved")
+            return {
+                _TAG: "ndarray",
+                "dtype": obj.dtype.str,
+                "shape": list(obj.shape),
+                "data": base64.b64encode(np.ascontiguousarray(obj).tobytes()).decode("ascii"),
+            }
+        if isinstance(obj, np.generic):
+            return {_TAG: "npscalar", "dtype": obj.dtype.str, "v": _encode(obj.item(), path)}
+    if isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
         return int(obj)
@@ -66,14 +82,14 @@ def _encode(obj: Any, path: str) -> Any:
         return {_TAG: "float", "v": repr(obj)}  # 'nan', 'inf', '-inf'
     if isinstance(obj, list):
         return [_encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, torch.Size):
+        return {_TAG: "size", "v": list(obj)}
     if isinstance(obj, tuple):
         return {_TAG: "tuple", "v": [_encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj) and _TAG not in obj:
             return {k: _encode(v, f"{path}.{k}") for k, v in obj.items()}
         return {_TAG: "dict", "v": [[_encode(k, path), _encode(v, f"{path}[{k!r}]")] for k, v in obj.items()]}
-    if isinstance(obj, torch.Size):
-        return {_TAG: "size", "v": list(obj)}
     if isinstance(obj, torch.dtype):
         return {_TAG: "dtype", "v": str(obj).removeprefix("torch.")}
     if isinstance(obj, torch.device):
@@ -92,19 +108,6 @@ def _encode(obj: Any, path: str) -> Any:
         }
     if isinstance(obj, (bytes, bytearray)):
         return {_TAG: "bytes", "v": base64.b64encode(bytes(obj)).decode("ascii")}
-    np = _numpy()
-    if np is not None:
-        if isinstance(obj, np.ndarray):
-            if obj.dtype.hasobject:
-                raise UnsupportedValueError(f"{path}: numpy arrays of Python objects cannot be saved")
-            return {
-                _TAG: "ndarray",
-                "dtype": obj.dtype.str,
-                "shape": list(obj.shape),
-                "data": base64.b64encode(np.ascontiguousarray(obj).tobytes()).decode("ascii"),
-            }
-        if isinstance(obj, np.generic):
-            return {_TAG: "npscalar", "dtype": obj.dtype.str, "v": _encode(obj.item(), path)}
     raise UnsupportedValueError(
         f"{path}: values of type {type(obj).__module__}.{type(obj).__qualname__} cannot be saved "
         "without pickling; convert it to numbers, strings, lists, dicts or tensors "
