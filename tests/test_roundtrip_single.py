@@ -100,6 +100,7 @@ def test_values_round_trip(tmp_path: Path) -> None:
     assert set(index["values"]) >= {"step", "nested.lr", "np_rng", "blob"}
 
 
+@pytest.mark.filterwarnings(r"ignore:7 checkpoint key\(s\) not in the state dict:UserWarning")
 def test_reads_only_needed_bytes(tmp_path: Path) -> None:
     """Loading one tensor of many reads that tensor's bytes plus one header."""
     sd = {f"w{i}": torch.randn(256, 256) for i in range(8)}
