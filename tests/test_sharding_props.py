@@ -165,7 +165,8 @@ def simulate_load(
         covered += inter.numel
         region = Box(tuple(o - so for o, so in zip(inter.offsets, s.offsets)), inter.sizes)
         dview = dest[box_slices(inter, target.offsets)]
-        n, it = runs(s.sizes, region, dview.stride(), dview.storage_offset())
+        grid = runs(s.sizes, region, dview.stride(), dview.storage_offset())
+        n, it = len(grid), iter(grid)
         rl: list[Run] = list(it)
         assert len(rl) == n
         assert len({r.count for r in rl}) <= 1, "every run has the same length"
@@ -306,7 +307,8 @@ def test_transposed_destination_gives_single_element_runs() -> None:
     g = torch.arange(12).reshape(3, 4)
     base = torch.full((4, 3), -1, dtype=torch.int64)
     dest = base.t()
-    n, it = runs((3, 4), Box((0, 0), (3, 4)), dest.stride(), dest.storage_offset())
+    grid = runs((3, 4), Box((0, 0), (3, 4)), dest.stride(), dest.storage_offset())
+    n, it = len(grid), iter(grid)
     rl = list(it)
     assert n == 12 and all(r.count == 1 for r in rl)
     buf = g.reshape(-1)
@@ -317,15 +319,18 @@ def test_transposed_destination_gives_single_element_runs() -> None:
 
 def test_whole_chunk_into_contiguous_dest_is_one_run() -> None:
     """Reading a whole saved chunk into a contiguous tensor is one run of all its elements."""
-    n, it = runs((2, 3, 5), Box((0, 0, 0), (2, 3, 5)), row_major_strides((2, 3, 5)), 7)
+    grid = runs((2, 3, 5), Box((0, 0, 0), (2, 3, 5)), row_major_strides((2, 3, 5)), 7)
+    n, it = len(grid), iter(grid)
     assert n == 1 and list(it) == [Run(0, 7, 30)]
 
 
 def test_empty_region_and_scalar() -> None:
     """An empty region yields no run; a 0-d region is one single-element run."""
-    n, it = runs((4, 4), Box((1, 1), (0, 3)), (4, 1), 0)
+    grid = runs((4, 4), Box((1, 1), (0, 3)), (4, 1), 0)
+    n, it = len(grid), iter(grid)
     assert n == 0 and list(it) == []
-    n, it = runs((), Box((), ()), (), 5)
+    grid = runs((), Box((), ()), (), 5)
+    n, it = len(grid), iter(grid)
     assert n == 1 and list(it) == [Run(0, 5, 1)]
 
 

@@ -30,6 +30,7 @@ Nothing on the load path unpickles anything.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -172,9 +173,7 @@ class Layout:
 
     def chunks(self, shape: Sequence[int]) -> list[Box]:
         """The distinct non-empty chunk boxes this layout produces."""
-        if not self.mesh:
-            return [Box((0,) * len(shape), tuple(shape))] if math.prod(shape) else []
-        return layout_chunks(shape, self.mesh, [placement_from_str(p) for p in self.placements])
+        return list(_layout_boxes(self, tuple(shape)))
 
     def to_json(self) -> dict[str, Any]:
         """JSON form."""
@@ -189,6 +188,15 @@ class Layout:
         if len(mesh) != len(pl):
             raise CheckpointFormatError(f"{where}: layout has {len(mesh)} mesh dims but {len(pl)} placements")
         return Layout(tuple(mesh), tuple(pl))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout_boxes(layout: Layout, shape: tuple[int, ...]) -> tuple[Box, ...]:
+    # A parameter and its optimizer moments share layout and shape, and so do
+    # the layers of a model: the expansion is computed once per distinct pair.
+    if not layout.mesh:
+        return (Box((0,) * len(shape), shape),) if math.prod(shape) else ()
+    return tuple(layout_chunks(shape, layout.mesh, [placement_from_str(p) for p in layout.placements]))
 
 
 @dataclass(frozen=True)
@@ -483,6 +491,11 @@ def read_header(path: str, fd: int | None = None) -> FileHeader:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise CheckpointFormatError(f"data file {path} is missing") from None
+        if hasattr(os, "posix_fadvise"):
+            # Without this the header read leaves read-ahead marks in the page
+            # cache, and a later exact read of a marked page makes the kernel
+            # stream in the rest of the file: other ranks' bytes.
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     try:
         size = os.fstat(fd).st_size
         head = os.pread(fd, 8, 0)

@@ -19,11 +19,17 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
+from operator import itemgetter
+from typing import NamedTuple, Sequence
 
 import torch
 
 __all__ = ["Segment", "RangeReader", "ReadStats", "storage_view", "tensor_view"]
+
+_BY_POSITION = itemgetter(0, 1)
+# Requests a thread has announced to the kernel ahead of reading them: the
+# device works on up to this many while the thread waits for the first.
+_PREFETCH_WINDOW = 32
 
 try:
     _IOV_MAX = os.sysconf("SC_IOV_MAX")
@@ -32,9 +38,12 @@ except (ValueError, OSError, AttributeError):
 _IOV_MAX = max(16, min(_IOV_MAX, 1024))
 
 
-@dataclass(frozen=True)
-class Segment:
-    """``len(dest)`` bytes at ``offset`` of file number ``file`` go into ``dest``."""
+class Segment(NamedTuple):
+    """``len(dest)`` bytes at ``offset`` of file number ``file`` go into ``dest``.
+
+    A named tuple rather than a dataclass: strided loads make tens of
+    thousands of them, and tuples are the cheapest record to build.
+    """
 
     file: int
     offset: int
@@ -109,7 +118,8 @@ class RangeReader:
         self._gap = gap_bytes
         self._scratch = memoryview(bytearray(max(gap_bytes, 1)))
         self._max_request = max(max_request_bytes, 1)
-        self._pool = ThreadPoolExecutor(max_workers=max(threads, 1), thread_name_prefix="ucp-read")
+        self._threads = max(threads, 1)
+        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="ucp-read")
         self.stats = ReadStats()
 
     # -------------------------------------------------------------- files
@@ -147,7 +157,7 @@ class RangeReader:
         """Coalesce ``segments`` into calls (exposed for tests)."""
         reqs: list[_Request] = []
         cur: _Request | None = None
-        for s in sorted(segments, key=lambda s: (s.file, s.offset)):
+        for s in sorted(segments, key=_BY_POSITION):
             n = len(s.dest)
             if n == 0:
                 continue
@@ -174,11 +184,30 @@ class RangeReader:
         reqs = self.plan(segments)
         if not reqs:
             return
-        if len(reqs) == 1:
-            self._run(reqs[0])
+        batches = _batches(reqs, self._threads * 4)
+        if len(batches) == 1:
+            self._run_all(batches[0])
             return
-        for fut in [self._pool.submit(self._run, r) for r in reqs]:
+        for fut in [self._pool.submit(self._run_all, b) for b in batches]:
             fut.result()
+
+    def _run_all(self, reqs: Sequence[_Request]) -> None:
+        # One pool task per batch, not per request: strided loads issue tens
+        # of thousands of small reads, and a task per read costs more than it.
+        # Each read is announced (POSIX_FADV_WILLNEED, exactly its bytes) a
+        # window ahead, so a cold read of many small ranges keeps the device
+        # busy instead of waiting on one page at a time.
+        n = len(reqs)
+        for r in reqs[:_PREFETCH_WINDOW]:
+            self._advise(r)
+        for i, r in enumerate(reqs):
+            if i + _PREFETCH_WINDOW < n:
+                self._advise(reqs[i + _PREFETCH_WINDOW])
+            self._run(r)
+
+    def _advise(self, r: _Request) -> None:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd(r.file), r.offset, r.nbytes, os.POSIX_FADV_WILLNEED)
 
     def _run(self, r: _Request) -> None:
         fd = self.fd(r.file)
@@ -199,3 +228,19 @@ class RangeReader:
                     bufs = bufs[1:]
                 bufs = [bufs[0][got:], *bufs[1:]]
         self.stats.add(calls, r.nbytes)
+
+
+def _batches(reqs: list[_Request], n: int) -> list[list[_Request]]:
+    """Split ``reqs`` into at most ``n`` runs of consecutive requests of similar byte totals."""
+    if n <= 1 or len(reqs) <= 1:
+        return [reqs]
+    target = sum(r.nbytes for r in reqs) / n
+    out: list[list[_Request]] = [[]]
+    acc = 0
+    for r in reqs:
+        if acc >= target and len(out) < n:
+            out.append([])
+            acc = 0
+        out[-1].append(r)
+        acc += r.nbytes
+    return out

@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+import numpy as np
+
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Partial, Placement, _StridedShard
@@ -37,6 +39,7 @@ __all__ = [
     "intersect",
     "row_major_strides",
     "Run",
+    "RunGrid",
     "runs",
     "slabs",
 ]
@@ -201,6 +204,27 @@ class Run:
     count: int
 
 
+@dataclass(frozen=True)
+class RunGrid:
+    """All runs of a region: equal length ``count``, start offsets as arrays.
+
+    Strided regions have tens of thousands of runs; numpy arrays of their
+    offsets cost a few bytes each, where per-run Python objects would cost
+    microseconds and hundreds of bytes.
+    """
+
+    count: int
+    src: np.ndarray  # int64 element offsets into the saved chunk
+    dst: np.ndarray  # int64 element offsets into the destination storage
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def __iter__(self) -> Iterator[Run]:
+        for s, d in zip(self.src.tolist(), self.dst.tolist()):
+            yield Run(s, d, self.count)
+
+
 def _contiguous_from(lengths: Sequence[int], strides: Sequence[int]) -> int:
     """Smallest dim ``j`` such that dims ``j..`` of a ``lengths`` region laid
     out with ``strides`` form one contiguous block of memory.
@@ -217,12 +241,15 @@ def _contiguous_from(lengths: Sequence[int], strides: Sequence[int]) -> int:
     return j
 
 
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
 def runs(
     chunk_sizes: Sequence[int],
     region: Box,
     dst_strides: Sequence[int],
     dst_offset: int,
-) -> tuple[int, Iterator[Run]]:
+) -> RunGrid:
     """Split ``region`` (offsets relative to the saved chunk) into runs.
 
     ``chunk_sizes`` is the shape of the saved chunk, stored row-major.
@@ -230,37 +257,27 @@ def runs(
     units of its storage (``tensor.stride()``/``tensor.storage_offset()`` of
     the destination view, whose shape is ``region.sizes``).
 
-    Returns ``(n_runs, iterator)``; every run has the same length. An empty
-    region yields no run.
+    Runs come in row-major order of the region; every run has the same
+    length. An empty region has no run.
     """
     lengths = region.sizes
     ndim = len(lengths)
     if math.prod(lengths) == 0:
-        return 0, iter(())
-    if ndim == 0:
-        return 1, iter((Run(0, dst_offset, 1),))
+        return RunGrid(0, _EMPTY, _EMPTY)
     src_strides = row_major_strides(chunk_sizes)
+    src0 = sum(o * s for o, s in zip(region.offsets, src_strides))
     # The region is contiguous in the chunk from the first dim after which it
     # spans the chunk's full extent; ``_contiguous_from`` with the chunk's own
-    # strides computes exactly that.
-    j_src = _contiguous_from(lengths, src_strides)
-    j_dst = _contiguous_from(lengths, dst_strides)
-    # j == ndim (a transposed destination, say) means single-element runs.
-    j = max(j_src, j_dst)
-    count = math.prod(lengths[j:])
-    src0 = sum(o * s for o, s in zip(region.offsets, src_strides))
-    outer = lengths[:j]
-    n = math.prod(outer)
-
-    def gen() -> Iterator[Run]:
-        for idx in itertools.product(*(range(k) for k in outer)):
-            yield Run(
-                src0 + sum(i * s for i, s in zip(idx, src_strides)),
-                dst_offset + sum(i * s for i, s in zip(idx, dst_strides)),
-                count,
-            )
-
-    return n, gen()
+    # strides computes exactly that. j == ndim (a transposed destination, say)
+    # means single-element runs.
+    j = max(_contiguous_from(lengths, src_strides), _contiguous_from(lengths, dst_strides))
+    src = np.array([src0], dtype=np.int64)
+    dst = np.array([dst_offset], dtype=np.int64)
+    for d in range(j):
+        steps = np.arange(lengths[d], dtype=np.int64)
+        src = (src[:, None] + steps * src_strides[d]).reshape(-1)
+        dst = (dst[:, None] + steps * dst_strides[d]).reshape(-1)
+    return RunGrid(math.prod(lengths[j:]), src, dst)
 
 
 def slabs(

@@ -14,7 +14,7 @@ import io
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -364,7 +364,7 @@ class UCPStorageReader(_Directory, StorageReader):
                 region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
                 segments.extend(_segments(location, chunk.sizes, region, dest, storage_view(dest)))
                 pending.append((ri, dest))
-                if len(segments) >= 65536:  # bound the bookkeeping, not just the data
+                if len(segments) >= 16384:  # bound the bookkeeping memory, not just the data
                     self._flush(reader, segments, pending, planner)
             self._flush(reader, segments, pending, planner)
             for ri, dest, location, chunk, src_dtype in staged:
@@ -450,9 +450,13 @@ def reader_path(reader: UCPStorageReader, location: Location) -> str:
     return os.path.join(reader.path, reader.index.files[location.file].name)
 
 
-def _segments(location: Location, chunk_sizes: tuple[int, ...], region: Box, dest: torch.Tensor, view: memoryview):
+def _segments(
+    location: Location, chunk_sizes: tuple[int, ...], region: Box, dest: torch.Tensor, view: memoryview
+) -> Iterator[Segment]:
     """Segments that read ``region`` of a saved chunk into ``dest`` (same shape as region)."""
     es = dest.element_size()
-    _, it = runs(chunk_sizes, region, dest.stride(), dest.storage_offset())
-    for r in it:
-        yield Segment(location.file, location.start + r.src * es, view[r.dst * es : (r.dst + r.count) * es])
+    grid = runs(chunk_sizes, region, dest.stride(), dest.storage_offset())
+    n = grid.count * es
+    file = location.file
+    for src, dst in zip((grid.src * es + location.start).tolist(), (grid.dst * es).tolist()):
+        yield Segment(file, src, view[dst : dst + n])
