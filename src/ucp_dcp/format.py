@@ -60,6 +60,8 @@ __all__ = [
     "chunk_entry_name",
     "value_entry_name",
     "rank_local_entry_name",
+    "rank_local_key",
+    "split_rank_local_key",
     "data_file_name",
     "st_dtype",
     "read_header",
@@ -125,6 +127,19 @@ def value_entry_name(fqn: str) -> str:
 def rank_local_entry_name(fqn: str) -> str:
     """Data-file entry name of a rank-local value (each rank has its own file)."""
     return RANK_LOCAL_PREFIX + fqn
+
+
+def rank_local_key(rank: int, fqn: str) -> str:
+    """DCP storage key of ``rank``'s copy of rank-local value ``fqn``."""
+    return f"{RANK_LOCAL_PREFIX}{rank}/{fqn}"
+
+
+def split_rank_local_key(key: str) -> tuple[int, str] | None:
+    """``(rank, fqn)`` of a key made by :func:`rank_local_key`, else None."""
+    if not key.startswith(RANK_LOCAL_PREFIX):
+        return None
+    rank, _, fqn = key[len(RANK_LOCAL_PREFIX) :].partition("/")
+    return int(rank), fqn
 
 
 def data_file_name(rank: int, save_id: str) -> str:

@@ -29,7 +29,6 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     STORAGE_TYPES,
@@ -47,12 +46,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_write_items
 from torch.distributed.tensor import DTensor
 
-from .format import RANK_LOCAL_PREFIX, Layout, dtype_name
+from .format import Layout, dtype_name, rank_local_key, split_rank_local_key
 from .rangeio import tensor_view
 from .sharding import Box, intersect, placement_to_str
 from .values import RankLocal, ReshardFn, decode_value, encode_value
 
-__all__ = ["UCPSavePlanner", "UCPLoadPlanner", "rank_local_key", "CheckpointKeyError"]
+__all__ = ["UCPSavePlanner", "UCPLoadPlanner", "CheckpointKeyError"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +61,6 @@ class CheckpointKeyError(KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])
-
-
-def rank_local_key(rank: int, fqn: str) -> str:
-    """Storage key of ``rank``'s copy of rank-local value ``fqn``."""
-    return f"{RANK_LOCAL_PREFIX}{rank}/{fqn}"
-
-
-def _split_rank_local_key(key: str) -> tuple[int, str] | None:
-    if not key.startswith(RANK_LOCAL_PREFIX):
-        return None
-    rank, _, fqn = key[len(RANK_LOCAL_PREFIX) :].partition("/")
-    return int(rank), fqn
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -134,7 +121,7 @@ class UCPSavePlanner(DefaultSavePlanner):
 
     def encoded_value(self, key: str) -> bytes:
         """The encoded bytes of value ``key`` (a state-dict key or a rank-local key)."""
-        rl = _split_rank_local_key(key)
+        rl = split_rank_local_key(key)
         return self._encoded[rl[1] if rl else key]
 
     def create_local_plan(self) -> SavePlan:
@@ -182,8 +169,8 @@ class UCPSavePlanner(DefaultSavePlanner):
     # ------------------------------------------------------------ global
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """Check cross-rank consistency, pick one writer per chunk, build metadata."""
-        self._check_divergence(all_plans)
-        to_rank_local = self._divergent
+        to_rank_local = self._divergent_keys(all_plans)
+        self._value_writers: dict[str, int] = {}
         # chunk key -> ranks holding it, and one representative write item
         holders: dict[tuple[str, tuple[int, ...]], list[int]] = defaultdict(list)
         first: dict[tuple[str, tuple[int, ...]], WriteItem] = {}
@@ -234,7 +221,7 @@ class UCPSavePlanner(DefaultSavePlanner):
                     fqn = item.index.fqn
                     if fqn in to_rank_local:
                         item = WriteItem(MetadataIndex(rank_local_key(r, fqn)), WriteItemType.BYTE_IO)
-                    elif _split_rank_local_key(fqn) is None and r != self._value_writer(fqn, all_plans):
+                    elif split_rank_local_key(fqn) is None and r != self._value_writer(fqn, all_plans):
                         continue
                     items.append(item)
                 elif writer[(item.index.fqn, tuple(item.tensor_data.chunk.offsets))] == r:
@@ -270,8 +257,8 @@ class UCPSavePlanner(DefaultSavePlanner):
             self._value_writers[fqn] = w
         return w
 
-    def _check_divergence(self, all_plans: list[SavePlan]) -> None:
-        self._value_writers: dict[str, int] = {}
+    def _divergent_keys(self, all_plans: list[SavePlan]) -> set[str]:
+        """Keys whose value differs across ranks; raises unless they may become rank-local."""
         per_key: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
         for r, plan in enumerate(all_plans):
             for fqn, d in plan.planner_data["digests"].items():
@@ -290,7 +277,7 @@ class UCPSavePlanner(DefaultSavePlanner):
                 + (", or pass UCPSavePlanner(divergent_values='rank_local')" if fqn not in tensors else
                    ", or make it a DTensor with the placements it really has")
             )
-        self._divergent = set(divergent)
+        return set(divergent)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         """Keep the coordinator's plan (the chunks this rank writes)."""
@@ -454,7 +441,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         pending = self._pending.get(fqn)
         if pending is not None:
             n, got, fn = pending
-            rl = _split_rank_local_key(read_item.storage_index.fqn)
+            rl = split_rank_local_key(read_item.storage_index.fqn)
             got[rl[0] if rl else 0] = decoded
             if len(got) < n:
                 return

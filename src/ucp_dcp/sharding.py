@@ -261,7 +261,6 @@ def runs(
     length. An empty region has no run.
     """
     lengths = region.sizes
-    ndim = len(lengths)
     if math.prod(lengths) == 0:
         return RunGrid(0, _EMPTY, _EMPTY)
     src_strides = row_major_strides(chunk_sizes)

@@ -53,11 +53,12 @@ from .format import (
     dtype_name,
     layout_file,
     rank_local_entry_name,
+    split_rank_local_key,
     st_dtype,
     value_entry_name,
 )
 from .index import ChunkLocator, WrittenEntry, build_index, load_index, write_index
-from .planners import UCPLoadPlanner, UCPSavePlanner, _split_rank_local_key
+from .planners import UCPLoadPlanner, UCPSavePlanner
 from .rangeio import RangeReader, Segment, storage_view, tensor_view
 from .sharding import Box, runs, slabs
 
@@ -183,7 +184,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
             if item.type == WriteItemType.BYTE_IO:
                 data = planner.resolve_data(item).getvalue()
                 values[i] = data
-                rl = _split_rank_local_key(fqn)
+                rl = split_rank_local_key(fqn)
                 kind, key = ("rank_local", rl[1]) if rl else ("value", fqn)
                 ename = rank_local_entry_name(key) if rl else value_entry_name(key)
                 meta = EntryMeta(kind, key, "uint8", (len(data),), (), (), xxhash.xxh3_64_hexdigest(data))
@@ -339,6 +340,8 @@ class UCPStorageReader(_Directory, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` into the tensors ``planner`` resolves."""
         assert self.index is not None
+        if not isinstance(planner, UCPLoadPlanner) and any(ri.type == LoadItemType.BYTE_IO for ri in plan.items):
+            raise TypeError("UCPStorageReader needs planner=UCPLoadPlanner() to decode non-tensor values")
         loc = self._locator
         reader = RangeReader(
             loc.paths, threads=self.io_threads, gap_bytes=self.gap_bytes, max_request_bytes=self.max_request_bytes
@@ -369,8 +372,6 @@ class UCPStorageReader(_Directory, StorageReader):
             self._flush(reader, segments, pending, planner)
             for ri, dest, location, chunk, src_dtype in staged:
                 self._read_staged(reader, ri, dest, location, chunk, src_dtype, planner)
-            if value_items and not isinstance(planner, UCPLoadPlanner):
-                raise TypeError("UCPStorageReader needs planner=UCPLoadPlanner() to decode non-tensor values")
             for ri in value_items:
                 planner.load_bytes(ri, io.BytesIO(self._read_value(reader, ri.storage_index.fqn)))
         finally:
@@ -425,7 +426,7 @@ class UCPStorageReader(_Directory, StorageReader):
 
     def _read_value(self, reader: RangeReader, key: str) -> bytes:
         assert self.index is not None
-        rl = _split_rank_local_key(key)
+        rl = split_rank_local_key(key)
         try:
             location = self.index.rank_local[rl[1]][rl[0]] if rl else self.index.values[key]
         except KeyError:
@@ -434,7 +435,7 @@ class UCPStorageReader(_Directory, StorageReader):
         reader.read([Segment(location.file, location.start, memoryview(buf))])
         if xxhash.xxh3_64_hexdigest(buf) != location.xxh3:
             raise CheckpointFormatError(
-                f"{reader_path(self, location)}: checksum mismatch for value {key!r}: the file is corrupt"
+                f"{os.path.join(self.path, self.index.files[location.file].name)}: checksum mismatch for value {key!r}: the file is corrupt"
             )
         return bytes(buf)
 
@@ -442,12 +443,6 @@ class UCPStorageReader(_Directory, StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether ``checkpoint_id`` is a directory holding a ucp_dcp index."""
         return os.path.isfile(os.path.join(os.fspath(checkpoint_id), INDEX_FILE))
-
-
-def reader_path(reader: UCPStorageReader, location: Location) -> str:
-    """Path of the file a location points into (for error messages)."""
-    assert reader.index is not None
-    return os.path.join(reader.path, reader.index.files[location.file].name)
 
 
 def _segments(
