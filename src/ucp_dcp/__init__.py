@@ -10,7 +10,9 @@ layout and world size, reading only the bytes each rank needs::
     dcp.load(sd, storage_reader=UCPStorageReader(path), planner=UCPLoadPlanner())
 """
 
+from .checkpoint import Checkpoint
 from .format import FORMAT_VERSION, CheckpointFormatError
+from .handoff import ModuleLoadResult, load_into_module, load_state_dict
 from .index import load_index, rebuild_index
 from .planners import CheckpointKeyError, UCPLoadPlanner, UCPSavePlanner
 from .storage import UCPStorageReader, UCPStorageWriter
@@ -22,6 +24,10 @@ __all__ = [
     "UCPStorageWriter",
     "UCPStorageReader",
     "RankLocal",
+    "Checkpoint",
+    "load_state_dict",
+    "load_into_module",
+    "ModuleLoadResult",
     "CheckpointFormatError",
     "CheckpointKeyError",
     "UnsupportedValueError",

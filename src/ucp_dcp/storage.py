@@ -14,7 +14,7 @@ import io
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,8 +59,9 @@ from .format import (
 )
 from .index import ChunkLocator, WrittenEntry, build_index, load_index, write_index
 from .planners import UCPLoadPlanner, UCPSavePlanner
-from .rangeio import RangeReader, Segment, storage_view, tensor_view
-from .sharding import Box, runs, slabs
+from .rangeio import RangeReader, Segment, tensor_view
+from .sharding import Box
+from .transfer import needs_staging, read_staged, segments_into
 
 __all__ = ["UCPStorageWriter", "UCPStorageReader"]
 
@@ -361,11 +362,11 @@ class UCPStorageReader(_Directory, StorageReader):
                 location = loc.locate(fqn, idx)
                 chunk = loc.chunks(fqn)[idx].box
                 dest = planner.resolve_tensor(ri)
-                if dest.device.type != "cpu" or dest.dtype != src_dtype:
+                if needs_staging(dest, src_dtype):
                     staged.append((ri, dest, location, chunk, src_dtype))
                     continue
                 region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
-                segments.extend(_segments(location, chunk.sizes, region, dest, storage_view(dest)))
+                segments.extend(segments_into(location, chunk.sizes, region, dest))
                 pending.append((ri, dest))
                 if len(segments) >= 16384:  # bound the bookkeeping memory, not just the data
                     self._flush(reader, segments, pending, planner)
@@ -405,23 +406,8 @@ class UCPStorageReader(_Directory, StorageReader):
         src_dtype: torch.dtype,
         planner: LoadPlanner,
     ) -> None:
-        # Read slab by slab into a bounded staging buffer in the saved dtype,
-        # then copy (casting, or to the device) into the destination.
-        pin = dest.device.type == "cuda"
-        budget = min(self.max_buffer_bytes, max(ri.lengths.numel() * src_dtype.itemsize, 1))
-        staging = torch.empty(budget, dtype=torch.uint8, pin_memory=pin)
-        view = storage_view(staging)
-        base = tuple(ri.storage_offsets)
-        for offs, sizes in slabs(tuple(ri.lengths), src_dtype.itemsize, budget):
-            n = torch.Size(sizes).numel()
-            buf = staging[: n * src_dtype.itemsize].view(src_dtype).view(sizes)
-            region = Box(tuple(b + o for b, o in zip(base, offs)), sizes)
-            reader.read(list(_segments(location, chunk.sizes, region, buf, view)))
-            target = dest
-            for d, (o, s) in enumerate(zip(offs, sizes)):
-                target = target.narrow(d, o, s)
-            # Blocking: the next slab reuses the staging buffer.
-            target.copy_(buf)
+        region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
+        read_staged(reader, location, chunk.sizes, region, src_dtype, dest, self.max_buffer_bytes)
         planner.commit_tensor(ri, dest)
 
     def _read_value(self, reader: RangeReader, key: str) -> bytes:
@@ -443,15 +429,3 @@ class UCPStorageReader(_Directory, StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether ``checkpoint_id`` is a directory holding a ucp_dcp index."""
         return os.path.isfile(os.path.join(os.fspath(checkpoint_id), INDEX_FILE))
-
-
-def _segments(
-    location: Location, chunk_sizes: tuple[int, ...], region: Box, dest: torch.Tensor, view: memoryview
-) -> Iterator[Segment]:
-    """Segments that read ``region`` of a saved chunk into ``dest`` (same shape as region)."""
-    es = dest.element_size()
-    grid = runs(chunk_sizes, region, dest.stride(), dest.storage_offset())
-    n = grid.count * es
-    file = location.file
-    for src, dst in zip((grid.src * es + location.start).tolist(), (grid.dst * es).tolist()):
-        yield Segment(file, src, view[dst : dst + n])

@@ -1,0 +1,207 @@
+"""A single-process, read-only view of a universal checkpoint.
+
+No process group, no planners: open a checkpoint directory, list what it
+holds, read full tensors (exactly their bytes, one tensor at a time) and
+values, and re-verify every checksum. The hand-off functions, the CLI and
+the Hugging Face export are built on this.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Any, Callable
+
+import torch
+import xxhash
+
+from .format import CheckpointFormatError, Location, TensorRecord, read_header
+from .index import ChunkLocator, load_index
+from .planners import CheckpointKeyError
+from .rangeio import RangeReader, Segment
+from .sharding import Box
+from .transfer import needs_staging, read_staged, segments_into
+from .values import decode_value
+
+__all__ = ["Checkpoint", "ProgressFn"]
+
+ProgressFn = Callable[[int, int], None]
+"""``progress(done, total)``: called as work advances (bytes, or items)."""
+
+_HASH_BLOCK = 16 * 1024 * 1024
+
+
+class Checkpoint:
+    """Open checkpoint directory ``path`` for reading in this process.
+
+    Args:
+        path: the checkpoint directory.
+        io_threads: threads issuing reads.
+        max_buffer_bytes: staging bound for dtype casts and device copies.
+
+    Raises :class:`~ucp_dcp.CheckpointFormatError` when ``path`` is not a
+    readable checkpoint. Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, io_threads: int = 4, max_buffer_bytes: int = 64 << 20) -> None:
+        self.path = os.fspath(path)
+        self.index = load_index(self.path)
+        self.max_buffer_bytes = max(max_buffer_bytes, 1 << 20)
+        self._locator = ChunkLocator(self.path, self.index)
+        self._reader = RangeReader(
+            self._locator.paths, threads=io_threads, gap_bytes=os.sysconf("SC_PAGE_SIZE") - 1
+        )
+
+    # ------------------------------------------------------------ listing
+    def tensor_names(self) -> list[str]:
+        """Names of all tensors, sorted."""
+        return sorted(self.index.tensors)
+
+    def value_names(self) -> list[str]:
+        """Names of all non-tensor values, sorted."""
+        return sorted(self.index.values)
+
+    def rank_local_names(self) -> list[str]:
+        """Names of all rank-local values, sorted."""
+        return sorted(self.index.rank_local)
+
+    def tensor_record(self, name: str) -> TensorRecord:
+        """The index record (dtype, shape, layout) of tensor ``name``."""
+        try:
+            return self.index.tensors[name]
+        except KeyError:
+            raise CheckpointKeyError(_unknown(name, "tensor", self.index.tensors, self.path)) from None
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes requested from storage so far by this object (data-file headers excluded)."""
+        return self._reader.stats.bytes
+
+    # ------------------------------------------------------------ reading
+    def read_tensor(self, name: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
+        """The full tensor ``name``, reading exactly its bytes.
+
+        ``dtype``/``device`` convert on the way (through the bounded staging
+        buffer), so no second full-size copy is made.
+        """
+        rec = self.tensor_record(name)
+        out = torch.empty(rec.shape, dtype=dtype or rec.dtype, device=device)
+        self.read_into(name, out)
+        return out
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Fill existing tensor ``out`` (the full shape; any dtype, device, strides) with ``name``."""
+        rec = self.tensor_record(name)
+        if tuple(out.shape) != rec.shape:
+            raise ValueError(f"size mismatch for {name!r}: the checkpoint has shape {list(rec.shape)}, the target has {list(out.shape)}")
+        staged = needs_staging(out, rec.dtype)
+        segments: list[Segment] = []
+        for box, loc in self.chunks(name):
+            dest = out
+            for d, (o, s) in enumerate(zip(box.offsets, box.sizes)):
+                dest = dest.narrow(d, o, s)
+            whole = Box((0,) * len(box.sizes), box.sizes)
+            if staged:
+                read_staged(self._reader, loc, box.sizes, whole, rec.dtype, dest, self.max_buffer_bytes)
+            else:
+                segments.extend(segments_into(loc, box.sizes, whole, dest))
+        self._reader.read(segments)
+
+    def chunks(self, name: str) -> list[tuple[Box, Location]]:
+        """Every saved chunk of tensor ``name``: its box and where its bytes are."""
+        self.tensor_record(name)
+        return [(c.box, self._locator.locate(name, i)) for i, c in enumerate(self._locator.chunks(name))]
+
+    def read_value(self, name: str) -> Any:
+        """The non-tensor value ``name`` (checksum verified)."""
+        try:
+            loc = self.index.values[name]
+        except KeyError:
+            raise CheckpointKeyError(_unknown(name, "value", self.index.values, self.path)) from None
+        return decode_value(self._read_checked(loc, f"value {name!r}"), name)
+
+    def read_rank_local(self, name: str) -> dict[int, Any]:
+        """Every rank's copy of rank-local value ``name``, by rank."""
+        try:
+            per_rank = self.index.rank_local[name]
+        except KeyError:
+            raise CheckpointKeyError(_unknown(name, "rank-local value", self.index.rank_local, self.path)) from None
+        return {r: decode_value(self._read_checked(loc, f"rank-local value {name!r} of rank {r}"), name)
+                for r, loc in sorted(per_rank.items())}
+
+    def _read_checked(self, loc: Location, what: str) -> bytes:
+        buf = bytearray(loc.nbytes)
+        self._reader.read([Segment(loc.file, loc.start, memoryview(buf))])
+        if loc.xxh3 and xxhash.xxh3_64_hexdigest(buf) != loc.xxh3:
+            raise CheckpointFormatError(f"{self._locator.paths[loc.file]}: checksum mismatch for {what}: the file is corrupt")
+        return bytes(buf)
+
+    # ------------------------------------------------------------ verifying
+    def verify(self, progress: ProgressFn | None = None) -> list[str]:
+        """Re-check every data file, index entry and checksum.
+
+        Returns one line per problem, naming the file and the tensor or value;
+        an empty list means the checkpoint is intact. Reads every byte once,
+        in blocks of 16 MiB.
+        """
+        problems: list[str] = []
+        for i, f in enumerate(self.index.files):
+            try:
+                h = read_header(self._locator.paths[i])
+                if h.size != f.size:
+                    problems.append(f"{f.name}: {h.size} bytes on disk, the index recorded {f.size}")
+            except CheckpointFormatError as e:
+                problems.append(str(e))
+        work: list[tuple[str, Location]] = []
+        for name in self.tensor_names():
+            try:
+                work += [(f"tensor {name!r} chunk at {list(box.offsets)}", loc) for box, loc in self.chunks(name)]
+            except CheckpointFormatError as e:
+                problems.append(str(e))
+        work += [(f"value {k!r}", loc) for k, loc in sorted(self.index.values.items())]
+        work += [(f"rank-local value {k!r} of rank {r}", loc)
+                 for k, per_rank in sorted(self.index.rank_local.items()) for r, loc in sorted(per_rank.items())]
+        total = sum(loc.nbytes for _, loc in work)
+        done = 0
+        buf = bytearray(min(_HASH_BLOCK, max((loc.nbytes for _, loc in work), default=1)))
+        for what, loc in work:
+            path = self._locator.paths[loc.file]
+            try:
+                digest = self._hash(loc, buf)
+            except (OSError, EOFError) as e:
+                problems.append(f"{path}: {what}: cannot read bytes [{loc.start}, {loc.start + loc.nbytes}): {e}")
+                continue
+            if loc.xxh3 and digest != loc.xxh3:
+                problems.append(f"{path}: {what}: checksum mismatch (recorded {loc.xxh3}, data hashes to {digest})")
+            done += loc.nbytes
+            if progress is not None:
+                progress(done, total)
+        return problems
+
+    def _hash(self, loc: Location, buf: bytearray) -> str:
+        h = xxhash.xxh3_64()
+        view = memoryview(buf)
+        pos, end = loc.start, loc.start + loc.nbytes
+        while pos < end:
+            n = min(len(view), end - pos)
+            self._reader.read([Segment(loc.file, pos, view[:n])])
+            h.update(view[:n])
+            pos += n
+        return h.hexdigest()
+
+    # ------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Release files and threads."""
+        self._reader.close()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _unknown(name: str, what: str, known: Any, path: str) -> str:
+    close = difflib.get_close_matches(name, list(known), n=3)
+    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+    return f"{path}: no {what} named {name!r}{hint}"

@@ -1,0 +1,139 @@
+"""Single-process hand-off: load_state_dict, load_into_module, Checkpoint.verify."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from dist_utils import bit_equal, run_ranks
+from layouts import build, full_reference, train_step
+from ucp_dcp import (
+    Checkpoint,
+    CheckpointKeyError,
+    UCPSavePlanner,
+    UCPStorageWriter,
+    load_into_module,
+    load_state_dict,
+)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 512), nn.LayerNorm(512), nn.Linear(512, 256))
+
+
+@pytest.fixture()
+def trained(tmp_path: Path) -> tuple[Path, nn.Module]:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, "step": 1, "ids": torch.arange(5)}, storage_writer=UCPStorageWriter(tmp_path / "ck"),
+             planner=UCPSavePlanner())
+    return tmp_path / "ck", model
+
+
+def test_model_weights_read_only_their_bytes(trained: tuple[Path, nn.Module], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading the weights of a model+AdamW checkpoint reads <= 1.05x the weights' bytes (headers included)."""
+    path, model = trained
+    counted = {"bytes": 0}
+    real_preadv, real_pread = os.preadv, os.pread
+
+    def preadv(fd: int, bufs: Any, off: int) -> int:
+        n = real_preadv(fd, bufs, off)
+        counted["bytes"] += n
+        return n
+
+    def pread(fd: int, n: int, off: int) -> bytes:
+        data = real_pread(fd, n, off)
+        counted["bytes"] += len(data)
+        return data
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "pread", pread)
+    weights = load_state_dict(path, "model.")
+    monkeypatch.undo()
+    want = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    assert set(weights) == {f"model.{k}" for k in model.state_dict()}
+    for k, v in model.state_dict().items():
+        assert bit_equal(weights[f"model.{k}"], v)
+    assert counted["bytes"] <= 1.05 * want, (counted["bytes"], want)
+
+
+def test_selection_and_dtype(trained: tuple[Path, nn.Module]) -> None:
+    """Keys by name, prefix or predicate; dtype casts floating tensors only; unmatched keys are named."""
+    path, model = trained
+    got = load_state_dict(path, ["step", "model.0.bias"], dtype=torch.bfloat16)
+    assert set(got) == {"step", "model.0.bias"} and got["step"] == 1
+    assert bit_equal(got["model.0.bias"], model.state_dict()["0.bias"].to(torch.bfloat16))
+    ids = load_state_dict(path, lambda k: k in ("ids", "model.2.bias"), dtype=torch.bfloat16)
+    assert ids["ids"].dtype == torch.int64 and torch.equal(ids["ids"], torch.arange(5))
+    assert ids["model.2.bias"].dtype == torch.bfloat16
+    with pytest.raises(CheckpointKeyError, match=r"no key matches \['model\.9'\]"):
+        load_state_dict(path, ["model.0.weight", "model.9"])
+
+
+def test_load_into_module_strict_and_cast(trained: tuple[Path, nn.Module]) -> None:
+    """In place, with casts; strictness lists keys; shape mismatches name both shapes."""
+    path, model = trained
+    target = _model().to(torch.bfloat16)
+    ptr = target[0].weight.data_ptr()
+    assert load_into_module(target, path) == ([], [])
+    assert target[0].weight.data_ptr() == ptr  # filled in place
+    for (k, a), b in zip(model.state_dict().items(), target.state_dict().values()):
+        assert bit_equal(a.to(torch.bfloat16), b), k
+    bigger = nn.Sequential(nn.Linear(256, 512), nn.LayerNorm(512), nn.Linear(512, 256), nn.Linear(256, 2))
+    with pytest.raises(CheckpointKeyError, match=r"missing keys \['3\.bias', '3\.weight'\]"):
+        load_into_module(bigger, path)
+    assert load_into_module(bigger, path, strict=False).missing_keys == ["3.bias", "3.weight"]
+    wrong = nn.Sequential(nn.Linear(256, 500), nn.LayerNorm(500), nn.Linear(500, 256))
+    with pytest.raises(CheckpointKeyError, match=r"size mismatch for 'model\.0\.weight': the checkpoint has shape \[512, 256\], the module expects \[500, 256\]"):
+        load_into_module(wrong, path)
+
+
+def test_verify_finds_a_flipped_byte(trained: tuple[Path, nn.Module]) -> None:
+    """verify() is clean on a good checkpoint and names tensor and file after one flipped byte."""
+    path, _ = trained
+    with Checkpoint(path) as ck:
+        assert ck.verify() == []
+        (box, loc), = ck.chunks("model.2.weight")
+        name = ck.index.files[loc.file].name
+    with open(path / name, "r+b") as f:
+        f.seek(loc.start + 1000)
+        b = f.read(1)
+        f.seek(loc.start + 1000)
+        f.write(bytes([b[0] ^ 0x10]))
+    with Checkpoint(path) as ck:
+        problems = ck.verify()
+    assert len(problems) == 1 and "tensor 'model.2.weight'" in problems[0] and name in problems[0], problems
+
+
+def _save_fsdp(rank: int, world: int, path: str) -> None:
+    model, optim = build("dp2")
+    train_step(model, optim, 0)
+    msd, osd = get_state_dict(model, optim)
+    ref = full_reference({"model": msd})
+    dcp.save({"model": msd, "optim": osd}, storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())
+    if rank == 0:
+        torch.save(ref, os.path.join(os.path.dirname(path), "ref.pt"))
+    dist.barrier()
+
+
+@pytest.mark.multiproc
+def test_fsdp_checkpoint_to_one_process(tmp_path: Path) -> None:
+    """An FSDP2 checkpoint from 2 ranks loads as full tensors into one process, bit-exact."""
+    run_ranks(2, _save_fsdp, str(tmp_path / "ck"))
+    ref = torch.load(tmp_path / "ref.pt")
+    got = load_state_dict(tmp_path / "ck", "model")
+    assert set(got) == set(ref)
+    for k in ref:
+        assert bit_equal(got[k], ref[k]), k
