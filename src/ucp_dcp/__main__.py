@@ -1,0 +1,7 @@
+"""``python -m ucp_dcp``: the ``ucp-dcp`` command line."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,453 @@
+"""The ``ucp-dcp`` command line and the inspection/diff functions behind it.
+
+Commands run in-process through ``main([...])``; a few run as real
+subprocesses of the installed entry point and of ``python -m``, to check
+the installed script, exit codes and that errors print one line, no traceback.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ucp_dcp import RankLocal, UCPSavePlanner, UCPStorageWriter
+from ucp_dcp.checkpoint import Checkpoint
+from ucp_dcp.cli import main, parse_size
+from ucp_dcp.format import INDEX_FILE, ChunkRecord, Layout, Location, TensorRecord
+from ucp_dcp.inspection import compare_tensors, describe_sharding, diff_checkpoints, inspect_checkpoint
+from ucp_dcp.progress import ProgressBar, format_bytes
+from ucp_dcp.sharding import Box
+
+
+def _state(**overrides: Any) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    sd: dict[str, Any] = {
+        "model.w": torch.randn(300, 70, generator=g),
+        "model.b": torch.arange(5),
+        "nan_t": torch.tensor([1.0, float("nan"), 3.0]),
+        "step": 7,
+        "optim.param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}],
+        "loader": RankLocal({"pos": 3}),
+    }
+    sd.update(overrides)
+    return {k: v for k, v in sd.items() if v is not None}
+
+
+def _save(path: Path, sd: dict[str, Any]) -> Path:
+    dcp.save(sd, storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())
+    return path
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save(tmp_path_factory.mktemp("good") / "ckpt", _state())
+
+
+@pytest.fixture
+def copy(good: Path, tmp_path: Path) -> Path:
+    """A private copy of the good checkpoint, free to damage."""
+    return Path(shutil.copytree(good, tmp_path / "copy"))
+
+
+def _flip_byte(ckpt: Path, loc: Location, at: int = 0) -> str:
+    """Flip one byte inside ``loc``; return the data file's name."""
+    name = json.loads((ckpt / INDEX_FILE).read_text())["files"][loc.file]["name"]
+    with open(ckpt / name, "r+b") as f:
+        f.seek(loc.start + at)
+        b = f.read(1)
+        f.seek(loc.start + at)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return name
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ucp-dcp: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# ====================================================================== inspect
+
+
+def test_inspect_prints_aligned_table_and_totals(capsys: pytest.CaptureFixture[str], good: Path) -> None:
+    rc, out, err = _run(capsys, "inspect", good)
+    assert rc == 0 and err == ""
+    lines = out.splitlines()
+    assert any(line.split() == ["step", "7", "('step')"] for line in lines)
+    assert any(line.split() == ["world", "size", "1"] for line in lines)
+    header = next(line for line in lines if line.startswith("name "))
+    row = next(line for line in lines if line.startswith("model.w "))
+    assert row.split()[:4] == ["model.w", "float32", "[300,70]", "replicated"]
+    for column in ("dtype", "shape", "sharding"):  # every column starts where its header does
+        start = header.index(column)
+        assert row[start] != " " and row[start - 1] == " ", column
+    assert header.rstrip().endswith("size") and row.endswith(format_bytes(300 * 70 * 4))
+    assert "totals: 3 tensors (" in out and "3 values, 1 rank-local value" in out
+
+
+def test_inspect_json_is_machine_readable(capsys: pytest.CaptureFixture[str], good: Path) -> None:
+    rc, out, _ = _run(capsys, "inspect", good, "--json")
+    assert rc == 0
+    info = json.loads(out)  # stdout holds nothing but the JSON document
+    assert info["format_version"] == 1 and info["world_size"] == 1
+    assert (info["step"], info["step_key"]) == (7, "step")
+    assert info["files"]["count"] == 1 and info["files"]["bytes"] == sum(
+        f.stat().st_size for f in good.glob("*.safetensors"))
+    w = next(t for t in info["tensors"] if t["name"] == "model.w")
+    assert w == {"name": "model.w", "dtype": "float32", "shape": [300, 70], "sharding": "replicated",
+                 "bytes": 300 * 70 * 4}
+    assert info["totals"] == {"tensors": 3, "tensor_bytes": 300 * 70 * 4 + 5 * 8 + 3 * 4, "values": 3,
+                              "rank_local": 1}
+    assert info["values"] == ["optim.param_groups.0.betas", "optim.param_groups.0.lr", "step"]
+    assert info["rank_local"] == ["loader"]
+
+
+def test_step_found_under_a_nested_key_only_without_top_level_step(tmp_path: Path) -> None:
+    nested = _save(tmp_path / "a", {"x": torch.ones(2), "trainer.step": 11, "trainer.sched.step": 3})
+    assert (inspect_checkpoint(nested)["step"], inspect_checkpoint(nested)["step_key"]) == (11, "trainer.step")
+    tensor_step = _save(tmp_path / "b", {"x": torch.ones(2), "step": torch.tensor(5), "trainer.step": 11})
+    assert inspect_checkpoint(tensor_step)["step"] == 5
+    none = inspect_checkpoint(_save(tmp_path / "c", {"x": torch.ones(2)}))
+    assert (none["step"], none["step_key"]) == (None, None)
+
+
+def test_describe_sharding() -> None:
+    mesh = TensorRecord(torch.float32, (8, 4), Layout((2, 2), ("SS(0,2)", "S(0)")), True, [0, 1, 2, 3])
+    assert describe_sharding(mesh) == "mesh [2,2] SS(0,2),S(0)"
+    plain = TensorRecord(torch.float32, (8, 4), Layout(), True, [0])
+    assert describe_sharding(plain) == "replicated"
+    loc = Location(0, 0, 64, "0" * 16)
+    chunks = [ChunkRecord(Box((0, 0), (4, 4)), loc), ChunkRecord(Box((4, 0), (4, 4)), loc)]
+    assert describe_sharding(TensorRecord(torch.float32, (8, 4), None, False, chunks=chunks)) == "explicit 2 chunks"
+
+
+def test_inspect_bad_paths_fail_with_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path, copy: Path) -> None:
+    rc, out, err = _run(capsys, "inspect", tmp_path / "nope")
+    assert rc == 2 and out == ""
+    assert "nope: not a checkpoint" in _one_error_line(err)
+    (tmp_path / "empty").mkdir()
+    rc, _, err = _run(capsys, "inspect", tmp_path / "empty")
+    assert rc == 2 and f"{INDEX_FILE} is missing" in _one_error_line(err)
+    index = copy / INDEX_FILE
+    index.write_bytes(index.read_bytes()[:40])
+    rc, _, err = _run(capsys, "inspect", copy, "--json")
+    assert rc == 2 and "truncated or corrupt index" in _one_error_line(err)
+
+
+# ====================================================================== verify
+
+
+def test_verify_good_checkpoint(capsys: pytest.CaptureFixture[str], good: Path) -> None:
+    rc, out, err = _run(capsys, "verify", good)
+    assert rc == 0 and err == "" and out.startswith(f"OK {good}: 3 tensors, 3 values, 1 rank-local value in 1 file")
+    rc, out, _ = _run(capsys, "verify", good, "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["ok"] is True and doc["problems"] == [] and doc["bytes_verified"] > 300 * 70 * 4
+
+
+def test_verify_names_tensor_and_file_of_a_flipped_byte(capsys: pytest.CaptureFixture[str], copy: Path) -> None:
+    with Checkpoint(copy) as ck:
+        [(_, loc)] = ck.chunks("model.w")
+    file = _flip_byte(copy, loc, at=1234)
+    rc, out, err = _run(capsys, "verify", copy)
+    assert rc == 1
+    [problem] = out.splitlines()
+    assert file in problem and "'model.w'" in problem and "checksum mismatch" in problem
+    assert "verify found 1 problem" in _one_error_line(err)
+    rc, out, _ = _run(capsys, "verify", copy, "--json")
+    doc = json.loads(out)
+    assert rc == 1 and doc["ok"] is False and doc["problems"] == [problem]
+
+
+def test_verify_names_a_damaged_value(capsys: pytest.CaptureFixture[str], copy: Path) -> None:
+    with Checkpoint(copy) as ck:
+        loc = ck.index.values["optim.param_groups.0.betas"]
+    file = _flip_byte(copy, loc, at=3)
+    rc, out, _ = _run(capsys, "verify", copy)
+    assert rc == 1
+    [problem] = out.splitlines()
+    assert file in problem and "value 'optim.param_groups.0.betas'" in problem
+    # inspect needs only the index; diff reads the value and reports the damage in one line
+    assert _run(capsys, "inspect", copy)[0] == 0
+    rc, _, err = _run(capsys, "diff", copy, copy)
+    assert rc == 2 and "checksum mismatch" in _one_error_line(err) and file in err
+
+
+def test_verify_truncated_data_file(capsys: pytest.CaptureFixture[str], copy: Path) -> None:
+    [data] = copy.glob("*.safetensors")
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    rc, out, err = _run(capsys, "verify", copy)
+    assert rc == 1 and out and all(data.name in line for line in out.splitlines())
+    assert "truncated" in out
+    _one_error_line(err)
+
+
+def test_verify_unreadable_index_or_missing_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path, copy: Path) -> None:
+    (copy / INDEX_FILE).write_text('{"format": "ucp_dcp", "vers')
+    rc, out, err = _run(capsys, "verify", copy)
+    assert rc == 1 and INDEX_FILE in out and "truncated or corrupt index" in out
+    _one_error_line(err)
+    rc, out, err = _run(capsys, "verify", tmp_path / "missing")
+    assert rc == 1 and "not a checkpoint" in out
+    _one_error_line(err)
+
+
+# ====================================================================== diff
+
+
+def test_diff_identical_and_different(capsys: pytest.CaptureFixture[str], good: Path, tmp_path: Path) -> None:
+    rc, out, err = _run(capsys, "diff", good, good)
+    assert rc == 0 and err == "" and out.startswith("identical: 3 tensors and 4 values compared")
+    sd = _state()
+    sd["model.w"] = sd["model.w"].clone()
+    sd["model.w"][3, 4] += 0.5
+    other = _save(tmp_path / "other", sd)
+    rc, out, _ = _run(capsys, "diff", good, other)
+    assert rc == 1
+    assert "model.w: max abs diff 0.5, 1 of 21000 elements differ" in out and "1 difference" in out
+    assert _run(capsys, "diff", good, other, "--atol", "0.6")[0] == 0
+    assert _run(capsys, "diff", good, other, "--atol", "0.4")[0] == 1
+    rc, out, _ = _run(capsys, "diff", good, other, "--json", "--atol", "0.6")
+    doc = json.loads(out)
+    assert rc == 0 and doc["identical"] is False and doc["within_atol"] is True
+    assert [t["num_different"] for t in doc["tensors"] if t["name"] == "model.w"] == [1]
+
+
+def test_diff_structure_values_and_nans(good: Path, tmp_path: Path) -> None:
+    sd = _state(**{"model.b": torch.arange(6), "nan_t": torch.tensor([1.0, 2.0, float("nan")]),
+                   "extra": torch.zeros(2), "step": 8, "optim.param_groups": None})
+    sd["model.w"] = sd["model.w"].double()
+    report = diff_checkpoints(good, _save(tmp_path / "b", sd))
+    assert not report.identical and not report.within(1e9)
+    assert report.only_in_a == ["optim.param_groups.0.betas", "optim.param_groups.0.lr"]
+    assert report.only_in_b == ["extra"]
+    assert [(m.name, m.a, m.b) for m in report.shape_mismatches] == [("model.b", "[5]", "[6]")]
+    assert [(m.name, m.a, m.b) for m in report.dtype_mismatches] == [("model.w", "float32", "float64")]
+    by_name = {t.name: t for t in report.tensors}
+    assert by_name["model.w"].identical  # float32 -> float64 is exact
+    nan = by_name["nan_t"]
+    assert (nan.nan_mismatches, nan.num_different, nan.max_abs_diff) == (2, 2, 0.0)
+    assert [(m.name, m.a, m.b) for m in report.value_mismatches] == [("step", "7", "8")]
+    lines = report.differences()
+    assert "nan_t: max abs diff 0, 2 of 3 elements differ, 2 NaN on one side only" in lines
+    kinds = diff_checkpoints(good, _save(tmp_path / "c", _state(step=torch.tensor(7))))
+    assert [(m.name, m.a, m.b) for m in kinds.kind_mismatches] == [("step", "value", "tensor")]
+
+
+def test_compare_tensors_edge_cases() -> None:
+    big = torch.tensor([2**62, 2**62], dtype=torch.int64)
+    assert compare_tensors(big, big + torch.tensor([0, 1])).num_different == 1  # exact, not via float64
+    inf = torch.tensor([float("inf"), -0.0, float("nan")])
+    assert compare_tensors(inf, torch.tensor([float("inf"), 0.0, float("nan")])).identical
+    assert compare_tensors(torch.empty(0, 3), torch.empty(0, 3)).identical
+    c = compare_tensors(torch.tensor([1 + 1j]), torch.tensor([1 + 2j]))
+    assert (c.num_different, c.max_abs_diff) == (1, 1.0)
+    assert compare_tensors(torch.tensor([True, False]), torch.tensor([True, True])).max_abs_diff == 1.0
+
+
+def test_diff_missing_side_and_bad_atol(capsys: pytest.CaptureFixture[str], good: Path, tmp_path: Path) -> None:
+    rc, out, err = _run(capsys, "diff", good, tmp_path / "gone")
+    assert rc == 2 and out == "" and "gone: not a checkpoint" in _one_error_line(err)
+    rc, _, err = _run(capsys, "diff", good, good, "--atol", "-1")
+    assert rc == 2 and "--atol" in _one_error_line(err)
+
+
+# ====================================================================== conversions
+
+
+@pytest.mark.parametrize("argv, module", [
+    (["export-hf", "src", "dst"], "ucp_dcp.hf"),
+    (["import-hf", "src", "dst", "--prefix", "model."], "ucp_dcp.hf"),
+    (["import-dcp", "src", "dst"], "ucp_dcp.distcp"),
+])
+def test_conversion_without_its_module(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                       argv: list[str], module: str) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # makes the import fail as if the file were absent
+    rc, _, err = _run(capsys, *argv)
+    assert rc == 2 and f"{argv[0]} is not available" in _one_error_line(err) and module in err
+
+
+def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **functions: Any) -> None:
+    mod = types.ModuleType(name)
+    for k, v in functions.items():
+        setattr(mod, k, v)
+    monkeypatch.setitem(sys.modules, name, mod)
+
+
+def test_export_hf_passes_parsed_options(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[Any, ...]] = []
+    _fake_module(monkeypatch, "ucp_dcp.hf", export_hf=lambda *a, **kw: calls.append((a, kw)))
+    rc, out, _ = _run(capsys, "export-hf", "S", "D", "--dtype", "bf16", "--max-shard-size", "2GB", "--prefix",
+                      "model.", "--rename", r"^layers\.(\d+)=h.\1", "--rename", "a=b=c", "--config", "cfg.json", "-q")
+    assert rc == 0 and "exported S to D" in out
+    [(args, kw)] = calls
+    assert args == ("S", "D") and callable(kw.pop("progress"))
+    assert kw == {"dtype": torch.bfloat16, "max_shard_size": 2 * 10**9, "prefix": "model.",
+                  "rename": [(r"^layers\.(\d+)", r"h.\1"), ("a", "b=c")], "config": "cfg.json"}
+
+
+@pytest.mark.parametrize("bad, expected", [
+    (["--rename", "no-equals-sign"], "PATTERN=REPL"),
+    (["--rename", "(unclosed=x"], "invalid rename pattern"),
+    (["--dtype", "fp8"], "invalid choice: 'fp8'"),
+    (["--max-shard-size", "0GB"], "at least 1 byte"),
+    (["--max-shard-size", "lots"], "invalid size 'lots'"),
+])
+def test_export_hf_bad_arguments(capsys: pytest.CaptureFixture[str], bad: list[str], expected: str) -> None:
+    rc, _, err = _run(capsys, "export-hf", "S", "D", *bad)
+    line = _one_error_line(err)
+    assert rc == 2 and expected in line and "see 'ucp-dcp export-hf --help'" in line
+
+
+def test_conversion_errors_become_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    from ucp_dcp import CheckpointFormatError
+
+    def fail(*a: Any, **kw: Any) -> None:
+        raise CheckpointFormatError(f"{a[0]}: not a DCP checkpoint\n(no .metadata)")
+
+    _fake_module(monkeypatch, "ucp_dcp.distcp", import_dcp=fail)
+    rc, _, err = _run(capsys, "import-dcp", tmp_path / "x", tmp_path / "y")
+    assert rc == 2 and _one_error_line(err).endswith("x: not a DCP checkpoint; (no .metadata)")
+    _fake_module(monkeypatch, "ucp_dcp.hf")  # the module exists but lacks the function
+    rc, _, err = _run(capsys, "import-hf", "a", "b")
+    assert rc == 2 and "has no function import_hf()" in _one_error_line(err)
+
+
+@pytest.mark.parametrize("argv", [["export-hf"], ["import-hf"], ["import-dcp"]])
+def test_real_conversions_reject_a_missing_source(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                  argv: list[str]) -> None:
+    """Whether or not the conversion modules are installed, a bad source is one line and status 2."""
+    rc, _, err = _run(capsys, *argv, tmp_path / "no-such-source", tmp_path / "out")
+    assert rc == 2
+    _one_error_line(err)
+
+
+def test_hf_round_trip_through_the_cli(capsys: pytest.CaptureFixture[str], good: Path, tmp_path: Path) -> None:
+    """With the real ucp_dcp.hf: export, import back, and diff finds the weights unchanged."""
+    pytest.importorskip("ucp_dcp.hf")
+    hf, back = tmp_path / "hf", tmp_path / "back"
+    rc, out, err = _run(capsys, "export-hf", good, hf, "--max-shard-size", "50KB", "--dtype", "fp32")
+    assert rc == 0 and err == "" and out.strip().endswith(": 3 files")  # two shards and the index
+    rc, _, err = _run(capsys, "import-hf", hf, back)
+    assert rc == 0 and err == ""  # torch's single-process notice is not shown
+    report = diff_checkpoints(good, back)
+    assert sorted(t.name for t in report.tensors if t.identical) == ["model.b", "model.w"]
+    assert report.only_in_b == [] and "model.w" not in report.only_in_a
+
+
+def test_warnings_are_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    _fake_module(monkeypatch, "ucp_dcp.distcp",
+                 import_dcp=lambda *a, **kw: warnings.warn("2 keys skipped:\n a, b", UserWarning, stacklevel=1))
+    rc, out, err = _run(capsys, "import-dcp", "a", "b")
+    assert rc == 0 and err == "ucp-dcp: warning: 2 keys skipped:; a, b\n"
+
+
+def test_unexpected_errors_and_debug(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*a: Any, **kw: Any) -> None:
+        raise RuntimeError("kaput")
+
+    _fake_module(monkeypatch, "ucp_dcp.distcp", import_dcp=boom)
+    rc, _, err = _run(capsys, "import-dcp", "a", "b")
+    assert rc == 2 and "unexpected RuntimeError: kaput (rerun with --debug" in _one_error_line(err)
+    rc, _, err = _run(capsys, "--debug", "import-dcp", "a", "b")
+    assert rc == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("ucp-dcp: error: ")
+
+
+# ====================================================================== parser, progress
+
+
+def test_help_and_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    for cmd in ("inspect", "verify", "diff", "export-hf", "import-hf", "import-dcp"):
+        rc, out, _ = _run(capsys, cmd, "--help")
+        assert rc == 0 and f"usage: ucp-dcp {cmd}" in out and "exit status" in out
+    rc, _, err = _run(capsys)
+    assert rc == 2 and "COMMAND" in _one_error_line(err)
+    rc, _, err = _run(capsys, "frobnicate")
+    assert rc == 2 and "invalid choice: 'frobnicate'" in _one_error_line(err)
+
+
+def test_parse_size() -> None:
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30
+    assert parse_size("500mb") == 500 * 10**6 and parse_size("1.5KB") == 1500 and parse_size("4096") == 4096
+
+
+def test_progress_bar() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar("verifying", stream=stream, enabled=True, width=10, min_interval=0)
+    bar(5, 10)
+    assert stream.getvalue() == "\rverifying [#####.....]  50%  5 B / 10 B"
+    bar(10, 10)
+    assert stream.getvalue().endswith("[##########] 100%  10 B / 10 B\n")
+    bar.close()  # the finished bar already ended its line
+    assert stream.getvalue().count("\n") == 1
+    quiet = io.StringIO()
+    ProgressBar(stream=quiet)(1, 2)  # a StringIO is not a terminal: nothing drawn
+    assert quiet.getvalue() == ""
+    throttled = io.StringIO()
+    slow = ProgressBar(stream=throttled, enabled=True, min_interval=3600)
+    slow(1, 4), slow(2, 4), slow(3, 4)
+    assert throttled.getvalue().count("\r") == 1
+
+
+def test_progress_flag_draws_on_stderr(capsys: pytest.CaptureFixture[str], good: Path) -> None:
+    rc, out, err = _run(capsys, "verify", good, "--progress")
+    assert rc == 0 and out.startswith("OK") and "verifying [" in err and "100%" in err
+    assert _run(capsys, "--progress", "-q", "verify", good)[2] == ""
+
+
+# ====================================================================== subprocesses
+
+
+def _script() -> Path:
+    script = Path(sys.executable).parent / "ucp-dcp"
+    if not script.exists():
+        pytest.skip("the ucp-dcp entry point is not installed (pip install -e .)")
+    return script
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+
+def test_installed_entry_point(copy: Path, tmp_path: Path) -> None:
+    with Checkpoint(copy) as ck:
+        [(_, loc)] = ck.chunks("model.w")
+    file = _flip_byte(copy, loc)
+    p = subprocess.run([_script(), "verify", copy], capture_output=True, text=True, env=_env(), timeout=120)
+    assert p.returncode == 1, p.stderr
+    assert file in p.stdout and "'model.w'" in p.stdout
+    _one_error_line(p.stderr)
+    p = subprocess.run([_script(), "inspect", tmp_path / "nope"], capture_output=True, text=True, env=_env(),
+                       timeout=120)
+    assert p.returncode == 2 and p.stdout == "" and "not a checkpoint" in _one_error_line(p.stderr)
+
+
+def test_python_dash_m(good: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "ucp_dcp.cli", "inspect", "--json", good], capture_output=True,
+                       text=True, env=_env(), timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["step"] == 7
+    p = subprocess.run([sys.executable, "-m", "ucp_dcp", "diff", good, good], capture_output=True, text=True,
+                       env=_env(), timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith("identical"), p.stderr
