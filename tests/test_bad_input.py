@@ -245,13 +245,17 @@ def test_empty_directory(tmp_path: Path) -> None:
 
 
 def test_dcp_default_format_is_recognised(tmp_path: Path) -> None:
-    """A checkpoint written by DCP's default FileSystemWriter is named as such."""
+    """DCP's default format: load_index names it; UCPStorageReader reads it directly, touching nothing."""
     path = tmp_path / "dcp_default"
     dcp.save({"w": torch.ones(3)}, checkpoint_id=str(path))
     assert (path / ".metadata").exists()
     with pytest.raises(CheckpointFormatError, match="DCP's default FileSystemWriter"):
         load_index(str(path))
-    assert_load_fails(path, match=r"DCP \.metadata file: it was saved with DCP's default FileSystemWriter", sd={"w": torch.zeros(3)})
+    before = snapshot(path)
+    sd = {"w": torch.zeros(3)}
+    load(sd, path)
+    assert torch.equal(sd["w"], torch.ones(3))
+    assert snapshot(path) == before
 
 
 def test_not_a_ucp_index(ckpt: tuple[Path, dict[str, Any]]) -> None:

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from . import distcp
 from .format import (
     ALIGN,
     INDEX_FILE,
@@ -277,6 +278,10 @@ class UCPStorageReader(_Directory, StorageReader):
             page that holds no needed byte.
         max_request_bytes: largest single read, so big tensors are read by
             several threads at once.
+        dcp_values: for a checkpoint in DCP's default ``.distcp`` format
+            (read directly, see :mod:`ucp_dcp.distcp`): its non-tensor values
+            are pickles and are refused by default, naming the key;
+            ``"weights_only"`` loads them with ``torch.load(weights_only=True)``.
     """
 
     def __init__(
@@ -287,9 +292,14 @@ class UCPStorageReader(_Directory, StorageReader):
         max_buffer_bytes: int = 64 * _MiB,
         gap_bytes: int | None = None,
         max_request_bytes: int = 16 * _MiB,
+        dcp_values: str | None = None,
     ) -> None:
         super().__init__()
+        if dcp_values not in distcp.DCP_VALUES_MODES:
+            raise ValueError(f"dcp_values must be one of {distcp.DCP_VALUES_MODES}, got {dcp_values!r}")
         self.path = os.fspath(path)
+        self.dcp_values = dcp_values
+        self.dcp: distcp.DCPCheckpoint | None = None  # set when reading DCP's default format
         self.io_threads = io_threads
         self.max_buffer_bytes = max(max_buffer_bytes, _MiB)
         self.gap_bytes = (os.sysconf("SC_PAGE_SIZE") - 1) if gap_bytes is None else gap_bytes
@@ -304,9 +314,19 @@ class UCPStorageReader(_Directory, StorageReader):
         self.index = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """Parse the JSON index into DCP's metadata (no unpickling)."""
-        self.index = index = load_index(self.path)
-        self._locator = ChunkLocator(self.path, index)
+        """Parse the JSON index into DCP's metadata (no unpickling).
+
+        A directory in DCP's default format (``.metadata``, no index) is read
+        through :class:`ucp_dcp.distcp.DCPCheckpoint`: only DCP's metadata is
+        unpickled, with a restricted unpickler.
+        """
+        self.dcp = distcp.DCPCheckpoint(self.path) if distcp.is_dcp_checkpoint(self.path) else None
+        if self.dcp is not None:
+            self.index = index = self.dcp.index
+            self._locator: ChunkLocator = self.dcp.locator()
+        else:
+            self.index = index = load_index(self.path)
+            self._locator = ChunkLocator(self.path, index)
         md: dict[str, Any] = {}
         for fqn, t in index.tensors.items():
             chunks = [
@@ -331,7 +351,9 @@ class UCPStorageReader(_Directory, StorageReader):
             self.read_metadata()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """Nothing to add per rank."""
+        """Nothing to add per rank (DCP's format: refuse values unless opted in; parse the items needed)."""
+        if self.dcp is not None:
+            self.dcp.check_plan(plan, self.dcp_values, self.io_threads)
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -362,6 +384,11 @@ class UCPStorageReader(_Directory, StorageReader):
                 location = loc.locate(fqn, idx)
                 chunk = loc.chunks(fqn)[idx].box
                 dest = planner.resolve_tensor(ri)
+                if getattr(location, "dim_order", None):  # a DCP item stored transposed (distcp.py)
+                    region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
+                    distcp.read_region(reader, location, chunk.sizes, region, src_dtype, dest, self.max_buffer_bytes)
+                    planner.commit_tensor(ri, dest)
+                    continue
                 if needs_staging(dest, src_dtype):
                     staged.append((ri, dest, location, chunk, src_dtype))
                     continue
@@ -412,6 +439,8 @@ class UCPStorageReader(_Directory, StorageReader):
 
     def _read_value(self, reader: RangeReader, key: str) -> bytes:
         assert self.index is not None
+        if self.dcp is not None:  # DCP's default format: a pickle, refused unless opted in
+            return self.dcp.read_value(reader, key, self.dcp_values)
         rl = split_rank_local_key(key)
         try:
             location = self.index.rank_local[rl[1]][rl[0]] if rl else self.index.values[key]
@@ -427,5 +456,7 @@ class UCPStorageReader(_Directory, StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is a directory holding a ucp_dcp index."""
-        return os.path.isfile(os.path.join(os.fspath(checkpoint_id), INDEX_FILE))
+        """Whether ``checkpoint_id`` is a directory holding a ucp_dcp index or DCP's ``.metadata``."""
+        return os.path.isfile(os.path.join(os.fspath(checkpoint_id), INDEX_FILE)) or distcp.is_dcp_checkpoint(
+            checkpoint_id
+        )
