@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import xxhash
@@ -18,15 +18,13 @@ import xxhash
 from .format import CheckpointFormatError, Location, TensorRecord, read_header
 from .index import ChunkLocator, load_index
 from .planners import CheckpointKeyError
+from .progress import ProgressFn
 from .rangeio import RangeReader, Segment
 from .sharding import Box
 from .transfer import needs_staging, read_staged, segments_into
 from .values import decode_value
 
-__all__ = ["Checkpoint", "ProgressFn"]
-
-ProgressFn = Callable[[int, int], None]
-"""``progress(done, total)``: called as work advances (bytes, or items)."""
+__all__ = ["Checkpoint"]
 
 _HASH_BLOCK = 16 * 1024 * 1024
 
@@ -157,7 +155,9 @@ class Checkpoint:
             try:
                 work += [(f"tensor {name!r} chunk at {list(box.offsets)}", loc) for box, loc in self.chunks(name)]
             except CheckpointFormatError as e:
-                problems.append(str(e))
+                # A damaged header fails every tensor in that file: say it once.
+                if str(e) not in problems:
+                    problems.append(str(e))
         work += [(f"value {k!r}", loc) for k, loc in sorted(self.index.values.items())]
         work += [(f"rank-local value {k!r} of rank {r}", loc)
                  for k, per_rank in sorted(self.index.rank_local.items()) for r, loc in sorted(per_rank.items())]
@@ -168,7 +168,10 @@ class Checkpoint:
             path = self._locator.paths[loc.file]
             try:
                 digest = self._hash(loc, buf)
-            except (OSError, EOFError) as e:
+            except EOFError as e:  # its message names the file already
+                problems.append(f"{what}: {e}")
+                continue
+            except OSError as e:
                 problems.append(f"{path}: {what}: cannot read bytes [{loc.start}, {loc.start + loc.nbytes}): {e}")
                 continue
             if loc.xxh3 and digest != loc.xxh3:
