@@ -40,3 +40,23 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0:
         return True
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def count_read_bytes(monkeypatch: Any) -> dict[str, int]:
+    """Count every byte read through os.preadv/os.pread from now on (``["bytes"]``)."""
+    counted = {"bytes": 0}
+    real_preadv, real_pread = os.preadv, os.pread
+
+    def preadv(fd: int, bufs: Any, off: int) -> int:
+        n = real_preadv(fd, bufs, off)
+        counted["bytes"] += n
+        return n
+
+    def pread(fd: int, n: int, off: int) -> bytes:
+        data = real_pread(fd, n, off)
+        counted["bytes"] += len(data)
+        return data
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "pread", pread)
+    return counted

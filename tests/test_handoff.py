@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from dist_utils import bit_equal, run_ranks
+from dist_utils import bit_equal, count_read_bytes, run_ranks
 from layouts import build, full_reference, train_step
 from ucp_dcp import (
     Checkpoint,
@@ -45,21 +45,8 @@ def trained(tmp_path: Path) -> tuple[Path, nn.Module]:
 def test_model_weights_read_only_their_bytes(trained: tuple[Path, nn.Module], monkeypatch: pytest.MonkeyPatch) -> None:
     """Loading the weights of a model+AdamW checkpoint reads <= 1.05x the weights' bytes (headers included)."""
     path, model = trained
-    counted = {"bytes": 0}
-    real_preadv, real_pread = os.preadv, os.pread
+    counted = count_read_bytes(monkeypatch)
 
-    def preadv(fd: int, bufs: Any, off: int) -> int:
-        n = real_preadv(fd, bufs, off)
-        counted["bytes"] += n
-        return n
-
-    def pread(fd: int, n: int, off: int) -> bytes:
-        data = real_pread(fd, n, off)
-        counted["bytes"] += len(data)
-        return data
-
-    monkeypatch.setattr(os, "preadv", preadv)
-    monkeypatch.setattr(os, "pread", pread)
     weights = load_state_dict(path, "model.")
     monkeypatch.undo()
     want = sum(p.numel() * p.element_size() for p in model.state_dict().values())

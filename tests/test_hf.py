@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from dist_utils import bit_equal, run_ranks
+from dist_utils import bit_equal, count_read_bytes, run_ranks
 from ucp_dcp import (
     Checkpoint,
     CheckpointFormatError,
@@ -224,22 +224,9 @@ def test_export_reads_no_optimizer_bytes(trained: Path, tmp_path: Path, monkeypa
             super().__init__(*a, **kw)
             opened.append(self)
 
-    counted = {"bytes": 0}
-    real_preadv, real_pread = os.preadv, os.pread
-
-    def preadv(fd: int, bufs: Any, off: int) -> int:
-        n = real_preadv(fd, bufs, off)
-        counted["bytes"] += n
-        return n
-
-    def pread(fd: int, n: int, off: int) -> bytes:
-        data = real_pread(fd, n, off)
-        counted["bytes"] += len(data)
-        return data
+    counted = count_read_bytes(monkeypatch)
 
     monkeypatch.setattr(hf, "Checkpoint", Recording)
-    monkeypatch.setattr(os, "preadv", preadv)
-    monkeypatch.setattr(os, "pread", pread)
     export_hf(trained / "ckpt", tmp_path / "out", dtype=torch.bfloat16, max_shard_size=200_000)
     monkeypatch.undo()
     assert len(opened) == 1

@@ -46,6 +46,7 @@ import torch
 
 from .checkpoint import Checkpoint
 from .format import INDEX_FILE, CheckpointFormatError, dtype_name, st_dtype
+from .index import fsync_path
 from .planners import CheckpointKeyError, UCPSavePlanner
 from .progress import ProgressFn
 from .rangeio import tensor_view
@@ -222,25 +223,12 @@ def _temp_dir_for(dst: str) -> str:
 
 def _commit_dir(tmp: str, dst: str) -> None:
     """Move finished directory ``tmp`` to ``dst`` (absent or empty) in one rename."""
-    _fsync_path(tmp)
+    fsync_path(tmp)
     try:
         os.rename(tmp, dst)  # replaces an empty directory atomically on POSIX
     except OSError as e:
         raise FileExistsError(f"{dst}: cannot move the finished output into place ({e}); is it still empty?") from None
-    _fsync_path(os.path.dirname(os.path.abspath(dst)))
-
-
-def _fsync_path(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
+    fsync_path(os.path.dirname(os.path.abspath(dst)))
 
 
 def _write_all(f: Any, data: memoryview | bytes) -> None:

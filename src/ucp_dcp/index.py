@@ -34,7 +34,7 @@ from .format import (
 from .sharding import Box
 from .values import dtype_from_name
 
-__all__ = ["WrittenEntry", "build_index", "write_index", "load_index", "rebuild_index", "ChunkLocator"]
+__all__ = ["WrittenEntry", "build_index", "write_index", "fsync_path", "load_index", "rebuild_index", "ChunkLocator"]
 
 
 @dataclass(frozen=True)
@@ -139,10 +139,11 @@ def write_index(directory: str, index: Index) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, final)
-    _fsync_dir(directory)
+    fsync_path(directory)
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_path(directory: str) -> None:
+    """fsync a directory (or file) by path, so a rename in it is durable; best effort."""
     try:
         dfd = os.open(directory, os.O_RDONLY)
     except OSError:
