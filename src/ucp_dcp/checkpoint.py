@@ -21,7 +21,7 @@ from .planners import CheckpointKeyError
 from .progress import ProgressFn
 from .rangeio import RangeReader, Segment
 from .sharding import Box
-from .transfer import needs_staging, read_staged, segments_into
+from .transfer import needs_staging, read_checked, read_staged, segments_into
 from .values import decode_value
 
 __all__ = ["Checkpoint"]
@@ -128,11 +128,7 @@ class Checkpoint:
                 for r, loc in sorted(per_rank.items())}
 
     def _read_checked(self, loc: Location, what: str) -> bytes:
-        buf = bytearray(loc.nbytes)
-        self._reader.read([Segment(loc.file, loc.start, memoryview(buf))])
-        if loc.xxh3 and xxhash.xxh3_64_hexdigest(buf) != loc.xxh3:
-            raise CheckpointFormatError(f"{self._locator.paths[loc.file]}: checksum mismatch for {what}: the file is corrupt")
-        return bytes(buf)
+        return read_checked(self._reader, loc, self._locator.paths[loc.file], what)
 
     # ------------------------------------------------------------ verifying
     def verify(self, progress: ProgressFn | None = None) -> list[str]:

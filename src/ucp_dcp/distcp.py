@@ -54,7 +54,6 @@ import pickle
 import pickletools
 import re
 import struct
-import threading
 import uuid
 import weakref
 import zipfile
@@ -91,7 +90,7 @@ from .format import (
     value_entry_name,
 )
 from .index import ChunkLocator, WrittenEntry, build_index, write_index
-from .rangeio import RangeReader, ReadStats, Segment, storage_view
+from .rangeio import FileHandles, RangeReader, ReadStats, Segment, storage_view
 from .sharding import Box, row_major_strides, slabs
 from .transfer import needs_staging, read_staged, segments_into
 from .values import encode_value
@@ -559,36 +558,6 @@ def read_region(
 # ====================================================================== the checkpoint
 
 
-class _Fds:
-    """Descriptors of a checkpoint's data files, opened on demand (shared by threads)."""
-
-    def __init__(self, paths: list[str]) -> None:
-        self.paths = paths
-        self.fds: dict[int, int] = {}
-        self.lock = threading.Lock()
-
-    def get(self, file: int) -> int:
-        fd = self.fds.get(file)
-        if fd is None:
-            with self.lock:
-                fd = self.fds.get(file)
-                if fd is None:
-                    try:
-                        fd = os.open(self.paths[file], os.O_RDONLY)
-                    except FileNotFoundError:
-                        raise CheckpointFormatError(f"data file {self.paths[file]} is missing") from None
-                    if hasattr(os, "posix_fadvise"):
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                    self.fds[file] = fd
-        return fd
-
-    def close(self) -> None:
-        with self.lock:
-            for fd in self.fds.values():
-                os.close(fd)
-            self.fds.clear()
-
-
 class DCPCheckpoint:
     """A checkpoint in DCP's default format, described as a ucp_dcp :class:`Index`.
 
@@ -682,8 +651,8 @@ class DCPCheckpoint:
         self.index = Index(world, files, tensors, values, {})
         self.parse_stats = ReadStats()
         self._locations: dict[tuple[str, int], Location] = {}
-        self._fds = _Fds(self.paths)
-        weakref.finalize(self, _Fds.close, self._fds)
+        self._fds = FileHandles(self.paths)
+        weakref.finalize(self, FileHandles.close, self._fds)
 
     def close(self) -> None:
         """Close the data files (they are reopened if needed)."""

@@ -24,7 +24,9 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-__all__ = ["Segment", "RangeReader", "ReadStats", "storage_view", "tensor_view"]
+from .format import CheckpointFormatError
+
+__all__ = ["Segment", "FileHandles", "RangeReader", "ReadStats", "storage_view", "tensor_view"]
 
 _BY_POSITION = itemgetter(0, 1)
 # Requests a thread has announced to the kernel ahead of reading them: the
@@ -92,6 +94,43 @@ def tensor_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
+class FileHandles:
+    """Descriptors of a list of files, each opened once on first use; thread-safe.
+
+    Opened with ``POSIX_FADV_RANDOM``: callers request exactly the bytes they
+    need, and read-ahead would only pull in neighbours other ranks own.
+    """
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        self.paths = list(paths)
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def get(self, file: int) -> int:
+        """The descriptor of file number ``file``; a missing file is a format error naming it."""
+        fd = self._fds.get(file)
+        if fd is not None:
+            return fd
+        with self._lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                try:
+                    fd = os.open(self.paths[file], os.O_RDONLY)
+                except FileNotFoundError:
+                    raise CheckpointFormatError(f"data file {self.paths[file]} is missing") from None
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                self._fds[file] = fd
+        return fd
+
+    def close(self) -> None:
+        """Close every descriptor opened so far."""
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
 class RangeReader:
     """Reads byte ranges of a fixed list of files with coalesced ``preadv`` calls.
 
@@ -113,8 +152,7 @@ class RangeReader:
         max_request_bytes: int = 16 * 1024 * 1024,
     ) -> None:
         self._paths = list(paths)
-        self._fds: dict[int, int] = {}
-        self._fd_lock = threading.Lock()
+        self._files = FileHandles(self._paths)
         self._gap = gap_bytes
         self._scratch = memoryview(bytearray(max(gap_bytes, 1)))
         self._max_request = max(max_request_bytes, 1)
@@ -125,26 +163,12 @@ class RangeReader:
     # -------------------------------------------------------------- files
     def fd(self, file: int) -> int:
         """Open (once) and return the descriptor of file number ``file``."""
-        fd = self._fds.get(file)
-        if fd is not None:
-            return fd
-        with self._fd_lock:
-            fd = self._fds.get(file)
-            if fd is None:
-                fd = os.open(self._paths[file], os.O_RDONLY)
-                if hasattr(os, "posix_fadvise"):
-                    # We request exactly the bytes we need; read-ahead would
-                    # only pull in neighbours that belong to other ranks.
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                self._fds[file] = fd
-        return fd
+        return self._files.get(file)
 
     def close(self) -> None:
         """Close every file and stop the thread pool."""
         self._pool.shutdown(wait=True)
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._files.close()
 
     def __enter__(self) -> "RangeReader":
         return self

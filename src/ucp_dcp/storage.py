@@ -62,7 +62,7 @@ from .index import ChunkLocator, WrittenEntry, build_index, load_index, write_in
 from .planners import UCPLoadPlanner, UCPSavePlanner
 from .rangeio import RangeReader, Segment, tensor_view
 from .sharding import Box
-from .transfer import needs_staging, read_staged, segments_into
+from .transfer import needs_staging, read_checked, read_staged, segments_into
 
 __all__ = ["UCPStorageWriter", "UCPStorageReader"]
 
@@ -446,13 +446,8 @@ class UCPStorageReader(_Directory, StorageReader):
             location = self.index.rank_local[rl[1]][rl[0]] if rl else self.index.values[key]
         except KeyError:
             raise CheckpointFormatError(f"{self.path}: no saved value for {key!r}") from None
-        buf = bytearray(location.nbytes)
-        reader.read([Segment(location.file, location.start, memoryview(buf))])
-        if xxhash.xxh3_64_hexdigest(buf) != location.xxh3:
-            raise CheckpointFormatError(
-                f"{os.path.join(self.path, self.index.files[location.file].name)}: checksum mismatch for value {key!r}: the file is corrupt"
-            )
-        return bytes(buf)
+        path = os.path.join(self.path, self.index.files[location.file].name)
+        return read_checked(reader, location, path, f"value {key!r}")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

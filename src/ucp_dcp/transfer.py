@@ -12,12 +12,13 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
+import xxhash
 
-from .format import Location
+from .format import CheckpointFormatError, Location
 from .rangeio import RangeReader, Segment, storage_view
 from .sharding import Box, runs, slabs
 
-__all__ = ["needs_staging", "segments_into", "read_staged"]
+__all__ = ["needs_staging", "segments_into", "read_staged", "read_checked"]
 
 
 def needs_staging(dest: torch.Tensor, src_dtype: torch.dtype) -> bool:
@@ -75,3 +76,16 @@ def read_staged(
             target = target.narrow(d, o, s)
         # Blocking: the next slab reuses the staging buffer.
         target.copy_(buf)
+
+
+def read_checked(reader: RangeReader, location: Location, path: str, what: str) -> bytes:
+    """The bytes at ``location`` (in file ``path``), checked against its checksum.
+
+    A location with no checksum (an imported DCP checkpoint) is not checked.
+    ``what`` names the entry in the error.
+    """
+    buf = bytearray(location.nbytes)
+    reader.read([Segment(location.file, location.start, memoryview(buf))])
+    if location.xxh3 and xxhash.xxh3_64_hexdigest(buf) != location.xxh3:
+        raise CheckpointFormatError(f"{path}: checksum mismatch for {what}: the file is corrupt")
+    return bytes(buf)
