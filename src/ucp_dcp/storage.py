@@ -168,14 +168,71 @@ class UCPStorageWriter(_Directory, StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's file: layout, data (hashed as written), header, fsync."""
+        fut: Future[list[WriteResult]] = Future()
+        layout = self._lay_out(plan, planner)
+        if layout is None:
+            fut.set_result([])
+            return fut
+        name, world, save_id, entries, values, header, starts, size = layout
+        path = os.path.join(self.path, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, size)  # padding stays a hole: reads as zeros, costs no writes
+            for i, (item, entry, start) in enumerate(zip(plan.items, entries, starts)):
+                if i in values:
+                    _write_all(fd, memoryview(values[i]), start)
+                    continue
+                t = planner.resolve_data(item)
+                if t.device.type != "cpu":
+                    t = t.cpu()
+                view = tensor_view(t.contiguous())
+                entries[i] = dataclasses.replace(
+                    entry, meta=dataclasses.replace(entry.meta, xxh3=xxhash.xxh3_64_hexdigest(view))
+                )
+                _write_all(fd, view, start)
+                del t, view
+            final, _, _ = layout_file(entries, self.rank, world, save_id, self.align)
+            if len(final) != len(header):  # cannot happen: checksums are fixed-width
+                raise AssertionError(f"{path}: header length changed while writing")
+            _write_all(fd, memoryview(final), 0)
+            if self.sync_files:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        fut.set_result(self._results(plan, name, size, entries, starts))
+        return fut
+
+    def planned_results(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        """What :meth:`write_data` would report for ``plan``, without writing anything.
+
+        Checksums are placeholders. The scale simulator (``benchmarks/``)
+        uses this to build the index of thousands of virtual ranks.
+        """
+        layout = self._lay_out(plan, planner)
+        if layout is None:
+            return []
+        name, _, _, entries, _, _, starts, size = layout
+        return self._results(plan, name, size, entries, starts)
+
+    @staticmethod
+    def _results(
+        plan: SavePlan, name: str, size: int, entries: list[PlannedEntry], starts: list[int]
+    ) -> list[WriteResult]:
+        return [
+            WriteResult(item.index, e.nbytes, _WriteRecord(name, size, WrittenEntry(e.name, e.meta, s, e.nbytes)))
+            for item, e, s in zip(plan.items, entries, starts)
+        ]
+
+    def _lay_out(
+        self, plan: SavePlan, planner: SavePlanner
+    ) -> tuple[str, int, str, list[PlannedEntry], dict[int, bytes], bytes, list[int], int] | None:
+        """This rank's file name, entries, encoded values, header, entry offsets and size."""
         if not isinstance(planner, UCPSavePlanner):
             raise TypeError(
                 "UCPStorageWriter needs planner=UCPSavePlanner(): other planners pickle non-tensor values"
             )
-        fut: Future[list[WriteResult]] = Future()
         if not plan.items:
-            fut.set_result([])
-            return fut
+            return None
         name = plan.storage_data["file"]
         world = plan.storage_data["world_size"]
         save_id = plan.storage_data["save_id"]
@@ -204,38 +261,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
                 shape = sizes if st else (nbytes,)
                 entries.append(PlannedEntry(chunk_entry_name(fqn, td.chunk.offsets), st or "U8", shape, nbytes, meta))
         header, starts, size = layout_file(entries, self.rank, world, save_id, self.align)
-        path = os.path.join(self.path, name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(fd, size)  # padding stays a hole: reads as zeros, costs no writes
-            for i, (item, entry, start) in enumerate(zip(plan.items, entries, starts)):
-                if i in values:
-                    _write_all(fd, memoryview(values[i]), start)
-                    continue
-                t = planner.resolve_data(item)
-                if t.device.type != "cpu":
-                    t = t.cpu()
-                view = tensor_view(t.contiguous())
-                entries[i] = dataclasses.replace(
-                    entry, meta=dataclasses.replace(entry.meta, xxh3=xxhash.xxh3_64_hexdigest(view))
-                )
-                _write_all(fd, view, start)
-                del t, view
-            final, _, _ = layout_file(entries, self.rank, world, save_id, self.align)
-            if len(final) != len(header):  # cannot happen: checksums are fixed-width
-                raise AssertionError(f"{path}: header length changed while writing")
-            _write_all(fd, memoryview(final), 0)
-            if self.sync_files:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        fut.set_result(
-            [
-                WriteResult(item.index, e.nbytes, _WriteRecord(name, size, WrittenEntry(e.name, e.meta, s, e.nbytes)))
-                for item, e, s in zip(plan.items, entries, starts)
-            ]
-        )
-        return fut
+        return name, world, save_id, entries, values, header, starts, size
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: build and commit the index, then drop files of older saves."""
