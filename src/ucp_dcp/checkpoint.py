@@ -21,7 +21,7 @@ from .planners import CheckpointKeyError
 from .progress import ProgressFn
 from .rangeio import RangeReader, Segment
 from .sharding import Box
-from .transfer import needs_staging, read_checked, read_staged, segments_into
+from .transfer import StagingBuffers, needs_staging, read_checked, read_staged, segments_into
 from .values import decode_value
 
 __all__ = ["Checkpoint"]
@@ -94,15 +94,20 @@ class Checkpoint:
             raise ValueError(f"size mismatch for {name!r}: the checkpoint has shape {list(rec.shape)}, the target has {list(out.shape)}")
         staged = needs_staging(out, rec.dtype)
         segments: list[Segment] = []
-        for box, loc in self.chunks(name):
-            dest = out
-            for d, (o, s) in enumerate(zip(box.offsets, box.sizes)):
-                dest = dest.narrow(d, o, s)
-            whole = Box((0,) * len(box.sizes), box.sizes)
-            if staged:
-                read_staged(self._reader, loc, box.sizes, whole, rec.dtype, dest, self.max_buffer_bytes)
-            else:
-                segments.extend(segments_into(loc, box.sizes, whole, dest))
+        chunks = self.chunks(name)
+        # One staging buffer for all chunks (pinned and double-buffered for a
+        # CUDA target); leaving the block waits for the last device copy.
+        largest = max((box.numel * rec.dtype.itemsize for box, _ in chunks), default=0) if staged else 0
+        with StagingBuffers(self.max_buffer_bytes, largest_bytes=largest) as staging:
+            for box, loc in chunks:
+                dest = out
+                for d, (o, s) in enumerate(zip(box.offsets, box.sizes)):
+                    dest = dest.narrow(d, o, s)
+                whole = Box((0,) * len(box.sizes), box.sizes)
+                if staged:
+                    read_staged(self._reader, loc, box.sizes, whole, rec.dtype, dest, buffers=staging)
+                else:
+                    segments.extend(segments_into(loc, box.sizes, whole, dest))
         self._reader.read(segments)
 
     def chunks(self, name: str) -> list[tuple[Box, Location]]:

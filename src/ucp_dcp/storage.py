@@ -62,7 +62,7 @@ from .index import ChunkLocator, WrittenEntry, build_index, load_index, write_in
 from .planners import UCPLoadPlanner, UCPSavePlanner
 from .rangeio import RangeReader, Segment, tensor_view
 from .sharding import Box
-from .transfer import needs_staging, read_checked, read_staged, segments_into
+from .transfer import StagingBuffers, needs_staging, read_checked, read_staged, segments_into
 
 __all__ = ["UCPStorageWriter", "UCPStorageReader"]
 
@@ -424,8 +424,12 @@ class UCPStorageReader(_Directory, StorageReader):
                 if len(segments) >= 16384:  # bound the bookkeeping memory, not just the data
                     self._flush(reader, segments, pending, planner)
             self._flush(reader, segments, pending, planner)
-            for ri, dest, location, chunk, src_dtype in staged:
-                self._read_staged(reader, ri, dest, location, chunk, src_dtype, planner)
+            # One staging buffer for all staged items (pinned, double-buffered
+            # for CUDA targets); close() waits for the last device copies.
+            largest = max((torch.Size(ri.lengths).numel() * sd.itemsize for ri, *_, sd in staged), default=0)
+            with StagingBuffers(self.max_buffer_bytes, largest_bytes=largest) as staging:
+                for ri, dest, location, chunk, src_dtype in staged:
+                    self._read_staged(reader, ri, dest, location, chunk, src_dtype, planner, staging)
             for ri in value_items:
                 planner.load_bytes(ri, io.BytesIO(self._read_value(reader, ri.storage_index.fqn)))
         finally:
@@ -458,9 +462,12 @@ class UCPStorageReader(_Directory, StorageReader):
         chunk: Box,
         src_dtype: torch.dtype,
         planner: LoadPlanner,
+        staging: StagingBuffers | None = None,
     ) -> None:
         region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
-        read_staged(reader, location, chunk.sizes, region, src_dtype, dest, self.max_buffer_bytes)
+        read_staged(reader, location, chunk.sizes, region, src_dtype, dest, self.max_buffer_bytes, buffers=staging)
+        # A CUDA dest may still be receiving (on its current stream, which
+        # orders any device work commit_tensor does after the copies).
         planner.commit_tensor(ri, dest)
 
     def _read_value(self, reader: RangeReader, key: str) -> bytes:
