@@ -40,7 +40,9 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from .sharding import Box, layout_chunks, placement_from_str
+import numpy as np
+
+from .sharding import Box, Grid, layout_grid, placement_from_str
 from .values import dtype_from_name
 
 __all__ = [
@@ -67,6 +69,7 @@ __all__ = [
     "read_header",
     "encode_runs",
     "decode_runs",
+    "RunList",
 ]
 
 FORMAT_NAME = "ucp_dcp"
@@ -187,8 +190,12 @@ class Layout:
     placements: tuple[str, ...] = ()
 
     def chunks(self, shape: Sequence[int]) -> list[Box]:
-        """The distinct non-empty chunk boxes this layout produces."""
-        return list(_layout_boxes(self, tuple(shape)))
+        """The distinct non-empty chunk boxes this layout produces (O(chunks))."""
+        return self.grid(shape).boxes()
+
+    def grid(self, shape: Sequence[int]) -> Grid:
+        """The chunk grid of a tensor of ``shape`` saved with this layout (cached)."""
+        return _layout_grid(self, tuple(shape))
 
     def to_json(self) -> dict[str, Any]:
         """JSON form."""
@@ -206,12 +213,12 @@ class Layout:
 
 
 @functools.lru_cache(maxsize=4096)
-def _layout_boxes(layout: Layout, shape: tuple[int, ...]) -> tuple[Box, ...]:
+def _layout_grid(layout: Layout, shape: tuple[int, ...]) -> Grid:
     # A parameter and its optimizer moments share layout and shape, and so do
-    # the layers of a model: the expansion is computed once per distinct pair.
+    # the layers of a model: the grid is computed once per distinct pair.
     if not layout.mesh:
-        return (Box((0,) * len(shape), shape),) if math.prod(shape) else ()
-    return tuple(layout_chunks(shape, layout.mesh, [placement_from_str(p) for p in layout.placements]))
+        return Grid.from_boxes([Box((0,) * len(shape), shape)] if math.prod(shape) else [], shape)  # type: ignore[return-value]
+    return layout_grid(shape, layout.mesh, [placement_from_str(p) for p in layout.placements])
 
 
 @dataclass(frozen=True)
@@ -230,7 +237,7 @@ class TensorRecord:
     shape: tuple[int, ...]
     layout: Layout | None  # the layout it was saved with (None: irregular / unknown)
     compact: bool  # chunks derive from ``layout``; ``files`` says which file holds each
-    files: list[int] = field(default_factory=list)  # compact only: file index per chunk
+    files: Sequence[int] = field(default_factory=list)  # compact only: file index per chunk (often a RunList)
     chunks: list[ChunkRecord] = field(default_factory=list)  # explicit only
 
     def chunk_list(self) -> list[ChunkRecord]:
@@ -239,6 +246,19 @@ class TensorRecord:
             return self.chunks
         assert self.layout is not None
         return [ChunkRecord(b, None) for b in self.layout.chunks(self.shape)]
+
+    def grid(self) -> Grid | None:
+        """The chunk grid (chunk ``k`` is ``chunk_list()[k]``), or None when
+        the chunks do not form one (an irregular explicit list)."""
+        if self.compact:
+            assert self.layout is not None
+            return self.layout.grid(self.shape)
+        g = self.__dict__.get("_grid", False)
+        if g is False:
+            boxes = [c.box for c in self.chunks]
+            g = Grid.from_boxes(boxes, self.shape) if all(b.numel for b in boxes) else None
+            self.__dict__["_grid"] = g
+        return g
 
 
 @dataclass(frozen=True)
@@ -272,7 +292,7 @@ class Index:
                 "layout": t.layout.to_json() if t.layout else None,
             }
             if t.compact:
-                d["files"] = encode_runs(t.files)
+                d["files"] = t.files.runs if isinstance(t.files, RunList) else encode_runs(t.files)
             else:
                 d["chunks"] = [
                     {"offsets": list(c.box.offsets), "sizes": list(c.box.sizes), **c.location.to_json()}
@@ -333,8 +353,11 @@ class Index:
                 if layout is None:
                     raise CheckpointFormatError(f"{w}: compact chunk list without a layout")
                 file_ids = decode_runs(t["files"], w)
-                n = len(layout.chunks(shape))
-                if len(file_ids) != n or any(not 0 <= f < len(files) for f in file_ids):
+                try:
+                    n = layout.grid(shape).n_chunks
+                except ValueError as e:
+                    raise CheckpointFormatError(f"{w}: {e}") from None
+                if len(file_ids) != n or (n and not (0 <= file_ids.min() and file_ids.max() < len(files))):
                     raise CheckpointFormatError(
                         f"{w}: compact chunk list names {len(file_ids)} files for {n} chunks, "
                         f"or a file outside 0..{len(files) - 1}"
@@ -419,36 +442,87 @@ def _int_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
 
 
-def encode_runs(xs: Sequence[int]) -> list[list[int]]:
+def encode_runs(xs: Sequence[int] | np.ndarray) -> list[list[int]]:
     """Run-length encode integers as ``[start, count, step]`` progressions.
 
     The file holding chunk ``i`` of a regular layout is usually an arithmetic
     progression (FSDP: chunk i in rank i's file), so this stays a few numbers
-    whatever the world size.
+    whatever the world size. Linear in ``len(xs)`` (vectorised), whatever the
+    number of runs.
     """
+    a = np.asarray(xs, dtype=np.int64).reshape(-1)
+    n = len(a)
+    if n == 0:
+        return []
+    d = np.diff(a)
+    # The step is constant between consecutive change points of the diffs.
+    change = np.flatnonzero(d[1:] != d[:-1]) + 1
     out: list[list[int]] = []
     i = 0
-    while i < len(xs):
-        if i + 1 < len(xs):
-            step = xs[i + 1] - xs[i]
-            j = i + 1
-            while j + 1 < len(xs) and xs[j + 1] - xs[j] == step:
-                j += 1
-            out.append([xs[i], j - i + 1, step])
-            i = j + 1
-        else:
-            out.append([xs[i], 1, 0])
-            i += 1
+    while i < n:
+        if i + 1 == n:
+            out.append([int(a[i]), 1, 0])
+            break
+        k = int(np.searchsorted(change, i, side="right"))
+        j = int(change[k]) if k < len(change) else n - 1  # d[i..j-1] all equal d[i]
+        out.append([int(a[i]), j - i + 1, int(d[i])])
+        i = j + 1
     return out
 
 
-def decode_runs(runs: Any, where: str) -> list[int]:
-    """Inverse of :func:`encode_runs`."""
+def decode_runs(runs: Any, where: str) -> "RunList":
+    """Inverse of :func:`encode_runs`, as a lazy :class:`RunList`."""
     if not isinstance(runs, list) or not all(
-        isinstance(r, list) and len(r) == 3 and all(isinstance(x, int) for x in r) and r[1] >= 0 for r in runs
+        isinstance(r, list) and len(r) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+        and r[1] >= 0 for r in runs
     ):
         raise CheckpointFormatError(f"{where}: malformed file runs {runs!r}")
-    return [start + k * step for start, count, step in runs for k in range(count)]
+    return RunList(runs)
+
+
+class RunList(Sequence[int]):
+    """A read-only integer sequence stored as ``[start, count, step]`` runs.
+
+    A compact index names the file of every chunk; at 16384 ranks x 700
+    tensors expanding those lists would cost millions of Python integers on
+    every rank, so they stay runs and are indexed by binary search.
+    """
+
+    __slots__ = ("runs", "_ends")
+
+    def __init__(self, runs: list[list[int]]) -> None:
+        self.runs = runs
+        self._ends = np.cumsum([r[1] for r in runs], dtype=np.int64) if runs else np.zeros(0, np.int64)
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def __getitem__(self, i: int) -> int:  # type: ignore[override]
+        n = len(self)
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(n))]  # type: ignore[return-value]
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"run list index {i} out of range ({n})")
+        r = int(np.searchsorted(self._ends, i, side="right"))
+        start, count, step = self.runs[r]
+        return start + (i - (int(self._ends[r]) - count)) * step
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        for start, count, step in self.runs:
+            yield from range(start, start + count * step, step) if step else (start for _ in range(count))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and list(self) == list(other)
+
+    def min(self) -> int:
+        """Smallest element (the ends of each run bound it)."""
+        return min(min(s, s + (c - 1) * st) for s, c, st in self.runs if c)
+
+    def max(self) -> int:
+        """Largest element."""
+        return max(max(s, s + (c - 1) * st) for s, c, st in self.runs if c)
 
 
 # ---------------------------------------------------------------- data-file headers

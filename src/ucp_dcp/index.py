@@ -31,7 +31,7 @@ from .format import (
     chunk_entry_name,
     read_header,
 )
-from .sharding import Box
+from .sharding import Box, Grid
 from .values import dtype_from_name
 
 __all__ = ["WrittenEntry", "build_index", "write_index", "fsync_path", "load_index", "rebuild_index", "ChunkLocator"]
@@ -113,12 +113,18 @@ def _compact(
     if layout is None or n_written != len(chunks):
         return None
     try:
-        boxes = layout.chunks(shape)
+        grid = layout.grid(shape)
     except ValueError:
         return None
-    if len(boxes) != len(chunks) or any(b not in chunks for b in boxes):
+    if grid.n_chunks != len(chunks):
         return None
-    return [chunks[b][0] for b in boxes]
+    files = []
+    for k in range(grid.n_chunks):
+        hit = chunks.get(grid.box(k))
+        if hit is None:
+            return None
+        files.append(hit[0])
+    return files
 
 
 def write_index(directory: str, index: Index) -> None:
@@ -244,26 +250,40 @@ class ChunkLocator:
         self._lock = threading.Lock()
 
     def chunks(self, fqn: str) -> list[ChunkRecord]:
-        """The chunk list of tensor ``fqn`` (cached)."""
+        """The chunk list of tensor ``fqn`` (cached; O(chunks): for tools, not planners)."""
         cl = self._chunk_lists.get(fqn)
         if cl is None:
             cl = self.index.tensors[fqn].chunk_list()
             self._chunk_lists[fqn] = cl
         return cl
 
+    def grid(self, fqn: str) -> Grid | None:
+        """The chunk grid of tensor ``fqn`` (None for an irregular chunk list)."""
+        return self.index.tensors[fqn].grid()
+
+    def box(self, fqn: str, idx: int) -> Box:
+        """The box of chunk ``idx`` of tensor ``fqn``."""
+        rec = self.index.tensors[fqn]
+        return rec.grid().box(idx) if rec.compact else rec.chunks[idx].box  # type: ignore[union-attr]
+
     def chunk_index(self, fqn: str, offsets: tuple[int, ...], hint: int | None) -> int:
         """Position of the chunk of ``fqn`` starting at ``offsets``."""
-        cl = self.chunks(fqn)
-        if hint is not None and 0 <= hint < len(cl) and cl[hint].box.offsets == offsets:
+        rec = self.index.tensors[fqn]
+        n = rec.grid().n_chunks if rec.compact else len(rec.chunks)  # type: ignore[union-attr]
+        if hint is not None and 0 <= hint < n and self.box(fqn, hint).offsets == offsets:
             return hint
-        m = self._by_offsets.get(fqn)
-        if m is None:
-            m = {c.box.offsets: i for i, c in enumerate(cl)}
-            self._by_offsets[fqn] = m
-        try:
-            return m[offsets]
-        except KeyError:
-            raise CheckpointFormatError(f"tensor {fqn!r} has no saved chunk at offsets {list(offsets)}") from None
+        found: int | None
+        if rec.compact:
+            found = rec.grid().find(offsets)  # type: ignore[union-attr]
+        else:
+            m = self._by_offsets.get(fqn)
+            if m is None:
+                m = {c.box.offsets: i for i, c in enumerate(rec.chunks)}
+                self._by_offsets[fqn] = m
+            found = m.get(offsets)
+        if found is None:
+            raise CheckpointFormatError(f"tensor {fqn!r} has no saved chunk at offsets {list(offsets)}")
+        return found
 
     def header(self, file: int) -> FileHeader:
         """Parsed header of file number ``file``; checks its size against the index."""
@@ -285,12 +305,14 @@ class ChunkLocator:
     def locate(self, fqn: str, idx: int) -> Location:
         """Location of chunk ``idx`` of tensor ``fqn``."""
         rec = self.index.tensors[fqn]
-        chunk = self.chunks(fqn)[idx]
-        if chunk.location is not None:
-            return chunk.location
+        if not rec.compact:
+            loc = rec.chunks[idx].location
+            assert loc is not None
+            return loc
+        box = self.box(fqn, idx)
         file = rec.files[idx]
         h = self.header(file)
-        name = chunk_entry_name(fqn, chunk.box.offsets)
+        name = chunk_entry_name(fqn, box.offsets)
         try:
             start, nbytes = h.ranges[name]
             meta = h.meta[name]
@@ -298,10 +320,10 @@ class ChunkLocator:
             raise CheckpointFormatError(
                 f"{self.paths[file]}: the index says it holds chunk {name!r} of {fqn!r}, but it does not"
             ) from None
-        want = chunk.box.numel * rec.dtype.itemsize
+        want = box.numel * rec.dtype.itemsize
         if nbytes != want or meta.fqn != fqn:
             raise CheckpointFormatError(
                 f"{self.paths[file]}: entry {name!r} has {nbytes} bytes, expected {want} for chunk "
-                f"{list(chunk.box.sizes)} of {fqn!r}"
+                f"{list(box.sizes)} of {fqn!r}"
             )
         return Location(file, start, nbytes, meta.xxh3)

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from .format import Layout, dtype_name, rank_local_key, split_rank_local_key
 from .rangeio import tensor_view
-from .sharding import Box, intersect, placement_to_str
+from .sharding import Box, Grid, intersect, placement_to_str
 from .values import RankLocal, ReshardFn, decode_value, encode_value
 
 __all__ = ["UCPSavePlanner", "UCPLoadPlanner", "CheckpointKeyError"]
@@ -376,8 +376,22 @@ class UCPLoadPlanner(DefaultLoadPlanner):
                 f"{_key_list(self.unexpected_keys)}",
                 stacklevel=2,
             )
-        self.plan = LoadPlan(items)
+        # DCP gathers every rank's load plan on the coordinator only to hand
+        # it back unchanged (its global load plan is the identity): at 16384
+        # ranks that is gigabytes through one process. Keep the items here
+        # and send an empty plan; finish_plan puts them back.
+        self._items = items
+        self.plan = LoadPlan([], planner_data={"rank": self.rank, "items": len(items)})
         return self.plan
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        """This rank's read items (kept local since create_local_plan)."""
+        items = getattr(self, "_items", None)
+        if items is not None and not new_plan.items:
+            new_plan = dataclasses.replace(new_plan, items=items)
+        self._items = None
+        self.plan = new_plan
+        return new_plan
 
     def _tensor_items(self, fqn: str, obj: torch.Tensor, smd: STORAGE_TYPES) -> list[ReadItem]:
         if not isinstance(smd, TensorStorageMetadata):
@@ -393,12 +407,16 @@ class UCPLoadPlanner(DefaultLoadPlanner):
                 f"the state dict expects {dtype_name(obj.dtype)}. Pass UCPLoadPlanner(allow_dtype_cast=True) "
                 "to cast on load"
             )
-        saved = [Box(tuple(c.offsets), tuple(c.sizes)) for c in smd.chunks]
+        grid = self._saved_grid(fqn, smd)
         items = []
         for chunk in _create_chunk_list(obj):
             target = Box(tuple(chunk.offsets), tuple(chunk.sizes))
+            if grid is not None:  # binary search per dimension: independent of the saved world size
+                found = [(int(k), grid.box(int(k))) for k in grid.overlapping(target)]
+            else:  # an irregular chunk list: test every saved chunk
+                found = [(k, Box(tuple(c.offsets), tuple(c.sizes))) for k, c in enumerate(smd.chunks)]
             covered = 0
-            for idx, s in enumerate(saved):
+            for idx, s in found:
                 inter = intersect(target, s)
                 if inter is None:
                     continue
@@ -419,6 +437,15 @@ class UCPLoadPlanner(DefaultLoadPlanner):
                     f"(box at {list(target.offsets)} of size {list(target.sizes)}): the checkpoint is incomplete"
                 )
         return items
+
+    def _saved_grid(self, fqn: str, smd: TensorStorageMetadata) -> Grid | None:
+        """The grid of the saved chunks: from the index when UCPStorageReader
+        supplied it, else built from DCP's chunk list (another reader)."""
+        source = (self.metadata.planner_data or {}).get("chunk_grid") if self.metadata else None
+        if callable(source):
+            return source(fqn)
+        boxes = [Box(tuple(c.offsets), tuple(c.sizes)) for c in smd.chunks]
+        return Grid.from_boxes(boxes, tuple(smd.size)) if all(b.numel for b in boxes) else None
 
     def _rank_local_items(self, fqn: str, obj: Any, saved_ranks: list[int], saved_world: int | None) -> list[ReadItem]:
         if saved_world == self.world_size and self.rank in saved_ranks:

@@ -396,8 +396,10 @@ class Grid:
 
 def _grid(shape: tuple[int, ...], offs: list[np.ndarray], sizes: list[np.ndarray], cells: np.ndarray) -> Grid:
     chunk_of_cell = np.full(tuple(len(o) for o in offs), -1, dtype=np.int64)
-    if len(cells):
+    if len(cells) and shape:
         chunk_of_cell[tuple(cells.T)] = np.arange(len(cells), dtype=np.int64)
+    elif len(cells):  # a 0-dim tensor: one cell
+        chunk_of_cell[()] = 0
     return Grid(shape, tuple(offs), tuple(sizes), chunk_of_cell, cells)
 
 

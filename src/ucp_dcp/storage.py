@@ -291,6 +291,53 @@ class UCPStorageWriter(_Directory, StorageWriter):
 # ====================================================================== reader
 
 
+class LazyChunks(list):  # type: ignore[type-arg]
+    """DCP's chunk list of one tensor, built only if something reads it.
+
+    ``TensorStorageMetadata.chunks`` is a list of every saved chunk; at
+    16384 ranks x 700 tensors that is millions of objects on every rank.
+    :class:`UCPLoadPlanner` never looks (it asks the index's grids), so the
+    list stays empty; another planner that reads it gets the real list.
+    """
+
+    def __init__(self, locator: ChunkLocator, fqn: str) -> None:
+        super().__init__()
+        self._source: tuple[ChunkLocator, str] | None = (locator, fqn)
+
+    def _fill(self) -> None:
+        if self._source is not None:
+            locator, fqn = self._source
+            self._source = None
+            super().extend(
+                ChunkStorageMetadata(torch.Size(c.box.offsets), torch.Size(c.box.sizes)) for c in locator.chunks(fqn)
+            )
+
+    def __len__(self) -> int:
+        self._fill()
+        return super().__len__()
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        self._fill()
+        return super().__iter__()
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        self._fill()
+        return super().__getitem__(i)
+
+    def __eq__(self, other: object) -> bool:
+        self._fill()
+        return super().__eq__(other)
+
+    def __repr__(self) -> str:
+        self._fill()
+        return super().__repr__()
+
+    def __reduce_ex__(self, protocol):  # type: ignore[no-untyped-def]
+        self._fill()
+        return (list, (list(super().__iter__()),))
+
+
+
 class UCPStorageReader(_Directory, StorageReader):
     """Reads a universal checkpoint from directory ``path``.
 
@@ -355,11 +402,9 @@ class UCPStorageReader(_Directory, StorageReader):
             self._locator = ChunkLocator(self.path, index)
         md: dict[str, Any] = {}
         for fqn, t in index.tensors.items():
-            chunks = [
-                ChunkStorageMetadata(torch.Size(c.box.offsets), torch.Size(c.box.sizes))
-                for c in self._locator.chunks(fqn)
-            ]
-            md[fqn] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape), chunks)
+            md[fqn] = TensorStorageMetadata(
+                TensorProperties(dtype=t.dtype), torch.Size(t.shape), LazyChunks(self._locator, fqn)
+            )
         for fqn in [*index.values, *index.rank_local]:
             md[fqn] = BytesStorageMetadata()
         return Metadata(
@@ -367,6 +412,9 @@ class UCPStorageReader(_Directory, StorageReader):
             planner_data={
                 "world_size": index.world_size,
                 "rank_local": {k: sorted(v) for k, v in index.rank_local.items()},
+                # In-process only (load metadata is never sent between ranks):
+                # lets UCPLoadPlanner find overlaps without listing chunks.
+                "chunk_grid": self._locator.grid,
             },
             storage_meta=StorageMeta(checkpoint_id=self.path),
         )
@@ -377,9 +425,7 @@ class UCPStorageReader(_Directory, StorageReader):
             self.read_metadata()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """Nothing to add per rank (DCP's format: refuse values unless opted in; parse the items needed)."""
-        if self.dcp is not None:
-            self.dcp.check_plan(plan, self.dcp_values, self.io_threads)
+        """Nothing to add per rank (UCPLoadPlanner keeps its items local; see read_data)."""
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -392,6 +438,8 @@ class UCPStorageReader(_Directory, StorageReader):
         if not isinstance(planner, UCPLoadPlanner) and any(ri.type == LoadItemType.BYTE_IO for ri in plan.items):
             raise TypeError("UCPStorageReader needs planner=UCPLoadPlanner() to decode non-tensor values")
         loc = self._locator
+        if self.dcp is not None:  # refuse pickled values unless opted in; parse the items needed
+            self.dcp.check_plan(plan, self.dcp_values, self.io_threads)
         reader = RangeReader(
             loc.paths, threads=self.io_threads, gap_bytes=self.gap_bytes, max_request_bytes=self.max_request_bytes
         )
@@ -408,7 +456,7 @@ class UCPStorageReader(_Directory, StorageReader):
                 src_dtype = self.index.tensors[fqn].dtype
                 idx = loc.chunk_index(fqn, tuple(ri.storage_index.offset), ri.storage_index.index)
                 location = loc.locate(fqn, idx)
-                chunk = loc.chunks(fqn)[idx].box
+                chunk = loc.box(fqn, idx)
                 dest = planner.resolve_tensor(ri)
                 if getattr(location, "dim_order", None):  # a DCP item stored transposed (distcp.py)
                     region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
