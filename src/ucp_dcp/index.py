@@ -52,12 +52,14 @@ def build_index(
     files: list[FileRecord],
     written: list[list[WrittenEntry]],
     layouts: dict[str, Layout | None] | None = None,
+    compact: dict[str, TensorRecord] | None = None,
 ) -> Index:
     """The index of a checkpoint whose file ``i`` holds ``written[i]``.
 
     ``layouts`` (from the save planner) overrides the layout recorded in the
     entries; a tensor is stored compactly when its layout's chunk boxes are
-    exactly the boxes written, each once.
+    exactly the boxes written, each once. ``compact`` adds records built
+    without per-chunk entries (mesh-planned tensors, :mod:`ucp_dcp.compact`).
     """
     per_tensor: dict[str, list[tuple[int, WrittenEntry]]] = defaultdict(list)
     values: dict[str, Location] = {}
@@ -101,7 +103,11 @@ def build_index(
                 for box, (fi, e) in sorted(chunks.items(), key=lambda kv: kv[0].offsets)
             ]
             tensors[fqn] = TensorRecord(dtype, first.shape, layout, False, chunks=recs)
-    return Index(world_size, files, tensors, values, dict(rank_local))
+    for fqn, rec in (compact or {}).items():
+        if fqn in tensors:
+            raise CheckpointFormatError(f"tensor {fqn!r} was written both per chunk and through its mesh group")
+        tensors[fqn] = rec
+    return Index(world_size, files, dict(sorted(tensors.items())), values, dict(rank_local))
 
 
 def _compact(

@@ -14,6 +14,7 @@ rank-local values.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import logging
 import warnings
@@ -46,10 +47,11 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_write_items
 from torch.distributed.tensor import DTensor
 
+from .compact import LazyChunks, MeshGroup, TensorSpec
 from .format import Layout, dtype_name, rank_local_key, split_rank_local_key
 from .rangeio import tensor_view
 from .sharding import Box, Grid, intersect, placement_to_str
-from .values import RankLocal, ReshardFn, decode_value, encode_value
+from .values import RankLocal, ReshardFn, decode_value, dtype_from_name, encode_value
 
 __all__ = ["UCPSavePlanner", "UCPLoadPlanner", "CheckpointKeyError"]
 
@@ -96,14 +98,27 @@ class UCPSavePlanner(DefaultSavePlanner):
         check_replicated_tensors: hash plain tensors on every rank to detect
             divergence (costs one pass over them; DTensors are not hashed:
             their placements say what is replicated).
+        compact_plans: plan regular DTensors per device mesh instead of per
+            chunk (:mod:`ucp_dcp.compact`): the plans DCP gathers and
+            scatters stay the same size whatever the world size. ``False``
+            sends one write item per chunk, as DCP does.
     """
 
-    def __init__(self, *, divergent_values: str = "error", check_replicated_tensors: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        divergent_values: str = "error",
+        check_replicated_tensors: bool = True,
+        compact_plans: bool = True,
+    ) -> None:
         if divergent_values not in ("error", "rank_local"):
             raise ValueError(f"divergent_values must be 'error' or 'rank_local', got {divergent_values!r}")
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True)
         self.divergent_values = divergent_values
         self.check_replicated_tensors = check_replicated_tensors
+        self.compact_plans = compact_plans
+        self._compact: dict[str, list[int]] = {}
+        self._groups: list[MeshGroup] = []
         self._encoded: dict[str, bytes] = {}
         self._layouts: dict[str, Layout | None] = {}
 
@@ -124,12 +139,25 @@ class UCPSavePlanner(DefaultSavePlanner):
         rl = split_rank_local_key(key)
         return self._encoded[rl[1] if rl else key]
 
+    def is_compact(self, fqn: str) -> bool:
+        """Whether tensor ``fqn`` is planned through its mesh group (no per-chunk record)."""
+        return fqn in self._compact
+
     def create_local_plan(self) -> SavePlan:
-        """One write item per local chunk and per value, plus what the coordinator needs."""
+        """Write items for values, plain tensors and irregular chunks; mesh groups for the rest.
+
+        Regular DTensors produce no write item here: the rank sends its
+        mesh group's checksum (the mesh's first rank also sends the group's
+        description) and derives its writes in :meth:`finish_plan`. See
+        :mod:`ucp_dcp.compact`.
+        """
         items: list[WriteItem] = []
         digests: dict[str, str] = {}
         layouts: dict[str, Any] = {}
         rank_local: list[str] = []
+        meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...], list[int]]] = {}
+        members: dict[tuple[tuple[int, ...], tuple[int, ...]], list[TensorSpec]] = defaultdict(list)
+        self._compact = {}
         for fqn, obj in self.state_dict.items():
             if isinstance(obj, RankLocal):
                 self._encoded[fqn] = encode_value(obj.value, fqn)
@@ -141,6 +169,16 @@ class UCPSavePlanner(DefaultSavePlanner):
                 except ValueError as e:
                     raise ValueError(f"tensor {fqn!r}: {e}") from None
                 self._layouts[fqn] = layout
+                shape = tuple(obj.shape)
+                if self.compact_plans and obj.numel() and _arithmetic_grid(layout, shape):
+                    mesh = meshes.get(id(obj.device_mesh))
+                    if mesh is None:
+                        dm = obj.device_mesh
+                        mesh = (tuple(dm.shape), tuple(dm.mesh.reshape(-1).tolist()), list(dm.get_coordinate() or ()))
+                        meshes[id(obj.device_mesh)] = mesh
+                    members[mesh[:2]].append(TensorSpec(fqn, dtype_name(obj.dtype), shape, layout))
+                    self._compact[fqn] = mesh[2]
+                    continue
                 layouts[fqn] = layout.to_json()
                 # Empty local shards (uneven FSDP splits) hold no bytes; keep
                 # them only for an empty tensor, so that it is still recorded.
@@ -159,9 +197,18 @@ class UCPSavePlanner(DefaultSavePlanner):
                 self._encoded[fqn] = data
                 digests[fqn] = xxhash.xxh3_64_hexdigest(data)
                 items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
+        self._groups = []
+        groups = []
+        for (mesh_shape, ranks), specs in members.items():
+            group = _cached_group(MeshGroup(mesh_shape, ranks, tuple(sorted(specs, key=lambda t: t.fqn))))
+            self._groups.append(group)
+            describe = self.rank == group.first_rank
+            groups.append((group.signature, group.first_rank, group.to_json() if describe else None))
         plan = SavePlan(
             items,
-            planner_data={"rank": self.rank, "digests": digests, "layouts": layouts, "rank_local": rank_local},
+            planner_data={
+                "rank": self.rank, "digests": digests, "layouts": layouts, "rank_local": rank_local, "groups": groups,
+            },
         )
         self.plan = plan
         return plan
@@ -170,6 +217,7 @@ class UCPSavePlanner(DefaultSavePlanner):
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """Check cross-rank consistency, pick one writer per chunk, build metadata."""
         to_rank_local = self._divergent_keys(all_plans)
+        groups = _check_groups(all_plans)
         self._value_writers: dict[str, int] = {}
         # chunk key -> ranks holding it, and one representative write item
         holders: dict[tuple[str, tuple[int, ...]], list[int]] = defaultdict(list)
@@ -226,7 +274,7 @@ class UCPSavePlanner(DefaultSavePlanner):
                     items.append(item)
                 elif writer[(item.index.fqn, tuple(item.tensor_data.chunk.offsets))] == r:
                     items.append(item)
-            new_plans.append(dataclasses.replace(plan, items=items))
+            new_plans.append(dataclasses.replace(plan, items=items, planner_data=None))
         md: dict[str, STORAGE_TYPES] = {}
         for fqn, (p, size, _) in props.items():
             md[fqn] = TensorStorageMetadata(
@@ -237,6 +285,22 @@ class UCPSavePlanner(DefaultSavePlanner):
             for fqn, lj in plan.planner_data["layouts"].items():
                 lay = Layout(tuple(lj["mesh"]), tuple(lj["placements"]))
                 layouts[fqn] = lay if layouts.get(fqn, lay) == lay else None
+        owners = _owners(groups, set(md))
+        for fqn, (g, t) in owners.items():
+            md[fqn] = TensorStorageMetadata(
+                TensorProperties(dtype=dtype_from_name(t.dtype)),
+                torch.Size(t.shape),
+                LazyChunks(functools.partial(t.layout.chunks, t.shape)),
+            )
+            layouts[fqn] = t.layout
+        # Tell each rank which of its groups' tensors another mesh writes.
+        skip: dict[str, list[str]] = {}
+        for g in groups:
+            skip[g.signature] = sorted(t.fqn for t in g.tensors if owners[t.fqn][0] is not g)
+        for r, plan in enumerate(all_plans):
+            theirs = sorted({f for sig, _, _ in plan.planner_data.get("groups", ()) for f in skip[sig]})
+            if theirs:
+                new_plans[r] = dataclasses.replace(new_plans[r], planner_data={"skip": theirs})
         for plan in all_plans:
             for fqn in plan.planner_data["digests"]:
                 if fqn not in props:
@@ -245,7 +309,13 @@ class UCPSavePlanner(DefaultSavePlanner):
                 md[fqn] = BytesStorageMetadata()
         self.metadata = Metadata(
             state_dict_metadata=md,
-            planner_data={"layouts": layouts, "world_size": len(all_plans)},
+            planner_data={
+                "layouts": layouts,
+                "world_size": len(all_plans),
+                # In-process, for UCPStorageWriter.finish on the coordinator.
+                "owners": {fqn: g for fqn, (g, _) in owners.items()},
+                "positions": {p.planner_data["rank"]: r for r, p in enumerate(all_plans)},
+            },
         )
         return new_plans, self.metadata
 
@@ -280,15 +350,133 @@ class UCPSavePlanner(DefaultSavePlanner):
         return set(divergent)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        """Keep the coordinator's plan (the chunks this rank writes)."""
-        self.plan = new_plan
-        return new_plan
+        """The coordinator's plan plus the chunks this rank writes for its mesh groups."""
+        items = list(new_plan.items)
+        skip = frozenset((new_plan.planner_data or {}).get("skip", ()))
+        for g in self._groups:
+            items.extend(self._group_items(g, skip))
+        self.plan = dataclasses.replace(new_plan, items=items)
+        return self.plan
+
+    def _group_items(self, group: MeshGroup, skip: frozenset[str]) -> list[WriteItem]:
+        """Write items of the chunks this rank writes for ``group``.
+
+        Cached per (group, rank, coordinate): a training loop saving the
+        same model again derives nothing twice (items name tensors by key;
+        the data is looked up at write time).
+        """
+        coord = self._compact[group.tensors[0].fqn]
+        key = (group.signature, self.rank, tuple(coord), skip)
+        items = _GROUP_ITEMS.get(key)
+        if items is None:
+            items = []
+            for t in group.tensors:
+                if t.fqn not in skip and group.writes(t, coord):
+                    items.extend(
+                        i for i in _create_write_items(t.fqn, self.state_dict[t.fqn])
+                        if i.tensor_data.chunk.sizes.numel()
+                    )
+            if len(_GROUP_ITEMS) >= 16:
+                _GROUP_ITEMS.pop(next(iter(_GROUP_ITEMS)))
+            _GROUP_ITEMS[key] = items
+        return items
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         """The bytes of a value, or the local tensor of a chunk (detached)."""
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(self.encoded_value(write_item.index.fqn))
         return super().resolve_data(write_item).detach()
+
+
+# Plan caches (per process): mesh groups by signature, so their grids and
+# replica choices are computed once, and derived write items per rank.
+_GROUPS: dict[str, MeshGroup] = {}
+_GROUP_ITEMS: dict[tuple[str, int, tuple[int, ...], frozenset[str]], list[WriteItem]] = {}
+
+
+def _cached_group(group: MeshGroup) -> MeshGroup:
+    cached = _GROUPS.get(group.signature)
+    if cached is None:
+        if len(_GROUPS) >= 64:
+            _GROUPS.pop(next(iter(_GROUPS)))
+        _GROUPS[group.signature] = cached = group
+    return cached
+
+
+def _arithmetic_grid(layout: Layout, shape: tuple[int, ...]) -> bool:
+    """Whether the layout's chunks (and their holders) follow by arithmetic."""
+    try:
+        return layout.grid(shape).mesh_lin is not None
+    except ValueError:  # not box-shaped: planned per chunk
+        return False
+
+
+def _owners(groups: list[MeshGroup], taken: set[str]) -> dict[str, tuple[MeshGroup, TensorSpec]]:
+    """Which group writes each mesh-planned tensor.
+
+    A tensor held by several meshes with the same description is a replica
+    (a TP-replicated parameter kept on each TP rank's data-parallel
+    submesh): one mesh writes it, chosen largest tensors first on the least
+    loaded mesh. Different descriptions under one key are an error.
+    """
+    holders: dict[str, list[tuple[MeshGroup, TensorSpec]]] = defaultdict(list)
+    for g in sorted(groups, key=lambda g: g.first_rank):
+        for t in g.tensors:
+            holders[t.fqn].append((g, t))
+    load: dict[int, int] = defaultdict(int)
+    owners: dict[str, tuple[MeshGroup, TensorSpec]] = {}
+    for fqn in sorted(holders, key=lambda f: (-holders[f][0][1].nbytes, f)):
+        cands = holders[fqn]
+        spec = cands[0][1]
+        if fqn in taken or any((t.dtype, t.shape, t.layout) != (spec.dtype, spec.shape, spec.layout) for _, t in cands):
+            other = next(((g, t) for g, t in cands if (t.dtype, t.shape, t.layout) != (spec.dtype, spec.shape, spec.layout)), None)
+            where = (
+                f"as {spec.dtype}{list(spec.shape)} on ranks {_describe(sorted(cands[0][0].ranks))} and as "
+                f"{other[1].dtype}{list(other[1].shape)} on ranks {_describe(sorted(other[0].ranks))}"
+                if other else "as a DTensor on some ranks and a plain or irregular tensor on others"
+            )
+            raise ValueError(
+                f"tensor {fqn!r} is saved {where}; one key must name one tensor on every rank "
+                "(pipeline stages: rename stage-local layers to global names)"
+            )
+        g, t = min(cands, key=lambda c: (load[c[0].first_rank], c[0].first_rank))
+        load[g.first_rank] += t.nbytes
+        owners[fqn] = (g, t)
+    return owners
+
+
+def _check_groups(all_plans: list[SavePlan]) -> list[MeshGroup]:
+    """The mesh groups of a save, checked: every rank of each mesh reported
+    the same description as the mesh's first rank."""
+    described: dict[tuple[int, str], MeshGroup] = {}
+    members: dict[tuple[int, str], list[int]] = defaultdict(list)
+    for plan in all_plans:
+        me = plan.planner_data["rank"]
+        for sig, first, desc in plan.planner_data.get("groups", ()):
+            key = (first, sig)
+            if desc is not None and key not in described:
+                group = _GROUPS.get(sig) or _cached_group(MeshGroup.from_json(desc))
+                if group.signature != sig:
+                    raise ValueError(f"rank {me}: its mesh group description does not match its own checksum")
+                described[key] = group
+            members[key].append(me)
+    for (first, sig), ranks in members.items():
+        group = described.get((first, sig))
+        if group is None:
+            raise ValueError(
+                f"ranks {_describe(sorted(ranks))} hold DTensors on a device mesh whose first rank is {first}, "
+                f"but rank {first} does not hold the same ones: every rank of a mesh must save the same DTensors "
+                "(names, dtypes, shapes, placements). Pass UCPSavePlanner(compact_plans=False) to plan per "
+                "chunk, which names the tensors that differ"
+            )
+        if sorted(ranks) != sorted(group.ranks):
+            missing = sorted(set(group.ranks) - set(ranks))
+            raise ValueError(
+                f"the device mesh of ranks {_describe(sorted(group.ranks))} holds {len(group.tensors)} DTensor(s), "
+                f"but rank(s) {_describe(missing)} of it did not report the same ones (or are not saving): every "
+                "rank of a mesh must save the same DTensors, in the same process group"
+            )
+    return list(described.values())
 
 
 # ====================================================================== load

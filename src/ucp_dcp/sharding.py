@@ -17,6 +17,7 @@ Terms:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -333,6 +334,9 @@ class Grid:
     sizes: tuple[np.ndarray, ...]  # per dim: interval lengths (all > 0)
     chunk_of_cell: np.ndarray  # int64 array of shape (len(offsets[d]) for d)
     cell_of_chunk: np.ndarray  # int64 array (n_chunks, ndim): the inverse
+    # Per chunk, its row-major position over the layout's sharding mesh dims
+    # (so the mesh coordinates that hold it); None for grids built from boxes.
+    mesh_lin: np.ndarray | None = None
 
     @property
     def n_chunks(self) -> int:
@@ -419,8 +423,8 @@ def layout_grid(global_shape: Sequence[int], mesh_shape: Sequence[int], placemen
         assert grid is not None  # layout_chunks checked the tiling
         return grid
     if math.prod(shape) == 0:
-        return _grid(shape, [np.zeros(0, np.int64)] * len(shape), [np.zeros(0, np.int64)] * len(shape),
-                     np.zeros((0, len(shape)), np.int64))
+        empty = _grid(shape, [_EMPTY] * len(shape), [_EMPTY] * len(shape), np.zeros((0, len(shape)), np.int64))
+        return dataclasses.replace(empty, mesh_lin=_EMPTY)
     # Row-major strides over the sharding mesh dims (in mesh order): the
     # position of a chunk's first replica in mesh-coordinate order.
     shard_dims = [m for m, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard))]
@@ -460,7 +464,7 @@ def layout_grid(global_shape: Sequence[int], mesh_shape: Sequence[int], placemen
     cells = np.stack(np.unravel_index(order_, total.shape), axis=1).astype(np.int64) if len(flat) else np.zeros(
         (0, len(shape)), np.int64
     )
-    return Grid(shape, tuple(offs), tuple(sizes), chunk_of_cell, cells.reshape(len(flat), len(shape)))
+    return Grid(shape, tuple(offs), tuple(sizes), chunk_of_cell, cells.reshape(len(flat), len(shape)), flat[order_])
 
 
 def _application_order(

@@ -10,6 +10,7 @@ staging buffer only for casts and non-CPU destinations).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import os
 import uuid
@@ -21,7 +22,7 @@ import torch.distributed as dist
 import xxhash
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
+    MetadataIndex,
     Metadata,
     StorageMeta,
     TensorProperties,
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import distcp
+from .compact import LazyChunks, compact_records
 from .format import (
     ALIGN,
     INDEX_FILE,
@@ -72,11 +74,18 @@ _MiB = 1024 * 1024
 
 @dataclass(frozen=True)
 class _WriteRecord:
-    """What one rank reports to the coordinator per entry (WriteResult.storage_data)."""
+    """What one rank reports to the coordinator (one WriteResult per file).
+
+    Chunks of mesh-planned tensors are only counted: the coordinator knows
+    which rank wrote which chunk, and their byte ranges and checksums are in
+    the file's header. Reporting them one by one would send millions of
+    records to the coordinator at scale.
+    """
 
     file: str
     file_size: int
-    entry: WrittenEntry
+    entries: list[WrittenEntry]  # values, rank-local values, per-chunk-planned tensors
+    compact: int  # chunks of mesh-planned tensors written
 
 
 def _write_all(fd: int, data: memoryview, offset: int) -> None:
@@ -199,7 +208,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
                 os.fsync(fd)
         finally:
             os.close(fd)
-        fut.set_result(self._results(plan, name, size, entries, starts))
+        fut.set_result(self._results(plan, planner, name, size, entries, starts))
         return fut
 
     def planned_results(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
@@ -212,16 +221,21 @@ class UCPStorageWriter(_Directory, StorageWriter):
         if layout is None:
             return []
         name, _, _, entries, _, _, starts, size = layout
-        return self._results(plan, name, size, entries, starts)
+        return self._results(plan, planner, name, size, entries, starts)
 
     @staticmethod
     def _results(
-        plan: SavePlan, name: str, size: int, entries: list[PlannedEntry], starts: list[int]
+        plan: SavePlan, planner: SavePlanner, name: str, size: int, entries: list[PlannedEntry], starts: list[int]
     ) -> list[WriteResult]:
-        return [
-            WriteResult(item.index, e.nbytes, _WriteRecord(name, size, WrittenEntry(e.name, e.meta, s, e.nbytes)))
-            for item, e, s in zip(plan.items, entries, starts)
-        ]
+        assert isinstance(planner, UCPSavePlanner)
+        explicit = []
+        compact = 0
+        for item, e, s in zip(plan.items, entries, starts):
+            if item.type != WriteItemType.BYTE_IO and planner.is_compact(item.index.fqn):
+                compact += 1
+            else:
+                explicit.append(WrittenEntry(e.name, e.meta, s, e.nbytes))
+        return [WriteResult(MetadataIndex(name), size, _WriteRecord(name, size, explicit, compact))]
 
     def _lay_out(
         self, plan: SavePlan, planner: SavePlanner
@@ -267,14 +281,17 @@ class UCPStorageWriter(_Directory, StorageWriter):
         """Coordinator: build and commit the index, then drop files of older saves."""
         files: list[FileRecord] = []
         written: list[list[WrittenEntry]] = []
+        counts: dict[int, int] = {}
         for rank, res in enumerate(results):
             if not res:
                 continue
             rec: _WriteRecord = res[0].storage_data
             files.append(FileRecord(rec.file, rank, rec.file_size))
-            written.append([r.storage_data.entry for r in res])
+            written.append(rec.entries)
+            counts[rank] = rec.compact
         pdata = metadata.planner_data or {}
-        index = build_index(pdata.get("world_size", len(results)), files, written, pdata.get("layouts"))
+        compact = compact_records(pdata.get("owners", {}), pdata.get("positions", {}), files, counts)
+        index = build_index(pdata.get("world_size", len(results)), files, written, pdata.get("layouts"), compact)
         write_index(self.path, index)
         keep = {f.name for f in files}
         for name in os.listdir(self.path):
@@ -291,50 +308,8 @@ class UCPStorageWriter(_Directory, StorageWriter):
 # ====================================================================== reader
 
 
-class LazyChunks(list):  # type: ignore[type-arg]
-    """DCP's chunk list of one tensor, built only if something reads it.
-
-    ``TensorStorageMetadata.chunks`` is a list of every saved chunk; at
-    16384 ranks x 700 tensors that is millions of objects on every rank.
-    :class:`UCPLoadPlanner` never looks (it asks the index's grids), so the
-    list stays empty; another planner that reads it gets the real list.
-    """
-
-    def __init__(self, locator: ChunkLocator, fqn: str) -> None:
-        super().__init__()
-        self._source: tuple[ChunkLocator, str] | None = (locator, fqn)
-
-    def _fill(self) -> None:
-        if self._source is not None:
-            locator, fqn = self._source
-            self._source = None
-            super().extend(
-                ChunkStorageMetadata(torch.Size(c.box.offsets), torch.Size(c.box.sizes)) for c in locator.chunks(fqn)
-            )
-
-    def __len__(self) -> int:
-        self._fill()
-        return super().__len__()
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        self._fill()
-        return super().__iter__()
-
-    def __getitem__(self, i):  # type: ignore[no-untyped-def]
-        self._fill()
-        return super().__getitem__(i)
-
-    def __eq__(self, other: object) -> bool:
-        self._fill()
-        return super().__eq__(other)
-
-    def __repr__(self) -> str:
-        self._fill()
-        return super().__repr__()
-
-    def __reduce_ex__(self, protocol):  # type: ignore[no-untyped-def]
-        self._fill()
-        return (list, (list(super().__iter__()),))
+def _boxes(locator: ChunkLocator, fqn: str) -> list[Box]:
+    return [c.box for c in locator.chunks(fqn)]
 
 
 
@@ -403,7 +378,7 @@ class UCPStorageReader(_Directory, StorageReader):
         md: dict[str, Any] = {}
         for fqn, t in index.tensors.items():
             md[fqn] = TensorStorageMetadata(
-                TensorProperties(dtype=t.dtype), torch.Size(t.shape), LazyChunks(self._locator, fqn)
+                TensorProperties(dtype=t.dtype), torch.Size(t.shape), LazyChunks(functools.partial(_boxes, self._locator, fqn))
             )
         for fqn in [*index.values, *index.rank_local]:
             md[fqn] = BytesStorageMetadata()
