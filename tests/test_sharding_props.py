@@ -22,9 +22,12 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from ucp_dcp.format import decode_runs, encode_runs
+from ucp_dcp.format import RunList, decode_runs, encode_runs
 from ucp_dcp.rangeio import RangeReader, Segment
 from ucp_dcp.sharding import (
+    Grid,
+    layout_grid,
+    _application_order,
     Box,
     LayoutError,
     Run,
@@ -264,6 +267,70 @@ def test_non_box_layout_raises() -> None:
         layout_chunks((8,), (2, 2), (Shard(0), _StridedShard(0, split_factor=2)))
 
 
+@settings(max_examples=200, **SETTINGS)
+@given(data=st.data())
+def test_layout_grid_matches_layout_chunks(data: st.DataObject) -> None:
+    """The vectorised grid gives DTensor's boxes in layout_chunks' order; overlap queries
+    and offset lookups agree with testing every chunk; mesh_lin names a holder of each chunk."""
+    shape = data.draw(global_shapes())
+    mesh, pls = data.draw(layouts(len(shape)))
+    boxes = try_chunks(shape, (mesh, pls))
+    if boxes is None:
+        with pytest.raises(LayoutError):
+            layout_grid(shape, mesh, pls)
+        return
+    grid = layout_grid(shape, mesh, pls)
+    assert grid.boxes() == boxes
+    assert grid.n_chunks == len(boxes)
+    for k, b in enumerate(boxes):
+        assert grid.find(b.offsets) == k
+    if grid.mesh_lin is not None:  # the arithmetic path: chunk k is held at these shard coordinates
+        shard_dims = [m for m, p in enumerate(pls) if not isinstance(p, Replicate)]
+        for k, b in enumerate(boxes):
+            rest, coord = int(grid.mesh_lin[k]), [0] * len(mesh)
+            for m in reversed(shard_dims):
+                coord[m], rest = rest % mesh[m], rest // mesh[m]
+            assert chunk_box(shape, mesh, coord, pls) == b
+    for _ in range(3):
+        offs = tuple(data.draw(st.integers(0, max(0, n - 1))) for n in shape)
+        sizes = tuple(data.draw(st.integers(0, n - o)) for o, n in zip(offs, shape))
+        target = Box(offs, sizes)
+        want = sorted(k for k, b in enumerate(boxes) if target.numel and intersect(target, b) is not None)
+        assert sorted(grid.overlapping(target).tolist()) == want
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(data=st.data())
+def test_fsdp_tp_layouts_take_the_arithmetic_path(data: st.DataObject) -> None:
+    """FSDP2+TP layouts of evenly split TP dims never fall back to DTensor's per-rank arithmetic."""
+    shape = data.draw(global_shapes())
+    mesh, pls = data.draw(fsdp_tp_layouts(len(shape)))
+    d = pls[0].dim
+    assume(shape[d] % mesh[1] == 0)
+    assert _application_order(shape, mesh, pls) is not None
+    assert layout_grid(shape, mesh, pls).boxes() == layout_chunks(shape, mesh, pls)
+
+
+def test_layout_grid_at_16384_ranks_is_fast_and_exact() -> None:
+    """A 70B-class FSDP+TP weight at 16384 ranks: no per-rank enumeration, spot-checked against DTensor."""
+    mesh, pls = (2048, 8), (_StridedShard(0, split_factor=8), Shard(0))
+    grid = layout_grid((28672, 8192), mesh, pls)
+    assert grid.n_chunks == 8 * 1792  # 3584 rows per TP rank, 2 rows for each of 1792 DP ranks
+    for coord in [(0, 0), (5, 3), (1791, 7), (1792, 2), (2047, 7)]:
+        box = chunk_box((28672, 8192), mesh, coord, pls)
+        if box.numel:
+            assert grid.box(grid.find(box.offsets)) == box
+        else:
+            assert not grid.overlapping(Box(box.offsets, (1, 1))).size or box.offsets[0] >= 28672
+
+
+def test_grid_from_boxes_rejects_non_grids() -> None:
+    """Explicit chunk lists that do not form a grid get None (the planner then tests every chunk)."""
+    assert Grid.from_boxes([Box((0, 0), (2, 4)), Box((2, 0), (2, 2)), Box((2, 2), (2, 2))], (4, 4)) is None
+    g = Grid.from_boxes([Box((2, 0), (2, 4)), Box((0, 0), (2, 4))], (4, 4))
+    assert g is not None and g.boxes() == [Box((2, 0), (2, 4)), Box((0, 0), (2, 4))]
+
+
 # ---------------------------------------------------------------- runs
 
 
@@ -383,6 +450,19 @@ def test_arithmetic_progression_is_one_run(start: int, step: int, count: int) ->
     xs = [start + i * step for i in range(count)]
     assert encode_runs(xs) == [[start, count, step if count > 1 else 0]]
     assert decode_runs(encode_runs(xs), "t") == xs
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(xs=st.lists(st.integers(-50, 50), max_size=60))
+def test_run_list_indexes_like_a_list(xs: list[int]) -> None:
+    """RunList (the lazy form of a compact file list) indexes, iterates and bounds like the list."""
+    rl = RunList(encode_runs(xs))
+    assert len(rl) == len(xs) and list(rl) == xs
+    assert [rl[i] for i in range(-len(xs), len(xs))] == xs[-len(xs):] + xs if xs else True
+    if xs:
+        assert (rl.min(), rl.max()) == (min(xs), max(xs))
+    with pytest.raises(IndexError):
+        rl[len(xs)]
 
 
 # ---------------------------------------------------------------- range reader
