@@ -30,6 +30,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     STORAGE_TYPES,
@@ -41,16 +42,18 @@ from torch.distributed.checkpoint.planner import (
     LoadPlan,
     ReadItem,
     SavePlan,
+    TensorWriteData,
     WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_write_items
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from .compact import LazyChunks, MeshGroup, TensorSpec
 from .format import Layout, dtype_name, rank_local_key, split_rank_local_key
 from .rangeio import tensor_view
-from .sharding import Box, Grid, intersect, placement_to_str
+from .sharding import Box, Grid, arith_box, intersect, placement_from_str, placement_to_str
 from .values import RankLocal, ReshardFn, decode_value, dtype_from_name, encode_value
 
 __all__ = ["UCPSavePlanner", "UCPLoadPlanner", "CheckpointKeyError"]
@@ -372,10 +375,10 @@ class UCPSavePlanner(DefaultSavePlanner):
             items = []
             for t in group.tensors:
                 if t.fqn not in skip and group.writes(t, coord):
-                    items.extend(
-                        i for i in _create_write_items(t.fqn, self.state_dict[t.fqn])
-                        if i.tensor_data.chunk.sizes.numel()
-                    )
+                    box = arith_box(t.shape, group.mesh, _placements(t.layout), coord)
+                    assert box is not None  # mesh groups hold arithmetic layouts only
+                    if box.numel:
+                        items.append(_shard_item(t, box))
             if len(_GROUP_ITEMS) >= 16:
                 _GROUP_ITEMS.pop(next(iter(_GROUP_ITEMS)))
             _GROUP_ITEMS[key] = items
@@ -392,6 +395,37 @@ class UCPSavePlanner(DefaultSavePlanner):
 # replica choices are computed once, and derived write items per rank.
 _GROUPS: dict[str, MeshGroup] = {}
 _GROUP_ITEMS: dict[tuple[str, int, tuple[int, ...], frozenset[str]], list[WriteItem]] = {}
+
+
+@functools.lru_cache(maxsize=1024)
+def _placements(layout: Layout) -> tuple[Placement, ...]:
+    return tuple(placement_from_str(p) for p in layout.placements)
+
+
+def _shard_item(spec: TensorSpec, box: Box) -> WriteItem:
+    """DCP's write item for one DTensor shard (what ``_create_write_items``
+    makes, without DTensor's per-call arithmetic)."""
+    offsets, sizes = torch.Size(box.offsets), torch.Size(box.sizes)
+    return WriteItem(
+        index=MetadataIndex(spec.fqn, offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+            properties=TensorProperties(dtype=dtype_from_name(spec.dtype)),
+            size=torch.Size(spec.shape),
+        ),
+    )
+
+
+def _local_boxes(obj: torch.Tensor) -> list[Box]:
+    """The boxes of the global tensor that ``obj`` holds on this rank."""
+    if isinstance(obj, DTensor):
+        coord = obj.device_mesh.get_coordinate()
+        if coord is not None:
+            box = arith_box(tuple(obj.shape), tuple(obj.device_mesh.shape), obj.placements, coord)
+            if box is not None:
+                return [box]
+    return [Box(tuple(c.offsets), tuple(c.sizes)) for c in _create_chunk_list(obj)]
 
 
 def _cached_group(group: MeshGroup) -> MeshGroup:
@@ -597,8 +631,9 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             )
         grid = self._saved_grid(fqn, smd)
         items = []
-        for chunk in _create_chunk_list(obj):
-            target = Box(tuple(chunk.offsets), tuple(chunk.sizes))
+        for target in _local_boxes(obj):
+            if not target.numel:
+                continue
             if grid is not None:  # binary search per dimension: independent of the saved world size
                 found = [(int(k), grid.box(int(k))) for k in grid.overlapping(target)]
             else:  # an irregular chunk list: test every saved chunk
