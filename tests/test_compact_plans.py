@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from dist_utils import bit_equal, run_ranks
 from layouts import build, full_reference, scramble, train_state, train_step
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter, load_index
+from ucp_dcp.compact import LazyChunks
 
 pytestmark = pytest.mark.multiproc
 
@@ -166,7 +167,11 @@ def _default_planner_reads_lazy_chunks(rank: int, world: int, root: str) -> None
     mesh = init_device_mesh("cpu", (world,))
     full = torch.randn(10, 6, generator=torch.Generator().manual_seed(0))
     sd = {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": distribute_tensor(full.T.contiguous(), mesh, [Shard(1)])}
-    dcp.save(sd, storage_writer=UCPStorageWriter(root), planner=UCPSavePlanner())
+    saved_md = dcp.save(sd, storage_writer=UCPStorageWriter(root), planner=UCPSavePlanner())
+    # DCP broadcasts the save's metadata to every rank: its chunk lists travel unexpanded.
+    lazy = saved_md.state_dict_metadata["w"].chunks
+    assert isinstance(lazy, LazyChunks) and lazy._source is not None
+    assert [list(c.offsets) for c in pickle.loads(pickle.dumps(lazy))] == [[0, 0], [5, 0]]
     # DCP's own planner reads TensorStorageMetadata.chunks: the lazy list fills in.
     target = {"w": torch.zeros(10, 6), "b": torch.zeros(6, 10)}
     dcp.load(target, storage_reader=UCPStorageReader(root), planner=DefaultLoadPlanner())

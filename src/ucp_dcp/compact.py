@@ -216,7 +216,9 @@ class LazyChunks(list):  # type: ignore[type-arg]
     ``TensorStorageMetadata.chunks`` lists every saved chunk; at 16384 ranks
     x 700 tensors that is millions of objects. ucp_dcp's planners and
     storage never look (they use the grids), so the list stays empty; a
-    planner or tool that reads it gets the real list.
+    planner or tool that reads it gets the real list. ``boxes`` must be
+    picklable (a ``functools.partial`` of module-level functions and
+    records), so that pickling stays lazy too.
     """
 
     def __init__(self, boxes: Callable[[], list[Box]]) -> None:
@@ -249,5 +251,8 @@ class LazyChunks(list):  # type: ignore[type-arg]
         return super().__repr__()
 
     def __reduce_ex__(self, protocol):  # type: ignore[no-untyped-def]
-        self._fill()
+        # DCP broadcasts the save's metadata to every rank: stay lazy on the
+        # wire too (the source is a picklable partial), else send the list.
+        if self._source is not None:
+            return (LazyChunks, (self._source,))
         return (list, (list(super().__iter__()),))

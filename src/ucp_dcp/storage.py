@@ -51,6 +51,7 @@ from .format import (
     Index,
     Location,
     PlannedEntry,
+    TensorRecord,
     chunk_entry_name,
     data_file_name,
     dtype_name,
@@ -308,8 +309,8 @@ class UCPStorageWriter(_Directory, StorageWriter):
 # ====================================================================== reader
 
 
-def _boxes(locator: ChunkLocator, fqn: str) -> list[Box]:
-    return [c.box for c in locator.chunks(fqn)]
+def _record_boxes(record: TensorRecord) -> list[Box]:
+    return [c.box for c in record.chunk_list()]
 
 
 
@@ -378,7 +379,7 @@ class UCPStorageReader(_Directory, StorageReader):
         md: dict[str, Any] = {}
         for fqn, t in index.tensors.items():
             md[fqn] = TensorStorageMetadata(
-                TensorProperties(dtype=t.dtype), torch.Size(t.shape), LazyChunks(functools.partial(_boxes, self._locator, fqn))
+                TensorProperties(dtype=t.dtype), torch.Size(t.shape), LazyChunks(functools.partial(_record_boxes, t))
             )
         for fqn in [*index.values, *index.rank_local]:
             md[fqn] = BytesStorageMetadata()
