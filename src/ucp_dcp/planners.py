@@ -168,7 +168,7 @@ class UCPSavePlanner(DefaultSavePlanner):
                 items.append(WriteItem(MetadataIndex(rank_local_key(self.rank, fqn)), WriteItemType.BYTE_IO))
             elif isinstance(obj, DTensor):
                 try:
-                    layout = Layout(tuple(obj.device_mesh.shape), tuple(placement_to_str(p) for p in obj.placements))
+                    layout = _layout_for(tuple(obj.device_mesh.shape), tuple(obj.placements))
                 except ValueError as e:
                     raise ValueError(f"tensor {fqn!r}: {e}") from None
                 self._layouts[fqn] = layout
@@ -437,6 +437,13 @@ def _cached_group(group: MeshGroup) -> MeshGroup:
     return cached
 
 
+@functools.lru_cache(maxsize=4096)
+def _layout_for(mesh_shape: tuple[int, ...], placements: tuple[Placement, ...]) -> Layout:
+    # Every parameter of a model shares a handful of layouts: name them once.
+    return Layout(mesh_shape, tuple(placement_to_str(p) for p in placements))
+
+
+@functools.lru_cache(maxsize=4096)
 def _arithmetic_grid(layout: Layout, shape: tuple[int, ...]) -> bool:
     """Whether the layout's chunks (and their holders) follow by arithmetic."""
     try:
