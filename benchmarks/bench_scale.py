@@ -1023,7 +1023,10 @@ def run_job(job: Job) -> dict[str, Any]:
         res["load"] = run_load(job, job.ckpt, load_states, job.mesh)
         res["load"]["wall_s"] = time.perf_counter() - t0
         res["load"]["peak_rss_bytes"] = hwm_bytes()
-        if job.xload_from and os.path.exists(os.path.join(job.xload_from, metadata_file(job.fmt))):
+        if job.xload_from and not os.path.exists(os.path.join(job.xload_from, metadata_file(job.fmt))):
+            log(f"  {job.fmt} fsdp->fsdp_tp W={job.world}: no fsdp checkpoint of this run (failed or reused): "
+                "no xload")
+        elif job.xload_from:
             hwm_reset()
             t0 = time.perf_counter()
             res["xload"] = run_load(job, job.xload_from, load_states, "fsdp->fsdp_tp")
@@ -1312,8 +1315,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None, help="where metadata files go (default: a temp dir)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--reuse", default=None, metavar="JSON",
-                   help="copy the results of formats not run now (--formats) from an earlier scale.json of the "
-                        "same model, e.g. to compare a changed ucp_dcp with a DCP baseline measured before")
+                   help="take over the finished configurations of an earlier scale.json (same model settings) "
+                        "instead of running them again: resume an interrupted run, or compare a changed "
+                        "ucp_dcp with a DCP baseline measured before (with --reuse-formats dcp)")
+    p.add_argument("--reuse-formats", default=None,
+                   help="with --reuse: only take over these formats (comma-separated; default all)")
     a = p.parse_args(argv)
     a.world_sizes = [int(x) for x in (a.world_sizes or ("64,256" if a.quick else "64,1024,4096,16384")).split(",")]
     a.meshes = [m for m in a.meshes.split(",") if m]
@@ -1368,19 +1374,23 @@ def main(argv: list[str] | None = None) -> int:
         doc["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         json_path.write_text(json.dumps(doc, indent=1, default=str))
 
+    reused: dict[tuple[str, str, int], dict[str, Any]] = {}
     if args.reuse:
         old = json.loads(Path(args.reuse).read_text())
         if old.get("model") != doc["model"]:
             print(f"--reuse {args.reuse}: different model settings {old.get('model')}", file=sys.stderr)
             return 2
-        kept = [c for c in old.get("configs", []) if c["format"] not in args.formats
-                and c["mesh"] in args.meshes and c["world_size"] in args.world_sizes]
-        for c in kept:
-            c["reused_from"] = f"{args.reuse} ({old.get('started')})"
-        configs.extend(kept)
+        fmts = args.reuse_formats.split(",") if args.reuse_formats else list(FORMATS)
+        for c in old.get("configs", []):
+            if c.get("status") in ("ok", "skipped") and c["format"] in fmts and c["mesh"] in args.meshes \
+                    and c["world_size"] in args.world_sizes:
+                c["reused_from"] = f"{args.reuse} (started {old.get('started')})"
+                reused[(c["format"], c["mesh"], c["world_size"])] = c
+        # formats not run now are listed up front, the others where they would have run
+        configs.extend(c for k, c in reused.items() if k[0] not in args.formats)
         doc["reused"] = {"from": args.reuse, "started": old.get("started"), "torch": old.get("torch"),
-                         "configs": len(kept)}
-        log(f"reusing {len(kept)} configurations of {sorted({c['format'] for c in kept})} from {args.reuse}")
+                         "configs": sorted(f"{f} {m} {w}" for f, m, w in reused)}
+        log(f"reusing {len(reused)} finished configurations from {args.reuse}")
 
     workroot = tempfile.mkdtemp(prefix="bench_scale_", dir=args.workdir)
     try:
@@ -1388,6 +1398,10 @@ def main(argv: list[str] | None = None) -> int:
             wdir = os.path.join(workroot, f"w{w}")
             for mesh in args.meshes:
                 for fmt in args.formats:
+                    if (fmt, mesh, w) in reused:
+                        configs.append(reused[(fmt, mesh, w)])
+                        log(f"{fmt} {mesh} W={w}: reused ({reused[(fmt, mesh, w)].get('status')})")
+                        continue
                     prev = [c for c in configs if (c["format"], c["mesh"]) == (fmt, mesh)]
                     est = estimate(prev, w)
                     tag = f"{fmt} {mesh} W={w}"
