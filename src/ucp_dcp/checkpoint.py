@@ -13,10 +13,10 @@ import os
 from typing import Any
 
 import torch
-import xxhash
 
 from .format import CheckpointFormatError, Location, TensorRecord, read_header
 from .index import ChunkLocator, load_index
+from .integrity import HASH_BLOCK, chunk_what, hash_range
 from .planners import CheckpointKeyError
 from .progress import ProgressFn
 from .rangeio import RangeReader, Segment
@@ -25,9 +25,6 @@ from .transfer import StagingBuffers, needs_staging, read_checked, read_staged, 
 from .values import decode_value
 
 __all__ = ["Checkpoint"]
-
-_HASH_BLOCK = 16 * 1024 * 1024
-
 
 class Checkpoint:
     """Open checkpoint directory ``path`` for reading in this process.
@@ -133,7 +130,7 @@ class Checkpoint:
                 for r, loc in sorted(per_rank.items())}
 
     def _read_checked(self, loc: Location, what: str) -> bytes:
-        return read_checked(self._reader, loc, self._locator.paths[loc.file], what)
+        return read_checked(self._reader, loc, self._locator.paths[loc.file], what, self.index.files[loc.file].rank)
 
     # ------------------------------------------------------------ verifying
     def verify(self, progress: ProgressFn | None = None) -> list[str]:
@@ -154,7 +151,7 @@ class Checkpoint:
         work: list[tuple[str, Location]] = []
         for name in self.tensor_names():
             try:
-                work += [(f"tensor {name!r} chunk at {list(box.offsets)}", loc) for box, loc in self.chunks(name)]
+                work += [(chunk_what(name, box.offsets), loc) for box, loc in self.chunks(name)]
             except CheckpointFormatError as e:
                 # A damaged header fails every tensor in that file: say it once.
                 if str(e) not in problems:
@@ -164,11 +161,11 @@ class Checkpoint:
                  for k, per_rank in sorted(self.index.rank_local.items()) for r, loc in sorted(per_rank.items())]
         total = sum(loc.nbytes for _, loc in work)
         done = 0
-        buf = bytearray(min(_HASH_BLOCK, max((loc.nbytes for _, loc in work), default=1)))
+        buf = bytearray(min(HASH_BLOCK, max((loc.nbytes for _, loc in work), default=1)))
         for what, loc in work:
             path = self._locator.paths[loc.file]
             try:
-                digest = self._hash(loc, buf)
+                digest = hash_range(self._reader, loc, buf)
             except EOFError as e:  # its message names the file already
                 problems.append(f"{what}: {e}")
                 continue
@@ -181,17 +178,6 @@ class Checkpoint:
             if progress is not None:
                 progress(done, total)
         return problems
-
-    def _hash(self, loc: Location, buf: bytearray) -> str:
-        h = xxhash.xxh3_64()
-        view = memoryview(buf)
-        pos, end = loc.start, loc.start + loc.nbytes
-        while pos < end:
-            n = min(len(view), end - pos)
-            self._reader.read([Segment(loc.file, pos, view[:n])])
-            h.update(view[:n])
-            pos += n
-        return h.hexdigest()
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:

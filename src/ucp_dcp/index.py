@@ -144,13 +144,21 @@ def write_index(directory: str, index: Index) -> None:
     data = json.dumps(index.to_json(), separators=(",", ":")).encode("utf-8")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException:
+        # Disk full, I/O error: the previous index (if any) is untouched; leave no temp file.
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
     fsync_path(directory)
 
 

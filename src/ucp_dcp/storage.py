@@ -10,6 +10,7 @@ staging buffer only for casts and non-CPU destinations).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import io
 import os
@@ -62,6 +63,7 @@ from .format import (
     value_entry_name,
 )
 from .index import ChunkLocator, WrittenEntry, build_index, load_index, write_index
+from .integrity import ChunkVerifier
 from .planners import UCPLoadPlanner, UCPSavePlanner
 from .rangeio import RangeReader, Segment, tensor_view
 from .sharding import Box
@@ -89,10 +91,30 @@ class _WriteRecord:
     compact: int  # chunks of mesh-planned tensors written
 
 
+# Every data-file write goes through this name (looked up at call time), so
+# tests can inject failures such as ENOSPC by monkeypatching it.
+_pwrite = os.pwrite
+
+
 def _write_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
-        n = os.pwrite(fd, data, offset)
+        n = _pwrite(fd, data, offset)
+        if n <= 0:  # never for a regular file, but a zero would spin forever
+            raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset}")
         data, offset = data[n:], offset + n
+
+
+def _restated(e: OSError, msg: str) -> OSError:
+    """A new OSError with message ``msg`` and ``e``'s errno (so callers can still test for ENOSPC)."""
+    return OSError(e.errno, msg) if e.errno is not None else OSError(msg)
+
+
+def _remove_quietly(path: str) -> None:
+    """Remove ``path`` if it exists; best effort (we are already reporting another error)."""
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 class _Directory:
@@ -123,6 +145,11 @@ class UCPStorageWriter(_Directory, StorageWriter):
             new index replaces it; its data files are removed after that.
         sync_files: fsync data files and the index before the save returns.
         align: byte alignment of tensor data in the data files.
+
+    A rank whose write fails (``ENOSPC``, an I/O error) removes its partial
+    data file and raises an ``OSError`` that keeps the errno and names the
+    file and the rank; DCP then never calls :meth:`finish`, so no index is
+    written. A failed index write leaves the previous index in place.
     """
 
     def __init__(
@@ -185,32 +212,53 @@ class UCPStorageWriter(_Directory, StorageWriter):
             return fut
         name, world, save_id, entries, values, header, starts, size = layout
         path = os.path.join(self.path, name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.ftruncate(fd, size)  # padding stays a hole: reads as zeros, costs no writes
-            for i, (item, entry, start) in enumerate(zip(plan.items, entries, starts)):
-                if i in values:
-                    _write_all(fd, memoryview(values[i]), start)
-                    continue
-                t = planner.resolve_data(item)
-                if t.device.type != "cpu":
-                    t = t.cpu()
-                view = tensor_view(t.contiguous())
-                entries[i] = dataclasses.replace(
-                    entry, meta=dataclasses.replace(entry.meta, xxh3=xxhash.xxh3_64_hexdigest(view))
-                )
-                _write_all(fd, view, start)
-                del t, view
-            final, _, _ = layout_file(entries, self.rank, world, save_id, self.align)
-            if len(final) != len(header):  # cannot happen: checksums are fixed-width
-                raise AssertionError(f"{path}: header length changed while writing")
-            _write_all(fd, memoryview(final), 0)
-            if self.sync_files:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise self._write_error(path, e, removed=False) from e
+        try:
+            try:
+                os.ftruncate(fd, size)  # padding stays a hole: reads as zeros, costs no writes
+                for i, (item, entry, start) in enumerate(zip(plan.items, entries, starts)):
+                    if i in values:
+                        _write_all(fd, memoryview(values[i]), start)
+                        continue
+                    t = planner.resolve_data(item)
+                    if t.device.type != "cpu":
+                        t = t.cpu()
+                    view = tensor_view(t.contiguous())
+                    entries[i] = dataclasses.replace(
+                        entry, meta=dataclasses.replace(entry.meta, xxh3=xxhash.xxh3_64_hexdigest(view))
+                    )
+                    _write_all(fd, view, start)
+                    del t, view
+                final, _, _ = layout_file(entries, self.rank, world, save_id, self.align)
+                if len(final) != len(header):  # cannot happen: checksums are fixed-width
+                    raise AssertionError(f"{path}: header length changed while writing")
+                _write_all(fd, memoryview(final), 0)
+                if self.sync_files:
+                    os.fsync(fd)  # may be where a full disk shows (delayed allocation, NFS)
+            finally:
+                os.close(fd)  # so can this (NFS reports write errors at close)
+        except BaseException as e:
+            # A half-written file is no use to anyone and holds space a full
+            # disk needs back; no index will name it (DCP skips finish()).
+            _remove_quietly(path)
+            if isinstance(e, OSError):
+                raise self._write_error(path, e, removed=True) from e
+            raise
         fut.set_result(self._results(plan, planner, name, size, entries, starts))
         return fut
+
+    def _write_error(self, path: str, e: OSError, *, removed: bool) -> OSError:
+        """``e`` restated with the file, this rank and what to do; errno kept for callers."""
+        gone = "; its partial file was removed" if removed else ""
+        msg = (
+            f"rank {self.rank} could not write checkpoint data file {path}: {e.strerror or e}{gone}. "
+            "The save is not committed and a previous checkpoint is untouched: free space (or save "
+            "elsewhere) and save again"
+        )
+        return _restated(e, msg)
 
     def planned_results(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         """What :meth:`write_data` would report for ``plan``, without writing anything.
@@ -293,12 +341,38 @@ class UCPStorageWriter(_Directory, StorageWriter):
         pdata = metadata.planner_data or {}
         compact = compact_records(pdata.get("owners", {}), pdata.get("positions", {}), files, counts)
         index = build_index(pdata.get("world_size", len(results)), files, written, pdata.get("layouts"), compact)
-        write_index(self.path, index)
+        try:
+            write_index(self.path, index)
+        except OSError as e:
+            self._remove_index_temps()
+            msg = (
+                f"could not commit checkpoint {self.path} (writing {INDEX_FILE}): {e.strerror or e}. "
+                "The save is not committed and a previous checkpoint in this directory, if any, is "
+                "intact. Free space (or save elsewhere) and save again; the next save that commits "
+                "here removes this one's data files"
+            )
+            raise _restated(e, msg) from e
         keep = {f.name for f in files}
         for name in os.listdir(self.path):
             # Only our own data files: never delete anything else a user keeps here.
             if name.startswith("rank") and name.endswith(".safetensors") and name not in keep:
                 os.remove(os.path.join(self.path, name))
+
+    def _remove_index_temps(self) -> None:
+        """After a failed index write: remove its temp file (best effort).
+
+        Only the coordinator of a save into this directory writes index temp
+        files, so any left here are ours. The new data files stay: an error
+        (an NFS timeout, say) may be reported after the rename went through,
+        and then they are the committed checkpoint.
+        """
+        try:
+            names = os.listdir(self.path)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(f".{INDEX_FILE}.") and name.endswith(".tmp"):
+                _remove_quietly(os.path.join(self.path, name))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -331,6 +405,16 @@ class UCPStorageReader(_Directory, StorageReader):
             (read directly, see :mod:`ucp_dcp.distcp`): its non-tensor values
             are pickles and are refused by default, naming the key;
             ``"weights_only"`` loads them with ``torch.load(weights_only=True)``.
+        verify: check every saved chunk this rank's reads touch against its
+            recorded xxh3-64 (each chunk once per ``read_data``), raising
+            :class:`~ucp_dcp.integrity.ChecksumError` (naming tensor, chunk,
+            file and writing rank) on a mismatch. A read that fills a whole
+            chunk into contiguous CPU memory is checked by hashing that
+            memory; any other (a reshard reading part of a chunk, a cast, a
+            device destination) reads the whole chunk again to hash it.
+            ``verified_bytes`` / ``verify_seconds`` add up the bytes hashed
+            and the time spent (the extra reads also count in
+            ``bytes_requested``). Values are always checked.
     """
 
     def __init__(
@@ -342,6 +426,7 @@ class UCPStorageReader(_Directory, StorageReader):
         gap_bytes: int | None = None,
         max_request_bytes: int = 16 * _MiB,
         dcp_values: str | None = None,
+        verify: bool = False,
     ) -> None:
         super().__init__()
         if dcp_values not in distcp.DCP_VALUES_MODES:
@@ -356,6 +441,9 @@ class UCPStorageReader(_Directory, StorageReader):
         self.index: Index | None = None
         self.bytes_requested = 0
         self.read_calls = 0
+        self.verify = verify
+        self.verified_bytes = 0
+        self.verify_seconds = 0.0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load, optionally from another directory."""
@@ -419,6 +507,11 @@ class UCPStorageReader(_Directory, StorageReader):
         reader = RangeReader(
             loc.paths, threads=self.io_threads, gap_bytes=self.gap_bytes, max_request_bytes=self.max_request_bytes
         )
+        verifier = (
+            ChunkVerifier(reader, loc.paths, [f.rank for f in self.index.files], block=self.max_request_bytes)
+            if self.verify
+            else None
+        )
         try:
             segments: list[Segment] = []
             pending: list[tuple[ReadItem, torch.Tensor]] = []
@@ -434,32 +527,44 @@ class UCPStorageReader(_Directory, StorageReader):
                 location = loc.locate(fqn, idx)
                 chunk = loc.box(fqn, idx)
                 dest = planner.resolve_tensor(ri)
+                region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
                 if getattr(location, "dim_order", None):  # a DCP item stored transposed (distcp.py)
-                    region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
                     distcp.read_region(reader, location, chunk.sizes, region, src_dtype, dest, self.max_buffer_bytes)
+                    if verifier is not None:
+                        verifier.add(location, fqn, chunk.offsets)
                     planner.commit_tensor(ri, dest)
                     continue
                 if needs_staging(dest, src_dtype):
                     staged.append((ri, dest, location, chunk, src_dtype))
                     continue
-                region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
+                if verifier is not None:
+                    # The destination holds exactly the chunk's bytes after
+                    # the read: hash it there. Otherwise read the chunk again.
+                    whole = region == Box((0,) * len(chunk.sizes), chunk.sizes) and dest.is_contiguous()
+                    verifier.add(location, fqn, chunk.offsets, dest if whole else None)
                 segments.extend(segments_into(location, chunk.sizes, region, dest))
                 pending.append((ri, dest))
                 if len(segments) >= 16384:  # bound the bookkeeping memory, not just the data
-                    self._flush(reader, segments, pending, planner)
-            self._flush(reader, segments, pending, planner)
+                    self._flush(reader, segments, pending, planner, verifier)
+            self._flush(reader, segments, pending, planner, verifier)
             # One staging buffer for all staged items (pinned, double-buffered
             # for CUDA targets); close() waits for the last device copies.
             largest = max((torch.Size(ri.lengths).numel() * sd.itemsize for ri, *_, sd in staged), default=0)
-            with StagingBuffers(self.max_buffer_bytes, largest_bytes=largest) as staging:
+            with StagingBuffers(self.max_buffer_bytes, largest_bytes=largest) as staging_buffers:
                 for ri, dest, location, chunk, src_dtype in staged:
-                    self._read_staged(reader, ri, dest, location, chunk, src_dtype, planner, staging)
+                    self._read_staged(reader, ri, dest, location, chunk, src_dtype, planner, staging_buffers)
+                    if verifier is not None:  # a cast or device copy: the chunk is read again
+                        verifier.add(location, ri.storage_index.fqn, chunk.offsets)
+                        verifier.check()  # right after the read: its pages are likely still cached
             for ri in value_items:
                 planner.load_bytes(ri, io.BytesIO(self._read_value(reader, ri.storage_index.fqn)))
         finally:
             reader.close()
             self.bytes_requested += reader.stats.bytes
             self.read_calls += reader.stats.calls
+            if verifier is not None:
+                self.verified_bytes += verifier.bytes
+                self.verify_seconds += verifier.seconds
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -470,8 +575,11 @@ class UCPStorageReader(_Directory, StorageReader):
         segments: list[Segment],
         pending: list[tuple[ReadItem, torch.Tensor]],
         planner: LoadPlanner,
+        verifier: ChunkVerifier | None = None,
     ) -> None:
         reader.read(segments)
+        if verifier is not None:
+            verifier.check()  # before commit: planners may move the data on
         for ri, dest in pending:
             planner.commit_tensor(ri, dest)
         segments.clear()
@@ -503,8 +611,8 @@ class UCPStorageReader(_Directory, StorageReader):
             location = self.index.rank_local[rl[1]][rl[0]] if rl else self.index.values[key]
         except KeyError:
             raise CheckpointFormatError(f"{self.path}: no saved value for {key!r}") from None
-        path = os.path.join(self.path, self.index.files[location.file].name)
-        return read_checked(reader, location, path, f"value {key!r}")
+        record = self.index.files[location.file]
+        return read_checked(reader, location, os.path.join(self.path, record.name), f"value {key!r}", record.rank)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -21,7 +21,8 @@ from typing import Any, Callable, Iterator
 import torch
 import xxhash
 
-from .format import CheckpointFormatError, Location
+from .format import Location
+from .integrity import ChecksumError
 from .rangeio import RangeReader, Segment, storage_view
 from .sharding import Box, runs, slabs
 
@@ -298,14 +299,19 @@ def read_staged(
         own.read(reader, location, chunk_sizes, region, src_dtype, dest)
 
 
-def read_checked(reader: RangeReader, location: Location, path: str, what: str) -> bytes:
+def read_checked(
+    reader: RangeReader, location: Location, path: str, what: str, rank: int | None = None
+) -> bytes:
     """The bytes at ``location`` (in file ``path``), checked against its checksum.
 
     A location with no checksum (an imported DCP checkpoint) is not checked.
-    ``what`` names the entry in the error.
+    ``what`` names the entry and ``rank`` the file's writing rank in the
+    :class:`~ucp_dcp.integrity.ChecksumError` raised on a mismatch.
     """
     buf = bytearray(location.nbytes)
     reader.read([Segment(location.file, location.start, memoryview(buf))])
-    if location.xxh3 and xxhash.xxh3_64_hexdigest(buf) != location.xxh3:
-        raise CheckpointFormatError(f"{path}: checksum mismatch for {what}: the file is corrupt")
+    if location.xxh3:
+        digest = xxhash.xxh3_64_hexdigest(buf)
+        if digest != location.xxh3:
+            raise ChecksumError(path, what, location.xxh3, digest, rank)
     return bytes(buf)
