@@ -14,8 +14,18 @@ from .checkpoint import Checkpoint
 from .format import FORMAT_VERSION, CheckpointFormatError
 from .handoff import ModuleLoadResult, load_into_module, load_state_dict
 from .index import load_index, rebuild_index
+from .integrity import ChecksumError
+from .manager import (
+    CheckpointConfig,
+    CheckpointManager,
+    CheckpointRestoreError,
+    CheckpointSaveError,
+    NoCheckpointError,
+    ReshardEvent,
+)
 from .planners import CheckpointKeyError, UCPLoadPlanner, UCPSavePlanner
 from .storage import UCPStorageReader, UCPStorageWriter
+from .snapshot import NonFiniteError
 from .values import RankLocal, UnsupportedValueError
 
 __all__ = [
@@ -34,6 +44,14 @@ __all__ = [
     "load_index",
     "rebuild_index",
     "FORMAT_VERSION",
+    "CheckpointManager",
+    "CheckpointConfig",
+    "ReshardEvent",
+    "CheckpointSaveError",
+    "CheckpointRestoreError",
+    "NoCheckpointError",
+    "NonFiniteError",
+    "ChecksumError",
 ]
 
 __version__ = "0.1.0"

@@ -1,0 +1,260 @@
+"""CheckpointManager in one process (no process group): async, isolation, commit, retention, tiers."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+import ucp_dcp.storage
+from manager_utils import assert_state_equal, empty_like_state, flip_byte, make_state
+from ucp_dcp import CheckpointManager, NoCheckpointError
+from ucp_dcp.manager import CheckpointSaveError
+from ucp_dcp.snapshot import NonFiniteError
+from ucp_dcp.tiers import LocalTier
+
+
+def _load(mgr: CheckpointManager, step: int | None = None) -> tuple[int, dict]:
+    target = empty_like_state(make_state(0))
+    got = mgr.load(target, step=step)
+    return got, target
+
+
+def test_round_trip_and_listing(tmp_path) -> None:
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        assert mgr.steps() == []
+        with pytest.raises(NoCheckpointError, match="nothing to restore"):
+            mgr.load(empty_like_state(make_state(0)))
+        for step in (1, 2):
+            assert mgr.save(step, make_state(step))
+        mgr.wait()
+        assert mgr.steps() == [1, 2]
+        step, target = _load(mgr)
+        assert step == 2
+        assert_state_equal(target, make_state(2))
+        step, target = _load(mgr, step=1)
+        assert_state_equal(target, make_state(1))
+        assert [r.step for r in mgr.stats()] == [1, 2]
+        assert all(r.nbytes > 0 and r.tiers == ("persistent",) for r in mgr.stats())
+        assert mgr.verify(2) == []
+    # Only committed step directories, no staging leftovers.
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-000000000001", "step-000000000002"]
+
+
+def test_snapshot_isolation(tmp_path) -> None:
+    state = make_state(3)
+    want = make_state(3)
+    with CheckpointManager(tmp_path, max_in_flight=2) as mgr:
+        mgr.save(3, state)
+        # The training loop changes everything in place right away.
+        for t in state["model"].values():
+            t.add_(1)
+        state["optim"]["state"]["count"].add_(5)
+        state["history"].append(99)
+        state["step"] = 4
+        mgr.wait()
+        _, target = _load(mgr)
+    assert_state_equal(target, want)
+
+
+def test_backpressure_and_in_flight_saves_all_commit(tmp_path) -> None:
+    with CheckpointManager(tmp_path, max_in_flight=2, keep_last=10) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, make_state(step))
+        mgr.wait()
+        assert mgr.steps() == [1, 2, 3, 4, 5]
+        for step in (1, 5):
+            _, target = _load(mgr, step)
+            assert_state_equal(target, make_state(step))
+
+
+def test_background_error_surfaces_and_keeps_earlier_steps(tmp_path, monkeypatch) -> None:
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, make_state(1))
+    mgr.wait()
+
+    def no_space(fd: int, data, offset: int) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ucp_dcp.storage, "_pwrite", no_space)
+    assert mgr.save(2, make_state(2))  # returns: the write fails in the background
+    with pytest.raises(CheckpointSaveError, match="No space left on device") as ei:
+        mgr.wait()
+    assert ei.value.step == 2
+    monkeypatch.undo()
+    assert mgr.steps() == [1]
+    assert sorted(os.listdir(tmp_path)) == ["step-000000000001"], "the failed save left files behind"
+    _, target = _load(mgr)
+    assert_state_equal(target, make_state(1))
+    # The next save works again.
+    mgr.save(3, make_state(3))
+    mgr.close()
+    assert CheckpointManager(tmp_path).steps() == [1, 3]
+
+
+def test_error_surfaces_at_next_save(tmp_path, monkeypatch) -> None:
+    mgr = CheckpointManager(tmp_path)
+
+    def no_space(fd: int, data, offset: int) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ucp_dcp.storage, "_pwrite", no_space)
+    mgr.save(1, make_state(1))
+    mgr._futures[-1].exception()  # let it fail
+    monkeypatch.undo()
+    with pytest.raises(CheckpointSaveError, match="step 1"):
+        mgr.save(2, make_state(2))
+    mgr.save(2, make_state(2))
+    mgr.close()
+    assert CheckpointManager(tmp_path).steps() == [2]
+
+
+def test_sync_mode(tmp_path) -> None:
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(7, make_state(7))
+        assert mgr.steps() == [7]  # committed when save returns
+
+
+def test_nonfinite_error_names_tensors(tmp_path) -> None:
+    state = make_state(1)
+    state["model"]["layer.bias"][3] = float("nan")
+    state["model"]["embed.weight"][0, 0] = float("-inf")
+    with CheckpointManager(tmp_path, nonfinite="error") as mgr:
+        with pytest.raises(NonFiniteError, match=r"refusing to save step 1: NaN/Inf in 2 tensor\(s\): "
+                           r"model\.embed\.weight \(rank 0\), model\.layer\.bias \(rank 0\)"):
+            mgr.save(1, state)
+        assert mgr.steps() == []
+
+
+def test_nonfinite_flag_is_recorded_and_skipped_by_default(tmp_path) -> None:
+    with CheckpointManager(tmp_path, nonfinite="flag") as mgr:
+        mgr.save(1, make_state(1))
+        bad = make_state(2)
+        bad["model"]["layer.bias"][0] = float("inf")
+        mgr.save(2, bad)
+        mgr.wait()
+        assert mgr.steps() == [1, 2]
+        assert mgr.persistent.marker(2).nonfinite == {"model.layer.bias": [0]}
+        step, target = _load(mgr)
+        assert step == 1  # the poisoned step is not picked by default
+        assert_state_equal(target, make_state(1))
+        step, target = _load(mgr, step=2)  # but can be asked for
+        assert_state_equal(target, bad)
+
+
+def test_retention_keep_last_and_every(tmp_path) -> None:
+    with CheckpointManager(tmp_path, keep_last=2, keep_every=4) as mgr:
+        for step in range(1, 10):
+            mgr.save(step, make_state(step))
+        mgr.wait()
+        assert mgr.steps() == [4, 8, 9]
+
+
+@pytest.mark.parametrize("field", ["keep_last", "local_keep_last", "max_in_flight", "persistent_interval"])
+def test_bad_config_is_named(tmp_path, field: str) -> None:
+    with pytest.raises(ValueError, match=f"CheckpointConfig.{field} must be an int >= 1, got 0"):
+        CheckpointManager(tmp_path, **{field: 0})
+
+
+def test_two_tiers_intervals_and_fallback_to_persistent(tmp_path) -> None:
+    local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
+    with CheckpointManager(shared, local=local, persistent_interval=2, local_keep_last=2, keep_last=5) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, make_state(step))
+        mgr.wait()
+        assert LocalTier(local, name="l").steps() == [4, 5]
+        assert LocalTier(shared, name="p").steps() == [2, 4]
+        assert [r.tiers for r in mgr.stats()][:2] == [("local",), ("local", "persistent")]
+        step, target = _load(mgr)
+        assert (step, mgr.last_restore.tier) == (5, "local")
+        assert_state_equal(target, make_state(5))
+    shutil.rmtree(local)  # the node's disk is gone
+    with CheckpointManager(shared, local=local, persistent_interval=2) as mgr:
+        step, target = _load(mgr)
+        assert (step, mgr.last_restore.tier) == (4, "persistent")
+        assert_state_equal(target, make_state(4))
+
+
+def test_corrupt_local_copy_falls_back_to_persistent_copy_of_same_step(tmp_path) -> None:
+    local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
+    with CheckpointManager(shared, local=local) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.save(2, make_state(2))
+        mgr.wait()
+    step_dir = LocalTier(local, name="l").step_path(2)
+    data = [n for n in os.listdir(step_dir) if n.endswith(".safetensors")][0]
+    from ucp_dcp import Checkpoint
+    with Checkpoint(step_dir) as ck:
+        (box, loc), = ck.chunks("model.embed.weight")
+    flip_byte(os.path.join(step_dir, data), random.Random(0), loc.start, loc.start + loc.nbytes)
+    with CheckpointManager(shared, local=local) as mgr:
+        problems = mgr.verify(2, tier="local")
+        assert any(data in p and "corrupt" in p for p in problems), problems
+        assert any("model.embed.weight" in p for p in problems), problems
+        step, target = _load(mgr)
+        assert (step, mgr.last_restore.tier) == (2, "persistent")
+        (attempt,) = mgr.last_restore.failed_attempts
+        assert "step 2 from the local tier failed" in attempt and "model.embed.weight" in attempt
+        assert_state_equal(target, make_state(2))
+
+
+def test_goodput_from_measured_saves(tmp_path) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        for step in range(3):
+            mgr.save(step, make_state(step))
+        mgr.wait()
+        est = mgr.goodput(mtbf_s=3600.0, restart_s=60.0)
+        assert est.saves == 3 and est.blocking_s > 0 and est.write_s > 0 and 0 < est.effective_ratio < 1
+        assert est.optimal_interval_s > 0
+
+
+def test_stats_count_each_rank_s_bytes(tmp_path) -> None:
+    state = {"w": torch.randn(256, 1024)}
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        (rec,) = mgr.stats()
+        assert rec.nbytes >= 256 * 1024 * 4
+
+
+# ---------------------------------------------------------------- object store (moto S3 on loopback)
+import uuid  # noqa: E402
+
+import s3_server  # noqa: E402
+
+s3_bucket = s3_server.s3_bucket  # the session fixture, made visible to this module
+
+
+def test_s3_tier_round_trip_and_restore_into_local(tmp_path, s3_bucket) -> None:
+    url, options = s3_bucket
+    root = f"{url}/mgr-{uuid.uuid4().hex[:8]}"
+    local = str(tmp_path / "local")
+    # Straight to S3 (no local tier): staged in a scratch directory, uploaded, marker last.
+    with CheckpointManager(root, storage_options=options, keep_last=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, make_state(step))
+        mgr.wait()
+        assert mgr.steps() == [2, 3]
+        assert mgr.verify(3) == []
+        step, target = _load(mgr)
+        assert (step, mgr.last_restore.tier) == (3, "persistent")
+        assert_state_equal(target, make_state(3))
+    # A job with a local tier restores from S3 and keeps the copy locally.
+    with CheckpointManager(root, storage_options=options, local=local) as mgr:
+        step, target = _load(mgr)
+        assert (step, mgr.last_restore.tier) == (3, "persistent")
+        assert_state_equal(target, make_state(3))
+        assert LocalTier(local, name="l").steps() == [3]
+        step, target = _load(mgr)
+        assert (step, mgr.last_restore.tier) == (3, "local")
+        # Saves drain from the local tier to S3.
+        mgr.save(4, make_state(4))
+        mgr.wait()
+        assert mgr.persistent.steps() == [2, 3, 4]  # keep_last=3 by default
+    with CheckpointManager(root, storage_options=options) as mgr:
+        step, target = _load(mgr)
+        assert_state_equal(target, make_state(4))
