@@ -17,7 +17,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from dist_utils import bit_equal
 
 D, FF, V = 20, 50, 37
 
@@ -118,3 +121,23 @@ def scramble(state: dict[str, Any]) -> None:
     for v in flat.values():
         if isinstance(v, torch.Tensor):
             (v.to_local() if isinstance(v, DTensor) else v).fill_(13)
+
+
+def check_against(state: dict[str, Any], ref: dict[str, Any], what: str) -> None:
+    """Assert ``state`` (this rank's shards) is bit-equal to the full tensors in ``ref``.
+
+    DTensors are compared shard by shard against the matching slice of the
+    reference; other tensors whole; plain values by value and type.
+    """
+    flat, _ = flatten_state_dict(state)
+    assert set(flat) == set(ref), f"{what}: keys differ: {set(flat) ^ set(ref)}"
+    for k, expected in ref.items():
+        got = flat[k]
+        if isinstance(got, DTensor):
+            sizes, offsets = compute_local_shape_and_global_offset(got.shape, got.device_mesh, got.placements)
+            want = expected[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+            assert bit_equal(got.to_local(), want), f"{what}: local shard of {k} differs"
+        elif isinstance(got, torch.Tensor):
+            assert bit_equal(got, expected), f"{what}: {k} differs"
+        else:
+            assert got == expected and type(got) is type(expected), f"{what}: {k}: {got!r} != {expected!r}"

@@ -4,36 +4,17 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dist_utils import bit_equal, run_ranks
-from layouts import build, full_reference, scramble, train_state, train_step
+from dist_utils import run_ranks
+from layouts import build, check_against, full_reference, scramble, train_state, train_step
 from ucp_dcp import CheckpointManager, ReshardEvent
 from ucp_dcp.tiers import LocalTier
 
 pytestmark = pytest.mark.multiproc
-
-
-def _check(state: dict[str, Any], ref: dict[str, Any], what: str) -> None:
-    flat, _ = flatten_state_dict(state)
-    assert set(flat) == set(ref), f"{what}: keys differ: {set(flat) ^ set(ref)}"
-    for k, want in ref.items():
-        got = flat[k]
-        if isinstance(got, DTensor):
-            sizes, offsets = compute_local_shape_and_global_offset(got.shape, got.device_mesh, got.placements)
-            want = want[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
-            got = got.to_local()
-        if isinstance(want, torch.Tensor):
-            assert bit_equal(got, want), f"{what}: {k} differs"
-        else:
-            assert got == want, f"{what}: {k}: {got!r} != {want!r}"
 
 
 def _save_fsdp(rank: int, world: int, root: str) -> None:
@@ -66,7 +47,7 @@ def _restore_elastic(rank: int, world: int, root: str) -> None:
     assert step == 3
     assert events == [ReshardEvent(3, 4, world, "persistent")], events
     ref = torch.load(os.path.join(root, "ref.pt"), weights_only=False)
-    _check(state, ref, f"rank {rank} of {world}")
+    check_against(state, ref, f"rank {rank} of {world}")
 
 
 def test_saved_on_4_restored_on_3_with_callbacks(tmp_path) -> None:
@@ -104,7 +85,7 @@ def _peer_restore(rank: int, world: int, base: str, expect_tier: str, expect_ste
         step = mgr.load(state)
         assert (step, mgr.last_restore.tier) == (expect_step, expect_tier), mgr.last_restore
     if expect_step == 3:
-        _check(state, torch.load(os.path.join(base, "ref3.pt"), weights_only=False), f"rank {rank}")
+        check_against(state, torch.load(os.path.join(base, "ref3.pt"), weights_only=False), f"rank {rank}")
 
 
 def test_peer_copy_and_persistent_fallback(tmp_path) -> None:

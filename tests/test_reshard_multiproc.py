@@ -14,12 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dist_utils import bit_equal, run_ranks
-from layouts import build, full_reference, scramble, train_state, train_step
+from layouts import build, check_against, full_reference, scramble, train_state, train_step
 from ucp_dcp import RankLocal, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 
 pytestmark = pytest.mark.multiproc
@@ -50,21 +47,6 @@ def _save_sources(rank: int, world: int, root: str, layouts: list[str], use_asyn
             torch.save({"ref": ref, "world": world}, os.path.join(root, f"{layout}.ref.pt"))
 
 
-def _check_against(rank: int, state: dict[str, Any], ref: dict[str, Any], what: str) -> None:
-    flat, _ = flatten_state_dict(state)
-    assert set(flat) == set(ref), f"{what}: keys differ: {set(flat) ^ set(ref)}"
-    for k, expected in ref.items():
-        got = flat[k]
-        if isinstance(got, DTensor):
-            sizes, offsets = compute_local_shape_and_global_offset(got.shape, got.device_mesh, got.placements)
-            want = expected[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
-            assert bit_equal(got.to_local(), want), f"{what}: rank {rank} local shard of {k} differs"
-        elif isinstance(got, torch.Tensor):
-            assert bit_equal(got, expected), f"{what}: rank {rank} {k} differs"
-        else:
-            assert got == expected and type(got) is type(expected), f"{what}: {k}: {got!r} != {expected!r}"
-
-
 def _load_targets(rank: int, world: int, root: str, pairs: list[tuple[str, str]]) -> None:
     for source, target in pairs:
         what = f"{source} -> {target}"
@@ -80,7 +62,7 @@ def _load_targets(rank: int, world: int, root: str, pairs: list[tuple[str, str]]
         extra = RankLocal(None) if same_world else RankLocal(None, reshard=reshard)
         sd = {**state, "step": 0, "extra": extra}
         dcp.load(sd, storage_reader=UCPStorageReader(os.path.join(root, source)), planner=UCPLoadPlanner())
-        _check_against(rank, {"model": sd["model"], "optim": sd["optim"]}, saved["ref"], what)
+        check_against({"model": sd["model"], "optim": sd["optim"]}, saved["ref"], f"rank {rank}: {what}")
         assert sd["step"] == 2, what
         if same_world:
             want = _extra(rank)

@@ -430,7 +430,7 @@ def _instrument(monkeypatch: pytest.MonkeyPatch, crasher: _Crasher) -> None:
     proxy.rename = wrap(os.rename)  # type: ignore[attr-defined]
     proxy.replace = wrap(os.replace)  # type: ignore[attr-defined]
     monkeypatch.setattr(tiers, "os", proxy)
-    for name in ("fsync_path", "_exchange", "_write_durable", "_fsync_file"):
+    for name in ("fsync_path", "_exchange", "write_bytes_durable", "_fsync_file"):
         monkeypatch.setattr(tiers, name, wrap(getattr(tiers, name)))
     real_remove = tiers._remove_dir
 

@@ -142,15 +142,8 @@ def write_index(directory: str, index: Index) -> None:
     final = os.path.join(directory, INDEX_FILE)
     tmp = os.path.join(directory, f".{INDEX_FILE}.{uuid.uuid4().hex[:8]}.tmp")
     data = json.dumps(index.to_json(), separators=(",", ":")).encode("utf-8")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_bytes_durable(tmp, data, exclusive=True)
         os.replace(tmp, final)
     except BaseException:
         # Disk full, I/O error: the previous index (if any) is untouched; leave no temp file.
@@ -160,6 +153,23 @@ def write_index(directory: str, index: Index) -> None:
             pass
         raise
     fsync_path(directory)
+
+
+def write_bytes_durable(path: str, data: bytes, *, exclusive: bool = False) -> None:
+    """Write ``data`` to ``path`` (created, or truncated unless ``exclusive``) and fsync it.
+
+    ``exclusive`` refuses an existing file (``O_EXCL``), for temp names that
+    must be fresh. The caller renames into place and fsyncs the directory.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+    fd = os.open(path, flags, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_path(directory: str) -> None:

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from .format import CheckpointFormatError
-from .index import fsync_path
+from .index import fsync_path, write_bytes_durable
 
 __all__ = [
     "MARKER_FILE",
@@ -400,17 +400,6 @@ class Tier(ABC):
 # ---------------------------------------------------------------- local helpers
 
 
-def _write_durable(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_file(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -652,7 +641,7 @@ class LocalTier(Tier):
         if name == MARKER_FILE:
             raise ValueError(f"{self._where()}: {MARKER_FILE} is written by commit(), not put_bytes()")
         _, staging = self._staging_step(staging)
-        _write_durable(os.path.join(staging, name), data)
+        write_bytes_durable(os.path.join(staging, name), data)
 
     def commit(self, staging: str, marker: CommitMarker) -> None:
         """Make ``staging`` the committed ``step-N`` (see the class docstring for the layout).
@@ -683,7 +672,7 @@ class LocalTier(Tier):
         #    leaves a .tmp- dir, never listed (steps() only reads step-*);
         #    cleanup() removes it. No committed step was touched.
         tmp = os.path.join(staging, _tmp_name(MARKER_FILE))
-        _write_durable(tmp, marker.encode())
+        write_bytes_durable(tmp, marker.encode())
         os.replace(tmp, os.path.join(staging, MARKER_FILE))
         # 2. fsync the staging dir: the marker's and the data files' directory
         #    entries are durable before the directory can become visible, so a

@@ -1,0 +1,1102 @@
+#!/usr/bin/env python
+"""CheckpointManager benchmark: save blocking time, training interference, restore per tier, checksum cost.
+
+One process, no process group: every timing here is what one rank pays.
+Multi-rank behaviour (collective commits, peer replication, fallback across
+nodes) is covered by the tests (``tests/test_manager_multiproc.py``), not
+timed here.
+
+The state (``--mb`` MiB, default 1024) looks like a mixed-precision model
+plus AdamW: ``--layers`` (24) transformer blocks of hidden size H (chosen so
+the total is closest to ``--mb``) with ``qkv [3H, H]``, ``o [H, H]``,
+``up [4H, H]``, ``down [H, 4H]`` and two norms ``[H]``, an embedding
+``[8H, H]`` and a final norm. Weights are bf16, ``exp_avg``/``exp_avg_sq``
+fp32, every weight has a 0-d ``step`` tensor, and the optimizer has a
+``param_groups`` entry and an int ``step`` (non-tensor values).
+
+Each measurement is repeated ``--repeat`` times (default 3) and the median is
+reported; every ratio compares numbers measured in the same run, since the
+machine is shared and absolute times drift.
+
+1. **Blocking time of one save**, interleaved per repetition:
+   (a) ``dcp.save`` with DCP's ``FileSystemWriter`` (the baseline; fsyncs its
+   files), (b) ``dcp.save`` with ``UCPStorageWriter``/``UCPSavePlanner``
+   (fsyncs too), (c) ``dcp.async_save`` with ``FileSystemWriter``: time until
+   it returns (DCP stages a fresh CPU copy each call), then its future is
+   awaited (reported as the write time), (d) ``CheckpointManager.save``
+   (persistent tier = a local directory, no local tier): the first save of a
+   fresh manager (cold: host buffers allocated and faulted in) and the next
+   ``--warm-saves`` saves (warm: buffers reused), each awaited with
+   ``wait()`` before the next, plus the background ``write_s`` from
+   ``stats()`` (``dcp.save`` + fsync + whole-file xxh3-128 + commit marker +
+   rename). The blocking times are timed around the call; ``stats()``'s own
+   ``blocking_s`` is recorded too. Before (c) and before the cold save, glibc's
+   ``malloc_trim(0)`` hands memory freed by earlier measurements back to the
+   OS, so both really allocate fresh pages (otherwise the allocator may
+   recycle (c)'s freed copy and "cold" would depend on run order). Also
+   measured: a plain ``copy_`` of every tensor into preallocated buffers
+   (the floor of a warm save).
+2. **Training-step slowdown during a background write**: a fixed CPU
+   "training step" (``--matmuls`` chained 1024x1024 fp32 matmuls with
+   ``torch.set_num_threads(1)``) is timed alone (``--steps`` steps) and then
+   repeatedly while a warm ``CheckpointManager`` save writes in the
+   background (steps run until a thread blocked in ``mgr.wait()`` returns).
+   Reported: median step time during the write / alone, steps run during
+   the write, and the write time under contention. The same is done while
+   a ``dcp.async_save`` future is pending, for comparison.
+3. **Restore time per tier**, verify on: a manager that only knows the
+   tier loads the newest step (``load()``; ``last_restore.tier`` is checked
+   to be the expected tier): a local tier under ``--dir``, a local tier on
+   ``/dev/shm`` (if it exists), the persistent tier as a local directory,
+   and an S3 persistent tier served by moto on 127.0.0.1 (restore =
+   download into a temporary directory + fsync + load). Each checkpoint is
+   written by one manager and loaded by fresh managers (like a restart).
+   Baselines: ``dcp.load`` with ``FileSystemReader`` of the same state from
+   the same disk, and ``dcp.load`` with ``UCPStorageReader`` directly. The
+   first load from each tier is compared bit for bit with the state.
+4. **Checksum cost**: managers on the local tier with ``verify_on_load``
+   True vs False (interleaved), the same with ``UCPStorageReader`` directly
+   (its ``verify_seconds`` / load time), 3x ``--repeat`` loads each since
+   they are short, and raw xxh3-64 / xxh3-128 hashing throughput over the
+   state's bytes (single thread, in memory). ``verify_seconds`` is the
+   steadiest of these: it times only the hashing.
+
+Caveats:
+
+* The machine has few cores (2 on the development VM) and is shared with
+  other jobs: timings drift, which is why ratios to a baseline measured in
+  the same run are what to read. In section 2 the training step takes one
+  core and the background writer the other; on a 2-core machine there is
+  nothing spare for the rest (the OS, other jobs).
+* Reads are page-cache warm: every checkpoint was just written, and the
+  page cache is not dropped (that needs root), so restores measure
+  deserialisation, checksums and memory copies, not the disk. ``--evict``
+  evicts each checkpoint's files with ``posix_fadvise(POSIX_FADV_DONTNEED)``
+  before each timed load (works without root for files already fsynced; a
+  no-op on tmpfs), which makes local-disk reads cold.
+* Writers fsync (DCP's ``FileSystemWriter`` and ``UCPStorageWriter`` both
+  default to ``sync_files=True``; the tiers fsync files and directories), so
+  save times include getting the bytes to the disk.
+* The S3 server is moto on loopback, in this process (threads sharing the
+  GIL with the client): it measures the S3 protocol path (s3fs, HTTP,
+  multipart upload, download, fsync), not a network or a real object store.
+
+Usage::
+
+    python benchmarks/bench_manager.py                  # 1024 MiB state, 3 repeats
+    python benchmarks/bench_manager.py --quick          # 64 MiB smoke check
+    python benchmarks/bench_manager.py --mb 512 --repeat 5 --dir /nvme/tmp
+
+See benchmarks/README.md for results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import os
+import platform
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from ucp_dcp import CheckpointManager, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
+from ucp_dcp.rangeio import tensor_view
+
+MiB = 1 << 20
+GB = 1e9
+
+# The target the manager's blocking time aims for, relative to a synchronous
+# DCP save; printed next to the numbers, never asserted.
+TARGET_BLOCKING_RATIO = 0.1
+
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------
+# State
+# --------------------------------------------------------------------------
+
+
+def state_bytes_for(hidden: int, layers: int) -> int:
+    """Tensor bytes of the state for hidden size ``hidden`` (10 bytes per weight element, plus 0-d steps)."""
+    h = hidden
+    per_layer = 3 * h * h + h * h + 4 * h * h + 4 * h * h + 2 * h
+    weights = layers * per_layer + 8 * h * h + h
+    n_weights = layers * 6 + 2
+    return 10 * weights + 4 * n_weights
+
+
+def choose_hidden(mb: float, layers: int) -> int:
+    """The multiple of 16 whose state size is closest to ``mb`` MiB."""
+    target = mb * MiB
+    best = 16
+    for h in range(16, 65536, 16):
+        if abs(state_bytes_for(h, layers) - target) < abs(state_bytes_for(best, layers) - target):
+            best = h
+        if state_bytes_for(h, layers) > target:
+            break
+    return best
+
+
+def build_state(hidden: int, layers: int, seed: int = 0) -> dict[str, Any]:
+    """Model (bf16) + AdamW (fp32 exp_avg, exp_avg_sq, 0-d step) + a few plain values, nested like
+    ``get_state_dict`` output."""
+    g = torch.Generator().manual_seed(seed)
+    h = hidden
+    shapes: list[tuple[str, tuple[int, ...]]] = [("embed.weight", (8 * h, h))]
+    for i in range(layers):
+        shapes += [
+            (f"layers.{i}.attn_norm.weight", (h,)),
+            (f"layers.{i}.attn.qkv.weight", (3 * h, h)),
+            (f"layers.{i}.attn.o.weight", (h, h)),
+            (f"layers.{i}.mlp_norm.weight", (h,)),
+            (f"layers.{i}.mlp.up.weight", (4 * h, h)),
+            (f"layers.{i}.mlp.down.weight", (h, 4 * h)),
+        ]
+    shapes.append(("norm.weight", (h,)))
+    model: dict[str, torch.Tensor] = {}
+    optim_state: dict[str, Any] = {}
+    for name, shape in shapes:
+        model[name] = torch.randn(shape, generator=g).to(torch.bfloat16)
+        optim_state[name] = {
+            "exp_avg": torch.randn(shape, generator=g).mul_(1e-3),
+            "exp_avg_sq": torch.randn(shape, generator=g).square_().mul_(1e-6),
+            "step": torch.tensor(1000.0),
+        }
+    group = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+             "params": [n for n, _ in shapes]}
+    return {"model": model, "optim": {"state": optim_state, "param_groups": [group]}, "step": 1000}
+
+
+def tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors(v)
+
+
+def leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    else:
+        yield prefix, obj
+
+
+def empty_like_state(state: Any) -> Any:
+    """Same structure; tensors zero-filled (allocated and faulted in), plain values replaced."""
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    if isinstance(state, dict):
+        return {k: empty_like_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [empty_like_state(v) for v in state]
+    if isinstance(state, (int, float)):
+        return -1
+    return state
+
+
+def zero_fill(state: Any) -> None:
+    for t in tensors(state):
+        t.zero_()
+
+
+def compare(got: Any, want: Any) -> list[str]:
+    """Bit-exact comparison of every leaf (tensors by their bytes)."""
+    have = dict(leaves(got))
+    errors = []
+    for path, w in leaves(want):
+        g = have.get(path)
+        if isinstance(w, torch.Tensor):
+            if not (isinstance(g, torch.Tensor) and g.dtype == w.dtype and g.shape == w.shape
+                    and torch.equal(g.view(torch.uint8) if g.dim() else g, w.view(torch.uint8) if w.dim() else w)):
+                errors.append(f"{path}: tensor differs")
+        elif g != w:
+            errors.append(f"{path}: {g!r} != {w!r}")
+    return errors
+
+
+def nbytes_of(state: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors(state))
+
+
+# --------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------
+
+
+def med(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class Dirs:
+    """Fresh, uniquely named directories under one root; removed on request."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def fresh(self, name: str) -> str:
+        path = os.path.join(self.root, f"{name}-{uuid.uuid4().hex[:6]}")
+        os.makedirs(path)
+        return path
+
+
+def rmtree(path: str | None) -> None:
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _load_libc() -> Any:
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
+
+
+def trim_heap() -> None:
+    """Give memory freed by earlier measurements back to the OS (glibc ``malloc_trim``).
+
+    Without it a "fresh" allocation may be served from pages an earlier
+    measurement freed (glibc keeps freed heap memory, and its mmap threshold
+    adapts upward), so whether a cold copy pays for first-touch page faults
+    would depend on what ran before it.
+    """
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def evict(path: str) -> None:
+    """Drop the (clean) page-cache pages of every file under ``path``; no-op on tmpfs."""
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def fs_type(path: str) -> str | None:
+    """File system type of the mount holding ``path`` (from /proc/mounts)."""
+    path = os.path.realpath(path)
+    best, kind = "", None
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")):
+                    if len(parts[1]) >= len(best):
+                        best, kind = parts[1], parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def machine_info(work: str) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "xxhash": xxhash.VERSION,
+        "malloc_trim": _LIBC is not None,
+        "dir": work,
+        "dir_fs": fs_type(work),
+        "dev_shm": os.path.isdir("/dev/shm"),
+    }
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    info["mem_total_gib"] = int(line.split()[1]) / (1 << 20)
+    except OSError:
+        pass
+    try:
+        with open("/proc/loadavg") as f:
+            info["loadavg_at_start"] = f.read().split()[:3]
+    except OSError:
+        pass
+    return info
+
+
+# --------------------------------------------------------------------------
+# S3 (moto on loopback), after tests/s3_server.py
+# --------------------------------------------------------------------------
+
+
+def have_s3() -> str | None:
+    """None if the S3 measurement can run, else why not."""
+    import importlib.util
+
+    try:
+        missing = [m for m in ("boto3", "moto.server", "s3fs", "flask") if importlib.util.find_spec(m) is None]
+    except ImportError as e:
+        return f"import check failed: {e}"
+    return f"not installed: {', '.join(missing)} (pip install 'moto[server]' s3fs)" if missing else None
+
+
+@contextlib.contextmanager
+def moto_s3() -> Iterator[tuple[str, dict[str, Any]]]:
+    """moto's S3 server on 127.0.0.1 (free port), a new bucket; yields ``(url, storage_options)``.
+
+    Fake credentials are set in the environment only while it runs; user
+    AWS configuration is masked, and loopback bypasses any proxy.
+    """
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.CRITICAL)  # request lines; moto tracebacks on client retries
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SECURITY_TOKEN": "testing",
+        "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": "/dev/null",
+        "AWS_SHARED_CREDENTIALS_FILE": "/dev/null", "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+    }
+    drop = ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+    saved = {k: os.environ.get(k) for k in (*env, *drop)}
+    os.environ.update(env)
+    for k in drop:
+        os.environ.pop(k, None)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        bucket = f"ucp-bench-{uuid.uuid4().hex[:8]}"
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                     region_name="us-east-1").create_bucket(Bucket=bucket)
+        yield f"s3://{bucket}", {"key": "testing", "secret": "testing",
+                                 "client_kwargs": {"endpoint_url": endpoint}}
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# --------------------------------------------------------------------------
+# 1. Blocking time of a save
+# --------------------------------------------------------------------------
+
+
+def copy_floor(state: dict[str, Any], repeat: int) -> list[float]:
+    """Seconds to copy_ every tensor into preallocated (already faulted-in) buffers."""
+    srcs = list(tensors(state))
+    bufs = [torch.empty_like(t) for t in srcs]
+    for b, s in zip(bufs, srcs):
+        b.copy_(s)  # fault the pages in
+    runs = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for b, s in zip(bufs, srcs):
+            b.copy_(s)
+        runs.append(time.perf_counter() - t0)
+    del bufs
+    return runs
+
+
+def bench_blocking(state: dict[str, Any], dirs: Dirs, args: argparse.Namespace, res: dict[str, Any]) -> str:
+    """Section 1; returns the directory of the last DCP checkpoint (kept for the load baseline)."""
+    r: dict[str, list[float]] = {k: [] for k in (
+        "dcp_sync_s", "ucp_sync_s", "dcp_async_blocking_s", "dcp_async_total_s",
+        "mgr_cold_blocking_s", "mgr_warm_blocking_s", "mgr_cold_blocking_s_internal",
+        "mgr_warm_blocking_s_internal", "mgr_cold_write_s", "mgr_warm_write_s")}
+    r["copy_floor_s"] = copy_floor(state, args.repeat)
+    keep_dcp: str | None = None
+    for i in range(args.repeat):
+        # (a) DCP, synchronous, FileSystemWriter
+        d = dirs.fresh("dcp-sync")
+        t0 = time.perf_counter()
+        dcp.save(state, storage_writer=FileSystemWriter(d))
+        r["dcp_sync_s"].append(time.perf_counter() - t0)
+        if i == args.repeat - 1:
+            keep_dcp = d
+        else:
+            rmtree(d)
+        # (b) DCP, synchronous, UCPStorageWriter
+        d = dirs.fresh("ucp-sync")
+        t0 = time.perf_counter()
+        dcp.save(state, storage_writer=UCPStorageWriter(d), planner=UCPSavePlanner())
+        r["ucp_sync_s"].append(time.perf_counter() - t0)
+        rmtree(d)
+        gc.collect()
+        # (c) DCP async_save, FileSystemWriter (stages a fresh CPU copy per call)
+        d = dirs.fresh("dcp-async")
+        trim_heap()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(state, storage_writer=FileSystemWriter(d))
+        r["dcp_async_blocking_s"].append(time.perf_counter() - t0)
+        fut.result()
+        r["dcp_async_total_s"].append(time.perf_counter() - t0)
+        del fut
+        rmtree(d)
+        gc.collect()
+        # (d) CheckpointManager: cold first save, then warm saves
+        root = dirs.fresh("mgr")
+        mgr = CheckpointManager(root, keep_last=1)
+        trim_heap()
+        try:
+            for s in range(1 + args.warm_saves):
+                t0 = time.perf_counter()
+                mgr.save(s, state)
+                dt = time.perf_counter() - t0
+                mgr.wait()
+                rec = mgr.stats()[-1]
+                kind = "cold" if s == 0 else "warm"
+                r[f"mgr_{kind}_blocking_s"].append(dt)
+                r[f"mgr_{kind}_blocking_s_internal"].append(rec.blocking_s)
+                r[f"mgr_{kind}_write_s"].append(rec.write_s)
+                if s == 0:
+                    res.setdefault("mgr_save_nbytes", rec.nbytes)
+        finally:
+            mgr.close()
+            del mgr
+            rmtree(root)
+            gc.collect()
+        log(f"  blocking repeat {i + 1}/{args.repeat}: dcp sync {r['dcp_sync_s'][-1]:.2f}s, "
+            f"ucp sync {r['ucp_sync_s'][-1]:.2f}s, dcp async {r['dcp_async_blocking_s'][-1]:.3f}s "
+            f"(total {r['dcp_async_total_s'][-1]:.2f}s), mgr cold {r['mgr_cold_blocking_s'][-1]:.3f}s "
+            f"warm {r['mgr_warm_blocking_s'][-1]:.3f}s write {r['mgr_warm_write_s'][-1]:.2f}s")
+    res["raw"] = r
+    m = {k: med(v) for k, v in r.items()}
+    res["median"] = m
+    res["ratios"] = {
+        "ucp_sync_over_dcp_sync": ratio(m["ucp_sync_s"], m["dcp_sync_s"]),
+        "dcp_async_blocking_over_dcp_sync": ratio(m["dcp_async_blocking_s"], m["dcp_sync_s"]),
+        "mgr_warm_over_dcp_sync": ratio(m["mgr_warm_blocking_s"], m["dcp_sync_s"]),
+        "mgr_cold_over_dcp_sync": ratio(m["mgr_cold_blocking_s"], m["dcp_sync_s"]),
+        "mgr_warm_over_dcp_async": ratio(m["mgr_warm_blocking_s"], m["dcp_async_blocking_s"]),
+        "mgr_cold_over_dcp_async": ratio(m["mgr_cold_blocking_s"], m["dcp_async_blocking_s"]),
+        "mgr_warm_over_copy_floor": ratio(m["mgr_warm_blocking_s"], m["copy_floor_s"]),
+        "mgr_warm_write_over_dcp_sync": ratio(m["mgr_warm_write_s"], m["dcp_sync_s"]),
+    }
+    # Paired ratios: each repetition's numbers against the baseline of the same
+    # repetition (less sensitive to drift on a shared machine than a ratio of medians).
+    w = args.warm_saves
+    warm_by_rep = [med(r["mgr_warm_blocking_s"][i * w:(i + 1) * w]) for i in range(args.repeat)] if w else []
+    paired = {
+        "mgr_warm_over_dcp_sync": [ratio(x, y) for x, y in zip(warm_by_rep, r["dcp_sync_s"])],
+        "mgr_cold_over_dcp_sync": [ratio(x, y) for x, y in zip(r["mgr_cold_blocking_s"], r["dcp_sync_s"])],
+        "mgr_warm_over_dcp_async": [ratio(x, y) for x, y in zip(warm_by_rep, r["dcp_async_blocking_s"])],
+        "ucp_sync_over_dcp_sync": [ratio(x, y) for x, y in zip(r["ucp_sync_s"], r["dcp_sync_s"])],
+    }
+    res["paired_ratios"] = paired
+    res["paired_ratio_medians"] = {k: med([x for x in v if x is not None]) for k, v in paired.items()}
+    assert keep_dcp is not None
+    return keep_dcp
+
+
+# --------------------------------------------------------------------------
+# 2. Training-step slowdown during a background write
+# --------------------------------------------------------------------------
+
+
+class Trainer:
+    """A fixed CPU "training step": chained 1024x1024 fp32 matmuls on one thread."""
+
+    def __init__(self, matmuls: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.a = torch.randn(1024, 1024, generator=g)
+        self.w = [torch.randn(1024, 1024, generator=g) / 32 for _ in range(matmuls)]
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        x = self.a
+        for w in self.w:
+            x = torch.tanh(x @ w)
+        return time.perf_counter() - t0
+
+
+def steps_until(trainer: Trainer, done: Callable[[], bool]) -> list[float]:
+    out = []
+    while not done():
+        out.append(trainer.step())
+    return out
+
+
+def bench_interference(state: dict[str, Any], dirs: Dirs, args: argparse.Namespace, res: dict[str, Any]) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    trainer = Trainer(args.matmuls)
+    for _ in range(3):
+        trainer.step()  # warm-up
+    r: dict[str, list[Any]] = {k: [] for k in (
+        "alone_step_s", "mgr_during_step_s", "mgr_steps_during_write", "mgr_write_s", "mgr_write_wall_s",
+        "mgr_blocking_s", "dcp_async_during_step_s", "dcp_async_steps_during_write", "dcp_async_write_wall_s",
+        "dcp_async_blocking_s")}
+    root = dirs.fresh("mgr-interference")
+    mgr = CheckpointManager(root, keep_last=1)
+    try:
+        mgr.save(0, state)  # allocate the staging buffers (cold save, not measured here)
+        mgr.wait()
+        for i in range(args.repeat):
+            alone = [trainer.step() for _ in range(args.steps)]
+            r["alone_step_s"].append(alone)
+            # manager save: blocking part, then steps while it writes
+            t0 = time.perf_counter()
+            mgr.save(i + 1, state)
+            t1 = time.perf_counter()
+            waiter = threading.Thread(target=mgr.wait, name="bench-wait")
+            waiter.start()
+            during = steps_until(trainer, lambda: not waiter.is_alive())
+            waiter.join()
+            r["mgr_write_wall_s"].append(time.perf_counter() - t1)
+            r["mgr_blocking_s"].append(t1 - t0)
+            r["mgr_during_step_s"].append(during)
+            r["mgr_steps_during_write"].append(len(during))
+            r["mgr_write_s"].append(mgr.stats()[-1].write_s)
+            # DCP async_save: its staging blocks, then steps while its future is pending
+            d = dirs.fresh("dcp-async-interference")
+            t0 = time.perf_counter()
+            fut = dcp.async_save(state, storage_writer=FileSystemWriter(d))
+            t1 = time.perf_counter()
+            during = steps_until(trainer, fut.done)
+            fut.result()
+            r["dcp_async_write_wall_s"].append(time.perf_counter() - t1)
+            r["dcp_async_blocking_s"].append(t1 - t0)
+            r["dcp_async_during_step_s"].append(during)
+            r["dcp_async_steps_during_write"].append(len(during))
+            del fut
+            rmtree(d)
+            gc.collect()
+            log(f"  interference repeat {i + 1}/{args.repeat}: step alone {med(alone) * 1e3:.1f} ms, "
+                f"during mgr write {_ms(med(r['mgr_during_step_s'][-1]))} ({len(r['mgr_during_step_s'][-1])} steps, "
+                f"write {r['mgr_write_s'][-1]:.2f}s), during dcp async {_ms(med(r['dcp_async_during_step_s'][-1]))} "
+                f"({len(r['dcp_async_during_step_s'][-1])} steps)")
+    finally:
+        mgr.close()
+        rmtree(root)
+        torch.set_num_threads(threads)
+    res["raw"] = r
+    flat = lambda k: [x for xs in r[k] for x in xs]  # noqa: E731
+    alone, mgr_during, dcp_during = med(flat("alone_step_s")), med(flat("mgr_during_step_s")), med(
+        flat("dcp_async_during_step_s"))
+    res["median"] = {
+        "alone_step_s": alone,
+        "mgr_during_step_s": mgr_during,
+        "mgr_steps_during_write": med(r["mgr_steps_during_write"]),
+        "mgr_write_s": med(r["mgr_write_s"]),
+        "mgr_write_wall_s": med(r["mgr_write_wall_s"]),
+        "mgr_during_step_mean_s": statistics.fmean(flat("mgr_during_step_s")) if flat("mgr_during_step_s") else None,
+        "dcp_async_during_step_s": dcp_during,
+        "dcp_async_steps_during_write": med(r["dcp_async_steps_during_write"]),
+        "dcp_async_write_wall_s": med(r["dcp_async_write_wall_s"]),
+        "dcp_async_during_step_mean_s": (statistics.fmean(flat("dcp_async_during_step_s"))
+                                         if flat("dcp_async_during_step_s") else None),
+    }
+    res["ratios"] = {
+        "mgr_step_slowdown": ratio(mgr_during, alone),
+        "dcp_async_step_slowdown": ratio(dcp_during, alone),
+    }
+    res["config"] = {"matmuls": args.matmuls, "matmul_size": 1024, "torch_threads": 1, "steps_alone": args.steps}
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f} ms"
+
+
+# --------------------------------------------------------------------------
+# 3 + 4. Restore per tier, checksum cost
+# --------------------------------------------------------------------------
+
+
+def timed_load(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def mgr_restore(make: Callable[[], CheckpointManager], target: dict[str, Any], expect_tier: str,
+                evict_dir: Callable[[], str | None] | None = None) -> dict[str, Any]:
+    """One restore through a fresh manager; returns the measurements (raises on a wrong tier)."""
+    mgr = make()
+    try:
+        if evict_dir is not None and (p := evict_dir()):
+            evict(p)
+        wall, step = timed_load(lambda: mgr.load(target))
+        rec = mgr.last_restore
+        assert rec is not None
+        if rec.tier != expect_tier or rec.failed_attempts:
+            raise RuntimeError(f"restored step {step} from the {rec.tier} tier (expected {expect_tier}); "
+                               f"failed attempts: {list(rec.failed_attempts)}")
+        return {"wall_s": wall, "seconds": rec.seconds, "tier": rec.tier, "step": rec.step,
+                "verified_bytes": rec.verified_bytes}
+    finally:
+        mgr.close()
+
+
+def direct_load(path: str, target: dict[str, Any], verify: bool) -> dict[str, Any]:
+    reader = UCPStorageReader(path, verify=verify)
+    wall, _ = timed_load(lambda: dcp.load(target, storage_reader=reader, planner=UCPLoadPlanner()))
+    return {"wall_s": wall, "verify_seconds": reader.verify_seconds, "verified_bytes": reader.verified_bytes}
+
+
+def bench_restore(state: dict[str, Any], dcp_dir: str, dirs: Dirs, args: argparse.Namespace,
+                  res: dict[str, Any], failures: list[str]) -> None:
+    target = empty_like_state(state)
+    ev = args.evict
+    tiers: dict[str, dict[str, Any]] = {}
+    step = 7
+
+    def check(name: str) -> None:
+        errors = compare(target, state)
+        if errors:
+            failures.append(f"restore from {name}: {len(errors)} mismatches, e.g. {errors[:3]}")
+            log(f"  MISMATCH restoring from {name}: {errors[:3]}")
+
+    def run_tier(name: str, make: Callable[[], CheckpointManager], expect: str, path: Callable[[], str | None]):
+        entry: dict[str, Any] = {"runs": []}
+        tiers[name] = entry
+        try:
+            for i in range(args.repeat):
+                if i == 0:
+                    zero_fill(target)
+                entry["runs"].append(mgr_restore(make, target, expect, path if ev else None))
+                if i == 0:
+                    check(name)
+        except Exception as e:
+            entry["error"] = f"{type(e).__name__}: {e}"
+            failures.append(f"restore from {name}: {entry['error']}")
+            log(f"  restore from {name} FAILED: {entry['error']}")
+            traceback.print_exc()
+        runs = entry["runs"]
+        entry["median_s"] = med([x["wall_s"] for x in runs])
+        entry["median_restore_seconds"] = med([x["seconds"] for x in runs])
+        if runs:
+            log(f"  restore {name}: {entry['median_s']:.2f}s (tier {runs[0]['tier']}, "
+                f"verified {runs[0]['verified_bytes'] / MiB:.0f} MiB)")
+
+    # --- baselines: dcp.load with FileSystemReader; dcp.load with UCPStorageReader (no manager)
+    base: dict[str, Any] = {"dcp_filesystem_reader_s": [], "ucp_reader_verify_s": [], "ucp_reader_noverify_s": [],
+                            "ucp_reader_verify_seconds": []}
+    zero_fill(target)
+    for i in range(args.repeat):
+        if ev:
+            evict(dcp_dir)
+        base["dcp_filesystem_reader_s"].append(timed_load(
+            lambda: dcp.load(target, storage_reader=FileSystemReader(dcp_dir)))[0])
+        if i == 0:
+            check("dcp FileSystemReader")
+
+    # --- local tier on --dir + persistent tier as a local dir (written by one manager: local, then drained)
+    persist = dirs.fresh("persistent")
+    local = dirs.fresh("local-tier")
+    writer = CheckpointManager(persist, local=local, keep_last=1, local_keep_last=1)
+    try:
+        writer.save(step, state)
+        writer.wait()
+        res["save_local_and_persistent"] = [dataclass_dict(x) for x in writer.stats()]
+    finally:
+        writer.close()
+        gc.collect()
+    local_step = os.path.join(local, f"step-{step:012d}")
+    persist_step = os.path.join(persist, f"step-{step:012d}")
+
+    # Direct UCPStorageReader loads of the local tier's step, verify on/off (section 4 too).
+    for i in range(3 * args.repeat):
+        for verify in (True, False):
+            if ev:
+                evict(local_step)
+            out = direct_load(local_step, target, verify)
+            base["ucp_reader_verify_s" if verify else "ucp_reader_noverify_s"].append(out["wall_s"])
+            if verify:
+                base["ucp_reader_verify_seconds"].append(out["verify_seconds"])
+                res.setdefault("ucp_reader_verified_bytes", out["verified_bytes"])
+    res["baselines"] = base
+
+    run_tier("local (--dir)", lambda: CheckpointManager(persist, local=local, keep_last=1, local_keep_last=1),
+             "local", lambda: local_step)
+    run_tier("persistent (local dir)", lambda: CheckpointManager(persist, keep_last=1), "persistent",
+             lambda: persist_step)
+
+    # --- verify on vs off through managers on the local tier, interleaved
+    onoff: dict[str, list[float]] = {"verify_on_s": [], "verify_off_s": []}
+    try:
+        for i in range(3 * args.repeat):  # short loads, noisy machine: more samples
+            for verify in (True, False):
+                out = mgr_restore(lambda: CheckpointManager(persist, local=local, keep_last=1, local_keep_last=1,
+                                                            verify_on_load=verify),
+                                  target, "local", (lambda: local_step) if ev else None)
+                onoff["verify_on_s" if verify else "verify_off_s"].append(out["wall_s"])
+    except Exception as e:
+        failures.append(f"verify on/off: {type(e).__name__}: {e}")
+        traceback.print_exc()
+    res["verify_onoff"] = onoff
+    rmtree(local)
+
+    # --- local tier on /dev/shm (local only: the persistent tier is not due at this step)
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) and not args.no_shm:
+        shm = tempfile.mkdtemp(prefix="ucp_bench_mgr_", dir="/dev/shm")
+        shm_persist = dirs.fresh("shm-persistent")
+        try:
+            w = CheckpointManager(shm_persist, local=shm, persistent_interval=10 ** 9, local_keep_last=1)
+            try:
+                w.save(step, state)
+                w.wait()
+                res["save_shm"] = [dataclass_dict(x) for x in w.stats()]
+            finally:
+                w.close()
+                gc.collect()
+            run_tier("local (/dev/shm)", lambda: CheckpointManager(shm_persist, local=shm, persistent_interval=10 ** 9,
+                                                                   local_keep_last=1), "local", lambda: None)
+        finally:
+            rmtree(shm)
+            rmtree(shm_persist)
+    else:
+        res["shm_skipped"] = "no writable /dev/shm" if not args.no_shm else "--no-shm"
+    rmtree(persist)
+
+    # --- S3 via moto on loopback (no local tier: download into a temp dir, then load)
+    res["peak_rss_mib_before_s3"] = peak_rss_mib()
+    why = have_s3() if not args.no_s3 else "--no-s3"
+    if why is None:
+        try:
+            with moto_s3() as (url, opts):
+                root = f"{url}/run"
+                w = CheckpointManager(root, storage_options=opts, keep_last=1)
+                try:
+                    w.save(step, state)
+                    w.wait()
+                    res["save_s3"] = [dataclass_dict(x) for x in w.stats()]
+                finally:
+                    w.close()
+                    gc.collect()
+                res["peak_rss_mib_after_s3_upload"] = peak_rss_mib()
+                log(f"  uploaded to moto S3 in {res['save_s3'][-1]['write_s']:.1f}s (write + upload)")
+                run_tier("S3 (moto, loopback)", lambda: CheckpointManager(root, storage_options=opts, keep_last=1),
+                         "persistent", lambda: None)
+                # download alone, for the split of the restore time
+                dl: list[float] = []
+                for _ in range(args.repeat):
+                    reader_mgr = CheckpointManager(root, storage_options=opts, keep_last=1)
+                    try:
+                        tmp = tempfile.mkdtemp(prefix="ucp_bench_dl_", dir=dirs.root)
+                        marker = reader_mgr.persistent.marker(step)
+                        t0 = time.perf_counter()
+                        reader_mgr.persistent.fetch(step, [d.name for d in marker.files], tmp)
+                        dl.append(time.perf_counter() - t0)
+                        rmtree(tmp)
+                    finally:
+                        reader_mgr.close()
+                res["s3_download_s"] = dl
+        except Exception as e:
+            failures.append(f"S3: {type(e).__name__}: {e}")
+            traceback.print_exc()
+    else:
+        res["s3_skipped"] = why
+        log(f"  S3 skipped: {why}")
+
+    res["tiers"] = tiers
+    dcp_med = med(base["dcp_filesystem_reader_s"])
+    res["median"] = {
+        "dcp_filesystem_reader_s": dcp_med,
+        "ucp_reader_verify_s": med(base["ucp_reader_verify_s"]),
+        "ucp_reader_noverify_s": med(base["ucp_reader_noverify_s"]),
+        "ucp_reader_verify_seconds": med(base["ucp_reader_verify_seconds"]),
+        "mgr_verify_on_s": med(onoff["verify_on_s"]),
+        "mgr_verify_off_s": med(onoff["verify_off_s"]),
+        "s3_download_s": med(res.get("s3_download_s", [])),
+        **{f"tier[{k}]": v["median_s"] for k, v in tiers.items()},
+    }
+    res["ratios"] = {
+        **{f"tier[{k}]_over_dcp_load": ratio(v["median_s"], dcp_med) for k, v in tiers.items()},
+        "ucp_reader_verify_over_dcp_load": ratio(med(base["ucp_reader_verify_s"]), dcp_med),
+        "mgr_verify_on_over_off": ratio(med(onoff["verify_on_s"]), med(onoff["verify_off_s"])),
+        "ucp_reader_verify_on_over_off": ratio(med(base["ucp_reader_verify_s"]), med(base["ucp_reader_noverify_s"])),
+        "ucp_reader_verify_fraction": ratio(med(base["ucp_reader_verify_seconds"]), med(base["ucp_reader_verify_s"])),
+    }
+
+
+def dataclass_dict(x: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(x).items()}
+
+
+def bench_hash(state: dict[str, Any], repeat: int) -> dict[str, Any]:
+    """Single-thread in-memory hashing throughput over the state's tensor bytes."""
+    views = [tensor_view(t.contiguous()) for t in tensors(state)]
+    total = sum(len(v) for v in views)
+    out: dict[str, Any] = {"bytes": total}
+    for name, fn in (("xxh3_64", xxhash.xxh3_64_hexdigest), ("xxh3_128", xxhash.xxh3_128_hexdigest)):
+        runs = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            for v in views:
+                fn(v)
+            runs.append(time.perf_counter() - t0)
+        out[f"{name}_s"] = runs
+        out[f"{name}_GBps"] = total / med(runs) / GB
+    return out
+
+
+# --------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------
+
+
+def _f(x: float | None, spec: str = ".3f", unit: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{unit}"
+
+
+def report(result: dict[str, Any]) -> str:
+    b, t, r, h = (result.get(k, {}) for k in ("blocking", "interference", "restore", "hash"))
+    rows: list[tuple[str, str, str]] = []  # (what, median, ratio)
+    if b:
+        m, q = b["median"], b["ratios"]
+        rows += [
+            ("**1. save, blocking time**", "", ""),
+            ("(a) `dcp.save`, FileSystemWriter (baseline)", _f(m["dcp_sync_s"], ".3f", " s"), "1.00"),
+            ("(b) `dcp.save`, UCPStorageWriter", _f(m["ucp_sync_s"], ".3f", " s"),
+             _f(q["ucp_sync_over_dcp_sync"], ".2f", "x (a)")),
+            ("(c) `dcp.async_save`, FileSystemWriter: until it returns", _f(m["dcp_async_blocking_s"], ".3f", " s"),
+             _f(q["dcp_async_blocking_over_dcp_sync"], ".3f", "x (a)")),
+            ("(c) `dcp.async_save`: until its future is done", _f(m["dcp_async_total_s"], ".3f", " s"), ""),
+            ("(d) `CheckpointManager.save`, cold (first save)", _f(m["mgr_cold_blocking_s"], ".3f", " s"),
+             f"{_f(q['mgr_cold_over_dcp_sync'], '.3f')}x (a), {_f(q['mgr_cold_over_dcp_async'], '.2f')}x (c)"),
+            ("(d) `CheckpointManager.save`, warm (buffers reused)", _f(m["mgr_warm_blocking_s"], ".3f", " s"),
+             f"**{_f(q['mgr_warm_over_dcp_sync'], '.3f')}x (a)** (target <= {TARGET_BLOCKING_RATIO}), "
+             f"{_f(q['mgr_warm_over_dcp_async'], '.2f')}x (c)"),
+            ("(d) warm / (a), median of per-repetition ratios", "",
+             _f(b["paired_ratio_medians"]["mgr_warm_over_dcp_sync"], ".3f", "x (a)")),
+            ("(d) background `write_s` (warm)", _f(m["mgr_warm_write_s"], ".3f", " s"),
+             _f(q["mgr_warm_write_over_dcp_sync"], ".2f", "x (a)")),
+            ("floor: `copy_` into preallocated buffers", _f(m["copy_floor_s"], ".3f", " s"),
+             f"warm save = {_f(q['mgr_warm_over_copy_floor'], '.2f')}x this"),
+        ]
+    if t:
+        m, q = t["median"], t["ratios"]
+        rows += [
+            (f"**2. training step ({t['config']['matmuls']} matmuls 1024², 1 thread)**", "", ""),
+            ("step alone", _ms(m["alone_step_s"]), "1.00"),
+            ("step while a manager save writes", _ms(m["mgr_during_step_s"]),
+             f"{_f(q['mgr_step_slowdown'], '.2f')}x; {_f(m['mgr_steps_during_write'], '.0f')} steps during a "
+             f"{_f(m['mgr_write_s'], '.2f')} s write"),
+            ("step while a `dcp.async_save` writes", _ms(m["dcp_async_during_step_s"]),
+             f"{_f(q['dcp_async_step_slowdown'], '.2f')}x; {_f(m['dcp_async_steps_during_write'], '.0f')} steps "
+             f"during a {_f(m['dcp_async_write_wall_s'], '.2f')} s write"),
+        ]
+    if r:
+        m, q = r["median"], r["ratios"]
+        rows += [
+            ("**3. restore (verify on)**", "", ""),
+            ("`dcp.load`, FileSystemReader (baseline)", _f(m["dcp_filesystem_reader_s"], ".3f", " s"), "1.00"),
+            ("`dcp.load`, UCPStorageReader(verify=True), no manager", _f(m["ucp_reader_verify_s"], ".3f", " s"),
+             _f(q["ucp_reader_verify_over_dcp_load"], ".2f", "x")),
+        ]
+        for name, v in r.get("tiers", {}).items():
+            extra = ""
+            if name.startswith("S3") and m.get("s3_download_s") is not None:
+                extra = f" (download alone {m['s3_download_s']:.2f} s)"
+            rows.append((f"`CheckpointManager.load`, {name}",
+                         _f(v.get("median_s"), ".3f", " s") if "error" not in v else "FAILED",
+                         _f(q.get(f"tier[{name}]_over_dcp_load"), ".2f", "x") + extra))
+        if r.get("s3_skipped"):
+            rows.append(("S3", "skipped", r["s3_skipped"]))
+        rows += [
+            ("**4. checksum cost**", "", ""),
+            ("manager load, local tier, verify_on_load=True / False",
+             f"{_f(m['mgr_verify_on_s'], '.3f')} / {_f(m['mgr_verify_off_s'], '.3f')} s",
+             _f(q["mgr_verify_on_over_off"], ".2f", "x")),
+            ("UCPStorageReader verify=True / False",
+             f"{_f(m['ucp_reader_verify_s'], '.3f')} / {_f(m['ucp_reader_noverify_s'], '.3f')} s",
+             f"{_f(q['ucp_reader_verify_on_over_off'], '.2f')}x; verify_seconds = "
+             f"{_f(m['ucp_reader_verify_seconds'], '.3f')} s = {_f(q['ucp_reader_verify_fraction'], '.0%')} of the load"),
+        ]
+    if h:
+        rows.append(("raw xxh3-64 / xxh3-128, one thread, in memory",
+                     f"{_f(h['xxh3_64_GBps'], '.1f')} / {_f(h['xxh3_128_GBps'], '.1f')} GB/s", ""))
+    lines = ["| measurement | median | ratio |", "|---|---|---|"]
+    lines += [f"| {a} | {b_} | {c} |" for a, b_, c in rows]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mb", type=float, default=None, help="state size in MiB (default 1024; 64 with --quick)")
+    p.add_argument("--layers", type=int, default=24, help="transformer blocks (default 24)")
+    p.add_argument("--repeat", type=int, default=3, help="repetitions per measurement, median reported (default 3)")
+    p.add_argument("--warm-saves", type=int, default=2,
+                   help="warm manager saves per repetition after the cold one (default 2)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps timed alone per repetition (default 20; 10 with --quick)")
+    p.add_argument("--matmuls", type=int, default=4, help="1024x1024 matmuls per training step (default 4)")
+    p.add_argument("--quick", action="store_true", help="smoke check: 64 MiB state")
+    p.add_argument("--dir", default=None,
+                   help="where checkpoints go (a disk-backed file system); default a fresh temp dir, removed after")
+    p.add_argument("--evict", action="store_true",
+                   help="evict each checkpoint's files from the page cache before each timed load (cold reads)")
+    p.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) restore")
+    p.add_argument("--no-shm", action="store_true", help="skip the /dev/shm local tier")
+    p.add_argument("--sections", default="blocking,interference,restore,hash",
+                   help="comma-separated subset of: blocking, interference, restore, hash")
+    p.add_argument("--out", default=None,
+                   help="JSON results (default benchmarks/results/manager.json; out/bench_manager_quick.json "
+                        "with --quick)")
+    args = p.parse_args(argv)
+    if args.mb is None:
+        args.mb = 64.0 if args.quick else 1024.0
+    if args.steps is None:
+        args.steps = 10 if args.quick else 20
+    if args.out is None:
+        here = Path(__file__).resolve().parent
+        args.out = str(here.parent / "out" / "bench_manager_quick.json") if args.quick else str(
+            here / "results" / "manager.json")
+    args.sections = [s for s in args.sections.split(",") if s]
+    for s in args.sections:
+        if s not in ("blocking", "interference", "restore", "hash"):
+            p.error(f"unknown section {s!r}")
+    if "restore" in args.sections and "blocking" not in args.sections:
+        p.error("the restore section needs the blocking section (its DCP checkpoint is the load baseline)")
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
+    t_start = time.perf_counter()
+    work = args.dir or tempfile.mkdtemp(prefix="ucp_bench_mgr_")
+    os.makedirs(work, exist_ok=True)
+    if fs_type(work) == "tmpfs":
+        print(f"warning: {work} is on tmpfs; the 'disk' numbers will be memory numbers", file=sys.stderr)
+    dirs = Dirs(work)
+    hidden = choose_hidden(args.mb, args.layers)
+    result: dict[str, Any] = {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": {k: v for k, v in vars(args).items()},
+        "machine": machine_info(work),
+        "targets": {"mgr_warm_blocking_over_dcp_sync_max": TARGET_BLOCKING_RATIO},
+    }
+    failures: list[str] = []
+    log(f"building the state: {args.layers} layers, hidden {hidden}")
+    state = build_state(hidden, args.layers)
+    nbytes = nbytes_of(state)
+    ts = list(tensors(state))
+    result["state"] = {
+        "hidden": hidden, "layers": args.layers, "tensors": len(ts), "bytes": nbytes, "MiB": nbytes / MiB,
+        "largest_tensor_bytes": max(t.numel() * t.element_size() for t in ts),
+        "dtypes": sorted({str(t.dtype) for t in ts}),
+    }
+    del ts
+    log(f"state: {len(result['state']['dtypes'])} dtypes, {result['state']['tensors']} tensors, "
+        f"{nbytes / MiB:.1f} MiB; work dir {work} ({result['machine']['dir_fs']}); peak RSS {peak_rss_mib():.0f} MiB")
+    try:
+        dcp_dir = None
+        if "hash" in args.sections:
+            log("raw hashing throughput")
+            result["hash"] = bench_hash(state, args.repeat)
+        if "blocking" in args.sections:
+            log("section 1: blocking time of a save")
+            result["blocking"] = {}
+            dcp_dir = bench_blocking(state, dirs, args, result["blocking"])
+            result["blocking"]["peak_rss_mib_after"] = peak_rss_mib()
+        if "interference" in args.sections:
+            log("section 2: training-step slowdown during a background write")
+            result["interference"] = {}
+            bench_interference(state, dirs, args, result["interference"])
+            result["interference"]["peak_rss_mib_after"] = peak_rss_mib()
+        if "restore" in args.sections:
+            log("sections 3-4: restore per tier, checksum cost")
+            result["restore"] = {}
+            assert dcp_dir is not None
+            bench_restore(state, dcp_dir, dirs, args, result["restore"], failures)
+            result["restore"]["peak_rss_mib_after"] = peak_rss_mib()
+    except Exception as e:
+        failures.append(f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+    finally:
+        if args.dir is None:
+            rmtree(work)
+    result["peak_rss_mib"] = peak_rss_mib()
+    try:
+        with open("/proc/loadavg") as f:
+            result["machine"]["loadavg_at_end"] = f.read().split()[:3]
+    except OSError:
+        pass
+    result["failures"] = failures
+    result["wall_s"] = time.perf_counter() - t_start
+    table = report(result)
+    result["table_markdown"] = table
+    print()
+    print(f"state {nbytes / MiB:.0f} MiB ({result['state']['tensors']} tensors, hidden {hidden}), "
+          f"repeat {args.repeat}, {result['machine']['cpus']} CPUs, torch {torch.__version__}"
+          f"{', page cache evicted before loads' if args.evict else ', reads page-cache warm'}")
+    print(table)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    print(f"\nwall time {result['wall_s']:.1f}s; peak RSS {result['peak_rss_mib']:.0f} MiB; "
+          f"results written to {args.out}")
+    if failures:
+        print("\nFAILURES:", file=sys.stderr)
+        for f_ in failures:
+            print(f"  - {f_}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
