@@ -11,6 +11,7 @@ layout and world size, reading only the bytes each rank needs::
 """
 
 from .checkpoint import Checkpoint
+from .flat import FlatParam, FlatShard, flat_partition, pack_flat
 from .format import FORMAT_VERSION, CheckpointFormatError
 from .handoff import ModuleLoadResult, load_into_module, load_state_dict
 from .index import load_index, rebuild_index
@@ -23,6 +24,7 @@ from .manager import (
     NoCheckpointError,
     ReshardEvent,
 )
+from .pieces import Piece, TensorPieces
 from .planners import CheckpointKeyError, UCPLoadPlanner, UCPSavePlanner
 from .storage import UCPStorageReader, UCPStorageWriter
 from .snapshot import NonFiniteError
@@ -52,6 +54,12 @@ __all__ = [
     "NoCheckpointError",
     "NonFiniteError",
     "ChecksumError",
+    "Piece",
+    "TensorPieces",
+    "FlatParam",
+    "FlatShard",
+    "pack_flat",
+    "flat_partition",
 ]
 
 __version__ = "0.1.0"

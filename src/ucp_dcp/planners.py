@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import io
 import logging
+import math
 import warnings
 from collections import defaultdict
 from typing import Any, Iterator
@@ -52,11 +53,16 @@ from torch.distributed.tensor.placement_types import Placement
 
 from .compact import LazyChunks, MeshGroup, TensorSpec
 from .format import Layout, dtype_name, rank_local_key, split_rank_local_key
+from .pieces import Piece, TensorPieces
 from .rangeio import tensor_view
 from .sharding import Box, Grid, arith_box, intersect, placement_from_str, placement_to_str
 from .values import RankLocal, ReshardFn, decode_value, dtype_from_name, encode_value
 
-__all__ = ["UCPSavePlanner", "UCPLoadPlanner", "CheckpointKeyError"]
+__all__ = ["UCPSavePlanner", "UCPLoadPlanner", "CheckpointKeyError", "LAYOUT_RECORD_KEY"]
+
+# Top-level key under which ucp_dcp.layout_rules records each rank's layout
+# (a RankLocal value); a load that does not ask for it is not warned about it.
+LAYOUT_RECORD_KEY = "__ucp_layout__"
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +130,7 @@ class UCPSavePlanner(DefaultSavePlanner):
         self._groups: list[MeshGroup] = []
         self._encoded: dict[str, bytes] = {}
         self._layouts: dict[str, Layout | None] = {}
+        self._pieces: dict[tuple[str, tuple[int, ...]], tuple[str, Piece]] = {}
 
     # ------------------------------------------------------------ local
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False) -> None:
@@ -132,6 +139,7 @@ class UCPSavePlanner(DefaultSavePlanner):
         self.rank, self.world_size = _rank_and_world()
         self._encoded.clear()
         self._layouts.clear()
+        self._pieces.clear()
 
     def layout_of(self, fqn: str) -> Layout | None:
         """The layout this rank saves tensor ``fqn`` with (None for non-tensors)."""
@@ -159,6 +167,8 @@ class UCPSavePlanner(DefaultSavePlanner):
         layouts: dict[str, Any] = {}
         rank_local: list[str] = []
         meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...], list[int]]] = {}
+        piece_fqns: set[str] = set()
+        piece_digests: dict[str, str] = {}
         members: dict[tuple[tuple[int, ...], tuple[int, ...]], list[TensorSpec]] = defaultdict(list)
         self._compact = {}
         for fqn, obj in self.state_dict.items():
@@ -189,6 +199,8 @@ class UCPSavePlanner(DefaultSavePlanner):
                     i for i in _create_write_items(fqn, obj)
                     if i.tensor_data.chunk.sizes.numel() or not obj.numel()
                 )
+            elif isinstance(obj, TensorPieces):
+                items.extend(self._piece_items(fqn, obj, piece_fqns, piece_digests))
             elif isinstance(obj, torch.Tensor):
                 self._layouts[fqn] = Layout()
                 layouts[fqn] = Layout().to_json()
@@ -211,15 +223,50 @@ class UCPSavePlanner(DefaultSavePlanner):
             items,
             planner_data={
                 "rank": self.rank, "digests": digests, "layouts": layouts, "rank_local": rank_local, "groups": groups,
+                "pieces": sorted(piece_fqns), "piece_digests": piece_digests,
             },
         )
         self.plan = plan
         return plan
 
+    def _piece_items(
+        self, key: str, obj: TensorPieces, piece_fqns: set[str], piece_digests: dict[str, str]
+    ) -> list[WriteItem]:
+        """One write item per piece, named by its logical tensor (the state-dict key is not stored)."""
+        items = []
+        for p in obj.pieces:
+            piece_fqns.add(p.fqn)
+            if not p.data.numel() and math.prod(p.shape):
+                continue  # holds no bytes; an empty logical tensor is still recorded
+            where = (p.fqn, p.offsets)
+            other = self._pieces.get(where)
+            if other is not None:
+                raise ValueError(
+                    f"logical tensor {p.fqn!r}: this rank (rank {self.rank}) gives the piece at offsets "
+                    f"{list(p.offsets)} twice, under state-dict keys {other[0]!r} and {key!r}"
+                )
+            self._pieces[where] = (key, p)
+            if obj.replicated and self.world_size > 1:
+                piece_digests[_piece_key(p.fqn, p.offsets)] = _digest(p.data)
+            offsets, sizes = torch.Size(p.offsets), torch.Size(p.data.shape)
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(p.fqn, offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                        properties=TensorProperties(dtype=p.data.dtype),
+                        size=torch.Size(p.shape),
+                    ),
+                )
+            )
+        return items
+
     # ------------------------------------------------------------ global
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """Check cross-rank consistency, pick one writer per chunk, build metadata."""
         to_rank_local = self._divergent_keys(all_plans)
+        _check_replicated_pieces(all_plans)
         groups = _check_groups(all_plans)
         self._value_writers: dict[str, int] = {}
         # chunk key -> ranks holding it, and one representative write item
@@ -243,7 +290,13 @@ class UCPSavePlanner(DefaultSavePlanner):
                     )
                 key = (fqn, tuple(td.chunk.offsets))
                 holders[key].append(r)
-                first.setdefault(key, item)
+                seen_item = first.setdefault(key, item)
+                if seen_item.tensor_data.chunk.sizes != td.chunk.sizes:
+                    raise ValueError(
+                        f"tensor {fqn!r}: rank {holders[key][0]} saves a box of size "
+                        f"{list(seen_item.tensor_data.chunk.sizes)} at offsets {list(key[1])} but rank {r} one of size "
+                        f"{list(td.chunk.sizes)}: pieces of one tensor held by several ranks must be the same box"
+                    )
         # One writer per distinct chunk. The replica is chosen per tensor (the
         # same replica index for all its chunks) to keep the index compact,
         # and tensors are placed largest first on the least-loaded replica.
@@ -278,6 +331,7 @@ class UCPSavePlanner(DefaultSavePlanner):
                 elif writer[(item.index.fqn, tuple(item.tensor_data.chunk.offsets))] == r:
                     items.append(item)
             new_plans.append(dataclasses.replace(plan, items=items, planner_data=None))
+        _check_coverage(all_plans, by_tensor, first)
         md: dict[str, STORAGE_TYPES] = {}
         for fqn, (p, size, _) in props.items():
             md[fqn] = TensorStorageMetadata(
@@ -388,6 +442,10 @@ class UCPSavePlanner(DefaultSavePlanner):
         """The bytes of a value, or the local tensor of a chunk (detached)."""
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(self.encoded_value(write_item.index.fqn))
+        if self._pieces:
+            hit = self._pieces.get((write_item.index.fqn, tuple(write_item.index.offset or ())))
+            if hit is not None:
+                return hit[1].data.detach()
         return super().resolve_data(write_item).detach()
 
 
@@ -398,6 +456,58 @@ _GROUP_ITEMS: dict[tuple[str, int, tuple[int, ...], frozenset[str]], list[WriteI
 
 
 @functools.lru_cache(maxsize=1024)
+def _piece_key(fqn: str, offsets: tuple[int, ...]) -> str:
+    return f"{fqn}@{','.join(map(str, offsets))}"
+
+
+def _check_replicated_pieces(all_plans: list[SavePlan]) -> None:
+    """Pieces declared replicated must hold the same bytes on every rank that has them."""
+    per_key: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for r, plan in enumerate(all_plans):
+        for key, d in plan.planner_data.get("piece_digests", {}).items():
+            per_key[key][d].append(r)
+    bad = sorted(k for k, groups in per_key.items() if len(groups) > 1)
+    if bad:
+        groups = sorted(per_key[bad[0]].values())
+        fqn, _, offs = bad[0].rpartition("@")
+        raise ValueError(
+            f"replicated tensor {fqn!r} (box at offsets [{offs}]) differs across ranks: ranks {_describe(groups[0])} "
+            f"hold one value, ranks {_describe(groups[1])} another ({len(bad)} replicated piece(s) differ in all). "
+            "A tensor declared replicated (Replicated layout rule, TensorPieces(replicated=True)) is saved once, so "
+            "every rank that holds it must hold the same bytes: synchronise it, or declare how it is sharded"
+        )
+
+
+def _check_coverage(
+    all_plans: list[SavePlan],
+    by_tensor: dict[str, list[tuple[str, tuple[int, ...]]]],
+    first: dict[tuple[str, tuple[int, ...]], WriteItem],
+) -> None:
+    """Every element of a tensor saved as pieces is held by exactly one distinct box.
+
+    DTensor chunks tile their tensor by construction; pieces come from flat
+    ranges and layout rules, which can leave gaps or overlap when they are
+    described wrongly. Distinct boxes whose element counts add up to the
+    tensor's and that never overlap tile it; overlaps are caught by the sum
+    (an overlap that exactly cancels a gap is not, a rare double fault).
+    """
+    fqns = {f for plan in all_plans for f in plan.planner_data.get("pieces", ())}
+    for fqn in sorted(fqns):
+        keys = by_tensor.get(fqn, [])
+        if not keys:
+            continue  # only empty pieces
+        size = first[keys[0]].tensor_data.size
+        total = math.prod(size)
+        covered = sum(math.prod(first[k].tensor_data.chunk.sizes) for k in keys)
+        if covered != total:
+            how = "leaving elements that no rank holds" if covered < total else "so some of them overlap"
+            raise ValueError(
+                f"tensor {fqn!r} of shape {list(size)}: the boxes saved by all ranks hold {covered} elements in "
+                f"all, {how}; the tensor has {total}. Check the flat ranges (FlatParam offsets, each rank's start) "
+                "or layout rules that describe it"
+            )
+
+
 def _placements(layout: Layout) -> tuple[Placement, ...]:
     return tuple(placement_from_str(p) for p in layout.placements)
 
@@ -556,7 +666,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         """Flatten the target state dict (DCP's rules), keeping RankLocal wrappers."""
         # DCP's set-up replaces every object it does not know (RankLocal among
         # them) with None, in the caller's dict; put the wrappers back.
-        wrappers = list(_find_rank_local(state_dict))
+        wrappers = list(_find_wrappers(state_dict))
         super().set_up_planner(state_dict, metadata, is_coordinator)
         if wrappers:
             for container, key, w in wrappers:
@@ -564,6 +674,9 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             self.state_dict, self.mappings = flatten_state_dict(_flatten_sharded_tensors(state_dict))
         self.rank, self.world_size = _rank_and_world()
         self._pending: dict[str, tuple[int, dict[int, Any], ReshardFn]] = {}
+        self._piece_sets: dict[str, TensorPieces] = {
+            k: v for k, v in self.state_dict.items() if isinstance(v, TensorPieces)
+        }
 
     def create_local_plan(self) -> LoadPlan:
         """Read items for every overlap of a target box with a saved chunk."""
@@ -577,6 +690,9 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         for fqn, obj in self.state_dict.items():
             if fqn in rank_local:
                 items.extend(self._rank_local_items(fqn, obj, rank_local[fqn], saved_world))
+                continue
+            if isinstance(obj, TensorPieces):  # its key is not stored; its pieces name their tensors
+                items.extend(self._piece_items(fqn, obj, missing))
                 continue
             smd = md.state_dict_metadata.get(fqn)
             if smd is None:
@@ -598,7 +714,10 @@ class UCPLoadPlanner(DefaultLoadPlanner):
                 f"{_key_list(self.missing_keys)}. Pass UCPLoadPlanner(allow_partial_load=True) to load the rest"
             )
         known = set(self.state_dict)
-        self.unexpected_keys = sorted(k for k in md.state_dict_metadata if k not in known)
+        known.update(p.fqn for v in self._piece_sets.values() for p in v.pieces)
+        self.unexpected_keys = sorted(
+            k for k in md.state_dict_metadata if k not in known and not k.startswith(LAYOUT_RECORD_KEY)
+        )
         if self.unexpected_keys and self.is_coordinator:
             warnings.warn(
                 f"{len(self.unexpected_keys)} checkpoint key(s) not in the state dict were not loaded: "
@@ -622,13 +741,54 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         self.plan = new_plan
         return new_plan
 
-    def _tensor_items(self, fqn: str, obj: torch.Tensor, smd: STORAGE_TYPES) -> list[ReadItem]:
+    def _piece_items(self, key: str, obj: TensorPieces, missing: list[str]) -> list[ReadItem]:
+        """Reads into each piece's view; padding set to the fill value first."""
+        with torch.no_grad():
+            for t in obj.fill:
+                t.fill_(obj.fill_value)
+        items = []
+        md = self.metadata
+        assert md is not None
+        for i, p in enumerate(obj.pieces):
+            smd = md.state_dict_metadata.get(p.fqn)
+            if smd is None:
+                missing.append(p.fqn)
+                continue
+            items.extend(self._tensor_items(p.fqn, p.data, smd, shape=p.shape, boxes=[p.box], dest=(key, i)))
+        return items
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        """The destination of a read: a piece's view, or DCP's lookup for everything else."""
+        pieces = self._piece_sets.get(read_item.dest_index.fqn) if self._piece_sets else None
+        if pieces is not None and read_item.dest_index.index is not None:
+            view = pieces.pieces[read_item.dest_index.index].data
+            return self.transform_tensor(read_item, view)
+        return super().resolve_tensor(read_item)
+
+    def _tensor_items(
+        self,
+        fqn: str,
+        obj: torch.Tensor,
+        smd: STORAGE_TYPES,
+        *,
+        shape: tuple[int, ...] | None = None,
+        boxes: list[Box] | None = None,
+        dest: tuple[str, int] | None = None,
+    ) -> list[ReadItem]:
+        """Reads of every overlap of the target boxes with saved chunks of ``fqn``.
+
+        ``obj`` is the destination (its dtype is checked). For a piece,
+        ``shape`` is the logical tensor's, ``boxes`` the piece's box and
+        ``dest`` (state-dict key, piece number) where :meth:`resolve_tensor`
+        finds its view.
+        """
         if not isinstance(smd, TensorStorageMetadata):
             raise CheckpointKeyError(f"{fqn!r} is a non-tensor value in the checkpoint but a tensor in the state dict")
-        if tuple(obj.shape) != tuple(smd.size):
+        want = tuple(obj.shape) if shape is None else tuple(shape)
+        if want != tuple(smd.size):
             raise CheckpointKeyError(
                 f"size mismatch for {fqn!r}: the checkpoint has shape {list(smd.size)}, "
-                f"the state dict expects {list(obj.shape)}"
+                f"the state dict expects {list(want)}"
             )
         if obj.dtype != smd.properties.dtype and not self.allow_dtype_cast:
             raise CheckpointKeyError(
@@ -638,9 +798,12 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             )
         grid = self._saved_grid(fqn, smd)
         items = []
-        for target in _local_boxes(obj):
+        for target in _local_boxes(obj) if boxes is None else boxes:
             if not target.numel:
                 continue
+            dest_index = (
+                MetadataIndex(fqn, target.offsets) if dest is None else MetadataIndex(dest[0], target.offsets, dest[1])
+            )
             if grid is not None:  # binary search per dimension: independent of the saved world size
                 found = [(int(k), grid.box(int(k))) for k in grid.overlapping(target)]
             else:  # an irregular chunk list: test every saved chunk
@@ -654,7 +817,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
                 items.append(
                     ReadItem(
                         type=LoadItemType.TENSOR,
-                        dest_index=MetadataIndex(fqn, target.offsets),
+                        dest_index=dest_index,
                         dest_offsets=torch.Size(o - t for o, t in zip(inter.offsets, target.offsets)),
                         storage_index=MetadataIndex(fqn, s.offsets, idx),
                         storage_offsets=torch.Size(o - so for o, so in zip(inter.offsets, s.offsets)),
@@ -735,13 +898,14 @@ def _set_in_place(root: Any, path: tuple[Any, ...], value: Any) -> None:
             return
 
 
-def _find_rank_local(obj: Any) -> Iterator[tuple[Any, Any, RankLocal]]:
+def _find_wrappers(obj: Any) -> Iterator[tuple[Any, Any, RankLocal | TensorPieces]]:
+    """RankLocal and TensorPieces values, which DCP's set-up would replace with None."""
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
     for k, v in items:
-        if isinstance(v, RankLocal):
+        if isinstance(v, (RankLocal, TensorPieces)):
             yield obj, k, v
         else:
-            yield from _find_rank_local(v)
+            yield from _find_wrappers(v)
 
 
 def _bytes_item(dest_fqn: str, storage_fqn: str) -> ReadItem:

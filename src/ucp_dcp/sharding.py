@@ -46,6 +46,7 @@ __all__ = [
     "Grid",
     "layout_grid",
     "arith_box",
+    "flat_range_boxes",
 ]
 
 
@@ -535,3 +536,47 @@ def arith_box(
         offs.append(o if sz else 0)
         sizes.append(sz)
     return Box(tuple(offs), tuple(sizes))
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
+    """The boxes covering elements ``[start, stop)`` of a row-major tensor of ``shape``.
+
+    A flat range of a row-major tensor (a ZeRO/FSDP1 rank's slice of one
+    parameter) is not one box, but it is a few: a partial innermost row, then
+    ever larger blocks, then partial rows again, at most ``2 * ndim - 1`` in
+    all. The boxes are returned in flat order, and each one covers a
+    contiguous flat range, so its data is a contiguous slice of the rank's
+    buffer reshaped to the box's sizes.
+    """
+    shape = tuple(int(n) for n in shape)
+    total = math.prod(shape)
+    if not 0 <= start <= stop <= total:
+        raise ValueError(f"flat range [{start}, {stop}) is outside a tensor of shape {list(shape)} ({total} elements)")
+    if start == stop:
+        return []
+    if not shape:
+        return [Box((), ())]
+    strides = row_major_strides(shape)
+    out: list[Box] = []
+
+    def walk(dim: int, base: tuple[int, ...], a: int, b: int) -> None:
+        # [a, b) is relative to the sub-tensor at index ``base`` (dims < dim).
+        s = strides[dim]
+        i0, r0 = divmod(a, s)
+        i1, r1 = divmod(b, s)
+        if dim == len(shape) - 1:  # s == 1: one run of the innermost dim
+            out.append(Box(base + (a,), (1,) * dim + (b - a,)))
+            return
+        if i0 == i1:  # inside one index of this dim
+            walk(dim + 1, base + (i0,), r0, r1)
+            return
+        if r0:
+            walk(dim + 1, base + (i0,), r0, s)
+            i0 += 1
+        if i1 > i0:
+            out.append(Box(base + (i0,) + (0,) * (len(shape) - dim - 1), (1,) * dim + (i1 - i0,) + shape[dim + 1 :]))
+        if r1:
+            walk(dim + 1, base + (i1,), 0, r1)
+
+    walk(0, (), start, stop)
+    return out
