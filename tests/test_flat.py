@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tempfile
 from typing import Any
 
@@ -279,3 +280,49 @@ def _bad_flat_save(rank: int, world: int, root: str, mode: str) -> None:
 @pytest.mark.parametrize("mode", ["gap", "overlap"])
 def test_flat_partition_gaps_and_overlaps_fail_the_save(tmp_path: Any, mode: str) -> None:
     run_ranks(2, _bad_flat_save, str(tmp_path), mode)
+
+
+# ----------------------------------------------------- with CheckpointManager
+
+
+def test_manager_snapshots_flat_shards(tmp_path: Any) -> None:
+    """An async manager save of flat shards holds the values at save(), not later in-place changes."""
+    from ucp_dcp import CheckpointManager, NonFiniteError
+
+    params, total = pack_flat([("w", (5, 7)), ("b", (7,))], align=4)
+    buf = torch.randn(total)
+    want = buf.clone()
+    with CheckpointManager(str(tmp_path / "ckpt"), nonfinite="error") as mgr:
+        mgr.save(1, {"flat": FlatShard(buf, params, 0, prefix="model.")})
+        buf.add_(1.0)  # training changes the buffer while the save runs
+        mgr.wait()
+        buf[3] = float("nan")
+        with pytest.raises(NonFiniteError, match=r"flat\[model\.w@0,0\]"):
+            mgr.save(2, {"flat": FlatShard(buf, params, 0, prefix="model.")})
+        got = torch.zeros(total)
+        assert mgr.load({"flat": FlatShard(got, params, 0, prefix="model.")}) == 1
+    for p in params:
+        assert bit_equal(got[p.offset : p.end], want[p.offset : p.end]), p.fqn
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_flat_checkpoint_is_a_normal_checkpoint(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Inspected, verified and read by the same tools as any other: nothing flat-specific on disk."""
+    from ucp_dcp import Checkpoint
+    from ucp_dcp.cli import main
+
+    named = [("w", (9, 7)), ("b", (7,))]
+    params, total = pack_flat(named, align=4)
+    src = torch.randn(total)
+    _save_nodist({f"r{r}": FlatShard(src[a:b], params, a, prefix="model.")
+                  for r, (a, b) in enumerate(flat_partition(total, 3, r) for r in range(3))}, str(tmp_path))
+    with Checkpoint(tmp_path) as ck:
+        assert ck.tensor_names() == ["model.b", "model.w"]
+        assert ck.verify() == []
+        for p in params:
+            assert bit_equal(ck.read_tensor(f"model.{p.fqn}"), src[p.offset : p.end].view(p.shape))
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    # 3 ranks' flat ranges cut w = [9, 7] into 2 + 3 + 2 boxes: an ordinary explicit chunk list.
+    assert re.search(r"^model\.w\s+float32\s+\[9,7\]\s+explicit 7 chunks", out, re.M), out
+    assert main(["verify", str(tmp_path)]) == 0

@@ -9,8 +9,9 @@ before they are written over a good checkpoint.
 
 Both walk the same nested structure DCP saves: dicts (any key type, order
 kept), lists and tuples (named tuples included) down to leaves. Tensor leaves
-are plain tensors on any device and DTensors; every other leaf is copied
-with :func:`copy.deepcopy`.
+are plain tensors on any device, DTensors and the pieces of a
+:class:`~ucp_dcp.TensorPieces` (flat shards, layout rules); every other
+leaf is copied with :func:`copy.deepcopy`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from .pieces import Piece, TensorPieces
 
 __all__ = ["NonFiniteError", "find_nonfinite", "StagedState", "Snapshotter"]
 
@@ -58,6 +61,10 @@ def _walk_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]
     if isinstance(obj, torch.Tensor):
         yield path, obj
         return
+    if isinstance(obj, TensorPieces):
+        for p in obj.pieces:
+            yield f"{path}[{p.fqn}@{','.join(map(str, p.offsets))}]", p.data
+        return
     kids = _children(obj)
     if kids is not None:
         for k, v in kids:
@@ -75,6 +82,9 @@ def _rebuild(obj: Any, on_tensor: Callable[[torch.Tensor], Any], memo: dict[int,
     """``obj`` with every tensor leaf replaced by ``on_tensor(t)`` and every other leaf deep-copied."""
     if isinstance(obj, torch.Tensor):
         return on_tensor(obj)
+    if isinstance(obj, TensorPieces):  # the copy is only saved: padding (fill) is not needed
+        staged = [Piece(p.fqn, p.shape, p.offsets, on_tensor(p.data)) for p in obj.pieces]
+        return TensorPieces(staged, replicated=obj.replicated, source=obj.source)
     if isinstance(obj, Mapping):
         items = [(k, _rebuild(v, on_tensor, memo)) for k, v in obj.items()]
         if type(obj) is dict or not isinstance(obj, dict):
