@@ -13,6 +13,7 @@ layout and world size, reading only the bytes each rank needs::
 from .checkpoint import Checkpoint
 from .flat import FlatParam, FlatShard, flat_partition, pack_flat
 from .format import FORMAT_VERSION, CheckpointFormatError
+from .fsdp1 import fsdp1_apply_loaded, fsdp1_state_dict
 from .handoff import ModuleLoadResult, load_into_module, load_state_dict
 from .index import load_index, rebuild_index
 from .integrity import ChecksumError
@@ -60,6 +61,8 @@ __all__ = [
     "FlatShard",
     "pack_flat",
     "flat_partition",
+    "fsdp1_state_dict",
+    "fsdp1_apply_loaded",
 ]
 
 __version__ = "0.1.0"
