@@ -1,4 +1,5 @@
-"""The CheckpointManager example runs end to end and recovers every phase.
+"""The examples run end to end: the CheckpointManager demo recovers every phase,
+the layout demo loads every layout bit-exactly.
 
 ``examples/manager_demo.py`` launches ``torchrun`` itself (4 ranks, a crash,
 a lost node disk, a 4 -> 3 restart) and checks its own losses against an
@@ -36,3 +37,15 @@ def test_manager_demo(tmp_path: Path) -> None:
     assert re.search(r"^shrink\s+3\s+12\s+persistent\s+0\s", proc.stdout, re.M), text[-6000:]
     assert "on_reshard: step 12 from the persistent tier: world 4 -> 3" in proc.stdout, text[-6000:]
     assert "OK:" in proc.stdout
+
+
+def test_layout_demo() -> None:
+    """TP2 x PP2 Megatron-style block -> TP1, TP3, PP4: every tensor bit-exact (the demo checks and exits 1 if not)."""
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "layout_demo.py")],
+        cwd=EXAMPLES, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-6000:]
+    assert re.search(r"^layers\.3\.attn\.q\.weight\s+0\s+0\s+0$", proc.stdout, re.M), text[-6000:]
+    assert "OK: every layout loaded every tensor bit-exactly" in proc.stdout

@@ -17,6 +17,7 @@ from .fsdp1 import fsdp1_apply_loaded, fsdp1_state_dict
 from .handoff import ModuleLoadResult, load_into_module, load_state_dict
 from .index import load_index, rebuild_index
 from .integrity import ChecksumError
+from .layout_rules import LayoutRuleError, LayoutSpec
 from .manager import (
     CheckpointConfig,
     CheckpointManager,
@@ -63,6 +64,8 @@ __all__ = [
     "flat_partition",
     "fsdp1_state_dict",
     "fsdp1_apply_loaded",
+    "LayoutSpec",
+    "LayoutRuleError",
 ]
 
 __version__ = "0.1.0"

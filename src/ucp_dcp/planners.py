@@ -22,6 +22,7 @@ import warnings
 from collections import defaultdict
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import xxhash
@@ -53,16 +54,13 @@ from torch.distributed.tensor.placement_types import Placement
 
 from .compact import LazyChunks, MeshGroup, TensorSpec
 from .format import Layout, dtype_name, rank_local_key, split_rank_local_key
+from .layout_rules import LAYOUT_KEY as LAYOUT_RECORD_KEY  # a load that does not ask for it is not warned about it
 from .pieces import Piece, TensorPieces
 from .rangeio import tensor_view
 from .sharding import Box, Grid, arith_box, intersect, placement_from_str, placement_to_str
 from .values import RankLocal, ReshardFn, decode_value, dtype_from_name, encode_value
 
-__all__ = ["UCPSavePlanner", "UCPLoadPlanner", "CheckpointKeyError", "LAYOUT_RECORD_KEY"]
-
-# Top-level key under which ucp_dcp.layout_rules records each rank's layout
-# (a RankLocal value); a load that does not ask for it is not warned about it.
-LAYOUT_RECORD_KEY = "__ucp_layout__"
+__all__ = ["UCPSavePlanner", "UCPLoadPlanner", "CheckpointKeyError"]
 
 logger = logging.getLogger(__name__)
 
@@ -645,8 +643,10 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             produces a rank-local value when the world size changed (a
             :class:`~ucp_dcp.RankLocal` in the state dict may carry its own).
 
-    After a load, ``unexpected_keys`` lists checkpoint keys the state dict
-    did not ask for (also logged as a warning on the coordinator).
+    After a load, ``unexpected_keys`` lists checkpoint keys this rank's state
+    dict did not ask for. The coordinator warns about the keys that no rank
+    asked for (under pipeline or expert parallelism each rank loads only
+    its part).
     """
 
     def __init__(
@@ -718,19 +718,35 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         self.unexpected_keys = sorted(
             k for k in md.state_dict_metadata if k not in known and not k.startswith(LAYOUT_RECORD_KEY)
         )
-        if self.unexpected_keys and self.is_coordinator:
-            warnings.warn(
-                f"{len(self.unexpected_keys)} checkpoint key(s) not in the state dict were not loaded: "
-                f"{_key_list(self.unexpected_keys)}",
-                stacklevel=2,
-            )
+        # Which checkpoint keys this rank asks for, as a bitmap over the
+        # sorted keys (a bit per key, whatever the world size): the
+        # coordinator warns only about keys no rank asked for.
+        unexpected = set(self.unexpected_keys)
+        asked = np.packbits([k not in unexpected for k in sorted(md.state_dict_metadata)]).tobytes()
         # DCP gathers every rank's load plan on the coordinator only to hand
         # it back unchanged (its global load plan is the identity): at 16384
         # ranks that is gigabytes through one process. Keep the items here
         # and send an empty plan; finish_plan puts them back.
         self._items = items
-        self.plan = LoadPlan([], planner_data={"rank": self.rank, "items": len(items)})
+        self.plan = LoadPlan([], planner_data={"rank": self.rank, "items": len(items), "asked": asked})
         return self.plan
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        """DCP's identity plan; warns about checkpoint keys that no rank's state dict asked for."""
+        md = self.metadata
+        masks = [(p.planner_data or {}).get("asked") for p in global_plan]
+        if md is not None and masks and all(m is not None for m in masks):
+            keys = sorted(md.state_dict_metadata)
+            asked = np.bitwise_or.reduce([np.frombuffer(m, dtype=np.uint8) for m in masks])
+            flags = np.unpackbits(asked, count=len(keys))
+            not_loaded = [k for k, f in zip(keys, flags) if not f and not k.startswith(LAYOUT_RECORD_KEY)]
+            if not_loaded:
+                warnings.warn(
+                    f"{len(not_loaded)} checkpoint key(s) not in the state dict were not loaded: "
+                    f"{_key_list(not_loaded)}",
+                    stacklevel=2,
+                )
+        return super().create_global_plan(global_plan)
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
         """This rank's read items (kept local since create_local_plan)."""

@@ -1,0 +1,297 @@
+"""Layout rules: the pieces each rule makes, the spec's JSON, and the errors.
+
+Most tests run in one process without DCP: they check the pieces a rule
+makes against tensors cut by independent Megatron arithmetic
+(:mod:`megatron_block`). The last test saves with real ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from dist_utils import bit_equal, run_ranks
+from megatron_block import (
+    CFG, block_rules, block_spec, expert_local, expert_reference, expert_spec, local_state, reference,
+    train_state,
+)
+from ucp_dcp import RankLocal
+from ucp_dcp.layout_rules import (
+    LAYOUT_KEY, Averaged, Fused, LayoutRuleError, LayoutSpec, Reindex, Rename, Replicated, Rule, Shard, VocabPad,
+)
+from ucp_dcp.pieces import Piece, TensorPieces
+from ucp_dcp.values import decode_value, encode_value
+
+
+def _pieces(sd: dict) -> list[tuple[TensorPieces, Piece]]:
+    out = []
+
+    def walk(x: object) -> None:
+        if isinstance(x, TensorPieces):
+            out.extend((x, p) for p in x.pieces)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+
+    walk(sd)
+    return out
+
+
+def _shares_memory(view: torch.Tensor, base: torch.Tensor) -> bool:
+    if view.numel() == 0:
+        return True
+    lo = base.data_ptr()
+    hi = lo + base.numel() * base.element_size()
+    return view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() and lo <= view.data_ptr() < hi
+
+
+def _box(t: torch.Tensor, p: Piece) -> torch.Tensor:
+    for d, (o, s) in enumerate(zip(p.offsets, p.data.shape)):
+        t = t.narrow(d, o, s)
+    return t
+
+
+# ------------------------------------------------------------------ pieces
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (3, 1), (6, 1), (2, 2), (1, 4)])
+def test_megatron_pieces_tile_the_reference(tp: int, pp: int) -> None:
+    """Over all ranks of a TP x PP layout, the pieces are views of the local tensors that hold
+    exactly the reference's values and cover every logical tensor once (replicated ones once per rank)."""
+    ref = reference()
+    covered: Counter[str] = Counter()
+    replicas: Counter[str] = Counter()
+    for stage in range(pp):
+        for r in range(tp):
+            local = local_state(ref, r, tp, stage, pp, pad_value=7.0)
+            sd = block_spec(r, tp, stage, pp).apply({"model": local})
+            assert set(sd["model"]) == set(local)  # same keys
+            for tp_obj, p in _pieces(sd):
+                name = p.fqn.removeprefix("model.")
+                assert p.shape == tuple(ref[name].shape), p.fqn
+                assert bit_equal(p.data, _box(ref[name], p)), p.fqn
+                if tp_obj.replicated:  # a full copy
+                    replicas[p.fqn] += 1
+                    assert p.offsets == (0,) * len(p.shape) and tuple(p.data.shape) == p.shape, p.fqn
+                covered[p.fqn] += p.data.numel()
+            for key, obj in sd["model"].items():
+                for p in obj.pieces:
+                    assert _shares_memory(p.data, local[key]), (key, p.fqn)
+                for f in obj.fill:  # padding rows only
+                    assert _shares_memory(f, local[key]) and bool((f == 7.0).all()), key
+    for name, t in ref.items():
+        fqn = "model." + name
+        want = t.numel() * (replicas[fqn] or 1)
+        assert covered[fqn] == want, (fqn, covered[fqn], want)
+        if "norm" in name:
+            assert replicas[fqn] == tp, fqn
+
+
+def test_fused_gqa_offsets() -> None:
+    """TP rank 1 of 2 holds KV groups 3..5: q rows 12.., k/v rows 6.., each group a separate piece."""
+    ref = reference()
+    local = local_state(ref, 1, 2)
+    sd = block_spec(1, 2).apply({"model": local})
+    qkv = sd["model"]["layers.0.attn.qkv.weight"]
+    got = [(p.fqn, p.offsets[0], p.data.shape[0]) for p in qkv.pieces]
+    want = []
+    for g in range(3, 6):
+        want += [("model.layers.0.attn.q.weight", 4 * g, 4), ("model.layers.0.attn.k.weight", 2 * g, 2),
+                 ("model.layers.0.attn.v.weight", 2 * g, 2)]
+    assert got == want
+    # Writing into a piece writes the local tensor (load is in place).
+    qkv.pieces[1].data.fill_(3.5)
+    assert bool((local["layers.0.attn.qkv.weight"][4:6] == 3.5).all())
+
+
+def test_fused_per_rank_and_shard() -> None:
+    t = torch.arange(6 * 3, dtype=torch.float32).view(6, 3)
+    spec = LayoutSpec([Fused(r"\.gate_up\.", parts={".gate.": 8, ".up.": 4}, axis="tp")], axes={"tp": (1, 2)})
+    (gate, up) = spec.apply({"m.gate_up.w": t})["m.gate_up.w"].pieces
+    assert (gate.fqn, gate.shape, gate.offsets, tuple(gate.data.shape)) == ("m.gate.w", (8, 3), (4, 0), (4, 3))
+    assert (up.fqn, up.shape, up.offsets, tuple(up.data.shape)) == ("m.up.w", (4, 3), (2, 0), (2, 3))
+    assert bit_equal(up.data, t[4:])
+    spec = LayoutSpec([Shard(r"down", dim=1, axis="tp")], axes={"tp": (2, 3)})
+    (p,) = spec.apply({"down": t})["down"].pieces
+    assert (p.shape, p.offsets) == ((6, 9), (0, 6)) and _shares_memory(p.data, t)
+
+
+def test_vocab_pad_rank_of_padding_only() -> None:
+    """vocab 5 padded to 8 over 4 ranks: rank 2 holds one real row, rank 3 only padding."""
+    t = torch.ones(2, 3)
+    rule = VocabPad(r"embed", size=5, axis="tp")
+    tp2 = LayoutSpec([rule], axes={"tp": (2, 4)}).apply({"embed": t})["embed"]
+    assert [(p.shape, p.offsets, tuple(p.data.shape)) for p in tp2.pieces] == [((5, 3), (4, 0), (1, 3))]
+    assert [tuple(f.shape) for f in tp2.fill] == [(1, 3)] and tp2.fill_value == 0.0
+    tp3 = LayoutSpec([rule], axes={"tp": (3, 4)}).apply({"embed": t})["embed"]
+    assert tp3.pieces == () and [tuple(f.shape) for f in tp3.fill] == [(2, 3)]
+
+
+def test_optimizer_keys_renamed_like_parameters_and_values_kept() -> None:
+    ref, moments = reference(), reference(seed=1)
+    sd = train_state(local_state(ref, 0, 2, 1, 2), local_state(moments, 0, 2, 1, 2))
+    sd["optim"]["param_groups"] = [{"lr": 0.1, "params": ["a", "b"]}]
+    sd["extra"] = RankLocal({"pos": 3})
+    out = block_spec(0, 2, 1, 2).apply(sd, record=True)
+    exp_avg = out["optim"]["state"]["layers.0.attn.qkv.weight"]["exp_avg"]
+    assert exp_avg.fqns() == [f"optim.state.layers.2.attn.{n}.weight.exp_avg" for n in "qkv"]
+    assert out["optim"]["state"]["layers.0.attn.qkv.weight"]["step"] == 5
+    assert out["optim"]["param_groups"] == sd["optim"]["param_groups"] and out["extra"] is sd["extra"]
+    assert out["model"]["head.weight"].fqns() == ["model.head.weight"]
+    assert isinstance(out[LAYOUT_KEY], RankLocal) and LAYOUT_KEY not in block_spec(0, 2, 1, 2).apply(sd)
+    assert set(sd) == {"model", "optim", "step", "extra"}  # the input is not modified
+    assert isinstance(sd["model"]["head.weight"], torch.Tensor)
+
+
+def test_update_values_copies_loaded_values_back() -> None:
+    sd = train_state(local_state(reference(), 0, 1), {}, step=0)
+    sd["optim"]["param_groups"] = [{"lr": 0.0}]
+    spec = block_spec(0, 1)
+    applied = spec.apply(sd)
+    applied["step"], applied["optim"]["param_groups"][0]["lr"] = 9, 0.5  # what dcp.load would do
+    spec.update_values(sd, applied)
+    assert sd["step"] == 9 and sd["optim"]["param_groups"] == [{"lr": 0.5}]
+    assert isinstance(sd["model"]["embed.weight"], torch.Tensor)
+
+
+def test_rename_reindex_and_wrappers() -> None:
+    spec = LayoutSpec(
+        block_rules(layer_offset=6, wrapped=True) + [Rename(r"^model\.decoder\.", "model."),
+                                                   Reindex(r"experts\.(\d+)\.", axis="ep", per_rank=2)],
+        axes={"tp": (0, 1), "ep": (3, 4)},
+    )
+    assert spec.canonical_name("model._orig_mod.layers.1._fsdp_wrapped_module.attn.o.weight") == \
+        "model.layers.7.attn.o.weight"
+    assert spec.canonical_name("model.decoder.layers.0.moe.experts.1.w1") == "model.layers.6.moe.experts.7.w1"
+    assert spec.canonical_name("model.layers10.x") == "model.layers10.x"
+
+
+def test_experts_pieces() -> None:
+    ref = expert_reference()
+    local = expert_local(ref, 1, 2)
+    sd = expert_spec(1, 2).apply({"model": local})
+    names = sorted(p.fqn for _, p in _pieces(sd))
+    assert names == sorted("model." + n for n in ["moe.router.weight"] + [
+        f"moe.experts.{e}.{w}.weight" for e in (2, 3) for w in ("w1", "w2")])
+    for tp_obj, p in _pieces(sd):
+        assert tp_obj.replicated and bit_equal(p.data, ref[p.fqn.removeprefix("model.")])
+
+
+def test_averaged_without_group() -> None:
+    t = torch.ones(3)
+    # Load side, or an axis of size 1: a plain replicated view.
+    for axes, record in [({"tp": (1, 2)}, False), ({"tp": (0, 1)}, True)]:
+        sd = LayoutSpec([Averaged(r"scale", axis="tp")], axes=axes).apply({"scale": t}, record=record)
+        (p,) = sd["scale"].pieces
+        assert sd["scale"].replicated and _shares_memory(p.data, t)
+    with pytest.raises(LayoutRuleError, match=r"Averaged\('scale'.*'scale'.*process group"):
+        LayoutSpec([Averaged(r"scale", axis="tp")], axes={"tp": (1, 2)}).apply({"scale": t}, record=True)
+
+
+def test_json_round_trip() -> None:
+    spec = LayoutSpec(
+        block_rules(layer_offset=2, wrapped=True)
+        + [Averaged(r"scale", axis="tp"), Reindex(r"experts\.(\d+)\.", axis="ep", per_rank=2, optional=True)],
+        axes={"tp": (1, 3), "ep": (0, 2)}, strict=False,
+    )
+    data = spec.to_json()
+    text = json.dumps(data)  # JSON-safe
+    back = LayoutSpec.from_json(json.loads(text))
+    assert back == spec and back.to_json() == data
+    fused = [r for r in back.rules if isinstance(r, Fused)]
+    assert list(fused[0].parts) == [".q.", ".k.", ".v."] and fused[0].groups == CFG.kv_heads
+    assert back.rules[-1].optional
+    # Through the checkpoint's value encoding (what RankLocal stores).
+    assert LayoutSpec.from_json(decode_value(encode_value(data, "x"), "x")) == spec
+    with pytest.raises(LayoutRuleError, match="unknown layout rule 'Bogus'"):
+        Rule.from_json({"rule": "Bogus", "pattern": "x"})
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_unused_rule_is_an_error() -> None:
+    sd = {"model": local_state(reference(), 0, 1)}
+    spec = LayoutSpec(block_rules() + [Shard(r"\.lora_a\.", dim=0, axis="tp")], axes={"tp": (0, 1)})
+    with pytest.raises(LayoutRuleError, match=re.escape(r"Shard('\\.lora_a\\.', axis='tp')")):
+        spec.apply(sd)
+    with pytest.raises(LayoutRuleError, match=r"Rename\('_orig_mod"):
+        LayoutSpec(block_rules(wrapped=True), axes={"tp": (0, 1)}).apply(sd)
+    # Escapes: allow_unused_rules, strict=False, optional=True.
+    LayoutSpec(spec.rules, axes={"tp": (0, 1)}, allow_unused_rules=True).apply(sd)
+    LayoutSpec(spec.rules, axes={"tp": (0, 1)}, strict=False).apply(sd)
+    LayoutSpec(block_rules() + [Shard(r"\.lora_a\.", axis="tp", optional=True)], axes={"tp": (0, 1)}).apply(sd)
+
+
+def test_unexplained_parameter_is_an_error() -> None:
+    local = local_state(reference(), 0, 2)
+    local["layers.1.attn.rotary.inv_freq"] = torch.ones(4)
+    spec = block_spec(0, 2, 0, 1)
+    with pytest.raises(LayoutRuleError, match=r"cannot explain 'model\.layers\.1\.attn\.rotary\.inv_freq'.*"
+                       r"shape \[4\].*no layout rule matches.*Replicated"):
+        spec.apply({"model": local})
+    # strict=False: a full replicated copy.
+    lax = LayoutSpec(spec.rules, axes=spec.axes, strict=False).apply({"model": local})
+    obj = lax["model"]["layers.1.attn.rotary.inv_freq"]
+    assert obj.replicated and obj.fqns() == ["model.layers.1.attn.rotary.inv_freq"]
+
+
+def test_fused_widths_that_do_not_add_up() -> None:
+    spec = LayoutSpec([Fused(r"\.qkv\.", parts={".q.": 24, ".k.": 12, ".v.": 12}, axis="tp")],
+                      axes={"tp": (0, 2)})
+    with pytest.raises(LayoutRuleError) as e:
+        spec.apply({"blk.qkv.weight": torch.zeros(20, 8)})
+    msg = str(e.value)
+    assert "fused split of 'blk.qkv.weight'" in msg and "widths [24, 12, 12] add up to 48" in msg
+    assert "has 20 along dim 0 at tp size 2 (expected 48/2 = 24)" in msg
+    with pytest.raises(LayoutRuleError, match=r"'blk\.qkv\.weight'.*not divisible by 4 \(groups\)"):
+        LayoutSpec([Fused(r"\.qkv\.", parts={".q.": 24, ".k.": 6, ".v.": 6}, groups=4, axis="tp")],
+                   axes={"tp": (0, 2)}).apply({"blk.qkv.weight": torch.zeros(18, 8)})
+
+
+def test_other_errors() -> None:
+    with pytest.raises(LayoutRuleError, match=r"uses axis 'tp', which is not in axes"):
+        LayoutSpec([Shard("x", axis="tp")])
+    with pytest.raises(LayoutRuleError, match="capture group"):
+        Reindex(r"layers\.\d+")
+    with pytest.raises(LayoutRuleError, match="invalid regular expression"):
+        Rename(r"(")
+    with pytest.raises(LayoutRuleError, match=r"fewer than the true size 37"):
+        LayoutSpec([VocabPad("emb", size=37, axis="tp")], axes={"tp": (0, 2)}).apply({"emb": torch.zeros(18, 2)})
+    with pytest.raises(LayoutRuleError, match=r"'a\.w' and 'b\.w' both hold rows of the logical tensor 'c\.w'"):
+        LayoutSpec([Rename(r"^[ab]\.", "c."), Replicated("w")]).apply({"a.w": torch.zeros(2), "b.w": torch.zeros(2)})
+    with pytest.raises(LayoutRuleError, match=r"Shard\('w', dim=2\) matches 'w' of shape \[2\]"):
+        LayoutSpec([Shard("w", dim=2)]).apply({"w": torch.zeros(2)})
+    with pytest.raises(LayoutRuleError, match="reserved key"):
+        LayoutSpec([]).apply({LAYOUT_KEY: 1})
+
+
+# ------------------------------------------------------------------ with ranks
+
+
+def _save_unequal_norm(rank: int, world: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from ucp_dcp import UCPSavePlanner, UCPStorageWriter
+
+    local = local_state(reference(), rank, world)
+    if rank == 1:
+        local["layers.1.post_norm.weight"][3] += 1e-3  # drifted TP replica
+    sd = block_spec(rank, world).apply({"model": local}, record=True)
+    try:
+        dcp.save(sd, storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        text = str(e)
+    else:
+        raise AssertionError("saving a replicated parameter that differs across ranks succeeded")
+    assert "replicated tensor 'model.layers.1.post_norm.weight'" in text and "differs" in text, text[-3000:]
+
+
+@pytest.mark.multiproc
+def test_unequal_replicated_parameter_fails_the_save(tmp_path: os.PathLike) -> None:
+    run_ranks(2, _save_unequal_norm, str(tmp_path / "ckpt"))
