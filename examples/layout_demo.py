@@ -13,14 +13,13 @@ six rules, and the checkpoint then holds canonical tensors
 loads through its own spec.
 
 The driver spawns 4 CPU ranks (gloo) that save the model as TP 2 x PP 2,
-then load it as TP 1 x PP 1 (rank 0 alone), TP 3 x PP 1 (ranks 0-2) and
-TP 1 x PP 4 (all 4), each target's ranks loading through a process group of
+then load it as TP 1 x PP 1 (rank 0 alone), TP 3 x PP 1 (ranks 0-2),
+TP 4 x PP 1 and TP 1 x PP 4 (all 4), each target's ranks loading through a process group of
 their own (``dcp.load(..., process_group=...)``), as a separate job would.
 Every loaded rank compares each piece with the same box of the reference
 model and reports the max abs difference per logical tensor, and of the
 padding rows against 0 (the saved padding held NaN). It prints a table and exits
-non-zero if anything differs. TP 4 is not shown: 6 KV heads do not split
-over 4 ranks.
+non-zero if anything differs.
 
 Run it
 ------
@@ -44,10 +43,10 @@ from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorage
 from ucp_dcp.layout_rules import Fused, LayoutSpec, Reindex, Replicated, Shard, VocabPad
 from ucp_dcp.pieces import TensorPieces
 
-VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 37, 16, 12, 6, 2, 24, 4
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 37, 16, 24, 12, 1, 24, 4  # TP 1, 2, 3, 4 all divide
 PAD_MULTIPLE = 4  # vocabulary padded to a multiple of 4 * tp rows (Megatron: 128 * tp)
 SAVE = (2, 2)  # (tp, pp)
-TARGETS = [(1, 1), (3, 1), (1, 4)]
+TARGETS = [(1, 1), (3, 1), (4, 1), (1, 4)]
 
 
 # ----------------------------------------------------------------------------

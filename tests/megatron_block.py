@@ -12,11 +12,11 @@ multiple of ``4 * tp`` rows, TP-replicated norms, stage-local layer numbers.
 tensors under one layout and checks a load under another bit for bit
 against :func:`local_state` of the same reference.
 
-Sizes (:data:`CFG`): 12 query heads, 6 KV heads (GQA, 2 queries per KV
-head), head dim 2, hidden 8, ffn 12, vocabulary 37 (prime: padded at every
+Sizes (:data:`CFG`): 24 query heads, 12 KV heads (GQA, 2 queries per KV
+head), head dim 1, hidden 8, ffn 12, vocabulary 37 (prime: padded at every
 TP size > 1, and at TP 1 by the multiple-of-4 rule). Every TP size that
-divides the 6 KV heads works: 1, 2, 3 and 6. TP 4 does not (6 KV heads do
-not split over 4 ranks; Megatron refuses it too), so the tests use 1, 2, 3.
+divides the 12 KV heads and the ffn works: 1, 2, 3, 4, 6 and 12; the tests
+use 1, 2, 3 and 4.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ class BlockConfig:
 
     vocab: int = 37
     hidden: int = 8
-    heads: int = 12
-    kv_heads: int = 6
-    head_dim: int = 2
+    heads: int = 24
+    kv_heads: int = 12
+    head_dim: int = 1
     ffn: int = 12
     layers: int = 4
     pad_multiple: int = 4  # vocabulary padded to a multiple of pad_multiple * tp (Megatron: 128 * tp)

@@ -128,11 +128,11 @@ def _load_tp(rank: int, world: int, path: str, group: Any, saved_world: int = 2)
         assert LayoutSpec.from_json(data) == _tp_spec(r, saved_world), (what, r)
 
 
-def test_megatron_tp2_to_tp1_and_tp3(tmp_path: os.PathLike) -> None:
+def test_megatron_tp2_to_tp1_tp3_tp4(tmp_path: os.PathLike) -> None:
     """Fused GQA QKV (+bias), fused SwiGLU, row-parallel o/down, padded vocab (37), replicated norms and
-    an averaged parameter, with Adam-like moments: TP 2 -> TP 1 and TP 3 (TP 4 does not divide the 6 KV
-    heads; see megatron_block). Beside them, a renamed DTensor (uneven Shard(0)) and an unrenamed one."""
-    run_ranks(3, _phases, str(tmp_path / "tp2"), [(2, _save_tp), (1, _load_tp), (3, _load_tp)])
+    an averaged parameter, with Adam-like moments: TP 2 -> TP 1, TP 3 and TP 4. Beside them, a renamed
+    DTensor (uneven Shard(0)) and an unrenamed one."""
+    run_ranks(4, _phases, str(tmp_path / "tp2"), [(2, _save_tp), (1, _load_tp), (3, _load_tp), (4, _load_tp)])
 
 
 # ---------------------------------------------------------------- pipeline stages

@@ -59,7 +59,7 @@ def _box(t: torch.Tensor, p: Piece) -> torch.Tensor:
 # ------------------------------------------------------------------ pieces
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (3, 1), (6, 1), (2, 2), (1, 4)])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (3, 1), (4, 1), (6, 1), (2, 2), (1, 4)])
 def test_megatron_pieces_tile_the_reference(tp: int, pp: int) -> None:
     """Over all ranks of a TP x PP layout, the pieces are views of the local tensors that hold
     exactly the reference's values and cover every logical tensor once (replicated ones once per rank)."""
@@ -93,20 +93,22 @@ def test_megatron_pieces_tile_the_reference(tp: int, pp: int) -> None:
 
 
 def test_fused_gqa_offsets() -> None:
-    """TP rank 1 of 2 holds KV groups 3..5: q rows 12.., k/v rows 6.., each group a separate piece."""
+    """TP rank 1 of 2 holds the second half of the KV groups: per group its q rows, then k, then v, each a piece."""
     ref = reference()
     local = local_state(ref, 1, 2)
     sd = block_spec(1, 2).apply({"model": local})
     qkv = sd["model"]["layers.0.attn.qkv.weight"]
     got = [(p.fqn, p.offsets[0], p.data.shape[0]) for p in qkv.pieces]
+    qg = CFG.heads // CFG.kv_heads * CFG.head_dim  # query rows per KV group
+    kg = CFG.head_dim  # key (and value) rows per KV group
     want = []
-    for g in range(3, 6):
-        want += [("model.layers.0.attn.q.weight", 4 * g, 4), ("model.layers.0.attn.k.weight", 2 * g, 2),
-                 ("model.layers.0.attn.v.weight", 2 * g, 2)]
+    for g in range(CFG.kv_heads // 2, CFG.kv_heads):
+        want += [("model.layers.0.attn.q.weight", qg * g, qg), ("model.layers.0.attn.k.weight", kg * g, kg),
+                 ("model.layers.0.attn.v.weight", kg * g, kg)]
     assert got == want
-    # Writing into a piece writes the local tensor (load is in place).
+    # Writing into a piece writes the local tensor (load is in place): piece 1 is the first group's k rows.
     qkv.pieces[1].data.fill_(3.5)
-    assert bool((local["layers.0.attn.qkv.weight"][4:6] == 3.5).all())
+    assert bool((local["layers.0.attn.qkv.weight"][qg : qg + kg] == 3.5).all())
 
 
 def test_fused_per_rank_and_shard() -> None:
