@@ -326,3 +326,29 @@ def test_flat_checkpoint_is_a_normal_checkpoint(tmp_path: Any, capsys: pytest.Ca
     # 3 ranks' flat ranges cut w = [9, 7] into 2 + 3 + 2 boxes: an ordinary explicit chunk list.
     assert re.search(r"^model\.w\s+float32\s+\[9,7\]\s+explicit 7 chunks", out, re.M), out
     assert main(["verify", str(tmp_path)]) == 0
+
+
+def _replica_save_load(rank: int, world: int, root: str) -> None:
+    # Data-parallel replicas of one ZeRO partition: ranks 0/1 hold the first
+    # half of the buffer, ranks 2/3 the second, each pair the same bytes.
+    params, total = pack_flat([("w", (6, 5)), ("b", (5,))], align=4)
+    full = torch.arange(total, dtype=torch.float32)
+    start, stop = flat_partition(total, 2, rank // 2)
+    sd = {"flat": FlatShard(full[start:stop].clone(), params, start, prefix="model.")}
+    writer = UCPStorageWriter(root)
+    dcp.save(sd, storage_writer=writer, planner=UCPSavePlanner())
+    out = {"model": {"w": torch.zeros(6, 5), "b": torch.zeros(5)}}
+    dcp.load(out, storage_reader=UCPStorageReader(root), planner=UCPLoadPlanner())
+    for p in params:
+        assert bit_equal(out["model"][p.fqn], full[p.offset : p.end].view(p.shape)), (rank, p.fqn)
+
+
+@pytest.mark.multiproc
+def test_flat_shards_held_by_replicas_are_written_once(tmp_path: Any) -> None:
+    """Two data-parallel replicas of each ZeRO partition: each box is written by one rank only."""
+    from ucp_dcp import Checkpoint
+
+    run_ranks(4, _replica_save_load, str(tmp_path))
+    with Checkpoint(tmp_path) as ck:
+        stored = sum(loc.nbytes for name in ck.tensor_names() for _, loc in ck.chunks(name))
+    assert stored == (6 * 5 + 5) * 4
