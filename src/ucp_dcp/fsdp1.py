@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 from .flat import FlatParam, FlatShard
 from .pieces import Piece, TensorPieces
@@ -178,32 +179,6 @@ def _extra_model_tensors(model: nn.Module, units: list[_Unit]) -> dict[str, torc
     return out
 
 
-def _init_optim_state(optim: torch.optim.Optimizer) -> None:
-    """Create the optimizer state if there is none: one ``step`` with zero grads at lr 0.
-
-    The same as DCP's ``get_state_dict`` does, so that a load has memory to
-    write into. Parameters are unchanged (lr is 0).
-    """
-    if optim.state:
-        return
-    if any(p.grad is not None for g in optim.param_groups for p in g["params"]):
-        return
-    for g in optim.param_groups:
-        for p in g["params"]:
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-    lrs = []
-    for g in optim.param_groups:
-        if "lr" in g:
-            lrs.append(g["lr"])
-            g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-    optim.step()
-    for g in optim.param_groups:
-        if "lr" in g:
-            g["lr"] = lrs.pop(0)
-    optim.zero_grad(set_to_none=True)
-
-
 def _optim_index(model: nn.Module, optim: torch.optim.Optimizer, units: list[_Unit]) -> list[list[tuple[_Unit, int | None]]]:
     """For every param group, for every param: its unit and (use_orig_params) its index in the unit."""
     flat = {id(u.flat_param): u for u in units}
@@ -278,7 +253,7 @@ def fsdp1_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = Non
     if optim is None:
         return out
     index = _optim_index(model, optim, units)
-    _init_optim_state(optim)
+    _init_optim_state(optim)  # DCP's own: one zero-gradient step at lr 0 when there is no state yet
     unit_no = {id(u): k for k, u in enumerate(units)}
     optim_sd: dict[str, Any] = {}
     plain_state: dict[str, dict[str, Any]] = {}

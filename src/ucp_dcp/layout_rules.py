@@ -56,7 +56,6 @@ coordinates, as JSON) in the checkpoint under ``"__ucp_layout__"`` as a
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
@@ -64,6 +63,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from .pieces import Piece, TensorPieces
+from .sharding import Box, intersect
 from .values import RankLocal
 
 __all__ = [
@@ -511,6 +511,8 @@ class LayoutSpec:
         """
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
+        from .planners import _set_in_place  # here: planners imports this module
+
         if LAYOUT_KEY in state_dict:
             raise LayoutRuleError(f"the state dict already has the reserved key {LAYOUT_KEY!r}")
         flat, paths = flatten_state_dict(dict(state_dict))
@@ -527,7 +529,7 @@ class LayoutSpec:
                     produced.setdefault(p.fqn, []).append((key, p.shape, p.offsets, tuple(p.data.shape)))
             else:
                 produced.setdefault(name, []).append((key, tuple(value.shape), None, None))
-            _set(out, paths[key], new)
+            _set_in_place(out, paths[key], new)
         _check_collisions(produced)
         if self.strict and not self.allow_unused_rules:
             unused = [r for i, r in enumerate(self.rules) if i not in used and not r.optional]
@@ -553,14 +555,13 @@ class LayoutSpec:
         """
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
+        from .planners import _set_in_place  # here: planners imports this module
+
         flat, paths = flatten_state_dict(dict(state_dict))
+        loaded, _ = flatten_state_dict(dict(applied))  # same structure, so the same keys
         for key, path in paths.items():
-            if isinstance(flat[key], torch.Tensor):
-                continue
-            node: Any = applied
-            for p in path:
-                node = node[_key_in(node, p)]
-            _set(state_dict, path, node)
+            if not isinstance(flat[key], torch.Tensor):
+                _set_in_place(state_dict, path, loaded[key])
 
     def _pieces(self, key: str, name: str, value: torch.Tensor, used: set[int], save: bool) -> Any:
         from torch.distributed.tensor import DTensor
@@ -652,28 +653,6 @@ def _copy_containers(obj: Any) -> Any:
     return obj
 
 
-def _set(root: Any, path: Sequence[Any], value: Any) -> None:
-    node = root
-    for p in path[:-1]:
-        node = node[_key_in(node, p)]
-    node[_key_in(node, path[-1])] = value
-
-
-def _key_in(node: Any, p: Any) -> Any:
-    if isinstance(node, list):
-        return int(p)
-    if p in node:
-        return p
-    for k in node:  # flatten_state_dict stringifies keys
-        if str(k) == p:
-            return k
-    raise KeyError(p)
-
-
-def _overlap(a_off: tuple[int, ...], a_size: tuple[int, ...], b_off: tuple[int, ...], b_size: tuple[int, ...]) -> bool:
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_off, a_size, b_off, b_size))
-
-
 _Produced = dict[str, list[tuple[str, tuple[int, ...], Optional[tuple[int, ...]], Optional[tuple[int, ...]]]]]
 
 
@@ -692,7 +671,7 @@ def _check_collisions(produced: _Produced) -> None:
             )
         for i, (ka, _, ao, asz) in enumerate(items):
             for kb, _, bo, bsz in items[i + 1 :]:
-                if ka != kb and _overlap(ao, asz, bo, bsz) and math.prod(asz) and math.prod(bsz):
+                if ka != kb and intersect(Box(ao, asz), Box(bo, bsz)) is not None:
                     raise LayoutRuleError(
                         f"keys {ka!r} and {kb!r} both hold rows of the logical tensor {fqn!r} at overlapping "
                         f"boxes (offsets {list(ao)} and {list(bo)}); check the Rename/Reindex rules"

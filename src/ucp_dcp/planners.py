@@ -166,7 +166,7 @@ class UCPSavePlanner(DefaultSavePlanner):
         rank_local: list[str] = []
         meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...], list[int]]] = {}
         piece_fqns: set[str] = set()
-        piece_digests: dict[str, str] = {}
+        piece_digests: dict[tuple[str, tuple[int, ...]], str] = {}
         members: dict[tuple[tuple[int, ...], tuple[int, ...]], list[TensorSpec]] = defaultdict(list)
         self._compact = {}
         for fqn, obj in self.state_dict.items():
@@ -228,7 +228,11 @@ class UCPSavePlanner(DefaultSavePlanner):
         return plan
 
     def _piece_items(
-        self, key: str, obj: TensorPieces, piece_fqns: set[str], piece_digests: dict[str, str]
+        self,
+        key: str,
+        obj: TensorPieces,
+        piece_fqns: set[str],
+        piece_digests: dict[tuple[str, tuple[int, ...]], str],
     ) -> list[WriteItem]:
         """One write item per piece, named by its logical tensor (the state-dict key is not stored)."""
         items = []
@@ -245,7 +249,7 @@ class UCPSavePlanner(DefaultSavePlanner):
                 )
             self._pieces[where] = (key, p)
             if obj.replicated and self.world_size > 1:
-                piece_digests[_piece_key(p.fqn, p.offsets)] = _digest(p.data)
+                piece_digests[where] = _digest(p.data)
             offsets, sizes = torch.Size(p.offsets), torch.Size(p.data.shape)
             items.append(
                 WriteItem(
@@ -453,23 +457,18 @@ _GROUPS: dict[str, MeshGroup] = {}
 _GROUP_ITEMS: dict[tuple[str, int, tuple[int, ...], frozenset[str]], list[WriteItem]] = {}
 
 
-@functools.lru_cache(maxsize=1024)
-def _piece_key(fqn: str, offsets: tuple[int, ...]) -> str:
-    return f"{fqn}@{','.join(map(str, offsets))}"
-
-
 def _check_replicated_pieces(all_plans: list[SavePlan]) -> None:
     """Pieces declared replicated must hold the same bytes on every rank that has them."""
-    per_key: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    per_key: dict[tuple[str, tuple[int, ...]], dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
     for r, plan in enumerate(all_plans):
         for key, d in plan.planner_data.get("piece_digests", {}).items():
             per_key[key][d].append(r)
     bad = sorted(k for k, groups in per_key.items() if len(groups) > 1)
     if bad:
         groups = sorted(per_key[bad[0]].values())
-        fqn, _, offs = bad[0].rpartition("@")
+        fqn, offs = bad[0]
         raise ValueError(
-            f"replicated tensor {fqn!r} (box at offsets [{offs}]) differs across ranks: ranks {_describe(groups[0])} "
+            f"replicated tensor {fqn!r} (box at offsets {list(offs)}) differs across ranks: ranks {_describe(groups[0])} "
             f"hold one value, ranks {_describe(groups[1])} another ({len(bad)} replicated piece(s) differ in all). "
             "A tensor declared replicated (Replicated layout rule, TensorPieces(replicated=True)) is saved once, so "
             "every rank that holds it must hold the same bytes: synchronise it, or declare how it is sharded"
@@ -506,6 +505,7 @@ def _check_coverage(
             )
 
 
+@functools.lru_cache(maxsize=1024)
 def _placements(layout: Layout) -> tuple[Placement, ...]:
     return tuple(placement_from_str(p) for p in layout.placements)
 
@@ -715,14 +715,13 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             )
         known = set(self.state_dict)
         known.update(p.fqn for v in self._piece_sets.values() for p in v.pieces)
-        self.unexpected_keys = sorted(
-            k for k in md.state_dict_metadata if k not in known and not k.startswith(LAYOUT_RECORD_KEY)
-        )
+        keys = sorted(md.state_dict_metadata)
+        wanted = [k in known for k in keys]
+        self.unexpected_keys = [k for k, w in zip(keys, wanted) if not w and not k.startswith(LAYOUT_RECORD_KEY)]
         # Which checkpoint keys this rank asks for, as a bitmap over the
         # sorted keys (a bit per key, whatever the world size): the
         # coordinator warns only about keys no rank asked for.
-        unexpected = set(self.unexpected_keys)
-        asked = np.packbits([k not in unexpected for k in sorted(md.state_dict_metadata)]).tobytes()
+        asked = np.packbits(wanted).tobytes()
         # DCP gathers every rank's load plan on the coordinator only to hand
         # it back unchanged (its global load plan is the identity): at 16384
         # ranks that is gigabytes through one process. Keep the items here
