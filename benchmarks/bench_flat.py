@@ -122,6 +122,8 @@ from ucp_dcp import (  # noqa: E402
     pack_flat,
 )
 
+from bench_reshard import evict_tree  # noqa: E402  (this directory)
+
 MB = 1_000_000  # reported sizes are decimal megabytes
 MiB = 1 << 20
 STEP = 1234.0
@@ -347,13 +349,6 @@ class Probe:
                 "peak_rss": self.peak_rss, "base_rss": self.base_rss, **extra}
 
 
-def evict(root: str) -> None:
-    """Drop the checkpoint's clean pages from the page cache (files are fsynced)."""
-    from bench_reshard import evict as evict_files  # this directory: the same helper as bench_reshard's
-
-    evict_files([str(p) for p in Path(root).rglob("*") if p.is_file()])
-
-
 def dir_bytes(root: str) -> int:
     return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())
 
@@ -519,7 +514,7 @@ def target_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             fill_fsdp(state, fqns, float("nan"))
             state["optim"]["param_groups"] = copy.deepcopy(blank_groups)
             if cfg["evict"]:
-                evict(path)
+                evict_tree(path)
             extra: dict[str, Any] = {}
             if fmt.startswith("ucp"):
                 reader = UCPStorageReader(path, gap_bytes=0 if fmt == "ucp_gap0" else None)

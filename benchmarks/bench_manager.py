@@ -121,6 +121,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from ucp_dcp import CheckpointManager, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.rangeio import tensor_view
 
+from bench_reshard import evict_tree, leaves  # this directory
+
 MiB = 1 << 20
 GB = 1e9
 
@@ -200,14 +202,6 @@ def tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from tensors(v)
-
-
-def leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from leaves(v, f"{prefix}.{k}" if prefix else str(k))
-    else:
-        yield prefix, obj
 
 
 def empty_like_state(state: Any) -> Any:
@@ -306,22 +300,6 @@ def trim_heap() -> None:
     gc.collect()
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
-
-
-def evict(path: str) -> None:
-    """Drop the (clean) page-cache pages of every file under ``path``; no-op on tmpfs."""
-    for dirpath, _, names in os.walk(path):
-        for n in names:
-            p = os.path.join(dirpath, n)
-            try:
-                fd = os.open(p, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def fs_type(path: str) -> str | None:
@@ -664,7 +642,7 @@ def mgr_restore(make: Callable[[], CheckpointManager], target: dict[str, Any], e
     mgr = make()
     try:
         if evict_dir is not None and (p := evict_dir()):
-            evict(p)
+            evict_tree(p)
         wall, step = timed_load(lambda: mgr.load(target))
         rec = mgr.last_restore
         assert rec is not None
@@ -724,7 +702,7 @@ def bench_restore(state: dict[str, Any], dcp_dir: str, dirs: Dirs, args: argpars
     zero_fill(target)
     for i in range(args.repeat):
         if ev:
-            evict(dcp_dir)
+            evict_tree(dcp_dir)
         base["dcp_filesystem_reader_s"].append(timed_load(
             lambda: dcp.load(target, storage_reader=FileSystemReader(dcp_dir)))[0])
         if i == 0:
@@ -748,7 +726,7 @@ def bench_restore(state: dict[str, Any], dcp_dir: str, dirs: Dirs, args: argpars
     for i in range(3 * args.repeat):
         for verify in (True, False):
             if ev:
-                evict(local_step)
+                evict_tree(local_step)
             out = direct_load(local_step, target, verify)
             base["ucp_reader_verify_s" if verify else "ucp_reader_noverify_s"].append(out["wall_s"])
             if verify:

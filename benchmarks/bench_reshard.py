@@ -485,6 +485,13 @@ def evict(files: Sequence[str]) -> None:
             os.close(fd)
 
 
+def evict_tree(root: str | Path) -> None:
+    """fsync, then drop from the page cache, every file under ``root`` (no-op on tmpfs)."""
+    files = checkpoint_files(root)
+    fsync_files(files)
+    evict(files)
+
+
 def resident_bytes(path: str) -> int:
     """Bytes of ``path`` present in the page cache, via mmap + mincore.
 
