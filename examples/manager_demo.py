@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -52,7 +51,7 @@ from typing import Any
 import torch
 
 from demo_model import ModelConfig, ShardedLoader, TinyLM
-from train_demo import DEFAULT_TOL, GLOBAL_BATCH, PEAK_LR, first_traceback, lr_at, max_rel_dev, reshard_loader_state
+from train_demo import DEFAULT_TOL, GLOBAL_BATCH, PEAK_LR, Laps, end_worker, lr_at, max_rel_dev, reshard_loader_state, torchrun
 
 RANKS_PER_NODE = 2
 LOCAL_INTERVAL = 2
@@ -75,14 +74,7 @@ def worker(args: argparse.Namespace) -> None:
     from ucp_dcp import RankLocal
     from ucp_dcp.manager import CheckpointManager, ReshardEvent
 
-    timings: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(phase: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        timings[phase] = timings.get(phase, 0.0) + now - clock
-        clock = now
+    lap = Laps()
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -182,7 +174,7 @@ def worker(args: argparse.Namespace) -> None:
             mgr.save(step + 1, state(step + 1))  # returns once staged; the write goes on behind us
             save_calls += time.perf_counter() - t0
     lap("train")
-    result.update(start=start, losses=losses, timings=timings, save_call_s=save_calls)
+    result.update(start=start, losses=losses, timings=lap.timings, save_call_s=save_calls)
 
     if args.phase == "train":
         assert mgr is not None
@@ -204,8 +196,7 @@ def worker(args: argparse.Namespace) -> None:
         lap("final wait")
     if rank == 0:
         Path(args.result).write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 # ----------------------------------------------------------------------------
@@ -229,19 +220,9 @@ def launch(phase: Phase, args: argparse.Namespace, out: Path) -> tuple[dict[str,
         f"--stop={phase.stop}", f"--total={args.steps + 8}", f"--result={result}",
         f"--tier-shared={out / 'shared'}", f"--tier-local={out / 'local' / 'node{node}'}",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    with log.open("w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    data = torchrun(cmd, result, log, f"phase '{phase.name}'")
     wall = time.perf_counter() - t0
-    if proc.returncode != 0 or not result.exists():
-        raise SystemExit(
-            f"\nphase '{phase.name}' failed (exit {proc.returncode}); full log: {log}\n"
-            + first_traceback(log.read_text())
-        )
-    data = json.loads(result.read_text())
-    data["losses"] = {int(k): v for k, v in data["losses"].items()}
     # Lines the workers printed (restore summary, on_reshard) are worth showing.
     for line in log.read_text().splitlines():
         if "restored step" in line or "on_reshard" in line or "failed:" in line:

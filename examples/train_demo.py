@@ -64,6 +64,23 @@ def lr_at(step: int, total: int) -> float:
     return PEAK_LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+class Laps:
+    """Seconds a worker spends per phase, each call closing the phase since the last one.
+
+    ``lap = Laps(); ...; lap("load"); ...; lap("train")``; ``lap.timings``
+    sums the time per phase name (a name may recur).
+    """
+
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+        self._clock = time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.timings[phase] = self.timings.get(phase, 0.0) + now - self._clock
+        self._clock = now
+
+
 # ----------------------------------------------------------------------------
 # Worker: one torchrun rank
 # ----------------------------------------------------------------------------
@@ -96,14 +113,7 @@ def worker(args: argparse.Namespace) -> None:
     )
 
     # Rank 0's time per phase; the driver reports the rest as launch overhead.
-    timings: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(phase: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        timings[phase] = timings.get(phase, 0.0) + now - clock
-        clock = now
+    lap = Laps()
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -181,12 +191,27 @@ def worker(args: argparse.Namespace) -> None:
     lap("train")
 
     if rank == 0:
-        result = {"start": start, "losses": losses, "timings": timings}
+        result = {"start": start, "losses": losses, "timings": lap.timings}
         Path(args.result).write_text(json.dumps(result))
-    # Tear down together: a gloo rank destroying its groups while a peer is
-    # still busy can abort ("terminate called without an active exception").
+    end_worker()
+
+
+def end_worker() -> None:
+    """Tear a worker down together with its peers, then end the process at once.
+
+    Under load, a gloo rank that runs the interpreter's normal exit after
+    ``destroy_process_group`` sometimes aborts ("terminate called without
+    an active exception", SIGABRT) after its work is done (2 of 25 runs on a
+    loaded 2-core machine). Everything is written and flushed by now, so the
+    process skips the exit-time destructors with ``os._exit(0)``.
+    """
+    import torch.distributed as dist
+
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ----------------------------------------------------------------------------
@@ -225,6 +250,15 @@ def launch(run: Run, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         # demo's own checkpoints from an earlier invocation are fair game.
         shutil.rmtree(out / run.save_to, ignore_errors=True)
         cmd.append(f"--save-to={out / run.save_to}")
+    return torchrun(cmd, result, log, f"run '{run.name}'")
+
+
+def torchrun(cmd: list[str], result: Path, log: Path, what: str) -> dict[str, Any]:
+    """Run a torchrun command line, its output into ``log``; return the JSON rank 0 wrote to ``result``.
+
+    Exits the driver with the first traceback of the log if the run fails
+    (``what``, e.g. "run 'reference'", names it). Losses come back keyed by int step.
+    """
     # One thread per rank: the ranks already oversubscribe the cores, and
     # intra-op threads would only fight each other.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -233,8 +267,7 @@ def launch(run: Run, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0 or not result.exists():
         raise SystemExit(
-            f"\nrun '{run.name}' failed (exit {proc.returncode}); full log: {log}\n"
-            + first_traceback(log.read_text())
+            f"\n{what} failed (exit {proc.returncode}); full log: {log}\n" + first_traceback(log.read_text())
         )
     data = json.loads(result.read_text())
     data["losses"] = {int(k): v for k, v in data["losses"].items()}
