@@ -160,7 +160,7 @@ def _zero_layout(model: torch.nn.Module) -> tuple[list[FlatParam], int]:
 def _zero_state(model: torch.nn.Module, osd_full: dict[str, Any], bufs: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, Any]:
     """A ZeRO-1-style state: each rank's slice of flat fp32 param / exp_avg / exp_avg_sq buffers."""
     params, total = _zero_layout(model)
-    start, stop = flat_partition(total, world, rank)
+    start, _ = flat_partition(total, world, rank)
     fqns = [p.fqn for p in params]
     step = bufs["step"]  # one 0-d step shared by every parameter, as in a flat optimizer
     return {
@@ -176,7 +176,7 @@ def _zero_state(model: torch.nn.Module, osd_full: dict[str, Any], bufs: dict[str
     }
 
 
-def _zero_buffers(model: torch.nn.Module, rank: int, world: int, fill: Any = None) -> dict[str, torch.Tensor]:
+def _zero_buffers(model: torch.nn.Module, rank: int, world: int) -> dict[str, torch.Tensor]:
     params, total = _zero_layout(model)
     start, stop = flat_partition(total, world, rank)
     return {k: torch.full((stop - start,), 13.0) for k in ("param", "exp_avg", "exp_avg_sq")} | {"step": torch.tensor(13.0)}
