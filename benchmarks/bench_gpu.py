@@ -31,7 +31,7 @@ plus a few small 1-D ones; ``--gb`` in total) and measures, in GB/s
    (tmpfs, some network or overlay file systems), "cold" means warm.
 4. **Loads into device tensors** (same layout, one process): ``dcp.load``
    with ``UCPStorageReader``/``UCPLoadPlanner`` (the staging path of
-   ``ucp_dcp.transfer``: pinned, double-buffered), with the same reader but
+   ``ucp_dcp.byteio.transfer``: pinned, double-buffered), with the same reader but
    the double buffering switched off (``StagingBuffers(overlap=False)``: one
    slab at a time, blocking copies), and with DCP's
    ``FileSystemReader``/``DefaultLoadPlanner``. Cold (files evicted before
@@ -91,9 +91,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-import ucp_dcp.storage as ucp_storage
+import ucp_dcp.dcp.reader as ucp_storage
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
-from ucp_dcp.transfer import StagingBuffers
+from ucp_dcp.byteio.transfer import StagingBuffers
 
 try:  # private helpers of DCP's stagers; present in torch 2.4+
     from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict

@@ -32,10 +32,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_scale import TP, mesh_shape_of, placements_for, state_entries  # noqa: E402
 
-from ucp_dcp.compact import MeshGroup, TensorSpec, compact_records  # noqa: E402
+from ucp_dcp.dcp.compact import MeshGroup, TensorSpec, compact_records  # noqa: E402
 from ucp_dcp.format import FileRecord, Layout, _layout_grid, data_file_name, dtype_name  # noqa: E402
-from ucp_dcp.index import build_index, load_index, write_index  # noqa: E402
-from ucp_dcp.sharding import placement_to_str  # noqa: E402
+from ucp_dcp.format import build_index, load_index, write_index  # noqa: E402
+from ucp_dcp.core.sharding import placement_to_str  # noqa: E402
 
 
 def run(world: int, mesh_kind: str, layers: int) -> dict[str, float | int | str]:

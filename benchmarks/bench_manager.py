@@ -119,7 +119,7 @@ import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from ucp_dcp import CheckpointManager, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
-from ucp_dcp.rangeio import tensor_view
+from ucp_dcp.byteio.rangeio import tensor_view
 
 from bench_reshard import evict_tree, leaves  # this directory
 

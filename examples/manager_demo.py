@@ -72,7 +72,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from ucp_dcp import RankLocal
-    from ucp_dcp.manager import CheckpointManager, ReshardEvent
+    from ucp_dcp.manager.manager import CheckpointManager, ReshardEvent
 
     lap = Laps()
 
@@ -321,7 +321,7 @@ def driver(args: argparse.Namespace) -> int:
 
     # --- goodput from the crashed run's save costs; restart cost = the restart phase up to
     # the restored state (torchrun, imports, set-up, load), as measured here.
-    from ucp_dcp.goodput import estimate
+    from ucp_dcp.manager.goodput import estimate
 
     stats = train["stats"]
     if stats:

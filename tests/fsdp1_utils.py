@@ -12,7 +12,7 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from layouts import Block, Model
-from ucp_dcp.pieces import TensorPieces
+from ucp_dcp.core.pieces import TensorPieces
 
 
 def build_fsdp1(

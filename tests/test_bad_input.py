@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
-import ucp_dcp.storage
+import ucp_dcp.format.index
 from ucp_dcp import (
     CheckpointFormatError,
     RankLocal,
@@ -33,7 +33,7 @@ from ucp_dcp import (
     rebuild_index,
 )
 from ucp_dcp.format import ALIGN, INDEX_FILE, PAD_PREFIX, VALUE_PREFIX, RANK_LOCAL_PREFIX, chunk_entry_name, read_header
-from ucp_dcp.values import decode_value
+from ucp_dcp.core.values import decode_value
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
@@ -394,7 +394,7 @@ def test_corrupted_rank_local_value_fails_checksum(ckpt: tuple[Path, dict[str, A
     raw = bytearray(f.read_bytes())
     raw[loc["start"]] ^= 0xFF
     f.write_bytes(bytes(raw))
-    assert_load_fails(path, match=r"checksum mismatch for value '__ucp_rank_local__/0/rng'", sd={"rng": RankLocal(None)})
+    assert_load_fails(path, match=r"checksum mismatch for rank-local value 'rng' of rank 0", sd={"rng": RankLocal(None)})
 
 
 # ---------------------------------------------------------------- index entries out of range
@@ -627,7 +627,7 @@ def test_overwrite_is_atomic_when_commit_fails(ckpt: tuple[Path, dict[str, Any]]
     def boom(directory: str, index: Any) -> None:
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(ucp_dcp.storage, "write_index", boom)
+    monkeypatch.setattr(ucp_dcp.format.index, "write_index", boom)
     with pytest.raises(CheckpointException, match="disk full"):
         save({"model": {"w": torch.ones(8, 16)}}, path, overwrite=True)
     monkeypatch.undo()
@@ -697,7 +697,7 @@ def test_rebuild_index_does_not_mix_saves(ckpt: tuple[Path, dict[str, Any]], mon
     def boom(directory: str, index: Any) -> None:
         raise OSError("crash before commit (simulated)")
 
-    monkeypatch.setattr(ucp_dcp.storage, "write_index", boom)
+    monkeypatch.setattr(ucp_dcp.format.index, "write_index", boom)
     with pytest.raises(CheckpointException, match="crash before commit"):
         save(make_state() | {"step": 8}, path, overwrite=True)
     monkeypatch.undo()

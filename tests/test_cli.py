@@ -22,12 +22,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ucp_dcp import RankLocal, UCPSavePlanner, UCPStorageWriter
-from ucp_dcp.checkpoint import Checkpoint
-from ucp_dcp.cli import main, parse_size
+from ucp_dcp.tools.checkpoint import Checkpoint
+from ucp_dcp.tools.cli import main, parse_size
 from ucp_dcp.format import INDEX_FILE, ChunkRecord, Layout, Location, TensorRecord
-from ucp_dcp.inspection import compare_tensors, describe_sharding, diff_checkpoints, inspect_checkpoint
-from ucp_dcp.progress import ProgressBar, format_bytes
-from ucp_dcp.sharding import Box
+from ucp_dcp.tools.inspection import compare_tensors, describe_sharding, diff_checkpoints, inspect_checkpoint
+from ucp_dcp.tools.progress import ProgressBar, format_bytes
+from ucp_dcp.core.sharding import Box
 
 
 def _state(**overrides: Any) -> dict[str, Any]:
@@ -274,9 +274,10 @@ def test_diff_missing_side_and_bad_atol(capsys: pytest.CaptureFixture[str], good
 
 
 @pytest.mark.parametrize("argv, module", [
-    (["export-hf", "src", "dst"], "ucp_dcp.hf"),
-    (["import-hf", "src", "dst", "--prefix", "model."], "ucp_dcp.hf"),
-    (["import-dcp", "src", "dst"], "ucp_dcp.distcp"),
+    (["export-hf", "src", "dst"], "ucp_dcp.tools.hf"),
+    (["import-hf", "src", "dst", "--prefix", "model."], "ucp_dcp.tools.hf"),
+    (["import-dcp", "src", "dst"], "ucp_dcp.tools.convert"),
+    (["convert", "src", "dst"], "ucp_dcp.tools.convert"),
 ])
 def test_conversion_without_its_module(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
                                        argv: list[str], module: str) -> None:
@@ -294,7 +295,7 @@ def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **functions: Any) -
 
 def test_export_hf_passes_parsed_options(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[Any, ...]] = []
-    _fake_module(monkeypatch, "ucp_dcp.hf", export_hf=lambda *a, **kw: calls.append((a, kw)))
+    _fake_module(monkeypatch, "ucp_dcp.tools.hf", export_hf=lambda *a, **kw: calls.append((a, kw)))
     rc, out, _ = _run(capsys, "export-hf", "S", "D", "--dtype", "bf16", "--max-shard-size", "2GB", "--prefix",
                       "model.", "--rename", r"^layers\.(\d+)=h.\1", "--rename", "a=b=c", "--config", "cfg.json", "-q")
     assert rc == 0 and "exported S to D" in out
@@ -324,10 +325,10 @@ def test_conversion_errors_become_one_line(capsys: pytest.CaptureFixture[str], m
     def fail(*a: Any, **kw: Any) -> None:
         raise CheckpointFormatError(f"{a[0]}: not a DCP checkpoint\n(no .metadata)")
 
-    _fake_module(monkeypatch, "ucp_dcp.distcp", import_dcp=fail)
+    _fake_module(monkeypatch, "ucp_dcp.tools.convert", convert=fail)
     rc, _, err = _run(capsys, "import-dcp", tmp_path / "x", tmp_path / "y")
     assert rc == 2 and _one_error_line(err).endswith("x: not a DCP checkpoint; (no .metadata)")
-    _fake_module(monkeypatch, "ucp_dcp.hf")  # the module exists but lacks the function
+    _fake_module(monkeypatch, "ucp_dcp.tools.hf")  # the module exists but lacks the function
     rc, _, err = _run(capsys, "import-hf", "a", "b")
     assert rc == 2 and "has no function import_hf()" in _one_error_line(err)
 
@@ -342,8 +343,8 @@ def test_real_conversions_reject_a_missing_source(capsys: pytest.CaptureFixture[
 
 
 def test_hf_round_trip_through_the_cli(capsys: pytest.CaptureFixture[str], good: Path, tmp_path: Path) -> None:
-    """With the real ucp_dcp.hf: export, import back, and diff finds the weights unchanged."""
-    pytest.importorskip("ucp_dcp.hf")
+    """With the real ucp_dcp.tools.hf: export, import back, and diff finds the weights unchanged."""
+    pytest.importorskip("ucp_dcp.tools.hf")
     hf, back = tmp_path / "hf", tmp_path / "back"
     rc, out, err = _run(capsys, "export-hf", good, hf, "--max-shard-size", "50KB", "--dtype", "fp32")
     assert rc == 0 and err == "" and out.strip().endswith(": 3 files")  # two shards and the index
@@ -357,8 +358,8 @@ def test_hf_round_trip_through_the_cli(capsys: pytest.CaptureFixture[str], good:
 def test_warnings_are_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import warnings
 
-    _fake_module(monkeypatch, "ucp_dcp.distcp",
-                 import_dcp=lambda *a, **kw: warnings.warn("2 keys skipped:\n a, b", UserWarning, stacklevel=1))
+    _fake_module(monkeypatch, "ucp_dcp.tools.convert",
+                 convert=lambda *a, **kw: warnings.warn("2 keys skipped:\n a, b", UserWarning, stacklevel=1))
     rc, out, err = _run(capsys, "import-dcp", "a", "b")
     assert rc == 0 and err == "ucp-dcp: warning: 2 keys skipped:; a, b\n"
 
@@ -367,7 +368,7 @@ def test_unexpected_errors_and_debug(capsys: pytest.CaptureFixture[str], monkeyp
     def boom(*a: Any, **kw: Any) -> None:
         raise RuntimeError("kaput")
 
-    _fake_module(monkeypatch, "ucp_dcp.distcp", import_dcp=boom)
+    _fake_module(monkeypatch, "ucp_dcp.tools.convert", convert=boom)
     rc, _, err = _run(capsys, "import-dcp", "a", "b")
     assert rc == 2 and "unexpected RuntimeError: kaput (rerun with --debug" in _one_error_line(err)
     rc, _, err = _run(capsys, "--debug", "import-dcp", "a", "b")
@@ -444,7 +445,7 @@ def test_installed_entry_point(copy: Path, tmp_path: Path) -> None:
 
 
 def test_python_dash_m(good: Path) -> None:
-    p = subprocess.run([sys.executable, "-m", "ucp_dcp.cli", "inspect", "--json", good], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "ucp_dcp.tools.cli", "inspect", "--json", good], capture_output=True,
                        text=True, env=_env(), timeout=120)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["step"] == 7

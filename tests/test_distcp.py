@@ -23,7 +23,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from dist_utils import bit_equal, run_ranks
 from ucp_dcp import Checkpoint, CheckpointFormatError, UCPLoadPlanner, UCPStorageReader
-from ucp_dcp.distcp import DCPCheckpoint, DCPValueError, import_dcp, read_dcp_metadata
+from ucp_dcp.errors import DCPValueError
+from ucp_dcp.sources.distcp import DCPSource, read_dcp_metadata
+from ucp_dcp.tools.convert import convert
 
 # ---------------------------------------------------------------- helpers
 
@@ -174,8 +176,8 @@ def _load_3(rank: int, world: int, direct: str, imported: str, out: str) -> None
             dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
             counts[what] = reader.bytes_requested
             if what == "direct":
-                assert reader.dcp is not None
-                counts["direct_parse"] = reader.dcp.parse_stats.bytes
+                assert isinstance(reader.source, DCPSource)
+                counts["direct_parse"] = reader.source.parse_stats.bytes
         got = _flat(sd)
         for k, v in full.items():
             t = got[k]
@@ -197,7 +199,7 @@ def test_dcp_dp2_import_and_direct_load_bit_exact(tmp_path: Path) -> None:
     run_ranks(2, _save_dp2, str(src))
     assert (src / ".metadata").exists() and not (src / "ucp_index.json").exists()
     seen: list[tuple[int, int]] = []
-    index = import_dcp(src, dst, progress=lambda done, total: seen.append((done, total)))
+    index = convert(src, dst, progress=lambda done, total: seen.append((done, total)))
     assert seen and seen[-1][0] == seen[-1][1]
     md = read_dcp_metadata(src)
     assert set(index.tensors) | set(index.values) == set(md.state_dict_metadata)
@@ -285,7 +287,7 @@ def test_import_dcp_then_load_bit_exact(tmp_path: Path) -> None:
     src, dst = tmp_path / "dcp", tmp_path / "ucp"
     sd: dict[str, Any] = {**ODD, "cfg": {"lr": 0.1, "betas": (0.9, 0.99), "name": "x", "ids": [1, 2], "none": None}}
     dcp.save(sd, checkpoint_id=str(src))
-    import_dcp(src, dst, buffer_bytes=1)  # the smallest buffer: big chunks go slab by slab
+    convert(src, dst, buffer_bytes=1)  # the smallest buffer: big chunks go slab by slab
     assert Checkpoint(dst).verify() == []
     out: dict[str, Any] = {**_zeros(ODD), "cfg": {k: None for k in sd["cfg"]}}
     dcp.load(out, storage_reader=UCPStorageReader(dst), planner=UCPLoadPlanner())
@@ -294,15 +296,15 @@ def test_import_dcp_then_load_bit_exact(tmp_path: Path) -> None:
     for k, v in sd["cfg"].items():
         assert out["cfg"][k] == v and type(out["cfg"][k]) is type(v), k
     with pytest.raises(FileExistsError, match="already holds"):
-        import_dcp(src, dst)
-    import_dcp(src, dst, overwrite=True)
+        convert(src, dst)
+    convert(src, dst, overwrite=True)
     assert len([n for n in os.listdir(dst) if n.endswith(".safetensors")]) == 1
     # In place: the universal index then takes precedence over .metadata.
-    import_dcp(src, src)
+    convert(src, src)
     reader = UCPStorageReader(src)
     out = {**_zeros(ODD), "cfg": {k: None for k in sd["cfg"]}}
     dcp.load(out, storage_reader=reader, planner=UCPLoadPlanner())
-    assert reader.dcp is None and bit_equal(out["channels_last"], ODD["channels_last"])
+    assert reader.source.format == "ucp_dcp" and bit_equal(out["channels_last"], ODD["channels_last"])
 
 
 def test_large_item_sub_box_reads_only_needed_bytes(tmp_path: Path) -> None:
@@ -312,16 +314,16 @@ def test_large_item_sub_box_reads_only_needed_bytes(tmp_path: Path) -> None:
     reader = UCPStorageReader(tmp_path)
     dcp.load({"big": torch.zeros(512, 256)}, storage_reader=reader, planner=UCPLoadPlanner())
     assert reader.bytes_requested == big.numel() * 4
-    assert reader.dcp is not None and reader.dcp.parse_stats.bytes <= 4096
+    assert isinstance(reader.source, DCPSource) and reader.source.parse_stats.bytes <= 4096
 
 
 def test_overlapping_strides_refused_directly_but_imported(tmp_path: Path) -> None:
     """An item whose strides overlap cannot be byte ranges: the direct load names it; import handles it."""
     ov = torch.arange(4.0).as_strided((2, 2), (1, 1))  # storage of 4 floats, 16 bytes: DCP keeps the strides
     dcp.save({"ov": ov}, checkpoint_id=str(tmp_path / "dcp"))
-    with pytest.raises(CheckpointException, match=r"'ov'.*overlapping strides.*import-dcp"):
+    with pytest.raises(CheckpointException, match=r"'ov'.*overlapping strides.*convert"):
         dcp.load({"ov": torch.zeros(2, 2)}, storage_reader=UCPStorageReader(tmp_path / "dcp"), planner=UCPLoadPlanner())
-    import_dcp(tmp_path / "dcp", tmp_path / "ucp")
+    convert(tmp_path / "dcp", tmp_path / "ucp")
     out = {"ov": torch.zeros(2, 2)}
     dcp.load(out, storage_reader=UCPStorageReader(tmp_path / "ucp"), planner=UCPLoadPlanner())
     assert torch.equal(out["ov"], ov)
@@ -336,7 +338,7 @@ def test_value_opt_in_uses_restricted_unpickler(tmp_path: Path) -> None:
     with pytest.raises(CheckpointException, match=r"value 'evil' cannot be loaded with torch.load\(weights_only=True\)"):
         dcp.load(sd, storage_reader=UCPStorageReader(tmp_path / "ck", dcp_values="weights_only"), planner=UCPLoadPlanner())
     with pytest.raises(DCPValueError, match="'evil'"):
-        import_dcp(tmp_path / "ck", tmp_path / "ucp")
+        convert(tmp_path / "ck", tmp_path / "ucp")
     assert not marker.exists()
     with pytest.raises(ValueError, match="dcp_values"):
         UCPStorageReader(tmp_path / "ck", dcp_values="yes")
@@ -366,7 +368,7 @@ def test_hostile_metadata_is_refused_without_running(tmp_path: Path) -> None:
     with pytest.raises(CheckpointException, match=r"refusing to unpickle (posix|os)\.system"):
         dcp.load({"w": torch.zeros(3)}, storage_reader=UCPStorageReader(path), planner=UCPLoadPlanner())
     with pytest.raises(CheckpointFormatError, match="refusing to unpickle"):
-        import_dcp(path, tmp_path / "out")
+        convert(path, tmp_path / "out")
     assert not marker.exists()
     assert not (tmp_path / "out").exists()
 
@@ -380,11 +382,11 @@ def test_metadata_naming_files_outside_the_checkpoint_is_refused(tmp_path: Path)
     md.storage_data = {key: type(info)("../outside.distcp", info.offset, info.length)}
     (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(CheckpointFormatError, match="leaves the checkpoint directory"):
-        DCPCheckpoint(tmp_path)
+        DCPSource(tmp_path)
     md.storage_data = {key: type(info)(info.relative_path, info.offset, info.length + 10)}
     (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(CheckpointFormatError, match="lies outside.*truncated"):
-        DCPCheckpoint(tmp_path)
+        DCPSource(tmp_path)
 
 
 def test_corrupt_item_is_named(tmp_path: Path) -> None:

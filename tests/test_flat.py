@@ -31,7 +31,7 @@ from ucp_dcp import (
     flat_partition,
     pack_flat,
 )
-from ucp_dcp.sharding import flat_range_boxes, row_major_strides
+from ucp_dcp.core.sharding import flat_range_boxes, row_major_strides
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)
 
@@ -309,7 +309,7 @@ def test_manager_snapshots_flat_shards(tmp_path: Any) -> None:
 def test_flat_checkpoint_is_a_normal_checkpoint(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """Inspected, verified and read by the same tools as any other: nothing flat-specific on disk."""
     from ucp_dcp import Checkpoint
-    from ucp_dcp.cli import main
+    from ucp_dcp.tools.cli import main
 
     named = [("w", (9, 7)), ("b", (7,))]
     params, total = pack_flat(named, align=4)

@@ -25,7 +25,7 @@ from dist_utils import bit_equal, run_ranks
 from fsdp1_utils import build_fsdp1, fsdp1_full_reference, piece_sets, scramble_pieces
 from layouts import build, check_against, full_reference, scramble, train_state, train_step
 from ucp_dcp import TensorPieces, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
-from ucp_dcp.fsdp1 import fsdp1_apply_loaded, fsdp1_state_dict
+from ucp_dcp.adapters.fsdp1 import fsdp1_apply_loaded, fsdp1_state_dict
 
 pytestmark = pytest.mark.multiproc
 
@@ -196,7 +196,7 @@ def test_errors_name_what_is_unsupported() -> None:
 
 
 def test_wrapper_components_are_stripped_from_names() -> None:
-    from ucp_dcp.fsdp1 import _clean
+    from ucp_dcp.adapters.fsdp1 import _clean
 
     name = "_orig_mod._fsdp_wrapped_module.blocks.0._fsdp_wrapped_module._checkpoint_wrapped_module.q.weight"
     assert _clean(name) == "blocks.0.q.weight"

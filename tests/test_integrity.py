@@ -7,7 +7,7 @@
   reshard on another world size); ``verify=False`` (the default) does not
   look.
 * A save that runs out of disk space (``ENOSPC`` injected through
-  ``ucp_dcp.storage._pwrite``) fails naming the file, the rank and the
+  ``ucp_dcp.byteio.durable._pwrite``) fails naming the file, the rank and the
   error, leaves no partial data file and no index, and leaves earlier
   checkpoints loadable bit for bit; so does a commit whose index write fails.
 
@@ -34,13 +34,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-import ucp_dcp.storage
+import ucp_dcp.byteio.durable
 from dist_utils import bit_equal, run_ranks
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter, load_index
 from ucp_dcp.format import INDEX_FILE, Location
-from ucp_dcp.index import ChunkLocator
-from ucp_dcp.integrity import ChecksumError, bytes_digest, file_digest, hash_range
-from ucp_dcp.rangeio import RangeReader
+from ucp_dcp.sources import NativeSource
+from ucp_dcp.byteio.integrity import ChecksumError, bytes_digest, file_digest, hash_range
+from ucp_dcp.byteio.rangeio import RangeReader
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -113,7 +113,7 @@ def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
 def chunk_of(path: Path, fqn: str, i: int) -> tuple[Path, Location, int]:
     """File, location and writing rank of chunk ``i`` of tensor ``fqn``."""
     index = load_index(str(path))
-    loc = ChunkLocator(str(path), index).locate(fqn, i)
+    loc = NativeSource(str(path)).locate(fqn, i)
     rec = index.files[loc.file]
     return path / rec.name, loc, rec.rank
 
@@ -264,7 +264,7 @@ def failing_pwrite(monkeypatch: pytest.MonkeyPatch, should_fail: Callable[[int, 
         state["written"] += n
         return n
 
-    monkeypatch.setattr(ucp_dcp.storage, "_pwrite", pwrite)
+    monkeypatch.setattr(ucp_dcp.byteio.durable, "_pwrite", pwrite)
     return state
 
 
@@ -363,16 +363,16 @@ def _save_two_ranks(rank: int, world: int, root: str) -> None:
 
     # Rank 1's disk fills up during a second save into another directory.
     failed = os.path.join(root, "failed")
-    real = ucp_dcp.storage._pwrite
+    real = ucp_dcp.byteio.durable._pwrite
     if rank == 1:
         def pwrite(fd: int, data: Any, offset: int) -> int:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        ucp_dcp.storage._pwrite = pwrite
+        ucp_dcp.byteio.durable._pwrite = pwrite
     try:
         with pytest.raises(CheckpointException) as ei:
             dcp.save(sd, storage_writer=UCPStorageWriter(failed), planner=UCPSavePlanner())
     finally:
-        ucp_dcp.storage._pwrite = real
+        ucp_dcp.byteio.durable._pwrite = real
     assert set(ei.value.failures) == {1}  # on every rank: DCP gathers the failures
     err = ei.value.failures[1][0]
     assert isinstance(err, OSError) and err.errno == errno.ENOSPC
@@ -414,7 +414,7 @@ def _load_three_ranks(rank: int, world: int, root: str) -> None:
     # chunk, never the bad byte, and must still fail: it hashes the whole chunk.
     dist.barrier()
     index = load_index(good)
-    locator = ChunkLocator(good, index)
+    locator = NativeSource(good)
     loc = locator.locate("w", locator.chunk_index("w", (5, 0), None))
     file = os.path.join(good, index.files[loc.file].name)
     if rank == 0:
@@ -441,7 +441,7 @@ def test_partial_chunk_reads_are_verified_and_one_full_disk_fails_the_save(tmp_p
 
 
 def test_write_index_out_of_space_leaves_old_index_and_no_temp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ucp_dcp.index import write_index
+    from ucp_dcp.format import write_index
 
     path = tmp_path / "ck"
     dcp.save({"w": torch.arange(10.0)}, storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())

@@ -21,11 +21,11 @@ from megatron_block import (
     train_state,
 )
 from ucp_dcp import RankLocal
-from ucp_dcp.layout_rules import (
+from ucp_dcp.adapters.layout_rules import (
     LAYOUT_KEY, Averaged, Fused, LayoutRuleError, LayoutSpec, Reindex, Rename, Replicated, Rule, Shard, VocabPad,
 )
-from ucp_dcp.pieces import Piece, TensorPieces
-from ucp_dcp.values import decode_value, encode_value
+from ucp_dcp.core.pieces import Piece, TensorPieces
+from ucp_dcp.core.values import decode_value, encode_value
 
 
 def _pieces(sd: dict) -> list[tuple[TensorPieces, Piece]]:

@@ -10,12 +10,12 @@ import shutil
 import pytest
 import torch
 
-import ucp_dcp.storage
+import ucp_dcp.byteio.durable
 from manager_utils import assert_state_equal, empty_like_state, flip_byte, make_state
 from ucp_dcp import CheckpointManager, NoCheckpointError
-from ucp_dcp.manager import CheckpointSaveError
-from ucp_dcp.snapshot import NonFiniteError
-from ucp_dcp.tiers import LocalTier
+from ucp_dcp.manager.manager import CheckpointSaveError
+from ucp_dcp.manager.snapshot import NonFiniteError
+from ucp_dcp.manager.tiers import LocalTier
 
 
 def _load(mgr: CheckpointManager, step: int | None = None) -> tuple[int, dict]:
@@ -80,7 +80,7 @@ def test_background_error_surfaces_and_keeps_earlier_steps(tmp_path, monkeypatch
     def no_space(fd: int, data, offset: int) -> int:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(ucp_dcp.storage, "_pwrite", no_space)
+    monkeypatch.setattr(ucp_dcp.byteio.durable, "_pwrite", no_space)
     assert mgr.save(2, make_state(2))  # returns: the write fails in the background
     with pytest.raises(CheckpointSaveError, match="No space left on device") as ei:
         mgr.wait()
@@ -102,7 +102,7 @@ def test_error_surfaces_at_next_save(tmp_path, monkeypatch) -> None:
     def no_space(fd: int, data, offset: int) -> int:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(ucp_dcp.storage, "_pwrite", no_space)
+    monkeypatch.setattr(ucp_dcp.byteio.durable, "_pwrite", no_space)
     mgr.save(1, make_state(1))
     mgr._futures[-1].exception()  # let it fail
     monkeypatch.undo()

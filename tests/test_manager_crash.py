@@ -18,7 +18,7 @@ import pytest
 
 from manager_utils import assert_state_equal, empty_like_state, make_state
 from ucp_dcp import CheckpointManager
-from ucp_dcp.tiers import LocalTier
+from ucp_dcp.manager.tiers import LocalTier
 
 TRIALS = int(os.environ.get("UCP_CRASH_TRIALS", "20"))
 WORKER = os.path.join(os.path.dirname(__file__), "crash_worker.py")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 from layouts import build, check_against, full_reference, scramble, train_state, train_step
 from ucp_dcp import CheckpointManager, ReshardEvent
-from ucp_dcp.tiers import LocalTier
+from ucp_dcp.manager.tiers import LocalTier
 
 pytestmark = pytest.mark.multiproc
 

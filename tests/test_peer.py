@@ -1,4 +1,4 @@
-"""Replicating checkpoint files between ranks (ucp_dcp.peer), with real gloo ranks.
+"""Replicating checkpoint files between ranks (ucp_dcp.manager.peer), with real gloo ranks.
 
 "Nodes" of two ranks each are simulated by per-rank directories; losing a
 node is deleting its ranks' directories. Every received file is compared
@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from dist_utils import run_ranks
-from ucp_dcp.peer import PeerTransferError, TransferReport, clean_partials, exchange_files
+from ucp_dcp.manager.peer import PeerTransferError, TransferReport, clean_partials, exchange_files
 
 MiB = 1 << 20
 BLOCK = 1 * MiB
@@ -148,7 +148,7 @@ def test_replicate_restore_and_refusals_4_ranks(tmp_path) -> None:
 
 
 def _local_and_failure(rank: int, world: int, root: str) -> None:
-    import ucp_dcp.peer as peer
+    import ucp_dcp.manager.peer as peer
 
     mine = os.path.join(root, "local", f"rank{rank}")
     big = _name(2)  # several blocks; both ranks hold it

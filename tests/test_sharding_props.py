@@ -23,8 +23,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ucp_dcp.format import RunList, decode_runs, encode_runs
-from ucp_dcp.rangeio import RangeReader, Segment
-from ucp_dcp.sharding import (
+from ucp_dcp.byteio.rangeio import RangeReader, Segment
+from ucp_dcp.core.sharding import (
     Grid,
     layout_grid,
     arith_box,
@@ -41,7 +41,7 @@ from ucp_dcp.sharding import (
     runs,
     slabs,
 )
-from ucp_dcp.values import UnsupportedValueError, decode_value, encode_value
+from ucp_dcp.core.values import UnsupportedValueError, decode_value, encode_value
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 

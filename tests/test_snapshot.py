@@ -1,4 +1,4 @@
-"""Staging a training state into host buffers (ucp_dcp.snapshot), bit for bit.
+"""Staging a training state into host buffers (ucp_dcp.manager.snapshot), bit for bit.
 
 The staged copy must keep the values of the moment ``stage()`` was called
 while the training state changes every tensor in place and mutates its
@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from dist_utils import bit_equal, run_ranks
 from layouts import build, full_reference, scramble, train_state, train_step
 from ucp_dcp import RankLocal, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
-from ucp_dcp.snapshot import NonFiniteError, Snapshotter, StagedState, find_nonfinite
+from ucp_dcp.manager.snapshot import NonFiniteError, Snapshotter, StagedState, find_nonfinite
 
 Pair = namedtuple("Pair", ["a", "b"])
 

@@ -1,4 +1,4 @@
-"""The staging path (ucp_dcp.transfer): dtype casts and device destinations, bit for bit.
+"""The staging path (ucp_dcp.byteio.transfer): dtype casts and device destinations, bit for bit.
 
 CPU tests run everywhere: casts through a tiny staging buffer (many slabs,
 one allocation per ``read_data``), and the double-buffered device code
@@ -22,13 +22,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import ucp_dcp.checkpoint as ucp_checkpoint
-import ucp_dcp.storage as ucp_storage
+import ucp_dcp.tools.checkpoint as ucp_checkpoint
+import ucp_dcp.dcp.reader as ucp_storage
 from dist_utils import bit_equal
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
-from ucp_dcp.checkpoint import Checkpoint
-from ucp_dcp.sharding import Box
-from ucp_dcp.transfer import StagingBuffers, read_staged
+from ucp_dcp.tools.checkpoint import Checkpoint
+from ucp_dcp.core.sharding import Box
+from ucp_dcp.byteio.transfer import StagingBuffers, read_staged
 
 ROOT = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,4 +1,4 @@
-"""Storage tiers (ucp_dcp.tiers): commit protocol, listing, replacement, deletion, crash states.
+"""Storage tiers (ucp_dcp.manager.tiers): commit protocol, listing, replacement, deletion, crash states.
 
 Every behavioural test runs on a LocalTier (tmp_path), an FsspecTier on
 ``memory://`` and an FsspecTier on a real S3-compatible server (moto on
@@ -21,10 +21,10 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ucp_dcp.tiers as tiers
+import ucp_dcp.manager.tiers as tiers
 import s3_server
-from ucp_dcp.format import INDEX_FILE, CheckpointFormatError
-from ucp_dcp.tiers import (
+from ucp_dcp.format import INDEX_FILE
+from ucp_dcp.manager.tiers import (
     MARKER_FILE,
     CommitMarker,
     FileDigest,
@@ -34,6 +34,7 @@ from ucp_dcp.tiers import (
     open_tier,
     step_dir_name,
 )
+from ucp_dcp.errors import CheckpointFormatError
 
 KINDS = ["local", "memory", "s3"]
 s3_bucket = s3_server.s3_bucket  # the session fixture, made visible to this module

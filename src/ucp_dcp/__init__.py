@@ -10,27 +10,30 @@ layout and world size, reading only the bytes each rank needs::
     dcp.load(sd, storage_reader=UCPStorageReader(path), planner=UCPLoadPlanner())
 """
 
-from .checkpoint import Checkpoint
-from .flat import FlatParam, FlatShard, flat_partition, pack_flat
-from .format import FORMAT_VERSION, CheckpointFormatError
-from .fsdp1 import fsdp1_apply_loaded, fsdp1_state_dict
-from .handoff import ModuleLoadResult, load_into_module, load_state_dict
-from .index import load_index, rebuild_index
-from .integrity import ChecksumError
-from .layout_rules import LayoutRuleError, LayoutSpec
-from .manager import (
-    CheckpointConfig,
-    CheckpointManager,
+from .adapters.flat import FlatParam, FlatShard, flat_partition, pack_flat
+from .adapters.fsdp1 import fsdp1_apply_loaded, fsdp1_state_dict
+from .adapters.layout_rules import LayoutSpec
+from .core.pieces import Piece, TensorPieces
+from .core.values import RankLocal
+from .dcp.planners import UCPLoadPlanner, UCPSavePlanner
+from .dcp.reader import UCPStorageReader
+from .dcp.writer import UCPStorageWriter
+from .errors import (
+    CheckpointFormatError,
+    CheckpointKeyError,
     CheckpointRestoreError,
     CheckpointSaveError,
+    ChecksumError,
+    LayoutRuleError,
     NoCheckpointError,
-    ReshardEvent,
+    NonFiniteError,
+    UCPError,
+    UnsupportedValueError,
 )
-from .pieces import Piece, TensorPieces
-from .planners import CheckpointKeyError, UCPLoadPlanner, UCPSavePlanner
-from .storage import UCPStorageReader, UCPStorageWriter
-from .snapshot import NonFiniteError
-from .values import RankLocal, UnsupportedValueError
+from .format import FORMAT_VERSION, load_index, rebuild_index
+from .manager.manager import CheckpointConfig, CheckpointManager, ReshardEvent
+from .tools.checkpoint import Checkpoint
+from .tools.handoff import ModuleLoadResult, load_into_module, load_state_dict
 
 __all__ = [
     "UCPSavePlanner",
@@ -42,6 +45,7 @@ __all__ = [
     "load_state_dict",
     "load_into_module",
     "ModuleLoadResult",
+    "UCPError",
     "CheckpointFormatError",
     "CheckpointKeyError",
     "UnsupportedValueError",

@@ -1,0 +1,145 @@
+"""Flat-range shards: a rank's slice of a flat buffer of several parameters.
+
+ZeRO-1/2/3, FSDP1's ``FlatParameter`` and Megatron's distributed optimizer
+concatenate many parameters (flattened, row-major, with alignment padding)
+into one buffer and give each rank a contiguous range of it. A rank's range
+can start in the middle of one parameter's row and end inside another
+parameter. DCP has no way to describe that; :class:`FlatShard` does::
+
+    params, total = pack_flat([("layer.w", (512, 300)), ("layer.b", (512,))], align=64)
+    start, stop = flat_partition(total, world_size, rank)
+    local = buffer[start:stop]                   # this rank's slice (any 1-D tensor)
+    state = {"model": {"flat": FlatShard(local, params, start, prefix="model.")}}
+    dcp.save(state, storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())
+
+The checkpoint then holds ``model.layer.w`` and ``model.layer.b`` as ordinary
+logical tensors: each rank wrote its own bytes, as they are, cut into at most
+``2 * ndim - 1`` boxes per parameter (:func:`ucp_dcp.core.sharding.flat_range_boxes`).
+They load into anything: DTensor shards of another mesh, full tensors, or
+another ``FlatShard`` of another partition, each rank reading only its bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..core.pieces import Piece, TensorPieces
+from ..core.sharding import flat_range_boxes, row_major_strides
+
+__all__ = ["FlatParam", "FlatShard", "pack_flat", "flat_partition"]
+
+
+@dataclass(frozen=True)
+class FlatParam:
+    """Logical tensor ``fqn`` of ``shape``, stored row-major at element ``offset`` of a flat buffer."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    offset: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        if self.offset < 0 or any(n < 0 for n in self.shape):
+            raise ValueError(f"flat parameter {self.fqn!r}: negative offset {self.offset} or shape {list(self.shape)}")
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the parameter."""
+        return math.prod(self.shape)
+
+    @property
+    def end(self) -> int:
+        """Buffer element just past the parameter."""
+        return self.offset + self.numel
+
+
+def pack_flat(named_shapes: Sequence[tuple[str, Sequence[int]]], align: int = 1) -> tuple[list[FlatParam], int]:
+    """Lay parameters out back to back, each starting on a multiple of ``align`` elements.
+
+    Returns the parameters and the buffer length (rounded up to ``align``).
+    This is how ZeRO and FSDP1 (``use_orig_params=True``) pad; any other
+    packing works with :class:`FlatShard` as long as it is described by
+    :class:`FlatParam` offsets.
+    """
+    if align < 1:
+        raise ValueError(f"align must be >= 1, got {align}")
+    out, pos = [], 0
+    for fqn, shape in named_shapes:
+        p = FlatParam(fqn, tuple(shape), pos)
+        out.append(p)
+        pos = -(-p.end // align) * align
+    return out, pos
+
+
+def flat_partition(total: int, world_size: int, rank: int) -> tuple[int, int]:
+    """ZeRO-style partition: rank ``rank``'s ``[start, stop)`` of a buffer of ``total`` elements.
+
+    Every rank gets ``ceil(total / world_size)`` elements; the last ranks'
+    ranges may run past ``total`` (into the padding the buffer is extended
+    with) or be empty.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    per = -(-total // world_size)
+    return rank * per, (rank + 1) * per
+
+
+class FlatShard(TensorPieces):
+    """This rank's slice ``[start, start + local.numel())`` of a flat buffer holding ``params``.
+
+    Args:
+        local: the rank's slice, a contiguous tensor (viewed as 1-D). Loads
+            write into it in place.
+        params: the parameters the whole buffer holds, with their offsets.
+            Only those overlapping the slice matter; elements of the slice
+            that no parameter covers are padding (not saved; zeroed on load).
+        start: buffer element at which ``local`` begins.
+        prefix: prepended to every parameter name (``"model."``,
+            ``"optim.state."``): the logical name in the checkpoint.
+        suffix: appended to every parameter name (``".exp_avg"``).
+
+    Parameters must not overlap one another in the buffer.
+    """
+
+    def __init__(
+        self,
+        local: torch.Tensor,
+        params: Sequence[FlatParam],
+        start: int,
+        *,
+        prefix: str = "",
+        suffix: str = "",
+    ) -> None:
+        if not local.is_contiguous():
+            raise ValueError(f"FlatShard at buffer offset {start}: the local slice must be contiguous")
+        flat = local.detach().reshape(-1)
+        stop = start + flat.numel()
+        ordered = sorted(params, key=lambda p: p.offset)
+        for a, b in zip(ordered, ordered[1:]):
+            if a.end > b.offset:
+                raise ValueError(
+                    f"flat parameters {a.fqn!r} [{a.offset}, {a.end}) and {b.fqn!r} [{b.offset}, {b.end}) overlap"
+                )
+        pieces, fill, pos = [], [], start
+        for p in ordered:
+            lo, hi = max(p.offset, start), min(p.end, stop)
+            if lo >= hi:
+                continue
+            if lo > pos:
+                fill.append(flat[pos - start : lo - start])
+            name = prefix + p.fqn + suffix
+            strides = row_major_strides(p.shape)
+            for box in flat_range_boxes(p.shape, lo - p.offset, hi - p.offset):
+                first = p.offset + sum(o * s for o, s in zip(box.offsets, strides)) - start
+                pieces.append(Piece(name, p.shape, box.offsets, flat[first : first + box.numel].view(box.sizes)))
+            pos = hi
+        if pos < stop:
+            fill.append(flat[pos - start :])
+        super().__init__(pieces, fill=fill, source=f"flat buffer slice [{start}, {stop})")
+        self.local = local
+        self.start = start
+        self.params = tuple(params)

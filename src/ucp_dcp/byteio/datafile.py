@@ -1,0 +1,156 @@
+"""The one writer of native data files, used by ``UCPStorageWriter`` and ``convert``.
+
+A data file is laid out first (:func:`~ucp_dcp.format.layout_file`: header
+size and every entry's aligned offset), then each entry's bytes are written
+at its offset, in one piece or slab by slab, and hashed on the way; last the
+header is written again with the checksums (it keeps its length: a checksum
+has a fixed width) and the file is fsync'd. A failed write removes the
+partial file, so no half-written file ever holds space or looks like data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Sequence
+
+import torch
+import xxhash
+
+from ..format import (
+    ALIGN,
+    EntryMeta,
+    Layout,
+    PlannedEntry,
+    chunk_entry_name,
+    dtype_name,
+    layout_file,
+    rank_local_entry_name,
+    st_dtype,
+    value_entry_name,
+)
+from .durable import remove_quietly, write_all
+
+__all__ = ["PLACEHOLDER", "DataFileWriter", "value_entry", "chunk_entry"]
+
+PLACEHOLDER = "0" * 16
+"""The checksum laid out before the data is hashed (an xxh3-64 hex digest has a fixed width)."""
+
+
+class DataFileWriter:
+    """Writes the entries of one native data file at ``path``.
+
+    Use as a context manager: ``write(i, data)`` any number of times per
+    entry, in order, until each entry has its ``nbytes``; leaving the block
+    without an exception commits the header and fsyncs (``sync``), with one
+    removes the file and re-raises. ``entries`` afterwards carry their
+    checksums, and ``starts``/``size`` give each entry's offset and the
+    file's size.
+
+    Attributes:
+        created: the file was created (an ``OSError`` after this removed it).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        entries: Sequence[PlannedEntry],
+        *,
+        rank: int,
+        world_size: int,
+        save_id: str,
+        align: int = ALIGN,
+        sync: bool = True,
+    ) -> None:
+        self.path = path
+        self.entries = list(entries)
+        self._args = (rank, world_size, save_id, align)
+        self.header, self.starts, self.size = layout_file(self.entries, *self._args)
+        self.sync = sync
+        self.created = False
+        self._fd = -1
+        self._hashers = [xxhash.xxh3_64() for _ in self.entries]
+        self._written = [0] * len(self.entries)
+
+    def __enter__(self) -> "DataFileWriter":
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.created = True
+        try:
+            os.ftruncate(self._fd, self.size)  # padding stays a hole: reads as zeros, costs no writes
+        except BaseException:
+            self._abort()
+            raise
+        return self
+
+    def write(self, i: int, data: Any) -> None:
+        """Append ``data`` (bytes-like) to entry ``i``, hashing it."""
+        view = memoryview(data).cast("B")
+        done = self._written[i]
+        if done + len(view) > self.entries[i].nbytes:
+            raise ValueError(f"{self.path}: entry {self.entries[i].name!r} gets more than its {self.entries[i].nbytes} bytes")
+        self._hashers[i].update(view)
+        write_all(self._fd, view, self.starts[i] + done)
+        self._written[i] = done + len(view)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self._abort()
+            return
+        try:
+            short = [e.name for e, n in zip(self.entries, self._written) if n != e.nbytes]
+            if short:
+                raise ValueError(f"{self.path}: entries {short[:5]} were not written in full")
+            self.entries = [
+                dataclasses.replace(e, meta=dataclasses.replace(e.meta, xxh3=h.hexdigest())) if e.meta else e
+                for e, h in zip(self.entries, self._hashers)
+            ]
+            final, _, _ = layout_file(self.entries, *self._args)
+            if len(final) != len(self.header):  # cannot happen: checksums are fixed-width
+                raise AssertionError(f"{self.path}: header length changed while writing")
+            write_all(self._fd, final, 0)
+            if self.sync:
+                os.fsync(self._fd)  # may be where a full disk shows (delayed allocation, NFS)
+            fd, self._fd = self._fd, -1
+            os.close(fd)  # so can this (NFS reports write errors at close)
+        except BaseException:
+            self._abort()
+            raise
+
+    def _abort(self) -> None:
+        # A half-written file is no use to anyone and holds space a full disk
+        # needs back; no index will name it.
+        if self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = -1
+        remove_quietly(self.path)
+
+
+def value_entry(key: str, nbytes: int, *, rank_local: bool = False) -> PlannedEntry:
+    """The entry of a non-tensor value (tagged JSON, ``nbytes`` long) named ``key``."""
+    meta = EntryMeta("rank_local" if rank_local else "value", key, "uint8", (nbytes,), (), (), PLACEHOLDER)
+    name = rank_local_entry_name(key) if rank_local else value_entry_name(key)
+    return PlannedEntry(name, "U8", (nbytes,), nbytes, meta)
+
+
+def chunk_entry(
+    fqn: str,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    offsets: Sequence[int],
+    sizes: Sequence[int],
+    layout: Layout | None = None,
+) -> PlannedEntry:
+    """The entry of the chunk of tensor ``fqn`` (global ``shape``) at ``offsets`` with ``sizes``.
+
+    Dtypes safetensors has no code for are stored as raw ``U8`` bytes; the
+    metadata keeps the real dtype.
+    """
+    sizes = tuple(sizes)
+    nbytes = math.prod(sizes) * dtype.itemsize
+    st = st_dtype(dtype)
+    meta = EntryMeta("tensor", fqn, dtype_name(dtype), tuple(shape), tuple(offsets), sizes, PLACEHOLDER, layout)
+    return PlannedEntry(chunk_entry_name(fqn, offsets), st or "U8", sizes if st else (nbytes,), nbytes, meta)

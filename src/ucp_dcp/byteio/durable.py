@@ -1,0 +1,112 @@
+"""Durable writes: every byte written, fsync'd, and made visible by one atomic rename.
+
+The data-file writer, the index, the manager's tiers and the Hugging Face
+export all write through these helpers, so "written" means the same thing
+everywhere: no short write is ignored, a file is fsync'd before it is
+renamed into place, and the directory is fsync'd after the rename.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+
+__all__ = [
+    "write_all",
+    "write_bytes_durable",
+    "atomic_write",
+    "fsync_path",
+    "remove_quietly",
+    "temp_dir_for",
+    "commit_dir",
+]
+
+# Every positional data write goes through this name (looked up at call
+# time), so tests can inject failures such as ENOSPC by monkeypatching it.
+_pwrite = os.pwrite
+
+
+def write_all(fd: int, data: bytes | bytearray | memoryview, offset: int | None = None) -> None:
+    """Write all of ``data`` to ``fd``: at ``offset`` (``pwrite``), or at the file position."""
+    view = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+    while view:
+        n = _pwrite(fd, view, offset) if offset is not None else os.write(fd, view)
+        if n <= 0:  # never for a regular file, but a zero would spin forever
+            raise OSError(errno.EIO, f"write made no progress at offset {offset}")
+        view = view[n:]
+        if offset is not None:
+            offset += n
+
+
+def write_bytes_durable(path: str, data: bytes | bytearray | memoryview, *, exclusive: bool = False) -> None:
+    """Write ``data`` to ``path`` (created, or truncated unless ``exclusive``) and fsync it.
+
+    ``exclusive`` refuses an existing file (``O_EXCL``), for temp names that
+    must be fresh. The caller renames into place and fsyncs the directory.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+    fd = os.open(path, flags, 0o644)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, data: bytes | bytearray | memoryview) -> None:
+    """Replace ``path`` with ``data`` atomically: temp file, fsync, rename, fsync the directory.
+
+    Readers see the previous file or the complete new one, never a partial
+    file. On any failure the temp file is removed and ``path`` is untouched.
+    """
+    directory = os.path.dirname(path) or "."
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        write_bytes_durable(tmp, data, exclusive=True)
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+    fsync_path(directory)
+
+
+def fsync_path(path: str) -> None:
+    """fsync a directory (or file) by path, so a rename in it is durable; best effort."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_quietly(path: str) -> None:
+    """Remove file ``path`` if it exists; best effort (used while another error is reported)."""
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def temp_dir_for(dst: str) -> str:
+    """A fresh hidden sibling directory of ``dst`` to build it in (see :func:`commit_dir`)."""
+    parent = os.path.dirname(os.path.abspath(dst))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(dst))}.tmp-{uuid.uuid4().hex[:8]}")
+    os.mkdir(tmp)
+    return tmp
+
+
+def commit_dir(tmp: str, dst: str) -> None:
+    """Move finished directory ``tmp`` to ``dst`` (absent or empty) in one rename, durably."""
+    fsync_path(tmp)
+    try:
+        os.rename(tmp, dst)  # replaces an empty directory atomically on POSIX
+    except OSError as e:
+        raise FileExistsError(f"{dst}: cannot move the finished output into place ({e}); is it still empty?") from None
+    fsync_path(os.path.dirname(os.path.abspath(dst)))

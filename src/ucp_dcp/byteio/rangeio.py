@@ -1,0 +1,271 @@
+"""The byte-range reader: exact offset reads straight into memory.
+
+Callers describe what they need as :class:`Segment`\\ s: a byte range of a
+file and a writable buffer of the same length (usually a slice of the
+destination tensor's own storage). The reader sorts them per file, merges
+neighbours into ``os.preadv`` calls (one system call fills many buffers;
+gaps up to ``gap_bytes`` between them are read into a scratch buffer rather
+than split into another call, since the page holding them is fetched
+anyway), splits large ranges so several threads share them, and runs the
+calls on a thread pool (``preadv`` releases the GIL).
+
+It never allocates per-read memory: the scratch buffer for gaps is
+``gap_bytes`` long and shared.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import NamedTuple, Sequence
+
+import torch
+from ..errors import CheckpointFormatError
+
+
+
+__all__ = ["Segment", "FileHandles", "RangeReader", "ReadStats", "storage_view", "tensor_view"]
+
+_BY_POSITION = itemgetter(0, 1)
+# Requests a thread has announced to the kernel ahead of reading them: the
+# device works on up to this many while the thread waits for the first.
+_PREFETCH_WINDOW = 32
+
+try:
+    _IOV_MAX = os.sysconf("SC_IOV_MAX")
+except (ValueError, OSError, AttributeError):
+    _IOV_MAX = 1024
+_IOV_MAX = max(16, min(_IOV_MAX, 1024))
+
+
+class Segment(NamedTuple):
+    """``len(dest)`` bytes at ``offset`` of file number ``file`` go into ``dest``.
+
+    A named tuple rather than a dataclass: strided loads make tens of
+    thousands of them, and tuples are the cheapest record to build.
+    """
+
+    file: int
+    offset: int
+    dest: memoryview
+
+
+@dataclass
+class ReadStats:
+    """What a reader asked storage for: calls, bytes requested (gaps included)."""
+
+    calls: int = 0
+    bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, calls: int, nbytes: int) -> None:
+        """Count ``calls`` system calls that requested ``nbytes`` bytes."""
+        with self._lock:
+            self.calls += calls
+            self.bytes += nbytes
+
+
+@dataclass
+class _Request:
+    file: int
+    offset: int
+    bufs: list[memoryview]
+    nbytes: int
+
+
+def storage_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of the whole storage of CPU tensor ``t``.
+
+    Destination views are strided windows into a storage; addressing the
+    storage directly lets one ``preadv`` fill many rows of a non-contiguous
+    view without a staging copy.
+    """
+    st = t.untyped_storage()
+    u8 = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,))
+    return memoryview(u8.numpy()).cast("B")
+
+
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """A read-only byte view of contiguous CPU tensor ``t`` (for hashing, writing)."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class FileHandles:
+    """Descriptors of a list of files, each opened once on first use; thread-safe.
+
+    Opened with ``POSIX_FADV_RANDOM``: callers request exactly the bytes they
+    need, and read-ahead would only pull in neighbours other ranks own.
+    """
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        self.paths = list(paths)
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def get(self, file: int) -> int:
+        """The descriptor of file number ``file``; a missing file is a format error naming it."""
+        fd = self._fds.get(file)
+        if fd is not None:
+            return fd
+        with self._lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                try:
+                    fd = os.open(self.paths[file], os.O_RDONLY)
+                except FileNotFoundError:
+                    raise CheckpointFormatError(f"data file {self.paths[file]} is missing") from None
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                self._fds[file] = fd
+        return fd
+
+    def close(self) -> None:
+        """Close every descriptor opened so far."""
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+class RangeReader:
+    """Reads byte ranges of a fixed list of files with coalesced ``preadv`` calls.
+
+    Args:
+        paths: the files; segments refer to them by position.
+        threads: size of the I/O thread pool.
+        gap_bytes: neighbouring ranges at most this far apart are read with
+            one call, the gap landing in a scratch buffer.
+        max_request_bytes: upper bound on one call, so that a large range is
+            split across threads.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        *,
+        threads: int = 4,
+        gap_bytes: int = 0,
+        max_request_bytes: int = 16 * 1024 * 1024,
+    ) -> None:
+        self._paths = list(paths)
+        self._files = FileHandles(self._paths)
+        self._gap = gap_bytes
+        self._scratch = memoryview(bytearray(max(gap_bytes, 1)))
+        self._max_request = max(max_request_bytes, 1)
+        self._threads = max(threads, 1)
+        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="ucp-read")
+        self.stats = ReadStats()
+
+    # -------------------------------------------------------------- files
+    def fd(self, file: int) -> int:
+        """Open (once) and return the descriptor of file number ``file``."""
+        return self._files.get(file)
+
+    def close(self) -> None:
+        """Close every file and stop the thread pool."""
+        self._pool.shutdown(wait=True)
+        self._files.close()
+
+    def __enter__(self) -> "RangeReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- reads
+    def plan(self, segments: Sequence[Segment]) -> list[_Request]:
+        """Coalesce ``segments`` into calls (exposed for tests)."""
+        reqs: list[_Request] = []
+        cur: _Request | None = None
+        for s in sorted(segments, key=_BY_POSITION):
+            n = len(s.dest)
+            if n == 0:
+                continue
+            if cur is not None and cur.file == s.file:
+                gap = s.offset - (cur.offset + cur.nbytes)
+                if 0 <= gap <= self._gap and cur.nbytes + gap + n <= self._max_request and len(cur.bufs) + 2 <= _IOV_MAX:
+                    if gap:
+                        cur.bufs.append(self._scratch[:gap])
+                    cur.bufs.append(s.dest)
+                    cur.nbytes += gap + n
+                    continue
+            # A range larger than one request is split so threads share it.
+            off, dest = s.offset, s.dest
+            while len(dest) > self._max_request:
+                reqs.append(_Request(s.file, off, [dest[: self._max_request]], self._max_request))
+                off += self._max_request
+                dest = dest[self._max_request :]
+            cur = _Request(s.file, off, [dest], len(dest))
+            reqs.append(cur)
+        return reqs
+
+    def read(self, segments: Sequence[Segment]) -> None:
+        """Fill every segment's buffer; raises on a short file or an I/O error."""
+        reqs = self.plan(segments)
+        if not reqs:
+            return
+        batches = _batches(reqs, self._threads * 4)
+        if len(batches) == 1:
+            self._run_all(batches[0])
+            return
+        for fut in [self._pool.submit(self._run_all, b) for b in batches]:
+            fut.result()
+
+    def _run_all(self, reqs: Sequence[_Request]) -> None:
+        # One pool task per batch, not per request: strided loads issue tens
+        # of thousands of small reads, and a task per read costs more than it.
+        # Each read is announced (POSIX_FADV_WILLNEED, exactly its bytes) a
+        # window ahead, so a cold read of many small ranges keeps the device
+        # busy instead of waiting on one page at a time.
+        n = len(reqs)
+        for r in reqs[:_PREFETCH_WINDOW]:
+            self._advise(r)
+        for i, r in enumerate(reqs):
+            if i + _PREFETCH_WINDOW < n:
+                self._advise(reqs[i + _PREFETCH_WINDOW])
+            self._run(r)
+
+    def _advise(self, r: _Request) -> None:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd(r.file), r.offset, r.nbytes, os.POSIX_FADV_WILLNEED)
+
+    def _run(self, r: _Request) -> None:
+        fd = self.fd(r.file)
+        bufs, off, left, calls = r.bufs, r.offset, r.nbytes, 0
+        while left:
+            got = os.preadv(fd, bufs, off)
+            calls += 1
+            if got <= 0:
+                raise EOFError(
+                    f"{self._paths[r.file]}: needed bytes [{off}, {off + left}) but the file ends "
+                    f"at {os.fstat(fd).st_size}: truncated data file"
+                )
+            off += got
+            left -= got
+            if left:  # short read: drop what was filled and go on
+                while got >= len(bufs[0]):
+                    got -= len(bufs[0])
+                    bufs = bufs[1:]
+                bufs = [bufs[0][got:], *bufs[1:]]
+        self.stats.add(calls, r.nbytes)
+
+
+def _batches(reqs: list[_Request], n: int) -> list[list[_Request]]:
+    """Split ``reqs`` into at most ``n`` runs of consecutive requests of similar byte totals."""
+    if n <= 1 or len(reqs) <= 1:
+        return [reqs]
+    target = sum(r.nbytes for r in reqs) / n
+    out: list[list[_Request]] = [[]]
+    acc = 0
+    for r in reqs:
+        if acc >= target and len(out) < n:
+            out.append([])
+            acc = 0
+        out[-1].append(r)
+        acc += r.nbytes
+    return out

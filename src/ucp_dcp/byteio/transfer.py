@@ -1,0 +1,361 @@
+"""Moving a box of a saved chunk into a destination tensor.
+
+Two ways, chosen by the destination: a CPU tensor of the saved dtype is
+filled in place (its storage is the read buffer); anything else (a dtype
+cast, a device tensor) goes through bounded staging memory in the saved
+dtype, slab by slab (:class:`StagingBuffers`, made once per batch of reads
+and reused by all of them). Both the distributed reader and the
+single-process :class:`~ucp_dcp.tools.checkpoint.Checkpoint` use these.
+
+For a CUDA destination the staging memory is pinned and split in two
+halves: storage reads slab *k+1* into one half while the other half's
+``non_blocking`` host-to-device copy of slab *k* runs, and a CUDA event
+recorded after each copy says when its half may be overwritten. The
+pipeline carries over from one read item to the next.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import xxhash
+
+from ..format import Location
+from .integrity import ChecksumError
+from .rangeio import RangeReader, Segment, storage_view
+from ..core.sharding import Box, runs, slabs
+
+__all__ = [
+    "needs_staging", "permuted", "segments_into", "StagingBuffers", "read_staged", "read_region", "read_checked",
+]
+
+# Half boundaries are multiples of this: a multiple of every itemsize (the
+# largest, complex128, is 16) so that each half can be viewed as any dtype.
+_HALF_ALIGN = 16
+# The smallest buffer ever allocated: two halves of one complex128 element.
+_MIN_BYTES = 32
+
+
+def needs_staging(dest: torch.Tensor, src_dtype: torch.dtype, location: Location | None = None) -> bool:
+    """Whether ``dest`` cannot be filled in place from bytes of ``src_dtype`` stored at ``location``.
+
+    A cast, a device destination, or a chunk stored in another dimension
+    order (read into a staging buffer laid out in the stored order, so that
+    each read is as long as the region allows, then copied into place).
+    """
+    return dest.device.type != "cpu" or dest.dtype != src_dtype or bool(location is not None and location.dim_order)
+
+
+def permuted(
+    location: Location, chunk_sizes: Sequence[int], region: Box, dest: torch.Tensor
+) -> tuple[tuple[int, ...], Box, torch.Tensor]:
+    """``(chunk_sizes, region, dest)`` as seen in the chunk's stored dimension order.
+
+    For a chunk stored in another order the chunk, the region and the
+    destination (a view: same memory, permuted strides) are permuted alike,
+    so that the stored bytes are row-major in them and the strided reads
+    below apply unchanged. A row-major chunk is returned as it is.
+    """
+    order = location.dim_order
+    if not order:
+        return tuple(chunk_sizes), region, dest
+    return (
+        tuple(chunk_sizes[d] for d in order),
+        Box(tuple(region.offsets[d] for d in order), tuple(region.sizes[d] for d in order)),
+        dest.permute(order),
+    )
+
+
+def segments_into(
+    location: Location,
+    chunk_sizes: tuple[int, ...],
+    region: Box,
+    dest: torch.Tensor,
+    view: memoryview | None = None,
+) -> Iterator[Segment]:
+    """Segments that read ``region`` of a saved chunk into CPU tensor ``dest``.
+
+    ``dest`` has the region's shape and the saved dtype; ``view`` is
+    :func:`storage_view` of it (pass it when making many calls on one tensor).
+    """
+    view = storage_view(dest) if view is None else view
+    es = dest.element_size()
+    grid = runs(chunk_sizes, region, dest.stride(), dest.storage_offset())
+    n = grid.count * es
+    file = location.file
+    for src, dst in zip((grid.src * es + location.start).tolist(), (grid.dst * es).tolist()):
+        yield Segment(file, src, view[dst : dst + n])
+
+
+class StagingBuffers:
+    """Host staging memory for :func:`read_staged`, reused across read items.
+
+    Make one per batch of reads (one ``read_data`` call, one
+    ``Checkpoint.read_into``), pass it to every :func:`read_staged` call of
+    the batch, and :meth:`close` it at the end (or use it as a context
+    manager): that waits for copies still in flight and drops the memory.
+
+    The memory is one ``uint8`` tensor of at most ``max_buffer_bytes`` (but
+    never less than 32 bytes), allocated on first use and no larger than
+    the batch needs: ``largest_bytes``, when given, is the size of the
+    largest region the batch will stage, and the first allocation covers it
+    (twice, for the double-buffered path) up to the bound; without it the
+    buffer starts at the first region's size and grows (doubling, up to
+    the bound) when a later region needs more. It is pinned when a
+    destination is a CUDA tensor; a pinned buffer also serves CPU
+    destinations, while an unpinned one is replaced by a pinned one at the
+    first CUDA destination.
+
+    Two ways through it:
+
+    * *blocking* (CPU destinations, i.e. dtype casts, and devices other than
+      CUDA): the whole buffer carries one slab at a time, read, then copied
+      into place with a blocking ``copy_``.
+    * *double-buffered* (CUDA destinations): two halves. A slab is read into
+      one half while the copy out of the other half runs on the
+      destination's current stream (``non_blocking``); before a half is
+      refilled, the CUDA event recorded after its last copy is waited for.
+      A dtype cast copies the saved dtype to the device and casts there (a
+      correctly rounded IEEE cast either way; only NaN payloads may differ
+      from a CPU cast). The copies run on the destination's current stream,
+      so later work on that stream sees the data even before :meth:`close`.
+
+    ``overlap`` picks the way: None (the default) double-buffers exactly the
+    CUDA destinations; True sends every destination through the
+    double-buffered code (on a CPU destination the copies complete at once
+    and there are no events); False never double-buffers.
+
+    ``device_copy`` (for tests) replaces the copy of the double-buffered
+    path for every destination: ``device_copy(target, buf)`` starts copying
+    host slab ``buf`` into ``target`` and returns an object whose
+    ``synchronize()`` returns once ``buf`` may be overwritten (or None when
+    the copy is done). With a copy that completes only when waited for, a
+    test on CPU checks that no half is refilled while a copy may still
+    read it.
+
+    ``allocations`` counts host allocations (tests check that it is 1 for a
+    whole batch), ``slabs`` the slabs staged, ``bytes_staged`` their bytes.
+    Not thread-safe: one per reading thread.
+    """
+
+    def __init__(
+        self,
+        max_buffer_bytes: int,
+        *,
+        largest_bytes: int | None = None,
+        overlap: bool | None = None,
+        device_copy: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+    ) -> None:
+        self.max_buffer_bytes = max(int(max_buffer_bytes), _MIN_BYTES)
+        self.largest_bytes = largest_bytes
+        self.overlap = overlap
+        self.device_copy = device_copy
+        self.allocations = 0
+        self.slabs = 0
+        self.bytes_staged = 0
+        self._buf: torch.Tensor | None = None
+        self._view: memoryview | None = None
+        self._pinned = False
+        self._next = 0  # the half the next double-buffered slab goes into
+        self._events: list[Any] = [None, None]  # per half: its last copy's event, not yet waited for
+
+    # ------------------------------------------------------------ state
+    @property
+    def capacity(self) -> int:
+        """Bytes allocated now (0 before first use and after :meth:`close`)."""
+        return 0 if self._buf is None else self._buf.numel()
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the current buffer is pinned (page-locked) host memory."""
+        return self._buf is not None and self._pinned
+
+    def double_buffered(self, dest: torch.Tensor) -> bool:
+        """Whether ``dest`` goes through the double-buffered path."""
+        if self.overlap is not None:
+            return self.overlap
+        return dest.device.type == "cuda"
+
+    # ------------------------------------------------------------ memory
+    def _want(self, nbytes: int, halves: bool) -> int:
+        """Bytes that carry a region of ``nbytes`` in one slab (per half when ``halves``), within the bound."""
+        n = -(-max(nbytes, 1) // _HALF_ALIGN) * _HALF_ALIGN
+        return max(min(2 * n if halves else n, self.max_buffer_bytes), _MIN_BYTES)
+
+    def _ensure(self, nbytes: int, halves: bool, pin: bool) -> None:
+        """Make the buffer fit a region of ``nbytes`` as well as the bound allows, pinned if ``pin``."""
+        want = self._want(nbytes, halves)
+        cap = self.capacity
+        if cap >= want and (self._pinned or not pin):
+            return
+        if cap >= want:  # big enough, but a CUDA destination needs it pinned
+            size = cap
+        elif cap:
+            size = max(want, min(2 * cap, self.max_buffer_bytes))
+        else:
+            size = max(want, self._want(self.largest_bytes or 0, halves))
+        self.synchronize()  # no copy may still be reading the memory being dropped
+        self._buf = self._view = None
+        self._buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        self._view = storage_view(self._buf)
+        self._pinned = pin
+        self._next = 0
+        self.allocations += 1
+
+    # ------------------------------------------------------------ sync
+    def _wait(self, half: int) -> None:
+        ev = self._events[half]
+        if ev is not None:
+            ev.synchronize()
+            self._events[half] = None
+
+    def synchronize(self) -> None:
+        """Wait until every copy out of the buffer has completed."""
+        self._wait(0)
+        self._wait(1)
+
+    def close(self) -> None:
+        """Wait for copies in flight, then release the memory (the object stays usable)."""
+        self.synchronize()
+        self._buf = self._view = None
+
+    def __enter__(self) -> "StagingBuffers":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ reading
+    def read(
+        self,
+        reader: RangeReader,
+        location: Location,
+        chunk_sizes: tuple[int, ...],
+        region: Box,
+        src_dtype: torch.dtype,
+        dest: torch.Tensor,
+    ) -> None:
+        """Read ``region`` of a saved chunk into ``dest``; see :func:`read_staged`."""
+        es = src_dtype.itemsize
+        nbytes = region.numel * es
+        if nbytes == 0:
+            return
+        cuda = dest.device.type == "cuda"
+        halves = self.double_buffered(dest)
+        self._ensure(nbytes, halves, pin=cuda and torch.cuda.is_available())
+        assert self._buf is not None and self._view is not None
+        if not halves:
+            self.synchronize()  # the whole buffer is reused: nothing may still read it
+        # Every slab fits: slabs() cuts down to single elements if it must,
+        # and a half is never smaller than 16 bytes (the largest itemsize).
+        half_bytes = (self.capacity // 2) // _HALF_ALIGN * _HALF_ALIGN if halves else self.capacity
+        for offs, sizes in slabs(region.sizes, es, half_bytes):
+            n = torch.Size(sizes).numel() * es
+            base = 0
+            if halves:
+                base = self._next * half_bytes
+                self._wait(self._next)  # its previous copy must be done before it is refilled
+            buf = self._buf[base : base + n].view(src_dtype).view(sizes)
+            sub = Box(tuple(b + o for b, o in zip(region.offsets, offs)), sizes)
+            reader.read(list(segments_into(location, chunk_sizes, sub, buf, self._view)))
+            target = dest
+            for d, (o, s) in enumerate(zip(offs, sizes)):
+                target = target.narrow(d, o, s)
+            self.slabs += 1
+            self.bytes_staged += n
+            if not halves:
+                target.copy_(buf)  # blocking: the next slab reuses the buffer
+                continue
+            copy = self.device_copy or (_copy_to_cuda if cuda else _copy_now)
+            self._events[self._next] = copy(target, buf)
+            self._next ^= 1
+
+
+def _copy_now(target: torch.Tensor, buf: torch.Tensor) -> None:
+    """A copy into a non-CUDA ``target``: complete on return, so no event."""
+    target.copy_(buf)
+
+
+def _copy_to_cuda(target: torch.Tensor, buf: torch.Tensor) -> Any:
+    """Enqueue the copy of host slab ``buf`` into CUDA view ``target``; the event after the transfer."""
+    stream = torch.cuda.current_stream(target.device)
+    if target.dtype == buf.dtype:
+        # A non-contiguous target: torch transfers into a contiguous device
+        # temporary (asynchronously, from pinned memory) and scatters on the device.
+        target.copy_(buf, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+    # A cast: transfer the saved dtype, cast on the device (torch would
+    # otherwise cast on the CPU into pageable memory, which is not asynchronous).
+    tmp = torch.empty(buf.shape, dtype=buf.dtype, device=target.device)
+    tmp.copy_(buf, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    target.copy_(tmp)
+    return ev
+
+
+def read_staged(
+    reader: RangeReader,
+    location: Location,
+    chunk_sizes: tuple[int, ...],
+    region: Box,
+    src_dtype: torch.dtype,
+    dest: torch.Tensor,
+    max_buffer_bytes: int | None = None,
+    *,
+    buffers: StagingBuffers | None = None,
+) -> None:
+    """Read ``region`` of a saved chunk into ``dest`` (any dtype, any device).
+
+    Slab by slab through ``buffers`` (a :class:`StagingBuffers` shared by a
+    batch of reads; the copies into a CUDA ``dest`` may still be in flight on
+    return, until ``buffers.close()`` or later work on the same stream), or,
+    without it, through a staging buffer of at most ``max_buffer_bytes`` made
+    for this call alone and closed before returning, so that ``dest`` is
+    complete on return. Memory stays bounded whatever the tensor size.
+    """
+    chunk_sizes, region, dest = permuted(location, chunk_sizes, region, dest)
+    if buffers is not None:
+        buffers.read(reader, location, chunk_sizes, region, src_dtype, dest)
+        return
+    if max_buffer_bytes is None:
+        raise TypeError("read_staged needs max_buffer_bytes or buffers")
+    with StagingBuffers(max_buffer_bytes, largest_bytes=region.numel * src_dtype.itemsize) as own:
+        own.read(reader, location, chunk_sizes, region, src_dtype, dest)
+
+
+def read_region(
+    reader: RangeReader,
+    location: Location,
+    chunk_sizes: tuple[int, ...],
+    region: Box,
+    src_dtype: torch.dtype,
+    dest: torch.Tensor,
+    max_buffer_bytes: int,
+) -> None:
+    """Read ``region`` of a saved chunk into ``dest`` now: in place when it can be, else staged."""
+    if needs_staging(dest, src_dtype, location):
+        read_staged(reader, location, chunk_sizes, region, src_dtype, dest, max_buffer_bytes)
+    else:
+        reader.read(list(segments_into(location, chunk_sizes, region, dest)))
+
+
+def read_checked(
+    reader: RangeReader, location: Location, path: str, what: str, rank: int | None = None
+) -> bytes:
+    """The bytes at ``location`` (in file ``path``), checked against its checksum.
+
+    A location with no checksum (an imported DCP checkpoint) is not checked.
+    ``what`` names the entry and ``rank`` the file's writing rank in the
+    :class:`~ucp_dcp.byteio.integrity.ChecksumError` raised on a mismatch.
+    """
+    buf = bytearray(location.nbytes)
+    reader.read([Segment(location.file, location.start, memoryview(buf))])
+    if location.xxh3:
+        digest = xxhash.xxh3_64_hexdigest(buf)
+        if digest != location.xxh3:
+            raise ChecksumError(path, what, location.xxh3, digest, rank)
+    return bytes(buf)

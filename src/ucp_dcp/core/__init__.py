@@ -1,0 +1,1 @@
+"""Core arithmetic: boxes and layouts (sharding), pieces of logical tensors, and non-tensor values."""

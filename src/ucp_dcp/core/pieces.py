@@ -1,0 +1,131 @@
+"""Pieces of logical tensors, held by a rank as views into its own memory.
+
+A DTensor describes itself: its mesh and placements say which box of the
+global tensor a rank holds. Much training state does not look like that: a
+ZeRO/FSDP1 flat buffer holds slices of many parameters, a fused QKV weight
+holds rows of three, a stage-local ``layers.0`` is global layer 12. Such a
+value enters a checkpoint as a :class:`TensorPieces`: a list of
+:class:`Piece` records, each naming a *logical* tensor (its checkpoint name
+and global shape), the box of it this rank holds, and a view of the rank's
+memory with exactly that box's shape.
+
+The planners treat a piece like any other chunk: save writes the view's
+bytes, as they are, as a chunk of the logical tensor; load reads into the
+view the overlap of every saved chunk with the piece's box. Writes into the
+views land in the caller's buffers. Producers of pieces:
+:class:`ucp_dcp.FlatShard` (flat buffers) and :mod:`ucp_dcp.adapters.layout_rules`
+(fused, padded, renamed, replicated and stage-local tensors).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from .sharding import Box
+
+__all__ = ["Piece", "TensorPieces"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Box ``offsets`` (sizes: ``data.shape``) of logical tensor ``fqn`` of global ``shape``.
+
+    ``data`` is a view of this rank's memory. On save its values are written;
+    on load the saved values are read into it.
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    data: torch.Tensor
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(n) for n in self.shape)
+        offsets = tuple(int(o) for o in self.offsets)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "offsets", offsets)
+        sizes = tuple(self.data.shape)
+        if not (len(shape) == len(offsets) == len(sizes)):
+            raise ValueError(
+                f"piece of {self.fqn!r}: global shape {list(shape)}, offsets {list(offsets)} and data shape "
+                f"{list(sizes)} must have the same number of dimensions"
+            )
+        if any(o < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape)):
+            raise ValueError(
+                f"piece of {self.fqn!r}: a box of size {list(sizes)} at offsets {list(offsets)} does not fit in "
+                f"the global shape {list(shape)}"
+            )
+
+    @property
+    def box(self) -> Box:
+        """The box of the logical tensor this piece covers."""
+        return Box(self.offsets, tuple(self.data.shape))
+
+
+class TensorPieces:
+    """A state-dict value that stands for pieces of one or more logical tensors.
+
+    Put it anywhere in the state dict given to ``dcp.save``/``dcp.load``
+    with :class:`~ucp_dcp.UCPSavePlanner`/:class:`~ucp_dcp.UCPLoadPlanner`;
+    its key in the state dict is not stored (the pieces name their tensors).
+
+    Args:
+        pieces: the pieces; two pieces of one rank may not cover the same box.
+        replicated: other ranks hold the same pieces (a TP-replicated layer
+            norm). Save checks that every holder's bytes are equal, naming
+            the tensor and ranks if not, and writes them once.
+        fill: views of elements no logical tensor covers (alignment or
+            vocabulary padding). Load sets them to ``fill_value``; save
+            ignores them.
+        fill_value: the value padding gets on load.
+        source: what the pieces came from, for error messages.
+    """
+
+    def __init__(
+        self,
+        pieces: Iterable[Piece],
+        *,
+        replicated: bool = False,
+        fill: Iterable[torch.Tensor] = (),
+        fill_value: float = 0.0,
+        source: str = "",
+    ) -> None:
+        self.pieces: tuple[Piece, ...] = tuple(pieces)
+        self.replicated = replicated
+        self.fill: tuple[torch.Tensor, ...] = tuple(fill)
+        self.fill_value = fill_value
+        self.source = source
+        seen: dict[tuple[str, tuple[int, ...]], Piece] = {}
+        meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for p in self.pieces:
+            key = (p.fqn, p.offsets)
+            if key in seen:
+                raise ValueError(f"{self._where()}: two pieces of {p.fqn!r} start at offsets {list(p.offsets)}")
+            seen[key] = p
+            m = meta.setdefault(p.fqn, (p.shape, p.data.dtype))
+            if m != (p.shape, p.data.dtype):
+                raise ValueError(
+                    f"{self._where()}: pieces of {p.fqn!r} disagree on shape/dtype: "
+                    f"{list(m[0])} {m[1]} and {list(p.shape)} {p.data.dtype}"
+                )
+
+    def _where(self) -> str:
+        return f"TensorPieces({self.source})" if self.source else "TensorPieces"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data the pieces hold (padding excluded)."""
+        return sum(math.prod(p.data.shape) * p.data.element_size() for p in self.pieces)
+
+    def fqns(self) -> list[str]:
+        """The logical tensors the pieces belong to, in first-seen order."""
+        return list(dict.fromkeys(p.fqn for p in self.pieces))
+
+    def __repr__(self) -> str:
+        names = self.fqns()
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        return f"{self._where()}[{len(self.pieces)} piece(s) of {shown}]"

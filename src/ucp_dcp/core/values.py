@@ -1,0 +1,190 @@
+"""Non-tensor values of a training state, stored as tagged JSON, never pickled.
+
+A state dict carries more than tensors: optimizer ``param_groups``, step
+counters, dataloader positions, RNG states. DCP stores those with
+``torch.save`` and reads them back with ``torch.load``, which can run code
+from an untrusted checkpoint. Here they are encoded as JSON with a small set
+of tags for what JSON cannot say itself (tuples, non-string dict keys,
+non-finite floats, small tensors, numpy arrays, bytes, dtypes). Anything else
+is refused at save time with the key that holds it, rather than silently
+stringified or pickled.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..errors import UnsupportedValueError
+
+__all__ = ["RankLocal", "UnsupportedValueError", "encode_value", "decode_value", "ReshardFn"]
+
+_TAG = "__ucp__"
+
+ReshardFn = Callable[[str, "dict[int, Any]", int, int], Any]
+"""``fn(key, saved_values_by_rank, rank, world_size) -> value`` for a rank-local
+value loaded into a different world size."""
+
+
+@dataclass
+class RankLocal:
+    """Marks a state-dict value as belonging to this rank alone.
+
+    Every rank saves its own copy (a dataloader position, an RNG state).
+    Loading into the same world size gives each rank its own value back, in
+    ``.value``. Loading into another world size calls ``reshard`` (here, or
+    the load planner's ``rank_local_reshard``) with every saved rank's value;
+    without one the load fails naming the key, rather than handing a rank
+    another rank's value.
+    """
+
+    value: Any
+    reshard: ReshardFn | None = None
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _encode(obj: Any, path: str) -> Any:
+    # Subclasses before their bases: numpy.float64 is a float, torch.Size a
+    # tuple, bool an int; each must keep its own type through a round trip.
+    if obj is None:
+        return None
+    np = _numpy()
+    if np is not None:
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject:
+                raise UnsupportedValueError(f"{path}: numpy arrays of Python objects cannot be saved")
+            return {
+                _TAG: "ndarray",
+                "dtype": obj.dtype.str,
+                "shape": list(obj.shape),
+                "data": base64.b64encode(np.ascontiguousarray(obj).tobytes()).decode("ascii"),
+            }
+        if isinstance(obj, np.generic):
+            return {_TAG: "npscalar", "dtype": obj.dtype.str, "v": _encode(obj.item(), path)}
+    if isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return obj
+        return {_TAG: "float", "v": repr(obj)}  # 'nan', 'inf', '-inf'
+    if isinstance(obj, list):
+        return [_encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, torch.Size):
+        return {_TAG: "size", "v": list(obj)}
+    if isinstance(obj, tuple):
+        return {_TAG: "tuple", "v": [_encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and _TAG not in obj:
+            return {k: _encode(v, f"{path}.{k}") for k, v in obj.items()}
+        return {_TAG: "dict", "v": [[_encode(k, path), _encode(v, f"{path}[{k!r}]")] for k, v in obj.items()]}
+    if isinstance(obj, torch.dtype):
+        return {_TAG: "dtype", "v": str(obj).removeprefix("torch.")}
+    if isinstance(obj, torch.device):
+        return {_TAG: "device", "v": str(obj)}
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
+            raise UnsupportedValueError(
+                f"{path}: a {type(obj).__name__} nested inside a non-tensor value cannot be saved; "
+                "put it directly in the state dict so it is saved as a tensor"
+            )
+        return {
+            _TAG: "tensor",
+            "dtype": str(obj.dtype).removeprefix("torch."),
+            "shape": list(obj.shape),
+            "data": base64.b64encode(_tensor_bytes(obj)).decode("ascii"),
+        }
+    if isinstance(obj, (bytes, bytearray)):
+        return {_TAG: "bytes", "v": base64.b64encode(bytes(obj)).decode("ascii")}
+    raise UnsupportedValueError(
+        f"{path}: values of type {type(obj).__module__}.{type(obj).__qualname__} cannot be saved "
+        "without pickling; convert it to numbers, strings, lists, dicts or tensors "
+        "(or a Stateful whose state_dict() returns those)"
+    )
+
+
+def encode_value(obj: Any, key: str) -> bytes:
+    """Encode ``obj`` (stored under ``key``, used in error messages) as UTF-8 JSON."""
+    return json.dumps(_encode(obj, key), separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:  # numpy is optional for torch; values just cannot be arrays then
+        return None
+    return numpy
+
+
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype)
+}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``torch.float32`` for ``'float32'``; a clear error for anything else."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}") from None
+
+
+def _decode(obj: Any, key: str) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, key) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    tag = obj.get(_TAG)
+    if tag is None:
+        return {k: _decode(v, key) for k, v in obj.items()}
+    if tag == "float":
+        return float(obj["v"])
+    if tag == "tuple":
+        return tuple(_decode(v, key) for v in obj["v"])
+    if tag == "dict":
+        return {_hashable(_decode(k, key)): _decode(v, key) for k, v in obj["v"]}
+    if tag == "size":
+        return torch.Size(obj["v"])
+    if tag == "dtype":
+        return dtype_from_name(obj["v"])
+    if tag == "device":
+        return torch.device(obj["v"])
+    if tag == "bytes":
+        return base64.b64decode(obj["v"])
+    if tag == "tensor":
+        dtype = dtype_from_name(obj["dtype"])
+        raw = bytearray(base64.b64decode(obj["data"]))
+        flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        return flat.reshape(obj["shape"])
+    np = _numpy()
+    if np is not None and tag == "ndarray":
+        arr = np.frombuffer(base64.b64decode(obj["data"]), dtype=np.dtype(obj["dtype"]))
+        return arr.reshape(obj["shape"]).copy()
+    if np is not None and tag == "npscalar":
+        return np.dtype(obj["dtype"]).type(_decode(obj["v"], key))
+    raise ValueError(f"value {key!r}: unknown tag {tag!r} (written by a newer ucp_dcp?)")
+
+
+def _hashable(k: Any) -> Any:
+    return tuple(_hashable(v) for v in k) if isinstance(k, list) else k
+
+
+def decode_value(data: bytes, key: str) -> Any:
+    """Inverse of :func:`encode_value`; ``key`` names the value in errors."""
+    try:
+        tree = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"value {key!r} is not valid ucp_dcp JSON: {e}") from None
+    return _decode(tree, key)

@@ -1,0 +1,253 @@
+"""``UCPStorageReader``: ``dcp.load`` from any source, with exact offset reads.
+
+The checkpoint is opened as a :class:`~ucp_dcp.sources.Source` (native,
+DCP's own format, a Hugging Face directory, accelerate's subfolders, ...),
+whose records become DCP's metadata. Each read item then goes one way:
+the source locates the saved chunk's bytes, and the range reader fills the
+destination tensor in place (CPU, same dtype, row-major on disk), or through
+bounded staging (a cast, a device destination, a chunk stored in another
+dimension order). The reader itself knows no format.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ..byteio.integrity import ChunkVerifier
+from ..byteio.rangeio import RangeReader, Segment
+from ..byteio.transfer import StagingBuffers, needs_staging, read_staged, segments_into
+from ..core.sharding import Box
+from ..format import Location, TensorRecord
+from ..sources import Source, SourceOptions, open_source, read_value, source_types
+from ..sources.distcp import DCP_VALUES_MODES
+from .compact import LazyChunks
+from .planners import UCPLoadPlanner
+from .writer import _Directory
+
+__all__ = ["UCPStorageReader"]
+
+_MiB = 1024 * 1024
+
+
+def _record_boxes(record: TensorRecord) -> list[Box]:
+    return [c.box for c in record.chunk_list()]
+
+
+class UCPStorageReader(_Directory, StorageReader):
+    """Reads a checkpoint of any supported format from ``path`` (see :mod:`ucp_dcp.sources`).
+
+    Args:
+        path: the checkpoint: a universal checkpoint directory, a DCP
+            ``FileSystemWriter`` directory (Megatron-core ``torch_dist``
+            included), a Hugging Face safetensors model, or a directory whose
+            subfolders are checkpoints (accelerate).
+        io_threads: threads issuing reads in parallel.
+        max_buffer_bytes: bound on staging memory (used for dtype casts and
+            non-CPU destinations; CPU tensors are filled in place).
+        gap_bytes: neighbouring byte ranges closer than this are read with
+            one call. The default, one page less a byte, never pulls in a
+            page that holds no needed byte.
+        max_request_bytes: largest single read, so big tensors are read by
+            several threads at once.
+        dcp_values: for a checkpoint in DCP's default ``.distcp`` format:
+            its non-tensor values are pickles and are refused by default,
+            naming the key; ``"weights_only"`` loads them with
+            ``torch.load(weights_only=True)``.
+        prefix: prepended to the tensor names of a Hugging Face model
+            (``"model."`` fills ``get_state_dict`` keys).
+        verify: check every saved chunk this rank's reads touch against its
+            recorded xxh3-64 (each chunk once per ``read_data``), raising
+            :class:`~ucp_dcp.ChecksumError` (naming tensor, chunk, file and
+            writing rank) on a mismatch. A read that fills a whole chunk into
+            contiguous CPU memory is checked by hashing that memory; any
+            other reads the whole chunk again to hash it. ``verified_bytes``
+            / ``verify_seconds`` add up the bytes hashed and the time spent.
+            Values are always checked. Formats without checksums (DCP's,
+            Hugging Face's) have nothing to check.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        io_threads: int = 4,
+        max_buffer_bytes: int = 64 * _MiB,
+        gap_bytes: int | None = None,
+        max_request_bytes: int = 16 * _MiB,
+        dcp_values: str | None = None,
+        prefix: str = "",
+        verify: bool = False,
+    ) -> None:
+        super().__init__()
+        if dcp_values not in DCP_VALUES_MODES:
+            raise ValueError(f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}")
+        self.path = os.fspath(path)
+        self.options = SourceOptions(dcp_values=dcp_values, prefix=prefix)
+        self.source: Source | None = None
+        self.io_threads = io_threads
+        self.max_buffer_bytes = max(max_buffer_bytes, _MiB)
+        self.gap_bytes = (os.sysconf("SC_PAGE_SIZE") - 1) if gap_bytes is None else gap_bytes
+        self.max_request_bytes = max_request_bytes
+        self.bytes_requested = 0
+        self.read_calls = 0
+        self.verify = verify
+        self.verified_bytes = 0
+        self.verify_seconds = 0.0
+
+    @property
+    def index(self) -> Any:
+        """The open source's records (None before :meth:`read_metadata`)."""
+        return self.source.index if self.source is not None else None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new load, optionally from another checkpoint."""
+        self._set_path(checkpoint_id)
+        self.source = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Open the source and describe it as DCP's metadata (nothing is unpickled but DCP's own records)."""
+        self.source = source = open_source(self.path, self.options)
+        index = source.index
+        md: dict[str, Any] = {}
+        for fqn, t in index.tensors.items():
+            md[fqn] = TensorStorageMetadata(
+                TensorProperties(dtype=t.dtype), torch.Size(t.shape), LazyChunks(functools.partial(_record_boxes, t))
+            )
+        for fqn in [*index.values, *index.rank_local]:
+            md[fqn] = BytesStorageMetadata()
+        return Metadata(
+            state_dict_metadata=md,
+            planner_data={
+                "world_size": index.world_size,
+                "rank_local": {k: sorted(v) for k, v in index.rank_local.items()},
+                # In-process only (load metadata is never sent between ranks):
+                # lets UCPLoadPlanner find overlaps without listing chunks.
+                "chunk_grid": source.grid,
+            },
+            storage_meta=StorageMeta(checkpoint_id=self.path),
+        )
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Make sure the source is open (DCP may hand us metadata read elsewhere)."""
+        if self.source is None:
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Nothing to add per rank (UCPLoadPlanner keeps its items local; see read_data)."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Nothing to coordinate: every rank reads its own byte ranges."""
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every item of ``plan`` into the tensors ``planner`` resolves."""
+        src = self.source
+        assert src is not None
+        if not isinstance(planner, UCPLoadPlanner) and any(ri.type == LoadItemType.BYTE_IO for ri in plan.items):
+            raise TypeError("UCPStorageReader needs planner=UCPLoadPlanner() to decode non-tensor values")
+        value_items = [ri for ri in plan.items if ri.type == LoadItemType.BYTE_IO]
+        tensor_items = [
+            (ri, src.chunk_index(ri.storage_index.fqn, tuple(ri.storage_index.offset), ri.storage_index.index))
+            for ri in plan.items
+            if ri.type != LoadItemType.BYTE_IO
+        ]
+        # Everything this load reads, before any byte is read: a source
+        # refuses here what it will not read, and may locate chunks ahead.
+        src.prepare([(ri.storage_index.fqn, idx) for ri, idx in tensor_items],
+                    [ri.storage_index.fqn for ri in value_items], self.io_threads)
+        reader = RangeReader(
+            src.paths, threads=self.io_threads, gap_bytes=self.gap_bytes, max_request_bytes=self.max_request_bytes
+        )
+        verifier = (
+            ChunkVerifier(reader, src.paths, [src.file_rank(i) for i in range(len(src.paths))],
+                          block=self.max_request_bytes)
+            if self.verify
+            else None
+        )
+        try:
+            segments: list[Segment] = []
+            pending: list[tuple[ReadItem, torch.Tensor]] = []
+            staged: list[tuple[ReadItem, torch.Tensor, Location, Box, torch.dtype]] = []
+            for ri, idx in tensor_items:
+                fqn = ri.storage_index.fqn
+                src_dtype = src.index.tensors[fqn].dtype
+                location = src.locate(fqn, idx)
+                chunk = src.box(fqn, idx)
+                dest = planner.resolve_tensor(ri)
+                if needs_staging(dest, src_dtype, location):
+                    staged.append((ri, dest, location, chunk, src_dtype))
+                    continue
+                region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
+                if verifier is not None:
+                    # The destination holds exactly the chunk's bytes after
+                    # the read: hash it there. Otherwise read the chunk again.
+                    whole = region == Box((0,) * len(chunk.sizes), chunk.sizes) and dest.is_contiguous()
+                    verifier.add(location, fqn, chunk.offsets, dest if whole else None)
+                segments.extend(segments_into(location, chunk.sizes, region, dest))
+                pending.append((ri, dest))
+                if len(segments) >= 16384:  # bound the bookkeeping memory, not just the data
+                    self._flush(reader, segments, pending, planner, verifier)
+            self._flush(reader, segments, pending, planner, verifier)
+            # One staging buffer for all staged items (pinned, double-buffered
+            # for CUDA targets); close() waits for the last device copies.
+            largest = max((torch.Size(ri.lengths).numel() * sd.itemsize for ri, *_, sd in staged), default=0)
+            with StagingBuffers(self.max_buffer_bytes, largest_bytes=largest) as staging:
+                for ri, dest, location, chunk, src_dtype in staged:
+                    region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
+                    read_staged(reader, location, chunk.sizes, region, src_dtype, dest, buffers=staging)
+                    # A CUDA dest may still be receiving (on its current stream,
+                    # which orders any device work commit_tensor does after the copies).
+                    planner.commit_tensor(ri, dest)
+                    if verifier is not None:  # a cast or device copy: the chunk is read again
+                        verifier.add(location, ri.storage_index.fqn, chunk.offsets)
+                        verifier.check()  # right after the read: its pages are likely still cached
+            for ri in value_items:
+                planner.load_bytes(ri, io.BytesIO(read_value(src, reader, ri.storage_index.fqn)))
+        finally:
+            reader.close()
+            self.bytes_requested += reader.stats.bytes
+            self.read_calls += reader.stats.calls
+            if verifier is not None:
+                self.verified_bytes += verifier.bytes
+                self.verify_seconds += verifier.seconds
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @staticmethod
+    def _flush(
+        reader: RangeReader,
+        segments: list[Segment],
+        pending: list[tuple[ReadItem, torch.Tensor]],
+        planner: LoadPlanner,
+        verifier: ChunkVerifier | None = None,
+    ) -> None:
+        reader.read(segments)
+        if verifier is not None:
+            verifier.check()  # before commit: planners may move the data on
+        for ri, dest in pending:
+            planner.commit_tensor(ri, dest)
+        segments.clear()
+        pending.clear()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a path some source format recognises."""
+        path = os.fspath(checkpoint_id)
+        return any(c.detect(path) for c in source_types())

@@ -1,0 +1,262 @@
+"""``UCPStorageWriter``: each rank writes one native data file; the coordinator commits the index.
+
+The rank's file is laid out and written by the one data-file writer
+(:class:`~ucp_dcp.byteio.datafile.DataFileWriter`: aligned, self-describing,
+every entry hashed while it is written). The coordinator commits the save by
+writing the JSON index last (:func:`~ucp_dcp.format.commit_index`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..byteio.datafile import DataFileWriter, chunk_entry, value_entry
+from ..byteio.rangeio import tensor_view
+from ..format import (
+    ALIGN,
+    INDEX_FILE,
+    FileRecord,
+    PlannedEntry,
+    WrittenEntry,
+    build_index,
+    commit_index,
+    data_file_name,
+    layout_file,
+    split_rank_local_key,
+)
+from .compact import compact_records
+from .planners import UCPSavePlanner
+
+__all__ = ["UCPStorageWriter"]
+
+
+@dataclass(frozen=True)
+class _FileAssignment:
+    """What the coordinator tells each rank (``SavePlan.storage_data``): its file and the save."""
+
+    file: str
+    world_size: int
+    save_id: str
+
+
+@dataclass(frozen=True)
+class _WriteRecord:
+    """What one rank reports to the coordinator (one WriteResult per file).
+
+    Chunks of mesh-planned tensors are only counted: the coordinator knows
+    which rank wrote which chunk, and their byte ranges and checksums are in
+    the file's header. Reporting them one by one would send millions of
+    records to the coordinator at scale.
+    """
+
+    file: str
+    file_size: int
+    entries: list[WrittenEntry]  # values, rank-local values, per-chunk-planned tensors
+    compact: int  # chunks of mesh-planned tensors written
+
+
+def _restated(e: OSError, msg: str) -> OSError:
+    """A new OSError with message ``msg`` and ``e``'s errno (so callers can still test for ENOSPC)."""
+    return OSError(e.errno, msg) if e.errno is not None else OSError(msg)
+
+
+class _Directory:
+    """A checkpoint that is a local directory (``checkpoint_id`` is its path)."""
+
+    path: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint directory."""
+        return self.path
+
+    def _set_path(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+
+
+class UCPStorageWriter(_Directory, StorageWriter):
+    """Writes a universal checkpoint into directory ``path``.
+
+    Args:
+        path: checkpoint directory (created if needed).
+        overwrite: allow saving into a directory that already holds a
+            committed checkpoint. The old checkpoint stays loadable until the
+            new index replaces it; its data files are removed after that.
+        sync_files: fsync data files and the index before the save returns.
+        align: byte alignment of tensor data in the data files.
+
+    A rank whose write fails (``ENOSPC``, an I/O error) removes its partial
+    data file and raises an ``OSError`` that keeps the errno and names the
+    file and the rank; DCP then never calls :meth:`finish`, so no index is
+    written. A failed index write leaves the previous index in place.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        sync_files: bool = True,
+        align: int = ALIGN,
+    ) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.overwrite = overwrite
+        self.sync_files = sync_files
+        self.align = align
+        self.save_id = ""
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new save, optionally into another directory."""
+        self._set_path(checkpoint_id)
+        self.save_id = ""
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Remember whether this rank commits the checkpoint, and its rank."""
+        self.is_coordinator = is_coordinator
+        rank = kwargs.get("rank")
+        self.rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
+
+    def storage_meta(self) -> StorageMeta | None:
+        """Tell DCP where this checkpoint goes."""
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id or None)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Nothing to add per rank."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: check the target directory and name every rank's file."""
+        index = os.path.join(self.path, INDEX_FILE)
+        if os.path.exists(index) and not self.overwrite:
+            raise FileExistsError(
+                f"{self.path} already holds a committed checkpoint ({INDEX_FILE}); refusing to replace it. "
+                "Save into a new directory, or pass UCPStorageWriter(path, overwrite=True)"
+            )
+        os.makedirs(self.path, exist_ok=True)
+        save_id = uuid.uuid4().hex[:8]
+        return [
+            dataclasses.replace(p, storage_data=_FileAssignment(data_file_name(r, save_id), len(plans), save_id))
+            for r, p in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's file: layout, data (hashed as written), header, fsync."""
+        fut: Future[list[WriteResult]] = Future()
+        entries, values = self._entries(plan, planner)
+        if not entries:
+            fut.set_result([])
+            return fut
+        job: _FileAssignment = plan.storage_data
+        path = os.path.join(self.path, job.file)
+        out = DataFileWriter(path, entries, rank=self.rank, world_size=job.world_size, save_id=job.save_id,
+                             align=self.align, sync=self.sync_files)
+        try:
+            with out:
+                for i, item in enumerate(plan.items):
+                    if i in values:
+                        out.write(i, values[i])
+                        continue
+                    t = planner.resolve_data(item)
+                    if t.device.type != "cpu":
+                        t = t.cpu()
+                    out.write(i, tensor_view(t.contiguous()))
+                    del t
+        except OSError as e:
+            gone = "; its partial file was removed" if out.created else ""
+            raise _restated(e, (
+                f"rank {self.rank} could not write checkpoint data file {path}: {e.strerror or e}{gone}. "
+                "The save is not committed and a previous checkpoint is untouched: free space (or save "
+                "elsewhere) and save again"
+            )) from e
+        fut.set_result(self._results(plan, planner, job.file, out.size, out.entries, out.starts))
+        return fut
+
+    def planned_results(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        """What :meth:`write_data` would report for ``plan``, without writing anything.
+
+        Checksums are placeholders. The scale simulator (``benchmarks/``)
+        uses this to build the index of thousands of virtual ranks.
+        """
+        entries, _ = self._entries(plan, planner)
+        if not entries:
+            return []
+        job: _FileAssignment = plan.storage_data
+        _, starts, size = layout_file(entries, self.rank, job.world_size, job.save_id, self.align)
+        return self._results(plan, planner, job.file, size, entries, starts)
+
+    @staticmethod
+    def _results(
+        plan: SavePlan, planner: SavePlanner, name: str, size: int, entries: list[PlannedEntry], starts: list[int]
+    ) -> list[WriteResult]:
+        assert isinstance(planner, UCPSavePlanner)
+        explicit = []
+        compact = 0
+        for item, e, s in zip(plan.items, entries, starts):
+            if item.type != WriteItemType.BYTE_IO and planner.is_compact(item.index.fqn):
+                compact += 1
+            else:
+                explicit.append(WrittenEntry(e.name, e.meta, s, e.nbytes))
+        return [WriteResult(MetadataIndex(name), size, _WriteRecord(name, size, explicit, compact))]
+
+    @staticmethod
+    def _entries(plan: SavePlan, planner: SavePlanner) -> tuple[list[PlannedEntry], dict[int, bytes]]:
+        """This rank's entries in plan order, and the encoded bytes of its values by position."""
+        if not isinstance(planner, UCPSavePlanner):
+            raise TypeError(
+                "UCPStorageWriter needs planner=UCPSavePlanner(): other planners pickle non-tensor values"
+            )
+        entries: list[PlannedEntry] = []
+        values: dict[int, bytes] = {}
+        for i, item in enumerate(plan.items):
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                values[i] = data = planner.resolve_data(item).getvalue()
+                rl = split_rank_local_key(fqn)
+                entries.append(value_entry(rl[1] if rl else fqn, len(data), rank_local=rl is not None))
+            else:
+                td = item.tensor_data
+                entries.append(chunk_entry(fqn, td.properties.dtype, td.size, td.chunk.offsets, td.chunk.sizes,
+                                           planner.layout_of(fqn)))
+        return entries, values
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: build and commit the index, then drop files of older saves."""
+        files: list[FileRecord] = []
+        written: list[list[WrittenEntry]] = []
+        counts: dict[int, int] = {}
+        for rank, res in enumerate(results):
+            if not res:
+                continue
+            rec: _WriteRecord = res[0].storage_data
+            files.append(FileRecord(rec.file, rank, rec.file_size))
+            written.append(rec.entries)
+            counts[rank] = rec.compact
+        pdata = metadata.planner_data or {}
+        compact = compact_records(pdata.get("owners", {}), pdata.get("positions", {}), files, counts)
+        index = build_index(pdata.get("world_size", len(results)), files, written, pdata.get("layouts"), compact)
+        try:
+            commit_index(self.path, index)
+        except OSError as e:
+            raise _restated(e, (
+                f"could not commit checkpoint {self.path} (writing {INDEX_FILE}): {e.strerror or e}. "
+                "The save is not committed and a previous checkpoint in this directory, if any, is "
+                "intact. Free space (or save elsewhere) and save again; the next save that commits "
+                "here removes this one's data files"
+            )) from e
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Any local path can receive a checkpoint."""
+        return isinstance(checkpoint_id, (str, os.PathLike))

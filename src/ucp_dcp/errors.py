@@ -1,0 +1,135 @@
+"""Every exception the library raises on purpose, under one base: :class:`UCPError`.
+
+``except ucp_dcp.UCPError`` catches any of them. Each also keeps the builtin
+base it had before the common one existed (``ValueError`` for a damaged
+checkpoint, ``KeyError`` for a key mismatch, ``RuntimeError`` for a failed
+save or restore, ...), so existing ``except`` clauses keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = [
+    "UCPError",
+    "CheckpointFormatError",
+    "ChecksumError",
+    "DCPValueError",
+    "CheckpointKeyError",
+    "UnsupportedValueError",
+    "LayoutError",
+    "LayoutRuleError",
+    "NonFiniteError",
+    "CheckpointSaveError",
+    "CheckpointRestoreError",
+    "NoCheckpointError",
+    "PeerTransferError",
+    "CLIError",
+]
+
+
+class UCPError(Exception):
+    """Base of every error ucp_dcp raises on purpose."""
+
+
+# ---------------------------------------------------------------- reading checkpoints
+
+
+class CheckpointFormatError(UCPError, ValueError):
+    """The checkpoint on disk is missing, damaged or not of a format this library reads."""
+
+
+class ChecksumError(CheckpointFormatError):
+    """Data on disk does not match the checksum recorded when it was written.
+
+    Attributes:
+        path: the data file.
+        what: the entry, e.g. ``"tensor 'layer.w' chunk at [0, 4]"`` or ``"value 'step'"``.
+        expected: the recorded digest (hex).
+        actual: the digest of the data read (hex).
+        rank: the rank that wrote the file, when known.
+    """
+
+    def __init__(self, path: str, what: str, expected: str, actual: str, rank: int | None = None) -> None:
+        self.path = path
+        self.what = what
+        self.expected = expected
+        self.actual = actual
+        self.rank = rank
+        by = f", written by rank {rank}" if rank is not None else ""
+        super().__init__(
+            f"{path}: checksum mismatch for {what}: the file is corrupt (recorded xxh3 {expected}, "
+            f"data hashes to {actual}{by}): restore this checkpoint from another copy or load an earlier one"
+        )
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str, str, int | None]]:
+        # DCP pickles per-rank exceptions to gather them on every rank; the
+        # default (cls, args) would call __init__ with the message alone.
+        return (ChecksumError, (self.path, self.what, self.expected, self.actual, self.rank))
+
+
+class DCPValueError(CheckpointFormatError):
+    """A non-tensor value of a DCP checkpoint that cannot be loaded as asked."""
+
+
+class CheckpointKeyError(UCPError, KeyError):
+    """Keys, shapes or dtypes of the state dict do not match the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+# ---------------------------------------------------------------- describing a state
+
+
+class UnsupportedValueError(UCPError, TypeError):
+    """A value in the state dict that the checkpoint format cannot store safely."""
+
+
+class LayoutError(UCPError, ValueError):
+    """A layout that cannot be described as boxes, or an unknown placement."""
+
+
+class LayoutRuleError(UCPError, ValueError):
+    """A layout rule does not fit the state dict, or the state dict has a tensor no rule explains."""
+
+
+class NonFiniteError(UCPError, ValueError):
+    """A state to be saved holds NaN/Inf in floating-point tensors."""
+
+
+# ---------------------------------------------------------------- the manager
+
+
+class CheckpointSaveError(UCPError, RuntimeError):
+    """A save failed on some rank; earlier committed steps are untouched."""
+
+    def __init__(self, step: int, message: str) -> None:
+        super().__init__(f"checkpoint save of step {step} failed: {message}")
+        self.step = step
+
+
+class CheckpointRestoreError(UCPError, RuntimeError):
+    """No candidate step could be restored from any tier."""
+
+    def __init__(self, message: str, attempts: Sequence[str] = ()) -> None:
+        if attempts:
+            message += "\n  " + "\n  ".join(attempts)
+        super().__init__(message)
+        self.attempts = tuple(attempts)
+
+
+class NoCheckpointError(CheckpointRestoreError, LookupError):
+    """No committed step exists (``load`` on a fresh run)."""
+
+
+class PeerTransferError(UCPError, RuntimeError):
+    """A file needed by some rank is held by no rank (names the files and the
+    ranks that want them), or a provider could not deliver a scheduled file."""
+
+
+# ---------------------------------------------------------------- tools
+
+
+class CLIError(UCPError):
+    """A failure to report as one ``ucp-dcp: error:`` line (usage or environment)."""

@@ -1,0 +1,338 @@
+"""The on-disk format: safetensors data files plus a JSON index.
+
+A checkpoint is a directory::
+
+    ucp_index.json                 the global index, written last (atomically)
+    rank00000.safetensors          one data file per writing rank
+    rank00001.safetensors
+    ...
+
+Data files are standard safetensors files (``safetensors.safe_open`` opens
+them). Tensor data of at least ``ALIGN`` bytes starts on an ``ALIGN``-byte
+boundary, so that strided reads of large rows touch no page twice; the gaps
+are filled with ``__ucp_pad__.N`` uint8 entries because safetensors requires
+entries to be contiguous. The header's ``__metadata__["ucp_dcp"]`` holds a
+JSON document describing every entry (logical tensor name, global shape,
+global offsets, layout, xxh3-64 checksum), which is enough to rebuild the
+index from the data files alone (:func:`ucp_dcp.format.index.rebuild_index`).
+
+The index (``Index``) lists every tensor with its dtype, global shape and
+chunks. A chunk list is stored either *compact* (the DTensor layout it was
+saved with plus a run-length list of which file holds each chunk, so the
+index grows with the number of tensors, not tensors x ranks; byte ranges and
+checksums then come from the data file's header) or *explicit* (file, byte
+range, global offsets/sizes and checksum per chunk) for irregular layouts.
+Non-tensor values and rank-local values are stored as uint8 entries holding
+tagged JSON (:mod:`ucp_dcp.core.values`).
+
+Nothing on the load path unpickles anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from ..core.sharding import Box, Grid, layout_grid, placement_from_str
+from ..core.values import dtype_from_name
+from ..errors import CheckpointFormatError
+from .names import FORMAT_NAME, FORMAT_VERSION, dtype_name
+from .runs import RunList, decode_runs, encode_runs
+
+# ---------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where bytes live: ``nbytes`` at absolute offset ``start`` of file ``file``.
+
+    ``xxh3`` is the checksum of those bytes ("" where the format records
+    none). ``dim_order`` is empty for a chunk stored row-major; otherwise the
+    chunk is stored densely in that dimension order (``chunk.permute(dim_order)``
+    is row-major in the file: a transposed weight is ``(1, 0)``).
+    """
+
+    file: int
+    start: int
+    nbytes: int
+    xxh3: str
+    dim_order: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form used inside the index."""
+        return {"file": self.file, "start": self.start, "nbytes": self.nbytes, "xxh3": self.xxh3}
+
+    @staticmethod
+    def from_json(d: dict[str, Any], where: str) -> "Location":
+        """Parse and type-check; ``where`` names the record in errors."""
+        return Location(
+            _int(d, "file", where), _int(d, "start", where), _int(d, "nbytes", where), _str(d, "xxh3", where)
+        )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A DTensor layout: mesh shape and one placement name per mesh dim.
+
+    A plain (non-DTensor) tensor has the empty layout: one chunk, the whole tensor.
+    """
+
+    mesh: tuple[int, ...] = ()
+    placements: tuple[str, ...] = ()
+
+    def chunks(self, shape: Sequence[int]) -> list[Box]:
+        """The distinct non-empty chunk boxes this layout produces (O(chunks))."""
+        return self.grid(shape).boxes()
+
+    def grid(self, shape: Sequence[int]) -> Grid:
+        """The chunk grid of a tensor of ``shape`` saved with this layout (cached)."""
+        return _layout_grid(self, tuple(shape))
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"mesh": list(self.mesh), "placements": list(self.placements)}
+
+    @staticmethod
+    def from_json(d: dict[str, Any], where: str) -> "Layout":
+        """Parse and type-check; ``where`` names the record in errors."""
+        mesh, pl = d.get("mesh"), d.get("placements")
+        if not (_int_list(mesh) and isinstance(pl, list) and all(isinstance(p, str) for p in pl)):
+            raise CheckpointFormatError(f"{where}: malformed layout {d!r}")
+        if len(mesh) != len(pl):
+            raise CheckpointFormatError(f"{where}: layout has {len(mesh)} mesh dims but {len(pl)} placements")
+        return Layout(tuple(mesh), tuple(pl))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout_grid(layout: Layout, shape: tuple[int, ...]) -> Grid:
+    # A parameter and its optimizer moments share layout and shape, and so do
+    # the layers of a model: the grid is computed once per distinct pair.
+    if not layout.mesh:
+        return Grid.from_boxes([Box((0,) * len(shape), shape)] if math.prod(shape) else [], shape)  # type: ignore[return-value]
+    return layout_grid(shape, layout.mesh, [placement_from_str(p) for p in layout.placements])
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One saved chunk: its box in the global tensor and, if known, its bytes."""
+
+    box: Box
+    location: Location | None  # None: look it up in the data file's header
+
+
+@dataclass
+class TensorRecord:
+    """A logical tensor in the index."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    layout: Layout | None  # the layout it was saved with (None: irregular / unknown)
+    compact: bool  # chunks derive from ``layout``; ``files`` says which file holds each
+    files: Sequence[int] = field(default_factory=list)  # compact only: file index per chunk (often a RunList)
+    chunks: list[ChunkRecord] = field(default_factory=list)  # explicit only
+
+    def chunk_list(self) -> list[ChunkRecord]:
+        """Every chunk, expanding a compact layout (locations then unknown)."""
+        if not self.compact:
+            return self.chunks
+        assert self.layout is not None
+        return [ChunkRecord(b, None) for b in self.layout.chunks(self.shape)]
+
+    def grid(self) -> Grid | None:
+        """The chunk grid (chunk ``k`` is ``chunk_list()[k]``), or None when
+        the chunks do not form one (an irregular explicit list)."""
+        if self.compact:
+            assert self.layout is not None
+            return self.layout.grid(self.shape)
+        g = self.__dict__.get("_grid", False)
+        if g is False:
+            boxes = [c.box for c in self.chunks]
+            g = Grid.from_boxes(boxes, self.shape) if all(b.numel for b in boxes) else None
+            self.__dict__["_grid"] = g
+        return g
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """A data file: name relative to the checkpoint directory, writing rank, size."""
+
+    name: str
+    rank: int
+    size: int
+
+
+@dataclass
+class Index:
+    """The global index of a checkpoint (``ucp_index.json``)."""
+
+    world_size: int
+    files: list[FileRecord]
+    tensors: dict[str, TensorRecord]
+    values: dict[str, Location]
+    rank_local: dict[str, dict[int, Location]]
+    version: int = FORMAT_VERSION
+
+    # ------------------------------------------------------------ JSON
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document written to ``ucp_index.json``."""
+        tensors: dict[str, Any] = {}
+        for fqn, t in self.tensors.items():
+            d: dict[str, Any] = {
+                "dtype": dtype_name(t.dtype),
+                "shape": list(t.shape),
+                "layout": t.layout.to_json() if t.layout else None,
+            }
+            if t.compact:
+                d["files"] = t.files.runs if isinstance(t.files, RunList) else encode_runs(t.files)
+            else:
+                d["chunks"] = [
+                    {"offsets": list(c.box.offsets), "sizes": list(c.box.sizes), **c.location.to_json()}
+                    for c in t.chunks
+                    if c.location is not None
+                ]
+            tensors[fqn] = d
+        return {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "world_size": self.world_size,
+            "files": [{"name": f.name, "rank": f.rank, "size": f.size} for f in self.files],
+            "tensors": tensors,
+            "values": {k: v.to_json() for k, v in self.values.items()},
+            "rank_local": {k: {str(r): loc.to_json() for r, loc in v.items()} for k, v in self.rank_local.items()},
+        }
+
+    @staticmethod
+    def from_json(doc: Any, where: str) -> "Index":
+        """Parse and validate an index document; ``where`` is the file for errors.
+
+        Checks everything that does not need the data files: types, known
+        version, file names inside the checkpoint directory, file references
+        in range, byte ranges inside their files' recorded sizes.
+        """
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise CheckpointFormatError(f"{where}: not a ucp_dcp index (no \"format\": \"{FORMAT_NAME}\")")
+        version = doc.get("version")
+        if version != FORMAT_VERSION:
+            raise CheckpointFormatError(
+                f"{where}: unsupported format version {version!r}; this ucp_dcp reads version "
+                f"{FORMAT_VERSION} (upgrade ucp_dcp to read newer checkpoints)"
+            )
+        world = _int(doc, "world_size", where)
+        files = []
+        for i, f in enumerate(_list(doc, "files", where)):
+            name = _str(f, "name", f"{where}: files[{i}]")
+            _check_relative_name(name, f"{where}: files[{i}]")
+            files.append(FileRecord(name, _int(f, "rank", f"{where}: files[{i}]"), _int(f, "size", f"{where}: files[{i}]")))
+
+        def loc(d: dict[str, Any], what: str) -> Location:
+            location = Location.from_json(d, what)
+            _check_location(location, files, what)
+            return location
+
+        tensors: dict[str, TensorRecord] = {}
+        for fqn, t in _dict(doc, "tensors", where).items():
+            w = f"{where}: tensor {fqn!r}"
+            try:
+                dtype = dtype_from_name(_str(t, "dtype", w))
+            except ValueError as e:
+                raise CheckpointFormatError(f"{w}: {e}") from None
+            shape = t.get("shape")
+            if not _int_list(shape):
+                raise CheckpointFormatError(f"{w}: malformed shape {shape!r}")
+            layout = Layout.from_json(t["layout"], w) if t.get("layout") is not None else None
+            if "files" in t:
+                if layout is None:
+                    raise CheckpointFormatError(f"{w}: compact chunk list without a layout")
+                file_ids = decode_runs(t["files"], w)
+                try:
+                    n = layout.grid(shape).n_chunks
+                except ValueError as e:
+                    raise CheckpointFormatError(f"{w}: {e}") from None
+                if len(file_ids) != n or (n and not (0 <= file_ids.min() and file_ids.max() < len(files))):
+                    raise CheckpointFormatError(
+                        f"{w}: compact chunk list names {len(file_ids)} files for {n} chunks, "
+                        f"or a file outside 0..{len(files) - 1}"
+                    )
+                tensors[fqn] = TensorRecord(dtype, tuple(shape), layout, True, file_ids)
+            else:
+                chunks = []
+                for i, c in enumerate(_list(t, "chunks", w)):
+                    cw = f"{w} chunk {i}"
+                    offs, sizes = c.get("offsets"), c.get("sizes")
+                    if not (_int_list(offs) and _int_list(sizes) and len(offs) == len(sizes) == len(shape)):
+                        raise CheckpointFormatError(f"{cw}: malformed offsets/sizes")
+                    box = Box(tuple(offs), tuple(sizes))
+                    if not Box((0,) * len(shape), tuple(shape)).contains(box):
+                        raise CheckpointFormatError(f"{cw}: box {offs}+{sizes} lies outside shape {shape}")
+                    location = loc(c, cw)
+                    if location.nbytes != box.numel * dtype.itemsize:
+                        raise CheckpointFormatError(
+                            f"{cw}: {location.nbytes} bytes recorded for {box.numel} {dtype_name(dtype)} elements"
+                        )
+                    chunks.append(ChunkRecord(box, location))
+                tensors[fqn] = TensorRecord(dtype, tuple(shape), layout, False, chunks=chunks)
+        values = {k: loc(v, f"{where}: value {k!r}") for k, v in _dict(doc, "values", where).items()}
+        rank_local: dict[str, dict[int, Location]] = {}
+        for k, per_rank in _dict(doc, "rank_local", where).items():
+            if not isinstance(per_rank, dict) or not all(r.isdigit() for r in per_rank):
+                raise CheckpointFormatError(f"{where}: rank-local value {k!r}: malformed")
+            rank_local[k] = {int(r): loc(v, f"{where}: rank-local value {k!r} of rank {r}") for r, v in per_rank.items()}
+        return Index(world, files, tensors, values, rank_local, version)
+
+
+def _check_relative_name(name: str, where: str) -> None:
+    # A hostile index must not make the reader open files outside the
+    # checkpoint: only plain names, no absolute paths, no '..', no separators.
+    if not name or os.path.isabs(name) or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+        raise CheckpointFormatError(
+            f"{where}: data file name {name!r} is absolute or leaves the checkpoint directory; "
+            "only plain file names inside the checkpoint are allowed"
+        )
+
+
+def _check_location(loc: Location, files: Sequence[FileRecord], where: str) -> None:
+    if not 0 <= loc.file < len(files):
+        raise CheckpointFormatError(f"{where}: file index {loc.file} out of range (index lists {len(files)} files)")
+    f = files[loc.file]
+    if loc.start < 0 or loc.nbytes < 0 or loc.start + loc.nbytes > f.size:
+        raise CheckpointFormatError(
+            f"{where}: byte range [{loc.start}, {loc.start + loc.nbytes}) lies outside {f.name} "
+            f"({f.size} bytes)"
+        )
+
+
+def _int(d: Any, k: str, where: str) -> int:
+    v = d.get(k) if isinstance(d, dict) else None
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise CheckpointFormatError(f"{where}: field {k!r} must be an integer, got {v!r}")
+    return v
+
+
+def _str(d: Any, k: str, where: str) -> str:
+    v = d.get(k) if isinstance(d, dict) else None
+    if not isinstance(v, str):
+        raise CheckpointFormatError(f"{where}: field {k!r} must be a string, got {v!r}")
+    return v
+
+
+def _list(d: Any, k: str, where: str) -> list[Any]:
+    v = d.get(k) if isinstance(d, dict) else None
+    if not isinstance(v, list):
+        raise CheckpointFormatError(f"{where}: field {k!r} must be a list")
+    return v
+
+
+def _dict(d: Any, k: str, where: str) -> dict[str, Any]:
+    v = d.get(k) if isinstance(d, dict) else None
+    if not isinstance(v, dict):
+        raise CheckpointFormatError(f"{where}: field {k!r} must be an object")
+    return v
+
+
+def _int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)

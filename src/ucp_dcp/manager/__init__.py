@@ -1,0 +1,1 @@
+"""CheckpointManager: async saves, atomic multi-tier commits, verified restore, retention."""

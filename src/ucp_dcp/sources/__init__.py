@@ -1,0 +1,58 @@
+"""Checkpoint sources: every format the readers understand, behind one seam (:class:`Source`).
+
+:func:`open_source` detects the format of a path and opens it. The formats,
+tried in this order:
+
+========================  ==========================================================
+``ucp_dcp`` (native)      ``ucp_index.json`` + safetensors data files (:mod:`.native`)
+``dcp``                   DCP's ``FileSystemWriter`` format, Megatron-core ``torch_dist``
+                          included (:mod:`.distcp`)
+``hf``                    a Hugging Face safetensors model (:mod:`.hf`)
+``subfolders``            subfolders that are checkpoints, read as one: accelerate's
+                          ``pytorch_model_fsdp_0/`` + ``optimizer_0/`` (:mod:`.composite`)
+========================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import CheckpointFormatError
+from .base import Source, SourceOptions, read_value, register, source_types
+from .native import NativeSource
+from .distcp import DCPSource  # noqa: E402  (registration order is detection order)
+from .hf import HFSource
+from .composite import CompositeSource
+
+__all__ = [
+    "Source",
+    "SourceOptions",
+    "open_source",
+    "read_value",
+    "register",
+    "source_types",
+    "NativeSource",
+    "DCPSource",
+    "HFSource",
+    "CompositeSource",
+]
+
+
+def open_source(path: str | os.PathLike[str], options: SourceOptions | None = None, **kwargs: Any) -> Source:
+    """Open the checkpoint at ``path``, detecting its format.
+
+    ``options`` (or its fields as keyword arguments, see
+    :class:`SourceOptions`) tune the formats that need them. A path no format
+    recognises fails as a native checkpoint would, with
+    :class:`~ucp_dcp.CheckpointFormatError` naming the path and what is
+    missing.
+    """
+    path = os.fspath(path)
+    opts = options if options is not None else SourceOptions(**kwargs)
+    if not os.path.exists(path):
+        raise CheckpointFormatError(f"{path}: not a checkpoint (no such directory)")
+    for cls in source_types():
+        if cls.detect(path):
+            return cls.open(path, opts)
+    return NativeSource.open(path, opts)  # raises, naming what is missing

@@ -1,0 +1,208 @@
+"""The seam every checkpoint format implements: :class:`Source`.
+
+A source presents a checkpoint, whatever wrote it, as the same three things:
+
+* **records**: an :class:`~ucp_dcp.format.Index` listing every tensor (dtype,
+  global shape, saved chunks as boxes of the global tensor, and the layout
+  when it is known), every non-tensor value and every rank-local value, and
+  the data files they live in (``paths``, numbered as ``Location.file``);
+* **byte locations**: :meth:`Source.locate` says where the bytes of one
+  saved chunk are, row-major or in another dimension order
+  (``Location.dim_order``), with a checksum when the format records one;
+* **values**: :meth:`Source.value_location` and :meth:`Source.decode_value`
+  turn a stored value into the tagged JSON :mod:`ucp_dcp.core.values` reads.
+
+Everything that reads (``UCPStorageReader`` for ``dcp.load``, ``Checkpoint``,
+the hand-off functions, the CLI, ``convert``) goes through this seam and
+contains no format test of its own. Adding a format is one module: subclass
+:class:`Source`, implement ``detect``/``open`` and ``locate``, and decorate
+the class with :func:`register`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from ..byteio.rangeio import RangeReader
+from ..byteio.transfer import read_checked
+from ..core.sharding import Box, Grid
+from ..errors import CheckpointFormatError
+from ..format import ChunkRecord, Index, Location, split_rank_local_key
+
+__all__ = ["Source", "SourceOptions", "register", "source_types", "read_value"]
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """How to open a checkpoint; each field matters to some formats only."""
+
+    dcp_values: str | None = None
+    """DCP's default format stores non-tensor values as pickles: ``None`` refuses
+    them (naming the key), ``"weights_only"`` loads them with
+    ``torch.load(weights_only=True)``, torch's restricted unpickler."""
+
+    prefix: str = ""
+    """Prepended to every tensor name of a source that has no naming
+    convention of its own (a Hugging Face directory): ``"model."`` makes its
+    names those of ``get_state_dict(model, optim)``."""
+
+
+class Source(ABC):
+    """A checkpoint of some format: records, byte locations and values (see the module docstring).
+
+    Attributes:
+        path: what was opened (a directory, or a file for single-file formats).
+        index: the records. Chunk locations in it may be None: call
+            :meth:`locate`, which is the only way to get a chunk's bytes.
+        paths: absolute path of each data file, indexed by ``Location.file``.
+    """
+
+    format: ClassVar[str] = ""
+    """Short name of the format, shown by ``ucp-dcp inspect``."""
+    checksums: ClassVar[bool] = False
+    """Whether the format records a checksum of every chunk and value."""
+
+    def __init__(self, path: str, index: Index, paths: Sequence[str]) -> None:
+        self.path = path
+        self.index = index
+        self.paths = list(paths)
+        self._chunk_lists: dict[str, list[ChunkRecord]] = {}
+        self._by_offsets: dict[str, dict[tuple[int, ...], int]] = {}
+
+    # ------------------------------------------------------------ opening
+    @classmethod
+    @abstractmethod
+    def detect(cls, path: str) -> bool:
+        """Whether ``path`` is a checkpoint of this format (cheap: names and sizes only)."""
+
+    @classmethod
+    @abstractmethod
+    def open(cls, path: str, options: SourceOptions) -> "Source":
+        """Open ``path`` (which :meth:`detect` accepted), reading its metadata only."""
+
+    # ------------------------------------------------------------ records
+    def chunks(self, fqn: str) -> list[ChunkRecord]:
+        """The chunk list of tensor ``fqn`` (cached; O(chunks): for tools, not planners)."""
+        cl = self._chunk_lists.get(fqn)
+        if cl is None:
+            cl = self.index.tensors[fqn].chunk_list()
+            self._chunk_lists[fqn] = cl
+        return cl
+
+    def grid(self, fqn: str) -> Grid | None:
+        """The chunk grid of tensor ``fqn`` (None for an irregular chunk list)."""
+        return self.index.tensors[fqn].grid()
+
+    def box(self, fqn: str, idx: int) -> Box:
+        """The box of chunk ``idx`` of tensor ``fqn``."""
+        rec = self.index.tensors[fqn]
+        return rec.grid().box(idx) if rec.compact else rec.chunks[idx].box  # type: ignore[union-attr]
+
+    def chunk_index(self, fqn: str, offsets: tuple[int, ...], hint: int | None) -> int:
+        """Position of the chunk of ``fqn`` that starts at ``offsets`` (``hint`` is tried first)."""
+        rec = self.index.tensors[fqn]
+        n = rec.grid().n_chunks if rec.compact else len(rec.chunks)  # type: ignore[union-attr]
+        if hint is not None and 0 <= hint < n and self.box(fqn, hint).offsets == offsets:
+            return hint
+        found: int | None
+        if rec.compact:
+            found = rec.grid().find(offsets)  # type: ignore[union-attr]
+        else:
+            m = self._by_offsets.get(fqn)
+            if m is None:
+                m = {c.box.offsets: i for i, c in enumerate(rec.chunks)}
+                self._by_offsets[fqn] = m
+            found = m.get(offsets)
+        if found is None:
+            raise CheckpointFormatError(f"{self.path}: tensor {fqn!r} has no saved chunk at offsets {list(offsets)}")
+        return found
+
+    def file_rank(self, file: int) -> int | None:
+        """The rank that wrote data file ``file`` (None where the format does not say)."""
+        return self.index.files[file].rank
+
+    # ------------------------------------------------------------ bytes
+    def locate(self, fqn: str, idx: int) -> Location:
+        """Where the bytes of chunk ``idx`` of tensor ``fqn`` are.
+
+        The default serves formats whose index lists every chunk's location;
+        others override it. Raises :class:`CheckpointFormatError` naming the
+        file and key when they cannot be read as byte ranges.
+        """
+        loc = self.index.tensors[fqn].chunks[idx].location
+        if loc is None:
+            raise CheckpointFormatError(f"{self.path}: no byte location recorded for chunk {idx} of {fqn!r}")
+        return loc
+
+    def chunk_origin(self, fqn: str, idx: int) -> tuple[int, int]:
+        """``(file, byte offset)`` where chunk ``idx`` of ``fqn`` is stored, to group and order chunks by file."""
+        loc = self.locate(fqn, idx)
+        return loc.file, loc.start
+
+    def prepare(self, chunks: Sequence[tuple[str, int]], values: Sequence[str], threads: int = 4) -> None:
+        """Called with everything one load will read, before any byte is read.
+
+        A format refuses here what it will not read (so nothing is half
+        loaded) and may locate the chunks ahead of time, in parallel.
+        """
+
+    def materialize(self, reader: RangeReader, fqn: str, idx: int) -> torch.Tensor:
+        """Chunk ``idx`` of ``fqn`` as a tensor, for chunks :meth:`locate` cannot address.
+
+        Only :func:`~ucp_dcp.tools.convert.convert` calls it, after ``locate``
+        failed; formats whose chunks are always byte ranges keep the default.
+        """
+        return self._raise_unaddressable(fqn, idx)
+
+    def _raise_unaddressable(self, fqn: str, idx: int) -> Any:
+        self.locate(fqn, idx)  # raises, naming the problem
+        raise CheckpointFormatError(f"{self.path}: chunk {idx} of {fqn!r} cannot be read")
+
+    # ------------------------------------------------------------ values
+    def value_location(self, key: str) -> Location:
+        """Where value ``key`` is stored (``key`` may be a rank-local key, see
+        :func:`~ucp_dcp.format.rank_local_key`)."""
+        rl = split_rank_local_key(key)
+        try:
+            return self.index.rank_local[rl[1]][rl[0]] if rl else self.index.values[key]
+        except KeyError:
+            raise CheckpointFormatError(f"{self.path}: no saved value for {key!r}") from None
+
+    def decode_value(self, key: str, raw: bytes) -> bytes:
+        """The stored bytes of value ``key`` as tagged JSON (:mod:`ucp_dcp.core.values`)."""
+        return raw
+
+    # ------------------------------------------------------------ checking
+    def check_files(self) -> list[str]:
+        """Problems with the data files that checksums cannot show (sizes, headers); one line each."""
+        return []
+
+    def close(self) -> None:
+        """Release open files (reopened if needed)."""
+
+
+def read_value(source: Source, reader: RangeReader, key: str) -> bytes:
+    """Value ``key`` of ``source`` as tagged JSON, read with ``reader`` and checked against its checksum."""
+    loc = source.value_location(key)
+    rl = split_rank_local_key(key)
+    what = f"rank-local value {rl[1]!r} of rank {rl[0]}" if rl else f"value {key!r}"
+    raw = read_checked(reader, loc, source.paths[loc.file], what, source.file_rank(loc.file))
+    return source.decode_value(key, raw)
+
+
+_REGISTRY: list[type[Source]] = []
+
+
+def register(cls: type[Source]) -> type[Source]:
+    """Class decorator: make :func:`~ucp_dcp.sources.open_source` try ``cls`` (in registration order)."""
+    _REGISTRY.append(cls)
+    return cls
+
+
+def source_types() -> list[type[Source]]:
+    """The registered source classes, in the order :func:`~ucp_dcp.sources.open_source` tries them."""
+    return list(_REGISTRY)

@@ -1,0 +1,135 @@
+"""A directory whose subfolders are checkpoints, read as one (accelerate's layout).
+
+``accelerate``'s FSDP sharded saves put the model and the optimizer in
+separate DCP checkpoints next to each other (``pytorch_model_fsdp_0/`` with
+keys ``model.*``, ``optimizer_0/`` with keys ``optimizer.*``). Opening the
+parent directory gives one source holding every key of every subfolder, so
+one ``dcp.load`` fills model and optimizer state. Keys must not repeat
+across subfolders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Sequence
+
+from ..errors import CheckpointFormatError
+from ..format import Index, Location, split_rank_local_key
+from .base import Source, SourceOptions, register, source_types
+
+__all__ = ["CompositeSource"]
+
+
+def _child_sources(path: str) -> list[tuple[str, type[Source]]]:
+    """``(subfolder, source class)`` of every immediate subfolder some other format recognises."""
+    if not os.path.isdir(path):
+        return []
+    found = []
+    for name in sorted(os.listdir(path)):
+        sub = os.path.join(path, name)
+        if name.startswith(".") or not os.path.isdir(sub):
+            continue
+        cls = next((c for c in source_types() if c is not CompositeSource and c.detect(sub)), None)
+        if cls is not None:
+            found.append((name, cls))
+    return found
+
+
+@register
+class CompositeSource(Source):
+    """The union of the checkpoints in a directory's subfolders (see the module docstring).
+
+    Records are the children's; file numbers are renumbered into one list
+    (child ``k``'s files follow child ``k-1``'s), and every byte location
+    comes from the child that holds the key.
+    """
+
+    format = "subfolders"
+
+    def __init__(self, path: str, children: dict[str, Source]) -> None:
+        files, paths, tensors, values, rank_local = [], [], {}, {}, {}
+        self._owner: dict[str, tuple[Source, int]] = {}
+        origin: dict[str, str] = {}
+        for name, child in children.items():
+            base = len(paths)
+            files += child.index.files
+            paths += child.paths
+            for kind, mine, theirs in (
+                ("tensor", tensors, child.index.tensors),
+                ("value", values, child.index.values),
+                ("rank-local value", rank_local, child.index.rank_local),
+            ):
+                for key, rec in theirs.items():
+                    if key in origin:
+                        raise CheckpointFormatError(
+                            f"{path}: {kind} {key!r} is in both {origin[key]}/ and {name}/; "
+                            "open the subfolder you want instead"
+                        )
+                    origin[key] = name
+                    self._owner[key] = (child, base)
+                    mine[key] = rec
+        world = max(c.index.world_size for c in children.values())
+        super().__init__(path, Index(world, files, tensors, values, rank_local), paths)
+        self.children = children
+        self.checksums = all(c.checksums for c in children.values())  # type: ignore[misc]
+
+    @classmethod
+    def detect(cls, path: str) -> bool:
+        """A directory that is no checkpoint itself but has subfolders that are."""
+        return bool(_child_sources(path))
+
+    @classmethod
+    def open(cls, path: str, options: SourceOptions) -> "CompositeSource":
+        """Open every subfolder that is a checkpoint."""
+        return cls(path, {name: c.open(os.path.join(path, name), options) for name, c in _child_sources(path)})
+
+    def _child(self, key: str) -> tuple[Source, int]:
+        rl = split_rank_local_key(key)
+        try:
+            return self._owner[rl[1] if rl else key]
+        except KeyError:
+            raise CheckpointFormatError(f"{self.path}: no saved tensor or value {key!r}") from None
+
+    @staticmethod
+    def _shifted(loc: Location, base: int) -> Location:
+        return dataclasses.replace(loc, file=loc.file + base)
+
+    def chunk_index(self, fqn: str, offsets: tuple[int, ...], hint: int | None) -> int:
+        """As the child that holds ``fqn`` says."""
+        return self._child(fqn)[0].chunk_index(fqn, offsets, hint)
+
+    def locate(self, fqn: str, idx: int) -> Location:
+        """The child's location, renumbered."""
+        child, base = self._child(fqn)
+        return self._shifted(child.locate(fqn, idx), base)
+
+    def prepare(self, chunks: Sequence[tuple[str, int]], values: Sequence[str], threads: int = 4) -> None:
+        """Each child prepares its own keys."""
+        for child in self.children.values():
+            child.prepare([c for c in chunks if self._child(c[0])[0] is child],
+                          [v for v in values if self._child(v)[0] is child], threads)
+
+    def chunk_origin(self, fqn: str, idx: int) -> tuple[int, int]:
+        """The child's origin, renumbered."""
+        child, base = self._child(fqn)
+        file, start = child.chunk_origin(fqn, idx)
+        return file + base, start
+
+    def value_location(self, key: str) -> Location:
+        """The child's location, renumbered."""
+        child, base = self._child(key)
+        return self._shifted(child.value_location(key), base)
+
+    def decode_value(self, key: str, raw: bytes) -> bytes:
+        """As the child that holds ``key`` decodes it."""
+        return self._child(key)[0].decode_value(key, raw)
+
+    def check_files(self) -> list[str]:
+        """Every child's problems."""
+        return [p for c in self.children.values() for p in c.check_files()]
+
+    def close(self) -> None:
+        """Close every child."""
+        for c in self.children.values():
+            c.close()

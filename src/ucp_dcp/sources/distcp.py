@@ -1,0 +1,333 @@
+"""DCP's default ``.distcp`` format: read it in place, or convert it once.
+
+A checkpoint written by ``dcp.save`` with DCP's ``FileSystemWriter`` is a
+directory holding ``.metadata`` (a pickled :class:`Metadata`) and data files
+``__<rank>_<n>.distcp``. Every stored item is a complete ``torch.save`` zip
+archive, written one after another into a data file; ``Metadata.storage_data``
+maps each item's :class:`MetadataIndex` to its ``(relative_path, offset,
+length)``.
+
+This module makes that format readable without unpickling anything but DCP's
+own metadata:
+
+* :func:`read_dcp_metadata` loads ``.metadata`` with a restricted unpickler
+  that only constructs DCP's metadata records, ``torch.Size``, dtypes,
+  layouts and paths; any other class (``os.system``, say) is refused before
+  it is looked up, naming it.
+* A tensor item is byte-addressed without ``torch.load``: :mod:`zipfile`
+  finds the storage record ``<archive>/data/<key>`` inside the item and its
+  absolute start in the data file, and the item's ``data.pkl`` is
+  *disassembled* with :func:`pickletools.genops` (never executed) to get the
+  storage key, dtype, ``storage_offset``, size and stride. A row-major item is
+  then one byte range; an item stored in another dimension order (a
+  transposed weight, a ``channels_last`` convolution kernel: DCP keeps the
+  strides it was given) is a byte range plus a dimension order: permuting
+  the destination view alike makes those bytes row-major again, and the
+  usual strided reads apply. Either way a rank reads only the bytes of the
+  region it needs. Only the items a rank reads are parsed (768 bytes at each
+  end of the item, more only if the archive needs it), when the load is
+  planned, in parallel.
+* Non-tensor values are pickles in DCP's format (``torch.save`` of the
+  object). :class:`~ucp_dcp.UCPStorageReader` refuses to load them unless
+  asked to with ``UCPStorageReader(path, dcp_values="weights_only")``, which
+  uses ``torch.load(..., weights_only=True)`` (torch's restricted unpickler)
+  and hands the value on as tagged JSON (:mod:`ucp_dcp.core.values`).
+
+:func:`import_dcp` converts such a checkpoint into the universal format,
+streaming slab by slab with bounded memory.
+
+Items stored with strides that are no permutation of a dense layout (only an
+``as_strided`` view with overlapping elements can produce one) cannot be
+read as byte ranges: a direct load fails naming the key, :func:`import_dcp`
+converts them by reading that item's storage whole. Items written with DCP's
+experimental stream transforms (compression) are refused, naming the key.
+Checkpoints written with ``SerializationFormat.SAFETENSORS`` or without
+collectives (``__<rank>.metadata`` files) are not this format.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import re
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+from ..byteio.rangeio import FileHandles, RangeReader, ReadStats, Segment, storage_view
+from ..core.sharding import Box
+from ..core.values import encode_value
+from ..errors import CheckpointFormatError, DCPValueError
+from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord, dtype_name
+from ..format.records import _check_relative_name
+from ._dcp_metadata import DCP_METADATA_FILE, read_dcp_metadata
+from ._torch_save import StoredTensor, dim_order, is_index_tuple, is_nonneg_int, parse_tensor_item
+from .base import Source, SourceOptions, register
+
+__all__ = ["DCPSource", "DCP_METADATA_FILE", "DCP_VALUES_MODES", "read_dcp_metadata"]
+
+DCP_VALUES_MODES = (None, "weights_only")
+_DISTCP_NAME = re.compile(r"__(\d+)_(\d+)\.distcp")
+
+
+
+
+@register
+class DCPSource(Source):
+    """A checkpoint in DCP's default format, described as a ucp_dcp :class:`Index`.
+
+    Opening it reads ``.metadata`` (restricted unpickler) and the sizes of the
+    data files, nothing else. ``index`` lists every tensor with its chunk
+    boxes (explicit chunk lists; the DTensor layout is not recorded by DCP,
+    so ``layout`` is None) and every value with its item's byte range. Chunk
+    locations are None in the index: :meth:`locate` parses the item that
+    holds a chunk when it is first needed. Checksums are unknown (DCP keeps
+    none) and recorded as ``""``.
+
+    ``parse_stats`` counts the reads spent parsing items. Non-tensor values
+    are refused or loaded as ``dcp_values`` says (:class:`SourceOptions`).
+    """
+
+    format = "dcp"
+    checksums = False
+
+    def __init__(self, directory: str | os.PathLike[str], dcp_values: str | None = None) -> None:
+        if dcp_values not in DCP_VALUES_MODES:
+            raise ValueError(f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}")
+        self.directory = os.fspath(directory)
+        self.dcp_values = dcp_values
+        self.metadata = md = read_dcp_metadata(self.directory)
+        mdpath = os.path.join(self.directory, DCP_METADATA_FILE)
+        infos: dict[MetadataIndex, Any] = {}
+        for k, v in md.storage_data.items():
+            if not (isinstance(k, MetadataIndex) and all(hasattr(v, a) for a in ("relative_path", "offset", "length"))
+                    and isinstance(v.relative_path, str)):
+                raise CheckpointFormatError(f"{mdpath}: storage_data entry {k!r} -> {v!r} is malformed")
+            infos[k] = v
+        names: dict[str, int] = {}
+        for v in infos.values():
+            if v.relative_path not in names:
+                _check_relative_name(v.relative_path, f"{mdpath}: storage_data")
+                names[v.relative_path] = -1
+        ordered = sorted(names, key=_file_sort_key)
+        files: list[FileRecord] = []
+        for i, name in enumerate(ordered):
+            names[name] = i
+            path = os.path.join(self.directory, name)
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                raise CheckpointFormatError(f"data file {path} is missing (named by {mdpath})") from None
+            m = _DISTCP_NAME.fullmatch(name)
+            files.append(FileRecord(name, int(m[1]) if m else 0, size))
+        paths = [os.path.join(self.directory, f.name) for f in files]
+
+        def item(key: MetadataIndex, what: str) -> tuple[int, Any]:
+            info = infos.get(key)
+            if info is None:
+                raise CheckpointFormatError(f"{mdpath}: no stored item for {what}")
+            if not (is_nonneg_int(info.offset) and is_nonneg_int(info.length)):
+                raise CheckpointFormatError(f"{mdpath}: {what}: malformed byte range {info.offset!r}+{info.length!r}")
+            fi = names[info.relative_path]
+            if info.offset + info.length > files[fi].size:
+                raise CheckpointFormatError(
+                    f"{mdpath}: {what}: byte range [{info.offset}, {info.offset + info.length}) lies outside "
+                    f"{files[fi].name} ({files[fi].size} bytes): truncated data file"
+                )
+            return fi, info
+
+        tensors: dict[str, TensorRecord] = {}
+        values: dict[str, Location] = {}
+        self._tensor_items: dict[str, list[tuple[int, Any]]] = {}
+        self._value_items: dict[str, Any] = {}
+        for fqn, smd in md.state_dict_metadata.items():
+            if isinstance(smd, BytesStorageMetadata):
+                fi, info = item(MetadataIndex(fqn), f"value {fqn!r}")
+                values[fqn] = Location(fi, info.offset, info.length, "")
+                self._value_items[fqn] = info
+                continue
+            if not isinstance(smd, TensorStorageMetadata):
+                raise CheckpointFormatError(f"{mdpath}: {fqn!r} has unknown storage metadata {type(smd).__name__}")
+            shape = tuple(smd.size) if isinstance(smd.size, (tuple, list)) else None
+            dtype = getattr(smd.properties, "dtype", None)
+            if not (is_index_tuple(shape) and isinstance(dtype, torch.dtype) and isinstance(smd.chunks, list)):
+                raise CheckpointFormatError(f"{mdpath}: malformed tensor metadata for {fqn!r}")
+            whole = Box((0,) * len(shape), shape)
+            empty_tensor = math.prod(shape) == 0
+            chunks, items = [], []
+            for c in smd.chunks:
+                offs, sizes = tuple(getattr(c, "offsets", None) or ()), tuple(getattr(c, "sizes", None) or ())
+                if not (is_index_tuple(offs) and is_index_tuple(sizes) and len(offs) == len(sizes)):
+                    raise CheckpointFormatError(f"{mdpath}: malformed chunk of {fqn!r}")
+                box = Box(offs, sizes)
+                if len(box.offsets) != len(shape) or not whole.contains(box):
+                    raise CheckpointFormatError(f"{mdpath}: chunk {list(box.offsets)}+{list(box.sizes)} of {fqn!r} "
+                                                f"lies outside shape {list(shape)}")
+                if box.numel == 0 and not empty_tensor:
+                    continue  # an empty shard of an uneven split holds no bytes
+                items.append(item(MetadataIndex(fqn, c.offsets), f"chunk {list(box.offsets)} of {fqn!r}"))
+                chunks.append(ChunkRecord(box, None))
+            tensors[fqn] = TensorRecord(dtype, shape, None, False, chunks=chunks)
+            self._tensor_items[fqn] = items
+        world = max((f.rank for f in files), default=0) + 1
+        super().__init__(self.directory, Index(world, files, tensors, values, {}), paths)
+        self.parse_stats = ReadStats()
+        self._locations: dict[tuple[str, int], Location] = {}
+        self._fds = FileHandles(self.paths)
+        weakref.finalize(self, FileHandles.close, self._fds)
+
+    def close(self) -> None:
+        """Close the data files (they are reopened if needed)."""
+        self._fds.close()
+
+    # ------------------------------------------------------------ tensors
+    def _where(self, fqn: str, idx: int) -> str:
+        fi, info = self._tensor_items[fqn][idx]
+        box = self.index.tensors[fqn].chunks[idx].box
+        return f"{self.paths[fi]}: item of {fqn!r} chunk {list(box.offsets)} at [{info.offset}, {info.offset + info.length})"
+
+    def _stored(self, fqn: str, idx: int) -> StoredTensor:
+        fi, info = self._tensor_items[fqn][idx]
+        where = self._where(fqn, idx)
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointFormatError(
+                f"{where}: written with DCP stream transforms {list(info.transform_descriptors)} "
+                "(e.g. compression); such items cannot be byte-addressed and are not supported"
+            )
+        st = parse_tensor_item(self._fds.get(fi), info.offset, info.length, where, self.parse_stats)
+        rec = self.index.tensors[fqn]
+        box = rec.chunks[idx].box
+        if st.dtype != rec.dtype or st.size != box.sizes:
+            raise CheckpointFormatError(
+                f"{where}: holds a {dtype_name(st.dtype)}{list(st.size)} tensor, but .metadata says "
+                f"{dtype_name(rec.dtype)}{list(box.sizes)}"
+            )
+        es = rec.dtype.itemsize
+        if box.numel:
+            last = st.storage_offset + sum((n - 1) * s for n, s in zip(st.size, st.stride)) + 1
+            if last * es > st.record_nbytes:
+                raise CheckpointFormatError(f"{where}: the tensor runs past its storage ({st.record_nbytes} bytes)")
+        return st
+
+    @classmethod
+    def detect(cls, path: str) -> bool:
+        """A directory holding DCP's ``.metadata``."""
+        return os.path.isfile(os.path.join(path, DCP_METADATA_FILE))
+
+    @classmethod
+    def open(cls, path: str, options: SourceOptions) -> "DCPSource":
+        """Read ``.metadata`` (restricted unpickler) and the data files' sizes."""
+        return cls(path, options.dcp_values)
+
+    def locate(self, fqn: str, idx: int) -> Location:
+        """Byte location of chunk ``idx`` of ``fqn`` (parses its item the first time).
+
+        ``dim_order`` is set when the item is stored in another dimension
+        order. Raises naming the key when the item cannot be read as a byte
+        range (overlapping strides) or is not a plain tensor.
+        """
+        loc = self._locations.get((fqn, idx))
+        if loc is not None:
+            return loc
+        st = self._stored(fqn, idx)
+        fi = self._tensor_items[fqn][idx][0]
+        es = st.dtype.itemsize
+        numel = math.prod(st.size)
+        order = dim_order(st.size, st.stride) if numel else tuple(range(len(st.size)))
+        if order is None:
+            raise CheckpointFormatError(
+                f"{self._where(fqn, idx)}: stored with overlapping strides {list(st.stride)} for size "
+                f"{list(st.size)}; it cannot be read as byte ranges. Convert the checkpoint with "
+                "`ucp-dcp convert SRC DST`, which handles it"
+            )
+        start = st.data_start + st.storage_offset * es
+        identity = order == tuple(range(len(order)))
+        loc = Location(fi, start, numel * es, "", () if identity else order)
+        self._locations[(fqn, idx)] = loc
+        return loc
+
+    def chunk_origin(self, fqn: str, idx: int) -> tuple[int, int]:
+        """The item's file and offset from ``.metadata`` (no parsing, and for unaddressable items too)."""
+        fi, info = self._tensor_items[fqn][idx]
+        return fi, info.offset
+
+    def prepare(self, chunks: Sequence[tuple[str, int]], values: Sequence[str], threads: int = 4) -> None:
+        """Refuse pickled values unless opted in, then parse the items of ``chunks`` in parallel."""
+        if values and self.dcp_values is None:
+            raise DCPValueError(_refusal(self.directory, values[0]))
+        todo = sorted({c for c in chunks if c not in self._locations})
+        if len(todo) <= 1 or threads <= 1:
+            for fqn, idx in todo:
+                self.locate(fqn, idx)
+            return
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ucp-dcp-parse") as pool:
+            for _ in pool.map(lambda c: self.locate(*c), todo):
+                pass
+
+    def materialize(self, reader: RangeReader, fqn: str, idx: int) -> torch.Tensor:
+        """An item no dimension order makes dense: read the span of storage it uses and let torch gather it."""
+        st = self._stored(fqn, idx)
+        if st.size and math.prod(st.size) and dim_order(st.size, st.stride) is not None:
+            return self._raise_unaddressable(fqn, idx)
+        es = st.dtype.itemsize
+        span = st.storage_offset + sum((n - 1) * s for n, s in zip(st.size, st.stride)) + 1
+        raw = torch.empty(span * es, dtype=torch.uint8)
+        fi = self._tensor_items[fqn][idx][0]
+        reader.read([Segment(fi, st.data_start, storage_view(raw))])
+        return raw.view(st.dtype).as_strided(st.size, st.stride, st.storage_offset).contiguous()
+
+    # ------------------------------------------------------------ values
+    def decode_value(self, key: str, raw: bytes) -> bytes:
+        """Value ``key`` (a ``torch.save`` pickle) loaded with ``torch.load(weights_only=True)``, as tagged JSON.
+
+        torch's restricted unpickler builds only tensors, primitive types and
+        containers (plus what ``torch.serialization.add_safe_globals`` allows);
+        anything else fails, naming the key. Refused unless ``dcp_values="weights_only"``.
+        """
+        if self.dcp_values is None:
+            raise DCPValueError(_refusal(self.directory, key))
+        info = self._value_items.get(key)
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointFormatError(
+                f"{self.directory}: value {key!r} was written with DCP stream transforms "
+                f"{list(info.transform_descriptors)}; not supported"
+            )
+        try:
+            value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception as e:
+            loc = self.index.values[key]
+            raise DCPValueError(
+                f"{self.paths[loc.file]}: value {key!r} cannot be loaded with torch.load(weights_only=True) "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). If you trust the checkpoint, "
+                "allow its classes with torch.serialization.add_safe_globals"
+            ) from None
+        return encode_value(value, key)
+
+    def check_files(self) -> list[str]:
+        """Every tensor item parses as a ``torch.save`` archive lying inside its data file."""
+        problems = []
+        for fqn, rec in self.index.tensors.items():
+            for idx in range(len(rec.chunks)):
+                try:
+                    self._stored(fqn, idx)
+                except CheckpointFormatError as e:
+                    problems.append(str(e))
+        return problems
+
+
+def _refusal(directory: str, key: str) -> str:
+    return (
+        f"{directory}: value {key!r} is stored by DCP as a pickle (torch.save), and UCPStorageReader does not "
+        "unpickle checkpoint data by default. Pass UCPStorageReader(path, dcp_values='weights_only') to load it "
+        "with torch.load(weights_only=True), torch's restricted unpickler, or convert the checkpoint once with "
+        "`ucp-dcp convert SRC DST`"
+    )
+
+
+def _file_sort_key(name: str) -> tuple[int, int, str]:
+    m = _DISTCP_NAME.fullmatch(name)
+    return (int(m[1]), int(m[2]), name) if m else (1 << 62, 0, name)

@@ -1,0 +1,96 @@
+"""A Hugging Face safetensors model (``save_pretrained``) as a source.
+
+One file (``model.safetensors``) or a sharded directory
+(``model.safetensors.index.json`` plus its files). Every tensor is one chunk
+(the whole tensor) at its byte range in its file, so a rank that needs some
+rows of a weight reads exactly those rows. Names are the file's, with
+``SourceOptions.prefix`` in front (``"model."`` gives the names of
+``get_state_dict(model, optim)``). Safetensors records no checksums; the
+headers are checked against the files' sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from ..core.sharding import Box
+from ..errors import CheckpointFormatError
+from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord, dtype_from_st, parse_safetensors
+from ._hf_utils import find_hf_files, looks_like_hf
+from .base import Source, SourceOptions, register
+
+__all__ = ["HFSource"]
+
+
+@register
+class HFSource(Source):
+    """A Hugging Face safetensors model directory, or one ``.safetensors`` file or index."""
+
+    format = "hf"
+    checksums = False
+
+    def __init__(self, path: str, prefix: str = "") -> None:
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a string, got {prefix!r}")
+        directory, names, weight_map = find_hf_files(path)
+        files: list[FileRecord] = []
+        tensors: dict[str, TensorRecord] = {}
+        where: dict[str, str] = {}
+        for fi, fname in enumerate(names):
+            st = parse_safetensors(os.path.join(directory, fname))
+            files.append(FileRecord(fname, 0, st.size))
+            for e in st.entries.values():
+                dtype = dtype_from_st(e.st_dtype)
+                if dtype is None:
+                    raise CheckpointFormatError(
+                        f"{st.path}: tensor {e.name!r} has dtype {e.st_dtype!r}, which torch cannot hold"
+                    )
+                if e.nbytes != math.prod(e.shape) * dtype.itemsize:
+                    raise CheckpointFormatError(
+                        f"{st.path}: tensor {e.name!r} has a bad byte range of {e.nbytes} bytes for "
+                        f"{e.st_dtype}{list(e.shape)}"
+                    )
+                key = prefix + e.name
+                if key in tensors:
+                    raise CheckpointFormatError(f"{directory}: tensor {e.name!r} is in both {where[key]} and {fname}")
+                if weight_map is not None and weight_map.get(e.name, fname) != fname:
+                    raise CheckpointFormatError(
+                        f"{directory}: the index puts {e.name!r} in {weight_map[e.name]}, but it is in {fname}"
+                    )
+                box = Box((0,) * len(e.shape), e.shape)
+                loc = Location(fi, e.start, e.nbytes, "")
+                tensors[key] = TensorRecord(dtype, e.shape, None, False, chunks=[ChunkRecord(box, loc)])
+                where[key] = fname
+        if weight_map is not None:
+            missing = sorted(k for k, v in weight_map.items() if prefix + k not in tensors)
+            if missing:
+                raise CheckpointFormatError(
+                    f"{directory}: the index lists {len(missing)} tensor(s) missing from their files, e.g. "
+                    f"{missing[0]!r} in {weight_map[missing[0]]}"
+                )
+        if not tensors:
+            raise CheckpointFormatError(f"{path}: holds no tensors")
+        super().__init__(path, Index(1, files, tensors, {}, {}), [os.path.join(directory, f.name) for f in files])
+
+    @classmethod
+    def detect(cls, path: str) -> bool:
+        """``model.safetensors``, a ``*.safetensors.index.json``, or one such file named directly."""
+        return looks_like_hf(path)
+
+    @classmethod
+    def open(cls, path: str, options: SourceOptions) -> "HFSource":
+        """Parse every file's header (nothing else is read)."""
+        return cls(path, options.prefix)
+
+    def check_files(self) -> list[str]:
+        """Every file's header parses and its size is what it was when opened."""
+        problems = []
+        for path, f in zip(self.paths, self.index.files):
+            try:
+                size = parse_safetensors(path).size
+                if size != f.size:
+                    problems.append(f"{path}: {size} bytes on disk, {f.size} when opened")
+            except CheckpointFormatError as e:
+                problems.append(str(e))
+        return problems

@@ -1,0 +1,1 @@
+"""Single-process tools: Checkpoint, hand-off, Hugging Face export, inspection, the ucp-dcp CLI."""

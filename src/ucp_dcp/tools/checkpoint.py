@@ -1,0 +1,208 @@
+"""A single-process, read-only view of a checkpoint of any supported format.
+
+No process group, no planners: open a checkpoint (any format
+:mod:`ucp_dcp.sources` reads), list what it holds, read full tensors
+(exactly their bytes, one tensor at a time) and values, and re-verify every
+checksum. The hand-off functions, the CLI and the Hugging Face export are
+built on this.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Any
+
+import torch
+
+from ..byteio.integrity import HASH_BLOCK, chunk_what, hash_range
+from ..byteio.rangeio import RangeReader, Segment
+from ..byteio.transfer import StagingBuffers, needs_staging, read_staged, segments_into
+from ..core.sharding import Box
+from ..core.values import decode_value
+from ..errors import CheckpointFormatError, CheckpointKeyError
+from ..format import Location, TensorRecord, rank_local_key
+from ..sources import SourceOptions, open_source, read_value
+from .progress import ProgressFn
+
+__all__ = ["Checkpoint"]
+
+class Checkpoint:
+    """Open the checkpoint at ``path`` for reading in this process.
+
+    Args:
+        path: the checkpoint: a universal checkpoint, a DCP
+            ``FileSystemWriter`` directory, a Hugging Face safetensors model,
+            or a directory whose subfolders are checkpoints.
+        io_threads: threads issuing reads.
+        max_buffer_bytes: staging bound for dtype casts and device copies.
+        dcp_values: ``"weights_only"`` to load the pickled values of a DCP
+            checkpoint with ``torch.load(weights_only=True)``; refused by default.
+        prefix: prepended to the tensor names of a Hugging Face model.
+
+    Raises :class:`~ucp_dcp.CheckpointFormatError` when ``path`` is not a
+    readable checkpoint. Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        io_threads: int = 4,
+        max_buffer_bytes: int = 64 << 20,
+        dcp_values: str | None = None,
+        prefix: str = "",
+    ) -> None:
+        self.path = os.fspath(path)
+        self.source = open_source(self.path, SourceOptions(dcp_values=dcp_values, prefix=prefix))
+        self.index = self.source.index
+        self.max_buffer_bytes = max(max_buffer_bytes, 1 << 20)
+        self._reader = RangeReader(self.source.paths, threads=io_threads, gap_bytes=os.sysconf("SC_PAGE_SIZE") - 1)
+
+    @property
+    def format(self) -> str:
+        """The checkpoint's format (``"ucp_dcp"``, ``"dcp"``, ``"hf"``, ``"subfolders"``)."""
+        return self.source.format
+
+    @property
+    def has_checksums(self) -> bool:
+        """Whether the format records checksums, so :meth:`verify` can detect changed bytes."""
+        return self.source.checksums
+
+    # ------------------------------------------------------------ listing
+    def tensor_names(self) -> list[str]:
+        """Names of all tensors, sorted."""
+        return sorted(self.index.tensors)
+
+    def value_names(self) -> list[str]:
+        """Names of all non-tensor values, sorted."""
+        return sorted(self.index.values)
+
+    def rank_local_names(self) -> list[str]:
+        """Names of all rank-local values, sorted."""
+        return sorted(self.index.rank_local)
+
+    def tensor_record(self, name: str) -> TensorRecord:
+        """The index record (dtype, shape, layout) of tensor ``name``."""
+        try:
+            return self.index.tensors[name]
+        except KeyError:
+            raise CheckpointKeyError(_unknown(name, "tensor", self.index.tensors, self.path)) from None
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes requested from storage so far by this object (data-file headers excluded)."""
+        return self._reader.stats.bytes
+
+    # ------------------------------------------------------------ reading
+    def read_tensor(self, name: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
+        """The full tensor ``name``, reading exactly its bytes.
+
+        ``dtype``/``device`` convert on the way (through the bounded staging
+        buffer), so no second full-size copy is made.
+        """
+        rec = self.tensor_record(name)
+        out = torch.empty(rec.shape, dtype=dtype or rec.dtype, device=device)
+        self.read_into(name, out)
+        return out
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Fill existing tensor ``out`` (the full shape; any dtype, device, strides) with ``name``."""
+        rec = self.tensor_record(name)
+        if tuple(out.shape) != rec.shape:
+            raise ValueError(f"size mismatch for {name!r}: the checkpoint has shape {list(rec.shape)}, the target has {list(out.shape)}")
+        segments: list[Segment] = []
+        chunks = self.chunks(name)
+        # One staging buffer for all chunks (pinned and double-buffered for a
+        # CUDA target); leaving the block waits for the last device copy.
+        largest = max((box.numel * rec.dtype.itemsize for box, loc in chunks if needs_staging(out, rec.dtype, loc)),
+                      default=0)
+        with StagingBuffers(self.max_buffer_bytes, largest_bytes=largest) as staging:
+            for box, loc in chunks:
+                dest = out
+                for d, (o, s) in enumerate(zip(box.offsets, box.sizes)):
+                    dest = dest.narrow(d, o, s)
+                whole = Box((0,) * len(box.sizes), box.sizes)
+                if needs_staging(out, rec.dtype, loc):
+                    read_staged(self._reader, loc, box.sizes, whole, rec.dtype, dest, buffers=staging)
+                else:
+                    segments.extend(segments_into(loc, box.sizes, whole, dest))
+        self._reader.read(segments)
+
+    def chunks(self, name: str) -> list[tuple[Box, Location]]:
+        """Every saved chunk of tensor ``name``: its box and where its bytes are."""
+        self.tensor_record(name)
+        return [(c.box, self.source.locate(name, i)) for i, c in enumerate(self.source.chunks(name))]
+
+    def read_value(self, name: str) -> Any:
+        """The non-tensor value ``name`` (checksum verified)."""
+        if name not in self.index.values:
+            raise CheckpointKeyError(_unknown(name, "value", self.index.values, self.path))
+        return decode_value(read_value(self.source, self._reader, name), name)
+
+    def read_rank_local(self, name: str) -> dict[int, Any]:
+        """Every rank's copy of rank-local value ``name``, by rank."""
+        try:
+            per_rank = self.index.rank_local[name]
+        except KeyError:
+            raise CheckpointKeyError(_unknown(name, "rank-local value", self.index.rank_local, self.path)) from None
+        return {r: decode_value(read_value(self.source, self._reader, rank_local_key(r, name)), name)
+                for r in sorted(per_rank)}
+
+    # ------------------------------------------------------------ verifying
+    def verify(self, progress: ProgressFn | None = None) -> list[str]:
+        """Re-check every data file, index entry and checksum.
+
+        Returns one line per problem, naming the file and the tensor or value;
+        an empty list means the checkpoint is intact. Reads every byte once,
+        in blocks of 16 MiB.
+        """
+        problems: list[str] = self.source.check_files()
+        work: list[tuple[str, Location]] = []
+        for name in self.tensor_names():
+            try:
+                work += [(chunk_what(name, box.offsets), loc) for box, loc in self.chunks(name)]
+            except CheckpointFormatError as e:
+                # A damaged header fails every tensor in that file: say it once.
+                if str(e) not in problems:
+                    problems.append(str(e))
+        work += [(f"value {k!r}", self.source.value_location(k)) for k in sorted(self.index.values)]
+        work += [(f"rank-local value {k!r} of rank {r}", self.source.value_location(rank_local_key(r, k)))
+                 for k, per_rank in sorted(self.index.rank_local.items()) for r in sorted(per_rank)]
+        total = sum(loc.nbytes for _, loc in work)
+        done = 0
+        buf = bytearray(min(HASH_BLOCK, max((loc.nbytes for _, loc in work), default=1)))
+        for what, loc in work:
+            path = self.source.paths[loc.file]
+            try:
+                digest = hash_range(self._reader, loc, buf)
+            except EOFError as e:  # its message names the file already
+                problems.append(f"{what}: {e}")
+                continue
+            except OSError as e:
+                problems.append(f"{path}: {what}: cannot read bytes [{loc.start}, {loc.start + loc.nbytes}): {e}")
+                continue
+            if loc.xxh3 and digest != loc.xxh3:
+                problems.append(f"{path}: {what}: checksum mismatch (recorded {loc.xxh3}, data hashes to {digest})")
+            done += loc.nbytes
+            if progress is not None:
+                progress(done, total)
+        return problems
+
+    # ------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Release files and threads."""
+        self._reader.close()
+        self.source.close()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _unknown(name: str, what: str, known: Any, path: str) -> str:
+    close = difflib.get_close_matches(name, list(known), n=3)
+    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+    return f"{path}: no {what} named {name!r}{hint}"

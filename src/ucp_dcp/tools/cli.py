@@ -1,0 +1,454 @@
+"""The ``ucp-dcp`` command line: inspect, verify, diff and convert checkpoints.
+
+Exit status: 0 on success; 1 when ``verify`` finds a problem (a path that
+is not a readable checkpoint is one) or ``diff`` finds a difference; 2 for
+any other failure (bad arguments, a path that is not a checkpoint, a failed
+conversion), reported as one line ``ucp-dcp: error: <reason>`` on stderr;
+130 when interrupted. ``--debug`` adds the traceback.
+
+Commands: ``inspect``, ``verify``, ``diff``, ``export-hf``, ``import-hf``,
+``import-dcp``; ``ucp-dcp COMMAND --help`` describes each. The conversion
+modules (:mod:`ucp_dcp.tools.hf`, :mod:`ucp_dcp.sources.distcp`) are imported only by the
+commands that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import json
+import os
+import re
+import sys
+import traceback
+import warnings
+from types import ModuleType
+from typing import Any, Callable, NoReturn, Sequence, TextIO
+
+from .progress import ProgressBar, format_bytes
+from ..errors import CLIError
+
+__all__ = ["main", "build_parser", "format_inspection", "parse_size"]
+
+PROG = "ucp-dcp"
+EXIT_OK = 0
+EXIT_FAILED = 1  # verify found problems / diff found differences
+EXIT_ERROR = 2  # the command could not do its job
+
+_EPILOG = (
+    "exit status: 0 success; 1 verify found problems or diff found differences; "
+    "2 any other error (one line 'ucp-dcp: error: ...' on stderr)"
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, raised rather than printed."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CLIError(f"{message} (see '{self.prog} --help')")
+
+
+# ====================================================================== argument types
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_SIZE_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``'5GB'`` (decimal, as Hugging Face counts), ``'512MiB'`` (binary) or ``'1000'``."""
+    m = _SIZE_RE.match(text)
+    scale = _SIZE_UNITS.get(m.group(2).upper()) if m else None
+    if m is None or scale is None:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}; write e.g. 5GB, 500MB or 2GiB")
+    n = int(float(m.group(1)) * scale)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be at least 1 byte")
+    return n
+
+
+def _rename_rule(text: str) -> tuple[str, str]:
+    pattern, sep, repl = text.partition("=")
+    if not sep or not pattern:
+        raise argparse.ArgumentTypeError(
+            f"invalid rename rule {text!r}; write PATTERN=REPL (a regular expression, split at the first '=')"
+        )
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"invalid rename pattern {pattern!r}: {e}") from None
+    return pattern, repl
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid tolerance {text!r}; write a number such as 1e-6") from None
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"invalid tolerance {text!r}: must be 0 or more")
+    return value
+
+
+_HF_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+# ====================================================================== output helpers
+
+
+def _print_json(doc: Any, out: TextIO | None = None) -> None:
+    json.dump(doc, out or sys.stdout, indent=2)
+    (out or sys.stdout).write("\n")
+
+
+def _progress(args: argparse.Namespace, label: str) -> ProgressBar:
+    """A progress bar on stderr: off with --quiet, forced with --progress, else only on a terminal."""
+    enabled = False if args.quiet else (True if args.progress else None)
+    return ProgressBar(label, enabled=enabled)
+
+
+def _table(rows: list[list[str]], right: set[int]) -> list[str]:
+    """Rows padded into aligned columns (columns in ``right`` right-aligned)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for r in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        out.append("  ".join(cells).rstrip())
+    return out
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def format_inspection(info: dict[str, Any]) -> str:
+    """The text ``ucp-dcp inspect`` prints for a :func:`~ucp_dcp.tools.inspection.inspect_checkpoint` summary."""
+    step = "-" if info["step_key"] is None else f"{info['step']} ({info['step_key']!r})"
+    head = [
+        ["checkpoint", info["path"]],
+        ["format", info["format"]],
+        ["step", step],
+        ["world size", str(info["world_size"])],
+        ["files", f"{info['files']['count']} ({format_bytes(info['files']['bytes'])})"],
+    ]
+    lines = _table(head, set())
+    if info["tensors"]:
+        rows = [["name", "dtype", "shape", "sharding", "size"]]
+        rows += [
+            [t["name"], t["dtype"], "[" + ",".join(map(str, t["shape"])) + "]", t["sharding"], format_bytes(t["bytes"])]
+            for t in info["tensors"]
+        ]
+        lines += ["", *_table(rows, {4})]
+    tot = info["totals"]
+    lines += [
+        "",
+        f"totals: {_plural(tot['tensors'], 'tensor')} ({format_bytes(tot['tensor_bytes'])}), "
+        f"{_plural(tot['values'], 'value')}, {_plural(tot['rank_local'], 'rank-local value')}",
+    ]
+    lines += [f"warning: {w}" for w in info["warnings"]]
+    return "\n".join(lines)
+
+
+# ====================================================================== commands
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .inspection import inspect_checkpoint
+
+    info = inspect_checkpoint(args.path, dcp_values=args.dcp_values)
+    if args.json:
+        _print_json(info)
+    else:
+        print(format_inspection(info))
+    return EXIT_OK
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .checkpoint import Checkpoint
+    from ..errors import CheckpointFormatError
+
+    summary: dict[str, Any] = {"path": args.path, "files": 0, "bytes_verified": 0}
+    try:
+        ck = Checkpoint(args.path, dcp_values=args.dcp_values)
+    except CheckpointFormatError as e:  # an unreadable index is a verification failure
+        problems = [str(e)]
+    else:
+        with ck, _progress(args, "verifying") as bar:
+            # One damaged file header is reported again for every tensor it holds: say it once.
+            problems = list(dict.fromkeys(ck.verify(progress=bar)))
+            summary.update(
+                format=ck.format, checksums=ck.has_checksums,
+                files=len(ck.index.files), tensors=len(ck.index.tensors), values=len(ck.index.values),
+                rank_local=len(ck.index.rank_local), bytes_verified=ck.bytes_read,
+            )
+    if args.json:
+        _print_json({**summary, "ok": not problems, "problems": problems})
+    elif not problems:
+        print(
+            f"OK {args.path}: {_plural(summary['tensors'], 'tensor')}, {_plural(summary['values'], 'value')}, "
+            f"{_plural(summary['rank_local'], 'rank-local value')} in {_plural(summary['files'], 'file')}; "
+            f"{format_bytes(summary['bytes_verified'])} checked"
+            + ("" if summary.get("checksums", True) else
+               f" (the {summary['format']} format records no checksums: structure and readability only)")
+        )
+    else:
+        for p in problems:
+            print(p)
+    if problems:
+        _error_line(f"{args.path}: verify found {_plural(len(problems), 'problem')}")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from .inspection import diff_checkpoints
+
+    with _progress(args, "comparing") as bar:
+        report = diff_checkpoints(args.a, args.b, progress=bar, dcp_values=args.dcp_values)
+    same = report.identical if args.atol == 0 else report.within(args.atol)
+    if args.json:
+        _print_json(report.to_json(args.atol))
+    else:
+        lines = report.differences(args.atol)
+        for line in lines:
+            print(line)
+        compared = f"{_plural(len(report.tensors), 'tensor')} and {_plural(report.values_compared, 'value')} compared"
+        if same:
+            print(("identical" if report.identical else f"equal within atol {args.atol:g}") + f": {compared}")
+        else:
+            print(f"{_plural(len(lines), 'difference')}: {compared}")
+    return EXIT_OK if same else EXIT_FAILED
+
+
+def _optional_module(name: str, command: str) -> ModuleType:
+    """Import module ``name`` on demand; a missing module or dependency is a one-line error."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name == name:
+            raise CLIError(
+                f"{command} is not available: this installation of ucp_dcp has no module {e.name}"
+            ) from None
+        raise CLIError(f"{command} needs the Python package {e.name!r}, which is not installed") from None
+
+
+def _function(module: ModuleType, attr: str, command: str) -> Callable[..., Any]:
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise CLIError(f"{command} is not available: {module.__name__} has no function {attr}()")
+    return fn
+
+
+def _cmd_export_hf(args: argparse.Namespace) -> int:
+    export_hf = _function(_optional_module("ucp_dcp.tools.hf", "export-hf"), "export_hf", "export-hf")
+    kwargs: dict[str, Any] = {}
+    if args.dtype is not None:
+        import torch
+
+        kwargs["dtype"] = getattr(torch, _HF_DTYPES[args.dtype])
+    if args.max_shard_size is not None:
+        kwargs["max_shard_size"] = args.max_shard_size
+    if args.prefix is not None:
+        kwargs["prefix"] = args.prefix
+    if args.rename:
+        kwargs["rename"] = list(args.rename)
+    if args.config is not None:
+        kwargs["config"] = args.config
+    if args.dcp_values is not None:
+        kwargs["dcp_values"] = args.dcp_values
+    with _progress(args, "exporting") as bar:
+        written = export_hf(args.src, args.dst, progress=bar, **kwargs)
+    count = f": {_plural(len(written), 'file')}" if isinstance(written, list) else ""
+    print(f"exported {args.src} to {args.dst} (Hugging Face safetensors){count}")
+    return EXIT_OK
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    convert = _function(_optional_module("ucp_dcp.tools.convert", args.command), "convert", args.command)
+    kwargs: dict[str, Any] = {"overwrite": args.overwrite}
+    if args.prefix is not None:
+        kwargs["prefix"] = args.prefix
+    with _progress(args, "converting") as bar:
+        convert(args.src, args.dst, progress=bar, **kwargs)
+    print(f"converted {args.src} into ucp_dcp checkpoint {args.dst}")
+    return EXIT_OK
+
+
+def _cmd_import_hf(args: argparse.Namespace) -> int:
+    import_hf = _function(_optional_module("ucp_dcp.tools.hf", "import-hf"), "import_hf", "import-hf")
+    kwargs: dict[str, Any] = {} if args.prefix is None else {"prefix": args.prefix}
+    with _progress(args, "importing") as bar:
+        import_hf(args.src, args.dst, progress=bar, **kwargs)
+    print(f"imported {args.src} into ucp_dcp checkpoint {args.dst}")
+    return EXIT_OK
+
+
+# ====================================================================== parser
+
+
+def _common_options(defaults: bool) -> argparse.ArgumentParser:
+    """--quiet/--progress/--debug, accepted before and after the command name.
+
+    Only the top-level parser sets defaults: a subcommand's default would
+    overwrite a value given before the command name.
+    """
+    p = argparse.ArgumentParser(add_help=False)
+    kw: dict[str, Any] = {"action": "store_true"}
+    if not defaults:
+        kw["default"] = argparse.SUPPRESS
+    p.add_argument("-q", "--quiet", help="no progress bar", **kw)
+    p.add_argument("--progress", help="draw the progress bar even when stderr is not a terminal", **kw)
+    p.add_argument("--debug", help="print the traceback of an error", **kw)
+    p.add_argument("--dcp-values", choices=["weights_only"], default=None if defaults else argparse.SUPPRESS,
+                   help="load the pickled values of a DCP checkpoint with torch.load(weights_only=True) "
+                   "(refused by default)")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ucp-dcp`` argument parser (one subcommand per task)."""
+    from .. import __version__
+
+    parser = _Parser(
+        prog=PROG, parents=[_common_options(True)], epilog=_EPILOG,
+        description="Inspect, verify, compare and convert ucp_dcp universal checkpoints.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    common = [_common_options(False)]
+
+    def command(name: str, handler: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=common, help=help, description=help, epilog=_EPILOG)
+        p.set_defaults(handler=handler)
+        return p
+
+    p = command("inspect", _cmd_inspect, "Summarise a checkpoint: step, world size, files, and every tensor's "
+                "dtype, shape, sharding and size. Reads only the index.")
+    p.add_argument("path", metavar="PATH", help="checkpoint (any format ucp_dcp reads)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+
+    p = command("verify", _cmd_verify, "Re-read every data file and check every checksum; print one line per "
+                "problem (naming the file and the tensor or value) and exit 1 if there is any.")
+    p.add_argument("path", metavar="PATH", help="checkpoint (any format ucp_dcp reads)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+
+    p = command("diff", _cmd_diff, "Compare two checkpoints: entries only in one, shape/dtype differences, "
+                "per-tensor max abs difference (NaN-aware), differing values. Exit 1 if they differ.")
+    p.add_argument("a", metavar="A", help="first checkpoint (any format)")
+    p.add_argument("b", metavar="B", help="second checkpoint (any format)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+    p.add_argument("--atol", type=_tolerance, default=0.0, metavar="X",
+                   help="tensors whose elements differ by at most X count as equal (default 0: exact)")
+
+    p = command("export-hf", _cmd_export_hf, "Write a checkpoint's model weights as a Hugging Face "
+                "safetensors checkpoint (sharded, with model.safetensors.index.json).")
+    p.add_argument("src", metavar="SRC", help="checkpoint (any format ucp_dcp reads)")
+    p.add_argument("dst", metavar="DST", help="output directory")
+    p.add_argument("--dtype", choices=sorted(_HF_DTYPES), help="cast floating-point tensors to this dtype")
+    p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
+                   help="largest output file, e.g. 5GB (decimal) or 4GiB (binary)")
+    p.add_argument("--prefix", metavar="PREFIX", help="export only the tensors whose names start with PREFIX, "
+                   "with PREFIX removed (default: 'model.')")
+    p.add_argument("--rename", type=_rename_rule, action="append", metavar="PATTERN=REPL",
+                   help="rename tensors with re.sub(PATTERN, REPL, name); repeatable, applied in order")
+    p.add_argument("--config", metavar="PATH", help="also write config.json: from a config.json file, or from a "
+                   "Hugging Face model directory (its tokenizer and generation config are copied too)")
+
+    p = command("convert", _cmd_convert, "Write any checkpoint this tool reads (ucp_dcp, DCP's FileSystemWriter "
+                "format, Megatron torch_dist, accelerate subfolders, a Hugging Face model) as a ucp_dcp "
+                "checkpoint with checksums, keeping its sharding. Loading never needs this.")
+    p.add_argument("src", metavar="SRC", help="source checkpoint (directory or file)")
+    p.add_argument("dst", metavar="DST", help="output ucp_dcp checkpoint directory")
+    p.add_argument("--prefix", metavar="PREFIX", help="put PREFIX in front of a Hugging Face model's tensor names")
+    p.add_argument("--overwrite", action="store_true", help="replace a ucp_dcp checkpoint already in DST")
+
+    p = command("import-hf", _cmd_import_hf, "Like convert, for a Hugging Face model (names get 'model.' by "
+                "default; DST must be new or empty). Kept as an alias.")
+    p.add_argument("src", metavar="SRC", help="Hugging Face model directory")
+    p.add_argument("dst", metavar="DST", help="output ucp_dcp checkpoint directory")
+    p.add_argument("--prefix", metavar="PREFIX", help="put PREFIX in front of every tensor name (default: 'model.')")
+
+    p = command("import-dcp", _cmd_convert, "Alias of convert for a checkpoint saved with DCP's default "
+                "FileSystemWriter (.metadata + .distcp files).")
+    p.add_argument("src", metavar="SRC", help="DCP checkpoint directory")
+    p.add_argument("dst", metavar="DST", help="output ucp_dcp checkpoint directory")
+    p.set_defaults(prefix=None, overwrite=False)
+    return parser
+
+
+# ====================================================================== entry point
+
+
+def _error_line(reason: str) -> None:
+    one_line = "; ".join(part.strip() for part in str(reason).splitlines() if part.strip())
+    print(f"{PROG}: error: {one_line}", file=sys.stderr)
+
+
+def _reason(e: BaseException) -> str:
+    """What went wrong, in words, for the one-line error."""
+    if isinstance(e, OSError) and e.filename is not None:
+        where = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else str(e.filename)
+        return f"{where}: {e.strerror or e}"
+    if isinstance(e, (CLIError, ValueError, OSError, EOFError, KeyError, ImportError)):
+        return str(e) or type(e).__name__
+    return f"unexpected {type(e).__name__}: {e} (rerun with --debug for the traceback)"
+
+
+def _one_line_warnings() -> None:
+    """Inside ``warnings.catch_warnings()``: print warnings as ``ucp-dcp: warning: ...`` lines.
+
+    torch's notice that ``dcp.save`` runs without a process group is dropped:
+    this tool always runs in one process.
+    """
+    warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+
+    def show(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        text = "; ".join(line.strip() for line in str(message).splitlines() if line.strip())
+        print(f"{PROG}: warning: {text}", file=sys.stderr)
+
+    warnings.showwarning = show
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):  # no real file descriptor (tests)
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``ucp-dcp`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except CLIError as e:
+        _error_line(str(e))
+        return EXIT_ERROR
+    except SystemExit as e:  # --help, --version
+        return e.code if isinstance(e.code, int) else EXIT_OK
+    try:
+        with warnings.catch_warnings():
+            _one_line_warnings()
+            return args.handler(args)
+    except KeyboardInterrupt:
+        _error_line("interrupted")
+        return 130
+    except BrokenPipeError:  # e.g. `ucp-dcp inspect PATH | head`: the reader left, nothing to report
+        _silence_stdout()
+        return EXIT_ERROR
+    except Exception as e:  # every failure becomes one line; --debug shows where it came from
+        if args.debug:
+            traceback.print_exc()
+        _error_line(_reason(e))
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""``convert``: any source into a universal checkpoint, streaming with bounded memory.
+
+Every key, value and chunk box is kept: each data file of the source
+becomes one native data file of the same writing rank holding the same
+chunks, so the saved sharding is preserved. Tensor bytes are copied slab by
+slab through one buffer of at most ``buffer_bytes`` (read as byte ranges,
+never ``torch.load``\\ ed) and hashed on the way by the one data-file writer;
+values are re-encoded as tagged JSON. The index is written last,
+atomically. Loading does not need this (every entry point reads every source
+directly); converting pays off when a checkpoint is read many times, or to
+get checksums for a format that has none.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from typing import Any, Callable
+
+import torch
+
+from ..byteio.datafile import DataFileWriter, chunk_entry, value_entry
+from ..byteio.rangeio import RangeReader, storage_view, tensor_view
+from ..byteio.transfer import read_region
+from ..core.sharding import Box, slabs
+from ..errors import CheckpointFormatError
+from ..format import (
+    INDEX_FILE,
+    FileRecord,
+    Index,
+    PlannedEntry,
+    WrittenEntry,
+    build_index,
+    commit_index,
+    data_file_name,
+    rank_local_key,
+    split_rank_local_key,
+)
+from ..sources import Source, SourceOptions, open_source, read_value
+
+__all__ = ["convert"]
+
+_MiB = 1024 * 1024
+
+ProgressFn = Callable[[int, int], None]
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    prefix: str = "",
+    progress: ProgressFn | None = None,
+    overwrite: bool = False,
+    sync_files: bool = True,
+    buffer_bytes: int = 64 * _MiB,
+    io_threads: int = 4,
+    dcp_values: str | None = "weights_only",
+) -> Index:
+    """Write checkpoint ``src`` (any format :func:`~ucp_dcp.sources.open_source` reads) as a universal one at ``dst``.
+
+    Args:
+        src: the source checkpoint.
+        dst: the output directory (created if needed). It may be ``src``
+            itself for a DCP checkpoint (its files are left alone; the
+            universal index takes precedence when loading). A directory that
+            already holds a universal checkpoint is refused unless
+            ``overwrite=True`` (then the old one stays loadable until the new
+            index replaces it).
+        prefix: prepended to the tensor names of a Hugging Face model.
+        progress: ``progress(done_bytes, total_bytes)`` after every entry.
+        buffer_bytes: the copy buffer (at least 1 MiB).
+        dcp_values: how DCP's pickled values are loaded; by default with
+            ``torch.load(weights_only=True)`` (torch's restricted unpickler:
+            a value it refuses fails the conversion naming the key).
+
+    Returns the index written.
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    source = open_source(src, SourceOptions(dcp_values=dcp_values, prefix=prefix))
+    try:
+        if os.path.exists(os.path.join(dst, INDEX_FILE)) and not overwrite:
+            raise FileExistsError(
+                f"{dst} already holds a committed ucp_dcp checkpoint ({INDEX_FILE}); refusing to replace it. "
+                "Convert into a new directory, or pass overwrite=True"
+            )
+        os.makedirs(dst, exist_ok=True)
+        return _convert(source, dst, progress, sync_files, max(buffer_bytes, _MiB), io_threads)
+    finally:
+        source.close()
+
+
+# What one output file holds, in source order: ("t", fqn, idx) or ("v", key).
+_Item = tuple[Any, ...]
+
+
+def _items_by_file(source: Source) -> dict[int, list[_Item]]:
+    """Every chunk and value of ``source``, grouped by source file and ordered by position."""
+    per_file: dict[int, list[tuple[int, _Item]]] = {}
+    for fqn in source.index.tensors:
+        for idx in range(len(source.chunks(fqn))):
+            file, start = source.chunk_origin(fqn, idx)
+            per_file.setdefault(file, []).append((start, ("t", fqn, idx)))
+    keys = [*source.index.values, *(rank_local_key(r, k) for k, v in source.index.rank_local.items() for r in v)]
+    for key in keys:
+        loc = source.value_location(key)
+        per_file.setdefault(loc.file, []).append((loc.start, ("v", key)))
+    return {f: [it for _, it in sorted(items, key=lambda x: x[0])] for f, items in per_file.items()}
+
+
+def _entry(source: Source, item: _Item, value: bytes | None) -> PlannedEntry:
+    if item[0] == "v":
+        assert value is not None
+        rl = split_rank_local_key(item[1])
+        return value_entry(rl[1] if rl else item[1], len(value), rank_local=rl is not None)
+    _, fqn, idx = item
+    rec = source.index.tensors[fqn]
+    box = source.box(fqn, idx)
+    return chunk_entry(fqn, rec.dtype, rec.shape, box.offsets, box.sizes)
+
+
+def _convert(
+    source: Source, dst: str, progress: ProgressFn | None, sync_files: bool, budget: int, io_threads: int
+) -> Index:
+    index = source.index
+    per_file = _items_by_file(source)
+    reader = RangeReader(source.paths, threads=io_threads, gap_bytes=os.sysconf("SC_PAGE_SIZE") - 1)
+    buf = torch.empty(budget, dtype=torch.uint8)
+    save_id = uuid.uuid4().hex[:8]
+    files: list[FileRecord] = []
+    written: list[list[WrittenEntry]] = []
+    per_rank: dict[int, int] = {}
+    try:
+        # Values first (they are small): their sizes are only known once encoded.
+        values = {it[1]: read_value(source, reader, it[1]) for items in per_file.values() for it in items
+                  if it[0] == "v"}
+        total = sum(e.nbytes for items in per_file.values() for e in
+                    (_entry(source, it, values.get(it[1]) if it[0] == "v" else None) for it in items))
+        done = 0
+        for fi in sorted(per_file):
+            rank = source.file_rank(fi) or 0
+            n = per_rank.get(rank, 0)
+            per_rank[rank] = n + 1
+            name = data_file_name(rank, save_id if n == 0 else f"{save_id}-{n}")
+            items = per_file[fi]
+            entries = [_entry(source, it, values.get(it[1]) if it[0] == "v" else None) for it in items]
+            out = DataFileWriter(os.path.join(dst, name), entries, rank=rank, world_size=index.world_size,
+                                 save_id=save_id, sync=sync_files)
+            with out:
+                for i, it in enumerate(items):
+                    if it[0] == "v":
+                        out.write(i, values[it[1]])
+                    else:
+                        _copy_chunk(source, reader, it[1], it[2], out, i, buf)
+                    done += entries[i].nbytes
+                    if progress is not None:
+                        progress(done, total)
+            files.append(FileRecord(name, rank, out.size))
+            written.append([WrittenEntry(e.name, e.meta, s, e.nbytes) for e, s in zip(out.entries, out.starts)])
+    finally:
+        reader.close()
+    result = build_index(index.world_size, files, written)
+    missing = sorted(set(index.tensors) - set(result.tensors))
+    if missing:
+        raise CheckpointFormatError(f"{source.path}: tensors with no stored data: {missing[:20]}")
+    commit_index(dst, result)
+    return result
+
+
+def _copy_chunk(
+    source: Source, reader: RangeReader, fqn: str, idx: int, out: DataFileWriter, i: int, buf: torch.Tensor
+) -> None:
+    """Copy chunk ``idx`` of ``fqn`` row-major into entry ``i`` of ``out``, slab by slab."""
+    rec = source.index.tensors[fqn]
+    box = source.box(fqn, idx)
+    dtype, es = rec.dtype, rec.dtype.itemsize
+    if box.numel == 0:
+        return
+    try:
+        location = source.locate(fqn, idx)
+    except CheckpointFormatError:
+        # Not a byte range (a DCP item with overlapping strides): the source
+        # reads it whole, bounded by that one item.
+        out.write(i, tensor_view(source.materialize(reader, fqn, idx)))
+        return
+    # A chunk stored in another dimension order is read through a staging
+    # buffer as well (read_region): give each half of the budget.
+    budget = buf.numel() // 2 if location.dim_order else buf.numel()
+    bview = storage_view(buf)
+    for offs, sizes in slabs(box.sizes, es, budget):
+        nbytes = math.prod(sizes) * es
+        slab = buf[:nbytes].view(dtype).view(sizes)
+        read_region(reader, location, box.sizes, Box(tuple(offs), tuple(sizes)), dtype, slab, budget)
+        out.write(i, bview[:nbytes])

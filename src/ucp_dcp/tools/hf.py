@@ -1,0 +1,461 @@
+"""Hugging Face export and import: universal checkpoint <-> ``transformers`` weights.
+
+:func:`export_hf` turns the model part of a universal checkpoint (saved
+under any parallel layout) into a Hugging Face model directory that
+``AutoModelForCausalLM.from_pretrained`` (or any safetensors reader) loads::
+
+    model-00001-of-00003.safetensors     or model.safetensors when one file is enough
+    model-00002-of-00003.safetensors
+    model-00003-of-00003.safetensors
+    model.safetensors.index.json         {"metadata": {"total_size": ...}, "weight_map": {name: file}}
+    config.json                          only when ``config=`` is given
+
+It streams: the shards are planned from the index (dtypes and shapes), each
+file's safetensors header is written first, then the tensors' bytes one
+tensor at a time, each read with exactly its bytes. Memory holds at most one
+tensor (plus the reader's bounded staging buffer for casts); optimizer state
+is never read.
+
+:func:`import_hf` goes the other way: a Hugging Face safetensors directory
+becomes a universal checkpoint whose keys are ``prefix + name``, so that::
+
+    dcp.load({"model": get_model_state_dict(model)},
+             storage_reader=UCPStorageReader(path), planner=UCPLoadPlanner())
+
+loads it into a model under any layout (FSDP2, TP, ...). The source files
+are memory-mapped, not read into memory.
+
+Neither needs a process group, a GPU or ``transformers``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from .checkpoint import Checkpoint
+from ..format import dtype_name, st_dtype
+from ..byteio.durable import commit_dir, temp_dir_for, write_all
+from ..sources._hf_utils import HF_CONFIG_FILES, HF_INDEX_NAME, HF_WEIGHTS_NAME
+from ..dcp.planners import CheckpointKeyError
+from .progress import ProgressFn
+from ..byteio.rangeio import tensor_view
+from ..errors import CheckpointFormatError
+
+__all__ = [
+    "export_hf",
+    "import_hf",
+    "parse_size",
+    "parse_dtype",
+    "HF_WEIGHTS_NAME",
+    "HF_INDEX_NAME",
+    "HF_CONFIG_FILES",
+]
+
+RenameRules = Sequence[tuple[str, str]] | Mapping[str, str]
+
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+_DTYPE_NAMES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+
+# ====================================================================== helpers
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: an int, or a string like ``"5GB"``, ``"500MB"``, ``"2GiB"``, ``"1000"``.
+
+    Decimal units follow Hugging Face (``1GB = 10**9`` bytes, ``KB``/``MB``/
+    ``GB``/``TB``); binary ``KiB``/``MiB``/``GiB``/``TiB`` are accepted too.
+    """
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise ValueError(f"max_shard_size must be an int or a string like '5GB', got {size!r}")
+    if isinstance(size, int):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", size)
+        unit = m.group(2).upper() if m else None
+        if m is None or unit not in _SIZE_UNITS:
+            raise ValueError(
+                f"max_shard_size {size!r} is not a size: use bytes or a number with KB, MB, GB, TB "
+                "(powers of 1000, as Hugging Face) or KiB, MiB, GiB, TiB"
+            )
+        value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A floating ``torch.dtype`` from a dtype or a name (``"bf16"``, ``"fp16"``, ``"fp32"``, ``"float32"``...)."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        key = dtype.strip().lower().removeprefix("torch.")
+        if key not in _DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of bf16, fp16, fp32, fp64 (or a torch.dtype)")
+        return _DTYPE_NAMES[key]
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point or st_dtype(dtype) is None:
+            raise ValueError(f"dtype must be a floating dtype that safetensors stores, got {dtype}")
+        return dtype
+    raise ValueError(f"dtype must be a torch.dtype or a name like 'bf16', got {dtype!r}")
+
+
+def _compile_rename(rename: RenameRules | None) -> list[tuple[re.Pattern[str], str]]:
+    if rename is None:
+        return []
+    pairs = list(rename.items()) if isinstance(rename, Mapping) else list(rename)
+    rules = []
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+            raise ValueError(f"rename[{i}] must be a (regex pattern, replacement) pair of strings, got {pair!r}")
+        try:
+            rules.append((re.compile(pair[0]), pair[1]))
+        except re.error as e:
+            raise ValueError(f"rename[{i}]: {pair[0]!r} is not a valid regular expression ({e})") from None
+    return rules
+
+
+def _apply_rename(name: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
+    for pat, repl in rules:
+        try:
+            name = pat.sub(repl, name)
+        except (re.error, IndexError) as e:
+            raise ValueError(f"rename {pat.pattern!r} -> {repl!r}: bad replacement for {name!r} ({e})") from None
+    return name
+
+
+def _natural_key(name: str) -> list[tuple[int, str]]:
+    # "layers.2" before "layers.10": shards then follow the model's order.
+    return [(int(t), "") if t.isdigit() else (-1, t) for t in re.split(r"(\d+)", name)]
+
+
+def _check_empty_dst(dst: str) -> None:
+    if os.path.lexists(dst):
+        if not os.path.isdir(dst):
+            raise FileExistsError(f"{dst} exists and is not a directory; choose a new output directory")
+        if os.listdir(dst):
+            raise FileExistsError(
+                f"{dst} is not empty; refusing to write into it (choose a new or empty output directory)"
+            )
+
+
+# ====================================================================== export
+
+
+@dataclass(frozen=True)
+class _Planned:
+    src: str  # name in the universal checkpoint
+    name: str  # name in the Hugging Face files
+    dtype: torch.dtype  # dtype written
+    cast: torch.dtype | None  # dtype to read as (None: as saved)
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _plan_export(
+    ckpt: Checkpoint, prefix: str, rules: list[tuple[re.Pattern[str], str]], cast: torch.dtype | None
+) -> list[_Planned]:
+    names = [n for n in ckpt.tensor_names() if n.startswith(prefix)]
+    values = [v for v in ckpt.value_names() if v.startswith(prefix)]
+    if values:
+        warnings.warn(
+            f"{ckpt.path}: {len(values)} non-tensor value(s) under {prefix!r} are not exported "
+            f"(safetensors holds tensors only): {', '.join(map(repr, values[:5]))}{', ...' if len(values) > 5 else ''}",
+            stacklevel=3,
+        )
+    if not names:
+        tops = sorted({n.split(".", 1)[0] + "." for n in ckpt.tensor_names()})
+        raise CheckpointKeyError(
+            f"{ckpt.path}: no tensor name starts with prefix {prefix!r}; the checkpoint's tensors start with "
+            f"{', '.join(map(repr, tops[:10])) or 'nothing (it holds no tensors)'}. "
+            "Pass the prefix the model was saved under (e.g. prefix='model.' for {'model': model_state_dict})"
+        )
+    planned: list[_Planned] = []
+    seen: dict[str, str] = {}
+    for src in names:
+        rec = ckpt.tensor_record(src)
+        name = _apply_rename(src[len(prefix) :], rules)
+        if not name:
+            raise ValueError(f"tensor {src!r} gets an empty name after stripping {prefix!r} and renaming")
+        if name == "__metadata__":
+            raise ValueError(f"tensor {src!r} would be named '__metadata__', which safetensors reserves")
+        if name in seen:
+            raise ValueError(f"tensors {seen[name]!r} and {src!r} both map to {name!r}; fix the rename rules")
+        seen[name] = src
+        to = cast if cast is not None and rec.dtype.is_floating_point and rec.dtype != cast else None
+        out_dtype = to or rec.dtype
+        if st_dtype(out_dtype) is None:
+            raise ValueError(f"tensor {src!r} has dtype {dtype_name(out_dtype)}, which safetensors cannot store")
+        nbytes = math.prod(rec.shape) * out_dtype.itemsize
+        planned.append(_Planned(src, name, out_dtype, to, tuple(rec.shape), nbytes))
+    planned.sort(key=lambda p: _natural_key(p.name))
+    return planned
+
+
+def _shard(planned: list[_Planned], max_bytes: int) -> list[list[_Planned]]:
+    """Split in order, Hugging Face style: a new shard when the next tensor would overflow."""
+    shards: list[list[_Planned]] = []
+    cur: list[_Planned] = []
+    size = 0
+    for p in planned:
+        if cur and size + p.nbytes > max_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(p)  # a tensor larger than max_bytes gets a shard of its own
+        size += p.nbytes
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def _st_header(entries: Iterable[_Planned]) -> bytes:
+    """A standard safetensors header: length, JSON (space-padded to 8 bytes)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for e in entries:
+        header[e.name] = {"dtype": st_dtype(e.dtype), "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
+        pos += e.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _load_config(config: Any) -> tuple[dict[str, Any], list[str]]:
+    """``config`` as a config.json document, plus extra files to copy (paths)."""
+    if isinstance(config, Mapping):
+        return dict(config), []
+    if hasattr(config, "to_json_string") and not isinstance(config, (str, os.PathLike)):
+        doc = json.loads(config.to_json_string())  # a transformers PretrainedConfig
+        return doc, []
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        extra: list[str] = []
+        if os.path.isdir(path):
+            cfg = os.path.join(path, "config.json")
+            if not os.path.isfile(cfg):
+                raise FileNotFoundError(f"config directory {path} has no config.json")
+            extra = [os.path.join(path, n) for n in HF_CONFIG_FILES[1:] if os.path.isfile(os.path.join(path, n))]
+            path = cfg
+        elif not os.path.isfile(path):
+            raise FileNotFoundError(f"config {path}: no such file or directory")
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"config {path} is not valid JSON ({e})") from None
+        if not isinstance(doc, dict):
+            raise ValueError(f"config {path} is not a JSON object")
+        return doc, extra
+    raise TypeError(
+        "config must be a path (config.json or a model directory), a dict or a transformers config, "
+        f"got {type(config).__name__}"
+    )
+
+
+def export_hf(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | str | None = None,
+    max_shard_size: int | str = "5GB",
+    prefix: str = "model.",
+    rename: RenameRules | None = None,
+    config: str | os.PathLike[str] | Mapping[str, Any] | Any | None = None,
+    progress: ProgressFn | None = None,
+    dcp_values: str | None = None,
+) -> list[str]:
+    """Write the model weights of checkpoint ``src`` (any format) as a Hugging Face directory ``dst``.
+
+    Args:
+        src: a universal checkpoint directory (any saved layout).
+        dst: the output directory; it must not exist or be empty. Everything
+            is written into a temporary sibling directory that is renamed to
+            ``dst`` at the end, so a crash leaves no half-written output.
+        dtype: cast floating tensors to this dtype (``torch.bfloat16`` or
+            ``"bf16"``, ``"fp16"``, ``"fp32"``); integer and bool tensors
+            keep theirs. Default: as saved.
+        max_shard_size: largest file, as an int or ``"5GB"``/``"500MB"``
+            (Hugging Face semantics: 1GB = 10**9 bytes). A tensor larger than
+            this gets a file of its own. One file is named
+            ``model.safetensors``; several are ``model-0000i-of-0000N.safetensors``.
+        prefix: only tensors whose name starts with this are exported, with
+            it stripped. A checkpoint saved as ``{"model": get_model_state_dict(m),
+            "optim": ...}`` names the weights ``"model.<fqn>"``; the default
+            ``"model."`` takes exactly those (no optimizer state) and gives
+            the module's own names (``model.layers.0.self_attn.q_proj.weight``
+            for a ``LlamaForCausalLM``). Non-tensor values are not exported.
+        rename: ``(regex pattern, replacement)`` pairs (or an ordered dict),
+            applied with ``re.sub`` in order to every name after stripping
+            ``prefix``, e.g. ``[(r"^layers\\.", "model.layers.")]`` to map a
+            custom model onto Hugging Face names.
+        config: optionally also write ``config.json``: a path to a
+            ``config.json``, a Hugging Face model directory (its
+            ``config.json`` is written and its generation config and
+            tokenizer files, :data:`HF_CONFIG_FILES`, are copied), a dict, or a
+            ``transformers`` config object. With ``dtype`` given, the
+            ``dtype``/``torch_dtype`` entries the config already has are set
+            to it. Without ``config`` only weights are written; save the
+            config yourself (``config.save_pretrained(dst)``) before loading.
+        progress: ``progress(done_bytes, total_bytes)`` after each tensor.
+
+    Returns:
+        The paths of the files written in ``dst``: the safetensors files in
+        order, then ``model.safetensors.index.json`` (written also for a
+        single file; ``from_pretrained`` takes ``model.safetensors`` first),
+        then ``config.json`` and copied files if ``config`` was given.
+
+    Tied weights (``tie_word_embeddings``) are exported as saved: if the
+    checkpoint holds both ``lm_head.weight`` and the embedding, both are
+    written and ``from_pretrained`` ties them again.
+
+    Raises:
+        FileNotFoundError: ``src`` does not exist.
+        CheckpointFormatError: ``src`` is not a readable universal checkpoint.
+        FileExistsError: ``dst`` exists and is not an empty directory.
+        CheckpointKeyError: no tensor starts with ``prefix`` (the message
+            lists the prefixes the checkpoint has).
+        ValueError: bad ``dtype``, ``max_shard_size`` or ``rename``, or two
+            tensors renamed to the same name.
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    cast = parse_dtype(dtype)
+    max_bytes = parse_size(max_shard_size)
+    rules = _compile_rename(rename)
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a string, got {prefix!r}")
+    if not os.path.exists(src):
+        raise FileNotFoundError(f"{src}: no such checkpoint directory")
+    _check_empty_dst(dst)
+    cfg_doc, cfg_extra = _load_config(config) if config is not None else (None, [])
+    with Checkpoint(src, dcp_values=dcp_values) as ckpt:
+        planned = _plan_export(ckpt, prefix, rules, cast)
+        shards = _shard(planned, max_bytes)
+        n = len(shards)
+        names = [HF_WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        total = sum(p.nbytes for p in planned)
+        tmp = temp_dir_for(dst)
+        try:
+            done = 0
+            for fname, shard in zip(names, shards):
+                fd = os.open(os.path.join(tmp, fname), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    write_all(fd, _st_header(shard))
+                    for p in shard:
+                        t = ckpt.read_tensor(p.src, dtype=p.cast)
+                        if t.dtype != p.dtype or tuple(t.shape) != p.shape:  # cannot happen: the index said so
+                            raise AssertionError(f"{src}: {p.src!r} read as {t.dtype}{list(t.shape)}")
+                        write_all(fd, tensor_view(t.contiguous()))
+                        del t
+                        done += p.nbytes
+                        if progress is not None:
+                            progress(done, total)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            index = {
+                "metadata": {"total_size": total, "total_parameters": sum(math.prod(p.shape) for p in planned)},
+                "weight_map": {p.name: fname for fname, shard in zip(names, shards) for p in shard},
+            }
+            written = [*names, HF_INDEX_NAME]
+            with open(os.path.join(tmp, HF_INDEX_NAME), "w", encoding="utf-8") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+                f.write("\n")
+            if cfg_doc is not None:
+                if cast is not None:
+                    for key in ("dtype", "torch_dtype"):
+                        if key in cfg_doc:
+                            cfg_doc[key] = dtype_name(cast)
+                with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+                    json.dump(cfg_doc, f, indent=2, sort_keys=True)
+                    f.write("\n")
+                written.append("config.json")
+                for path in cfg_extra:
+                    shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
+                    written.append(os.path.basename(path))
+            commit_dir(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return [os.path.join(dst, w) for w in written]
+
+
+# ====================================================================== import
+
+
+def import_hf(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    prefix: str = "model.",
+    progress: ProgressFn | None = None,
+) -> None:
+    """Write the weights of Hugging Face model ``src`` as a universal checkpoint at ``dst``.
+
+    ``ucp-dcp convert`` does the same for any source; this keeps the
+    Hugging Face defaults: names get ``prefix`` (``"model."`` loads into
+    ``{"model": get_model_state_dict(model)}`` under any layout), and
+    ``dst`` must not exist or be empty. It is written in a temporary sibling
+    directory and renamed at the end. Loading does not need it: every entry
+    point reads the Hugging Face directory itself.
+
+    Raises:
+        CheckpointFormatError: ``src`` is not a safetensors model, an index
+            names a missing file, a file is not valid safetensors, a tensor
+            is missing from the file the index names, or a name appears twice.
+        FileExistsError: ``dst`` exists and is not an empty directory.
+    """
+    from ..sources import HFSource, NativeSource
+    from .convert import convert
+
+    src, dst = os.fspath(src), os.fspath(dst)
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a string, got {prefix!r}")
+    if not os.path.exists(src):
+        raise FileNotFoundError(f"{src}: no such Hugging Face model directory or file")
+    if NativeSource.detect(src):
+        raise CheckpointFormatError(
+            f"{src} is a ucp_dcp checkpoint, not a Hugging Face model directory (export it with export_hf)"
+        )
+    if not HFSource.detect(src):
+        HFSource(src)  # raises, saying what is missing
+    _check_empty_dst(dst)
+    tmp = temp_dir_for(dst)
+    try:
+        convert(src, tmp, prefix=prefix, progress=progress)
+        commit_dir(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,361 @@
+"""Every entry point on every source, bit-exact.
+
+The sources are written by the real writers, with nothing of ucp_dcp:
+
+* ``dcp``: plain ``dcp.save(checkpoint_id=...)`` on 4 ranks, a 2-D (dp, tp)
+  mesh, uneven and empty shards, a transposed plain tensor, values;
+* ``megatron``: the same, with every rank's local plan attached to the
+  ``.metadata`` as Megatron-core's ``torch_dist`` strategy does
+  (``all_local_plans``: DCP's ``SavePlan``/``WriteItem``/``TensorWriteData``);
+* ``accelerate``: accelerate's FSDP layout, ``pytorch_model_fsdp_0/`` (keys
+  ``model.*``) next to ``optimizer_0/`` (keys ``optimizer.*``), opened as
+  the parent directory;
+* ``hf``: a sharded ``save_pretrained`` directory of a tiny ``transformers``
+  Llama (``model.safetensors.index.json`` + several files).
+
+Each is loaded with ``dcp.load`` on 3 ranks into other layouts, and through
+``Checkpoint``, ``load_state_dict``, ``load_into_module`` and the CLI
+(``inspect``, ``verify``, ``diff``, ``export-hf``, ``convert``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from dist_utils import bit_equal, run_ranks
+from ucp_dcp import (
+    Checkpoint,
+    CheckpointFormatError,
+    UCPLoadPlanner,
+    UCPStorageReader,
+    load_into_module,
+    load_state_dict,
+)
+from ucp_dcp.sources import CompositeSource, DCPSource, HFSource, NativeSource, open_source
+from ucp_dcp.sources.distcp import read_dcp_metadata
+from ucp_dcp.tools.cli import main as cli_main
+
+SOURCES = ("dcp", "megatron", "accelerate", "hf")
+
+
+# ---------------------------------------------------------------- the states
+
+
+def full_state() -> dict[str, torch.Tensor]:
+    """The full tensors of the DCP-written sources (same in every process)."""
+    g = torch.Generator().manual_seed(11)
+
+    def r(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    return {
+        "model.embed.weight": r(37, 12),  # uneven over 2 and 3
+        "model.proj.weight": r(10, 18),  # sharded on both mesh dims
+        "model.tiny": r(1, 6),  # fewer rows than ranks: empty shards
+        "model.bf": r(9, 8, dtype=torch.bfloat16),
+        "model.wt": r(8, 6).t(),  # a plain tensor DCP stores transposed
+        "optimizer.state.proj.weight.exp_avg": r(10, 18),
+        "optimizer.state.embed.weight.exp_avg": r(37, 12),
+    }
+
+
+VALUES = {"optimizer.lr": 3e-4, "optimizer.betas": (0.9, 0.95), "step": 12}
+
+# (dp, tp) mesh placements of the 4-rank source; None: a plain tensor on every rank.
+SAVE = {
+    "model.embed.weight": (Shard(0), Replicate()),
+    "model.proj.weight": (Shard(0), Shard(1)),
+    "model.tiny": (Shard(0), Replicate()),
+    "model.bf": (Replicate(), Shard(0)),
+    "model.wt": None,
+    "optimizer.state.proj.weight.exp_avg": (Shard(1), Shard(0)),
+    "optimizer.state.embed.weight.exp_avg": (Replicate(), Shard(1)),
+}
+# The 3-rank targets: other dims, so every read is a part of a saved chunk.
+LOAD = {
+    "model.embed.weight": Shard(1),
+    "model.proj.weight": Shard(0),
+    "model.tiny": Replicate(),
+    "model.bf": Shard(1),
+    "model.wt": Shard(0),
+    "optimizer.state.proj.weight.exp_avg": Shard(1),
+    "optimizer.state.embed.weight.exp_avg": Shard(0),
+}
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        *parents, leaf = k.split(".")
+        d = out
+        for p in parents:
+            d = d.setdefault(p, {})
+        d[leaf] = v
+    return out
+
+
+def flatten(sd: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+class MegatronStylePlanner(DefaultSavePlanner):
+    """Attaches every rank's local plan to the metadata, as Megatron-core's torch_dist strategy does."""
+
+    def create_global_plan(self, all_plans: Any) -> Any:
+        global_plan, metadata = super().create_global_plan(all_plans)
+        metadata.all_local_plans = all_plans  # DCP's own SavePlan / WriteItem / TensorWriteData records
+        return global_plan, metadata
+
+
+def _save_sources(rank: int, world: int, root: str) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = full_state()
+    flat: dict[str, Any] = {k: v if SAVE[k] is None else distribute_tensor(v, mesh, list(SAVE[k]))
+                            for k, v in full.items()}
+    flat.update(VALUES)
+    dcp.save(nest(flat), checkpoint_id=os.path.join(root, "dcp"))
+    dcp.save(nest(flat), storage_writer=FileSystemWriter(os.path.join(root, "megatron")),
+             planner=MegatronStylePlanner())
+    # accelerate: the model and the optimizer as two DCP checkpoints side by side.
+    model = {k: v for k, v in flat.items() if k.startswith("model.")}
+    optim = {k: v for k, v in flat.items() if not k.startswith("model.")}
+    dcp.save(nest(model), checkpoint_id=os.path.join(root, "accelerate", "pytorch_model_fsdp_0"))
+    dcp.save(nest(optim), checkpoint_id=os.path.join(root, "accelerate", "optimizer_0"))
+
+
+def tiny_llama() -> Any:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(3)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sources")
+    run_ranks(4, _save_sources, str(root))
+    model = tiny_llama()
+    model.save_pretrained(root / "hf", max_shard_size="20KB", safe_serialization=True)
+    assert (root / "hf" / "model.safetensors.index.json").exists()
+    return {name: root / name for name in SOURCES}
+
+
+def expected(name: str) -> dict[str, torch.Tensor]:
+    """Full tensors each source holds, by key."""
+    if name == "hf":
+        return {k: v.detach().clone() for k, v in tiny_llama().state_dict().items()}
+    return full_state()
+
+
+def expected_values(name: str) -> dict[str, Any]:
+    return {} if name == "hf" else VALUES
+
+
+# ---------------------------------------------------------------- detection and records
+
+
+def test_open_source_detects_each_format(sources: dict[str, Path]) -> None:
+    kinds = {"dcp": DCPSource, "megatron": DCPSource, "accelerate": CompositeSource, "hf": HFSource}
+    for name, path in sources.items():
+        src = open_source(path)
+        try:
+            assert type(src) is kinds[name], name
+            assert set(src.index.tensors) == set(expected(name)), name
+            assert set(src.index.values) == set(expected_values(name)), name
+        finally:
+            src.close()
+
+
+def test_megatron_metadata_carries_local_plans(sources: dict[str, Path]) -> None:
+    md = read_dcp_metadata(sources["megatron"])
+    plans = md.all_local_plans  # type: ignore[attr-defined]
+    assert len(plans) == 4 and all(type(p).__name__ == "SavePlan" for p in plans)
+    assert {type(i).__name__ for p in plans for i in p.items} == {"WriteItem"}
+
+
+def test_hostile_metadata_is_refused_before_anything_is_imported(tmp_path: Path, sources: dict[str, Path]) -> None:
+    """A .metadata naming any class beyond DCP's metadata and plan records is refused, naming it."""
+
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    md = read_dcp_metadata(sources["megatron"])
+    md.all_local_plans = [Evil()]  # type: ignore[attr-defined]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in os.listdir(sources["megatron"]):
+        if f.endswith(".distcp"):
+            os.symlink(sources["megatron"] / f, bad / f)
+    with open(bad / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    for call in (lambda: open_source(bad), lambda: Checkpoint(bad), lambda: load_state_dict(bad)):
+        with pytest.raises(CheckpointFormatError, match=r"refusing to unpickle posix\.system from \.metadata"):
+            call()
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_accelerate_keys_that_repeat_across_subfolders_are_an_error(tmp_path: Path, sources: dict[str, Path]) -> None:
+    root = tmp_path / "twice"
+    root.mkdir()
+    os.symlink(sources["dcp"], root / "a")
+    os.symlink(sources["megatron"], root / "b")
+    with pytest.raises(CheckpointFormatError, match=r"is in both a/ and b/"):
+        open_source(root)
+
+
+def test_not_a_checkpoint_names_what_is_missing(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(CheckpointFormatError, match=r"ucp_index\.json is missing"):
+        open_source(tmp_path)
+
+
+# ---------------------------------------------------------------- single-process entry points
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_load_state_dict_and_checkpoint_bit_exact(sources: dict[str, Path], name: str) -> None:
+    got = load_state_dict(sources[name], dcp_values="weights_only")
+    want = expected(name)
+    assert set(got) == set(want) | set(expected_values(name))
+    for k, v in want.items():
+        assert bit_equal(got[k], v), k
+    for k, v in expected_values(name).items():
+        assert got[k] == v and type(got[k]) is type(v), k
+    with Checkpoint(sources[name], dcp_values="weights_only") as ck:
+        key = sorted(want)[0]
+        assert bit_equal(ck.read_tensor(key), want[key])
+        assert ck.verify() == []
+
+
+def test_load_state_dict_reads_only_the_selected_tensors(sources: dict[str, Path]) -> None:
+    got = load_state_dict(sources["hf"], "model.layers.1.", prefix="")
+    assert got and all(k.startswith("model.layers.1.") for k in got)
+    got = load_state_dict(sources["hf"], "model.model.norm.weight", prefix="model.")
+    assert list(got) == ["model.model.norm.weight"]
+
+
+def test_load_into_module_from_dcp_and_hf(sources: dict[str, Path]) -> None:
+    target = tiny_llama()
+    with torch.no_grad():
+        for p in target.parameters():
+            p.zero_()
+    load_into_module(target, sources["hf"], prefix="")
+    for k, v in expected("hf").items():
+        assert bit_equal(target.state_dict()[k], v), k
+
+    class Small(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(37, 12)
+            self.proj = torch.nn.Linear(18, 10, bias=False)
+
+    for name in ("dcp", "megatron", "accelerate"):
+        m = Small()
+        res = load_into_module(m, sources[name], prefix="model.", strict=False)
+        assert bit_equal(m.embed.weight, full_state()["model.embed.weight"]), name
+        assert bit_equal(m.proj.weight, full_state()["model.proj.weight"]), name
+        assert res.missing_keys == [] and "tiny" in res.unexpected_keys
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_cli_inspect_verify_diff_convert_export(sources: dict[str, Path], tmp_path: Path, name: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(sources[name])
+    assert cli_main(["inspect", path, "--json", "--dcp-values", "weights_only"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["format"] == {"hf": "hf", "accelerate": "subfolders"}.get(name, "dcp")
+    assert info["checksums"] is False
+    assert {t["name"] for t in info["tensors"]} == set(expected(name))
+    if name != "hf":
+        assert info["step"] == 12
+
+    assert cli_main(["verify", path, "-q"]) == 0
+    assert "records no checksums" in capsys.readouterr().out
+
+    converted = tmp_path / "converted"
+    assert cli_main(["convert", path, str(converted), "-q"]) == 0
+    capsys.readouterr()
+    with Checkpoint(converted) as ck:
+        assert ck.format == "ucp_dcp" and ck.has_checksums and ck.verify() == []
+    got = load_state_dict(converted)
+    for k, v in expected(name).items():
+        assert bit_equal(got[k], v), k
+    for k, v in expected_values(name).items():
+        assert got[k] == v, k
+
+    assert cli_main(["diff", path, str(converted), "-q", "--dcp-values", "weights_only"]) == 0
+    assert "identical" in capsys.readouterr().out
+
+    prefix = "" if name == "hf" else "model."
+    out = tmp_path / "exported"
+    assert cli_main(["export-hf", path, str(out), "-q", "--prefix", prefix]) == 0
+    capsys.readouterr()
+    exported = load_state_dict(out)
+    want = {k[len(prefix):]: v for k, v in expected(name).items() if k.startswith(prefix)}
+    assert set(exported) == set(want)
+    for k, v in want.items():
+        assert bit_equal(exported[k], v), k
+
+
+def test_import_aliases_still_work(sources: dict[str, Path], tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["import-dcp", str(sources["dcp"]), str(tmp_path / "a"), "-q"]) == 0
+    assert cli_main(["import-hf", str(sources["hf"]), str(tmp_path / "b"), "-q"]) == 0
+    capsys.readouterr()
+    assert NativeSource.detect(str(tmp_path / "a")) and NativeSource.detect(str(tmp_path / "b"))
+    got = load_state_dict(tmp_path / "b", "model.lm_head.weight")
+    assert bit_equal(got["model.lm_head.weight"], expected("hf")["lm_head.weight"])
+
+
+# ---------------------------------------------------------------- dcp.load on 3 ranks
+
+
+def _load_all_3(rank: int, world: int, paths: dict[str, str]) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    for name in ("dcp", "megatron", "accelerate"):
+        full = full_state()
+        flat: dict[str, Any] = {k: distribute_tensor(torch.full(v.shape, 7, dtype=v.dtype), mesh, [LOAD[k]])
+                                for k, v in full.items()}
+        flat.update({k: None for k in VALUES})
+        sd = nest(flat)
+        reader = UCPStorageReader(paths[name], dcp_values="weights_only")
+        dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
+        got = flatten(sd)
+        for k, v in full.items():
+            assert isinstance(got[k], DTensor) and bit_equal(got[k].full_tensor(), v), (name, k)
+        for k, v in VALUES.items():
+            assert got[k] == v, (name, k)
+    # The Hugging Face model into FSDP-style row shards, names as get_state_dict gives them.
+    want = expected("hf")
+    flat = {f"model.{k}": distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in want.items()}
+    dcp.load(nest(flat), storage_reader=UCPStorageReader(paths["hf"], prefix="model."), planner=UCPLoadPlanner())
+    for k, v in want.items():
+        assert bit_equal(flat[f"model.{k}"].full_tensor(), v), k
+
+
+@pytest.mark.multiproc
+def test_dcp_load_every_source_on_3_ranks(sources: dict[str, Path]) -> None:
+    run_ranks(3, _load_all_3, {k: str(v) for k, v in sources.items()})
