@@ -60,3 +60,26 @@ def count_read_bytes(monkeypatch: Any) -> dict[str, int]:
     monkeypatch.setattr(os, "preadv", preadv)
     monkeypatch.setattr(os, "pread", pread)
     return counted
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"a.b": x}`` -> ``{"a": {"b": x}}``: the nested state dict DCP flattens back to ``flat``'s keys."""
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        *parents, leaf = k.split(".")
+        d = out
+        for p in parents:
+            d = d.setdefault(p, {})
+        d[leaf] = v
+    return out
+
+
+def flatten(sd: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The inverse of :func:`nest`."""
+    out: dict[str, Any] = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

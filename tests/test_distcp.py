@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from dist_utils import bit_equal, run_ranks
+from dist_utils import bit_equal, flatten, nest, run_ranks
 from ucp_dcp import Checkpoint, CheckpointFormatError, UCPLoadPlanner, UCPStorageReader
 from ucp_dcp.errors import DCPValueError
 from ucp_dcp.sources.distcp import DCPSource, read_dcp_metadata
@@ -66,36 +66,15 @@ _TARGET = {
 }
 
 
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in flat.items():
-        *parents, leaf = k.split(".")
-        d = out
-        for p in parents:
-            d = d.setdefault(p, {})
-        d[leaf] = v
-    return out
-
-
-def _flat(sd: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in sd.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _blank_plain(full: dict[str, torch.Tensor], values: bool = True) -> dict[str, Any]:
     sd: dict[str, Any] = {k: torch.full(v.shape, 13, dtype=v.dtype) for k, v in full.items()}
     if values:
         sd.update({k: None for k in _VALUES})
-    return _nest(sd)
+    return nest(sd)
 
 
 def _check_plain(sd: dict[str, Any], full: dict[str, torch.Tensor], values: bool = True) -> None:
-    flat = _flat(sd)
+    flat = flatten(sd)
     for k, v in full.items():
         assert bit_equal(flat[k], v), k
     if values:
@@ -154,7 +133,7 @@ def _save_dp2(rank: int, world: int, path: str) -> None:
     for k, v in full.items():
         sd[k] = v if _SOURCE[k] is None else distribute_tensor(v, mesh, [_SOURCE[k]])
     sd.update(_VALUES)
-    dcp.save(_nest(sd), checkpoint_id=path)  # plain DCP: FileSystemWriter, DefaultSavePlanner
+    dcp.save(nest(sd), checkpoint_id=path)  # plain DCP: FileSystemWriter, DefaultSavePlanner
 
 
 def _load_3(rank: int, world: int, direct: str, imported: str, out: str) -> None:
@@ -166,7 +145,7 @@ def _load_3(rank: int, world: int, direct: str, imported: str, out: str) -> None
             k: distribute_tensor(torch.full(v.shape, 13, dtype=v.dtype), mesh, [_TARGET[k]]) for k, v in full.items()
         }
         flat.update({k: None for k in _VALUES})
-        sd = _nest(flat)
+        sd = nest(flat)
         if what == "dcp":
             reader: Any = CountingFileSystemReader(direct)
             dcp.load(sd, storage_reader=reader)
@@ -178,7 +157,7 @@ def _load_3(rank: int, world: int, direct: str, imported: str, out: str) -> None
             if what == "direct":
                 assert isinstance(reader.source, DCPSource)
                 counts["direct_parse"] = reader.source.parse_stats.bytes
-        got = _flat(sd)
+        got = flatten(sd)
         for k, v in full.items():
             t = got[k]
             assert isinstance(t, DTensor), (what, k)
@@ -233,7 +212,7 @@ def test_dcp_dp2_import_and_direct_load_bit_exact(tmp_path: Path) -> None:
     with pytest.raises(CheckpointException, match=r"value 'optim\.\w+' is stored by DCP as a pickle.*dcp_values='weights_only'"):
         dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
     assert reader.bytes_requested == 0
-    assert all((t == 13).all() for t in _flat(sd).values() if isinstance(t, torch.Tensor))
+    assert all((t == 13).all() for t in flatten(sd).values() if isinstance(t, torch.Tensor))
     # ... and tensors alone need no opt-in.
     sd = _blank_plain(full, values=False)
     with pytest.warns(UserWarning, match="not in the state dict"):

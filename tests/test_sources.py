@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from dist_utils import bit_equal, run_ranks
+from dist_utils import bit_equal, flatten, nest, run_ranks
 from ucp_dcp import (
     Checkpoint,
     CheckpointFormatError,
@@ -93,27 +93,6 @@ LOAD = {
     "optimizer.state.proj.weight.exp_avg": Shard(1),
     "optimizer.state.embed.weight.exp_avg": Shard(0),
 }
-
-
-def nest(flat: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in flat.items():
-        *parents, leaf = k.split(".")
-        d = out
-        for p in parents:
-            d = d.setdefault(p, {})
-        d[leaf] = v
-    return out
-
-
-def flatten(sd: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in sd.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 class MegatronStylePlanner(DefaultSavePlanner):

@@ -35,9 +35,9 @@ from ..core.sharding import Box
 from ..format import Location, TensorRecord
 from ..sources import Source, SourceOptions, open_source, read_value, source_types
 from ..sources.distcp import DCP_VALUES_MODES
+from ._directory import _Directory
 from .compact import LazyChunks
 from .planners import UCPLoadPlanner
-from .writer import _Directory
 
 __all__ = ["UCPStorageReader"]
 

@@ -34,6 +34,7 @@ from ..format import (
     layout_file,
     split_rank_local_key,
 )
+from ._directory import _Directory
 from .compact import compact_records
 from .planners import UCPSavePlanner
 
@@ -68,21 +69,6 @@ class _WriteRecord:
 def _restated(e: OSError, msg: str) -> OSError:
     """A new OSError with message ``msg`` and ``e``'s errno (so callers can still test for ENOSPC)."""
     return OSError(e.errno, msg) if e.errno is not None else OSError(msg)
-
-
-class _Directory:
-    """A checkpoint that is a local directory (``checkpoint_id`` is its path)."""
-
-    path: str
-
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint directory."""
-        return self.path
-
-    def _set_path(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
-        if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
 
 
 class UCPStorageWriter(_Directory, StorageWriter):
