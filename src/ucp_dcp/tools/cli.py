@@ -327,15 +327,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(handler=handler)
         return p
 
-    p = command("inspect", _cmd_inspect, "Summarise a checkpoint: step, world size, files, and every tensor's "
-                "dtype, shape, sharding and size. Reads only the index.")
-    p.add_argument("path", metavar="PATH", help="checkpoint (any format ucp_dcp reads)")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
-
-    p = command("verify", _cmd_verify, "Re-read every data file and check every checksum; print one line per "
-                "problem (naming the file and the tensor or value) and exit 1 if there is any.")
-    p.add_argument("path", metavar="PATH", help="checkpoint (any format ucp_dcp reads)")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+    for name, handler, text in (
+        ("inspect", _cmd_inspect, "Summarise a checkpoint: format, step, world size, files, and every tensor's "
+         "dtype, shape, sharding and size. Reads only the index."),
+        ("verify", _cmd_verify, "Re-read every data file and check every checksum; print one line per "
+         "problem (naming the file and the tensor or value) and exit 1 if there is any."),
+    ):
+        p = command(name, handler, text)
+        p.add_argument("path", metavar="PATH", help="checkpoint (any format ucp_dcp reads)")
+        p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
 
     p = command("diff", _cmd_diff, "Compare two checkpoints: entries only in one, shape/dtype differences, "
                 "per-tensor max abs difference (NaN-aware), differing values. Exit 1 if they differ.")
