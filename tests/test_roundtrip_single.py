@@ -109,3 +109,15 @@ def test_reads_only_needed_bytes(tmp_path: Path) -> None:
     reader = _load(out, tmp_path, allow_partial_load=True)
     assert torch.equal(out["w3"], sd["w3"])
     assert reader.bytes_requested == 256 * 256 * 4
+
+
+def test_bytesio_values_round_trip(tmp_path: Path) -> None:
+    """An ``io.BytesIO`` value (DCP stores these as raw bytes) saves and loads back as a BytesIO, unpickled."""
+    import io
+
+    blob = bytes(range(256)) * 3
+    _save({"w": torch.ones(3), "blob": io.BytesIO(blob), "nested": {"b": io.BytesIO(b"")}}, tmp_path)
+    out: dict[str, Any] = {"w": torch.zeros(3), "blob": io.BytesIO(), "nested": {"b": io.BytesIO()}}
+    _load(out, tmp_path)
+    assert isinstance(out["blob"], io.BytesIO) and out["blob"].getvalue() == blob
+    assert isinstance(out["nested"]["b"], io.BytesIO) and out["nested"]["b"].getvalue() == b""

@@ -5,7 +5,7 @@ counters, dataloader positions, RNG states. DCP stores those with
 ``torch.save`` and reads them back with ``torch.load``, which can run code
 from an untrusted checkpoint. Here they are encoded as JSON with a small set
 of tags for what JSON cannot say itself (tuples, non-string dict keys,
-non-finite floats, small tensors, numpy arrays, bytes, dtypes). Anything else
+non-finite floats, small tensors, numpy arrays, bytes, ``io.BytesIO``, dtypes). Anything else
 is refused at save time with the key that holds it, rather than silently
 stringified or pickled.
 """
@@ -13,6 +13,7 @@ stringified or pickled.
 from __future__ import annotations
 
 import base64
+import io
 import json
 import math
 from dataclasses import dataclass
@@ -106,6 +107,9 @@ def _encode(obj: Any, path: str) -> Any:
         }
     if isinstance(obj, (bytes, bytearray)):
         return {_TAG: "bytes", "v": base64.b64encode(bytes(obj)).decode("ascii")}
+    if isinstance(obj, io.BytesIO):
+        # DCP stores a BytesIO value as its raw bytes (no pickle) and loads a BytesIO back.
+        return {_TAG: "bytesio", "v": base64.b64encode(obj.getvalue()).decode("ascii")}
     raise UnsupportedValueError(
         f"{path}: values of type {type(obj).__module__}.{type(obj).__qualname__} cannot be saved "
         "without pickling; convert it to numbers, strings, lists, dicts or tensors "
@@ -163,6 +167,8 @@ def _decode(obj: Any, key: str) -> Any:
         return torch.device(obj["v"])
     if tag == "bytes":
         return base64.b64decode(obj["v"])
+    if tag == "bytesio":
+        return io.BytesIO(base64.b64decode(obj["v"]))
     if tag == "tensor":
         dtype = dtype_from_name(obj["dtype"])
         raw = bytearray(base64.b64decode(obj["data"]))
