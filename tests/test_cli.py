@@ -205,9 +205,11 @@ def test_verify_unreadable_index_or_missing_dir(capsys: pytest.CaptureFixture[st
     rc, out, err = _run(capsys, "verify", copy)
     assert rc == 1 and INDEX_FILE in out and "truncated or corrupt index" in out
     _one_error_line(err)
-    rc, out, err = _run(capsys, "verify", tmp_path / "missing")
-    assert rc == 1 and "not a checkpoint" in out
-    _one_error_line(err)
+    # A path that is not there cannot be opened: status 2, as for every other command.
+    for cmd in ("verify", "inspect"):
+        rc, out, err = _run(capsys, cmd, tmp_path / "missing")
+        assert rc == 2 and out == ""
+        assert "missing" in _one_error_line(err) and ("does not exist" in err or "no such directory" in err)
 
 
 # ====================================================================== diff

@@ -33,13 +33,13 @@ own metadata:
   uses ``torch.load(..., weights_only=True)`` (torch's restricted unpickler)
   and hands the value on as tagged JSON (:mod:`ucp_dcp.core.values`).
 
-:func:`import_dcp` converts such a checkpoint into the universal format,
-streaming slab by slab with bounded memory.
+``ucp-dcp convert`` (:func:`ucp_dcp.tools.convert.convert`) writes such a
+checkpoint in the native format, streaming with bounded memory.
 
 Items stored with strides that are no permutation of a dense layout (only an
 ``as_strided`` view with overlapping elements can produce one) cannot be
-read as byte ranges: a direct load fails naming the key, :func:`import_dcp`
-converts them by reading that item's storage whole. Items written with DCP's
+read as byte ranges: a direct load fails naming the key, ``convert``
+converts them by reading that item's storage whole (:meth:`DCPSource.materialize`). Items written with DCP's
 experimental stream transforms (compression) are refused, naming the key.
 Checkpoints written with ``SerializationFormat.SAFETENSORS`` or without
 collectives (``__<rank>.metadata`` files) are not this format.

@@ -1,15 +1,17 @@
 """The ``ucp-dcp`` command line: inspect, verify, diff and convert checkpoints.
 
-Exit status: 0 on success; 1 when ``verify`` finds a problem (a path that
-is not a readable checkpoint is one) or ``diff`` finds a difference; 2 for
-any other failure (bad arguments, a path that is not a checkpoint, a failed
+Every command reads every checkpoint format :mod:`ucp_dcp.sources` knows.
+
+Exit status: 0 on success; 1 when ``verify`` finds a problem (a damaged
+checkpoint, an unreadable index included) or ``diff`` finds a difference; 2
+for any other failure (bad arguments, a path that does not exist, a failed
 conversion), reported as one line ``ucp-dcp: error: <reason>`` on stderr;
 130 when interrupted. ``--debug`` adds the traceback.
 
-Commands: ``inspect``, ``verify``, ``diff``, ``export-hf``, ``import-hf``,
-``import-dcp``; ``ucp-dcp COMMAND --help`` describes each. The conversion
-modules (:mod:`ucp_dcp.tools.hf`, :mod:`ucp_dcp.sources.distcp`) are imported only by the
-commands that need them.
+Commands: ``inspect``, ``verify``, ``diff``, ``export-hf``, ``convert`` (and
+its aliases ``import-dcp``, ``import-hf``); ``ucp-dcp COMMAND --help``
+describes each. The conversion modules (:mod:`ucp_dcp.tools.hf`,
+:mod:`ucp_dcp.tools.convert`) are imported only by the commands that need them.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ EXIT_FAILED = 1  # verify found problems / diff found differences
 EXIT_ERROR = 2  # the command could not do its job
 
 _EPILOG = (
-    "exit status: 0 success; 1 verify found problems or diff found differences; "
-    "2 any other error (one line 'ucp-dcp: error: ...' on stderr)"
+    "exit status: 0 success; 1 verify found problems (a damaged checkpoint) or diff found differences; "
+    "2 any other error, such as a path that does not exist (one line 'ucp-dcp: error: ...' on stderr)"
 )
 
 
@@ -173,6 +175,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from ..errors import CheckpointFormatError
 
     summary: dict[str, Any] = {"path": args.path, "files": 0, "bytes_verified": 0}
+    if not os.path.exists(args.path):  # nothing to verify: the same "cannot open" as every command
+        raise CLIError(f"{args.path}: no such checkpoint (the path does not exist)")
     try:
         ck = Checkpoint(args.path, dcp_values=args.dcp_values)
     except CheckpointFormatError as e:  # an unreadable index is a verification failure
