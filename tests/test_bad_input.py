@@ -687,6 +687,20 @@ def test_rebuild_index_recovers_lost_index(ckpt: tuple[Path, dict[str, Any]]) ->
         rebuild_index(str(path), write=True)
 
 
+def test_rebuild_index_replaces_a_corrupt_index_on_request(ckpt: tuple[Path, dict[str, Any]]) -> None:
+    """The corrupt-index error says how to rebuild, and exactly that call works."""
+    path, sd = ckpt
+    committed = load_index(str(path)).to_json()
+    (path / INDEX_FILE).write_text('{"format": "ucp_dcp", "vers')
+    assert_load_fails(path, match=r"truncated or corrupt index.*rebuild_index\(path, write=True, replace=True\)")
+    with pytest.raises(FileExistsError, match="replace=True"):
+        rebuild_index(str(path), write=True)
+    assert rebuild_index(str(path), write=True, replace=True).to_json() == committed
+    out = blank_like(sd)
+    load(out, path)
+    assert_state_equal(out, sd)
+
+
 # Regression: rebuild_index used to mix the data files of a committed save with
 # those of a save that crashed before its commit.
 def test_rebuild_index_does_not_mix_saves(ckpt: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -161,16 +161,21 @@ def load_index(directory: str) -> Index:
         raise CheckpointFormatError(
             f"{directory}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing{hint}. "
             "A save that did not finish leaves no index; load an earlier checkpoint "
-            "or rebuild the index from complete data files with ucp_dcp.rebuild_index"
+            "or rebuild the index from complete data files with ucp_dcp.rebuild_index(path, write=True)"
         ) from None
     try:
         doc = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointFormatError(f"{path}: truncated or corrupt index ({e})") from None
+        raise CheckpointFormatError(
+            f"{path}: truncated or corrupt index ({e}); if the data files are complete, rebuild it with "
+            "ucp_dcp.rebuild_index(path, write=True, replace=True)"
+        ) from None
     return Index.from_json(doc, path)
 
 
-def rebuild_index(directory: str, *, save_id: str | None = None, write: bool = False) -> Index:
+def rebuild_index(
+    directory: str, *, save_id: str | None = None, write: bool = False, replace: bool = False
+) -> Index:
     """Rebuild the index from the data files' headers alone.
 
     Recovers a checkpoint whose index was lost, and checks that the data
@@ -178,7 +183,9 @@ def rebuild_index(directory: str, *, save_id: str | None = None, write: bool = F
     that never committed; when files of several saves are present, pick one
     with ``save_id`` (it is part of every data file name) rather than have
     them mixed. The result must cover every tensor it names completely. With
-    ``write=True`` it is written as ``ucp_index.json`` (refused if one exists).
+    ``write=True`` it is written as ``ucp_index.json``, atomically; an
+    existing index is replaced only with ``replace=True`` (for one that is
+    damaged: the data files' headers carry their own checksums and boxes).
     """
     names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
     if not names:
@@ -210,6 +217,10 @@ def rebuild_index(directory: str, *, save_id: str | None = None, write: bool = F
             )
     if write:
         if os.path.exists(os.path.join(directory, INDEX_FILE)):
-            raise FileExistsError(f"{directory}/{INDEX_FILE} exists; not overwriting it")
+            if not replace:
+                raise FileExistsError(
+                    f"{directory}/{INDEX_FILE} exists; not overwriting it (pass replace=True to replace a "
+                    "damaged index with the one rebuilt from the data files)"
+                )
         write_index(directory, index)
     return index
