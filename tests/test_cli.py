@@ -349,7 +349,10 @@ def test_hf_round_trip_through_the_cli(capsys: pytest.CaptureFixture[str], good:
     pytest.importorskip("ucp_dcp.tools.hf")
     hf, back = tmp_path / "hf", tmp_path / "back"
     rc, out, err = _run(capsys, "export-hf", good, hf, "--max-shard-size", "50KB", "--dtype", "fp32")
-    assert rc == 0 and err == "" and out.strip().endswith(": 3 files")  # two shards and the index
+    assert rc == 0 and out.strip().endswith(": 3 files")  # two shards and the index
+    # Without --config the weights cannot be from_pretrained'ed alone: one warning line says what to pass.
+    assert err.startswith("ucp-dcp: warning: ") and "config.json" in err and "--config" in err
+    assert len(err.strip().splitlines()) == 1
     rc, _, err = _run(capsys, "import-hf", hf, back)
     assert rc == 0 and err == ""  # torch's single-process notice is not shown
     report = diff_checkpoints(good, back)

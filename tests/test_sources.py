@@ -291,8 +291,11 @@ def test_cli_inspect_verify_diff_convert_export(sources: dict[str, Path], tmp_pa
     prefix = "" if name == "hf" else "model."
     out = tmp_path / "exported"
     assert cli_main(["export-hf", path, str(out), "-q", "--prefix", prefix]) == 0
-    capsys.readouterr()
+    err = capsys.readouterr().err
+    assert ("needs a config.json" in err) == (name != "hf")
     exported = load_state_dict(out)
+    # A Hugging Face source carries its config.json over, so from_pretrained can load the export.
+    assert (out / "config.json").exists() == (name == "hf")
     want = {k[len(prefix):]: v for k, v in expected(name).items() if k.startswith(prefix)}
     assert set(exported) == set(want)
     for k, v in want.items():

@@ -327,8 +327,11 @@ def export_hf(
             tokenizer files, :data:`HF_CONFIG_FILES`, are copied), a dict, or a
             ``transformers`` config object. With ``dtype`` given, the
             ``dtype``/``torch_dtype`` entries the config already has are set
-            to it. Without ``config`` only weights are written; save the
-            config yourself (``config.save_pretrained(dst)``) before loading.
+            to it. Without ``config``, a Hugging Face source's own
+            ``config.json`` (and tokenizer files) are carried over; for any
+            other source only weights are written and a ``UserWarning`` says
+            so: ``from_pretrained`` needs a ``config.json`` next to them (pass
+            ``config=``, or ``config.save_pretrained(dst)`` yourself).
         progress: ``progress(done_bytes, total_bytes)`` after each tensor.
 
     Returns:
@@ -359,7 +362,16 @@ def export_hf(
     if not os.path.exists(src):
         raise FileNotFoundError(f"{src}: no such checkpoint directory")
     _check_empty_dst(dst)
+    if config is None and os.path.isdir(src) and os.path.isfile(os.path.join(src, "config.json")):
+        config = src  # a Hugging Face source carries its own config
     cfg_doc, cfg_extra = _load_config(config) if config is not None else (None, [])
+    if cfg_doc is None:
+        warnings.warn(
+            f"{dst}: wrote the weights only; transformers' from_pretrained also needs a config.json there: "
+            "pass config= (CLI: --config) with a config.json, a Hugging Face model directory or a config object",
+            UserWarning,
+            stacklevel=2,
+        )
     with Checkpoint(src, dcp_values=dcp_values) as ckpt:
         planned = _plan_export(ckpt, prefix, rules, cast)
         shards = _shard(planned, max_bytes)
