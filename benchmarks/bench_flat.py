@@ -561,6 +561,7 @@ def report(saves: dict[str, Any], loads: dict[str, Any], state_bytes: int) -> st
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with --quick defaults filled in."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=float, default=None,
@@ -590,6 +591,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Spawn the source ranks (saves), then the target ranks (loads); print, write JSON; 0 if all verified."""
     args = parse_args(argv)
     t_start = time.perf_counter()
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -378,6 +378,7 @@ def table(rows: list[Row]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with device- and --quick-dependent defaults filled in."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -400,6 +401,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the four steps on one device, print the table, write the JSON; 0 if every load was exact."""
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("CUDA is not available: run with --device cpu for a smoke check", file=sys.stderr)

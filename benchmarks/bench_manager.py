@@ -459,6 +459,7 @@ class Trainer:
         self.w = [torch.randn(1024, 1024, generator=g) / 32 for _ in range(matmuls)]
 
     def step(self) -> float:
+        """One step; returns its seconds."""
         t0 = time.perf_counter()
         x = self.a
         for w in self.w:
@@ -467,6 +468,7 @@ class Trainer:
 
 
 def steps_until(trainer: Trainer, done: Callable[[], bool]) -> list[float]:
+    """Training steps run until ``done()``; their times."""
     out = []
     while not done():
         out.append(trainer.step())
@@ -474,6 +476,7 @@ def steps_until(trainer: Trainer, done: Callable[[], bool]) -> list[float]:
 
 
 def bench_interference(state: dict[str, Any], dirs: Dirs, args: argparse.Namespace, res: dict[str, Any]) -> None:
+    """Section 2: training-step time alone and while a save writes in the background."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     trainer = Trainer(args.matmuls)
@@ -594,6 +597,7 @@ def direct_load(path: str, target: dict[str, Any], verify: bool) -> dict[str, An
 
 def bench_restore(state: dict[str, Any], dcp_dir: str, dirs: Dirs, args: argparse.Namespace,
                   res: dict[str, Any], failures: list[str]) -> None:
+    """Sections 3-4: restore time per tier, baselines, and the cost of checksums."""
     target = empty_like_state(state)
     ev = args.evict
     tiers: dict[str, dict[str, Any]] = {}
@@ -796,6 +800,7 @@ def bench_hash(state: dict[str, Any], repeat: int) -> dict[str, Any]:
 
 
 def report(result: dict[str, Any]) -> str:
+    """The markdown table of every section that ran."""
     b, t, r, h = (result.get(k, {}) for k in ("blocking", "interference", "restore", "hash"))
     rows: list[tuple[str, str, str]] = []  # (what, median, ratio)
     if b:
@@ -871,6 +876,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with --quick defaults filled in and checked."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=float, default=None, help="state size in MiB (default 1024; 64 with --quick)")
@@ -906,6 +912,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the chosen sections, print the table, write the JSON; 0 if every restore was exact."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

@@ -132,6 +132,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
+        """Elements of the global tensor."""
         return math.prod(self.shape)
 
 
@@ -180,6 +181,7 @@ class Layout:
 
     @property
     def world(self) -> int:
+        """Ranks the layout needs."""
         return math.prod(self.mesh_shape) if self.mesh_shape else 1
 
 
@@ -450,10 +452,12 @@ class Job:
 
     @property
     def layout(self) -> Layout:
+        """The layout the job's ranks hold (the source of a save, the target of a load)."""
         return LAYOUTS[self.name if self.kind == "save" else PAIRS[self.name][1]]
 
     @property
     def nranks(self) -> int:
+        """Ranks the job runs on."""
         return self.layout.world
 
 
@@ -466,13 +470,16 @@ class Ctx:
 
     @property
     def rank(self) -> int:
+        """This rank within the job's group."""
         return dist.get_rank(self.group)
 
     @property
     def size(self) -> int:
+        """Ranks in the job's group."""
         return dist.get_world_size(self.group)
 
     def barrier(self) -> None:
+        """Barrier over the job's group."""
         dist.barrier(group=self.group)
 
     def agree(self, local_error: str | None) -> str | None:
@@ -519,6 +526,7 @@ def _timed_save(fmt: str, path: str, state: dict[str, Any], ctx: Ctx) -> dict[st
 
 
 def run_save_job(job: Job, ctx: Ctx) -> dict[str, Any]:
+    """Warm-up and timed saves of one source layout in every format."""
     layout = job.layout
     rank_log(f"save {job.name}: building state")
     state = build_state(job.specs, layout, ctx.mesh, filled=True)
@@ -604,6 +612,7 @@ def _load_one_format(job: Job, fmt: str, expected: dict[str, Any], ctx: Ctx) -> 
 
 
 def run_load_job(job: Job, ctx: Ctx) -> dict[str, Any]:
+    """Page floor, timed cold loads and one turn-taking load of one pair in every format."""
     src = PAIRS[job.name][0]
     rank_log(f"load {job.name}: building expected state")
     expected_full = build_state(job.specs, job.layout, ctx.mesh, filled=True)
@@ -825,6 +834,7 @@ def save_report(saves: dict[str, dict[str, Any]], formats: list[str]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with --quick defaults filled in and choices checked."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-mb", type=float, default=None,
@@ -893,6 +903,7 @@ def collect_failures(saves: dict[str, Any], loads: dict[str, Any]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Spawn the ranks once for every job, print the tables, write the JSON; 0 if all loads were exact."""
     args = parse_args(argv)
     t_start = time.perf_counter()
     set_rank_env(args.verbose)  # inherited by the spawned ranks

@@ -462,10 +462,12 @@ class RankStates:
         return dt
 
     def box(self, fqn: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(sizes, offsets) of rank ``rank``'s box of ``fqn``, computed without DTensor."""
         e, p = self.by_fqn[fqn]
         return ref_box(e.shape, self.mesh_shape, coord_of(self.mesh_shape, rank), p)
 
     def state_dict(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s nested state dict."""
         coord = coord_of(self.mesh_shape, rank)
         shapes = [ref_box(shape, self.mesh_shape, coord, p)[0] for shape, p in self.class_keys]
         sd: dict[str, Any] = {}
@@ -550,6 +552,7 @@ class Progress:
 
 
 def check_save_plan(fmt: str, plan: Any, states: RankStates, rank: int) -> None:
+    """The plan's chunks must be exactly rank ``rank``'s boxes."""
     got: dict[str, Any] = {}
     for item in plan.items:
         if item.type == WriteItemType.BYTE_IO:
@@ -572,6 +575,7 @@ def check_save_plan(fmt: str, plan: Any, states: RankStates, rank: int) -> None:
 
 
 def check_load_plan(plan: Any, states: RankStates, rank: int) -> None:
+    """The plan's reads must cover exactly rank ``rank``'s boxes."""
     cover: dict[str, int] = {}
     for ri in plan.items:
         if ri.type != LoadItemType.TENSOR:
@@ -588,6 +592,7 @@ def check_load_plan(plan: Any, states: RankStates, rank: int) -> None:
 
 
 def plan_signature(plan: Any) -> list[tuple[Any, ...]]:
+    """What identifies a plan's write items (to compare two builds of it)."""
     return [(i.index.fqn, tuple(i.index.offset or ()), tuple(i.tensor_data.chunk.sizes) if i.tensor_data else ())
             for i in plan.items]
 
@@ -597,6 +602,8 @@ def plan_signature(plan: Any) -> list[tuple[Any, ...]]:
 
 @dataclass
 class Job:
+    """One configuration: format, mesh, world size and where its metadata goes."""
+
     fmt: str
     mesh: str
     world: int
@@ -610,6 +617,7 @@ class Job:
 
 
 def run_save(job: Job, states: RankStates) -> dict[str, Any]:
+    """The save half: every rank's local plan, the coordinator's global plan, finish, metadata."""
     W, fmt = job.world, job.fmt
     out: dict[str, Any] = {}
     sample = spread_ranks(W, job.sample)
@@ -778,6 +786,7 @@ def run_save(job: Job, states: RankStates) -> dict[str, Any]:
 
 
 def run_load(job: Job, ckpt: str, states: RankStates, label: str) -> dict[str, Any]:
+    """The load half into ``states``: read_metadata, sampled local plans, global plan, finish_plan."""
     W, fmt = job.world, job.fmt
     out: dict[str, Any] = {}
     VR.set(0)
@@ -1097,6 +1106,7 @@ def print_table(configs: list[dict[str, Any]]) -> str:
 
 
 def plot(configs: list[dict[str, Any]], path: Path) -> None:
+    """Planning time, metadata size and read_metadata time against W, to ``path`` (needs matplotlib)."""
     try:
         import matplotlib  # noqa: PLC0415
 
@@ -1147,6 +1157,7 @@ def plot(configs: list[dict[str, Any]], path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with --quick defaults filled in and choices checked."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-sizes", default=None, help="comma-separated, default 64,1024,4096,16384")
