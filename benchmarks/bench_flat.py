@@ -74,32 +74,24 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
-import gc
-import json
 import math
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
 import traceback
 import warnings
-import zlib
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -107,27 +99,34 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-
-from ucp_dcp import (  # noqa: E402
-    FlatParam,
-    FlatShard,
-    Piece,
-    TensorPieces,
-    UCPLoadPlanner,
-    UCPSavePlanner,
-    UCPStorageReader,
-    UCPStorageWriter,
-    flat_partition,
-    pack_flat,
+from harness import (
+    ADAMW_HYPER,
+    MB,
+    MiB,
+    PhaseProbe,
+    bit_equal,
+    default_out,
+    dir_bytes,
+    evict_tree,
+    fmt_mb,
+    fmt_num,
+    fresh_dir,
+    make_reader,
+    markdown_table,
+    print_failures,
+    quick_defaults,
+    rank_log,
+    round_trip,
+    save_state,
+    seed_of,
+    set_rank_env,
+    spawn_ranks,
+    synth_values,
+    write_json,
 )
+from ucp_dcp import FlatParam, FlatShard, Piece, TensorPieces, flat_partition, pack_flat
 
-from bench_reshard import evict_tree  # noqa: E402  (this directory)
-
-MB = 1_000_000  # reported sizes are decimal megabytes
-MiB = 1 << 20
 STEP = 1234.0
-HYPER = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 KEY = {"param": "model.{}", "exp_avg": "optim.state.{}.exp_avg", "exp_avg_sq": "optim.state.{}.exp_avg_sq"}
 SAVE_FORMATS = ("ucp", "gather_dcp", "dcp_fsdp2")
@@ -140,19 +139,6 @@ LABEL = {
     "dcp_fsdp2": "(C) DCP FSDP2 -> FSDP2",
 }
 TARGET_READ_AMP = 1.05
-
-_T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    """Progress line from rank 0 of a spawned world (--verbose only)."""
-    if os.environ.get("BENCH_VERBOSE") == "1" and (not dist.is_initialized() or dist.get_rank() == 0):
-        print(f"  [{time.perf_counter() - _T0:6.1f}s] {msg}", flush=True)
-
-try:
-    _libc: ctypes.CDLL | None = ctypes.CDLL("libc.so.6")
-except OSError:  # not glibc
-    _libc = None
 
 
 # --------------------------------------------------------------------------
@@ -178,6 +164,8 @@ def layer_dims(mb: float, layers: int) -> list[int]:
 
 
 class Stack(nn.Module):
+    """A stack of Linear layers of the given widths."""
+
     def __init__(self, dims: Sequence[int]) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
@@ -189,24 +177,6 @@ def named_shapes(dims: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:
     for i, (a, b) in enumerate(zip(dims, dims[1:])):
         out += [(f"layers.{i}.weight", (b, a)), (f"layers.{i}.bias", (b,))]
     return out
-
-
-def synth(seed: int, idx: torch.Tensor) -> torch.Tensor:
-    """Exact fp32 values from flat element indices (any slice, no full tensor)."""
-    h = (idx * 2654435761 + seed) & 0xFFFFFF
-    return (h - (1 << 23)).to(torch.float32) * (2.0**-20)
-
-
-def seed_of(fqn: str, kind: str) -> int:
-    return zlib.crc32(f"{fqn}/{kind}".encode())
-
-
-def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.numel() == 0:
-        return True
-    return torch.equal(a.contiguous().reshape(-1).view(torch.int32), b.contiguous().reshape(-1).view(torch.int32))
 
 
 def local_range(t: DTensor) -> tuple[int, int]:
@@ -223,7 +193,7 @@ def fill_flat(buf: torch.Tensor, params: Sequence[FlatParam], start: int, kind: 
     for p in params:
         lo, hi = max(p.offset, start), min(p.end, stop)
         if lo < hi:
-            buf[lo - start : hi - start] = synth(seed_of(p.fqn, kind), torch.arange(lo - p.offset, hi - p.offset))
+            buf[lo - start : hi - start] = synth_values(seed_of(p.fqn, kind), torch.arange(lo - p.offset, hi - p.offset))
 
 
 # --------------------------------------------------------------------------
@@ -239,7 +209,7 @@ def build_fsdp(dims: Sequence[int], mesh: DeviceMesh, lr: float) -> tuple[nn.Mod
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
-    optim = torch.optim.AdamW(model.parameters(), **{**HYPER, "lr": lr})
+    optim = torch.optim.AdamW(model.parameters(), **{**ADAMW_HYPER, "lr": lr})
     for p in model.parameters():  # one step on zero gradients creates exp_avg, exp_avg_sq, step
         p.grad = torch.zeros_like(p)
     optim.step()
@@ -248,6 +218,7 @@ def build_fsdp(dims: Sequence[int], mesh: DeviceMesh, lr: float) -> tuple[nn.Mod
 
 
 def train_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """``get_state_dict(model, optim)`` nested as ``{"model": ..., "optim": ...}``."""
     msd, osd = get_state_dict(model, optim)
     return {"model": msd, "optim": osd}
 
@@ -261,7 +232,7 @@ def fill_fsdp(state: dict[str, Any], fqns: Sequence[str], value: float | None) -
             local = t.to_local().view(-1)
             if value is None:
                 lo, hi = local_range(t)
-                local.copy_(synth(seed_of(fqn, kind), torch.arange(lo, hi)))
+                local.copy_(synth_values(seed_of(fqn, kind), torch.arange(lo, hi)))
             else:
                 local.fill_(value)
         flat[f"optim.state.{fqn}.step"].fill_(STEP if value is None else value)
@@ -276,7 +247,7 @@ def verify(state: dict[str, Any], fqns: Sequence[str], param_groups: Any, what: 
             key = KEY[kind].format(fqn)
             t = flat[key]
             lo, hi = local_range(t)
-            want = synth(seed_of(fqn, kind), torch.arange(lo, hi)).view(t.to_local().shape)
+            want = synth_values(seed_of(fqn, kind), torch.arange(lo, hi)).view(t.to_local().shape)
             if not bit_equal(t.to_local(), want):
                 errors.append(f"{what}: rank {dist.get_rank()}: local shard of {key} differs")
         step = flat[f"optim.state.{fqn}.step"]
@@ -289,6 +260,7 @@ def verify(state: dict[str, Any], fqns: Sequence[str], param_groups: Any, what: 
 
 
 def needed_bytes(state: dict[str, Any], fqns: Sequence[str]) -> int:
+    """Bytes of this rank's local shards (param, exp_avg, exp_avg_sq) plus the 0-d steps."""
     flat, _ = flatten_state_dict(state)
     n = 0
     for fqn in fqns:
@@ -300,68 +272,8 @@ def needed_bytes(state: dict[str, Any], fqns: Sequence[str]) -> int:
 
 
 # --------------------------------------------------------------------------
-# Process measurements
-# --------------------------------------------------------------------------
-
-
-def proc_io() -> dict[str, int]:
-    with open("/proc/self/io") as f:
-        return {k: int(v) for k, v in (line.split(":") for line in f)}
-
-
-def status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def release_free_memory() -> None:
-    gc.collect()
-    if _libc is not None:
-        _libc.malloc_trim(0)
-
-
-class Probe:
-    """Wall time, rchar delta and peak RSS growth of one measured phase on this rank."""
-
-    def __enter__(self) -> Probe:
-        release_free_memory()
-        dist.barrier()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := current RSS
-        self.base_rss = status_kb("VmRSS")
-        self.io0 = proc_io()
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.seconds = time.perf_counter() - self.t0
-        io1 = proc_io()
-        self.rchar = io1["rchar"] - self.io0["rchar"]
-        self.wchar = io1["wchar"] - self.io0["wchar"]
-        self.read_bytes = io1["read_bytes"] - self.io0["read_bytes"]
-        self.peak_rss = status_kb("VmHWM") - self.base_rss
-
-    def record(self, **extra: Any) -> dict[str, Any]:
-        return {"seconds": self.seconds, "rchar": self.rchar, "wchar": self.wchar, "read_bytes": self.read_bytes,
-                "peak_rss": self.peak_rss, "base_rss": self.base_rss, **extra}
-
-
-def dir_bytes(root: str) -> int:
-    return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())
-
-
-# --------------------------------------------------------------------------
 # Source ranks: the three saves
 # --------------------------------------------------------------------------
-
-
-def _fresh(path: str) -> None:
-    if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-    dist.barrier()
 
 
 def _warm_up(workdir: str, load: bool) -> None:
@@ -371,30 +283,26 @@ def _warm_up(workdir: str, load: bool) -> None:
     params, total = pack_flat([("w", (7, 5))], align=4)
     start, stop = flat_partition(total, world, rank)
     buf = torch.zeros(stop - start)
-    for name in ("ucp", "fs"):
-        path = os.path.join(workdir, f"warmup.{name}")
-        _fresh(path)
-        sd = {"flat": FlatShard(buf, params, start, prefix="m.")} if name == "ucp" else {"m.w": torch.zeros(3, 5)}
-        if name == "ucp":
-            dcp.save(sd, storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())
-            if load:
-                dcp.load({"m": {"w": torch.zeros(7, 5)}}, storage_reader=UCPStorageReader(path),
-                         planner=UCPLoadPlanner())
+    for fmt in ("ucp", "dcp"):
+        path = os.path.join(workdir, f"warmup.{fmt}")
+        fresh_dir(path)
+        if fmt == "ucp":
+            round_trip(fmt, path, {"flat": FlatShard(buf, params, start, prefix="m.")},
+                       {"m": {"w": torch.zeros(7, 5)}} if load else None)
         else:
-            dcp.save(sd, storage_writer=FileSystemWriter(path))
-            if load:
-                dcp.load({"m.w": torch.zeros(3, 5)}, storage_reader=FileSystemReader(path))
-        if rank == 0 and name == "fs":
-            dcp.save({"x": torch.zeros(2)}, storage_writer=FileSystemWriter(path + ".nodist"), no_dist=True)
+            round_trip(fmt, path, {"m.w": torch.zeros(3, 5)}, {"m.w": torch.zeros(3, 5)} if load else None)
+            if rank == 0:
+                save_state(fmt, {"x": torch.zeros(2)}, path + ".nodist", no_dist=True)
         dist.barrier()
 
 
 def source_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One source rank: every save of every format and repeat; its per-run records."""
     dims, workdir, align = cfg["dims"], cfg["workdir"], cfg["align"]
-    log("source ranks up")
+    rank_log("source ranks up")
     mesh = init_device_mesh("cpu", (world,))
     # (C)'s state: FSDP2 + AdamW on the source ranks, filled with the expected values.
-    model, optim = build_fsdp(dims, mesh, lr=HYPER["lr"])
+    model, optim = build_fsdp(dims, mesh, lr=ADAMW_HYPER["lr"])
     fsdp_state = train_state(model, optim)
     fqns = [n for n, _ in named_shapes(dims)]
     fill_fsdp(fsdp_state, fqns, None)
@@ -419,26 +327,26 @@ def source_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             },
         }
 
-    log("source state built")
+    rank_log("source state built")
     _warm_up(workdir, load=False)
-    log("warmed up")
+    rank_log("warmed up")
     runs: list[dict[str, Any]] = []
     for rep in range(cfg["repeat"]):
         for fmt in SAVE_FORMATS:
-            log(f"save {fmt}, repeat {rep}")
+            rank_log(f"save {fmt}, repeat {rep}")
             path = os.path.join(workdir, fmt)
-            _fresh(path)
+            fresh_dir(path)
             extra: dict[str, Any] = {}
             if fmt == "ucp":
-                with Probe() as pr:
-                    dcp.save(flat_state(), storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())
+                with PhaseProbe(dist.barrier) as pr:
+                    save_state("ucp", flat_state(), path)
                     dist.barrier()
             elif fmt == "dcp_fsdp2":
-                with Probe() as pr:
-                    dcp.save(fsdp_state, storage_writer=FileSystemWriter(path))
+                with PhaseProbe(dist.barrier) as pr:
+                    save_state("dcp", fsdp_state, path)
                     dist.barrier()
             else:  # gather_dcp
-                with Probe() as pr:
+                with PhaseProbe(dist.barrier) as pr:
                     t0 = time.perf_counter()
                     per = stop - start
                     full: dict[str, torch.Tensor] = {}
@@ -449,7 +357,7 @@ def source_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                         else:
                             dist.gather(bufs[k], dst=0)
                     extra["gather_seconds"] = time.perf_counter() - t0
-                    extra["peak_rss_after_gather"] = status_kb("VmHWM") - pr.base_rss
+                    extra["peak_rss_after_gather"] = pr.peak_growth()
                     if rank == 0:
                         t1 = time.perf_counter()
                         ostate: dict[str, Any] = {}
@@ -461,7 +369,7 @@ def source_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                             }
                         sd = {"model": {p.fqn: full["param"][p.offset : p.end].view(p.shape) for p in params},
                               "optim": {"state": ostate, "param_groups": param_groups}}
-                        dcp.save(sd, storage_writer=FileSystemWriter(path), no_dist=True)
+                        save_state("dcp", sd, path, no_dist=True)
                         extra["rank0_save_seconds"] = time.perf_counter() - t1
                         del sd, ostate
                     del full
@@ -491,40 +399,40 @@ def _cut_rows(params: Sequence[FlatParam], total: int, world: int) -> list[str]:
 
 
 def target_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One target rank: every load of every format and repeat, each verified; its per-run records."""
     dims, workdir = cfg["dims"], cfg["workdir"]
-    log("target ranks up")
+    rank_log("target ranks up")
     mesh = init_device_mesh("cpu", (world,))
     model, optim = build_fsdp(dims, mesh, lr=0.0)
     state = train_state(model, optim)
     fqns = [n for n, _ in named_shapes(dims)]
     expected_groups = copy.deepcopy(state["optim"]["param_groups"])
     for g in expected_groups:
-        g.update({k: v for k, v in HYPER.items()})
+        g.update(ADAMW_HYPER)
     blank_groups = copy.deepcopy(state["optim"]["param_groups"])
     needed = needed_bytes(state, fqns)
-    log("target state built")
+    rank_log("target state built")
     _warm_up(workdir, load=True)
-    log("warmed up")
+    rank_log("warmed up")
     runs: list[dict[str, Any]] = []
     errors: list[str] = []
     for rep in range(cfg["repeat"]):
         for fmt in LOAD_FORMATS:
-            log(f"load {fmt}, repeat {rep}")
+            rank_log(f"load {fmt}, repeat {rep}")
             path = os.path.join(workdir, CKPT_OF[fmt])
             fill_fsdp(state, fqns, float("nan"))
             state["optim"]["param_groups"] = copy.deepcopy(blank_groups)
             if cfg["evict"]:
                 evict_tree(path)
             extra: dict[str, Any] = {}
-            if fmt.startswith("ucp"):
-                reader = UCPStorageReader(path, gap_bytes=0 if fmt == "ucp_gap0" else None)
-                with Probe() as pr:
-                    dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner())
+            ucp = fmt.startswith("ucp")
+            reader, planner = (make_reader("ucp", path, gap_bytes=0 if fmt == "ucp_gap0" else None) if ucp
+                               else make_reader("dcp", path))
+            with PhaseProbe(dist.barrier) as pr:
+                dcp.load(state, storage_reader=reader, planner=planner)
+            if ucp:
                 extra |= {"bytes_requested": reader.bytes_requested, "read_calls": reader.read_calls,
                           "gap_bytes": reader.gap_bytes}
-            else:
-                with Probe() as pr:
-                    dcp.load(state, storage_reader=FileSystemReader(path))
             errs = verify(state, fqns, expected_groups, f"{fmt} load (repeat {rep})")
             errors += errs
             runs.append(pr.record(fmt=fmt, rep=rep, needed=needed, ok=not errs, **extra))
@@ -537,39 +445,17 @@ def target_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------
 
 
-def _entry(rank: int, world: int, port: int, role: str, cfg: dict[str, Any], result_dir: str) -> None:
-    torch.set_num_threads(1)
+def rank_main(rank: int, world: int, role: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One spawned rank of ``role`` (source or target); a crash is returned as a ``crash`` record."""
     # DCP's notes about no_dist and overwriting are expected here.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        out = (source_main if role == "source" else target_main)(rank, world, cfg)
+        return (source_main if role == "source" else target_main)(rank, world, cfg)
     except Exception:
         out = {"rank": rank, "role": role, "crash": traceback.format_exc()}
         print(f"[{role} rank {rank}] crashed:\n{out['crash']}", file=sys.stderr, flush=True)
-    with open(os.path.join(result_dir, f"{role}{rank}.json"), "w") as f:
-        json.dump(out, f)
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(role: str, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory() as rd:
-        mp.spawn(_entry, args=(world, _free_port(), role, cfg, rd), nprocs=world, join=True)
-        out = []
-        for r in range(world):
-            with open(os.path.join(rd, f"{role}{r}.json")) as f:
-                out.append(json.load(f))
-    return out
+        return out
 
 
 # --------------------------------------------------------------------------
@@ -623,41 +509,31 @@ def merge(per_rank: list[dict[str, Any]], fmts: Sequence[str], repeat: int) -> d
     return out
 
 
-def _f(v: float | None, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def _mb(v: float | None) -> str:
-    return "-" if v is None else f"{v / MB:.1f}"
+TABLE_HEADER = ("format", "save s", "load s", "read MB (rchar)", "ucp requested MB", "needed MB", "read amp (rchar)",
+                "read amp (requested)", "save peak RSS MB, max rank (sum)", "load peak RSS MB, max rank (sum)")
 
 
 def report(saves: dict[str, Any], loads: dict[str, Any], state_bytes: int) -> str:
-    lines = []
+    """The markdown table of medians, then the ratios and per-rank notes of this run."""
     s = {k: v["median"] for k, v in saves.items()}
     sb_reps = saves["gather_dcp"]["repeats"]
     ld = {k: v["median"] for k, v in loads.items()}
-    lines.append("| format | save s | load s | read MB (rchar) | ucp requested MB | needed MB | read amp (rchar) "
-                 "| read amp (requested) | save peak RSS MB, max rank (sum) "
-                 "| load peak RSS MB, max rank (sum) |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for fmt in LOAD_FORMATS:
         sv = s.get(CKPT_OF[fmt]) if fmt != "ucp_gap0" else None
         lv = ld[fmt]
         save_col = "-"
         if sv is not None:
-            save_col = _f(sv["seconds"], ".3f")
+            save_col = fmt_num(sv["seconds"], ".3f")
             if "gather_seconds" in sv:
                 save_col += f" (gather {sv['gather_seconds']:.3f} + rank-0 save {sv['rank0_save_seconds']:.3f})"
-        save_mem = "-" if sv is None else f"{_mb(sv['peak_rss_max'])} ({_mb(sv['peak_rss_sum'])})"
-        lines.append(
-            f"| {LABEL[fmt]} | {save_col} | {lv['seconds']:.3f} | {_mb(lv['rchar'])} | "
-            f"{_mb(lv.get('bytes_requested'))} | {_mb(lv['needed'])} | {lv['read_amp']:.3f} | "
-            f"{_f(lv.get('requested_amp'), '.4f')} | {save_mem} | "
-            f"{_mb(lv['peak_rss_max'])} ({_mb(lv['peak_rss_sum'])}) |"
-        )
+        save_mem = "-" if sv is None else f"{fmt_mb(sv['peak_rss_max'])} ({fmt_mb(sv['peak_rss_sum'])})"
+        rows.append([LABEL[fmt], save_col, f"{lv['seconds']:.3f}", fmt_mb(lv["rchar"]), fmt_mb(lv.get("bytes_requested")),
+                     fmt_mb(lv["needed"]), f"{lv['read_amp']:.3f}", fmt_num(lv.get("requested_amp"), ".4f"), save_mem,
+                     f"{fmt_mb(lv['peak_rss_max'])} ({fmt_mb(lv['peak_rss_sum'])})"])
     a, b, c = ld["ucp"], ld["gather_dcp"], ld["dcp_fsdp2"]
     sa, sb, sc = s["ucp"], s["gather_dcp"], s["dcp_fsdp2"]
-    lines.append("")
+    lines = [markdown_table(TABLE_HEADER, rows), ""]
     lines.append("Ratios (medians of this run):")
     lines.append(f"  save:  ucp / gather+dcp = {sa['seconds'] / sb['seconds']:.2f}x   "
                  f"ucp / dcp fsdp2 = {sa['seconds'] / sc['seconds']:.2f}x")
@@ -685,6 +561,7 @@ def report(saves: dict[str, Any], loads: dict[str, Any], state_bytes: int) -> st
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with --quick defaults filled in."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=float, default=None,
@@ -705,27 +582,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None,
                    help="JSON results (default benchmarks/results/flat.json; out/bench_flat_quick.json with --quick)")
     args = p.parse_args(argv)
-    if args.mb is None:
-        args.mb = 16.0 if args.quick else 256.0
-    if args.repeat is None:
-        args.repeat = 1 if args.quick else 5
+    quick_defaults(args, mb=(16.0, 256.0), repeat=(1, 5))
     if args.out is None:
-        here = Path(__file__).resolve().parent
-        args.out = str(here.parent / "out" / "bench_flat_quick.json") if args.quick else str(
-            here / "results" / "flat.json")
+        args.out = default_out("flat.json", args.quick, "bench_flat_quick.json")
     if args.repeat < 1 or args.src < 1 or args.dst < 1 or args.layers < 1 or args.align < 1:
         p.error("--repeat, --src, --dst, --layers and --align must be >= 1")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Spawn the source ranks (saves), then the target ranks (loads); print, write JSON; 0 if all verified."""
     args = parse_args(argv)
     t_start = time.perf_counter()
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    # Children inherit these: freed buffers go back to the OS (honest RSS baselines), one thread each.
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["BENCH_VERBOSE"] = "1" if args.verbose else "0"
+    set_rank_env(args.verbose)  # inherited by the spawned ranks
     dims = layer_dims(args.mb, args.layers)
     shapes = named_shapes(dims)
     params, total = pack_flat(shapes, align=args.align)
@@ -740,9 +610,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           flush=True)
     failures: list[str] = []
     try:
-        src = spawn("source", args.src, cfg)
+        src = spawn_ranks(rank_main, args.src, "source", cfg)
         failures += [f"source rank {r['rank']} crashed:\n{r['crash']}" for r in src if "crash" in r]
-        dst = spawn("target", args.dst, cfg) if not failures else []
+        dst = spawn_ranks(rank_main, args.dst, "target", cfg) if not failures else []
         failures += [f"target rank {r['rank']} crashed:\n{r['crash']}" for r in dst if "crash" in r]
         failures += [e for r in dst for e in r.get("errors", [])]
     finally:
@@ -775,14 +645,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not src[0]["cut_rows"]:
             failures.append("no source rank boundary cuts a row: the layout does not exercise mid-row cuts")
     print(f"wall time {wall:.1f} s")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result)
     print(f"results: {args.out}")
     if failures:
-        print("\nFAILURES:", file=sys.stderr)
-        for msg in failures:
-            print("  " + msg, file=sys.stderr)
+        print_failures(failures)
         return 1
     print("every load verified bit-exact against the full reference")
     return 0

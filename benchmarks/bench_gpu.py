@@ -66,33 +66,49 @@ Writes ``benchmarks/results/gpu.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
-import json
 import math
-import mmap
 import os
 import platform
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import ucp_dcp.dcp.reader as ucp_storage
-from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
+from harness import (
+    GB,
+    Column,
+    MiB,
+    best_of,
+    bit_equal,
+    default_out,
+    files_under,
+    fs_type,
+    fsync_and_evict,
+    make_reader,
+    make_writer,
+    parallel_read,
+    print_failures,
+    quick_defaults,
+    resident_fraction,
+    sequential_read,
+    sync,
+    tensor_bytes,
+    text_table,
+    timed,
+    write_json,
+)
 from ucp_dcp.byteio.transfer import StagingBuffers
 
 try:  # private helpers of DCP's stagers; present in torch 2.4+
@@ -100,12 +116,7 @@ try:  # private helpers of DCP's stagers; present in torch 2.4+
 except ImportError:  # pragma: no cover
     _copy_state_dict = _create_cpu_state_dict = None  # type: ignore[assignment]
 
-GB = 1e9
-MiB = 1 << 20
-PAGE = os.sysconf("SC_PAGE_SIZE")
-READ_BLOCK = 16 * MiB
 RAW_COPY_CAP = 4 << 30
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu.json"
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint.*")
@@ -114,24 +125,6 @@ warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint.*")
 # --------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], Any], device: torch.device) -> float:
-    """Seconds ``fn()`` takes, device work included."""
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t0
-
-
-def best_of(n: int, fn: Callable[[], Any], device: torch.device) -> float:
-    return min(timed(fn, device) for _ in range(max(n, 1)))
 
 
 def make_state(total_bytes: int, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -156,10 +149,6 @@ def make_state(total_bytes: int, device: torch.device, seed: int = 0) -> dict[st
     return sd
 
 
-def state_bytes(sd: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in sd.values())
-
-
 def bit_mismatches(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
     """Names whose tensors differ in any bit (compared where they live)."""
     bad = []
@@ -167,79 +156,9 @@ def bit_mismatches(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) 
         t = got[k]
         if t.shape != w.shape or t.dtype != w.dtype or t.device != w.device:
             bad.append(f"{k}: {t.dtype}{list(t.shape)}@{t.device} vs {w.dtype}{list(w.shape)}@{w.device}")
-            continue
-        iv = _INT_OF_SIZE[w.element_size()]
-        if not torch.equal(t.view(iv), w.view(iv)):
+        elif not bit_equal(t, w):
             bad.append(f"{k}: bits differ")
     return bad
-
-
-def files_under(root: str) -> list[str]:
-    return sorted(str(p) for p in Path(root).rglob("*") if p.is_file())
-
-
-def fsync_and_evict(files: Sequence[str]) -> None:
-    """Make every page clean (fsync), then drop the files from the page cache."""
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def resident_fraction(files: Sequence[str]) -> float | None:
-    """Fraction of the files' pages in the page cache (mmap + mincore; faults nothing in)."""
-    total = resident = 0
-    try:
-        for path in files:
-            size = os.path.getsize(path)
-            if size == 0:
-                continue
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-                if addr in (None, _MAP_FAILED):
-                    return None
-                try:
-                    vec = (ctypes.c_ubyte * ((size + PAGE - 1) // PAGE))()
-                    if _libc.mincore(addr, size, vec) != 0:
-                        return None
-                    resident += sum(b & 1 for b in bytes(vec))
-                    total += len(vec)
-                finally:
-                    _libc.munmap(addr, size)
-            finally:
-                os.close(fd)
-    except (OSError, AttributeError):
-        return None
-    return resident / total if total else 0.0
-
-
-def fs_type(path: str) -> str:
-    """File system type of the mount holding ``path`` (from /proc/mounts), or "?"."""
-    try:
-        path = os.path.realpath(path)
-        best, kind = "", "?"
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")):
-                    if len(parts[1]) > len(best):
-                        best, kind = parts[1], parts[2]
-        return kind
-    except OSError:
-        return "?"
 
 
 @contextmanager
@@ -261,27 +180,49 @@ def staging_overlap(overlap: bool | None) -> Iterator[None]:
 # --------------------------------------------------------------------------
 
 
+@dataclass
+class Row:
+    """One measurement: ``bytes`` moved in ``seconds``, and its bandwidth's ratio to a reference."""
+
+    step: str
+    what: str
+    bytes: int
+    seconds: float
+    gbps: float
+    ratio: float | None
+    ratio_to: str | None
+    extra: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON record: the fields, with ``extra``'s keys in place of ``extra``."""
+        out = asdict(self)
+        extra = out.pop("extra")
+        return {**out, **extra}
+
+
 class Bench:
+    """The four steps on one device; rows, failures and extra results accumulate here."""
+
     def __init__(self, args: argparse.Namespace, device: torch.device, workdir: str) -> None:
         self.args = args
         self.device = device
         self.cuda = device.type == "cuda"
         self.pin = self.cuda
         self.workdir = workdir
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[Row] = []
         self.failures: list[str] = []
         self.results: dict[str, Any] = {}
 
     def row(self, step: str, what: str, nbytes: int, seconds: float, ref: str | None = None,
             ref_gbps: float | None = None, **extra: Any) -> float:
+        """Record one measurement; returns its bandwidth in GB/s."""
         gbps = nbytes / seconds / GB if seconds > 0 else float("inf")
-        ratio = gbps / ref_gbps if ref_gbps else None
-        self.rows.append({"step": step, "what": what, "bytes": nbytes, "seconds": seconds, "gbps": gbps,
-                          "ratio": ratio, "ratio_to": ref, **extra})
+        self.rows.append(Row(step, what, nbytes, seconds, gbps, gbps / ref_gbps if ref_gbps else None, ref, extra))
         return gbps
 
     # ---------------------------------------------------------------- 1
     def raw_copies(self) -> None:
+        """Step 1: device->host (pinned, pageable) and host->device copy bandwidth."""
         n = int(min(self.args.gb * GB, RAW_COPY_CAP))
         reps = self.args.copy_repeats
         src = torch.empty(n, dtype=torch.uint8, device=self.device)
@@ -302,7 +243,8 @@ class Bench:
 
     # ---------------------------------------------------------------- 2
     def staging(self, sd: dict[str, torch.Tensor]) -> None:
-        nb = state_bytes(sd)
+        """Step 2: DCP's stager, and the blocking part of ``dcp.async_save`` with each writer."""
+        nb = tensor_bytes(sd)
         opts = StagingOptions(use_pinned_memory=self.pin, use_shared_memory=False,
                               use_async_staging=False, use_non_blocking_copy=self.cuda)
         stager = DefaultStager(opts)
@@ -327,8 +269,8 @@ class Bench:
             gc.collect()
         self.dirs = {"ucp": os.path.join(self.workdir, "ucp"), "dcp": os.path.join(self.workdir, "dcp")}
         writers: dict[str, Callable[[], tuple[Any, Any]]] = {
-            "ucp": lambda: (UCPStorageWriter(self.dirs["ucp"], overwrite=True), UCPSavePlanner()),
-            "dcp": lambda: (FileSystemWriter(self.dirs["dcp"]), None),
+            "ucp": lambda: make_writer("ucp", self.dirs["ucp"], overwrite=True),
+            "dcp": lambda: make_writer("dcp", self.dirs["dcp"]),
         }
         for fmt, make in writers.items():
             label = "UCPStorageWriter" if fmt == "ucp" else "FileSystemWriter"
@@ -360,43 +302,33 @@ class Bench:
 
     # ---------------------------------------------------------------- 3
     def storage_read(self) -> None:
+        """Step 3: cold sequential (one thread) and parallel (preadv threads) read of both checkpoints."""
         files = [f for d in self.dirs.values() for f in files_under(d)]
         nb = sum(os.path.getsize(f) for f in files)
         fsync_and_evict(files)
         resident = resident_fraction(files)
-        buf = bytearray(READ_BLOCK)
-        view = memoryview(buf)
-
-        def sequential() -> None:
-            for path in files:
-                with open(path, "rb", buffering=0) as f:
-                    while f.readinto(view):
-                        pass
-
-        seq = timed(sequential, torch.device("cpu"))
+        seq = timed(lambda: sequential_read(files))
         s_gbps = self.row("3 storage", "sequential read, 1 thread, cold", nb, seq, resident_after_evict=resident)
         fsync_and_evict(files)
-        par = timed(lambda: parallel_read(files, self.args.io_threads), torch.device("cpu"))
+        par = timed(lambda: parallel_read(files, self.args.io_threads))
         p_gbps = self.row("3 storage", f"preadv, {self.args.io_threads} threads, cold", nb, par)
         self.storage_gbps = max(s_gbps, p_gbps)
         self.results["storage"] = {"files": len(files), "bytes": nb, "resident_after_evict": resident,
-                                   "fs_type": fs_type(self.workdir)}
+                                   "fs_type": fs_type(self.workdir) or "?"}
         if resident is not None and resident > 0.05:
             print(f"warning: {resident:.0%} of the checkpoint stayed in the page cache after eviction "
-                  f"({fs_type(self.workdir)}): cold numbers are warm", file=sys.stderr)
+                  f"({fs_type(self.workdir) or '?'}): cold numbers are warm", file=sys.stderr)
 
     # ---------------------------------------------------------------- 4
     def loads(self, sd: dict[str, torch.Tensor]) -> None:
-        nb = state_bytes(sd)
+        """Step 4: cold and warm ``dcp.load`` into device tensors with each reader, each checked bit for bit."""
+        nb = tensor_bytes(sd)
         target = {k: torch.empty_like(v) for k, v in sd.items()}
+        ucp = {"io_threads": self.args.io_threads, "max_buffer_bytes": self.args.buffer_mb * MiB}
         variants: list[tuple[str, str, Callable[[], tuple[Any, Any]], bool | None]] = [
-            ("ucp", "UCPStorageReader", lambda: (UCPStorageReader(self.dirs["ucp"], io_threads=self.args.io_threads,
-                                                                  max_buffer_bytes=self.args.buffer_mb * MiB),
-                                                 UCPLoadPlanner()), None),
-            ("ucp", "UCPStorageReader, no overlap", lambda: (
-                UCPStorageReader(self.dirs["ucp"], io_threads=self.args.io_threads,
-                                 max_buffer_bytes=self.args.buffer_mb * MiB), UCPLoadPlanner()), False),
-            ("dcp", "FileSystemReader", lambda: (FileSystemReader(self.dirs["dcp"]), DefaultLoadPlanner()), None),
+            ("ucp", "UCPStorageReader", lambda: make_reader("ucp", self.dirs["ucp"], **ucp), None),
+            ("ucp", "UCPStorageReader, no overlap", lambda: make_reader("ucp", self.dirs["ucp"], **ucp), False),
+            ("dcp", "FileSystemReader", lambda: make_reader("dcp", self.dirs["dcp"], default_planner=True), None),
         ]
         for fmt, label, make, overlap in variants:
             files = files_under(self.dirs[fmt])
@@ -427,54 +359,26 @@ class Bench:
             self.failures += [f"{what}: {m}" for m in bad]
 
 
-def parallel_read(files: Sequence[str], threads: int) -> None:
-    """Read all of ``files`` with ``threads`` threads, each preadv-ing 16 MiB pieces."""
-    work = [(p, off, min(READ_BLOCK, size - off)) for p in files
-            for size in [os.path.getsize(p)] for off in range(0, size, READ_BLOCK)]
-    lock = threading.Lock()
-    fds = {p: os.open(p, os.O_RDONLY) for p in files}
-
-    def worker() -> None:
-        buf = memoryview(bytearray(READ_BLOCK))
-        while True:
-            with lock:
-                if not work:
-                    return
-                p, off, n = work.pop()
-            got = 0
-            while got < n:
-                k = os.preadv(fds[p], [buf[got:n]], off + got)
-                if k <= 0:
-                    raise EOFError(p)
-                got += k
-
-    try:
-        ts = [threading.Thread(target=worker) for _ in range(max(threads, 1))]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-
-
 # --------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'step':<13} {'measurement':<52} {'GB':>7} {'s':>8} {'GB/s':>7} {'ratio':>6}  ratio to"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else ""
-        lines.append(f"{r['step']:<13} {r['what']:<52} {r['bytes'] / GB:>7.3f} {r['seconds']:>8.3f} "
-                     f"{r['gbps']:>7.2f} {ratio:>6}  {r['ratio_to'] or ''}")
-    return "\n".join(lines)
+COLUMNS = [Column("step", 13, "<"), Column("measurement", 52, "<", 1), Column("GB", 7, gap=1),
+           Column("s", 8, gap=1), Column("GB/s", 7, gap=1), Column("ratio", 6, gap=1),
+           Column("ratio to", 0, "<", 2)]
+
+
+def table(rows: list[Row]) -> str:
+    """The rows as a fixed-width text table."""
+    head, *lines = text_table(COLUMNS, [
+        [r.step, r.what, f"{r.bytes / GB:.3f}", f"{r.seconds:.3f}", f"{r.gbps:.2f}",
+         f"{r.ratio:.2f}" if r.ratio is not None else "", r.ratio_to or ""] for r in rows])
+    return "\n".join([head, "-" * len(head), *lines])
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with device- and --quick-dependent defaults filled in."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -487,17 +391,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="timed loads per variant, best kept (default 3; quick 1)")
     p.add_argument("--io-threads", type=int, default=4, help="read threads (UCPStorageReader, parallel read)")
     p.add_argument("--buffer-mb", type=int, default=64, help="UCPStorageReader max_buffer_bytes, in MiB")
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON results path (default benchmarks/results/gpu.json)")
+    p.add_argument("--out", default=default_out("gpu.json"), help="JSON results path (default benchmarks/results/gpu.json)")
     args = p.parse_args(argv)
     if args.gb is None:
         args.gb = (0.25 if args.device == "cuda" else 0.03) if args.quick else (4.0 if args.device == "cuda" else 0.5)
-    if args.repeats is None:
-        args.repeats = 1 if args.quick else 3
+    quick_defaults(args, repeats=(1, 3))
     args.copy_repeats = 2 if args.quick else 5
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the four steps on one device, print the table, write the JSON; 0 if every load was exact."""
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("CUDA is not available: run with --device cpu for a smoke check", file=sys.stderr)
@@ -510,11 +414,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = Bench(args, device, workdir)
     try:
         sd = make_state(int(args.gb * GB), device)
-        nb = state_bytes(sd)
+        nb = tensor_bytes(sd)
         dtypes = sorted({str(t.dtype).replace("torch.", "") for t in sd.values()})
         print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor() or 'cpu'}), "
               f"state {nb / GB:.3f} GB in {len(sd)} tensors ({', '.join(dtypes)}), dir {workdir} "
-              f"({fs_type(workdir)})", flush=True)
+              f"({fs_type(workdir) or '?'})", flush=True)
         bench.raw_copies()
         bench.staging(sd)
         bench.storage_read()
@@ -529,23 +433,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config": {k: v for k, v in vars(args).items()},
         "env": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "cuda": torch.version.cuda, "fs_type": fs_type(workdir)},
+                "cuda": torch.version.cuda, "fs_type": fs_type(workdir) or "?"},
         "state_bytes": nb,
-        "rows": bench.rows,
+        "rows": [r.as_dict() for r in bench.rows],
         **bench.results,
         "failures": bench.failures,
         "wall_s": wall,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result)
     print(f"\nwall time {wall:.1f}s; results written to {args.out}")
-    if bench.failures:
-        print(f"\nFAILURES ({len(bench.failures)}):", file=sys.stderr)
-        for m in bench.failures[:50]:
-            print(f"  {m}", file=sys.stderr)
-        return 1
-    return 0
+    print_failures(bench.failures, limit=50)
+    return 1 if bench.failures else 0
 
 
 if __name__ == "__main__":

@@ -20,26 +20,52 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
-from pathlib import Path
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_scale import TP, mesh_shape_of, placements_for, state_entries  # noqa: E402
+from harness import Column, text_table, write_json
+from harness.report import RESULTS_DIR
+from harness.states import TP, llama_entries, mesh_shape_of, placements_for
+from ucp_dcp.core.sharding import placement_to_str
+from ucp_dcp.dcp.compact import MeshGroup, TensorSpec, compact_records
+from ucp_dcp.format import FileRecord, Layout, build_index, data_file_name, dtype_name, load_index, write_index
+from ucp_dcp.format.records import _layout_grid  # its cache is emptied before each timed step
 
-from ucp_dcp.dcp.compact import MeshGroup, TensorSpec, compact_records  # noqa: E402
-from ucp_dcp.format import FileRecord, Layout, _layout_grid, data_file_name, dtype_name  # noqa: E402
-from ucp_dcp.format import build_index, load_index, write_index  # noqa: E402
-from ucp_dcp.core.sharding import placement_to_str  # noqa: E402
+COLUMNS = [Column("mesh", 8, "<"), Column("W", 6, gap=1), Column("files", 6, gap=1), Column("build (coord)", 14, gap=1),
+           Column("write", 8, gap=1), Column("index", 10, gap=1), Column("load_index", 11, gap=1),
+           Column("grids", 8, gap=1)]
 
 
-def run(world: int, mesh_kind: str, layers: int) -> dict[str, float | int | str]:
-    entries = state_entries(layers, optimizer=False)
+@dataclass
+class IndexRow:
+    """One (mesh, W): the coordinator's index build and one rank's read of it."""
+
+    mesh: str
+    world_size: int
+    tensors: int
+    files: int
+    coordinator_build_s: float  # compact_records + build_index
+    write_index_s: float
+    index_bytes: int  # size of ucp_index.json
+    load_index_s: float  # one rank's parse and validation
+    grids_s: float  # one rank's grid expansion of every tensor
+    expected_counts_s: float  # the per-rank write counts the coordinator checks against
+
+    def cells(self) -> list[str]:
+        """The row's table cells."""
+        return [self.mesh, str(self.world_size), str(self.files), f"{self.coordinator_build_s * 1e3:.1f} ms",
+                f"{self.write_index_s * 1e3:.1f} ms", f"{self.index_bytes / 1e6:.2f} MB",
+                f"{self.load_index_s * 1e3:.1f} ms", f"{self.grids_s * 1e3:.1f} ms"]
+
+
+def run(world: int, mesh_kind: str, layers: int) -> IndexRow:
+    """Build, write and read back the index of the 70B-class model on ``mesh_kind`` at ``world`` ranks."""
+    entries = llama_entries(layers, optimizer=False)
     mesh = mesh_shape_of(mesh_kind, world)
     specs = tuple(sorted(
         (TensorSpec(e.fqn, dtype_name(e.dtype), e.shape,
@@ -77,30 +103,27 @@ def run(world: int, mesh_kind: str, layers: int) -> dict[str, float | int | str]
         for rec in loaded.tensors.values():  # a loading rank's one-time grid expansion
             rec.grid()
         t_grids = time.perf_counter() - t0
-    return {"mesh": mesh_kind, "world_size": world, "tensors": len(specs), "files": len(files),
-            "coordinator_build_s": t_build, "write_index_s": t_write, "index_bytes": size,
-            "load_index_s": t_read, "grids_s": t_grids, "expected_counts_s": t_counts}
+    return IndexRow(mesh_kind, world, len(specs), len(files), t_build, t_write, size, t_read, t_grids, t_counts)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Command line: every (W, mesh), a table on stdout, the rows in ``--out``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world-sizes", default="64,1024,4096,16384,65536")
     p.add_argument("--meshes", default="fsdp,fsdp_tp")
     p.add_argument("--layers", type=int, default=80)
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "index.json"))
-    a = p.parse_args()
+    p.add_argument("--out", default=str(RESULTS_DIR / "index.json"))
+    a = p.parse_args(argv)
     rows = []
-    print(f"{'mesh':8} {'W':>6} {'files':>6} {'build (coord)':>14} {'write':>8} {'index':>10} {'load_index':>11} {'grids':>8}")
+    print(text_table(COLUMNS, [])[0])
     for w in [int(x) for x in a.world_sizes.split(",")]:
         for m in a.meshes.split(","):
             if m == "fsdp_tp" and w % TP:
                 continue
             r = run(w, m, a.layers)
-            rows.append(r)
-            print(f"{m:8} {w:>6} {r['files']:>6} {r['coordinator_build_s'] * 1e3:>11.1f} ms {r['write_index_s'] * 1e3:>5.1f} ms "
-                  f"{r['index_bytes'] / 1e6:>7.2f} MB {r['load_index_s'] * 1e3:>8.1f} ms {r['grids_s'] * 1e3:>5.1f} ms", flush=True)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"command": [sys.executable, *sys.argv], "rows": rows}, indent=1))
+            rows.append(asdict(r))
+            print(text_table(COLUMNS, [r.cells()])[1], flush=True)
+    write_json(a.out, {"command": [sys.executable, *sys.argv], "rows": rows}, indent=1)
     return 0
 
 

@@ -94,12 +94,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
-import json
 import logging
 import os
 import platform
-import resource
 import shutil
 import statistics
 import sys
@@ -110,31 +109,49 @@ import traceback
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from ucp_dcp import CheckpointManager, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
+from harness import (
+    ADAMW_HYPER,
+    GB,
+    MiB,
+    adamw_state,
+    async_save_state,
+    bit_equal,
+    comma_list,
+    copy_floor,
+    default_out,
+    evict_tree,
+    fmt_num,
+    fs_type,
+    leaves,
+    load_state,
+    log,
+    make_reader,
+    markdown_table,
+    max_rss_bytes,
+    median,
+    print_failures,
+    quick_defaults,
+    ratio,
+    release_free_memory,
+    save_state,
+    tensor_bytes,
+    tensors,
+    write_json,
+)
+from harness.memory import has_malloc_trim, loadavg, meminfo_bytes
+from ucp_dcp import CheckpointManager
 from ucp_dcp.byteio.rangeio import tensor_view
-
-from bench_reshard import evict_tree, leaves  # this directory
-
-MiB = 1 << 20
-GB = 1e9
 
 # The target the manager's blocking time aims for, relative to a synchronous
 # DCP save; printed next to the numbers, never asserted.
 TARGET_BLOCKING_RATIO = 0.1
-
-_T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
+SECTIONS = ("blocking", "interference", "restore", "hash")
 
 
 # --------------------------------------------------------------------------
@@ -179,29 +196,16 @@ def build_state(hidden: int, layers: int, seed: int = 0) -> dict[str, Any]:
             (f"layers.{i}.mlp.down.weight", (h, 4 * h)),
         ]
     shapes.append(("norm.weight", (h,)))
-    model: dict[str, torch.Tensor] = {}
-    optim_state: dict[str, Any] = {}
-    for name, shape in shapes:
-        model[name] = torch.randn(shape, generator=g).to(torch.bfloat16)
-        optim_state[name] = {
-            "exp_avg": torch.randn(shape, generator=g).mul_(1e-3),
-            "exp_avg_sq": torch.randn(shape, generator=g).square_().mul_(1e-6),
-            "step": torch.tensor(1000.0),
-        }
-    group = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
-             "params": [n for n, _ in shapes]}
-    return {"model": model, "optim": {"state": optim_state, "param_groups": [group]}, "step": 1000}
+    dims = dict(shapes)
 
+    def make(name: str, kind: str) -> torch.Tensor:
+        x = torch.randn(dims[name], generator=g)
+        if kind == "param":
+            return x.to(torch.bfloat16)
+        return x.mul_(1e-3) if kind == "exp_avg" else x.square_().mul_(1e-6)
 
-def tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from tensors(v)
+    state = adamw_state(dims, make, lambda name: torch.tensor(1000.0), ADAMW_HYPER)
+    return {**state, "step": 1000}
 
 
 def empty_like_state(state: Any) -> Any:
@@ -218,6 +222,7 @@ def empty_like_state(state: Any) -> Any:
 
 
 def zero_fill(state: Any) -> None:
+    """Zero every tensor of ``state`` in place."""
     for t in tensors(state):
         t.zero_()
 
@@ -229,16 +234,11 @@ def compare(got: Any, want: Any) -> list[str]:
     for path, w in leaves(want):
         g = have.get(path)
         if isinstance(w, torch.Tensor):
-            if not (isinstance(g, torch.Tensor) and g.dtype == w.dtype and g.shape == w.shape
-                    and torch.equal(g.view(torch.uint8) if g.dim() else g, w.view(torch.uint8) if w.dim() else w)):
+            if not (isinstance(g, torch.Tensor) and bit_equal(g, w)):
                 errors.append(f"{path}: tensor differs")
         elif g != w:
             errors.append(f"{path}: {g!r} != {w!r}")
     return errors
-
-
-def nbytes_of(state: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors(state))
 
 
 # --------------------------------------------------------------------------
@@ -246,16 +246,9 @@ def nbytes_of(state: Any) -> int:
 # --------------------------------------------------------------------------
 
 
-def med(xs: Sequence[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
-
-
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    """The process's lifetime peak RSS, MiB."""
+    return max_rss_bytes() / MiB
 
 
 class Dirs:
@@ -265,60 +258,20 @@ class Dirs:
         self.root = root
 
     def fresh(self, name: str) -> str:
+        """A new empty directory named after ``name``."""
         path = os.path.join(self.root, f"{name}-{uuid.uuid4().hex[:6]}")
         os.makedirs(path)
         return path
 
 
 def rmtree(path: str | None) -> None:
+    """Remove a directory tree, if there is one."""
     if path:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _load_libc() -> Any:
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-_LIBC = _load_libc()
-
-
-def trim_heap() -> None:
-    """Give memory freed by earlier measurements back to the OS (glibc ``malloc_trim``).
-
-    Without it a "fresh" allocation may be served from pages an earlier
-    measurement freed (glibc keeps freed heap memory, and its mmap threshold
-    adapts upward), so whether a cold copy pays for first-touch page faults
-    would depend on what ran before it.
-    """
-    gc.collect()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def fs_type(path: str) -> str | None:
-    """File system type of the mount holding ``path`` (from /proc/mounts)."""
-    path = os.path.realpath(path)
-    best, kind = "", None
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")):
-                    if len(parts[1]) >= len(best):
-                        best, kind = parts[1], parts[2]
-    except OSError:
-        pass
-    return kind
-
-
 def machine_info(work: str) -> dict[str, Any]:
+    """CPUs, memory, versions and the work directory's file system, for the result JSON."""
     info: dict[str, Any] = {
         "cpus": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
@@ -327,23 +280,15 @@ def machine_info(work: str) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "xxhash": xxhash.VERSION,
-        "malloc_trim": _LIBC is not None,
+        "malloc_trim": has_malloc_trim(),
         "dir": work,
         "dir_fs": fs_type(work),
         "dev_shm": os.path.isdir("/dev/shm"),
     }
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    info["mem_total_gib"] = int(line.split()[1]) / (1 << 20)
-    except OSError:
-        pass
-    try:
-        with open("/proc/loadavg") as f:
-            info["loadavg_at_start"] = f.read().split()[:3]
-    except OSError:
-        pass
+    if meminfo_bytes("MemTotal"):
+        info["mem_total_gib"] = meminfo_bytes("MemTotal") / (1 << 30)
+    if loadavg() is not None:
+        info["loadavg_at_start"] = loadavg()
     return info
 
 
@@ -409,35 +354,19 @@ def moto_s3() -> Iterator[tuple[str, dict[str, Any]]]:
 # --------------------------------------------------------------------------
 
 
-def copy_floor(state: dict[str, Any], repeat: int) -> list[float]:
-    """Seconds to copy_ every tensor into preallocated (already faulted-in) buffers."""
-    srcs = list(tensors(state))
-    bufs = [torch.empty_like(t) for t in srcs]
-    for b, s in zip(bufs, srcs):
-        b.copy_(s)  # fault the pages in
-    runs = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for b, s in zip(bufs, srcs):
-            b.copy_(s)
-        runs.append(time.perf_counter() - t0)
-    del bufs
-    return runs
-
-
 def bench_blocking(state: dict[str, Any], dirs: Dirs, args: argparse.Namespace, res: dict[str, Any]) -> str:
     """Section 1; returns the directory of the last DCP checkpoint (kept for the load baseline)."""
     r: dict[str, list[float]] = {k: [] for k in (
         "dcp_sync_s", "ucp_sync_s", "dcp_async_blocking_s", "dcp_async_total_s",
         "mgr_cold_blocking_s", "mgr_warm_blocking_s", "mgr_cold_blocking_s_internal",
         "mgr_warm_blocking_s_internal", "mgr_cold_write_s", "mgr_warm_write_s")}
-    r["copy_floor_s"] = copy_floor(state, args.repeat)
+    r["copy_floor_s"] = copy_floor(list(tensors(state)), args.repeat)
     keep_dcp: str | None = None
     for i in range(args.repeat):
         # (a) DCP, synchronous, FileSystemWriter
         d = dirs.fresh("dcp-sync")
         t0 = time.perf_counter()
-        dcp.save(state, storage_writer=FileSystemWriter(d))
+        save_state("dcp", state, d)
         r["dcp_sync_s"].append(time.perf_counter() - t0)
         if i == args.repeat - 1:
             keep_dcp = d
@@ -446,15 +375,15 @@ def bench_blocking(state: dict[str, Any], dirs: Dirs, args: argparse.Namespace, 
         # (b) DCP, synchronous, UCPStorageWriter
         d = dirs.fresh("ucp-sync")
         t0 = time.perf_counter()
-        dcp.save(state, storage_writer=UCPStorageWriter(d), planner=UCPSavePlanner())
+        save_state("ucp", state, d)
         r["ucp_sync_s"].append(time.perf_counter() - t0)
         rmtree(d)
         gc.collect()
         # (c) DCP async_save, FileSystemWriter (stages a fresh CPU copy per call)
         d = dirs.fresh("dcp-async")
-        trim_heap()
+        release_free_memory()
         t0 = time.perf_counter()
-        fut = dcp.async_save(state, storage_writer=FileSystemWriter(d))
+        fut = async_save_state("dcp", state, d)
         r["dcp_async_blocking_s"].append(time.perf_counter() - t0)
         fut.result()
         r["dcp_async_total_s"].append(time.perf_counter() - t0)
@@ -464,7 +393,7 @@ def bench_blocking(state: dict[str, Any], dirs: Dirs, args: argparse.Namespace, 
         # (d) CheckpointManager: cold first save, then warm saves
         root = dirs.fresh("mgr")
         mgr = CheckpointManager(root, keep_last=1)
-        trim_heap()
+        release_free_memory()
         try:
             for s in range(1 + args.warm_saves):
                 t0 = time.perf_counter()
@@ -488,7 +417,7 @@ def bench_blocking(state: dict[str, Any], dirs: Dirs, args: argparse.Namespace, 
             f"(total {r['dcp_async_total_s'][-1]:.2f}s), mgr cold {r['mgr_cold_blocking_s'][-1]:.3f}s "
             f"warm {r['mgr_warm_blocking_s'][-1]:.3f}s write {r['mgr_warm_write_s'][-1]:.2f}s")
     res["raw"] = r
-    m = {k: med(v) for k, v in r.items()}
+    m = {k: median(v) for k, v in r.items()}
     res["median"] = m
     res["ratios"] = {
         "ucp_sync_over_dcp_sync": ratio(m["ucp_sync_s"], m["dcp_sync_s"]),
@@ -503,7 +432,7 @@ def bench_blocking(state: dict[str, Any], dirs: Dirs, args: argparse.Namespace, 
     # Paired ratios: each repetition's numbers against the baseline of the same
     # repetition (less sensitive to drift on a shared machine than a ratio of medians).
     w = args.warm_saves
-    warm_by_rep = [med(r["mgr_warm_blocking_s"][i * w:(i + 1) * w]) for i in range(args.repeat)] if w else []
+    warm_by_rep = [median(r["mgr_warm_blocking_s"][i * w:(i + 1) * w]) for i in range(args.repeat)] if w else []
     paired = {
         "mgr_warm_over_dcp_sync": [ratio(x, y) for x, y in zip(warm_by_rep, r["dcp_sync_s"])],
         "mgr_cold_over_dcp_sync": [ratio(x, y) for x, y in zip(r["mgr_cold_blocking_s"], r["dcp_sync_s"])],
@@ -511,7 +440,7 @@ def bench_blocking(state: dict[str, Any], dirs: Dirs, args: argparse.Namespace, 
         "ucp_sync_over_dcp_sync": [ratio(x, y) for x, y in zip(r["ucp_sync_s"], r["dcp_sync_s"])],
     }
     res["paired_ratios"] = paired
-    res["paired_ratio_medians"] = {k: med([x for x in v if x is not None]) for k, v in paired.items()}
+    res["paired_ratio_medians"] = {k: median([x for x in v if x is not None]) for k, v in paired.items()}
     assert keep_dcp is not None
     return keep_dcp
 
@@ -530,6 +459,7 @@ class Trainer:
         self.w = [torch.randn(1024, 1024, generator=g) / 32 for _ in range(matmuls)]
 
     def step(self) -> float:
+        """One step; returns its seconds."""
         t0 = time.perf_counter()
         x = self.a
         for w in self.w:
@@ -538,6 +468,7 @@ class Trainer:
 
 
 def steps_until(trainer: Trainer, done: Callable[[], bool]) -> list[float]:
+    """Training steps run until ``done()``; their times."""
     out = []
     while not done():
         out.append(trainer.step())
@@ -545,6 +476,7 @@ def steps_until(trainer: Trainer, done: Callable[[], bool]) -> list[float]:
 
 
 def bench_interference(state: dict[str, Any], dirs: Dirs, args: argparse.Namespace, res: dict[str, Any]) -> None:
+    """Section 2: training-step time alone and while a save writes in the background."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     trainer = Trainer(args.matmuls)
@@ -578,7 +510,7 @@ def bench_interference(state: dict[str, Any], dirs: Dirs, args: argparse.Namespa
             # DCP async_save: its staging blocks, then steps while its future is pending
             d = dirs.fresh("dcp-async-interference")
             t0 = time.perf_counter()
-            fut = dcp.async_save(state, storage_writer=FileSystemWriter(d))
+            fut = async_save_state("dcp", state, d)
             t1 = time.perf_counter()
             during = steps_until(trainer, fut.done)
             fut.result()
@@ -589,9 +521,9 @@ def bench_interference(state: dict[str, Any], dirs: Dirs, args: argparse.Namespa
             del fut
             rmtree(d)
             gc.collect()
-            log(f"  interference repeat {i + 1}/{args.repeat}: step alone {med(alone) * 1e3:.1f} ms, "
-                f"during mgr write {_ms(med(r['mgr_during_step_s'][-1]))} ({len(r['mgr_during_step_s'][-1])} steps, "
-                f"write {r['mgr_write_s'][-1]:.2f}s), during dcp async {_ms(med(r['dcp_async_during_step_s'][-1]))} "
+            log(f"  interference repeat {i + 1}/{args.repeat}: step alone {median(alone) * 1e3:.1f} ms, "
+                f"during mgr write {_ms(median(r['mgr_during_step_s'][-1]))} ({len(r['mgr_during_step_s'][-1])} steps, "
+                f"write {r['mgr_write_s'][-1]:.2f}s), during dcp async {_ms(median(r['dcp_async_during_step_s'][-1]))} "
                 f"({len(r['dcp_async_during_step_s'][-1])} steps)")
     finally:
         mgr.close()
@@ -599,18 +531,18 @@ def bench_interference(state: dict[str, Any], dirs: Dirs, args: argparse.Namespa
         torch.set_num_threads(threads)
     res["raw"] = r
     flat = lambda k: [x for xs in r[k] for x in xs]  # noqa: E731
-    alone, mgr_during, dcp_during = med(flat("alone_step_s")), med(flat("mgr_during_step_s")), med(
+    alone, mgr_during, dcp_during = median(flat("alone_step_s")), median(flat("mgr_during_step_s")), median(
         flat("dcp_async_during_step_s"))
     res["median"] = {
         "alone_step_s": alone,
         "mgr_during_step_s": mgr_during,
-        "mgr_steps_during_write": med(r["mgr_steps_during_write"]),
-        "mgr_write_s": med(r["mgr_write_s"]),
-        "mgr_write_wall_s": med(r["mgr_write_wall_s"]),
+        "mgr_steps_during_write": median(r["mgr_steps_during_write"]),
+        "mgr_write_s": median(r["mgr_write_s"]),
+        "mgr_write_wall_s": median(r["mgr_write_wall_s"]),
         "mgr_during_step_mean_s": statistics.fmean(flat("mgr_during_step_s")) if flat("mgr_during_step_s") else None,
         "dcp_async_during_step_s": dcp_during,
-        "dcp_async_steps_during_write": med(r["dcp_async_steps_during_write"]),
-        "dcp_async_write_wall_s": med(r["dcp_async_write_wall_s"]),
+        "dcp_async_steps_during_write": median(r["dcp_async_steps_during_write"]),
+        "dcp_async_write_wall_s": median(r["dcp_async_write_wall_s"]),
         "dcp_async_during_step_mean_s": (statistics.fmean(flat("dcp_async_during_step_s"))
                                          if flat("dcp_async_during_step_s") else None),
     }
@@ -631,6 +563,7 @@ def _ms(x: float | None) -> str:
 
 
 def timed_load(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """(seconds, result) of ``fn()``."""
     t0 = time.perf_counter()
     out = fn()
     return time.perf_counter() - t0, out
@@ -656,13 +589,15 @@ def mgr_restore(make: Callable[[], CheckpointManager], target: dict[str, Any], e
 
 
 def direct_load(path: str, target: dict[str, Any], verify: bool) -> dict[str, Any]:
-    reader = UCPStorageReader(path, verify=verify)
-    wall, _ = timed_load(lambda: dcp.load(target, storage_reader=reader, planner=UCPLoadPlanner()))
+    """One ``dcp.load`` through ``UCPStorageReader(verify=verify)``, no manager."""
+    reader, planner = make_reader("ucp", path, verify=verify)
+    wall, _ = timed_load(lambda: dcp.load(target, storage_reader=reader, planner=planner))
     return {"wall_s": wall, "verify_seconds": reader.verify_seconds, "verified_bytes": reader.verified_bytes}
 
 
 def bench_restore(state: dict[str, Any], dcp_dir: str, dirs: Dirs, args: argparse.Namespace,
                   res: dict[str, Any], failures: list[str]) -> None:
+    """Sections 3-4: restore time per tier, baselines, and the cost of checksums."""
     target = empty_like_state(state)
     ev = args.evict
     tiers: dict[str, dict[str, Any]] = {}
@@ -690,8 +625,8 @@ def bench_restore(state: dict[str, Any], dcp_dir: str, dirs: Dirs, args: argpars
             log(f"  restore from {name} FAILED: {entry['error']}")
             traceback.print_exc()
         runs = entry["runs"]
-        entry["median_s"] = med([x["wall_s"] for x in runs])
-        entry["median_restore_seconds"] = med([x["seconds"] for x in runs])
+        entry["median_s"] = median([x["wall_s"] for x in runs])
+        entry["median_restore_seconds"] = median([x["seconds"] for x in runs])
         if runs:
             log(f"  restore {name}: {entry['median_s']:.2f}s (tier {runs[0]['tier']}, "
                 f"verified {runs[0]['verified_bytes'] / MiB:.0f} MiB)")
@@ -704,7 +639,7 @@ def bench_restore(state: dict[str, Any], dcp_dir: str, dirs: Dirs, args: argpars
         if ev:
             evict_tree(dcp_dir)
         base["dcp_filesystem_reader_s"].append(timed_load(
-            lambda: dcp.load(target, storage_reader=FileSystemReader(dcp_dir)))[0])
+            lambda: load_state("dcp", target, dcp_dir))[0])
         if i == 0:
             check("dcp FileSystemReader")
 
@@ -817,29 +752,28 @@ def bench_restore(state: dict[str, Any], dcp_dir: str, dirs: Dirs, args: argpars
         log(f"  S3 skipped: {why}")
 
     res["tiers"] = tiers
-    dcp_med = med(base["dcp_filesystem_reader_s"])
+    dcp_med = median(base["dcp_filesystem_reader_s"])
     res["median"] = {
         "dcp_filesystem_reader_s": dcp_med,
-        "ucp_reader_verify_s": med(base["ucp_reader_verify_s"]),
-        "ucp_reader_noverify_s": med(base["ucp_reader_noverify_s"]),
-        "ucp_reader_verify_seconds": med(base["ucp_reader_verify_seconds"]),
-        "mgr_verify_on_s": med(onoff["verify_on_s"]),
-        "mgr_verify_off_s": med(onoff["verify_off_s"]),
-        "s3_download_s": med(res.get("s3_download_s", [])),
+        "ucp_reader_verify_s": median(base["ucp_reader_verify_s"]),
+        "ucp_reader_noverify_s": median(base["ucp_reader_noverify_s"]),
+        "ucp_reader_verify_seconds": median(base["ucp_reader_verify_seconds"]),
+        "mgr_verify_on_s": median(onoff["verify_on_s"]),
+        "mgr_verify_off_s": median(onoff["verify_off_s"]),
+        "s3_download_s": median(res.get("s3_download_s", [])),
         **{f"tier[{k}]": v["median_s"] for k, v in tiers.items()},
     }
     res["ratios"] = {
         **{f"tier[{k}]_over_dcp_load": ratio(v["median_s"], dcp_med) for k, v in tiers.items()},
-        "ucp_reader_verify_over_dcp_load": ratio(med(base["ucp_reader_verify_s"]), dcp_med),
-        "mgr_verify_on_over_off": ratio(med(onoff["verify_on_s"]), med(onoff["verify_off_s"])),
-        "ucp_reader_verify_on_over_off": ratio(med(base["ucp_reader_verify_s"]), med(base["ucp_reader_noverify_s"])),
-        "ucp_reader_verify_fraction": ratio(med(base["ucp_reader_verify_seconds"]), med(base["ucp_reader_verify_s"])),
+        "ucp_reader_verify_over_dcp_load": ratio(median(base["ucp_reader_verify_s"]), dcp_med),
+        "mgr_verify_on_over_off": ratio(median(onoff["verify_on_s"]), median(onoff["verify_off_s"])),
+        "ucp_reader_verify_on_over_off": ratio(median(base["ucp_reader_verify_s"]), median(base["ucp_reader_noverify_s"])),
+        "ucp_reader_verify_fraction": ratio(median(base["ucp_reader_verify_seconds"]), median(base["ucp_reader_verify_s"])),
     }
 
 
 def dataclass_dict(x: Any) -> dict[str, Any]:
-    import dataclasses
-
+    """A dataclass as a dict, tuples as lists."""
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(x).items()}
 
 
@@ -856,7 +790,7 @@ def bench_hash(state: dict[str, Any], repeat: int) -> dict[str, Any]:
                 fn(v)
             runs.append(time.perf_counter() - t0)
         out[f"{name}_s"] = runs
-        out[f"{name}_GBps"] = total / med(runs) / GB
+        out[f"{name}_GBps"] = total / median(runs) / GB
     return out
 
 
@@ -865,34 +799,31 @@ def bench_hash(state: dict[str, Any], repeat: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------
 
 
-def _f(x: float | None, spec: str = ".3f", unit: str = "") -> str:
-    return "-" if x is None else f"{x:{spec}}{unit}"
-
-
 def report(result: dict[str, Any]) -> str:
+    """The markdown table of every section that ran."""
     b, t, r, h = (result.get(k, {}) for k in ("blocking", "interference", "restore", "hash"))
     rows: list[tuple[str, str, str]] = []  # (what, median, ratio)
     if b:
         m, q = b["median"], b["ratios"]
         rows += [
             ("**1. save, blocking time**", "", ""),
-            ("(a) `dcp.save`, FileSystemWriter (baseline)", _f(m["dcp_sync_s"], ".3f", " s"), "1.00"),
-            ("(b) `dcp.save`, UCPStorageWriter", _f(m["ucp_sync_s"], ".3f", " s"),
-             _f(q["ucp_sync_over_dcp_sync"], ".2f", "x (a)")),
-            ("(c) `dcp.async_save`, FileSystemWriter: until it returns", _f(m["dcp_async_blocking_s"], ".3f", " s"),
-             _f(q["dcp_async_blocking_over_dcp_sync"], ".3f", "x (a)")),
-            ("(c) `dcp.async_save`: until its future is done", _f(m["dcp_async_total_s"], ".3f", " s"), ""),
-            ("(d) `CheckpointManager.save`, cold (first save)", _f(m["mgr_cold_blocking_s"], ".3f", " s"),
-             f"{_f(q['mgr_cold_over_dcp_sync'], '.3f')}x (a), {_f(q['mgr_cold_over_dcp_async'], '.2f')}x (c)"),
-            ("(d) `CheckpointManager.save`, warm (buffers reused)", _f(m["mgr_warm_blocking_s"], ".3f", " s"),
-             f"**{_f(q['mgr_warm_over_dcp_sync'], '.3f')}x (a)** (target <= {TARGET_BLOCKING_RATIO}), "
-             f"{_f(q['mgr_warm_over_dcp_async'], '.2f')}x (c)"),
+            ("(a) `dcp.save`, FileSystemWriter (baseline)", fmt_num(m["dcp_sync_s"], ".3f", " s"), "1.00"),
+            ("(b) `dcp.save`, UCPStorageWriter", fmt_num(m["ucp_sync_s"], ".3f", " s"),
+             fmt_num(q["ucp_sync_over_dcp_sync"], ".2f", "x (a)")),
+            ("(c) `dcp.async_save`, FileSystemWriter: until it returns", fmt_num(m["dcp_async_blocking_s"], ".3f", " s"),
+             fmt_num(q["dcp_async_blocking_over_dcp_sync"], ".3f", "x (a)")),
+            ("(c) `dcp.async_save`: until its future is done", fmt_num(m["dcp_async_total_s"], ".3f", " s"), ""),
+            ("(d) `CheckpointManager.save`, cold (first save)", fmt_num(m["mgr_cold_blocking_s"], ".3f", " s"),
+             f"{fmt_num(q['mgr_cold_over_dcp_sync'], '.3f')}x (a), {fmt_num(q['mgr_cold_over_dcp_async'], '.2f')}x (c)"),
+            ("(d) `CheckpointManager.save`, warm (buffers reused)", fmt_num(m["mgr_warm_blocking_s"], ".3f", " s"),
+             f"**{fmt_num(q['mgr_warm_over_dcp_sync'], '.3f')}x (a)** (target <= {TARGET_BLOCKING_RATIO}), "
+             f"{fmt_num(q['mgr_warm_over_dcp_async'], '.2f')}x (c)"),
             ("(d) warm / (a), median of per-repetition ratios", "",
-             _f(b["paired_ratio_medians"]["mgr_warm_over_dcp_sync"], ".3f", "x (a)")),
-            ("(d) background `write_s` (warm)", _f(m["mgr_warm_write_s"], ".3f", " s"),
-             _f(q["mgr_warm_write_over_dcp_sync"], ".2f", "x (a)")),
-            ("floor: `copy_` into preallocated buffers", _f(m["copy_floor_s"], ".3f", " s"),
-             f"warm save = {_f(q['mgr_warm_over_copy_floor'], '.2f')}x this"),
+             fmt_num(b["paired_ratio_medians"]["mgr_warm_over_dcp_sync"], ".3f", "x (a)")),
+            ("(d) background `write_s` (warm)", fmt_num(m["mgr_warm_write_s"], ".3f", " s"),
+             fmt_num(q["mgr_warm_write_over_dcp_sync"], ".2f", "x (a)")),
+            ("floor: `copy_` into preallocated buffers", fmt_num(m["copy_floor_s"], ".3f", " s"),
+             f"warm save = {fmt_num(q['mgr_warm_over_copy_floor'], '.2f')}x this"),
         ]
     if t:
         m, q = t["median"], t["ratios"]
@@ -900,45 +831,43 @@ def report(result: dict[str, Any]) -> str:
             (f"**2. training step ({t['config']['matmuls']} matmuls 1024², 1 thread)**", "", ""),
             ("step alone", _ms(m["alone_step_s"]), "1.00"),
             ("step while a manager save writes", _ms(m["mgr_during_step_s"]),
-             f"{_f(q['mgr_step_slowdown'], '.2f')}x; {_f(m['mgr_steps_during_write'], '.0f')} steps during a "
-             f"{_f(m['mgr_write_s'], '.2f')} s write"),
+             f"{fmt_num(q['mgr_step_slowdown'], '.2f')}x; {fmt_num(m['mgr_steps_during_write'], '.0f')} steps during a "
+             f"{fmt_num(m['mgr_write_s'], '.2f')} s write"),
             ("step while a `dcp.async_save` writes", _ms(m["dcp_async_during_step_s"]),
-             f"{_f(q['dcp_async_step_slowdown'], '.2f')}x; {_f(m['dcp_async_steps_during_write'], '.0f')} steps "
-             f"during a {_f(m['dcp_async_write_wall_s'], '.2f')} s write"),
+             f"{fmt_num(q['dcp_async_step_slowdown'], '.2f')}x; {fmt_num(m['dcp_async_steps_during_write'], '.0f')} steps "
+             f"during a {fmt_num(m['dcp_async_write_wall_s'], '.2f')} s write"),
         ]
     if r:
         m, q = r["median"], r["ratios"]
         rows += [
             ("**3. restore (verify on)**", "", ""),
-            ("`dcp.load`, FileSystemReader (baseline)", _f(m["dcp_filesystem_reader_s"], ".3f", " s"), "1.00"),
-            ("`dcp.load`, UCPStorageReader(verify=True), no manager", _f(m["ucp_reader_verify_s"], ".3f", " s"),
-             _f(q["ucp_reader_verify_over_dcp_load"], ".2f", "x")),
+            ("`dcp.load`, FileSystemReader (baseline)", fmt_num(m["dcp_filesystem_reader_s"], ".3f", " s"), "1.00"),
+            ("`dcp.load`, UCPStorageReader(verify=True), no manager", fmt_num(m["ucp_reader_verify_s"], ".3f", " s"),
+             fmt_num(q["ucp_reader_verify_over_dcp_load"], ".2f", "x")),
         ]
         for name, v in r.get("tiers", {}).items():
             extra = ""
             if name.startswith("S3") and m.get("s3_download_s") is not None:
                 extra = f" (download alone {m['s3_download_s']:.2f} s)"
             rows.append((f"`CheckpointManager.load`, {name}",
-                         _f(v.get("median_s"), ".3f", " s") if "error" not in v else "FAILED",
-                         _f(q.get(f"tier[{name}]_over_dcp_load"), ".2f", "x") + extra))
+                         fmt_num(v.get("median_s"), ".3f", " s") if "error" not in v else "FAILED",
+                         fmt_num(q.get(f"tier[{name}]_over_dcp_load"), ".2f", "x") + extra))
         if r.get("s3_skipped"):
             rows.append(("S3", "skipped", r["s3_skipped"]))
         rows += [
             ("**4. checksum cost**", "", ""),
             ("manager load, local tier, verify_on_load=True / False",
-             f"{_f(m['mgr_verify_on_s'], '.3f')} / {_f(m['mgr_verify_off_s'], '.3f')} s",
-             _f(q["mgr_verify_on_over_off"], ".2f", "x")),
+             f"{fmt_num(m['mgr_verify_on_s'], '.3f')} / {fmt_num(m['mgr_verify_off_s'], '.3f')} s",
+             fmt_num(q["mgr_verify_on_over_off"], ".2f", "x")),
             ("UCPStorageReader verify=True / False",
-             f"{_f(m['ucp_reader_verify_s'], '.3f')} / {_f(m['ucp_reader_noverify_s'], '.3f')} s",
-             f"{_f(q['ucp_reader_verify_on_over_off'], '.2f')}x; verify_seconds = "
-             f"{_f(m['ucp_reader_verify_seconds'], '.3f')} s = {_f(q['ucp_reader_verify_fraction'], '.0%')} of the load"),
+             f"{fmt_num(m['ucp_reader_verify_s'], '.3f')} / {fmt_num(m['ucp_reader_noverify_s'], '.3f')} s",
+             f"{fmt_num(q['ucp_reader_verify_on_over_off'], '.2f')}x; verify_seconds = "
+             f"{fmt_num(m['ucp_reader_verify_seconds'], '.3f')} s = {fmt_num(q['ucp_reader_verify_fraction'], '.0%')} of the load"),
         ]
     if h:
         rows.append(("raw xxh3-64 / xxh3-128, one thread, in memory",
-                     f"{_f(h['xxh3_64_GBps'], '.1f')} / {_f(h['xxh3_128_GBps'], '.1f')} GB/s", ""))
-    lines = ["| measurement | median | ratio |", "|---|---|---|"]
-    lines += [f"| {a} | {b_} | {c} |" for a, b_, c in rows]
-    return "\n".join(lines)
+                     f"{fmt_num(h['xxh3_64_GBps'], '.1f')} / {fmt_num(h['xxh3_128_GBps'], '.1f')} GB/s", ""))
+    return markdown_table(("measurement", "median", "ratio"), rows)
 
 
 # --------------------------------------------------------------------------
@@ -947,6 +876,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with --quick defaults filled in and checked."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=float, default=None, help="state size in MiB (default 1024; 64 with --quick)")
@@ -964,24 +894,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="evict each checkpoint's files from the page cache before each timed load (cold reads)")
     p.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) restore")
     p.add_argument("--no-shm", action="store_true", help="skip the /dev/shm local tier")
-    p.add_argument("--sections", default="blocking,interference,restore,hash",
+    p.add_argument("--sections", default=",".join(SECTIONS),
                    help="comma-separated subset of: blocking, interference, restore, hash")
     p.add_argument("--out", default=None,
                    help="JSON results (default benchmarks/results/manager.json; out/bench_manager_quick.json "
                         "with --quick)")
     args = p.parse_args(argv)
-    if args.mb is None:
-        args.mb = 64.0 if args.quick else 1024.0
-    if args.steps is None:
-        args.steps = 10 if args.quick else 20
+    quick_defaults(args, mb=(64.0, 1024.0), steps=(10, 20))
     if args.out is None:
-        here = Path(__file__).resolve().parent
-        args.out = str(here.parent / "out" / "bench_manager_quick.json") if args.quick else str(
-            here / "results" / "manager.json")
-    args.sections = [s for s in args.sections.split(",") if s]
-    for s in args.sections:
-        if s not in ("blocking", "interference", "restore", "hash"):
-            p.error(f"unknown section {s!r}")
+        args.out = default_out("manager.json", args.quick, "bench_manager_quick.json")
+    args.sections = comma_list(p, args.sections, SECTIONS, "section")
     if "restore" in args.sections and "blocking" not in args.sections:
         p.error("the restore section needs the blocking section (its DCP checkpoint is the load baseline)")
     if args.repeat < 1:
@@ -990,6 +912,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the chosen sections, print the table, write the JSON; 0 if every restore was exact."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -1011,7 +934,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     failures: list[str] = []
     log(f"building the state: {args.layers} layers, hidden {hidden}")
     state = build_state(hidden, args.layers)
-    nbytes = nbytes_of(state)
+    nbytes = tensor_bytes(state)
     ts = list(tensors(state))
     result["state"] = {
         "hidden": hidden, "layers": args.layers, "tensors": len(ts), "bytes": nbytes, "MiB": nbytes / MiB,
@@ -1049,11 +972,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.dir is None:
             rmtree(work)
     result["peak_rss_mib"] = peak_rss_mib()
-    try:
-        with open("/proc/loadavg") as f:
-            result["machine"]["loadavg_at_end"] = f.read().split()[:3]
-    except OSError:
-        pass
+    if loadavg() is not None:
+        result["machine"]["loadavg_at_end"] = loadavg()
     result["failures"] = failures
     result["wall_s"] = time.perf_counter() - t_start
     table = report(result)
@@ -1063,17 +983,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"repeat {args.repeat}, {result['machine']['cpus']} CPUs, torch {torch.__version__}"
           f"{', page cache evicted before loads' if args.evict else ', reads page-cache warm'}")
     print(table)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2, default=str)
+    write_json(args.out, result, default=str)
     print(f"\nwall time {result['wall_s']:.1f}s; peak RSS {result['peak_rss_mib']:.0f} MiB; "
           f"results written to {args.out}")
-    if failures:
-        print("\nFAILURES:", file=sys.stderr)
-        for f_ in failures:
-            print(f"  - {f_}", file=sys.stderr)
-        return 1
-    return 0
+    print_failures(failures)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

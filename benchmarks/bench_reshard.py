@@ -44,62 +44,73 @@ See benchmarks/README.md for the method and caveats.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
-import inspect
-import json
 import math
-import mmap
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import traceback
-import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
-from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
-from torch.futures import Future
 
-MB = 1_000_000  # reported sizes are decimal megabytes
-PAGE = os.sysconf("SC_PAGE_SIZE")
+from harness import (
+    ADAMW_HYPER,
+    FORMATS,
+    MB,
+    PAGE,
+    Column,
+    PeakMemorySampler,
+    TurnTakingReader,
+    adamw_state,
+    comma_list,
+    evict,
+    files_under,
+    fmt_mb,
+    fmt_num,
+    fresh_dir,
+    fsync_files,
+    leaves,
+    local,
+    make_reader,
+    make_writer,
+    print_failures,
+    proc_read_bytes,
+    quick_defaults,
+    rank_log,
+    ratio,
+    read_ahead_kb,
+    release_free_memory,
+    round_trip,
+    seed_of,
+    set_rank_env,
+    spawn_ranks,
+    synth_values,
+    tensor_bytes,
+    text_table,
+    total_resident_bytes,
+    write_json,
+)
+
 ADAMW_STEP = 1234.0
-PARAM_GROUP = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-FORMATS = ("dcp", "ucp", "hf")
 PRIMARY_PAIR = "dp2tp2-dp3"  # the pair the cold-load target (<= 0.6x DCP) is stated for
 
 # Targets the library aims for; printed next to the numbers, never asserted.
 TARGET_READ_AMP = 1.05
 TARGET_LOAD_RATIO = 0.6
 TARGET_SAVE_RATIO = 1.0
-
-_T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    """Progress line from rank 0 of a spawned world (--verbose only)."""
-    if os.environ.get("BENCH_VERBOSE") != "1":
-        return
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"  [{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
 
 
 # --------------------------------------------------------------------------
@@ -121,6 +132,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
+        """Elements of the global tensor."""
         return math.prod(self.shape)
 
 
@@ -169,6 +181,7 @@ class Layout:
 
     @property
     def world(self) -> int:
+        """Ranks the layout needs."""
         return math.prod(self.mesh_shape) if self.mesh_shape else 1
 
 
@@ -231,22 +244,6 @@ def make_mesh(layout: Layout) -> DeviceMesh | None:
 # --------------------------------------------------------------------------
 
 
-def synth_values(seed: int, flat_index: torch.Tensor) -> torch.Tensor:
-    """Exact fp32 values from global flat indices.
-
-    (n * odd_constant + seed) mod 2^24 fits in the fp32 mantissa, so the
-    conversion is exact and any rank can regenerate any slice bit-for-bit
-    without materialising the full tensor.  The multiplier is odd, so values
-    are distinct for n < 2^24: shifted rows/columns cannot compare equal.
-    """
-    h = (flat_index * 2654435761 + seed) & 0xFFFFFF
-    return (h - (1 << 23)).to(torch.float32) * (2.0 ** -20)
-
-
-def tensor_seed(fqn: str) -> int:
-    return zlib.crc32(fqn.encode())
-
-
 def _dim_proxy_placements(placements: Sequence[Placement], dim: int) -> list[Placement]:
     """Placements of a 1-D proxy that shards like ``dim`` of the real tensor.
 
@@ -281,6 +278,7 @@ def local_indices(shape: tuple[int, ...], mesh: DeviceMesh | None,
 
 
 def local_flat_index(shape: tuple[int, ...], idx: list[torch.Tensor]) -> torch.Tensor:
+    """Row-major global flat indices of the local block with per-dim indices ``idx``."""
     flat = idx[0]
     for d in range(1, len(shape)):
         flat = flat.unsqueeze(-1) * shape[d] + idx[d]
@@ -296,13 +294,13 @@ def make_tensor(spec: TensorSpec, state: str, layout: Layout, mesh: DeviceMesh |
     placements = layout.placements.get(spec.role, ())
     idx = local_indices(spec.shape, mesh, placements)
     if filled:
-        local = synth_values(tensor_seed(f"{spec.fqn}/{state}"), local_flat_index(spec.shape, idx))
+        shard = synth_values(seed_of(spec.fqn, state), local_flat_index(spec.shape, idx))
     else:
-        local = torch.full([len(i) for i in idx], float("nan"), dtype=torch.float32)
+        shard = torch.full([len(i) for i in idx], float("nan"), dtype=torch.float32)
     if mesh is None:
-        return local
+        return shard
     stride = torch.empty(spec.shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, placements, run_check=False,
+    return DTensor.from_local(shard, mesh, placements, run_check=False,
                               shape=torch.Size(spec.shape), stride=stride)
 
 
@@ -313,40 +311,13 @@ def build_state(specs: Sequence[TensorSpec], layout: Layout, mesh: DeviceMesh | 
     model_only returns just the flat {fqn: weight} dict (the HF format holds
     model weights only).
     """
-    model = {s.fqn: make_tensor(s, "param", layout, mesh, filled) for s in specs}
     if model_only:
-        return model
+        return {s.fqn: make_tensor(s, "param", layout, mesh, filled) for s in specs}
+    by_fqn = {s.fqn: s for s in specs}
     step = ADAMW_STEP if filled else -1.0
-    optim_state = {
-        s.fqn: {
-            "exp_avg": make_tensor(s, "exp_avg", layout, mesh, filled),
-            "exp_avg_sq": make_tensor(s, "exp_avg_sq", layout, mesh, filled),
-            "step": torch.tensor(step, dtype=torch.float32),
-        }
-        for s in specs
-    }
-    group = dict(PARAM_GROUP) if filled else {k: -1.0 for k in PARAM_GROUP}
-    group["params"] = [s.fqn for s in specs]
-    return {"model": model, "optim": {"state": optim_state, "param_groups": [group]}}
-
-
-def leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(path, leaf) pairs of a nested dict; lists of plain values are leaves."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from leaves(v, f"{prefix}.{k}" if prefix else str(k))
-    else:
-        yield prefix, obj
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def local_tensor_bytes(state: dict[str, Any]) -> int:
-    """Bytes of tensor data this rank holds (what a load must deliver)."""
-    return sum(_local(v).numel() * _local(v).element_size()
-               for _, v in leaves(state) if isinstance(v, torch.Tensor))
+    hyper = ADAMW_HYPER if filled else {k: -1.0 for k in ADAMW_HYPER}
+    return adamw_state(by_fqn, lambda fqn, kind: make_tensor(by_fqn[fqn], kind, layout, mesh, filled),
+                       lambda fqn: torch.tensor(step, dtype=torch.float32), hyper)
 
 
 def verify(loaded: dict[str, Any], expected: dict[str, Any]) -> list[str]:
@@ -359,7 +330,7 @@ def verify(loaded: dict[str, Any], expected: dict[str, Any]) -> list[str]:
             if not isinstance(have, torch.Tensor):
                 errors.append(f"{path}: missing or not a tensor ({type(have).__name__})")
                 continue
-            a, b = _local(have), _local(want)
+            a, b = local(have), local(want)
             if a.shape != b.shape:
                 errors.append(f"{path}: local shape {tuple(a.shape)} != {tuple(b.shape)}")
             elif not torch.equal(a, b):
@@ -449,290 +420,12 @@ def page_floor_bytes(expected: dict[str, Any], metadata: Metadata) -> int:
 
 
 # --------------------------------------------------------------------------
-# Page cache, I/O and memory probes (Linux)
+# Checkpoint paths
 # --------------------------------------------------------------------------
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def checkpoint_files(root: str | Path) -> list[str]:
-    return sorted(str(p) for p in Path(root).rglob("*") if p.is_file())
-
-
-def fsync_files(files: Sequence[str]) -> None:
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def evict(files: Sequence[str]) -> None:
-    """Drop the files' clean pages from the page cache (dirty pages stay, hence
-    the fsync after every save)."""
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def evict_tree(root: str | Path) -> None:
-    """fsync, then drop from the page cache, every file under ``root`` (no-op on tmpfs)."""
-    files = checkpoint_files(root)
-    fsync_files(files)
-    evict(files)
-
-
-def resident_bytes(path: str) -> int:
-    """Bytes of ``path`` present in the page cache, via mmap + mincore.
-
-    Python's mmap object is not writable with PROT_READ, so ctypes cannot take
-    its address; map the file with libc directly instead.  Mapping does not
-    fault pages in, so the probe itself pulls nothing from storage.
-    """
-    size = os.path.getsize(path)
-    if size == 0:
-        return 0
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, _MAP_FAILED):
-            raise OSError(ctypes.get_errno(), f"mmap({path}) failed")
-        try:
-            vec = (ctypes.c_ubyte * ((size + PAGE - 1) // PAGE))()
-            if _libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore({path}) failed")
-            resident_pages = sum(1 for b in bytes(vec) if b & 1)
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-    return resident_pages * PAGE
-
-
-def total_resident_bytes(files: Sequence[str]) -> int:
-    return sum(resident_bytes(p) for p in files)
-
-
-def proc_read_bytes() -> int:
-    """Bytes this process caused to be fetched from the block layer (all threads)."""
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    return 0
-
-
-def statm_bytes() -> tuple[int, int]:
-    """(resident, anonymous) bytes; anonymous = resident - file/shmem-backed."""
-    with open("/proc/self/statm") as f:
-        fields = f.read().split()
-    resident, shared = int(fields[1]), int(fields[2])
-    return resident * PAGE, (resident - shared) * PAGE
-
-
-def release_free_memory() -> None:
-    """Make RSS reflect live data before taking a baseline."""
-    gc.collect()
-    try:
-        _libc.malloc_trim(0)
-    except AttributeError:  # not glibc
-        pass
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM (Linux >= 4.0: write 5 to clear_refs); False if unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class PeakMemorySampler:
-    """Peak memory growth over a baseline while the block runs.
-
-    Total RSS comes from the kernel's exact high-water mark (VmHWM, reset on
-    entry) when available.  Anonymous memory, the number that matters since
-    file-backed pages of an mmap reader are reclaimable page cache, has no
-    kernel high-water mark, so a thread samples /proc/self/statm for it.
-    """
-
-    def __init__(self, interval_s: float) -> None:
-        self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.base_rss, self.base_anon = statm_bytes()
-        self.peak_rss, self.peak_anon = self.base_rss, self.base_anon
-        self._hwm = reset_peak_rss()
-
-    def _sample(self) -> None:
-        rss, anon = statm_bytes()
-        self.peak_rss = max(self.peak_rss, rss)
-        self.peak_anon = max(self.peak_anon, anon)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
-
-    def __enter__(self) -> PeakMemorySampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-        if self._hwm:
-            self.peak_rss = max(self.peak_rss, peak_rss_bytes())
-
-    @property
-    def rss_growth(self) -> int:
-        return self.peak_rss - self.base_rss
-
-    @property
-    def anon_growth(self) -> int:
-        return self.peak_anon - self.base_anon
-
-
-# --------------------------------------------------------------------------
-# Turn-taking reader proxy
-# --------------------------------------------------------------------------
-
-
-class TurnTakingReader(StorageReader):
-    """Delegating StorageReader that serialises ``read_data`` across ranks.
-
-    On its turn a rank evicts every checkpoint file, runs the wrapped reader's
-    read_data to completion, and counts what became resident: with only one
-    rank reading at a time, that is exactly what this rank pulled from storage
-    (readahead included, since that is real I/O).  Works for any reader because
-    only the public StorageReader interface is used.
-    """
-
-    def __init__(self, inner: StorageReader, root: str,
-                 group: dist.ProcessGroup | None = None) -> None:
-        self.inner = inner
-        self.root = root
-        self.files = checkpoint_files(root)
-        self.group = group
-        self.stats: dict[str, Any] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        # Anything outside the StorageReader interface (e.g. checkpoint_id,
-        # which dcp.load probes with getattr) comes from the wrapped reader.
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        self.inner.reset(checkpoint_id)
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self.inner.read_metadata(*args, **kwargs)
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool,
-                              *args: Any, **kwargs: Any) -> None:
-        # dcp.load passes rank/use_collectives only to readers whose signature
-        # takes **kwargs; mirror the wrapped reader's signature.
-        if "kwargs" in inspect.signature(self.inner.set_up_storage_reader).parameters:
-            self.inner.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        else:
-            self.inner.set_up_storage_reader(metadata, is_coordinator)
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return self.inner.prepare_local_plan(plan)
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return self.inner.prepare_global_plan(plans)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return False
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        error: BaseException | None = None
-        for turn in range(world):
-            dist.barrier(group=self.group)  # previous rank's turn is over
-            if turn != rank:
-                continue
-            try:
-                evict(self.files)
-                # Pages that survive eviction (still mapped somewhere, or
-                # tmpfs) are subtracted so they are not charged to this rank.
-                residual = {p: resident_bytes(p) for p in self.files}
-                io0 = proc_read_bytes()
-                self.inner.read_data(plan, planner).wait()
-                io1 = proc_read_bytes()
-                pulled = {os.path.relpath(p, self.root): max(0, resident_bytes(p) - residual[p])
-                          for p in self.files}
-                self.stats = {"pulled_bytes": sum(pulled.values()),
-                              "pulled_bytes_by_file": {k: v for k, v in pulled.items() if v},
-                              "io_read_bytes": io1 - io0,
-                              "residual_bytes": sum(residual.values()),
-                              "read_items": len(plan.items)}
-            except BaseException as e:  # keep attending barriers, re-raise below
-                error = e
-        dist.barrier(group=self.group)
-        if error is not None:
-            raise error
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
-
-
-# --------------------------------------------------------------------------
-# Format adapters
-# --------------------------------------------------------------------------
-
-
-def make_writer(fmt: str, path: str) -> tuple[Any, Any]:
-    """(storage_writer, planner) for a format; the library is imported lazily
-    so DCP-only runs work while it is missing or broken."""
-    if fmt == "dcp":
-        return dcp.FileSystemWriter(path), None
-    if fmt == "ucp":
-        from ucp_dcp import UCPSavePlanner, UCPStorageWriter
-        return UCPStorageWriter(path), UCPSavePlanner()
-    if fmt == "hf":
-        # Every rank writes its shards, the coordinator then consolidates them
-        # into plain full-tensor safetensors (the usual HF layout) in `path`.
-        return dcp.HuggingFaceStorageWriter(path, save_distributed=True,
-                                            enable_consolidation=True), None
-    raise ValueError(fmt)
-
-
-def make_reader(fmt: str, path: str) -> tuple[StorageReader, LoadPlanner | None]:
-    if fmt == "dcp":
-        return dcp.FileSystemReader(path), None
-    if fmt == "ucp":
-        from ucp_dcp import UCPLoadPlanner, UCPStorageReader
-        return UCPStorageReader(path), UCPLoadPlanner()
-    if fmt == "hf":
-        return dcp.HuggingFaceStorageReader(path), None
-    raise ValueError(fmt)
 
 
 def ckpt_dir(workdir: str, layout: str, fmt: str) -> str:
+    """Where the checkpoint of ``layout`` in format ``fmt`` goes."""
     return os.path.join(workdir, layout, fmt)
 
 
@@ -759,10 +452,12 @@ class Job:
 
     @property
     def layout(self) -> Layout:
+        """The layout the job's ranks hold (the source of a save, the target of a load)."""
         return LAYOUTS[self.name if self.kind == "save" else PAIRS[self.name][1]]
 
     @property
     def nranks(self) -> int:
+        """Ranks the job runs on."""
         return self.layout.world
 
 
@@ -775,13 +470,16 @@ class Ctx:
 
     @property
     def rank(self) -> int:
+        """This rank within the job's group."""
         return dist.get_rank(self.group)
 
     @property
     def size(self) -> int:
+        """Ranks in the job's group."""
         return dist.get_world_size(self.group)
 
     def barrier(self) -> None:
+        """Barrier over the job's group."""
         dist.barrier(group=self.group)
 
     def agree(self, local_error: str | None) -> str | None:
@@ -791,35 +489,19 @@ class Ctx:
         return next((f"rank {r}: {e}" for r, e in enumerate(gathered) if e), None)
 
 
-def _fresh_dir(path: str, ctx: Ctx) -> None:
-    if ctx.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        os.makedirs(path)
-    ctx.barrier()
-
-
 def _saved_marker(workdir: str, layout: str, fmt: str) -> Path:
     # Kept outside the checkpoint directory so it is never evicted/counted.
     return Path(workdir, "_saved", f"{layout}.{fmt}")
 
 
 def warm_up(fmt: str, layout: Layout, ctx: Ctx, workdir: str) -> None:
-    """Tiny save + load round trip before anything is timed.
-
-    The first dcp.save/load in a process pays one-off costs (lazy imports,
-    first collectives, planner caches); without this, whichever format is
-    timed first would carry them.
-    """
+    """Tiny save + load round trip of ``fmt`` on the job's ranks before anything is timed."""
     path = os.path.join(workdir, "_warmup", layout.name, fmt)
-    _fresh_dir(path, ctx)
+    fresh_dir(path, ctx.group)
     spec = [TensorSpec("warmup.weight", (64, 64), "col")]
     model_only = fmt == "hf"
-    writer, save_planner = make_writer(fmt, path)
-    dcp.save(build_state(spec, layout, ctx.mesh, filled=True, model_only=model_only),
-             storage_writer=writer, planner=save_planner, process_group=ctx.group)
-    reader, load_planner = make_reader(fmt, path)
-    dcp.load(build_state(spec, layout, ctx.mesh, filled=False, model_only=model_only),
-             storage_reader=reader, planner=load_planner, process_group=ctx.group)
+    round_trip(fmt, path, build_state(spec, layout, ctx.mesh, filled=True, model_only=model_only),
+               build_state(spec, layout, ctx.mesh, filled=False, model_only=model_only), ctx.group)
     ctx.barrier()
 
 
@@ -830,11 +512,11 @@ def _timed_save(fmt: str, path: str, state: dict[str, Any], ctx: Ctx) -> dict[st
     dcp.save(state, storage_writer=writer, planner=planner, process_group=ctx.group)
     ctx.barrier()
     if ctx.rank == 0:  # one fsync pass once every rank has written
-        fsync_files(checkpoint_files(path))
+        fsync_files(files_under(path))
     ctx.barrier()
     res: dict[str, Any] = {"save_s": time.perf_counter() - t0}
     if ctx.rank == 0:
-        files = checkpoint_files(path)
+        files = files_under(path)
         res["bytes_on_disk"] = sum(os.path.getsize(p) for p in files)
         res["num_files"] = len(files)
         evict(files)
@@ -844,8 +526,9 @@ def _timed_save(fmt: str, path: str, state: dict[str, Any], ctx: Ctx) -> dict[st
 
 
 def run_save_job(job: Job, ctx: Ctx) -> dict[str, Any]:
+    """Warm-up and timed saves of one source layout in every format."""
     layout = job.layout
-    log(f"save {job.name}: building state")
+    rank_log(f"save {job.name}: building state")
     state = build_state(job.specs, layout, ctx.mesh, filled=True)
     out: dict[str, Any] = {}
     for fmt in job.formats:
@@ -859,10 +542,10 @@ def run_save_job(job: Job, ctx: Ctx) -> dict[str, Any]:
             warm_up(fmt, layout, ctx, job.workdir)
             runs = []
             for _ in range(job.repeats):  # the last run's checkpoint is kept
-                _fresh_dir(path, ctx)
+                fresh_dir(path, ctx.group)
                 res = _timed_save(fmt, path, state["model"] if fmt == "hf" else state, ctx)
                 runs.append(res.pop("save_s"))
-                log(f"save {job.name}/{fmt}: {runs[-1]:.2f}s")
+                rank_log(f"save {job.name}/{fmt}: {runs[-1]:.2f}s")
             res["save_s_runs"] = runs
         except Exception:
             err = traceback.format_exc()
@@ -895,7 +578,7 @@ def _measured_load(fmt: str, path: str, target: dict[str, Any], ctx: Ctx,
     ctx.barrier()
     with PeakMemorySampler(interval_s) as mem:
         dcp.load(target, storage_reader=reader, planner=planner, process_group=ctx.group)
-    return {**reader.stats, "peak_rss_growth": mem.rss_growth,
+    return {**reader.stats.as_dict(), "peak_rss_growth": mem.rss_growth,
             "peak_anon_growth": mem.anon_growth}
 
 
@@ -904,7 +587,7 @@ def _load_one_format(job: Job, fmt: str, expected: dict[str, Any], ctx: Ctx) -> 
     every loaded state is verified bit-exactly."""
     layout, model_only = job.layout, fmt == "hf"
     path = ckpt_dir(job.workdir, PAIRS[job.name][0], fmt)
-    files = checkpoint_files(path)
+    files = files_under(path)
     res: dict[str, Any] = {"load_s_runs": [], "cold_io_read_bytes_runs": [], "mismatches": []}
 
     def fresh_target() -> dict[str, Any]:
@@ -914,7 +597,7 @@ def _load_one_format(job: Job, fmt: str, expected: dict[str, Any], ctx: Ctx) -> 
     for _ in range(job.repeats):
         target = fresh_target()
         run = _timed_cold_load(fmt, path, files, target, ctx)
-        log(f"load {job.name}/{fmt}: cold load {run['load_s']:.2f}s")
+        rank_log(f"load {job.name}/{fmt}: cold load {run['load_s']:.2f}s")
         res["load_s_runs"].append(run["load_s"])
         res["cold_io_read_bytes_runs"].append(run["cold_io_read_bytes"])
         res["mismatches"] = verify(target, expected)
@@ -923,19 +606,20 @@ def _load_one_format(job: Job, fmt: str, expected: dict[str, Any], ctx: Ctx) -> 
             return res
     target = fresh_target()
     res.update(_measured_load(fmt, path, target, ctx, job.sample_interval_s))
-    log(f"load {job.name}/{fmt}: turn-taking load done")
+    rank_log(f"load {job.name}/{fmt}: turn-taking load done")
     res["mismatches"] = verify(target, expected)
     return res
 
 
 def run_load_job(job: Job, ctx: Ctx) -> dict[str, Any]:
+    """Page floor, timed cold loads and one turn-taking load of one pair in every format."""
     src = PAIRS[job.name][0]
-    log(f"load {job.name}: building expected state")
+    rank_log(f"load {job.name}: building expected state")
     expected_full = build_state(job.specs, job.layout, ctx.mesh, filled=True)
     out: dict[str, Any] = {}
     for fmt in job.formats:
         expected = expected_full["model"] if fmt == "hf" else expected_full
-        res: dict[str, Any] = {"needed_bytes": local_tensor_bytes(expected)}
+        res: dict[str, Any] = {"needed_bytes": tensor_bytes(expected)}
         if not _saved_marker(job.workdir, src, fmt).exists():
             res["skipped"] = "save failed or not run"
             out[fmt] = res
@@ -953,54 +637,30 @@ def run_load_job(job: Job, ctx: Ctx) -> dict[str, Any]:
     return out
 
 
-def _worker(rank: int, world: int, port: int, jobs: list[Job], result_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(minutes=10))
-    log("process group up")
-    try:
-        # new_group and DeviceMesh construction are collective over the whole
-        # world (non-members included), so every rank builds every group/mesh
-        # in the same order; jobs smaller than the world then run on ranks 0..n-1.
-        groups = {n: dist.group.WORLD if n == world else dist.new_group(list(range(n)))
-                  for n in sorted({j.nranks for j in jobs})}
-        results = []
-        for job in jobs:
-            mesh = make_mesh(job.layout)
-            per_format = None
-            if rank < job.nranks:
-                ctx = Ctx(groups[job.nranks], mesh)
-                fn = run_save_job if job.kind == "save" else run_load_job
-                per_format = fn(job, ctx)
-            results.append({"kind": job.kind, "name": job.name, "per_format": per_format})
-            dist.barrier()  # idle ranks wait here, outside any measurement
-        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
+def rank_main(rank: int, world: int, jobs: list[Job]) -> list[dict[str, Any]]:
+    """One spawned rank: every job in order; per job, its per-format results (None where idle)."""
+    rank_log("process group up")
+    # new_group and DeviceMesh construction are collective over the whole
+    # world (non-members included), so every rank builds every group/mesh
+    # in the same order; jobs smaller than the world then run on ranks 0..n-1.
+    groups = {n: dist.group.WORLD if n == world else dist.new_group(list(range(n)))
+              for n in sorted({j.nranks for j in jobs})}
+    results = []
+    for job in jobs:
+        mesh = make_mesh(job.layout)
+        per_format = None
+        if rank < job.nranks:
+            ctx = Ctx(groups[job.nranks], mesh)
+            fn = run_save_job if job.kind == "save" else run_load_job
+            per_format = fn(job, ctx)
+        results.append({"kind": job.kind, "name": job.name, "per_format": per_format})
+        dist.barrier()  # idle ranks wait here, outside any measurement
+    return results
 
 
 # --------------------------------------------------------------------------
 # Driver side
 # --------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_world(world: int, jobs: list[Job]) -> list[list[dict[str, Any]]]:
-    """Run jobs on `world` spawned ranks (one spawn for the whole run: importing
-    torch takes ~10 s per spawn on 2 cores); returns per-rank result lists."""
-    with tempfile.TemporaryDirectory(prefix="bench_results_") as rd:
-        mp.spawn(_worker, args=(world, _free_port(), jobs, rd), nprocs=world, join=True)
-        out = []
-        for r in range(world):
-            with open(os.path.join(rd, f"rank{r}.json")) as f:
-                out.append(json.load(f))
-        return out
 
 
 def _participants(per_rank: list[list[dict[str, Any]]], j: int) -> list[dict[str, Any]]:
@@ -1063,7 +723,8 @@ def run_jobs(jobs: list[Job], failures: list[str]) -> tuple[dict[str, Any], dict
     saves: dict[str, Any] = {}
     loads: dict[str, Any] = {}
     try:
-        per_rank = spawn_world(world, jobs)
+        # one spawn for the whole run: importing torch takes ~10 s per spawn on 2 cores
+        per_rank = spawn_ranks(rank_main, world, jobs, timeout_min=10)
     except Exception as e:  # a rank died outside the per-format error handling
         failures.append(f"ranks crashed: {e}")
         print(f"ranks crashed: {e}", flush=True)
@@ -1077,67 +738,64 @@ def run_jobs(jobs: list[Job], failures: list[str]) -> tuple[dict[str, Any], dict
     return saves, loads
 
 
-def _fmt(v: float | None, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
+PAIR_COLUMNS = [Column("format", 7, "<"), Column("save s", 8), Column("cold load s", 13), Column("pulled MB", 11),
+                Column("needed MB", 11), Column("floor MB", 10), Column("read amp", 10), Column("io MB", 9),
+                Column("peak anon MB", 14), Column("peak rss MB", 13), Column("status", 0, "<", gap=2)]
+TARGET_COLUMNS = [Column("pair", 15, "<"), Column("read amp", 9), Column("floor", 7),
+                  Column(f"amp<={TARGET_READ_AMP}", 11), Column("load/dcp", 10),
+                  Column(f"load<={TARGET_LOAD_RATIO}", 11), Column("save/dcp", 10),
+                  Column(f"save<={TARGET_SAVE_RATIO}", 11)]
+SAVE_COLUMNS = [Column("source", 8, "<"), Column("format", 7, "<"), Column("save s", 8), Column("disk MB", 10),
+                Column("files", 7), Column("status", 0, "<", gap=2)]
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
+def _status(s: dict[str, Any], ld: dict[str, Any]) -> str:
+    if s.get("error"):
+        return "SAVE FAILED"
+    if ld.get("error"):
+        return "LOAD FAILED"
+    if ld.get("skipped"):
+        return "SKIPPED"
+    if ld.get("mismatches"):
+        return f"MISMATCH ({len(ld['mismatches'])})"
+    return "ok" if ld else "not run"
 
 
 def pair_report(pair: str, saves: dict[str, dict[str, Any]], loads: dict[str, Any],
                 formats: list[str]) -> tuple[str, dict[str, Any]]:
     """Text table + JSON record for one pair."""
     src, dst = PAIRS[pair]
-    lines = [f"=== {pair}: {LAYOUTS[src].label} -> {LAYOUTS[dst].label} "
-             f"({LAYOUTS[src].world} -> {LAYOUTS[dst].world} ranks) ===",
-             f"{'format':<7}{'save s':>8}{'cold load s':>13}{'pulled MB':>11}{'needed MB':>11}"
-             f"{'floor MB':>10}"
-             f"{'read amp':>10}{'io MB':>9}{'peak anon MB':>14}{'peak rss MB':>13}  status"]
     record: dict[str, Any] = {"pair": pair, "source": src, "target": dst, "formats": {}}
-    for fmt in formats:
-        s = saves.get(src, {}).get(fmt, {})
-        ld = loads.get(fmt, {})
-        row = {**{f"save_{k}": v for k, v in s.items()}, **ld}
-        record["formats"][fmt] = row
-        status = "ok"
-        if s.get("error"):
-            status = "SAVE FAILED"
-        elif ld.get("error"):
-            status = "LOAD FAILED"
-        elif ld.get("skipped"):
-            status = "SKIPPED"
-        elif ld.get("mismatches"):
-            status = f"MISMATCH ({len(ld['mismatches'])})"
-        elif not ld:
-            status = "not run"
-        mb = lambda k: None if ld.get(k) is None else ld[k] / MB  # noqa: E731
-        name = fmt + ("*" if fmt == "hf" else "")
-        lines.append(f"{name:<7}{_fmt(s.get('save_s'), '.2f'):>8}"
-                     f"{_fmt(ld.get('load_s'), '.2f'):>13}"
-                     f"{_fmt(mb('pulled_bytes'), '.1f'):>11}{_fmt(mb('needed_bytes'), '.1f'):>11}"
-                     f"{_fmt(mb('floor_bytes'), '.1f'):>10}"
-                     f"{_fmt(ld.get('read_amp'), '.2f'):>10}{_fmt(mb('io_read_bytes'), '.1f'):>9}"
-                     f"{_fmt(mb('peak_anon_growth_sum'), '.1f'):>14}"
-                     f"{_fmt(mb('peak_rss_growth_sum'), '.1f'):>13}  {status}")
+    rows = []
+    for name in formats:
+        s = saves.get(src, {}).get(name, {})
+        ld = loads.get(name, {})
+        record["formats"][name] = {**{f"save_{k}": v for k, v in s.items()}, **ld}
+        rows.append([name + ("*" if name == "hf" else ""), fmt_num(s.get("save_s"), ".2f"),
+                     fmt_num(ld.get("load_s"), ".2f"), fmt_mb(ld.get("pulled_bytes")), fmt_mb(ld.get("needed_bytes")),
+                     fmt_mb(ld.get("floor_bytes")), fmt_num(ld.get("read_amp"), ".2f"),
+                     fmt_mb(ld.get("io_read_bytes")), fmt_mb(ld.get("peak_anon_growth_sum")),
+                     fmt_mb(ld.get("peak_rss_growth_sum")), _status(s, ld)])
+    lines = [f"=== {pair}: {LAYOUTS[src].label} -> {LAYOUTS[dst].label} "
+             f"({LAYOUTS[src].world} -> {LAYOUTS[dst].world} ranks) ===", *text_table(PAIR_COLUMNS, rows)]
     ours = record["formats"].get("ucp", {})
     base = record["formats"].get("dcp", {})
     ratios = {
-        "save": _ratio(ours.get("save_save_s"), base.get("save_save_s")),
-        "cold_load": _ratio(ours.get("load_s"), base.get("load_s")),
-        "pulled": _ratio(ours.get("pulled_bytes"), base.get("pulled_bytes")),
-        "peak_anon": _ratio(ours.get("peak_anon_growth_sum"), base.get("peak_anon_growth_sum")),
+        "save": ratio(ours.get("save_save_s"), base.get("save_save_s")),
+        "cold_load": ratio(ours.get("load_s"), base.get("load_s")),
+        "pulled": ratio(ours.get("pulled_bytes"), base.get("pulled_bytes")),
+        "peak_anon": ratio(ours.get("peak_anon_growth_sum"), base.get("peak_anon_growth_sum")),
     }
     record["ratios_ucp_over_dcp"] = ratios
     load_target = f"target <= {TARGET_LOAD_RATIO}" if pair == PRIMARY_PAIR else "no target"
     lines.append(
-        f"ucp/dcp: save {_fmt(ratios['save'], '.2f')}x (target <= {TARGET_SAVE_RATIO})"
-        f" | cold load {_fmt(ratios['cold_load'], '.2f')}x ({load_target})"
-        f" | pulled {_fmt(ratios['pulled'], '.2f')}x"
-        f" | peak anon {_fmt(ratios['peak_anon'], '.2f')}x")
-    floor = _ratio(ours.get("floor_bytes"), ours.get("needed_bytes"))
-    lines.append(f"read amp: ucp {_fmt(ours.get('read_amp'), '.3f')} (target <= {TARGET_READ_AMP};"
-                 f" page floor {_fmt(floor, '.3f')}), dcp {_fmt(base.get('read_amp'), '.3f')}"
+        f"ucp/dcp: save {fmt_num(ratios['save'], '.2f')}x (target <= {TARGET_SAVE_RATIO})"
+        f" | cold load {fmt_num(ratios['cold_load'], '.2f')}x ({load_target})"
+        f" | pulled {fmt_num(ratios['pulled'], '.2f')}x"
+        f" | peak anon {fmt_num(ratios['peak_anon'], '.2f')}x")
+    floor = ratio(ours.get("floor_bytes"), ours.get("needed_bytes"))
+    lines.append(f"read amp: ucp {fmt_num(ours.get('read_amp'), '.3f')} (target <= {TARGET_READ_AMP};"
+                 f" page floor {fmt_num(floor, '.3f')}), dcp {fmt_num(base.get('read_amp'), '.3f')}"
                  " (expected 1.4-3.0)")
     return "\n".join(lines), record
 
@@ -1148,52 +806,35 @@ def _verdict(value: float | None, limit: float) -> str:
 
 def targets_report(records: list[dict[str, Any]]) -> str:
     """One line per pair: ucp against the library's targets (never asserted)."""
-    lines = ["=== ucp vs. targets (informational) ===",
-             f"{'pair':<15}{'read amp':>9}{'floor':>7}{'amp<=' + str(TARGET_READ_AMP):>11}"
-             f"{'load/dcp':>10}{'load<=' + str(TARGET_LOAD_RATIO):>11}"
-             f"{'save/dcp':>10}{'save<=' + str(TARGET_SAVE_RATIO):>11}"]
+    rows = []
     for rec in records:
         ucp = rec["formats"].get("ucp", {})
         r = rec["ratios_ucp_over_dcp"]
-        floor = _ratio(ucp.get("floor_bytes"), ucp.get("needed_bytes"))
+        floor = ratio(ucp.get("floor_bytes"), ucp.get("needed_bytes"))
         load_verdict = (_verdict(r["cold_load"], TARGET_LOAD_RATIO)
                         if rec["pair"] == PRIMARY_PAIR else "n/a")
-        lines.append(f"{rec['pair']:<15}{_fmt(ucp.get('read_amp'), '.3f'):>9}"
-                     f"{_fmt(floor, '.3f'):>7}{_verdict(ucp.get('read_amp'), TARGET_READ_AMP):>11}"
-                     f"{_fmt(r['cold_load'], '.2f'):>10}{load_verdict:>11}"
-                     f"{_fmt(r['save'], '.2f'):>10}{_verdict(r['save'], TARGET_SAVE_RATIO):>11}")
-    return "\n".join(lines)
+        rows.append([rec["pair"], fmt_num(ucp.get("read_amp"), ".3f"), fmt_num(floor, ".3f"),
+                     _verdict(ucp.get("read_amp"), TARGET_READ_AMP), fmt_num(r["cold_load"], ".2f"), load_verdict,
+                     fmt_num(r["save"], ".2f"), _verdict(r["save"], TARGET_SAVE_RATIO)])
+    return "\n".join(["=== ucp vs. targets (informational) ===", *text_table(TARGET_COLUMNS, rows)])
 
 
 def save_report(saves: dict[str, dict[str, Any]], formats: list[str]) -> str:
-    lines = ["=== saves ===",
-             f"{'source':<8}{'format':<7}{'save s':>8}{'disk MB':>10}{'files':>7}  status"]
+    """One line per (source layout, format): save time, size on disk, files."""
+    rows = []
     for layout, per_fmt in saves.items():
-        for fmt in formats:
-            s = per_fmt.get(fmt, {})
-            disk = None if s.get("bytes_on_disk") is None else s["bytes_on_disk"] / MB
+        for name in formats:
+            s = per_fmt.get(name, {})
             status = "FAILED" if s.get("error") else "ok"
             if s.get("residual_after_evict"):
                 status += f" (eviction left {s['residual_after_evict'] / MB:.1f} MB resident!)"
-            lines.append(f"{layout:<8}{fmt:<7}{_fmt(s.get('save_s'), '.2f'):>8}"
-                         f"{_fmt(disk, '.1f'):>10}{_fmt(s.get('num_files'), 'd'):>7}  {status}")
-    return "\n".join(lines)
-
-
-def read_ahead_kb(path: str) -> int | None:
-    """read_ahead_kb of the block device under `path` (readahead inflates
-    pulled bytes for buffered readers, so it is worth recording)."""
-    st = os.stat(path)
-    base = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
-    for cand in (base / "queue/read_ahead_kb", base / "../queue/read_ahead_kb"):
-        try:
-            return int(cand.read_text())
-        except OSError:
-            continue
-    return None
+            rows.append([layout, name, fmt_num(s.get("save_s"), ".2f"), fmt_mb(s.get("bytes_on_disk")),
+                         fmt_num(s.get("num_files"), "d"), status])
+    return "\n".join(["=== saves ===", *text_table(SAVE_COLUMNS, rows)])
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with --quick defaults filled in and choices checked."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-mb", type=float, default=None,
@@ -1216,20 +857,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="out/bench_reshard.json",
                    help="JSON results path (default: out/, which git ignores)")
     args = p.parse_args(argv)
-    if args.size_mb is None:
-        args.size_mb = 40.0 if args.quick else 300.0
-    if args.repeats is None:
-        args.repeats = 1 if args.quick else 3
+    quick_defaults(args, size_mb=(40.0, 300.0), repeats=(1, 3))
     if args.hidden is None:
         args.hidden = 2048 if args.size_mb >= 150 else 1024
-    args.pairs = [x for x in args.pairs.split(",") if x]
-    args.formats = [x for x in args.formats.split(",") if x]
-    for x in args.pairs:
-        if x not in PAIRS:
-            p.error(f"unknown pair {x!r}; choose from {', '.join(PAIRS)}")
-    for x in args.formats:
-        if x not in FORMATS:
-            p.error(f"unknown format {x!r}; choose from {', '.join(FORMATS)}")
+    args.pairs = comma_list(p, args.pairs, list(PAIRS), "pair")
+    args.formats = comma_list(p, args.formats, FORMATS, "format")
     return args
 
 
@@ -1254,31 +886,27 @@ def print_reports(saves: dict[str, Any], loads: dict[str, Any],
 
 
 def collect_failures(saves: dict[str, Any], loads: dict[str, Any]) -> list[str]:
+    """Failed saves, failed or skipped loads, and every mismatch, one line each."""
     failures = []
     for layout, per_fmt in saves.items():
-        for fmt, s in per_fmt.items():
+        for name, s in per_fmt.items():
             if s.get("error"):
-                failures.append(f"save {layout}/{fmt}: {s['error']}")
+                failures.append(f"save {layout}/{name}: {s['error']}")
     for pair, per_fmt in loads.items():
-        for fmt, ld in per_fmt.items():
+        for name, ld in per_fmt.items():
             if ld.get("skipped"):
-                failures.append(f"load {pair}/{fmt}: skipped ({ld['skipped']})")
+                failures.append(f"load {pair}/{name}: skipped ({ld['skipped']})")
             if ld.get("error"):
-                failures.append(f"load {pair}/{fmt}: {ld['error']}")
-            failures.extend(f"MISMATCH {pair}/{fmt}: {m}" for m in ld.get("mismatches", []))
+                failures.append(f"load {pair}/{name}: {ld['error']}")
+            failures.extend(f"MISMATCH {pair}/{name}: {m}" for m in ld.get("mismatches", []))
     return failures
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Spawn the ranks once for every job, print the tables, write the JSON; 0 if all loads were exact."""
     args = parse_args(argv)
     t_start = time.perf_counter()
-    # Inherited by the spawned ranks.  The fixed mmap threshold makes glibc
-    # return every large free to the OS (the default threshold adapts upward
-    # and then keeps freed buffers on the heap), so RSS baselines taken between
-    # successive loads in one process are not hiding reusable memory.
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    os.environ["BENCH_VERBOSE"] = "1" if args.verbose else "0"
+    set_rank_env(args.verbose)  # inherited by the spawned ranks
 
     specs = model_specs(args.size_mb, args.hidden)
     state_bytes = 3 * 4 * sum(s.numel for s in specs)
@@ -1317,18 +945,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "failures": failures,
         "wall_s": wall,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result)
     print(f"\nwall time {wall:.1f}s; results written to {args.out}")
-    if failures:
-        bar = "!" * 78
-        print(f"\n{bar}\nFAILURES ({len(failures)}):", file=sys.stderr)
-        for msg in failures:
-            print(f"  - {msg.strip()}", file=sys.stderr)
-        print(bar, file=sys.stderr)
-        return 1
-    return 0
+    print_failures(failures, bar=True)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -152,7 +152,6 @@ import contextlib
 import gc
 import json
 import math
-import multiprocessing as mp
 import os
 import pickle
 import platform
@@ -170,95 +169,42 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.planner_helpers as planner_helpers
 import torch.distributed.distributed_c10d as c10d
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO / "src") not in sys.path:
-    sys.path.insert(0, str(REPO / "src"))
+from harness import (
+    GB,
+    MB,
+    ChildFailed,
+    Column,
+    comma_list,
+    load_planner,
+    log,
+    make_reader,
+    make_writer,
+    mem_available,
+    metadata_file,
+    quick_defaults,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+    run_forked,
+    stats,
+    text_table,
+    write_json,
+)
+from harness.report import RESULTS_DIR, fmt_bytes, fmt_seconds
+from harness.states import MESHES, TP, Entry, llama_entries, mesh_shape_of, placements_for, state_nbytes
 
-MB = 1_000_000
-GB = 1_000_000_000
-TP = 8
 FORMATS = ("dcp", "ucp")
-MESHES = ("fsdp", "fsdp_tp")
 VERIFY_RANKS = 4  # timed ranks per phase whose chunks are checked independently
-
-_T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - _T0:8.1f}s] {msg}", flush=True)
-
-
-# ====================================================================== model
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of the state dict."""
-
-    path: tuple[str, ...]  # nested state-dict path
-    shape: tuple[int, ...]
-    role: str  # col | row | embed | norm
-    dtype: torch.dtype
-
-    @property
-    def fqn(self) -> str:  # DCP's flattened key
-        return ".".join(self.path)
-
-
-def llama_weights(layers: int, vocab: int = 32000, hidden: int = 8192, inter: int = 28672,
-                  heads: int = 64, kv_heads: int = 8) -> list[tuple[str, tuple[int, ...], str]]:
-    kv = hidden // heads * kv_heads
-    out: list[tuple[str, tuple[int, ...], str]] = [("tok_embeddings.weight", (vocab, hidden), "embed")]
-    for i in range(layers):
-        p = f"layers.{i}."
-        out += [
-            (p + "attention.wq.weight", (hidden, hidden), "col"),
-            (p + "attention.wk.weight", (kv, hidden), "col"),
-            (p + "attention.wv.weight", (kv, hidden), "col"),
-            (p + "attention.wo.weight", (hidden, hidden), "row"),
-            (p + "feed_forward.w1.weight", (inter, hidden), "col"),
-            (p + "feed_forward.w2.weight", (hidden, inter), "row"),
-            (p + "feed_forward.w3.weight", (inter, hidden), "col"),
-            (p + "attention_norm.weight", (hidden,), "norm"),
-            (p + "ffn_norm.weight", (hidden,), "norm"),
-        ]
-    out += [("norm.weight", (hidden,), "norm"), ("output.weight", (vocab, hidden), "col")]
-    return out
-
-
-def state_entries(layers: int, optimizer: bool) -> list[Entry]:
-    weights = llama_weights(layers)
-    entries = [Entry(("model", fqn), shape, role, torch.bfloat16) for fqn, shape, role in weights]
-    if optimizer:
-        for fqn, shape, role in weights:
-            for k in ("exp_avg", "exp_avg_sq"):
-                entries.append(Entry(("optim", "state", fqn, k), shape, role, torch.float32))
-    return entries
-
-
-def placements_for(mesh_kind: str, role: str, strided: bool) -> tuple[Placement, ...]:
-    if mesh_kind == "fsdp":
-        return (Shard(0),)
-    if role in ("col", "embed"):
-        return (_StridedShard(0, split_factor=TP) if strided else Shard(0), Shard(0))
-    if role == "row":
-        return (Shard(0), Shard(1))
-    return (Shard(0), Replicate())
-
-
-def mesh_shape_of(mesh_kind: str, world: int) -> tuple[int, ...]:
-    return (world,) if mesh_kind == "fsdp" else (world // TP, TP)
 
 
 def coord_of(mesh_shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
@@ -293,6 +239,7 @@ def ref_box(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[in
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides of ``shape``."""
     stride, acc = [], 1
     for s in reversed(shape):
         stride.append(acc)
@@ -320,6 +267,7 @@ class VirtualRanks:
         self._patched = get_rank
 
     def install(self) -> None:
+        """Route ``get_rank`` of torch.distributed and ucp_dcp modules through this object."""
         # every module that imported get_rank by name (device_mesh does), plus
         # torch.distributed itself (ucp_dcp calls dist.get_rank())
         for name, mod in list(sys.modules.items()):
@@ -328,6 +276,7 @@ class VirtualRanks:
                 setattr(mod, "get_rank", self._patched)
 
     def set(self, rank: int) -> None:
+        """From now on the planners run as ``rank``."""
         self.rank = rank
         for mesh in self.meshes:
             mesh._rank = rank
@@ -338,6 +287,7 @@ VR = VirtualRanks()
 
 
 def build_mesh(mesh_kind: str, world: int) -> DeviceMesh:
+    """The world's mesh, without process groups, its coordinate driven by :data:`VR`."""
     shape = mesh_shape_of(mesh_kind, world)
     names = ("dp",) if mesh_kind == "fsdp" else ("dp", "tp")
     mesh = DeviceMesh("cpu", torch.arange(world, dtype=torch.int).view(shape), mesh_dim_names=names,
@@ -374,11 +324,14 @@ def _memo_clsgo(global_shape: Any, mesh: DeviceMesh, placements: Any, skip_offse
     return v
 
 
-planner_helpers.compute_local_shape_and_global_offset = _memo_clsgo
+def install_memo() -> None:
+    """Route DCP's planner helpers through the memo (in the configuration's process only)."""
+    planner_helpers.compute_local_shape_and_global_offset = _memo_clsgo
 
 
 @contextlib.contextmanager
 def memo(on: bool) -> Iterator[None]:
+    """Memoise chunk geometry while ``on`` (the untimed bulk of ranks)."""
     prev, _Memo.enabled = _Memo.enabled, on
     try:
         yield
@@ -509,10 +462,12 @@ class RankStates:
         return dt
 
     def box(self, fqn: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(sizes, offsets) of rank ``rank``'s box of ``fqn``, computed without DTensor."""
         e, p = self.by_fqn[fqn]
         return ref_box(e.shape, self.mesh_shape, coord_of(self.mesh_shape, rank), p)
 
     def state_dict(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s nested state dict."""
         coord = coord_of(self.mesh_shape, rank)
         shapes = [ref_box(shape, self.mesh_shape, coord, p)[0] for shape, p in self.class_keys]
         sd: dict[str, Any] = {}
@@ -527,32 +482,12 @@ class RankStates:
 # ============================================================ formats
 
 
-def _ucp() -> Any:
-    import ucp_dcp  # noqa: PLC0415 (lazily: a broken ucp_dcp must not stop the dcp runs)
-
-    return ucp_dcp
-
-
 def new_save(fmt: str, path: str) -> tuple[Any, Any]:
-    if fmt == "dcp":
-        return DefaultSavePlanner(), FileSystemWriter(path)
-    u = _ucp()
-    return u.UCPSavePlanner(), u.UCPStorageWriter(path)
+    """(writer, planner) of one rank's save; DCP's with an explicit ``DefaultSavePlanner``."""
+    return make_writer(fmt, path, default_planner=True)
 
 
-def new_load_planner(fmt: str) -> Any:
-    return DefaultLoadPlanner() if fmt == "dcp" else _ucp().UCPLoadPlanner()
-
-
-def new_reader(fmt: str, path: str) -> Any:
-    return FileSystemReader(path) if fmt == "dcp" else _ucp().UCPStorageReader(path)
-
-
-def metadata_file(fmt: str) -> str:
-    return ".metadata" if fmt == "dcp" else "ucp_index.json"
-
-
-def local_save_step(planner: Any, writer: Any, sd: dict[str, Any], rank: int) -> Any:
+def local_save_step(writer: Any, planner: Any, sd: dict[str, Any], rank: int) -> Any:
     """What dcp.save's local_step does on rank ``rank``."""
     planner.set_up_planner(sd, writer.storage_meta(), rank == 0)
     writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
@@ -597,62 +532,15 @@ def spread_ranks(world: int, n: int) -> list[int]:
     return first + order
 
 
-def stats(xs: list[float]) -> dict[str, Any]:
-    if not xs:
-        return {"n": 0}
-    return {"n": len(xs), "mean": statistics.fmean(xs), "max": max(xs), "min": min(xs),
-            "median": statistics.median(xs), "sum": sum(xs)}
-
-
-def hwm_reset() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def hwm_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource  # noqa: PLC0415
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def rss_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 class Progress:
+    """Progress lines every ``every_s`` seconds over a loop of ranks."""
+
     def __init__(self, label: str, total: int, every_s: float = 20.0) -> None:
         self.label, self.total, self.every = label, total, every_s
         self.t0 = self.last = time.perf_counter()
 
     def tick(self, done: int) -> None:
+        """``done`` ranks are done."""
         now = time.perf_counter()
         if now - self.last >= self.every and done:
             self.last = now
@@ -664,6 +552,7 @@ class Progress:
 
 
 def check_save_plan(fmt: str, plan: Any, states: RankStates, rank: int) -> None:
+    """The plan's chunks must be exactly rank ``rank``'s boxes."""
     got: dict[str, Any] = {}
     for item in plan.items:
         if item.type == WriteItemType.BYTE_IO:
@@ -686,6 +575,7 @@ def check_save_plan(fmt: str, plan: Any, states: RankStates, rank: int) -> None:
 
 
 def check_load_plan(plan: Any, states: RankStates, rank: int) -> None:
+    """The plan's reads must cover exactly rank ``rank``'s boxes."""
     cover: dict[str, int] = {}
     for ri in plan.items:
         if ri.type != LoadItemType.TENSOR:
@@ -702,6 +592,7 @@ def check_load_plan(plan: Any, states: RankStates, rank: int) -> None:
 
 
 def plan_signature(plan: Any) -> list[tuple[Any, ...]]:
+    """What identifies a plan's write items (to compare two builds of it)."""
     return [(i.index.fqn, tuple(i.index.offset or ()), tuple(i.tensor_data.chunk.sizes) if i.tensor_data else ())
             for i in plan.items]
 
@@ -711,6 +602,8 @@ def plan_signature(plan: Any) -> list[tuple[Any, ...]]:
 
 @dataclass
 class Job:
+    """One configuration: format, mesh, world size and where its metadata goes."""
+
     fmt: str
     mesh: str
     world: int
@@ -724,6 +617,7 @@ class Job:
 
 
 def run_save(job: Job, states: RankStates) -> dict[str, Any]:
+    """The save half: every rank's local plan, the coordinator's global plan, finish, metadata."""
     W, fmt = job.world, job.fmt
     out: dict[str, Any] = {}
     sample = spread_ranks(W, job.sample)
@@ -744,12 +638,12 @@ def run_save(job: Job, states: RankStates) -> dict[str, Any]:
     for done, r in enumerate(sample + [r for r in range(W) if r not in sampled], 1):
         VR.set(r)
         sd = states.state_dict(r)
-        planner, writer = new_save(fmt, job.ckpt)
+        writer, planner = new_save(fmt, job.ckpt)
         if r in sampled and (spent < job.budget_s or len(timed) < 3):
             CACHES.clear()  # a rank's process plans its first save cold
             with memo(False), rank_gc():
                 t0 = time.perf_counter()
-                plan = local_save_step(planner, writer, sd, r)
+                plan = local_save_step(writer, planner, sd, r)
                 dt = time.perf_counter() - t0
             spent += dt
             t_local.append(dt)
@@ -760,13 +654,13 @@ def run_save(job: Job, states: RankStates) -> dict[str, Any]:
                 elif len(timed) == 1:
                     log(f"  note: {fmt}'s local plans carry no tensor write items; final plans are checked")
             if len(timed) == 2:  # the memoised build must produce the same plan
-                p2, w2 = new_save(fmt, job.ckpt)
+                w2, p2 = new_save(fmt, job.ckpt)
                 with memo(True):
-                    again = local_save_step(p2, w2, states.state_dict(r), r)
+                    again = local_save_step(w2, p2, states.state_dict(r), r)
                 assert plan_signature(again) == plan_signature(plan), f"rank {r}: memoised plan differs"
         else:
             with memo(True):
-                plan = local_save_step(planner, writer, sd, r)
+                plan = local_save_step(writer, planner, sd, r)
         if r == 0:
             coord = (planner, writer)
         plans[r] = plan
@@ -798,8 +692,8 @@ def run_save(job: Job, states: RankStates) -> dict[str, Any]:
         f"{out['global_items']} items, scatter {sum(gsize) / MB:.1f} MB")
 
     def finish_once() -> None:  # finds caches that only finish_plan fills
-        pl, wr = new_save(fmt, job.ckpt)
-        local_save_step(pl, wr, states.state_dict(0), 0)
+        wr, pl = new_save(fmt, job.ckpt)
+        local_save_step(wr, pl, states.state_dict(0), 0)
         pl.finish_plan(central[0])
     CACHES.discover(finish_once)
     out["cold_caches"] = CACHES.names()
@@ -822,9 +716,9 @@ def run_save(job: Job, states: RankStates) -> dict[str, Any]:
         if r == 0:
             planner, writer = cplanner, cwriter
         elif fmt == "ucp" or r in timed_set:
-            planner, writer = new_save(fmt, job.ckpt)
+            writer, planner = new_save(fmt, job.ckpt)
             with memo(r not in timed_set):
-                local_save_step(planner, writer, states.state_dict(r), r)
+                local_save_step(writer, planner, states.state_dict(r), r)
         else:
             planner, writer = DefaultSavePlanner(), None  # finish_plan only stores the plan
         if r in timed_set:
@@ -892,13 +786,14 @@ def run_save(job: Job, states: RankStates) -> dict[str, Any]:
 
 
 def run_load(job: Job, ckpt: str, states: RankStates, label: str) -> dict[str, Any]:
+    """The load half into ``states``: read_metadata, sampled local plans, global plan, finish_plan."""
     W, fmt = job.world, job.fmt
     out: dict[str, Any] = {}
     VR.set(0)
 
     def read() -> tuple[Any, Any, float]:
         CACHES.clear()
-        reader = new_reader(fmt, ckpt)
+        reader = make_reader(fmt, ckpt)[0]
         with rank_gc():
             t0 = time.perf_counter()
             md = reader.read_metadata()
@@ -907,9 +802,9 @@ def run_load(job: Job, ckpt: str, states: RankStates, label: str) -> dict[str, A
 
     if fmt == "ucp":  # a throwaway read and plan finds the reader's and load planner's caches
         def plan_once() -> None:
-            rd = new_reader(fmt, ckpt)
+            rd = make_reader(fmt, ckpt)[0]
             m = rd.read_metadata()
-            pl = new_load_planner(fmt)
+            pl = load_planner(fmt)
             pl.set_up_planner(states.state_dict(0), m, True)
             rd.set_up_storage_reader(m, True, rank=0, use_collectives=True)
             rd.prepare_local_plan(pl.create_local_plan())
@@ -945,7 +840,7 @@ def run_load(job: Job, ckpt: str, states: RankStates, label: str) -> dict[str, A
         else:
             CACHES.clear()
         sd = states.state_dict(r)
-        planner = new_load_planner(fmt)
+        planner = load_planner(fmt)
         with memo(False), rank_gc():
             t0 = time.perf_counter()
             planner.set_up_planner(sd, md, r == 0)
@@ -1003,35 +898,36 @@ def run_job(job: Job) -> dict[str, Any]:
     gc.disable()
     try:
         if job.fmt == "ucp":
-            _ucp()
+            import ucp_dcp  # noqa: F401, PLC0415 (before VR.install patches its get_rank)
+        install_memo()
         VR.install()
-        entries = state_entries(job.layers, job.optimizer)
+        entries = llama_entries(job.layers, job.optimizer)
         mesh = build_mesh(job.mesh, job.world)
         save_states = RankStates(mesh, job.mesh, entries, job.strided, "save")
         load_states = RankStates(mesh, job.mesh, entries, job.strided, "load")
         os.makedirs(job.ckpt, exist_ok=True)
-        hwm_reset()
+        reset_peak_rss()
         t0 = time.perf_counter()
         res["save"] = run_save(job, save_states)
         res["save"]["wall_s"] = time.perf_counter() - t0
-        res["save"]["peak_rss_bytes"] = hwm_bytes()
+        res["save"]["peak_rss_bytes"] = peak_rss_bytes()
         _Memo.cache.clear()
         del save_states
         full_collect(job.world)
-        hwm_reset()
+        reset_peak_rss()
         t0 = time.perf_counter()
         res["load"] = run_load(job, job.ckpt, load_states, job.mesh)
         res["load"]["wall_s"] = time.perf_counter() - t0
-        res["load"]["peak_rss_bytes"] = hwm_bytes()
+        res["load"]["peak_rss_bytes"] = peak_rss_bytes()
         if job.xload_from and not os.path.exists(os.path.join(job.xload_from, metadata_file(job.fmt))):
             log(f"  {job.fmt} fsdp->fsdp_tp W={job.world}: no fsdp checkpoint of this run (failed or reused): "
                 "no xload")
         elif job.xload_from:
-            hwm_reset()
+            reset_peak_rss()
             t0 = time.perf_counter()
             res["xload"] = run_load(job, job.xload_from, load_states, "fsdp->fsdp_tp")
             res["xload"]["wall_s"] = time.perf_counter() - t0
-            res["xload"]["peak_rss_bytes"] = hwm_bytes()
+            res["xload"]["peak_rss_bytes"] = peak_rss_bytes()
         res["status"] = "ok"
     finally:
         VR.rank = None
@@ -1042,42 +938,16 @@ def run_job(job: Job) -> dict[str, Any]:
     return res
 
 
-def _child(job: Job, conn: Any) -> None:
-    try:
-        res = run_job(job)
-    except BaseException as e:  # noqa: BLE001 (reported to the parent)
-        traceback.print_exc()
-        res = {"format": job.fmt, "mesh": job.mesh, "world_size": job.world, "status": "error",
-               "error": f"{type(e).__name__}: {e}"[:2000]}
-    conn.send(res)
-    conn.close()
-
-
 def run_isolated(job: Job, isolate: bool) -> dict[str, Any]:
-    if not isolate:
-        try:
-            return run_job(job)
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            return {"format": job.fmt, "mesh": job.mesh, "world_size": job.world, "status": "error",
-                    "error": f"{type(e).__name__}: {e}"[:2000]}
-    ctx = mp.get_context("fork")
-    rconn, wconn = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_child, args=(job, wconn))
-    p.start()
-    wconn.close()
-    res = None
+    """One configuration, in a forked child unless ``isolate`` is False; an error becomes a record."""
     try:
-        res = rconn.recv()
-    except EOFError:
-        pass
-    p.join()
-    if res is None:
-        sig = -p.exitcode if p.exitcode and p.exitcode < 0 else None
-        why = f"killed by signal {sig}" + (" (out of memory?)" if sig == 9 else "") if sig else f"exit {p.exitcode}"
-        res = {"format": job.fmt, "mesh": job.mesh, "world_size": job.world, "status": "error",
-               "error": f"child process died without a result: {why}"}
-    return res
+        return run_forked(run_job, job) if isolate else run_job(job)
+    except ChildFailed as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        error = f"{type(e).__name__}: {e}"
+    return {"format": job.fmt, "mesh": job.mesh, "world_size": job.world, "status": "error", "error": error[:2000]}
 
 
 # ============================================================ guards
@@ -1105,18 +975,6 @@ def estimate(prev: list[dict[str, Any]], world: int) -> tuple[float, float] | No
 # ============================================================ report
 
 
-def _fmt_s(x: float) -> str:
-    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
-
-
-def _fmt_b(x: float) -> str:
-    if x >= GB:
-        return f"{x / GB:.2f} GB"
-    if x >= MB:
-        return f"{x / MB:.1f} MB"
-    return f"{x / 1e3:.1f} kB"
-
-
 def _rows() -> list[tuple[str, Callable[[dict[str, Any]], tuple[str, float] | None]]]:
     def g(*keys: str) -> Callable[[dict[str, Any]], Any]:
         def get(d: dict[str, Any]) -> Any:
@@ -1132,19 +990,19 @@ def _rows() -> list[tuple[str, Callable[[dict[str, Any]], tuple[str, float] | No
             s = g(*keys)(d)
             if not s or not s.get("n"):
                 return None
-            return f"{_fmt_s(s['mean'])} / {_fmt_s(s['max'])} (n={s['n']})", s["max"]
+            return f"{fmt_seconds(s['mean'])} / {fmt_seconds(s['max'])} (n={s['n']})", s["max"]
         return f
 
     def secs(*keys: str) -> Callable[[dict[str, Any]], tuple[str, float] | None]:
         def f(d: dict[str, Any]) -> tuple[str, float] | None:
             v = g(*keys)(d)
-            return None if v is None else (_fmt_s(v), v)
+            return None if v is None else (fmt_seconds(v), v)
         return f
 
     def rd(*keys: str) -> Callable[[dict[str, Any]], tuple[str, float] | None]:
         def f(d: dict[str, Any]) -> tuple[str, float] | None:
             s = g(*keys)(d)
-            return None if not s or not s.get("n") else (f"{_fmt_s(s['min'])} (x{s['n']})", s["min"])
+            return None if not s or not s.get("n") else (f"{fmt_seconds(s['min'])} (x{s['n']})", s["min"])
         return f
 
     def payload(*keys: str) -> Callable[[dict[str, Any]], tuple[str, float] | None]:
@@ -1154,13 +1012,13 @@ def _rows() -> list[tuple[str, Callable[[dict[str, Any]], tuple[str, float] | No
                 return None
             total = s.get("est_gather", s["sum"])
             tag = "~" if "est_gather" in s else ""
-            return f"{tag}{_fmt_b(total)} / max {_fmt_b(s['max'])}", total
+            return f"{tag}{fmt_bytes(total)} / max {fmt_bytes(s['max'])}", total
         return f
 
     def nbytes(*keys: str) -> Callable[[dict[str, Any]], tuple[str, float] | None]:
         def f(d: dict[str, Any]) -> tuple[str, float] | None:
             v = g(*keys)(d)
-            return None if v is None else (_fmt_b(v), v)
+            return None if v is None else (fmt_bytes(v), v)
         return f
 
     def count(*keys: str) -> Callable[[dict[str, Any]], tuple[str, float] | None]:
@@ -1185,7 +1043,7 @@ def _rows() -> list[tuple[str, Callable[[dict[str, Any]], tuple[str, float] | No
         ("save md bcast size (pickled)", nbytes("save", "metadata_bcast_bytes")),
         ("save md bcast pickle (coord)", secs("save", "metadata_bcast_pickle_s")),
         ("save md bcast unpickle (every rank)", secs("save", "metadata_bcast_unpickle_s")),
-        ("save planning critical path", lambda d: (lambda v: None if v is None else (_fmt_s(v), v))(
+        ("save planning critical path", lambda d: (lambda v: None if v is None else (fmt_seconds(v), v))(
             save_critical_path(d))),
         ("save peak RSS", nbytes("save", "peak_rss_bytes")),
         ("save wall (simulator)", secs("save", "wall_s")),
@@ -1212,13 +1070,17 @@ def save_critical_path(c: dict[str, Any]) -> float | None:
         return None
 
 
+TABLE_COLUMNS = [Column("mesh", 8, "<"), Column("W", 6, gap=1), Column("phase", 36, "<", 2), Column("dcp", 30, gap=1),
+                 Column("ucp", 30, gap=1), Column("ucp/dcp", 8, gap=1)]
+
+
 def print_table(configs: list[dict[str, Any]]) -> str:
+    """Prints (and returns) every phase of every configuration, dcp and ucp side by side."""
     by = {(c["format"], c["mesh"], c["world_size"]): c for c in configs}
     meshes = sorted({c["mesh"] for c in configs}, key=lambda m: MESHES.index(m) if m in MESHES else 9)
     worlds = sorted({c["world_size"] for c in configs})
-    lines = []
-    head = f"{'mesh':8} {'W':>6}  {'phase':36} {'dcp':>30} {'ucp':>30} {'ucp/dcp':>8}"
-    lines += [head, "-" * len(head)]
+    head = text_table(TABLE_COLUMNS, [])[0]
+    lines = [head, "-" * len(head)]
     for m in meshes:
         for w in worlds:
             cs = {f: by.get((f, m, w)) for f in FORMATS}
@@ -1235,8 +1097,8 @@ def print_table(configs: list[dict[str, Any]]) -> str:
                 tiny = all(v[0].startswith("0.0 ms") for v in vals.values() if v)
                 if vals["dcp"] and vals["ucp"] and vals["dcp"][1] and not tiny:
                     ratio = f"{vals['ucp'][1] / vals['dcp'][1]:.2f}"
-                lines.append(f"{m:8} {w:>6}  {label:36} {(vals['dcp'] or ('-',))[0]:>30} "
-                             f"{(vals['ucp'] or ('-',))[0]:>30} {ratio:>8}")
+                lines += text_table(TABLE_COLUMNS, [[m, str(w), label, (vals["dcp"] or ("-",))[0],
+                                                     (vals["ucp"] or ("-",))[0], ratio]])[1:]
             lines.append("")
     text = "\n".join(lines)
     print(text, flush=True)
@@ -1244,6 +1106,7 @@ def print_table(configs: list[dict[str, Any]]) -> str:
 
 
 def plot(configs: list[dict[str, Any]], path: Path) -> None:
+    """Planning time, metadata size and read_metadata time against W, to ``path`` (needs matplotlib)."""
     try:
         import matplotlib  # noqa: PLC0415
 
@@ -1294,6 +1157,7 @@ def plot(configs: list[dict[str, Any]], path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with --quick defaults filled in and choices checked."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-sizes", default=None, help="comma-separated, default 64,1024,4096,16384")
@@ -1313,7 +1177,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-xload", action="store_true", help="skip the FSDP(W) -> FSDP+TP(W) load")
     p.add_argument("--no-isolate", action="store_true", help="run configurations in this process")
     p.add_argument("--workdir", default=None, help="where metadata files go (default: a temp dir)")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--out", default=str(RESULTS_DIR))
     p.add_argument("--reuse", default=None, metavar="JSON",
                    help="take over the finished configurations of an earlier scale.json (same model settings) "
                         "instead of running them again: resume an interrupted run, or compare a changed "
@@ -1322,29 +1186,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --reuse: only take over these formats (comma-separated; default all)")
     a = p.parse_args(argv)
     a.world_sizes = [int(x) for x in (a.world_sizes or ("64,256" if a.quick else "64,1024,4096,16384")).split(",")]
-    a.meshes = [m for m in a.meshes.split(",") if m]
-    a.formats = [f for f in a.formats.split(",") if f]
-    for m in a.meshes:
-        if m not in MESHES:
-            p.error(f"unknown mesh {m!r}")
-    for f in a.formats:
-        if f not in FORMATS:
-            p.error(f"unknown format {f!r}")
+    a.meshes = comma_list(p, a.meshes, MESHES, "mesh")
+    a.formats = comma_list(p, a.formats, FORMATS, "format")
     for w in a.world_sizes:
         if "fsdp_tp" in a.meshes and w % TP:
             p.error(f"world size {w} is not a multiple of tp={TP}")
-    if a.layers is None:
-        a.layers = 4 if a.quick else 80
-    if a.sample_ranks is None:
-        a.sample_ranks = 6 if a.quick else 32
+    quick_defaults(a, layers=(4, 80), sample_ranks=(6, 32))
     return a
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every configuration ``args`` asks for; the result document, also kept in ``<out>/scale.json``.
+
+    Raises ValueError when ``--reuse`` names a run of a different model.
+    """
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    entries = state_entries(args.layers, args.optimizer)
+    entries = llama_entries(args.layers, args.optimizer)
     doc: dict[str, Any] = {
         "command": [sys.executable, *sys.argv],
         "args": {k: v for k, v in vars(args).items()},
@@ -1352,8 +1210,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cpu_count": os.cpu_count(), "mem_available_bytes": mem_available(),
                     "python": platform.python_version()},
         "torch": torch.__version__,
-        "model": {"layers": args.layers, "tensors": len(entries),
-                  "bytes": sum(math.prod(e.shape) * e.dtype.itemsize for e in entries),
+        "model": {"layers": args.layers, "tensors": len(entries), "bytes": state_nbytes(entries),
                   "optimizer": args.optimizer, "tp": TP,
                   "fsdp_tp_dp_placement": "Shard(0)" if args.plain_dp_shard else "_StridedShard(0, split_factor=8)"},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -1372,14 +1229,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def save_json() -> None:
         doc["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-        json_path.write_text(json.dumps(doc, indent=1, default=str))
+        write_json(json_path, doc, indent=1, default=str)
 
     reused: dict[tuple[str, str, int], dict[str, Any]] = {}
     if args.reuse:
         old = json.loads(Path(args.reuse).read_text())
         if old.get("model") != doc["model"]:
-            print(f"--reuse {args.reuse}: different model settings {old.get('model')}", file=sys.stderr)
-            return 2
+            raise ValueError(f"--reuse {args.reuse}: different model settings {old.get('model')}")
         fmts = args.reuse_formats.split(",") if args.reuse_formats else list(FORMATS)
         for c in old.get("configs", []):
             if c.get("status") in ("ok", "skipped") and c["format"] in fmts and c["mesh"] in args.meshes \
@@ -1444,8 +1300,19 @@ def main(argv: list[str] | None = None) -> int:
     doc["table"] = print_table(configs)
     save_json()
     print(f"json: {json_path}", flush=True)
-    plot(configs, out / "scale.png")
-    return 0 if all(c.get("status") in ("ok", "skipped") for c in configs) else 1
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: run, then plot; 0 when every configuration ran or was skipped."""
+    args = parse_args(argv)
+    try:
+        doc = run(args)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    plot(doc["configs"], Path(args.out) / "scale.png")
+    return 0 if all(c.get("status") in ("ok", "skipped") for c in doc["configs"]) else 1
 
 
 if __name__ == "__main__":

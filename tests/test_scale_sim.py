@@ -1,33 +1,30 @@
 """The scale simulator's sizes, as regression tests (sizes only: timings belong in benchmarks/).
 
-Runs ``benchmarks/bench_scale.py --quick`` (W=64 and 256 virtual ranks, a
-4-layer 70B-shaped model, our formats only) and checks what must not grow
-with the world size: the plan a rank sends carries no per-chunk item, the
-description of a mesh is sent once, the index stays a few hundred bytes per
-tensor plus one record per file, and load plans stay on their ranks.
+Runs the ``--quick`` scenarios of ``benchmarks/bench_scale.py`` from this
+process (``bench_scale.run``, each configuration in a forked child as the
+script does: W=64 and 256 virtual ranks, a 4-layer 70B-shaped model, our
+formats only) and checks what must not grow with the world size: the plan
+a rank sends carries no per-chunk item, the description of a mesh is sent
+once, the index stays a few hundred bytes per tensor plus one record per
+file, and load plans stay on their ranks.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_scale  # noqa: E402  (benchmarks/)
 
 
 def test_plans_and_index_do_not_grow_per_chunk(tmp_path: Path) -> None:
     """ucp at 64 and 256 virtual ranks, FSDP and FSDP+TP: compact plans, compact index, local load plans."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_scale.py"), "--quick", "--formats", "ucp",
-         "--sample-ranks", "3", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "scale.json").read_text())
+    args = bench_scale.parse_args(["--quick", "--formats", "ucp", "--sample-ranks", "3", "--out", str(tmp_path)])
+    doc = bench_scale.run(args)
+    assert (tmp_path / "scale.json").exists()
     by = {(c["mesh"], c["world_size"]): c for c in doc["configs"]}
     assert set(by) == {(m, w) for m in ("fsdp", "fsdp_tp") for w in (64, 256)}
     for (mesh, w), c in by.items():

@@ -10,10 +10,9 @@ events) run only with a GPU.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -360,20 +359,21 @@ def test_cuda_read_tensor_and_upgrade_to_pinned(saved: tuple[Path, dict[str, tor
 # ---------------------------------------------------------------- the benchmark
 
 
-def test_bench_gpu_smoke(tmp_path: Path) -> None:
-    """benchmarks/bench_gpu.py --device cpu --quick runs, prints its table and writes its JSON."""
+def test_bench_gpu_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_gpu.main(--device cpu --quick) runs in this process, prints its table and writes its JSON."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        bench_gpu = importlib.import_module("bench_gpu")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
     out = tmp_path / "gpu.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--device", "cpu", "--quick", "--gb", "0.02",
-         "--dir", str(tmp_path), "--out", str(out)],
-        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "measurement" in proc.stdout and "GB/s" in proc.stdout
+    rc = bench_gpu.main(["--device", "cpu", "--quick", "--gb", "0.02", "--dir", str(tmp_path), "--out", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.out + printed.err
+    assert "measurement" in printed.out and "GB/s" in printed.out
     for what in ("device->host", "DefaultStager.stage", "UCPStorageWriter", "FileSystemWriter",
                  "sequential read", "UCPStorageReader, cold", "FileSystemReader, cold"):
-        assert what in proc.stdout, what
+        assert what in printed.out, what
     result = json.loads(out.read_text())
     assert result["failures"] == [] and len(result["rows"]) >= 15
     assert [p.name for p in tmp_path.iterdir()] == ["gpu.json"], "checkpoints removed"

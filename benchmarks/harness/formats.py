@@ -1,0 +1,122 @@
+"""Checkpoint formats under comparison: storage writer/reader and planner factories, save/load calls.
+
+=======  ==============================================  ====================================
+format   writer / reader                                 planners
+=======  ==============================================  ====================================
+``dcp``  ``FileSystemWriter`` / ``FileSystemReader``     DCP defaults
+``ucp``  ``UCPStorageWriter`` / ``UCPStorageReader``     ``UCPSavePlanner`` / ``UCPLoadPlanner``
+``hf``   ``HuggingFaceStorageWriter`` (distributed,      DCP defaults
+         consolidated) / ``HuggingFaceStorageReader``
+=======  ==============================================  ====================================
+
+ucp_dcp is imported lazily, so DCP-only runs work while it is missing or
+broken. Keyword options go to the writer's or reader's constructor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+
+FORMATS = ("dcp", "ucp", "hf")
+
+
+_CLASS_PREFIX = {"dcp": "FileSystem", "ucp": "UCPStorage", "hf": "HuggingFaceStorage"}
+_HF_WRITER = {"save_distributed": True, "enable_consolidation": True}  # consolidated full-tensor safetensors
+
+
+def _check(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}")
+
+
+def _ucp(name: str) -> Any:
+    import ucp_dcp
+
+    return getattr(ucp_dcp, name)
+
+
+def save_planner(fmt: str, default_planner: bool = True) -> SavePlanner | None:
+    """``UCPSavePlanner`` for ucp; for DCP's formats a ``DefaultSavePlanner``, or None (``dcp.save``'s default)."""
+    _check(fmt)
+    if fmt == "ucp":
+        return _ucp("UCPSavePlanner")()
+    return DefaultSavePlanner() if default_planner else None
+
+
+def load_planner(fmt: str, default_planner: bool = True) -> LoadPlanner | None:
+    """``UCPLoadPlanner`` for ucp; for DCP's formats a ``DefaultLoadPlanner``, or None (``dcp.load``'s default)."""
+    _check(fmt)
+    if fmt == "ucp":
+        return _ucp("UCPLoadPlanner")()
+    return DefaultLoadPlanner() if default_planner else None
+
+
+def _storage_class(fmt: str, side: str) -> type:
+    name = _CLASS_PREFIX[fmt] + side
+    return _ucp(name) if fmt == "ucp" else getattr(dcp, name)
+
+
+def make_writer(fmt: str, path: str, *, default_planner: bool = False,
+                **options: Any) -> tuple[StorageWriter, SavePlanner | None]:
+    """(storage writer, save planner) of ``fmt`` writing to ``path``; planner as :func:`save_planner`.
+
+    hf: every rank writes its shards, then the coordinator consolidates them
+    into plain full-tensor safetensors (the usual HF layout) in ``path``.
+    """
+    planner = save_planner(fmt, default_planner)
+    options = {**_HF_WRITER, **options} if fmt == "hf" else options
+    return _storage_class(fmt, "Writer")(path, **options), planner
+
+
+def make_reader(fmt: str, path: str, *, default_planner: bool = False,
+                **options: Any) -> tuple[StorageReader, LoadPlanner | None]:
+    """(storage reader, load planner) of ``fmt`` reading ``path``; planner as :func:`load_planner`."""
+    planner = load_planner(fmt, default_planner)
+    return _storage_class(fmt, "Reader")(path, **options), planner
+
+
+def metadata_file(fmt: str) -> str:
+    """Name of the file in which ``fmt`` keeps its checkpoint metadata."""
+    return {"dcp": ".metadata", "ucp": "ucp_index.json"}[fmt]
+
+
+def save_state(fmt: str, state: dict[str, Any], path: str, *, options: dict[str, Any] | None = None,
+               **save_kwargs: Any) -> StorageWriter:
+    """``dcp.save`` of ``state`` to ``path`` in ``fmt``; ``save_kwargs`` go to ``dcp.save``. Returns the writer."""
+    writer, planner = make_writer(fmt, path, **(options or {}))
+    dcp.save(state, storage_writer=writer, planner=planner, **save_kwargs)
+    return writer
+
+
+def async_save_state(fmt: str, state: dict[str, Any], path: str, *, options: dict[str, Any] | None = None,
+                     **save_kwargs: Any) -> Any:
+    """``dcp.async_save`` of ``state`` to ``path`` in ``fmt``; returns what it returns (a future)."""
+    writer, planner = make_writer(fmt, path, **(options or {}))
+    return dcp.async_save(state, storage_writer=writer, planner=planner, **save_kwargs)
+
+
+def load_state(fmt: str, state: dict[str, Any], path: str, *, options: dict[str, Any] | None = None,
+               **load_kwargs: Any) -> StorageReader:
+    """``dcp.load`` of ``path`` (format ``fmt``) into ``state``; returns the reader (for its counters)."""
+    reader, planner = make_reader(fmt, path, **(options or {}))
+    dcp.load(state, storage_reader=reader, planner=planner, **load_kwargs)
+    return reader
+
+
+def round_trip(fmt: str, path: str, saved: dict[str, Any], target: dict[str, Any] | None,
+               group: dist.ProcessGroup | None = None) -> None:
+    """An untimed save (and load into ``target``, if given) that pays one-off costs before timing.
+
+    The first ``dcp.save``/``dcp.load`` in a process pays lazy imports, first
+    collectives and planner caches; without a warm-up, whichever format is
+    timed first would carry them.
+    """
+    save_state(fmt, saved, path, process_group=group)
+    if target is not None:
+        load_state(fmt, target, path, process_group=group)

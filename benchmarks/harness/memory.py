@@ -1,0 +1,229 @@
+"""Process memory and I/O counters (Linux ``/proc``): RSS, peaks, rchar, and a phase probe.
+
+Everything here reads the calling process only. Peaks use the kernel's
+``VmHWM`` high-water mark, reset through ``/proc/self/clear_refs`` (Linux >=
+4.0); anonymous memory has no kernel high-water mark, so
+:class:`PeakMemorySampler` samples it from a thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import resource
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+LIBC = _load_libc()
+"""The C library of this process (for ``malloc_trim``, ``mmap``, ``mincore``), or None."""
+
+
+def has_malloc_trim() -> bool:
+    """Whether the C library has glibc's ``malloc_trim``."""
+    return LIBC is not None and hasattr(LIBC, "malloc_trim")
+
+
+def release_free_memory() -> None:
+    """Make RSS reflect live data before a baseline: collect garbage, then ``malloc_trim(0)``.
+
+    Without the trim a "fresh" allocation may be served from pages an earlier
+    measurement freed (glibc keeps freed heap memory, and its mmap threshold
+    adapts upward), so whether a copy pays for first-touch page faults would
+    depend on what ran before it.
+    """
+    gc.collect()
+    if has_malloc_trim():
+        LIBC.malloc_trim(0)  # type: ignore[union-attr]
+
+
+def proc_io() -> dict[str, int]:
+    """This process's ``/proc/self/io`` counters (rchar, wchar, read_bytes, ...)."""
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(":") for line in f)}
+
+
+def proc_read_bytes() -> int:
+    """Bytes this process caused to be fetched from the block layer (all threads)."""
+    return proc_io().get("read_bytes", 0)
+
+
+def _kb_field(path: str, field: str) -> int:
+    """A ``Name:  123 kB`` line of a /proc file, in bytes; 0 if absent."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def status_bytes(field: str) -> int:
+    """A field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in bytes; 0 if absent."""
+    return _kb_field("/proc/self/status", field)
+
+
+def rss_bytes() -> int:
+    """Resident set size now."""
+    return status_bytes("VmRSS")
+
+
+def statm_bytes() -> tuple[int, int]:
+    """(resident, anonymous) bytes; anonymous = resident - file/shmem-backed."""
+    with open("/proc/self/statm") as f:
+        fields = f.read().split()
+    resident, shared = int(fields[1]), int(fields[2])
+    return resident * PAGE, (resident - shared) * PAGE
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (write 5 to clear_refs); False if unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """VmHWM: the peak RSS since the last :func:`reset_peak_rss` (or since start)."""
+    return status_bytes("VmHWM") or max_rss_bytes()
+
+
+def max_rss_bytes() -> int:
+    """The process's lifetime peak RSS (``getrusage``; never reset)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def meminfo_bytes(field: str) -> int:
+    """A field of ``/proc/meminfo`` (``MemAvailable``, ``MemTotal``) in bytes; 0 if absent."""
+    return _kb_field("/proc/meminfo", field)
+
+
+def mem_available() -> int:
+    """``MemAvailable`` of the machine, in bytes (0 if unknown)."""
+    return meminfo_bytes("MemAvailable")
+
+
+def loadavg() -> list[str] | None:
+    """The 1, 5 and 15 minute load averages as ``/proc/loadavg`` writes them."""
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().split()[:3]
+    except OSError:
+        return None
+
+
+class PeakMemorySampler:
+    """Peak memory growth over a baseline while the block runs.
+
+    Total RSS comes from the kernel's exact high-water mark (VmHWM, reset on
+    entry) when available. Anonymous memory, the number that matters since
+    file-backed pages of an mmap reader are reclaimable page cache, has no
+    kernel high-water mark, so a thread samples /proc/self/statm for it.
+    """
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.base_rss, self.base_anon = statm_bytes()
+        self.peak_rss, self.peak_anon = self.base_rss, self.base_anon
+        self._hwm = reset_peak_rss()
+
+    def _sample(self) -> None:
+        rss, anon = statm_bytes()
+        self.peak_rss = max(self.peak_rss, rss)
+        self.peak_anon = max(self.peak_anon, anon)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> PeakMemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        if self._hwm:
+            self.peak_rss = max(self.peak_rss, peak_rss_bytes())
+
+    @property
+    def rss_growth(self) -> int:
+        """Peak RSS minus the RSS at construction."""
+        return self.peak_rss - self.base_rss
+
+    @property
+    def anon_growth(self) -> int:
+        """Peak anonymous memory minus the anonymous memory at construction."""
+        return self.peak_anon - self.base_anon
+
+
+@dataclass
+class PhaseRecord:
+    """What :class:`PhaseProbe` measured over one phase on this process."""
+
+    seconds: float
+    rchar: int  # bytes returned by read-family system calls (page-cache hits included)
+    wchar: int
+    read_bytes: int  # bytes fetched from the block layer (readahead included)
+    peak_rss: int  # VmHWM minus base_rss
+    base_rss: int
+
+
+class PhaseProbe:
+    """Wall time, ``/proc/self/io`` deltas and peak RSS growth of one measured phase.
+
+    On entry: free memory is released, ``barrier`` (if given) is attended,
+    VmHWM is reset and the baselines are taken. ``record()`` returns the
+    measurements as a dict, with any extra keys appended.
+    """
+
+    def __init__(self, barrier: Callable[[], Any] | None = None) -> None:
+        self.barrier = barrier
+        self.result: PhaseRecord | None = None
+
+    def __enter__(self) -> PhaseProbe:
+        release_free_memory()
+        if self.barrier is not None:
+            self.barrier()
+        reset_peak_rss()
+        self.base_rss = rss_bytes()
+        self.io0 = proc_io()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        seconds = time.perf_counter() - self.t0
+        io1 = proc_io()
+        self.result = PhaseRecord(seconds, io1["rchar"] - self.io0["rchar"], io1["wchar"] - self.io0["wchar"],
+                                  io1["read_bytes"] - self.io0["read_bytes"], peak_rss_bytes() - self.base_rss,
+                                  self.base_rss)
+
+    def peak_growth(self) -> int:
+        """Peak RSS growth so far, inside the phase."""
+        return peak_rss_bytes() - self.base_rss
+
+    def record(self, **extra: Any) -> dict[str, Any]:
+        """The phase's measurements (after the block) plus ``extra``, as a JSON-able dict."""
+        assert self.result is not None, "record() is for after the with-block"
+        return {**asdict(self.result), **extra}
