@@ -21,7 +21,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ucp_dcp.manager.tiers as tiers
+import ucp_dcp.byteio.durable as durable
+import ucp_dcp.manager.tiers.local as local_tier
 import s3_server
 from ucp_dcp.format import INDEX_FILE
 from ucp_dcp.manager.tiers import (
@@ -277,7 +278,7 @@ def test_recommit_replaces(
     if not exchange:
         if not tier.local:
             pytest.skip("the atomic swap only exists for LocalTier")
-        monkeypatch.setattr(tiers, "_renameat2", False)
+        monkeypatch.setattr(durable, "_renameat2", False)
     _save(tier, 6, "keep", tmp_path)
     _, old_marker, old_files = _save(tier, 7, "old", tmp_path, created=2e9)
     # The re-save's clock is behind: it must win anyway.
@@ -373,13 +374,13 @@ def test_fetch_failure_leaves_no_partial_file(make_tier: Callable[[], Tier], tmp
         pass
 
     if isinstance(tier, LocalTier):
-        real = tiers._copy_durable
+        real = local_tier.copy_durable
 
         def copy(src: str, dst: str) -> None:
             Path(dst).write_bytes(Path(src).read_bytes()[:100])
             raise Boom
 
-        monkeypatch.setattr(tiers, "_copy_durable", copy)
+        monkeypatch.setattr(local_tier, "copy_durable", copy)
     else:
         assert isinstance(tier, FsspecTier)
         real = tier.fs.get_file
@@ -430,10 +431,10 @@ def _instrument(monkeypatch: pytest.MonkeyPatch, crasher: _Crasher) -> None:
     proxy = OsProxy()
     proxy.rename = wrap(os.rename)  # type: ignore[attr-defined]
     proxy.replace = wrap(os.replace)  # type: ignore[attr-defined]
-    monkeypatch.setattr(tiers, "os", proxy)
-    for name in ("fsync_path", "_exchange", "write_bytes_durable", "_fsync_file"):
-        monkeypatch.setattr(tiers, name, wrap(getattr(tiers, name)))
-    real_remove = tiers._remove_dir
+    monkeypatch.setattr(local_tier, "os", proxy)
+    for name in ("fsync_path", "swap_paths", "atomic_write", "fsync_file"):
+        monkeypatch.setattr(local_tier, name, wrap(getattr(local_tier, name)))
+    real_remove = local_tier._remove_dir
 
     def remove(path: str) -> None:
         crasher.tick()
@@ -445,7 +446,7 @@ def _instrument(monkeypatch: pytest.MonkeyPatch, crasher: _Crasher) -> None:
         crasher.tick()  # more of it gone
         real_remove(path)
 
-    monkeypatch.setattr(tiers, "_remove_dir", remove)
+    monkeypatch.setattr(local_tier, "_remove_dir", remove)
 
 
 def _crash_points(action: Callable[[], None], setup: Callable[[], None], check: Callable[[bool], None], monkeypatch: pytest.MonkeyPatch) -> int:
@@ -471,14 +472,14 @@ def _crash_points(action: Callable[[], None], setup: Callable[[], None], check: 
 @pytest.mark.parametrize("resave", [False, True], ids=["new-step", "re-save"])
 def test_local_commit_crash_at_every_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool, resave: bool) -> None:
     if not exchange:
-        monkeypatch.setattr(tiers, "_renameat2", False)
+        monkeypatch.setattr(durable, "_renameat2", False)
     root = tmp_path / "tier"
     src = tmp_path / "src"
     state: dict[str, Any] = {}
     (tmp_path / "probe-a").mkdir()
     (tmp_path / "probe-b").mkdir()
     # With an atomic swap a re-saved step is never even briefly unlisted.
-    never_unlisted = resave and exchange and tiers._exchange(str(tmp_path / "probe-a"), str(tmp_path / "probe-b"))
+    never_unlisted = resave and exchange and durable.swap_paths(str(tmp_path / "probe-a"), str(tmp_path / "probe-b"))
 
     def setup() -> None:
         import shutil
@@ -563,7 +564,7 @@ def test_local_delete_crash_at_every_point(tmp_path: Path, monkeypatch: pytest.M
 
 def test_local_constructed_crash_states(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The states a crash leaves between the two renames of a re-save, built by hand."""
-    monkeypatch.setattr(tiers, "_renameat2", False)
+    monkeypatch.setattr(durable, "_renameat2", False)
     tier = LocalTier(tmp_path / "tier", name="local")
     root = Path(tier.root)
     _, _, files4 = _save(tier, 4, "v1", tmp_path)

@@ -8,19 +8,28 @@ renamed into place, and the directory is fsync'd after the rename.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
+import shutil
 import uuid
+from typing import Any, Callable
 
 __all__ = [
     "write_all",
     "write_bytes_durable",
+    "fsync_file",
+    "copy_durable",
+    "replace_via_temp",
     "atomic_write",
     "fsync_path",
+    "swap_paths",
     "remove_quietly",
     "temp_dir_for",
     "commit_dir",
 ]
+
+_COPY_CHUNK = 16 * 1024 * 1024
 
 # Every positional data write goes through this name (looked up at call
 # time), so tests can inject failures such as ENOSPC by monkeypatching it.
@@ -54,21 +63,48 @@ def write_bytes_durable(path: str, data: bytes | bytearray | memoryview, *, excl
         os.close(fd)
 
 
+def fsync_file(path: str) -> None:
+    """fsync the file at ``path`` (written by someone else, e.g. ``dcp.save``); errors are raised."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def copy_durable(src: str, dst: str) -> None:
+    """Copy file ``src`` to ``dst`` (created or truncated) and fsync it."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        shutil.copyfileobj(fin, fout, _COPY_CHUNK)
+        fout.flush()
+        os.fsync(fout.fileno())
+
+
+def replace_via_temp(path: str, fill: Callable[[str], None]) -> None:
+    """Build ``path`` under a fresh hidden sibling name, then rename it into place.
+
+    ``fill(tmp)`` writes the temp file and leaves it durable (e.g.
+    :func:`write_bytes_durable`, :func:`copy_durable`). Readers of ``path``
+    never see a partial file; on any failure the temp file is removed. The
+    caller fsyncs the directory (once, after many files).
+    """
+    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        fill(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+
+
 def atomic_write(path: str, data: bytes | bytearray | memoryview) -> None:
     """Replace ``path`` with ``data`` atomically: temp file, fsync, rename, fsync the directory.
 
     Readers see the previous file or the complete new one, never a partial
     file. On any failure the temp file is removed and ``path`` is untouched.
     """
-    directory = os.path.dirname(path) or "."
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        write_bytes_durable(tmp, data, exclusive=True)
-        os.replace(tmp, path)
-    except BaseException:
-        remove_quietly(tmp)
-        raise
-    fsync_path(directory)
+    replace_via_temp(path, lambda tmp: write_bytes_durable(tmp, data, exclusive=True))
+    fsync_path(os.path.dirname(path) or ".")
 
 
 def fsync_path(path: str) -> None:
@@ -83,6 +119,36 @@ def fsync_path(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_renameat2: Any = None  # None: not looked up yet; False: unavailable
+
+
+def swap_paths(a: str, b: str) -> bool:
+    """Atomically swap paths ``a`` and ``b`` (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    False when the platform or file system cannot (then nothing happened);
+    the caller falls back to two renames.
+    """
+    global _renameat2
+    if _renameat2 is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).renameat2
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _renameat2 = fn
+        except (OSError, AttributeError):
+            _renameat2 = False
+    if _renameat2 is False:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b} failed: {os.strerror(err)}")
 
 
 def remove_quietly(path: str) -> None:

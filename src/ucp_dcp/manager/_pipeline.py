@@ -1,0 +1,206 @@
+"""The background half of a save: write, hash, replicate, commit, drain, retain.
+
+:meth:`SavePipeline.run` runs one :class:`SaveJob` on every rank, in save
+order, on the background process group:
+
+1. ``dcp.save`` of the staged copy into a staging directory of the fastest
+   tier that is due; a whole-file xxh3-128 digest of every data file and the
+   index, gathered into one :class:`~ucp_dcp.manager.tiers.CommitMarker`.
+2. Local tier: replication of each node's files to a partner node, then the
+   commit (marker last, atomic rename).
+3. Persistent tier: written directly when it is a local path and no local
+   copy exists, otherwise uploaded from the local copy (or a scratch
+   directory); then its commit.
+4. Retention deletes steps outside the policy (:mod:`._policy`); its errors
+   are logged, never raised (the step is committed).
+
+Any error stops the save on every rank (:meth:`Group.agree`) and removes
+this save's staging leftovers; nothing committed before is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..byteio.integrity import bytes_digest, file_digest
+from ..dcp import UCPStorageWriter
+from ..dcp.planners import UCPSavePlanner
+from ..errors import CheckpointSaveError
+from ..format import INDEX_FILE
+from ._collective import GroupWorker, describe
+from ._policy import steps_to_delete
+from .peer import exchange_files
+from .records import SaveRecord
+from .snapshot import StagedState
+from .tiers import CommitMarker, FileDigest, Tier
+
+__all__ = ["SaveJob", "SavePipeline"]
+
+log = logging.getLogger("ucp_dcp.manager.manager")
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """One save handed to the background: the staged state and what to do with it."""
+
+    step: int
+    staged: StagedState
+    tiers: tuple[str, ...]
+    """The tiers due at this step, fastest first."""
+    nonfinite: dict[str, list[int]]
+    """Tensor name -> ranks whose shard holds NaN/Inf (recorded in the marker)."""
+    extra: dict[str, Any]
+    token: str
+    """Names this save's staging locations; the same on every rank."""
+    blocking_s: float
+
+
+class SavePipeline(GroupWorker):
+    """Runs :class:`SaveJob`\\ s on the background group; every rank runs the same jobs in the same order."""
+
+    def run(self, job: SaveJob) -> SaveRecord:
+        """Write, replicate, commit, drain, retain; on any error clean up and raise."""
+        try:
+            job.staged.wait_ready()
+            t0 = time.perf_counter()
+            marker, committed = self._write_and_commit(job)
+            self._retain(job.step)
+            nbytes = sum(d.size for d in marker.files if d.rank == self.layout.rank)
+            return SaveRecord(job.step, job.blocking_s, time.perf_counter() - t0, nbytes, tuple(committed))
+        except BaseException:
+            self._abort(job)
+            raise
+
+    def _write_and_commit(self, job: SaveJob) -> tuple[CommitMarker, list[str]]:
+        state, step, agree, lay = job.staged.state, job.step, self.group.agree, self.layout
+        committed: list[str] = []
+        src: str | None = None  # a local directory holding this rank's files of the step
+        scratch: str | None = None
+        if "local" in job.tiers:
+            local = self.local
+            assert local is not None
+            staging = local.staging_path(step, job.token)
+            marker = self._write(job, state, local, staging, per_node=True)
+            if self.config.peer_replication and lay.num_nodes > 1:
+                agree("peer replication", lambda: self._replicate(staging, marker), step=step)
+            agree("local commit", lambda: local.commit(staging, marker) if lay.is_leader else None, step=step)
+            committed.append("local")
+            src = local.step_path(step)
+        if "persistent" in job.tiers:
+            if src is None and self.persistent.local:
+                staging = self.persistent.staging_path(step, job.token)
+                marker = self._write(job, state, self.persistent, staging, per_node=False)
+            else:
+                if src is None:  # a remote tier and no local one: write to a scratch dir, then upload
+                    scratch = src = tempfile.mkdtemp(prefix=f"ucp-scratch-{step}-")
+                    marker = self._write(job, state, None, scratch, per_node=False)
+                staging = self._upload(job, src, marker)
+            agree("persistent commit", lambda: self.persistent.commit(staging, marker) if lay.rank == 0 else None,
+                  step=step)
+            committed.append("persistent")
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return marker, committed
+
+    def _write(self, job: SaveJob, state: Any, tier: Tier | None, path: str, *, per_node: bool) -> CommitMarker:
+        """dcp.save the staged state into ``path``; return the commit marker (digests of every file)."""
+        step, lay, group = job.step, self.layout, self.group
+        creator = lay.is_leader if per_node else lay.rank == 0
+        if tier is not None:
+            group.agree("creating the staging directory",
+                        lambda: tier.begin(step, job.token) if creator else None, step=step)
+        try:
+            dcp.save(dict(state), storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner(),
+                     process_group=group.pg)
+        except CheckpointException as e:
+            raise CheckpointSaveError(step, describe(e)) from e
+
+        def digest_mine() -> list[FileDigest]:
+            prefix = f"rank{lay.rank:05d}-"
+            mine = sorted(n for n in os.listdir(path) if n.startswith(prefix) and n.endswith(".safetensors"))
+            out = [FileDigest(n, *file_digest(os.path.join(path, n)), lay.rank) for n in mine]
+            if lay.rank == 0:
+                data = Path(path, INDEX_FILE).read_bytes()
+                out.append(FileDigest(INDEX_FILE, len(data), bytes_digest(data), -1))
+            return out
+
+        digests = group.agree("hashing the written files", digest_mine, step=step)
+        files = sorted((d for ds in group.gather(digests) for d in ds), key=lambda d: d.name)
+        marker = CommitMarker(step, lay.world_size, time.time(), tuple(files), job.nonfinite, job.extra)
+        marker = group.bcast(marker)  # one creation time on every rank
+        if per_node and lay.num_nodes > 1:
+            # Every node's directory gets the index, so that it is a complete
+            # description of the checkpoint wherever the data files end up.
+            index = group.bcast(Path(path, INDEX_FILE).read_bytes() if lay.rank == 0 else None)
+
+            def put_index() -> None:
+                if lay.is_leader and lay.rank != 0:
+                    assert tier is not None
+                    tier.put_bytes(path, INDEX_FILE, index)
+
+            group.agree("replicating the index", put_index, step=step)
+        return marker
+
+    def _replicate(self, staging: str, marker: CommitMarker) -> None:
+        """Copy the previous node's data files into this node's staging directory."""
+        lay = self.layout
+        partner = (lay.node - 1) % lay.num_nodes
+        wanted = []
+        if lay.is_leader:
+            wanted = [d.name for d in marker.files if d.rank >= 0 and lay.node_of(d.rank) == partner]
+        own = [d.name for d in marker.files if d.rank == lay.rank]
+        exchange_files(self.group.pg, staging, own, staging, wanted)
+
+    def _upload(self, job: SaveJob, src: str, marker: CommitMarker) -> str:
+        """Copy this rank's files of the step from local ``src`` into the persistent tier's staging; return it."""
+        step, rank = job.step, self.layout.rank
+        self.group.agree("creating the persistent staging location",
+                         lambda: self.persistent.begin(step, job.token) if rank == 0 else None, step=step)
+        staging = self.persistent.staging_path(step, job.token)
+
+        def put_mine() -> None:
+            for d in marker.files:
+                if d.rank == rank or (d.rank == -1 and rank == 0):
+                    self.persistent.put_file(staging, os.path.join(src, d.name), d.name)
+
+        self.group.agree(f"uploading to {self.persistent.url}", put_mine, step=step)
+        return staging
+
+    def _retain(self, step: int) -> None:
+        """Delete steps outside the retention policy; the newest committed step always stays."""
+        cfg, lay = self.config, self.layout
+        plans: list[tuple[Tier, int, int | None]] = []
+        if lay.rank == 0:
+            plans.append((self.persistent, cfg.keep_last, cfg.keep_every))
+        if self.local is not None and lay.is_leader:
+            plans.append((self.local, cfg.local_keep_last, None))
+        for tier, keep_last, keep_every in plans:
+            try:
+                for s in steps_to_delete(tier.steps(), step, keep_last=keep_last, keep_every=keep_every):
+                    tier.delete(s)
+            except Exception as e:  # retention must never fail a committed save
+                log.warning("retention in the %s tier (%s) failed: %s", tier.name, tier.url, e)
+
+    def _abort(self, job: SaveJob) -> None:
+        """Best effort: remove this save's staging leftovers (start-up cleanup catches the rest)."""
+        lay = self.layout
+        for tier, mine in ((self.local, lay.is_leader), (self.persistent, lay.rank == 0)):
+            if tier is None or not mine:
+                continue
+            try:
+                if tier.local:
+                    shutil.rmtree(tier.staging_path(job.step, job.token), ignore_errors=True)
+                else:
+                    tier.cleanup()
+            except Exception as e:
+                log.warning("could not clean up the failed save of step %d in %s: %s", job.step, tier.url, e)

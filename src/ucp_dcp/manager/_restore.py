@@ -1,0 +1,231 @@
+"""Restore with fallback: which copies to try, in what order, and making each one loadable.
+
+:func:`order_candidates` is the choice, a pure function: every committed
+(step, tier) pair, newest step first, for each step the local tier before the
+persistent one. :class:`Restorer` gathers the markers it needs (the same
+list on every rank), then tries each candidate until one loads: a local copy
+that some node lacks (a lost disk, a new node) is repaired from the nodes
+that hold it; a remote persistent copy is downloaded first. A copy that is
+missing, incomplete or fails its checksums falls back to the next one, and
+says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..byteio.integrity import bytes_digest
+from ..dcp import UCPStorageReader
+from ..dcp.planners import UCPLoadPlanner
+from ..errors import CheckpointFormatError, CheckpointRestoreError, NoCheckpointError
+from ..format import INDEX_FILE
+from ._collective import GroupWorker, describe
+from .peer import exchange_files
+from .records import RestoreRecord
+from .tiers import CommitMarker, Tier
+
+__all__ = ["Candidate", "order_candidates", "Restorer"]
+
+log = logging.getLogger("ucp_dcp.manager.manager")
+
+_TIER_ORDER = {"local": 0, "persistent": 1}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A committed copy of a step to try: its tier (``"local"`` or ``"persistent"``) and marker."""
+
+    step: int
+    tier: str
+    marker: CommitMarker
+    nodes_with_step: tuple[int, ...] = ()
+    """Local candidates: the nodes whose directory holds the step."""
+
+
+def order_candidates(
+    local: Sequence[Mapping[int, CommitMarker]] | None,
+    persistent: Mapping[int, CommitMarker],
+    *,
+    ranks_per_node: int,
+    step: int | None,
+    load_flagged: bool,
+) -> list[Candidate]:
+    """The copies to try, newest step first, local before persistent.
+
+    ``local``: per rank (in rank order), the local markers it read (node
+    leaders only; None: no local tier); a local candidate's marker is that of
+    the lowest rank holding the step. ``persistent``: the persistent tier's
+    markers. With ``step`` only that step; without, steps flagged non-finite
+    only if ``load_flagged``.
+    """
+    out: list[Candidate] = []
+    if local is not None:
+        markers: dict[int, CommitMarker] = {}
+        nodes: dict[int, list[int]] = {}
+        for rank, mine in enumerate(local):
+            for s, m in mine.items():
+                markers.setdefault(s, m)
+                nodes.setdefault(s, []).append(rank // ranks_per_node)
+        out += [Candidate(s, "local", m, tuple(nodes[s])) for s, m in markers.items()]
+    out += [Candidate(s, "persistent", m) for s, m in persistent.items()]
+    if step is not None:
+        out = [c for c in out if c.step == step]
+    elif not load_flagged:
+        out = [c for c in out if not c.marker.nonfinite]
+    return sorted(out, key=lambda c: (-c.step, _TIER_ORDER[c.tier]))
+
+
+def _markers(tier: Tier) -> dict[int, CommitMarker]:
+    """The markers of ``tier``'s committed steps; a step whose marker cannot be read is left out."""
+    out: dict[int, CommitMarker] = {}
+    for s in tier.steps():
+        try:
+            out[s] = tier.marker(s)
+        except CheckpointFormatError:
+            continue
+    return out
+
+
+def _recorded_size(marker: CommitMarker, name: str) -> int | None:
+    """The size ``marker`` records for file ``name`` (None if it has no such file)."""
+    return next((d.size for d in marker.files if d.name == name), None)
+
+
+class Restorer(GroupWorker):
+    """Loads the newest restorable copy into a state; collective over the foreground group."""
+
+    def restore(self, state: Mapping[str, Any], step: int | None, token: str) -> tuple[Candidate, RestoreRecord]:
+        """Load ``step`` (None: the newest valid one) into ``state``; return the copy used and how it went.
+
+        ``token`` (the same on every rank) names any directory this creates.
+        :class:`NoCheckpointError` if there is no candidate,
+        :class:`CheckpointRestoreError` (listing every attempt) if none loads.
+        """
+        t0 = time.perf_counter()
+        candidates = self.candidates(step)
+        if not candidates:
+            where = self.persistent.url + (f" and {self.local.url}" if self.local else "")
+            what = f"step {step}" if step is not None else "no committed step"
+            raise NoCheckpointError(f"nothing to restore: {what} found in {where}")
+        attempts: list[str] = []
+        for cand in candidates:
+            try:
+                path, done = self._prepare(cand, token)
+                try:
+                    verified = self._load_from(path, state)
+                finally:
+                    done()
+            except (Exception, CheckpointException) as e:
+                msg = f"step {cand.step} from the {cand.tier} tier failed: {describe(e)}"
+                attempts.append(msg)
+                if self.layout.rank == 0:
+                    log.warning("%s; falling back", msg)
+                continue
+            if attempts and self.layout.rank == 0:
+                log.warning("restored step %d from the %s tier after %d failed attempt(s)", cand.step, cand.tier,
+                            len(attempts))
+            return cand, RestoreRecord(cand.step, cand.tier, time.perf_counter() - t0, tuple(attempts), verified)
+        raise CheckpointRestoreError("no copy of any candidate step could be restored:", attempts)
+
+    def candidates(self, step: int | None) -> list[Candidate]:
+        """:func:`order_candidates` of the markers every node's local tier and the persistent tier hold."""
+        local = None
+        if self.local is not None:
+            local = self.group.gather(_markers(self.local) if self.layout.is_leader else {})
+        persistent = self.group.bcast(_markers(self.persistent) if self.layout.rank == 0 else {})
+        return order_candidates(local, persistent, ranks_per_node=self.layout.ranks_per_node, step=step,
+                                load_flagged=self.config.load_flagged)
+
+    def _prepare(self, cand: Candidate, token: str) -> tuple[str, Callable[[], None]]:
+        """Make ``cand`` loadable from a local directory on every node; return it and a clean-up."""
+        if cand.tier == "local":
+            path = self._repair_local(cand, f"r{token}")
+        elif self.persistent.local:
+            path = self.persistent.step_path(cand.step)
+        elif self.local is not None:
+            path = self._download_into_local(cand, f"f{token}")
+        else:
+            tmp = tempfile.mkdtemp(prefix=f"ucp-restore-{cand.step}-")
+            self._agree(f"fetching step {cand.step} from {self.persistent.url}",
+                        lambda: self.persistent.fetch(cand.step, [d.name for d in cand.marker.files], tmp), cand)
+            self._check_index(tmp, cand)
+            return tmp, lambda: shutil.rmtree(tmp, ignore_errors=True)
+        self._check_index(path, cand)
+        return path, lambda: None
+
+    def _repair_local(self, cand: Candidate, token: str) -> str:
+        """The local copy of ``cand``, after fetching files any node lacks from the nodes that hold them."""
+        step, marker, tier, lay = cand.step, cand.marker, self.local, self.layout
+        assert tier is not None
+        have_step = lay.node in cand.nodes_with_step
+
+        def missing() -> list[str]:
+            if not lay.is_leader:
+                return []
+            present = tier.files(step) if have_step else {}
+            return [d.name for d in marker.files if present.get(d.name) != d.size]
+
+        wanted = self._agree(f"listing local files of step {step}", missing, cand)
+        if any(self.group.gather(bool(wanted))):
+            # Some node lost files (or never had them): fetch them from the
+            # nodes that hold copies, then commit the repaired directory.
+            dest = tier.step_path(step) if have_step else tier.staging_path(step, token)
+            self._agree(f"creating a local directory for step {step}",
+                        lambda: tier.begin(step, token) if lay.is_leader and not have_step else None, cand)
+            avail = []
+            if have_step:
+                avail = [n for n, size in tier.files(step).items() if _recorded_size(marker, n) == size]
+            exchange_files(self.group.pg, tier.step_path(step) if have_step else None, avail, dest, wanted)
+            self._agree(f"committing repaired step {step} locally",
+                        lambda: tier.commit(dest, marker) if lay.is_leader and not have_step else None, cand)
+        return tier.step_path(step)
+
+    def _download_into_local(self, cand: Candidate, token: str) -> str:
+        """Download a remote persistent copy into the local tier and commit it there (the next restore is local)."""
+        step, tier = cand.step, self.local
+        assert tier is not None
+        dest = tier.staging_path(step, token)
+
+        def fetch() -> None:
+            if self.layout.is_leader:
+                tier.begin(step, token)
+                self.persistent.fetch(step, [d.name for d in cand.marker.files], dest)
+                tier.commit(dest, cand.marker)
+
+        self._agree(f"fetching step {step} from {self.persistent.url}", fetch, cand)
+        return tier.step_path(step)
+
+    def _check_index(self, path: str, cand: Candidate) -> None:
+        """The index must match the marker's digest (a flipped byte there could misdirect every read)."""
+        marker = cand.marker
+
+        def check() -> None:
+            want = marker.digest(INDEX_FILE)
+            data = Path(path, INDEX_FILE).read_bytes()
+            got = bytes_digest(data)
+            if len(data) != want.size or got != want.xxh3:
+                raise CheckpointFormatError(
+                    f"{os.path.join(path, INDEX_FILE)}: the index of step {marker.step} in the {cand.tier} tier "
+                    f"does not match its commit marker ({len(data)} bytes, xxh3-128 {got}; recorded {want.size} "
+                    f"bytes, {want.xxh3}): it is corrupt"
+                )
+
+        self._agree("checking the index", check, cand)
+
+    def _load_from(self, path: str, state: Mapping[str, Any]) -> int:
+        reader = UCPStorageReader(path, verify=self.config.verify_on_load, io_threads=self.config.io_threads)
+        dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner(), process_group=self.group.pg)  # type: ignore[arg-type]
+        return int(getattr(reader, "verified_bytes", 0))
+
+    def _agree(self, what: str, fn: Callable[[], Any], cand: Candidate) -> Any:
+        return self.group.agree(what, fn, step=cand.step, restoring=True)

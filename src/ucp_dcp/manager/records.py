@@ -1,0 +1,39 @@
+"""What the manager reports: reshard events, per-save costs, how a restore went."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ReshardEvent", "SaveRecord", "RestoreRecord"]
+
+
+@dataclass(frozen=True)
+class ReshardEvent:
+    """Passed to ``on_reshard`` callbacks when the restored step was saved by another world size."""
+
+    step: int
+    old_world_size: int
+    new_world_size: int
+    tier: str
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """What one save cost: blocking and background seconds, bytes, tiers committed."""
+
+    step: int
+    blocking_s: float
+    write_s: float
+    nbytes: int
+    tiers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RestoreRecord:
+    """How the last ``load`` went: the step, the tier, and every failed attempt before it."""
+
+    step: int
+    tier: str
+    seconds: float
+    failed_attempts: tuple[str, ...]
+    verified_bytes: int

@@ -1,0 +1,191 @@
+"""The seam between the manager and storage: :class:`Tier`, a place holding committed steps.
+
+The public methods that write (:meth:`Tier.put_file`, :meth:`Tier.put_bytes`,
+:meth:`Tier.commit`) check their arguments here, once for every kind of
+tier, and hand the checked values to the kind's ``_put_file``,
+``_put_bytes`` and ``_commit``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from abc import ABC, abstractmethod
+from typing import Any, Iterable, Mapping
+
+from ...errors import CheckpointFormatError
+from .marker import MARKER_FILE, CommitMarker, check_name, is_int
+
+__all__ = ["Tier", "step_dir_name", "check_step", "check_token"]
+
+_TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
+
+
+def check_step(step: Any) -> int:
+    """``step`` itself if it is a non-negative int; ``ValueError`` otherwise."""
+    if not is_int(step) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    return step
+
+
+def check_token(token: Any) -> str:
+    """``token`` itself if it is 1-64 characters of ``[A-Za-z0-9_-]``; ``ValueError`` otherwise."""
+    if not isinstance(token, str) or not _TOKEN_RE.match(token):
+        raise ValueError(f"token must be 1-64 characters of [A-Za-z0-9_-], got {token!r}")
+    return token
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name of committed ``step`` in a :class:`~ucp_dcp.manager.tiers.LocalTier`: ``step-%012d``."""
+    return "step-%012d" % check_step(step)
+
+
+class Tier(ABC):
+    """A place holding committed steps (see :mod:`ucp_dcp.manager.tiers`).
+
+    ``name`` is the user-chosen name used in messages, ``url`` the root path
+    or URL, ``local`` is True when step and staging locations are local
+    paths that ``dcp.save``/``dcp.load`` can use directly.
+    """
+
+    name: str
+    url: str
+    local: bool
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, url={self.url!r})"
+
+    def _where(self, step: int | None = None, file: str | None = None) -> str:
+        s = f"tier {self.name!r} ({self.url})"
+        if step is not None:
+            s += f", step {step}"
+        if file is not None:
+            s += f", file {file!r}"
+        return s
+
+    # ------------------------------------------------------------ reading
+
+    @abstractmethod
+    def steps(self) -> list[int]:
+        """Committed steps, ascending: a step directory whose marker parses and names that step.
+
+        Never raises for junk: other names, uncommitted directories and
+        unparsable markers are ignored.
+        """
+
+    @abstractmethod
+    def marker(self, step: int) -> CommitMarker:
+        """The marker of committed ``step``; :class:`CheckpointFormatError` naming the tier and step if missing or corrupt."""
+
+    @abstractmethod
+    def step_path(self, step: int) -> str:
+        """Location of committed ``step`` (local path or URL)."""
+
+    @abstractmethod
+    def files(self, step: int) -> dict[str, int]:
+        """Names and sizes of the files present in committed ``step`` (the marker excluded)."""
+
+    @abstractmethod
+    def fetch(self, step: int, names: Iterable[str], dest_dir: str) -> None:
+        """Copy (download) the named files of committed ``step`` into local directory ``dest_dir``.
+
+        Each file is written under a temporary name, fsync'd and renamed, so
+        a crash never leaves a partial file under the final name.
+        """
+
+    def read_bytes(self, step: int, name: str) -> bytes:
+        """The content of file ``name`` of committed ``step`` (generic: fetch into a temp dir)."""
+        with tempfile.TemporaryDirectory(prefix="ucp-tier-") as d:
+            self.fetch(step, [name], d)
+            with open(os.path.join(d, name), "rb") as f:
+                return f.read()
+
+    # ------------------------------------------------------------ writing
+
+    @abstractmethod
+    def begin(self, step: int, token: str) -> str:
+        """Create a fresh staging location for a save of ``step`` and return it.
+
+        A local path for local tiers, a URL otherwise. ``token`` is a short
+        unique id (1-64 of ``[A-Za-z0-9_-]``) chosen by the caller, the same
+        on all ranks; call ``begin`` once per location (then barrier), since
+        leftover staging content of the same name is removed first.
+        """
+
+    @abstractmethod
+    def staging_path(self, step: int, token: str) -> str:
+        """Where :meth:`begin` puts the staging location (creates nothing; callable on any rank)."""
+
+    def put_file(self, staging: str, local_path: str, name: str) -> None:
+        """Copy (upload) local file ``local_path`` into ``staging`` as ``name``, durably."""
+        self._check_payload_name(name, "put_file")
+        self._put_file(self._staging_step(staging)[1], os.fspath(local_path), name)
+
+    def put_bytes(self, staging: str, name: str, data: bytes) -> None:
+        """Write ``data`` into ``staging`` as file ``name``, durably."""
+        self._check_payload_name(name, "put_bytes")
+        self._put_bytes(self._staging_step(staging)[1], name, data)
+
+    def commit(self, staging: str, marker: CommitMarker) -> None:
+        """Make step ``marker.step`` visible atomically, replacing an earlier commit of the same step.
+
+        Every file the marker lists must be in ``staging`` with the listed
+        size (:class:`CheckpointFormatError` otherwise, and nothing becomes
+        visible).
+        """
+        step, path = self._staging_step(staging)
+        if marker.step != step:
+            raise ValueError(f"{self._where(step)}: marker is for step {marker.step} but staging {staging} is for step {step}")
+        self._commit(step, path, marker)
+
+    @abstractmethod
+    def delete(self, step: int) -> None:
+        """Remove ``step`` so that it is never listed half-deleted.
+
+        :class:`CheckpointFormatError` if the tier holds nothing of ``step``.
+        """
+
+    @abstractmethod
+    def cleanup(self) -> list[str]:
+        """Remove leftovers of unfinished saves and deletes (restoring a replaced step where needed).
+
+        Returns what was done, one line each. Call only while no save into
+        this tier is in progress.
+        """
+
+    # ------------------------------------------------ for the kinds of tier
+
+    @abstractmethod
+    def _staging_step(self, staging: str) -> tuple[int, str]:
+        """The step and the normalised location of ``staging``; ``ValueError`` if it is not a staging location here."""
+
+    @abstractmethod
+    def _put_file(self, staging: str, local_path: str, name: str) -> None:
+        """:meth:`put_file` with checked arguments (``staging`` as :meth:`_staging_step` returns it)."""
+
+    @abstractmethod
+    def _put_bytes(self, staging: str, name: str, data: bytes) -> None:
+        """:meth:`put_bytes` with checked arguments."""
+
+    @abstractmethod
+    def _commit(self, step: int, staging: str, marker: CommitMarker) -> None:
+        """:meth:`commit` of ``marker`` (of ``step``) from checked ``staging``."""
+
+    def _check_payload_name(self, name: str, method: str) -> None:
+        check_name(name, "file name")
+        if name == MARKER_FILE:
+            raise ValueError(f"{self._where()}: {MARKER_FILE} is written by commit(), not {method}()")
+
+    def _check_staged(self, step: int, staging: str, marker: CommitMarker, sizes: Mapping[str, int]) -> None:
+        """Every file ``marker`` lists is in ``staging`` (``sizes``: name -> size) with its recorded size."""
+        for f in marker.files:
+            if f.name not in sizes:
+                raise CheckpointFormatError(
+                    f"{self._where(step, f.name)}: cannot commit: the marker lists it but staging {staging} lacks it"
+                )
+            if sizes[f.name] != f.size:
+                raise CheckpointFormatError(
+                    f"{self._where(step, f.name)}: cannot commit: the marker says {f.size} bytes, "
+                    f"staging holds {sizes[f.name]}"
+                )

@@ -1,0 +1,295 @@
+"""A tier at an fsspec URL: ``s3://bucket/prefix``, ``gs://``, ``memory://``...
+
+Object stores have no atomic rename: every save writes its own directory
+``root/step-N-<tok>/`` and uploads the marker last; a PUT of one object is
+atomic, so the marker's presence is the commit. When two committed
+directories hold the same step (a re-save, before the older one is removed)
+the newer marker (``created``) wins.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from functools import partial
+from typing import Any, Iterable
+
+from ...byteio.durable import fsync_file, fsync_path, replace_via_temp
+from ...errors import CheckpointFormatError
+from .base import Tier, check_step, check_token, step_dir_name
+from .marker import MARKER_FILE, CommitMarker, check_name
+
+__all__ = ["FsspecTier"]
+
+_STEP_TOKEN_RE = re.compile(r"step-(\d{12,})-([A-Za-z0-9_-]{1,64})\Z")
+
+
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "oss", "r2", "tos", "cos"}
+
+
+def _protocols(fs: Any) -> set[str]:
+    p = fs.protocol
+    return {p} if isinstance(p, str) else set(p)
+
+
+class FsspecTier(Tier):
+    """A tier at an fsspec URL: ``s3://bucket/prefix``, ``gs://...``, ``memory://...``.
+
+    Each save writes its own directory ``root/step-%012d-<token>/`` (staging
+    and committed location are the same); the marker, uploaded last, commits
+    it. ``storage_options`` go to fsspec (credentials, ``endpoint_url``...).
+    """
+
+    def __init__(self, root: str, *, name: str, storage_options: dict[str, Any] | None = None) -> None:
+        """Open the tier at URL ``root``; ``name`` is used in messages."""
+        import fsspec
+
+        self.name = name
+        self.url = str(root).rstrip("/")
+        self.local = False
+        self.fs, path = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self._root = path.rstrip("/")
+
+    # -- paths
+
+    def _path(self, *parts: str) -> str:
+        return "/".join((self._root,) + parts)
+
+    def _to_url(self, path: str) -> str:
+        return self.fs.unstrip_protocol(path)
+
+    def _refresh(self, path: str | None = None) -> None:
+        # s3fs & co cache listings; another process may have written since.
+        self.fs.invalidate_cache(path)
+
+    def _dirs(self) -> dict[int, list[str]]:
+        """Step directory names under the root, by step (uncommitted ones included)."""
+        self._refresh(self._root)
+        try:
+            entries = self.fs.ls(self._root, detail=False)
+        except FileNotFoundError:
+            return {}
+        out: dict[int, list[str]] = {}
+        for e in entries:
+            n = e.rstrip("/").rsplit("/", 1)[-1]
+            m = _STEP_TOKEN_RE.match(n)
+            if m is not None and n.startswith(step_dir_name(int(m.group(1))) + "-"):
+                out.setdefault(int(m.group(1)), []).append(n)
+        return out
+
+    def _load_marker(self, dirname: str, step: int) -> CommitMarker | None:
+        """The dir's marker; None if it has none; CheckpointFormatError if corrupt or of another step."""
+        path = self._path(dirname, MARKER_FILE)
+        where = f"{self._where(step, MARKER_FILE)} ({self._to_url(path)})"
+        try:
+            data = self.fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+        except (IsADirectoryError, NotADirectoryError) as e:
+            raise CheckpointFormatError(f"{where}: not a file ({e})") from None
+        m = CommitMarker.decode(data, where)
+        if m.step != step:
+            raise CheckpointFormatError(f"{where}: the marker names step {m.step}, expected {step}")
+        return m
+
+    def _committed(self, step: int, dirs: list[str]) -> list[tuple[CommitMarker, str]]:
+        """Committed dirs of ``step``, newest first; junk ignored."""
+        out = []
+        for d in dirs:
+            try:
+                m = self._load_marker(d, step)
+            except CheckpointFormatError:
+                continue
+            if m is not None:
+                out.append((m, d))
+        out.sort(key=lambda md: (md[0].created, md[1]), reverse=True)
+        return out
+
+    def _current(self, step: int) -> tuple[CommitMarker, str]:
+        """Marker and dir name of the newest committed copy of ``step``."""
+        check_step(step)
+        dirs = self._dirs().get(step, [])
+        committed = self._committed(step, dirs)
+        if committed:
+            return committed[0]
+        for d in sorted(dirs):
+            self._load_marker(d, step)  # raises the corrupt marker's error
+        raise CheckpointFormatError(
+            f"{self._where(step)}: no such committed step (expected a directory "
+            f"{self._to_url(self._path(step_dir_name(step)))}-<token>/ holding {MARKER_FILE}"
+            f"{'; found only uncommitted ' + ', '.join(sorted(dirs)) if dirs else ''})"
+        )
+
+    # -- reading
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (see :meth:`Tier.steps`)."""
+        return sorted(step for step, dirs in self._dirs().items() if self._committed(step, dirs))
+
+    def marker(self, step: int) -> CommitMarker:
+        """The marker of the newest committed copy of ``step``."""
+        return self._current(step)[0]
+
+    def step_path(self, step: int) -> str:
+        """URL of the newest committed copy of ``step`` (:class:`CheckpointFormatError` if none)."""
+        return self._to_url(self._path(self._current(step)[1]))
+
+    def files(self, step: int) -> dict[str, int]:
+        """Names and sizes of the files in committed ``step``, the marker excluded."""
+        return self._file_sizes(self._path(self._current(step)[1]))
+
+    def _file_sizes(self, path: str) -> dict[str, int]:
+        """Names and sizes of the files in directory ``path``, the marker excluded (FileNotFoundError if none)."""
+        self._refresh(path)
+        out = {}
+        for e in self.fs.ls(path, detail=True):
+            n = e["name"].rstrip("/").rsplit("/", 1)[-1]
+            if e.get("type") == "file" and n != MARKER_FILE:
+                out[n] = int(e["size"])
+        return out
+
+    def fetch(self, step: int, names: Iterable[str], dest_dir: str) -> None:
+        """Download named files of committed ``step`` into ``dest_dir`` (temp name, fsync, rename)."""
+        d = self._path(self._current(step)[1])
+        dest_dir = os.fspath(dest_dir)
+        os.makedirs(dest_dir, exist_ok=True)
+        fetched = False
+        for name in names:
+            check_name(name, "file name")
+            src = f"{d}/{name}"
+            try:
+                replace_via_temp(os.path.join(dest_dir, name), partial(self._download, src))
+            except FileNotFoundError:
+                raise CheckpointFormatError(
+                    f"{self._where(step, name)}: missing (expected an object {self._to_url(src)})"
+                ) from None
+            fetched = True
+        if fetched:
+            fsync_path(dest_dir)
+
+    def _download(self, src: str, dst: str) -> None:
+        self.fs.get_file(src, dst)
+        fsync_file(dst)
+
+    def read_bytes(self, step: int, name: str) -> bytes:
+        """The content of file ``name`` of committed ``step``."""
+        check_name(name, "file name")
+        src = f"{self._path(self._current(step)[1])}/{name}"
+        try:
+            return self.fs.cat_file(src)
+        except FileNotFoundError:
+            raise CheckpointFormatError(f"{self._where(step, name)}: missing (expected an object {self._to_url(src)})") from None
+
+    # -- writing
+
+    def staging_path(self, step: int, token: str) -> str:
+        """URL ``root/step-%012d-<token>``: staging and, once committed, the step's location."""
+        return self._to_url(self._path(f"{step_dir_name(step)}-{check_token(token)}"))
+
+    def begin(self, step: int, token: str) -> str:
+        """Remove leftover content under the staging URL and return it."""
+        url = self.staging_path(step, token)
+        path = self.fs._strip_protocol(url)
+        self._refresh(path)
+        if self.fs.exists(path):
+            self._rm_dir(path)
+        if not _OBJECT_STORES.intersection(_protocols(self.fs)):
+            # File systems with real directories (sftp, hdfs, smb...) need
+            # it; object stores have none (and s3fs/gcsfs makedirs would
+            # create a missing bucket).
+            self.fs.makedirs(path, exist_ok=True)
+        return url
+
+    def _staging_step(self, staging: str) -> tuple[int, str]:
+        """The step of staging URL ``staging`` and its path without the protocol."""
+        path = self.fs._strip_protocol(staging).rstrip("/")
+        parent, _, base = path.rpartition("/")
+        m = _STEP_TOKEN_RE.match(base)
+        if m is None or parent != self._root:
+            raise ValueError(
+                f"{self._where()}: {staging} is not a staging location of this tier "
+                f"(expected {self.url}/step-NNNNNNNNNNNN-<token>, as returned by begin())"
+            )
+        return int(m.group(1)), path
+
+    def _put_file(self, path: str, local_path: str, name: str) -> None:
+        self.fs.put_file(local_path, f"{path}/{name}")
+
+    def _put_bytes(self, path: str, name: str, data: bytes) -> None:
+        self.fs.pipe_file(f"{path}/{name}", bytes(data))
+
+    def _commit(self, step: int, path: str, marker: CommitMarker) -> None:
+        """Upload the marker last (one atomic PUT commits), then remove older copies of the step."""
+        try:
+            sizes = self._file_sizes(path)
+        except FileNotFoundError:
+            sizes = {}
+        self._check_staged(step, self._to_url(path), marker, sizes)
+        # The commit point: until this PUT completes the directory is not
+        # listed; after it, it is (and, being newest, wins over older copies).
+        self.fs.pipe_file(f"{path}/{MARKER_FILE}", marker.encode())
+        self._refresh(path)
+        # Only now remove earlier commits of the same step (whatever their
+        # `created`, so the new one wins even under clock skew). A crash here
+        # leaves two committed copies; the newest wins and cleanup() removes
+        # the others. Uncommitted dirs are left to cleanup().
+        mine = path.rsplit("/", 1)[-1]
+        for _, d in self._committed(step, [d for d in self._dirs().get(step, []) if d != mine]):
+            self._rm_dir(self._path(d))
+
+    def _rm_dir(self, path: str) -> None:
+        """Remove a step directory: marker first (so it is unlisted at once), then the rest."""
+        try:
+            self.fs.rm_file(f"{path}/{MARKER_FILE}")
+        except FileNotFoundError:
+            pass
+        self._refresh(path)
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        self._refresh(path)
+
+    def delete(self, step: int) -> None:
+        """Remove every copy of ``step``: markers first, then the data."""
+        dirs = self._dirs().get(check_step(step), [])
+        if not dirs:
+            raise CheckpointFormatError(
+                f"{self._where(step)}: cannot delete: no such step "
+                f"(expected {self._to_url(self._path(step_dir_name(step)))}-<token>/)"
+            )
+        # All markers first: once the first is gone an older copy could win,
+        # so none may remain before data goes. A crash part way leaves
+        # unmarked dirs (never listed; cleanup() removes them).
+        for d in dirs:
+            try:
+                self.fs.rm_file(self._path(d, MARKER_FILE))
+            except FileNotFoundError:
+                pass
+        for d in dirs:
+            self._rm_dir(self._path(d))
+
+    def cleanup(self) -> list[str]:
+        """Remove step dirs without a marker and older copies of re-saved steps.
+
+        Dirs whose marker is corrupt are kept (for inspection) but never
+        listed.
+        """
+        done: list[str] = []
+        for step, dirs in sorted(self._dirs().items()):
+            committed = self._committed(step, dirs)
+            for _, d in committed[1:]:
+                self._rm_dir(self._path(d))
+                done.append(f"removed {self._to_url(self._path(d))} (older copy of step {step})")
+            for d in dirs:
+                if any(d == c for _, c in committed):
+                    continue
+                try:
+                    has_marker = self.fs.exists(self._path(d, MARKER_FILE))
+                except FileNotFoundError:
+                    has_marker = False
+                if not has_marker:
+                    self._rm_dir(self._path(d))
+                    done.append(f"removed {self._to_url(self._path(d))} (unfinished save or delete)")
+        return done
+

@@ -1,0 +1,221 @@
+"""The commit marker ``COMMIT.json``: the record that makes a step committed.
+
+A tier writes a step's marker after every other file of the step; a step
+directory is committed when its marker parses and names that step.
+:class:`CommitMarker` lists every file of the checkpoint with its size and
+whole-file xxh3-128 digest (:class:`FileDigest`,
+:func:`ucp_dcp.byteio.integrity.file_digest`); constructing one validates
+every field, and :meth:`CommitMarker.decode` reads the bytes back strictly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import CheckpointFormatError
+
+__all__ = ["MARKER_FILE", "MARKER_FORMAT", "MARKER_VERSION", "FileDigest", "CommitMarker", "check_name"]
+
+MARKER_FILE = "COMMIT.json"
+MARKER_FORMAT = "ucp_dcp.commit"
+MARKER_VERSION = 1
+
+_HEX32_RE = re.compile(r"[0-9a-f]{32}\Z")
+
+
+def is_int(v: Any) -> bool:
+    """An int that is not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_name(name: Any, what: str) -> None:
+    """A plain file name: no directory parts, nothing that escapes the step directory."""
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+    ):
+        raise ValueError(f"{what} must be a plain file name (no '/', not '.' or '..'), got {name!r}")
+
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """One file of a committed checkpoint: its name, size and whole-file xxh3-128 digest.
+
+    ``name`` is relative to the step directory (a plain file name); ``rank``
+    is the rank that wrote it, -1 for the index.
+    """
+
+    name: str
+    size: int
+    xxh3: str
+    rank: int
+
+    def __post_init__(self) -> None:
+        check_name(self.name, "field 'name'")
+        if self.name == MARKER_FILE:
+            raise ValueError(f"field 'name' must not be the commit marker {MARKER_FILE!r}")
+        if not is_int(self.size) or self.size < 0:
+            raise ValueError(f"field 'size' of {self.name!r} must be a non-negative integer, got {self.size!r}")
+        if not isinstance(self.xxh3, str) or not _HEX32_RE.match(self.xxh3):
+            raise ValueError(
+                f"field 'xxh3' of {self.name!r} must be 32 lowercase hex digits (xxh3-128), got {self.xxh3!r}"
+            )
+        if not is_int(self.rank) or self.rank < -1:
+            raise ValueError(f"field 'rank' of {self.name!r} must be an integer >= -1, got {self.rank!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form used inside the marker."""
+        return {"name": self.name, "size": self.size, "xxh3": self.xxh3, "rank": self.rank}
+
+
+@dataclass(frozen=True)
+class CommitMarker:
+    """The commit marker ``COMMIT.json`` of a step, written after every other file.
+
+    ``files`` lists every file of the checkpoint (index included) with its
+    size and digest; ``nonfinite`` maps a tensor name to the ranks whose shard
+    held NaN/Inf (when saves only flag them), normally empty; ``extra`` is
+    JSON-able user metadata. Constructing one validates every field
+    (``ValueError``); :meth:`from_json` reports the same problems as
+    :class:`CheckpointFormatError`.
+    """
+
+    step: int
+    world_size: int
+    created: float
+    files: tuple[FileDigest, ...]
+    nonfinite: dict[str, list[int]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not is_int(self.step) or self.step < 0:
+            raise ValueError(f"field 'step' must be a non-negative integer, got {self.step!r}")
+        if not is_int(self.world_size) or self.world_size < 1:
+            raise ValueError(f"field 'world_size' must be a positive integer, got {self.world_size!r}")
+        created = self.created
+        if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created) or created < 0:
+            raise ValueError(f"field 'created' must be a finite non-negative unix time, got {created!r}")
+        object.__setattr__(self, "created", float(created))
+        if not isinstance(self.files, (tuple, list)) or not all(isinstance(f, FileDigest) for f in self.files):
+            raise ValueError(f"field 'files' must be a sequence of FileDigest, got {self.files!r}")
+        files = tuple(self.files)
+        seen: set[str] = set()
+        for f in files:
+            if f.name in seen:
+                raise ValueError(f"field 'files' lists {f.name!r} twice")
+            seen.add(f.name)
+            if f.rank >= self.world_size:
+                raise ValueError(f"file {f.name!r}: rank {f.rank} is not below world_size {self.world_size}")
+        object.__setattr__(self, "files", files)
+        if not isinstance(self.nonfinite, dict):
+            raise ValueError(f"field 'nonfinite' must be an object, got {self.nonfinite!r}")
+        nonfinite: dict[str, list[int]] = {}
+        for k, ranks in self.nonfinite.items():
+            if not isinstance(k, str):
+                raise ValueError(f"field 'nonfinite': tensor names must be strings, got {k!r}")
+            if not isinstance(ranks, (list, tuple)) or not all(
+                is_int(r) and 0 <= r < self.world_size for r in ranks
+            ):
+                raise ValueError(
+                    f"field 'nonfinite'[{k!r}] must be a list of ranks in [0, {self.world_size}), got {ranks!r}"
+                )
+            nonfinite[k] = list(ranks)
+        object.__setattr__(self, "nonfinite", nonfinite)
+        if not isinstance(self.extra, dict) or not all(isinstance(k, str) for k in self.extra):
+            raise ValueError(f"field 'extra' must be an object with string keys, got {self.extra!r}")
+        try:
+            json.dumps(self.extra, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"field 'extra' must be JSON-able (no NaN/Inf): {e}") from None
+
+    def to_json(self) -> dict[str, Any]:
+        """The marker document (``json.dumps`` of it is what ``COMMIT.json`` holds)."""
+        return {
+            "format": MARKER_FORMAT,
+            "version": MARKER_VERSION,
+            "step": self.step,
+            "world_size": self.world_size,
+            "created": self.created,
+            "files": [f.to_json() for f in self.files],
+            "nonfinite": {k: list(v) for k, v in self.nonfinite.items()},
+            "extra": self.extra,
+        }
+
+    def encode(self) -> bytes:
+        """The bytes of ``COMMIT.json``: compact UTF-8 JSON, no NaN/Inf."""
+        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+    @staticmethod
+    def from_json(doc: Any, where: str) -> "CommitMarker":
+        """Parse and strictly validate a marker document.
+
+        Raises :class:`CheckpointFormatError` naming ``where`` and the bad
+        field: a wrong format name or version, a missing or unknown field, a
+        field of the wrong type or range, a file listed twice.
+        """
+        if not isinstance(doc, dict):
+            raise CheckpointFormatError(f"{where}: commit marker must be a JSON object, got {type(doc).__name__}")
+        if doc.get("format") != MARKER_FORMAT:
+            raise CheckpointFormatError(
+                f"{where}: field 'format' must be {MARKER_FORMAT!r}, got {doc.get('format')!r} (not a ucp_dcp commit marker)"
+            )
+        if doc.get("version") != MARKER_VERSION or isinstance(doc.get("version"), bool):
+            raise CheckpointFormatError(
+                f"{where}: field 'version' must be {MARKER_VERSION} (this ucp_dcp reads commit markers of version "
+                f"{MARKER_VERSION}), got {doc.get('version')!r}"
+            )
+        expected = {"format", "version", "step", "world_size", "created", "files", "nonfinite", "extra"}
+        missing = sorted(expected - doc.keys())
+        if missing:
+            raise CheckpointFormatError(f"{where}: commit marker lacks field(s) {', '.join(map(repr, missing))}")
+        unknown = sorted(doc.keys() - expected)
+        if unknown:
+            raise CheckpointFormatError(f"{where}: commit marker has unknown field(s) {', '.join(map(repr, unknown))}")
+        raw_files = doc["files"]
+        if not isinstance(raw_files, list):
+            raise CheckpointFormatError(f"{where}: field 'files' must be a list, got {raw_files!r}")
+        files = []
+        fkeys = {"name", "size", "xxh3", "rank"}
+        for i, fd in enumerate(raw_files):
+            if not isinstance(fd, dict) or fd.keys() != fkeys:
+                raise CheckpointFormatError(
+                    f"{where}: files[{i}] must be an object with exactly the fields name, size, xxh3, rank; got {fd!r}"
+                )
+            try:
+                files.append(FileDigest(fd["name"], fd["size"], fd["xxh3"], fd["rank"]))
+            except ValueError as e:
+                raise CheckpointFormatError(f"{where}: files[{i}]: {e}") from None
+        try:
+            return CommitMarker(
+                doc["step"], doc["world_size"], doc["created"], tuple(files), doc["nonfinite"], doc["extra"]
+            )
+        except ValueError as e:
+            raise CheckpointFormatError(f"{where}: {e}") from None
+
+    @staticmethod
+    def decode(data: bytes, where: str) -> "CommitMarker":
+        """Parse the bytes of a ``COMMIT.json`` (:class:`CheckpointFormatError` if truncated or corrupt)."""
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointFormatError(f"{where}: truncated or corrupt commit marker ({e})") from None
+        return CommitMarker.from_json(doc, where)
+
+    def digest(self, name: str) -> FileDigest:
+        """The record of file ``name``; :class:`CheckpointFormatError` if the marker does not list it."""
+        for f in self.files:
+            if f.name == name:
+                return f
+        raise CheckpointFormatError(
+            f"commit marker of step {self.step} lists no file {name!r} (it lists {len(self.files)} files: "
+            f"{', '.join(f.name for f in self.files[:8])}{', ...' if len(self.files) > 8 else ''})"
+        )
+
