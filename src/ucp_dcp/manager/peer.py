@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..byteio.durable import fsync_path
+from ..byteio.durable import fsync_path, remove_quietly, write_all
 from ..errors import PeerTransferError
 
 __all__ = ["PeerTransferError", "TransferReport", "clean_partials", "exchange_files"]
@@ -170,19 +170,6 @@ def _tmp_path(dest_dir: str, name: str) -> tuple[str, int]:
             continue
 
 
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
 def _read_full(f: Any, view: memoryview) -> int:
     got = 0
     while got < len(view):
@@ -207,7 +194,7 @@ def _local_copy(src_dir: str, dest_dir: str, name: str) -> bool:
             os.fsync(out.fileno())
         os.replace(tmp, dst)
     except BaseException:
-        _unlink_quiet(tmp)
+        remove_quietly(tmp)
         raise
     return True
 
@@ -301,7 +288,7 @@ def _recv_file(dest_dir: str, name: str, size: int, peer: int, group: Any, block
             posted[i].wait()
             if err is None:
                 try:
-                    _write_all(fd, memoryview(bufs.bufs[i % 2])[:n])
+                    write_all(fd, memoryview(bufs.bufs[i % 2])[:n])
                 except OSError as e:
                     err = f"{tmp}: {e}"
             if i + 2 < len(sizes):
@@ -322,7 +309,7 @@ def _recv_file(dest_dir: str, name: str, size: int, peer: int, group: Any, block
         if fd >= 0:
             os.close(fd)
         if tmp is not None:
-            _unlink_quiet(tmp)
+            remove_quietly(tmp)
     return err
 
 
