@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import _init_optim_state as init_op
 # what DTensor stores.
 from torch.distributed.tensor._utils import (
     _compute_local_shape_and_global_offset as compute_shard_box_on_mesh_shape,
-    compute_local_shape_and_global_offset as compute_local_shape_and_global_offset,
+    compute_local_shape_and_global_offset,
 )
 
 # FSDP2's placement for a dimension sharded both by FSDP and by TP (the FSDP

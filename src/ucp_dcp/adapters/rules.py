@@ -20,18 +20,8 @@ from ..core.pieces import Piece, TensorPieces
 from ..errors import LayoutRuleError
 
 __all__ = [
-    "Rule",
-    "LayoutRule",
-    "Rename",
-    "Reindex",
-    "Shard",
-    "Fused",
-    "VocabPad",
-    "Replicated",
-    "Averaged",
-    "RuleContext",
-    "RULES",
-    "full_piece",
+    "Rule", "LayoutRule", "Rename", "Reindex", "Shard", "Fused", "VocabPad", "Replicated", "Averaged",
+    "RuleContext", "RULES", "full_piece",
 ]
 
 
