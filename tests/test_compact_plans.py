@@ -78,9 +78,9 @@ def _compact_vs_per_chunk(rank: int, world: int, root: str) -> None:
         # No write item for a DTensor travels; only the mesh's first rank describes it.
         dtensor_keys = {k for k, v in flatten_state_dict(state)[0].items() if isinstance(v, DTensor)}
         assert not [i for i in sent.items if i.index.fqn in dtensor_keys], layout
-        described = [g for g in sent.planner_data["groups"] if g[2] is not None]
-        assert all(g[1] == rank for g in described)
-        assert all(g[2] is None for g in sent.planner_data["groups"] if g[1] != rank)
+        described = [g for g in sent.planner_data.groups if g.description is not None]
+        assert all(g.first_rank == rank for g in described)
+        assert all(g.description is None for g in sent.planner_data.groups if g.first_rank != rank)
         assert len(pickle.dumps(sent)) < len(pickle.dumps(planners["per_chunk"].sent)), layout
         # The coordinator sends back no per-chunk item either.
         assert not [i for i in planners["compact"].received.items if i.index.fqn in dtensor_keys]
@@ -101,7 +101,7 @@ def _compact_vs_per_chunk(rank: int, world: int, root: str) -> None:
             target = {**target, "step": 0}
             lp = RecordingLoadPlanner()
             dcp.load(target, storage_reader=UCPStorageReader(os.path.join(root, layout, mode)), planner=lp)
-            assert lp.sent.items == [] and lp.sent.planner_data["items"] > 0  # items stayed on the rank
+            assert lp.sent.items == [] and lp.sent.planner_data.items > 0  # items stayed on the rank
             flat, _ = flatten_state_dict(target)
             assert flat["step"] == 1
             for k, want in ref.items():

@@ -51,9 +51,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 from .flat import FlatParam, FlatShard
+from .._compat import (
+    fsdp1_flat_param,
+    init_optim_state,
+    is_flat_param,
+    looks_like_fully_shard,
+    module_parameters,
+    module_persistent_buffers,
+)
 from ..core.pieces import Piece, TensorPieces
 
 __all__ = ["fsdp1_state_dict", "fsdp1_apply_loaded", "SUPPORTED_SHARDING_STRATEGIES"]
@@ -97,7 +104,7 @@ def _units(model: nn.Module) -> list[_Unit]:
     fsdp = _fsdp_class()
     if not isinstance(model, fsdp):
         hint = ""
-        if any(type(m).__name__.startswith("FSDP") for m in model.modules()) or hasattr(model, "_get_fsdp_state"):
+        if any(type(m).__name__.startswith("FSDP") for m in model.modules()) or looks_like_fully_shard(model):
             hint = " (for fully_shard/FSDP2 models use torch.distributed.checkpoint.state_dict.get_state_dict)"
         raise ValueError(
             f"fsdp1_state_dict: the model is a {type(model).__name__}, not a "
@@ -117,16 +124,17 @@ def _units(model: nn.Module) -> list[_Unit]:
                 f"{', '.join(SUPPORTED_SHARDING_STRATEGIES)} (one flat shard per rank over all ranks). "
                 f"NO_SHARD and HYBRID_SHARD/_HYBRID_SHARD_ZERO2 (replicated shards) are not supported"
             )
-        handle = mod._handle
-        if handle is None:  # a unit that manages no parameters
+        flat = fsdp1_flat_param(mod)
+        if flat is None:  # a unit that manages no parameters
             continue
+        handle = flat.handle
         fp = handle.flat_param
         if handle.world_size != world:
             raise ValueError(
                 f"fsdp1_state_dict: {where} shards over a process group of {handle.world_size} ranks, but the "
                 f"default process group has {world}; only FSDP1 over all ranks is supported"
             )
-        sharded = getattr(fp, "_sharded_size", None)
+        sharded = flat.sharded_size
         if sharded is None or fp.numel() != sharded.numel() or fp.dim() != 1:
             raise ValueError(
                 f"fsdp1_state_dict: {where}'s FlatParameter is not in its sharded state (called inside "
@@ -136,19 +144,19 @@ def _units(model: nn.Module) -> list[_Unit]:
         prefix = prefix + "." if prefix else ""
         params: list[FlatParam] = []
         pos, i = 0, 0
-        for numel, is_padding in zip(fp._numels_with_padding, fp._is_padding_mask):
+        for numel, is_padding in zip(flat.numels_with_padding, flat.is_padding_mask):
             if not is_padding:
-                shape = tuple(fp._shapes[i])
-                if numel != fp._numels[i]:
-                    raise RuntimeError(f"{where}: numel of {fp._fqns[i]!r} disagrees in FlatParameter metadata")
-                params.append(FlatParam(prefix + _clean(fp._fqns[i]), shape, pos))
+                shape = tuple(flat.shapes[i])
+                if numel != flat.numels[i]:
+                    raise RuntimeError(f"{where}: numel of {flat.fqns[i]!r} disagrees in FlatParameter metadata")
+                params.append(FlatParam(prefix + _clean(flat.fqns[i]), shape, pos))
                 i += 1
             pos += numel
-        if i != len(fp._fqns):
-            raise RuntimeError(f"{where}: FlatParameter metadata lists {len(fp._fqns)} parameters, found {i}")
+        if i != len(flat.fqns):
+            raise RuntimeError(f"{where}: FlatParameter metadata lists {len(flat.fqns)} parameters, found {i}")
         start = fp.numel() * handle.rank
         in_shard, intra_start = [], []
-        for p, info in zip(params, fp._shard_param_infos):
+        for p, info in zip(params, flat.shard_param_infos):
             in_shard.append(bool(info.in_shard))
             intra_start.append(int(info.intra_param_start_idx) if info.in_shard else 0)
             # Cross-check our layout with FSDP's own view of this rank's shard.
@@ -157,8 +165,7 @@ def _units(model: nn.Module) -> list[_Unit]:
                     f"{where}: computed layout of {p.fqn!r} disagrees with FSDP's shard metadata "
                     f"(this torch version's FlatParameter layout is not understood)"
                 )
-        orig = list(fp._params) if handle._use_orig_params and getattr(fp, "_params", None) is not None else None
-        units.append(_Unit(mod_name, fp, params, start, in_shard, intra_start, orig))
+        units.append(_Unit(mod_name, fp, params, start, in_shard, intra_start, flat.orig_params))
     return units
 
 
@@ -170,11 +177,11 @@ def _extra_model_tensors(model: nn.Module, units: list[_Unit]) -> dict[str, torc
     out: dict[str, torch.Tensor] = {}
     for mname, mod in model.named_modules():
         pre = mname + "." if mname else ""
-        for pname, p in mod._parameters.items():
-            if p is not None and id(p) not in managed and not getattr(p, "_is_flat_param", False):
+        for pname, p in module_parameters(mod):
+            if p is not None and id(p) not in managed and not is_flat_param(p):
                 out.setdefault(_clean(pre + pname), p.detach())
-        for bname, b in mod._buffers.items():
-            if b is not None and bname not in mod._non_persistent_buffers_set:
+        for bname, b in module_persistent_buffers(mod):
+            if b is not None:
                 out.setdefault(_clean(pre + bname), b)
     return out
 
@@ -253,7 +260,7 @@ def fsdp1_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = Non
     if optim is None:
         return out
     index = _optim_index(model, optim, units)
-    _init_optim_state(optim)  # DCP's own: one zero-gradient step at lr 0 when there is no state yet
+    init_optim_state(optim)  # DCP's own: one zero-gradient step at lr 0 when there is no state yet
     unit_no = {id(u): k for k, u in enumerate(units)}
     optim_sd: dict[str, Any] = {}
     plain_state: dict[str, dict[str, Any]] = {}

@@ -27,9 +27,9 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import Partial, Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Partial, Placement
 
+from .._compat import StridedShard, compute_shard_box_on_mesh_shape
 from ..errors import LayoutError
 
 __all__ = [
@@ -81,7 +81,7 @@ def placement_to_str(p: Placement) -> str:
     ``Partial`` is refused: a partial sum is not a value that can be saved;
     the caller must reduce it (``redistribute`` or ``full_tensor``) first.
     """
-    if isinstance(p, _StridedShard):  # must precede Shard: it is a subclass
+    if isinstance(p, StridedShard):  # must precede Shard: it is a subclass
         return f"SS({p.dim},{p.split_factor})"
     if isinstance(p, Shard):
         return f"S({p.dim})"
@@ -104,7 +104,7 @@ def placement_from_str(s: str) -> Placement:
         return Replicate()
     if m.group(2) is not None:
         return Shard(int(m.group(2)))
-    return _StridedShard(int(m.group(3)), split_factor=int(m.group(4)))
+    return StridedShard(int(m.group(3)), split_factor=int(m.group(4)))
 
 
 def chunk_box(
@@ -119,7 +119,7 @@ def chunk_box(
     rounding, empty trailing shards) and ``_StridedShard`` agree with what
     DTensor actually stores.
     """
-    sizes, offsets = _compute_local_shape_and_global_offset(
+    sizes, offsets = compute_shard_box_on_mesh_shape(
         tuple(global_shape), tuple(mesh_shape), list(coord), list(placements)
     )
     return Box(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
@@ -427,7 +427,7 @@ def layout_grid(global_shape: Sequence[int], mesh_shape: Sequence[int], placemen
         return dataclasses.replace(empty, mesh_lin=_EMPTY)
     # Row-major strides over the sharding mesh dims (in mesh order): the
     # position of a chunk's first replica in mesh-coordinate order.
-    shard_dims = [m for m, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard))]
+    shard_dims = [m for m, p in enumerate(placements) if isinstance(p, (Shard, StridedShard))]
     mstride: dict[int, int] = {}
     acc = 1
     for m in reversed(shard_dims):
@@ -482,7 +482,7 @@ def _application_order(
     order: list[list[int]] = [[] for _ in shape]
     pending: dict[int, list[int]] = {}  # dim -> [strided mesh dim, remaining split factor]
     for m, p in enumerate(placements):
-        if isinstance(p, _StridedShard):
+        if isinstance(p, StridedShard):
             # Only the FSDP2-over-TP form: the first split of its dim, whose
             # ``sf`` pieces are equal (then the strided pieces line up with
             # the later splits exactly, whatever the inner rounding).

@@ -36,6 +36,7 @@ from ..format import Location, TensorRecord
 from ..sources import Source, SourceOptions, open_source, read_value, source_types
 from ..sources.distcp import DCP_VALUES_MODES
 from ._directory import _Directory
+from ._plan_records import LoadSourceInfo
 from .compact import LazyChunks
 from .planners import UCPLoadPlanner
 
@@ -132,13 +133,13 @@ class UCPStorageReader(_Directory, StorageReader):
             md[fqn] = BytesStorageMetadata()
         return Metadata(
             state_dict_metadata=md,
-            planner_data={
-                "world_size": index.world_size,
-                "rank_local": {k: sorted(v) for k, v in index.rank_local.items()},
+            planner_data=LoadSourceInfo(
+                world_size=index.world_size,
+                rank_local={k: sorted(v) for k, v in index.rank_local.items()},
                 # In-process only (load metadata is never sent between ranks):
                 # lets UCPLoadPlanner find overlaps without listing chunks.
-                "chunk_grid": source.grid,
-            },
+                chunk_grid=source.grid,
+            ),
             storage_meta=StorageMeta(checkpoint_id=self.path),
         )
 

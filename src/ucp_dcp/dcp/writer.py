@@ -35,6 +35,7 @@ from ..format import (
     split_rank_local_key,
 )
 from ._directory import _Directory
+from ._plan_records import SaveSummary
 from .compact import compact_records
 from .planners import UCPSavePlanner
 
@@ -229,9 +230,9 @@ class UCPStorageWriter(_Directory, StorageWriter):
             files.append(FileRecord(rec.file, rank, rec.file_size))
             written.append(rec.entries)
             counts[rank] = rec.compact
-        pdata = metadata.planner_data or {}
-        compact = compact_records(pdata.get("owners", {}), pdata.get("positions", {}), files, counts)
-        index = build_index(pdata.get("world_size", len(results)), files, written, pdata.get("layouts"), compact)
+        summary = SaveSummary.of(metadata, len(results))
+        compact = compact_records(summary.owners, summary.positions, files, counts)
+        index = build_index(summary.world_size, files, written, summary.layouts, compact)
         try:
             commit_index(self.path, index)
         except OSError as e:

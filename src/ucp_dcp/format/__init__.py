@@ -20,6 +20,7 @@ from .names import (
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_FILE,
+    LAYOUT_KEY,
     MAX_HEADER_BYTES,
     PAD_PREFIX,
     RANK_LOCAL_PREFIX,
@@ -38,8 +39,8 @@ from .records import ChunkRecord, FileRecord, Index, Layout, Location, TensorRec
 from .runs import RunList, decode_runs, encode_runs
 
 __all__ = [
-    "ALIGN", "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "MAX_HEADER_BYTES", "PAD_PREFIX", "RANK_LOCAL_PREFIX",
-    "VALUE_PREFIX",
+    "ALIGN", "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "LAYOUT_KEY", "MAX_HEADER_BYTES", "PAD_PREFIX",
+    "RANK_LOCAL_PREFIX", "VALUE_PREFIX",
     "chunk_entry_name", "data_file_name", "dtype_name", "rank_local_entry_name", "rank_local_key",
     "split_rank_local_key", "st_dtype", "value_entry_name",
     "ChunkRecord", "FileRecord", "Index", "Layout", "Location", "TensorRecord",

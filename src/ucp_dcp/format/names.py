@@ -20,6 +20,8 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 VALUE_PREFIX = "__ucp_value__/"
 RANK_LOCAL_PREFIX = "__ucp_rank_local__/"
 PAD_PREFIX = "__ucp_pad__."
+LAYOUT_KEY = "__ucp_layout__"
+"""Top-level state-dict key under which ``LayoutSpec.apply(record=True)`` stores the spec."""
 
 
 _ST_DTYPES = {

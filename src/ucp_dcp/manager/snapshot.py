@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
+from .._compat import dtensor_like, dtensor_local
 from ..core.pieces import Piece, TensorPieces
 from ..errors import NonFiniteError
 
@@ -72,7 +73,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     # The local shard only: a DTensor op (full_tensor, isfinite on the
     # DTensor) could issue a collective, and callers run this on one rank at
     # a time or from a background thread.
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return dtensor_local(t) if isinstance(t, DTensor) else t
 
 
 def _rebuild(obj: Any, on_tensor: Callable[[torch.Tensor], Any], memo: dict[int, Any]) -> Any:
@@ -309,7 +310,7 @@ class Snapshotter:
                 # "cuda" mesh, which is also what DCP's own async staging
                 # (_create_cpu_state_dict: DTensor.to("cpu")) hands to save.
                 # Saving only reads the local tensor and the spec's metadata.
-                return DTensor(buf, src._spec, requires_grad=False)
+                return dtensor_like(buf, src)
 
             out = _rebuild(state, on_tensor, {})
         except BaseException:

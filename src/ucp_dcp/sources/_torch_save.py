@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
+from .._compat import dtype_from_pickle_storage_type
 from ..byteio.rangeio import ReadStats
 from ..core.sharding import row_major_strides
 from ..errors import CheckpointFormatError
@@ -195,7 +196,7 @@ def _tensor_from_pickle(obj: Any, where: str) -> tuple[str, torch.dtype, int, tu
         if stype.module != "torch":
             raise CheckpointFormatError(f"{where}: unknown storage type {stype.module}.{stype.name}")
         try:
-            dtype = torch.storage._get_dtype_from_pickle_storage_type(stype.name)
+            dtype = dtype_from_pickle_storage_type(stype.name)
         except KeyError:
             raise CheckpointFormatError(f"{where}: unknown storage type torch.{stype.name}") from None
     elif stype not in (("torch.storage", "UntypedStorage"), ("torch", "UntypedStorage")):

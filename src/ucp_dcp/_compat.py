@@ -1,0 +1,177 @@
+"""Every private torch API ucp_dcp uses, in one place.
+
+torch does not promise to keep names that start with ``_`` (modules,
+functions, classes, attributes) from one release to the next. Everything
+of that kind that ucp_dcp needs is imported or read here, each with what it
+is for, so that a torch upgrade that moves one touches this file only. The
+rest of the package imports these names from here and uses public torch
+APIs directly.
+
+(Names that only appear inside pickles, such as ``torch._utils``'s tensor
+rebuild functions in :mod:`ucp_dcp.sources._torch_save` or DCP's
+``_StorageInfo`` in :mod:`ucp_dcp.sources._dcp_metadata`, are file-format
+names checked as strings, never imported; they are not listed here.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+# DCP's flattening of a nested state dict into dotted keys plus the path of
+# each key: the planners flatten exactly as DCP does, so keys agree with it.
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+# DCP's expansion of ShardedTensors into their shards, applied before
+# flattening (what DefaultLoadPlanner.set_up_planner does).
+from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors as flatten_sharded_tensors
+
+# DCP's rule for putting a value at a flattened path, creating missing
+# containers the way DCP itself does on load.
+from torch.distributed.checkpoint._traverse import set_element
+
+# DCP's write items for one tensor or DTensor (one per local shard), and the
+# chunk list of a local shard: the save and load planners of DCP build these.
+from torch.distributed.checkpoint.planner_helpers import (
+    _create_chunk_list as create_chunk_list,
+    _create_write_items as create_write_items,
+)
+
+# DCP's creation of optimizer state (one zero-gradient step at lr 0) when an
+# optimizer has none yet, so that its tensors exist to be loaded into.
+from torch.distributed.checkpoint.state_dict import _init_optim_state as init_optim_state
+
+# DTensor's own shard arithmetic: the box a mesh coordinate holds (mesh shape
+# and coordinate given as numbers), and the box this rank holds of a DTensor
+# (given a device mesh). Used so that uneven and strided shards agree with
+# what DTensor stores.
+from torch.distributed.tensor._utils import (
+    _compute_local_shape_and_global_offset as compute_shard_box_on_mesh_shape,
+    compute_local_shape_and_global_offset,
+)
+
+# FSDP2's placement for a dimension sharded both by FSDP and by TP (the FSDP
+# shards are interleaved): named "SS(d,k)" in layouts.
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+
+# The dtype of a legacy typed storage class (``FloatStorage``...) named in a
+# torch.save pickle, for reading tensors from such files without unpickling.
+from torch.storage import _get_dtype_from_pickle_storage_type as dtype_from_pickle_storage_type
+
+__all__ = [
+    "flatten_state_dict",
+    "flatten_sharded_tensors",
+    "set_element",
+    "create_chunk_list",
+    "create_write_items",
+    "init_optim_state",
+    "compute_shard_box_on_mesh_shape",
+    "compute_local_shape_and_global_offset",
+    "StridedShard",
+    "dtype_from_pickle_storage_type",
+    "dtensor_local",
+    "dtensor_like",
+    "module_parameters",
+    "module_persistent_buffers",
+    "is_flat_param",
+    "looks_like_fully_shard",
+    "FlatParamInfo",
+    "fsdp1_flat_param",
+]
+
+
+# --------------------------------------------------------------------- DTensor
+
+
+def dtensor_local(t: DTensor) -> torch.Tensor:
+    """The local shard of ``t`` (``_local_tensor``), without autograd or collectives.
+
+    ``to_local()`` goes through autograd; this is read from a background
+    thread and one rank at a time.
+    """
+    return t._local_tensor
+
+
+def dtensor_like(local: torch.Tensor, src: DTensor) -> DTensor:
+    """A DTensor with ``src``'s spec (``_spec``: mesh, placements, global shape) over ``local``.
+
+    DTensor's constructor, not ``from_local``: that one moves the local
+    tensor onto the mesh's device type, which would copy a host staging
+    buffer back to the GPU.
+    """
+    return DTensor(local, src._spec, requires_grad=False)
+
+
+# ------------------------------------------------------------------- nn.Module
+
+
+def module_parameters(mod: nn.Module) -> Iterator[tuple[str, Any]]:
+    """``(name, parameter or None)`` registered on ``mod`` itself (``_parameters``; duplicates kept)."""
+    return iter(mod._parameters.items())
+
+
+def module_persistent_buffers(mod: nn.Module) -> Iterator[tuple[str, Any]]:
+    """``(name, buffer or None)`` registered on ``mod`` itself, except non-persistent ones
+    (``_buffers``, ``_non_persistent_buffers_set``)."""
+    return ((n, b) for n, b in mod._buffers.items() if n not in mod._non_persistent_buffers_set)
+
+
+# ------------------------------------------------------------------------ FSDP
+
+
+def is_flat_param(p: Any) -> bool:
+    """Whether ``p`` is an FSDP1 ``FlatParameter`` (its ``_is_flat_param`` marker)."""
+    return bool(getattr(p, "_is_flat_param", False))
+
+
+def looks_like_fully_shard(model: nn.Module) -> bool:
+    """Whether ``model`` carries FSDP2 (``fully_shard``) state (its ``_get_fsdp_state`` method)."""
+    return hasattr(model, "_get_fsdp_state")
+
+
+@dataclass(frozen=True)
+class FlatParamInfo:
+    """What FSDP1 records about one unit's ``FlatParameter`` and its handle (private attributes).
+
+    ``numels_with_padding`` / ``is_padding_mask`` lay out the unsharded
+    buffer (parameters and alignment padding, back to back); ``shapes``,
+    ``numels`` and ``fqns`` describe each original parameter;
+    ``shard_param_infos`` is FSDP's view of this rank's shard of each;
+    ``sharded_size`` is None unless the FlatParameter is in its sharded
+    state; ``orig_params`` lists the original parameters under
+    ``use_orig_params=True``, else None.
+    """
+
+    handle: Any  # FlatParamHandle: flat_param, rank, world_size
+    sharded_size: torch.Size | None
+    numels_with_padding: list[int]
+    is_padding_mask: list[bool]
+    shapes: list[torch.Size]
+    numels: list[int]
+    fqns: list[str]
+    shard_param_infos: list[Any]
+    orig_params: list[nn.Parameter] | None
+
+
+def fsdp1_flat_param(unit: nn.Module) -> FlatParamInfo | None:
+    """The FlatParameter record of FSDP1 unit ``unit`` (``_handle``), or None when it manages no parameters."""
+    handle = unit._handle
+    if handle is None:
+        return None
+    fp = handle.flat_param
+    orig = getattr(fp, "_params", None)
+    return FlatParamInfo(
+        handle=handle,
+        sharded_size=getattr(fp, "_sharded_size", None),
+        numels_with_padding=fp._numels_with_padding,
+        is_padding_mask=fp._is_padding_mask,
+        shapes=fp._shapes,
+        numels=fp._numels,
+        fqns=fp._fqns,
+        shard_param_infos=fp._shard_param_infos,
+        orig_params=list(orig) if handle._use_orig_params and orig is not None else None,
+    )

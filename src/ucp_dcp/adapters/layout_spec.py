@@ -1,0 +1,289 @@
+"""The layout spec: a list of layout rules applied to a rank's state dict (:mod:`ucp_dcp.adapters.layout_rules`).
+
+:class:`LayoutSpec` renames every tensor key, picks the first layout rule
+that matches it and replaces the tensor by its pieces, keeping the caller's
+structure, and checks that no two keys claim the same part of a logical
+tensor. It is stored in a checkpoint as JSON under
+:data:`~ucp_dcp.format.LAYOUT_KEY`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard as DShard
+
+from .._compat import compute_local_shape_and_global_offset, flatten_state_dict
+from ..core.nested import set_in_place
+from ..core.pieces import Piece, TensorPieces
+from ..core.sharding import Box, intersect
+from ..core.values import RankLocal
+from ..errors import LayoutRuleError
+from ..format.names import LAYOUT_KEY
+from .rules import LayoutRule, Reindex, Rename, Rule, RuleContext, full_piece
+
+__all__ = ["LayoutSpec", "LAYOUT_KEY"]
+
+_JSON_VERSION = 1
+
+
+@dataclass
+class LayoutSpec:
+    """Rules that map this rank's state dict to logical tensors, and this rank's place on each axis.
+
+    Args:
+        rules: :class:`Rename`/:class:`Reindex` (applied in order, all that
+            match) and layout rules (first match decides), in one list.
+        axes: this rank's ``(coordinate, size)`` per named parallel axis,
+            e.g. ``{"tp": (tp_rank, tp_size)}``.
+        groups: process group per axis; only :class:`Averaged` needs one,
+            at save.
+        strict: a plain tensor no layout rule matches, or a (non-optional)
+            rule that matches no key on this rank, is a
+            :class:`LayoutRuleError`. With ``strict=False`` an unexplained
+            plain tensor is saved as a full replicated copy.
+        allow_unused_rules: with ``strict``, do not fail on unused rules.
+    """
+
+    rules: Sequence[Rule]
+    axes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    groups: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    strict: bool = True
+    allow_unused_rules: bool = False
+
+    def __post_init__(self) -> None:
+        self.rules = list(self.rules)
+        bad = [r for r in self.rules if not isinstance(r, Rule)]
+        if bad:
+            raise LayoutRuleError(f"not layout rules: {bad!r}")
+        axes = {}
+        for name, coord in dict(self.axes).items():
+            try:
+                rank, size = (int(x) for x in coord)
+            except (TypeError, ValueError):
+                raise LayoutRuleError(f"axis {name!r}: expected (coordinate, size), got {coord!r}") from None
+            if not 0 <= rank < size:
+                raise LayoutRuleError(f"axis {name!r}: coordinate {rank} is outside size {size}")
+            axes[str(name)] = (rank, size)
+        self.axes = axes
+        for r in self.rules:
+            axis = getattr(r, "axis", None)
+            if axis is not None and axis not in self.axes:
+                raise LayoutRuleError(
+                    f"{r.describe()} uses axis {axis!r}, which is not in axes {sorted(self.axes)}"
+                )
+
+    # -- names -------------------------------------------------------------
+
+    def _coord(self, axis: str | None) -> tuple[int, int]:
+        return (0, 1) if axis is None else self.axes[axis]
+
+    def _rename(self, key: str, used: set[int]) -> str:
+        name = key
+        for i, r in enumerate(self.rules):
+            if isinstance(r, Rename):
+                if r.regex.search(name):
+                    used.add(i)
+                    name = r.regex.sub(r.repl, name)
+            elif isinstance(r, Reindex):
+                if r.regex.search(name):
+                    used.add(i)
+                    shift = r.offset + r.per_rank * self._coord(r.axis)[0]
+
+                    def bump(m: re.Match[str], shift: int = shift, rule: Reindex = r) -> str:
+                        text, base = m.group(0), m.start(0)
+                        s, e = m.span(1)
+                        if s < 0:
+                            return text
+                        try:
+                            idx = int(m.group(1))
+                        except ValueError:
+                            raise LayoutRuleError(
+                                f"{rule.describe()}: group 1 of the match in {key!r} is {m.group(1)!r}, "
+                                f"not an integer"
+                            ) from None
+                        return text[: s - base] + str(idx + shift) + text[e - base :]
+
+                    name = r.regex.sub(bump, name)
+        return name
+
+    def canonical_name(self, key: str) -> str:
+        """The name ``key`` has after the :class:`Rename`/:class:`Reindex` rules."""
+        return self._rename(key, set())
+
+    def rule_for(self, name: str) -> LayoutRule | None:
+        """The first layout rule whose pattern matches (renamed) ``name``, if any."""
+        for r in self.rules:
+            if isinstance(r, LayoutRule) and r.regex.search(name):
+                return r
+        return None
+
+    # -- apply -------------------------------------------------------------
+
+    def apply(self, state_dict: Mapping[str, Any], *, record: bool = False) -> dict[str, Any]:
+        """A copy of ``state_dict`` with every tensor leaf replaced by its pieces.
+
+        The structure (and so every key DCP sees) is unchanged; non-tensor
+        leaves are kept as they are; pieces are views of the caller's
+        tensors. ``record=True`` (for ``dcp.save``) averages
+        :class:`Averaged` tensors and adds the spec under
+        :data:`LAYOUT_KEY` as a :class:`~ucp_dcp.RankLocal`; use
+        ``record=False`` for ``dcp.load``. After a load, non-tensor values
+        are in the returned dict: :meth:`update_values` copies them back.
+        """
+        if LAYOUT_KEY in state_dict:
+            raise LayoutRuleError(f"the state dict already has the reserved key {LAYOUT_KEY!r}")
+        flat, paths = flatten_state_dict(dict(state_dict))
+        out = _copy_containers(state_dict)
+        used: set[int] = set()
+        produced: _Produced = {}
+        for key, value in flat.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            name = self._rename(key, used)
+            new = self._pieces(key, name, value, used, record)
+            if isinstance(new, TensorPieces):
+                for p in new.pieces:
+                    produced.setdefault(p.fqn, []).append((key, p.shape, p.offsets, tuple(p.data.shape)))
+            else:
+                produced.setdefault(name, []).append((key, tuple(value.shape), None, None))
+            set_in_place(out, paths[key], new)
+        _check_collisions(produced)
+        if self.strict and not self.allow_unused_rules:
+            unused = [r for i, r in enumerate(self.rules) if i not in used and not r.optional]
+            if unused:
+                raise LayoutRuleError(
+                    "layout rules match no tensor of this rank's state dict: "
+                    + ", ".join(r.describe() for r in unused)
+                    + " (mark a rule optional=True if only some ranks need it, or pass "
+                    "allow_unused_rules=True / strict=False)"
+                )
+        if record:
+            out[LAYOUT_KEY] = RankLocal(self.to_json())
+        return out
+
+    @staticmethod
+    def update_values(state_dict: Mapping[str, Any], applied: Mapping[str, Any]) -> None:
+        """Copy the non-tensor values a ``dcp.load`` put into ``applied`` back into ``state_dict``.
+
+        Tensors load in place into the caller's tensors, but ``dcp.load``
+        replaces non-tensor values (a step counter, ``param_groups``) in the
+        dict it was given, the one :meth:`apply` returned. (A
+        :class:`~ucp_dcp.RankLocal` is the same object in both.)
+        """
+        flat, paths = flatten_state_dict(dict(state_dict))
+        loaded, _ = flatten_state_dict(dict(applied))  # same structure, so the same keys
+        for key, path in paths.items():
+            if not isinstance(flat[key], torch.Tensor):
+                set_in_place(state_dict, path, loaded[key])
+
+    def _pieces(self, key: str, name: str, value: torch.Tensor, used: set[int], save: bool) -> Any:
+        rule = None
+        for i, r in enumerate(self.rules):
+            if isinstance(r, LayoutRule) and r.regex.search(name):
+                rule, used_index = r, i
+                break
+        source = key if key == name else f"{key} -> {name}"
+        ctx = RuleContext(key=key, source=source, save=save, groups=self.groups)
+        if isinstance(value, DTensor):
+            if rule is not None:
+                raise LayoutRuleError(
+                    f"{rule.describe()} matches {key!r}, a DTensor: a DTensor describes its own layout; "
+                    f"change the rule's pattern so it does not match it"
+                )
+            return value if name == key else _dtensor_pieces(name, value, source)
+        if rule is None:
+            if self.strict:
+                raise LayoutRuleError(
+                    f"the layout cannot explain {key!r}"
+                    + (f" (renamed {name!r})" if name != key else "")
+                    + f" (shape {list(value.shape)}, {value.dtype}): no layout rule matches it; add e.g. "
+                    f"Replicated({re.escape(name.rsplit('.', 1)[-1])!r}) if every rank holds the same copy"
+                )
+            return full_piece(name, value.detach(), ctx)
+        used.add(used_index)
+        rank, size = self._coord(rule.axis)
+        return rule.pieces(name, value.detach(), rank, size, ctx)
+
+    # -- JSON --------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        """Rules, axes and flags as a JSON-safe dict (process groups are not stored)."""
+        return {
+            "version": _JSON_VERSION,
+            "rules": [r.to_json() for r in self.rules],
+            "axes": {k: [r, n] for k, (r, n) in self.axes.items()},
+            "strict": self.strict,
+            "allow_unused_rules": self.allow_unused_rules,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], *, groups: Mapping[str, Any] | None = None) -> "LayoutSpec":
+        """Rebuild a spec written by :meth:`to_json` (``groups``: process groups, if averaging)."""
+        version = data.get("version")
+        if version != _JSON_VERSION:
+            raise LayoutRuleError(f"layout spec JSON version {version!r}; this code reads {_JSON_VERSION}")
+        return cls(
+            [Rule.from_json(r) for r in data["rules"]],
+            axes={k: (int(v[0]), int(v[1])) for k, v in data.get("axes", {}).items()},
+            groups=dict(groups or {}),
+            strict=bool(data.get("strict", True)),
+            allow_unused_rules=bool(data.get("allow_unused_rules", False)),
+        )
+
+
+def _dtensor_pieces(name: str, value: Any, source: str) -> TensorPieces:
+    """A renamed DTensor's local shard as a piece of logical tensor ``name``."""
+    placements = tuple(value.placements)
+    if any(not isinstance(p, (Replicate, DShard)) for p in placements) or any(
+        type(p) is not DShard and isinstance(p, DShard) for p in placements
+    ):
+        raise LayoutRuleError(
+            f"{source}: a renamed DTensor with placements {placements} (only Shard and Replicate can be renamed)"
+        )
+    local = value.to_local().detach()
+    shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, placements)
+    if tuple(shape) != tuple(local.shape):
+        raise LayoutRuleError(f"{source}: DTensor local shape {list(local.shape)} is not the expected {list(shape)}")
+    replicated = any(isinstance(p, Replicate) for p in placements)
+    pieces = [Piece(name, tuple(value.shape), tuple(offsets), local)] if local.numel() else []
+    return TensorPieces(pieces, replicated=replicated, source=source)
+
+
+def _copy_containers(obj: Any) -> Any:
+    """``obj`` with every dict and list copied (leaves shared), for :meth:`LayoutSpec.apply` to fill."""
+    if isinstance(obj, Mapping):
+        return {k: _copy_containers(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_copy_containers(v) for v in obj]
+    return obj
+
+
+_Produced = dict[str, list[tuple[str, tuple[int, ...], Optional[tuple[int, ...]], Optional[tuple[int, ...]]]]]
+
+
+def _check_collisions(produced: _Produced) -> None:
+    """No two state-dict keys may hold the same part of a logical tensor."""
+    for fqn, items in produced.items():
+        keys = list(dict.fromkeys(k for k, *_ in items))
+        if len(keys) < 2:
+            continue
+        if any(off is None for _, _, off, _ in items):  # a DTensor left as it is
+            raise LayoutRuleError(f"keys {keys} all map to the logical tensor {fqn!r}")
+        shapes = {shape for _, shape, _, _ in items}
+        if len(shapes) > 1 and not all(len(s) == 0 for s in shapes):
+            raise LayoutRuleError(
+                f"keys {keys} map to the logical tensor {fqn!r} with different global shapes "
+                f"{[list(s) for s in shapes]}"
+            )
+        for i, (ka, _, ao, asz) in enumerate(items):
+            for kb, _, bo, bsz in items[i + 1 :]:
+                if ka != kb and intersect(Box(ao, asz), Box(bo, bsz)) is not None:
+                    raise LayoutRuleError(
+                        f"keys {ka!r} and {kb!r} both hold rows of the logical tensor {fqn!r} at overlapping "
+                        f"boxes (offsets {list(ao)} and {list(bo)}); check the Rename/Reindex rules"
+                    )
+

@@ -1,0 +1,335 @@
+"""Layout rules: the records of the layout language (:mod:`ucp_dcp.adapters.layout_rules`).
+
+Each rule is a frozen dataclass matched by regular expression on a DCP key:
+:class:`Rename` and :class:`Reindex` change the key, and a
+:class:`LayoutRule` (:class:`Shard`, :class:`Fused`, :class:`VocabPad`,
+:class:`Replicated`, :class:`Averaged`) cuts a tensor into the pieces of its
+logical tensors. Rules round-trip through JSON (:meth:`Rule.to_json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from ..core.pieces import Piece, TensorPieces
+from ..errors import LayoutRuleError
+
+__all__ = [
+    "Rule", "LayoutRule", "Rename", "Reindex", "Shard", "Fused", "VocabPad", "Replicated", "Averaged",
+    "RuleContext", "RULES", "full_piece",
+]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Base of every rule: a regular expression searched in the (renamed) DCP key.
+
+    Args:
+        pattern: regular expression, ``re.search``-ed in the key.
+        optional: do not count this rule as unused when it matches no key
+            on this rank (a pipeline stage without the embedding).
+    """
+
+    pattern: str
+    optional: bool = field(default=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise LayoutRuleError(f"{self.describe()}: invalid regular expression: {e}") from None
+
+    @property
+    def regex(self) -> re.Pattern[str]:
+        """The compiled pattern."""
+        return re.compile(self.pattern)
+
+    def describe(self) -> str:
+        """The rule as written (for error messages)."""
+        args = ", ".join(
+            f"{f.name}={getattr(self, f.name)!r}" if i else repr(getattr(self, f.name))
+            for i, f in enumerate(dataclasses.fields(self))
+            if i == 0 or getattr(self, f.name) != f.default
+        )
+        return f"{type(self).__name__}({args})"
+
+    def to_json(self) -> dict[str, Any]:
+        """The rule as a JSON-safe dict (``{"rule": class name, field: value, ...}``)."""
+        out: dict[str, Any] = {"rule": type(self).__name__}
+        for f in dataclasses.fields(self):
+            out[f.name] = getattr(self, f.name)
+        return out
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any]) -> "Rule":
+        """Rebuild a rule written by :meth:`to_json`."""
+        data = dict(data)
+        kind = data.pop("rule", None)
+        cls = RULES.get(kind)  # type: ignore[arg-type]
+        if cls is None:
+            raise LayoutRuleError(f"unknown layout rule {kind!r} (known: {sorted(RULES)})")
+        if cls is Fused and isinstance(data.get("parts"), list):
+            data["parts"] = {str(k): int(w) for k, w in data["parts"]}
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Rename(Rule):
+    """Replace every match of ``pattern`` in the key by ``repl`` (``re.sub``; ``\\1`` works).
+
+    ``Rename(r"_fsdp_wrapped_module\\.", "")`` strips a wrapper prefix;
+    ``Rename(r"^model\\.decoder\\.", "model.")`` maps one naming scheme to another.
+    """
+
+    repl: str = ""
+
+
+@dataclass(frozen=True)
+class Reindex(Rule):
+    """Add an offset to the integer captured by group 1 of ``pattern`` (every match).
+
+    The offset is ``offset + per_rank * coordinate(axis)``:
+    ``Reindex(r"layers\\.(\\d+)\\.", offset=12)`` makes stage-local ``layers.0``
+    global ``layers.12``; ``Reindex(r"experts\\.(\\d+)\\.", axis="ep", per_rank=2)``
+    makes EP rank 3's ``experts.1`` global ``experts.7``.
+    """
+
+    offset: int = 0
+    axis: str | None = None
+    per_rank: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.regex.groups < 1:
+            raise LayoutRuleError(f"{self.describe()}: the pattern needs a capture group (the index)")
+        if (self.axis is None) != (self.per_rank == 0):
+            raise LayoutRuleError(f"{self.describe()}: give axis and per_rank together, or neither")
+
+
+@dataclass(frozen=True)
+class LayoutRule(Rule):
+    """Base of the rules that decide how a tensor maps to logical tensors.
+
+    ``axis`` names the parallel axis (a key of :attr:`LayoutSpec.axes`) the
+    tensor is split or replicated over; ``None``: not split (size 1).
+    """
+
+    axis: str | None = None
+
+    def pieces(self, name: str, t: torch.Tensor, rank: int, size: int, ctx: "RuleContext") -> TensorPieces:
+        """The pieces of local tensor ``t`` (logical name ``name``) at coordinate ``rank`` of ``size``."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Shard(LayoutRule):
+    """An even shard along ``dim``: coordinate r of n holds ``[r * L, (r + 1) * L)`` (L: local size).
+
+    ``Shard(r"\\.(o|down)\\.weight", dim=1, axis="tp")``: row-parallel linear layers.
+    """
+
+    dim: int = 0
+
+    def pieces(self, name: str, t: torch.Tensor, rank: int, size: int, ctx: "RuleContext") -> TensorPieces:
+        d = _check_dim(self, name, t, self.dim)
+        shape = list(t.shape)
+        local = shape[d]
+        shape[d] = local * size
+        offsets = [0] * t.dim()
+        offsets[d] = rank * local
+        return TensorPieces([Piece(name, tuple(shape), tuple(offsets), t)], source=ctx.source)
+
+
+@dataclass(frozen=True)
+class Fused(LayoutRule):
+    """Several logical tensors concatenated along ``dim``, each split over ``axis``.
+
+    ``parts`` maps the text that replaces the pattern's match in the name
+    (``re.sub``, once) to that part's *global* width along ``dim``; widths
+    may differ (QKV under GQA). With ``groups=None`` (Megatron SwiGLU
+    ``fc1``) each coordinate r of n holds ``w_0/n`` rows of part 0 (rows
+    ``[r*w_0/n, (r+1)*w_0/n)`` of it), then ``w_1/n`` rows of part 1, ...
+    With ``groups=G`` (Megatron's GQA QKV, ``G`` = number of KV heads) the
+    global fused tensor is ``G`` groups, each ``[w_0/G | w_1/G | ...]``, and
+    coordinate r holds groups ``[r*G/n, (r+1)*G/n)``, in order.
+    """
+
+    dim: int = 0
+    parts: Mapping[str, int] = field(default_factory=dict)
+    groups: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "parts", {str(k): int(w) for k, w in dict(self.parts).items()})
+        if not self.parts:
+            raise LayoutRuleError(f"{self.describe()}: parts is empty")
+        if any(w <= 0 for w in self.parts.values()):
+            raise LayoutRuleError(f"{self.describe()}: every part width must be positive")
+        if self.groups is not None and self.groups < 1:
+            raise LayoutRuleError(f"{self.describe()}: groups must be >= 1")
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        out["parts"] = [[k, w] for k, w in self.parts.items()]  # order matters
+        return out
+
+    def pieces(self, name: str, t: torch.Tensor, rank: int, size: int, ctx: "RuleContext") -> TensorPieces:
+        d = _check_dim(self, name, t, self.dim)
+        widths = list(self.parts.values())
+        total = sum(widths)
+        axis = self.axis or "axis"
+        if total % size or t.shape[d] * size != total:
+            raise LayoutRuleError(
+                f"fused split of {ctx.key!r} by {self.describe()}: widths {widths} add up to {total}, but the "
+                f"tensor has {t.shape[d]} along dim {d} at {axis} size {size} (expected {total}/{size} = "
+                f"{total / size:g})"
+            )
+        groups = size if self.groups is None else self.groups
+        if groups % size:
+            raise LayoutRuleError(
+                f"fused split of {ctx.key!r} by {self.describe()}: {groups} groups do not split evenly over "
+                f"{axis} size {size}"
+            )
+        bad = [w for w in widths if w % groups]
+        if bad:
+            raise LayoutRuleError(
+                f"fused split of {ctx.key!r} by {self.describe()}: widths {bad} are not divisible by "
+                f"{groups} ({'groups' if self.groups else axis + ' size'})"
+            )
+        local_groups = groups // size
+        pieces, pos = [], 0
+        for g in range(local_groups):
+            global_group = rank * local_groups + g
+            for key, w in self.parts.items():
+                block = w // groups
+                part_name = self.regex.sub(key, name, count=1)
+                shape = list(t.shape)
+                shape[d] = w
+                offsets = [0] * t.dim()
+                offsets[d] = global_group * block
+                pieces.append(Piece(part_name, tuple(shape), tuple(offsets), t.narrow(d, pos, block)))
+                pos += block
+        return TensorPieces(pieces, source=ctx.source)
+
+
+@dataclass(frozen=True)
+class VocabPad(LayoutRule):
+    """A dimension padded past its true ``size``, then split evenly over ``axis``.
+
+    Coordinate r of n holds rows ``[r * L, (r + 1) * L)`` of the padded
+    tensor (L: local size, padded size ``n * L >= size``). Rows below
+    ``size`` are saved as rows of a logical tensor with ``size`` rows; the
+    padding rows are not saved and are set to ``fill_value`` on load.
+    """
+
+    dim: int = 0
+    size: int = 0
+    fill_value: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.size <= 0:
+            raise LayoutRuleError(f"{self.describe()}: size (the true, unpadded size) must be positive")
+
+    def pieces(self, name: str, t: torch.Tensor, rank: int, size: int, ctx: "RuleContext") -> TensorPieces:
+        d = _check_dim(self, name, t, self.dim)
+        local = t.shape[d]
+        padded = local * size
+        if self.size <= 0 or padded < self.size:
+            raise LayoutRuleError(
+                f"padded split of {ctx.key!r} by {self.describe()}: {local} rows along dim {d} at "
+                f"{self.axis or 'axis'} size {size} make {padded} padded rows, fewer than the true size "
+                f"{self.size}"
+            )
+        start = rank * local
+        keep = max(0, min(local, self.size - start))
+        shape = list(t.shape)
+        shape[d] = self.size
+        offsets = [0] * t.dim()
+        offsets[d] = min(start, self.size)
+        pieces = [Piece(name, tuple(shape), tuple(offsets), t.narrow(d, 0, keep))] if keep else []
+        fill = [t.narrow(d, keep, local - keep)] if keep < local else []
+        return TensorPieces(pieces, fill=fill, fill_value=self.fill_value, source=ctx.source)
+
+
+@dataclass(frozen=True)
+class Replicated(LayoutRule):
+    """Every coordinate of ``axis`` holds the same full tensor (TP-replicated layer norms).
+
+    Save checks that every holder's bytes are equal (an error naming the
+    tensor and ranks if not) and writes one copy; load reads it on every rank.
+    """
+
+    def pieces(self, name: str, t: torch.Tensor, rank: int, size: int, ctx: "RuleContext") -> TensorPieces:
+        return full_piece(name, t, ctx)
+
+
+@dataclass(frozen=True)
+class Averaged(LayoutRule):
+    """Copies over ``axis`` that may drift apart and are saved as their mean.
+
+    At save (``apply(record=True)``) the mean over the process group
+    ``groups[axis]`` is computed into a new tensor (the training state is
+    not modified) and saved as one replicated copy; at load every rank
+    reads the mean into its tensor.
+    """
+
+    def pieces(self, name: str, t: torch.Tensor, rank: int, size: int, ctx: "RuleContext") -> TensorPieces:
+        if not ctx.save or size == 1:
+            return full_piece(name, t, ctx)
+        if not t.is_floating_point():
+            raise LayoutRuleError(f"{self.describe()}: cannot average {ctx.key!r} of dtype {t.dtype}")
+        group = ctx.groups.get(self.axis) if self.axis else None
+        if group is None:
+            raise LayoutRuleError(
+                f"{self.describe()} matches {ctx.key!r}: averaging over {self.axis!r} (size {size}) needs "
+                f"its process group: LayoutSpec(..., groups={{{self.axis!r}: group}})"
+            )
+        import torch.distributed as dist
+
+        if dist.get_world_size(group) != size:
+            raise LayoutRuleError(
+                f"{self.describe()}: the process group of axis {self.axis!r} has {dist.get_world_size(group)} "
+                f"ranks, but axes says its size is {size}"
+            )
+        acc_dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+        acc = t.detach().to(acc_dtype, copy=True)
+        dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=group)
+        mean = (acc / size).to(t.dtype)
+        return full_piece(name, mean, ctx)
+
+
+RULES: dict[str, type[Rule]] = {
+    c.__name__: c for c in (Rename, Reindex, Shard, Fused, VocabPad, Replicated, Averaged)
+}
+"""Every rule class by name (what :meth:`Rule.from_json` reads back)."""
+
+
+def _check_dim(rule: Rule, name: str, t: torch.Tensor, dim: int) -> int:
+    """``dim`` of ``t`` made non-negative; an error naming the rule if ``t`` has no such dim."""
+    if not -t.dim() <= dim < t.dim() or t.dim() == 0:
+        raise LayoutRuleError(
+            f"{rule.describe()} matches {name!r} of shape {list(t.shape)}, which has no dim {dim}"
+        )
+    return dim % t.dim()
+
+
+def full_piece(name: str, t: torch.Tensor, ctx: "RuleContext") -> TensorPieces:
+    """``t`` as one replicated piece: the whole logical tensor ``name``."""
+    return TensorPieces([Piece(name, tuple(t.shape), (0,) * t.dim(), t)], replicated=True, source=ctx.source)
+
+
+@dataclass
+class RuleContext:
+    """What a layout rule knows about the key it cuts: the key, how errors name it, save or load, process groups."""
+
+    key: str
+    source: str
+    save: bool
+    groups: Mapping[str, Any]
+

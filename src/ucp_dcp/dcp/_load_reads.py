@@ -1,0 +1,116 @@
+"""Load overlap finding: the reads that fill a target box from the saved chunks of one tensor.
+
+A target (this rank's shard of a DTensor, a plain tensor, a piece) is a box
+of the global tensor; the saved chunks are boxes too. Every non-empty
+intersection becomes one DCP read item. The saved chunks of a regular
+layout form a grid, searched per dimension (:meth:`~ucp_dcp.core.sharding.Grid.overlapping`),
+so the cost does not depend on the saved world size; an irregular chunk
+list is scanned.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex, STORAGE_TYPES, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.tensor import DTensor
+
+from .._compat import create_chunk_list
+from ..core.sharding import Box, Grid, arith_box, intersect
+from ..errors import CheckpointKeyError
+from ..format import dtype_name
+from ._plan_records import LoadSourceInfo
+
+__all__ = ["check_target", "local_boxes", "saved_grid", "overlap_reads"]
+
+
+def check_target(
+    fqn: str, dest: torch.Tensor, smd: STORAGE_TYPES, shape: Sequence[int], allow_dtype_cast: bool
+) -> TensorStorageMetadata:
+    """``smd`` if saved tensor ``fqn`` can fill ``dest`` (logical shape ``shape``), else a ``CheckpointKeyError``."""
+    if not isinstance(smd, TensorStorageMetadata):
+        raise CheckpointKeyError(f"{fqn!r} is a non-tensor value in the checkpoint but a tensor in the state dict")
+    want = tuple(shape)
+    if want != tuple(smd.size):
+        raise CheckpointKeyError(
+            f"size mismatch for {fqn!r}: the checkpoint has shape {list(smd.size)}, "
+            f"the state dict expects {list(want)}"
+        )
+    if dest.dtype != smd.properties.dtype and not allow_dtype_cast:
+        raise CheckpointKeyError(
+            f"dtype mismatch for {fqn!r}: the checkpoint has {dtype_name(smd.properties.dtype)}, "
+            f"the state dict expects {dtype_name(dest.dtype)}. Pass UCPLoadPlanner(allow_dtype_cast=True) "
+            "to cast on load"
+        )
+    return smd
+
+
+def local_boxes(obj: torch.Tensor) -> list[Box]:
+    """The boxes of the global tensor that ``obj`` holds on this rank."""
+    if isinstance(obj, DTensor):
+        coord = obj.device_mesh.get_coordinate()
+        if coord is not None:
+            box = arith_box(tuple(obj.shape), tuple(obj.device_mesh.shape), obj.placements, coord)
+            if box is not None:
+                return [box]
+    return [Box(tuple(c.offsets), tuple(c.sizes)) for c in create_chunk_list(obj)]
+
+
+def saved_grid(info: LoadSourceInfo, fqn: str, smd: TensorStorageMetadata) -> Grid | None:
+    """The grid of the saved chunks of ``fqn``: from the reader when it supplies
+    one, else built from DCP's chunk list (another reader); None if irregular."""
+    if callable(info.chunk_grid):
+        return info.chunk_grid(fqn)
+    boxes = [Box(tuple(c.offsets), tuple(c.sizes)) for c in smd.chunks]
+    return Grid.from_boxes(boxes, tuple(smd.size)) if all(b.numel for b in boxes) else None
+
+
+def overlap_reads(
+    fqn: str,
+    targets: Sequence[Box],
+    smd: TensorStorageMetadata,
+    grid: Grid | None,
+    dest: tuple[str, int] | None = None,
+) -> list[ReadItem]:
+    """Reads of every overlap of ``targets`` with the saved chunks of ``fqn``.
+
+    ``dest`` is None for a state-dict tensor (read items name ``fqn``), or
+    ``(state-dict key, piece number)`` for a piece. Raises
+    ``CheckpointKeyError`` when the saved chunks leave part of a target
+    uncovered.
+    """
+    items = []
+    for target in targets:
+        if not target.numel:
+            continue
+        dest_index = (
+            MetadataIndex(fqn, target.offsets) if dest is None else MetadataIndex(dest[0], target.offsets, dest[1])
+        )
+        if grid is not None:  # binary search per dimension: independent of the saved world size
+            found = [(int(k), grid.box(int(k))) for k in grid.overlapping(target)]
+        else:  # an irregular chunk list: test every saved chunk
+            found = [(k, Box(tuple(c.offsets), tuple(c.sizes))) for k, c in enumerate(smd.chunks)]
+        covered = 0
+        for idx, s in found:
+            inter = intersect(target, s)
+            if inter is None:
+                continue
+            covered += inter.numel
+            items.append(
+                ReadItem(
+                    type=LoadItemType.TENSOR,
+                    dest_index=dest_index,
+                    dest_offsets=torch.Size(o - t for o, t in zip(inter.offsets, target.offsets)),
+                    storage_index=MetadataIndex(fqn, s.offsets, idx),
+                    storage_offsets=torch.Size(o - so for o, so in zip(inter.offsets, s.offsets)),
+                    lengths=torch.Size(inter.sizes),
+                )
+            )
+        if covered != target.numel:
+            raise CheckpointKeyError(
+                f"{fqn!r}: the saved chunks cover {covered} of the {target.numel} elements this rank needs "
+                f"(box at {list(target.offsets)} of size {list(target.sizes)}): the checkpoint is incomplete"
+            )
+    return items

@@ -1,0 +1,175 @@
+"""The records ucp_dcp's planners put in DCP's ``planner_data`` fields, one kind per field.
+
+DCP carries an opaque ``planner_data`` on every ``SavePlan``, ``LoadPlan``
+and ``Metadata``. Each use here has its own frozen record:
+
+========================  ====================================  ===========================================
+record                    carried in                            from -> to
+========================  ====================================  ===========================================
+:class:`SaveRankReport`   a rank's local ``SavePlan``           rank -> coordinator (pickled, gathered)
+:class:`SaveReply`        the coordinator's plan for a rank     coordinator -> rank (pickled, scattered)
+:class:`SaveSummary`      the save's ``Metadata``               save planner -> ``UCPStorageWriter.finish``
+:class:`LoadRankReport`   a rank's local ``LoadPlan``           rank -> coordinator (pickled, gathered)
+:class:`LoadSourceInfo`   the load's ``Metadata``               ``UCPStorageReader`` -> load planner
+========================  ====================================  ===========================================
+
+The records that travel between ranks are slotted: their pickles carry the
+field values only, not the field names, so what a rank sends stays as small
+as a tuple (the README's "At scale" section). The other two never leave the
+process that made them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ..core.sharding import Grid
+from ..format import Layout
+from .compact import MeshGroup
+
+__all__ = [
+    "PieceKey",
+    "MeshGroupReport",
+    "SaveRankReport",
+    "SaveReply",
+    "SaveSummary",
+    "LoadRankReport",
+    "LoadSourceInfo",
+]
+
+PieceKey = tuple[str, tuple[int, ...]]
+"""A saved box named by its logical tensor and global offsets: ``(fqn, offsets)``."""
+
+
+# ---------------------------------------------------------------------- save
+
+
+@dataclass(frozen=True, slots=True)
+class MeshGroupReport:
+    """One rank's word on one of its mesh groups (:class:`~ucp_dcp.dcp.compact.MeshGroup`).
+
+    Every rank of the mesh sends the group's checksum; only the mesh's
+    first rank also sends the description (``MeshGroup.to_json()``).
+    """
+
+    signature: str
+    first_rank: int
+    description: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SaveRankReport:
+    """What a rank tells the coordinator with its local save plan.
+
+    Attributes:
+        rank: the rank's global rank.
+        digests: xxh3 of every value and plain tensor it saves, by key (the
+            coordinator finds values that differ across ranks).
+        layouts: layout of every tensor planned per chunk (DTensors outside
+            mesh groups, plain tensors).
+        rank_local: keys of its :class:`~ucp_dcp.RankLocal` values.
+        groups: one report per mesh group it holds.
+        pieces: logical tensors it saves pieces of (sorted), to be checked
+            for tiling.
+        piece_digests: xxh3 of each box of a replicated piece set it holds.
+    """
+
+    rank: int
+    digests: dict[str, str]
+    layouts: dict[str, Layout]
+    rank_local: tuple[str, ...]
+    groups: tuple[MeshGroupReport, ...]
+    pieces: tuple[str, ...]
+    piece_digests: dict[PieceKey, str]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveReply:
+    """What the coordinator adds to a rank's plan: tensors of its mesh groups that another mesh writes.
+
+    Sent only to ranks that have such tensors (a replica held by several
+    meshes is written by one); other ranks get no reply.
+    """
+
+    skip: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SaveSummary:
+    """What the save planner leaves in the save's metadata for ``UCPStorageWriter.finish`` (coordinator only).
+
+    Attributes:
+        world_size: ranks in the save.
+        layouts: layout of every tensor (None where ranks disagree).
+        owners: for every mesh-planned tensor, the mesh group that writes it.
+        positions: global rank -> position in the save's process group.
+    """
+
+    world_size: int
+    layouts: dict[str, Layout | None]
+    owners: dict[str, MeshGroup]
+    positions: dict[int, int]
+
+    @staticmethod
+    def of(metadata: Metadata, world_size: int) -> "SaveSummary":
+        """The summary in ``metadata``; an empty one of ``world_size`` ranks if another planner made it."""
+        data = metadata.planner_data
+        if isinstance(data, SaveSummary):
+            return data
+        return SaveSummary(world_size, {}, {}, {})
+
+
+# ---------------------------------------------------------------------- load
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRankReport:
+    """What a rank tells the coordinator with its (otherwise empty) local load plan.
+
+    Attributes:
+        rank: the rank's global rank.
+        items: how many read items it keeps (DCP gets none of them).
+        asked: bitmap over the sorted checkpoint keys (``numpy.packbits``):
+            which ones its state dict asked for.
+    """
+
+    rank: int
+    items: int
+    asked: bytes
+
+
+@dataclass(frozen=True)
+class LoadSourceInfo:
+    """What ``UCPStorageReader`` tells the load planner about the checkpoint, besides DCP's metadata.
+
+    Attributes:
+        world_size: ranks that saved the checkpoint (None if unknown).
+        rank_local: for every rank-local value, the ranks that saved it.
+        chunk_grid: ``fn(fqn)``, the grid of the saved chunks of a tensor
+            (None where the chunks are irregular), so that overlaps are
+            found without listing chunks. In process only: load metadata
+            is never sent between ranks.
+    """
+
+    world_size: int | None = None
+    rank_local: dict[str, list[int]] = field(default_factory=dict)
+    chunk_grid: Callable[[str], Grid | None] | None = None
+
+    @staticmethod
+    def of(metadata: Metadata | None) -> "LoadSourceInfo":
+        """The info in ``metadata``; an empty one when another reader made it."""
+        data = metadata.planner_data if metadata is not None else None
+        return data if isinstance(data, LoadSourceInfo) else LoadSourceInfo()
+
+    # DCP's own planners read a load's ``planner_data`` as the map from
+    # flattened keys to their paths (``_EmptyStateDictLoadPlanner``); this
+    # record holds no such paths, and reads as an empty map to them.
+    def __contains__(self, key: object) -> bool:
+        return False
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Nothing: see :meth:`__contains__`."""
+        return default

@@ -1,0 +1,189 @@
+"""What one rank saves: its local save plan and the report it sends the coordinator.
+
+Every flattened state-dict entry becomes write items or a mesh-group
+membership: a :class:`~ucp_dcp.RankLocal` value is written under this rank's
+own key; a regular DTensor joins its mesh's group (no write item: the rank
+derives its writes once the coordinator has checked the group); an irregular
+DTensor or a plain tensor is planned per chunk; the pieces of a
+:class:`~ucp_dcp.TensorPieces` are named by their logical tensors; any other
+value is encoded as tagged JSON. Values and plain tensors are hashed so the
+coordinator can tell whether ranks agree on them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
+
+from .._compat import create_write_items
+from ..byteio.rangeio import tensor_view
+from ..core.pieces import Piece, TensorPieces
+from ..core.sharding import Box, placement_to_str
+from ..core.values import RankLocal, encode_value
+from ..format import Layout, dtype_name, rank_local_key
+from ._mesh_groups import cached_group, shard_item
+from ._plan_records import MeshGroupReport, PieceKey, SaveRankReport
+from .compact import MeshGroup, TensorSpec
+
+__all__ = ["LocalSavePlan", "create_local_save_plan", "tensor_digest"]
+
+_PLAIN = Layout()  # one object for every plain tensor: pickled once per plan
+
+
+@dataclass
+class LocalSavePlan:
+    """A rank's local save plan, and what its planner keeps to finish and resolve it.
+
+    Attributes:
+        plan: the items and the :class:`SaveRankReport` sent to the coordinator.
+        groups: this rank's mesh groups (their writes are derived in ``finish_plan``).
+        coords: mesh-planned tensor -> this rank's coordinate on its mesh.
+        encoded: encoded bytes of every value, by state-dict key.
+        layouts: layout of every tensor this rank saves (None: pieces).
+        pieces: ``(fqn, offsets)`` -> (state-dict key, piece) of every piece it saves.
+    """
+
+    plan: SavePlan
+    groups: list[MeshGroup] = field(default_factory=list)
+    coords: dict[str, list[int]] = field(default_factory=dict)
+    encoded: dict[str, bytes] = field(default_factory=dict)
+    layouts: dict[str, Layout | None] = field(default_factory=dict)
+    pieces: dict[PieceKey, tuple[str, Piece]] = field(default_factory=dict)
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """xxh3-64 of a tensor's bytes (copied to the CPU first if needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return xxhash.xxh3_64_hexdigest(tensor_view(t.contiguous()))
+
+
+def create_local_save_plan(
+    state_dict: dict[str, Any],
+    rank: int,
+    world_size: int,
+    *,
+    compact_plans: bool = True,
+    check_replicated_tensors: bool = True,
+) -> LocalSavePlan:
+    """Write items for values, plain tensors and irregular chunks; mesh groups for the rest.
+
+    ``state_dict`` is flattened (DCP's keys). Regular DTensors produce no
+    write item here when ``compact_plans``: the rank sends its mesh group's
+    checksum (the mesh's first rank also sends the group's description).
+    """
+    out = LocalSavePlan(SavePlan([]))
+    items: list[WriteItem] = []
+    digests: dict[str, str] = {}
+    layouts: dict[str, Layout] = {}
+    rank_local: list[str] = []
+    meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...], list[int]]] = {}
+    piece_fqns: set[str] = set()
+    piece_digests: dict[PieceKey, str] = {}
+    members: dict[tuple[tuple[int, ...], tuple[int, ...]], list[TensorSpec]] = defaultdict(list)
+    for fqn, obj in state_dict.items():
+        if isinstance(obj, RankLocal):
+            out.encoded[fqn] = encode_value(obj.value, fqn)
+            rank_local.append(fqn)
+            items.append(WriteItem(MetadataIndex(rank_local_key(rank, fqn)), WriteItemType.BYTE_IO))
+        elif isinstance(obj, DTensor):
+            try:
+                layout = _layout_for(tuple(obj.device_mesh.shape), tuple(obj.placements))
+            except ValueError as e:
+                raise ValueError(f"tensor {fqn!r}: {e}") from None
+            out.layouts[fqn] = layout
+            shape = tuple(obj.shape)
+            if compact_plans and obj.numel() and _arithmetic_grid(layout, shape):
+                mesh = meshes.get(id(obj.device_mesh))
+                if mesh is None:
+                    dm = obj.device_mesh
+                    mesh = (tuple(dm.shape), tuple(dm.mesh.reshape(-1).tolist()), list(dm.get_coordinate() or ()))
+                    meshes[id(obj.device_mesh)] = mesh
+                members[mesh[:2]].append(TensorSpec(fqn, dtype_name(obj.dtype), shape, layout))
+                out.coords[fqn] = mesh[2]
+                continue
+            layouts[fqn] = layout
+            # Empty local shards (uneven FSDP splits) hold no bytes; keep
+            # them only for an empty tensor, so that it is still recorded.
+            items.extend(
+                i for i in create_write_items(fqn, obj) if i.tensor_data.chunk.sizes.numel() or not obj.numel()
+            )
+        elif isinstance(obj, TensorPieces):
+            items.extend(_piece_items(fqn, obj, rank, world_size, out.pieces, piece_fqns, piece_digests))
+        elif isinstance(obj, torch.Tensor):
+            out.layouts[fqn] = layouts[fqn] = _PLAIN
+            if check_replicated_tensors and world_size > 1:
+                digests[fqn] = tensor_digest(obj)
+            items.extend(create_write_items(fqn, obj))
+        else:
+            data = encode_value(obj, fqn)
+            out.encoded[fqn] = data
+            digests[fqn] = xxhash.xxh3_64_hexdigest(data)
+            items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
+    reports = []
+    for (mesh_shape, ranks), specs in members.items():
+        group = cached_group(MeshGroup(mesh_shape, ranks, tuple(sorted(specs, key=lambda t: t.fqn))))
+        out.groups.append(group)
+        describe = rank == group.first_rank
+        reports.append(MeshGroupReport(group.signature, group.first_rank, group.to_json() if describe else None))
+    report = SaveRankReport(
+        rank=rank, digests=digests, layouts=layouts, rank_local=tuple(rank_local), groups=tuple(reports),
+        pieces=tuple(sorted(piece_fqns)), piece_digests=piece_digests,
+    )
+    out.plan = SavePlan(items, planner_data=report)
+    return out
+
+
+def _piece_items(
+    key: str,
+    obj: TensorPieces,
+    rank: int,
+    world_size: int,
+    seen: dict[PieceKey, tuple[str, Piece]],
+    piece_fqns: set[str],
+    piece_digests: dict[PieceKey, str],
+) -> list[WriteItem]:
+    """One write item per piece, named by its logical tensor (the state-dict key is not stored)."""
+    items = []
+    for p in obj.pieces:
+        piece_fqns.add(p.fqn)
+        if not p.data.numel() and math.prod(p.shape):
+            continue  # holds no bytes; an empty logical tensor is still recorded
+        where = (p.fqn, p.offsets)
+        other = seen.get(where)
+        if other is not None:
+            raise ValueError(
+                f"logical tensor {p.fqn!r}: this rank (rank {rank}) gives the piece at offsets "
+                f"{list(p.offsets)} twice, under state-dict keys {other[0]!r} and {key!r}"
+            )
+        seen[where] = (key, p)
+        if obj.replicated and world_size > 1:
+            piece_digests[where] = tensor_digest(p.data)
+        items.append(shard_item(p.fqn, Box(p.offsets, tuple(p.data.shape)), p.data.dtype, p.shape))
+    return items
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout_for(mesh_shape: tuple[int, ...], placements: tuple[Placement, ...]) -> Layout:
+    # Every parameter of a model shares a handful of layouts: name them once.
+    return Layout(mesh_shape, tuple(placement_to_str(p) for p in placements))
+
+
+@functools.lru_cache(maxsize=4096)
+def _arithmetic_grid(layout: Layout, shape: tuple[int, ...]) -> bool:
+    """Whether the layout's chunks (and their holders) follow by arithmetic."""
+    try:
+        return layout.grid(shape).mesh_lin is not None
+    except ValueError:  # not box-shaped: planned per chunk
+        return False
