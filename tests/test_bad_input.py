@@ -545,17 +545,30 @@ def test_tensor_vs_value_mismatch(ckpt: tuple[Path, dict[str, Any]]) -> None:
     assert_load_fails(path, match=r"'scalar' is a tensor of shape \[\] in the checkpoint but a int in the state dict", sd=out)
 
 
-def test_dtype_mismatch_refused(ckpt: tuple[Path, dict[str, Any]]) -> None:
-    """A tensor of another dtype fails the load unless casting is allowed."""
+def test_dtype_mismatch_refused_when_strict(ckpt: tuple[Path, dict[str, Any]]) -> None:
+    """With allow_dtype_cast=False a tensor of another dtype fails the load, naming both dtypes."""
     path, sd = ckpt
     out = blank_like(sd)
     out["model"]["w"] = torch.zeros(8, 16, dtype=torch.float64)
     assert_load_fails(
         path,
-        match=re.escape("dtype mismatch for 'model.w': the checkpoint has float32, the state dict expects float64")
-        + r".*allow_dtype_cast=True",
+        match=re.escape("dtype mismatch for 'model.w': the checkpoint has float32, the state dict expects float64, "
+                        "and the load was made with UCPLoadPlanner(allow_dtype_cast=False)"),
         sd=out,
+        planner=UCPLoadPlanner(allow_dtype_cast=False),
     )
+
+
+def test_dtype_cast_by_default_says_which_keys(ckpt: tuple[Path, dict[str, Any]]) -> None:
+    """As in DCP, a tensor of another dtype is cast by default; one warning names the keys cast."""
+    path, sd = ckpt
+    out = blank_like(sd)
+    out["model"]["w"] = torch.zeros(8, 16, dtype=torch.float64)
+    with pytest.warns(UserWarning, match=re.escape("1 tensor(s) are cast from the checkpoint's dtype on load: "
+                                                   "['model.w (float32 -> float64)']")):
+        planner = load(out, path)
+    assert planner.cast_keys == {"model.w": (torch.float32, torch.float64)}
+    assert torch.equal(out["model"]["w"], sd["model"]["w"].to(torch.float64))
 
 
 @pytest.mark.parametrize(

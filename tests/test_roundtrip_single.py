@@ -65,14 +65,15 @@ def test_strided_source_and_target(tmp_path: Path) -> None:
     assert torch.equal(transposed_target, base.t())
 
 
-def test_dtype_cast_is_opt_in_and_bounded(tmp_path: Path) -> None:
-    """A dtype change needs allow_dtype_cast; the cast goes through a bounded staging buffer."""
+def test_dtype_cast_is_bounded_and_can_be_refused(tmp_path: Path) -> None:
+    """A dtype change is cast (DCP's default) through a bounded staging buffer; allow_dtype_cast=False refuses it."""
     w = torch.randn(3000, 700)  # 8.4 MB: several 1 MiB slabs
     _save({"w": w}, tmp_path)
     with pytest.raises(CheckpointException, match=r"dtype mismatch for 'w': the checkpoint has float32, the state dict expects bfloat16"):
-        _load({"w": torch.zeros(3000, 700, dtype=torch.bfloat16)}, tmp_path)
+        _load({"w": torch.zeros(3000, 700, dtype=torch.bfloat16)}, tmp_path, allow_dtype_cast=False)
     out = torch.zeros(3000, 700, dtype=torch.bfloat16)
-    _load({"w": out}, tmp_path, allow_dtype_cast=True, max_buffer_bytes=1 << 20)
+    with pytest.warns(UserWarning, match=r"cast from the checkpoint's dtype on load: \['w \(float32 -> bfloat16\)'\]"):
+        _load({"w": out}, tmp_path, max_buffer_bytes=1 << 20)
     assert bit_equal(out, w.to(torch.bfloat16))
 
 

@@ -41,8 +41,8 @@ def check_target(
     if dest.dtype != smd.properties.dtype and not allow_dtype_cast:
         raise CheckpointKeyError(
             f"dtype mismatch for {fqn!r}: the checkpoint has {dtype_name(smd.properties.dtype)}, "
-            f"the state dict expects {dtype_name(dest.dtype)}. Pass UCPLoadPlanner(allow_dtype_cast=True) "
-            "to cast on load"
+            f"the state dict expects {dtype_name(dest.dtype)}, and the load was made with "
+            "UCPLoadPlanner(allow_dtype_cast=False); leave it at its default (True) to cast on load"
         )
     return smd
 

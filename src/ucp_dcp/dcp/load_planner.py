@@ -26,6 +26,7 @@ from ..core.pieces import TensorPieces
 from ..core.sharding import Box
 from ..core.values import RankLocal, ReshardFn, decode_value
 from ..errors import CheckpointKeyError
+from ..format import dtype_name
 from ._load_keys import asked_keys, key_list, keys_no_rank_asked
 from ._load_reads import check_target, local_boxes, overlap_reads, saved_grid
 from ._plan_records import LoadRankReport, LoadSourceInfo
@@ -41,8 +42,9 @@ class UCPLoadPlanner(DefaultLoadPlanner):
     Args:
         allow_partial_load: keys of the state dict that the checkpoint lacks
             are skipped instead of failing the load.
-        allow_dtype_cast: a tensor saved in another dtype is cast on load
-            instead of failing.
+        allow_dtype_cast: a tensor saved in another dtype is cast on load,
+            as DCP does, and one warning lists the keys cast (``cast_keys``
+            after the load); ``False`` makes any dtype mismatch an error.
         rank_local_reshard: ``fn(key, saved_by_rank, rank, world_size)`` that
             produces a rank-local value when the world size changed (a
             :class:`~ucp_dcp.RankLocal` in the state dict may carry its own).
@@ -57,7 +59,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         self,
         *,
         allow_partial_load: bool = False,
-        allow_dtype_cast: bool = False,
+        allow_dtype_cast: bool = True,
         rank_local_reshard: ReshardFn | None = None,
     ) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=allow_partial_load)
@@ -65,6 +67,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         self.rank_local_reshard = rank_local_reshard
         self.unexpected_keys: list[str] = []
         self.missing_keys: list[str] = []
+        self.cast_keys: dict[str, tuple[torch.dtype, torch.dtype]] = {}
 
     def set_up_planner(
         self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
@@ -91,6 +94,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         info = LoadSourceInfo.of(md)
         items: list[ReadItem] = []
         missing: list[str] = []
+        self.cast_keys = {}
         for fqn, obj in self.state_dict.items():
             if fqn in info.rank_local:
                 reads, gather = rank_local_reads(
@@ -118,6 +122,14 @@ class UCPLoadPlanner(DefaultLoadPlanner):
                     )
                 items.append(bytes_item(fqn, fqn))
         self.missing_keys = sorted(missing)
+        if self.cast_keys:
+            casts = [f"{k} ({dtype_name(a)} -> {dtype_name(b)})" for k, (a, b) in sorted(self.cast_keys.items())]
+            warnings.warn(
+                f"{len(casts)} tensor(s) are cast from the checkpoint's dtype on load: {key_list(casts)}. "
+                "Pass UCPLoadPlanner(allow_dtype_cast=False) to make a dtype mismatch an error",
+                UserWarning,
+                stacklevel=2,
+            )
         if missing and not self.allow_partial_load:
             raise CheckpointKeyError(
                 f"{len(missing)} key(s) of the state dict are missing from the checkpoint: "
@@ -191,6 +203,8 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         finds its view.
         """
         tmd = check_target(fqn, obj, smd, obj.shape if shape is None else shape, self.allow_dtype_cast)
+        if obj.dtype != tmd.properties.dtype:
+            self.cast_keys[fqn] = (tmd.properties.dtype, obj.dtype)
         grid = saved_grid(LoadSourceInfo.of(self.metadata), fqn, tmd)
         return overlap_reads(fqn, local_boxes(obj) if boxes is None else boxes, tmd, grid, dest)
 
