@@ -603,12 +603,13 @@ def test_dtype_cast_matches_to(tmp_path: Path, src: torch.dtype, dst: torch.dtyp
 # ---------------------------------------------------------------- saving over a checkpoint
 
 
-def test_save_into_committed_checkpoint_refused(ckpt: tuple[Path, dict[str, Any]]) -> None:
-    """Saving into a directory that holds a committed checkpoint is refused and changes nothing."""
+def test_save_into_committed_checkpoint_refused_when_asked(ckpt: tuple[Path, dict[str, Any]]) -> None:
+    """With overwrite=False, saving into a directory that holds a committed checkpoint is refused and
+    changes nothing (the default, as in DCP, replaces it atomically: see the tests below)."""
     path, sd = ckpt
     before = snapshot(path)
-    with pytest.raises(CheckpointException, match=r"already holds a committed checkpoint.*overwrite=True"):
-        save({"x": torch.ones(2)}, path)
+    with pytest.raises(CheckpointException, match=r"already holds a committed checkpoint.*overwrite=False"):
+        save({"x": torch.ones(2)}, path, overwrite=False)
     assert snapshot(path) == before
     out = blank_like(sd)
     load(out, path)
@@ -616,12 +617,12 @@ def test_save_into_committed_checkpoint_refused(ckpt: tuple[Path, dict[str, Any]
 
 
 def test_overwrite_replaces_checkpoint(ckpt: tuple[Path, dict[str, Any]]) -> None:
-    """overwrite=True replaces the checkpoint: the new state loads, the old data files
+    """overwrite=True (the default) replaces the checkpoint: the new state loads, the old data files
     are gone, and no temporary file is left behind."""
     path, _ = ckpt
     old_files = {f["name"] for f in index_doc(path)["files"]}
     new = {"x": torch.arange(5, dtype=torch.int16), "step": 8}
-    save(new, path, overwrite=True)
+    save(new, path)  # the default, as in DCP
     names = set(os.listdir(path))
     new_files = {f["name"] for f in index_doc(path)["files"]}
     assert names == new_files | {INDEX_FILE}, names

@@ -77,9 +77,11 @@ class UCPStorageWriter(_Directory, StorageWriter):
 
     Args:
         path: checkpoint directory (created if needed).
-        overwrite: allow saving into a directory that already holds a
-            committed checkpoint. The old checkpoint stays loadable until the
-            new index replaces it; its data files are removed after that.
+        overwrite: save into a directory that already holds a committed
+            checkpoint, replacing it (DCP's default). It is atomic: the old
+            checkpoint stays loadable until the new index replaces it, and
+            its data files are removed only after that. ``False`` refuses
+            such a save, naming the directory, and changes nothing.
         sync_files: fsync data files and the index before the save returns.
         align: byte alignment of tensor data in the data files.
 
@@ -93,7 +95,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
         self,
         path: str | os.PathLike[str],
         *,
-        overwrite: bool = False,
+        overwrite: bool = True,
         sync_files: bool = True,
         align: int = ALIGN,
     ) -> None:
@@ -128,8 +130,9 @@ class UCPStorageWriter(_Directory, StorageWriter):
         index = os.path.join(self.path, INDEX_FILE)
         if os.path.exists(index) and not self.overwrite:
             raise FileExistsError(
-                f"{self.path} already holds a committed checkpoint ({INDEX_FILE}); refusing to replace it. "
-                "Save into a new directory, or pass UCPStorageWriter(path, overwrite=True)"
+                f"{self.path} already holds a committed checkpoint ({INDEX_FILE}) and the writer was made with "
+                "overwrite=False; refusing to replace it. Save into a new directory, or pass overwrite=True "
+                "(the default: the old checkpoint stays loadable until the new one commits)"
             )
         os.makedirs(self.path, exist_ok=True)
         save_id = uuid.uuid4().hex[:8]
