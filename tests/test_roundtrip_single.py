@@ -122,3 +122,13 @@ def test_bytesio_values_round_trip(tmp_path: Path) -> None:
     _load(out, tmp_path)
     assert isinstance(out["blob"], io.BytesIO) and out["blob"].getvalue() == blob
     assert isinstance(out["nested"]["b"], io.BytesIO) and out["nested"]["b"].getvalue() == b""
+
+
+def test_empty_state_dict_saves_and_loads(tmp_path: Path) -> None:
+    """An empty state dict (a Stateful with nothing to save) round-trips; loading nothing from a
+    non-empty checkpoint only warns about the keys nobody asked for (DCP's test_no_dist)."""
+    _save({}, tmp_path / "empty")
+    _load({}, tmp_path / "empty")
+    _save({"w": torch.ones(2)}, tmp_path / "one")
+    with pytest.warns(UserWarning, match=r"'w'"):
+        _load({}, tmp_path / "one")

@@ -27,11 +27,14 @@ def asked_keys(keys: Sequence[str], known: Collection[str]) -> tuple[bytes, list
     """The bitmap over ``keys`` (sorted checkpoint keys) of those in ``known``, and the others worth reporting."""
     wanted = [k in known for k in keys]
     unexpected = [k for k, w in zip(keys, wanted) if not w and _reported(k)]
-    return np.packbits(wanted).tobytes(), unexpected
+    # dtype: an empty list (an empty checkpoint) would otherwise be float64, which packbits refuses.
+    return np.packbits(np.array(wanted, dtype=bool)).tobytes(), unexpected
 
 
 def keys_no_rank_asked(keys: Sequence[str], masks: Sequence[bytes]) -> list[str]:
     """The keys (sorted checkpoint keys) whose bit is set in none of ``masks``, except the layout record."""
+    if not keys:
+        return []
     asked = np.bitwise_or.reduce([np.frombuffer(m, dtype=np.uint8) for m in masks])
     flags = np.unpackbits(asked, count=len(keys))
     return [k for k, f in zip(keys, flags) if not f and _reported(k)]
