@@ -30,6 +30,10 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 # flattening (what DefaultLoadPlanner.set_up_planner does).
 from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors as flatten_sharded_tensors
 
+# ShardedTensor (FSDP1's SHARDED_STATE_DICT, torchrec): shards at global
+# offsets on each rank, saved and loaded like irregular DTensor chunks.
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
 # DCP's rule for putting a value at a flattened path, creating missing
 # containers the way DCP itself does on load.
 from torch.distributed.checkpoint._traverse import set_element
@@ -63,6 +67,7 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 from torch.storage import _get_dtype_from_pickle_storage_type as dtype_from_pickle_storage_type
 
 __all__ = [
+    "ShardedTensor",
     "flatten_state_dict",
     "flatten_sharded_tensors",
     "set_element",

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from .._compat import create_write_items
+from .._compat import ShardedTensor, create_write_items
 from ..byteio.rangeio import tensor_view
 from ..core.pieces import Piece, TensorPieces
 from ..core.sharding import Box, placement_to_str
@@ -121,6 +121,14 @@ def create_local_save_plan(
             )
         elif isinstance(obj, TensorPieces):
             items.extend(_piece_items(fqn, obj, rank, world_size, out.pieces, piece_fqns, piece_digests))
+        elif isinstance(obj, ShardedTensor):
+            # FSDP1 SHARDED_STATE_DICT, torchrec: each rank holds shards at
+            # global offsets, as an irregular DTensor does. No layout is known,
+            # so the index lists its chunks explicitly.
+            out.layouts[fqn] = None
+            items.extend(
+                i for i in create_write_items(fqn, obj) if i.tensor_data.chunk.sizes.numel() or not obj.numel()
+            )
         elif isinstance(obj, torch.Tensor):
             out.layouts[fqn] = layouts[fqn] = _PLAIN
             if check_replicated_tensors and world_size > 1:
