@@ -21,6 +21,7 @@ from ..errors import CheckpointFormatError
 from .header import EntryMeta, read_header
 from .names import INDEX_FILE
 from .records import ChunkRecord, FileRecord, Index, Layout, Location, TensorRecord
+from .schema import parse_json
 from ..core.values import dtype_from_name
 
 __all__ = ["WrittenEntry", "build_index", "write_index", "commit_index", "load_index", "rebuild_index"]
@@ -163,13 +164,10 @@ def load_index(directory: str) -> Index:
             "A save that did not finish leaves no index; load an earlier checkpoint "
             "or rebuild the index from complete data files with ucp_dcp.rebuild_index(path, write=True)"
         ) from None
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointFormatError(
-            f"{path}: truncated or corrupt index ({e}); if the data files are complete, rebuild it with "
-            "ucp_dcp.rebuild_index(path, write=True, replace=True)"
-        ) from None
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot read the index ({e.strerror or e})") from None
+    rebuild = "if the data files are complete, rebuild it with ucp_dcp.rebuild_index(path, write=True, replace=True)"
+    doc = parse_json(raw, f"{path}: truncated or corrupt index", f"; {rebuild}")
     return Index.from_json(doc, path)
 
 
