@@ -351,14 +351,15 @@ def test_truncated_data_file_tensors(ckpt: tuple[Path, dict[str, Any]]) -> None:
 
 
 def test_truncated_data_file_values(ckpt: tuple[Path, dict[str, Any]]) -> None:
-    """Loading values whose bytes were cut off fails naming the file (values do not
-    go through the header check, the read itself must notice)."""
+    """Loading values whose bytes were cut off fails naming the file: each value is
+    cross-checked with its entry in the data file's header, whose check notices."""
     path, _ = ckpt
     f = data_file(path)
     first_value = min(v["start"] for v in index_doc(path)["values"].values())
     with open(f, "r+b") as fh:
         fh.truncate(first_value)
-    assert_load_fails(path, match=re.escape(str(f)) + r": needed bytes .* truncated data file", sd={"step": None})
+    match = re.escape(str(f)) + rf": truncated: entries need \d+ bytes but the file has {first_value}"
+    assert_load_fails(path, match=match, sd={"step": None})
 
 
 def test_data_file_cut_inside_header(ckpt: tuple[Path, dict[str, Any]]) -> None:
