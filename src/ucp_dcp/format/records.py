@@ -267,12 +267,14 @@ class Index:
             )
         world = field_int(doc, "world_size", where, lo=1)
         files: list[FileRecord] = []
+        names: set[str] = set()
         for i, f in enumerate(field_list(doc, "files", where)):
             fw = f"{where}: files[{i}]"
             name = field_str(f, "name", fw)
             check_relative_name(name, fw)
-            if any(name == g.name for g in files):
+            if name in names:
                 raise CheckpointFormatError(f"{fw}: data file {name!r} is listed twice")
+            names.add(name)
             files.append(FileRecord(name, field_int(f, "rank", fw, hi=world - 1), field_int(f, "size", fw)))
         available = sum(f.size for f in files)
 
@@ -288,7 +290,7 @@ class Index:
         values = {k: loc(v, f"{where}: value {k!r}") for k, v in field_dict(doc, "values", where).items()}
         rank_local: dict[str, dict[int, Location]] = {}
         for k, per_rank in field_dict(doc, "rank_local", where).items():
-            if not isinstance(per_rank, dict) or not all(_is_rank(r) for r in per_rank):
+            if not isinstance(per_rank, dict) or not per_rank or not all(_is_rank(r) for r in per_rank):
                 raise CheckpointFormatError(f"{where}: rank-local value {k!r}: malformed")
             rank_local[k] = {}
             for r, v in per_rank.items():
@@ -334,7 +336,7 @@ def _tensor_from_json(
     whole = Box((0,) * len(shape), shape)
     for i, c in enumerate(field_list(t, "chunks", w)):
         cw = f"{w} chunk {i}"
-        offs, sizes = c.get("offsets") if isinstance(c, dict) else None, c.get("sizes") if isinstance(c, dict) else None
+        offs, sizes = (c.get("offsets"), c.get("sizes")) if isinstance(c, dict) else (None, None)
         if not (is_index_list(offs, len(shape)) and is_index_list(sizes, len(shape))):
             raise CheckpointFormatError(f"{cw}: malformed offsets/sizes")
         box = Box(tuple(offs), tuple(sizes))
