@@ -453,12 +453,17 @@ def layout_grid(
         for m in order[d]:  # torch.chunk semantics, outermost split first
             k = mesh_shape[m]
             full = -(-sz // k)
-            r = np.arange(k, dtype=np.int64)
+            # Piece r of an interval of size s starts at min(s, full * r) >= min(s, r):
+            # pieces from r = max(sz) on are all empty, so a mesh dim far larger
+            # than the tensor dim costs no more than the tensor dim.
+            r = np.arange(min(k, int(sz.max())), dtype=np.int64)
             start = np.minimum(sz[:, None], full[:, None] * r)
             end = np.minimum(sz[:, None], full[:, None] * (r + 1))
             o = (o[:, None] + start).reshape(-1)
             sz = (end - start).reshape(-1)
             li = (li[:, None] + r * mstride[m]).reshape(-1)
+            keep = sz > 0  # an empty interval only splits into empty ones
+            o, sz, li = o[keep], sz[keep], li[keep]
         keep = sz > 0  # non-empty intervals, already in ascending order
         offs.append(o[keep])
         sizes.append(sz[keep])
