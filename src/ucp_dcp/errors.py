@@ -14,6 +14,7 @@ __all__ = [
     "UCPError",
     "CheckpointFormatError",
     "ChecksumError",
+    "TruncatedFileError",
     "DCPValueError",
     "CheckpointKeyError",
     "UnsupportedValueError",
@@ -66,6 +67,10 @@ class ChecksumError(CheckpointFormatError):
         # DCP pickles per-rank exceptions to gather them on every rank; the
         # default (cls, args) would call __init__ with the message alone.
         return (ChecksumError, (self.path, self.what, self.expected, self.actual, self.rank))
+
+
+class TruncatedFileError(CheckpointFormatError, EOFError):
+    """A file ends before a byte range the checkpoint records for it (``EOFError`` too)."""
 
 
 class DCPValueError(CheckpointFormatError):

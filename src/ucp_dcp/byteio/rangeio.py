@@ -23,7 +23,7 @@ from operator import itemgetter
 from typing import NamedTuple, Sequence
 
 import torch
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, TruncatedFileError
 
 
 
@@ -119,6 +119,8 @@ class FileHandles:
                     fd = os.open(self.paths[file], os.O_RDONLY)
                 except FileNotFoundError:
                     raise CheckpointFormatError(f"data file {self.paths[file]} is missing") from None
+                except OSError as e:
+                    raise CheckpointFormatError(f"{self.paths[file]}: cannot open ({e.strerror or e})") from None
                 if hasattr(os, "posix_fadvise"):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 self._fds[file] = fd
@@ -241,7 +243,7 @@ class RangeReader:
             got = os.preadv(fd, bufs, off)
             calls += 1
             if got <= 0:
-                raise EOFError(
+                raise TruncatedFileError(
                     f"{self._paths[r.file]}: needed bytes [{off}, {off + left}) but the file ends "
                     f"at {os.fstat(fd).st_size}: truncated data file"
                 )

@@ -407,17 +407,29 @@ def _grid(shape: tuple[int, ...], offs: list[np.ndarray], sizes: list[np.ndarray
     return Grid(shape, tuple(offs), tuple(sizes), chunk_of_cell, cells)
 
 
-def layout_grid(global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]) -> Grid:
+def layout_grid(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+    max_enumerated: int | None = None,
+) -> Grid:
     """The chunk grid of a layout, numbered like :func:`layout_chunks`.
 
     Layouts of ``Shard`` and ``Replicate`` placements (and ``_StridedShard``
     in the form FSDP2 produces on top of tensor parallelism) are computed with vectorised integer arithmetic, in time
     proportional to the number of chunks; anything else goes through
     :func:`layout_chunks` (DTensor's own arithmetic, one mesh coordinate at
-    a time). Raises :class:`LayoutError` like :func:`layout_chunks`.
+    a time), which ``max_enumerated`` bounds: a layout of more mesh
+    coordinates than that raises instead (a layout read from a file is
+    untrusted). Raises :class:`LayoutError` like :func:`layout_chunks`.
     """
     shape = tuple(int(n) for n in global_shape)
     order = _application_order(shape, mesh_shape, placements)
+    if order is None and max_enumerated is not None and math.prod(mesh_shape) > max_enumerated:
+        raise LayoutError(
+            f"layout mesh={list(mesh_shape)} placements={[placement_to_str(p) for p in placements]} is irregular "
+            f"and has {math.prod(mesh_shape)} mesh coordinates, more than the {max_enumerated} enumerated one by one"
+        )
     if order is None:
         grid = Grid.from_boxes(layout_chunks(shape, mesh_shape, placements), shape)
         assert grid is not None  # layout_chunks checked the tiling
@@ -441,12 +453,17 @@ def layout_grid(global_shape: Sequence[int], mesh_shape: Sequence[int], placemen
         for m in order[d]:  # torch.chunk semantics, outermost split first
             k = mesh_shape[m]
             full = -(-sz // k)
-            r = np.arange(k, dtype=np.int64)
+            # Piece r of an interval of size s starts at min(s, full * r) >= min(s, r):
+            # pieces from r = max(sz) on are all empty, so a mesh dim far larger
+            # than the tensor dim costs no more than the tensor dim.
+            r = np.arange(min(k, int(sz.max())), dtype=np.int64)
             start = np.minimum(sz[:, None], full[:, None] * r)
             end = np.minimum(sz[:, None], full[:, None] * (r + 1))
             o = (o[:, None] + start).reshape(-1)
             sz = (end - start).reshape(-1)
             li = (li[:, None] + r * mstride[m]).reshape(-1)
+            keep = sz > 0  # an empty interval only splits into empty ones
+            o, sz, li = o[keep], sz[keep], li[keep]
         keep = sz > 0  # non-empty intervals, already in ascending order
         offs.append(o[keep])
         sizes.append(sz[keep])

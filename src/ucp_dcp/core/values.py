@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import UnsupportedValueError
+from ..errors import CheckpointFormatError, UnsupportedValueError
 
 __all__ = ["RankLocal", "UnsupportedValueError", "encode_value", "decode_value", "ReshardFn"]
 
@@ -180,7 +180,7 @@ def _decode(obj: Any, key: str) -> Any:
         return arr.reshape(obj["shape"]).copy()
     if np is not None and tag == "npscalar":
         return np.dtype(obj["dtype"]).type(_decode(obj["v"], key))
-    raise ValueError(f"value {key!r}: unknown tag {tag!r} (written by a newer ucp_dcp?)")
+    raise CheckpointFormatError(f"value {key!r}: unknown tag {tag!r} (written by a newer ucp_dcp?)")
 
 
 def _hashable(k: Any) -> Any:
@@ -188,9 +188,21 @@ def _hashable(k: Any) -> Any:
 
 
 def decode_value(data: bytes, key: str) -> Any:
-    """Inverse of :func:`encode_value`; ``key`` names the value in errors."""
+    """Inverse of :func:`encode_value`; ``key`` names the value in errors.
+
+    The bytes come from a file: anything that does not decode (not JSON, a
+    tag with missing or malformed fields, a tensor whose data does not fill
+    its shape, nesting too deep) raises :class:`CheckpointFormatError`.
+    """
     try:
-        tree = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"value {key!r} is not valid ucp_dcp JSON: {e}") from None
-    return _decode(tree, key)
+        return _decode(json.loads(data.decode("utf-8")), key)
+    except CheckpointFormatError:
+        raise
+    except _MALFORMED as e:
+        raise CheckpointFormatError(f"value {key!r} is not valid ucp_dcp JSON ({type(e).__name__}: {e})"[:400]) from None
+
+
+# What bad input raises: invalid UTF-8 or JSON, an integer of over 4300 digits,
+# bad base64 or numpy dtypes (ValueError), missing or mistyped fields, shapes
+# or devices torch refuses (RuntimeError), nesting too deep.
+_MALFORMED = (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, RuntimeError, RecursionError)

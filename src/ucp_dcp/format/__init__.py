@@ -14,7 +14,7 @@ from .header import (
     parse_safetensors,
     read_header,
 )
-from .index import WrittenEntry, build_index, commit_index, load_index, rebuild_index, write_index
+from .index import WrittenEntry, build_index, commit_index, index_digest, load_index, rebuild_index, write_index
 from .names import (
     ALIGN,
     FORMAT_NAME,
@@ -47,5 +47,5 @@ __all__ = [
     "RunList", "decode_runs", "encode_runs",
     "EntryMeta", "FileHeader", "PlannedEntry", "SafetensorsHeader", "StEntry", "layout_file",
     "parse_safetensors", "read_header", "dtype_from_st",
-    "WrittenEntry", "build_index", "commit_index", "load_index", "rebuild_index", "write_index",
+    "WrittenEntry", "build_index", "commit_index", "index_digest", "load_index", "rebuild_index", "write_index",
 ]

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ..errors import CheckpointFormatError
-from .names import ALIGN, FORMAT_NAME, FORMAT_VERSION, MAX_HEADER_BYTES, PAD_PREFIX
+from .names import (
+    ALIGN,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MAX_HEADER_BYTES,
+    PAD_PREFIX,
+    chunk_entry_name,
+    dtype_from_st,
+    dtype_name,
+    rank_local_entry_name,
+    value_entry_name,
+)
 from .records import Layout
+from .schema import parse_json, field_dict, field_dtype, field_int, field_shape, field_str, field_xxh3, is_index_list
 
 
 
@@ -113,10 +126,7 @@ def parse_safetensors(path: str, fd: int | None = None) -> SafetensorsHeader:
     finally:
         if own:
             os.close(fd)
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointFormatError(f"{path}: header is not valid JSON ({e})") from None
+    doc = parse_json(raw, f"{path}: header is not valid JSON")
     if not isinstance(doc, dict):
         raise CheckpointFormatError(f"{path}: header is not a JSON object")
     data_start = 8 + n
@@ -126,60 +136,104 @@ def parse_safetensors(path: str, fd: int | None = None) -> SafetensorsHeader:
     entries: dict[str, StEntry] = {}
     end_of_data = data_start
     for name, e in doc.items():
-        try:
-            b, en = e["data_offsets"]
-            shape = tuple(e["shape"])
-            code = e["dtype"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointFormatError(f"{path}: entry {name!r} is malformed") from None
-        if not (isinstance(b, int) and isinstance(en, int) and 0 <= b <= en):
-            raise CheckpointFormatError(f"{path}: entry {name!r} has bad data_offsets {e['data_offsets']!r}")
-        if not (isinstance(code, str) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)):
-            raise CheckpointFormatError(f"{path}: entry {name!r} has a bad dtype or shape")
+        offsets = e.get("data_offsets") if isinstance(e, dict) else None
+        if not is_index_list(offsets, 2) or offsets[0] > offsets[1]:
+            raise CheckpointFormatError(f"{path}: entry {name!r} has bad data_offsets {offsets!r}"[:300])
+        shape = field_shape(e, "shape", f"{path}: entry {name!r}")
+        code = field_str(e, "dtype", f"{path}: entry {name!r}")
+        b, en = offsets
+        dtype = dtype_from_st(code)
+        if dtype is not None and en - b != math.prod(shape) * dtype.itemsize:
+            raise CheckpointFormatError(
+                f"{path}: entry {name!r} holds {en - b} bytes, but {code}{list(shape)} needs "
+                f"{math.prod(shape) * dtype.itemsize}"
+            )
         entries[name] = StEntry(name, code, shape, data_start + b, en - b)
         end_of_data = max(end_of_data, data_start + en)
     if end_of_data > size:
         raise CheckpointFormatError(
             f"{path}: truncated: entries need {end_of_data} bytes but the file has {size}"
         )
+    # Entries must not share bytes (safetensors lays them end to end): then
+    # no two records can claim the same data, and together they fit the file.
+    ordered = sorted((e for e in entries.values() if e.nbytes), key=lambda e: e.start)
+    for a, b_ in zip(ordered, ordered[1:]):
+        if b_.start < a.start + a.nbytes:
+            raise CheckpointFormatError(f"{path}: entries {a.name!r} and {b_.name!r} overlap")
     return SafetensorsHeader(path, size, entries, md)
+
+
+_KINDS = ("tensor", "value", "rank_local")
 
 
 def read_header(path: str, fd: int | None = None) -> FileHeader:
     """Read and validate the header of native data file ``path``.
 
-    Raises :class:`CheckpointFormatError` naming the file when it is
-    truncated, not safetensors, not written by ucp_dcp, or has an entry
-    outside the file.
+    Raises :class:`CheckpointFormatError` naming the file (and the entry and
+    field) when it is truncated, not safetensors, not written by ucp_dcp,
+    has an entry outside the file, or metadata that does not describe its
+    entries: every entry's name, kind, dtype, box and byte count must agree.
     """
     st = parse_safetensors(path, fd)
-    try:
-        ucp = json.loads(st.metadata["ucp_dcp"])
-        entries_meta = ucp["entries"]
-        rank = int(ucp["rank"])
-        world_size = int(ucp["world_size"])
-        save_id = str(ucp["save_id"])
-    except (KeyError, TypeError, ValueError, json.JSONDecodeError):
-        raise CheckpointFormatError(f"{path}: safetensors file without ucp_dcp metadata") from None
-    if ucp.get("version") != FORMAT_VERSION:
-        raise CheckpointFormatError(f"{path}: unsupported format version {ucp.get('version')!r}")
+    raw = st.metadata.get("ucp_dcp")
+    if not isinstance(raw, str):
+        raise CheckpointFormatError(f"{path}: safetensors file without ucp_dcp metadata")
+    ucp = parse_json(raw, f"{path}: ucp_dcp metadata is not valid JSON")
+    if not isinstance(ucp, dict):
+        raise CheckpointFormatError(f"{path}: safetensors file without ucp_dcp metadata")
+    if ucp.get("version") != FORMAT_VERSION or isinstance(ucp.get("version"), bool):
+        raise CheckpointFormatError(f"{path}: unsupported format version {ucp.get('version')!r}"[:300])
+    where = f"{path}: ucp_dcp metadata"
+    world_size = field_int(ucp, "world_size", where, lo=1)
+    rank = field_int(ucp, "rank", where, hi=world_size - 1)
+    save_id = field_str(ucp, "save_id", where)
+    entries_meta = field_dict(ucp, "entries", where)
     ranges = {name: (e.start, e.nbytes) for name, e in st.entries.items()}
     shapes = {name: e.shape for name, e in st.entries.items()}
     meta: dict[str, EntryMeta] = {}
-    if not isinstance(entries_meta, dict):
-        raise CheckpointFormatError(f"{path}: ucp_dcp metadata without an entries object")
     for name, m in entries_meta.items():
-        if name not in ranges:
+        e = st.entries.get(name)
+        if e is None:
             raise CheckpointFormatError(f"{path}: metadata names entry {name!r} that the file does not hold")
-        try:
-            layout = Layout.from_json(m["layout"], f"{path}: {name}") if m.get("layout") else None
-            meta[name] = EntryMeta(
-                m["kind"], m["fqn"], m.get("dtype", "uint8"), tuple(m.get("shape", ())),
-                tuple(m.get("offsets", ())), tuple(m.get("sizes", ())), m["xxh3"], layout,
+        if dtype_from_st(e.st_dtype) is None:
+            raise CheckpointFormatError(
+                f"{path}: entry {name!r} has dtype code {e.st_dtype!r}, which ucp_dcp does not write"
             )
-        except (KeyError, TypeError, AttributeError) as e:
-            raise CheckpointFormatError(f"{path}: metadata of entry {name!r} is malformed ({e})") from None
+        meta[name] = _entry_meta(m, name, e.nbytes, f"{path}: metadata of entry {name!r}")
     return FileHeader(path, st.size, rank, world_size, save_id, ranges, shapes, meta)
+
+
+def _entry_meta(m: Any, name: str, nbytes: int, where: str) -> EntryMeta:
+    kind = field_str(m, "kind", where)
+    if kind not in _KINDS:
+        raise CheckpointFormatError(f"{where}: field 'kind' must be one of {list(_KINDS)}, got {kind!r}")
+    fqn = field_str(m, "fqn", where)
+    xxh3 = field_xxh3(m, "xxh3", where)
+    if kind != "tensor":
+        expected = value_entry_name(fqn) if kind == "value" else rank_local_entry_name(fqn)
+        if name != expected:
+            raise CheckpointFormatError(f"{where}: a {kind} named {fqn!r} must be stored as entry {expected!r}")
+        return EntryMeta(kind, fqn, "uint8", (), (), (), xxh3)
+    dtype = field_dtype(m, "dtype", where)
+    shape = field_shape(m, "shape", where)
+    offsets, sizes = m.get("offsets"), m.get("sizes")
+    if not (is_index_list(offsets, len(shape)) and is_index_list(sizes, len(shape))):
+        raise CheckpointFormatError(f"{where}: malformed offsets/sizes for a tensor of shape {list(shape)}")
+    if any(o + k > n for o, k, n in zip(offsets, sizes, shape)):
+        raise CheckpointFormatError(f"{where}: box {offsets}+{sizes} lies outside shape {list(shape)}")
+    if math.prod(sizes) * dtype.itemsize != nbytes:
+        raise CheckpointFormatError(
+            f"{where}: the entry holds {nbytes} bytes, not the {math.prod(sizes) * dtype.itemsize} of "
+            f"{dtype_name(dtype)}{sizes}"
+        )
+    if name != chunk_entry_name(fqn, offsets):
+        raise CheckpointFormatError(f"{where}: a chunk of {fqn!r} at {offsets} must be stored as entry "
+                                    f"{chunk_entry_name(fqn, offsets)!r}")
+    layout = None
+    if m.get("layout") is not None:
+        layout = Layout.from_json(m["layout"], where)
+        layout.check_dims(len(shape), where)
+    return EntryMeta(kind, fqn, dtype_name(dtype), tuple(shape), tuple(offsets), tuple(sizes), xxh3, layout)
 
 
 @dataclass

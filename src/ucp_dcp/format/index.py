@@ -14,6 +14,9 @@ import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
+
+import xxhash
 
 from ..byteio.durable import atomic_write
 from ..core.sharding import Box
@@ -21,9 +24,14 @@ from ..errors import CheckpointFormatError
 from .header import EntryMeta, read_header
 from .names import INDEX_FILE
 from .records import ChunkRecord, FileRecord, Index, Layout, Location, TensorRecord
+from .schema import parse_json
 from ..core.values import dtype_from_name
 
-__all__ = ["WrittenEntry", "build_index", "write_index", "commit_index", "load_index", "rebuild_index"]
+__all__ = [
+    "WrittenEntry", "build_index", "index_digest", "write_index", "commit_index", "load_index", "rebuild_index",
+]
+
+DIGEST_FIELD = "digest"
 
 
 @dataclass(frozen=True)
@@ -122,13 +130,28 @@ def _compact(
     return files
 
 
+def index_digest(doc: dict[str, Any]) -> str:
+    """The digest of index document ``doc``: xxh3-128 (hex) of its canonical JSON without the ``digest`` field.
+
+    Canonical: keys sorted, no whitespace (``separators=(",", ":")``),
+    non-ASCII characters escaped, as ``json.dumps(..., sort_keys=True)``
+    writes it. Raises ``ValueError`` for a document JSON cannot hold (NaN).
+    """
+    body = {k: v for k, v in doc.items() if k != DIGEST_FIELD}
+    return xxhash.xxh3_128_hexdigest(
+        json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("ascii")
+    )
+
+
 def write_index(directory: str, index: Index) -> None:
-    """Write ``ucp_index.json`` atomically (:func:`~ucp_dcp.byteio.durable.atomic_write`).
+    """Write ``ucp_index.json`` atomically (:func:`~ucp_dcp.byteio.durable.atomic_write`), with its digest.
 
     Readers see either the previous index or the complete new one, never a
     partial file; a failed write leaves no temp file.
     """
-    atomic_write(os.path.join(directory, INDEX_FILE), json.dumps(index.to_json(), separators=(",", ":")).encode("utf-8"))
+    doc = index.to_json()
+    doc[DIGEST_FIELD] = index_digest(doc)
+    atomic_write(os.path.join(directory, INDEX_FILE), json.dumps(doc, separators=(",", ":")).encode("utf-8"))
 
 
 def commit_index(directory: str, index: Index) -> None:
@@ -146,7 +169,11 @@ def commit_index(directory: str, index: Index) -> None:
 
 
 def load_index(directory: str) -> Index:
-    """Read and validate ``ucp_index.json`` of checkpoint ``directory``."""
+    """Read and validate ``ucp_index.json`` of checkpoint ``directory``.
+
+    An index that records a digest must match it (:func:`index_digest`);
+    then every field is checked (:meth:`Index.from_json`).
+    """
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise CheckpointFormatError(f"{directory}: not a checkpoint (no such directory)")
@@ -163,13 +190,21 @@ def load_index(directory: str) -> Index:
             "A save that did not finish leaves no index; load an earlier checkpoint "
             "or rebuild the index from complete data files with ucp_dcp.rebuild_index(path, write=True)"
         ) from None
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointFormatError(
-            f"{path}: truncated or corrupt index ({e}); if the data files are complete, rebuild it with "
-            "ucp_dcp.rebuild_index(path, write=True, replace=True)"
-        ) from None
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot read the index ({e.strerror or e})") from None
+    rebuild = "if the data files are complete, rebuild it with ucp_dcp.rebuild_index(path, write=True, replace=True)"
+    doc = parse_json(raw, f"{path}: truncated or corrupt index", f"; {rebuild}")
+    if isinstance(doc, dict) and DIGEST_FIELD in doc:  # indexes written before digests have none
+        recorded = doc[DIGEST_FIELD]
+        try:
+            actual = index_digest(doc)
+        except (ValueError, RecursionError):
+            actual = "(not canonical JSON)"
+        if recorded != actual:
+            raise CheckpointFormatError(
+                f"{path}: the index does not match its digest (recorded {str(recorded)[:40]!r}, its content "
+                f"hashes to {actual}): it was changed after it was written; {rebuild}"
+            )
     return Index.from_json(doc, path)
 
 

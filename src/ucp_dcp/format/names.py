@@ -17,6 +17,10 @@ ALIGN = 4096
 # A safetensors header is JSON describing the entries; anything beyond this
 # is a corrupt or hostile file, not a checkpoint (safetensors uses 100 MB).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_MESH_DEVICES = 1 << 24
+"""Most devices a recorded layout's mesh may have (more than any job runs on)."""
+MAX_ENUMERATED_COORDS = 1 << 16
+"""Most mesh coordinates of an irregular recorded layout, whose chunks are found one coordinate at a time."""
 VALUE_PREFIX = "__ucp_value__/"
 RANK_LOCAL_PREFIX = "__ucp_rank_local__/"
 PAD_PREFIX = "__ucp_pad__."

@@ -31,18 +31,29 @@ Nothing on the load path unpickles anything.
 from __future__ import annotations
 
 import functools
-import os
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..core.sharding import Box, Grid, layout_grid, placement_from_str
-from ..core.values import dtype_from_name
-from ..errors import CheckpointFormatError
-from .names import FORMAT_NAME, FORMAT_VERSION, dtype_name
+from ..errors import CheckpointFormatError, LayoutError
+from .names import FORMAT_NAME, FORMAT_VERSION, MAX_ENUMERATED_COORDS, MAX_MESH_DEVICES, dtype_name
 from .runs import RunList, decode_runs, encode_runs
+from .schema import (
+    check_relative_name,
+    check_tensor_bytes,
+    field_dict,
+    field_dtype,
+    field_int,
+    field_list,
+    field_shape,
+    field_str,
+    field_xxh3,
+    is_index_list,
+    MAX_INT,
+)
 
 # ---------------------------------------------------------------- records
 
@@ -70,8 +81,10 @@ class Location:
     @staticmethod
     def from_json(d: dict[str, Any], where: str) -> "Location":
         """Parse and type-check; ``where`` names the record in errors."""
+        # Negative offsets parse, to be reported as a byte range outside the file.
         return Location(
-            _int(d, "file", where), _int(d, "start", where), _int(d, "nbytes", where), _str(d, "xxh3", where)
+            field_int(d, "file", where), field_int(d, "start", where, lo=-MAX_INT),
+            field_int(d, "nbytes", where, lo=-MAX_INT), field_xxh3(d, "xxh3", where),
         )
 
 
@@ -98,14 +111,39 @@ class Layout:
         return {"mesh": list(self.mesh), "placements": list(self.placements)}
 
     @staticmethod
-    def from_json(d: dict[str, Any], where: str) -> "Layout":
-        """Parse and type-check; ``where`` names the record in errors."""
+    def from_json(d: Any, where: str) -> "Layout":
+        """Parse and validate; ``where`` names the record in errors.
+
+        Checks types, mesh sizes (at least 1, at most
+        :data:`~ucp_dcp.format.names.MAX_MESH_DEVICES` devices in all) and
+        that every placement parses; :meth:`check_dims` checks it against a shape.
+        """
+        if not isinstance(d, dict):
+            raise CheckpointFormatError(f"{where}: field 'layout' must be an object or null, got {d!r}"[:300])
         mesh, pl = d.get("mesh"), d.get("placements")
-        if not (_int_list(mesh) and isinstance(pl, list) and all(isinstance(p, str) for p in pl)):
-            raise CheckpointFormatError(f"{where}: malformed layout {d!r}")
+        if not (is_index_list(mesh) and isinstance(pl, list) and all(isinstance(p, str) for p in pl)):
+            raise CheckpointFormatError(f"{where}: malformed layout {d!r}"[:300])
         if len(mesh) != len(pl):
             raise CheckpointFormatError(f"{where}: layout has {len(mesh)} mesh dims but {len(pl)} placements")
+        if not all(mesh) or math.prod(mesh) > MAX_MESH_DEVICES:
+            raise CheckpointFormatError(
+                f"{where}: layout mesh {mesh} must have 1 to {MAX_MESH_DEVICES} devices, at least 1 per dimension"
+            )
+        for p in pl:
+            try:
+                placement = placement_from_str(p)
+            except LayoutError as e:
+                raise CheckpointFormatError(f"{where}: {e}") from None
+            if getattr(placement, "split_factor", 1) < 1:
+                raise CheckpointFormatError(f"{where}: placement {p!r} has a split factor below 1")
         return Layout(tuple(mesh), tuple(pl))
+
+    def check_dims(self, ndim: int, where: str) -> None:
+        """Refuse a placement that shards a dimension a tensor of ``ndim`` dimensions does not have."""
+        for p in self.placements:
+            dim = getattr(placement_from_str(p), "dim", None)
+            if dim is not None and dim >= ndim:
+                raise CheckpointFormatError(f"{where}: placement {p!r} shards dimension {dim} of a {ndim}-d tensor")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -114,7 +152,9 @@ def _layout_grid(layout: Layout, shape: tuple[int, ...]) -> Grid:
     # the layers of a model: the grid is computed once per distinct pair.
     if not layout.mesh:
         return Grid.from_boxes([Box((0,) * len(shape), shape)] if math.prod(shape) else [], shape)  # type: ignore[return-value]
-    return layout_grid(shape, layout.mesh, [placement_from_str(p) for p in layout.placements])
+    return layout_grid(
+        shape, layout.mesh, [placement_from_str(p) for p in layout.placements], max_enumerated=MAX_ENUMERATED_COORDS
+    )
 
 
 @dataclass(frozen=True)
@@ -210,89 +250,108 @@ class Index:
     def from_json(doc: Any, where: str) -> "Index":
         """Parse and validate an index document; ``where`` is the file for errors.
 
-        Checks everything that does not need the data files: types, known
-        version, file names inside the checkpoint directory, file references
-        in range, byte ranges inside their files' recorded sizes.
+        Checks everything that does not need the data files: types and
+        ranges of every field, the known version, file names inside the
+        checkpoint directory, file references in range, byte ranges inside
+        their files' recorded sizes, dtype names, layouts, chunk boxes inside
+        their tensor and covering it, byte counts equal to the elements they
+        hold, and no tensor needing more bytes than all data files hold.
         """
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise CheckpointFormatError(f"{where}: not a ucp_dcp index (no \"format\": \"{FORMAT_NAME}\")")
         version = doc.get("version")
-        if version != FORMAT_VERSION:
+        if version != FORMAT_VERSION or isinstance(version, bool):
             raise CheckpointFormatError(
                 f"{where}: unsupported format version {version!r}; this ucp_dcp reads version "
                 f"{FORMAT_VERSION} (upgrade ucp_dcp to read newer checkpoints)"
             )
-        world = _int(doc, "world_size", where)
-        files = []
-        for i, f in enumerate(_list(doc, "files", where)):
-            name = _str(f, "name", f"{where}: files[{i}]")
-            _check_relative_name(name, f"{where}: files[{i}]")
-            files.append(FileRecord(name, _int(f, "rank", f"{where}: files[{i}]"), _int(f, "size", f"{where}: files[{i}]")))
+        world = field_int(doc, "world_size", where, lo=1)
+        files: list[FileRecord] = []
+        names: set[str] = set()
+        for i, f in enumerate(field_list(doc, "files", where)):
+            fw = f"{where}: files[{i}]"
+            name = field_str(f, "name", fw)
+            check_relative_name(name, fw)
+            if name in names:
+                raise CheckpointFormatError(f"{fw}: data file {name!r} is listed twice")
+            names.add(name)
+            files.append(FileRecord(name, field_int(f, "rank", fw, hi=world - 1), field_int(f, "size", fw)))
+        available = sum(f.size for f in files)
 
-        def loc(d: dict[str, Any], what: str) -> Location:
+        def loc(d: Any, what: str) -> Location:
             location = Location.from_json(d, what)
             _check_location(location, files, what)
             return location
 
-        tensors: dict[str, TensorRecord] = {}
-        for fqn, t in _dict(doc, "tensors", where).items():
-            w = f"{where}: tensor {fqn!r}"
-            try:
-                dtype = dtype_from_name(_str(t, "dtype", w))
-            except ValueError as e:
-                raise CheckpointFormatError(f"{w}: {e}") from None
-            shape = t.get("shape")
-            if not _int_list(shape):
-                raise CheckpointFormatError(f"{w}: malformed shape {shape!r}")
-            layout = Layout.from_json(t["layout"], w) if t.get("layout") is not None else None
-            if "files" in t:
-                if layout is None:
-                    raise CheckpointFormatError(f"{w}: compact chunk list without a layout")
-                file_ids = decode_runs(t["files"], w)
-                try:
-                    n = layout.grid(shape).n_chunks
-                except ValueError as e:
-                    raise CheckpointFormatError(f"{w}: {e}") from None
-                if len(file_ids) != n or (n and not (0 <= file_ids.min() and file_ids.max() < len(files))):
-                    raise CheckpointFormatError(
-                        f"{w}: compact chunk list names {len(file_ids)} files for {n} chunks, "
-                        f"or a file outside 0..{len(files) - 1}"
-                    )
-                tensors[fqn] = TensorRecord(dtype, tuple(shape), layout, True, file_ids)
-            else:
-                chunks = []
-                for i, c in enumerate(_list(t, "chunks", w)):
-                    cw = f"{w} chunk {i}"
-                    offs, sizes = c.get("offsets"), c.get("sizes")
-                    if not (_int_list(offs) and _int_list(sizes) and len(offs) == len(sizes) == len(shape)):
-                        raise CheckpointFormatError(f"{cw}: malformed offsets/sizes")
-                    box = Box(tuple(offs), tuple(sizes))
-                    if not Box((0,) * len(shape), tuple(shape)).contains(box):
-                        raise CheckpointFormatError(f"{cw}: box {offs}+{sizes} lies outside shape {shape}")
-                    location = loc(c, cw)
-                    if location.nbytes != box.numel * dtype.itemsize:
-                        raise CheckpointFormatError(
-                            f"{cw}: {location.nbytes} bytes recorded for {box.numel} {dtype_name(dtype)} elements"
-                        )
-                    chunks.append(ChunkRecord(box, location))
-                tensors[fqn] = TensorRecord(dtype, tuple(shape), layout, False, chunks=chunks)
-        values = {k: loc(v, f"{where}: value {k!r}") for k, v in _dict(doc, "values", where).items()}
+        tensors = {
+            fqn: _tensor_from_json(t, f"{where}: tensor {fqn!r}", files, available, loc)
+            for fqn, t in field_dict(doc, "tensors", where).items()
+        }
+        values = {k: loc(v, f"{where}: value {k!r}") for k, v in field_dict(doc, "values", where).items()}
         rank_local: dict[str, dict[int, Location]] = {}
-        for k, per_rank in _dict(doc, "rank_local", where).items():
-            if not isinstance(per_rank, dict) or not all(r.isdigit() for r in per_rank):
+        for k, per_rank in field_dict(doc, "rank_local", where).items():
+            if not isinstance(per_rank, dict) or not per_rank or not all(_is_rank(r) for r in per_rank):
                 raise CheckpointFormatError(f"{where}: rank-local value {k!r}: malformed")
-            rank_local[k] = {int(r): loc(v, f"{where}: rank-local value {k!r} of rank {r}") for r, v in per_rank.items()}
+            rank_local[k] = {}
+            for r, v in per_rank.items():
+                what = f"{where}: rank-local value {k!r} of rank {r}"
+                if int(r) >= world:
+                    raise CheckpointFormatError(f"{what}: rank {r} is outside world size {world}")
+                rank_local[k][int(r)] = loc(v, what)
         return Index(world, files, tensors, values, rank_local, version)
 
 
-def _check_relative_name(name: str, where: str) -> None:
-    # A hostile index must not make the reader open files outside the
-    # checkpoint: only plain names, no absolute paths, no '..', no separators.
-    if not name or os.path.isabs(name) or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
-        raise CheckpointFormatError(
-            f"{where}: data file name {name!r} is absolute or leaves the checkpoint directory; "
-            "only plain file names inside the checkpoint are allowed"
-        )
+def _is_rank(key: str) -> bool:
+    return key.isascii() and key.isdigit() and len(key) <= 18
+
+
+def _tensor_from_json(
+    t: Any, w: str, files: Sequence[FileRecord], available: int, loc: Callable[[Any, str], Location]
+) -> TensorRecord:
+    if not isinstance(t, dict):
+        raise CheckpointFormatError(f"{w}: must be an object, got {t!r}"[:300])
+    dtype = field_dtype(t, "dtype", w)
+    shape = field_shape(t, "shape", w)
+    check_tensor_bytes(shape, dtype, available, w)
+    layout = Layout.from_json(t["layout"], w) if t.get("layout") is not None else None
+    if layout is not None:
+        layout.check_dims(len(shape), w)
+    if "files" in t:
+        if layout is None:
+            raise CheckpointFormatError(f"{w}: compact chunk list without a layout")
+        file_ids = decode_runs(t["files"], w)
+        try:
+            n = layout.grid(shape).n_chunks
+        except Exception as e:  # DTensor's arithmetic on an arbitrary layout raises all sorts
+            raise CheckpointFormatError(
+                f"{w}: layout {layout.to_json()} does not apply to shape {list(shape)}: {e}"
+            ) from None
+        if len(file_ids) != n or (n and not (0 <= file_ids.min() and file_ids.max() < len(files))):
+            raise CheckpointFormatError(
+                f"{w}: compact chunk list names {len(file_ids)} files for {n} chunks, "
+                f"or a file outside 0..{len(files) - 1}"
+            )
+        return TensorRecord(dtype, shape, layout, True, file_ids)
+    chunks = []
+    whole = Box((0,) * len(shape), shape)
+    for i, c in enumerate(field_list(t, "chunks", w)):
+        cw = f"{w} chunk {i}"
+        offs, sizes = (c.get("offsets"), c.get("sizes")) if isinstance(c, dict) else (None, None)
+        if not (is_index_list(offs, len(shape)) and is_index_list(sizes, len(shape))):
+            raise CheckpointFormatError(f"{cw}: malformed offsets/sizes")
+        box = Box(tuple(offs), tuple(sizes))
+        if not whole.contains(box):
+            raise CheckpointFormatError(f"{cw}: box {offs}+{sizes} lies outside shape {list(shape)}")
+        location = loc(c, cw)
+        if location.nbytes != box.numel * dtype.itemsize:
+            raise CheckpointFormatError(
+                f"{cw}: {location.nbytes} bytes recorded for {box.numel} {dtype_name(dtype)} elements"
+            )
+        chunks.append(ChunkRecord(box, location))
+    covered = sum(c.box.numel for c in chunks)
+    if covered != whole.numel:
+        raise CheckpointFormatError(f"{w}: its chunks hold {covered} of its {whole.numel} elements")
+    return TensorRecord(dtype, shape, layout, False, chunks=chunks)
 
 
 def _check_location(loc: Location, files: Sequence[FileRecord], where: str) -> None:
@@ -304,35 +363,3 @@ def _check_location(loc: Location, files: Sequence[FileRecord], where: str) -> N
             f"{where}: byte range [{loc.start}, {loc.start + loc.nbytes}) lies outside {f.name} "
             f"({f.size} bytes)"
         )
-
-
-def _int(d: Any, k: str, where: str) -> int:
-    v = d.get(k) if isinstance(d, dict) else None
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise CheckpointFormatError(f"{where}: field {k!r} must be an integer, got {v!r}")
-    return v
-
-
-def _str(d: Any, k: str, where: str) -> str:
-    v = d.get(k) if isinstance(d, dict) else None
-    if not isinstance(v, str):
-        raise CheckpointFormatError(f"{where}: field {k!r} must be a string, got {v!r}")
-    return v
-
-
-def _list(d: Any, k: str, where: str) -> list[Any]:
-    v = d.get(k) if isinstance(d, dict) else None
-    if not isinstance(v, list):
-        raise CheckpointFormatError(f"{where}: field {k!r} must be a list")
-    return v
-
-
-def _dict(d: Any, k: str, where: str) -> dict[str, Any]:
-    v = d.get(k) if isinstance(d, dict) else None
-    if not isinstance(v, dict):
-        raise CheckpointFormatError(f"{where}: field {k!r} must be an object")
-    return v
-
-
-def _int_list(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)

@@ -36,13 +36,21 @@ def encode_runs(xs: Sequence[int] | np.ndarray) -> list[list[int]]:
     return out
 
 
+# Bounds on a run's numbers, so that no sum or product of them overflows the
+# 64-bit integers RunList computes with.
+_MAX_RUN = 1 << 40
+
+
 def decode_runs(runs: Any, where: str) -> "RunList":
-    """Inverse of :func:`encode_runs`, as a lazy :class:`RunList`."""
+    """Inverse of :func:`encode_runs`, as a lazy :class:`RunList`; validates the runs."""
     if not isinstance(runs, list) or not all(
-        isinstance(r, list) and len(r) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+        isinstance(r, list) and len(r) == 3
+        and all(isinstance(x, int) and not isinstance(x, bool) and -_MAX_RUN <= x <= _MAX_RUN for x in r)
         and r[1] >= 0 for r in runs
     ):
-        raise CheckpointFormatError(f"{where}: malformed file runs {runs!r}")
+        raise CheckpointFormatError(f"{where}: malformed file runs {runs!r}"[:300])
+    if sum(r[1] for r in runs) > _MAX_RUN:
+        raise CheckpointFormatError(f"{where}: file runs list more than {_MAX_RUN} chunks")
     return RunList(runs)
 
 

@@ -6,12 +6,12 @@ Shared by the Hugging Face source (:mod:`ucp_dcp.sources.hf`) and export
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any
 
 from ..errors import CheckpointFormatError
+from ..format.schema import parse_json
 
 __all__ = ["HF_WEIGHTS_NAME", "HF_INDEX_NAME", "HF_CONFIG_FILES", "find_hf_files", "looks_like_hf", "plain_file_name"]
 
@@ -91,10 +91,11 @@ def find_hf_files(src: str) -> tuple[str, list[str], dict[str, str] | None]:
 
 def _from_index(directory: str, path: str) -> tuple[str, list[str], dict[str, str]]:
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointFormatError(f"{path}: not valid JSON ({e})") from None
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot read ({e.strerror or e})") from None
+    doc = parse_json(raw, f"{path}: not valid JSON")
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise CheckpointFormatError(f"{path}: no \"weight_map\" object of tensor name -> file name")

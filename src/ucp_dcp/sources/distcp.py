@@ -63,7 +63,7 @@ from ..core.sharding import Box
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError, DCPValueError
 from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord, dtype_name
-from ..format.records import _check_relative_name
+from ..format.schema import check_relative_name, check_tensor_bytes
 from ._dcp_metadata import DCP_METADATA_FILE, read_dcp_metadata
 from ._torch_save import StoredTensor, dim_order, is_index_tuple, is_nonneg_int, parse_tensor_item
 from .base import Source, SourceOptions, register
@@ -111,7 +111,7 @@ class DCPSource(Source):
         names: dict[str, int] = {}
         for v in infos.values():
             if v.relative_path not in names:
-                _check_relative_name(v.relative_path, f"{mdpath}: storage_data")
+                check_relative_name(v.relative_path, f"{mdpath}: storage_data")
                 names[v.relative_path] = -1
         ordered = sorted(names, key=_file_sort_key)
         files: list[FileRecord] = []
@@ -140,6 +140,7 @@ class DCPSource(Source):
                 )
             return fi, info
 
+        available = sum(f.size for f in files)
         tensors: dict[str, TensorRecord] = {}
         values: dict[str, Location] = {}
         self._tensor_items: dict[str, list[tuple[int, Any]]] = {}
@@ -156,6 +157,7 @@ class DCPSource(Source):
             dtype = getattr(smd.properties, "dtype", None)
             if not (is_index_tuple(shape) and isinstance(dtype, torch.dtype) and isinstance(smd.chunks, list)):
                 raise CheckpointFormatError(f"{mdpath}: malformed tensor metadata for {fqn!r}")
+            check_tensor_bytes(shape, dtype, available, f"{mdpath}: tensor {fqn!r}")
             whole = Box((0,) * len(shape), shape)
             empty_tensor = math.prod(shape) == 0
             chunks, items = [], []

@@ -6,7 +6,19 @@ import os
 import threading
 
 from ..errors import CheckpointFormatError
-from ..format import INDEX_FILE, FileHeader, Location, chunk_entry_name, load_index, read_header
+from ..format import (
+    INDEX_FILE,
+    EntryMeta,
+    FileHeader,
+    Location,
+    chunk_entry_name,
+    dtype_name,
+    load_index,
+    rank_local_entry_name,
+    read_header,
+    split_rank_local_key,
+    value_entry_name,
+)
 from .base import Source, SourceOptions, register
 
 __all__ = ["NativeSource"]
@@ -18,7 +30,10 @@ class NativeSource(Source):
 
     Explicit index entries carry their location; compact ones name only the
     file, and the byte range comes from that file's header, read once per
-    file and only for the files this process actually reads from.
+    file and only for the files this process actually reads from. Either
+    way every chunk and value read is cross-checked against its entry in the
+    data file's header, so an index that disagrees with its data files fails
+    naming both.
     """
 
     format = "ucp_dcp"
@@ -41,7 +56,7 @@ class NativeSource(Source):
         return cls(path)
 
     def header(self, file: int) -> FileHeader:
-        """Parsed header of data file ``file``; checks its size against the index."""
+        """Parsed header of data file ``file``; checks its size, rank and world size against the index."""
         h = self._headers.get(file)
         if h is None:
             with self._lock:
@@ -54,41 +69,112 @@ class NativeSource(Source):
                             f"{self.paths[file]}: {h.size} bytes on disk but the index recorded {rec.size}: "
                             "the file was truncated or replaced after the checkpoint was committed"
                         )
+                    if (h.rank, h.world_size) != (rec.rank, self.index.world_size):
+                        raise CheckpointFormatError(
+                            f"{self.paths[file]}: written by rank {h.rank} of world size {h.world_size}, but the "
+                            f"index says rank {rec.rank} of {self.index.world_size}"
+                        )
                     self._headers[file] = h
         return h
 
-    def locate(self, fqn: str, idx: int) -> Location:
-        """From the index (explicit chunk lists) or from the data file's header (compact ones)."""
-        rec = self.index.tensors[fqn]
-        if not rec.compact:
-            return super().locate(fqn, idx)
-        box = self.box(fqn, idx)
-        file = rec.files[idx]
+    def _entry(self, file: int, name: str, what: str) -> tuple[int, int, EntryMeta]:
+        """``(start, nbytes, metadata)`` of entry ``name`` of data file ``file``; the index says it holds ``what``."""
         h = self.header(file)
-        name = chunk_entry_name(fqn, box.offsets)
-        try:
-            start, nbytes = h.ranges[name]
-            meta = h.meta[name]
-        except KeyError:
+        meta = h.meta.get(name)
+        if meta is None:
             raise CheckpointFormatError(
-                f"{self.paths[file]}: the index says it holds chunk {name!r} of {fqn!r}, but it does not"
-            ) from None
-        want = box.numel * rec.dtype.itemsize
-        if nbytes != want or meta.fqn != fqn:
-            raise CheckpointFormatError(
-                f"{self.paths[file]}: entry {name!r} has {nbytes} bytes, expected {want} for chunk "
-                f"{list(box.sizes)} of {fqn!r}"
+                f"{self.paths[file]}: the index says it holds {what} (entry {name!r}), but it does not"
             )
-        return Location(file, start, nbytes, meta.xxh3)
+        return (*h.ranges[name], meta)
+
+    def locate(self, fqn: str, idx: int) -> Location:
+        """From the index (explicit chunk lists) or the data file's header (compact ones), cross-checked.
+
+        Either way the chunk's entry in the data file's header must agree with
+        the index: same tensor, dtype, global shape and box, and for explicit
+        chunks the same byte range and checksum.
+        """
+        rec = self.index.tensors[fqn]
+        box = self.box(fqn, idx)
+        loc = None if rec.compact else super().locate(fqn, idx)
+        file = rec.files[idx] if rec.compact else loc.file  # type: ignore[union-attr]
+        name = chunk_entry_name(fqn, box.offsets)
+        what = f"chunk {list(box.offsets)} of {fqn!r}"
+        start, nbytes, meta = self._entry(file, name, what)
+        found = (meta.fqn, meta.dtype, meta.shape, meta.offsets, meta.sizes)
+        want = (fqn, dtype_name(rec.dtype), rec.shape, box.offsets, box.sizes)
+        if found != want:
+            raise CheckpointFormatError(
+                f"{self.paths[file]}: entry {name!r} is a {meta.dtype}{list(meta.sizes)} chunk of {meta.fqn!r} "
+                f"{list(meta.shape)}, but the index has {what} as {want[1]}{list(box.sizes)} of {list(rec.shape)}"
+            )
+        here = Location(file, start, nbytes, meta.xxh3)
+        if loc is not None and loc != here:
+            raise CheckpointFormatError(_disagree(self.paths[file], what, here, loc))
+        return here
+
+    def value_location(self, key: str) -> Location:
+        """From the index, cross-checked with the data file's header like :meth:`locate`."""
+        loc = super().value_location(key)
+        rl = split_rank_local_key(key)
+        what = f"rank-local value {rl[1]!r} of rank {rl[0]}" if rl else f"value {key!r}"
+        name = rank_local_entry_name(rl[1]) if rl else value_entry_name(key)
+        start, nbytes, meta = self._entry(loc.file, name, what)
+        if rl and self.header(loc.file).rank != rl[0]:
+            raise CheckpointFormatError(
+                f"{self.paths[loc.file]}: the index has {what} in the file of rank {self.header(loc.file).rank}"
+            )
+        here = Location(loc.file, start, nbytes, meta.xxh3)
+        if here != loc:
+            raise CheckpointFormatError(_disagree(self.paths[loc.file], what, here, loc))
+        return loc
 
     def check_files(self) -> list[str]:
-        """Every data file's header parses and its size is the one the index recorded."""
+        """Every data file's header parses, matches the index's record of the file, and lists only what the index lists.
+
+        Together with :meth:`locate` and :meth:`value_location` (the index's
+        entries are in the headers, alike), this cross-checks the index and
+        the headers both ways: an entry deleted from the index, or renamed in
+        it, leaves an entry in some header that the index does not list.
+        """
         problems = []
-        for i, f in enumerate(self.index.files):
+        for i in range(len(self.index.files)):
             try:
-                h = read_header(self.paths[i])
-                if h.size != f.size:
-                    problems.append(f"{f.name}: {h.size} bytes on disk, the index recorded {f.size}")
+                h = self.header(i)
             except CheckpointFormatError as e:
                 problems.append(str(e))
+                continue
+            for name, m in h.meta.items():
+                problem = self._unlisted(i, h, m)
+                if problem:
+                    problems.append(f"{self.paths[i]}: entry {name!r} holds {problem}")
         return problems
+
+    def _unlisted(self, file: int, h: FileHeader, m: EntryMeta) -> str | None:
+        """Why the index does not list header entry ``m`` of data file ``file`` there (None if it does)."""
+        if m.kind == "value":
+            loc = self.index.values.get(m.fqn)
+            listed = loc is not None and loc.file == file
+            return None if listed else f"value {m.fqn!r}, which the index does not list there"
+        if m.kind == "rank_local":
+            loc = self.index.rank_local.get(m.fqn, {}).get(h.rank)
+            if loc is not None and loc.file == file:
+                return None
+            return f"rank {h.rank}'s rank-local value {m.fqn!r}, which the index does not list there"
+        what = f"chunk {list(m.offsets)} of tensor {m.fqn!r}, which the index does not list there"
+        rec = self.index.tensors.get(m.fqn)
+        if rec is None or len(m.offsets) != len(rec.shape):
+            return what
+        try:
+            idx = self.chunk_index(m.fqn, m.offsets, None)
+        except CheckpointFormatError:
+            return what
+        listed = rec.files[idx] if rec.compact else rec.chunks[idx].location.file  # type: ignore[union-attr]
+        return None if listed == file else what
+
+
+def _disagree(path: str, what: str, here: Location, listed: Location) -> str:
+    return (
+        f"{path}: the index records {what} at bytes [{listed.start}, {listed.start + listed.nbytes}) with xxh3 "
+        f"{listed.xxh3}, the file's header at [{here.start}, {here.start + here.nbytes}) with xxh3 {here.xxh3}"
+    )

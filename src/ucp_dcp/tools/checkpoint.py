@@ -102,6 +102,9 @@ class Checkpoint:
         buffer), so no second full-size copy is made.
         """
         rec = self.tensor_record(name)
+        # Locate every chunk first: nothing is allocated for a tensor whose
+        # bytes the data files do not hold (each chunk is checked against its file).
+        self.chunks(name)
         out = torch.empty(rec.shape, dtype=dtype or rec.dtype, device=device)
         self.read_into(name, out)
         return out
@@ -153,22 +156,37 @@ class Checkpoint:
     def verify(self, progress: ProgressFn | None = None) -> list[str]:
         """Re-check every data file, index entry and checksum.
 
+        For a native checkpoint the index is also cross-checked with every
+        data file's header, both ways: each chunk and value the index lists
+        is an entry of its file's header with the same box, byte range and
+        checksum, and each entry of the headers is listed by the index (so a
+        deleted or renamed index entry is reported).
+
         Returns one line per problem, naming the file and the tensor or value;
         an empty list means the checkpoint is intact. Reads every byte once,
         in blocks of 16 MiB.
         """
         problems: list[str] = self.source.check_files()
         work: list[tuple[str, Location]] = []
+
+        def note(e: CheckpointFormatError) -> None:
+            # A damaged header fails every entry in that file: say it once.
+            if str(e) not in problems:
+                problems.append(str(e))
+
         for name in self.tensor_names():
             try:
                 work += [(chunk_what(name, box.offsets), loc) for box, loc in self.chunks(name)]
             except CheckpointFormatError as e:
-                # A damaged header fails every tensor in that file: say it once.
-                if str(e) not in problems:
-                    problems.append(str(e))
-        work += [(f"value {k!r}", self.source.value_location(k)) for k in sorted(self.index.values)]
-        work += [(f"rank-local value {k!r} of rank {r}", self.source.value_location(rank_local_key(r, k)))
+                note(e)
+        keys = [(f"value {k!r}", k) for k in sorted(self.index.values)]
+        keys += [(f"rank-local value {k!r} of rank {r}", rank_local_key(r, k))
                  for k, per_rank in sorted(self.index.rank_local.items()) for r in sorted(per_rank)]
+        for what, key in keys:
+            try:
+                work.append((what, self.source.value_location(key)))
+            except CheckpointFormatError as e:
+                note(e)
         total = sum(loc.nbytes for _, loc in work)
         done = 0
         buf = bytearray(min(HASH_BLOCK, max((loc.nbytes for _, loc in work), default=1)))
@@ -176,7 +194,7 @@ class Checkpoint:
             path = self.source.paths[loc.file]
             try:
                 digest = hash_range(self._reader, loc, buf)
-            except EOFError as e:  # its message names the file already
+            except (CheckpointFormatError, EOFError) as e:  # a missing or short file: the message names it
                 problems.append(f"{what}: {e}")
                 continue
             except OSError as e:

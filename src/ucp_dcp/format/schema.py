@@ -1,0 +1,158 @@
+"""Checks of untrusted JSON fields: the index and data-file headers are validated here before use.
+
+Every check raises :class:`~ucp_dcp.CheckpointFormatError` naming ``where``
+(the file and the record) and the field, so a damaged or hostile checkpoint
+fails with a library error, never with a raw ``KeyError``/``TypeError`` or
+an allocation of whatever size a field claims.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from typing import Any, Sequence
+
+import torch
+
+from ..core.values import dtype_from_name
+from ..errors import CheckpointFormatError
+from .names import dtype_name
+
+__all__ = [
+    "MAX_DIMS", "MAX_INT", "parse_json", "field_int", "field_str", "field_list", "field_dict", "field_xxh3",
+    "is_index_list", "field_dtype", "field_shape", "check_relative_name", "check_tensor_bytes",
+]
+
+MAX_DIMS = 64
+"""Most dimensions a recorded tensor may have."""
+MAX_INT = (1 << 63) - 1
+"""Largest offset, size or count a record may hold (a file offset is a signed 64-bit integer)."""
+_XXH3 = re.compile(r"[0-9a-f]{16}")
+
+
+def parse_json(raw: bytes | str, message: str, advice: str = "") -> Any:
+    """``raw`` parsed as JSON, or :class:`CheckpointFormatError` ``"<message> (<why>)<advice>"``.
+
+    Catches everything ``json.loads`` raises on bad input: invalid UTF-8 or
+    JSON, an integer of more than 4300 digits (``ValueError``), nesting too
+    deep (``RecursionError``).
+    """
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointFormatError(f"{message} ({type(e).__name__}: {str(e)[:200]}){advice}") from None
+
+
+def field_int(d: Any, k: str, where: str, lo: int = 0, hi: int = MAX_INT) -> int:
+    """Integer field ``k`` of object ``d``, within ``[lo, hi]`` (booleans are not integers)."""
+    v = d.get(k) if isinstance(d, dict) else None
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise CheckpointFormatError(f"{where}: field {k!r} must be an integer, got {_short(v)}")
+    if not lo <= v <= hi:
+        raise CheckpointFormatError(f"{where}: field {k!r} is {_short(v)}, outside {lo}..{hi}")
+    return v
+
+
+def field_str(d: Any, k: str, where: str) -> str:
+    """String field ``k`` of object ``d``."""
+    v = d.get(k) if isinstance(d, dict) else None
+    if not isinstance(v, str):
+        raise CheckpointFormatError(f"{where}: field {k!r} must be a string, got {_short(v)}")
+    return v
+
+
+def field_list(d: Any, k: str, where: str) -> list[Any]:
+    """List field ``k`` of object ``d``."""
+    v = d.get(k) if isinstance(d, dict) else None
+    if not isinstance(v, list):
+        raise CheckpointFormatError(f"{where}: field {k!r} must be a list")
+    return v
+
+
+def field_dict(d: Any, k: str, where: str) -> dict[str, Any]:
+    """Object field ``k`` of object ``d``."""
+    v = d.get(k) if isinstance(d, dict) else None
+    if not isinstance(v, dict):
+        raise CheckpointFormatError(f"{where}: field {k!r} must be an object")
+    return v
+
+
+def field_xxh3(d: Any, k: str, where: str) -> str:
+    """An xxh3-64 checksum: 16 lowercase hex digits."""
+    v = field_str(d, k, where)
+    if not _XXH3.fullmatch(v):
+        raise CheckpointFormatError(
+            f"{where}: field {k!r} must be an xxh3-64 checksum (16 hex digits), got {_short(v)}"
+        )
+    return v
+
+
+def is_index_list(v: Any, n: int | None = None) -> bool:
+    """Whether ``v`` is a list of non-negative integers (of length ``n``, when given) that fit in 63 bits."""
+    return (
+        isinstance(v, list)
+        and len(v) <= MAX_DIMS
+        and (n is None or len(v) == n)
+        and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_INT for x in v)
+    )
+
+
+# Quantized and sub-byte integer dtypes: torch has names for them, but no
+# checkpoint holds them and most copies into them fail.
+_NOT_STORED = re.compile(r"q.*|u?int[1-7]")
+
+
+def field_dtype(d: Any, k: str, where: str) -> torch.dtype:
+    """A torch dtype by name (``"float32"``)."""
+    name = field_str(d, k, where)
+    try:
+        dtype = dtype_from_name(name)
+    except ValueError as e:
+        raise CheckpointFormatError(f"{where}: {e}") from None
+    if _NOT_STORED.fullmatch(name):
+        raise CheckpointFormatError(f"{where}: dtype {name!r} is not one a checkpoint holds")
+    return dtype
+
+
+def field_shape(d: Any, k: str, where: str) -> tuple[int, ...]:
+    """A shape: at most :data:`MAX_DIMS` non-negative integers."""
+    v = d.get(k) if isinstance(d, dict) else None
+    if not is_index_list(v):
+        raise CheckpointFormatError(f"{where}: malformed {k} {_short(v)}")
+    return tuple(v)
+
+
+def check_relative_name(name: str, where: str) -> None:
+    """Refuse a data-file name that is absolute, has a path separator, is ``.``/``..`` or holds a NUL.
+
+    A hostile index must not make the reader open files outside the checkpoint.
+    """
+    if not name or os.path.isabs(name) or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+        raise CheckpointFormatError(
+            f"{where}: data file name {name!r} is absolute or leaves the checkpoint directory; "
+            "only plain file names inside the checkpoint are allowed"
+        )
+
+
+def check_tensor_bytes(shape: Sequence[int], dtype: torch.dtype, available: int, where: str) -> None:
+    """Refuse a tensor the data files cannot hold, before anything is allocated for it.
+
+    ``available`` is the total size of the data files. A tensor of ``numel``
+    elements needs ``numel * itemsize`` bytes of them; an empty tensor must
+    still have strides that fit in 63 bits.
+    """
+    need = math.prod(shape) * dtype.itemsize
+    if need > available:
+        raise CheckpointFormatError(
+            f"{where}: {dtype_name(dtype)}{list(shape)} needs {need} bytes, more than the data files hold "
+            f"together ({available} bytes)"
+        )
+    if math.prod(max(n, 1) for n in shape) * dtype.itemsize > MAX_INT:
+        raise CheckpointFormatError(f"{where}: shape {list(shape)} is too large to address")
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."

@@ -1,0 +1,310 @@
+"""Hostile and damaged checkpoints fail with exact, library errors naming the file and the field.
+
+The main cases of ``tests/test_fuzz_checkpoint.py``, pinned to their exact
+messages: a field of the wrong type, a shape larger than the data files, a
+negative offset, an index that does not match its digest, an edited or
+deleted name (which only ``verify``'s cross-check of the index with the data
+files' headers can see, when the edit also fixed the digest). Single
+process, no process group.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ucp_dcp import (
+    Checkpoint,
+    CheckpointFormatError,
+    RankLocal,
+    UCPError,
+    UCPSavePlanner,
+    UCPStorageWriter,
+    load_index,
+    load_state_dict,
+)
+from ucp_dcp.core.values import decode_value
+from ucp_dcp.format import INDEX_FILE, index_digest, read_header
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+@pytest.fixture()
+def ckpt(tmp_path: Path) -> Path:
+    """A committed single-process checkpoint: two tensors, a value, a rank-local value."""
+    path = tmp_path / "ckpt"
+    g = torch.Generator().manual_seed(0)
+    sd = {"model": {"w": torch.randn(8, 16, generator=g), "b": torch.randn(16, generator=g)},
+          "step": 7, "rng": RankLocal({"seed": 3})}
+    dcp.save(sd, storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())
+    return path
+
+
+def doc_of(path: Path) -> dict[str, Any]:
+    return json.loads((path / INDEX_FILE).read_text())
+
+
+def edit_index(path: Path, edit: Callable[[dict[str, Any]], Any], digest: str = "re-sign") -> dict[str, Any]:
+    """Edit the index; ``digest``: "re-sign" (a hostile edit that fixes the digest), "keep" (now stale) or "drop"."""
+    doc = doc_of(path)
+    edit(doc)
+    if digest == "re-sign":
+        doc["digest"] = index_digest(doc)
+    elif digest == "drop":
+        del doc["digest"]
+    (path / INDEX_FILE).write_text(json.dumps(doc))
+    return doc
+
+
+def data_file(path: Path) -> Path:
+    (f,) = doc_of(path)["files"]
+    return path / f["name"]
+
+
+def edit_header(f: Path, edit: Callable[[dict[str, Any], dict[str, Any]], Any]) -> None:
+    """Edit the safetensors header (and the ucp_dcp metadata in it) of data file ``f`` in place."""
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    doc = json.loads(raw[8:8 + n])
+    md = json.loads(doc["__metadata__"]["ucp_dcp"])
+    edit(doc, md)
+    doc["__metadata__"]["ucp_dcp"] = json.dumps(md)
+    new = json.dumps(doc).encode()
+    assert len(new) <= n
+    f.write_bytes(raw[:8] + new + b" " * (n - len(new)) + raw[8 + n:])
+
+
+def fails(path: Path, message: str) -> None:
+    """Opening the index, ``Checkpoint`` and ``load_state_dict`` all fail with exactly ``message``."""
+    for attempt in (lambda: load_index(str(path)), lambda: Checkpoint(path), lambda: load_state_dict(path)):
+        with pytest.raises(CheckpointFormatError) as e:
+            attempt()
+        assert str(e.value) == message
+
+
+# ---------------------------------------------------------------- wrong types
+
+
+@pytest.mark.parametrize("layout", [True, 1, "S(0)", [2]])
+def test_layout_of_wrong_type(ckpt: Path, layout: Any) -> None:
+    """A layout that is not an object (was: AttributeError: 'bool' object has no attribute 'get')."""
+    edit_index(ckpt, lambda d: d["tensors"]["model.w"].update(layout=layout))
+    fails(ckpt, f"{ckpt / INDEX_FILE}: tensor 'model.w': field 'layout' must be an object or null, got {layout!r}")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d["tensors"]["model.w"].update(dtype=3), "tensor 'model.w': field 'dtype' must be a string, got 3"),
+        (lambda d: d["tensors"].update({"model.w": []}), "tensor 'model.w': must be an object, got []"),
+        (lambda d: d["files"][0].update(rank=1), "files[0]: field 'rank' is 1, outside 0..0"),
+        (lambda d: d["values"]["step"].update(xxh3="x"),
+         "value 'step': field 'xxh3' must be an xxh3-64 checksum (16 hex digits), got 'x'"),
+        (lambda d: d["tensors"]["model.w"].update(layout={"mesh": [2**30], "placements": ["S(0)"]}),
+         "tensor 'model.w': layout mesh [1073741824] must have 1 to 16777216 devices, at least 1 per dimension"),
+        (lambda d: d["tensors"]["model.w"].update(layout={"mesh": [2], "placements": ["S(5)"]}),
+         "tensor 'model.w': placement 'S(5)' shards dimension 5 of a 2-d tensor"),
+        (lambda d: d["tensors"]["model.w"].update(layout={"mesh": [2], "placements": ["X"]}),
+         "tensor 'model.w': unknown placement 'X'; expected 'R', 'S(dim)' or 'SS(dim,split)'"),
+        (lambda d: d["rank_local"]["rng"].update({"9" * 5000: d["rank_local"]["rng"]["0"]}),
+         "rank-local value 'rng': malformed"),
+    ],
+    ids=["dtype", "record", "rank", "xxh3", "mesh", "placement_dim", "placement", "rank_key"],
+)
+def test_index_fields(ckpt: Path, edit: Callable[[dict[str, Any]], Any], message: str) -> None:
+    """Wrong types and values anywhere in the index are refused naming the field."""
+    edit_index(ckpt, edit)
+    fails(ckpt, f"{ckpt / INDEX_FILE}: {message}")
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000, b'{"world_size": ' + b"9" * 5000 + b"}"], ids=["deep", "digits"])
+def test_index_json_python_cannot_parse(ckpt: Path, raw: bytes) -> None:
+    """Nesting deeper than Python's recursion limit and 5000-digit integers are corrupt indexes, not crashes."""
+    (ckpt / INDEX_FILE).write_bytes(raw)
+    match = r"ucp_index\.json: truncated or corrupt index \((RecursionError|ValueError)"
+    with pytest.raises(CheckpointFormatError, match=match):
+        Checkpoint(ckpt)
+
+
+# ---------------------------------------------------------------- sizes
+
+
+def test_huge_shape_refused_before_anything_is_allocated(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shape edited to 10^9 rows is refused when the index is read, naming the tensor
+    (was: an attempt to allocate 64 GB before noticing the data cannot be there)."""
+    size = data_file(ckpt).stat().st_size
+    edit_index(ckpt, lambda d: d["tensors"]["model.w"].update(shape=[10**9, 16]))
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: pytest.fail("allocated"))
+    fails(ckpt, f"{ckpt / INDEX_FILE}: tensor 'model.w': float32[1000000000, 16] needs 64000000000 bytes, "
+                f"more than the data files hold together ({size} bytes)")
+
+
+def test_huge_chunk_in_header(ckpt: Path) -> None:
+    """A header entry whose shape claims more bytes than its range holds."""
+    f = data_file(ckpt)
+    edit_header(f, lambda doc, md: doc["model.w@0,0"].update(shape=[10**9, 16]))
+    with pytest.raises(CheckpointFormatError) as e:
+        read_header(str(f))
+    assert str(e.value) == f"{f}: entry 'model.w@0,0' holds 512 bytes, but F32[1000000000, 16] needs 64000000000"
+    assert any(str(e.value) == p for p in Checkpoint(ckpt).verify())
+
+
+# ---------------------------------------------------------------- offsets
+
+
+def test_negative_offset_in_index(ckpt: Path) -> None:
+    """A negative start of a value's byte range."""
+    doc = edit_index(ckpt, lambda d: d["values"]["step"].update(start=-4))
+    f = doc["files"][0]
+    fails(ckpt, f"{ckpt / INDEX_FILE}: value 'step': byte range [-4, {doc['values']['step']['nbytes'] - 4}) "
+                f"lies outside {f['name']} ({f['size']} bytes)")
+
+
+def test_negative_offset_in_header(ckpt: Path) -> None:
+    """A negative data offset in a safetensors header."""
+    f = data_file(ckpt)
+    edit_header(f, lambda doc, md: doc["model.b@0"].update(data_offsets=[-4, 60]))
+    with pytest.raises(CheckpointFormatError) as e:
+        load_state_dict(ckpt)
+    assert str(e.value) == f"{f}: entry 'model.b@0' has bad data_offsets [-4, 60]"
+
+
+# ---------------------------------------------------------------- the digest
+
+
+def test_digest_mismatch(ckpt: Path) -> None:
+    """An edit that does not fix the digest: the index was changed after it was written."""
+    doc = edit_index(ckpt, lambda d: d["values"]["step"].update(xxh3="0" * 16), digest="keep")
+    actual = index_digest(doc)
+    fails(ckpt, f"{ckpt / INDEX_FILE}: the index does not match its digest (recorded {doc['digest']!r}, its "
+                f"content hashes to {actual}): it was changed after it was written; if the data files are "
+                "complete, rebuild it with ucp_dcp.rebuild_index(path, write=True, replace=True)")
+
+
+def test_index_without_digest_loads(ckpt: Path) -> None:
+    """An index written before digests existed has none, and loads."""
+    want = load_state_dict(ckpt, rank_local=True)
+    assert "digest" in doc_of(ckpt)
+    edit_index(ckpt, lambda d: None, digest="drop")
+    got = load_state_dict(ckpt, rank_local=True)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in ("model.w", "model.b"))
+    assert Checkpoint(ckpt).verify() == []
+
+
+def test_digest_is_of_the_canonical_json(ckpt: Path) -> None:
+    """Key order and whitespace are not content: a re-serialised index still matches its digest."""
+    doc = doc_of(ckpt)
+    (ckpt / INDEX_FILE).write_text(json.dumps(dict(reversed(list(doc.items()))), indent=2))
+    assert load_index(str(ckpt)).to_json() == {k: v for k, v in doc.items() if k != "digest"}
+
+
+# ---------------------------------------------------------------- names
+
+
+def test_renamed_tensor(ckpt: Path) -> None:
+    """A tensor renamed in the index (digest fixed too): the load fails naming the entry it
+    cannot find, verify also names the entry the index no longer lists."""
+    f = data_file(ckpt)
+    edit_index(ckpt, lambda d: d["tensors"].update({"model.c": d["tensors"].pop("model.b")}))
+    missing = f"{f}: the index says it holds chunk [0] of 'model.c' (entry 'model.c@0'), but it does not"
+    unlisted = f"{f}: entry 'model.b@0' holds chunk [0] of tensor 'model.b', which the index does not list there"
+    with pytest.raises(CheckpointFormatError) as e:
+        load_state_dict(ckpt)
+    assert str(e.value) == missing
+    assert sorted(Checkpoint(ckpt).verify()) == sorted([unlisted, missing])
+
+
+def test_renamed_value(ckpt: Path) -> None:
+    """A value renamed in the index."""
+    f = data_file(ckpt)
+    edit_index(ckpt, lambda d: d["values"].update({"epoch": d["values"].pop("step")}))
+    assert sorted(Checkpoint(ckpt).verify()) == sorted([
+        f"{f}: entry '__ucp_value__/step' holds value 'step', which the index does not list there",
+        f"{f}: the index says it holds value 'epoch' (entry '__ucp_value__/epoch'), but it does not",
+    ])
+    with pytest.raises(UCPError):
+        load_state_dict(ckpt)
+
+
+def test_deleted_tensor(ckpt: Path) -> None:
+    """A tensor deleted from the index: loads leave it out, verify reports it."""
+    f = data_file(ckpt)
+    edit_index(ckpt, lambda d: d["tensors"].pop("model.b"))
+    assert "model.b" not in load_state_dict(ckpt)
+    assert Checkpoint(ckpt).verify() == [
+        f"{f}: entry 'model.b@0' holds chunk [0] of tensor 'model.b', which the index does not list there"
+    ]
+
+
+def test_swapped_value_locations(ckpt: Path) -> None:
+    """An index that points a value at another entry's bytes (with that entry's checksum)."""
+    f = data_file(ckpt)
+
+    def swap(d: dict[str, Any]) -> None:
+        d["values"]["step"] = dict(d["rank_local"]["rng"]["0"])
+
+    doc = edit_index(ckpt, swap)
+    loc = doc["values"]["step"]
+    hdr = read_header(str(f))
+    start, nbytes = hdr.ranges["__ucp_value__/step"]
+    message = (
+        f"{f}: the index records value 'step' at bytes [{loc['start']}, {loc['start'] + loc['nbytes']}) with xxh3 "
+        f"{loc['xxh3']}, the file's header at [{start}, {start + nbytes}) with xxh3 "
+        f"{hdr.meta['__ucp_value__/step'].xxh3}"
+    )
+    with pytest.raises(CheckpointFormatError) as e:
+        load_state_dict(ckpt)
+    assert str(e.value) == message
+    assert message in Checkpoint(ckpt).verify()
+
+
+# ---------------------------------------------------------------- values and other sources
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b'{"__ucp__": "tuple"}', "value 'k' is not valid ucp_dcp JSON (KeyError: 'v')"),
+        (b'{"__ucp__": "tensor", "dtype": "float32", "shape": [3], "data": "AAAAAA=="}',
+         "value 'k' is not valid ucp_dcp JSON (RuntimeError: shape '[3]' is invalid for input of size 1)"),
+        (b"\xff", "value 'k' is not valid ucp_dcp JSON (UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff "
+                  "in position 0: invalid start byte)"),
+    ],
+    ids=["tag_field", "tensor_shape", "utf8"],
+)
+def test_malformed_value(raw: bytes, message: str) -> None:
+    """A value whose bytes pass their checksum but do not decode is a format error, not a KeyError."""
+    with pytest.raises(CheckpointFormatError) as e:
+        decode_value(raw, "k")
+    assert str(e.value) == message
+
+
+def test_dcp_metadata_shape_larger_than_its_files(tmp_path: Path) -> None:
+    """DCP's .metadata claiming a tensor larger than all its data files."""
+    path = tmp_path / "dcp"
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(path))
+    md = pickle.loads((path / ".metadata").read_bytes())
+    md.state_dict_metadata["w"].size = torch.Size([10**9])
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    size = sum(f.stat().st_size for f in path.glob("*.distcp"))
+    with pytest.raises(CheckpointFormatError) as e:
+        load_state_dict(path)
+    assert str(e.value) == (f"{path / '.metadata'}: tensor 'w': float32[1000000000] needs 4000000000 bytes, more "
+                            f"than the data files hold together ({size} bytes)")
+
+
+def test_hf_header_shape_larger_than_its_bytes(tmp_path: Path) -> None:
+    """A Hugging Face file whose header claims a shape its byte range cannot hold."""
+    f = tmp_path / "model.safetensors"
+    header = json.dumps({"w": {"dtype": "F32", "shape": [10**9], "data_offsets": [0, 16]}}).encode()
+    f.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    with pytest.raises(CheckpointFormatError) as e:
+        load_state_dict(tmp_path)
+    assert str(e.value) == f"{f}: entry 'w' holds 16 bytes, but F32[1000000000] needs 4000000000"
