@@ -132,3 +132,22 @@ def test_empty_state_dict_saves_and_loads(tmp_path: Path) -> None:
     _save({"w": torch.ones(2)}, tmp_path / "one")
     with pytest.warns(UserWarning, match=r"'w'"):
         _load({}, tmp_path / "one")
+
+
+def test_load_into_an_empty_state_dict_rebuilds_the_nesting(tmp_path: Path) -> None:
+    """DCP's own empty-state-dict planner (behind ``format_utils.dcp_to_torch_save``) loads a universal
+    checkpoint through UCPStorageReader with the saved nesting (list indices, dotted keys) and values."""
+    import io
+
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    sd = {"model": {"w": torch.arange(6.0).reshape(2, 3), "layers": [torch.ones(2), torch.zeros(3)]},
+          "step": 7, "dotted.key": torch.ones(1), "blob": io.BytesIO(b"raw")}
+    _save(sd, tmp_path)
+    out: dict[str, Any] = {}
+    _load_state_dict(out, storage_reader=UCPStorageReader(tmp_path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    assert sorted(out) == ["blob", "dotted.key", "model", "step"] and sorted(out["model"]) == ["layers", "w"]
+    assert bit_equal(out["model"]["w"], sd["model"]["w"]) and isinstance(out["model"]["layers"], list)
+    assert all(bit_equal(a, b) for a, b in zip(out["model"]["layers"], sd["model"]["layers"]))
+    assert out["step"] == 7 and bit_equal(out["dotted.key"], torch.ones(1)) and out["blob"].getvalue() == b"raw"

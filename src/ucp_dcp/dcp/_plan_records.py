@@ -22,7 +22,7 @@ process that made them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -106,12 +106,16 @@ class SaveSummary:
         layouts: layout of every tensor (None where ranks disagree).
         owners: for every mesh-planned tensor, the mesh group that writes it.
         positions: global rank -> position in the save's process group.
+        paths: the nesting path of every key whose path is not its dotted
+            name split at the dots (list indices, keys with dots), so that a
+            load into an empty state dict rebuilds the nesting.
     """
 
     world_size: int
     layouts: dict[str, Layout | None]
     owners: dict[str, MeshGroup]
     positions: dict[int, int]
+    paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
 
     @staticmethod
     def of(metadata: Metadata, world_size: int) -> "SaveSummary":
@@ -152,11 +156,15 @@ class LoadSourceInfo:
             (None where the chunks are irregular), so that overlaps are
             found without listing chunks. In process only: load metadata
             is never sent between ranks.
+        keys: every tensor and value key of the checkpoint.
+        paths: nesting paths recorded at save (see :class:`SaveSummary`).
     """
 
     world_size: int | None = None
     rank_local: dict[str, list[int]] = field(default_factory=dict)
     chunk_grid: Callable[[str], Grid | None] | None = None
+    keys: frozenset[str] = frozenset()
+    paths: Mapping[str, tuple[str | int, ...]] = field(default_factory=dict)
 
     @staticmethod
     def of(metadata: Metadata | None) -> "LoadSourceInfo":
@@ -165,11 +173,16 @@ class LoadSourceInfo:
         return data if isinstance(data, LoadSourceInfo) else LoadSourceInfo()
 
     # DCP's own planners read a load's ``planner_data`` as the map from
-    # flattened keys to their paths (``_EmptyStateDictLoadPlanner``); this
-    # record holds no such paths, and reads as an empty map to them.
+    # flattened keys to their nesting paths (``_EmptyStateDictLoadPlanner``,
+    # behind ``format_utils.dcp_to_torch_save``): answer as that map does.
     def __contains__(self, key: object) -> bool:
-        return False
+        return isinstance(key, str) and key in self.keys
+
+    def __getitem__(self, key: str) -> tuple[str | int, ...]:
+        if key not in self.keys:
+            raise KeyError(key)
+        return self.paths.get(key) or tuple(key.split("."))
 
     def get(self, key: str, default: Any = None) -> Any:
-        """Nothing: see :meth:`__contains__`."""
-        return default
+        """The nesting path of checkpoint key ``key``, or ``default``."""
+        return self[key] if key in self else default

@@ -32,6 +32,7 @@ from ..byteio.integrity import ChunkVerifier
 from ..byteio.rangeio import RangeReader, Segment
 from ..byteio.transfer import StagingBuffers, needs_staging, read_staged, segments_into
 from ..core.sharding import Box
+from ..core.values import decode_value
 from ..format import Location, TensorRecord
 from ..sources import Source, SourceOptions, open_source, read_value, source_types
 from ..sources.distcp import DCP_VALUES_MODES
@@ -139,6 +140,8 @@ class UCPStorageReader(_Directory, StorageReader):
                 # In-process only (load metadata is never sent between ranks):
                 # lets UCPLoadPlanner find overlaps without listing chunks.
                 chunk_grid=source.grid,
+                keys=frozenset(md),
+                paths=index.paths,
             ),
             storage_meta=StorageMeta(checkpoint_id=self.path),
         )
@@ -160,8 +163,6 @@ class UCPStorageReader(_Directory, StorageReader):
         """Read every item of ``plan`` into the tensors ``planner`` resolves."""
         src = self.source
         assert src is not None
-        if not isinstance(planner, UCPLoadPlanner) and any(ri.type == LoadItemType.BYTE_IO for ri in plan.items):
-            raise TypeError("UCPStorageReader needs planner=UCPLoadPlanner() to decode non-tensor values")
         value_items = [ri for ri in plan.items if ri.type == LoadItemType.BYTE_IO]
         tensor_items = [
             (ri, src.chunk_index(ri.storage_index.fqn, tuple(ri.storage_index.offset), ri.storage_index.index))
@@ -219,7 +220,7 @@ class UCPStorageReader(_Directory, StorageReader):
                         verifier.add(location, ri.storage_index.fqn, chunk.offsets)
                         verifier.check()  # right after the read: its pages are likely still cached
             for ri in value_items:
-                planner.load_bytes(ri, io.BytesIO(read_value(src, reader, ri.storage_index.fqn)))
+                planner.load_bytes(ri, self._value_for(planner, read_value(src, reader, ri.storage_index.fqn), ri))
         finally:
             reader.close()
             self.bytes_requested += reader.stats.bytes
@@ -230,6 +231,21 @@ class UCPStorageReader(_Directory, StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    @staticmethod
+    def _value_for(planner: LoadPlanner, tagged: bytes, ri: ReadItem) -> io.BytesIO:
+        """What ``planner.load_bytes`` expects: the tagged JSON for UCPLoadPlanner; for any other planner
+        (DCP's own, which calls ``torch.load`` on it) the decoded value re-saved with ``torch.save``.
+
+        The decoded value holds only what tagged JSON can: numbers, strings,
+        containers, tensors, arrays; nothing from the checkpoint is unpickled.
+        """
+        if isinstance(planner, UCPLoadPlanner):
+            return io.BytesIO(tagged)
+        buf = io.BytesIO()
+        torch.save(decode_value(tagged, ri.storage_index.fqn), buf)
+        buf.seek(0)
+        return buf
 
     @staticmethod
     def _flush(

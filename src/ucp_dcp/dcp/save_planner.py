@@ -108,6 +108,11 @@ class UCPSavePlanner(DefaultSavePlanner):
         new_plans, self.metadata = create_global_save_plan(
             all_plans, allow_rank_local=self.divergent_values == "rank_local"
         )
+        # The coordinator's nesting paths that a dotted key does not say by
+        # itself (list indices, keys with dots), for loads into an empty dict.
+        paths = {k: tuple(p) for k, p in self.mappings.items() if tuple(p) != tuple(k.split("."))}
+        if paths:
+            self.metadata.planner_data = dataclasses.replace(self.metadata.planner_data, paths=paths)
         return new_plans, self.metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:

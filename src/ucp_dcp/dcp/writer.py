@@ -236,6 +236,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
         summary = SaveSummary.of(metadata, len(results))
         compact = compact_records(summary.owners, summary.positions, files, counts)
         index = build_index(summary.world_size, files, written, summary.layouts, compact)
+        index.paths = {k: p for k, p in summary.paths.items() if k in index.tensors or k in index.values}
         try:
             commit_index(self.path, index)
         except OSError as e:

@@ -42,6 +42,7 @@ from ..errors import CheckpointFormatError, LayoutError
 from .names import FORMAT_NAME, FORMAT_VERSION, MAX_ENUMERATED_COORDS, MAX_MESH_DEVICES, dtype_name
 from .runs import RunList, decode_runs, encode_runs
 from .schema import (
+    check_paths,
     check_relative_name,
     check_tensor_bytes,
     field_dict,
@@ -216,6 +217,8 @@ class Index:
     values: dict[str, Location]
     rank_local: dict[str, dict[int, Location]]
     version: int = FORMAT_VERSION
+    paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
+    """Nesting path of the keys whose path is not their dotted name split at the dots."""
 
     # ------------------------------------------------------------ JSON
     def to_json(self) -> dict[str, Any]:
@@ -244,6 +247,7 @@ class Index:
             "tensors": tensors,
             "values": {k: v.to_json() for k, v in self.values.items()},
             "rank_local": {k: {str(r): loc.to_json() for r, loc in v.items()} for k, v in self.rank_local.items()},
+            **({"paths": {k: list(p) for k, p in self.paths.items()}} if self.paths else {}),
         }
 
     @staticmethod
@@ -298,7 +302,8 @@ class Index:
                 if int(r) >= world:
                     raise CheckpointFormatError(f"{what}: rank {r} is outside world size {world}")
                 rank_local[k][int(r)] = loc(v, what)
-        return Index(world, files, tensors, values, rank_local, version)
+        paths = check_paths(doc.get("paths", {}), f"{where}: paths", {*tensors, *values, *rank_local})
+        return Index(world, files, tensors, values, rank_local, version, paths)
 
 
 def _is_rank(key: str) -> bool:

@@ -12,7 +12,7 @@ import json
 import math
 import os
 import re
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 
@@ -22,7 +22,7 @@ from .names import dtype_name
 
 __all__ = [
     "MAX_DIMS", "MAX_INT", "parse_json", "field_int", "field_str", "field_list", "field_dict", "field_xxh3",
-    "is_index_list", "field_dtype", "field_shape", "check_relative_name", "check_tensor_bytes",
+    "is_index_list", "field_dtype", "field_shape", "check_relative_name", "check_tensor_bytes", "check_paths",
 ]
 
 MAX_DIMS = 64
@@ -156,3 +156,18 @@ def check_tensor_bytes(shape: Sequence[int], dtype: torch.dtype, available: int,
 def _short(v: Any) -> str:
     s = repr(v)
     return s if len(s) <= 80 else s[:77] + "..."
+
+
+def check_paths(doc: Any, where: str, keys: Collection[str]) -> dict[str, tuple[str | int, ...]]:
+    """Nesting paths ``{key: [component, ...]}``: each for a known key, and naming that key when joined with dots."""
+    if not isinstance(doc, dict):
+        raise CheckpointFormatError(f"{where}: must be an object of key -> path")
+    out: dict[str, tuple[str | int, ...]] = {}
+    for k, path in doc.items():
+        ok = isinstance(path, list) and 0 < len(path) <= 64 and all(
+            isinstance(c, str) or (isinstance(c, int) and not isinstance(c, bool) and c >= 0) for c in path
+        )
+        if not ok or k not in keys or ".".join(map(str, path)) != k:
+            raise CheckpointFormatError(f"{where}: {k!r}: malformed path {path!r}"[:300])
+        out[k] = tuple(path)
+    return out

@@ -63,7 +63,7 @@ from ..core.sharding import Box
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError, DCPValueError
 from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord, dtype_name
-from ..format.schema import check_relative_name, check_tensor_bytes
+from ..format.schema import check_paths, check_relative_name, check_tensor_bytes
 from ._dcp_metadata import DCP_METADATA_FILE, read_dcp_metadata
 from ._torch_save import StoredTensor, dim_order, is_index_tuple, is_nonneg_int, parse_tensor_item
 from .base import Source, SourceOptions, register
@@ -176,7 +176,8 @@ class DCPSource(Source):
             tensors[fqn] = TensorRecord(dtype, shape, None, False, chunks=chunks)
             self._tensor_items[fqn] = items
         world = max((f.rank for f in files), default=0) + 1
-        super().__init__(self.directory, Index(world, files, tensors, values, {}), paths)
+        index = Index(world, files, tensors, values, {}, paths=_nesting_paths(md.planner_data, mdpath, md))
+        super().__init__(self.directory, index, paths)
         self.parse_stats = ReadStats()
         self._locations: dict[tuple[str, int], Location] = {}
         self._fds = FileHandles(self.paths)
@@ -319,6 +320,15 @@ class DCPSource(Source):
                 except CheckpointFormatError as e:
                     problems.append(str(e))
         return problems
+
+
+def _nesting_paths(planner_data: Any, mdpath: str, md: Any) -> dict[str, tuple[str | int, ...]]:
+    """The nesting paths DCP's default planner records in ``planner_data`` (key -> path), the non-trivial ones."""
+    if not isinstance(planner_data, dict):
+        return {}
+    doc = {k: list(p) for k, p in planner_data.items()
+           if isinstance(k, str) and isinstance(p, (tuple, list)) and tuple(p) != tuple(k.split("."))}
+    return check_paths(doc, f"{mdpath}: planner_data", md.state_dict_metadata)
 
 
 def _refusal(directory: str, key: str) -> str:
