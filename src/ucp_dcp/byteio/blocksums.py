@@ -25,6 +25,8 @@ tensor, the chunk, the block and the writing rank.
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -43,6 +45,9 @@ from .rangeio import RangeReader, Segment, storage_view
 __all__ = ["BlockSums", "BlockHasher", "BlockVerifier", "ChunkCheck", "read_verified"]
 
 _hash = xxhash.xxh3_64_intdigest
+# A run holding at least this many whole blocks is checked by the I/O thread
+# that read it, right after the read, while other threads still read.
+_HOOK_BLOCKS = 64
 # Scratch memory is carved out of buffers of at least this size, reused across batches.
 _ARENA_BYTES = 1 << 20
 
@@ -100,14 +105,21 @@ class BlockHasher:
         return self.sums
 
 
-@dataclass
-class _Batch:
-    """The checks of one batch of reads of one chunk, run by :meth:`BlockVerifier.check`."""
+@dataclass(frozen=True)
+class _Chunk:
+    """The chunk a read checks: where it is, its block checksums, its name for errors."""
 
     location: Location
     sums: BlockSums
     fqn: str
     offsets: tuple[int, ...]
+
+
+@dataclass
+class _Batch:
+    """The checks of one batch of reads of one chunk that :meth:`BlockVerifier.check` runs."""
+
+    chunk: _Chunk
     dest: memoryview  # the destination's storage
     dest_offs: np.ndarray  # where each in-place block starts in ``dest``
     dest_blocks: np.ndarray  # its block number
@@ -150,6 +162,7 @@ class BlockVerifier:
         self.scratch_limit = max(scratch_limit, 1)
         self.bytes = 0
         self.seconds = 0.0
+        self._lock = threading.Lock()  # bytes and seconds: runs are checked on I/O threads too
         self._pending: list[_Batch] = []
         self._arenas: list[np.ndarray] = []
         self._arena = 0  # the arena being carved
@@ -200,25 +213,28 @@ class BlockVerifier:
             src, dst = src[order], dst[order]
         # Each run's edges take at most two scratch blocks.
         step = max(1, self.scratch_limit // (2 * sums.block))
-        offs = tuple(offsets)
+        chunk = _Chunk(location, sums, fqn, tuple(offsets))
         try:
             for i in range(0, len(src), step):
-                batch, segments = self._batch(location, sums, fqn, offs, src[i : i + step], dst[i : i + step],
-                                              length, view, dest)
+                batch, segments = self._batch(chunk, src[i : i + step], dst[i : i + step], length, view)
                 self._pending.append(batch)
-                self.seconds += time.perf_counter() - t0
+                self._spent(time.perf_counter() - t0)
                 t0 = None  # the caller's reads are not ours
                 yield segments
                 t0 = time.perf_counter()
         finally:
             if t0 is not None:
-                self.seconds += time.perf_counter() - t0
+                self._spent(time.perf_counter() - t0)
+
+    def _spent(self, seconds: float, nbytes: int = 0) -> None:
+        with self._lock:
+            self.seconds += seconds
+            self.bytes += nbytes
 
     def _batch(
-        self, location: Location, sums: BlockSums, fqn: str, offsets: tuple[int, ...], a: np.ndarray,
-        dst: np.ndarray, length: int, view: memoryview, dest: torch.Tensor,
+        self, chunk: _Chunk, a: np.ndarray, dst: np.ndarray, length: int, view: memoryview,
     ) -> tuple[_Batch, list[Segment]]:
-        bs, n, file, base = sums.block, location.nbytes, location.file, location.start
+        bs, n, file, base = chunk.sums.block, chunk.location.nbytes, chunk.location.file, chunk.location.start
         b = a + length
         if len(a) and (int(a[0]) < 0 or int(b[-1]) > n):
             raise ValueError(f"read [{int(a[0])}, {int(b[-1])}) outside a chunk of {n} bytes")
@@ -234,10 +250,19 @@ class BlockVerifier:
         pe = np.concatenate([b[whole], ca[head], b[tail]])
         pd = np.concatenate([dst[whole], dst[head], dst[tail] + (fb[tail] - a[tail])])
         segments: list[Segment] = []
-        # In place: one segment per run that holds whole blocks, one hash per block.
+        # In place: one segment per run that holds whole blocks, one hash per block. A run of
+        # many blocks is checked by the I/O thread that reads it; the others by check().
         da, dfb, dd = ca[direct], fb[direct], dst[direct] + (ca[direct] - a[direct])
-        segments += [Segment(file, base + s, view[d : d + e - s]) for s, e, d in zip(da.tolist(), dfb.tolist(), dd.tolist())]
         cnt = -(-(dfb - da) // bs)
+        big = cnt >= _HOOK_BLOCKS
+        if big.any():
+            segments += [
+                Segment(file, base + s, view[d : d + e - s], functools.partial(self._check_run, chunk, view, d, s, e))
+                for s, e, d in zip(da[big].tolist(), dfb[big].tolist(), dd[big].tolist())
+            ]
+            small = ~big
+            da, dfb, dd, cnt = da[small], dfb[small], dd[small], cnt[small]
+        segments += [Segment(file, base + s, view[d : d + e - s]) for s, e, d in zip(da.tolist(), dfb.tolist(), dd.tolist())]
         total = int(cnt.sum())
         first = np.repeat(np.cumsum(cnt) - cnt, cnt)
         j = np.arange(total, dtype=np.int64) - first
@@ -262,7 +287,7 @@ class BlockVerifier:
                          for s, e, p in zip(starts.tolist(), ends.tolist(), (g0 * bs).tolist())]
             so = np.searchsorted(blocks, ps // bs) * bs + ps % bs
             copies = (so, pd, pe - ps)
-        batch = _Batch(location, sums, fqn, offsets, view, dest_offs, dest_blocks, scratch_a, blocks, copies)
+        batch = _Batch(chunk, view, dest_offs, dest_blocks, scratch_a, blocks, copies)
         return batch, segments
 
     # ------------------------------------------------------------ checking
@@ -272,37 +297,52 @@ class BlockVerifier:
         if not self._pending:
             return
         t0 = time.perf_counter()
+        nbytes = 0
         try:
             pending, self._pending = self._pending, []
             for batch in pending:
-                self._check(batch)
+                nbytes += self._check(batch)
         finally:
             self._arena = self._used = self.scratch_bytes = 0
-            self.seconds += time.perf_counter() - t0
+            self._spent(time.perf_counter() - t0, nbytes)
 
-    def _check(self, batch: _Batch) -> None:
-        bs, n = batch.sums.block, batch.location.nbytes
-        for mem, offs, blocks in (
-            (batch.dest, batch.dest_offs, batch.dest_blocks),
-            (memoryview(batch.scratch), np.arange(len(batch.scratch_blocks), dtype=np.int64) * bs,
-             batch.scratch_blocks),
-        ):
-            if not len(blocks):
-                continue
-            ends = offs + np.minimum(bs, n - blocks * bs)
-            got = np.fromiter((_hash(mem[o:e]) for o, e in zip(offs.tolist(), ends.tolist())), np.uint64, len(blocks))
-            self.bytes += int((ends - offs).sum())
-            want = batch.sums.sums[blocks]
-            bad = np.flatnonzero(got != want)
-            if len(bad):
-                i = bad[np.argmin(blocks[bad])]
-                k = int(blocks[i])
-                raise ChecksumError(
-                    self.paths[batch.location.file],
-                    f"{chunk_what(batch.fqn, batch.offsets)}, block {k} (bytes [{k * bs}, {min(k * bs + bs, n)}) "
-                    "of the chunk)",
-                    f"{int(want[i]):016x}", f"{int(got[i]):016x}", self.ranks[batch.location.file],
-                )
+    def _check_run(self, chunk: _Chunk, mem: memoryview, at: int, start: int, end: int) -> None:
+        """The whole blocks ``[start, end)`` of ``chunk``, read into ``mem`` at ``at`` (on an I/O thread)."""
+        t0 = time.perf_counter()
+        bs = chunk.sums.block
+        blocks = np.arange(start // bs, -(-end // bs), dtype=np.int64)
+        self._spent(time.perf_counter() - t0, self._compare(chunk, mem, at + (blocks * bs - start), blocks))
+
+    def _compare(self, chunk: _Chunk, mem: memoryview, offs: np.ndarray, blocks: np.ndarray) -> int:
+        """Hash block ``blocks[i]`` of ``chunk`` at ``mem[offs[i]:]`` for every ``i`` and compare; the bytes hashed."""
+        if not len(blocks):
+            return 0
+        bs, n = chunk.sums.block, chunk.location.nbytes
+        ends = offs + np.minimum(bs, n - blocks * bs)
+        got = np.fromiter((_hash(mem[o:e]) for o, e in zip(offs.tolist(), ends.tolist())), np.uint64, len(blocks))
+        want = chunk.sums.sums[blocks]
+        bad = np.flatnonzero(got != want)
+        if len(bad):
+            i = bad[np.argmin(blocks[bad])]
+            k = int(blocks[i])
+            raise ChecksumError(
+                self.paths[chunk.location.file],
+                f"{chunk_what(chunk.fqn, chunk.offsets)}, block {k} (bytes [{k * bs}, {min(k * bs + bs, n)}) "
+                "of the chunk)",
+                f"{int(want[i]):016x}", f"{int(got[i]):016x}", self.ranks[chunk.location.file],
+            )
+        return int((ends - offs).sum())
+
+    def _check(self, batch: _Batch) -> int:
+        bs = batch.chunk.sums.block
+        nbytes = self._compare(batch.chunk, batch.dest, batch.dest_offs, batch.dest_blocks)
+        scratch_offs = np.arange(len(batch.scratch_blocks), dtype=np.int64) * bs
+        nbytes += self._compare(batch.chunk, memoryview(batch.scratch), scratch_offs, batch.scratch_blocks)
+        self._copy(batch)
+        return nbytes
+
+    @staticmethod
+    def _copy(batch: _Batch) -> None:
         so, do, ln = batch.copies
         if not len(so):
             return
