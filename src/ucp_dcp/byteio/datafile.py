@@ -48,7 +48,7 @@ PLACEHOLDER = "0" * 16
 
 def layout(
     entries: Sequence[PlannedEntry], rank: int, world_size: int, save_id: str, align: int = ALIGN,
-    *, block: int = BLOCK_BYTES, block_sums_xxh3: str = PLACEHOLDER,
+    *, block: int | None = None, block_sums_xxh3: str = PLACEHOLDER,
 ) -> tuple[bytes, list[int], int]:
     """:func:`~ucp_dcp.format.layout_file` of a data file holding ``entries`` and their block checksums.
 
@@ -56,6 +56,7 @@ def layout(
     tensor chunk) comes first, right after the header, and is left out when
     no entry has any. Returns ``(header, offsets of entries, file size)``.
     """
+    block = block or BLOCK_BYTES
     nsums = sum(-(-e.nbytes // block) for e in entries if has_block_sums(e.meta, e.nbytes))
     if not nsums:
         return layout_file(entries, rank, world_size, save_id, align)
@@ -90,18 +91,18 @@ class DataFileWriter:
         save_id: str,
         align: int = ALIGN,
         sync: bool = True,
-        block: int = BLOCK_BYTES,
+        block: int | None = None,
     ) -> None:
         self.path = path
         self.entries = list(entries)
         self._args = (rank, world_size, save_id, align)
-        self.block = block
-        self.header, self.starts, self.size = layout(self.entries, *self._args, block=block)
+        self.block = block or BLOCK_BYTES  # looked up here, so tests can make blocks small
+        self.header, self.starts, self.size = layout(self.entries, *self._args, block=self.block)
         self.sync = sync
         self.created = False
         self._fd = -1
         self._hashers = [xxhash.xxh3_64() for _ in self.entries]
-        self._blocks = {i: BlockHasher(e.nbytes, block) for i, e in enumerate(self.entries)
+        self._blocks = {i: BlockHasher(e.nbytes, self.block) for i, e in enumerate(self.entries)
                         if has_block_sums(e.meta, e.nbytes)}
         self._written = [0] * len(self.entries)
 

@@ -98,6 +98,8 @@ class NativeSource(Source):
         if table is None:
             return None
         block, sums, first = table
+        if not location.nbytes:  # an empty chunk: no blocks
+            return BlockSums(block, sums[:0])
         k = first.get(location.start)
         if k is None:
             raise CheckpointFormatError(
