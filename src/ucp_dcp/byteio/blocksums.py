@@ -18,6 +18,9 @@ exactly the blocks its reads touch:
   reads sit next to the destination reads in the file, so the range reader
   coalesces them into the same ``preadv`` calls, and with 4 KiB blocks
   starting on page boundaries they read no page the load did not need.
+  A batch read in few segments (long runs) is checked by the I/O thread
+  that completes its last segment, while the other threads still read;
+  others after the reads.
 
 A mismatch raises :class:`~ucp_dcp.ChecksumError` naming the file, the
 tensor, the chunk, the block and the writing rank.
@@ -26,8 +29,10 @@ tensor, the chunk, the block and the writing rank.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -45,9 +50,11 @@ from .rangeio import RangeReader, Segment, storage_view
 __all__ = ["BlockSums", "BlockHasher", "BlockVerifier", "ChunkCheck", "read_verified"]
 
 _hash = xxhash.xxh3_64_intdigest
-# A run holding at least this many whole blocks is checked by the I/O thread
-# that read it, right after the read, while other threads still read.
-_HOOK_BLOCKS = 64
+# A batch read in at most this many segments is checked by the I/O thread that
+# completes it, while the other threads still read (so hashing long runs
+# overlaps the reads). A batch of more (narrow strided runs) is checked by
+# check() after the reads: a callback per segment would cost more than it hides.
+_HOOK_SEGMENTS = 64
 # Scratch memory is carved out of buffers of at least this size, reused across batches.
 _ARENA_BYTES = 1 << 20
 
@@ -126,6 +133,33 @@ class _Batch:
     scratch: np.ndarray  # the touched blocks read whole, one after the other
     scratch_blocks: np.ndarray  # the block number of each
     copies: tuple[np.ndarray, np.ndarray, np.ndarray]  # scratch offset, dest offset, length of each piece
+    segments: int = 0  # how many segments read it
+    done: "itertools.count[int]" = dataclasses.field(default_factory=itertools.count)  # of them, read so far
+    checked: bool = False
+
+
+def _digests(mem: memoryview | np.ndarray, offs: np.ndarray, lens: np.ndarray, block: int) -> np.ndarray:
+    """xxh3-64 of ``mem[offs[i] : offs[i] + lens[i]]`` for every ``i``.
+
+    Blocks of full length at a constant stride (a run, consecutive runs of
+    one block, scratch) are hashed as the rows of one strided 2-D view,
+    which costs a third less per block than slicing a memoryview for each.
+    """
+    out = np.empty(len(offs), dtype=np.uint64)
+    full = lens == block
+    nfull = int(full.sum())
+    arr = np.frombuffer(mem, dtype=np.uint8)
+    rest = np.ones(len(offs), dtype=bool)
+    if nfull:
+        fo = offs[full] if nfull < len(offs) else offs
+        step = block if nfull == 1 else _arith(fo)
+        if step is not None:
+            rows = as_strided(arr[int(fo[0]) :], (nfull, block), (step, 1))
+            out[full] = np.fromiter(map(_hash, rows), np.uint64, nfull)
+            rest = ~full
+    for i, o, n in zip(np.flatnonzero(rest).tolist(), offs[rest].tolist(), lens[rest].tolist()):
+        out[i] = _hash(arr[o : o + n])  # short last blocks, irregular strides
+    return out
 
 
 def _arith(x: np.ndarray) -> int | None:
@@ -140,15 +174,18 @@ class BlockVerifier:
     """Checks the blocks that reads of saved chunks touch against their block checksums.
 
     :meth:`plan` turns the read of a region of a chunk into batches of
-    segments (see the module docstring); read each batch (any number of
-    batches together) and call :meth:`check` once the reads completed: it
-    hashes every block the batches touched, compares, and copies the bytes
-    read into scratch memory into their destinations. Scratch memory is
-    reused across batches; :attr:`scratch_bytes` says how much the pending
-    batches hold, and a batch holds at most about ``scratch_limit`` bytes.
+    segments (see the module docstring); read each batch with
+    :class:`~ucp_dcp.byteio.rangeio.RangeReader` (any number of batches
+    together) and call :meth:`check` once the reads completed. Checking a
+    batch hashes and compares every block it touched and copies the bytes
+    read into scratch memory into place. A batch read in few segments is
+    checked by the I/O thread that completes its last segment (the read then
+    raises what it found); :meth:`check` checks the others, and frees the
+    scratch memory for reuse. :attr:`scratch_bytes` says how much the
+    pending batches hold; a batch holds at most about ``scratch_limit``.
 
-    ``bytes`` counts the bytes hashed, ``seconds`` the time spent planning,
-    hashing and copying.
+    ``bytes`` counts the bytes hashed, ``seconds`` the CPU time spent
+    planning, hashing and copying (on every thread).
 
     Args:
         paths: path of each file number, for errors.
@@ -200,7 +237,7 @@ class BlockVerifier:
         chunk in errors. Each batch is registered for :meth:`check` when it
         is yielded.
         """
-        t0: float | None = time.perf_counter()
+        t0: float | None = time.thread_time()
         es = dest.element_size()
         grid = runs(chunk_sizes, region, dest.stride(), dest.storage_offset())
         if not grid.count:
@@ -218,13 +255,13 @@ class BlockVerifier:
             for i in range(0, len(src), step):
                 batch, segments = self._batch(chunk, src[i : i + step], dst[i : i + step], length, view)
                 self._pending.append(batch)
-                self._spent(time.perf_counter() - t0)
+                self._spent(time.thread_time() - t0)
                 t0 = None  # the caller's reads are not ours
                 yield segments
-                t0 = time.perf_counter()
+                t0 = time.thread_time()
         finally:
             if t0 is not None:
-                self._spent(time.perf_counter() - t0)
+                self._spent(time.thread_time() - t0)
 
     def _spent(self, seconds: float, nbytes: int = 0) -> None:
         with self._lock:
@@ -249,45 +286,39 @@ class BlockVerifier:
         ps = np.concatenate([a[whole], a[head], fb[tail]])
         pe = np.concatenate([b[whole], ca[head], b[tail]])
         pd = np.concatenate([dst[whole], dst[head], dst[tail] + (fb[tail] - a[tail])])
+        batch = _Batch(chunk, view, *(np.zeros(0, np.int64),) * 2, np.zeros(0, np.uint8), np.zeros(0, np.int64),
+                       (np.zeros(0, np.int64),) * 3)
+        # The segments are len(a) runs at most, plus one scratch segment per edge block.
+        done = functools.partial(self._segment_done, batch) if 3 * len(a) <= _HOOK_SEGMENTS else None
         segments: list[Segment] = []
-        # In place: one segment per run that holds whole blocks, one hash per block. A run of
-        # many blocks is checked by the I/O thread that reads it; the others by check().
+        # In place: one segment per run that holds whole blocks, one hash per block.
         da, dfb, dd = ca[direct], fb[direct], dst[direct] + (ca[direct] - a[direct])
         cnt = -(-(dfb - da) // bs)
-        big = cnt >= _HOOK_BLOCKS
-        if big.any():
-            segments += [
-                Segment(file, base + s, view[d : d + e - s], functools.partial(self._check_run, chunk, view, d, s, e))
-                for s, e, d in zip(da[big].tolist(), dfb[big].tolist(), dd[big].tolist())
-            ]
-            small = ~big
-            da, dfb, dd, cnt = da[small], dfb[small], dd[small], cnt[small]
-        segments += [Segment(file, base + s, view[d : d + e - s]) for s, e, d in zip(da.tolist(), dfb.tolist(), dd.tolist())]
+        segments += [Segment(file, base + s, view[d : d + e - s], done)
+                     for s, e, d in zip(da.tolist(), dfb.tolist(), dd.tolist())]
         total = int(cnt.sum())
         first = np.repeat(np.cumsum(cnt) - cnt, cnt)
         j = np.arange(total, dtype=np.int64) - first
-        dest_blocks = np.repeat(da // bs, cnt) + j
-        dest_offs = np.repeat(dd, cnt) + j * bs
+        batch.dest_blocks = np.repeat(da // bs, cnt) + j
+        batch.dest_offs = np.repeat(dd, cnt) + j * bs
         # Through scratch: every block a piece touches, read whole; runs of neighbouring blocks in one segment.
         if len(ps):
             blocks = np.unique(np.concatenate([ps // bs, (pe - 1) // bs]))
         else:
             blocks = np.zeros(0, dtype=np.int64)
-        scratch_a = np.zeros(0, dtype=np.uint8)
-        copies = (np.zeros(0, np.int64),) * 3
         if len(blocks):
-            scratch_a = self._scratch(len(blocks) * bs)
-            scratch = memoryview(scratch_a)
+            batch.scratch = self._scratch(len(blocks) * bs)
+            batch.scratch_blocks = blocks
+            scratch = memoryview(batch.scratch)
             cuts = np.flatnonzero(np.diff(blocks) != 1) + 1
             g0 = np.concatenate([[0], cuts])
             g1 = np.concatenate([cuts, [len(blocks)]])
             starts = blocks[g0] * bs
             ends = np.minimum(blocks[g1 - 1] * bs + bs, n)
-            segments += [Segment(file, base + s, scratch[p : p + e - s])
+            segments += [Segment(file, base + s, scratch[p : p + e - s], done)
                          for s, e, p in zip(starts.tolist(), ends.tolist(), (g0 * bs).tolist())]
-            so = np.searchsorted(blocks, ps // bs) * bs + ps % bs
-            copies = (so, pd, pe - ps)
-        batch = _Batch(chunk, view, dest_offs, dest_blocks, scratch_a, blocks, copies)
+            batch.copies = (np.searchsorted(blocks, ps // bs) * bs + ps % bs, pd, pe - ps)
+        batch.segments = len(segments)
         return batch, segments
 
     # ------------------------------------------------------------ checking
@@ -296,30 +327,35 @@ class BlockVerifier:
         then copy their scratch bytes into place; raises :class:`ChecksumError` on the first mismatch."""
         if not self._pending:
             return
-        t0 = time.perf_counter()
-        nbytes = 0
         try:
             pending, self._pending = self._pending, []
             for batch in pending:
-                nbytes += self._check(batch)
+                if not batch.checked:  # read without its callbacks, or a callback failed
+                    self._check_now(batch)
         finally:
             self._arena = self._used = self.scratch_bytes = 0
-            self._spent(time.perf_counter() - t0, nbytes)
 
-    def _check_run(self, chunk: _Chunk, mem: memoryview, at: int, start: int, end: int) -> None:
-        """The whole blocks ``[start, end)`` of ``chunk``, read into ``mem`` at ``at`` (on an I/O thread)."""
-        t0 = time.perf_counter()
-        bs = chunk.sums.block
-        blocks = np.arange(start // bs, -(-end // bs), dtype=np.int64)
-        self._spent(time.perf_counter() - t0, self._compare(chunk, mem, at + (blocks * bs - start), blocks))
+    def _segment_done(self, batch: _Batch) -> None:
+        """A segment of ``batch`` was read (on an I/O thread): check the batch after its last one."""
+        if next(batch.done) == batch.segments - 1:  # itertools.count: atomic under the GIL
+            self._check_now(batch)
+
+    def _check_now(self, batch: _Batch) -> None:
+        t0 = time.thread_time()
+        nbytes = 0
+        try:
+            nbytes = self._check(batch)
+            batch.checked = True
+        finally:
+            self._spent(time.thread_time() - t0, nbytes)
 
     def _compare(self, chunk: _Chunk, mem: memoryview, offs: np.ndarray, blocks: np.ndarray) -> int:
         """Hash block ``blocks[i]`` of ``chunk`` at ``mem[offs[i]:]`` for every ``i`` and compare; the bytes hashed."""
         if not len(blocks):
             return 0
         bs, n = chunk.sums.block, chunk.location.nbytes
-        ends = offs + np.minimum(bs, n - blocks * bs)
-        got = np.fromiter((_hash(mem[o:e]) for o, e in zip(offs.tolist(), ends.tolist())), np.uint64, len(blocks))
+        lens = np.minimum(bs, n - blocks * bs)
+        got = _digests(mem, offs, lens, bs)
         want = chunk.sums.sums[blocks]
         bad = np.flatnonzero(got != want)
         if len(bad):
@@ -331,7 +367,7 @@ class BlockVerifier:
                 "of the chunk)",
                 f"{int(want[i]):016x}", f"{int(got[i]):016x}", self.ranks[chunk.location.file],
             )
-        return int((ends - offs).sum())
+        return int(lens.sum())
 
     def _check(self, batch: _Batch) -> int:
         bs = batch.chunk.sums.block
