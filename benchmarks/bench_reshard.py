@@ -18,7 +18,11 @@ every checkpoint into different *target* layouts and measures, per format:
 * peak memory growth during load: anonymous memory sampled from
   ``/proc/self/statm`` in a thread, total RSS from the kernel's VmHWM,
 * a page-granular floor: the least a perfect offset reader could pull from
-  storage, which tells layout physics apart from reader overhead.
+  storage, which tells layout physics apart from reader overhead,
+* with ``--verify-cost``: for ucp, every timed cold load is run twice, with
+  the reader's checksum verification on (the default) and off, in
+  alternating order, and the per-pair cost of verification is reported
+  (cold load time on / off, and the time the readers spent hashing).
 
 Every loaded local shard is compared bit-exactly with the expected slice of the
 full tensor; a mismatch is printed loudly and makes the run exit non-zero.
@@ -37,6 +41,7 @@ Usage::
     python benchmarks/bench_reshard.py                  # default ~330 MB state
     python benchmarks/bench_reshard.py --quick          # ~30 MB smoke check
     python benchmarks/bench_reshard.py --pairs dp2tp2-dp3 --formats dcp,ucp
+    python benchmarks/bench_reshard.py --size-mb 150 --formats ucp --repeats 3 --verify-cost
 
 See benchmarks/README.md for the method and caveats.
 """
@@ -111,6 +116,7 @@ PRIMARY_PAIR = "dp2tp2-dp3"  # the pair the cold-load target (<= 0.6x DCP) is st
 TARGET_READ_AMP = 1.05
 TARGET_LOAD_RATIO = 0.6
 TARGET_SAVE_RATIO = 1.0
+TARGET_VERIFY_RATIO = 1.05  # cold load with verification / without, every pair
 
 
 # --------------------------------------------------------------------------
@@ -449,6 +455,7 @@ class Job:
     workdir: str
     repeats: int = 1
     sample_interval_s: float = 0.002
+    verify_cost: bool = False
 
     @property
     def layout(self) -> Layout:
@@ -558,8 +565,8 @@ def run_save_job(job: Job, ctx: Ctx) -> dict[str, Any]:
 
 
 def _timed_cold_load(fmt: str, path: str, files: list[str], target: dict[str, Any],
-                     ctx: Ctx) -> dict[str, Any]:
-    reader, planner = make_reader(fmt, path)
+                     ctx: Ctx, **options: Any) -> dict[str, Any]:
+    reader, planner = make_reader(fmt, path, **options)
     release_free_memory()
     evict(files)  # every rank evicts: no doubt about which rank's eviction ran last
     ctx.barrier()
@@ -567,7 +574,8 @@ def _timed_cold_load(fmt: str, path: str, files: list[str], target: dict[str, An
     t0 = time.perf_counter()
     dcp.load(target, storage_reader=reader, planner=planner, process_group=ctx.group)
     load_s = time.perf_counter() - t0
-    return {"load_s": load_s, "cold_io_read_bytes": proc_read_bytes() - io0}
+    return {"load_s": load_s, "cold_io_read_bytes": proc_read_bytes() - io0,
+            "verify_s": getattr(reader, "verify_seconds", 0.0), "verified_bytes": getattr(reader, "verified_bytes", 0)}
 
 
 def _measured_load(fmt: str, path: str, target: dict[str, Any], ctx: Ctx,
@@ -594,16 +602,29 @@ def _load_one_format(job: Job, fmt: str, expected: dict[str, Any], ctx: Ctx) -> 
         return build_state(job.specs, layout, ctx.mesh, filled=False, model_only=model_only)
 
     warm_up(fmt, layout, ctx, job.workdir)
-    for _ in range(job.repeats):
-        target = fresh_target()
-        run = _timed_cold_load(fmt, path, files, target, ctx)
-        rank_log(f"load {job.name}/{fmt}: cold load {run['load_s']:.2f}s")
-        res["load_s_runs"].append(run["load_s"])
-        res["cold_io_read_bytes_runs"].append(run["cold_io_read_bytes"])
-        res["mismatches"] = verify(target, expected)
-        del target
-        if res["mismatches"]:
-            return res
+    both = job.verify_cost and fmt == "ucp"
+    if both:
+        res.update(load_s_noverify_runs=[], verify_s_runs=[], verified_bytes_runs=[])
+    for i in range(job.repeats):
+        # With --verify-cost, verification on and off take turns going first.
+        for verified in ((True, False) if i % 2 == 0 else (False, True)) if both else (None,):
+            target = fresh_target()
+            options = {} if verified is None else {"verify": verified}
+            run = _timed_cold_load(fmt, path, files, target, ctx, **options)
+            mode = "" if verified is None else (" (verified)" if verified else " (verify=False)")
+            rank_log(f"load {job.name}/{fmt}: cold load {run['load_s']:.2f}s{mode}")
+            if verified is False:
+                res["load_s_noverify_runs"].append(run["load_s"])
+            else:
+                res["load_s_runs"].append(run["load_s"])
+                res["cold_io_read_bytes_runs"].append(run["cold_io_read_bytes"])
+                if both:
+                    res["verify_s_runs"].append(run["verify_s"])
+                    res["verified_bytes_runs"].append(run["verified_bytes"])
+            res["mismatches"] = verify(target, expected)
+            del target
+            if res["mismatches"]:
+                return res
     target = fresh_target()
     res.update(_measured_load(fmt, path, target, ctx, job.sample_interval_s))
     rank_log(f"load {job.name}/{fmt}: turn-taking load done")
@@ -701,6 +722,15 @@ def merge_load(per_rank: list[list[dict[str, Any]]], j: int) -> dict[str, Any]:
             entry["load_s_runs"] = runs
             entry["load_s"] = statistics.median(runs)
             entry["cold_io_read_bytes"] = sum(r["cold_io_read_bytes_runs"][0] for r in rs)
+        off = [max(vals) for vals in zip(*(r.get("load_s_noverify_runs", []) for r in rs))]
+        if runs and off:
+            entry["load_s_noverify_runs"] = off
+            entry["load_s_noverify"] = statistics.median(off)
+            # Paired runs (same repeat, back to back): the median of their ratios is less
+            # sensitive to drift on a busy machine than the ratio of the medians.
+            entry["verify_ratio"] = statistics.median(a / b for a, b in zip(runs, off))
+            entry["verify_s"] = statistics.median(max(v) for v in zip(*(r["verify_s_runs"] for r in rs)))
+            entry["verified_bytes"] = sum(r["verified_bytes_runs"][0] for r in rs)
         if all("pulled_bytes" in r for r in rs):
             for key in ("pulled_bytes", "io_read_bytes", "residual_bytes"):
                 entry[key] = sum(r[key] for r in rs)
@@ -745,6 +775,9 @@ TARGET_COLUMNS = [Column("pair", 15, "<"), Column("read amp", 9), Column("floor"
                   Column(f"amp<={TARGET_READ_AMP}", 11), Column("load/dcp", 10),
                   Column(f"load<={TARGET_LOAD_RATIO}", 11), Column("save/dcp", 10),
                   Column(f"save<={TARGET_SAVE_RATIO}", 11)]
+VERIFY_COLUMNS = [Column("pair", 15, "<"), Column("on s", 8), Column("off s", 8), Column("on/off", 8),
+                  Column("medians", 9), Column("hash ms", 9), Column("hashed MB", 11),
+                  Column(f"<={TARGET_VERIFY_RATIO}", 8)]
 SAVE_COLUMNS = [Column("source", 8, "<"), Column("format", 7, "<"), Column("save s", 8), Column("disk MB", 10),
                 Column("files", 7), Column("status", 0, "<", gap=2)]
 
@@ -819,6 +852,24 @@ def targets_report(records: list[dict[str, Any]]) -> str:
     return "\n".join(["=== ucp vs. targets (informational) ===", *text_table(TARGET_COLUMNS, rows)])
 
 
+def verify_report(records: list[dict[str, Any]]) -> str:
+    """One line per pair: ucp cold load with verification on and off, and what it costs."""
+    rows = []
+    for rec in records:
+        ucp = rec["formats"].get("ucp", {})
+        r = ucp.get("verify_ratio")
+        rows.append([rec["pair"], fmt_num(ucp.get("load_s"), ".3f"), fmt_num(ucp.get("load_s_noverify"), ".3f"),
+                     fmt_num(r, ".3f"), fmt_num(ratio(ucp.get("load_s"), ucp.get("load_s_noverify")), ".3f"),
+                     fmt_num(None if ucp.get("verify_s") is None else 1000 * ucp["verify_s"], ".1f"),
+                     fmt_mb(ucp.get("verified_bytes")), _verdict(r, TARGET_VERIFY_RATIO)])
+    return "\n".join([
+        "=== ucp: cost of verified loads (cold load, verification on / off) ===",
+        *text_table(VERIFY_COLUMNS, rows),
+        "on/off: median over repeats of paired runs; medians: ratio of the median times; "
+        "hash ms: time the slowest rank's reader spent planning, hashing and copying (median)",
+    ])
+
+
 def save_report(saves: dict[str, dict[str, Any]], formats: list[str]) -> str:
     """One line per (source layout, format): save time, size on disk, files."""
     rows = []
@@ -849,6 +900,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="timed saves and cold loads per layout/pair and format, median "
                         "reported (default 3, 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="small smoke run (--size-mb 40)")
+    p.add_argument("--verify-cost", action="store_true",
+                   help="ucp: time every cold load with checksum verification on (the default) and off, "
+                        "alternating, and report the cost per pair")
     p.add_argument("--workdir", default=None,
                    help="checkpoint directory (must be a page-cache-backed disk, not tmpfs); "
                         "default: a fresh dir under /tmp, removed at the end")
@@ -879,6 +933,9 @@ def print_reports(saves: dict[str, Any], loads: dict[str, Any],
     if "ucp" in args.formats and "dcp" in args.formats:
         print()
         print(targets_report(records))
+    if args.verify_cost and "ucp" in args.formats:
+        print()
+        print(verify_report(records))
     if "hf" in args.formats:
         print("\n* hf = HuggingFaceStorageWriter/Reader: model weights only (no optimizer "
               "state), so its MB columns are not comparable with dcp/ucp.")
@@ -919,7 +976,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     failures: list[str] = []
     sources = sorted({PAIRS[p][0] for p in args.pairs}, key=list(LAYOUTS).index)
     jobs = [Job("save", n, args.formats, specs, workdir, args.repeats) for n in sources]
-    jobs += [Job("load", p, args.formats, specs, workdir, args.repeats) for p in args.pairs]
+    jobs += [Job("load", p, args.formats, specs, workdir, args.repeats, verify_cost=args.verify_cost)
+             for p in args.pairs]
     try:
         saves, loads = run_jobs(jobs, failures)
     finally:
@@ -939,7 +997,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "state_bytes": state_bytes,
         "targets": {"read_amp_max": TARGET_READ_AMP,
                     "cold_load_ratio_max": {PRIMARY_PAIR: TARGET_LOAD_RATIO},
-                    "save_ratio_max": TARGET_SAVE_RATIO},
+                    "save_ratio_max": TARGET_SAVE_RATIO, "verify_ratio_max": TARGET_VERIFY_RATIO},
         "saves": saves,
         "pairs": records,
         "failures": failures,

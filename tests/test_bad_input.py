@@ -32,7 +32,7 @@ from ucp_dcp import (
     load_index,
     rebuild_index,
 )
-from ucp_dcp.format import ALIGN, INDEX_FILE, PAD_PREFIX, VALUE_PREFIX, RANK_LOCAL_PREFIX, chunk_entry_name, read_header
+from ucp_dcp.format import ALIGN, BLOCK_SUMS_ENTRY, INDEX_FILE, PAD_PREFIX, VALUE_PREFIX, RANK_LOCAL_PREFIX, chunk_entry_name, read_header
 from ucp_dcp.core.values import decode_value
 
 pytestmark = [
@@ -772,6 +772,9 @@ def test_data_files_open_with_stock_safetensors(ckpt: tuple[Path, dict[str, Any]
             for name in f.keys():
                 t = f.get_tensor(name)
                 if name.startswith(PAD_PREFIX):
+                    continue
+                if name == BLOCK_SUMS_ENTRY:  # block checksums (test_block_sums.py checks them)
+                    assert t.dtype == torch.uint64 and hdr.block_sums is not None
                     continue
                 if name.startswith(VALUE_PREFIX):
                     key = name[len(VALUE_PREFIX) :]

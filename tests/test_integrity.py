@@ -1,11 +1,12 @@
 """Content checksums: digests of files and bytes, verified loads, and saves that fail cleanly.
 
 * ``file_digest`` / ``bytes_digest`` / ``hash_range`` agree with xxhash itself.
-* ``UCPStorageReader(verify=True)`` detects any flipped byte in a chunk the
-  load touches, whether the read fills the whole chunk in place, into a
-  strided target, through a dtype cast, or reads only part of the chunk (a
-  reshard on another world size); ``verify=False`` (the default) does not
-  look.
+* ``UCPStorageReader`` (``verify=True``, the default) detects any flipped
+  byte in a block of a chunk the load touches, whether the read fills the
+  whole chunk in place, into a strided target, through a dtype cast, or
+  reads only part of the chunk (a reshard on another world size);
+  ``verify=False`` does not look. ``test_block_sums.py`` has the property
+  tests of the block checksums.
 * A save that runs out of disk space (``ENOSPC`` injected through
   ``ucp_dcp.byteio.durable._pwrite``) fails naming the file, the rank and the
   error, leaves no partial data file and no index, and leaves earlier
@@ -214,8 +215,8 @@ def test_verified_load_hashes_every_tensor_byte_once(ckpt: tuple[Path, dict[str,
 
 
 def test_flipped_byte_in_any_chunk_fails_verified_load(ckpt: tuple[Path, dict[str, Any]]) -> None:
-    """30 random single-byte corruptions inside tensor chunks: verify=True names the tensor, the
-    chunk, the file and the writing rank; verify=False (the default) loads without looking."""
+    """30 random single-byte corruptions inside tensor chunks: verify=True (the default) names the
+    tensor, the chunk, the block, the file and the writing rank; verify=False loads without looking."""
     path, sd = ckpt
     names = sorted(flat_tensors(sd))
     rng = random.Random(1234)
@@ -230,11 +231,14 @@ def test_flipped_byte_in_any_chunk_fails_verified_load(ckpt: tuple[Path, dict[st
                 load(path, sd, verify=True, mode=mode)
             (err, _), = ei.value.failures.values()
             assert isinstance(err, ChecksumError), (trial, err)
-            assert (err.path, err.what, err.rank, err.expected) == (str(file), f"tensor {fqn!r} chunk at {[0] * sd_dim(sd, fqn)}", rank, loc.xxh3)
-            assert err.actual != loc.xxh3
+            block = (offset - loc.start) // 4096
+            assert (err.path, err.what, err.rank) == (
+                str(file), f"tensor {fqn!r} chunk at {[0] * sd_dim(sd, fqn)}, block {block} (bytes "
+                f"[{block * 4096}, {min(block * 4096 + 4096, loc.nbytes)}) of the chunk)", rank)
+            assert err.actual != err.expected
             text = str(ei.value)
             assert f"tensor {fqn!r}" in text and str(file) in text and "ChecksumError" in text
-            load(path, sd, verify=False, mode=mode)  # the default does not check tensors
+            load(path, sd, verify=False, mode=mode)  # opted out: tensors are not checked
         finally:
             flip(file, offset, mask)
     out, _ = load(path, sd, verify=True)  # every flip was undone
@@ -397,8 +401,8 @@ def _load_three_ranks(rank: int, world: int, root: str) -> None:
         return {"w": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0)]),
                 "b": distribute_tensor(torch.zeros(6, 10, dtype=torch.bfloat16), mesh, [Shard(0)]), "step": 0}
 
-    # Intact: loads bit-exactly; every chunk touched is hashed once, whole, even when only
-    # part of it is read (w: saved rows 0-4 | 5-9, loaded 0-3 | 4-7 | 8-9; b: saved by
+    # Intact: loads bit-exactly; every block touched (here every chunk is one block) is hashed
+    # once, whole, even when only part of it is read (w: saved rows 0-4 | 5-9, loaded 0-3 | 4-7 | 8-9; b: saved by
     # columns, loaded by rows, so every rank reads part of both chunks).
     sd = target()
     reader = UCPStorageReader(good, verify=True)
@@ -411,7 +415,7 @@ def _load_three_ranks(rank: int, world: int, root: str) -> None:
     assert reader.verified_bytes == w_chunks * 5 * 6 * 4 + B_FULL.nbytes
 
     # Corrupt the last row of w, which only rank 2 reads. Rank 1 reads rows 5-7 of the same
-    # chunk, never the bad byte, and must still fail: it hashes the whole chunk.
+    # chunk, never the bad byte, and must still fail: the chunk (120 bytes) is one block.
     dist.barrier()
     index = load_index(good)
     locator = NativeSource(good)
@@ -426,15 +430,15 @@ def _load_three_ranks(rank: int, world: int, root: str) -> None:
     for r in (1, 2):
         err = ei.value.failures[r][0]
         assert isinstance(err, ChecksumError), err
-        assert (err.path, err.what, err.rank) == (file, "tensor 'w' chunk at [5, 0]", 1)
+        assert (err.path, err.what, err.rank) == (file, "tensor 'w' chunk at [5, 0], block 0 (bytes [0, 120) of the chunk)", 1)
     assert "ChecksumError" in str(ei.value) and file in str(ei.value)
-    dcp.load(target(), storage_reader=UCPStorageReader(good), planner=UCPLoadPlanner())  # default: not checked
+    dcp.load(target(), storage_reader=UCPStorageReader(good, verify=False), planner=UCPLoadPlanner())  # not checked
 
 
 @pytest.mark.multiproc
 def test_partial_chunk_reads_are_verified_and_one_full_disk_fails_the_save(tmp_path: Path) -> None:
-    """Saved on 2 ranks, loaded on 3 with verify=True: partial-chunk reads still verify whole
-    chunks, and a corrupt byte fails the load on every rank, naming the writing rank. A save in
+    """Saved on 2 ranks, loaded on 3 with verify=True: partial-chunk reads verify every block they
+    touch, and a corrupt byte fails the load on every rank that reads its block, naming the writing rank. A save in
     which one rank hits ENOSPC fails on every rank, writes no index, leaves no partial file."""
     run_ranks(2, _save_two_ranks, str(tmp_path))
     run_ranks(3, _load_three_ranks, str(tmp_path))

@@ -1,10 +1,13 @@
 """The one writer of native data files, used by ``UCPStorageWriter`` and ``convert``.
 
-A data file is laid out first (:func:`~ucp_dcp.format.layout_file`: header
-size and every entry's aligned offset), then each entry's bytes are written
-at its offset, in one piece or slab by slab, and hashed on the way; last the
-header is written again with the checksums (it keeps its length: a checksum
-has a fixed width) and the file is fsync'd. A failed write removes the
+A data file is laid out first (:func:`layout`: header size and every
+entry's aligned offset, the block checksums' entry first), then each
+entry's bytes are written at its offset, in one piece or slab by slab, and
+hashed on the way: one xxh3-64 of the entry, and one of every
+:data:`~ucp_dcp.format.BLOCK_BYTES` block of a tensor chunk
+(:mod:`~ucp_dcp.byteio.blocksums`). Last the block checksums and the header
+are written, with the checksums (the header keeps its length: a checksum
+has a fixed width), and the file is fsync'd. A failed write removes the
 partial file, so no half-written file ever holds space or looks like data.
 """
 
@@ -15,27 +18,52 @@ import math
 import os
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import xxhash
 
 from ..format import (
     ALIGN,
+    BLOCK_BYTES,
+    BLOCK_SUMS_ENTRY,
     EntryMeta,
     Layout,
     PlannedEntry,
     chunk_entry_name,
     dtype_name,
+    has_block_sums,
     layout_file,
     rank_local_entry_name,
     st_dtype,
     value_entry_name,
 )
+from .blocksums import BlockHasher
 from .durable import remove_quietly, write_all
 
-__all__ = ["PLACEHOLDER", "DataFileWriter", "value_entry", "chunk_entry"]
+__all__ = ["PLACEHOLDER", "DataFileWriter", "layout", "value_entry", "chunk_entry"]
 
 PLACEHOLDER = "0" * 16
 """The checksum laid out before the data is hashed (an xxh3-64 hex digest has a fixed width)."""
+
+
+def layout(
+    entries: Sequence[PlannedEntry], rank: int, world_size: int, save_id: str, align: int = ALIGN,
+    *, block: int | None = None, block_sums_xxh3: str = PLACEHOLDER,
+) -> tuple[bytes, list[int], int]:
+    """:func:`~ucp_dcp.format.layout_file` of a data file holding ``entries`` and their block checksums.
+
+    The block checksums' entry (one uint64 per ``block`` bytes of every
+    tensor chunk) comes first, right after the header, and is left out when
+    no entry has any. Returns ``(header, offsets of entries, file size)``.
+    """
+    block = block or BLOCK_BYTES
+    nsums = sum(-(-e.nbytes // block) for e in entries if has_block_sums(e.meta, e.nbytes))
+    if not nsums:
+        return layout_file(entries, rank, world_size, save_id, align)
+    sums = PlannedEntry(BLOCK_SUMS_ENTRY, "U64", (nsums,), 8 * nsums, None)
+    header, starts, size = layout_file([sums, *entries], rank, world_size, save_id, align,
+                                       block_sums=(block, block_sums_xxh3))
+    return header, starts[1:], size
 
 
 class DataFileWriter:
@@ -46,7 +74,8 @@ class DataFileWriter:
     without an exception commits the header and fsyncs (``sync``), with one
     removes the file and re-raises. ``entries`` afterwards carry their
     checksums, and ``starts``/``size`` give each entry's offset and the
-    file's size.
+    file's size. Tensor chunks also get block checksums (every ``block``
+    bytes), stored in the file's block checksums' entry.
 
     Attributes:
         created: the file was created (an ``OSError`` after this removed it).
@@ -62,15 +91,19 @@ class DataFileWriter:
         save_id: str,
         align: int = ALIGN,
         sync: bool = True,
+        block: int | None = None,
     ) -> None:
         self.path = path
         self.entries = list(entries)
         self._args = (rank, world_size, save_id, align)
-        self.header, self.starts, self.size = layout_file(self.entries, *self._args)
+        self.block = block or BLOCK_BYTES  # looked up here, so tests can make blocks small
+        self.header, self.starts, self.size = layout(self.entries, *self._args, block=self.block)
         self.sync = sync
         self.created = False
         self._fd = -1
         self._hashers = [xxhash.xxh3_64() for _ in self.entries]
+        self._blocks = {i: BlockHasher(e.nbytes, self.block) for i, e in enumerate(self.entries)
+                        if has_block_sums(e.meta, e.nbytes)}
         self._written = [0] * len(self.entries)
 
     def __enter__(self) -> "DataFileWriter":
@@ -90,6 +123,9 @@ class DataFileWriter:
         if done + len(view) > self.entries[i].nbytes:
             raise ValueError(f"{self.path}: entry {self.entries[i].name!r} gets more than its {self.entries[i].nbytes} bytes")
         self._hashers[i].update(view)
+        blocks = self._blocks.get(i)
+        if blocks is not None:
+            blocks.update(view)
         write_all(self._fd, view, self.starts[i] + done)
         self._written[i] = done + len(view)
 
@@ -105,7 +141,14 @@ class DataFileWriter:
                 dataclasses.replace(e, meta=dataclasses.replace(e.meta, xxh3=h.hexdigest())) if e.meta else e
                 for e, h in zip(self.entries, self._hashers)
             ]
-            final, _, _ = layout_file(self.entries, *self._args)
+            sums_xxh3 = PLACEHOLDER
+            if self._blocks:
+                sums = np.concatenate([self._blocks[i].digests() for i in sorted(self._blocks)]).astype("<u8")
+                raw = memoryview(sums).cast("B")
+                sums_xxh3 = xxhash.xxh3_64_hexdigest(raw)
+                # The block checksums' entry is the first one, right after the header.
+                write_all(self._fd, raw, len(self.header))
+            final, _, _ = layout(self.entries, *self._args, block=self.block, block_sums_xxh3=sums_xxh3)
             if len(final) != len(self.header):  # cannot happen: checksums are fixed-width
                 raise AssertionError(f"{self.path}: header length changed while writing")
             write_all(self._fd, final, 0)

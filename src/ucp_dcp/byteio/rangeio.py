@@ -10,7 +10,9 @@ anyway), splits large ranges so several threads share them, and runs the
 calls on a thread pool (``preadv`` releases the GIL).
 
 It never allocates per-read memory: the scratch buffer for gaps is
-``gap_bytes`` long and shared.
+``gap_bytes`` long and shared. A segment may carry a ``done`` callback, run
+by the I/O thread that completes the segment's last byte (to check what was
+read while other threads still read).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from ..errors import CheckpointFormatError, TruncatedFileError
@@ -44,13 +46,16 @@ _IOV_MAX = max(16, min(_IOV_MAX, 1024))
 class Segment(NamedTuple):
     """``len(dest)`` bytes at ``offset`` of file number ``file`` go into ``dest``.
 
-    A named tuple rather than a dataclass: strided loads make tens of
-    thousands of them, and tuples are the cheapest record to build.
+    ``done``, if given, is called (on an I/O thread, once) when the whole
+    segment has been read; an exception it raises fails the read. A named
+    tuple rather than a dataclass: strided loads make tens of thousands of
+    them, and tuples are the cheapest record to build.
     """
 
     file: int
     offset: int
     dest: memoryview
+    done: Callable[[], None] | None = None
 
 
 @dataclass
@@ -74,6 +79,23 @@ class _Request:
     offset: int
     bufs: list[memoryview]
     nbytes: int
+    done: list[Callable[[], None]] | None = None  # callbacks of the segments it completes
+
+
+class _AfterAll:
+    """Calls ``fn`` once it has been called ``n`` times (from any threads): a segment split into ``n`` requests."""
+
+    def __init__(self, n: int, fn: Callable[[], None]) -> None:
+        self.n = n
+        self.fn = fn
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self.n -= 1
+            last = self.n == 0
+        if last:
+            self.fn()
 
 
 def storage_view(t: torch.Tensor) -> memoryview:
@@ -187,6 +209,8 @@ class RangeReader:
         for s in sorted(segments, key=_BY_POSITION):
             n = len(s.dest)
             if n == 0:
+                if s.done is not None:
+                    raise ValueError("an empty segment cannot carry a done callback")
                 continue
             if cur is not None and cur.file == s.file:
                 gap = s.offset - (cur.offset + cur.nbytes)
@@ -195,14 +219,20 @@ class RangeReader:
                         cur.bufs.append(self._scratch[:gap])
                     cur.bufs.append(s.dest)
                     cur.nbytes += gap + n
+                    if s.done is not None:
+                        cur.done = [*(cur.done or ()), s.done]
                     continue
             # A range larger than one request is split so threads share it.
             off, dest = s.offset, s.dest
+            done = s.done
+            if done is not None and n > self._max_request:
+                done = _AfterAll(-(-n // self._max_request), done)
             while len(dest) > self._max_request:
-                reqs.append(_Request(s.file, off, [dest[: self._max_request]], self._max_request))
+                reqs.append(_Request(s.file, off, [dest[: self._max_request]], self._max_request,
+                                     None if done is None else [done]))
                 off += self._max_request
                 dest = dest[self._max_request :]
-            cur = _Request(s.file, off, [dest], len(dest))
+            cur = _Request(s.file, off, [dest], len(dest), None if done is None else [done])
             reqs.append(cur)
         return reqs
 
@@ -255,6 +285,9 @@ class RangeReader:
                     bufs = bufs[1:]
                 bufs = [bufs[0][got:], *bufs[1:]]
         self.stats.add(calls, r.nbytes)
+        if r.done:
+            for fn in r.done:
+                fn()
 
 
 def _batches(reqs: list[_Request], n: int) -> list[list[_Request]]:

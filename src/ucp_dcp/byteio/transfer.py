@@ -22,6 +22,7 @@ import torch
 import xxhash
 
 from ..format import Location
+from .blocksums import ChunkCheck, read_verified
 from .integrity import ChecksumError
 from .rangeio import RangeReader, Segment, storage_view
 from ..core.sharding import Box, runs, slabs
@@ -235,6 +236,7 @@ class StagingBuffers:
         region: Box,
         src_dtype: torch.dtype,
         dest: torch.Tensor,
+        check: ChunkCheck | None = None,
     ) -> None:
         """Read ``region`` of a saved chunk into ``dest``; see :func:`read_staged`."""
         es = src_dtype.itemsize
@@ -258,7 +260,10 @@ class StagingBuffers:
                 self._wait(self._next)  # its previous copy must be done before it is refilled
             buf = self._buf[base : base + n].view(src_dtype).view(sizes)
             sub = Box(tuple(b + o for b, o in zip(region.offsets, offs)), sizes)
-            reader.read(list(segments_into(location, chunk_sizes, sub, buf, self._view)))
+            if check is None:
+                reader.read(list(segments_into(location, chunk_sizes, sub, buf, self._view)))
+            else:  # checked in the staging buffer, before it is copied anywhere
+                read_verified(reader, location, chunk_sizes, sub, buf, check, self._view)
             target = dest
             for d, (o, s) in enumerate(zip(offs, sizes)):
                 target = target.narrow(d, o, s)
@@ -307,6 +312,7 @@ def read_staged(
     max_buffer_bytes: int | None = None,
     *,
     buffers: StagingBuffers | None = None,
+    check: ChunkCheck | None = None,
 ) -> None:
     """Read ``region`` of a saved chunk into ``dest`` (any dtype, any device).
 
@@ -316,15 +322,17 @@ def read_staged(
     without it, through a staging buffer of at most ``max_buffer_bytes`` made
     for this call alone and closed before returning, so that ``dest`` is
     complete on return. Memory stays bounded whatever the tensor size.
+    With ``check``, every block each slab's read touches is checked in the
+    staging buffer (:mod:`~ucp_dcp.byteio.blocksums`).
     """
     chunk_sizes, region, dest = permuted(location, chunk_sizes, region, dest)
     if buffers is not None:
-        buffers.read(reader, location, chunk_sizes, region, src_dtype, dest)
+        buffers.read(reader, location, chunk_sizes, region, src_dtype, dest, check)
         return
     if max_buffer_bytes is None:
         raise TypeError("read_staged needs max_buffer_bytes or buffers")
     with StagingBuffers(max_buffer_bytes, largest_bytes=region.numel * src_dtype.itemsize) as own:
-        own.read(reader, location, chunk_sizes, region, src_dtype, dest)
+        own.read(reader, location, chunk_sizes, region, src_dtype, dest, check)
 
 
 def read_region(
@@ -335,10 +343,14 @@ def read_region(
     src_dtype: torch.dtype,
     dest: torch.Tensor,
     max_buffer_bytes: int,
+    check: ChunkCheck | None = None,
 ) -> None:
-    """Read ``region`` of a saved chunk into ``dest`` now: in place when it can be, else staged."""
+    """Read ``region`` of a saved chunk into ``dest`` now: in place when it can be, else staged;
+    with ``check``, checking every block the reads touch."""
     if needs_staging(dest, src_dtype, location):
-        read_staged(reader, location, chunk_sizes, region, src_dtype, dest, max_buffer_bytes)
+        read_staged(reader, location, chunk_sizes, region, src_dtype, dest, max_buffer_bytes, check=check)
+    elif check is not None:
+        read_verified(reader, location, chunk_sizes, region, dest, check)
     else:
         reader.read(list(segments_into(location, chunk_sizes, region, dest)))
 

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ..byteio.blocksums import BlockVerifier, ChunkCheck
 from ..byteio.integrity import ChunkVerifier
 from ..byteio.rangeio import RangeReader, Segment
 from ..byteio.transfer import StagingBuffers, needs_staging, read_staged, segments_into
@@ -72,15 +73,22 @@ class UCPStorageReader(_Directory, StorageReader):
             ``torch.load(weights_only=True)``.
         prefix: prepended to the tensor names of a Hugging Face model
             (``"model."`` fills ``get_state_dict`` keys).
-        verify: check every saved chunk this rank's reads touch against its
-            recorded xxh3-64 (each chunk once per ``read_data``), raising
-            :class:`~ucp_dcp.ChecksumError` (naming tensor, chunk, file and
-            writing rank) on a mismatch. A read that fills a whole chunk into
-            contiguous CPU memory is checked by hashing that memory; any
-            other reads the whole chunk again to hash it. ``verified_bytes``
+        verify: check every byte this rank's reads use against checksums
+            recorded at save (on by default), raising
+            :class:`~ucp_dcp.ChecksumError` (naming tensor, chunk, block, file
+            and writing rank) on a mismatch. Native checkpoints record an
+            xxh3-64 of every 4 KiB block of every chunk: each block a read
+            touches is hashed once it is in memory (in the destination, or,
+            at the edges of a read, in scratch memory filled by the same
+            ``preadv`` calls), so a partial read of a chunk costs no second
+            read. Checkpoints written before block checksums are checked
+            chunk by chunk against the chunk's xxh3-64: a read that fills a
+            whole chunk into contiguous CPU memory is checked by hashing that
+            memory, any other reads the whole chunk again. ``verified_bytes``
             / ``verify_seconds`` add up the bytes hashed and the time spent.
             Values are always checked. Formats without checksums (DCP's,
-            Hugging Face's) have nothing to check.
+            Hugging Face's) have nothing to check. ``verify=False`` skips
+            the checks of tensor data.
     """
 
     def __init__(
@@ -93,7 +101,7 @@ class UCPStorageReader(_Directory, StorageReader):
         max_request_bytes: int = 16 * _MiB,
         dcp_values: str | None = None,
         prefix: str = "",
-        verify: bool = False,
+        verify: bool = True,
     ) -> None:
         super().__init__()
         if dcp_values not in DCP_VALUES_MODES:
@@ -176,58 +184,70 @@ class UCPStorageReader(_Directory, StorageReader):
         reader = RangeReader(
             src.paths, threads=self.io_threads, gap_bytes=self.gap_bytes, max_request_bytes=self.max_request_bytes
         )
-        verifier = (
-            ChunkVerifier(reader, src.paths, [src.file_rank(i) for i in range(len(src.paths))],
-                          block=self.max_request_bytes)
-            if self.verify
-            else None
-        )
+        ranks = [src.file_rank(i) for i in range(len(src.paths))]
+        # Blocks where the source records block checksums; whole chunks where it records only those.
+        blocks = BlockVerifier(src.paths, ranks) if self.verify else None
+        chunks = ChunkVerifier(reader, src.paths, ranks, block=self.max_request_bytes) if self.verify else None
         try:
             segments: list[Segment] = []
             pending: list[tuple[ReadItem, torch.Tensor]] = []
-            staged: list[tuple[ReadItem, torch.Tensor, Location, Box, torch.dtype]] = []
+            staged: list[tuple[ReadItem, torch.Tensor, Location, Box, torch.dtype, ChunkCheck | None]] = []
+
+            def flush() -> None:
+                self._flush(reader, segments, pending, planner, chunks, blocks)
+
             for ri, idx in tensor_items:
                 fqn = ri.storage_index.fqn
                 src_dtype = src.index.tensors[fqn].dtype
                 location = src.locate(fqn, idx)
                 chunk = src.box(fqn, idx)
                 dest = planner.resolve_tensor(ri)
+                sums = src.block_sums(fqn, idx, location) if blocks is not None else None
+                check = ChunkCheck(blocks, sums, fqn, chunk.offsets) if blocks is not None and sums is not None else None
                 if needs_staging(dest, src_dtype, location):
-                    staged.append((ri, dest, location, chunk, src_dtype))
+                    staged.append((ri, dest, location, chunk, src_dtype, check))
                     continue
                 region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
-                if verifier is not None:
-                    # The destination holds exactly the chunk's bytes after
-                    # the read: hash it there. Otherwise read the chunk again.
-                    whole = region == Box((0,) * len(chunk.sizes), chunk.sizes) and dest.is_contiguous()
-                    verifier.add(location, fqn, chunk.offsets, dest if whole else None)
-                segments.extend(segments_into(location, chunk.sizes, region, dest))
+                if check is not None:
+                    for part in check.verifier.plan(location, sums, fqn, chunk.offsets, chunk.sizes, region, dest):
+                        segments.extend(part)
+                        if check.verifier.scratch_bytes >= check.verifier.scratch_limit:
+                            flush()  # bound the scratch memory (this item is committed later)
+                else:
+                    if chunks is not None:
+                        # The destination holds exactly the chunk's bytes after
+                        # the read: hash it there. Otherwise read the chunk again.
+                        whole = region == Box((0,) * len(chunk.sizes), chunk.sizes) and dest.is_contiguous()
+                        chunks.add(location, fqn, chunk.offsets, dest if whole else None)
+                    segments.extend(segments_into(location, chunk.sizes, region, dest))
                 pending.append((ri, dest))
                 if len(segments) >= 16384:  # bound the bookkeeping memory, not just the data
-                    self._flush(reader, segments, pending, planner, verifier)
-            self._flush(reader, segments, pending, planner, verifier)
+                    flush()
+            flush()
             # One staging buffer for all staged items (pinned, double-buffered
             # for CUDA targets); close() waits for the last device copies.
-            largest = max((torch.Size(ri.lengths).numel() * sd.itemsize for ri, *_, sd in staged), default=0)
+            largest = max((torch.Size(ri.lengths).numel() * sd.itemsize for ri, *_, sd, _ in staged), default=0)
             with StagingBuffers(self.max_buffer_bytes, largest_bytes=largest) as staging:
-                for ri, dest, location, chunk, src_dtype in staged:
+                for ri, dest, location, chunk, src_dtype, check in staged:
                     region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
-                    read_staged(reader, location, chunk.sizes, region, src_dtype, dest, buffers=staging)
+                    # With block checksums, every slab is checked in the staging buffer.
+                    read_staged(reader, location, chunk.sizes, region, src_dtype, dest, buffers=staging, check=check)
                     # A CUDA dest may still be receiving (on its current stream,
                     # which orders any device work commit_tensor does after the copies).
                     planner.commit_tensor(ri, dest)
-                    if verifier is not None:  # a cast or device copy: the chunk is read again
-                        verifier.add(location, ri.storage_index.fqn, chunk.offsets)
-                        verifier.check()  # right after the read: its pages are likely still cached
+                    if check is None and chunks is not None:  # a cast or device copy: the chunk is read again
+                        chunks.add(location, ri.storage_index.fqn, chunk.offsets)
+                        chunks.check()  # right after the read: its pages are likely still cached
             for ri in value_items:
                 planner.load_bytes(ri, self._value_for(planner, read_value(src, reader, ri.storage_index.fqn), ri))
         finally:
             reader.close()
             self.bytes_requested += reader.stats.bytes
             self.read_calls += reader.stats.calls
-            if verifier is not None:
-                self.verified_bytes += verifier.bytes
-                self.verify_seconds += verifier.seconds
+            for v in (chunks, blocks):
+                if v is not None:
+                    self.verified_bytes += v.bytes
+                    self.verify_seconds += v.seconds
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -253,11 +273,15 @@ class UCPStorageReader(_Directory, StorageReader):
         segments: list[Segment],
         pending: list[tuple[ReadItem, torch.Tensor]],
         planner: LoadPlanner,
-        verifier: ChunkVerifier | None = None,
+        chunks: ChunkVerifier | None = None,
+        blocks: BlockVerifier | None = None,
     ) -> None:
         reader.read(segments)
-        if verifier is not None:
-            verifier.check()  # before commit: planners may move the data on
+        # Before commit: planners may move the data on.
+        if blocks is not None:
+            blocks.check()  # also copies the edges of reads from scratch into place
+        if chunks is not None:
+            chunks.check()
         for ri, dest in pending:
             planner.commit_tensor(ri, dest)
         segments.clear()

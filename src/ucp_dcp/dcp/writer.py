@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..byteio.datafile import DataFileWriter, chunk_entry, value_entry
+from ..byteio.datafile import DataFileWriter, chunk_entry, layout, value_entry
 from ..byteio.rangeio import tensor_view
 from ..format import (
     ALIGN,
@@ -31,7 +31,6 @@ from ..format import (
     build_index,
     commit_index,
     data_file_name,
-    layout_file,
     split_rank_local_key,
 )
 from ._directory import _Directory
@@ -183,7 +182,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
         if not entries:
             return []
         job: _FileAssignment = plan.storage_data
-        _, starts, size = layout_file(entries, self.rank, job.world_size, job.save_id, self.align)
+        _, starts, size = layout(entries, self.rank, job.world_size, job.save_id, self.align)
         return self._results(plan, planner, job.file, size, entries, starts)
 
     @staticmethod

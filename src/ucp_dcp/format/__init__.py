@@ -5,11 +5,14 @@ Everything here is plain data and its (de)serialisation; byte I/O lives in
 """
 
 from .header import (
+    BlockSumsRecord,
     EntryMeta,
     FileHeader,
     PlannedEntry,
     SafetensorsHeader,
     StEntry,
+    block_sums_record,
+    has_block_sums,
     layout_file,
     parse_safetensors,
     read_header,
@@ -17,6 +20,8 @@ from .header import (
 from .index import WrittenEntry, build_index, commit_index, index_digest, load_index, rebuild_index, write_index
 from .names import (
     ALIGN,
+    BLOCK_BYTES,
+    BLOCK_SUMS_ENTRY,
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_FILE,
@@ -39,7 +44,7 @@ from .records import ChunkRecord, FileRecord, Index, Layout, Location, TensorRec
 from .runs import RunList, decode_runs, encode_runs
 
 __all__ = [
-    "ALIGN", "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "LAYOUT_KEY", "MAX_HEADER_BYTES", "PAD_PREFIX",
+    "ALIGN", "BLOCK_BYTES", "BLOCK_SUMS_ENTRY", "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "LAYOUT_KEY", "MAX_HEADER_BYTES", "PAD_PREFIX",
     "RANK_LOCAL_PREFIX", "VALUE_PREFIX",
     "chunk_entry_name", "data_file_name", "dtype_name", "rank_local_entry_name", "rank_local_key",
     "split_rank_local_key", "st_dtype", "value_entry_name",
@@ -47,5 +52,6 @@ __all__ = [
     "RunList", "decode_runs", "encode_runs",
     "EntryMeta", "FileHeader", "PlannedEntry", "SafetensorsHeader", "StEntry", "layout_file",
     "parse_safetensors", "read_header", "dtype_from_st",
+    "BlockSumsRecord", "block_sums_record", "has_block_sums",
     "WrittenEntry", "build_index", "commit_index", "index_digest", "load_index", "rebuild_index", "write_index",
 ]

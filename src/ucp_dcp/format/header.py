@@ -12,6 +12,7 @@ from typing import Any, Iterable
 from ..errors import CheckpointFormatError
 from .names import (
     ALIGN,
+    BLOCK_SUMS_ENTRY,
     FORMAT_NAME,
     FORMAT_VERSION,
     MAX_HEADER_BYTES,
@@ -52,6 +53,28 @@ class EntryMeta:
         return d
 
 
+@dataclass(frozen=True)
+class BlockSumsRecord:
+    """Where a data file keeps the block checksums of its tensor chunks.
+
+    Entry :data:`~ucp_dcp.format.names.BLOCK_SUMS_ENTRY` (``nbytes`` at
+    absolute offset ``start``) holds one little-endian uint64 xxh3-64 per
+    ``block`` bytes of every tensor chunk (:func:`has_block_sums`), chunk
+    after chunk in file order; a chunk's last block may be shorter.
+    ``xxh3`` is the checksum of the entry itself.
+    """
+
+    block: int
+    start: int
+    nbytes: int
+    xxh3: str
+
+
+def has_block_sums(meta: "EntryMeta | None", nbytes: int) -> bool:
+    """Whether an entry has block checksums: the non-empty tensor chunks."""
+    return meta is not None and meta.kind == "tensor" and nbytes > 0
+
+
 @dataclass
 class FileHeader:
     """A parsed data-file header: per entry, its absolute byte range and metadata."""
@@ -64,6 +87,7 @@ class FileHeader:
     ranges: dict[str, tuple[int, int]]  # entry name -> (start, nbytes), absolute
     shapes: dict[str, tuple[int, ...]]  # entry name -> shape of the stored chunk
     meta: dict[str, EntryMeta]  # entry name -> ucp metadata (pads have none)
+    block_sums: BlockSumsRecord | None = None  # None: written before block checksums
 
 
 @dataclass(frozen=True)
@@ -200,7 +224,22 @@ def read_header(path: str, fd: int | None = None) -> FileHeader:
                 f"{path}: entry {name!r} has dtype code {e.st_dtype!r}, which ucp_dcp does not write"
             )
         meta[name] = _entry_meta(m, name, e.nbytes, f"{path}: metadata of entry {name!r}")
-    return FileHeader(path, st.size, rank, world_size, save_id, ranges, shapes, meta)
+    return FileHeader(path, st.size, rank, world_size, save_id, ranges, shapes, meta,
+                      block_sums_record(path, ucp, st.entries))
+
+
+def block_sums_record(path: str, ucp: dict[str, Any], entries: dict[str, StEntry]) -> BlockSumsRecord | None:
+    """The block checksums a data file's ``ucp_dcp`` metadata ``ucp`` announces (None: it has none)."""
+    bs = ucp.get("block_sums")
+    if bs is None:
+        return None
+    e = entries.get(BLOCK_SUMS_ENTRY)
+    block, digest = (bs.get("block"), bs.get("xxh3")) if isinstance(bs, dict) else (None, None)
+    if not (isinstance(block, int) and not isinstance(block, bool) and block > 0 and isinstance(digest, str)):
+        raise CheckpointFormatError(f"{path}: malformed block_sums metadata {bs!r}")
+    if e is None or e.st_dtype != "U64" or e.nbytes % 8:
+        raise CheckpointFormatError(f"{path}: block_sums metadata without a U64 {BLOCK_SUMS_ENTRY} entry")
+    return BlockSumsRecord(block, e.start, e.nbytes, digest)
 
 
 def _entry_meta(m: Any, name: str, nbytes: int, where: str) -> EntryMeta:
@@ -248,7 +287,8 @@ class PlannedEntry:
 
 
 def layout_file(
-    entries: Iterable[PlannedEntry], rank: int, world_size: int, save_id: str, align: int = ALIGN
+    entries: Iterable[PlannedEntry], rank: int, world_size: int, save_id: str, align: int = ALIGN,
+    *, block_sums: tuple[int, str] | None = None,
 ) -> tuple[bytes, list[int], int]:
     """Lay out a data file: its header bytes and each entry's absolute offset.
 
@@ -256,7 +296,8 @@ def layout_file(
     padding entries fill the gaps. Returns ``(header, offsets, file_size)``;
     the header contains the checksums already in ``meta`` (callers that hash
     while writing lay out twice: a checksum has a fixed width, so the header
-    length does not change).
+    length does not change). ``block_sums``, ``(block, xxh3)``, announces a
+    :data:`~ucp_dcp.format.names.BLOCK_SUMS_ENTRY` among ``entries``.
     """
     entries = list(entries)
     # Data offsets are relative to the data section, which starts right after
@@ -289,6 +330,7 @@ def layout_file(
                 "world_size": world_size,
                 "save_id": save_id,
                 "entries": {e.name: e.meta.to_json() for e in entries if e.meta is not None},
+                **({"block_sums": {"block": block_sums[0], "xxh3": block_sums[1]}} if block_sums else {}),
             },
             separators=(",", ":"),
         )

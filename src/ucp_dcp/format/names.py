@@ -24,6 +24,10 @@ MAX_ENUMERATED_COORDS = 1 << 16
 VALUE_PREFIX = "__ucp_value__/"
 RANK_LOCAL_PREFIX = "__ucp_rank_local__/"
 PAD_PREFIX = "__ucp_pad__."
+BLOCK_SUMS_ENTRY = "__ucp_block_sums__"
+"""The U64 entry of a data file holding the xxh3-64 of every block of its tensor chunks."""
+BLOCK_BYTES = 4096
+"""Bytes per checksummed block of a tensor chunk: one page, so checking a read costs no extra I/O."""
 LAYOUT_KEY = "__ucp_layout__"
 """Top-level state-dict key under which ``LayoutSpec.apply(record=True)`` stores the spec."""
 

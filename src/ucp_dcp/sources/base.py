@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
+from ..byteio.blocksums import BlockSums
 from ..byteio.rangeio import RangeReader
 from ..byteio.transfer import read_checked
 from ..core.sharding import Box, Grid
@@ -138,6 +139,14 @@ class Source(ABC):
             raise CheckpointFormatError(f"{self.path}: no byte location recorded for chunk {idx} of {fqn!r}")
         return loc
 
+    def block_sums(self, fqn: str, idx: int, location: Location) -> BlockSums | None:
+        """The block checksums of chunk ``idx`` of ``fqn`` stored at ``location`` (from :meth:`locate`).
+
+        None where the format records none (then a verified read checks the
+        chunk's whole checksum, if there is one).
+        """
+        return None
+
     def chunk_origin(self, fqn: str, idx: int) -> tuple[int, int]:
         """``(file, byte offset)`` where chunk ``idx`` of ``fqn`` is stored, to group and order chunks by file."""
         loc = self.locate(fqn, idx)
@@ -179,6 +188,10 @@ class Source(ABC):
     # ------------------------------------------------------------ checking
     def check_files(self) -> list[str]:
         """Problems with the data files that checksums cannot show (sizes, headers); one line each."""
+        return []
+
+    def checksummed_records(self) -> list[tuple[str, Location]]:
+        """Checksummed bytes that are neither chunks nor values (block checksums), as ``(what, location)``."""
         return []
 
     def close(self) -> None:

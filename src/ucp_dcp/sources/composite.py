@@ -14,6 +14,7 @@ import dataclasses
 import os
 from typing import Sequence
 
+from ..byteio.blocksums import BlockSums
 from ..errors import CheckpointFormatError
 from ..format import Index, Location, split_rank_local_key
 from .base import Source, SourceOptions, register, source_types
@@ -104,6 +105,11 @@ class CompositeSource(Source):
         child, base = self._child(fqn)
         return self._shifted(child.locate(fqn, idx), base)
 
+    def block_sums(self, fqn: str, idx: int, location: Location) -> BlockSums | None:
+        """The child's block checksums."""
+        child, base = self._child(fqn)
+        return child.block_sums(fqn, idx, self._shifted(location, -base))
+
     def prepare(self, chunks: Sequence[tuple[str, int]], values: Sequence[str], threads: int = 4) -> None:
         """Each child prepares its own keys."""
         for child in self.children.values():
@@ -124,6 +130,15 @@ class CompositeSource(Source):
     def decode_value(self, key: str, raw: bytes) -> bytes:
         """As the child that holds ``key`` decodes it."""
         return self._child(key)[0].decode_value(key, raw)
+
+    def checksummed_records(self) -> list[tuple[str, Location]]:
+        """Every child's, renumbered."""
+        out = []
+        base = 0
+        for c in self.children.values():
+            out += [(what, self._shifted(loc, base)) for what, loc in c.checksummed_records()]
+            base += len(c.paths)
+        return out
 
     def check_files(self) -> list[str]:
         """Every child's problems."""

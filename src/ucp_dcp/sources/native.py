@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 import threading
 
-from ..errors import CheckpointFormatError
+import numpy as np
+import xxhash
+
+from ..byteio.blocksums import BlockSums
+from ..errors import CheckpointFormatError, ChecksumError
 from ..format import (
     INDEX_FILE,
     EntryMeta,
@@ -13,6 +17,7 @@ from ..format import (
     Location,
     chunk_entry_name,
     dtype_name,
+    has_block_sums,
     load_index,
     rank_local_entry_name,
     read_header,
@@ -43,7 +48,10 @@ class NativeSource(Source):
         index = load_index(path)
         super().__init__(path, index, [os.path.join(path, f.name) for f in index.files])
         self._headers: dict[int, FileHeader] = {}
+        # Per file: (block size, every block checksum, first checksum of the entry at each offset), or None.
+        self._block_sums: dict[int, tuple[int, np.ndarray, dict[int, int]] | None] = {}
         self._lock = threading.Lock()
+        self._sums_lock = threading.Lock()  # not _lock: reading the sums reads the header
 
     @classmethod
     def detect(cls, path: str) -> bool:
@@ -128,6 +136,64 @@ class NativeSource(Source):
         if here != loc:
             raise CheckpointFormatError(_disagree(self.paths[loc.file], what, here, loc))
         return loc
+
+    def block_sums(self, fqn: str, idx: int, location: Location) -> BlockSums | None:
+        """From the data file's block checksums' entry (read once per file); None for files written without."""
+        if location.file not in self._block_sums:
+            with self._sums_lock:
+                if location.file not in self._block_sums:
+                    self._block_sums[location.file] = self._read_block_sums(location.file)
+        table = self._block_sums[location.file]
+        if table is None:
+            return None
+        block, sums, first = table
+        if not location.nbytes:  # an empty chunk: no blocks
+            return BlockSums(block, sums[:0])
+        k = first.get(location.start)
+        if k is None:
+            raise CheckpointFormatError(
+                f"{self.paths[location.file]}: no block checksums for the entry at byte {location.start} "
+                f"(chunk {idx} of {fqn!r})"
+            )
+        return BlockSums(block, sums[k : k - (-location.nbytes // block)])
+
+    def _read_block_sums(self, file: int) -> tuple[int, np.ndarray, dict[int, int]] | None:
+        h = self.header(file)
+        rec = h.block_sums
+        if rec is None:
+            return None
+        # One checksum per block of every tensor chunk, chunk after chunk in file order.
+        first: dict[int, int] = {}
+        k = 0
+        for start, nbytes in sorted(r for name, r in h.ranges.items() if has_block_sums(h.meta.get(name), r[1])):
+            first[start] = k
+            k += -(-nbytes // rec.block)
+        path = self.paths[file]
+        if 8 * k != rec.nbytes:
+            raise CheckpointFormatError(
+                f"{path}: {rec.nbytes // 8} block checksums recorded for the {k} blocks of its tensor chunks"
+            )
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            raw = os.pread(fd, rec.nbytes, rec.start)
+        finally:
+            os.close(fd)
+        digest = xxhash.xxh3_64_hexdigest(raw)
+        if len(raw) != rec.nbytes or digest != rec.xxh3:
+            raise ChecksumError(path, "the block checksums", rec.xxh3, digest, self.file_rank(file))
+        return rec.block, np.frombuffer(raw, dtype="<u8"), first
+
+    def checksummed_records(self) -> list[tuple[str, Location]]:
+        """The block checksums' entry of every data file that has one."""
+        out = []
+        for i in range(len(self.paths)):
+            try:
+                rec = self.header(i).block_sums
+            except CheckpointFormatError:
+                continue  # check_files() reports it
+            if rec is not None:
+                out.append(("the block checksums", Location(i, rec.start, rec.nbytes, rec.xxh3)))
+        return out
 
     def check_files(self) -> list[str]:
         """Every data file's header parses, matches the index's record of the file, and lists only what the index lists.

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ..byteio.integrity import HASH_BLOCK, chunk_what, hash_range
+from ..byteio.blocksums import BlockVerifier, ChunkCheck
+from ..byteio.integrity import HASH_BLOCK, ChunkVerifier, chunk_what, hash_range
 from ..byteio.rangeio import RangeReader, Segment
 from ..byteio.transfer import StagingBuffers, needs_staging, read_staged, segments_into
 from ..core.sharding import Box
@@ -39,6 +40,11 @@ class Checkpoint:
         dcp_values: ``"weights_only"`` to load the pickled values of a DCP
             checkpoint with ``torch.load(weights_only=True)``; refused by default.
         prefix: prepended to the tensor names of a Hugging Face model.
+        verify: check every byte :meth:`read_tensor` / :meth:`read_into`
+            read against the checksums recorded at save (block checksums,
+            or whole-chunk ones for checkpoints written before them), as
+            ``UCPStorageReader(verify=True)`` does; a mismatch raises
+            :class:`~ucp_dcp.ChecksumError`. Values are always checked.
 
     Raises :class:`~ucp_dcp.CheckpointFormatError` when ``path`` is not a
     readable checkpoint. Use as a context manager, or call :meth:`close`.
@@ -52,12 +58,16 @@ class Checkpoint:
         max_buffer_bytes: int = 64 << 20,
         dcp_values: str | None = None,
         prefix: str = "",
+        verify: bool = True,
     ) -> None:
         self.path = os.fspath(path)
         self.source = open_source(self.path, SourceOptions(dcp_values=dcp_values, prefix=prefix))
         self.index = self.source.index
         self.max_buffer_bytes = max(max_buffer_bytes, 1 << 20)
         self._reader = RangeReader(self.source.paths, threads=io_threads, gap_bytes=os.sysconf("SC_PAGE_SIZE") - 1)
+        self.verify_reads = verify
+        self._ranks = [self.source.file_rank(i) for i in range(len(self.source.paths))]
+        self._verified = 0
 
     @property
     def format(self) -> str:
@@ -94,6 +104,11 @@ class Checkpoint:
         """Bytes requested from storage so far by this object (data-file headers excluded)."""
         return self._reader.stats.bytes
 
+    @property
+    def verified_bytes(self) -> int:
+        """Bytes of tensor data hashed so far to check reads (``verify=True``)."""
+        return self._verified
+
     # ------------------------------------------------------------ reading
     def read_tensor(self, name: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
         """The full tensor ``name``, reading exactly its bytes.
@@ -116,21 +131,52 @@ class Checkpoint:
             raise ValueError(f"size mismatch for {name!r}: the checkpoint has shape {list(rec.shape)}, the target has {list(out.shape)}")
         segments: list[Segment] = []
         chunks = self.chunks(name)
+        # Made per call, so that a failed read leaves nothing pending for the next.
+        blocks = BlockVerifier(self.source.paths, self._ranks)
+        old_sums = ChunkVerifier(self._reader, self.source.paths, self._ranks)
+        try:
+            self._read_into(name, rec, out, chunks, segments, blocks, old_sums)
+        finally:
+            self._verified += blocks.bytes + old_sums.bytes
+
+    def _read_into(
+        self, name: str, rec: TensorRecord, out: torch.Tensor, chunks: list[tuple[Box, Location]],
+        segments: list[Segment], blocks: BlockVerifier, old_sums: ChunkVerifier,
+    ) -> None:
         # One staging buffer for all chunks (pinned and double-buffered for a
         # CUDA target); leaving the block waits for the last device copy.
         largest = max((box.numel * rec.dtype.itemsize for box, loc in chunks if needs_staging(out, rec.dtype, loc)),
                       default=0)
         with StagingBuffers(self.max_buffer_bytes, largest_bytes=largest) as staging:
-            for box, loc in chunks:
+            for i, (box, loc) in enumerate(chunks):
                 dest = out
                 for d, (o, s) in enumerate(zip(box.offsets, box.sizes)):
                     dest = dest.narrow(d, o, s)
                 whole = Box((0,) * len(box.sizes), box.sizes)
+                sums = self.source.block_sums(name, i, loc) if self.verify_reads else None
+                check = ChunkCheck(blocks, sums, name, box.offsets) if sums is not None else None
+                whole_sum = self.verify_reads and check is None  # checked against the chunk's checksum
                 if needs_staging(out, rec.dtype, loc):
-                    read_staged(self._reader, loc, box.sizes, whole, rec.dtype, dest, buffers=staging)
+                    read_staged(self._reader, loc, box.sizes, whole, rec.dtype, dest, buffers=staging, check=check)
+                    if whole_sum:
+                        old_sums.add(loc, name, box.offsets)  # read again
+                        old_sums.check()
+                elif check is not None:
+                    for part in blocks.plan(loc, check.sums, name, box.offsets, box.sizes, whole, dest):
+                        segments.extend(part)
+                        if blocks.scratch_bytes >= blocks.scratch_limit:
+                            self._read_checked(segments, blocks, old_sums)
                 else:
+                    if whole_sum:
+                        old_sums.add(loc, name, box.offsets, dest if dest.is_contiguous() else None)
                     segments.extend(segments_into(loc, box.sizes, whole, dest))
+        self._read_checked(segments, blocks, old_sums)
+
+    def _read_checked(self, segments: list[Segment], blocks: BlockVerifier, old_sums: ChunkVerifier) -> None:
         self._reader.read(segments)
+        segments.clear()
+        blocks.check()
+        old_sums.check()
 
     def chunks(self, name: str) -> list[tuple[Box, Location]]:
         """Every saved chunk of tensor ``name``: its box and where its bytes are."""
@@ -187,6 +233,7 @@ class Checkpoint:
                 work.append((what, self.source.value_location(key)))
             except CheckpointFormatError as e:
                 note(e)
+        work += self.source.checksummed_records()
         total = sum(loc.nbytes for _, loc in work)
         done = 0
         buf = bytearray(min(HASH_BLOCK, max((loc.nbytes for _, loc in work), default=1)))

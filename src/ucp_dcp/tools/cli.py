@@ -162,7 +162,7 @@ def format_inspection(info: dict[str, Any]) -> str:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .inspection import inspect_checkpoint
 
-    info = inspect_checkpoint(args.path, dcp_values=args.dcp_values)
+    info = inspect_checkpoint(args.path, dcp_values=args.dcp_values, verify=not args.no_verify)
     if args.json:
         _print_json(info)
     else:
@@ -213,7 +213,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     from .inspection import diff_checkpoints
 
     with _progress(args, "comparing") as bar:
-        report = diff_checkpoints(args.a, args.b, progress=bar, dcp_values=args.dcp_values)
+        report = diff_checkpoints(args.a, args.b, progress=bar, dcp_values=args.dcp_values, verify=not args.no_verify)
     same = report.identical if args.atol == 0 else report.within(args.atol)
     if args.json:
         _print_json(report.to_json(args.atol))
@@ -265,6 +265,8 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
         kwargs["config"] = args.config
     if args.dcp_values is not None:
         kwargs["dcp_values"] = args.dcp_values
+    if args.no_verify:
+        kwargs["verify"] = False
     with _progress(args, "exporting") as bar:
         written = export_hf(args.src, args.dst, progress=bar, **kwargs)
     count = f": {_plural(len(written), 'file')}" if isinstance(written, list) else ""
@@ -277,6 +279,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = {"overwrite": args.overwrite}
     if args.prefix is not None:
         kwargs["prefix"] = args.prefix
+    if args.no_verify:
+        kwargs["verify"] = False
     with _progress(args, "converting") as bar:
         convert(args.src, args.dst, progress=bar, **kwargs)
     print(f"converted {args.src} into ucp_dcp checkpoint {args.dst}")
@@ -311,6 +315,8 @@ def _common_options(defaults: bool) -> argparse.ArgumentParser:
     p.add_argument("--dcp-values", choices=["weights_only"], default=None if defaults else argparse.SUPPRESS,
                    help="load the pickled values of a DCP checkpoint with torch.load(weights_only=True) "
                    "(refused by default)")
+    p.add_argument("--no-verify", help="do not check the tensor data a command reads against the checksums "
+                   "recorded at save (checked by default)", **kw)
     return p
 
 

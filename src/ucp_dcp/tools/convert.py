@@ -20,7 +20,9 @@ from typing import Any, Callable
 
 import torch
 
+from ..byteio.blocksums import BlockVerifier, ChunkCheck
 from ..byteio.datafile import DataFileWriter, chunk_entry, value_entry
+from ..byteio.integrity import ChunkVerifier
 from ..byteio.rangeio import RangeReader, storage_view, tensor_view
 from ..byteio.transfer import read_region
 from ..core.sharding import Box, slabs
@@ -57,6 +59,7 @@ def convert(
     buffer_bytes: int = 64 * _MiB,
     io_threads: int = 4,
     dcp_values: str | None = "weights_only",
+    verify: bool = True,
 ) -> Index:
     """Write checkpoint ``src`` (any format :func:`~ucp_dcp.sources.open_source` reads) as a universal one at ``dst``.
 
@@ -74,6 +77,10 @@ def convert(
         dcp_values: how DCP's pickled values are loaded; by default with
             ``torch.load(weights_only=True)`` (torch's restricted unpickler:
             a value it refuses fails the conversion naming the key).
+        verify: check the tensor data read against the source's checksums
+            (block checksums where it records them, whole chunks otherwise),
+            so that damaged bytes are not given fresh checksums; a mismatch
+            raises :class:`~ucp_dcp.ChecksumError`.
 
     Returns the index written.
     """
@@ -86,7 +93,7 @@ def convert(
                 "Convert into a new directory, or pass overwrite=True"
             )
         os.makedirs(dst, exist_ok=True)
-        return _convert(source, dst, progress, sync_files, max(buffer_bytes, _MiB), io_threads)
+        return _convert(source, dst, progress, sync_files, max(buffer_bytes, _MiB), io_threads, verify)
     finally:
         source.close()
 
@@ -121,11 +128,14 @@ def _entry(source: Source, item: _Item, value: bytes | None) -> PlannedEntry:
 
 
 def _convert(
-    source: Source, dst: str, progress: ProgressFn | None, sync_files: bool, budget: int, io_threads: int
+    source: Source, dst: str, progress: ProgressFn | None, sync_files: bool, budget: int, io_threads: int,
+    verify: bool,
 ) -> Index:
     index = source.index
     per_file = _items_by_file(source)
     reader = RangeReader(source.paths, threads=io_threads, gap_bytes=os.sysconf("SC_PAGE_SIZE") - 1)
+    ranks = [source.file_rank(i) for i in range(len(source.paths))]
+    checks = (BlockVerifier(source.paths, ranks), ChunkVerifier(reader, source.paths, ranks)) if verify else None
     buf = torch.empty(budget, dtype=torch.uint8)
     save_id = uuid.uuid4().hex[:8]
     files: list[FileRecord] = []
@@ -152,7 +162,7 @@ def _convert(
                     if it[0] == "v":
                         out.write(i, values[it[1]])
                     else:
-                        _copy_chunk(source, reader, it[1], it[2], out, i, buf)
+                        _copy_chunk(source, reader, it[1], it[2], out, i, buf, checks)
                     done += entries[i].nbytes
                     if progress is not None:
                         progress(done, total)
@@ -169,9 +179,11 @@ def _convert(
 
 
 def _copy_chunk(
-    source: Source, reader: RangeReader, fqn: str, idx: int, out: DataFileWriter, i: int, buf: torch.Tensor
+    source: Source, reader: RangeReader, fqn: str, idx: int, out: DataFileWriter, i: int, buf: torch.Tensor,
+    checks: tuple[BlockVerifier, ChunkVerifier] | None = None,
 ) -> None:
-    """Copy chunk ``idx`` of ``fqn`` row-major into entry ``i`` of ``out``, slab by slab."""
+    """Copy chunk ``idx`` of ``fqn`` row-major into entry ``i`` of ``out``, slab by slab;
+    with ``checks``, checking what is read against the source's checksums."""
     rec = source.index.tensors[fqn]
     box = source.box(fqn, idx)
     dtype, es = rec.dtype, rec.dtype.itemsize
@@ -184,6 +196,14 @@ def _copy_chunk(
         # reads it whole, bounded by that one item.
         out.write(i, tensor_view(source.materialize(reader, fqn, idx)))
         return
+    check = None
+    if checks is not None:
+        sums = source.block_sums(fqn, idx, location)
+        if sums is not None:
+            check = ChunkCheck(checks[0], sums, fqn, box.offsets)
+        elif location.xxh3:  # no block checksums: the whole chunk, read again (from the page cache)
+            checks[1].add(location, fqn, box.offsets)
+            checks[1].check()
     # A chunk stored in another dimension order is read through a staging
     # buffer as well (read_region): give each half of the budget.
     budget = buf.numel() // 2 if location.dim_order else buf.numel()
@@ -191,5 +211,5 @@ def _copy_chunk(
     for offs, sizes in slabs(box.sizes, es, budget):
         nbytes = math.prod(sizes) * es
         slab = buf[:nbytes].view(dtype).view(sizes)
-        read_region(reader, location, box.sizes, Box(tuple(offs), tuple(sizes)), dtype, slab, budget)
+        read_region(reader, location, box.sizes, Box(tuple(offs), tuple(sizes)), dtype, slab, budget, check)
         out.write(i, bview[:nbytes])

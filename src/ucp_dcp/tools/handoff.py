@@ -43,6 +43,7 @@ def load_state_dict(
     rank_local: bool = False,
     dcp_values: str | None = None,
     prefix: str = "",
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Full tensors and values of a checkpoint of any format, in this process.
 
@@ -58,6 +59,9 @@ def load_state_dict(
         dcp_values: ``"weights_only"`` loads the pickled values of a DCP
             checkpoint with ``torch.load(weights_only=True)``; refused by default.
         prefix: prepended to the tensor names of a Hugging Face model.
+        verify: check every byte read against the checksums recorded at
+            save (:class:`~ucp_dcp.ChecksumError` on a mismatch); False skips
+            the checks of tensor data.
 
     Keys are DCP's flattened names (``"model.embed.weight"``,
     ``"optim.state.embed.weight.exp_avg"``). Tensors are read one at a
@@ -65,7 +69,7 @@ def load_state_dict(
     """
     select = _selector(keys)
     out: dict[str, Any] = {}
-    with Checkpoint(path, dcp_values=dcp_values, prefix=prefix) as ckpt:
+    with Checkpoint(path, dcp_values=dcp_values, prefix=prefix, verify=verify) as ckpt:
         for name in ckpt.tensor_names():
             if select(name):
                 src = ckpt.tensor_record(name).dtype
@@ -99,6 +103,7 @@ def load_into_module(
     *,
     prefix: str = "model.",
     strict: bool = True,
+    verify: bool = True,
 ) -> ModuleLoadResult:
     """Fill ``module``'s parameters and buffers in place from checkpoint ``path``.
 
@@ -113,9 +118,12 @@ def load_into_module(
     or a checkpoint tensor under ``prefix`` that the module lacks, is an
     error that lists the keys, as with the load planner. A shape mismatch is
     always an error naming the tensor and both shapes.
+
+    Every byte read is checked against the checksums recorded at save
+    (:class:`~ucp_dcp.ChecksumError` on a mismatch) unless ``verify=False``.
     """
     targets = module.state_dict(keep_vars=True)
-    with Checkpoint(path) as ckpt:
+    with Checkpoint(path, verify=verify) as ckpt:
         available = {n[len(prefix):] for n in ckpt.tensor_names() if n.startswith(prefix)}
         missing = sorted(k for k in targets if k not in available)
         unexpected = sorted(k for k in available if k not in targets)

@@ -296,6 +296,7 @@ def export_hf(
     config: str | os.PathLike[str] | Mapping[str, Any] | Any | None = None,
     progress: ProgressFn | None = None,
     dcp_values: str | None = None,
+    verify: bool = True,
 ) -> list[str]:
     """Write the model weights of checkpoint ``src`` (any format) as a Hugging Face directory ``dst``.
 
@@ -333,6 +334,8 @@ def export_hf(
             so: ``from_pretrained`` needs a ``config.json`` next to them (pass
             ``config=``, or ``config.save_pretrained(dst)`` yourself).
         progress: ``progress(done_bytes, total_bytes)`` after each tensor.
+        verify: check the tensor data read against the checksums recorded
+            at save (:class:`~ucp_dcp.ChecksumError` on a mismatch).
 
     Returns:
         The paths of the files written in ``dst``: the safetensors files in
@@ -372,7 +375,7 @@ def export_hf(
             UserWarning,
             stacklevel=2,
         )
-    with Checkpoint(src, dcp_values=dcp_values) as ckpt:
+    with Checkpoint(src, dcp_values=dcp_values, verify=verify) as ckpt:
         planned = _plan_export(ckpt, prefix, rules, cast)
         shards = _shard(planned, max_bytes)
         n = len(shards)

@@ -1,0 +1,421 @@
+"""Block checksums: an xxh3-64 of every fixed-size block of every tensor chunk.
+
+A chunk's whole-entry xxh3-64 can only be checked by a read of the whole
+chunk, and a resharding load reads parts of chunks. So every data file also
+records the xxh3-64 of each ``block`` bytes of each tensor chunk (blocks
+start at the chunk's first byte; the last may be shorter), and a load checks
+exactly the blocks its reads touch:
+
+* :class:`BlockHasher` computes them while :class:`~ucp_dcp.byteio.datafile.DataFileWriter`
+  writes the chunk, in pieces of any size.
+* :class:`BlockVerifier` turns a read of a region of a chunk into segments
+  for :class:`~ucp_dcp.byteio.rangeio.RangeReader` such that every block the
+  read touches is complete in memory once the read is done: a block that
+  lies inside one contiguous run of the destination is read in place and
+  hashed there; any other touched block (the edges of a run, or a block
+  holding several narrow runs) is read whole into scratch memory, hashed
+  there, and the bytes the load needs are copied into place. The scratch
+  reads sit next to the destination reads in the file, so the range reader
+  coalesces them into the same ``preadv`` calls, and with 4 KiB blocks
+  starting on page boundaries they read no page the load did not need.
+  A batch read in few segments (long runs) is checked by the I/O thread
+  that completes its last segment, while the other threads still read;
+  others after the reads.
+
+A mismatch raises :class:`~ucp_dcp.ChecksumError` naming the file, the
+tensor, the chunk, the block and the writing rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+import time
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+import xxhash
+from numpy.lib.stride_tricks import as_strided
+
+from ..core.sharding import Box, runs
+from ..errors import ChecksumError
+from ..format import Location
+from .integrity import chunk_what
+from .rangeio import RangeReader, Segment, storage_view
+
+__all__ = ["BlockSums", "BlockHasher", "BlockVerifier", "ChunkCheck", "read_verified"]
+
+_hash = xxhash.xxh3_64_intdigest
+# A batch read in at most this many segments is checked by the I/O thread that
+# completes it, while the other threads still read (so hashing long runs
+# overlaps the reads). A batch of more (narrow strided runs) is checked by
+# check() after the reads: a callback per segment would cost more than it hides.
+_HOOK_SEGMENTS = 64
+# Scratch memory is carved out of buffers of at least this size, reused across batches.
+_ARENA_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, eq=False)
+class BlockSums:
+    """The recorded xxh3-64 of every ``block`` bytes of one saved chunk (``sums[k]``: block ``k``)."""
+
+    block: int
+    sums: np.ndarray  # uint64, ceil(nbytes / block) of them
+
+
+class BlockHasher:
+    """The xxh3-64 of every ``block`` bytes of an ``nbytes``-long stream fed to :meth:`update` in pieces of any size."""
+
+    def __init__(self, nbytes: int, block: int) -> None:
+        self.block = block
+        self.sums = np.zeros(-(-nbytes // block), dtype=np.uint64)
+        self._k = 0  # the block being filled
+        self._fill = 0  # its bytes hashed so far
+        self._partial: xxhash.xxh3_64 | None = None
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        """Hash the next ``len(data)`` bytes of the stream."""
+        view = memoryview(data).cast("B")
+        b, n, off = self.block, len(view), 0
+        if self._fill:
+            assert self._partial is not None
+            off = min(b - self._fill, n)
+            self._partial.update(view[:off])
+            self._fill += off
+            if self._fill < b:
+                return
+            self.sums[self._k] = self._partial.intdigest()
+            self._k, self._fill, self._partial = self._k + 1, 0, None
+        full = (n - off) // b
+        if full:
+            self.sums[self._k : self._k + full] = np.fromiter(
+                (_hash(view[o : o + b]) for o in range(off, off + full * b, b)), np.uint64, full
+            )
+            self._k += full
+            off += full * b
+        if off < n:
+            self._partial = xxhash.xxh3_64(view[off:])
+            self._fill = n - off
+
+    def digests(self) -> np.ndarray:
+        """Every block's digest (call once the whole stream was fed)."""
+        if self._fill:
+            assert self._partial is not None
+            self.sums[self._k] = self._partial.intdigest()
+            self._k, self._fill, self._partial = self._k + 1, 0, None
+        if self._k != len(self.sums):
+            raise ValueError(f"block hasher fed {self._k} of {len(self.sums)} blocks")
+        return self.sums
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """The chunk a read checks: where it is, its block checksums, its name for errors."""
+
+    location: Location
+    sums: BlockSums
+    fqn: str
+    offsets: tuple[int, ...]
+
+
+@dataclass
+class _Batch:
+    """The checks of one batch of reads of one chunk that :meth:`BlockVerifier.check` runs."""
+
+    chunk: _Chunk
+    dest: memoryview  # the destination's storage
+    dest_offs: np.ndarray  # where each in-place block starts in ``dest``
+    dest_blocks: np.ndarray  # its block number
+    scratch: np.ndarray  # the touched blocks read whole, one after the other
+    scratch_blocks: np.ndarray  # the block number of each
+    copies: tuple[np.ndarray, np.ndarray, np.ndarray]  # scratch offset, dest offset, length of each piece
+    segments: int = 0  # how many segments read it
+    done: "itertools.count[int]" = dataclasses.field(default_factory=itertools.count)  # of them, read so far
+    checked: bool = False
+
+
+def _digests(mem: memoryview | np.ndarray, offs: np.ndarray, lens: np.ndarray, block: int) -> np.ndarray:
+    """xxh3-64 of ``mem[offs[i] : offs[i] + lens[i]]`` for every ``i``.
+
+    Blocks of full length at a constant stride (a run, consecutive runs of
+    one block, scratch) are hashed as the rows of one strided 2-D view,
+    which costs a third less per block than slicing a memoryview for each.
+    """
+    out = np.empty(len(offs), dtype=np.uint64)
+    full = lens == block
+    nfull = int(full.sum())
+    arr = np.frombuffer(mem, dtype=np.uint8)
+    rest = np.ones(len(offs), dtype=bool)
+    if nfull:
+        fo = offs[full] if nfull < len(offs) else offs
+        step = block if nfull == 1 else _arith(fo)
+        if step is not None:
+            rows = as_strided(arr[int(fo[0]) :], (nfull, block), (step, 1))
+            out[full] = np.fromiter(map(_hash, rows), np.uint64, nfull)
+            rest = ~full
+    for i, o, n in zip(np.flatnonzero(rest).tolist(), offs[rest].tolist(), lens[rest].tolist()):
+        out[i] = _hash(arr[o : o + n])  # short last blocks, irregular strides
+    return out
+
+
+def _arith(x: np.ndarray) -> int | None:
+    """The common step of ``x`` when it is an arithmetic progression of 2+ values, else None."""
+    if len(x) < 2:
+        return None
+    step = int(x[1] - x[0])
+    return step if step > 0 and bool(np.all(np.diff(x) == step)) else None
+
+
+class BlockVerifier:
+    """Checks the blocks that reads of saved chunks touch against their block checksums.
+
+    :meth:`plan` turns the read of a region of a chunk into batches of
+    segments (see the module docstring); read each batch with
+    :class:`~ucp_dcp.byteio.rangeio.RangeReader` (any number of batches
+    together) and call :meth:`check` once the reads completed. Checking a
+    batch hashes and compares every block it touched and copies the bytes
+    read into scratch memory into place. A batch read in few segments is
+    checked by the I/O thread that completes its last segment (the read then
+    raises what it found); :meth:`check` checks the others, and frees the
+    scratch memory for reuse. :attr:`scratch_bytes` says how much the
+    pending batches hold; a batch holds at most about ``scratch_limit``.
+
+    ``bytes`` counts the bytes hashed, ``seconds`` the CPU time spent
+    planning, hashing and copying (on every thread).
+
+    Args:
+        paths: path of each file number, for errors.
+        ranks: writing rank of each file number (None where unknown), for errors.
+        scratch_limit: bound on the scratch memory of one batch.
+    """
+
+    def __init__(self, paths: Sequence[str], ranks: Sequence[int | None], *, scratch_limit: int = 16 << 20) -> None:
+        self.paths = paths
+        self.ranks = ranks
+        self.scratch_limit = max(scratch_limit, 1)
+        self.bytes = 0
+        self.seconds = 0.0
+        self._lock = threading.Lock()  # bytes and seconds: runs are checked on I/O threads too
+        self._pending: list[_Batch] = []
+        self._arenas: list[np.ndarray] = []
+        self._arena = 0  # the arena being carved
+        self._used = 0  # bytes carved out of it
+        self.scratch_bytes = 0
+
+    # ------------------------------------------------------------ scratch
+    def _scratch(self, nbytes: int) -> np.ndarray:
+        while self._arena < len(self._arenas) and self._used + nbytes > len(self._arenas[self._arena]):
+            self._arena, self._used = self._arena + 1, 0
+        if self._arena == len(self._arenas):
+            self._arenas.append(np.empty(max(nbytes, _ARENA_BYTES), dtype=np.uint8))
+        a = self._arenas[self._arena][self._used : self._used + nbytes]
+        self._used += nbytes
+        self.scratch_bytes += nbytes
+        return a
+
+    # ------------------------------------------------------------ planning
+    def plan(
+        self,
+        location: Location,
+        sums: BlockSums,
+        fqn: str,
+        offsets: Sequence[int],
+        chunk_sizes: Sequence[int],
+        region: Box,
+        dest: torch.Tensor,
+        view: memoryview | None = None,
+    ) -> Iterator[list[Segment]]:
+        """Batches of segments that read ``region`` of a saved chunk into CPU tensor ``dest`` and complete every block they touch.
+
+        As :func:`~ucp_dcp.byteio.transfer.segments_into` (``dest`` has the
+        region's shape and the saved dtype, ``chunk_sizes`` and ``region``
+        are in the chunk's stored order); ``fqn`` and ``offsets`` name the
+        chunk in errors. Each batch is registered for :meth:`check` when it
+        is yielded.
+        """
+        t0: float | None = time.thread_time()
+        es = dest.element_size()
+        grid = runs(chunk_sizes, region, dest.stride(), dest.storage_offset())
+        if not grid.count:
+            return
+        view = storage_view(dest) if view is None else view
+        src, dst = grid.src * es, grid.dst * es
+        length = grid.count * es
+        if len(src) > 1 and not bool(np.all(np.diff(src) > 0)):
+            order = np.argsort(src, kind="stable")
+            src, dst = src[order], dst[order]
+        # Each run's edges take at most two scratch blocks.
+        step = max(1, self.scratch_limit // (2 * sums.block))
+        chunk = _Chunk(location, sums, fqn, tuple(offsets))
+        try:
+            for i in range(0, len(src), step):
+                batch, segments = self._batch(chunk, src[i : i + step], dst[i : i + step], length, view)
+                self._pending.append(batch)
+                self._spent(time.thread_time() - t0)
+                t0 = None  # the caller's reads are not ours
+                yield segments
+                t0 = time.thread_time()
+        finally:
+            if t0 is not None:
+                self._spent(time.thread_time() - t0)
+
+    def _spent(self, seconds: float, nbytes: int = 0) -> None:
+        with self._lock:
+            self.seconds += seconds
+            self.bytes += nbytes
+
+    def _batch(
+        self, chunk: _Chunk, a: np.ndarray, dst: np.ndarray, length: int, view: memoryview,
+    ) -> tuple[_Batch, list[Segment]]:
+        bs, n, file, base = chunk.sums.block, chunk.location.nbytes, chunk.location.file, chunk.location.start
+        b = a + length
+        if len(a) and (int(a[0]) < 0 or int(b[-1]) > n):
+            raise ValueError(f"read [{int(a[0])}, {int(b[-1])}) outside a chunk of {n} bytes")
+        # Block boundaries are the multiples of the block size, and the chunk's end.
+        ca = np.minimum(-(-a // bs) * bs, n)  # first boundary at or after each run's start
+        fb = np.where(b == n, n, b // bs * bs)  # last boundary at or before its end
+        direct = ca < fb  # the run holds whole blocks [ca, fb): read and hash them in place
+        head = direct & (a < ca)
+        tail = direct & (fb < b)
+        whole = ~direct  # no whole block inside: the run goes through scratch
+        # Pieces read through scratch: (start in the chunk, end, offset in dest).
+        ps = np.concatenate([a[whole], a[head], fb[tail]])
+        pe = np.concatenate([b[whole], ca[head], b[tail]])
+        pd = np.concatenate([dst[whole], dst[head], dst[tail] + (fb[tail] - a[tail])])
+        batch = _Batch(chunk, view, *(np.zeros(0, np.int64),) * 2, np.zeros(0, np.uint8), np.zeros(0, np.int64),
+                       (np.zeros(0, np.int64),) * 3)
+        # The segments are len(a) runs at most, plus one scratch segment per edge block.
+        done = functools.partial(self._segment_done, batch) if 3 * len(a) <= _HOOK_SEGMENTS else None
+        segments: list[Segment] = []
+        # In place: one segment per run that holds whole blocks, one hash per block.
+        da, dfb, dd = ca[direct], fb[direct], dst[direct] + (ca[direct] - a[direct])
+        cnt = -(-(dfb - da) // bs)
+        segments += [Segment(file, base + s, view[d : d + e - s], done)
+                     for s, e, d in zip(da.tolist(), dfb.tolist(), dd.tolist())]
+        total = int(cnt.sum())
+        first = np.repeat(np.cumsum(cnt) - cnt, cnt)
+        j = np.arange(total, dtype=np.int64) - first
+        batch.dest_blocks = np.repeat(da // bs, cnt) + j
+        batch.dest_offs = np.repeat(dd, cnt) + j * bs
+        # Through scratch: every block a piece touches, read whole; runs of neighbouring blocks in one segment.
+        if len(ps):
+            blocks = np.unique(np.concatenate([ps // bs, (pe - 1) // bs]))
+        else:
+            blocks = np.zeros(0, dtype=np.int64)
+        if len(blocks):
+            batch.scratch = self._scratch(len(blocks) * bs)
+            batch.scratch_blocks = blocks
+            scratch = memoryview(batch.scratch)
+            cuts = np.flatnonzero(np.diff(blocks) != 1) + 1
+            g0 = np.concatenate([[0], cuts])
+            g1 = np.concatenate([cuts, [len(blocks)]])
+            starts = blocks[g0] * bs
+            ends = np.minimum(blocks[g1 - 1] * bs + bs, n)
+            segments += [Segment(file, base + s, scratch[p : p + e - s], done)
+                         for s, e, p in zip(starts.tolist(), ends.tolist(), (g0 * bs).tolist())]
+            batch.copies = (np.searchsorted(blocks, ps // bs) * bs + ps % bs, pd, pe - ps)
+        batch.segments = len(segments)
+        return batch, segments
+
+    # ------------------------------------------------------------ checking
+    def check(self) -> None:
+        """Hash and compare every block of the batches planned so far (their reads must have completed),
+        then copy their scratch bytes into place; raises :class:`ChecksumError` on the first mismatch."""
+        if not self._pending:
+            return
+        try:
+            pending, self._pending = self._pending, []
+            for batch in pending:
+                if not batch.checked:  # read without its callbacks, or a callback failed
+                    self._check_now(batch)
+        finally:
+            self._arena = self._used = self.scratch_bytes = 0
+
+    def _segment_done(self, batch: _Batch) -> None:
+        """A segment of ``batch`` was read (on an I/O thread): check the batch after its last one."""
+        if next(batch.done) == batch.segments - 1:  # itertools.count: atomic under the GIL
+            self._check_now(batch)
+
+    def _check_now(self, batch: _Batch) -> None:
+        t0 = time.thread_time()
+        nbytes = 0
+        try:
+            nbytes = self._check(batch)
+            batch.checked = True
+        finally:
+            self._spent(time.thread_time() - t0, nbytes)
+
+    def _compare(self, chunk: _Chunk, mem: memoryview, offs: np.ndarray, blocks: np.ndarray) -> int:
+        """Hash block ``blocks[i]`` of ``chunk`` at ``mem[offs[i]:]`` for every ``i`` and compare; the bytes hashed."""
+        if not len(blocks):
+            return 0
+        bs, n = chunk.sums.block, chunk.location.nbytes
+        lens = np.minimum(bs, n - blocks * bs)
+        got = _digests(mem, offs, lens, bs)
+        want = chunk.sums.sums[blocks]
+        bad = np.flatnonzero(got != want)
+        if len(bad):
+            i = bad[np.argmin(blocks[bad])]
+            k = int(blocks[i])
+            raise ChecksumError(
+                self.paths[chunk.location.file],
+                f"{chunk_what(chunk.fqn, chunk.offsets)}, block {k} (bytes [{k * bs}, {min(k * bs + bs, n)}) "
+                "of the chunk)",
+                f"{int(want[i]):016x}", f"{int(got[i]):016x}", self.ranks[chunk.location.file],
+            )
+        return int(lens.sum())
+
+    def _check(self, batch: _Batch) -> int:
+        bs = batch.chunk.sums.block
+        nbytes = self._compare(batch.chunk, batch.dest, batch.dest_offs, batch.dest_blocks)
+        scratch_offs = np.arange(len(batch.scratch_blocks), dtype=np.int64) * bs
+        nbytes += self._compare(batch.chunk, memoryview(batch.scratch), scratch_offs, batch.scratch_blocks)
+        self._copy(batch)
+        return nbytes
+
+    @staticmethod
+    def _copy(batch: _Batch) -> None:
+        so, do, ln = batch.copies
+        if not len(so):
+            return
+        sstep, dstep = _arith(so), _arith(do)
+        if sstep is not None and dstep is not None and bool(np.all(ln == ln[0])):
+            # Equal pieces at equal strides (a column slice of rows): one strided copy.
+            m, w = len(so), int(ln[0])
+            dest = np.frombuffer(batch.dest, dtype=np.uint8)
+            np.copyto(as_strided(dest[int(do[0]) :], (m, w), (dstep, 1)),
+                      as_strided(batch.scratch[int(so[0]) :], (m, w), (sstep, 1)))
+            return
+        dview, sview = batch.dest, memoryview(batch.scratch)
+        for s, d, w in zip(so.tolist(), do.tolist(), ln.tolist()):
+            dview[d : d + w] = sview[s : s + w]
+
+
+@dataclass(frozen=True)
+class ChunkCheck:
+    """How reads of one saved chunk are checked: by ``verifier``, against ``sums``; ``fqn``/``offsets`` name it."""
+
+    verifier: BlockVerifier
+    sums: BlockSums
+    fqn: str
+    offsets: tuple[int, ...]
+
+
+def read_verified(
+    reader: RangeReader,
+    location: Location,
+    chunk_sizes: Sequence[int],
+    region: Box,
+    dest: torch.Tensor,
+    check: ChunkCheck,
+    view: memoryview | None = None,
+) -> None:
+    """Read ``region`` of a saved chunk into CPU tensor ``dest`` now, checking every block the read touches."""
+    v = check.verifier
+    for segments in v.plan(location, check.sums, check.fqn, check.offsets, chunk_sizes, region, dest, view):
+        reader.read(segments)
+        v.check()
