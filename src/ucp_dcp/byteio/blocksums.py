@@ -57,6 +57,28 @@ _hash = xxhash.xxh3_64_intdigest
 _HOOK_SEGMENTS = 64
 # Scratch memory is carved out of buffers of at least this size, reused across batches.
 _ARENA_BYTES = 1 << 20
+# Scratch buffers kept between verifiers, so that the next load reuses their
+# pages instead of faulting in fresh ones (a load per tensor, repeated loads).
+_POOL_BYTES = 32 << 20
+_pool: list[np.ndarray] = []
+_pool_lock = threading.Lock()
+
+
+def _take_arena(nbytes: int) -> np.ndarray:
+    with _pool_lock:
+        for i, a in enumerate(_pool):
+            if len(a) >= nbytes:
+                return _pool.pop(i)
+    return np.empty(max(nbytes, _ARENA_BYTES), dtype=np.uint8)
+
+
+def _give_arenas(arenas: list[np.ndarray]) -> None:
+    with _pool_lock:
+        total = sum(len(a) for a in _pool)
+        for a in sorted(arenas, key=len, reverse=True):
+            if total + len(a) <= _POOL_BYTES:
+                _pool.append(a)
+                total += len(a)
 
 
 @dataclass(frozen=True, eq=False)
@@ -211,7 +233,7 @@ class BlockVerifier:
         while self._arena < len(self._arenas) and self._used + nbytes > len(self._arenas[self._arena]):
             self._arena, self._used = self._arena + 1, 0
         if self._arena == len(self._arenas):
-            self._arenas.append(np.empty(max(nbytes, _ARENA_BYTES), dtype=np.uint8))
+            self._arenas.append(_take_arena(nbytes))
         a = self._arenas[self._arena][self._used : self._used + nbytes]
         self._used += nbytes
         self.scratch_bytes += nbytes
@@ -334,6 +356,17 @@ class BlockVerifier:
                     self._check_now(batch)
         finally:
             self._arena = self._used = self.scratch_bytes = 0
+
+    def close(self) -> None:
+        """Hand the scratch memory back for the next verifier; call once no read of this one runs any more.
+
+        Memory of batches left unchecked (a read failed) is dropped instead.
+        """
+        arenas, self._arenas = self._arenas, []
+        self._arena = self._used = self.scratch_bytes = 0
+        if not self._pending:
+            _give_arenas(arenas)
+        self._pending = []
 
     def _segment_done(self, batch: _Batch) -> None:
         """A segment of ``batch`` was read (on an I/O thread): check the batch after its last one."""

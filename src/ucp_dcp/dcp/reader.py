@@ -241,6 +241,8 @@ class UCPStorageReader(_Directory, StorageReader):
                 planner.load_bytes(ri, io.BytesIO(read_value(src, reader, ri.storage_index.fqn)))
         finally:
             reader.close()
+            if blocks is not None:
+                blocks.close()
             self.bytes_requested += reader.stats.bytes
             self.read_calls += reader.stats.calls
             for v in (chunks, blocks):

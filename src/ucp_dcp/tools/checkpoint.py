@@ -134,6 +134,7 @@ class Checkpoint:
         try:
             self._read_into(name, rec, out, chunks, segments, blocks, old_sums)
         finally:
+            blocks.close()
             self._verified += blocks.bytes + old_sums.bytes
 
     def _read_into(
