@@ -208,7 +208,7 @@ class UCPStorageReader(_Directory, StorageReader):
                     continue
                 region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
                 if check is not None:
-                    for part in check.verifier.plan(location, sums, fqn, chunk.offsets, chunk.sizes, region, dest):
+                    for part in check.verifier.plan(location, check, chunk.sizes, region, dest):
                         segments.extend(part)
                         if check.verifier.scratch_bytes >= check.verifier.scratch_limit:
                             flush()  # bound the scratch memory (this item is committed later)

@@ -160,7 +160,7 @@ class Checkpoint:
                         old_sums.add(loc, name, box.offsets)  # read again
                         old_sums.check()
                 elif check is not None:
-                    for part in blocks.plan(loc, check.sums, name, box.offsets, box.sizes, whole, dest):
+                    for part in blocks.plan(loc, check, box.sizes, whole, dest):
                         segments.extend(part)
                         if blocks.scratch_bytes >= blocks.scratch_limit:
                             self._read_checked(segments, blocks, old_sums)
