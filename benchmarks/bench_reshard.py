@@ -571,10 +571,11 @@ def _timed_cold_load(fmt: str, path: str, files: list[str], target: dict[str, An
     evict(files)  # every rank evicts: no doubt about which rank's eviction ran last
     ctx.barrier()
     io0 = proc_read_bytes()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     dcp.load(target, storage_reader=reader, planner=planner, process_group=ctx.group)
     load_s = time.perf_counter() - t0
-    return {"load_s": load_s, "cold_io_read_bytes": proc_read_bytes() - io0,
+    return {"load_s": load_s, "cold_io_read_bytes": proc_read_bytes() - io0, "cpu_s": time.process_time() - c0,
             "verify_s": getattr(reader, "verify_seconds", 0.0), "verified_bytes": getattr(reader, "verified_bytes", 0)}
 
 
@@ -604,7 +605,8 @@ def _load_one_format(job: Job, fmt: str, expected: dict[str, Any], ctx: Ctx) -> 
     warm_up(fmt, layout, ctx, job.workdir)
     both = job.verify_cost and fmt == "ucp"
     if both:
-        res.update(load_s_noverify_runs=[], verify_s_runs=[], verified_bytes_runs=[])
+        res.update(load_s_noverify_runs=[], verify_s_runs=[], verified_bytes_runs=[], cpu_s_runs=[],
+                   cpu_s_noverify_runs=[])
     for i in range(job.repeats):
         # With --verify-cost, verification on and off take turns going first.
         for verified in ((True, False) if i % 2 == 0 else (False, True)) if both else (None,):
@@ -615,10 +617,12 @@ def _load_one_format(job: Job, fmt: str, expected: dict[str, Any], ctx: Ctx) -> 
             rank_log(f"load {job.name}/{fmt}: cold load {run['load_s']:.2f}s{mode}")
             if verified is False:
                 res["load_s_noverify_runs"].append(run["load_s"])
+                res["cpu_s_noverify_runs"].append(run["cpu_s"])
             else:
                 res["load_s_runs"].append(run["load_s"])
                 res["cold_io_read_bytes_runs"].append(run["cold_io_read_bytes"])
                 if both:
+                    res["cpu_s_runs"].append(run["cpu_s"])
                     res["verify_s_runs"].append(run["verify_s"])
                     res["verified_bytes_runs"].append(run["verified_bytes"])
             res["mismatches"] = verify(target, expected)
@@ -731,6 +735,13 @@ def merge_load(per_rank: list[list[dict[str, Any]]], j: int) -> dict[str, Any]:
             entry["verify_ratio"] = statistics.median(a / b for a, b in zip(runs, off))
             entry["verify_s"] = statistics.median(max(v) for v in zip(*(r["verify_s_runs"] for r in rs)))
             entry["verified_bytes"] = sum(r["verified_bytes_runs"][0] for r in rs)
+            # CPU time of the load (all threads, user + system), summed over ranks: steadier than
+            # wall time on a busy machine, and what verification adds when ranks share cores.
+            cpu_on = [sum(v) for v in zip(*(r["cpu_s_runs"] for r in rs))]
+            cpu_off = [sum(v) for v in zip(*(r["cpu_s_noverify_runs"] for r in rs))]
+            entry["cpu_s"] = statistics.median(cpu_on)
+            entry["cpu_s_noverify"] = statistics.median(cpu_off)
+            entry["verify_cpu_ratio"] = statistics.median(a / b for a, b in zip(cpu_on, cpu_off))
         if all("pulled_bytes" in r for r in rs):
             for key in ("pulled_bytes", "io_read_bytes", "residual_bytes"):
                 entry[key] = sum(r[key] for r in rs)
@@ -776,7 +787,7 @@ TARGET_COLUMNS = [Column("pair", 15, "<"), Column("read amp", 9), Column("floor"
                   Column(f"load<={TARGET_LOAD_RATIO}", 11), Column("save/dcp", 10),
                   Column(f"save<={TARGET_SAVE_RATIO}", 11)]
 VERIFY_COLUMNS = [Column("pair", 15, "<"), Column("on s", 8), Column("off s", 8), Column("on/off", 8),
-                  Column("medians", 9), Column("hash ms", 9), Column("hashed MB", 11),
+                  Column("medians", 9), Column("cpu", 7), Column("hash ms", 9), Column("hashed MB", 11),
                   Column(f"<={TARGET_VERIFY_RATIO}", 8)]
 SAVE_COLUMNS = [Column("source", 8, "<"), Column("format", 7, "<"), Column("save s", 8), Column("disk MB", 10),
                 Column("files", 7), Column("status", 0, "<", gap=2)]
@@ -860,13 +871,15 @@ def verify_report(records: list[dict[str, Any]]) -> str:
         r = ucp.get("verify_ratio")
         rows.append([rec["pair"], fmt_num(ucp.get("load_s"), ".3f"), fmt_num(ucp.get("load_s_noverify"), ".3f"),
                      fmt_num(r, ".3f"), fmt_num(ratio(ucp.get("load_s"), ucp.get("load_s_noverify")), ".3f"),
+                     fmt_num(ucp.get("verify_cpu_ratio"), ".3f"),
                      fmt_num(None if ucp.get("verify_s") is None else 1000 * ucp["verify_s"], ".1f"),
                      fmt_mb(ucp.get("verified_bytes")), _verdict(r, TARGET_VERIFY_RATIO)])
     return "\n".join([
         "=== ucp: cost of verified loads (cold load, verification on / off) ===",
         *text_table(VERIFY_COLUMNS, rows),
-        "on/off: median over repeats of paired runs; medians: ratio of the median times; "
-        "hash ms: time the slowest rank's reader spent planning, hashing and copying (median)",
+        "on/off: median over repeats of paired runs; medians: ratio of the median times; cpu: the same "
+        "for the CPU time of the load summed over ranks; hash ms: CPU time the slowest rank's reader spent "
+        "planning, hashing and copying (median)",
     ])
 
 

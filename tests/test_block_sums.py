@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ucp_dcp.byteio.datafile
 from dist_utils import bit_equal
+from test_integrity import flip
 from ucp_dcp import (
     Checkpoint,
     ChecksumError,
@@ -126,14 +127,6 @@ def unwrap(e: BaseException) -> BaseException:
         ((err, _),) = e.failures.values()
         return err
     return e
-
-
-def flip(file: str, offset: int, mask: int) -> None:
-    with open(file, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([b ^ mask]))
 
 
 def overlap(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

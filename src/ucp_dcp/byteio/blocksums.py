@@ -57,6 +57,28 @@ _hash = xxhash.xxh3_64_intdigest
 _HOOK_SEGMENTS = 64
 # Scratch memory is carved out of buffers of at least this size, reused across batches.
 _ARENA_BYTES = 1 << 20
+# Scratch buffers kept between verifiers, so that the next load reuses their
+# pages instead of faulting in fresh ones (a load per tensor, repeated loads).
+_POOL_BYTES = 32 << 20
+_pool: list[np.ndarray] = []
+_pool_lock = threading.Lock()
+
+
+def _take_arena(nbytes: int) -> np.ndarray:
+    with _pool_lock:
+        for i, a in enumerate(_pool):
+            if len(a) >= nbytes:
+                return _pool.pop(i)
+    return np.empty(max(nbytes, _ARENA_BYTES), dtype=np.uint8)
+
+
+def _give_arenas(arenas: list[np.ndarray]) -> None:
+    with _pool_lock:
+        total = sum(len(a) for a in _pool)
+        for a in sorted(arenas, key=len, reverse=True):
+            if total + len(a) <= _POOL_BYTES:
+                _pool.append(a)
+                total += len(a)
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,10 +135,10 @@ class BlockHasher:
 
 
 @dataclass(frozen=True)
-class _Chunk:
-    """The chunk a read checks: where it is, its block checksums, its name for errors."""
+class ChunkCheck:
+    """How reads of one saved chunk are checked: by ``verifier``, against ``sums``; ``fqn``/``offsets`` name it."""
 
-    location: Location
+    verifier: "BlockVerifier"
     sums: BlockSums
     fqn: str
     offsets: tuple[int, ...]
@@ -126,7 +148,8 @@ class _Chunk:
 class _Batch:
     """The checks of one batch of reads of one chunk that :meth:`BlockVerifier.check` runs."""
 
-    chunk: _Chunk
+    location: Location
+    check: ChunkCheck
     dest: memoryview  # the destination's storage
     dest_offs: np.ndarray  # where each in-place block starts in ``dest``
     dest_blocks: np.ndarray  # its block number
@@ -211,7 +234,7 @@ class BlockVerifier:
         while self._arena < len(self._arenas) and self._used + nbytes > len(self._arenas[self._arena]):
             self._arena, self._used = self._arena + 1, 0
         if self._arena == len(self._arenas):
-            self._arenas.append(np.empty(max(nbytes, _ARENA_BYTES), dtype=np.uint8))
+            self._arenas.append(_take_arena(nbytes))
         a = self._arenas[self._arena][self._used : self._used + nbytes]
         self._used += nbytes
         self.scratch_bytes += nbytes
@@ -221,9 +244,7 @@ class BlockVerifier:
     def plan(
         self,
         location: Location,
-        sums: BlockSums,
-        fqn: str,
-        offsets: Sequence[int],
+        check: ChunkCheck,
         chunk_sizes: Sequence[int],
         region: Box,
         dest: torch.Tensor,
@@ -233,9 +254,8 @@ class BlockVerifier:
 
         As :func:`~ucp_dcp.byteio.transfer.segments_into` (``dest`` has the
         region's shape and the saved dtype, ``chunk_sizes`` and ``region``
-        are in the chunk's stored order); ``fqn`` and ``offsets`` name the
-        chunk in errors. Each batch is registered for :meth:`check` when it
-        is yielded.
+        are in the chunk's stored order), checked against ``check.sums``.
+        Each batch is registered for :meth:`check` when it is yielded.
         """
         t0: float | None = time.thread_time()
         es = dest.element_size()
@@ -249,11 +269,10 @@ class BlockVerifier:
             order = np.argsort(src, kind="stable")
             src, dst = src[order], dst[order]
         # Each run's edges take at most two scratch blocks.
-        step = max(1, self.scratch_limit // (2 * sums.block))
-        chunk = _Chunk(location, sums, fqn, tuple(offsets))
+        step = max(1, self.scratch_limit // (2 * check.sums.block))
         try:
             for i in range(0, len(src), step):
-                batch, segments = self._batch(chunk, src[i : i + step], dst[i : i + step], length, view)
+                batch, segments = self._batch(location, check, src[i : i + step], dst[i : i + step], length, view)
                 self._pending.append(batch)
                 self._spent(time.thread_time() - t0)
                 t0 = None  # the caller's reads are not ours
@@ -269,9 +288,9 @@ class BlockVerifier:
             self.bytes += nbytes
 
     def _batch(
-        self, chunk: _Chunk, a: np.ndarray, dst: np.ndarray, length: int, view: memoryview,
+        self, location: Location, check: ChunkCheck, a: np.ndarray, dst: np.ndarray, length: int, view: memoryview,
     ) -> tuple[_Batch, list[Segment]]:
-        bs, n, file, base = chunk.sums.block, chunk.location.nbytes, chunk.location.file, chunk.location.start
+        bs, n, file, base = check.sums.block, location.nbytes, location.file, location.start
         b = a + length
         if len(a) and (int(a[0]) < 0 or int(b[-1]) > n):
             raise ValueError(f"read [{int(a[0])}, {int(b[-1])}) outside a chunk of {n} bytes")
@@ -286,7 +305,7 @@ class BlockVerifier:
         ps = np.concatenate([a[whole], a[head], fb[tail]])
         pe = np.concatenate([b[whole], ca[head], b[tail]])
         pd = np.concatenate([dst[whole], dst[head], dst[tail] + (fb[tail] - a[tail])])
-        batch = _Batch(chunk, view, *(np.zeros(0, np.int64),) * 2, np.zeros(0, np.uint8), np.zeros(0, np.int64),
+        batch = _Batch(location, check, view, *(np.zeros(0, np.int64),) * 2, np.zeros(0, np.uint8), np.zeros(0, np.int64),
                        (np.zeros(0, np.int64),) * 3)
         # The segments are len(a) runs at most, plus one scratch segment per edge block.
         done = functools.partial(self._segment_done, batch) if 3 * len(a) <= _HOOK_SEGMENTS else None
@@ -335,6 +354,17 @@ class BlockVerifier:
         finally:
             self._arena = self._used = self.scratch_bytes = 0
 
+    def close(self) -> None:
+        """Hand the scratch memory back for the next verifier; call once no read of this one runs any more.
+
+        Memory of batches left unchecked (a read failed) is dropped instead.
+        """
+        arenas, self._arenas = self._arenas, []
+        self._arena = self._used = self.scratch_bytes = 0
+        if not self._pending:
+            _give_arenas(arenas)
+        self._pending = []
+
     def _segment_done(self, batch: _Batch) -> None:
         """A segment of ``batch`` was read (on an I/O thread): check the batch after its last one."""
         if next(batch.done) == batch.segments - 1:  # itertools.count: atomic under the GIL
@@ -349,31 +379,33 @@ class BlockVerifier:
         finally:
             self._spent(time.thread_time() - t0, nbytes)
 
-    def _compare(self, chunk: _Chunk, mem: memoryview, offs: np.ndarray, blocks: np.ndarray) -> int:
-        """Hash block ``blocks[i]`` of ``chunk`` at ``mem[offs[i]:]`` for every ``i`` and compare; the bytes hashed."""
+    def _compare(self, batch: _Batch, mem: memoryview, offs: np.ndarray, blocks: np.ndarray) -> int:
+        """Hash block ``blocks[i]`` of the batch's chunk at ``mem[offs[i]:]`` for every ``i`` and compare;
+        the bytes hashed."""
         if not len(blocks):
             return 0
-        bs, n = chunk.sums.block, chunk.location.nbytes
+        location, check = batch.location, batch.check
+        bs, n = check.sums.block, location.nbytes
         lens = np.minimum(bs, n - blocks * bs)
         got = _digests(mem, offs, lens, bs)
-        want = chunk.sums.sums[blocks]
+        want = check.sums.sums[blocks]
         bad = np.flatnonzero(got != want)
         if len(bad):
             i = bad[np.argmin(blocks[bad])]
             k = int(blocks[i])
             raise ChecksumError(
-                self.paths[chunk.location.file],
-                f"{chunk_what(chunk.fqn, chunk.offsets)}, block {k} (bytes [{k * bs}, {min(k * bs + bs, n)}) "
+                self.paths[location.file],
+                f"{chunk_what(check.fqn, check.offsets)}, block {k} (bytes [{k * bs}, {min(k * bs + bs, n)}) "
                 "of the chunk)",
-                f"{int(want[i]):016x}", f"{int(got[i]):016x}", self.ranks[chunk.location.file],
+                f"{int(want[i]):016x}", f"{int(got[i]):016x}", self.ranks[location.file],
             )
         return int(lens.sum())
 
     def _check(self, batch: _Batch) -> int:
-        bs = batch.chunk.sums.block
-        nbytes = self._compare(batch.chunk, batch.dest, batch.dest_offs, batch.dest_blocks)
+        bs = batch.check.sums.block
+        nbytes = self._compare(batch, batch.dest, batch.dest_offs, batch.dest_blocks)
         scratch_offs = np.arange(len(batch.scratch_blocks), dtype=np.int64) * bs
-        nbytes += self._compare(batch.chunk, memoryview(batch.scratch), scratch_offs, batch.scratch_blocks)
+        nbytes += self._compare(batch, memoryview(batch.scratch), scratch_offs, batch.scratch_blocks)
         self._copy(batch)
         return nbytes
 
@@ -395,16 +427,6 @@ class BlockVerifier:
             dview[d : d + w] = sview[s : s + w]
 
 
-@dataclass(frozen=True)
-class ChunkCheck:
-    """How reads of one saved chunk are checked: by ``verifier``, against ``sums``; ``fqn``/``offsets`` name it."""
-
-    verifier: BlockVerifier
-    sums: BlockSums
-    fqn: str
-    offsets: tuple[int, ...]
-
-
 def read_verified(
     reader: RangeReader,
     location: Location,
@@ -416,6 +438,6 @@ def read_verified(
 ) -> None:
     """Read ``region`` of a saved chunk into CPU tensor ``dest`` now, checking every block the read touches."""
     v = check.verifier
-    for segments in v.plan(location, check.sums, check.fqn, check.offsets, chunk_sizes, region, dest, view):
+    for segments in v.plan(location, check, chunk_sizes, region, dest, view):
         reader.read(segments)
         v.check()

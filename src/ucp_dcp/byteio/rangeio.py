@@ -245,8 +245,16 @@ class RangeReader:
         if len(batches) == 1:
             self._run_all(batches[0])
             return
+        # Every call finishes before this returns, also when one fails: no
+        # thread may still write into a buffer the caller reuses.
+        error: BaseException | None = None
         for fut in [self._pool.submit(self._run_all, b) for b in batches]:
-            fut.result()
+            try:
+                fut.result()
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            raise error
 
     def _run_all(self, reqs: Sequence[_Request]) -> None:
         # One pool task per batch, not per request: strided loads issue tens

@@ -209,7 +209,7 @@ class UCPStorageReader(_Directory, StorageReader):
                     continue
                 region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
                 if check is not None:
-                    for part in check.verifier.plan(location, sums, fqn, chunk.offsets, chunk.sizes, region, dest):
+                    for part in check.verifier.plan(location, check, chunk.sizes, region, dest):
                         segments.extend(part)
                         if check.verifier.scratch_bytes >= check.verifier.scratch_limit:
                             flush()  # bound the scratch memory (this item is committed later)
@@ -242,6 +242,8 @@ class UCPStorageReader(_Directory, StorageReader):
                 planner.load_bytes(ri, self._value_for(planner, read_value(src, reader, ri.storage_index.fqn), ri))
         finally:
             reader.close()
+            if blocks is not None:
+                blocks.close()
             self.bytes_requested += reader.stats.bytes
             self.read_calls += reader.stats.calls
             for v in (chunks, blocks):

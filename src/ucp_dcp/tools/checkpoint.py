@@ -137,6 +137,7 @@ class Checkpoint:
         try:
             self._read_into(name, rec, out, chunks, segments, blocks, old_sums)
         finally:
+            blocks.close()
             self._verified += blocks.bytes + old_sums.bytes
 
     def _read_into(
@@ -162,7 +163,7 @@ class Checkpoint:
                         old_sums.add(loc, name, box.offsets)  # read again
                         old_sums.check()
                 elif check is not None:
-                    for part in blocks.plan(loc, check.sums, name, box.offsets, box.sizes, whole, dest):
+                    for part in blocks.plan(loc, check, box.sizes, whole, dest):
                         segments.extend(part)
                         if blocks.scratch_bytes >= blocks.scratch_limit:
                             self._read_checked(segments, blocks, old_sums)

@@ -170,6 +170,8 @@ def _convert(
             written.append([WrittenEntry(e.name, e.meta, s, e.nbytes) for e, s in zip(out.entries, out.starts)])
     finally:
         reader.close()
+        if checks is not None:
+            checks[0].close()
     result = build_index(index.world_size, files, written)
     missing = sorted(set(index.tensors) - set(result.tensors))
     if missing:
