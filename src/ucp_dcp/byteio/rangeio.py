@@ -25,7 +25,9 @@ from operator import itemgetter
 from typing import Callable, NamedTuple, Sequence
 
 import torch
-from ..errors import CheckpointFormatError, TruncatedFileError
+
+from ..errors import TruncatedFileError
+from ..format.header import open_data_file
 
 
 
@@ -137,14 +139,7 @@ class FileHandles:
         with self._lock:
             fd = self._fds.get(file)
             if fd is None:
-                try:
-                    fd = os.open(self.paths[file], os.O_RDONLY)
-                except FileNotFoundError:
-                    raise CheckpointFormatError(f"data file {self.paths[file]} is missing") from None
-                except OSError as e:
-                    raise CheckpointFormatError(f"{self.paths[file]}: cannot open ({e.strerror or e})") from None
-                if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                fd = open_data_file(self.paths[file])
                 self._fds[file] = fd
         return fd
 

@@ -111,7 +111,9 @@ class SafetensorsHeader:
     metadata: dict[str, Any]
 
 
-def _open_for_header(path: str) -> int:
+def open_data_file(path: str) -> int:
+    """Open data file ``path`` for random reads (no read-ahead); a missing or unreadable file is a
+    :class:`CheckpointFormatError` naming it."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -135,7 +137,7 @@ def parse_safetensors(path: str, fd: int | None = None) -> SafetensorsHeader:
     """
     own = fd is None
     if own:
-        fd = _open_for_header(path)
+        fd = open_data_file(path)
     try:
         size = os.fstat(fd).st_size
         head = os.pread(fd, 8, 0)
