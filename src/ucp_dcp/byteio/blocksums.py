@@ -269,10 +269,21 @@ class BlockVerifier:
             order = np.argsort(src, kind="stable")
             src, dst = src[order], dst[order]
         # Each run's edges take at most two scratch blocks.
-        step = max(1, self.scratch_limit // (2 * check.sums.block))
+        bs = check.sums.block
+        step = max(1, self.scratch_limit // (2 * bs))
         try:
-            for i in range(0, len(src), step):
-                batch, segments = self._batch(location, check, src[i : i + step], dst[i : i + step], length, view)
+            i = 0
+            while i < len(src):
+                j = min(i + step, len(src))
+                while j < len(src) and (int(src[j - 1]) + length - 1) // bs == int(src[j]) // bs:
+                    # The next run starts in the block this one ends in: no block is split between
+                    # batches (it would be read and hashed twice).
+                    j = max(j + 1, int(np.searchsorted(src, ((int(src[j - 1]) + length - 1) // bs + 1) * bs)))
+                if len(src) == 1:  # one contiguous run: the common case, in plain integers
+                    batch, segments = self._batch_one(location, check, int(src[0]), int(dst[0]), length, view)
+                else:
+                    batch, segments = self._batch(location, check, src[i:j], dst[i:j], length, view)
+                i = j
                 self._pending.append(batch)
                 self._spent(time.thread_time() - t0)
                 t0 = None  # the caller's reads are not ours
@@ -286,6 +297,48 @@ class BlockVerifier:
         with self._lock:
             self.seconds += seconds
             self.bytes += nbytes
+
+    def _batch_one(
+        self, location: Location, check: ChunkCheck, start: int, at: int, length: int, view: memoryview,
+    ) -> tuple[_Batch, list[Segment]]:
+        """:meth:`_batch` for a single run ``[start, start + length)`` of the chunk, read into ``view`` at ``at``."""
+        bs, n, file, base = check.sums.block, location.nbytes, location.file, location.start
+        end = start + length
+        if start < 0 or end > n:
+            raise ValueError(f"read [{start}, {end}) outside a chunk of {n} bytes")
+        first = min(-(-start // bs) * bs, n)  # the run's whole blocks are [first, last)
+        last = n if end == n else end // bs * bs
+        empty = np.zeros(0, np.int64)
+        batch = _Batch(location, check, view, empty, empty, np.zeros(0, np.uint8), empty, (empty,) * 3)
+        done = functools.partial(self._segment_done, batch)
+        segments: list[Segment] = []
+        edges: list[tuple[int, int, int]] = []  # through scratch: (start in the chunk, end, offset in view)
+        if first < last:
+            segments.append(Segment(file, base + first, view[at + first - start : at + last - start], done))
+            batch.dest_blocks = np.arange(first // bs, -(-last // bs), dtype=np.int64)
+            batch.dest_offs = at + first - start + np.arange(len(batch.dest_blocks), dtype=np.int64) * bs
+            edges += [(start, first, at)] if start < first else []
+            edges += [(last, end, at + last - start)] if last < end else []
+        else:
+            edges.append((start, end, at))
+        if edges:
+            blocks = sorted({k for s, e, _ in edges for k in (s // bs, (e - 1) // bs)})
+            batch.scratch = self._scratch(len(blocks) * bs)
+            batch.scratch_blocks = np.array(blocks, dtype=np.int64)
+            scratch = memoryview(batch.scratch)
+            for i, k in enumerate(blocks):
+                if i and blocks[i - 1] == k - 1:  # the previous segment already covers it
+                    continue
+                j = i
+                while j + 1 < len(blocks) and blocks[j + 1] == blocks[j] + 1:
+                    j += 1
+                stop = min(blocks[j] * bs + bs, n)
+                segments.append(Segment(file, base + k * bs, scratch[i * bs : i * bs + stop - k * bs], done))
+            pos = {k: i for i, k in enumerate(blocks)}
+            batch.copies = tuple(np.array(c, dtype=np.int64) for c in zip(  # type: ignore[assignment]
+                *[(pos[s // bs] * bs + s % bs, d, e - s) for s, e, d in edges]))
+        batch.segments = len(segments)
+        return batch, segments
 
     def _batch(
         self, location: Location, check: ChunkCheck, a: np.ndarray, dst: np.ndarray, length: int, view: memoryview,
