@@ -29,7 +29,6 @@ tensor, the chunk, the block and the writing rank.
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 import time
 import dataclasses
@@ -50,11 +49,13 @@ from .rangeio import RangeReader, Segment, storage_view
 __all__ = ["BlockSums", "BlockHasher", "BlockVerifier", "ChunkCheck", "read_verified"]
 
 _hash = xxhash.xxh3_64_intdigest
-# A batch read in at most this many segments is checked by the I/O thread that
-# completes it, while the other threads still read (so hashing long runs
-# overlaps the reads). A batch of more (narrow strided runs) is checked by
-# check() after the reads: a callback per segment would cost more than it hides.
-_HOOK_SEGMENTS = 64
+# A batch read in at most this many stretches of the file (its segments closer
+# than a page are read by one call) is checked by the I/O thread that
+# completes it, while the other threads still read, so that hashing overlaps
+# the reads. A batch of more (narrow strided runs, one call each) is checked
+# by check() after the reads: a callback per call would cost more than it hides.
+_HOOK_STRETCHES = 64
+_PAGE = 4096
 # Scratch memory is carved out of buffers of at least this size, reused across batches.
 _ARENA_BYTES = 1 << 20
 # Scratch buffers kept between verifiers, so that the next load reuses their
@@ -156,8 +157,8 @@ class _Batch:
     scratch: np.ndarray  # the touched blocks read whole, one after the other
     scratch_blocks: np.ndarray  # the block number of each
     copies: tuple[np.ndarray, np.ndarray, np.ndarray]  # scratch offset, dest offset, length of each piece
-    segments: int = 0  # how many segments read it
-    done: "itertools.count[int]" = dataclasses.field(default_factory=itertools.count)  # of them, read so far
+    left: int = 0  # its segments not read yet
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     checked: bool = False
 
 
@@ -337,7 +338,7 @@ class BlockVerifier:
             pos = {k: i for i, k in enumerate(blocks)}
             batch.copies = tuple(np.array(c, dtype=np.int64) for c in zip(  # type: ignore[assignment]
                 *[(pos[s // bs] * bs + s % bs, d, e - s) for s, e, d in edges]))
-        batch.segments = len(segments)
+        batch.left = len(segments)
         return batch, segments
 
     def _batch(
@@ -360,37 +361,35 @@ class BlockVerifier:
         pd = np.concatenate([dst[whole], dst[head], dst[tail] + (fb[tail] - a[tail])])
         batch = _Batch(location, check, view, *(np.zeros(0, np.int64),) * 2, np.zeros(0, np.uint8), np.zeros(0, np.int64),
                        (np.zeros(0, np.int64),) * 3)
-        # The segments are len(a) runs at most, plus one scratch segment per edge block.
-        done = functools.partial(self._segment_done, batch) if 3 * len(a) <= _HOOK_SEGMENTS else None
-        segments: list[Segment] = []
         # In place: one segment per run that holds whole blocks, one hash per block.
         da, dfb, dd = ca[direct], fb[direct], dst[direct] + (ca[direct] - a[direct])
         cnt = -(-(dfb - da) // bs)
-        segments += [Segment(file, base + s, view[d : d + e - s], done)
-                     for s, e, d in zip(da.tolist(), dfb.tolist(), dd.tolist())]
         total = int(cnt.sum())
         first = np.repeat(np.cumsum(cnt) - cnt, cnt)
         j = np.arange(total, dtype=np.int64) - first
         batch.dest_blocks = np.repeat(da // bs, cnt) + j
         batch.dest_offs = np.repeat(dd, cnt) + j * bs
         # Through scratch: every block a piece touches, read whole; runs of neighbouring blocks in one segment.
-        if len(ps):
-            blocks = np.unique(np.concatenate([ps // bs, (pe - 1) // bs]))
-        else:
-            blocks = np.zeros(0, dtype=np.int64)
+        blocks = np.unique(np.concatenate([ps // bs, (pe - 1) // bs])) if len(ps) else np.zeros(0, np.int64)
+        cuts = np.flatnonzero(np.diff(blocks) != 1) + 1
+        g0 = np.concatenate([[0], cuts]).astype(np.int64) if len(blocks) else np.zeros(0, np.int64)
+        g1 = np.concatenate([cuts, [len(blocks)]]).astype(np.int64) if len(blocks) else np.zeros(0, np.int64)
+        gs, ge = blocks[g0] * bs, np.minimum(blocks[g1 - 1] * bs + bs, n)
+        done = None
+        starts, ends = np.concatenate([da, gs]), np.concatenate([dfb, ge])
+        order = np.argsort(starts, kind="stable")
+        if int(np.count_nonzero(starts[order][1:] - ends[order][:-1] >= _PAGE)) < _HOOK_STRETCHES:
+            done = functools.partial(self._segment_done, batch)
+        segments = [Segment(file, base + s, view[d : d + e - s], done)
+                    for s, e, d in zip(da.tolist(), dfb.tolist(), dd.tolist())]
         if len(blocks):
             batch.scratch = self._scratch(len(blocks) * bs)
             batch.scratch_blocks = blocks
             scratch = memoryview(batch.scratch)
-            cuts = np.flatnonzero(np.diff(blocks) != 1) + 1
-            g0 = np.concatenate([[0], cuts])
-            g1 = np.concatenate([cuts, [len(blocks)]])
-            starts = blocks[g0] * bs
-            ends = np.minimum(blocks[g1 - 1] * bs + bs, n)
             segments += [Segment(file, base + s, scratch[p : p + e - s], done)
-                         for s, e, p in zip(starts.tolist(), ends.tolist(), (g0 * bs).tolist())]
+                         for s, e, p in zip(gs.tolist(), ge.tolist(), (g0 * bs).tolist())]
             batch.copies = (np.searchsorted(blocks, ps // bs) * bs + ps % bs, pd, pe - ps)
-        batch.segments = len(segments)
+        batch.left = len(segments)
         return batch, segments
 
     # ------------------------------------------------------------ checking
@@ -418,9 +417,12 @@ class BlockVerifier:
             _give_arenas(arenas)
         self._pending = []
 
-    def _segment_done(self, batch: _Batch) -> None:
-        """A segment of ``batch`` was read (on an I/O thread): check the batch after its last one."""
-        if next(batch.done) == batch.segments - 1:  # itertools.count: atomic under the GIL
+    def _segment_done(self, batch: _Batch, n: int) -> None:
+        """``n`` segments of ``batch`` were read (on an I/O thread): check the batch after its last one."""
+        with batch.lock:
+            batch.left -= n
+            last = batch.left == 0
+        if last:
             self._check_now(batch)
 
     def _check_now(self, batch: _Batch) -> None:
