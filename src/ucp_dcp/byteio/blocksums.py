@@ -18,9 +18,9 @@ exactly the blocks its reads touch:
   reads sit next to the destination reads in the file, so the range reader
   coalesces them into the same ``preadv`` calls, and with 4 KiB blocks
   starting on page boundaries they read no page the load did not need.
-  A batch read in few segments (long runs) is checked by the I/O thread
-  that completes its last segment, while the other threads still read;
-  others after the reads.
+  A batch whose reads take few ``preadv`` calls (long runs, neighbouring
+  rows) is checked by the I/O thread that completes its last segment,
+  while the other threads still read; others after the reads.
 
 A mismatch raises :class:`~ucp_dcp.ChecksumError` naming the file, the
 tensor, the chunk, the block and the writing rank.
@@ -28,10 +28,10 @@ tensor, the chunk, the block and the writing rank.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
-import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -202,9 +202,10 @@ class BlockVerifier:
     :class:`~ucp_dcp.byteio.rangeio.RangeReader` (any number of batches
     together) and call :meth:`check` once the reads completed. Checking a
     batch hashes and compares every block it touched and copies the bytes
-    read into scratch memory into place. A batch read in few segments is
-    checked by the I/O thread that completes its last segment (the read then
-    raises what it found); :meth:`check` checks the others, and frees the
+    read into scratch memory into place. A batch read in few stretches of
+    the file is checked by the I/O thread that completes its last segment
+    (the read then raises what it found); :meth:`check` checks the others,
+    and frees the
     scratch memory for reuse. :attr:`scratch_bytes` says how much the
     pending batches hold; a batch holds at most about ``scratch_limit``.
 
@@ -258,7 +259,7 @@ class BlockVerifier:
         are in the chunk's stored order), checked against ``check.sums``.
         Each batch is registered for :meth:`check` when it is yielded.
         """
-        t0: float | None = time.thread_time()
+        t0 = time.thread_time()
         es = dest.element_size()
         grid = runs(chunk_sizes, region, dest.stride(), dest.storage_offset())
         if not grid.count:
@@ -272,27 +273,23 @@ class BlockVerifier:
         # Each run's edges take at most two scratch blocks.
         bs = check.sums.block
         step = max(1, self.scratch_limit // (2 * bs))
-        try:
-            i = 0
-            while i < len(src):
-                j = min(i + step, len(src))
-                while j < len(src) and (int(src[j - 1]) + length - 1) // bs == int(src[j]) // bs:
-                    # The next run starts in the block this one ends in: no block is split between
-                    # batches (it would be read and hashed twice).
-                    j = max(j + 1, int(np.searchsorted(src, ((int(src[j - 1]) + length - 1) // bs + 1) * bs)))
-                if len(src) == 1:  # one contiguous run: the common case, in plain integers
-                    batch, segments = self._batch_one(location, check, int(src[0]), int(dst[0]), length, view)
-                else:
-                    batch, segments = self._batch(location, check, src[i:j], dst[i:j], length, view)
-                i = j
-                self._pending.append(batch)
-                self._spent(time.thread_time() - t0)
-                t0 = None  # the caller's reads are not ours
-                yield segments
-                t0 = time.thread_time()
-        finally:
-            if t0 is not None:
-                self._spent(time.thread_time() - t0)
+        i = 0
+        while i < len(src):
+            j = min(i + step, len(src))
+            while j < len(src) and (int(src[j - 1]) + length - 1) // bs == int(src[j]) // bs:
+                # The next run starts in the block this one ends in: no block is split between
+                # batches (it would be read and hashed twice).
+                j = max(j + 1, int(np.searchsorted(src, ((int(src[j - 1]) + length - 1) // bs + 1) * bs)))
+            if len(src) == 1:  # one contiguous run: the common case, in plain integers
+                batch, segments = self._batch_one(location, check, int(src[0]), int(dst[0]), length, view)
+            else:
+                batch, segments = self._batch(location, check, src[i:j], dst[i:j], length, view)
+            i = j
+            self._pending.append(batch)
+            self._spent(time.thread_time() - t0)
+            yield segments  # the caller's reads are not ours to count
+            t0 = time.thread_time()
+        self._spent(time.thread_time() - t0)
 
     def _spent(self, seconds: float, nbytes: int = 0) -> None:
         with self._lock:
