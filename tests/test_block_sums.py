@@ -388,7 +388,7 @@ def test_range_reader_runs_done_once_after_the_last_byte(tmp_path: Path) -> None
         offs = [0, 1000, 5000]
 
         def done(i: int) -> Any:
-            return lambda: calls.append((i, bytes(bufs[i])))
+            return lambda n: calls.extend([(i, bytes(bufs[i]))] * n)
 
         segs = [Segment(0, o, memoryview(b), done(i)) for i, (o, b) in enumerate(zip(offs, bufs))]
         with RangeReader([str(f)], threads=3, gap_bytes=16, max_request_bytes=max_req) as reader:
@@ -397,7 +397,16 @@ def test_range_reader_runs_done_once_after_the_last_byte(tmp_path: Path) -> None
         for i, got in calls:
             assert got == data[offs[i] : offs[i] + len(bufs[i])]
 
-    def boom() -> None:
+    # Segments sharing a callback: every one of them is counted, once, however they are coalesced.
+    for max_req in (7, 100, 1 << 20):
+        counted: list[int] = []
+        segs = [Segment(0, o, memoryview(bytearray(50)), counted.append) for o in (0, 50, 100, 400, 3000)]
+        with RangeReader([str(f)], threads=2, gap_bytes=300, max_request_bytes=max_req) as reader:
+            reader.read(segs)
+        assert sum(counted) == 5
+        assert all(bytes(s.dest) == data[s.offset : s.offset + 50] for s in segs)
+
+    def boom(n: int) -> None:
         raise ChecksumError(str(f), "test", "0", "1")
 
     with RangeReader([str(f)], threads=2, max_request_bytes=64) as reader:

@@ -18,9 +18,9 @@ exactly the blocks its reads touch:
   reads sit next to the destination reads in the file, so the range reader
   coalesces them into the same ``preadv`` calls, and with 4 KiB blocks
   starting on page boundaries they read no page the load did not need.
-  A batch read in few segments (long runs) is checked by the I/O thread
-  that completes its last segment, while the other threads still read;
-  others after the reads.
+  A batch whose reads take few ``preadv`` calls (long runs, neighbouring
+  rows) is checked by the I/O thread that completes its last segment,
+  while the other threads still read; others after the reads.
 
 A mismatch raises :class:`~ucp_dcp.ChecksumError` naming the file, the
 tensor, the chunk, the block and the writing rank.
@@ -28,11 +28,10 @@ tensor, the chunk, the block and the writing rank.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import itertools
 import threading
 import time
-import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -50,11 +49,13 @@ from .rangeio import RangeReader, Segment, storage_view
 __all__ = ["BlockSums", "BlockHasher", "BlockVerifier", "ChunkCheck", "read_verified"]
 
 _hash = xxhash.xxh3_64_intdigest
-# A batch read in at most this many segments is checked by the I/O thread that
-# completes it, while the other threads still read (so hashing long runs
-# overlaps the reads). A batch of more (narrow strided runs) is checked by
-# check() after the reads: a callback per segment would cost more than it hides.
-_HOOK_SEGMENTS = 64
+# A batch read in at most this many stretches of the file (its segments closer
+# than a page are read by one call) is checked by the I/O thread that
+# completes it, while the other threads still read, so that hashing overlaps
+# the reads. A batch of more (narrow strided runs, one call each) is checked
+# by check() after the reads: a callback per call would cost more than it hides.
+_HOOK_STRETCHES = 64
+_PAGE = 4096
 # Scratch memory is carved out of buffers of at least this size, reused across batches.
 _ARENA_BYTES = 1 << 20
 # Scratch buffers kept between verifiers, so that the next load reuses their
@@ -156,8 +157,8 @@ class _Batch:
     scratch: np.ndarray  # the touched blocks read whole, one after the other
     scratch_blocks: np.ndarray  # the block number of each
     copies: tuple[np.ndarray, np.ndarray, np.ndarray]  # scratch offset, dest offset, length of each piece
-    segments: int = 0  # how many segments read it
-    done: "itertools.count[int]" = dataclasses.field(default_factory=itertools.count)  # of them, read so far
+    left: int = 0  # its segments not read yet
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     checked: bool = False
 
 
@@ -201,9 +202,10 @@ class BlockVerifier:
     :class:`~ucp_dcp.byteio.rangeio.RangeReader` (any number of batches
     together) and call :meth:`check` once the reads completed. Checking a
     batch hashes and compares every block it touched and copies the bytes
-    read into scratch memory into place. A batch read in few segments is
-    checked by the I/O thread that completes its last segment (the read then
-    raises what it found); :meth:`check` checks the others, and frees the
+    read into scratch memory into place. A batch read in few stretches of
+    the file is checked by the I/O thread that completes its last segment
+    (the read then raises what it found); :meth:`check` checks the others,
+    and frees the
     scratch memory for reuse. :attr:`scratch_bytes` says how much the
     pending batches hold; a batch holds at most about ``scratch_limit``.
 
@@ -257,7 +259,7 @@ class BlockVerifier:
         are in the chunk's stored order), checked against ``check.sums``.
         Each batch is registered for :meth:`check` when it is yielded.
         """
-        t0: float | None = time.thread_time()
+        t0 = time.thread_time()
         es = dest.element_size()
         grid = runs(chunk_sizes, region, dest.stride(), dest.storage_offset())
         if not grid.count:
@@ -271,27 +273,23 @@ class BlockVerifier:
         # Each run's edges take at most two scratch blocks.
         bs = check.sums.block
         step = max(1, self.scratch_limit // (2 * bs))
-        try:
-            i = 0
-            while i < len(src):
-                j = min(i + step, len(src))
-                while j < len(src) and (int(src[j - 1]) + length - 1) // bs == int(src[j]) // bs:
-                    # The next run starts in the block this one ends in: no block is split between
-                    # batches (it would be read and hashed twice).
-                    j = max(j + 1, int(np.searchsorted(src, ((int(src[j - 1]) + length - 1) // bs + 1) * bs)))
-                if len(src) == 1:  # one contiguous run: the common case, in plain integers
-                    batch, segments = self._batch_one(location, check, int(src[0]), int(dst[0]), length, view)
-                else:
-                    batch, segments = self._batch(location, check, src[i:j], dst[i:j], length, view)
-                i = j
-                self._pending.append(batch)
-                self._spent(time.thread_time() - t0)
-                t0 = None  # the caller's reads are not ours
-                yield segments
-                t0 = time.thread_time()
-        finally:
-            if t0 is not None:
-                self._spent(time.thread_time() - t0)
+        i = 0
+        while i < len(src):
+            j = min(i + step, len(src))
+            while j < len(src) and (int(src[j - 1]) + length - 1) // bs == int(src[j]) // bs:
+                # The next run starts in the block this one ends in: no block is split between
+                # batches (it would be read and hashed twice).
+                j = max(j + 1, int(np.searchsorted(src, ((int(src[j - 1]) + length - 1) // bs + 1) * bs)))
+            if len(src) == 1:  # one contiguous run: the common case, in plain integers
+                batch, segments = self._batch_one(location, check, int(src[0]), int(dst[0]), length, view)
+            else:
+                batch, segments = self._batch(location, check, src[i:j], dst[i:j], length, view)
+            i = j
+            self._pending.append(batch)
+            self._spent(time.thread_time() - t0)
+            yield segments  # the caller's reads are not ours to count
+            t0 = time.thread_time()
+        self._spent(time.thread_time() - t0)
 
     def _spent(self, seconds: float, nbytes: int = 0) -> None:
         with self._lock:
@@ -337,7 +335,7 @@ class BlockVerifier:
             pos = {k: i for i, k in enumerate(blocks)}
             batch.copies = tuple(np.array(c, dtype=np.int64) for c in zip(  # type: ignore[assignment]
                 *[(pos[s // bs] * bs + s % bs, d, e - s) for s, e, d in edges]))
-        batch.segments = len(segments)
+        batch.left = len(segments)
         return batch, segments
 
     def _batch(
@@ -360,37 +358,35 @@ class BlockVerifier:
         pd = np.concatenate([dst[whole], dst[head], dst[tail] + (fb[tail] - a[tail])])
         batch = _Batch(location, check, view, *(np.zeros(0, np.int64),) * 2, np.zeros(0, np.uint8), np.zeros(0, np.int64),
                        (np.zeros(0, np.int64),) * 3)
-        # The segments are len(a) runs at most, plus one scratch segment per edge block.
-        done = functools.partial(self._segment_done, batch) if 3 * len(a) <= _HOOK_SEGMENTS else None
-        segments: list[Segment] = []
         # In place: one segment per run that holds whole blocks, one hash per block.
         da, dfb, dd = ca[direct], fb[direct], dst[direct] + (ca[direct] - a[direct])
         cnt = -(-(dfb - da) // bs)
-        segments += [Segment(file, base + s, view[d : d + e - s], done)
-                     for s, e, d in zip(da.tolist(), dfb.tolist(), dd.tolist())]
         total = int(cnt.sum())
         first = np.repeat(np.cumsum(cnt) - cnt, cnt)
         j = np.arange(total, dtype=np.int64) - first
         batch.dest_blocks = np.repeat(da // bs, cnt) + j
         batch.dest_offs = np.repeat(dd, cnt) + j * bs
         # Through scratch: every block a piece touches, read whole; runs of neighbouring blocks in one segment.
-        if len(ps):
-            blocks = np.unique(np.concatenate([ps // bs, (pe - 1) // bs]))
-        else:
-            blocks = np.zeros(0, dtype=np.int64)
+        blocks = np.unique(np.concatenate([ps // bs, (pe - 1) // bs])) if len(ps) else np.zeros(0, np.int64)
+        cuts = np.flatnonzero(np.diff(blocks) != 1) + 1
+        g0 = np.concatenate([[0], cuts]).astype(np.int64) if len(blocks) else np.zeros(0, np.int64)
+        g1 = np.concatenate([cuts, [len(blocks)]]).astype(np.int64) if len(blocks) else np.zeros(0, np.int64)
+        gs, ge = blocks[g0] * bs, np.minimum(blocks[g1 - 1] * bs + bs, n)
+        done = None
+        starts, ends = np.concatenate([da, gs]), np.concatenate([dfb, ge])
+        order = np.argsort(starts, kind="stable")
+        if int(np.count_nonzero(starts[order][1:] - ends[order][:-1] >= _PAGE)) < _HOOK_STRETCHES:
+            done = functools.partial(self._segment_done, batch)
+        segments = [Segment(file, base + s, view[d : d + e - s], done)
+                    for s, e, d in zip(da.tolist(), dfb.tolist(), dd.tolist())]
         if len(blocks):
             batch.scratch = self._scratch(len(blocks) * bs)
             batch.scratch_blocks = blocks
             scratch = memoryview(batch.scratch)
-            cuts = np.flatnonzero(np.diff(blocks) != 1) + 1
-            g0 = np.concatenate([[0], cuts])
-            g1 = np.concatenate([cuts, [len(blocks)]])
-            starts = blocks[g0] * bs
-            ends = np.minimum(blocks[g1 - 1] * bs + bs, n)
             segments += [Segment(file, base + s, scratch[p : p + e - s], done)
-                         for s, e, p in zip(starts.tolist(), ends.tolist(), (g0 * bs).tolist())]
+                         for s, e, p in zip(gs.tolist(), ge.tolist(), (g0 * bs).tolist())]
             batch.copies = (np.searchsorted(blocks, ps // bs) * bs + ps % bs, pd, pe - ps)
-        batch.segments = len(segments)
+        batch.left = len(segments)
         return batch, segments
 
     # ------------------------------------------------------------ checking
@@ -418,9 +414,12 @@ class BlockVerifier:
             _give_arenas(arenas)
         self._pending = []
 
-    def _segment_done(self, batch: _Batch) -> None:
-        """A segment of ``batch`` was read (on an I/O thread): check the batch after its last one."""
-        if next(batch.done) == batch.segments - 1:  # itertools.count: atomic under the GIL
+    def _segment_done(self, batch: _Batch, n: int) -> None:
+        """``n`` segments of ``batch`` were read (on an I/O thread): check the batch after its last one."""
+        with batch.lock:
+            batch.left -= n
+            last = batch.left == 0
+        if last:
             self._check_now(batch)
 
     def _check_now(self, batch: _Batch) -> None:

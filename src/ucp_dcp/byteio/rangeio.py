@@ -12,7 +12,8 @@ calls on a thread pool (``preadv`` releases the GIL).
 It never allocates per-read memory: the scratch buffer for gaps is
 ``gap_bytes`` long and shared. A segment may carry a ``done`` callback, run
 by the I/O thread that completes the segment's last byte (to check what was
-read while other threads still read).
+read while other threads still read); the segments of one call that share a
+callback are reported in one call of it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -48,16 +49,18 @@ _IOV_MAX = max(16, min(_IOV_MAX, 1024))
 class Segment(NamedTuple):
     """``len(dest)`` bytes at ``offset`` of file number ``file`` go into ``dest``.
 
-    ``done``, if given, is called (on an I/O thread, once) when the whole
-    segment has been read; an exception it raises fails the read. A named
-    tuple rather than a dataclass: strided loads make tens of thousands of
-    them, and tuples are the cheapest record to build.
+    ``done``, if given, is called on an I/O thread as ``done(n)`` once the
+    whole segment has been read, ``n`` being the number of segments sharing
+    that callback which the call completed (segments coalesced into one
+    ``preadv`` report together); an exception it raises fails the read. A
+    named tuple rather than a dataclass: strided loads make tens of
+    thousands of them, and tuples are the cheapest record to build.
     """
 
     file: int
     offset: int
     dest: memoryview
-    done: Callable[[], None] | None = None
+    done: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -81,23 +84,23 @@ class _Request:
     offset: int
     bufs: list[memoryview]
     nbytes: int
-    done: list[Callable[[], None]] | None = None  # callbacks of the segments it completes
+    done: list[list[Any]] | None = None  # [callback, segments of this request that carry it]
 
 
 class _AfterAll:
-    """Calls ``fn`` once it has been called ``n`` times (from any threads): a segment split into ``n`` requests."""
+    """Calls ``fn(1)`` once it has been called ``n`` times (from any threads): a segment split into ``n`` requests."""
 
-    def __init__(self, n: int, fn: Callable[[], None]) -> None:
+    def __init__(self, n: int, fn: Callable[[int], None]) -> None:
         self.n = n
         self.fn = fn
         self._lock = threading.Lock()
 
-    def __call__(self) -> None:
+    def __call__(self, parts: int) -> None:
         with self._lock:
-            self.n -= 1
+            self.n -= parts
             last = self.n == 0
         if last:
-            self.fn()
+            self.fn(1)
 
 
 def storage_view(t: torch.Tensor) -> memoryview:
@@ -215,7 +218,10 @@ class RangeReader:
                     cur.bufs.append(s.dest)
                     cur.nbytes += gap + n
                     if s.done is not None:
-                        cur.done = [*(cur.done or ()), s.done]
+                        if cur.done and cur.done[-1][0] is s.done:
+                            cur.done[-1][1] += 1
+                        else:
+                            cur.done = [*(cur.done or ()), [s.done, 1]]
                     continue
             # A range larger than one request is split so threads share it.
             off, dest = s.offset, s.dest
@@ -224,10 +230,10 @@ class RangeReader:
                 done = _AfterAll(-(-n // self._max_request), done)
             while len(dest) > self._max_request:
                 reqs.append(_Request(s.file, off, [dest[: self._max_request]], self._max_request,
-                                     None if done is None else [done]))
+                                     None if done is None else [[done, 1]]))
                 off += self._max_request
                 dest = dest[self._max_request :]
-            cur = _Request(s.file, off, [dest], len(dest), None if done is None else [done])
+            cur = _Request(s.file, off, [dest], len(dest), None if done is None else [[done, 1]])
             reqs.append(cur)
         return reqs
 
@@ -289,8 +295,8 @@ class RangeReader:
                 bufs = [bufs[0][got:], *bufs[1:]]
         self.stats.add(calls, r.nbytes)
         if r.done:
-            for fn in r.done:
-                fn()
+            for fn, n in r.done:
+                fn(n)
 
 
 def _batches(reqs: list[_Request], n: int) -> list[list[_Request]]:
