@@ -80,6 +80,7 @@ __all__ = [
     "dtype_from_pickle_storage_type",
     "dtensor_local",
     "dtensor_like",
+    "is_checkpointable",
     "module_parameters",
     "module_persistent_buffers",
     "is_flat_param",
@@ -109,6 +110,21 @@ def dtensor_like(local: torch.Tensor, src: DTensor) -> DTensor:
     buffer back to the GPU.
     """
     return DTensor(local, src._spec, requires_grad=False)
+
+
+def is_checkpointable(t: Any) -> bool:
+    """Whether ``t`` plans its own chunks through DCP's checkpointable-tensor protocol.
+
+    That is a tensor subclass other than DTensor with ``__create_write_items__``
+    / ``__create_chunk_list__`` / ``__get_tensor_shard__`` (the protocol of
+    ``torch.distributed.checkpoint._checkpointable``), or a DTensor whose local
+    tensor has them (a ``LocalShardsWrapper``: several shards per rank at their
+    own offsets). DTensor itself implements the protocol for its regular
+    shards; those are planned from their placements instead.
+    """
+    if isinstance(t, DTensor):
+        return hasattr(t._local_tensor, "__create_chunk_list__")
+    return isinstance(t, torch.Tensor) and (hasattr(t, "__create_write_items__") or hasattr(t, "__create_chunk_list__"))
 
 
 # ------------------------------------------------------------------- nn.Module

@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, STORAGE_TYPES, 
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.tensor import DTensor
 
-from .._compat import create_chunk_list
+from .._compat import create_chunk_list, dtensor_local, is_checkpointable
 from ..core.sharding import Box, Grid, arith_box, intersect
-from ..errors import CheckpointKeyError
+from ..errors import CheckpointKeyError, UnsupportedValueError
 from ..format import dtype_name
 from ._plan_records import LoadSourceInfo
 
@@ -47,14 +47,43 @@ def check_target(
     return smd
 
 
-def local_boxes(obj: torch.Tensor) -> list[Box]:
-    """The boxes of the global tensor that ``obj`` holds on this rank."""
+def local_boxes(fqn: str, obj: torch.Tensor) -> list[Box]:
+    """The boxes of the global tensor that ``obj`` (state-dict key ``fqn``) holds on this rank.
+
+    A checkpointable tensor (a ``LocalShardsWrapper`` DTensor, a tensor
+    subclass of DCP's protocol) lists its own chunks, which are checked to
+    lie inside its shape; a DTensor whose mesh does not include this rank
+    holds none.
+    """
+    if is_checkpointable(obj):
+        inner = dtensor_local(obj) if isinstance(obj, DTensor) else obj
+        if not hasattr(inner, "__create_chunk_list__"):
+            raise UnsupportedValueError(
+                f"{fqn!r}: its {type(inner).__name__} has __create_write_items__ but no __create_chunk_list__; "
+                "a checkpointable tensor must implement both (and __get_tensor_shard__) to be loaded into"
+            )
+        shape = tuple(obj.shape)
+        boxes = []
+        for c in create_chunk_list(obj):
+            b = Box(tuple(c.offsets), tuple(c.sizes))
+            if not b.numel:
+                continue  # an empty shard (this rank holds none of the tensor)
+            if len(b.offsets) != len(shape) or len(b.sizes) != len(shape) or any(
+                o < 0 or o + n > d for o, n, d in zip(b.offsets, b.sizes, shape)
+            ):
+                raise UnsupportedValueError(
+                    f"{fqn!r}: its {type(inner).__name__} lists a chunk at offsets {list(b.offsets)} of size "
+                    f"{list(b.sizes)}, outside the tensor's shape {list(shape)}"
+                )
+            boxes.append(b)
+        return boxes
     if isinstance(obj, DTensor):
         coord = obj.device_mesh.get_coordinate()
-        if coord is not None:
-            box = arith_box(tuple(obj.shape), tuple(obj.device_mesh.shape), obj.placements, coord)
-            if box is not None:
-                return [box]
+        if coord is None:
+            return []  # a DTensor on a sub-mesh this rank is not part of
+        box = arith_box(tuple(obj.shape), tuple(obj.device_mesh.shape), obj.placements, coord)
+        if box is not None:
+            return [box]
     return [Box(tuple(c.offsets), tuple(c.sizes)) for c in create_chunk_list(obj)]
 
 

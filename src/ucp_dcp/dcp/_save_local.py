@@ -25,11 +25,12 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from .._compat import ShardedTensor, create_write_items
+from .._compat import ShardedTensor, create_write_items, dtensor_local, is_checkpointable
 from ..byteio.rangeio import tensor_view
 from ..core.pieces import Piece, TensorPieces
 from ..core.sharding import Box, placement_to_str
 from ..core.values import RankLocal, encode_value
+from ..errors import UnsupportedValueError
 from ..format import Layout, dtype_name, rank_local_key
 from ._mesh_groups import cached_group, shard_item
 from ._plan_records import MeshGroupReport, PieceKey, SaveRankReport
@@ -97,7 +98,18 @@ def create_local_save_plan(
             out.encoded[fqn] = encode_value(obj.value, fqn)
             rank_local.append(fqn)
             items.append(WriteItem(MetadataIndex(rank_local_key(rank, fqn)), WriteItemType.BYTE_IO))
+        elif is_checkpointable(obj):
+            # LocalShardsWrapper DTensors (torchrec) and tensor subclasses of
+            # DCP's checkpointable protocol say their own chunks: their
+            # placements, if any, do not describe them. Listed explicitly, as
+            # a ShardedTensor's are.
+            out.layouts[fqn] = None
+            items.extend(_checkpointable_items(fqn, obj))
         elif isinstance(obj, DTensor):
+            if obj.device_mesh.get_coordinate() is None:
+                # This rank is not in the tensor's mesh (a DTensor on a
+                # sub-mesh): it holds none of it, and the mesh's ranks save it.
+                continue
             try:
                 layout = _layout_for(tuple(obj.device_mesh.shape), tuple(obj.placements))
             except ValueError as e:
@@ -150,6 +162,42 @@ def create_local_save_plan(
         pieces=tuple(sorted(piece_fqns)), piece_digests=piece_digests,
     )
     out.plan = SavePlan(items, planner_data=report)
+    return out
+
+
+def _checkpointable_items(fqn: str, obj: torch.Tensor) -> list[WriteItem]:
+    """The write items ``obj`` plans for itself (``__create_write_items__``), checked.
+
+    Every item must be a tensor chunk inside the tensor's global shape; the
+    empty shard of a rank that holds none is dropped.
+    """
+    kind = type(dtensor_local(obj) if isinstance(obj, DTensor) else obj).__name__
+    if not hasattr(obj, "__create_write_items__"):
+        raise UnsupportedValueError(
+            f"tensor {fqn!r}: its {kind} has __create_chunk_list__ but no __create_write_items__; "
+            "a checkpointable tensor must implement both (and __get_tensor_shard__) to be saved"
+        )
+    shape = tuple(obj.shape)
+    out = []
+    for item in create_write_items(fqn, obj):
+        td = item.tensor_data
+        if item.type == WriteItemType.BYTE_IO or td is None:
+            raise UnsupportedValueError(
+                f"tensor {fqn!r}: its {kind} plans a non-tensor write item ({item.type.name}); only tensor "
+                "chunks can be saved from a checkpointable tensor"
+            )
+        offsets, sizes = tuple(td.chunk.offsets), tuple(td.chunk.sizes)
+        if not math.prod(sizes) and math.prod(shape):
+            continue  # an empty shard (a rank that holds none) has no bytes; an empty tensor is still recorded
+        if tuple(td.size) != shape or len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+            o < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)
+        ):
+            raise UnsupportedValueError(
+                f"tensor {fqn!r}: its {kind} plans a chunk at offsets {list(offsets)} of size {list(sizes)} "
+                f"in a tensor of size {list(td.size)}, but the tensor's shape is {list(shape)}: the chunk must "
+                "lie inside it"
+            )
+        out.append(item)
     return out
 
 

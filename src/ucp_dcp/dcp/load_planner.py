@@ -206,7 +206,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         if obj.dtype != tmd.properties.dtype:
             self.cast_keys[fqn] = (tmd.properties.dtype, obj.dtype)
         grid = saved_grid(LoadSourceInfo.of(self.metadata), fqn, tmd)
-        return overlap_reads(fqn, local_boxes(obj) if boxes is None else boxes, tmd, grid, dest)
+        return overlap_reads(fqn, local_boxes(fqn, obj) if boxes is None else boxes, tmd, grid, dest)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """The destination of a read: a piece's view, or DCP's lookup for everything else."""
