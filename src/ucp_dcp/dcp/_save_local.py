@@ -3,8 +3,11 @@
 Every flattened state-dict entry becomes write items or a mesh-group
 membership: a :class:`~ucp_dcp.RankLocal` value is written under this rank's
 own key; a regular DTensor joins its mesh's group (no write item: the rank
-derives its writes once the coordinator has checked the group); an irregular
-DTensor or a plain tensor is planned per chunk; the pieces of a
+derives its writes once the coordinator has checked the group), except on a
+rank outside its mesh (a sub-mesh DTensor), which holds none of it; an
+irregular DTensor or a plain tensor is planned per chunk; a
+``LocalShardsWrapper`` DTensor or a tensor subclass of DCP's checkpointable
+protocol is planned from the write items it makes itself; the pieces of a
 :class:`~ucp_dcp.TensorPieces` are named by their logical tensors; any other
 value is encoded as tagged JSON. Values and plain tensors are hashed so the
 coordinator can tell whether ranks agree on them.
@@ -30,7 +33,7 @@ from ..byteio.rangeio import tensor_view
 from ..core.pieces import Piece, TensorPieces
 from ..core.sharding import Box, placement_to_str
 from ..core.values import RankLocal, encode_value
-from ..errors import UnsupportedValueError
+from ..errors import LayoutError, UnsupportedValueError
 from ..format import Layout, dtype_name, rank_local_key
 from ._mesh_groups import cached_group, shard_item
 from ._plan_records import MeshGroupReport, PieceKey, SaveRankReport
@@ -103,17 +106,16 @@ def create_local_save_plan(
             # DCP's checkpointable protocol say their own chunks: their
             # placements, if any, do not describe them. Listed explicitly, as
             # a ShardedTensor's are.
+            if isinstance(obj, DTensor):
+                _dtensor_layout(fqn, obj)  # refuses Partial placements, naming the key
             out.layouts[fqn] = None
             items.extend(_checkpointable_items(fqn, obj))
         elif isinstance(obj, DTensor):
+            layout = _dtensor_layout(fqn, obj)
             if obj.device_mesh.get_coordinate() is None:
                 # This rank is not in the tensor's mesh (a DTensor on a
                 # sub-mesh): it holds none of it, and the mesh's ranks save it.
                 continue
-            try:
-                layout = _layout_for(tuple(obj.device_mesh.shape), tuple(obj.placements))
-            except ValueError as e:
-                raise ValueError(f"tensor {fqn!r}: {e}") from None
             out.layouts[fqn] = layout
             shape = tuple(obj.shape)
             if compact_plans and obj.numel() and _arithmetic_grid(layout, shape):
@@ -163,6 +165,14 @@ def create_local_save_plan(
     )
     out.plan = SavePlan(items, planner_data=report)
     return out
+
+
+def _dtensor_layout(fqn: str, obj: DTensor) -> Layout:
+    """The layout of DTensor ``fqn``; a ``LayoutError`` naming it when its placements have none (Partial)."""
+    try:
+        return _layout_for(tuple(obj.device_mesh.shape), tuple(obj.placements))
+    except ValueError as e:
+        raise LayoutError(f"tensor {fqn!r}: {e}") from None
 
 
 def _checkpointable_items(fqn: str, obj: torch.Tensor) -> list[WriteItem]:

@@ -1,0 +1,322 @@
+"""Tensor kinds DCP's own planners handle, saved and loaded with the UCP classes.
+
+Each multi-rank test saves the same state with DCP's defaults
+(``DefaultSavePlanner`` + ``FileSystemWriter``) and with the UCP classes,
+loads both back (same layout, and another layout at another world size) and
+checks every loaded tensor bit-for-bit against the source and against what
+DCP itself loaded, on gloo ranks:
+
+- DTensors on a sub-mesh that not every rank belongs to (a mesh of some
+  ranks, a ``mesh["dp"]`` sub-mesh of a 2-D mesh);
+- DTensors whose local tensor is a ``LocalShardsWrapper`` (torchrec's uneven
+  row/column-wise sharding: several shards per rank at their own offsets);
+- tensor subclasses of DCP's checkpointable protocol
+  (``__create_write_items__`` / ``__create_chunk_list__`` / ``__get_tensor_shard__``);
+- partial loads in one process without a process group (PyTorch's e2e
+  ``test_partial_load``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+from dist_utils import bit_equal, run_ranks
+from ucp_dcp import (
+    UCPLoadPlanner,
+    UCPSavePlanner,
+    UCPStorageReader,
+    UCPStorageWriter,
+    UnsupportedValueError,
+    load_state_dict,
+)
+
+ROWS, COLS = 8, 6
+
+
+def _full(seed: int) -> torch.Tensor:
+    return torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(seed))
+
+
+def _save_both(sd: dict[str, Any], root: str, **ucp: Any) -> None:
+    """Save ``sd`` with DCP's defaults under ``root/dcp`` and the UCP classes under ``root/ucp``."""
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(os.path.join(root, "dcp")), planner=dcp.DefaultSavePlanner())
+    dcp.save(sd, storage_writer=UCPStorageWriter(os.path.join(root, "ucp")), planner=UCPSavePlanner(**ucp))
+
+
+def _load_both(make: Callable[[], dict[str, Any]], root: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two fresh targets from ``make``: one loaded by DCP from its save, one by UCP from its save."""
+    by_dcp, by_ucp = make(), make()
+    dcp.load(by_dcp, storage_reader=dcp.FileSystemReader(os.path.join(root, "dcp")), planner=dcp.DefaultLoadPlanner())
+    dcp.load(by_ucp, storage_reader=UCPStorageReader(os.path.join(root, "ucp")), planner=UCPLoadPlanner())
+    return by_dcp, by_ucp
+
+
+def _boxes(t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """(offsets, data) of every local chunk of ``t`` (a DTensor, wrapper DTensor, CT or plain tensor)."""
+    if isinstance(t, DTensor):
+        local = t._local_tensor
+        if isinstance(local, LocalShardsWrapper):
+            return [(tuple(c.offsets), s) for s, c in zip(local.local_shards(), local.local_chunks)]
+        if t.device_mesh.get_coordinate() is None:
+            return []
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, off = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return [(tuple(off), local)]
+    if isinstance(t, Checkpointable):
+        return [(tuple(t.offsets), t.local)]
+    return [((0,) * t.dim(), t)]
+
+
+def _check(loaded: dict[str, Any], by_dcp: dict[str, Any], want: dict[str, torch.Tensor]) -> None:
+    """Every chunk this rank holds equals the source's box, and DCP's load, bit for bit."""
+    for key, full in want.items():
+        mine, theirs = _boxes(loaded[key]), _boxes(by_dcp[key])
+        assert [o for o, _ in mine] == [o for o, _ in theirs], key
+        for (off, got), (_, ref) in zip(mine, theirs):
+            box = tuple(slice(o, o + n) for o, n in zip(off, got.shape))
+            assert bit_equal(got, full[box]), (key, off)
+            assert bit_equal(got, ref), (key, off)
+
+
+# ------------------------------------------- LocalShardsWrapper and the protocol
+
+
+class Checkpointable(torch.Tensor):
+    """A tensor subclass that is only DCP's checkpointable protocol: one chunk of a
+    global tensor at ``offsets``, stored in ``local``; no tensor operation works on it."""
+
+    local: torch.Tensor
+    offsets: torch.Size
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, offsets: tuple[int, ...], size: tuple[int, ...]) -> Checkpointable:
+        r = torch.Tensor._make_wrapper_subclass(cls, size, dtype=local.dtype, device=local.device)
+        r.local, r.offsets = local, torch.Size(offsets)
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise NotImplementedError(f"{func} is not supported on Checkpointable")
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(self.offsets, self.local.size())]
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        chunk = ChunkStorageMetadata(self.offsets, self.local.size())
+        data = TensorWriteData(chunk, TensorProperties.create_from_tensor(self.local), self.size())
+        return [WriteItem(index=MetadataIndex(fqn, self.offsets), type=WriteItemType.SHARD, tensor_data=data)]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self.local
+
+
+# Row splits of a LocalShardsWrapper per rank: several shards per rank, of
+# different sizes, some ranks empty.
+ROW_SPLITS = {4: [[(0, 2), (6, 8)], [(2, 3)], [], [(3, 6)]], 3: [[(0, 1), (6, 8)], [], [(1, 6)]]}
+# Column splits (2-D column-wise: LocalShardsWrapper concatenates along dim 1).
+COL_SPLITS = {4: [[(0, 1), (4, 6)], [(1, 3)], [(3, 4)], []], 3: [[(2, 3)], [(0, 2), (3, 4)], [(4, 6)]]}
+
+
+def _wrapper(rank: int, world: int, full: torch.Tensor | None, dim: int) -> DTensor:
+    splits = (ROW_SPLITS if dim == 0 else COL_SPLITS)[world][rank]
+    src = torch.zeros(ROWS, COLS) if full is None else full
+    shards = [(src[a:b] if dim == 0 else src[:, a:b]).clone() for a, b in splits]
+    offsets = [(a, 0) if dim == 0 else (0, a) for a, _ in splits]
+    lsw = LocalShardsWrapper(shards, offsets)
+    mesh = init_device_mesh("cpu", (world,))
+    return DTensor.from_local(lsw, mesh, [Shard(dim)], run_check=False, shape=torch.Size((ROWS, COLS)),
+                              stride=(COLS, 1))
+
+
+def _checkpointable(rank: int, world: int, full: torch.Tensor | None) -> Checkpointable:
+    bounds = [ROWS * r // world for r in range(world + 1)]  # 8 rows over 3: 2, 3, 3
+    a, b = bounds[rank], bounds[rank + 1]
+    local = torch.zeros(b - a, COLS) if full is None else full[a:b].clone()
+    return Checkpointable(local, (a, 0), (ROWS, COLS))
+
+
+# ------------------------------------------------------------------ the state
+
+SEEDS = {"low": 1, "high": 2, "plain": 3, "dp": 4, "rows": 5, "cols": 6, "ct": 7}
+
+
+def _state(rank: int, world: int, fill: bool) -> dict[str, Any]:
+    """Every kind, as this rank of ``world`` holds it (zeros unless ``fill``, in another placement then)."""
+
+    def t(key: str) -> torch.Tensor:
+        return _full(SEEDS[key]) if fill else torch.zeros(ROWS, COLS)
+
+    low = DeviceMesh("cpu", [0, 1])  # rank 0 (the coordinator) is in it, the last ranks are not
+    high = DeviceMesh("cpu", list(range(world - 2, world)))  # the coordinator is not in it
+    sd: dict[str, Any] = {
+        "low": distribute_tensor(t("low"), low, [Shard(0)]),
+        "high": distribute_tensor(t("high"), high, [Shard(1)] if fill else [Replicate()]),
+        "plain": t("plain"),
+        "rows": _wrapper(rank, world, t("rows") if fill else None, 0),
+        "cols": _wrapper(rank, world, t("cols") if fill else None, 1),
+        "ct": _checkpointable(rank, world, t("ct") if fill else None),
+    }
+    if world == 4:
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        # A dp sub-mesh per tp rank, each holding the whole tensor.
+        sd["dp"] = distribute_tensor(t("dp"), mesh2["dp"], [Shard(0)] if fill else [Shard(1)])
+    else:
+        sd["dp"] = distribute_tensor(t("dp"), init_device_mesh("cpu", (world,)), [Shard(0)])
+    return sd
+
+
+def _want() -> dict[str, torch.Tensor]:
+    return {k: _full(s) for k, s in SEEDS.items()}
+
+
+def _save_4(rank: int, world: int, root: str) -> None:
+    src = _state(rank, world, True)
+    _save_both(src, root)
+    flat = os.path.join(root, "flat")  # per-chunk plans instead of mesh groups
+    dcp.save(src, storage_writer=UCPStorageWriter(flat), planner=UCPSavePlanner(compact_plans=False))
+    # Back into the same kinds on the same meshes, in other placements where they have any.
+    by_dcp, by_ucp = _load_both(lambda: _state(rank, world, False), root)
+    _check(by_ucp, by_dcp, _want())
+    by_flat = _state(rank, world, False)
+    dcp.load(by_flat, storage_reader=UCPStorageReader(flat), planner=UCPLoadPlanner())
+    _check(by_flat, by_dcp, _want())
+
+
+def _load_3(rank: int, world: int, root: str) -> None:
+    # The same kinds, split otherwise over 3 ranks (sub-meshes of 2 of them).
+    by_dcp, by_ucp = _load_both(lambda: _state(rank, world, False), root)
+    _check(by_ucp, by_dcp, _want())
+    # Plain DTensors and plain tensors from the wrappers and the protocol subclass, and the other way.
+    mesh = init_device_mesh("cpu", (world,))
+
+    def plain() -> dict[str, Any]:
+        return {
+            "rows": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)]),
+            "cols": torch.zeros(ROWS, COLS),
+            "ct": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(0)]),
+            "low": torch.zeros(ROWS, COLS),
+            "plain": _checkpointable(rank, world, None),
+        }
+
+    by_dcp, by_ucp = _load_both(plain, root)
+    _check(by_ucp, by_dcp, {k: v for k, v in _want().items() if k in by_ucp})
+
+
+@pytest.mark.multiproc
+def test_tensor_kinds_4_ranks_then_3(tmp_path: Path) -> None:
+    """Sub-mesh DTensors, LocalShardsWrapper DTensors and protocol subclasses: saved on 4
+    ranks, loaded back on 4 and on 3, bit-exact and equal to DCP's own loads."""
+    root = str(tmp_path)
+    run_ranks(4, _save_4, root)
+    run_ranks(3, _load_3, root)
+    offline = load_state_dict(os.path.join(root, "ucp"))
+    for k, full in _want().items():
+        assert bit_equal(offline[k], full), k
+
+
+# ------------------------------------------------------ no process group
+
+
+def _train_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(9)
+    return {
+        "model": {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)},
+        "optimizer": {
+            "state": {"0": {"exp_avg": torch.randn(4, 3, generator=g), "step": torch.tensor(3.0)}},
+            "param_groups": [{"lr": 0.1, "params": [0]}],
+        },
+    }
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_partial_load_without_process_group(tmp_path: Path) -> None:
+    """A subset of keys, keys the checkpoint lacks (allow_partial_load), and DCP's
+    ``_load_state_dict_from_keys``, in one process with no process group."""
+    assert not dist.is_initialized()
+    src = _train_state()
+    dcp.save(src, storage_writer=UCPStorageWriter(str(tmp_path)), planner=UCPSavePlanner())
+
+    model = {"model": {"w": torch.zeros(4, 3), "b": torch.zeros(3)}}
+    dcp.load(model, storage_reader=UCPStorageReader(str(tmp_path)), planner=UCPLoadPlanner())
+    assert bit_equal(model["model"]["w"], src["model"]["w"]) and bit_equal(model["model"]["b"], src["model"]["b"])
+
+    extra = {"model": {"w": torch.zeros(4, 3), "extra": torch.full((2,), 5.0)}}
+    planner = UCPLoadPlanner(allow_partial_load=True)
+    dcp.load(extra, storage_reader=UCPStorageReader(str(tmp_path)), planner=planner)
+    assert bit_equal(extra["model"]["w"], src["model"]["w"]) and bit_equal(extra["model"]["extra"], torch.full((2,), 5.0))
+    assert planner.missing_keys == ["model.extra"]
+
+    with pytest.raises(CheckpointException, match=r"model\.extra.*allow_partial_load=True"):
+        dcp.load({"model": {"extra": torch.zeros(2)}}, storage_reader=UCPStorageReader(str(tmp_path)),
+                 planner=UCPLoadPlanner())
+
+    got = _load_state_dict_from_keys("model", storage_reader=UCPStorageReader(str(tmp_path)))
+    assert set(got) == {"model"} and bit_equal(got["model"]["w"], src["model"]["w"])
+    got = _load_state_dict_from_keys("optimizer.state", storage_reader=UCPStorageReader(str(tmp_path)))
+    assert "param_groups" not in got["optimizer"]
+    assert bit_equal(got["optimizer"]["state"]["0"]["exp_avg"], src["optimizer"]["state"]["0"]["exp_avg"])
+
+
+# ------------------------------------------------------------ refused kinds
+
+
+class _OutOfBounds(Checkpointable):
+    """Plans a chunk past the end of its tensor."""
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        chunk = ChunkStorageMetadata(torch.Size((ROWS - 1, 0)), self.local.size())
+        data = TensorWriteData(chunk, TensorProperties.create_from_tensor(self.local), self.size())
+        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD, tensor_data=data)]
+
+
+class _WriteOnly(torch.Tensor):
+    """Has ``__create_write_items__`` but no chunk list: cannot be loaded into."""
+
+    @staticmethod
+    def __new__(cls, size: tuple[int, ...]) -> _WriteOnly:
+        return torch.Tensor._make_wrapper_subclass(cls, size, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise NotImplementedError(f"{func} is not supported on _WriteOnly")
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:  # pragma: no cover - never saved
+        return []
+
+
+def _rank_error(exc: CheckpointException) -> BaseException:
+    """The rank's own error out of DCP's CheckpointException (one rank)."""
+    ((err, _),) = exc.failures.values()
+    return err
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_unsupported_checkpointable_tensors_are_refused(tmp_path: Path) -> None:
+    """A chunk outside the tensor, or a target without a chunk list: the library's error, naming the key."""
+    bad = _OutOfBounds(torch.ones(2, COLS), (0, 0), (ROWS, COLS))
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"emb": bad}, storage_writer=UCPStorageWriter(str(tmp_path / "bad")), planner=UCPSavePlanner())
+    err = _rank_error(info.value)
+    assert isinstance(err, UnsupportedValueError) and "'emb'" in str(err) and "must lie inside" in str(err)
+
+    dcp.save({"emb": _full(1)}, storage_writer=UCPStorageWriter(str(tmp_path / "ok")), planner=UCPSavePlanner())
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"emb": _WriteOnly((ROWS, COLS))}, storage_reader=UCPStorageReader(str(tmp_path / "ok")),
+                 planner=UCPLoadPlanner())
+    err = _rank_error(info.value)
+    assert isinstance(err, UnsupportedValueError) and "'emb'" in str(err) and "__create_chunk_list__" in str(err)
