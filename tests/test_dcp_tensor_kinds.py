@@ -36,6 +36,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from dist_utils import bit_equal, run_ranks
 from ucp_dcp import (
+    CheckpointManager,
     UCPLoadPlanner,
     UCPSavePlanner,
     UCPStorageReader,
@@ -43,6 +44,7 @@ from ucp_dcp import (
     UnsupportedValueError,
     load_state_dict,
 )
+from ucp_dcp.manager.snapshot import Snapshotter
 
 ROWS, COLS = 8, 6
 
@@ -195,6 +197,15 @@ def _save_4(rank: int, world: int, root: str) -> None:
     by_flat = _state(rank, world, False)
     dcp.load(by_flat, storage_reader=UCPStorageReader(flat), planner=UCPLoadPlanner())
     _check(by_flat, by_dcp, _want())
+    # CheckpointManager's staging copies each shard of a LocalShardsWrapper
+    # (the protocol subclass it cannot copy is left out: see the refusal test).
+    snap = Snapshotter()
+    staged = snap.stage({k: v for k, v in src.items() if k != "ct"})
+    for key in ("rows", "cols"):
+        for (o1, a), (o2, b) in zip(_boxes(staged.state[key]), _boxes(src[key])):
+            assert o1 == o2 and bit_equal(a, b) and a.data_ptr() != b.data_ptr(), key
+    dcp.save(staged.state, storage_writer=UCPStorageWriter(os.path.join(root, "staged")), planner=UCPSavePlanner())
+    snap.release(staged)
 
 
 def _load_3(rank: int, world: int, root: str) -> None:
@@ -227,6 +238,10 @@ def test_tensor_kinds_4_ranks_then_3(tmp_path: Path) -> None:
     offline = load_state_dict(os.path.join(root, "ucp"))
     for k, full in _want().items():
         assert bit_equal(offline[k], full), k
+    staged = load_state_dict(os.path.join(root, "staged"))
+    assert set(staged) == set(_want()) - {"ct"}
+    for k, v in staged.items():
+        assert bit_equal(v, _want()[k]), k
 
 
 # ------------------------------------------------------ no process group
@@ -320,3 +335,11 @@ def test_unsupported_checkpointable_tensors_are_refused(tmp_path: Path) -> None:
                  planner=UCPLoadPlanner())
     err = _rank_error(info.value)
     assert isinstance(err, UnsupportedValueError) and "'emb'" in str(err) and "__create_chunk_list__" in str(err)
+
+    # CheckpointManager cannot copy a protocol subclass into its host buffers.
+    mgr = CheckpointManager(str(tmp_path / "mgr"))
+    try:
+        with pytest.raises(UnsupportedValueError, match=r"model\.emb: a Checkpointable .*cannot be staged"):
+            mgr.save(1, {"model": {"emb": Checkpointable(torch.ones(2, COLS), (0, 0), (ROWS, COLS))}})
+    finally:
+        mgr.close()

@@ -58,6 +58,10 @@ from torch.distributed.tensor._utils import (
     compute_local_shape_and_global_offset,
 )
 
+# torchrec's local tensor of a DTensor sharded unevenly: several shards per
+# rank at their own offsets (DCP plans it through its checkpointable methods).
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
 # FSDP2's placement for a dimension sharded both by FSDP and by TP (the FSDP
 # shards are interleaved): named "SS(d,k)" in layouts.
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
@@ -81,6 +85,8 @@ __all__ = [
     "dtensor_local",
     "dtensor_like",
     "is_checkpointable",
+    "local_shards_of",
+    "local_shards_like",
     "module_parameters",
     "module_persistent_buffers",
     "is_flat_param",
@@ -125,6 +131,21 @@ def is_checkpointable(t: Any) -> bool:
     if isinstance(t, DTensor):
         return hasattr(t._local_tensor, "__create_chunk_list__")
     return isinstance(t, torch.Tensor) and (hasattr(t, "__create_write_items__") or hasattr(t, "__create_chunk_list__"))
+
+
+def local_shards_of(t: Any) -> list[tuple[tuple[int, ...], torch.Tensor]] | None:
+    """``(global offsets, shard)`` of each local shard of a DTensor over a
+    ``LocalShardsWrapper``; None for any other value."""
+    if not isinstance(t, DTensor) or not isinstance(t._local_tensor, LocalShardsWrapper):
+        return None
+    w = t._local_tensor
+    return [(tuple(c.offsets), s) for s, c in zip(w.local_shards(), w.local_chunks)]
+
+
+def local_shards_like(shards: list[torch.Tensor], src: DTensor) -> DTensor:
+    """A DTensor with ``src``'s spec over a ``LocalShardsWrapper`` of ``shards``, at the offsets of ``src``'s shards."""
+    offsets = [tuple(c.offsets) for c in src._local_tensor.local_chunks]
+    return dtensor_like(LocalShardsWrapper(shards, offsets), src)
 
 
 # ------------------------------------------------------------------- nn.Module

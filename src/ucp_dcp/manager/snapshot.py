@@ -9,9 +9,11 @@ before they are written over a good checkpoint.
 
 Both walk the same nested structure DCP saves: dicts (any key type, order
 kept), lists and tuples (named tuples included) down to leaves. Tensor leaves
-are plain tensors on any device, DTensors and the pieces of a
-:class:`~ucp_dcp.TensorPieces` (flat shards, layout rules); every other
-leaf is copied with :func:`copy.deepcopy`.
+are plain tensors on any device, DTensors (each shard of a DTensor over a
+``LocalShardsWrapper``) and the pieces of a :class:`~ucp_dcp.TensorPieces`
+(flat shards, layout rules); every other leaf is copied with
+:func:`copy.deepcopy`. Other tensor subclasses of DCP's checkpointable
+protocol are refused: nothing says how to copy them.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._compat import dtensor_like, dtensor_local
+from .._compat import dtensor_like, dtensor_local, is_checkpointable, local_shards_like, local_shards_of
 from ..core.pieces import Piece, TensorPieces
-from ..errors import NonFiniteError
+from ..errors import NonFiniteError, UnsupportedValueError
 
 __all__ = ["NonFiniteError", "find_nonfinite", "StagedState", "Snapshotter"]
 
@@ -57,6 +59,17 @@ def _join(path: str, key: Any) -> str:
 def _walk_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor leaf (plain or DTensor) of ``obj`` with its dotted path, in walk order."""
     if isinstance(obj, torch.Tensor):
+        shards = local_shards_of(obj)
+        if shards is not None:  # a LocalShardsWrapper DTensor: each shard is a leaf
+            for offsets, t in shards:
+                yield f"{path}@{','.join(map(str, offsets))}", t
+            return
+        if is_checkpointable(obj):
+            raise UnsupportedValueError(
+                f"{path}: a {type(obj).__name__} (a tensor subclass of DCP's checkpointable protocol) cannot be "
+                "staged by CheckpointManager, which copies tensors it can read; save it with "
+                "dcp.save(..., planner=UCPSavePlanner(), storage_writer=UCPStorageWriter(path)) instead"
+            )
         yield path, obj
         return
     if isinstance(obj, TensorPieces):
@@ -299,6 +312,9 @@ class Snapshotter:
             it = iter(bset.buffers)
 
             def on_tensor(src: torch.Tensor) -> torch.Tensor:
+                shards = local_shards_of(src)
+                if shards is not None:  # one buffer per shard, in walk order
+                    return local_shards_like([next(it) for _ in shards], src)
                 buf = next(it)
                 if not isinstance(src, DTensor):
                     return buf
