@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from dist_utils import bit_equal, run_ranks
@@ -44,6 +44,7 @@ from ucp_dcp import (
     UnsupportedValueError,
     load_state_dict,
 )
+from ucp_dcp.errors import LayoutError
 from ucp_dcp.manager.snapshot import Snapshotter
 
 ROWS, COLS = 8, 6
@@ -226,6 +227,16 @@ def _load_3(rank: int, world: int, root: str) -> None:
 
     by_dcp, by_ucp = _load_both(plain, root)
     _check(by_ucp, by_dcp, {k: v for k, v in _want().items() if k in by_ucp})
+    # A partial sum has no value to save: refused, naming the key, as a wrapper DTensor too.
+    wrapped = LocalShardsWrapper([torch.ones(2, COLS)], [(2 * rank, 0)])
+    for key, dt in (
+        ("grad", DTensor.from_local(torch.ones(ROWS, COLS), mesh, [Partial()])),
+        ("wgrad", DTensor.from_local(wrapped, mesh, [Partial()], run_check=False, shape=(ROWS, COLS), stride=(COLS, 1))),
+    ):
+        with pytest.raises(CheckpointException) as info:
+            dcp.save({key: dt}, storage_writer=UCPStorageWriter(os.path.join(root, key)), planner=UCPSavePlanner())
+        err = info.value.failures[rank][0]
+        assert isinstance(err, LayoutError) and f"tensor {key!r}: Partial placement" in str(err), err
 
 
 @pytest.mark.multiproc
