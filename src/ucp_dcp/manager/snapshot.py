@@ -65,8 +65,9 @@ def _walk_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]
                 yield f"{path}@{','.join(map(str, offsets))}", t
             return
         if is_checkpointable(obj):
+            kind = type(dtensor_local(obj) if isinstance(obj, DTensor) else obj).__name__
             raise UnsupportedValueError(
-                f"{path}: a {type(obj).__name__} (a tensor subclass of DCP's checkpointable protocol) cannot be "
+                f"{path}: a {kind} (a tensor subclass of DCP's checkpointable protocol) cannot be "
                 "staged by CheckpointManager, which copies tensors it can read; save it with "
                 "dcp.save(..., planner=UCPSavePlanner(), storage_writer=UCPStorageWriter(path)) instead"
             )
