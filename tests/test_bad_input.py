@@ -502,7 +502,7 @@ def test_missing_key(ckpt: tuple[Path, dict[str, Any]]) -> None:
     out["other"] = torch.full((2,), 42.0)
     assert_load_fails(
         path,
-        match=re.escape("2 key(s) of the state dict are missing from the checkpoint: ['model.extra', 'other']")
+        match=re.escape("Missing key in checkpoint state_dict: 2 key(s) of the state dict are missing from the checkpoint: ['model.extra', 'other']")
         + r".*allow_partial_load=True",
         sd=out,
     )
@@ -535,7 +535,7 @@ def test_shape_mismatch(ckpt: tuple[Path, dict[str, Any]]) -> None:
     out["model"]["w"] = torch.zeros(16, 8)
     assert_load_fails(
         path,
-        match=re.escape("size mismatch for 'model.w': the checkpoint has shape [8, 16], the state dict expects [16, 8]"),
+        match=re.escape("Size mismatch for 'model.w': the checkpoint has shape [8, 16], the state dict expects [16, 8]"),
         sd=out,
     )
 

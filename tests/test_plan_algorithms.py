@@ -288,7 +288,7 @@ def test_saved_grid_from_the_reader() -> None:
 def test_check_target() -> None:
     smd = _smd((4,), [Box((0,), (4,))])
     assert check_target("w", torch.zeros(4), smd, (4,), False) is smd
-    with pytest.raises(CheckpointKeyError, match=r"size mismatch for 'w': the checkpoint has shape \[4\]"):
+    with pytest.raises(CheckpointKeyError, match=r"Size mismatch for 'w': the checkpoint has shape \[4\]"):
         check_target("w", torch.zeros(5), smd, (5,), False)
     with pytest.raises(CheckpointKeyError, match="dtype mismatch for 'w'"):
         check_target("w", torch.zeros(4, dtype=torch.bfloat16), smd, (4,), False)

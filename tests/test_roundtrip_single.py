@@ -151,3 +151,35 @@ def test_load_into_an_empty_state_dict_rebuilds_the_nesting(tmp_path: Path) -> N
     assert bit_equal(out["model"]["w"], sd["model"]["w"]) and isinstance(out["model"]["layers"], list)
     assert all(bit_equal(a, b) for a, b in zip(out["model"]["layers"], sd["model"]["layers"]))
     assert out["step"] == 7 and bit_equal(out["dotted.key"], torch.ones(1)) and out["blob"].getvalue() == b"raw"
+
+
+def test_load_metadata_reports_the_save_and_the_load(tmp_path: Path) -> None:
+    """The reader's metadata names the checkpoint, the save that wrote it, this load and DCP's version, as DCP's does."""
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+    writer = UCPStorageWriter(tmp_path)
+    dcp.save({"a": torch.arange(4.0)}, storage_writer=writer, planner=UCPSavePlanner())
+    assert len(writer.save_id) == 8
+    assert all(f.name.endswith(f"-{writer.save_id}.safetensors") for f in tmp_path.glob("rank*.safetensors"))
+    reader = UCPStorageReader(tmp_path)
+    md = reader.read_metadata()
+    assert md.storage_meta is not None
+    assert (str(md.storage_meta.checkpoint_id), md.storage_meta.save_id) == (str(tmp_path), writer.save_id)
+    assert md.storage_meta.load_id == reader.load_id and reader.load_id
+    assert md.version == CURRENT_DCP_VERSION
+    first = reader.load_id
+    reader.reset(tmp_path)
+    assert reader.load_id != first
+    # A second save into the same directory is another save, with its own id.
+    old = writer.save_id
+    dcp.save({"a": torch.arange(4.0)}, storage_writer=writer, planner=UCPSavePlanner())
+    assert writer.save_id != old and UCPStorageReader(tmp_path).read_metadata().storage_meta.save_id == writer.save_id
+
+
+def test_load_errors_open_with_dcps_words(tmp_path: Path) -> None:
+    """A missing key and a size mismatch raise with DCP's own phrases, which callers match on."""
+    _save({"w": torch.zeros(2, 2)}, tmp_path)
+    with pytest.raises(CheckpointException, match="Missing key in checkpoint state_dict: 1 key"):
+        _load({"w": torch.zeros(2, 2), "extra": torch.zeros(1)}, tmp_path)
+    with pytest.raises(CheckpointException, match=r"Size mismatch for 'w': the checkpoint has shape \[2, 2\]"):
+        _load({"w": torch.zeros(3, 2)}, tmp_path)

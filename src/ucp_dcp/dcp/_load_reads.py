@@ -35,7 +35,8 @@ def check_target(
     want = tuple(shape)
     if want != tuple(smd.size):
         raise CheckpointKeyError(
-            f"size mismatch for {fqn!r}: the checkpoint has shape {list(smd.size)}, "
+            # "Size mismatch" as DCP's DefaultLoadPlanner words it, for callers that match on it.
+            f"Size mismatch for {fqn!r}: the checkpoint has shape {list(smd.size)}, "
             f"the state dict expects {list(want)}"
         )
     if dest.dtype != smd.properties.dtype and not allow_dtype_cast:

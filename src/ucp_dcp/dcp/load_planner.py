@@ -131,9 +131,11 @@ class UCPLoadPlanner(DefaultLoadPlanner):
                 stacklevel=2,
             )
         if missing and not self.allow_partial_load:
+            # Opens with DCP's own words ("Missing key in checkpoint"), for callers that match on them.
             raise CheckpointKeyError(
-                f"{len(missing)} key(s) of the state dict are missing from the checkpoint: "
-                f"{key_list(self.missing_keys)}. Pass UCPLoadPlanner(allow_partial_load=True) to load the rest"
+                f"Missing key in checkpoint state_dict: {len(missing)} key(s) of the state dict are missing "
+                f"from the checkpoint: {key_list(self.missing_keys)}. Pass "
+                "UCPLoadPlanner(allow_partial_load=True) to load the rest"
             )
         known = set(self.state_dict)
         known.update(p.fqn for v in self._piece_sets.values() for p in v.pieces)

@@ -14,9 +14,11 @@ from __future__ import annotations
 import functools
 import io
 import os
+import uuid
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -35,6 +37,7 @@ from ..byteio.transfer import StagingBuffers, needs_staging, read_staged, segmen
 from ..core.sharding import Box
 from ..core.values import decode_value
 from ..format import Location, TensorRecord
+from ..format.names import save_id_of
 from ..sources import Source, SourceOptions, open_source, read_value, source_types
 from ..sources.distcp import DCP_VALUES_MODES
 from ._directory import _Directory
@@ -118,6 +121,7 @@ class UCPStorageReader(_Directory, StorageReader):
         self.verify = verify
         self.verified_bytes = 0
         self.verify_seconds = 0.0
+        self.load_id = uuid.uuid4().hex
 
     @property
     def index(self) -> Any:
@@ -128,6 +132,7 @@ class UCPStorageReader(_Directory, StorageReader):
         """Start a new load, optionally from another checkpoint."""
         self._set_path(checkpoint_id)
         self.source = None
+        self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Open the source and describe it as DCP's metadata (nothing is unpickled but DCP's own records)."""
@@ -151,7 +156,11 @@ class UCPStorageReader(_Directory, StorageReader):
                 keys=frozenset(md),
                 paths=index.paths,
             ),
-            storage_meta=StorageMeta(checkpoint_id=self.path),
+            storage_meta=StorageMeta(checkpoint_id=self.path, save_id=_save_id(index), load_id=self.load_id),
+            # The version of DCP's metadata conventions these keys follow: a
+            # DCP checkpoint's own (None before torch 2.4, which DCP's planners
+            # treat as the older flattening), else the current one.
+            version=getattr(getattr(source, "metadata", None), "version", CURRENT_DCP_VERSION),
         )
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -294,3 +303,9 @@ class UCPStorageReader(_Directory, StorageReader):
         """Whether ``checkpoint_id`` is a path some source format recognises."""
         path = os.fspath(checkpoint_id)
         return any(c.detect(path) for c in source_types())
+
+
+def _save_id(index: Any) -> str | None:
+    """The save that wrote a native checkpoint's data files (None for other formats, or a mix)."""
+    ids = {save_id_of(f.name) for f in getattr(index, "files", ())}
+    return ids.pop() if len(ids) == 1 else None

@@ -134,7 +134,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
                 "(the default: the old checkpoint stays loadable until the new one commits)"
             )
         os.makedirs(self.path, exist_ok=True)
-        save_id = uuid.uuid4().hex[:8]
+        save_id = self.save_id = uuid.uuid4().hex[:8]
         return [
             dataclasses.replace(p, storage_data=_FileAssignment(data_file_name(r, save_id), len(plans), save_id))
             for r, p in enumerate(plans)
@@ -143,6 +143,9 @@ class UCPStorageWriter(_Directory, StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's file: layout, data (hashed as written), header, fsync."""
         fut: Future[list[WriteResult]] = Future()
+        # Every rank learns the save id the coordinator chose (DCP's writers
+        # expose theirs as ``save_id``; the reader reports it back).
+        self.save_id = plan.storage_data.save_id
         entries, values = self._entries(plan, planner)
         if not entries:
             fut.set_result([])

@@ -6,6 +6,8 @@ header parser and the Hugging Face source and export alike.
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Sequence
 
 import torch
@@ -105,3 +107,12 @@ def data_file_name(rank: int, save_id: str) -> str:
     one replaces it.
     """
     return f"rank{rank:05d}-{save_id}.safetensors"
+
+
+_DATA_FILE = re.compile(r"rank\d{5}-([0-9A-Za-z]+)\.safetensors")
+
+
+def save_id_of(file_name: str) -> str | None:
+    """The save id in a data file name made by :func:`data_file_name` (None for any other name)."""
+    m = _DATA_FILE.fullmatch(os.path.basename(file_name))
+    return m.group(1) if m else None
