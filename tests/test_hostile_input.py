@@ -156,6 +156,17 @@ def test_huge_chunk_in_header(ckpt: Path) -> None:
     assert any(str(e.value) == p for p in Checkpoint(ckpt).verify())
 
 
+@pytest.mark.parametrize("block", [10**40, 0, -4096, "4096"])
+def test_block_size_out_of_range_in_header(ckpt: Path, block: Any) -> None:
+    """A block size the reader cannot work with (found by the fuzzer: 10**40 overflowed a C long)."""
+    f = data_file(ckpt)
+    edit_header(f, lambda doc, md: md["block_sums"].update(block=block))
+    for attempt in (lambda: read_header(str(f)), lambda: load_state_dict(ckpt)):
+        with pytest.raises(CheckpointFormatError) as e:
+            attempt()
+        assert str(e.value).startswith(f"{f}: malformed block_sums metadata {{'block': {block!r}, ")
+
+
 # ---------------------------------------------------------------- offsets
 
 

@@ -230,6 +230,11 @@ def read_header(path: str, fd: int | None = None) -> FileHeader:
                       block_sums_record(path, ucp, st.entries))
 
 
+# Blocks are 4 KiB when written; anything past 1 GiB is damage (and would
+# overflow the C integers block arithmetic is done in).
+_MAX_BLOCK = 1 << 30
+
+
 def block_sums_record(path: str, ucp: dict[str, Any], entries: dict[str, StEntry]) -> BlockSumsRecord | None:
     """The block checksums a data file's ``ucp_dcp`` metadata ``ucp`` announces (None: it has none)."""
     bs = ucp.get("block_sums")
@@ -237,7 +242,8 @@ def block_sums_record(path: str, ucp: dict[str, Any], entries: dict[str, StEntry
         return None
     e = entries.get(BLOCK_SUMS_ENTRY)
     block, digest = (bs.get("block"), bs.get("xxh3")) if isinstance(bs, dict) else (None, None)
-    if not (isinstance(block, int) and not isinstance(block, bool) and block > 0 and isinstance(digest, str)):
+    if not (isinstance(block, int) and not isinstance(block, bool) and 0 < block <= _MAX_BLOCK
+            and isinstance(digest, str)):
         raise CheckpointFormatError(f"{path}: malformed block_sums metadata {bs!r}")
     if e is None or e.st_dtype != "U64" or e.nbytes % 8:
         raise CheckpointFormatError(f"{path}: block_sums metadata without a U64 {BLOCK_SUMS_ENTRY} entry")
