@@ -18,9 +18,12 @@ exactly the blocks its reads touch:
   reads sit next to the destination reads in the file, so the range reader
   coalesces them into the same ``preadv`` calls, and with 4 KiB blocks
   starting on page boundaries they read no page the load did not need.
-  A batch whose reads take few ``preadv`` calls (long runs, neighbouring
-  rows) is checked by the I/O thread that completes its last segment,
-  while the other threads still read; others after the reads.
+  A long run read in place is cut into pieces of about 1 MiB, and the I/O
+  thread that reads a piece hashes it right after the read, while it is
+  still in the CPU cache (one hash pass, one comparison per piece). Other
+  batches whose reads take few ``preadv`` calls (neighbouring rows) are
+  checked by the I/O thread that completes their last segment, while the
+  other threads still read; the rest after the reads.
 
 A mismatch raises :class:`~ucp_dcp.ChecksumError` naming the file, the
 tensor, the chunk, the block and the writing rank.
@@ -44,7 +47,7 @@ from ..core.sharding import Box, runs
 from ..errors import ChecksumError
 from ..format import Location
 from .integrity import chunk_what
-from .rangeio import RangeReader, Segment, storage_view
+from .rangeio import HOOKED_REQUEST_BYTES, RangeReader, Segment, storage_view
 
 __all__ = ["BlockSums", "BlockHasher", "BlockVerifier", "ChunkCheck", "read_verified"]
 
@@ -63,6 +66,9 @@ _ARENA_BYTES = 1 << 20
 _POOL_BYTES = 32 << 20
 _pool: list[np.ndarray] = []
 _pool_lock = threading.Lock()
+# A run read in place is cut into pieces of about this size, each hashed by the I/O thread that read it
+# right after the read, while it is still in the CPU's cache (see rangeio.HOOKED_REQUEST_BYTES).
+_PIECE = HOOKED_REQUEST_BYTES
 # Up to this many blocks (or pieces to copy) are handled in a plain loop: cheaper than a dozen small array operations.
 _FEW = 8
 
@@ -162,6 +168,7 @@ class _Batch:
     # In-place blocks that are consecutive blocks at consecutive offsets (one run: the common case), as
     # (offset in ``dest`` of the first, first block, end block), checked without per-block arrays.
     run: tuple[int, int, int] | None = None
+    pieces: int = 0  # segments of ``run`` whose callbacks hash their own blocks
     left: int = 0  # its segments not read yet
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     checked: bool = False
@@ -317,8 +324,17 @@ class BlockVerifier:
         segments: list[Segment] = []
         edges: list[tuple[int, int, int]] = []  # through scratch: (start in the chunk, end, offset in view)
         if first < last:
-            segments.append(Segment(file, base + first, view[at + first - start : at + last - start], done))
             batch.run = (at + first - start, first // bs, -(-last // bs))
+            # In pieces, each hashed by the I/O thread that read it while it is
+            # still in the CPU's cache (the reader keeps requests that carry
+            # callbacks near this size), rather than all of it after the last read.
+            piece = max(bs, _PIECE // bs * bs)
+            for p in range(first, last, piece):
+                q = min(p + piece, last)
+                off = at + p - start
+                segments.append(Segment(file, base + p, view[off : off + q - p],
+                                        functools.partial(self._piece_done, batch, off, p // bs, -(-q // bs))))
+            batch.pieces = len(segments)
             edges += [(start, first, at)] if start < first else []
             edges += [(last, end, at + last - start)] if last < end else []
         else:
@@ -423,14 +439,26 @@ class BlockVerifier:
         with batch.lock:
             batch.left -= n
             last = batch.left == 0
-        if last:
-            self._check_now(batch)
+        if last:  # every piece of the run was hashed by its own callback
+            self._check_now(batch, run_hashed=batch.pieces > 0)
 
-    def _check_now(self, batch: _Batch) -> None:
+    def _piece_done(self, batch: _Batch, off: int, k0: int, k1: int, n: int) -> None:
+        """A piece of ``batch``'s run (blocks ``k0 .. k1-1`` at ``dest[off:]``) was read: hash and compare it
+        now; the rest of the batch once its last segment is read."""
+        t0 = time.thread_time()
+        nbytes = self._compare_run(batch, off, k0, k1)  # raising fails the read
+        with batch.lock:
+            batch.left -= n
+            last = batch.left == 0
+        self._spent(time.thread_time() - t0, nbytes)
+        if last:
+            self._check_now(batch, run_hashed=True)
+
+    def _check_now(self, batch: _Batch, run_hashed: bool = False) -> None:
         t0 = time.thread_time()
         nbytes = 0
         try:
-            nbytes = self._check(batch)
+            nbytes = self._check(batch, run_hashed)
             batch.checked = True
         finally:
             self._spent(time.thread_time() - t0, nbytes)
@@ -496,9 +524,11 @@ class BlockVerifier:
             raise self._mismatch(batch, int(blocks[i]), int(want[i]), int(got[i]))
         return int(lens.sum())
 
-    def _check(self, batch: _Batch) -> int:
+    def _check(self, batch: _Batch, run_hashed: bool = False) -> int:
+        """Hash and compare the batch's blocks (but for its run when ``run_hashed``: every piece's callback
+        did), copy its scratch bytes into place; the bytes hashed."""
         bs = batch.check.sums.block
-        nbytes = self._compare_run(batch, *batch.run) if batch.run is not None else 0
+        nbytes = self._compare_run(batch, *batch.run) if batch.run is not None and not run_hashed else 0
         nbytes += self._compare(batch, batch.dest, batch.dest_offs, batch.dest_blocks)
         if len(batch.scratch_blocks):
             scratch_offs = np.arange(len(batch.scratch_blocks), dtype=np.int64) * bs
