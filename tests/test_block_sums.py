@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+import ucp_dcp.byteio.blocksums
 import ucp_dcp.byteio.datafile
 from dist_utils import bit_equal
 from test_integrity import flip
@@ -51,7 +52,7 @@ from ucp_dcp import (
     load_state_dict,
 )
 from ucp_dcp.byteio.blocksums import BlockHasher
-from ucp_dcp.byteio.rangeio import RangeReader, Segment
+from ucp_dcp.byteio.rangeio import HOOKED_REQUEST_BYTES, RangeReader, Segment
 from ucp_dcp.core.pieces import Piece, TensorPieces
 from ucp_dcp.format import BLOCK_SUMS_ENTRY, read_header
 from ucp_dcp.sources import NativeSource
@@ -189,7 +190,20 @@ def cases(draw: Any) -> dict[str, Any]:
         "shape": shape, "dtype": dtype, "chunks": chunk_boxes(shape, split_dim, cuts),
         "box": (tuple(offs), tuple(sizes)), "mode": draw(st.sampled_from(["plain", "strided", "cast"])),
         "block": draw(st.sampled_from([8, 24, 64, 100, 4096])), "seed": draw(st.integers(0, 2**16)),
+        # Runs read in place are hashed piece by piece as their reads land: pieces of this many blocks.
+        "piece": draw(st.sampled_from([1, 2, 5, None])),
     }
+
+
+@contextmanager
+def piece_blocks(n: int | None, block: int) -> Iterator[None]:
+    """Loads inside cut runs read in place into pieces of ``n`` blocks (None: the default size)."""
+    old = ucp_dcp.byteio.blocksums._PIECE
+    ucp_dcp.byteio.blocksums._PIECE = old if n is None else n * block
+    try:
+        yield
+    finally:
+        ucp_dcp.byteio.blocksums._PIECE = old
 
 
 @given(case=cases(), pick=st.randoms(use_true_random=False))
@@ -197,7 +211,13 @@ def cases(draw: Any) -> dict[str, Any]:
 def test_a_load_detects_any_flipped_byte_it_reads_and_needs_no_other_byte(case: dict[str, Any], pick: random.Random) -> None:
     """Any single flipped byte inside the tensor data a load reads fails that load with a
     ChecksumError naming file, tensor, chunk, block and rank; garbage in every byte of the
-    tensor's chunks outside the blocks the load touches does not change the load at all."""
+    tensor's chunks outside the blocks the load touches does not change the load at all.
+    However runs are cut into pieces hashed as they land, every touched block is hashed once."""
+    with piece_blocks(case["piece"], case["block"]):
+        _check_flips_and_garbage(case, pick)
+
+
+def _check_flips_and_garbage(case: dict[str, Any], pick: random.Random) -> None:
     shape, dtype, chunks, box, mode, block = (case[k] for k in ("shape", "dtype", "chunks", "box", "mode", "block"))
     full = full_tensor(shape, dtype, case["seed"])
     want = view_of(full, *box)
@@ -405,6 +425,16 @@ def test_range_reader_runs_done_once_after_the_last_byte(tmp_path: Path) -> None
             reader.read(segs)
         assert sum(counted) == 5
         assert all(bytes(s.dest) == data[s.offset : s.offset + 50] for s in segs)
+
+    # Segments with callbacks are merged only up to HOOKED_REQUEST_BYTES (checked while in cache); others up to the limit.
+    with RangeReader([str(f)], max_request_bytes=16 << 20) as reader:
+        unit = HOOKED_REQUEST_BYTES // 4
+        bare = [Segment(0, i * unit, memoryview(bytearray(unit))) for i in range(10)]
+        hooked = [s._replace(done=counted.append) for s in bare]
+        assert [r.nbytes for r in reader.plan(bare)] == [10 * unit]
+        assert [r.nbytes for r in reader.plan(hooked)] == [4 * unit, 4 * unit, 2 * unit]
+        big = [Segment(0, 0, memoryview(bytearray(3 * HOOKED_REQUEST_BYTES)), counted.append)]
+        assert [r.nbytes for r in reader.plan(big)] == [3 * HOOKED_REQUEST_BYTES]  # one segment is never cut for it
 
     def boom(n: int) -> None:
         raise ChecksumError(str(f), "test", "0", "1")

@@ -18,9 +18,12 @@ exactly the blocks its reads touch:
   reads sit next to the destination reads in the file, so the range reader
   coalesces them into the same ``preadv`` calls, and with 4 KiB blocks
   starting on page boundaries they read no page the load did not need.
-  A batch whose reads take few ``preadv`` calls (long runs, neighbouring
-  rows) is checked by the I/O thread that completes its last segment,
-  while the other threads still read; others after the reads.
+  A long run read in place is cut into pieces of about 1 MiB, and the I/O
+  thread that reads a piece hashes it right after the read, while it is
+  still in the CPU cache (one hash pass, one comparison per piece). Other
+  batches whose reads take few ``preadv`` calls (neighbouring rows) are
+  checked by the I/O thread that completes their last segment, while the
+  other threads still read; the rest after the reads.
 
 A mismatch raises :class:`~ucp_dcp.ChecksumError` naming the file, the
 tensor, the chunk, the block and the writing rank.
@@ -44,7 +47,7 @@ from ..core.sharding import Box, runs
 from ..errors import ChecksumError
 from ..format import Location
 from .integrity import chunk_what
-from .rangeio import RangeReader, Segment, storage_view
+from .rangeio import HOOKED_REQUEST_BYTES, RangeReader, Segment, storage_view
 
 __all__ = ["BlockSums", "BlockHasher", "BlockVerifier", "ChunkCheck", "read_verified"]
 
@@ -63,6 +66,11 @@ _ARENA_BYTES = 1 << 20
 _POOL_BYTES = 32 << 20
 _pool: list[np.ndarray] = []
 _pool_lock = threading.Lock()
+# A run read in place is cut into pieces of about this size, each hashed by the I/O thread that read it
+# right after the read, while it is still in the CPU's cache (see rangeio.HOOKED_REQUEST_BYTES).
+_PIECE = HOOKED_REQUEST_BYTES
+# Up to this many blocks (or pieces to copy) are handled in a plain loop: cheaper than a dozen small array operations.
+_FEW = 8
 
 
 def _take_arena(nbytes: int) -> np.ndarray:
@@ -157,6 +165,10 @@ class _Batch:
     scratch: np.ndarray  # the touched blocks read whole, one after the other
     scratch_blocks: np.ndarray  # the block number of each
     copies: tuple[np.ndarray, np.ndarray, np.ndarray]  # scratch offset, dest offset, length of each piece
+    # In-place blocks that are consecutive blocks at consecutive offsets (one run: the common case), as
+    # (offset in ``dest`` of the first, first block, end block), checked without per-block arrays.
+    run: tuple[int, int, int] | None = None
+    pieces: int = 0  # segments of ``run`` whose callbacks hash their own blocks
     left: int = 0  # its segments not read yet
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     checked: bool = False
@@ -312,9 +324,17 @@ class BlockVerifier:
         segments: list[Segment] = []
         edges: list[tuple[int, int, int]] = []  # through scratch: (start in the chunk, end, offset in view)
         if first < last:
-            segments.append(Segment(file, base + first, view[at + first - start : at + last - start], done))
-            batch.dest_blocks = np.arange(first // bs, -(-last // bs), dtype=np.int64)
-            batch.dest_offs = at + first - start + np.arange(len(batch.dest_blocks), dtype=np.int64) * bs
+            batch.run = (at + first - start, first // bs, -(-last // bs))
+            # In pieces, each hashed by the I/O thread that read it while it is
+            # still in the CPU's cache (the reader keeps requests that carry
+            # callbacks near this size), rather than all of it after the last read.
+            piece = max(bs, _PIECE // bs * bs)
+            for p in range(first, last, piece):
+                q = min(p + piece, last)
+                off = at + p - start
+                segments.append(Segment(file, base + p, view[off : off + q - p],
+                                        functools.partial(self._piece_done, batch, off, p // bs, -(-q // bs))))
+            batch.pieces = len(segments)
             edges += [(start, first, at)] if start < first else []
             edges += [(last, end, at + last - start)] if last < end else []
         else:
@@ -419,17 +439,65 @@ class BlockVerifier:
         with batch.lock:
             batch.left -= n
             last = batch.left == 0
-        if last:
-            self._check_now(batch)
+        if last:  # every piece of the run was hashed by its own callback
+            self._check_now(batch, run_hashed=batch.pieces > 0)
 
-    def _check_now(self, batch: _Batch) -> None:
+    def _piece_done(self, batch: _Batch, off: int, k0: int, k1: int, n: int) -> None:
+        """A piece of ``batch``'s run (blocks ``k0 .. k1-1`` at ``dest[off:]``) was read: hash and compare it
+        now; the rest of the batch once its last segment is read."""
+        t0 = time.thread_time()
+        nbytes = self._compare_run(batch, off, k0, k1)  # raising fails the read
+        with batch.lock:
+            batch.left -= n
+            last = batch.left == 0
+        self._spent(time.thread_time() - t0, nbytes)
+        if last:
+            self._check_now(batch, run_hashed=True)
+
+    def _check_now(self, batch: _Batch, run_hashed: bool = False) -> None:
         t0 = time.thread_time()
         nbytes = 0
         try:
-            nbytes = self._check(batch)
+            nbytes = self._check(batch, run_hashed)
             batch.checked = True
         finally:
             self._spent(time.thread_time() - t0, nbytes)
+
+    def _mismatch(self, batch: _Batch, k: int, want: int, got: int) -> ChecksumError:
+        """The error for block ``k`` of the batch's chunk hashing to ``got`` instead of ``want``."""
+        location, check = batch.location, batch.check
+        bs, n = check.sums.block, location.nbytes
+        return ChecksumError(
+            self.paths[location.file],
+            f"{chunk_what(check.fqn, check.offsets)}, block {k} (bytes [{k * bs}, {min(k * bs + bs, n)}) "
+            "of the chunk)",
+            f"{want:016x}", f"{got:016x}", self.ranks[location.file],
+        )
+
+    def _compare_run(self, batch: _Batch, off: int, k0: int, k1: int) -> int:
+        """Hash blocks ``k0 .. k1-1`` of the batch's chunk, one after the other from ``batch.dest[off:]``,
+        and compare; the bytes hashed.
+
+        One pass of the hash over rows of a reshaped view and one comparison
+        of the whole run: no per-block offsets, lengths or index arrays.
+        """
+        if k0 >= k1:
+            return 0
+        bs, n = batch.check.sums.block, batch.location.nbytes
+        nbytes = min(k1 * bs, n) - k0 * bs
+        nfull = nbytes // bs  # only the chunk's last block may be short
+        arr = np.frombuffer(batch.dest, dtype=np.uint8, count=nbytes, offset=off)
+        if nfull == k1 - k0:
+            got = np.fromiter(map(_hash, arr.reshape(nfull, bs)), np.uint64, nfull)
+        else:
+            got = np.empty(k1 - k0, dtype=np.uint64)
+            got[:nfull] = np.fromiter(map(_hash, arr[: nfull * bs].reshape(nfull, bs)), np.uint64, nfull)
+            got[nfull] = _hash(arr[nfull * bs :])
+        want = batch.check.sums.sums[k0:k1]
+        if not np.array_equal(got, want):
+            i = int(np.flatnonzero(got != want)[0])
+            raise self._mismatch(batch, k0 + i, int(want[i]), int(got[i]))
+        return nbytes
 
     def _compare(self, batch: _Batch, mem: memoryview, offs: np.ndarray, blocks: np.ndarray) -> int:
         """Hash block ``blocks[i]`` of the batch's chunk at ``mem[offs[i]:]`` for every ``i`` and compare;
@@ -438,33 +506,45 @@ class BlockVerifier:
             return 0
         location, check = batch.location, batch.check
         bs, n = check.sums.block, location.nbytes
+        if len(blocks) <= _FEW:  # the edges of a run: a loop costs less than the arrays
+            sums, nbytes = check.sums.sums, 0
+            for o, k in zip(offs.tolist(), blocks.tolist()):
+                w = min(bs, n - k * bs)
+                got, want = _hash(mem[o : o + w]), int(sums[k])
+                if got != want:
+                    raise self._mismatch(batch, k, want, got)
+                nbytes += w
+            return nbytes
         lens = np.minimum(bs, n - blocks * bs)
         got = _digests(mem, offs, lens, bs)
         want = check.sums.sums[blocks]
         bad = np.flatnonzero(got != want)
         if len(bad):
             i = bad[np.argmin(blocks[bad])]
-            k = int(blocks[i])
-            raise ChecksumError(
-                self.paths[location.file],
-                f"{chunk_what(check.fqn, check.offsets)}, block {k} (bytes [{k * bs}, {min(k * bs + bs, n)}) "
-                "of the chunk)",
-                f"{int(want[i]):016x}", f"{int(got[i]):016x}", self.ranks[location.file],
-            )
+            raise self._mismatch(batch, int(blocks[i]), int(want[i]), int(got[i]))
         return int(lens.sum())
 
-    def _check(self, batch: _Batch) -> int:
+    def _check(self, batch: _Batch, run_hashed: bool = False) -> int:
+        """Hash and compare the batch's blocks (but for its run when ``run_hashed``: every piece's callback
+        did), copy its scratch bytes into place; the bytes hashed."""
         bs = batch.check.sums.block
-        nbytes = self._compare(batch, batch.dest, batch.dest_offs, batch.dest_blocks)
-        scratch_offs = np.arange(len(batch.scratch_blocks), dtype=np.int64) * bs
-        nbytes += self._compare(batch, memoryview(batch.scratch), scratch_offs, batch.scratch_blocks)
-        self._copy(batch)
+        nbytes = self._compare_run(batch, *batch.run) if batch.run is not None and not run_hashed else 0
+        nbytes += self._compare(batch, batch.dest, batch.dest_offs, batch.dest_blocks)
+        if len(batch.scratch_blocks):
+            scratch_offs = np.arange(len(batch.scratch_blocks), dtype=np.int64) * bs
+            nbytes += self._compare(batch, memoryview(batch.scratch), scratch_offs, batch.scratch_blocks)
+            self._copy(batch)
         return nbytes
 
     @staticmethod
     def _copy(batch: _Batch) -> None:
         so, do, ln = batch.copies
         if not len(so):
+            return
+        if len(so) <= _FEW:
+            dview, sview = batch.dest, memoryview(batch.scratch)
+            for s, d, w in zip(so.tolist(), do.tolist(), ln.tolist()):
+                dview[d : d + w] = sview[s : s + w]
             return
         sstep, dstep = _arith(so), _arith(do)
         if sstep is not None and dstep is not None and bool(np.all(ln == ln[0])):
