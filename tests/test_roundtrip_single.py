@@ -183,3 +183,32 @@ def test_load_errors_open_with_dcps_words(tmp_path: Path) -> None:
         _load({"w": torch.zeros(2, 2), "extra": torch.zeros(1)}, tmp_path)
     with pytest.raises(CheckpointException, match=r"Size mismatch for 'w': the checkpoint has shape \[2, 2\]"):
         _load({"w": torch.zeros(3, 2)}, tmp_path)
+
+
+def test_load_pauses_the_garbage_collector_and_restores_it(tmp_path: Path) -> None:
+    """read_data runs with the cyclic collector paused, and leaves it as it found it (on or off)."""
+    import gc
+
+    from ucp_dcp.dcp import reader as reader_module
+
+    seen = []
+    real = reader_module.UCPStorageReader._read_data
+
+    def spy(self: Any, plan: Any, planner: Any) -> Any:
+        seen.append(gc.isenabled())
+        return real(self, plan, planner)
+
+    sd = {"w": torch.arange(12.0).reshape(3, 4)}
+    dcp.save(sd, storage_writer=UCPStorageWriter(tmp_path / "c"), planner=UCPSavePlanner(), no_dist=True)
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            out = {"w": torch.zeros(3, 4)}
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(reader_module.UCPStorageReader, "_read_data", spy)
+                dcp.load(out, storage_reader=UCPStorageReader(tmp_path / "c"), planner=UCPLoadPlanner(), no_dist=True)
+            assert torch.equal(out["w"], sd["w"])
+            assert gc.isenabled() is enabled
+        finally:
+            gc.enable()
+    assert seen == [False, False]
