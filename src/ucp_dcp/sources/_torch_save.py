@@ -27,6 +27,7 @@ from .._compat import dtype_from_pickle_storage_type
 from ..byteio.rangeio import ReadStats
 from ..core.sharding import row_major_strides
 from ..errors import CheckpointFormatError
+from ._torch_archive import stored_record_start
 
 __all__ = ["StoredTensor", "parse_tensor_item", "dim_order", "is_nonneg_int", "is_index_tuple"]
 
@@ -294,14 +295,12 @@ def parse_tensor_item(fd: int, offset: int, length: int, where: str, stats: Read
             rec = zf.getinfo(f"{prefix}data/{key}")
         except KeyError:
             raise CheckpointFormatError(f"{where}: storage record data/{key} is missing") from None
-        if rec.compress_type != zipfile.ZIP_STORED or rec.flag_bits & 0x1 or rec.compress_size != rec.file_size:
-            raise CheckpointFormatError(f"{where}: storage record data/{key} is compressed or encrypted")
-        view.seek(rec.header_offset)
-        local = view.read(30)
-        if len(local) != 30 or local[:4] != b"PK\x03\x04":
-            raise CheckpointFormatError(f"{where}: bad local header for data/{key}")
-        name_len, extra_len = struct.unpack("<HH", local[26:30])
-        start = rec.header_offset + 30 + name_len + extra_len
+
+        def read_at(off: int, n: int) -> bytes:
+            view.seek(off)
+            return view.read(n)
+
+        start = stored_record_start(read_at, rec, where)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, struct.error) as e:
         raise CheckpointFormatError(f"{where}: not a readable torch.save archive ({e})") from None
     if start + rec.file_size > length:
