@@ -5,12 +5,18 @@ from __future__ import annotations
 import math
 
 import torch
-from hypothesis import given, strategies as st, settings
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from ucp_dcp.sources._zero_layout import zero12_segments, zero3_segments, segment_boxes
+
 shapes = st.lists(st.lists(st.integers(1, 5), min_size=0, max_size=3), min_size=1, max_size=6)
+
+
 @settings(max_examples=300)
 @given(shapes, st.integers(1, 5), st.integers(0, 7))
-def test_zero12_segments_reassemble_every_parameter(shs, W, pad):
+def test_zero12_segments_reassemble_every_parameter(shs: list[list[int]], W: int, pad: int) -> None:
+    """One group cut into W equal partitions (with end padding): each parameter reassembles from its boxes."""
     numels = [math.prod(s) for s in shs]
     total = sum(numels) + pad; P = math.ceil(total / W)
     sizes = [P]*W
@@ -26,9 +32,12 @@ def test_zero12_segments_reassemble_every_parameter(shs, W, pad):
                 idx = tuple(slice(a, a+n) for a, n in zip(box.offsets, box.sizes))
                 got[idx] = parts[sg.rank][off:off+box.numel].view(box.sizes)
         assert torch.equal(got, want)
+
+
 @settings(max_examples=300)
 @given(shapes, st.integers(1, 5), st.lists(st.integers(1, 9), min_size=1, max_size=4))
-def test_zero3_segments_reassemble_every_parameter(shs, W, cuts):
+def test_zero3_segments_reassemble_every_parameter(shs: list[list[int]], W: int, cuts: list[int]) -> None:
+    """Parameters padded to W slices, per-rank buffers cut into sub-groups anywhere: each reassembles."""
     numels = [math.prod(s) for s in shs]
     per = sum(math.ceil(n/W) for n in numels)
     # split per-rank buffer into sub-groups at arbitrary points, last absorbs rest
