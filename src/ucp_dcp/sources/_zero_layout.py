@@ -73,7 +73,8 @@ def _split(a: int, b: int, bounds: Sequence[int], rank_of: Callable[[int], int],
     while a < b:
         k = bisect.bisect_right(bounds, a) - 1
         e = min(b, bounds[k + 1])
-        segs.append(Segment(rank_of(k), k if buffer is None else buffer, a - bounds[k], a - base + first, e - base + first))
+        buf = k if buffer is None else buffer
+        segs.append(Segment(rank_of(k), buf, a - bounds[k], a - base + first, e - base + first))
         a = e
     return segs
 
