@@ -144,6 +144,18 @@ def _rebuild_parameter(data: Any, requires_grad: Any = False, hooks: Any = None,
     return data
 
 
+class _PlainTensorType:
+    """``torch.Tensor`` named in a pickle: only as the type argument of ``_rebuild_from_type_v2``."""
+
+
+def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    # torch.save uses this for a plain tensor that carries Python attributes
+    # (DeepSpeed tags its parameters): the attributes are dropped, the tensor kept.
+    if new_type is not _PlainTensorType or func is not _rebuild_tensor or not isinstance(args, tuple):
+        raise _Refused("a tensor subclass (torch._tensor._rebuild_from_type_v2 of another type)")
+    return func(*args)
+
+
 def _is_count(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
@@ -162,6 +174,8 @@ _BUILTIN_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
     ("collections", "OrderedDict"): OrderedDict,
     ("torch", "Size"): torch.Size,
+    ("torch", "Tensor"): _PlainTensorType,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
     # protocol 2 (torch.save's) names builtins the Python 2 way
     **{(mod, name): obj for mod in ("builtins", "__builtin__")
        for name, obj in (("set", set), ("frozenset", frozenset))},
