@@ -186,6 +186,7 @@ class ModelStates:
     shared: dict[str, str]  # tied name -> the name that owns the storage
     buffer_names: list[str]
     ds_version: str
+    dp_world_size: int | None  # the data-parallel degree it was saved at, where recorded
 
 
 @dataclass
@@ -245,8 +246,11 @@ def read_model_states(path: str) -> ModelStates:
     if not isinstance(buffers, list) or not all(isinstance(b, str) for b in buffers):
         raise CheckpointFormatError(f"{path}: 'buffer_names' is not a list of names")
     version = sd.get("ds_version")
+    dp = sd.get("dp_world_size")
+    if dp is not None and not (isinstance(dp, int) and not isinstance(dp, bool) and dp > 0):
+        raise CheckpointFormatError(f"{path}: dp_world_size {dp!r} is not a positive integer")
     return ModelStates(a, module, param_shapes, frozen_shapes, frozen_fragments, dict(shared), list(buffers),
-                       str(version) if version is not None else "")
+                       str(version) if version is not None else "", dp)
 
 
 def _stage(v: Any, where: str) -> int:

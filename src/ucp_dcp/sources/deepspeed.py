@@ -106,6 +106,13 @@ class DeepSpeedSource(Source):
         models = [read_model_states(p) for p in files.model]
         optims = [read_rank_optim(p, files.bf16_optimizer) for p in files.optim]
         self.world_size = len(optims)
+        saved_at = models[0].dp_world_size
+        if saved_at is not None and saved_at != self.world_size:
+            raise CheckpointFormatError(
+                f"{files.directory}: saved by {saved_at} data-parallel ranks (dp_world_size in "
+                f"{os.path.basename(files.model[0])}) but holds optimizer files of {self.world_size}: "
+                f"{', '.join(os.path.basename(p) for p in files.optim)}"
+            )
         self.stage = optims[0].stage
         for p, o in zip(files.optim, optims):
             if o.stage != self.stage or len(o.fp32) != len(optims[0].fp32):
