@@ -35,7 +35,7 @@ from .._compat import dtype_from_pickle_storage_type
 from ..core.sharding import row_major_strides
 from ..errors import CheckpointFormatError
 
-__all__ = ["TensorRef", "Inert", "TorchArchive", "read_torch_archive", "stored_record_start"]
+__all__ = ["TensorRef", "Inert", "TorchArchive", "read_torch_archive", "read_pickle_record", "stored_record_start"]
 
 # A pickle describing state (not tensor data) is small; a larger one is damaged or hostile.
 _MAX_PICKLE_BYTES = 256 * 1024 * 1024
@@ -227,6 +227,26 @@ class _StorageType:
     dtype: torch.dtype
 
 
+def read_pickle_record(zf: zipfile.ZipFile, where: str, max_bytes: int, too_large: str) -> tuple[str, bytes]:
+    """``(prefix, data.pkl bytes)`` of an open ``torch.save`` archive; records are under ``prefix``.
+
+    Refuses (naming ``where``) archives without exactly one ``<name>/data.pkl``,
+    pickles over ``max_bytes`` (``too_large`` says why that is wrong here)
+    and big-endian data. zipfile's own errors pass through to the caller.
+    """
+    pkls = [n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pkls) != 1:
+        raise CheckpointFormatError(f"{where}: not a torch.save archive (no single <name>/data.pkl)")
+    prefix = pkls[0][: -len("data.pkl")]
+    info = zf.getinfo(pkls[0])
+    if info.file_size > max_bytes:
+        raise CheckpointFormatError(f"{where}: data.pkl of {info.file_size} bytes is {too_large}")
+    pkl = zf.read(info)
+    if prefix + "byteorder" in zf.namelist() and zf.read(prefix + "byteorder") != b"little":
+        raise CheckpointFormatError(f"{where}: big-endian tensor data is not supported")
+    return prefix, pkl
+
+
 def stored_record_start(read_at: Callable[[int, int], bytes], info: zipfile.ZipInfo, where: str) -> int:
     """Offset (in the archive) of the first data byte of uncompressed zip record ``info``.
 
@@ -260,18 +280,8 @@ def read_torch_archive(path: str, allowed: Iterable[tuple[str, str]] = ()) -> To
         size = os.fstat(f.fileno()).st_size
         try:
             zf = zipfile.ZipFile(f)
-            names = zf.namelist()
-            pkls = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
-            if len(pkls) != 1:
-                raise CheckpointFormatError(f"{path}: not a torch.save archive (no single <name>/data.pkl)")
-            prefix = pkls[0][: -len("data.pkl")]
-            info = zf.getinfo(pkls[0])
-            if info.file_size > _MAX_PICKLE_BYTES:
-                raise CheckpointFormatError(f"{path}: data.pkl of {info.file_size} bytes is too large to be state")
-            pkl = zf.read(info)
-            if prefix + "byteorder" in names and zf.read(prefix + "byteorder") != b"little":
-                raise CheckpointFormatError(f"{path}: big-endian tensor data is not supported")
-            infos = {n[len(prefix) + 5:]: zf.getinfo(n) for n in names if n.startswith(prefix + "data/")}
+            prefix, pkl = read_pickle_record(zf, path, _MAX_PICKLE_BYTES, "too large to be state")
+            infos = {n[len(prefix) + 5:]: zf.getinfo(n) for n in zf.namelist() if n.startswith(prefix + "data/")}
         except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, struct.error) as e:
             raise CheckpointFormatError(f"{path}: not a readable torch.save archive ({e})") from None
         unpickler = _InertUnpickler(io.BytesIO(pkl), path, allowed, set(infos))

@@ -27,7 +27,7 @@ from .._compat import dtype_from_pickle_storage_type
 from ..byteio.rangeio import ReadStats
 from ..core.sharding import row_major_strides
 from ..errors import CheckpointFormatError
-from ._torch_archive import stored_record_start
+from ._torch_archive import read_pickle_record, stored_record_start
 
 __all__ = ["StoredTensor", "parse_tensor_item", "dim_order", "is_nonneg_int", "is_index_tuple"]
 
@@ -280,16 +280,7 @@ def parse_tensor_item(fd: int, offset: int, length: int, where: str, stats: Read
     view = _ItemView(fd, offset, length, pieces, stats)
     try:
         zf = zipfile.ZipFile(view)  # type: ignore[arg-type]
-        pkls = [n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
-        if len(pkls) != 1:
-            raise CheckpointFormatError(f"{where}: not a torch.save archive (no data.pkl)")
-        prefix = pkls[0][: -len("data.pkl")]
-        info = zf.getinfo(pkls[0])
-        if info.file_size > _MAX_PICKLE_BYTES:
-            raise CheckpointFormatError(f"{where}: data.pkl of {info.file_size} bytes is not a tensor's")
-        pkl = zf.read(info)
-        if prefix + "byteorder" in zf.namelist() and zf.read(prefix + "byteorder") != b"little":
-            raise CheckpointFormatError(f"{where}: big-endian tensor data is not supported")
+        prefix, pkl = read_pickle_record(zf, where, _MAX_PICKLE_BYTES, "not a tensor's")
         key, dtype, soff, size, stride = _tensor_from_pickle(_disassemble(pkl, where), where)
         try:
             rec = zf.getinfo(f"{prefix}data/{key}")
