@@ -49,6 +49,8 @@ VARIANTS = sorted(p.name for p in FIXTURES.iterdir() if (p / "latest").is_file()
 UNIVERSAL = "zero2_fp32_w2_universal"
 # The universal folder was converted from this checkpoint; its references are those.
 REFERENCE_OF = {UNIVERSAL: "zero2_fp32_w2"}
+# Resumed and trained on (fp32 runs: a bf16 run's next step depends on its bf16 module copies).
+RESUME = ("zero3_fp32_w4", "zero2_fp32_w2", "zero1_fp32_w4")
 
 
 def _generate_module() -> Any:
@@ -138,32 +140,14 @@ def test_universal_folder_equals_its_zero2_checkpoint() -> None:
     assert uni["optim.param_groups.0.params"] == orig["optim.param_groups.0.params"]
 
 
-@pytest.mark.parametrize("variant", ["zero2_fp32_w2", "zero3_fp32_w4", "zero1_fp32_w4"])
+@pytest.mark.parametrize("variant", RESUME)
 def test_resumed_training_matches_deepspeeds_next_steps(variant: str) -> None:
-    """Load into a plain model + AdamW, train one step: the losses equal DeepSpeed's after its save.
-
-    DeepSpeed averaged gradients over its ranks' batches; one process on the
-    ranks' batches concatenated computes the same gradient.
-    """
-    m = meta(variant)
-    ref = load_file(str(FIXTURES / variant / "reference.safetensors"))
-    model, optim = _model_and_optim(m["model"])
+    """In one process: load into a plain model + AdamW and train on (see :func:`_resume`)."""
+    model, optim = _model_and_optim(meta(variant)["model"])
     msd, osd = get_state_dict(model, optim)
     state = {"model": msd, "optim": osd}
     dcp.load(state, storage_reader=UCPStorageReader(FIXTURES / variant), planner=UCPLoadPlanner(), no_dist=True)
-    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-    def tokens(step: int) -> torch.Tensor:
-        return torch.cat([ref[f"batch/step{step}/rank{r}"] for r in range(m["world_size"])])
-
-    loss3 = GEN.loss_of(model, m["model"], tokens(3))
-    loss3.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # DeepSpeed's default gradient_clipping
-    optim.step()
-    with torch.no_grad():
-        loss4 = GEN.loss_of(model, m["model"], tokens(4))
-    assert math.isclose(loss3.item(), m["loss_step3"], rel_tol=1e-5), (loss3.item(), m["loss_step3"])
-    assert math.isclose(loss4.item(), m["loss_step4"], rel_tol=1e-5), (loss4.item(), m["loss_step4"])
+    _resume(model, optim, state, variant)
 
 
 # ---------------------------------------------------------------- 3 ranks
@@ -204,14 +188,45 @@ def _fsdp2_on_3(rank: int, world: int, variants: list[str]) -> None:
         for k, v in want.items():
             t = flat[k]
             full = t.full_tensor() if isinstance(t, DTensor) else t
-            assert bit_equal(full, v), (variant, rank, k)
+            assert bit_equal(full, v.to(full.dtype) if k == "model.frozen" else v), (variant, rank, k)
+        if variant != UNIVERSAL:
+            for g, grp in enumerate(m["param_groups"]):
+                got = {hp: state["optim"]["param_groups"][g][hp] for hp in grp}
+                assert got == {hp: tuple(v) if isinstance(v, list) else v for hp, v in grp.items()}, (variant, g)
         needed = _needed_bytes(open_source(FIXTURES / variant), flat)
         assert needed <= reader.bytes_requested <= 1.05 * needed, (variant, rank, reader.bytes_requested, needed)
+        if variant in RESUME:
+            _resume(model, optim, state, variant)
+
+
+def _resume(model: torch.nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any], variant: str) -> None:
+    """Train on from the loaded state: the losses equal DeepSpeed's after its save.
+
+    DeepSpeed averaged gradients over its ranks' batches. Here every rank
+    takes all of them, concatenated: FSDP2 averages identical gradients, so
+    the step is the same.
+    """
+    m = meta(variant)
+    ref = load_file(str(FIXTURES / variant / "reference.safetensors"))
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def tokens(step: int) -> torch.Tensor:
+        return torch.cat([ref[f"batch/step{step}/rank{r}"] for r in range(m["world_size"])])
+
+    loss3 = GEN.loss_of(model, m["model"], tokens(3))
+    loss3.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), m["ds_config"].get("gradient_clipping", 1.0))
+    optim.step()
+    with torch.no_grad():
+        loss4 = GEN.loss_of(model, m["model"], tokens(4))
+    assert math.isclose(loss3.item(), m["loss_step3"], rel_tol=1e-5), (variant, loss3.item(), m["loss_step3"])
+    assert math.isclose(loss4.item(), m["loss_step4"], rel_tol=1e-5), (variant, loss4.item(), m["loss_step4"])
 
 
 @pytest.mark.multiproc
-def test_fixtures_load_into_fsdp2_on_3_ranks_reading_only_what_each_needs() -> None:
-    run_ranks(3, _fsdp2_on_3, ["zero3_fp32_w4", "zero2_bf16_w2", "zero1_fp32_w2", "llama_zero3_fp32_w2", UNIVERSAL])
+def test_every_fixture_loads_into_fsdp2_on_3_ranks_reading_only_what_each_needs_and_trains_on() -> None:
+    """Weights, moments, steps and hyperparameters bit-exact; each rank asks for exactly its bytes."""
+    run_ranks(3, _fsdp2_on_3, VARIANTS + [UNIVERSAL])
 
 
 def _flat_on_3(rank: int, world: int, variant: str) -> None:
@@ -241,9 +256,15 @@ def _flat_on_3(rank: int, world: int, variant: str) -> None:
     assert step.item() == m["optimizer_step"]
 
 
+def _flat_all(rank: int, world: int, variants: list[str]) -> None:
+    for v in variants:
+        _flat_on_3(rank, world, v)
+
+
 @pytest.mark.multiproc
-def test_zero3_on_4_loads_into_flat_shards_at_degree_3() -> None:
-    run_ranks(3, _flat_on_3, "zero3_fp32_w4")
+def test_zero_checkpoints_load_into_flat_shards_at_degree_3() -> None:
+    """ZeRO-1/2/3 saved on 2 and 4 ranks into ZeRO-style flat buffers partitioned over 3."""
+    run_ranks(3, _flat_all, [v for v in VARIANTS if not v.startswith("llama")])
 
 
 # ---------------------------------------------------------------- hostile and unsupported
