@@ -410,3 +410,25 @@ def test_hf_dir_in_one_process(hf_dir: Path) -> None:
     needed = sum(v.numel() * v.element_size() for v in want.values()) - pad
     rows.append(_row("TP rank 1, no_dist", 1, needed, exact, default, column_split=True))
     _report(rows)
+
+
+def test_bf16_files_into_fp32_tp_rank(tmp_path: Path) -> None:
+    """A bf16 ``save_pretrained`` directory into float32 TP rank 0 (every read cast through staging), in one
+    process: each value is the file's bf16 value exactly, and the reader asks for exactly the bf16 bytes needed."""
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16", max_shard_size="10KB")
+    ref = file_tensors(tmp_path / "bf16")
+    assert {v.dtype for v in ref.values()} == {torch.bfloat16}
+    want, pad = megatron_local(ref, 0, TP)
+    state = {k: torch.full(v.shape, float("nan")) for k, v in want.items()}
+
+    def check() -> None:
+        bad = [k for k in want if not bit_equal(state[k], want[k].float())]
+        assert not bad, bad
+
+    with pytest.warns(UserWarning, match=r"21 tensor\(s\) are cast .*bfloat16 -> float32"):  # said, not silent
+        exact, default = _load_both_ways(list(state.values()), check, megatron_spec(0, TP).apply(state),
+                                         str(tmp_path / "bf16"), "", no_dist=True)
+    needed = sum(v.numel() * v.element_size() for v in want.values()) - pad  # bf16 bytes
+    _report([_row("bf16 -> fp32 TP rank 0", 0, needed, exact, default, column_split=True)])
