@@ -38,12 +38,13 @@ into an FSDP2 (``fully_shard``) model and its AdamW state
   ``UCPStorageReader(dir, prefix="model.")`` and with DCP's
   ``HuggingFaceStorageReader``.
 
-Per step: wall time (a load's slowest rank), bytes read from storage
-(``/proc/<pid>/io`` ``read_bytes``: summed over ranks for a load, the whole
+Per step: wall time (a load's slowest rank; a conversion's subprocess plus
+an fsync of its output), bytes read from storage (``/proc/self/io``
+``read_bytes`` summed over ranks for a load; ``ru_inblock`` of the whole
 process tree for a conversion), peak memory (a load: RSS growth over the
 rank's baseline, the preallocated state excluded, summed over ranks; a
-conversion: the peak PSS of its process tree, interpreter and imports
-included) and disk space the step wrote. After each load, a few tensors are
+conversion: the peak PSS of its process tree, less that of a process that
+only imports the same module) and disk space the step wrote. After each load, a few tensors are
 compared bit-exactly with DeepSpeed's (or the safetensors files') own.
 
 See benchmarks/README.md ("bench_deepspeed.py").
