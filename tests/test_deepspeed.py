@@ -47,8 +47,9 @@ from ucp_dcp.tools.cli import main as cli_main
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 VARIANTS = sorted(p.name for p in FIXTURES.iterdir() if (p / "latest").is_file())
 UNIVERSAL = "zero2_fp32_w2_universal"
-# The universal folder was converted from this checkpoint; its references are those.
-REFERENCE_OF = {UNIVERSAL: "zero2_fp32_w2"}
+UNIVERSAL3 = "zero3_fp32_w2_universal"
+# Each universal folder was converted from this checkpoint; its references are those.
+REFERENCE_OF = {UNIVERSAL: "zero2_fp32_w2", UNIVERSAL3: "zero3_fp32_w2"}
 # Resumed and trained on (fp32 runs: a bf16 run's next step depends on its bf16 module copies).
 RESUME = ("zero3_fp32_w4", "zero2_fp32_w2", "zero1_fp32_w4")
 
@@ -128,16 +129,25 @@ def test_every_fixture_loads_bit_exact_in_one_process(variant: str) -> None:
     assert got["optim.param_groups.1.params"] == osd["param_groups"][1]["params"]
 
 
-def test_universal_folder_equals_its_zero2_checkpoint() -> None:
-    """ds_to_universal's output loads with the same bytes as the checkpoint it came from (no hyperparameters)."""
-    assert isinstance(open_source(FIXTURES / UNIVERSAL), DeepSpeedUniversalSource)
-    uni = load_state_dict(FIXTURES / UNIVERSAL)
-    orig = load_state_dict(FIXTURES / "zero2_fp32_w2")
-    tensors = [k for k, v in orig.items() if isinstance(v, torch.Tensor)]
+@pytest.mark.parametrize("universal", [UNIVERSAL, UNIVERSAL3])
+def test_universal_folder_equals_the_checkpoint_it_came_from(universal: str) -> None:
+    """ds_to_universal's output loads with the same bytes as the checkpoint it came from (no hyperparameters).
+
+    From ZeRO-3 it holds flattened tensors, no ``step.pt`` and no frozen
+    parameter files (the frozen one comes from the copied model states).
+    """
+    assert isinstance(open_source(FIXTURES / universal), DeepSpeedUniversalSource)
+    uni = load_state_dict(FIXTURES / universal)
+    orig = load_state_dict(FIXTURES / REFERENCE_OF[universal])
+    zero3 = universal == UNIVERSAL3
+    tensors = [k for k, v in orig.items() if isinstance(v, torch.Tensor) and not (zero3 and k.endswith(".step"))]
     assert set(k for k, v in uni.items() if isinstance(v, torch.Tensor)) == set(tensors)
     for k in tensors:
         assert bit_equal(uni[k], orig[k]), k
-    assert uni["optim.param_groups.0.params"] == orig["optim.param_groups.0.params"]
+    if zero3:  # its param_shapes lists sub-groups, not the optimizer's groups
+        assert not any(k.startswith("optim.param_groups.") for k in uni)
+    else:
+        assert uni["optim.param_groups.0.params"] == orig["optim.param_groups.0.params"]
 
 
 @pytest.mark.parametrize("variant", RESUME)
@@ -175,6 +185,9 @@ def _fsdp2_on_3(rank: int, world: int, variants: list[str]) -> None:
         state: dict[str, Any] = {"model": msd, "optim": osd}
         if variant == UNIVERSAL:  # no hyperparameters in a universal folder
             state["optim"] = {"state": osd["state"]}
+        if variant == UNIVERSAL3:  # nor param_groups or step from ZeRO-3
+            state["optim"] = {"state": {f: {k: v for k, v in st.items() if k != "step"}
+                                        for f, st in osd["state"].items()}}
         for v in flatten(state).values():
             if isinstance(v, torch.Tensor):
                 (v.to_local() if isinstance(v, DTensor) else v).fill_(13)
@@ -186,10 +199,12 @@ def _fsdp2_on_3(rank: int, world: int, variants: list[str]) -> None:
         flat = flatten(state)
         want = expected(variant)
         for k, v in want.items():
+            if variant == UNIVERSAL3 and k.endswith(".step"):
+                continue
             t = flat[k]
             full = t.full_tensor() if isinstance(t, DTensor) else t
             assert bit_equal(full, v.to(full.dtype) if k == "model.frozen" else v), (variant, rank, k)
-        if variant != UNIVERSAL:
+        if variant not in REFERENCE_OF:  # universal folders hold no hyperparameters
             for g, grp in enumerate(m["param_groups"]):
                 got = {hp: state["optim"]["param_groups"][g][hp] for hp in grp}
                 assert got == {hp: tuple(v) if isinstance(v, list) else v for hp, v in grp.items()}, (variant, g)
@@ -226,7 +241,7 @@ def _resume(model: torch.nn.Module, optim: torch.optim.Optimizer, state: dict[st
 @pytest.mark.multiproc
 def test_every_fixture_loads_into_fsdp2_on_3_ranks_reading_only_what_each_needs_and_trains_on() -> None:
     """Weights, moments, steps and hyperparameters bit-exact; each rank asks for exactly its bytes."""
-    run_ranks(3, _fsdp2_on_3, VARIANTS + [UNIVERSAL])
+    run_ranks(3, _fsdp2_on_3, VARIANTS + [UNIVERSAL, UNIVERSAL3])
 
 
 def _flat_on_3(rank: int, world: int, variant: str) -> None:

@@ -86,13 +86,48 @@ def looks_like_universal(path: str) -> bool:
         return False
     if os.path.isfile(os.path.join(path, LATEST_UNIVERSAL_FILE)):
         return True
-    return os.path.isdir(os.path.join(path, UNIVERSAL_DIR)) and os.path.isfile(
-        os.path.join(path, "mp_rank_00_model_states.pt"))
+    return os.path.isdir(os.path.join(path, UNIVERSAL_DIR)) and any(
+        os.path.isfile(os.path.join(path, n)) for n in ("mp_rank_00_model_states.pt",
+                                                        "zero_pp_rank_0_mp_rank_00_model_states.pt"))
 
 
 def universal_folder(path: str) -> str:
     """The tag folder of a DeepSpeed Universal checkpoint (``path`` itself, or what ``latest_universal`` names)."""
     return _tag_folder(path, LATEST_UNIVERSAL_FILE)
+
+
+# ds_to_universal copies the source's model states: one mp_rank_00 file from
+# ZeRO-1/2, one zero_pp_rank_R file per rank from ZeRO-3 (each holds the full
+# param_shapes; the frozen parameters' fragments are per rank).
+UNIVERSAL_MODEL_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_<R>_mp_rank_00_model_states.pt")
+
+
+def universal_model_files(folder: str) -> list[str]:
+    """The model-states files of a Universal tag folder: ``[mp_rank_00]``, or ZeRO-3's per rank in rank order.
+
+    Empty when there are none; :class:`CheckpointFormatError` when ZeRO-3
+    ranks are missing or the model is tensor- or pipeline-parallel.
+    """
+    one = os.path.join(folder, "mp_rank_00_model_states.pt")
+    if os.path.isfile(one):
+        return [one]
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    ranks: dict[int, str] = {}
+    for n in names:
+        if m := _MODEL_3.fullmatch(n):
+            if int(m.group(2)) != 0:
+                raise CheckpointFormatError(
+                    f"{folder}: {n}: tensor- or pipeline-parallel Universal folders are not supported"
+                )
+            ranks[int(m.group(1))] = os.path.join(folder, n)
+    if ranks and sorted(ranks) != list(range(len(ranks))):
+        raise CheckpointFormatError(
+            f"{folder}: ZeRO-3 model files for ranks {sorted(ranks)}; expected 0..{len(ranks) - 1}"
+        )
+    return [ranks[r] for r in sorted(ranks)]
 
 
 def _tag_folder(path: str, latest_name: str = LATEST_FILE) -> str:

@@ -23,6 +23,7 @@ DeepSpeed records no checksums; the files' sizes are checked.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -34,7 +35,8 @@ from ..errors import CheckpointFormatError
 from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord
 from ._ds_utils import (
     DS_ALLOWED_GLOBALS, UNIVERSAL_DIR, ModelStates, RankOptim, find_deepspeed_files, looks_like_deepspeed,
-    looks_like_universal, moment, read_model_states, read_rank_optim, universal_folder,
+    UNIVERSAL_MODEL_FILES, looks_like_universal, moment, read_model_states, read_rank_optim, universal_folder,
+    universal_model_files,
 )
 from ._torch_archive import TensorRef, TorchArchive, read_torch_archive
 from ._zero_layout import Segment, segment_boxes, zero3_segments, zero12_segments
@@ -92,6 +94,22 @@ class _Builder:
             chunks: list[ChunkRecord]) -> None:
         self.tensors[key] = TensorRecord(dtype, tuple(shape), None, False, chunks=chunks)
         self.paths[key] = path
+
+
+def _zero3_frozen(b: _Builder, models: list[ModelStates], fqn: str, shape: tuple[int, ...]) -> None:
+    """``model.<fqn>`` of a ZeRO-3 frozen parameter: one padded slice per rank's ``frozen_param_fragments``."""
+    world = len(models)
+    ps = -(-_numel(shape) // world)
+    segs = zero3_segments([_numel(shape)], world, [ps])[0]
+
+    def frag(seg: Segment) -> tuple[TorchArchive, TensorRef]:
+        m = models[seg.rank]
+        t = m.frozen_fragments.get(fqn)
+        if t is None:
+            raise CheckpointFormatError(f"{m.archive.path}: no frozen_param_fragments entry for {fqn!r}")
+        return m.archive, t
+
+    b.flat(f"model.{fqn}", ("model", fqn), shape, segs, frag, f"frozen parameter {fqn!r}")
 
 
 @register
@@ -239,17 +257,7 @@ class DeepSpeedSource(Source):
         for fqn, shape in m0.frozen_shapes.items():
             key, path, what = f"model.{fqn}", ("model", fqn), f"frozen parameter {fqn!r}"
             if self.stage == 3:
-                ps = -(-_numel(shape) // self.world_size)
-                segs = zero3_segments([_numel(shape)], self.world_size, [ps])[0]
-
-                def frag(seg: Segment, fqn: str = fqn) -> tuple[TorchArchive, TensorRef]:
-                    m = models[seg.rank]
-                    t = m.frozen_fragments.get(fqn)
-                    if t is None:
-                        raise CheckpointFormatError(f"{m.archive.path}: no frozen_param_fragments entry for {fqn!r}")
-                    return m.archive, t
-
-                b.flat(key, path, shape, segs, frag, what)
+                _zero3_frozen(b, models, fqn, shape)
             else:
                 t = m0.frozen_fragments.get(fqn)
                 if t is None:
@@ -300,6 +308,9 @@ class DeepSpeedUniversalSource(Source):
     :class:`DeepSpeedSource`. The folder records no optimizer
     hyperparameters, so ``optim.param_groups.<g>`` has ``params`` only: load
     the others from your own optimizer (``allow_partial_load=True``).
+    Converted from ZeRO-3, the folder stores tensors flattened (read in their
+    shapes), no ``step.pt`` and no files for frozen parameters (read from the
+    copied per-rank model states), and no ``optim.param_groups`` is given.
     """
 
     format = "deepspeed-universal"
@@ -307,8 +318,15 @@ class DeepSpeedUniversalSource(Source):
 
     def __init__(self, path: str) -> None:
         folder = universal_folder(path)
-        m0 = read_model_states(os.path.join(folder, "mp_rank_00_model_states.pt"))
-        archives: list[TorchArchive] = [m0.archive]
+        model_files = universal_model_files(folder)
+        if not model_files:
+            raise CheckpointFormatError(
+                f"{folder}: a DeepSpeed Universal folder without model states "
+                f"(expected {' or '.join(UNIVERSAL_MODEL_FILES)})"
+            )
+        models = [read_model_states(f) for f in model_files]
+        m0 = models[0]
+        archives: list[TorchArchive] = [m.archive for m in models]
         b = _Builder(archives)
         zero = os.path.join(folder, UNIVERSAL_DIR)
         self._values: dict[str, Any] = {}
@@ -322,7 +340,9 @@ class DeepSpeedUniversalSource(Source):
             t = a.obj.get("param") if isinstance(a.obj, dict) else a.obj
             if not isinstance(t, TensorRef):
                 raise CheckpointFormatError(f"{f}: holds no tensor (expected a dict with 'param', or a tensor)")
-            if shape is not None and t.size != shape:
+            # From a ZeRO-3 source, ds_to_universal saves each tensor flattened
+            # (1-D, the same elements in row-major order): read as the shape.
+            if shape is not None and t.size != shape and not (t.size == (math.prod(shape),) and t.stride == (1,)):
                 raise CheckpointFormatError(
                     f"{f}: a tensor of shape {list(t.size)}, expected {list(shape)} from param_shapes "
                     "(padded vocabularies and tensor-parallel universal folders are not supported)"
@@ -334,6 +354,11 @@ class DeepSpeedUniversalSource(Source):
         shapes = {fqn: shape for d in m0.param_shapes for fqn, shape in d.items()}
         for fqn, shape in {**shapes, **m0.frozen_shapes}.items():
             got = one(fqn, "fp32", shape)
+            if got is None and fqn not in shapes and len(models) > 1:
+                # From ZeRO-3, ds_to_universal writes no files for frozen
+                # parameters; the copied per-rank model states hold them.
+                _zero3_frozen(b, models, fqn, shape)
+                continue
             if got is None:
                 raise CheckpointFormatError(f"{zero}: no {fqn}/fp32.pt for parameter {fqn!r}")
             b.whole(f"model.{fqn}", ("model", fqn), got[0], got[1], shape, f"parameter {fqn!r}")
@@ -342,8 +367,8 @@ class DeepSpeedUniversalSource(Source):
             for kind in ("exp_avg", "exp_avg_sq", "step"):
                 got = one(fqn, kind, None if kind == "step" else shape)
                 if got is not None:
-                    b.whole(f"optim.state.{fqn}.{kind}", ("optim", "state", fqn, kind), got[0], got[1], got[1].size,
-                            f"{kind} of {fqn!r}")
+                    b.whole(f"optim.state.{fqn}.{kind}", ("optim", "state", fqn, kind), got[0], got[1],
+                            got[1].size if kind == "step" else shape, f"{kind} of {fqn!r}")
         for tied, owner in m0.shared.items():
             if f"model.{owner}" in b.tensors:
                 b.tensors[f"model.{tied}"] = b.tensors[f"model.{owner}"]
@@ -353,7 +378,9 @@ class DeepSpeedUniversalSource(Source):
             if t is None:
                 raise CheckpointFormatError(f"{m0.archive.path}: buffer {name!r} is not in the module state dict")
             b.whole(f"model.{name}", ("model", name), m0.archive, t, t.size, f"buffer {name!r}")
-        for g, d in enumerate(m0.param_shapes):
+        # From ZeRO-3, param_shapes lists the optimizer's sub-groups, not its
+        # parameter groups: no optim.param_groups there.
+        for g, d in enumerate(m0.param_shapes if len(models) == 1 else []):
             key = f"optim.param_groups.{g}.params"
             self._values[key] = list(d)
             value_paths[key] = ("optim", "param_groups", g, "params")
@@ -364,7 +391,7 @@ class DeepSpeedUniversalSource(Source):
 
     @classmethod
     def detect(cls, path: str) -> bool:
-        """A directory with ``latest_universal``, or a folder with ``zero/`` and ``mp_rank_00_model_states.pt``."""
+        """A directory with ``latest_universal``, or a folder with ``zero/`` and its model states (ZeRO-1/2 or 3)."""
         return looks_like_universal(path)
 
     @classmethod
