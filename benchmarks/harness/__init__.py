@@ -30,6 +30,7 @@ from .memory import (
     PeakMemorySampler,
     PhaseProbe,
     PhaseRecord,
+    ProcessTreeSampler,
     max_rss_bytes,
     mem_available,
     peak_rss_bytes,
@@ -38,6 +39,7 @@ from .memory import (
     release_free_memory,
     reset_peak_rss,
     rss_bytes,
+    tree_pss_bytes,
 )
 from .pagecache import (
     PulledBytes,
@@ -60,7 +62,7 @@ from .states import ADAMW_HYPER, adamw_state, bit_equal, leaves, local, seed_of,
 
 __all__ = [
     "ADAMW_HYPER", "FORMATS", "GB", "MB", "PAGE", "ChildFailed", "Column", "MiB", "PeakMemorySampler",
-    "PhaseProbe", "PhaseRecord", "PulledBytes", "TurnTakingReader", "adamw_state", "async_save_state",
+    "PhaseProbe", "PhaseRecord", "ProcessTreeSampler", "PulledBytes", "TurnTakingReader", "adamw_state", "async_save_state",
     "best_of", "bit_equal", "comma_list", "copy_floor", "default_out", "dir_bytes", "evict", "evict_tree",
     "files_under", "fmt_mb", "fmt_num", "free_port", "fresh_dir", "fs_type", "fsync_and_evict", "fsync_files",
     "leaves", "load_planner", "load_state", "local", "log", "make_reader", "make_writer", "markdown_table",
@@ -68,6 +70,6 @@ __all__ = [
     "print_failures", "proc_io", "proc_read_bytes", "quick_defaults", "rank_log", "ratio", "read_ahead_kb",
     "release_free_memory", "reset_peak_rss", "resident_bytes", "resident_fraction", "round_trip", "rss_bytes",
     "run_forked", "save_planner", "save_state", "seed_of", "sequential_read", "set_rank_env", "spawn_ranks",
-    "stats", "sync", "synth_values", "tensor_bytes", "tensors", "text_table", "timed", "total_resident_bytes",
+    "stats", "sync", "synth_values", "tensor_bytes", "tensors", "text_table", "timed", "total_resident_bytes", "tree_pss_bytes",
     "write_json"
 ]

@@ -227,3 +227,65 @@ class PhaseProbe:
         """The phase's measurements (after the block) plus ``extra``, as a JSON-able dict."""
         assert self.result is not None, "record() is for after the with-block"
         return {**asdict(self.result), **extra}
+
+
+def _children_of() -> dict[int, list[int]]:
+    """Parent pid -> child pids, for every process visible in /proc."""
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                # The command name (field 2) may hold spaces: fields after the last ')'.
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(name))
+    return kids
+
+
+def tree_pss_bytes(pid: int) -> int:
+    """Proportional set size of ``pid`` and all its descendants (``smaps_rollup`` ``Pss``); 0 once gone.
+
+    PSS, not RSS: worker processes forked from one parent share its pages
+    copy-on-write, and summing their RSS would count those pages once per
+    worker.
+    """
+    kids = _children_of()
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo.extend(kids.get(p, []))
+        total += _kb_field(f"/proc/{p}/smaps_rollup", "Pss")
+    return total
+
+
+class ProcessTreeSampler:
+    """Peak PSS of a child process and its descendants, sampled from a thread while it runs.
+
+    For conversion tools run as subprocesses (which may start worker pools):
+    the kernel keeps no high-water mark over a process tree, so the tree's
+    PSS is summed every ``interval_s``. Short spikes between samples are
+    missed; the result is a lower bound.
+    """
+
+    def __init__(self, pid: int, interval_s: float = 0.02) -> None:
+        self.pid = pid
+        self.interval_s = interval_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_pss_bytes(self.pid))
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> ProcessTreeSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -7,6 +7,9 @@ tried in this order:
 ``ucp_dcp`` (native)      ``ucp_index.json`` + safetensors data files (:mod:`.native`)
 ``dcp``                   DCP's ``FileSystemWriter`` format, Megatron-core ``torch_dist``
                           included (:mod:`.distcp`)
+``deepspeed``             a DeepSpeed ZeRO-1/2/3 checkpoint: the directory with ``latest``,
+                          or a tag folder (:mod:`.deepspeed`)
+``deepspeed-universal``   ``ds_to_universal``'s output, one file per parameter and state
 ``hf``                    a Hugging Face safetensors model (:mod:`.hf`)
 ``subfolders``            subfolders that are checkpoints, read as one: accelerate's
                           ``pytorch_model_fsdp_0/`` + ``optimizer_0/`` (:mod:`.composite`)
@@ -22,6 +25,7 @@ from ..errors import CheckpointFormatError
 from .base import Source, SourceOptions, read_value, register, source_types
 from .native import NativeSource
 from .distcp import DCPSource  # noqa: E402  (registration order is detection order)
+from .deepspeed import DeepSpeedSource, DeepSpeedUniversalSource
 from .hf import HFSource
 from .composite import CompositeSource
 
@@ -35,6 +39,8 @@ __all__ = [
     "NativeSource",
     "DCPSource",
     "HFSource",
+    "DeepSpeedSource",
+    "DeepSpeedUniversalSource",
     "CompositeSource",
 ]
 

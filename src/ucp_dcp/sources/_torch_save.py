@@ -27,6 +27,7 @@ from .._compat import dtype_from_pickle_storage_type
 from ..byteio.rangeio import ReadStats
 from ..core.sharding import row_major_strides
 from ..errors import CheckpointFormatError
+from ._torch_archive import read_pickle_record, stored_record_start
 
 __all__ = ["StoredTensor", "parse_tensor_item", "dim_order", "is_nonneg_int", "is_index_tuple"]
 
@@ -279,29 +280,18 @@ def parse_tensor_item(fd: int, offset: int, length: int, where: str, stats: Read
     view = _ItemView(fd, offset, length, pieces, stats)
     try:
         zf = zipfile.ZipFile(view)  # type: ignore[arg-type]
-        pkls = [n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
-        if len(pkls) != 1:
-            raise CheckpointFormatError(f"{where}: not a torch.save archive (no data.pkl)")
-        prefix = pkls[0][: -len("data.pkl")]
-        info = zf.getinfo(pkls[0])
-        if info.file_size > _MAX_PICKLE_BYTES:
-            raise CheckpointFormatError(f"{where}: data.pkl of {info.file_size} bytes is not a tensor's")
-        pkl = zf.read(info)
-        if prefix + "byteorder" in zf.namelist() and zf.read(prefix + "byteorder") != b"little":
-            raise CheckpointFormatError(f"{where}: big-endian tensor data is not supported")
+        prefix, pkl = read_pickle_record(zf, where, _MAX_PICKLE_BYTES, "not a tensor's")
         key, dtype, soff, size, stride = _tensor_from_pickle(_disassemble(pkl, where), where)
         try:
             rec = zf.getinfo(f"{prefix}data/{key}")
         except KeyError:
             raise CheckpointFormatError(f"{where}: storage record data/{key} is missing") from None
-        if rec.compress_type != zipfile.ZIP_STORED or rec.flag_bits & 0x1 or rec.compress_size != rec.file_size:
-            raise CheckpointFormatError(f"{where}: storage record data/{key} is compressed or encrypted")
-        view.seek(rec.header_offset)
-        local = view.read(30)
-        if len(local) != 30 or local[:4] != b"PK\x03\x04":
-            raise CheckpointFormatError(f"{where}: bad local header for data/{key}")
-        name_len, extra_len = struct.unpack("<HH", local[26:30])
-        start = rec.header_offset + 30 + name_len + extra_len
+
+        def read_at(off: int, n: int) -> bytes:
+            view.seek(off)
+            return view.read(n)
+
+        start = stored_record_start(read_at, rec, where)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, struct.error) as e:
         raise CheckpointFormatError(f"{where}: not a readable torch.save archive ({e})") from None
     if start + rec.file_size > length:

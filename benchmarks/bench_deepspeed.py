@@ -1,0 +1,671 @@
+#!/usr/bin/env python
+"""DeepSpeed ZeRO-3 and Hugging Face checkpoints into FSDP2: ucp_dcp in place vs. convert-then-load.
+
+Needs ``deepspeed`` (and ``transformers``), which neither ucp_dcp nor its
+tests need: run it with a venv that has them, e.g.::
+
+    DS_ACCELERATOR=cpu /work/dsvenv/bin/python benchmarks/bench_deepspeed.py
+
+Setup (not timed):
+
+* a ZeRO-3 checkpoint written by real DeepSpeed (CPU accelerator, gloo,
+  ``--ds-world`` ranks under torchrun): a stack of ``Linear(H, H)`` layers,
+  fp32, torch AdamW in two parameter groups, two training steps, then
+  ``engine.save_checkpoint``. Next to it, ``reference.safetensors`` holds
+  DeepSpeed's own full fp32 weights and Adam moments of a few parameters
+  (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``);
+* a Hugging Face ``save_pretrained`` directory of a randomly initialised
+  transformers Llama, in several safetensors shards.
+
+Timed, every step starting from a cold page cache (its input files fsynced
+and evicted with ``POSIX_FADV_DONTNEED``), loads on ``--world`` gloo ranks
+into an FSDP2 (``fully_shard``) model and its AdamW state
+(``get_state_dict(model, optim)``):
+
+* ``ucp``: ``dcp.load`` straight from the DeepSpeed directory with
+  ``UCPStorageReader`` (weights + optimizer state);
+* ``ds_to_universal``: DeepSpeed's ``ds_to_universal`` (subprocess,
+  ``--inject_missing_state``), then the universal folder loaded with
+  ucp_dcp's DeepSpeed Universal source (DeepSpeed's own universal loading
+  needs a DeepSpeed engine, not an FSDP2 model);
+* ``ucp weights``: the same as ``ucp`` for the model weights only;
+* ``zero_to_fp32``: ``python -m deepspeed.utils.zero_to_fp32
+  --safe_serialization`` (weights only: it drops the optimizer state), then
+  rank 0 reads the safetensors file and ``set_model_state_dict(...,
+  full_state_dict=True, broadcast_from_rank0=True)`` shards it, the usual
+  way to load a full state dict into FSDP2;
+* ``hf ucp`` / ``hf dcp``: the Hugging Face directory with
+  ``UCPStorageReader(dir, prefix="model.")`` and with DCP's
+  ``HuggingFaceStorageReader``.
+
+Per step: wall time (a load's slowest rank; a conversion's subprocess plus
+an fsync of its output), bytes read from storage (``/proc/self/io``
+``read_bytes`` summed over ranks for a load; ``ru_inblock`` of the whole
+process tree for a conversion), peak memory (a load: RSS growth over the
+rank's baseline, the preallocated state excluded, summed over ranks; a
+conversion: the peak PSS of its process tree, less that of a process that
+only imports the same module) and disk space the step wrote. After each load, a few tensors are
+compared bit-exactly with DeepSpeed's (or the safetensors files') own.
+
+See benchmarks/README.md ("bench_deepspeed.py").
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from harness import (
+    MB,
+    PhaseProbe,
+    ProcessTreeSampler,
+    dir_bytes,
+    evict_tree,
+    fs_type,
+    log,
+    markdown_table,
+    median,
+    print_failures,
+    rank_log,
+    ratio,
+    read_ahead_kb,
+    set_rank_env,
+    spawn_ranks,
+    write_json,
+)
+from harness.memory import loadavg
+from harness.report import default_out
+
+REPO = Path(__file__).resolve().parent.parent
+TAG = "step2"
+MICRO_BATCH = 2
+SEED = 1234
+
+
+def _generate_module() -> Any:
+    """tests/fixtures/deepspeed/generate.py: its parameter groups and DeepSpeed helpers (imports no deepspeed)."""
+    path = REPO / "tests" / "fixtures" / "deepspeed" / "generate.py"
+    spec = importlib.util.spec_from_file_location("ds_fixture_generate", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+GEN = _generate_module()
+
+
+# ---------------------------------------------------------------- models
+
+
+class LinearStack(nn.Module):
+    """``layers`` Linear(H, H) with tanh between: the DeepSpeed-trained model."""
+
+    def __init__(self, hidden: int, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def stack_layers(size_mb: float, hidden: int) -> int:
+    """Layers whose fp32 weights + two Adam moments come closest to ``size_mb`` (at least 2)."""
+    per_layer = 3 * 4 * (hidden * hidden + hidden)
+    return max(2, round(size_mb * MB / per_layer))
+
+
+def llama_config(size_mb: float) -> Any:
+    """A Llama config whose fp32 weights come to about ``size_mb`` (hidden 512, untied head)."""
+    from transformers import LlamaConfig
+
+    hidden, inter, vocab = 512, 1376, 16000
+    per_layer = 4 * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden)
+    fixed = 4 * (2 * vocab * hidden + hidden)
+    layers = max(1, round((size_mb * MB - fixed) / per_layer))
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
+                       tie_word_embeddings=False)
+
+
+def _params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- setup (not timed)
+
+
+def ds_worker(out: Path, hidden: int, layers: int) -> None:
+    """One DeepSpeed rank (under torchrun): two ZeRO-3 steps, save, DeepSpeed's own reference tensors."""
+    deepspeed = GEN.import_deepspeed_for_gloo()
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from safetensors.torch import save_file
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(SEED)
+    model = LinearStack(hidden, layers)
+    opt = torch.optim.AdamW(GEN.param_groups(model), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10_000,
+        "wall_clock_breakdown": False,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    g = torch.Generator().manual_seed(SEED + rank)
+    for _ in range(2):
+        loss = engine(torch.randn(MICRO_BATCH, hidden, generator=g)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    # A few parameters, gathered by DeepSpeed itself (collectives: every rank calls).
+    names = [n for n, _ in engine.module.named_parameters()]
+    picks = sorted({names[0], names[1], names[len(names) // 2], names[-2], names[-1]})
+    ref: dict[str, torch.Tensor] = {}
+    for name, p in engine.module.named_parameters():
+        if name not in picks:
+            continue
+        ref[f"model.{name}"] = safe_get_full_fp32_param(p).detach().clone().contiguous()
+        for key in ("exp_avg", "exp_avg_sq"):
+            ref[f"optim.state.{name}.{key}"] = safe_get_full_optimizer_state(p, key).detach().clone().contiguous()
+    engine.save_checkpoint(str(out), tag=TAG)
+    dist.barrier()
+    if rank == 0:
+        save_file(ref, str(out.parent / "reference.safetensors"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def write_deepspeed_checkpoint(ckpt: Path, hidden: int, layers: int, world: int) -> None:
+    """Run :func:`ds_worker` on ``world`` ranks under torchrun."""
+    shutil.rmtree(ckpt, ignore_errors=True)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    port = 29500 + os.getpid() % 1000
+    cmd = [str(torchrun), "--nproc-per-node", str(world), "--master-port", str(port), __file__,
+           "--ds-worker", str(ckpt), "--hidden", str(hidden), "--layers", str(layers)]
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL if not _VERBOSE else None)
+    for script in ckpt.glob("*.py"):  # DeepSpeed's zero_to_fp32.py copy: not part of the state
+        script.unlink()
+
+
+def write_hf_model(path: Path, size_mb: float, shard_mb: int) -> int:
+    """A random Llama, ``save_pretrained`` in fp32 safetensors shards; its parameter count."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(llama_config(size_mb))
+    shutil.rmtree(path, ignore_errors=True)
+    model.save_pretrained(str(path), max_shard_size=f"{shard_mb}MB", safe_serialization=True)
+    return _params(model)
+
+
+# ---------------------------------------------------------------- conversions (timed, subprocesses)
+
+
+def _children_read_bytes() -> int:
+    # ru_inblock counts 512-byte blocks of the block layer (Linux: read_bytes >> 9)
+    # of every waited-for descendant, worker pools included.
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock * 512
+
+
+def run_conversion(name: str, cmd: list[str], inputs: Path, output: Path) -> dict[str, Any]:
+    """One cold conversion: evict its inputs, run ``cmd``, fsync its output; time, bytes, memory, disk."""
+    shutil.rmtree(output, ignore_errors=True)
+    evict_tree(inputs)
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    rb0 = _children_read_bytes()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with ProcessTreeSampler(proc.pid) as mem:
+        text, _ = proc.communicate()
+    t_run = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{text[-4000:]}")
+    # Durable like a checkpoint save: the output's dirty pages reach the disk.
+    evict_tree(output)
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "run_seconds": t_run, "read_bytes": _children_read_bytes() - rb0,
+            "peak_bytes": mem.peak, "disk_bytes": dir_bytes(output), "cmd": cmd}
+
+
+def import_floor(module: str) -> int:
+    """Peak PSS of a Python process that only imports ``module``: the floor under a conversion's peak."""
+    proc = subprocess.Popen([sys.executable, "-c", f"import {module}; import time; time.sleep(0.5)"],
+                            env=dict(os.environ, DS_ACCELERATOR="cpu"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    with ProcessTreeSampler(proc.pid) as mem:
+        proc.wait()
+    return mem.peak
+
+
+# ---------------------------------------------------------------- loads (timed, on spawned ranks)
+
+
+def _fsdp2_stack(hidden: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The DeepSpeed model as FSDP2 on this world: built on meta, sharded, then materialised."""
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.device("meta"):
+        model = LinearStack(hidden, layers)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    optim = torch.optim.AdamW(GEN.param_groups(model), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    return model, optim
+
+
+def _fsdp2_llama(cfg: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    return model
+
+
+def _full(t: Any) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _flat(state: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(state)[0]
+
+
+def _fill_nan(state: dict[str, Any]) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for v in _flat(state).values():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            (v.to_local() if isinstance(v, DTensor) else v).fill_(float("nan"))
+
+
+def _mismatches(flat: dict[str, Any], want: dict[str, torch.Tensor], what: str) -> list[str]:
+    """Keys of ``want`` whose loaded tensor is not bit-equal (full_tensor: a collective, same order on all ranks)."""
+    bad = []
+    for k in sorted(want):
+        got = _full(flat[k])
+        if got.dtype != want[k].dtype or got.shape != want[k].shape or not torch.equal(got, want[k]):
+            bad.append(f"{what}: {k} differs from the source")
+    return bad
+
+
+def _timed_load(files_root: Path, fn: Any) -> dict[str, Any]:
+    """Evict ``files_root``, then time ``fn()`` on every rank between barriers."""
+    if dist.get_rank() == 0:
+        evict_tree(files_root)
+    with PhaseProbe(barrier=dist.barrier) as probe:
+        extra = fn() or {}
+        dist.barrier()  # every rank's time is the slowest rank's
+    return probe.record(**extra)
+
+
+def _load_ds(variant: str, path: Path, hidden: int, layers: int, ref: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """ucp / ds_to_universal / ucp weights / zero_to_fp32 into FSDP2."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    from ucp_dcp import UCPLoadPlanner, UCPStorageReader
+
+    model, optim = _fsdp2_stack(hidden, layers)
+    msd, osd = get_state_dict(model, optim)
+    weights_only = variant in ("ucp_weights", "zero_to_fp32")
+    state: dict[str, Any] = {"model": msd} if weights_only else {"model": msd, "optim": osd}
+    if variant == "ds_to_universal":
+        # A universal folder records no optimizer hyperparameters, and one
+        # converted from ZeRO-3 no per-parameter step (zero/<fqn>/step.pt):
+        # load the moments; osd's dicts hold the same tensors, so
+        # set_state_dict below gets them, with the fresh optimizer's step.
+        state["optim"] = {"state": {fqn: {k: v for k, v in st.items() if k != "step"}
+                                    for fqn, st in osd["state"].items()}}
+    _fill_nan(state)
+    reader = None
+
+    def load() -> dict[str, Any]:
+        nonlocal reader
+        if variant == "zero_to_fp32":
+            full = {}
+            if dist.get_rank() == 0:
+                for f in sorted(path.glob("*.safetensors")):
+                    full.update(load_file(str(f)))
+            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                                       broadcast_from_rank0=True))
+            return {}
+        reader = UCPStorageReader(path)
+        dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner())
+        if weights_only:
+            set_model_state_dict(model, state["model"])
+        else:
+            set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
+        return {"bytes_requested": reader.bytes_requested}
+
+    rec = _timed_load(path, load)
+    if variant == "zero_to_fp32":
+        flat = {f"model.{k}": v for k, v in model.state_dict().items()}
+    else:
+        flat = _flat(state)
+    want = {k: v for k, v in ref.items() if k.startswith("model.") or not weights_only}
+    rec["failures"] = _mismatches(flat, want, variant)
+    return rec
+
+
+def _load_hf(variant: str, path: Path, cfg: Any) -> dict[str, Any]:
+    """hf_ucp / hf_dcp: the Hugging Face directory into an FSDP2 Llama."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from ucp_dcp import UCPLoadPlanner, UCPStorageReader
+
+    model = _fsdp2_llama(cfg)
+    msd = get_model_state_dict(model)
+    _fill_nan(msd)
+
+    def load() -> dict[str, Any]:
+        if variant == "hf_ucp":
+            reader = UCPStorageReader(path, prefix="model.")
+            dcp.load({"model": msd}, storage_reader=reader, planner=UCPLoadPlanner())
+            return {"bytes_requested": reader.bytes_requested}
+        dcp.load(msd, storage_reader=HuggingFaceStorageReader(str(path)))
+        return {}
+
+    rec = _timed_load(path, load)
+    keys = sorted(msd)
+    picks = {keys[0], keys[1], keys[len(keys) // 2], keys[-1]}
+    want = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            want.update({f"model.{k}": sf.get_tensor(k) for k in sf.keys() if k in picks})
+    rec["failures"] = _mismatches({f"model.{k}": v for k, v in msd.items()}, want, variant)
+    return rec
+
+
+def rank_main(rank: int, world: int, jobs: list[dict[str, Any]], ds: dict[str, Any], hf_cfg: dict[str, Any],
+              ref_path: str, repeats: int, warmup: bool) -> dict[str, Any]:
+    """Every load job on this rank: an untimed warm-up round, then ``repeats`` cold timed rounds."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    torch.manual_seed(0)
+    ref = load_file(ref_path)
+    cfg = LlamaConfig(**hf_cfg)
+    out: dict[str, list[dict[str, Any]]] = {j["name"]: [] for j in jobs}
+
+    def one(job: dict[str, Any]) -> dict[str, Any]:
+        if job["name"].startswith("hf_"):
+            return _load_hf(job["name"], Path(job["path"]), cfg)
+        return _load_ds(job["name"], Path(job["path"]), ds["hidden"], ds["layers"], ref)
+
+    if warmup:  # lazy imports and first collectives are charged to no variant
+        for job in jobs:
+            one(job)
+    for r in range(repeats):
+        for job in jobs:
+            rank_log(f"repeat {r + 1}/{repeats}: {job['name']}")
+            out[job["name"]].append(one(job))
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+
+ROWS = [
+    # name, label, what is loaded, conversion step (or None), baseline row for ratios
+    ("ucp", "ucp_dcp: DeepSpeed dir -> FSDP2", "weights + Adam", None, None),
+    ("ds_to_universal", "ds_to_universal + load (ucp_dcp universal source)", "weights + Adam", "ds_to_universal",
+     "ucp"),
+    ("ucp_weights", "ucp_dcp: DeepSpeed dir -> FSDP2", "weights", None, None),
+    ("zero_to_fp32", "zero_to_fp32 + rank 0 load_file + set_model_state_dict", "weights", "zero_to_fp32",
+     "ucp_weights"),
+    ("hf_ucp", "HF dir: ucp_dcp UCPStorageReader(prefix='model.')", "weights", None, None),
+    ("hf_dcp", "HF dir: DCP HuggingFaceStorageReader", "weights", None, "hf_ucp"),
+]
+
+
+def summarise(loads: dict[str, list[list[dict[str, Any]]]], convs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per variant: medians over repeats of the slowest rank's time, sums over ranks of bytes and memory."""
+    rows = {}
+    for name, label, what, conv, base in ROWS:
+        reps = loads.get(name)
+        if not reps:
+            continue
+        per_rep = [{"seconds": max(r["seconds"] for r in ranks),
+                    "read_bytes": sum(r["read_bytes"] for r in ranks),
+                    "peak_rss_sum": sum(r["peak_rss"] for r in ranks),
+                    "peak_rss_max": max(r["peak_rss"] for r in ranks),
+                    "bytes_requested": sum(r.get("bytes_requested", 0) for r in ranks)} for ranks in reps]
+        load = {k: median([p[k] for p in per_rep]) for k in per_rep[0]}
+        load["seconds_all"] = [p["seconds"] for p in per_rep]
+        c = convs.get(conv) if conv else None
+        row = {"label": label, "loads": what, "load": load, "convert": c, "baseline": base,
+               "total_seconds": load["seconds"] + (c["seconds"] if c else 0.0),
+               "total_read_bytes": load["read_bytes"] + (c["read_bytes"] if c else 0),
+               # The two steps run one after the other: the larger peak is what the pipeline
+               # needs. A conversion's peak counts above its interpreter and imports alone.
+               "peak_bytes": max(load["peak_rss_sum"], c["peak_extra_bytes"] if c else 0),
+               "disk_bytes": c["disk_bytes"] if c else 0}
+        rows[name] = row
+    for row in rows.values():
+        b = rows.get(row["baseline"]) if row["baseline"] else None
+        row["vs"] = None if b is None else {
+            "time": ratio(row["total_seconds"], b["total_seconds"]),
+            "read": ratio(row["total_read_bytes"], b["total_read_bytes"]),
+                # Against a peak under 1 MB (a load filling tensors in place) a ratio means nothing.
+            "peak": ratio(row["peak_bytes"], b["peak_bytes"]) if b["peak_bytes"] >= MB else None,
+        }
+    return rows
+
+
+def _mb(x: float | None) -> str:
+    return "-" if x is None else f"{x / MB:.0f}"
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def table(rows: dict[str, Any]) -> str:
+    """The markdown table the README quotes."""
+    header = ["variant", "loads", "convert s", "load s", "total s", "read MB (convert + load)",
+              "convert peak MB", "load peak MB", "extra disk MB", "total time vs ucp", "read vs ucp"]
+    out = []
+    for name, r in rows.items():
+        c = r["convert"]
+        vs = r["vs"] or {}
+        load = r["load"]
+        read = f"{_mb(c['read_bytes'])} + {_mb(load['read_bytes'])}" if c else _mb(load["read_bytes"])
+        out.append([f"`{name}`: {r['label']}", r["loads"], _s(c["seconds"]) if c else "-", _s(load["seconds"]),
+                    _s(r["total_seconds"]), read, _mb(c["peak_extra_bytes"]) if c else "-",
+                    f"{load['peak_rss_sum'] / MB:.1f}", _mb(r["disk_bytes"]) if c else "0",
+                    _x(vs.get("time")), _x(vs.get("read"))])
+    return markdown_table(header, out)
+
+
+# ---------------------------------------------------------------- main
+
+
+_VERBOSE = False
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-mb", type=float, default=None,
+                   help="DeepSpeed state (fp32 weights + 2 Adam moments), default 280 (30 with --quick)")
+    p.add_argument("--hidden", type=int, default=1024, help="Linear width of the DeepSpeed model (default 1024)")
+    p.add_argument("--hf-size-mb", type=float, default=None,
+                   help="fp32 weights of the Hugging Face Llama, default 150 (20 with --quick)")
+    p.add_argument("--hf-shard-mb", type=int, default=50, help="save_pretrained max_shard_size in MB (default 50)")
+    p.add_argument("--ds-world", type=int, default=2, help="DeepSpeed ranks that write the checkpoint (default 2)")
+    p.add_argument("--world", type=int, default=3, help="FSDP2 ranks that load (default 3)")
+    p.add_argument("--convert-workers", type=int, default=os.cpu_count() or 1,
+                   help="ds_to_universal --num_extract_workers/--num_merge_workers (default: CPU count)")
+    p.add_argument("--repeats", type=int, default=None, help="cold timed rounds of the loads (default 3, 1 with --quick)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up round of loads")
+    p.add_argument("--quick", action="store_true", help="small smoke run")
+    p.add_argument("--workdir", default=None, help="where checkpoints go (disk-backed; default a fresh /tmp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the workdir")
+    p.add_argument("--verbose", action="store_true", help="progress lines from the ranks and DeepSpeed output")
+    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/deepspeed.json; "
+                   "out/bench_deepspeed_quick.json with --quick)")
+    p.add_argument("--ds-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.size_mb is None:
+        args.size_mb = 30.0 if args.quick else 280.0
+    if args.hf_size_mb is None:
+        args.hf_size_mb = 20.0 if args.quick else 150.0
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    if args.out is None:
+        args.out = default_out("deepspeed.json", args.quick, "bench_deepspeed_quick.json")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Set up, convert, load, report; non-zero exit on a tensor that differs from the source."""
+    global _VERBOSE
+    args = parse_args(argv)
+    if args.ds_worker:
+        ds_worker(Path(args.ds_worker), args.hidden, args.layers)
+        return 0
+    _VERBOSE = args.verbose
+    for mod in ("deepspeed", "transformers"):
+        if importlib.util.find_spec(mod) is None:
+            print(f"bench_deepspeed needs {mod} (not a dependency of ucp_dcp): run it with a venv that has it, "
+                  "e.g. DS_ACCELERATOR=cpu /work/dsvenv/bin/python benchmarks/bench_deepspeed.py", file=sys.stderr)
+            return 2
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    set_rank_env(args.verbose)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_ds_", dir="/tmp"))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    load_before = loadavg()  # a shared machine: how busy it was says how far to trust the times
+    try:
+        layers = stack_layers(args.size_mb, args.hidden)
+        ckpt, hf_dir = work / "ds", work / "hf"
+        log(f"setup: DeepSpeed ZeRO-3 on {args.ds_world} ranks, {layers} x Linear({args.hidden}, {args.hidden})")
+        write_deepspeed_checkpoint(ckpt, args.hidden, layers, args.ds_world)
+        evict_tree(ckpt)
+        cfg = llama_config(args.hf_size_mb)
+        log(f"setup: Hugging Face Llama ({cfg.num_hidden_layers} layers) save_pretrained")
+        hf_params = write_hf_model(hf_dir, args.hf_size_mb, args.hf_shard_mb)
+        evict_tree(hf_dir)
+        setup = {"ds_layers": layers, "ds_hidden": args.hidden,
+                 "ds_params": layers * (args.hidden * args.hidden + args.hidden),
+                 "ds_checkpoint_bytes": dir_bytes(ckpt), "hf_params": hf_params, "hf_bytes": dir_bytes(hf_dir),
+                 "hf_files": len(list(hf_dir.glob("*.safetensors")))}
+        log(f"setup: DeepSpeed checkpoint {setup['ds_checkpoint_bytes'] / MB:.0f} MB, "
+            f"HF directory {setup['hf_bytes'] / MB:.0f} MB in {setup['hf_files']} files")
+
+        convs: dict[str, dict[str, Any]] = {}
+        uni = work / "universal"
+        log("convert: ds_to_universal (cold)")
+        convs["ds_to_universal"] = run_conversion(
+            "ds_to_universal", GEN.ds_to_universal_cmd(ckpt / TAG, uni / f"{TAG}_universal", args.convert_workers),
+            ckpt, uni)
+        (uni / "latest_universal").write_text(f"{TAG}_universal")
+        fp32 = work / "fp32"
+        log("convert: zero_to_fp32 (cold)")
+        convs["zero_to_fp32"] = run_conversion(
+            "zero_to_fp32", [sys.executable, "-m", "deepspeed.utils.zero_to_fp32", str(ckpt), str(fp32),
+                             "--safe_serialization"], ckpt, fp32)
+        floors = {"ds_to_universal": import_floor("deepspeed.checkpoint.ds_to_universal"),
+                  "zero_to_fp32": import_floor("deepspeed.utils.zero_to_fp32")}
+        for name, c in convs.items():
+            c["import_floor_bytes"] = floors[name]
+            c["peak_extra_bytes"] = max(0, c["peak_bytes"] - floors[name])
+
+        jobs = [{"name": "ucp", "path": str(ckpt)}, {"name": "ds_to_universal", "path": str(uni)},
+                {"name": "ucp_weights", "path": str(ckpt)}, {"name": "zero_to_fp32", "path": str(fp32)},
+                {"name": "hf_ucp", "path": str(hf_dir)}, {"name": "hf_dcp", "path": str(hf_dir)}]
+        log(f"loads on {args.world} ranks: {args.repeats} cold round(s)" + ("" if args.no_warmup else " after a warm-up"))
+        per_rank = spawn_ranks(rank_main, args.world, jobs, {"hidden": args.hidden, "layers": layers},
+                               cfg.to_dict(), str(work / "reference.safetensors"), args.repeats,
+                               not args.no_warmup, timeout_min=30)
+        loads = {j["name"]: [[per_rank[r][j["name"]][i] for r in range(args.world)] for i in range(args.repeats)]
+                 for j in jobs}
+        failures = sorted({f for reps in loads.values() for ranks in reps for r in ranks for f in r["failures"]})
+        rows = summarise(loads, convs)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    md = table(rows)
+    print()
+    print(md)
+    for name, c in convs.items():
+        print(f"{name}: peak PSS of the process tree {c['peak_bytes'] / MB:.0f} MB, of which "
+              f"{c['import_floor_bytes'] / MB:.0f} MB a process importing it alone; "
+              f"{c['read_bytes'] / MB:.0f} MB read, {c['disk_bytes'] / MB:.0f} MB written")
+    import deepspeed
+
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "started": started,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "fs": fs_type(str(work)),
+                    "read_ahead_kb": None},
+        "loadavg_before_after": [load_before, loadavg()],
+        "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                     "transformers": importlib.import_module("transformers").__version__},
+        "args": {k: v for k, v in vars(args).items() if k not in ("ds_worker", "layers")},
+        "setup": setup,
+        "conversions": convs,
+        "import_floor_bytes": floors,
+        "rows": rows,
+        "loads_per_rank": loads,
+        "table": md,
+        "failures": failures,
+    }
+    try:
+        result["machine"]["read_ahead_kb"] = read_ahead_kb(str(REPO))
+    except OSError:
+        pass
+    path = write_json(args.out, result)
+    print(f"\nresults: {path}")
+    print_failures(failures, bar=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""DeepSpeed ZeRO checkpoints: file names, the classes their pickles name, and their records.
+
+A DeepSpeed checkpoint directory holds ``latest`` (the tag) and one folder
+per tag with, for data-parallel degree ``W`` and no tensor/pipeline
+parallelism:
+
+* ZeRO-1/2: ``mp_rank_00_model_states.pt`` (module state dict, parameter
+  shapes per optimizer group, tied and frozen parameters, buffers) and
+  ``[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per rank (that
+  rank's fp32 partition of every group, ``single_partition_of_fp32_groups``,
+  and the inner optimizer's ``state_dict`` over those flat partitions);
+* ZeRO-3: ``zero_pp_rank_{r}_mp_rank_00_model_states.pt`` and
+  ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per rank (``fp32_flat_groups``,
+  one flat buffer per sub-group, and the inner optimizer over them).
+
+This module finds those files and turns their pickles, read as inert records
+by :mod:`._torch_archive`, into :class:`ModelStates` and :class:`RankOptim`,
+checking every field it uses and naming the file and field when one is not
+what DeepSpeed writes. Where each parameter's elements are inside the flat
+buffers is :mod:`._zero_layout`'s business.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CheckpointFormatError
+from ._torch_archive import Inert, TensorRef, TorchArchive, read_torch_archive
+
+__all__ = [
+    "DS_ALLOWED_GLOBALS", "DSFiles", "ModelStates", "RankOptim", "find_deepspeed_files", "looks_like_deepspeed",
+    "read_model_states", "read_rank_optim", "looks_like_universal", "universal_folder", "UNIVERSAL_DIR",
+]
+
+LATEST_FILE = "latest"
+LATEST_UNIVERSAL_FILE = "latest_universal"
+UNIVERSAL_DIR = "zero"  # one folder per parameter: fp32.pt, exp_avg.pt, exp_avg_sq.pt, step.pt
+_MODEL_12 = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+_MODEL_3 = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
+_OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+# Other names in a tag folder that are DeepSpeed's and not state: the
+# recovery script it copies next to the checkpoint.
+_IGNORED = {"zero_to_fp32.py"}
+
+# The classes DeepSpeed's checkpoint pickles name besides torch's own
+# (tensors, storages, torch.Size, OrderedDict). They become inert records:
+# their fields are read as data, their code never imported or run.
+DS_ALLOWED_GLOBALS = frozenset({
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+})
+
+
+@dataclass(frozen=True)
+class DSFiles:
+    """The files of one DeepSpeed tag folder, model files and optimizer files in rank order."""
+
+    directory: str
+    model: list[str]
+    optim: list[str]
+    bf16_optimizer: bool
+
+
+def looks_like_deepspeed(path: str) -> bool:
+    """Whether ``path`` is a DeepSpeed checkpoint directory (with ``latest``) or tag folder, by names alone."""
+    if not os.path.isdir(path):
+        return False
+    latest = os.path.join(path, LATEST_FILE)
+    if os.path.isfile(latest):
+        return True
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return any(_OPTIM.fullmatch(n) for n in names)
+
+
+def looks_like_universal(path: str) -> bool:
+    """Whether ``path`` is a DeepSpeed Universal checkpoint (``latest_universal``, or a tag folder with ``zero/``)."""
+    if not os.path.isdir(path):
+        return False
+    if os.path.isfile(os.path.join(path, LATEST_UNIVERSAL_FILE)):
+        return True
+    return os.path.isdir(os.path.join(path, UNIVERSAL_DIR)) and any(
+        os.path.isfile(os.path.join(path, n)) for n in ("mp_rank_00_model_states.pt",
+                                                        "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+
+
+def universal_folder(path: str) -> str:
+    """The tag folder of a DeepSpeed Universal checkpoint (``path`` itself, or what ``latest_universal`` names)."""
+    return _tag_folder(path, LATEST_UNIVERSAL_FILE)
+
+
+# ds_to_universal copies the source's model states: one mp_rank_00 file from
+# ZeRO-1/2, one zero_pp_rank_R file per rank from ZeRO-3 (each holds the full
+# param_shapes; the frozen parameters' fragments are per rank).
+UNIVERSAL_MODEL_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_<R>_mp_rank_00_model_states.pt")
+
+
+def universal_model_files(folder: str) -> list[str]:
+    """The model-states files of a Universal tag folder: ``[mp_rank_00]``, or ZeRO-3's per rank in rank order.
+
+    Empty when there are none; :class:`CheckpointFormatError` when ZeRO-3
+    ranks are missing or the model is tensor- or pipeline-parallel.
+    """
+    one = os.path.join(folder, "mp_rank_00_model_states.pt")
+    if os.path.isfile(one):
+        return [one]
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    ranks: dict[int, str] = {}
+    for n in names:
+        if m := _MODEL_3.fullmatch(n):
+            if int(m.group(2)) != 0:
+                raise CheckpointFormatError(
+                    f"{folder}: {n}: tensor- or pipeline-parallel Universal folders are not supported"
+                )
+            ranks[int(m.group(1))] = os.path.join(folder, n)
+    if ranks and sorted(ranks) != list(range(len(ranks))):
+        raise CheckpointFormatError(
+            f"{folder}: ZeRO-3 model files for ranks {sorted(ranks)}; expected 0..{len(ranks) - 1}"
+        )
+    return [ranks[r] for r in sorted(ranks)]
+
+
+def _tag_folder(path: str, latest_name: str = LATEST_FILE) -> str:
+    latest = os.path.join(path, latest_name)
+    if not os.path.isfile(latest):
+        return path
+    try:
+        with open(latest, "rb") as f:
+            raw = f.read(4096)
+        tag = raw.decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointFormatError(f"{latest}: cannot read the tag ({e})") from None
+    if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or "\0" in tag:
+        raise CheckpointFormatError(f"{latest}: {tag!r} is not a tag folder name")
+    folder = os.path.join(path, tag)
+    if not os.path.isdir(folder):
+        raise CheckpointFormatError(f"{latest}: names tag {tag!r}, but {folder} is not a directory")
+    return folder
+
+
+def find_deepspeed_files(path: str) -> DSFiles:
+    """The model and optimizer files of the checkpoint at ``path`` (the directory with ``latest``, or a tag folder).
+
+    Raises :class:`CheckpointFormatError` naming the folder when files are
+    missing (a rank's optimizer file), when the checkpoint is tensor- or
+    pipeline-parallel (several ``mp_rank_XX``), which is not supported, or
+    when DeepSpeed's names are mixed with others it does not write.
+    """
+    folder = _tag_folder(path)
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError as e:
+        raise CheckpointFormatError(f"{folder}: cannot list ({e.strerror or e})") from None
+    model12: dict[int, str] = {}
+    model3: dict[tuple[int, int], str] = {}
+    optim: dict[tuple[int, int], str] = {}
+    bf16 = set()
+    for n in names:
+        if m := _MODEL_12.fullmatch(n):
+            model12[int(m.group(1))] = n
+        elif m := _MODEL_3.fullmatch(n):
+            model3[(int(m.group(2)), int(m.group(1)))] = n
+        elif m := _OPTIM.fullmatch(n):
+            optim[(int(m.group(3)), int(m.group(2)))] = n
+            bf16.add(bool(m.group(1)))
+    if not optim:
+        raise CheckpointFormatError(
+            f"{folder}: not a DeepSpeed ZeRO checkpoint: no *zero_pp_rank_*_mp_rank_*_optim_states.pt files"
+            f" ({', '.join(names[:8]) or 'it is empty'})"
+        )
+    mp = sorted({k[0] for k in optim} | set(model12) | {k[0] for k in model3})
+    if mp != [0]:
+        files = sorted(n for n in names if _MODEL_12.fullmatch(n) or _MODEL_3.fullmatch(n))
+        raise CheckpointFormatError(
+            f"{folder}: tensor- or pipeline-parallel DeepSpeed checkpoints (model-parallel ranks {mp}: "
+            f"{', '.join(files[:6])}) are not supported; only data-parallel ZeRO checkpoints (mp_rank_00) are"
+        )
+    if len(bf16) > 1:
+        raise CheckpointFormatError(f"{folder}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files")
+    world = len(optim)
+    if sorted(k[1] for k in optim) != list(range(world)):
+        raise CheckpointFormatError(
+            f"{folder}: optimizer files for ranks {sorted(k[1] for k in optim)}; expected 0..{world - 1}, one per rank"
+        )
+    optim_files = [os.path.join(folder, optim[(0, r)]) for r in range(world)]
+    if model3:
+        if sorted(k[1] for k in model3) != list(range(world)):
+            raise CheckpointFormatError(
+                f"{folder}: ZeRO-3 model files for ranks {sorted(k[1] for k in model3)}; expected 0..{world - 1}"
+            )
+        model_files = [os.path.join(folder, model3[(0, r)]) for r in range(world)]
+    elif 0 in model12:
+        model_files = [os.path.join(folder, model12[0])]
+    else:
+        raise CheckpointFormatError(f"{folder}: no mp_rank_00_model_states.pt (or zero_pp_rank_*_model_states.pt)")
+    return DSFiles(folder, model_files, optim_files, bf16.pop())
+
+
+# ------------------------------------------------------------ records
+
+
+@dataclass
+class ModelStates:
+    """What a ``*_model_states.pt`` file says about the model."""
+
+    archive: TorchArchive
+    module: dict[str, TensorRef]
+    param_shapes: list[dict[str, tuple[int, ...]]]
+    frozen_shapes: dict[str, tuple[int, ...]]
+    frozen_fragments: dict[str, TensorRef]
+    shared: dict[str, str]  # tied name -> the name that owns the storage
+    buffer_names: list[str]
+    ds_version: str
+    dp_world_size: int | None  # the data-parallel degree it was saved at, where recorded
+
+
+@dataclass
+class RankOptim:
+    """What one rank's ``*_optim_states.pt`` holds: its flat fp32 buffers and the inner optimizer's state over them."""
+
+    archive: TorchArchive
+    stage: int
+    fp32: list[TensorRef]  # ZeRO-1/2: one partition per group; ZeRO-3: one buffer per sub-group
+    state: dict[int, dict[str, Any]]  # inner optimizer state per flat buffer (moments are TensorRefs)
+    param_groups: list[dict[str, Any]]  # inner optimizer groups; "params" lists flat buffer numbers
+    paddings: list[int] = field(default_factory=list)  # ZeRO-1/2: this rank's padding at the end of each group
+
+
+def _need(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(obj, dict) or key not in obj:
+        raise CheckpointFormatError(f"{where}: no {key!r} entry")
+    v = obj[key]
+    if not isinstance(v, kind):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise CheckpointFormatError(f"{where}: {key!r} is a {type(v).__name__}, expected {names}")
+    return v
+
+
+def _shape(v: Any, where: str) -> tuple[int, ...]:
+    if isinstance(v, (tuple, list)) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in v):
+        return tuple(v)
+    raise CheckpointFormatError(f"{where}: {v!r} is not a shape")
+
+
+def _tensors(d: Any, where: str) -> dict[str, TensorRef]:
+    if not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(v, TensorRef) for k, v in d.items()):
+        raise CheckpointFormatError(f"{where}: expected a dict of name -> tensor")
+    return dict(d)
+
+
+def read_model_states(path: str) -> ModelStates:
+    """Read a ``*_model_states.pt`` file (its pickle only, as inert records)."""
+    a = read_torch_archive(path, DS_ALLOWED_GLOBALS)
+    sd = a.obj
+    if not isinstance(sd, dict):
+        raise CheckpointFormatError(f"{path}: holds a {type(sd).__name__}, not DeepSpeed's model states dict")
+    module = _tensors(_need(sd, "module", dict, path), f"{path}: 'module'")
+    shapes_raw = _need(sd, "param_shapes", list, path)
+    param_shapes = []
+    for g, d in enumerate(shapes_raw):
+        if not isinstance(d, dict):
+            raise CheckpointFormatError(f"{path}: param_shapes[{g}] is a {type(d).__name__}, expected a dict")
+        param_shapes.append({str(k): _shape(v, f"{path}: param_shapes[{g}][{k!r}]") for k, v in d.items()})
+    frozen_shapes = {str(k): _shape(v, f"{path}: frozen_param_shapes[{k!r}]")
+                     for k, v in (sd.get("frozen_param_shapes") or {}).items()}
+    frozen_fragments = _tensors(sd.get("frozen_param_fragments") or {}, f"{path}: 'frozen_param_fragments'")
+    shared = sd.get("shared_params") or {}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in shared.items()):
+        raise CheckpointFormatError(f"{path}: 'shared_params' is not a dict of name -> name")
+    buffers = sd.get("buffer_names") or []
+    if not isinstance(buffers, list) or not all(isinstance(b, str) for b in buffers):
+        raise CheckpointFormatError(f"{path}: 'buffer_names' is not a list of names")
+    version = sd.get("ds_version")
+    dp = sd.get("dp_world_size")
+    if dp is not None and not (isinstance(dp, int) and not isinstance(dp, bool) and dp > 0):
+        raise CheckpointFormatError(f"{path}: dp_world_size {dp!r} is not a positive integer")
+    return ModelStates(a, module, param_shapes, frozen_shapes, frozen_fragments, dict(shared), list(buffers),
+                       str(version) if version is not None else "", dp)
+
+
+def _stage(v: Any, where: str) -> int:
+    if isinstance(v, Inert) and v.qualname.endswith("ZeroStageEnum") and len(v.args) == 1:
+        v = v.args[0]
+    if isinstance(v, int) and not isinstance(v, bool) and v in (1, 2, 3):
+        return v
+    raise CheckpointFormatError(f"{where}: zero_stage {v!r} is not 1, 2 or 3")
+
+
+def read_rank_optim(path: str, bf16_optimizer: bool) -> RankOptim:
+    """Read one rank's ``*_optim_states.pt`` file (its pickle only, as inert records)."""
+    a = read_torch_archive(path, DS_ALLOWED_GLOBALS)
+    osd = _need(a.obj, "optimizer_state_dict", dict, path)
+    where = f"{path}: optimizer_state_dict"
+    if "fp32_flat_groups" in osd:
+        stage = _stage(osd.get("zero_stage", 3), f"{where}")
+        fp32 = _need(osd, "fp32_flat_groups", list, where)
+        inner = _need(osd, "optimizer_state_dict", dict, where)
+        paddings: list[int] = []
+    else:
+        stage = _stage(osd.get("zero_stage", 1 if bf16_optimizer else None), where)
+        fp32 = _need(osd, "single_partition_of_fp32_groups", list, where)
+        inner = _need(osd, "base_optimizer_state", dict, where)
+        paddings = _need(osd, "group_paddings", list, where)
+        if len(paddings) != len(fp32) or not all(isinstance(p, int) and p >= 0 for p in paddings):
+            raise CheckpointFormatError(f"{where}: group_paddings {paddings!r} does not give one count per group")
+        extra = osd.get("param_alignment_paddings")
+        if extra and any(any(x for x in g) for g in extra):
+            raise CheckpointFormatError(
+                f"{where}: per-parameter alignment padding (param_alignment_paddings {extra!r}) is not supported"
+            )
+    if not all(isinstance(t, TensorRef) and len(t.size) == 1 for t in fp32):
+        raise CheckpointFormatError(f"{where}: the fp32 buffers are not all 1-D tensors")
+    state = _need(inner, "state", dict, f"{where}: inner optimizer")
+    groups = _need(inner, "param_groups", list, f"{where}: inner optimizer")
+    for k, s in state.items():
+        if not isinstance(k, int) or not 0 <= k < len(fp32) or not isinstance(s, dict):
+            raise CheckpointFormatError(f"{where}: inner optimizer state key {k!r} is not a flat buffer number")
+    covered = []
+    for g, grp in enumerate(groups):
+        ps = grp.get("params") if isinstance(grp, dict) else None
+        if not isinstance(ps, list) or not all(isinstance(p, int) for p in ps):
+            raise CheckpointFormatError(f"{where}: inner optimizer param_groups[{g}] has no list of 'params'")
+        covered += ps
+    if sorted(covered) != list(range(len(fp32))):
+        raise CheckpointFormatError(
+            f"{where}: inner optimizer groups cover flat buffers {sorted(covered)}, expected 0..{len(fp32) - 1}"
+        )
+    return RankOptim(a, stage, list(fp32), dict(state), list(groups), list(paddings))
+
+
+def moment(st: dict[str, Any], name: str, numel: int, where: str) -> TensorRef | None:
+    """Moment ``name`` of one flat buffer's optimizer state (None if the optimizer keeps none), checked against ``numel``."""
+    t = st.get(name)
+    if t is None:
+        return None
+    if not isinstance(t, TensorRef) or t.numel < numel or len(t.size) != 1:
+        raise CheckpointFormatError(f"{where}: {name} is not a 1-D tensor of at least {numel} elements")
+    return t

@@ -1,0 +1,364 @@
+"""DeepSpeed checkpoints written by real DeepSpeed, loaded in place into other layouts.
+
+The fixtures under ``tests/fixtures/deepspeed/`` were written by DeepSpeed
+0.19 itself (``generate.py`` there, which needs deepspeed; the suite does
+not): ZeRO-1/2/3, fp32 and bf16, 2 and 4 ranks, a tiny MLP with odd sizes,
+two parameter groups, a frozen and a tied parameter and a buffer, two tiny
+Llamas, and a ``ds_to_universal`` folder. Next to each,
+``reference.safetensors`` holds DeepSpeed's own full tensors
+(``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state``,
+``zero_to_fp32``) and ``reference.json`` the step count, hyperparameters
+and the losses of the steps after the save.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import pickle
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from dist_utils import bit_equal, flatten, run_ranks
+from ucp_dcp import (
+    CheckpointFormatError,
+    FlatShard,
+    UCPLoadPlanner,
+    UCPStorageReader,
+    load_state_dict,
+)
+from ucp_dcp.adapters.flat import flat_partition, pack_flat
+from ucp_dcp.core.pieces import Piece, TensorPieces
+from ucp_dcp.sources import DeepSpeedSource, DeepSpeedUniversalSource, open_source
+from ucp_dcp.tools.cli import main as cli_main
+
+FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
+VARIANTS = sorted(p.name for p in FIXTURES.iterdir() if (p / "latest").is_file())
+UNIVERSAL = "zero2_fp32_w2_universal"
+UNIVERSAL3 = "zero3_fp32_w2_universal"
+# Each universal folder was converted from this checkpoint; its references are those.
+REFERENCE_OF = {UNIVERSAL: "zero2_fp32_w2", UNIVERSAL3: "zero3_fp32_w2"}
+# Resumed and trained on (fp32 runs: a bf16 run's next step depends on its bf16 module copies).
+RESUME = ("zero3_fp32_w4", "zero2_fp32_w2", "zero1_fp32_w4")
+
+
+def _generate_module() -> Any:
+    # generate.py imports deepspeed only inside its worker: its model and
+    # optimizer groups are usable without it.
+    spec = importlib.util.spec_from_file_location("ds_fixture_generate", FIXTURES / "generate.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+GEN = _generate_module()
+
+
+def meta(variant: str) -> dict[str, Any]:
+    with open(FIXTURES / REFERENCE_OF.get(variant, variant) / "reference.json") as f:
+        return json.load(f)
+
+
+def expected(variant: str) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own full tensors under the names of ``get_state_dict(model, optim)``."""
+    ref = load_file(str(FIXTURES / REFERENCE_OF.get(variant, variant) / "reference.safetensors"))
+    m = meta(variant)
+    model = GEN.build_model(m["model"])
+    persistent = set(model.state_dict())
+    out: dict[str, torch.Tensor] = {}
+    for k, t in ref.items():
+        kind, name = k.split("/", 1)
+        if kind in ("fp32", "frozen") or (kind == "buffer" and name in persistent):
+            out[f"model.{name}"] = t
+        elif kind == "param" and f"model.{name}" not in out and m["zero_to_fp32"] == "ok":
+            out[f"model.{name}"] = t  # zero_to_fp32's output: the fp32 master weights (tied names included)
+        elif kind in ("exp_avg", "exp_avg_sq"):
+            out[f"optim.state.{name}.{kind}"] = t
+    for tied, owner in m["tied"].items():
+        out[f"model.{tied}"] = out[f"model.{owner}"]
+    for name, trainable in m["requires_grad"].items():
+        if trainable:
+            out[f"optim.state.{name}.step"] = torch.tensor(float(m["optimizer_step"]))
+    return out
+
+
+def _model_and_optim(kind: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = GEN.build_model(kind)
+    optim = torch.optim.AdamW(GEN.param_groups(model), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    return model, optim
+
+
+# ---------------------------------------------------------------- one process
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_fixture_loads_bit_exact_in_one_process(variant: str) -> None:
+    """Weights, both moments, step and hyperparameters equal DeepSpeed's own; keys are get_state_dict's."""
+    src = open_source(FIXTURES / variant)
+    assert isinstance(src, DeepSpeedSource) and src.stage == meta(variant)["zero_stage"]
+    got = load_state_dict(FIXTURES / variant)
+    want = expected(variant)
+    assert want and set(want) <= set(got)
+    for k, v in want.items():
+        # A bf16 run keeps frozen parameters in bf16 only (no fp32 master).
+        assert bit_equal(got[k], v.to(got[k].dtype) if k == "model.frozen" else v), k
+    m = meta(variant)
+    for g, grp in enumerate(m["param_groups"]):
+        for hp, v in grp.items():
+            assert got[f"optim.param_groups.{g}.{hp}"] == (tuple(v) if isinstance(v, list) else v), (g, hp)
+    # Exactly the keys of an FSDP2/plain training loop's get_state_dict(model, optim).
+    model, optim = _model_and_optim(m["model"])
+    msd, osd = get_state_dict(model, optim)
+    keys = set(flatten_state_dict({"model": msd, "optim": osd})[0])
+    assert set(got) == keys, set(got) ^ keys
+    assert got["optim.param_groups.1.params"] == osd["param_groups"][1]["params"]
+
+
+@pytest.mark.parametrize("universal", [UNIVERSAL, UNIVERSAL3])
+def test_universal_folder_equals_the_checkpoint_it_came_from(universal: str) -> None:
+    """ds_to_universal's output loads with the same bytes as the checkpoint it came from (no hyperparameters).
+
+    From ZeRO-3 it holds flattened tensors, no ``step.pt`` and no frozen
+    parameter files (the frozen one comes from the copied model states).
+    """
+    assert isinstance(open_source(FIXTURES / universal), DeepSpeedUniversalSource)
+    uni = load_state_dict(FIXTURES / universal)
+    orig = load_state_dict(FIXTURES / REFERENCE_OF[universal])
+    zero3 = universal == UNIVERSAL3
+    tensors = [k for k, v in orig.items() if isinstance(v, torch.Tensor) and not (zero3 and k.endswith(".step"))]
+    assert set(k for k, v in uni.items() if isinstance(v, torch.Tensor)) == set(tensors)
+    for k in tensors:
+        assert bit_equal(uni[k], orig[k]), k
+    if zero3:  # its param_shapes lists sub-groups, not the optimizer's groups
+        assert not any(k.startswith("optim.param_groups.") for k in uni)
+    else:
+        assert uni["optim.param_groups.0.params"] == orig["optim.param_groups.0.params"]
+
+
+@pytest.mark.parametrize("variant", RESUME)
+def test_resumed_training_matches_deepspeeds_next_steps(variant: str) -> None:
+    """In one process: load into a plain model + AdamW and train on (see :func:`_resume`)."""
+    model, optim = _model_and_optim(meta(variant)["model"])
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, storage_reader=UCPStorageReader(FIXTURES / variant), planner=UCPLoadPlanner(), no_dist=True)
+    _resume(model, optim, state, variant)
+
+
+# ---------------------------------------------------------------- 3 ranks
+
+
+def _needed_bytes(src: Any, flat: dict[str, Any]) -> int:
+    """Bytes of the source this rank's targets hold: local elements times the stored item size."""
+    n = 0
+    for k, v in flat.items():
+        if k in src.index.tensors and isinstance(v, torch.Tensor):
+            local = v.to_local() if isinstance(v, DTensor) else v
+            n += local.numel() * src.index.tensors[k].dtype.itemsize
+    return n
+
+
+def _fsdp2_on_3(rank: int, world: int, variants: list[str]) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for variant in variants:
+        m = meta(variant)
+        model, _ = _model_and_optim(m["model"])
+        fully_shard(model)
+        optim = torch.optim.AdamW(GEN.param_groups(model), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+        msd, osd = get_state_dict(model, optim)
+        state: dict[str, Any] = {"model": msd, "optim": osd}
+        if variant == UNIVERSAL:  # no hyperparameters in a universal folder
+            state["optim"] = {"state": osd["state"]}
+        if variant == UNIVERSAL3:  # nor param_groups or step from ZeRO-3
+            state["optim"] = {"state": {f: {k: v for k, v in st.items() if k != "step"}
+                                        for f, st in osd["state"].items()}}
+        for v in flatten(state).values():
+            if isinstance(v, torch.Tensor):
+                (v.to_local() if isinstance(v, DTensor) else v).fill_(13)
+        # gap_bytes=0: count exactly the bytes asked for. (By default the
+        # reader merges reads less than a page apart, which in files this
+        # small means asking for more bytes of the same pages.)
+        reader = UCPStorageReader(FIXTURES / variant, gap_bytes=0)
+        dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner())
+        flat = flatten(state)
+        want = expected(variant)
+        for k, v in want.items():
+            if variant == UNIVERSAL3 and k.endswith(".step"):
+                continue
+            t = flat[k]
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            assert bit_equal(full, v.to(full.dtype) if k == "model.frozen" else v), (variant, rank, k)
+        if variant not in REFERENCE_OF:  # universal folders hold no hyperparameters
+            for g, grp in enumerate(m["param_groups"]):
+                got = {hp: state["optim"]["param_groups"][g][hp] for hp in grp}
+                assert got == {hp: tuple(v) if isinstance(v, list) else v for hp, v in grp.items()}, (variant, g)
+        needed = _needed_bytes(open_source(FIXTURES / variant), flat)
+        assert needed <= reader.bytes_requested <= 1.05 * needed, (variant, rank, reader.bytes_requested, needed)
+        if variant in RESUME:
+            _resume(model, optim, state, variant)
+
+
+def _resume(model: torch.nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any], variant: str) -> None:
+    """Train on from the loaded state: the losses equal DeepSpeed's after its save.
+
+    DeepSpeed averaged gradients over its ranks' batches. Here every rank
+    takes all of them, concatenated: FSDP2 averages identical gradients, so
+    the step is the same.
+    """
+    m = meta(variant)
+    ref = load_file(str(FIXTURES / variant / "reference.safetensors"))
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def tokens(step: int) -> torch.Tensor:
+        return torch.cat([ref[f"batch/step{step}/rank{r}"] for r in range(m["world_size"])])
+
+    loss3 = GEN.loss_of(model, m["model"], tokens(3))
+    loss3.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), m["ds_config"].get("gradient_clipping", 1.0))
+    optim.step()
+    with torch.no_grad():
+        loss4 = GEN.loss_of(model, m["model"], tokens(4))
+    assert math.isclose(loss3.item(), m["loss_step3"], rel_tol=1e-5), (variant, loss3.item(), m["loss_step3"])
+    assert math.isclose(loss4.item(), m["loss_step4"], rel_tol=1e-5), (variant, loss4.item(), m["loss_step4"])
+
+
+@pytest.mark.multiproc
+def test_every_fixture_loads_into_fsdp2_on_3_ranks_reading_only_what_each_needs_and_trains_on() -> None:
+    """Weights, moments, steps and hyperparameters bit-exact; each rank asks for exactly its bytes."""
+    run_ranks(3, _fsdp2_on_3, VARIANTS + [UNIVERSAL, UNIVERSAL3])
+
+
+def _flat_on_3(rank: int, world: int, variant: str) -> None:
+    """Into ZeRO-style flat shards at degree 3: each rank's slice of flat fp32 / exp_avg / exp_avg_sq buffers."""
+    m = meta(variant)
+    model, _ = _model_and_optim(m["model"])
+    trainable = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
+    params, total = pack_flat(trainable, align=4)
+    start, stop = flat_partition(total, world, rank)
+    bufs = {k: torch.full((stop - start,), 13.0) for k in ("param", "exp_avg", "exp_avg_sq")}
+    step = torch.tensor(13.0)
+    state = {
+        "model": FlatShard(bufs["param"], params, start, prefix="model."),
+        "exp_avg": FlatShard(bufs["exp_avg"], params, start, prefix="optim.state.", suffix=".exp_avg"),
+        "exp_avg_sq": FlatShard(bufs["exp_avg_sq"], params, start, prefix="optim.state.", suffix=".exp_avg_sq"),
+        "step": TensorPieces([Piece(f"optim.state.{p.fqn}.step", (), (), step) for p in params], replicated=True),
+    }
+    reader = UCPStorageReader(FIXTURES / variant)
+    dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner())
+    want = expected(variant)
+    names = {"param": "model.{}", "exp_avg": "optim.state.{}.exp_avg", "exp_avg_sq": "optim.state.{}.exp_avg_sq"}
+    for key, fmt in names.items():
+        ref = torch.zeros(max(total, stop))  # the last partition runs into the padding
+        for p in params:
+            ref[p.offset : p.offset + math.prod(p.shape)] = want[fmt.format(p.fqn)].reshape(-1)
+        assert bit_equal(bufs[key], ref[start:stop]), (rank, key)
+    assert step.item() == m["optimizer_step"]
+
+
+def _flat_all(rank: int, world: int, variants: list[str]) -> None:
+    for v in variants:
+        _flat_on_3(rank, world, v)
+
+
+@pytest.mark.multiproc
+def test_zero_checkpoints_load_into_flat_shards_at_degree_3() -> None:
+    """ZeRO-1/2/3 saved on 2 and 4 ranks into ZeRO-style flat buffers partitioned over 3."""
+    run_ranks(3, _flat_all, [v for v in VARIANTS if not v.startswith("llama")])
+
+
+# ---------------------------------------------------------------- hostile and unsupported
+
+
+def _copy(variant: str, tmp_path: Path) -> Path:
+    dst = tmp_path / variant
+    shutil.copytree(FIXTURES / variant, dst)
+    return dst
+
+
+def test_a_pickle_naming_any_other_class_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    d = _copy("zero2_fp32_w2", tmp_path)
+    victim = d / "step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> Any:
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"optimizer_state_dict": {"x": Payload()}}, victim)
+    with pytest.raises(CheckpointFormatError) as e:
+        load_state_dict(d)
+    assert str(e.value) == f"{victim}: refusing to unpickle posix.system: it is not one of the classes this format stores"
+    assert not marker.exists()
+    # A class that is DeepSpeed's but not one its checkpoints hold: refused too.
+    torch.save({"optimizer_state_dict": pickle.loads(pickle.dumps(torch.nn.Linear(1, 1)))}, victim)
+    with pytest.raises(CheckpointFormatError, match=r"refusing to unpickle torch\.nn\.modules\.linear\.Linear"):
+        open_source(d)
+
+
+def test_unsupported_and_damaged_checkpoints_name_the_files(tmp_path: Path) -> None:
+    d = _copy("zero2_fp32_w2", tmp_path)
+    tag = d / "step2"
+    # A tensor-parallel checkpoint: several model-parallel ranks.
+    shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{tag}: tensor- or pipeline-parallel DeepSpeed checkpoints (model-parallel ranks [0, 1]: "
+        "mp_rank_00_model_states.pt, mp_rank_01_model_states.pt) are not supported; only data-parallel "
+        "ZeRO checkpoints (mp_rank_00) are"
+    )
+    (tag / "mp_rank_01_model_states.pt").unlink()
+    # A missing rank.
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").rename(tag / "moved.pt")
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{tag}: saved by 2 data-parallel ranks (dp_world_size in mp_rank_00_model_states.pt) but holds optimizer "
+        "files of 1: zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    )
+    (tag / "moved.pt").rename(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    # A truncated file.
+    victim = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    victim.write_bytes(victim.read_bytes()[:1000])
+    with pytest.raises(CheckpointFormatError, match=str(victim)):
+        load_state_dict(d)
+    # latest naming a missing tag.
+    (d / "latest").write_text("step9")
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == f"{d / 'latest'}: names tag 'step9', but {d / 'step9'} is not a directory"
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_inspect_verify_convert_on_a_deepspeed_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = FIXTURES / "zero3_fp32_w2"
+    assert cli_main(["inspect", str(src)]) == 0
+    out = capsys.readouterr().out
+    assert "deepspeed" in out and "optim.state.fc1.weight.exp_avg" in out
+    assert cli_main(["verify", str(src)]) == 0
+    assert "records no checksums" in capsys.readouterr().out
+    dst = tmp_path / "native"
+    assert cli_main(["convert", str(src), str(dst)]) == 0
+    a, b = load_state_dict(src), load_state_dict(dst)
+    assert set(a) == set(b)
+    for k, v in a.items():
+        assert bit_equal(v, b[k]) if isinstance(v, torch.Tensor) else v == b[k], k
+    assert cli_main(["diff", str(src), str(dst)]) == 0
