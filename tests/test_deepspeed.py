@@ -348,7 +348,7 @@ def test_unsupported_and_damaged_checkpoints_name_the_files(tmp_path: Path) -> N
 # ---------------------------------------------------------------- CLI
 
 
-def test_cli_inspect_verify_convert_on_a_deepspeed_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_inspect_verify_convert_export_on_a_deepspeed_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = FIXTURES / "zero3_fp32_w2"
     assert cli_main(["inspect", str(src)]) == 0
     out = capsys.readouterr().out
@@ -362,3 +362,11 @@ def test_cli_inspect_verify_convert_on_a_deepspeed_checkpoint(tmp_path: Path, ca
     for k, v in a.items():
         assert bit_equal(v, b[k]) if isinstance(v, torch.Tensor) else v == b[k], k
     assert cli_main(["diff", str(src), str(dst)]) == 0
+    # The fp32 master weights as a Hugging Face directory (names without "model.").
+    out = tmp_path / "hf"
+    assert cli_main(["export-hf", str(src), str(out), "-q", "--prefix", "model."]) == 0
+    exported = load_state_dict(out)
+    want = {k[len("model."):]: v for k, v in a.items() if k.startswith("model.")}
+    assert set(exported) == set(want)
+    for k, v in want.items():
+        assert bit_equal(exported[k], v), k
