@@ -4,7 +4,7 @@
 Needs ``deepspeed`` (and ``transformers``), which neither ucp_dcp nor its
 tests need: run it with a venv that has them, e.g.::
 
-    DS_ACCELERATOR=cpu /work/dsvenv/bin/python benchmarks/bench_deepspeed.py
+    DS_ACCELERATOR=cpu .venv-ds/bin/python benchmarks/bench_deepspeed.py
 
 Setup (not timed):
 
@@ -573,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for mod in ("deepspeed", "transformers"):
         if importlib.util.find_spec(mod) is None:
             print(f"bench_deepspeed needs {mod} (not a dependency of ucp_dcp): run it with a venv that has it, "
-                  "e.g. DS_ACCELERATOR=cpu /work/dsvenv/bin/python benchmarks/bench_deepspeed.py", file=sys.stderr)
+                  "e.g. DS_ACCELERATOR=cpu .venv-ds/bin/python benchmarks/bench_deepspeed.py", file=sys.stderr)
             return 2
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     set_rank_env(args.verbose)
