@@ -10,6 +10,7 @@ tried in this order:
 ``deepspeed``             a DeepSpeed ZeRO-1/2/3 checkpoint: the directory with ``latest``,
                           or a tag folder (:mod:`.deepspeed`)
 ``deepspeed-universal``   ``ds_to_universal``'s output, one file per parameter and state
+                          (:mod:`.ds_universal`)
 ``hf``                    a Hugging Face safetensors model (:mod:`.hf`)
 ``subfolders``            subfolders that are checkpoints, read as one: accelerate's
                           ``pytorch_model_fsdp_0/`` + ``optimizer_0/`` (:mod:`.composite`)
@@ -25,7 +26,8 @@ from ..errors import CheckpointFormatError
 from .base import Source, SourceOptions, read_value, register, source_types
 from .native import NativeSource
 from .distcp import DCPSource  # noqa: E402  (registration order is detection order)
-from .deepspeed import DeepSpeedSource, DeepSpeedUniversalSource
+from .deepspeed import DeepSpeedSource
+from .ds_universal import DeepSpeedUniversalSource
 from .hf import HFSource
 from .composite import CompositeSource
 

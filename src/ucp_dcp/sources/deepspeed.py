@@ -23,84 +23,31 @@ DeepSpeed records no checksums; the files' sizes are checked.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
-import torch
-
-from ..core.sharding import Box
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError
-from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord
+from ..format import FileRecord, Index, Location
+from ._archive_index import ArchiveIndex, check_sizes, numel
 from ._ds_utils import (
-    DS_ALLOWED_GLOBALS, UNIVERSAL_DIR, ModelStates, RankOptim, find_deepspeed_files, looks_like_deepspeed,
-    UNIVERSAL_MODEL_FILES, looks_like_universal, moment, read_model_states, read_rank_optim, universal_folder,
-    universal_model_files,
+    ModelStates, RankOptim, find_deepspeed_files, looks_like_deepspeed, moment, read_model_states, read_rank_optim,
 )
-from ._torch_archive import TensorRef, TorchArchive, read_torch_archive
-from ._zero_layout import Segment, segment_boxes, zero3_segments, zero12_segments
+from ._torch_archive import TensorRef, TorchArchive
+from ._zero_layout import Segment, zero3_segments, zero12_segments
 from .base import Source, SourceOptions, register
 
-__all__ = ["DeepSpeedSource", "DeepSpeedUniversalSource"]
+__all__ = ["DeepSpeedSource", "zero3_frozen"]
 
 # Inner optimizer state that is one value per flat buffer, not per element.
 _SCALAR_STATE = ("step",)
 
 
-class _Builder:
-    """Collects tensor records whose chunks are byte ranges of the archives."""
-
-    def __init__(self, archives: list[TorchArchive]) -> None:
-        self.archives = archives
-        self.file_of = {id(a): i for i, a in enumerate(archives)}
-        self.tensors: dict[str, TensorRecord] = {}
-        self.paths: dict[str, tuple[str | int, ...]] = {}
-
-    def location(self, archive: TorchArchive, t: TensorRef, elem: int, numel: int, what: str) -> Location:
-        start, nbytes = archive.byte_range(t, what)
-        size = t.dtype.itemsize
-        if elem + numel > t.numel:
-            raise CheckpointFormatError(
-                f"{archive.path}: {what} needs elements [{elem}, {elem + numel}) of a buffer of {t.numel}"
-            )
-        return Location(self.file_of[id(archive)], start + elem * size, numel * size, "")
-
-    def whole(self, key: str, path: tuple[str | int, ...], archive: TorchArchive, t: TensorRef,
-              shape: tuple[int, ...], what: str) -> None:
-        """``key`` is tensor ``t`` itself (viewed as ``shape``)."""
-        n = 1
-        for s in shape:
-            n *= s
-        loc = self.location(archive, t, 0, n, what)
-        self.add(key, path, t.dtype, shape, [ChunkRecord(Box((0,) * len(shape), shape), loc)])
-
-    def flat(self, key: str, path: tuple[str | int, ...], shape: tuple[int, ...], segs: list[Segment],
-             buffer_of: Any, what: str) -> None:
-        """``key`` of ``shape`` lies in flat buffers: ``buffer_of(seg)`` gives ``(archive, tensor)`` of a segment."""
-        chunks: list[ChunkRecord] = []
-        dtype = None
-        for seg in segs:
-            archive, t = buffer_of(seg)
-            dtype = t.dtype if dtype is None else dtype
-            if t.dtype != dtype:
-                raise CheckpointFormatError(f"{archive.path}: {what} is stored as both {dtype} and {t.dtype}")
-            for box, off in segment_boxes(shape, seg):
-                chunks.append(ChunkRecord(box, self.location(archive, t, off, box.numel, what)))
-        # An empty parameter has no element stored anywhere, and no chunks.
-        self.add(key, path, dtype or torch.float32, shape, chunks)
-
-    def add(self, key: str, path: tuple[str | int, ...], dtype: torch.dtype, shape: tuple[int, ...],
-            chunks: list[ChunkRecord]) -> None:
-        self.tensors[key] = TensorRecord(dtype, tuple(shape), None, False, chunks=chunks)
-        self.paths[key] = path
-
-
-def _zero3_frozen(b: _Builder, models: list[ModelStates], fqn: str, shape: tuple[int, ...]) -> None:
+def zero3_frozen(b: ArchiveIndex, models: list[ModelStates], fqn: str, shape: tuple[int, ...]) -> None:
     """``model.<fqn>`` of a ZeRO-3 frozen parameter: one padded slice per rank's ``frozen_param_fragments``."""
     world = len(models)
-    ps = -(-_numel(shape) // world)
-    segs = zero3_segments([_numel(shape)], world, [ps])[0]
+    ps = -(-numel(shape) // world)
+    segs = zero3_segments([numel(shape)], world, [ps])[0]
 
     def frag(seg: Segment) -> tuple[TorchArchive, TensorRef]:
         m = models[seg.rank]
@@ -144,7 +91,7 @@ class DeepSpeedSource(Source):
                 f"{'per-rank' if len(models) > 1 else 'one'} model states file(s)"
             )
         archives = [m.archive for m in models] + [o.archive for o in optims]
-        b = _Builder(archives)
+        b = ArchiveIndex(archives)
         self._values: dict[str, Any] = {}
         self._value_paths: dict[str, tuple[str | int, ...]] = {}
         m0 = models[0]
@@ -167,7 +114,7 @@ class DeepSpeedSource(Source):
         self.ds_version = m0.ds_version
 
     # ------------------------------------------------------------ layouts
-    def _moments(self, b: _Builder, fqn: str, shape: tuple[int, ...], segs: list[Segment],
+    def _moments(self, b: ArchiveIndex, fqn: str, shape: tuple[int, ...], segs: list[Segment],
                  optims: list[RankOptim], first_buffer: int) -> None:
         """``optim.state.<fqn>.*``: per-element moments laid out as the fp32 buffers, plus the step."""
         st0 = optims[0].state.get(first_buffer, {})
@@ -195,7 +142,7 @@ class DeepSpeedSource(Source):
 
             b.flat(key, path, shape, segs, buffer_of, f"{name} of {fqn!r}")
 
-    def _zero12(self, b: _Builder, m0: ModelStates, optims: list[RankOptim]) -> list[list[str]]:
+    def _zero12(self, b: ArchiveIndex, m0: ModelStates, optims: list[RankOptim]) -> list[list[str]]:
         if len(m0.param_shapes) != len(optims[0].fp32):
             raise CheckpointFormatError(
                 f"{m0.archive.path}: param_shapes has {len(m0.param_shapes)} groups, the optimizer files "
@@ -206,7 +153,7 @@ class DeepSpeedSource(Source):
             # Each rank's partition is padded to the same length; the saved
             # fp32 partition leaves the padding out (group_paddings).
             sizes = [o.fp32[g].numel + o.paddings[g] for o in optims]
-            numels = [_numel(s) for s in shapes.values()]
+            numels = [numel(s) for s in shapes.values()]
             try:
                 all_segs = zero12_segments(numels, sizes, g)
             except ValueError as e:
@@ -218,7 +165,7 @@ class DeepSpeedSource(Source):
             groups.append(list(shapes))
         return groups
 
-    def _zero3(self, b: _Builder, models: list[ModelStates], optims: list[RankOptim]) -> list[list[str]]:
+    def _zero3(self, b: ArchiveIndex, models: list[ModelStates], optims: list[RankOptim]) -> list[list[str]]:
         m0 = models[0]
         W = self.world_size
         sizes = [t.numel for t in optims[0].fp32]
@@ -229,7 +176,7 @@ class DeepSpeedSource(Source):
                 )
         flat = [(fqn, shape, k) for k, d in enumerate(m0.param_shapes) for fqn, shape in d.items()]
         try:
-            all_segs = zero3_segments([_numel(s) for _, s, _ in flat], W, sizes)
+            all_segs = zero3_segments([numel(s) for _, s, _ in flat], W, sizes)
         except ValueError as e:
             raise CheckpointFormatError(f"{m0.archive.path}: {e}") from None
         by_buffer: dict[int, list[str]] = {}
@@ -252,12 +199,12 @@ class DeepSpeedSource(Source):
                 self._values[key] = fqns if hp == "params" else v
                 self._value_paths[key] = ("optim", "param_groups", g, hp)
 
-    def _frozen_and_buffers(self, b: _Builder, models: list[ModelStates]) -> None:
+    def _frozen_and_buffers(self, b: ArchiveIndex, models: list[ModelStates]) -> None:
         m0 = models[0]
         for fqn, shape in m0.frozen_shapes.items():
             key, path, what = f"model.{fqn}", ("model", fqn), f"frozen parameter {fqn!r}"
             if self.stage == 3:
-                _zero3_frozen(b, models, fqn, shape)
+                zero3_frozen(b, models, fqn, shape)
             else:
                 t = m0.frozen_fragments.get(fqn)
                 if t is None:
@@ -295,134 +242,4 @@ class DeepSpeedSource(Source):
 
     def check_files(self) -> list[str]:
         """Every file is still the size it was when opened."""
-        return _check_sizes(self)
-
-
-@register
-class DeepSpeedUniversalSource(Source):
-    """A DeepSpeed Universal checkpoint (``ds_to_universal`` output): one file per parameter and state.
-
-    The directory with ``latest_universal``, or the tag folder. Each
-    ``zero/<fqn>/{fp32,exp_avg,exp_avg_sq}.pt`` holds the full tensor under
-    ``"param"``; ``step.pt`` the step. Names are as for
-    :class:`DeepSpeedSource`. The folder records no optimizer
-    hyperparameters, so ``optim.param_groups.<g>`` has ``params`` only: load
-    the others from your own optimizer (``allow_partial_load=True``).
-    Converted from ZeRO-3, the folder stores tensors flattened (read in their
-    shapes), no ``step.pt`` and no files for frozen parameters (read from the
-    copied per-rank model states), and no ``optim.param_groups`` is given.
-    """
-
-    format = "deepspeed-universal"
-    checksums = False
-
-    def __init__(self, path: str) -> None:
-        folder = universal_folder(path)
-        model_files = universal_model_files(folder)
-        if not model_files:
-            raise CheckpointFormatError(
-                f"{folder}: a DeepSpeed Universal folder without model states "
-                f"(expected {' or '.join(UNIVERSAL_MODEL_FILES)})"
-            )
-        models = [read_model_states(f) for f in model_files]
-        m0 = models[0]
-        archives: list[TorchArchive] = [m.archive for m in models]
-        b = _Builder(archives)
-        zero = os.path.join(folder, UNIVERSAL_DIR)
-        self._values: dict[str, Any] = {}
-        value_paths: dict[str, tuple[str | int, ...]] = {}
-
-        def one(fqn: str, kind: str, shape: tuple[int, ...] | None) -> tuple[TorchArchive, TensorRef] | None:
-            f = os.path.join(zero, fqn, f"{kind}.pt")
-            if not os.path.isfile(f):
-                return None
-            a = read_torch_archive(f, DS_ALLOWED_GLOBALS)
-            t = a.obj.get("param") if isinstance(a.obj, dict) else a.obj
-            if not isinstance(t, TensorRef):
-                raise CheckpointFormatError(f"{f}: holds no tensor (expected a dict with 'param', or a tensor)")
-            # From a ZeRO-3 source, ds_to_universal saves each tensor flattened
-            # (1-D, the same elements in row-major order): read as the shape.
-            if shape is not None and t.size != shape and not (t.size == (math.prod(shape),) and t.stride == (1,)):
-                raise CheckpointFormatError(
-                    f"{f}: a tensor of shape {list(t.size)}, expected {list(shape)} from param_shapes "
-                    "(padded vocabularies and tensor-parallel universal folders are not supported)"
-                )
-            archives.append(a)
-            b.file_of[id(a)] = len(archives) - 1
-            return a, t
-
-        shapes = {fqn: shape for d in m0.param_shapes for fqn, shape in d.items()}
-        for fqn, shape in {**shapes, **m0.frozen_shapes}.items():
-            got = one(fqn, "fp32", shape)
-            if got is None and fqn not in shapes and len(models) > 1:
-                # From ZeRO-3, ds_to_universal writes no files for frozen
-                # parameters; the copied per-rank model states hold them.
-                _zero3_frozen(b, models, fqn, shape)
-                continue
-            if got is None:
-                raise CheckpointFormatError(f"{zero}: no {fqn}/fp32.pt for parameter {fqn!r}")
-            b.whole(f"model.{fqn}", ("model", fqn), got[0], got[1], shape, f"parameter {fqn!r}")
-            if fqn not in shapes:
-                continue
-            for kind in ("exp_avg", "exp_avg_sq", "step"):
-                got = one(fqn, kind, None if kind == "step" else shape)
-                if got is not None:
-                    b.whole(f"optim.state.{fqn}.{kind}", ("optim", "state", fqn, kind), got[0], got[1],
-                            got[1].size if kind == "step" else shape, f"{kind} of {fqn!r}")
-        for tied, owner in m0.shared.items():
-            if f"model.{owner}" in b.tensors:
-                b.tensors[f"model.{tied}"] = b.tensors[f"model.{owner}"]
-                b.paths[f"model.{tied}"] = ("model", tied)
-        for name in m0.buffer_names:
-            t = m0.module.get(name)
-            if t is None:
-                raise CheckpointFormatError(f"{m0.archive.path}: buffer {name!r} is not in the module state dict")
-            b.whole(f"model.{name}", ("model", name), m0.archive, t, t.size, f"buffer {name!r}")
-        # From ZeRO-3, param_shapes lists the optimizer's sub-groups, not its
-        # parameter groups: no optim.param_groups there.
-        for g, d in enumerate(m0.param_shapes if len(models) == 1 else []):
-            key = f"optim.param_groups.{g}.params"
-            self._values[key] = list(d)
-            value_paths[key] = ("optim", "param_groups", g, "params")
-        records = [FileRecord(os.path.relpath(a.path, path), 0, a.size) for a in archives]
-        values = {k: Location(0, 0, 0, "") for k in self._values}
-        index = Index(1, records, b.tensors, values, {}, paths={**b.paths, **value_paths})
-        super().__init__(path, index, [a.path for a in archives])
-
-    @classmethod
-    def detect(cls, path: str) -> bool:
-        """A directory with ``latest_universal``, or a folder with ``zero/`` and its model states (ZeRO-1/2 or 3)."""
-        return looks_like_universal(path)
-
-    @classmethod
-    def open(cls, path: str, options: SourceOptions) -> "DeepSpeedUniversalSource":
-        """Read every file's pickle (as inert records; tensor data is not read)."""
-        return cls(path)
-
-    def decode_value(self, key: str, raw: bytes) -> bytes:
-        """Values (the groups' parameter names) come from ``param_shapes``, read when opened."""
-        return encode_value(self._values[key], key)
-
-    def check_files(self) -> list[str]:
-        """Every file is still the size it was when opened."""
-        return _check_sizes(self)
-
-
-def _check_sizes(source: Source) -> list[str]:
-    problems = []
-    for p, f in zip(source.paths, source.index.files):
-        try:
-            size = os.path.getsize(p)
-        except OSError as e:
-            problems.append(f"{p}: {e.strerror or e}")
-            continue
-        if size != f.size:
-            problems.append(f"{p}: {size} bytes on disk, {f.size} when opened")
-    return problems
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+        return check_sizes(self)

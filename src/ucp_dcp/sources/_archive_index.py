@@ -1,0 +1,92 @@
+"""Index records whose chunks are byte ranges inside ``torch.save`` archives.
+
+The sources that read formats made of ``torch.save`` files (DeepSpeed's
+checkpoints and Universal folders) describe each tensor as chunks, each a
+byte range of one archive's storage record: the whole tensor
+(:meth:`ArchiveIndex.whole`), or pieces of flat buffers laid end to end
+(:meth:`ArchiveIndex.flat`, with the segments :mod:`._zero_layout` computes).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable
+
+import torch
+
+from ..core.sharding import Box
+from ..errors import CheckpointFormatError
+from ..format import ChunkRecord, Location, TensorRecord
+from ._torch_archive import TensorRef, TorchArchive
+from ._zero_layout import Segment, segment_boxes
+from .base import Source
+
+__all__ = ["ArchiveIndex", "check_sizes", "numel"]
+
+
+class ArchiveIndex:
+    """Collects tensor records whose chunks are byte ranges of the archives."""
+
+    def __init__(self, archives: list[TorchArchive]) -> None:
+        self.archives = archives
+        self.file_of = {id(a): i for i, a in enumerate(archives)}
+        self.tensors: dict[str, TensorRecord] = {}
+        self.paths: dict[str, tuple[str | int, ...]] = {}
+
+    def location(self, archive: TorchArchive, t: TensorRef, elem: int, numel: int, what: str) -> Location:
+        start, nbytes = archive.byte_range(t, what)
+        size = t.dtype.itemsize
+        if elem + numel > t.numel:
+            raise CheckpointFormatError(
+                f"{archive.path}: {what} needs elements [{elem}, {elem + numel}) of a buffer of {t.numel}"
+            )
+        return Location(self.file_of[id(archive)], start + elem * size, numel * size, "")
+
+    def whole(self, key: str, path: tuple[str | int, ...], archive: TorchArchive, t: TensorRef,
+              shape: tuple[int, ...], what: str) -> None:
+        """``key`` is tensor ``t`` itself (viewed as ``shape``)."""
+        n = 1
+        for s in shape:
+            n *= s
+        loc = self.location(archive, t, 0, n, what)
+        self.add(key, path, t.dtype, shape, [ChunkRecord(Box((0,) * len(shape), shape), loc)])
+
+    def flat(self, key: str, path: tuple[str | int, ...], shape: tuple[int, ...], segs: list[Segment],
+             buffer_of: Callable[[Segment], tuple[TorchArchive, TensorRef]], what: str) -> None:
+        """``key`` of ``shape`` lies in flat buffers: ``buffer_of(seg)`` gives ``(archive, tensor)`` of a segment."""
+        chunks: list[ChunkRecord] = []
+        dtype = None
+        for seg in segs:
+            archive, t = buffer_of(seg)
+            dtype = t.dtype if dtype is None else dtype
+            if t.dtype != dtype:
+                raise CheckpointFormatError(f"{archive.path}: {what} is stored as both {dtype} and {t.dtype}")
+            for box, off in segment_boxes(shape, seg):
+                chunks.append(ChunkRecord(box, self.location(archive, t, off, box.numel, what)))
+        # An empty parameter has no element stored anywhere, and no chunks.
+        self.add(key, path, dtype or torch.float32, shape, chunks)
+
+    def add(self, key: str, path: tuple[str | int, ...], dtype: torch.dtype, shape: tuple[int, ...],
+            chunks: list[ChunkRecord]) -> None:
+        self.tensors[key] = TensorRecord(dtype, tuple(shape), None, False, chunks=chunks)
+        self.paths[key] = path
+
+
+def check_sizes(source: Source) -> list[str]:
+    """One line per data file of ``source`` that is missing or not the size it was when opened."""
+    problems = []
+    for p, f in zip(source.paths, source.index.files):
+        try:
+            size = os.path.getsize(p)
+        except OSError as e:
+            problems.append(f"{p}: {e.strerror or e}")
+            continue
+        if size != f.size:
+            problems.append(f"{p}: {size} bytes on disk, {f.size} when opened")
+    return problems
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    """Number of elements of a tensor of ``shape``."""
+    return math.prod(shape)
