@@ -19,6 +19,15 @@ every checkpoint into different *target* layouts and measures, per format:
   ``/proc/self/statm`` in a thread, total RSS from the kernel's VmHWM,
 * a page-granular floor: the least a perfect offset reader could pull from
   storage, which tells layout physics apart from reader overhead,
+* the physical limits, measured in the same run, once before the ranks
+  start and once after they finish (the better of the two counts): the
+  best cold read bandwidth parallel sequential readers get from the
+  checkpoints' disk (1, 3, 6, 12 readers; 1 MiB and 16 MiB reads) and the
+  best write+fsync bandwidth of 1, 2, 4, 8 parallel writers
+  (``harness.storage_limits``).  A load's limit is its *needed* bytes at the
+  read bandwidth, a save's is its bytes on disk at the write bandwidth;
+  the ratios to them, DCP's ratios, and the storage-speed targets
+  (docs/storage-speed.md) are printed as met/MISSED, never asserted,
 * with ``--verify-cost``: for ucp, every timed cold load is run twice, with
   the reader's checksum verification on (the default) and off, in
   alternating order, and the per-pair cost of verification is reported
@@ -77,6 +86,7 @@ from harness import (
     MB,
     PAGE,
     Column,
+    MiB,
     PeakMemorySampler,
     TurnTakingReader,
     adamw_state,
@@ -102,6 +112,7 @@ from harness import (
     seed_of,
     set_rank_env,
     spawn_ranks,
+    storage_limits,
     synth_values,
     tensor_bytes,
     text_table,
@@ -117,6 +128,12 @@ TARGET_READ_AMP = 1.05
 TARGET_LOAD_RATIO = 0.6
 TARGET_SAVE_RATIO = 1.0
 TARGET_VERIFY_RATIO = 1.05  # cold load with verification / without, every pair
+# Storage-speed targets (issue 15, docs/storage-speed.md); informational, never asserted.
+TARGET_LOAD_OVER_LIMIT = 1.2  # ucp cold load / (needed bytes at the best cold read bandwidth)
+TARGET_DCP_SPEEDUP = 2.0  # ucp at least this much faster than DCP cold where DCP pulls ...
+DCP_AMP_FOR_SPEEDUP = 1.4  # ... at least this multiple of the needed bytes; never slower elsewhere
+TARGET_SAVE_OVER_LIMIT = 1.2  # ucp save / (bytes on disk at the best write+fsync bandwidth)
+EXTRA_MEMORY_PER_RANK = 64 * MiB  # peak extra anonymous memory per rank during a load (target excluded)
 
 
 # --------------------------------------------------------------------------
@@ -863,6 +880,127 @@ def targets_report(records: list[dict[str, Any]]) -> str:
     return "\n".join(["=== ucp vs. targets (informational) ===", *text_table(TARGET_COLUMNS, rows)])
 
 
+LIMIT_COLUMNS = [Column("pair", 15, "<"), Column("needed MB", 10), Column("ucp MB", 9), Column("ucp s", 8),
+                 Column("limit s", 8), Column("ucp/lim", 8), Column("dcp MB", 9), Column("dcp s", 8),
+                 Column("dcp/lim", 8), Column("ucp/dcp", 8), Column("mem MiB", 8),
+                 Column(f"<={TARGET_LOAD_OVER_LIMIT}xlim", 11), Column("vs dcp", 20, "<", gap=2),
+                 Column("mem", 7)]
+SAVE_LIMIT_COLUMNS = [Column("source", 8, "<"), Column("ucp MB", 9), Column("ucp s", 8), Column("limit s", 8),
+                      Column("ucp/lim", 8), Column("dcp MB", 9), Column("dcp s", 8), Column("dcp/lim", 8),
+                      Column("ucp/dcp", 8), Column(f"<={TARGET_SAVE_OVER_LIMIT}xlim", 11), Column("<=dcp", 8)]
+
+
+def best_limits(measured: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The better read and write bandwidth of the storage measurements of one run (start, end)."""
+    ok = [m for m in measured if m]
+    if not ok:
+        return {}
+    return {"read_bytes_per_s": max(m["read_bytes_per_s"] for m in ok),
+            "write_bytes_per_s": max(m["write_bytes_per_s"] for m in ok)}
+
+
+def _dcp_target(dcp_amp: float | None) -> tuple[float, str]:
+    """The most ucp's cold load may take relative to DCP's, and why."""
+    if dcp_amp is not None and dcp_amp >= DCP_AMP_FOR_SPEEDUP:
+        return 1 / TARGET_DCP_SPEEDUP, f"<={1 / TARGET_DCP_SPEEDUP:g}x dcp"
+    return 1.0, "<=1x dcp"
+
+
+def limit_records(records: list[dict[str, Any]], saves: dict[str, dict[str, Any]],
+                  limits: dict[str, Any]) -> dict[str, Any]:
+    """Adds a ``limits`` entry to every pair record; returns the per-save records and every verdict.
+
+    A load's limit is its needed bytes at the best cold read bandwidth, a
+    save's its bytes on disk at the best write+fsync bandwidth, both
+    measured in this run.
+    """
+    read_bw, write_bw = limits.get("read_bytes_per_s"), limits.get("write_bytes_per_s")
+    verdicts: dict[str, str] = {}
+    for rec in records:
+        ucp, dcp_ = rec["formats"].get("ucp", {}), rec["formats"].get("dcp", {})
+        needed = ucp.get("needed_bytes") or dcp_.get("needed_bytes")
+        limit_s = None if not needed or not read_bw else needed / read_bw
+        bound, why = _dcp_target(dcp_.get("read_amp"))
+        lim = {
+            "needed_bytes": needed, "read_bytes_per_s": read_bw, "limit_s": limit_s,
+            "ucp_load_s": ucp.get("load_s"), "ucp_pulled_bytes": ucp.get("pulled_bytes"),
+            "ucp_over_limit": ratio(ucp.get("load_s"), limit_s),
+            "dcp_load_s": dcp_.get("load_s"), "dcp_pulled_bytes": dcp_.get("pulled_bytes"),
+            "dcp_read_amp": dcp_.get("read_amp"), "dcp_over_limit": ratio(dcp_.get("load_s"), limit_s),
+            "ucp_over_dcp": ratio(ucp.get("load_s"), dcp_.get("load_s")), "ucp_over_dcp_max": bound,
+            "ucp_peak_anon_per_rank_max": ucp.get("peak_anon_growth_max"),
+            "ucp_peak_rss_per_rank_max": ucp.get("peak_rss_growth_max"),
+            "dcp_peak_anon_per_rank_max": dcp_.get("peak_anon_growth_max"),
+        }
+        lim["verdicts"] = {
+            "load_over_limit": _verdict(lim["ucp_over_limit"], TARGET_LOAD_OVER_LIMIT),
+            "vs_dcp": _verdict(lim["ucp_over_dcp"], bound), "vs_dcp_rule": why,
+            "memory": _verdict(lim["ucp_peak_anon_per_rank_max"], EXTRA_MEMORY_PER_RANK),
+        }
+        rec["limits"] = lim
+        for k in ("load_over_limit", "vs_dcp", "memory"):
+            verdicts[f"{rec['pair']}/{k}"] = lim["verdicts"][k]
+    save_recs: dict[str, Any] = {}
+    for layout, per_fmt in saves.items():
+        ucp, dcp_ = per_fmt.get("ucp", {}), per_fmt.get("dcp", {})
+        ucp_lim = ratio(ucp.get("bytes_on_disk"), write_bw)
+        dcp_lim = ratio(dcp_.get("bytes_on_disk"), write_bw)
+        rec = {"ucp_bytes": ucp.get("bytes_on_disk"), "ucp_save_s": ucp.get("save_s"), "write_bytes_per_s": write_bw,
+               "limit_s": ucp_lim, "ucp_over_limit": ratio(ucp.get("save_s"), ucp_lim),
+               "dcp_bytes": dcp_.get("bytes_on_disk"), "dcp_save_s": dcp_.get("save_s"), "dcp_limit_s": dcp_lim,
+               "dcp_over_limit": ratio(dcp_.get("save_s"), dcp_lim),
+               "ucp_over_dcp": ratio(ucp.get("save_s"), dcp_.get("save_s"))}
+        rec["verdicts"] = {"save_over_limit": _verdict(rec["ucp_over_limit"], TARGET_SAVE_OVER_LIMIT),
+                           "vs_dcp": _verdict(rec["ucp_over_dcp"], 1.0)}
+        save_recs[layout] = rec
+        for k in ("save_over_limit", "vs_dcp"):
+            verdicts[f"save {layout}/{k}"] = rec["verdicts"][k]
+    return {"saves": save_recs, "verdicts": verdicts}
+
+
+def limits_report(records: list[dict[str, Any]], limit_doc: dict[str, Any], limits: dict[str, Any],
+                  measured: Sequence[dict[str, Any]]) -> str:
+    """The storage-speed tables: every load and save against the physical limit and DCP."""
+    rows = []
+    for rec in records:
+        lim = rec["limits"]
+        v = lim["verdicts"]
+        rows.append([rec["pair"], fmt_mb(lim["needed_bytes"]), fmt_mb(lim["ucp_pulled_bytes"]),
+                     fmt_num(lim["ucp_load_s"], ".3f"), fmt_num(lim["limit_s"], ".3f"),
+                     fmt_num(lim["ucp_over_limit"], ".2f"), fmt_mb(lim["dcp_pulled_bytes"]),
+                     fmt_num(lim["dcp_load_s"], ".3f"), fmt_num(lim["dcp_over_limit"], ".2f"),
+                     fmt_num(lim["ucp_over_dcp"], ".2f"),
+                     fmt_num(None if lim["ucp_peak_anon_per_rank_max"] is None
+                             else lim["ucp_peak_anon_per_rank_max"] / MiB, ".1f"),
+                     v["load_over_limit"], f"{v['vs_dcp']} ({v['vs_dcp_rule']})", v["memory"]])
+    srows = []
+    for layout, r in limit_doc["saves"].items():
+        srows.append([layout, fmt_mb(r["ucp_bytes"]), fmt_num(r["ucp_save_s"], ".3f"), fmt_num(r["limit_s"], ".3f"),
+                      fmt_num(r["ucp_over_limit"], ".2f"), fmt_mb(r["dcp_bytes"]), fmt_num(r["dcp_save_s"], ".3f"),
+                      fmt_num(r["dcp_over_limit"], ".2f"), fmt_num(r["ucp_over_dcp"], ".2f"),
+                      r["verdicts"]["save_over_limit"], r["verdicts"]["vs_dcp"]])
+    bw = [f"{tag}: read {m['read_bytes_per_s'] / 1e9:.2f} GB/s ({m['best_read']['threads']} readers, "
+          f"{m['best_read']['block'] // MiB} MiB reads), write+fsync {m['write_bytes_per_s'] / 1e9:.2f} GB/s "
+          f"({m['best_write']['threads']} writers)" for tag, m in zip(("start", "end"), measured) if m]
+    missed = [k for k, v in limit_doc["verdicts"].items() if v == "MISSED"]
+    return "\n".join([
+        "=== storage speed: ucp against the physical limits (measured in this run; informational) ===",
+        *("  " + b for b in bw),
+        f"  limits use the better: read {limits['read_bytes_per_s'] / 1e9:.2f} GB/s, "
+        f"write+fsync {limits['write_bytes_per_s'] / 1e9:.2f} GB/s",
+        *text_table(LIMIT_COLUMNS, rows),
+        f"limit s: needed MB at the read bandwidth; ucp/dcp MB: bytes pulled; mem MiB: ucp's peak extra anonymous "
+        f"memory on the largest rank (target <= {EXTRA_MEMORY_PER_RANK // MiB} MiB; the destination is excluded); "
+        f"vs dcp: <= {1 / TARGET_DCP_SPEEDUP:g}x DCP's time where DCP pulls >= {DCP_AMP_FOR_SPEEDUP}x the needed "
+        "bytes, else <= 1x",
+        "",
+        *text_table(SAVE_LIMIT_COLUMNS, srows),
+        "ucp/dcp MB: bytes on disk; limit s: ucp's bytes at the write+fsync bandwidth (dcp/lim uses DCP's bytes)",
+        f"targets: {len(limit_doc['verdicts']) - len(missed)} met, {len(missed)} MISSED"
+        + (": " + ", ".join(missed) if missed else ""),
+    ])
+
+
 def verify_report(records: list[dict[str, Any]]) -> str:
     """One line per pair: ucp cold load with verification on and off, and what it costs."""
     rows = []
@@ -916,6 +1054,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verify-cost", action="store_true",
                    help="ucp: time every cold load with checksum verification on (the default) and off, "
                         "alternating, and report the cost per pair")
+    p.add_argument("--probe-mb", type=float, default=None,
+                   help="bytes each storage-bandwidth measurement reads and writes, MB (default 512, 32 with "
+                        "--quick; 0 skips the physical limits)")
     p.add_argument("--workdir", default=None,
                    help="checkpoint directory (must be a page-cache-backed disk, not tmpfs); "
                         "default: a fresh dir under /tmp, removed at the end")
@@ -924,7 +1065,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="out/bench_reshard.json",
                    help="JSON results path (default: out/, which git ignores)")
     args = p.parse_args(argv)
-    quick_defaults(args, size_mb=(40.0, 300.0), repeats=(1, 3))
+    quick_defaults(args, size_mb=(40.0, 300.0), repeats=(1, 3), probe_mb=(32.0, 512.0))
     if args.hidden is None:
         args.hidden = 2048 if args.size_mb >= 150 else 1024
     args.pairs = comma_list(p, args.pairs, list(PAIRS), "pair")
@@ -932,9 +1073,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def print_reports(saves: dict[str, Any], loads: dict[str, Any],
-                  args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Print every table; returns the per-pair JSON records."""
+def print_reports(saves: dict[str, Any], loads: dict[str, Any], args: argparse.Namespace,
+                  measured: Sequence[dict[str, Any]] = ()) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Print every table; returns the per-pair JSON records and the storage-limit records."""
     print()
     print(save_report(saves, args.formats))
     records = []
@@ -946,13 +1087,19 @@ def print_reports(saves: dict[str, Any], loads: dict[str, Any],
     if "ucp" in args.formats and "dcp" in args.formats:
         print()
         print(targets_report(records))
+    limits = best_limits(measured)
+    limit_doc: dict[str, Any] = {}
+    if limits and "ucp" in args.formats and "dcp" in args.formats:
+        limit_doc = limit_records(records, saves, limits)
+        print()
+        print(limits_report(records, limit_doc, limits, measured))
     if args.verify_cost and "ucp" in args.formats:
         print()
         print(verify_report(records))
     if "hf" in args.formats:
         print("\n* hf = HuggingFaceStorageWriter/Reader: model weights only (no optimizer "
               "state), so its MB columns are not comparable with dcp/ucp.")
-    return records
+    return records, limit_doc
 
 
 def collect_failures(saves: dict[str, Any], loads: dict[str, Any]) -> list[str]:
@@ -970,6 +1117,17 @@ def collect_failures(saves: dict[str, Any], loads: dict[str, Any]) -> list[str]:
                 failures.append(f"load {pair}/{name}: {ld['error']}")
             failures.extend(f"MISMATCH {pair}/{name}: {m}" for m in ld.get("mismatches", []))
     return failures
+
+
+def measure_storage(workdir: str, probe_mb: float, when: str) -> dict[str, Any]:
+    """The disk's best cold read and write+fsync bandwidth under ``workdir`` ({} when ``probe_mb`` is 0)."""
+    if probe_mb <= 0:
+        return {}
+    print(f"measuring storage bandwidth ({when}, {probe_mb:g} MB probe) ...", flush=True)
+    res = storage_limits(workdir, int(probe_mb * MB)).as_dict()
+    print(f"  read {res['read_bytes_per_s'] / 1e9:.2f} GB/s, write+fsync {res['write_bytes_per_s'] / 1e9:.2f} GB/s"
+          f" ({res['seconds']:.1f}s)", flush=True)
+    return res
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -991,13 +1149,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs = [Job("save", n, args.formats, specs, workdir, args.repeats) for n in sources]
     jobs += [Job("load", p, args.formats, specs, workdir, args.repeats, verify_cost=args.verify_cost)
              for p in args.pairs]
+    load_avg = [os.getloadavg()]
+    measured: list[dict[str, Any]] = []
     try:
+        measured.append(measure_storage(workdir, args.probe_mb, "start"))
         saves, loads = run_jobs(jobs, failures)
+        measured.append(measure_storage(workdir, args.probe_mb, "end"))
     finally:
+        load_avg.append(os.getloadavg())
         if not args.keep and args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+    print(f"load average (1, 5, 15 min): start {', '.join(f'{x:.2f}' for x in load_avg[0])}; "
+          f"end {', '.join(f'{x:.2f}' for x in load_avg[1])}")
 
-    records = print_reports(saves, loads, args)
+    records, limit_doc = print_reports(saves, loads, args, measured)
     failures += collect_failures(saves, loads)
 
     wall = time.perf_counter() - t_start
@@ -1010,7 +1175,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "state_bytes": state_bytes,
         "targets": {"read_amp_max": TARGET_READ_AMP,
                     "cold_load_ratio_max": {PRIMARY_PAIR: TARGET_LOAD_RATIO},
-                    "save_ratio_max": TARGET_SAVE_RATIO, "verify_ratio_max": TARGET_VERIFY_RATIO},
+                    "save_ratio_max": TARGET_SAVE_RATIO, "verify_ratio_max": TARGET_VERIFY_RATIO,
+                    "load_over_limit_max": TARGET_LOAD_OVER_LIMIT, "dcp_speedup_min": TARGET_DCP_SPEEDUP,
+                    "dcp_amp_for_speedup": DCP_AMP_FOR_SPEEDUP, "save_over_limit_max": TARGET_SAVE_OVER_LIMIT,
+                    "extra_memory_per_rank_max": EXTRA_MEMORY_PER_RANK},
+        "load_avg": {"start": load_avg[0], "end": load_avg[1]},
+        "storage_limits": {"start": (measured + [{}])[0], "end": (measured[1:] + [{}])[0],
+                           "best": best_limits(measured)},
+        "save_limits": limit_doc.get("saves", {}),
+        "verdicts": limit_doc.get("verdicts", {}),
         "saves": saves,
         "pairs": records,
         "failures": failures,
