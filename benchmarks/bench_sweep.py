@@ -76,6 +76,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the checkout when it is inside it (result JSON kept in git stays portable)."""
+    try:
+        return str(path.resolve().relative_to(Path(__file__).resolve().parent.parent))
+    except ValueError:
+        return str(path)
+
+
 def point(size_mb: float, doc: dict[str, Any], pair: str) -> dict[str, Any]:
     """One (size, pair) row of the sweep from a bench_reshard result document."""
     rec = next(r for r in doc["pairs"] if r["pair"] == pair)
@@ -173,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = json.loads(run_out.read_text())
         if args.workdir:
             shutil.rmtree(Path(args.workdir) / f"size_{size:g}", ignore_errors=True)
-        runs[f"{size:g}"] = {"rc": rc, "json": str(run_out), "load_avg": doc.get("load_avg"),
+        runs[f"{size:g}"] = {"rc": rc, "json": _shown(run_out), "load_avg": doc.get("load_avg"),
                              "storage_limits": doc.get("storage_limits", {}).get("best"),
                              "verdicts": doc.get("verdicts"), "wall_s": doc.get("wall_s")}
         if rc:
