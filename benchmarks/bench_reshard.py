@@ -58,6 +58,7 @@ See benchmarks/README.md for the method and caveats.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import platform
@@ -67,7 +68,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -550,34 +551,49 @@ def _timed_save(fmt: str, path: str, state: dict[str, Any], ctx: Ctx) -> dict[st
 
 
 def run_save_job(job: Job, ctx: Ctx) -> dict[str, Any]:
-    """Warm-up and timed saves of one source layout in every format."""
+    """Warm-up and timed saves of one source layout in every format.
+
+    The timed saves are paired like the loads: repeat ``i`` saves every
+    format once, in an order rotated by ``i``. Each format keeps the
+    checkpoint of its last run.
+    """
     layout = job.layout
     rank_log(f"save {job.name}: building state")
     state = build_state(job.specs, layout, ctx.mesh, filled=True)
     out: dict[str, Any] = {}
+    active: list[str] = []
     for fmt in job.formats:
-        path = ckpt_dir(job.workdir, job.name, fmt)
-        marker = _saved_marker(job.workdir, job.name, fmt)
         if ctx.rank == 0:  # a reused --workdir must not vouch for a failed save
-            marker.unlink(missing_ok=True)
-        res: dict[str, Any] = {}
+            _saved_marker(job.workdir, job.name, fmt).unlink(missing_ok=True)
         err = None
         try:
             warm_up(fmt, layout, ctx, job.workdir)
-            runs = []
-            for _ in range(job.repeats):  # the last run's checkpoint is kept
-                fresh_dir(path, ctx.group)
-                res = _timed_save(fmt, path, state["model"] if fmt == "hf" else state, ctx)
-                runs.append(res.pop("save_s"))
-                rank_log(f"save {job.name}/{fmt}: {runs[-1]:.2f}s")
-            res["save_s_runs"] = runs
         except Exception:
             err = traceback.format_exc()
-        res["error"] = ctx.agree(err)
-        if res["error"] is None and ctx.rank == 0:
+        out[fmt] = {"save_s_runs": [], "error": ctx.agree(err)}
+        if out[fmt]["error"] is None:
+            active.append(fmt)
+    for i in range(job.repeats):
+        k = i % max(len(active), 1)
+        for fmt in active[k:] + active[:k]:
+            path = ckpt_dir(job.workdir, job.name, fmt)
+            err = None
+            try:
+                fresh_dir(path, ctx.group)
+                res = _timed_save(fmt, path, state["model"] if fmt == "hf" else state, ctx)
+                out[fmt]["save_s_runs"].append(res.pop("save_s"))
+                out[fmt].update(res)
+                rank_log(f"save {job.name}/{fmt}: {out[fmt]['save_s_runs'][-1]:.2f}s")
+            except Exception:
+                err = traceback.format_exc()
+            out[fmt]["error"] = ctx.agree(err)
+            if out[fmt]["error"] is not None:
+                active.remove(fmt)
+    for fmt in active:
+        if ctx.rank == 0:
+            marker = _saved_marker(job.workdir, job.name, fmt)
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
-        out[fmt] = res
     return out
 
 
@@ -608,74 +624,100 @@ def _measured_load(fmt: str, path: str, target: dict[str, Any], ctx: Ctx,
             "peak_anon_growth": mem.anon_growth}
 
 
-def _load_one_format(job: Job, fmt: str, expected: dict[str, Any], ctx: Ctx) -> dict[str, Any]:
-    """Cold timed load(s), then one turn-taking load for bytes and memory;
-    every loaded state is verified bit-exactly."""
+def _cold_repeat(job: Job, fmt: str, expected: dict[str, Any], ctx: Ctx, res: dict[str, Any], *, i: int) -> None:
+    """Repeat ``i`` of ``fmt``'s timed cold load(s) into fresh NaN targets, appended to ``res``; each verified."""
     layout, model_only = job.layout, fmt == "hf"
     path = ckpt_dir(job.workdir, PAIRS[job.name][0], fmt)
     files = files_under(path)
-    res: dict[str, Any] = {"load_s_runs": [], "cold_io_read_bytes_runs": [], "mismatches": []}
-
-    def fresh_target() -> dict[str, Any]:
-        return build_state(job.specs, layout, ctx.mesh, filled=False, model_only=model_only)
-
-    warm_up(fmt, layout, ctx, job.workdir)
     both = job.verify_cost and fmt == "ucp"
-    if both:
-        res.update(load_s_noverify_runs=[], verify_s_runs=[], verified_bytes_runs=[], cpu_s_runs=[],
-                   cpu_s_noverify_runs=[])
-    for i in range(job.repeats):
-        # With --verify-cost, verification on and off take turns going first.
-        for verified in ((True, False) if i % 2 == 0 else (False, True)) if both else (None,):
-            target = fresh_target()
-            options = {} if verified is None else {"verify": verified}
-            run = _timed_cold_load(fmt, path, files, target, ctx, **options)
-            mode = "" if verified is None else (" (verified)" if verified else " (verify=False)")
-            rank_log(f"load {job.name}/{fmt}: cold load {run['load_s']:.2f}s{mode}")
-            if verified is False:
-                res["load_s_noverify_runs"].append(run["load_s"])
-                res["cpu_s_noverify_runs"].append(run["cpu_s"])
-            else:
-                res["load_s_runs"].append(run["load_s"])
-                res["cold_io_read_bytes_runs"].append(run["cold_io_read_bytes"])
-                if both:
-                    res["cpu_s_runs"].append(run["cpu_s"])
-                    res["verify_s_runs"].append(run["verify_s"])
-                    res["verified_bytes_runs"].append(run["verified_bytes"])
-            res["mismatches"] = verify(target, expected)
-            del target
-            if res["mismatches"]:
-                return res
-    target = fresh_target()
+    # With --verify-cost, verification on and off take turns going first.
+    for verified in ((True, False) if i % 2 == 0 else (False, True)) if both else (None,):
+        target = build_state(job.specs, layout, ctx.mesh, filled=False, model_only=model_only)
+        options = {} if verified is None else {"verify": verified}
+        run = _timed_cold_load(fmt, path, files, target, ctx, **options)
+        mode = "" if verified is None else (" (verified)" if verified else " (verify=False)")
+        rank_log(f"load {job.name}/{fmt}: cold load {run['load_s']:.2f}s{mode}")
+        if verified is False:
+            res["load_s_noverify_runs"].append(run["load_s"])
+            res["cpu_s_noverify_runs"].append(run["cpu_s"])
+        else:
+            res["load_s_runs"].append(run["load_s"])
+            res["cold_io_read_bytes_runs"].append(run["cold_io_read_bytes"])
+            if both:
+                res["cpu_s_runs"].append(run["cpu_s"])
+                res["verify_s_runs"].append(run["verify_s"])
+                res["verified_bytes_runs"].append(run["verified_bytes"])
+        res["mismatches"] = verify(target, expected)
+        del target
+        if res["mismatches"]:
+            return
+
+
+def _turn_taking_repeat(job: Job, fmt: str, expected: dict[str, Any], ctx: Ctx, res: dict[str, Any]) -> None:
+    """One turn-taking load of ``fmt`` for pulled bytes and peak memory, verified."""
+    path = ckpt_dir(job.workdir, PAIRS[job.name][0], fmt)
+    target = build_state(job.specs, job.layout, ctx.mesh, filled=False, model_only=fmt == "hf")
     res.update(_measured_load(fmt, path, target, ctx, job.sample_interval_s))
     rank_log(f"load {job.name}/{fmt}: turn-taking load done")
     res["mismatches"] = verify(target, expected)
-    return res
 
 
 def run_load_job(job: Job, ctx: Ctx) -> dict[str, Any]:
-    """Page floor, timed cold loads and one turn-taking load of one pair in every format."""
+    """Page floor, timed cold loads and one turn-taking load of one pair in every format.
+
+    The timed cold loads are paired: repeat ``i`` loads every format once,
+    in an order rotated by ``i``, so the formats see the same machine load
+    and none always goes first. A format that fails or loads wrong data
+    (on any rank) drops out of the later repeats.
+    """
     src = PAIRS[job.name][0]
     rank_log(f"load {job.name}: building expected state")
     expected_full = build_state(job.specs, job.layout, ctx.mesh, filled=True)
     out: dict[str, Any] = {}
+    active: list[str] = []
     for fmt in job.formats:
         expected = expected_full["model"] if fmt == "hf" else expected_full
-        res: dict[str, Any] = {"needed_bytes": tensor_bytes(expected)}
+        res: dict[str, Any] = {"needed_bytes": tensor_bytes(expected), "load_s_runs": [],
+                               "cold_io_read_bytes_runs": [], "mismatches": []}
+        if job.verify_cost and fmt == "ucp":
+            res.update(load_s_noverify_runs=[], verify_s_runs=[], verified_bytes_runs=[], cpu_s_runs=[],
+                       cpu_s_noverify_runs=[])
+        out[fmt] = res
         if not _saved_marker(job.workdir, src, fmt).exists():
             res["skipped"] = "save failed or not run"
-            out[fmt] = res
             continue
         err = None
         try:
             path = ckpt_dir(job.workdir, src, fmt)
             metadata = make_reader(fmt, path)[0].read_metadata()
             res["floor_bytes"] = page_floor_bytes(expected, metadata)
-            res.update(_load_one_format(job, fmt, expected, ctx))
+            warm_up(fmt, job.layout, ctx, job.workdir)
         except Exception:
             err = traceback.format_exc()
         res["error"] = ctx.agree(err)
-        out[fmt] = res
+        if res["error"] is None:
+            active.append(fmt)
+
+    def step(fmt: str, fn: Callable[[Job, str, dict[str, Any], Ctx, dict[str, Any]], None]) -> None:
+        expected = expected_full["model"] if fmt == "hf" else expected_full
+        err = None
+        try:
+            fn(job, fmt, expected, ctx, out[fmt])
+        except Exception:
+            err = traceback.format_exc()
+        out[fmt]["error"] = ctx.agree(err)
+        # Every rank must take the same branch (a mismatch is seen on one rank), or the
+        # next collective would hang on the ranks that went on.
+        wrong = ctx.agree("mismatch" if out[fmt]["mismatches"] else None)
+        if (out[fmt]["error"] is not None or wrong) and fmt in active:
+            active.remove(fmt)
+
+    for i in range(job.repeats):
+        k = i % max(len(active), 1)
+        for fmt in active[k:] + active[:k]:
+            step(fmt, functools.partial(_cold_repeat, i=i))
+    for fmt in list(active):
+        step(fmt, _turn_taking_repeat)
     return out
 
 
@@ -844,6 +886,8 @@ def pair_report(pair: str, saves: dict[str, dict[str, Any]], loads: dict[str, An
     ratios = {
         "save": ratio(ours.get("save_save_s"), base.get("save_save_s")),
         "cold_load": ratio(ours.get("load_s"), base.get("load_s")),
+        # repeat i of both formats ran back to back: the median of the per-repeat ratios
+        "cold_load_paired": paired_ratio(ours.get("load_s_runs"), base.get("load_s_runs")),
         "pulled": ratio(ours.get("pulled_bytes"), base.get("pulled_bytes")),
         "peak_anon": ratio(ours.get("peak_anon_growth_sum"), base.get("peak_anon_growth_sum")),
     }
@@ -859,6 +903,12 @@ def pair_report(pair: str, saves: dict[str, dict[str, Any]], loads: dict[str, An
                  f" page floor {fmt_num(floor, '.3f')}), dcp {fmt_num(base.get('read_amp'), '.3f')}"
                  " (expected 1.4-3.0)")
     return "\n".join(lines), record
+
+
+def paired_ratio(ours: Sequence[float] | None, base: Sequence[float] | None) -> float | None:
+    """Median over repeats of ours[i] / base[i] (repeat i of both ran back to back), or None."""
+    pairs = [a / b for a, b in zip(ours or [], base or []) if b]
+    return statistics.median(pairs) if pairs else None
 
 
 def _verdict(value: float | None, limit: float) -> str:
@@ -927,7 +977,8 @@ def limit_records(records: list[dict[str, Any]], saves: dict[str, dict[str, Any]
             "ucp_over_limit": ratio(ucp.get("load_s"), limit_s),
             "dcp_load_s": dcp_.get("load_s"), "dcp_pulled_bytes": dcp_.get("pulled_bytes"),
             "dcp_read_amp": dcp_.get("read_amp"), "dcp_over_limit": ratio(dcp_.get("load_s"), limit_s),
-            "ucp_over_dcp": ratio(ucp.get("load_s"), dcp_.get("load_s")), "ucp_over_dcp_max": bound,
+            "ucp_over_dcp": rec["ratios_ucp_over_dcp"]["cold_load_paired"],
+            "ucp_over_dcp_medians": ratio(ucp.get("load_s"), dcp_.get("load_s")), "ucp_over_dcp_max": bound,
             "ucp_peak_anon_per_rank_max": ucp.get("peak_anon_growth_max"),
             "ucp_peak_rss_per_rank_max": ucp.get("peak_rss_growth_max"),
             "dcp_peak_anon_per_rank_max": dcp_.get("peak_anon_growth_max"),
@@ -949,7 +1000,8 @@ def limit_records(records: list[dict[str, Any]], saves: dict[str, dict[str, Any]
                "limit_s": ucp_lim, "ucp_over_limit": ratio(ucp.get("save_s"), ucp_lim),
                "dcp_bytes": dcp_.get("bytes_on_disk"), "dcp_save_s": dcp_.get("save_s"), "dcp_limit_s": dcp_lim,
                "dcp_over_limit": ratio(dcp_.get("save_s"), dcp_lim),
-               "ucp_over_dcp": ratio(ucp.get("save_s"), dcp_.get("save_s"))}
+               "ucp_over_dcp": paired_ratio(ucp.get("save_s_runs"), dcp_.get("save_s_runs")),
+               "ucp_over_dcp_medians": ratio(ucp.get("save_s"), dcp_.get("save_s"))}
         rec["verdicts"] = {"save_over_limit": _verdict(rec["ucp_over_limit"], TARGET_SAVE_OVER_LIMIT),
                            "vs_dcp": _verdict(rec["ucp_over_dcp"], 1.0)}
         save_recs[layout] = rec
@@ -991,11 +1043,13 @@ def limits_report(records: list[dict[str, Any]], limit_doc: dict[str, Any], limi
         *text_table(LIMIT_COLUMNS, rows),
         f"limit s: needed MB at the read bandwidth; ucp/dcp MB: bytes pulled; mem MiB: ucp's peak extra anonymous "
         f"memory on the largest rank (target <= {EXTRA_MEMORY_PER_RANK // MiB} MiB; the destination is excluded); "
+        "ucp/dcp: median of the per-repeat ratios (repeat i of both formats ran back to back); "
         f"vs dcp: <= {1 / TARGET_DCP_SPEEDUP:g}x DCP's time where DCP pulls >= {DCP_AMP_FOR_SPEEDUP}x the needed "
         "bytes, else <= 1x",
         "",
         *text_table(SAVE_LIMIT_COLUMNS, srows),
-        "ucp/dcp MB: bytes on disk; limit s: ucp's bytes at the write+fsync bandwidth (dcp/lim uses DCP's bytes)",
+        "ucp/dcp MB: bytes on disk; limit s: ucp's bytes at the write+fsync bandwidth (dcp/lim uses DCP's bytes); "
+        "ucp/dcp: median of the per-repeat ratios",
         f"targets: {len(limit_doc['verdicts']) - len(missed)} met, {len(missed)} MISSED"
         + (": " + ", ".join(missed) if missed else ""),
     ])
