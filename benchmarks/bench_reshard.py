@@ -100,6 +100,7 @@ from harness import (
     fsync_files,
     leaves,
     local,
+    markdown_table,
     make_reader,
     make_writer,
     print_failures,
@@ -1055,6 +1056,35 @@ def limits_report(records: list[dict[str, Any]], limit_doc: dict[str, Any], limi
     ])
 
 
+PAIR_TITLES = {"dp4-dp3": "dp4 → dp3", "dp1-dp4": "dp1 → dp4", "dp2tp2-dp3": "(dp2,tp2) → dp3",
+               "dp2tp2-tp4": "(dp2,tp2) → tp4", "dp2tp2-dp4tp1": "(dp2,tp2) → (dp4,tp1)",
+               "dp4-tp4s1": "dp4 → every weight Shard(1)"}
+
+
+def storage_speed_markdown(doc: dict[str, Any]) -> str:
+    """The storage-speed tables of a result document as markdown (the tables of docs/storage-speed.md)."""
+    rows = []
+    for rec in doc["pairs"]:
+        lim = rec.get("limits")
+        if not lim:
+            continue
+        mem = lim["ucp_peak_anon_per_rank_max"]
+        rows.append([PAIR_TITLES.get(rec["pair"], rec["pair"]), fmt_mb(lim["needed_bytes"]),
+                     fmt_mb(lim["ucp_pulled_bytes"]), fmt_num(lim["ucp_load_s"], ".3f"), fmt_num(lim["limit_s"], ".3f"),
+                     fmt_num(lim["ucp_over_limit"], ".2f"), fmt_mb(lim["dcp_pulled_bytes"]),
+                     fmt_num(lim["dcp_load_s"], ".3f"), fmt_num(lim["dcp_over_limit"], ".2f"),
+                     fmt_num(lim["ucp_over_dcp"], ".2f"), fmt_num(None if mem is None else mem / MiB, ".1f")])
+    loads = markdown_table(["pair", "needed MB", "ucp pulled MB", "ucp cold load s", "limit s", "ucp / limit",
+                            "DCP pulled MB", "DCP s", "DCP / limit", "ucp / DCP (paired)",
+                            "ucp peak extra MiB per rank"], rows)
+    srows = [[s, fmt_mb(r["ucp_bytes"]), fmt_num(r["ucp_save_s"], ".3f"), fmt_num(r["limit_s"], ".3f"),
+              fmt_num(r["ucp_over_limit"], ".2f"), fmt_num(r["dcp_save_s"], ".3f"), fmt_num(r["dcp_over_limit"], ".2f"),
+              fmt_num(r["ucp_over_dcp"], ".2f")] for s, r in doc.get("save_limits", {}).items()]
+    saves = markdown_table(["source", "ucp MB", "ucp save s", "limit s", "ucp / limit", "DCP save s", "DCP / limit",
+                            "ucp / DCP (paired)"], srows)
+    return loads + "\n\n" + saves
+
+
 def verify_report(records: list[dict[str, Any]]) -> str:
     """One line per pair: ucp cold load with verification on and off, and what it costs."""
     rows = []
@@ -1243,6 +1273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "failures": failures,
         "wall_s": wall,
     }
+    if limit_doc:
+        result["storage_speed_md"] = storage_speed_markdown(result)
+        print("\n=== storage speed, markdown (the tables of docs/storage-speed.md) ===")
+        print(result["storage_speed_md"])
     write_json(args.out, result)
     print(f"\nwall time {wall:.1f}s; results written to {args.out}")
     print_failures(failures, bar=True)

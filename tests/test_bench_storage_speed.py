@@ -76,6 +76,7 @@ def test_bench_reshard_reports_the_physical_limits(tmp_path: Path, capsys: pytes
     assert save["limit_s"] == pytest.approx(save["ucp_bytes"] / best["write_bytes_per_s"])
     assert save["dcp_save_s"] is not None
     assert set(doc["verdicts"].values()) <= {"met", "MISSED"} and len(doc["verdicts"]) == 5
+    assert "| dp4 → dp3 |" in doc["storage_speed_md"]
 
     # The sweep's table and plot from this one result (the sweep itself just runs main per size).
     points = [bench_sweep.point(20.0, doc, "dp4-dp3")]
