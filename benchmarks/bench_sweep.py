@@ -209,7 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n=== size sweep: cold load against state size (slowest rank, median) ===")
     print(text)
     print("s/GB: seconds per needed GB; flat across sizes = time linear in the needed bytes")
-    summary = {"config": vars(args), "read_bytes_per_s": read_bw, "runs": runs, "points": points, "table_md": text, "failures": failures,
+    config = {**vars(args), "out": _shown(out), "plot": _shown(Path(args.plot))}
+    summary = {"config": config, "read_bytes_per_s": read_bw, "runs": runs, "points": points, "table_md": text,
+               "failures": failures,
                "wall_s": time.perf_counter() - t0}
     write_json(out, summary)
     print(f"summary written to {out}")
