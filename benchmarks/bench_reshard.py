@@ -19,6 +19,15 @@ every checkpoint into different *target* layouts and measures, per format:
   ``/proc/self/statm`` in a thread, total RSS from the kernel's VmHWM,
 * a page-granular floor: the least a perfect offset reader could pull from
   storage, which tells layout physics apart from reader overhead,
+* the physical limits, measured in the same run, once before the ranks
+  start and once after they finish (the better of the two counts): the
+  best cold read bandwidth parallel sequential readers get from the
+  checkpoints' disk (1, 3, 6, 12 readers; 1 MiB and 16 MiB reads) and the
+  best write+fsync bandwidth of 1, 2, 4, 8 parallel writers
+  (``harness.storage_limits``).  A load's limit is its *needed* bytes at the
+  read bandwidth, a save's is its bytes on disk at the write bandwidth;
+  the ratios to them, DCP's ratios, and the storage-speed targets
+  (docs/storage-speed.md) are printed as met/MISSED, never asserted,
 * with ``--verify-cost``: for ucp, every timed cold load is run twice, with
   the reader's checksum verification on (the default) and off, in
   alternating order, and the per-pair cost of verification is reported
@@ -49,6 +58,7 @@ See benchmarks/README.md for the method and caveats.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import platform
@@ -58,7 +68,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +87,7 @@ from harness import (
     MB,
     PAGE,
     Column,
+    MiB,
     PeakMemorySampler,
     TurnTakingReader,
     adamw_state,
@@ -89,6 +100,7 @@ from harness import (
     fsync_files,
     leaves,
     local,
+    markdown_table,
     make_reader,
     make_writer,
     print_failures,
@@ -102,6 +114,7 @@ from harness import (
     seed_of,
     set_rank_env,
     spawn_ranks,
+    storage_limits,
     synth_values,
     tensor_bytes,
     text_table,
@@ -117,6 +130,12 @@ TARGET_READ_AMP = 1.05
 TARGET_LOAD_RATIO = 0.6
 TARGET_SAVE_RATIO = 1.0
 TARGET_VERIFY_RATIO = 1.05  # cold load with verification / without, every pair
+# Storage-speed targets (issue 15, docs/storage-speed.md); informational, never asserted.
+TARGET_LOAD_OVER_LIMIT = 1.2  # ucp cold load / (needed bytes at the best cold read bandwidth)
+TARGET_DCP_SPEEDUP = 2.0  # ucp at least this much faster than DCP cold where DCP pulls ...
+DCP_AMP_FOR_SPEEDUP = 1.4  # ... at least this multiple of the needed bytes; never slower elsewhere
+TARGET_SAVE_OVER_LIMIT = 1.2  # ucp save / (bytes on disk at the best write+fsync bandwidth)
+EXTRA_MEMORY_PER_RANK = 64 * MiB  # peak extra anonymous memory per rank during a load (target excluded)
 
 
 # --------------------------------------------------------------------------
@@ -533,34 +552,49 @@ def _timed_save(fmt: str, path: str, state: dict[str, Any], ctx: Ctx) -> dict[st
 
 
 def run_save_job(job: Job, ctx: Ctx) -> dict[str, Any]:
-    """Warm-up and timed saves of one source layout in every format."""
+    """Warm-up and timed saves of one source layout in every format.
+
+    The timed saves are paired like the loads: repeat ``i`` saves every
+    format once, in an order rotated by ``i``. Each format keeps the
+    checkpoint of its last run.
+    """
     layout = job.layout
     rank_log(f"save {job.name}: building state")
     state = build_state(job.specs, layout, ctx.mesh, filled=True)
     out: dict[str, Any] = {}
+    active: list[str] = []
     for fmt in job.formats:
-        path = ckpt_dir(job.workdir, job.name, fmt)
-        marker = _saved_marker(job.workdir, job.name, fmt)
         if ctx.rank == 0:  # a reused --workdir must not vouch for a failed save
-            marker.unlink(missing_ok=True)
-        res: dict[str, Any] = {}
+            _saved_marker(job.workdir, job.name, fmt).unlink(missing_ok=True)
         err = None
         try:
             warm_up(fmt, layout, ctx, job.workdir)
-            runs = []
-            for _ in range(job.repeats):  # the last run's checkpoint is kept
-                fresh_dir(path, ctx.group)
-                res = _timed_save(fmt, path, state["model"] if fmt == "hf" else state, ctx)
-                runs.append(res.pop("save_s"))
-                rank_log(f"save {job.name}/{fmt}: {runs[-1]:.2f}s")
-            res["save_s_runs"] = runs
         except Exception:
             err = traceback.format_exc()
-        res["error"] = ctx.agree(err)
-        if res["error"] is None and ctx.rank == 0:
+        out[fmt] = {"save_s_runs": [], "error": ctx.agree(err)}
+        if out[fmt]["error"] is None:
+            active.append(fmt)
+    for i in range(job.repeats):
+        k = i % max(len(active), 1)
+        for fmt in active[k:] + active[:k]:
+            path = ckpt_dir(job.workdir, job.name, fmt)
+            err = None
+            try:
+                fresh_dir(path, ctx.group)
+                res = _timed_save(fmt, path, state["model"] if fmt == "hf" else state, ctx)
+                out[fmt]["save_s_runs"].append(res.pop("save_s"))
+                out[fmt].update(res)
+                rank_log(f"save {job.name}/{fmt}: {out[fmt]['save_s_runs'][-1]:.2f}s")
+            except Exception:
+                err = traceback.format_exc()
+            out[fmt]["error"] = ctx.agree(err)
+            if out[fmt]["error"] is not None:
+                active.remove(fmt)
+    for fmt in active:
+        if ctx.rank == 0:
+            marker = _saved_marker(job.workdir, job.name, fmt)
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
-        out[fmt] = res
     return out
 
 
@@ -591,74 +625,100 @@ def _measured_load(fmt: str, path: str, target: dict[str, Any], ctx: Ctx,
             "peak_anon_growth": mem.anon_growth}
 
 
-def _load_one_format(job: Job, fmt: str, expected: dict[str, Any], ctx: Ctx) -> dict[str, Any]:
-    """Cold timed load(s), then one turn-taking load for bytes and memory;
-    every loaded state is verified bit-exactly."""
+def _cold_repeat(job: Job, fmt: str, expected: dict[str, Any], ctx: Ctx, res: dict[str, Any], *, i: int) -> None:
+    """Repeat ``i`` of ``fmt``'s timed cold load(s) into fresh NaN targets, appended to ``res``; each verified."""
     layout, model_only = job.layout, fmt == "hf"
     path = ckpt_dir(job.workdir, PAIRS[job.name][0], fmt)
     files = files_under(path)
-    res: dict[str, Any] = {"load_s_runs": [], "cold_io_read_bytes_runs": [], "mismatches": []}
-
-    def fresh_target() -> dict[str, Any]:
-        return build_state(job.specs, layout, ctx.mesh, filled=False, model_only=model_only)
-
-    warm_up(fmt, layout, ctx, job.workdir)
     both = job.verify_cost and fmt == "ucp"
-    if both:
-        res.update(load_s_noverify_runs=[], verify_s_runs=[], verified_bytes_runs=[], cpu_s_runs=[],
-                   cpu_s_noverify_runs=[])
-    for i in range(job.repeats):
-        # With --verify-cost, verification on and off take turns going first.
-        for verified in ((True, False) if i % 2 == 0 else (False, True)) if both else (None,):
-            target = fresh_target()
-            options = {} if verified is None else {"verify": verified}
-            run = _timed_cold_load(fmt, path, files, target, ctx, **options)
-            mode = "" if verified is None else (" (verified)" if verified else " (verify=False)")
-            rank_log(f"load {job.name}/{fmt}: cold load {run['load_s']:.2f}s{mode}")
-            if verified is False:
-                res["load_s_noverify_runs"].append(run["load_s"])
-                res["cpu_s_noverify_runs"].append(run["cpu_s"])
-            else:
-                res["load_s_runs"].append(run["load_s"])
-                res["cold_io_read_bytes_runs"].append(run["cold_io_read_bytes"])
-                if both:
-                    res["cpu_s_runs"].append(run["cpu_s"])
-                    res["verify_s_runs"].append(run["verify_s"])
-                    res["verified_bytes_runs"].append(run["verified_bytes"])
-            res["mismatches"] = verify(target, expected)
-            del target
-            if res["mismatches"]:
-                return res
-    target = fresh_target()
+    # With --verify-cost, verification on and off take turns going first.
+    for verified in ((True, False) if i % 2 == 0 else (False, True)) if both else (None,):
+        target = build_state(job.specs, layout, ctx.mesh, filled=False, model_only=model_only)
+        options = {} if verified is None else {"verify": verified}
+        run = _timed_cold_load(fmt, path, files, target, ctx, **options)
+        mode = "" if verified is None else (" (verified)" if verified else " (verify=False)")
+        rank_log(f"load {job.name}/{fmt}: cold load {run['load_s']:.2f}s{mode}")
+        if verified is False:
+            res["load_s_noverify_runs"].append(run["load_s"])
+            res["cpu_s_noverify_runs"].append(run["cpu_s"])
+        else:
+            res["load_s_runs"].append(run["load_s"])
+            res["cold_io_read_bytes_runs"].append(run["cold_io_read_bytes"])
+            if both:
+                res["cpu_s_runs"].append(run["cpu_s"])
+                res["verify_s_runs"].append(run["verify_s"])
+                res["verified_bytes_runs"].append(run["verified_bytes"])
+        res["mismatches"] = verify(target, expected)
+        del target
+        if res["mismatches"]:
+            return
+
+
+def _turn_taking_repeat(job: Job, fmt: str, expected: dict[str, Any], ctx: Ctx, res: dict[str, Any]) -> None:
+    """One turn-taking load of ``fmt`` for pulled bytes and peak memory, verified."""
+    path = ckpt_dir(job.workdir, PAIRS[job.name][0], fmt)
+    target = build_state(job.specs, job.layout, ctx.mesh, filled=False, model_only=fmt == "hf")
     res.update(_measured_load(fmt, path, target, ctx, job.sample_interval_s))
     rank_log(f"load {job.name}/{fmt}: turn-taking load done")
     res["mismatches"] = verify(target, expected)
-    return res
 
 
 def run_load_job(job: Job, ctx: Ctx) -> dict[str, Any]:
-    """Page floor, timed cold loads and one turn-taking load of one pair in every format."""
+    """Page floor, timed cold loads and one turn-taking load of one pair in every format.
+
+    The timed cold loads are paired: repeat ``i`` loads every format once,
+    in an order rotated by ``i``, so the formats see the same machine load
+    and none always goes first. A format that fails or loads wrong data
+    (on any rank) drops out of the later repeats.
+    """
     src = PAIRS[job.name][0]
     rank_log(f"load {job.name}: building expected state")
     expected_full = build_state(job.specs, job.layout, ctx.mesh, filled=True)
     out: dict[str, Any] = {}
+    active: list[str] = []
     for fmt in job.formats:
         expected = expected_full["model"] if fmt == "hf" else expected_full
-        res: dict[str, Any] = {"needed_bytes": tensor_bytes(expected)}
+        res: dict[str, Any] = {"needed_bytes": tensor_bytes(expected), "load_s_runs": [],
+                               "cold_io_read_bytes_runs": [], "mismatches": []}
+        if job.verify_cost and fmt == "ucp":
+            res.update(load_s_noverify_runs=[], verify_s_runs=[], verified_bytes_runs=[], cpu_s_runs=[],
+                       cpu_s_noverify_runs=[])
+        out[fmt] = res
         if not _saved_marker(job.workdir, src, fmt).exists():
             res["skipped"] = "save failed or not run"
-            out[fmt] = res
             continue
         err = None
         try:
             path = ckpt_dir(job.workdir, src, fmt)
             metadata = make_reader(fmt, path)[0].read_metadata()
             res["floor_bytes"] = page_floor_bytes(expected, metadata)
-            res.update(_load_one_format(job, fmt, expected, ctx))
+            warm_up(fmt, job.layout, ctx, job.workdir)
         except Exception:
             err = traceback.format_exc()
         res["error"] = ctx.agree(err)
-        out[fmt] = res
+        if res["error"] is None:
+            active.append(fmt)
+
+    def step(fmt: str, fn: Callable[[Job, str, dict[str, Any], Ctx, dict[str, Any]], None]) -> None:
+        expected = expected_full["model"] if fmt == "hf" else expected_full
+        err = None
+        try:
+            fn(job, fmt, expected, ctx, out[fmt])
+        except Exception:
+            err = traceback.format_exc()
+        out[fmt]["error"] = ctx.agree(err)
+        # Every rank must take the same branch (a mismatch is seen on one rank), or the
+        # next collective would hang on the ranks that went on.
+        wrong = ctx.agree("mismatch" if out[fmt]["mismatches"] else None)
+        if (out[fmt]["error"] is not None or wrong) and fmt in active:
+            active.remove(fmt)
+
+    for i in range(job.repeats):
+        k = i % max(len(active), 1)
+        for fmt in active[k:] + active[:k]:
+            step(fmt, functools.partial(_cold_repeat, i=i))
+    for fmt in list(active):
+        step(fmt, _turn_taking_repeat)
     return out
 
 
@@ -827,6 +887,8 @@ def pair_report(pair: str, saves: dict[str, dict[str, Any]], loads: dict[str, An
     ratios = {
         "save": ratio(ours.get("save_save_s"), base.get("save_save_s")),
         "cold_load": ratio(ours.get("load_s"), base.get("load_s")),
+        # repeat i of both formats ran back to back: the median of the per-repeat ratios
+        "cold_load_paired": paired_ratio(ours.get("load_s_runs"), base.get("load_s_runs")),
         "pulled": ratio(ours.get("pulled_bytes"), base.get("pulled_bytes")),
         "peak_anon": ratio(ours.get("peak_anon_growth_sum"), base.get("peak_anon_growth_sum")),
     }
@@ -842,6 +904,12 @@ def pair_report(pair: str, saves: dict[str, dict[str, Any]], loads: dict[str, An
                  f" page floor {fmt_num(floor, '.3f')}), dcp {fmt_num(base.get('read_amp'), '.3f')}"
                  " (expected 1.4-3.0)")
     return "\n".join(lines), record
+
+
+def paired_ratio(ours: Sequence[float] | None, base: Sequence[float] | None) -> float | None:
+    """Median over repeats of ours[i] / base[i] (repeat i of both ran back to back), or None."""
+    pairs = [a / b for a, b in zip(ours or [], base or []) if b]
+    return statistics.median(pairs) if pairs else None
 
 
 def _verdict(value: float | None, limit: float) -> str:
@@ -861,6 +929,160 @@ def targets_report(records: list[dict[str, Any]]) -> str:
                      _verdict(ucp.get("read_amp"), TARGET_READ_AMP), fmt_num(r["cold_load"], ".2f"), load_verdict,
                      fmt_num(r["save"], ".2f"), _verdict(r["save"], TARGET_SAVE_RATIO)])
     return "\n".join(["=== ucp vs. targets (informational) ===", *text_table(TARGET_COLUMNS, rows)])
+
+
+LIMIT_COLUMNS = [Column("pair", 15, "<"), Column("needed MB", 10), Column("ucp MB", 9), Column("ucp s", 8),
+                 Column("limit s", 8), Column("ucp/lim", 8), Column("dcp MB", 9), Column("dcp s", 8),
+                 Column("dcp/lim", 8), Column("ucp/dcp", 8), Column("mem MiB", 8),
+                 Column(f"<={TARGET_LOAD_OVER_LIMIT}xlim", 11), Column("vs dcp", 20, "<", gap=2),
+                 Column("mem", 7)]
+SAVE_LIMIT_COLUMNS = [Column("source", 8, "<"), Column("ucp MB", 9), Column("ucp s", 8), Column("limit s", 8),
+                      Column("ucp/lim", 8), Column("dcp MB", 9), Column("dcp s", 8), Column("dcp/lim", 8),
+                      Column("ucp/dcp", 8), Column(f"<={TARGET_SAVE_OVER_LIMIT}xlim", 11), Column("<=dcp", 8)]
+
+
+def best_limits(measured: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The better read and write bandwidth of the storage measurements of one run (start, end)."""
+    ok = [m for m in measured if m]
+    if not ok:
+        return {}
+    return {"read_bytes_per_s": max(m["read_bytes_per_s"] for m in ok),
+            "write_bytes_per_s": max(m["write_bytes_per_s"] for m in ok)}
+
+
+def _dcp_target(dcp_amp: float | None) -> tuple[float, str]:
+    """The most ucp's cold load may take relative to DCP's, and why."""
+    if dcp_amp is not None and dcp_amp >= DCP_AMP_FOR_SPEEDUP:
+        return 1 / TARGET_DCP_SPEEDUP, f"<={1 / TARGET_DCP_SPEEDUP:g}x dcp"
+    return 1.0, "<=1x dcp"
+
+
+def limit_records(records: list[dict[str, Any]], saves: dict[str, dict[str, Any]],
+                  limits: dict[str, Any]) -> dict[str, Any]:
+    """Adds a ``limits`` entry to every pair record; returns the per-save records and every verdict.
+
+    A load's limit is its needed bytes at the best cold read bandwidth, a
+    save's its bytes on disk at the best write+fsync bandwidth, both
+    measured in this run.
+    """
+    read_bw, write_bw = limits.get("read_bytes_per_s"), limits.get("write_bytes_per_s")
+    verdicts: dict[str, str] = {}
+    for rec in records:
+        ucp, dcp_ = rec["formats"].get("ucp", {}), rec["formats"].get("dcp", {})
+        needed = ucp.get("needed_bytes") or dcp_.get("needed_bytes")
+        limit_s = None if not needed or not read_bw else needed / read_bw
+        bound, why = _dcp_target(dcp_.get("read_amp"))
+        lim = {
+            "needed_bytes": needed, "read_bytes_per_s": read_bw, "limit_s": limit_s,
+            "ucp_load_s": ucp.get("load_s"), "ucp_pulled_bytes": ucp.get("pulled_bytes"),
+            "ucp_over_limit": ratio(ucp.get("load_s"), limit_s),
+            "dcp_load_s": dcp_.get("load_s"), "dcp_pulled_bytes": dcp_.get("pulled_bytes"),
+            "dcp_read_amp": dcp_.get("read_amp"), "dcp_over_limit": ratio(dcp_.get("load_s"), limit_s),
+            "ucp_over_dcp": rec["ratios_ucp_over_dcp"]["cold_load_paired"],
+            "ucp_over_dcp_medians": ratio(ucp.get("load_s"), dcp_.get("load_s")), "ucp_over_dcp_max": bound,
+            "ucp_peak_anon_per_rank_max": ucp.get("peak_anon_growth_max"),
+            "ucp_peak_rss_per_rank_max": ucp.get("peak_rss_growth_max"),
+            "dcp_peak_anon_per_rank_max": dcp_.get("peak_anon_growth_max"),
+        }
+        lim["verdicts"] = {
+            "load_over_limit": _verdict(lim["ucp_over_limit"], TARGET_LOAD_OVER_LIMIT),
+            "vs_dcp": _verdict(lim["ucp_over_dcp"], bound), "vs_dcp_rule": why,
+            "memory": _verdict(lim["ucp_peak_anon_per_rank_max"], EXTRA_MEMORY_PER_RANK),
+        }
+        rec["limits"] = lim
+        for k in ("load_over_limit", "vs_dcp", "memory"):
+            verdicts[f"{rec['pair']}/{k}"] = lim["verdicts"][k]
+    save_recs: dict[str, Any] = {}
+    for layout, per_fmt in saves.items():
+        ucp, dcp_ = per_fmt.get("ucp", {}), per_fmt.get("dcp", {})
+        ucp_lim = ratio(ucp.get("bytes_on_disk"), write_bw)
+        dcp_lim = ratio(dcp_.get("bytes_on_disk"), write_bw)
+        rec = {"ucp_bytes": ucp.get("bytes_on_disk"), "ucp_save_s": ucp.get("save_s"), "write_bytes_per_s": write_bw,
+               "limit_s": ucp_lim, "ucp_over_limit": ratio(ucp.get("save_s"), ucp_lim),
+               "dcp_bytes": dcp_.get("bytes_on_disk"), "dcp_save_s": dcp_.get("save_s"), "dcp_limit_s": dcp_lim,
+               "dcp_over_limit": ratio(dcp_.get("save_s"), dcp_lim),
+               "ucp_over_dcp": paired_ratio(ucp.get("save_s_runs"), dcp_.get("save_s_runs")),
+               "ucp_over_dcp_medians": ratio(ucp.get("save_s"), dcp_.get("save_s"))}
+        rec["verdicts"] = {"save_over_limit": _verdict(rec["ucp_over_limit"], TARGET_SAVE_OVER_LIMIT),
+                           "vs_dcp": _verdict(rec["ucp_over_dcp"], 1.0)}
+        save_recs[layout] = rec
+        for k in ("save_over_limit", "vs_dcp"):
+            verdicts[f"save {layout}/{k}"] = rec["verdicts"][k]
+    return {"saves": save_recs, "verdicts": verdicts}
+
+
+def limits_report(records: list[dict[str, Any]], limit_doc: dict[str, Any], limits: dict[str, Any],
+                  measured: Sequence[dict[str, Any]]) -> str:
+    """The storage-speed tables: every load and save against the physical limit and DCP."""
+    rows = []
+    for rec in records:
+        lim = rec["limits"]
+        v = lim["verdicts"]
+        rows.append([rec["pair"], fmt_mb(lim["needed_bytes"]), fmt_mb(lim["ucp_pulled_bytes"]),
+                     fmt_num(lim["ucp_load_s"], ".3f"), fmt_num(lim["limit_s"], ".3f"),
+                     fmt_num(lim["ucp_over_limit"], ".2f"), fmt_mb(lim["dcp_pulled_bytes"]),
+                     fmt_num(lim["dcp_load_s"], ".3f"), fmt_num(lim["dcp_over_limit"], ".2f"),
+                     fmt_num(lim["ucp_over_dcp"], ".2f"),
+                     fmt_num(None if lim["ucp_peak_anon_per_rank_max"] is None
+                             else lim["ucp_peak_anon_per_rank_max"] / MiB, ".1f"),
+                     v["load_over_limit"], f"{v['vs_dcp']} ({v['vs_dcp_rule']})", v["memory"]])
+    srows = []
+    for layout, r in limit_doc["saves"].items():
+        srows.append([layout, fmt_mb(r["ucp_bytes"]), fmt_num(r["ucp_save_s"], ".3f"), fmt_num(r["limit_s"], ".3f"),
+                      fmt_num(r["ucp_over_limit"], ".2f"), fmt_mb(r["dcp_bytes"]), fmt_num(r["dcp_save_s"], ".3f"),
+                      fmt_num(r["dcp_over_limit"], ".2f"), fmt_num(r["ucp_over_dcp"], ".2f"),
+                      r["verdicts"]["save_over_limit"], r["verdicts"]["vs_dcp"]])
+    bw = [f"{tag}: read {m['read_bytes_per_s'] / 1e9:.2f} GB/s ({m['best_read']['threads']} readers, "
+          f"{m['best_read']['block'] // MiB} MiB reads), write+fsync {m['write_bytes_per_s'] / 1e9:.2f} GB/s "
+          f"({m['best_write']['threads']} writers)" for tag, m in zip(("start", "end"), measured) if m]
+    missed = [k for k, v in limit_doc["verdicts"].items() if v == "MISSED"]
+    return "\n".join([
+        "=== storage speed: ucp against the physical limits (measured in this run; informational) ===",
+        *("  " + b for b in bw),
+        f"  limits use the better: read {limits['read_bytes_per_s'] / 1e9:.2f} GB/s, "
+        f"write+fsync {limits['write_bytes_per_s'] / 1e9:.2f} GB/s",
+        *text_table(LIMIT_COLUMNS, rows),
+        f"limit s: needed MB at the read bandwidth; ucp/dcp MB: bytes pulled; mem MiB: ucp's peak extra anonymous "
+        f"memory on the largest rank (target <= {EXTRA_MEMORY_PER_RANK // MiB} MiB; the destination is excluded); "
+        "ucp/dcp: median of the per-repeat ratios (repeat i of both formats ran back to back); "
+        f"vs dcp: <= {1 / TARGET_DCP_SPEEDUP:g}x DCP's time where DCP pulls >= {DCP_AMP_FOR_SPEEDUP}x the needed "
+        "bytes, else <= 1x",
+        "",
+        *text_table(SAVE_LIMIT_COLUMNS, srows),
+        "ucp/dcp MB: bytes on disk; limit s: ucp's bytes at the write+fsync bandwidth (dcp/lim uses DCP's bytes); "
+        "ucp/dcp: median of the per-repeat ratios",
+        f"targets: {len(limit_doc['verdicts']) - len(missed)} met, {len(missed)} MISSED"
+        + (": " + ", ".join(missed) if missed else ""),
+    ])
+
+
+PAIR_TITLES = {"dp4-dp3": "dp4 → dp3", "dp1-dp4": "dp1 → dp4", "dp2tp2-dp3": "(dp2,tp2) → dp3",
+               "dp2tp2-tp4": "(dp2,tp2) → tp4", "dp2tp2-dp4tp1": "(dp2,tp2) → (dp4,tp1)",
+               "dp4-tp4s1": "dp4 → every weight Shard(1)"}
+
+
+def storage_speed_markdown(doc: dict[str, Any]) -> str:
+    """The storage-speed tables of a result document as markdown (the tables of docs/storage-speed.md)."""
+    rows = []
+    for rec in doc["pairs"]:
+        lim = rec.get("limits")
+        if not lim:
+            continue
+        mem = lim["ucp_peak_anon_per_rank_max"]
+        rows.append([PAIR_TITLES.get(rec["pair"], rec["pair"]), fmt_mb(lim["needed_bytes"]),
+                     fmt_mb(lim["ucp_pulled_bytes"]), fmt_num(lim["ucp_load_s"], ".3f"), fmt_num(lim["limit_s"], ".3f"),
+                     fmt_num(lim["ucp_over_limit"], ".2f"), fmt_mb(lim["dcp_pulled_bytes"]),
+                     fmt_num(lim["dcp_load_s"], ".3f"), fmt_num(lim["dcp_over_limit"], ".2f"),
+                     fmt_num(lim["ucp_over_dcp"], ".2f"), fmt_num(None if mem is None else mem / MiB, ".1f")])
+    loads = markdown_table(["pair", "needed MB", "ucp pulled MB", "ucp cold load s", "limit s", "ucp / limit",
+                            "DCP pulled MB", "DCP s", "DCP / limit", "ucp / DCP (paired)",
+                            "ucp peak extra MiB per rank"], rows)
+    srows = [[s, fmt_mb(r["ucp_bytes"]), fmt_num(r["ucp_save_s"], ".3f"), fmt_num(r["limit_s"], ".3f"),
+              fmt_num(r["ucp_over_limit"], ".2f"), fmt_num(r["dcp_save_s"], ".3f"), fmt_num(r["dcp_over_limit"], ".2f"),
+              fmt_num(r["ucp_over_dcp"], ".2f")] for s, r in doc.get("save_limits", {}).items()]
+    saves = markdown_table(["source", "ucp MB", "ucp save s", "limit s", "ucp / limit", "DCP save s", "DCP / limit",
+                            "ucp / DCP (paired)"], srows)
+    return loads + "\n\n" + saves
 
 
 def verify_report(records: list[dict[str, Any]]) -> str:
@@ -916,6 +1138,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verify-cost", action="store_true",
                    help="ucp: time every cold load with checksum verification on (the default) and off, "
                         "alternating, and report the cost per pair")
+    p.add_argument("--probe-mb", type=float, default=None,
+                   help="bytes each storage-bandwidth measurement reads and writes, MB (default 512, 32 with "
+                        "--quick; 0 skips the physical limits)")
     p.add_argument("--workdir", default=None,
                    help="checkpoint directory (must be a page-cache-backed disk, not tmpfs); "
                         "default: a fresh dir under /tmp, removed at the end")
@@ -924,7 +1149,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="out/bench_reshard.json",
                    help="JSON results path (default: out/, which git ignores)")
     args = p.parse_args(argv)
-    quick_defaults(args, size_mb=(40.0, 300.0), repeats=(1, 3))
+    quick_defaults(args, size_mb=(40.0, 300.0), repeats=(1, 3), probe_mb=(32.0, 512.0))
     if args.hidden is None:
         args.hidden = 2048 if args.size_mb >= 150 else 1024
     args.pairs = comma_list(p, args.pairs, list(PAIRS), "pair")
@@ -932,9 +1157,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def print_reports(saves: dict[str, Any], loads: dict[str, Any],
-                  args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Print every table; returns the per-pair JSON records."""
+def print_reports(saves: dict[str, Any], loads: dict[str, Any], args: argparse.Namespace,
+                  measured: Sequence[dict[str, Any]] = ()) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Print every table; returns the per-pair JSON records and the storage-limit records."""
     print()
     print(save_report(saves, args.formats))
     records = []
@@ -946,13 +1171,19 @@ def print_reports(saves: dict[str, Any], loads: dict[str, Any],
     if "ucp" in args.formats and "dcp" in args.formats:
         print()
         print(targets_report(records))
+    limits = best_limits(measured)
+    limit_doc: dict[str, Any] = {}
+    if limits and "ucp" in args.formats and "dcp" in args.formats:
+        limit_doc = limit_records(records, saves, limits)
+        print()
+        print(limits_report(records, limit_doc, limits, measured))
     if args.verify_cost and "ucp" in args.formats:
         print()
         print(verify_report(records))
     if "hf" in args.formats:
         print("\n* hf = HuggingFaceStorageWriter/Reader: model weights only (no optimizer "
               "state), so its MB columns are not comparable with dcp/ucp.")
-    return records
+    return records, limit_doc
 
 
 def collect_failures(saves: dict[str, Any], loads: dict[str, Any]) -> list[str]:
@@ -970,6 +1201,17 @@ def collect_failures(saves: dict[str, Any], loads: dict[str, Any]) -> list[str]:
                 failures.append(f"load {pair}/{name}: {ld['error']}")
             failures.extend(f"MISMATCH {pair}/{name}: {m}" for m in ld.get("mismatches", []))
     return failures
+
+
+def measure_storage(workdir: str, probe_mb: float, when: str) -> dict[str, Any]:
+    """The disk's best cold read and write+fsync bandwidth under ``workdir`` ({} when ``probe_mb`` is 0)."""
+    if probe_mb <= 0:
+        return {}
+    print(f"measuring storage bandwidth ({when}, {probe_mb:g} MB probe) ...", flush=True)
+    res = storage_limits(workdir, int(probe_mb * MB)).as_dict()
+    print(f"  read {res['read_bytes_per_s'] / 1e9:.2f} GB/s, write+fsync {res['write_bytes_per_s'] / 1e9:.2f} GB/s"
+          f" ({res['seconds']:.1f}s)", flush=True)
+    return res
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -991,13 +1233,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs = [Job("save", n, args.formats, specs, workdir, args.repeats) for n in sources]
     jobs += [Job("load", p, args.formats, specs, workdir, args.repeats, verify_cost=args.verify_cost)
              for p in args.pairs]
+    load_avg = [os.getloadavg()]
+    measured: list[dict[str, Any]] = []
     try:
+        measured.append(measure_storage(workdir, args.probe_mb, "start"))
         saves, loads = run_jobs(jobs, failures)
+        measured.append(measure_storage(workdir, args.probe_mb, "end"))
     finally:
+        load_avg.append(os.getloadavg())
         if not args.keep and args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+    print(f"load average (1, 5, 15 min): start {', '.join(f'{x:.2f}' for x in load_avg[0])}; "
+          f"end {', '.join(f'{x:.2f}' for x in load_avg[1])}")
 
-    records = print_reports(saves, loads, args)
+    records, limit_doc = print_reports(saves, loads, args, measured)
     failures += collect_failures(saves, loads)
 
     wall = time.perf_counter() - t_start
@@ -1010,12 +1259,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         "state_bytes": state_bytes,
         "targets": {"read_amp_max": TARGET_READ_AMP,
                     "cold_load_ratio_max": {PRIMARY_PAIR: TARGET_LOAD_RATIO},
-                    "save_ratio_max": TARGET_SAVE_RATIO, "verify_ratio_max": TARGET_VERIFY_RATIO},
+                    "save_ratio_max": TARGET_SAVE_RATIO, "verify_ratio_max": TARGET_VERIFY_RATIO,
+                    "load_over_limit_max": TARGET_LOAD_OVER_LIMIT, "dcp_speedup_min": TARGET_DCP_SPEEDUP,
+                    "dcp_amp_for_speedup": DCP_AMP_FOR_SPEEDUP, "save_over_limit_max": TARGET_SAVE_OVER_LIMIT,
+                    "extra_memory_per_rank_max": EXTRA_MEMORY_PER_RANK},
+        "load_avg": {"start": load_avg[0], "end": load_avg[1]},
+        "storage_limits": {"start": (measured + [{}])[0], "end": (measured[1:] + [{}])[0],
+                           "best": best_limits(measured)},
+        "save_limits": limit_doc.get("saves", {}),
+        "verdicts": limit_doc.get("verdicts", {}),
         "saves": saves,
         "pairs": records,
         "failures": failures,
         "wall_s": wall,
     }
+    if limit_doc:
+        result["storage_speed_md"] = storage_speed_markdown(result)
+        print("\n=== storage speed, markdown (the tables of docs/storage-speed.md) ===")
+        print(result["storage_speed_md"])
     write_json(args.out, result)
     print(f"\nwall time {wall:.1f}s; results written to {args.out}")
     print_failures(failures, bar=True)

@@ -6,7 +6,7 @@ module         owns
 ``launch``     spawned gloo ranks, forked children, free ports, progress lines
 ``pagecache``  fsync + eviction, page-cache residency, bytes a read pulled
 ``memory``     RSS, peaks (VmHWM, sampled anonymous memory), /proc/self/io
-``limits``     storage read bandwidth, memory-copy floor, device-synced timing
+``limits``     storage read/write bandwidth, memory-copy floor, device-synced timing
 ``formats``    dcp / ucp / hf writers, readers, planners; save, load
 ``states``     closed-form values, AdamW-shaped states, the 70B-class model
 ``report``     units, formatting, statistics, tables, result JSON
@@ -24,7 +24,8 @@ from .cli import comma_list, quick_defaults
 from .formats import FORMATS, async_save_state, load_planner, load_state, make_reader, make_writer, metadata_file
 from .formats import round_trip, save_planner, save_state
 from .launch import ChildFailed, fresh_dir, free_port, log, rank_log, run_forked, set_rank_env, spawn_ranks
-from .limits import best_of, copy_floor, parallel_read, sequential_read, sync, timed
+from .limits import StorageLimits, best_of, copy_floor, parallel_read, parallel_sequential_read, parallel_write
+from .limits import sequential_read, storage_limits, sync, timed
 from .memory import (
     PAGE,
     PeakMemorySampler,
@@ -62,14 +63,15 @@ from .states import ADAMW_HYPER, adamw_state, bit_equal, leaves, local, seed_of,
 
 __all__ = [
     "ADAMW_HYPER", "FORMATS", "GB", "MB", "PAGE", "ChildFailed", "Column", "MiB", "PeakMemorySampler",
-    "PhaseProbe", "PhaseRecord", "ProcessTreeSampler", "PulledBytes", "TurnTakingReader", "adamw_state", "async_save_state",
+    "PhaseProbe", "PhaseRecord", "ProcessTreeSampler", "PulledBytes", "StorageLimits", "TurnTakingReader", "adamw_state", "async_save_state",
     "best_of", "bit_equal", "comma_list", "copy_floor", "default_out", "dir_bytes", "evict", "evict_tree",
     "files_under", "fmt_mb", "fmt_num", "free_port", "fresh_dir", "fs_type", "fsync_and_evict", "fsync_files",
     "leaves", "load_planner", "load_state", "local", "log", "make_reader", "make_writer", "markdown_table",
-    "max_rss_bytes", "median", "mem_available", "metadata_file", "parallel_read", "peak_rss_bytes",
+    "max_rss_bytes", "median", "mem_available", "metadata_file", "parallel_read", "parallel_sequential_read",
+    "parallel_write", "peak_rss_bytes",
     "print_failures", "proc_io", "proc_read_bytes", "quick_defaults", "rank_log", "ratio", "read_ahead_kb",
     "release_free_memory", "reset_peak_rss", "resident_bytes", "resident_fraction", "round_trip", "rss_bytes",
     "run_forked", "save_planner", "save_state", "seed_of", "sequential_read", "set_rank_env", "spawn_ranks",
-    "stats", "sync", "synth_values", "tensor_bytes", "tensors", "text_table", "timed", "total_resident_bytes", "tree_pss_bytes",
+    "stats", "storage_limits", "sync", "synth_values", "tensor_bytes", "tensors", "text_table", "timed", "total_resident_bytes", "tree_pss_bytes",
     "write_json"
 ]
