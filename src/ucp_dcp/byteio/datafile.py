@@ -9,6 +9,15 @@ hashed on the way: one xxh3-64 of the entry, and one of every
 are written, with the checksums (the header keeps its length: a checksum
 has a fixed width), and the file is fsync'd. A failed write removes the
 partial file, so no half-written file ever holds space or looks like data.
+
+With ``threads > 1``, data the caller promises to leave unchanged until the
+file is closed (``write(..., stable=True)``: the tensors of a save) is cut
+into pieces of :data:`PIECE_BYTES` that a pool of writer threads writes
+with ``pwrite`` at their offsets, each thread asking the kernel to start
+writing its piece to storage right away (:func:`~ucp_dcp.byteio.durable.start_writeback`),
+so the final ``fsync`` finds little left to do. The caller's thread hashes
+the same bytes meanwhile, in order, so checksums, block checksums and the
+bytes of the file are exactly those of a one-thread write.
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
@@ -38,9 +49,16 @@ from ..format import (
     value_entry_name,
 )
 from .blocksums import BlockHasher
-from .durable import remove_quietly, write_all
+from .durable import remove_quietly, start_writeback, write_all
 
-__all__ = ["PLACEHOLDER", "DataFileWriter", "layout", "value_entry", "chunk_entry"]
+__all__ = ["PLACEHOLDER", "PIECE_BYTES", "DataFileWriter", "layout", "value_entry", "chunk_entry"]
+
+PIECE_BYTES = 8 << 20
+"""Writer threads write stable data in pieces of this size (large enough that a call's cost is
+noise, small enough that every thread has work and the storage starts early)."""
+# Pieces queued or being written at once, per writer thread: bounds the memory held
+# (views of the caller's tensors) while the caller hashes ahead.
+_QUEUED_PER_THREAD = 2
 
 PLACEHOLDER = "0" * 16
 """The checksum laid out before the data is hashed (an xxh3-64 hex digest has a fixed width)."""
@@ -77,6 +95,9 @@ class DataFileWriter:
     file's size. Tensor chunks also get block checksums (every ``block``
     bytes), stored in the file's block checksums' entry.
 
+    ``threads``: writer threads for data written with ``stable=True``
+    (1: every write happens in the caller's thread, as it comes).
+
     Attributes:
         created: the file was created (an ``OSError`` after this removed it).
     """
@@ -92,6 +113,7 @@ class DataFileWriter:
         align: int = ALIGN,
         sync: bool = True,
         block: int | None = None,
+        threads: int = 1,
     ) -> None:
         self.path = path
         self.entries = list(entries)
@@ -105,6 +127,10 @@ class DataFileWriter:
         self._blocks = {i: BlockHasher(e.nbytes, self.block) for i, e in enumerate(self.entries)
                         if has_block_sums(e.meta, e.nbytes)}
         self._written = [0] * len(self.entries)
+        self.threads = max(1, threads)
+        self._pool: ThreadPoolExecutor | None = None
+        self._slots = threading.Semaphore(self.threads * _QUEUED_PER_THREAD)
+        self._failed: BaseException | None = None  # the first error of a writer thread
 
     def __enter__(self) -> "DataFileWriter":
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -116,24 +142,72 @@ class DataFileWriter:
             raise
         return self
 
-    def write(self, i: int, data: Any) -> None:
-        """Append ``data`` (bytes-like) to entry ``i``, hashing it."""
+    def write(self, i: int, data: Any, *, stable: bool = False) -> None:
+        """Append ``data`` (bytes-like) to entry ``i``, hashing it.
+
+        ``stable``: the caller leaves ``data`` unchanged (and does not reuse
+        its memory) until the writer is closed, so writer threads may write
+        it after this returns. Otherwise it is written before this returns.
+        """
         view = memoryview(data).cast("B")
         done = self._written[i]
         if done + len(view) > self.entries[i].nbytes:
             raise ValueError(f"{self.path}: entry {self.entries[i].name!r} gets more than its {self.entries[i].nbytes} bytes")
+        self._raise_failed()
+        at = self.starts[i] + done
+        if stable and self.threads > 1:
+            # Queue the pieces first, so the threads copy them into the page
+            # cache while this thread hashes the same bytes.
+            for o in range(0, len(view), PIECE_BYTES):
+                self._queue(view[o : o + PIECE_BYTES], at + o)
+        else:
+            write_all(self._fd, view, at)
         self._hashers[i].update(view)
         blocks = self._blocks.get(i)
         if blocks is not None:
             blocks.update(view)
-        write_all(self._fd, view, self.starts[i] + done)
         self._written[i] = done + len(view)
+
+    def _queue(self, piece: memoryview, at: int) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ucp-write")
+        self._slots.acquire()  # blocks while enough pieces wait: bounded memory
+        self._raise_failed()
+        try:
+            self._pool.submit(self._write_piece, piece, at)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _write_piece(self, piece: memoryview, at: int) -> None:
+        try:
+            if self._failed is None:  # after a failure the file is removed anyway
+                write_all(self._fd, piece, at)
+                if self.sync:
+                    start_writeback(self._fd, at, len(piece))
+        except BaseException as e:
+            if self._failed is None:
+                self._failed = e
+        finally:
+            self._slots.release()
+
+    def _raise_failed(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
+    def _drain(self) -> None:
+        """Wait for every queued piece and stop the writer threads (before the descriptor is closed)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is not None:
             self._abort()
             return
         try:
+            self._drain()
+            self._raise_failed()
             short = [e.name for e, n in zip(self.entries, self._written) if n != e.nbytes]
             if short:
                 raise ValueError(f"{self.path}: entries {short[:5]} were not written in full")
@@ -162,7 +236,9 @@ class DataFileWriter:
 
     def _abort(self) -> None:
         # A half-written file is no use to anyone and holds space a full disk
-        # needs back; no index will name it.
+        # needs back; no index will name it. The writer threads stop first:
+        # none may write through a descriptor number that is closed (or reused).
+        self._drain()
         if self._fd >= 0:
             try:
                 os.close(self._fd)

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 __all__ = [
     "write_all",
+    "start_writeback",
     "write_bytes_durable",
     "fsync_file",
     "copy_durable",
@@ -46,6 +47,32 @@ def write_all(fd: int, data: bytes | bytearray | memoryview, offset: int | None 
         view = view[n:]
         if offset is not None:
             offset += n
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range: Any = None  # None: not looked up yet; False: unavailable
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``nbytes`` at ``offset`` of ``fd`` to storage now; best effort.
+
+    Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: it waits for nothing
+    and guarantees nothing (only ``fsync`` does), but the storage starts on
+    bytes as soon as they are in the page cache instead of when the final
+    ``fsync`` asks for all of them at once, so writing and the device's work
+    overlap. A no-op where the call is missing or refused.
+    """
+    global _sync_file_range
+    if _sync_file_range is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # CDLL calls release the GIL
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _sync_file_range = fn
+        except (OSError, AttributeError):
+            _sync_file_range = False
+    if _sync_file_range is not False and nbytes > 0:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # errors surface at fsync
 
 
 def write_bytes_durable(path: str, data: bytes | bytearray | memoryview, *, exclusive: bool = False) -> None:
