@@ -35,7 +35,7 @@ from torch.futures import Future
 from ..byteio.blocksums import BlockVerifier, ChunkCheck
 from ..byteio.integrity import ChunkVerifier
 from ..byteio.rangeio import RangeReader, Segment
-from ..byteio.transfer import StagingBuffers, needs_staging, read_staged, segments_into
+from ..byteio.transfer import StagingBuffers, needs_staging, read_staged, segments_into, spanned, staged_bytes
 from ..core.sharding import Box
 from ..core.values import decode_value
 from ..format import Location, TensorRecord
@@ -225,10 +225,13 @@ class UCPStorageReader(_Directory, StorageReader):
                 dest = planner.resolve_tensor(ri)
                 sums = src.block_sums(fqn, idx, location) if blocks is not None else None
                 check = ChunkCheck(blocks, sums, fqn, chunk.offsets) if blocks is not None and sums is not None else None
-                if needs_staging(dest, src_dtype, location):
+                region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
+                # Through staging: casts, devices, other dimension orders, and regions of many short runs
+                # that cost less read as their covering spans (core.spans), scattered by one strided copy.
+                if needs_staging(dest, src_dtype, location) or spanned(
+                        reader, location, chunk.sizes, region, src_dtype.itemsize):
                     staged.append((ri, dest, location, chunk, src_dtype, check))
                     continue
-                region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
                 if check is not None:
                     for part in check.verifier.plan(location, check, chunk.sizes, region, dest):
                         segments.extend(part)
@@ -247,8 +250,15 @@ class UCPStorageReader(_Directory, StorageReader):
             flush()
             # One staging buffer for all staged items (pinned, double-buffered
             # for CUDA targets); close() waits for the last device copies.
-            largest = max((torch.Size(ri.lengths).numel() * sd.itemsize for ri, *_, sd, _ in staged), default=0)
-            with StagingBuffers(self.max_buffer_bytes, largest_bytes=largest) as staging:
+            largest = max((staged_bytes(reader, loc, ch.sizes, Box(tuple(ri.storage_offsets), tuple(ri.lengths)),
+                                        sd.itemsize, ck.sums.block if ck is not None else 0)
+                           for ri, _, loc, ch, sd, ck in staged), default=0)
+            # Staging and the block verifier's scratch together stay within max_buffer_bytes (the default
+            # 64 MiB: 48 MiB of staging, 16 MiB of scratch); a bound too small to share is staging's alone.
+            bound = self.max_buffer_bytes
+            if blocks is not None and bound >= 2 * blocks.scratch_limit:
+                bound -= blocks.scratch_limit
+            with StagingBuffers(bound, largest_bytes=largest) as staging:
                 for ri, dest, location, chunk, src_dtype, check in staged:
                     region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
                     # With block checksums, every slab is checked in the staging buffer.
