@@ -37,25 +37,39 @@ __all__ = ["ReadCosts", "ReadCost", "read_cost", "prefer_span", "span_of", "span
 class ReadCosts:
     """Prices (seconds) of the parts of a read, for comparing ways to read one region.
 
-    The defaults were measured on the development VM (2 cores, virtio disk,
-    cold page cache, evicted with ``benchmarks/harness/pagecache.py``), with
-    :class:`~ucp_dcp.byteio.rangeio.RangeReader` reading a 256 MiB file:
-    sequentially in 1-16 MiB requests it pulled 1.8-2.9 GB/s (``page``: a
-    4 KiB page costs about 1.5 us), while one 2 KiB run per 8 KiB (a
-    column slice of rows: one call and one page per run) took 12 us per run
-    with 1 to 16 threads alike (0.33 GB/s pulled). That is ``run`` (the
-    Python bookkeeping of one run on the exact path: segment, memoryview
-    slice, sort, plan, iovec; about 2 us warm) plus ``call`` (one ``preadv``
-    with its ``POSIX_FADV_WILLNEED`` hint, the device's latency for a lone
-    page included) plus a page. ``copy_byte`` is the strided copy out of
-    staging, per byte of span (measured at ~20 GB/s; priced at 5 GB/s, since
-    3-4 ranks share 2 cores).
+    The defaults were fitted on the development VM (2 cores shared by 3-4
+    ranks and other jobs, virtio disk, cold page cache evicted with
+    ``benchmarks/harness/pagecache.py``):
+
+    * ``page``: :class:`~ucp_dcp.byteio.rangeio.RangeReader` read a 256 MiB
+      file sequentially in 1-16 MiB requests at 1.8-2.9 GB/s with 1-16
+      threads, about 1.5 us per 4 KiB page.
+    * ``call``: one 2 KiB run per 8 KiB of the same file (one ``preadv``
+      and one lone page per run) took 12 us per run with 1 to 16 threads
+      alike (0.33 GB/s pulled), on a loaded machine up to 50 us: a system
+      call, its ``POSIX_FADV_WILLNEED`` hint, and the device's latency for
+      a lone page, which the hints a window ahead hide only in part.
+    * ``run`` and ``copy_byte``: alternating cold loads of one rank's
+      column slice, exact and as spans (``/tmp`` script, 20 pairs): 2 KiB of
+      each 4 KiB row (gaps under a page, so the same pages either way, and
+      the exact reads already share ``preadv`` calls, 512 runs to a call)
+      took ~50 ms exact and ~68 ms as spans for 24 MiB of span and 6144
+      runs; 2 KiB of each 8 KiB row ~620 ms exact and ~270 ms as spans.
+      Fitted: about 1 us of bookkeeping per run read exactly (segment,
+      memoryview slice, sort, plan, iovec), about 1 ns per byte of span
+      (first touch of the staging memory, the strided copy, and the I/O
+      parallelism a staged span gives up while it is copied out).
+
+    So a column slice whose gaps are under a page stays exact (its calls are
+    already few), narrow runs far apart stay exact (the pages of the gaps
+    cost more than the calls), and runs of a few KiB a page or two apart,
+    or runs of a few bytes, are read as spans.
     """
 
-    call: float = 8.5e-6
-    run: float = 2e-6
+    call: float = 12e-6
+    run: float = 1e-6
     page: float = 1.5e-6
-    copy_byte: float = 2e-10
+    copy_byte: float = 1e-9
 
 
 @dataclass(frozen=True)
