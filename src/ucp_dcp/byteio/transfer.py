@@ -18,16 +18,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 import xxhash
 
 from ..format import Location
-import numpy as np
-
 from .blocksums import ChunkCheck, read_verified
 from .integrity import ChecksumError
 from .rangeio import RangeReader, Segment, storage_view
-from ..core.sharding import Box, runs, slabs
+from ..core.sharding import Box, row_major_strides, runs, slabs
 from ..core.spans import prefer_span, region_starts, span_of, span_slabs
 
 __all__ = [
@@ -285,7 +284,6 @@ class StagingBuffers:
             self._events[self._next] = copy(target, buf)
             self._next ^= 1
 
-
     def _read_spans(
         self,
         reader: RangeReader,
@@ -309,7 +307,7 @@ class StagingBuffers:
         if budget < es:  # not even an element besides the blocks at the ends
             return False
         self.synchronize()
-        strides = _row_major(chunk_sizes)
+        strides = row_major_strides(chunk_sizes)
         prev = (0, 0)  # the span [a0, b0) the buffer holds now
         for offs, sizes in span_slabs(chunk_sizes, region, es, budget):
             sub = Box(tuple(o + p for o, p in zip(region.offsets, offs)), sizes)
@@ -342,14 +340,6 @@ class StagingBuffers:
             self.spans += 1
             self.bytes_staged += b0 - a0
         return True
-
-
-def _row_major(sizes: Sequence[int]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(sizes):
-        out.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(out))
 
 
 def _blocks_of(starts: np.ndarray, length: int, block: int) -> np.ndarray:
