@@ -50,6 +50,15 @@ from .planners import UCPLoadPlanner
 __all__ = ["UCPStorageReader"]
 
 _MiB = 1024 * 1024
+# Read threads per rank. Measured on the development VM (2 cores, virtio disk, cold page cache evicted
+# with benchmarks/harness/pagecache.py; RangeReader reading 64 MiB files, 3 runs each): with 4 ranks
+# reading at once, 2 threads per rank pulled a median 1.6-2.1 GB/s in 1-16 MiB requests, 4 threads
+# 1.2-1.5 GB/s, 8 threads 0.7-1.4 GB/s; one rank alone, 1-2 threads 2.7-2.9 GB/s in 1 MiB requests, 4
+# threads 1.6-2.1. Each thread announces its requests a window ahead (POSIX_FADV_WILLNEED), so two keep
+# the device's queue full; more only contend for the cores. Scattered one-page reads (one per 8 KiB)
+# ran at 0.10-0.15 GB/s with 4 ranks whatever the thread count: bound by calls, not by requests in
+# flight (core/spans.py reads such regions as spans).
+_IO_THREADS = 2
 
 
 def _record_boxes(record: TensorRecord) -> list[Box]:
@@ -64,9 +73,13 @@ class UCPStorageReader(_Directory, StorageReader):
             ``FileSystemWriter`` directory (Megatron-core ``torch_dist``
             included), a Hugging Face safetensors model, or a directory whose
             subfolders are checkpoints (accelerate).
-        io_threads: threads issuing reads in parallel.
-        max_buffer_bytes: bound on staging memory (used for dtype casts and
-            non-CPU destinations; CPU tensors are filled in place).
+        io_threads: threads issuing reads in parallel (default 2: measured to keep this
+            development VM's disk busy with 1-4 ranks; see ``_IO_THREADS``).
+        max_buffer_bytes: bound on staging memory (used for dtype casts,
+            non-CPU destinations, chunks stored in another dimension order
+            and regions read as spans, see :mod:`ucp_dcp.core.spans`; other
+            CPU tensors are filled in place). With ``verify`` it includes the
+            block verifier's scratch memory (16 MiB).
         gap_bytes: neighbouring byte ranges closer than this are read with
             one call. The default, one page less a byte, never pulls in a
             page that holds no needed byte.
@@ -100,7 +113,7 @@ class UCPStorageReader(_Directory, StorageReader):
         self,
         path: str | os.PathLike[str],
         *,
-        io_threads: int = 4,
+        io_threads: int = _IO_THREADS,
         max_buffer_bytes: int = 64 * _MiB,
         gap_bytes: int | None = None,
         max_request_bytes: int = 16 * _MiB,
