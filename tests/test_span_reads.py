@@ -241,3 +241,52 @@ def test_span_staging_stays_within_its_bound_for_a_large_column_slice(tmp_path: 
         assert staging.capacity <= 128 << 10 and staging.allocations == 1 and staging.spans >= 64
         assert reader.stats.calls < 1024 // 8  # not one call per row
     assert bit_equal(dest, full[:, 512:1024])
+
+
+def test_dcp_load_reads_a_narrow_column_slice_as_spans_and_checks_it(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through ``dcp.load``: 2 KiB of each 8 KiB row of two saved chunks, read as spans (few calls), exact;
+    with a byte the load needs flipped, verified loads fail naming the block, unverified ones load it."""
+    import torch.distributed.checkpoint as dcp
+
+    from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
+    from ucp_dcp.core.pieces import Piece, TensorPieces
+    from ucp_dcp.sources import NativeSource
+
+    made: list[StagingBuffers] = []
+
+    def spy(*args: Any, **kwargs: Any) -> StagingBuffers:
+        made.append(StagingBuffers(*args, **kwargs))
+        return made[-1]
+
+    import ucp_dcp.dcp.reader as reader_module
+
+    monkeypatch.setattr(reader_module, "StagingBuffers", spy)
+    shape = (512, 2048)
+    full = _full(shape, torch.float32, 3)
+    halves = [Piece("w", shape, (r, 0), full[r : r + 256].clone()) for r in (0, 256)]
+    dcp.save({"p": TensorPieces(halves)}, storage_writer=UCPStorageWriter(tmp_path), planner=UCPSavePlanner(), no_dist=True)
+
+    def load(verify: bool) -> tuple[torch.Tensor, UCPStorageReader]:
+        dest = torch.zeros(500, 512)
+        reader = UCPStorageReader(tmp_path, verify=verify)
+        dcp.load({"p": TensorPieces([Piece("w", shape, (6, 1024), dest)])}, storage_reader=reader,
+                 planner=UCPLoadPlanner(), no_dist=True)
+        return dest, reader
+
+    for verify in (True, False):
+        dest, reader = load(verify)
+        assert bit_equal(dest, full[6:506, 1024:1536])
+        assert made[-1].spans >= 2 and reader.read_calls < 50  # not one read per row
+    src = NativeSource(str(tmp_path))
+    loc = src.locate("w", src.chunk_index("w", (256, 0), None))
+    byte = (100 * 2048 + 1100) * 4 + 2  # row 356, column 1100: needed
+    with open(src.paths[loc.file], "r+b") as f:
+        f.seek(loc.start + byte)
+        b = f.read(1)[0]
+        f.seek(loc.start + byte)
+        f.write(bytes([b ^ 1]))
+    with pytest.raises(BaseException) as ei:
+        load(True)
+    assert f"block {byte // 4096} " in str(ei.value)
+    dest, _ = load(False)
+    assert not bit_equal(dest, full[6:506, 1024:1536])
