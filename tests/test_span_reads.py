@@ -133,7 +133,7 @@ def span_cases(draw: Any) -> dict[str, Any]:
     order = tuple(draw(st.permutations(range(nd)))) if draw(st.booleans()) else ()
     return {
         "shape": shape, "dtype": dtype, "region": Box(tuple(offs), tuple(sizes)), "order": order,
-        "cast": draw(st.booleans()), "verify": draw(st.booleans()), "block": draw(st.sampled_from([16, 64, 4096])),
+        "cast": draw(st.booleans()), "verify": draw(st.booleans()), "block": draw(st.sampled_from([16, 24, 64, 100, 4096])),
         "budget": draw(st.sampled_from([64, 200, 4096, 1 << 20])), "lead": draw(st.integers(0, 5000)),
         "seed": draw(st.integers(0, 2**16)),
     }
@@ -183,8 +183,8 @@ def test_span_reads_are_bit_exact_and_catch_a_flipped_needed_byte(case: dict[str
         dest = torch.full(region.sizes, 7, dtype=out_dtype)
         verifier, staging = _read(path, loc, sums, case, dest)
         assert used, "the span path was asked"
-        # Taken wherever the buffer holds an element plus a block at each end.
-        fits = case["budget"] - (2 * case["block"] if case["verify"] else 0) >= dtype.itemsize
+        # Taken wherever the buffer holds an element plus a block at each end and an element to align.
+        fits = case["budget"] - (2 * case["block"] if case["verify"] else 0) - dtype.itemsize >= dtype.itemsize
         assert (staging.spans > 0) == fits
         assert bit_equal(dest, want.to(out_dtype))
 
@@ -290,3 +290,10 @@ def test_dcp_load_reads_a_narrow_column_slice_as_spans_and_checks_it(tmp_path: A
     assert f"block {byte // 4096} " in str(ei.value)
     dest, _ = load(False)
     assert not bit_equal(dest, full[6:506, 1024:1536])
+
+
+def test_a_destination_in_another_order_counts_its_runs() -> None:
+    """Whole rows into a transposed destination are one run per element when read in place: spans."""
+    chunk, region = (256, 256), Box((0, 0), (256, 256))
+    assert not prefer_span(chunk, region, 4)
+    assert prefer_span(chunk, region, 4, dst_strides=(1, 256))

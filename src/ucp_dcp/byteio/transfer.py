@@ -300,23 +300,26 @@ class StagingBuffers:
         es = src_dtype.itemsize
         bs = check.sums.block if check is not None else 0
         a, b = span_of(chunk_sizes, region.offsets, region.sizes, es)
-        # A span widened to whole blocks takes at most a block more at each end.
-        self._ensure(b - a + 2 * bs, False, pin=False)
+        # A span widened to whole blocks takes at most a block more at each end, and up to an element
+        # more to put its first needed element at an element boundary of the buffer (blocks need not be
+        # a multiple of the itemsize).
+        self._ensure(b - a + 2 * bs + es, False, pin=False)
         assert self._buf is not None and self._view is not None
-        budget = self.capacity - 2 * bs
+        budget = self.capacity - 2 * bs - es
         if budget < es:  # not even an element besides the blocks at the ends
             return False
         self.synchronize()
         strides = row_major_strides(chunk_sizes)
-        prev = (0, 0)  # the span [a0, b0) the buffer holds now
+        prev = (0, 0, 0)  # the span [a0, b0) the buffer holds now, from byte ``shift`` of it
         for offs, sizes in span_slabs(chunk_sizes, region, es, budget):
             sub = Box(tuple(o + p for o, p in zip(region.offsets, offs)), sizes)
             a, b = span_of(chunk_sizes, sub.offsets, sizes, es)
             if check is None:
-                a0, b0 = a, b
+                a0, b0, shift = a, b, 0
                 reader.read([Segment(location.file, location.start + a0, self._view[: b0 - a0])])
             else:  # whole blocks; every block holding a needed byte is checked before any byte is handed over
                 a0, b0 = a // bs * bs, min(-(-b // bs) * bs, location.nbytes)
+                shift = -(a - a0) % es
                 starts, length = region_starts(chunk_sizes, sub, es)
                 blocks = _blocks_of(starts, length, bs)
                 keep = 0
@@ -324,14 +327,17 @@ class StagingBuffers:
                     # The previous span ended in this span's first block, and checked it: carry those
                     # bytes over rather than read (and hash) the block a second time.
                     keep = prev[1] - a0
-                    self._buf[:keep].copy_(self._buf[prev[1] - prev[0] - keep : prev[1] - prev[0]].clone())
+                    end = prev[2] + prev[1] - prev[0]
+                    self._buf[shift : shift + keep].copy_(self._buf[end - keep : end].clone())
                     blocks = blocks[blocks != a0 // bs]
                 if b0 > a0 + keep:
-                    reader.read([Segment(location.file, location.start + a0 + keep, self._view[keep : b0 - a0])])
-                check.verifier.check_span(check, location, self._buf[: b0 - a0].numpy(), a0, blocks)
-                prev = (a0, b0)
-            typed = self._buf[: b0 - a0].view(src_dtype)
-            src = torch.as_strided(typed, sizes, strides, (a - a0) // es)
+                    reader.read([Segment(location.file, location.start + a0 + keep,
+                                         self._view[shift + keep : shift + b0 - a0])])
+                check.verifier.check_span(check, location, self._buf[shift : shift + b0 - a0].numpy(), a0, blocks)
+                prev = (a0, b0, shift)
+            first = shift + a - a0  # a multiple of the itemsize: the buffer can be viewed as src_dtype there
+            typed = self._buf[first : first + b - a].view(src_dtype)
+            src = torch.as_strided(typed, sizes, strides, first // es)
             target = dest
             for d, (o, n) in enumerate(zip(offs, sizes)):
                 target = target.narrow(d, o, n)
@@ -351,10 +357,14 @@ def _blocks_of(starts: np.ndarray, length: int, block: int) -> np.ndarray:
     return np.unique(k)
 
 
-def spanned(reader: RangeReader, location: Location, chunk_sizes: Sequence[int], region: Box, itemsize: int) -> bool:
+def spanned(
+    reader: RangeReader, location: Location, chunk_sizes: Sequence[int], region: Box, itemsize: int,
+    dest: torch.Tensor | None = None,
+) -> bool:
     """Whether ``region`` of the chunk at ``location`` (row-major in the chunk's stored order) is read as spans
-    (:mod:`ucp_dcp.core.spans`) rather than run by run."""
-    return prefer_span(chunk_sizes, region, itemsize, base=location.start, gap_bytes=reader.gap_bytes)
+    (:mod:`ucp_dcp.core.spans`) rather than run by run, into ``dest`` in place (default: a contiguous buffer)."""
+    return prefer_span(chunk_sizes, region, itemsize, base=location.start, gap_bytes=reader.gap_bytes,
+                       dst_strides=None if dest is None else dest.stride())
 
 
 def staged_bytes(reader: RangeReader, location: Location, chunk_sizes: Sequence[int], region: Box,

@@ -81,9 +81,13 @@ class ReadCost:
     seconds: float
 
 
-def region_starts(chunk_sizes: Sequence[int], region: Box, itemsize: int) -> tuple[np.ndarray, int]:
-    """Byte offsets in the chunk of the runs of ``region`` (row-major order, hence ascending) and their length."""
-    grid = runs(chunk_sizes, region, row_major_strides(region.sizes), 0)
+def region_starts(
+    chunk_sizes: Sequence[int], region: Box, itemsize: int, dst_strides: Sequence[int] | None = None
+) -> tuple[np.ndarray, int]:
+    """Byte offsets in the chunk of the runs of ``region`` (row-major order, hence ascending) and their length,
+    read into a destination of ``dst_strides`` (default: contiguous)."""
+    strides = row_major_strides(region.sizes) if dst_strides is None else dst_strides
+    grid = runs(chunk_sizes, region, strides, 0)
     return grid.src * itemsize, grid.count * itemsize
 
 
@@ -149,8 +153,10 @@ def prefer_span(
     page: int = 4096,
     costs: ReadCosts = ReadCosts(),
     min_runs: int = 8,
+    dst_strides: Sequence[int] | None = None,
 ) -> bool:
-    """Whether ``region`` of a chunk at file offset ``base`` is cheaper to read as spans than run by run.
+    """Whether ``region`` of a chunk at file offset ``base`` is cheaper to read as spans than run by run
+    into a destination of ``dst_strides`` (default: contiguous; a run must be contiguous in both).
 
     Regions of fewer than ``min_runs`` runs are always read exactly (the
     per-run cost is noise there, and staging would copy for nothing).
@@ -159,9 +165,11 @@ def prefer_span(
         return False
     # The run count decides first, before any array is built: whole-row regions are one or a few runs.
     j = _contiguous_from(region.sizes, row_major_strides(chunk_sizes))
+    if dst_strides is not None:
+        j = max(j, _contiguous_from(region.sizes, dst_strides))
     if math.prod(region.sizes[:j]) < min_runs:
         return False
-    starts, length = region_starts(chunk_sizes, region, itemsize)
+    starts, length = region_starts(chunk_sizes, region, itemsize, dst_strides)
     if len(starts) < min_runs:
         return False
     exact, span = read_cost(starts, length, base=base, gap_bytes=gap_bytes, page=page, costs=costs)

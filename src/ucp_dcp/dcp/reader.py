@@ -240,9 +240,10 @@ class UCPStorageReader(_Directory, StorageReader):
                 check = ChunkCheck(blocks, sums, fqn, chunk.offsets) if blocks is not None and sums is not None else None
                 region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
                 # Through staging: casts, devices, other dimension orders, and regions of many short runs
-                # that cost less read as their covering spans (core.spans), scattered by one strided copy.
+                # (narrow column slices, or a destination laid out in another order) that cost less read
+                # as their covering spans (core.spans), scattered by one strided copy.
                 if needs_staging(dest, src_dtype, location) or spanned(
-                        reader, location, chunk.sizes, region, src_dtype.itemsize):
+                        reader, location, chunk.sizes, region, src_dtype.itemsize, dest):
                     staged.append((ri, dest, location, chunk, src_dtype, check))
                     continue
                 if check is not None:
