@@ -423,6 +423,25 @@ class BlockVerifier:
         finally:
             self._arena = self._used = self.scratch_bytes = 0
 
+    def check_span(self, check: ChunkCheck, location: Location, mem: np.ndarray, at: int, blocks: np.ndarray) -> None:
+        """Hash and compare blocks ``blocks`` (ascending, each once) of the chunk, read whole into ``mem``, whose
+        first byte is byte ``at`` of the chunk (a block boundary); raises :class:`ChecksumError` on a mismatch.
+
+        For reads that stage a chunk's covering span (:mod:`ucp_dcp.core.spans`) and copy out of it afterwards.
+        """
+        t0 = time.thread_time()
+        nbytes = 0
+        try:
+            if len(blocks):
+                bs = check.sums.block
+                if at % bs or int(blocks[0]) * bs < at or min(int(blocks[-1]) * bs + bs, location.nbytes) - at > len(mem):
+                    raise ValueError(f"blocks {int(blocks[0])}..{int(blocks[-1])} are not inside the span read at {at}")
+                empty = np.zeros(0, np.int64)
+                batch = _Batch(location, check, memoryview(mem), empty, empty, np.zeros(0, np.uint8), empty, (empty,) * 3)
+                nbytes = self._compare(batch, memoryview(mem), blocks * bs - at, blocks)
+        finally:
+            self._spent(time.thread_time() - t0, nbytes)
+
     def close(self) -> None:
         """Hand the scratch memory back for the next verifier; call once no read of this one runs any more.
 

@@ -185,6 +185,7 @@ class RangeReader:
         self._paths = list(paths)
         self._files = FileHandles(self._paths)
         self._gap = gap_bytes
+        self.gap_bytes = gap_bytes
         self._scratch = memoryview(bytearray(max(gap_bytes, 1)))
         self._max_request = max(max_request_bytes, 1)
         self._hooked_request = min(self._max_request, HOOKED_REQUEST_BYTES)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 import xxhash
 
@@ -25,10 +26,12 @@ from ..format import Location
 from .blocksums import ChunkCheck, read_verified
 from .integrity import ChecksumError
 from .rangeio import RangeReader, Segment, storage_view
-from ..core.sharding import Box, runs, slabs
+from ..core.sharding import Box, row_major_strides, runs, slabs
+from ..core.spans import prefer_span, region_starts, span_of, span_slabs
 
 __all__ = [
     "needs_staging", "permuted", "segments_into", "StagingBuffers", "read_staged", "read_region", "read_checked",
+    "spanned", "staged_bytes",
 ]
 
 # Half boundaries are multiples of this: a multiple of every itemsize (the
@@ -136,7 +139,8 @@ class StagingBuffers:
     read it.
 
     ``allocations`` counts host allocations (tests check that it is 1 for a
-    whole batch), ``slabs`` the slabs staged, ``bytes_staged`` their bytes.
+    whole batch), ``slabs`` the slabs staged, ``bytes_staged`` their bytes,
+    ``spans`` the slabs read as covering spans (:meth:`read`'s span path).
     Not thread-safe: one per reading thread.
     """
 
@@ -155,6 +159,7 @@ class StagingBuffers:
         self.allocations = 0
         self.slabs = 0
         self.bytes_staged = 0
+        self.spans = 0
         self._buf: torch.Tensor | None = None
         self._view: memoryview | None = None
         self._pinned = False
@@ -245,6 +250,9 @@ class StagingBuffers:
             return
         cuda = dest.device.type == "cuda"
         halves = self.double_buffered(dest)
+        if not halves and spanned(reader, location, chunk_sizes, region, es):
+            if self._read_spans(reader, location, chunk_sizes, region, src_dtype, dest, check):
+                return
         self._ensure(nbytes, halves, pin=cuda and torch.cuda.is_available())
         assert self._buf is not None and self._view is not None
         if not halves:
@@ -275,6 +283,105 @@ class StagingBuffers:
             copy = self.device_copy or (_copy_to_cuda if cuda else _copy_now)
             self._events[self._next] = copy(target, buf)
             self._next ^= 1
+
+    def _read_spans(
+        self,
+        reader: RangeReader,
+        location: Location,
+        chunk_sizes: tuple[int, ...],
+        region: Box,
+        src_dtype: torch.dtype,
+        dest: torch.Tensor,
+        check: ChunkCheck | None,
+    ) -> bool:
+        """Read ``region`` span by span: each sub-box's covering bytes with one read into the buffer (whole
+        blocks with ``check``: the blocks holding needed bytes are checked there), then one strided copy
+        into ``dest``. False (nothing read) where the buffer cannot hold a useful span."""
+        es = src_dtype.itemsize
+        bs = check.sums.block if check is not None else 0
+        a, b = span_of(chunk_sizes, region.offsets, region.sizes, es)
+        # A span widened to whole blocks takes at most a block more at each end, and up to an element
+        # more to put its first needed element at an element boundary of the buffer (blocks need not be
+        # a multiple of the itemsize).
+        self._ensure(b - a + 2 * bs + es, False, pin=False)
+        assert self._buf is not None and self._view is not None
+        budget = self.capacity - 2 * bs - es
+        if budget < es:  # not even an element besides the blocks at the ends
+            return False
+        self.synchronize()
+        strides = row_major_strides(chunk_sizes)
+        prev = (0, 0, 0)  # the span [a0, b0) the buffer holds now, from byte ``shift`` of it
+        for offs, sizes in span_slabs(chunk_sizes, region, es, budget):
+            sub = Box(tuple(o + p for o, p in zip(region.offsets, offs)), sizes)
+            a, b = span_of(chunk_sizes, sub.offsets, sizes, es)
+            if check is None:
+                a0, b0, shift = a, b, 0
+                reader.read([Segment(location.file, location.start + a0, self._view[: b0 - a0])])
+            else:  # whole blocks; every block holding a needed byte is checked before any byte is handed over
+                a0, b0 = a // bs * bs, min(-(-b // bs) * bs, location.nbytes)
+                shift = -(a - a0) % es
+                starts, length = region_starts(chunk_sizes, sub, es)
+                blocks = _blocks_of(starts, length, bs)
+                keep = 0
+                if a0 < prev[1]:
+                    # The previous span ended in this span's first block, and checked it: carry those
+                    # bytes over rather than read (and hash) the block a second time.
+                    keep = prev[1] - a0
+                    end = prev[2] + prev[1] - prev[0]
+                    self._buf[shift : shift + keep].copy_(self._buf[end - keep : end].clone())
+                    blocks = blocks[blocks != a0 // bs]
+                if b0 > a0 + keep:
+                    reader.read([Segment(location.file, location.start + a0 + keep,
+                                         self._view[shift + keep : shift + b0 - a0])])
+                check.verifier.check_span(check, location, self._buf[shift : shift + b0 - a0].numpy(), a0, blocks)
+                prev = (a0, b0, shift)
+            first = shift + a - a0  # a multiple of the itemsize: the buffer can be viewed as src_dtype there
+            typed = self._buf[first : first + b - a].view(src_dtype)
+            src = torch.as_strided(typed, sizes, strides, first // es)
+            target = dest
+            for d, (o, n) in enumerate(zip(offs, sizes)):
+                target = target.narrow(d, o, n)
+            target.copy_(src)
+            self.slabs += 1
+            self.spans += 1
+            self.bytes_staged += b0 - a0
+        return True
+
+
+def _blocks_of(starts: np.ndarray, length: int, block: int) -> np.ndarray:
+    """Every block number that a run ``[s, s + length)`` for ``s`` in ``starts`` touches, ascending, once each."""
+    first = starts // block
+    count = (starts + length - 1) // block - first + 1
+    total = int(count.sum())
+    k = np.repeat(first - (np.cumsum(count) - count), count) + np.arange(total, dtype=np.int64)
+    return np.unique(k)
+
+
+def spanned(
+    reader: RangeReader, location: Location, chunk_sizes: Sequence[int], region: Box, itemsize: int,
+    dest: torch.Tensor | None = None,
+) -> bool:
+    """Whether ``region`` of the chunk at ``location`` (row-major in the chunk's stored order) is read as spans
+    (:mod:`ucp_dcp.core.spans`) rather than run by run, into ``dest`` in place (default: a contiguous buffer)."""
+    return prefer_span(chunk_sizes, region, itemsize, base=location.start, gap_bytes=reader.gap_bytes,
+                       dst_strides=None if dest is None else dest.stride())
+
+
+def staged_bytes(reader: RangeReader, location: Location, chunk_sizes: Sequence[int], region: Box,
+                 itemsize: int, block: int = 0) -> int:
+    """Staging bytes that read ``region`` in one piece (its span, widened by ``block`` at each end, when it
+    is read as spans; else its own bytes): the size a batch's :class:`StagingBuffers` should start at."""
+    if region.numel == 0:
+        return 0
+    sizes, reg = tuple(chunk_sizes), region
+    if location.dim_order:
+        order = location.dim_order
+        sizes = tuple(chunk_sizes[d] for d in order)
+        reg = Box(tuple(region.offsets[d] for d in order), tuple(region.sizes[d] for d in order))
+    if spanned(reader, location, sizes, reg, itemsize):
+        a, b = span_of(sizes, reg.offsets, reg.sizes, itemsize)
+        return b - a + 2 * block
+    return region.numel * itemsize
 
 
 def _copy_now(target: torch.Tensor, buf: torch.Tensor) -> None:

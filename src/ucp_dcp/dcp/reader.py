@@ -35,7 +35,7 @@ from torch.futures import Future
 from ..byteio.blocksums import BlockVerifier, ChunkCheck
 from ..byteio.integrity import ChunkVerifier
 from ..byteio.rangeio import RangeReader, Segment
-from ..byteio.transfer import StagingBuffers, needs_staging, read_staged, segments_into
+from ..byteio.transfer import StagingBuffers, needs_staging, read_staged, segments_into, spanned, staged_bytes
 from ..core.sharding import Box
 from ..core.values import decode_value
 from ..format import Location, TensorRecord
@@ -50,6 +50,15 @@ from .planners import UCPLoadPlanner
 __all__ = ["UCPStorageReader"]
 
 _MiB = 1024 * 1024
+# Read threads per rank. Measured on the development VM (2 cores, virtio disk, cold page cache evicted
+# with benchmarks/harness/pagecache.py; RangeReader reading 64 MiB files, 3 runs each): with 4 ranks
+# reading at once, 2 threads per rank pulled a median 1.6-2.1 GB/s in 1-16 MiB requests, 4 threads
+# 1.2-1.5 GB/s, 8 threads 0.7-1.4 GB/s; one rank alone, 1-2 threads 2.7-2.9 GB/s in 1 MiB requests, 4
+# threads 1.6-2.1. Each thread announces its requests a window ahead (POSIX_FADV_WILLNEED), so two keep
+# the device's queue full; more only contend for the cores. Scattered one-page reads (one per 8 KiB)
+# ran at 0.10-0.15 GB/s with 4 ranks whatever the thread count: bound by calls, not by requests in
+# flight (core/spans.py reads such regions as spans).
+_IO_THREADS = 2
 
 
 def _record_boxes(record: TensorRecord) -> list[Box]:
@@ -64,9 +73,13 @@ class UCPStorageReader(_Directory, StorageReader):
             ``FileSystemWriter`` directory (Megatron-core ``torch_dist``
             included), a Hugging Face safetensors model, or a directory whose
             subfolders are checkpoints (accelerate).
-        io_threads: threads issuing reads in parallel.
-        max_buffer_bytes: bound on staging memory (used for dtype casts and
-            non-CPU destinations; CPU tensors are filled in place).
+        io_threads: threads issuing reads in parallel (default 2: measured to keep this
+            development VM's disk busy with 1-4 ranks; see ``_IO_THREADS``).
+        max_buffer_bytes: bound on staging memory (used for dtype casts,
+            non-CPU destinations, chunks stored in another dimension order
+            and regions read as spans, see :mod:`ucp_dcp.core.spans`; other
+            CPU tensors are filled in place). With ``verify`` it includes the
+            block verifier's scratch memory (16 MiB).
         gap_bytes: neighbouring byte ranges closer than this are read with
             one call. The default, one page less a byte, never pulls in a
             page that holds no needed byte.
@@ -100,7 +113,7 @@ class UCPStorageReader(_Directory, StorageReader):
         self,
         path: str | os.PathLike[str],
         *,
-        io_threads: int = 4,
+        io_threads: int = _IO_THREADS,
         max_buffer_bytes: int = 64 * _MiB,
         gap_bytes: int | None = None,
         max_request_bytes: int = 16 * _MiB,
@@ -225,10 +238,14 @@ class UCPStorageReader(_Directory, StorageReader):
                 dest = planner.resolve_tensor(ri)
                 sums = src.block_sums(fqn, idx, location) if blocks is not None else None
                 check = ChunkCheck(blocks, sums, fqn, chunk.offsets) if blocks is not None and sums is not None else None
-                if needs_staging(dest, src_dtype, location):
+                region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
+                # Through staging: casts, devices, other dimension orders, and regions of many short runs
+                # (narrow column slices, or a destination laid out in another order) that cost less read
+                # as their covering spans (core.spans), scattered by one strided copy.
+                if needs_staging(dest, src_dtype, location) or spanned(
+                        reader, location, chunk.sizes, region, src_dtype.itemsize, dest):
                     staged.append((ri, dest, location, chunk, src_dtype, check))
                     continue
-                region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
                 if check is not None:
                     for part in check.verifier.plan(location, check, chunk.sizes, region, dest):
                         segments.extend(part)
@@ -247,8 +264,15 @@ class UCPStorageReader(_Directory, StorageReader):
             flush()
             # One staging buffer for all staged items (pinned, double-buffered
             # for CUDA targets); close() waits for the last device copies.
-            largest = max((torch.Size(ri.lengths).numel() * sd.itemsize for ri, *_, sd, _ in staged), default=0)
-            with StagingBuffers(self.max_buffer_bytes, largest_bytes=largest) as staging:
+            largest = max((staged_bytes(reader, loc, ch.sizes, Box(tuple(ri.storage_offsets), tuple(ri.lengths)),
+                                        sd.itemsize, ck.sums.block if ck is not None else 0)
+                           for ri, _, loc, ch, sd, ck in staged), default=0)
+            # Staging and the block verifier's scratch together stay within max_buffer_bytes (the default
+            # 64 MiB: 48 MiB of staging, 16 MiB of scratch); a bound too small to share is staging's alone.
+            bound = self.max_buffer_bytes
+            if blocks is not None and bound >= 2 * blocks.scratch_limit:
+                bound -= blocks.scratch_limit
+            with StagingBuffers(bound, largest_bytes=largest) as staging:
                 for ri, dest, location, chunk, src_dtype, check in staged:
                     region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
                     # With block checksums, every slab is checked in the staging buffer.

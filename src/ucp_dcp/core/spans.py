@@ -1,0 +1,213 @@
+"""Exact reads or one span read: the cost model of reading a region of a saved chunk.
+
+A region of a row-major chunk is a set of equal-length *runs* (see
+:func:`~ucp_dcp.core.sharding.runs`). Two ways to read it:
+
+* **exact**: one destination buffer per run, neighbours closer than
+  ``gap_bytes`` sharing a ``preadv`` call. Reads no page that holds no
+  needed byte, but pays per run (a Python segment, an iovec, bookkeeping)
+  and per call (a system call plus a read-ahead hint), and a column slice of
+  rows makes one run per row: tens of thousands of them.
+* **span**: the covering byte range read in large requests into bounded
+  staging memory, then one strided copy into place. Pays for the pages of
+  the gaps (none extra when every gap is shorter than a page: the pages
+  holding the gap hold needed bytes too) and for copying the span once.
+
+:func:`read_cost` prices both from the runs' file offsets with
+:class:`ReadCosts`; :func:`prefer_span` picks; :func:`span_slabs` cuts a
+region into sub-boxes whose span fits a staging budget. Pure arithmetic,
+like the rest of :mod:`ucp_dcp.core`: the byte-moving code lives in
+:mod:`ucp_dcp.byteio.transfer`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .sharding import Box, _contiguous_from, row_major_strides, runs
+
+__all__ = ["ReadCosts", "ReadCost", "read_cost", "prefer_span", "span_of", "span_slabs", "region_starts"]
+
+
+@dataclass(frozen=True)
+class ReadCosts:
+    """Prices (seconds) of the parts of a read, for comparing ways to read one region.
+
+    The defaults were fitted on the development VM (2 cores shared by 3-4
+    ranks and other jobs, virtio disk, cold page cache evicted with
+    ``benchmarks/harness/pagecache.py``):
+
+    * ``page``: :class:`~ucp_dcp.byteio.rangeio.RangeReader` read a 256 MiB
+      file sequentially in 1-16 MiB requests at 1.8-2.9 GB/s with 1-16
+      threads, about 1.5 us per 4 KiB page.
+    * ``call``: one 2 KiB run per 8 KiB of the same file (one ``preadv``
+      and one lone page per run) took 12 us per run with 1 to 16 threads
+      alike (0.33 GB/s pulled), on a loaded machine up to 50 us: a system
+      call, its ``POSIX_FADV_WILLNEED`` hint, and the device's latency for
+      a lone page, which the hints a window ahead hide only in part.
+    * ``run`` and ``copy_byte``: alternating cold loads of one rank's
+      column slice, exact and as spans (``/tmp`` script, 20 pairs): 2 KiB of
+      each 4 KiB row (gaps under a page, so the same pages either way, and
+      the exact reads already share ``preadv`` calls, 512 runs to a call)
+      took ~50 ms exact and ~68 ms as spans for 24 MiB of span and 6144
+      runs; 2 KiB of each 8 KiB row ~620 ms exact and ~270 ms as spans.
+      Fitted: about 1 us of bookkeeping per run read exactly (segment,
+      memoryview slice, sort, plan, iovec), about 1 ns per byte of span
+      (first touch of the staging memory, the strided copy, and the I/O
+      parallelism a staged span gives up while it is copied out).
+
+    So a column slice whose gaps are under a page stays exact (its calls are
+    already few), narrow runs far apart stay exact (the pages of the gaps
+    cost more than the calls), and runs of a few KiB a page or two apart,
+    or runs of a few bytes, are read as spans.
+    """
+
+    call: float = 12e-6
+    run: float = 1e-6
+    page: float = 1.5e-6
+    copy_byte: float = 1e-9
+
+
+@dataclass(frozen=True)
+class ReadCost:
+    """What one way of reading a region costs: ``calls`` read calls, ``pages`` pages pulled, ``seconds`` in all."""
+
+    calls: int
+    pages: int
+    seconds: float
+
+
+def region_starts(
+    chunk_sizes: Sequence[int], region: Box, itemsize: int, dst_strides: Sequence[int] | None = None
+) -> tuple[np.ndarray, int]:
+    """Byte offsets in the chunk of the runs of ``region`` (row-major order, hence ascending) and their length,
+    read into a destination of ``dst_strides`` (default: contiguous)."""
+    strides = row_major_strides(region.sizes) if dst_strides is None else dst_strides
+    grid = runs(chunk_sizes, region, strides, 0)
+    return grid.src * itemsize, grid.count * itemsize
+
+
+def span_of(chunk_sizes: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], itemsize: int) -> tuple[int, int]:
+    """``[first, end)``: the bytes of the chunk from the first to the last byte of the box (non-empty)."""
+    strides = row_major_strides(chunk_sizes)
+    first = sum(o * s for o, s in zip(offsets, strides))
+    last = first + sum((n - 1) * s for n, s in zip(sizes, strides))
+    return first * itemsize, (last + 1) * itemsize
+
+
+def _pages(starts: np.ndarray, length: int, page: int) -> int:
+    """Distinct pages that ``[s, s + length)`` for ascending ``starts`` touch."""
+    if not len(starts):
+        return 0
+    first = starts // page
+    last = (starts + length - 1) // page
+    total = int((last - first + 1).sum())
+    # A run starting in the page the previous one ended in shares that page.
+    return total - int(np.count_nonzero(first[1:] == last[:-1]))
+
+
+def read_cost(
+    starts: np.ndarray,
+    length: int,
+    *,
+    base: int = 0,
+    gap_bytes: int = 4095,
+    page: int = 4096,
+    request_bytes: int = 16 << 20,
+    iov_max: int = 1024,
+    costs: ReadCosts = ReadCosts(),
+) -> tuple[ReadCost, ReadCost]:
+    """``(exact, span)``: the cost of reading runs of ``length`` bytes at ascending chunk offsets ``starts``
+    of a chunk that begins at file offset ``base``, run by run or as one covering span."""
+    n = len(starts)
+    if not n or length <= 0:
+        zero = ReadCost(0, 0, 0.0)
+        return zero, zero
+    s = starts + base
+    gaps = s[1:] - (s[:-1] + length)
+    # Runs closer than gap_bytes share a call, up to iov_max buffers (a gap takes one too).
+    calls = 1 + int(np.count_nonzero(gaps > gap_bytes))
+    calls = max(calls, -(-(2 * n) // iov_max))
+    pages = _pages(s, length, page)
+    exact = ReadCost(calls, pages, calls * costs.call + n * costs.run + pages * costs.page)
+    first, end = int(s[0]), int(s[-1]) + length
+    span_bytes = end - first
+    span_pages = (end - 1) // page - first // page + 1
+    span_calls = -(-span_bytes // request_bytes)
+    span = ReadCost(span_calls, span_pages,
+                    span_calls * costs.call + span_pages * costs.page + span_bytes * costs.copy_byte)
+    return exact, span
+
+
+def prefer_span(
+    chunk_sizes: Sequence[int],
+    region: Box,
+    itemsize: int,
+    *,
+    base: int = 0,
+    gap_bytes: int = 4095,
+    page: int = 4096,
+    costs: ReadCosts = ReadCosts(),
+    min_runs: int = 8,
+    dst_strides: Sequence[int] | None = None,
+) -> bool:
+    """Whether ``region`` of a chunk at file offset ``base`` is cheaper to read as spans than run by run
+    into a destination of ``dst_strides`` (default: contiguous; a run must be contiguous in both).
+
+    Regions of fewer than ``min_runs`` runs are always read exactly (the
+    per-run cost is noise there, and staging would copy for nothing).
+    """
+    if region.numel == 0:
+        return False
+    # The run count decides first, before any array is built: whole-row regions are one or a few runs.
+    j = _contiguous_from(region.sizes, row_major_strides(chunk_sizes))
+    if dst_strides is not None:
+        j = max(j, _contiguous_from(region.sizes, dst_strides))
+    if math.prod(region.sizes[:j]) < min_runs:
+        return False
+    starts, length = region_starts(chunk_sizes, region, itemsize, dst_strides)
+    if len(starts) < min_runs:
+        return False
+    exact, span = read_cost(starts, length, base=base, gap_bytes=gap_bytes, page=page, costs=costs)
+    return span.seconds < exact.seconds
+
+
+def span_slabs(
+    chunk_sizes: Sequence[int], region: Box, itemsize: int, budget: int
+) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Split ``region`` into sub-boxes (``(offsets, sizes)`` relative to it) whose span in the chunk is at
+    most ``budget`` bytes, or a single element where even that is more.
+
+    Like :func:`~ucp_dcp.core.sharding.slabs`, outermost dims first: the
+    outermost dim whose single index still fits is cut into steps as long as
+    the budget allows, the dims before it taken one index at a time.
+    """
+    nd = len(region.sizes)
+    if nd == 0 or region.numel == 0:
+        if region.numel:
+            yield (), ()
+        return
+    strides = [s * itemsize for s in row_major_strides(chunk_sizes)]
+    sizes = region.sizes
+
+    def inner_span(d: int) -> int:
+        """Span of one index of dims ``< d`` and dim ``d``, all of dims ``> d``, in bytes."""
+        return sum((sizes[i] - 1) * strides[i] for i in range(d + 1, nd)) + itemsize
+
+    if inner_span(-1) <= budget:
+        yield (0,) * nd, tuple(sizes)
+        return
+    d = 0
+    while d < nd - 1 and inner_span(d) > budget:
+        d += 1
+    rest = inner_span(d)
+    step = max(1, (budget - rest) // strides[d] + 1) if budget >= rest else 1
+    tail = tuple(sizes[d + 1:])
+    for outer in np.ndindex(*sizes[:d]) if d else [()]:
+        for start in range(0, sizes[d], step):
+            yield (tuple(int(o) for o in outer) + (start,) + (0,) * len(tail),
+                   (1,) * d + (min(step, sizes[d] - start),) + tail)
