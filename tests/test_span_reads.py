@@ -71,6 +71,9 @@ def test_prefer_span_picks_spans_for_narrow_columns_and_exact_reads_for_rows() -
     # Free calls and runs: never worth a wider read.
     free = ReadCosts(call=0.0, run=0.0)
     assert not prefer_span((4096, 2048), Box((0, 512), (4096, 512)), 4, costs=free)
+    # gap_bytes=0 asks for exactly the needed bytes: no span with a gap in it, however cheap.
+    assert not prefer_span((4096, 2048), Box((0, 512), (4096, 512)), 4, gap_bytes=0)
+    assert not prefer_span((4096, 4), Box((0, 2), (4096, 2)), 4, gap_bytes=0)
 
 
 @st.composite

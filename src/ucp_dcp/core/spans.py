@@ -159,7 +159,9 @@ def prefer_span(
     into a destination of ``dst_strides`` (default: contiguous; a run must be contiguous in both).
 
     Regions of fewer than ``min_runs`` runs are always read exactly (the
-    per-run cost is noise there, and staging would copy for nothing).
+    per-run cost is noise there, and staging would copy for nothing). With
+    ``gap_bytes <= 0`` (a reader asked for exactly the needed bytes) a span
+    that would read any byte between the runs is never chosen.
     """
     if region.numel == 0:
         return False
@@ -172,6 +174,8 @@ def prefer_span(
     starts, length = region_starts(chunk_sizes, region, itemsize, dst_strides)
     if len(starts) < min_runs:
         return False
+    if gap_bytes <= 0 and int(starts.max()) + length - int(starts.min()) > len(starts) * length:
+        return False  # gap_bytes=0 asks for exactly the needed bytes: no span that reads a gap
     exact, span = read_cost(starts, length, base=base, gap_bytes=gap_bytes, page=page, costs=costs)
     return span.seconds < exact.seconds
 

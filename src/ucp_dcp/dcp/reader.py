@@ -82,7 +82,10 @@ class UCPStorageReader(_Directory, StorageReader):
             block verifier's scratch memory (16 MiB).
         gap_bytes: neighbouring byte ranges closer than this are read with
             one call. The default, one page less a byte, never pulls in a
-            page that holds no needed byte.
+            page that holds no needed byte by itself; regions of many short
+            runs may still be read as covering spans where that is cheaper
+            (:mod:`ucp_dcp.core.spans`). ``gap_bytes=0`` reads exactly the
+            needed bytes: no gap is merged and no span with a gap is read.
         max_request_bytes: largest single read, so big tensors are read by
             several threads at once.
         dcp_values: for a checkpoint in DCP's default ``.distcp`` format:
