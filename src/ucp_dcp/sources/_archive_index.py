@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..core.sharding import Box
 from ..errors import CheckpointFormatError
-from ..format import ChunkRecord, Location, TensorRecord
+from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord
 from ._torch_archive import TensorRef, TorchArchive
 from ._zero_layout import Segment, segment_boxes
 from .base import Source
@@ -26,13 +26,44 @@ __all__ = ["ArchiveIndex", "check_sizes", "numel"]
 
 
 class ArchiveIndex:
-    """Collects tensor records whose chunks are byte ranges of the archives."""
+    """Collects tensor records whose chunks are byte ranges of the archives, and values already decoded.
+
+    The archives are the data files, numbered in the order they are given
+    or added. Values (read from the pickles when the source was opened) are
+    kept as objects: their index locations are empty, and the source's
+    ``decode_value`` encodes :attr:`values` instead of bytes.
+    """
 
     def __init__(self, archives: list[TorchArchive]) -> None:
-        self.archives = archives
-        self.file_of = {id(a): i for i, a in enumerate(archives)}
+        self.archives: list[TorchArchive] = []
+        self.file_of: dict[int, int] = {}
         self.tensors: dict[str, TensorRecord] = {}
+        self.values: dict[str, Any] = {}
         self.paths: dict[str, tuple[str | int, ...]] = {}
+        for a in archives:
+            self.add_archive(a)
+
+    def add_archive(self, archive: TorchArchive) -> None:
+        """Make ``archive`` the next data file."""
+        self.file_of[id(archive)] = len(self.archives)
+        self.archives.append(archive)
+
+    def alias(self, key: str, path: tuple[str | int, ...], owner: str) -> None:
+        """``key`` (nested at ``path``) has the same bytes as ``owner`` (a tied parameter), unless recorded itself."""
+        if owner in self.tensors and key not in self.tensors:
+            self.tensors[key] = self.tensors[owner]
+            self.paths[key] = path
+
+    def value(self, key: str, path: tuple[str | int, ...], obj: Any) -> None:
+        """``key`` (nested at ``path``) is the value ``obj``."""
+        self.values[key] = obj
+        self.paths[key] = path
+
+    def index(self, world_size: int, root: str, ranks: Sequence[int]) -> Index:
+        """The records: one file per archive (named relative to ``root``, written by ``ranks[i]``)."""
+        files = [FileRecord(os.path.relpath(a.path, root), r, a.size) for a, r in zip(self.archives, ranks)]
+        values = {k: Location(0, 0, 0, "") for k in self.values}
+        return Index(world_size, files, self.tensors, values, {}, paths=dict(self.paths))
 
     def location(self, archive: TorchArchive, t: TensorRef, elem: int, numel: int, what: str) -> Location:
         start, nbytes = archive.byte_range(t, what)

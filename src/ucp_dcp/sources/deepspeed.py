@@ -24,11 +24,9 @@ DeepSpeed records no checksums; the files' sizes are checked.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError
-from ..format import FileRecord, Index, Location
 from ._archive_index import ArchiveIndex, check_sizes, numel
 from ._ds_utils import (
     ModelStates, RankOptim, find_deepspeed_files, looks_like_deepspeed, moment, read_model_states, read_rank_optim,
@@ -90,26 +88,19 @@ class DeepSpeedSource(Source):
                 f"{files.directory}: ZeRO stage {self.stage} optimizer files with "
                 f"{'per-rank' if len(models) > 1 else 'one'} model states file(s)"
             )
-        archives = [m.archive for m in models] + [o.archive for o in optims]
-        b = ArchiveIndex(archives)
-        self._values: dict[str, Any] = {}
-        self._value_paths: dict[str, tuple[str | int, ...]] = {}
+        b = ArchiveIndex([m.archive for m in models] + [o.archive for o in optims])
         m0 = models[0]
         if self.stage == 3:
             groups = self._zero3(b, models, optims)
         else:
             groups = self._zero12(b, m0, optims)
-        self._param_groups(optims[0], groups)
+        self._param_groups(b, optims[0], groups)
         self._frozen_and_buffers(b, models)
         for tied, owner in m0.shared.items():
-            if f"model.{owner}" in b.tensors and f"model.{tied}" not in b.tensors:
-                b.tensors[f"model.{tied}"] = b.tensors[f"model.{owner}"]
-                b.paths[f"model.{tied}"] = ("model", tied)
+            b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
         ranks = [r if self.stage == 3 else 0 for r in range(len(models))] + list(range(len(optims)))
-        records = [FileRecord(os.path.relpath(a.path, path), rk, a.size) for a, rk in zip(archives, ranks)]
-        values = {k: Location(0, 0, 0, "") for k in self._values}
-        index = Index(self.world_size, records, b.tensors, values, {}, paths={**b.paths, **self._value_paths})
-        super().__init__(path, index, [a.path for a in archives])
+        super().__init__(path, b.index(self.world_size, path, ranks), [a.path for a in b.archives])
+        self._values = b.values
         self.directory = files.directory
         self.ds_version = m0.ds_version
 
@@ -187,7 +178,7 @@ class DeepSpeedSource(Source):
             by_buffer.setdefault(k, []).append(fqn)
         return [[f for k in grp["params"] for f in by_buffer.get(k, [])] for grp in optims[0].param_groups]
 
-    def _param_groups(self, o: RankOptim, groups: list[list[str]]) -> None:
+    def _param_groups(self, b: ArchiveIndex, o: RankOptim, groups: list[list[str]]) -> None:
         """``optim.param_groups.<g>.*`` from the inner optimizer's groups, with fqns for ``params``."""
         if self.stage != 3 and len(o.param_groups) != len(groups):
             raise CheckpointFormatError(
@@ -195,9 +186,7 @@ class DeepSpeedSource(Source):
             )
         for g, (grp, fqns) in enumerate(zip(o.param_groups, groups)):
             for hp, v in grp.items():
-                key = f"optim.param_groups.{g}.{hp}"
-                self._values[key] = fqns if hp == "params" else v
-                self._value_paths[key] = ("optim", "param_groups", g, hp)
+                b.value(f"optim.param_groups.{g}.{hp}", ("optim", "param_groups", g, hp), fqns if hp == "params" else v)
 
     def _frozen_and_buffers(self, b: ArchiveIndex, models: list[ModelStates]) -> None:
         m0 = models[0]

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
 
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError
-from ..format import FileRecord, Index, Location
 from ._archive_index import ArchiveIndex, check_sizes
 from ._ds_utils import (
     DS_ALLOWED_GLOBALS, UNIVERSAL_DIR, UNIVERSAL_MODEL_FILES, looks_like_universal, read_model_states,
@@ -56,11 +54,8 @@ class DeepSpeedUniversalSource(Source):
             )
         models = [read_model_states(f) for f in model_files]
         m0 = models[0]
-        archives: list[TorchArchive] = [m.archive for m in models]
-        b = ArchiveIndex(archives)
+        b = ArchiveIndex([m.archive for m in models])
         zero = os.path.join(folder, UNIVERSAL_DIR)
-        self._values: dict[str, Any] = {}
-        value_paths: dict[str, tuple[str | int, ...]] = {}
 
         def one(fqn: str, kind: str, shape: tuple[int, ...] | None) -> tuple[TorchArchive, TensorRef] | None:
             f = os.path.join(zero, fqn, f"{kind}.pt")
@@ -77,8 +72,7 @@ class DeepSpeedUniversalSource(Source):
                     f"{f}: a tensor of shape {list(t.size)}, expected {list(shape)} from param_shapes "
                     "(padded vocabularies and tensor-parallel universal folders are not supported)"
                 )
-            archives.append(a)
-            b.file_of[id(a)] = len(archives) - 1
+            b.add_archive(a)
             return a, t
 
         shapes = {fqn: shape for d in m0.param_shapes for fqn, shape in d.items()}
@@ -100,9 +94,7 @@ class DeepSpeedUniversalSource(Source):
                     b.whole(f"optim.state.{fqn}.{kind}", ("optim", "state", fqn, kind), got[0], got[1],
                             got[1].size if kind == "step" else shape, f"{kind} of {fqn!r}")
         for tied, owner in m0.shared.items():
-            if f"model.{owner}" in b.tensors:
-                b.tensors[f"model.{tied}"] = b.tensors[f"model.{owner}"]
-                b.paths[f"model.{tied}"] = ("model", tied)
+            b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
         for name in m0.buffer_names:
             t = m0.module.get(name)
             if t is None:
@@ -111,13 +103,9 @@ class DeepSpeedUniversalSource(Source):
         # From ZeRO-3, param_shapes lists the optimizer's sub-groups, not its
         # parameter groups: no optim.param_groups there.
         for g, d in enumerate(m0.param_shapes if len(models) == 1 else []):
-            key = f"optim.param_groups.{g}.params"
-            self._values[key] = list(d)
-            value_paths[key] = ("optim", "param_groups", g, "params")
-        records = [FileRecord(os.path.relpath(a.path, path), 0, a.size) for a in archives]
-        values = {k: Location(0, 0, 0, "") for k in self._values}
-        index = Index(1, records, b.tensors, values, {}, paths={**b.paths, **value_paths})
-        super().__init__(path, index, [a.path for a in archives])
+            b.value(f"optim.param_groups.{g}.params", ("optim", "param_groups", g, "params"), list(d))
+        super().__init__(path, b.index(1, path, [0] * len(b.archives)), [a.path for a in b.archives])
+        self._values = b.values
 
     @classmethod
     def detect(cls, path: str) -> bool:
