@@ -31,7 +31,7 @@ from ..core.spans import prefer_span, region_starts, span_of, span_slabs
 
 __all__ = [
     "needs_staging", "permuted", "segments_into", "StagingBuffers", "read_staged", "read_region", "read_checked",
-    "spanned", "staged_bytes",
+    "spanned", "staging_plan",
 ]
 
 # Half boundaries are multiples of this: a multiple of every itemsize (the
@@ -242,6 +242,7 @@ class StagingBuffers:
         src_dtype: torch.dtype,
         dest: torch.Tensor,
         check: ChunkCheck | None = None,
+        span: bool | None = None,
     ) -> None:
         """Read ``region`` of a saved chunk into ``dest``; see :func:`read_staged`."""
         es = src_dtype.itemsize
@@ -250,7 +251,9 @@ class StagingBuffers:
             return
         cuda = dest.device.type == "cuda"
         halves = self.double_buffered(dest)
-        if not halves and spanned(reader, location, chunk_sizes, region, es):
+        if span is None:
+            span = spanned(reader, location, chunk_sizes, region, es)
+        if not halves and span:
             if self._read_spans(reader, location, chunk_sizes, region, src_dtype, dest, check):
                 return
         self._ensure(nbytes, halves, pin=cuda and torch.cuda.is_available())
@@ -367,21 +370,23 @@ def spanned(
                        dst_strides=None if dest is None else dest.stride())
 
 
-def staged_bytes(reader: RangeReader, location: Location, chunk_sizes: Sequence[int], region: Box,
-                 itemsize: int, block: int = 0) -> int:
-    """Staging bytes that read ``region`` in one piece (its span, widened by ``block`` at each end, when it
-    is read as spans; else its own bytes): the size a batch's :class:`StagingBuffers` should start at."""
+def staging_plan(reader: RangeReader, location: Location, chunk_sizes: Sequence[int], region: Box,
+                 src_dtype: torch.dtype, dest: torch.Tensor, block: int = 0) -> tuple[bool, int]:
+    """How :func:`read_staged` will read ``region`` into ``dest``: ``(as spans, staging bytes)``.
+
+    The staging bytes read it in one piece (its span widened by ``block`` at
+    each end when it is read as spans, else its own bytes): what a batch's
+    :class:`StagingBuffers` should start at. Pass the first to
+    :func:`read_staged` as ``span`` so the choice is made once.
+    """
     if region.numel == 0:
-        return 0
-    sizes, reg = tuple(chunk_sizes), region
-    if location.dim_order:
-        order = location.dim_order
-        sizes = tuple(chunk_sizes[d] for d in order)
-        reg = Box(tuple(region.offsets[d] for d in order), tuple(region.sizes[d] for d in order))
+        return False, 0
+    itemsize = src_dtype.itemsize
+    sizes, reg, _ = permuted(location, chunk_sizes, region, dest)
     if spanned(reader, location, sizes, reg, itemsize):
         a, b = span_of(sizes, reg.offsets, reg.sizes, itemsize)
-        return b - a + 2 * block
-    return region.numel * itemsize
+        return True, b - a + 2 * block
+    return False, region.numel * itemsize
 
 
 def _copy_now(target: torch.Tensor, buf: torch.Tensor) -> None:
@@ -420,6 +425,7 @@ def read_staged(
     *,
     buffers: StagingBuffers | None = None,
     check: ChunkCheck | None = None,
+    span: bool | None = None,
 ) -> None:
     """Read ``region`` of a saved chunk into ``dest`` (any dtype, any device).
 
@@ -430,16 +436,17 @@ def read_staged(
     for this call alone and closed before returning, so that ``dest`` is
     complete on return. Memory stays bounded whatever the tensor size.
     With ``check``, every block each slab's read touches is checked in the
-    staging buffer (:mod:`~ucp_dcp.byteio.blocksums`).
+    staging buffer (:mod:`~ucp_dcp.byteio.blocksums`). ``span``: whether
+    to read it as spans, as :func:`staging_plan` decided (None: decide here).
     """
     chunk_sizes, region, dest = permuted(location, chunk_sizes, region, dest)
     if buffers is not None:
-        buffers.read(reader, location, chunk_sizes, region, src_dtype, dest, check)
+        buffers.read(reader, location, chunk_sizes, region, src_dtype, dest, check, span)
         return
     if max_buffer_bytes is None:
         raise TypeError("read_staged needs max_buffer_bytes or buffers")
     with StagingBuffers(max_buffer_bytes, largest_bytes=region.numel * src_dtype.itemsize) as own:
-        own.read(reader, location, chunk_sizes, region, src_dtype, dest, check)
+        own.read(reader, location, chunk_sizes, region, src_dtype, dest, check, span)
 
 
 def read_region(

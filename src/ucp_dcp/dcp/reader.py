@@ -35,7 +35,7 @@ from torch.futures import Future
 from ..byteio.blocksums import BlockVerifier, ChunkCheck
 from ..byteio.integrity import ChunkVerifier
 from ..byteio.rangeio import RangeReader, Segment
-from ..byteio.transfer import StagingBuffers, needs_staging, read_staged, segments_into, spanned, staged_bytes
+from ..byteio.transfer import StagingBuffers, needs_staging, read_staged, segments_into, spanned, staging_plan
 from ..core.sharding import Box
 from ..core.values import decode_value
 from ..format import Location, TensorRecord
@@ -267,19 +267,22 @@ class UCPStorageReader(_Directory, StorageReader):
             flush()
             # One staging buffer for all staged items (pinned, double-buffered
             # for CUDA targets); close() waits for the last device copies.
-            largest = max((staged_bytes(reader, loc, ch.sizes, Box(tuple(ri.storage_offsets), tuple(ri.lengths)),
-                                        sd.itemsize, ck.sums.block if ck is not None else 0)
-                           for ri, _, loc, ch, sd, ck in staged), default=0)
+            # How each staged item is read (as spans or slab by slab), decided once, and the staging it takes.
+            plans = [staging_plan(reader, loc, ch.sizes, Box(tuple(ri.storage_offsets), tuple(ri.lengths)), sd, dest,
+                                  ck.sums.block if ck is not None else 0)
+                     for ri, dest, loc, ch, sd, ck in staged]
+            largest = max((nbytes for _, nbytes in plans), default=0)
             # Staging and the block verifier's scratch together stay within max_buffer_bytes (the default
             # 64 MiB: 48 MiB of staging, 16 MiB of scratch); a bound too small to share is staging's alone.
             bound = self.max_buffer_bytes
             if blocks is not None and bound >= 2 * blocks.scratch_limit:
                 bound -= blocks.scratch_limit
             with StagingBuffers(bound, largest_bytes=largest) as staging:
-                for ri, dest, location, chunk, src_dtype, check in staged:
+                for (ri, dest, location, chunk, src_dtype, check), (span, _) in zip(staged, plans):
                     region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
                     # With block checksums, every slab is checked in the staging buffer.
-                    read_staged(reader, location, chunk.sizes, region, src_dtype, dest, buffers=staging, check=check)
+                    read_staged(reader, location, chunk.sizes, region, src_dtype, dest, buffers=staging, check=check,
+                                span=span)
                     # A CUDA dest may still be receiving (on its current stream,
                     # which orders any device work commit_tensor does after the copies).
                     planner.commit_tensor(ri, dest)
