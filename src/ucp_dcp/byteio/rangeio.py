@@ -184,7 +184,6 @@ class RangeReader:
     ) -> None:
         self._paths = list(paths)
         self._files = FileHandles(self._paths)
-        self._gap = gap_bytes
         self.gap_bytes = gap_bytes
         self._scratch = memoryview(bytearray(max(gap_bytes, 1)))
         self._max_request = max(max_request_bytes, 1)
@@ -223,7 +222,7 @@ class RangeReader:
             if cur is not None and cur.file == s.file:
                 gap = s.offset - (cur.offset + cur.nbytes)
                 limit = self._max_request if s.done is None and not cur.done else self._hooked_request
-                if 0 <= gap <= self._gap and cur.nbytes + gap + n <= limit and len(cur.bufs) + 2 <= _IOV_MAX:
+                if 0 <= gap <= self.gap_bytes and cur.nbytes + gap + n <= limit and len(cur.bufs) + 2 <= _IOV_MAX:
                     if gap:
                         cur.bufs.append(self._scratch[:gap])
                     cur.bufs.append(s.dest)

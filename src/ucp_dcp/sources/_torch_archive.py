@@ -21,6 +21,7 @@ such a file without running code from it, :func:`read_torch_archive`:
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import struct
@@ -55,10 +56,7 @@ class TensorRef:
     @property
     def numel(self) -> int:
         """Number of elements."""
-        n = 1
-        for s in self.size:
-            n *= s
-        return n
+        return math.prod(self.size)
 
     @property
     def nbytes(self) -> int:
