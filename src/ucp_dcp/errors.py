@@ -15,6 +15,7 @@ __all__ = [
     "CheckpointFormatError",
     "ChecksumError",
     "TruncatedFileError",
+    "StorageError",
     "DCPValueError",
     "CheckpointKeyError",
     "UnsupportedValueError",
@@ -71,6 +72,16 @@ class ChecksumError(CheckpointFormatError):
 
 class TruncatedFileError(CheckpointFormatError, EOFError):
     """A file ends before a byte range the checkpoint records for it (``EOFError`` too)."""
+
+
+class StorageError(UCPError, OSError):
+    """Object storage refused or kept failing a request: names the URL, the key and the error.
+
+    Raised for permanent errors (no such bucket, access denied) at once, and
+    for transient ones (connection resets, 5xx, throttling) once the bounded
+    retries are spent. A ``FileNotFoundError`` or ``PermissionError`` of the
+    store keeps its errno.
+    """
 
 
 class DCPValueError(CheckpointFormatError):

@@ -51,7 +51,7 @@ from ..format import (
 from .blocksums import BlockHasher
 from .durable import remove_quietly, start_writeback, write_all
 
-__all__ = ["PLACEHOLDER", "PIECE_BYTES", "DataFileWriter", "layout", "value_entry", "chunk_entry"]
+__all__ = ["PLACEHOLDER", "PIECE_BYTES", "DataFileWriter", "layout", "stream_data_file", "value_entry", "chunk_entry"]
 
 PIECE_BYTES = 8 << 20
 """Writer threads write stable data in pieces of this size (large enough that a call's cost is
@@ -211,20 +211,11 @@ class DataFileWriter:
             short = [e.name for e, n in zip(self.entries, self._written) if n != e.nbytes]
             if short:
                 raise ValueError(f"{self.path}: entries {short[:5]} were not written in full")
-            self.entries = [
-                dataclasses.replace(e, meta=dataclasses.replace(e.meta, xxh3=h.hexdigest())) if e.meta else e
-                for e, h in zip(self.entries, self._hashers)
-            ]
-            sums_xxh3 = PLACEHOLDER
-            if self._blocks:
-                sums = np.concatenate([self._blocks[i].digests() for i in sorted(self._blocks)]).astype("<u8")
-                raw = memoryview(sums).cast("B")
-                sums_xxh3 = xxhash.xxh3_64_hexdigest(raw)
+            self.entries, final, raw = _finished(self.path, self.entries, self._hashers, self._blocks,
+                                                 self._args, self.block, len(self.header))
+            if raw is not None:
                 # The block checksums' entry is the first one, right after the header.
                 write_all(self._fd, raw, len(self.header))
-            final, _, _ = layout(self.entries, *self._args, block=self.block, block_sums_xxh3=sums_xxh3)
-            if len(final) != len(self.header):  # cannot happen: checksums are fixed-width
-                raise AssertionError(f"{self.path}: header length changed while writing")
             write_all(self._fd, final, 0)
             if self.sync:
                 os.fsync(self._fd)  # may be where a full disk shows (delayed allocation, NFS)
@@ -246,6 +237,86 @@ class DataFileWriter:
                 pass
             self._fd = -1
         remove_quietly(self.path)
+
+
+def _finished(
+    path: str, entries: list[PlannedEntry], hashers: list[Any], blocks: dict[int, BlockHasher],
+    args: tuple[int, int, str, int], block: int, header_len: int,
+) -> tuple[list[PlannedEntry], bytes, memoryview | None]:
+    """Once every entry is hashed: the entries with their checksums, the final header, the block checksums' bytes."""
+    entries = [
+        dataclasses.replace(e, meta=dataclasses.replace(e.meta, xxh3=h.hexdigest())) if e.meta else e
+        for e, h in zip(entries, hashers)
+    ]
+    raw = None
+    sums_xxh3 = PLACEHOLDER
+    if blocks:
+        sums = np.concatenate([blocks[i].digests() for i in sorted(blocks)]).astype("<u8")
+        raw = memoryview(sums).cast("B")
+        sums_xxh3 = xxhash.xxh3_64_hexdigest(raw)
+    final, _, _ = layout(entries, *args, block=block, block_sums_xxh3=sums_xxh3)
+    if len(final) != header_len:  # cannot happen: checksums are fixed-width
+        raise AssertionError(f"{path}: header length changed while writing")
+    return entries, final, raw
+
+
+def stream_data_file(
+    out: Any,
+    entries: Sequence[PlannedEntry],
+    datas: Sequence[Any],
+    *,
+    path: str,
+    rank: int,
+    world_size: int,
+    save_id: str,
+    align: int = ALIGN,
+    block: int | None = None,
+) -> tuple[list[PlannedEntry], list[int], int]:
+    """Write a native data file front to back into the file-like ``out`` (an object being uploaded).
+
+    The same bytes as :class:`DataFileWriter` writes, for storage that
+    cannot write at an offset: every entry's data (``datas[i]``, bytes-like,
+    all in memory) is hashed first, then the header with its checksums, the
+    block checksums, and the entries with their alignment padding are
+    written in file order. ``path`` names the file in messages. Returns
+    ``(entries with checksums, their offsets, file size)``.
+    """
+    block = block or BLOCK_BYTES
+    entries = list(entries)
+    args = (rank, world_size, save_id, align)
+    header, starts, size = layout(entries, *args, block=block)
+    hashers = [xxhash.xxh3_64() for _ in entries]
+    blocks = {i: BlockHasher(e.nbytes, block) for i, e in enumerate(entries) if has_block_sums(e.meta, e.nbytes)}
+    views = []
+    for i, (e, data) in enumerate(zip(entries, datas)):
+        view = memoryview(data).cast("B")
+        if len(view) != e.nbytes:
+            raise ValueError(f"{path}: entry {e.name!r} has {len(view)} bytes, not {e.nbytes}")
+        hashers[i].update(view)
+        if i in blocks:
+            blocks[i].update(view)
+        views.append(view)
+    entries, final, raw = _finished(path, entries, hashers, blocks, args, block, len(header))
+    at = 0
+
+    def emit(data: Any) -> None:
+        nonlocal at
+        for o in range(0, len(data), PIECE_BYTES):
+            out.write(data[o : o + PIECE_BYTES])
+        at += len(data)
+
+    def pad_to(offset: int) -> None:
+        while at < offset:
+            emit(bytes(min(offset - at, PIECE_BYTES)))
+
+    emit(final)
+    if raw is not None:
+        emit(raw)
+    for start, view in sorted(zip(starts, views), key=lambda sv: sv[0]):
+        pad_to(start)
+        emit(view)
+    pad_to(size)
+    return entries, starts, size
 
 
 def value_entry(key: str, nbytes: int, *, rank_local: bool = False) -> PlannedEntry:

@@ -72,7 +72,12 @@ class UCPStorageReader(_Directory, StorageReader):
         path: the checkpoint: a universal checkpoint directory, a DCP
             ``FileSystemWriter`` directory (Megatron-core ``torch_dist``
             included), a Hugging Face safetensors model, or a directory whose
-            subfolders are checkpoints (accelerate).
+            subfolders are checkpoints (accelerate). Or an fsspec URL of a
+            universal checkpoint in object storage (``s3://bucket/ckpt``,
+            ``gs://``, ``memory://``...): each rank fetches only the byte
+            ranges it needs, with many ranged requests in flight.
+        storage_options: for a URL, passed to fsspec as they are
+            (credentials, ``client_kwargs={"endpoint_url": ...}``).
         io_threads: threads issuing reads in parallel (default 2: measured to keep this
             development VM's disk busy with 1-4 ranks; see ``_IO_THREADS``).
         max_buffer_bytes: bound on staging memory (used for dtype casts,
@@ -82,7 +87,8 @@ class UCPStorageReader(_Directory, StorageReader):
             block verifier's scratch memory (16 MiB).
         gap_bytes: neighbouring byte ranges closer than this are read with
             one call. The default, one page less a byte, never pulls in a
-            page that holds no needed byte by itself; regions of many short
+            page that holds no needed byte by itself (on object storage:
+            256 KiB, about what a request's round trip costs); regions of many short
             runs may still be read as covering spans where that is cheaper
             (:mod:`ucp_dcp.core.spans`). ``gap_bytes=0`` reads exactly the
             needed bytes: no gap is merged and no span with a gap is read.
@@ -123,6 +129,7 @@ class UCPStorageReader(_Directory, StorageReader):
         dcp_values: str | None = None,
         prefix: str = "",
         verify: bool = True,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if dcp_values not in DCP_VALUES_MODES:
@@ -132,7 +139,8 @@ class UCPStorageReader(_Directory, StorageReader):
         self.source: Source | None = None
         self.io_threads = io_threads
         self.max_buffer_bytes = max(max_buffer_bytes, _MiB)
-        self.gap_bytes = (os.sysconf("SC_PAGE_SIZE") - 1) if gap_bytes is None else gap_bytes
+        self.gap_bytes = gap_bytes  # None: the storage's default (Source.open_reader)
+        self.storage_options = storage_options
         self.max_request_bytes = max_request_bytes
         self.bytes_requested = 0
         self.read_calls = 0
@@ -154,7 +162,7 @@ class UCPStorageReader(_Directory, StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Open the source and describe it as DCP's metadata (nothing is unpickled but DCP's own records)."""
-        self.source = source = open_source(self.path, self.options)
+        self.source = source = open_source(self.path, self.options, storage_options=self.storage_options)
         index = source.index
         md: dict[str, Any] = {}
         for fqn, t in index.tensors.items():
@@ -218,9 +226,8 @@ class UCPStorageReader(_Directory, StorageReader):
         # refuses here what it will not read, and may locate chunks ahead.
         src.prepare([(ri.storage_index.fqn, idx) for ri, idx in tensor_items],
                     [ri.storage_index.fqn for ri in value_items], self.io_threads)
-        reader = RangeReader(
-            src.paths, threads=self.io_threads, gap_bytes=self.gap_bytes, max_request_bytes=self.max_request_bytes
-        )
+        reader = src.open_reader(threads=self.io_threads, gap_bytes=self.gap_bytes,
+                                 max_request_bytes=self.max_request_bytes)
         ranks = [src.file_rank(i) for i in range(len(src.paths))]
         # Blocks where the source records block checksums; whole chunks where it records only those.
         blocks = BlockVerifier(src.paths, ranks) if self.verify else None

@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..byteio.datafile import DataFileWriter, chunk_entry, layout, value_entry
+from ..byteio.datafile import DataFileWriter, chunk_entry, layout, stream_data_file, value_entry
+from ..byteio.objstore import ObjectStore, discard, is_url, local_path
 from ..byteio.rangeio import tensor_view
 from ..format import (
     ALIGN,
@@ -31,6 +32,7 @@ from ..format import (
     build_index,
     commit_index,
     data_file_name,
+    index_bytes,
     split_rank_local_key,
 )
 from ._directory import _Directory
@@ -91,6 +93,12 @@ class UCPStorageWriter(_Directory, StorageWriter):
             byte ranges, ``pwrite``; writeback started piece by piece, so the
             final fsync has little left). The file's bytes and checksums are
             the same for every thread count; 1 writes in the rank's thread.
+        storage_options: for an fsspec URL ``path`` (``s3://bucket/ckpt``,
+            ``gs://``, ``memory://``...), passed to fsspec as they are. Each
+            rank streams its data file to the store (a multipart upload on
+            S3, no local copy); the coordinator commits by writing the index
+            last, one PUT, so a save that fails or is killed midway leaves no
+            index and a committed checkpoint at the same URL stays loadable.
 
     A rank whose write fails (``ENOSPC``, an I/O error) removes its partial
     data file and raises an ``OSError`` that keeps the errno and names the
@@ -106,12 +114,14 @@ class UCPStorageWriter(_Directory, StorageWriter):
         sync_files: bool = True,
         align: int = ALIGN,
         threads: int = DEFAULT_WRITE_THREADS,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if threads < 1:
             raise ValueError(f"UCPStorageWriter(threads={threads}): needs at least one writer thread")
         self.threads = threads
         self.path = os.fspath(path)
+        self.storage_options = storage_options
         self.overwrite = overwrite
         self.sync_files = sync_files
         self.align = align
@@ -136,16 +146,26 @@ class UCPStorageWriter(_Directory, StorageWriter):
         """Nothing to add per rank."""
         return plan
 
+    def _store(self) -> ObjectStore | None:
+        """The object store of a URL ``path``; None for a local directory."""
+        return ObjectStore(self.path, self.storage_options) if is_url(self.path) else None
+
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: check the target directory and name every rank's file."""
-        index = os.path.join(self.path, INDEX_FILE)
-        if os.path.exists(index) and not self.overwrite:
+        store = self._store()
+        if store is None:
+            self.path = local_path(self.path)
+            committed = os.path.exists(os.path.join(self.path, INDEX_FILE))
+        else:
+            committed = store.exists(INDEX_FILE)
+        if committed and not self.overwrite:
             raise FileExistsError(
                 f"{self.path} already holds a committed checkpoint ({INDEX_FILE}) and the writer was made with "
                 "overwrite=False; refusing to replace it. Save into a new directory, or pass overwrite=True "
                 "(the default: the old checkpoint stays loadable until the new one commits)"
             )
-        os.makedirs(self.path, exist_ok=True)
+        if store is None:
+            os.makedirs(self.path, exist_ok=True)
         save_id = self.save_id = uuid.uuid4().hex[:8]
         return [
             dataclasses.replace(p, storage_data=_FileAssignment(data_file_name(r, save_id), len(plans), save_id))
@@ -163,7 +183,10 @@ class UCPStorageWriter(_Directory, StorageWriter):
             fut.set_result([])
             return fut
         job: _FileAssignment = plan.storage_data
-        path = os.path.join(self.path, job.file)
+        store = self._store()
+        if store is not None:
+            return self._upload(store, plan, planner, job, entries, values)
+        path = os.path.join(local_path(self.path), job.file)
         out = DataFileWriter(path, entries, rank=self.rank, world_size=job.world_size, save_id=job.save_id,
                              align=self.align, sync=self.sync_files, threads=self.threads)
         try:
@@ -187,6 +210,37 @@ class UCPStorageWriter(_Directory, StorageWriter):
                 "elsewhere) and save again"
             )) from e
         fut.set_result(self._results(plan, planner, job.file, out.size, out.entries, out.starts))
+        return fut
+
+    def _upload(
+        self, store: ObjectStore, plan: SavePlan, planner: SavePlanner, job: _FileAssignment,
+        entries: list[PlannedEntry], values: dict[int, bytes],
+    ) -> Future[list[WriteResult]]:
+        """Stream this rank's data file to the store; a transient failure restarts the upload."""
+        datas: list[Any] = []
+        for i, item in enumerate(plan.items):
+            if i in values:
+                datas.append(values[i])
+                continue
+            t = planner.resolve_data(item)
+            if t.device.type != "cpu":
+                t = t.cpu()
+            datas.append(tensor_view(t.contiguous()))
+
+        def upload() -> tuple[list[PlannedEntry], list[int], int]:
+            out = store.open_write(job.file)
+            try:
+                done = stream_data_file(out, entries, datas, path=store.url_of(job.file), rank=self.rank,
+                                        world_size=job.world_size, save_id=job.save_id, align=self.align)
+                out.close()  # completes the upload: the object appears whole
+                return done
+            except BaseException:
+                discard(out)  # an upload that failed is aborted, never completed
+                raise
+
+        written, starts, size = store.call(f"uploading rank {self.rank}'s data file", job.file, upload)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(self._results(plan, planner, job.file, size, written, starts))
         return fut
 
     def planned_results(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
@@ -253,6 +307,14 @@ class UCPStorageWriter(_Directory, StorageWriter):
         compact = compact_records(summary.owners, summary.positions, files, counts)
         index = build_index(summary.world_size, files, written, summary.layouts, compact)
         index.paths = {k: p for k, p in summary.paths.items() if k in index.tensors or k in index.values}
+        store = self._store()
+        if store is not None:
+            # One PUT is atomic: the index appears whole, replacing the older one, or not at all.
+            store.put(INDEX_FILE, index_bytes(index))
+            keep = {f.name for f in index.files}
+            store.remove([n for n in store.list()
+                          if n.startswith("rank") and n.endswith(".safetensors") and n not in keep])
+            return
         try:
             commit_index(self.path, index)
         except OSError as e:
@@ -265,5 +327,5 @@ class UCPStorageWriter(_Directory, StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Any local path can receive a checkpoint."""
+        """Any local path or fsspec URL can receive a checkpoint."""
         return isinstance(checkpoint_id, (str, os.PathLike))

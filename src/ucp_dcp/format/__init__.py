@@ -17,7 +17,10 @@ from .header import (
     parse_safetensors,
     read_header,
 )
-from .index import WrittenEntry, build_index, commit_index, index_digest, load_index, rebuild_index, write_index
+from .index import (
+    WrittenEntry, build_index, commit_index, index_bytes, index_digest, load_index, parse_index, rebuild_index,
+    write_index,
+)
 from .names import (
     ALIGN,
     BLOCK_BYTES,
@@ -53,5 +56,6 @@ __all__ = [
     "EntryMeta", "FileHeader", "PlannedEntry", "SafetensorsHeader", "StEntry", "layout_file",
     "parse_safetensors", "read_header", "dtype_from_st",
     "BlockSumsRecord", "block_sums_record", "has_block_sums",
-    "WrittenEntry", "build_index", "commit_index", "index_digest", "load_index", "rebuild_index", "write_index",
+    "WrittenEntry", "build_index", "commit_index", "index_bytes", "index_digest", "load_index", "parse_index",
+    "rebuild_index", "write_index",
 ]

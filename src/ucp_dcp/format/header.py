@@ -7,7 +7,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 from ..errors import CheckpointFormatError
 from .names import (
@@ -128,19 +128,43 @@ def open_data_file(path: str) -> int:
     return fd
 
 
-def parse_safetensors(path: str, fd: int | None = None) -> SafetensorsHeader:
+class RandomAccess(Protocol):
+    """Bytes that can be read at any offset: a local file, or an object read with ranged requests."""
+
+    size: int
+    """Total length in bytes."""
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Up to ``n`` bytes at ``offset``."""
+        ...
+
+
+class _FdAccess:
+    """:class:`RandomAccess` over an open descriptor."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.size = os.fstat(fd).st_size
+
+    def pread(self, n: int, offset: int) -> bytes:
+        return os.pread(self.fd, n, offset)
+
+
+def parse_safetensors(path: str, fd: int | None = None, *, access: RandomAccess | None = None) -> SafetensorsHeader:
     """Read and validate the header of safetensors file ``path`` (any writer's).
 
     Checks the header length against :data:`MAX_HEADER_BYTES` and the file
     size, that every entry has a dtype code, a shape and a byte range inside
     the file. Raises :class:`CheckpointFormatError` naming the file.
+    ``access`` reads it some other way than opening ``path`` (an object).
     """
-    own = fd is None
+    own = fd is None and access is None
     if own:
         fd = open_data_file(path)
     try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, 8, 0)
+        acc = access if access is not None else _FdAccess(fd)  # type: ignore[arg-type]
+        size = acc.size
+        head = acc.pread(8, 0)
         if len(head) < 8:
             raise CheckpointFormatError(f"{path}: truncated ({size} bytes; a safetensors file starts with 8)")
         (n,) = struct.unpack("<Q", head)
@@ -148,10 +172,10 @@ def parse_safetensors(path: str, fd: int | None = None) -> SafetensorsHeader:
             raise CheckpointFormatError(
                 f"{path}: header length {n} exceeds the file ({size} bytes): truncated or not safetensors"
             )
-        raw = os.pread(fd, n, 8)
+        raw = acc.pread(n, 8)
     finally:
         if own:
-            os.close(fd)
+            os.close(fd)  # type: ignore[arg-type]
     doc = parse_json(raw, f"{path}: header is not valid JSON")
     if not isinstance(doc, dict):
         raise CheckpointFormatError(f"{path}: header is not a JSON object")
@@ -192,7 +216,7 @@ def parse_safetensors(path: str, fd: int | None = None) -> SafetensorsHeader:
 _KINDS = ("tensor", "value", "rank_local")
 
 
-def read_header(path: str, fd: int | None = None) -> FileHeader:
+def read_header(path: str, fd: int | None = None, *, access: RandomAccess | None = None) -> FileHeader:
     """Read and validate the header of native data file ``path``.
 
     Raises :class:`CheckpointFormatError` naming the file (and the entry and
@@ -200,7 +224,7 @@ def read_header(path: str, fd: int | None = None) -> FileHeader:
     has an entry outside the file, or metadata that does not describe its
     entries: every entry's name, kind, dtype, box and byte count must agree.
     """
-    st = parse_safetensors(path, fd)
+    st = parse_safetensors(path, fd, access=access)
     raw = st.metadata.get("ucp_dcp")
     if not isinstance(raw, str):
         raise CheckpointFormatError(f"{path}: safetensors file without ucp_dcp metadata")

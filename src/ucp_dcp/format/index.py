@@ -28,7 +28,8 @@ from .schema import parse_json
 from ..core.values import dtype_from_name
 
 __all__ = [
-    "WrittenEntry", "build_index", "index_digest", "write_index", "commit_index", "load_index", "rebuild_index",
+    "WrittenEntry", "build_index", "index_digest", "index_bytes", "write_index", "commit_index", "load_index",
+    "parse_index", "rebuild_index",
 ]
 
 DIGEST_FIELD = "digest"
@@ -149,9 +150,14 @@ def write_index(directory: str, index: Index) -> None:
     Readers see either the previous index or the complete new one, never a
     partial file; a failed write leaves no temp file.
     """
+    atomic_write(os.path.join(directory, INDEX_FILE), index_bytes(index))
+
+
+def index_bytes(index: Index) -> bytes:
+    """The bytes of ``ucp_index.json`` for ``index``: its JSON with the digest field."""
     doc = index.to_json()
     doc[DIGEST_FIELD] = index_digest(doc)
-    atomic_write(os.path.join(directory, INDEX_FILE), json.dumps(doc, separators=(",", ":")).encode("utf-8"))
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
 
 def commit_index(directory: str, index: Index) -> None:
@@ -192,6 +198,15 @@ def load_index(directory: str) -> Index:
         ) from None
     except OSError as e:
         raise CheckpointFormatError(f"{path}: cannot read the index ({e.strerror or e})") from None
+    return parse_index(raw, path)
+
+
+def parse_index(raw: bytes, path: str) -> Index:
+    """Parse and validate the bytes of an index read from ``path`` (a file or an object's URL).
+
+    An index that records a digest must match it (:func:`index_digest`);
+    then every field is checked (:meth:`Index.from_json`).
+    """
     rebuild = "if the data files are complete, rebuild it with ucp_dcp.rebuild_index(path, write=True, replace=True)"
     doc = parse_json(raw, f"{path}: truncated or corrupt index", f"; {rebuild}")
     if isinstance(doc, dict) and DIGEST_FIELD in doc:  # indexes written before digests have none

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..byteio.objstore import ObjectStore, is_url, local_path
 from ..errors import CheckpointFormatError
 from .base import Source, SourceOptions, read_value, register, source_types
 from .native import NativeSource
@@ -47,16 +48,26 @@ __all__ = [
 ]
 
 
-def open_source(path: str | os.PathLike[str], options: SourceOptions | None = None, **kwargs: Any) -> Source:
+def open_source(
+    path: str | os.PathLike[str],
+    options: SourceOptions | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Source:
     """Open the checkpoint at ``path``, detecting its format.
 
     ``options`` (or its fields as keyword arguments, see
     :class:`SourceOptions`) tune the formats that need them. A path no format
     recognises fails as a native checkpoint would, with
     :class:`~ucp_dcp.CheckpointFormatError` naming the path and what is
-    missing.
+    missing. An fsspec URL (``s3://bucket/ckpt``; ``storage_options`` go to
+    fsspec) opens a native checkpoint in object storage, read with ranged
+    requests.
     """
-    path = os.fspath(path)
+    if is_url(path):
+        return NativeSource.open_store(ObjectStore(os.fspath(path), storage_options))
+    path = local_path(path)
     opts = options if options is not None else SourceOptions(**kwargs)
     if not os.path.exists(path):
         raise CheckpointFormatError(f"{path}: not a checkpoint (no such directory)")

@@ -21,6 +21,7 @@ the class with :func:`register`.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
@@ -28,6 +29,8 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from ..byteio.blocksums import BlockSums
+from ..byteio.objrange import OBJECT_GAP_BYTES, ObjectRangeReader
+from ..byteio.objstore import ObjectStore
 from ..byteio.rangeio import RangeReader
 from ..byteio.transfer import read_checked
 from ..core.sharding import Box, Grid
@@ -35,6 +38,8 @@ from ..errors import CheckpointFormatError
 from ..format import ChunkRecord, Index, Location, split_rank_local_key
 
 __all__ = ["Source", "SourceOptions", "register", "source_types", "read_value"]
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,8 @@ class Source(ABC):
 
     format: ClassVar[str] = ""
     """Short name of the format, shown by ``ucp-dcp inspect``."""
+    store: ObjectStore | None = None
+    """The object store the checkpoint is in; None for a local checkpoint (``paths`` are files)."""
     checksums: ClassVar[bool] = False
     """Whether the format records a checksum of every chunk and value."""
 
@@ -84,6 +91,23 @@ class Source(ABC):
     @abstractmethod
     def open(cls, path: str, options: SourceOptions) -> "Source":
         """Open ``path`` (which :meth:`detect` accepted), reading its metadata only."""
+
+    def open_reader(
+        self, *, threads: int, gap_bytes: int | None = None, max_request_bytes: int = 16 << 20
+    ) -> RangeReader:
+        """The byte reader of ``paths``: ``preadv`` calls for files, ranged requests for objects.
+
+        ``gap_bytes=None`` takes the storage's default: merge gaps within a
+        page on a file system, up to :data:`~ucp_dcp.byteio.objrange.OBJECT_GAP_BYTES`
+        on object storage, where a request costs a round trip.
+        """
+        if self.store is None:
+            gap = _PAGE - 1 if gap_bytes is None else gap_bytes
+            return RangeReader(self.paths, threads=threads, gap_bytes=gap, max_request_bytes=max_request_bytes)
+        gap = OBJECT_GAP_BYTES if gap_bytes is None else gap_bytes
+        names = [self.store.name_of(p) for p in self.paths]
+        return ObjectRangeReader(self.store, names, gap_bytes=gap,  # type: ignore[return-value]
+                                 max_request_bytes=max_request_bytes)
 
     # ------------------------------------------------------------ records
     def chunks(self, fqn: str) -> list[ChunkRecord]:

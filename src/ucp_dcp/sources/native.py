@@ -9,6 +9,7 @@ import numpy as np
 import xxhash
 
 from ..byteio.blocksums import BlockSums
+from ..byteio.objstore import ObjectAccess, ObjectStore
 from ..errors import CheckpointFormatError, ChecksumError
 from ..format import (
     INDEX_FILE,
@@ -19,6 +20,7 @@ from ..format import (
     dtype_name,
     has_block_sums,
     load_index,
+    parse_index,
     rank_local_entry_name,
     read_header,
     split_rank_local_key,
@@ -44,9 +46,15 @@ class NativeSource(Source):
     format = "ucp_dcp"
     checksums = True
 
-    def __init__(self, path: str) -> None:
-        index = load_index(path)
-        super().__init__(path, index, [os.path.join(path, f.name) for f in index.files])
+    def __init__(self, path: str, store: ObjectStore | None = None) -> None:
+        if store is None:
+            index = load_index(path)
+            paths = [os.path.join(path, f.name) for f in index.files]
+        else:
+            index = parse_index(store.read(INDEX_FILE), store.url_of(INDEX_FILE))
+            paths = [store.url_of(f.name) for f in index.files]
+        super().__init__(path, index, paths)
+        self.store = store
         self._headers: dict[int, FileHeader] = {}
         # Per file: (block size, every block checksum, first checksum of the entry at each offset), or None.
         self._block_sums: dict[int, tuple[int, np.ndarray, dict[int, int]] | None] = {}
@@ -63,6 +71,17 @@ class NativeSource(Source):
         """Read and validate the index (no data file is opened yet)."""
         return cls(path)
 
+    @classmethod
+    def open_store(cls, store: ObjectStore) -> "NativeSource":
+        """Open the checkpoint at ``store``'s URL: its index is read, no data object yet."""
+        if not store.exists(INDEX_FILE):
+            raise CheckpointFormatError(
+                f"{store.url}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing. A save that did not finish "
+                "leaves no index. On object storage only ucp_dcp checkpoints are read; copy another "
+                "format to a local directory first"
+            )
+        return cls(store.url, store)
+
     def header(self, file: int) -> FileHeader:
         """Parsed header of data file ``file``; checks its size, rank and world size against the index."""
         h = self._headers.get(file)
@@ -70,7 +89,8 @@ class NativeSource(Source):
             with self._lock:
                 h = self._headers.get(file)
                 if h is None:
-                    h = read_header(self.paths[file])
+                    access = None if self.store is None else ObjectAccess(self.store, self.store.name_of(self.paths[file]))
+                    h = read_header(self.paths[file], access=access)
                     rec = self.index.files[file]
                     if h.size != rec.size:
                         raise CheckpointFormatError(
@@ -173,11 +193,14 @@ class NativeSource(Source):
             raise CheckpointFormatError(
                 f"{path}: {rec.nbytes // 8} block checksums recorded for the {k} blocks of its tensor chunks"
             )
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            raw = os.pread(fd, rec.nbytes, rec.start)
-        finally:
-            os.close(fd)
+        if self.store is not None:
+            raw = self.store.read(self.store.name_of(path), rec.start, rec.start + rec.nbytes)
+        else:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                raw = os.pread(fd, rec.nbytes, rec.start)
+            finally:
+                os.close(fd)
         digest = xxhash.xxh3_64_hexdigest(raw)
         if len(raw) != rec.nbytes or digest != rec.xxh3:
             raise ChecksumError(path, "the block checksums", rec.xxh3, digest, self.file_rank(file))

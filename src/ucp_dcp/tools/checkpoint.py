@@ -17,7 +17,7 @@ import torch
 
 from ..byteio.blocksums import BlockVerifier, ChunkCheck
 from ..byteio.integrity import HASH_BLOCK, ChunkVerifier, chunk_what, hash_range
-from ..byteio.rangeio import RangeReader, Segment
+from ..byteio.rangeio import Segment
 from ..byteio.transfer import StagingBuffers, needs_staging, read_staged, segments_into
 from ..core.sharding import Box
 from ..core.values import decode_value
@@ -34,7 +34,9 @@ class Checkpoint:
     Args:
         path: the checkpoint: a universal checkpoint, a DCP
             ``FileSystemWriter`` directory, a Hugging Face safetensors model,
-            or a directory whose subfolders are checkpoints.
+            or a directory whose subfolders are checkpoints; or the fsspec URL
+            of a universal checkpoint in object storage (``s3://...``), read
+            with ranged requests.
         io_threads: threads issuing reads.
         max_buffer_bytes: staging bound for dtype casts and device copies.
         dcp_values: ``"weights_only"`` to load the pickled values of a DCP
@@ -45,6 +47,7 @@ class Checkpoint:
             or whole-chunk ones for checkpoints written before them), as
             ``UCPStorageReader(verify=True)`` does; a mismatch raises
             :class:`~ucp_dcp.ChecksumError`. Values are always checked.
+        storage_options: for a URL, passed to fsspec as they are.
 
     Raises :class:`~ucp_dcp.CheckpointFormatError` when ``path`` is not a
     readable checkpoint. Use as a context manager, or call :meth:`close`.
@@ -59,12 +62,14 @@ class Checkpoint:
         dcp_values: str | None = None,
         prefix: str = "",
         verify: bool = True,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.path = os.fspath(path)
-        self.source = open_source(self.path, SourceOptions(dcp_values=dcp_values, prefix=prefix))
+        self.source = open_source(self.path, SourceOptions(dcp_values=dcp_values, prefix=prefix),
+                                  storage_options=storage_options)
         self.index = self.source.index
         self.max_buffer_bytes = max(max_buffer_bytes, 1 << 20)
-        self._reader = RangeReader(self.source.paths, threads=io_threads, gap_bytes=os.sysconf("SC_PAGE_SIZE") - 1)
+        self._reader = self.source.open_reader(threads=io_threads)
         self.verify_reads = verify
         self._ranks = [self.source.file_rank(i) for i in range(len(self.source.paths))]
         self._verified = 0

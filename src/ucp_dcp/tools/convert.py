@@ -133,7 +133,7 @@ def _convert(
 ) -> Index:
     index = source.index
     per_file = _items_by_file(source)
-    reader = RangeReader(source.paths, threads=io_threads, gap_bytes=os.sysconf("SC_PAGE_SIZE") - 1)
+    reader = source.open_reader(threads=io_threads)
     ranks = [source.file_rank(i) for i in range(len(source.paths))]
     checks = (BlockVerifier(source.paths, ranks), ChunkVerifier(reader, source.paths, ranks)) if verify else None
     buf = torch.empty(budget, dtype=torch.uint8)

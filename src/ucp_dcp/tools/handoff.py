@@ -44,6 +44,7 @@ def load_state_dict(
     dcp_values: str | None = None,
     prefix: str = "",
     verify: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Full tensors and values of a checkpoint of any format, in this process.
 
@@ -62,6 +63,8 @@ def load_state_dict(
         verify: check every byte read against the checksums recorded at
             save (:class:`~ucp_dcp.ChecksumError` on a mismatch); False skips
             the checks of tensor data.
+        storage_options: for a checkpoint at an fsspec URL (``s3://...``),
+            passed to fsspec as they are.
 
     Keys are DCP's flattened names (``"model.embed.weight"``,
     ``"optim.state.embed.weight.exp_avg"``). Tensors are read one at a
@@ -69,7 +72,8 @@ def load_state_dict(
     """
     select = _selector(keys)
     out: dict[str, Any] = {}
-    with Checkpoint(path, dcp_values=dcp_values, prefix=prefix, verify=verify) as ckpt:
+    with Checkpoint(path, dcp_values=dcp_values, prefix=prefix, verify=verify,
+                    storage_options=storage_options) as ckpt:
         for name in ckpt.tensor_names():
             if select(name):
                 src = ckpt.tensor_record(name).dtype
@@ -104,6 +108,7 @@ def load_into_module(
     prefix: str = "model.",
     strict: bool = True,
     verify: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> ModuleLoadResult:
     """Fill ``module``'s parameters and buffers in place from checkpoint ``path``.
 
@@ -121,9 +126,10 @@ def load_into_module(
 
     Every byte read is checked against the checksums recorded at save
     (:class:`~ucp_dcp.ChecksumError` on a mismatch) unless ``verify=False``.
+    ``storage_options`` go to fsspec for a checkpoint at a URL.
     """
     targets = module.state_dict(keep_vars=True)
-    with Checkpoint(path, verify=verify) as ckpt:
+    with Checkpoint(path, verify=verify, storage_options=storage_options) as ckpt:
         available = {n[len(prefix):] for n in ckpt.tensor_names() if n.startswith(prefix)}
         missing = sorted(k for k in targets if k not in available)
         unexpected = sorted(k for k in available if k not in targets)

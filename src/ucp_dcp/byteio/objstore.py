@@ -1,0 +1,304 @@
+"""A checkpoint directory at an fsspec URL (``s3://bucket/prefix``, ``gs://``, ``az://``, ``memory://``).
+
+:class:`ObjectStore` is the one place the library talks to object storage.
+It names objects relative to the checkpoint's URL, and wraps every request
+in the same policy:
+
+* **transient errors are retried** (connection resets, timeouts, 5xx,
+  throttling: anything but the permanent errors below), with exponential
+  backoff and jitter, a bounded number of times (:class:`RetryPolicy`), on
+  top of whatever the client library retries by itself;
+* **permanent errors fail at once** (no such object or bucket, access
+  denied, a bad request): :class:`~ucp_dcp.errors.StorageError` naming the
+  URL, the object and what was being done, keeping the errno;
+* **reads are ranged** and batched (:meth:`ObjectStore.read_ranges`, which is
+  fsspec's ``cat_ranges``: concurrent requests on async stores such as
+  s3fs), and a short answer is a :class:`~ucp_dcp.errors.TruncatedFileError`;
+* **writes stream** (:meth:`ObjectStore.open_write`: the store's own
+  buffered file, a multipart upload on S3), and a write that fails is
+  discarded, never completed: an object appears whole or not at all.
+
+Local paths never come here: ``is_url`` tells them apart, and the readers
+and writers keep their ``preadv``/``pwrite`` path for them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable, Sequence, TypeVar
+
+from ..errors import StorageError, TruncatedFileError, UCPError
+
+__all__ = ["ObjectStore", "ObjectAccess", "RetryPolicy", "discard", "is_url", "local_path"]
+
+_T = TypeVar("_T")
+
+_LOCAL_PROTOCOLS = ("file", "local")
+
+# Errors a retry cannot fix. Anything else a store raises (the client's own
+# connection, timeout and HTTP errors, OSError(EIO) for a 5xx that outlived
+# the client's retries) is treated as transient.
+_PERMANENT: tuple[type[BaseException], ...] = (
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    FileExistsError,
+    TypeError,
+    ValueError,
+    UCPError,
+)
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names object storage (``proto://...``) rather than a local path.
+
+    ``file://`` URLs are local paths (see :func:`local_path`).
+    """
+    s = os.fspath(path)
+    proto, sep, _ = s.partition("://")
+    return bool(sep) and proto.isidentifier() and proto not in _LOCAL_PROTOCOLS
+
+
+def local_path(path: str | os.PathLike[str]) -> str:
+    """``path`` as a local path: a ``file://`` URL loses its scheme, anything else is unchanged."""
+    s = os.fspath(path)
+    for proto in _LOCAL_PROTOCOLS:
+        if s.startswith(proto + "://"):
+            return s[len(proto) + 3 :]
+    return s
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often, and how patiently, a failing request is tried again."""
+
+    attempts: int = 5
+    """Tries in all (1: no retry)."""
+    backoff_s: float = 0.1
+    """Wait before the first retry; doubled for each next one (plus up to 50% jitter)."""
+    max_backoff_s: float = 5.0
+    """Upper bound on one wait."""
+
+    def delays(self) -> list[float]:
+        """The waits before each retry (``attempts - 1`` of them)."""
+        out = []
+        for k in range(max(self.attempts, 1) - 1):
+            d = min(self.backoff_s * (2**k), self.max_backoff_s)
+            out.append(d * (1 + random.random() / 2))
+        return out
+
+
+class ObjectStore:
+    """The objects under one fsspec URL, with retries and errors that name the URL.
+
+    Args:
+        url: the checkpoint directory, e.g. ``s3://bucket/run/step-100``.
+        storage_options: passed to fsspec as they are (credentials,
+            ``client_kwargs={"endpoint_url": ...}``, ...).
+        retry: how transient errors are retried.
+        write_block_bytes: the buffer of a streamed write; on S3 the size of
+            each part of the multipart upload (at least 5 MiB there).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        retry: RetryPolicy | None = None,
+        write_block_bytes: int = 16 << 20,
+    ) -> None:
+        import fsspec  # only object storage needs it
+
+        self.url = str(url).rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.retry = retry or RetryPolicy()
+        self.write_block_bytes = write_block_bytes
+        try:
+            self.fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        except (ImportError, ValueError) as e:  # unknown protocol, or its package is not installed
+            raise StorageError(f"{self.url}: cannot open this URL with fsspec: {e}") from None
+        self.root = root.rstrip("/")
+
+    # ------------------------------------------------------------ names
+    def path(self, name: str) -> str:
+        """The store's path of object ``name`` (relative to the checkpoint's URL)."""
+        return f"{self.root}/{name}" if name else self.root
+
+    def url_of(self, name: str) -> str:
+        """The full URL of object ``name``, as shown in messages."""
+        return f"{self.url}/{name}" if name else self.url
+
+    def name_of(self, url_or_path: str) -> str:
+        """The object name of a full URL or store path under this checkpoint."""
+        for prefix in (self.url + "/", self.root + "/"):
+            if url_or_path.startswith(prefix):
+                return url_or_path[len(prefix) :]
+        return url_or_path.rsplit("/", 1)[-1]
+
+    # ------------------------------------------------------------ policy
+    def call(self, what: str, name: str, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` (one request about object ``name``), retrying transient errors.
+
+        ``what`` says what was being done, for the message of the error
+        raised when the request fails for good.
+        """
+        delays = self.retry.delays()
+        for k in range(len(delays) + 1):
+            try:
+                return fn()
+            except _PERMANENT as e:
+                if isinstance(e, UCPError):
+                    raise
+                raise self.error(what, name, e) from e
+            except Exception as e:  # the client's connection/HTTP errors: transient
+                if k == len(delays):
+                    raise self.error(what, name, e, tries=k + 1) from e
+                time.sleep(delays[k])
+        raise AssertionError("unreachable")
+
+    def error(self, what: str, name: str, e: BaseException, tries: int = 1) -> StorageError:
+        """A :class:`StorageError` naming the URL of ``name``, what failed and why."""
+        after = f" (after {tries} tries)" if tries > 1 else ""
+        code = getattr(e, "errno", None)
+        if isinstance(e, FileNotFoundError):
+            code = code or errno.ENOENT
+        elif isinstance(e, PermissionError):
+            code = code or errno.EACCES
+        msg = f"{self.url_of(name)}: {what} failed{after}: {type(e).__name__}: {e}"
+        return StorageError(code, msg) if code else StorageError(msg)
+
+    # ------------------------------------------------------------ reads
+    def exists(self, name: str) -> bool:
+        """Whether object ``name`` exists (listing caches are bypassed: other processes write)."""
+        path = self.path(name)
+
+        def ask() -> bool:
+            self.fs.invalidate_cache(path)
+            return bool(self.fs.exists(path))
+
+        return self.call("checking for the object", name, ask)
+
+    def size(self, name: str) -> int:
+        """Size of object ``name`` in bytes; a missing one is a :class:`StorageError` (ENOENT)."""
+        path = self.path(name)
+        return int(self.call("reading the object's size", name, lambda: self.fs.info(path)["size"]))
+
+    def read(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of object ``name`` (the whole object by default), checked for length."""
+        path = self.path(name)
+        data = self.call(f"reading bytes [{start}, {end})" if start is not None else "reading the object",
+                         name, lambda: self.fs.cat_file(path, start=start, end=end))
+        if start is not None and end is not None and len(data) != end - start:
+            raise TruncatedFileError(
+                f"{self.url_of(name)}: needed bytes [{start}, {end}) but got {len(data)}: truncated object"
+            )
+        return bytes(data)
+
+    def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        """Bytes ``[start, end)`` of each ``(name, start, end)``, fetched concurrently where the store can.
+
+        One batch of requests (fsspec's ``cat_ranges``); requests that fail
+        are retried on their own under the same policy as :meth:`call`.
+        """
+        if not ranges:
+            return []
+        paths = [self.path(n) for n, _, _ in ranges]
+        starts = [s for _, s, _ in ranges]
+        ends = [e for _, _, e in ranges]
+        try:
+            got: list[Any] = list(self.fs.cat_ranges(paths, starts, ends, on_error="return"))
+        except Exception as e:  # a store whose cat_ranges raises instead of returning errors
+            got = [e] * len(ranges)
+        out: list[bytes] = []
+        for (name, s, e), data in zip(ranges, got):
+            if isinstance(data, BaseException) or len(data) != e - s:
+                data = self.read(name, s, e)  # retried, or raises naming the object
+            out.append(data)
+        return out
+
+    def list(self) -> list[str]:
+        """Names of the objects directly under the checkpoint's URL (none if it does not exist)."""
+        self.fs.invalidate_cache(self.root)
+
+        def ls() -> list[str]:
+            try:
+                return [self.name_of(p) for p in self.fs.ls(self.root, detail=False)]
+            except FileNotFoundError:
+                return []
+
+        return self.call("listing the checkpoint", "", ls)
+
+    # ------------------------------------------------------------ writes
+    def put(self, name: str, data: bytes) -> None:
+        """Write object ``name`` in one request: it appears whole, replacing any older one, or not at all."""
+        path = self.path(name)
+        self.call("writing the object", name, lambda: self.fs.pipe_file(path, data))
+
+    def open_write(self, name: str) -> BinaryIO:
+        """A streamed write of object ``name``: call :func:`discard` on failure, ``close()`` to complete it.
+
+        The store's buffered file uploads a part each time its buffer fills
+        (``write_block_bytes``); the object appears only when ``close()``
+        completes the upload.
+        """
+        path = self.path(name)
+        return self.call("starting the upload", name,
+                         lambda: self.fs.open(path, "wb", block_size=self.write_block_bytes))
+
+    def remove(self, names: Sequence[str]) -> None:
+        """Delete objects ``names`` (missing ones are not an error)."""
+        for name in names:
+            path = self.path(name)
+
+            def rm(path: str = path) -> None:
+                try:
+                    self.fs.rm_file(path)
+                except FileNotFoundError:
+                    pass
+
+            self.call("deleting the object", name, rm)
+
+
+def discard(f: Any) -> None:
+    """Abandon streamed write ``f`` without completing it (aborts a multipart upload); never raises."""
+    try:
+        if hasattr(f, "discard"):
+            f.discard()
+        # A buffered file left open would complete its upload when garbage-collected.
+        f.closed = True
+    except Exception:
+        pass
+
+
+_HEAD_BYTES = 64 << 10
+
+
+class ObjectAccess:
+    """One object as :class:`~ucp_dcp.format.header.RandomAccess`: header parsing reads it through this.
+
+    The first read fetches at least the first 64 KiB, which holds a data
+    file's header in one request (it is read as its length, then its body).
+    """
+
+    def __init__(self, store: ObjectStore, name: str) -> None:
+        self.store = store
+        self.name = name
+        self.size = store.size(name)
+        self._head = b""
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Up to ``n`` bytes at ``offset`` (fewer at the end of the object)."""
+        end = min(offset + n, self.size)
+        if offset >= end:
+            return b""
+        if not self._head and offset < _HEAD_BYTES:
+            self._head = self.store.read(self.name, 0, min(self.size, max(end, _HEAD_BYTES)))
+        if end <= len(self._head):
+            return self._head[offset:end]
+        return self.store.read(self.name, offset, end)
