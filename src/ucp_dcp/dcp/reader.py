@@ -88,7 +88,7 @@ class UCPStorageReader(_Directory, StorageReader):
         gap_bytes: neighbouring byte ranges closer than this are read with
             one call. The default, one page less a byte, never pulls in a
             page that holds no needed byte by itself (on object storage:
-            256 KiB, about what a request's round trip costs); regions of many short
+            32 KiB, less than a request's round trip costs); regions of many short
             runs may still be read as covering spans where that is cheaper
             (:mod:`ucp_dcp.core.spans`). ``gap_bytes=0`` reads exactly the
             needed bytes: no gap is merged and no span with a gap is read.
