@@ -83,6 +83,10 @@ class StorageError(UCPError, OSError):
     store keeps its errno.
     """
 
+    def __str__(self) -> str:
+        # The message alone: it names the URL already, and "[Errno 13]" in front hides it.
+        return self.strerror if self.errno is not None and self.strerror else super().__str__()
+
 
 class DCPValueError(CheckpointFormatError):
     """A non-tensor value of a DCP checkpoint that cannot be loaded as asked."""
