@@ -36,6 +36,7 @@ __all__ = [
     "Source",
     "SourceOptions",
     "open_source",
+    "checkpoint_exists",
     "read_value",
     "register",
     "source_types",
@@ -75,3 +76,16 @@ def open_source(
         if cls.detect(path):
             return cls.open(path, opts)
     return NativeSource.open(path, opts)  # raises, naming what is missing
+
+
+def checkpoint_exists(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether anything is at ``path``: a local file or directory, or, at an fsspec URL, an object or a prefix with objects.
+
+    Tools ask this first so that a path with nothing at it gets "no such
+    checkpoint" rather than a format error; it says nothing about the format.
+    A store that cannot be reached raises :class:`~ucp_dcp.errors.StorageError`
+    naming the URL (once its retries are spent).
+    """
+    if is_url(path):
+        return ObjectStore(os.fspath(path), storage_options).exists("")
+    return os.path.exists(local_path(path))

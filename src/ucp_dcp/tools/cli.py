@@ -10,8 +10,19 @@ conversion), reported as one line ``ucp-dcp: error: <reason>`` on stderr;
 
 Commands: ``inspect``, ``verify``, ``diff``, ``export-hf``, ``convert`` (and
 its aliases ``import-dcp``, ``import-hf``); ``ucp-dcp COMMAND --help``
-describes each. The conversion modules (:mod:`ucp_dcp.tools.hf`,
-:mod:`ucp_dcp.tools.convert`) are imported only by the commands that need them.
+describes each.
+
+A checkpoint to read (``inspect``, ``verify``, ``diff``, the source of
+``export-hf`` and ``convert``) may be the fsspec URL of a universal
+checkpoint in object storage (``s3://bucket/run/step-100``, ``gs://``,
+``memory://``...); outputs stay local. ``--storage-options JSON`` (a JSON
+object, given to fsspec as it is: credentials, ``{"client_kwargs":
+{"endpoint_url": ...}}``) applies to every URL of the command; without it
+the environment variable ``UCP_DCP_STORAGE_OPTIONS`` is read, and without
+either fsspec's own defaults apply (environment credentials).
+
+The conversion modules (:mod:`ucp_dcp.tools.hf`, :mod:`ucp_dcp.tools.convert`)
+are imported only by the commands that need them.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from typing import Any, Callable, NoReturn, Sequence, TextIO
 from .progress import ProgressBar, format_bytes
 from ..errors import CLIError
 
-__all__ = ["main", "build_parser", "format_inspection", "parse_size"]
+__all__ = ["main", "build_parser", "format_inspection", "parse_size", "parse_storage_options"]
 
 PROG = "ucp-dcp"
 EXIT_OK = 0
@@ -40,8 +51,12 @@ EXIT_ERROR = 2  # the command could not do its job
 
 _EPILOG = (
     "exit status: 0 success; 1 verify found problems (a damaged checkpoint) or diff found differences; "
-    "2 any other error, such as a path that does not exist (one line 'ucp-dcp: error: ...' on stderr)"
+    "2 any other error, such as a path that does not exist (one line 'ucp-dcp: error: ...' on stderr). "
+    "A checkpoint to read may be an fsspec URL (s3://bucket/ckpt); --storage-options JSON, else the "
+    "environment variable UCP_DCP_STORAGE_OPTIONS, gives fsspec its options."
 )
+
+STORAGE_OPTIONS_ENV = "UCP_DCP_STORAGE_OPTIONS"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -98,6 +113,58 @@ def _tolerance(text: str) -> float:
 
 
 _HF_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def parse_storage_options(text: str, origin: str = "--storage-options") -> dict[str, Any]:
+    """The fsspec options in ``text``, which must be a JSON object; ``origin`` names where it came from."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CLIError(
+            f"{origin}: not valid JSON ({e}); write a JSON object such as "
+            "'{\"client_kwargs\": {\"endpoint_url\": \"http://127.0.0.1:9000\"}}'"
+        ) from None
+    if not isinstance(doc, dict):
+        # The text itself is not echoed: it may hold credentials.
+        raise CLIError(f"{origin}: expected a JSON object of fsspec options, got a JSON {type(doc).__name__}")
+    return doc
+
+
+def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``--storage-options``, else ``$UCP_DCP_STORAGE_OPTIONS``, else None (fsspec's defaults)."""
+    if args.storage_options is not None:
+        return parse_storage_options(args.storage_options)
+    env = os.environ.get(STORAGE_OPTIONS_ENV)
+    if env is not None and env.strip():
+        return parse_storage_options(env, f"${STORAGE_OPTIONS_ENV}")
+    return None
+
+
+def _require_checkpoint(path: str, storage_options: dict[str, Any] | None) -> None:
+    """A path or URL with nothing at it: one line "no such checkpoint", naming it."""
+    from ..byteio.objstore import is_url
+    from ..sources import checkpoint_exists
+
+    if not checkpoint_exists(path, storage_options):
+        what = "nothing is stored at this URL" if is_url(path) else "the path does not exist"
+        raise CLIError(f"{path}: no such checkpoint ({what})")
+
+
+def _location_options(args: argparse.Namespace, *paths: str) -> dict[str, Any]:
+    """Check that every URL in ``paths`` has something stored at it; the keyword arguments that reach them.
+
+    A missing local path is left to the function that reads it (its error
+    says "not a checkpoint (no such directory)"). Returns
+    ``{"storage_options": ...}`` when options were given, else nothing (the
+    functions called keep their defaults).
+    """
+    from ..byteio.objstore import is_url
+
+    so = args.storage
+    for path in paths:
+        if is_url(path):
+            _require_checkpoint(path, so)
+    return {} if so is None else {"storage_options": so}
 
 
 # ====================================================================== output helpers
@@ -162,7 +229,8 @@ def format_inspection(info: dict[str, Any]) -> str:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .inspection import inspect_checkpoint
 
-    info = inspect_checkpoint(args.path, dcp_values=args.dcp_values, verify=not args.no_verify)
+    where = _location_options(args, args.path)
+    info = inspect_checkpoint(args.path, dcp_values=args.dcp_values, verify=not args.no_verify, **where)
     if args.json:
         _print_json(info)
     else:
@@ -175,10 +243,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from ..errors import CheckpointFormatError
 
     summary: dict[str, Any] = {"path": args.path, "files": 0, "bytes_verified": 0}
-    if not os.path.exists(args.path):  # nothing to verify: the same "cannot open" as every command
-        raise CLIError(f"{args.path}: no such checkpoint (the path does not exist)")
+    # Nothing to verify: the same "cannot open" as every command (status 2, not 1).
+    _require_checkpoint(args.path, args.storage)
+    where = _location_options(args)
     try:
-        ck = Checkpoint(args.path, dcp_values=args.dcp_values)
+        ck = Checkpoint(args.path, dcp_values=args.dcp_values, **where)
     except CheckpointFormatError as e:  # an unreadable index is a verification failure
         problems = [str(e)]
     else:
@@ -212,8 +281,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_diff(args: argparse.Namespace) -> int:
     from .inspection import diff_checkpoints
 
+    where = _location_options(args, args.a, args.b)
     with _progress(args, "comparing") as bar:
-        report = diff_checkpoints(args.a, args.b, progress=bar, dcp_values=args.dcp_values, verify=not args.no_verify)
+        report = diff_checkpoints(args.a, args.b, progress=bar, dcp_values=args.dcp_values, verify=not args.no_verify,
+                                  **where)
     same = report.identical if args.atol == 0 else report.within(args.atol)
     if args.json:
         _print_json(report.to_json(args.atol))
@@ -250,7 +321,7 @@ def _function(module: ModuleType, attr: str, command: str) -> Callable[..., Any]
 
 def _cmd_export_hf(args: argparse.Namespace) -> int:
     export_hf = _function(_optional_module("ucp_dcp.tools.hf", "export-hf"), "export_hf", "export-hf")
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = _url_options(args)
     if args.dtype is not None:
         import torch
 
@@ -276,7 +347,7 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     convert = _function(_optional_module("ucp_dcp.tools.convert", args.command), "convert", args.command)
-    kwargs: dict[str, Any] = {"overwrite": args.overwrite}
+    kwargs: dict[str, Any] = {"overwrite": args.overwrite, **_url_options(args)}
     if args.prefix is not None:
         kwargs["prefix"] = args.prefix
     if args.no_verify:
@@ -285,6 +356,16 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         convert(args.src, args.dst, progress=bar, **kwargs)
     print(f"converted {args.src} into ucp_dcp checkpoint {args.dst}")
     return EXIT_OK
+
+
+def _url_options(args: argparse.Namespace) -> dict[str, Any]:
+    """For a conversion: refuse a URL output, check a URL source has something stored, pass the storage options."""
+    from ..byteio.objstore import is_url
+
+    if is_url(args.dst):
+        raise CLIError(f"{args.dst}: {args.command} writes a local directory, not object storage; write it "
+                       "locally and copy it there")
+    return _location_options(args, args.src)
 
 
 def _cmd_import_hf(args: argparse.Namespace) -> int:
@@ -317,6 +398,10 @@ def _common_options(defaults: bool) -> argparse.ArgumentParser:
                    "(refused by default)")
     p.add_argument("--no-verify", help="do not check the tensor data a command reads against the checksums "
                    "recorded at save (checked by default)", **kw)
+    p.add_argument("--storage-options", metavar="JSON", default=None if defaults else argparse.SUPPRESS,
+                   help="fsspec options for checkpoints given as URLs (s3://bucket/ckpt), as a JSON object, e.g. "
+                   "'{\"client_kwargs\": {\"endpoint_url\": \"http://127.0.0.1:9000\"}}'; default: the "
+                   f"environment variable {STORAGE_OPTIONS_ENV}, else fsspec's defaults")
     return p
 
 
@@ -344,21 +429,22 @@ def build_parser() -> argparse.ArgumentParser:
          "problem (naming the file and the tensor or value) and exit 1 if there is any."),
     ):
         p = command(name, handler, text)
-        p.add_argument("path", metavar="PATH", help="checkpoint (any format ucp_dcp reads)")
+        p.add_argument("path", metavar="PATH", help="checkpoint (any format ucp_dcp reads), or the fsspec URL "
+                       "of a ucp_dcp checkpoint (s3://bucket/ckpt)")
         p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
 
     p = command("diff", _cmd_diff, "Compare two checkpoints: entries only in one, shape/dtype differences, "
                 "per-tensor max abs difference (NaN-aware), differing values. Exit 1 if they differ.")
-    p.add_argument("a", metavar="A", help="first checkpoint (any format)")
-    p.add_argument("b", metavar="B", help="second checkpoint (any format)")
+    p.add_argument("a", metavar="A", help="first checkpoint (any format, or a URL)")
+    p.add_argument("b", metavar="B", help="second checkpoint (any format, or a URL)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
     p.add_argument("--atol", type=_tolerance, default=0.0, metavar="X",
                    help="tensors whose elements differ by at most X count as equal (default 0: exact)")
 
     p = command("export-hf", _cmd_export_hf, "Write a checkpoint's model weights as a Hugging Face "
                 "safetensors checkpoint (sharded, with model.safetensors.index.json).")
-    p.add_argument("src", metavar="SRC", help="checkpoint (any format ucp_dcp reads)")
-    p.add_argument("dst", metavar="DST", help="output directory")
+    p.add_argument("src", metavar="SRC", help="checkpoint (any format ucp_dcp reads, or a URL)")
+    p.add_argument("dst", metavar="DST", help="output directory (local)")
     p.add_argument("--dtype", choices=sorted(_HF_DTYPES), help="cast floating-point tensors to this dtype")
     p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
                    help="largest output file, e.g. 5GB (decimal) or 4GiB (binary)")
@@ -372,8 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("convert", _cmd_convert, "Write any checkpoint this tool reads (ucp_dcp, DCP's FileSystemWriter "
                 "format, Megatron torch_dist, accelerate subfolders, a Hugging Face model) as a ucp_dcp "
                 "checkpoint with checksums, keeping its sharding. Loading never needs this.")
-    p.add_argument("src", metavar="SRC", help="source checkpoint (directory or file)")
-    p.add_argument("dst", metavar="DST", help="output ucp_dcp checkpoint directory")
+    p.add_argument("src", metavar="SRC", help="source checkpoint (directory or file), or the fsspec URL of a "
+                   "ucp_dcp checkpoint")
+    p.add_argument("dst", metavar="DST", help="output ucp_dcp checkpoint directory (local)")
     p.add_argument("--prefix", metavar="PREFIX", help="put PREFIX in front of a Hugging Face model's tensor names")
     p.add_argument("--overwrite", action="store_true", help="replace a ucp_dcp checkpoint already in DST")
 
@@ -446,6 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             _one_line_warnings()
+            args.storage = _storage_options(args)  # a bad JSON fails every command alike
             return args.handler(args)
     except KeyboardInterrupt:
         _error_line("interrupted")

@@ -26,7 +26,8 @@ from ..byteio.integrity import ChunkVerifier
 from ..byteio.rangeio import RangeReader, storage_view, tensor_view
 from ..byteio.transfer import read_region
 from ..core.sharding import Box, slabs
-from ..errors import CheckpointFormatError
+from ..byteio.objstore import is_url, local_path
+from ..errors import CheckpointFormatError, StorageError
 from ..format import (
     INDEX_FILE,
     FileRecord,
@@ -60,12 +61,19 @@ def convert(
     io_threads: int = 4,
     dcp_values: str | None = "weights_only",
     verify: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> Index:
     """Write checkpoint ``src`` (any format :func:`~ucp_dcp.sources.open_source` reads) as a universal one at ``dst``.
 
     Args:
-        src: the source checkpoint.
-        dst: the output directory (created if needed). It may be ``src``
+        src: the source checkpoint: a local path, or the fsspec URL of a
+            universal checkpoint in object storage (``s3://bucket/ckpt``,
+            read with ranged requests; other formats are read from local
+            directories only).
+        dst: the output directory (created if needed), always local: a URL
+            is refused with :class:`~ucp_dcp.errors.StorageError` (save to object
+            storage with ``UCPStorageWriter``, or copy the converted
+            directory there). It may be ``src``
             itself for a DCP checkpoint (its files are left alone; the
             universal index takes precedence when loading). A directory that
             already holds a universal checkpoint is refused unless
@@ -81,11 +89,19 @@ def convert(
             (block checksums where it records them, whole chunks otherwise),
             so that damaged bytes are not given fresh checksums; a mismatch
             raises :class:`~ucp_dcp.ChecksumError`.
+        storage_options: for a ``src`` URL, passed to fsspec as they are
+            (credentials, ``client_kwargs={"endpoint_url": ...}``).
 
     Returns the index written.
     """
     src, dst = os.fspath(src), os.fspath(dst)
-    source = open_source(src, SourceOptions(dcp_values=dcp_values, prefix=prefix))
+    if is_url(dst):
+        raise StorageError(
+            f"{dst}: convert writes a local directory, not object storage; convert into a local directory "
+            "and copy it there, or save to the URL with UCPStorageWriter"
+        )
+    dst = local_path(dst)  # a file:// URL is a local path
+    source = open_source(src, SourceOptions(dcp_values=dcp_values, prefix=prefix), storage_options=storage_options)
     try:
         if os.path.exists(os.path.join(dst, INDEX_FILE)) and not overwrite:
             raise FileExistsError(

@@ -45,11 +45,13 @@ import torch
 from .checkpoint import Checkpoint
 from ..format import dtype_name, st_dtype
 from ..byteio.durable import commit_dir, temp_dir_for, write_all
+from ..byteio.objstore import is_url, local_path
+from ..sources import checkpoint_exists
 from ..sources._hf_utils import HF_CONFIG_FILES, HF_INDEX_NAME, HF_WEIGHTS_NAME
 from ..dcp.planners import CheckpointKeyError
 from .progress import ProgressFn
 from ..byteio.rangeio import tensor_view
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, StorageError
 
 __all__ = [
     "export_hf",
@@ -297,12 +299,14 @@ def export_hf(
     progress: ProgressFn | None = None,
     dcp_values: str | None = None,
     verify: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> list[str]:
     """Write the model weights of checkpoint ``src`` (any format) as a Hugging Face directory ``dst``.
 
     Args:
-        src: a universal checkpoint directory (any saved layout).
-        dst: the output directory; it must not exist or be empty. Everything
+        src: a universal checkpoint directory (any saved layout), or the
+            fsspec URL of one in object storage (``s3://bucket/ckpt``).
+        dst: the output directory, local; it must not exist or be empty. Everything
             is written into a temporary sibling directory that is renamed to
             ``dst`` at the end, so a crash leaves no half-written output.
         dtype: cast floating tensors to this dtype (``torch.bfloat16`` or
@@ -336,6 +340,7 @@ def export_hf(
         progress: ``progress(done_bytes, total_bytes)`` after each tensor.
         verify: check the tensor data read against the checksums recorded
             at save (:class:`~ucp_dcp.ChecksumError` on a mismatch).
+        storage_options: for a ``src`` URL, passed to fsspec as they are.
 
     Returns:
         The paths of the files written in ``dst``: the safetensors files in
@@ -351,6 +356,8 @@ def export_hf(
         FileNotFoundError: ``src`` does not exist.
         CheckpointFormatError: ``src`` is not a readable universal checkpoint.
         FileExistsError: ``dst`` exists and is not an empty directory.
+        StorageError: ``dst`` is a URL (the output is local), or the store
+            of a ``src`` URL cannot be read.
         CheckpointKeyError: no tensor starts with ``prefix`` (the message
             lists the prefixes the checkpoint has).
         ValueError: bad ``dtype``, ``max_shard_size`` or ``rename``, or two
@@ -362,10 +369,18 @@ def export_hf(
     rules = _compile_rename(rename)
     if not isinstance(prefix, str):
         raise TypeError(f"prefix must be a string, got {prefix!r}")
-    if not os.path.exists(src):
+    if is_url(dst):
+        raise StorageError(
+            f"{dst}: export_hf writes a local directory, not object storage; export into a local directory "
+            "and copy it there"
+        )
+    src, dst = (src if is_url(src) else local_path(src)), local_path(dst)  # file:// URLs are local paths
+    if not checkpoint_exists(src, storage_options):
         raise FileNotFoundError(f"{src}: no such checkpoint directory")
     _check_empty_dst(dst)
-    if config is None and os.path.isdir(src) and os.path.isfile(os.path.join(src, "config.json")):
+    # Only a local Hugging Face model carries a config over (object storage holds universal checkpoints only).
+    local_hf = not is_url(src) and os.path.isfile(os.path.join(src, "config.json"))
+    if config is None and local_hf:
         config = src  # a Hugging Face source carries its own config
     cfg_doc, cfg_extra = _load_config(config) if config is not None else (None, [])
     if cfg_doc is None:
@@ -375,7 +390,7 @@ def export_hf(
             UserWarning,
             stacklevel=2,
         )
-    with Checkpoint(src, dcp_values=dcp_values, verify=verify) as ckpt:
+    with Checkpoint(src, dcp_values=dcp_values, verify=verify, storage_options=storage_options) as ckpt:
         planned = _plan_export(ckpt, prefix, rules, cast)
         shards = _shard(planned, max_bytes)
         n = len(shards)

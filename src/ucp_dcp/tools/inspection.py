@@ -96,6 +96,9 @@ def _read_step(ck: Checkpoint, key: str) -> int | float | None:
 def inspect_checkpoint(path: str | os.PathLike[str], **options: Any) -> dict[str, Any]:
     """A JSON-ready summary of the checkpoint at ``path`` (any format; ``options`` as for :class:`Checkpoint`).
 
+    ``path`` may be the fsspec URL of a universal checkpoint in object
+    storage (``storage_options=`` among ``options`` go to fsspec).
+
     Keys: ``path``, ``format`` (``"ucp_dcp version 1"``, ``"dcp"``, ``"hf"``, ...),
     ``format_version``, ``checksums`` (whether the format records them), ``world_size``, ``step`` and
     ``step_key`` (None when no step counter is found), ``files``
@@ -352,7 +355,8 @@ def diff_checkpoints(
     Tensors present in both with the same shape are read one at a time
     (each side once) and compared in float64 slices; ``progress(done,
     total)`` reports the bytes read of both sides. Values and rank-local
-    values are decoded and compared deeply. Raises
+    values are decoded and compared deeply. Either side may be an fsspec URL
+    (one ``storage_options=`` among ``options`` serves both). Raises
     :class:`~ucp_dcp.CheckpointFormatError` when either side cannot be read.
     """
     with Checkpoint(a, **options) as ca, Checkpoint(b, **options) as cb:
