@@ -27,6 +27,7 @@ from .errors import (
     LayoutRuleError,
     NoCheckpointError,
     NonFiniteError,
+    StorageError,
     UCPError,
     UnsupportedValueError,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "NoCheckpointError",
     "NonFiniteError",
     "ChecksumError",
+    "StorageError",
     "Piece",
     "TensorPieces",
     "FlatParam",
