@@ -133,6 +133,10 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._rules: list[_Rule] = []
         self._records: list[RequestRecord] = []
+        # Requests being answered: a client can get its last byte before the proxy
+        # records the request, so reading the records waits for them (briefly).
+        self._busy = 0
+        self._idle = threading.Condition(self._lock)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -219,14 +223,26 @@ class FaultProxy:
 
     # ------------------------------------------------------------ accounting
 
-    def _record(self, rec: RequestRecord) -> None:
+    def _begin(self) -> None:
         with self._lock:
-            self._records.append(rec)
+            self._busy += 1
+
+    def _record(self, rec: RequestRecord | None) -> None:
+        with self._lock:
+            if rec is not None:
+                self._records.append(rec)
+            self._busy -= 1
+            self._idle.notify_all()
 
     @property
     def records(self) -> list[RequestRecord]:
-        """A copy of every request recorded so far, in completion order."""
+        """A copy of every request recorded so far, in completion order.
+
+        Waits (up to 5 s) for requests still being answered, so a request
+        whose answer the client already has is always in the list.
+        """
         with self._lock:
+            self._idle.wait_for(lambda: self._busy == 0, timeout=5.0)
             return list(self._records)
 
     def reset_records(self) -> None:
@@ -373,8 +389,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.connection.close()
 
     def _proxy(self) -> None:
+        self.proxy._begin()  # balanced by _record in the finally below (or _record(None))
         t0 = time.monotonic()
-        body = self._read_body()
+        try:
+            body = self._read_body()
+        except BaseException:
+            self.proxy._record(None)
+            raise
         target = self.path
         path, _, query = target.partition("?")
         rule = self.proxy._take_rule(self.command, target, self.headers)
