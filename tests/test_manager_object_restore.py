@@ -52,6 +52,8 @@ def count_s3_bytes(monkeypatch: Any) -> dict[str, int]:
 
     monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", cat_file)
     monkeypatch.setattr(s3fs.S3FileSystem, "_get_file", get_file)
+    # A filesystem binds its sync methods (get_file, cat_file) when it is created: drop the cached ones.
+    s3fs.S3FileSystem.clear_instance_cache()
     return counted
 
 
@@ -86,8 +88,8 @@ def _save(rank: int, world: int, root: str, options: dict[str, Any]) -> None:
 def _restore(rank: int, world: int, root: str, options: dict[str, Any]) -> None:
     state = sharded_state(7, world, fill=13.0)
     with pytest.MonkeyPatch.context() as mp:
+        counted = count_s3_bytes(mp)
         with CheckpointManager(root, storage_options=options) as mgr:
-            counted = count_s3_bytes(mp)
             tmp_before = set(os.listdir(os.environ["TMPDIR"]))
             assert mgr.load(state) == 7
             rec = mgr.last_restore
@@ -133,8 +135,8 @@ def test_single_process_direct_restore_then_background_refill(s3_bucket, tmp_pat
             mgr.save(step, make_state(step, scale=64))
         mgr.wait()
     # Only the S3 tier: loaded straight from it.
+    counted = count_s3_bytes(monkeypatch)
     with CheckpointManager(root, storage_options=options) as mgr:
-        counted = count_s3_bytes(monkeypatch)
         target = empty_like_state(make_state(2, scale=64))
         assert mgr.load(target) == 2 and mgr.last_restore.tier == "persistent"
         assert_state_equal(target, make_state(2, scale=64))
