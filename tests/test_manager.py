@@ -243,11 +243,12 @@ def test_s3_tier_round_trip_and_restore_into_local(tmp_path, s3_bucket) -> None:
         step, target = _load(mgr)
         assert (step, mgr.last_restore.tier) == (3, "persistent")
         assert_state_equal(target, make_state(3))
-    # A job with a local tier restores from S3 and keeps the copy locally.
+    # A job with a local tier restores from S3 and keeps the copy locally (copied in the background).
     with CheckpointManager(root, storage_options=options, local=local) as mgr:
         step, target = _load(mgr)
         assert (step, mgr.last_restore.tier) == (3, "persistent")
         assert_state_equal(target, make_state(3))
+        mgr.wait()
         assert LocalTier(local, name="l").steps() == [3]
         step, target = _load(mgr)
         assert (step, mgr.last_restore.tier) == (3, "local")

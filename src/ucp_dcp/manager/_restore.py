@@ -5,9 +5,13 @@
 persistent one. :class:`Restorer` gathers the markers it needs (the same
 list on every rank), then tries each candidate until one loads: a local copy
 that some node lacks (a lost disk, a new node) is repaired from the nodes
-that hold it; a remote persistent copy is downloaded first. A copy that is
-missing, incomplete or fails its checksums falls back to the next one, and
-says so.
+that hold it; a copy in an object store is loaded from there directly, each
+rank fetching only the byte ranges it needs (ranged reads, verified as they
+arrive), after its marker's file list and sizes and its index digest are
+checked. A configured local tier is then refilled from the persistent copy
+by :meth:`Restorer.refill`, which the manager runs in the background. A copy
+that is missing, incomplete or fails its checksums falls back to the next
+one, and says so.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..byteio.integrity import bytes_digest
+from ..byteio.integrity import bytes_digest, file_digest
+from ..byteio.objstore import is_url
 from ..dcp import UCPStorageReader
 from ..dcp.planners import UCPLoadPlanner
 from ..errors import CheckpointFormatError, CheckpointRestoreError, NoCheckpointError
@@ -32,7 +37,7 @@ from ..format import INDEX_FILE
 from ._collective import GroupWorker, describe
 from .peer import exchange_files
 from .records import RestoreRecord
-from .tiers import CommitMarker, Tier
+from .tiers import CommitMarker, FsspecTier, Tier
 
 __all__ = ["Candidate", "order_candidates", "Restorer"]
 
@@ -120,9 +125,9 @@ class Restorer(GroupWorker):
         attempts: list[str] = []
         for cand in candidates:
             try:
-                path, done = self._prepare(cand, token)
+                path, options, done = self._prepare(cand, token)
                 try:
-                    verified = self._load_from(path, state)
+                    verified, read = self._load_from(path, state, options)
                 finally:
                     done()
             except (Exception, CheckpointException) as e:
@@ -134,7 +139,8 @@ class Restorer(GroupWorker):
             if attempts and self.layout.rank == 0:
                 log.warning("restored step %d from the %s tier after %d failed attempt(s)", cand.step, cand.tier,
                             len(attempts))
-            return cand, RestoreRecord(cand.step, cand.tier, time.perf_counter() - t0, tuple(attempts), verified)
+            return cand, RestoreRecord(cand.step, cand.tier, time.perf_counter() - t0, tuple(attempts), verified,
+                                       read)
         raise CheckpointRestoreError("no copy of any candidate step could be restored:", attempts)
 
     def candidates(self, step: int | None) -> list[Candidate]:
@@ -146,8 +152,20 @@ class Restorer(GroupWorker):
         return order_candidates(local, persistent, ranks_per_node=self.layout.ranks_per_node, step=step,
                                 load_flagged=self.config.load_flagged)
 
-    def _prepare(self, cand: Candidate, token: str) -> tuple[str, Callable[[], None]]:
-        """Make ``cand`` loadable from a local directory on every node; return it and a clean-up."""
+    def direct(self, cand: Candidate) -> bool:
+        """Whether ``cand`` is loaded straight from its object store (no whole-step download first)."""
+        return (cand.tier == "persistent" and self.config.direct_restore and isinstance(self.persistent, FsspecTier)
+                and is_url(self.persistent.url))
+
+    def refills(self, cand: Candidate) -> bool:
+        """Whether the local tier should be refilled with ``cand`` (loaded directly from the persistent tier)."""
+        return self.local is not None and self.direct(cand)
+
+    def _prepare(self, cand: Candidate, token: str) -> tuple[str, dict[str, Any] | None, Callable[[], None]]:
+        """Make ``cand`` loadable on every rank: its location, the storage options to read it with, a clean-up."""
+        if self.direct(cand):
+            assert isinstance(self.persistent, FsspecTier)
+            return self._check_remote(cand), self.persistent.storage_options, lambda: None
         if cand.tier == "local":
             path = self._repair_local(cand, f"r{token}")
         elif self.persistent.local:
@@ -159,9 +177,75 @@ class Restorer(GroupWorker):
             self._agree(f"fetching step {cand.step} from {self.persistent.url}",
                         lambda: self.persistent.fetch(cand.step, [d.name for d in cand.marker.files], tmp), cand)
             self._check_index(tmp, cand)
-            return tmp, lambda: shutil.rmtree(tmp, ignore_errors=True)
+            return tmp, None, lambda: shutil.rmtree(tmp, ignore_errors=True)
         self._check_index(path, cand)
-        return path, lambda: None
+        return path, None, lambda: None
+
+    def _check_remote(self, cand: Candidate) -> str:
+        """The URL of ``cand``'s persistent copy, after checking it against its marker (rank 0 looks, all agree).
+
+        Every file the marker lists must be there with its recorded size, and
+        the index must match its recorded digest (a flipped byte there could
+        misdirect every read); the data is checked by the load itself, chunk by
+        chunk or block by block, as it arrives.
+        """
+        step, marker, tier = cand.step, cand.marker, self.persistent
+
+        def check() -> str | None:
+            if self.layout.rank != 0:
+                return None
+            url = tier.step_path(step)
+            present = tier.files(step)
+            for d in marker.files:
+                if d.name not in present:
+                    raise CheckpointFormatError(
+                        f"{url}/{d.name}: missing (the commit marker of step {step} lists it, {d.size} bytes)"
+                    )
+                if present[d.name] != d.size:
+                    raise CheckpointFormatError(
+                        f"{url}/{d.name}: {present[d.name]} bytes, the commit marker of step {step} records "
+                        f"{d.size}: the object is incomplete or was replaced"
+                    )
+            self._check_index_bytes(tier.read_bytes(step, INDEX_FILE), f"{url}/{INDEX_FILE}", cand)
+            return url
+
+        url = self._agree(f"checking step {step} in {tier.url} against its commit marker", check, cand)
+        return self.group.bcast(url)
+
+    def refill(self, cand: Candidate, token: str) -> None:
+        """Copy ``cand`` from the persistent tier into this node's local tier (node leaders); never raises.
+
+        Runs after the load, in the manager's background thread (in order with
+        saves, so retention never runs beside it). The files are downloaded
+        into a staging directory, checked against the marker's whole-file
+        digests, and committed by the tier's atomic rename: a failure at any
+        point leaves no committed step (the staging directory is removed, or
+        left for start-up cleanup). Not collective: each node's leader works alone.
+        """
+        tier, step = self.local, cand.step
+        if tier is None or not self.layout.is_leader:
+            return
+        t0 = time.perf_counter()
+        dest: str | None = None
+        try:
+            dest = tier.begin(step, token)
+            self.persistent.fetch(step, [d.name for d in cand.marker.files], dest)
+            for d in cand.marker.files:
+                size, digest = file_digest(os.path.join(dest, d.name))
+                if (size, digest) != (d.size, d.xxh3):
+                    raise CheckpointFormatError(
+                        f"{d.name} of step {step} from {self.persistent.url}: {size} bytes, xxh3-128 {digest}; "
+                        f"the commit marker records {d.size} bytes, {d.xxh3}"
+                    )
+            tier.commit(dest, cand.marker)
+        except Exception as e:  # the step was restored; a refill failure only costs the next restore's speed
+            if dest is not None:
+                shutil.rmtree(dest, ignore_errors=True)
+            log.warning("node %d: refilling the local tier %s with step %d failed: %s", self.layout.node,
+                        tier.url, step, describe(e))
+            return
+        log.info("node %d: refilled the local tier with step %d in %.1f s", self.layout.node, step,
+                 time.perf_counter() - t0)
 
     def _repair_local(self, cand: Candidate, token: str) -> str:
         """The local copy of ``cand``, after fetching files any node lacks from the nodes that hold them."""
@@ -207,25 +291,28 @@ class Restorer(GroupWorker):
 
     def _check_index(self, path: str, cand: Candidate) -> None:
         """The index must match the marker's digest (a flipped byte there could misdirect every read)."""
+        self._agree("checking the index",
+                    lambda: self._check_index_bytes(Path(path, INDEX_FILE).read_bytes(),
+                                                    os.path.join(path, INDEX_FILE), cand), cand)
+
+    @staticmethod
+    def _check_index_bytes(data: bytes, where: str, cand: Candidate) -> None:
         marker = cand.marker
+        want = marker.digest(INDEX_FILE)
+        got = bytes_digest(data)
+        if len(data) != want.size or got != want.xxh3:
+            raise CheckpointFormatError(
+                f"{where}: the index of step {marker.step} in the {cand.tier} tier "
+                f"does not match its commit marker ({len(data)} bytes, xxh3-128 {got}; recorded {want.size} "
+                f"bytes, {want.xxh3}): it is corrupt"
+            )
 
-        def check() -> None:
-            want = marker.digest(INDEX_FILE)
-            data = Path(path, INDEX_FILE).read_bytes()
-            got = bytes_digest(data)
-            if len(data) != want.size or got != want.xxh3:
-                raise CheckpointFormatError(
-                    f"{os.path.join(path, INDEX_FILE)}: the index of step {marker.step} in the {cand.tier} tier "
-                    f"does not match its commit marker ({len(data)} bytes, xxh3-128 {got}; recorded {want.size} "
-                    f"bytes, {want.xxh3}): it is corrupt"
-                )
-
-        self._agree("checking the index", check, cand)
-
-    def _load_from(self, path: str, state: Mapping[str, Any]) -> int:
-        reader = UCPStorageReader(path, verify=self.config.verify_on_load, io_threads=self.config.io_threads)
+    def _load_from(self, path: str, state: Mapping[str, Any], storage_options: dict[str, Any] | None) -> tuple[int, int]:
+        """Load ``path`` (a directory, or a URL read with ``storage_options``); return (verified, read) bytes."""
+        reader = UCPStorageReader(path, verify=self.config.verify_on_load, io_threads=self.config.io_threads,
+                                  storage_options=storage_options)
         dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner(), process_group=self.group.pg)  # type: ignore[arg-type]
-        return int(getattr(reader, "verified_bytes", 0))
+        return int(getattr(reader, "verified_bytes", 0)), int(getattr(reader, "bytes_requested", 0))
 
     def _agree(self, what: str, fn: Callable[[], Any], cand: Candidate) -> Any:
         return self.group.agree(what, fn, step=cand.step, restoring=True)

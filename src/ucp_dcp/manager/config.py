@@ -94,6 +94,13 @@ class CheckpointConfig:
     io_threads: int = _option(4, """
         Threads reading during ``load``.""")
 
+    direct_restore: bool = _option(True, """
+        A step that only an object-store persistent tier (``s3://``...) holds is
+        loaded from it directly: each rank fetches only the byte ranges its
+        shards need, verified as they arrive, and a configured local tier is
+        refilled in the background afterwards. False: the whole step is
+        downloaded to local disk first, then loaded (the way before ranged reads).""")
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field out of range."""
         for k in ("local_interval", "persistent_interval", "keep_last", "local_keep_last", "max_in_flight",

@@ -48,7 +48,10 @@ How a save goes (one background thread per process, saves run in order):
 
 Restore tries candidates newest first, for each step the fastest tier
 first; a missing or corrupt copy falls back to the next tier's copy of the
-same step, then to older steps, and says so (log and ``last_restore``).
+same step, then to older steps, and says so (log and ``last_restore``). A
+step only an object store holds is loaded from it directly with ranged
+reads; the local tier, if any, is refilled afterwards in the background
+thread (``wait`` waits for it too).
 """
 
 from __future__ import annotations
@@ -161,7 +164,8 @@ class CheckpointManager:
         self._pipeline = SavePipeline(cfg, self.layout, self._bg, self.local, self.persistent)
         self._restorer = Restorer(cfg, self.layout, self._fg, self.local, self.persistent)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-ckpt")
-        self._futures: list[concurrent.futures.Future[SaveRecord]] = []
+        # Saves (a SaveRecord each) and local-tier refills after a restore (None), in submission order.
+        self._futures: list[concurrent.futures.Future[SaveRecord | None]] = []
         self._lock = threading.Lock()
         self.records: list[SaveRecord] = []
         self.last_restore: RestoreRecord | None = None
@@ -197,6 +201,7 @@ class CheckpointManager:
         self._seq += 1
         job = SaveJob(step, staged, due, nonfinite, dict(extra or {}), self._token(), time.perf_counter() - t0)
         if not cfg.async_save:
+            self.wait()  # a local-tier refill may still run: saves never run beside it
             self.records.append(self._save_in_background(job))
             return True
         with self._lock:
@@ -204,7 +209,8 @@ class CheckpointManager:
         return True
 
     def wait(self) -> None:
-        """Block until every in-flight save is committed; raise the first error of any of them."""
+        """Block until every in-flight save is committed (and any local-tier refill is done); raise the first
+        save error of any of them."""
         with self._lock:
             futures, self._futures = self._futures, []
         self._collect(futures)
@@ -229,7 +235,13 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
-        cand, self.last_restore = self._restorer.restore(state, step, self._token())
+        token = self._token()
+        cand, self.last_restore = self._restorer.restore(state, step, token)
+        if self._restorer.refills(cand):
+            # Loaded straight from the object store: copy it into the local tier
+            # behind the training loop, in order with later saves.
+            with self._lock:
+                self._futures.append(self._pool.submit(self._restorer.refill, cand, f"f{token}"))
         if cand.marker.world_size != self.world_size:
             event = ReshardEvent(cand.step, cand.marker.world_size, self.world_size, cand.tier)
             for cb in self._on_reshard:
@@ -326,12 +338,14 @@ class CheckpointManager:
             self._futures = [f for f in self._futures if not f.done()]
         self._collect(done)
 
-    def _collect(self, futures: Iterable[concurrent.futures.Future[SaveRecord]]) -> None:
+    def _collect(self, futures: Iterable[concurrent.futures.Future[SaveRecord | None]]) -> None:
         """Record each save's result; raise the first error once all are finished (none may be left running)."""
         first: BaseException | None = None
         for f in futures:
             try:
-                self.records.append(f.result())
+                rec = f.result()
+                if rec is not None:  # None: a refill
+                    self.records.append(rec)
             except BaseException as e:
                 first = first or e
         if first is not None:

@@ -47,7 +47,9 @@ class FsspecTier(Tier):
         self.name = name
         self.url = str(root).rstrip("/")
         self.local = False
-        self.fs, path = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.storage_options: dict[str, Any] = dict(storage_options or {})
+        """The fsspec options the tier was opened with (readers of its steps open the store with them)."""
+        self.fs, path = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self._root = path.rstrip("/")
 
     # -- paths

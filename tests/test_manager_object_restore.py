@@ -1,0 +1,179 @@
+"""CheckpointManager restoring from an object-store persistent tier (moto S3 on loopback).
+
+A step only the S3 tier holds is loaded from it directly: each rank fetches
+the byte ranges its shards need (checked here by counting every byte s3fs
+returns), no copy of the step is written to local disk, and a configured
+local tier is refilled in the background afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import s3_server
+from dist_utils import bit_equal, run_ranks
+from manager_utils import assert_state_equal, empty_like_state, make_state
+from ucp_dcp import CheckpointManager
+from ucp_dcp.format import INDEX_FILE
+from ucp_dcp.manager.tiers import MARKER_FILE, LocalTier
+
+s3_bucket = s3_server.s3_bucket  # the session fixture, made visible to this module
+
+# Rows shard evenly over 2 and 3 ranks; every tensor is 3 MiB, so that the rows of a saved shard one rank
+# does not need (a sixth of a tensor) exceed the reader's 256 KiB gap merging (OBJECT_GAP_BYTES): the bytes
+# fetched are then the needed ones, not a merged neighbourhood.
+ROWS, COLS = 1536, 512
+
+
+def count_s3_bytes(monkeypatch: Any) -> dict[str, int]:
+    """Count every byte s3fs fetches from now on: GETs (ranged or whole) and whole-object downloads."""
+    import s3fs
+
+    counted = {"bytes": 0, "gets": 0, "downloads": 0}
+    real_cat, real_get = s3fs.S3FileSystem._cat_file, s3fs.S3FileSystem._get_file
+
+    async def cat_file(self: Any, path: str, *args: Any, **kwargs: Any) -> bytes:
+        data = await real_cat(self, path, *args, **kwargs)
+        counted["bytes"] += len(data)
+        counted["gets"] += 1
+        return data
+
+    async def get_file(self: Any, rpath: str, lpath: str, *args: Any, **kwargs: Any) -> Any:
+        out = await real_get(self, rpath, lpath, *args, **kwargs)
+        counted["bytes"] += os.path.getsize(lpath)
+        counted["downloads"] += 1
+        return out
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", cat_file)
+    monkeypatch.setattr(s3fs.S3FileSystem, "_get_file", get_file)
+    # A filesystem binds its sync methods (get_file, cat_file) when it is created: drop the cached ones.
+    s3fs.S3FileSystem.clear_instance_cache()
+    return counted
+
+
+def full_tensors(step: int) -> dict[str, torch.Tensor]:
+    """The global tensors of ``step`` (the same on every rank)."""
+    g = torch.Generator().manual_seed(step)
+    return {
+        "w0": torch.randn(ROWS, COLS, generator=g),
+        "w1": torch.randn(ROWS, 2 * COLS, generator=g).to(torch.bfloat16),
+        "w2": torch.randn(ROWS, COLS, generator=g),
+        "bias": torch.randn(ROWS, generator=g, dtype=torch.float64),
+    }
+
+
+def sharded_state(step: int, world: int, *, fill: float | None = None) -> dict[str, Any]:
+    """Row-sharded DTensors of ``full_tensors(step)`` (or filled with ``fill``) on a 1-D CPU mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = {k: distribute_tensor(t if fill is None else torch.full_like(t, fill), mesh, [Shard(0)])
+             for k, t in full_tensors(step).items()}
+    return {"model": model, "step": step if fill is None else -1}
+
+
+def _save(rank: int, world: int, root: str, options: dict[str, Any]) -> None:
+    with CheckpointManager(root, storage_options=options) as mgr:
+        mgr.save(7, sharded_state(7, world))
+        mgr.wait()
+
+
+def _restore(rank: int, world: int, root: str, options: dict[str, Any]) -> None:
+    state = sharded_state(7, world, fill=13.0)
+    with pytest.MonkeyPatch.context() as mp:
+        counted = count_s3_bytes(mp)
+        with CheckpointManager(root, storage_options=options) as mgr:
+            tmp_before = set(os.listdir(os.environ["TMPDIR"]))
+            assert mgr.load(state) == 7
+            rec = mgr.last_restore
+            assert rec is not None and rec.tier == "persistent", rec
+            marker = mgr.persistent.marker(7)
+        # No whole-object download and no local directory of the step.
+        assert counted["downloads"] == 0, counted
+        assert set(os.listdir(os.environ["TMPDIR"])) == tmp_before
+    assert state["step"] == 7
+    want = full_tensors(7)
+    need = 0
+    for k, t in state["model"].items():
+        local = t.to_local()
+        start = local.shape[0] * rank
+        assert bit_equal(local, want[k][start:start + local.shape[0]]), f"rank {rank}: {k} differs"
+        need += local.numel() * local.element_size()
+    # Allowance for what is not tensor data: the index, the marker, every data file's header, block checksums and
+    # values (all the bytes of the files that are not tensor bytes, however few of them this rank reads).
+    tensor_bytes = sum(t.numel() * t.element_size() for t in want.values())
+    data_files = sum(d.size for d in marker.files if d.name != INDEX_FILE)
+    overhead = (data_files - tensor_bytes) + marker.digest(INDEX_FILE).size + len(marker.encode())
+    got = counted["bytes"]
+    assert need <= got <= 1.05 * need + overhead, (rank, got, need, overhead)
+    assert rec.read_bytes >= need, rec
+    dist.barrier()
+
+
+@pytest.mark.multiproc
+def test_saved_on_2_restored_on_3_reads_only_needed_ranges(s3_bucket, tmp_path, monkeypatch) -> None:
+    url, options = s3_bucket
+    root = f"{url}/elastic-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where a whole-step download would land
+    run_ranks(2, _save, root, options)
+    run_ranks(3, _restore, root, options)
+
+
+def test_single_process_direct_restore_then_background_refill(s3_bucket, tmp_path, monkeypatch) -> None:
+    url, options = s3_bucket
+    root = f"{url}/single-{uuid.uuid4().hex[:8]}"
+    local = str(tmp_path / "local")
+    with CheckpointManager(root, storage_options=options, keep_last=3) as mgr:
+        for step in (1, 2):
+            mgr.save(step, make_state(step, scale=64))
+        mgr.wait()
+    # Only the S3 tier: loaded straight from it.
+    counted = count_s3_bytes(monkeypatch)
+    with CheckpointManager(root, storage_options=options) as mgr:
+        target = empty_like_state(make_state(2, scale=64))
+        assert mgr.load(target) == 2 and mgr.last_restore.tier == "persistent"
+        assert_state_equal(target, make_state(2, scale=64))
+        assert counted["downloads"] == 0, counted
+        assert mgr.last_restore.read_bytes > 0
+        monkeypatch.undo()
+    # With a local tier: the load reads S3 directly, then the local tier is refilled in the background.
+    with CheckpointManager(root, storage_options=options, local=local) as mgr:
+        target = empty_like_state(make_state(2, scale=64))
+        assert mgr.load(target) == 2 and mgr.last_restore.tier == "persistent"
+        assert_state_equal(target, make_state(2, scale=64))
+        mgr.wait()  # the refill
+        tier = LocalTier(local, name="l")
+        assert tier.steps() == [2]
+        assert mgr.verify(2, tier="local") == []
+        assert not [n for n in os.listdir(local) if n.startswith(".tmp-")]
+        target = empty_like_state(make_state(2, scale=64))
+        assert mgr.load(target) == 2 and mgr.last_restore.tier == "local"
+        assert_state_equal(target, make_state(2, scale=64))
+
+
+def test_object_that_disagrees_with_its_marker_falls_back(s3_bucket, caplog) -> None:
+    url, options = s3_bucket
+    root = f"{url}/short-{uuid.uuid4().hex[:8]}"
+    with CheckpointManager(root, storage_options=options) as mgr:
+        for step in (1, 2):
+            mgr.save(step, make_state(step, scale=8))
+        mgr.wait()
+        # Truncate a data object of step 2 behind the manager's back.
+        step_url = mgr.persistent.step_path(2)
+        fs = mgr.persistent.fs
+        name = next(d.name for d in mgr.persistent.marker(2).files if d.name not in (INDEX_FILE, MARKER_FILE))
+        obj = fs._strip_protocol(f"{step_url}/{name}")
+        fs.pipe_file(obj, fs.cat_file(obj)[:-100])
+        fs.invalidate_cache()
+        target = empty_like_state(make_state(1, scale=8))
+        assert mgr.load(target) == 1
+        assert_state_equal(target, make_state(1, scale=8))
+        (attempt,) = mgr.last_restore.failed_attempts
+        assert name in attempt and "incomplete" in attempt, attempt
