@@ -1135,6 +1135,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="timed saves and cold loads per layout/pair and format, median "
                         "reported (default 3, 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="small smoke run (--size-mb 40)")
+    p.add_argument("--saves-only", action="store_true",
+                   help="time only the saves of the pairs' source layouts (no loads)")
     p.add_argument("--verify-cost", action="store_true",
                    help="ucp: time every cold load with checksum verification on (the default) and off, "
                         "alternating, and report the cost per pair")
@@ -1231,8 +1233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     failures: list[str] = []
     sources = sorted({PAIRS[p][0] for p in args.pairs}, key=list(LAYOUTS).index)
     jobs = [Job("save", n, args.formats, specs, workdir, args.repeats) for n in sources]
-    jobs += [Job("load", p, args.formats, specs, workdir, args.repeats, verify_cost=args.verify_cost)
-             for p in args.pairs]
+    if not args.saves_only:
+        jobs += [Job("load", p, args.formats, specs, workdir, args.repeats, verify_cost=args.verify_cost)
+                 for p in args.pairs]
     load_avg = [os.getloadavg()]
     measured: list[dict[str, Any]] = []
     try:
