@@ -25,7 +25,7 @@ from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorage
 from ucp_dcp.byteio.objrange import ObjectRangeReader
 from ucp_dcp.byteio.objstore import ObjectStore, RetryPolicy, is_url, local_path
 from ucp_dcp.byteio.rangeio import Segment
-from ucp_dcp.errors import CheckpointFormatError, StorageError
+from ucp_dcp.errors import CheckpointFormatError, StorageError, TruncatedFileError
 
 s3_bucket = s3_server.s3_bucket  # the session fixture, made visible to this module
 
@@ -150,8 +150,21 @@ def test_a_missing_data_object_names_it() -> None:
     store.remove(data)
     with pytest.raises(StorageError) as e:
         load_state_dict(url)
-    assert f"{url}/{data[0]}: reading the object's size failed" in str(e.value)
-    assert e.value.errno == 2
+    assert str(e.value).startswith(f"{url}/{data[0]}: reading bytes [0, ")
+    assert "failed: FileNotFoundError" in str(e.value) and e.value.errno == 2
+
+
+def test_a_truncated_data_object_names_it() -> None:
+    url = f"memory://ucp-{uuid.uuid4().hex[:8]}/ckpt"
+    dcp.save({"a": full("a", (256, 256))}, storage_writer=UCPStorageWriter(url), planner=UCPSavePlanner())
+    store = ObjectStore(url)
+    name = next(n for n in store.list() if n.startswith("rank"))
+    raw = store.read(name)
+    store.put(name, raw[: len(raw) - 1000])
+    with pytest.raises(TruncatedFileError) as e:
+        load_state_dict(url)
+    assert str(e.value) == (f"{url}/{name}: needed bytes [{len(raw) - 262144}, {len(raw)}) but got "
+                            f"{262144 - 1000}: truncated object")
 
 
 def test_corrupt_object_is_a_checksum_error() -> None:

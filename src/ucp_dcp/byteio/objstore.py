@@ -284,12 +284,16 @@ class ObjectAccess:
 
     The first read fetches at least the first 64 KiB, which holds a data
     file's header in one request (it is read as its length, then its body).
+    ``size``, when the caller knows it (an index records every data file's
+    size), saves the request that would ask the store; an object shorter
+    than that fails its first read that reaches past its end
+    (:class:`~ucp_dcp.errors.TruncatedFileError`, naming it).
     """
 
-    def __init__(self, store: ObjectStore, name: str) -> None:
+    def __init__(self, store: ObjectStore, name: str, size: int | None = None) -> None:
         self.store = store
         self.name = name
-        self.size = store.size(name)
+        self.size = store.size(name) if size is None else size
         self._head = b""
 
     def pread(self, n: int, offset: int) -> bytes:

@@ -89,7 +89,9 @@ class NativeSource(Source):
             with self._lock:
                 h = self._headers.get(file)
                 if h is None:
-                    access = None if self.store is None else ObjectAccess(self.store, self.store.name_of(self.paths[file]))
+                    access = None
+                    if self.store is not None:  # the index's size: no request to ask the store
+                        access = ObjectAccess(self.store, self.index.files[file].name, self.index.files[file].size)
                     h = read_header(self.paths[file], access=access)
                     rec = self.index.files[file]
                     if h.size != rec.size:
