@@ -92,6 +92,7 @@ class RequestRecord:
     response_bytes: int  # response body bytes actually sent to the client
     fault: str | None  # the fault applied ("reset", "503", "deny", ...) or None
     elapsed_s: float  # from request line read to response sent (informational)
+    started_s: float = 0.0  # time.monotonic() when its body had been read (for overlaps)
 
     @property
     def params(self) -> dict[str, list[str]]:
@@ -266,6 +267,16 @@ class FaultProxy:
         """How many requests match (see ``select``)."""
         return len(self.select(method, fault=fault, status=status))
 
+    def max_in_flight(self, method: str | None = None, *, fault: str | None = _ANY) -> int:
+        """The most matching requests the proxy was answering at the same moment."""
+        events = sorted(e for r in self.select(method, fault=fault)
+                        for e in ((r.started_s, 1), (r.started_s + r.elapsed_s, -1)))
+        most = cur = 0
+        for _, d in events:
+            cur += d
+            most = max(most, cur)
+        return most
+
     def bytes_sent(self, method: str | None = "GET") -> int:
         """Response body bytes the proxy sent to the client for ``method`` (None: all methods)."""
         return sum(r.response_bytes for r in self.select(method))
@@ -435,6 +446,7 @@ class _Handler(BaseHTTPRequestHandler):
                     response_bytes=sent,
                     fault=fault,
                     elapsed_s=time.monotonic() - t0,
+                    started_s=t0,
                 )
             )
 

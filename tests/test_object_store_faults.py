@@ -140,3 +140,35 @@ def test_sigkill_mid_upload_leaves_the_previous_checkpoint(s3_proxy: Any) -> Non
     # Nothing of the killed save is listed, and the committed checkpoint loads as it was.
     assert sorted(ObjectStore(url, options).list()) == before
     assert _equal(load_state_dict(url, storage_options=options), sd)
+
+
+@pytest.mark.parametrize("parallel", [4, 1])
+def test_parts_upload_in_parallel_and_a_discard_aborts(s3_proxy: Any, parallel: int) -> None:
+    base, options, proxy = s3_proxy
+    store = ObjectStore(f"{base}/parts-{uuid.uuid4().hex[:8]}", options, write_block_bytes=5 << 20,
+                        upload_parallel=parallel)
+    data = torch.randn(30 << 18).numpy().tobytes()  # 30 MiB: 6 parts of 5 MiB
+    proxy.inject("slow", count=6, match=_is_part, delay_s=0.3)  # each part held long enough to overlap
+    out = store.open_write("obj")
+    for o in range(0, len(data), 3 << 20):  # writes that do not line up with parts
+        out.write(data[o : o + (3 << 20)])
+    out.close()
+    assert store.read("obj") == data
+    parts = [r for r in proxy.select("PUT") if "partNumber" in r.params]
+    assert sum(r.request_bytes for r in parts) == len(data)
+    if parallel > 1:
+        assert sorted(int(r.params["partNumber"][0]) for r in parts) == [1, 2, 3, 4, 5, 6]
+        assert all(r.request_bytes == 5 << 20 for r in parts)
+    # Parts of one object in flight at once: `parallel` of them (fsspec's buffered file: one).
+    assert proxy.max_in_flight("PUT") == parallel
+
+    # A discarded upload is aborted: no object, no upload left open.
+    out = store.open_write("gone")
+    out.write(data[: 12 << 20])
+    from ucp_dcp.byteio.objstore import discard
+
+    discard(out)
+    assert "gone" not in store.list()
+    bucket = base.split("://", 1)[1]
+    uploads = store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+    assert not [u for u in uploads if u["Key"].endswith("/gone")]

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Sequence, TypeVar
 
 from ..errors import StorageError, TruncatedFileError, UCPError
+from .multipart import ParallelUpload, supports_parallel_upload
 
 __all__ = ["ObjectStore", "ObjectAccess", "RetryPolicy", "discard", "is_url", "local_path"]
 
@@ -103,6 +104,10 @@ class ObjectStore:
         retry: how transient errors are retried.
         write_block_bytes: the buffer of a streamed write; on S3 the size of
             each part of the multipart upload (at least 5 MiB there).
+        upload_parallel: on S3, parts of one streamed write uploading at
+            once (:class:`~ucp_dcp.byteio.multipart.ParallelUpload`); 1, or
+            another store, uploads through fsspec's buffered file, part
+            after part.
     """
 
     def __init__(
@@ -112,6 +117,7 @@ class ObjectStore:
         *,
         retry: RetryPolicy | None = None,
         write_block_bytes: int = 16 << 20,
+        upload_parallel: int = 4,
     ) -> None:
         import fsspec  # only object storage needs it
 
@@ -119,6 +125,7 @@ class ObjectStore:
         self.storage_options = dict(storage_options or {})
         self.retry = retry or RetryPolicy()
         self.write_block_bytes = write_block_bytes
+        self.upload_parallel = upload_parallel
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         except (ImportError, ValueError) as e:  # unknown protocol, or its package is not installed
@@ -243,11 +250,15 @@ class ObjectStore:
     def open_write(self, name: str) -> BinaryIO:
         """A streamed write of object ``name``: call :func:`discard` on failure, ``close()`` to complete it.
 
-        The store's buffered file uploads a part each time its buffer fills
-        (``write_block_bytes``); the object appears only when ``close()``
+        On S3, up to ``upload_parallel`` parts of ``write_block_bytes`` upload
+        at once; elsewhere the store's buffered file uploads a part each time
+        its buffer fills. Either way the object appears only when ``close()``
         completes the upload.
         """
         path = self.path(name)
+        if self.upload_parallel > 1 and supports_parallel_upload(self.fs):
+            return ParallelUpload(self.fs, path, part_bytes=self.write_block_bytes,  # type: ignore[return-value]
+                                  parallel=self.upload_parallel)
         return self.call("starting the upload", name,
                          lambda: self.fs.open(path, "wb", block_size=self.write_block_bytes))
 

@@ -1,0 +1,145 @@
+"""A streamed S3 upload with several parts in flight: what one rank's data file goes up as.
+
+fsspec's buffered S3 file uploads a part each time its buffer fills and
+waits for it before taking more data, so one rank gets one connection's
+bandwidth. :class:`ParallelUpload` is a write-only file with the same
+contract (``write``, ``close`` completes, ``discard`` aborts) that keeps
+up to ``parallel`` parts of ``part_bytes`` uploading at once on s3fs's
+event loop, holding at most ``parallel`` parts in memory. An object
+smaller than one part goes up in one PUT.
+
+The multipart upload is completed only by :meth:`ParallelUpload.close`
+after every part succeeded; a failed part (after s3fs's and botocore's own
+retries) aborts it, so the object appears whole or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from concurrent.futures import Future
+from typing import Any
+
+__all__ = ["ParallelUpload", "supports_parallel_upload"]
+
+_MIN_PART = 5 << 20  # S3's least part size (but the last)
+
+
+def supports_parallel_upload(fs: Any) -> bool:
+    """Whether ``fs`` is s3fs (an async filesystem with S3's multipart calls)."""
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    return bool(protocols & {"s3", "s3a"}) and hasattr(fs, "_call_s3") and hasattr(fs, "loop")
+
+
+class ParallelUpload:
+    """A write-only file uploading object ``path`` of s3fs filesystem ``fs`` in parallel parts.
+
+    Args:
+        fs: an ``s3fs.S3FileSystem``.
+        path: the object's path (``bucket/key``).
+        part_bytes: size of every part but the last (at least 5 MiB).
+        parallel: parts uploading at once (and held in memory).
+    """
+
+    def __init__(self, fs: Any, path: str, *, part_bytes: int = 16 << 20, parallel: int = 4) -> None:
+        self.fs = fs
+        self.path = path
+        self.bucket, self.key, _ = fs.split_path(path)
+        self.part_bytes = max(part_bytes, _MIN_PART)
+        self.parallel = max(parallel, 1)
+        self.closed = False
+        self._pending: list[memoryview] = []  # written, not yet cut into a part
+        self._pending_bytes = 0
+        self._upload_id: str | None = None
+        self._inflight: deque[Future[dict[str, Any]]] = deque()
+        self._etags: list[dict[str, Any]] = []
+        self._next_part = 1
+
+    # ------------------------------------------------------------ the file
+    def write(self, data: Any) -> int:
+        """Queue ``data`` (bytes-like; kept by reference until its part is cut: do not change it)."""
+        view = memoryview(data).cast("B")
+        if view:
+            self._pending.append(view)
+            self._pending_bytes += len(view)
+        while self._pending_bytes >= self.part_bytes:
+            self._send(self._cut(self.part_bytes))
+        return len(view)
+
+    def close(self) -> None:
+        """Upload what is left and complete the upload: the object appears, whole."""
+        if self.closed:
+            return
+        if self._upload_id is None:
+            # Smaller than one part: one PUT, atomic like any other.
+            body = self._cut(self._pending_bytes)
+            self._run(self.fs._call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=body))
+        else:
+            if self._pending_bytes:
+                self._send(self._cut(self._pending_bytes))
+            while self._inflight:
+                self._collect()
+            parts = sorted(self._etags, key=lambda p: p["PartNumber"])
+            self._run(self.fs._call_s3(
+                "complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
+                MultipartUpload={"Parts": parts},
+            ))
+        self.closed = True
+        self.fs.invalidate_cache(self.path)
+
+    def discard(self) -> None:
+        """Abandon the upload: wait for parts in flight, then abort it (its parts are deleted)."""
+        if self.closed:
+            return
+        self.closed = True
+        for fut in self._inflight:
+            try:
+                fut.result()
+            except Exception:
+                pass
+        self._inflight.clear()
+        if self._upload_id is not None:
+            self._run(self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key,
+                                       UploadId=self._upload_id))
+
+    # ------------------------------------------------------------ parts
+    def _cut(self, n: int) -> bytes:
+        """The first ``n`` pending bytes, joined (the one copy a part costs)."""
+        out, need = [], n
+        while need:
+            v = self._pending[0]
+            if len(v) <= need:
+                out.append(v)
+                self._pending.pop(0)
+                need -= len(v)
+            else:
+                out.append(v[:need])
+                self._pending[0] = v[need:]
+                need = 0
+        self._pending_bytes -= n
+        return b"".join(out)
+
+    def _send(self, body: bytes) -> None:
+        if self._upload_id is None:
+            mpu = self._run(self.fs._call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key))
+            self._upload_id = mpu["UploadId"]
+        while len(self._inflight) >= self.parallel:
+            self._collect()  # bounded memory: wait for the oldest part
+        number = self._next_part
+        self._next_part += 1
+        coro = self.fs._call_s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
+                                PartNumber=number, Body=body)
+        fut = asyncio.run_coroutine_threadsafe(_tagged(coro, number), self.fs.loop)
+        self._inflight.append(fut)
+
+    def _collect(self) -> None:
+        self._etags.append(self._inflight.popleft().result())
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.fs.loop).result()
+
+
+async def _tagged(coro: Any, number: int) -> dict[str, Any]:
+    """The part record ``complete_multipart_upload`` needs, once part ``number`` is up."""
+    out = await coro
+    return {"PartNumber": number, "ETag": out["ETag"]}
