@@ -7,12 +7,13 @@ file system a call costs a system call, on object storage a request costs a
 round trip (milliseconds) and is billed, so neighbouring ranges are merged
 across larger gaps (:data:`OBJECT_GAP_BYTES`), and many requests are in
 flight at once (one ``cat_ranges`` batch per window of
-``window_bytes``, which also bounds the memory the fetched bytes take
-before they are copied into place).
+``window_bytes``, the next window fetched while the current one is copied
+into place; two windows bound the memory the fetched bytes take).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -47,8 +48,9 @@ class ObjectRangeReader:
         names: the objects, by position (``Segment.file``).
         gap_bytes: neighbouring ranges at most this far apart share a request.
         max_request_bytes: upper bound on one request (a large range is split).
-        window_bytes: bytes fetched per batch of concurrent requests (the
-            staging memory they need before they are copied into place).
+        window_bytes: bytes fetched per batch of concurrent requests; two
+            windows are held at most (one being copied into place while the
+            next is fetched), so the staging memory stays within 64 MiB.
     """
 
     def __init__(
@@ -58,7 +60,7 @@ class ObjectRangeReader:
         *,
         gap_bytes: int = OBJECT_GAP_BYTES,
         max_request_bytes: int = 16 << 20,
-        window_bytes: int = 64 << 20,
+        window_bytes: int = 32 << 20,
     ) -> None:
         self.store = store
         self.names = list(names)
@@ -104,22 +106,42 @@ class ObjectRangeReader:
         return reqs
 
     def read(self, segments: Sequence[Segment]) -> None:
-        """Fill every segment's buffer; a failed or short request raises naming the object."""
-        reqs = self.plan(segments)
-        batch: list[_Request] = []
-        held = 0
-        for r in reqs:
-            if batch and held + (r.end - r.start) > self._window:
-                self._fetch(batch)
-                batch, held = [], 0
-            batch.append(r)
-            held += r.end - r.start
-        if batch:
-            self._fetch(batch)
+        """Fill every segment's buffer; a failed or short request raises naming the object.
 
-    def _fetch(self, batch: list[_Request]) -> None:
-        datas = self.store.read_ranges([(self.names[r.file], r.start, r.end) for r in batch])
-        for r, data in zip(batch, datas):
+        The requests go out in windows of ``window_bytes``; the next window
+        is being fetched while the current one is copied into place, so at
+        most two windows of fetched bytes are held.
+        """
+        windows: list[list[_Request]] = [[]]
+        held = 0
+        for r in self.plan(segments):
+            if windows[-1] and held + (r.end - r.start) > self._window:
+                windows.append([])
+                held = 0
+            windows[-1].append(r)
+            held += r.end - r.start
+        if not windows[-1]:
+            return
+        if len(windows) == 1:
+            self._place(windows[0], self._fetch(windows[0]))
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="ucp-fetch") as pool:
+            ahead = pool.submit(self._fetch, windows[0])
+            for k in range(len(windows)):
+                datas = ahead.result()
+                if k + 1 < len(windows):
+                    ahead = pool.submit(self._fetch, windows[k + 1])
+                try:
+                    self._place(windows[k], datas)
+                except BaseException:
+                    ahead.cancel()
+                    raise
+
+    def _fetch(self, window: list[_Request]) -> list[bytes]:
+        return self.store.read_ranges([(self.names[r.file], r.start, r.end) for r in window])
+
+    def _place(self, window: list[_Request], datas: list[bytes]) -> None:
+        for r, data in zip(window, datas):
             view = memoryview(data)
             for off, dest in r.pieces:
                 dest[:] = view[off - r.start : off - r.start + len(dest)]
