@@ -21,9 +21,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from cli_utils import one_error_line, run_cli
 from ucp_dcp import RankLocal, UCPSavePlanner, UCPStorageWriter
 from ucp_dcp.tools.checkpoint import Checkpoint
-from ucp_dcp.tools.cli import main, parse_size
+from ucp_dcp.tools.cli import parse_size
 from ucp_dcp.format import INDEX_FILE, ChunkRecord, Layout, Location, TensorRecord
 from ucp_dcp.tools.inspection import compare_tensors, describe_sharding, diff_checkpoints, inspect_checkpoint
 from ucp_dcp.tools.progress import ProgressBar, format_bytes
@@ -71,24 +72,11 @@ def _flip_byte(ckpt: Path, loc: Location, at: int = 0) -> str:
     return name
 
 
-def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def _one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ucp-dcp: error: "), err
-    assert "Traceback" not in err
-    return lines[0]
-
-
 # ====================================================================== inspect
 
 
 def test_inspect_prints_aligned_table_and_totals(capsys: pytest.CaptureFixture[str], good: Path) -> None:
-    rc, out, err = _run(capsys, "inspect", good)
+    rc, out, err = run_cli(capsys, "inspect", good)
     assert rc == 0 and err == ""
     lines = out.splitlines()
     assert any(line.split() == ["step", "7", "('step')"] for line in lines)
@@ -104,7 +92,7 @@ def test_inspect_prints_aligned_table_and_totals(capsys: pytest.CaptureFixture[s
 
 
 def test_inspect_json_is_machine_readable(capsys: pytest.CaptureFixture[str], good: Path) -> None:
-    rc, out, _ = _run(capsys, "inspect", good, "--json")
+    rc, out, _ = run_cli(capsys, "inspect", good, "--json")
     assert rc == 0
     info = json.loads(out)  # stdout holds nothing but the JSON document
     assert info["format_version"] == 1 and info["world_size"] == 1
@@ -140,25 +128,25 @@ def test_describe_sharding() -> None:
 
 
 def test_inspect_bad_paths_fail_with_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path, copy: Path) -> None:
-    rc, out, err = _run(capsys, "inspect", tmp_path / "nope")
+    rc, out, err = run_cli(capsys, "inspect", tmp_path / "nope")
     assert rc == 2 and out == ""
-    assert "nope: not a checkpoint" in _one_error_line(err)
+    assert "nope: not a checkpoint" in one_error_line(err)
     (tmp_path / "empty").mkdir()
-    rc, _, err = _run(capsys, "inspect", tmp_path / "empty")
-    assert rc == 2 and f"{INDEX_FILE} is missing" in _one_error_line(err)
+    rc, _, err = run_cli(capsys, "inspect", tmp_path / "empty")
+    assert rc == 2 and f"{INDEX_FILE} is missing" in one_error_line(err)
     index = copy / INDEX_FILE
     index.write_bytes(index.read_bytes()[:40])
-    rc, _, err = _run(capsys, "inspect", copy, "--json")
-    assert rc == 2 and "truncated or corrupt index" in _one_error_line(err)
+    rc, _, err = run_cli(capsys, "inspect", copy, "--json")
+    assert rc == 2 and "truncated or corrupt index" in one_error_line(err)
 
 
 # ====================================================================== verify
 
 
 def test_verify_good_checkpoint(capsys: pytest.CaptureFixture[str], good: Path) -> None:
-    rc, out, err = _run(capsys, "verify", good)
+    rc, out, err = run_cli(capsys, "verify", good)
     assert rc == 0 and err == "" and out.startswith(f"OK {good}: 3 tensors, 3 values, 1 rank-local value in 1 file")
-    rc, out, _ = _run(capsys, "verify", good, "--json")
+    rc, out, _ = run_cli(capsys, "verify", good, "--json")
     doc = json.loads(out)
     assert rc == 0 and doc["ok"] is True and doc["problems"] == [] and doc["bytes_verified"] > 300 * 70 * 4
 
@@ -167,12 +155,12 @@ def test_verify_names_tensor_and_file_of_a_flipped_byte(capsys: pytest.CaptureFi
     with Checkpoint(copy) as ck:
         [(_, loc)] = ck.chunks("model.w")
     file = _flip_byte(copy, loc, at=1234)
-    rc, out, err = _run(capsys, "verify", copy)
+    rc, out, err = run_cli(capsys, "verify", copy)
     assert rc == 1
     [problem] = out.splitlines()
     assert file in problem and "'model.w'" in problem and "checksum mismatch" in problem
-    assert "verify found 1 problem" in _one_error_line(err)
-    rc, out, _ = _run(capsys, "verify", copy, "--json")
+    assert "verify found 1 problem" in one_error_line(err)
+    rc, out, _ = run_cli(capsys, "verify", copy, "--json")
     doc = json.loads(out)
     assert rc == 1 and doc["ok"] is False and doc["problems"] == [problem]
 
@@ -181,53 +169,53 @@ def test_verify_names_a_damaged_value(capsys: pytest.CaptureFixture[str], copy: 
     with Checkpoint(copy) as ck:
         loc = ck.index.values["optim.param_groups.0.betas"]
     file = _flip_byte(copy, loc, at=3)
-    rc, out, _ = _run(capsys, "verify", copy)
+    rc, out, _ = run_cli(capsys, "verify", copy)
     assert rc == 1
     [problem] = out.splitlines()
     assert file in problem and "value 'optim.param_groups.0.betas'" in problem
     # inspect needs only the index; diff reads the value and reports the damage in one line
-    assert _run(capsys, "inspect", copy)[0] == 0
-    rc, _, err = _run(capsys, "diff", copy, copy)
-    assert rc == 2 and "checksum mismatch" in _one_error_line(err) and file in err
+    assert run_cli(capsys, "inspect", copy)[0] == 0
+    rc, _, err = run_cli(capsys, "diff", copy, copy)
+    assert rc == 2 and "checksum mismatch" in one_error_line(err) and file in err
 
 
 def test_verify_truncated_data_file(capsys: pytest.CaptureFixture[str], copy: Path) -> None:
     [data] = copy.glob("*.safetensors")
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    rc, out, err = _run(capsys, "verify", copy)
+    rc, out, err = run_cli(capsys, "verify", copy)
     assert rc == 1 and out and all(data.name in line for line in out.splitlines())
     assert "truncated" in out
-    _one_error_line(err)
+    one_error_line(err)
 
 
 def test_verify_unreadable_index_or_missing_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path, copy: Path) -> None:
     (copy / INDEX_FILE).write_text('{"format": "ucp_dcp", "vers')
-    rc, out, err = _run(capsys, "verify", copy)
+    rc, out, err = run_cli(capsys, "verify", copy)
     assert rc == 1 and INDEX_FILE in out and "truncated or corrupt index" in out
-    _one_error_line(err)
+    one_error_line(err)
     # A path that is not there cannot be opened: status 2, as for every other command.
     for cmd in ("verify", "inspect"):
-        rc, out, err = _run(capsys, cmd, tmp_path / "missing")
+        rc, out, err = run_cli(capsys, cmd, tmp_path / "missing")
         assert rc == 2 and out == ""
-        assert "missing" in _one_error_line(err) and ("does not exist" in err or "no such directory" in err)
+        assert "missing" in one_error_line(err) and ("does not exist" in err or "no such directory" in err)
 
 
 # ====================================================================== diff
 
 
 def test_diff_identical_and_different(capsys: pytest.CaptureFixture[str], good: Path, tmp_path: Path) -> None:
-    rc, out, err = _run(capsys, "diff", good, good)
+    rc, out, err = run_cli(capsys, "diff", good, good)
     assert rc == 0 and err == "" and out.startswith("identical: 3 tensors and 4 values compared")
     sd = _state()
     sd["model.w"] = sd["model.w"].clone()
     sd["model.w"][3, 4] += 0.5
     other = _save(tmp_path / "other", sd)
-    rc, out, _ = _run(capsys, "diff", good, other)
+    rc, out, _ = run_cli(capsys, "diff", good, other)
     assert rc == 1
     assert "model.w: max abs diff 0.5, 1 of 21000 elements differ" in out and "1 difference" in out
-    assert _run(capsys, "diff", good, other, "--atol", "0.6")[0] == 0
-    assert _run(capsys, "diff", good, other, "--atol", "0.4")[0] == 1
-    rc, out, _ = _run(capsys, "diff", good, other, "--json", "--atol", "0.6")
+    assert run_cli(capsys, "diff", good, other, "--atol", "0.6")[0] == 0
+    assert run_cli(capsys, "diff", good, other, "--atol", "0.4")[0] == 1
+    rc, out, _ = run_cli(capsys, "diff", good, other, "--json", "--atol", "0.6")
     doc = json.loads(out)
     assert rc == 0 and doc["identical"] is False and doc["within_atol"] is True
     assert [t["num_different"] for t in doc["tensors"] if t["name"] == "model.w"] == [1]
@@ -266,10 +254,10 @@ def test_compare_tensors_edge_cases() -> None:
 
 
 def test_diff_missing_side_and_bad_atol(capsys: pytest.CaptureFixture[str], good: Path, tmp_path: Path) -> None:
-    rc, out, err = _run(capsys, "diff", good, tmp_path / "gone")
-    assert rc == 2 and out == "" and "gone: not a checkpoint" in _one_error_line(err)
-    rc, _, err = _run(capsys, "diff", good, good, "--atol", "-1")
-    assert rc == 2 and "--atol" in _one_error_line(err)
+    rc, out, err = run_cli(capsys, "diff", good, tmp_path / "gone")
+    assert rc == 2 and out == "" and "gone: not a checkpoint" in one_error_line(err)
+    rc, _, err = run_cli(capsys, "diff", good, good, "--atol", "-1")
+    assert rc == 2 and "--atol" in one_error_line(err)
 
 
 # ====================================================================== conversions
@@ -284,8 +272,8 @@ def test_diff_missing_side_and_bad_atol(capsys: pytest.CaptureFixture[str], good
 def test_conversion_without_its_module(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
                                        argv: list[str], module: str) -> None:
     monkeypatch.setitem(sys.modules, module, None)  # makes the import fail as if the file were absent
-    rc, _, err = _run(capsys, *argv)
-    assert rc == 2 and f"{argv[0]} is not available" in _one_error_line(err) and module in err
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 2 and f"{argv[0]} is not available" in one_error_line(err) and module in err
 
 
 def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **functions: Any) -> None:
@@ -298,7 +286,7 @@ def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **functions: Any) -
 def test_export_hf_passes_parsed_options(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[Any, ...]] = []
     _fake_module(monkeypatch, "ucp_dcp.tools.hf", export_hf=lambda *a, **kw: calls.append((a, kw)))
-    rc, out, _ = _run(capsys, "export-hf", "S", "D", "--dtype", "bf16", "--max-shard-size", "2GB", "--prefix",
+    rc, out, _ = run_cli(capsys, "export-hf", "S", "D", "--dtype", "bf16", "--max-shard-size", "2GB", "--prefix",
                       "model.", "--rename", r"^layers\.(\d+)=h.\1", "--rename", "a=b=c", "--config", "cfg.json", "-q")
     assert rc == 0 and "exported S to D" in out
     [(args, kw)] = calls
@@ -315,8 +303,8 @@ def test_export_hf_passes_parsed_options(capsys: pytest.CaptureFixture[str], mon
     (["--max-shard-size", "lots"], "invalid size 'lots'"),
 ])
 def test_export_hf_bad_arguments(capsys: pytest.CaptureFixture[str], bad: list[str], expected: str) -> None:
-    rc, _, err = _run(capsys, "export-hf", "S", "D", *bad)
-    line = _one_error_line(err)
+    rc, _, err = run_cli(capsys, "export-hf", "S", "D", *bad)
+    line = one_error_line(err)
     assert rc == 2 and expected in line and "see 'ucp-dcp export-hf --help'" in line
 
 
@@ -328,32 +316,32 @@ def test_conversion_errors_become_one_line(capsys: pytest.CaptureFixture[str], m
         raise CheckpointFormatError(f"{a[0]}: not a DCP checkpoint\n(no .metadata)")
 
     _fake_module(monkeypatch, "ucp_dcp.tools.convert", convert=fail)
-    rc, _, err = _run(capsys, "import-dcp", tmp_path / "x", tmp_path / "y")
-    assert rc == 2 and _one_error_line(err).endswith("x: not a DCP checkpoint; (no .metadata)")
+    rc, _, err = run_cli(capsys, "import-dcp", tmp_path / "x", tmp_path / "y")
+    assert rc == 2 and one_error_line(err).endswith("x: not a DCP checkpoint; (no .metadata)")
     _fake_module(monkeypatch, "ucp_dcp.tools.hf")  # the module exists but lacks the function
-    rc, _, err = _run(capsys, "import-hf", "a", "b")
-    assert rc == 2 and "has no function import_hf()" in _one_error_line(err)
+    rc, _, err = run_cli(capsys, "import-hf", "a", "b")
+    assert rc == 2 and "has no function import_hf()" in one_error_line(err)
 
 
 @pytest.mark.parametrize("argv", [["export-hf"], ["import-hf"], ["import-dcp"]])
 def test_real_conversions_reject_a_missing_source(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                                   argv: list[str]) -> None:
     """Whether or not the conversion modules are installed, a bad source is one line and status 2."""
-    rc, _, err = _run(capsys, *argv, tmp_path / "no-such-source", tmp_path / "out")
+    rc, _, err = run_cli(capsys, *argv, tmp_path / "no-such-source", tmp_path / "out")
     assert rc == 2
-    _one_error_line(err)
+    one_error_line(err)
 
 
 def test_hf_round_trip_through_the_cli(capsys: pytest.CaptureFixture[str], good: Path, tmp_path: Path) -> None:
     """With the real ucp_dcp.tools.hf: export, import back, and diff finds the weights unchanged."""
     pytest.importorskip("ucp_dcp.tools.hf")
     hf, back = tmp_path / "hf", tmp_path / "back"
-    rc, out, err = _run(capsys, "export-hf", good, hf, "--max-shard-size", "50KB", "--dtype", "fp32")
+    rc, out, err = run_cli(capsys, "export-hf", good, hf, "--max-shard-size", "50KB", "--dtype", "fp32")
     assert rc == 0 and out.strip().endswith(": 3 files")  # two shards and the index
     # Without --config the weights cannot be from_pretrained'ed alone: one warning line says what to pass.
     assert err.startswith("ucp-dcp: warning: ") and "config.json" in err and "--config" in err
     assert len(err.strip().splitlines()) == 1
-    rc, _, err = _run(capsys, "import-hf", hf, back)
+    rc, _, err = run_cli(capsys, "import-hf", hf, back)
     assert rc == 0 and err == ""  # torch's single-process notice is not shown
     report = diff_checkpoints(good, back)
     assert sorted(t.name for t in report.tensors if t.identical) == ["model.b", "model.w"]
@@ -365,7 +353,7 @@ def test_warnings_are_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: 
 
     _fake_module(monkeypatch, "ucp_dcp.tools.convert",
                  convert=lambda *a, **kw: warnings.warn("2 keys skipped:\n a, b", UserWarning, stacklevel=1))
-    rc, out, err = _run(capsys, "import-dcp", "a", "b")
+    rc, out, err = run_cli(capsys, "import-dcp", "a", "b")
     assert rc == 0 and err == "ucp-dcp: warning: 2 keys skipped:; a, b\n"
 
 
@@ -374,9 +362,9 @@ def test_unexpected_errors_and_debug(capsys: pytest.CaptureFixture[str], monkeyp
         raise RuntimeError("kaput")
 
     _fake_module(monkeypatch, "ucp_dcp.tools.convert", convert=boom)
-    rc, _, err = _run(capsys, "import-dcp", "a", "b")
-    assert rc == 2 and "unexpected RuntimeError: kaput (rerun with --debug" in _one_error_line(err)
-    rc, _, err = _run(capsys, "--debug", "import-dcp", "a", "b")
+    rc, _, err = run_cli(capsys, "import-dcp", "a", "b")
+    assert rc == 2 and "unexpected RuntimeError: kaput (rerun with --debug" in one_error_line(err)
+    rc, _, err = run_cli(capsys, "--debug", "import-dcp", "a", "b")
     assert rc == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("ucp-dcp: error: ")
 
 
@@ -385,12 +373,12 @@ def test_unexpected_errors_and_debug(capsys: pytest.CaptureFixture[str], monkeyp
 
 def test_help_and_usage(capsys: pytest.CaptureFixture[str]) -> None:
     for cmd in ("inspect", "verify", "diff", "export-hf", "import-hf", "import-dcp"):
-        rc, out, _ = _run(capsys, cmd, "--help")
+        rc, out, _ = run_cli(capsys, cmd, "--help")
         assert rc == 0 and f"usage: ucp-dcp {cmd}" in out and "exit status" in out
-    rc, _, err = _run(capsys)
-    assert rc == 2 and "COMMAND" in _one_error_line(err)
-    rc, _, err = _run(capsys, "frobnicate")
-    assert rc == 2 and "invalid choice: 'frobnicate'" in _one_error_line(err)
+    rc, _, err = run_cli(capsys)
+    assert rc == 2 and "COMMAND" in one_error_line(err)
+    rc, _, err = run_cli(capsys, "frobnicate")
+    assert rc == 2 and "invalid choice: 'frobnicate'" in one_error_line(err)
 
 
 def test_parse_size() -> None:
@@ -417,9 +405,9 @@ def test_progress_bar() -> None:
 
 
 def test_progress_flag_draws_on_stderr(capsys: pytest.CaptureFixture[str], good: Path) -> None:
-    rc, out, err = _run(capsys, "verify", good, "--progress")
+    rc, out, err = run_cli(capsys, "verify", good, "--progress")
     assert rc == 0 and out.startswith("OK") and "verifying [" in err and "100%" in err
-    assert _run(capsys, "--progress", "-q", "verify", good)[2] == ""
+    assert run_cli(capsys, "--progress", "-q", "verify", good)[2] == ""
 
 
 # ====================================================================== subprocesses
@@ -443,10 +431,10 @@ def test_installed_entry_point(copy: Path, tmp_path: Path) -> None:
     p = subprocess.run([_script(), "verify", copy], capture_output=True, text=True, env=_env(), timeout=120)
     assert p.returncode == 1, p.stderr
     assert file in p.stdout and "'model.w'" in p.stdout
-    _one_error_line(p.stderr)
+    one_error_line(p.stderr)
     p = subprocess.run([_script(), "inspect", tmp_path / "nope"], capture_output=True, text=True, env=_env(),
                        timeout=120)
-    assert p.returncode == 2 and p.stdout == "" and "not a checkpoint" in _one_error_line(p.stderr)
+    assert p.returncode == 2 and p.stdout == "" and "not a checkpoint" in one_error_line(p.stderr)
 
 
 def test_python_dash_m(good: Path) -> None:

@@ -19,11 +19,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import s3_server
+from cli_utils import one_error_line, run_cli
 from ucp_dcp import RankLocal, UCPSavePlanner, UCPStorageWriter, load_state_dict
 from ucp_dcp.errors import StorageError
 from ucp_dcp.format import INDEX_FILE
 from ucp_dcp.tools.checkpoint import Checkpoint
-from ucp_dcp.tools.cli import STORAGE_OPTIONS_ENV, main
+from ucp_dcp.tools.cli import STORAGE_OPTIONS_ENV
 from ucp_dcp.tools.convert import convert
 
 s3_bucket = s3_server.s3_bucket  # the session fixture, made visible to this module
@@ -64,19 +65,6 @@ def saved(root: str) -> str:
     return url
 
 
-def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def _one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ucp-dcp: error: "), err
-    assert "Traceback" not in err
-    return lines[0]
-
-
 def _assert_same_tensors(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a.keys() == b.keys()
     for k, v in a.items():
@@ -90,7 +78,7 @@ def _assert_same_tensors(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 
 def test_inspect_url_lists_every_tensor(capsys: pytest.CaptureFixture[str], saved: str) -> None:
-    rc, out, err = _run(capsys, "inspect", saved)
+    rc, out, err = run_cli(capsys, "inspect", saved)
     assert rc == 0 and err == ""
     lines = out.splitlines()
     assert lines[0].split() == ["checkpoint", saved]
@@ -99,7 +87,7 @@ def test_inspect_url_lists_every_tensor(capsys: pytest.CaptureFixture[str], save
     assert next(x for x in lines if x.startswith("model.h ")).split()[:3] == ["model.h", "bfloat16", "[33,17]"]
     assert "totals: 3 tensors (" in out and "3 values, 1 rank-local value" in out
 
-    rc, out, _ = _run(capsys, "inspect", saved, "--json")
+    rc, out, _ = run_cli(capsys, "inspect", saved, "--json")
     info = json.loads(out)
     assert rc == 0 and info["path"] == saved and info["step"] == 7
     assert [t["name"] for t in info["tensors"]] == ["model.b", "model.h", "model.w"]
@@ -109,7 +97,7 @@ def test_inspect_url_lists_every_tensor(capsys: pytest.CaptureFixture[str], save
 
 
 def test_verify_url_passes_then_finds_one_flipped_byte(capsys: pytest.CaptureFixture[str], saved: str) -> None:
-    rc, out, err = _run(capsys, "verify", saved)
+    rc, out, err = run_cli(capsys, "verify", saved)
     assert rc == 0 and err == "" and out.startswith(f"OK {saved}: 3 tensors, 3 values, 1 rank-local value")
 
     # Flip one byte inside model.w's data and rewrite the whole object, as a bad upload would.
@@ -121,12 +109,12 @@ def test_verify_url_passes_then_finds_one_flipped_byte(capsys: pytest.CaptureFix
     raw[loc.start + 1000] ^= 0x01
     fs.pipe_file(path, bytes(raw))
 
-    rc, out, err = _run(capsys, "verify", saved)
+    rc, out, err = run_cli(capsys, "verify", saved)
     assert rc == 1
     assert "model.w" in out and obj in out and "mismatch" in out
     assert all("model.h" not in line and "model.b" not in line for line in out.splitlines())
-    assert saved in _one_error_line(err) and "verify found" in err
-    rc, out, _ = _run(capsys, "verify", saved, "--json")
+    assert saved in one_error_line(err) and "verify found" in err
+    rc, out, _ = run_cli(capsys, "verify", saved, "--json")
     doc = json.loads(out)
     assert rc == 1 and doc["ok"] is False and any("model.w" in p for p in doc["problems"])
 
@@ -136,9 +124,9 @@ def test_url_with_no_checkpoint_is_one_error_line(capsys: pytest.CaptureFixture[
     missing = f"{root}/nothing-here"
     for argv in (["inspect", missing], ["verify", missing], ["diff", missing, missing],
                  ["export-hf", missing, tmp_path / "hf"], ["convert", missing, tmp_path / "out"]):
-        rc, out, err = _run(capsys, *argv)
+        rc, out, err = run_cli(capsys, *argv)
         assert rc == 2 and out == "", argv
-        line = _one_error_line(err)
+        line = one_error_line(err)
         assert f"{missing}: no such checkpoint" in line and "URL" in line, argv
     assert not (tmp_path / "hf").exists() and not (tmp_path / "out").exists()
 
@@ -146,11 +134,11 @@ def test_url_with_no_checkpoint_is_one_error_line(capsys: pytest.CaptureFixture[
 def test_objects_but_no_index_is_a_verify_failure(capsys: pytest.CaptureFixture[str], saved: str) -> None:
     # A save that never committed leaves data objects and no index: something is there, but not a checkpoint.
     fsspec.filesystem("memory").rm_file(f"{saved}/{INDEX_FILE}")
-    rc, out, err = _run(capsys, "verify", saved)
+    rc, out, err = run_cli(capsys, "verify", saved)
     assert rc == 1 and INDEX_FILE in out and saved in out
-    _one_error_line(err)
-    rc, out, err = _run(capsys, "inspect", saved)
-    assert rc == 2 and INDEX_FILE in _one_error_line(err) and saved in err
+    one_error_line(err)
+    rc, out, err = run_cli(capsys, "inspect", saved)
+    assert rc == 2 and INDEX_FILE in one_error_line(err) and saved in err
 
 
 # ====================================================================== --storage-options
@@ -160,15 +148,15 @@ def test_storage_options_must_be_a_json_object(capsys: pytest.CaptureFixture[str
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     for bad, expected in (("{bad", "not valid JSON"), ("[1, 2]", "expected a JSON object")):
         for argv in (["--storage-options", bad, "inspect", saved], ["inspect", saved, "--storage-options", bad]):
-            rc, out, err = _run(capsys, *argv)
+            rc, out, err = run_cli(capsys, *argv)
             assert rc == 2 and out == ""
-            line = _one_error_line(err)
+            line = one_error_line(err)
             assert line.startswith("ucp-dcp: error: --storage-options: ") and expected in line
     # The environment variable is read only when the option is absent.
     monkeypatch.setenv(STORAGE_OPTIONS_ENV, "not json")
-    rc, _, err = _run(capsys, "inspect", saved)
-    assert rc == 2 and f"${STORAGE_OPTIONS_ENV}: not valid JSON" in _one_error_line(err)
-    rc, out, err = _run(capsys, "--storage-options", "{}", "inspect", saved)
+    rc, _, err = run_cli(capsys, "inspect", saved)
+    assert rc == 2 and f"${STORAGE_OPTIONS_ENV}: not valid JSON" in one_error_line(err)
+    rc, out, err = run_cli(capsys, "--storage-options", "{}", "inspect", saved)
     assert rc == 0 and err == "" and "model.w" in out
 
 
@@ -178,15 +166,15 @@ def test_storage_options_must_be_a_json_object(capsys: pytest.CaptureFixture[str
 def test_convert_url_to_local_dir_is_bit_identical(capsys: pytest.CaptureFixture[str], saved: str,
                                                    tmp_path: Path) -> None:
     out_dir = tmp_path / "local"
-    rc, out, err = _run(capsys, "convert", saved, out_dir)
+    rc, out, err = run_cli(capsys, "convert", saved, out_dir)
     assert rc == 0 and err == "" and f"converted {saved} into" in out
     assert (out_dir / INDEX_FILE).is_file()
     a, b = load_state_dict(saved), load_state_dict(out_dir)
     _assert_same_tensors(a, b)
     assert b["model.h"].dtype == torch.bfloat16 and b["step"] == 7
-    rc, out, _ = _run(capsys, "diff", saved, out_dir)
+    rc, out, _ = run_cli(capsys, "diff", saved, out_dir)
     assert rc == 0 and out.startswith("identical: 3 tensors and 4 values compared")
-    rc, out, _ = _run(capsys, "verify", out_dir)
+    rc, out, _ = run_cli(capsys, "verify", out_dir)
     assert rc == 0
 
 
@@ -194,15 +182,15 @@ def test_convert_refuses_a_url_destination(capsys: pytest.CaptureFixture[str], s
     dst = f"{root}/converted"
     with pytest.raises(StorageError, match="writes a local directory"):
         convert(saved, dst)
-    rc, out, err = _run(capsys, "convert", saved, dst)
-    assert rc == 2 and out == "" and dst in _one_error_line(err) and "local directory" in err
+    rc, out, err = run_cli(capsys, "convert", saved, dst)
+    assert rc == 2 and out == "" and dst in one_error_line(err) and "local directory" in err
     assert not fsspec.filesystem("memory").exists(dst)
 
 
 def test_export_hf_from_url(capsys: pytest.CaptureFixture[str], saved: str, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    rc, out, err = _run(capsys, "export-hf", saved, tmp_path / "hf", "-q")
+    rc, out, err = run_cli(capsys, "export-hf", saved, tmp_path / "hf", "-q")
     assert rc == 0 and f"exported {saved} to" in out
     assert "config.json" in err  # the one warning: weights only
     got = load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -223,18 +211,18 @@ def test_inspect_and_verify_on_s3_with_storage_options(capsys: pytest.CaptureFix
     dcp.save(_state(), storage_writer=UCPStorageWriter(url, storage_options=options), planner=UCPSavePlanner())
     opts = json.dumps(options)
 
-    rc, out, err = _run(capsys, "--storage-options", opts, "inspect", url)
+    rc, out, err = run_cli(capsys, "--storage-options", opts, "inspect", url)
     assert rc == 0 and err == ""
     assert out.splitlines()[0].split() == ["checkpoint", url]
     assert all(any(line.startswith(f"{n} ") for line in out.splitlines()) for n in ("model.w", "model.h", "model.b"))
 
-    rc, out, err = _run(capsys, "verify", url, "--storage-options", opts)
+    rc, out, err = run_cli(capsys, "verify", url, "--storage-options", opts)
     assert rc == 0 and err == "" and out.startswith(f"OK {url}: 3 tensors")
 
     # The same options from the environment; a missing prefix in the bucket is the one-line error.
     monkeypatch.setenv(STORAGE_OPTIONS_ENV, opts)
-    rc, out, _ = _run(capsys, "verify", url, "--json")
+    rc, out, _ = run_cli(capsys, "verify", url, "--json")
     assert rc == 0 and json.loads(out)["ok"] is True
     missing = f"{bucket}/{uuid.uuid4().hex[:10]}/none"
-    rc, out, err = _run(capsys, "verify", missing)
-    assert rc == 2 and out == "" and f"{missing}: no such checkpoint" in _one_error_line(err)
+    rc, out, err = run_cli(capsys, "verify", missing)
+    assert rc == 2 and out == "" and f"{missing}: no such checkpoint" in one_error_line(err)
