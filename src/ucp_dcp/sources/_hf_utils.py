@@ -127,6 +127,7 @@ class StoreDir(ModelDir):
         self.store = store
         self.where = store.url
         self._names: list[str] | None = None
+        self._set: frozenset[str] = frozenset()
 
     def path_of(self, name: str) -> str:
         """The object's URL."""
@@ -136,11 +137,13 @@ class StoreDir(ModelDir):
         """The store's listing (cached)."""
         if self._names is None:
             self._names = self.store.list()
+            self._set = frozenset(self._names)
         return list(self._names)
 
     def is_file(self, name: str) -> bool:
         """Whether the listing holds ``name``."""
-        return name in self.list()
+        self.list()
+        return name in self._set
 
     def read(self, name: str) -> bytes:
         """The whole object (errors are :class:`~ucp_dcp.errors.StorageError` naming its URL)."""
