@@ -142,6 +142,7 @@ def test_missing_checkpoint_names_the_url() -> None:
     with pytest.raises(CheckpointFormatError) as e:
         load_state_dict(url)
     assert str(e.value).startswith(f"{url}: not a ucp_dcp checkpoint: ucp_index.json is missing")
+    assert "nor a Hugging Face safetensors model" in str(e.value) and "it is empty" in str(e.value)
 
 
 def test_a_missing_data_object_names_it() -> None:

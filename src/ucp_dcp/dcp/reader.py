@@ -73,7 +73,8 @@ class UCPStorageReader(_Directory, StorageReader):
             ``FileSystemWriter`` directory (Megatron-core ``torch_dist``
             included), a Hugging Face safetensors model, or a directory whose
             subfolders are checkpoints (accelerate). Or an fsspec URL of a
-            universal checkpoint in object storage (``s3://bucket/ckpt``,
+            universal checkpoint or a Hugging Face safetensors model in
+            object storage (``s3://bucket/ckpt``,
             ``gs://``, ``memory://``...): each rank fetches only the byte
             ranges it needs, with many ranged requests in flight.
         storage_options: for a URL, passed to fsspec as they are

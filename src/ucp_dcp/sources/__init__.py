@@ -24,6 +24,8 @@ from typing import Any
 
 from ..byteio.objstore import ObjectStore, is_url, local_path
 from ..errors import CheckpointFormatError
+from ..format import INDEX_FILE
+from ._hf_utils import HF_INDEX_NAME, HF_WEIGHTS_NAME, StoreDir, looks_like_hf
 from .base import Source, SourceOptions, read_value, register, source_types
 from .native import NativeSource
 from .distcp import DCPSource  # noqa: E402  (registration order is detection order)
@@ -63,11 +65,12 @@ def open_source(
     recognises fails as a native checkpoint would, with
     :class:`~ucp_dcp.CheckpointFormatError` naming the path and what is
     missing. An fsspec URL (``s3://bucket/ckpt``; ``storage_options`` go to
-    fsspec) opens a native checkpoint in object storage, read with ranged
-    requests.
+    fsspec) opens a checkpoint in object storage, read with ranged requests:
+    a native one (``ucp_index.json``), or a Hugging Face safetensors model
+    (the URL of its directory, or of one ``.safetensors`` file or index).
     """
     if is_url(path):
-        return NativeSource.open_store(ObjectStore(os.fspath(path), storage_options))
+        return _open_url(os.fspath(path), options or SourceOptions(**kwargs), storage_options)
     path = local_path(path)
     opts = options if options is not None else SourceOptions(**kwargs)
     if not os.path.exists(path):
@@ -76,6 +79,28 @@ def open_source(
         if cls.detect(path):
             return cls.open(path, opts)
     return NativeSource.open(path, opts)  # raises, naming what is missing
+
+
+def _open_url(url: str, options: SourceOptions, storage_options: dict[str, Any] | None) -> Source:
+    """The checkpoint at fsspec URL ``url``: native if ``ucp_index.json`` is there, else a Hugging Face model."""
+    parent, _, last = url.rstrip("/").rpartition("/")
+    if "://" in parent and last.endswith((".safetensors", ".safetensors.index.json")):
+        # One file named directly, as a local path may name one.
+        return HFSource.open_store(ObjectStore(parent, storage_options), options, named=last)
+    store = ObjectStore(url, storage_options)
+    if store.exists(INDEX_FILE):
+        return NativeSource(store.url, store)  # not open_store: that asks the store again
+    model_dir = StoreDir(store)  # listed once: detection and opening share the listing
+    if looks_like_hf(model_dir):
+        return HFSource(store.url, options.prefix, model_dir=model_dir)
+    listing = sorted(model_dir.list())
+    held = f"it holds {', '.join(listing[:10])}{' ...' if len(listing) > 10 else ''}" if listing else "it is empty"
+    raise CheckpointFormatError(
+        f"{store.url}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing; nor a Hugging Face safetensors model: "
+        f"no {HF_WEIGHTS_NAME}, {HF_INDEX_NAME} or single .safetensors file ({held}). A save that did not "
+        "finish leaves no index. Object storage is read for these two formats only; copy a DCP or DeepSpeed "
+        "checkpoint to a local directory first"
+    )
 
 
 def checkpoint_exists(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:

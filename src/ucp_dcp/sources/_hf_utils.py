@@ -1,4 +1,4 @@
-"""Hugging Face model directories: file names, and which files hold the weights.
+"""Hugging Face model directories, local or in object storage: file names, and which files hold the weights.
 
 Shared by the Hugging Face source (:mod:`ucp_dcp.sources.hf`) and export
 (:mod:`ucp_dcp.tools.hf`).
@@ -8,12 +8,26 @@ from __future__ import annotations
 
 import os
 import re
+from abc import ABC, abstractmethod
 from typing import Any
 
+from ..byteio.objstore import ObjectAccess, ObjectStore
 from ..errors import CheckpointFormatError
+from ..format.header import RandomAccess
 from ..format.schema import parse_json
 
-__all__ = ["HF_WEIGHTS_NAME", "HF_INDEX_NAME", "HF_CONFIG_FILES", "find_hf_files", "looks_like_hf", "plain_file_name"]
+__all__ = [
+    "HF_WEIGHTS_NAME",
+    "HF_INDEX_NAME",
+    "HF_CONFIG_FILES",
+    "ModelDir",
+    "LocalDir",
+    "StoreDir",
+    "find_hf_files",
+    "local_model_dir",
+    "looks_like_hf",
+    "plain_file_name",
+]
 
 HF_WEIGHTS_NAME = "model.safetensors"
 HF_INDEX_NAME = "model.safetensors.index.json"
@@ -39,62 +53,168 @@ HF_CONFIG_FILES = (
 _NATIVE_DATA_FILE = re.compile(r"rank\d{5}-.*\.safetensors")
 
 
-def looks_like_hf(path: str) -> bool:
-    """Whether ``path`` is a Hugging Face safetensors model (by names alone)."""
-    if os.path.isfile(path):
-        return path.endswith(".safetensors") or path.endswith(".safetensors.index.json")
-    if not os.path.isdir(path):
-        return False
-    if os.path.isfile(os.path.join(path, HF_WEIGHTS_NAME)) or os.path.isfile(os.path.join(path, HF_INDEX_NAME)):
+class ModelDir(ABC):
+    """The files of one model directory, local or in object storage: what finding a model's files needs.
+
+    Names are plain file names directly inside the directory.
+    """
+
+    where: str
+    """The directory as shown in messages (a path or a URL)."""
+
+    @abstractmethod
+    def path_of(self, name: str) -> str:
+        """Path or URL of file ``name``."""
+
+    @abstractmethod
+    def list(self) -> list[str]:
+        """Names of the files (and, locally, folders) in the directory."""
+
+    @abstractmethod
+    def is_file(self, name: str) -> bool:
+        """Whether file ``name`` exists."""
+
+    @abstractmethod
+    def read(self, name: str) -> bytes:
+        """The whole of file ``name`` (a small one: an index)."""
+
+    @abstractmethod
+    def access(self, name: str) -> RandomAccess | None:
+        """``name`` as random access for header parsing; None: open :meth:`path_of` as a local file."""
+
+
+class LocalDir(ModelDir):
+    """A local directory."""
+
+    def __init__(self, path: str) -> None:
+        self.where = path
+
+    def path_of(self, name: str) -> str:
+        """``os.path.join`` of the directory and ``name``."""
+        return os.path.join(self.where, name)
+
+    def list(self) -> list[str]:
+        """``os.listdir``."""
+        return os.listdir(self.where)
+
+    def is_file(self, name: str) -> bool:
+        """``os.path.isfile``."""
+        return os.path.isfile(self.path_of(name))
+
+    def read(self, name: str) -> bytes:
+        """The file's bytes; an unreadable file is a :class:`CheckpointFormatError` naming it."""
+        path = self.path_of(name)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise CheckpointFormatError(f"{path}: cannot read ({e.strerror or e})") from None
+
+    def access(self, name: str) -> None:
+        """None: header parsing opens the file itself."""
+        return None
+
+
+class StoreDir(ModelDir):
+    """The objects directly under an :class:`~ucp_dcp.byteio.objstore.ObjectStore`'s URL.
+
+    Listed once (one request) and answered from that listing after, so
+    finding the files costs no request per name; a file that disappears
+    later fails its read naming it.
+    """
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+        self.where = store.url
+        self._names: list[str] | None = None
+        self._set: frozenset[str] = frozenset()
+
+    def path_of(self, name: str) -> str:
+        """The object's URL."""
+        return self.store.url_of(name)
+
+    def list(self) -> list[str]:
+        """The store's listing (cached)."""
+        if self._names is None:
+            self._names = self.store.list()
+            self._set = frozenset(self._names)
+        return list(self._names)
+
+    def is_file(self, name: str) -> bool:
+        """Whether the listing holds ``name``."""
+        self.list()
+        return name in self._set
+
+    def read(self, name: str) -> bytes:
+        """The whole object (errors are :class:`~ucp_dcp.errors.StorageError` naming its URL)."""
+        return self.store.read(name)
+
+    def access(self, name: str) -> ObjectAccess:
+        """Ranged reads of the object: its size, then one request for a header under 64 KiB."""
+        return ObjectAccess(self.store, name)
+
+
+def looks_like_hf(path: str | ModelDir) -> bool:
+    """Whether ``path`` (a local path, or a directory view) is a Hugging Face safetensors model (by names alone)."""
+    if isinstance(path, str):
+        if os.path.isfile(path):
+            return path.endswith(".safetensors") or path.endswith(".safetensors.index.json")
+        if not os.path.isdir(path):
+            return False
+        path = LocalDir(path)
+    d = path
+    if d.is_file(HF_WEIGHTS_NAME) or d.is_file(HF_INDEX_NAME):
         return True
-    names = os.listdir(path)
+    names = d.list()
     if any(n.endswith(".safetensors.index.json") for n in names):
         return True
     st = [n for n in names if n.endswith(".safetensors")]
     return len(st) == 1 and not _NATIVE_DATA_FILE.fullmatch(st[0])
 
 
-def find_hf_files(src: str) -> tuple[str, list[str], dict[str, str] | None]:
-    """(directory, safetensors file names, weight_map or None) of a Hugging Face model.
-
-    ``src`` is a directory (``model.safetensors``, which wins as it does for
-    ``from_pretrained``, or a sharded ``model.safetensors.index.json``, or
-    the only ``*.safetensors.index.json`` / ``*.safetensors`` there), or one
-    ``.safetensors`` file or index.
-    """
+def local_model_dir(src: str) -> tuple[LocalDir, str | None]:
+    """``(directory, file named directly or None)`` of local path ``src``: a directory, or one file in one."""
     if not os.path.exists(src):
         raise CheckpointFormatError(f"{src}: no such Hugging Face model directory or file")
     if os.path.isfile(src):
-        if src.endswith(".index.json"):
-            return _from_index(os.path.dirname(src) or ".", src)
-        return os.path.dirname(src) or ".", [os.path.basename(src)], None
-    idx = os.path.join(src, HF_INDEX_NAME)
-    single = os.path.join(src, HF_WEIGHTS_NAME)
-    if os.path.isfile(single):
+        return LocalDir(os.path.dirname(src) or "."), os.path.basename(src)
+    return LocalDir(src), None
+
+
+def find_hf_files(d: ModelDir, named: str | None = None) -> tuple[list[str], dict[str, str] | None]:
+    """(safetensors file names, weight_map or None) of the Hugging Face model in directory ``d``.
+
+    ``named`` is one ``.safetensors`` file or index named directly. Else the
+    directory holds ``model.safetensors`` (which wins, as it does for
+    ``from_pretrained``), or a sharded ``model.safetensors.index.json``, or
+    the only ``*.safetensors.index.json`` / ``*.safetensors`` there.
+    """
+    if named is not None:
+        if named.endswith(".index.json"):
+            return _from_index(d, named)
+        return [named], None
+    if d.is_file(HF_WEIGHTS_NAME):
         # from_pretrained's choice too, even with an index next to it (export_hf writes one).
-        return src, [HF_WEIGHTS_NAME], None
-    if os.path.isfile(idx):
-        return _from_index(src, idx)
-    listing = sorted(os.listdir(src))
+        return [HF_WEIGHTS_NAME], None
+    if d.is_file(HF_INDEX_NAME):
+        return _from_index(d, HF_INDEX_NAME)
+    listing = sorted(d.list())
     indexes = [n for n in listing if n.endswith(".safetensors.index.json")]
     if len(indexes) == 1:
-        return _from_index(src, os.path.join(src, indexes[0]))
+        return _from_index(d, indexes[0])
     files = [n for n in listing if n.endswith(".safetensors")]
     if len(files) == 1 and not indexes:
-        return src, files, None
+        return files, None
     raise CheckpointFormatError(
-        f"{src}: not a Hugging Face safetensors model directory: no {HF_WEIGHTS_NAME} or {HF_INDEX_NAME}"
+        f"{d.where}: not a Hugging Face safetensors model directory: no {HF_WEIGHTS_NAME} or {HF_INDEX_NAME}"
         + (f" (it holds {', '.join(indexes + files)}: name the file to import)" if indexes or files else
            f" and no .safetensors files ({', '.join(listing[:10]) or 'it is empty'})")
     )
 
 
-def _from_index(directory: str, path: str) -> tuple[str, list[str], dict[str, str]]:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise CheckpointFormatError(f"{path}: cannot read ({e.strerror or e})") from None
+def _from_index(d: ModelDir, index_name: str) -> tuple[list[str], dict[str, str]]:
+    path = d.path_of(index_name)
+    raw = d.read(index_name)
     doc = parse_json(raw, f"{path}: not valid JSON")
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
@@ -107,9 +227,9 @@ def _from_index(directory: str, path: str) -> tuple[str, list[str], dict[str, st
         if name not in files:
             files.append(name)
     for name in files:
-        if not os.path.isfile(os.path.join(directory, name)):
-            raise CheckpointFormatError(f"{path}: lists {name}, which is missing from {directory}")
-    return directory, files, wm
+        if not d.is_file(name):
+            raise CheckpointFormatError(f"{path}: lists {name}, which is missing from {d.where}")
+    return files, wm
 
 
 def plain_file_name(name: Any, where: str) -> str:

@@ -7,16 +7,22 @@ rows of a weight reads exactly those rows. Names are the file's, with
 ``SourceOptions.prefix`` in front (``"model."`` gives the names of
 ``get_state_dict(model, optim)``). Safetensors records no checksums; the
 headers are checked against the files' sizes.
+
+The same model in object storage (:meth:`HFSource.open_store`) is found by
+listing the URL instead of the directory; each file's header is read with
+ranged requests (its size, then one request for a header under 64 KiB), and
+tensors with the source's ranged reads like any other.
 """
 
 from __future__ import annotations
 
-import os
+import errno
 
+from ..byteio.objstore import ObjectAccess, ObjectStore
 from ..core.sharding import Box
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, StorageError
 from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord, dtype_from_st, parse_safetensors
-from ._hf_utils import find_hf_files, looks_like_hf
+from ._hf_utils import ModelDir, StoreDir, find_hf_files, local_model_dir, looks_like_hf
 from .base import Source, SourceOptions, register
 
 __all__ = ["HFSource"]
@@ -29,15 +35,23 @@ class HFSource(Source):
     format = "hf"
     checksums = False
 
-    def __init__(self, path: str, prefix: str = "") -> None:
+    def __init__(self, path: str, prefix: str = "", *, model_dir: ModelDir | None = None,
+                 named: str | None = None) -> None:
+        """Open local ``path``; or, given ``model_dir`` (then ``path`` is only shown), the model in it.
+
+        ``named``: with ``model_dir``, one ``.safetensors`` file or index in it named directly.
+        """
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a string, got {prefix!r}")
-        directory, names, weight_map = find_hf_files(path)
+        d: ModelDir
+        d, named = (model_dir, named) if model_dir is not None else local_model_dir(path)
+        names, weight_map = find_hf_files(d, named)
+        directory = d.where
         files: list[FileRecord] = []
         tensors: dict[str, TensorRecord] = {}
         where: dict[str, str] = {}
         for fi, fname in enumerate(names):
-            st = parse_safetensors(os.path.join(directory, fname))
+            st = parse_safetensors(d.path_of(fname), access=d.access(fname))
             files.append(FileRecord(fname, 0, st.size))
             for e in st.entries.values():
                 dtype = dtype_from_st(e.st_dtype)
@@ -66,7 +80,9 @@ class HFSource(Source):
                 )
         if not tensors:
             raise CheckpointFormatError(f"{path}: holds no tensors")
-        super().__init__(path, Index(1, files, tensors, {}, {}), [os.path.join(directory, f.name) for f in files])
+        super().__init__(path, Index(1, files, tensors, {}, {}), [d.path_of(f.name) for f in files])
+        if isinstance(d, StoreDir):
+            self.store = d.store
 
     @classmethod
     def detect(cls, path: str) -> bool:
@@ -78,14 +94,25 @@ class HFSource(Source):
         """Parse every file's header (nothing else is read)."""
         return cls(path, options.prefix)
 
+    @classmethod
+    def open_store(cls, store: ObjectStore, options: SourceOptions, named: str | None = None) -> "HFSource":
+        """Open the model at ``store``'s URL (or file ``named`` there): every file's header, with ranged requests."""
+        return cls(store.url_of(named or ""), options.prefix, model_dir=StoreDir(store), named=named)
+
     def check_files(self) -> list[str]:
         """Every file's header parses and its size is what it was when opened."""
         problems = []
         for path, f in zip(self.paths, self.index.files):
             try:
-                size = parse_safetensors(path).size
+                # On a store, ObjectAccess asks for the object's size now (not the one recorded at open).
+                access = ObjectAccess(self.store, f.name) if self.store is not None else None
+                size = parse_safetensors(path, access=access).size
                 if size != f.size:
                     problems.append(f"{path}: {size} bytes on disk, {f.size} when opened")
             except CheckpointFormatError as e:
+                problems.append(str(e))
+            except StorageError as e:
+                if e.errno != errno.ENOENT:  # a store that cannot be reached is no finding about the files
+                    raise
                 problems.append(str(e))
         return problems
