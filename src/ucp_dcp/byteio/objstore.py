@@ -231,13 +231,19 @@ class ObjectStore:
 
     def list(self) -> list[str]:
         """Names of the objects directly under the checkpoint's URL (none if it does not exist)."""
+        return list(self.list_sizes())
+
+    def list_sizes(self) -> dict[str, int]:
+        """Name -> size of the objects directly under the checkpoint's URL, from one listing."""
         self.fs.invalidate_cache(self.root)
 
-        def ls() -> list[str]:
+        def ls() -> dict[str, int]:
             try:
-                return [self.name_of(p) for p in self.fs.ls(self.root, detail=False)]
+                entries = self.fs.ls(self.root, detail=True)
             except FileNotFoundError:
-                return []
+                return {}
+            return {self.name_of(e["name"]): int(e.get("size") or 0) for e in entries
+                    if e.get("type", "file") != "directory"}
 
         return self.call("listing the checkpoint", "", ls)
 

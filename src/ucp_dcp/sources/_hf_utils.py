@@ -126,32 +126,32 @@ class StoreDir(ModelDir):
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
         self.where = store.url
-        self._names: list[str] | None = None
-        self._set: frozenset[str] = frozenset()
+        self._sizes: dict[str, int] | None = None
 
     def path_of(self, name: str) -> str:
         """The object's URL."""
         return self.store.url_of(name)
 
+    def _listing(self) -> dict[str, int]:
+        if self._sizes is None:
+            self._sizes = self.store.list_sizes()
+        return self._sizes
+
     def list(self) -> list[str]:
         """The store's listing (cached)."""
-        if self._names is None:
-            self._names = self.store.list()
-            self._set = frozenset(self._names)
-        return list(self._names)
+        return list(self._listing())
 
     def is_file(self, name: str) -> bool:
         """Whether the listing holds ``name``."""
-        self.list()
-        return name in self._set
+        return name in self._listing()
 
     def read(self, name: str) -> bytes:
         """The whole object (errors are :class:`~ucp_dcp.errors.StorageError` naming its URL)."""
         return self.store.read(name)
 
     def access(self, name: str) -> ObjectAccess:
-        """Ranged reads of the object: its size, then one request for a header under 64 KiB."""
-        return ObjectAccess(self.store, name)
+        """Ranged reads of the object (its size from the listing): one request for a header under 64 KiB."""
+        return ObjectAccess(self.store, name, self._listing().get(name))
 
 
 def looks_like_hf(path: str | ModelDir) -> bool:
