@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import s3_server
 from dist_utils import bit_equal, run_ranks
+from fault_proxy import FaultProxy, storage_options_via
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter, load_state_dict
 from ucp_dcp.byteio.objrange import ObjectRangeReader
 from ucp_dcp.byteio.objstore import ObjectStore, RetryPolicy, is_url, local_path
@@ -70,19 +71,26 @@ def _load(rank: int, world: int, url: str, options: dict[str, Any], out_dir: str
     expected = sharded_state(mesh, 1)  # the column tensor is loaded split the other way
     needed = sum(v.to_local().nbytes for v in expected.values())
     stats = {}
-    # Exact reads (gap_bytes=0; without verification, which reads whole 4 KiB blocks at the edges
-    # of a range), then the defaults: verified, gaps up to 32 KiB merged into one request.
-    for mode, gap in (("exact", 0), ("default", None)):
-        target = {"model": {k: DTensor.from_local(torch.full_like(v.to_local(), float("nan")), mesh, v.placements,
-                                                   run_check=False, shape=v.shape, stride=v.stride())
-                            for k, v in expected.items()}, "step": 0}
-        reader = UCPStorageReader(url, storage_options=options, gap_bytes=gap, verify=gap is None)
-        dcp.load(target, storage_reader=reader, planner=UCPLoadPlanner())
-        wrong = [k for k, v in expected.items() if not bit_equal(target["model"][k].to_local(), v.to_local())]
-        assert not wrong, f"rank {rank} ({mode} reads): {wrong} differ"
-        assert target["step"] == 7
-        stats[mode] = {"needed": needed, "requested": reader.bytes_requested, "calls": reader.read_calls,
-                       "verified": reader.verified_bytes}
+    # Each rank talks to the server through its own counting proxy: the server-side view of what
+    # this rank fetched, headers and index included.
+    with FaultProxy(options["client_kwargs"]["endpoint_url"]) as proxy:
+        via = storage_options_via(proxy, options)
+        # Exact reads (gap_bytes=0; without verification, which reads whole 4 KiB blocks at the edges
+        # of a range), then the defaults: verified, gaps up to 32 KiB merged into one request.
+        for mode, gap in (("exact", 0), ("default", None)):
+            target = {"model": {k: DTensor.from_local(torch.full_like(v.to_local(), float("nan")), mesh,
+                                                       v.placements, run_check=False, shape=v.shape,
+                                                       stride=v.stride())
+                                for k, v in expected.items()}, "step": 0}
+            proxy.reset_records()
+            reader = UCPStorageReader(url, storage_options=via, gap_bytes=gap, verify=gap is None)
+            dcp.load(target, storage_reader=reader, planner=UCPLoadPlanner())
+            wrong = [k for k, v in expected.items() if not bit_equal(target["model"][k].to_local(), v.to_local())]
+            assert not wrong, f"rank {rank} ({mode} reads): {wrong} differ"
+            assert target["step"] == 7
+            stats[mode] = {"needed": needed, "requested": reader.bytes_requested, "calls": reader.read_calls,
+                           "verified": reader.verified_bytes, "server_bytes": proxy.bytes_sent("GET"),
+                           "server_gets": proxy.count("GET")}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(stats, f)
 
@@ -99,13 +107,18 @@ def test_s3_save_on_4_load_resharded_on_3(s3_bucket: tuple[str, dict[str, Any]],
     assert sorted(n for n in names if n.endswith(".safetensors")) == sorted(
         n for n in names if n.startswith("rank"))
     assert len([n for n in names if n.startswith("rank")]) == 4 and "ucp_index.json" in names
+    index_bytes = ObjectStore(url, options).size("ucp_index.json")
     run_ranks(3, _load, url, options, str(tmp_path))
     column_chunk = 4 * COLS["c0"][0] // 4 * COLS["c0"][1]  # bytes of one saved row-chunk of c0
     for r in range(3):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
         exact, default = got["exact"], got["default"]
-        # Exact requests: the bytes the rank needs.
+        # Exact requests: the bytes the rank needs. The server sent those, the index, and the first
+        # 64 KiB (the header) of each of the 4 data files at most.
         assert exact["needed"] <= exact["requested"] <= 1.05 * exact["needed"], got
+        assert exact["server_bytes"] <= 1.05 * exact["needed"] + index_bytes + 4 * (64 << 10), got
+        # Every rank needs rows of c0 from all 4 files: one GET for the index, one per header.
+        assert exact["server_gets"] == exact["calls"] + 1 + 4, got
         assert default["verified"] >= exact["needed"], got  # every byte used was checked against its block sums
         # The default merges the column slices of each row-chunk of c0 (gaps of 5 KiB) into one
         # request per chunk: at most the 4 chunks of c0 extra, in far fewer requests.
