@@ -154,7 +154,8 @@ def test_a_url_holding_neither_format_names_it(hf_dirs: dict[str, Path]) -> None
     with pytest.raises(CheckpointFormatError) as e:
         load_state_dict(url)
     msg = str(e.value)
-    assert msg.startswith(f"{url}: not a ucp_dcp checkpoint: ucp_index.json is missing; nor a Hugging Face"), msg
+    assert msg.startswith(f"{url}: not a ucp_dcp checkpoint: ucp_index.json is missing; nor a DCP checkpoint: no "
+                          ".metadata; nor a Hugging Face"), msg
     assert "model.safetensors.index.json" in msg and "it holds config.json" in msg, msg
 
 

@@ -73,10 +73,11 @@ class UCPStorageReader(_Directory, StorageReader):
             ``FileSystemWriter`` directory (Megatron-core ``torch_dist``
             included), a Hugging Face safetensors model, or a directory whose
             subfolders are checkpoints (accelerate). Or an fsspec URL of a
-            universal checkpoint or a Hugging Face safetensors model in
-            object storage (``s3://bucket/ckpt``,
-            ``gs://``, ``memory://``...): each rank fetches only the byte
-            ranges it needs, with many ranged requests in flight.
+            universal checkpoint, a DCP checkpoint (``FsspecWriter``'s
+            format) or a Hugging Face safetensors model in object storage
+            (``s3://bucket/ckpt``, ``gs://``, ``memory://``...): each rank
+            fetches only the byte ranges it needs, with many ranged requests
+            in flight.
         storage_options: for a URL, passed to fsspec as they are
             (credentials, ``client_kwargs={"endpoint_url": ...}``).
         io_threads: threads issuing reads in parallel (default 2: measured to keep this

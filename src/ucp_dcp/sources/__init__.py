@@ -25,7 +25,9 @@ from typing import Any
 from ..byteio.objstore import ObjectStore, is_url, local_path
 from ..errors import CheckpointFormatError
 from ..format import INDEX_FILE
-from ._hf_utils import HF_INDEX_NAME, HF_WEIGHTS_NAME, StoreDir, looks_like_hf
+from ._dcp_metadata import DCP_METADATA_FILE
+from ._dirs import StoreDir
+from ._hf_utils import HF_INDEX_NAME, HF_WEIGHTS_NAME, looks_like_hf
 from .base import Source, SourceOptions, read_value, register, source_types
 from .native import NativeSource
 from .distcp import DCPSource  # noqa: E402  (registration order is detection order)
@@ -66,8 +68,9 @@ def open_source(
     :class:`~ucp_dcp.CheckpointFormatError` naming the path and what is
     missing. An fsspec URL (``s3://bucket/ckpt``; ``storage_options`` go to
     fsspec) opens a checkpoint in object storage, read with ranged requests:
-    a native one (``ucp_index.json``), or a Hugging Face safetensors model
-    (the URL of its directory, or of one ``.safetensors`` file or index).
+    a native one (``ucp_index.json``), one in DCP's ``FileSystemWriter`` /
+    ``FsspecWriter`` format (``.metadata``), or a Hugging Face safetensors
+    model (the URL of its directory, or of one ``.safetensors`` file or index).
     """
     if is_url(path):
         return _open_url(os.fspath(path), options or SourceOptions(**kwargs), storage_options)
@@ -82,7 +85,8 @@ def open_source(
 
 
 def _open_url(url: str, options: SourceOptions, storage_options: dict[str, Any] | None) -> Source:
-    """The checkpoint at fsspec URL ``url``: native if ``ucp_index.json`` is there, else a Hugging Face model."""
+    """The checkpoint at fsspec URL ``url``: native if ``ucp_index.json`` is there, else DCP's format if
+    ``.metadata`` is, else a Hugging Face model."""
     parent, _, last = url.rstrip("/").rpartition("/")
     if "://" in parent and last.endswith((".safetensors", ".safetensors.index.json")):
         # One file named directly, as a local path may name one.
@@ -91,15 +95,17 @@ def _open_url(url: str, options: SourceOptions, storage_options: dict[str, Any] 
     if store.exists(INDEX_FILE):
         return NativeSource(store.url, store)  # not open_store: that asks the store again
     model_dir = StoreDir(store)  # listed once: detection and opening share the listing
+    if model_dir.is_file(DCP_METADATA_FILE):
+        return DCPSource.open_store(store, options, model_dir)
     if looks_like_hf(model_dir):
         return HFSource(store.url, options.prefix, model_dir=model_dir)
     listing = sorted(model_dir.list())
     held = f"it holds {', '.join(listing[:10])}{' ...' if len(listing) > 10 else ''}" if listing else "it is empty"
     raise CheckpointFormatError(
-        f"{store.url}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing; nor a Hugging Face safetensors model: "
-        f"no {HF_WEIGHTS_NAME}, {HF_INDEX_NAME} or single .safetensors file ({held}). A save that did not "
-        "finish leaves no index. Object storage is read for these two formats only; copy a DCP or DeepSpeed "
-        "checkpoint to a local directory first"
+        f"{store.url}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing; nor a DCP checkpoint: no "
+        f"{DCP_METADATA_FILE}; nor a Hugging Face safetensors model: no {HF_WEIGHTS_NAME}, {HF_INDEX_NAME} or "
+        f"single .safetensors file ({held}). A save that did not finish leaves no index. Object storage is read "
+        "for these three formats only; copy a DeepSpeed checkpoint to a local directory first"
     )
 
 

@@ -10,6 +10,7 @@ it is imported, naming it.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointFormatError
+from ._dirs import LocalDir, ModelDir
 
 __all__ = ["DCP_METADATA_FILE", "read_dcp_metadata"]
 
@@ -78,18 +80,21 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise CheckpointFormatError(f"{self.where}: refusing persistent id {pid!r} in .metadata")
 
 
-def read_dcp_metadata(directory: str | os.PathLike[str]) -> Metadata:
-    """Load DCP's ``.metadata`` of ``directory`` with the restricted unpickler.
+def read_dcp_metadata(directory: str | os.PathLike[str] | ModelDir) -> Metadata:
+    """Load DCP's ``.metadata`` of ``directory`` (a local path, or a directory view) with the restricted unpickler.
 
-    Raises :class:`CheckpointFormatError` naming the file when it is missing,
-    not a DCP metadata pickle, or refers to any class outside the allow-list.
+    The file is read as bytes (from object storage: one request) and only
+    then unpickled. Raises :class:`CheckpointFormatError` naming the file
+    when it is missing, not a DCP metadata pickle, or refers to any class
+    outside the allow-list.
     """
-    path = os.path.join(os.fspath(directory), DCP_METADATA_FILE)
+    d = directory if isinstance(directory, ModelDir) else LocalDir(os.fspath(directory))
+    path = d.path_of(DCP_METADATA_FILE)
+    if not d.is_file(DCP_METADATA_FILE):
+        raise CheckpointFormatError(f"{d.where}: not a DCP checkpoint (no {DCP_METADATA_FILE})")
+    raw = d.read(DCP_METADATA_FILE)
     try:
-        with open(path, "rb") as f:
-            md = _MetadataUnpickler(f, path).load()
-    except FileNotFoundError:
-        raise CheckpointFormatError(f"{os.fspath(directory)}: not a DCP checkpoint (no {DCP_METADATA_FILE})") from None
+        md = _MetadataUnpickler(io.BytesIO(raw), path).load()
     except CheckpointFormatError:
         raise
     except Exception as e:  # truncated / garbage pickles raise all sorts

@@ -1,5 +1,8 @@
 """Hugging Face model directories, local or in object storage: file names, and which files hold the weights.
 
+The directory view (:class:`ModelDir`, :class:`LocalDir`, :class:`StoreDir`)
+lives in :mod:`._dirs`; it is re-exported here.
+
 Shared by the Hugging Face source (:mod:`ucp_dcp.sources.hf`) and export
 (:mod:`ucp_dcp.tools.hf`).
 """
@@ -8,13 +11,11 @@ from __future__ import annotations
 
 import os
 import re
-from abc import ABC, abstractmethod
 from typing import Any
 
-from ..byteio.objstore import ObjectAccess, ObjectStore
 from ..errors import CheckpointFormatError
-from ..format.header import RandomAccess
 from ..format.schema import parse_json
+from ._dirs import LocalDir, ModelDir, StoreDir
 
 __all__ = [
     "HF_WEIGHTS_NAME",
@@ -51,107 +52,6 @@ HF_CONFIG_FILES = (
 # Native data files are safetensors too: never mistake a directory of them
 # (say, one whose index was lost) for a Hugging Face model.
 _NATIVE_DATA_FILE = re.compile(r"rank\d{5}-.*\.safetensors")
-
-
-class ModelDir(ABC):
-    """The files of one model directory, local or in object storage: what finding a model's files needs.
-
-    Names are plain file names directly inside the directory.
-    """
-
-    where: str
-    """The directory as shown in messages (a path or a URL)."""
-
-    @abstractmethod
-    def path_of(self, name: str) -> str:
-        """Path or URL of file ``name``."""
-
-    @abstractmethod
-    def list(self) -> list[str]:
-        """Names of the files (and, locally, folders) in the directory."""
-
-    @abstractmethod
-    def is_file(self, name: str) -> bool:
-        """Whether file ``name`` exists."""
-
-    @abstractmethod
-    def read(self, name: str) -> bytes:
-        """The whole of file ``name`` (a small one: an index)."""
-
-    @abstractmethod
-    def access(self, name: str) -> RandomAccess | None:
-        """``name`` as random access for header parsing; None: open :meth:`path_of` as a local file."""
-
-
-class LocalDir(ModelDir):
-    """A local directory."""
-
-    def __init__(self, path: str) -> None:
-        self.where = path
-
-    def path_of(self, name: str) -> str:
-        """``os.path.join`` of the directory and ``name``."""
-        return os.path.join(self.where, name)
-
-    def list(self) -> list[str]:
-        """``os.listdir``."""
-        return os.listdir(self.where)
-
-    def is_file(self, name: str) -> bool:
-        """``os.path.isfile``."""
-        return os.path.isfile(self.path_of(name))
-
-    def read(self, name: str) -> bytes:
-        """The file's bytes; an unreadable file is a :class:`CheckpointFormatError` naming it."""
-        path = self.path_of(name)
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except OSError as e:
-            raise CheckpointFormatError(f"{path}: cannot read ({e.strerror or e})") from None
-
-    def access(self, name: str) -> None:
-        """None: header parsing opens the file itself."""
-        return None
-
-
-class StoreDir(ModelDir):
-    """The objects directly under an :class:`~ucp_dcp.byteio.objstore.ObjectStore`'s URL.
-
-    Listed once (one request) and answered from that listing after, so
-    finding the files costs no request per name; a file that disappears
-    later fails its read naming it.
-    """
-
-    def __init__(self, store: ObjectStore) -> None:
-        self.store = store
-        self.where = store.url
-        self._sizes: dict[str, int] | None = None
-
-    def path_of(self, name: str) -> str:
-        """The object's URL."""
-        return self.store.url_of(name)
-
-    def _listing(self) -> dict[str, int]:
-        if self._sizes is None:
-            self._sizes = self.store.list_sizes()
-        return self._sizes
-
-    def list(self) -> list[str]:
-        """The store's listing (cached)."""
-        return list(self._listing())
-
-    def is_file(self, name: str) -> bool:
-        """Whether the listing holds ``name``."""
-        return name in self._listing()
-
-    def read(self, name: str) -> bytes:
-        """The whole object (errors are :class:`~ucp_dcp.errors.StorageError` naming its URL)."""
-        return self.store.read(name)
-
-    def access(self, name: str) -> ObjectAccess:
-        """Ranged reads of the object (its size from the listing): one request for a header under 64 KiB."""
-        return ObjectAccess(self.store, name, self._listing().get(name))
 
 
 def looks_like_hf(path: str | ModelDir) -> bool:

@@ -6,7 +6,10 @@ storage. :func:`parse_tensor_item` finds the storage record of a saved
 tensor and its absolute start, and *disassembles* ``data.pkl`` with
 :func:`pickletools.genops` (never executed, nothing imported) to get the
 storage key, dtype, ``storage_offset``, size and stride. Only the two ends
-of the archive are read, more only if the archive needs it.
+of the archive are read, more only if the archive needs it: with ``pread``
+calls on a local file, with ranged requests on an object (the caller hands
+in a ``pread`` of either kind, and may fetch the two ends of many items
+ahead, in one batch: :func:`item_ends`).
 
 DCP's ``.distcp`` items are such archives; so are DeepSpeed's ``.pt`` files.
 """
@@ -14,22 +17,24 @@ DCP's ``.distcp`` items are such archives; so are DeepSpeed's ``.pt`` files.
 from __future__ import annotations
 
 import io
-import os
 import pickletools
 import struct
 import zipfile
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
 from .._compat import dtype_from_pickle_storage_type
 from ..byteio.rangeio import ReadStats
 from ..core.sharding import row_major_strides
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, StorageError
 from ._torch_archive import read_pickle_record, stored_record_start
 
-__all__ = ["StoredTensor", "parse_tensor_item", "dim_order", "is_nonneg_int", "is_index_tuple"]
+__all__ = ["StoredTensor", "PRead", "item_ends", "parse_tensor_item", "dim_order", "is_nonneg_int", "is_index_tuple"]
+
+PRead = Callable[[int, int], bytes]
+"""``pread(n, offset)``: up to ``n`` bytes of a file at ``offset`` (fewer only at its end)."""
 
 _MiB = 1024 * 1024
 # Bytes read at each end of an item to parse it: the zip central directory
@@ -214,9 +219,10 @@ class _ItemView(io.RawIOBase):
     anything else is read with ``pread`` and counted in ``stats``.
     """
 
-    def __init__(self, fd: int, base: int, length: int, pieces: list[tuple[int, bytes]], stats: ReadStats) -> None:
+    def __init__(self, pread: PRead, base: int, length: int, pieces: list[tuple[int, bytes]],
+                 stats: ReadStats) -> None:
         super().__init__()
-        self._fd, self._base, self._len, self._pieces, self._stats = fd, base, length, pieces, stats
+        self._pread, self._base, self._len, self._pieces, self._stats = pread, base, length, pieces, stats
         self._pos = 0
 
     def readable(self) -> bool:
@@ -245,7 +251,7 @@ class _ItemView(io.RawIOBase):
             if start <= pos and pos + n <= start + len(data):
                 self._pos += n
                 return data[pos - start : pos - start + n]
-        out = _pread_exact(self._fd, n, self._base + pos, self._stats)
+        out = _pread_exact(self._pread, n, self._base + pos, self._stats)
         self._pos += len(out)
         return out
 
@@ -255,10 +261,10 @@ class _ItemView(io.RawIOBase):
         return len(data)
 
 
-def _pread_exact(fd: int, n: int, offset: int, stats: ReadStats) -> bytes:
+def _pread_exact(pread: PRead, n: int, offset: int, stats: ReadStats) -> bytes:
     parts, calls, got = [], 0, 0
     while got < n:
-        chunk = os.pread(fd, n - got, offset + got)
+        chunk = pread(n - got, offset + got)
         calls += 1
         if not chunk:
             break
@@ -268,16 +274,31 @@ def _pread_exact(fd: int, n: int, offset: int, stats: ReadStats) -> bytes:
     return b"".join(parts)
 
 
-def parse_tensor_item(fd: int, offset: int, length: int, where: str, stats: ReadStats) -> StoredTensor:
-    """Find a ``torch.save``\\ d tensor's storage bytes inside ``[offset, offset + length)``."""
+def item_ends(offset: int, length: int) -> list[tuple[int, int]]:
+    """The ``(start, end)`` ranges of a file that :func:`parse_tensor_item` reads first for item ``[offset, offset + length)``.
+
+    A caller that fetches them itself (many items' in one batch of ranged
+    requests) passes their bytes as ``ends``.
+    """
     if length <= _HEAD_BYTES + _TAIL_BYTES:
-        pieces = [(0, _pread_exact(fd, length, offset, stats))]
-    else:
-        pieces = [(0, _pread_exact(fd, _HEAD_BYTES, offset, stats)),
-                  (length - _TAIL_BYTES, _pread_exact(fd, _TAIL_BYTES, offset + length - _TAIL_BYTES, stats))]
+        return [(offset, offset + length)]
+    return [(offset, offset + _HEAD_BYTES), (offset + length - _TAIL_BYTES, offset + length)]
+
+
+def parse_tensor_item(pread: PRead, offset: int, length: int, where: str, stats: ReadStats,
+                      ends: Sequence[bytes] | None = None) -> StoredTensor:
+    """Find a ``torch.save``\\ d tensor's storage bytes inside ``[offset, offset + length)`` of a file.
+
+    ``pread`` reads the file; ``ends``, when given, are the bytes of
+    :func:`item_ends` already read (counted by whoever read them).
+    """
+    ranges = item_ends(offset, length)
+    if ends is None:
+        ends = [_pread_exact(pread, e - s, s, stats) for s, e in ranges]
+    pieces = [(s - offset, data) for (s, _), data in zip(ranges, ends)]
     if sum(len(p) for _, p in pieces) < min(length, _HEAD_BYTES + _TAIL_BYTES):
         raise CheckpointFormatError(f"{where}: truncated: the data file ends inside the item")
-    view = _ItemView(fd, offset, length, pieces, stats)
+    view = _ItemView(pread, offset, length, pieces, stats)
     try:
         zf = zipfile.ZipFile(view)  # type: ignore[arg-type]
         prefix, pkl = read_pickle_record(zf, where, _MAX_PICKLE_BYTES, "not a tensor's")
@@ -292,6 +313,8 @@ def parse_tensor_item(fd: int, offset: int, length: int, where: str, stats: Read
             return view.read(n)
 
         start = stored_record_start(read_at, rec, where)
+    except StorageError:  # a store that failed to answer: no finding about the archive (it is an OSError too)
+        raise
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, struct.error) as e:
         raise CheckpointFormatError(f"{where}: not a readable torch.save archive ({e})") from None
     if start + rec.file_size > length:

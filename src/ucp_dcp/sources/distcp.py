@@ -36,6 +36,12 @@ own metadata:
 ``ucp-dcp convert`` (:func:`ucp_dcp.tools.convert.convert`) writes such a
 checkpoint in the native format, streaming with bounded memory.
 
+The same checkpoint at an fsspec URL (written there by DCP's
+``FsspecWriter``, or copied there) is read where it lies
+(:meth:`DCPSource.open_store`): ``.metadata`` in one request, the data
+files' sizes from the listing, the two ends of every item a load needs in
+one batch of ranged requests, and tensor bytes with the source's ranged reads.
+
 Items stored with strides that are no permutation of a dense layout (only an
 ``as_strided`` view with overlapping elements can produce one) cannot be
 read as byte ranges: a direct load fails naming the key, ``convert``
@@ -58,6 +64,7 @@ from typing import Any, Sequence
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
+from ..byteio.objstore import ObjectStore
 from ..byteio.rangeio import FileHandles, RangeReader, ReadStats, Segment, storage_view
 from ..core.sharding import Box
 from ..core.values import encode_value
@@ -65,7 +72,8 @@ from ..errors import CheckpointFormatError, DCPValueError
 from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord, dtype_name
 from ..format.schema import check_paths, check_relative_name, check_tensor_bytes
 from ._dcp_metadata import DCP_METADATA_FILE, read_dcp_metadata
-from ._torch_save import StoredTensor, dim_order, is_index_tuple, is_nonneg_int, parse_tensor_item
+from ._dirs import LocalDir, ModelDir, StoreDir
+from ._torch_save import PRead, StoredTensor, dim_order, is_index_tuple, is_nonneg_int, item_ends, parse_tensor_item
 from .base import Source, SourceOptions, register
 
 __all__ = ["DCPSource", "DCP_METADATA_FILE", "DCP_VALUES_MODES", "read_dcp_metadata"]
@@ -95,13 +103,16 @@ class DCPSource(Source):
     format = "dcp"
     checksums = False
 
-    def __init__(self, directory: str | os.PathLike[str], dcp_values: str | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike[str], dcp_values: str | None = None, *,
+                 model_dir: ModelDir | None = None) -> None:
+        """Open local ``directory``; or, given ``model_dir`` (a directory view), the checkpoint in it."""
         if dcp_values not in DCP_VALUES_MODES:
             raise ValueError(f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}")
-        self.directory = os.fspath(directory)
+        d = model_dir if model_dir is not None else LocalDir(os.fspath(directory))
+        self.directory = d.where
         self.dcp_values = dcp_values
-        self.metadata = md = read_dcp_metadata(self.directory)
-        mdpath = os.path.join(self.directory, DCP_METADATA_FILE)
+        self.metadata = md = read_dcp_metadata(d)
+        mdpath = d.path_of(DCP_METADATA_FILE)
         infos: dict[MetadataIndex, Any] = {}
         for k, v in md.storage_data.items():
             if not (isinstance(k, MetadataIndex) and all(hasattr(v, a) for a in ("relative_path", "offset", "length"))
@@ -117,14 +128,12 @@ class DCPSource(Source):
         files: list[FileRecord] = []
         for i, name in enumerate(ordered):
             names[name] = i
-            path = os.path.join(self.directory, name)
-            try:
-                size = os.stat(path).st_size
-            except FileNotFoundError:
-                raise CheckpointFormatError(f"data file {path} is missing (named by {mdpath})") from None
+            size = d.size(name)  # on a store, from the listing: no request per file
+            if size is None:
+                raise CheckpointFormatError(f"data file {d.path_of(name)} is missing (named by {mdpath})")
             m = _DISTCP_NAME.fullmatch(name)
             files.append(FileRecord(name, int(m[1]) if m else 0, size))
-        paths = [os.path.join(self.directory, f.name) for f in files]
+        paths = [d.path_of(f.name) for f in files]
 
         def item(key: MetadataIndex, what: str) -> tuple[int, Any]:
             info = infos.get(key)
@@ -178,9 +187,13 @@ class DCPSource(Source):
         world = max((f.rank for f in files), default=0) + 1
         index = Index(world, files, tensors, values, {}, paths=_nesting_paths(md.planner_data, mdpath, md))
         super().__init__(self.directory, index, paths)
+        if isinstance(d, StoreDir):
+            self.store = d.store
         self.parse_stats = ReadStats()
         self._locations: dict[tuple[str, int], Location] = {}
-        self._fds = FileHandles(self.paths)
+        # Both ends of items fetched ahead by prepare() on a store, taken by the item's first parse.
+        self._ends: dict[tuple[str, int], list[bytes]] = {}
+        self._fds = FileHandles(self.paths if self.store is None else [])
         weakref.finalize(self, FileHandles.close, self._fds)
 
     def close(self) -> None:
@@ -201,7 +214,8 @@ class DCPSource(Source):
                 f"{where}: written with DCP stream transforms {list(info.transform_descriptors)} "
                 "(e.g. compression); such items cannot be byte-addressed and are not supported"
             )
-        st = parse_tensor_item(self._fds.get(fi), info.offset, info.length, where, self.parse_stats)
+        st = parse_tensor_item(self._pread(fi), info.offset, info.length, where, self.parse_stats,
+                               self._ends.pop((fqn, idx), None))
         rec = self.index.tensors[fqn]
         box = rec.chunks[idx].box
         if st.dtype != rec.dtype or st.size != box.sizes:
@@ -216,6 +230,37 @@ class DCPSource(Source):
                 raise CheckpointFormatError(f"{where}: the tensor runs past its storage ({st.record_nbytes} bytes)")
         return st
 
+    def _pread(self, fi: int) -> PRead:
+        """``pread(n, offset)`` of data file ``fi``: a local ``pread``, or a ranged request (never past the
+        size listed at open: an object shorter than that fails its read, naming it)."""
+        store = self.store
+        if store is None:
+            fd = self._fds.get(fi)
+            return lambda n, off: os.pread(fd, n, off)
+        name, size = self.index.files[fi].name, self.index.files[fi].size
+        return lambda n, off: store.read(name, off, min(off + n, size)) if off < size else b""
+
+    def _fetch_ends(self, todo: Sequence[tuple[str, int]]) -> None:
+        """On a store, read both ends of the items of ``todo`` in batches of concurrent ranged requests."""
+        assert self.store is not None
+        batch = 4096
+        for b in range(0, len(todo), batch):
+            keys, ranges, counts = [], [], []
+            for fqn, idx in todo[b : b + batch]:
+                fi, info = self._tensor_items[fqn][idx]
+                if getattr(info, "transform_descriptors", None) or not info.length:
+                    continue  # refused by its parse, naming it
+                r = item_ends(info.offset, info.length)
+                keys.append((fqn, idx))
+                counts.append(len(r))
+                ranges.extend((self.index.files[fi].name, s, e) for s, e in r)
+            got = self.store.read_ranges(ranges)
+            self.parse_stats.add(len(got), sum(len(g) for g in got))
+            k = 0
+            for key, n in zip(keys, counts):
+                self._ends[key] = got[k : k + n]
+                k += n
+
     @classmethod
     def detect(cls, path: str) -> bool:
         """A directory holding DCP's ``.metadata``."""
@@ -225,6 +270,14 @@ class DCPSource(Source):
     def open(cls, path: str, options: SourceOptions) -> "DCPSource":
         """Read ``.metadata`` (restricted unpickler) and the data files' sizes."""
         return cls(path, options.dcp_values)
+
+    @classmethod
+    def open_store(cls, store: ObjectStore, options: SourceOptions, model_dir: StoreDir | None = None) -> "DCPSource":
+        """Open the checkpoint at ``store``'s URL: ``.metadata`` in one request, sizes from one listing.
+
+        ``model_dir``: the store's view when the caller has listed it already.
+        """
+        return cls(store.url, options.dcp_values, model_dir=model_dir or StoreDir(store))
 
     def locate(self, fqn: str, idx: int) -> Location:
         """Byte location of chunk ``idx`` of ``fqn`` (parses its item the first time).
@@ -263,6 +316,8 @@ class DCPSource(Source):
         if values and self.dcp_values is None:
             raise DCPValueError(_refusal(self.directory, values[0]))
         todo = sorted({c for c in chunks if c not in self._locations})
+        if self.store is not None and todo:
+            self._fetch_ends(todo)  # one batch of requests, not two round trips per item
         if len(todo) <= 1 or threads <= 1:
             for fqn, idx in todo:
                 self.locate(fqn, idx)

@@ -77,8 +77,8 @@ class NativeSource(Source):
         if not store.exists(INDEX_FILE):
             raise CheckpointFormatError(
                 f"{store.url}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing. A save that did not finish "
-                "leaves no index. Object storage is read for ucp_dcp checkpoints and Hugging Face safetensors "
-                "models only; copy a DCP or DeepSpeed checkpoint to a local directory first"
+                "leaves no index. Object storage is read for ucp_dcp checkpoints, DCP checkpoints and Hugging Face "
+                "safetensors models only; copy a DeepSpeed checkpoint to a local directory first"
             )
         return cls(store.url, store)
 

@@ -35,8 +35,9 @@ class Checkpoint:
         path: the checkpoint: a universal checkpoint, a DCP
             ``FileSystemWriter`` directory, a Hugging Face safetensors model,
             or a directory whose subfolders are checkpoints; or the fsspec URL
-            of a universal checkpoint or a Hugging Face safetensors model in
-            object storage (``s3://...``), read with ranged requests.
+            of a universal checkpoint, a DCP checkpoint or a Hugging Face
+            safetensors model in object storage (``s3://...``), read with
+            ranged requests.
         io_threads: threads issuing reads.
         max_buffer_bytes: staging bound for dtype casts and device copies.
         dcp_values: ``"weights_only"`` to load the pickled values of a DCP

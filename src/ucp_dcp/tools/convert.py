@@ -67,9 +67,10 @@ def convert(
 
     Args:
         src: the source checkpoint: a local path, or the fsspec URL of a
-            universal checkpoint or a Hugging Face safetensors model in object
-            storage (``s3://bucket/ckpt``, read with ranged requests; other
-            formats are read from local directories only).
+            universal checkpoint, a DCP checkpoint or a Hugging Face
+            safetensors model in object storage (``s3://bucket/ckpt``, read
+            with ranged requests; other formats are read from local
+            directories only).
         dst: the output directory (created if needed), always local: a URL
             is refused with :class:`~ucp_dcp.errors.StorageError` (save to object
             storage with ``UCPStorageWriter``, or copy the converted
