@@ -155,7 +155,8 @@ def test_a_url_holding_neither_format_names_it(hf_dirs: dict[str, Path]) -> None
         load_state_dict(url)
     msg = str(e.value)
     assert msg.startswith(f"{url}: not a ucp_dcp checkpoint: ucp_index.json is missing; nor a DCP checkpoint: no "
-                          ".metadata; nor a Hugging Face"), msg
+                          ".metadata; nor a DeepSpeed ZeRO checkpoint: no latest or "
+                          "*zero_pp_rank_*_optim_states.pt files; nor a Hugging Face"), msg
     assert "model.safetensors.index.json" in msg and "it holds config.json" in msg, msg
 
 

@@ -27,6 +27,7 @@ from ..errors import CheckpointFormatError
 from ..format import INDEX_FILE
 from ._dcp_metadata import DCP_METADATA_FILE
 from ._dirs import StoreDir
+from ._ds_utils import LATEST_FILE, looks_like_deepspeed
 from ._hf_utils import HF_INDEX_NAME, HF_WEIGHTS_NAME, looks_like_hf
 from .base import Source, SourceOptions, read_value, register, source_types
 from .native import NativeSource
@@ -69,8 +70,10 @@ def open_source(
     missing. An fsspec URL (``s3://bucket/ckpt``; ``storage_options`` go to
     fsspec) opens a checkpoint in object storage, read with ranged requests:
     a native one (``ucp_index.json``), one in DCP's ``FileSystemWriter`` /
-    ``FsspecWriter`` format (``.metadata``), or a Hugging Face safetensors
-    model (the URL of its directory, or of one ``.safetensors`` file or index).
+    ``FsspecWriter`` format (``.metadata``), a DeepSpeed ZeRO checkpoint
+    (the directory with ``latest``, or a tag folder), or a Hugging Face
+    safetensors model (the URL of its directory, or of one ``.safetensors``
+    file or index).
     """
     if is_url(path):
         return _open_url(os.fspath(path), options or SourceOptions(**kwargs), storage_options)
@@ -86,7 +89,7 @@ def open_source(
 
 def _open_url(url: str, options: SourceOptions, storage_options: dict[str, Any] | None) -> Source:
     """The checkpoint at fsspec URL ``url``: native if ``ucp_index.json`` is there, else DCP's format if
-    ``.metadata`` is, else a Hugging Face model."""
+    ``.metadata`` is, else DeepSpeed's if ``latest`` or a rank's optimizer file is, else a Hugging Face model."""
     parent, _, last = url.rstrip("/").rpartition("/")
     if "://" in parent and last.endswith((".safetensors", ".safetensors.index.json")):
         # One file named directly, as a local path may name one.
@@ -97,15 +100,19 @@ def _open_url(url: str, options: SourceOptions, storage_options: dict[str, Any] 
     model_dir = StoreDir(store)  # listed once: detection and opening share the listing
     if model_dir.is_file(DCP_METADATA_FILE):
         return DCPSource.open_store(store, options, model_dir)
+    if looks_like_deepspeed(model_dir):
+        return DeepSpeedSource.open_store(store, options, model_dir)
     if looks_like_hf(model_dir):
         return HFSource(store.url, options.prefix, model_dir=model_dir)
     listing = sorted(model_dir.list())
     held = f"it holds {', '.join(listing[:10])}{' ...' if len(listing) > 10 else ''}" if listing else "it is empty"
     raise CheckpointFormatError(
         f"{store.url}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing; nor a DCP checkpoint: no "
-        f"{DCP_METADATA_FILE}; nor a Hugging Face safetensors model: no {HF_WEIGHTS_NAME}, {HF_INDEX_NAME} or "
-        f"single .safetensors file ({held}). A save that did not finish leaves no index. Object storage is read "
-        "for these three formats only; copy a DeepSpeed checkpoint to a local directory first"
+        f"{DCP_METADATA_FILE}; nor a DeepSpeed ZeRO checkpoint: no {LATEST_FILE} or "
+        f"*zero_pp_rank_*_optim_states.pt files; nor a Hugging Face safetensors model: no {HF_WEIGHTS_NAME}, "
+        f"{HF_INDEX_NAME} or single .safetensors file ({held}). A save that did not finish leaves no index. "
+        "Object storage is read for these four formats only; copy a DeepSpeed Universal checkpoint to a local "
+        "directory first"
     )
 
 

@@ -105,16 +105,18 @@ class ArchiveIndex:
 
 
 def check_sizes(source: Source) -> list[str]:
-    """One line per data file of ``source`` that is missing or not the size it was when opened."""
+    """One line per data file of ``source`` that is missing or not the size it was when opened (local or in its store)."""
     problems = []
+    store = source.store
     for p, f in zip(source.paths, source.index.files):
         try:
-            size = os.path.getsize(p)
-        except OSError as e:
-            problems.append(f"{p}: {e.strerror or e}")
+            size = store.size(store.name_of(p)) if store is not None else os.path.getsize(p)
+        except OSError as e:  # a StorageError too: it names the URL
+            problems.append(str(e) if store is not None else f"{p}: {e.strerror or e}")
             continue
         if size != f.size:
-            problems.append(f"{p}: {size} bytes on disk, {f.size} when opened")
+            where = "in the store" if store is not None else "on disk"
+            problems.append(f"{p}: {size} bytes {where}, {f.size} when opened")
     return problems
 
 

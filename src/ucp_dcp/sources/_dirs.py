@@ -1,7 +1,8 @@
 """A checkpoint or model directory, local or in object storage: the few questions finding its files asks.
 
-The Hugging Face source and DCP's format read their directories through
-this view (:class:`LocalDir` for a local directory, :class:`StoreDir` for an
+The Hugging Face source, DCP's format and DeepSpeed's checkpoints (whose
+state is in a tag subfolder: :meth:`ModelDir.child`) read their directories
+through this view (:class:`LocalDir` for a local directory, :class:`StoreDir` for an
 :class:`~ucp_dcp.byteio.objstore.ObjectStore`, listed once), so one code
 path serves both.
 """
@@ -10,12 +11,28 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from typing import Any
 
 from ..byteio.objstore import ObjectAccess, ObjectStore
 from ..errors import CheckpointFormatError
 from ..format.header import RandomAccess
 
-__all__ = ["ModelDir", "LocalDir", "StoreDir"]
+__all__ = ["ModelDir", "LocalDir", "StoreDir", "plain_file_name"]
+
+
+def plain_file_name(name: Any, where: str) -> str:
+    """``name`` if it names a file directly inside a directory (no path, no ``..``); else an error naming ``where``."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or os.path.isabs(name)
+        or "/" in name
+        or "\\" in name
+        or name in (".", "..")
+        or "\0" in name
+    ):
+        raise CheckpointFormatError(f"{where}: file name {name!r} is not a plain file name inside the directory")
+    return name
 
 
 class ModelDir(ABC):
@@ -50,6 +67,14 @@ class ModelDir(ABC):
     @abstractmethod
     def access(self, name: str) -> RandomAccess | None:
         """``name`` as random access for header parsing; None: open :meth:`path_of` as a local file."""
+
+    @abstractmethod
+    def child(self, name: str) -> "ModelDir":
+        """The view of subfolder ``name`` (a plain name, checked by :func:`plain_file_name`)."""
+
+    @abstractmethod
+    def is_dir(self) -> bool:
+        """Whether the directory exists (in a store: whether any object is under its prefix)."""
 
 
 class LocalDir(ModelDir):
@@ -89,6 +114,14 @@ class LocalDir(ModelDir):
     def access(self, name: str) -> None:
         """None: header parsing opens the file itself."""
         return None
+
+    def child(self, name: str) -> "LocalDir":
+        """The subdirectory ``name``."""
+        return LocalDir(os.path.join(self.where, plain_file_name(name, self.where)))
+
+    def is_dir(self) -> bool:
+        """``os.path.isdir``."""
+        return os.path.isdir(self.where)
 
 
 class StoreDir(ModelDir):
@@ -132,3 +165,12 @@ class StoreDir(ModelDir):
     def access(self, name: str) -> ObjectAccess:
         """Ranged reads of the object (its size from the listing): one request for a header under 64 KiB."""
         return ObjectAccess(self.store, name, self._listing().get(name))
+
+    def child(self, name: str) -> "StoreDir":
+        """The objects under prefix ``name/`` (its own store, same options; listed when first asked)."""
+        s = self.store
+        return StoreDir(ObjectStore(s.url_of(plain_file_name(name, self.where)), s.storage_options, retry=s.retry))
+
+    def is_dir(self) -> bool:
+        """Whether the listing holds any object (a prefix exists only through its objects)."""
+        return bool(self._listing())

@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointFormatError
+from ._dirs import LocalDir, ModelDir, StoreDir
 from ._torch_archive import Inert, TensorRef, TorchArchive, read_torch_archive
 
 __all__ = [
     "DS_ALLOWED_GLOBALS", "DSFiles", "ModelStates", "RankOptim", "find_deepspeed_files", "looks_like_deepspeed",
-    "read_model_states", "read_rank_optim", "looks_like_universal", "universal_folder", "UNIVERSAL_DIR",
+    "read_archive", "read_model_states", "read_rank_optim", "looks_like_universal", "universal_folder", "UNIVERSAL_DIR",
 ]
 
 LATEST_FILE = "latest"
@@ -64,10 +65,15 @@ class DSFiles:
     model: list[str]
     optim: list[str]
     bf16_optimizer: bool
+    folder: ModelDir | None = None
+    """The tag folder's view (local or in a store), which the files are read through."""
 
 
-def looks_like_deepspeed(path: str) -> bool:
-    """Whether ``path`` is a DeepSpeed checkpoint directory (with ``latest``) or tag folder, by names alone."""
+def looks_like_deepspeed(path: str | ModelDir) -> bool:
+    """Whether ``path`` (a local path, or a directory view) is a DeepSpeed checkpoint directory (with ``latest``)
+    or tag folder, by names alone."""
+    if isinstance(path, ModelDir):
+        return path.is_file(LATEST_FILE) or any(_OPTIM.fullmatch(n) for n in path.list())
     if not os.path.isdir(path):
         return False
     latest = os.path.join(path, LATEST_FILE)
@@ -93,7 +99,7 @@ def looks_like_universal(path: str) -> bool:
 
 def universal_folder(path: str) -> str:
     """The tag folder of a DeepSpeed Universal checkpoint (``path`` itself, or what ``latest_universal`` names)."""
-    return _tag_folder(path, LATEST_UNIVERSAL_FILE)
+    return _tag_folder(LocalDir(path), LATEST_UNIVERSAL_FILE).where
 
 
 # ds_to_universal copies the source's model states: one mp_rank_00 file from
@@ -130,35 +136,41 @@ def universal_model_files(folder: str) -> list[str]:
     return [ranks[r] for r in sorted(ranks)]
 
 
-def _tag_folder(path: str, latest_name: str = LATEST_FILE) -> str:
-    latest = os.path.join(path, latest_name)
-    if not os.path.isfile(latest):
-        return path
+def _tag_folder(d: ModelDir, latest_name: str = LATEST_FILE) -> ModelDir:
+    if not d.is_file(latest_name):
+        return d
+    latest = d.path_of(latest_name)
     try:
-        with open(latest, "rb") as f:
-            raw = f.read(4096)
+        if isinstance(d, StoreDir):  # the first 4 KiB, as locally
+            n = min(d.size(latest_name) or 0, 4096)
+            raw = d.store.read(latest_name, 0, n) if n else b""
+        else:
+            with open(latest, "rb") as f:
+                raw = f.read(4096)
         tag = raw.decode("utf-8").strip()
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointFormatError(f"{latest}: cannot read the tag ({e})") from None
     if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or "\0" in tag:
         raise CheckpointFormatError(f"{latest}: {tag!r} is not a tag folder name")
-    folder = os.path.join(path, tag)
-    if not os.path.isdir(folder):
-        raise CheckpointFormatError(f"{latest}: names tag {tag!r}, but {folder} is not a directory")
+    folder = d.child(tag)
+    if not folder.is_dir():
+        raise CheckpointFormatError(f"{latest}: names tag {tag!r}, but {folder.where} is not a directory")
     return folder
 
 
-def find_deepspeed_files(path: str) -> DSFiles:
-    """The model and optimizer files of the checkpoint at ``path`` (the directory with ``latest``, or a tag folder).
+def find_deepspeed_files(path: str | ModelDir) -> DSFiles:
+    """The model and optimizer files of the checkpoint at ``path`` (the directory with ``latest``, or a tag folder;
+    a local path, or a directory view).
 
     Raises :class:`CheckpointFormatError` naming the folder when files are
     missing (a rank's optimizer file), when the checkpoint is tensor- or
     pipeline-parallel (several ``mp_rank_XX``), which is not supported, or
     when DeepSpeed's names are mixed with others it does not write.
     """
-    folder = _tag_folder(path)
+    view = _tag_folder(path if isinstance(path, ModelDir) else LocalDir(path))
+    folder = view.where
     try:
-        names = sorted(os.listdir(folder))
+        names = sorted(view.list())
     except OSError as e:
         raise CheckpointFormatError(f"{folder}: cannot list ({e.strerror or e})") from None
     model12: dict[int, str] = {}
@@ -188,22 +200,31 @@ def find_deepspeed_files(path: str) -> DSFiles:
     if len(bf16) > 1:
         raise CheckpointFormatError(f"{folder}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files")
     world = len(optim)
+    prefix = "bf16_" if True in bf16 else ""
     if sorted(k[1] for k in optim) != list(range(world)):
         raise CheckpointFormatError(
             f"{folder}: optimizer files for ranks {sorted(k[1] for k in optim)}; expected 0..{world - 1}, one per rank"
+            + _missing({k[1] for k in optim}, world, prefix + "zero_pp_rank_{}_mp_rank_00_optim_states.pt")
         )
-    optim_files = [os.path.join(folder, optim[(0, r)]) for r in range(world)]
+    optim_files = [view.path_of(optim[(0, r)]) for r in range(world)]
     if model3:
         if sorted(k[1] for k in model3) != list(range(world)):
             raise CheckpointFormatError(
                 f"{folder}: ZeRO-3 model files for ranks {sorted(k[1] for k in model3)}; expected 0..{world - 1}"
+                + _missing({k[1] for k in model3}, world, "zero_pp_rank_{}_mp_rank_00_model_states.pt")
             )
-        model_files = [os.path.join(folder, model3[(0, r)]) for r in range(world)]
+        model_files = [view.path_of(model3[(0, r)]) for r in range(world)]
     elif 0 in model12:
-        model_files = [os.path.join(folder, model12[0])]
+        model_files = [view.path_of(model12[0])]
     else:
         raise CheckpointFormatError(f"{folder}: no mp_rank_00_model_states.pt (or zero_pp_rank_*_model_states.pt)")
-    return DSFiles(folder, model_files, optim_files, bf16.pop())
+    return DSFiles(folder, model_files, optim_files, bf16.pop(), view)
+
+
+def _missing(have: set[int], world: int, pattern: str) -> str:
+    """`` (missing <file>, ...)`` for the ranks below ``world`` (or the highest seen) with no file."""
+    gone = [pattern.format(r) for r in range(max(world, max(have, default=-1) + 1)) if r not in have]
+    return f" (missing {', '.join(gone[:6])}{' ...' if len(gone) > 6 else ''})" if gone else ""
 
 
 # ------------------------------------------------------------ records
@@ -258,9 +279,17 @@ def _tensors(d: Any, where: str) -> dict[str, TensorRef]:
     return dict(d)
 
 
-def read_model_states(path: str) -> ModelStates:
-    """Read a ``*_model_states.pt`` file (its pickle only, as inert records)."""
-    a = read_torch_archive(path, DS_ALLOWED_GLOBALS)
+def read_archive(path: str, folder: ModelDir | None = None) -> TorchArchive:
+    """File ``path`` of ``folder`` as inert records (with ranged requests when the folder is in a store)."""
+    if isinstance(folder, StoreDir):
+        name = folder.store.name_of(path)
+        return read_torch_archive(path, DS_ALLOWED_GLOBALS, store=folder.store, size=folder.size(name))
+    return read_torch_archive(path, DS_ALLOWED_GLOBALS)
+
+
+def read_model_states(path: str, folder: ModelDir | None = None) -> ModelStates:
+    """Read a ``*_model_states.pt`` file (its pickle only, as inert records) of ``folder`` (default: local)."""
+    a = read_archive(path, folder)
     sd = a.obj
     if not isinstance(sd, dict):
         raise CheckpointFormatError(f"{path}: holds a {type(sd).__name__}, not DeepSpeed's model states dict")
@@ -296,9 +325,9 @@ def _stage(v: Any, where: str) -> int:
     raise CheckpointFormatError(f"{where}: zero_stage {v!r} is not 1, 2 or 3")
 
 
-def read_rank_optim(path: str, bf16_optimizer: bool) -> RankOptim:
-    """Read one rank's ``*_optim_states.pt`` file (its pickle only, as inert records)."""
-    a = read_torch_archive(path, DS_ALLOWED_GLOBALS)
+def read_rank_optim(path: str, bf16_optimizer: bool, folder: ModelDir | None = None) -> RankOptim:
+    """Read one rank's ``*_optim_states.pt`` file (its pickle only, as inert records) of ``folder`` (default: local)."""
+    a = read_archive(path, folder)
     osd = _need(a.obj, "optimizer_state_dict", dict, path)
     where = f"{path}: optimizer_state_dict"
     if "fp32_flat_groups" in osd:

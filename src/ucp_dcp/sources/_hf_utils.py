@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
 
 from ..errors import CheckpointFormatError
 from ..format.schema import parse_json
-from ._dirs import LocalDir, ModelDir, StoreDir
+from ._dirs import LocalDir, ModelDir, StoreDir, plain_file_name
 
 __all__ = [
     "HF_WEIGHTS_NAME",
@@ -130,18 +129,3 @@ def _from_index(d: ModelDir, index_name: str) -> tuple[list[str], dict[str, str]
         if not d.is_file(name):
             raise CheckpointFormatError(f"{path}: lists {name}, which is missing from {d.where}")
     return files, wm
-
-
-def plain_file_name(name: Any, where: str) -> str:
-    """``name`` if it names a file directly inside a directory (no path, no ``..``); else an error naming ``where``."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or os.path.isabs(name)
-        or "/" in name
-        or "\\" in name
-        or name in (".", "..")
-        or "\0" in name
-    ):
-        raise CheckpointFormatError(f"{where}: file name {name!r} is not a plain file name inside the directory")
-    return name

@@ -5,7 +5,9 @@ Formats that keep their state in ``torch.save`` files (DeepSpeed's
 ``fp32.pt``) pickle dicts of tensors and a few of their own classes. To read
 such a file without running code from it, :func:`read_torch_archive`:
 
-* opens the zip archive (only its central directory and ``data.pkl``);
+* opens the zip archive (only its central directory and ``data.pkl``; in
+  object storage with a few ranged requests: the tail, the pickle, the
+  storage records' local headers in one batch);
 * unpickles ``data.pkl`` with :class:`_InertUnpickler`, whose ``find_class``
   is the only door from a pickle to code. It hands out containers
   (``OrderedDict``), ``torch.Size``, dtypes, and for tensors a function that
@@ -33,8 +35,9 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .._compat import dtype_from_pickle_storage_type
+from ..byteio.objstore import ObjectStore
 from ..core.sharding import row_major_strides
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, StorageError
 
 __all__ = ["TensorRef", "Inert", "TorchArchive", "read_torch_archive", "read_pickle_record", "stored_record_start"]
 
@@ -262,41 +265,159 @@ def stored_record_start(read_at: Callable[[int, int], bytes], info: zipfile.ZipI
     return info.header_offset + _LOCAL_HEADER + name_len + extra_len
 
 
-def read_torch_archive(path: str, allowed: Iterable[tuple[str, str]] = ()) -> TorchArchive:
+def read_torch_archive(path: str, allowed: Iterable[tuple[str, str]] = (), *,
+                       store: ObjectStore | None = None, size: int | None = None) -> TorchArchive:
     """Read ``path`` (a ``torch.save`` file) as inert records; see the module docstring.
+
+    With ``store``, ``path`` is the URL of an object in it (``size``, when
+    the listing gave it, saves asking): the archive is read with a few
+    ranged requests (:class:`_ObjectFile`), never downloaded whole.
 
     Raises :class:`CheckpointFormatError` naming the file when it is not a
     ``torch.save`` zip archive, when its pickle names a class outside
     ``allowed`` (checked before anything is built), or when a storage
     record is missing, compressed or runs past the end of the file.
     """
+    if store is not None:
+        name = store.name_of(path)
+        obj = _ObjectFile(store, name, store.size(name) if size is None else size)
+        return _read_archive(obj, path, obj.size, allowed, obj.read_at, obj)
     try:
         f = open(path, "rb")
     except OSError as e:
         raise CheckpointFormatError(f"{path}: cannot open ({e.strerror or e})") from None
     with f:
-        size = os.fstat(f.fileno()).st_size
-        try:
-            zf = zipfile.ZipFile(f)
-            prefix, pkl = read_pickle_record(zf, path, _MAX_PICKLE_BYTES, "too large to be state")
-            infos = {n[len(prefix) + 5:]: zf.getinfo(n) for n in zf.namelist() if n.startswith(prefix + "data/")}
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, struct.error) as e:
-            raise CheckpointFormatError(f"{path}: not a readable torch.save archive ({e})") from None
-        unpickler = _InertUnpickler(io.BytesIO(pkl), path, allowed, set(infos))
-        try:
-            obj = unpickler.load()
-        except _Refused as e:
-            raise CheckpointFormatError(f"{path}: {e}") from None
-        except Exception as e:  # truncated or garbage pickles raise all sorts
-            raise CheckpointFormatError(f"{path}: data.pkl is not a readable pickle ({type(e).__name__}: {e})") from None
 
         def read_at(offset: int, n: int) -> bytes:
             return os.pread(f.fileno(), n, offset)
 
-        records: dict[str, tuple[int, int]] = {}
-        for key, zi in infos.items():
-            start = stored_record_start(read_at, zi, f"{path}")
-            if start + zi.file_size > size:
-                raise CheckpointFormatError(f"{path}: storage record data/{key} runs past the end of the file")
-            records[key] = (start, zi.file_size)
-    return TorchArchive(path, obj, size, records)
+        return _read_archive(f, path, os.fstat(f.fileno()).st_size, allowed, read_at, None)
+
+
+def _read_archive(f: Any, path: str, size: int, allowed: Iterable[tuple[str, str]],
+                  read_at: Callable[[int, int], bytes], obj: "_ObjectFile | None") -> TorchArchive:
+    """The archive open as ``f`` (a local file, or an :class:`_ObjectFile` ``obj`` that fetches ahead)."""
+    try:
+        zf = zipfile.ZipFile(f)
+        if obj is not None:
+            obj.fetch_small_records(zf)
+        prefix, pkl = read_pickle_record(zf, path, _MAX_PICKLE_BYTES, "too large to be state")
+        infos = {n[len(prefix) + 5:]: zf.getinfo(n) for n in zf.namelist() if n.startswith(prefix + "data/")}
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, struct.error) as e:
+        if isinstance(e, StorageError):
+            raise
+        raise CheckpointFormatError(f"{path}: not a readable torch.save archive ({e})") from None
+    unpickler = _InertUnpickler(io.BytesIO(pkl), path, allowed, set(infos))
+    try:
+        tree = unpickler.load()
+    except _Refused as e:
+        raise CheckpointFormatError(f"{path}: {e}") from None
+    except Exception as e:  # truncated or garbage pickles raise all sorts
+        raise CheckpointFormatError(f"{path}: data.pkl is not a readable pickle ({type(e).__name__}: {e})") from None
+    if obj is not None:  # every storage record's local header, in one batch
+        obj.fetch([(zi.header_offset, zi.header_offset + _LOCAL_HEADER) for zi in infos.values()])
+    records: dict[str, tuple[int, int]] = {}
+    for key, zi in infos.items():
+        start = stored_record_start(read_at, zi, f"{path}")
+        if start + zi.file_size > size:
+            raise CheckpointFormatError(f"{path}: storage record data/{key} runs past the end of the file")
+        records[key] = (start, zi.file_size)
+    return TorchArchive(path, tree, size, records)
+
+
+# The end of an archive fetched by the first request: the end-of-central-directory
+# record and, for files of up to some hundreds of tensors, the whole central directory.
+_TAIL_BYTES = 256 << 10
+# Room for the local header's extra field, which the central directory does
+# not give (torch pads it to align the data; zip64 adds 20 bytes).
+_EXTRA_SLACK = 256
+
+
+class _ObjectFile(io.RawIOBase):
+    """An object in a store as the read-only seekable file :mod:`zipfile` wants, read by ranged requests.
+
+    Bytes come from windows fetched ahead: the tail on creation (zip's end
+    records and central directory), the small records (``data.pkl``,
+    ``byteorder``) in one batch once the directory is known
+    (:meth:`fetch_small_records`), the storage records' local headers in
+    another (:meth:`fetch`). A read outside them is one ranged request.
+    """
+
+    def __init__(self, store: ObjectStore, name: str, size: int) -> None:
+        super().__init__()
+        self.store = store
+        self.name = name
+        self.size = size
+        self._pos = 0
+        self._windows: list[tuple[int, bytes]] = []
+        if size:
+            self.fetch([(max(0, size - _TAIL_BYTES), size)])
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"{self.store.url_of(self.name)}: seek to {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def read(self, n: int | None = -1) -> bytes:
+        end = self.size if n is None or n < 0 else min(self.size, self._pos + n)
+        data = self.read_at(self._pos, max(0, end - self._pos))
+        self._pos += len(data)
+        return data
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def read_at(self, offset: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``offset`` (fewer at the end): from a fetched window, else one request."""
+        end = min(offset + n, self.size)
+        if offset >= end:
+            return b""
+        for start, data in self._windows:
+            if start <= offset and end <= start + len(data):
+                return data[offset - start: end - start]
+        self.fetch([(offset, end)])
+        return self._windows[-1][1][: end - offset]
+
+    def fetch(self, ranges: list[tuple[int, int]]) -> None:
+        """Fetch ``[start, end)`` ranges (clipped to the object) in one batch of requests, unless already held."""
+        want = []
+        for s, e in ranges:
+            e = min(e, self.size)
+            if s < e and not any(ws <= s and e <= ws + len(d) for ws, d in self._windows):
+                want.append((self.name, s, e))
+        for (_, s, _), data in zip(want, self.store.read_ranges(want) if want else []):
+            self._windows.append((s, data))
+
+    def fetch_small_records(self, zf: zipfile.ZipFile) -> None:
+        """Fetch every record that is not tensor data (``data.pkl``, ``byteorder``, ...) with its local header.
+
+        One request for the lot when they are next to each other (torch
+        writes them first); a pickle too large to be state is left for
+        :func:`read_pickle_record` to refuse.
+        """
+        spans = sorted(
+            (zi.header_offset, zi.header_offset + _LOCAL_HEADER + len(zi.orig_filename.encode()) + _EXTRA_SLACK
+             + zi.compress_size)
+            for zi in zf.infolist()
+            if "/data/" not in zi.filename and zi.compress_size <= _MAX_PICKLE_BYTES
+        )
+        merged: list[tuple[int, int]] = []
+        for s, e in spans:
+            if merged and s <= merged[-1][1] + _EXTRA_SLACK:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+            else:
+                merged.append((s, e))
+        self.fetch(merged)

@@ -24,10 +24,13 @@ DeepSpeed records no checksums; the files' sizes are checked.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
+from ..byteio.objstore import ObjectStore
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes, numel
+from ._dirs import ModelDir, StoreDir
 from ._ds_utils import (
     ModelStates, RankOptim, find_deepspeed_files, looks_like_deepspeed, moment, read_model_states, read_rank_optim,
 )
@@ -59,15 +62,25 @@ def zero3_frozen(b: ArchiveIndex, models: list[ModelStates], fqn: str, shape: tu
 
 @register
 class DeepSpeedSource(Source):
-    """A DeepSpeed ZeRO-1/2/3 checkpoint: the directory with ``latest``, or one tag folder."""
+    """A DeepSpeed ZeRO-1/2/3 checkpoint: the directory with ``latest``, or one tag folder (local, or at an
+    fsspec URL: :meth:`open_store`)."""
 
     format = "deepspeed"
     checksums = False
 
-    def __init__(self, path: str) -> None:
-        files = find_deepspeed_files(path)
-        models = [read_model_states(p) for p in files.model]
-        optims = [read_rank_optim(p, files.bf16_optimizer) for p in files.optim]
+    def __init__(self, path: str, model_dir: ModelDir | None = None) -> None:
+        files = find_deepspeed_files(model_dir if model_dir is not None else path)
+        folder = files.folder
+        if isinstance(folder, StoreDir):
+            # Each archive is a few round trips (tail, pickle, local headers): read them side by side.
+            with ThreadPoolExecutor(max_workers=min(16, len(files.model) + len(files.optim))) as pool:
+                mf = [pool.submit(read_model_states, p, folder) for p in files.model]
+                of = [pool.submit(read_rank_optim, p, files.bf16_optimizer, folder) for p in files.optim]
+                models = [f.result() for f in mf]
+                optims = [f.result() for f in of]
+        else:
+            models = [read_model_states(p) for p in files.model]
+            optims = [read_rank_optim(p, files.bf16_optimizer) for p in files.optim]
         self.world_size = len(optims)
         saved_at = models[0].dp_world_size
         if saved_at is not None and saved_at != self.world_size:
@@ -100,6 +113,8 @@ class DeepSpeedSource(Source):
             b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
         ranks = [r if self.stage == 3 else 0 for r in range(len(models))] + list(range(len(optims)))
         super().__init__(path, b.index(self.world_size, path, ranks), [a.path for a in b.archives])
+        if isinstance(folder, StoreDir):
+            self.store = folder.store  # the tag folder's: paths are its objects' URLs
         self._values = b.values
         self.directory = files.directory
         self.ds_version = m0.ds_version
@@ -224,6 +239,18 @@ class DeepSpeedSource(Source):
     def open(cls, path: str, options: SourceOptions) -> "DeepSpeedSource":
         """Read every file's pickle (as inert records; tensor data is not read)."""
         return cls(path)
+
+    @classmethod
+    def open_store(cls, store: ObjectStore, options: SourceOptions,
+                   model_dir: StoreDir | None = None) -> "DeepSpeedSource":
+        """Open the checkpoint at ``store``'s URL: the directory with ``latest``, or a tag folder.
+
+        ``latest`` and the listings come through the directory view; each
+        archive's zip directory and pickle are read with a few ranged
+        requests (archives side by side), tensor bytes later through
+        :meth:`~ucp_dcp.sources.base.Source.open_reader`.
+        """
+        return cls(store.url, model_dir or StoreDir(store))
 
     def decode_value(self, key: str, raw: bytes) -> bytes:
         """Values live in the pickles, read when the checkpoint was opened."""
