@@ -61,7 +61,7 @@ class ArchiveIndex:
 
     def index(self, world_size: int, root: str, ranks: Sequence[int]) -> Index:
         """The records: one file per archive (named relative to ``root``, written by ``ranks[i]``)."""
-        files = [FileRecord(os.path.relpath(a.path, root), r, a.size) for a, r in zip(self.archives, ranks)]
+        files = [FileRecord(_relative(a.path, root), r, a.size) for a, r in zip(self.archives, ranks)]
         values = {k: Location(0, 0, 0, "") for k in self.values}
         return Index(world_size, files, self.tensors, values, {}, paths=dict(self.paths))
 
@@ -123,3 +123,11 @@ def check_sizes(source: Source) -> list[str]:
 def numel(shape: tuple[int, ...]) -> int:
     """Number of elements of a tensor of ``shape``."""
     return math.prod(shape)
+
+
+def _relative(path: str, root: str) -> str:
+    """``path`` relative to ``root``: a URL (``s3://b/ck/tag/f``) by its prefix, a local path by ``os.path``."""
+    prefix = root.rstrip("/") + "/"
+    if "://" in root and path.startswith(prefix):
+        return path[len(prefix):]
+    return os.path.relpath(path, root)
