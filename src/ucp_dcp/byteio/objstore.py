@@ -207,6 +207,18 @@ class ObjectStore:
             )
         return bytes(data)
 
+    def read_if_exists(self, name: str) -> bytes | None:
+        """The whole of object ``name``, or None when there is no such object (one request either way)."""
+        path = self.path(name)
+
+        def cat() -> bytes | None:
+            try:
+                return bytes(self.fs.cat_file(path))
+            except FileNotFoundError:
+                return None
+
+        return self.call("reading the object", name, cat)
+
     def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
         """Bytes ``[start, end)`` of each ``(name, start, end)``, fetched concurrently where the store can.
 

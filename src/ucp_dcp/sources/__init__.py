@@ -95,8 +95,9 @@ def _open_url(url: str, options: SourceOptions, storage_options: dict[str, Any] 
         # One file named directly, as a local path may name one.
         return HFSource.open_store(ObjectStore(parent, storage_options), options, named=last)
     store = ObjectStore(url, storage_options)
-    if store.exists(INDEX_FILE):
-        return NativeSource(store.url, store)  # not open_store: that asks the store again
+    raw_index = store.read_if_exists(INDEX_FILE)  # one GET, rather than asking whether it exists first
+    if raw_index is not None:
+        return NativeSource(store.url, store, raw_index)
     model_dir = StoreDir(store)  # listed once: detection and opening share the listing
     if model_dir.is_file(DCP_METADATA_FILE):
         return DCPSource.open_store(store, options, model_dir)

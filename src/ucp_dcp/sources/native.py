@@ -46,16 +46,19 @@ class NativeSource(Source):
     format = "ucp_dcp"
     checksums = True
 
-    def __init__(self, path: str, store: ObjectStore | None = None) -> None:
+    def __init__(self, path: str, store: ObjectStore | None = None, raw_index: bytes | None = None) -> None:
+        """The checkpoint in directory ``path``, or at ``store``'s URL (``raw_index``: its index, if already read)."""
         if store is None:
             index = load_index(path)
             paths = [os.path.join(path, f.name) for f in index.files]
         else:
-            index = parse_index(store.read(INDEX_FILE), store.url_of(INDEX_FILE))
+            raw = store.read(INDEX_FILE) if raw_index is None else raw_index
+            index = parse_index(raw, store.url_of(INDEX_FILE))
             paths = [store.url_of(f.name) for f in index.files]
         super().__init__(path, index, paths)
         self.store = store
         self._headers: dict[int, FileHeader] = {}
+        self._objects: dict[int, ObjectAccess] = {}  # made under _lock by header(), which the sums read first
         # Per file: (block size, every block checksum, first checksum of the entry at each offset), or None.
         self._block_sums: dict[int, tuple[int, np.ndarray, dict[int, int]] | None] = {}
         self._lock = threading.Lock()
@@ -71,17 +74,6 @@ class NativeSource(Source):
         """Read and validate the index (no data file is opened yet)."""
         return cls(path)
 
-    @classmethod
-    def open_store(cls, store: ObjectStore) -> "NativeSource":
-        """Open the checkpoint at ``store``'s URL: its index is read, no data object yet."""
-        if not store.exists(INDEX_FILE):
-            raise CheckpointFormatError(
-                f"{store.url}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing. A save that did not finish "
-                "leaves no index. Object storage is read for ucp_dcp checkpoints, DCP checkpoints and Hugging Face "
-                "safetensors models only; copy a DeepSpeed checkpoint to a local directory first"
-            )
-        return cls(store.url, store)
-
     def header(self, file: int) -> FileHeader:
         """Parsed header of data file ``file``; checks its size, rank and world size against the index."""
         h = self._headers.get(file)
@@ -89,10 +81,7 @@ class NativeSource(Source):
             with self._lock:
                 h = self._headers.get(file)
                 if h is None:
-                    access = None
-                    if self.store is not None:  # the index's size: no request to ask the store
-                        access = ObjectAccess(self.store, self.index.files[file].name, self.index.files[file].size)
-                    h = read_header(self.paths[file], access=access)
+                    h = read_header(self.paths[file], access=self._object(file))
                     rec = self.index.files[file]
                     if h.size != rec.size:
                         raise CheckpointFormatError(
@@ -106,6 +95,17 @@ class NativeSource(Source):
                         )
                     self._headers[file] = h
         return h
+
+    def _object(self, file: int) -> ObjectAccess | None:
+        """Data file ``file`` as an object (None for a local file), kept: the block checksums that follow
+        its header usually arrive with the header's first request."""
+        if self.store is None:
+            return None
+        obj = self._objects.get(file)
+        if obj is None:  # the index's size: no request to ask the store
+            rec = self.index.files[file]
+            obj = self._objects[file] = ObjectAccess(self.store, rec.name, rec.size)
+        return obj
 
     def _entry(self, file: int, name: str, what: str) -> tuple[int, int, EntryMeta]:
         """``(start, nbytes, metadata)`` of entry ``name`` of data file ``file``; the index says it holds ``what``."""
@@ -195,8 +195,9 @@ class NativeSource(Source):
             raise CheckpointFormatError(
                 f"{path}: {rec.nbytes // 8} block checksums recorded for the {k} blocks of its tensor chunks"
             )
-        if self.store is not None:
-            raw = self.store.read(self.store.name_of(path), rec.start, rec.start + rec.nbytes)
+        obj = self._object(file)
+        if obj is not None:
+            raw = obj.pread(rec.nbytes, rec.start)
         else:
             fd = os.open(path, os.O_RDONLY)
             try:
