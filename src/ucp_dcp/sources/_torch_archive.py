@@ -333,25 +333,24 @@ _TAIL_BYTES = 256 << 10
 _EXTRA_SLACK = 256
 
 
-class _ObjectFile(io.RawIOBase):
-    """An object in a store as the read-only seekable file :mod:`zipfile` wants, read by ranged requests.
+class HeldBytesFile(io.RawIOBase):
+    """A read-only seekable file of ``size`` bytes, as :mod:`zipfile` wants one, over pieces held in memory.
 
-    Bytes come from windows fetched ahead: the tail on creation (zip's end
-    records and central directory), the small records (``data.pkl``,
-    ``byteorder``) in one batch once the directory is known
-    (:meth:`fetch_small_records`), the storage records' local headers in
-    another (:meth:`fetch`). A read outside them is one ranged request.
+    ``pieces`` are ``(offset, bytes)``; a read inside one is served from it,
+    any other goes to :meth:`read_missing`. A seek before the start is an
+    ``OSError``, which :mod:`zipfile` takes for a file too short to be an
+    archive.
     """
 
-    def __init__(self, store: ObjectStore, name: str, size: int) -> None:
+    def __init__(self, size: int, pieces: list[tuple[int, bytes]]) -> None:
         super().__init__()
-        self.store = store
-        self.name = name
         self.size = size
+        self.pieces = pieces
         self._pos = 0
-        self._windows: list[tuple[int, bytes]] = []
-        if size:
-            self.fetch([(max(0, size - _TAIL_BYTES), size)])
+
+    def read_missing(self, offset: int, n: int) -> bytes:
+        """``n`` bytes at ``offset`` (fewer at the end) that no piece holds."""
+        raise NotImplementedError
 
     def readable(self) -> bool:
         return True
@@ -365,7 +364,7 @@ class _ObjectFile(io.RawIOBase):
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
         if base + offset < 0:
-            raise ValueError(f"{self.store.url_of(self.name)}: seek to {base + offset}")
+            raise OSError(f"seek to {base + offset}, before the start")
         self._pos = base + offset
         return self._pos
 
@@ -381,25 +380,46 @@ class _ObjectFile(io.RawIOBase):
         return len(data)
 
     def read_at(self, offset: int, n: int) -> bytes:
-        """Up to ``n`` bytes at ``offset`` (fewer at the end): from a fetched window, else one request."""
+        """Up to ``n`` bytes at ``offset`` (fewer at the end): from a held piece, else :meth:`read_missing`."""
         end = min(offset + n, self.size)
         if offset >= end:
             return b""
-        for start, data in self._windows:
+        for start, data in self.pieces:
             if start <= offset and end <= start + len(data):
                 return data[offset - start: end - start]
-        self.fetch([(offset, end)])
-        return self._windows[-1][1][: end - offset]
+        return self.read_missing(offset, end - offset)
+
+
+class _ObjectFile(HeldBytesFile):
+    """An object in a store as the read-only seekable file :mod:`zipfile` wants, read by ranged requests.
+
+    Bytes come from windows fetched ahead: the tail on creation (zip's end
+    records and central directory), the small records (``data.pkl``,
+    ``byteorder``) in one batch once the directory is known
+    (:meth:`fetch_small_records`), the storage records' local headers in
+    another (:meth:`fetch`). A read outside them is one ranged request.
+    """
+
+    def __init__(self, store: ObjectStore, name: str, size: int) -> None:
+        super().__init__(size, [])
+        self.store = store
+        self.name = name
+        if size:
+            self.fetch([(max(0, size - _TAIL_BYTES), size)])
+
+    def read_missing(self, offset: int, n: int) -> bytes:
+        self.fetch([(offset, offset + n)])
+        return self.pieces[-1][1][:n]
 
     def fetch(self, ranges: list[tuple[int, int]]) -> None:
         """Fetch ``[start, end)`` ranges (clipped to the object) in one batch of requests, unless already held."""
         want = []
         for s, e in ranges:
             e = min(e, self.size)
-            if s < e and not any(ws <= s and e <= ws + len(d) for ws, d in self._windows):
+            if s < e and not any(ws <= s and e <= ws + len(d) for ws, d in self.pieces):
                 want.append((self.name, s, e))
         for (_, s, _), data in zip(want, self.store.read_ranges(want) if want else []):
-            self._windows.append((s, data))
+            self.pieces.append((s, data))
 
     def fetch_small_records(self, zf: zipfile.ZipFile) -> None:
         """Fetch every record that is not tensor data (``data.pkl``, ``byteorder``, ...) with its local header.

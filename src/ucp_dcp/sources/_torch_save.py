@@ -16,7 +16,6 @@ DCP's ``.distcp`` items are such archives; so are DeepSpeed's ``.pt`` files.
 
 from __future__ import annotations
 
-import io
 import pickletools
 import struct
 import zipfile
@@ -29,7 +28,7 @@ from .._compat import dtype_from_pickle_storage_type
 from ..byteio.rangeio import ReadStats
 from ..core.sharding import row_major_strides
 from ..errors import CheckpointFormatError, StorageError
-from ._torch_archive import read_pickle_record, stored_record_start
+from ._torch_archive import HeldBytesFile, read_pickle_record, stored_record_start
 
 __all__ = ["StoredTensor", "PRead", "item_ends", "parse_tensor_item", "dim_order", "is_nonneg_int", "is_index_tuple"]
 
@@ -212,7 +211,7 @@ def _tensor_from_pickle(obj: Any, where: str) -> tuple[str, torch.dtype, int, tu
     return pid[2], dtype, offset, size, stride
 
 
-class _ItemView(io.RawIOBase):
+class _ItemView(HeldBytesFile):
     """A read-only, seekable view of ``[base, base + length)`` of a file.
 
     Reads that fall inside the pieces read up front are served from them;
@@ -221,44 +220,11 @@ class _ItemView(io.RawIOBase):
 
     def __init__(self, pread: PRead, base: int, length: int, pieces: list[tuple[int, bytes]],
                  stats: ReadStats) -> None:
-        super().__init__()
-        self._pread, self._base, self._len, self._pieces, self._stats = pread, base, length, pieces, stats
-        self._pos = 0
+        super().__init__(length, pieces)
+        self._pread, self._base, self._stats = pread, base, stats
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        if base + offset < 0:
-            raise OSError("seek before the start of the item")
-        self._pos = base + offset
-        return self._pos
-
-    def read(self, n: int | None = -1) -> bytes:
-        left = self._len - self._pos
-        n = left if n is None or n < 0 else min(n, left)
-        if n <= 0:
-            return b""
-        pos = self._pos
-        for start, data in self._pieces:
-            if start <= pos and pos + n <= start + len(data):
-                self._pos += n
-                return data[pos - start : pos - start + n]
-        out = _pread_exact(self._pread, n, self._base + pos, self._stats)
-        self._pos += len(out)
-        return out
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
+    def read_missing(self, offset: int, n: int) -> bytes:
+        return _pread_exact(self._pread, n, self._base + offset, self._stats)
 
 
 def _pread_exact(pread: PRead, n: int, offset: int, stats: ReadStats) -> bytes:
