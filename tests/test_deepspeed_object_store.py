@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -188,14 +187,8 @@ def test_s3_into_fsdp2_on_3_ranks_reading_what_each_needs(s3_bucket: tuple[str, 
             assert got["requested"] == got["needed"] == got["local"], (r, variant, got)
 
 
-def _copy(variant: str, tmp_path: Path) -> Path:
-    dst = tmp_path / variant
-    shutil.copytree(FIXTURES / variant, dst)
-    return dst
-
-
 def test_a_hostile_pickle_in_the_store_is_refused_before_anything_runs(tmp_path: Path) -> None:
-    d = _copy("zero2_fp32_w2", tmp_path)
+    d = tds._copy("zero2_fp32_w2", tmp_path)
     victim = d / "step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     marker = tmp_path / "ran"
 
@@ -238,7 +231,7 @@ def test_damaged_tag_folders_in_the_store_name_what_is_wrong(tmp_path: Path) -> 
     assert str(e.value) == f"{url}/latest: names tag 'step9', but {url}/step9 is not a directory"
     # A truncated archive: named.
     url = _memory_url()
-    d = _copy("zero2_fp32_w2", tmp_path)
+    d = tds._copy("zero2_fp32_w2", tmp_path)
     victim = d / "step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     victim.write_bytes(victim.read_bytes()[:1000])
     upload(d, url)

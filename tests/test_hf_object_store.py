@@ -24,6 +24,7 @@ import torch
 
 import s3_server
 from dist_utils import bit_equal, run_ranks
+from test_hf_into_layouts import CONFIG  # the same tiny untied Llama
 from ucp_dcp import Checkpoint, UCPLoadPlanner, UCPStorageReader, load_into_module, load_state_dict
 from ucp_dcp.byteio.objstore import ObjectStore
 from ucp_dcp.errors import CheckpointFormatError
@@ -34,16 +35,6 @@ fsspec = pytest.importorskip("fsspec")
 
 s3_bucket = s3_server.s3_bucket  # the session fixture, made visible to this module
 
-CONFIG = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=32,
-    tie_word_embeddings=False,
-)
 MAX_RATIO = 1.05
 
 
