@@ -13,12 +13,12 @@ into place; two windows bound the memory the fetched bytes take).
 
 from __future__ import annotations
 
+import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 from .objstore import ObjectStore
-from .rangeio import ReadStats, Segment
+from .rangeio import ReadStats, Segment, _Request, coalesce
 
 __all__ = ["ObjectRangeReader", "OBJECT_GAP_BYTES"]
 
@@ -27,17 +27,6 @@ OBJECT_GAP_BYTES = 32 << 10
 at least the time of 100 KiB on any link (a millisecond at 100 MB/s), so merging a smaller gap
 saves time; keeping it small keeps the bytes fetched (which egress bills) close to those needed:
 column slices of narrow rows are merged, other ranks' shards are not."""
-
-
-@dataclass
-class _Request:
-    """One ranged GET: bytes ``[start, end)`` of object ``file``, and where its pieces go."""
-
-    file: int
-    start: int
-    end: int
-    pieces: list[tuple[int, memoryview]] = field(default_factory=list)  # (offset in the object, destination)
-    done: list[Callable[[int], None]] = field(default_factory=list)
 
 
 class ObjectRangeReader:
@@ -65,6 +54,7 @@ class ObjectRangeReader:
         self.store = store
         self.names = list(names)
         self.gap_bytes = gap_bytes
+        self._scratch = memoryview(bytearray(max(gap_bytes, 1)))  # where merged gaps land
         self._max_request = max(max_request_bytes, 1)
         self._window = max(window_bytes, self._max_request)
         self.stats = ReadStats()
@@ -79,31 +69,13 @@ class ObjectRangeReader:
         self.close()
 
     def plan(self, segments: Sequence[Segment]) -> list[_Request]:
-        """Coalesce ``segments`` into requests (exposed for tests)."""
-        reqs: list[_Request] = []
-        cur: _Request | None = None
-        for s in sorted(segments, key=lambda s: (s.file, s.offset)):
-            n = len(s.dest)
-            if n == 0:
-                if s.done is not None:
-                    raise ValueError("an empty segment cannot carry a done callback")
-                continue
-            if (cur is not None and cur.file == s.file and 0 <= s.offset - cur.end <= self.gap_bytes
-                    and s.offset + n - cur.start <= self._max_request):
-                cur.end = s.offset + n
-                cur.pieces.append((s.offset, s.dest))
-                if s.done is not None:
-                    cur.done.append(s.done)
-                continue
-            # A range larger than one request is split; its callback runs after the last part.
-            off, dest = s.offset, s.dest
-            while len(dest) > self._max_request:
-                reqs.append(_Request(s.file, off, off + self._max_request, [(off, dest[: self._max_request])]))
-                off += self._max_request
-                dest = dest[self._max_request :]
-            cur = _Request(s.file, off, off + len(dest), [(off, dest)], [s.done] if s.done is not None else [])
-            reqs.append(cur)
-        return reqs
+        """Coalesce ``segments`` into requests (exposed for tests): :func:`~ucp_dcp.byteio.rangeio.coalesce`.
+
+        Unlike a file's, a request's size is not cut down for segments with
+        callbacks, nor its pieces counted: each cut would cost a round trip.
+        """
+        return coalesce(segments, gap_bytes=self.gap_bytes, max_request=self._max_request,
+                        hooked_request=self._max_request, scratch=self._scratch, max_bufs=sys.maxsize)
 
     def read(self, segments: Sequence[Segment]) -> None:
         """Fill every segment's buffer; a failed or short request raises naming the object.
@@ -115,11 +87,11 @@ class ObjectRangeReader:
         windows: list[list[_Request]] = [[]]
         held = 0
         for r in self.plan(segments):
-            if windows[-1] and held + (r.end - r.start) > self._window:
+            if windows[-1] and held + r.nbytes > self._window:
                 windows.append([])
                 held = 0
             windows[-1].append(r)
-            held += r.end - r.start
+            held += r.nbytes
         if not windows[-1]:
             return
         if len(windows) == 1:
@@ -138,14 +110,14 @@ class ObjectRangeReader:
                     raise
 
     def _fetch(self, window: list[_Request]) -> list[bytes]:
-        return self.store.read_ranges([(self.names[r.file], r.start, r.end) for r in window])
+        return self.store.read_ranges([(self.names[r.file], r.offset, r.end) for r in window])
 
     def _place(self, window: list[_Request], datas: list[bytes]) -> None:
         for r, data in zip(window, datas):
-            view = memoryview(data)
-            for off, dest in r.pieces:
-                dest[:] = view[off - r.start : off - r.start + len(dest)]
-            self.stats.add(1, r.end - r.start)
-            # Callbacks report segments done, as RangeReader's do: one call per segment here.
-            for fn in r.done:
-                fn(1)
+            view, at = memoryview(data), 0
+            for buf in r.bufs:  # gaps land in the scratch buffer, as with preadv
+                buf[:] = view[at : at + len(buf)]
+                at += len(buf)
+            self.stats.add(1, r.nbytes)
+            for fn, n in r.done or ():
+                fn(n)

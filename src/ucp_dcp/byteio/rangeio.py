@@ -34,7 +34,7 @@ from ..format.header import open_data_file
 
 
 
-__all__ = ["Segment", "FileHandles", "RangeReader", "ReadStats", "storage_view", "tensor_view", "HOOKED_REQUEST_BYTES"]
+__all__ = ["coalesce", "Segment", "FileHandles", "RangeReader", "ReadStats", "storage_view", "tensor_view", "HOOKED_REQUEST_BYTES"]
 
 _BY_POSITION = itemgetter(0, 1)
 # Requests a thread has announced to the kernel ahead of reading them: the
@@ -93,6 +93,16 @@ class _Request:
     bufs: list[memoryview]
     nbytes: int
     done: list[list[Any]] | None = None  # [callback, segments of this request that carry it]
+
+    @property
+    def start(self) -> int:
+        """The first byte the request reads (``offset``)."""
+        return self.offset
+
+    @property
+    def end(self) -> int:
+        """The byte just past the request."""
+        return self.offset + self.nbytes
 
 
 class _AfterAll:
@@ -211,41 +221,8 @@ class RangeReader:
     # -------------------------------------------------------------- reads
     def plan(self, segments: Sequence[Segment]) -> list[_Request]:
         """Coalesce ``segments`` into calls (exposed for tests)."""
-        reqs: list[_Request] = []
-        cur: _Request | None = None
-        for s in sorted(segments, key=_BY_POSITION):
-            n = len(s.dest)
-            if n == 0:
-                if s.done is not None:
-                    raise ValueError("an empty segment cannot carry a done callback")
-                continue
-            if cur is not None and cur.file == s.file:
-                gap = s.offset - (cur.offset + cur.nbytes)
-                limit = self._max_request if s.done is None and not cur.done else self._hooked_request
-                if 0 <= gap <= self.gap_bytes and cur.nbytes + gap + n <= limit and len(cur.bufs) + 2 <= _IOV_MAX:
-                    if gap:
-                        cur.bufs.append(self._scratch[:gap])
-                    cur.bufs.append(s.dest)
-                    cur.nbytes += gap + n
-                    if s.done is not None:
-                        if cur.done and cur.done[-1][0] is s.done:
-                            cur.done[-1][1] += 1
-                        else:
-                            cur.done = [*(cur.done or ()), [s.done, 1]]
-                    continue
-            # A range larger than one request is split so threads share it.
-            off, dest = s.offset, s.dest
-            done = s.done
-            if done is not None and n > self._max_request:
-                done = _AfterAll(-(-n // self._max_request), done)
-            while len(dest) > self._max_request:
-                reqs.append(_Request(s.file, off, [dest[: self._max_request]], self._max_request,
-                                     None if done is None else [[done, 1]]))
-                off += self._max_request
-                dest = dest[self._max_request :]
-            cur = _Request(s.file, off, [dest], len(dest), None if done is None else [[done, 1]])
-            reqs.append(cur)
-        return reqs
+        return coalesce(segments, gap_bytes=self.gap_bytes, max_request=self._max_request,
+                        hooked_request=self._hooked_request, scratch=self._scratch)
 
     def read(self, segments: Sequence[Segment]) -> None:
         """Fill every segment's buffer; raises on a short file or an I/O error."""
@@ -307,6 +284,60 @@ class RangeReader:
         if r.done:
             for fn, n in r.done:
                 fn(n)
+
+
+def coalesce(
+    segments: Sequence[Segment],
+    *,
+    gap_bytes: int,
+    max_request: int,
+    hooked_request: int,
+    scratch: memoryview,
+    max_bufs: int = _IOV_MAX,
+) -> list[_Request]:
+    """``segments`` coalesced into requests, in file and offset order.
+
+    Neighbours at most ``gap_bytes`` apart share a request, the gap landing
+    in ``scratch`` (at least ``gap_bytes`` long); a request holds at most
+    ``max_request`` bytes (``hooked_request`` once a segment with a ``done``
+    callback is in it) and ``max_bufs`` buffers; a longer segment is split,
+    its callback running after its last part.
+    """
+    reqs: list[_Request] = []
+    cur: _Request | None = None
+    for s in sorted(segments, key=_BY_POSITION):
+        n = len(s.dest)
+        if n == 0:
+            if s.done is not None:
+                raise ValueError("an empty segment cannot carry a done callback")
+            continue
+        if cur is not None and cur.file == s.file:
+            gap = s.offset - (cur.offset + cur.nbytes)
+            limit = max_request if s.done is None and not cur.done else hooked_request
+            if 0 <= gap <= gap_bytes and cur.nbytes + gap + n <= limit and len(cur.bufs) + 2 <= max_bufs:
+                if gap:
+                    cur.bufs.append(scratch[:gap])
+                cur.bufs.append(s.dest)
+                cur.nbytes += gap + n
+                if s.done is not None:
+                    if cur.done and cur.done[-1][0] is s.done:
+                        cur.done[-1][1] += 1
+                    else:
+                        cur.done = [*(cur.done or ()), [s.done, 1]]
+                continue
+        # A range larger than one request is split so threads share it.
+        off, dest = s.offset, s.dest
+        done = s.done
+        if done is not None and n > max_request:
+            done = _AfterAll(-(-n // max_request), done)
+        while len(dest) > max_request:
+            reqs.append(_Request(s.file, off, [dest[: max_request]], max_request,
+                                 None if done is None else [[done, 1]]))
+            off += max_request
+            dest = dest[max_request :]
+        cur = _Request(s.file, off, [dest], len(dest), None if done is None else [[done, 1]])
+        reqs.append(cur)
+    return reqs
 
 
 def _batches(reqs: list[_Request], n: int) -> list[list[_Request]]:
