@@ -15,12 +15,16 @@ names checked as strings, never imported; they are not listed here.)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+# ShardedTensor (FSDP1's SHARDED_STATE_DICT, torchrec): shards at global
+# offsets on each rank, saved and loaded like irregular DTensor chunks.
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 # DCP's flattening of a nested state dict into dotted keys plus the path of
 # each key: the planners flatten exactly as DCP does, so keys agree with it.
@@ -28,11 +32,9 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 # DCP's expansion of ShardedTensors into their shards, applied before
 # flattening (what DefaultLoadPlanner.set_up_planner does).
-from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors as flatten_sharded_tensors
-
-# ShardedTensor (FSDP1's SHARDED_STATE_DICT, torchrec): shards at global
-# offsets on each rank, saved and loaded like irregular DTensor chunks.
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint._sharded_tensor_utils import (
+    _flatten_sharded_tensors as flatten_sharded_tensors,
+)
 
 # DCP's rule for putting a value at a flattened path, creating missing
 # containers the way DCP itself does on load.
@@ -42,12 +44,19 @@ from torch.distributed.checkpoint._traverse import set_element
 # chunk list of a local shard: the save and load planners of DCP build these.
 from torch.distributed.checkpoint.planner_helpers import (
     _create_chunk_list as create_chunk_list,
+)
+from torch.distributed.checkpoint.planner_helpers import (
     _create_write_items as create_write_items,
 )
 
 # DCP's creation of optimizer state (one zero-gradient step at lr 0) when an
 # optimizer has none yet, so that its tensors exist to be loaded into.
 from torch.distributed.checkpoint.state_dict import _init_optim_state as init_optim_state
+from torch.distributed.tensor import DTensor
+
+# torchrec's local tensor of a DTensor sharded unevenly: several shards per
+# rank at their own offsets (DCP plans it through its checkpointable methods).
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 # DTensor's own shard arithmetic: the box a mesh coordinate holds (mesh shape
 # and coordinate given as numbers), and the box this rank holds of a DTensor
@@ -55,12 +64,10 @@ from torch.distributed.checkpoint.state_dict import _init_optim_state as init_op
 # what DTensor stores.
 from torch.distributed.tensor._utils import (
     _compute_local_shape_and_global_offset as compute_shard_box_on_mesh_shape,
+)
+from torch.distributed.tensor._utils import (
     compute_local_shape_and_global_offset,
 )
-
-# torchrec's local tensor of a DTensor sharded unevenly: several shards per
-# rank at their own offsets (DCP plans it through its checkpointable methods).
-from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 # FSDP2's placement for a dimension sharded both by FSDP and by TP (the FSDP
 # shards are interleaved): named "SS(d,k)" in layouts.
@@ -130,7 +137,9 @@ def is_checkpointable(t: Any) -> bool:
     """
     if isinstance(t, DTensor):
         return hasattr(t._local_tensor, "__create_chunk_list__")
-    return isinstance(t, torch.Tensor) and (hasattr(t, "__create_write_items__") or hasattr(t, "__create_chunk_list__"))
+    return isinstance(t, torch.Tensor) and (
+        hasattr(t, "__create_write_items__") or hasattr(t, "__create_chunk_list__")
+    )
 
 
 def local_shards_of(t: Any) -> list[tuple[tuple[int, ...], torch.Tensor]] | None:
@@ -143,7 +152,8 @@ def local_shards_of(t: Any) -> list[tuple[tuple[int, ...], torch.Tensor]] | None
 
 
 def local_shards_like(shards: list[torch.Tensor], src: DTensor) -> DTensor:
-    """A DTensor with ``src``'s spec over a ``LocalShardsWrapper`` of ``shards``, at the offsets of ``src``'s shards."""
+    """A DTensor with ``src``'s spec over a ``LocalShardsWrapper`` of ``shards``, at the offsets of
+    ``src``'s shards."""
     offsets = [tuple(c.offsets) for c in src._local_tensor.local_chunks]
     return dtensor_like(LocalShardsWrapper(shards, offsets), src)
 
@@ -152,7 +162,8 @@ def local_shards_like(shards: list[torch.Tensor], src: DTensor) -> DTensor:
 
 
 def module_parameters(mod: nn.Module) -> Iterator[tuple[str, Any]]:
-    """``(name, parameter or None)`` registered on ``mod`` itself (``_parameters``; duplicates kept)."""
+    """``(name, parameter or None)`` registered on ``mod`` itself (``_parameters``; duplicates
+    kept)."""
     return iter(mod._parameters.items())
 
 
@@ -200,7 +211,8 @@ class FlatParamInfo:
 
 
 def fsdp1_flat_param(unit: nn.Module) -> FlatParamInfo | None:
-    """The FlatParameter record of FSDP1 unit ``unit`` (``_handle``), or None when it manages no parameters."""
+    """The FlatParameter record of FSDP1 unit ``unit`` (``_handle``), or None when it manages no
+    parameters."""
     handle = unit._handle
     if handle is None:
         return None

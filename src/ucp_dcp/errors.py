@@ -8,7 +8,7 @@ save or restore, ...), so existing ``except`` clauses keep working.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = [
     "UCPError",
@@ -52,7 +52,9 @@ class ChecksumError(CheckpointFormatError):
         rank: the rank that wrote the file, when known.
     """
 
-    def __init__(self, path: str, what: str, expected: str, actual: str, rank: int | None = None) -> None:
+    def __init__(
+        self, path: str, what: str, expected: str, actual: str, rank: int | None = None
+    ) -> None:
         self.path = path
         self.what = what
         self.expected = expected
@@ -61,7 +63,8 @@ class ChecksumError(CheckpointFormatError):
         by = f", written by rank {rank}" if rank is not None else ""
         super().__init__(
             f"{path}: checksum mismatch for {what}: the file is corrupt (recorded xxh3 {expected}, "
-            f"data hashes to {actual}{by}): restore this checkpoint from another copy or load an earlier one"
+            f"data hashes to {actual}{by}): restore this checkpoint from another copy or load an "
+            "earlier one"
         )
 
     def __reduce__(self) -> tuple[type, tuple[str, str, str, str, int | None]]:
@@ -111,7 +114,8 @@ class LayoutError(UCPError, ValueError):
 
 
 class LayoutRuleError(UCPError, ValueError):
-    """A layout rule does not fit the state dict, or the state dict has a tensor no rule explains."""
+    """A layout rule does not fit the state dict, or the state dict has a tensor no rule
+    explains."""
 
 
 class NonFiniteError(UCPError, ValueError):

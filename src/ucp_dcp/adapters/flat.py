@@ -22,8 +22,8 @@ another ``FlatShard`` of another partition, each rank reading only its bytes.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -35,7 +35,8 @@ __all__ = ["FlatParam", "FlatShard", "pack_flat", "flat_partition"]
 
 @dataclass(frozen=True)
 class FlatParam:
-    """Logical tensor ``fqn`` of ``shape``, stored row-major at element ``offset`` of a flat buffer."""
+    """Logical tensor ``fqn`` of ``shape``, stored row-major at element ``offset`` of a flat
+    buffer."""
 
     fqn: str
     shape: tuple[int, ...]
@@ -44,7 +45,10 @@ class FlatParam:
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
         if self.offset < 0 or any(n < 0 for n in self.shape):
-            raise ValueError(f"flat parameter {self.fqn!r}: negative offset {self.offset} or shape {list(self.shape)}")
+            raise ValueError(
+                f"flat parameter {self.fqn!r}: negative offset {self.offset} or shape "
+                f"{list(self.shape)}"
+            )
 
     @property
     def numel(self) -> int:
@@ -57,7 +61,9 @@ class FlatParam:
         return self.offset + self.numel
 
 
-def pack_flat(named_shapes: Sequence[tuple[str, Sequence[int]]], align: int = 1) -> tuple[list[FlatParam], int]:
+def pack_flat(
+    named_shapes: Sequence[tuple[str, Sequence[int]]], align: int = 1
+) -> tuple[list[FlatParam], int]:
     """Lay parameters out back to back, each starting on a multiple of ``align`` elements.
 
     Returns the parameters and the buffer length (rounded up to ``align``).
@@ -115,14 +121,17 @@ class FlatShard(TensorPieces):
         suffix: str = "",
     ) -> None:
         if not local.is_contiguous():
-            raise ValueError(f"FlatShard at buffer offset {start}: the local slice must be contiguous")
+            raise ValueError(
+                f"FlatShard at buffer offset {start}: the local slice must be contiguous"
+            )
         flat = local.detach().reshape(-1)
         stop = start + flat.numel()
         ordered = sorted(params, key=lambda p: p.offset)
         for a, b in zip(ordered, ordered[1:]):
             if a.end > b.offset:
                 raise ValueError(
-                    f"flat parameters {a.fqn!r} [{a.offset}, {a.end}) and {b.fqn!r} [{b.offset}, {b.end}) overlap"
+                    f"flat parameters {a.fqn!r} [{a.offset}, {a.end}) and {b.fqn!r} [{b.offset}, "
+                    f"{b.end}) overlap"
                 )
         pieces, fill, pos = [], [], start
         for p in ordered:
@@ -135,7 +144,11 @@ class FlatShard(TensorPieces):
             strides = row_major_strides(p.shape)
             for box in flat_range_boxes(p.shape, lo - p.offset, hi - p.offset):
                 first = p.offset + sum(o * s for o, s in zip(box.offsets, strides)) - start
-                pieces.append(Piece(name, p.shape, box.offsets, flat[first : first + box.numel].view(box.sizes)))
+                pieces.append(
+                    Piece(
+                        name, p.shape, box.offsets, flat[first : first + box.numel].view(box.sizes)
+                    )
+                )
             pos = hi
         if pos < stop:
             fill.append(flat[pos - start :])

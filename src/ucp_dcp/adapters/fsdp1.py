@@ -52,7 +52,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .flat import FlatParam, FlatShard
 from .._compat import (
     fsdp1_flat_param,
     init_optim_state,
@@ -62,6 +61,7 @@ from .._compat import (
     module_persistent_buffers,
 )
 from ..core.pieces import Piece, TensorPieces
+from .flat import FlatParam, FlatShard
 
 __all__ = ["fsdp1_state_dict", "fsdp1_apply_loaded", "SUPPORTED_SHARDING_STRATEGIES"]
 
@@ -82,10 +82,14 @@ class _Unit:
 
     module_name: str  # name of the FSDP module in the root, as named_modules gives it
     flat_param: nn.Parameter
-    params: list[FlatParam]  # cleaned fqns relative to the model root, offsets in the unsharded buffer
+    params: list[
+        FlatParam
+    ]  # cleaned fqns relative to the model root, offsets in the unsharded buffer
     start: int  # unsharded-buffer element at which this rank's shard starts
     in_shard: list[bool]  # per original param: does this rank's shard hold any of its elements
-    intra_start: list[int]  # per original param: first element of it in this rank's shard (if in_shard)
+    intra_start: list[
+        int
+    ]  # per original param: first element of it in this rank's shard (if in_shard)
     orig_params: list[nn.Parameter] | None  # use_orig_params=True: the original parameters
 
     @property
@@ -104,11 +108,14 @@ def _units(model: nn.Module) -> list[_Unit]:
     fsdp = _fsdp_class()
     if not isinstance(model, fsdp):
         hint = ""
-        if any(type(m).__name__.startswith("FSDP") for m in model.modules()) or looks_like_fully_shard(model):
+        if any(
+            type(m).__name__.startswith("FSDP") for m in model.modules()
+        ) or looks_like_fully_shard(model):
             hint = " (for fully_shard/FSDP2 models use torch.distributed.checkpoint.state_dict.get_state_dict)"
         raise ValueError(
             f"fsdp1_state_dict: the model is a {type(model).__name__}, not a "
-            f"torch.distributed.fsdp.FullyShardedDataParallel (FSDP1) root module{hint}; wrap the whole model "
+            f"torch.distributed.fsdp.FullyShardedDataParallel (FSDP1) root module{hint}; wrap the "
+            "whole model "
             f"with FullyShardedDataParallel (nested units via auto_wrap_policy are fine)"
         )
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -121,8 +128,10 @@ def _units(model: nn.Module) -> list[_Unit]:
         if strategy not in SUPPORTED_SHARDING_STRATEGIES:
             raise ValueError(
                 f"fsdp1_state_dict: {where} uses sharding strategy {strategy}; supported are "
-                f"{', '.join(SUPPORTED_SHARDING_STRATEGIES)} (one flat shard per rank over all ranks). "
-                f"NO_SHARD and HYBRID_SHARD/_HYBRID_SHARD_ZERO2 (replicated shards) are not supported"
+                f"{', '.join(SUPPORTED_SHARDING_STRATEGIES)} (one flat shard per rank over all "
+                "ranks). "
+                "NO_SHARD and HYBRID_SHARD/_HYBRID_SHARD_ZERO2 (replicated shards) are not "
+                "supported"
             )
         flat = fsdp1_flat_param(mod)
         if flat is None:  # a unit that manages no parameters
@@ -131,13 +140,15 @@ def _units(model: nn.Module) -> list[_Unit]:
         fp = handle.flat_param
         if handle.world_size != world:
             raise ValueError(
-                f"fsdp1_state_dict: {where} shards over a process group of {handle.world_size} ranks, but the "
+                f"fsdp1_state_dict: {where} shards over a process group of {handle.world_size} "
+                "ranks, but the "
                 f"default process group has {world}; only FSDP1 over all ranks is supported"
             )
         sharded = flat.sharded_size
         if sharded is None or fp.numel() != sharded.numel() or fp.dim() != 1:
             raise ValueError(
-                f"fsdp1_state_dict: {where}'s FlatParameter is not in its sharded state (called inside "
+                f"fsdp1_state_dict: {where}'s FlatParameter is not in its sharded state (called "
+                "inside "
                 f"forward/backward or summon_full_params?); call it between training steps"
             )
         prefix = _clean(mod_name)
@@ -148,19 +159,26 @@ def _units(model: nn.Module) -> list[_Unit]:
             if not is_padding:
                 shape = tuple(flat.shapes[i])
                 if numel != flat.numels[i]:
-                    raise RuntimeError(f"{where}: numel of {flat.fqns[i]!r} disagrees in FlatParameter metadata")
+                    raise RuntimeError(
+                        f"{where}: numel of {flat.fqns[i]!r} disagrees in FlatParameter metadata"
+                    )
                 params.append(FlatParam(prefix + _clean(flat.fqns[i]), shape, pos))
                 i += 1
             pos += numel
         if i != len(flat.fqns):
-            raise RuntimeError(f"{where}: FlatParameter metadata lists {len(flat.fqns)} parameters, found {i}")
+            raise RuntimeError(
+                f"{where}: FlatParameter metadata lists {len(flat.fqns)} parameters, found {i}"
+            )
         start = fp.numel() * handle.rank
         in_shard, intra_start = [], []
         for p, info in zip(params, flat.shard_param_infos):
             in_shard.append(bool(info.in_shard))
             intra_start.append(int(info.intra_param_start_idx) if info.in_shard else 0)
             # Cross-check our layout with FSDP's own view of this rank's shard.
-            if info.in_shard and p.offset + info.intra_param_start_idx != start + info.offset_in_shard:
+            if (
+                info.in_shard
+                and p.offset + info.intra_param_start_idx != start + info.offset_in_shard
+            ):
                 raise RuntimeError(
                     f"{where}: computed layout of {p.fqn!r} disagrees with FSDP's shard metadata "
                     f"(this torch version's FlatParameter layout is not understood)"
@@ -170,7 +188,8 @@ def _units(model: nn.Module) -> list[_Unit]:
 
 
 def _extra_model_tensors(model: nn.Module, units: list[_Unit]) -> dict[str, torch.Tensor]:
-    """Persistent buffers and parameters no FlatParameter manages (ignored modules), by cleaned name."""
+    """Persistent buffers and parameters no FlatParameter manages (ignored modules), by cleaned
+    name."""
     managed = {id(u.flat_param) for u in units}
     for u in units:
         managed.update(id(p) for p in u.orig_params or ())
@@ -186,8 +205,11 @@ def _extra_model_tensors(model: nn.Module, units: list[_Unit]) -> dict[str, torc
     return out
 
 
-def _optim_index(model: nn.Module, optim: torch.optim.Optimizer, units: list[_Unit]) -> list[list[tuple[_Unit, int | None]]]:
-    """For every param group, for every param: its unit and (use_orig_params) its index in the unit."""
+def _optim_index(
+    model: nn.Module, optim: torch.optim.Optimizer, units: list[_Unit]
+) -> list[list[tuple[_Unit, int | None]]]:
+    """For every param group, for every param: its unit and (use_orig_params) its index in the
+    unit."""
     flat = {id(u.flat_param): u for u in units}
     orig = {id(p): (u, i) for u in units for i, p in enumerate(u.orig_params or ())}
     names = {id(p): n for n, p in model.named_parameters()}
@@ -200,11 +222,18 @@ def _optim_index(model: nn.Module, optim: torch.optim.Optimizer, units: list[_Un
             elif id(p) in orig:
                 row.append(orig[id(p)])
             else:
-                what = f"model parameter {_clean(names[id(p)])!r}" if id(p) in names else "not a parameter of the model"
+                what = (
+                    f"model parameter {_clean(names[id(p)])!r}"
+                    if id(p) in names
+                    else "not a parameter of the model"
+                )
                 raise ValueError(
-                    f"fsdp1_state_dict: optimizer param group {gi}, param {pi} (shape {list(p.shape)}; {what}) "
-                    f"is neither a FlatParameter of this FSDP1 model nor one of its original parameters "
-                    f"(use_orig_params=True); build the optimizer from the FSDP1-wrapped model's parameters()"
+                    f"fsdp1_state_dict: optimizer param group {gi}, param {pi} (shape "
+                    f"{list(p.shape)}; {what}) "
+                    "is neither a FlatParameter of this FSDP1 model nor one of its original "
+                    "parameters "
+                    "(use_orig_params=True); build the optimizer from the FSDP1-wrapped model's "
+                    "parameters()"
                 )
         out.append(row)
     return out
@@ -217,7 +246,9 @@ def _group_fqns(row: list[tuple[_Unit, int | None]]) -> list[str]:
     return fqns
 
 
-def fsdp1_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+def fsdp1_state_dict(
+    model: nn.Module, optim: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
     """The training state of an FSDP1 ``model`` (and ``optim``) over this rank's local shard memory.
 
     Returns ``{"model": {...}}``, plus ``"optim": {...}`` when ``optim`` is
@@ -255,7 +286,9 @@ def fsdp1_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = Non
     units = _units(model)
     model_sd: dict[str, Any] = dict(_extra_model_tensors(model, units))
     for k, u in enumerate(units):
-        model_sd[f"__fsdp1_flat__/{k}"] = FlatShard(u.flat_param.detach(), u.params, u.start, prefix="model.")
+        model_sd[f"__fsdp1_flat__/{k}"] = FlatShard(
+            u.flat_param.detach(), u.params, u.start, prefix="model."
+        )
     out: dict[str, Any] = {"model": model_sd}
     if optim is None:
         return out
@@ -276,7 +309,11 @@ def fsdp1_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = Non
                 if not u.in_shard[i]:
                     continue  # this rank holds none of the param: nothing of it to save or load
                 fp_i = u.params[i]
-                fqns, layout, start = [fp_i.fqn], [FlatParam(fp_i.fqn, fp_i.shape, 0)], u.intra_start[i]
+                fqns, layout, start = (
+                    [fp_i.fqn],
+                    [FlatParam(fp_i.fqn, fp_i.shape, 0)],
+                    u.intra_start[i],
+                )
                 tag = f"__fsdp1_orig__/{fp_i.fqn}"
             for name, v in state.items():
                 if isinstance(v, torch.Tensor) and v.dim() == 0:
@@ -289,7 +326,8 @@ def fsdp1_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = Non
                         raise ValueError(
                             f"fsdp1_state_dict: optimizer state {name!r} of {tag} ({', '.join(fqns[:3])}"
                             f"{', ...' if len(fqns) > 3 else ''}) has shape "
-                            f"{list(v.shape)}, not the parameter's {list(p.shape)}; only state shaped like "
+                            f"{list(v.shape)}, not the parameter's {list(p.shape)}; only state "
+                            "shaped like "
                             f"the (flat) parameter, 0-d tensors and plain values are supported"
                         )
                     optim_sd[f"{tag}.{name}"] = FlatShard(
@@ -308,7 +346,9 @@ def fsdp1_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = Non
     return out
 
 
-def fsdp1_apply_loaded(model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def fsdp1_apply_loaded(
+    model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
     """Apply what ``dcp.load`` put into ``state`` (from :func:`fsdp1_state_dict`) but not in place.
 
     Tensors (parameters, ``exp_avg``, ``step``, ...) were loaded in place;
@@ -327,7 +367,8 @@ def fsdp1_apply_loaded(model: nn.Module, optim: torch.optim.Optimizer, state: di
     groups = osd.get("param_groups", [])
     if len(groups) != len(optim.param_groups):
         raise ValueError(
-            f"fsdp1_apply_loaded: state has {len(groups)} param groups, the optimizer {len(optim.param_groups)}"
+            f"fsdp1_apply_loaded: state has {len(groups)} param groups, the optimizer "
+            f"{len(optim.param_groups)}"
         )
     for gi, (row, group, loaded) in enumerate(zip(index, optim.param_groups, groups)):
         want = _group_fqns(row)
@@ -355,7 +396,8 @@ def fsdp1_apply_loaded(model: nn.Module, optim: torch.optim.Optimizer, state: di
                     if values:
                         if any(x != values[0] for x in values):
                             raise ValueError(
-                                f"fsdp1_apply_loaded: optimizer state {name!r} differs between parameters "
+                                f"fsdp1_apply_loaded: optimizer state {name!r} differs between "
+                                "parameters "
                                 f"{fqns} that share one FlatParameter: {values}"
                             )
                         st[name] = values[0]

@@ -53,7 +53,6 @@ coordinates, as JSON) in the checkpoint under ``"__ucp_layout__"`` as a
 :class:`~ucp_dcp.RankLocal`; :meth:`LayoutSpec.from_json` rebuilds it.
 """
 
-
 from ..errors import LayoutRuleError
 from ..format.names import LAYOUT_KEY
 from .layout_spec import LayoutSpec

@@ -1,4 +1,5 @@
-"""The layout spec: a list of layout rules applied to a rank's state dict (:mod:`ucp_dcp.adapters.layout_rules`).
+"""The layout spec: a list of layout rules applied to a rank's state dict
+(:mod:`ucp_dcp.adapters.layout_rules`).
 
 :class:`LayoutSpec` renames every tensor key, picks the first layout rule
 that matches it and replaces the tensor by its pieces, keeping the caller's
@@ -10,11 +11,13 @@ tensor. It is stored in a checkpoint as JSON under
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard as DShard
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Shard as DShard
 
 from .._compat import compute_local_shape_and_global_offset, flatten_state_dict
 from ..core.nested import set_in_place
@@ -64,7 +67,9 @@ class LayoutSpec:
             try:
                 rank, size = (int(x) for x in coord)
             except (TypeError, ValueError):
-                raise LayoutRuleError(f"axis {name!r}: expected (coordinate, size), got {coord!r}") from None
+                raise LayoutRuleError(
+                    f"axis {name!r}: expected (coordinate, size), got {coord!r}"
+                ) from None
             if not 0 <= rank < size:
                 raise LayoutRuleError(f"axis {name!r}: coordinate {rank} is outside size {size}")
             axes[str(name)] = (rank, size)
@@ -102,7 +107,8 @@ class LayoutSpec:
                             idx = int(m.group(1))
                         except ValueError:
                             raise LayoutRuleError(
-                                f"{rule.describe()}: group 1 of the match in {key!r} is {m.group(1)!r}, "
+                                f"{rule.describe()}: group 1 of the match in {key!r} is "
+                                f"{m.group(1)!r}, "
                                 f"not an integer"
                             ) from None
                         return text[: s - base] + str(idx + shift) + text[e - base :]
@@ -147,7 +153,9 @@ class LayoutSpec:
             new = self._pieces(key, name, value, used, record)
             if isinstance(new, TensorPieces):
                 for p in new.pieces:
-                    produced.setdefault(p.fqn, []).append((key, p.shape, p.offsets, tuple(p.data.shape)))
+                    produced.setdefault(p.fqn, []).append(
+                        (key, p.shape, p.offsets, tuple(p.data.shape))
+                    )
             else:
                 produced.setdefault(name, []).append((key, tuple(value.shape), None, None))
             set_in_place(out, paths[key], new)
@@ -191,7 +199,8 @@ class LayoutSpec:
         if isinstance(value, DTensor):
             if rule is not None:
                 raise LayoutRuleError(
-                    f"{rule.describe()} matches {key!r}, a DTensor: a DTensor describes its own layout; "
+                    f"{rule.describe()} matches {key!r}, a DTensor: a DTensor describes its own "
+                    "layout; "
                     f"change the rule's pattern so it does not match it"
                 )
             return value if name == key else _dtensor_pieces(name, value, source)
@@ -201,7 +210,8 @@ class LayoutSpec:
                     f"the layout cannot explain {key!r}"
                     + (f" (renamed {name!r})" if name != key else "")
                     + f" (shape {list(value.shape)}, {value.dtype}): no layout rule matches it; add e.g. "
-                    f"Replicated({re.escape(name.rsplit('.', 1)[-1])!r}) if every rank holds the same copy"
+                    f"Replicated({re.escape(name.rsplit('.', 1)[-1])!r}) if every rank holds the "
+                    "same copy"
                 )
             return full_piece(name, value.detach(), ctx)
         used.add(used_index)
@@ -221,11 +231,15 @@ class LayoutSpec:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], *, groups: Mapping[str, Any] | None = None) -> "LayoutSpec":
+    def from_json(
+        cls, data: Mapping[str, Any], *, groups: Mapping[str, Any] | None = None
+    ) -> LayoutSpec:
         """Rebuild a spec written by :meth:`to_json` (``groups``: process groups, if averaging)."""
         version = data.get("version")
         if version != _JSON_VERSION:
-            raise LayoutRuleError(f"layout spec JSON version {version!r}; this code reads {_JSON_VERSION}")
+            raise LayoutRuleError(
+                f"layout spec JSON version {version!r}; this code reads {_JSON_VERSION}"
+            )
         return cls(
             [Rule.from_json(r) for r in data["rules"]],
             axes={k: (int(v[0]), int(v[1])) for k, v in data.get("axes", {}).items()},
@@ -242,19 +256,25 @@ def _dtensor_pieces(name: str, value: Any, source: str) -> TensorPieces:
         type(p) is not DShard and isinstance(p, DShard) for p in placements
     ):
         raise LayoutRuleError(
-            f"{source}: a renamed DTensor with placements {placements} (only Shard and Replicate can be renamed)"
+            f"{source}: a renamed DTensor with placements {placements} (only Shard and Replicate "
+            "can be renamed)"
         )
     local = value.to_local().detach()
-    shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, placements)
+    shape, offsets = compute_local_shape_and_global_offset(
+        value.shape, value.device_mesh, placements
+    )
     if tuple(shape) != tuple(local.shape):
-        raise LayoutRuleError(f"{source}: DTensor local shape {list(local.shape)} is not the expected {list(shape)}")
+        raise LayoutRuleError(
+            f"{source}: DTensor local shape {list(local.shape)} is not the expected {list(shape)}"
+        )
     replicated = any(isinstance(p, Replicate) for p in placements)
     pieces = [Piece(name, tuple(value.shape), tuple(offsets), local)] if local.numel() else []
     return TensorPieces(pieces, replicated=replicated, source=source)
 
 
 def _copy_containers(obj: Any) -> Any:
-    """``obj`` with every dict and list copied (leaves shared), for :meth:`LayoutSpec.apply` to fill."""
+    """``obj`` with every dict and list copied (leaves shared), for :meth:`LayoutSpec.apply` to
+    fill."""
     if isinstance(obj, Mapping):
         return {k: _copy_containers(v) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -262,7 +282,9 @@ def _copy_containers(obj: Any) -> Any:
     return obj
 
 
-_Produced = dict[str, list[tuple[str, tuple[int, ...], Optional[tuple[int, ...]], Optional[tuple[int, ...]]]]]
+_Produced = dict[
+    str, list[tuple[str, tuple[int, ...], tuple[int, ...] | None, tuple[int, ...] | None]]
+]
 
 
 def _check_collisions(produced: _Produced) -> None:
@@ -283,7 +305,7 @@ def _check_collisions(produced: _Produced) -> None:
             for kb, _, bo, bsz in items[i + 1 :]:
                 if ka != kb and intersect(Box(ao, asz), Box(bo, bsz)) is not None:
                     raise LayoutRuleError(
-                        f"keys {ka!r} and {kb!r} both hold rows of the logical tensor {fqn!r} at overlapping "
+                        f"keys {ka!r} and {kb!r} both hold rows of the logical tensor {fqn!r} at "
+                        "overlapping "
                         f"boxes (offsets {list(ao)} and {list(bo)}); check the Rename/Reindex rules"
                     )
-

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -20,8 +21,18 @@ from ..core.pieces import Piece, TensorPieces
 from ..errors import LayoutRuleError
 
 __all__ = [
-    "Rule", "LayoutRule", "Rename", "Reindex", "Shard", "Fused", "VocabPad", "Replicated", "Averaged",
-    "RuleContext", "RULES", "full_piece",
+    "Rule",
+    "LayoutRule",
+    "Rename",
+    "Reindex",
+    "Shard",
+    "Fused",
+    "VocabPad",
+    "Replicated",
+    "Averaged",
+    "RuleContext",
+    "RULES",
+    "full_piece",
 ]
 
 
@@ -66,7 +77,7 @@ class Rule:
         return out
 
     @staticmethod
-    def from_json(data: Mapping[str, Any]) -> "Rule":
+    def from_json(data: Mapping[str, Any]) -> Rule:
         """Rebuild a rule written by :meth:`to_json`."""
         data = dict(data)
         kind = data.pop("rule", None)
@@ -106,7 +117,9 @@ class Reindex(Rule):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.regex.groups < 1:
-            raise LayoutRuleError(f"{self.describe()}: the pattern needs a capture group (the index)")
+            raise LayoutRuleError(
+                f"{self.describe()}: the pattern needs a capture group (the index)"
+            )
         if (self.axis is None) != (self.per_rank == 0):
             raise LayoutRuleError(f"{self.describe()}: give axis and per_rank together, or neither")
 
@@ -121,21 +134,27 @@ class LayoutRule(Rule):
 
     axis: str | None = None
 
-    def pieces(self, name: str, t: torch.Tensor, rank: int, size: int, ctx: "RuleContext") -> TensorPieces:
-        """The pieces of local tensor ``t`` (logical name ``name``) at coordinate ``rank`` of ``size``."""
+    def pieces(
+        self, name: str, t: torch.Tensor, rank: int, size: int, ctx: RuleContext
+    ) -> TensorPieces:
+        """The pieces of local tensor ``t`` (logical name ``name``) at coordinate ``rank`` of
+        ``size``."""
         raise NotImplementedError
 
 
 @dataclass(frozen=True)
 class Shard(LayoutRule):
-    """An even shard along ``dim``: coordinate r of n holds ``[r * L, (r + 1) * L)`` (L: local size).
+    """An even shard along ``dim``: coordinate r of n holds ``[r * L, (r + 1) * L)`` (L: local
+    size).
 
     ``Shard(r"\\.(o|down)\\.weight", dim=1, axis="tp")``: row-parallel linear layers.
     """
 
     dim: int = 0
 
-    def pieces(self, name: str, t: torch.Tensor, rank: int, size: int, ctx: "RuleContext") -> TensorPieces:
+    def pieces(
+        self, name: str, t: torch.Tensor, rank: int, size: int, ctx: RuleContext
+    ) -> TensorPieces:
         d = _check_dim(self, name, t, self.dim)
         shape = list(t.shape)
         local = shape[d]
@@ -178,27 +197,33 @@ class Fused(LayoutRule):
         out["parts"] = [[k, w] for k, w in self.parts.items()]  # order matters
         return out
 
-    def pieces(self, name: str, t: torch.Tensor, rank: int, size: int, ctx: "RuleContext") -> TensorPieces:
+    def pieces(
+        self, name: str, t: torch.Tensor, rank: int, size: int, ctx: RuleContext
+    ) -> TensorPieces:
         d = _check_dim(self, name, t, self.dim)
         widths = list(self.parts.values())
         total = sum(widths)
         axis = self.axis or "axis"
         if total % size or t.shape[d] * size != total:
             raise LayoutRuleError(
-                f"fused split of {ctx.key!r} by {self.describe()}: widths {widths} add up to {total}, but the "
-                f"tensor has {t.shape[d]} along dim {d} at {axis} size {size} (expected {total}/{size} = "
+                f"fused split of {ctx.key!r} by {self.describe()}: widths {widths} add up to "
+                f"{total}, but the "
+                f"tensor has {t.shape[d]} along dim {d} at {axis} size {size} (expected "
+                f"{total}/{size} = "
                 f"{total / size:g})"
             )
         groups = size if self.groups is None else self.groups
         if groups % size:
             raise LayoutRuleError(
-                f"fused split of {ctx.key!r} by {self.describe()}: {groups} groups do not split evenly over "
+                f"fused split of {ctx.key!r} by {self.describe()}: {groups} groups do not split "
+                "evenly over "
                 f"{axis} size {size}"
             )
         bad = [w for w in widths if w % groups]
         if bad:
             raise LayoutRuleError(
-                f"fused split of {ctx.key!r} by {self.describe()}: widths {bad} are not divisible by "
+                f"fused split of {ctx.key!r} by {self.describe()}: widths {bad} are not divisible "
+                "by "
                 f"{groups} ({'groups' if self.groups else axis + ' size'})"
             )
         local_groups = groups // size
@@ -212,7 +237,9 @@ class Fused(LayoutRule):
                 shape[d] = w
                 offsets = [0] * t.dim()
                 offsets[d] = global_group * block
-                pieces.append(Piece(part_name, tuple(shape), tuple(offsets), t.narrow(d, pos, block)))
+                pieces.append(
+                    Piece(part_name, tuple(shape), tuple(offsets), t.narrow(d, pos, block))
+                )
                 pos += block
         return TensorPieces(pieces, source=ctx.source)
 
@@ -234,16 +261,21 @@ class VocabPad(LayoutRule):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.size <= 0:
-            raise LayoutRuleError(f"{self.describe()}: size (the true, unpadded size) must be positive")
+            raise LayoutRuleError(
+                f"{self.describe()}: size (the true, unpadded size) must be positive"
+            )
 
-    def pieces(self, name: str, t: torch.Tensor, rank: int, size: int, ctx: "RuleContext") -> TensorPieces:
+    def pieces(
+        self, name: str, t: torch.Tensor, rank: int, size: int, ctx: RuleContext
+    ) -> TensorPieces:
         d = _check_dim(self, name, t, self.dim)
         local = t.shape[d]
         padded = local * size
         if self.size <= 0 or padded < self.size:
             raise LayoutRuleError(
                 f"padded split of {ctx.key!r} by {self.describe()}: {local} rows along dim {d} at "
-                f"{self.axis or 'axis'} size {size} make {padded} padded rows, fewer than the true size "
+                f"{self.axis or 'axis'} size {size} make {padded} padded rows, fewer than the "
+                "true size "
                 f"{self.size}"
             )
         start = rank * local
@@ -265,7 +297,9 @@ class Replicated(LayoutRule):
     tensor and ranks if not) and writes one copy; load reads it on every rank.
     """
 
-    def pieces(self, name: str, t: torch.Tensor, rank: int, size: int, ctx: "RuleContext") -> TensorPieces:
+    def pieces(
+        self, name: str, t: torch.Tensor, rank: int, size: int, ctx: RuleContext
+    ) -> TensorPieces:
         return full_piece(name, t, ctx)
 
 
@@ -279,22 +313,28 @@ class Averaged(LayoutRule):
     reads the mean into its tensor.
     """
 
-    def pieces(self, name: str, t: torch.Tensor, rank: int, size: int, ctx: "RuleContext") -> TensorPieces:
+    def pieces(
+        self, name: str, t: torch.Tensor, rank: int, size: int, ctx: RuleContext
+    ) -> TensorPieces:
         if not ctx.save or size == 1:
             return full_piece(name, t, ctx)
         if not t.is_floating_point():
-            raise LayoutRuleError(f"{self.describe()}: cannot average {ctx.key!r} of dtype {t.dtype}")
+            raise LayoutRuleError(
+                f"{self.describe()}: cannot average {ctx.key!r} of dtype {t.dtype}"
+            )
         group = ctx.groups.get(self.axis) if self.axis else None
         if group is None:
             raise LayoutRuleError(
-                f"{self.describe()} matches {ctx.key!r}: averaging over {self.axis!r} (size {size}) needs "
+                f"{self.describe()} matches {ctx.key!r}: averaging over {self.axis!r} (size "
+                f"{size}) needs "
                 f"its process group: LayoutSpec(..., groups={{{self.axis!r}: group}})"
             )
         import torch.distributed as dist
 
         if dist.get_world_size(group) != size:
             raise LayoutRuleError(
-                f"{self.describe()}: the process group of axis {self.axis!r} has {dist.get_world_size(group)} "
+                f"{self.describe()}: the process group of axis {self.axis!r} has "
+                f"{dist.get_world_size(group)} "
                 f"ranks, but axes says its size is {size}"
             )
         acc_dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -319,17 +359,19 @@ def _check_dim(rule: Rule, name: str, t: torch.Tensor, dim: int) -> int:
     return dim % t.dim()
 
 
-def full_piece(name: str, t: torch.Tensor, ctx: "RuleContext") -> TensorPieces:
+def full_piece(name: str, t: torch.Tensor, ctx: RuleContext) -> TensorPieces:
     """``t`` as one replicated piece: the whole logical tensor ``name``."""
-    return TensorPieces([Piece(name, tuple(t.shape), (0,) * t.dim(), t)], replicated=True, source=ctx.source)
+    return TensorPieces(
+        [Piece(name, tuple(t.shape), (0,) * t.dim(), t)], replicated=True, source=ctx.source
+    )
 
 
 @dataclass
 class RuleContext:
-    """What a layout rule knows about the key it cuts: the key, how errors name it, save or load, process groups."""
+    """What a layout rule knows about the key it cuts: the key, how errors name it, save or load,
+    process groups."""
 
     key: str
     source: str
     save: bool
     groups: Mapping[str, Any]
-

@@ -35,8 +35,8 @@ import dataclasses
 import functools
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -66,10 +66,12 @@ _ARENA_BYTES = 1 << 20
 _POOL_BYTES = 32 << 20
 _pool: list[np.ndarray] = []
 _pool_lock = threading.Lock()
-# A run read in place is cut into pieces of about this size, each hashed by the I/O thread that read it
+# A run read in place is cut into pieces of about this size, each hashed by the I/O thread that read
+# it
 # right after the read, while it is still in the CPU's cache (see rangeio.HOOKED_REQUEST_BYTES).
 _PIECE = HOOKED_REQUEST_BYTES
-# Up to this many blocks (or pieces to copy) are handled in a plain loop: cheaper than a dozen small array operations.
+# Up to this many blocks (or pieces to copy) are handled in a plain loop: cheaper than a dozen small
+# array operations.
 _FEW = 8
 
 
@@ -92,14 +94,16 @@ def _give_arenas(arenas: list[np.ndarray]) -> None:
 
 @dataclass(frozen=True, eq=False)
 class BlockSums:
-    """The recorded xxh3-64 of every ``block`` bytes of one saved chunk (``sums[k]``: block ``k``)."""
+    """The recorded xxh3-64 of every ``block`` bytes of one saved chunk (``sums[k]``: block
+    ``k``)."""
 
     block: int
     sums: np.ndarray  # uint64, ceil(nbytes / block) of them
 
 
 class BlockHasher:
-    """The xxh3-64 of every ``block`` bytes of an ``nbytes``-long stream fed to :meth:`update` in pieces of any size."""
+    """The xxh3-64 of every ``block`` bytes of an ``nbytes``-long stream fed to :meth:`update` in
+    pieces of any size."""
 
     def __init__(self, nbytes: int, block: int) -> None:
         self.block = block
@@ -145,9 +149,10 @@ class BlockHasher:
 
 @dataclass(frozen=True)
 class ChunkCheck:
-    """How reads of one saved chunk are checked: by ``verifier``, against ``sums``; ``fqn``/``offsets`` name it."""
+    """How reads of one saved chunk are checked: by ``verifier``, against ``sums``;
+    ``fqn``/``offsets`` name it."""
 
-    verifier: "BlockVerifier"
+    verifier: BlockVerifier
     sums: BlockSums
     fqn: str
     offsets: tuple[int, ...]
@@ -164,8 +169,11 @@ class _Batch:
     dest_blocks: np.ndarray  # its block number
     scratch: np.ndarray  # the touched blocks read whole, one after the other
     scratch_blocks: np.ndarray  # the block number of each
-    copies: tuple[np.ndarray, np.ndarray, np.ndarray]  # scratch offset, dest offset, length of each piece
-    # In-place blocks that are consecutive blocks at consecutive offsets (one run: the common case), as
+    copies: tuple[
+        np.ndarray, np.ndarray, np.ndarray
+    ]  # scratch offset, dest offset, length of each piece
+    # In-place blocks that are consecutive blocks at consecutive offsets (one run: the common case),
+    # as
     # (offset in ``dest`` of the first, first block, end block), checked without per-block arrays.
     run: tuple[int, int, int] | None = None
     pieces: int = 0  # segments of ``run`` whose callbacks hash their own blocks
@@ -174,7 +182,9 @@ class _Batch:
     checked: bool = False
 
 
-def _digests(mem: memoryview | np.ndarray, offs: np.ndarray, lens: np.ndarray, block: int) -> np.ndarray:
+def _digests(
+    mem: memoryview | np.ndarray, offs: np.ndarray, lens: np.ndarray, block: int
+) -> np.ndarray:
     """xxh3-64 of ``mem[offs[i] : offs[i] + lens[i]]`` for every ``i``.
 
     Blocks of full length at a constant stride (a run, consecutive runs of
@@ -230,7 +240,9 @@ class BlockVerifier:
         scratch_limit: bound on the scratch memory of one batch.
     """
 
-    def __init__(self, paths: Sequence[str], ranks: Sequence[int | None], *, scratch_limit: int = 16 << 20) -> None:
+    def __init__(
+        self, paths: Sequence[str], ranks: Sequence[int | None], *, scratch_limit: int = 16 << 20
+    ) -> None:
         self.paths = paths
         self.ranks = ranks
         self.scratch_limit = max(scratch_limit, 1)
@@ -245,7 +257,9 @@ class BlockVerifier:
 
     # ------------------------------------------------------------ scratch
     def _scratch(self, nbytes: int) -> np.ndarray:
-        while self._arena < len(self._arenas) and self._used + nbytes > len(self._arenas[self._arena]):
+        while self._arena < len(self._arenas) and self._used + nbytes > len(
+            self._arenas[self._arena]
+        ):
             self._arena, self._used = self._arena + 1, 0
         if self._arena == len(self._arenas):
             self._arenas.append(_take_arena(nbytes))
@@ -264,7 +278,8 @@ class BlockVerifier:
         dest: torch.Tensor,
         view: memoryview | None = None,
     ) -> Iterator[list[Segment]]:
-        """Batches of segments that read ``region`` of a saved chunk into CPU tensor ``dest`` and complete every block they touch.
+        """Batches of segments that read ``region`` of a saved chunk into CPU tensor ``dest`` and
+        complete every block they touch.
 
         As :func:`~ucp_dcp.byteio.transfer.segments_into` (``dest`` has the
         region's shape and the saved dtype, ``chunk_sizes`` and ``region``
@@ -291,9 +306,14 @@ class BlockVerifier:
             while j < len(src) and (int(src[j - 1]) + length - 1) // bs == int(src[j]) // bs:
                 # The next run starts in the block this one ends in: no block is split between
                 # batches (it would be read and hashed twice).
-                j = max(j + 1, int(np.searchsorted(src, ((int(src[j - 1]) + length - 1) // bs + 1) * bs)))
+                j = max(
+                    j + 1,
+                    int(np.searchsorted(src, ((int(src[j - 1]) + length - 1) // bs + 1) * bs)),
+                )
             if len(src) == 1:  # one contiguous run: the common case, in plain integers
-                batch, segments = self._batch_one(location, check, int(src[0]), int(dst[0]), length, view)
+                batch, segments = self._batch_one(
+                    location, check, int(src[0]), int(dst[0]), length, view
+                )
             else:
                 batch, segments = self._batch(location, check, src[i:j], dst[i:j], length, view)
             i = j
@@ -309,9 +329,16 @@ class BlockVerifier:
             self.bytes += nbytes
 
     def _batch_one(
-        self, location: Location, check: ChunkCheck, start: int, at: int, length: int, view: memoryview,
+        self,
+        location: Location,
+        check: ChunkCheck,
+        start: int,
+        at: int,
+        length: int,
+        view: memoryview,
     ) -> tuple[_Batch, list[Segment]]:
-        """:meth:`_batch` for a single run ``[start, start + length)`` of the chunk, read into ``view`` at ``at``."""
+        """:meth:`_batch` for a single run ``[start, start + length)`` of the chunk, read into
+        ``view`` at ``at``."""
         bs, n, file, base = check.sums.block, location.nbytes, location.file, location.start
         end = start + length
         if start < 0 or end > n:
@@ -319,10 +346,14 @@ class BlockVerifier:
         first = min(-(-start // bs) * bs, n)  # the run's whole blocks are [first, last)
         last = n if end == n else end // bs * bs
         empty = np.zeros(0, np.int64)
-        batch = _Batch(location, check, view, empty, empty, np.zeros(0, np.uint8), empty, (empty,) * 3)
+        batch = _Batch(
+            location, check, view, empty, empty, np.zeros(0, np.uint8), empty, (empty,) * 3
+        )
         done = functools.partial(self._segment_done, batch)
         segments: list[Segment] = []
-        edges: list[tuple[int, int, int]] = []  # through scratch: (start in the chunk, end, offset in view)
+        edges: list[
+            tuple[int, int, int]
+        ] = []  # through scratch: (start in the chunk, end, offset in view)
         if first < last:
             batch.run = (at + first - start, first // bs, -(-last // bs))
             # In pieces, each hashed by the I/O thread that read it while it is
@@ -332,8 +363,14 @@ class BlockVerifier:
             for p in range(first, last, piece):
                 q = min(p + piece, last)
                 off = at + p - start
-                segments.append(Segment(file, base + p, view[off : off + q - p],
-                                        functools.partial(self._piece_done, batch, off, p // bs, -(-q // bs))))
+                segments.append(
+                    Segment(
+                        file,
+                        base + p,
+                        view[off : off + q - p],
+                        functools.partial(self._piece_done, batch, off, p // bs, -(-q // bs)),
+                    )
+                )
             batch.pieces = len(segments)
             edges += [(start, first, at)] if start < first else []
             edges += [(last, end, at + last - start)] if last < end else []
@@ -351,15 +388,27 @@ class BlockVerifier:
                 while j + 1 < len(blocks) and blocks[j + 1] == blocks[j] + 1:
                     j += 1
                 stop = min(blocks[j] * bs + bs, n)
-                segments.append(Segment(file, base + k * bs, scratch[i * bs : i * bs + stop - k * bs], done))
+                segments.append(
+                    Segment(file, base + k * bs, scratch[i * bs : i * bs + stop - k * bs], done)
+                )
             pos = {k: i for i, k in enumerate(blocks)}
-            batch.copies = tuple(np.array(c, dtype=np.int64) for c in zip(  # type: ignore[assignment]
-                *[(pos[s // bs] * bs + s % bs, d, e - s) for s, e, d in edges]))
+            batch.copies = tuple(
+                np.array(c, dtype=np.int64)
+                for c in zip(  # type: ignore[assignment]
+                    *[(pos[s // bs] * bs + s % bs, d, e - s) for s, e, d in edges]
+                )
+            )
         batch.left = len(segments)
         return batch, segments
 
     def _batch(
-        self, location: Location, check: ChunkCheck, a: np.ndarray, dst: np.ndarray, length: int, view: memoryview,
+        self,
+        location: Location,
+        check: ChunkCheck,
+        a: np.ndarray,
+        dst: np.ndarray,
+        length: int,
+        view: memoryview,
     ) -> tuple[_Batch, list[Segment]]:
         bs, n, file, base = check.sums.block, location.nbytes, location.file, location.start
         b = a + length
@@ -376,8 +425,15 @@ class BlockVerifier:
         ps = np.concatenate([a[whole], a[head], fb[tail]])
         pe = np.concatenate([b[whole], ca[head], b[tail]])
         pd = np.concatenate([dst[whole], dst[head], dst[tail] + (fb[tail] - a[tail])])
-        batch = _Batch(location, check, view, *(np.zeros(0, np.int64),) * 2, np.zeros(0, np.uint8), np.zeros(0, np.int64),
-                       (np.zeros(0, np.int64),) * 3)
+        batch = _Batch(
+            location,
+            check,
+            view,
+            *(np.zeros(0, np.int64),) * 2,
+            np.zeros(0, np.uint8),
+            np.zeros(0, np.int64),
+            (np.zeros(0, np.int64),) * 3,
+        )
         # In place: one segment per run that holds whole blocks, one hash per block.
         da, dfb, dd = ca[direct], fb[direct], dst[direct] + (ca[direct] - a[direct])
         cnt = -(-(dfb - da) // bs)
@@ -386,33 +442,48 @@ class BlockVerifier:
         j = np.arange(total, dtype=np.int64) - first
         batch.dest_blocks = np.repeat(da // bs, cnt) + j
         batch.dest_offs = np.repeat(dd, cnt) + j * bs
-        # Through scratch: every block a piece touches, read whole; runs of neighbouring blocks in one segment.
-        blocks = np.unique(np.concatenate([ps // bs, (pe - 1) // bs])) if len(ps) else np.zeros(0, np.int64)
+        # Through scratch: every block a piece touches, read whole; runs of neighbouring blocks in
+        # one segment.
+        blocks = (
+            np.unique(np.concatenate([ps // bs, (pe - 1) // bs]))
+            if len(ps)
+            else np.zeros(0, np.int64)
+        )
         cuts = np.flatnonzero(np.diff(blocks) != 1) + 1
         g0 = np.concatenate([[0], cuts]).astype(np.int64) if len(blocks) else np.zeros(0, np.int64)
-        g1 = np.concatenate([cuts, [len(blocks)]]).astype(np.int64) if len(blocks) else np.zeros(0, np.int64)
+        g1 = (
+            np.concatenate([cuts, [len(blocks)]]).astype(np.int64)
+            if len(blocks)
+            else np.zeros(0, np.int64)
+        )
         gs, ge = blocks[g0] * bs, np.minimum(blocks[g1 - 1] * bs + bs, n)
         done = None
         starts, ends = np.concatenate([da, gs]), np.concatenate([dfb, ge])
         order = np.argsort(starts, kind="stable")
         if int(np.count_nonzero(starts[order][1:] - ends[order][:-1] >= _PAGE)) < _HOOK_STRETCHES:
             done = functools.partial(self._segment_done, batch)
-        segments = [Segment(file, base + s, view[d : d + e - s], done)
-                    for s, e, d in zip(da.tolist(), dfb.tolist(), dd.tolist())]
+        segments = [
+            Segment(file, base + s, view[d : d + e - s], done)
+            for s, e, d in zip(da.tolist(), dfb.tolist(), dd.tolist())
+        ]
         if len(blocks):
             batch.scratch = self._scratch(len(blocks) * bs)
             batch.scratch_blocks = blocks
             scratch = memoryview(batch.scratch)
-            segments += [Segment(file, base + s, scratch[p : p + e - s], done)
-                         for s, e, p in zip(gs.tolist(), ge.tolist(), (g0 * bs).tolist())]
+            segments += [
+                Segment(file, base + s, scratch[p : p + e - s], done)
+                for s, e, p in zip(gs.tolist(), ge.tolist(), (g0 * bs).tolist())
+            ]
             batch.copies = (np.searchsorted(blocks, ps // bs) * bs + ps % bs, pd, pe - ps)
         batch.left = len(segments)
         return batch, segments
 
     # ------------------------------------------------------------ checking
     def check(self) -> None:
-        """Hash and compare every block of the batches planned so far (their reads must have completed),
-        then copy their scratch bytes into place; raises :class:`ChecksumError` on the first mismatch."""
+        """Hash and compare every block of the batches planned so far (their reads must have
+        completed),
+        then copy their scratch bytes into place; raises :class:`ChecksumError` on the first
+        mismatch."""
         if not self._pending:
             return
         try:
@@ -423,27 +494,49 @@ class BlockVerifier:
         finally:
             self._arena = self._used = self.scratch_bytes = 0
 
-    def check_span(self, check: ChunkCheck, location: Location, mem: np.ndarray, at: int, blocks: np.ndarray) -> None:
-        """Hash and compare blocks ``blocks`` (ascending, each once) of the chunk, read whole into ``mem``, whose
-        first byte is byte ``at`` of the chunk (a block boundary); raises :class:`ChecksumError` on a mismatch.
+    def check_span(
+        self, check: ChunkCheck, location: Location, mem: np.ndarray, at: int, blocks: np.ndarray
+    ) -> None:
+        """Hash and compare blocks ``blocks`` (ascending, each once) of the chunk, read whole into
+        ``mem``, whose
+        first byte is byte ``at`` of the chunk (a block boundary); raises :class:`ChecksumError` on
+        a mismatch.
 
-        For reads that stage a chunk's covering span (:mod:`ucp_dcp.core.spans`) and copy out of it afterwards.
+        For reads that stage a chunk's covering span (:mod:`ucp_dcp.core.spans`) and copy out of it
+        afterwards.
         """
         t0 = time.thread_time()
         nbytes = 0
         try:
             if len(blocks):
                 bs = check.sums.block
-                if at % bs or int(blocks[0]) * bs < at or min(int(blocks[-1]) * bs + bs, location.nbytes) - at > len(mem):
-                    raise ValueError(f"blocks {int(blocks[0])}..{int(blocks[-1])} are not inside the span read at {at}")
+                if (
+                    at % bs
+                    or int(blocks[0]) * bs < at
+                    or min(int(blocks[-1]) * bs + bs, location.nbytes) - at > len(mem)
+                ):
+                    raise ValueError(
+                        f"blocks {int(blocks[0])}..{int(blocks[-1])} are not inside the span read "
+                        f"at {at}"
+                    )
                 empty = np.zeros(0, np.int64)
-                batch = _Batch(location, check, memoryview(mem), empty, empty, np.zeros(0, np.uint8), empty, (empty,) * 3)
+                batch = _Batch(
+                    location,
+                    check,
+                    memoryview(mem),
+                    empty,
+                    empty,
+                    np.zeros(0, np.uint8),
+                    empty,
+                    (empty,) * 3,
+                )
                 nbytes = self._compare(batch, memoryview(mem), blocks * bs - at, blocks)
         finally:
             self._spent(time.thread_time() - t0, nbytes)
 
     def close(self) -> None:
-        """Hand the scratch memory back for the next verifier; call once no read of this one runs any more.
+        """Hand the scratch memory back for the next verifier; call once no read of this one runs
+        any more.
 
         Memory of batches left unchecked (a read failed) is dropped instead.
         """
@@ -454,7 +547,8 @@ class BlockVerifier:
         self._pending = []
 
     def _segment_done(self, batch: _Batch, n: int) -> None:
-        """``n`` segments of ``batch`` were read (on an I/O thread): check the batch after its last one."""
+        """``n`` segments of ``batch`` were read (on an I/O thread): check the batch after its last
+        one."""
         with batch.lock:
             batch.left -= n
             last = batch.left == 0
@@ -462,7 +556,8 @@ class BlockVerifier:
             self._check_now(batch, run_hashed=batch.pieces > 0)
 
     def _piece_done(self, batch: _Batch, off: int, k0: int, k1: int, n: int) -> None:
-        """A piece of ``batch``'s run (blocks ``k0 .. k1-1`` at ``dest[off:]``) was read: hash and compare it
+        """A piece of ``batch``'s run (blocks ``k0 .. k1-1`` at ``dest[off:]``) was read: hash and
+        compare it
         now; the rest of the batch once its last segment is read."""
         t0 = time.thread_time()
         nbytes = self._compare_run(batch, off, k0, k1)  # raising fails the read
@@ -490,11 +585,14 @@ class BlockVerifier:
             self.paths[location.file],
             f"{chunk_what(check.fqn, check.offsets)}, block {k} (bytes [{k * bs}, {min(k * bs + bs, n)}) "
             "of the chunk)",
-            f"{want:016x}", f"{got:016x}", self.ranks[location.file],
+            f"{want:016x}",
+            f"{got:016x}",
+            self.ranks[location.file],
         )
 
     def _compare_run(self, batch: _Batch, off: int, k0: int, k1: int) -> int:
-        """Hash blocks ``k0 .. k1-1`` of the batch's chunk, one after the other from ``batch.dest[off:]``,
+        """Hash blocks ``k0 .. k1-1`` of the batch's chunk, one after the other from
+        ``batch.dest[off:]``,
         and compare; the bytes hashed.
 
         One pass of the hash over rows of a reshaped view and one comparison
@@ -510,7 +608,9 @@ class BlockVerifier:
             got = np.fromiter(map(_hash, arr.reshape(nfull, bs)), np.uint64, nfull)
         else:
             got = np.empty(k1 - k0, dtype=np.uint64)
-            got[:nfull] = np.fromiter(map(_hash, arr[: nfull * bs].reshape(nfull, bs)), np.uint64, nfull)
+            got[:nfull] = np.fromiter(
+                map(_hash, arr[: nfull * bs].reshape(nfull, bs)), np.uint64, nfull
+            )
             got[nfull] = _hash(arr[nfull * bs :])
         want = batch.check.sums.sums[k0:k1]
         if not np.array_equal(got, want):
@@ -519,7 +619,8 @@ class BlockVerifier:
         return nbytes
 
     def _compare(self, batch: _Batch, mem: memoryview, offs: np.ndarray, blocks: np.ndarray) -> int:
-        """Hash block ``blocks[i]`` of the batch's chunk at ``mem[offs[i]:]`` for every ``i`` and compare;
+        """Hash block ``blocks[i]`` of the batch's chunk at ``mem[offs[i]:]`` for every ``i`` and
+        compare;
         the bytes hashed."""
         if not len(blocks):
             return 0
@@ -544,14 +645,19 @@ class BlockVerifier:
         return int(lens.sum())
 
     def _check(self, batch: _Batch, run_hashed: bool = False) -> int:
-        """Hash and compare the batch's blocks (but for its run when ``run_hashed``: every piece's callback
+        """Hash and compare the batch's blocks (but for its run when ``run_hashed``: every piece's
+        callback
         did), copy its scratch bytes into place; the bytes hashed."""
         bs = batch.check.sums.block
-        nbytes = self._compare_run(batch, *batch.run) if batch.run is not None and not run_hashed else 0
+        nbytes = (
+            self._compare_run(batch, *batch.run) if batch.run is not None and not run_hashed else 0
+        )
         nbytes += self._compare(batch, batch.dest, batch.dest_offs, batch.dest_blocks)
         if len(batch.scratch_blocks):
             scratch_offs = np.arange(len(batch.scratch_blocks), dtype=np.int64) * bs
-            nbytes += self._compare(batch, memoryview(batch.scratch), scratch_offs, batch.scratch_blocks)
+            nbytes += self._compare(
+                batch, memoryview(batch.scratch), scratch_offs, batch.scratch_blocks
+            )
             self._copy(batch)
         return nbytes
 
@@ -570,8 +676,10 @@ class BlockVerifier:
             # Equal pieces at equal strides (a column slice of rows): one strided copy.
             m, w = len(so), int(ln[0])
             dest = np.frombuffer(batch.dest, dtype=np.uint8)
-            np.copyto(as_strided(dest[int(do[0]) :], (m, w), (dstep, 1)),
-                      as_strided(batch.scratch[int(so[0]) :], (m, w), (sstep, 1)))
+            np.copyto(
+                as_strided(dest[int(do[0]) :], (m, w), (dstep, 1)),
+                as_strided(batch.scratch[int(so[0]) :], (m, w), (sstep, 1)),
+            )
             return
         dview, sview = batch.dest, memoryview(batch.scratch)
         for s, d, w in zip(so.tolist(), do.tolist(), ln.tolist()):
@@ -587,7 +695,8 @@ def read_verified(
     check: ChunkCheck,
     view: memoryview | None = None,
 ) -> None:
-    """Read ``region`` of a saved chunk into CPU tensor ``dest`` now, checking every block the read touches."""
+    """Read ``region`` of a saved chunk into CPU tensor ``dest`` now, checking every block the read
+    touches."""
     v = check.verifier
     for segments in v.plan(location, check, chunk_sizes, region, dest, view):
         reader.read(segments)

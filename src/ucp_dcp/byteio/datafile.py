@@ -26,8 +26,9 @@ import dataclasses
 import math
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,7 +52,15 @@ from ..format import (
 from .blocksums import BlockHasher
 from .durable import remove_quietly, start_writeback, write_all
 
-__all__ = ["PLACEHOLDER", "PIECE_BYTES", "DataFileWriter", "layout", "stream_data_file", "value_entry", "chunk_entry"]
+__all__ = [
+    "PLACEHOLDER",
+    "PIECE_BYTES",
+    "DataFileWriter",
+    "layout",
+    "stream_data_file",
+    "value_entry",
+    "chunk_entry",
+]
 
 PIECE_BYTES = 8 << 20
 """Writer threads write stable data in pieces of this size (large enough that a call's cost is
@@ -65,10 +74,17 @@ PLACEHOLDER = "0" * 16
 
 
 def layout(
-    entries: Sequence[PlannedEntry], rank: int, world_size: int, save_id: str, align: int = ALIGN,
-    *, block: int | None = None, block_sums_xxh3: str = PLACEHOLDER,
+    entries: Sequence[PlannedEntry],
+    rank: int,
+    world_size: int,
+    save_id: str,
+    align: int = ALIGN,
+    *,
+    block: int | None = None,
+    block_sums_xxh3: str = PLACEHOLDER,
 ) -> tuple[bytes, list[int], int]:
-    """:func:`~ucp_dcp.format.layout_file` of a data file holding ``entries`` and their block checksums.
+    """:func:`~ucp_dcp.format.layout_file` of a data file holding ``entries`` and their block
+    checksums.
 
     The block checksums' entry (one uint64 per ``block`` bytes of every
     tensor chunk) comes first, right after the header, and is left out when
@@ -79,8 +95,9 @@ def layout(
     if not nsums:
         return layout_file(entries, rank, world_size, save_id, align)
     sums = PlannedEntry(BLOCK_SUMS_ENTRY, "U64", (nsums,), 8 * nsums, None)
-    header, starts, size = layout_file([sums, *entries], rank, world_size, save_id, align,
-                                       block_sums=(block, block_sums_xxh3))
+    header, starts, size = layout_file(
+        [sums, *entries], rank, world_size, save_id, align, block_sums=(block, block_sums_xxh3)
+    )
     return header, starts[1:], size
 
 
@@ -124,19 +141,24 @@ class DataFileWriter:
         self.created = False
         self._fd = -1
         self._hashers = [xxhash.xxh3_64() for _ in self.entries]
-        self._blocks = {i: BlockHasher(e.nbytes, self.block) for i, e in enumerate(self.entries)
-                        if has_block_sums(e.meta, e.nbytes)}
+        self._blocks = {
+            i: BlockHasher(e.nbytes, self.block)
+            for i, e in enumerate(self.entries)
+            if has_block_sums(e.meta, e.nbytes)
+        }
         self._written = [0] * len(self.entries)
         self.threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
         self._slots = threading.Semaphore(self.threads * _QUEUED_PER_THREAD)
         self._failed: BaseException | None = None  # the first error of a writer thread
 
-    def __enter__(self) -> "DataFileWriter":
+    def __enter__(self) -> DataFileWriter:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.created = True
         try:
-            os.ftruncate(self._fd, self.size)  # padding stays a hole: reads as zeros, costs no writes
+            os.ftruncate(
+                self._fd, self.size
+            )  # padding stays a hole: reads as zeros, costs no writes
         except BaseException:
             self._abort()
             raise
@@ -152,7 +174,10 @@ class DataFileWriter:
         view = memoryview(data).cast("B")
         done = self._written[i]
         if done + len(view) > self.entries[i].nbytes:
-            raise ValueError(f"{self.path}: entry {self.entries[i].name!r} gets more than its {self.entries[i].nbytes} bytes")
+            raise ValueError(
+                f"{self.path}: entry {self.entries[i].name!r} gets more than its "
+                f"{self.entries[i].nbytes} bytes"
+            )
         self._raise_failed()
         at = self.starts[i] + done
         if stable and self.threads > 1:
@@ -196,7 +221,8 @@ class DataFileWriter:
             raise self._failed
 
     def _drain(self) -> None:
-        """Wait for every queued piece and stop the writer threads (before the descriptor is closed)."""
+        """Wait for every queued piece and stop the writer threads (before the descriptor is
+        closed)."""
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
@@ -211,8 +237,15 @@ class DataFileWriter:
             short = [e.name for e, n in zip(self.entries, self._written) if n != e.nbytes]
             if short:
                 raise ValueError(f"{self.path}: entries {short[:5]} were not written in full")
-            self.entries, final, raw = _finished(self.path, self.entries, self._hashers, self._blocks,
-                                                 self._args, self.block, len(self.header))
+            self.entries, final, raw = _finished(
+                self.path,
+                self.entries,
+                self._hashers,
+                self._blocks,
+                self._args,
+                self.block,
+                len(self.header),
+            )
             if raw is not None:
                 # The block checksums' entry is the first one, right after the header.
                 write_all(self._fd, raw, len(self.header))
@@ -240,12 +273,20 @@ class DataFileWriter:
 
 
 def _finished(
-    path: str, entries: list[PlannedEntry], hashers: list[Any], blocks: dict[int, BlockHasher],
-    args: tuple[int, int, str, int], block: int, header_len: int,
+    path: str,
+    entries: list[PlannedEntry],
+    hashers: list[Any],
+    blocks: dict[int, BlockHasher],
+    args: tuple[int, int, str, int],
+    block: int,
+    header_len: int,
 ) -> tuple[list[PlannedEntry], bytes, memoryview | None]:
-    """Once every entry is hashed: the entries with their checksums, the final header, the block checksums' bytes."""
+    """Once every entry is hashed: the entries with their checksums, the final header, the block
+    checksums' bytes."""
     entries = [
-        dataclasses.replace(e, meta=dataclasses.replace(e.meta, xxh3=h.hexdigest())) if e.meta else e
+        dataclasses.replace(e, meta=dataclasses.replace(e.meta, xxh3=h.hexdigest()))
+        if e.meta
+        else e
         for e, h in zip(entries, hashers)
     ]
     raw = None
@@ -286,7 +327,11 @@ def stream_data_file(
     args = (rank, world_size, save_id, align)
     header, starts, size = layout(entries, *args, block=block)
     hashers = [xxhash.xxh3_64() for _ in entries]
-    blocks = {i: BlockHasher(e.nbytes, block) for i, e in enumerate(entries) if has_block_sums(e.meta, e.nbytes)}
+    blocks = {
+        i: BlockHasher(e.nbytes, block)
+        for i, e in enumerate(entries)
+        if has_block_sums(e.meta, e.nbytes)
+    }
     views = []
     for i, (e, data) in enumerate(zip(entries, datas)):
         view = memoryview(data).cast("B")
@@ -321,7 +366,9 @@ def stream_data_file(
 
 def value_entry(key: str, nbytes: int, *, rank_local: bool = False) -> PlannedEntry:
     """The entry of a non-tensor value (tagged JSON, ``nbytes`` long) named ``key``."""
-    meta = EntryMeta("rank_local" if rank_local else "value", key, "uint8", (nbytes,), (), (), PLACEHOLDER)
+    meta = EntryMeta(
+        "rank_local" if rank_local else "value", key, "uint8", (nbytes,), (), (), PLACEHOLDER
+    )
     name = rank_local_entry_name(key) if rank_local else value_entry_name(key)
     return PlannedEntry(name, "U8", (nbytes,), nbytes, meta)
 
@@ -342,5 +389,9 @@ def chunk_entry(
     sizes = tuple(sizes)
     nbytes = math.prod(sizes) * dtype.itemsize
     st = st_dtype(dtype)
-    meta = EntryMeta("tensor", fqn, dtype_name(dtype), tuple(shape), tuple(offsets), sizes, PLACEHOLDER, layout)
-    return PlannedEntry(chunk_entry_name(fqn, offsets), st or "U8", sizes if st else (nbytes,), nbytes, meta)
+    meta = EntryMeta(
+        "tensor", fqn, dtype_name(dtype), tuple(shape), tuple(offsets), sizes, PLACEHOLDER, layout
+    )
+    return PlannedEntry(
+        chunk_entry_name(fqn, offsets), st or "U8", sizes if st else (nbytes,), nbytes, meta
+    )

@@ -13,7 +13,8 @@ import errno
 import os
 import shutil
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = [
     "write_all",
@@ -39,7 +40,11 @@ _pwrite = os.pwrite
 
 def write_all(fd: int, data: bytes | bytearray | memoryview, offset: int | None = None) -> None:
     """Write all of ``data`` to ``fd``: at ``offset`` (``pwrite``), or at the file position."""
-    view = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+    view = (
+        memoryview(data).cast("B")
+        if not isinstance(data, memoryview) or data.format != "B"
+        else data
+    )
     while view:
         n = _pwrite(fd, view, offset) if offset is not None else os.write(fd, view)
         if n <= 0:  # never for a regular file, but a zero would spin forever
@@ -54,7 +59,8 @@ _sync_file_range: Any = None  # None: not looked up yet; False: unavailable
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing ``nbytes`` at ``offset`` of ``fd`` to storage now; best effort.
+    """Ask the kernel to start writing ``nbytes`` at ``offset`` of ``fd`` to storage now; best
+    effort.
 
     Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: it waits for nothing
     and guarantees nothing (only ``fsync`` does), but the storage starts on
@@ -75,7 +81,9 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # errors surface at fsync
 
 
-def write_bytes_durable(path: str, data: bytes | bytearray | memoryview, *, exclusive: bool = False) -> None:
+def write_bytes_durable(
+    path: str, data: bytes | bytearray | memoryview, *, exclusive: bool = False
+) -> None:
     """Write ``data`` to ``path`` (created, or truncated unless ``exclusive``) and fsync it.
 
     ``exclusive`` refuses an existing file (``O_EXCL``), for temp names that
@@ -91,7 +99,8 @@ def write_bytes_durable(path: str, data: bytes | bytearray | memoryview, *, excl
 
 
 def fsync_file(path: str) -> None:
-    """fsync the file at ``path`` (written by someone else, e.g. ``dcp.save``); errors are raised."""
+    """fsync the file at ``path`` (written by someone else, e.g. ``dcp.save``); errors are
+    raised."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -115,7 +124,9 @@ def replace_via_temp(path: str, fill: Callable[[str], None]) -> None:
     never see a partial file; on any failure the temp file is removed. The
     caller fsyncs the directory (once, after many files).
     """
-    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = os.path.join(
+        os.path.dirname(path) or ".", f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp"
+    )
     try:
         fill(tmp)
         os.replace(tmp, path)
@@ -163,7 +174,13 @@ def swap_paths(a: str, b: str) -> bool:
     if _renameat2 is None:
         try:
             fn = ctypes.CDLL(None, use_errno=True).renameat2
-            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            fn.argtypes = [
+                ctypes.c_int,
+                ctypes.c_char_p,
+                ctypes.c_int,
+                ctypes.c_char_p,
+                ctypes.c_uint,
+            ]
             fn.restype = ctypes.c_int
             _renameat2 = fn
         except (OSError, AttributeError):
@@ -190,7 +207,9 @@ def temp_dir_for(dst: str) -> str:
     """A fresh hidden sibling directory of ``dst`` to build it in (see :func:`commit_dir`)."""
     parent = os.path.dirname(os.path.abspath(dst))
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(dst))}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(
+        parent, f".{os.path.basename(os.path.abspath(dst))}.tmp-{uuid.uuid4().hex[:8]}"
+    )
     os.mkdir(tmp)
     return tmp
 
@@ -201,5 +220,7 @@ def commit_dir(tmp: str, dst: str) -> None:
     try:
         os.rename(tmp, dst)  # replaces an empty directory atomically on POSIX
     except OSError as e:
-        raise FileExistsError(f"{dst}: cannot move the finished output into place ({e}); is it still empty?") from None
+        raise FileExistsError(
+            f"{dst}: cannot move the finished output into place ({e}); is it still empty?"
+        ) from None
     fsync_path(os.path.dirname(os.path.abspath(dst)))

@@ -18,16 +18,24 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import xxhash
 
+from ..errors import ChecksumError
 from ..format import Location
 from .rangeio import RangeReader, Segment, tensor_view
-from ..errors import ChecksumError
 
-__all__ = ["HASH_BLOCK", "ChecksumError", "file_digest", "bytes_digest", "hash_range", "chunk_what", "ChunkVerifier"]
+__all__ = [
+    "HASH_BLOCK",
+    "ChecksumError",
+    "file_digest",
+    "bytes_digest",
+    "hash_range",
+    "chunk_what",
+    "ChunkVerifier",
+]
 
 # Large enough that the per-call overhead of read + hash vanishes, small
 # enough to stay in the CPU caches' neighbourhood and to bound memory.
@@ -61,12 +69,14 @@ def file_digest(path: str | os.PathLike[str], *, block: int = HASH_BLOCK) -> tup
 
 
 def bytes_digest(data: bytes | bytearray | memoryview) -> str:
-    """xxh3-128 hex digest of ``data`` (the same digest :func:`file_digest` gives a file holding it)."""
+    """xxh3-128 hex digest of ``data`` (the same digest :func:`file_digest` gives a file holding
+    it)."""
     return xxhash.xxh3_128_hexdigest(data)
 
 
 def hash_range(reader: RangeReader, location: Location, buf: bytearray | memoryview) -> str:
-    """xxh3-64 hex digest of the bytes at ``location``, read through ``reader`` in ``len(buf)`` blocks.
+    """xxh3-64 hex digest of the bytes at ``location``, read through ``reader`` in ``len(buf)``
+    blocks.
 
     ``buf`` is scratch memory reused for every block (and every call), so
     the cost is one read and one hash pass, with no allocation.
@@ -118,7 +128,12 @@ class ChunkVerifier:
     """
 
     def __init__(
-        self, reader: RangeReader, paths: Sequence[str], ranks: Sequence[int | None], *, block: int = HASH_BLOCK
+        self,
+        reader: RangeReader,
+        paths: Sequence[str],
+        ranks: Sequence[int | None],
+        *,
+        block: int = HASH_BLOCK,
     ) -> None:
         self.reader = reader
         self.paths = paths
@@ -131,8 +146,15 @@ class ChunkVerifier:
         self._reread: dict[tuple[int, int], tuple[Location, str, Sequence[int]]] = {}
         self._buf: bytearray | None = None
 
-    def add(self, location: Location, fqn: str, offsets: Sequence[int], whole: torch.Tensor | None = None) -> None:
-        """Register chunk ``fqn`` at ``offsets`` stored at ``location``; see the class for ``whole``."""
+    def add(
+        self,
+        location: Location,
+        fqn: str,
+        offsets: Sequence[int],
+        whole: torch.Tensor | None = None,
+    ) -> None:
+        """Register chunk ``fqn`` at ``offsets`` stored at ``location``; see the class for
+        ``whole``."""
         if not location.xxh3:
             return
         key = (location.file, location.start)
@@ -145,7 +167,8 @@ class ChunkVerifier:
             self._reread[key] = (location, fqn, offsets)
 
     def check(self) -> None:
-        """Hash every chunk registered since the last call; the reads of them must have completed."""
+        """Hash every chunk registered since the last call; the reads of them must have
+        completed."""
         if not (self._whole or self._reread):
             return
         t0 = time.perf_counter()
@@ -157,7 +180,9 @@ class ChunkVerifier:
             while self._reread:
                 key, (location, fqn, offsets) = self._reread.popitem()
                 self._done.add(key)
-                if self._buf is None or (len(self._buf) < location.nbytes and len(self._buf) < self.block):
+                if self._buf is None or (
+                    len(self._buf) < location.nbytes and len(self._buf) < self.block
+                ):
                     self._buf = bytearray(min(self.block, max(location.nbytes, 1)))
                 self._compare(location, fqn, offsets, hash_range(self.reader, location, self._buf))
         finally:
@@ -167,5 +192,9 @@ class ChunkVerifier:
         self.bytes += location.nbytes
         if digest != location.xxh3:
             raise ChecksumError(
-                self.paths[location.file], chunk_what(fqn, offsets), location.xxh3, digest, self.ranks[location.file]
+                self.paths[location.file],
+                chunk_what(fqn, offsets),
+                location.xxh3,
+                digest,
+                self.ranks[location.file],
             )

@@ -41,7 +41,9 @@ class ParallelUpload:
         parallel: parts uploading at once (and held in memory).
     """
 
-    def __init__(self, fs: Any, path: str, *, part_bytes: int = 16 << 20, parallel: int = 4) -> None:
+    def __init__(
+        self, fs: Any, path: str, *, part_bytes: int = 16 << 20, parallel: int = 4
+    ) -> None:
         self.fs = fs
         self.path = path
         self.bucket, self.key, _ = fs.split_path(path)
@@ -57,7 +59,8 @@ class ParallelUpload:
 
     # ------------------------------------------------------------ the file
     def write(self, data: Any) -> int:
-        """Queue ``data`` (bytes-like; kept by reference until its part is cut: do not change it)."""
+        """Queue ``data`` (bytes-like; kept by reference until its part is cut: do not change
+        it)."""
         view = memoryview(data).cast("B")
         if view:
             self._pending.append(view)
@@ -80,10 +83,15 @@ class ParallelUpload:
             while self._inflight:
                 self._collect()
             parts = sorted(self._etags, key=lambda p: p["PartNumber"])
-            self._run(self.fs._call_s3(
-                "complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
-                MultipartUpload={"Parts": parts},
-            ))
+            self._run(
+                self.fs._call_s3(
+                    "complete_multipart_upload",
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    UploadId=self._upload_id,
+                    MultipartUpload={"Parts": parts},
+                )
+            )
         self.closed = True
         self.fs.invalidate_cache(self.path)
 
@@ -99,8 +107,14 @@ class ParallelUpload:
                 pass
         self._inflight.clear()
         if self._upload_id is not None:
-            self._run(self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key,
-                                       UploadId=self._upload_id))
+            self._run(
+                self.fs._call_s3(
+                    "abort_multipart_upload",
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    UploadId=self._upload_id,
+                )
+            )
 
     # ------------------------------------------------------------ parts
     def _cut(self, n: int) -> bytes:
@@ -121,14 +135,22 @@ class ParallelUpload:
 
     def _send(self, body: bytes) -> None:
         if self._upload_id is None:
-            mpu = self._run(self.fs._call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key))
+            mpu = self._run(
+                self.fs._call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
+            )
             self._upload_id = mpu["UploadId"]
         while len(self._inflight) >= self.parallel:
             self._collect()  # bounded memory: wait for the oldest part
         number = self._next_part
         self._next_part += 1
-        coro = self.fs._call_s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
-                                PartNumber=number, Body=body)
+        coro = self.fs._call_s3(
+            "upload_part",
+            Bucket=self.bucket,
+            Key=self.key,
+            UploadId=self._upload_id,
+            PartNumber=number,
+            Body=body,
+        )
         fut = asyncio.run_coroutine_threadsafe(_tagged(coro, number), self.fs.loop)
         self._inflight.append(fut)
 

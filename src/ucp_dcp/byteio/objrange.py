@@ -1,4 +1,5 @@
-"""Ranged reads of objects into destination memory: the object-storage twin of :class:`~ucp_dcp.byteio.rangeio.RangeReader`.
+"""Ranged reads of objects into destination memory: the object-storage twin of
+:class:`~ucp_dcp.byteio.rangeio.RangeReader`.
 
 The same interface (``read(segments)``, ``stats``, ``gap_bytes``,
 ``close``), so every read path (staged column reads, spans, verification)
@@ -14,8 +15,8 @@ into place; two windows bound the memory the fetched bytes take).
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
 
 from .objstore import ObjectStore
 from .rangeio import ReadStats, Segment, _Request, coalesce
@@ -62,20 +63,27 @@ class ObjectRangeReader:
     def close(self) -> None:
         """Nothing to release (the store's connections belong to fsspec's cached filesystem)."""
 
-    def __enter__(self) -> "ObjectRangeReader":
+    def __enter__(self) -> ObjectRangeReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def plan(self, segments: Sequence[Segment]) -> list[_Request]:
-        """Coalesce ``segments`` into requests (exposed for tests): :func:`~ucp_dcp.byteio.rangeio.coalesce`.
+        """Coalesce ``segments`` into requests (exposed for tests):
+        :func:`~ucp_dcp.byteio.rangeio.coalesce`.
 
         Unlike a file's, a request's size is not cut down for segments with
         callbacks, nor its pieces counted: each cut would cost a round trip.
         """
-        return coalesce(segments, gap_bytes=self.gap_bytes, max_request=self._max_request,
-                        hooked_request=self._max_request, scratch=self._scratch, max_bufs=sys.maxsize)
+        return coalesce(
+            segments,
+            gap_bytes=self.gap_bytes,
+            max_request=self._max_request,
+            hooked_request=self._max_request,
+            scratch=self._scratch,
+            max_bufs=sys.maxsize,
+        )
 
     def read(self, segments: Sequence[Segment]) -> None:
         """Fill every segment's buffer; a failed or short request raises naming the object.

@@ -1,4 +1,5 @@
-"""A checkpoint directory at an fsspec URL (``s3://bucket/prefix``, ``gs://``, ``az://``, ``memory://``).
+"""A checkpoint directory at an fsspec URL (``s3://bucket/prefix``, ``gs://``, ``az://``,
+``memory://``).
 
 :class:`ObjectStore` is the one place the library talks to object storage.
 It names objects relative to the checkpoint's URL, and wraps every request
@@ -28,8 +29,9 @@ import errno
 import os
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Sequence, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from ..errors import StorageError, TruncatedFileError, UCPError
 from .multipart import ParallelUpload, supports_parallel_upload
@@ -197,18 +199,24 @@ class ObjectStore:
         return int(self.call("reading the object's size", name, lambda: self.fs.info(path)["size"]))
 
     def read(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
-        """Bytes ``[start, end)`` of object ``name`` (the whole object by default), checked for length."""
+        """Bytes ``[start, end)`` of object ``name`` (the whole object by default), checked for
+        length."""
         path = self.path(name)
-        data = self.call(f"reading bytes [{start}, {end})" if start is not None else "reading the object",
-                         name, lambda: self.fs.cat_file(path, start=start, end=end))
+        data = self.call(
+            f"reading bytes [{start}, {end})" if start is not None else "reading the object",
+            name,
+            lambda: self.fs.cat_file(path, start=start, end=end),
+        )
         if start is not None and end is not None and len(data) != end - start:
             raise TruncatedFileError(
-                f"{self.url_of(name)}: needed bytes [{start}, {end}) but got {len(data)}: truncated object"
+                f"{self.url_of(name)}: needed bytes [{start}, {end}) but got {len(data)}: "
+                "truncated object"
             )
         return bytes(data)
 
     def read_if_exists(self, name: str) -> bytes | None:
-        """The whole of object ``name``, or None when there is no such object (one request either way)."""
+        """The whole of object ``name``, or None when there is no such object (one request either
+        way)."""
         path = self.path(name)
 
         def cat() -> bytes | None:
@@ -220,7 +228,8 @@ class ObjectStore:
         return self.call("reading the object", name, cat)
 
     def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
-        """Bytes ``[start, end)`` of each ``(name, start, end)``, fetched concurrently where the store can.
+        """Bytes ``[start, end)`` of each ``(name, start, end)``, fetched concurrently where the
+        store can.
 
         One batch of requests (fsspec's ``cat_ranges``); requests that fail
         are retried on their own under the same policy as :meth:`call`.
@@ -254,19 +263,24 @@ class ObjectStore:
                 entries = self.fs.ls(self.root, detail=True)
             except FileNotFoundError:
                 return {}
-            return {self.name_of(e["name"]): int(e.get("size") or 0) for e in entries
-                    if e.get("type", "file") != "directory"}
+            return {
+                self.name_of(e["name"]): int(e.get("size") or 0)
+                for e in entries
+                if e.get("type", "file") != "directory"
+            }
 
         return self.call("listing the checkpoint", "", ls)
 
     # ------------------------------------------------------------ writes
     def put(self, name: str, data: bytes) -> None:
-        """Write object ``name`` in one request: it appears whole, replacing any older one, or not at all."""
+        """Write object ``name`` in one request: it appears whole, replacing any older one, or not
+        at all."""
         path = self.path(name)
         self.call("writing the object", name, lambda: self.fs.pipe_file(path, data))
 
     def open_write(self, name: str) -> BinaryIO:
-        """A streamed write of object ``name``: call :func:`discard` on failure, ``close()`` to complete it.
+        """A streamed write of object ``name``: call :func:`discard` on failure, ``close()`` to
+        complete it.
 
         On S3, up to ``upload_parallel`` parts of ``write_block_bytes`` upload
         at once; elsewhere the store's buffered file uploads a part each time
@@ -275,10 +289,17 @@ class ObjectStore:
         """
         path = self.path(name)
         if self.upload_parallel > 1 and supports_parallel_upload(self.fs):
-            return ParallelUpload(self.fs, path, part_bytes=self.write_block_bytes,  # type: ignore[return-value]
-                                  parallel=self.upload_parallel)
-        return self.call("starting the upload", name,
-                         lambda: self.fs.open(path, "wb", block_size=self.write_block_bytes))
+            return ParallelUpload(
+                self.fs,
+                path,
+                part_bytes=self.write_block_bytes,  # type: ignore[return-value]
+                parallel=self.upload_parallel,
+            )
+        return self.call(
+            "starting the upload",
+            name,
+            lambda: self.fs.open(path, "wb", block_size=self.write_block_bytes),
+        )
 
     def remove(self, names: Sequence[str]) -> None:
         """Delete objects ``names`` (missing ones are not an error)."""
@@ -295,7 +316,8 @@ class ObjectStore:
 
 
 def discard(f: Any) -> None:
-    """Abandon streamed write ``f`` without completing it (aborts a multipart upload); never raises."""
+    """Abandon streamed write ``f`` without completing it (aborts a multipart upload); never
+    raises."""
     try:
         if hasattr(f, "discard"):
             f.discard()
@@ -309,7 +331,8 @@ _HEAD_BYTES = 64 << 10
 
 
 class ObjectAccess:
-    """One object as :class:`~ucp_dcp.format.header.RandomAccess`: header parsing reads it through this.
+    """One object as :class:`~ucp_dcp.format.header.RandomAccess`: header parsing reads it through
+    this.
 
     The first read fetches at least the first 64 KiB, which holds a data
     file's header in one request (it is read as its length, then its body).

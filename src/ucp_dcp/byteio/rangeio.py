@@ -22,19 +22,27 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from ..errors import TruncatedFileError
 from ..format.header import open_data_file
 
-
-
-__all__ = ["coalesce", "Segment", "FileHandles", "RangeReader", "ReadStats", "storage_view", "tensor_view", "HOOKED_REQUEST_BYTES"]
+__all__ = [
+    "coalesce",
+    "Segment",
+    "FileHandles",
+    "RangeReader",
+    "ReadStats",
+    "storage_view",
+    "tensor_view",
+    "HOOKED_REQUEST_BYTES",
+]
 
 _BY_POSITION = itemgetter(0, 1)
 # Requests a thread has announced to the kernel ahead of reading them: the
@@ -106,7 +114,8 @@ class _Request:
 
 
 class _AfterAll:
-    """Calls ``fn(1)`` once it has been called ``n`` times (from any threads): a segment split into ``n`` requests."""
+    """Calls ``fn(1)`` once it has been called ``n`` times (from any threads): a segment split into
+    ``n`` requests."""
 
     def __init__(self, n: int, fn: Callable[[int], None]) -> None:
         self.n = n
@@ -212,7 +221,7 @@ class RangeReader:
         self._pool.shutdown(wait=True)
         self._files.close()
 
-    def __enter__(self) -> "RangeReader":
+    def __enter__(self) -> RangeReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -221,8 +230,13 @@ class RangeReader:
     # -------------------------------------------------------------- reads
     def plan(self, segments: Sequence[Segment]) -> list[_Request]:
         """Coalesce ``segments`` into calls (exposed for tests)."""
-        return coalesce(segments, gap_bytes=self.gap_bytes, max_request=self._max_request,
-                        hooked_request=self._hooked_request, scratch=self._scratch)
+        return coalesce(
+            segments,
+            gap_bytes=self.gap_bytes,
+            max_request=self._max_request,
+            hooked_request=self._hooked_request,
+            scratch=self._scratch,
+        )
 
     def read(self, segments: Sequence[Segment]) -> None:
         """Fill every segment's buffer; raises on a short file or an I/O error."""
@@ -314,7 +328,11 @@ def coalesce(
         if cur is not None and cur.file == s.file:
             gap = s.offset - (cur.offset + cur.nbytes)
             limit = max_request if s.done is None and not cur.done else hooked_request
-            if 0 <= gap <= gap_bytes and cur.nbytes + gap + n <= limit and len(cur.bufs) + 2 <= max_bufs:
+            if (
+                0 <= gap <= gap_bytes
+                and cur.nbytes + gap + n <= limit
+                and len(cur.bufs) + 2 <= max_bufs
+            ):
                 if gap:
                     cur.bufs.append(scratch[:gap])
                 cur.bufs.append(s.dest)
@@ -331,10 +349,17 @@ def coalesce(
         if done is not None and n > max_request:
             done = _AfterAll(-(-n // max_request), done)
         while len(dest) > max_request:
-            reqs.append(_Request(s.file, off, [dest[: max_request]], max_request,
-                                 None if done is None else [[done, 1]]))
+            reqs.append(
+                _Request(
+                    s.file,
+                    off,
+                    [dest[:max_request]],
+                    max_request,
+                    None if done is None else [[done, 1]],
+                )
+            )
             off += max_request
-            dest = dest[max_request :]
+            dest = dest[max_request:]
         cur = _Request(s.file, off, [dest], len(dest), None if done is None else [[done, 1]])
         reqs.append(cur)
     return reqs

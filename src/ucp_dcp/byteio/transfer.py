@@ -16,22 +16,30 @@ pipeline carries over from one read item to the next.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import xxhash
 
+from ..core.sharding import Box, row_major_strides, runs, slabs
+from ..core.spans import prefer_span, region_starts, span_of, span_slabs
 from ..format import Location
 from .blocksums import ChunkCheck, read_verified
 from .integrity import ChecksumError
 from .rangeio import RangeReader, Segment, storage_view
-from ..core.sharding import Box, row_major_strides, runs, slabs
-from ..core.spans import prefer_span, region_starts, span_of, span_slabs
 
 __all__ = [
-    "needs_staging", "permuted", "segments_into", "StagingBuffers", "read_staged", "read_region", "read_checked",
-    "spanned", "staging_plan",
+    "needs_staging",
+    "permuted",
+    "segments_into",
+    "StagingBuffers",
+    "read_staged",
+    "read_region",
+    "read_checked",
+    "spanned",
+    "staging_plan",
 ]
 
 # Half boundaries are multiples of this: a multiple of every itemsize (the
@@ -41,14 +49,21 @@ _HALF_ALIGN = 16
 _MIN_BYTES = 32
 
 
-def needs_staging(dest: torch.Tensor, src_dtype: torch.dtype, location: Location | None = None) -> bool:
-    """Whether ``dest`` cannot be filled in place from bytes of ``src_dtype`` stored at ``location``.
+def needs_staging(
+    dest: torch.Tensor, src_dtype: torch.dtype, location: Location | None = None
+) -> bool:
+    """Whether ``dest`` cannot be filled in place from bytes of ``src_dtype`` stored at
+    ``location``.
 
     A cast, a device destination, or a chunk stored in another dimension
     order (read into a staging buffer laid out in the stored order, so that
     each read is as long as the region allows, then copied into place).
     """
-    return dest.device.type != "cpu" or dest.dtype != src_dtype or bool(location is not None and location.dim_order)
+    return (
+        dest.device.type != "cpu"
+        or dest.dtype != src_dtype
+        or bool(location is not None and location.dim_order)
+    )
 
 
 def permuted(
@@ -164,7 +179,10 @@ class StagingBuffers:
         self._view: memoryview | None = None
         self._pinned = False
         self._next = 0  # the half the next double-buffered slab goes into
-        self._events: list[Any] = [None, None]  # per half: its last copy's event, not yet waited for
+        self._events: list[Any] = [
+            None,
+            None,
+        ]  # per half: its last copy's event, not yet waited for
 
     # ------------------------------------------------------------ state
     @property
@@ -185,12 +203,14 @@ class StagingBuffers:
 
     # ------------------------------------------------------------ memory
     def _want(self, nbytes: int, halves: bool) -> int:
-        """Bytes that carry a region of ``nbytes`` in one slab (per half when ``halves``), within the bound."""
+        """Bytes that carry a region of ``nbytes`` in one slab (per half when ``halves``), within
+        the bound."""
         n = -(-max(nbytes, 1) // _HALF_ALIGN) * _HALF_ALIGN
         return max(min(2 * n if halves else n, self.max_buffer_bytes), _MIN_BYTES)
 
     def _ensure(self, nbytes: int, halves: bool, pin: bool) -> None:
-        """Make the buffer fit a region of ``nbytes`` as well as the bound allows, pinned if ``pin``."""
+        """Make the buffer fit a region of ``nbytes`` as well as the bound allows, pinned if
+        ``pin``."""
         want = self._want(nbytes, halves)
         cap = self.capacity
         if cap >= want and (self._pinned or not pin):
@@ -226,7 +246,7 @@ class StagingBuffers:
         self.synchronize()
         self._buf = self._view = None
 
-    def __enter__(self) -> "StagingBuffers":
+    def __enter__(self) -> StagingBuffers:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -297,14 +317,18 @@ class StagingBuffers:
         dest: torch.Tensor,
         check: ChunkCheck | None,
     ) -> bool:
-        """Read ``region`` span by span: each sub-box's covering bytes with one read into the buffer (whole
-        blocks with ``check``: the blocks holding needed bytes are checked there), then one strided copy
+        """Read ``region`` span by span: each sub-box's covering bytes with one read into the buffer
+        (whole
+        blocks with ``check``: the blocks holding needed bytes are checked there), then one strided
+        copy
         into ``dest``. False (nothing read) where the buffer cannot hold a useful span."""
         es = src_dtype.itemsize
         bs = check.sums.block if check is not None else 0
         a, b = span_of(chunk_sizes, region.offsets, region.sizes, es)
-        # A span widened to whole blocks takes at most a block more at each end, and up to an element
-        # more to put its first needed element at an element boundary of the buffer (blocks need not be
+        # A span widened to whole blocks takes at most a block more at each end, and up to an
+        # element
+        # more to put its first needed element at an element boundary of the buffer (blocks need not
+        # be
         # a multiple of the itemsize).
         self._ensure(b - a + 2 * bs + es, False, pin=False)
         assert self._buf is not None and self._view is not None
@@ -327,18 +351,30 @@ class StagingBuffers:
                 blocks = _blocks_of(starts, length, bs)
                 keep = 0
                 if a0 < prev[1]:
-                    # The previous span ended in this span's first block, and checked it: carry those
+                    # The previous span ended in this span's first block, and checked it: carry
+                    # those
                     # bytes over rather than read (and hash) the block a second time.
                     keep = prev[1] - a0
                     end = prev[2] + prev[1] - prev[0]
                     self._buf[shift : shift + keep].copy_(self._buf[end - keep : end].clone())
                     blocks = blocks[blocks != a0 // bs]
                 if b0 > a0 + keep:
-                    reader.read([Segment(location.file, location.start + a0 + keep,
-                                         self._view[shift + keep : shift + b0 - a0])])
-                check.verifier.check_span(check, location, self._buf[shift : shift + b0 - a0].numpy(), a0, blocks)
+                    reader.read(
+                        [
+                            Segment(
+                                location.file,
+                                location.start + a0 + keep,
+                                self._view[shift + keep : shift + b0 - a0],
+                            )
+                        ]
+                    )
+                check.verifier.check_span(
+                    check, location, self._buf[shift : shift + b0 - a0].numpy(), a0, blocks
+                )
                 prev = (a0, b0, shift)
-            first = shift + a - a0  # a multiple of the itemsize: the buffer can be viewed as src_dtype there
+            first = (
+                shift + a - a0
+            )  # a multiple of the itemsize: the buffer can be viewed as src_dtype there
             typed = self._buf[first : first + b - a].view(src_dtype)
             src = torch.as_strided(typed, sizes, strides, first // es)
             target = dest
@@ -352,7 +388,8 @@ class StagingBuffers:
 
 
 def _blocks_of(starts: np.ndarray, length: int, block: int) -> np.ndarray:
-    """Every block number that a run ``[s, s + length)`` for ``s`` in ``starts`` touches, ascending, once each."""
+    """Every block number that a run ``[s, s + length)`` for ``s`` in ``starts`` touches, ascending,
+    once each."""
     first = starts // block
     count = (starts + length - 1) // block - first + 1
     total = int(count.sum())
@@ -361,17 +398,36 @@ def _blocks_of(starts: np.ndarray, length: int, block: int) -> np.ndarray:
 
 
 def spanned(
-    reader: RangeReader, location: Location, chunk_sizes: Sequence[int], region: Box, itemsize: int,
+    reader: RangeReader,
+    location: Location,
+    chunk_sizes: Sequence[int],
+    region: Box,
+    itemsize: int,
     dest: torch.Tensor | None = None,
 ) -> bool:
-    """Whether ``region`` of the chunk at ``location`` (row-major in the chunk's stored order) is read as spans
-    (:mod:`ucp_dcp.core.spans`) rather than run by run, into ``dest`` in place (default: a contiguous buffer)."""
-    return prefer_span(chunk_sizes, region, itemsize, base=location.start, gap_bytes=reader.gap_bytes,
-                       dst_strides=None if dest is None else dest.stride())
+    """Whether ``region`` of the chunk at ``location`` (row-major in the chunk's stored order) is
+    read as spans
+    (:mod:`ucp_dcp.core.spans`) rather than run by run, into ``dest`` in place (default: a
+    contiguous buffer)."""
+    return prefer_span(
+        chunk_sizes,
+        region,
+        itemsize,
+        base=location.start,
+        gap_bytes=reader.gap_bytes,
+        dst_strides=None if dest is None else dest.stride(),
+    )
 
 
-def staging_plan(reader: RangeReader, location: Location, chunk_sizes: Sequence[int], region: Box,
-                 src_dtype: torch.dtype, dest: torch.Tensor, block: int = 0) -> tuple[bool, int]:
+def staging_plan(
+    reader: RangeReader,
+    location: Location,
+    chunk_sizes: Sequence[int],
+    region: Box,
+    src_dtype: torch.dtype,
+    dest: torch.Tensor,
+    block: int = 0,
+) -> tuple[bool, int]:
     """How :func:`read_staged` will read ``region`` into ``dest``: ``(as spans, staging bytes)``.
 
     The staging bytes read it in one piece (its span widened by ``block`` at
@@ -395,7 +451,8 @@ def _copy_now(target: torch.Tensor, buf: torch.Tensor) -> None:
 
 
 def _copy_to_cuda(target: torch.Tensor, buf: torch.Tensor) -> Any:
-    """Enqueue the copy of host slab ``buf`` into CUDA view ``target``; the event after the transfer."""
+    """Enqueue the copy of host slab ``buf`` into CUDA view ``target``; the event after the
+    transfer."""
     stream = torch.cuda.current_stream(target.device)
     if target.dtype == buf.dtype:
         # A non-contiguous target: torch transfers into a contiguous device
@@ -462,7 +519,9 @@ def read_region(
     """Read ``region`` of a saved chunk into ``dest`` now: in place when it can be, else staged;
     with ``check``, checking every block the reads touch."""
     if needs_staging(dest, src_dtype, location):
-        read_staged(reader, location, chunk_sizes, region, src_dtype, dest, max_buffer_bytes, check=check)
+        read_staged(
+            reader, location, chunk_sizes, region, src_dtype, dest, max_buffer_bytes, check=check
+        )
     elif check is not None:
         read_verified(reader, location, chunk_sizes, region, dest, check)
     else:

@@ -1,1 +1,2 @@
-"""Core arithmetic: boxes and layouts (sharding), pieces of logical tensors, and non-tensor values."""
+"""Core arithmetic: boxes and layouts (sharding), pieces of logical tensors, and non-tensor
+values."""

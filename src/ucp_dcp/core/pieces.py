@@ -20,8 +20,8 @@ views land in the caller's buffers. Producers of pieces:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -51,12 +51,14 @@ class Piece:
         sizes = tuple(self.data.shape)
         if not (len(shape) == len(offsets) == len(sizes)):
             raise ValueError(
-                f"piece of {self.fqn!r}: global shape {list(shape)}, offsets {list(offsets)} and data shape "
+                f"piece of {self.fqn!r}: global shape {list(shape)}, offsets {list(offsets)} and "
+                "data shape "
                 f"{list(sizes)} must have the same number of dimensions"
             )
         if any(o < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape)):
             raise ValueError(
-                f"piece of {self.fqn!r}: a box of size {list(sizes)} at offsets {list(offsets)} does not fit in "
+                f"piece of {self.fqn!r}: a box of size {list(sizes)} at offsets {list(offsets)} "
+                "does not fit in "
                 f"the global shape {list(shape)}"
             )
 
@@ -104,7 +106,9 @@ class TensorPieces:
         for p in self.pieces:
             key = (p.fqn, p.offsets)
             if key in seen:
-                raise ValueError(f"{self._where()}: two pieces of {p.fqn!r} start at offsets {list(p.offsets)}")
+                raise ValueError(
+                    f"{self._where()}: two pieces of {p.fqn!r} start at offsets {list(p.offsets)}"
+                )
             seen[key] = p
             m = meta.setdefault(p.fqn, (p.shape, p.data.dtype))
             if m != (p.shape, p.data.dtype):

@@ -21,11 +21,10 @@ import dataclasses
 import itertools
 import math
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
-
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial, Placement
 
@@ -64,7 +63,7 @@ class Box:
         """Number of elements in the box (0 for an empty shard)."""
         return math.prod(self.sizes)
 
-    def contains(self, other: "Box") -> bool:
+    def contains(self, other: Box) -> bool:
         """Whether ``other`` lies entirely inside this box."""
         return all(
             so <= oo and oo + os <= so + ss
@@ -379,7 +378,7 @@ class Grid:
         return int(self.chunk_of_cell[tuple(cell)]) if cell else (0 if self.n_chunks else None)
 
     @staticmethod
-    def from_boxes(boxes: Sequence[Box], shape: Sequence[int]) -> "Grid | None":
+    def from_boxes(boxes: Sequence[Box], shape: Sequence[int]) -> Grid | None:
         """The grid whose chunks are ``boxes`` (numbered in that order), or
         None when they do not tile ``shape`` as a grid."""
         shape = tuple(shape)
@@ -398,7 +397,9 @@ class Grid:
         return _grid(shape, offs, sizes, cells)
 
 
-def _grid(shape: tuple[int, ...], offs: list[np.ndarray], sizes: list[np.ndarray], cells: np.ndarray) -> Grid:
+def _grid(
+    shape: tuple[int, ...], offs: list[np.ndarray], sizes: list[np.ndarray], cells: np.ndarray
+) -> Grid:
     chunk_of_cell = np.full(tuple(len(o) for o in offs), -1, dtype=np.int64)
     if len(cells) and shape:
         chunk_of_cell[tuple(cells.T)] = np.arange(len(cells), dtype=np.int64)
@@ -416,7 +417,8 @@ def layout_grid(
     """The chunk grid of a layout, numbered like :func:`layout_chunks`.
 
     Layouts of ``Shard`` and ``Replicate`` placements (and ``_StridedShard``
-    in the form FSDP2 produces on top of tensor parallelism) are computed with vectorised integer arithmetic, in time
+    in the form FSDP2 produces on top of tensor parallelism) are computed with vectorised integer
+    arithmetic, in time
     proportional to the number of chunks; anything else goes through
     :func:`layout_chunks` (DTensor's own arithmetic, one mesh coordinate at
     a time), which ``max_enumerated`` bounds: a layout of more mesh
@@ -428,14 +430,17 @@ def layout_grid(
     if order is None and max_enumerated is not None and math.prod(mesh_shape) > max_enumerated:
         raise LayoutError(
             f"layout mesh={list(mesh_shape)} placements={[placement_to_str(p) for p in placements]} is irregular "
-            f"and has {math.prod(mesh_shape)} mesh coordinates, more than the {max_enumerated} enumerated one by one"
+            f"and has {math.prod(mesh_shape)} mesh coordinates, more than the {max_enumerated} "
+            "enumerated one by one"
         )
     if order is None:
         grid = Grid.from_boxes(layout_chunks(shape, mesh_shape, placements), shape)
         assert grid is not None  # layout_chunks checked the tiling
         return grid
     if math.prod(shape) == 0:
-        empty = _grid(shape, [_EMPTY] * len(shape), [_EMPTY] * len(shape), np.zeros((0, len(shape)), np.int64))
+        empty = _grid(
+            shape, [_EMPTY] * len(shape), [_EMPTY] * len(shape), np.zeros((0, len(shape)), np.int64)
+        )
         return dataclasses.replace(empty, mesh_lin=_EMPTY)
     # Row-major strides over the sharding mesh dims (in mesh order): the
     # position of a chunk's first replica in mesh-coordinate order.
@@ -478,10 +483,19 @@ def layout_grid(
     chunk_of_cell = np.empty_like(flat)
     chunk_of_cell[order_] = np.arange(len(flat), dtype=np.int64)
     chunk_of_cell = chunk_of_cell.reshape(total.shape)
-    cells = np.stack(np.unravel_index(order_, total.shape), axis=1).astype(np.int64) if len(flat) else np.zeros(
-        (0, len(shape)), np.int64
+    cells = (
+        np.stack(np.unravel_index(order_, total.shape), axis=1).astype(np.int64)
+        if len(flat)
+        else np.zeros((0, len(shape)), np.int64)
     )
-    return Grid(shape, tuple(offs), tuple(sizes), chunk_of_cell, cells.reshape(len(flat), len(shape)), flat[order_])
+    return Grid(
+        shape,
+        tuple(offs),
+        tuple(sizes),
+        chunk_of_cell,
+        cells.reshape(len(flat), len(shape)),
+        flat[order_],
+    )
 
 
 def _application_order(
@@ -503,7 +517,12 @@ def _application_order(
             # Only the FSDP2-over-TP form: the first split of its dim, whose
             # ``sf`` pieces are equal (then the strided pieces line up with
             # the later splits exactly, whatever the inner rounding).
-            if p.dim >= len(shape) or p.dim in pending or order[p.dim] or shape[p.dim] % p.split_factor:
+            if (
+                p.dim >= len(shape)
+                or p.dim in pending
+                or order[p.dim]
+                or shape[p.dim] % p.split_factor
+            ):
                 return None
             pending[p.dim] = [m, p.split_factor]
         elif isinstance(p, Shard):
@@ -526,7 +545,10 @@ def _application_order(
 
 
 def arith_box(
-    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement], coord: Sequence[int]
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+    coord: Sequence[int],
 ) -> Box | None:
     """The box held by mesh coordinate ``coord``, by the arithmetic of
     :func:`layout_grid`; None when the layout needs DTensor's own.
@@ -566,7 +588,10 @@ def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
     shape = tuple(int(n) for n in shape)
     total = math.prod(shape)
     if not 0 <= start <= stop <= total:
-        raise ValueError(f"flat range [{start}, {stop}) is outside a tensor of shape {list(shape)} ({total} elements)")
+        raise ValueError(
+            f"flat range [{start}, {stop}) is outside a tensor of shape {list(shape)} ({total} "
+            "elements)"
+        )
     if start == stop:
         return []
     if not shape:
@@ -589,7 +614,12 @@ def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
             walk(dim + 1, base + (i0,), r0, s)
             i0 += 1
         if i1 > i0:
-            out.append(Box(base + (i0,) + (0,) * (len(shape) - dim - 1), (1,) * dim + (i1 - i0,) + shape[dim + 1 :]))
+            out.append(
+                Box(
+                    base + (i0,) + (0,) * (len(shape) - dim - 1),
+                    (1,) * dim + (i1 - i0,) + shape[dim + 1 :],
+                )
+            )
         if r1:
             walk(dim + 1, base + (i1,), 0, r1)
 

@@ -23,14 +23,22 @@ like the rest of :mod:`ucp_dcp.core`: the byte-moving code lives in
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
 
 from .sharding import Box, _contiguous_from, row_major_strides, runs
 
-__all__ = ["ReadCosts", "ReadCost", "read_cost", "prefer_span", "span_of", "span_slabs", "region_starts"]
+__all__ = [
+    "ReadCosts",
+    "ReadCost",
+    "read_cost",
+    "prefer_span",
+    "span_of",
+    "span_slabs",
+    "region_starts",
+]
 
 
 @dataclass(frozen=True)
@@ -74,7 +82,8 @@ class ReadCosts:
 
 @dataclass(frozen=True)
 class ReadCost:
-    """What one way of reading a region costs: ``calls`` read calls, ``pages`` pages pulled, ``seconds`` in all."""
+    """What one way of reading a region costs: ``calls`` read calls, ``pages`` pages pulled,
+    ``seconds`` in all."""
 
     calls: int
     pages: int
@@ -84,15 +93,19 @@ class ReadCost:
 def region_starts(
     chunk_sizes: Sequence[int], region: Box, itemsize: int, dst_strides: Sequence[int] | None = None
 ) -> tuple[np.ndarray, int]:
-    """Byte offsets in the chunk of the runs of ``region`` (row-major order, hence ascending) and their length,
+    """Byte offsets in the chunk of the runs of ``region`` (row-major order, hence ascending) and
+    their length,
     read into a destination of ``dst_strides`` (default: contiguous)."""
     strides = row_major_strides(region.sizes) if dst_strides is None else dst_strides
     grid = runs(chunk_sizes, region, strides, 0)
     return grid.src * itemsize, grid.count * itemsize
 
 
-def span_of(chunk_sizes: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], itemsize: int) -> tuple[int, int]:
-    """``[first, end)``: the bytes of the chunk from the first to the last byte of the box (non-empty)."""
+def span_of(
+    chunk_sizes: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], itemsize: int
+) -> tuple[int, int]:
+    """``[first, end)``: the bytes of the chunk from the first to the last byte of the box
+    (non-empty)."""
     strides = row_major_strides(chunk_sizes)
     first = sum(o * s for o, s in zip(offsets, strides))
     last = first + sum((n - 1) * s for n, s in zip(sizes, strides))
@@ -121,7 +134,8 @@ def read_cost(
     iov_max: int = 1024,
     costs: ReadCosts = ReadCosts(),
 ) -> tuple[ReadCost, ReadCost]:
-    """``(exact, span)``: the cost of reading runs of ``length`` bytes at ascending chunk offsets ``starts``
+    """``(exact, span)``: the cost of reading runs of ``length`` bytes at ascending chunk offsets
+    ``starts``
     of a chunk that begins at file offset ``base``, run by run or as one covering span."""
     n = len(starts)
     if not n or length <= 0:
@@ -138,8 +152,11 @@ def read_cost(
     span_bytes = end - first
     span_pages = (end - 1) // page - first // page + 1
     span_calls = -(-span_bytes // request_bytes)
-    span = ReadCost(span_calls, span_pages,
-                    span_calls * costs.call + span_pages * costs.page + span_bytes * costs.copy_byte)
+    span = ReadCost(
+        span_calls,
+        span_pages,
+        span_calls * costs.call + span_pages * costs.page + span_bytes * costs.copy_byte,
+    )
     return exact, span
 
 
@@ -155,7 +172,8 @@ def prefer_span(
     min_runs: int = 8,
     dst_strides: Sequence[int] | None = None,
 ) -> bool:
-    """Whether ``region`` of a chunk at file offset ``base`` is cheaper to read as spans than run by run
+    """Whether ``region`` of a chunk at file offset ``base`` is cheaper to read as spans than run by
+    run
     into a destination of ``dst_strides`` (default: contiguous; a run must be contiguous in both).
 
     Regions of fewer than ``min_runs`` runs are always read exactly (the
@@ -165,7 +183,8 @@ def prefer_span(
     """
     if region.numel == 0:
         return False
-    # The run count decides first, before any array is built: whole-row regions are one or a few runs.
+    # The run count decides first, before any array is built: whole-row regions are one or a few
+    # runs.
     j = _contiguous_from(region.sizes, row_major_strides(chunk_sizes))
     if dst_strides is not None:
         j = max(j, _contiguous_from(region.sizes, dst_strides))
@@ -183,7 +202,8 @@ def prefer_span(
 def span_slabs(
     chunk_sizes: Sequence[int], region: Box, itemsize: int, budget: int
 ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Split ``region`` into sub-boxes (``(offsets, sizes)`` relative to it) whose span in the chunk is at
+    """Split ``region`` into sub-boxes (``(offsets, sizes)`` relative to it) whose span in the chunk
+    is at
     most ``budget`` bytes, or a single element where even that is more.
 
     Like :func:`~ucp_dcp.core.sharding.slabs`, outermost dims first: the
@@ -210,8 +230,10 @@ def span_slabs(
         d += 1
     rest = inner_span(d)
     step = max(1, (budget - rest) // strides[d] + 1) if budget >= rest else 1
-    tail = tuple(sizes[d + 1:])
+    tail = tuple(sizes[d + 1 :])
     for outer in np.ndindex(*sizes[:d]) if d else [()]:
         for start in range(0, sizes[d], step):
-            yield (tuple(int(o) for o in outer) + (start,) + (0,) * len(tail),
-                   (1,) * d + (min(step, sizes[d] - start),) + tail)
+            yield (
+                tuple(int(o) for o in outer) + (start,) + (0,) * len(tail),
+                (1,) * d + (min(step, sizes[d] - start),) + tail,
+            )

@@ -16,8 +16,9 @@ import base64
 import io
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -62,7 +63,9 @@ def _encode(obj: Any, path: str) -> Any:
     if np is not None:
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject:
-                raise UnsupportedValueError(f"{path}: numpy arrays of Python objects cannot be saved")
+                raise UnsupportedValueError(
+                    f"{path}: numpy arrays of Python objects cannot be saved"
+                )
             return {
                 _TAG: "ndarray",
                 "dtype": obj.dtype.str,
@@ -88,7 +91,10 @@ def _encode(obj: Any, path: str) -> Any:
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj) and _TAG not in obj:
             return {k: _encode(v, f"{path}.{k}") for k, v in obj.items()}
-        return {_TAG: "dict", "v": [[_encode(k, path), _encode(v, f"{path}[{k!r}]")] for k, v in obj.items()]}
+        return {
+            _TAG: "dict",
+            "v": [[_encode(k, path), _encode(v, f"{path}[{k!r}]")] for k, v in obj.items()],
+        }
     if isinstance(obj, torch.dtype):
         return {_TAG: "dtype", "v": str(obj).removeprefix("torch.")}
     if isinstance(obj, torch.device):
@@ -131,9 +137,7 @@ def _numpy() -> Any:
 
 
 _DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in vars(torch).values()
-    if isinstance(d, torch.dtype)
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
 }
 
 
@@ -199,10 +203,21 @@ def decode_value(data: bytes, key: str) -> Any:
     except CheckpointFormatError:
         raise
     except _MALFORMED as e:
-        raise CheckpointFormatError(f"value {key!r} is not valid ucp_dcp JSON ({type(e).__name__}: {e})"[:400]) from None
+        raise CheckpointFormatError(
+            f"value {key!r} is not valid ucp_dcp JSON ({type(e).__name__}: {e})"[:400]
+        ) from None
 
 
 # What bad input raises: invalid UTF-8 or JSON, an integer of over 4300 digits,
 # bad base64 or numpy dtypes (ValueError), missing or mistyped fields, shapes
 # or devices torch refuses (RuntimeError), nesting too deep.
-_MALFORMED = (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, RuntimeError, RecursionError)
+_MALFORMED = (
+    KeyError,
+    TypeError,
+    ValueError,
+    IndexError,
+    AttributeError,
+    OverflowError,
+    RuntimeError,
+    RecursionError,
+)

@@ -8,7 +8,7 @@ coordinator ORs them.
 
 from __future__ import annotations
 
-from typing import Collection, Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -24,7 +24,8 @@ def _reported(key: str) -> bool:
 
 
 def asked_keys(keys: Sequence[str], known: Collection[str]) -> tuple[bytes, list[str]]:
-    """The bitmap over ``keys`` (sorted checkpoint keys) of those in ``known``, and the others worth reporting."""
+    """The bitmap over ``keys`` (sorted checkpoint keys) of those in ``known``, and the others worth
+    reporting."""
     wanted = [k in known for k in keys]
     unexpected = [k for k, w in zip(keys, wanted) if not w and _reported(k)]
     # dtype: an empty list (an empty checkpoint) would otherwise be float64, which packbits refuses.
@@ -32,7 +33,8 @@ def asked_keys(keys: Sequence[str], known: Collection[str]) -> tuple[bytes, list
 
 
 def keys_no_rank_asked(keys: Sequence[str], masks: Sequence[bytes]) -> list[str]:
-    """The keys (sorted checkpoint keys) whose bit is set in none of ``masks``, except the layout record."""
+    """The keys (sorted checkpoint keys) whose bit is set in none of ``masks``, except the layout
+    record."""
     if not keys:
         return []
     asked = np.bitwise_or.reduce([np.frombuffer(m, dtype=np.uint8) for m in masks])

@@ -10,10 +10,14 @@ list is scanned.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex, STORAGE_TYPES, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    STORAGE_TYPES,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.tensor import DTensor
 
@@ -29,9 +33,12 @@ __all__ = ["check_target", "local_boxes", "saved_grid", "overlap_reads"]
 def check_target(
     fqn: str, dest: torch.Tensor, smd: STORAGE_TYPES, shape: Sequence[int], allow_dtype_cast: bool
 ) -> TensorStorageMetadata:
-    """``smd`` if saved tensor ``fqn`` can fill ``dest`` (logical shape ``shape``), else a ``CheckpointKeyError``."""
+    """``smd`` if saved tensor ``fqn`` can fill ``dest`` (logical shape ``shape``), else a
+    ``CheckpointKeyError``."""
     if not isinstance(smd, TensorStorageMetadata):
-        raise CheckpointKeyError(f"{fqn!r} is a non-tensor value in the checkpoint but a tensor in the state dict")
+        raise CheckpointKeyError(
+            f"{fqn!r} is a non-tensor value in the checkpoint but a tensor in the state dict"
+        )
     want = tuple(shape)
     if want != tuple(smd.size):
         raise CheckpointKeyError(
@@ -60,8 +67,10 @@ def local_boxes(fqn: str, obj: torch.Tensor) -> list[Box]:
         inner = dtensor_local(obj) if isinstance(obj, DTensor) else obj
         if not hasattr(inner, "__create_chunk_list__"):
             raise UnsupportedValueError(
-                f"{fqn!r}: its {type(inner).__name__} has __create_write_items__ but no __create_chunk_list__; "
-                "a checkpointable tensor must implement both (and __get_tensor_shard__) to be loaded into"
+                f"{fqn!r}: its {type(inner).__name__} has __create_write_items__ but no "
+                "__create_chunk_list__; "
+                "a checkpointable tensor must implement both (and __get_tensor_shard__) to be "
+                "loaded into"
             )
         shape = tuple(obj.shape)
         boxes = []
@@ -69,11 +78,14 @@ def local_boxes(fqn: str, obj: torch.Tensor) -> list[Box]:
             b = Box(tuple(c.offsets), tuple(c.sizes))
             if not b.numel:
                 continue  # an empty shard (this rank holds none of the tensor)
-            if len(b.offsets) != len(shape) or len(b.sizes) != len(shape) or any(
-                o < 0 or o + n > d for o, n, d in zip(b.offsets, b.sizes, shape)
+            if (
+                len(b.offsets) != len(shape)
+                or len(b.sizes) != len(shape)
+                or any(o < 0 or o + n > d for o, n, d in zip(b.offsets, b.sizes, shape))
             ):
                 raise UnsupportedValueError(
-                    f"{fqn!r}: its {type(inner).__name__} lists a chunk at offsets {list(b.offsets)} of size "
+                    f"{fqn!r}: its {type(inner).__name__} lists a chunk at offsets "
+                    f"{list(b.offsets)} of size "
                     f"{list(b.sizes)}, outside the tensor's shape {list(shape)}"
                 )
             boxes.append(b)
@@ -116,7 +128,9 @@ def overlap_reads(
         if not target.numel:
             continue
         dest_index = (
-            MetadataIndex(fqn, target.offsets) if dest is None else MetadataIndex(dest[0], target.offsets, dest[1])
+            MetadataIndex(fqn, target.offsets)
+            if dest is None
+            else MetadataIndex(dest[0], target.offsets, dest[1])
         )
         if grid is not None:  # binary search per dimension: independent of the saved world size
             found = [(int(k), grid.box(int(k))) for k in grid.overlapping(target)]
@@ -140,7 +154,9 @@ def overlap_reads(
             )
         if covered != target.numel:
             raise CheckpointKeyError(
-                f"{fqn!r}: the saved chunks cover {covered} of the {target.numel} elements this rank needs "
-                f"(box at {list(target.offsets)} of size {list(target.sizes)}): the checkpoint is incomplete"
+                f"{fqn!r}: the saved chunks cover {covered} of the {target.numel} elements this "
+                "rank needs "
+                f"(box at {list(target.offsets)} of size {list(target.sizes)}): the checkpoint is "
+                "incomplete"
             )
     return items

@@ -1,4 +1,5 @@
-"""Mesh-group planning (:mod:`ucp_dcp.dcp.compact`): agreement, ownership and each rank's own writes.
+"""Mesh-group planning (:mod:`ucp_dcp.dcp.compact`): agreement, ownership and each rank's own
+writes.
 
 Regular DTensors are planned per device mesh. The coordinator checks that
 every rank of a mesh described the same group (:func:`check_groups`),
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -73,24 +74,32 @@ def check_groups(reports: Sequence[SaveRankReport]) -> list[MeshGroup]:
             if g.description is not None and key not in described:
                 group = _GROUPS.get(g.signature) or cached_group(MeshGroup.from_json(g.description))
                 if group.signature != g.signature:
-                    raise ValueError(f"rank {me}: its mesh group description does not match its own checksum")
+                    raise ValueError(
+                        f"rank {me}: its mesh group description does not match its own checksum"
+                    )
                 described[key] = group
             members[key].append(me)
     for (first, sig), ranks in members.items():
         group = described.get((first, sig))
         if group is None:
             raise ValueError(
-                f"ranks {describe_ranks(sorted(ranks))} hold DTensors on a device mesh whose first rank is "
-                f"{first}, but rank {first} does not hold the same ones: every rank of a mesh must save the same "
-                "DTensors (names, dtypes, shapes, placements). Pass UCPSavePlanner(compact_plans=False) to plan "
+                f"ranks {describe_ranks(sorted(ranks))} hold DTensors on a device mesh whose "
+                "first rank is "
+                f"{first}, but rank {first} does not hold the same ones: every rank of a mesh "
+                "must save the same "
+                "DTensors (names, dtypes, shapes, placements). Pass "
+                "UCPSavePlanner(compact_plans=False) to plan "
                 "per chunk, which names the tensors that differ"
             )
         if sorted(ranks) != sorted(group.ranks):
             missing = sorted(set(group.ranks) - set(ranks))
             raise ValueError(
-                f"the device mesh of ranks {describe_ranks(sorted(group.ranks))} holds {len(group.tensors)} "
-                f"DTensor(s), but rank(s) {describe_ranks(missing)} of it did not report the same ones (or are "
-                "not saving): every rank of a mesh must save the same DTensors, in the same process group"
+                f"the device mesh of ranks {describe_ranks(sorted(group.ranks))} holds "
+                f"{len(group.tensors)} "
+                f"DTensor(s), but rank(s) {describe_ranks(missing)} of it did not report the same "
+                "ones (or are "
+                "not saving): every rank of a mesh must save the same DTensors, in the same "
+                "process group"
             )
     return list(described.values())
 
@@ -116,9 +125,12 @@ def assign_owners(groups: list[MeshGroup], taken: set[str]) -> Owners:
         other = next(((g, t) for g, t in cands if (t.dtype, t.shape, t.layout) != same), None)
         if fqn in taken or other is not None:
             where = (
-                f"as {spec.dtype}{list(spec.shape)} on ranks {describe_ranks(sorted(cands[0][0].ranks))} and as "
-                f"{other[1].dtype}{list(other[1].shape)} on ranks {describe_ranks(sorted(other[0].ranks))}"
-                if other else "as a DTensor on some ranks and a plain or irregular tensor on others"
+                f"as {spec.dtype}{list(spec.shape)} on ranks "
+                f"{describe_ranks(sorted(cands[0][0].ranks))} and as "
+                f"{other[1].dtype}{list(other[1].shape)} on ranks "
+                f"{describe_ranks(sorted(other[0].ranks))}"
+                if other
+                else "as a DTensor on some ranks and a plain or irregular tensor on others"
             )
             raise ValueError(
                 f"tensor {fqn!r} is saved {where}; one key must name one tensor on every rank "
@@ -142,9 +154,14 @@ def owned_metadata(owners: Owners) -> dict[str, TensorStorageMetadata]:
     }
 
 
-def group_replies(groups: list[MeshGroup], owners: Owners, reports: Sequence[SaveRankReport]) -> list[SaveReply | None]:
-    """Per rank: the tensors of its mesh groups that another mesh writes (None when there are none)."""
-    skip = {g.signature: sorted(t.fqn for t in g.tensors if owners[t.fqn][0] is not g) for g in groups}
+def group_replies(
+    groups: list[MeshGroup], owners: Owners, reports: Sequence[SaveRankReport]
+) -> list[SaveReply | None]:
+    """Per rank: the tensors of its mesh groups that another mesh writes (None when there are
+    none)."""
+    skip = {
+        g.signature: sorted(t.fqn for t in g.tensors if owners[t.fqn][0] is not g) for g in groups
+    }
     replies: list[SaveReply | None] = []
     for report in reports:
         theirs = sorted({f for g in report.groups for f in skip[g.signature]})
@@ -152,7 +169,9 @@ def group_replies(groups: list[MeshGroup], owners: Owners, reports: Sequence[Sav
     return replies
 
 
-def group_items(group: MeshGroup, rank: int, coord: Sequence[int], skip: frozenset[str]) -> list[WriteItem]:
+def group_items(
+    group: MeshGroup, rank: int, coord: Sequence[int], skip: frozenset[str]
+) -> list[WriteItem]:
     """Write items of the chunks the rank at mesh coordinate ``coord`` writes for ``group``.
 
     Cached per (group, rank, coordinate, skip): a training loop saving the

@@ -3,15 +3,22 @@
 DCP carries an opaque ``planner_data`` on every ``SavePlan``, ``LoadPlan``
 and ``Metadata``. Each use here has its own frozen record:
 
-========================  ====================================  ===========================================
+========================  ====================================
+===========================================
 record                    carried in                            from -> to
-========================  ====================================  ===========================================
-:class:`SaveRankReport`   a rank's local ``SavePlan``           rank -> coordinator (pickled, gathered)
-:class:`SaveReply`        the coordinator's plan for a rank     coordinator -> rank (pickled, scattered)
-:class:`SaveSummary`      the save's ``Metadata``               save planner -> ``UCPStorageWriter.finish``
-:class:`LoadRankReport`   a rank's local ``LoadPlan``           rank -> coordinator (pickled, gathered)
+========================  ====================================
+===========================================
+:class:`SaveRankReport`   a rank's local ``SavePlan``           rank -> coordinator (pickled,
+gathered)
+:class:`SaveReply`        the coordinator's plan for a rank     coordinator -> rank (pickled,
+scattered)
+:class:`SaveSummary`      the save's ``Metadata``               save planner ->
+``UCPStorageWriter.finish``
+:class:`LoadRankReport`   a rank's local ``LoadPlan``           rank -> coordinator (pickled,
+gathered)
 :class:`LoadSourceInfo`   the load's ``Metadata``               ``UCPStorageReader`` -> load planner
-========================  ====================================  ===========================================
+========================  ====================================
+===========================================
 
 The records that travel between ranks are slotted: their pickles carry the
 field values only, not the field names, so what a rank sends stays as small
@@ -21,8 +28,9 @@ process that made them.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -88,7 +96,8 @@ class SaveRankReport:
 
 @dataclass(frozen=True, slots=True)
 class SaveReply:
-    """What the coordinator adds to a rank's plan: tensors of its mesh groups that another mesh writes.
+    """What the coordinator adds to a rank's plan: tensors of its mesh groups that another mesh
+    writes.
 
     Sent only to ranks that have such tensors (a replica held by several
     meshes is written by one); other ranks get no reply.
@@ -99,7 +108,8 @@ class SaveReply:
 
 @dataclass(frozen=True)
 class SaveSummary:
-    """What the save planner leaves in the save's metadata for ``UCPStorageWriter.finish`` (coordinator only).
+    """What the save planner leaves in the save's metadata for ``UCPStorageWriter.finish``
+    (coordinator only).
 
     Attributes:
         world_size: ranks in the save.
@@ -118,8 +128,9 @@ class SaveSummary:
     paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
 
     @staticmethod
-    def of(metadata: Metadata, world_size: int) -> "SaveSummary":
-        """The summary in ``metadata``; an empty one of ``world_size`` ranks if another planner made it."""
+    def of(metadata: Metadata, world_size: int) -> SaveSummary:
+        """The summary in ``metadata``; an empty one of ``world_size`` ranks if another planner made
+        it."""
         data = metadata.planner_data
         if isinstance(data, SaveSummary):
             return data
@@ -147,7 +158,8 @@ class LoadRankReport:
 
 @dataclass(frozen=True)
 class LoadSourceInfo:
-    """What ``UCPStorageReader`` tells the load planner about the checkpoint, besides DCP's metadata.
+    """What ``UCPStorageReader`` tells the load planner about the checkpoint, besides DCP's
+    metadata.
 
     Attributes:
         world_size: ranks that saved the checkpoint (None if unknown).
@@ -167,7 +179,7 @@ class LoadSourceInfo:
     paths: Mapping[str, tuple[str | int, ...]] = field(default_factory=dict)
 
     @staticmethod
-    def of(metadata: Metadata | None) -> "LoadSourceInfo":
+    def of(metadata: Metadata | None) -> LoadSourceInfo:
         """The info in ``metadata``; an empty one when another reader made it."""
         data = metadata.planner_data if metadata is not None else None
         return data if isinstance(data, LoadSourceInfo) else LoadSourceInfo()

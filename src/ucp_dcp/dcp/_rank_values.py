@@ -12,7 +12,8 @@ reshard function (:func:`rank_local_reads`, :class:`RankLocalGather`).
 
 from __future__ import annotations
 
-from typing import Any, Container, Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
@@ -47,8 +48,11 @@ def value_writers(reports: Sequence[SaveRankReport]) -> dict[str, int]:
     return writers
 
 
-def plan_value_item(item: WriteItem, r: int, to_rank_local: set[str], writers: dict[str, int]) -> WriteItem | None:
-    """The value write item rank ``r`` keeps in the global plan, or None if another rank writes it."""
+def plan_value_item(
+    item: WriteItem, r: int, to_rank_local: set[str], writers: dict[str, int]
+) -> WriteItem | None:
+    """The value write item rank ``r`` keeps in the global plan, or None if another rank writes
+    it."""
     fqn = item.index.fqn
     if fqn in to_rank_local:
         return WriteItem(MetadataIndex(rank_local_key(r, fqn)), WriteItemType.BYTE_IO)
@@ -57,7 +61,9 @@ def plan_value_item(item: WriteItem, r: int, to_rank_local: set[str], writers: d
     return item
 
 
-def value_metadata(reports: Sequence[SaveRankReport], tensors: Container[str]) -> dict[str, BytesStorageMetadata]:
+def value_metadata(
+    reports: Sequence[SaveRankReport], tensors: Container[str]
+) -> dict[str, BytesStorageMetadata]:
     """DCP's metadata of every value and rank-local value (``tensors``: keys that are tensors)."""
     md: dict[str, BytesStorageMetadata] = {}
     for report in reports:
@@ -73,7 +79,8 @@ def value_metadata(reports: Sequence[SaveRankReport], tensors: Container[str]) -
 
 
 def bytes_item(dest_fqn: str, storage_fqn: str) -> ReadItem:
-    """DCP's read item of a whole value stored under ``storage_fqn``, for state-dict key ``dest_fqn``."""
+    """DCP's read item of a whole value stored under ``storage_fqn``, for state-dict key
+    ``dest_fqn``."""
     return ReadItem(
         type=LoadItemType.BYTE_IO,
         dest_index=MetadataIndex(dest_fqn),
@@ -112,7 +119,8 @@ def rank_local_reads(
     world_size: int,
     default_reshard: ReshardFn | None,
 ) -> tuple[list[ReadItem], RankLocalGather | None]:
-    """Reads of rank-local value ``fqn`` for this rank, and the gather that reshards them (if needed).
+    """Reads of rank-local value ``fqn`` for this rank, and the gather that reshards them (if
+    needed).
 
     Same world size and a saved copy of its own: that copy. Otherwise every
     saved copy, for ``obj``'s reshard function (a :class:`RankLocal`'s
@@ -123,12 +131,15 @@ def rank_local_reads(
     fn = obj.reshard if isinstance(obj, RankLocal) and obj.reshard else default_reshard
     if fn is None:
         raise CheckpointKeyError(
-            f"rank-local value {fqn!r} was saved by {len(saved_ranks)} rank(s) (world size {saved_world}) "
+            f"rank-local value {fqn!r} was saved by {len(saved_ranks)} rank(s) (world size "
+            f"{saved_world}) "
             f"but rank {rank} of world size {world_size} is loading it; another rank's value "
             "would be wrong here. Pass RankLocal(value, reshard=fn) or "
             "UCPLoadPlanner(rank_local_reshard=fn) to say how to map it"
         )
-    return [bytes_item(fqn, rank_local_key(r, fqn)) for r in saved_ranks], RankLocalGather(len(saved_ranks), fn)
+    return [bytes_item(fqn, rank_local_key(r, fqn)) for r in saved_ranks], RankLocalGather(
+        len(saved_ranks), fn
+    )
 
 
 def find_wrappers(obj: Any) -> Iterator[tuple[Any, Any, RankLocal | TensorPieces]]:
@@ -136,7 +147,9 @@ def find_wrappers(obj: Any) -> Iterator[tuple[Any, Any, RankLocal | TensorPieces
 
     DCP's load set-up replaces every object it does not know with None.
     """
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    items = (
+        obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    )
     for k, v in items:
         if isinstance(v, (RankLocal, TensorPieces)):
             yield obj, k, v

@@ -1,4 +1,5 @@
-"""Checks of a whole save, on the coordinator: what is saved once must be the same everywhere, and whole.
+"""Checks of a whole save, on the coordinator: what is saved once must be the same everywhere, and
+whole.
 
 * :func:`divergent_keys`: values and plain tensors, which are saved once for
   all ranks, must hash the same on every rank (or become rank-local).
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Hashable, Iterable, Sequence, TypeVar
+from collections.abc import Hashable, Iterable, Sequence
+from typing import TypeVar
 
 from ._plan_records import SaveRankReport
 from ._ranks import describe_ranks
@@ -47,11 +49,17 @@ def divergent_keys(reports: Sequence[SaveRankReport], allow_rank_local: bool) ->
         groups = sorted(divergent[fqn].values())
         what = "plain tensor" if fqn in tensors else "non-tensor value"
         raise ValueError(
-            f"{what} {fqn!r} differs across ranks (ranks {describe_ranks(groups[0])} hold one value, "
-            f"ranks {describe_ranks(groups[1])} another; {len(divergent)} key(s) differ in all). Saving one copy "
-            "would hand every rank the same value on load. Wrap per-rank state in ucp_dcp.RankLocal(...)"
-            + (", or pass UCPSavePlanner(divergent_values='rank_local')" if fqn not in tensors else
-               ", or make it a DTensor with the placements it really has")
+            f"{what} {fqn!r} differs across ranks (ranks {describe_ranks(groups[0])} hold one "
+            "value, "
+            f"ranks {describe_ranks(groups[1])} another; {len(divergent)} key(s) differ in all). "
+            "Saving one copy "
+            "would hand every rank the same value on load. Wrap per-rank state in "
+            "ucp_dcp.RankLocal(...)"
+            + (
+                ", or pass UCPSavePlanner(divergent_values='rank_local')"
+                if fqn not in tensors
+                else ", or make it a DTensor with the placements it really has"
+            )
         )
     return set(divergent)
 
@@ -65,9 +73,12 @@ def check_replicated_pieces(reports: Sequence[SaveRankReport]) -> None:
         fqn, offs = bad[0]
         raise ValueError(
             f"replicated tensor {fqn!r} (box at offsets {list(offs)}) differs across ranks: ranks "
-            f"{describe_ranks(groups[0])} hold one value, ranks {describe_ranks(groups[1])} another ({len(bad)} "
-            "replicated piece(s) differ in all). A tensor declared replicated (Replicated layout rule, "
-            "TensorPieces(replicated=True)) is saved once, so every rank that holds it must hold the same bytes: "
+            f"{describe_ranks(groups[0])} hold one value, ranks {describe_ranks(groups[1])} "
+            f"another ({len(bad)} "
+            "replicated piece(s) differ in all). A tensor declared replicated (Replicated layout "
+            "rule, "
+            "TensorPieces(replicated=True)) is saved once, so every rank that holds it must hold "
+            "the same bytes: "
             "synchronise it, or declare how it is sharded"
         )
 
@@ -90,9 +101,15 @@ def check_tiling(reports: Sequence[SaveRankReport], table: ChunkTable) -> None:
         total = math.prod(size)
         covered = sum(math.prod(table.first[k].tensor_data.chunk.sizes) for k in keys)
         if covered != total:
-            how = "leaving elements that no rank holds" if covered < total else "so some of them overlap"
+            how = (
+                "leaving elements that no rank holds"
+                if covered < total
+                else "so some of them overlap"
+            )
             raise ValueError(
-                f"tensor {fqn!r} of shape {list(size)}: the boxes saved by all ranks hold {covered} elements in "
-                f"all, {how}; the tensor has {total}. Check the flat ranges (FlatParam offsets, each rank's start) "
+                f"tensor {fqn!r} of shape {list(size)}: the boxes saved by all ranks hold "
+                f"{covered} elements in "
+                f"all, {how}; the tensor has {total}. Check the flat ranges (FlatParam offsets, "
+                "each rank's start) "
                 "or layout rules that describe it"
             )

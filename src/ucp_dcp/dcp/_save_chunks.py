@@ -10,8 +10,8 @@ writer per distinct chunk among the ranks holding it
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
@@ -42,7 +42,9 @@ class ChunkTable:
     def metadata(self) -> dict[str, TensorStorageMetadata]:
         """DCP's metadata of every tensor in the table, with its chunk list."""
         return {
-            fqn: TensorStorageMetadata(p, size, [self.first[k].tensor_data.chunk for k in self.by_tensor[fqn]])
+            fqn: TensorStorageMetadata(
+                p, size, [self.first[k].tensor_data.chunk for k in self.by_tensor[fqn]]
+            )
             for fqn, (p, size, _) in self.props.items()
         }
 
@@ -65,9 +67,12 @@ def collect_chunks(plans: Sequence[SavePlan]) -> ChunkTable:
                 table.props[fqn] = (td.properties, td.size, r)
             elif (seen[0].dtype, seen[1]) != (td.properties.dtype, td.size):
                 raise ValueError(
-                    f"tensor {fqn!r} is {dtype_name(seen[0].dtype)}{list(seen[1])} on rank {seen[2]} but "
-                    f"{dtype_name(td.properties.dtype)}{list(td.size)} on rank {r}; one key must name one "
-                    "tensor on every rank (pipeline stages: rename stage-local layers to global names)"
+                    f"tensor {fqn!r} is {dtype_name(seen[0].dtype)}{list(seen[1])} on rank "
+                    f"{seen[2]} but "
+                    f"{dtype_name(td.properties.dtype)}{list(td.size)} on rank {r}; one key must "
+                    "name one "
+                    "tensor on every rank (pipeline stages: rename stage-local layers to global "
+                    "names)"
                 )
             key = (fqn, tuple(td.chunk.offsets))
             if key not in table.first:
@@ -77,8 +82,10 @@ def collect_chunks(plans: Sequence[SavePlan]) -> ChunkTable:
             if seen_item.tensor_data.chunk.sizes != td.chunk.sizes:
                 raise ValueError(
                     f"tensor {fqn!r}: rank {table.holders[key][0]} saves a box of size "
-                    f"{list(seen_item.tensor_data.chunk.sizes)} at offsets {list(key[1])} but rank {r} one of "
-                    f"size {list(td.chunk.sizes)}: pieces of one tensor held by several ranks must be the same box"
+                    f"{list(seen_item.tensor_data.chunk.sizes)} at offsets {list(key[1])} but "
+                    f"rank {r} one of "
+                    f"size {list(td.chunk.sizes)}: pieces of one tensor held by several ranks "
+                    "must be the same box"
                 )
     return table
 
@@ -94,7 +101,8 @@ def assign_writers(table: ChunkTable, world_size: int) -> dict[PieceKey, int]:
     writer: dict[PieceKey, int] = {}
     first = table.first
     sizes = {
-        fqn: sum((first[k].tensor_storage_size() or 0) for k in keys) for fqn, keys in table.by_tensor.items()
+        fqn: sum((first[k].tensor_storage_size() or 0) for k in keys)
+        for fqn, keys in table.by_tensor.items()
     }
     for fqn in sorted(table.by_tensor, key=lambda f: (-sizes[f], f)):
         keys = table.by_tensor[fqn]

@@ -1,4 +1,5 @@
-"""The coordinator's step of a save: check every rank's report, pick the writers, build the metadata.
+"""The coordinator's step of a save: check every rank's report, pick the writers, build the
+metadata.
 
 :func:`create_global_save_plan` is what ``UCPSavePlanner.create_global_plan``
 does, as one function of the gathered local plans (as DCP's
@@ -8,9 +9,9 @@ does, as one function of the gathered local plans (as DCP's
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
-from torch.distributed.checkpoint.metadata import Metadata, STORAGE_TYPES
+from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from ..format import Layout
@@ -23,7 +24,9 @@ from ._save_chunks import assign_writers, collect_chunks
 __all__ = ["create_global_save_plan", "merged_layouts"]
 
 
-def create_global_save_plan(all_plans: list[SavePlan], *, allow_rank_local: bool) -> tuple[list[SavePlan], Metadata]:
+def create_global_save_plan(
+    all_plans: list[SavePlan], *, allow_rank_local: bool
+) -> tuple[list[SavePlan], Metadata]:
     """Every rank's plan (only the items it writes) and the save's metadata.
 
     ``all_plans`` are the local plans in process-group order, each carrying
@@ -39,7 +42,9 @@ def create_global_save_plan(all_plans: list[SavePlan], *, allow_rank_local: bool
     table = collect_chunks(all_plans)
     writer = assign_writers(table, len(all_plans))
     values = value_writers(reports)
-    new_plans = [_rank_plan(r, plan, writer, values, to_rank_local) for r, plan in enumerate(all_plans)]
+    new_plans = [
+        _rank_plan(r, plan, writer, values, to_rank_local) for r, plan in enumerate(all_plans)
+    ]
     check_tiling(reports, table)
     md: dict[str, STORAGE_TYPES] = dict(table.metadata())
     layouts = merged_layouts(reports)
@@ -69,7 +74,11 @@ def merged_layouts(reports: Sequence[SaveRankReport]) -> dict[str, Layout | None
 
 
 def _rank_plan(
-    r: int, plan: SavePlan, writer: dict[PieceKey, int], values: dict[str, int], to_rank_local: set[str]
+    r: int,
+    plan: SavePlan,
+    writer: dict[PieceKey, int],
+    values: dict[str, int],
+    to_rank_local: set[str],
 ) -> SavePlan:
     """Rank ``r``'s share of its own local plan: the chunks and values it was chosen to write."""
     items = []

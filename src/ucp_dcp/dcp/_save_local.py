@@ -122,7 +122,11 @@ def create_local_save_plan(
                 mesh = meshes.get(id(obj.device_mesh))
                 if mesh is None:
                     dm = obj.device_mesh
-                    mesh = (tuple(dm.shape), tuple(dm.mesh.reshape(-1).tolist()), list(dm.get_coordinate() or ()))
+                    mesh = (
+                        tuple(dm.shape),
+                        tuple(dm.mesh.reshape(-1).tolist()),
+                        list(dm.get_coordinate() or ()),
+                    )
                     meshes[id(obj.device_mesh)] = mesh
                 members[mesh[:2]].append(TensorSpec(fqn, dtype_name(obj.dtype), shape, layout))
                 out.coords[fqn] = mesh[2]
@@ -131,17 +135,23 @@ def create_local_save_plan(
             # Empty local shards (uneven FSDP splits) hold no bytes; keep
             # them only for an empty tensor, so that it is still recorded.
             items.extend(
-                i for i in create_write_items(fqn, obj) if i.tensor_data.chunk.sizes.numel() or not obj.numel()
+                i
+                for i in create_write_items(fqn, obj)
+                if i.tensor_data.chunk.sizes.numel() or not obj.numel()
             )
         elif isinstance(obj, TensorPieces):
-            items.extend(_piece_items(fqn, obj, rank, world_size, out.pieces, piece_fqns, piece_digests))
+            items.extend(
+                _piece_items(fqn, obj, rank, world_size, out.pieces, piece_fqns, piece_digests)
+            )
         elif isinstance(obj, ShardedTensor):
             # FSDP1 SHARDED_STATE_DICT, torchrec: each rank holds shards at
             # global offsets, as an irregular DTensor does. No layout is known,
             # so the index lists its chunks explicitly.
             out.layouts[fqn] = None
             items.extend(
-                i for i in create_write_items(fqn, obj) if i.tensor_data.chunk.sizes.numel() or not obj.numel()
+                i
+                for i in create_write_items(fqn, obj)
+                if i.tensor_data.chunk.sizes.numel() or not obj.numel()
             )
         elif isinstance(obj, torch.Tensor):
             out.layouts[fqn] = layouts[fqn] = _PLAIN
@@ -155,20 +165,32 @@ def create_local_save_plan(
             items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
     reports = []
     for (mesh_shape, ranks), specs in members.items():
-        group = cached_group(MeshGroup(mesh_shape, ranks, tuple(sorted(specs, key=lambda t: t.fqn))))
+        group = cached_group(
+            MeshGroup(mesh_shape, ranks, tuple(sorted(specs, key=lambda t: t.fqn)))
+        )
         out.groups.append(group)
         describe = rank == group.first_rank
-        reports.append(MeshGroupReport(group.signature, group.first_rank, group.to_json() if describe else None))
+        reports.append(
+            MeshGroupReport(
+                group.signature, group.first_rank, group.to_json() if describe else None
+            )
+        )
     report = SaveRankReport(
-        rank=rank, digests=digests, layouts=layouts, rank_local=tuple(rank_local), groups=tuple(reports),
-        pieces=tuple(sorted(piece_fqns)), piece_digests=piece_digests,
+        rank=rank,
+        digests=digests,
+        layouts=layouts,
+        rank_local=tuple(rank_local),
+        groups=tuple(reports),
+        pieces=tuple(sorted(piece_fqns)),
+        piece_digests=piece_digests,
     )
     out.plan = SavePlan(items, planner_data=report)
     return out
 
 
 def _dtensor_layout(fqn: str, obj: DTensor) -> Layout:
-    """The layout of DTensor ``fqn``; a ``LayoutError`` naming it when its placements have none (Partial)."""
+    """The layout of DTensor ``fqn``; a ``LayoutError`` naming it when its placements have none
+    (Partial)."""
     try:
         return _layout_for(tuple(obj.device_mesh.shape), tuple(obj.placements))
     except ValueError as e:
@@ -193,18 +215,24 @@ def _checkpointable_items(fqn: str, obj: torch.Tensor) -> list[WriteItem]:
         td = item.tensor_data
         if item.type == WriteItemType.BYTE_IO or td is None:
             raise UnsupportedValueError(
-                f"tensor {fqn!r}: its {kind} plans a non-tensor write item ({item.type.name}); only tensor "
+                f"tensor {fqn!r}: its {kind} plans a non-tensor write item ({item.type.name}); "
+                "only tensor "
                 "chunks can be saved from a checkpointable tensor"
             )
         offsets, sizes = tuple(td.chunk.offsets), tuple(td.chunk.sizes)
         if not math.prod(sizes) and math.prod(shape):
             continue  # an empty shard (a rank that holds none) has no bytes; an empty tensor is still recorded
-        if tuple(td.size) != shape or len(offsets) != len(shape) or len(sizes) != len(shape) or any(
-            o < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)
+        if (
+            tuple(td.size) != shape
+            or len(offsets) != len(shape)
+            or len(sizes) != len(shape)
+            or any(o < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape))
         ):
             raise UnsupportedValueError(
-                f"tensor {fqn!r}: its {kind} plans a chunk at offsets {list(offsets)} of size {list(sizes)} "
-                f"in a tensor of size {list(td.size)}, but the tensor's shape is {list(shape)}: the chunk must "
+                f"tensor {fqn!r}: its {kind} plans a chunk at offsets {list(offsets)} of size "
+                f"{list(sizes)} "
+                f"in a tensor of size {list(td.size)}, but the tensor's shape is {list(shape)}: "
+                "the chunk must "
                 "lie inside it"
             )
         out.append(item)

@@ -24,18 +24,19 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from ..format import FileRecord, Layout, RunList, TensorRecord, decode_runs, encode_runs
 from ..core.sharding import Box
 from ..core.values import dtype_from_name
 from ..errors import CheckpointFormatError
+from ..format import FileRecord, Layout, RunList, TensorRecord, decode_runs, encode_runs
 
 __all__ = ["TensorSpec", "MeshGroup", "LazyChunks", "compact_records"]
 
@@ -52,7 +53,9 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         """Size of the whole tensor in bytes."""
-        return math.prod(self.shape) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return (
+            math.prod(self.shape) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,12 +80,15 @@ class MeshGroup:
         }
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> "MeshGroup":
+    def from_json(d: dict[str, Any]) -> MeshGroup:
         """Inverse of :meth:`to_json`."""
         return MeshGroup(
             tuple(d["mesh"]),
             tuple(decode_runs(d["ranks"], "mesh group")),
-            tuple(TensorSpec(f, dt, tuple(sh), Layout.from_json(lj, f)) for f, dt, sh, lj in d["tensors"]),
+            tuple(
+                TensorSpec(f, dt, tuple(sh), Layout.from_json(lj, f))
+                for f, dt, sh, lj in d["tensors"]
+            ),
         )
 
     @functools.cached_property
@@ -169,7 +175,8 @@ def compact_records(
 ) -> dict[str, TensorRecord]:
     """Index records of the mesh groups' tensors, from the writer rule alone.
 
-    ``owners`` names the group that writes each tensor; ``positions`` maps global ranks to positions in the save's process group
+    ``owners`` names the group that writes each tensor; ``positions`` maps global ranks to positions
+    in the save's process group
     (``FileRecord.rank``); ``counts`` is how many mesh-planned chunks each
     position reported writing, checked against what the plan says. Vectorised:
     linear in the number of chunks, a few numpy operations per tensor.
@@ -197,7 +204,9 @@ def compact_records(
                 f"{list(t.layout.grid(t.shape).box(k).offsets)} but reported no data file"
             )
         expected += np.bincount(pos, minlength=n)
-        out[t.fqn] = TensorRecord(dtype_from_name(t.dtype), t.shape, t.layout, True, RunList(encode_runs(fidx)))
+        out[t.fqn] = TensorRecord(
+            dtype_from_name(t.dtype), t.shape, t.layout, True, RunList(encode_runs(fidx))
+        )
     got = np.zeros(n, dtype=np.int64)
     for p, c in counts.items():
         got[p] = c
@@ -205,8 +214,10 @@ def compact_records(
     if len(bad):
         p = int(bad[0])
         raise CheckpointFormatError(
-            f"the rank at position {p} of the save wrote {int(got[p])} chunk(s) of mesh-planned tensors but the "
-            f"plan gives it {int(expected[p])}: ranks disagree about the mesh layout; nothing was committed"
+            f"the rank at position {p} of the save wrote {int(got[p])} chunk(s) of mesh-planned "
+            "tensors but the "
+            f"plan gives it {int(expected[p])}: ranks disagree about the mesh layout; nothing was "
+            "committed"
         )
     return out
 
@@ -229,7 +240,9 @@ class LazyChunks(list):  # type: ignore[type-arg]
     def _fill(self) -> None:
         if self._source is not None:
             source, self._source = self._source, None
-            super().extend(ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in source())
+            super().extend(
+                ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in source()
+            )
 
     def __len__(self) -> int:
         self._fill()

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, STORAGE_TYPES
+from torch.distributed.checkpoint.metadata import STORAGE_TYPES, BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from .._compat import flatten_sharded_tensors, flatten_state_dict
@@ -62,7 +62,11 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         allow_dtype_cast: bool = True,
         rank_local_reshard: ReshardFn | None = None,
     ) -> None:
-        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=allow_partial_load)
+        super().__init__(
+            flatten_state_dict=True,
+            flatten_sharded_tensors=True,
+            allow_partial_load=allow_partial_load,
+        )
         self.allow_dtype_cast = allow_dtype_cast
         self.rank_local_reshard = rank_local_reshard
         self.unexpected_keys: list[str] = []
@@ -70,7 +74,10 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         self.cast_keys: dict[str, tuple[torch.dtype, torch.dtype]] = {}
 
     def set_up_planner(
-        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
     ) -> None:
         """Flatten the target state dict (DCP's rules), keeping RankLocal wrappers."""
         # DCP's set-up replaces every object it does not know (RankLocal among
@@ -98,14 +105,21 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         for fqn, obj in self.state_dict.items():
             if fqn in info.rank_local:
                 reads, gather = rank_local_reads(
-                    fqn, obj, info.rank_local[fqn], info.world_size, self.rank, self.world_size,
+                    fqn,
+                    obj,
+                    info.rank_local[fqn],
+                    info.world_size,
+                    self.rank,
+                    self.world_size,
                     self.rank_local_reshard,
                 )
                 if gather is not None:
                     self._pending[fqn] = gather
                 items.extend(reads)
                 continue
-            if isinstance(obj, TensorPieces):  # its key is not stored; its pieces name their tensors
+            if isinstance(
+                obj, TensorPieces
+            ):  # its key is not stored; its pieces name their tensors
                 items.extend(self._piece_items(fqn, obj, missing))
                 continue
             smd = md.state_dict_metadata.get(fqn)
@@ -123,17 +137,23 @@ class UCPLoadPlanner(DefaultLoadPlanner):
                 items.append(bytes_item(fqn, fqn))
         self.missing_keys = sorted(missing)
         if self.cast_keys:
-            casts = [f"{k} ({dtype_name(a)} -> {dtype_name(b)})" for k, (a, b) in sorted(self.cast_keys.items())]
+            casts = [
+                f"{k} ({dtype_name(a)} -> {dtype_name(b)})"
+                for k, (a, b) in sorted(self.cast_keys.items())
+            ]
             warnings.warn(
-                f"{len(casts)} tensor(s) are cast from the checkpoint's dtype on load: {key_list(casts)}. "
+                f"{len(casts)} tensor(s) are cast from the checkpoint's dtype on load: "
+                f"{key_list(casts)}. "
                 "Pass UCPLoadPlanner(allow_dtype_cast=False) to make a dtype mismatch an error",
                 UserWarning,
                 stacklevel=2,
             )
         if missing and not self.allow_partial_load:
-            # Opens with DCP's own words ("Missing key in checkpoint"), for callers that match on them.
+            # Opens with DCP's own words ("Missing key in checkpoint"), for callers that match on
+            # them.
             raise CheckpointKeyError(
-                f"Missing key in checkpoint state_dict: {len(missing)} key(s) of the state dict are missing "
+                f"Missing key in checkpoint state_dict: {len(missing)} key(s) of the state dict "
+                "are missing "
                 f"from the checkpoint: {key_list(self.missing_keys)}. Pass "
                 "UCPLoadPlanner(allow_partial_load=True) to load the rest"
             )
@@ -153,7 +173,9 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         md = self.metadata
         reports = [p.planner_data for p in global_plan]
         if md is not None and reports and all(isinstance(r, LoadRankReport) for r in reports):
-            not_loaded = keys_no_rank_asked(sorted(md.state_dict_metadata), [r.asked for r in reports])
+            not_loaded = keys_no_rank_asked(
+                sorted(md.state_dict_metadata), [r.asked for r in reports]
+            )
             if not_loaded:
                 warnings.warn(
                     f"{len(not_loaded)} checkpoint key(s) not in the state dict were not loaded: "
@@ -184,7 +206,9 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             if smd is None:
                 missing.append(p.fqn)
                 continue
-            items.extend(self._tensor_items(p.fqn, p.data, smd, shape=p.shape, boxes=[p.box], dest=(key, i)))
+            items.extend(
+                self._tensor_items(p.fqn, p.data, smd, shape=p.shape, boxes=[p.box], dest=(key, i))
+            )
         return items
 
     def _tensor_items(
@@ -204,11 +228,15 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         ``dest`` (state-dict key, piece number) where :meth:`resolve_tensor`
         finds its view.
         """
-        tmd = check_target(fqn, obj, smd, obj.shape if shape is None else shape, self.allow_dtype_cast)
+        tmd = check_target(
+            fqn, obj, smd, obj.shape if shape is None else shape, self.allow_dtype_cast
+        )
         if obj.dtype != tmd.properties.dtype:
             self.cast_keys[fqn] = (tmd.properties.dtype, obj.dtype)
         grid = saved_grid(LoadSourceInfo.of(self.metadata), fqn, tmd)
-        return overlap_reads(fqn, local_boxes(fqn, obj) if boxes is None else boxes, tmd, grid, dest)
+        return overlap_reads(
+            fqn, local_boxes(fqn, obj) if boxes is None else boxes, tmd, grid, dest
+        )
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """The destination of a read: a piece's view, or DCP's lookup for everything else."""

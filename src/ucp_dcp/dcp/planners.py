@@ -1,4 +1,5 @@
-"""DCP planners: what each rank saves (:class:`UCPSavePlanner`) and reads back (:class:`UCPLoadPlanner`).
+"""DCP planners: what each rank saves (:class:`UCPSavePlanner`) and reads back
+(:class:`UCPLoadPlanner`).
 
 The planners live in :mod:`ucp_dcp.dcp.save_planner` and
 :mod:`ucp_dcp.dcp.load_planner`, their algorithms in the ``_save_*``,

@@ -17,7 +17,8 @@ import gc
 import io
 import os
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -35,7 +36,14 @@ from torch.futures import Future
 from ..byteio.blocksums import BlockVerifier, ChunkCheck
 from ..byteio.integrity import ChunkVerifier
 from ..byteio.rangeio import RangeReader, Segment
-from ..byteio.transfer import StagingBuffers, needs_staging, read_staged, segments_into, spanned, staging_plan
+from ..byteio.transfer import (
+    StagingBuffers,
+    needs_staging,
+    read_staged,
+    segments_into,
+    spanned,
+    staging_plan,
+)
 from ..core.sharding import Box
 from ..core.values import decode_value
 from ..format import Location, TensorRecord
@@ -50,11 +58,14 @@ from .planners import UCPLoadPlanner
 __all__ = ["UCPStorageReader"]
 
 _MiB = 1024 * 1024
-# Read threads per rank. Measured on the development VM (2 cores, virtio disk, cold page cache evicted
+# Read threads per rank. Measured on the development VM (2 cores, virtio disk, cold page cache
+# evicted
 # with benchmarks/harness/pagecache.py; RangeReader reading 64 MiB files, 3 runs each): with 4 ranks
 # reading at once, 2 threads per rank pulled a median 1.6-2.1 GB/s in 1-16 MiB requests, 4 threads
-# 1.2-1.5 GB/s, 8 threads 0.7-1.4 GB/s; one rank alone, 1-2 threads 2.7-2.9 GB/s in 1 MiB requests, 4
-# threads 1.6-2.1. Each thread announces its requests a window ahead (POSIX_FADV_WILLNEED), so two keep
+# 1.2-1.5 GB/s, 8 threads 0.7-1.4 GB/s; one rank alone, 1-2 threads 2.7-2.9 GB/s in 1 MiB requests,
+# 4
+# threads 1.6-2.1. Each thread announces its requests a window ahead (POSIX_FADV_WILLNEED), so two
+# keep
 # the device's queue full; more only contend for the cores. Scattered one-page reads (one per 8 KiB)
 # ran at 0.10-0.15 GB/s with 4 ranks whatever the thread count: bound by calls, not by requests in
 # flight (core/spans.py reads such regions as spans).
@@ -163,13 +174,18 @@ class UCPStorageReader(_Directory, StorageReader):
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """Open the source and describe it as DCP's metadata (nothing is unpickled but DCP's own records)."""
-        self.source = source = open_source(self.path, self.options, storage_options=self.storage_options)
+        """Open the source and describe it as DCP's metadata (nothing is unpickled but DCP's own
+        records)."""
+        self.source = source = open_source(
+            self.path, self.options, storage_options=self.storage_options
+        )
         index = source.index
         md: dict[str, Any] = {}
         for fqn, t in index.tensors.items():
             md[fqn] = TensorStorageMetadata(
-                TensorProperties(dtype=t.dtype), torch.Size(t.shape), LazyChunks(functools.partial(_record_boxes, t))
+                TensorProperties(dtype=t.dtype),
+                torch.Size(t.shape),
+                LazyChunks(functools.partial(_record_boxes, t)),
             )
         for fqn in [*index.values, *index.rank_local]:
             md[fqn] = BytesStorageMetadata()
@@ -184,14 +200,18 @@ class UCPStorageReader(_Directory, StorageReader):
                 keys=frozenset(md),
                 paths=index.paths,
             ),
-            storage_meta=StorageMeta(checkpoint_id=self.path, save_id=_save_id(index), load_id=self.load_id),
+            storage_meta=StorageMeta(
+                checkpoint_id=self.path, save_id=_save_id(index), load_id=self.load_id
+            ),
             # The version of DCP's metadata conventions these keys follow: a
             # DCP checkpoint's own (None before torch 2.4, which DCP's planners
             # treat as the older flattening), else the current one.
             version=getattr(getattr(source, "metadata", None), "version", CURRENT_DCP_VERSION),
         )
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         """Make sure the source is open (DCP may hand us metadata read elsewhere)."""
         if self.source is None:
             self.read_metadata()
@@ -220,24 +240,41 @@ class UCPStorageReader(_Directory, StorageReader):
         assert src is not None
         value_items = [ri for ri in plan.items if ri.type == LoadItemType.BYTE_IO]
         tensor_items = [
-            (ri, src.chunk_index(ri.storage_index.fqn, tuple(ri.storage_index.offset), ri.storage_index.index))
+            (
+                ri,
+                src.chunk_index(
+                    ri.storage_index.fqn, tuple(ri.storage_index.offset), ri.storage_index.index
+                ),
+            )
             for ri in plan.items
             if ri.type != LoadItemType.BYTE_IO
         ]
         # Everything this load reads, before any byte is read: a source
         # refuses here what it will not read, and may locate chunks ahead.
-        src.prepare([(ri.storage_index.fqn, idx) for ri, idx in tensor_items],
-                    [ri.storage_index.fqn for ri in value_items], self.io_threads)
-        reader = src.open_reader(threads=self.io_threads, gap_bytes=self.gap_bytes,
-                                 max_request_bytes=self.max_request_bytes)
+        src.prepare(
+            [(ri.storage_index.fqn, idx) for ri, idx in tensor_items],
+            [ri.storage_index.fqn for ri in value_items],
+            self.io_threads,
+        )
+        reader = src.open_reader(
+            threads=self.io_threads,
+            gap_bytes=self.gap_bytes,
+            max_request_bytes=self.max_request_bytes,
+        )
         ranks = [src.file_rank(i) for i in range(len(src.paths))]
         # Blocks where the source records block checksums; whole chunks where it records only those.
         blocks = BlockVerifier(src.paths, ranks) if self.verify else None
-        chunks = ChunkVerifier(reader, src.paths, ranks, block=self.max_request_bytes) if self.verify else None
+        chunks = (
+            ChunkVerifier(reader, src.paths, ranks, block=self.max_request_bytes)
+            if self.verify
+            else None
+        )
         try:
             segments: list[Segment] = []
             pending: list[tuple[ReadItem, torch.Tensor]] = []
-            staged: list[tuple[ReadItem, torch.Tensor, Location, Box, torch.dtype, ChunkCheck | None]] = []
+            staged: list[
+                tuple[ReadItem, torch.Tensor, Location, Box, torch.dtype, ChunkCheck | None]
+            ] = []
 
             def flush() -> None:
                 self._flush(reader, segments, pending, planner, chunks, blocks)
@@ -249,13 +286,20 @@ class UCPStorageReader(_Directory, StorageReader):
                 chunk = src.box(fqn, idx)
                 dest = planner.resolve_tensor(ri)
                 sums = src.block_sums(fqn, idx, location) if blocks is not None else None
-                check = ChunkCheck(blocks, sums, fqn, chunk.offsets) if blocks is not None and sums is not None else None
+                check = (
+                    ChunkCheck(blocks, sums, fqn, chunk.offsets)
+                    if blocks is not None and sums is not None
+                    else None
+                )
                 region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
-                # Through staging: casts, devices, other dimension orders, and regions of many short runs
-                # (narrow column slices, or a destination laid out in another order) that cost less read
+                # Through staging: casts, devices, other dimension orders, and regions of many short
+                # runs
+                # (narrow column slices, or a destination laid out in another order) that cost less
+                # read
                 # as their covering spans (core.spans), scattered by one strided copy.
                 if needs_staging(dest, src_dtype, location) or spanned(
-                        reader, location, chunk.sizes, region, src_dtype.itemsize, dest):
+                    reader, location, chunk.sizes, region, src_dtype.itemsize, dest
+                ):
                     staged.append((ri, dest, location, chunk, src_dtype, check))
                     continue
                 if check is not None:
@@ -267,7 +311,10 @@ class UCPStorageReader(_Directory, StorageReader):
                     if chunks is not None:
                         # The destination holds exactly the chunk's bytes after
                         # the read: hash it there. Otherwise read the chunk again.
-                        whole = region == Box((0,) * len(chunk.sizes), chunk.sizes) and dest.is_contiguous()
+                        whole = (
+                            region == Box((0,) * len(chunk.sizes), chunk.sizes)
+                            and dest.is_contiguous()
+                        )
                         chunks.add(location, fqn, chunk.offsets, dest if whole else None)
                     segments.extend(segments_into(location, chunk.sizes, region, dest))
                 pending.append((ri, dest))
@@ -276,13 +323,25 @@ class UCPStorageReader(_Directory, StorageReader):
             flush()
             # One staging buffer for all staged items (pinned, double-buffered
             # for CUDA targets); close() waits for the last device copies.
-            # How each staged item is read (as spans or slab by slab), decided once, and the staging it takes.
-            plans = [staging_plan(reader, loc, ch.sizes, Box(tuple(ri.storage_offsets), tuple(ri.lengths)), sd, dest,
-                                  ck.sums.block if ck is not None else 0)
-                     for ri, dest, loc, ch, sd, ck in staged]
+            # How each staged item is read (as spans or slab by slab), decided once, and the staging
+            # it takes.
+            plans = [
+                staging_plan(
+                    reader,
+                    loc,
+                    ch.sizes,
+                    Box(tuple(ri.storage_offsets), tuple(ri.lengths)),
+                    sd,
+                    dest,
+                    ck.sums.block if ck is not None else 0,
+                )
+                for ri, dest, loc, ch, sd, ck in staged
+            ]
             largest = max((nbytes for _, nbytes in plans), default=0)
-            # Staging and the block verifier's scratch together stay within max_buffer_bytes (the default
-            # 64 MiB: 48 MiB of staging, 16 MiB of scratch); a bound too small to share is staging's alone.
+            # Staging and the block verifier's scratch together stay within max_buffer_bytes (the
+            # default
+            # 64 MiB: 48 MiB of staging, 16 MiB of scratch); a bound too small to share is staging's
+            # alone.
             bound = self.max_buffer_bytes
             if blocks is not None and bound >= 2 * blocks.scratch_limit:
                 bound -= blocks.scratch_limit
@@ -290,16 +349,29 @@ class UCPStorageReader(_Directory, StorageReader):
                 for (ri, dest, location, chunk, src_dtype, check), (span, _) in zip(staged, plans):
                     region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
                     # With block checksums, every slab is checked in the staging buffer.
-                    read_staged(reader, location, chunk.sizes, region, src_dtype, dest, buffers=staging, check=check,
-                                span=span)
+                    read_staged(
+                        reader,
+                        location,
+                        chunk.sizes,
+                        region,
+                        src_dtype,
+                        dest,
+                        buffers=staging,
+                        check=check,
+                        span=span,
+                    )
                     # A CUDA dest may still be receiving (on its current stream,
                     # which orders any device work commit_tensor does after the copies).
                     planner.commit_tensor(ri, dest)
-                    if check is None and chunks is not None:  # a cast or device copy: the chunk is read again
+                    if (
+                        check is None and chunks is not None
+                    ):  # a cast or device copy: the chunk is read again
                         chunks.add(location, ri.storage_index.fqn, chunk.offsets)
                         chunks.check()  # right after the read: its pages are likely still cached
             for ri in value_items:
-                planner.load_bytes(ri, self._value_for(planner, read_value(src, reader, ri.storage_index.fqn), ri))
+                planner.load_bytes(
+                    ri, self._value_for(planner, read_value(src, reader, ri.storage_index.fqn), ri)
+                )
         finally:
             reader.close()
             if blocks is not None:
@@ -316,8 +388,10 @@ class UCPStorageReader(_Directory, StorageReader):
 
     @staticmethod
     def _value_for(planner: LoadPlanner, tagged: bytes, ri: ReadItem) -> io.BytesIO:
-        """What ``planner.load_bytes`` expects: the tagged JSON for UCPLoadPlanner; for any other planner
-        (DCP's own, which calls ``torch.load`` on it) the decoded value re-saved with ``torch.save``.
+        """What ``planner.load_bytes`` expects: the tagged JSON for UCPLoadPlanner; for any other
+        planner
+        (DCP's own, which calls ``torch.load`` on it) the decoded value re-saved with
+        ``torch.save``.
 
         The decoded value holds only what tagged JSON can: numbers, strings,
         containers, tensors, arrays; nothing from the checkpoint is unpickled.
@@ -364,7 +438,8 @@ def _save_id(index: Any) -> str | None:
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector (process-wide) for the ``with`` block, if it was running."""
+    """Pause Python's cyclic garbage collector (process-wide) for the ``with`` block, if it was
+    running."""
     was = gc.isenabled()
     gc.disable()
     try:

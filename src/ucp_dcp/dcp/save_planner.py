@@ -58,7 +58,9 @@ class UCPSavePlanner(DefaultSavePlanner):
         compact_plans: bool = True,
     ) -> None:
         if divergent_values not in ("error", "rank_local"):
-            raise ValueError(f"divergent_values must be 'error' or 'rank_local', got {divergent_values!r}")
+            raise ValueError(
+                f"divergent_values must be 'error' or 'rank_local', got {divergent_values!r}"
+            )
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True)
         self.divergent_values = divergent_values
         self.check_replicated_tensors = check_replicated_tensors
@@ -96,8 +98,11 @@ class UCPSavePlanner(DefaultSavePlanner):
         :mod:`ucp_dcp.dcp.compact`.
         """
         self._local = create_local_save_plan(
-            self.state_dict, self.rank, self.world_size,
-            compact_plans=self.compact_plans, check_replicated_tensors=self.check_replicated_tensors,
+            self.state_dict,
+            self.rank,
+            self.world_size,
+            compact_plans=self.compact_plans,
+            check_replicated_tensors=self.check_replicated_tensors,
         )
         self.plan = self._local.plan
         return self.plan
@@ -112,7 +117,9 @@ class UCPSavePlanner(DefaultSavePlanner):
         # itself (list indices, keys with dots), for loads into an empty dict.
         paths = {k: tuple(p) for k, p in self.mappings.items() if tuple(p) != tuple(k.split("."))}
         if paths:
-            self.metadata.planner_data = dataclasses.replace(self.metadata.planner_data, paths=paths)
+            self.metadata.planner_data = dataclasses.replace(
+                self.metadata.planner_data, paths=paths
+            )
         return new_plans, self.metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:

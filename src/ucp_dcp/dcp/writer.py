@@ -73,7 +73,8 @@ class _WriteRecord:
 
 
 def _restated(e: OSError, msg: str) -> OSError:
-    """A new OSError with message ``msg`` and ``e``'s errno (so callers can still test for ENOSPC)."""
+    """A new OSError with message ``msg`` and ``e``'s errno (so callers can still test for
+    ENOSPC)."""
     return OSError(e.errno, msg) if e.errno is not None else OSError(msg)
 
 
@@ -118,7 +119,9 @@ class UCPStorageWriter(_Directory, StorageWriter):
     ) -> None:
         super().__init__()
         if threads < 1:
-            raise ValueError(f"UCPStorageWriter(threads={threads}): needs at least one writer thread")
+            raise ValueError(
+                f"UCPStorageWriter(threads={threads}): needs at least one writer thread"
+            )
         self.threads = threads
         self.path = os.fspath(path)
         self.storage_options = storage_options
@@ -160,15 +163,19 @@ class UCPStorageWriter(_Directory, StorageWriter):
             committed = store.exists(INDEX_FILE)
         if committed and not self.overwrite:
             raise FileExistsError(
-                f"{self.path} already holds a committed checkpoint ({INDEX_FILE}) and the writer was made with "
-                "overwrite=False; refusing to replace it. Save into a new directory, or pass overwrite=True "
+                f"{self.path} already holds a committed checkpoint ({INDEX_FILE}) and the writer "
+                "was made with "
+                "overwrite=False; refusing to replace it. Save into a new directory, or pass "
+                "overwrite=True "
                 "(the default: the old checkpoint stays loadable until the new one commits)"
             )
         if store is None:
             os.makedirs(self.path, exist_ok=True)
         save_id = self.save_id = uuid.uuid4().hex[:8]
         return [
-            dataclasses.replace(p, storage_data=_FileAssignment(data_file_name(r, save_id), len(plans), save_id))
+            dataclasses.replace(
+                p, storage_data=_FileAssignment(data_file_name(r, save_id), len(plans), save_id)
+            )
             for r, p in enumerate(plans)
         ]
 
@@ -187,8 +194,16 @@ class UCPStorageWriter(_Directory, StorageWriter):
         if store is not None:
             return self._upload(store, plan, planner, job, entries, values)
         path = os.path.join(local_path(self.path), job.file)
-        out = DataFileWriter(path, entries, rank=self.rank, world_size=job.world_size, save_id=job.save_id,
-                             align=self.align, sync=self.sync_files, threads=self.threads)
+        out = DataFileWriter(
+            path,
+            entries,
+            rank=self.rank,
+            world_size=job.world_size,
+            save_id=job.save_id,
+            align=self.align,
+            sync=self.sync_files,
+            threads=self.threads,
+        )
         try:
             with out:
                 for i, item in enumerate(plan.items):
@@ -198,23 +213,34 @@ class UCPStorageWriter(_Directory, StorageWriter):
                     t = planner.resolve_data(item)
                     if t.device.type != "cpu":
                         t = t.cpu()
-                    # DCP's save is synchronous: the state is not changed until write_data returns, so the
-                    # writer threads may write from the tensors' own memory (no copy) after this call.
+                    # DCP's save is synchronous: the state is not changed until write_data returns,
+                    # so the
+                    # writer threads may write from the tensors' own memory (no copy) after this
+                    # call.
                     out.write(i, tensor_view(t.contiguous()), stable=True)
                     del t
         except OSError as e:
             gone = "; its partial file was removed" if out.created else ""
-            raise _restated(e, (
-                f"rank {self.rank} could not write checkpoint data file {path}: {e.strerror or e}{gone}. "
-                "The save is not committed and a previous checkpoint is untouched: free space (or save "
-                "elsewhere) and save again"
-            )) from e
+            raise _restated(
+                e,
+                (
+                    f"rank {self.rank} could not write checkpoint data file {path}: {e.strerror or e}{gone}. "
+                    "The save is not committed and a previous checkpoint is untouched: free space "
+                    "(or save "
+                    "elsewhere) and save again"
+                ),
+            ) from e
         fut.set_result(self._results(plan, planner, job.file, out.size, out.entries, out.starts))
         return fut
 
     def _upload(
-        self, store: ObjectStore, plan: SavePlan, planner: SavePlanner, job: _FileAssignment,
-        entries: list[PlannedEntry], values: dict[int, bytes],
+        self,
+        store: ObjectStore,
+        plan: SavePlan,
+        planner: SavePlanner,
+        job: _FileAssignment,
+        entries: list[PlannedEntry],
+        values: dict[int, bytes],
     ) -> Future[list[WriteResult]]:
         """Stream this rank's data file to the store; a transient failure restarts the upload."""
         datas: list[Any] = []
@@ -230,15 +256,25 @@ class UCPStorageWriter(_Directory, StorageWriter):
         def upload() -> tuple[list[PlannedEntry], list[int], int]:
             out = store.open_write(job.file)
             try:
-                done = stream_data_file(out, entries, datas, path=store.url_of(job.file), rank=self.rank,
-                                        world_size=job.world_size, save_id=job.save_id, align=self.align)
+                done = stream_data_file(
+                    out,
+                    entries,
+                    datas,
+                    path=store.url_of(job.file),
+                    rank=self.rank,
+                    world_size=job.world_size,
+                    save_id=job.save_id,
+                    align=self.align,
+                )
                 out.close()  # completes the upload: the object appears whole
                 return done
             except BaseException:
                 discard(out)  # an upload that failed is aborted, never completed
                 raise
 
-        written, starts, size = store.call(f"uploading rank {self.rank}'s data file", job.file, upload)
+        written, starts, size = store.call(
+            f"uploading rank {self.rank}'s data file", job.file, upload
+        )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(self._results(plan, planner, job.file, size, written, starts))
         return fut
@@ -258,7 +294,12 @@ class UCPStorageWriter(_Directory, StorageWriter):
 
     @staticmethod
     def _results(
-        plan: SavePlan, planner: SavePlanner, name: str, size: int, entries: list[PlannedEntry], starts: list[int]
+        plan: SavePlan,
+        planner: SavePlanner,
+        name: str,
+        size: int,
+        entries: list[PlannedEntry],
+        starts: list[int],
     ) -> list[WriteResult]:
         assert isinstance(planner, UCPSavePlanner)
         explicit = []
@@ -271,11 +312,14 @@ class UCPStorageWriter(_Directory, StorageWriter):
         return [WriteResult(MetadataIndex(name), size, _WriteRecord(name, size, explicit, compact))]
 
     @staticmethod
-    def _entries(plan: SavePlan, planner: SavePlanner) -> tuple[list[PlannedEntry], dict[int, bytes]]:
+    def _entries(
+        plan: SavePlan, planner: SavePlanner
+    ) -> tuple[list[PlannedEntry], dict[int, bytes]]:
         """This rank's entries in plan order, and the encoded bytes of its values by position."""
         if not isinstance(planner, UCPSavePlanner):
             raise TypeError(
-                "UCPStorageWriter needs planner=UCPSavePlanner(): other planners pickle non-tensor values"
+                "UCPStorageWriter needs planner=UCPSavePlanner(): other planners pickle "
+                "non-tensor values"
             )
         entries: list[PlannedEntry] = []
         values: dict[int, bytes] = {}
@@ -284,11 +328,21 @@ class UCPStorageWriter(_Directory, StorageWriter):
             if item.type == WriteItemType.BYTE_IO:
                 values[i] = data = planner.resolve_data(item).getvalue()
                 rl = split_rank_local_key(fqn)
-                entries.append(value_entry(rl[1] if rl else fqn, len(data), rank_local=rl is not None))
+                entries.append(
+                    value_entry(rl[1] if rl else fqn, len(data), rank_local=rl is not None)
+                )
             else:
                 td = item.tensor_data
-                entries.append(chunk_entry(fqn, td.properties.dtype, td.size, td.chunk.offsets, td.chunk.sizes,
-                                           planner.layout_of(fqn)))
+                entries.append(
+                    chunk_entry(
+                        fqn,
+                        td.properties.dtype,
+                        td.size,
+                        td.chunk.offsets,
+                        td.chunk.sizes,
+                        planner.layout_of(fqn),
+                    )
+                )
         return entries, values
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -306,24 +360,36 @@ class UCPStorageWriter(_Directory, StorageWriter):
         summary = SaveSummary.of(metadata, len(results))
         compact = compact_records(summary.owners, summary.positions, files, counts)
         index = build_index(summary.world_size, files, written, summary.layouts, compact)
-        index.paths = {k: p for k, p in summary.paths.items() if k in index.tensors or k in index.values}
+        index.paths = {
+            k: p for k, p in summary.paths.items() if k in index.tensors or k in index.values
+        }
         store = self._store()
         if store is not None:
             # One PUT is atomic: the index appears whole, replacing the older one, or not at all.
             store.put(INDEX_FILE, index_bytes(index))
             keep = {f.name for f in index.files}
-            store.remove([n for n in store.list()
-                          if n.startswith("rank") and n.endswith(".safetensors") and n not in keep])
+            store.remove(
+                [
+                    n
+                    for n in store.list()
+                    if n.startswith("rank") and n.endswith(".safetensors") and n not in keep
+                ]
+            )
             return
         try:
             commit_index(self.path, index)
         except OSError as e:
-            raise _restated(e, (
-                f"could not commit checkpoint {self.path} (writing {INDEX_FILE}): {e.strerror or e}. "
-                "The save is not committed and a previous checkpoint in this directory, if any, is "
-                "intact. Free space (or save elsewhere) and save again; the next save that commits "
-                "here removes this one's data files"
-            )) from e
+            raise _restated(
+                e,
+                (
+                    f"could not commit checkpoint {self.path} (writing {INDEX_FILE}): {e.strerror or e}. "
+                    "The save is not committed and a previous checkpoint in this directory, if "
+                    "any, is "
+                    "intact. Free space (or save elsewhere) and save again; the next save that "
+                    "commits "
+                    "here removes this one's data files"
+                ),
+            ) from e
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -1,4 +1,5 @@
-"""The on-disk format: names and constants, records and the JSON index, safetensors data-file headers.
+"""The on-disk format: names and constants, records and the JSON index, safetensors data-file
+headers.
 
 Everything here is plain data and its (de)serialisation; byte I/O lives in
 :mod:`ucp_dcp.byteio`. The names most callers need are re-exported here.
@@ -18,7 +19,14 @@ from .header import (
     read_header,
 )
 from .index import (
-    WrittenEntry, build_index, commit_index, index_bytes, index_digest, load_index, parse_index, rebuild_index,
+    WrittenEntry,
+    build_index,
+    commit_index,
+    index_bytes,
+    index_digest,
+    load_index,
+    parse_index,
+    rebuild_index,
     write_index,
 )
 from .names import (
@@ -47,15 +55,53 @@ from .records import ChunkRecord, FileRecord, Index, Layout, Location, TensorRec
 from .runs import RunList, decode_runs, encode_runs
 
 __all__ = [
-    "ALIGN", "BLOCK_BYTES", "BLOCK_SUMS_ENTRY", "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "LAYOUT_KEY", "MAX_HEADER_BYTES", "PAD_PREFIX",
-    "RANK_LOCAL_PREFIX", "VALUE_PREFIX",
-    "chunk_entry_name", "data_file_name", "dtype_name", "rank_local_entry_name", "rank_local_key",
-    "split_rank_local_key", "st_dtype", "value_entry_name",
-    "ChunkRecord", "FileRecord", "Index", "Layout", "Location", "TensorRecord",
-    "RunList", "decode_runs", "encode_runs",
-    "EntryMeta", "FileHeader", "PlannedEntry", "SafetensorsHeader", "StEntry", "layout_file",
-    "parse_safetensors", "read_header", "dtype_from_st",
-    "BlockSumsRecord", "block_sums_record", "has_block_sums",
-    "WrittenEntry", "build_index", "commit_index", "index_bytes", "index_digest", "load_index", "parse_index",
-    "rebuild_index", "write_index",
+    "ALIGN",
+    "BLOCK_BYTES",
+    "BLOCK_SUMS_ENTRY",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "INDEX_FILE",
+    "LAYOUT_KEY",
+    "MAX_HEADER_BYTES",
+    "PAD_PREFIX",
+    "RANK_LOCAL_PREFIX",
+    "VALUE_PREFIX",
+    "chunk_entry_name",
+    "data_file_name",
+    "dtype_name",
+    "rank_local_entry_name",
+    "rank_local_key",
+    "split_rank_local_key",
+    "st_dtype",
+    "value_entry_name",
+    "ChunkRecord",
+    "FileRecord",
+    "Index",
+    "Layout",
+    "Location",
+    "TensorRecord",
+    "RunList",
+    "decode_runs",
+    "encode_runs",
+    "EntryMeta",
+    "FileHeader",
+    "PlannedEntry",
+    "SafetensorsHeader",
+    "StEntry",
+    "layout_file",
+    "parse_safetensors",
+    "read_header",
+    "dtype_from_st",
+    "BlockSumsRecord",
+    "block_sums_record",
+    "has_block_sums",
+    "WrittenEntry",
+    "build_index",
+    "commit_index",
+    "index_bytes",
+    "index_digest",
+    "load_index",
+    "parse_index",
+    "rebuild_index",
+    "write_index",
 ]

@@ -6,8 +6,9 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol
+from typing import Any, Protocol
 
 from ..errors import CheckpointFormatError
 from .names import (
@@ -24,8 +25,16 @@ from .names import (
     value_entry_name,
 )
 from .records import Layout
-from .schema import parse_json, field_dict, field_dtype, field_int, field_shape, field_str, field_xxh3, is_index_list
-
+from .schema import (
+    field_dict,
+    field_dtype,
+    field_int,
+    field_shape,
+    field_str,
+    field_xxh3,
+    is_index_list,
+    parse_json,
+)
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,10 @@ class EntryMeta:
         d: dict[str, Any] = {"kind": self.kind, "fqn": self.fqn, "xxh3": self.xxh3}
         if self.kind == "tensor":
             d.update(
-                dtype=self.dtype, shape=list(self.shape), offsets=list(self.offsets), sizes=list(self.sizes)
+                dtype=self.dtype,
+                shape=list(self.shape),
+                offsets=list(self.offsets),
+                sizes=list(self.sizes),
             )
             if self.layout is not None:
                 d["layout"] = self.layout.to_json()
@@ -70,7 +82,7 @@ class BlockSumsRecord:
     xxh3: str
 
 
-def has_block_sums(meta: "EntryMeta | None", nbytes: int) -> bool:
+def has_block_sums(meta: EntryMeta | None, nbytes: int) -> bool:
     """Whether an entry has block checksums: the non-empty tensor chunks."""
     return meta is not None and meta.kind == "tensor" and nbytes > 0
 
@@ -129,7 +141,8 @@ def open_data_file(path: str) -> int:
 
 
 class RandomAccess(Protocol):
-    """Bytes that can be read at any offset: a local file, or an object read with ranged requests."""
+    """Bytes that can be read at any offset: a local file, or an object read with ranged
+    requests."""
 
     size: int
     """Total length in bytes."""
@@ -150,7 +163,9 @@ class _FdAccess:
         return os.pread(self.fd, n, offset)
 
 
-def parse_safetensors(path: str, fd: int | None = None, *, access: RandomAccess | None = None) -> SafetensorsHeader:
+def parse_safetensors(
+    path: str, fd: int | None = None, *, access: RandomAccess | None = None
+) -> SafetensorsHeader:
     """Read and validate the header of safetensors file ``path`` (any writer's).
 
     Checks the header length against :data:`MAX_HEADER_BYTES` and the file
@@ -166,11 +181,14 @@ def parse_safetensors(path: str, fd: int | None = None, *, access: RandomAccess 
         size = acc.size
         head = acc.pread(8, 0)
         if len(head) < 8:
-            raise CheckpointFormatError(f"{path}: truncated ({size} bytes; a safetensors file starts with 8)")
+            raise CheckpointFormatError(
+                f"{path}: truncated ({size} bytes; a safetensors file starts with 8)"
+            )
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise CheckpointFormatError(
-                f"{path}: header length {n} exceeds the file ({size} bytes): truncated or not safetensors"
+                f"{path}: header length {n} exceeds the file ({size} bytes): truncated or not "
+                "safetensors"
             )
         raw = acc.pread(n, 8)
     finally:
@@ -188,7 +206,9 @@ def parse_safetensors(path: str, fd: int | None = None, *, access: RandomAccess 
     for name, e in doc.items():
         offsets = e.get("data_offsets") if isinstance(e, dict) else None
         if not is_index_list(offsets, 2) or offsets[0] > offsets[1]:
-            raise CheckpointFormatError(f"{path}: entry {name!r} has bad data_offsets {offsets!r}"[:300])
+            raise CheckpointFormatError(
+                f"{path}: entry {name!r} has bad data_offsets {offsets!r}"[:300]
+            )
         shape = field_shape(e, "shape", f"{path}: entry {name!r}")
         code = field_str(e, "dtype", f"{path}: entry {name!r}")
         b, en = offsets
@@ -216,7 +236,9 @@ def parse_safetensors(path: str, fd: int | None = None, *, access: RandomAccess 
 _KINDS = ("tensor", "value", "rank_local")
 
 
-def read_header(path: str, fd: int | None = None, *, access: RandomAccess | None = None) -> FileHeader:
+def read_header(
+    path: str, fd: int | None = None, *, access: RandomAccess | None = None
+) -> FileHeader:
     """Read and validate the header of native data file ``path``.
 
     Raises :class:`CheckpointFormatError` naming the file (and the entry and
@@ -232,7 +254,9 @@ def read_header(path: str, fd: int | None = None, *, access: RandomAccess | None
     if not isinstance(ucp, dict):
         raise CheckpointFormatError(f"{path}: safetensors file without ucp_dcp metadata")
     if ucp.get("version") != FORMAT_VERSION or isinstance(ucp.get("version"), bool):
-        raise CheckpointFormatError(f"{path}: unsupported format version {ucp.get('version')!r}"[:300])
+        raise CheckpointFormatError(
+            f"{path}: unsupported format version {ucp.get('version')!r}"[:300]
+        )
     where = f"{path}: ucp_dcp metadata"
     world_size = field_int(ucp, "world_size", where, lo=1)
     rank = field_int(ucp, "rank", where, hi=world_size - 1)
@@ -244,14 +268,26 @@ def read_header(path: str, fd: int | None = None, *, access: RandomAccess | None
     for name, m in entries_meta.items():
         e = st.entries.get(name)
         if e is None:
-            raise CheckpointFormatError(f"{path}: metadata names entry {name!r} that the file does not hold")
+            raise CheckpointFormatError(
+                f"{path}: metadata names entry {name!r} that the file does not hold"
+            )
         if dtype_from_st(e.st_dtype) is None:
             raise CheckpointFormatError(
-                f"{path}: entry {name!r} has dtype code {e.st_dtype!r}, which ucp_dcp does not write"
+                f"{path}: entry {name!r} has dtype code {e.st_dtype!r}, which ucp_dcp does not "
+                "write"
             )
         meta[name] = _entry_meta(m, name, e.nbytes, f"{path}: metadata of entry {name!r}")
-    return FileHeader(path, st.size, rank, world_size, save_id, ranges, shapes, meta,
-                      block_sums_record(path, ucp, st.entries))
+    return FileHeader(
+        path,
+        st.size,
+        rank,
+        world_size,
+        save_id,
+        ranges,
+        shapes,
+        meta,
+        block_sums_record(path, ucp, st.entries),
+    )
 
 
 # Blocks are 4 KiB when written; anything past 1 GiB is damage (and would
@@ -259,52 +295,73 @@ def read_header(path: str, fd: int | None = None, *, access: RandomAccess | None
 _MAX_BLOCK = 1 << 30
 
 
-def block_sums_record(path: str, ucp: dict[str, Any], entries: dict[str, StEntry]) -> BlockSumsRecord | None:
-    """The block checksums a data file's ``ucp_dcp`` metadata ``ucp`` announces (None: it has none)."""
+def block_sums_record(
+    path: str, ucp: dict[str, Any], entries: dict[str, StEntry]
+) -> BlockSumsRecord | None:
+    """The block checksums a data file's ``ucp_dcp`` metadata ``ucp`` announces (None: it has
+    none)."""
     bs = ucp.get("block_sums")
     if bs is None:
         return None
     e = entries.get(BLOCK_SUMS_ENTRY)
     block, digest = (bs.get("block"), bs.get("xxh3")) if isinstance(bs, dict) else (None, None)
-    if not (isinstance(block, int) and not isinstance(block, bool) and 0 < block <= _MAX_BLOCK
-            and isinstance(digest, str)):
+    if not (
+        isinstance(block, int)
+        and not isinstance(block, bool)
+        and 0 < block <= _MAX_BLOCK
+        and isinstance(digest, str)
+    ):
         raise CheckpointFormatError(f"{path}: malformed block_sums metadata {bs!r}")
     if e is None or e.st_dtype != "U64" or e.nbytes % 8:
-        raise CheckpointFormatError(f"{path}: block_sums metadata without a U64 {BLOCK_SUMS_ENTRY} entry")
+        raise CheckpointFormatError(
+            f"{path}: block_sums metadata without a U64 {BLOCK_SUMS_ENTRY} entry"
+        )
     return BlockSumsRecord(block, e.start, e.nbytes, digest)
 
 
 def _entry_meta(m: Any, name: str, nbytes: int, where: str) -> EntryMeta:
     kind = field_str(m, "kind", where)
     if kind not in _KINDS:
-        raise CheckpointFormatError(f"{where}: field 'kind' must be one of {list(_KINDS)}, got {kind!r}")
+        raise CheckpointFormatError(
+            f"{where}: field 'kind' must be one of {list(_KINDS)}, got {kind!r}"
+        )
     fqn = field_str(m, "fqn", where)
     xxh3 = field_xxh3(m, "xxh3", where)
     if kind != "tensor":
         expected = value_entry_name(fqn) if kind == "value" else rank_local_entry_name(fqn)
         if name != expected:
-            raise CheckpointFormatError(f"{where}: a {kind} named {fqn!r} must be stored as entry {expected!r}")
+            raise CheckpointFormatError(
+                f"{where}: a {kind} named {fqn!r} must be stored as entry {expected!r}"
+            )
         return EntryMeta(kind, fqn, "uint8", (), (), (), xxh3)
     dtype = field_dtype(m, "dtype", where)
     shape = field_shape(m, "shape", where)
     offsets, sizes = m.get("offsets"), m.get("sizes")
     if not (is_index_list(offsets, len(shape)) and is_index_list(sizes, len(shape))):
-        raise CheckpointFormatError(f"{where}: malformed offsets/sizes for a tensor of shape {list(shape)}")
+        raise CheckpointFormatError(
+            f"{where}: malformed offsets/sizes for a tensor of shape {list(shape)}"
+        )
     if any(o + k > n for o, k, n in zip(offsets, sizes, shape)):
-        raise CheckpointFormatError(f"{where}: box {offsets}+{sizes} lies outside shape {list(shape)}")
+        raise CheckpointFormatError(
+            f"{where}: box {offsets}+{sizes} lies outside shape {list(shape)}"
+        )
     if math.prod(sizes) * dtype.itemsize != nbytes:
         raise CheckpointFormatError(
             f"{where}: the entry holds {nbytes} bytes, not the {math.prod(sizes) * dtype.itemsize} of "
             f"{dtype_name(dtype)}{sizes}"
         )
     if name != chunk_entry_name(fqn, offsets):
-        raise CheckpointFormatError(f"{where}: a chunk of {fqn!r} at {offsets} must be stored as entry "
-                                    f"{chunk_entry_name(fqn, offsets)!r}")
+        raise CheckpointFormatError(
+            f"{where}: a chunk of {fqn!r} at {offsets} must be stored as entry "
+            f"{chunk_entry_name(fqn, offsets)!r}"
+        )
     layout = None
     if m.get("layout") is not None:
         layout = Layout.from_json(m["layout"], where)
         layout.check_dims(len(shape), where)
-    return EntryMeta(kind, fqn, dtype_name(dtype), tuple(shape), tuple(offsets), tuple(sizes), xxh3, layout)
+    return EntryMeta(
+        kind, fqn, dtype_name(dtype), tuple(shape), tuple(offsets), tuple(sizes), xxh3, layout
+    )
 
 
 @dataclass
@@ -319,8 +376,13 @@ class PlannedEntry:
 
 
 def layout_file(
-    entries: Iterable[PlannedEntry], rank: int, world_size: int, save_id: str, align: int = ALIGN,
-    *, block_sums: tuple[int, str] | None = None,
+    entries: Iterable[PlannedEntry],
+    rank: int,
+    world_size: int,
+    save_id: str,
+    align: int = ALIGN,
+    *,
+    block_sums: tuple[int, str] | None = None,
 ) -> tuple[bytes, list[int], int]:
     """Lay out a data file: its header bytes and each entry's absolute offset.
 
@@ -351,7 +413,11 @@ def layout_file(
     header: dict[str, Any] = {}
     p = 0
     for e in layout:
-        header[e.name] = {"dtype": e.st_dtype, "shape": list(e.shape), "data_offsets": [p, p + e.nbytes]}
+        header[e.name] = {
+            "dtype": e.st_dtype,
+            "shape": list(e.shape),
+            "data_offsets": [p, p + e.nbytes],
+        }
         p += e.nbytes
     header["__metadata__"] = {
         "ucp_dcp": json.dumps(
@@ -362,7 +428,11 @@ def layout_file(
                 "world_size": world_size,
                 "save_id": save_id,
                 "entries": {e.name: e.meta.to_json() for e in entries if e.meta is not None},
-                **({"block_sums": {"block": block_sums[0], "xxh3": block_sums[1]}} if block_sums else {}),
+                **(
+                    {"block_sums": {"block": block_sums[0], "xxh3": block_sums[1]}}
+                    if block_sums
+                    else {}
+                ),
             },
             separators=(",", ":"),
         )

@@ -20,16 +20,23 @@ import xxhash
 
 from ..byteio.durable import atomic_write
 from ..core.sharding import Box
+from ..core.values import dtype_from_name
 from ..errors import CheckpointFormatError
 from .header import EntryMeta, read_header
 from .names import INDEX_FILE
 from .records import ChunkRecord, FileRecord, Index, Layout, Location, TensorRecord
 from .schema import parse_json
-from ..core.values import dtype_from_name
 
 __all__ = [
-    "WrittenEntry", "build_index", "index_digest", "index_bytes", "write_index", "commit_index", "load_index",
-    "parse_index", "rebuild_index",
+    "WrittenEntry",
+    "build_index",
+    "index_digest",
+    "index_bytes",
+    "write_index",
+    "commit_index",
+    "load_index",
+    "parse_index",
+    "rebuild_index",
 ]
 
 DIGEST_FIELD = "digest"
@@ -72,7 +79,9 @@ def build_index(
             elif e.meta.kind == "rank_local":
                 rank_local[e.meta.fqn][files[fi].rank] = loc
             else:
-                raise CheckpointFormatError(f"{files[fi].name}: entry {e.name!r} has unknown kind {e.meta.kind!r}")
+                raise CheckpointFormatError(
+                    f"{files[fi].name}: entry {e.name!r} has unknown kind {e.meta.kind!r}"
+                )
     tensors: dict[str, TensorRecord] = {}
     for fqn in sorted(per_tensor):
         items = per_tensor[fqn]
@@ -80,13 +89,12 @@ def build_index(
         for fi, e in items:
             if (e.meta.dtype, e.meta.shape) != (first.dtype, first.shape):
                 raise CheckpointFormatError(
-                    f"tensor {fqn!r} is saved as {first.dtype}{list(first.shape)} in one file and as "
+                    f"tensor {fqn!r} is saved as {first.dtype}{list(first.shape)} in one file and "
+                    "as "
                     f"{e.meta.dtype}{list(e.meta.shape)} in {files[fi].name}"
                 )
         dtype = dtype_from_name(first.dtype)
-        chunks = {
-            Box(e.meta.offsets, e.meta.sizes): (fi, e) for fi, e in items
-        }
+        chunks = {Box(e.meta.offsets, e.meta.sizes): (fi, e) for fi, e in items}
         if layouts is not None and fqn in layouts:
             layout = layouts[fqn]
         else:
@@ -103,7 +111,9 @@ def build_index(
             tensors[fqn] = TensorRecord(dtype, first.shape, layout, False, chunks=recs)
     for fqn, rec in (compact or {}).items():
         if fqn in tensors:
-            raise CheckpointFormatError(f"tensor {fqn!r} was written both per chunk and through its mesh group")
+            raise CheckpointFormatError(
+                f"tensor {fqn!r} was written both per chunk and through its mesh group"
+            )
         tensors[fqn] = rec
     return Index(world_size, files, dict(sorted(tensors.items())), values, dict(rank_local))
 
@@ -132,7 +142,8 @@ def _compact(
 
 
 def index_digest(doc: dict[str, Any]) -> str:
-    """The digest of index document ``doc``: xxh3-128 (hex) of its canonical JSON without the ``digest`` field.
+    """The digest of index document ``doc``: xxh3-128 (hex) of its canonical JSON without the
+    ``digest`` field.
 
     Canonical: keys sorted, no whitespace (``separators=(",", ":")``),
     non-ASCII characters escaped, as ``json.dumps(..., sort_keys=True)``
@@ -145,7 +156,8 @@ def index_digest(doc: dict[str, Any]) -> str:
 
 
 def write_index(directory: str, index: Index) -> None:
-    """Write ``ucp_index.json`` atomically (:func:`~ucp_dcp.byteio.durable.atomic_write`), with its digest.
+    """Write ``ucp_index.json`` atomically (:func:`~ucp_dcp.byteio.durable.atomic_write`), with its
+    digest.
 
     Readers see either the previous index or the complete new one, never a
     partial file; a failed write leaves no temp file.
@@ -190,11 +202,14 @@ def load_index(directory: str) -> Index:
     except FileNotFoundError:
         hint = ""
         if os.path.exists(os.path.join(directory, ".metadata")):
-            hint = " (it holds a DCP .metadata file: it was saved with DCP's default FileSystemWriter)"
+            hint = (
+                " (it holds a DCP .metadata file: it was saved with DCP's default FileSystemWriter)"
+            )
         raise CheckpointFormatError(
             f"{directory}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing{hint}. "
             "A save that did not finish leaves no index; load an earlier checkpoint "
-            "or rebuild the index from complete data files with ucp_dcp.rebuild_index(path, write=True)"
+            "or rebuild the index from complete data files with ucp_dcp.rebuild_index(path, "
+            "write=True)"
         ) from None
     except OSError as e:
         raise CheckpointFormatError(f"{path}: cannot read the index ({e.strerror or e})") from None
@@ -217,7 +232,8 @@ def parse_index(raw: bytes, path: str) -> Index:
             actual = "(not canonical JSON)"
         if recorded != actual:
             raise CheckpointFormatError(
-                f"{path}: the index does not match its digest (recorded {str(recorded)[:40]!r}, its content "
+                f"{path}: the index does not match its digest (recorded {str(recorded)[:40]!r}, "
+                "its content "
                 f"hashes to {actual}): it was changed after it was written; {rebuild}"
             )
     return Index.from_json(doc, path)
@@ -239,7 +255,9 @@ def rebuild_index(
     """
     names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
     if not names:
-        raise CheckpointFormatError(f"{directory}: no .safetensors data files to rebuild an index from")
+        raise CheckpointFormatError(
+            f"{directory}: no .safetensors data files to rebuild an index from"
+        )
     headers = {n: read_header(os.path.join(directory, n)) for n in names}
     saves: dict[str, list[str]] = defaultdict(list)
     for n, h in headers.items():
@@ -255,21 +273,24 @@ def rebuild_index(
         raise CheckpointFormatError(f"{directory}: no data files of save {save_id!r}")
     files = [FileRecord(n, headers[n].rank, headers[n].size) for n in chosen]
     written = [
-        [WrittenEntry(name, m, *headers[n].ranges[name]) for name, m in headers[n].meta.items()] for n in chosen
+        [WrittenEntry(name, m, *headers[n].ranges[name]) for name, m in headers[n].meta.items()]
+        for n in chosen
     ]
     index = build_index(max(headers[n].world_size for n in chosen), files, written)
     for fqn, t in index.tensors.items():
         covered = sum(c.box.numel for c in t.chunk_list())
         if covered != math.prod(t.shape):
             raise CheckpointFormatError(
-                f"{directory}: the data files of save {headers[chosen[0]].save_id} cover {covered} of the "
+                f"{directory}: the data files of save {headers[chosen[0]].save_id} cover "
+                f"{covered} of the "
                 f"{math.prod(t.shape)} elements of {fqn!r}: a data file is missing"
             )
     if write:
         if os.path.exists(os.path.join(directory, INDEX_FILE)):
             if not replace:
                 raise FileExistsError(
-                    f"{directory}/{INDEX_FILE} exists; not overwriting it (pass replace=True to replace a "
+                    f"{directory}/{INDEX_FILE} exists; not overwriting it (pass replace=True to "
+                    "replace a "
                     "damaged index with the one rebuilt from the data files)"
                 )
         write_index(directory, index)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -22,14 +22,16 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_MESH_DEVICES = 1 << 24
 """Most devices a recorded layout's mesh may have (more than any job runs on)."""
 MAX_ENUMERATED_COORDS = 1 << 16
-"""Most mesh coordinates of an irregular recorded layout, whose chunks are found one coordinate at a time."""
+"""Most mesh coordinates of an irregular recorded layout, whose chunks are found one coordinate at a
+time."""
 VALUE_PREFIX = "__ucp_value__/"
 RANK_LOCAL_PREFIX = "__ucp_rank_local__/"
 PAD_PREFIX = "__ucp_pad__."
 BLOCK_SUMS_ENTRY = "__ucp_block_sums__"
 """The U64 entry of a data file holding the xxh3-64 of every block of its tensor chunks."""
 BLOCK_BYTES = 4096
-"""Bytes per checksummed block of a tensor chunk: one page, so checking a read costs no extra I/O."""
+"""Bytes per checksummed block of a tensor chunk: one page, so checking a read costs no extra
+I/O."""
 LAYOUT_KEY = "__ucp_layout__"
 """Top-level state-dict key under which ``LayoutSpec.apply(record=True)`` stores the spec."""
 
@@ -57,7 +59,8 @@ _FROM_ST = {code: dtype for dtype, code in _ST_DTYPES.items()}
 
 
 def dtype_from_st(code: str) -> torch.dtype | None:
-    """The torch dtype of safetensors dtype code ``code`` (``"BF16"``), or None when torch has none."""
+    """The torch dtype of safetensors dtype code ``code`` (``"BF16"``), or None when torch has
+    none."""
     return _FROM_ST.get(code)
 
 

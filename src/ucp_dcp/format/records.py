@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -42,6 +43,7 @@ from ..errors import CheckpointFormatError, LayoutError
 from .names import FORMAT_NAME, FORMAT_VERSION, MAX_ENUMERATED_COORDS, MAX_MESH_DEVICES, dtype_name
 from .runs import RunList, decode_runs, encode_runs
 from .schema import (
+    MAX_INT,
     check_paths,
     check_relative_name,
     check_tensor_bytes,
@@ -53,7 +55,6 @@ from .schema import (
     field_str,
     field_xxh3,
     is_index_list,
-    MAX_INT,
 )
 
 # ---------------------------------------------------------------- records
@@ -80,12 +81,14 @@ class Location:
         return {"file": self.file, "start": self.start, "nbytes": self.nbytes, "xxh3": self.xxh3}
 
     @staticmethod
-    def from_json(d: dict[str, Any], where: str) -> "Location":
+    def from_json(d: dict[str, Any], where: str) -> Location:
         """Parse and type-check; ``where`` names the record in errors."""
         # Negative offsets parse, to be reported as a byte range outside the file.
         return Location(
-            field_int(d, "file", where), field_int(d, "start", where, lo=-MAX_INT),
-            field_int(d, "nbytes", where, lo=-MAX_INT), field_xxh3(d, "xxh3", where),
+            field_int(d, "file", where),
+            field_int(d, "start", where, lo=-MAX_INT),
+            field_int(d, "nbytes", where, lo=-MAX_INT),
+            field_xxh3(d, "xxh3", where),
         )
 
 
@@ -112,7 +115,7 @@ class Layout:
         return {"mesh": list(self.mesh), "placements": list(self.placements)}
 
     @staticmethod
-    def from_json(d: Any, where: str) -> "Layout":
+    def from_json(d: Any, where: str) -> Layout:
         """Parse and validate; ``where`` names the record in errors.
 
         Checks types, mesh sizes (at least 1, at most
@@ -120,15 +123,22 @@ class Layout:
         that every placement parses; :meth:`check_dims` checks it against a shape.
         """
         if not isinstance(d, dict):
-            raise CheckpointFormatError(f"{where}: field 'layout' must be an object or null, got {d!r}"[:300])
+            raise CheckpointFormatError(
+                f"{where}: field 'layout' must be an object or null, got {d!r}"[:300]
+            )
         mesh, pl = d.get("mesh"), d.get("placements")
-        if not (is_index_list(mesh) and isinstance(pl, list) and all(isinstance(p, str) for p in pl)):
+        if not (
+            is_index_list(mesh) and isinstance(pl, list) and all(isinstance(p, str) for p in pl)
+        ):
             raise CheckpointFormatError(f"{where}: malformed layout {d!r}"[:300])
         if len(mesh) != len(pl):
-            raise CheckpointFormatError(f"{where}: layout has {len(mesh)} mesh dims but {len(pl)} placements")
+            raise CheckpointFormatError(
+                f"{where}: layout has {len(mesh)} mesh dims but {len(pl)} placements"
+            )
         if not all(mesh) or math.prod(mesh) > MAX_MESH_DEVICES:
             raise CheckpointFormatError(
-                f"{where}: layout mesh {mesh} must have 1 to {MAX_MESH_DEVICES} devices, at least 1 per dimension"
+                f"{where}: layout mesh {mesh} must have 1 to {MAX_MESH_DEVICES} devices, at least "
+                "1 per dimension"
             )
         for p in pl:
             try:
@@ -140,11 +150,14 @@ class Layout:
         return Layout(tuple(mesh), tuple(pl))
 
     def check_dims(self, ndim: int, where: str) -> None:
-        """Refuse a placement that shards a dimension a tensor of ``ndim`` dimensions does not have."""
+        """Refuse a placement that shards a dimension a tensor of ``ndim`` dimensions does not
+        have."""
         for p in self.placements:
             dim = getattr(placement_from_str(p), "dim", None)
             if dim is not None and dim >= ndim:
-                raise CheckpointFormatError(f"{where}: placement {p!r} shards dimension {dim} of a {ndim}-d tensor")
+                raise CheckpointFormatError(
+                    f"{where}: placement {p!r} shards dimension {dim} of a {ndim}-d tensor"
+                )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -154,7 +167,10 @@ def _layout_grid(layout: Layout, shape: tuple[int, ...]) -> Grid:
     if not layout.mesh:
         return Grid.from_boxes([Box((0,) * len(shape), shape)] if math.prod(shape) else [], shape)  # type: ignore[return-value]
     return layout_grid(
-        shape, layout.mesh, [placement_from_str(p) for p in layout.placements], max_enumerated=MAX_ENUMERATED_COORDS
+        shape,
+        layout.mesh,
+        [placement_from_str(p) for p in layout.placements],
+        max_enumerated=MAX_ENUMERATED_COORDS,
     )
 
 
@@ -174,7 +190,9 @@ class TensorRecord:
     shape: tuple[int, ...]
     layout: Layout | None  # the layout it was saved with (None: irregular / unknown)
     compact: bool  # chunks derive from ``layout``; ``files`` says which file holds each
-    files: Sequence[int] = field(default_factory=list)  # compact only: file index per chunk (often a RunList)
+    files: Sequence[int] = field(
+        default_factory=list
+    )  # compact only: file index per chunk (often a RunList)
     chunks: list[ChunkRecord] = field(default_factory=list)  # explicit only
 
     def chunk_list(self) -> list[ChunkRecord]:
@@ -234,7 +252,11 @@ class Index:
                 d["files"] = t.files.runs if isinstance(t.files, RunList) else encode_runs(t.files)
             else:
                 d["chunks"] = [
-                    {"offsets": list(c.box.offsets), "sizes": list(c.box.sizes), **c.location.to_json()}
+                    {
+                        "offsets": list(c.box.offsets),
+                        "sizes": list(c.box.sizes),
+                        **c.location.to_json(),
+                    }
                     for c in t.chunks
                     if c.location is not None
                 ]
@@ -246,12 +268,15 @@ class Index:
             "files": [{"name": f.name, "rank": f.rank, "size": f.size} for f in self.files],
             "tensors": tensors,
             "values": {k: v.to_json() for k, v in self.values.items()},
-            "rank_local": {k: {str(r): loc.to_json() for r, loc in v.items()} for k, v in self.rank_local.items()},
+            "rank_local": {
+                k: {str(r): loc.to_json() for r, loc in v.items()}
+                for k, v in self.rank_local.items()
+            },
             **({"paths": {k: list(p) for k, p in self.paths.items()}} if self.paths else {}),
         }
 
     @staticmethod
-    def from_json(doc: Any, where: str) -> "Index":
+    def from_json(doc: Any, where: str) -> Index:
         """Parse and validate an index document; ``where`` is the file for errors.
 
         Checks everything that does not need the data files: types and
@@ -262,7 +287,9 @@ class Index:
         hold, and no tensor needing more bytes than all data files hold.
         """
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-            raise CheckpointFormatError(f"{where}: not a ucp_dcp index (no \"format\": \"{FORMAT_NAME}\")")
+            raise CheckpointFormatError(
+                f'{where}: not a ucp_dcp index (no "format": "{FORMAT_NAME}")'
+            )
         version = doc.get("version")
         if version != FORMAT_VERSION or isinstance(version, bool):
             raise CheckpointFormatError(
@@ -279,7 +306,9 @@ class Index:
             if name in names:
                 raise CheckpointFormatError(f"{fw}: data file {name!r} is listed twice")
             names.add(name)
-            files.append(FileRecord(name, field_int(f, "rank", fw, hi=world - 1), field_int(f, "size", fw)))
+            files.append(
+                FileRecord(name, field_int(f, "rank", fw, hi=world - 1), field_int(f, "size", fw))
+            )
         available = sum(f.size for f in files)
 
         def loc(d: Any, what: str) -> Location:
@@ -291,10 +320,16 @@ class Index:
             fqn: _tensor_from_json(t, f"{where}: tensor {fqn!r}", files, available, loc)
             for fqn, t in field_dict(doc, "tensors", where).items()
         }
-        values = {k: loc(v, f"{where}: value {k!r}") for k, v in field_dict(doc, "values", where).items()}
+        values = {
+            k: loc(v, f"{where}: value {k!r}") for k, v in field_dict(doc, "values", where).items()
+        }
         rank_local: dict[str, dict[int, Location]] = {}
         for k, per_rank in field_dict(doc, "rank_local", where).items():
-            if not isinstance(per_rank, dict) or not per_rank or not all(_is_rank(r) for r in per_rank):
+            if (
+                not isinstance(per_rank, dict)
+                or not per_rank
+                or not all(_is_rank(r) for r in per_rank)
+            ):
                 raise CheckpointFormatError(f"{where}: rank-local value {k!r}: malformed")
             rank_local[k] = {}
             for r, v in per_rank.items():
@@ -302,7 +337,9 @@ class Index:
                 if int(r) >= world:
                     raise CheckpointFormatError(f"{what}: rank {r} is outside world size {world}")
                 rank_local[k][int(r)] = loc(v, what)
-        paths = check_paths(doc.get("paths", {}), f"{where}: paths", {*tensors, *values, *rank_local})
+        paths = check_paths(
+            doc.get("paths", {}), f"{where}: paths", {*tensors, *values, *rank_local}
+        )
         return Index(world, files, tensors, values, rank_local, version, paths)
 
 
@@ -346,11 +383,14 @@ def _tensor_from_json(
             raise CheckpointFormatError(f"{cw}: malformed offsets/sizes")
         box = Box(tuple(offs), tuple(sizes))
         if not whole.contains(box):
-            raise CheckpointFormatError(f"{cw}: box {offs}+{sizes} lies outside shape {list(shape)}")
+            raise CheckpointFormatError(
+                f"{cw}: box {offs}+{sizes} lies outside shape {list(shape)}"
+            )
         location = loc(c, cw)
         if location.nbytes != box.numel * dtype.itemsize:
             raise CheckpointFormatError(
-                f"{cw}: {location.nbytes} bytes recorded for {box.numel} {dtype_name(dtype)} elements"
+                f"{cw}: {location.nbytes} bytes recorded for {box.numel} {dtype_name(dtype)} "
+                "elements"
             )
         chunks.append(ChunkRecord(box, location))
     covered = sum(c.box.numel for c in chunks)
@@ -361,7 +401,9 @@ def _tensor_from_json(
 
 def _check_location(loc: Location, files: Sequence[FileRecord], where: str) -> None:
     if not 0 <= loc.file < len(files):
-        raise CheckpointFormatError(f"{where}: file index {loc.file} out of range (index lists {len(files)} files)")
+        raise CheckpointFormatError(
+            f"{where}: file index {loc.file} out of range (index lists {len(files)} files)"
+        )
     f = files[loc.file]
     if loc.start < 0 or loc.nbytes < 0 or loc.start + loc.nbytes > f.size:
         raise CheckpointFormatError(

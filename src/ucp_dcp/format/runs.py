@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from ..errors import CheckpointFormatError
+
 
 def encode_runs(xs: Sequence[int] | np.ndarray) -> list[list[int]]:
     """Run-length encode integers as ``[start, count, step]`` progressions.
@@ -41,12 +43,16 @@ def encode_runs(xs: Sequence[int] | np.ndarray) -> list[list[int]]:
 _MAX_RUN = 1 << 40
 
 
-def decode_runs(runs: Any, where: str) -> "RunList":
+def decode_runs(runs: Any, where: str) -> RunList:
     """Inverse of :func:`encode_runs`, as a lazy :class:`RunList`; validates the runs."""
     if not isinstance(runs, list) or not all(
-        isinstance(r, list) and len(r) == 3
-        and all(isinstance(x, int) and not isinstance(x, bool) and -_MAX_RUN <= x <= _MAX_RUN for x in r)
-        and r[1] >= 0 for r in runs
+        isinstance(r, list)
+        and len(r) == 3
+        and all(
+            isinstance(x, int) and not isinstance(x, bool) and -_MAX_RUN <= x <= _MAX_RUN for x in r
+        )
+        and r[1] >= 0
+        for r in runs
     ):
         raise CheckpointFormatError(f"{where}: malformed file runs {runs!r}"[:300])
     if sum(r[1] for r in runs) > _MAX_RUN:
@@ -66,7 +72,9 @@ class RunList(Sequence[int]):
 
     def __init__(self, runs: list[list[int]]) -> None:
         self.runs = runs
-        self._ends = np.cumsum([r[1] for r in runs], dtype=np.int64) if runs else np.zeros(0, np.int64)
+        self._ends = (
+            np.cumsum([r[1] for r in runs], dtype=np.int64) if runs else np.zeros(0, np.int64)
+        )
 
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
@@ -85,7 +93,9 @@ class RunList(Sequence[int]):
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         for start, count, step in self.runs:
-            yield from range(start, start + count * step, step) if step else (start for _ in range(count))
+            yield from (
+                range(start, start + count * step, step) if step else (start for _ in range(count))
+            )
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and len(other) == len(self) and list(self) == list(other)

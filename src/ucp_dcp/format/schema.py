@@ -12,7 +12,8 @@ import json
 import math
 import os
 import re
-from typing import Any, Collection, Sequence
+from collections.abc import Collection, Sequence
+from typing import Any
 
 import torch
 
@@ -21,8 +22,20 @@ from ..errors import CheckpointFormatError
 from .names import dtype_name
 
 __all__ = [
-    "MAX_DIMS", "MAX_INT", "parse_json", "field_int", "field_str", "field_list", "field_dict", "field_xxh3",
-    "is_index_list", "field_dtype", "field_shape", "check_relative_name", "check_tensor_bytes", "check_paths",
+    "MAX_DIMS",
+    "MAX_INT",
+    "parse_json",
+    "field_int",
+    "field_str",
+    "field_list",
+    "field_dict",
+    "field_xxh3",
+    "is_index_list",
+    "field_dtype",
+    "field_shape",
+    "check_relative_name",
+    "check_tensor_bytes",
+    "check_paths",
 ]
 
 MAX_DIMS = 64
@@ -42,7 +55,9 @@ def parse_json(raw: bytes | str, message: str, advice: str = "") -> Any:
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as e:
-        raise CheckpointFormatError(f"{message} ({type(e).__name__}: {str(e)[:200]}){advice}") from None
+        raise CheckpointFormatError(
+            f"{message} ({type(e).__name__}: {str(e)[:200]}){advice}"
+        ) from None
 
 
 def field_int(d: Any, k: str, where: str, lo: int = 0, hi: int = MAX_INT) -> int:
@@ -90,7 +105,8 @@ def field_xxh3(d: Any, k: str, where: str) -> str:
 
 
 def is_index_list(v: Any, n: int | None = None) -> bool:
-    """Whether ``v`` is a list of non-negative integers (of length ``n``, when given) that fit in 63 bits."""
+    """Whether ``v`` is a list of non-negative integers (of length ``n``, when given) that fit in 63
+    bits."""
     return (
         isinstance(v, list)
         and len(v) <= MAX_DIMS
@@ -125,18 +141,28 @@ def field_shape(d: Any, k: str, where: str) -> tuple[int, ...]:
 
 
 def check_relative_name(name: str, where: str) -> None:
-    """Refuse a data-file name that is absolute, has a path separator, is ``.``/``..`` or holds a NUL.
+    """Refuse a data-file name that is absolute, has a path separator, is ``.``/``..`` or holds a
+    NUL.
 
     A hostile index must not make the reader open files outside the checkpoint.
     """
-    if not name or os.path.isabs(name) or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+    if (
+        not name
+        or os.path.isabs(name)
+        or "/" in name
+        or "\\" in name
+        or name in (".", "..")
+        or "\0" in name
+    ):
         raise CheckpointFormatError(
             f"{where}: data file name {name!r} is absolute or leaves the checkpoint directory; "
             "only plain file names inside the checkpoint are allowed"
         )
 
 
-def check_tensor_bytes(shape: Sequence[int], dtype: torch.dtype, available: int, where: str) -> None:
+def check_tensor_bytes(
+    shape: Sequence[int], dtype: torch.dtype, available: int, where: str
+) -> None:
     """Refuse a tensor the data files cannot hold, before anything is allocated for it.
 
     ``available`` is the total size of the data files. A tensor of ``numel``
@@ -146,7 +172,8 @@ def check_tensor_bytes(shape: Sequence[int], dtype: torch.dtype, available: int,
     need = math.prod(shape) * dtype.itemsize
     if need > available:
         raise CheckpointFormatError(
-            f"{where}: {dtype_name(dtype)}{list(shape)} needs {need} bytes, more than the data files hold "
+            f"{where}: {dtype_name(dtype)}{list(shape)} needs {need} bytes, more than the data "
+            "files hold "
             f"together ({available} bytes)"
         )
     if math.prod(max(n, 1) for n in shape) * dtype.itemsize > MAX_INT:
@@ -159,13 +186,19 @@ def _short(v: Any) -> str:
 
 
 def check_paths(doc: Any, where: str, keys: Collection[str]) -> dict[str, tuple[str | int, ...]]:
-    """Nesting paths ``{key: [component, ...]}``: each for a known key, and naming that key when joined with dots."""
+    """Nesting paths ``{key: [component, ...]}``: each for a known key, and naming that key when
+    joined with dots."""
     if not isinstance(doc, dict):
         raise CheckpointFormatError(f"{where}: must be an object of key -> path")
     out: dict[str, tuple[str | int, ...]] = {}
     for k, path in doc.items():
-        ok = isinstance(path, list) and 0 < len(path) <= 64 and all(
-            isinstance(c, str) or (isinstance(c, int) and not isinstance(c, bool) and c >= 0) for c in path
+        ok = (
+            isinstance(path, list)
+            and 0 < len(path) <= 64
+            and all(
+                isinstance(c, str) or (isinstance(c, int) and not isinstance(c, bool) and c >= 0)
+                for c in path
+            )
         )
         if not ok or k not in keys or ".".join(map(str, path)) != k:
             raise CheckpointFormatError(f"{where}: {k!r}: malformed path {path!r}"[:300])

@@ -10,8 +10,9 @@ group every collective is the one-rank identity.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -27,16 +28,22 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class NodeLayout:
-    """This process's rank in the world and the node (ranks sharing one local directory) it is on."""
+    """This process's rank in the world and the node (ranks sharing one local directory) it is
+    on."""
 
     rank: int
     world_size: int
     ranks_per_node: int
 
     @staticmethod
-    def detect(rank: int, world_size: int, ranks_per_node: int | None,
-               environ: Mapping[str, str] = os.environ) -> "NodeLayout":
-        """``ranks_per_node`` if given, else ``$LOCAL_WORLD_SIZE``, else one node; clamped to [1, world_size]."""
+    def detect(
+        rank: int,
+        world_size: int,
+        ranks_per_node: int | None,
+        environ: Mapping[str, str] = os.environ,
+    ) -> NodeLayout:
+        """``ranks_per_node`` if given, else ``$LOCAL_WORLD_SIZE``, else one node; clamped to [1,
+        world_size]."""
         rpn = ranks_per_node or int(environ.get("LOCAL_WORLD_SIZE", world_size))
         return NodeLayout(rank, world_size, max(1, min(rpn, world_size)))
 
@@ -55,7 +62,8 @@ class NodeLayout:
 
     @property
     def is_leader(self) -> bool:
-        """Whether this rank acts for its node in the node-local directory (the node's first rank)."""
+        """Whether this rank acts for its node in the node-local directory (the node's first
+        rank)."""
         return self.rank % self.ranks_per_node == 0
 
 
@@ -83,7 +91,8 @@ class Group:
         return box[0]  # type: ignore[return-value]
 
     def agree(self, what: str, fn: Callable[[], T], *, step: int, restoring: bool = False) -> T:
-        """Run ``fn`` on every rank; if it failed anywhere, raise on every rank (no rank is left waiting).
+        """Run ``fn`` on every rank; if it failed anywhere, raise on every rank (no rank is left
+        waiting).
 
         The error is a :class:`CheckpointRestoreError` when ``restoring``, else
         a :class:`CheckpointSaveError`; it names ``what``, the step and each
@@ -95,7 +104,13 @@ class Group:
             result = fn()
         except Exception as e:
             err = e
-        errors = [m for m in self.gather(None if err is None else f"rank {self.layout.rank}: {describe(err)}") if m]
+        errors = [
+            m
+            for m in self.gather(
+                None if err is None else f"rank {self.layout.rank}: {describe(err)}"
+            )
+            if m
+        ]
         if errors:
             if restoring:
                 raise CheckpointRestoreError(f"step {step}: {what}: " + "; ".join(errors)) from err
@@ -105,12 +120,14 @@ class Group:
 
 @dataclass(frozen=True)
 class GroupWorker:
-    """What a part of the manager that runs collectives works with (the save pipeline, the restorer)."""
+    """What a part of the manager that runs collectives works with (the save pipeline, the
+    restorer)."""
 
     config: CheckpointConfig
     layout: NodeLayout
     group: Group
-    """The process group its collectives run on (every rank runs the same ones, in the same order)."""
+    """The process group its collectives run on (every rank runs the same ones, in the same
+    order)."""
     local: LocalTier | None
     """This node's local tier, if any."""
     persistent: Tier

@@ -66,7 +66,8 @@ class SaveJob:
 
 
 class SavePipeline(GroupWorker):
-    """Runs :class:`SaveJob`\\ s on the background group; every rank runs the same jobs in the same order."""
+    """Runs :class:`SaveJob`\\ s on the background group; every rank runs the same jobs in the same
+    order."""
 
     def run(self, job: SaveJob) -> SaveRecord:
         """Write, replicate, commit, drain, retain; on any error clean up and raise."""
@@ -76,7 +77,9 @@ class SavePipeline(GroupWorker):
             marker, committed = self._write_and_commit(job)
             self._retain(job.step)
             nbytes = sum(d.size for d in marker.files if d.rank == self.layout.rank)
-            return SaveRecord(job.step, job.blocking_s, time.perf_counter() - t0, nbytes, tuple(committed))
+            return SaveRecord(
+                job.step, job.blocking_s, time.perf_counter() - t0, nbytes, tuple(committed)
+            )
         except BaseException:
             self._abort(job)
             raise
@@ -93,7 +96,11 @@ class SavePipeline(GroupWorker):
             marker = self._write(job, state, local, staging, per_node=True)
             if self.config.peer_replication and lay.num_nodes > 1:
                 agree("peer replication", lambda: self._replicate(staging, marker), step=step)
-            agree("local commit", lambda: local.commit(staging, marker) if lay.is_leader else None, step=step)
+            agree(
+                "local commit",
+                lambda: local.commit(staging, marker) if lay.is_leader else None,
+                step=step,
+            )
             committed.append("local")
             src = local.step_path(step)
         if "persistent" in job.tiers:
@@ -101,33 +108,50 @@ class SavePipeline(GroupWorker):
                 staging = self.persistent.staging_path(step, job.token)
                 marker = self._write(job, state, self.persistent, staging, per_node=False)
             else:
-                if src is None:  # a remote tier and no local one: write to a scratch dir, then upload
+                if (
+                    src is None
+                ):  # a remote tier and no local one: write to a scratch dir, then upload
                     scratch = src = tempfile.mkdtemp(prefix=f"ucp-scratch-{step}-")
                     marker = self._write(job, state, None, scratch, per_node=False)
                 staging = self._upload(job, src, marker)
-            agree("persistent commit", lambda: self.persistent.commit(staging, marker) if lay.rank == 0 else None,
-                  step=step)
+            agree(
+                "persistent commit",
+                lambda: self.persistent.commit(staging, marker) if lay.rank == 0 else None,
+                step=step,
+            )
             committed.append("persistent")
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
         return marker, committed
 
-    def _write(self, job: SaveJob, state: Any, tier: Tier | None, path: str, *, per_node: bool) -> CommitMarker:
-        """dcp.save the staged state into ``path``; return the commit marker (digests of every file)."""
+    def _write(
+        self, job: SaveJob, state: Any, tier: Tier | None, path: str, *, per_node: bool
+    ) -> CommitMarker:
+        """dcp.save the staged state into ``path``; return the commit marker (digests of every
+        file)."""
         step, lay, group = job.step, self.layout, self.group
         creator = lay.is_leader if per_node else lay.rank == 0
         if tier is not None:
-            group.agree("creating the staging directory",
-                        lambda: tier.begin(step, job.token) if creator else None, step=step)
+            group.agree(
+                "creating the staging directory",
+                lambda: tier.begin(step, job.token) if creator else None,
+                step=step,
+            )
         try:
-            dcp.save(dict(state), storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner(),
-                     process_group=group.pg)
+            dcp.save(
+                dict(state),
+                storage_writer=UCPStorageWriter(path),
+                planner=UCPSavePlanner(),
+                process_group=group.pg,
+            )
         except CheckpointException as e:
             raise CheckpointSaveError(step, describe(e)) from e
 
         def digest_mine() -> list[FileDigest]:
             prefix = f"rank{lay.rank:05d}-"
-            mine = sorted(n for n in os.listdir(path) if n.startswith(prefix) and n.endswith(".safetensors"))
+            mine = sorted(
+                n for n in os.listdir(path) if n.startswith(prefix) and n.endswith(".safetensors")
+            )
             out = [FileDigest(n, *file_digest(os.path.join(path, n)), lay.rank) for n in mine]
             if lay.rank == 0:
                 data = Path(path, INDEX_FILE).read_bytes()
@@ -136,7 +160,9 @@ class SavePipeline(GroupWorker):
 
         digests = group.agree("hashing the written files", digest_mine, step=step)
         files = sorted((d for ds in group.gather(digests) for d in ds), key=lambda d: d.name)
-        marker = CommitMarker(step, lay.world_size, time.time(), tuple(files), job.nonfinite, job.extra)
+        marker = CommitMarker(
+            step, lay.world_size, time.time(), tuple(files), job.nonfinite, job.extra
+        )
         marker = group.bcast(marker)  # one creation time on every rank
         if per_node and lay.num_nodes > 1:
             # Every node's directory gets the index, so that it is a complete
@@ -157,15 +183,21 @@ class SavePipeline(GroupWorker):
         partner = (lay.node - 1) % lay.num_nodes
         wanted = []
         if lay.is_leader:
-            wanted = [d.name for d in marker.files if d.rank >= 0 and lay.node_of(d.rank) == partner]
+            wanted = [
+                d.name for d in marker.files if d.rank >= 0 and lay.node_of(d.rank) == partner
+            ]
         own = [d.name for d in marker.files if d.rank == lay.rank]
         exchange_files(self.group.pg, staging, own, staging, wanted)
 
     def _upload(self, job: SaveJob, src: str, marker: CommitMarker) -> str:
-        """Copy this rank's files of the step from local ``src`` into the persistent tier's staging; return it."""
+        """Copy this rank's files of the step from local ``src`` into the persistent tier's staging;
+        return it."""
         step, rank = job.step, self.layout.rank
-        self.group.agree("creating the persistent staging location",
-                         lambda: self.persistent.begin(step, job.token) if rank == 0 else None, step=step)
+        self.group.agree(
+            "creating the persistent staging location",
+            lambda: self.persistent.begin(step, job.token) if rank == 0 else None,
+            step=step,
+        )
         staging = self.persistent.staging_path(step, job.token)
 
         def put_mine() -> None:
@@ -186,7 +218,9 @@ class SavePipeline(GroupWorker):
             plans.append((self.local, cfg.local_keep_last, None))
         for tier, keep_last, keep_every in plans:
             try:
-                for s in steps_to_delete(tier.steps(), step, keep_last=keep_last, keep_every=keep_every):
+                for s in steps_to_delete(
+                    tier.steps(), step, keep_last=keep_last, keep_every=keep_every
+                ):
                     tier.delete(s)
             except Exception as e:  # retention must never fail a committed save
                 log.warning("retention in the %s tier (%s) failed: %s", tier.name, tier.url, e)
@@ -203,4 +237,6 @@ class SavePipeline(GroupWorker):
                 else:
                     tier.cleanup()
             except Exception as e:
-                log.warning("could not clean up the failed save of step %d in %s: %s", job.step, tier.url, e)
+                log.warning(
+                    "could not clean up the failed save of step %d in %s: %s", job.step, tier.url, e
+                )

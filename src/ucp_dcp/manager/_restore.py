@@ -21,9 +21,10 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -109,8 +110,11 @@ def _recorded_size(marker: CommitMarker, name: str) -> int | None:
 class Restorer(GroupWorker):
     """Loads the newest restorable copy into a state; collective over the foreground group."""
 
-    def restore(self, state: Mapping[str, Any], step: int | None, token: str) -> tuple[Candidate, RestoreRecord]:
-        """Load ``step`` (None: the newest valid one) into ``state``; return the copy used and how it went.
+    def restore(
+        self, state: Mapping[str, Any], step: int | None, token: str
+    ) -> tuple[Candidate, RestoreRecord]:
+        """Load ``step`` (None: the newest valid one) into ``state``; return the copy used and how
+        it went.
 
         ``token`` (the same on every rank) names any directory this creates.
         :class:`NoCheckpointError` if there is no candidate,
@@ -137,32 +141,52 @@ class Restorer(GroupWorker):
                     log.warning("%s; falling back", msg)
                 continue
             if attempts and self.layout.rank == 0:
-                log.warning("restored step %d from the %s tier after %d failed attempt(s)", cand.step, cand.tier,
-                            len(attempts))
-            return cand, RestoreRecord(cand.step, cand.tier, time.perf_counter() - t0, tuple(attempts), verified,
-                                       read)
+                log.warning(
+                    "restored step %d from the %s tier after %d failed attempt(s)",
+                    cand.step,
+                    cand.tier,
+                    len(attempts),
+                )
+            return cand, RestoreRecord(
+                cand.step, cand.tier, time.perf_counter() - t0, tuple(attempts), verified, read
+            )
         raise CheckpointRestoreError("no copy of any candidate step could be restored:", attempts)
 
     def candidates(self, step: int | None) -> list[Candidate]:
-        """:func:`order_candidates` of the markers every node's local tier and the persistent tier hold."""
+        """:func:`order_candidates` of the markers every node's local tier and the persistent tier
+        hold."""
         local = None
         if self.local is not None:
             local = self.group.gather(_markers(self.local) if self.layout.is_leader else {})
         persistent = self.group.bcast(_markers(self.persistent) if self.layout.rank == 0 else {})
-        return order_candidates(local, persistent, ranks_per_node=self.layout.ranks_per_node, step=step,
-                                load_flagged=self.config.load_flagged)
+        return order_candidates(
+            local,
+            persistent,
+            ranks_per_node=self.layout.ranks_per_node,
+            step=step,
+            load_flagged=self.config.load_flagged,
+        )
 
     def direct(self, cand: Candidate) -> bool:
-        """Whether ``cand`` is loaded straight from its object store (no whole-step download first)."""
-        return (cand.tier == "persistent" and self.config.direct_restore and isinstance(self.persistent, FsspecTier)
-                and is_url(self.persistent.url))
+        """Whether ``cand`` is loaded straight from its object store (no whole-step download
+        first)."""
+        return (
+            cand.tier == "persistent"
+            and self.config.direct_restore
+            and isinstance(self.persistent, FsspecTier)
+            and is_url(self.persistent.url)
+        )
 
     def refills(self, cand: Candidate) -> bool:
-        """Whether the local tier should be refilled with ``cand`` (loaded directly from the persistent tier)."""
+        """Whether the local tier should be refilled with ``cand`` (loaded directly from the
+        persistent tier)."""
         return self.local is not None and self.direct(cand)
 
-    def _prepare(self, cand: Candidate, token: str) -> tuple[str, dict[str, Any] | None, Callable[[], None]]:
-        """Make ``cand`` loadable on every rank: its location, the storage options to read it with, a clean-up."""
+    def _prepare(
+        self, cand: Candidate, token: str
+    ) -> tuple[str, dict[str, Any] | None, Callable[[], None]]:
+        """Make ``cand`` loadable on every rank: its location, the storage options to read it with,
+        a clean-up."""
         if self.direct(cand):
             assert isinstance(self.persistent, FsspecTier)
             return self._check_remote(cand), self.persistent.storage_options, lambda: None
@@ -174,15 +198,19 @@ class Restorer(GroupWorker):
             path = self._download_into_local(cand, f"f{token}")
         else:
             tmp = tempfile.mkdtemp(prefix=f"ucp-restore-{cand.step}-")
-            self._agree(f"fetching step {cand.step} from {self.persistent.url}",
-                        lambda: self.persistent.fetch(cand.step, [d.name for d in cand.marker.files], tmp), cand)
+            self._agree(
+                f"fetching step {cand.step} from {self.persistent.url}",
+                lambda: self.persistent.fetch(cand.step, [d.name for d in cand.marker.files], tmp),
+                cand,
+            )
             self._check_index(tmp, cand)
             return tmp, None, lambda: shutil.rmtree(tmp, ignore_errors=True)
         self._check_index(path, cand)
         return path, None, lambda: None
 
     def _check_remote(self, cand: Candidate) -> str:
-        """The URL of ``cand``'s persistent copy, after checking it against its marker (rank 0 looks, all agree).
+        """The URL of ``cand``'s persistent copy, after checking it against its marker (rank 0
+        looks, all agree).
 
         Every file the marker lists must be there with its recorded size, and
         the index must match its recorded digest (a flipped byte there could
@@ -199,21 +227,26 @@ class Restorer(GroupWorker):
             for d in marker.files:
                 if d.name not in present:
                     raise CheckpointFormatError(
-                        f"{url}/{d.name}: missing (the commit marker of step {step} lists it, {d.size} bytes)"
+                        f"{url}/{d.name}: missing (the commit marker of step {step} lists it, "
+                        f"{d.size} bytes)"
                     )
                 if present[d.name] != d.size:
                     raise CheckpointFormatError(
-                        f"{url}/{d.name}: {present[d.name]} bytes, the commit marker of step {step} records "
+                        f"{url}/{d.name}: {present[d.name]} bytes, the commit marker of step "
+                        f"{step} records "
                         f"{d.size}: the object is incomplete or was replaced"
                     )
             self._check_index_bytes(tier.read_bytes(step, INDEX_FILE), f"{url}/{INDEX_FILE}", cand)
             return url
 
-        url = self._agree(f"checking step {step} in {tier.url} against its commit marker", check, cand)
+        url = self._agree(
+            f"checking step {step} in {tier.url} against its commit marker", check, cand
+        )
         return self.group.bcast(url)
 
     def refill(self, cand: Candidate, token: str) -> None:
-        """Copy ``cand`` from the persistent tier into this node's local tier (node leaders); never raises.
+        """Copy ``cand`` from the persistent tier into this node's local tier (node leaders); never
+        raises.
 
         Runs after the load, in the manager's background thread (in order with
         saves, so retention never runs beside it). The files are downloaded
@@ -234,21 +267,34 @@ class Restorer(GroupWorker):
                 size, digest = file_digest(os.path.join(dest, d.name))
                 if (size, digest) != (d.size, d.xxh3):
                     raise CheckpointFormatError(
-                        f"{d.name} of step {step} from {self.persistent.url}: {size} bytes, xxh3-128 {digest}; "
+                        f"{d.name} of step {step} from {self.persistent.url}: {size} bytes, "
+                        f"xxh3-128 {digest}; "
                         f"the commit marker records {d.size} bytes, {d.xxh3}"
                     )
             tier.commit(dest, cand.marker)
-        except Exception as e:  # the step was restored; a refill failure only costs the next restore's speed
+        except (
+            Exception
+        ) as e:  # the step was restored; a refill failure only costs the next restore's speed
             if dest is not None:
                 shutil.rmtree(dest, ignore_errors=True)
-            log.warning("node %d: refilling the local tier %s with step %d failed: %s", self.layout.node,
-                        tier.url, step, describe(e))
+            log.warning(
+                "node %d: refilling the local tier %s with step %d failed: %s",
+                self.layout.node,
+                tier.url,
+                step,
+                describe(e),
+            )
             return
-        log.info("node %d: refilled the local tier with step %d in %.1f s", self.layout.node, step,
-                 time.perf_counter() - t0)
+        log.info(
+            "node %d: refilled the local tier with step %d in %.1f s",
+            self.layout.node,
+            step,
+            time.perf_counter() - t0,
+        )
 
     def _repair_local(self, cand: Candidate, token: str) -> str:
-        """The local copy of ``cand``, after fetching files any node lacks from the nodes that hold them."""
+        """The local copy of ``cand``, after fetching files any node lacks from the nodes that hold
+        them."""
         step, marker, tier, lay = cand.step, cand.marker, self.local, self.layout
         assert tier is not None
         have_step = lay.node in cand.nodes_with_step
@@ -264,18 +310,29 @@ class Restorer(GroupWorker):
             # Some node lost files (or never had them): fetch them from the
             # nodes that hold copies, then commit the repaired directory.
             dest = tier.step_path(step) if have_step else tier.staging_path(step, token)
-            self._agree(f"creating a local directory for step {step}",
-                        lambda: tier.begin(step, token) if lay.is_leader and not have_step else None, cand)
+            self._agree(
+                f"creating a local directory for step {step}",
+                lambda: tier.begin(step, token) if lay.is_leader and not have_step else None,
+                cand,
+            )
             avail = []
             if have_step:
-                avail = [n for n, size in tier.files(step).items() if _recorded_size(marker, n) == size]
-            exchange_files(self.group.pg, tier.step_path(step) if have_step else None, avail, dest, wanted)
-            self._agree(f"committing repaired step {step} locally",
-                        lambda: tier.commit(dest, marker) if lay.is_leader and not have_step else None, cand)
+                avail = [
+                    n for n, size in tier.files(step).items() if _recorded_size(marker, n) == size
+                ]
+            exchange_files(
+                self.group.pg, tier.step_path(step) if have_step else None, avail, dest, wanted
+            )
+            self._agree(
+                f"committing repaired step {step} locally",
+                lambda: tier.commit(dest, marker) if lay.is_leader and not have_step else None,
+                cand,
+            )
         return tier.step_path(step)
 
     def _download_into_local(self, cand: Candidate, token: str) -> str:
-        """Download a remote persistent copy into the local tier and commit it there (the next restore is local)."""
+        """Download a remote persistent copy into the local tier and commit it there (the next
+        restore is local)."""
         step, tier = cand.step, self.local
         assert tier is not None
         dest = tier.staging_path(step, token)
@@ -290,10 +347,15 @@ class Restorer(GroupWorker):
         return tier.step_path(step)
 
     def _check_index(self, path: str, cand: Candidate) -> None:
-        """The index must match the marker's digest (a flipped byte there could misdirect every read)."""
-        self._agree("checking the index",
-                    lambda: self._check_index_bytes(Path(path, INDEX_FILE).read_bytes(),
-                                                    os.path.join(path, INDEX_FILE), cand), cand)
+        """The index must match the marker's digest (a flipped byte there could misdirect every
+        read)."""
+        self._agree(
+            "checking the index",
+            lambda: self._check_index_bytes(
+                Path(path, INDEX_FILE).read_bytes(), os.path.join(path, INDEX_FILE), cand
+            ),
+            cand,
+        )
 
     @staticmethod
     def _check_index_bytes(data: bytes, where: str, cand: Candidate) -> None:
@@ -303,15 +365,25 @@ class Restorer(GroupWorker):
         if len(data) != want.size or got != want.xxh3:
             raise CheckpointFormatError(
                 f"{where}: the index of step {marker.step} in the {cand.tier} tier "
-                f"does not match its commit marker ({len(data)} bytes, xxh3-128 {got}; recorded {want.size} "
+                f"does not match its commit marker ({len(data)} bytes, xxh3-128 {got}; recorded "
+                f"{want.size} "
                 f"bytes, {want.xxh3}): it is corrupt"
             )
 
-    def _load_from(self, path: str, state: Mapping[str, Any], storage_options: dict[str, Any] | None) -> tuple[int, int]:
-        """Load ``path`` (a directory, or a URL read with ``storage_options``); return (verified, read) bytes."""
-        reader = UCPStorageReader(path, verify=self.config.verify_on_load, io_threads=self.config.io_threads,
-                                  storage_options=storage_options)
-        dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner(), process_group=self.group.pg)  # type: ignore[arg-type]
+    def _load_from(
+        self, path: str, state: Mapping[str, Any], storage_options: dict[str, Any] | None
+    ) -> tuple[int, int]:
+        """Load ``path`` (a directory, or a URL read with ``storage_options``); return (verified,
+        read) bytes."""
+        reader = UCPStorageReader(
+            path,
+            verify=self.config.verify_on_load,
+            io_threads=self.config.io_threads,
+            storage_options=storage_options,
+        )
+        dcp.load(
+            state, storage_reader=reader, planner=UCPLoadPlanner(), process_group=self.group.pg
+        )  # type: ignore[arg-type]
         return int(getattr(reader, "verified_bytes", 0)), int(getattr(reader, "bytes_requested", 0))
 
     def _agree(self, what: str, fn: Callable[[], Any], cand: Candidate) -> Any:

@@ -25,8 +25,13 @@ def _list_fields(cls: type) -> type:
     lines = [inspect.cleandoc(cls.__doc__ or ""), "", "Fields:"]
     for f in fields(cls):
         lines.append(f"    {f.name} (default {f.default!r}):")
-        lines += textwrap.wrap(f.metadata["doc"], 76, initial_indent=" " * 8, subsequent_indent=" " * 8,
-                               break_on_hyphens=False)
+        lines += textwrap.wrap(
+            f.metadata["doc"],
+            76,
+            initial_indent=" " * 8,
+            subsequent_indent=" " * 8,
+            break_on_hyphens=False,
+        )
     cls.__doc__ = "\n".join(lines) + "\n"
     return cls
 
@@ -41,75 +46,136 @@ class CheckpointConfig:
     keeps (the newest committed step always stays).
     """
 
-    local: str | None = _option(None, """
+    local: str | None = _option(
+        None,
+        """
         Fast tier: a node-local directory (NVMe, ``/dev/shm``). ``{node}`` in the
         path is replaced by the node index (lets tests simulate nodes on one machine).
-        None: no local tier, saves go straight to the persistent tier.""")
+        None: no local tier, saves go straight to the persistent tier.""",
+    )
 
-    local_interval: int = _option(1, """
-        Save to the local tier every this many steps (a step divisible by it).""")
+    local_interval: int = _option(
+        1,
+        """
+        Save to the local tier every this many steps (a step divisible by it).""",
+    )
 
-    persistent_interval: int = _option(1, """
+    persistent_interval: int = _option(
+        1,
+        """
         Save to the persistent tier (``root``) every this many steps. With a local
-        tier, a persistent save drains the local copy in the background.""")
+        tier, a persistent save drains the local copy in the background.""",
+    )
 
-    keep_last: int = _option(3, """
-        Persistent tier: keep the newest this many committed steps (at least 1).""")
+    keep_last: int = _option(
+        3,
+        """
+        Persistent tier: keep the newest this many committed steps (at least 1).""",
+    )
 
-    keep_every: int | None = _option(None, """
-        Persistent tier: also keep every step divisible by this, forever.""")
+    keep_every: int | None = _option(
+        None,
+        """
+        Persistent tier: also keep every step divisible by this, forever.""",
+    )
 
-    local_keep_last: int = _option(2, """
-        Local tier: keep the newest this many committed steps (at least 1).""")
+    local_keep_last: int = _option(
+        2,
+        """
+        Local tier: keep the newest this many committed steps (at least 1).""",
+    )
 
-    max_in_flight: int = _option(1, """
+    max_in_flight: int = _option(
+        1,
+        """
         Saves staged or writing at once; ``save`` blocks (backpressure) beyond it.
-        Each in-flight save holds one host copy of the state.""")
+        Each in-flight save holds one host copy of the state.""",
+    )
 
-    async_save: bool = _option(True, """
-        Write in the background. False: ``save`` returns after the commit.""")
+    async_save: bool = _option(
+        True,
+        """
+        Write in the background. False: ``save`` returns after the commit.""",
+    )
 
-    verify_on_load: bool = _option(True, """
+    verify_on_load: bool = _option(
+        True,
+        """
         Check every chunk ``load`` reads against its xxh3 checksum (cost: see
-        benchmarks/README.md), and the index against the commit marker.""")
+        benchmarks/README.md), and the index against the commit marker.""",
+    )
 
-    nonfinite: Literal["off", "error", "flag"] = _option("off", """
+    nonfinite: Literal["off", "error", "flag"] = _option(
+        "off",
+        """
         NaN/Inf guard: "error" refuses the save (naming the tensors), "flag"
-        saves and records them in the commit marker, "off" does not look.""")
+        saves and records them in the commit marker, "off" does not look.""",
+    )
 
-    load_flagged: bool = _option(False, """
-        Whether ``load()`` without a step may pick a step flagged non-finite.""")
+    load_flagged: bool = _option(
+        False,
+        """
+        Whether ``load()`` without a step may pick a step flagged non-finite.""",
+    )
 
-    ranks_per_node: int | None = _option(None, """
+    ranks_per_node: int | None = _option(
+        None,
+        """
         Ranks sharing one node-local directory; default ``$LOCAL_WORLD_SIZE``, else
-        the world size (one node).""")
+        the world size (one node).""",
+    )
 
-    peer_replication: bool = _option(True, """
+    peer_replication: bool = _option(
+        True,
+        """
         Local tier with several nodes: also copy each node's files to the next
-        node over torch.distributed, so losing one node's disk loses nothing.""")
+        node over torch.distributed, so losing one node's disk loses nothing.""",
+    )
 
-    storage_options: dict[str, Any] | None = _option(None, """
-        fsspec options for a URL ``root`` (e.g. S3 endpoint and credentials).""")
+    storage_options: dict[str, Any] | None = _option(
+        None,
+        """
+        fsspec options for a URL ``root`` (e.g. S3 endpoint and credentials).""",
+    )
 
-    io_threads: int = _option(4, """
-        Threads reading during ``load``.""")
+    io_threads: int = _option(
+        4,
+        """
+        Threads reading during ``load``.""",
+    )
 
-    direct_restore: bool = _option(True, """
+    direct_restore: bool = _option(
+        True,
+        """
         A step that only an object-store persistent tier (``s3://``...) holds is
         loaded from it directly: each rank fetches only the byte ranges its
         shards need, verified as they arrive, and a configured local tier is
         refilled in the background afterwards. False: the whole step is
-        downloaded to local disk first, then loaded (the way before ranged reads).""")
+        downloaded to local disk first, then loaded (the way before ranged reads).""",
+    )
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field out of range."""
-        for k in ("local_interval", "persistent_interval", "keep_last", "local_keep_last", "max_in_flight",
-                  "io_threads"):
+        for k in (
+            "local_interval",
+            "persistent_interval",
+            "keep_last",
+            "local_keep_last",
+            "max_in_flight",
+            "io_threads",
+        ):
             v = getattr(self, k)
             if not isinstance(v, int) or v < 1:
                 why = " (keep_last=0 would delete the only good checkpoint)" if "keep" in k else ""
                 raise ValueError(f"CheckpointConfig.{k} must be an int >= 1, got {v!r}{why}")
-        if self.keep_every is not None and (not isinstance(self.keep_every, int) or self.keep_every < 1):
-            raise ValueError(f"CheckpointConfig.keep_every must be None or an int >= 1, got {self.keep_every!r}")
+        if self.keep_every is not None and (
+            not isinstance(self.keep_every, int) or self.keep_every < 1
+        ):
+            raise ValueError(
+                f"CheckpointConfig.keep_every must be None or an int >= 1, got {self.keep_every!r}"
+            )
         if self.nonfinite not in ("off", "error", "flag"):
-            raise ValueError(f"CheckpointConfig.nonfinite must be 'off', 'error' or 'flag', got {self.nonfinite!r}")
+            raise ValueError(
+                "CheckpointConfig.nonfinite must be 'off', 'error' or 'flag', got "
+                f"{self.nonfinite!r}"
+            )

@@ -49,7 +49,12 @@ def daly_interval(save_cost_s: float, mtbf_s: float) -> float:
 
 
 def effective_ratio(
-    interval_s: float, save_cost_s: float, mtbf_s: float, *, restart_s: float = 0.0, commit_lag_s: float = 0.0
+    interval_s: float,
+    save_cost_s: float,
+    mtbf_s: float,
+    *,
+    restart_s: float = 0.0,
+    commit_lag_s: float = 0.0,
 ) -> float:
     """Expected fraction of wall time spent on useful training (0..1).
 
@@ -58,8 +63,13 @@ def effective_ratio(
     restart and restore; ``commit_lag_s`` (the background write time of an
     async save) is counted as extra work lost on each failure.
     """
-    _check(interval_s=interval_s, save_cost_s=save_cost_s, mtbf_s=mtbf_s, restart_s=restart_s,
-           commit_lag_s=commit_lag_s)
+    _check(
+        interval_s=interval_s,
+        save_cost_s=save_cost_s,
+        mtbf_s=mtbf_s,
+        restart_s=restart_s,
+        commit_lag_s=commit_lag_s,
+    )
     if interval_s == 0 or mtbf_s == 0:
         raise ValueError("interval_s and mtbf_s must be > 0")
     m, r = mtbf_s, restart_s + commit_lag_s
@@ -82,7 +92,12 @@ class GoodputEstimate:
 
 
 def estimate(
-    blocking_s: list[float], write_s: list[float], nbytes: list[int], *, mtbf_s: float, restart_s: float = 0.0
+    blocking_s: list[float],
+    write_s: list[float],
+    nbytes: list[int],
+    *,
+    mtbf_s: float,
+    restart_s: float = 0.0,
 ) -> GoodputEstimate:
     """A :class:`GoodputEstimate` from per-save measurements (means over the lists)."""
     if not blocking_s:

@@ -63,7 +63,8 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -144,9 +145,15 @@ class CheckpointManager:
         self.config = cfg
         distributed = dist.is_available() and dist.is_initialized()
         self.layout = lay = NodeLayout.detect(
-            dist.get_rank() if distributed else 0, dist.get_world_size() if distributed else 1, cfg.ranks_per_node
+            dist.get_rank() if distributed else 0,
+            dist.get_world_size() if distributed else 1,
+            cfg.ranks_per_node,
         )
-        self.rank, self.world_size, self.ranks_per_node = lay.rank, lay.world_size, lay.ranks_per_node
+        self.rank, self.world_size, self.ranks_per_node = (
+            lay.rank,
+            lay.world_size,
+            lay.ranks_per_node,
+        )
         self.node, self.num_nodes, self.is_leader = lay.node, lay.num_nodes, lay.is_leader
         # Two gloo groups of our own: the foreground one (save's checks, load)
         # runs in the training thread, the background one in the writer thread.
@@ -154,7 +161,9 @@ class CheckpointManager:
         self._bg = Group(self.layout, distributed)
         self._session = self._fg.bcast(uuid.uuid4().hex[:6])
         self._seq = 0
-        self.persistent: Tier = open_tier(root, name="persistent", storage_options=cfg.storage_options)
+        self.persistent: Tier = open_tier(
+            root, name="persistent", storage_options=cfg.storage_options
+        )
         self.local: LocalTier | None = (
             LocalTier(cfg.local.format(node=self.node), name="local") if cfg.local else None
         )
@@ -163,8 +172,11 @@ class CheckpointManager:
         self._slots = threading.Semaphore(cfg.max_in_flight)
         self._pipeline = SavePipeline(cfg, self.layout, self._bg, self.local, self.persistent)
         self._restorer = Restorer(cfg, self.layout, self._fg, self.local, self.persistent)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-ckpt")
-        # Saves (a SaveRecord each) and local-tier refills after a restore (None), in submission order.
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="ucp-ckpt"
+        )
+        # Saves (a SaveRecord each) and local-tier refills after a restore (None), in submission
+        # order.
         self._futures: list[concurrent.futures.Future[SaveRecord | None]] = []
         self._lock = threading.Lock()
         self.records: list[SaveRecord] = []
@@ -173,7 +185,9 @@ class CheckpointManager:
         self._fg.agree("start-up cleanup", self._startup_cleanup, step=-1)
 
     # ------------------------------------------------------------------ saving
-    def save(self, step: int, state: Mapping[str, Any], *, extra: Mapping[str, Any] | None = None) -> bool:
+    def save(
+        self, step: int, state: Mapping[str, Any], *, extra: Mapping[str, Any] | None = None
+    ) -> bool:
         """Save ``state`` as ``step`` to every tier due at this step; collective.
 
         Returns once the state is copied to host memory (True), or at once when
@@ -186,8 +200,11 @@ class CheckpointManager:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         cfg = self.config
-        due = tiers_due(step, local_interval=cfg.local_interval if self.local is not None else None,
-                        persistent_interval=cfg.persistent_interval)
+        due = tiers_due(
+            step,
+            local_interval=cfg.local_interval if self.local is not None else None,
+            persistent_interval=cfg.persistent_interval,
+        )
         if not due:
             return False
         t0 = time.perf_counter()
@@ -199,7 +216,9 @@ class CheckpointManager:
             self._slots.release()
             raise
         self._seq += 1
-        job = SaveJob(step, staged, due, nonfinite, dict(extra or {}), self._token(), time.perf_counter() - t0)
+        job = SaveJob(
+            step, staged, due, nonfinite, dict(extra or {}), self._token(), time.perf_counter() - t0
+        )
         if not cfg.async_save:
             self.wait()  # a local-tier refill may still run: saves never run beside it
             self.records.append(self._save_in_background(job))
@@ -209,7 +228,8 @@ class CheckpointManager:
         return True
 
     def wait(self) -> None:
-        """Block until every in-flight save is committed (and any local-tier refill is done); raise the first
+        """Block until every in-flight save is committed (and any local-tier refill is done); raise
+        the first
         save error of any of them."""
         with self._lock:
             futures, self._futures = self._futures, []
@@ -217,7 +237,8 @@ class CheckpointManager:
 
     # --------------------------------------------------------------- restoring
     def steps(self) -> list[int]:
-        """Committed steps in any tier (this node's local tier and the persistent tier), ascending."""
+        """Committed steps in any tier (this node's local tier and the persistent tier),
+        ascending."""
         found = set(self.persistent.steps())
         if self.local is not None:
             found.update(self.local.steps())
@@ -270,7 +291,9 @@ class CheckpointManager:
             found = True
             problems += verify_copy(t, step, self.layout, node_local=t is not self.persistent)
         if not found:
-            problems.append(f"step {step}: not committed in {', '.join(t.name for t in tiers) or 'any tier'}")
+            problems.append(
+                f"step {step}: not committed in {', '.join(t.name for t in tiers) or 'any tier'}"
+            )
         return problems
 
     # ------------------------------------------------------------- measuring
@@ -279,11 +302,15 @@ class CheckpointManager:
         return list(self.records)
 
     def goodput(self, mtbf_s: float, *, restart_s: float = 0.0) -> goodput.GoodputEstimate:
-        """Daly's optimal checkpoint interval and the expected goodput for the measured save cost."""
+        """Daly's optimal checkpoint interval and the expected goodput for the measured save
+        cost."""
         recs = self.records
         return goodput.estimate(
-            [r.blocking_s for r in recs], [r.write_s for r in recs], [r.nbytes for r in recs],
-            mtbf_s=mtbf_s, restart_s=restart_s,
+            [r.blocking_s for r in recs],
+            [r.write_s for r in recs],
+            [r.nbytes for r in recs],
+            mtbf_s=mtbf_s,
+            restart_s=restart_s,
         )
 
     # -------------------------------------------------------------- lifetime
@@ -306,7 +333,8 @@ class CheckpointManager:
 
     # -------------------------------------------------------------- internals
     def _check_nonfinite(self, step: int, state: Mapping[str, Any]) -> dict[str, list[int]]:
-        """Tensor name -> ranks holding NaN/Inf in it (nothing when the guard is off); raises for "error"."""
+        """Tensor name -> ranks holding NaN/Inf in it (nothing when the guard is off); raises for
+        "error"."""
         nonfinite: dict[str, list[int]] = {}
         if self.config.nonfinite == "off":
             return nonfinite
@@ -314,7 +342,9 @@ class CheckpointManager:
             for n in names:
                 nonfinite.setdefault(n, []).append(rank)
         if nonfinite and self.config.nonfinite == "error":
-            listed = ", ".join(f"{n} (rank {', '.join(map(str, r))})" for n, r in sorted(nonfinite.items()))
+            listed = ", ".join(
+                f"{n} (rank {', '.join(map(str, r))})" for n, r in sorted(nonfinite.items())
+            )
             raise NonFiniteError(
                 f"refusing to save step {step}: NaN/Inf in {len(nonfinite)} tensor(s): {listed}. "
                 "The last good checkpoint is kept; pass nonfinite='flag' to save anyway"
@@ -339,7 +369,8 @@ class CheckpointManager:
         self._collect(done)
 
     def _collect(self, futures: Iterable[concurrent.futures.Future[SaveRecord | None]]) -> None:
-        """Record each save's result; raise the first error once all are finished (none may be left running)."""
+        """Record each save's result; raise the first error once all are finished (none may be left
+        running)."""
         first: BaseException | None = None
         for f in futures:
             try:

@@ -92,8 +92,9 @@ def _dedup(names: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _local_info(src_dir: str | None, available: list[str], dest_dir: str | None,
-                wanted: list[str]) -> tuple[dict[str, int], list[str]]:
+def _local_info(
+    src_dir: str | None, available: list[str], dest_dir: str | None, wanted: list[str]
+) -> tuple[dict[str, int], list[str]]:
     """(name -> size of what this rank can provide, problems)."""
     problems = [p for p in map(_check_name, available + wanted) if p]
     if available and src_dir is None:
@@ -111,8 +112,9 @@ def _local_info(src_dir: str | None, available: list[str], dest_dir: str | None,
     return sizes, problems
 
 
-def _schedule(avail: list[dict[str, int]], wants: list[list[str]]
-              ) -> tuple[list[tuple[str, int, int, int]], dict[str, list[int]]]:
+def _schedule(
+    avail: list[dict[str, int]], wants: list[list[str]]
+) -> tuple[list[tuple[str, int, int, int]], dict[str, list[int]]]:
     """Deterministic plan from the gathered data.
 
     Returns ``(steps, missing)``: steps are ``(name, provider, requester,
@@ -156,8 +158,10 @@ def _schedule(avail: list[dict[str, int]], wants: list[list[str]]
 
 
 def _missing_message(missing: dict[str, list[int]]) -> str:
-    parts = [f"{name!r} (wanted by rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
-             for name, rs in sorted(missing.items())]
+    parts = [
+        f"{name!r} (wanted by rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
+        for name, rs in sorted(missing.items())
+    ]
     return f"{len(missing)} wanted file(s) held by no rank: " + "; ".join(parts)
 
 
@@ -215,7 +219,9 @@ def _blocks(size: int, block: int) -> list[int]:
     return [min(block, size - off) for off in range(0, size, block)]
 
 
-def _send_file(path: str, size: int, peer: int, group: Any, block: int, bufs: _Buffers) -> str | None:
+def _send_file(
+    path: str, size: int, peer: int, group: Any, block: int, bufs: _Buffers
+) -> str | None:
     """Stream one file to group rank ``peer``; returns an error message or None."""
     status = torch.ones(1, dtype=torch.uint8)
     err = None
@@ -248,7 +254,9 @@ def _send_file(path: str, size: int, peer: int, group: Any, block: int, bufs: _B
                     err = f"{path}: {e}"
             if err is not None:
                 view[:] = bytes(n)  # the receiver expects every block; it drops them
-            work = dist.isend(torch.frombuffer(buf, dtype=torch.uint8, count=n), group=group, group_dst=peer)
+            work = dist.isend(
+                torch.frombuffer(buf, dtype=torch.uint8, count=n), group=group, group_dst=peer
+            )
             if pending is not None:
                 pending.wait()
             pending = work
@@ -260,8 +268,9 @@ def _send_file(path: str, size: int, peer: int, group: Any, block: int, bufs: _B
     return err
 
 
-def _recv_file(dest_dir: str, name: str, size: int, peer: int, group: Any, block: int,
-               bufs: _Buffers) -> str | None:
+def _recv_file(
+    dest_dir: str, name: str, size: int, peer: int, group: Any, block: int, bufs: _Buffers
+) -> str | None:
     """Receive one file from group rank ``peer`` into dest_dir/name; returns an error or None."""
     status = torch.zeros(1, dtype=torch.uint8)
     dist.recv(status, group=group, group_src=peer)
@@ -358,7 +367,9 @@ def exchange_files(
 
     if dist.is_initialized():
         if dist.get_backend(group) == "nccl":
-            raise ValueError("exchange_files needs a process group that handles CPU tensors (gloo), got nccl")
+            raise ValueError(
+                "exchange_files needs a process group that handles CPU tensors (gloo), got nccl"
+            )
         me = dist.get_rank(group)
         if me < 0:
             raise ValueError("exchange_files: this process is not a member of the given group")
@@ -417,4 +428,6 @@ def exchange_files(
         fsync_path(dest_dir)  # type: ignore[arg-type]
     if errors:
         raise PeerTransferError(f"rank {me}: " + "; ".join(errors))
-    return TransferReport(received=received, sent=sent, bytes_received=nrecv, bytes_sent=nsent, local=local)
+    return TransferReport(
+        received=received, sent=sent, bytes_received=nrecv, bytes_sent=nsent, local=local
+    )

@@ -21,14 +21,20 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._compat import dtensor_like, dtensor_local, is_checkpointable, local_shards_like, local_shards_of
+from .._compat import (
+    dtensor_like,
+    dtensor_local,
+    is_checkpointable,
+    local_shards_like,
+    local_shards_of,
+)
 from ..core.pieces import Piece, TensorPieces
 from ..errors import NonFiniteError, UnsupportedValueError
 
@@ -69,7 +75,8 @@ def _walk_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]
             raise UnsupportedValueError(
                 f"{path}: a {kind} (a tensor subclass of DCP's checkpointable protocol) cannot be "
                 "staged by CheckpointManager, which copies tensors it can read; save it with "
-                "dcp.save(..., planner=UCPSavePlanner(), storage_writer=UCPStorageWriter(path)) instead"
+                "dcp.save(..., planner=UCPSavePlanner(), storage_writer=UCPStorageWriter(path)) "
+                "instead"
             )
         yield path, obj
         return
@@ -91,7 +98,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rebuild(obj: Any, on_tensor: Callable[[torch.Tensor], Any], memo: dict[int, Any]) -> Any:
-    """``obj`` with every tensor leaf replaced by ``on_tensor(t)`` and every other leaf deep-copied."""
+    """``obj`` with every tensor leaf replaced by ``on_tensor(t)`` and every other leaf
+    deep-copied."""
     if isinstance(obj, torch.Tensor):
         return on_tensor(obj)
     if isinstance(obj, TensorPieces):  # the copy is only saved: padding (fill) is not needed
@@ -129,7 +137,9 @@ def _rebuild(obj: Any, on_tensor: Callable[[torch.Tensor], Any], memo: dict[int,
 
 # --------------------------------------------------------------------------- non-finite check
 
-_NO_ISFINITE: set[torch.dtype] = set()  # dtypes whose isfinite kernel is missing (float8_e4m3fn on CPU)
+_NO_ISFINITE: set[torch.dtype] = (
+    set()
+)  # dtypes whose isfinite kernel is missing (float8_e4m3fn on CPU)
 
 
 def _finite(t: torch.Tensor) -> torch.Tensor:
@@ -226,7 +236,8 @@ class Snapshotter:
 
     Args:
         pin_memory: pin host buffers for CUDA tensors (default: True when CUDA is available).
-        max_buffers: how many staged copies may exist at once (one per in-flight save); buffers are reused.
+        max_buffers: how many staged copies may exist at once (one per in-flight save); buffers are
+        reused.
     """
 
     def __init__(self, *, pin_memory: bool | None = None, max_buffers: int = 1) -> None:
@@ -257,7 +268,8 @@ class Snapshotter:
             if len(self._sets) >= self._max:
                 if not free:
                     raise RuntimeError(
-                        f"cannot stage: all {self._max} staging buffers are held by in-flight saves; "
+                        f"cannot stage: all {self._max} staging buffers are held by in-flight "
+                        "saves; "
                         "release() one first"
                     )
                 # The state's structure changed (a new param group, a resized
@@ -304,7 +316,9 @@ class Snapshotter:
         tensors = [(p, _local(t)) for p, t in _walk_tensors(state)]
         for p, t in tensors:
             if t.layout != torch.strided:
-                raise TypeError(f"{p}: cannot stage a {t.layout} tensor; only dense (strided) tensors")
+                raise TypeError(
+                    f"{p}: cannot stage a {t.layout} tensor; only dense (strided) tensors"
+                )
         specs = [(t.shape, t.dtype, t.device.type) for _, t in tensors]
         signature = tuple((p, *spec) for (p, _), spec in zip(tensors, specs))
         bset = self._acquire(signature, specs)
@@ -334,8 +348,12 @@ class Snapshotter:
             self._give_back(bset)
             raise
         return StagedState(
-            state=out, nbytes=nbytes, blocking_s=time.perf_counter() - t0,
-            _events=events, _set=bset, _owner=self,
+            state=out,
+            nbytes=nbytes,
+            blocking_s=time.perf_counter() - t0,
+            _events=events,
+            _set=bset,
+            _owner=self,
         )
 
     def _copy(self, srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> tuple[list[Any], int]:

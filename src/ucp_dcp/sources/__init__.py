@@ -30,12 +30,12 @@ from ._dirs import StoreDir
 from ._ds_utils import LATEST_FILE, looks_like_deepspeed
 from ._hf_utils import HF_INDEX_NAME, HF_WEIGHTS_NAME, looks_like_hf
 from .base import Source, SourceOptions, read_value, register, source_types
-from .native import NativeSource
-from .distcp import DCPSource  # noqa: E402  (registration order is detection order)
+from .composite import CompositeSource
 from .deepspeed import DeepSpeedSource
+from .distcp import DCPSource  # noqa: E402  (registration order is detection order)
 from .ds_universal import DeepSpeedUniversalSource
 from .hf import HFSource
-from .composite import CompositeSource
+from .native import NativeSource
 
 __all__ = [
     "Source",
@@ -88,14 +88,18 @@ def open_source(
 
 
 def _open_url(url: str, options: SourceOptions, storage_options: dict[str, Any] | None) -> Source:
-    """The checkpoint at fsspec URL ``url``: native if ``ucp_index.json`` is there, else DCP's format if
-    ``.metadata`` is, else DeepSpeed's if ``latest`` or a rank's optimizer file is, else a Hugging Face model."""
+    """The checkpoint at fsspec URL ``url``: native if ``ucp_index.json`` is there, else DCP's
+    format if
+    ``.metadata`` is, else DeepSpeed's if ``latest`` or a rank's optimizer file is, else a Hugging
+    Face model."""
     parent, _, last = url.rstrip("/").rpartition("/")
     if "://" in parent and last.endswith((".safetensors", ".safetensors.index.json")):
         # One file named directly, as a local path may name one.
         return HFSource.open_store(ObjectStore(parent, storage_options), options, named=last)
     store = ObjectStore(url, storage_options)
-    raw_index = store.read_if_exists(INDEX_FILE)  # one GET, rather than asking whether it exists first
+    raw_index = store.read_if_exists(
+        INDEX_FILE
+    )  # one GET, rather than asking whether it exists first
     if raw_index is not None:
         return NativeSource(store.url, store, raw_index)
     model_dir = StoreDir(store)  # listed once: detection and opening share the listing
@@ -106,19 +110,29 @@ def _open_url(url: str, options: SourceOptions, storage_options: dict[str, Any] 
     if looks_like_hf(model_dir):
         return HFSource(store.url, options.prefix, model_dir=model_dir)
     listing = sorted(model_dir.list())
-    held = f"it holds {', '.join(listing[:10])}{' ...' if len(listing) > 10 else ''}" if listing else "it is empty"
+    held = (
+        f"it holds {', '.join(listing[:10])}{' ...' if len(listing) > 10 else ''}"
+        if listing
+        else "it is empty"
+    )
     raise CheckpointFormatError(
         f"{store.url}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing; nor a DCP checkpoint: no "
         f"{DCP_METADATA_FILE}; nor a DeepSpeed ZeRO checkpoint: no {LATEST_FILE} or "
-        f"*zero_pp_rank_*_optim_states.pt files; nor a Hugging Face safetensors model: no {HF_WEIGHTS_NAME}, "
-        f"{HF_INDEX_NAME} or single .safetensors file ({held}). A save that did not finish leaves no index. "
-        "Object storage is read for these four formats only; copy a DeepSpeed Universal checkpoint to a local "
+        "*zero_pp_rank_*_optim_states.pt files; nor a Hugging Face safetensors model: no "
+        f"{HF_WEIGHTS_NAME}, "
+        f"{HF_INDEX_NAME} or single .safetensors file ({held}). A save that did not finish leaves "
+        "no index. "
+        "Object storage is read for these four formats only; copy a DeepSpeed Universal "
+        "checkpoint to a local "
         "directory first"
     )
 
 
-def checkpoint_exists(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
-    """Whether anything is at ``path``: a local file or directory, or, at an fsspec URL, an object or a prefix with objects.
+def checkpoint_exists(
+    path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> bool:
+    """Whether anything is at ``path``: a local file or directory, or, at an fsspec URL, an object
+    or a prefix with objects.
 
     Tools ask this first so that a path with nothing at it gets "no such
     checkpoint" rather than a format error; it says nothing about the format.

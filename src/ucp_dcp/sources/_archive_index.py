@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -26,7 +27,8 @@ __all__ = ["ArchiveIndex", "check_sizes", "numel"]
 
 
 class ArchiveIndex:
-    """Collects tensor records whose chunks are byte ranges of the archives, and values already decoded.
+    """Collects tensor records whose chunks are byte ranges of the archives, and values already
+    decoded.
 
     The archives are the data files, numbered in the order they are given
     or added. Values (read from the pickles when the source was opened) are
@@ -49,7 +51,8 @@ class ArchiveIndex:
         self.archives.append(archive)
 
     def alias(self, key: str, path: tuple[str | int, ...], owner: str) -> None:
-        """``key`` (nested at ``path``) has the same bytes as ``owner`` (a tied parameter), unless recorded itself."""
+        """``key`` (nested at ``path``) has the same bytes as ``owner`` (a tied parameter), unless
+        recorded itself."""
         if owner in self.tensors and key not in self.tensors:
             self.tensors[key] = self.tensors[owner]
             self.paths[key] = path
@@ -60,22 +63,35 @@ class ArchiveIndex:
         self.paths[key] = path
 
     def index(self, world_size: int, root: str, ranks: Sequence[int]) -> Index:
-        """The records: one file per archive (named relative to ``root``, written by ``ranks[i]``)."""
-        files = [FileRecord(_relative(a.path, root), r, a.size) for a, r in zip(self.archives, ranks)]
+        """The records: one file per archive (named relative to ``root``, written by
+        ``ranks[i]``)."""
+        files = [
+            FileRecord(_relative(a.path, root), r, a.size) for a, r in zip(self.archives, ranks)
+        ]
         values = {k: Location(0, 0, 0, "") for k in self.values}
         return Index(world_size, files, self.tensors, values, {}, paths=dict(self.paths))
 
-    def location(self, archive: TorchArchive, t: TensorRef, elem: int, numel: int, what: str) -> Location:
+    def location(
+        self, archive: TorchArchive, t: TensorRef, elem: int, numel: int, what: str
+    ) -> Location:
         start, nbytes = archive.byte_range(t, what)
         size = t.dtype.itemsize
         if elem + numel > t.numel:
             raise CheckpointFormatError(
-                f"{archive.path}: {what} needs elements [{elem}, {elem + numel}) of a buffer of {t.numel}"
+                f"{archive.path}: {what} needs elements [{elem}, {elem + numel}) of a buffer of "
+                f"{t.numel}"
             )
         return Location(self.file_of[id(archive)], start + elem * size, numel * size, "")
 
-    def whole(self, key: str, path: tuple[str | int, ...], archive: TorchArchive, t: TensorRef,
-              shape: tuple[int, ...], what: str) -> None:
+    def whole(
+        self,
+        key: str,
+        path: tuple[str | int, ...],
+        archive: TorchArchive,
+        t: TensorRef,
+        shape: tuple[int, ...],
+        what: str,
+    ) -> None:
         """``key`` is tensor ``t`` itself (viewed as ``shape``)."""
         n = 1
         for s in shape:
@@ -83,29 +99,46 @@ class ArchiveIndex:
         loc = self.location(archive, t, 0, n, what)
         self.add(key, path, t.dtype, shape, [ChunkRecord(Box((0,) * len(shape), shape), loc)])
 
-    def flat(self, key: str, path: tuple[str | int, ...], shape: tuple[int, ...], segs: list[Segment],
-             buffer_of: Callable[[Segment], tuple[TorchArchive, TensorRef]], what: str) -> None:
-        """``key`` of ``shape`` lies in flat buffers: ``buffer_of(seg)`` gives ``(archive, tensor)`` of a segment."""
+    def flat(
+        self,
+        key: str,
+        path: tuple[str | int, ...],
+        shape: tuple[int, ...],
+        segs: list[Segment],
+        buffer_of: Callable[[Segment], tuple[TorchArchive, TensorRef]],
+        what: str,
+    ) -> None:
+        """``key`` of ``shape`` lies in flat buffers: ``buffer_of(seg)`` gives ``(archive, tensor)``
+        of a segment."""
         chunks: list[ChunkRecord] = []
         dtype = None
         for seg in segs:
             archive, t = buffer_of(seg)
             dtype = t.dtype if dtype is None else dtype
             if t.dtype != dtype:
-                raise CheckpointFormatError(f"{archive.path}: {what} is stored as both {dtype} and {t.dtype}")
+                raise CheckpointFormatError(
+                    f"{archive.path}: {what} is stored as both {dtype} and {t.dtype}"
+                )
             for box, off in segment_boxes(shape, seg):
                 chunks.append(ChunkRecord(box, self.location(archive, t, off, box.numel, what)))
         # An empty parameter has no element stored anywhere, and no chunks.
         self.add(key, path, dtype or torch.float32, shape, chunks)
 
-    def add(self, key: str, path: tuple[str | int, ...], dtype: torch.dtype, shape: tuple[int, ...],
-            chunks: list[ChunkRecord]) -> None:
+    def add(
+        self,
+        key: str,
+        path: tuple[str | int, ...],
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        chunks: list[ChunkRecord],
+    ) -> None:
         self.tensors[key] = TensorRecord(dtype, tuple(shape), None, False, chunks=chunks)
         self.paths[key] = path
 
 
 def check_sizes(source: Source) -> list[str]:
-    """One line per data file of ``source`` that is missing or not the size it was when opened (local or in its store)."""
+    """One line per data file of ``source`` that is missing or not the size it was when opened
+    (local or in its store)."""
     problems = []
     store = source.store
     for p, f in zip(source.paths, source.index.files):
@@ -126,8 +159,9 @@ def numel(shape: tuple[int, ...]) -> int:
 
 
 def _relative(path: str, root: str) -> str:
-    """``path`` relative to ``root``: a URL (``s3://b/ck/tag/f``) by its prefix, a local path by ``os.path``."""
+    """``path`` relative to ``root``: a URL (``s3://b/ck/tag/f``) by its prefix, a local path by
+    ``os.path``."""
     prefix = root.rstrip("/") + "/"
     if "://" in root and path.startswith(prefix):
-        return path[len(prefix):]
+        return path[len(prefix) :]
     return os.path.relpath(path, root)

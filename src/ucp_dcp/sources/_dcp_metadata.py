@@ -26,7 +26,6 @@ __all__ = ["DCP_METADATA_FILE", "read_dcp_metadata"]
 DCP_METADATA_FILE = ".metadata"
 
 
-
 _DCP_MD = "torch.distributed.checkpoint.metadata"
 _DCP_PLAN = "torch.distributed.checkpoint.planner"
 _ALLOWED_GLOBALS = {
@@ -41,12 +40,19 @@ _ALLOWED_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     # Megatron-core's torch_dist strategy attaches every rank's local save
     # plan to the metadata (``all_local_plans``): DCP's own plan records.
-    *((_DCP_PLAN, cls) for cls in ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData", "WriteItemType")),
+    *(
+        (_DCP_PLAN, cls)
+        for cls in ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData", "WriteItemType")
+    ),
     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # a lookup of torch.strided & co. by name
     ("collections", "OrderedDict"),
-    *((mod, cls) for mod in ("pathlib", "pathlib._local") for cls in ("PosixPath", "PurePosixPath")),
+    *(
+        (mod, cls)
+        for mod in ("pathlib", "pathlib._local")
+        for cls in ("PosixPath", "PurePosixPath")
+    ),
 }
 
 
@@ -71,8 +77,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
                 return obj
         raise CheckpointFormatError(
-            f"{self.where}: refusing to unpickle {module}.{name} from .metadata: only DCP's own metadata "
-            "and plan records (and torch.Size, dtypes, layouts) are loaded; this file is damaged, hostile, or was "
+            f"{self.where}: refusing to unpickle {module}.{name} from .metadata: only DCP's own "
+            "metadata "
+            "and plan records (and torch.Size, dtypes, layouts) are loaded; this file is damaged, "
+            "hostile, or was "
             "written by a planner that stores its own classes in the metadata"
         )
 
@@ -81,7 +89,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(directory: str | os.PathLike[str] | ModelDir) -> Metadata:
-    """Load DCP's ``.metadata`` of ``directory`` (a local path, or a directory view) with the restricted unpickler.
+    """Load DCP's ``.metadata`` of ``directory`` (a local path, or a directory view) with the
+    restricted unpickler.
 
     The file is read as bytes (from object storage: one request) and only
     then unpickled. Raises :class:`CheckpointFormatError` naming the file
@@ -98,9 +107,13 @@ def read_dcp_metadata(directory: str | os.PathLike[str] | ModelDir) -> Metadata:
     except CheckpointFormatError:
         raise
     except Exception as e:  # truncated / garbage pickles raise all sorts
-        raise CheckpointFormatError(f"{path}: not a readable DCP metadata file ({type(e).__name__}: {e})") from None
+        raise CheckpointFormatError(
+            f"{path}: not a readable DCP metadata file ({type(e).__name__}: {e})"
+        ) from None
     if not isinstance(md, Metadata):
         raise CheckpointFormatError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
     if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
-        raise CheckpointFormatError(f"{path}: DCP metadata without state_dict_metadata/storage_data")
+        raise CheckpointFormatError(
+            f"{path}: DCP metadata without state_dict_metadata/storage_data"
+        )
     return md

@@ -1,4 +1,5 @@
-"""A checkpoint or model directory, local or in object storage: the few questions finding its files asks.
+"""A checkpoint or model directory, local or in object storage: the few questions finding its files
+asks.
 
 The Hugging Face source, DCP's format and DeepSpeed's checkpoints (whose
 state is in a tag subfolder: :meth:`ModelDir.child`) read their directories
@@ -21,7 +22,8 @@ __all__ = ["ModelDir", "LocalDir", "StoreDir", "plain_file_name"]
 
 
 def plain_file_name(name: Any, where: str) -> str:
-    """``name`` if it names a file directly inside a directory (no path, no ``..``); else an error naming ``where``."""
+    """``name`` if it names a file directly inside a directory (no path, no ``..``); else an error
+    naming ``where``."""
     if (
         not isinstance(name, str)
         or not name
@@ -31,12 +33,15 @@ def plain_file_name(name: Any, where: str) -> str:
         or name in (".", "..")
         or "\0" in name
     ):
-        raise CheckpointFormatError(f"{where}: file name {name!r} is not a plain file name inside the directory")
+        raise CheckpointFormatError(
+            f"{where}: file name {name!r} is not a plain file name inside the directory"
+        )
     return name
 
 
 class ModelDir(ABC):
-    """The files of one checkpoint or model directory, local or in object storage: what finding its files needs.
+    """The files of one checkpoint or model directory, local or in object storage: what finding its
+    files needs.
 
     Names are plain file names directly inside the directory.
     """
@@ -66,10 +71,11 @@ class ModelDir(ABC):
 
     @abstractmethod
     def access(self, name: str) -> RandomAccess | None:
-        """``name`` as random access for header parsing; None: open :meth:`path_of` as a local file."""
+        """``name`` as random access for header parsing; None: open :meth:`path_of` as a local
+        file."""
 
     @abstractmethod
-    def child(self, name: str) -> "ModelDir":
+    def child(self, name: str) -> ModelDir:
         """The view of subfolder ``name`` (a plain name, checked by :func:`plain_file_name`)."""
 
     @abstractmethod
@@ -115,7 +121,7 @@ class LocalDir(ModelDir):
         """None: header parsing opens the file itself."""
         return None
 
-    def child(self, name: str) -> "LocalDir":
+    def child(self, name: str) -> LocalDir:
         """The subdirectory ``name``."""
         return LocalDir(os.path.join(self.where, plain_file_name(name, self.where)))
 
@@ -163,13 +169,19 @@ class StoreDir(ModelDir):
         return self.store.read(name)
 
     def access(self, name: str) -> ObjectAccess:
-        """Ranged reads of the object (its size from the listing): one request for a header under 64 KiB."""
+        """Ranged reads of the object (its size from the listing): one request for a header under 64
+        KiB."""
         return ObjectAccess(self.store, name, self._listing().get(name))
 
-    def child(self, name: str) -> "StoreDir":
-        """The objects under prefix ``name/`` (its own store, same options; listed when first asked)."""
+    def child(self, name: str) -> StoreDir:
+        """The objects under prefix ``name/`` (its own store, same options; listed when first
+        asked)."""
         s = self.store
-        return StoreDir(ObjectStore(s.url_of(plain_file_name(name, self.where)), s.storage_options, retry=s.retry))
+        return StoreDir(
+            ObjectStore(
+                s.url_of(plain_file_name(name, self.where)), s.storage_options, retry=s.retry
+            )
+        )
 
     def is_dir(self) -> bool:
         """Whether the listing holds any object (a prefix exists only through its objects)."""

@@ -32,8 +32,18 @@ from ._dirs import LocalDir, ModelDir, StoreDir
 from ._torch_archive import Inert, TensorRef, TorchArchive, read_torch_archive
 
 __all__ = [
-    "DS_ALLOWED_GLOBALS", "DSFiles", "ModelStates", "RankOptim", "find_deepspeed_files", "looks_like_deepspeed",
-    "read_archive", "read_model_states", "read_rank_optim", "looks_like_universal", "universal_folder", "UNIVERSAL_DIR",
+    "DS_ALLOWED_GLOBALS",
+    "DSFiles",
+    "ModelStates",
+    "RankOptim",
+    "find_deepspeed_files",
+    "looks_like_deepspeed",
+    "read_archive",
+    "read_model_states",
+    "read_rank_optim",
+    "looks_like_universal",
+    "universal_folder",
+    "UNIVERSAL_DIR",
 ]
 
 LATEST_FILE = "latest"
@@ -49,12 +59,14 @@ _IGNORED = {"zero_to_fp32.py"}
 # The classes DeepSpeed's checkpoint pickles name besides torch's own
 # (tensors, storages, torch.Size, OrderedDict). They become inert records:
 # their fields are read as data, their code never imported or run.
-DS_ALLOWED_GLOBALS = frozenset({
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-    ("deepspeed.utils.tensor_fragment", "fragment_address"),
-})
+DS_ALLOWED_GLOBALS = frozenset(
+    {
+        ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+        ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+        ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+        ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -70,7 +82,8 @@ class DSFiles:
 
 
 def looks_like_deepspeed(path: str | ModelDir) -> bool:
-    """Whether ``path`` (a local path, or a directory view) is a DeepSpeed checkpoint directory (with ``latest``)
+    """Whether ``path`` (a local path, or a directory view) is a DeepSpeed checkpoint directory
+    (with ``latest``)
     or tag folder, by names alone."""
     if isinstance(path, ModelDir):
         return path.is_file(LATEST_FILE) or any(_OPTIM.fullmatch(n) for n in path.list())
@@ -87,29 +100,36 @@ def looks_like_deepspeed(path: str | ModelDir) -> bool:
 
 
 def looks_like_universal(path: str) -> bool:
-    """Whether ``path`` is a DeepSpeed Universal checkpoint (``latest_universal``, or a tag folder with ``zero/``)."""
+    """Whether ``path`` is a DeepSpeed Universal checkpoint (``latest_universal``, or a tag folder
+    with ``zero/``)."""
     if not os.path.isdir(path):
         return False
     if os.path.isfile(os.path.join(path, LATEST_UNIVERSAL_FILE)):
         return True
     return os.path.isdir(os.path.join(path, UNIVERSAL_DIR)) and any(
-        os.path.isfile(os.path.join(path, n)) for n in ("mp_rank_00_model_states.pt",
-                                                        "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+        os.path.isfile(os.path.join(path, n))
+        for n in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    )
 
 
 def universal_folder(path: str) -> str:
-    """The tag folder of a DeepSpeed Universal checkpoint (``path`` itself, or what ``latest_universal`` names)."""
+    """The tag folder of a DeepSpeed Universal checkpoint (``path`` itself, or what
+    ``latest_universal`` names)."""
     return _tag_folder(LocalDir(path), LATEST_UNIVERSAL_FILE).where
 
 
 # ds_to_universal copies the source's model states: one mp_rank_00 file from
 # ZeRO-1/2, one zero_pp_rank_R file per rank from ZeRO-3 (each holds the full
 # param_shapes; the frozen parameters' fragments are per rank).
-UNIVERSAL_MODEL_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_<R>_mp_rank_00_model_states.pt")
+UNIVERSAL_MODEL_FILES = (
+    "mp_rank_00_model_states.pt",
+    "zero_pp_rank_<R>_mp_rank_00_model_states.pt",
+)
 
 
 def universal_model_files(folder: str) -> list[str]:
-    """The model-states files of a Universal tag folder: ``[mp_rank_00]``, or ZeRO-3's per rank in rank order.
+    """The model-states files of a Universal tag folder: ``[mp_rank_00]``, or ZeRO-3's per rank in
+    rank order.
 
     Empty when there are none; :class:`CheckpointFormatError` when ZeRO-3
     ranks are missing or the model is tensor- or pipeline-parallel.
@@ -126,7 +146,8 @@ def universal_model_files(folder: str) -> list[str]:
         if m := _MODEL_3.fullmatch(n):
             if int(m.group(2)) != 0:
                 raise CheckpointFormatError(
-                    f"{folder}: {n}: tensor- or pipeline-parallel Universal folders are not supported"
+                    f"{folder}: {n}: tensor- or pipeline-parallel Universal folders are not "
+                    "supported"
                 )
             ranks[int(m.group(1))] = os.path.join(folder, n)
     if ranks and sorted(ranks) != list(range(len(ranks))):
@@ -154,12 +175,15 @@ def _tag_folder(d: ModelDir, latest_name: str = LATEST_FILE) -> ModelDir:
         raise CheckpointFormatError(f"{latest}: {tag!r} is not a tag folder name")
     folder = d.child(tag)
     if not folder.is_dir():
-        raise CheckpointFormatError(f"{latest}: names tag {tag!r}, but {folder.where} is not a directory")
+        raise CheckpointFormatError(
+            f"{latest}: names tag {tag!r}, but {folder.where} is not a directory"
+        )
     return folder
 
 
 def find_deepspeed_files(path: str | ModelDir) -> DSFiles:
-    """The model and optimizer files of the checkpoint at ``path`` (the directory with ``latest``, or a tag folder;
+    """The model and optimizer files of the checkpoint at ``path`` (the directory with ``latest``,
+    or a tag folder;
     a local path, or a directory view).
 
     Raises :class:`CheckpointFormatError` naming the folder when files are
@@ -187,43 +211,59 @@ def find_deepspeed_files(path: str | ModelDir) -> DSFiles:
             bf16.add(bool(m.group(1)))
     if not optim:
         raise CheckpointFormatError(
-            f"{folder}: not a DeepSpeed ZeRO checkpoint: no *zero_pp_rank_*_mp_rank_*_optim_states.pt files"
+            f"{folder}: not a DeepSpeed ZeRO checkpoint: no "
+            "*zero_pp_rank_*_mp_rank_*_optim_states.pt files"
             f" ({', '.join(names[:8]) or 'it is empty'})"
         )
     mp = sorted({k[0] for k in optim} | set(model12) | {k[0] for k in model3})
     if mp != [0]:
         files = sorted(n for n in names if _MODEL_12.fullmatch(n) or _MODEL_3.fullmatch(n))
         raise CheckpointFormatError(
-            f"{folder}: tensor- or pipeline-parallel DeepSpeed checkpoints (model-parallel ranks {mp}: "
-            f"{', '.join(files[:6])}) are not supported; only data-parallel ZeRO checkpoints (mp_rank_00) are"
+            f"{folder}: tensor- or pipeline-parallel DeepSpeed checkpoints (model-parallel ranks "
+            f"{mp}: "
+            f"{', '.join(files[:6])}) are not supported; only data-parallel ZeRO checkpoints "
+            "(mp_rank_00) are"
         )
     if len(bf16) > 1:
-        raise CheckpointFormatError(f"{folder}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files")
+        raise CheckpointFormatError(
+            f"{folder}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files"
+        )
     world = len(optim)
     prefix = "bf16_" if True in bf16 else ""
     if sorted(k[1] for k in optim) != list(range(world)):
         raise CheckpointFormatError(
-            f"{folder}: optimizer files for ranks {sorted(k[1] for k in optim)}; expected 0..{world - 1}, one per rank"
-            + _missing({k[1] for k in optim}, world, prefix + "zero_pp_rank_{}_mp_rank_00_optim_states.pt")
+            f"{folder}: optimizer files for ranks {sorted(k[1] for k in optim)}; expected "
+            f"0..{world - 1}, one per rank"
+            + _missing(
+                {k[1] for k in optim}, world, prefix + "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+            )
         )
     optim_files = [view.path_of(optim[(0, r)]) for r in range(world)]
     if model3:
         if sorted(k[1] for k in model3) != list(range(world)):
             raise CheckpointFormatError(
-                f"{folder}: ZeRO-3 model files for ranks {sorted(k[1] for k in model3)}; expected 0..{world - 1}"
-                + _missing({k[1] for k in model3}, world, "zero_pp_rank_{}_mp_rank_00_model_states.pt")
+                f"{folder}: ZeRO-3 model files for ranks {sorted(k[1] for k in model3)}; expected "
+                f"0..{world - 1}"
+                + _missing(
+                    {k[1] for k in model3}, world, "zero_pp_rank_{}_mp_rank_00_model_states.pt"
+                )
             )
         model_files = [view.path_of(model3[(0, r)]) for r in range(world)]
     elif 0 in model12:
         model_files = [view.path_of(model12[0])]
     else:
-        raise CheckpointFormatError(f"{folder}: no mp_rank_00_model_states.pt (or zero_pp_rank_*_model_states.pt)")
+        raise CheckpointFormatError(
+            f"{folder}: no mp_rank_00_model_states.pt (or zero_pp_rank_*_model_states.pt)"
+        )
     return DSFiles(folder, model_files, optim_files, bf16.pop(), view)
 
 
 def _missing(have: set[int], world: int, pattern: str) -> str:
-    """`` (missing <file>, ...)`` for the ranks below ``world`` (or the highest seen) with no file."""
-    gone = [pattern.format(r) for r in range(max(world, max(have, default=-1) + 1)) if r not in have]
+    """`` (missing <file>, ...)`` for the ranks below ``world`` (or the highest seen) with no
+    file."""
+    gone = [
+        pattern.format(r) for r in range(max(world, max(have, default=-1) + 1)) if r not in have
+    ]
     return f" (missing {', '.join(gone[:6])}{' ...' if len(gone) > 6 else ''})" if gone else ""
 
 
@@ -247,14 +287,19 @@ class ModelStates:
 
 @dataclass
 class RankOptim:
-    """What one rank's ``*_optim_states.pt`` holds: its flat fp32 buffers and the inner optimizer's state over them."""
+    """What one rank's ``*_optim_states.pt`` holds: its flat fp32 buffers and the inner optimizer's
+    state over them."""
 
     archive: TorchArchive
     stage: int
     fp32: list[TensorRef]  # ZeRO-1/2: one partition per group; ZeRO-3: one buffer per sub-group
-    state: dict[int, dict[str, Any]]  # inner optimizer state per flat buffer (moments are TensorRefs)
+    state: dict[
+        int, dict[str, Any]
+    ]  # inner optimizer state per flat buffer (moments are TensorRefs)
     param_groups: list[dict[str, Any]]  # inner optimizer groups; "params" lists flat buffer numbers
-    paddings: list[int] = field(default_factory=list)  # ZeRO-1/2: this rank's padding at the end of each group
+    paddings: list[int] = field(
+        default_factory=list
+    )  # ZeRO-1/2: this rank's padding at the end of each group
 
 
 def _need(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -268,41 +313,59 @@ def _need(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
 
 
 def _shape(v: Any, where: str) -> tuple[int, ...]:
-    if isinstance(v, (tuple, list)) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in v):
+    if isinstance(v, (tuple, list)) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in v
+    ):
         return tuple(v)
     raise CheckpointFormatError(f"{where}: {v!r} is not a shape")
 
 
 def _tensors(d: Any, where: str) -> dict[str, TensorRef]:
-    if not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(v, TensorRef) for k, v in d.items()):
+    if not isinstance(d, dict) or not all(
+        isinstance(k, str) and isinstance(v, TensorRef) for k, v in d.items()
+    ):
         raise CheckpointFormatError(f"{where}: expected a dict of name -> tensor")
     return dict(d)
 
 
 def read_archive(path: str, folder: ModelDir | None = None) -> TorchArchive:
-    """File ``path`` of ``folder`` as inert records (with ranged requests when the folder is in a store)."""
+    """File ``path`` of ``folder`` as inert records (with ranged requests when the folder is in a
+    store)."""
     if isinstance(folder, StoreDir):
         name = folder.store.name_of(path)
-        return read_torch_archive(path, DS_ALLOWED_GLOBALS, store=folder.store, size=folder.size(name))
+        return read_torch_archive(
+            path, DS_ALLOWED_GLOBALS, store=folder.store, size=folder.size(name)
+        )
     return read_torch_archive(path, DS_ALLOWED_GLOBALS)
 
 
 def read_model_states(path: str, folder: ModelDir | None = None) -> ModelStates:
-    """Read a ``*_model_states.pt`` file (its pickle only, as inert records) of ``folder`` (default: local)."""
+    """Read a ``*_model_states.pt`` file (its pickle only, as inert records) of ``folder`` (default:
+    local)."""
     a = read_archive(path, folder)
     sd = a.obj
     if not isinstance(sd, dict):
-        raise CheckpointFormatError(f"{path}: holds a {type(sd).__name__}, not DeepSpeed's model states dict")
+        raise CheckpointFormatError(
+            f"{path}: holds a {type(sd).__name__}, not DeepSpeed's model states dict"
+        )
     module = _tensors(_need(sd, "module", dict, path), f"{path}: 'module'")
     shapes_raw = _need(sd, "param_shapes", list, path)
     param_shapes = []
     for g, d in enumerate(shapes_raw):
         if not isinstance(d, dict):
-            raise CheckpointFormatError(f"{path}: param_shapes[{g}] is a {type(d).__name__}, expected a dict")
-        param_shapes.append({str(k): _shape(v, f"{path}: param_shapes[{g}][{k!r}]") for k, v in d.items()})
-    frozen_shapes = {str(k): _shape(v, f"{path}: frozen_param_shapes[{k!r}]")
-                     for k, v in (sd.get("frozen_param_shapes") or {}).items()}
-    frozen_fragments = _tensors(sd.get("frozen_param_fragments") or {}, f"{path}: 'frozen_param_fragments'")
+            raise CheckpointFormatError(
+                f"{path}: param_shapes[{g}] is a {type(d).__name__}, expected a dict"
+            )
+        param_shapes.append(
+            {str(k): _shape(v, f"{path}: param_shapes[{g}][{k!r}]") for k, v in d.items()}
+        )
+    frozen_shapes = {
+        str(k): _shape(v, f"{path}: frozen_param_shapes[{k!r}]")
+        for k, v in (sd.get("frozen_param_shapes") or {}).items()
+    }
+    frozen_fragments = _tensors(
+        sd.get("frozen_param_fragments") or {}, f"{path}: 'frozen_param_fragments'"
+    )
     shared = sd.get("shared_params") or {}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in shared.items()):
         raise CheckpointFormatError(f"{path}: 'shared_params' is not a dict of name -> name")
@@ -313,8 +376,17 @@ def read_model_states(path: str, folder: ModelDir | None = None) -> ModelStates:
     dp = sd.get("dp_world_size")
     if dp is not None and not (isinstance(dp, int) and not isinstance(dp, bool) and dp > 0):
         raise CheckpointFormatError(f"{path}: dp_world_size {dp!r} is not a positive integer")
-    return ModelStates(a, module, param_shapes, frozen_shapes, frozen_fragments, dict(shared), list(buffers),
-                       str(version) if version is not None else "", dp)
+    return ModelStates(
+        a,
+        module,
+        param_shapes,
+        frozen_shapes,
+        frozen_fragments,
+        dict(shared),
+        list(buffers),
+        str(version) if version is not None else "",
+        dp,
+    )
 
 
 def _stage(v: Any, where: str) -> int:
@@ -326,7 +398,8 @@ def _stage(v: Any, where: str) -> int:
 
 
 def read_rank_optim(path: str, bf16_optimizer: bool, folder: ModelDir | None = None) -> RankOptim:
-    """Read one rank's ``*_optim_states.pt`` file (its pickle only, as inert records) of ``folder`` (default: local)."""
+    """Read one rank's ``*_optim_states.pt`` file (its pickle only, as inert records) of ``folder``
+    (default: local)."""
     a = read_archive(path, folder)
     osd = _need(a.obj, "optimizer_state_dict", dict, path)
     where = f"{path}: optimizer_state_dict"
@@ -341,11 +414,14 @@ def read_rank_optim(path: str, bf16_optimizer: bool, folder: ModelDir | None = N
         inner = _need(osd, "base_optimizer_state", dict, where)
         paddings = _need(osd, "group_paddings", list, where)
         if len(paddings) != len(fp32) or not all(isinstance(p, int) and p >= 0 for p in paddings):
-            raise CheckpointFormatError(f"{where}: group_paddings {paddings!r} does not give one count per group")
+            raise CheckpointFormatError(
+                f"{where}: group_paddings {paddings!r} does not give one count per group"
+            )
         extra = osd.get("param_alignment_paddings")
         if extra and any(any(x for x in g) for g in extra):
             raise CheckpointFormatError(
-                f"{where}: per-parameter alignment padding (param_alignment_paddings {extra!r}) is not supported"
+                f"{where}: per-parameter alignment padding (param_alignment_paddings {extra!r}) "
+                "is not supported"
             )
     if not all(isinstance(t, TensorRef) and len(t.size) == 1 for t in fp32):
         raise CheckpointFormatError(f"{where}: the fp32 buffers are not all 1-D tensors")
@@ -353,25 +429,33 @@ def read_rank_optim(path: str, bf16_optimizer: bool, folder: ModelDir | None = N
     groups = _need(inner, "param_groups", list, f"{where}: inner optimizer")
     for k, s in state.items():
         if not isinstance(k, int) or not 0 <= k < len(fp32) or not isinstance(s, dict):
-            raise CheckpointFormatError(f"{where}: inner optimizer state key {k!r} is not a flat buffer number")
+            raise CheckpointFormatError(
+                f"{where}: inner optimizer state key {k!r} is not a flat buffer number"
+            )
     covered = []
     for g, grp in enumerate(groups):
         ps = grp.get("params") if isinstance(grp, dict) else None
         if not isinstance(ps, list) or not all(isinstance(p, int) for p in ps):
-            raise CheckpointFormatError(f"{where}: inner optimizer param_groups[{g}] has no list of 'params'")
+            raise CheckpointFormatError(
+                f"{where}: inner optimizer param_groups[{g}] has no list of 'params'"
+            )
         covered += ps
     if sorted(covered) != list(range(len(fp32))):
         raise CheckpointFormatError(
-            f"{where}: inner optimizer groups cover flat buffers {sorted(covered)}, expected 0..{len(fp32) - 1}"
+            f"{where}: inner optimizer groups cover flat buffers {sorted(covered)}, expected "
+            f"0..{len(fp32) - 1}"
         )
     return RankOptim(a, stage, list(fp32), dict(state), list(groups), list(paddings))
 
 
 def moment(st: dict[str, Any], name: str, numel: int, where: str) -> TensorRef | None:
-    """Moment ``name`` of one flat buffer's optimizer state (None if the optimizer keeps none), checked against ``numel``."""
+    """Moment ``name`` of one flat buffer's optimizer state (None if the optimizer keeps none),
+    checked against ``numel``."""
     t = st.get(name)
     if t is None:
         return None
     if not isinstance(t, TensorRef) or t.numel < numel or len(t.size) != 1:
-        raise CheckpointFormatError(f"{where}: {name} is not a 1-D tensor of at least {numel} elements")
+        raise CheckpointFormatError(
+            f"{where}: {name} is not a 1-D tensor of at least {numel} elements"
+        )
     return t

@@ -1,4 +1,5 @@
-"""Hugging Face model directories, local or in object storage: file names, and which files hold the weights.
+"""Hugging Face model directories, local or in object storage: file names, and which files hold the
+weights.
 
 The directory view (:class:`ModelDir`, :class:`LocalDir`, :class:`StoreDir`)
 lives in :mod:`._dirs`; it is re-exported here.
@@ -54,7 +55,8 @@ _NATIVE_DATA_FILE = re.compile(r"rank\d{5}-.*\.safetensors")
 
 
 def looks_like_hf(path: str | ModelDir) -> bool:
-    """Whether ``path`` (a local path, or a directory view) is a Hugging Face safetensors model (by names alone)."""
+    """Whether ``path`` (a local path, or a directory view) is a Hugging Face safetensors model (by
+    names alone)."""
     if isinstance(path, str):
         if os.path.isfile(path):
             return path.endswith(".safetensors") or path.endswith(".safetensors.index.json")
@@ -72,7 +74,8 @@ def looks_like_hf(path: str | ModelDir) -> bool:
 
 
 def local_model_dir(src: str) -> tuple[LocalDir, str | None]:
-    """``(directory, file named directly or None)`` of local path ``src``: a directory, or one file in one."""
+    """``(directory, file named directly or None)`` of local path ``src``: a directory, or one file
+    in one."""
     if not os.path.exists(src):
         raise CheckpointFormatError(f"{src}: no such Hugging Face model directory or file")
     if os.path.isfile(src):
@@ -105,9 +108,13 @@ def find_hf_files(d: ModelDir, named: str | None = None) -> tuple[list[str], dic
     if len(files) == 1 and not indexes:
         return files, None
     raise CheckpointFormatError(
-        f"{d.where}: not a Hugging Face safetensors model directory: no {HF_WEIGHTS_NAME} or {HF_INDEX_NAME}"
-        + (f" (it holds {', '.join(indexes + files)}: name the file to import)" if indexes or files else
-           f" and no .safetensors files ({', '.join(listing[:10]) or 'it is empty'})")
+        f"{d.where}: not a Hugging Face safetensors model directory: no {HF_WEIGHTS_NAME} or "
+        f"{HF_INDEX_NAME}"
+        + (
+            f" (it holds {', '.join(indexes + files)}: name the file to import)"
+            if indexes or files
+            else f" and no .safetensors files ({', '.join(listing[:10]) or 'it is empty'})"
+        )
     )
 
 
@@ -116,8 +123,10 @@ def _from_index(d: ModelDir, index_name: str) -> tuple[list[str], dict[str, str]
     raw = d.read(index_name)
     doc = parse_json(raw, f"{path}: not valid JSON")
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
-        raise CheckpointFormatError(f"{path}: no \"weight_map\" object of tensor name -> file name")
+    if not isinstance(wm, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in wm.items()
+    ):
+        raise CheckpointFormatError(f'{path}: no "weight_map" object of tensor name -> file name')
     if not wm:
         raise CheckpointFormatError(f"{path}: the weight_map is empty")
     files: list[str] = []

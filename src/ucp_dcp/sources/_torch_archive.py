@@ -29,8 +29,9 @@ import pickle
 import struct
 import zipfile
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -39,7 +40,14 @@ from ..byteio.objstore import ObjectStore
 from ..core.sharding import row_major_strides
 from ..errors import CheckpointFormatError, StorageError
 
-__all__ = ["TensorRef", "Inert", "TorchArchive", "read_torch_archive", "read_pickle_record", "stored_record_start"]
+__all__ = [
+    "TensorRef",
+    "Inert",
+    "TorchArchive",
+    "read_torch_archive",
+    "read_pickle_record",
+    "stored_record_start",
+]
 
 # A pickle describing state (not tensor data) is small; a larger one is damaged or hostile.
 _MAX_PICKLE_BYTES = 256 * 1024 * 1024
@@ -77,7 +85,7 @@ class Inert:
 
     qualname: str = ""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "Inert":  # NEWOBJ: cls.__new__(cls, *args)
+    def __new__(cls, *args: Any, **kwargs: Any) -> Inert:  # NEWOBJ: cls.__new__(cls, *args)
         self = object.__new__(cls)
         self.args = args
         self.state = None
@@ -108,24 +116,31 @@ class _StorageRef:
 
 @dataclass
 class TorchArchive:
-    """A ``torch.save`` file: its object tree (with :class:`TensorRef` leaves) and where the storages are."""
+    """A ``torch.save`` file: its object tree (with :class:`TensorRef` leaves) and where the
+    storages are."""
 
     path: str
     obj: Any
     size: int
-    records: dict[str, tuple[int, int]] = field(default_factory=dict)  # storage key -> (absolute start, nbytes)
+    records: dict[str, tuple[int, int]] = field(
+        default_factory=dict
+    )  # storage key -> (absolute start, nbytes)
 
     def byte_range(self, t: TensorRef, what: str) -> tuple[int, int]:
-        """``(absolute start, nbytes)`` of dense tensor ``t``; an error naming ``what`` if it is not dense row-major."""
+        """``(absolute start, nbytes)`` of dense tensor ``t``; an error naming ``what`` if it is not
+        dense row-major."""
         if t.numel > 1 and tuple(s for s, n in zip(t.stride, t.size) if n > 1) != tuple(
             s for s, n in zip(row_major_strides(t.size), t.size) if n > 1
         ):
-            raise CheckpointFormatError(f"{self.path}: {what} is not stored row-major (stride {list(t.stride)})")
+            raise CheckpointFormatError(
+                f"{self.path}: {what} is not stored row-major (stride {list(t.stride)})"
+            )
         start, nbytes = self.records[t.storage]
         off = t.storage_offset * t.dtype.itemsize
         if off + t.nbytes > nbytes:
             raise CheckpointFormatError(
-                f"{self.path}: {what} ({t.nbytes} bytes at element {t.storage_offset}) runs past its storage "
+                f"{self.path}: {what} ({t.nbytes} bytes at element {t.storage_offset}) runs past "
+                "its storage "
                 f"record data/{t.storage} of {nbytes} bytes"
             )
         return start + off, t.nbytes
@@ -134,7 +149,9 @@ class TorchArchive:
 def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> TensorRef:
     if not isinstance(storage, _StorageRef):
         raise _Refused(f"a tensor whose storage is {type(storage).__name__}, not a storage record")
-    if not (_is_count(offset) and _is_counts(size) and _is_counts(stride) and len(size) == len(stride)):
+    if not (
+        _is_count(offset) and _is_counts(size) and _is_counts(stride) and len(size) == len(stride)
+    ):
         raise _Refused(f"a tensor with malformed geometry {offset!r}, {size!r}, {stride!r}")
     return TensorRef(storage.key, storage.dtype, offset, tuple(size), tuple(stride))
 
@@ -146,13 +163,18 @@ def _rebuild_parameter(data: Any, requires_grad: Any = False, hooks: Any = None,
 
 
 class _PlainTensorType:
-    """``torch.Tensor`` named in a pickle: only as the type argument of ``_rebuild_from_type_v2``."""
+    """``torch.Tensor`` named in a pickle: only as the type argument of
+    ``_rebuild_from_type_v2``."""
 
 
 def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     # torch.save uses this for a plain tensor that carries Python attributes
     # (DeepSpeed tags its parameters): the attributes are dropped, the tensor kept.
-    if new_type is not _PlainTensorType or func is not _rebuild_tensor or not isinstance(args, tuple):
+    if (
+        new_type is not _PlainTensorType
+        or func is not _rebuild_tensor
+        or not isinstance(args, tuple)
+    ):
         raise _Refused("a tensor subclass (torch._tensor._rebuild_from_type_v2 of another type)")
     return func(*args)
 
@@ -178,15 +200,21 @@ _BUILTIN_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "Tensor"): _PlainTensorType,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
     # protocol 2 (torch.save's) names builtins the Python 2 way
-    **{(mod, name): obj for mod in ("builtins", "__builtin__")
-       for name, obj in (("set", set), ("frozenset", frozenset))},
+    **{
+        (mod, name): obj
+        for mod in ("builtins", "__builtin__")
+        for name, obj in (("set", set), ("frozenset", frozenset))
+    },
 }
 
 
 class _InertUnpickler(pickle.Unpickler):
-    """Unpickles containers, tensors as :class:`TensorRef` and allowed classes as :class:`Inert`; nothing else."""
+    """Unpickles containers, tensors as :class:`TensorRef` and allowed classes as :class:`Inert`;
+    nothing else."""
 
-    def __init__(self, file: io.BytesIO, where: str, allowed: Iterable[tuple[str, str]], storages: set[str]) -> None:
+    def __init__(
+        self, file: io.BytesIO, where: str, allowed: Iterable[tuple[str, str]], storages: set[str]
+    ) -> None:
         super().__init__(file)
         self.where = where
         self.allowed = frozenset(allowed)
@@ -212,14 +240,25 @@ class _InertUnpickler(pickle.Unpickler):
                 cls = type(name, (Inert,), {"qualname": f"{module}.{name}"})
                 self.inert[(module, name)] = cls
             return cls
-        raise _Refused(f"refusing to unpickle {module}.{name}: it is not one of the classes this format stores")
+        raise _Refused(
+            f"refusing to unpickle {module}.{name}: it is not one of the classes this format stores"
+        )
 
     def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and isinstance(pid[1], _StorageType) and isinstance(pid[2], str)):
-            raise _Refused(f"refusing persistent id {pid!r}: only torch.save storage records are read")
+        if not (
+            isinstance(pid, tuple)
+            and len(pid) == 5
+            and pid[0] == "storage"
+            and isinstance(pid[1], _StorageType)
+            and isinstance(pid[2], str)
+        ):
+            raise _Refused(
+                f"refusing persistent id {pid!r}: only torch.save storage records are read"
+            )
         if pid[2] not in self.storages:
-            raise _Refused(f"the pickle refers to storage data/{pid[2]}, which the archive does not hold")
+            raise _Refused(
+                f"the pickle refers to storage data/{pid[2]}, which the archive does not hold"
+            )
         return _StorageRef(pid[2], pid[1].dtype)
 
 
@@ -228,7 +267,9 @@ class _StorageType:
     dtype: torch.dtype
 
 
-def read_pickle_record(zf: zipfile.ZipFile, where: str, max_bytes: int, too_large: str) -> tuple[str, bytes]:
+def read_pickle_record(
+    zf: zipfile.ZipFile, where: str, max_bytes: int, too_large: str
+) -> tuple[str, bytes]:
     """``(prefix, data.pkl bytes)`` of an open ``torch.save`` archive; records are under ``prefix``.
 
     Refuses (naming ``where``) archives without exactly one ``<name>/data.pkl``,
@@ -237,7 +278,9 @@ def read_pickle_record(zf: zipfile.ZipFile, where: str, max_bytes: int, too_larg
     """
     pkls = [n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkls) != 1:
-        raise CheckpointFormatError(f"{where}: not a torch.save archive (no single <name>/data.pkl)")
+        raise CheckpointFormatError(
+            f"{where}: not a torch.save archive (no single <name>/data.pkl)"
+        )
     prefix = pkls[0][: -len("data.pkl")]
     info = zf.getinfo(pkls[0])
     if info.file_size > max_bytes:
@@ -248,7 +291,9 @@ def read_pickle_record(zf: zipfile.ZipFile, where: str, max_bytes: int, too_larg
     return prefix, pkl
 
 
-def stored_record_start(read_at: Callable[[int, int], bytes], info: zipfile.ZipInfo, where: str) -> int:
+def stored_record_start(
+    read_at: Callable[[int, int], bytes], info: zipfile.ZipInfo, where: str
+) -> int:
     """Offset (in the archive) of the first data byte of uncompressed zip record ``info``.
 
     ``read_at(offset, n)`` reads from the archive. The central directory
@@ -256,7 +301,11 @@ def stored_record_start(read_at: Callable[[int, int], bytes], info: zipfile.ZipI
     its own name and extra-field lengths (torch pads the extra field so data
     is aligned).
     """
-    if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1 or info.compress_size != info.file_size:
+    if (
+        info.compress_type != zipfile.ZIP_STORED
+        or info.flag_bits & 0x1
+        or info.compress_size != info.file_size
+    ):
         raise CheckpointFormatError(f"{where}: record {info.filename} is compressed or encrypted")
     local = read_at(info.header_offset, _LOCAL_HEADER)
     if len(local) != _LOCAL_HEADER or local[:4] != b"PK\x03\x04":
@@ -265,8 +314,13 @@ def stored_record_start(read_at: Callable[[int, int], bytes], info: zipfile.ZipI
     return info.header_offset + _LOCAL_HEADER + name_len + extra_len
 
 
-def read_torch_archive(path: str, allowed: Iterable[tuple[str, str]] = (), *,
-                       store: ObjectStore | None = None, size: int | None = None) -> TorchArchive:
+def read_torch_archive(
+    path: str,
+    allowed: Iterable[tuple[str, str]] = (),
+    *,
+    store: ObjectStore | None = None,
+    size: int | None = None,
+) -> TorchArchive:
     """Read ``path`` (a ``torch.save`` file) as inert records; see the module docstring.
 
     With ``store``, ``path`` is the URL of an object in it (``size``, when
@@ -294,16 +348,34 @@ def read_torch_archive(path: str, allowed: Iterable[tuple[str, str]] = (), *,
         return _read_archive(f, path, os.fstat(f.fileno()).st_size, allowed, read_at, None)
 
 
-def _read_archive(f: Any, path: str, size: int, allowed: Iterable[tuple[str, str]],
-                  read_at: Callable[[int, int], bytes], obj: "_ObjectFile | None") -> TorchArchive:
-    """The archive open as ``f`` (a local file, or an :class:`_ObjectFile` ``obj`` that fetches ahead)."""
+def _read_archive(
+    f: Any,
+    path: str,
+    size: int,
+    allowed: Iterable[tuple[str, str]],
+    read_at: Callable[[int, int], bytes],
+    obj: _ObjectFile | None,
+) -> TorchArchive:
+    """The archive open as ``f`` (a local file, or an :class:`_ObjectFile` ``obj`` that fetches
+    ahead)."""
     try:
         zf = zipfile.ZipFile(f)
         if obj is not None:
             obj.fetch_small_records(zf)
         prefix, pkl = read_pickle_record(zf, path, _MAX_PICKLE_BYTES, "too large to be state")
-        infos = {n[len(prefix) + 5:]: zf.getinfo(n) for n in zf.namelist() if n.startswith(prefix + "data/")}
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, struct.error) as e:
+        infos = {
+            n[len(prefix) + 5 :]: zf.getinfo(n)
+            for n in zf.namelist()
+            if n.startswith(prefix + "data/")
+        }
+    except (
+        zipfile.BadZipFile,
+        zipfile.LargeZipFile,
+        OSError,
+        EOFError,
+        ValueError,
+        struct.error,
+    ) as e:
         if isinstance(e, StorageError):
             raise
         raise CheckpointFormatError(f"{path}: not a readable torch.save archive ({e})") from None
@@ -313,14 +385,18 @@ def _read_archive(f: Any, path: str, size: int, allowed: Iterable[tuple[str, str
     except _Refused as e:
         raise CheckpointFormatError(f"{path}: {e}") from None
     except Exception as e:  # truncated or garbage pickles raise all sorts
-        raise CheckpointFormatError(f"{path}: data.pkl is not a readable pickle ({type(e).__name__}: {e})") from None
+        raise CheckpointFormatError(
+            f"{path}: data.pkl is not a readable pickle ({type(e).__name__}: {e})"
+        ) from None
     if obj is not None:  # every storage record's local header, in one batch
         obj.fetch([(zi.header_offset, zi.header_offset + _LOCAL_HEADER) for zi in infos.values()])
     records: dict[str, tuple[int, int]] = {}
     for key, zi in infos.items():
         start = stored_record_start(read_at, zi, f"{path}")
         if start + zi.file_size > size:
-            raise CheckpointFormatError(f"{path}: storage record data/{key} runs past the end of the file")
+            raise CheckpointFormatError(
+                f"{path}: storage record data/{key} runs past the end of the file"
+            )
         records[key] = (start, zi.file_size)
     return TorchArchive(path, tree, size, records)
 
@@ -334,7 +410,8 @@ _EXTRA_SLACK = 256
 
 
 class HeldBytesFile(io.RawIOBase):
-    """A read-only seekable file of ``size`` bytes, as :mod:`zipfile` wants one, over pieces held in memory.
+    """A read-only seekable file of ``size`` bytes, as :mod:`zipfile` wants one, over pieces held in
+    memory.
 
     ``pieces`` are ``(offset, bytes)``; a read inside one is served from it,
     any other goes to :meth:`read_missing`. A seek before the start is an
@@ -380,18 +457,20 @@ class HeldBytesFile(io.RawIOBase):
         return len(data)
 
     def read_at(self, offset: int, n: int) -> bytes:
-        """Up to ``n`` bytes at ``offset`` (fewer at the end): from a held piece, else :meth:`read_missing`."""
+        """Up to ``n`` bytes at ``offset`` (fewer at the end): from a held piece, else
+        :meth:`read_missing`."""
         end = min(offset + n, self.size)
         if offset >= end:
             return b""
         for start, data in self.pieces:
             if start <= offset and end <= start + len(data):
-                return data[offset - start: end - start]
+                return data[offset - start : end - start]
         return self.read_missing(offset, end - offset)
 
 
 class _ObjectFile(HeldBytesFile):
-    """An object in a store as the read-only seekable file :mod:`zipfile` wants, read by ranged requests.
+    """An object in a store as the read-only seekable file :mod:`zipfile` wants, read by ranged
+    requests.
 
     Bytes come from windows fetched ahead: the tail on creation (zip's end
     records and central directory), the small records (``data.pkl``,
@@ -412,7 +491,8 @@ class _ObjectFile(HeldBytesFile):
         return self.pieces[-1][1][:n]
 
     def fetch(self, ranges: list[tuple[int, int]]) -> None:
-        """Fetch ``[start, end)`` ranges (clipped to the object) in one batch of requests, unless already held."""
+        """Fetch ``[start, end)`` ranges (clipped to the object) in one batch of requests, unless
+        already held."""
         want = []
         for s, e in ranges:
             e = min(e, self.size)
@@ -422,15 +502,22 @@ class _ObjectFile(HeldBytesFile):
             self.pieces.append((s, data))
 
     def fetch_small_records(self, zf: zipfile.ZipFile) -> None:
-        """Fetch every record that is not tensor data (``data.pkl``, ``byteorder``, ...) with its local header.
+        """Fetch every record that is not tensor data (``data.pkl``, ``byteorder``, ...) with its
+        local header.
 
         One request for the lot when they are next to each other (torch
         writes them first); a pickle too large to be state is left for
         :func:`read_pickle_record` to refuse.
         """
         spans = sorted(
-            (zi.header_offset, zi.header_offset + _LOCAL_HEADER + len(zi.orig_filename.encode()) + _EXTRA_SLACK
-             + zi.compress_size)
+            (
+                zi.header_offset,
+                zi.header_offset
+                + _LOCAL_HEADER
+                + len(zi.orig_filename.encode())
+                + _EXTRA_SLACK
+                + zi.compress_size,
+            )
             for zi in zf.infolist()
             if "/data/" not in zi.filename and zi.compress_size <= _MAX_PICKLE_BYTES
         )

@@ -19,8 +19,9 @@ from __future__ import annotations
 import pickletools
 import struct
 import zipfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,7 +31,15 @@ from ..core.sharding import row_major_strides
 from ..errors import CheckpointFormatError, StorageError
 from ._torch_archive import HeldBytesFile, read_pickle_record, stored_record_start
 
-__all__ = ["StoredTensor", "PRead", "item_ends", "parse_tensor_item", "dim_order", "is_nonneg_int", "is_index_tuple"]
+__all__ = [
+    "StoredTensor",
+    "PRead",
+    "item_ends",
+    "parse_tensor_item",
+    "dim_order",
+    "is_nonneg_int",
+    "is_index_tuple",
+]
 
 PRead = Callable[[int, int], bytes]
 """``pread(n, offset)``: up to ``n`` bytes of a file at ``offset`` (fewer only at its end)."""
@@ -43,7 +52,6 @@ _MiB = 1024 * 1024
 _HEAD_BYTES = 768
 _TAIL_BYTES = 768
 _MAX_PICKLE_BYTES = 16 * _MiB
-
 
 
 class _Global(NamedTuple):
@@ -113,7 +121,13 @@ def _disassemble(data: bytes, where: str) -> Any:
                 k = marks.pop()
                 items = stack[k:]
                 del stack[k:]
-                stack.append(tuple(items) if n == "TUPLE" else items if n == "LIST" else dict(zip(items[::2], items[1::2])))
+                stack.append(
+                    tuple(items)
+                    if n == "TUPLE"
+                    else items
+                    if n == "LIST"
+                    else dict(zip(items[::2], items[1::2]))
+                )
             elif n == "EMPTY_LIST":
                 stack.append([])
             elif n == "EMPTY_DICT":
@@ -142,11 +156,15 @@ def _disassemble(data: bytes, where: str) -> Any:
             elif n == "BUILD":
                 stack.pop()  # state of the object below: irrelevant to where the bytes are
             else:
-                raise CheckpointFormatError(f"{where}: unexpected pickle opcode {n} in a tensor item")
+                raise CheckpointFormatError(
+                    f"{where}: unexpected pickle opcode {n} in a tensor item"
+                )
     except CheckpointFormatError:
         raise
     except Exception as e:  # malformed pickle: stack underflow, bad memo, unhashable key...
-        raise CheckpointFormatError(f"{where}: malformed data.pkl ({type(e).__name__}: {e})") from None
+        raise CheckpointFormatError(
+            f"{where}: malformed data.pkl ({type(e).__name__}: {e})"
+        ) from None
     if not stack:
         raise CheckpointFormatError(f"{where}: empty data.pkl")
     return stack[-1]
@@ -174,16 +192,22 @@ def is_index_tuple(x: Any) -> bool:
     return isinstance(x, tuple) and all(is_nonneg_int(v) for v in x)
 
 
-def _tensor_from_pickle(obj: Any, where: str) -> tuple[str, torch.dtype, int, tuple[int, ...], tuple[int, ...]]:
+def _tensor_from_pickle(
+    obj: Any, where: str
+) -> tuple[str, torch.dtype, int, tuple[int, ...], tuple[int, ...]]:
     """``(storage key, dtype, storage_offset, size, stride)`` of a disassembled tensor pickle."""
-    if not (isinstance(obj, _Call) and isinstance(obj.func, _Global) and isinstance(obj.args, tuple)):
+    if not (
+        isinstance(obj, _Call) and isinstance(obj.func, _Global) and isinstance(obj.args, tuple)
+    ):
         raise CheckpointFormatError(f"{where}: the item does not hold a tensor")
     f, args = obj.func, obj.args
     if f == ("torch._utils", "_rebuild_tensor_v2") and len(args) >= 6:
         dtype = None
     elif f == ("torch._utils", "_rebuild_tensor_v3") and len(args) >= 7:
         d = args[6]
-        dtype = getattr(torch, d.name, None) if isinstance(d, _Global) and d.module == "torch" else None
+        dtype = (
+            getattr(torch, d.name, None) if isinstance(d, _Global) and d.module == "torch" else None
+        )
         if not isinstance(dtype, torch.dtype):
             raise CheckpointFormatError(f"{where}: unknown tensor dtype {d!r}")
     else:
@@ -193,21 +217,39 @@ def _tensor_from_pickle(obj: Any, where: str) -> tuple[str, torch.dtype, int, tu
         )
     storage, offset, size, stride = args[:4]
     pid = storage.pid if isinstance(storage, _PersId) else None
-    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _Global)
-            and isinstance(pid[2], str)):
-        raise CheckpointFormatError(f"{where}: the tensor's storage reference is malformed: {pid!r}")
+    if not (
+        isinstance(pid, tuple)
+        and len(pid) == 5
+        and pid[0] == "storage"
+        and isinstance(pid[1], _Global)
+        and isinstance(pid[2], str)
+    ):
+        raise CheckpointFormatError(
+            f"{where}: the tensor's storage reference is malformed: {pid!r}"
+        )
     stype = pid[1]
     if dtype is None:  # v2: a typed storage names the dtype
         if stype.module != "torch":
-            raise CheckpointFormatError(f"{where}: unknown storage type {stype.module}.{stype.name}")
+            raise CheckpointFormatError(
+                f"{where}: unknown storage type {stype.module}.{stype.name}"
+            )
         try:
             dtype = dtype_from_pickle_storage_type(stype.name)
         except KeyError:
-            raise CheckpointFormatError(f"{where}: unknown storage type torch.{stype.name}") from None
+            raise CheckpointFormatError(
+                f"{where}: unknown storage type torch.{stype.name}"
+            ) from None
     elif stype not in (("torch.storage", "UntypedStorage"), ("torch", "UntypedStorage")):
         raise CheckpointFormatError(f"{where}: unexpected storage type {stype.module}.{stype.name}")
-    if not (is_nonneg_int(offset) and is_index_tuple(size) and is_index_tuple(stride) and len(size) == len(stride)):
-        raise CheckpointFormatError(f"{where}: malformed tensor geometry {offset!r}, {size!r}, {stride!r}")
+    if not (
+        is_nonneg_int(offset)
+        and is_index_tuple(size)
+        and is_index_tuple(stride)
+        and len(size) == len(stride)
+    ):
+        raise CheckpointFormatError(
+            f"{where}: malformed tensor geometry {offset!r}, {size!r}, {stride!r}"
+        )
     return pid[2], dtype, offset, size, stride
 
 
@@ -218,8 +260,14 @@ class _ItemView(HeldBytesFile):
     anything else is read with ``pread`` and counted in ``stats``.
     """
 
-    def __init__(self, pread: PRead, base: int, length: int, pieces: list[tuple[int, bytes]],
-                 stats: ReadStats) -> None:
+    def __init__(
+        self,
+        pread: PRead,
+        base: int,
+        length: int,
+        pieces: list[tuple[int, bytes]],
+        stats: ReadStats,
+    ) -> None:
         super().__init__(length, pieces)
         self._pread, self._base, self._stats = pread, base, stats
 
@@ -241,7 +289,8 @@ def _pread_exact(pread: PRead, n: int, offset: int, stats: ReadStats) -> bytes:
 
 
 def item_ends(offset: int, length: int) -> list[tuple[int, int]]:
-    """The ``(start, end)`` ranges of a file that :func:`parse_tensor_item` reads first for item ``[offset, offset + length)``.
+    """The ``(start, end)`` ranges of a file that :func:`parse_tensor_item` reads first for item
+    ``[offset, offset + length)``.
 
     A caller that fetches them itself (many items' in one batch of ranged
     requests) passes their bytes as ``ends``.
@@ -251,9 +300,16 @@ def item_ends(offset: int, length: int) -> list[tuple[int, int]]:
     return [(offset, offset + _HEAD_BYTES), (offset + length - _TAIL_BYTES, offset + length)]
 
 
-def parse_tensor_item(pread: PRead, offset: int, length: int, where: str, stats: ReadStats,
-                      ends: Sequence[bytes] | None = None) -> StoredTensor:
-    """Find a ``torch.save``\\ d tensor's storage bytes inside ``[offset, offset + length)`` of a file.
+def parse_tensor_item(
+    pread: PRead,
+    offset: int,
+    length: int,
+    where: str,
+    stats: ReadStats,
+    ends: Sequence[bytes] | None = None,
+) -> StoredTensor:
+    """Find a ``torch.save``\\ d tensor's storage bytes inside ``[offset, offset + length)`` of a
+    file.
 
     ``pread`` reads the file; ``ends``, when given, are the bytes of
     :func:`item_ends` already read (counted by whoever read them).
@@ -279,12 +335,23 @@ def parse_tensor_item(pread: PRead, offset: int, length: int, where: str, stats:
             return view.read(n)
 
         start = stored_record_start(read_at, rec, where)
-    except StorageError:  # a store that failed to answer: no finding about the archive (it is an OSError too)
+    except (
+        StorageError
+    ):  # a store that failed to answer: no finding about the archive (it is an OSError too)
         raise
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, struct.error) as e:
+    except (
+        zipfile.BadZipFile,
+        zipfile.LargeZipFile,
+        OSError,
+        EOFError,
+        ValueError,
+        struct.error,
+    ) as e:
         raise CheckpointFormatError(f"{where}: not a readable torch.save archive ({e})") from None
     if start + rec.file_size > length:
-        raise CheckpointFormatError(f"{where}: storage record data/{key} runs past the end of the item")
+        raise CheckpointFormatError(
+            f"{where}: storage record data/{key} runs past the end of the item"
+        )
     return StoredTensor(dtype, offset + start, rec.file_size, soff, tuple(size), tuple(stride))
 
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from ..core.sharding import Box, flat_range_boxes
 
@@ -43,7 +43,9 @@ class Segment:
     stop: int
 
 
-def zero12_segments(numels: Sequence[int], partition_sizes: Sequence[int], buffer: int = 0) -> list[list[Segment]]:
+def zero12_segments(
+    numels: Sequence[int], partition_sizes: Sequence[int], buffer: int = 0
+) -> list[list[Segment]]:
     """Segments of each parameter of one ZeRO-1/2 group.
 
     ``numels`` are the group's parameters in flat order; ``partition_sizes``
@@ -52,7 +54,9 @@ def zero12_segments(numels: Sequence[int], partition_sizes: Sequence[int], buffe
     is padding). ``buffer`` is recorded in every segment (the group index).
     """
     if sum(numels) > sum(partition_sizes):
-        raise ValueError(f"{sum(numels)} parameter elements do not fit in partitions of {sum(partition_sizes)}")
+        raise ValueError(
+            f"{sum(numels)} parameter elements do not fit in partitions of {sum(partition_sizes)}"
+        )
     bounds = list(itertools.accumulate(partition_sizes, initial=0))
     out: list[list[Segment]] = []
     o = 0
@@ -62,9 +66,17 @@ def zero12_segments(numels: Sequence[int], partition_sizes: Sequence[int], buffe
     return out
 
 
-def _split(a: int, b: int, bounds: Sequence[int], rank_of: Callable[[int], int], base: int, buffer: int | None,
-           first: int = 0) -> list[Segment]:
-    """Cut positions ``[a, b)`` of concatenated buffers (``bounds``: their cumulative starts) at buffer ends.
+def _split(
+    a: int,
+    b: int,
+    bounds: Sequence[int],
+    rank_of: Callable[[int], int],
+    base: int,
+    buffer: int | None,
+    first: int = 0,
+) -> list[Segment]:
+    """Cut positions ``[a, b)`` of concatenated buffers (``bounds``: their cumulative starts) at
+    buffer ends.
 
     Element ``pos`` is parameter element ``pos - base + first``; segment ``k``
     goes to rank ``rank_of(k)`` and buffer ``buffer`` (or ``k`` when None).
@@ -79,7 +91,9 @@ def _split(a: int, b: int, bounds: Sequence[int], rank_of: Callable[[int], int],
     return segs
 
 
-def zero3_segments(numels: Sequence[int], world_size: int, buffer_sizes: Sequence[int]) -> list[list[Segment]]:
+def zero3_segments(
+    numels: Sequence[int], world_size: int, buffer_sizes: Sequence[int]
+) -> list[list[Segment]]:
     """Segments of each parameter of a ZeRO-3 model.
 
     ``numels`` are all trainable parameters in order (every group's, as in
@@ -90,7 +104,9 @@ def zero3_segments(numels: Sequence[int], world_size: int, buffer_sizes: Sequenc
     bounds = list(itertools.accumulate(buffer_sizes, initial=0))
     total = sum(math.ceil(n / world_size) for n in numels)
     if total > bounds[-1]:
-        raise ValueError(f"parameter slices of {total} elements per rank do not fit in buffers of {bounds[-1]}")
+        raise ValueError(
+            f"parameter slices of {total} elements per rank do not fit in buffers of {bounds[-1]}"
+        )
     out: list[list[Segment]] = []
     q = 0  # where this parameter's slice starts in each rank's concatenated buffers
     for n in numels:
@@ -106,7 +122,8 @@ def zero3_segments(numels: Sequence[int], world_size: int, buffer_sizes: Sequenc
 
 
 def segment_boxes(shape: Sequence[int], seg: Segment) -> list[tuple[Box, int]]:
-    """Boxes of a parameter of ``shape`` held by ``seg``, each with its element offset in the buffer."""
+    """Boxes of a parameter of ``shape`` held by ``seg``, each with its element offset in the
+    buffer."""
     out = []
     off = seg.offset
     for box in flat_range_boxes(shape, seg.start, seg.stop):

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -89,7 +90,7 @@ class Source(ABC):
 
     @classmethod
     @abstractmethod
-    def open(cls, path: str, options: SourceOptions) -> "Source":
+    def open(cls, path: str, options: SourceOptions) -> Source:
         """Open ``path`` (which :meth:`detect` accepted), reading its metadata only."""
 
     def open_reader(
@@ -103,11 +104,17 @@ class Source(ABC):
         """
         if self.store is None:
             gap = _PAGE - 1 if gap_bytes is None else gap_bytes
-            return RangeReader(self.paths, threads=threads, gap_bytes=gap, max_request_bytes=max_request_bytes)
+            return RangeReader(
+                self.paths, threads=threads, gap_bytes=gap, max_request_bytes=max_request_bytes
+            )
         gap = OBJECT_GAP_BYTES if gap_bytes is None else gap_bytes
         names = [self.store.name_of(p) for p in self.paths]
-        return ObjectRangeReader(self.store, names, gap_bytes=gap,  # type: ignore[return-value]
-                                 max_request_bytes=max_request_bytes)
+        return ObjectRangeReader(
+            self.store,
+            names,
+            gap_bytes=gap,  # type: ignore[return-value]
+            max_request_bytes=max_request_bytes,
+        )
 
     # ------------------------------------------------------------ records
     def chunks(self, fqn: str) -> list[ChunkRecord]:
@@ -143,7 +150,9 @@ class Source(ABC):
                 self._by_offsets[fqn] = m
             found = m.get(offsets)
         if found is None:
-            raise CheckpointFormatError(f"{self.path}: tensor {fqn!r} has no saved chunk at offsets {list(offsets)}")
+            raise CheckpointFormatError(
+                f"{self.path}: tensor {fqn!r} has no saved chunk at offsets {list(offsets)}"
+            )
         return found
 
     def file_rank(self, file: int) -> int | None:
@@ -160,11 +169,14 @@ class Source(ABC):
         """
         loc = self.index.tensors[fqn].chunks[idx].location
         if loc is None:
-            raise CheckpointFormatError(f"{self.path}: no byte location recorded for chunk {idx} of {fqn!r}")
+            raise CheckpointFormatError(
+                f"{self.path}: no byte location recorded for chunk {idx} of {fqn!r}"
+            )
         return loc
 
     def block_sums(self, fqn: str, idx: int, location: Location) -> BlockSums | None:
-        """The block checksums of chunk ``idx`` of ``fqn`` stored at ``location`` (from :meth:`locate`).
+        """The block checksums of chunk ``idx`` of ``fqn`` stored at ``location`` (from
+        :meth:`locate`).
 
         None where the format records none (then a verified read checks the
         chunk's whole checksum, if there is one).
@@ -172,11 +184,14 @@ class Source(ABC):
         return None
 
     def chunk_origin(self, fqn: str, idx: int) -> tuple[int, int]:
-        """``(file, byte offset)`` where chunk ``idx`` of ``fqn`` is stored, to group and order chunks by file."""
+        """``(file, byte offset)`` where chunk ``idx`` of ``fqn`` is stored, to group and order
+        chunks by file."""
         loc = self.locate(fqn, idx)
         return loc.file, loc.start
 
-    def prepare(self, chunks: Sequence[tuple[str, int]], values: Sequence[str], threads: int = 4) -> None:
+    def prepare(
+        self, chunks: Sequence[tuple[str, int]], values: Sequence[str], threads: int = 4
+    ) -> None:
         """Called with everything one load will read, before any byte is read.
 
         A format refuses here what it will not read (so nothing is half
@@ -211,11 +226,13 @@ class Source(ABC):
 
     # ------------------------------------------------------------ checking
     def check_files(self) -> list[str]:
-        """Problems with the data files that checksums cannot show (sizes, headers); one line each."""
+        """Problems with the data files that checksums cannot show (sizes, headers); one line
+        each."""
         return []
 
     def checksummed_records(self) -> list[tuple[str, Location]]:
-        """Checksummed bytes that are neither chunks nor values (block checksums), as ``(what, location)``."""
+        """Checksummed bytes that are neither chunks nor values (block checksums), as ``(what,
+        location)``."""
         return []
 
     def close(self) -> None:
@@ -223,7 +240,8 @@ class Source(ABC):
 
 
 def read_value(source: Source, reader: RangeReader, key: str) -> bytes:
-    """Value ``key`` of ``source`` as tagged JSON, read with ``reader`` and checked against its checksum."""
+    """Value ``key`` of ``source`` as tagged JSON, read with ``reader`` and checked against its
+    checksum."""
     loc = source.value_location(key)
     rl = split_rank_local_key(key)
     what = f"rank-local value {rl[1]!r} of rank {rl[0]}" if rl else f"value {key!r}"
@@ -235,11 +253,13 @@ _REGISTRY: list[type[Source]] = []
 
 
 def register(cls: type[Source]) -> type[Source]:
-    """Class decorator: make :func:`~ucp_dcp.sources.open_source` try ``cls`` (in registration order)."""
+    """Class decorator: make :func:`~ucp_dcp.sources.open_source` try ``cls`` (in registration
+    order)."""
     _REGISTRY.append(cls)
     return cls
 
 
 def source_types() -> list[type[Source]]:
-    """The registered source classes, in the order :func:`~ucp_dcp.sources.open_source` tries them."""
+    """The registered source classes, in the order :func:`~ucp_dcp.sources.open_source` tries
+    them."""
     return list(_REGISTRY)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..byteio.blocksums import BlockSums
 from ..errors import CheckpointFormatError
@@ -81,9 +81,12 @@ class CompositeSource(Source):
         return bool(_child_sources(path))
 
     @classmethod
-    def open(cls, path: str, options: SourceOptions) -> "CompositeSource":
+    def open(cls, path: str, options: SourceOptions) -> CompositeSource:
         """Open every subfolder that is a checkpoint."""
-        return cls(path, {name: c.open(os.path.join(path, name), options) for name, c in _child_sources(path)})
+        return cls(
+            path,
+            {name: c.open(os.path.join(path, name), options) for name, c in _child_sources(path)},
+        )
 
     def _child(self, key: str) -> tuple[Source, int]:
         rl = split_rank_local_key(key)
@@ -110,11 +113,16 @@ class CompositeSource(Source):
         child, base = self._child(fqn)
         return child.block_sums(fqn, idx, self._shifted(location, -base))
 
-    def prepare(self, chunks: Sequence[tuple[str, int]], values: Sequence[str], threads: int = 4) -> None:
+    def prepare(
+        self, chunks: Sequence[tuple[str, int]], values: Sequence[str], threads: int = 4
+    ) -> None:
         """Each child prepares its own keys."""
         for child in self.children.values():
-            child.prepare([c for c in chunks if self._child(c[0])[0] is child],
-                          [v for v in values if self._child(v)[0] is child], threads)
+            child.prepare(
+                [c for c in chunks if self._child(c[0])[0] is child],
+                [v for v in values if self._child(v)[0] is child],
+                threads,
+            )
 
     def chunk_origin(self, fqn: str, idx: int) -> tuple[int, int]:
         """The child's origin, renumbered."""

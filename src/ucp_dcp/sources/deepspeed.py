@@ -32,7 +32,13 @@ from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes, numel
 from ._dirs import ModelDir, StoreDir
 from ._ds_utils import (
-    ModelStates, RankOptim, find_deepspeed_files, looks_like_deepspeed, moment, read_model_states, read_rank_optim,
+    ModelStates,
+    RankOptim,
+    find_deepspeed_files,
+    looks_like_deepspeed,
+    moment,
+    read_model_states,
+    read_rank_optim,
 )
 from ._torch_archive import TensorRef, TorchArchive
 from ._zero_layout import Segment, zero3_segments, zero12_segments
@@ -44,8 +50,11 @@ __all__ = ["DeepSpeedSource", "zero3_frozen"]
 _SCALAR_STATE = ("step",)
 
 
-def zero3_frozen(b: ArchiveIndex, models: list[ModelStates], fqn: str, shape: tuple[int, ...]) -> None:
-    """``model.<fqn>`` of a ZeRO-3 frozen parameter: one padded slice per rank's ``frozen_param_fragments``."""
+def zero3_frozen(
+    b: ArchiveIndex, models: list[ModelStates], fqn: str, shape: tuple[int, ...]
+) -> None:
+    """``model.<fqn>`` of a ZeRO-3 frozen parameter: one padded slice per rank's
+    ``frozen_param_fragments``."""
     world = len(models)
     ps = -(-numel(shape) // world)
     segs = zero3_segments([numel(shape)], world, [ps])[0]
@@ -54,7 +63,9 @@ def zero3_frozen(b: ArchiveIndex, models: list[ModelStates], fqn: str, shape: tu
         m = models[seg.rank]
         t = m.frozen_fragments.get(fqn)
         if t is None:
-            raise CheckpointFormatError(f"{m.archive.path}: no frozen_param_fragments entry for {fqn!r}")
+            raise CheckpointFormatError(
+                f"{m.archive.path}: no frozen_param_fragments entry for {fqn!r}"
+            )
         return m.archive, t
 
     b.flat(f"model.{fqn}", ("model", fqn), shape, segs, frag, f"frozen parameter {fqn!r}")
@@ -62,7 +73,8 @@ def zero3_frozen(b: ArchiveIndex, models: list[ModelStates], fqn: str, shape: tu
 
 @register
 class DeepSpeedSource(Source):
-    """A DeepSpeed ZeRO-1/2/3 checkpoint: the directory with ``latest``, or one tag folder (local, or at an
+    """A DeepSpeed ZeRO-1/2/3 checkpoint: the directory with ``latest``, or one tag folder (local,
+    or at an
     fsspec URL: :meth:`open_store`)."""
 
     format = "deepspeed"
@@ -72,10 +84,16 @@ class DeepSpeedSource(Source):
         files = find_deepspeed_files(model_dir if model_dir is not None else path)
         folder = files.folder
         if isinstance(folder, StoreDir):
-            # Each archive is a few round trips (tail, pickle, local headers): read them side by side.
-            with ThreadPoolExecutor(max_workers=min(16, len(files.model) + len(files.optim))) as pool:
+            # Each archive is a few round trips (tail, pickle, local headers): read them side by
+            # side.
+            with ThreadPoolExecutor(
+                max_workers=min(16, len(files.model) + len(files.optim))
+            ) as pool:
                 mf = [pool.submit(read_model_states, p, folder) for p in files.model]
-                of = [pool.submit(read_rank_optim, p, files.bf16_optimizer, folder) for p in files.optim]
+                of = [
+                    pool.submit(read_rank_optim, p, files.bf16_optimizer, folder)
+                    for p in files.optim
+                ]
                 models = [f.result() for f in mf]
                 optims = [f.result() for f in of]
         else:
@@ -86,7 +104,8 @@ class DeepSpeedSource(Source):
         if saved_at is not None and saved_at != self.world_size:
             raise CheckpointFormatError(
                 f"{files.directory}: saved by {saved_at} data-parallel ranks (dp_world_size in "
-                f"{os.path.basename(files.model[0])}) but holds optimizer files of {self.world_size}: "
+                f"{os.path.basename(files.model[0])}) but holds optimizer files of "
+                f"{self.world_size}: "
                 f"{', '.join(os.path.basename(p) for p in files.optim)}"
             )
         self.stage = optims[0].stage
@@ -120,9 +139,17 @@ class DeepSpeedSource(Source):
         self.ds_version = m0.ds_version
 
     # ------------------------------------------------------------ layouts
-    def _moments(self, b: ArchiveIndex, fqn: str, shape: tuple[int, ...], segs: list[Segment],
-                 optims: list[RankOptim], first_buffer: int) -> None:
-        """``optim.state.<fqn>.*``: per-element moments laid out as the fp32 buffers, plus the step."""
+    def _moments(
+        self,
+        b: ArchiveIndex,
+        fqn: str,
+        shape: tuple[int, ...],
+        segs: list[Segment],
+        optims: list[RankOptim],
+        first_buffer: int,
+    ) -> None:
+        """``optim.state.<fqn>.*``: per-element moments laid out as the fp32 buffers, plus the
+        step."""
         st0 = optims[0].state.get(first_buffer, {})
         for name, v in st0.items():
             key = f"optim.state.{fqn}.{name}"
@@ -130,20 +157,29 @@ class DeepSpeedSource(Source):
             if name in _SCALAR_STATE or (isinstance(v, TensorRef) and not v.size):
                 if not isinstance(v, TensorRef):
                     raise CheckpointFormatError(
-                        f"{optims[0].archive.path}: optimizer state {name!r} of flat buffer {first_buffer} is a "
+                        f"{optims[0].archive.path}: optimizer state {name!r} of flat buffer "
+                        f"{first_buffer} is a "
                         f"{type(v).__name__}, not a tensor"
                     )
-                b.whole(key, path, optims[0].archive, v, (), f"{name} of flat buffer {first_buffer}")
+                b.whole(
+                    key, path, optims[0].archive, v, (), f"{name} of flat buffer {first_buffer}"
+                )
                 continue
             if not isinstance(v, TensorRef):
                 continue
 
             def buffer_of(seg: Segment, name: str = name) -> tuple[TorchArchive, TensorRef]:
                 o = optims[seg.rank]
-                t = moment(o.state.get(seg.buffer, {}), name, o.fp32[seg.buffer].numel,
-                           f"{o.archive.path}: optimizer state of flat buffer {seg.buffer}")
+                t = moment(
+                    o.state.get(seg.buffer, {}),
+                    name,
+                    o.fp32[seg.buffer].numel,
+                    f"{o.archive.path}: optimizer state of flat buffer {seg.buffer}",
+                )
                 if t is None:
-                    raise CheckpointFormatError(f"{o.archive.path}: flat buffer {seg.buffer} has no {name!r} state")
+                    raise CheckpointFormatError(
+                        f"{o.archive.path}: flat buffer {seg.buffer} has no {name!r} state"
+                    )
                 return o.archive, t
 
             b.flat(key, path, shape, segs, buffer_of, f"{name} of {fqn!r}")
@@ -151,7 +187,8 @@ class DeepSpeedSource(Source):
     def _zero12(self, b: ArchiveIndex, m0: ModelStates, optims: list[RankOptim]) -> list[list[str]]:
         if len(m0.param_shapes) != len(optims[0].fp32):
             raise CheckpointFormatError(
-                f"{m0.archive.path}: param_shapes has {len(m0.param_shapes)} groups, the optimizer files "
+                f"{m0.archive.path}: param_shapes has {len(m0.param_shapes)} groups, the "
+                "optimizer files "
                 f"{len(optims[0].fp32)}"
             )
         groups = []
@@ -165,20 +202,29 @@ class DeepSpeedSource(Source):
             except ValueError as e:
                 raise CheckpointFormatError(f"{m0.archive.path}: group {g}: {e}") from None
             for (fqn, shape), segs in zip(shapes.items(), all_segs):
-                b.flat(f"model.{fqn}", ("model", fqn), shape, segs,
-                       lambda s: (optims[s.rank].archive, optims[s.rank].fp32[s.buffer]), f"fp32 weight {fqn!r}")
+                b.flat(
+                    f"model.{fqn}",
+                    ("model", fqn),
+                    shape,
+                    segs,
+                    lambda s: (optims[s.rank].archive, optims[s.rank].fp32[s.buffer]),
+                    f"fp32 weight {fqn!r}",
+                )
                 self._moments(b, fqn, shape, segs, optims, g)
             groups.append(list(shapes))
         return groups
 
-    def _zero3(self, b: ArchiveIndex, models: list[ModelStates], optims: list[RankOptim]) -> list[list[str]]:
+    def _zero3(
+        self, b: ArchiveIndex, models: list[ModelStates], optims: list[RankOptim]
+    ) -> list[list[str]]:
         m0 = models[0]
         W = self.world_size
         sizes = [t.numel for t in optims[0].fp32]
         for o in optims:
             if [t.numel for t in o.fp32] != sizes:
                 raise CheckpointFormatError(
-                    f"{o.archive.path}: fp32_flat_groups of {[t.numel for t in o.fp32]} elements; rank 0 has {sizes}"
+                    f"{o.archive.path}: fp32_flat_groups of {[t.numel for t in o.fp32]} elements; "
+                    f"rank 0 has {sizes}"
                 )
         flat = [(fqn, shape, k) for k, d in enumerate(m0.param_shapes) for fqn, shape in d.items()]
         try:
@@ -187,21 +233,36 @@ class DeepSpeedSource(Source):
             raise CheckpointFormatError(f"{m0.archive.path}: {e}") from None
         by_buffer: dict[int, list[str]] = {}
         for (fqn, shape, k), segs in zip(flat, all_segs):
-            b.flat(f"model.{fqn}", ("model", fqn), shape, segs,
-                   lambda s: (optims[s.rank].archive, optims[s.rank].fp32[s.buffer]), f"fp32 weight {fqn!r}")
+            b.flat(
+                f"model.{fqn}",
+                ("model", fqn),
+                shape,
+                segs,
+                lambda s: (optims[s.rank].archive, optims[s.rank].fp32[s.buffer]),
+                f"fp32 weight {fqn!r}",
+            )
             self._moments(b, fqn, shape, segs, optims, segs[0].buffer if segs else k)
             by_buffer.setdefault(k, []).append(fqn)
-        return [[f for k in grp["params"] for f in by_buffer.get(k, [])] for grp in optims[0].param_groups]
+        return [
+            [f for k in grp["params"] for f in by_buffer.get(k, [])]
+            for grp in optims[0].param_groups
+        ]
 
     def _param_groups(self, b: ArchiveIndex, o: RankOptim, groups: list[list[str]]) -> None:
-        """``optim.param_groups.<g>.*`` from the inner optimizer's groups, with fqns for ``params``."""
+        """``optim.param_groups.<g>.*`` from the inner optimizer's groups, with fqns for
+        ``params``."""
         if self.stage != 3 and len(o.param_groups) != len(groups):
             raise CheckpointFormatError(
-                f"{o.archive.path}: {len(o.param_groups)} inner optimizer groups for {len(groups)} parameter groups"
+                f"{o.archive.path}: {len(o.param_groups)} inner optimizer groups for "
+                f"{len(groups)} parameter groups"
             )
         for g, (grp, fqns) in enumerate(zip(o.param_groups, groups)):
             for hp, v in grp.items():
-                b.value(f"optim.param_groups.{g}.{hp}", ("optim", "param_groups", g, hp), fqns if hp == "params" else v)
+                b.value(
+                    f"optim.param_groups.{g}.{hp}",
+                    ("optim", "param_groups", g, hp),
+                    fqns if hp == "params" else v,
+                )
 
     def _frozen_and_buffers(self, b: ArchiveIndex, models: list[ModelStates]) -> None:
         m0 = models[0]
@@ -212,7 +273,9 @@ class DeepSpeedSource(Source):
             else:
                 t = m0.frozen_fragments.get(fqn)
                 if t is None:
-                    raise CheckpointFormatError(f"{m0.archive.path}: no frozen_param_fragments entry for {fqn!r}")
+                    raise CheckpointFormatError(
+                        f"{m0.archive.path}: no frozen_param_fragments entry for {fqn!r}"
+                    )
                 b.whole(key, path, m0.archive, t, shape, what)
         # Buffers, and parameters known only from the module state dict
         # (frozen parameters of ZeRO-1, which records no fragments). Under
@@ -224,7 +287,8 @@ class DeepSpeedSource(Source):
                 continue
             if self.stage == 3 and name not in buffers:
                 raise CheckpointFormatError(
-                    f"{m0.archive.path}: module entry {name!r} is neither in param_shapes, frozen_param_shapes, "
+                    f"{m0.archive.path}: module entry {name!r} is neither in param_shapes, "
+                    "frozen_param_shapes, "
                     "shared_params nor buffer_names; under ZeRO-3 its module copy is a placeholder"
                 )
             b.whole(key, ("model", name), m0.archive, t, t.size, f"module entry {name!r}")
@@ -236,13 +300,14 @@ class DeepSpeedSource(Source):
         return looks_like_deepspeed(path)
 
     @classmethod
-    def open(cls, path: str, options: SourceOptions) -> "DeepSpeedSource":
+    def open(cls, path: str, options: SourceOptions) -> DeepSpeedSource:
         """Read every file's pickle (as inert records; tensor data is not read)."""
         return cls(path)
 
     @classmethod
-    def open_store(cls, store: ObjectStore, options: SourceOptions,
-                   model_dir: StoreDir | None = None) -> "DeepSpeedSource":
+    def open_store(
+        cls, store: ObjectStore, options: SourceOptions, model_dir: StoreDir | None = None
+    ) -> DeepSpeedSource:
         """Open the checkpoint at ``store``'s URL: the directory with ``latest``, or a tag folder.
 
         ``latest`` and the listings come through the directory view; each

@@ -45,7 +45,8 @@ one batch of ranged requests, and tensor bytes with the source's ranged reads.
 Items stored with strides that are no permutation of a dense layout (only an
 ``as_strided`` view with overlapping elements can produce one) cannot be
 read as byte ranges: a direct load fails naming the key, ``convert``
-converts them by reading that item's storage whole (:meth:`DCPSource.materialize`). Items written with DCP's
+converts them by reading that item's storage whole (:meth:`DCPSource.materialize`). Items written
+with DCP's
 experimental stream transforms (compression) are refused, naming the key.
 Checkpoints written with ``SerializationFormat.SAFETENSORS`` or without
 collectives (``__<rank>.metadata`` files) are not this format.
@@ -58,11 +59,16 @@ import math
 import os
 import re
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
 from ..byteio.objstore import ObjectStore
 from ..byteio.rangeio import FileHandles, RangeReader, ReadStats, Segment, storage_view
@@ -73,15 +79,21 @@ from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord, dty
 from ..format.schema import check_paths, check_relative_name, check_tensor_bytes
 from ._dcp_metadata import DCP_METADATA_FILE, read_dcp_metadata
 from ._dirs import LocalDir, ModelDir, StoreDir
-from ._torch_save import PRead, StoredTensor, dim_order, is_index_tuple, is_nonneg_int, item_ends, parse_tensor_item
+from ._torch_save import (
+    PRead,
+    StoredTensor,
+    dim_order,
+    is_index_tuple,
+    is_nonneg_int,
+    item_ends,
+    parse_tensor_item,
+)
 from .base import Source, SourceOptions, register
 
 __all__ = ["DCPSource", "DCP_METADATA_FILE", "DCP_VALUES_MODES", "read_dcp_metadata"]
 
 DCP_VALUES_MODES = (None, "weights_only")
 _DISTCP_NAME = re.compile(r"__(\d+)_(\d+)\.distcp")
-
-
 
 
 @register
@@ -103,9 +115,15 @@ class DCPSource(Source):
     format = "dcp"
     checksums = False
 
-    def __init__(self, directory: str | os.PathLike[str], dcp_values: str | None = None, *,
-                 model_dir: ModelDir | None = None) -> None:
-        """Open local ``directory``; or, given ``model_dir`` (a directory view), the checkpoint in it."""
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        dcp_values: str | None = None,
+        *,
+        model_dir: ModelDir | None = None,
+    ) -> None:
+        """Open local ``directory``; or, given ``model_dir`` (a directory view), the checkpoint in
+        it."""
         if dcp_values not in DCP_VALUES_MODES:
             raise ValueError(f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}")
         d = model_dir if model_dir is not None else LocalDir(os.fspath(directory))
@@ -115,9 +133,14 @@ class DCPSource(Source):
         mdpath = d.path_of(DCP_METADATA_FILE)
         infos: dict[MetadataIndex, Any] = {}
         for k, v in md.storage_data.items():
-            if not (isinstance(k, MetadataIndex) and all(hasattr(v, a) for a in ("relative_path", "offset", "length"))
-                    and isinstance(v.relative_path, str)):
-                raise CheckpointFormatError(f"{mdpath}: storage_data entry {k!r} -> {v!r} is malformed")
+            if not (
+                isinstance(k, MetadataIndex)
+                and all(hasattr(v, a) for a in ("relative_path", "offset", "length"))
+                and isinstance(v.relative_path, str)
+            ):
+                raise CheckpointFormatError(
+                    f"{mdpath}: storage_data entry {k!r} -> {v!r} is malformed"
+                )
             infos[k] = v
         names: dict[str, int] = {}
         for v in infos.values():
@@ -130,7 +153,9 @@ class DCPSource(Source):
             names[name] = i
             size = d.size(name)  # on a store, from the listing: no request per file
             if size is None:
-                raise CheckpointFormatError(f"data file {d.path_of(name)} is missing (named by {mdpath})")
+                raise CheckpointFormatError(
+                    f"data file {d.path_of(name)} is missing (named by {mdpath})"
+                )
             m = _DISTCP_NAME.fullmatch(name)
             files.append(FileRecord(name, int(m[1]) if m else 0, size))
         paths = [d.path_of(f.name) for f in files]
@@ -140,11 +165,14 @@ class DCPSource(Source):
             if info is None:
                 raise CheckpointFormatError(f"{mdpath}: no stored item for {what}")
             if not (is_nonneg_int(info.offset) and is_nonneg_int(info.length)):
-                raise CheckpointFormatError(f"{mdpath}: {what}: malformed byte range {info.offset!r}+{info.length!r}")
+                raise CheckpointFormatError(
+                    f"{mdpath}: {what}: malformed byte range {info.offset!r}+{info.length!r}"
+                )
             fi = names[info.relative_path]
             if info.offset + info.length > files[fi].size:
                 raise CheckpointFormatError(
-                    f"{mdpath}: {what}: byte range [{info.offset}, {info.offset + info.length}) lies outside "
+                    f"{mdpath}: {what}: byte range [{info.offset}, {info.offset + info.length}) "
+                    "lies outside "
                     f"{files[fi].name} ({files[fi].size} bytes): truncated data file"
                 )
             return fi, info
@@ -161,31 +189,46 @@ class DCPSource(Source):
                 self._value_items[fqn] = info
                 continue
             if not isinstance(smd, TensorStorageMetadata):
-                raise CheckpointFormatError(f"{mdpath}: {fqn!r} has unknown storage metadata {type(smd).__name__}")
+                raise CheckpointFormatError(
+                    f"{mdpath}: {fqn!r} has unknown storage metadata {type(smd).__name__}"
+                )
             shape = tuple(smd.size) if isinstance(smd.size, (tuple, list)) else None
             dtype = getattr(smd.properties, "dtype", None)
-            if not (is_index_tuple(shape) and isinstance(dtype, torch.dtype) and isinstance(smd.chunks, list)):
+            if not (
+                is_index_tuple(shape)
+                and isinstance(dtype, torch.dtype)
+                and isinstance(smd.chunks, list)
+            ):
                 raise CheckpointFormatError(f"{mdpath}: malformed tensor metadata for {fqn!r}")
             check_tensor_bytes(shape, dtype, available, f"{mdpath}: tensor {fqn!r}")
             whole = Box((0,) * len(shape), shape)
             empty_tensor = math.prod(shape) == 0
             chunks, items = [], []
             for c in smd.chunks:
-                offs, sizes = tuple(getattr(c, "offsets", None) or ()), tuple(getattr(c, "sizes", None) or ())
+                offs, sizes = (
+                    tuple(getattr(c, "offsets", None) or ()),
+                    tuple(getattr(c, "sizes", None) or ()),
+                )
                 if not (is_index_tuple(offs) and is_index_tuple(sizes) and len(offs) == len(sizes)):
                     raise CheckpointFormatError(f"{mdpath}: malformed chunk of {fqn!r}")
                 box = Box(offs, sizes)
                 if len(box.offsets) != len(shape) or not whole.contains(box):
-                    raise CheckpointFormatError(f"{mdpath}: chunk {list(box.offsets)}+{list(box.sizes)} of {fqn!r} "
-                                                f"lies outside shape {list(shape)}")
+                    raise CheckpointFormatError(
+                        f"{mdpath}: chunk {list(box.offsets)}+{list(box.sizes)} of {fqn!r} "
+                        f"lies outside shape {list(shape)}"
+                    )
                 if box.numel == 0 and not empty_tensor:
                     continue  # an empty shard of an uneven split holds no bytes
-                items.append(item(MetadataIndex(fqn, c.offsets), f"chunk {list(box.offsets)} of {fqn!r}"))
+                items.append(
+                    item(MetadataIndex(fqn, c.offsets), f"chunk {list(box.offsets)} of {fqn!r}")
+                )
                 chunks.append(ChunkRecord(box, None))
             tensors[fqn] = TensorRecord(dtype, shape, None, False, chunks=chunks)
             self._tensor_items[fqn] = items
         world = max((f.rank for f in files), default=0) + 1
-        index = Index(world, files, tensors, values, {}, paths=_nesting_paths(md.planner_data, mdpath, md))
+        index = Index(
+            world, files, tensors, values, {}, paths=_nesting_paths(md.planner_data, mdpath, md)
+        )
         super().__init__(self.directory, index, paths)
         if isinstance(d, StoreDir):
             self.store = d.store
@@ -214,24 +257,34 @@ class DCPSource(Source):
                 f"{where}: written with DCP stream transforms {list(info.transform_descriptors)} "
                 "(e.g. compression); such items cannot be byte-addressed and are not supported"
             )
-        st = parse_tensor_item(self._pread(fi), info.offset, info.length, where, self.parse_stats,
-                               self._ends.pop((fqn, idx), None))
+        st = parse_tensor_item(
+            self._pread(fi),
+            info.offset,
+            info.length,
+            where,
+            self.parse_stats,
+            self._ends.pop((fqn, idx), None),
+        )
         rec = self.index.tensors[fqn]
         box = rec.chunks[idx].box
         if st.dtype != rec.dtype or st.size != box.sizes:
             raise CheckpointFormatError(
-                f"{where}: holds a {dtype_name(st.dtype)}{list(st.size)} tensor, but .metadata says "
+                f"{where}: holds a {dtype_name(st.dtype)}{list(st.size)} tensor, but .metadata "
+                "says "
                 f"{dtype_name(rec.dtype)}{list(box.sizes)}"
             )
         es = rec.dtype.itemsize
         if box.numel:
             last = st.storage_offset + sum((n - 1) * s for n, s in zip(st.size, st.stride)) + 1
             if last * es > st.record_nbytes:
-                raise CheckpointFormatError(f"{where}: the tensor runs past its storage ({st.record_nbytes} bytes)")
+                raise CheckpointFormatError(
+                    f"{where}: the tensor runs past its storage ({st.record_nbytes} bytes)"
+                )
         return st
 
     def _pread(self, fi: int) -> PRead:
-        """``pread(n, offset)`` of data file ``fi``: a local ``pread``, or a ranged request (never past the
+        """``pread(n, offset)`` of data file ``fi``: a local ``pread``, or a ranged request (never
+        past the
         size listed at open: an object shorter than that fails its read, naming it)."""
         store = self.store
         if store is None:
@@ -241,7 +294,8 @@ class DCPSource(Source):
         return lambda n, off: store.read(name, off, min(off + n, size)) if off < size else b""
 
     def _fetch_ends(self, todo: Sequence[tuple[str, int]]) -> None:
-        """On a store, read both ends of the items of ``todo`` in batches of concurrent ranged requests."""
+        """On a store, read both ends of the items of ``todo`` in batches of concurrent ranged
+        requests."""
         assert self.store is not None
         batch = 4096
         for b in range(0, len(todo), batch):
@@ -267,13 +321,16 @@ class DCPSource(Source):
         return os.path.isfile(os.path.join(path, DCP_METADATA_FILE))
 
     @classmethod
-    def open(cls, path: str, options: SourceOptions) -> "DCPSource":
+    def open(cls, path: str, options: SourceOptions) -> DCPSource:
         """Read ``.metadata`` (restricted unpickler) and the data files' sizes."""
         return cls(path, options.dcp_values)
 
     @classmethod
-    def open_store(cls, store: ObjectStore, options: SourceOptions, model_dir: StoreDir | None = None) -> "DCPSource":
-        """Open the checkpoint at ``store``'s URL: ``.metadata`` in one request, sizes from one listing.
+    def open_store(
+        cls, store: ObjectStore, options: SourceOptions, model_dir: StoreDir | None = None
+    ) -> DCPSource:
+        """Open the checkpoint at ``store``'s URL: ``.metadata`` in one request, sizes from one
+        listing.
 
         ``model_dir``: the store's view when the caller has listed it already.
         """
@@ -296,7 +353,8 @@ class DCPSource(Source):
         order = dim_order(st.size, st.stride) if numel else tuple(range(len(st.size)))
         if order is None:
             raise CheckpointFormatError(
-                f"{self._where(fqn, idx)}: stored with overlapping strides {list(st.stride)} for size "
+                f"{self._where(fqn, idx)}: stored with overlapping strides {list(st.stride)} for "
+                "size "
                 f"{list(st.size)}; it cannot be read as byte ranges. Convert the checkpoint with "
                 "`ucp-dcp convert SRC DST`, which handles it"
             )
@@ -307,11 +365,14 @@ class DCPSource(Source):
         return loc
 
     def chunk_origin(self, fqn: str, idx: int) -> tuple[int, int]:
-        """The item's file and offset from ``.metadata`` (no parsing, and for unaddressable items too)."""
+        """The item's file and offset from ``.metadata`` (no parsing, and for unaddressable items
+        too)."""
         fi, info = self._tensor_items[fqn][idx]
         return fi, info.offset
 
-    def prepare(self, chunks: Sequence[tuple[str, int]], values: Sequence[str], threads: int = 4) -> None:
+    def prepare(
+        self, chunks: Sequence[tuple[str, int]], values: Sequence[str], threads: int = 4
+    ) -> None:
         """Refuse pickled values unless opted in, then parse the items of ``chunks`` in parallel."""
         if values and self.dcp_values is None:
             raise DCPValueError(_refusal(self.directory, values[0]))
@@ -327,7 +388,8 @@ class DCPSource(Source):
                 pass
 
     def materialize(self, reader: RangeReader, fqn: str, idx: int) -> torch.Tensor:
-        """An item no dimension order makes dense: read the span of storage it uses and let torch gather it."""
+        """An item no dimension order makes dense: read the span of storage it uses and let torch
+        gather it."""
         st = self._stored(fqn, idx)
         if st.size and math.prod(st.size) and dim_order(st.size, st.stride) is not None:
             return self._raise_unaddressable(fqn, idx)
@@ -340,7 +402,8 @@ class DCPSource(Source):
 
     # ------------------------------------------------------------ values
     def decode_value(self, key: str, raw: bytes) -> bytes:
-        """Value ``key`` (a ``torch.save`` pickle) loaded with ``torch.load(weights_only=True)``, as tagged JSON.
+        """Value ``key`` (a ``torch.save`` pickle) loaded with ``torch.load(weights_only=True)``, as
+        tagged JSON.
 
         torch's restricted unpickler builds only tensors, primitive types and
         containers (plus what ``torch.serialization.add_safe_globals`` allows);
@@ -359,8 +422,10 @@ class DCPSource(Source):
         except Exception as e:
             loc = self.index.values[key]
             raise DCPValueError(
-                f"{self.paths[loc.file]}: value {key!r} cannot be loaded with torch.load(weights_only=True) "
-                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). If you trust the checkpoint, "
+                f"{self.paths[loc.file]}: value {key!r} cannot be loaded with "
+                "torch.load(weights_only=True) "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). If you trust "
+                "the checkpoint, "
                 "allow its classes with torch.serialization.add_safe_globals"
             ) from None
         return encode_value(value, key)
@@ -378,19 +443,26 @@ class DCPSource(Source):
 
 
 def _nesting_paths(planner_data: Any, mdpath: str, md: Any) -> dict[str, tuple[str | int, ...]]:
-    """The nesting paths DCP's default planner records in ``planner_data`` (key -> path), the non-trivial ones."""
+    """The nesting paths DCP's default planner records in ``planner_data`` (key -> path), the
+    non-trivial ones."""
     if not isinstance(planner_data, dict):
         return {}
-    doc = {k: list(p) for k, p in planner_data.items()
-           if isinstance(k, str) and isinstance(p, (tuple, list)) and tuple(p) != tuple(k.split("."))}
+    doc = {
+        k: list(p)
+        for k, p in planner_data.items()
+        if isinstance(k, str) and isinstance(p, (tuple, list)) and tuple(p) != tuple(k.split("."))
+    }
     return check_paths(doc, f"{mdpath}: planner_data", md.state_dict_metadata)
 
 
 def _refusal(directory: str, key: str) -> str:
     return (
-        f"{directory}: value {key!r} is stored by DCP as a pickle (torch.save), and UCPStorageReader does not "
-        "unpickle checkpoint data by default. Pass UCPStorageReader(path, dcp_values='weights_only') to load it "
-        "with torch.load(weights_only=True), torch's restricted unpickler, or convert the checkpoint once with "
+        f"{directory}: value {key!r} is stored by DCP as a pickle (torch.save), and "
+        "UCPStorageReader does not "
+        "unpickle checkpoint data by default. Pass UCPStorageReader(path, "
+        "dcp_values='weights_only') to load it "
+        "with torch.load(weights_only=True), torch's restricted unpickler, or convert the "
+        "checkpoint once with "
         "`ucp-dcp convert SRC DST`"
     )
 

@@ -16,19 +16,25 @@ from ..core.values import encode_value
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes
 from ._ds_utils import (
-    DS_ALLOWED_GLOBALS, UNIVERSAL_DIR, UNIVERSAL_MODEL_FILES, looks_like_universal, read_model_states,
-    universal_folder, universal_model_files,
+    DS_ALLOWED_GLOBALS,
+    UNIVERSAL_DIR,
+    UNIVERSAL_MODEL_FILES,
+    looks_like_universal,
+    read_model_states,
+    universal_folder,
+    universal_model_files,
 )
 from ._torch_archive import TensorRef, TorchArchive, read_torch_archive
-from .deepspeed import zero3_frozen
 from .base import Source, SourceOptions, register
+from .deepspeed import zero3_frozen
 
 __all__ = ["DeepSpeedUniversalSource"]
 
 
 @register
 class DeepSpeedUniversalSource(Source):
-    """A DeepSpeed Universal checkpoint (``ds_to_universal`` output): one file per parameter and state.
+    """A DeepSpeed Universal checkpoint (``ds_to_universal`` output): one file per parameter and
+    state.
 
     The directory with ``latest_universal``, or the tag folder. Each
     ``zero/<fqn>/{fp32,exp_avg,exp_avg_sq}.pt`` holds the full tensor under
@@ -57,19 +63,28 @@ class DeepSpeedUniversalSource(Source):
         b = ArchiveIndex([m.archive for m in models])
         zero = os.path.join(folder, UNIVERSAL_DIR)
 
-        def one(fqn: str, kind: str, shape: tuple[int, ...] | None) -> tuple[TorchArchive, TensorRef] | None:
+        def one(
+            fqn: str, kind: str, shape: tuple[int, ...] | None
+        ) -> tuple[TorchArchive, TensorRef] | None:
             f = os.path.join(zero, fqn, f"{kind}.pt")
             if not os.path.isfile(f):
                 return None
             a = read_torch_archive(f, DS_ALLOWED_GLOBALS)
             t = a.obj.get("param") if isinstance(a.obj, dict) else a.obj
             if not isinstance(t, TensorRef):
-                raise CheckpointFormatError(f"{f}: holds no tensor (expected a dict with 'param', or a tensor)")
+                raise CheckpointFormatError(
+                    f"{f}: holds no tensor (expected a dict with 'param', or a tensor)"
+                )
             # From a ZeRO-3 source, ds_to_universal saves each tensor flattened
             # (1-D, the same elements in row-major order): read as the shape.
-            if shape is not None and t.size != shape and not (t.size == (math.prod(shape),) and t.stride == (1,)):
+            if (
+                shape is not None
+                and t.size != shape
+                and not (t.size == (math.prod(shape),) and t.stride == (1,))
+            ):
                 raise CheckpointFormatError(
-                    f"{f}: a tensor of shape {list(t.size)}, expected {list(shape)} from param_shapes "
+                    f"{f}: a tensor of shape {list(t.size)}, expected {list(shape)} from "
+                    "param_shapes "
                     "(padded vocabularies and tensor-parallel universal folders are not supported)"
                 )
             b.add_archive(a)
@@ -91,29 +106,42 @@ class DeepSpeedUniversalSource(Source):
             for kind in ("exp_avg", "exp_avg_sq", "step"):
                 got = one(fqn, kind, None if kind == "step" else shape)
                 if got is not None:
-                    b.whole(f"optim.state.{fqn}.{kind}", ("optim", "state", fqn, kind), got[0], got[1],
-                            got[1].size if kind == "step" else shape, f"{kind} of {fqn!r}")
+                    b.whole(
+                        f"optim.state.{fqn}.{kind}",
+                        ("optim", "state", fqn, kind),
+                        got[0],
+                        got[1],
+                        got[1].size if kind == "step" else shape,
+                        f"{kind} of {fqn!r}",
+                    )
         for tied, owner in m0.shared.items():
             b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
         for name in m0.buffer_names:
             t = m0.module.get(name)
             if t is None:
-                raise CheckpointFormatError(f"{m0.archive.path}: buffer {name!r} is not in the module state dict")
+                raise CheckpointFormatError(
+                    f"{m0.archive.path}: buffer {name!r} is not in the module state dict"
+                )
             b.whole(f"model.{name}", ("model", name), m0.archive, t, t.size, f"buffer {name!r}")
         # From ZeRO-3, param_shapes lists the optimizer's sub-groups, not its
         # parameter groups: no optim.param_groups there.
         for g, d in enumerate(m0.param_shapes if len(models) == 1 else []):
-            b.value(f"optim.param_groups.{g}.params", ("optim", "param_groups", g, "params"), list(d))
-        super().__init__(path, b.index(1, path, [0] * len(b.archives)), [a.path for a in b.archives])
+            b.value(
+                f"optim.param_groups.{g}.params", ("optim", "param_groups", g, "params"), list(d)
+            )
+        super().__init__(
+            path, b.index(1, path, [0] * len(b.archives)), [a.path for a in b.archives]
+        )
         self._values = b.values
 
     @classmethod
     def detect(cls, path: str) -> bool:
-        """A directory with ``latest_universal``, or a folder with ``zero/`` and its model states (ZeRO-1/2 or 3)."""
+        """A directory with ``latest_universal``, or a folder with ``zero/`` and its model states
+        (ZeRO-1/2 or 3)."""
         return looks_like_universal(path)
 
     @classmethod
-    def open(cls, path: str, options: SourceOptions) -> "DeepSpeedUniversalSource":
+    def open(cls, path: str, options: SourceOptions) -> DeepSpeedUniversalSource:
         """Read every file's pickle (as inert records; tensor data is not read)."""
         return cls(path)
 

@@ -21,7 +21,15 @@ import errno
 from ..byteio.objstore import ObjectAccess, ObjectStore
 from ..core.sharding import Box
 from ..errors import CheckpointFormatError, StorageError
-from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord, dtype_from_st, parse_safetensors
+from ..format import (
+    ChunkRecord,
+    FileRecord,
+    Index,
+    Location,
+    TensorRecord,
+    dtype_from_st,
+    parse_safetensors,
+)
 from ._hf_utils import ModelDir, StoreDir, find_hf_files, local_model_dir, looks_like_hf
 from .base import Source, SourceOptions, register
 
@@ -35,9 +43,16 @@ class HFSource(Source):
     format = "hf"
     checksums = False
 
-    def __init__(self, path: str, prefix: str = "", *, model_dir: ModelDir | None = None,
-                 named: str | None = None) -> None:
-        """Open local ``path``; or, given ``model_dir`` (then ``path`` is only shown), the model in it.
+    def __init__(
+        self,
+        path: str,
+        prefix: str = "",
+        *,
+        model_dir: ModelDir | None = None,
+        named: str | None = None,
+    ) -> None:
+        """Open local ``path``; or, given ``model_dir`` (then ``path`` is only shown), the model in
+        it.
 
         ``named``: with ``model_dir``, one ``.safetensors`` file or index in it named directly.
         """
@@ -57,25 +72,32 @@ class HFSource(Source):
                 dtype = dtype_from_st(e.st_dtype)
                 if dtype is None:
                     raise CheckpointFormatError(
-                        f"{st.path}: tensor {e.name!r} has dtype {e.st_dtype!r}, which torch cannot hold"
+                        f"{st.path}: tensor {e.name!r} has dtype {e.st_dtype!r}, which torch "
+                        "cannot hold"
                     )
                 # parse_safetensors checked the byte count against dtype and shape.
                 key = prefix + e.name
                 if key in tensors:
-                    raise CheckpointFormatError(f"{directory}: tensor {e.name!r} is in both {where[key]} and {fname}")
+                    raise CheckpointFormatError(
+                        f"{directory}: tensor {e.name!r} is in both {where[key]} and {fname}"
+                    )
                 if weight_map is not None and weight_map.get(e.name, fname) != fname:
                     raise CheckpointFormatError(
-                        f"{directory}: the index puts {e.name!r} in {weight_map[e.name]}, but it is in {fname}"
+                        f"{directory}: the index puts {e.name!r} in {weight_map[e.name]}, but it "
+                        f"is in {fname}"
                     )
                 box = Box((0,) * len(e.shape), e.shape)
                 loc = Location(fi, e.start, e.nbytes, "")
-                tensors[key] = TensorRecord(dtype, e.shape, None, False, chunks=[ChunkRecord(box, loc)])
+                tensors[key] = TensorRecord(
+                    dtype, e.shape, None, False, chunks=[ChunkRecord(box, loc)]
+                )
                 where[key] = fname
         if weight_map is not None:
             missing = sorted(k for k, v in weight_map.items() if prefix + k not in tensors)
             if missing:
                 raise CheckpointFormatError(
-                    f"{directory}: the index lists {len(missing)} tensor(s) missing from their files, e.g. "
+                    f"{directory}: the index lists {len(missing)} tensor(s) missing from their "
+                    "files, e.g. "
                     f"{missing[0]!r} in {weight_map[missing[0]]}"
                 )
         if not tensors:
@@ -86,25 +108,32 @@ class HFSource(Source):
 
     @classmethod
     def detect(cls, path: str) -> bool:
-        """``model.safetensors``, a ``*.safetensors.index.json``, or one such file named directly."""
+        """``model.safetensors``, a ``*.safetensors.index.json``, or one such file named
+        directly."""
         return looks_like_hf(path)
 
     @classmethod
-    def open(cls, path: str, options: SourceOptions) -> "HFSource":
+    def open(cls, path: str, options: SourceOptions) -> HFSource:
         """Parse every file's header (nothing else is read)."""
         return cls(path, options.prefix)
 
     @classmethod
-    def open_store(cls, store: ObjectStore, options: SourceOptions, named: str | None = None) -> "HFSource":
-        """Open the model at ``store``'s URL (or file ``named`` there): every file's header, with ranged requests."""
-        return cls(store.url_of(named or ""), options.prefix, model_dir=StoreDir(store), named=named)
+    def open_store(
+        cls, store: ObjectStore, options: SourceOptions, named: str | None = None
+    ) -> HFSource:
+        """Open the model at ``store``'s URL (or file ``named`` there): every file's header, with
+        ranged requests."""
+        return cls(
+            store.url_of(named or ""), options.prefix, model_dir=StoreDir(store), named=named
+        )
 
     def check_files(self) -> list[str]:
         """Every file's header parses and its size is what it was when opened."""
         problems = []
         for path, f in zip(self.paths, self.index.files):
             try:
-                # On a store, ObjectAccess asks for the object's size now (not the one recorded at open).
+                # On a store, ObjectAccess asks for the object's size now (not the one recorded at
+                # open).
                 access = ObjectAccess(self.store, f.name) if self.store is not None else None
                 size = parse_safetensors(path, access=access).size
                 if size != f.size:
@@ -112,7 +141,9 @@ class HFSource(Source):
             except CheckpointFormatError as e:
                 problems.append(str(e))
             except StorageError as e:
-                if e.errno != errno.ENOENT:  # a store that cannot be reached is no finding about the files
+                if (
+                    e.errno != errno.ENOENT
+                ):  # a store that cannot be reached is no finding about the files
                     raise
                 problems.append(str(e))
         return problems

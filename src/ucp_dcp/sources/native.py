@@ -46,8 +46,11 @@ class NativeSource(Source):
     format = "ucp_dcp"
     checksums = True
 
-    def __init__(self, path: str, store: ObjectStore | None = None, raw_index: bytes | None = None) -> None:
-        """The checkpoint in directory ``path``, or at ``store``'s URL (``raw_index``: its index, if already read)."""
+    def __init__(
+        self, path: str, store: ObjectStore | None = None, raw_index: bytes | None = None
+    ) -> None:
+        """The checkpoint in directory ``path``, or at ``store``'s URL (``raw_index``: its index, if
+        already read)."""
         if store is None:
             index = load_index(path)
             paths = [os.path.join(path, f.name) for f in index.files]
@@ -58,8 +61,11 @@ class NativeSource(Source):
         super().__init__(path, index, paths)
         self.store = store
         self._headers: dict[int, FileHeader] = {}
-        self._objects: dict[int, ObjectAccess] = {}  # made under _lock by header(), which the sums read first
-        # Per file: (block size, every block checksum, first checksum of the entry at each offset), or None.
+        self._objects: dict[
+            int, ObjectAccess
+        ] = {}  # made under _lock by header(), which the sums read first
+        # Per file: (block size, every block checksum, first checksum of the entry at each offset),
+        # or None.
         self._block_sums: dict[int, tuple[int, np.ndarray, dict[int, int]] | None] = {}
         self._lock = threading.Lock()
         self._sums_lock = threading.Lock()  # not _lock: reading the sums reads the header
@@ -70,12 +76,13 @@ class NativeSource(Source):
         return os.path.isfile(os.path.join(path, INDEX_FILE))
 
     @classmethod
-    def open(cls, path: str, options: SourceOptions) -> "NativeSource":
+    def open(cls, path: str, options: SourceOptions) -> NativeSource:
         """Read and validate the index (no data file is opened yet)."""
         return cls(path)
 
     def header(self, file: int) -> FileHeader:
-        """Parsed header of data file ``file``; checks its size, rank and world size against the index."""
+        """Parsed header of data file ``file``; checks its size, rank and world size against the
+        index."""
         h = self._headers.get(file)
         if h is None:
             with self._lock:
@@ -85,19 +92,22 @@ class NativeSource(Source):
                     rec = self.index.files[file]
                     if h.size != rec.size:
                         raise CheckpointFormatError(
-                            f"{self.paths[file]}: {h.size} bytes on disk but the index recorded {rec.size}: "
+                            f"{self.paths[file]}: {h.size} bytes on disk but the index recorded "
+                            f"{rec.size}: "
                             "the file was truncated or replaced after the checkpoint was committed"
                         )
                     if (h.rank, h.world_size) != (rec.rank, self.index.world_size):
                         raise CheckpointFormatError(
-                            f"{self.paths[file]}: written by rank {h.rank} of world size {h.world_size}, but the "
+                            f"{self.paths[file]}: written by rank {h.rank} of world size "
+                            f"{h.world_size}, but the "
                             f"index says rank {rec.rank} of {self.index.world_size}"
                         )
                     self._headers[file] = h
         return h
 
     def _object(self, file: int) -> ObjectAccess | None:
-        """Data file ``file`` as an object (None for a local file), kept: the block checksums that follow
+        """Data file ``file`` as an object (None for a local file), kept: the block checksums that
+        follow
         its header usually arrive with the header's first request."""
         if self.store is None:
             return None
@@ -108,17 +118,20 @@ class NativeSource(Source):
         return obj
 
     def _entry(self, file: int, name: str, what: str) -> tuple[int, int, EntryMeta]:
-        """``(start, nbytes, metadata)`` of entry ``name`` of data file ``file``; the index says it holds ``what``."""
+        """``(start, nbytes, metadata)`` of entry ``name`` of data file ``file``; the index says it
+        holds ``what``."""
         h = self.header(file)
         meta = h.meta.get(name)
         if meta is None:
             raise CheckpointFormatError(
-                f"{self.paths[file]}: the index says it holds {what} (entry {name!r}), but it does not"
+                f"{self.paths[file]}: the index says it holds {what} (entry {name!r}), but it "
+                "does not"
             )
         return (*h.ranges[name], meta)
 
     def locate(self, fqn: str, idx: int) -> Location:
-        """From the index (explicit chunk lists) or the data file's header (compact ones), cross-checked.
+        """From the index (explicit chunk lists) or the data file's header (compact ones),
+        cross-checked.
 
         Either way the chunk's entry in the data file's header must agree with
         the index: same tensor, dtype, global shape and box, and for explicit
@@ -135,8 +148,10 @@ class NativeSource(Source):
         want = (fqn, dtype_name(rec.dtype), rec.shape, box.offsets, box.sizes)
         if found != want:
             raise CheckpointFormatError(
-                f"{self.paths[file]}: entry {name!r} is a {meta.dtype}{list(meta.sizes)} chunk of {meta.fqn!r} "
-                f"{list(meta.shape)}, but the index has {what} as {want[1]}{list(box.sizes)} of {list(rec.shape)}"
+                f"{self.paths[file]}: entry {name!r} is a {meta.dtype}{list(meta.sizes)} chunk of "
+                f"{meta.fqn!r} "
+                f"{list(meta.shape)}, but the index has {what} as {want[1]}{list(box.sizes)} of "
+                f"{list(rec.shape)}"
             )
         here = Location(file, start, nbytes, meta.xxh3)
         if loc is not None and loc != here:
@@ -152,7 +167,8 @@ class NativeSource(Source):
         start, nbytes, meta = self._entry(loc.file, name, what)
         if rl and self.header(loc.file).rank != rl[0]:
             raise CheckpointFormatError(
-                f"{self.paths[loc.file]}: the index has {what} in the file of rank {self.header(loc.file).rank}"
+                f"{self.paths[loc.file]}: the index has {what} in the file of rank "
+                f"{self.header(loc.file).rank}"
             )
         here = Location(loc.file, start, nbytes, meta.xxh3)
         if here != loc:
@@ -160,7 +176,8 @@ class NativeSource(Source):
         return loc
 
     def block_sums(self, fqn: str, idx: int, location: Location) -> BlockSums | None:
-        """From the data file's block checksums' entry (read once per file); None for files written without."""
+        """From the data file's block checksums' entry (read once per file); None for files written
+        without."""
         if location.file not in self._block_sums:
             with self._sums_lock:
                 if location.file not in self._block_sums:
@@ -174,7 +191,8 @@ class NativeSource(Source):
         k = first.get(location.start)
         if k is None:
             raise CheckpointFormatError(
-                f"{self.paths[location.file]}: no block checksums for the entry at byte {location.start} "
+                f"{self.paths[location.file]}: no block checksums for the entry at byte "
+                f"{location.start} "
                 f"(chunk {idx} of {fqn!r})"
             )
         return BlockSums(block, sums[k : k - (-location.nbytes // block)])
@@ -187,13 +205,16 @@ class NativeSource(Source):
         # One checksum per block of every tensor chunk, chunk after chunk in file order.
         first: dict[int, int] = {}
         k = 0
-        for start, nbytes in sorted(r for name, r in h.ranges.items() if has_block_sums(h.meta.get(name), r[1])):
+        for start, nbytes in sorted(
+            r for name, r in h.ranges.items() if has_block_sums(h.meta.get(name), r[1])
+        ):
             first[start] = k
             k += -(-nbytes // rec.block)
         path = self.paths[file]
         if 8 * k != rec.nbytes:
             raise CheckpointFormatError(
-                f"{path}: {rec.nbytes // 8} block checksums recorded for the {k} blocks of its tensor chunks"
+                f"{path}: {rec.nbytes // 8} block checksums recorded for the {k} blocks of its "
+                "tensor chunks"
             )
         obj = self._object(file)
         if obj is not None:
@@ -222,7 +243,8 @@ class NativeSource(Source):
         return out
 
     def check_files(self) -> list[str]:
-        """Every data file's header parses, matches the index's record of the file, and lists only what the index lists.
+        """Every data file's header parses, matches the index's record of the file, and lists only
+        what the index lists.
 
         Together with :meth:`locate` and :meth:`value_location` (the index's
         entries are in the headers, alike), this cross-checks the index and
@@ -243,7 +265,8 @@ class NativeSource(Source):
         return problems
 
     def _unlisted(self, file: int, h: FileHeader, m: EntryMeta) -> str | None:
-        """Why the index does not list header entry ``m`` of data file ``file`` there (None if it does)."""
+        """Why the index does not list header entry ``m`` of data file ``file`` there (None if it
+        does)."""
         if m.kind == "value":
             loc = self.index.values.get(m.fqn)
             listed = loc is not None and loc.file == file
@@ -252,7 +275,9 @@ class NativeSource(Source):
             loc = self.index.rank_local.get(m.fqn, {}).get(h.rank)
             if loc is not None and loc.file == file:
                 return None
-            return f"rank {h.rank}'s rank-local value {m.fqn!r}, which the index does not list there"
+            return (
+                f"rank {h.rank}'s rank-local value {m.fqn!r}, which the index does not list there"
+            )
         what = f"chunk {list(m.offsets)} of tensor {m.fqn!r}, which the index does not list there"
         rec = self.index.tensors.get(m.fqn)
         if rec is None or len(m.offsets) != len(rec.shape):
@@ -268,5 +293,6 @@ class NativeSource(Source):
 def _disagree(path: str, what: str, here: Location, listed: Location) -> str:
     return (
         f"{path}: the index records {what} at bytes [{listed.start}, {listed.start + listed.nbytes}) with xxh3 "
-        f"{listed.xxh3}, the file's header at [{here.start}, {here.start + here.nbytes}) with xxh3 {here.xxh3}"
+        f"{listed.xxh3}, the file's header at [{here.start}, {here.start + here.nbytes}) with "
+        f"xxh3 {here.xxh3}"
     )

@@ -28,6 +28,7 @@ from .progress import ProgressFn
 
 __all__ = ["Checkpoint"]
 
+
 class Checkpoint:
     """Open the checkpoint at ``path`` for reading in this process.
 
@@ -66,8 +67,11 @@ class Checkpoint:
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.path = os.fspath(path)
-        self.source = open_source(self.path, SourceOptions(dcp_values=dcp_values, prefix=prefix),
-                                  storage_options=storage_options)
+        self.source = open_source(
+            self.path,
+            SourceOptions(dcp_values=dcp_values, prefix=prefix),
+            storage_options=storage_options,
+        )
         self.index = self.source.index
         self.max_buffer_bytes = max(max_buffer_bytes, 1 << 20)
         self._reader = self.source.open_reader(threads=io_threads)
@@ -103,7 +107,9 @@ class Checkpoint:
         try:
             return self.index.tensors[name]
         except KeyError:
-            raise CheckpointKeyError(_unknown(name, "tensor", self.index.tensors, self.path)) from None
+            raise CheckpointKeyError(
+                _unknown(name, "tensor", self.index.tensors, self.path)
+            ) from None
 
     @property
     def bytes_read(self) -> int:
@@ -116,7 +122,9 @@ class Checkpoint:
         return self._verified
 
     # ------------------------------------------------------------ reading
-    def read_tensor(self, name: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
+    def read_tensor(
+        self, name: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    ) -> torch.Tensor:
         """The full tensor ``name``, reading exactly its bytes.
 
         ``dtype``/``device`` convert on the way (through the bounded staging
@@ -131,10 +139,14 @@ class Checkpoint:
         return out
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
-        """Fill existing tensor ``out`` (the full shape; any dtype, device, strides) with ``name``."""
+        """Fill existing tensor ``out`` (the full shape; any dtype, device, strides) with
+        ``name``."""
         rec = self.tensor_record(name)
         if tuple(out.shape) != rec.shape:
-            raise ValueError(f"size mismatch for {name!r}: the checkpoint has shape {list(rec.shape)}, the target has {list(out.shape)}")
+            raise ValueError(
+                f"size mismatch for {name!r}: the checkpoint has shape {list(rec.shape)}, the "
+                f"target has {list(out.shape)}"
+            )
         segments: list[Segment] = []
         chunks = self.chunks(name)
         # Made per call, so that a failed read leaves nothing pending for the next.
@@ -147,13 +159,25 @@ class Checkpoint:
             self._verified += blocks.bytes + old_sums.bytes
 
     def _read_into(
-        self, name: str, rec: TensorRecord, out: torch.Tensor, chunks: list[tuple[Box, Location]],
-        segments: list[Segment], blocks: BlockVerifier, old_sums: ChunkVerifier,
+        self,
+        name: str,
+        rec: TensorRecord,
+        out: torch.Tensor,
+        chunks: list[tuple[Box, Location]],
+        segments: list[Segment],
+        blocks: BlockVerifier,
+        old_sums: ChunkVerifier,
     ) -> None:
         # One staging buffer for all chunks (pinned and double-buffered for a
         # CUDA target); leaving the block waits for the last device copy.
-        largest = max((box.numel * rec.dtype.itemsize for box, loc in chunks if needs_staging(out, rec.dtype, loc)),
-                      default=0)
+        largest = max(
+            (
+                box.numel * rec.dtype.itemsize
+                for box, loc in chunks
+                if needs_staging(out, rec.dtype, loc)
+            ),
+            default=0,
+        )
         with StagingBuffers(self.max_buffer_bytes, largest_bytes=largest) as staging:
             for i, (box, loc) in enumerate(chunks):
                 dest = out
@@ -162,9 +186,20 @@ class Checkpoint:
                 whole = Box((0,) * len(box.sizes), box.sizes)
                 sums = self.source.block_sums(name, i, loc) if self.verify_reads else None
                 check = ChunkCheck(blocks, sums, name, box.offsets) if sums is not None else None
-                whole_sum = self.verify_reads and check is None  # checked against the chunk's checksum
+                whole_sum = (
+                    self.verify_reads and check is None
+                )  # checked against the chunk's checksum
                 if needs_staging(out, rec.dtype, loc):
-                    read_staged(self._reader, loc, box.sizes, whole, rec.dtype, dest, buffers=staging, check=check)
+                    read_staged(
+                        self._reader,
+                        loc,
+                        box.sizes,
+                        whole,
+                        rec.dtype,
+                        dest,
+                        buffers=staging,
+                        check=check,
+                    )
                     if whole_sum:
                         old_sums.add(loc, name, box.offsets)  # read again
                         old_sums.check()
@@ -179,7 +214,9 @@ class Checkpoint:
                     segments.extend(segments_into(loc, box.sizes, whole, dest))
         self._read_checked(segments, blocks, old_sums)
 
-    def _read_checked(self, segments: list[Segment], blocks: BlockVerifier, old_sums: ChunkVerifier) -> None:
+    def _read_checked(
+        self, segments: list[Segment], blocks: BlockVerifier, old_sums: ChunkVerifier
+    ) -> None:
         self._reader.read(segments)
         segments.clear()
         blocks.check()
@@ -188,7 +225,9 @@ class Checkpoint:
     def chunks(self, name: str) -> list[tuple[Box, Location]]:
         """Every saved chunk of tensor ``name``: its box and where its bytes are."""
         self.tensor_record(name)
-        return [(c.box, self.source.locate(name, i)) for i, c in enumerate(self.source.chunks(name))]
+        return [
+            (c.box, self.source.locate(name, i)) for i, c in enumerate(self.source.chunks(name))
+        ]
 
     def read_value(self, name: str) -> Any:
         """The non-tensor value ``name`` (checksum verified)."""
@@ -201,9 +240,13 @@ class Checkpoint:
         try:
             per_rank = self.index.rank_local[name]
         except KeyError:
-            raise CheckpointKeyError(_unknown(name, "rank-local value", self.index.rank_local, self.path)) from None
-        return {r: decode_value(read_value(self.source, self._reader, rank_local_key(r, name)), name)
-                for r in sorted(per_rank)}
+            raise CheckpointKeyError(
+                _unknown(name, "rank-local value", self.index.rank_local, self.path)
+            ) from None
+        return {
+            r: decode_value(read_value(self.source, self._reader, rank_local_key(r, name)), name)
+            for r in sorted(per_rank)
+        }
 
     # ------------------------------------------------------------ verifying
     def verify(self, progress: ProgressFn | None = None) -> list[str]:
@@ -233,8 +276,11 @@ class Checkpoint:
             except CheckpointFormatError as e:
                 note(e)
         keys = [(f"value {k!r}", k) for k in sorted(self.index.values)]
-        keys += [(f"rank-local value {k!r} of rank {r}", rank_local_key(r, k))
-                 for k, per_rank in sorted(self.index.rank_local.items()) for r in sorted(per_rank)]
+        keys += [
+            (f"rank-local value {k!r} of rank {r}", rank_local_key(r, k))
+            for k, per_rank in sorted(self.index.rank_local.items())
+            for r in sorted(per_rank)
+        ]
         for what, key in keys:
             try:
                 work.append((what, self.source.value_location(key)))
@@ -248,14 +294,23 @@ class Checkpoint:
             path = self.source.paths[loc.file]
             try:
                 digest = hash_range(self._reader, loc, buf)
-            except (CheckpointFormatError, EOFError) as e:  # a missing or short file: the message names it
+            except (
+                CheckpointFormatError,
+                EOFError,
+            ) as e:  # a missing or short file: the message names it
                 problems.append(f"{what}: {e}")
                 continue
             except OSError as e:
-                problems.append(f"{path}: {what}: cannot read bytes [{loc.start}, {loc.start + loc.nbytes}): {e}")
+                problems.append(
+                    f"{path}: {what}: cannot read bytes [{loc.start}, {loc.start + loc.nbytes}): "
+                    f"{e}"
+                )
                 continue
             if loc.xxh3 and digest != loc.xxh3:
-                problems.append(f"{path}: {what}: checksum mismatch (recorded {loc.xxh3}, data hashes to {digest})")
+                problems.append(
+                    f"{path}: {what}: checksum mismatch (recorded {loc.xxh3}, data hashes to "
+                    f"{digest})"
+                )
             done += loc.nbytes
             if progress is not None:
                 progress(done, total)
@@ -267,7 +322,7 @@ class Checkpoint:
         self._reader.close()
         self.source.close()
 
-    def __enter__(self) -> "Checkpoint":
+    def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -36,11 +36,12 @@ import re
 import sys
 import traceback
 import warnings
+from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any, Callable, NoReturn, Sequence, TextIO
+from typing import Any, NoReturn, TextIO
 
-from .progress import ProgressBar, format_bytes
 from ..errors import CLIError
+from .progress import ProgressBar, format_bytes
 
 __all__ = ["main", "build_parser", "format_inspection", "parse_size", "parse_storage_options"]
 
@@ -50,9 +51,12 @@ EXIT_FAILED = 1  # verify found problems / diff found differences
 EXIT_ERROR = 2  # the command could not do its job
 
 _EPILOG = (
-    "exit status: 0 success; 1 verify found problems (a damaged checkpoint) or diff found differences; "
-    "2 any other error, such as a path that does not exist (one line 'ucp-dcp: error: ...' on stderr). "
-    "A checkpoint to read may be an fsspec URL (s3://bucket/ckpt); --storage-options JSON, else the "
+    "exit status: 0 success; 1 verify found problems (a damaged checkpoint) or diff found "
+    "differences; "
+    "2 any other error, such as a path that does not exist (one line 'ucp-dcp: error: ...' on "
+    "stderr). "
+    "A checkpoint to read may be an fsspec URL (s3://bucket/ckpt); --storage-options JSON, else "
+    "the "
     "environment variable UCP_DCP_STORAGE_OPTIONS, gives fsspec its options."
 )
 
@@ -71,9 +75,16 @@ class _Parser(argparse.ArgumentParser):
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _SIZE_UNITS = {
-    "": 1, "B": 1,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
 }
 
 
@@ -93,7 +104,8 @@ def _rename_rule(text: str) -> tuple[str, str]:
     pattern, sep, repl = text.partition("=")
     if not sep or not pattern:
         raise argparse.ArgumentTypeError(
-            f"invalid rename rule {text!r}; write PATTERN=REPL (a regular expression, split at the first '=')"
+            f"invalid rename rule {text!r}; write PATTERN=REPL (a regular expression, split at "
+            "the first '=')"
         )
     try:
         re.compile(pattern)
@@ -106,7 +118,9 @@ def _tolerance(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid tolerance {text!r}; write a number such as 1e-6") from None
+        raise argparse.ArgumentTypeError(
+            f"invalid tolerance {text!r}; write a number such as 1e-6"
+        ) from None
     if not value >= 0:  # also refuses NaN
         raise argparse.ArgumentTypeError(f"invalid tolerance {text!r}: must be 0 or more")
     return value
@@ -116,17 +130,20 @@ _HF_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def parse_storage_options(text: str, origin: str = "--storage-options") -> dict[str, Any]:
-    """The fsspec options in ``text``, which must be a JSON object; ``origin`` names where it came from."""
+    """The fsspec options in ``text``, which must be a JSON object; ``origin`` names where it came
+    from."""
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
         raise CLIError(
             f"{origin}: not valid JSON ({e}); write a JSON object such as "
-            "'{\"client_kwargs\": {\"endpoint_url\": \"http://127.0.0.1:9000\"}}'"
+            '\'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\''
         ) from None
     if not isinstance(doc, dict):
         # The text itself is not echoed: it may hold credentials.
-        raise CLIError(f"{origin}: expected a JSON object of fsspec options, got a JSON {type(doc).__name__}")
+        raise CLIError(
+            f"{origin}: expected a JSON object of fsspec options, got a JSON {type(doc).__name__}"
+        )
     return doc
 
 
@@ -151,7 +168,8 @@ def _require_checkpoint(path: str, storage_options: dict[str, Any] | None) -> No
 
 
 def _location_options(args: argparse.Namespace, *paths: str) -> dict[str, Any]:
-    """Check that every URL in ``paths`` has something stored at it; the keyword arguments that reach them.
+    """Check that every URL in ``paths`` has something stored at it; the keyword arguments that
+    reach them.
 
     A missing local path is left to the function that reads it (its error
     says "not a checkpoint (no such directory)"). Returns
@@ -176,7 +194,8 @@ def _print_json(doc: Any, out: TextIO | None = None) -> None:
 
 
 def _progress(args: argparse.Namespace, label: str) -> ProgressBar:
-    """A progress bar on stderr: off with --quiet, forced with --progress, else only on a terminal."""
+    """A progress bar on stderr: off with --quiet, forced with --progress, else only on a
+    terminal."""
     enabled = False if args.quiet else (True if args.progress else None)
     return ProgressBar(label, enabled=enabled)
 
@@ -186,7 +205,9 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
     for r in rows:
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+        ]
         out.append("  ".join(cells).rstrip())
     return out
 
@@ -196,7 +217,8 @@ def _plural(n: int, word: str) -> str:
 
 
 def format_inspection(info: dict[str, Any]) -> str:
-    """The text ``ucp-dcp inspect`` prints for a :func:`~ucp_dcp.tools.inspection.inspect_checkpoint` summary."""
+    """The text ``ucp-dcp inspect`` prints for a
+    :func:`~ucp_dcp.tools.inspection.inspect_checkpoint` summary."""
     step = "-" if info["step_key"] is None else f"{info['step']} ({info['step_key']!r})"
     head = [
         ["checkpoint", info["path"]],
@@ -209,7 +231,13 @@ def format_inspection(info: dict[str, Any]) -> str:
     if info["tensors"]:
         rows = [["name", "dtype", "shape", "sharding", "size"]]
         rows += [
-            [t["name"], t["dtype"], "[" + ",".join(map(str, t["shape"])) + "]", t["sharding"], format_bytes(t["bytes"])]
+            [
+                t["name"],
+                t["dtype"],
+                "[" + ",".join(map(str, t["shape"])) + "]",
+                t["sharding"],
+                format_bytes(t["bytes"]),
+            ]
             for t in info["tensors"]
         ]
         lines += ["", *_table(rows, {4})]
@@ -230,7 +258,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from .inspection import inspect_checkpoint
 
     where = _location_options(args, args.path)
-    info = inspect_checkpoint(args.path, dcp_values=args.dcp_values, verify=not args.no_verify, **where)
+    info = inspect_checkpoint(
+        args.path, dcp_values=args.dcp_values, verify=not args.no_verify, **where
+    )
     if args.json:
         _print_json(info)
     else:
@@ -239,8 +269,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .checkpoint import Checkpoint
     from ..errors import CheckpointFormatError
+    from .checkpoint import Checkpoint
 
     summary: dict[str, Any] = {"path": args.path, "files": 0, "bytes_verified": 0}
     # Nothing to verify: the same "cannot open" as every command (status 2, not 1).
@@ -255,19 +285,27 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             # One damaged file header is reported again for every tensor it holds: say it once.
             problems = list(dict.fromkeys(ck.verify(progress=bar)))
             summary.update(
-                format=ck.format, checksums=ck.has_checksums,
-                files=len(ck.index.files), tensors=len(ck.index.tensors), values=len(ck.index.values),
-                rank_local=len(ck.index.rank_local), bytes_verified=ck.bytes_read,
+                format=ck.format,
+                checksums=ck.has_checksums,
+                files=len(ck.index.files),
+                tensors=len(ck.index.tensors),
+                values=len(ck.index.values),
+                rank_local=len(ck.index.rank_local),
+                bytes_verified=ck.bytes_read,
             )
     if args.json:
         _print_json({**summary, "ok": not problems, "problems": problems})
     elif not problems:
         print(
-            f"OK {args.path}: {_plural(summary['tensors'], 'tensor')}, {_plural(summary['values'], 'value')}, "
+            f"OK {args.path}: {_plural(summary['tensors'], 'tensor')}, "
+            f"{_plural(summary['values'], 'value')}, "
             f"{_plural(summary['rank_local'], 'rank-local value')} in {_plural(summary['files'], 'file')}; "
             f"{format_bytes(summary['bytes_verified'])} checked"
-            + ("" if summary.get("checksums", True) else
-               f" (the {summary['format']} format records no checksums: structure and readability only)")
+            + (
+                ""
+                if summary.get("checksums", True)
+                else f" (the {summary['format']} format records no checksums: structure and readability only)"
+            )
         )
     else:
         for p in problems:
@@ -283,8 +321,14 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
     where = _location_options(args, args.a, args.b)
     with _progress(args, "comparing") as bar:
-        report = diff_checkpoints(args.a, args.b, progress=bar, dcp_values=args.dcp_values, verify=not args.no_verify,
-                                  **where)
+        report = diff_checkpoints(
+            args.a,
+            args.b,
+            progress=bar,
+            dcp_values=args.dcp_values,
+            verify=not args.no_verify,
+            **where,
+        )
     same = report.identical if args.atol == 0 else report.within(args.atol)
     if args.json:
         _print_json(report.to_json(args.atol))
@@ -294,7 +338,10 @@ def _cmd_diff(args: argparse.Namespace) -> int:
             print(line)
         compared = f"{_plural(len(report.tensors), 'tensor')} and {_plural(report.values_compared, 'value')} compared"
         if same:
-            print(("identical" if report.identical else f"equal within atol {args.atol:g}") + f": {compared}")
+            print(
+                ("identical" if report.identical else f"equal within atol {args.atol:g}")
+                + f": {compared}"
+            )
         else:
             print(f"{_plural(len(lines), 'difference')}: {compared}")
     return EXIT_OK if same else EXIT_FAILED
@@ -309,7 +356,9 @@ def _optional_module(name: str, command: str) -> ModuleType:
             raise CLIError(
                 f"{command} is not available: this installation of ucp_dcp has no module {e.name}"
             ) from None
-        raise CLIError(f"{command} needs the Python package {e.name!r}, which is not installed") from None
+        raise CLIError(
+            f"{command} needs the Python package {e.name!r}, which is not installed"
+        ) from None
 
 
 def _function(module: ModuleType, attr: str, command: str) -> Callable[..., Any]:
@@ -320,7 +369,9 @@ def _function(module: ModuleType, attr: str, command: str) -> Callable[..., Any]
 
 
 def _cmd_export_hf(args: argparse.Namespace) -> int:
-    export_hf = _function(_optional_module("ucp_dcp.tools.hf", "export-hf"), "export_hf", "export-hf")
+    export_hf = _function(
+        _optional_module("ucp_dcp.tools.hf", "export-hf"), "export_hf", "export-hf"
+    )
     kwargs: dict[str, Any] = _url_options(args)
     if args.dtype is not None:
         import torch
@@ -346,7 +397,9 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    convert = _function(_optional_module("ucp_dcp.tools.convert", args.command), "convert", args.command)
+    convert = _function(
+        _optional_module("ucp_dcp.tools.convert", args.command), "convert", args.command
+    )
     kwargs: dict[str, Any] = {"overwrite": args.overwrite, **_url_options(args)}
     if args.prefix is not None:
         kwargs["prefix"] = args.prefix
@@ -359,17 +412,22 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _url_options(args: argparse.Namespace) -> dict[str, Any]:
-    """For a conversion: refuse a URL output, check a URL source has something stored, pass the storage options."""
+    """For a conversion: refuse a URL output, check a URL source has something stored, pass the
+    storage options."""
     from ..byteio.objstore import is_url
 
     if is_url(args.dst):
-        raise CLIError(f"{args.dst}: {args.command} writes a local directory, not object storage; write it "
-                       "locally and copy it there")
+        raise CLIError(
+            f"{args.dst}: {args.command} writes a local directory, not object storage; write it "
+            "locally and copy it there"
+        )
     return _location_options(args, args.src)
 
 
 def _cmd_import_hf(args: argparse.Namespace) -> int:
-    import_hf = _function(_optional_module("ucp_dcp.tools.hf", "import-hf"), "import_hf", "import-hf")
+    import_hf = _function(
+        _optional_module("ucp_dcp.tools.hf", "import-hf"), "import_hf", "import-hf"
+    )
     kwargs: dict[str, Any] = {} if args.prefix is None else {"prefix": args.prefix}
     with _progress(args, "importing") as bar:
         import_hf(args.src, args.dst, progress=bar, **kwargs)
@@ -391,17 +449,31 @@ def _common_options(defaults: bool) -> argparse.ArgumentParser:
     if not defaults:
         kw["default"] = argparse.SUPPRESS
     p.add_argument("-q", "--quiet", help="no progress bar", **kw)
-    p.add_argument("--progress", help="draw the progress bar even when stderr is not a terminal", **kw)
+    p.add_argument(
+        "--progress", help="draw the progress bar even when stderr is not a terminal", **kw
+    )
     p.add_argument("--debug", help="print the traceback of an error", **kw)
-    p.add_argument("--dcp-values", choices=["weights_only"], default=None if defaults else argparse.SUPPRESS,
-                   help="load the pickled values of a DCP checkpoint with torch.load(weights_only=True) "
-                   "(refused by default)")
-    p.add_argument("--no-verify", help="do not check the tensor data a command reads against the checksums "
-                   "recorded at save (checked by default)", **kw)
-    p.add_argument("--storage-options", metavar="JSON", default=None if defaults else argparse.SUPPRESS,
-                   help="fsspec options for checkpoints given as URLs (s3://bucket/ckpt), as a JSON object, e.g. "
-                   "'{\"client_kwargs\": {\"endpoint_url\": \"http://127.0.0.1:9000\"}}'; default: the "
-                   f"environment variable {STORAGE_OPTIONS_ENV}, else fsspec's defaults")
+    p.add_argument(
+        "--dcp-values",
+        choices=["weights_only"],
+        default=None if defaults else argparse.SUPPRESS,
+        help="load the pickled values of a DCP checkpoint with torch.load(weights_only=True) "
+        "(refused by default)",
+    )
+    p.add_argument(
+        "--no-verify",
+        help="do not check the tensor data a command reads against the checksums "
+        "recorded at save (checked by default)",
+        **kw,
+    )
+    p.add_argument(
+        "--storage-options",
+        metavar="JSON",
+        default=None if defaults else argparse.SUPPRESS,
+        help="fsspec options for checkpoints given as URLs (s3://bucket/ckpt), as a JSON object, e.g. "
+        '\'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'; default: the '
+        f"environment variable {STORAGE_OPTIONS_ENV}, else fsspec's defaults",
+    )
     return p
 
 
@@ -410,68 +482,141 @@ def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
     parser = _Parser(
-        prog=PROG, parents=[_common_options(True)], epilog=_EPILOG,
+        prog=PROG,
+        parents=[_common_options(True)],
+        epilog=_EPILOG,
         description="Inspect, verify, compare and convert ucp_dcp universal checkpoints.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     common = [_common_options(False)]
 
-    def command(name: str, handler: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+    def command(
+        name: str, handler: Callable[[argparse.Namespace], int], help: str
+    ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=common, help=help, description=help, epilog=_EPILOG)
         p.set_defaults(handler=handler)
         return p
 
     for name, handler, text in (
-        ("inspect", _cmd_inspect, "Summarise a checkpoint: format, step, world size, files, and every tensor's "
-         "dtype, shape, sharding and size. Reads only the index."),
-        ("verify", _cmd_verify, "Re-read every data file and check every checksum; print one line per "
-         "problem (naming the file and the tensor or value) and exit 1 if there is any."),
+        (
+            "inspect",
+            _cmd_inspect,
+            "Summarise a checkpoint: format, step, world size, files, and every tensor's "
+            "dtype, shape, sharding and size. Reads only the index.",
+        ),
+        (
+            "verify",
+            _cmd_verify,
+            "Re-read every data file and check every checksum; print one line per "
+            "problem (naming the file and the tensor or value) and exit 1 if there is any.",
+        ),
     ):
         p = command(name, handler, text)
-        p.add_argument("path", metavar="PATH", help="checkpoint (any format ucp_dcp reads), or the fsspec URL "
-                       "of a ucp_dcp checkpoint (s3://bucket/ckpt)")
+        p.add_argument(
+            "path",
+            metavar="PATH",
+            help="checkpoint (any format ucp_dcp reads), or the fsspec URL "
+            "of a ucp_dcp checkpoint (s3://bucket/ckpt)",
+        )
         p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
 
-    p = command("diff", _cmd_diff, "Compare two checkpoints: entries only in one, shape/dtype differences, "
-                "per-tensor max abs difference (NaN-aware), differing values. Exit 1 if they differ.")
+    p = command(
+        "diff",
+        _cmd_diff,
+        "Compare two checkpoints: entries only in one, shape/dtype differences, "
+        "per-tensor max abs difference (NaN-aware), differing values. Exit 1 if they differ.",
+    )
     p.add_argument("a", metavar="A", help="first checkpoint (any format, or a URL)")
     p.add_argument("b", metavar="B", help="second checkpoint (any format, or a URL)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
-    p.add_argument("--atol", type=_tolerance, default=0.0, metavar="X",
-                   help="tensors whose elements differ by at most X count as equal (default 0: exact)")
+    p.add_argument(
+        "--atol",
+        type=_tolerance,
+        default=0.0,
+        metavar="X",
+        help="tensors whose elements differ by at most X count as equal (default 0: exact)",
+    )
 
-    p = command("export-hf", _cmd_export_hf, "Write a checkpoint's model weights as a Hugging Face "
-                "safetensors checkpoint (sharded, with model.safetensors.index.json).")
+    p = command(
+        "export-hf",
+        _cmd_export_hf,
+        "Write a checkpoint's model weights as a Hugging Face "
+        "safetensors checkpoint (sharded, with model.safetensors.index.json).",
+    )
     p.add_argument("src", metavar="SRC", help="checkpoint (any format ucp_dcp reads, or a URL)")
     p.add_argument("dst", metavar="DST", help="output directory (local)")
-    p.add_argument("--dtype", choices=sorted(_HF_DTYPES), help="cast floating-point tensors to this dtype")
-    p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
-                   help="largest output file, e.g. 5GB (decimal) or 4GiB (binary)")
-    p.add_argument("--prefix", metavar="PREFIX", help="export only the tensors whose names start with PREFIX, "
-                   "with PREFIX removed (default: 'model.')")
-    p.add_argument("--rename", type=_rename_rule, action="append", metavar="PATTERN=REPL",
-                   help="rename tensors with re.sub(PATTERN, REPL, name); repeatable, applied in order")
-    p.add_argument("--config", metavar="PATH", help="also write config.json: from a config.json file, or from a "
-                   "Hugging Face model directory (its tokenizer and generation config are copied too)")
+    p.add_argument(
+        "--dtype", choices=sorted(_HF_DTYPES), help="cast floating-point tensors to this dtype"
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        metavar="SIZE",
+        help="largest output file, e.g. 5GB (decimal) or 4GiB (binary)",
+    )
+    p.add_argument(
+        "--prefix",
+        metavar="PREFIX",
+        help="export only the tensors whose names start with PREFIX, "
+        "with PREFIX removed (default: 'model.')",
+    )
+    p.add_argument(
+        "--rename",
+        type=_rename_rule,
+        action="append",
+        metavar="PATTERN=REPL",
+        help="rename tensors with re.sub(PATTERN, REPL, name); repeatable, applied in order",
+    )
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        help="also write config.json: from a config.json file, or from a "
+        "Hugging Face model directory (its tokenizer and generation config are copied too)",
+    )
 
-    p = command("convert", _cmd_convert, "Write any checkpoint this tool reads (ucp_dcp, DCP's FileSystemWriter "
-                "format, Megatron torch_dist, accelerate subfolders, a Hugging Face model) as a ucp_dcp "
-                "checkpoint with checksums, keeping its sharding. Loading never needs this.")
-    p.add_argument("src", metavar="SRC", help="source checkpoint (directory or file), or the fsspec URL of a "
-                   "ucp_dcp checkpoint")
+    p = command(
+        "convert",
+        _cmd_convert,
+        "Write any checkpoint this tool reads (ucp_dcp, DCP's FileSystemWriter "
+        "format, Megatron torch_dist, accelerate subfolders, a Hugging Face model) as a ucp_dcp "
+        "checkpoint with checksums, keeping its sharding. Loading never needs this.",
+    )
+    p.add_argument(
+        "src",
+        metavar="SRC",
+        help="source checkpoint (directory or file), or the fsspec URL of a ucp_dcp checkpoint",
+    )
     p.add_argument("dst", metavar="DST", help="output ucp_dcp checkpoint directory (local)")
-    p.add_argument("--prefix", metavar="PREFIX", help="put PREFIX in front of a Hugging Face model's tensor names")
-    p.add_argument("--overwrite", action="store_true", help="replace a ucp_dcp checkpoint already in DST")
+    p.add_argument(
+        "--prefix",
+        metavar="PREFIX",
+        help="put PREFIX in front of a Hugging Face model's tensor names",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace a ucp_dcp checkpoint already in DST"
+    )
 
-    p = command("import-hf", _cmd_import_hf, "Like convert, for a Hugging Face model (names get 'model.' by "
-                "default; DST must be new or empty). Kept as an alias.")
+    p = command(
+        "import-hf",
+        _cmd_import_hf,
+        "Like convert, for a Hugging Face model (names get 'model.' by "
+        "default; DST must be new or empty). Kept as an alias.",
+    )
     p.add_argument("src", metavar="SRC", help="Hugging Face model directory")
     p.add_argument("dst", metavar="DST", help="output ucp_dcp checkpoint directory")
-    p.add_argument("--prefix", metavar="PREFIX", help="put PREFIX in front of every tensor name (default: 'model.')")
+    p.add_argument(
+        "--prefix",
+        metavar="PREFIX",
+        help="put PREFIX in front of every tensor name (default: 'model.')",
+    )
 
-    p = command("import-dcp", _cmd_convert, "Alias of convert for a checkpoint saved with DCP's default "
-                "FileSystemWriter (.metadata + .distcp files).")
+    p = command(
+        "import-dcp",
+        _cmd_convert,
+        "Alias of convert for a checkpoint saved with DCP's default "
+        "FileSystemWriter (.metadata + .distcp files).",
+    )
     p.add_argument("src", metavar="SRC", help="DCP checkpoint directory")
     p.add_argument("dst", metavar="DST", help="output ucp_dcp checkpoint directory")
     p.set_defaults(prefix=None, overwrite=False)
@@ -538,7 +683,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _error_line("interrupted")
         return 130
-    except BrokenPipeError:  # e.g. `ucp-dcp inspect PATH | head`: the reader left, nothing to report
+    except (
+        BrokenPipeError
+    ):  # e.g. `ucp-dcp inspect PATH | head`: the reader left, nothing to report
         _silence_stdout()
         return EXIT_ERROR
     except Exception as e:  # every failure becomes one line; --debug shows where it came from

@@ -16,17 +16,18 @@ from __future__ import annotations
 import math
 import os
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..byteio.blocksums import BlockVerifier, ChunkCheck
 from ..byteio.datafile import DataFileWriter, chunk_entry, value_entry
 from ..byteio.integrity import ChunkVerifier
+from ..byteio.objstore import is_url, local_path
 from ..byteio.rangeio import RangeReader, storage_view, tensor_view
 from ..byteio.transfer import read_region
 from ..core.sharding import Box, slabs
-from ..byteio.objstore import is_url, local_path
 from ..errors import CheckpointFormatError, StorageError
 from ..format import (
     INDEX_FILE,
@@ -63,7 +64,8 @@ def convert(
     verify: bool = True,
     storage_options: dict[str, Any] | None = None,
 ) -> Index:
-    """Write checkpoint ``src`` (any format :func:`~ucp_dcp.sources.open_source` reads) as a universal one at ``dst``.
+    """Write checkpoint ``src`` (any format :func:`~ucp_dcp.sources.open_source` reads) as a
+    universal one at ``dst``.
 
     Args:
         src: the source checkpoint: a local path, or the fsspec URL of a
@@ -98,19 +100,25 @@ def convert(
     src, dst = os.fspath(src), os.fspath(dst)
     if is_url(dst):
         raise StorageError(
-            f"{dst}: convert writes a local directory, not object storage; convert into a local directory "
+            f"{dst}: convert writes a local directory, not object storage; convert into a local "
+            "directory "
             "and copy it there, or save to the URL with UCPStorageWriter"
         )
     dst = local_path(dst)  # a file:// URL is a local path
-    source = open_source(src, SourceOptions(dcp_values=dcp_values, prefix=prefix), storage_options=storage_options)
+    source = open_source(
+        src, SourceOptions(dcp_values=dcp_values, prefix=prefix), storage_options=storage_options
+    )
     try:
         if os.path.exists(os.path.join(dst, INDEX_FILE)) and not overwrite:
             raise FileExistsError(
-                f"{dst} already holds a committed ucp_dcp checkpoint ({INDEX_FILE}); refusing to replace it. "
+                f"{dst} already holds a committed ucp_dcp checkpoint ({INDEX_FILE}); refusing to "
+                "replace it. "
                 "Convert into a new directory, or pass overwrite=True"
             )
         os.makedirs(dst, exist_ok=True)
-        return _convert(source, dst, progress, sync_files, max(buffer_bytes, _MiB), io_threads, verify)
+        return _convert(
+            source, dst, progress, sync_files, max(buffer_bytes, _MiB), io_threads, verify
+        )
     finally:
         source.close()
 
@@ -126,7 +134,10 @@ def _items_by_file(source: Source) -> dict[int, list[_Item]]:
         for idx in range(len(source.chunks(fqn))):
             file, start = source.chunk_origin(fqn, idx)
             per_file.setdefault(file, []).append((start, ("t", fqn, idx)))
-    keys = [*source.index.values, *(rank_local_key(r, k) for k, v in source.index.rank_local.items() for r in v)]
+    keys = [
+        *source.index.values,
+        *(rank_local_key(r, k) for k, v in source.index.rank_local.items() for r in v),
+    ]
     for key in keys:
         loc = source.value_location(key)
         per_file.setdefault(loc.file, []).append((loc.start, ("v", key)))
@@ -145,14 +156,23 @@ def _entry(source: Source, item: _Item, value: bytes | None) -> PlannedEntry:
 
 
 def _convert(
-    source: Source, dst: str, progress: ProgressFn | None, sync_files: bool, budget: int, io_threads: int,
+    source: Source,
+    dst: str,
+    progress: ProgressFn | None,
+    sync_files: bool,
+    budget: int,
+    io_threads: int,
     verify: bool,
 ) -> Index:
     index = source.index
     per_file = _items_by_file(source)
     reader = source.open_reader(threads=io_threads)
     ranks = [source.file_rank(i) for i in range(len(source.paths))]
-    checks = (BlockVerifier(source.paths, ranks), ChunkVerifier(reader, source.paths, ranks)) if verify else None
+    checks = (
+        (BlockVerifier(source.paths, ranks), ChunkVerifier(reader, source.paths, ranks))
+        if verify
+        else None
+    )
     buf = torch.empty(budget, dtype=torch.uint8)
     save_id = uuid.uuid4().hex[:8]
     files: list[FileRecord] = []
@@ -160,10 +180,19 @@ def _convert(
     per_rank: dict[int, int] = {}
     try:
         # Values first (they are small): their sizes are only known once encoded.
-        values = {it[1]: read_value(source, reader, it[1]) for items in per_file.values() for it in items
-                  if it[0] == "v"}
-        total = sum(e.nbytes for items in per_file.values() for e in
-                    (_entry(source, it, values.get(it[1]) if it[0] == "v" else None) for it in items))
+        values = {
+            it[1]: read_value(source, reader, it[1])
+            for items in per_file.values()
+            for it in items
+            if it[0] == "v"
+        }
+        total = sum(
+            e.nbytes
+            for items in per_file.values()
+            for e in (
+                _entry(source, it, values.get(it[1]) if it[0] == "v" else None) for it in items
+            )
+        )
         done = 0
         for fi in sorted(per_file):
             rank = source.file_rank(fi) or 0
@@ -171,9 +200,17 @@ def _convert(
             per_rank[rank] = n + 1
             name = data_file_name(rank, save_id if n == 0 else f"{save_id}-{n}")
             items = per_file[fi]
-            entries = [_entry(source, it, values.get(it[1]) if it[0] == "v" else None) for it in items]
-            out = DataFileWriter(os.path.join(dst, name), entries, rank=rank, world_size=index.world_size,
-                                 save_id=save_id, sync=sync_files)
+            entries = [
+                _entry(source, it, values.get(it[1]) if it[0] == "v" else None) for it in items
+            ]
+            out = DataFileWriter(
+                os.path.join(dst, name),
+                entries,
+                rank=rank,
+                world_size=index.world_size,
+                save_id=save_id,
+                sync=sync_files,
+            )
             with out:
                 for i, it in enumerate(items):
                     if it[0] == "v":
@@ -184,7 +221,9 @@ def _convert(
                     if progress is not None:
                         progress(done, total)
             files.append(FileRecord(name, rank, out.size))
-            written.append([WrittenEntry(e.name, e.meta, s, e.nbytes) for e, s in zip(out.entries, out.starts)])
+            written.append(
+                [WrittenEntry(e.name, e.meta, s, e.nbytes) for e, s in zip(out.entries, out.starts)]
+            )
     finally:
         reader.close()
         if checks is not None:
@@ -198,7 +237,13 @@ def _convert(
 
 
 def _copy_chunk(
-    source: Source, reader: RangeReader, fqn: str, idx: int, out: DataFileWriter, i: int, buf: torch.Tensor,
+    source: Source,
+    reader: RangeReader,
+    fqn: str,
+    idx: int,
+    out: DataFileWriter,
+    i: int,
+    buf: torch.Tensor,
     checks: tuple[BlockVerifier, ChunkVerifier] | None = None,
 ) -> None:
     """Copy chunk ``idx`` of ``fqn`` row-major into entry ``i`` of ``out``, slab by slab;
@@ -230,5 +275,7 @@ def _copy_chunk(
     for offs, sizes in slabs(box.sizes, es, budget):
         nbytes = math.prod(sizes) * es
         slab = buf[:nbytes].view(dtype).view(sizes)
-        read_region(reader, location, box.sizes, Box(tuple(offs), tuple(sizes)), dtype, slab, budget, check)
+        read_region(
+            reader, location, box.sizes, Box(tuple(offs), tuple(sizes)), dtype, slab, budget, check
+        )
         out.write(i, bview[:nbytes])

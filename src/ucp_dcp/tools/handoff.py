@@ -8,13 +8,14 @@ selected tensors' bytes, one tensor at a time.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from .checkpoint import Checkpoint
 from ..dcp.planners import CheckpointKeyError
+from .checkpoint import Checkpoint
 
 __all__ = ["load_state_dict", "load_into_module", "KeySelector", "ModuleLoadResult"]
 
@@ -72,8 +73,9 @@ def load_state_dict(
     """
     select = _selector(keys)
     out: dict[str, Any] = {}
-    with Checkpoint(path, dcp_values=dcp_values, prefix=prefix, verify=verify,
-                    storage_options=storage_options) as ckpt:
+    with Checkpoint(
+        path, dcp_values=dcp_values, prefix=prefix, verify=verify, storage_options=storage_options
+    ) as ckpt:
         for name in ckpt.tensor_names():
             if select(name):
                 src = ckpt.tensor_record(name).dtype
@@ -114,7 +116,8 @@ def load_into_module(
 
     The module's state-dict key ``k`` is read from checkpoint tensor
     ``prefix + k``; ``path`` may be any format :class:`~ucp_dcp.Checkpoint`
-    reads (for a Hugging Face model saved from the same class, ``prefix=""``). Each tensor is read straight into the module's own
+    reads (for a Hugging Face model saved from the same class, ``prefix=""``). Each tensor is read
+    straight into the module's own
     storage when dtypes agree, and through the bounded staging buffer (cast
     to the module's dtype, or copied to its device) otherwise: no full copy
     of the model is ever made.
@@ -130,7 +133,7 @@ def load_into_module(
     """
     targets = module.state_dict(keep_vars=True)
     with Checkpoint(path, verify=verify, storage_options=storage_options) as ckpt:
-        available = {n[len(prefix):] for n in ckpt.tensor_names() if n.startswith(prefix)}
+        available = {n[len(prefix) :] for n in ckpt.tensor_names() if n.startswith(prefix)}
         missing = sorted(k for k in targets if k not in available)
         unexpected = sorted(k for k in available if k not in targets)
         if strict and (missing or unexpected):
@@ -146,12 +149,14 @@ def load_into_module(
             rec = ckpt.tensor_record(prefix + key)
             if tuple(target.shape) != rec.shape:
                 raise CheckpointKeyError(
-                    f"size mismatch for {prefix + key!r}: the checkpoint has shape {list(rec.shape)}, "
+                    f"size mismatch for {prefix + key!r}: the checkpoint has shape "
+                    f"{list(rec.shape)}, "
                     f"the module expects {list(target.shape)}"
                 )
             if hasattr(target, "device_mesh"):
                 raise TypeError(
-                    f"{key!r} is a DTensor: use dcp.load with UCPStorageReader/UCPLoadPlanner for sharded modules"
+                    f"{key!r} is a DTensor: use dcp.load with UCPStorageReader/UCPLoadPlanner for "
+                    "sharded modules"
                 )
             with torch.no_grad():
                 ckpt.read_into(prefix + key, target.detach())

@@ -7,7 +7,8 @@ under any parallel layout) into a Hugging Face model directory that
     model-00001-of-00003.safetensors     or model.safetensors when one file is enough
     model-00002-of-00003.safetensors
     model-00003-of-00003.safetensors
-    model.safetensors.index.json         {"metadata": {"total_size": ...}, "weight_map": {name: file}}
+    model.safetensors.index.json         {"metadata": {"total_size": ...}, "weight_map": {name:
+    file}}
     config.json                          only when ``config=`` is given
 
 It streams: the shards are planned from the index (dtypes and shapes), each
@@ -37,21 +38,22 @@ import re
 import shutil
 import struct
 import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from .checkpoint import Checkpoint
-from ..format import dtype_name, st_dtype
 from ..byteio.durable import commit_dir, temp_dir_for, write_all
 from ..byteio.objstore import is_url, local_path
+from ..byteio.rangeio import tensor_view
+from ..dcp.planners import CheckpointKeyError
+from ..errors import CheckpointFormatError, StorageError
+from ..format import dtype_name, st_dtype
 from ..sources import checkpoint_exists
 from ..sources._hf_utils import HF_CONFIG_FILES, HF_INDEX_NAME, HF_WEIGHTS_NAME
-from ..dcp.planners import CheckpointKeyError
+from .checkpoint import Checkpoint
 from .progress import ProgressFn
-from ..byteio.rangeio import tensor_view
-from ..errors import CheckpointFormatError, StorageError
 
 __all__ = [
     "export_hf",
@@ -120,13 +122,16 @@ def parse_size(size: int | str) -> int:
 
 
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """A floating ``torch.dtype`` from a dtype or a name (``"bf16"``, ``"fp16"``, ``"fp32"``, ``"float32"``...)."""
+    """A floating ``torch.dtype`` from a dtype or a name (``"bf16"``, ``"fp16"``, ``"fp32"``,
+    ``"float32"``...)."""
     if dtype is None:
         return None
     if isinstance(dtype, str):
         key = dtype.strip().lower().removeprefix("torch.")
         if key not in _DTYPE_NAMES:
-            raise ValueError(f"unknown dtype {dtype!r}; use one of bf16, fp16, fp32, fp64 (or a torch.dtype)")
+            raise ValueError(
+                f"unknown dtype {dtype!r}; use one of bf16, fp16, fp32, fp64 (or a torch.dtype)"
+            )
         return _DTYPE_NAMES[key]
     if isinstance(dtype, torch.dtype):
         if not dtype.is_floating_point or st_dtype(dtype) is None:
@@ -141,12 +146,20 @@ def _compile_rename(rename: RenameRules | None) -> list[tuple[re.Pattern[str], s
     pairs = list(rename.items()) if isinstance(rename, Mapping) else list(rename)
     rules = []
     for i, pair in enumerate(pairs):
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
-            raise ValueError(f"rename[{i}] must be a (regex pattern, replacement) pair of strings, got {pair!r}")
+        if not (
+            isinstance(pair, (tuple, list))
+            and len(pair) == 2
+            and all(isinstance(x, str) for x in pair)
+        ):
+            raise ValueError(
+                f"rename[{i}] must be a (regex pattern, replacement) pair of strings, got {pair!r}"
+            )
         try:
             rules.append((re.compile(pair[0]), pair[1]))
         except re.error as e:
-            raise ValueError(f"rename[{i}]: {pair[0]!r} is not a valid regular expression ({e})") from None
+            raise ValueError(
+                f"rename[{i}]: {pair[0]!r} is not a valid regular expression ({e})"
+            ) from None
     return rules
 
 
@@ -155,7 +168,9 @@ def _apply_rename(name: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
         try:
             name = pat.sub(repl, name)
         except (re.error, IndexError) as e:
-            raise ValueError(f"rename {pat.pattern!r} -> {repl!r}: bad replacement for {name!r} ({e})") from None
+            raise ValueError(
+                f"rename {pat.pattern!r} -> {repl!r}: bad replacement for {name!r} ({e})"
+            ) from None
     return name
 
 
@@ -167,10 +182,13 @@ def _natural_key(name: str) -> list[tuple[int, str]]:
 def _check_empty_dst(dst: str) -> None:
     if os.path.lexists(dst):
         if not os.path.isdir(dst):
-            raise FileExistsError(f"{dst} exists and is not a directory; choose a new output directory")
+            raise FileExistsError(
+                f"{dst} exists and is not a directory; choose a new output directory"
+            )
         if os.listdir(dst):
             raise FileExistsError(
-                f"{dst} is not empty; refusing to write into it (choose a new or empty output directory)"
+                f"{dst} is not empty; refusing to write into it (choose a new or empty output "
+                "directory)"
             )
 
 
@@ -188,7 +206,10 @@ class _Planned:
 
 
 def _plan_export(
-    ckpt: Checkpoint, prefix: str, rules: list[tuple[re.Pattern[str], str]], cast: torch.dtype | None
+    ckpt: Checkpoint,
+    prefix: str,
+    rules: list[tuple[re.Pattern[str], str]],
+    cast: torch.dtype | None,
 ) -> list[_Planned]:
     names = [n for n in ckpt.tensor_names() if n.startswith(prefix)]
     values = [v for v in ckpt.value_names() if v.startswith(prefix)]
@@ -201,7 +222,8 @@ def _plan_export(
     if not names:
         tops = sorted({n.split(".", 1)[0] + "." for n in ckpt.tensor_names()})
         raise CheckpointKeyError(
-            f"{ckpt.path}: no tensor name starts with prefix {prefix!r}; the checkpoint's tensors start with "
+            f"{ckpt.path}: no tensor name starts with prefix {prefix!r}; the checkpoint's tensors "
+            "start with "
             f"{', '.join(map(repr, tops[:10])) or 'nothing (it holds no tensors)'}. "
             "Pass the prefix the model was saved under (e.g. prefix='model.' for {'model': model_state_dict})"
         )
@@ -211,16 +233,26 @@ def _plan_export(
         rec = ckpt.tensor_record(src)
         name = _apply_rename(src[len(prefix) :], rules)
         if not name:
-            raise ValueError(f"tensor {src!r} gets an empty name after stripping {prefix!r} and renaming")
+            raise ValueError(
+                f"tensor {src!r} gets an empty name after stripping {prefix!r} and renaming"
+            )
         if name == "__metadata__":
-            raise ValueError(f"tensor {src!r} would be named '__metadata__', which safetensors reserves")
+            raise ValueError(
+                f"tensor {src!r} would be named '__metadata__', which safetensors reserves"
+            )
         if name in seen:
-            raise ValueError(f"tensors {seen[name]!r} and {src!r} both map to {name!r}; fix the rename rules")
+            raise ValueError(
+                f"tensors {seen[name]!r} and {src!r} both map to {name!r}; fix the rename rules"
+            )
         seen[name] = src
-        to = cast if cast is not None and rec.dtype.is_floating_point and rec.dtype != cast else None
+        to = (
+            cast if cast is not None and rec.dtype.is_floating_point and rec.dtype != cast else None
+        )
         out_dtype = to or rec.dtype
         if st_dtype(out_dtype) is None:
-            raise ValueError(f"tensor {src!r} has dtype {dtype_name(out_dtype)}, which safetensors cannot store")
+            raise ValueError(
+                f"tensor {src!r} has dtype {dtype_name(out_dtype)}, which safetensors cannot store"
+            )
         nbytes = math.prod(rec.shape) * out_dtype.itemsize
         planned.append(_Planned(src, name, out_dtype, to, tuple(rec.shape), nbytes))
     planned.sort(key=lambda p: _natural_key(p.name))
@@ -248,7 +280,11 @@ def _st_header(entries: Iterable[_Planned]) -> bytes:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     pos = 0
     for e in entries:
-        header[e.name] = {"dtype": st_dtype(e.dtype), "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
+        header[e.name] = {
+            "dtype": st_dtype(e.dtype),
+            "shape": list(e.shape),
+            "data_offsets": [pos, pos + e.nbytes],
+        }
         pos += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
@@ -269,7 +305,11 @@ def _load_config(config: Any) -> tuple[dict[str, Any], list[str]]:
             cfg = os.path.join(path, "config.json")
             if not os.path.isfile(cfg):
                 raise FileNotFoundError(f"config directory {path} has no config.json")
-            extra = [os.path.join(path, n) for n in HF_CONFIG_FILES[1:] if os.path.isfile(os.path.join(path, n))]
+            extra = [
+                os.path.join(path, n)
+                for n in HF_CONFIG_FILES[1:]
+                if os.path.isfile(os.path.join(path, n))
+            ]
             path = cfg
         elif not os.path.isfile(path):
             raise FileNotFoundError(f"config {path}: no such file or directory")
@@ -282,7 +322,8 @@ def _load_config(config: Any) -> tuple[dict[str, Any], list[str]]:
             raise ValueError(f"config {path} is not a JSON object")
         return doc, extra
     raise TypeError(
-        "config must be a path (config.json or a model directory), a dict or a transformers config, "
+        "config must be a path (config.json or a model directory), a dict or a transformers "
+        "config, "
         f"got {type(config).__name__}"
     )
 
@@ -301,7 +342,8 @@ def export_hf(
     verify: bool = True,
     storage_options: dict[str, Any] | None = None,
 ) -> list[str]:
-    """Write the model weights of checkpoint ``src`` (any format) as a Hugging Face directory ``dst``.
+    """Write the model weights of checkpoint ``src`` (any format) as a Hugging Face directory
+    ``dst``.
 
     Args:
         src: a universal checkpoint directory (any saved layout), or the
@@ -371,30 +413,43 @@ def export_hf(
         raise TypeError(f"prefix must be a string, got {prefix!r}")
     if is_url(dst):
         raise StorageError(
-            f"{dst}: export_hf writes a local directory, not object storage; export into a local directory "
+            f"{dst}: export_hf writes a local directory, not object storage; export into a local "
+            "directory "
             "and copy it there"
         )
-    src, dst = (src if is_url(src) else local_path(src)), local_path(dst)  # file:// URLs are local paths
+    src, dst = (
+        (src if is_url(src) else local_path(src)),
+        local_path(dst),
+    )  # file:// URLs are local paths
     if not checkpoint_exists(src, storage_options):
         raise FileNotFoundError(f"{src}: no such checkpoint directory")
     _check_empty_dst(dst)
-    # Only a local Hugging Face model carries a config over (object storage holds universal checkpoints only).
+    # Only a local Hugging Face model carries a config over (object storage holds universal
+    # checkpoints only).
     local_hf = not is_url(src) and os.path.isfile(os.path.join(src, "config.json"))
     if config is None and local_hf:
         config = src  # a Hugging Face source carries its own config
     cfg_doc, cfg_extra = _load_config(config) if config is not None else (None, [])
     if cfg_doc is None:
         warnings.warn(
-            f"{dst}: wrote the weights only; transformers' from_pretrained also needs a config.json there: "
-            "pass config= (CLI: --config) with a config.json, a Hugging Face model directory or a config object",
+            f"{dst}: wrote the weights only; transformers' from_pretrained also needs a "
+            "config.json there: "
+            "pass config= (CLI: --config) with a config.json, a Hugging Face model directory or a "
+            "config object",
             UserWarning,
             stacklevel=2,
         )
-    with Checkpoint(src, dcp_values=dcp_values, verify=verify, storage_options=storage_options) as ckpt:
+    with Checkpoint(
+        src, dcp_values=dcp_values, verify=verify, storage_options=storage_options
+    ) as ckpt:
         planned = _plan_export(ckpt, prefix, rules, cast)
         shards = _shard(planned, max_bytes)
         n = len(shards)
-        names = [HF_WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        names = (
+            [HF_WEIGHTS_NAME]
+            if n == 1
+            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
         total = sum(p.nbytes for p in planned)
         tmp = temp_dir_for(dst)
         try:
@@ -405,8 +460,12 @@ def export_hf(
                     write_all(fd, _st_header(shard))
                     for p in shard:
                         t = ckpt.read_tensor(p.src, dtype=p.cast)
-                        if t.dtype != p.dtype or tuple(t.shape) != p.shape:  # cannot happen: the index said so
-                            raise AssertionError(f"{src}: {p.src!r} read as {t.dtype}{list(t.shape)}")
+                        if (
+                            t.dtype != p.dtype or tuple(t.shape) != p.shape
+                        ):  # cannot happen: the index said so
+                            raise AssertionError(
+                                f"{src}: {p.src!r} read as {t.dtype}{list(t.shape)}"
+                            )
                         write_all(fd, tensor_view(t.contiguous()))
                         del t
                         done += p.nbytes
@@ -416,7 +475,10 @@ def export_hf(
                 finally:
                     os.close(fd)
             index = {
-                "metadata": {"total_size": total, "total_parameters": sum(math.prod(p.shape) for p in planned)},
+                "metadata": {
+                    "total_size": total,
+                    "total_parameters": sum(math.prod(p.shape) for p in planned),
+                },
                 "weight_map": {p.name: fname for fname, shard in zip(names, shards) for p in shard},
             }
             written = [*names, HF_INDEX_NAME]
@@ -477,7 +539,8 @@ def import_hf(
         raise FileNotFoundError(f"{src}: no such Hugging Face model directory or file")
     if NativeSource.detect(src):
         raise CheckpointFormatError(
-            f"{src} is a ucp_dcp checkpoint, not a Hugging Face model directory (export it with export_hf)"
+            f"{src} is a ucp_dcp checkpoint, not a Hugging Face model directory (export it with "
+            "export_hf)"
         )
     if not HFSource.detect(src):
         HFSource(src)  # raises, saying what is missing

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from .checkpoint import Checkpoint
-from ..format import TensorRecord, dtype_name
-from .progress import ProgressFn
 from ..errors import CheckpointFormatError
+from ..format import TensorRecord, dtype_name
+from .checkpoint import Checkpoint
+from .progress import ProgressFn
 
 __all__ = [
     "inspect_checkpoint",
@@ -94,13 +94,15 @@ def _read_step(ck: Checkpoint, key: str) -> int | float | None:
 
 
 def inspect_checkpoint(path: str | os.PathLike[str], **options: Any) -> dict[str, Any]:
-    """A JSON-ready summary of the checkpoint at ``path`` (any format; ``options`` as for :class:`Checkpoint`).
+    """A JSON-ready summary of the checkpoint at ``path`` (any format; ``options`` as for
+    :class:`Checkpoint`).
 
     ``path`` may be the fsspec URL of a universal checkpoint in object
     storage (``storage_options=`` among ``options`` go to fsspec).
 
     Keys: ``path``, ``format`` (``"ucp_dcp version 1"``, ``"dcp"``, ``"hf"``, ...),
-    ``format_version``, ``checksums`` (whether the format records them), ``world_size``, ``step`` and
+    ``format_version``, ``checksums`` (whether the format records them), ``world_size``, ``step``
+    and
     ``step_key`` (None when no step counter is found), ``files``
     (``count``, ``bytes``), ``tensors`` (per tensor: ``name``, ``dtype``,
     ``shape``, ``sharding``, ``bytes``; sorted by name), ``values`` and
@@ -133,7 +135,9 @@ def inspect_checkpoint(path: str | os.PathLike[str], **options: Any) -> dict[str
                 warnings.append(f"cannot read the step counter {key!r}: {e}")
         return {
             "path": ck.path,
-            "format": f"{ck.format} version {index.version}" if ck.format == "ucp_dcp" else ck.format,
+            "format": f"{ck.format} version {index.version}"
+            if ck.format == "ucp_dcp"
+            else ck.format,
             "format_version": index.version,
             "checksums": ck.has_checksums,
             "world_size": index.world_size,
@@ -201,7 +205,9 @@ class DiffReport:
     b: str
     only_in_a: list[str] = field(default_factory=list)
     only_in_b: list[str] = field(default_factory=list)
-    kind_mismatches: list[Mismatch] = field(default_factory=list)  # tensor on one side, value on the other
+    kind_mismatches: list[Mismatch] = field(
+        default_factory=list
+    )  # tensor on one side, value on the other
     shape_mismatches: list[Mismatch] = field(default_factory=list)
     dtype_mismatches: list[Mismatch] = field(default_factory=list)
     tensors: list[TensorDiff] = field(default_factory=list)
@@ -215,15 +221,23 @@ class DiffReport:
 
     def within(self, atol: float) -> bool:
         """Like :attr:`identical`, but tensors may differ by up to ``atol`` per element."""
-        structural = (self.only_in_a, self.only_in_b, self.kind_mismatches, self.shape_mismatches,
-                      self.dtype_mismatches, self.value_mismatches)
+        structural = (
+            self.only_in_a,
+            self.only_in_b,
+            self.kind_mismatches,
+            self.shape_mismatches,
+            self.dtype_mismatches,
+            self.value_mismatches,
+        )
         return not any(structural) and all(t.within(atol) for t in self.tensors)
 
     def differences(self, atol: float = 0.0) -> list[str]:
         """One human-readable line per difference (tensors within ``atol`` are not listed)."""
         lines = [f"only in {self.a}: {n}" for n in self.only_in_a]
         lines += [f"only in {self.b}: {n}" for n in self.only_in_b]
-        lines += [f"{m.name}: a {m.a} in {self.a}, a {m.b} in {self.b}" for m in self.kind_mismatches]
+        lines += [
+            f"{m.name}: a {m.a} in {self.a}, a {m.b} in {self.b}" for m in self.kind_mismatches
+        ]
         lines += [f"{m.name}: shape {m.a} vs {m.b}" for m in self.shape_mismatches]
         lines += [f"{m.name}: dtype {m.a} vs {m.b}" for m in self.dtype_mismatches]
         for t in self.tensors:
@@ -329,7 +343,9 @@ def _diff_structure(ca: Checkpoint, cb: Checkpoint, report: DiffReport) -> list[
             report.shape_mismatches.append(Mismatch(name, str(list(ra.shape)), str(list(rb.shape))))
             continue
         if ra.dtype != rb.dtype:
-            report.dtype_mismatches.append(Mismatch(name, dtype_name(ra.dtype), dtype_name(rb.dtype)))
+            report.dtype_mismatches.append(
+                Mismatch(name, dtype_name(ra.dtype), dtype_name(rb.dtype))
+            )
         to_compare.append(name)
     return to_compare
 
@@ -348,9 +364,14 @@ def _diff_values(ca: Checkpoint, cb: Checkpoint, report: DiffReport) -> None:
 
 
 def diff_checkpoints(
-    a: str | os.PathLike[str], b: str | os.PathLike[str], *, progress: ProgressFn | None = None, **options: Any
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    *,
+    progress: ProgressFn | None = None,
+    **options: Any,
 ) -> DiffReport:
-    """Compare checkpoints ``a`` and ``b`` (any formats; ``options`` as for :class:`Checkpoint`) entry by entry.
+    """Compare checkpoints ``a`` and ``b`` (any formats; ``options`` as for :class:`Checkpoint`)
+    entry by entry.
 
     Tensors present in both with the same shape are read one at a time
     (each side once) and compared in float64 slices; ``progress(done,
@@ -362,7 +383,9 @@ def diff_checkpoints(
     with Checkpoint(a, **options) as ca, Checkpoint(b, **options) as cb:
         report = DiffReport(ca.path, cb.path)
         names = _diff_structure(ca, cb, report)
-        total = sum(_tensor_bytes(ca.index.tensors[n]) + _tensor_bytes(cb.index.tensors[n]) for n in names)
+        total = sum(
+            _tensor_bytes(ca.index.tensors[n]) + _tensor_bytes(cb.index.tensors[n]) for n in names
+        )
         done = 0
         for name in names:
             ta, tb = ca.read_tensor(name), cb.read_tensor(name)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 __all__ = ["ProgressFn", "ProgressBar", "format_bytes"]
 
@@ -94,7 +95,7 @@ class ProgressBar:
             self.stream.flush()
             self._open_line = False
 
-    def __enter__(self) -> "ProgressBar":
+    def __enter__(self) -> ProgressBar:
         return self
 
     def __exit__(self, *exc: object) -> None:

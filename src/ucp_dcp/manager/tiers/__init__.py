@@ -45,8 +45,11 @@ __all__ = [
 ]
 
 
-def open_tier(root: str | os.PathLike[str], *, name: str, storage_options: dict[str, Any] | None = None) -> Tier:
-    """A :class:`LocalTier` for plain paths and ``file://`` URLs, an :class:`FsspecTier` for other URLs.
+def open_tier(
+    root: str | os.PathLike[str], *, name: str, storage_options: dict[str, Any] | None = None
+) -> Tier:
+    """A :class:`LocalTier` for plain paths and ``file://`` URLs, an :class:`FsspecTier` for other
+    URLs.
 
     ``storage_options`` go to fsspec; they are ignored for local tiers.
     """

@@ -12,7 +12,8 @@ import os
 import re
 import tempfile
 from abc import ABC, abstractmethod
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from ...errors import CheckpointFormatError
 from .marker import MARKER_FILE, CommitMarker, check_name, is_int
@@ -37,7 +38,8 @@ def check_token(token: Any) -> str:
 
 
 def step_dir_name(step: int) -> str:
-    """Directory name of committed ``step`` in a :class:`~ucp_dcp.manager.tiers.LocalTier`: ``step-%012d``."""
+    """Directory name of committed ``step`` in a :class:`~ucp_dcp.manager.tiers.LocalTier`:
+    ``step-%012d``."""
     return "step-%012d" % check_step(step)
 
 
@@ -76,7 +78,8 @@ class Tier(ABC):
 
     @abstractmethod
     def marker(self, step: int) -> CommitMarker:
-        """The marker of committed ``step``; :class:`CheckpointFormatError` naming the tier and step if missing or corrupt."""
+        """The marker of committed ``step``; :class:`CheckpointFormatError` naming the tier and step
+        if missing or corrupt."""
 
     @abstractmethod
     def step_path(self, step: int) -> str:
@@ -128,7 +131,8 @@ class Tier(ABC):
         self._put_bytes(self._staging_step(staging)[1], name, data)
 
     def commit(self, staging: str, marker: CommitMarker) -> None:
-        """Make step ``marker.step`` visible atomically, replacing an earlier commit of the same step.
+        """Make step ``marker.step`` visible atomically, replacing an earlier commit of the same
+        step.
 
         Every file the marker lists must be in ``staging`` with the listed
         size (:class:`CheckpointFormatError` otherwise, and nothing becomes
@@ -136,7 +140,10 @@ class Tier(ABC):
         """
         step, path = self._staging_step(staging)
         if marker.step != step:
-            raise ValueError(f"{self._where(step)}: marker is for step {marker.step} but staging {staging} is for step {step}")
+            raise ValueError(
+                f"{self._where(step)}: marker is for step {marker.step} but staging {staging} is "
+                f"for step {step}"
+            )
         self._commit(step, path, marker)
 
     @abstractmethod
@@ -148,7 +155,8 @@ class Tier(ABC):
 
     @abstractmethod
     def cleanup(self) -> list[str]:
-        """Remove leftovers of unfinished saves and deletes (restoring a replaced step where needed).
+        """Remove leftovers of unfinished saves and deletes (restoring a replaced step where
+        needed).
 
         Returns what was done, one line each. Call only while no save into
         this tier is in progress.
@@ -158,11 +166,13 @@ class Tier(ABC):
 
     @abstractmethod
     def _staging_step(self, staging: str) -> tuple[int, str]:
-        """The step and the normalised location of ``staging``; ``ValueError`` if it is not a staging location here."""
+        """The step and the normalised location of ``staging``; ``ValueError`` if it is not a
+        staging location here."""
 
     @abstractmethod
     def _put_file(self, staging: str, local_path: str, name: str) -> None:
-        """:meth:`put_file` with checked arguments (``staging`` as :meth:`_staging_step` returns it)."""
+        """:meth:`put_file` with checked arguments (``staging`` as :meth:`_staging_step` returns
+        it)."""
 
     @abstractmethod
     def _put_bytes(self, staging: str, name: str, data: bytes) -> None:
@@ -175,14 +185,20 @@ class Tier(ABC):
     def _check_payload_name(self, name: str, method: str) -> None:
         check_name(name, "file name")
         if name == MARKER_FILE:
-            raise ValueError(f"{self._where()}: {MARKER_FILE} is written by commit(), not {method}()")
+            raise ValueError(
+                f"{self._where()}: {MARKER_FILE} is written by commit(), not {method}()"
+            )
 
-    def _check_staged(self, step: int, staging: str, marker: CommitMarker, sizes: Mapping[str, int]) -> None:
-        """Every file ``marker`` lists is in ``staging`` (``sizes``: name -> size) with its recorded size."""
+    def _check_staged(
+        self, step: int, staging: str, marker: CommitMarker, sizes: Mapping[str, int]
+    ) -> None:
+        """Every file ``marker`` lists is in ``staging`` (``sizes``: name -> size) with its recorded
+        size."""
         for f in marker.files:
             if f.name not in sizes:
                 raise CheckpointFormatError(
-                    f"{self._where(step, f.name)}: cannot commit: the marker lists it but staging {staging} lacks it"
+                    f"{self._where(step, f.name)}: cannot commit: the marker lists it but staging "
+                    f"{staging} lacks it"
                 )
             if sizes[f.name] != f.size:
                 raise CheckpointFormatError(

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from functools import partial
-from typing import Any, Iterable
+from typing import Any
 
 from ...byteio.durable import fsync_file, fsync_path, replace_via_temp
 from ...errors import CheckpointFormatError
@@ -24,7 +25,21 @@ __all__ = ["FsspecTier"]
 _STEP_TOKEN_RE = re.compile(r"step-(\d{12,})-([A-Za-z0-9_-]{1,64})\Z")
 
 
-_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "oss", "r2", "tos", "cos"}
+_OBJECT_STORES = {
+    "s3",
+    "s3a",
+    "gs",
+    "gcs",
+    "az",
+    "abfs",
+    "abfss",
+    "adl",
+    "oci",
+    "oss",
+    "r2",
+    "tos",
+    "cos",
+}
 
 
 def _protocols(fs: Any) -> set[str]:
@@ -40,7 +55,9 @@ class FsspecTier(Tier):
     it. ``storage_options`` go to fsspec (credentials, ``endpoint_url``...).
     """
 
-    def __init__(self, root: str, *, name: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, root: str, *, name: str, storage_options: dict[str, Any] | None = None
+    ) -> None:
         """Open the tier at URL ``root``; ``name`` is used in messages."""
         import fsspec
 
@@ -48,7 +65,8 @@ class FsspecTier(Tier):
         self.url = str(root).rstrip("/")
         self.local = False
         self.storage_options: dict[str, Any] = dict(storage_options or {})
-        """The fsspec options the tier was opened with (readers of its steps open the store with them)."""
+        """The fsspec options the tier was opened with (readers of its steps open the store with
+        them)."""
         self.fs, path = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self._root = path.rstrip("/")
 
@@ -80,7 +98,8 @@ class FsspecTier(Tier):
         return out
 
     def _load_marker(self, dirname: str, step: int) -> CommitMarker | None:
-        """The dir's marker; None if it has none; CheckpointFormatError if corrupt or of another step."""
+        """The dir's marker; None if it has none; CheckpointFormatError if corrupt or of another
+        step."""
         path = self._path(dirname, MARKER_FILE)
         where = f"{self._where(step, MARKER_FILE)} ({self._to_url(path)})"
         try:
@@ -141,7 +160,8 @@ class FsspecTier(Tier):
         return self._file_sizes(self._path(self._current(step)[1]))
 
     def _file_sizes(self, path: str) -> dict[str, int]:
-        """Names and sizes of the files in directory ``path``, the marker excluded (FileNotFoundError if none)."""
+        """Names and sizes of the files in directory ``path``, the marker excluded
+        (FileNotFoundError if none)."""
         self._refresh(path)
         out = {}
         for e in self.fs.ls(path, detail=True):
@@ -151,7 +171,8 @@ class FsspecTier(Tier):
         return out
 
     def fetch(self, step: int, names: Iterable[str], dest_dir: str) -> None:
-        """Download named files of committed ``step`` into ``dest_dir`` (temp name, fsync, rename)."""
+        """Download named files of committed ``step`` into ``dest_dir`` (temp name, fsync,
+        rename)."""
         d = self._path(self._current(step)[1])
         dest_dir = os.fspath(dest_dir)
         os.makedirs(dest_dir, exist_ok=True)
@@ -180,7 +201,9 @@ class FsspecTier(Tier):
         try:
             return self.fs.cat_file(src)
         except FileNotFoundError:
-            raise CheckpointFormatError(f"{self._where(step, name)}: missing (expected an object {self._to_url(src)})") from None
+            raise CheckpointFormatError(
+                f"{self._where(step, name)}: missing (expected an object {self._to_url(src)})"
+            ) from None
 
     # -- writing
 
@@ -292,6 +315,7 @@ class FsspecTier(Tier):
                     has_marker = False
                 if not has_marker:
                     self._rm_dir(self._path(d))
-                    done.append(f"removed {self._to_url(self._path(d))} (unfinished save or delete)")
+                    done.append(
+                        f"removed {self._to_url(self._path(d))} (unfinished save or delete)"
+                    )
         return done
-

@@ -16,8 +16,8 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterable
 from functools import partial
-from typing import Iterable
 
 from ...byteio.durable import (
     atomic_write,
@@ -71,7 +71,8 @@ class LocalTier(Tier):
     """
 
     def __init__(self, root: str | os.PathLike[str], *, name: str) -> None:
-        """Open (creating if needed) the tier rooted at directory ``root``; ``name`` is used in messages."""
+        """Open (creating if needed) the tier rooted at directory ``root``; ``name`` is used in
+        messages."""
         self.name = name
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
@@ -79,7 +80,9 @@ class LocalTier(Tier):
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as e:
-            raise OSError(e.errno, f"{self._where()}: cannot create the tier directory: {e.strerror}") from e
+            raise OSError(
+                e.errno, f"{self._where()}: cannot create the tier directory: {e.strerror}"
+            ) from e
         if not os.path.isdir(self.root):
             raise NotADirectoryError(f"{self._where()}: expected a directory, found a file")
 
@@ -94,7 +97,8 @@ class LocalTier(Tier):
         except FileNotFoundError:
             if not os.path.isdir(dirpath):
                 raise CheckpointFormatError(
-                    f"{self._where(step)}: no such step (expected a committed step directory {dirpath})"
+                    f"{self._where(step)}: no such step (expected a committed step directory "
+                    f"{dirpath})"
                 ) from None
             raise CheckpointFormatError(
                 f"{where}: missing: the step directory exists but was never committed, "
@@ -132,7 +136,8 @@ class LocalTier(Tier):
         return sorted(out)
 
     def marker(self, step: int) -> CommitMarker:
-        """The marker of committed ``step`` (:class:`CheckpointFormatError` if missing or corrupt)."""
+        """The marker of committed ``step`` (:class:`CheckpointFormatError` if missing or
+        corrupt)."""
         return self._read_marker(self.step_path(step), step)
 
     def step_path(self, step: int) -> str:
@@ -180,7 +185,9 @@ class LocalTier(Tier):
             with open(path, "rb") as f:
                 return f.read()
         except FileNotFoundError:
-            raise CheckpointFormatError(f"{self._where(step, name)}: missing (expected a file at {path})") from None
+            raise CheckpointFormatError(
+                f"{self._where(step, name)}: missing (expected a file at {path})"
+            ) from None
 
     # -- writing
 
@@ -189,7 +196,8 @@ class LocalTier(Tier):
         return os.path.join(self.root, f".tmp-{step_dir_name(step)}-{check_token(token)}")
 
     def begin(self, step: int, token: str) -> str:
-        """Create an empty staging directory (removing a leftover of the same name) and return its path."""
+        """Create an empty staging directory (removing a leftover of the same name) and return its
+        path."""
         path = self.staging_path(step, token)
         if os.path.lexists(path):
             _remove_dir(path)
@@ -197,7 +205,8 @@ class LocalTier(Tier):
         return path
 
     def _staging_step(self, staging: str) -> tuple[int, str]:
-        """The step of ``staging`` and its absolute path; it must be a ``begin()`` directory of this tier."""
+        """The step of ``staging`` and its absolute path; it must be a ``begin()`` directory of this
+        tier."""
         staging = os.path.abspath(os.fspath(staging))
         m = _TMP_RE.match(os.path.basename(staging))
         if m is None or os.path.dirname(staging) != self.root:
@@ -206,11 +215,14 @@ class LocalTier(Tier):
                 f"(expected {self.root}/.tmp-step-NNNNNNNNNNNN-<token>, as returned by begin())"
             )
         if not os.path.isdir(staging):
-            raise FileNotFoundError(f"{self._where()}: staging directory {staging} does not exist (call begin() first)")
+            raise FileNotFoundError(
+                f"{self._where()}: staging directory {staging} does not exist (call begin() first)"
+            )
         return int(m.group(1)), staging
 
     def _put_file(self, staging: str, local_path: str, name: str) -> None:
-        """Copy ``local_path`` into ``staging`` as ``name`` and fsync it (only fsync if it already is that file)."""
+        """Copy ``local_path`` into ``staging`` as ``name`` and fsync it (only fsync if it already
+        is that file)."""
         dst = os.path.join(staging, name)
         if os.path.exists(dst) and os.path.samefile(local_path, dst):
             fsync_file(dst)  # dcp.save wrote it in place
@@ -284,7 +296,9 @@ class LocalTier(Tier):
         """Rename ``step-N`` to ``.del-step-N-<random>``, fsync the root, then remove it."""
         final = self.step_path(step)
         if not os.path.lexists(final):
-            raise CheckpointFormatError(f"{self._where(step)}: cannot delete: no such step (expected {final})")
+            raise CheckpointFormatError(
+                f"{self._where(step)}: cannot delete: no such step (expected {final})"
+            )
         self._hide_and_remove(final, step)
 
     def _aside(self, kind: str, step: int) -> str:
@@ -292,7 +306,8 @@ class LocalTier(Tier):
         return os.path.join(self.root, f".{kind}-{step_dir_name(step)}-{uuid.uuid4().hex[:12]}")
 
     def _hide_and_remove(self, path: str, step: int) -> None:
-        """Rename ``path`` (a directory of ``step``) to a ``.del-`` name, fsync the root, remove it."""
+        """Rename ``path`` (a directory of ``step``) to a ``.del-`` name, fsync the root, remove
+        it."""
         gone = self._aside("del", step)
         # One rename hides the step at once: never listed half deleted. A
         # crash before: the step is intact; after: a .del- leftover that
@@ -318,7 +333,9 @@ class LocalTier(Tier):
                 # Never listed, never restored: a save that did not commit (or
                 # whose swapped-out old copy was not removed), or a delete.
                 _remove_dir(path)
-                done.append(f"removed {path} ({'unfinished save' if n.startswith('.tmp-') else 'unfinished delete'})")
+                done.append(
+                    f"removed {path} ({'unfinished save' if n.startswith('.tmp-') else 'unfinished delete'})"
+                )
             elif m := _OLD_RE.match(n):
                 step = int(m.group(1))
                 olds.setdefault(step, []).append((path, self._committed(path, step)))
@@ -337,11 +354,12 @@ class LocalTier(Tier):
                     done.append(f"removed uncommitted {final} (no valid {MARKER_FILE})")
                 os.rename(restore, final)
                 fsync_path(self.root)
-                done.append(f"restored step {step}: renamed {restore} back to {final} (a re-save of it did not finish)")
+                done.append(
+                    f"restored step {step}: renamed {restore} back to {final} (a re-save of it "
+                    "did not finish)"
+                )
             for p, _ in cands:
                 if p != restore:
                     _remove_dir(p)
                     done.append(f"removed {p} (replaced copy of step {step})")
         return done
-
-

@@ -18,7 +18,14 @@ from typing import Any
 
 from ...errors import CheckpointFormatError
 
-__all__ = ["MARKER_FILE", "MARKER_FORMAT", "MARKER_VERSION", "FileDigest", "CommitMarker", "check_name"]
+__all__ = [
+    "MARKER_FILE",
+    "MARKER_FORMAT",
+    "MARKER_VERSION",
+    "FileDigest",
+    "CommitMarker",
+    "check_name",
+]
 
 MARKER_FILE = "COMMIT.json"
 MARKER_FORMAT = "ucp_dcp.commit"
@@ -41,8 +48,9 @@ def check_name(name: Any, what: str) -> None:
         or "\\" in name
         or "\0" in name
     ):
-        raise ValueError(f"{what} must be a plain file name (no '/', not '.' or '..'), got {name!r}")
-
+        raise ValueError(
+            f"{what} must be a plain file name (no '/', not '.' or '..'), got {name!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -63,13 +71,18 @@ class FileDigest:
         if self.name == MARKER_FILE:
             raise ValueError(f"field 'name' must not be the commit marker {MARKER_FILE!r}")
         if not is_int(self.size) or self.size < 0:
-            raise ValueError(f"field 'size' of {self.name!r} must be a non-negative integer, got {self.size!r}")
+            raise ValueError(
+                f"field 'size' of {self.name!r} must be a non-negative integer, got {self.size!r}"
+            )
         if not isinstance(self.xxh3, str) or not _HEX32_RE.match(self.xxh3):
             raise ValueError(
-                f"field 'xxh3' of {self.name!r} must be 32 lowercase hex digits (xxh3-128), got {self.xxh3!r}"
+                f"field 'xxh3' of {self.name!r} must be 32 lowercase hex digits (xxh3-128), got "
+                f"{self.xxh3!r}"
             )
         if not is_int(self.rank) or self.rank < -1:
-            raise ValueError(f"field 'rank' of {self.name!r} must be an integer >= -1, got {self.rank!r}")
+            raise ValueError(
+                f"field 'rank' of {self.name!r} must be an integer >= -1, got {self.rank!r}"
+            )
 
     def to_json(self) -> dict[str, Any]:
         """JSON form used inside the marker."""
@@ -99,12 +112,23 @@ class CommitMarker:
         if not is_int(self.step) or self.step < 0:
             raise ValueError(f"field 'step' must be a non-negative integer, got {self.step!r}")
         if not is_int(self.world_size) or self.world_size < 1:
-            raise ValueError(f"field 'world_size' must be a positive integer, got {self.world_size!r}")
+            raise ValueError(
+                f"field 'world_size' must be a positive integer, got {self.world_size!r}"
+            )
         created = self.created
-        if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created) or created < 0:
-            raise ValueError(f"field 'created' must be a finite non-negative unix time, got {created!r}")
+        if (
+            isinstance(created, bool)
+            or not isinstance(created, (int, float))
+            or not math.isfinite(created)
+            or created < 0
+        ):
+            raise ValueError(
+                f"field 'created' must be a finite non-negative unix time, got {created!r}"
+            )
         object.__setattr__(self, "created", float(created))
-        if not isinstance(self.files, (tuple, list)) or not all(isinstance(f, FileDigest) for f in self.files):
+        if not isinstance(self.files, (tuple, list)) or not all(
+            isinstance(f, FileDigest) for f in self.files
+        ):
             raise ValueError(f"field 'files' must be a sequence of FileDigest, got {self.files!r}")
         files = tuple(self.files)
         seen: set[str] = set()
@@ -113,7 +137,9 @@ class CommitMarker:
                 raise ValueError(f"field 'files' lists {f.name!r} twice")
             seen.add(f.name)
             if f.rank >= self.world_size:
-                raise ValueError(f"file {f.name!r}: rank {f.rank} is not below world_size {self.world_size}")
+                raise ValueError(
+                    f"file {f.name!r}: rank {f.rank} is not below world_size {self.world_size}"
+                )
         object.__setattr__(self, "files", files)
         if not isinstance(self.nonfinite, dict):
             raise ValueError(f"field 'nonfinite' must be an object, got {self.nonfinite!r}")
@@ -125,12 +151,15 @@ class CommitMarker:
                 is_int(r) and 0 <= r < self.world_size for r in ranks
             ):
                 raise ValueError(
-                    f"field 'nonfinite'[{k!r}] must be a list of ranks in [0, {self.world_size}), got {ranks!r}"
+                    f"field 'nonfinite'[{k!r}] must be a list of ranks in [0, {self.world_size}), "
+                    f"got {ranks!r}"
                 )
             nonfinite[k] = list(ranks)
         object.__setattr__(self, "nonfinite", nonfinite)
         if not isinstance(self.extra, dict) or not all(isinstance(k, str) for k in self.extra):
-            raise ValueError(f"field 'extra' must be an object with string keys, got {self.extra!r}")
+            raise ValueError(
+                f"field 'extra' must be an object with string keys, got {self.extra!r}"
+            )
         try:
             json.dumps(self.extra, allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -154,7 +183,7 @@ class CommitMarker:
         return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode("utf-8")
 
     @staticmethod
-    def from_json(doc: Any, where: str) -> "CommitMarker":
+    def from_json(doc: Any, where: str) -> CommitMarker:
         """Parse and strictly validate a marker document.
 
         Raises :class:`CheckpointFormatError` naming ``where`` and the bad
@@ -162,23 +191,40 @@ class CommitMarker:
         field of the wrong type or range, a file listed twice.
         """
         if not isinstance(doc, dict):
-            raise CheckpointFormatError(f"{where}: commit marker must be a JSON object, got {type(doc).__name__}")
+            raise CheckpointFormatError(
+                f"{where}: commit marker must be a JSON object, got {type(doc).__name__}"
+            )
         if doc.get("format") != MARKER_FORMAT:
             raise CheckpointFormatError(
-                f"{where}: field 'format' must be {MARKER_FORMAT!r}, got {doc.get('format')!r} (not a ucp_dcp commit marker)"
+                f"{where}: field 'format' must be {MARKER_FORMAT!r}, got {doc.get('format')!r} "
+                "(not a ucp_dcp commit marker)"
             )
         if doc.get("version") != MARKER_VERSION or isinstance(doc.get("version"), bool):
             raise CheckpointFormatError(
-                f"{where}: field 'version' must be {MARKER_VERSION} (this ucp_dcp reads commit markers of version "
+                f"{where}: field 'version' must be {MARKER_VERSION} (this ucp_dcp reads commit "
+                "markers of version "
                 f"{MARKER_VERSION}), got {doc.get('version')!r}"
             )
-        expected = {"format", "version", "step", "world_size", "created", "files", "nonfinite", "extra"}
+        expected = {
+            "format",
+            "version",
+            "step",
+            "world_size",
+            "created",
+            "files",
+            "nonfinite",
+            "extra",
+        }
         missing = sorted(expected - doc.keys())
         if missing:
-            raise CheckpointFormatError(f"{where}: commit marker lacks field(s) {', '.join(map(repr, missing))}")
+            raise CheckpointFormatError(
+                f"{where}: commit marker lacks field(s) {', '.join(map(repr, missing))}"
+            )
         unknown = sorted(doc.keys() - expected)
         if unknown:
-            raise CheckpointFormatError(f"{where}: commit marker has unknown field(s) {', '.join(map(repr, unknown))}")
+            raise CheckpointFormatError(
+                f"{where}: commit marker has unknown field(s) {', '.join(map(repr, unknown))}"
+            )
         raw_files = doc["files"]
         if not isinstance(raw_files, list):
             raise CheckpointFormatError(f"{where}: field 'files' must be a list, got {raw_files!r}")
@@ -187,7 +233,8 @@ class CommitMarker:
         for i, fd in enumerate(raw_files):
             if not isinstance(fd, dict) or fd.keys() != fkeys:
                 raise CheckpointFormatError(
-                    f"{where}: files[{i}] must be an object with exactly the fields name, size, xxh3, rank; got {fd!r}"
+                    f"{where}: files[{i}] must be an object with exactly the fields name, size, "
+                    f"xxh3, rank; got {fd!r}"
                 )
             try:
                 files.append(FileDigest(fd["name"], fd["size"], fd["xxh3"], fd["rank"]))
@@ -195,27 +242,36 @@ class CommitMarker:
                 raise CheckpointFormatError(f"{where}: files[{i}]: {e}") from None
         try:
             return CommitMarker(
-                doc["step"], doc["world_size"], doc["created"], tuple(files), doc["nonfinite"], doc["extra"]
+                doc["step"],
+                doc["world_size"],
+                doc["created"],
+                tuple(files),
+                doc["nonfinite"],
+                doc["extra"],
             )
         except ValueError as e:
             raise CheckpointFormatError(f"{where}: {e}") from None
 
     @staticmethod
-    def decode(data: bytes, where: str) -> "CommitMarker":
-        """Parse the bytes of a ``COMMIT.json`` (:class:`CheckpointFormatError` if truncated or corrupt)."""
+    def decode(data: bytes, where: str) -> CommitMarker:
+        """Parse the bytes of a ``COMMIT.json`` (:class:`CheckpointFormatError` if truncated or
+        corrupt)."""
         try:
             doc = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointFormatError(f"{where}: truncated or corrupt commit marker ({e})") from None
+            raise CheckpointFormatError(
+                f"{where}: truncated or corrupt commit marker ({e})"
+            ) from None
         return CommitMarker.from_json(doc, where)
 
     def digest(self, name: str) -> FileDigest:
-        """The record of file ``name``; :class:`CheckpointFormatError` if the marker does not list it."""
+        """The record of file ``name``; :class:`CheckpointFormatError` if the marker does not list
+        it."""
         for f in self.files:
             if f.name == name:
                 return f
         raise CheckpointFormatError(
-            f"commit marker of step {self.step} lists no file {name!r} (it lists {len(self.files)} files: "
+            f"commit marker of step {self.step} lists no file {name!r} (it lists "
+            f"{len(self.files)} files: "
             f"{', '.join(f.name for f in self.files[:8])}{', ...' if len(self.files) > 8 else ''})"
         )
-
