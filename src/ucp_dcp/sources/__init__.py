@@ -30,12 +30,16 @@ from ._dirs import StoreDir
 from ._ds_utils import LATEST_FILE, looks_like_deepspeed
 from ._hf_utils import HF_INDEX_NAME, HF_WEIGHTS_NAME, looks_like_hf
 from .base import Source, SourceOptions, read_value, register, source_types
-from .composite import CompositeSource
+
+# Registration order is detection order: keep these imports in this order.
+# isort: off
+from .native import NativeSource
+from .distcp import DCPSource
 from .deepspeed import DeepSpeedSource
-from .distcp import DCPSource  # noqa: E402  (registration order is detection order)
 from .ds_universal import DeepSpeedUniversalSource
 from .hf import HFSource
-from .native import NativeSource
+from .composite import CompositeSource
+# isort: on
 
 __all__ = [
     "Source",
@@ -97,9 +101,8 @@ def _open_url(url: str, options: SourceOptions, storage_options: dict[str, Any] 
         # One file named directly, as a local path may name one.
         return HFSource.open_store(ObjectStore(parent, storage_options), options, named=last)
     store = ObjectStore(url, storage_options)
-    raw_index = store.read_if_exists(
-        INDEX_FILE
-    )  # one GET, rather than asking whether it exists first
+    # One GET, rather than asking whether it exists first.
+    raw_index = store.read_if_exists(INDEX_FILE)
     if raw_index is not None:
         return NativeSource(store.url, store, raw_index)
     model_dir = StoreDir(store)  # listed once: detection and opening share the listing
