@@ -51,6 +51,7 @@ __all__ = [
     "IMPORT",
     "Inert",
     "Purpose",
+    "PurposeName",
     "RestrictedUnpickler",
     "StorageRef",
     "TensorRef",

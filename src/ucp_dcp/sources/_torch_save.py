@@ -22,6 +22,7 @@ import struct
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import IO, cast
 
 import torch
 
@@ -138,7 +139,7 @@ def parse_tensor_item(
         raise CheckpointFormatError(f"{where}: truncated: the data file ends inside the item")
     view = _ItemView(pread, offset, length, pieces, stats)
     try:
-        zf = zipfile.ZipFile(view)  # type: ignore[arg-type]
+        zf = zipfile.ZipFile(cast(IO[bytes], view))  # a raw file: all zipfile uses of one
         prefix, pkl = read_pickle_record(zf, where, _MAX_PICKLE_BYTES, "not a tensor's")
         records = storage_records(zf, prefix)
         t = unpickle(pkl, where, "distcp_item", records)
