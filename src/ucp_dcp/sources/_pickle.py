@@ -29,6 +29,14 @@ entry is built inert:
 * DCP's metadata and plan records (plain dataclasses and enums of torch's
   own, and ``pathlib`` paths) are imported by name (:data:`IMPORT`) when a
   pickle names them.
+
+Nothing here needs pickletools-level scanning: what a tensor's bytes are is
+in the arguments of its rebuild call and its storage's persistent id, both
+handed to builders above. One kind of pickle does not come here: DCP's
+non-tensor values, which are refused unless the caller asks for them with
+``dcp_values="weights_only"`` and are then loaded, as that option names,
+with ``torch.load(weights_only=True)`` (torch's own restricted unpickler,
+whose allow-list the user extends with ``torch.serialization.add_safe_globals``).
 """
 
 from __future__ import annotations
