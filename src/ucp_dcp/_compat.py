@@ -8,9 +8,9 @@ rest of the package imports these names from here and uses public torch
 APIs directly.
 
 (Names that only appear inside pickles, such as ``torch._utils``'s tensor
-rebuild functions in :mod:`ucp_dcp.sources._torch_save` or DCP's
-``_StorageInfo`` in :mod:`ucp_dcp.sources._dcp_metadata`, are file-format
-names checked as strings, never imported; they are not listed here.)
+rebuild functions or DCP's ``_StorageInfo``, are file-format names matched
+as strings in the allow-list table of :mod:`ucp_dcp.sources._pickle`, not
+APIs ucp_dcp calls; they are not listed here.)
 """
 
 from __future__ import annotations

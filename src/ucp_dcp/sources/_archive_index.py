@@ -19,7 +19,8 @@ import torch
 from ..core.sharding import Box
 from ..errors import CheckpointFormatError
 from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord
-from ._torch_archive import TensorRef, TorchArchive
+from ._pickle import TensorRef
+from ._torch_archive import TorchArchive
 from ._zero_layout import Segment, segment_boxes
 from .base import Source
 

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO checkpoints: file names, the classes their pickles name, and their records.
+"""DeepSpeed ZeRO checkpoints: file names and their records.
 
 A DeepSpeed checkpoint directory holds ``latest`` (the tag) and one folder
 per tag with, for data-parallel degree ``W`` and no tensor/pipeline
@@ -14,7 +14,8 @@ parallelism:
   one flat buffer per sub-group, and the inner optimizer over them).
 
 This module finds those files and turns their pickles, read as inert records
-by :mod:`._torch_archive`, into :class:`ModelStates` and :class:`RankOptim`,
+by :mod:`._torch_archive` (the classes they may name are :mod:`._pickle`'s
+``"deepspeed"`` entries), into :class:`ModelStates` and :class:`RankOptim`,
 checking every field it uses and naming the file and field when one is not
 what DeepSpeed writes. Where each parameter's elements are inside the flat
 buffers is :mod:`._zero_layout`'s business.
@@ -29,10 +30,10 @@ from typing import Any
 
 from ..errors import CheckpointFormatError
 from ._dirs import LocalDir, ModelDir, StoreDir
-from ._torch_archive import Inert, TensorRef, TorchArchive, read_torch_archive
+from ._pickle import Inert, TensorRef
+from ._torch_archive import TorchArchive, read_torch_archive
 
 __all__ = [
-    "DS_ALLOWED_GLOBALS",
     "DSFiles",
     "ModelStates",
     "RankOptim",
@@ -55,18 +56,6 @@ _OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt"
 # Other names in a tag folder that are DeepSpeed's and not state: the
 # recovery script it copies next to the checkpoint.
 _IGNORED = {"zero_to_fp32.py"}
-
-# The classes DeepSpeed's checkpoint pickles name besides torch's own
-# (tensors, storages, torch.Size, OrderedDict). They become inert records:
-# their fields are read as data, their code never imported or run.
-DS_ALLOWED_GLOBALS = frozenset(
-    {
-        ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-        ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-        ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-        ("deepspeed.utils.tensor_fragment", "fragment_address"),
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -333,10 +322,8 @@ def read_archive(path: str, folder: ModelDir | None = None) -> TorchArchive:
     store)."""
     if isinstance(folder, StoreDir):
         name = folder.store.name_of(path)
-        return read_torch_archive(
-            path, DS_ALLOWED_GLOBALS, store=folder.store, size=folder.size(name)
-        )
-    return read_torch_archive(path, DS_ALLOWED_GLOBALS)
+        return read_torch_archive(path, "deepspeed", store=folder.store, size=folder.size(name))
+    return read_torch_archive(path, "deepspeed")
 
 
 def read_model_states(path: str, folder: ModelDir | None = None) -> ModelStates:

@@ -8,14 +8,12 @@ such a file without running code from it, :func:`read_torch_archive`:
 * opens the zip archive (only its central directory and ``data.pkl``; in
   object storage with a few ranged requests: the tail, the pickle, the
   storage records' local headers in one batch);
-* unpickles ``data.pkl`` with :class:`_InertUnpickler`, whose ``find_class``
-  is the only door from a pickle to code. It hands out containers
-  (``OrderedDict``), ``torch.Size``, dtypes, and for tensors a function that
-  returns a :class:`TensorRef` (storage key and geometry; no data is read).
-  Classes the caller allows by ``(module, name)`` become :class:`Inert`
-  records holding the constructor arguments and state the pickle gives them;
-  the real class is never imported. Anything else is refused, naming it,
-  before anything is built;
+* unpickles ``data.pkl`` with the library's one restricted unpickler
+  (:mod:`._pickle`), for the purpose the caller names: containers,
+  ``torch.Size``, dtypes, each tensor as a :class:`TensorRef` (storage key
+  and geometry; no data is read), the format's own classes as
+  :class:`Inert` records. Anything else is refused, naming it, before
+  anything is built;
 * finds where each storage record's bytes start in the file, so a reader
   can fetch any slice of any tensor with one ``pread``.
 """
@@ -23,95 +21,29 @@ such a file without running code from it, :func:`read_torch_archive`:
 from __future__ import annotations
 
 import io
-import math
 import os
-import pickle
 import struct
 import zipfile
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from .._compat import dtype_from_pickle_storage_type
 from ..byteio.objstore import ObjectStore
 from ..core.sharding import row_major_strides
 from ..errors import CheckpointFormatError, StorageError
+from ._pickle import PurposeName, TensorRef, unpickle
 
 __all__ = [
-    "TensorRef",
-    "Inert",
     "TorchArchive",
     "read_torch_archive",
     "read_pickle_record",
+    "storage_records",
     "stored_record_start",
 ]
 
 # A pickle describing state (not tensor data) is small; a larger one is damaged or hostile.
 _MAX_PICKLE_BYTES = 256 * 1024 * 1024
 _LOCAL_HEADER = 30
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """A tensor in the archive: its storage record and geometry, no data."""
-
-    storage: str
-    dtype: torch.dtype
-    storage_offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        """Number of elements."""
-        return math.prod(self.size)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the tensor's elements (dense)."""
-        return self.numel * self.dtype.itemsize
-
-
-class Inert:
-    """An object of a class the caller allowed, recorded instead of built.
-
-    ``qualname`` is ``"module.name"``; ``args`` are the constructor arguments
-    the pickle passed (an enum member's value, a namedtuple's fields) and
-    ``state`` what it set afterwards (usually the instance ``__dict__``).
-    """
-
-    qualname: str = ""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Inert:  # NEWOBJ: cls.__new__(cls, *args)
-        self = object.__new__(cls)
-        self.args = args
-        self.state = None
-        return self
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # REDUCE: cls(*args)
-        self.args = args
-
-    def __setstate__(self, state: Any) -> None:  # BUILD
-        self.state = state
-
-    def field(self, name: str, default: Any = None) -> Any:
-        """Attribute ``name`` from the recorded state (a dict, or ``(dict, slots)``)."""
-        st = self.state
-        if isinstance(st, tuple) and len(st) == 2:
-            st = {**(st[0] or {}), **(st[1] or {})}
-        return st.get(name, default) if isinstance(st, dict) else default
-
-    def __repr__(self) -> str:
-        return f"<{self.qualname} args={self.args!r} state={self.state!r}>"
-
-
-@dataclass(frozen=True)
-class _StorageRef:
-    key: str
-    dtype: torch.dtype
 
 
 @dataclass
@@ -146,127 +78,6 @@ class TorchArchive:
         return start + off, t.nbytes
 
 
-def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> TensorRef:
-    if not isinstance(storage, _StorageRef):
-        raise _Refused(f"a tensor whose storage is {type(storage).__name__}, not a storage record")
-    if not (
-        _is_count(offset) and _is_counts(size) and _is_counts(stride) and len(size) == len(stride)
-    ):
-        raise _Refused(f"a tensor with malformed geometry {offset!r}, {size!r}, {stride!r}")
-    return TensorRef(storage.key, storage.dtype, offset, tuple(size), tuple(stride))
-
-
-def _rebuild_parameter(data: Any, requires_grad: Any = False, hooks: Any = None, *rest: Any) -> Any:
-    if not isinstance(data, TensorRef):
-        raise _Refused(f"a Parameter around {type(data).__name__}")
-    return data
-
-
-class _PlainTensorType:
-    """``torch.Tensor`` named in a pickle: only as the type argument of
-    ``_rebuild_from_type_v2``."""
-
-
-def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
-    # torch.save uses this for a plain tensor that carries Python attributes
-    # (DeepSpeed tags its parameters): the attributes are dropped, the tensor kept.
-    if (
-        new_type is not _PlainTensorType
-        or func is not _rebuild_tensor
-        or not isinstance(args, tuple)
-    ):
-        raise _Refused("a tensor subclass (torch._tensor._rebuild_from_type_v2 of another type)")
-    return func(*args)
-
-
-def _is_count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _is_counts(x: Any) -> bool:
-    return isinstance(x, tuple) and all(_is_count(v) for v in x)
-
-
-class _Refused(Exception):
-    """Raised inside the unpickler; turned into a CheckpointFormatError naming the file."""
-
-
-_BUILTIN_GLOBALS: dict[tuple[str, str], Any] = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-    ("collections", "OrderedDict"): OrderedDict,
-    ("torch", "Size"): torch.Size,
-    ("torch", "Tensor"): _PlainTensorType,
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
-    # protocol 2 (torch.save's) names builtins the Python 2 way
-    **{
-        (mod, name): obj
-        for mod in ("builtins", "__builtin__")
-        for name, obj in (("set", set), ("frozenset", frozenset))
-    },
-}
-
-
-class _InertUnpickler(pickle.Unpickler):
-    """Unpickles containers, tensors as :class:`TensorRef` and allowed classes as :class:`Inert`;
-    nothing else."""
-
-    def __init__(
-        self, file: io.BytesIO, where: str, allowed: Iterable[tuple[str, str]], storages: set[str]
-    ) -> None:
-        super().__init__(file)
-        self.where = where
-        self.allowed = frozenset(allowed)
-        self.storages = storages
-        self.inert: dict[tuple[str, str], type[Inert]] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        known = _BUILTIN_GLOBALS.get((module, name))
-        if known is not None:
-            return known
-        if module == "torch":
-            obj = getattr(torch, name, None)
-            if isinstance(obj, torch.dtype):
-                return obj
-            if name.endswith("Storage"):
-                try:
-                    return _StorageType(dtype_from_pickle_storage_type(name))
-                except KeyError:
-                    pass
-        if (module, name) in self.allowed:
-            cls = self.inert.get((module, name))
-            if cls is None:
-                cls = type(name, (Inert,), {"qualname": f"{module}.{name}"})
-                self.inert[(module, name)] = cls
-            return cls
-        raise _Refused(
-            f"refusing to unpickle {module}.{name}: it is not one of the classes this format stores"
-        )
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (
-            isinstance(pid, tuple)
-            and len(pid) == 5
-            and pid[0] == "storage"
-            and isinstance(pid[1], _StorageType)
-            and isinstance(pid[2], str)
-        ):
-            raise _Refused(
-                f"refusing persistent id {pid!r}: only torch.save storage records are read"
-            )
-        if pid[2] not in self.storages:
-            raise _Refused(
-                f"the pickle refers to storage data/{pid[2]}, which the archive does not hold"
-            )
-        return _StorageRef(pid[2], pid[1].dtype)
-
-
-@dataclass(frozen=True)
-class _StorageType:
-    dtype: torch.dtype
-
-
 def read_pickle_record(
     zf: zipfile.ZipFile, where: str, max_bytes: int, too_large: str
 ) -> tuple[str, bytes]:
@@ -289,6 +100,13 @@ def read_pickle_record(
     if prefix + "byteorder" in zf.namelist() and zf.read(prefix + "byteorder") != b"little":
         raise CheckpointFormatError(f"{where}: big-endian tensor data is not supported")
     return prefix, pkl
+
+
+def storage_records(zf: zipfile.ZipFile, prefix: str) -> dict[str, zipfile.ZipInfo]:
+    """The storage records of an open ``torch.save`` archive: key -> its ``<prefix>data/<key>``."""
+    return {
+        n[len(prefix) + 5 :]: zf.getinfo(n) for n in zf.namelist() if n.startswith(prefix + "data/")
+    }
 
 
 def stored_record_start(
@@ -316,7 +134,7 @@ def stored_record_start(
 
 def read_torch_archive(
     path: str,
-    allowed: Iterable[tuple[str, str]] = (),
+    purpose: PurposeName,
     *,
     store: ObjectStore | None = None,
     size: int | None = None,
@@ -328,14 +146,14 @@ def read_torch_archive(
     ranged requests (:class:`_ObjectFile`), never downloaded whole.
 
     Raises :class:`CheckpointFormatError` naming the file when it is not a
-    ``torch.save`` zip archive, when its pickle names a class outside
-    ``allowed`` (checked before anything is built), or when a storage
+    ``torch.save`` zip archive, when its pickle names a global outside
+    ``purpose``'s table (checked before anything is built), or when a storage
     record is missing, compressed or runs past the end of the file.
     """
     if store is not None:
         name = store.name_of(path)
         obj = _ObjectFile(store, name, store.size(name) if size is None else size)
-        return _read_archive(obj, path, obj.size, allowed, obj.read_at, obj)
+        return _read_archive(obj, path, obj.size, purpose, obj.read_at, obj)
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -345,14 +163,14 @@ def read_torch_archive(
         def read_at(offset: int, n: int) -> bytes:
             return os.pread(f.fileno(), n, offset)
 
-        return _read_archive(f, path, os.fstat(f.fileno()).st_size, allowed, read_at, None)
+        return _read_archive(f, path, os.fstat(f.fileno()).st_size, purpose, read_at, None)
 
 
 def _read_archive(
     f: Any,
     path: str,
     size: int,
-    allowed: Iterable[tuple[str, str]],
+    purpose: PurposeName,
     read_at: Callable[[int, int], bytes],
     obj: _ObjectFile | None,
 ) -> TorchArchive:
@@ -363,11 +181,7 @@ def _read_archive(
         if obj is not None:
             obj.fetch_small_records(zf)
         prefix, pkl = read_pickle_record(zf, path, _MAX_PICKLE_BYTES, "too large to be state")
-        infos = {
-            n[len(prefix) + 5 :]: zf.getinfo(n)
-            for n in zf.namelist()
-            if n.startswith(prefix + "data/")
-        }
+        infos = storage_records(zf, prefix)
     except (
         zipfile.BadZipFile,
         zipfile.LargeZipFile,
@@ -379,15 +193,7 @@ def _read_archive(
         if isinstance(e, StorageError):
             raise
         raise CheckpointFormatError(f"{path}: not a readable torch.save archive ({e})") from None
-    unpickler = _InertUnpickler(io.BytesIO(pkl), path, allowed, set(infos))
-    try:
-        tree = unpickler.load()
-    except _Refused as e:
-        raise CheckpointFormatError(f"{path}: {e}") from None
-    except Exception as e:  # truncated or garbage pickles raise all sorts
-        raise CheckpointFormatError(
-            f"{path}: data.pkl is not a readable pickle ({type(e).__name__}: {e})"
-        ) from None
+    tree = unpickle(pkl, path, purpose, infos)
     if obj is not None:  # every storage record's local header, in one batch
         obj.fetch([(zi.header_offset, zi.header_offset + _LOCAL_HEADER) for zi in infos.values()])
     records: dict[str, tuple[int, int]] = {}

@@ -40,7 +40,8 @@ from ._ds_utils import (
     read_model_states,
     read_rank_optim,
 )
-from ._torch_archive import TensorRef, TorchArchive
+from ._pickle import TensorRef
+from ._torch_archive import TorchArchive
 from ._zero_layout import Segment, zero3_segments, zero12_segments
 from .base import Source, SourceOptions, register
 

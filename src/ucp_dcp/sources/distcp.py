@@ -10,15 +10,16 @@ length)``.
 This module makes that format readable without unpickling anything but DCP's
 own metadata:
 
-* :func:`read_dcp_metadata` loads ``.metadata`` with a restricted unpickler
-  that only constructs DCP's metadata records, ``torch.Size``, dtypes,
-  layouts and paths; any other class (``os.system``, say) is refused before
-  it is looked up, naming it.
+* :func:`read_dcp_metadata` loads ``.metadata`` with the library's
+  restricted unpickler (:mod:`._pickle`), which only constructs DCP's
+  metadata records, ``torch.Size``, dtypes, layouts and paths; any other
+  class (``os.system``, say) is refused before it is looked up, naming it.
 * A tensor item is byte-addressed without ``torch.load``: :mod:`zipfile`
   finds the storage record ``<archive>/data/<key>`` inside the item and its
-  absolute start in the data file, and the item's ``data.pkl`` is
-  *disassembled* with :func:`pickletools.genops` (never executed) to get the
-  storage key, dtype, ``storage_offset``, size and stride. A row-major item is
+  absolute start in the data file, and the item's ``data.pkl`` goes through
+  the same restricted unpickler, which allows only torch's plain tensor
+  rebuild functions and builds records of them (no tensor, no data) to get
+  the storage key, dtype, ``storage_offset``, size and stride. A row-major item is
   then one byte range; an item stored in another dimension order (a
   transposed weight, a ``channels_last`` convolution kernel: DCP keeps the
   strides it was given) is a byte range plus a dimension order: permuting
@@ -74,20 +75,13 @@ from ..byteio.objstore import ObjectStore
 from ..byteio.rangeio import FileHandles, RangeReader, ReadStats, Segment, storage_view
 from ..core.sharding import Box
 from ..core.values import encode_value
-from ..errors import CheckpointFormatError, DCPValueError
+from ..errors import CheckpointFormatError, DCPValueError, InvalidArgumentError
 from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord, dtype_name
 from ..format.schema import check_paths, check_relative_name, check_tensor_bytes
 from ._dcp_metadata import DCP_METADATA_FILE, read_dcp_metadata
 from ._dirs import LocalDir, ModelDir, StoreDir
-from ._torch_save import (
-    PRead,
-    StoredTensor,
-    dim_order,
-    is_index_tuple,
-    is_nonneg_int,
-    item_ends,
-    parse_tensor_item,
-)
+from ._pickle import is_index_tuple, is_nonneg_int
+from ._torch_save import PRead, StoredTensor, dim_order, item_ends, parse_tensor_item
 from .base import Source, SourceOptions, register
 
 __all__ = ["DCPSource", "DCP_METADATA_FILE", "DCP_VALUES_MODES", "read_dcp_metadata"]
@@ -125,7 +119,9 @@ class DCPSource(Source):
         """Open local ``directory``; or, given ``model_dir`` (a directory view), the checkpoint in
         it."""
         if dcp_values not in DCP_VALUES_MODES:
-            raise ValueError(f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}")
+            raise InvalidArgumentError(
+                f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}"
+            )
         d = model_dir if model_dir is not None else LocalDir(os.fspath(directory))
         self.directory = d.where
         self.dcp_values = dcp_values
@@ -247,7 +243,10 @@ class DCPSource(Source):
     def _where(self, fqn: str, idx: int) -> str:
         fi, info = self._tensor_items[fqn][idx]
         box = self.index.tensors[fqn].chunks[idx].box
-        return f"{self.paths[fi]}: item of {fqn!r} chunk {list(box.offsets)} at [{info.offset}, {info.offset + info.length})"
+        return (
+            f"{self.paths[fi]}: item of {fqn!r} chunk {list(box.offsets)} "
+            f"at [{info.offset}, {info.offset + info.length})"
+        )
 
     def _stored(self, fqn: str, idx: int) -> StoredTensor:
         fi, info = self._tensor_items[fqn][idx]

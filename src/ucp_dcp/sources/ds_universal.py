@@ -16,7 +16,6 @@ from ..core.values import encode_value
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes
 from ._ds_utils import (
-    DS_ALLOWED_GLOBALS,
     UNIVERSAL_DIR,
     UNIVERSAL_MODEL_FILES,
     looks_like_universal,
@@ -24,7 +23,8 @@ from ._ds_utils import (
     universal_folder,
     universal_model_files,
 )
-from ._torch_archive import TensorRef, TorchArchive, read_torch_archive
+from ._pickle import TensorRef
+from ._torch_archive import TorchArchive, read_torch_archive
 from .base import Source, SourceOptions, register
 from .deepspeed import zero3_frozen
 
@@ -69,7 +69,7 @@ class DeepSpeedUniversalSource(Source):
             f = os.path.join(zero, fqn, f"{kind}.pt")
             if not os.path.isfile(f):
                 return None
-            a = read_torch_archive(f, DS_ALLOWED_GLOBALS)
+            a = read_torch_archive(f, "deepspeed")
             t = a.obj.get("param") if isinstance(a.obj, dict) else a.obj
             if not isinstance(t, TensorRef):
                 raise CheckpointFormatError(

@@ -1,0 +1,223 @@
+"""The library's one restricted unpickler (``ucp_dcp.sources._pickle``): what each purpose of its
+allow-list table accepts, and that anything else is refused by name, exactly, before it is built.
+
+Single process, no process group: pickles are made here with ``pickle``, ``torch.save`` and
+``dcp.save``.
+"""
+
+from __future__ import annotations
+
+import ast
+import fractions
+import io
+import os
+import pickle
+import sys
+import types
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ucp_dcp import CheckpointFormatError
+from ucp_dcp.byteio.rangeio import ReadStats
+from ucp_dcp.sources._dcp_metadata import read_dcp_metadata
+from ucp_dcp.sources._pickle import ALLOWED, Inert, PurposeName, TensorRef, unpickle
+from ucp_dcp.sources._torch_archive import read_torch_archive
+from ucp_dcp.sources._torch_save import parse_tensor_item
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+SRC = Path(__file__).parent.parent / "src" / "ucp_dcp"
+SYSTEM = f"{os.system.__module__}.system"  # posix.system on Linux
+ARCHIVE_REFUSAL = ": it is not one of the classes this format stores"
+ITEM_REFUSAL = ": only plain dense tensors (torch._utils._rebuild_tensor_v2/v3) are read from DCP items"
+METADATA_REFUSAL = (
+    " from .metadata: only DCP's own metadata and plan records (and torch.Size, dtypes, layouts) are "
+    "loaded; this file is damaged, hostile, or was written by a planner that stores its own classes "
+    "in the metadata"
+)
+REFUSALS = {"deepspeed": ARCHIVE_REFUSAL, "distcp_item": ITEM_REFUSAL, "dcp_metadata": METADATA_REFUSAL}
+
+
+class _System:
+    """Unpickling this would run ``touch <marker>``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _standin(monkeypatch: pytest.MonkeyPatch, module: str, name: str) -> type:
+    """A class that pickles as ``module.name`` (DeepSpeed's, without DeepSpeed installed)."""
+    cls = type(name, (), {})
+    cls.__module__, cls.__qualname__ = module, name
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):  # the module and its parent packages
+        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    for i in range(1, len(parts)):
+        setattr(sys.modules[".".join(parts[:i])], parts[i], sys.modules[".".join(parts[: i + 1])])
+    setattr(sys.modules[module], name, cls)
+    return cls
+
+
+def _torch_save(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _data_pkl(archive: bytes) -> bytes:
+    with zipfile.ZipFile(io.BytesIO(archive)) as z:
+        (name,) = [n for n in z.namelist() if n.endswith("/data.pkl")]
+        return z.read(name)
+
+
+def test_one_subclass_of_pickle_unpickler_in_src() -> None:
+    """Every pickle the library reads goes through one class."""
+    found = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                ast.unparse(b) in ("pickle.Unpickler", "Unpickler", "_pickle.Unpickler") for b in node.bases
+            ):
+                found.append(f"{path.relative_to(SRC)}:{node.name}")
+    assert found == ["sources/_pickle.py:RestrictedUnpickler"]
+
+
+# ---------------------------------------------------------------- refused by name
+
+
+@pytest.mark.parametrize("purpose", sorted(ALLOWED))
+def test_os_system_is_refused_by_name_before_it_runs(purpose: PurposeName, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    for protocol in (2, pickle.HIGHEST_PROTOCOL):  # GLOBAL and STACK_GLOBAL
+        with pytest.raises(CheckpointFormatError) as e:
+            unpickle(pickle.dumps(_System(marker), protocol=protocol), "f.pkl", purpose)
+        assert str(e.value) == f"f.pkl: refusing to unpickle {SYSTEM}{REFUSALS[purpose]}"
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("purpose", sorted(ALLOWED))
+@pytest.mark.parametrize(
+    "raw", [b"cbuiltins\neval\n(S'1'\ntR.", b"c__builtin__\neval\n(S'1'\ntR.", b"ctorch\nload\n(S'x'\ntR."],
+    ids=["eval", "py2_eval", "torch_load"],
+)
+def test_callables_outside_the_table_are_refused(purpose: PurposeName, raw: bytes) -> None:
+    """A hand-written REDUCE of builtins.eval or torch.load, in the Python 3 and 2 spellings."""
+    module, name = raw[1:].split(b"\n")[:2]
+    with pytest.raises(CheckpointFormatError) as e:
+        unpickle(raw, "f.pkl", purpose)
+    assert str(e.value) == f"f.pkl: refusing to unpickle {module.decode()}.{name.decode()}{REFUSALS[purpose]}"
+
+
+def test_an_entry_of_one_purpose_is_refused_in_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's classes are not DCP's; a Parameter is a DeepSpeed tensor, not a DCP item."""
+    scaler = pickle.dumps(_standin(monkeypatch, "deepspeed.runtime.fp16.loss_scaler", "LossScaler")(), protocol=2)
+    with pytest.raises(CheckpointFormatError) as e:
+        unpickle(scaler, ".metadata", "dcp_metadata")
+    assert str(e.value) == (
+        f".metadata: refusing to unpickle deepspeed.runtime.fp16.loss_scaler.LossScaler{METADATA_REFUSAL}"
+    )
+    item = _torch_save(torch.nn.Parameter(torch.ones(2)))
+    with pytest.raises(CheckpointFormatError) as e:
+        unpickle(_data_pkl(item), "item", "distcp_item", {"0"})
+    assert str(e.value) == f"item: refusing to unpickle torch._utils._rebuild_parameter{ITEM_REFUSAL}"
+    assert isinstance(unpickle(_data_pkl(item), "item", "deepspeed", {"0"}), TensorRef)
+
+
+def test_dcp_metadata_with_a_disallowed_global_is_refused(tmp_path: Path) -> None:
+    """A real .metadata whose planner_data holds a class outside the table (harmless, but not DCP's)."""
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path))
+    md = read_dcp_metadata(tmp_path)
+    md.planner_data = {"w": fractions.Fraction(1, 3)}
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointFormatError) as e:
+        read_dcp_metadata(tmp_path)
+    assert str(e.value) == f"{tmp_path / '.metadata'}: refusing to unpickle fractions.Fraction{METADATA_REFUSAL}"
+
+
+def test_persistent_ids_and_storages() -> None:
+    """.metadata has no persistent ids; an archive's name only the storage records it holds."""
+
+    class _Pid(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            return ("storage", "x") if obj == "pid" else None
+
+    buf = io.BytesIO()
+    _Pid(buf).dump(["pid"])
+    with pytest.raises(CheckpointFormatError) as e:
+        unpickle(buf.getvalue(), ".metadata", "dcp_metadata")
+    assert str(e.value) == ".metadata: refusing persistent id ('storage', 'x') in .metadata"
+    with pytest.raises(CheckpointFormatError) as e:
+        unpickle(buf.getvalue(), "a.pt", "deepspeed")
+    assert str(e.value) == "a.pt: refusing persistent id ('storage', 'x'): only torch.save storage records are read"
+    pkl = _data_pkl(_torch_save(torch.ones(2)))
+    with pytest.raises(CheckpointFormatError) as e:
+        unpickle(pkl, "a.pt", "deepspeed", {"1"})
+    assert str(e.value) == "a.pt: the pickle refers to storage data/0, which the archive does not hold"
+    with pytest.raises(CheckpointFormatError) as e:
+        unpickle(pkl[:-5], "a.pt", "deepspeed", {"0"})
+    assert str(e.value).startswith("a.pt: data.pkl is not a readable pickle (")
+
+
+# ---------------------------------------------------------------- accepted, inert
+
+
+def test_deepspeed_purpose_accepts_its_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors (also tagged with attributes), containers, torch.Size, dtypes and DeepSpeed's classes."""
+    scaler = _standin(monkeypatch, "deepspeed.runtime.fp16.loss_scaler", "LossScaler")()
+    scaler.cur_scale = 1.0
+    flat = torch.arange(6.0)
+    flat.ds_id = 3  # a Python attribute: pickled through _rebuild_from_type_v2
+    path = tmp_path / "optim_states.pt"
+    torch.save({"fp32": [flat], "moment": torch.ones(2, 3).t(), "scaler": scaler, "shape": torch.Size([2, 3]),
+                "dtype": torch.bfloat16, "ids": {1, 2}}, path)
+    a = read_torch_archive(str(path), "deepspeed")
+    (t,), m = a.obj["fp32"], a.obj["moment"]
+    assert t == TensorRef(t.storage, torch.float32, 0, (6,), (1,))
+    assert (m.size, m.stride, m.dtype) == ((3, 2), (1, 3), torch.float32)
+    raw = path.read_bytes()
+    start, nbytes = a.byte_range(t, "fp32")
+    assert raw[start:start + nbytes] == flat.numpy().tobytes()
+    assert isinstance(a.obj["scaler"], Inert) and a.obj["scaler"].field("cur_scale") == 1.0
+    assert a.obj["scaler"].qualname == "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+    assert (a.obj["shape"], a.obj["dtype"], a.obj["ids"]) == (torch.Size([2, 3]), torch.bfloat16, {1, 2})
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.arange(12.0).reshape(3, 4), torch.arange(12.0).reshape(3, 4).t(),
+     torch.arange(6, dtype=torch.int32).to(torch.uint16), torch.arange(5, dtype=torch.int64)[1:]],
+    ids=["v2", "transposed", "v3_uint16", "offset"],
+)
+def test_distcp_item_purpose_gives_the_storage_and_geometry(tensor: torch.Tensor) -> None:
+    """A DCP item (torch.save of one tensor): where its bytes are, never built."""
+    raw = b"pad" + _torch_save(tensor) + b"tail"
+    st = parse_tensor_item(lambda n, off: raw[off:off + n], 3, len(raw) - 7, "item", ReadStats())
+    assert (st.dtype, st.size, st.stride, st.storage_offset) == (
+        tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
+    storage = bytes(tensor.untyped_storage())
+    assert raw[st.data_start:st.data_start + st.record_nbytes] == storage
+
+
+def test_distcp_item_that_holds_no_tensor() -> None:
+    raw = _torch_save({"a": 1})
+    with pytest.raises(CheckpointFormatError) as e:
+        parse_tensor_item(lambda n, off: raw[off:off + n], 0, len(raw), "item", ReadStats())
+    assert str(e.value) == "item: the item does not hold a tensor"
+
+
+def test_dcp_metadata_purpose_accepts_dcps_records(tmp_path: Path) -> None:
+    dcp.save({"w": torch.ones(3, dtype=torch.bfloat16), "step": 4}, checkpoint_id=str(tmp_path))
+    md = read_dcp_metadata(tmp_path)
+    assert isinstance(md, Metadata) and set(md.state_dict_metadata) == {"w", "step"}
+    assert md.state_dict_metadata["w"].properties.dtype == torch.bfloat16
+    plain = [torch.Size([2]), torch.strided, torch.float16, Path("a/b")]
+    assert unpickle(pickle.dumps(plain), ".metadata", "dcp_metadata") == plain
