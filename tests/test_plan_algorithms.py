@@ -27,9 +27,17 @@ from ucp_dcp import RankLocal
 from ucp_dcp.core.nested import set_in_place
 from ucp_dcp.core.pieces import Piece, TensorPieces
 from ucp_dcp.core.sharding import Box
-from ucp_dcp.dcp._load_keys import asked_keys, key_list, keys_no_rank_asked
-from ucp_dcp.dcp._load_reads import check_target, overlap_reads, saved_grid
-from ucp_dcp.dcp._mesh_groups import assign_owners, check_groups, group_items, group_replies, shard_item
+from ucp_dcp.dcp._load_plan import (
+    RankLocalGather,
+    asked_keys,
+    check_target,
+    key_list,
+    keys_no_rank_asked,
+    overlap_reads,
+    rank_local_reads,
+    saved_grid,
+)
+from ucp_dcp.dcp._mesh_groups import MeshGroup, TensorSpec, group_items, shard_item
 from ucp_dcp.dcp._plan_records import (
     LoadRankReport,
     LoadSourceInfo,
@@ -38,12 +46,21 @@ from ucp_dcp.dcp._plan_records import (
     SaveReply,
     SaveSummary,
 )
-from ucp_dcp.dcp._rank_values import RankLocalGather, plan_value_item, rank_local_reads, value_writers
-from ucp_dcp.dcp._save_checks import check_replicated_pieces, check_tiling, divergent_keys
-from ucp_dcp.dcp._save_chunks import assign_writers, collect_chunks
-from ucp_dcp.dcp._save_global import create_global_save_plan, merged_layouts
+from ucp_dcp.dcp._save_global import (
+    assign_owners,
+    assign_writers,
+    check_groups,
+    check_replicated_pieces,
+    check_tiling,
+    collect_chunks,
+    create_global_save_plan,
+    divergent_keys,
+    group_replies,
+    merged_layouts,
+    plan_value_item,
+    value_writers,
+)
 from ucp_dcp.dcp._save_local import create_local_save_plan
-from ucp_dcp.dcp.compact import MeshGroup, TensorSpec
 from ucp_dcp.errors import CheckpointKeyError
 from ucp_dcp.format import LAYOUT_KEY, Layout, rank_local_key
 

@@ -15,7 +15,7 @@ from .adapters.fsdp1 import fsdp1_apply_loaded, fsdp1_state_dict
 from .adapters.layout_rules import LayoutSpec
 from .core.pieces import Piece, TensorPieces
 from .core.values import RankLocal
-from .dcp.planners import UCPLoadPlanner, UCPSavePlanner
+from .dcp import UCPLoadPlanner, UCPSavePlanner
 from .dcp.reader import UCPStorageReader
 from .dcp.writer import UCPStorageWriter
 from .errors import (

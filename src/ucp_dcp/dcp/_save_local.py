@@ -35,9 +35,8 @@ from ..core.sharding import Box, placement_to_str
 from ..core.values import RankLocal, encode_value
 from ..errors import LayoutError, UnsupportedValueError
 from ..format import Layout, dtype_name, rank_local_key
-from ._mesh_groups import cached_group, shard_item
+from ._mesh_groups import MeshGroup, TensorSpec, cached_group, shard_item
 from ._plan_records import MeshGroupReport, PieceKey, SaveRankReport
-from .compact import MeshGroup, TensorSpec
 
 __all__ = ["LocalSavePlan", "create_local_save_plan", "tensor_digest"]
 

@@ -23,8 +23,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 
 from ..format import Layout, split_rank_local_key
 from ._mesh_groups import group_items
-from ._plan_records import SaveReply
-from ._ranks import rank_and_world
+from ._plan_records import SaveReply, rank_and_world
 from ._save_global import create_global_save_plan
 from ._save_local import LocalSavePlan, create_local_save_plan
 
@@ -45,7 +44,7 @@ class UCPSavePlanner(DefaultSavePlanner):
             divergence (costs one pass over them; DTensors are not hashed:
             their placements say what is replicated).
         compact_plans: plan regular DTensors per device mesh instead of per
-            chunk (:mod:`ucp_dcp.dcp.compact`): the plans DCP gathers and
+            chunk (:mod:`ucp_dcp.dcp._mesh_groups`): the plans DCP gathers and
             scatters stay the same size whatever the world size. ``False``
             sends one write item per chunk, as DCP does.
     """
@@ -95,7 +94,7 @@ class UCPSavePlanner(DefaultSavePlanner):
         Regular DTensors produce no write item here: the rank sends its
         mesh group's checksum (the mesh's first rank also sends the group's
         description) and derives its writes in :meth:`finish_plan`. See
-        :mod:`ucp_dcp.dcp.compact`.
+        :mod:`ucp_dcp.dcp._mesh_groups`.
         """
         self._local = create_local_save_plan(
             self.state_dict,
