@@ -13,7 +13,7 @@ The planners treat a piece like any other chunk: save writes the view's
 bytes, as they are, as a chunk of the logical tensor; load reads into the
 view the overlap of every saved chunk with the piece's box. Writes into the
 views land in the caller's buffers. Producers of pieces:
-:class:`ucp_dcp.FlatShard` (flat buffers) and :mod:`ucp_dcp.adapters.layout_rules`
+:class:`ucp_dcp.FlatShard` (flat buffers) and :mod:`ucp_dcp.adapters.layout_spec`
 (fused, padded, renamed, replicated and stage-local tensors).
 """
 
