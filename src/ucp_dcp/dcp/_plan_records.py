@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..core.sharding import Grid
+from ..errors import CheckpointKeyError
 from ..format import Layout
 from ._mesh_groups import MeshGroup
 
@@ -204,7 +205,7 @@ class LoadSourceInfo:
 
     def __getitem__(self, key: str) -> tuple[str | int, ...]:
         if key not in self.keys:
-            raise KeyError(key)
+            raise CheckpointKeyError(f"{key!r} is not a key of the checkpoint")
         return self.paths.get(key) or tuple(key.split("."))
 
     def get(self, key: str, default: Any = None) -> Any:

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from ..errors import InconsistentSaveError
 from ..format import Layout, dtype_name, rank_local_key, split_rank_local_key
 from ._mesh_groups import MeshGroup, Owners, TensorSpec, described_group, owned_metadata
 from ._plan_records import PieceKey, SaveRankReport, SaveReply, SaveSummary
@@ -154,9 +155,9 @@ def _holders_by_digest(per_rank: Iterable[dict[K, str]]) -> dict[K, dict[str, li
 def divergent_keys(reports: Sequence[SaveRankReport], allow_rank_local: bool) -> set[str]:
     """Keys whose value differs across ranks.
 
-    Raises ``ValueError`` for a plain tensor that differs, and for a value
-    that differs unless ``allow_rank_local`` (the caller then saves each
-    rank's copy as a rank-local value).
+    Raises :class:`~ucp_dcp.errors.InconsistentSaveError` for a plain tensor
+    that differs, and for a value that differs unless ``allow_rank_local``
+    (the caller then saves each rank's copy as a rank-local value).
     """
     per_key = _holders_by_digest(r.digests for r in reports)
     divergent = {fqn: groups for fqn, groups in per_key.items() if len(groups) > 1}
@@ -166,7 +167,7 @@ def divergent_keys(reports: Sequence[SaveRankReport], allow_rank_local: bool) ->
         fqn = (bad_tensors or sorted(divergent))[0]
         groups = sorted(divergent[fqn].values())
         what = "plain tensor" if fqn in tensors else "non-tensor value"
-        raise ValueError(
+        raise InconsistentSaveError(
             f"{what} {fqn!r} differs across ranks (ranks {describe_ranks(groups[0])} hold one "
             "value, "
             f"ranks {describe_ranks(groups[1])} another; {len(divergent)} key(s) differ in all). "
@@ -189,7 +190,7 @@ def check_replicated_pieces(reports: Sequence[SaveRankReport]) -> None:
     if bad:
         groups = sorted(per_key[bad[0]].values())
         fqn, offs = bad[0]
-        raise ValueError(
+        raise InconsistentSaveError(
             f"replicated tensor {fqn!r} (box at offsets {list(offs)}) differs across ranks: ranks "
             f"{describe_ranks(groups[0])} hold one value, ranks {describe_ranks(groups[1])} "
             f"another ({len(bad)} "
@@ -224,7 +225,7 @@ def check_tiling(reports: Sequence[SaveRankReport], table: ChunkTable) -> None:
                 if covered < total
                 else "so some of them overlap"
             )
-            raise ValueError(
+            raise InconsistentSaveError(
                 f"tensor {fqn!r} of shape {list(size)}: the boxes saved by all ranks hold "
                 f"{covered} elements in "
                 f"all, {how}; the tensor has {total}. Check the flat ranges (FlatParam offsets, "
@@ -245,7 +246,7 @@ def check_groups(reports: Sequence[SaveRankReport]) -> list[MeshGroup]:
             if g.description is not None and key not in described:
                 group = described_group(g.signature, g.description)
                 if group.signature != g.signature:
-                    raise ValueError(
+                    raise InconsistentSaveError(
                         f"rank {me}: its mesh group description does not match its own checksum"
                     )
                 described[key] = group
@@ -253,7 +254,7 @@ def check_groups(reports: Sequence[SaveRankReport]) -> list[MeshGroup]:
     for (first, sig), ranks in members.items():
         group = described.get((first, sig))
         if group is None:
-            raise ValueError(
+            raise InconsistentSaveError(
                 f"ranks {describe_ranks(sorted(ranks))} hold DTensors on a device mesh whose "
                 "first rank is "
                 f"{first}, but rank {first} does not hold the same ones: every rank of a mesh "
@@ -264,7 +265,7 @@ def check_groups(reports: Sequence[SaveRankReport]) -> list[MeshGroup]:
             )
         if sorted(ranks) != sorted(group.ranks):
             missing = sorted(set(group.ranks) - set(ranks))
-            raise ValueError(
+            raise InconsistentSaveError(
                 f"the device mesh of ranks {describe_ranks(sorted(group.ranks))} holds "
                 f"{len(group.tensors)} "
                 f"DTensor(s), but rank(s) {describe_ranks(missing)} of it did not report the same "
@@ -307,8 +308,9 @@ class ChunkTable:
 def collect_chunks(plans: Sequence[SavePlan]) -> ChunkTable:
     """The chunk table of ``plans`` (one per rank, in rank order).
 
-    Raises ``ValueError`` when one key is a different dtype or shape on two
-    ranks, or two ranks save boxes of different sizes at the same offsets.
+    Raises :class:`~ucp_dcp.errors.InconsistentSaveError` when one key is a
+    different dtype or shape on two ranks, or two ranks save boxes of
+    different sizes at the same offsets.
     """
     table = ChunkTable()
     for r, plan in enumerate(plans):
@@ -321,7 +323,7 @@ def collect_chunks(plans: Sequence[SavePlan]) -> ChunkTable:
             if seen is None:
                 table.props[fqn] = (td.properties, td.size, r)
             elif (seen[0].dtype, seen[1]) != (td.properties.dtype, td.size):
-                raise ValueError(
+                raise InconsistentSaveError(
                     f"tensor {fqn!r} is {dtype_name(seen[0].dtype)}{list(seen[1])} on rank "
                     f"{seen[2]} but "
                     f"{dtype_name(td.properties.dtype)}{list(td.size)} on rank {r}; one key must "
@@ -335,7 +337,7 @@ def collect_chunks(plans: Sequence[SavePlan]) -> ChunkTable:
             table.holders[key].append(r)
             seen_item = table.first.setdefault(key, item)
             if seen_item.tensor_data.chunk.sizes != td.chunk.sizes:
-                raise ValueError(
+                raise InconsistentSaveError(
                     f"tensor {fqn!r}: rank {table.holders[key][0]} saves a box of size "
                     f"{list(seen_item.tensor_data.chunk.sizes)} at offsets {list(key[1])} but "
                     f"rank {r} one of "
@@ -399,7 +401,7 @@ def assign_owners(groups: list[MeshGroup], taken: set[str]) -> Owners:
                 if other
                 else "as a DTensor on some ranks and a plain or irregular tensor on others"
             )
-            raise ValueError(
+            raise InconsistentSaveError(
                 f"tensor {fqn!r} is saved {where}; one key must name one tensor on every rank "
                 "(pipeline stages: rename stage-local layers to global names)"
             )

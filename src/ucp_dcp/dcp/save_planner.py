@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from ..errors import InvalidArgumentError
 from ..format import Layout, split_rank_local_key
 from ._mesh_groups import group_items
 from ._plan_records import SaveReply, rank_and_world
@@ -57,7 +58,7 @@ class UCPSavePlanner(DefaultSavePlanner):
         compact_plans: bool = True,
     ) -> None:
         if divergent_values not in ("error", "rank_local"):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"divergent_values must be 'error' or 'rank_local', got {divergent_values!r}"
             )
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True)
