@@ -72,3 +72,15 @@ def test_layout_rules_are_the_adapter_classes() -> None:
     assert ucp_dcp.LayoutSpec is LayoutSpec
     for name in ("Rename", "Reindex", "Fused", "Shard", "VocabPad", "Replicated", "Averaged"):
         assert getattr(ucp_dcp, name) is getattr(rules, name)
+
+
+def test_every_error_is_a_ucp_error_with_a_builtin_base() -> None:
+    """``except UCPError`` catches each; ``except ValueError`` (or the like) still does too."""
+    from ucp_dcp import errors
+
+    builtin = (ValueError, TypeError, KeyError, RuntimeError, OSError, LookupError)
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.UCPError), name
+        if cls not in (errors.UCPError, errors.CLIError):
+            assert issubclass(cls, builtin), name
