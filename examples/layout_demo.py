@@ -7,7 +7,7 @@ holds a fused QKV weight (per KV-head group: its query heads, its key head,
 its value head), a fused SwiGLU ``gate_up`` weight, column slices of the
 row-parallel ``o``/``down`` weights, and a vocabulary embedding and output
 head padded to a multiple of ``4 * tp`` rows; every pipeline stage numbers
-its own layers from 0. A :class:`ucp_dcp.adapters.layout_rules.LayoutSpec` says so in
+its own layers from 0. A :class:`ucp_dcp.LayoutSpec` says so in
 six rules, and the checkpoint then holds canonical tensors
 (``model.layers.3.attn.k.weight``, 37 vocabulary rows) that any other layout
 loads through its own spec.
@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
-from ucp_dcp.adapters.layout_rules import Fused, LayoutSpec, Reindex, Replicated, Shard, VocabPad
+from ucp_dcp import Fused, LayoutSpec, Reindex, Replicated, Shard, VocabPad
 from ucp_dcp.core.pieces import TensorPieces
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 37, 16, 24, 12, 1, 24, 4  # TP 1, 2, 3, 4 all divide

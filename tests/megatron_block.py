@@ -2,7 +2,7 @@
 
 A reference model is a dict of *full, unfused* tensors under global names
 (``layers.2.attn.q.weight``). :func:`local_state` cuts it, by explicit
-Megatron arithmetic written independently of :mod:`ucp_dcp.adapters.layout_rules`,
+Megatron arithmetic written independently of :mod:`ucp_dcp.adapters.layout_spec`,
 into what one rank of a TP x PP layout holds: fused GQA QKV (per KV group:
 that group's query heads, then its key head, then its value head), fused
 SwiGLU ``gate_up`` (this rank's gate rows, then its up rows), row-parallel
@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from ucp_dcp.adapters.layout_rules import Fused, LayoutSpec, Reindex, Rename, Replicated, Rule, Shard, VocabPad
+from ucp_dcp import Fused, LayoutSpec, Reindex, Rename, Replicated, Shard, VocabPad
+from ucp_dcp.adapters.rules import Rule
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from dist_utils import bit_equal, run_ranks
 from layouts import build, full_reference, scramble, train_state, train_step
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter, load_index
-from ucp_dcp.dcp.compact import LazyChunks
+from ucp_dcp.dcp._mesh_groups import LazyChunks
 
 pytestmark = pytest.mark.multiproc
 

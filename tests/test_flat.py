@@ -32,6 +32,7 @@ from ucp_dcp import (
     pack_flat,
 )
 from ucp_dcp.core.sharding import flat_range_boxes, row_major_strides
+from ucp_dcp.errors import InvalidArgumentError, LayoutError
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)
 
@@ -62,7 +63,7 @@ def test_flat_range_boxes_tile_the_range_in_order(data: st.DataObject) -> None:
 
 
 def test_flat_range_boxes_rejects_out_of_range() -> None:
-    with pytest.raises(ValueError, match=r"flat range \[3, 13\) is outside a tensor of shape \[3, 4\] \(12 elements\)"):
+    with pytest.raises(LayoutError, match=r"flat range \[3, 13\) is outside a tensor of shape \[3, 4\] \(12 elements\)"):
         flat_range_boxes((3, 4), 3, 13)
 
 
@@ -86,13 +87,13 @@ def test_flat_shard_views_share_memory_and_padding_is_fill() -> None:
 
 
 def test_flat_shard_errors() -> None:
-    with pytest.raises(ValueError, match=r"flat parameters 'a' \[0, 6\) and 'b' \[4, 8\) overlap"):
+    with pytest.raises(LayoutError, match=r"flat parameters 'a' \[0, 6\) and 'b' \[4, 8\) overlap"):
         FlatShard(torch.zeros(8), [FlatParam("a", (2, 3), 0), FlatParam("b", (4,), 4)], 0)
-    with pytest.raises(ValueError, match="the local slice must be contiguous"):
+    with pytest.raises(InvalidArgumentError, match="the local slice must be contiguous"):
         FlatShard(torch.zeros(4, 4).t(), [FlatParam("a", (16,), 0)], 0)
-    with pytest.raises(ValueError, match=r"piece of 'x': a box of size \[2\] at offsets \[3\] does not fit"):
+    with pytest.raises(LayoutError, match=r"piece of 'x': a box of size \[2\] at offsets \[3\] does not fit"):
         Piece("x", (4,), (3,), torch.zeros(2))
-    with pytest.raises(ValueError, match=r"two pieces of 'x' start at offsets \[0\]"):
+    with pytest.raises(LayoutError, match=r"two pieces of 'x' start at offsets \[0\]"):
         TensorPieces([Piece("x", (4,), (0,), torch.zeros(2)), Piece("x", (4,), (0,), torch.zeros(1))])
 
 

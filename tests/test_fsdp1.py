@@ -26,6 +26,7 @@ from fsdp1_utils import build_fsdp1, fsdp1_full_reference, piece_sets, scramble_
 from layouts import build, check_against, full_reference, scramble, train_state, train_step
 from ucp_dcp import TensorPieces, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.adapters.fsdp1 import fsdp1_apply_loaded, fsdp1_state_dict
+from ucp_dcp.errors import UnsupportedModelError
 
 pytestmark = pytest.mark.multiproc
 
@@ -168,7 +169,7 @@ def test_fsdp1_to_fsdp1_other_world(fsdp1_source: str) -> None:
 
 
 def test_rejects_a_module_that_is_not_fsdp1() -> None:
-    with pytest.raises(ValueError, match=r"is a Linear, not a torch.distributed.fsdp.FullyShardedDataParallel"):
+    with pytest.raises(UnsupportedModelError, match=r"is a Linear, not a torch.distributed.fsdp.FullyShardedDataParallel"):
         fsdp1_state_dict(nn.Linear(2, 2))
 
 
@@ -176,17 +177,17 @@ def _errors(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
     for strategy, kw in ((ShardingStrategy.NO_SHARD, {}), (ShardingStrategy.HYBRID_SHARD, {"device_mesh": mesh})):
         model, optim = build_fsdp1(use_orig_params=False, strategy=strategy, **kw)
-        with pytest.raises(ValueError, match=rf"root FSDP unit uses sharding strategy {strategy.name}; supported"):
+        with pytest.raises(UnsupportedModelError, match=rf"root FSDP unit uses sharding strategy {strategy.name}; supported"):
             fsdp1_state_dict(model, optim)
     model, _ = build_fsdp1(use_orig_params=False)
     stray = nn.Parameter(torch.zeros(3))
     optim = torch.optim.AdamW([*model.parameters(), stray])
-    with pytest.raises(ValueError, match=r"param group 0, param 3 \(shape \[3\]; not a parameter of the model\) is "
+    with pytest.raises(UnsupportedModelError, match=r"param group 0, param 3 \(shape \[3\]; not a parameter of the model\) is "
                                          r"neither a FlatParameter"):
         fsdp1_state_dict(model, optim)
     assert not optim.state  # nothing was touched
     fsdp2, optim2 = build("dp2")
-    with pytest.raises(ValueError, match=r"FSDPModel, not a .*FSDP1.* \(for fully_shard/FSDP2 models use .*get_state_dict"):
+    with pytest.raises(UnsupportedModelError, match=r"FSDPModel, not a .*FSDP1.* \(for fully_shard/FSDP2 models use .*get_state_dict"):
         fsdp1_state_dict(fsdp2, optim2)
 
 

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dist_utils import bit_equal, run_ranks
 from ucp_dcp import CheckpointKeyError, LayoutSpec, UCPLoadPlanner, UCPStorageReader, load_state_dict
-from ucp_dcp.adapters.layout_rules import Fused, Rename, Replicated, Shard, VocabPad
+from ucp_dcp import Fused, Rename, Replicated, Shard, VocabPad
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model comes from a local config
 transformers = pytest.importorskip("transformers")

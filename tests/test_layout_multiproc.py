@@ -31,7 +31,8 @@ from megatron_block import (
     train_state,
 )
 from ucp_dcp import RankLocal, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
-from ucp_dcp.adapters.layout_rules import LAYOUT_KEY, Averaged, LayoutSpec, Rename
+from ucp_dcp import Averaged, LayoutSpec, Rename
+from ucp_dcp.format import LAYOUT_KEY
 
 pytestmark = pytest.mark.multiproc
 

@@ -20,10 +20,11 @@ from megatron_block import (
     CFG, block_rules, block_spec, expert_local, expert_reference, expert_spec, local_state, reference,
     train_state,
 )
-from ucp_dcp import RankLocal
-from ucp_dcp.adapters.layout_rules import (
-    LAYOUT_KEY, Averaged, Fused, LayoutRuleError, LayoutSpec, Reindex, Rename, Replicated, Rule, Shard, VocabPad,
+from ucp_dcp import (
+    Averaged, Fused, LayoutRuleError, LayoutSpec, RankLocal, Reindex, Rename, Replicated, Shard, VocabPad,
 )
+from ucp_dcp.adapters.rules import Rule
+from ucp_dcp.format import LAYOUT_KEY
 from ucp_dcp.core.pieces import Piece, TensorPieces
 from ucp_dcp.core.values import decode_value, encode_value
 

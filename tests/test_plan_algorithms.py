@@ -27,9 +27,17 @@ from ucp_dcp import RankLocal
 from ucp_dcp.core.nested import set_in_place
 from ucp_dcp.core.pieces import Piece, TensorPieces
 from ucp_dcp.core.sharding import Box
-from ucp_dcp.dcp._load_keys import asked_keys, key_list, keys_no_rank_asked
-from ucp_dcp.dcp._load_reads import check_target, overlap_reads, saved_grid
-from ucp_dcp.dcp._mesh_groups import assign_owners, check_groups, group_items, group_replies, shard_item
+from ucp_dcp.dcp._load_plan import (
+    RankLocalGather,
+    asked_keys,
+    check_target,
+    key_list,
+    keys_no_rank_asked,
+    overlap_reads,
+    rank_local_reads,
+    saved_grid,
+)
+from ucp_dcp.dcp._mesh_groups import MeshGroup, TensorSpec, group_items, shard_item
 from ucp_dcp.dcp._plan_records import (
     LoadRankReport,
     LoadSourceInfo,
@@ -38,13 +46,22 @@ from ucp_dcp.dcp._plan_records import (
     SaveReply,
     SaveSummary,
 )
-from ucp_dcp.dcp._rank_values import RankLocalGather, plan_value_item, rank_local_reads, value_writers
-from ucp_dcp.dcp._save_checks import check_replicated_pieces, check_tiling, divergent_keys
-from ucp_dcp.dcp._save_chunks import assign_writers, collect_chunks
-from ucp_dcp.dcp._save_global import create_global_save_plan, merged_layouts
+from ucp_dcp.dcp._save_global import (
+    assign_owners,
+    assign_writers,
+    check_groups,
+    check_replicated_pieces,
+    check_tiling,
+    collect_chunks,
+    create_global_save_plan,
+    divergent_keys,
+    group_replies,
+    merged_layouts,
+    plan_value_item,
+    value_writers,
+)
 from ucp_dcp.dcp._save_local import create_local_save_plan
-from ucp_dcp.dcp.compact import MeshGroup, TensorSpec
-from ucp_dcp.errors import CheckpointKeyError
+from ucp_dcp.errors import CheckpointKeyError, InconsistentSaveError
 from ucp_dcp.format import LAYOUT_KEY, Layout, rank_local_key
 
 ROWS = Layout((2,), ("S(0)",))
@@ -114,11 +131,11 @@ def test_divergent_keys() -> None:
     same = [report(0, digests={"lr": "a"}), report(1, digests={"lr": "a"})]
     assert divergent_keys(same, allow_rank_local=False) == set()
     values = [report(0, digests={"pos": "a", "lr": "x"}), report(1, digests={"pos": "b", "lr": "x"})]
-    with pytest.raises(ValueError, match=r"non-tensor value 'pos' differs across ranks \(ranks 0 hold one value"):
+    with pytest.raises(InconsistentSaveError, match=r"non-tensor value 'pos' differs across ranks \(ranks 0 hold one value"):
         divergent_keys(values, allow_rank_local=False)
     assert divergent_keys(values, allow_rank_local=True) == {"pos"}
     tensors = [report(r, digests={"t": str(r)}, layouts={"t": Layout()}) for r in range(2)]
-    with pytest.raises(ValueError, match="plain tensor 't' differs"):
+    with pytest.raises(InconsistentSaveError, match="plain tensor 't' differs"):
         divergent_keys(tensors, allow_rank_local=True)  # never made rank-local
 
 
@@ -126,7 +143,7 @@ def test_check_replicated_pieces() -> None:
     ok = [report(r, piece_digests={("n", (0,)): "a"}) for r in range(3)]
     check_replicated_pieces(ok)
     bad = [report(r, piece_digests={("n", (0,)): "a" if r < 2 else "b"}) for r in range(3)]
-    with pytest.raises(ValueError, match=r"replicated tensor 'n' \(box at offsets \[0\]\) differs.*ranks 0, 1 hold"):
+    with pytest.raises(InconsistentSaveError, match=r"replicated tensor 'n' \(box at offsets \[0\]\) differs.*ranks 0, 1 hold"):
         check_replicated_pieces(bad)
 
 
@@ -136,19 +153,19 @@ def test_check_tiling() -> None:
     whole = [chunk_plan(0, [("p", Box((0,), (4,)), (8,))]), chunk_plan(1, [("p", Box((4,), (4,)), (8,))])]
     check_tiling(reports, collect_chunks(whole))
     gap = [chunk_plan(0, [("p", Box((0,), (3,)), (8,))]), chunk_plan(1, [("p", Box((4,), (4,)), (8,))])]
-    with pytest.raises(ValueError, match="hold 7 elements in all, leaving elements that no rank holds"):
+    with pytest.raises(InconsistentSaveError, match="hold 7 elements in all, leaving elements that no rank holds"):
         check_tiling(reports, collect_chunks(gap))
     overlap = [chunk_plan(0, [("p", Box((0,), (5,)), (8,))]), chunk_plan(1, [("p", Box((4,), (4,)), (8,))])]
-    with pytest.raises(ValueError, match="so some of them overlap"):
+    with pytest.raises(InconsistentSaveError, match="so some of them overlap"):
         check_tiling(reports, collect_chunks(overlap))
     check_tiling([report(0)], collect_chunks(gap))  # not pieces: DTensor chunks tile by construction
 
 
 def test_collect_chunks_refuses_one_key_two_tensors() -> None:
     a = chunk_plan(0, [("t", Box((0,), (4,)), (4,))])
-    with pytest.raises(ValueError, match=r"tensor 't' is float32\[4\] on rank 0 but bfloat16\[4\] on rank 1"):
+    with pytest.raises(InconsistentSaveError, match=r"tensor 't' is float32\[4\] on rank 0 but bfloat16\[4\] on rank 1"):
         collect_chunks([a, chunk_plan(1, [("t", Box((0,), (4,)), (4,))], torch.bfloat16)])
-    with pytest.raises(ValueError, match=r"rank 0 saves a box of size \[4\] at offsets \[0\] but rank 1 one of size"):
+    with pytest.raises(InconsistentSaveError, match=r"rank 0 saves a box of size \[4\] at offsets \[0\] but rank 1 one of size"):
         collect_chunks([a, chunk_plan(1, [("t", Box((0,), (2,)), (4,))])])
 
 
@@ -176,9 +193,9 @@ def test_check_groups() -> None:
     agreed = [report(r, groups=(describe(g, r),)) for r in range(2)]
     assert [x.signature for x in check_groups(agreed)] == [g.signature]
     undescribed = [report(r, groups=(MeshGroupReport(g.signature, 0, None),)) for r in range(2)]
-    with pytest.raises(ValueError, match="whose first rank is 0, but rank 0 does not hold the same ones"):
+    with pytest.raises(InconsistentSaveError, match="whose first rank is 0, but rank 0 does not hold the same ones"):
         check_groups(undescribed)
-    with pytest.raises(ValueError, match=r"rank\(s\) 1 of it did not report the same ones"):
+    with pytest.raises(InconsistentSaveError, match=r"rank\(s\) 1 of it did not report the same ones"):
         check_groups(agreed[:1])
 
 
@@ -191,9 +208,9 @@ def test_owners_and_replies() -> None:
     replies = group_replies([g0, g1], owners, reports)
     skipped = {r: rep.skip for r, rep in enumerate(replies) if rep is not None}
     assert skipped[0] == skipped[1] != skipped[2] == skipped[3] and len(skipped[0]) == 1
-    with pytest.raises(ValueError, match="as a DTensor on some ranks and a plain or irregular tensor on others"):
+    with pytest.raises(InconsistentSaveError, match="as a DTensor on some ranks and a plain or irregular tensor on others"):
         assign_owners([g0], taken={"a"})
-    with pytest.raises(ValueError, match=r"as float32\[4, 4\] on ranks 0, 1 and as float32\[8, 4\] on ranks 2, 3"):
+    with pytest.raises(InconsistentSaveError, match=r"as float32\[4, 4\] on ranks 0, 1 and as float32\[8, 4\] on ranks 2, 3"):
         assign_owners([g0, group((2, 3), spec("a", (8, 4)))], taken=set())
 
 
@@ -236,7 +253,7 @@ def test_local_then_global_save_plan() -> None:
 def test_local_plan_refuses_one_piece_twice() -> None:
     t = torch.zeros(2)
     sd = {"a": TensorPieces([Piece("p", (4,), (0,), t)]), "b": TensorPieces([Piece("p", (4,), (0,), t)])}
-    with pytest.raises(ValueError, match=r"gives the piece at offsets \[0\] twice, under state-dict keys 'a' and 'b'"):
+    with pytest.raises(InconsistentSaveError, match=r"gives the piece at offsets \[0\] twice, under state-dict keys 'a' and 'b'"):
         create_local_save_plan(sd, 0, 1)
 
 

@@ -12,10 +12,11 @@ layout and world size, reading only the bytes each rank needs::
 
 from .adapters.flat import FlatParam, FlatShard, flat_partition, pack_flat
 from .adapters.fsdp1 import fsdp1_apply_loaded, fsdp1_state_dict
-from .adapters.layout_rules import LayoutSpec
+from .adapters.layout_spec import LayoutSpec
+from .adapters.rules import Averaged, Fused, Reindex, Rename, Replicated, Shard, VocabPad
 from .core.pieces import Piece, TensorPieces
 from .core.values import RankLocal
-from .dcp.planners import UCPLoadPlanner, UCPSavePlanner
+from .dcp import UCPLoadPlanner, UCPSavePlanner
 from .dcp.reader import UCPStorageReader
 from .dcp.writer import UCPStorageWriter
 from .errors import (
@@ -71,6 +72,13 @@ __all__ = [
     "fsdp1_state_dict",
     "fsdp1_apply_loaded",
     "LayoutSpec",
+    "Rename",
+    "Reindex",
+    "Fused",
+    "Shard",
+    "VocabPad",
+    "Replicated",
+    "Averaged",
     "LayoutRuleError",
 ]
 

@@ -29,6 +29,9 @@ __all__ = [
     "CLIError",
     "InvalidArgumentError",
     "InvalidStateError",
+    "InconsistentSaveError",
+    "UnsupportedModelError",
+    "TorchInternalsError",
 ]
 
 
@@ -175,3 +178,23 @@ class InvalidArgumentError(UCPError, ValueError):
 class InvalidStateError(UCPError, RuntimeError):
     """A call the object's state does not allow (it is closed, or every staging buffer is in
     use): names the object and what to do first."""
+
+
+# ---------------------------------------------------------------- saving and adapters
+
+
+class InconsistentSaveError(UCPError, ValueError):
+    """What the ranks of a save hold does not fit together: one key names different tensors or
+    values on different ranks, a replicated tensor differs, pieces do not tile their tensor, or
+    the ranks of one device mesh report different DTensors. Names the key and the ranks."""
+
+
+class UnsupportedModelError(UCPError, ValueError):
+    """A model, optimizer or loaded state an adapter (``fsdp1_state_dict``,
+    ``fsdp1_apply_loaded``) does not support or that does not match it: names the module,
+    parameter or group and what is supported."""
+
+
+class TorchInternalsError(UCPError, RuntimeError):
+    """Private torch state the library reads (FSDP1's ``FlatParameter`` metadata) is not laid
+    out as expected: this torch version is not supported."""

@@ -29,6 +29,7 @@ import torch
 
 from ..core.pieces import Piece, TensorPieces
 from ..core.sharding import flat_range_boxes, row_major_strides
+from ..errors import InvalidArgumentError, LayoutError
 
 __all__ = ["FlatParam", "FlatShard", "pack_flat", "flat_partition"]
 
@@ -45,7 +46,7 @@ class FlatParam:
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
         if self.offset < 0 or any(n < 0 for n in self.shape):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"flat parameter {self.fqn!r}: negative offset {self.offset} or shape "
                 f"{list(self.shape)}"
             )
@@ -72,7 +73,7 @@ def pack_flat(
     :class:`FlatParam` offsets.
     """
     if align < 1:
-        raise ValueError(f"align must be >= 1, got {align}")
+        raise InvalidArgumentError(f"align must be >= 1, got {align}")
     out, pos = [], 0
     for fqn, shape in named_shapes:
         p = FlatParam(fqn, tuple(shape), pos)
@@ -89,7 +90,7 @@ def flat_partition(total: int, world_size: int, rank: int) -> tuple[int, int]:
     with) or be empty.
     """
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside world size {world_size}")
+        raise InvalidArgumentError(f"rank {rank} is outside world size {world_size}")
     per = -(-total // world_size)
     return rank * per, (rank + 1) * per
 
@@ -121,7 +122,7 @@ class FlatShard(TensorPieces):
         suffix: str = "",
     ) -> None:
         if not local.is_contiguous():
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"FlatShard at buffer offset {start}: the local slice must be contiguous"
             )
         flat = local.detach().reshape(-1)
@@ -129,7 +130,7 @@ class FlatShard(TensorPieces):
         ordered = sorted(params, key=lambda p: p.offset)
         for a, b in zip(ordered, ordered[1:]):
             if a.end > b.offset:
-                raise ValueError(
+                raise LayoutError(
                     f"flat parameters {a.fqn!r} [{a.offset}, {a.end}) and {b.fqn!r} [{b.offset}, "
                     f"{b.end}) overlap"
                 )

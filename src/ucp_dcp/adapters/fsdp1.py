@@ -37,10 +37,11 @@ or True, sharding strategies ``FULL_SHARD`` and ``SHARD_GRAD_OP`` over all
 ranks of the default process group, and torch.optim optimizers (AdamW,
 Adam, SGD, ...) built from the FSDP1 model's parameters whose state is
 tensors shaped like the parameter, 0-d tensors (``step``) and plain values.
-Not supported (``ValueError``): ``NO_SHARD``, ``HYBRID_SHARD``,
-``_HYBRID_SHARD_ZERO2``, process groups smaller than the world, FSDP2
-models (use ``get_state_dict`` directly), and optimizer parameters that
-are not FlatParameters / original parameters of the model.
+Not supported (:class:`~ucp_dcp.errors.UnsupportedModelError`, a
+``ValueError``): ``NO_SHARD``, ``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``,
+process groups smaller than the world, FSDP2 models (use ``get_state_dict``
+directly), and optimizer parameters that are not FlatParameters / original
+parameters of the model.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from .._compat import (
     module_persistent_buffers,
 )
 from ..core.pieces import Piece, TensorPieces
+from ..errors import TorchInternalsError, UnsupportedModelError
 from .flat import FlatParam, FlatShard
 
 __all__ = ["fsdp1_state_dict", "fsdp1_apply_loaded", "SUPPORTED_SHARDING_STRATEGIES"]
@@ -112,7 +114,7 @@ def _units(model: nn.Module) -> list[_Unit]:
             type(m).__name__.startswith("FSDP") for m in model.modules()
         ) or looks_like_fully_shard(model):
             hint = " (for fully_shard/FSDP2 models use torch.distributed.checkpoint.state_dict.get_state_dict)"
-        raise ValueError(
+        raise UnsupportedModelError(
             f"fsdp1_state_dict: the model is a {type(model).__name__}, not a "
             f"torch.distributed.fsdp.FullyShardedDataParallel (FSDP1) root module{hint}; wrap the "
             "whole model "
@@ -126,7 +128,7 @@ def _units(model: nn.Module) -> list[_Unit]:
         where = f"FSDP unit {mod_name!r}" if mod_name else "the root FSDP unit"
         strategy = mod.sharding_strategy.name
         if strategy not in SUPPORTED_SHARDING_STRATEGIES:
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"fsdp1_state_dict: {where} uses sharding strategy {strategy}; supported are "
                 f"{', '.join(SUPPORTED_SHARDING_STRATEGIES)} (one flat shard per rank over all "
                 "ranks). "
@@ -139,14 +141,14 @@ def _units(model: nn.Module) -> list[_Unit]:
         handle = flat.handle
         fp = handle.flat_param
         if handle.world_size != world:
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"fsdp1_state_dict: {where} shards over a process group of {handle.world_size} "
                 "ranks, but the "
                 f"default process group has {world}; only FSDP1 over all ranks is supported"
             )
         sharded = flat.sharded_size
         if sharded is None or fp.numel() != sharded.numel() or fp.dim() != 1:
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"fsdp1_state_dict: {where}'s FlatParameter is not in its sharded state (called "
                 "inside "
                 f"forward/backward or summon_full_params?); call it between training steps"
@@ -159,14 +161,14 @@ def _units(model: nn.Module) -> list[_Unit]:
             if not is_padding:
                 shape = tuple(flat.shapes[i])
                 if numel != flat.numels[i]:
-                    raise RuntimeError(
+                    raise TorchInternalsError(
                         f"{where}: numel of {flat.fqns[i]!r} disagrees in FlatParameter metadata"
                     )
                 params.append(FlatParam(prefix + _clean(flat.fqns[i]), shape, pos))
                 i += 1
             pos += numel
         if i != len(flat.fqns):
-            raise RuntimeError(
+            raise TorchInternalsError(
                 f"{where}: FlatParameter metadata lists {len(flat.fqns)} parameters, found {i}"
             )
         start = fp.numel() * handle.rank
@@ -179,7 +181,7 @@ def _units(model: nn.Module) -> list[_Unit]:
                 info.in_shard
                 and p.offset + info.intra_param_start_idx != start + info.offset_in_shard
             ):
-                raise RuntimeError(
+                raise TorchInternalsError(
                     f"{where}: computed layout of {p.fqn!r} disagrees with FSDP's shard metadata "
                     f"(this torch version's FlatParameter layout is not understood)"
                 )
@@ -227,7 +229,7 @@ def _optim_index(
                     if id(p) in names
                     else "not a parameter of the model"
                 )
-                raise ValueError(
+                raise UnsupportedModelError(
                     f"fsdp1_state_dict: optimizer param group {gi}, param {pi} (shape "
                     f"{list(p.shape)}; {what}) "
                     "is neither a FlatParameter of this FSDP1 model nor one of its original "
@@ -279,7 +281,7 @@ def fsdp1_state_dict(
     optimizer has no state yet it is created (a zero-gradient step at lr 0).
 
     Raises:
-        ValueError: ``model`` is not an FSDP1 root, a unit uses an
+        UnsupportedModelError: ``model`` is not an FSDP1 root, a unit uses an
             unsupported sharding strategy or process group, or an optimizer
             param does not belong to the model's FlatParameters.
     """
@@ -323,7 +325,7 @@ def fsdp1_state_dict(
                     )
                 elif isinstance(v, torch.Tensor):
                     if v.shape != p.shape or not v.is_contiguous():
-                        raise ValueError(
+                        raise UnsupportedModelError(
                             f"fsdp1_state_dict: optimizer state {name!r} of {tag} ({', '.join(fqns[:3])}"
                             f"{', ...' if len(fqns) > 3 else ''}) has shape "
                             f"{list(v.shape)}, not the parameter's {list(p.shape)}; only state "
@@ -359,14 +361,14 @@ def fsdp1_apply_loaded(
     ``optim.param_groups[i]`` (their order may differ).
 
     Raises:
-        ValueError: a loaded param group does not match the optimizer's.
+        UnsupportedModelError: a loaded param group does not match the optimizer's.
     """
     units = _units(model)
     index = _optim_index(model, optim, units)
     osd = state.get("optim", {})
     groups = osd.get("param_groups", [])
     if len(groups) != len(optim.param_groups):
-        raise ValueError(
+        raise UnsupportedModelError(
             f"fsdp1_apply_loaded: state has {len(groups)} param groups, the optimizer "
             f"{len(optim.param_groups)}"
         )
@@ -374,7 +376,7 @@ def fsdp1_apply_loaded(
         want = _group_fqns(row)
         got = list(loaded.get("params", want))
         if set(got) != set(want):
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"fsdp1_apply_loaded: loaded param group {gi} holds {sorted(set(got) ^ set(want))[:5]} that the "
                 f"optimizer's group {gi} does not share (or vice versa)"
             )
@@ -395,7 +397,7 @@ def fsdp1_apply_loaded(
                     values = [plain[f][name] for f in fqns if name in plain.get(f, {})]
                     if values:
                         if any(x != values[0] for x in values):
-                            raise ValueError(
+                            raise UnsupportedModelError(
                                 f"fsdp1_apply_loaded: optimizer state {name!r} differs between "
                                 "parameters "
                                 f"{fqns} that share one FlatParameter: {values}"

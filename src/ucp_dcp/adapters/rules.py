@@ -1,4 +1,4 @@
-"""Layout rules: the records of the layout language (:mod:`ucp_dcp.adapters.layout_rules`).
+"""Layout rules: the records of the layout language (:mod:`ucp_dcp.adapters.layout_spec`).
 
 Each rule is a frozen dataclass matched by regular expression on a DCP key:
 :class:`Rename` and :class:`Reindex` change the key, and a

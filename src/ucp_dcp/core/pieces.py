@@ -13,7 +13,7 @@ The planners treat a piece like any other chunk: save writes the view's
 bytes, as they are, as a chunk of the logical tensor; load reads into the
 view the overlap of every saved chunk with the piece's box. Writes into the
 views land in the caller's buffers. Producers of pieces:
-:class:`ucp_dcp.FlatShard` (flat buffers) and :mod:`ucp_dcp.adapters.layout_rules`
+:class:`ucp_dcp.FlatShard` (flat buffers) and :mod:`ucp_dcp.adapters.layout_spec`
 (fused, padded, renamed, replicated and stage-local tensors).
 """
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import LayoutError
 from .sharding import Box
 
 __all__ = ["Piece", "TensorPieces"]
@@ -50,13 +51,13 @@ class Piece:
         object.__setattr__(self, "offsets", offsets)
         sizes = tuple(self.data.shape)
         if not (len(shape) == len(offsets) == len(sizes)):
-            raise ValueError(
+            raise LayoutError(
                 f"piece of {self.fqn!r}: global shape {list(shape)}, offsets {list(offsets)} and "
                 "data shape "
                 f"{list(sizes)} must have the same number of dimensions"
             )
         if any(o < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape)):
-            raise ValueError(
+            raise LayoutError(
                 f"piece of {self.fqn!r}: a box of size {list(sizes)} at offsets {list(offsets)} "
                 "does not fit in "
                 f"the global shape {list(shape)}"
@@ -106,13 +107,13 @@ class TensorPieces:
         for p in self.pieces:
             key = (p.fqn, p.offsets)
             if key in seen:
-                raise ValueError(
+                raise LayoutError(
                     f"{self._where()}: two pieces of {p.fqn!r} start at offsets {list(p.offsets)}"
                 )
             seen[key] = p
             m = meta.setdefault(p.fqn, (p.shape, p.data.dtype))
             if m != (p.shape, p.data.dtype):
-                raise ValueError(
+                raise LayoutError(
                     f"{self._where()}: pieces of {p.fqn!r} disagree on shape/dtype: "
                     f"{list(m[0])} {m[1]} and {list(p.shape)} {p.data.dtype}"
                 )

@@ -588,7 +588,7 @@ def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
     shape = tuple(int(n) for n in shape)
     total = math.prod(shape)
     if not 0 <= start <= stop <= total:
-        raise ValueError(
+        raise LayoutError(
             f"flat range [{start}, {stop}) is outside a tensor of shape {list(shape)} ({total} "
             "elements)"
         )

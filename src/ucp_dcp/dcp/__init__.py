@@ -5,8 +5,9 @@ any layout; ``UCPLoadPlanner`` + ``UCPStorageReader`` load any source into
 any layout with exact offset reads.
 """
 
-from .planners import UCPLoadPlanner, UCPSavePlanner
+from .load_planner import UCPLoadPlanner
 from .reader import UCPStorageReader
+from .save_planner import UCPSavePlanner
 from .writer import UCPStorageWriter
 
 __all__ = ["UCPSavePlanner", "UCPLoadPlanner", "UCPStorageWriter", "UCPStorageReader"]

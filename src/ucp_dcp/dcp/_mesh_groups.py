@@ -1,12 +1,25 @@
-"""Mesh-group planning (:mod:`ucp_dcp.dcp.compact`): agreement, ownership and each rank's own
-writes.
+"""Compact save planning: describe a mesh's tensors once, not once per rank.
 
-Regular DTensors are planned per device mesh. The coordinator checks that
-every rank of a mesh described the same group (:func:`check_groups`),
-decides which mesh writes a tensor that several meshes hold
-(:func:`assign_owners`) and tells ranks what another mesh writes
-(:func:`group_replies`); each rank derives its own write items from its mesh
-coordinate (:func:`group_items`). Groups and derived items are cached per
+DCP's save protocol gathers every rank's local plan on the coordinator (one
+write item per local shard of every tensor) and scatters a plan back. At
+16384 ranks x 700 tensors that is millions of items through one process,
+and it is the same information 16384 times over: every rank of a device
+mesh holds the same tensors with the same placements, and its chunk follows
+from its mesh coordinate.
+
+So :class:`~ucp_dcp.UCPSavePlanner` groups the regular DTensors of a rank
+by device mesh (:class:`MeshGroup`). The mesh's first rank sends the group's
+description; every rank sends only the description's checksum. The
+coordinator checks that all ranks of each mesh agree and picks the mesh
+that writes a tensor several meshes hold (:mod:`ucp_dcp.dcp._save_global`),
+and each rank derives its own write items (:func:`group_items`). Which
+replica writes a replicated chunk is decided by a deterministic rule on the
+description (:meth:`MeshGroup.replica_choice`) that every rank and the
+coordinator evaluate alike, so no per-item decision travels either way. The
+coordinator's index then needs, per tensor, only the file of each chunk: a
+vectorised computation over the grid (:meth:`MeshGroup.writer_ranks`,
+:func:`compact_records`), and DCP's chunk lists are built only if something
+reads them (:class:`LazyChunks`). Groups and derived items are cached per
 process, so a training loop that saves the same model again derives nothing
 twice.
 """
@@ -14,10 +27,15 @@ twice.
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
-from collections.abc import Sequence
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -29,22 +47,150 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..core.sharding import Box, arith_box, placement_from_str
 from ..core.values import dtype_from_name
-from ..format import Layout
-from ._plan_records import SaveRankReport, SaveReply
-from ._ranks import describe_ranks
-from .compact import LazyChunks, MeshGroup, TensorSpec
+from ..errors import CheckpointFormatError
+from ..format import FileRecord, Layout, RunList, TensorRecord, decode_runs, encode_runs
 
 __all__ = [
+    "TensorSpec",
+    "MeshGroup",
+    "Owners",
     "cached_group",
-    "check_groups",
-    "assign_owners",
-    "owned_metadata",
-    "group_replies",
+    "described_group",
     "group_items",
     "shard_item",
+    "owned_metadata",
+    "compact_records",
+    "LazyChunks",
 ]
 
-Owners = dict[str, tuple[MeshGroup, TensorSpec]]
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor of a mesh group: name, dtype name, global shape, layout."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    layout: Layout
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the whole tensor in bytes."""
+        return (
+            math.prod(self.shape) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class MeshGroup:
+    """The regular DTensors one device mesh holds, as every rank of it sees them.
+
+    ``ranks`` lists the global rank at every mesh position (row-major), so
+    the coordinator can tell which rank writes each chunk.
+    """
+
+    mesh: tuple[int, ...]
+    ranks: tuple[int, ...]
+    tensors: tuple[TensorSpec, ...]  # sorted by name
+
+    # ------------------------------------------------------------ wire form
+    def to_json(self) -> dict[str, Any]:
+        """JSON-safe description (what the mesh's first rank sends)."""
+        return {
+            "mesh": list(self.mesh),
+            "ranks": encode_runs(self.ranks),
+            "tensors": [[t.fqn, t.dtype, list(t.shape), t.layout.to_json()] for t in self.tensors],
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> MeshGroup:
+        """Inverse of :meth:`to_json`."""
+        return MeshGroup(
+            tuple(d["mesh"]),
+            tuple(decode_runs(d["ranks"], "mesh group")),
+            tuple(
+                TensorSpec(f, dt, tuple(sh), Layout.from_json(lj, f))
+                for f, dt, sh, lj in d["tensors"]
+            ),
+        )
+
+    @functools.cached_property
+    def signature(self) -> str:
+        """Checksum of the description: what every other rank of the mesh sends."""
+        return xxhash.xxh3_128_hexdigest(json.dumps(self.to_json(), separators=(",", ":")).encode())
+
+    def spec(self, fqn: str) -> TensorSpec:
+        """The spec of tensor ``fqn`` of this group."""
+        return self._by_name[fqn]
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, TensorSpec]:
+        return {t.fqn: t for t in self.tensors}
+
+    @property
+    def first_rank(self) -> int:
+        """The rank that describes the group (mesh position 0)."""
+        return self.ranks[0]
+
+    # ------------------------------------------------------------ writers
+    @functools.cached_property
+    def replica_choice(self) -> dict[str, int]:
+        """Per tensor, which replica (index over its replicated mesh dims) writes it.
+
+        Greedy, largest tensors first, each to the least-loaded replica of
+        the same replicated dims: the writes of a replicated layout (HSDP,
+        TP-replicated norms) spread over the replicas. Deterministic in the
+        description, so every rank computes the same answer.
+        """
+        load: dict[tuple[int, ...], list[int]] = {}
+        choice: dict[str, int] = {}
+        for t in sorted(self.tensors, key=lambda t: (-t.nbytes, t.fqn)):
+            rdims = _replicated_dims(t.layout)
+            n = math.prod(self.mesh[m] for m in rdims)
+            if n == 1:
+                choice[t.fqn] = 0
+                continue
+            slots = load.setdefault(rdims, [0] * n)
+            k = min(range(n), key=lambda i: (slots[i], i))
+            slots[k] += t.nbytes // max(1, t.layout.grid(t.shape).n_chunks)
+            choice[t.fqn] = k
+        return choice
+
+    def writes(self, spec: TensorSpec, coord: Sequence[int]) -> bool:
+        """Whether the rank at mesh coordinate ``coord`` writes its chunk of ``spec``."""
+        k = 0
+        for m in _replicated_dims(spec.layout):
+            k = k * self.mesh[m] + coord[m]
+        return k == self.replica_choice[spec.fqn]
+
+    def writer_ranks(self, spec: TensorSpec) -> np.ndarray:
+        """Global rank that writes each chunk of ``spec``, in chunk order."""
+        grid = spec.layout.grid(spec.shape)
+        assert grid.mesh_lin is not None, "mesh groups hold only layouts with an arithmetic grid"
+        mesh = self.mesh
+        strides = [math.prod(mesh[m + 1 :]) for m in range(len(mesh))]
+        shard_dims = [m for m, p in enumerate(spec.layout.placements) if p != "R"]
+        pos = np.zeros(grid.n_chunks, dtype=np.int64)
+        rest = grid.mesh_lin.copy()
+        for m in reversed(shard_dims):
+            pos += (rest % mesh[m]) * strides[m]
+            rest //= mesh[m]
+        k = self.replica_choice[spec.fqn]
+        for m in reversed(_replicated_dims(spec.layout)):
+            pos += (k % mesh[m]) * strides[m]
+            k //= mesh[m]
+        return self._ranks_array[pos]
+
+    @functools.cached_property
+    def _ranks_array(self) -> np.ndarray:
+        return np.asarray(self.ranks, dtype=np.int64)
+
+
+def _replicated_dims(layout: Layout) -> tuple[int, ...]:
+    return tuple(m for m, p in enumerate(layout.placements) if p == "R")
+
+
+# ---------------------------------------------------------------------- each rank's writes
 
 # Plan caches (per process): mesh groups by signature, so their grids and
 # replica choices are computed once, and derived write items per rank.
@@ -62,111 +208,10 @@ def cached_group(group: MeshGroup) -> MeshGroup:
     return cached
 
 
-def check_groups(reports: Sequence[SaveRankReport]) -> list[MeshGroup]:
-    """The mesh groups of a save, checked: every rank of each mesh reported
-    the same description as the mesh's first rank."""
-    described: dict[tuple[int, str], MeshGroup] = {}
-    members: dict[tuple[int, str], list[int]] = defaultdict(list)
-    for report in reports:
-        me = report.rank
-        for g in report.groups:
-            key = (g.first_rank, g.signature)
-            if g.description is not None and key not in described:
-                group = _GROUPS.get(g.signature) or cached_group(MeshGroup.from_json(g.description))
-                if group.signature != g.signature:
-                    raise ValueError(
-                        f"rank {me}: its mesh group description does not match its own checksum"
-                    )
-                described[key] = group
-            members[key].append(me)
-    for (first, sig), ranks in members.items():
-        group = described.get((first, sig))
-        if group is None:
-            raise ValueError(
-                f"ranks {describe_ranks(sorted(ranks))} hold DTensors on a device mesh whose "
-                "first rank is "
-                f"{first}, but rank {first} does not hold the same ones: every rank of a mesh "
-                "must save the same "
-                "DTensors (names, dtypes, shapes, placements). Pass "
-                "UCPSavePlanner(compact_plans=False) to plan "
-                "per chunk, which names the tensors that differ"
-            )
-        if sorted(ranks) != sorted(group.ranks):
-            missing = sorted(set(group.ranks) - set(ranks))
-            raise ValueError(
-                f"the device mesh of ranks {describe_ranks(sorted(group.ranks))} holds "
-                f"{len(group.tensors)} "
-                f"DTensor(s), but rank(s) {describe_ranks(missing)} of it did not report the same "
-                "ones (or are "
-                "not saving): every rank of a mesh must save the same DTensors, in the same "
-                "process group"
-            )
-    return list(described.values())
-
-
-def assign_owners(groups: list[MeshGroup], taken: set[str]) -> Owners:
-    """Which group writes each mesh-planned tensor (``taken``: keys planned per chunk elsewhere).
-
-    A tensor held by several meshes with the same description is a replica
-    (a TP-replicated parameter kept on each TP rank's data-parallel
-    submesh): one mesh writes it, chosen largest tensors first on the least
-    loaded mesh. Different descriptions under one key are an error.
-    """
-    holders: dict[str, list[tuple[MeshGroup, TensorSpec]]] = defaultdict(list)
-    for g in sorted(groups, key=lambda g: g.first_rank):
-        for t in g.tensors:
-            holders[t.fqn].append((g, t))
-    load: dict[int, int] = defaultdict(int)
-    owners: Owners = {}
-    for fqn in sorted(holders, key=lambda f: (-holders[f][0][1].nbytes, f)):
-        cands = holders[fqn]
-        spec = cands[0][1]
-        same = (spec.dtype, spec.shape, spec.layout)
-        other = next(((g, t) for g, t in cands if (t.dtype, t.shape, t.layout) != same), None)
-        if fqn in taken or other is not None:
-            where = (
-                f"as {spec.dtype}{list(spec.shape)} on ranks "
-                f"{describe_ranks(sorted(cands[0][0].ranks))} and as "
-                f"{other[1].dtype}{list(other[1].shape)} on ranks "
-                f"{describe_ranks(sorted(other[0].ranks))}"
-                if other
-                else "as a DTensor on some ranks and a plain or irregular tensor on others"
-            )
-            raise ValueError(
-                f"tensor {fqn!r} is saved {where}; one key must name one tensor on every rank "
-                "(pipeline stages: rename stage-local layers to global names)"
-            )
-        g, t = min(cands, key=lambda c: (load[c[0].first_rank], c[0].first_rank))
-        load[g.first_rank] += t.nbytes
-        owners[fqn] = (g, t)
-    return owners
-
-
-def owned_metadata(owners: Owners) -> dict[str, TensorStorageMetadata]:
-    """DCP's metadata of the mesh-planned tensors; their chunk lists are built only if read."""
-    return {
-        fqn: TensorStorageMetadata(
-            TensorProperties(dtype=dtype_from_name(t.dtype)),
-            torch.Size(t.shape),
-            LazyChunks(functools.partial(t.layout.chunks, t.shape)),
-        )
-        for fqn, (_, t) in owners.items()
-    }
-
-
-def group_replies(
-    groups: list[MeshGroup], owners: Owners, reports: Sequence[SaveRankReport]
-) -> list[SaveReply | None]:
-    """Per rank: the tensors of its mesh groups that another mesh writes (None when there are
-    none)."""
-    skip = {
-        g.signature: sorted(t.fqn for t in g.tensors if owners[t.fqn][0] is not g) for g in groups
-    }
-    replies: list[SaveReply | None] = []
-    for report in reports:
-        theirs = sorted({f for g in report.groups for f in skip[g.signature]})
-        replies.append(SaveReply(tuple(theirs)) if theirs else None)
-    return replies
+def described_group(signature: str, description: dict[str, Any]) -> MeshGroup:
+    """The group a rank described: the cached one with its checksum, else ``description``
+    parsed (and cached)."""
+    return _GROUPS.get(signature) or cached_group(MeshGroup.from_json(description))
 
 
 def group_items(
@@ -212,3 +257,126 @@ def shard_item(fqn: str, box: Box, dtype: torch.dtype, shape: Sequence[int]) -> 
             size=torch.Size(shape),
         ),
     )
+
+
+# ---------------------------------------------------------------------- the coordinator's index
+
+Owners = dict[str, tuple[MeshGroup, TensorSpec]]
+"""For every mesh-planned tensor, the group that writes it and its spec there."""
+
+
+def owned_metadata(owners: Owners) -> dict[str, TensorStorageMetadata]:
+    """DCP's metadata of the mesh-planned tensors; their chunk lists are built only if read."""
+    return {
+        fqn: TensorStorageMetadata(
+            TensorProperties(dtype=dtype_from_name(t.dtype)),
+            torch.Size(t.shape),
+            LazyChunks(functools.partial(t.layout.chunks, t.shape)),
+        )
+        for fqn, (_, t) in owners.items()
+    }
+
+
+def compact_records(
+    owners: dict[str, MeshGroup],
+    positions: dict[int, int],
+    files: Sequence[FileRecord],
+    counts: dict[int, int],
+) -> dict[str, TensorRecord]:
+    """Index records of the mesh groups' tensors, from the writer rule alone.
+
+    ``owners`` names the group that writes each tensor; ``positions`` maps global ranks to positions
+    in the save's process group
+    (``FileRecord.rank``); ``counts`` is how many mesh-planned chunks each
+    position reported writing, checked against what the plan says. Vectorised:
+    linear in the number of chunks, a few numpy operations per tensor.
+    """
+    if not owners:
+        return {}
+    n = max(positions.values()) + 1
+    pos_of_rank = np.full(max(positions) + 1, -1, dtype=np.int64)
+    for r, p in positions.items():
+        pos_of_rank[r] = p
+    file_of_pos = np.full(n, -1, dtype=np.int64)
+    for i, f in enumerate(files):
+        file_of_pos[f.rank] = i
+    expected = np.zeros(n, dtype=np.int64)
+    out: dict[str, TensorRecord] = {}
+    for fqn, g in owners.items():
+        t = g.spec(fqn)
+        ranks = g.writer_ranks(t)
+        pos = pos_of_rank[ranks]
+        fidx = np.where(pos >= 0, file_of_pos[pos], -1)
+        if (fidx < 0).any():
+            k = int(np.flatnonzero(fidx < 0)[0])
+            raise CheckpointFormatError(
+                f"tensor {t.fqn!r}: rank {int(ranks[k])} was to write chunk {k} at "
+                f"{list(t.layout.grid(t.shape).box(k).offsets)} but reported no data file"
+            )
+        expected += np.bincount(pos, minlength=n)
+        out[t.fqn] = TensorRecord(
+            dtype_from_name(t.dtype), t.shape, t.layout, True, RunList(encode_runs(fidx))
+        )
+    got = np.zeros(n, dtype=np.int64)
+    for p, c in counts.items():
+        got[p] = c
+    bad = np.flatnonzero(got != expected)
+    if len(bad):
+        p = int(bad[0])
+        raise CheckpointFormatError(
+            f"the rank at position {p} of the save wrote {int(got[p])} chunk(s) of mesh-planned "
+            "tensors but the "
+            f"plan gives it {int(expected[p])}: ranks disagree about the mesh layout; nothing was "
+            "committed"
+        )
+    return out
+
+
+class LazyChunks(list):  # type: ignore[type-arg]
+    """DCP's chunk list of one tensor, built only if something reads it.
+
+    ``TensorStorageMetadata.chunks`` lists every saved chunk; at 16384 ranks
+    x 700 tensors that is millions of objects. ucp_dcp's planners and
+    storage never look (they use the grids), so the list stays empty; a
+    planner or tool that reads it gets the real list. ``boxes`` must be
+    picklable (a ``functools.partial`` of module-level functions and
+    records), so that pickling stays lazy too.
+    """
+
+    def __init__(self, boxes: Callable[[], list[Box]]) -> None:
+        super().__init__()
+        self._source: Callable[[], list[Box]] | None = boxes
+
+    def _fill(self) -> None:
+        if self._source is not None:
+            source, self._source = self._source, None
+            super().extend(
+                ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in source()
+            )
+
+    def __len__(self) -> int:
+        self._fill()
+        return super().__len__()
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        self._fill()
+        return super().__iter__()
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        self._fill()
+        return super().__getitem__(i)
+
+    def __eq__(self, other: object) -> bool:
+        self._fill()
+        return super().__eq__(other)
+
+    def __repr__(self) -> str:
+        self._fill()
+        return super().__repr__()
+
+    def __reduce_ex__(self, protocol):  # type: ignore[no-untyped-def]
+        # DCP broadcasts the save's metadata to every rank: stay lazy on the
+        # wire too (the source is a picklable partial), else send the list.
+        if self._source is not None:
+            return (LazyChunks, (self._source,))
+        return (list, (list(super().__iter__()),))

@@ -32,11 +32,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..core.sharding import Grid
+from ..errors import CheckpointKeyError
 from ..format import Layout
-from .compact import MeshGroup
+from ._mesh_groups import MeshGroup
 
 __all__ = [
     "PieceKey",
@@ -46,10 +48,21 @@ __all__ = [
     "SaveSummary",
     "LoadRankReport",
     "LoadSourceInfo",
+    "rank_and_world",
 ]
 
 PieceKey = tuple[str, tuple[int, ...]]
 """A saved box named by its logical tensor and global offsets: ``(fqn, offsets)``."""
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group; ``(0, 1)`` without one.
+
+    The rank is what the rank reports name; both planners take it in ``set_up_planner``.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 # ---------------------------------------------------------------------- save
@@ -57,7 +70,7 @@ PieceKey = tuple[str, tuple[int, ...]]
 
 @dataclass(frozen=True, slots=True)
 class MeshGroupReport:
-    """One rank's word on one of its mesh groups (:class:`~ucp_dcp.dcp.compact.MeshGroup`).
+    """One rank's word on one of its mesh groups (:class:`~ucp_dcp.dcp._mesh_groups.MeshGroup`).
 
     Every rank of the mesh sends the group's checksum; only the mesh's
     first rank also sends the description (``MeshGroup.to_json()``).
@@ -192,7 +205,7 @@ class LoadSourceInfo:
 
     def __getitem__(self, key: str) -> tuple[str | int, ...]:
         if key not in self.keys:
-            raise KeyError(key)
+            raise CheckpointKeyError(f"{key!r} is not a key of the checkpoint")
         return self.paths.get(key) or tuple(key.split("."))
 
     def get(self, key: str, default: Any = None) -> Any:

@@ -33,11 +33,10 @@ from ..byteio.rangeio import tensor_view
 from ..core.pieces import Piece, TensorPieces
 from ..core.sharding import Box, placement_to_str
 from ..core.values import RankLocal, encode_value
-from ..errors import LayoutError, UnsupportedValueError
+from ..errors import InconsistentSaveError, LayoutError, UnsupportedValueError
 from ..format import Layout, dtype_name, rank_local_key
-from ._mesh_groups import cached_group, shard_item
+from ._mesh_groups import MeshGroup, TensorSpec, cached_group, shard_item
 from ._plan_records import MeshGroupReport, PieceKey, SaveRankReport
-from .compact import MeshGroup, TensorSpec
 
 __all__ = ["LocalSavePlan", "create_local_save_plan", "tensor_digest"]
 
@@ -257,7 +256,7 @@ def _piece_items(
         where = (p.fqn, p.offsets)
         other = seen.get(where)
         if other is not None:
-            raise ValueError(
+            raise InconsistentSaveError(
                 f"logical tensor {p.fqn!r}: this rank (rank {rank}) gives the piece at offsets "
                 f"{list(p.offsets)} twice, under state-dict keys {other[0]!r} and {key!r}"
             )

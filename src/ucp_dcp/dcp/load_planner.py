@@ -1,11 +1,11 @@
 """``UCPLoadPlanner``: what each rank reads back, as DCP's load-planner protocol.
 
 The planner turns the target state dict (any layout, any world size) into
-reads of exactly the overlapping boxes of the saved chunks
-(:mod:`~ucp_dcp.dcp._load_reads`), with strictness rules on keys, shapes and
-dtypes, and hands each rank its own rank-local values
-(:mod:`~ucp_dcp.dcp._rank_values`). Its read items stay on the rank: DCP's
-global load plan only sees a :class:`~ucp_dcp.dcp._plan_records.LoadRankReport`.
+reads of exactly the overlapping boxes of the saved chunks, with strictness
+rules on keys, shapes and dtypes, and hands each rank its own rank-local
+values (both in :mod:`~ucp_dcp.dcp._load_plan`). Its read items stay on the
+rank: DCP's global load plan only sees a
+:class:`~ucp_dcp.dcp._plan_records.LoadRankReport`.
 """
 
 from __future__ import annotations
@@ -27,11 +27,20 @@ from ..core.sharding import Box
 from ..core.values import RankLocal, ReshardFn, decode_value
 from ..errors import CheckpointKeyError
 from ..format import dtype_name
-from ._load_keys import asked_keys, key_list, keys_no_rank_asked
-from ._load_reads import check_target, local_boxes, overlap_reads, saved_grid
-from ._plan_records import LoadRankReport, LoadSourceInfo
-from ._rank_values import RankLocalGather, bytes_item, find_wrappers, rank_local_reads
-from ._ranks import rank_and_world
+from ._load_plan import (
+    RankLocalGather,
+    asked_keys,
+    bytes_item,
+    check_target,
+    find_wrappers,
+    key_list,
+    keys_no_rank_asked,
+    local_boxes,
+    overlap_reads,
+    rank_local_reads,
+    saved_grid,
+)
+from ._plan_records import LoadRankReport, LoadSourceInfo, rank_and_world
 
 __all__ = ["UCPLoadPlanner"]
 

@@ -51,9 +51,9 @@ from ..format.names import save_id_of
 from ..sources import Source, SourceOptions, open_source, read_value, source_types
 from ..sources.distcp import DCP_VALUES_MODES
 from ._directory import _Directory
+from ._mesh_groups import LazyChunks
 from ._plan_records import LoadSourceInfo
-from .compact import LazyChunks
-from .planners import UCPLoadPlanner
+from .load_planner import UCPLoadPlanner
 
 __all__ = ["UCPStorageReader"]
 

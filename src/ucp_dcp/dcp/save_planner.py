@@ -21,10 +21,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from ..errors import InvalidArgumentError
 from ..format import Layout, split_rank_local_key
 from ._mesh_groups import group_items
-from ._plan_records import SaveReply
-from ._ranks import rank_and_world
+from ._plan_records import SaveReply, rank_and_world
 from ._save_global import create_global_save_plan
 from ._save_local import LocalSavePlan, create_local_save_plan
 
@@ -45,7 +45,7 @@ class UCPSavePlanner(DefaultSavePlanner):
             divergence (costs one pass over them; DTensors are not hashed:
             their placements say what is replicated).
         compact_plans: plan regular DTensors per device mesh instead of per
-            chunk (:mod:`ucp_dcp.dcp.compact`): the plans DCP gathers and
+            chunk (:mod:`ucp_dcp.dcp._mesh_groups`): the plans DCP gathers and
             scatters stay the same size whatever the world size. ``False``
             sends one write item per chunk, as DCP does.
     """
@@ -58,7 +58,7 @@ class UCPSavePlanner(DefaultSavePlanner):
         compact_plans: bool = True,
     ) -> None:
         if divergent_values not in ("error", "rank_local"):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"divergent_values must be 'error' or 'rank_local', got {divergent_values!r}"
             )
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True)
@@ -95,7 +95,7 @@ class UCPSavePlanner(DefaultSavePlanner):
         Regular DTensors produce no write item here: the rank sends its
         mesh group's checksum (the mesh's first rank also sends the group's
         description) and derives its writes in :meth:`finish_plan`. See
-        :mod:`ucp_dcp.dcp.compact`.
+        :mod:`ucp_dcp.dcp._mesh_groups`.
         """
         self._local = create_local_save_plan(
             self.state_dict,

@@ -36,9 +36,9 @@ from ..format import (
     split_rank_local_key,
 )
 from ._directory import _Directory
+from ._mesh_groups import compact_records
 from ._plan_records import SaveSummary
-from .compact import compact_records
-from .planners import UCPSavePlanner
+from .save_planner import UCPSavePlanner
 
 __all__ = ["UCPStorageWriter", "DEFAULT_WRITE_THREADS"]
 

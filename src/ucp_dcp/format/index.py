@@ -64,7 +64,7 @@ def build_index(
     ``layouts`` (from the save planner) overrides the layout recorded in the
     entries; a tensor is stored compactly when its layout's chunk boxes are
     exactly the boxes written, each once. ``compact`` adds records built
-    without per-chunk entries (mesh-planned tensors, :mod:`ucp_dcp.dcp.compact`).
+    without per-chunk entries (mesh-planned tensors, :mod:`ucp_dcp.dcp._mesh_groups`).
     """
     per_tensor: dict[str, list[tuple[int, WrittenEntry]]] = defaultdict(list)
     values: dict[str, Location] = {}

@@ -33,8 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..byteio.integrity import bytes_digest, file_digest
-from ..dcp import UCPStorageWriter
-from ..dcp.planners import UCPSavePlanner
+from ..dcp import UCPSavePlanner, UCPStorageWriter
 from ..errors import CheckpointSaveError
 from ..format import INDEX_FILE
 from ._collective import GroupWorker, describe

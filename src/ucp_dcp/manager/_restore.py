@@ -31,8 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..byteio.integrity import bytes_digest, file_digest
 from ..byteio.objstore import is_url
-from ..dcp import UCPStorageReader
-from ..dcp.planners import UCPLoadPlanner
+from ..dcp import UCPLoadPlanner, UCPStorageReader
 from ..errors import CheckpointFormatError, CheckpointRestoreError, NoCheckpointError
 from ..format import INDEX_FILE
 from ._collective import GroupWorker, describe

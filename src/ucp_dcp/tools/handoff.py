@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..dcp.planners import CheckpointKeyError
+from ..errors import CheckpointKeyError
 from .checkpoint import Checkpoint
 
 __all__ = ["load_state_dict", "load_into_module", "KeySelector", "ModuleLoadResult"]

@@ -47,8 +47,7 @@ import torch
 from ..byteio.durable import commit_dir, temp_dir_for, write_all
 from ..byteio.objstore import is_url, local_path
 from ..byteio.rangeio import tensor_view
-from ..dcp.planners import CheckpointKeyError
-from ..errors import CheckpointFormatError, StorageError
+from ..errors import CheckpointFormatError, CheckpointKeyError, StorageError
 from ..format import dtype_name, st_dtype
 from ..sources import checkpoint_exists
 from ..sources._hf_utils import HF_CONFIG_FILES, HF_INDEX_NAME, HF_WEIGHTS_NAME

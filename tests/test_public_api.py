@@ -1,0 +1,86 @@
+"""Every public name has one stable import path: the top-level ``ucp_dcp`` package.
+
+The docs and README import from ``ucp_dcp`` only; a name they use must be
+there, listed in ``__all__``, whatever module defines it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import ucp_dcp
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# What a user builds a save or load from, in the order the README introduces it.
+DOCUMENTED = [
+    "UCPSavePlanner",
+    "UCPLoadPlanner",
+    "UCPStorageWriter",
+    "UCPStorageReader",
+    "RankLocal",
+    "CheckpointManager",
+    "Checkpoint",
+    "load_state_dict",
+    "load_into_module",
+    "LayoutSpec",
+    "FlatShard",
+    "fsdp1_state_dict",
+    # the layout rules
+    "Rename",
+    "Reindex",
+    "Fused",
+    "Shard",
+    "VocabPad",
+    "Replicated",
+    "Averaged",
+    # the common error base
+    "UCPError",
+]
+
+
+def _names_the_docs_import() -> set[str]:
+    """Names in ``from ucp_dcp import ...`` lines of README.md and docs/*.md."""
+    names: set[str] = set()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for m in re.finditer(r"^\s*from ucp_dcp import ([\w, ]+)", path.read_text(), re.M):
+            names.update(n.strip() for n in m.group(1).split(",") if n.strip())
+    return names
+
+
+def test_documented_names_import_from_the_top_level() -> None:
+    missing = [n for n in DOCUMENTED if n not in ucp_dcp.__all__ or not hasattr(ucp_dcp, n)]
+    assert missing == []
+
+
+def test_names_the_docs_import_are_public() -> None:
+    names = _names_the_docs_import()
+    assert {"UCPSavePlanner", "LayoutSpec", "Fused"} <= names  # the scan found the examples
+    assert sorted(names - set(ucp_dcp.__all__)) == []
+
+
+def test_all_names_exist() -> None:
+    assert [n for n in ucp_dcp.__all__ if not hasattr(ucp_dcp, n)] == []
+    assert len(set(ucp_dcp.__all__)) == len(ucp_dcp.__all__)
+
+
+def test_layout_rules_are_the_adapter_classes() -> None:
+    from ucp_dcp.adapters import rules
+    from ucp_dcp.adapters.layout_spec import LayoutSpec
+
+    assert ucp_dcp.LayoutSpec is LayoutSpec
+    for name in ("Rename", "Reindex", "Fused", "Shard", "VocabPad", "Replicated", "Averaged"):
+        assert getattr(ucp_dcp, name) is getattr(rules, name)
+
+
+def test_every_error_is_a_ucp_error_with_a_builtin_base() -> None:
+    """``except UCPError`` catches each; ``except ValueError`` (or the like) still does too."""
+    from ucp_dcp import errors
+
+    builtin = (ValueError, TypeError, KeyError, RuntimeError, OSError, LookupError)
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.UCPError), name
+        if cls not in (errors.UCPError, errors.CLIError):
+            assert issubclass(cls, builtin), name
