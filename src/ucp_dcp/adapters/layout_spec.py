@@ -209,7 +209,8 @@ class LayoutSpec:
                 raise LayoutRuleError(
                     f"the layout cannot explain {key!r}"
                     + (f" (renamed {name!r})" if name != key else "")
-                    + f" (shape {list(value.shape)}, {value.dtype}): no layout rule matches it; add e.g. "
+                    + f" (shape {list(value.shape)}, {value.dtype}): no layout rule matches it; "
+                    "add e.g. "
                     f"Replicated({re.escape(name.rsplit('.', 1)[-1])!r}) if every rank holds the "
                     "same copy"
                 )

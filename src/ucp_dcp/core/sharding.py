@@ -143,7 +143,8 @@ def layout_chunks(
     boxes = list(seen)
     if not _tiles_grid(boxes, global_shape):
         raise LayoutError(
-            f"layout mesh={list(mesh_shape)} placements={[placement_to_str(p) for p in placements]} "
+            f"layout mesh={list(mesh_shape)} "
+            f"placements={[placement_to_str(p) for p in placements]} "
             f"of a tensor of shape {list(global_shape)} does not split it into disjoint boxes; "
             "save it as a plain tensor or with a layout whose shards are hyper-rectangles"
         )
@@ -429,7 +430,8 @@ def layout_grid(
     order = _application_order(shape, mesh_shape, placements)
     if order is None and max_enumerated is not None and math.prod(mesh_shape) > max_enumerated:
         raise LayoutError(
-            f"layout mesh={list(mesh_shape)} placements={[placement_to_str(p) for p in placements]} is irregular "
+            f"layout mesh={list(mesh_shape)} "
+            f"placements={[placement_to_str(p) for p in placements]} is irregular "
             f"and has {math.prod(mesh_shape)} mesh coordinates, more than the {max_enumerated} "
             "enumerated one by one"
         )

@@ -146,7 +146,7 @@ def _schedule(
     # kept and every rank sorts the same way: no pair can deadlock.
     nxt = [0] * len(avail)
     keyed = []
-    for i, (name, prov, req, size) in enumerate(plan):
+    for i, (_name, prov, req, _size) in enumerate(plan):
         if prov == req:
             keyed.append((-1, i, plan[i]))  # local copies first, no peer involved
             continue

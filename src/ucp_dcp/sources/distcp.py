@@ -247,7 +247,10 @@ class DCPSource(Source):
     def _where(self, fqn: str, idx: int) -> str:
         fi, info = self._tensor_items[fqn][idx]
         box = self.index.tensors[fqn].chunks[idx].box
-        return f"{self.paths[fi]}: item of {fqn!r} chunk {list(box.offsets)} at [{info.offset}, {info.offset + info.length})"
+        return (
+            f"{self.paths[fi]}: item of {fqn!r} chunk {list(box.offsets)} "
+            f"at [{info.offset}, {info.offset + info.length})"
+        )
 
     def _stored(self, fqn: str, idx: int) -> StoredTensor:
         fi, info = self._tensor_items[fqn][idx]

@@ -40,7 +40,7 @@ def check_token(token: Any) -> str:
 def step_dir_name(step: int) -> str:
     """Directory name of committed ``step`` in a :class:`~ucp_dcp.manager.tiers.LocalTier`:
     ``step-%012d``."""
-    return "step-%012d" % check_step(step)
+    return f"step-{check_step(step):012d}"
 
 
 class Tier(ABC):

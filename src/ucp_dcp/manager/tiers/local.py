@@ -334,7 +334,8 @@ class LocalTier(Tier):
                 # whose swapped-out old copy was not removed), or a delete.
                 _remove_dir(path)
                 done.append(
-                    f"removed {path} ({'unfinished save' if n.startswith('.tmp-') else 'unfinished delete'})"
+                    f"removed {path} "
+                    f"({'unfinished save' if n.startswith('.tmp-') else 'unfinished delete'})"
                 )
             elif m := _OLD_RE.match(n):
                 step = int(m.group(1))
