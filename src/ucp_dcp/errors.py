@@ -27,6 +27,8 @@ __all__ = [
     "NoCheckpointError",
     "PeerTransferError",
     "CLIError",
+    "InvalidArgumentError",
+    "InvalidStateError",
 ]
 
 
@@ -79,6 +81,9 @@ class TruncatedFileError(CheckpointFormatError, EOFError):
 
 class StorageError(UCPError, OSError):
     """Object storage refused or kept failing a request: names the URL, the key and the error.
+
+    Also raised when a local checkpoint tier's directory cannot be created or
+    used (naming the tier and the path), with the errno of the OS error.
 
     Raised for permanent errors (no such bucket, access denied) at once, and
     for transient ones (connection resets, 5xx, throttling) once the bounded
@@ -157,3 +162,16 @@ class PeerTransferError(UCPError, RuntimeError):
 
 class CLIError(UCPError):
     """A failure to report as one ``ucp-dcp: error:`` line (usage or environment)."""
+
+
+# ---------------------------------------------------------------- calling the library
+
+
+class InvalidArgumentError(UCPError, ValueError):
+    """An argument or setting is of the wrong type or out of range: names the parameter, what
+    is expected and what was given."""
+
+
+class InvalidStateError(UCPError, RuntimeError):
+    """A call the object's state does not allow (it is closed, or every staging buffer is in
+    use): names the object and what to do first."""
