@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..byteio.durable import fsync_path, remove_quietly, write_all
-from ..errors import PeerTransferError
+from ..errors import InvalidArgumentError, PeerTransferError
 
 __all__ = ["PeerTransferError", "TransferReport", "clean_partials", "exchange_files"]
 
@@ -360,19 +360,23 @@ def exchange_files(
     ``dest_dir`` (nothing to do where they are the same file).
     """
     if block_bytes <= 0:
-        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+        raise InvalidArgumentError(
+            f"exchange_files: block_bytes must be positive, got {block_bytes}"
+        )
     available = _dedup(available)
     wanted = _dedup(wanted)
     sizes, problems = _local_info(src_dir, available, dest_dir, wanted)
 
     if dist.is_initialized():
         if dist.get_backend(group) == "nccl":
-            raise ValueError(
+            raise InvalidArgumentError(
                 "exchange_files needs a process group that handles CPU tensors (gloo), got nccl"
             )
         me = dist.get_rank(group)
         if me < 0:
-            raise ValueError("exchange_files: this process is not a member of the given group")
+            raise InvalidArgumentError(
+                "exchange_files: this process is not a member of the given group"
+            )
         world = dist.get_world_size(group)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, (sizes, wanted, problems), group=group)
@@ -382,7 +386,7 @@ def exchange_files(
 
     bad = [f"rank {r}: {p}" for r, (_, _, ps) in enumerate(gathered) for p in ps]
     if bad:
-        raise ValueError("exchange_files: " + "; ".join(bad))
+        raise InvalidArgumentError("exchange_files: " + "; ".join(bad))
     steps, missing = _schedule([g[0] for g in gathered], [g[1] for g in gathered])
     if missing:
         raise PeerTransferError(_missing_message(missing))
