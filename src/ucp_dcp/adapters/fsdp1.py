@@ -46,7 +46,7 @@ are not FlatParameters / original parameters of the model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,9 @@ from .._compat import (
 )
 from ..core.pieces import Piece, TensorPieces
 from .flat import FlatParam, FlatShard
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
 __all__ = ["fsdp1_state_dict", "fsdp1_apply_loaded", "SUPPORTED_SHARDING_STRATEGIES"]
 
@@ -97,7 +100,7 @@ class _Unit:
         return [p.fqn for p in self.params]
 
 
-def _fsdp_class() -> type:
+def _fsdp_class() -> type[FullyShardedDataParallel]:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     return FullyShardedDataParallel

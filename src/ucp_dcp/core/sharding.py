@@ -477,7 +477,7 @@ def layout_grid(
         lin.append(li[keep])
     # Every combination of non-empty intervals is a chunk; number them by
     # the mesh-coordinate order of their first replica.
-    total = np.zeros(tuple(len(x) for x in lin), dtype=np.int64)
+    total: np.ndarray = np.zeros(tuple(len(x) for x in lin), dtype=np.int64)
     for d, li in enumerate(lin):
         total = total + li.reshape((1,) * d + (-1,) + (1,) * (len(lin) - d - 1))
     flat = total.reshape(-1)
@@ -519,14 +519,10 @@ def _application_order(
             # Only the FSDP2-over-TP form: the first split of its dim, whose
             # ``sf`` pieces are equal (then the strided pieces line up with
             # the later splits exactly, whatever the inner rounding).
-            if (
-                p.dim >= len(shape)
-                or p.dim in pending
-                or order[p.dim]
-                or shape[p.dim] % p.split_factor
-            ):
+            sf = int(p.split_factor)  # typed int | SymInt; a layout's is a plain int
+            if p.dim >= len(shape) or p.dim in pending or order[p.dim] or shape[p.dim] % sf:
                 return None
-            pending[p.dim] = [m, p.split_factor]
+            pending[p.dim] = [m, sf]
         elif isinstance(p, Shard):
             if p.dim >= len(shape):
                 return None

@@ -233,7 +233,7 @@ def _send_file(
             err = f"{path}: size changed from {size} to {actual} bytes"
     except OSError as e:
         err = f"{path}: {e}"
-    if err is not None:
+    if err is not None or f is None:  # f is set whenever err is not
         if f is not None:
             f.close()
         status.zero_()
@@ -294,7 +294,9 @@ def _recv_file(
         for i in range(min(2, len(sizes))):
             post(i)
         for i, n in enumerate(sizes):
-            posted[i].wait()
+            work = posted[i]
+            if work is not None:  # None: this rank is not in the group (never, see the caller)
+                work.wait()
             if err is None:
                 try:
                     write_all(fd, memoryview(bufs.bufs[i % 2])[:n])

@@ -125,9 +125,9 @@ def _rebuild(obj: Any, on_tensor: Callable[[torch.Tensor], Any], memo: dict[int,
         items = [_rebuild(v, on_tensor, memo) for v in obj]
         if type(obj) is list:
             return items
-        out = copy.copy(obj)
-        out[:] = items
-        return out
+        seq = copy.copy(obj)
+        seq[:] = items
+        return seq
     if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
         items = [_rebuild(v, on_tensor, memo) for v in obj]
         if hasattr(type(obj), "_fields"):  # namedtuple: positional constructor
@@ -335,12 +335,13 @@ class Snapshotter:
             it = iter(bset.buffers)
 
             def on_tensor(src: torch.Tensor) -> torch.Tensor:
+                if not isinstance(src, DTensor):
+                    return next(it)
                 shards = local_shards_of(src)
                 if shards is not None:  # one buffer per shard, in walk order
-                    return local_shards_like([next(it) for _ in shards], src)
+                    offsets = [o for o, _ in shards]
+                    return local_shards_like([next(it) for _ in shards], offsets, src)
                 buf = next(it)
-                if not isinstance(src, DTensor):
-                    return buf
                 # Not DTensor.from_local: it moves a local tensor onto the
                 # mesh's device type, i.e. would copy this host buffer straight
                 # back to the GPU for a "cuda" mesh. The constructor keeps the

@@ -443,13 +443,13 @@ def _cmd_import_hf(args: argparse.Namespace) -> int:
 # ====================================================================== parser
 
 
-def _common_options(defaults: bool) -> argparse.ArgumentParser:
+def _common_options(defaults: bool) -> _Parser:
     """--quiet/--progress/--debug, accepted before and after the command name.
 
     Only the top-level parser sets defaults: a subcommand's default would
     overwrite a value given before the command name.
     """
-    p = argparse.ArgumentParser(add_help=False)
+    p = _Parser(add_help=False)  # a parent: only its arguments are used
     kw: dict[str, Any] = {"action": "store_true"}
     if not defaults:
         kw["default"] = argparse.SUPPRESS
