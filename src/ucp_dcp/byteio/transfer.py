@@ -100,7 +100,7 @@ def segments_into(
     """
     view = storage_view(dest) if view is None else view
     es = dest.element_size()
-    grid = runs(chunk_sizes, region, dest.stride(), dest.storage_offset())
+    grid = runs(chunk_sizes, region, dest.stride(), int(dest.storage_offset()))
     n = grid.count * es
     file = location.file
     for src, dst in zip((grid.src * es + location.start).tolist(), (grid.dst * es).tolist()):
