@@ -347,7 +347,8 @@ def exchange_files(
     If some wanted name is held by nobody, every rank raises the same
     :class:`PeerTransferError` (names and wanting ranks) before anything is
     transferred. Invalid names (paths, ``..``) on any rank raise the same
-    ``ValueError`` on every rank. Files travel in blocks of ``block_bytes``
+    :class:`~ucp_dcp.errors.InvalidArgumentError` (a ``ValueError``) on every rank.
+    Files travel in blocks of ``block_bytes``
     as CPU ``uint8`` tensors (the group must handle CPU tensors: gloo),
     double-buffered with isend/irecv; the steps run in one global order, so
     no pair deadlocks. Each received file is written to a ``.part`` file,

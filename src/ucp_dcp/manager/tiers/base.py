@@ -24,14 +24,16 @@ _TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 
 
 def check_step(step: Any) -> int:
-    """``step`` itself if it is a non-negative int; ``ValueError`` otherwise."""
+    """``step`` itself if it is a non-negative int; :class:`~ucp_dcp.errors.InvalidArgumentError`
+    (a ``ValueError``) otherwise."""
     if not is_int(step) or step < 0:
         raise InvalidArgumentError(f"step must be a non-negative integer, got {step!r}")
     return step
 
 
 def check_token(token: Any) -> str:
-    """``token`` itself if it is 1-64 characters of ``[A-Za-z0-9_-]``; ``ValueError`` otherwise."""
+    """``token`` itself if it is 1-64 characters of ``[A-Za-z0-9_-]``;
+    :class:`~ucp_dcp.errors.InvalidArgumentError` (a ``ValueError``) otherwise."""
     if not isinstance(token, str) or not _TOKEN_RE.match(token):
         raise InvalidArgumentError(f"token must be 1-64 characters of [A-Za-z0-9_-], got {token!r}")
     return token
@@ -166,8 +168,9 @@ class Tier(ABC):
 
     @abstractmethod
     def _staging_step(self, staging: str) -> tuple[int, str]:
-        """The step and the normalised location of ``staging``; ``ValueError`` if it is not a
-        staging location here (:class:`~ucp_dcp.errors.InvalidArgumentError`)."""
+        """The step and the normalised location of ``staging``;
+        :class:`~ucp_dcp.errors.InvalidArgumentError` (a ``ValueError``) if it is not a staging
+        location here."""
 
     @abstractmethod
     def _put_file(self, staging: str, local_path: str, name: str) -> None:
