@@ -102,10 +102,10 @@ def _local_info(
     if wanted and dest_dir is None:
         problems.append("files wanted but dest_dir is None")
     sizes: dict[str, int] = {}
-    if not problems:
+    if not problems and src_dir is not None:
         for name in available:
             try:
-                st = os.stat(os.path.join(src_dir, name))  # type: ignore[arg-type]
+                st = os.stat(os.path.join(src_dir, name))
             except FileNotFoundError:
                 continue  # not really here: another rank may still provide it
             sizes[name] = st.st_size
@@ -307,12 +307,12 @@ def _recv_file(
         dist.recv(status, group=group, group_src=peer)
         if err is None and not status.item():
             err = f"rank {peer} failed while reading {name!r}"
-        if err is None:
+        if err is None and tmp is not None:  # tmp is set whenever err is not
             try:
                 os.fsync(fd)
                 os.close(fd)
                 fd = -1
-                os.replace(tmp, os.path.join(dest_dir, name))  # type: ignore[arg-type]
+                os.replace(tmp, os.path.join(dest_dir, name))
                 tmp = None
             except OSError as e:
                 err = f"{dest_dir}/{name}: {e}"
@@ -401,38 +401,43 @@ def exchange_files(
     errors: list[str] = []
     wrote = False
     bufs = _Buffers()
-    if wanted:
+    # _local_info refused (on every rank) offering files without src_dir and wanting files
+    # without dest_dir: each step of this rank has the directory it needs.
+    if wanted and dest_dir is not None:
         try:
-            os.makedirs(dest_dir, exist_ok=True)  # type: ignore[arg-type]
+            os.makedirs(dest_dir, exist_ok=True)
         except OSError as e:  # the receives below fail one by one, after draining
             errors.append(f"{dest_dir}: {e}")
     for name, prov, req, size in steps:
         if prov == req:
             if req == me:
+                assert src_dir is not None and dest_dir is not None
                 try:
-                    wrote |= _local_copy(src_dir, dest_dir, name)  # type: ignore[arg-type]
+                    wrote |= _local_copy(src_dir, dest_dir, name)
                 except OSError as e:  # keep going: peers wait on this rank's later steps
                     errors.append(f"copying {name!r} locally: {e}")
                     continue
                 received.append(name)
                 local.append(name)
         elif prov == me:
-            err = _send_file(os.path.join(src_dir, name), size, req, group, block_bytes, bufs)  # type: ignore[arg-type]
+            assert src_dir is not None
+            err = _send_file(os.path.join(src_dir, name), size, req, group, block_bytes, bufs)
             if err is None:
                 sent.append((name, req))
                 nsent += size
             else:
                 errors.append(f"sending {name!r} to rank {req}: {err}")
         elif req == me:
-            err = _recv_file(dest_dir, name, size, prov, group, block_bytes, bufs)  # type: ignore[arg-type]
+            assert dest_dir is not None
+            err = _recv_file(dest_dir, name, size, prov, group, block_bytes, bufs)
             if err is None:
                 received.append(name)
                 nrecv += size
                 wrote = True
             else:
                 errors.append(f"receiving {name!r} from rank {prov}: {err}")
-    if wrote:
-        fsync_path(dest_dir)  # type: ignore[arg-type]
+    if wrote and dest_dir is not None:
+        fsync_path(dest_dir)
     if errors:
         raise PeerTransferError(f"rank {me}: " + "; ".join(errors))
     return TransferReport(
