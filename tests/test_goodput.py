@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ucp_dcp.errors import InvalidArgumentError
 from ucp_dcp.manager.goodput import daly_interval, effective_ratio, estimate, young_interval
 
 costs = st.floats(min_value=0.01, max_value=600.0)
@@ -53,9 +54,9 @@ def test_effective_ratio_limits() -> None:
 
 
 def test_bad_inputs_are_named() -> None:
-    with pytest.raises(ValueError, match="mtbf_s must be a finite number >= 0"):
+    with pytest.raises(InvalidArgumentError, match="mtbf_s must be a finite number >= 0"):
         young_interval(1.0, -5.0)
-    with pytest.raises(ValueError, match="save at least once"):
+    with pytest.raises(InvalidArgumentError, match="save at least once"):
         estimate([], [], [], mtbf_s=3600.0)
 
 

@@ -14,6 +14,7 @@ import ucp_dcp.byteio.durable
 from manager_utils import assert_state_equal, empty_like_state, flip_byte, make_state
 from ucp_dcp import CheckpointManager, NoCheckpointError
 from ucp_dcp.manager.manager import CheckpointSaveError
+from ucp_dcp.errors import InvalidArgumentError
 from ucp_dcp.manager.snapshot import NonFiniteError
 from ucp_dcp.manager.tiers import LocalTier
 
@@ -156,7 +157,7 @@ def test_retention_keep_last_and_every(tmp_path) -> None:
 
 @pytest.mark.parametrize("field", ["keep_last", "local_keep_last", "max_in_flight", "persistent_interval"])
 def test_bad_config_is_named(tmp_path, field: str) -> None:
-    with pytest.raises(ValueError, match=f"CheckpointConfig.{field} must be an int >= 1, got 0"):
+    with pytest.raises(InvalidArgumentError, match=f"CheckpointConfig.{field} must be an int >= 1, got 0"):
         CheckpointManager(tmp_path, **{field: 0})
 
 

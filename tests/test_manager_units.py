@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ucp_dcp.byteio.durable import copy_durable, replace_via_temp, swap_paths
+from ucp_dcp.errors import InvalidArgumentError
 from ucp_dcp.manager._collective import NodeLayout
 from ucp_dcp.manager._policy import steps_to_delete, tiers_due
 from ucp_dcp.manager._restore import Candidate, order_candidates
@@ -165,7 +166,7 @@ def test_node_layout(rank: int, world: int, asked: int | None, env: dict[str, st
 )
 def test_config_validate(field: str, value: object, match: str) -> None:
     cfg = dataclasses.replace(CheckpointConfig(), **{field: value})
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(InvalidArgumentError, match=match):
         cfg.validate()
 
 

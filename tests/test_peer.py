@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from dist_utils import run_ranks
 from ucp_dcp.manager.peer import PeerTransferError, TransferReport, clean_partials, exchange_files
+from ucp_dcp.errors import InvalidArgumentError
 
 MiB = 1 << 20
 BLOCK = 1 * MiB
@@ -122,7 +123,7 @@ def _refusals(rank: int, world: int, root: str) -> None:
     assert os.listdir(mine) == [_name(rank)]  # refused before anything moved
 
     bad = ["../evil"] if rank == 2 else []
-    with pytest.raises(ValueError, match=r"rank 2: invalid file name '\.\./evil'"):
+    with pytest.raises(InvalidArgumentError, match=r"rank 2: invalid file name '\.\./evil'"):
         exchange_files(None, mine, [_name(rank)], mine, bad, block_bytes=BLOCK)
 
     # the group still works afterwards: nobody is stuck in a half-done exchange
@@ -220,7 +221,7 @@ def test_single_process(tmp_path) -> None:
     with pytest.raises(PeerTransferError, match="__2_0.distcp"):
         exchange_files(None, src, [], dest, [_name(2)])
     for bad in ("/abs", "a/b", "..", ""):
-        with pytest.raises(ValueError, match="invalid file name"):
+        with pytest.raises(InvalidArgumentError, match="invalid file name"):
             exchange_files(None, src, [_name(2)], dest, [bad])
     # nothing wanted, nothing offered: a no-op
     assert exchange_files(None, None, [], None, []) == TransferReport([], [], 0, 0, [])

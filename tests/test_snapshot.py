@@ -25,6 +25,7 @@ from dist_utils import bit_equal, run_ranks
 from layouts import build, full_reference, scramble, train_state, train_step
 from ucp_dcp import RankLocal, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.manager.snapshot import NonFiniteError, Snapshotter, StagedState, find_nonfinite
+from ucp_dcp.errors import InvalidArgumentError, InvalidStateError
 
 Pair = namedtuple("Pair", ["a", "b"])
 
@@ -153,7 +154,7 @@ def test_buffer_reuse() -> None:
     assert snap.buffer_bytes == held + (100 - 6) * 4 * 4
     snap.close()
     assert snap.buffer_bytes == 0
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(InvalidStateError, match="closed"):
         snap.stage(state)
 
 
@@ -168,14 +169,14 @@ def test_max_buffers() -> None:
     assert a.state["w"].data_ptr() != b.state["w"].data_ptr()
     assert bit_equal(a.state["w"] + 1, b.state["w"])
     msg = r"all 2 staging buffers are held by in-flight saves; release\(\) one first"
-    with pytest.raises(RuntimeError, match=msg):
+    with pytest.raises(InvalidStateError, match=msg):
         snap.stage(state)
     snap.release(a)
     c = snap.stage(state)
     assert c.state["w"].data_ptr() == a.state["w"].data_ptr()
-    with pytest.raises(ValueError, match="another Snapshotter"):
+    with pytest.raises(InvalidArgumentError, match="another Snapshotter"):
         Snapshotter().release(c)
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidArgumentError):
         Snapshotter(max_buffers=0)
 
 

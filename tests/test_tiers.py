@@ -35,7 +35,7 @@ from ucp_dcp.manager.tiers import (
     open_tier,
     step_dir_name,
 )
-from ucp_dcp.errors import CheckpointFormatError
+from ucp_dcp.errors import CheckpointFormatError, InvalidArgumentError
 
 KINDS = ["local", "memory", "s3"]
 s3_bucket = s3_server.s3_bucket  # the session fixture, made visible to this module
@@ -245,7 +245,7 @@ def test_commit_refuses_missing_or_wrong_size(make_tier: Callable[[], Tier], tmp
     )
     with pytest.raises(CheckpointFormatError, match=f"{name}.*says {len(files[name]) + 1} bytes"):
         tier.commit(staging, wrong)
-    with pytest.raises(ValueError, match="marker is for step 5"):
+    with pytest.raises(InvalidArgumentError, match="marker is for step 5"):
         tier.commit(staging, CommitMarker(5, 2, 1.0, marker.files))
     assert make_tier().steps() == []
     tier.commit(staging, marker)  # the staging is still usable
@@ -256,14 +256,14 @@ def test_bad_names_and_tokens(make_tier: Callable[[], Tier], tmp_path: Path) -> 
     tier = make_tier()
     staging = tier.begin(1, "tok")
     for bad in ("../x", "a/b", "", ".", "..", MARKER_FILE):
-        with pytest.raises(ValueError):
+        with pytest.raises(InvalidArgumentError):
             tier.put_bytes(staging, bad, b"x")
     for tok in ("", "a/b", "a.b", "x" * 65, ".."):
-        with pytest.raises(ValueError, match="token"):
+        with pytest.raises(InvalidArgumentError, match="token"):
             tier.begin(1, tok)
-    with pytest.raises(ValueError, match="step"):
+    with pytest.raises(InvalidArgumentError, match="step"):
         tier.begin(-1, "tok")
-    with pytest.raises(ValueError, match="not a staging"):
+    with pytest.raises(InvalidArgumentError, match="not a staging"):
         tier.put_bytes(tier.url + "/elsewhere", "a", b"x")
 
 
@@ -715,13 +715,13 @@ def test_marker_misc() -> None:
         m.digest("nope")
     with pytest.raises(CheckpointFormatError, match="must be a JSON object"):
         CommitMarker.from_json([1], "w")
-    with pytest.raises(ValueError, match="'extra' must be JSON-able"):
+    with pytest.raises(InvalidArgumentError, match="'extra' must be JSON-able"):
         CommitMarker(1, 1, 0.0, (), {}, {"x": object()})
-    with pytest.raises(ValueError, match="'extra' must be JSON-able"):
+    with pytest.raises(InvalidArgumentError, match="'extra' must be JSON-able"):
         CommitMarker(1, 1, 0.0, (), {}, {"x": float("nan")})
     assert CommitMarker(1, 1, 3, [], {}, {}).files == ()  # list normalised, int time accepted
     assert step_dir_name(100) == "step-000000000100"
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidArgumentError):
         step_dir_name(-1)
 
 

@@ -15,9 +15,9 @@ APIs ucp_dcp calls; they are not listed here.)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -68,6 +68,12 @@ from torch.distributed.tensor._utils import (
 from torch.distributed.tensor._utils import (
     compute_local_shape_and_global_offset,
 )
+
+if TYPE_CHECKING:
+    # FSDP1's unit module and its FlatParameter handle: types only (FSDP1 is
+    # imported when a model uses it, see adapters/fsdp1.py).
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
 
 # FSDP2's placement for a dimension sharded both by FSDP and by TP (the FSDP
 # shards are interleaved): named "SS(d,k)" in layouts.
@@ -151,10 +157,11 @@ def local_shards_of(t: Any) -> list[tuple[tuple[int, ...], torch.Tensor]] | None
     return [(tuple(c.offsets), s) for s, c in zip(w.local_shards(), w.local_chunks)]
 
 
-def local_shards_like(shards: list[torch.Tensor], src: DTensor) -> DTensor:
-    """A DTensor with ``src``'s spec over a ``LocalShardsWrapper`` of ``shards``, at the offsets of
-    ``src``'s shards."""
-    offsets = [tuple(c.offsets) for c in src._local_tensor.local_chunks]
+def local_shards_like(
+    shards: list[torch.Tensor], offsets: list[tuple[int, ...]], src: DTensor
+) -> DTensor:
+    """A DTensor with ``src``'s spec over a ``LocalShardsWrapper`` of ``shards`` at ``offsets``
+    (those of ``src``'s shards, as :func:`local_shards_of` gives them)."""
     return dtensor_like(LocalShardsWrapper(shards, offsets), src)
 
 
@@ -199,18 +206,18 @@ class FlatParamInfo:
     ``use_orig_params=True``, else None.
     """
 
-    handle: Any  # FlatParamHandle: flat_param, rank, world_size
+    handle: FlatParamHandle  # flat_param, rank, world_size
     sharded_size: torch.Size | None
-    numels_with_padding: list[int]
-    is_padding_mask: list[bool]
-    shapes: list[torch.Size]
-    numels: list[int]
-    fqns: list[str]
-    shard_param_infos: list[Any]
+    numels_with_padding: Sequence[int]
+    is_padding_mask: Sequence[bool]
+    shapes: Sequence[torch.Size]
+    numels: Sequence[int]
+    fqns: Sequence[str]
+    shard_param_infos: Sequence[Any]
     orig_params: list[nn.Parameter] | None
 
 
-def fsdp1_flat_param(unit: nn.Module) -> FlatParamInfo | None:
+def fsdp1_flat_param(unit: FullyShardedDataParallel) -> FlatParamInfo | None:
     """The FlatParameter record of FSDP1 unit ``unit`` (``_handle``), or None when it manages no
     parameters."""
     handle = unit._handle

@@ -47,7 +47,7 @@ parameters of the model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,9 @@ from .._compat import (
 from ..core.pieces import Piece, TensorPieces
 from ..errors import TorchInternalsError, UnsupportedModelError
 from .flat import FlatParam, FlatShard
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
 __all__ = ["fsdp1_state_dict", "fsdp1_apply_loaded", "SUPPORTED_SHARDING_STRATEGIES"]
 
@@ -99,7 +102,7 @@ class _Unit:
         return [p.fqn for p in self.params]
 
 
-def _fsdp_class() -> type:
+def _fsdp_class() -> type[FullyShardedDataParallel]:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     return FullyShardedDataParallel
@@ -113,7 +116,10 @@ def _units(model: nn.Module) -> list[_Unit]:
         if any(
             type(m).__name__.startswith("FSDP") for m in model.modules()
         ) or looks_like_fully_shard(model):
-            hint = " (for fully_shard/FSDP2 models use torch.distributed.checkpoint.state_dict.get_state_dict)"
+            hint = (
+                " (for fully_shard/FSDP2 models use"
+                " torch.distributed.checkpoint.state_dict.get_state_dict)"
+            )
         raise UnsupportedModelError(
             f"fsdp1_state_dict: the model is a {type(model).__name__}, not a "
             f"torch.distributed.fsdp.FullyShardedDataParallel (FSDP1) root module{hint}; wrap the "
@@ -326,7 +332,8 @@ def fsdp1_state_dict(
                 elif isinstance(v, torch.Tensor):
                     if v.shape != p.shape or not v.is_contiguous():
                         raise UnsupportedModelError(
-                            f"fsdp1_state_dict: optimizer state {name!r} of {tag} ({', '.join(fqns[:3])}"
+                            f"fsdp1_state_dict: optimizer state {name!r} of {tag} "
+                            f"({', '.join(fqns[:3])}"
                             f"{', ...' if len(fqns) > 3 else ''}) has shape "
                             f"{list(v.shape)}, not the parameter's {list(p.shape)}; only state "
                             "shaped like "
@@ -377,7 +384,8 @@ def fsdp1_apply_loaded(
         got = list(loaded.get("params", want))
         if set(got) != set(want):
             raise UnsupportedModelError(
-                f"fsdp1_apply_loaded: loaded param group {gi} holds {sorted(set(got) ^ set(want))[:5]} that the "
+                f"fsdp1_apply_loaded: loaded param group {gi} holds "
+                f"{sorted(set(got) ^ set(want))[:5]} that the "
                 f"optimizer's group {gi} does not share (or vice versa)"
             )
         for k, v in loaded.items():

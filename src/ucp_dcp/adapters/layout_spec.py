@@ -260,7 +260,8 @@ class LayoutSpec:
                 raise LayoutRuleError(
                     f"the layout cannot explain {key!r}"
                     + (f" (renamed {name!r})" if name != key else "")
-                    + f" (shape {list(value.shape)}, {value.dtype}): no layout rule matches it; add e.g. "
+                    + f" (shape {list(value.shape)}, {value.dtype}): no layout rule matches it; "
+                    "add e.g. "
                     f"Replicated({re.escape(name.rsplit('.', 1)[-1])!r}) if every rank holds the "
                     "same copy"
                 )
@@ -352,11 +353,13 @@ def _check_collisions(produced: _Produced) -> None:
                 f"keys {keys} map to the logical tensor {fqn!r} with different global shapes "
                 f"{[list(s) for s in shapes]}"
             )
-        for i, (ka, _, ao, asz) in enumerate(items):
-            for kb, _, bo, bsz in items[i + 1 :]:
-                if ka != kb and intersect(Box(ao, asz), Box(bo, bsz)) is not None:
+        boxes = [(k, Box(o, sz)) for k, _, o, sz in items if o is not None and sz is not None]
+        for i, (ka, a) in enumerate(boxes):
+            for kb, b in boxes[i + 1 :]:
+                if ka != kb and intersect(a, b) is not None:
                     raise LayoutRuleError(
                         f"keys {ka!r} and {kb!r} both hold rows of the logical tensor {fqn!r} at "
-                        "overlapping "
-                        f"boxes (offsets {list(ao)} and {list(bo)}); check the Rename/Reindex rules"
+                        "overlapping boxes "
+                        f"(offsets {list(a.offsets)} and {list(b.offsets)}); check the "
+                        "Rename/Reindex rules"
                     )

@@ -81,7 +81,7 @@ class Rule:
         """Rebuild a rule written by :meth:`to_json`."""
         data = dict(data)
         kind = data.pop("rule", None)
-        cls = RULES.get(kind)  # type: ignore[arg-type]
+        cls = RULES.get(kind)
         if cls is None:
             raise LayoutRuleError(f"unknown layout rule {kind!r} (known: {sorted(RULES)})")
         if cls is Fused and isinstance(data.get("parts"), list):

@@ -583,7 +583,8 @@ class BlockVerifier:
         bs, n = check.sums.block, location.nbytes
         return ChecksumError(
             self.paths[location.file],
-            f"{chunk_what(check.fqn, check.offsets)}, block {k} (bytes [{k * bs}, {min(k * bs + bs, n)}) "
+            f"{chunk_what(check.fqn, check.offsets)}, block {k} "
+            f"(bytes [{k * bs}, {min(k * bs + bs, n)}) "
             "of the chunk)",
             f"{want:016x}",
             f"{got:016x}",

@@ -293,7 +293,7 @@ def _finished(
     sums_xxh3 = PLACEHOLDER
     if blocks:
         sums = np.concatenate([blocks[i].digests() for i in sorted(blocks)]).astype("<u8")
-        raw = memoryview(sums).cast("B")
+        raw = sums.data.cast("B")
         sums_xxh3 = xxhash.xxh3_64_hexdigest(raw)
     final, _, _ = layout(entries, *args, block=block, block_sums_xxh3=sums_xxh3)
     if len(final) != header_len:  # cannot happen: checksums are fixed-width

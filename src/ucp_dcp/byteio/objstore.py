@@ -244,9 +244,9 @@ class ObjectStore:
         except Exception as e:  # a store whose cat_ranges raises instead of returning errors
             got = [e] * len(ranges)
         out: list[bytes] = []
-        for (name, s, e), data in zip(ranges, got):
-            if isinstance(data, BaseException) or len(data) != e - s:
-                data = self.read(name, s, e)  # retried, or raises naming the object
+        for (name, s, end), data in zip(ranges, got):
+            if isinstance(data, BaseException) or len(data) != end - s:
+                data = self.read(name, s, end)  # retried, or raises naming the object
             out.append(data)
         return out
 

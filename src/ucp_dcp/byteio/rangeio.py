@@ -139,14 +139,14 @@ def storage_view(t: torch.Tensor) -> memoryview:
     """
     st = t.untyped_storage()
     u8 = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,))
-    return memoryview(u8.numpy()).cast("B")
+    return u8.numpy().data.cast("B")
 
 
 def tensor_view(t: torch.Tensor) -> memoryview:
     """A read-only byte view of contiguous CPU tensor ``t`` (for hashing, writing)."""
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return t.detach().reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 class FileHandles:

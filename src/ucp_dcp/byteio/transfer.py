@@ -100,7 +100,7 @@ def segments_into(
     """
     view = storage_view(dest) if view is None else view
     es = dest.element_size()
-    grid = runs(chunk_sizes, region, dest.stride(), dest.storage_offset())
+    grid = runs(chunk_sizes, region, dest.stride(), int(dest.storage_offset()))
     n = grid.count * es
     file = location.file
     for src, dst in zip((grid.src * es + location.start).tolist(), (grid.dst * es).tolist()):
@@ -344,7 +344,9 @@ class StagingBuffers:
             if check is None:
                 a0, b0, shift = a, b, 0
                 reader.read([Segment(location.file, location.start + a0, self._view[: b0 - a0])])
-            else:  # whole blocks; every block holding a needed byte is checked before any byte is handed over
+            else:
+                # whole blocks; every block holding a needed byte is checked before any byte
+                # is handed over
                 a0, b0 = a // bs * bs, min(-(-b // bs) * bs, location.nbytes)
                 shift = -(a - a0) % es
                 starts, length = region_starts(chunk_sizes, sub, es)

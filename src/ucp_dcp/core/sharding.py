@@ -143,7 +143,8 @@ def layout_chunks(
     boxes = list(seen)
     if not _tiles_grid(boxes, global_shape):
         raise LayoutError(
-            f"layout mesh={list(mesh_shape)} placements={[placement_to_str(p) for p in placements]} "
+            f"layout mesh={list(mesh_shape)} "
+            f"placements={[placement_to_str(p) for p in placements]} "
             f"of a tensor of shape {list(global_shape)} does not split it into disjoint boxes; "
             "save it as a plain tensor or with a layout whose shards are hyper-rectangles"
         )
@@ -429,7 +430,8 @@ def layout_grid(
     order = _application_order(shape, mesh_shape, placements)
     if order is None and max_enumerated is not None and math.prod(mesh_shape) > max_enumerated:
         raise LayoutError(
-            f"layout mesh={list(mesh_shape)} placements={[placement_to_str(p) for p in placements]} is irregular "
+            f"layout mesh={list(mesh_shape)} "
+            f"placements={[placement_to_str(p) for p in placements]} is irregular "
             f"and has {math.prod(mesh_shape)} mesh coordinates, more than the {max_enumerated} "
             "enumerated one by one"
         )
@@ -475,7 +477,7 @@ def layout_grid(
         lin.append(li[keep])
     # Every combination of non-empty intervals is a chunk; number them by
     # the mesh-coordinate order of their first replica.
-    total = np.zeros(tuple(len(x) for x in lin), dtype=np.int64)
+    total: np.ndarray = np.zeros(tuple(len(x) for x in lin), dtype=np.int64)
     for d, li in enumerate(lin):
         total = total + li.reshape((1,) * d + (-1,) + (1,) * (len(lin) - d - 1))
     flat = total.reshape(-1)
@@ -517,14 +519,10 @@ def _application_order(
             # Only the FSDP2-over-TP form: the first split of its dim, whose
             # ``sf`` pieces are equal (then the strided pieces line up with
             # the later splits exactly, whatever the inner rounding).
-            if (
-                p.dim >= len(shape)
-                or p.dim in pending
-                or order[p.dim]
-                or shape[p.dim] % p.split_factor
-            ):
+            sf = int(p.split_factor)  # typed int | SymInt; a layout's is a plain int
+            if p.dim >= len(shape) or p.dim in pending or order[p.dim] or shape[p.dim] % sf:
                 return None
-            pending[p.dim] = [m, p.split_factor]
+            pending[p.dim] = [m, sf]
         elif isinstance(p, Shard):
             if p.dim >= len(shape):
                 return None

@@ -220,7 +220,9 @@ def _checkpointable_items(fqn: str, obj: torch.Tensor) -> list[WriteItem]:
             )
         offsets, sizes = tuple(td.chunk.offsets), tuple(td.chunk.sizes)
         if not math.prod(sizes) and math.prod(shape):
-            continue  # an empty shard (a rank that holds none) has no bytes; an empty tensor is still recorded
+            # an empty shard (a rank that holds none) has no bytes; an empty tensor is still
+            # recorded
+            continue
         if (
             tuple(td.size) != shape
             or len(offsets) != len(shape)

@@ -173,7 +173,7 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         # it back unchanged (its global load plan is the identity): at 16384
         # ranks that is gigabytes through one process. Keep the items here
         # and send an empty plan; finish_plan puts them back.
-        self._items = items
+        self._items: list[ReadItem] | None = items
         self.plan = LoadPlan([], planner_data=LoadRankReport(self.rank, len(items), asked))
         return self.plan
 

@@ -224,7 +224,8 @@ class UCPStorageWriter(_Directory, StorageWriter):
             raise _restated(
                 e,
                 (
-                    f"rank {self.rank} could not write checkpoint data file {path}: {e.strerror or e}{gone}. "
+                    f"rank {self.rank} could not write checkpoint data file {path}: "
+                    f"{e.strerror or e}{gone}. "
                     "The save is not committed and a previous checkpoint is untouched: free space "
                     "(or save "
                     "elsewhere) and save again"
@@ -382,7 +383,8 @@ class UCPStorageWriter(_Directory, StorageWriter):
             raise _restated(
                 e,
                 (
-                    f"could not commit checkpoint {self.path} (writing {INDEX_FILE}): {e.strerror or e}. "
+                    f"could not commit checkpoint {self.path} (writing {INDEX_FILE}): "
+                    f"{e.strerror or e}. "
                     "The save is not committed and a previous checkpoint in this directory, if "
                     "any, is "
                     "intact. Free space (or save elsewhere) and save again; the next save that "

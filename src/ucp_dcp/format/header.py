@@ -347,7 +347,8 @@ def _entry_meta(m: Any, name: str, nbytes: int, where: str) -> EntryMeta:
         )
     if math.prod(sizes) * dtype.itemsize != nbytes:
         raise CheckpointFormatError(
-            f"{where}: the entry holds {nbytes} bytes, not the {math.prod(sizes) * dtype.itemsize} of "
+            f"{where}: the entry holds {nbytes} bytes, "
+            f"not the {math.prod(sizes) * dtype.itemsize} of "
             f"{dtype_name(dtype)}{sizes}"
         )
     if name != chunk_entry_name(fqn, offsets):

@@ -222,7 +222,10 @@ def parse_index(raw: bytes, path: str) -> Index:
     An index that records a digest must match it (:func:`index_digest`);
     then every field is checked (:meth:`Index.from_json`).
     """
-    rebuild = "if the data files are complete, rebuild it with ucp_dcp.rebuild_index(path, write=True, replace=True)"
+    rebuild = (
+        "if the data files are complete, "
+        "rebuild it with ucp_dcp.rebuild_index(path, write=True, replace=True)"
+    )
     doc = parse_json(raw, f"{path}: truncated or corrupt index", f"; {rebuild}")
     if isinstance(doc, dict) and DIGEST_FIELD in doc:  # indexes written before digests have none
         recorded = doc[DIGEST_FIELD]

@@ -82,7 +82,7 @@ class RunList(Sequence[int]):
     def __getitem__(self, i: int) -> int:  # type: ignore[override]
         n = len(self)
         if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(n))]  # type: ignore[return-value]
+            return [self[k] for k in range(*i.indices(n))]
         if i < 0:
             i += n
         if not 0 <= i < n:
@@ -91,7 +91,7 @@ class RunList(Sequence[int]):
         start, count, step = self.runs[r]
         return start + (i - (int(self._ends[r]) - count)) * step
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self):
         for start, count, step in self.runs:
             yield from (
                 range(start, start + count * step, step) if step else (start for _ in range(count))

@@ -13,7 +13,7 @@ import math
 import os
 import re
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -104,7 +104,7 @@ def field_xxh3(d: Any, k: str, where: str) -> str:
     return v
 
 
-def is_index_list(v: Any, n: int | None = None) -> bool:
+def is_index_list(v: Any, n: int | None = None) -> TypeGuard[list[int]]:
     """Whether ``v`` is a list of non-negative integers (of length ``n``, when given) that fit in 63
     bits."""
     return (

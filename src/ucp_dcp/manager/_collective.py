@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -88,7 +88,7 @@ class Group:
             return obj
         box = [obj if self.layout.rank == src else None]
         dist.broadcast_object_list(box, src=src, group=self.pg)
-        return box[0]  # type: ignore[return-value]
+        return cast(T, box[0])  # rank src's obj, unpickled
 
     def agree(self, what: str, fn: Callable[[], T], *, step: int, restoring: bool = False) -> T:
         """Run ``fn`` on every rank; if it failed anywhere, raise on every rank (no rank is left

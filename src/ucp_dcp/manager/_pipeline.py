@@ -171,6 +171,7 @@ class SavePipeline(GroupWorker):
             def put_index() -> None:
                 if lay.is_leader and lay.rank != 0:
                     assert tier is not None
+                    assert index is not None  # rank 0's bytes
                     tier.put_bytes(path, INDEX_FILE, index)
 
             group.agree("replicating the index", put_index, step=step)

@@ -382,7 +382,7 @@ class Restorer(GroupWorker):
         )
         dcp.load(
             state, storage_reader=reader, planner=UCPLoadPlanner(), process_group=self.group.pg
-        )  # type: ignore[arg-type]
+        )
         return int(getattr(reader, "verified_bytes", 0)), int(getattr(reader, "bytes_requested", 0))
 
     def _agree(self, what: str, fn: Callable[[], Any], cand: Candidate) -> Any:

@@ -12,6 +12,8 @@ import textwrap
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["CheckpointConfig"]
 
 
@@ -155,7 +157,8 @@ class CheckpointConfig:
     )
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first field out of range."""
+        """Raise :class:`~ucp_dcp.errors.InvalidArgumentError` (a ``ValueError``) naming the first
+        field out of range."""
         for k in (
             "local_interval",
             "persistent_interval",
@@ -167,15 +170,17 @@ class CheckpointConfig:
             v = getattr(self, k)
             if not isinstance(v, int) or v < 1:
                 why = " (keep_last=0 would delete the only good checkpoint)" if "keep" in k else ""
-                raise ValueError(f"CheckpointConfig.{k} must be an int >= 1, got {v!r}{why}")
+                raise InvalidArgumentError(
+                    f"CheckpointConfig.{k} must be an int >= 1, got {v!r}{why}"
+                )
         if self.keep_every is not None and (
             not isinstance(self.keep_every, int) or self.keep_every < 1
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"CheckpointConfig.keep_every must be None or an int >= 1, got {self.keep_every!r}"
             )
         if self.nonfinite not in ("off", "error", "flag"):
-            raise ValueError(
+            raise InvalidArgumentError(
                 "CheckpointConfig.nonfinite must be 'off', 'error' or 'flag', got "
                 f"{self.nonfinite!r}"
             )

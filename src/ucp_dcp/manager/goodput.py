@@ -18,13 +18,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["young_interval", "daly_interval", "effective_ratio", "GoodputEstimate", "estimate"]
 
 
 def _check(**kw: float) -> None:
     for k, v in kw.items():
         if not (isinstance(v, (int, float)) and math.isfinite(v)) or v < 0:
-            raise ValueError(f"{k} must be a finite number >= 0, got {v!r}")
+            raise InvalidArgumentError(f"{k} must be a finite number >= 0, got {v!r}")
 
 
 def young_interval(save_cost_s: float, mtbf_s: float) -> float:
@@ -41,7 +43,7 @@ def daly_interval(save_cost_s: float, mtbf_s: float) -> float:
     _check(save_cost_s=save_cost_s, mtbf_s=mtbf_s)
     c, m = save_cost_s, mtbf_s
     if m == 0:
-        raise ValueError("mtbf_s must be > 0")
+        raise InvalidArgumentError("daly_interval: mtbf_s must be > 0, got 0")
     if c >= 2 * m:
         return m
     x = c / (2 * m)
@@ -71,7 +73,10 @@ def effective_ratio(
         commit_lag_s=commit_lag_s,
     )
     if interval_s == 0 or mtbf_s == 0:
-        raise ValueError("interval_s and mtbf_s must be > 0")
+        raise InvalidArgumentError(
+            f"effective_ratio: interval_s and mtbf_s must be > 0, got interval_s={interval_s!r}, "
+            f"mtbf_s={mtbf_s!r}"
+        )
     m, r = mtbf_s, restart_s + commit_lag_s
     wall_per_work = m * math.exp(r / m) * math.expm1((interval_s + save_cost_s) / m) / interval_s
     return 1.0 / wall_per_work
@@ -101,7 +106,9 @@ def estimate(
 ) -> GoodputEstimate:
     """A :class:`GoodputEstimate` from per-save measurements (means over the lists)."""
     if not blocking_s:
-        raise ValueError("no saves measured yet: save at least once before estimating goodput")
+        raise InvalidArgumentError(
+            "no saves measured yet: save at least once before estimating goodput"
+        )
     n = len(blocking_s)
     c = sum(blocking_s) / n
     w = sum(write_s) / max(len(write_s), 1)

@@ -68,7 +68,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import CheckpointRestoreError, CheckpointSaveError, NoCheckpointError
+from ..errors import (
+    CheckpointRestoreError,
+    CheckpointSaveError,
+    InvalidArgumentError,
+    InvalidStateError,
+    NoCheckpointError,
+)
 from . import goodput
 from ._collective import Group, NodeLayout
 from ._pipeline import SaveJob, SavePipeline
@@ -198,7 +204,9 @@ class CheckpointManager:
         self._check_open()
         self._raise_finished_errors()
         if not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
+            raise InvalidArgumentError(
+                f"CheckpointManager.save: step must be an int >= 0, got {step!r}"
+            )
         cfg = self.config
         due = tiers_due(
             step,
@@ -397,4 +405,6 @@ class CheckpointManager:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this CheckpointManager is closed")
+            raise InvalidStateError(
+                "this CheckpointManager is closed (close() was called); create a new one"
+            )

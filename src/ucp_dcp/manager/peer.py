@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..byteio.durable import fsync_path, remove_quietly, write_all
-from ..errors import PeerTransferError
+from ..errors import InvalidArgumentError, PeerTransferError
 
 __all__ = ["PeerTransferError", "TransferReport", "clean_partials", "exchange_files"]
 
@@ -102,10 +102,10 @@ def _local_info(
     if wanted and dest_dir is None:
         problems.append("files wanted but dest_dir is None")
     sizes: dict[str, int] = {}
-    if not problems:
+    if not problems and src_dir is not None:
         for name in available:
             try:
-                st = os.stat(os.path.join(src_dir, name))  # type: ignore[arg-type]
+                st = os.stat(os.path.join(src_dir, name))
             except FileNotFoundError:
                 continue  # not really here: another rank may still provide it
             sizes[name] = st.st_size
@@ -146,7 +146,7 @@ def _schedule(
     # kept and every rank sorts the same way: no pair can deadlock.
     nxt = [0] * len(avail)
     keyed = []
-    for i, (name, prov, req, size) in enumerate(plan):
+    for i, (_name, prov, req, _size) in enumerate(plan):
         if prov == req:
             keyed.append((-1, i, plan[i]))  # local copies first, no peer involved
             continue
@@ -233,7 +233,7 @@ def _send_file(
             err = f"{path}: size changed from {size} to {actual} bytes"
     except OSError as e:
         err = f"{path}: {e}"
-    if err is not None:
+    if err is not None or f is None:  # f is set whenever err is not
         if f is not None:
             f.close()
         status.zero_()
@@ -294,7 +294,9 @@ def _recv_file(
         for i in range(min(2, len(sizes))):
             post(i)
         for i, n in enumerate(sizes):
-            posted[i].wait()
+            work = posted[i]
+            if work is not None:  # None: this rank is not in the group (never, see the caller)
+                work.wait()
             if err is None:
                 try:
                     write_all(fd, memoryview(bufs.bufs[i % 2])[:n])
@@ -305,12 +307,12 @@ def _recv_file(
         dist.recv(status, group=group, group_src=peer)
         if err is None and not status.item():
             err = f"rank {peer} failed while reading {name!r}"
-        if err is None:
+        if err is None and tmp is not None:  # tmp is set whenever err is not
             try:
                 os.fsync(fd)
                 os.close(fd)
                 fd = -1
-                os.replace(tmp, os.path.join(dest_dir, name))  # type: ignore[arg-type]
+                os.replace(tmp, os.path.join(dest_dir, name))
                 tmp = None
             except OSError as e:
                 err = f"{dest_dir}/{name}: {e}"
@@ -345,7 +347,8 @@ def exchange_files(
     If some wanted name is held by nobody, every rank raises the same
     :class:`PeerTransferError` (names and wanting ranks) before anything is
     transferred. Invalid names (paths, ``..``) on any rank raise the same
-    ``ValueError`` on every rank. Files travel in blocks of ``block_bytes``
+    :class:`~ucp_dcp.errors.InvalidArgumentError` (a ``ValueError``) on every rank.
+    Files travel in blocks of ``block_bytes``
     as CPU ``uint8`` tensors (the group must handle CPU tensors: gloo),
     double-buffered with isend/irecv; the steps run in one global order, so
     no pair deadlocks. Each received file is written to a ``.part`` file,
@@ -360,19 +363,23 @@ def exchange_files(
     ``dest_dir`` (nothing to do where they are the same file).
     """
     if block_bytes <= 0:
-        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+        raise InvalidArgumentError(
+            f"exchange_files: block_bytes must be positive, got {block_bytes}"
+        )
     available = _dedup(available)
     wanted = _dedup(wanted)
     sizes, problems = _local_info(src_dir, available, dest_dir, wanted)
 
     if dist.is_initialized():
         if dist.get_backend(group) == "nccl":
-            raise ValueError(
+            raise InvalidArgumentError(
                 "exchange_files needs a process group that handles CPU tensors (gloo), got nccl"
             )
         me = dist.get_rank(group)
         if me < 0:
-            raise ValueError("exchange_files: this process is not a member of the given group")
+            raise InvalidArgumentError(
+                "exchange_files: this process is not a member of the given group"
+            )
         world = dist.get_world_size(group)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, (sizes, wanted, problems), group=group)
@@ -382,7 +389,7 @@ def exchange_files(
 
     bad = [f"rank {r}: {p}" for r, (_, _, ps) in enumerate(gathered) for p in ps]
     if bad:
-        raise ValueError("exchange_files: " + "; ".join(bad))
+        raise InvalidArgumentError("exchange_files: " + "; ".join(bad))
     steps, missing = _schedule([g[0] for g in gathered], [g[1] for g in gathered])
     if missing:
         raise PeerTransferError(_missing_message(missing))
@@ -394,38 +401,43 @@ def exchange_files(
     errors: list[str] = []
     wrote = False
     bufs = _Buffers()
-    if wanted:
+    # _local_info refused (on every rank) offering files without src_dir and wanting files
+    # without dest_dir: each step of this rank has the directory it needs.
+    if wanted and dest_dir is not None:
         try:
-            os.makedirs(dest_dir, exist_ok=True)  # type: ignore[arg-type]
+            os.makedirs(dest_dir, exist_ok=True)
         except OSError as e:  # the receives below fail one by one, after draining
             errors.append(f"{dest_dir}: {e}")
     for name, prov, req, size in steps:
         if prov == req:
             if req == me:
+                assert src_dir is not None and dest_dir is not None
                 try:
-                    wrote |= _local_copy(src_dir, dest_dir, name)  # type: ignore[arg-type]
+                    wrote |= _local_copy(src_dir, dest_dir, name)
                 except OSError as e:  # keep going: peers wait on this rank's later steps
                     errors.append(f"copying {name!r} locally: {e}")
                     continue
                 received.append(name)
                 local.append(name)
         elif prov == me:
-            err = _send_file(os.path.join(src_dir, name), size, req, group, block_bytes, bufs)  # type: ignore[arg-type]
+            assert src_dir is not None
+            err = _send_file(os.path.join(src_dir, name), size, req, group, block_bytes, bufs)
             if err is None:
                 sent.append((name, req))
                 nsent += size
             else:
                 errors.append(f"sending {name!r} to rank {req}: {err}")
         elif req == me:
-            err = _recv_file(dest_dir, name, size, prov, group, block_bytes, bufs)  # type: ignore[arg-type]
+            assert dest_dir is not None
+            err = _recv_file(dest_dir, name, size, prov, group, block_bytes, bufs)
             if err is None:
                 received.append(name)
                 nrecv += size
                 wrote = True
             else:
                 errors.append(f"receiving {name!r} from rank {prov}: {err}")
-    if wrote:
-        fsync_path(dest_dir)  # type: ignore[arg-type]
+    if wrote and dest_dir is not None:
+        fsync_path(dest_dir)
     if errors:
         raise PeerTransferError(f"rank {me}: " + "; ".join(errors))
     return TransferReport(

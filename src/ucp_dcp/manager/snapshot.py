@@ -36,7 +36,12 @@ from .._compat import (
     local_shards_of,
 )
 from ..core.pieces import Piece, TensorPieces
-from ..errors import NonFiniteError, UnsupportedValueError
+from ..errors import (
+    InvalidArgumentError,
+    InvalidStateError,
+    NonFiniteError,
+    UnsupportedValueError,
+)
 
 __all__ = ["NonFiniteError", "find_nonfinite", "StagedState", "Snapshotter"]
 
@@ -120,9 +125,9 @@ def _rebuild(obj: Any, on_tensor: Callable[[torch.Tensor], Any], memo: dict[int,
         items = [_rebuild(v, on_tensor, memo) for v in obj]
         if type(obj) is list:
             return items
-        out = copy.copy(obj)
-        out[:] = items
-        return out
+        seq = copy.copy(obj)
+        seq[:] = items
+        return seq
     if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
         items = [_rebuild(v, on_tensor, memo) for v in obj]
         if hasattr(type(obj), "_fields"):  # namedtuple: positional constructor
@@ -242,7 +247,7 @@ class Snapshotter:
 
     def __init__(self, *, pin_memory: bool | None = None, max_buffers: int = 1) -> None:
         if max_buffers < 1:
-            raise ValueError(f"max_buffers must be >= 1, got {max_buffers}")
+            raise InvalidArgumentError(f"Snapshotter: max_buffers must be >= 1, got {max_buffers}")
         self._pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self._max = max_buffers
         self._sets: list[_BufferSet] = []
@@ -259,7 +264,9 @@ class Snapshotter:
         """A free set for ``signature``: reused if one matches, else newly allocated."""
         with self._lock:
             if self._closed:
-                raise RuntimeError("Snapshotter is closed")
+                raise InvalidStateError(
+                    "Snapshotter is closed (close() was called); create a new one"
+                )
             free = [s for s in self._sets if not s.held]
             for s in free:
                 if s.signature == signature:
@@ -267,7 +274,7 @@ class Snapshotter:
                     return s
             if len(self._sets) >= self._max:
                 if not free:
-                    raise RuntimeError(
+                    raise InvalidStateError(
                         f"cannot stage: all {self._max} staging buffers are held by in-flight "
                         "saves; "
                         "release() one first"
@@ -310,13 +317,14 @@ class Snapshotter:
         host copy of its local shard. Other leaves are deep-copied, so later
         changes to lists/dicts of the training state do not reach the copy.
 
-        Raises RuntimeError if max_buffers staged copies are still held (not released).
+        Raises :class:`~ucp_dcp.errors.InvalidStateError` (a ``RuntimeError``) if max_buffers
+        staged copies are still held (not released).
         """
         t0 = time.perf_counter()
         tensors = [(p, _local(t)) for p, t in _walk_tensors(state)]
         for p, t in tensors:
             if t.layout != torch.strided:
-                raise TypeError(
+                raise UnsupportedValueError(
                     f"{p}: cannot stage a {t.layout} tensor; only dense (strided) tensors"
                 )
         specs = [(t.shape, t.dtype, t.device.type) for _, t in tensors]
@@ -327,12 +335,13 @@ class Snapshotter:
             it = iter(bset.buffers)
 
             def on_tensor(src: torch.Tensor) -> torch.Tensor:
+                if not isinstance(src, DTensor):
+                    return next(it)
                 shards = local_shards_of(src)
                 if shards is not None:  # one buffer per shard, in walk order
-                    return local_shards_like([next(it) for _ in shards], src)
+                    offsets = [o for o, _ in shards]
+                    return local_shards_like([next(it) for _ in shards], offsets, src)
                 buf = next(it)
-                if not isinstance(src, DTensor):
-                    return buf
                 # Not DTensor.from_local: it moves a local tensor onto the
                 # mesh's device type, i.e. would copy this host buffer straight
                 # back to the GPU for a "cuda" mesh. The constructor keeps the
@@ -388,7 +397,9 @@ class Snapshotter:
         buffers cannot race an unfinished one. Releasing twice is a no-op.
         """
         if staged._owner is not self:
-            raise ValueError("release(): this StagedState was made by another Snapshotter")
+            raise InvalidArgumentError(
+                "release(): this StagedState was made by another Snapshotter"
+            )
         staged.wait_ready()
         self._give_back(staged._set)
 

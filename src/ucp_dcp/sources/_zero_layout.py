@@ -66,6 +66,11 @@ def zero12_segments(
     return out
 
 
+def _held_by(rank: int) -> Callable[[int], int]:
+    """``rank_of`` for buffers all held by ``rank``."""
+    return lambda _buffer: rank
+
+
 def _split(
     a: int,
     b: int,
@@ -115,7 +120,7 @@ def zero3_segments(
         for r in range(world_size):
             a, b = r * ps, min((r + 1) * ps, n)
             if a < b:
-                segs += _split(q, q + b - a, bounds, lambda k, r=r: r, q, None, a)
+                segs += _split(q, q + b - a, bounds, _held_by(r), q, None, a)
         out.append(segs)
         q += ps
     return out

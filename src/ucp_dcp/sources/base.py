@@ -197,6 +197,7 @@ class Source(ABC):
         A format refuses here what it will not read (so nothing is half
         loaded) and may locate the chunks ahead of time, in parallel.
         """
+        return None  # the default refuses nothing and locates chunks when they are read
 
     def materialize(self, reader: RangeReader, fqn: str, idx: int) -> torch.Tensor:
         """Chunk ``idx`` of ``fqn`` as a tensor, for chunks :meth:`locate` cannot address.
@@ -237,6 +238,7 @@ class Source(ABC):
 
     def close(self) -> None:
         """Release open files (reopened if needed)."""
+        return None  # the default holds no open files
 
 
 def read_value(source: Source, reader: RangeReader, key: str) -> bytes:

@@ -13,13 +13,16 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from typing import TypeVar
 
 from ..byteio.blocksums import BlockSums
 from ..errors import CheckpointFormatError
-from ..format import Index, Location, split_rank_local_key
+from ..format import FileRecord, Index, Location, TensorRecord, split_rank_local_key
 from .base import Source, SourceOptions, register, source_types
 
 __all__ = ["CompositeSource"]
+
+_R = TypeVar("_R")  # a record type of Index: TensorRecord, Location, per-rank Locations
 
 
 def _child_sources(path: str) -> list[tuple[str, type[Source]]]:
@@ -49,27 +52,39 @@ class CompositeSource(Source):
     format = "subfolders"
 
     def __init__(self, path: str, children: dict[str, Source]) -> None:
-        files, paths, tensors, values, rank_local = [], [], {}, {}, {}
+        files: list[FileRecord] = []
+        paths: list[str] = []
+        tensors: dict[str, TensorRecord] = {}
+        values: dict[str, Location] = {}
+        rank_local: dict[str, dict[int, Location]] = {}
         self._owner: dict[str, tuple[Source, int]] = {}
         origin: dict[str, str] = {}
+
+        def claim(
+            kind: str,
+            name: str,
+            child: Source,
+            base: int,
+            mine: dict[str, _R],
+            theirs: dict[str, _R],
+        ) -> None:
+            for key, rec in theirs.items():
+                if key in origin:
+                    raise CheckpointFormatError(
+                        f"{path}: {kind} {key!r} is in both {origin[key]}/ and {name}/; "
+                        "open the subfolder you want instead"
+                    )
+                origin[key] = name
+                self._owner[key] = (child, base)
+                mine[key] = rec
+
         for name, child in children.items():
             base = len(paths)
             files += child.index.files
             paths += child.paths
-            for kind, mine, theirs in (
-                ("tensor", tensors, child.index.tensors),
-                ("value", values, child.index.values),
-                ("rank-local value", rank_local, child.index.rank_local),
-            ):
-                for key, rec in theirs.items():
-                    if key in origin:
-                        raise CheckpointFormatError(
-                            f"{path}: {kind} {key!r} is in both {origin[key]}/ and {name}/; "
-                            "open the subfolder you want instead"
-                        )
-                    origin[key] = name
-                    self._owner[key] = (child, base)
-                    mine[key] = rec
+            claim("tensor", name, child, base, tensors, child.index.tensors)
+            claim("value", name, child, base, values, child.index.values)
+            claim("rank-local value", name, child, base, rank_local, child.index.rank_local)
         world = max(c.index.world_size for c in children.values())
         super().__init__(path, Index(world, files, tensors, values, rank_local), paths)
         self.children = children

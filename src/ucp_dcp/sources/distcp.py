@@ -298,7 +298,9 @@ class DCPSource(Source):
         assert self.store is not None
         batch = 4096
         for b in range(0, len(todo), batch):
-            keys, ranges, counts = [], [], []
+            keys: list[tuple[str, int]] = []
+            ranges: list[tuple[str, int, int]] = []
+            counts: list[int] = []
             for fqn, idx in todo[b : b + batch]:
                 fi, info = self._tensor_items[fqn][idx]
                 if getattr(info, "transform_descriptors", None) or not info.length:
@@ -390,7 +392,7 @@ class DCPSource(Source):
         """An item no dimension order makes dense: read the span of storage it uses and let torch
         gather it."""
         st = self._stored(fqn, idx)
-        if st.size and math.prod(st.size) and dim_order(st.size, st.stride) is not None:
+        if st.size and math.prod(st.size) != 0 and dim_order(st.size, st.stride) is not None:
             return self._raise_unaddressable(fqn, idx)
         es = st.dtype.itemsize
         span = st.storage_offset + sum((n - 1) * s for n, s in zip(st.size, st.stride)) + 1
@@ -411,10 +413,11 @@ class DCPSource(Source):
         if self.dcp_values is None:
             raise DCPValueError(_refusal(self.directory, key))
         info = self._value_items.get(key)
-        if getattr(info, "transform_descriptors", None):
+        transforms = getattr(info, "transform_descriptors", None)
+        if transforms:
             raise CheckpointFormatError(
                 f"{self.directory}: value {key!r} was written with DCP stream transforms "
-                f"{list(info.transform_descriptors)}; not supported"
+                f"{list(transforms)}; not supported"
             )
         try:
             value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)

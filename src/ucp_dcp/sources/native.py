@@ -292,7 +292,8 @@ class NativeSource(Source):
 
 def _disagree(path: str, what: str, here: Location, listed: Location) -> str:
     return (
-        f"{path}: the index records {what} at bytes [{listed.start}, {listed.start + listed.nbytes}) with xxh3 "
+        f"{path}: the index records {what} "
+        f"at bytes [{listed.start}, {listed.start + listed.nbytes}) with xxh3 "
         f"{listed.xxh3}, the file's header at [{here.start}, {here.start + here.nbytes}) with "
         f"xxh3 {here.xxh3}"
     )

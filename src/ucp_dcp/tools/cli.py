@@ -299,12 +299,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(
             f"OK {args.path}: {_plural(summary['tensors'], 'tensor')}, "
             f"{_plural(summary['values'], 'value')}, "
-            f"{_plural(summary['rank_local'], 'rank-local value')} in {_plural(summary['files'], 'file')}; "
+            f"{_plural(summary['rank_local'], 'rank-local value')} "
+            f"in {_plural(summary['files'], 'file')}; "
             f"{format_bytes(summary['bytes_verified'])} checked"
             + (
                 ""
                 if summary.get("checksums", True)
-                else f" (the {summary['format']} format records no checksums: structure and readability only)"
+                else f" (the {summary['format']} format records no checksums: "
+                "structure and readability only)"
             )
         )
     else:
@@ -336,7 +338,10 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         lines = report.differences(args.atol)
         for line in lines:
             print(line)
-        compared = f"{_plural(len(report.tensors), 'tensor')} and {_plural(report.values_compared, 'value')} compared"
+        compared = (
+            f"{_plural(len(report.tensors), 'tensor')} and "
+            f"{_plural(report.values_compared, 'value')} compared"
+        )
         if same:
             print(
                 ("identical" if report.identical else f"equal within atol {args.atol:g}")
@@ -438,13 +443,13 @@ def _cmd_import_hf(args: argparse.Namespace) -> int:
 # ====================================================================== parser
 
 
-def _common_options(defaults: bool) -> argparse.ArgumentParser:
+def _common_options(defaults: bool) -> _Parser:
     """--quiet/--progress/--debug, accepted before and after the command name.
 
     Only the top-level parser sets defaults: a subcommand's default would
     overwrite a value given before the command name.
     """
-    p = argparse.ArgumentParser(add_help=False)
+    p = _Parser(add_help=False)  # a parent: only its arguments are used
     kw: dict[str, Any] = {"action": "store_true"}
     if not defaults:
         kw["default"] = argparse.SUPPRESS
@@ -470,7 +475,8 @@ def _common_options(defaults: bool) -> argparse.ArgumentParser:
         "--storage-options",
         metavar="JSON",
         default=None if defaults else argparse.SUPPRESS,
-        help="fsspec options for checkpoints given as URLs (s3://bucket/ckpt), as a JSON object, e.g. "
+        help="fsspec options for checkpoints given as URLs (s3://bucket/ckpt), "
+        "as a JSON object, e.g. "
         '\'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'; default: the '
         f"environment variable {STORAGE_OPTIONS_ENV}, else fsspec's defaults",
     )

@@ -215,7 +215,8 @@ def _plan_export(
     if values:
         warnings.warn(
             f"{ckpt.path}: {len(values)} non-tensor value(s) under {prefix!r} are not exported "
-            f"(safetensors holds tensors only): {', '.join(map(repr, values[:5]))}{', ...' if len(values) > 5 else ''}",
+            f"(safetensors holds tensors only): {', '.join(map(repr, values[:5]))}"
+            f"{', ...' if len(values) > 5 else ''}",
             stacklevel=3,
         )
     if not names:
@@ -224,7 +225,8 @@ def _plan_export(
             f"{ckpt.path}: no tensor name starts with prefix {prefix!r}; the checkpoint's tensors "
             "start with "
             f"{', '.join(map(repr, tops[:10])) or 'nothing (it holds no tensors)'}. "
-            "Pass the prefix the model was saved under (e.g. prefix='model.' for {'model': model_state_dict})"
+            "Pass the prefix the model was saved under "
+            "(e.g. prefix='model.' for {'model': model_state_dict})"
         )
     planned: list[_Planned] = []
     seen: dict[str, str] = {}

@@ -243,7 +243,10 @@ class DiffReport:
         for t in self.tensors:
             if t.identical or (atol > 0 and t.within(atol)):
                 continue
-            line = f"{t.name}: max abs diff {t.max_abs_diff:.6g}, {t.num_different} of {t.numel} elements differ"
+            line = (
+                f"{t.name}: max abs diff {t.max_abs_diff:.6g}, "
+                f"{t.num_different} of {t.numel} elements differ"
+            )
             if t.nan_mismatches:
                 line += f", {t.nan_mismatches} NaN on one side only"
             lines.append(line)

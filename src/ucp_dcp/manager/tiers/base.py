@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ...errors import CheckpointFormatError
+from ...errors import CheckpointFormatError, InvalidArgumentError
 from .marker import MARKER_FILE, CommitMarker, check_name, is_int
 
 __all__ = ["Tier", "step_dir_name", "check_step", "check_token"]
@@ -24,23 +24,25 @@ _TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 
 
 def check_step(step: Any) -> int:
-    """``step`` itself if it is a non-negative int; ``ValueError`` otherwise."""
+    """``step`` itself if it is a non-negative int; :class:`~ucp_dcp.errors.InvalidArgumentError`
+    (a ``ValueError``) otherwise."""
     if not is_int(step) or step < 0:
-        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        raise InvalidArgumentError(f"step must be a non-negative integer, got {step!r}")
     return step
 
 
 def check_token(token: Any) -> str:
-    """``token`` itself if it is 1-64 characters of ``[A-Za-z0-9_-]``; ``ValueError`` otherwise."""
+    """``token`` itself if it is 1-64 characters of ``[A-Za-z0-9_-]``;
+    :class:`~ucp_dcp.errors.InvalidArgumentError` (a ``ValueError``) otherwise."""
     if not isinstance(token, str) or not _TOKEN_RE.match(token):
-        raise ValueError(f"token must be 1-64 characters of [A-Za-z0-9_-], got {token!r}")
+        raise InvalidArgumentError(f"token must be 1-64 characters of [A-Za-z0-9_-], got {token!r}")
     return token
 
 
 def step_dir_name(step: int) -> str:
     """Directory name of committed ``step`` in a :class:`~ucp_dcp.manager.tiers.LocalTier`:
     ``step-%012d``."""
-    return "step-%012d" % check_step(step)
+    return f"step-{check_step(step):012d}"
 
 
 class Tier(ABC):
@@ -140,7 +142,7 @@ class Tier(ABC):
         """
         step, path = self._staging_step(staging)
         if marker.step != step:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{self._where(step)}: marker is for step {marker.step} but staging {staging} is "
                 f"for step {step}"
             )
@@ -166,8 +168,9 @@ class Tier(ABC):
 
     @abstractmethod
     def _staging_step(self, staging: str) -> tuple[int, str]:
-        """The step and the normalised location of ``staging``; ``ValueError`` if it is not a
-        staging location here."""
+        """The step and the normalised location of ``staging``;
+        :class:`~ucp_dcp.errors.InvalidArgumentError` (a ``ValueError``) if it is not a staging
+        location here."""
 
     @abstractmethod
     def _put_file(self, staging: str, local_path: str, name: str) -> None:
@@ -185,7 +188,7 @@ class Tier(ABC):
     def _check_payload_name(self, name: str, method: str) -> None:
         check_name(name, "file name")
         if name == MARKER_FILE:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{self._where()}: {MARKER_FILE} is written by commit(), not {method}()"
             )
 

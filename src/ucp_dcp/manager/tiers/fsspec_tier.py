@@ -16,7 +16,7 @@ from functools import partial
 from typing import Any
 
 from ...byteio.durable import fsync_file, fsync_path, replace_via_temp
-from ...errors import CheckpointFormatError
+from ...errors import CheckpointFormatError, InvalidArgumentError
 from .base import Tier, check_step, check_token, step_dir_name
 from .marker import MARKER_FILE, CommitMarker, check_name
 
@@ -231,7 +231,7 @@ class FsspecTier(Tier):
         parent, _, base = path.rpartition("/")
         m = _STEP_TOKEN_RE.match(base)
         if m is None or parent != self._root:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{self._where()}: {staging} is not a staging location of this tier "
                 f"(expected {self.url}/step-NNNNNNNNNNNN-<token>, as returned by begin())"
             )

@@ -12,6 +12,7 @@ safe (see the comments there)::
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -28,7 +29,7 @@ from ...byteio.durable import (
     swap_paths,
     write_bytes_durable,
 )
-from ...errors import CheckpointFormatError
+from ...errors import CheckpointFormatError, InvalidArgumentError, StorageError
 from .base import Tier, check_token, step_dir_name
 from .marker import MARKER_FILE, CommitMarker, check_name
 
@@ -80,11 +81,15 @@ class LocalTier(Tier):
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as e:
-            raise OSError(
-                e.errno, f"{self._where()}: cannot create the tier directory: {e.strerror}"
+            raise StorageError(
+                e.errno,
+                f"{self._where()}: cannot create the tier directory {self.root}: {e.strerror}",
             ) from e
         if not os.path.isdir(self.root):
-            raise NotADirectoryError(f"{self._where()}: expected a directory, found a file")
+            raise StorageError(
+                errno.ENOTDIR,
+                f"{self._where()}: expected a directory at {self.root}, found a file",
+            )
 
     # -- reading
 
@@ -210,13 +215,14 @@ class LocalTier(Tier):
         staging = os.path.abspath(os.fspath(staging))
         m = _TMP_RE.match(os.path.basename(staging))
         if m is None or os.path.dirname(staging) != self.root:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{self._where()}: {staging} is not a staging directory of this tier "
                 f"(expected {self.root}/.tmp-step-NNNNNNNNNNNN-<token>, as returned by begin())"
             )
         if not os.path.isdir(staging):
-            raise FileNotFoundError(
-                f"{self._where()}: staging directory {staging} does not exist (call begin() first)"
+            raise StorageError(
+                errno.ENOENT,
+                f"{self._where()}: staging directory {staging} does not exist (call begin() first)",
             )
         return int(m.group(1)), staging
 
@@ -334,7 +340,8 @@ class LocalTier(Tier):
                 # whose swapped-out old copy was not removed), or a delete.
                 _remove_dir(path)
                 done.append(
-                    f"removed {path} ({'unfinished save' if n.startswith('.tmp-') else 'unfinished delete'})"
+                    f"removed {path} "
+                    f"({'unfinished save' if n.startswith('.tmp-') else 'unfinished delete'})"
                 )
             elif m := _OLD_RE.match(n):
                 step = int(m.group(1))

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import CheckpointFormatError
+from ...errors import CheckpointFormatError, InvalidArgumentError
 
 __all__ = [
     "MARKER_FILE",
@@ -48,7 +48,7 @@ def check_name(name: Any, what: str) -> None:
         or "\\" in name
         or "\0" in name
     ):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{what} must be a plain file name (no '/', not '.' or '..'), got {name!r}"
         )
 
@@ -69,18 +69,20 @@ class FileDigest:
     def __post_init__(self) -> None:
         check_name(self.name, "field 'name'")
         if self.name == MARKER_FILE:
-            raise ValueError(f"field 'name' must not be the commit marker {MARKER_FILE!r}")
+            raise InvalidArgumentError(
+                f"field 'name' must not be the commit marker {MARKER_FILE!r}"
+            )
         if not is_int(self.size) or self.size < 0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"field 'size' of {self.name!r} must be a non-negative integer, got {self.size!r}"
             )
         if not isinstance(self.xxh3, str) or not _HEX32_RE.match(self.xxh3):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"field 'xxh3' of {self.name!r} must be 32 lowercase hex digits (xxh3-128), got "
                 f"{self.xxh3!r}"
             )
         if not is_int(self.rank) or self.rank < -1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"field 'rank' of {self.name!r} must be an integer >= -1, got {self.rank!r}"
             )
 
@@ -97,8 +99,8 @@ class CommitMarker:
     size and digest; ``nonfinite`` maps a tensor name to the ranks whose shard
     held NaN/Inf (when saves only flag them), normally empty; ``extra`` is
     JSON-able user metadata. Constructing one validates every field
-    (``ValueError``); :meth:`from_json` reports the same problems as
-    :class:`CheckpointFormatError`.
+    (:class:`~ucp_dcp.errors.InvalidArgumentError`, a ``ValueError``);
+    :meth:`from_json` reports the same problems as :class:`CheckpointFormatError`.
     """
 
     step: int
@@ -110,9 +112,11 @@ class CommitMarker:
 
     def __post_init__(self) -> None:
         if not is_int(self.step) or self.step < 0:
-            raise ValueError(f"field 'step' must be a non-negative integer, got {self.step!r}")
+            raise InvalidArgumentError(
+                f"field 'step' must be a non-negative integer, got {self.step!r}"
+            )
         if not is_int(self.world_size) or self.world_size < 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"field 'world_size' must be a positive integer, got {self.world_size!r}"
             )
         created = self.created
@@ -122,48 +126,56 @@ class CommitMarker:
             or not math.isfinite(created)
             or created < 0
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"field 'created' must be a finite non-negative unix time, got {created!r}"
             )
         object.__setattr__(self, "created", float(created))
         if not isinstance(self.files, (tuple, list)) or not all(
             isinstance(f, FileDigest) for f in self.files
         ):
-            raise ValueError(f"field 'files' must be a sequence of FileDigest, got {self.files!r}")
+            raise InvalidArgumentError(
+                f"field 'files' must be a sequence of FileDigest, got {self.files!r}"
+            )
         files = tuple(self.files)
         seen: set[str] = set()
         for f in files:
             if f.name in seen:
-                raise ValueError(f"field 'files' lists {f.name!r} twice")
+                raise InvalidArgumentError(f"field 'files' lists {f.name!r} twice")
             seen.add(f.name)
             if f.rank >= self.world_size:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"file {f.name!r}: rank {f.rank} is not below world_size {self.world_size}"
                 )
         object.__setattr__(self, "files", files)
         if not isinstance(self.nonfinite, dict):
-            raise ValueError(f"field 'nonfinite' must be an object, got {self.nonfinite!r}")
+            raise InvalidArgumentError(
+                f"field 'nonfinite' must be an object, got {self.nonfinite!r}"
+            )
         nonfinite: dict[str, list[int]] = {}
         for k, ranks in self.nonfinite.items():
             if not isinstance(k, str):
-                raise ValueError(f"field 'nonfinite': tensor names must be strings, got {k!r}")
+                raise InvalidArgumentError(
+                    f"field 'nonfinite': tensor names must be strings, got {k!r}"
+                )
             if not isinstance(ranks, (list, tuple)) or not all(
                 is_int(r) and 0 <= r < self.world_size for r in ranks
             ):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"field 'nonfinite'[{k!r}] must be a list of ranks in [0, {self.world_size}), "
                     f"got {ranks!r}"
                 )
             nonfinite[k] = list(ranks)
         object.__setattr__(self, "nonfinite", nonfinite)
         if not isinstance(self.extra, dict) or not all(isinstance(k, str) for k in self.extra):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"field 'extra' must be an object with string keys, got {self.extra!r}"
             )
         try:
             json.dumps(self.extra, allow_nan=False)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"field 'extra' must be JSON-able (no NaN/Inf): {e}") from None
+            raise InvalidArgumentError(
+                f"field 'extra' must be JSON-able (no NaN/Inf): {e}"
+            ) from None
 
     def to_json(self) -> dict[str, Any]:
         """The marker document (``json.dumps`` of it is what ``COMMIT.json`` holds)."""
