@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dist_utils import bit_equal, run_ranks
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from dist_utils import bit_equal, run_ranks
 from ucp_dcp import Checkpoint, UCPLoadPlanner, UCPStorageReader
 from ucp_dcp.sources.distcp import read_dcp_metadata
 
@@ -79,7 +79,7 @@ def test_megatron_metadata_carries_every_ranks_plan() -> None:
     path, _ = REAL["megatron"]
     doc = json.loads((path.parent / f"{path.name}_reference.json").read_text())
     md = read_dcp_metadata(path)
-    plans = getattr(md, "all_local_plans")
+    plans = md.all_local_plans
     assert len(plans) == doc["world_size"] and all(type(p).__name__ == "SavePlan" for p in plans)
     assert json.loads((path / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
 
@@ -90,7 +90,12 @@ def test_accelerate_values_load_weights_only() -> None:
     with Checkpoint(path, dcp_values="weights_only") as ck:
         assert ck.read_value("optimizer.param_groups.0.lr") == 1e-2
         assert ck.read_value("optimizer.param_groups.0.params") == [
-            "0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"
+            "0.weight",
+            "0.bias",
+            "2.weight",
+            "2.bias",
+            "3.weight",
+            "3.bias",
         ]
 
 
@@ -102,12 +107,17 @@ def _load_3(rank: int, world: int) -> None:
         path, _ = REAL[name]
         refs = reference(name)
         sd: dict[str, Any] = {
-            k: distribute_tensor(torch.full_like(v, 7), mesh, [Shard(0) if v.dim() else Replicate()])
+            k: distribute_tensor(
+                torch.full_like(v, 7), mesh, [Shard(0) if v.dim() else Replicate()]
+            )
             for k, v in refs.items()
         }
         dcp.load(sd, storage_reader=UCPStorageReader(path), planner=UCPLoadPlanner())
         for key, want in refs.items():
-            assert isinstance(sd[key], DTensor) and bit_equal(sd[key].full_tensor(), want), (name, key)
+            assert isinstance(sd[key], DTensor) and bit_equal(sd[key].full_tensor(), want), (
+                name,
+                key,
+            )
 
 
 @pytest.mark.multiproc
