@@ -12,6 +12,8 @@ read back from the checkpoint). No megatron or accelerate import here.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +125,16 @@ def _load_3(rank: int, world: int) -> None:
 @pytest.mark.multiproc
 def test_dcp_load_on_3_ranks() -> None:
     run_ranks(3, _load_3)
+
+
+def test_reading_them_imports_neither_framework() -> None:
+    """The library reads both fixtures without importing megatron or accelerate."""
+    code = (
+        "import sys, ucp_dcp\n"
+        f"for p in {[str(p) for p, _ in REAL.values()]!r}:\n"
+        "    with ucp_dcp.Checkpoint(p) as ck:\n"
+        "        [ck.read_tensor(n) for n in ck.tensor_names()]\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'accelerate')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
