@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     why = have_s3()
     if why:
         sys.exit(f"cannot run: {why}")
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    load_start = list(os.getloadavg())
     rows = rows_for(args.mb)
     total = N_TENSORS * rows * COLS * 4
     results: list[dict[str, Any]] = []
@@ -169,8 +171,11 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{world:>5}  {mode:<9} {r['seconds']:7.2f} {r['fetched'] / 1e6:11.1f} {r['need'] / 1e6:10.1f} "
                       f"{r['fetched'] / r['need']:15.3f}", flush=True)
     if args.json:
+        doc = {"command": " ".join(["python", *sys.argv]), "started": started, "load_avg": {
+            "start": load_start, "end": list(os.getloadavg())}, "cpus": os.cpu_count(),
+            "state_bytes": total, "save_world": args.save_world, "results": results}
         with open(args.json, "w") as f:
-            json.dump({"state_bytes": total, "save_world": args.save_world, "results": results}, f, indent=1)
+            json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":

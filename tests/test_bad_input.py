@@ -724,9 +724,11 @@ def test_rebuild_index_replaces_a_corrupt_index_on_request(ckpt: tuple[Path, dic
 # Regression: rebuild_index used to mix the data files of a committed save with
 # those of a save that crashed before its commit.
 def test_rebuild_index_does_not_mix_saves(ckpt: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
-    """rebuild_index does not silently combine data files of two different saves: it
-    either refuses (CheckpointFormatError) or rebuilds from a single save."""
-    path, _ = ckpt
+    """rebuild_index does not silently combine data files of two different saves: without
+    ``save_id`` it refuses and lists them; ``save_id=`` picks one, and rebuilding the committed
+    save (``write=True``) makes the checkpoint load bit-exactly again."""
+    path, sd = ckpt
+    committed = load_index(str(path))
 
     def boom(directory: str, index: Any) -> None:
         raise OSError("crash before commit (simulated)")
@@ -735,14 +737,32 @@ def test_rebuild_index_does_not_mix_saves(ckpt: tuple[Path, dict[str, Any]], mon
     with pytest.raises(CheckpointException, match="crash before commit"):
         save(make_state() | {"step": 8}, path, overwrite=True)
     monkeypatch.undo()
-    assert len([n for n in os.listdir(path) if n.endswith(".safetensors")]) == 2  # committed + orphan
+    names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    assert len(names) == 2  # committed + orphan
     (path / INDEX_FILE).unlink()  # the index is lost: this is what rebuild_index is for
-    try:
-        rebuilt = rebuild_index(str(path))
-    except CheckpointFormatError:
-        return  # refusing to guess is acceptable
-    save_ids = {f.name.rsplit("-", 1)[-1] for f in rebuilt.files}
-    assert len(save_ids) == 1, f"rebuilt index mixes data files of {len(save_ids)} saves: {[f.name for f in rebuilt.files]}"
+    save_of = {n: read_header(str(path / n)).save_id for n in names}
+    (committed_file,) = [f.name for f in committed.files]
+    (orphan_file,) = [n for n in names if n != committed_file]
+    committed_id, orphan_id = save_of[committed_file], save_of[orphan_file]
+    assert committed_id != orphan_id
+    before = snapshot(path)
+    listing = "; ".join(f"{s}: 1 file(s)" for s in sorted(save_of.values()))
+    refusal = (
+        f"holds data files of 2 different saves ({listing}); "
+        "pass rebuild_index(path, save_id=...) to choose the one to rebuild"
+    )
+    with pytest.raises(CheckpointFormatError, match=re.escape(refusal)):
+        rebuild_index(str(path))
+    assert rebuild_index(str(path), save_id=committed_id).to_json() == committed.to_json()
+    assert [f.name for f in rebuild_index(str(path), save_id=orphan_id).files] == [orphan_file]
+    with pytest.raises(CheckpointFormatError, match="no data files of save 'no-such-save'"):
+        rebuild_index(str(path), save_id="no-such-save")
+    assert snapshot(path) == before, "rebuild_index without write=True must not write"
+    rebuild_index(str(path), save_id=committed_id, write=True)
+    assert load_index(str(path)).to_json() == committed.to_json()
+    out = blank_like(make_state())
+    load(out, path)
+    assert_state_equal(out, sd)
 
 
 def test_rebuild_index_on_empty_directory(tmp_path: Path) -> None:
