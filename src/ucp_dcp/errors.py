@@ -27,6 +27,8 @@ __all__ = [
     "NoCheckpointError",
     "PeerTransferError",
     "CLIError",
+    "ShapeMismatchError",
+    "InvalidOptionError",
 ]
 
 
@@ -157,3 +159,16 @@ class PeerTransferError(UCPError, RuntimeError):
 
 class CLIError(UCPError):
     """A failure to report as one ``ucp-dcp: error:`` line (usage or environment)."""
+
+
+# ---------------------------------------------------------------- reading into tensors
+
+
+class ShapeMismatchError(UCPError, ValueError):
+    """A destination tensor's shape differs from the saved tensor's (names the tensor and both
+    shapes)."""
+
+
+class InvalidOptionError(UCPError, ValueError):
+    """An argument outside what it accepts (names the argument, the value given and the accepted
+    ones)."""
