@@ -47,7 +47,7 @@ from ..core.sharding import Box, runs
 from ..errors import ChecksumError
 from ..format import Location
 from .integrity import chunk_what
-from .rangeio import HOOKED_REQUEST_BYTES, RangeReader, Segment, storage_view
+from .rangeio import HOOKED_REQUEST_BYTES, ByteSource, Segment, storage_view
 
 __all__ = ["BlockSums", "BlockHasher", "BlockVerifier", "ChunkCheck", "read_verified"]
 
@@ -583,8 +583,8 @@ class BlockVerifier:
         bs, n = check.sums.block, location.nbytes
         return ChecksumError(
             self.paths[location.file],
-            f"{chunk_what(check.fqn, check.offsets)}, block {k} (bytes [{k * bs}, {min(k * bs + bs, n)}) "
-            "of the chunk)",
+            f"{chunk_what(check.fqn, check.offsets)}, block {k} "
+            f"(bytes [{k * bs}, {min(k * bs + bs, n)}) of the chunk)",
             f"{want:016x}",
             f"{got:016x}",
             self.ranks[location.file],
@@ -687,7 +687,7 @@ class BlockVerifier:
 
 
 def read_verified(
-    reader: RangeReader,
+    reader: ByteSource,
     location: Location,
     chunk_sizes: Sequence[int],
     region: Box,

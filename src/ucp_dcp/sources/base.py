@@ -32,7 +32,7 @@ import torch
 from ..byteio.blocksums import BlockSums
 from ..byteio.objrange import OBJECT_GAP_BYTES, ObjectRangeReader
 from ..byteio.objstore import ObjectStore
-from ..byteio.rangeio import RangeReader
+from ..byteio.rangeio import ByteSource, RangeReader
 from ..byteio.transfer import read_checked
 from ..core.sharding import Box, Grid
 from ..errors import CheckpointFormatError
@@ -95,7 +95,7 @@ class Source(ABC):
 
     def open_reader(
         self, *, threads: int, gap_bytes: int | None = None, max_request_bytes: int = 16 << 20
-    ) -> RangeReader:
+    ) -> ByteSource:
         """The byte reader of ``paths``: ``preadv`` calls for files, ranged requests for objects.
 
         ``gap_bytes=None`` takes the storage's default: merge gaps within a
@@ -112,7 +112,7 @@ class Source(ABC):
         return ObjectRangeReader(
             self.store,
             names,
-            gap_bytes=gap,  # type: ignore[return-value]
+            gap_bytes=gap,
             max_request_bytes=max_request_bytes,
         )
 
@@ -198,7 +198,7 @@ class Source(ABC):
         loaded) and may locate the chunks ahead of time, in parallel.
         """
 
-    def materialize(self, reader: RangeReader, fqn: str, idx: int) -> torch.Tensor:
+    def materialize(self, reader: ByteSource, fqn: str, idx: int) -> torch.Tensor:
         """Chunk ``idx`` of ``fqn`` as a tensor, for chunks :meth:`locate` cannot address.
 
         Only :func:`~ucp_dcp.tools.convert.convert` calls it, after ``locate``
@@ -239,7 +239,7 @@ class Source(ABC):
         """Release open files (reopened if needed)."""
 
 
-def read_value(source: Source, reader: RangeReader, key: str) -> bytes:
+def read_value(source: Source, reader: ByteSource, key: str) -> bytes:
     """Value ``key`` of ``source`` as tagged JSON, read with ``reader`` and checked against its
     checksum."""
     loc = source.value_location(key)
