@@ -80,7 +80,6 @@ class Source(ABC):
         self.index = index
         self.paths = list(paths)
         self._chunk_lists: dict[str, list[ChunkRecord]] = {}
-        self._by_offsets: dict[str, dict[tuple[int, ...], int]] = {}
 
     # ------------------------------------------------------------ opening
     @classmethod
@@ -131,24 +130,15 @@ class Source(ABC):
 
     def box(self, fqn: str, idx: int) -> Box:
         """The box of chunk ``idx`` of tensor ``fqn``."""
-        rec = self.index.tensors[fqn]
-        return rec.grid().box(idx) if rec.compact else rec.chunks[idx].box  # type: ignore[union-attr]
+        return self.index.tensors[fqn].chunk_box(idx)
 
     def chunk_index(self, fqn: str, offsets: tuple[int, ...], hint: int | None) -> int:
         """Position of the chunk of ``fqn`` that starts at ``offsets`` (``hint`` is tried first)."""
         rec = self.index.tensors[fqn]
-        n = rec.grid().n_chunks if rec.compact else len(rec.chunks)  # type: ignore[union-attr]
-        if hint is not None and 0 <= hint < n and self.box(fqn, hint).offsets == offsets:
+        n = rec.chunk_count()
+        if hint is not None and 0 <= hint < n and rec.chunk_box(hint).offsets == offsets:
             return hint
-        found: int | None
-        if rec.compact:
-            found = rec.grid().find(offsets)  # type: ignore[union-attr]
-        else:
-            m = self._by_offsets.get(fqn)
-            if m is None:
-                m = {c.box.offsets: i for i, c in enumerate(rec.chunks)}
-                self._by_offsets[fqn] = m
-            found = m.get(offsets)
+        found = rec.find_chunk(offsets)
         if found is None:
             raise CheckpointFormatError(
                 f"{self.path}: tensor {fqn!r} has no saved chunk at offsets {list(offsets)}"
