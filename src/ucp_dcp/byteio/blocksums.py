@@ -392,11 +392,11 @@ class BlockVerifier:
                     Segment(file, base + k * bs, scratch[i * bs : i * bs + stop - k * bs], done)
                 )
             pos = {k: i for i, k in enumerate(blocks)}
-            batch.copies = tuple(
-                np.array(c, dtype=np.int64)
-                for c in zip(  # type: ignore[assignment]
-                    *[(pos[s // bs] * bs + s % bs, d, e - s) for s, e, d in edges]
-                )
+            so, do, ln = zip(*[(pos[s // bs] * bs + s % bs, d, e - s) for s, e, d in edges])
+            batch.copies = (
+                np.array(so, dtype=np.int64),
+                np.array(do, dtype=np.int64),
+                np.array(ln, dtype=np.int64),
             )
         batch.left = len(segments)
         return batch, segments

@@ -59,7 +59,7 @@ def file_digest(path: str | os.PathLike[str], *, block: int = HASH_BLOCK) -> tup
             if hasattr(os, "posix_fadvise"):  # read once, front to back: let the kernel read ahead
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             view = memoryview(bytearray(min(block, max(os.fstat(f.fileno()).st_size, 1))))
-            while n := f.readinto(view):  # type: ignore[attr-defined]
+            while n := f.readinto(view):
                 h.update(view[:n])
                 size += n
     except OSError as e:

@@ -288,8 +288,7 @@ class NativeSource(Source):
             idx = self.chunk_index(m.fqn, m.offsets, None)
         except CheckpointFormatError:
             return what
-        listed = rec.chunk_file(idx)
-        return None if listed == file else what
+        return None if rec.chunk_file(idx) == file else what
 
 
 def _disagree(path: str, what: str, here: Location, listed: Location) -> str:
