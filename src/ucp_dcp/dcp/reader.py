@@ -232,24 +232,7 @@ class UCPStorageReader(_Directory, StorageReader):
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         src = self.source
         assert src is not None
-        value_items = [ri for ri in plan.items if ri.type == LoadItemType.BYTE_IO]
-        tensor_items = [
-            (
-                ri,
-                src.chunk_index(
-                    ri.storage_index.fqn, tuple(ri.storage_index.offset), ri.storage_index.index
-                ),
-            )
-            for ri in plan.items
-            if ri.type != LoadItemType.BYTE_IO
-        ]
-        # Everything this load reads, before any byte is read: a source
-        # refuses here what it will not read, and may locate chunks ahead.
-        src.prepare(
-            [(ri.storage_index.fqn, idx) for ri, idx in tensor_items],
-            [ri.storage_index.fqn for ri in value_items],
-            self.io_threads,
-        )
+        tensor_items, value_items = self._prepare(src, plan)
         reader = src.open_reader(
             threads=self.io_threads,
             gap_bytes=self.gap_bytes,
@@ -295,6 +278,26 @@ class UCPStorageReader(_Directory, StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _prepare(
+        self, src: Source, plan: LoadPlan
+    ) -> tuple[list[tuple[ReadItem, int]], list[ReadItem]]:
+        """The plan's tensor items (with the position of the chunk each reads) and value items,
+        handed to the source before any byte is read: a source refuses here what it will not
+        read, and may locate chunks ahead."""
+        value_items = [ri for ri in plan.items if ri.type == LoadItemType.BYTE_IO]
+        tensor_items = [
+            (ri, src.chunk_index(si.fqn, tuple(si.offset), si.index))
+            for ri in plan.items
+            if ri.type != LoadItemType.BYTE_IO
+            for si in (ri.storage_index,)
+        ]
+        src.prepare(
+            [(ri.storage_index.fqn, idx) for ri, idx in tensor_items],
+            [ri.storage_index.fqn for ri in value_items],
+            self.io_threads,
+        )
+        return tensor_items, value_items
 
     @staticmethod
     def _value_for(planner: LoadPlanner, tagged: bytes, ri: ReadItem) -> io.BytesIO:
