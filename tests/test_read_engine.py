@@ -5,7 +5,6 @@ checks; a damaged needed byte caught."""
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 from typing import Any
@@ -17,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dist_utils import bit_equal
+from test_span_reads import _full
 from ucp_dcp.byteio.blocksums import BlockHasher, BlockSums
 from ucp_dcp.byteio.engine import ChunkReads
 from ucp_dcp.byteio.objrange import ObjectRangeReader
@@ -27,15 +27,6 @@ from ucp_dcp.errors import ChecksumError
 from ucp_dcp.format import Location
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8]
-
-
-def _full(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (math.prod(shape) * dtype.itemsize,), generator=g, dtype=torch.uint8)
-    t = raw.view(dtype).reshape(shape)
-    if dtype.is_floating_point:  # no NaN: casts must compare bit for bit
-        t = torch.where(t.isnan(), torch.zeros((), dtype=dtype), t)
-    return t
 
 
 def _write_chunks(
