@@ -85,7 +85,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-import ucp_dcp.dcp.reader as ucp_storage
+import ucp_dcp.byteio.engine as ucp_engine
 from harness import (
     GB,
     Column,
@@ -167,12 +167,12 @@ def staging_overlap(overlap: bool | None) -> Iterator[None]:
     if overlap is None:
         yield
         return
-    real = ucp_storage.StagingBuffers
-    ucp_storage.StagingBuffers = partial(StagingBuffers, overlap=overlap)  # type: ignore[misc]
+    real = ucp_engine.StagingBuffers
+    ucp_engine.StagingBuffers = partial(StagingBuffers, overlap=overlap)  # type: ignore[misc]
     try:
         yield
     finally:
-        ucp_storage.StagingBuffers = real  # type: ignore[misc]
+        ucp_engine.StagingBuffers = real  # type: ignore[misc]
 
 
 # --------------------------------------------------------------------------

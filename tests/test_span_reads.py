@@ -27,7 +27,7 @@ import ucp_dcp.byteio.transfer as transfer
 from dist_utils import bit_equal
 from ucp_dcp.byteio.blocksums import BlockHasher, BlockSums, BlockVerifier, ChunkCheck
 from ucp_dcp.byteio.rangeio import RangeReader
-from ucp_dcp.byteio.transfer import StagingBuffers, read_staged
+from ucp_dcp.byteio.transfer import ChunkRegion, StagingBuffers, read_staged
 from ucp_dcp.core.sharding import Box
 from ucp_dcp.core.spans import ReadCosts, prefer_span, read_cost, region_starts, span_of, span_slabs
 from ucp_dcp.errors import ChecksumError
@@ -160,7 +160,7 @@ def _read(
     check = ChunkCheck(verifier, sums, "w", (0,) * len(case["shape"])) if verifier is not None else None
     with RangeReader([path], threads=2, gap_bytes=4095) as reader:
         with StagingBuffers(case["budget"]) as staging:
-            read_staged(reader, loc, case["shape"], case["region"], case["dtype"], dest, buffers=staging, check=check)
+            read_staged(reader, ChunkRegion(loc, case["shape"], case["region"], case["dtype"]), dest, buffers=staging, check=check)
     return verifier, staging
 
 
@@ -239,7 +239,7 @@ def test_span_staging_stays_within_its_bound_for_a_large_column_slice(tmp_path: 
     dest = torch.zeros(region.sizes)
     with RangeReader([path], threads=2, gap_bytes=4095) as reader, StagingBuffers(128 << 10) as staging:
         verifier = BlockVerifier([path], [0])
-        read_staged(reader, loc, full.shape, region, torch.float32, dest, buffers=staging,
+        read_staged(reader, ChunkRegion(loc, full.shape, region, torch.float32), dest, buffers=staging,
                     check=ChunkCheck(verifier, sums, "w", (0, 0)))
         assert staging.capacity <= 128 << 10 and staging.allocations == 1 and staging.spans >= 64
         assert reader.stats.calls < 1024 // 8  # not one call per row
@@ -261,9 +261,9 @@ def test_dcp_load_reads_a_narrow_column_slice_as_spans_and_checks_it(tmp_path: A
         made.append(StagingBuffers(*args, **kwargs))
         return made[-1]
 
-    import ucp_dcp.dcp.reader as reader_module
+    import ucp_dcp.byteio.engine as engine_module
 
-    monkeypatch.setattr(reader_module, "StagingBuffers", spy)
+    monkeypatch.setattr(engine_module, "StagingBuffers", spy)
     shape = (512, 2048)
     full = _full(shape, torch.float32, 3)
     halves = [Piece("w", shape, (r, 0), full[r : r + 256].clone()) for r in (0, 256)]

@@ -21,13 +21,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import ucp_dcp.tools.checkpoint as ucp_checkpoint
-import ucp_dcp.dcp.reader as ucp_storage
+import ucp_dcp.byteio.engine as ucp_engine
 from dist_utils import bit_equal
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.tools.checkpoint import Checkpoint
 from ucp_dcp.core.sharding import Box
-from ucp_dcp.byteio.transfer import StagingBuffers, read_staged
+from ucp_dcp.byteio.transfer import ChunkRegion, StagingBuffers, read_staged
 
 ROOT = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -111,7 +110,7 @@ def test_cast_load_bit_exact_one_buffer(
 ) -> None:
     """A cast load through a 1 KiB buffer equals ``.to(dtype)`` bit for bit; one buffer, allocated once, serves every item."""
     path, sd = saved
-    made = _spy(monkeypatch, ucp_storage, overlap=overlap)
+    made = _spy(monkeypatch, ucp_engine, overlap=overlap)
     out = _targets(sd, dtype)
     _load(path, out, 1024)
     for k in sd:
@@ -129,7 +128,7 @@ def test_cast_load_bit_exact_one_buffer(
 def test_default_floor_still_bounds_memory(saved: tuple[Path, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch) -> None:
     """With the reader's own settings the buffer is no larger than the largest staged item."""
     path, sd = saved
-    made = _spy(monkeypatch, ucp_storage)
+    made = _spy(monkeypatch, ucp_engine)
     caps: list[int] = []
     real_read = StagingBuffers.read
 
@@ -151,7 +150,7 @@ def test_default_floor_still_bounds_memory(saved: tuple[Path, dict[str, torch.Te
 def test_checkpoint_read_tensor_one_buffer_per_read(saved: tuple[Path, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch) -> None:
     """Checkpoint.read_tensor with a cast: one staging buffer per read, exact; none when no staging is needed."""
     path, sd = saved
-    made = _spy(monkeypatch, ucp_checkpoint, overlap=True)
+    made = _spy(monkeypatch, ucp_engine, overlap=True)
     with Checkpoint(path, max_buffer_bytes=1) as ck:
         for k in sd:
             got = ck.read_tensor(k, dtype=torch.float64)
@@ -175,7 +174,7 @@ def test_double_buffered_path_on_cpu_same_dtype(saved: tuple[Path, dict[str, tor
             out = torch.full(v.shape[::-1], 3, dtype=v.dtype).permute(tuple(reversed(range(v.dim()))))
             for box, loc in ck.chunks(k):
                 whole = Box((0,) * len(box.sizes), box.sizes)
-                read_staged(ck._reader, loc, box.sizes, whole, v.dtype, out, buffers=buffers)
+                read_staged(ck._reader, ChunkRegion(loc, box.sizes, whole, v.dtype), out, buffers=buffers)
             outs[k] = out
         assert buffers.allocations == 1 and buffers.capacity <= max(max_bytes, 32)
         assert buffers.double_buffered(torch.empty(0))
@@ -231,7 +230,7 @@ def test_double_buffered_waits_before_refilling(
     reads overlap copies, across items too), and everything has landed when read_data returns."""
     path, sd = saved
     stream = FakeStream()
-    made = _spy(monkeypatch, ucp_storage, overlap=True, device_copy=stream.copy)
+    made = _spy(monkeypatch, ucp_engine, overlap=True, device_copy=stream.copy)
     out = _targets(sd, dtype)
     _load(path, out, 256)
     assert stream.pending == []
@@ -250,7 +249,7 @@ def test_fake_stream_catches_a_missing_wait(saved: tuple[Path, dict[str, torch.T
         ((box, loc),) = ck.chunks("w")
         out = torch.zeros(sd["w"].shape)
         with StagingBuffers(1024, overlap=True, device_copy=stream.copy) as buffers:
-            read_staged(ck._reader, loc, box.sizes, Box((0, 0), box.sizes), torch.float32, out, buffers=buffers)
+            read_staged(ck._reader, ChunkRegion(loc, box.sizes, Box((0, 0), box.sizes), torch.float32), out, buffers=buffers)
         stream.run_until(None)
     assert stream.max_in_flight > 2
     assert not bit_equal(out, sd["w"])
@@ -268,14 +267,14 @@ def test_partial_regions_and_old_call_form(saved: tuple[Path, dict[str, torch.Te
                 for r in regions:
                     want = w[tuple(slice(o, o + s) for o, s in zip(r.offsets, r.sizes))]
                     got = torch.empty(r.sizes, dtype=torch.float64)
-                    read_staged(ck._reader, loc, box.sizes, r, torch.float32, got, buffers=buffers)
+                    read_staged(ck._reader, ChunkRegion(loc, box.sizes, r, torch.float32), got, buffers=buffers)
                     assert cast_equal(got, want, torch.float64), (overlap, r)
                     got2 = torch.empty(r.sizes, dtype=torch.float64)
-                    read_staged(ck._reader, loc, box.sizes, r, torch.float32, got2, 64)  # old form
+                    read_staged(ck._reader, ChunkRegion(loc, box.sizes, r, torch.float32), got2, 64)  # old form
                     assert bit_equal(got2, got)
             assert buffers.allocations == 1
         with pytest.raises(TypeError, match="max_buffer_bytes or buffers"):
-            read_staged(ck._reader, loc, box.sizes, regions[0], torch.float32, torch.empty(5, 7, 33))
+            read_staged(ck._reader, ChunkRegion(loc, box.sizes, regions[0], torch.float32), torch.empty(5, 7, 33))
 
 
 def test_buffer_grows_within_bound_without_hint() -> None:
@@ -309,7 +308,7 @@ def test_cuda_load_pinned_double_buffered(saved: tuple[Path, dict[str, torch.Ten
 
     Casts run on the device, so the reference is the device cast."""
     path, sd = saved
-    made = _spy(monkeypatch, ucp_storage)
+    made = _spy(monkeypatch, ucp_engine)
     out = _targets(sd, dtype, "cuda")
     _load(path, out, 1024)
     for k in sd:
@@ -329,7 +328,7 @@ def test_cuda_buffer_is_pinned_and_copies_on_current_stream(saved: tuple[Path, d
         buffers = StagingBuffers(4096)
         out = torch.zeros(sd["w"].shape, device="cuda")
         ((box, loc),) = ck.chunks("w")
-        read_staged(ck._reader, loc, box.sizes, Box((0, 0), box.sizes), torch.float32, out, buffers=buffers)
+        read_staged(ck._reader, ChunkRegion(loc, box.sizes, Box((0, 0), box.sizes), torch.float32), out, buffers=buffers)
         assert buffers.pinned and buffers.allocations == 1
         got = out.clone()  # ordered after the copies on the same stream, before close()
         buffers.close()
@@ -348,10 +347,10 @@ def test_cuda_read_tensor_and_upgrade_to_pinned(saved: tuple[Path, dict[str, tor
         whole = Box((0, 0, 0), box.sizes)
         with StagingBuffers(1 << 20) as b:
             cpu = torch.empty(box.sizes, dtype=torch.float64)
-            read_staged(ck._reader, loc, box.sizes, whole, torch.float32, cpu, buffers=b)
+            read_staged(ck._reader, ChunkRegion(loc, box.sizes, whole, torch.float32), cpu, buffers=b)
             assert not b.pinned
             dev = torch.empty(box.sizes, dtype=torch.float32, device="cuda")
-            read_staged(ck._reader, loc, box.sizes, whole, torch.float32, dev, buffers=b)
+            read_staged(ck._reader, ChunkRegion(loc, box.sizes, whole, torch.float32), dev, buffers=b)
             assert b.pinned and b.allocations == 2
         assert bit_equal(cpu, sd["cube"].double()) and bit_equal(dev, sd["cube"])
 

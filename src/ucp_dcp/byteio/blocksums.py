@@ -47,7 +47,7 @@ from ..core.sharding import Box, runs
 from ..errors import ChecksumError
 from ..format import Location
 from .integrity import chunk_what
-from .rangeio import HOOKED_REQUEST_BYTES, RangeReader, Segment, storage_view
+from .rangeio import HOOKED_REQUEST_BYTES, ByteSource, Segment, storage_view
 
 __all__ = ["BlockSums", "BlockHasher", "BlockVerifier", "ChunkCheck", "read_verified"]
 
@@ -392,11 +392,11 @@ class BlockVerifier:
                     Segment(file, base + k * bs, scratch[i * bs : i * bs + stop - k * bs], done)
                 )
             pos = {k: i for i, k in enumerate(blocks)}
-            batch.copies = tuple(
-                np.array(c, dtype=np.int64)
-                for c in zip(  # type: ignore[assignment]
-                    *[(pos[s // bs] * bs + s % bs, d, e - s) for s, e, d in edges]
-                )
+            so, do, ln = zip(*[(pos[s // bs] * bs + s % bs, d, e - s) for s, e, d in edges])
+            batch.copies = (
+                np.array(so, dtype=np.int64),
+                np.array(do, dtype=np.int64),
+                np.array(ln, dtype=np.int64),
             )
         batch.left = len(segments)
         return batch, segments
@@ -584,8 +584,7 @@ class BlockVerifier:
         return ChecksumError(
             self.paths[location.file],
             f"{chunk_what(check.fqn, check.offsets)}, block {k} "
-            f"(bytes [{k * bs}, {min(k * bs + bs, n)}) "
-            "of the chunk)",
+            f"(bytes [{k * bs}, {min(k * bs + bs, n)}) of the chunk)",
             f"{want:016x}",
             f"{got:016x}",
             self.ranks[location.file],
@@ -688,7 +687,7 @@ class BlockVerifier:
 
 
 def read_verified(
-    reader: RangeReader,
+    reader: ByteSource,
     location: Location,
     chunk_sizes: Sequence[int],
     region: Box,

@@ -25,7 +25,7 @@ import xxhash
 
 from ..errors import ChecksumError
 from ..format import Location
-from .rangeio import RangeReader, Segment, tensor_view
+from .rangeio import ByteSource, Segment, tensor_view
 
 __all__ = [
     "HASH_BLOCK",
@@ -74,7 +74,7 @@ def bytes_digest(data: bytes | bytearray | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def hash_range(reader: RangeReader, location: Location, buf: bytearray | memoryview) -> str:
+def hash_range(reader: ByteSource, location: Location, buf: bytearray | memoryview) -> str:
     """xxh3-64 hex digest of the bytes at ``location``, read through ``reader`` in ``len(buf)``
     blocks.
 
@@ -129,7 +129,7 @@ class ChunkVerifier:
 
     def __init__(
         self,
-        reader: RangeReader,
+        reader: ByteSource,
         paths: Sequence[str],
         ranks: Sequence[int | None],
         *,

@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["ParallelUpload", "supports_parallel_upload"]
+__all__ = ["ParallelUpload", "StreamedWrite", "supports_parallel_upload"]
 
 _MIN_PART = 5 << 20  # S3's least part size (but the last)
 
@@ -31,7 +31,21 @@ def supports_parallel_upload(fs: Any) -> bool:
     return bool(protocols & {"s3", "s3a"}) and hasattr(fs, "_call_s3") and hasattr(fs, "loop")
 
 
-class ParallelUpload:
+class StreamedWrite(Protocol):
+    """An object being uploaded (:meth:`~ucp_dcp.byteio.objstore.ObjectStore.open_write`): written
+    front to back; ``close()`` completes it, :func:`~ucp_dcp.byteio.objstore.discard` abandons
+    it."""
+
+    def write(self, data: Any) -> int:
+        """Append ``data`` (bytes-like); returns its length."""
+        ...
+
+    def close(self) -> None:
+        """Complete the upload: the object appears whole."""
+        ...
+
+
+class ParallelUpload(StreamedWrite):
     """A write-only file uploading object ``path`` of s3fs filesystem ``fs`` in parallel parts.
 
     Args:

@@ -1,8 +1,8 @@
 """Ranged reads of objects into destination memory: the object-storage twin of
 :class:`~ucp_dcp.byteio.rangeio.RangeReader`.
 
-The same interface (``read(segments)``, ``stats``, ``gap_bytes``,
-``close``), so every read path (staged column reads, spans, verification)
+The same :class:`~ucp_dcp.byteio.rangeio.ByteSource` (``read(segments)``, ``stats``,
+``gap_bytes``, ``close``), so every read path (staged column reads, spans, verification)
 works unchanged on object storage. What differs is the cost model: on a
 file system a call costs a system call, on object storage a request costs a
 round trip (milliseconds) and is billed, so neighbouring ranges are merged
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from .objstore import ObjectStore
-from .rangeio import ReadStats, Segment, _Request, coalesce
+from .rangeio import ByteSource, ReadStats, Segment, _Request, coalesce
 
 __all__ = ["ObjectRangeReader", "OBJECT_GAP_BYTES"]
 
@@ -30,7 +30,7 @@ saves time; keeping it small keeps the bytes fetched (which egress bills) close 
 column slices of narrow rows are merged, other ranks' shards are not."""
 
 
-class ObjectRangeReader:
+class ObjectRangeReader(ByteSource):
     """Reads byte ranges of a fixed list of objects with coalesced, concurrent ranged GETs.
 
     Args:

@@ -31,12 +31,19 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, TypeVar
 
 from ..errors import StorageError, TruncatedFileError, UCPError
-from .multipart import ParallelUpload, supports_parallel_upload
+from .multipart import ParallelUpload, StreamedWrite, supports_parallel_upload
 
-__all__ = ["ObjectStore", "ObjectAccess", "RetryPolicy", "discard", "is_url", "local_path"]
+__all__ = [
+    "ObjectStore",
+    "ObjectAccess",
+    "RetryPolicy",
+    "discard",
+    "is_url",
+    "local_path",
+]
 
 _T = TypeVar("_T")
 
@@ -278,7 +285,7 @@ class ObjectStore:
         path = self.path(name)
         self.call("writing the object", name, lambda: self.fs.pipe_file(path, data))
 
-    def open_write(self, name: str) -> BinaryIO:
+    def open_write(self, name: str) -> StreamedWrite:
         """A streamed write of object ``name``: call :func:`discard` on failure, ``close()`` to
         complete it.
 
@@ -292,7 +299,7 @@ class ObjectStore:
             return ParallelUpload(
                 self.fs,
                 path,
-                part_bytes=self.write_block_bytes,  # type: ignore[return-value]
+                part_bytes=self.write_block_bytes,
                 parallel=self.upload_parallel,
             )
         return self.call(

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -35,6 +35,7 @@ from ..format.header import open_data_file
 
 __all__ = [
     "coalesce",
+    "ByteSource",
     "Segment",
     "FileHandles",
     "RangeReader",
@@ -181,7 +182,36 @@ class FileHandles:
             self._fds.clear()
 
 
-class RangeReader:
+class ByteSource(Protocol):
+    """Where the bytes of a checkpoint's files come from: the seam every read goes through.
+
+    Files are numbered (``Segment.file``); :meth:`read` fills each segment's
+    buffer from its byte range and runs its ``done`` callback once it is
+    read. :class:`RangeReader` reads local files with ``preadv``,
+    :class:`~ucp_dcp.byteio.objrange.ObjectRangeReader` objects with ranged
+    requests; another way to obtain the bytes (a per-file access strategy,
+    bytes shared between ranks) is one more class with these four members,
+    and every read path (:mod:`~ucp_dcp.byteio.engine`, staging, spans,
+    verification) works with it unchanged.
+    """
+
+    gap_bytes: int
+    """Neighbouring ranges at most this far apart are read together (the span cost model reads
+    it)."""
+    stats: ReadStats
+    """Calls (or requests) made and bytes requested, gaps included."""
+
+    def read(self, segments: Sequence[Segment]) -> None:
+        """Fill every segment's buffer (and run its callback); raises naming the file on a
+        failure."""
+        ...
+
+    def close(self) -> None:
+        """Release files, threads or connections."""
+        ...
+
+
+class RangeReader(ByteSource):
     """Reads byte ranges of a fixed list of files with coalesced ``preadv`` calls.
 
     Args:

@@ -16,7 +16,8 @@ pipeline carries over from one read item to the next.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,15 +29,15 @@ from ..core.spans import prefer_span, region_starts, span_of, span_slabs
 from ..format import Location
 from .blocksums import ChunkCheck, read_verified
 from .integrity import ChecksumError
-from .rangeio import RangeReader, Segment, storage_view
+from .rangeio import ByteSource, Segment, storage_view
 
 __all__ = [
+    "ChunkRegion",
     "needs_staging",
     "permuted",
     "segments_into",
     "StagingBuffers",
     "read_staged",
-    "read_region",
     "read_checked",
     "spanned",
     "staging_plan",
@@ -47,6 +48,28 @@ __all__ = [
 _HALF_ALIGN = 16
 # The smallest buffer ever allocated: two halves of one complex128 element.
 _MIN_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRegion:
+    """Box ``region`` (in the chunk's own coordinates) of a saved chunk of ``chunk_sizes``
+    elements of ``dtype``, whose bytes are at ``location``: what one read moves into a
+    destination tensor of the region's shape."""
+
+    location: Location
+    chunk_sizes: tuple[int, ...]
+    region: Box
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """The region's bytes in the saved dtype."""
+        return self.region.numel * self.dtype.itemsize
+
+    @property
+    def whole(self) -> bool:
+        """Whether the region is the whole chunk."""
+        return self.region == Box((0,) * len(self.chunk_sizes), tuple(self.chunk_sizes))
 
 
 def needs_staging(
@@ -66,22 +89,25 @@ def needs_staging(
     )
 
 
-def permuted(
-    location: Location, chunk_sizes: Sequence[int], region: Box, dest: torch.Tensor
-) -> tuple[tuple[int, ...], Box, torch.Tensor]:
-    """``(chunk_sizes, region, dest)`` as seen in the chunk's stored dimension order.
+def permuted(part: ChunkRegion, dest: torch.Tensor) -> tuple[ChunkRegion, torch.Tensor]:
+    """``part`` and ``dest`` as seen in the chunk's stored dimension order.
 
     For a chunk stored in another order the chunk, the region and the
     destination (a view: same memory, permuted strides) are permuted alike,
     so that the stored bytes are row-major in them and the strided reads
     below apply unchanged. A row-major chunk is returned as it is.
     """
-    order = location.dim_order
+    order = part.location.dim_order
     if not order:
-        return tuple(chunk_sizes), region, dest
+        return part, dest
+    region = part.region
     return (
-        tuple(chunk_sizes[d] for d in order),
-        Box(tuple(region.offsets[d] for d in order), tuple(region.sizes[d] for d in order)),
+        ChunkRegion(
+            part.location,
+            tuple(part.chunk_sizes[d] for d in order),
+            Box(tuple(region.offsets[d] for d in order), tuple(region.sizes[d] for d in order)),
+            part.dtype,
+        ),
         dest.permute(order),
     )
 
@@ -255,26 +281,30 @@ class StagingBuffers:
     # ------------------------------------------------------------ reading
     def read(
         self,
-        reader: RangeReader,
-        location: Location,
-        chunk_sizes: tuple[int, ...],
-        region: Box,
-        src_dtype: torch.dtype,
+        reader: ByteSource,
+        part: ChunkRegion,
         dest: torch.Tensor,
         check: ChunkCheck | None = None,
         span: bool | None = None,
     ) -> None:
-        """Read ``region`` of a saved chunk into ``dest``; see :func:`read_staged`."""
+        """Read ``part`` (in the chunk's stored order, see :func:`permuted`) into ``dest``; see
+        :func:`read_staged`."""
+        location, chunk_sizes, region, src_dtype = (
+            part.location,
+            part.chunk_sizes,
+            part.region,
+            part.dtype,
+        )
         es = src_dtype.itemsize
-        nbytes = region.numel * es
+        nbytes = part.nbytes
         if nbytes == 0:
             return
         cuda = dest.device.type == "cuda"
         halves = self.double_buffered(dest)
         if span is None:
-            span = spanned(reader, location, chunk_sizes, region, es)
+            span = spanned(reader, part)
         if not halves and span:
-            if self._read_spans(reader, location, chunk_sizes, region, src_dtype, dest, check):
+            if self._read_spans(reader, part, dest, check):
                 return
         self._ensure(nbytes, halves, pin=cuda and torch.cuda.is_available())
         assert self._buf is not None and self._view is not None
@@ -309,11 +339,8 @@ class StagingBuffers:
 
     def _read_spans(
         self,
-        reader: RangeReader,
-        location: Location,
-        chunk_sizes: tuple[int, ...],
-        region: Box,
-        src_dtype: torch.dtype,
+        reader: ByteSource,
+        part: ChunkRegion,
         dest: torch.Tensor,
         check: ChunkCheck | None,
     ) -> bool:
@@ -322,6 +349,12 @@ class StagingBuffers:
         blocks with ``check``: the blocks holding needed bytes are checked there), then one strided
         copy
         into ``dest``. False (nothing read) where the buffer cannot hold a useful span."""
+        location, chunk_sizes, region, src_dtype = (
+            part.location,
+            part.chunk_sizes,
+            part.region,
+            part.dtype,
+        )
         es = src_dtype.itemsize
         bs = check.sums.block if check is not None else 0
         a, b = span_of(chunk_sizes, region.offsets, region.sizes, es)
@@ -345,8 +378,8 @@ class StagingBuffers:
                 a0, b0, shift = a, b, 0
                 reader.read([Segment(location.file, location.start + a0, self._view[: b0 - a0])])
             else:
-                # whole blocks; every block holding a needed byte is checked before any byte
-                # is handed over
+                # Whole blocks: every block holding a needed byte is checked before any byte is
+                # handed over.
                 a0, b0 = a // bs * bs, min(-(-b // bs) * bs, location.nbytes)
                 shift = -(a - a0) % es
                 starts, length = region_starts(chunk_sizes, sub, es)
@@ -399,52 +432,38 @@ def _blocks_of(starts: np.ndarray, length: int, block: int) -> np.ndarray:
     return np.unique(k)
 
 
-def spanned(
-    reader: RangeReader,
-    location: Location,
-    chunk_sizes: Sequence[int],
-    region: Box,
-    itemsize: int,
-    dest: torch.Tensor | None = None,
-) -> bool:
-    """Whether ``region`` of the chunk at ``location`` (row-major in the chunk's stored order) is
-    read as spans
+def spanned(reader: ByteSource, part: ChunkRegion, dest: torch.Tensor | None = None) -> bool:
+    """Whether ``part`` (row-major in the chunk's stored order) is read as spans
     (:mod:`ucp_dcp.core.spans`) rather than run by run, into ``dest`` in place (default: a
     contiguous buffer)."""
     return prefer_span(
-        chunk_sizes,
-        region,
-        itemsize,
-        base=location.start,
+        part.chunk_sizes,
+        part.region,
+        part.dtype.itemsize,
+        base=part.location.start,
         gap_bytes=reader.gap_bytes,
         dst_strides=None if dest is None else dest.stride(),
     )
 
 
 def staging_plan(
-    reader: RangeReader,
-    location: Location,
-    chunk_sizes: Sequence[int],
-    region: Box,
-    src_dtype: torch.dtype,
-    dest: torch.Tensor,
-    block: int = 0,
+    reader: ByteSource, part: ChunkRegion, dest: torch.Tensor, block: int = 0
 ) -> tuple[bool, int]:
-    """How :func:`read_staged` will read ``region`` into ``dest``: ``(as spans, staging bytes)``.
+    """How :func:`read_staged` will read ``part`` into ``dest``: ``(as spans, staging bytes)``.
 
     The staging bytes read it in one piece (its span widened by ``block`` at
     each end when it is read as spans, else its own bytes): what a batch's
     :class:`StagingBuffers` should start at. Pass the first to
     :func:`read_staged` as ``span`` so the choice is made once.
     """
-    if region.numel == 0:
+    if part.region.numel == 0:
         return False, 0
-    itemsize = src_dtype.itemsize
-    sizes, reg, _ = permuted(location, chunk_sizes, region, dest)
-    if spanned(reader, location, sizes, reg, itemsize):
-        a, b = span_of(sizes, reg.offsets, reg.sizes, itemsize)
+    itemsize = part.dtype.itemsize
+    p, _ = permuted(part, dest)
+    if spanned(reader, p):
+        a, b = span_of(p.chunk_sizes, p.region.offsets, p.region.sizes, itemsize)
         return True, b - a + 2 * block
-    return False, region.numel * itemsize
+    return False, part.nbytes
 
 
 def _copy_now(target: torch.Tensor, buf: torch.Tensor) -> None:
@@ -474,11 +493,8 @@ def _copy_to_cuda(target: torch.Tensor, buf: torch.Tensor) -> Any:
 
 
 def read_staged(
-    reader: RangeReader,
-    location: Location,
-    chunk_sizes: tuple[int, ...],
-    region: Box,
-    src_dtype: torch.dtype,
+    reader: ByteSource,
+    part: ChunkRegion,
     dest: torch.Tensor,
     max_buffer_bytes: int | None = None,
     *,
@@ -486,7 +502,7 @@ def read_staged(
     check: ChunkCheck | None = None,
     span: bool | None = None,
 ) -> None:
-    """Read ``region`` of a saved chunk into ``dest`` (any dtype, any device).
+    """Read ``part`` of a saved chunk into ``dest`` (any dtype, any device).
 
     Slab by slab through ``buffers`` (a :class:`StagingBuffers` shared by a
     batch of reads; the copies into a CUDA ``dest`` may still be in flight on
@@ -498,40 +514,18 @@ def read_staged(
     staging buffer (:mod:`~ucp_dcp.byteio.blocksums`). ``span``: whether
     to read it as spans, as :func:`staging_plan` decided (None: decide here).
     """
-    chunk_sizes, region, dest = permuted(location, chunk_sizes, region, dest)
+    part, dest = permuted(part, dest)
     if buffers is not None:
-        buffers.read(reader, location, chunk_sizes, region, src_dtype, dest, check, span)
+        buffers.read(reader, part, dest, check, span)
         return
     if max_buffer_bytes is None:
         raise TypeError("read_staged needs max_buffer_bytes or buffers")
-    with StagingBuffers(max_buffer_bytes, largest_bytes=region.numel * src_dtype.itemsize) as own:
-        own.read(reader, location, chunk_sizes, region, src_dtype, dest, check, span)
-
-
-def read_region(
-    reader: RangeReader,
-    location: Location,
-    chunk_sizes: tuple[int, ...],
-    region: Box,
-    src_dtype: torch.dtype,
-    dest: torch.Tensor,
-    max_buffer_bytes: int,
-    check: ChunkCheck | None = None,
-) -> None:
-    """Read ``region`` of a saved chunk into ``dest`` now: in place when it can be, else staged;
-    with ``check``, checking every block the reads touch."""
-    if needs_staging(dest, src_dtype, location):
-        read_staged(
-            reader, location, chunk_sizes, region, src_dtype, dest, max_buffer_bytes, check=check
-        )
-    elif check is not None:
-        read_verified(reader, location, chunk_sizes, region, dest, check)
-    else:
-        reader.read(list(segments_into(location, chunk_sizes, region, dest)))
+    with StagingBuffers(max_buffer_bytes, largest_bytes=part.nbytes) as own:
+        own.read(reader, part, dest, check, span)
 
 
 def read_checked(
-    reader: RangeReader, location: Location, path: str, what: str, rank: int | None = None
+    reader: ByteSource, location: Location, path: str, what: str, rank: int | None = None
 ) -> bytes:
     """The bytes at ``location`` (in file ``path``), checked against its checksum.
 

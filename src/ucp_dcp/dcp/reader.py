@@ -33,20 +33,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..byteio.blocksums import BlockVerifier, ChunkCheck
-from ..byteio.integrity import ChunkVerifier
-from ..byteio.rangeio import RangeReader, Segment
-from ..byteio.transfer import (
-    StagingBuffers,
-    needs_staging,
-    read_staged,
-    segments_into,
-    spanned,
-    staging_plan,
-)
+from ..byteio.engine import ChunkReads
+from ..byteio.transfer import ChunkRegion
 from ..core.sharding import Box
 from ..core.values import decode_value
-from ..format import Location, TensorRecord
+from ..errors import InvalidOptionError
+from ..format import TensorRecord
 from ..format.names import save_id_of
 from ..sources import Source, SourceOptions, open_source, read_value, source_types
 from ..sources.distcp import DCP_VALUES_MODES
@@ -146,7 +138,9 @@ class UCPStorageReader(_Directory, StorageReader):
     ) -> None:
         super().__init__()
         if dcp_values not in DCP_VALUES_MODES:
-            raise ValueError(f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}")
+            raise InvalidOptionError(
+                f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}"
+            )
         self.path = os.fspath(path)
         self.options = SourceOptions(dcp_values=dcp_values, prefix=prefix)
         self.source: Source | None = None
@@ -238,153 +232,72 @@ class UCPStorageReader(_Directory, StorageReader):
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         src = self.source
         assert src is not None
-        value_items = [ri for ri in plan.items if ri.type == LoadItemType.BYTE_IO]
-        tensor_items = [
-            (
-                ri,
-                src.chunk_index(
-                    ri.storage_index.fqn, tuple(ri.storage_index.offset), ri.storage_index.index
-                ),
-            )
-            for ri in plan.items
-            if ri.type != LoadItemType.BYTE_IO
-        ]
-        # Everything this load reads, before any byte is read: a source
-        # refuses here what it will not read, and may locate chunks ahead.
-        src.prepare(
-            [(ri.storage_index.fqn, idx) for ri, idx in tensor_items],
-            [ri.storage_index.fqn for ri in value_items],
-            self.io_threads,
-        )
+        tensor_items, value_items = self._prepare(src, plan)
         reader = src.open_reader(
             threads=self.io_threads,
             gap_bytes=self.gap_bytes,
             max_request_bytes=self.max_request_bytes,
         )
-        ranks = [src.file_rank(i) for i in range(len(src.paths))]
-        # Blocks where the source records block checksums; whole chunks where it records only those.
-        blocks = BlockVerifier(src.paths, ranks) if self.verify else None
-        chunks = (
-            ChunkVerifier(reader, src.paths, ranks, block=self.max_request_bytes)
-            if self.verify
-            else None
+        engine = ChunkReads(
+            reader,
+            src.paths,
+            [src.file_rank(i) for i in range(len(src.paths))],
+            verify=self.verify,
+            max_buffer_bytes=self.max_buffer_bytes,
+            reread_block=self.max_request_bytes,
         )
         try:
-            segments: list[Segment] = []
-            pending: list[tuple[ReadItem, torch.Tensor]] = []
-            staged: list[
-                tuple[ReadItem, torch.Tensor, Location, Box, torch.dtype, ChunkCheck | None]
-            ] = []
-
-            def flush() -> None:
-                self._flush(reader, segments, pending, planner, chunks, blocks)
-
             for ri, idx in tensor_items:
                 fqn = ri.storage_index.fqn
-                src_dtype = src.index.tensors[fqn].dtype
                 location = src.locate(fqn, idx)
                 chunk = src.box(fqn, idx)
-                dest = planner.resolve_tensor(ri)
-                sums = src.block_sums(fqn, idx, location) if blocks is not None else None
-                check = (
-                    ChunkCheck(blocks, sums, fqn, chunk.offsets)
-                    if blocks is not None and sums is not None
-                    else None
-                )
                 region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
-                # Through staging: casts, devices, other dimension orders, and regions of many short
-                # runs
-                # (narrow column slices, or a destination laid out in another order) that cost less
-                # read
-                # as their covering spans (core.spans), scattered by one strided copy.
-                if needs_staging(dest, src_dtype, location) or spanned(
-                    reader, location, chunk.sizes, region, src_dtype.itemsize, dest
-                ):
-                    staged.append((ri, dest, location, chunk, src_dtype, check))
-                    continue
-                if check is not None:
-                    for part in check.verifier.plan(location, check, chunk.sizes, region, dest):
-                        segments.extend(part)
-                        if check.verifier.scratch_bytes >= check.verifier.scratch_limit:
-                            flush()  # bound the scratch memory (this item is committed later)
-                else:
-                    if chunks is not None:
-                        # The destination holds exactly the chunk's bytes after
-                        # the read: hash it there. Otherwise read the chunk again.
-                        whole = (
-                            region == Box((0,) * len(chunk.sizes), chunk.sizes)
-                            and dest.is_contiguous()
-                        )
-                        chunks.add(location, fqn, chunk.offsets, dest if whole else None)
-                    segments.extend(segments_into(location, chunk.sizes, region, dest))
-                pending.append((ri, dest))
-                if len(segments) >= 16384:  # bound the bookkeeping memory, not just the data
-                    flush()
-            flush()
-            # One staging buffer for all staged items (pinned, double-buffered
-            # for CUDA targets); close() waits for the last device copies.
-            # How each staged item is read (as spans or slab by slab), decided once, and the staging
-            # it takes.
-            plans = [
-                staging_plan(
-                    reader,
-                    loc,
-                    ch.sizes,
-                    Box(tuple(ri.storage_offsets), tuple(ri.lengths)),
-                    sd,
+                dest = planner.resolve_tensor(ri)
+                engine.add(
+                    ChunkRegion(location, chunk.sizes, region, src.index.tensors[fqn].dtype),
                     dest,
-                    ck.sums.block if ck is not None else 0,
+                    name=fqn,
+                    chunk_offsets=chunk.offsets,
+                    sums=src.block_sums(fqn, idx, location) if engine.verify else None,
+                    # Committed once filled and checked (planners may move the data on).
+                    done=functools.partial(planner.commit_tensor, ri, dest),
                 )
-                for ri, dest, loc, ch, sd, ck in staged
-            ]
-            largest = max((nbytes for _, nbytes in plans), default=0)
-            # Staging and the block verifier's scratch together stay within max_buffer_bytes (the
-            # default
-            # 64 MiB: 48 MiB of staging, 16 MiB of scratch); a bound too small to share is staging's
-            # alone.
-            bound = self.max_buffer_bytes
-            if blocks is not None and bound >= 2 * blocks.scratch_limit:
-                bound -= blocks.scratch_limit
-            with StagingBuffers(bound, largest_bytes=largest) as staging:
-                for (ri, dest, location, chunk, src_dtype, check), (span, _) in zip(staged, plans):
-                    region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
-                    # With block checksums, every slab is checked in the staging buffer.
-                    read_staged(
-                        reader,
-                        location,
-                        chunk.sizes,
-                        region,
-                        src_dtype,
-                        dest,
-                        buffers=staging,
-                        check=check,
-                        span=span,
-                    )
-                    # A CUDA dest may still be receiving (on its current stream,
-                    # which orders any device work commit_tensor does after the copies).
-                    planner.commit_tensor(ri, dest)
-                    if (
-                        check is None and chunks is not None
-                    ):  # a cast or device copy: the chunk is read again
-                        chunks.add(location, ri.storage_index.fqn, chunk.offsets)
-                        chunks.check()  # right after the read: its pages are likely still cached
+            engine.flush()
             for ri in value_items:
                 planner.load_bytes(
                     ri, self._value_for(planner, read_value(src, reader, ri.storage_index.fqn), ri)
                 )
         finally:
+            engine.close()
             reader.close()
-            if blocks is not None:
-                blocks.close()
+            totals = engine.stats
             self.bytes_requested += reader.stats.bytes
             self.read_calls += reader.stats.calls
-            for v in (chunks, blocks):
-                if v is not None:
-                    self.verified_bytes += v.bytes
-                    self.verify_seconds += v.seconds
+            self.verified_bytes += totals.verified_bytes
+            self.verify_seconds += totals.verify_seconds
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _prepare(
+        self, src: Source, plan: LoadPlan
+    ) -> tuple[list[tuple[ReadItem, int]], list[ReadItem]]:
+        """The plan's tensor items (with the position of the chunk each reads) and value items,
+        handed to the source before any byte is read: a source refuses here what it will not
+        read, and may locate chunks ahead."""
+        value_items = [ri for ri in plan.items if ri.type == LoadItemType.BYTE_IO]
+        tensor_items = [
+            (ri, src.chunk_index(si.fqn, tuple(si.offset), si.index))
+            for ri in plan.items
+            if ri.type != LoadItemType.BYTE_IO
+            for si in (ri.storage_index,)
+        ]
+        src.prepare(
+            [(ri.storage_index.fqn, idx) for ri, idx in tensor_items],
+            [ri.storage_index.fqn for ri in value_items],
+            self.io_threads,
+        )
+        return tensor_items, value_items
 
     @staticmethod
     def _value_for(planner: LoadPlanner, tagged: bytes, ri: ReadItem) -> io.BytesIO:
@@ -402,26 +315,6 @@ class UCPStorageReader(_Directory, StorageReader):
         torch.save(decode_value(tagged, ri.storage_index.fqn), buf)
         buf.seek(0)
         return buf
-
-    @staticmethod
-    def _flush(
-        reader: RangeReader,
-        segments: list[Segment],
-        pending: list[tuple[ReadItem, torch.Tensor]],
-        planner: LoadPlanner,
-        chunks: ChunkVerifier | None = None,
-        blocks: BlockVerifier | None = None,
-    ) -> None:
-        reader.read(segments)
-        # Before commit: planners may move the data on.
-        if blocks is not None:
-            blocks.check()  # also copies the edges of reads from scratch into place
-        if chunks is not None:
-            chunks.check()
-        for ri, dest in pending:
-            planner.commit_tensor(ri, dest)
-        segments.clear()
-        pending.clear()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -69,7 +69,7 @@ class _WriteRecord:
     file: str
     file_size: int
     entries: list[WrittenEntry]  # values, rank-local values, per-chunk-planned tensors
-    compact: int  # chunks of mesh-planned tensors written
+    mesh_chunks: int  # chunks of mesh-planned tensors written
 
 
 def _restated(e: OSError, msg: str) -> OSError:
@@ -357,7 +357,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
             rec: _WriteRecord = res[0].storage_data
             files.append(FileRecord(rec.file, rank, rec.file_size))
             written.append(rec.entries)
-            counts[rank] = rec.compact
+            counts[rank] = rec.mesh_chunks
         summary = SaveSummary.of(metadata, len(results))
         compact = compact_records(summary.owners, summary.positions, files, counts)
         index = build_index(summary.world_size, files, written, summary.layouts, compact)

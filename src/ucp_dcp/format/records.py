@@ -165,7 +165,9 @@ def _layout_grid(layout: Layout, shape: tuple[int, ...]) -> Grid:
     # A parameter and its optimizer moments share layout and shape, and so do
     # the layers of a model: the grid is computed once per distinct pair.
     if not layout.mesh:
-        return Grid.from_boxes([Box((0,) * len(shape), shape)] if math.prod(shape) else [], shape)  # type: ignore[return-value]
+        grid = Grid.from_boxes([Box((0,) * len(shape), shape)] if math.prod(shape) else [], shape)
+        assert grid is not None  # one box covering the tensor, or none for an empty one
+        return grid
     return layout_grid(
         shape,
         layout.mesh,
@@ -202,12 +204,50 @@ class TensorRecord:
         assert self.layout is not None
         return [ChunkRecord(b, None) for b in self.layout.chunks(self.shape)]
 
+    def listed_chunks(self) -> list[ChunkRecord] | None:
+        """The chunks as the index lists them one by one (explicit records), or None when they
+        derive from the layout (compact records)."""
+        return None if self.compact else self.chunks
+
+    def chunk_count(self) -> int:
+        """How many chunks were saved."""
+        return self._layout_grid().n_chunks if self.compact else len(self.chunks)
+
+    def chunk_box(self, idx: int) -> Box:
+        """The box of chunk ``idx`` in the global tensor."""
+        return self._layout_grid().box(idx) if self.compact else self.chunks[idx].box
+
+    def chunk_location(self, idx: int) -> Location | None:
+        """Where the index records chunk ``idx``'s bytes (None: only its data file's header
+        says: compact records, or an explicit chunk listed without its bytes)."""
+        return None if self.compact else self.chunks[idx].location
+
+    def chunk_file(self, idx: int) -> int | None:
+        """The data file that holds chunk ``idx`` (None where the index does not say)."""
+        if self.compact:
+            return self.files[idx]
+        loc = self.chunks[idx].location
+        return None if loc is None else loc.file
+
+    def find_chunk(self, offsets: Sequence[int]) -> int | None:
+        """Position of the chunk that starts at ``offsets`` (None: no chunk starts there)."""
+        if self.compact:
+            return self._layout_grid().find(offsets)
+        by_offsets = self.__dict__.get("_by_offsets")
+        if by_offsets is None:
+            by_offsets = {c.box.offsets: i for i, c in enumerate(self.chunks)}
+            self.__dict__["_by_offsets"] = by_offsets
+        return by_offsets.get(tuple(offsets))
+
+    def _layout_grid(self) -> Grid:
+        assert self.compact and self.layout is not None
+        return self.layout.grid(self.shape)
+
     def grid(self) -> Grid | None:
         """The chunk grid (chunk ``k`` is ``chunk_list()[k]``), or None when
         the chunks do not form one (an irregular explicit list)."""
         if self.compact:
-            assert self.layout is not None
-            return self.layout.grid(self.shape)
+            return self._layout_grid()
         g = self.__dict__.get("_grid", False)
         if g is False:
             boxes = [c.box for c in self.chunks]

@@ -32,7 +32,7 @@ import torch
 from ..byteio.blocksums import BlockSums
 from ..byteio.objrange import OBJECT_GAP_BYTES, ObjectRangeReader
 from ..byteio.objstore import ObjectStore
-from ..byteio.rangeio import RangeReader
+from ..byteio.rangeio import ByteSource, RangeReader
 from ..byteio.transfer import read_checked
 from ..core.sharding import Box, Grid
 from ..errors import CheckpointFormatError
@@ -80,7 +80,6 @@ class Source(ABC):
         self.index = index
         self.paths = list(paths)
         self._chunk_lists: dict[str, list[ChunkRecord]] = {}
-        self._by_offsets: dict[str, dict[tuple[int, ...], int]] = {}
 
     # ------------------------------------------------------------ opening
     @classmethod
@@ -95,7 +94,7 @@ class Source(ABC):
 
     def open_reader(
         self, *, threads: int, gap_bytes: int | None = None, max_request_bytes: int = 16 << 20
-    ) -> RangeReader:
+    ) -> ByteSource:
         """The byte reader of ``paths``: ``preadv`` calls for files, ranged requests for objects.
 
         ``gap_bytes=None`` takes the storage's default: merge gaps within a
@@ -112,7 +111,7 @@ class Source(ABC):
         return ObjectRangeReader(
             self.store,
             names,
-            gap_bytes=gap,  # type: ignore[return-value]
+            gap_bytes=gap,
             max_request_bytes=max_request_bytes,
         )
 
@@ -131,24 +130,15 @@ class Source(ABC):
 
     def box(self, fqn: str, idx: int) -> Box:
         """The box of chunk ``idx`` of tensor ``fqn``."""
-        rec = self.index.tensors[fqn]
-        return rec.grid().box(idx) if rec.compact else rec.chunks[idx].box  # type: ignore[union-attr]
+        return self.index.tensors[fqn].chunk_box(idx)
 
     def chunk_index(self, fqn: str, offsets: tuple[int, ...], hint: int | None) -> int:
         """Position of the chunk of ``fqn`` that starts at ``offsets`` (``hint`` is tried first)."""
         rec = self.index.tensors[fqn]
-        n = rec.grid().n_chunks if rec.compact else len(rec.chunks)  # type: ignore[union-attr]
-        if hint is not None and 0 <= hint < n and self.box(fqn, hint).offsets == offsets:
+        n = rec.chunk_count()
+        if hint is not None and 0 <= hint < n and rec.chunk_box(hint).offsets == offsets:
             return hint
-        found: int | None
-        if rec.compact:
-            found = rec.grid().find(offsets)  # type: ignore[union-attr]
-        else:
-            m = self._by_offsets.get(fqn)
-            if m is None:
-                m = {c.box.offsets: i for i, c in enumerate(rec.chunks)}
-                self._by_offsets[fqn] = m
-            found = m.get(offsets)
+        found = rec.find_chunk(offsets)
         if found is None:
             raise CheckpointFormatError(
                 f"{self.path}: tensor {fqn!r} has no saved chunk at offsets {list(offsets)}"
@@ -199,7 +189,7 @@ class Source(ABC):
         """
         return None  # the default refuses nothing and locates chunks when they are read
 
-    def materialize(self, reader: RangeReader, fqn: str, idx: int) -> torch.Tensor:
+    def materialize(self, reader: ByteSource, fqn: str, idx: int) -> torch.Tensor:
         """Chunk ``idx`` of ``fqn`` as a tensor, for chunks :meth:`locate` cannot address.
 
         Only :func:`~ucp_dcp.tools.convert.convert` calls it, after ``locate``
@@ -241,7 +231,7 @@ class Source(ABC):
         return None  # the default holds no open files
 
 
-def read_value(source: Source, reader: RangeReader, key: str) -> bytes:
+def read_value(source: Source, reader: ByteSource, key: str) -> bytes:
     """Value ``key`` of ``source`` as tagged JSON, read with ``reader`` and checked against its
     checksum."""
     loc = source.value_location(key)

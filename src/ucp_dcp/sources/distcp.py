@@ -72,7 +72,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..byteio.objstore import ObjectStore
-from ..byteio.rangeio import FileHandles, RangeReader, ReadStats, Segment, storage_view
+from ..byteio.rangeio import ByteSource, FileHandles, ReadStats, Segment, storage_view
 from ..core.sharding import Box
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError, DCPValueError, InvalidArgumentError
@@ -388,7 +388,7 @@ class DCPSource(Source):
             for _ in pool.map(lambda c: self.locate(*c), todo):
                 pass
 
-    def materialize(self, reader: RangeReader, fqn: str, idx: int) -> torch.Tensor:
+    def materialize(self, reader: ByteSource, fqn: str, idx: int) -> torch.Tensor:
         """An item no dimension order makes dense: read the span of storage it uses and let torch
         gather it."""
         st = self._stored(fqn, idx)

@@ -139,8 +139,10 @@ class NativeSource(Source):
         """
         rec = self.index.tensors[fqn]
         box = self.box(fqn, idx)
-        loc = None if rec.compact else super().locate(fqn, idx)
-        file = rec.files[idx] if rec.compact else loc.file  # type: ignore[union-attr]
+        loc = rec.chunk_location(idx)  # None for compact records: the header says
+        file = rec.chunk_file(idx)
+        if file is None:
+            return super().locate(fqn, idx)  # raises: an explicit chunk listed without its bytes
         name = chunk_entry_name(fqn, box.offsets)
         what = f"chunk {list(box.offsets)} of {fqn!r}"
         start, nbytes, meta = self._entry(file, name, what)
@@ -286,8 +288,7 @@ class NativeSource(Source):
             idx = self.chunk_index(m.fqn, m.offsets, None)
         except CheckpointFormatError:
             return what
-        listed = rec.files[idx] if rec.compact else rec.chunks[idx].location.file  # type: ignore[union-attr]
-        return None if listed == file else what
+        return None if rec.chunk_file(idx) == file else what
 
 
 def _disagree(path: str, what: str, here: Location, listed: Location) -> str:

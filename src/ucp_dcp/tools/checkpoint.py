@@ -15,13 +15,12 @@ from typing import Any
 
 import torch
 
-from ..byteio.blocksums import BlockVerifier, ChunkCheck
-from ..byteio.integrity import HASH_BLOCK, ChunkVerifier, chunk_what, hash_range
-from ..byteio.rangeio import Segment
-from ..byteio.transfer import StagingBuffers, needs_staging, read_staged, segments_into
+from ..byteio.engine import ChunkReads
+from ..byteio.integrity import HASH_BLOCK, chunk_what, hash_range
+from ..byteio.transfer import ChunkRegion
 from ..core.sharding import Box
 from ..core.values import decode_value
-from ..errors import CheckpointFormatError, CheckpointKeyError
+from ..errors import CheckpointFormatError, CheckpointKeyError, ShapeMismatchError
 from ..format import Location, TensorRecord, rank_local_key
 from ..sources import SourceOptions, open_source, read_value
 from .progress import ProgressFn
@@ -143,84 +142,37 @@ class Checkpoint:
         ``name``."""
         rec = self.tensor_record(name)
         if tuple(out.shape) != rec.shape:
-            raise ValueError(
+            raise ShapeMismatchError(
                 f"size mismatch for {name!r}: the checkpoint has shape {list(rec.shape)}, the "
                 f"target has {list(out.shape)}"
             )
-        segments: list[Segment] = []
         chunks = self.chunks(name)
         # Made per call, so that a failed read leaves nothing pending for the next.
-        blocks = BlockVerifier(self.source.paths, self._ranks)
-        old_sums = ChunkVerifier(self._reader, self.source.paths, self._ranks)
-        try:
-            self._read_into(name, rec, out, chunks, segments, blocks, old_sums)
-        finally:
-            blocks.close()
-            self._verified += blocks.bytes + old_sums.bytes
-
-    def _read_into(
-        self,
-        name: str,
-        rec: TensorRecord,
-        out: torch.Tensor,
-        chunks: list[tuple[Box, Location]],
-        segments: list[Segment],
-        blocks: BlockVerifier,
-        old_sums: ChunkVerifier,
-    ) -> None:
-        # One staging buffer for all chunks (pinned and double-buffered for a
-        # CUDA target); leaving the block waits for the last device copy.
-        largest = max(
-            (
-                box.numel * rec.dtype.itemsize
-                for box, loc in chunks
-                if needs_staging(out, rec.dtype, loc)
-            ),
-            default=0,
+        engine = ChunkReads(
+            self._reader,
+            self.source.paths,
+            self._ranks,
+            verify=self.verify_reads,
+            max_buffer_bytes=self.max_buffer_bytes,
+            scratch_in_buffer=False,
         )
-        with StagingBuffers(self.max_buffer_bytes, largest_bytes=largest) as staging:
+        try:
             for i, (box, loc) in enumerate(chunks):
                 dest = out
                 for d, (o, s) in enumerate(zip(box.offsets, box.sizes)):
                     dest = dest.narrow(d, o, s)
                 whole = Box((0,) * len(box.sizes), box.sizes)
-                sums = self.source.block_sums(name, i, loc) if self.verify_reads else None
-                check = ChunkCheck(blocks, sums, name, box.offsets) if sums is not None else None
-                whole_sum = (
-                    self.verify_reads and check is None
-                )  # checked against the chunk's checksum
-                if needs_staging(out, rec.dtype, loc):
-                    read_staged(
-                        self._reader,
-                        loc,
-                        box.sizes,
-                        whole,
-                        rec.dtype,
-                        dest,
-                        buffers=staging,
-                        check=check,
-                    )
-                    if whole_sum:
-                        old_sums.add(loc, name, box.offsets)  # read again
-                        old_sums.check()
-                elif check is not None:
-                    for part in blocks.plan(loc, check, box.sizes, whole, dest):
-                        segments.extend(part)
-                        if blocks.scratch_bytes >= blocks.scratch_limit:
-                            self._read_checked(segments, blocks, old_sums)
-                else:
-                    if whole_sum:
-                        old_sums.add(loc, name, box.offsets, dest if dest.is_contiguous() else None)
-                    segments.extend(segments_into(loc, box.sizes, whole, dest))
-        self._read_checked(segments, blocks, old_sums)
-
-    def _read_checked(
-        self, segments: list[Segment], blocks: BlockVerifier, old_sums: ChunkVerifier
-    ) -> None:
-        self._reader.read(segments)
-        segments.clear()
-        blocks.check()
-        old_sums.check()
+                engine.add(
+                    ChunkRegion(loc, box.sizes, whole, rec.dtype),
+                    dest,
+                    name=name,
+                    chunk_offsets=box.offsets,
+                    sums=self.source.block_sums(name, i, loc) if engine.verify else None,
+                )
+            engine.flush()
+        finally:
+            engine.close()
+            self._verified += engine.stats.verified_bytes
 
     def chunks(self, name: str) -> list[tuple[Box, Location]]:
         """Every saved chunk of tensor ``name``: its box and where its bytes are."""

@@ -21,12 +21,11 @@ from typing import Any
 
 import torch
 
-from ..byteio.blocksums import BlockVerifier, ChunkCheck
 from ..byteio.datafile import DataFileWriter, chunk_entry, value_entry
-from ..byteio.integrity import ChunkVerifier
+from ..byteio.engine import ChunkReads
 from ..byteio.objstore import is_url, local_path
-from ..byteio.rangeio import RangeReader, storage_view, tensor_view
-from ..byteio.transfer import read_region
+from ..byteio.rangeio import storage_view, tensor_view
+from ..byteio.transfer import ChunkRegion
 from ..core.sharding import Box, slabs
 from ..errors import CheckpointFormatError, StorageError
 from ..format import (
@@ -168,12 +167,17 @@ def _convert(
     per_file = _items_by_file(source)
     reader = source.open_reader(threads=io_threads)
     ranks = [source.file_rank(i) for i in range(len(source.paths))]
-    checks = (
-        (BlockVerifier(source.paths, ranks), ChunkVerifier(reader, source.paths, ranks))
-        if verify
-        else None
-    )
     buf = torch.empty(budget, dtype=torch.uint8)
+    # A chunk stored in another dimension order is read through staging memory as well: each of
+    # the copy buffer and the staging memory gets half the budget.
+    engine = ChunkReads(
+        reader,
+        source.paths,
+        ranks,
+        verify=verify,
+        max_buffer_bytes=budget // 2,
+        scratch_in_buffer=False,
+    )
     save_id = uuid.uuid4().hex[:8]
     files: list[FileRecord] = []
     written: list[list[WrittenEntry]] = []
@@ -216,7 +220,7 @@ def _convert(
                     if it[0] == "v":
                         out.write(i, values[it[1]])
                     else:
-                        _copy_chunk(source, reader, it[1], it[2], out, i, buf, checks)
+                        _copy_chunk(source, engine, it[1], it[2], out, i, buf)
                     done += entries[i].nbytes
                     if progress is not None:
                         progress(done, total)
@@ -225,9 +229,8 @@ def _convert(
                 [WrittenEntry(e.name, e.meta, s, e.nbytes) for e, s in zip(out.entries, out.starts)]
             )
     finally:
+        engine.close()
         reader.close()
-        if checks is not None:
-            checks[0].close()
     result = build_index(index.world_size, files, written)
     missing = sorted(set(index.tensors) - set(result.tensors))
     if missing:
@@ -238,16 +241,15 @@ def _convert(
 
 def _copy_chunk(
     source: Source,
-    reader: RangeReader,
+    engine: ChunkReads,
     fqn: str,
     idx: int,
     out: DataFileWriter,
     i: int,
     buf: torch.Tensor,
-    checks: tuple[BlockVerifier, ChunkVerifier] | None = None,
 ) -> None:
-    """Copy chunk ``idx`` of ``fqn`` row-major into entry ``i`` of ``out``, slab by slab;
-    with ``checks``, checking what is read against the source's checksums."""
+    """Copy chunk ``idx`` of ``fqn`` row-major into entry ``i`` of ``out``, slab by slab through
+    ``buf``; a verifying ``engine`` checks what is read against the source's checksums."""
     rec = source.index.tensors[fqn]
     box = source.box(fqn, idx)
     dtype, es = rec.dtype, rec.dtype.itemsize
@@ -258,24 +260,18 @@ def _copy_chunk(
     except CheckpointFormatError:
         # Not a byte range (a DCP item with overlapping strides): the source
         # reads it whole, bounded by that one item.
-        out.write(i, tensor_view(source.materialize(reader, fqn, idx)))
+        out.write(i, tensor_view(source.materialize(engine.source, fqn, idx)))
         return
-    check = None
-    if checks is not None:
-        sums = source.block_sums(fqn, idx, location)
-        if sums is not None:
-            check = ChunkCheck(checks[0], sums, fqn, box.offsets)
-        elif location.xxh3:  # no block checksums: the whole chunk, read again (from the page cache)
-            checks[1].add(location, fqn, box.offsets)
-            checks[1].check()
-    # A chunk stored in another dimension order is read through a staging
-    # buffer as well (read_region): give each half of the budget.
-    budget = buf.numel() // 2 if location.dim_order else buf.numel()
+    whole = ChunkRegion(location, box.sizes, Box((0,) * len(box.sizes), box.sizes), dtype)
+    sums = source.block_sums(fqn, idx, location) if engine.verify else None
+    if sums is None:  # no block checksums: the whole chunk, read again (from the page cache)
+        engine.check_chunk(whole, fqn, box.offsets)
+    budget = engine.staging_bytes if location.dim_order else buf.numel()
     bview = storage_view(buf)
     for offs, sizes in slabs(box.sizes, es, budget):
         nbytes = math.prod(sizes) * es
         slab = buf[:nbytes].view(dtype).view(sizes)
-        read_region(
-            reader, location, box.sizes, Box(tuple(offs), tuple(sizes)), dtype, slab, budget, check
-        )
+        part = ChunkRegion(location, box.sizes, Box(tuple(offs), tuple(sizes)), dtype)
+        engine.add(part, slab, name=fqn, chunk_offsets=box.offsets, sums=sums)
+        engine.flush()
         out.write(i, bview[:nbytes])
