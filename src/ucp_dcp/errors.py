@@ -33,7 +33,6 @@ __all__ = [
     "UnsupportedModelError",
     "TorchInternalsError",
     "ShapeMismatchError",
-    "InvalidOptionError",
 ]
 
 
@@ -200,14 +199,11 @@ class UnsupportedModelError(UCPError, ValueError):
 class TorchInternalsError(UCPError, RuntimeError):
     """Private torch state the library reads (FSDP1's ``FlatParameter`` metadata) is not laid
     out as expected: this torch version is not supported."""
+
+
 # ---------------------------------------------------------------- reading into tensors
 
 
 class ShapeMismatchError(UCPError, ValueError):
     """A destination tensor's shape differs from the saved tensor's (names the tensor and both
     shapes)."""
-
-
-class InvalidOptionError(UCPError, ValueError):
-    """An argument outside what it accepts (names the argument, the value given and the accepted
-    ones)."""

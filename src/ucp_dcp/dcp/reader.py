@@ -37,7 +37,7 @@ from ..byteio.engine import ChunkReads
 from ..byteio.transfer import ChunkRegion
 from ..core.sharding import Box
 from ..core.values import decode_value
-from ..errors import InvalidOptionError
+from ..errors import InvalidArgumentError
 from ..format import TensorRecord
 from ..format.names import save_id_of
 from ..sources import Source, SourceOptions, open_source, read_value, source_types
@@ -138,7 +138,7 @@ class UCPStorageReader(_Directory, StorageReader):
     ) -> None:
         super().__init__()
         if dcp_values not in DCP_VALUES_MODES:
-            raise InvalidOptionError(
+            raise InvalidArgumentError(
                 f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}"
             )
         self.path = os.fspath(path)
