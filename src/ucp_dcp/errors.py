@@ -27,6 +27,11 @@ __all__ = [
     "NoCheckpointError",
     "PeerTransferError",
     "CLIError",
+    "NotACheckpointError",
+    "CheckpointExistsError",
+    "CheckpointWriteError",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
 ]
 
 
@@ -157,3 +162,40 @@ class PeerTransferError(UCPError, RuntimeError):
 
 class CLIError(UCPError):
     """A failure to report as one ``ucp-dcp: error:`` line (usage or environment)."""
+
+
+# ---------------------------------------------------------------- storage
+
+
+class NotACheckpointError(CheckpointFormatError):
+    """A path that holds no checkpoint of any format the library reads.
+
+    ``path`` is the path or URL; ``formats`` what was looked for, one
+    ``"<files> (<format>)"`` per registered format, in detection order.
+    """
+
+    def __init__(self, message: str, path: str = "", formats: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.path = path
+        self.formats = tuple(formats)
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, tuple[str, ...]]]:
+        return type(self), (str(self), self.path, self.formats)
+
+
+class CheckpointExistsError(UCPError, FileExistsError):
+    """A save or an index rebuild that would replace a committed checkpoint (or index) it was not
+    asked to replace; names the directory."""
+
+
+class CheckpointWriteError(UCPError, OSError):
+    """A checkpoint file that could not be written (no space, an I/O error): names the file or
+    directory and the rank, and keeps the errno (``ENOSPC``...)."""
+
+
+class InvalidArgumentError(UCPError, ValueError):
+    """An argument of a library call that is out of range: names the call and the argument."""
+
+
+class InvalidArgumentTypeError(UCPError, TypeError):
+    """An argument of a library call of the wrong kind: names the call and what it needs."""
