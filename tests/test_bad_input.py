@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
-import ucp_dcp.format.index
+import ucp_dcp.byteio.storage
 from ucp_dcp import (
     CheckpointFormatError,
     RankLocal,
@@ -32,7 +32,8 @@ from ucp_dcp import (
     load_index,
     rebuild_index,
 )
-from ucp_dcp.format import ALIGN, BLOCK_SUMS_ENTRY, INDEX_FILE, PAD_PREFIX, VALUE_PREFIX, RANK_LOCAL_PREFIX, chunk_entry_name, read_header
+from ucp_dcp.format import ALIGN, BLOCK_SUMS_ENTRY, INDEX_FILE, PAD_PREFIX, VALUE_PREFIX, RANK_LOCAL_PREFIX, chunk_entry_name
+from ucp_dcp.byteio.files import read_header
 from ucp_dcp.core.values import decode_value
 
 pytestmark = [
@@ -647,7 +648,7 @@ def test_overwrite_is_atomic_when_commit_fails(ckpt: tuple[Path, dict[str, Any]]
     def boom(directory: str, index: Any) -> None:
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(ucp_dcp.format.index, "write_index", boom)
+    monkeypatch.setattr(ucp_dcp.byteio.storage, "write_index", boom)
     with pytest.raises(CheckpointException, match="disk full"):
         save({"model": {"w": torch.ones(8, 16)}}, path, overwrite=True)
     monkeypatch.undo()
@@ -731,7 +732,7 @@ def test_rebuild_index_does_not_mix_saves(ckpt: tuple[Path, dict[str, Any]], mon
     def boom(directory: str, index: Any) -> None:
         raise OSError("crash before commit (simulated)")
 
-    monkeypatch.setattr(ucp_dcp.format.index, "write_index", boom)
+    monkeypatch.setattr(ucp_dcp.byteio.storage, "write_index", boom)
     with pytest.raises(CheckpointException, match="crash before commit"):
         save(make_state() | {"step": 8}, path, overwrite=True)
     monkeypatch.undo()

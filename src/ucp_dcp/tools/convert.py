@@ -26,6 +26,7 @@ from ..byteio.datafile import DataFileWriter, chunk_entry, value_entry
 from ..byteio.integrity import ChunkVerifier
 from ..byteio.objstore import is_url, local_path
 from ..byteio.rangeio import RangeReader, storage_view, tensor_view
+from ..byteio.storage import commit_index
 from ..byteio.transfer import read_region
 from ..core.sharding import Box, slabs
 from ..errors import CheckpointFormatError, StorageError
@@ -36,7 +37,6 @@ from ..format import (
     PlannedEntry,
     WrittenEntry,
     build_index,
-    commit_index,
     data_file_name,
     rank_local_key,
     split_rank_local_key,
