@@ -34,6 +34,7 @@ from ucp_dcp import (
 )
 from ucp_dcp.format import ALIGN, BLOCK_SUMS_ENTRY, INDEX_FILE, PAD_PREFIX, VALUE_PREFIX, RANK_LOCAL_PREFIX, chunk_entry_name
 from ucp_dcp.byteio.files import read_header
+from ucp_dcp.sources import formats_looked_for
 from ucp_dcp.core.values import decode_value
 
 pytestmark = [
@@ -246,7 +247,7 @@ def test_empty_directory(tmp_path: Path) -> None:
     path.mkdir()
     with pytest.raises(CheckpointFormatError, match="ucp_index.json is missing"):
         load_index(str(path))
-    assert_load_fails(path, match=r"not a ucp_dcp checkpoint: ucp_index.json is missing")
+    assert_load_fails(path, match=re.escape(f"{path} is not a checkpoint: found none of {', '.join(formats_looked_for())}; it is empty"))
     assert list(path.iterdir()) == []
 
 
@@ -697,7 +698,10 @@ def test_rebuild_index_recovers_lost_index(ckpt: tuple[Path, dict[str, Any]]) ->
     path, sd = ckpt
     committed = load_index(str(path)).to_json()
     (path / INDEX_FILE).unlink()
-    assert_load_fails(path, match=r"ucp_index\.json is missing.*rebuild_index")
+    assert_load_fails(path, match=re.escape(f"{path} is not a checkpoint: found none of {', '.join(formats_looked_for())}; it holds rank")
+                      + r".*\.safetensors" + re.escape(
+                          ". A save that did not finish leaves data files and no index: load an earlier checkpoint, or "
+                          "rebuild the index from complete data files with ucp_dcp.rebuild_index(path, write=True)"))
     rebuilt = rebuild_index(str(path), write=True)
     assert rebuilt.to_json() == committed
     assert load_index(str(path)).to_json() == committed

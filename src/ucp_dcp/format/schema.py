@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -148,7 +147,6 @@ def check_relative_name(name: str, where: str) -> None:
     """
     if (
         not name
-        or os.path.isabs(name)
         or "/" in name
         or "\\" in name
         or name in (".", "..")
