@@ -11,6 +11,7 @@ code path serves both.
 
 from __future__ import annotations
 
+import builtins
 import os
 from abc import ABC, abstractmethod
 from typing import Any
@@ -88,7 +89,7 @@ class ModelDir(ABC):
         :mod:`ucp_dcp.byteio.files` opens."""
 
     @abstractmethod
-    def subfolders(self) -> list[str]:
+    def subfolders(self) -> builtins.list[str]:
         """Names of the subfolders (hidden ones left out), sorted."""
 
     @abstractmethod
@@ -140,7 +141,7 @@ class LocalDir(ModelDir):
         """None: header parsing opens the file itself."""
         return None
 
-    def subfolders(self) -> list[str]:
+    def subfolders(self) -> builtins.list[str]:
         """The subdirectories (symbolic links to directories included)."""
         return sorted(
             n
@@ -164,6 +165,8 @@ class StoreDir(ModelDir):
     finding the files costs no request per name; a file that disappears
     later fails its read naming it.
     """
+
+    store: ObjectStore
 
     def __init__(self, store: ObjectStore, named: str | None = None) -> None:
         self.store = store
@@ -230,7 +233,7 @@ class StoreDir(ModelDir):
         """Whether the listing holds any object (a prefix exists only through its objects)."""
         return bool(self._listing())
 
-    def subfolders(self) -> list[str]:
+    def subfolders(self) -> builtins.list[str]:
         """None: the listing holds objects only (a checkpoint of subfolders is read locally)."""
         return []
 
