@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from ..errors import CheckpointWriteError
@@ -30,6 +31,7 @@ from .objstore import ObjectStore, discard, is_url, local_path
 
 __all__ = [
     "CheckpointStorage",
+    "DataFileSpec",
     "LocalStorage",
     "ObjectStorage",
     "WrittenFile",
@@ -47,6 +49,19 @@ class WrittenFile(NamedTuple):
     entries: list[PlannedEntry]
     starts: list[int]
     size: int
+
+
+@dataclass(frozen=True)
+class DataFileSpec:
+    """Who writes a data file, for which save, and how (``sync`` and ``threads`` matter to local
+    files only)."""
+
+    rank: int
+    world_size: int
+    save_id: str
+    align: int
+    sync: bool = True
+    threads: int = 1
 
 
 class CheckpointStorage(Protocol):
@@ -72,13 +87,7 @@ class CheckpointStorage(Protocol):
         name: str,
         entries: list[PlannedEntry],
         data: Iterable[tuple[Any, bool]],
-        *,
-        rank: int,
-        world_size: int,
-        save_id: str,
-        align: int,
-        sync: bool,
-        threads: int,
+        spec: DataFileSpec,
     ) -> WrittenFile:
         """Write data file ``name``: entry ``i``'s bytes are the ``i``-th of ``data``, given as
         ``(bytes or uint8 view, stable)`` (``stable``: unchanged until the call returns, so it may
@@ -121,13 +130,7 @@ class LocalStorage:
         name: str,
         entries: list[PlannedEntry],
         data: Iterable[tuple[Any, bool]],
-        *,
-        rank: int,
-        world_size: int,
-        save_id: str,
-        align: int,
-        sync: bool,
-        threads: int,
+        spec: DataFileSpec,
     ) -> WrittenFile:
         """One :class:`~ucp_dcp.byteio.datafile.DataFileWriter`; ``data`` is consumed as it
         writes. An ``OSError`` becomes :class:`~ucp_dcp.errors.CheckpointWriteError` (same errno)
@@ -136,12 +139,12 @@ class LocalStorage:
         out = DataFileWriter(
             path,
             entries,
-            rank=rank,
-            world_size=world_size,
-            save_id=save_id,
-            align=align,
-            sync=sync,
-            threads=threads,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            save_id=spec.save_id,
+            align=spec.align,
+            sync=spec.sync,
+            threads=spec.threads,
         )
         try:
             with out:
@@ -151,7 +154,7 @@ class LocalStorage:
             gone = "; its partial file was removed" if out.created else ""
             raise write_error(
                 e,
-                f"rank {rank} could not write checkpoint data file {path}: {e.strerror or e}"
+                f"rank {spec.rank} could not write checkpoint data file {path}: {e.strerror or e}"
                 f"{gone}. The save is not committed and a previous checkpoint is untouched: free "
                 "space (or save elsewhere) and save again",
             ) from e
@@ -198,13 +201,7 @@ class ObjectStorage:
         name: str,
         entries: list[PlannedEntry],
         data: Iterable[tuple[Any, bool]],
-        *,
-        rank: int,
-        world_size: int,
-        save_id: str,
-        align: int,
-        sync: bool,
-        threads: int,
+        spec: DataFileSpec,
     ) -> WrittenFile:
         """Stream the file to the store (``sync`` and ``threads`` are for files); a transient
         failure restarts the upload, so every piece of ``data`` is taken first. An upload that
@@ -219,10 +216,10 @@ class ObjectStorage:
                     entries,
                     pieces,
                     path=self.store.url_of(name),
-                    rank=rank,
-                    world_size=world_size,
-                    save_id=save_id,
-                    align=align,
+                    rank=spec.rank,
+                    world_size=spec.world_size,
+                    save_id=spec.save_id,
+                    align=spec.align,
                 )
                 out.close()  # completes the upload: the object appears whole
                 return WrittenFile(*done)
@@ -230,7 +227,7 @@ class ObjectStorage:
                 discard(out)  # an upload that failed is aborted, never completed
                 raise
 
-        return self.store.call(f"uploading rank {rank}'s data file", name, upload)
+        return self.store.call(f"uploading rank {spec.rank}'s data file", name, upload)
 
     def write_atomic(self, name: str, data: bytes) -> None:
         """One PUT: the object appears whole, replacing the older one, or not at all."""

@@ -25,7 +25,13 @@ from torch.futures import Future
 
 from ..byteio.datafile import chunk_entry, layout, value_entry
 from ..byteio.rangeio import tensor_view
-from ..byteio.storage import CheckpointStorage, commit_index, storage_at, write_error
+from ..byteio.storage import (
+    CheckpointStorage,
+    DataFileSpec,
+    commit_index,
+    storage_at,
+    write_error,
+)
 from ..errors import (
     CheckpointExistsError,
     InvalidArgumentError,
@@ -187,12 +193,9 @@ class UCPStorageWriter(_Directory, StorageWriter):
             job.file,
             entries,
             self._data(plan, planner, values),
-            rank=self.rank,
-            world_size=job.world_size,
-            save_id=job.save_id,
-            align=self.align,
-            sync=self.sync_files,
-            threads=self.threads,
+            DataFileSpec(
+                self.rank, job.world_size, job.save_id, self.align, self.sync_files, self.threads
+            ),
         )
         fut.set_result(
             self._results(plan, planner, job.file, written.size, written.entries, written.starts)
