@@ -21,7 +21,7 @@ import errno
 from ..byteio.files import read_safetensors
 from ..byteio.objstore import ObjectAccess
 from ..core.sharding import Box
-from ..errors import CheckpointFormatError, StorageError
+from ..errors import CheckpointFormatError, InvalidArgumentTypeError, StorageError
 from ..format import (
     ChunkRecord,
     FileRecord,
@@ -68,7 +68,9 @@ class HFSource(Source):
         ``named``: with ``model_dir``, one ``.safetensors`` file or index in it named directly.
         """
         if not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a string, got {prefix!r}")
+            raise InvalidArgumentTypeError(
+                f"HFSource({path!r}): prefix must be a string, got {prefix!r}"
+            )
         d: ModelDir
         d, named = (model_dir, named) if model_dir is not None else local_model_dir(path)
         names, weight_map = find_hf_files(d, named)
