@@ -133,8 +133,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
         self.threads = threads
         self.path = os.fspath(path)
         self.storage_options = storage_options
-        self.storage: CheckpointStorage = storage_at(self.path, storage_options)
-        """Where the checkpoint goes: a local directory or an object store."""
+        self._storage: CheckpointStorage | None = None
         self.overwrite = overwrite
         self.sync_files = sync_files
         self.align = align
@@ -143,8 +142,16 @@ class UCPStorageWriter(_Directory, StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save, optionally into another directory."""
         self._set_path(checkpoint_id)
-        self.storage = storage_at(self.path, self.storage_options)
+        self._storage = None
         self.save_id = ""
+
+    @property
+    def storage(self) -> CheckpointStorage:
+        """Where the checkpoint goes: a local directory or an object store (made when first
+        used)."""
+        if self._storage is None:
+            self._storage = storage_at(self.path, self.storage_options)
+        return self._storage
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Remember whether this rank commits the checkpoint, and its rank."""
