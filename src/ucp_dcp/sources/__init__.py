@@ -45,6 +45,7 @@ __all__ = [
     "register",
     "source_types",
     "formats_looked_for",
+    "not_a_checkpoint",
     "NativeSource",
     "DCPSource",
     "HFSource",
@@ -103,8 +104,12 @@ def not_a_checkpoint(d: ModelDir) -> NotACheckpointError:
     if any(save_id_of(n) is not None for n in names):
         hint = (
             ". A save that did not finish leaves data files and no index: load an earlier "
-            "checkpoint, or rebuild the index from complete data files with "
+            "checkpoint"
+        ) + (
+            ", or rebuild the index from complete data files with "
             "ucp_dcp.rebuild_index(path, write=True)"
+            if d.store is None
+            else ""
         )
     return NotACheckpointError(
         f"{d.location} is not a checkpoint: found none of {', '.join(formats)}; {held}{hint}",
