@@ -145,13 +145,7 @@ def check_relative_name(name: str, where: str) -> None:
 
     A hostile index must not make the reader open files outside the checkpoint.
     """
-    if (
-        not name
-        or "/" in name
-        or "\\" in name
-        or name in (".", "..")
-        or "\0" in name
-    ):
+    if not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
         raise CheckpointFormatError(
             f"{where}: data file name {name!r} is absolute or leaves the checkpoint directory; "
             "only plain file names inside the checkpoint are allowed"
