@@ -27,14 +27,16 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
-
 from harness import Column, text_table, write_json
 from harness.report import RESULTS_DIR
 from harness.states import TP, llama_entries, mesh_shape_of, placements_for
+
+from ucp_dcp.byteio.storage import write_index
 from ucp_dcp.core.sharding import placement_to_str
 from ucp_dcp.dcp._mesh_groups import MeshGroup, TensorSpec, compact_records
-from ucp_dcp.format import FileRecord, Layout, build_index, data_file_name, dtype_name, load_index, write_index
+from ucp_dcp.format import FileRecord, Layout, build_index, data_file_name, dtype_name
 from ucp_dcp.format.records import _layout_grid  # its cache is emptied before each timed step
+from ucp_dcp.sources.native import load_index
 
 COLUMNS = [Column("mesh", 8, "<"), Column("W", 6, gap=1), Column("files", 6, gap=1), Column("build (coord)", 14, gap=1),
            Column("write", 8, gap=1), Column("index", 10, gap=1), Column("load_index", 11, gap=1),

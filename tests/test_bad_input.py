@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
-import ucp_dcp.format.index
+import ucp_dcp.byteio.storage
 from ucp_dcp import (
     CheckpointFormatError,
     RankLocal,
@@ -32,7 +32,9 @@ from ucp_dcp import (
     load_index,
     rebuild_index,
 )
-from ucp_dcp.format import ALIGN, BLOCK_SUMS_ENTRY, INDEX_FILE, PAD_PREFIX, VALUE_PREFIX, RANK_LOCAL_PREFIX, chunk_entry_name, read_header
+from ucp_dcp.format import ALIGN, BLOCK_SUMS_ENTRY, INDEX_FILE, PAD_PREFIX, VALUE_PREFIX, RANK_LOCAL_PREFIX, chunk_entry_name
+from ucp_dcp.byteio.files import read_header
+from ucp_dcp.sources import formats_looked_for
 from ucp_dcp.core.values import decode_value
 
 pytestmark = [
@@ -245,7 +247,7 @@ def test_empty_directory(tmp_path: Path) -> None:
     path.mkdir()
     with pytest.raises(CheckpointFormatError, match="ucp_index.json is missing"):
         load_index(str(path))
-    assert_load_fails(path, match=r"not a ucp_dcp checkpoint: ucp_index.json is missing")
+    assert_load_fails(path, match=re.escape(f"{path} is not a checkpoint: found none of {', '.join(formats_looked_for())}; it is empty"))
     assert list(path.iterdir()) == []
 
 
@@ -647,7 +649,7 @@ def test_overwrite_is_atomic_when_commit_fails(ckpt: tuple[Path, dict[str, Any]]
     def boom(directory: str, index: Any) -> None:
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(ucp_dcp.format.index, "write_index", boom)
+    monkeypatch.setattr(ucp_dcp.byteio.storage, "write_index", boom)
     with pytest.raises(CheckpointException, match="disk full"):
         save({"model": {"w": torch.ones(8, 16)}}, path, overwrite=True)
     monkeypatch.undo()
@@ -696,7 +698,10 @@ def test_rebuild_index_recovers_lost_index(ckpt: tuple[Path, dict[str, Any]]) ->
     path, sd = ckpt
     committed = load_index(str(path)).to_json()
     (path / INDEX_FILE).unlink()
-    assert_load_fails(path, match=r"ucp_index\.json is missing.*rebuild_index")
+    assert_load_fails(path, match=re.escape(f"{path} is not a checkpoint: found none of {', '.join(formats_looked_for())}; it holds rank")
+                      + r".*\.safetensors" + re.escape(
+                          ". A save that did not finish leaves data files and no index: load an earlier checkpoint, or "
+                          "rebuild the index from complete data files with ucp_dcp.rebuild_index(path, write=True)"))
     rebuilt = rebuild_index(str(path), write=True)
     assert rebuilt.to_json() == committed
     assert load_index(str(path)).to_json() == committed
@@ -733,7 +738,7 @@ def test_rebuild_index_does_not_mix_saves(ckpt: tuple[Path, dict[str, Any]], mon
     def boom(directory: str, index: Any) -> None:
         raise OSError("crash before commit (simulated)")
 
-    monkeypatch.setattr(ucp_dcp.format.index, "write_index", boom)
+    monkeypatch.setattr(ucp_dcp.byteio.storage, "write_index", boom)
     with pytest.raises(CheckpointException, match="crash before commit"):
         save(make_state() | {"step": 8}, path, overwrite=True)
     monkeypatch.undo()

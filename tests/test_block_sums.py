@@ -54,7 +54,8 @@ from ucp_dcp import (
 from ucp_dcp.byteio.blocksums import BlockHasher
 from ucp_dcp.byteio.rangeio import HOOKED_REQUEST_BYTES, RangeReader, Segment
 from ucp_dcp.core.pieces import Piece, TensorPieces
-from ucp_dcp.format import BLOCK_SUMS_ENTRY, read_header
+from ucp_dcp.byteio.files import read_header
+from ucp_dcp.format import BLOCK_SUMS_ENTRY
 from ucp_dcp.sources import NativeSource
 from ucp_dcp.tools.cli import main as cli_main
 

@@ -133,7 +133,7 @@ def test_inspect_bad_paths_fail_with_one_line(capsys: pytest.CaptureFixture[str]
     assert "nope: not a checkpoint" in one_error_line(err)
     (tmp_path / "empty").mkdir()
     rc, _, err = run_cli(capsys, "inspect", tmp_path / "empty")
-    assert rc == 2 and f"{INDEX_FILE} is missing" in one_error_line(err)
+    assert rc == 2 and f"empty is not a checkpoint: found none of {INDEX_FILE} (ucp_dcp), " in one_error_line(err)
     index = copy / INDEX_FILE
     index.write_bytes(index.read_bytes()[:40])
     rc, _, err = run_cli(capsys, "inspect", copy, "--json")

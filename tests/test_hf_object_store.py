@@ -28,6 +28,7 @@ from test_hf_into_layouts import CONFIG  # the same tiny untied Llama
 from ucp_dcp import Checkpoint, UCPLoadPlanner, UCPStorageReader, load_into_module, load_state_dict
 from ucp_dcp.byteio.objstore import ObjectStore
 from ucp_dcp.errors import CheckpointFormatError
+from ucp_dcp.sources import formats_looked_for
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model comes from a local config
 transformers = pytest.importorskip("transformers")
@@ -145,10 +146,8 @@ def test_a_url_holding_neither_format_names_it(hf_dirs: dict[str, Path]) -> None
     with pytest.raises(CheckpointFormatError) as e:
         load_state_dict(url)
     msg = str(e.value)
-    assert msg.startswith(f"{url}: not a ucp_dcp checkpoint: ucp_index.json is missing; nor a DCP checkpoint: no "
-                          ".metadata; nor a DeepSpeed ZeRO checkpoint: no latest or "
-                          "*zero_pp_rank_*_optim_states.pt files; nor a Hugging Face"), msg
-    assert "model.safetensors.index.json" in msg and "it holds config.json" in msg, msg
+    assert msg == f"{url} is not a checkpoint: found none of {', '.join(formats_looked_for())}; it holds config.json", msg
+    assert "model.safetensors.index.json / one .safetensors file (Hugging Face)" in msg and ".metadata (DCP)" in msg, msg
 
 
 def test_hostile_index_on_a_store(hf_dirs: dict[str, Path]) -> None:

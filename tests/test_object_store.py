@@ -29,6 +29,7 @@ from ucp_dcp.byteio.objrange import ObjectRangeReader
 from ucp_dcp.byteio.objstore import ObjectStore, RetryPolicy, is_url, local_path
 from ucp_dcp.byteio.rangeio import Segment
 from ucp_dcp.errors import CheckpointFormatError, StorageError, TruncatedFileError
+from ucp_dcp.sources import formats_looked_for
 
 s3_bucket = s3_server.s3_bucket  # the session fixture, made visible to this module
 
@@ -154,8 +155,7 @@ def test_missing_checkpoint_names_the_url() -> None:
     url = f"memory://ucp-{uuid.uuid4().hex[:8]}/nothing"
     with pytest.raises(CheckpointFormatError) as e:
         load_state_dict(url)
-    assert str(e.value).startswith(f"{url}: not a ucp_dcp checkpoint: ucp_index.json is missing")
-    assert "nor a Hugging Face safetensors model" in str(e.value) and "it is empty" in str(e.value)
+    assert str(e.value) == f"{url} is not a checkpoint: found none of {', '.join(formats_looked_for())}; it is empty"
 
 
 def test_a_missing_data_object_names_it() -> None:
@@ -295,3 +295,22 @@ def test_object_range_reader_reads_exact_bytes(cuts: list[int], keep: list[bool]
     assert sorted(seen) == [i for i, d in enumerate(dests) if len(d)]
     needed = sum(b - a for a, b in ranges)
     assert needed <= reader.stats.bytes <= needed + gap * max(len(ranges) - 1, 0)
+
+
+@pytest.mark.parametrize("kind", ["local", "object"])
+def test_commit_writes_the_index_then_removes_only_old_data_files(kind: str, tmp_path: Any) -> None:
+    """The one commit, for both storages: the index is whole, then the data files of other saves
+    go and nothing else kept there does."""
+    from ucp_dcp.byteio.storage import LocalStorage, ObjectStorage, commit_index, storage_at
+    from ucp_dcp.format import FileRecord, Index
+
+    where = str(tmp_path / "ck") if kind == "local" else f"memory://ucp-{uuid.uuid4().hex[:8]}/ckpt"
+    storage = storage_at(where)
+    assert isinstance(storage, LocalStorage if kind == "local" else ObjectStorage)
+    storage.make()
+    for name in ("rank00000-old.safetensors", "rank00000-new.safetensors", "notes.txt"):
+        storage.write_atomic(name, b"x")
+    index = Index(1, [FileRecord("rank00000-new.safetensors", 0, 1)], {}, {}, {})
+    commit_index(storage, index)
+    assert sorted(storage.list()) == ["notes.txt", "rank00000-new.safetensors", "ucp_index.json"]
+    assert storage.exists("ucp_index.json") and not storage.exists("rank00000-old.safetensors")

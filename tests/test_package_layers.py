@@ -111,3 +111,27 @@ def test_private_torch_apis_come_through_compat() -> None:
                 offenders += [f"{path.relative_to(PKG)}:{node.lineno} import {a.name}" for a in node.names
                               if a.name.split(".")[0] == "torch" and any(p.startswith("_") for p in a.name.split("."))]
     assert offenders == []
+
+
+# Modules that open, list or remove files; ``format/`` is data and parsing only.
+FILE_MODULES = {"os", "io", "shutil", "tempfile", "pathlib", "mmap", "fcntl", "glob"}
+
+
+def test_format_opens_no_files() -> None:
+    """``format/`` parses and serialises bytes; reading and writing files is ``byteio/``'s (and
+    ``sources/``'s) job, so format/ imports no file-system module and calls no ``open``."""
+    offenders = []
+    for path in sorted((PKG / "format").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open":
+                offenders.append(f"{path.relative_to(PKG)}:{node.lineno} open(...)")
+                continue
+            else:
+                continue
+            offenders += [f"{path.relative_to(PKG)}:{node.lineno} import {n}" for n in names
+                          if n.split(".")[0] in FILE_MODULES]
+    assert offenders == []

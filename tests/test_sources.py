@@ -43,7 +43,8 @@ from ucp_dcp import (
     load_into_module,
     load_state_dict,
 )
-from ucp_dcp.sources import CompositeSource, DCPSource, HFSource, NativeSource, open_source
+from ucp_dcp.errors import NotACheckpointError
+from ucp_dcp.sources import CompositeSource, DCPSource, HFSource, NativeSource, formats_looked_for, open_source
 from ucp_dcp.sources.distcp import read_dcp_metadata
 from ucp_dcp.tools.cli import main as cli_main
 
@@ -204,8 +205,16 @@ def test_accelerate_keys_that_repeat_across_subfolders_are_an_error(tmp_path: Pa
 
 def test_not_a_checkpoint_names_what_is_missing(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hi")
-    with pytest.raises(CheckpointFormatError, match=r"ucp_index\.json is missing"):
+    with pytest.raises(CheckpointFormatError) as e:
         open_source(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path} is not a checkpoint: found none of ucp_index.json (ucp_dcp), .metadata (DCP), "
+        "latest / *zero_pp_rank_*_optim_states.pt (DeepSpeed), latest_universal / zero/ (DeepSpeed "
+        "Universal), model.safetensors / model.safetensors.index.json / one .safetensors file "
+        "(Hugging Face), subfolders that are checkpoints (accelerate); it holds notes.txt"
+    )
+    assert isinstance(e.value, NotACheckpointError) and e.value.path == str(tmp_path)
+    assert e.value.formats == tuple(formats_looked_for())
 
 
 # ---------------------------------------------------------------- single-process entry points

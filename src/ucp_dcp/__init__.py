@@ -32,8 +32,9 @@ from .errors import (
     UCPError,
     UnsupportedValueError,
 )
-from .format import FORMAT_VERSION, load_index, rebuild_index
+from .format import FORMAT_VERSION
 from .manager.manager import CheckpointConfig, CheckpointManager, ReshardEvent
+from .sources.native import load_index, rebuild_index
 from .tools.checkpoint import Checkpoint
 from .tools.handoff import ModuleLoadResult, load_into_module, load_state_dict
 

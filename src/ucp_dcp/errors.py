@@ -33,6 +33,10 @@ __all__ = [
     "UnsupportedModelError",
     "TorchInternalsError",
     "ShapeMismatchError",
+    "NotACheckpointError",
+    "CheckpointExistsError",
+    "CheckpointWriteError",
+    "InvalidArgumentTypeError",
 ]
 
 
@@ -207,3 +211,36 @@ class TorchInternalsError(UCPError, RuntimeError):
 class ShapeMismatchError(UCPError, ValueError):
     """A destination tensor's shape differs from the saved tensor's (names the tensor and both
     shapes)."""
+
+
+# ---------------------------------------------------------------- storage
+
+
+class NotACheckpointError(CheckpointFormatError):
+    """A path that holds no checkpoint of any format the library reads.
+
+    ``path`` is the path or URL; ``formats`` what was looked for, one
+    ``"<files> (<format>)"`` per registered format, in detection order.
+    """
+
+    def __init__(self, message: str, path: str = "", formats: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.path = path
+        self.formats = tuple(formats)
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, tuple[str, ...]]]:
+        return type(self), (str(self), self.path, self.formats)
+
+
+class CheckpointExistsError(UCPError, FileExistsError):
+    """A save or an index rebuild that would replace a committed checkpoint (or index) it was not
+    asked to replace; names the directory."""
+
+
+class CheckpointWriteError(UCPError, OSError):
+    """A checkpoint file that could not be written (no space, an I/O error): names the file or
+    directory and the rank, and keeps the errno (``ENOSPC``...)."""
+
+
+class InvalidArgumentTypeError(UCPError, TypeError):
+    """An argument of a library call of the wrong kind: names the call and what it needs."""

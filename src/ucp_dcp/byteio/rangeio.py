@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from ..errors import TruncatedFileError
-from ..format.header import open_data_file
+from .files import open_data_file
 
 __all__ = [
     "coalesce",

@@ -1,9 +1,11 @@
 """``UCPStorageWriter``: each rank writes one native data file; the coordinator commits the index.
 
-The rank's file is laid out and written by the one data-file writer
-(:class:`~ucp_dcp.byteio.datafile.DataFileWriter`: aligned, self-describing,
-every entry hashed while it is written). The coordinator commits the save by
-writing the JSON index last (:func:`~ucp_dcp.format.commit_index`).
+The writer holds one storage object (:func:`~ucp_dcp.byteio.storage.storage_at`:
+a local directory or an object store, as DCP's ``FsspecWriter`` holds ``fs``)
+and never asks which. The rank's file is laid out and written by the one
+data-file writer (aligned, self-describing, every entry hashed while it is
+written). The coordinator commits the save by writing the JSON index last
+(:func:`~ucp_dcp.byteio.storage.commit_index`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +23,21 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..byteio.datafile import DataFileWriter, chunk_entry, layout, stream_data_file, value_entry
-from ..byteio.objstore import ObjectStore, discard, is_url, local_path
+from ..byteio.datafile import chunk_entry, layout, value_entry
 from ..byteio.rangeio import tensor_view
+from ..byteio.storage import (
+    CheckpointStorage,
+    DataFileSpec,
+    commit_index,
+    storage_at,
+    write_error,
+)
+from ..errors import (
+    CheckpointExistsError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    StorageError,
+)
 from ..format import (
     ALIGN,
     INDEX_FILE,
@@ -30,9 +45,7 @@ from ..format import (
     PlannedEntry,
     WrittenEntry,
     build_index,
-    commit_index,
     data_file_name,
-    index_bytes,
     split_rank_local_key,
 )
 from ._directory import _Directory
@@ -72,12 +85,6 @@ class _WriteRecord:
     mesh_chunks: int  # chunks of mesh-planned tensors written
 
 
-def _restated(e: OSError, msg: str) -> OSError:
-    """A new OSError with message ``msg`` and ``e``'s errno (so callers can still test for
-    ENOSPC)."""
-    return OSError(e.errno, msg) if e.errno is not None else OSError(msg)
-
-
 class UCPStorageWriter(_Directory, StorageWriter):
     """Writes a universal checkpoint into directory ``path``.
 
@@ -102,9 +109,10 @@ class UCPStorageWriter(_Directory, StorageWriter):
             index and a committed checkpoint at the same URL stays loadable.
 
     A rank whose write fails (``ENOSPC``, an I/O error) removes its partial
-    data file and raises an ``OSError`` that keeps the errno and names the
-    file and the rank; DCP then never calls :meth:`finish`, so no index is
-    written. A failed index write leaves the previous index in place.
+    data file and raises :class:`~ucp_dcp.errors.CheckpointWriteError` (an
+    ``OSError``) that keeps the errno and names the file and the rank; DCP
+    then never calls :meth:`finish`, so no index is written. A failed index
+    write leaves the previous index in place.
     """
 
     def __init__(
@@ -119,12 +127,13 @@ class UCPStorageWriter(_Directory, StorageWriter):
     ) -> None:
         super().__init__()
         if threads < 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"UCPStorageWriter(threads={threads}): needs at least one writer thread"
             )
         self.threads = threads
         self.path = os.fspath(path)
         self.storage_options = storage_options
+        self._storage: CheckpointStorage | None = None
         self.overwrite = overwrite
         self.sync_files = sync_files
         self.align = align
@@ -133,7 +142,16 @@ class UCPStorageWriter(_Directory, StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save, optionally into another directory."""
         self._set_path(checkpoint_id)
+        self._storage = None
         self.save_id = ""
+
+    @property
+    def storage(self) -> CheckpointStorage:
+        """Where the checkpoint goes: a local directory or an object store (made when first
+        used)."""
+        if self._storage is None:
+            self._storage = storage_at(self.path, self.storage_options)
+        return self._storage
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Remember whether this rank commits the checkpoint, and its rank."""
@@ -149,28 +167,16 @@ class UCPStorageWriter(_Directory, StorageWriter):
         """Nothing to add per rank."""
         return plan
 
-    def _store(self) -> ObjectStore | None:
-        """The object store of a URL ``path``; None for a local directory."""
-        return ObjectStore(self.path, self.storage_options) if is_url(self.path) else None
-
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: check the target directory and name every rank's file."""
-        store = self._store()
-        if store is None:
-            self.path = local_path(self.path)
-            committed = os.path.exists(os.path.join(self.path, INDEX_FILE))
-        else:
-            committed = store.exists(INDEX_FILE)
-        if committed and not self.overwrite:
-            raise FileExistsError(
-                f"{self.path} already holds a committed checkpoint ({INDEX_FILE}) and the writer "
-                "was made with "
-                "overwrite=False; refusing to replace it. Save into a new directory, or pass "
-                "overwrite=True "
-                "(the default: the old checkpoint stays loadable until the new one commits)"
+        if self.storage.exists(INDEX_FILE) and not self.overwrite:
+            raise CheckpointExistsError(
+                f"{self.storage.where} already holds a committed checkpoint ({INDEX_FILE}) and the "
+                "writer was made with overwrite=False; refusing to replace it. Save into a new "
+                "directory, or pass overwrite=True (the default: the old checkpoint stays loadable "
+                "until the new one commits)"
             )
-        if store is None:
-            os.makedirs(self.path, exist_ok=True)
+        self.storage.make()
         save_id = self.save_id = uuid.uuid4().hex[:8]
         return [
             dataclasses.replace(
@@ -190,95 +196,39 @@ class UCPStorageWriter(_Directory, StorageWriter):
             fut.set_result([])
             return fut
         job: _FileAssignment = plan.storage_data
-        store = self._store()
-        if store is not None:
-            return self._upload(store, plan, planner, job, entries, values)
-        path = os.path.join(local_path(self.path), job.file)
-        out = DataFileWriter(
-            path,
+        written = self.storage.write_data_file(
+            job.file,
             entries,
-            rank=self.rank,
-            world_size=job.world_size,
-            save_id=job.save_id,
-            align=self.align,
-            sync=self.sync_files,
-            threads=self.threads,
+            self._data(plan, planner, values),
+            DataFileSpec(
+                self.rank, job.world_size, job.save_id, self.align, self.sync_files, self.threads
+            ),
         )
-        try:
-            with out:
-                for i, item in enumerate(plan.items):
-                    if i in values:
-                        out.write(i, values[i])
-                        continue
-                    t = planner.resolve_data(item)
-                    if t.device.type != "cpu":
-                        t = t.cpu()
-                    # DCP's save is synchronous: the state is not changed until write_data returns,
-                    # so the
-                    # writer threads may write from the tensors' own memory (no copy) after this
-                    # call.
-                    out.write(i, tensor_view(t.contiguous()), stable=True)
-                    del t
-        except OSError as e:
-            gone = "; its partial file was removed" if out.created else ""
-            raise _restated(
-                e,
-                (
-                    f"rank {self.rank} could not write checkpoint data file {path}: "
-                    f"{e.strerror or e}{gone}. "
-                    "The save is not committed and a previous checkpoint is untouched: free space "
-                    "(or save "
-                    "elsewhere) and save again"
-                ),
-            ) from e
-        fut.set_result(self._results(plan, planner, job.file, out.size, out.entries, out.starts))
+        fut.set_result(
+            self._results(plan, planner, job.file, written.size, written.entries, written.starts)
+        )
         return fut
 
-    def _upload(
-        self,
-        store: ObjectStore,
-        plan: SavePlan,
-        planner: SavePlanner,
-        job: _FileAssignment,
-        entries: list[PlannedEntry],
-        values: dict[int, bytes],
-    ) -> Future[list[WriteResult]]:
-        """Stream this rank's data file to the store; a transient failure restarts the upload."""
-        datas: list[Any] = []
+    @staticmethod
+    def _data(
+        plan: SavePlan, planner: SavePlanner, values: dict[int, bytes]
+    ) -> Iterator[tuple[Any, bool]]:
+        """Each item's bytes in plan order, resolved as they are taken: a value's encoding, or a
+        tensor's memory as a uint8 view (copied to the CPU first if it is elsewhere).
+
+        DCP's save is synchronous: the state is not changed until ``write_data``
+        returns, so tensors are ``stable`` (the writer threads may write from
+        their own memory, no copy).
+        """
         for i, item in enumerate(plan.items):
             if i in values:
-                datas.append(values[i])
+                yield values[i], False
                 continue
             t = planner.resolve_data(item)
             if t.device.type != "cpu":
                 t = t.cpu()
-            datas.append(tensor_view(t.contiguous()))
-
-        def upload() -> tuple[list[PlannedEntry], list[int], int]:
-            out = store.open_write(job.file)
-            try:
-                done = stream_data_file(
-                    out,
-                    entries,
-                    datas,
-                    path=store.url_of(job.file),
-                    rank=self.rank,
-                    world_size=job.world_size,
-                    save_id=job.save_id,
-                    align=self.align,
-                )
-                out.close()  # completes the upload: the object appears whole
-                return done
-            except BaseException:
-                discard(out)  # an upload that failed is aborted, never completed
-                raise
-
-        written, starts, size = store.call(
-            f"uploading rank {self.rank}'s data file", job.file, upload
-        )
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(self._results(plan, planner, job.file, size, written, starts))
-        return fut
+            yield tensor_view(t.contiguous()), True
+            del t
 
     def planned_results(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         """What :meth:`write_data` would report for ``plan``, without writing anything.
@@ -318,7 +268,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
     ) -> tuple[list[PlannedEntry], dict[int, bytes]]:
         """This rank's entries in plan order, and the encoded bytes of its values by position."""
         if not isinstance(planner, UCPSavePlanner):
-            raise TypeError(
+            raise InvalidArgumentTypeError(
                 "UCPStorageWriter needs planner=UCPSavePlanner(): other planners pickle "
                 "non-tensor values"
             )
@@ -364,33 +314,17 @@ class UCPStorageWriter(_Directory, StorageWriter):
         index.paths = {
             k: p for k, p in summary.paths.items() if k in index.tensors or k in index.values
         }
-        store = self._store()
-        if store is not None:
-            # One PUT is atomic: the index appears whole, replacing the older one, or not at all.
-            store.put(INDEX_FILE, index_bytes(index))
-            keep = {f.name for f in index.files}
-            store.remove(
-                [
-                    n
-                    for n in store.list()
-                    if n.startswith("rank") and n.endswith(".safetensors") and n not in keep
-                ]
-            )
-            return
         try:
-            commit_index(self.path, index)
+            commit_index(self.storage, index)
+        except StorageError:
+            raise  # names the URL and the request already
         except OSError as e:
-            raise _restated(
+            raise write_error(
                 e,
-                (
-                    f"could not commit checkpoint {self.path} (writing {INDEX_FILE}): "
-                    f"{e.strerror or e}. "
-                    "The save is not committed and a previous checkpoint in this directory, if "
-                    "any, is "
-                    "intact. Free space (or save elsewhere) and save again; the next save that "
-                    "commits "
-                    "here removes this one's data files"
-                ),
+                f"could not commit checkpoint {self.storage.where} (writing {INDEX_FILE}): "
+                f"{e.strerror or e}. The save is not committed and a previous checkpoint in this "
+                "directory, if any, is intact. Free space (or save elsewhere) and save again; the "
+                "next save that commits here removes this one's data files",
             ) from e
 
     @classmethod

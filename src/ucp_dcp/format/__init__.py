@@ -1,8 +1,12 @@
 """The on-disk format: names and constants, records and the JSON index, safetensors data-file
 headers.
 
-Everything here is plain data and its (de)serialisation; byte I/O lives in
-:mod:`ucp_dcp.byteio`. The names most callers need are re-exported here.
+Everything here is plain data and its (de)serialisation from and to bytes: no
+file is opened here. Reading and writing files lives in :mod:`ucp_dcp.byteio`
+(data-file headers: :mod:`~ucp_dcp.byteio.files`; committing the index:
+:mod:`~ucp_dcp.byteio.storage`) and :mod:`ucp_dcp.sources` (loading and
+rebuilding the index: :mod:`~ucp_dcp.sources.native`). The names most
+callers need are re-exported here.
 """
 
 from .header import (
@@ -15,20 +19,10 @@ from .header import (
     block_sums_record,
     has_block_sums,
     layout_file,
+    parse_header,
     parse_safetensors,
-    read_header,
 )
-from .index import (
-    WrittenEntry,
-    build_index,
-    commit_index,
-    index_bytes,
-    index_digest,
-    load_index,
-    parse_index,
-    rebuild_index,
-    write_index,
-)
+from .index import WrittenEntry, build_index, index_bytes, index_digest, parse_index
 from .names import (
     ALIGN,
     BLOCK_BYTES,
@@ -89,19 +83,15 @@ __all__ = [
     "SafetensorsHeader",
     "StEntry",
     "layout_file",
+    "parse_header",
     "parse_safetensors",
-    "read_header",
     "dtype_from_st",
     "BlockSumsRecord",
     "block_sums_record",
     "has_block_sums",
     "WrittenEntry",
     "build_index",
-    "commit_index",
     "index_bytes",
     "index_digest",
-    "load_index",
     "parse_index",
-    "rebuild_index",
-    "write_index",
 ]

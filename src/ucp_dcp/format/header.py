@@ -1,10 +1,13 @@
-"""Safetensors data-file headers: parsing (one size limit) and laying out a data file."""
+"""Safetensors data-file headers: parsing (one size limit) and laying out a data file.
+
+No file is opened here: parsing reads through a :class:`RandomAccess` the caller gives
+(:mod:`ucp_dcp.byteio.files` opens local files).
+"""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -123,23 +126,6 @@ class SafetensorsHeader:
     metadata: dict[str, Any]
 
 
-def open_data_file(path: str) -> int:
-    """Open data file ``path`` for random reads (no read-ahead); a missing or unreadable file is a
-    :class:`CheckpointFormatError` naming it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise CheckpointFormatError(f"data file {path} is missing") from None
-    except OSError as e:
-        raise CheckpointFormatError(f"{path}: cannot open ({e.strerror or e})") from None
-    if hasattr(os, "posix_fadvise"):
-        # Without this the header read leaves read-ahead marks in the page
-        # cache, and a later exact read of a marked page makes the kernel
-        # stream in the rest of the file: other ranks' bytes.
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    return fd
-
-
 class RandomAccess(Protocol):
     """Bytes that can be read at any offset: a local file, or an object read with ranged
     requests."""
@@ -152,48 +138,29 @@ class RandomAccess(Protocol):
         ...
 
 
-class _FdAccess:
-    """:class:`RandomAccess` over an open descriptor."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.size = os.fstat(fd).st_size
-
-    def pread(self, n: int, offset: int) -> bytes:
-        return os.pread(self.fd, n, offset)
-
-
-def parse_safetensors(
-    path: str, fd: int | None = None, *, access: RandomAccess | None = None
-) -> SafetensorsHeader:
-    """Read and validate the header of safetensors file ``path`` (any writer's).
+def parse_safetensors(path: str, access: RandomAccess) -> SafetensorsHeader:
+    """Read and validate the header of safetensors file ``path`` (any writer's) through ``access``.
 
     Checks the header length against :data:`MAX_HEADER_BYTES` and the file
     size, that every entry has a dtype code, a shape and a byte range inside
     the file. Raises :class:`CheckpointFormatError` naming the file.
-    ``access`` reads it some other way than opening ``path`` (an object).
+    ``access`` reads the bytes (a local file:
+    :class:`~ucp_dcp.byteio.files.FileAccess`; an object:
+    :class:`~ucp_dcp.byteio.objstore.ObjectAccess`).
     """
-    own = fd is None and access is None
-    if own:
-        fd = open_data_file(path)
-    try:
-        acc = access if access is not None else _FdAccess(fd)  # type: ignore[arg-type]
-        size = acc.size
-        head = acc.pread(8, 0)
-        if len(head) < 8:
-            raise CheckpointFormatError(
-                f"{path}: truncated ({size} bytes; a safetensors file starts with 8)"
-            )
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise CheckpointFormatError(
-                f"{path}: header length {n} exceeds the file ({size} bytes): truncated or not "
-                "safetensors"
-            )
-        raw = acc.pread(n, 8)
-    finally:
-        if own:
-            os.close(fd)  # type: ignore[arg-type]
+    size = access.size
+    head = access.pread(8, 0)
+    if len(head) < 8:
+        raise CheckpointFormatError(
+            f"{path}: truncated ({size} bytes; a safetensors file starts with 8)"
+        )
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise CheckpointFormatError(
+            f"{path}: header length {n} exceeds the file ({size} bytes): truncated or not "
+            "safetensors"
+        )
+    raw = access.pread(n, 8)
     doc = parse_json(raw, f"{path}: header is not valid JSON")
     if not isinstance(doc, dict):
         raise CheckpointFormatError(f"{path}: header is not a JSON object")
@@ -236,17 +203,15 @@ def parse_safetensors(
 _KINDS = ("tensor", "value", "rank_local")
 
 
-def read_header(
-    path: str, fd: int | None = None, *, access: RandomAccess | None = None
-) -> FileHeader:
-    """Read and validate the header of native data file ``path``.
+def parse_header(path: str, access: RandomAccess) -> FileHeader:
+    """Read and validate the header of native data file ``path`` through ``access``.
 
     Raises :class:`CheckpointFormatError` naming the file (and the entry and
     field) when it is truncated, not safetensors, not written by ucp_dcp,
     has an entry outside the file, or metadata that does not describe its
     entries: every entry's name, kind, dtype, box and byte count must agree.
     """
-    st = parse_safetensors(path, fd, access=access)
+    st = parse_safetensors(path, access)
     raw = st.metadata.get("ucp_dcp")
     if not isinstance(raw, str):
         raise CheckpointFormatError(f"{path}: safetensors file without ucp_dcp metadata")
@@ -347,9 +312,8 @@ def _entry_meta(m: Any, name: str, nbytes: int, where: str) -> EntryMeta:
         )
     if math.prod(sizes) * dtype.itemsize != nbytes:
         raise CheckpointFormatError(
-            f"{where}: the entry holds {nbytes} bytes, "
-            f"not the {math.prod(sizes) * dtype.itemsize} of "
-            f"{dtype_name(dtype)}{sizes}"
+            f"{where}: the entry holds {nbytes} bytes, not the "
+            f"{math.prod(sizes) * dtype.itemsize} of {dtype_name(dtype)}{sizes}"
         )
     if name != chunk_entry_name(fqn, offsets):
         raise CheckpointFormatError(

@@ -1,43 +1,32 @@
-"""Building, writing, reading and rebuilding the global index.
+"""The global index: building it, and its bytes (serialising, parsing, the digest).
 
 The coordinator builds the index at the end of a save from what every rank
-reports it wrote (:class:`WrittenEntry`); :func:`rebuild_index` builds the
-same index from the data files' headers alone. Both go through
-:func:`build_index`, which stores a tensor compactly when its chunks are
-exactly those of the DTensor layout it was saved with.
+reports it wrote (:class:`WrittenEntry`);
+:func:`~ucp_dcp.sources.native.rebuild_index` builds the same index from the
+data files' headers alone. Both go through :func:`build_index`, which stores
+a tensor compactly when its chunks are exactly those of the DTensor layout it
+was saved with. No file is opened here: the index is committed by
+:func:`~ucp_dcp.byteio.storage.commit_index` and loaded by
+:func:`~ucp_dcp.sources.native.load_index`.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
-from ..byteio.durable import atomic_write
 from ..core.sharding import Box
 from ..core.values import dtype_from_name
 from ..errors import CheckpointFormatError
-from .header import EntryMeta, read_header
-from .names import INDEX_FILE
+from .header import EntryMeta
 from .records import ChunkRecord, FileRecord, Index, Layout, Location, TensorRecord
 from .schema import parse_json
 
-__all__ = [
-    "WrittenEntry",
-    "build_index",
-    "index_digest",
-    "index_bytes",
-    "write_index",
-    "commit_index",
-    "load_index",
-    "parse_index",
-    "rebuild_index",
-]
+__all__ = ["WrittenEntry", "build_index", "index_digest", "index_bytes", "parse_index"]
 
 DIGEST_FIELD = "digest"
 
@@ -155,65 +144,11 @@ def index_digest(doc: dict[str, Any]) -> str:
     )
 
 
-def write_index(directory: str, index: Index) -> None:
-    """Write ``ucp_index.json`` atomically (:func:`~ucp_dcp.byteio.durable.atomic_write`), with its
-    digest.
-
-    Readers see either the previous index or the complete new one, never a
-    partial file; a failed write leaves no temp file.
-    """
-    atomic_write(os.path.join(directory, INDEX_FILE), index_bytes(index))
-
-
 def index_bytes(index: Index) -> bytes:
     """The bytes of ``ucp_index.json`` for ``index``: its JSON with the digest field."""
     doc = index.to_json()
     doc[DIGEST_FIELD] = index_digest(doc)
     return json.dumps(doc, separators=(",", ":")).encode("utf-8")
-
-
-def commit_index(directory: str, index: Index) -> None:
-    """Commit a checkpoint: write its index atomically, then remove data files of older saves.
-
-    Until the rename the previous index (if any) and its data files stay
-    loadable; after it, only native data files the new index does not name
-    are removed, never anything else kept in the directory.
-    """
-    write_index(directory, index)
-    keep = {f.name for f in index.files}
-    for name in os.listdir(directory):
-        if name.startswith("rank") and name.endswith(".safetensors") and name not in keep:
-            os.remove(os.path.join(directory, name))
-
-
-def load_index(directory: str) -> Index:
-    """Read and validate ``ucp_index.json`` of checkpoint ``directory``.
-
-    An index that records a digest must match it (:func:`index_digest`);
-    then every field is checked (:meth:`Index.from_json`).
-    """
-    directory = os.fspath(directory)
-    if not os.path.isdir(directory):
-        raise CheckpointFormatError(f"{directory}: not a checkpoint (no such directory)")
-    path = os.path.join(directory, INDEX_FILE)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        hint = ""
-        if os.path.exists(os.path.join(directory, ".metadata")):
-            hint = (
-                " (it holds a DCP .metadata file: it was saved with DCP's default FileSystemWriter)"
-            )
-        raise CheckpointFormatError(
-            f"{directory}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing{hint}. "
-            "A save that did not finish leaves no index; load an earlier checkpoint "
-            "or rebuild the index from complete data files with ucp_dcp.rebuild_index(path, "
-            "write=True)"
-        ) from None
-    except OSError as e:
-        raise CheckpointFormatError(f"{path}: cannot read the index ({e.strerror or e})") from None
-    return parse_index(raw, path)
 
 
 def parse_index(raw: bytes, path: str) -> Index:
@@ -223,8 +158,8 @@ def parse_index(raw: bytes, path: str) -> Index:
     then every field is checked (:meth:`Index.from_json`).
     """
     rebuild = (
-        "if the data files are complete, "
-        "rebuild it with ucp_dcp.rebuild_index(path, write=True, replace=True)"
+        "if the data files are complete, rebuild it with "
+        "ucp_dcp.rebuild_index(path, write=True, replace=True)"
     )
     doc = parse_json(raw, f"{path}: truncated or corrupt index", f"; {rebuild}")
     if isinstance(doc, dict) and DIGEST_FIELD in doc:  # indexes written before digests have none
@@ -240,61 +175,3 @@ def parse_index(raw: bytes, path: str) -> Index:
                 f"hashes to {actual}): it was changed after it was written; {rebuild}"
             )
     return Index.from_json(doc, path)
-
-
-def rebuild_index(
-    directory: str, *, save_id: str | None = None, write: bool = False, replace: bool = False
-) -> Index:
-    """Rebuild the index from the data files' headers alone.
-
-    Recovers a checkpoint whose index was lost, and checks that the data
-    files describe themselves. A directory can also hold the files of a save
-    that never committed; when files of several saves are present, pick one
-    with ``save_id`` (it is part of every data file name) rather than have
-    them mixed. The result must cover every tensor it names completely. With
-    ``write=True`` it is written as ``ucp_index.json``, atomically; an
-    existing index is replaced only with ``replace=True`` (for one that is
-    damaged: the data files' headers carry their own checksums and boxes).
-    """
-    names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
-    if not names:
-        raise CheckpointFormatError(
-            f"{directory}: no .safetensors data files to rebuild an index from"
-        )
-    headers = {n: read_header(os.path.join(directory, n)) for n in names}
-    saves: dict[str, list[str]] = defaultdict(list)
-    for n, h in headers.items():
-        saves[h.save_id].append(n)
-    if save_id is None and len(saves) > 1:
-        listing = "; ".join(f"{sid}: {len(ns)} file(s)" for sid, ns in sorted(saves.items()))
-        raise CheckpointFormatError(
-            f"{directory}: holds data files of {len(saves)} different saves ({listing}); "
-            "pass rebuild_index(path, save_id=...) to choose the one to rebuild"
-        )
-    chosen = saves.get(save_id) if save_id is not None else next(iter(saves.values()))
-    if not chosen:
-        raise CheckpointFormatError(f"{directory}: no data files of save {save_id!r}")
-    files = [FileRecord(n, headers[n].rank, headers[n].size) for n in chosen]
-    written = [
-        [WrittenEntry(name, m, *headers[n].ranges[name]) for name, m in headers[n].meta.items()]
-        for n in chosen
-    ]
-    index = build_index(max(headers[n].world_size for n in chosen), files, written)
-    for fqn, t in index.tensors.items():
-        covered = sum(c.box.numel for c in t.chunk_list())
-        if covered != math.prod(t.shape):
-            raise CheckpointFormatError(
-                f"{directory}: the data files of save {headers[chosen[0]].save_id} cover "
-                f"{covered} of the "
-                f"{math.prod(t.shape)} elements of {fqn!r}: a data file is missing"
-            )
-    if write:
-        if os.path.exists(os.path.join(directory, INDEX_FILE)):
-            if not replace:
-                raise FileExistsError(
-                    f"{directory}/{INDEX_FILE} exists; not overwriting it (pass replace=True to "
-                    "replace a "
-                    "damaged index with the one rebuilt from the data files)"
-                )
-        write_index(directory, index)
-    return index

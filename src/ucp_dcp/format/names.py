@@ -6,7 +6,6 @@ header parser and the Hugging Face source and export alike.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 
@@ -117,5 +116,5 @@ _DATA_FILE = re.compile(r"rank\d{5}-([0-9A-Za-z]+)\.safetensors")
 
 def save_id_of(file_name: str) -> str | None:
     """The save id in a data file name made by :func:`data_file_name` (None for any other name)."""
-    m = _DATA_FILE.fullmatch(os.path.basename(file_name))
+    m = _DATA_FILE.fullmatch(file_name.rpartition("/")[2])
     return m.group(1) if m else None

@@ -14,7 +14,7 @@ are filled with ``__ucp_pad__.N`` uint8 entries because safetensors requires
 entries to be contiguous. The header's ``__metadata__["ucp_dcp"]`` holds a
 JSON document describing every entry (logical tensor name, global shape,
 global offsets, layout, xxh3-64 checksum), which is enough to rebuild the
-index from the data files alone (:func:`ucp_dcp.format.index.rebuild_index`).
+index from the data files alone (:func:`ucp_dcp.sources.native.rebuild_index`).
 
 The index (``Index``) lists every tensor with its dtype, global shape and
 chunks. A chunk list is stored either *compact* (the DTensor layout it was

@@ -1,7 +1,9 @@
 """Checkpoint sources: every format the readers understand, behind one seam (:class:`Source`).
 
-:func:`open_source` detects the format of a path and opens it. The formats,
-tried in this order:
+:func:`open_source` opens a location (a local path or an fsspec URL) as a
+directory view (:func:`~ucp_dcp.sources._dirs.open_location`) and asks each
+registered format, in this order, whether it recognises the view; the first
+that does opens it:
 
 ========================  ==========================================================
 ``ucp_dcp`` (native)      ``ucp_index.json`` + safetensors data files (:mod:`.native`)
@@ -23,23 +25,16 @@ import os
 from typing import Any
 
 from ..byteio.objstore import ObjectStore, is_url, local_path
-from ..errors import CheckpointFormatError
-from ..format import INDEX_FILE
-from ._dcp_metadata import DCP_METADATA_FILE
-from ._dirs import StoreDir
-from ._ds_utils import LATEST_FILE, looks_like_deepspeed
-from ._hf_utils import HF_INDEX_NAME, HF_WEIGHTS_NAME, looks_like_hf
+from ..errors import NotACheckpointError
+from ..format.names import save_id_of
+from ._dirs import ModelDir, open_location
 from .base import Source, SourceOptions, read_value, register, source_types
-
-# Registration order is detection order: keep these imports in this order.
-# isort: off
-from .native import NativeSource
-from .distcp import DCPSource
+from .composite import CompositeSource
 from .deepspeed import DeepSpeedSource
+from .distcp import DCPSource
 from .ds_universal import DeepSpeedUniversalSource
 from .hf import HFSource
-from .composite import CompositeSource
-# isort: on
+from .native import NativeSource, load_index, rebuild_index
 
 __all__ = [
     "Source",
@@ -49,12 +44,16 @@ __all__ = [
     "read_value",
     "register",
     "source_types",
+    "formats_looked_for",
+    "not_a_checkpoint",
     "NativeSource",
     "DCPSource",
     "HFSource",
     "DeepSpeedSource",
     "DeepSpeedUniversalSource",
     "CompositeSource",
+    "load_index",
+    "rebuild_index",
 ]
 
 
@@ -68,66 +67,54 @@ def open_source(
     """Open the checkpoint at ``path``, detecting its format.
 
     ``options`` (or its fields as keyword arguments, see
-    :class:`SourceOptions`) tune the formats that need them. A path no format
-    recognises fails as a native checkpoint would, with
-    :class:`~ucp_dcp.CheckpointFormatError` naming the path and what is
-    missing. An fsspec URL (``s3://bucket/ckpt``; ``storage_options`` go to
-    fsspec) opens a checkpoint in object storage, read with ranged requests:
-    a native one (``ucp_index.json``), one in DCP's ``FileSystemWriter`` /
-    ``FsspecWriter`` format (``.metadata``), a DeepSpeed ZeRO checkpoint
-    (the directory with ``latest``, or a tag folder), or a Hugging Face
-    safetensors model (the URL of its directory, or of one ``.safetensors``
-    file or index).
+    :class:`SourceOptions`) tune the formats that need them. ``path`` is a
+    local path or an fsspec URL (``s3://bucket/ckpt``; ``storage_options`` go
+    to fsspec), read with ranged requests; either is opened as a directory
+    view and every registered format is asked, in registration order, whether
+    it recognises it (:meth:`Source.detect`). A location no format recognises
+    is a :class:`~ucp_dcp.errors.NotACheckpointError` naming it and the
+    formats looked for (:func:`formats_looked_for`).
     """
-    if is_url(path):
-        return _open_url(os.fspath(path), options or SourceOptions(**kwargs), storage_options)
-    path = local_path(path)
     opts = options if options is not None else SourceOptions(**kwargs)
-    if not os.path.exists(path):
-        raise CheckpointFormatError(f"{path}: not a checkpoint (no such directory)")
+    d = open_location(path, storage_options)
     for cls in source_types():
-        if cls.detect(path):
-            return cls.open(path, opts)
-    return NativeSource.open(path, opts)  # raises, naming what is missing
+        if cls.detect(d):
+            return cls.open(d, opts)
+    raise not_a_checkpoint(d)
 
 
-def _open_url(url: str, options: SourceOptions, storage_options: dict[str, Any] | None) -> Source:
-    """The checkpoint at fsspec URL ``url``: native if ``ucp_index.json`` is there, else DCP's
-    format if
-    ``.metadata`` is, else DeepSpeed's if ``latest`` or a rank's optimizer file is, else a Hugging
-    Face model."""
-    parent, _, last = url.rstrip("/").rpartition("/")
-    if "://" in parent and last.endswith((".safetensors", ".safetensors.index.json")):
-        # One file named directly, as a local path may name one.
-        return HFSource.open_store(ObjectStore(parent, storage_options), options, named=last)
-    store = ObjectStore(url, storage_options)
-    # One GET, rather than asking whether it exists first.
-    raw_index = store.read_if_exists(INDEX_FILE)
-    if raw_index is not None:
-        return NativeSource(store.url, store, raw_index)
-    model_dir = StoreDir(store)  # listed once: detection and opening share the listing
-    if model_dir.is_file(DCP_METADATA_FILE):
-        return DCPSource.open_store(store, options, model_dir)
-    if looks_like_deepspeed(model_dir):
-        return DeepSpeedSource.open_store(store, options, model_dir)
-    if looks_like_hf(model_dir):
-        return HFSource(store.url, options.prefix, model_dir=model_dir)
-    listing = sorted(model_dir.list())
-    held = (
-        f"it holds {', '.join(listing[:10])}{' ...' if len(listing) > 10 else ''}"
-        if listing
-        else "it is empty"
-    )
-    raise CheckpointFormatError(
-        f"{store.url}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing; nor a DCP checkpoint: no "
-        f"{DCP_METADATA_FILE}; nor a DeepSpeed ZeRO checkpoint: no {LATEST_FILE} or "
-        "*zero_pp_rank_*_optim_states.pt files; nor a Hugging Face safetensors model: no "
-        f"{HF_WEIGHTS_NAME}, "
-        f"{HF_INDEX_NAME} or single .safetensors file ({held}). A save that did not finish leaves "
-        "no index. "
-        "Object storage is read for these four formats only; copy a DeepSpeed Universal "
-        "checkpoint to a local "
-        "directory first"
+def formats_looked_for() -> list[str]:
+    """``"<what detection looks for> (<format>)"`` for every registered format, in detection
+    order."""
+    return [f"{c.looks_for} ({c.title or c.format})" for c in source_types()]
+
+
+def not_a_checkpoint(d: ModelDir) -> NotACheckpointError:
+    """The error for view ``d``, which no registered format recognises: names the location, the
+    formats looked for and what it holds."""
+    formats = formats_looked_for()
+    if d.named is not None:
+        held = "it is a file"
+        names: list[str] = []
+    else:
+        names = sorted(d.list())
+        shown = ", ".join(names[:10]) + (" ..." if len(names) > 10 else "")
+        held = f"it holds {shown}" if names else "it is empty"
+    hint = ""
+    if any(save_id_of(n) is not None for n in names):
+        hint = (
+            ". A save that did not finish leaves data files and no index: load an earlier "
+            "checkpoint"
+        ) + (
+            ", or rebuild the index from complete data files with "
+            "ucp_dcp.rebuild_index(path, write=True)"
+            if d.store is None
+            else ""
+        )
+    return NotACheckpointError(
+        f"{d.location} is not a checkpoint: found none of {', '.join(formats)}; {held}{hint}",
+        d.location,
+        formats,
     )
 
 

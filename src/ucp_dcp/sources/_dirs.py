@@ -1,24 +1,26 @@
 """A checkpoint or model directory, local or in object storage: the few questions finding its files
 asks.
 
-The Hugging Face source, DCP's format and DeepSpeed's checkpoints (whose
-state is in a tag subfolder: :meth:`ModelDir.child`) read their directories
-through this view (:class:`LocalDir` for a local directory, :class:`StoreDir` for an
-:class:`~ucp_dcp.byteio.objstore.ObjectStore`, listed once), so one code
-path serves both.
+:func:`~ucp_dcp.sources.open_source` opens every location as one of these
+views (:func:`open_location`: :class:`LocalDir` for a local directory,
+:class:`StoreDir` for an :class:`~ucp_dcp.byteio.objstore.ObjectStore`,
+listed once) and every registered format detects and opens itself from it
+(DeepSpeed's state is in a tag subfolder: :meth:`ModelDir.child`), so one
+code path serves both.
 """
 
 from __future__ import annotations
 
+import builtins
 import os
 from abc import ABC, abstractmethod
 from typing import Any
 
-from ..byteio.objstore import ObjectAccess, ObjectStore
-from ..errors import CheckpointFormatError
+from ..byteio.objstore import ObjectAccess, ObjectStore, is_url, local_path
+from ..errors import CheckpointFormatError, NotACheckpointError
 from ..format.header import RandomAccess
 
-__all__ = ["ModelDir", "LocalDir", "StoreDir", "plain_file_name"]
+__all__ = ["ModelDir", "LocalDir", "StoreDir", "plain_file_name", "open_location", "view_of"]
 
 
 def plain_file_name(name: Any, where: str) -> str:
@@ -48,6 +50,13 @@ class ModelDir(ABC):
 
     where: str
     """The directory as shown in messages (a path or a URL)."""
+    named: str | None = None
+    """A file in the directory that the location named directly (a single-file format), else
+    None."""
+    location: str = ""
+    """The location as given (the directory, or the file named directly)."""
+    store: ObjectStore | None = None
+    """The object store the directory is in; None for a local directory."""
 
     @abstractmethod
     def path_of(self, name: str) -> str:
@@ -65,14 +74,23 @@ class ModelDir(ABC):
     def size(self, name: str) -> int | None:
         """Size of file ``name`` in bytes; None if there is no such file."""
 
+    def holds(self, name: str) -> bool:
+        """Whether file ``name`` exists, asked the cheapest way (:meth:`is_file` unless a view
+        knows better)."""
+        return self.is_file(name)
+
     @abstractmethod
     def read(self, name: str) -> bytes:
         """The whole of file ``name`` (a small one: an index, DCP's ``.metadata``)."""
 
     @abstractmethod
     def access(self, name: str) -> RandomAccess | None:
-        """``name`` as random access for header parsing; None: open :meth:`path_of` as a local
-        file."""
+        """``name`` as random access for header parsing; None: a local file, which
+        :mod:`ucp_dcp.byteio.files` opens."""
+
+    @abstractmethod
+    def subfolders(self) -> builtins.list[str]:
+        """Names of the subfolders (hidden ones left out), sorted."""
 
     @abstractmethod
     def child(self, name: str) -> ModelDir:
@@ -86,8 +104,10 @@ class ModelDir(ABC):
 class LocalDir(ModelDir):
     """A local directory."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, named: str | None = None) -> None:
         self.where = path
+        self.named = named
+        self.location = os.path.join(path, named) if named else path
 
     def path_of(self, name: str) -> str:
         """``os.path.join`` of the directory and ``name``."""
@@ -121,6 +141,14 @@ class LocalDir(ModelDir):
         """None: header parsing opens the file itself."""
         return None
 
+    def subfolders(self) -> builtins.list[str]:
+        """The subdirectories (symbolic links to directories included)."""
+        return sorted(
+            n
+            for n in os.listdir(self.where)
+            if not n.startswith(".") and os.path.isdir(self.path_of(n))
+        )
+
     def child(self, name: str) -> LocalDir:
         """The subdirectory ``name``."""
         return LocalDir(os.path.join(self.where, plain_file_name(name, self.where)))
@@ -138,10 +166,15 @@ class StoreDir(ModelDir):
     later fails its read naming it.
     """
 
-    def __init__(self, store: ObjectStore) -> None:
+    store: ObjectStore
+
+    def __init__(self, store: ObjectStore, named: str | None = None) -> None:
         self.store = store
         self.where = store.url
+        self.named = named
+        self.location = store.url_of(named or "")
         self._sizes: dict[str, int] | None = None
+        self._kept: dict[str, bytes] = {}  # read by holds() before any listing
 
     def path_of(self, name: str) -> str:
         """The object's URL."""
@@ -164,9 +197,22 @@ class StoreDir(ModelDir):
         """The size the listing gave (no request)."""
         return self._listing().get(name)
 
+    def holds(self, name: str) -> bool:
+        """From the listing if there is one; else one GET, whose bytes :meth:`read` then returns (a
+        small file that opening reads anyway: the native index)."""
+        if self._sizes is not None:
+            return name in self._sizes
+        if name not in self._kept:
+            raw = self.store.read_if_exists(name)
+            if raw is None:
+                return False
+            self._kept[name] = raw
+        return True
+
     def read(self, name: str) -> bytes:
         """The whole object (errors are :class:`~ucp_dcp.errors.StorageError` naming its URL)."""
-        return self.store.read(name)
+        kept = self._kept.pop(name, None)
+        return kept if kept is not None else self.store.read(name)
 
     def access(self, name: str) -> ObjectAccess:
         """Ranged reads of the object (its size from the listing): one request for a header under 64
@@ -186,3 +232,46 @@ class StoreDir(ModelDir):
     def is_dir(self) -> bool:
         """Whether the listing holds any object (a prefix exists only through its objects)."""
         return bool(self._listing())
+
+    def subfolders(self) -> builtins.list[str]:
+        """None: the listing holds objects only (a checkpoint of subfolders is read locally)."""
+        return []
+
+
+def view_of(where: str | os.PathLike[str] | ModelDir) -> ModelDir:
+    """``where`` as a directory view: a view as it is; a local path as a :class:`LocalDir` (of the
+    file's directory, with the file :attr:`~ModelDir.named`, for a path that is a file)."""
+    if isinstance(where, ModelDir):
+        return where
+    path = local_path(where)
+    if os.path.isfile(path):
+        d = LocalDir(os.path.dirname(path) or ".", os.path.basename(path))
+        d.location = path
+        return d
+    return LocalDir(path)
+
+
+_FILE_SUFFIXES = (".safetensors", ".safetensors.index.json")
+
+
+def open_location(
+    path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> ModelDir:
+    """The directory view of ``path``: a local path, or an fsspec URL (``storage_options`` go to
+    fsspec).
+
+    A URL whose last part names a ``.safetensors`` file or index is the view
+    of its parent with that file :attr:`~ModelDir.named` (as a local path may
+    name a file). A local path that does not exist is a
+    :class:`~ucp_dcp.errors.NotACheckpointError`; a URL is not asked yet.
+    """
+    if is_url(path):
+        url = os.fspath(path)
+        parent, _, last = url.rstrip("/").rpartition("/")
+        if "://" in parent and last.endswith(_FILE_SUFFIXES):
+            return StoreDir(ObjectStore(parent, storage_options), last)
+        return StoreDir(ObjectStore(url, storage_options))
+    local = local_path(path)
+    if not os.path.exists(local):
+        raise NotACheckpointError(f"{local}: not a checkpoint (no such directory)", local)
+    return view_of(local)

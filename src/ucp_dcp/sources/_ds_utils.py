@@ -88,16 +88,17 @@ def looks_like_deepspeed(path: str | ModelDir) -> bool:
     return any(_OPTIM.fullmatch(n) for n in names)
 
 
-def looks_like_universal(path: str) -> bool:
-    """Whether ``path`` is a DeepSpeed Universal checkpoint (``latest_universal``, or a tag folder
-    with ``zero/``)."""
-    if not os.path.isdir(path):
-        return False
-    if os.path.isfile(os.path.join(path, LATEST_UNIVERSAL_FILE)):
+def looks_like_universal(d: ModelDir) -> bool:
+    """Whether directory view ``d`` is a DeepSpeed Universal checkpoint (``latest_universal``, or a
+    tag folder with ``zero/`` and its model states), by names alone."""
+    if d.is_file(LATEST_UNIVERSAL_FILE):
         return True
-    return os.path.isdir(os.path.join(path, UNIVERSAL_DIR)) and any(
-        os.path.isfile(os.path.join(path, n))
-        for n in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    return (
+        any(
+            d.is_file(n)
+            for n in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+        )
+        and d.child(UNIVERSAL_DIR).is_dir()
     )
 
 

@@ -15,8 +15,10 @@ A source presents a checkpoint, whatever wrote it, as the same three things:
 Everything that reads (``UCPStorageReader`` for ``dcp.load``, ``Checkpoint``,
 the hand-off functions, the CLI, ``convert``) goes through this seam and
 contains no format test of its own. Adding a format is one module: subclass
-:class:`Source`, implement ``detect``/``open`` and ``locate``, and decorate
-the class with :func:`register`.
+:class:`Source`, implement ``detect_dir``/``open_dir`` (from a directory
+view, :class:`~ucp_dcp.sources._dirs.ModelDir`, local or in object storage)
+and ``locate``, say what detection looks for (``title``, ``looks_for``), and
+decorate the class with :func:`register`.
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ import torch
 
 from ..byteio.blocksums import BlockSums
 from ..byteio.objrange import OBJECT_GAP_BYTES, ObjectRangeReader
-from ..byteio.objstore import ObjectStore
+from ..byteio.objstore import ObjectStore, local_path
 from ..byteio.rangeio import ByteSource, RangeReader
 from ..byteio.transfer import read_checked
 from ..core.sharding import Box, Grid
 from ..errors import CheckpointFormatError
 from ..format import ChunkRecord, Index, Location, split_rank_local_key
+from ._dirs import ModelDir, view_of
 
 __all__ = ["Source", "SourceOptions", "register", "source_types", "read_value"]
 
@@ -74,6 +77,16 @@ class Source(ABC):
     """The object store the checkpoint is in; None for a local checkpoint (``paths`` are files)."""
     checksums: ClassVar[bool] = False
     """Whether the format records a checksum of every chunk and value."""
+    title: ClassVar[str] = ""
+    """The format's name for people ("Hugging Face"), in the error for a path no format
+    recognises."""
+    looks_for: ClassVar[str] = ""
+    """What :meth:`detect_dir` looks for, in a few words ("ucp_index.json"), in the same error."""
+    opens_files: ClassVar[bool] = False
+    """Whether a location naming one file (not a directory) may be of this format."""
+    detect_order: ClassVar[int] = 80
+    """Where :func:`source_types` puts the format (lowest first; registration order among equals):
+    the built-in formats are 10-60, subfolders read as one last (100)."""
 
     def __init__(self, path: str, index: Index, paths: Sequence[str]) -> None:
         self.path = path
@@ -83,14 +96,33 @@ class Source(ABC):
 
     # ------------------------------------------------------------ opening
     @classmethod
-    @abstractmethod
-    def detect(cls, path: str) -> bool:
-        """Whether ``path`` is a checkpoint of this format (cheap: names and sizes only)."""
+    def detect(cls, where: str | os.PathLike[str] | ModelDir) -> bool:
+        """Whether ``where`` (a local path, or a directory view) is a checkpoint of this format.
+
+        Cheap: names and sizes only (and, in object storage, a small file
+        opening reads anyway). A location naming a file is offered only to
+        formats that can be one file (:attr:`opens_files`).
+        """
+        if not isinstance(where, ModelDir) and not os.path.exists(local_path(where)):
+            return False
+        d = view_of(where)
+        return (d.named is None or cls.opens_files) and cls.detect_dir(d)
+
+    @classmethod
+    def open(cls, where: str | os.PathLike[str] | ModelDir, options: SourceOptions) -> Source:
+        """Open ``where`` (which :meth:`detect` accepted), reading its metadata only."""
+        return cls.open_dir(view_of(where), options)
 
     @classmethod
     @abstractmethod
-    def open(cls, path: str, options: SourceOptions) -> Source:
-        """Open ``path`` (which :meth:`detect` accepted), reading its metadata only."""
+    def detect_dir(cls, d: ModelDir) -> bool:
+        """Whether the directory (or the file :attr:`~ModelDir.named`) of view ``d`` is a
+        checkpoint of this format."""
+
+    @classmethod
+    @abstractmethod
+    def open_dir(cls, d: ModelDir, options: SourceOptions) -> Source:
+        """Open the checkpoint of view ``d`` (which :meth:`detect_dir` accepted)."""
 
     def open_reader(
         self, *, threads: int, gap_bytes: int | None = None, max_request_bytes: int = 16 << 20
@@ -245,13 +277,13 @@ _REGISTRY: list[type[Source]] = []
 
 
 def register(cls: type[Source]) -> type[Source]:
-    """Class decorator: make :func:`~ucp_dcp.sources.open_source` try ``cls`` (in registration
-    order)."""
+    """Class decorator: make :func:`~ucp_dcp.sources.open_source` try ``cls`` (in the order of
+    :attr:`Source.detect_order`, then of registration)."""
     _REGISTRY.append(cls)
     return cls
 
 
 def source_types() -> list[type[Source]]:
     """The registered source classes, in the order :func:`~ucp_dcp.sources.open_source` tries
-    them."""
-    return list(_REGISTRY)
+    them: by :attr:`Source.detect_order` (not by import order), then registration order."""
+    return sorted(_REGISTRY, key=lambda c: c.detect_order)

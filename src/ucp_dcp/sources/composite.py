@@ -11,13 +11,13 @@ across subfolders.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 from typing import TypeVar
 
 from ..byteio.blocksums import BlockSums
 from ..errors import CheckpointFormatError
 from ..format import FileRecord, Index, Location, TensorRecord, split_rank_local_key
+from ._dirs import ModelDir
 from .base import Source, SourceOptions, register, source_types
 
 __all__ = ["CompositeSource"]
@@ -25,18 +25,17 @@ __all__ = ["CompositeSource"]
 _R = TypeVar("_R")  # a record type of Index: TensorRecord, Location, per-rank Locations
 
 
-def _child_sources(path: str) -> list[tuple[str, type[Source]]]:
-    """``(subfolder, source class)`` of every immediate subfolder some other format recognises."""
-    if not os.path.isdir(path):
+def _child_sources(d: ModelDir) -> list[tuple[str, ModelDir, type[Source]]]:
+    """``(subfolder, its view, source class)`` of every immediate subfolder some other format
+    recognises."""
+    if not d.is_dir():
         return []
     found = []
-    for name in sorted(os.listdir(path)):
-        sub = os.path.join(path, name)
-        if name.startswith(".") or not os.path.isdir(sub):
-            continue
+    for name in d.subfolders():
+        sub = d.child(name)
         cls = next((c for c in source_types() if c is not CompositeSource and c.detect(sub)), None)
         if cls is not None:
-            found.append((name, cls))
+            found.append((name, sub, cls))
     return found
 
 
@@ -50,6 +49,9 @@ class CompositeSource(Source):
     """
 
     format = "subfolders"
+    title = "accelerate"
+    looks_for = "subfolders that are checkpoints"
+    detect_order = 100
 
     def __init__(self, path: str, children: dict[str, Source]) -> None:
         files: list[FileRecord] = []
@@ -91,17 +93,14 @@ class CompositeSource(Source):
         self.checksums = all(c.checksums for c in children.values())  # type: ignore[misc]
 
     @classmethod
-    def detect(cls, path: str) -> bool:
+    def detect_dir(cls, d: ModelDir) -> bool:
         """A directory that is no checkpoint itself but has subfolders that are."""
-        return bool(_child_sources(path))
+        return bool(_child_sources(d))
 
     @classmethod
-    def open(cls, path: str, options: SourceOptions) -> CompositeSource:
+    def open_dir(cls, d: ModelDir, options: SourceOptions) -> CompositeSource:
         """Open every subfolder that is a checkpoint."""
-        return cls(
-            path,
-            {name: c.open(os.path.join(path, name), options) for name, c in _child_sources(path)},
-        )
+        return cls(d.where, {name: c.open(sub, options) for name, sub, c in _child_sources(d)})
 
     def _child(self, key: str) -> tuple[Source, int]:
         rl = split_rank_local_key(key)

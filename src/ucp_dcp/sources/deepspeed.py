@@ -26,12 +26,12 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from ..byteio.objstore import ObjectStore
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes, numel
 from ._dirs import ModelDir, StoreDir
 from ._ds_utils import (
+    LATEST_FILE,
     ModelStates,
     RankOptim,
     find_deepspeed_files,
@@ -76,10 +76,13 @@ def zero3_frozen(
 class DeepSpeedSource(Source):
     """A DeepSpeed ZeRO-1/2/3 checkpoint: the directory with ``latest``, or one tag folder (local,
     or at an
-    fsspec URL: :meth:`open_store`)."""
+    fsspec URL: a :class:`~ucp_dcp.sources._dirs.StoreDir` view)."""
 
     format = "deepspeed"
     checksums = False
+    title = "DeepSpeed"
+    looks_for = f"{LATEST_FILE} / *zero_pp_rank_*_optim_states.pt"
+    detect_order = 30
 
     def __init__(self, path: str, model_dir: ModelDir | None = None) -> None:
         files = find_deepspeed_files(model_dir if model_dir is not None else path)
@@ -296,27 +299,20 @@ class DeepSpeedSource(Source):
 
     # ------------------------------------------------------------ Source
     @classmethod
-    def detect(cls, path: str) -> bool:
+    def detect_dir(cls, d: ModelDir) -> bool:
         """A directory with ``latest``, or a folder of ``*zero_pp_rank_*_optim_states.pt`` files."""
-        return looks_like_deepspeed(path)
+        return looks_like_deepspeed(d)
 
     @classmethod
-    def open(cls, path: str, options: SourceOptions) -> DeepSpeedSource:
-        """Read every file's pickle (as inert records; tensor data is not read)."""
-        return cls(path)
+    def open_dir(cls, d: ModelDir, options: SourceOptions) -> DeepSpeedSource:
+        """Read every file's pickle (as inert records; tensor data is not read).
 
-    @classmethod
-    def open_store(
-        cls, store: ObjectStore, options: SourceOptions, model_dir: StoreDir | None = None
-    ) -> DeepSpeedSource:
-        """Open the checkpoint at ``store``'s URL: the directory with ``latest``, or a tag folder.
-
-        ``latest`` and the listings come through the directory view; each
-        archive's zip directory and pickle are read with a few ranged
-        requests (archives side by side), tensor bytes later through
+        ``latest`` and the listings come through the directory view; in a
+        store each archive's zip directory and pickle are read with a few
+        ranged requests (archives side by side), tensor bytes later through
         :meth:`~ucp_dcp.sources.base.Source.open_reader`.
         """
-        return cls(store.url, model_dir or StoreDir(store))
+        return cls(d.where, d)
 
     def decode_value(self, key: str, raw: bytes) -> bytes:
         """Values live in the pickles, read when the checkpoint was opened."""

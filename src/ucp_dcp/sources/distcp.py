@@ -39,7 +39,7 @@ checkpoint in the native format, streaming with bounded memory.
 
 The same checkpoint at an fsspec URL (written there by DCP's
 ``FsspecWriter``, or copied there) is read where it lies
-(:meth:`DCPSource.open_store`): ``.metadata`` in one request, the data
+(a :class:`~ucp_dcp.sources._dirs.StoreDir` view): ``.metadata`` in one request, the data
 files' sizes from the listing, the two ends of every item a load needs in
 one batch of ranged requests, and tensor bytes with the source's ranged reads.
 
@@ -71,7 +71,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..byteio.objstore import ObjectStore
 from ..byteio.rangeio import ByteSource, FileHandles, ReadStats, Segment, storage_view
 from ..core.sharding import Box
 from ..core.values import encode_value
@@ -79,7 +78,7 @@ from ..errors import CheckpointFormatError, DCPValueError, InvalidArgumentError
 from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord, dtype_name
 from ..format.schema import check_paths, check_relative_name, check_tensor_bytes
 from ._dcp_metadata import DCP_METADATA_FILE, read_dcp_metadata
-from ._dirs import LocalDir, ModelDir, StoreDir
+from ._dirs import LocalDir, ModelDir
 from ._pickle import is_index_tuple, is_nonneg_int
 from ._torch_save import PRead, StoredTensor, dim_order, item_ends, parse_tensor_item
 from .base import Source, SourceOptions, register
@@ -108,6 +107,9 @@ class DCPSource(Source):
 
     format = "dcp"
     checksums = False
+    title = "DCP"
+    looks_for = DCP_METADATA_FILE
+    detect_order = 20
 
     def __init__(
         self,
@@ -226,8 +228,7 @@ class DCPSource(Source):
             world, files, tensors, values, {}, paths=_nesting_paths(md.planner_data, mdpath, md)
         )
         super().__init__(self.directory, index, paths)
-        if isinstance(d, StoreDir):
-            self.store = d.store
+        self.store = d.store
         self.parse_stats = ReadStats()
         self._locations: dict[tuple[str, int], Location] = {}
         # Both ends of items fetched ahead by prepare() on a store, taken by the item's first parse.
@@ -244,8 +245,8 @@ class DCPSource(Source):
         fi, info = self._tensor_items[fqn][idx]
         box = self.index.tensors[fqn].chunks[idx].box
         return (
-            f"{self.paths[fi]}: item of {fqn!r} chunk {list(box.offsets)} "
-            f"at [{info.offset}, {info.offset + info.length})"
+            f"{self.paths[fi]}: item of {fqn!r} chunk {list(box.offsets)} at "
+            f"[{info.offset}, {info.offset + info.length})"
         )
 
     def _stored(self, fqn: str, idx: int) -> StoredTensor:
@@ -317,25 +318,15 @@ class DCPSource(Source):
                 k += n
 
     @classmethod
-    def detect(cls, path: str) -> bool:
+    def detect_dir(cls, d: ModelDir) -> bool:
         """A directory holding DCP's ``.metadata``."""
-        return os.path.isfile(os.path.join(path, DCP_METADATA_FILE))
+        return d.is_file(DCP_METADATA_FILE)
 
     @classmethod
-    def open(cls, path: str, options: SourceOptions) -> DCPSource:
-        """Read ``.metadata`` (restricted unpickler) and the data files' sizes."""
-        return cls(path, options.dcp_values)
-
-    @classmethod
-    def open_store(
-        cls, store: ObjectStore, options: SourceOptions, model_dir: StoreDir | None = None
-    ) -> DCPSource:
-        """Open the checkpoint at ``store``'s URL: ``.metadata`` in one request, sizes from one
-        listing.
-
-        ``model_dir``: the store's view when the caller has listed it already.
-        """
-        return cls(store.url, options.dcp_values, model_dir=model_dir or StoreDir(store))
+    def open_dir(cls, d: ModelDir, options: SourceOptions) -> DCPSource:
+        """Read ``.metadata`` (restricted unpickler) and the data files' sizes: in a store,
+        ``.metadata`` in one request, sizes from the view's one listing."""
+        return cls(d.where, options.dcp_values, model_dir=d)
 
     def locate(self, fqn: str, idx: int) -> Location:
         """Byte location of chunk ``idx`` of ``fqn`` (parses its item the first time).

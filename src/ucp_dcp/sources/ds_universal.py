@@ -15,7 +15,9 @@ import os
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes
+from ._dirs import ModelDir
 from ._ds_utils import (
+    LATEST_UNIVERSAL_FILE,
     UNIVERSAL_DIR,
     UNIVERSAL_MODEL_FILES,
     looks_like_universal,
@@ -49,6 +51,9 @@ class DeepSpeedUniversalSource(Source):
 
     format = "deepspeed-universal"
     checksums = False
+    title = "DeepSpeed Universal"
+    looks_for = f"{LATEST_UNIVERSAL_FILE} / {UNIVERSAL_DIR}/"
+    detect_order = 40
 
     def __init__(self, path: str) -> None:
         folder = universal_folder(path)
@@ -135,15 +140,21 @@ class DeepSpeedUniversalSource(Source):
         self._values = b.values
 
     @classmethod
-    def detect(cls, path: str) -> bool:
+    def detect_dir(cls, d: ModelDir) -> bool:
         """A directory with ``latest_universal``, or a folder with ``zero/`` and its model states
         (ZeRO-1/2 or 3)."""
-        return looks_like_universal(path)
+        return looks_like_universal(d)
 
     @classmethod
-    def open(cls, path: str, options: SourceOptions) -> DeepSpeedUniversalSource:
-        """Read every file's pickle (as inert records; tensor data is not read)."""
-        return cls(path)
+    def open_dir(cls, d: ModelDir, options: SourceOptions) -> DeepSpeedUniversalSource:
+        """Read every file's pickle (as inert records; tensor data is not read). A local directory
+        only: one in object storage is refused, naming it."""
+        if d.store is not None:
+            raise CheckpointFormatError(
+                f"{d.where}: a DeepSpeed Universal checkpoint is read from a local directory only; "
+                "copy it to one first"
+            )
+        return cls(d.where)
 
     def decode_value(self, key: str, raw: bytes) -> bytes:
         """Values (the groups' parameter names) come from ``param_shapes``, read when opened."""

@@ -8,7 +8,7 @@ rows of a weight reads exactly those rows. Names are the file's, with
 ``get_state_dict(model, optim)``). Safetensors records no checksums; the
 headers are checked against the files' sizes.
 
-The same model in object storage (:meth:`HFSource.open_store`) is found by
+The same model in object storage (a :class:`~ucp_dcp.sources._dirs.StoreDir` view) is found by
 listing the URL instead of the directory; each file's header is read with
 ranged requests (its size, then one request for a header under 64 KiB), and
 tensors with the source's ranged reads like any other.
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import errno
 
-from ..byteio.objstore import ObjectAccess, ObjectStore
+from ..byteio.files import read_safetensors
+from ..byteio.objstore import ObjectAccess
 from ..core.sharding import Box
-from ..errors import CheckpointFormatError, StorageError
+from ..errors import CheckpointFormatError, InvalidArgumentTypeError, StorageError
 from ..format import (
     ChunkRecord,
     FileRecord,
@@ -28,9 +29,15 @@ from ..format import (
     Location,
     TensorRecord,
     dtype_from_st,
-    parse_safetensors,
 )
-from ._hf_utils import ModelDir, StoreDir, find_hf_files, local_model_dir, looks_like_hf
+from ._hf_utils import (
+    HF_INDEX_NAME,
+    HF_WEIGHTS_NAME,
+    ModelDir,
+    find_hf_files,
+    local_model_dir,
+    looks_like_hf,
+)
 from .base import Source, SourceOptions, register
 
 __all__ = ["HFSource"]
@@ -42,6 +49,10 @@ class HFSource(Source):
 
     format = "hf"
     checksums = False
+    title = "Hugging Face"
+    looks_for = f"{HF_WEIGHTS_NAME} / {HF_INDEX_NAME} / one .safetensors file"
+    detect_order = 50
+    opens_files = True
 
     def __init__(
         self,
@@ -57,7 +68,9 @@ class HFSource(Source):
         ``named``: with ``model_dir``, one ``.safetensors`` file or index in it named directly.
         """
         if not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a string, got {prefix!r}")
+            raise InvalidArgumentTypeError(
+                f"HFSource({path!r}): prefix must be a string, got {prefix!r}"
+            )
         d: ModelDir
         d, named = (model_dir, named) if model_dir is not None else local_model_dir(path)
         names, weight_map = find_hf_files(d, named)
@@ -66,7 +79,7 @@ class HFSource(Source):
         tensors: dict[str, TensorRecord] = {}
         where: dict[str, str] = {}
         for fi, fname in enumerate(names):
-            st = parse_safetensors(d.path_of(fname), access=d.access(fname))
+            st = read_safetensors(d.path_of(fname), d.access(fname))
             files.append(FileRecord(fname, 0, st.size))
             for e in st.entries.values():
                 dtype = dtype_from_st(e.st_dtype)
@@ -103,29 +116,20 @@ class HFSource(Source):
         if not tensors:
             raise CheckpointFormatError(f"{path}: holds no tensors")
         super().__init__(path, Index(1, files, tensors, {}, {}), [d.path_of(f.name) for f in files])
-        if isinstance(d, StoreDir):
-            self.store = d.store
+        self.store = d.store
 
     @classmethod
-    def detect(cls, path: str) -> bool:
+    def detect_dir(cls, d: ModelDir) -> bool:
         """``model.safetensors``, a ``*.safetensors.index.json``, or one such file named
         directly."""
-        return looks_like_hf(path)
+        if d.named is not None:
+            return d.named.endswith((".safetensors", ".safetensors.index.json"))
+        return looks_like_hf(d)
 
     @classmethod
-    def open(cls, path: str, options: SourceOptions) -> HFSource:
-        """Parse every file's header (nothing else is read)."""
-        return cls(path, options.prefix)
-
-    @classmethod
-    def open_store(
-        cls, store: ObjectStore, options: SourceOptions, named: str | None = None
-    ) -> HFSource:
-        """Open the model at ``store``'s URL (or file ``named`` there): every file's header, with
-        ranged requests."""
-        return cls(
-            store.url_of(named or ""), options.prefix, model_dir=StoreDir(store), named=named
-        )
+    def open_dir(cls, d: ModelDir, options: SourceOptions) -> HFSource:
+        """Parse every file's header (nothing else is read; in a store, with ranged requests)."""
+        return cls(d.location, options.prefix, model_dir=d, named=d.named)
 
     def check_files(self) -> list[str]:
         """Every file's header parses and its size is what it was when opened."""
@@ -135,7 +139,7 @@ class HFSource(Source):
                 # On a store, ObjectAccess asks for the object's size now (not the one recorded at
                 # open).
                 access = ObjectAccess(self.store, f.name) if self.store is not None else None
-                size = parse_safetensors(path, access=access).size
+                size = read_safetensors(path, access).size
                 if size != f.size:
                     problems.append(f"{path}: {size} bytes on disk, {f.size} when opened")
             except CheckpointFormatError as e:

@@ -1,34 +1,45 @@
-"""The native format: a ``ucp_index.json`` plus safetensors data files with per-entry checksums."""
+"""The native format: a ``ucp_index.json`` plus safetensors data files with per-entry checksums.
+
+Also loading the index of a local checkpoint (:func:`load_index`) and
+rebuilding it from the data files' headers (:func:`rebuild_index`).
+"""
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+from collections import defaultdict
 
 import numpy as np
 import xxhash
 
 from ..byteio.blocksums import BlockSums
-from ..byteio.objstore import ObjectAccess, ObjectStore
-from ..errors import CheckpointFormatError, ChecksumError
+from ..byteio.files import read_header
+from ..byteio.objstore import ObjectAccess
+from ..byteio.storage import write_index
+from ..errors import CheckpointExistsError, CheckpointFormatError, ChecksumError
 from ..format import (
     INDEX_FILE,
     EntryMeta,
     FileHeader,
+    FileRecord,
+    Index,
     Location,
+    WrittenEntry,
+    build_index,
     chunk_entry_name,
     dtype_name,
     has_block_sums,
-    load_index,
     parse_index,
     rank_local_entry_name,
-    read_header,
     split_rank_local_key,
     value_entry_name,
 )
+from ._dirs import LocalDir, ModelDir
 from .base import Source, SourceOptions, register
 
-__all__ = ["NativeSource"]
+__all__ = ["NativeSource", "load_index", "rebuild_index"]
 
 
 @register
@@ -45,21 +56,21 @@ class NativeSource(Source):
 
     format = "ucp_dcp"
     checksums = True
+    title = "ucp_dcp"
+    looks_for = INDEX_FILE
+    detect_order = 10
 
-    def __init__(
-        self, path: str, store: ObjectStore | None = None, raw_index: bytes | None = None
-    ) -> None:
-        """The checkpoint in directory ``path``, or at ``store``'s URL (``raw_index``: its index, if
-        already read)."""
-        if store is None:
-            index = load_index(path)
-            paths = [os.path.join(path, f.name) for f in index.files]
+    def __init__(self, path: str | os.PathLike[str] | ModelDir) -> None:
+        """The checkpoint in local directory ``path``, or in directory view ``path`` (local or in
+        object storage)."""
+        if isinstance(path, ModelDir):
+            d = path
+            index = parse_index(d.read(INDEX_FILE), d.path_of(INDEX_FILE))
         else:
-            raw = store.read(INDEX_FILE) if raw_index is None else raw_index
-            index = parse_index(raw, store.url_of(INDEX_FILE))
-            paths = [store.url_of(f.name) for f in index.files]
-        super().__init__(path, index, paths)
-        self.store = store
+            d = LocalDir(os.fspath(path))
+            index = load_index(d.where)  # names what is missing, with a hint
+        super().__init__(d.where, index, [d.path_of(f.name) for f in index.files])
+        self.store = d.store
         self._headers: dict[int, FileHeader] = {}
         self._objects: dict[
             int, ObjectAccess
@@ -71,14 +82,15 @@ class NativeSource(Source):
         self._sums_lock = threading.Lock()  # not _lock: reading the sums reads the header
 
     @classmethod
-    def detect(cls, path: str) -> bool:
-        """A directory holding ``ucp_index.json``."""
-        return os.path.isfile(os.path.join(path, INDEX_FILE))
+    def detect_dir(cls, d: ModelDir) -> bool:
+        """A directory holding ``ucp_index.json`` (in a store: one GET, whose bytes opening
+        parses)."""
+        return d.holds(INDEX_FILE)
 
     @classmethod
-    def open(cls, path: str, options: SourceOptions) -> NativeSource:
+    def open_dir(cls, d: ModelDir, options: SourceOptions) -> NativeSource:
         """Read and validate the index (no data file is opened yet)."""
-        return cls(path)
+        return cls(d)
 
     def header(self, file: int) -> FileHeader:
         """Parsed header of data file ``file``; checks its size, rank and world size against the
@@ -293,8 +305,97 @@ class NativeSource(Source):
 
 def _disagree(path: str, what: str, here: Location, listed: Location) -> str:
     return (
-        f"{path}: the index records {what} "
-        f"at bytes [{listed.start}, {listed.start + listed.nbytes}) with xxh3 "
-        f"{listed.xxh3}, the file's header at [{here.start}, {here.start + here.nbytes}) with "
+        f"{path}: the index records {what} at bytes "
+        f"[{listed.start}, {listed.start + listed.nbytes}) with xxh3 {listed.xxh3}, the file's "
+        f"header at [{here.start}, {here.start + here.nbytes}) with "
         f"xxh3 {here.xxh3}"
     )
+
+
+def load_index(directory: str) -> Index:
+    """Read and validate ``ucp_index.json`` of checkpoint ``directory``.
+
+    An index that records a digest must match it
+    (:func:`~ucp_dcp.format.index_digest`); then every field is checked
+    (:meth:`~ucp_dcp.format.Index.from_json`).
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise CheckpointFormatError(f"{directory}: not a checkpoint (no such directory)")
+    path = os.path.join(directory, INDEX_FILE)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        hint = ""
+        if os.path.exists(os.path.join(directory, ".metadata")):
+            hint = (
+                " (it holds a DCP .metadata file: it was saved with DCP's default FileSystemWriter)"
+            )
+        raise CheckpointFormatError(
+            f"{directory}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing{hint}. "
+            "A save that did not finish leaves no index; load an earlier checkpoint "
+            "or rebuild the index from complete data files with ucp_dcp.rebuild_index(path, "
+            "write=True)"
+        ) from None
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot read the index ({e.strerror or e})") from None
+    return parse_index(raw, path)
+
+
+def rebuild_index(
+    directory: str, *, save_id: str | None = None, write: bool = False, replace: bool = False
+) -> Index:
+    """Rebuild the index from the data files' headers alone.
+
+    Recovers a checkpoint whose index was lost, and checks that the data
+    files describe themselves. A directory can also hold the files of a save
+    that never committed; when files of several saves are present, pick one
+    with ``save_id`` (it is part of every data file name) rather than have
+    them mixed. The result must cover every tensor it names completely. With
+    ``write=True`` it is written as ``ucp_index.json``, atomically; an
+    existing index is replaced only with ``replace=True`` (for one that is
+    damaged: the data files' headers carry their own checksums and boxes).
+    """
+    names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    if not names:
+        raise CheckpointFormatError(
+            f"{directory}: no .safetensors data files to rebuild an index from"
+        )
+    headers = {n: read_header(os.path.join(directory, n)) for n in names}
+    saves: dict[str, list[str]] = defaultdict(list)
+    for n, h in headers.items():
+        saves[h.save_id].append(n)
+    if save_id is None and len(saves) > 1:
+        listing = "; ".join(f"{sid}: {len(ns)} file(s)" for sid, ns in sorted(saves.items()))
+        raise CheckpointFormatError(
+            f"{directory}: holds data files of {len(saves)} different saves ({listing}); "
+            "pass rebuild_index(path, save_id=...) to choose the one to rebuild"
+        )
+    chosen = saves.get(save_id) if save_id is not None else next(iter(saves.values()))
+    if not chosen:
+        raise CheckpointFormatError(f"{directory}: no data files of save {save_id!r}")
+    files = [FileRecord(n, headers[n].rank, headers[n].size) for n in chosen]
+    written = [
+        [WrittenEntry(name, m, *headers[n].ranges[name]) for name, m in headers[n].meta.items()]
+        for n in chosen
+    ]
+    index = build_index(max(headers[n].world_size for n in chosen), files, written)
+    for fqn, t in index.tensors.items():
+        covered = sum(c.box.numel for c in t.chunk_list())
+        if covered != math.prod(t.shape):
+            raise CheckpointFormatError(
+                f"{directory}: the data files of save {headers[chosen[0]].save_id} cover "
+                f"{covered} of the "
+                f"{math.prod(t.shape)} elements of {fqn!r}: a data file is missing"
+            )
+    if write:
+        if os.path.exists(os.path.join(directory, INDEX_FILE)):
+            if not replace:
+                raise CheckpointExistsError(
+                    f"{directory}/{INDEX_FILE} exists; not overwriting it (pass replace=True to "
+                    "replace a "
+                    "damaged index with the one rebuilt from the data files)"
+                )
+        write_index(directory, index)
+    return index

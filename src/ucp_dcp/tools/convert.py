@@ -25,6 +25,7 @@ from ..byteio.datafile import DataFileWriter, chunk_entry, value_entry
 from ..byteio.engine import ChunkReads
 from ..byteio.objstore import is_url, local_path
 from ..byteio.rangeio import storage_view, tensor_view
+from ..byteio.storage import commit_index
 from ..byteio.transfer import ChunkRegion
 from ..core.sharding import Box, slabs
 from ..errors import CheckpointFormatError, StorageError
@@ -35,7 +36,6 @@ from ..format import (
     PlannedEntry,
     WrittenEntry,
     build_index,
-    commit_index,
     data_file_name,
     rank_local_key,
     split_rank_local_key,
