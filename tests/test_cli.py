@@ -388,11 +388,14 @@ def test_parse_size() -> None:
 
 def test_progress_bar() -> None:
     stream = io.StringIO()
-    bar = ProgressBar("verifying", stream=stream, enabled=True, width=10, min_interval=0)
+    bar = ProgressBar("verifying", stream=stream, enabled=True, min_interval=0)
     bar(5, 10)
-    assert stream.getvalue() == "\rverifying [#####.....]  50%  5 B / 10 B"
+    frames = stream.getvalue().split("\r")
+    assert frames[-1].startswith("verifying:  50%|#####     | 5.00/10.0 [00:00<00:00, ")  # tqdm: rate, ETA
+    assert frames[-1].endswith("B/s]")
     bar(10, 10)
-    assert stream.getvalue().endswith("[##########] 100%  10 B / 10 B\n")
+    last = stream.getvalue().split("\r")[-1]
+    assert last.startswith("verifying: 100%|##########| 10.0/10.0 [") and last.endswith("B/s]\n")
     bar.close()  # the finished bar already ended its line
     assert stream.getvalue().count("\n") == 1
     quiet = io.StringIO()
@@ -404,9 +407,21 @@ def test_progress_bar() -> None:
     assert throttled.getvalue().count("\r") == 1
 
 
+def test_progress_bar_last_frame_leaves_no_stale_characters() -> None:
+    """A shorter frame after a longer one is padded over (the hand-written bar left "807 MBB")."""
+    stream = io.StringIO()
+    bar = ProgressBar("converting", stream=stream, enabled=True, min_interval=0)
+    bar(999_999, 10**6)
+    bar(10**6, 10**6)
+    frames = stream.getvalue().rstrip("\n").split("\r")[1:]
+    for before, after in zip(frames, frames[1:]):
+        assert len(after) >= len(before.rstrip()), (before, after)
+    assert frames[-1].rstrip().endswith("B/s]")
+
+
 def test_progress_flag_draws_on_stderr(capsys: pytest.CaptureFixture[str], good: Path) -> None:
     rc, out, err = run_cli(capsys, "verify", good, "--progress")
-    assert rc == 0 and out.startswith("OK") and "verifying [" in err and "100%" in err
+    assert rc == 0 and out.startswith("OK") and "verifying: 100%|" in err and "100%" in err
     assert run_cli(capsys, "--progress", "-q", "verify", good)[2] == ""
 
 
