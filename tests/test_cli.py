@@ -130,10 +130,13 @@ def test_describe_sharding() -> None:
 def test_inspect_bad_paths_fail_with_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path, copy: Path) -> None:
     rc, out, err = run_cli(capsys, "inspect", tmp_path / "nope")
     assert rc == 2 and out == ""
-    assert "nope: not a checkpoint" in one_error_line(err)
+    assert one_error_line(err) == f"ucp-dcp: error: {tmp_path / 'nope'}: not a checkpoint (the path does not exist)"
     (tmp_path / "empty").mkdir()
     rc, _, err = run_cli(capsys, "inspect", tmp_path / "empty")
-    assert rc == 2 and f"{INDEX_FILE} is missing" in one_error_line(err)
+    line = one_error_line(err)
+    # The library's "not a checkpoint": it lists what was looked for and suggests no index rebuild.
+    assert rc == 2 and line.startswith(f"ucp-dcp: error: {tmp_path / 'empty'}: not a checkpoint")
+    assert INDEX_FILE in line and ".metadata" in line and "rebuild_index" not in line
     index = copy / INDEX_FILE
     index.write_bytes(index.read_bytes()[:40])
     rc, _, err = run_cli(capsys, "inspect", copy, "--json")
@@ -283,14 +286,16 @@ def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **functions: Any) -
     monkeypatch.setitem(sys.modules, name, mod)
 
 
-def test_export_hf_passes_parsed_options(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_export_hf_passes_parsed_options(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                         good: Path) -> None:
     calls: list[tuple[Any, ...]] = []
     _fake_module(monkeypatch, "ucp_dcp.tools.hf", export_hf=lambda *a, **kw: calls.append((a, kw)))
-    rc, out, _ = run_cli(capsys, "export-hf", "S", "D", "--dtype", "bf16", "--max-shard-size", "2GB", "--prefix",
+    monkeypatch.chdir(good.parent)
+    rc, out, _ = run_cli(capsys, "export-hf", good.name, "D", "--dtype", "bf16", "--max-shard-size", "2GB", "--prefix",
                       "model.", "--rename", r"^layers\.(\d+)=h.\1", "--rename", "a=b=c", "--config", "cfg.json", "-q")
-    assert rc == 0 and "exported S to D" in out
+    assert rc == 0 and f"exported {good.name} to D" in out
     [(args, kw)] = calls
-    assert args == ("S", "D") and callable(kw.pop("progress"))
+    assert args == (good.name, "D") and callable(kw.pop("progress"))
     assert kw == {"dtype": torch.bfloat16, "max_shard_size": 2 * 10**9, "prefix": "model.",
                   "rename": [(r"^layers\.(\d+)", r"h.\1"), ("a", "b=c")], "config": "cfg.json"}
 
@@ -316,10 +321,11 @@ def test_conversion_errors_become_one_line(capsys: pytest.CaptureFixture[str], m
         raise CheckpointFormatError(f"{a[0]}: not a DCP checkpoint\n(no .metadata)")
 
     _fake_module(monkeypatch, "ucp_dcp.tools.convert", convert=fail)
+    (tmp_path / "x").mkdir()
     rc, _, err = run_cli(capsys, "import-dcp", tmp_path / "x", tmp_path / "y")
     assert rc == 2 and one_error_line(err).endswith("x: not a DCP checkpoint; (no .metadata)")
     _fake_module(monkeypatch, "ucp_dcp.tools.hf")  # the module exists but lacks the function
-    rc, _, err = run_cli(capsys, "import-hf", "a", "b")
+    rc, _, err = run_cli(capsys, "import-hf", tmp_path / "x", "b")
     assert rc == 2 and "has no function import_hf()" in one_error_line(err)
 
 
@@ -348,23 +354,25 @@ def test_hf_round_trip_through_the_cli(capsys: pytest.CaptureFixture[str], good:
     assert report.only_in_b == [] and "model.w" not in report.only_in_a
 
 
-def test_warnings_are_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_warnings_are_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                               good: Path, tmp_path: Path) -> None:
     import warnings
 
     _fake_module(monkeypatch, "ucp_dcp.tools.convert",
                  convert=lambda *a, **kw: warnings.warn("2 keys skipped:\n a, b", UserWarning, stacklevel=1))
-    rc, out, err = run_cli(capsys, "import-dcp", "a", "b")
+    rc, out, err = run_cli(capsys, "import-dcp", good, tmp_path / "b")
     assert rc == 0 and err == "ucp-dcp: warning: 2 keys skipped:; a, b\n"
 
 
-def test_unexpected_errors_and_debug(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unexpected_errors_and_debug(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                     good: Path) -> None:
     def boom(*a: Any, **kw: Any) -> None:
         raise RuntimeError("kaput")
 
     _fake_module(monkeypatch, "ucp_dcp.tools.convert", convert=boom)
-    rc, _, err = run_cli(capsys, "import-dcp", "a", "b")
+    rc, _, err = run_cli(capsys, "import-dcp", good, "b")
     assert rc == 2 and "unexpected RuntimeError: kaput (rerun with --debug" in one_error_line(err)
-    rc, _, err = run_cli(capsys, "--debug", "import-dcp", "a", "b")
+    rc, _, err = run_cli(capsys, "--debug", "import-dcp", good, "b")
     assert rc == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("ucp-dcp: error: ")
 
 

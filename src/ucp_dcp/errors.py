@@ -28,7 +28,11 @@ __all__ = [
     "NoCheckpointError",
     "PeerTransferError",
     "CLIError",
+    "NotACheckpointError",
     "CheckpointExistsError",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
+    "PathNotFoundError",
     "UCPWarning",
     "unwrap",
 ]
@@ -188,8 +192,33 @@ class CLIError(UCPError):
     """A failure to report as one ``ucp-dcp: error:`` line (usage or environment)."""
 
 
+class NotACheckpointError(CheckpointFormatError):
+    """A path that holds no checkpoint of any format the library reads.
+
+    ``path`` is the path or URL; ``formats`` what was looked for, one
+    ``"<files> (<format>)"`` per registered format, in detection order.
+    """
+
+    def __init__(self, message: str, path: str = "", formats: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.path = path
+        self.formats = tuple(formats)
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, tuple[str, ...]]]:
+        return type(self), (str(self), self.path, self.formats)
+
+
 class CheckpointExistsError(UCPError, FileExistsError):
-    """The output directory already holds a committed checkpoint, or is a file."""
+    """A save or an index rebuild that would replace a committed checkpoint (or index) it was not
+    asked to replace; names the directory."""
+
+
+class InvalidArgumentError(UCPError, ValueError):
+    """An argument of a library call that is out of range: names the call and the argument."""
+
+
+class InvalidArgumentTypeError(UCPError, TypeError):
+    """An argument of a library call of the wrong kind: names the call and what it needs."""
 
 
 class UCPWarning(_OptionHint, UserWarning):
@@ -232,3 +261,7 @@ def unwrap(exc: BaseException) -> UCPError | None:
                     todo.append(inner)
         todo += [c for c in (e.__cause__, e.__context__) if c is not None]
     return None
+
+
+class PathNotFoundError(UCPError, FileNotFoundError):
+    """A path the call was given (a source, a config file) does not exist: names it."""

@@ -23,7 +23,7 @@ import os
 from typing import Any
 
 from ..byteio.objstore import ObjectStore, is_url, local_path
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, NotACheckpointError
 from ..format import INDEX_FILE
 from ._dcp_metadata import DCP_METADATA_FILE
 from ._dirs import StoreDir
@@ -84,11 +84,18 @@ def open_source(
     path = local_path(path)
     opts = options if options is not None else SourceOptions(**kwargs)
     if not os.path.exists(path):
-        raise CheckpointFormatError(f"{path}: not a checkpoint (no such directory)")
+        raise NotACheckpointError(f"{path}: not a checkpoint (no such directory)", path)
     for cls in source_types():
         if cls.detect(path):
             return cls.open(path, opts)
-    return NativeSource.open(path, opts)  # raises, naming what is missing
+    formats = [c.format for c in source_types()]
+    what = "a file" if os.path.isfile(path) else "a directory that none of them recognises"
+    raise NotACheckpointError(
+        f"{path}: not a checkpoint: looked for the formats {', '.join(formats)} "
+        f"({INDEX_FILE}, {DCP_METADATA_FILE}, {LATEST_FILE}, {HF_WEIGHTS_NAME}, ...); it is {what}",
+        path,
+        formats,
+    )
 
 
 def _open_url(url: str, options: SourceOptions, storage_options: dict[str, Any] | None) -> Source:

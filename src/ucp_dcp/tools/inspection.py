@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, InvalidArgumentError
 from ..format import TensorRecord, dtype_name
 from .checkpoint import Checkpoint
 from .progress import ProgressFn
@@ -243,7 +243,10 @@ class DiffReport:
         for t in self.tensors:
             if t.identical or (atol > 0 and t.within(atol)):
                 continue
-            line = f"{t.name}: max abs diff {t.max_abs_diff:.6g}, {t.num_different} of {t.numel} elements differ"
+            line = (
+                f"{t.name}: max abs diff {t.max_abs_diff:.6g}, {t.num_different} of {t.numel} "
+                "elements differ"
+            )
             if t.nan_mismatches:
                 line += f", {t.nan_mismatches} NaN on one side only"
             lines.append(line)
@@ -282,7 +285,9 @@ def compare_tensors(x: torch.Tensor, y: torch.Tensor, name: str = "") -> TensorD
     computed in float64 (complex128 when either side is complex).
     """
     if x.shape != y.shape:
-        raise ValueError(f"{name}: cannot compare shapes {list(x.shape)} and {list(y.shape)}")
+        raise InvalidArgumentError(
+            f"{name}: cannot compare shapes {list(x.shape)} and {list(y.shape)}"
+        )
     exact_ints = x.dtype == y.dtype and not (x.dtype.is_floating_point or x.dtype.is_complex)
     work = torch.complex128 if (x.dtype.is_complex or y.dtype.is_complex) else torch.float64
     xf, yf = x.reshape(-1), y.reshape(-1)
