@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from cli_utils import one_error_line, run_cli
-from ucp_dcp import RankLocal, UCPSavePlanner, UCPStorageWriter
+from ucp_dcp import CheckpointFormatError, RankLocal, UCPSavePlanner, UCPStorageWriter
 from ucp_dcp.tools.checkpoint import Checkpoint
 from ucp_dcp.tools.cli import parse_size
 from ucp_dcp.format import INDEX_FILE, ChunkRecord, Layout, Location, TensorRecord
@@ -374,6 +374,156 @@ def test_unexpected_errors_and_debug(capsys: pytest.CaptureFixture[str], monkeyp
     assert rc == 2 and "unexpected RuntimeError: kaput (rerun with --debug" in one_error_line(err)
     rc, _, err = run_cli(capsys, "--debug", "import-dcp", good, "b")
     assert rc == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("ucp-dcp: error: ")
+
+
+# ====================================================================== messages in the CLI's words
+
+
+@pytest.fixture(scope="module")
+def dcp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint in DCP's default format with a pickled value ('step')."""
+    path = tmp_path_factory.mktemp("dcp") / "ckpt"
+    dcp.save({"model.w": torch.ones(4, 4), "step": 3}, checkpoint_id=path)
+    return path
+
+
+def test_messages_name_the_commands_flags(capsys: pytest.CaptureFixture[str], good: Path, dcp_dir: Path,
+                                          tmp_path: Path) -> None:
+    rc, _, err = run_cli(capsys, "diff", dcp_dir, good)
+    assert rc == 2 and one_error_line(err) == (
+        f"ucp-dcp: error: {dcp_dir}: value 'step' is stored by DCP as a pickle (torch.save), and "
+        "UCPStorageReader does not unpickle checkpoint data by default. Pass --dcp-values weights_only to "
+        "load it with torch.load(weights_only=True), torch's restricted unpickler, or convert the checkpoint "
+        "once with `ucp-dcp convert SRC DST`")
+    assert run_cli(capsys, "diff", dcp_dir, dcp_dir, "--dcp-values", "weights_only")[0] == 0
+    for cmd in ("convert", "import-dcp"):
+        rc, _, err = run_cli(capsys, cmd, dcp_dir, good)
+        assert rc == 2 and one_error_line(err) == (
+            f"ucp-dcp: error: {good} already holds a committed ucp_dcp checkpoint ({INDEX_FILE}); refusing to "
+            "replace it. Convert into a new directory, or pass --overwrite")
+    rc, _, err = run_cli(capsys, "export-hf", good, tmp_path / "hf", "--prefix", "x.")
+    assert rc == 2 and one_error_line(err) == (
+        f"ucp-dcp: error: {good}: no tensor name starts with prefix 'x.'; the checkpoint's tensors start with "
+        "'model.', 'nan_t.'. Pass the prefix the model was saved under, e.g. --prefix model. (a model saved "
+        "as {'model': model_state_dict} has 'model.')")
+
+
+def test_export_hf_config_warning_names_the_flag(capsys: pytest.CaptureFixture[str], good: Path,
+                                                 tmp_path: Path) -> None:
+    pytest.importorskip("ucp_dcp.tools.hf")
+    rc, _, err = run_cli(capsys, "export-hf", good, tmp_path / "hf")
+    assert rc == 0 and err == (
+        f"ucp-dcp: warning: {tmp_path / 'hf'}: wrote the weights only; transformers' from_pretrained also "
+        "needs a config.json there: pass --config PATH, a config.json or a Hugging Face model directory\n")
+
+
+def test_export_hf_bad_source_fails_without_a_warning(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    rc, _, err = run_cli(capsys, "export-hf", tmp_path / "empty", tmp_path / "hf")
+    assert rc == 2 and "warning" not in err
+    assert one_error_line(err).startswith(f"ucp-dcp: error: {tmp_path / 'empty'}: not a checkpoint")
+
+
+_COMMANDS_READING = [["inspect"], ["verify"], ["diff", "{good}"], ["export-hf", "{out}"], ["convert", "{out}"],
+                     ["import-dcp", "{out}"]]
+
+
+@pytest.mark.parametrize("argv", _COMMANDS_READING + [["import-hf", "{out}"]])
+def test_a_missing_path_is_one_wording_and_status_2(capsys: pytest.CaptureFixture[str], good: Path, tmp_path: Path,
+                                                    argv: list[str]) -> None:
+    missing = tmp_path / "missing"
+    rest = [a.format(good=good, out=tmp_path / "out") for a in argv[1:]]
+    rc, out, err = run_cli(capsys, argv[0], missing, *rest)
+    assert rc == 2 and out == ""
+    assert one_error_line(err) == f"ucp-dcp: error: {missing}: not a checkpoint (the path does not exist)"
+
+
+@pytest.mark.parametrize("argv", _COMMANDS_READING)
+def test_not_a_checkpoint_is_one_wording_and_status_2(capsys: pytest.CaptureFixture[str], good: Path,
+                                                      tmp_path: Path, argv: list[str]) -> None:
+    """An empty directory or a plain file: the library's one "not a checkpoint" line, status 2 (verify too)."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "afile").write_text("x")
+    rest = [a.format(good=good, out=tmp_path / "out") for a in argv[1:]]
+    lines = []
+    for bad in (tmp_path / "empty", tmp_path / "afile"):
+        rc, out, err = run_cli(capsys, argv[0], bad, *rest)
+        assert rc == 2 and out == "", err
+        line = one_error_line(err)
+        assert line.startswith(f"ucp-dcp: error: {bad}: not a checkpoint") and "rebuild_index" not in line
+        assert INDEX_FILE in line and ".metadata" in line  # the formats looked for
+        lines.append(line)
+    from ucp_dcp.sources import open_source
+
+    for bad, line in zip((tmp_path / "empty", tmp_path / "afile"), lines):  # the library's own message
+        with pytest.raises(CheckpointFormatError) as e:
+            open_source(bad)
+        assert line == f"ucp-dcp: error: {e.value}"
+
+
+def test_convert_into_a_file(capsys: pytest.CaptureFixture[str], good: Path, tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    rc, _, err = run_cli(capsys, "convert", good, tmp_path / "afile")
+    assert rc == 2 and one_error_line(err) == (
+        f"ucp-dcp: error: {tmp_path / 'afile'}: is a file; convert writes a checkpoint directory: name a new "
+        "directory")
+
+
+@pytest.mark.parametrize("argv, refused", [
+    (["verify", "{good}", "--no-verify"], "--no-verify"),
+    (["convert", "{good}", "{out}", "--dcp-values", "weights_only"], "--dcp-values"),
+    (["import-dcp", "{good}", "{out}", "--dcp-values", "weights_only"], "--dcp-values"),
+    (["import-hf", "{good}", "{out}", "--no-verify"], "--no-verify"),
+    (["import-hf", "{good}", "{out}", "--storage-options", "{{}}"], "--storage-options"),
+])
+def test_options_a_command_does_not_use_are_refused(capsys: pytest.CaptureFixture[str], good: Path, tmp_path: Path,
+                                                    argv: list[str], refused: str) -> None:
+    args = [a.format(good=good, out=tmp_path / "out") for a in argv]
+    rc, out, err = run_cli(capsys, *args)
+    assert rc == 2 and out == "" and not (tmp_path / "out").exists()
+    assert one_error_line(err) == (
+        f"ucp-dcp: error: {argv[0]} does not take the option {refused} (see 'ucp-dcp {argv[0]} --help')")
+
+
+def test_help_says_how_dcp_values_are_loaded(capsys: pytest.CaptureFixture[str]) -> None:
+    """convert always loads them with weights_only (no flag); the readers refuse them unless asked.
+    docs/handoff.md says the same."""
+    rc, out, _ = run_cli(capsys, "convert", "--help")
+    flat = " ".join(out.split())
+    assert rc == 0 and "--dcp-values" not in out
+    assert "The pickled values of a DCP checkpoint are loaded with torch.load(weights_only=True)." in flat
+    for cmd in ("inspect", "verify", "diff", "export-hf"):
+        rc, out, _ = run_cli(capsys, cmd, "--help")
+        assert rc == 0 and "--dcp-values {weights_only}" in out and "(refused by default)" in " ".join(out.split())
+    handoff = " ".join((Path(__file__).parents[1] / "docs" / "handoff.md").read_text().split())
+    assert "they are refused by default. `convert` loads them that way always" in handoff
+
+
+class NoCredentialsError(Exception):
+    """Named as botocore's: the client found no credentials."""
+
+
+def test_object_store_without_credentials(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """No retries (a retry finds no credentials either), and the CLI says how to give them."""
+    from ucp_dcp.byteio.objstore import ObjectStore
+    import ucp_dcp.sources as sources
+
+    store = ObjectStore("memory://bucket/ckpt")
+    calls = []
+
+    def no_credentials() -> None:
+        calls.append(1)
+        raise NoCredentialsError("Unable to locate credentials")
+
+    with pytest.raises(Exception) as e:
+        store.call("checking for the object", "", no_credentials)
+    assert len(calls) == 1
+    monkeypatch.setattr(sources, "checkpoint_exists", lambda *a, **kw: (_ for _ in ()).throw(e.value))
+    rc, _, err = run_cli(capsys, "inspect", "s3://bucket/ckpt")
+    assert rc == 2 and one_error_line(err) == (
+        "ucp-dcp: error: memory://bucket/ckpt: checking for the object failed: NoCredentialsError: Unable to "
+        "locate credentials; give the store's credentials with --storage-options JSON (e.g. '{\"key\": "
+        "\"...\", \"secret\": \"...\"}' for s3://) or the environment variable UCP_DCP_STORAGE_OPTIONS")
 
 
 # ====================================================================== parser, progress

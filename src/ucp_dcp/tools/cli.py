@@ -64,12 +64,10 @@ EXIT_ERROR = 2  # the command could not do its job
 
 _EPILOG = (
     "exit status: 0 success; 1 verify found problems (a damaged checkpoint) or diff found "
-    "differences; "
-    "2 any other error, such as a path that does not exist (one line 'ucp-dcp: error: ...' on "
-    "stderr). "
-    "A checkpoint to read may be an fsspec URL (s3://bucket/ckpt); --storage-options JSON, else "
-    "the "
-    "environment variable UCP_DCP_STORAGE_OPTIONS, gives fsspec its options."
+    "differences; 2 any other error, such as a path that does not exist or holds no checkpoint "
+    "(one line 'ucp-dcp: error: ...' on stderr). A checkpoint to read may be an fsspec URL "
+    "(s3://bucket/ckpt); --storage-options JSON, else the environment variable "
+    "UCP_DCP_STORAGE_OPTIONS, gives fsspec its options."
 )
 
 STORAGE_OPTIONS_ENV = "UCP_DCP_STORAGE_OPTIONS"
