@@ -471,32 +471,38 @@ def test_convert_into_a_file(capsys: pytest.CaptureFixture[str], good: Path, tmp
 
 @pytest.mark.parametrize("argv, refused", [
     (["verify", "{good}", "--no-verify"], "--no-verify"),
-    (["convert", "{good}", "{out}", "--dcp-values", "weights_only"], "--dcp-values"),
-    (["import-dcp", "{good}", "{out}", "--dcp-values", "weights_only"], "--dcp-values"),
+    (["import-hf", "{good}", "{out}", "--dcp-values", "weights_only"], "--dcp-values"),
     (["import-hf", "{good}", "{out}", "--no-verify"], "--no-verify"),
     (["import-hf", "{good}", "{out}", "--storage-options", "{{}}"], "--storage-options"),
+    # given before the command name, as the options every reading command takes may be
+    (["--no-verify", "verify", "{good}"], "--no-verify"),
+    (["--dcp-values", "weights_only", "import-hf", "{good}", "{out}"], "--dcp-values"),
 ])
 def test_options_a_command_does_not_use_are_refused(capsys: pytest.CaptureFixture[str], good: Path, tmp_path: Path,
                                                     argv: list[str], refused: str) -> None:
     args = [a.format(good=good, out=tmp_path / "out") for a in argv]
     rc, out, err = run_cli(capsys, *args)
     assert rc == 2 and out == "" and not (tmp_path / "out").exists()
+    command = next(a for a in argv if a in ("verify", "import-hf"))
     assert one_error_line(err) == (
-        f"ucp-dcp: error: {argv[0]} does not take the option {refused} (see 'ucp-dcp {argv[0]} --help')")
+        f"ucp-dcp: error: {command} does not take the option {refused} (see 'ucp-dcp {command} --help')")
 
 
 def test_help_says_how_dcp_values_are_loaded(capsys: pytest.CaptureFixture[str]) -> None:
-    """convert always loads them with weights_only (no flag); the readers refuse them unless asked.
+    """convert loads them with weights_only by default; the readers refuse them unless asked.
     docs/handoff.md says the same."""
-    rc, out, _ = run_cli(capsys, "convert", "--help")
-    flat = " ".join(out.split())
-    assert rc == 0 and "--dcp-values" not in out
-    assert "The pickled values of a DCP checkpoint are loaded with torch.load(weights_only=True)." in flat
+    for cmd in ("convert", "import-dcp"):
+        rc, out, _ = run_cli(capsys, cmd, "--help")
+        flat = " ".join(out.split())
+        assert rc == 0 and "--dcp-values {weights_only} how the pickled values of a DCP checkpoint are " \
+            "loaded: with torch.load(weights_only=True), the one choice and convert's default" in flat
+    assert ("The pickled values of a DCP checkpoint are loaded with torch.load(weights_only=True) "
+            "(--dcp-values weights_only, the default here).") in " ".join(run_cli(capsys, "convert", "--help")[1].split())
     for cmd in ("inspect", "verify", "diff", "export-hf"):
         rc, out, _ = run_cli(capsys, cmd, "--help")
         assert rc == 0 and "--dcp-values {weights_only}" in out and "(refused by default)" in " ".join(out.split())
     handoff = " ".join((Path(__file__).parents[1] / "docs" / "handoff.md").read_text().split())
-    assert "they are refused by default. `convert` loads them that way always" in handoff
+    assert "they are refused by default. `convert` loads them that way by default" in handoff
 
 
 class NoCredentialsError(Exception):

@@ -204,8 +204,12 @@ def test_accelerate_keys_that_repeat_across_subfolders_are_an_error(tmp_path: Pa
 
 def test_not_a_checkpoint_names_what_is_missing(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hi")
-    with pytest.raises(CheckpointFormatError, match=r"ucp_index\.json is missing"):
+    with pytest.raises(CheckpointFormatError) as e:  # NotACheckpointError: what was looked for
         open_source(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path}: not a checkpoint: looked for the formats ucp_dcp, dcp, deepspeed, deepspeed-universal, hf, "
+        "subfolders (ucp_index.json, .metadata, latest, model.safetensors, ...); it is a directory that none of "
+        "them recognises")
 
 
 # ---------------------------------------------------------------- single-process entry points

@@ -28,7 +28,7 @@ from ..format import INDEX_FILE
 from ._dcp_metadata import DCP_METADATA_FILE
 from ._dirs import StoreDir
 from ._ds_utils import LATEST_FILE, looks_like_deepspeed
-from ._hf_utils import HF_INDEX_NAME, HF_WEIGHTS_NAME, looks_like_hf
+from ._hf_utils import _NATIVE_DATA_FILE, HF_INDEX_NAME, HF_WEIGHTS_NAME, looks_like_hf
 from .base import Source, SourceOptions, read_value, register, source_types
 
 # Registration order is detection order: keep these imports in this order.
@@ -88,6 +88,9 @@ def open_source(
     for cls in source_types():
         if cls.detect(path):
             return cls.open(path, opts)
+    if os.path.isdir(path) and any(_NATIVE_DATA_FILE.fullmatch(n) for n in os.listdir(path)):
+        # Data files and no index: a save that did not finish (its error says how to recover).
+        return NativeSource.open(path, opts)
     formats = [c.format for c in source_types()]
     what = "a file" if os.path.isfile(path) else "a directory that none of them recognises"
     raise NotACheckpointError(

@@ -424,6 +424,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         kwargs["prefix"] = args.prefix
     if args.no_verify:
         kwargs["verify"] = False
+    if args.dcp_values is not None:
+        kwargs["dcp_values"] = args.dcp_values
     with _progress(args, "converting") as bar:
         convert(args.src, args.dst, progress=bar, **kwargs)
     print(f"converted {args.src} into ucp_dcp checkpoint {args.dst}")
@@ -476,34 +478,67 @@ def _common_options(defaults: bool) -> argparse.ArgumentParser:
     return p
 
 
+_DCP_VALUES_READ = (
+    "load the pickled values of a DCP checkpoint with torch.load(weights_only=True) (refused by "
+    "default)"
+)
+_DCP_VALUES_CONVERT = (
+    "how the pickled values of a DCP checkpoint are loaded: with torch.load(weights_only=True), "
+    "the one choice and convert's default"
+)
+_READING_OPTIONS = ("dcp_values", "no_verify", "storage_options")
+
+
 def _reading_options(
-    p: argparse.ArgumentParser, *, dcp_values: bool = True, no_verify: bool = True
+    p: argparse.ArgumentParser,
+    *,
+    dcp_values: str | None = _DCP_VALUES_READ,
+    no_verify: bool = True,
+    top: bool = False,
 ) -> None:
-    """The options of a command that reads checkpoints: --storage-options, and --dcp-values and
-    --no-verify where the command uses them (a command does not accept an option it ignores)."""
-    if dcp_values:
-        p.add_argument(
-            "--dcp-values",
-            choices=["weights_only"],
-            default=None,
-            help="load the pickled values of a DCP checkpoint with torch.load(weights_only=True) "
-            "(refused by default)",
+    """The options of a command that reads checkpoints: --storage-options, and --dcp-values (with
+    help text ``dcp_values``) and --no-verify where the command uses them.
+
+    The top-level parser (``top``) takes all three before the command name, with the defaults;
+    a subcommand's own leave the value given before its name alone, and record which of them
+    the command takes (:func:`_refuse_unused`).
+    """
+    default: Any = argparse.SUPPRESS
+    if top:
+        p.set_defaults(dcp_values=None, no_verify=False, storage_options=None, takes=())
+        default = None
+    else:
+        p.set_defaults(
+            takes=("storage_options",)
+            + (("dcp_values",) if dcp_values else ())
+            + (("no_verify",) if no_verify else ())
         )
+    if dcp_values:
+        p.add_argument("--dcp-values", choices=["weights_only"], default=default, help=dcp_values)
     if no_verify:
         p.add_argument(
             "--no-verify",
             action="store_true",
+            default=False if top else argparse.SUPPRESS,
             help="do not check the tensor data read against the checksums recorded at save "
             "(checked by default)",
         )
     p.add_argument(
         "--storage-options",
         metavar="JSON",
-        default=None,
+        default=default,
         help="fsspec options for checkpoints given as URLs (s3://bucket/ckpt), as a JSON object, "
         'e.g. \'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'; default: the '
         f"environment variable {STORAGE_OPTIONS_ENV}, else fsspec's defaults",
     )
+
+
+def _refuse_unused(args: argparse.Namespace) -> None:
+    """An option given before the command name that the command does not take: one line."""
+    given = [o for o in _READING_OPTIONS if getattr(args, o) not in (None, False)]
+    unused = ["--" + o.replace("_", "-") for o in given if o not in args.takes]
+    if unused:
+        _unknown_arguments(args.command, unused)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -517,8 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inspect, verify, compare and convert ucp_dcp universal checkpoints.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    # What the commands that do not take these options see.
-    parser.set_defaults(dcp_values=None, no_verify=False, storage_options=None)
+    _reading_options(parser, top=True)  # before the command name, for the commands that take them
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     common = [_common_options(False)]
 
@@ -616,11 +650,10 @@ def build_parser() -> argparse.ArgumentParser:
         "Write any checkpoint this tool reads (ucp_dcp, DCP's FileSystemWriter "
         "format, Megatron torch_dist, accelerate subfolders, a Hugging Face model) as a ucp_dcp "
         "checkpoint with checksums, keeping its sharding. The pickled values of a DCP "
-        "checkpoint are loaded with torch.load(weights_only=True). Loading never needs this.",
+        "checkpoint are loaded with torch.load(weights_only=True) (--dcp-values weights_only, "
+        "the default here). Loading never needs this.",
     )
-    # convert loads a DCP checkpoint's pickled values with torch.load(weights_only=True)
-    # always (the one choice --dcp-values offers): it takes no --dcp-values.
-    _reading_options(p, dcp_values=False)
+    _reading_options(p, dcp_values=_DCP_VALUES_CONVERT)
     p.add_argument(
         "src",
         metavar="SRC",
@@ -656,7 +689,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Alias of convert for a checkpoint saved with DCP's default "
         "FileSystemWriter (.metadata + .distcp files).",
     )
-    _reading_options(p, dcp_values=False)
+    _reading_options(p, dcp_values=_DCP_VALUES_CONVERT)
     p.add_argument("src", metavar="SRC", help="DCP checkpoint directory")
     p.add_argument("dst", metavar="DST", help="output ucp_dcp checkpoint directory")
     p.add_argument(
@@ -761,6 +794,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, extra = parser.parse_known_args(argv)
         if extra:
             _unknown_arguments(args.command, extra)
+        _refuse_unused(args)
     except CLIError as e:
         _error_line(str(e))
         return EXIT_ERROR
