@@ -624,3 +624,14 @@ def test_python_dash_m(good: Path) -> None:
     p = subprocess.run([sys.executable, "-m", "ucp_dcp", "diff", good, good], capture_output=True, text=True,
                        env=_env(), timeout=120)
     assert p.returncode == 0 and p.stdout.startswith("identical"), p.stderr
+
+
+def test_an_unfinished_save_is_a_verify_failure(capsys: pytest.CaptureFixture[str], copy: Path) -> None:
+    """Data files and no index (a save that did not finish): a damaged checkpoint, status 1, with the fix."""
+    (copy / INDEX_FILE).unlink()
+    rc, out, err = run_cli(capsys, "verify", copy)
+    assert rc == 1 and out == (
+        f"{copy}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing. A save that did not finish leaves no index; "
+        "load an earlier checkpoint or rebuild the index from complete data files with "
+        "ucp_dcp.rebuild_index(path, write=True)\n")
+    assert one_error_line(err) == f"ucp-dcp: error: {copy}: verify found 1 problem"
