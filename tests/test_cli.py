@@ -511,8 +511,9 @@ class NoCredentialsError(Exception):
 
 def test_object_store_without_credentials(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """No retries (a retry finds no credentials either), and the CLI says how to give them."""
-    from ucp_dcp.byteio.objstore import ObjectStore
     import ucp_dcp.sources as sources
+    from ucp_dcp.byteio.objstore import ObjectStore
+    from ucp_dcp.errors import StorageError
 
     store = ObjectStore("memory://bucket/ckpt")
     calls = []
@@ -521,7 +522,7 @@ def test_object_store_without_credentials(capsys: pytest.CaptureFixture[str], mo
         calls.append(1)
         raise NoCredentialsError("Unable to locate credentials")
 
-    with pytest.raises(Exception) as e:
+    with pytest.raises(StorageError) as e:
         store.call("checking for the object", "", no_credentials)
     assert len(calls) == 1
     monkeypatch.setattr(sources, "checkpoint_exists", lambda *a, **kw: (_ for _ in ()).throw(e.value))
