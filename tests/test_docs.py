@@ -117,3 +117,23 @@ def test_help_of_the_reader_names_no_private_detail() -> None:
     text = pydoc.render_doc(UCPStorageReader, renderer=pydoc.plaintext)
     for word in ("development", " VM", "_IO_THREADS", "_MiB"):
         assert word not in text, word
+
+
+def test_every_documented_import_works() -> None:
+    """``from ucp_dcp... import ...`` in README.md, docs/ and examples/*.md names what exists."""
+    import importlib
+    import importlib.util
+
+    pages = [*PAGES, *sorted((ROOT / "examples").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for module, names in re.findall(r"from (ucp_dcp[\w.]*) import ([\w ,]+)", page.read_text()):
+            try:
+                mod = importlib.import_module(module)
+            except ImportError as e:
+                broken.append(f"{page.relative_to(ROOT)}: {module} ({e})")
+                continue
+            for name in (n.strip() for n in names.split(",")):
+                if name and not hasattr(mod, name) and importlib.util.find_spec(f"{module}.{name}") is None:
+                    broken.append(f"{page.relative_to(ROOT)}: {module}.{name}")
+    assert not broken, "\n".join(broken)
