@@ -396,6 +396,12 @@ def test_messages_name_the_commands_flags(capsys: pytest.CaptureFixture[str], go
         "load it with torch.load(weights_only=True), torch's restricted unpickler, or convert the checkpoint "
         "once with `ucp-dcp convert SRC DST`")
     assert run_cli(capsys, "diff", dcp_dir, dcp_dir, "--dcp-values", "weights_only")[0] == 0
+    rc, out, _ = run_cli(capsys, "inspect", dcp_dir)  # inspect's warning too
+    assert rc == 0 and out.splitlines()[-1] == (
+        f"warning: cannot read the step counter 'step': {dcp_dir}: value 'step' is stored by DCP as a pickle "
+        "(torch.save), and UCPStorageReader does not unpickle checkpoint data by default. Pass --dcp-values "
+        "weights_only to load it with torch.load(weights_only=True), torch's restricted unpickler, or convert "
+        "the checkpoint once with `ucp-dcp convert SRC DST`")
     for cmd in ("convert", "import-dcp"):
         rc, _, err = run_cli(capsys, cmd, dcp_dir, good)
         assert rc == 2 and one_error_line(err) == (

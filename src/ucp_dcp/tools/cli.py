@@ -272,7 +272,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     where = _location_options(args, args.path)
     info = inspect_checkpoint(
-        args.path, dcp_values=args.dcp_values, verify=not args.no_verify, **where
+        args.path,
+        describe=in_cli_words,
+        dcp_values=args.dcp_values,
+        verify=not args.no_verify,
+        **where,
     )
     if args.json:
         _print_json(info)

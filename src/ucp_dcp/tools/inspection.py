@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -93,7 +94,12 @@ def _read_step(ck: Checkpoint, key: str) -> int | float | None:
     return _as_step(ck.read_tensor(key))
 
 
-def inspect_checkpoint(path: str | os.PathLike[str], **options: Any) -> dict[str, Any]:
+def inspect_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    describe: Callable[[BaseException], str] = str,
+    **options: Any,
+) -> dict[str, Any]:
     """A JSON-ready summary of the checkpoint at ``path`` (any format; ``options`` as for
     :class:`Checkpoint`).
 
@@ -108,7 +114,9 @@ def inspect_checkpoint(path: str | os.PathLike[str], **options: Any) -> dict[str
     ``shape``, ``sharding``, ``bytes``; sorted by name), ``values`` and
     ``rank_local`` (names), ``totals`` (``tensors``, ``tensor_bytes``,
     ``values``, ``rank_local``) and ``warnings`` (problems met while
-    reading the step counter; the rest of the summary needs only the index).
+    reading the step counter, each put in words by ``describe``: the command
+    line passes one that names its own flags; the rest of the summary needs
+    only the index).
 
     Raises :class:`~ucp_dcp.CheckpointFormatError` when ``path`` is not a
     readable checkpoint.
@@ -132,7 +140,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], **options: Any) -> dict[str
             try:
                 step = _read_step(ck, key)
             except (CheckpointFormatError, ValueError, OSError, EOFError) as e:
-                warnings.append(f"cannot read the step counter {key!r}: {e}")
+                warnings.append(f"cannot read the step counter {key!r}: {describe(e)}")
         return {
             "path": ck.path,
             "format": f"{ck.format} version {index.version}"
