@@ -508,6 +508,7 @@ def _reading_options(
     the command takes (:func:`_refuse_unused`).
     """
     default: Any = argparse.SUPPRESS
+    where = " (given before COMMAND: for the commands that take it)" if top else ""
     if top:
         p.set_defaults(dcp_values=None, no_verify=False, storage_options=None, takes=())
         default = None
@@ -518,14 +519,16 @@ def _reading_options(
             + (("no_verify",) if no_verify else ())
         )
     if dcp_values:
-        p.add_argument("--dcp-values", choices=["weights_only"], default=default, help=dcp_values)
+        p.add_argument(
+            "--dcp-values", choices=["weights_only"], default=default, help=dcp_values + where
+        )
     if no_verify:
         p.add_argument(
             "--no-verify",
             action="store_true",
             default=False if top else argparse.SUPPRESS,
             help="do not check the tensor data read against the checksums recorded at save "
-            "(checked by default)",
+            "(checked by default)" + where,
         )
     p.add_argument(
         "--storage-options",
@@ -533,7 +536,7 @@ def _reading_options(
         default=default,
         help="fsspec options for checkpoints given as URLs (s3://bucket/ckpt), as a JSON object, "
         'e.g. \'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'; default: the '
-        f"environment variable {STORAGE_OPTIONS_ENV}, else fsspec's defaults",
+        f"environment variable {STORAGE_OPTIONS_ENV}, else fsspec's defaults" + where,
     )
 
 
