@@ -642,3 +642,13 @@ def test_an_unfinished_save_is_a_verify_failure(capsys: pytest.CaptureFixture[st
         "load an earlier checkpoint or rebuild the index from complete data files with "
         "ucp_dcp.rebuild_index(path, write=True)\n")
     assert one_error_line(err) == f"ucp-dcp: error: {copy}: verify found 1 problem"
+
+
+def test_os_errors_are_words_after_the_path(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                            good: Path) -> None:
+    def denied(*a: Any, **kw: Any) -> None:
+        raise PermissionError(13, "Permission denied", "/out/x")
+
+    _fake_module(monkeypatch, "ucp_dcp.tools.convert", convert=denied)
+    rc, _, err = run_cli(capsys, "convert", good, "out")
+    assert rc == 2 and one_error_line(err) == "ucp-dcp: error: /out/x: permission denied"
