@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from cli_utils import one_error_line, run_cli
-from ucp_dcp import RankLocal, UCPSavePlanner, UCPStorageWriter
+from ucp_dcp import CheckpointFormatError, RankLocal, UCPSavePlanner, UCPStorageWriter
 from ucp_dcp.tools.checkpoint import Checkpoint
 from ucp_dcp.tools.cli import parse_size
 from ucp_dcp.format import INDEX_FILE, ChunkRecord, Layout, Location, TensorRecord
@@ -130,10 +130,11 @@ def test_describe_sharding() -> None:
 def test_inspect_bad_paths_fail_with_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path, copy: Path) -> None:
     rc, out, err = run_cli(capsys, "inspect", tmp_path / "nope")
     assert rc == 2 and out == ""
-    assert "nope: not a checkpoint" in one_error_line(err)
+    assert one_error_line(err) == f"ucp-dcp: error: {tmp_path / 'nope'}: not a checkpoint (the path does not exist)"
     (tmp_path / "empty").mkdir()
     rc, _, err = run_cli(capsys, "inspect", tmp_path / "empty")
     assert rc == 2 and f"empty is not a checkpoint: found none of {INDEX_FILE} (ucp_dcp), " in one_error_line(err)
+    assert "rebuild_index" not in one_error_line(err)
     index = copy / INDEX_FILE
     index.write_bytes(index.read_bytes()[:40])
     rc, _, err = run_cli(capsys, "inspect", copy, "--json")
@@ -283,14 +284,16 @@ def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **functions: Any) -
     monkeypatch.setitem(sys.modules, name, mod)
 
 
-def test_export_hf_passes_parsed_options(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_export_hf_passes_parsed_options(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                         good: Path) -> None:
     calls: list[tuple[Any, ...]] = []
     _fake_module(monkeypatch, "ucp_dcp.tools.hf", export_hf=lambda *a, **kw: calls.append((a, kw)))
-    rc, out, _ = run_cli(capsys, "export-hf", "S", "D", "--dtype", "bf16", "--max-shard-size", "2GB", "--prefix",
+    monkeypatch.chdir(good.parent)
+    rc, out, _ = run_cli(capsys, "export-hf", good.name, "D", "--dtype", "bf16", "--max-shard-size", "2GB", "--prefix",
                       "model.", "--rename", r"^layers\.(\d+)=h.\1", "--rename", "a=b=c", "--config", "cfg.json", "-q")
-    assert rc == 0 and "exported S to D" in out
+    assert rc == 0 and f"exported {good.name} to D" in out
     [(args, kw)] = calls
-    assert args == ("S", "D") and callable(kw.pop("progress"))
+    assert args == (good.name, "D") and callable(kw.pop("progress"))
     assert kw == {"dtype": torch.bfloat16, "max_shard_size": 2 * 10**9, "prefix": "model.",
                   "rename": [(r"^layers\.(\d+)", r"h.\1"), ("a", "b=c")], "config": "cfg.json"}
 
@@ -316,10 +319,11 @@ def test_conversion_errors_become_one_line(capsys: pytest.CaptureFixture[str], m
         raise CheckpointFormatError(f"{a[0]}: not a DCP checkpoint\n(no .metadata)")
 
     _fake_module(monkeypatch, "ucp_dcp.tools.convert", convert=fail)
+    (tmp_path / "x").mkdir()
     rc, _, err = run_cli(capsys, "import-dcp", tmp_path / "x", tmp_path / "y")
     assert rc == 2 and one_error_line(err).endswith("x: not a DCP checkpoint; (no .metadata)")
     _fake_module(monkeypatch, "ucp_dcp.tools.hf")  # the module exists but lacks the function
-    rc, _, err = run_cli(capsys, "import-hf", "a", "b")
+    rc, _, err = run_cli(capsys, "import-hf", tmp_path / "x", "b")
     assert rc == 2 and "has no function import_hf()" in one_error_line(err)
 
 
@@ -347,24 +351,189 @@ def test_hf_round_trip_through_the_cli(capsys: pytest.CaptureFixture[str], good:
     assert report.only_in_b == [] and "model.w" not in report.only_in_a
 
 
-def test_warnings_are_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_warnings_are_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                               good: Path, tmp_path: Path) -> None:
     import warnings
 
     _fake_module(monkeypatch, "ucp_dcp.tools.convert",
                  convert=lambda *a, **kw: warnings.warn("2 keys skipped:\n a, b", UserWarning, stacklevel=1))
-    rc, out, err = run_cli(capsys, "import-dcp", "a", "b")
+    rc, out, err = run_cli(capsys, "import-dcp", good, tmp_path / "b")
     assert rc == 0 and err == "ucp-dcp: warning: 2 keys skipped:; a, b\n"
 
 
-def test_unexpected_errors_and_debug(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unexpected_errors_and_debug(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                     good: Path) -> None:
     def boom(*a: Any, **kw: Any) -> None:
         raise RuntimeError("kaput")
 
     _fake_module(monkeypatch, "ucp_dcp.tools.convert", convert=boom)
-    rc, _, err = run_cli(capsys, "import-dcp", "a", "b")
+    rc, _, err = run_cli(capsys, "import-dcp", good, "b")
     assert rc == 2 and "unexpected RuntimeError: kaput (rerun with --debug" in one_error_line(err)
-    rc, _, err = run_cli(capsys, "--debug", "import-dcp", "a", "b")
+    rc, _, err = run_cli(capsys, "--debug", "import-dcp", good, "b")
     assert rc == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("ucp-dcp: error: ")
+
+
+# ====================================================================== messages in the CLI's words
+
+
+@pytest.fixture(scope="module")
+def dcp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint in DCP's default format with a pickled value ('step')."""
+    path = tmp_path_factory.mktemp("dcp") / "ckpt"
+    dcp.save({"model.w": torch.ones(4, 4), "step": 3}, checkpoint_id=path)
+    return path
+
+
+def test_messages_name_the_commands_flags(capsys: pytest.CaptureFixture[str], good: Path, dcp_dir: Path,
+                                          tmp_path: Path) -> None:
+    rc, _, err = run_cli(capsys, "diff", dcp_dir, good)
+    assert rc == 2 and one_error_line(err) == (
+        f"ucp-dcp: error: {dcp_dir}: value 'step' is stored by DCP as a pickle (torch.save), and "
+        "UCPStorageReader does not unpickle checkpoint data by default. Pass --dcp-values weights_only to "
+        "load it with torch.load(weights_only=True), torch's restricted unpickler, or convert the checkpoint "
+        "once with `ucp-dcp convert SRC DST`")
+    assert run_cli(capsys, "diff", dcp_dir, dcp_dir, "--dcp-values", "weights_only")[0] == 0
+    rc, out, _ = run_cli(capsys, "inspect", dcp_dir)  # inspect's warning too
+    assert rc == 0 and out.splitlines()[-1] == (
+        f"warning: cannot read the step counter 'step': {dcp_dir}: value 'step' is stored by DCP as a pickle "
+        "(torch.save), and UCPStorageReader does not unpickle checkpoint data by default. Pass --dcp-values "
+        "weights_only to load it with torch.load(weights_only=True), torch's restricted unpickler, or convert "
+        "the checkpoint once with `ucp-dcp convert SRC DST`")
+    for cmd in ("convert", "import-dcp"):
+        rc, _, err = run_cli(capsys, cmd, dcp_dir, good)
+        assert rc == 2 and one_error_line(err) == (
+            f"ucp-dcp: error: {good} already holds a committed ucp_dcp checkpoint ({INDEX_FILE}); refusing to "
+            "replace it. Convert into a new directory, or pass --overwrite")
+    rc, _, err = run_cli(capsys, "export-hf", good, tmp_path / "hf", "--prefix", "x.")
+    assert rc == 2 and one_error_line(err) == (
+        f"ucp-dcp: error: {good}: no tensor name starts with prefix 'x.'; the checkpoint's tensors start with "
+        "'model.', 'nan_t.'. Pass the prefix the model was saved under, e.g. --prefix model. (a model saved "
+        "as {'model': model_state_dict} has 'model.')")
+
+
+def test_export_hf_config_warning_names_the_flag(capsys: pytest.CaptureFixture[str], good: Path,
+                                                 tmp_path: Path) -> None:
+    pytest.importorskip("ucp_dcp.tools.hf")
+    rc, _, err = run_cli(capsys, "export-hf", good, tmp_path / "hf")
+    assert rc == 0 and err == (
+        f"ucp-dcp: warning: {tmp_path / 'hf'}: wrote the weights only; transformers' from_pretrained also "
+        "needs a config.json there: pass --config PATH, a config.json or a Hugging Face model directory\n")
+
+
+def test_export_hf_bad_source_fails_without_a_warning(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    rc, _, err = run_cli(capsys, "export-hf", tmp_path / "empty", tmp_path / "hf")
+    assert rc == 2 and "warning" not in err
+    assert one_error_line(err).startswith(f"ucp-dcp: error: {tmp_path / 'empty'}: not a checkpoint")
+
+
+_COMMANDS_READING = [["inspect"], ["verify"], ["diff", "{good}"], ["export-hf", "{out}"], ["convert", "{out}"],
+                     ["import-dcp", "{out}"]]
+
+
+@pytest.mark.parametrize("argv", _COMMANDS_READING + [["import-hf", "{out}"]])
+def test_a_missing_path_is_one_wording_and_status_2(capsys: pytest.CaptureFixture[str], good: Path, tmp_path: Path,
+                                                    argv: list[str]) -> None:
+    missing = tmp_path / "missing"
+    rest = [a.format(good=good, out=tmp_path / "out") for a in argv[1:]]
+    rc, out, err = run_cli(capsys, argv[0], missing, *rest)
+    assert rc == 2 and out == ""
+    assert one_error_line(err) == f"ucp-dcp: error: {missing}: not a checkpoint (the path does not exist)"
+
+
+@pytest.mark.parametrize("argv", _COMMANDS_READING)
+def test_not_a_checkpoint_is_one_wording_and_status_2(capsys: pytest.CaptureFixture[str], good: Path,
+                                                      tmp_path: Path, argv: list[str]) -> None:
+    """An empty directory or a plain file: the library's one "not a checkpoint" line, status 2 (verify too)."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "afile").write_text("x")
+    rest = [a.format(good=good, out=tmp_path / "out") for a in argv[1:]]
+    lines = []
+    for bad in (tmp_path / "empty", tmp_path / "afile"):
+        rc, out, err = run_cli(capsys, argv[0], bad, *rest)
+        assert rc == 2 and out == "", err
+        line = one_error_line(err)
+        assert line.startswith(f"ucp-dcp: error: {bad}: not a checkpoint") and "rebuild_index" not in line
+        assert INDEX_FILE in line and ".metadata" in line  # the formats looked for
+        lines.append(line)
+    from ucp_dcp.sources import open_source
+
+    for bad, line in zip((tmp_path / "empty", tmp_path / "afile"), lines):  # the library's own message
+        with pytest.raises(CheckpointFormatError) as e:
+            open_source(bad)
+        assert line == f"ucp-dcp: error: {e.value}"
+
+
+def test_convert_into_a_file(capsys: pytest.CaptureFixture[str], good: Path, tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    rc, _, err = run_cli(capsys, "convert", good, tmp_path / "afile")
+    assert rc == 2 and one_error_line(err) == (
+        f"ucp-dcp: error: {tmp_path / 'afile'}: is a file; convert writes a checkpoint directory: name a new "
+        "directory")
+
+
+@pytest.mark.parametrize("argv, refused", [
+    (["verify", "{good}", "--no-verify"], "--no-verify"),
+    (["import-hf", "{good}", "{out}", "--dcp-values", "weights_only"], "--dcp-values"),
+    (["import-hf", "{good}", "{out}", "--no-verify"], "--no-verify"),
+    (["import-hf", "{good}", "{out}", "--storage-options", "{{}}"], "--storage-options"),
+    # given before the command name, as the options every reading command takes may be
+    (["--no-verify", "verify", "{good}"], "--no-verify"),
+    (["--dcp-values", "weights_only", "import-hf", "{good}", "{out}"], "--dcp-values"),
+])
+def test_options_a_command_does_not_use_are_refused(capsys: pytest.CaptureFixture[str], good: Path, tmp_path: Path,
+                                                    argv: list[str], refused: str) -> None:
+    args = [a.format(good=good, out=tmp_path / "out") for a in argv]
+    rc, out, err = run_cli(capsys, *args)
+    assert rc == 2 and out == "" and not (tmp_path / "out").exists()
+    command = next(a for a in argv if a in ("verify", "import-hf"))
+    assert one_error_line(err) == (
+        f"ucp-dcp: error: {command} does not take the option {refused} (see 'ucp-dcp {command} --help')")
+
+
+def test_help_says_how_dcp_values_are_loaded(capsys: pytest.CaptureFixture[str]) -> None:
+    """convert loads them with weights_only by default; the readers refuse them unless asked.
+    docs/handoff.md says the same."""
+    for cmd in ("convert", "import-dcp"):
+        rc, out, _ = run_cli(capsys, cmd, "--help")
+        flat = " ".join(out.split())
+        assert rc == 0 and "--dcp-values {weights_only} how the pickled values of a DCP checkpoint are " \
+            "loaded: with torch.load(weights_only=True), the one choice and convert's default" in flat
+    assert ("The pickled values of a DCP checkpoint are loaded with torch.load(weights_only=True) "
+            "(--dcp-values weights_only, the default here).") in " ".join(run_cli(capsys, "convert", "--help")[1].split())
+    for cmd in ("inspect", "verify", "diff", "export-hf"):
+        rc, out, _ = run_cli(capsys, cmd, "--help")
+        assert rc == 0 and "--dcp-values {weights_only}" in out and "(refused by default)" in " ".join(out.split())
+    handoff = " ".join((Path(__file__).parents[1] / "docs" / "handoff.md").read_text().split())
+    assert "they are refused by default. `convert` loads them that way by default" in handoff
+
+
+class NoCredentialsError(Exception):
+    """Named as botocore's: the client found no credentials."""
+
+
+def test_object_store_without_credentials(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """No retries (a retry finds no credentials either), and the CLI says how to give them."""
+    import ucp_dcp.sources as sources
+    from ucp_dcp.byteio.objstore import ObjectStore
+    from ucp_dcp.errors import StorageError
+
+    store = ObjectStore("memory://bucket/ckpt")
+    calls = []
+
+    def no_credentials() -> None:
+        calls.append(1)
+        raise NoCredentialsError("Unable to locate credentials")
+
+    with pytest.raises(StorageError) as e:
+        store.call("checking for the object", "", no_credentials)
+    assert len(calls) == 1
+    monkeypatch.setattr(sources, "checkpoint_exists", lambda *a, **kw: (_ for _ in ()).throw(e.value))
+    rc, _, err = run_cli(capsys, "inspect", "s3://bucket/ckpt")
+    assert rc == 2 and one_error_line(err) == (
+        "ucp-dcp: error: memory://bucket/ckpt: checking for the object failed: NoCredentialsError: Unable to "
+        "locate credentials; give the store's credentials with --storage-options JSON (e.g. '{\"key\": "
+        "\"...\", \"secret\": \"...\"}' for s3://) or the environment variable UCP_DCP_STORAGE_OPTIONS")
 
 
 # ====================================================================== parser, progress
@@ -387,11 +556,14 @@ def test_parse_size() -> None:
 
 def test_progress_bar() -> None:
     stream = io.StringIO()
-    bar = ProgressBar("verifying", stream=stream, enabled=True, width=10, min_interval=0)
+    bar = ProgressBar("verifying", stream=stream, enabled=True, min_interval=0)
     bar(5, 10)
-    assert stream.getvalue() == "\rverifying [#####.....]  50%  5 B / 10 B"
+    frames = stream.getvalue().split("\r")
+    assert frames[-1].startswith("verifying:  50%|#####     | 5.00/10.0 [00:00<00:00, ")  # tqdm: rate, ETA
+    assert frames[-1].endswith("B/s]")
     bar(10, 10)
-    assert stream.getvalue().endswith("[##########] 100%  10 B / 10 B\n")
+    last = stream.getvalue().split("\r")[-1]
+    assert last.startswith("verifying: 100%|##########| 10.0/10.0 [") and last.endswith("B/s]\n")
     bar.close()  # the finished bar already ended its line
     assert stream.getvalue().count("\n") == 1
     quiet = io.StringIO()
@@ -403,9 +575,21 @@ def test_progress_bar() -> None:
     assert throttled.getvalue().count("\r") == 1
 
 
+def test_progress_bar_last_frame_leaves_no_stale_characters() -> None:
+    """A shorter frame after a longer one is padded over (the hand-written bar left "807 MBB")."""
+    stream = io.StringIO()
+    bar = ProgressBar("converting", stream=stream, enabled=True, min_interval=0)
+    bar(999_999, 10**6)
+    bar(10**6, 10**6)
+    frames = stream.getvalue().rstrip("\n").split("\r")[1:]
+    for before, after in zip(frames, frames[1:]):
+        assert len(after) >= len(before.rstrip()), (before, after)
+    assert frames[-1].rstrip().endswith("B/s]")
+
+
 def test_progress_flag_draws_on_stderr(capsys: pytest.CaptureFixture[str], good: Path) -> None:
     rc, out, err = run_cli(capsys, "verify", good, "--progress")
-    assert rc == 0 and out.startswith("OK") and "verifying [" in err and "100%" in err
+    assert rc == 0 and out.startswith("OK") and "verifying: 100%|" in err and "100%" in err
     assert run_cli(capsys, "--progress", "-q", "verify", good)[2] == ""
 
 
@@ -444,3 +628,24 @@ def test_python_dash_m(good: Path) -> None:
     p = subprocess.run([sys.executable, "-m", "ucp_dcp", "diff", good, good], capture_output=True, text=True,
                        env=_env(), timeout=120)
     assert p.returncode == 0 and p.stdout.startswith("identical"), p.stderr
+
+
+def test_an_unfinished_save_is_a_verify_failure(capsys: pytest.CaptureFixture[str], copy: Path) -> None:
+    """Data files and no index (a save that did not finish): a damaged checkpoint, status 1, with the fix."""
+    (copy / INDEX_FILE).unlink()
+    rc, out, err = run_cli(capsys, "verify", copy)
+    assert rc == 1 and out == (
+        f"{copy}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing. A save that did not finish leaves no index; "
+        "load an earlier checkpoint or rebuild the index from complete data files with "
+        "ucp_dcp.rebuild_index(path, write=True)\n")
+    assert one_error_line(err) == f"ucp-dcp: error: {copy}: verify found 1 problem"
+
+
+def test_os_errors_are_words_after_the_path(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                            good: Path) -> None:
+    def denied(*a: Any, **kw: Any) -> None:
+        raise PermissionError(13, "Permission denied", "/out/x")
+
+    _fake_module(monkeypatch, "ucp_dcp.tools.convert", convert=denied)
+    rc, _, err = run_cli(capsys, "convert", good, "out")
+    assert rc == 2 and one_error_line(err) == "ucp-dcp: error: /out/x: permission denied"

@@ -127,7 +127,7 @@ def test_url_with_no_checkpoint_is_one_error_line(capsys: pytest.CaptureFixture[
         rc, out, err = run_cli(capsys, *argv)
         assert rc == 2 and out == "", argv
         line = one_error_line(err)
-        assert f"{missing}: no such checkpoint" in line and "URL" in line, argv
+        assert line == f"ucp-dcp: error: {missing}: not a checkpoint (nothing is stored at this URL)", argv
     assert not (tmp_path / "hf").exists() and not (tmp_path / "out").exists()
 
 
@@ -225,4 +225,5 @@ def test_inspect_and_verify_on_s3_with_storage_options(capsys: pytest.CaptureFix
     assert rc == 0 and json.loads(out)["ok"] is True
     missing = f"{bucket}/{uuid.uuid4().hex[:10]}/none"
     rc, out, err = run_cli(capsys, "verify", missing)
-    assert rc == 2 and out == "" and f"{missing}: no such checkpoint" in one_error_line(err)
+    assert rc == 2 and out == "" and one_error_line(err) == (
+        f"ucp-dcp: error: {missing}: not a checkpoint (nothing is stored at this URL)")

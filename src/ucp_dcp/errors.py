@@ -9,6 +9,7 @@ save or restore, ...), so existing ``except`` clauses keep working.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 __all__ = [
     "UCPError",
@@ -37,10 +38,38 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointWriteError",
     "InvalidArgumentTypeError",
+    "PathNotFoundError",
+    "UCPWarning",
+    "unwrap",
 ]
 
+_H = TypeVar("_H", bound="_OptionHint")
 
-class UCPError(Exception):
+
+class _OptionHint:
+    """What an error or warning says to pass, as data, so that each interface can say it in
+    its own words.
+
+    Attributes:
+        option: the keyword argument that would fix it (e.g. ``"dcp_values"``), or None.
+        option_value: the value to pass for it.
+        hint: the text of the message that says so in Python (e.g.
+            ``"UCPStorageReader(path, dcp_values='weights_only')"``); the ``ucp-dcp``
+            command line replaces it with its own flag (``--dcp-values weights_only``).
+    """
+
+    option: str | None = None
+    option_value: object = None
+    hint: str | None = None
+
+    def with_option(self: _H, option: str, value: object, hint: str) -> _H:
+        """Record that passing ``option=value`` fixes this (``hint``: the words in the message
+        that say so); returns ``self``."""
+        self.option, self.option_value, self.hint = option, value, hint
+        return self
+
+
+class UCPError(_OptionHint, Exception):
     """Base of every error ucp_dcp raises on purpose."""
 
 
@@ -244,3 +273,49 @@ class CheckpointWriteError(UCPError, OSError):
 
 class InvalidArgumentTypeError(UCPError, TypeError):
     """An argument of a library call of the wrong kind: names the call and what it needs."""
+
+
+class UCPWarning(_OptionHint, UserWarning):
+    """A warning of the library that may name an option to pass (see :class:`UCPError`)."""
+
+
+def unwrap(exc: BaseException) -> UCPError | None:
+    """The library's error behind ``exc``, or None when there is none.
+
+    ``dcp.save`` and ``dcp.load`` catch what the storage layer raises on each
+    rank and raise ``torch.distributed.checkpoint.api.CheckpointException``
+    instead: a ``BaseException`` (``except Exception`` does not catch it)
+    whose ``failures`` maps each failing rank to ``(exception, traceback)``.
+    This returns the :class:`UCPError` of the lowest failing rank (or ``exc``
+    itself if it is one; the causes of either are searched too)::
+
+        try:
+            dcp.load(state, storage_reader=UCPStorageReader(path))
+        except CheckpointException as e:
+            err = unwrap(e)
+            if err is None:
+                raise
+            raise err from e  # e.g. a ChecksumError naming the file and tensor
+    """
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, UCPError):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for rank in sorted(failures):  # ranks are ints
+                inner = failures[rank]
+                inner = inner[0] if isinstance(inner, tuple) and inner else inner
+                if isinstance(inner, BaseException):
+                    todo.append(inner)
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return None
+
+
+class PathNotFoundError(UCPError, FileNotFoundError):
+    """A path the call was given (a source, a config file) does not exist: names it."""

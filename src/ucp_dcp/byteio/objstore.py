@@ -49,6 +49,13 @@ _T = TypeVar("_T")
 
 _LOCAL_PROTOCOLS = ("file", "local")
 
+
+def _no_credentials(e: BaseException) -> bool:
+    """Whether ``e`` says the client found no usable credentials (botocore's
+    ``NoCredentialsError``, ``PartialCredentialsError``...): a retry cannot fix that."""
+    return any("Credentials" in c.__name__ for c in type(e).__mro__)
+
+
 # Errors a retry cannot fix. Anything else a store raises (the client's own
 # connection, timeout and HTTP errors, OSError(EIO) for a 5xx that outlived
 # the client's retries) is treated as transient.
@@ -173,7 +180,7 @@ class ObjectStore:
                     raise
                 raise self.error(what, name, e) from e
             except Exception as e:  # the client's connection/HTTP errors: transient
-                if k == len(delays):
+                if k == len(delays) or _no_credentials(e):  # a retry finds no credentials either
                     raise self.error(what, name, e, tries=k + 1) from e
                 time.sleep(delays[k])
         raise AssertionError("unreachable")

@@ -83,8 +83,9 @@ class UCPStorageReader(_Directory, StorageReader):
             in flight.
         storage_options: for a URL, passed to fsspec as they are
             (credentials, ``client_kwargs={"endpoint_url": ...}``).
-        io_threads: threads issuing reads in parallel (default 2: measured to keep this
-            development VM's disk busy with 1-4 ranks; see ``_IO_THREADS``).
+        io_threads: threads of each rank issuing reads in parallel (default 2,
+            enough to keep one local disk busy with 1-4 ranks per machine; more
+            helps storage that serves many reads at once).
         max_buffer_bytes: bound on staging memory (used for dtype casts,
             non-CPU destinations, chunks stored in another dimension order
             and regions read as spans, see :mod:`ucp_dcp.core.spans`; other

@@ -367,7 +367,7 @@ class DCPSource(Source):
     ) -> None:
         """Refuse pickled values unless opted in, then parse the items of ``chunks`` in parallel."""
         if values and self.dcp_values is None:
-            raise DCPValueError(_refusal(self.directory, values[0]))
+            raise _refusal(self.directory, values[0])
         todo = sorted({c for c in chunks if c not in self._locations})
         if self.store is not None and todo:
             self._fetch_ends(todo)  # one batch of requests, not two round trips per item
@@ -402,7 +402,7 @@ class DCPSource(Source):
         anything else fails, naming the key. Refused unless ``dcp_values="weights_only"``.
         """
         if self.dcp_values is None:
-            raise DCPValueError(_refusal(self.directory, key))
+            raise _refusal(self.directory, key)
         info = self._value_items.get(key)
         transforms = getattr(info, "transform_descriptors", None)
         if transforms:
@@ -448,16 +448,14 @@ def _nesting_paths(planner_data: Any, mdpath: str, md: Any) -> dict[str, tuple[s
     return check_paths(doc, f"{mdpath}: planner_data", md.state_dict_metadata)
 
 
-def _refusal(directory: str, key: str) -> str:
-    return (
+def _refusal(directory: str, key: str) -> DCPValueError:
+    hint = "UCPStorageReader(path, dcp_values='weights_only')"
+    return DCPValueError(
         f"{directory}: value {key!r} is stored by DCP as a pickle (torch.save), and "
-        "UCPStorageReader does not "
-        "unpickle checkpoint data by default. Pass UCPStorageReader(path, "
-        "dcp_values='weights_only') to load it "
-        "with torch.load(weights_only=True), torch's restricted unpickler, or convert the "
-        "checkpoint once with "
-        "`ucp-dcp convert SRC DST`"
-    )
+        "UCPStorageReader does not unpickle checkpoint data by default. Pass "
+        f"{hint} to load it with torch.load(weights_only=True), torch's restricted unpickler, "
+        "or convert the checkpoint once with `ucp-dcp convert SRC DST`"
+    ).with_option("dcp_values", "weights_only", hint)
 
 
 def _file_sort_key(name: str) -> tuple[int, int, str]:

@@ -4,9 +4,13 @@ Every command reads every checkpoint format :mod:`ucp_dcp.sources` knows.
 
 Exit status: 0 on success; 1 when ``verify`` finds a problem (a damaged
 checkpoint, an unreadable index included) or ``diff`` finds a difference; 2
-for any other failure (bad arguments, a path that does not exist, a failed
-conversion), reported as one line ``ucp-dcp: error: <reason>`` on stderr;
-130 when interrupted. ``--debug`` adds the traceback.
+for any other failure (bad arguments, a path that does not exist or holds no
+checkpoint, a failed conversion), reported as one line ``ucp-dcp: error:
+<reason>`` on stderr; 130 when interrupted. ``--debug`` adds the traceback.
+
+Messages name the command's own flags: a library error or warning that a
+keyword argument would fix records it (:class:`~ucp_dcp.errors.UCPError`'s
+``option`` and ``hint``), and :data:`FLAGS` says which flag that is here.
 
 Commands: ``inspect``, ``verify``, ``diff``, ``export-hf``, ``convert`` (and
 its aliases ``import-dcp``, ``import-hf``); ``ucp-dcp COMMAND --help``
@@ -40,10 +44,18 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, NoReturn, TextIO
 
-from ..errors import CLIError
+from ..errors import CLIError, NotACheckpointError, StorageError
 from .progress import ProgressBar, format_bytes
 
-__all__ = ["main", "build_parser", "format_inspection", "parse_size", "parse_storage_options"]
+__all__ = [
+    "main",
+    "build_parser",
+    "format_inspection",
+    "in_cli_words",
+    "parse_size",
+    "parse_storage_options",
+    "FLAGS",
+]
 
 PROG = "ucp-dcp"
 EXIT_OK = 0
@@ -52,15 +64,23 @@ EXIT_ERROR = 2  # the command could not do its job
 
 _EPILOG = (
     "exit status: 0 success; 1 verify found problems (a damaged checkpoint) or diff found "
-    "differences; "
-    "2 any other error, such as a path that does not exist (one line 'ucp-dcp: error: ...' on "
-    "stderr). "
-    "A checkpoint to read may be an fsspec URL (s3://bucket/ckpt); --storage-options JSON, else "
-    "the "
-    "environment variable UCP_DCP_STORAGE_OPTIONS, gives fsspec its options."
+    "differences; 2 any other error, such as a path that does not exist or holds no checkpoint "
+    "(one line 'ucp-dcp: error: ...' on stderr). A checkpoint to read may be an fsspec URL "
+    "(s3://bucket/ckpt); --storage-options JSON, else the environment variable "
+    "UCP_DCP_STORAGE_OPTIONS, gives fsspec its options."
 )
 
 STORAGE_OPTIONS_ENV = "UCP_DCP_STORAGE_OPTIONS"
+
+FLAGS = {
+    "dcp_values": "--dcp-values",
+    "overwrite": "--overwrite",
+    "prefix": "--prefix",
+    "config": "--config",
+    "verify": "--no-verify",
+    "storage_options": "--storage-options",
+}
+"""The flag of each keyword argument a library message may name (``option`` of an error)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -158,30 +178,23 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _require_checkpoint(path: str, storage_options: dict[str, Any] | None) -> None:
-    """A path or URL with nothing at it: one line "no such checkpoint", naming it."""
+    """A path or URL with nothing at it: one line "not a checkpoint (...)", naming it (every command
+    says it alike)."""
     from ..byteio.objstore import is_url
     from ..sources import checkpoint_exists
 
     if not checkpoint_exists(path, storage_options):
         what = "nothing is stored at this URL" if is_url(path) else "the path does not exist"
-        raise CLIError(f"{path}: no such checkpoint ({what})")
+        raise CLIError(f"{path}: not a checkpoint ({what})")
 
 
 def _location_options(args: argparse.Namespace, *paths: str) -> dict[str, Any]:
-    """Check that every URL in ``paths`` has something stored at it; the keyword arguments that
-    reach them.
-
-    A missing local path is left to the function that reads it (its error
-    says "not a checkpoint (no such directory)"). Returns
-    ``{"storage_options": ...}`` when options were given, else nothing (the
-    functions called keep their defaults).
-    """
-    from ..byteio.objstore import is_url
-
+    """Check that something is at every checkpoint in ``paths`` (local or URL); the keyword
+    arguments that reach them: ``{"storage_options": ...}`` when options were given, else
+    nothing (the functions called keep their defaults)."""
     so = args.storage
     for path in paths:
-        if is_url(path):
-            _require_checkpoint(path, so)
+        _require_checkpoint(path, so)
     return {} if so is None else {"storage_options": so}
 
 
@@ -259,7 +272,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     where = _location_options(args, args.path)
     info = inspect_checkpoint(
-        args.path, dcp_values=args.dcp_values, verify=not args.no_verify, **where
+        args.path,
+        describe=in_cli_words,
+        dcp_values=args.dcp_values,
+        verify=not args.no_verify,
+        **where,
     )
     if args.json:
         _print_json(info)
@@ -274,10 +291,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     summary: dict[str, Any] = {"path": args.path, "files": 0, "bytes_verified": 0}
     # Nothing to verify: the same "cannot open" as every command (status 2, not 1).
-    _require_checkpoint(args.path, args.storage)
-    where = _location_options(args)
+    where = _location_options(args, args.path)
     try:
         ck = Checkpoint(args.path, dcp_values=args.dcp_values, **where)
+    except NotACheckpointError:  # not a damaged checkpoint: no checkpoint (status 2)
+        raise
     except CheckpointFormatError as e:  # an unreadable index is a verification failure
         problems = [str(e)]
     else:
@@ -299,14 +317,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(
             f"OK {args.path}: {_plural(summary['tensors'], 'tensor')}, "
             f"{_plural(summary['values'], 'value')}, "
-            f"{_plural(summary['rank_local'], 'rank-local value')} "
-            f"in {_plural(summary['files'], 'file')}; "
+            f"{_plural(summary['rank_local'], 'rank-local value')} in "
+            f"{_plural(summary['files'], 'file')}; "
             f"{format_bytes(summary['bytes_verified'])} checked"
             + (
                 ""
                 if summary.get("checksums", True)
-                else f" (the {summary['format']} format records no checksums: "
-                "structure and readability only)"
+                else f" (the {summary['format']} format records no checksums: structure and "
+                "readability only)"
             )
         )
     else:
@@ -410,6 +428,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         kwargs["prefix"] = args.prefix
     if args.no_verify:
         kwargs["verify"] = False
+    if args.dcp_values is not None:
+        kwargs["dcp_values"] = args.dcp_values
     with _progress(args, "converting") as bar:
         convert(args.src, args.dst, progress=bar, **kwargs)
     print(f"converted {args.src} into ucp_dcp checkpoint {args.dst}")
@@ -434,6 +454,7 @@ def _cmd_import_hf(args: argparse.Namespace) -> int:
         _optional_module("ucp_dcp.tools.hf", "import-hf"), "import_hf", "import-hf"
     )
     kwargs: dict[str, Any] = {} if args.prefix is None else {"prefix": args.prefix}
+    _require_checkpoint(args.src, None)
     with _progress(args, "importing") as bar:
         import_hf(args.src, args.dst, progress=bar, **kwargs)
     print(f"imported {args.src} into ucp_dcp checkpoint {args.dst}")
@@ -458,29 +479,73 @@ def _common_options(defaults: bool) -> _Parser:
         "--progress", help="draw the progress bar even when stderr is not a terminal", **kw
     )
     p.add_argument("--debug", help="print the traceback of an error", **kw)
-    p.add_argument(
-        "--dcp-values",
-        choices=["weights_only"],
-        default=None if defaults else argparse.SUPPRESS,
-        help="load the pickled values of a DCP checkpoint with torch.load(weights_only=True) "
-        "(refused by default)",
-    )
-    p.add_argument(
-        "--no-verify",
-        help="do not check the tensor data a command reads against the checksums "
-        "recorded at save (checked by default)",
-        **kw,
-    )
+    return p
+
+
+_DCP_VALUES_READ = (
+    "load the pickled values of a DCP checkpoint with torch.load(weights_only=True) (refused by "
+    "default)"
+)
+_DCP_VALUES_CONVERT = (
+    "how the pickled values of a DCP checkpoint are loaded: with torch.load(weights_only=True), "
+    "the one choice and convert's default"
+)
+_READING_OPTIONS = ("dcp_values", "no_verify", "storage_options")
+
+
+def _reading_options(
+    p: argparse.ArgumentParser,
+    *,
+    dcp_values: str | None = _DCP_VALUES_READ,
+    no_verify: bool = True,
+    top: bool = False,
+) -> None:
+    """The options of a command that reads checkpoints: --storage-options, and --dcp-values (with
+    help text ``dcp_values``) and --no-verify where the command uses them.
+
+    The top-level parser (``top``) takes all three before the command name, with the defaults;
+    a subcommand's own leave the value given before its name alone, and record which of them
+    the command takes (:func:`_refuse_unused`).
+    """
+    default: Any = argparse.SUPPRESS
+    where = " (given before COMMAND: for the commands that take it)" if top else ""
+    if top:
+        p.set_defaults(dcp_values=None, no_verify=False, storage_options=None, takes=())
+        default = None
+    else:
+        p.set_defaults(
+            takes=("storage_options",)
+            + (("dcp_values",) if dcp_values else ())
+            + (("no_verify",) if no_verify else ())
+        )
+    if dcp_values:
+        p.add_argument(
+            "--dcp-values", choices=["weights_only"], default=default, help=dcp_values + where
+        )
+    if no_verify:
+        p.add_argument(
+            "--no-verify",
+            action="store_true",
+            default=False if top else argparse.SUPPRESS,
+            help="do not check the tensor data read against the checksums recorded at save "
+            "(checked by default)" + where,
+        )
     p.add_argument(
         "--storage-options",
         metavar="JSON",
-        default=None if defaults else argparse.SUPPRESS,
-        help="fsspec options for checkpoints given as URLs (s3://bucket/ckpt), "
-        "as a JSON object, e.g. "
-        '\'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'; default: the '
-        f"environment variable {STORAGE_OPTIONS_ENV}, else fsspec's defaults",
+        default=default,
+        help="fsspec options for checkpoints given as URLs (s3://bucket/ckpt), as a JSON object, "
+        'e.g. \'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'; default: the '
+        f"environment variable {STORAGE_OPTIONS_ENV}, else fsspec's defaults" + where,
     )
-    return p
+
+
+def _refuse_unused(args: argparse.Namespace) -> None:
+    """An option given before the command name that the command does not take: one line."""
+    given = [o for o in _READING_OPTIONS if getattr(args, o) not in (None, False)]
+    unused = ["--" + o.replace("_", "-") for o in given if o not in args.takes]
+    if unused:
+        _unknown_arguments(args.command, unused)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -494,6 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inspect, verify, compare and convert ucp_dcp universal checkpoints.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _reading_options(parser, top=True)  # before the command name, for the commands that take them
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     common = [_common_options(False)]
 
@@ -519,6 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     ):
         p = command(name, handler, text)
+        # verify checks everything: --no-verify would contradict it.
+        _reading_options(p, no_verify=name != "verify")
         p.add_argument(
             "path",
             metavar="PATH",
@@ -533,6 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Compare two checkpoints: entries only in one, shape/dtype differences, "
         "per-tensor max abs difference (NaN-aware), differing values. Exit 1 if they differ.",
     )
+    _reading_options(p)
     p.add_argument("a", metavar="A", help="first checkpoint (any format, or a URL)")
     p.add_argument("b", metavar="B", help="second checkpoint (any format, or a URL)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
@@ -550,6 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Write a checkpoint's model weights as a Hugging Face "
         "safetensors checkpoint (sharded, with model.safetensors.index.json).",
     )
+    _reading_options(p)
     p.add_argument("src", metavar="SRC", help="checkpoint (any format ucp_dcp reads, or a URL)")
     p.add_argument("dst", metavar="DST", help="output directory (local)")
     p.add_argument(
@@ -586,8 +656,11 @@ def build_parser() -> argparse.ArgumentParser:
         _cmd_convert,
         "Write any checkpoint this tool reads (ucp_dcp, DCP's FileSystemWriter "
         "format, Megatron torch_dist, accelerate subfolders, a Hugging Face model) as a ucp_dcp "
-        "checkpoint with checksums, keeping its sharding. Loading never needs this.",
+        "checkpoint with checksums, keeping its sharding. The pickled values of a DCP "
+        "checkpoint are loaded with torch.load(weights_only=True) (--dcp-values weights_only, "
+        "the default here). Loading never needs this.",
     )
+    _reading_options(p, dcp_values=_DCP_VALUES_CONVERT)
     p.add_argument(
         "src",
         metavar="SRC",
@@ -623,9 +696,13 @@ def build_parser() -> argparse.ArgumentParser:
         "Alias of convert for a checkpoint saved with DCP's default "
         "FileSystemWriter (.metadata + .distcp files).",
     )
+    _reading_options(p, dcp_values=_DCP_VALUES_CONVERT)
     p.add_argument("src", metavar="SRC", help="DCP checkpoint directory")
     p.add_argument("dst", metavar="DST", help="output ucp_dcp checkpoint directory")
-    p.set_defaults(prefix=None, overwrite=False)
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace a ucp_dcp checkpoint already in DST"
+    )
+    p.set_defaults(prefix=None)
     return parser
 
 
@@ -637,14 +714,48 @@ def _error_line(reason: str) -> None:
     print(f"{PROG}: error: {one_line}", file=sys.stderr)
 
 
+def in_cli_words(e: BaseException | Warning) -> str:
+    """The message of a library error or warning, naming this command's flag where it names a
+    keyword argument (its ``option`` and ``hint``; see :data:`FLAGS`)."""
+    text = str(e)
+    option, hint = getattr(e, "option", None), getattr(e, "hint", None)
+    flag = FLAGS.get(option) if isinstance(option, str) else None
+    if flag is None or not hint or hint not in text:
+        return text
+    value = getattr(e, "option_value", None)
+    return text.replace(
+        hint, flag if value is None or isinstance(value, bool) else f"{flag} {value}"
+    )
+
+
+_CREDENTIALS_HINT = (
+    "; give the store's credentials with --storage-options JSON (e.g. "
+    '\'{"key": "...", "secret": "..."}\' for s3://) or the environment variable '
+    f"{STORAGE_OPTIONS_ENV}"
+)
+
+
 def _reason(e: BaseException) -> str:
     """What went wrong, in words, for the one-line error."""
+    if isinstance(e, StorageError) and _about_credentials(e):
+        return in_cli_words(e) + _CREDENTIALS_HINT
     if isinstance(e, OSError) and e.filename is not None:
         where = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else str(e.filename)
-        return f"{where}: {e.strerror or e}"
+        return f"{where}: {(e.strerror or str(e)).lower()}"
     if isinstance(e, (CLIError, ValueError, OSError, EOFError, KeyError, ImportError)):
-        return str(e) or type(e).__name__
+        return in_cli_words(e) or type(e).__name__
     return f"unexpected {type(e).__name__}: {e} (rerun with --debug for the traceback)"
+
+
+def _about_credentials(e: BaseException) -> bool:
+    """Whether the store refused for want of credentials: access denied, or the client found
+    none (its error, the cause of ``e``, is named ``...Credentials...``)."""
+    causes = [e, e.__cause__, e.__context__]
+    if any(isinstance(c, PermissionError) for c in causes):
+        return True
+    return any(
+        "Credentials" in k.__name__ for c in causes if c is not None for k in type(c).__mro__
+    )
 
 
 def _one_line_warnings() -> None:
@@ -656,7 +767,8 @@ def _one_line_warnings() -> None:
     warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
 
     def show(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
-        text = "; ".join(line.strip() for line in str(message).splitlines() if line.strip())
+        said = in_cli_words(message) if isinstance(message, Warning) else message
+        text = "; ".join(line.strip() for line in said.splitlines() if line.strip())
         print(f"{PROG}: warning: {text}", file=sys.stderr)
 
     warnings.showwarning = show
@@ -671,11 +783,25 @@ def _silence_stdout() -> None:
         pass
 
 
+def _unknown_arguments(command: str, extra: list[str]) -> NoReturn:
+    """Arguments the command does not take: name them and the command (one line)."""
+    options = [a for a in extra if a.startswith("-")]
+    what = (
+        f"{command} does not take the option{'s' if len(options) > 1 else ''} {', '.join(options)}"
+        if options
+        else f"unrecognized arguments: {' '.join(extra)}"
+    )
+    raise CLIError(f"{what} (see '{PROG} {command} --help')")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ucp-dcp`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            _unknown_arguments(args.command, extra)
+        _refuse_unused(args)
     except CLIError as e:
         _error_line(str(e))
         return EXIT_ERROR

@@ -28,7 +28,7 @@ from ..byteio.rangeio import storage_view, tensor_view
 from ..byteio.storage import commit_index
 from ..byteio.transfer import ChunkRegion
 from ..core.sharding import Box, slabs
-from ..errors import CheckpointFormatError, StorageError
+from ..errors import CheckpointExistsError, CheckpointFormatError, StorageError
 from ..format import (
     INDEX_FILE,
     FileRecord,
@@ -108,12 +108,15 @@ def convert(
         src, SourceOptions(dcp_values=dcp_values, prefix=prefix), storage_options=storage_options
     )
     try:
-        if os.path.exists(os.path.join(dst, INDEX_FILE)) and not overwrite:
-            raise FileExistsError(
-                f"{dst} already holds a committed ucp_dcp checkpoint ({INDEX_FILE}); refusing to "
-                "replace it. "
-                "Convert into a new directory, or pass overwrite=True"
+        if os.path.exists(dst) and not os.path.isdir(dst):
+            raise CheckpointExistsError(
+                f"{dst}: is a file; convert writes a checkpoint directory: name a new directory"
             )
+        if os.path.exists(os.path.join(dst, INDEX_FILE)) and not overwrite:
+            raise CheckpointExistsError(
+                f"{dst} already holds a committed ucp_dcp checkpoint ({INDEX_FILE}); refusing to "
+                "replace it. Convert into a new directory, or pass overwrite=True"
+            ).with_option("overwrite", True, "overwrite=True")
         os.makedirs(dst, exist_ok=True)
         return _convert(
             source, dst, progress, sync_files, max(buffer_bytes, _MiB), io_threads, verify

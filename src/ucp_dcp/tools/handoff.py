@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..errors import CheckpointKeyError
+from ..errors import CheckpointKeyError, InvalidArgumentTypeError
 from .checkpoint import Checkpoint
 
 __all__ = ["load_state_dict", "load_into_module", "KeySelector", "ModuleLoadResult"]
@@ -154,7 +154,7 @@ def load_into_module(
                     f"the module expects {list(target.shape)}"
                 )
             if hasattr(target, "device_mesh"):
-                raise TypeError(
+                raise InvalidArgumentTypeError(
                     f"{key!r} is a DTensor: use dcp.load with UCPStorageReader/UCPLoadPlanner for "
                     "sharded modules"
                 )

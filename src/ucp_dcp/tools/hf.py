@@ -47,7 +47,16 @@ import torch
 from ..byteio.durable import commit_dir, temp_dir_for, write_all
 from ..byteio.objstore import is_url, local_path
 from ..byteio.rangeio import tensor_view
-from ..errors import CheckpointFormatError, CheckpointKeyError, StorageError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointFormatError,
+    CheckpointKeyError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    PathNotFoundError,
+    StorageError,
+    UCPWarning,
+)
 from ..format import dtype_name, st_dtype
 from ..sources import checkpoint_exists
 from ..sources._hf_utils import HF_CONFIG_FILES, HF_INDEX_NAME, HF_WEIGHTS_NAME
@@ -103,20 +112,22 @@ def parse_size(size: int | str) -> int:
     ``GB``/``TB``); binary ``KiB``/``MiB``/``GiB``/``TiB`` are accepted too.
     """
     if isinstance(size, bool) or not isinstance(size, (int, str)):
-        raise ValueError(f"max_shard_size must be an int or a string like '5GB', got {size!r}")
+        raise InvalidArgumentError(
+            f"max_shard_size must be an int or a string like '5GB', got {size!r}"
+        )
     if isinstance(size, int):
         value = size
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", size)
         unit = m.group(2).upper() if m else None
         if m is None or unit not in _SIZE_UNITS:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"max_shard_size {size!r} is not a size: use bytes or a number with KB, MB, GB, TB "
                 "(powers of 1000, as Hugging Face) or KiB, MiB, GiB, TiB"
             )
         value = int(float(m.group(1)) * _SIZE_UNITS[unit])
     if value <= 0:
-        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+        raise InvalidArgumentError(f"max_shard_size must be positive, got {size!r}")
     return value
 
 
@@ -128,15 +139,17 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if isinstance(dtype, str):
         key = dtype.strip().lower().removeprefix("torch.")
         if key not in _DTYPE_NAMES:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"unknown dtype {dtype!r}; use one of bf16, fp16, fp32, fp64 (or a torch.dtype)"
             )
         return _DTYPE_NAMES[key]
     if isinstance(dtype, torch.dtype):
         if not dtype.is_floating_point or st_dtype(dtype) is None:
-            raise ValueError(f"dtype must be a floating dtype that safetensors stores, got {dtype}")
+            raise InvalidArgumentError(
+                f"dtype must be a floating dtype that safetensors stores, got {dtype}"
+            )
         return dtype
-    raise ValueError(f"dtype must be a torch.dtype or a name like 'bf16', got {dtype!r}")
+    raise InvalidArgumentError(f"dtype must be a torch.dtype or a name like 'bf16', got {dtype!r}")
 
 
 def _compile_rename(rename: RenameRules | None) -> list[tuple[re.Pattern[str], str]]:
@@ -150,13 +163,13 @@ def _compile_rename(rename: RenameRules | None) -> list[tuple[re.Pattern[str], s
             and len(pair) == 2
             and all(isinstance(x, str) for x in pair)
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"rename[{i}] must be a (regex pattern, replacement) pair of strings, got {pair!r}"
             )
         try:
             rules.append((re.compile(pair[0]), pair[1]))
         except re.error as e:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"rename[{i}]: {pair[0]!r} is not a valid regular expression ({e})"
             ) from None
     return rules
@@ -167,7 +180,7 @@ def _apply_rename(name: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
         try:
             name = pat.sub(repl, name)
         except (re.error, IndexError) as e:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"rename {pat.pattern!r} -> {repl!r}: bad replacement for {name!r} ({e})"
             ) from None
     return name
@@ -181,11 +194,11 @@ def _natural_key(name: str) -> list[tuple[int, str]]:
 def _check_empty_dst(dst: str) -> None:
     if os.path.lexists(dst):
         if not os.path.isdir(dst):
-            raise FileExistsError(
+            raise CheckpointExistsError(
                 f"{dst} exists and is not a directory; choose a new output directory"
             )
         if os.listdir(dst):
-            raise FileExistsError(
+            raise CheckpointExistsError(
                 f"{dst} is not empty; refusing to write into it (choose a new or empty output "
                 "directory)"
             )
@@ -221,28 +234,33 @@ def _plan_export(
         )
     if not names:
         tops = sorted({n.split(".", 1)[0] + "." for n in ckpt.tensor_names()})
-        raise CheckpointKeyError(
+        head = (
             f"{ckpt.path}: no tensor name starts with prefix {prefix!r}; the checkpoint's tensors "
-            "start with "
-            f"{', '.join(map(repr, tops[:10])) or 'nothing (it holds no tensors)'}. "
-            "Pass the prefix the model was saved under "
-            "(e.g. prefix='model.' for {'model': model_state_dict})"
         )
+        if not tops:
+            raise CheckpointKeyError(head + "start with nothing (it holds no tensors)")
+        guess = "model." if "model." in tops else tops[0]
+        hint = f"prefix={guess!r}"
+        raise CheckpointKeyError(
+            f"{head}start with {', '.join(map(repr, tops[:10]))}. Pass the prefix the model was "
+            f"saved under, e.g. {hint} (a model saved as {{'model': model_state_dict}} has "
+            "'model.')"
+        ).with_option("prefix", guess, hint)
     planned: list[_Planned] = []
     seen: dict[str, str] = {}
     for src in names:
         rec = ckpt.tensor_record(src)
         name = _apply_rename(src[len(prefix) :], rules)
         if not name:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"tensor {src!r} gets an empty name after stripping {prefix!r} and renaming"
             )
         if name == "__metadata__":
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"tensor {src!r} would be named '__metadata__', which safetensors reserves"
             )
         if name in seen:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"tensors {seen[name]!r} and {src!r} both map to {name!r}; fix the rename rules"
             )
         seen[name] = src
@@ -251,7 +269,7 @@ def _plan_export(
         )
         out_dtype = to or rec.dtype
         if st_dtype(out_dtype) is None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"tensor {src!r} has dtype {dtype_name(out_dtype)}, which safetensors cannot store"
             )
         nbytes = math.prod(rec.shape) * out_dtype.itemsize
@@ -305,7 +323,7 @@ def _load_config(config: Any) -> tuple[dict[str, Any], list[str]]:
         if os.path.isdir(path):
             cfg = os.path.join(path, "config.json")
             if not os.path.isfile(cfg):
-                raise FileNotFoundError(f"config directory {path} has no config.json")
+                raise PathNotFoundError(f"config directory {path} has no config.json")
             extra = [
                 os.path.join(path, n)
                 for n in HF_CONFIG_FILES[1:]
@@ -313,16 +331,16 @@ def _load_config(config: Any) -> tuple[dict[str, Any], list[str]]:
             ]
             path = cfg
         elif not os.path.isfile(path):
-            raise FileNotFoundError(f"config {path}: no such file or directory")
+            raise PathNotFoundError(f"config {path}: no such file or directory")
         try:
             with open(path, encoding="utf-8") as f:
                 doc = json.load(f)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"config {path} is not valid JSON ({e})") from None
+            raise InvalidArgumentError(f"config {path} is not valid JSON ({e})") from None
         if not isinstance(doc, dict):
-            raise ValueError(f"config {path} is not a JSON object")
+            raise InvalidArgumentError(f"config {path} is not a JSON object")
         return doc, extra
-    raise TypeError(
+    raise InvalidArgumentTypeError(
         "config must be a path (config.json or a model directory), a dict or a transformers "
         "config, "
         f"got {type(config).__name__}"
@@ -411,7 +429,7 @@ def export_hf(
     max_bytes = parse_size(max_shard_size)
     rules = _compile_rename(rename)
     if not isinstance(prefix, str):
-        raise TypeError(f"prefix must be a string, got {prefix!r}")
+        raise InvalidArgumentTypeError(f"prefix must be a string, got {prefix!r}")
     if is_url(dst):
         raise StorageError(
             f"{dst}: export_hf writes a local directory, not object storage; export into a local "
@@ -423,7 +441,7 @@ def export_hf(
         local_path(dst),
     )  # file:// URLs are local paths
     if not checkpoint_exists(src, storage_options):
-        raise FileNotFoundError(f"{src}: no such checkpoint directory")
+        raise PathNotFoundError(f"{src}: not a checkpoint (no such file or directory)")
     _check_empty_dst(dst)
     # Only a local Hugging Face model carries a config over (object storage holds universal
     # checkpoints only).
@@ -431,15 +449,6 @@ def export_hf(
     if config is None and local_hf:
         config = src  # a Hugging Face source carries its own config
     cfg_doc, cfg_extra = _load_config(config) if config is not None else (None, [])
-    if cfg_doc is None:
-        warnings.warn(
-            f"{dst}: wrote the weights only; transformers' from_pretrained also needs a "
-            "config.json there: "
-            "pass config= (CLI: --config) with a config.json, a Hugging Face model directory or a "
-            "config object",
-            UserWarning,
-            stacklevel=2,
-        )
     with Checkpoint(
         src, dcp_values=dcp_values, verify=verify, storage_options=storage_options
     ) as ckpt:
@@ -502,6 +511,15 @@ def export_hf(
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    if cfg_doc is None:  # said once the export is done, not before a failure
+        hint = "config=PATH"
+        warnings.warn(
+            UCPWarning(
+                f"{dst}: wrote the weights only; transformers' from_pretrained also needs a "
+                f"config.json there: pass {hint}, a config.json or a Hugging Face model directory"
+            ).with_option("config", "PATH", hint),
+            stacklevel=2,
+        )
     return [os.path.join(dst, w) for w in written]
 
 
@@ -535,9 +553,9 @@ def import_hf(
 
     src, dst = os.fspath(src), os.fspath(dst)
     if not isinstance(prefix, str):
-        raise TypeError(f"prefix must be a string, got {prefix!r}")
+        raise InvalidArgumentTypeError(f"prefix must be a string, got {prefix!r}")
     if not os.path.exists(src):
-        raise FileNotFoundError(f"{src}: no such Hugging Face model directory or file")
+        raise PathNotFoundError(f"{src}: no such Hugging Face model directory or file")
     if NativeSource.detect(src):
         raise CheckpointFormatError(
             f"{src} is a ucp_dcp checkpoint, not a Hugging Face model directory (export it with "

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, InvalidArgumentError
 from ..format import TensorRecord, dtype_name
 from .checkpoint import Checkpoint
 from .progress import ProgressFn
@@ -94,7 +95,12 @@ def _read_step(ck: Checkpoint, key: str) -> int | float | None:
     return _as_step(ck.read_tensor(key))
 
 
-def inspect_checkpoint(path: str | os.PathLike[str], **options: Any) -> dict[str, Any]:
+def inspect_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    describe: Callable[[BaseException], str] = str,
+    **options: Any,
+) -> dict[str, Any]:
     """A JSON-ready summary of the checkpoint at ``path`` (any format; ``options`` as for
     :class:`Checkpoint`).
 
@@ -109,7 +115,9 @@ def inspect_checkpoint(path: str | os.PathLike[str], **options: Any) -> dict[str
     ``shape``, ``sharding``, ``bytes``; sorted by name), ``values`` and
     ``rank_local`` (names), ``totals`` (``tensors``, ``tensor_bytes``,
     ``values``, ``rank_local``) and ``warnings`` (problems met while
-    reading the step counter; the rest of the summary needs only the index).
+    reading the step counter, each put in words by ``describe``: the command
+    line passes one that names its own flags; the rest of the summary needs
+    only the index).
 
     Raises :class:`~ucp_dcp.CheckpointFormatError` when ``path`` is not a
     readable checkpoint.
@@ -133,7 +141,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], **options: Any) -> dict[str
             try:
                 step = _read_step(ck, key)
             except (CheckpointFormatError, ValueError, OSError, EOFError) as e:
-                warnings.append(f"cannot read the step counter {key!r}: {e}")
+                warnings.append(f"cannot read the step counter {key!r}: {describe(e)}")
         return {
             "path": ck.path,
             "format": f"{ck.format} version {index.version}"
@@ -245,8 +253,8 @@ class DiffReport:
             if t.identical or (atol > 0 and t.within(atol)):
                 continue
             line = (
-                f"{t.name}: max abs diff {t.max_abs_diff:.6g}, "
-                f"{t.num_different} of {t.numel} elements differ"
+                f"{t.name}: max abs diff {t.max_abs_diff:.6g}, {t.num_different} of {t.numel} "
+                "elements differ"
             )
             if t.nan_mismatches:
                 line += f", {t.nan_mismatches} NaN on one side only"
@@ -286,7 +294,9 @@ def compare_tensors(x: torch.Tensor, y: torch.Tensor, name: str = "") -> TensorD
     computed in float64 (complex128 when either side is complex).
     """
     if x.shape != y.shape:
-        raise ValueError(f"{name}: cannot compare shapes {list(x.shape)} and {list(y.shape)}")
+        raise InvalidArgumentError(
+            f"{name}: cannot compare shapes {list(x.shape)} and {list(y.shape)}"
+        )
     exact_ints = x.dtype == y.dtype and not (x.dtype.is_floating_point or x.dtype.is_complex)
     work = torch.complex128 if (x.dtype.is_complex or y.dtype.is_complex) else torch.float64
     xf, yf = x.reshape(-1), y.reshape(-1)
