@@ -424,7 +424,7 @@ def test_export_hf_bad_source_fails_without_a_warning(capsys: pytest.CaptureFixt
     (tmp_path / "empty").mkdir()
     rc, _, err = run_cli(capsys, "export-hf", tmp_path / "empty", tmp_path / "hf")
     assert rc == 2 and "warning" not in err
-    assert one_error_line(err).startswith(f"ucp-dcp: error: {tmp_path / 'empty'}: not a checkpoint")
+    assert one_error_line(err).startswith(f"ucp-dcp: error: {tmp_path / 'empty'} is not a checkpoint")
 
 
 _COMMANDS_READING = [["inspect"], ["verify"], ["diff", "{good}"], ["export-hf", "{out}"], ["convert", "{out}"],
@@ -453,7 +453,7 @@ def test_not_a_checkpoint_is_one_wording_and_status_2(capsys: pytest.CaptureFixt
         rc, out, err = run_cli(capsys, argv[0], bad, *rest)
         assert rc == 2 and out == "", err
         line = one_error_line(err)
-        assert line.startswith(f"ucp-dcp: error: {bad}: not a checkpoint") and "rebuild_index" not in line
+        assert line.startswith(f"ucp-dcp: error: {bad} is not a checkpoint") and "rebuild_index" not in line
         assert INDEX_FILE in line and ".metadata" in line  # the formats looked for
         lines.append(line)
     from ucp_dcp.sources import open_source

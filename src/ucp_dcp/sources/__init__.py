@@ -25,8 +25,8 @@ import os
 from typing import Any
 
 from ..byteio.objstore import ObjectStore, is_url, local_path
-from ..errors import NotACheckpointError
-from ..format.names import save_id_of
+from ..errors import CheckpointFormatError, NotACheckpointError
+from ..format.names import INDEX_FILE, save_id_of
 from ._dirs import ModelDir, open_location
 from .base import Source, SourceOptions, read_value, register, source_types
 from .composite import CompositeSource
@@ -45,7 +45,6 @@ __all__ = [
     "register",
     "source_types",
     "formats_looked_for",
-    "not_a_checkpoint",
     "NativeSource",
     "DCPSource",
     "HFSource",
@@ -80,7 +79,7 @@ def open_source(
     for cls in source_types():
         if cls.detect(d):
             return cls.open(d, opts)
-    raise not_a_checkpoint(d)
+    raise _not_a_checkpoint(d)
 
 
 def formats_looked_for() -> list[str]:
@@ -89,9 +88,13 @@ def formats_looked_for() -> list[str]:
     return [f"{c.looks_for} ({c.title or c.format})" for c in source_types()]
 
 
-def not_a_checkpoint(d: ModelDir) -> NotACheckpointError:
-    """The error for view ``d``, which no registered format recognises: names the location, the
-    formats looked for and what it holds."""
+def _not_a_checkpoint(d: ModelDir) -> CheckpointFormatError:
+    """The error for view ``d``, which no registered format recognises.
+
+    Native data files without an index are a save that did not finish: a damaged checkpoint
+    (``ucp-dcp verify`` exits 1), with the way to recover. Anything else is a
+    :class:`NotACheckpointError` naming the location, the formats looked for and what it holds.
+    """
     formats = formats_looked_for()
     if d.named is not None:
         held = "it is a file"
@@ -100,19 +103,19 @@ def not_a_checkpoint(d: ModelDir) -> NotACheckpointError:
         names = sorted(d.list())
         shown = ", ".join(names[:10]) + (" ..." if len(names) > 10 else "")
         held = f"it holds {shown}" if names else "it is empty"
-    hint = ""
     if any(save_id_of(n) is not None for n in names):
-        hint = (
-            ". A save that did not finish leaves data files and no index: load an earlier "
-            "checkpoint"
-        ) + (
-            ", or rebuild the index from complete data files with "
+        rebuild = (
+            " or rebuild the index from complete data files with "
             "ucp_dcp.rebuild_index(path, write=True)"
             if d.store is None
             else ""
         )
+        return CheckpointFormatError(
+            f"{d.location}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing. A save that did "
+            f"not finish leaves no index; load an earlier checkpoint{rebuild}"
+        )
     return NotACheckpointError(
-        f"{d.location} is not a checkpoint: found none of {', '.join(formats)}; {held}{hint}",
+        f"{d.location} is not a checkpoint: found none of {', '.join(formats)}; {held}",
         d.location,
         formats,
     )
