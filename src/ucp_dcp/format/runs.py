@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, SupportsIndex, overload
 
 import numpy as np
 
@@ -79,10 +79,17 @@ class RunList(Sequence[int]):
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
 
-    def __getitem__(self, i: int) -> int:  # type: ignore[override]
+    @overload
+    def __getitem__(self, i: SupportsIndex) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: SupportsIndex | slice) -> int | list[int]:
         n = len(self)
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(n))]
+        i = i.__index__()
         if i < 0:
             i += n
         if not 0 <= i < n:
@@ -91,7 +98,7 @@ class RunList(Sequence[int]):
         start, count, step = self.runs[r]
         return start + (i - (int(self._ends[r]) - count)) * step
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         for start, count, step in self.runs:
             yield from (
                 range(start, start + count * step, step) if step else (start for _ in range(count))

@@ -75,7 +75,7 @@ class Source(ABC):
     """Short name of the format, shown by ``ucp-dcp inspect``."""
     store: ObjectStore | None = None
     """The object store the checkpoint is in; None for a local checkpoint (``paths`` are files)."""
-    checksums: ClassVar[bool] = False
+    checksums: bool = False
     """Whether the format records a checksum of every chunk and value."""
     title: ClassVar[str] = ""
     """The format's name for people ("Hugging Face"), in the error for a path no format

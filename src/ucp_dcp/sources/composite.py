@@ -90,7 +90,7 @@ class CompositeSource(Source):
         world = max(c.index.world_size for c in children.values())
         super().__init__(path, Index(world, files, tensors, values, rank_local), paths)
         self.children = children
-        self.checksums = all(c.checksums for c in children.values())  # type: ignore[misc]
+        self.checksums = all(c.checksums for c in children.values())
 
     @classmethod
     def detect_dir(cls, d: ModelDir) -> bool:
