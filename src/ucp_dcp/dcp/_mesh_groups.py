@@ -29,9 +29,9 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, SupportsIndex, overload
 
 import numpy as np
 import torch
@@ -332,7 +332,7 @@ def compact_records(
     return out
 
 
-class LazyChunks(list):  # type: ignore[type-arg]
+class LazyChunks(list[ChunkStorageMetadata]):
     """DCP's chunk list of one tensor, built only if something reads it.
 
     ``TensorStorageMetadata.chunks`` lists every saved chunk; at 16384 ranks
@@ -358,11 +358,19 @@ class LazyChunks(list):  # type: ignore[type-arg]
         self._fill()
         return super().__len__()
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[ChunkStorageMetadata]:
         self._fill()
         return super().__iter__()
 
-    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+    @overload
+    def __getitem__(self, i: SupportsIndex) -> ChunkStorageMetadata: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[ChunkStorageMetadata]: ...
+
+    def __getitem__(
+        self, i: SupportsIndex | slice
+    ) -> ChunkStorageMetadata | list[ChunkStorageMetadata]:
         self._fill()
         return super().__getitem__(i)
 
@@ -374,7 +382,7 @@ class LazyChunks(list):  # type: ignore[type-arg]
         self._fill()
         return super().__repr__()
 
-    def __reduce_ex__(self, protocol):  # type: ignore[no-untyped-def]
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[object, tuple[object, ...]]:
         # DCP broadcasts the save's metadata to every rank: stay lazy on the
         # wire too (the source is a picklable partial), else send the list.
         if self._source is not None:
