@@ -45,7 +45,7 @@ import xxhash
 from numpy.lib.stride_tricks import as_strided
 
 from ..core.sharding import Box, runs
-from ..errors import ChecksumError
+from ..errors import ChecksumError, InvalidArgumentError
 from ..format import Location
 from .integrity import chunk_what
 from .rangeio import HOOKED_REQUEST_BYTES, ByteSource, Segment, storage_view
@@ -150,7 +150,7 @@ class BlockHasher:
             self.sums[self._k] = self._partial.intdigest()
             self._k, self._fill, self._partial = self._k + 1, 0, None
         if self._k != len(self.sums):
-            raise ValueError(f"block hasher fed {self._k} of {len(self.sums)} blocks")
+            raise InvalidArgumentError(f"block hasher fed {self._k} of {len(self.sums)} blocks")
         return self.sums
 
 
@@ -349,7 +349,7 @@ class BlockVerifier:
         bs, n, file, base = check.sums.block, location.nbytes, location.file, location.start
         end = start + length
         if start < 0 or end > n:
-            raise ValueError(f"read [{start}, {end}) outside a chunk of {n} bytes")
+            raise InvalidArgumentError(f"read [{start}, {end}) outside a chunk of {n} bytes")
         first = min(-(-start // bs) * bs, n)  # the run's whole blocks are [first, last)
         last = n if end == n else end // bs * bs
         empty = np.zeros(0, np.int64)
@@ -420,7 +420,9 @@ class BlockVerifier:
         bs, n, file, base = check.sums.block, location.nbytes, location.file, location.start
         b = a + length
         if len(a) and (int(a[0]) < 0 or int(b[-1]) > n):
-            raise ValueError(f"read [{int(a[0])}, {int(b[-1])}) outside a chunk of {n} bytes")
+            raise InvalidArgumentError(
+                f"read [{int(a[0])}, {int(b[-1])}) outside a chunk of {n} bytes"
+            )
         # Block boundaries are the multiples of the block size, and the chunk's end.
         ca = np.minimum(-(-a // bs) * bs, n)  # first boundary at or after each run's start
         fb = np.where(b == n, n, b // bs * bs)  # last boundary at or before its end
@@ -522,7 +524,7 @@ class BlockVerifier:
                     or int(blocks[0]) * bs < at
                     or min(int(blocks[-1]) * bs + bs, location.nbytes) - at > len(mem)
                 ):
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"blocks {int(blocks[0])}..{int(blocks[-1])} are not inside the span read "
                         f"at {at}"
                     )
