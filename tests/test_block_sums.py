@@ -52,6 +52,7 @@ from ucp_dcp import (
     load_state_dict,
 )
 from ucp_dcp.byteio.blocksums import BlockHasher
+from ucp_dcp.errors import InvalidArgumentError
 from ucp_dcp.byteio.rangeio import HOOKED_REQUEST_BYTES, RangeReader, Segment
 from ucp_dcp.core.pieces import Piece, TensorPieces
 from ucp_dcp.byteio.files import read_header
@@ -443,5 +444,5 @@ def test_range_reader_runs_done_once_after_the_last_byte(tmp_path: Path) -> None
     with RangeReader([str(f)], threads=2, max_request_bytes=64) as reader:
         with pytest.raises(ChecksumError):
             reader.read([Segment(0, 0, memoryview(bytearray(1000)), boom)])
-        with pytest.raises(ValueError, match="empty segment"):
+        with pytest.raises(InvalidArgumentError, match="empty segment"):
             reader.read([Segment(0, 0, memoryview(bytearray(0)), boom)])

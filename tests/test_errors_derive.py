@@ -54,8 +54,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     # A file object's seek before the start: zipfile (the only caller) expects OSError from a
     # file too short to be an archive, and turns it into its own BadZipFile.
     ("sources/_torch_archive.py", "seek", "OSError"): "file protocol for zipfile",
-    # Control flow inside the module: raised and caught in the same unpickler, never escapes.
-    ("sources/_torch_archive.py", "_Refused", "Exception"): "caught where raised",
 }
 
 

@@ -42,6 +42,7 @@ from ucp_dcp.format import INDEX_FILE, Location
 from ucp_dcp.sources import NativeSource
 from ucp_dcp.byteio.integrity import ChecksumError, bytes_digest, file_digest, hash_range
 from ucp_dcp.byteio.rangeio import RangeReader
+from ucp_dcp.errors import InvalidArgumentError, StorageError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -152,11 +153,13 @@ def test_file_and_bytes_digest_match_xxhash(tmp_path: Path, size: int) -> None:
 
 def test_file_digest_errors_name_the_file(tmp_path: Path) -> None:
     missing = tmp_path / "nope.safetensors"
-    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+    with pytest.raises(StorageError, match=re.escape(str(missing))) as e:
         file_digest(missing)
-    with pytest.raises(IsADirectoryError, match=re.escape(str(tmp_path))):
+    assert e.value.errno == errno.ENOENT
+    with pytest.raises(StorageError, match=re.escape(str(tmp_path))) as e:
         file_digest(tmp_path)
-    with pytest.raises(ValueError, match="block"):
+    assert e.value.errno == errno.EISDIR
+    with pytest.raises(InvalidArgumentError, match="block"):
         file_digest(missing, block=0)
 
 

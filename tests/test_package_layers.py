@@ -13,8 +13,8 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "src" / "ucp_dcp"
 
-# Lowest first. ``errors`` and ``byteio.durable`` import nothing of the
-# package and any layer may use them.
+# Lowest first. ``errors`` and ``_compat`` import nothing of the package,
+# ``byteio.durable`` only ``errors``; any layer may use them.
 LAYERS = ["core", "format", "byteio", "sources", "dcp", "adapters", "tools", "manager"]
 LEAVES = {"errors", "_compat", "byteio.durable"}
 
@@ -69,6 +69,14 @@ def test_imports_go_down_the_layers() -> None:
             if theirs is not None and theirs > mine:
                 wrong.append(f"{me} ({LAYERS[mine]}) imports {dep} ({LAYERS[theirs]})")
     assert wrong == []
+
+
+def test_leaves_import_only_errors() -> None:
+    """The leaves any layer may use stay leaves: ``errors`` and ``_compat`` import nothing of the
+    package, ``byteio.durable`` nothing but ``errors``."""
+    allowed = {"errors": set(), "_compat": set(), "byteio.durable": {"errors"}}
+    extra = {m: _imports(PKG / f"{m.replace('.', '/')}.py") - ok for m, ok in allowed.items()}
+    assert extra == {m: set() for m in allowed}
 
 
 def test_no_import_cycles() -> None:

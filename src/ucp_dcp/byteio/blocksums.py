@@ -35,8 +35,9 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ import xxhash
 from numpy.lib.stride_tricks import as_strided
 
 from ..core.sharding import Box, runs
-from ..errors import ChecksumError
+from ..errors import ChecksumError, InvalidArgumentError
 from ..format import Location
 from .integrity import chunk_what
 from .rangeio import HOOKED_REQUEST_BYTES, ByteSource, Segment, storage_view
@@ -52,6 +53,10 @@ from .rangeio import HOOKED_REQUEST_BYTES, ByteSource, Segment, storage_view
 __all__ = ["BlockSums", "BlockHasher", "BlockVerifier", "ChunkCheck", "read_verified"]
 
 _hash = xxhash.xxh3_64_intdigest
+# The same function, for numpy arrays (the rows of a 2-D view, hashed in place). Arrays have the
+# buffer protocol, but numpy's stubs declare it (``__buffer__``) only for Python 3.12+ and mypy
+# checks for 3.10; taking ``.data`` of every row instead would double the cost of hashing a block.
+_hash_array = cast("Callable[[np.ndarray], int]", xxhash.xxh3_64_intdigest)
 # A batch read in at most this many stretches of the file (its segments closer
 # than a page are read by one call) is checked by the I/O thread that
 # completes it, while the other threads still read, so that hashing overlaps
@@ -129,7 +134,9 @@ class BlockHasher:
         if full:
             # The rows of a 2-D view: a quarter cheaper per block than slicing the memoryview.
             rows = np.frombuffer(view, dtype=np.uint8, count=full * b, offset=off).reshape(full, b)
-            self.sums[self._k : self._k + full] = np.fromiter(map(_hash, rows), np.uint64, full)
+            self.sums[self._k : self._k + full] = np.fromiter(
+                map(_hash_array, rows), np.uint64, full
+            )
             self._k += full
             off += full * b
         if off < n:
@@ -143,7 +150,7 @@ class BlockHasher:
             self.sums[self._k] = self._partial.intdigest()
             self._k, self._fill, self._partial = self._k + 1, 0, None
         if self._k != len(self.sums):
-            raise ValueError(f"block hasher fed {self._k} of {len(self.sums)} blocks")
+            raise InvalidArgumentError(f"block hasher fed {self._k} of {len(self.sums)} blocks")
         return self.sums
 
 
@@ -201,10 +208,10 @@ def _digests(
         step = block if nfull == 1 else _arith(fo)
         if step is not None:
             rows = as_strided(arr[int(fo[0]) :], (nfull, block), (step, 1))
-            out[full] = np.fromiter(map(_hash, rows), np.uint64, nfull)
+            out[full] = np.fromiter(map(_hash_array, rows), np.uint64, nfull)
             rest = ~full
     for i, o, n in zip(np.flatnonzero(rest).tolist(), offs[rest].tolist(), lens[rest].tolist()):
-        out[i] = _hash(arr[o : o + n])  # short last blocks, irregular strides
+        out[i] = _hash_array(arr[o : o + n])  # short last blocks, irregular strides
     return out
 
 
@@ -288,7 +295,7 @@ class BlockVerifier:
         """
         t0 = time.thread_time()
         es = dest.element_size()
-        grid = runs(chunk_sizes, region, dest.stride(), dest.storage_offset())
+        grid = runs(chunk_sizes, region, dest.stride(), int(dest.storage_offset()))
         if not grid.count:
             return
         view = storage_view(dest) if view is None else view
@@ -342,7 +349,7 @@ class BlockVerifier:
         bs, n, file, base = check.sums.block, location.nbytes, location.file, location.start
         end = start + length
         if start < 0 or end > n:
-            raise ValueError(f"read [{start}, {end}) outside a chunk of {n} bytes")
+            raise InvalidArgumentError(f"read [{start}, {end}) outside a chunk of {n} bytes")
         first = min(-(-start // bs) * bs, n)  # the run's whole blocks are [first, last)
         last = n if end == n else end // bs * bs
         empty = np.zeros(0, np.int64)
@@ -380,7 +387,7 @@ class BlockVerifier:
             blocks = sorted({k for s, e, _ in edges for k in (s // bs, (e - 1) // bs)})
             batch.scratch = self._scratch(len(blocks) * bs)
             batch.scratch_blocks = np.array(blocks, dtype=np.int64)
-            scratch = memoryview(batch.scratch)
+            scratch = batch.scratch.data
             for i, k in enumerate(blocks):
                 if i and blocks[i - 1] == k - 1:  # the previous segment already covers it
                     continue
@@ -413,7 +420,9 @@ class BlockVerifier:
         bs, n, file, base = check.sums.block, location.nbytes, location.file, location.start
         b = a + length
         if len(a) and (int(a[0]) < 0 or int(b[-1]) > n):
-            raise ValueError(f"read [{int(a[0])}, {int(b[-1])}) outside a chunk of {n} bytes")
+            raise InvalidArgumentError(
+                f"read [{int(a[0])}, {int(b[-1])}) outside a chunk of {n} bytes"
+            )
         # Block boundaries are the multiples of the block size, and the chunk's end.
         ca = np.minimum(-(-a // bs) * bs, n)  # first boundary at or after each run's start
         fb = np.where(b == n, n, b // bs * bs)  # last boundary at or before its end
@@ -469,7 +478,7 @@ class BlockVerifier:
         if len(blocks):
             batch.scratch = self._scratch(len(blocks) * bs)
             batch.scratch_blocks = blocks
-            scratch = memoryview(batch.scratch)
+            scratch = batch.scratch.data
             segments += [
                 Segment(file, base + s, scratch[p : p + e - s], done)
                 for s, e, p in zip(gs.tolist(), ge.tolist(), (g0 * bs).tolist())
@@ -515,7 +524,7 @@ class BlockVerifier:
                     or int(blocks[0]) * bs < at
                     or min(int(blocks[-1]) * bs + bs, location.nbytes) - at > len(mem)
                 ):
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"blocks {int(blocks[0])}..{int(blocks[-1])} are not inside the span read "
                         f"at {at}"
                     )
@@ -523,14 +532,14 @@ class BlockVerifier:
                 batch = _Batch(
                     location,
                     check,
-                    memoryview(mem),
+                    mem.data,
                     empty,
                     empty,
                     np.zeros(0, np.uint8),
                     empty,
                     (empty,) * 3,
                 )
-                nbytes = self._compare(batch, memoryview(mem), blocks * bs - at, blocks)
+                nbytes = self._compare(batch, mem.data, blocks * bs - at, blocks)
         finally:
             self._spent(time.thread_time() - t0, nbytes)
 
@@ -605,13 +614,13 @@ class BlockVerifier:
         nfull = nbytes // bs  # only the chunk's last block may be short
         arr = np.frombuffer(batch.dest, dtype=np.uint8, count=nbytes, offset=off)
         if nfull == k1 - k0:
-            got = np.fromiter(map(_hash, arr.reshape(nfull, bs)), np.uint64, nfull)
+            got = np.fromiter(map(_hash_array, arr.reshape(nfull, bs)), np.uint64, nfull)
         else:
             got = np.empty(k1 - k0, dtype=np.uint64)
             got[:nfull] = np.fromiter(
-                map(_hash, arr[: nfull * bs].reshape(nfull, bs)), np.uint64, nfull
+                map(_hash_array, arr[: nfull * bs].reshape(nfull, bs)), np.uint64, nfull
             )
-            got[nfull] = _hash(arr[nfull * bs :])
+            got[nfull] = _hash_array(arr[nfull * bs :])
         want = batch.check.sums.sums[k0:k1]
         if not np.array_equal(got, want):
             i = int(np.flatnonzero(got != want)[0])
@@ -630,9 +639,9 @@ class BlockVerifier:
             sums, nbytes = check.sums.sums, 0
             for o, k in zip(offs.tolist(), blocks.tolist()):
                 w = min(bs, n - k * bs)
-                got, want = _hash(mem[o : o + w]), int(sums[k])
-                if got != want:
-                    raise self._mismatch(batch, k, want, got)
+                digest, recorded = _hash(mem[o : o + w]), int(sums[k])
+                if digest != recorded:
+                    raise self._mismatch(batch, k, recorded, digest)
                 nbytes += w
             return nbytes
         lens = np.minimum(bs, n - blocks * bs)
@@ -655,9 +664,7 @@ class BlockVerifier:
         nbytes += self._compare(batch, batch.dest, batch.dest_offs, batch.dest_blocks)
         if len(batch.scratch_blocks):
             scratch_offs = np.arange(len(batch.scratch_blocks), dtype=np.int64) * bs
-            nbytes += self._compare(
-                batch, memoryview(batch.scratch), scratch_offs, batch.scratch_blocks
-            )
+            nbytes += self._compare(batch, batch.scratch.data, scratch_offs, batch.scratch_blocks)
             self._copy(batch)
         return nbytes
 
@@ -667,7 +674,7 @@ class BlockVerifier:
         if not len(so):
             return
         if len(so) <= _FEW:
-            dview, sview = batch.dest, memoryview(batch.scratch)
+            dview, sview = batch.dest, batch.scratch.data
             for s, d, w in zip(so.tolist(), do.tolist(), ln.tolist()):
                 dview[d : d + w] = sview[s : s + w]
             return
@@ -681,7 +688,7 @@ class BlockVerifier:
                 as_strided(batch.scratch[int(so[0]) :], (m, w), (sstep, 1)),
             )
             return
-        dview, sview = batch.dest, memoryview(batch.scratch)
+        dview, sview = batch.dest, batch.scratch.data
         for s, d, w in zip(so.tolist(), do.tolist(), ln.tolist()):
             dview[d : d + w] = sview[s : s + w]
 

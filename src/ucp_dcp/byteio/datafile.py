@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ..errors import InvalidArgumentError
 from ..format import (
     ALIGN,
     BLOCK_BYTES,
@@ -174,7 +175,7 @@ class DataFileWriter:
         view = memoryview(data).cast("B")
         done = self._written[i]
         if done + len(view) > self.entries[i].nbytes:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{self.path}: entry {self.entries[i].name!r} gets more than its "
                 f"{self.entries[i].nbytes} bytes"
             )
@@ -236,7 +237,9 @@ class DataFileWriter:
             self._raise_failed()
             short = [e.name for e, n in zip(self.entries, self._written) if n != e.nbytes]
             if short:
-                raise ValueError(f"{self.path}: entries {short[:5]} were not written in full")
+                raise InvalidArgumentError(
+                    f"{self.path}: entries {short[:5]} were not written in full"
+                )
             self.entries, final, raw = _finished(
                 self.path,
                 self.entries,
@@ -336,7 +339,9 @@ def stream_data_file(
     for i, (e, data) in enumerate(zip(entries, datas)):
         view = memoryview(data).cast("B")
         if len(view) != e.nbytes:
-            raise ValueError(f"{path}: entry {e.name!r} has {len(view)} bytes, not {e.nbytes}")
+            raise InvalidArgumentError(
+                f"{path}: entry {e.name!r} has {len(view)} bytes, not {e.nbytes}"
+            )
         hashers[i].update(view)
         if i in blocks:
             blocks[i].update(view)

@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import CheckpointExistsError, CheckpointWriteError
+
 __all__ = [
     "write_all",
     "start_writeback",
@@ -48,7 +50,7 @@ def write_all(fd: int, data: bytes | bytearray | memoryview, offset: int | None 
     while view:
         n = _pwrite(fd, view, offset) if offset is not None else os.write(fd, view)
         if n <= 0:  # never for a regular file, but a zero would spin forever
-            raise OSError(errno.EIO, f"write made no progress at offset {offset}")
+            raise CheckpointWriteError(errno.EIO, f"write made no progress at offset {offset}")
         view = view[n:]
         if offset is not None:
             offset += n
@@ -192,7 +194,9 @@ def swap_paths(a: str, b: str) -> bool:
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV):
         return False
-    raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b} failed: {os.strerror(err)}")
+    raise CheckpointWriteError(
+        err, f"renameat2(RENAME_EXCHANGE) of {a} and {b} failed: {os.strerror(err)}"
+    )
 
 
 def remove_quietly(path: str) -> None:
@@ -220,7 +224,7 @@ def commit_dir(tmp: str, dst: str) -> None:
     try:
         os.rename(tmp, dst)  # replaces an empty directory atomically on POSIX
     except OSError as e:
-        raise FileExistsError(
+        raise CheckpointExistsError(
             f"{dst}: cannot move the finished output into place ({e}); is it still empty?"
         ) from None
     fsync_path(os.path.dirname(os.path.abspath(dst)))

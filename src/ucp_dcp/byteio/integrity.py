@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import xxhash
 
-from ..errors import ChecksumError
+from ..errors import ChecksumError, InvalidArgumentError, StorageError
 from ..format import Location
 from .rangeio import ByteSource, Segment, tensor_view
 
@@ -50,7 +50,7 @@ def file_digest(path: str | os.PathLike[str], *, block: int = HASH_BLOCK) -> tup
     ``path``.
     """
     if block <= 0:
-        raise ValueError(f"block must be positive, got {block}")
+        raise InvalidArgumentError(f"block must be positive, got {block}")
     path = os.fspath(path)
     h = xxhash.xxh3_128()
     size = 0
@@ -64,7 +64,9 @@ def file_digest(path: str | os.PathLike[str], *, block: int = HASH_BLOCK) -> tup
                 size += n
     except OSError as e:
         # open() names the file already; a failing read does not.
-        raise OSError(e.errno, f"cannot read {path} to checksum it: {e.strerror or e}", path) from e
+        raise StorageError(
+            e.errno, f"cannot read {path} to checksum it: {e.strerror or e}", path
+        ) from e
     return size, h.hexdigest()
 
 
@@ -84,7 +86,7 @@ def hash_range(reader: ByteSource, location: Location, buf: bytearray | memoryvi
     h = xxhash.xxh3_64()
     view = memoryview(buf).cast("B")
     if location.nbytes and not len(view):
-        raise ValueError("hash_range needs a non-empty buffer")
+        raise InvalidArgumentError("hash_range needs a non-empty buffer")
     pos, end = location.start, location.start + location.nbytes
     while pos < end:
         n = min(len(view), end - pos)

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ..errors import TruncatedFileError
+from ..errors import InvalidArgumentError, TruncatedFileError
 from .files import open_data_file
 
 __all__ = [
@@ -353,7 +353,7 @@ def coalesce(
         n = len(s.dest)
         if n == 0:
             if s.done is not None:
-                raise ValueError("an empty segment cannot carry a done callback")
+                raise InvalidArgumentError("an empty segment cannot carry a done callback")
             continue
         if cur is not None and cur.file == s.file:
             gap = s.offset - (cur.offset + cur.nbytes)

@@ -26,6 +26,7 @@ import xxhash
 
 from ..core.sharding import Box, row_major_strides, runs, slabs
 from ..core.spans import prefer_span, region_starts, span_of, span_slabs
+from ..errors import InvalidArgumentTypeError
 from ..format import Location
 from .blocksums import ChunkCheck, read_verified
 from .integrity import ChecksumError
@@ -519,7 +520,7 @@ def read_staged(
         buffers.read(reader, part, dest, check, span)
         return
     if max_buffer_bytes is None:
-        raise TypeError("read_staged needs max_buffer_bytes or buffers")
+        raise InvalidArgumentTypeError("read_staged needs max_buffer_bytes or buffers")
     with StagingBuffers(max_buffer_bytes, largest_bytes=part.nbytes) as own:
         own.read(reader, part, dest, check, span)
 

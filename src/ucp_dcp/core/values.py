@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointFormatError, UnsupportedValueError
+from ..errors import CheckpointFormatError, InvalidArgumentError, UnsupportedValueError
 
 __all__ = ["RankLocal", "UnsupportedValueError", "encode_value", "decode_value", "ReshardFn"]
 
@@ -146,7 +146,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}") from None
+        raise InvalidArgumentError(f"unknown dtype {name!r}") from None
 
 
 def _decode(obj: Any, key: str) -> Any:

@@ -34,9 +34,10 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem
 
 from ..core.sharding import Grid
-from ..errors import CheckpointKeyError
+from ..errors import CheckpointKeyError, UnsupportedValueError
 from ..format import Layout
 from ._mesh_groups import MeshGroup
 
@@ -49,6 +50,7 @@ __all__ = [
     "LoadRankReport",
     "LoadSourceInfo",
     "rank_and_world",
+    "tensor_data",
 ]
 
 PieceKey = tuple[str, tuple[int, ...]]
@@ -63,6 +65,22 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def tensor_data(item: WriteItem) -> TensorWriteData:
+    """The chunk, size and properties of a tensor write item.
+
+    DCP sets ``tensor_data`` on every tensor item it creates, and the local
+    save plan keeps no other (a checkpointable tensor's own items are checked
+    there); raises :class:`~ucp_dcp.errors.UnsupportedValueError` for one without.
+    """
+    td = item.tensor_data
+    if td is None:
+        raise UnsupportedValueError(
+            f"tensor {item.index.fqn!r}: its {item.type.name} write item carries no tensor data "
+            "(chunk offsets and sizes); only tensor chunks can be saved"
+        )
+    return td
 
 
 # ---------------------------------------------------------------------- save

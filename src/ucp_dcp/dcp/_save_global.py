@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from ..errors import InconsistentSaveError
 from ..format import Layout, dtype_name, rank_local_key, split_rank_local_key
 from ._mesh_groups import MeshGroup, Owners, TensorSpec, described_group, owned_metadata
-from ._plan_records import PieceKey, SaveRankReport, SaveReply, SaveSummary
+from ._plan_records import PieceKey, SaveRankReport, SaveReply, SaveSummary, tensor_data
 
 __all__ = [
     "create_global_save_plan",
@@ -130,7 +130,7 @@ def _rank_plan(
             kept = plan_value_item(item, r, to_rank_local, values)
             if kept is not None:
                 items.append(kept)
-        elif writer[(item.index.fqn, tuple(item.tensor_data.chunk.offsets))] == r:
+        elif writer[(item.index.fqn, tuple(tensor_data(item).chunk.offsets))] == r:
             items.append(item)
     return dataclasses.replace(plan, items=items, planner_data=None)
 
@@ -216,9 +216,9 @@ def check_tiling(reports: Sequence[SaveRankReport], table: ChunkTable) -> None:
         keys = table.by_tensor.get(fqn, [])
         if not keys:
             continue  # only empty pieces
-        size = table.first[keys[0]].tensor_data.size
+        size = tensor_data(table.first[keys[0]]).size
         total = math.prod(size)
-        covered = sum(math.prod(table.first[k].tensor_data.chunk.sizes) for k in keys)
+        covered = sum(math.prod(tensor_data(table.first[k]).chunk.sizes) for k in keys)
         if covered != total:
             how = (
                 "leaving elements that no rank holds"
@@ -244,12 +244,12 @@ def check_groups(reports: Sequence[SaveRankReport]) -> list[MeshGroup]:
         for g in report.groups:
             key = (g.first_rank, g.signature)
             if g.description is not None and key not in described:
-                group = described_group(g.signature, g.description)
-                if group.signature != g.signature:
+                made = described_group(g.signature, g.description)
+                if made.signature != g.signature:
                     raise InconsistentSaveError(
                         f"rank {me}: its mesh group description does not match its own checksum"
                     )
-                described[key] = group
+                described[key] = made
             members[key].append(me)
     for (first, sig), ranks in members.items():
         group = described.get((first, sig))
@@ -299,7 +299,7 @@ class ChunkTable:
         """DCP's metadata of every tensor in the table, with its chunk list."""
         return {
             fqn: TensorStorageMetadata(
-                p, size, [self.first[k].tensor_data.chunk for k in self.by_tensor[fqn]]
+                p, size, [tensor_data(self.first[k]).chunk for k in self.by_tensor[fqn]]
             )
             for fqn, (p, size, _) in self.props.items()
         }
@@ -318,7 +318,7 @@ def collect_chunks(plans: Sequence[SavePlan]) -> ChunkTable:
             if item.type == WriteItemType.BYTE_IO:
                 continue
             fqn = item.index.fqn
-            td = item.tensor_data
+            td = tensor_data(item)
             seen = table.props.get(fqn)
             if seen is None:
                 table.props[fqn] = (td.properties, td.size, r)
@@ -336,10 +336,10 @@ def collect_chunks(plans: Sequence[SavePlan]) -> ChunkTable:
                 table.by_tensor[fqn].append(key)
             table.holders[key].append(r)
             seen_item = table.first.setdefault(key, item)
-            if seen_item.tensor_data.chunk.sizes != td.chunk.sizes:
+            if tensor_data(seen_item).chunk.sizes != td.chunk.sizes:
                 raise InconsistentSaveError(
                     f"tensor {fqn!r}: rank {table.holders[key][0]} saves a box of size "
-                    f"{list(seen_item.tensor_data.chunk.sizes)} at offsets {list(key[1])} but "
+                    f"{list(tensor_data(seen_item).chunk.sizes)} at offsets {list(key[1])} but "
                     f"rank {r} one of "
                     f"size {list(td.chunk.sizes)}: pieces of one tensor held by several ranks "
                     "must be the same box"

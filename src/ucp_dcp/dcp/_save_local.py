@@ -36,7 +36,7 @@ from ..core.values import RankLocal, encode_value
 from ..errors import InconsistentSaveError, LayoutError, UnsupportedValueError
 from ..format import Layout, dtype_name, rank_local_key
 from ._mesh_groups import MeshGroup, TensorSpec, cached_group, shard_item
-from ._plan_records import MeshGroupReport, PieceKey, SaveRankReport
+from ._plan_records import MeshGroupReport, PieceKey, SaveRankReport, tensor_data
 
 __all__ = ["LocalSavePlan", "create_local_save_plan", "tensor_digest"]
 
@@ -136,7 +136,7 @@ def create_local_save_plan(
             items.extend(
                 i
                 for i in create_write_items(fqn, obj)
-                if i.tensor_data.chunk.sizes.numel() or not obj.numel()
+                if tensor_data(i).chunk.sizes.numel() or not obj.numel()
             )
         elif isinstance(obj, TensorPieces):
             items.extend(
@@ -150,7 +150,7 @@ def create_local_save_plan(
             items.extend(
                 i
                 for i in create_write_items(fqn, obj)
-                if i.tensor_data.chunk.sizes.numel() or not obj.numel()
+                if tensor_data(i).chunk.sizes.numel() or not obj.numel()
             )
         elif isinstance(obj, torch.Tensor):
             out.layouts[fqn] = layouts[fqn] = _PLAIN
@@ -219,7 +219,7 @@ def _checkpointable_items(fqn: str, obj: torch.Tensor) -> list[WriteItem]:
                 "chunks can be saved from a checkpointable tensor"
             )
         offsets, sizes = tuple(td.chunk.offsets), tuple(td.chunk.sizes)
-        if not math.prod(sizes) and math.prod(shape):
+        if math.prod(sizes) == 0 and math.prod(shape) != 0:
             # an empty shard (a rank that holds none) has no bytes; an empty tensor is still
             # recorded
             continue
@@ -253,7 +253,7 @@ def _piece_items(
     items = []
     for p in obj.pieces:
         piece_fqns.add(p.fqn)
-        if not p.data.numel() and math.prod(p.shape):
+        if not p.data.numel() and math.prod(p.shape) != 0:
             continue  # holds no bytes; an empty logical tensor is still recorded
         where = (p.fqn, p.offsets)
         other = seen.get(where)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
+    MetadataIndex,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
@@ -288,7 +289,7 @@ class UCPStorageReader(_Directory, StorageReader):
         read, and may locate chunks ahead."""
         value_items = [ri for ri in plan.items if ri.type == LoadItemType.BYTE_IO]
         tensor_items = [
-            (ri, src.chunk_index(si.fqn, tuple(si.offset), si.index))
+            (ri, src.chunk_index(si.fqn, _chunk_offsets(si), si.index))
             for ri in plan.items
             if ri.type != LoadItemType.BYTE_IO
             for si in (ri.storage_index,)
@@ -322,6 +323,16 @@ class UCPStorageReader(_Directory, StorageReader):
         """Whether ``checkpoint_id`` is a path some source format recognises."""
         path = os.fspath(checkpoint_id)
         return any(c.detect(path) for c in source_types())
+
+
+def _chunk_offsets(index: MetadataIndex) -> tuple[int, ...]:
+    """The offsets of the chunk a tensor read item reads (DCP's planners set them on every one)."""
+    if index.offset is None:
+        raise InvalidArgumentError(
+            f"tensor {index.fqn!r}: the load plan reads a chunk of it without its offsets "
+            "(MetadataIndex.offset); a tensor read item must name the saved chunk it reads"
+        )
+    return tuple(index.offset)
 
 
 def _save_id(index: Any) -> str | None:

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, InvalidArgumentTypeError
 from ..format import Layout, split_rank_local_key
 from ._mesh_groups import group_items
 from ._plan_records import SaveReply, rank_and_world
@@ -141,4 +141,23 @@ class UCPSavePlanner(DefaultSavePlanner):
             hit = pieces.get((write_item.index.fqn, tuple(write_item.index.offset or ())))
             if hit is not None:
                 return hit[1].data.detach()
-        return super().resolve_data(write_item).detach()
+        return resolved_as(write_item, super().resolve_data(write_item), torch.Tensor).detach()
+
+
+_T = TypeVar("_T")
+
+
+def resolved_as(item: WriteItem, data: object, kind: type[_T]) -> _T:
+    """``data``, what a save planner's ``resolve_data`` gave for ``item``, as a ``kind``.
+
+    DCP types it as a tensor or a buffer: a tensor item resolves to a tensor,
+    a value to an ``io.BytesIO``.
+
+    Raises :class:`~ucp_dcp.errors.InvalidArgumentTypeError` for anything else.
+    """
+    if not isinstance(data, kind):
+        raise InvalidArgumentTypeError(
+            f"{item.index.fqn!r}: the save planner resolved its {item.type.name} write item to a "
+            f"{type(data).__name__}, not a {kind.__name__}"
+        )
+    return data

@@ -11,12 +11,14 @@ written). The coordinator commits the save by writing the JSON index last
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
@@ -50,8 +52,8 @@ from ..format import (
 )
 from ._directory import _Directory
 from ._mesh_groups import compact_records
-from ._plan_records import SaveSummary
-from .save_planner import UCPSavePlanner
+from ._plan_records import SaveSummary, tensor_data
+from .save_planner import UCPSavePlanner, resolved_as
 
 __all__ = ["UCPStorageWriter", "DEFAULT_WRITE_THREADS"]
 
@@ -224,7 +226,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
             if i in values:
                 yield values[i], False
                 continue
-            t = planner.resolve_data(item)
+            t = resolved_as(item, planner.resolve_data(item), torch.Tensor)
             if t.device.type != "cpu":
                 t = t.cpu()
             yield tensor_view(t.contiguous()), True
@@ -259,7 +261,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
             if item.type != WriteItemType.BYTE_IO and planner.is_compact(item.index.fqn):
                 compact += 1
             else:
-                explicit.append(WrittenEntry(e.name, e.meta, s, e.nbytes))
+                explicit.append(WrittenEntry.of(e, s))
         return [WriteResult(MetadataIndex(name), size, _WriteRecord(name, size, explicit, compact))]
 
     @staticmethod
@@ -277,13 +279,14 @@ class UCPStorageWriter(_Directory, StorageWriter):
         for i, item in enumerate(plan.items):
             fqn = item.index.fqn
             if item.type == WriteItemType.BYTE_IO:
-                values[i] = data = planner.resolve_data(item).getvalue()
+                encoded = resolved_as(item, planner.resolve_data(item), io.BytesIO)
+                values[i] = data = encoded.getvalue()
                 rl = split_rank_local_key(fqn)
                 entries.append(
                     value_entry(rl[1] if rl else fqn, len(data), rank_local=rl is not None)
                 )
             else:
-                td = item.tensor_data
+                td = tensor_data(item)
                 entries.append(
                     chunk_entry(
                         fqn,

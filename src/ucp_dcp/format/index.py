@@ -21,8 +21,8 @@ import xxhash
 
 from ..core.sharding import Box
 from ..core.values import dtype_from_name
-from ..errors import CheckpointFormatError
-from .header import EntryMeta
+from ..errors import CheckpointFormatError, InvalidArgumentError
+from .header import EntryMeta, PlannedEntry
 from .records import ChunkRecord, FileRecord, Index, Layout, Location, TensorRecord
 from .schema import parse_json
 
@@ -39,6 +39,20 @@ class WrittenEntry:
     meta: EntryMeta
     start: int
     nbytes: int
+
+    @classmethod
+    def of(cls, entry: PlannedEntry, start: int) -> WrittenEntry:
+        """The record of ``entry`` (a tensor chunk or a value) written at byte ``start``.
+
+        Raises :class:`~ucp_dcp.errors.InvalidArgumentError` for an entry
+        without metadata (padding, block checksums): the index records none.
+        """
+        if entry.meta is None:
+            raise InvalidArgumentError(
+                f"entry {entry.name!r} is padding or block checksums, not a tensor chunk or a "
+                "value: the index records only those"
+            )
+        return cls(entry.name, entry.meta, start, entry.nbytes)
 
 
 def build_index(

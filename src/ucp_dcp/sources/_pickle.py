@@ -143,8 +143,9 @@ class _StorageType:
     dtype: torch.dtype | None
 
 
-class _Refused(Exception):
-    """Raised inside the unpickler; turned into a CheckpointFormatError naming the file."""
+class _Refused(CheckpointFormatError):
+    """Raised inside the unpickler; :func:`unpickle` restates it naming the file (a
+    :class:`RestrictedUnpickler` used directly raises it as it is)."""
 
 
 def is_nonneg_int(x: Any) -> bool:

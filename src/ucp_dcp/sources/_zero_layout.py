@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..core.sharding import Box, flat_range_boxes
+from ..errors import LayoutError
 
 __all__ = ["Segment", "zero12_segments", "zero3_segments", "segment_boxes"]
 
@@ -54,7 +55,7 @@ def zero12_segments(
     is padding). ``buffer`` is recorded in every segment (the group index).
     """
     if sum(numels) > sum(partition_sizes):
-        raise ValueError(
+        raise LayoutError(
             f"{sum(numels)} parameter elements do not fit in partitions of {sum(partition_sizes)}"
         )
     bounds = list(itertools.accumulate(partition_sizes, initial=0))
@@ -109,7 +110,7 @@ def zero3_segments(
     bounds = list(itertools.accumulate(buffer_sizes, initial=0))
     total = sum(math.ceil(n / world_size) for n in numels)
     if total > bounds[-1]:
-        raise ValueError(
+        raise LayoutError(
             f"parameter slices of {total} elements per rank do not fit in buffers of {bounds[-1]}"
         )
     out: list[list[Segment]] = []

@@ -228,9 +228,7 @@ def _convert(
                     if progress is not None:
                         progress(done, total)
             files.append(FileRecord(name, rank, out.size))
-            written.append(
-                [WrittenEntry(e.name, e.meta, s, e.nbytes) for e, s in zip(out.entries, out.starts)]
-            )
+            written.append([WrittenEntry.of(e, s) for e, s in zip(out.entries, out.starts)])
     finally:
         engine.close()
         reader.close()
