@@ -143,6 +143,27 @@ class DeepSpeedSource(Source):
         self.ds_version = m0.ds_version
 
     # ------------------------------------------------------------ layouts
+    def _param(
+        self,
+        b: ArchiveIndex,
+        fqn: str,
+        shape: tuple[int, ...],
+        segs: list[Segment],
+        optims: list[RankOptim],
+        first_buffer: int,
+    ) -> None:
+        """``model.<fqn>``, the fp32 weight laid out as ``segs`` of the ranks' fp32 buffers, and
+        its moments (:meth:`_moments`)."""
+        b.flat(
+            f"model.{fqn}",
+            ("model", fqn),
+            shape,
+            segs,
+            lambda s: (optims[s.rank].archive, optims[s.rank].fp32[s.buffer]),
+            f"fp32 weight {fqn!r}",
+        )
+        self._moments(b, fqn, shape, segs, optims, first_buffer)
+
     def _moments(
         self,
         b: ArchiveIndex,
@@ -206,15 +227,7 @@ class DeepSpeedSource(Source):
             except ValueError as e:
                 raise CheckpointFormatError(f"{m0.archive.path}: group {g}: {e}") from None
             for (fqn, shape), segs in zip(shapes.items(), all_segs):
-                b.flat(
-                    f"model.{fqn}",
-                    ("model", fqn),
-                    shape,
-                    segs,
-                    lambda s: (optims[s.rank].archive, optims[s.rank].fp32[s.buffer]),
-                    f"fp32 weight {fqn!r}",
-                )
-                self._moments(b, fqn, shape, segs, optims, g)
+                self._param(b, fqn, shape, segs, optims, g)
             groups.append(list(shapes))
         return groups
 
@@ -237,15 +250,7 @@ class DeepSpeedSource(Source):
             raise CheckpointFormatError(f"{m0.archive.path}: {e}") from None
         by_buffer: dict[int, list[str]] = {}
         for (fqn, shape, k), segs in zip(flat, all_segs):
-            b.flat(
-                f"model.{fqn}",
-                ("model", fqn),
-                shape,
-                segs,
-                lambda s: (optims[s.rank].archive, optims[s.rank].fp32[s.buffer]),
-                f"fp32 weight {fqn!r}",
-            )
-            self._moments(b, fqn, shape, segs, optims, segs[0].buffer if segs else k)
+            self._param(b, fqn, shape, segs, optims, segs[0].buffer if segs else k)
             by_buffer.setdefault(k, []).append(fqn)
         return [
             [f for k in grp["params"] for f in by_buffer.get(k, [])]
