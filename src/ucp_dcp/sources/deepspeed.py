@@ -153,7 +153,7 @@ class DeepSpeedSource(Source):
         first_buffer: int,
     ) -> None:
         """``model.<fqn>``, the fp32 weight laid out as ``segs`` of the ranks' fp32 buffers, and
-        its moments (:meth:`_moments`)."""
+        ``optim.state.<fqn>.*``: its per-element moments laid out the same way, plus the step."""
         b.flat(
             f"model.{fqn}",
             ("model", fqn),
@@ -162,19 +162,6 @@ class DeepSpeedSource(Source):
             lambda s: (optims[s.rank].archive, optims[s.rank].fp32[s.buffer]),
             f"fp32 weight {fqn!r}",
         )
-        self._moments(b, fqn, shape, segs, optims, first_buffer)
-
-    def _moments(
-        self,
-        b: ArchiveIndex,
-        fqn: str,
-        shape: tuple[int, ...],
-        segs: list[Segment],
-        optims: list[RankOptim],
-        first_buffer: int,
-    ) -> None:
-        """``optim.state.<fqn>.*``: per-element moments laid out as the fp32 buffers, plus the
-        step."""
         st0 = optims[0].state.get(first_buffer, {})
         for name, v in st0.items():
             key = f"optim.state.{fqn}.{name}"
