@@ -24,7 +24,8 @@ import io
 import os
 import struct
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ __all__ = [
     "read_pickle_record",
     "storage_records",
     "stored_record_start",
+    "archive_errors",
 ]
 
 # A pickle describing state (not tensor data) is small; a larger one is damaged or hostile.
@@ -76,6 +78,28 @@ class TorchArchive:
                 f"record data/{t.storage} of {nbytes} bytes"
             )
         return start + off, t.nbytes
+
+
+@contextmanager
+def archive_errors(where: str) -> Iterator[None]:
+    """Reading a ``torch.save`` archive: what zipfile (and the struct reads of its headers) raise
+    on a damaged one becomes :class:`CheckpointFormatError` ``"{where}: not a readable torch.save
+    archive (...)"``; a store that failed to answer (:class:`StorageError`, an ``OSError`` too)
+    and a finding that names what is wrong already (:class:`CheckpointFormatError`, a
+    ``ValueError`` too) pass as they are."""
+    try:
+        yield
+    except (StorageError, CheckpointFormatError):
+        raise
+    except (
+        zipfile.BadZipFile,
+        zipfile.LargeZipFile,
+        OSError,
+        EOFError,
+        ValueError,
+        struct.error,
+    ) as e:
+        raise CheckpointFormatError(f"{where}: not a readable torch.save archive ({e})") from None
 
 
 def read_pickle_record(
@@ -176,23 +200,12 @@ def _read_archive(
 ) -> TorchArchive:
     """The archive open as ``f`` (a local file, or an :class:`_ObjectFile` ``obj`` that fetches
     ahead)."""
-    try:
+    with archive_errors(path):
         zf = zipfile.ZipFile(f)
         if obj is not None:
             obj.fetch_small_records(zf)
         prefix, pkl = read_pickle_record(zf, path, _MAX_PICKLE_BYTES, "too large to be state")
         infos = storage_records(zf, prefix)
-    except (
-        zipfile.BadZipFile,
-        zipfile.LargeZipFile,
-        OSError,
-        EOFError,
-        ValueError,
-        struct.error,
-    ) as e:
-        if isinstance(e, StorageError):
-            raise
-        raise CheckpointFormatError(f"{path}: not a readable torch.save archive ({e})") from None
     tree = unpickle(pkl, path, purpose, infos)
     if obj is not None:  # every storage record's local header, in one batch
         obj.fetch([(zi.header_offset, zi.header_offset + _LOCAL_HEADER) for zi in infos.values()])

@@ -18,7 +18,6 @@ DCP's ``.distcp`` items are such archives; so are DeepSpeed's ``.pt`` files.
 
 from __future__ import annotations
 
-import struct
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,10 +27,11 @@ import torch
 
 from ..byteio.rangeio import ReadStats
 from ..core.sharding import row_major_strides
-from ..errors import CheckpointFormatError, StorageError
+from ..errors import CheckpointFormatError
 from ._pickle import TensorRef, unpickle
 from ._torch_archive import (
     HeldBytesFile,
+    archive_errors,
     read_pickle_record,
     storage_records,
     stored_record_start,
@@ -138,7 +138,7 @@ def parse_tensor_item(
     if sum(len(p) for _, p in pieces) < min(length, _HEAD_BYTES + _TAIL_BYTES):
         raise CheckpointFormatError(f"{where}: truncated: the data file ends inside the item")
     view = _ItemView(pread, offset, length, pieces, stats)
-    try:
+    with archive_errors(where):
         zf = zipfile.ZipFile(cast(IO[bytes], view))  # a raw file: all zipfile uses of one
         prefix, pkl = read_pickle_record(zf, where, _MAX_PICKLE_BYTES, "not a tensor's")
         records = storage_records(zf, prefix)
@@ -152,19 +152,6 @@ def parse_tensor_item(
             return view.read(n)
 
         start = stored_record_start(read_at, rec, where)
-    except (StorageError, CheckpointFormatError):
-        # a store that failed to answer (no finding about the archive; an OSError too), or a
-        # finding that names what is wrong already (a ValueError too)
-        raise
-    except (
-        zipfile.BadZipFile,
-        zipfile.LargeZipFile,
-        OSError,
-        EOFError,
-        ValueError,
-        struct.error,
-    ) as e:
-        raise CheckpointFormatError(f"{where}: not a readable torch.save archive ({e})") from None
     if start + rec.file_size > length:
         raise CheckpointFormatError(
             f"{where}: storage record data/{t.storage} runs past the end of the item"

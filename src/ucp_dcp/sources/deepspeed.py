@@ -143,7 +143,7 @@ class DeepSpeedSource(Source):
         self.ds_version = m0.ds_version
 
     # ------------------------------------------------------------ layouts
-    def _moments(
+    def _param(
         self,
         b: ArchiveIndex,
         fqn: str,
@@ -152,8 +152,16 @@ class DeepSpeedSource(Source):
         optims: list[RankOptim],
         first_buffer: int,
     ) -> None:
-        """``optim.state.<fqn>.*``: per-element moments laid out as the fp32 buffers, plus the
-        step."""
+        """``model.<fqn>``, the fp32 weight laid out as ``segs`` of the ranks' fp32 buffers, and
+        ``optim.state.<fqn>.*``: its per-element moments laid out the same way, plus the step."""
+        b.flat(
+            f"model.{fqn}",
+            ("model", fqn),
+            shape,
+            segs,
+            lambda s: (optims[s.rank].archive, optims[s.rank].fp32[s.buffer]),
+            f"fp32 weight {fqn!r}",
+        )
         st0 = optims[0].state.get(first_buffer, {})
         for name, v in st0.items():
             key = f"optim.state.{fqn}.{name}"
@@ -206,15 +214,7 @@ class DeepSpeedSource(Source):
             except ValueError as e:
                 raise CheckpointFormatError(f"{m0.archive.path}: group {g}: {e}") from None
             for (fqn, shape), segs in zip(shapes.items(), all_segs):
-                b.flat(
-                    f"model.{fqn}",
-                    ("model", fqn),
-                    shape,
-                    segs,
-                    lambda s: (optims[s.rank].archive, optims[s.rank].fp32[s.buffer]),
-                    f"fp32 weight {fqn!r}",
-                )
-                self._moments(b, fqn, shape, segs, optims, g)
+                self._param(b, fqn, shape, segs, optims, g)
             groups.append(list(shapes))
         return groups
 
@@ -237,15 +237,7 @@ class DeepSpeedSource(Source):
             raise CheckpointFormatError(f"{m0.archive.path}: {e}") from None
         by_buffer: dict[int, list[str]] = {}
         for (fqn, shape, k), segs in zip(flat, all_segs):
-            b.flat(
-                f"model.{fqn}",
-                ("model", fqn),
-                shape,
-                segs,
-                lambda s: (optims[s.rank].archive, optims[s.rank].fp32[s.buffer]),
-                f"fp32 weight {fqn!r}",
-            )
-            self._moments(b, fqn, shape, segs, optims, segs[0].buffer if segs else k)
+            self._param(b, fqn, shape, segs, optims, segs[0].buffer if segs else k)
             by_buffer.setdefault(k, []).append(fqn)
         return [
             [f for k in grp["params"] for f in by_buffer.get(k, [])]

@@ -45,7 +45,7 @@ from types import ModuleType
 from typing import Any, NoReturn, TextIO
 
 from ..errors import CLIError, NotACheckpointError, StorageError
-from .progress import ProgressBar, format_bytes
+from .progress import ProgressBar, format_bytes, size_bytes
 
 __all__ = [
     "main",
@@ -93,28 +93,11 @@ class _Parser(argparse.ArgumentParser):
 # ====================================================================== argument types
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-
 def parse_size(text: str) -> int:
     """Bytes in ``'5GB'`` (decimal, as Hugging Face counts), ``'512MiB'`` (binary) or ``'1000'``."""
-    m = _SIZE_RE.match(text)
-    scale = _SIZE_UNITS.get(m.group(2).upper()) if m else None
-    if m is None or scale is None:
+    n = size_bytes(text)
+    if n is None:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}; write e.g. 5GB, 500MB or 2GiB")
-    n = int(float(m.group(1)) * scale)
     if n <= 0:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be at least 1 byte")
     return n

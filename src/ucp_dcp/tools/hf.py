@@ -61,7 +61,7 @@ from ..format import dtype_name, st_dtype
 from ..sources import checkpoint_exists
 from ..sources._hf_utils import HF_CONFIG_FILES, HF_INDEX_NAME, HF_WEIGHTS_NAME
 from .checkpoint import Checkpoint
-from .progress import ProgressFn
+from .progress import ProgressFn, size_bytes
 
 __all__ = [
     "export_hf",
@@ -74,19 +74,6 @@ __all__ = [
 ]
 
 RenameRules = Sequence[tuple[str, str]] | Mapping[str, str]
-
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 
 _DTYPE_NAMES = {
     "bf16": torch.bfloat16,
@@ -118,14 +105,13 @@ def parse_size(size: int | str) -> int:
     if isinstance(size, int):
         value = size
     else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", size)
-        unit = m.group(2).upper() if m else None
-        if m is None or unit not in _SIZE_UNITS:
+        parsed = size_bytes(size)
+        if parsed is None:
             raise InvalidArgumentError(
                 f"max_shard_size {size!r} is not a size: use bytes or a number with KB, MB, GB, TB "
                 "(powers of 1000, as Hugging Face) or KiB, MiB, GiB, TiB"
             )
-        value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+        value = parsed
     if value <= 0:
         raise InvalidArgumentError(f"max_shard_size must be positive, got {size!r}")
     return value

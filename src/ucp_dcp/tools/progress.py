@@ -10,13 +10,14 @@ or when it is closed.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from typing import TextIO
 
 from tqdm import tqdm
 
-__all__ = ["ProgressFn", "ProgressBar", "format_bytes"]
+__all__ = ["ProgressFn", "ProgressBar", "format_bytes", "size_bytes"]
 
 ProgressFn = Callable[[int, int], None]
 """``progress(done_bytes, total_bytes)``: called as work proceeds."""
@@ -34,6 +35,31 @@ def format_bytes(n: int | float) -> str:
             return f"{value:.3g} {unit}" if abs(value) < 100 else f"{value:.0f} {unit}"
         value /= 1000
     raise AssertionError("unreachable")
+
+
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def size_bytes(text: str) -> int | None:
+    """Bytes in ``'5GB'`` (decimal, as Hugging Face counts), ``'512MiB'`` (binary) or ``'1000'``
+    (any case, blanks around); None when ``text`` is not a size. Callers check the sign."""
+    m = _SIZE_RE.fullmatch(text)
+    scale = _SIZE_UNITS.get(m.group(2).upper()) if m else None
+    if m is None or scale is None:
+        return None
+    return int(float(m.group(1)) * scale)
 
 
 class ProgressBar:
