@@ -72,8 +72,7 @@ _POOL_BYTES = 32 << 20
 _pool: list[np.ndarray] = []
 _pool_lock = threading.Lock()
 # A run read in place is cut into pieces of about this size, each hashed by the I/O thread that read
-# it
-# right after the read, while it is still in the CPU's cache (see rangeio.HOOKED_REQUEST_BYTES).
+# it right after the read, while it is still in the CPU's cache (see rangeio.HOOKED_REQUEST_BYTES).
 _PIECE = HOOKED_REQUEST_BYTES
 # Up to this many blocks (or pieces to copy) are handled in a plain loop: cheaper than a dozen small
 # array operations.
@@ -180,8 +179,8 @@ class _Batch:
         np.ndarray, np.ndarray, np.ndarray
     ]  # scratch offset, dest offset, length of each piece
     # In-place blocks that are consecutive blocks at consecutive offsets (one run: the common case),
-    # as
-    # (offset in ``dest`` of the first, first block, end block), checked without per-block arrays.
+    # as (offset in ``dest`` of the first, first block, end block), checked without per-block
+    # arrays.
     run: tuple[int, int, int] | None = None
     pieces: int = 0  # segments of ``run`` whose callbacks hash their own blocks
     left: int = 0  # its segments not read yet
@@ -226,17 +225,14 @@ def _arith(x: np.ndarray) -> int | None:
 class BlockVerifier:
     """Checks the blocks that reads of saved chunks touch against their block checksums.
 
-    :meth:`plan` turns the read of a region of a chunk into batches of
-    segments (see the module docstring); read each batch with
-    :class:`~ucp_dcp.byteio.rangeio.RangeReader` (any number of batches
-    together) and call :meth:`check` once the reads completed. Checking a
-    batch hashes and compares every block it touched and copies the bytes
-    read into scratch memory into place. A batch read in few stretches of
-    the file is checked by the I/O thread that completes its last segment
-    (the read then raises what it found); :meth:`check` checks the others,
-    and frees the
-    scratch memory for reuse. :attr:`scratch_bytes` says how much the
-    pending batches hold; a batch holds at most about ``scratch_limit``.
+    :meth:`plan` turns the read of a region of a chunk into batches of segments (see the module
+    docstring); read each batch with :class:`~ucp_dcp.byteio.rangeio.RangeReader` (any number of
+    batches together) and call :meth:`check` once the reads completed. Checking a batch hashes and
+    compares every block it touched and copies the bytes read into scratch memory into place. A
+    batch read in few stretches of the file is checked by the I/O thread that completes its last
+    segment (the read then raises what it found); :meth:`check` checks the others, and frees the
+    scratch memory for reuse. :attr:`scratch_bytes` says how much the pending batches hold; a batch
+    holds at most about ``scratch_limit``.
 
     ``bytes`` counts the bytes hashed, ``seconds`` the CPU time spent
     planning, hashing and copying (on every thread).
@@ -490,9 +486,8 @@ class BlockVerifier:
     # ------------------------------------------------------------ checking
     def check(self) -> None:
         """Hash and compare every block of the batches planned so far (their reads must have
-        completed),
-        then copy their scratch bytes into place; raises :class:`ChecksumError` on the first
-        mismatch."""
+        completed), then copy their scratch bytes into place; raises :class:`ChecksumError` on the
+        first mismatch."""
         if not self._pending:
             return
         try:
@@ -507,9 +502,8 @@ class BlockVerifier:
         self, check: ChunkCheck, location: Location, mem: np.ndarray, at: int, blocks: np.ndarray
     ) -> None:
         """Hash and compare blocks ``blocks`` (ascending, each once) of the chunk, read whole into
-        ``mem``, whose
-        first byte is byte ``at`` of the chunk (a block boundary); raises :class:`ChecksumError` on
-        a mismatch.
+        ``mem``, whose first byte is byte ``at`` of the chunk (a block boundary); raises
+        :class:`ChecksumError` on a mismatch.
 
         For reads that stage a chunk's covering span (:mod:`ucp_dcp.core.spans`) and copy out of it
         afterwards.
@@ -566,8 +560,7 @@ class BlockVerifier:
 
     def _piece_done(self, batch: _Batch, off: int, k0: int, k1: int, n: int) -> None:
         """A piece of ``batch``'s run (blocks ``k0 .. k1-1`` at ``dest[off:]``) was read: hash and
-        compare it
-        now; the rest of the batch once its last segment is read."""
+        compare it now; the rest of the batch once its last segment is read."""
         t0 = time.thread_time()
         nbytes = self._compare_run(batch, off, k0, k1)  # raising fails the read
         with batch.lock:
@@ -601,8 +594,7 @@ class BlockVerifier:
 
     def _compare_run(self, batch: _Batch, off: int, k0: int, k1: int) -> int:
         """Hash blocks ``k0 .. k1-1`` of the batch's chunk, one after the other from
-        ``batch.dest[off:]``,
-        and compare; the bytes hashed.
+        ``batch.dest[off:]``, and compare; the bytes hashed.
 
         One pass of the hash over rows of a reshaped view and one comparison
         of the whole run: no per-block offsets, lengths or index arrays.
@@ -629,8 +621,7 @@ class BlockVerifier:
 
     def _compare(self, batch: _Batch, mem: memoryview, offs: np.ndarray, blocks: np.ndarray) -> int:
         """Hash block ``blocks[i]`` of the batch's chunk at ``mem[offs[i]:]`` for every ``i`` and
-        compare;
-        the bytes hashed."""
+        compare; the bytes hashed."""
         if not len(blocks):
             return 0
         location, check = batch.location, batch.check
@@ -655,8 +646,7 @@ class BlockVerifier:
 
     def _check(self, batch: _Batch, run_hashed: bool = False) -> int:
         """Hash and compare the batch's blocks (but for its run when ``run_hashed``: every piece's
-        callback
-        did), copy its scratch bytes into place; the bytes hashed."""
+        callback did), copy its scratch bytes into place; the bytes hashed."""
         bs = batch.check.sums.block
         nbytes = (
             self._compare_run(batch, *batch.run) if batch.run is not None and not run_hashed else 0

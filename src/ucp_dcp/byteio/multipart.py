@@ -49,10 +49,9 @@ class ParallelUpload(StreamedWrite):
     """A write-only file uploading object ``path`` of s3fs filesystem ``fs`` in parallel parts.
 
     Args:
-        fs: an ``s3fs.S3FileSystem``.
-        path: the object's path (``bucket/key``).
-        part_bytes: size of every part but the last (at least 5 MiB).
-        parallel: parts uploading at once (and held in memory).
+        fs: an ``s3fs.S3FileSystem``. path: the object's path (``bucket/key``). part_bytes: size of
+        every part but the last (at least 5 MiB). parallel: parts uploading at once (and held in
+        memory).
     """
 
     def __init__(

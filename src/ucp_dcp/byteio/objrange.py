@@ -34,11 +34,10 @@ class ObjectRangeReader(ByteSource):
     """Reads byte ranges of a fixed list of objects with coalesced, concurrent ranged GETs.
 
     Args:
-        store: the checkpoint's store.
-        names: the objects, by position (``Segment.file``).
-        gap_bytes: neighbouring ranges at most this far apart share a request.
-        max_request_bytes: upper bound on one request (a large range is split).
-        window_bytes: bytes fetched per batch of concurrent requests; two
+        store: the checkpoint's store. names: the objects, by position (``Segment.file``).
+        gap_bytes: neighbouring ranges at most this far apart share a request. max_request_bytes:
+        upper bound on one request (a large range is split). window_bytes: bytes fetched per batch
+        of concurrent requests; two
             windows are held at most (one being copied into place while the
             next is fetched), so the staging memory stays within 64 MiB.
     """

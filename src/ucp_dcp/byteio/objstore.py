@@ -117,8 +117,8 @@ class ObjectStore:
         url: the checkpoint directory, e.g. ``s3://bucket/run/step-100``.
         storage_options: passed to fsspec as they are (credentials,
             ``client_kwargs={"endpoint_url": ...}``, ...).
-        retry: how transient errors are retried.
-        write_block_bytes: the buffer of a streamed write; on S3 the size of
+        retry: how transient errors are retried. write_block_bytes: the buffer of a streamed write;
+        on S3 the size of
             each part of the multipart upload (at least 5 MiB there).
         upload_parallel: on S3, parts of one streamed write uploading at
             once (:class:`~ucp_dcp.byteio.multipart.ParallelUpload`); 1, or

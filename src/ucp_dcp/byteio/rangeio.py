@@ -215,8 +215,7 @@ class RangeReader(ByteSource):
     """Reads byte ranges of a fixed list of files with coalesced ``preadv`` calls.
 
     Args:
-        paths: the files; segments refer to them by position.
-        threads: size of the I/O thread pool.
+        paths: the files; segments refer to them by position. threads: size of the I/O thread pool.
         gap_bytes: neighbouring ranges at most this far apart are read with
             one call, the gap landing in a scratch buffer.
         max_request_bytes: upper bound on one call, so that a large range is

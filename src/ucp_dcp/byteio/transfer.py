@@ -346,10 +346,9 @@ class StagingBuffers:
         check: ChunkCheck | None,
     ) -> bool:
         """Read ``region`` span by span: each sub-box's covering bytes with one read into the buffer
-        (whole
-        blocks with ``check``: the blocks holding needed bytes are checked there), then one strided
-        copy
-        into ``dest``. False (nothing read) where the buffer cannot hold a useful span."""
+        (whole blocks with ``check``: the blocks holding needed bytes are checked there), then one
+        strided copy into ``dest``. False (nothing read) where the buffer cannot hold a useful
+        span."""
         location, chunk_sizes, region, src_dtype = (
             part.location,
             part.chunk_sizes,
@@ -360,10 +359,8 @@ class StagingBuffers:
         bs = check.sums.block if check is not None else 0
         a, b = span_of(chunk_sizes, region.offsets, region.sizes, es)
         # A span widened to whole blocks takes at most a block more at each end, and up to an
-        # element
-        # more to put its first needed element at an element boundary of the buffer (blocks need not
-        # be
-        # a multiple of the itemsize).
+        # element more to put its first needed element at an element boundary of the buffer (blocks
+        # need not be a multiple of the itemsize).
         self._ensure(b - a + 2 * bs + es, False, pin=False)
         assert self._buf is not None and self._view is not None
         budget = self.capacity - 2 * bs - es
@@ -388,8 +385,7 @@ class StagingBuffers:
                 keep = 0
                 if a0 < prev[1]:
                     # The previous span ended in this span's first block, and checked it: carry
-                    # those
-                    # bytes over rather than read (and hash) the block a second time.
+                    # those bytes over rather than read (and hash) the block a second time.
                     keep = prev[1] - a0
                     end = prev[2] + prev[1] - prev[0]
                     self._buf[shift : shift + keep].copy_(self._buf[end - keep : end].clone())

@@ -417,13 +417,11 @@ def layout_grid(
 ) -> Grid:
     """The chunk grid of a layout, numbered like :func:`layout_chunks`.
 
-    Layouts of ``Shard`` and ``Replicate`` placements (and ``_StridedShard``
-    in the form FSDP2 produces on top of tensor parallelism) are computed with vectorised integer
-    arithmetic, in time
-    proportional to the number of chunks; anything else goes through
-    :func:`layout_chunks` (DTensor's own arithmetic, one mesh coordinate at
-    a time), which ``max_enumerated`` bounds: a layout of more mesh
-    coordinates than that raises instead (a layout read from a file is
+    Layouts of ``Shard`` and ``Replicate`` placements (and ``_StridedShard`` in the form FSDP2
+    produces on top of tensor parallelism) are computed with vectorised integer arithmetic, in time
+    proportional to the number of chunks; anything else goes through :func:`layout_chunks`
+    (DTensor's own arithmetic, one mesh coordinate at a time), which ``max_enumerated`` bounds: a
+    layout of more mesh coordinates than that raises instead (a layout read from a file is
     untrusted). Raises :class:`LayoutError` like :func:`layout_chunks`.
     """
     shape = tuple(int(n) for n in global_shape)

@@ -94,8 +94,7 @@ def region_starts(
     chunk_sizes: Sequence[int], region: Box, itemsize: int, dst_strides: Sequence[int] | None = None
 ) -> tuple[np.ndarray, int]:
     """Byte offsets in the chunk of the runs of ``region`` (row-major order, hence ascending) and
-    their length,
-    read into a destination of ``dst_strides`` (default: contiguous)."""
+    their length, read into a destination of ``dst_strides`` (default: contiguous)."""
     strides = row_major_strides(region.sizes) if dst_strides is None else dst_strides
     grid = runs(chunk_sizes, region, strides, 0)
     return grid.src * itemsize, grid.count * itemsize
@@ -135,8 +134,8 @@ def read_cost(
     costs: ReadCosts = ReadCosts(),
 ) -> tuple[ReadCost, ReadCost]:
     """``(exact, span)``: the cost of reading runs of ``length`` bytes at ascending chunk offsets
-    ``starts``
-    of a chunk that begins at file offset ``base``, run by run or as one covering span."""
+    ``starts`` of a chunk that begins at file offset ``base``, run by run or as one covering
+    span."""
     n = len(starts)
     if not n or length <= 0:
         zero = ReadCost(0, 0, 0.0)
@@ -173,8 +172,8 @@ def prefer_span(
     dst_strides: Sequence[int] | None = None,
 ) -> bool:
     """Whether ``region`` of a chunk at file offset ``base`` is cheaper to read as spans than run by
-    run
-    into a destination of ``dst_strides`` (default: contiguous; a run must be contiguous in both).
+    run into a destination of ``dst_strides`` (default: contiguous; a run must be contiguous in
+    both).
 
     Regions of fewer than ``min_runs`` runs are always read exactly (the
     per-run cost is noise there, and staging would copy for nothing). With
@@ -203,8 +202,7 @@ def span_slabs(
     chunk_sizes: Sequence[int], region: Box, itemsize: int, budget: int
 ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Split ``region`` into sub-boxes (``(offsets, sizes)`` relative to it) whose span in the chunk
-    is at
-    most ``budget`` bytes, or a single element where even that is more.
+    is at most ``budget`` bytes, or a single element where even that is more.
 
     Like :func:`~ucp_dcp.core.sharding.slabs`, outermost dims first: the
     outermost dim whose single index still fits is cut into steps as long as

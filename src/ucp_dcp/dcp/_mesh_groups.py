@@ -286,10 +286,9 @@ def compact_records(
     """Index records of the mesh groups' tensors, from the writer rule alone.
 
     ``owners`` names the group that writes each tensor; ``positions`` maps global ranks to positions
-    in the save's process group
-    (``FileRecord.rank``); ``counts`` is how many mesh-planned chunks each
-    position reported writing, checked against what the plan says. Vectorised:
-    linear in the number of chunks, a few numpy operations per tensor.
+    in the save's process group (``FileRecord.rank``); ``counts`` is how many mesh-planned chunks
+    each position reported writing, checked against what the plan says. Vectorised: linear in the
+    number of chunks, a few numpy operations per tensor.
     """
     if not owners:
         return {}

@@ -4,20 +4,14 @@ DCP carries an opaque ``planner_data`` on every ``SavePlan``, ``LoadPlan``
 and ``Metadata``. Each use here has its own frozen record:
 
 ========================  ====================================
-===========================================
-record                    carried in                            from -> to
-========================  ====================================
-===========================================
-:class:`SaveRankReport`   a rank's local ``SavePlan``           rank -> coordinator (pickled,
-gathered)
-:class:`SaveReply`        the coordinator's plan for a rank     coordinator -> rank (pickled,
-scattered)
-:class:`SaveSummary`      the save's ``Metadata``               save planner ->
-``UCPStorageWriter.finish``
-:class:`LoadRankReport`   a rank's local ``LoadPlan``           rank -> coordinator (pickled,
-gathered)
-:class:`LoadSourceInfo`   the load's ``Metadata``               ``UCPStorageReader`` -> load planner
-========================  ====================================
+=========================================== record                    carried in
+from -> to ========================  ====================================
+=========================================== :class:`SaveRankReport`   a rank's local ``SavePlan``
+rank -> coordinator (pickled, gathered) :class:`SaveReply`        the coordinator's plan for a rank
+coordinator -> rank (pickled, scattered) :class:`SaveSummary`      the save's ``Metadata``
+save planner -> ``UCPStorageWriter.finish`` :class:`LoadRankReport`   a rank's local ``LoadPlan``
+rank -> coordinator (pickled, gathered) :class:`LoadSourceInfo`   the load's ``Metadata``
+``UCPStorageReader`` -> load planner ========================  ====================================
 ===========================================
 
 The records that travel between ranks are slotted: their pickles carry the
@@ -104,8 +98,8 @@ class SaveRankReport:
     """What a rank tells the coordinator with its local save plan.
 
     Attributes:
-        rank: the rank's global rank.
-        digests: xxh3 of every value and plain tensor it saves, by key (the
+        rank: the rank's global rank. digests: xxh3 of every value and plain tensor it saves, by key
+        (the
             coordinator finds values that differ across ranks).
         layouts: layout of every tensor planned per chunk (DTensors outside
             mesh groups, plain tensors).
@@ -143,11 +137,10 @@ class SaveSummary:
     (coordinator only).
 
     Attributes:
-        world_size: ranks in the save.
-        layouts: layout of every tensor (None where ranks disagree).
-        owners: for every mesh-planned tensor, the mesh group that writes it.
-        positions: global rank -> position in the save's process group.
-        paths: the nesting path of every key whose path is not its dotted
+        world_size: ranks in the save. layouts: layout of every tensor (None where ranks disagree).
+        owners: for every mesh-planned tensor, the mesh group that writes it. positions: global rank
+        -> position in the save's process group. paths: the nesting path of every key whose path is
+        not its dotted
             name split at the dots (list indices, keys with dots), so that a
             load into an empty state dict rebuilds the nesting.
     """
@@ -176,8 +169,7 @@ class LoadRankReport:
     """What a rank tells the coordinator with its (otherwise empty) local load plan.
 
     Attributes:
-        rank: the rank's global rank.
-        items: how many read items it keeps (DCP gets none of them).
+        rank: the rank's global rank. items: how many read items it keeps (DCP gets none of them).
         asked: bitmap over the sorted checkpoint keys (``numpy.packbits``):
             which ones its state dict asked for.
     """

@@ -1,11 +1,9 @@
 """``UCPLoadPlanner``: what each rank reads back, as DCP's load-planner protocol.
 
-The planner turns the target state dict (any layout, any world size) into
-reads of exactly the overlapping boxes of the saved chunks, with strictness
-rules on keys, shapes and dtypes, and hands each rank its own rank-local
-values (both in :mod:`~ucp_dcp.dcp._load_plan`). Its read items stay on the
-rank: DCP's global load plan only sees a
-:class:`~ucp_dcp.dcp._plan_records.LoadRankReport`.
+The planner turns the target state dict (any layout, any world size) into reads of exactly the
+overlapping boxes of the saved chunks, with strictness rules on keys, shapes and dtypes, and hands
+each rank its own rank-local values (both in :mod:`~ucp_dcp.dcp._load_plan`). Its read items stay on
+the rank: DCP's global load plan only sees a :class:`~ucp_dcp.dcp._plan_records.LoadRankReport`.
 """
 
 from __future__ import annotations

@@ -52,16 +52,13 @@ __all__ = ["UCPStorageReader"]
 
 _MiB = 1024 * 1024
 # Read threads per rank. Measured on the development VM (2 cores, virtio disk, cold page cache
-# evicted
-# with benchmarks/harness/pagecache.py; RangeReader reading 64 MiB files, 3 runs each): with 4 ranks
-# reading at once, 2 threads per rank pulled a median 1.6-2.1 GB/s in 1-16 MiB requests, 4 threads
-# 1.2-1.5 GB/s, 8 threads 0.7-1.4 GB/s; one rank alone, 1-2 threads 2.7-2.9 GB/s in 1 MiB requests,
-# 4
-# threads 1.6-2.1. Each thread announces its requests a window ahead (POSIX_FADV_WILLNEED), so two
-# keep
-# the device's queue full; more only contend for the cores. Scattered one-page reads (one per 8 KiB)
-# ran at 0.10-0.15 GB/s with 4 ranks whatever the thread count: bound by calls, not by requests in
-# flight (core/spans.py reads such regions as spans).
+# evicted with benchmarks/harness/pagecache.py; RangeReader reading 64 MiB files, 3 runs each): with
+# 4 ranks reading at once, 2 threads per rank pulled a median 1.6-2.1 GB/s in 1-16 MiB requests, 4
+# threads 1.2-1.5 GB/s, 8 threads 0.7-1.4 GB/s; one rank alone, 1-2 threads 2.7-2.9 GB/s in 1 MiB
+# requests, 4 threads 1.6-2.1. Each thread announces its requests a window ahead
+# (POSIX_FADV_WILLNEED), so two keep the device's queue full; more only contend for the cores.
+# Scattered one-page reads (one per 8 KiB) ran at 0.10-0.15 GB/s with 4 ranks whatever the thread
+# count: bound by calls, not by requests in flight (core/spans.py reads such regions as spans).
 _IO_THREADS = 2
 
 
@@ -304,8 +301,7 @@ class UCPStorageReader(_Directory, StorageReader):
     @staticmethod
     def _value_for(planner: LoadPlanner, tagged: bytes, ri: ReadItem) -> io.BytesIO:
         """What ``planner.load_bytes`` expects: the tagged JSON for UCPLoadPlanner; for any other
-        planner
-        (DCP's own, which calls ``torch.load`` on it) the decoded value re-saved with
+        planner (DCP's own, which calls ``torch.load`` on it) the decoded value re-saved with
         ``torch.save``.
 
         The decoded value holds only what tagged JSON can: numbers, strings,

@@ -1,12 +1,10 @@
 """``UCPSavePlanner``: what each rank saves, as DCP's save-planner protocol.
 
-The planner records every tensor's DTensor layout, encodes non-tensor
-values as tagged JSON (never pickle), checks that values saved once for all
-ranks really are the same on every rank, and spreads the writing of
-replicated chunks across their replicas. Its methods are thin: the local
-plan is :func:`~ucp_dcp.dcp._save_local.create_local_save_plan`, the
-coordinator's step :func:`~ucp_dcp.dcp._save_global.create_global_save_plan`,
-and the derived writes of mesh groups
+The planner records every tensor's DTensor layout, encodes non-tensor values as tagged JSON (never
+pickle), checks that values saved once for all ranks really are the same on every rank, and spreads
+the writing of replicated chunks across their replicas. Its methods are thin: the local plan is
+:func:`~ucp_dcp.dcp._save_local.create_local_save_plan`, the coordinator's step
+:func:`~ucp_dcp.dcp._save_global.create_global_save_plan`, and the derived writes of mesh groups
 :func:`~ucp_dcp.dcp._mesh_groups.group_items`.
 """
 

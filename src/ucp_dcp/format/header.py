@@ -141,10 +141,9 @@ class RandomAccess(Protocol):
 def parse_safetensors(path: str, access: RandomAccess) -> SafetensorsHeader:
     """Read and validate the header of safetensors file ``path`` (any writer's) through ``access``.
 
-    Checks the header length against :data:`MAX_HEADER_BYTES` and the file
-    size, that every entry has a dtype code, a shape and a byte range inside
-    the file. Raises :class:`CheckpointFormatError` naming the file.
-    ``access`` reads the bytes (a local file:
+    Checks the header length against :data:`MAX_HEADER_BYTES` and the file size, that every entry
+    has a dtype code, a shape and a byte range inside the file. Raises
+    :class:`CheckpointFormatError` naming the file. ``access`` reads the bytes (a local file:
     :class:`~ucp_dcp.byteio.files.FileAccess`; an object:
     :class:`~ucp_dcp.byteio.objstore.ObjectAccess`).
     """

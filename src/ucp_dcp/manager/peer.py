@@ -344,19 +344,16 @@ def exchange_files(
     otherwise the holder with the least bytes scheduled so far (ties: fewest
     files, then lowest rank) sends it.
 
-    If some wanted name is held by nobody, every rank raises the same
-    :class:`PeerTransferError` (names and wanting ranks) before anything is
-    transferred. Invalid names (paths, ``..``) on any rank raise the same
-    :class:`~ucp_dcp.errors.InvalidArgumentError` (a ``ValueError``) on every rank.
-    Files travel in blocks of ``block_bytes``
-    as CPU ``uint8`` tensors (the group must handle CPU tensors: gloo),
-    double-buffered with isend/irecv; the steps run in one global order, so
-    no pair deadlocks. Each received file is written to a ``.part`` file,
-    fsynced and renamed (``dest_dir`` is fsynced once at the end); an
-    interrupted receive leaves only ``.part`` files (see
-    :func:`clean_partials`). A provider that cannot read a file it offered,
-    or a receiver that cannot write, still completes the schedule (the data
-    is dropped), and then raises :class:`PeerTransferError` on both ranks.
+    If some wanted name is held by nobody, every rank raises the same :class:`PeerTransferError`
+    (names and wanting ranks) before anything is transferred. Invalid names (paths, ``..``) on any
+    rank raise the same :class:`~ucp_dcp.errors.InvalidArgumentError` (a ``ValueError``) on every
+    rank. Files travel in blocks of ``block_bytes`` as CPU ``uint8`` tensors (the group must handle
+    CPU tensors: gloo), double-buffered with isend/irecv; the steps run in one global order, so no
+    pair deadlocks. Each received file is written to a ``.part`` file, fsynced and renamed
+    (``dest_dir`` is fsynced once at the end); an interrupted receive leaves only ``.part`` files
+    (see :func:`clean_partials`). A provider that cannot read a file it offered, or a receiver that
+    cannot write, still completes the schedule (the data is dropped), and then raises
+    :class:`PeerTransferError` on both ranks.
 
     Without an initialized process group this is a world of one: every
     wanted file must be in ``available`` and is copied from ``src_dir`` to

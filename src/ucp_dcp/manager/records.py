@@ -39,5 +39,4 @@ class RestoreRecord:
     verified_bytes: int
     read_bytes: int = 0
     """Bytes this rank's load requested from the checkpoint's data files (headers and the index not
-    counted;
-    a whole-step download before the load is not counted either)."""
+    counted; a whole-step download before the load is not counted either)."""

@@ -72,8 +72,7 @@ class DSFiles:
 
 def looks_like_deepspeed(path: str | ModelDir) -> bool:
     """Whether ``path`` (a local path, or a directory view) is a DeepSpeed checkpoint directory
-    (with ``latest``)
-    or tag folder, by names alone."""
+    (with ``latest``) or tag folder, by names alone."""
     if isinstance(path, ModelDir):
         return path.is_file(LATEST_FILE) or any(_OPTIM.fullmatch(n) for n in path.list())
     if not os.path.isdir(path):
@@ -173,8 +172,7 @@ def _tag_folder(d: ModelDir, latest_name: str = LATEST_FILE) -> ModelDir:
 
 def find_deepspeed_files(path: str | ModelDir) -> DSFiles:
     """The model and optimizer files of the checkpoint at ``path`` (the directory with ``latest``,
-    or a tag folder;
-    a local path, or a directory view).
+    or a tag folder; a local path, or a directory view).
 
     Raises :class:`CheckpointFormatError` naming the folder when files are
     missing (a rank's optimizer file), when the checkpoint is tensor- or

@@ -75,8 +75,7 @@ def zero3_frozen(
 @register
 class DeepSpeedSource(Source):
     """A DeepSpeed ZeRO-1/2/3 checkpoint: the directory with ``latest``, or one tag folder (local,
-    or at an
-    fsspec URL: a :class:`~ucp_dcp.sources._dirs.StoreDir` view)."""
+    or at an fsspec URL: a :class:`~ucp_dcp.sources._dirs.StoreDir` view)."""
 
     format = "deepspeed"
     checksums = False

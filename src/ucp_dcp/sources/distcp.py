@@ -43,14 +43,13 @@ The same checkpoint at an fsspec URL (written there by DCP's
 files' sizes from the listing, the two ends of every item a load needs in
 one batch of ranged requests, and tensor bytes with the source's ranged reads.
 
-Items stored with strides that are no permutation of a dense layout (only an
-``as_strided`` view with overlapping elements can produce one) cannot be
-read as byte ranges: a direct load fails naming the key, ``convert``
-converts them by reading that item's storage whole (:meth:`DCPSource.materialize`). Items written
-with DCP's
-experimental stream transforms (compression) are refused, naming the key.
-Checkpoints written with ``SerializationFormat.SAFETENSORS`` or without
-collectives (``__<rank>.metadata`` files) are not this format.
+Items stored with strides that are no permutation of a dense layout (only an ``as_strided`` view
+with overlapping elements can produce one) cannot be read as byte ranges: a direct load fails naming
+the key, ``convert`` converts them by reading that item's storage whole
+(:meth:`DCPSource.materialize`). Items written with DCP's experimental stream transforms
+(compression) are refused, naming the key. Checkpoints written with
+``SerializationFormat.SAFETENSORS`` or without collectives (``__<rank>.metadata`` files) are not
+this format.
 """
 
 from __future__ import annotations
@@ -284,8 +283,7 @@ class DCPSource(Source):
 
     def _pread(self, fi: int) -> PRead:
         """``pread(n, offset)`` of data file ``fi``: a local ``pread``, or a ranged request (never
-        past the
-        size listed at open: an object shorter than that fails its read, naming it)."""
+        past the size listed at open: an object shorter than that fails its read, naming it)."""
         store = self.store
         if store is None:
             fd = self._fds.get(fi)

@@ -119,8 +119,7 @@ class NativeSource(Source):
 
     def _object(self, file: int) -> ObjectAccess | None:
         """Data file ``file`` as an object (None for a local file), kept: the block checksums that
-        follow
-        its header usually arrive with the header's first request."""
+        follow its header usually arrive with the header's first request."""
         if self.store is None:
             return None
         obj = self._objects.get(file)

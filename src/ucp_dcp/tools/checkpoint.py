@@ -38,9 +38,8 @@ class Checkpoint:
             of a universal checkpoint, a DCP checkpoint or a Hugging Face
             safetensors model in object storage (``s3://...``), read with
             ranged requests.
-        io_threads: threads issuing reads.
-        max_buffer_bytes: staging bound for dtype casts and device copies.
-        dcp_values: ``"weights_only"`` to load the pickled values of a DCP
+        io_threads: threads issuing reads. max_buffer_bytes: staging bound for dtype casts and
+        device copies. dcp_values: ``"weights_only"`` to load the pickled values of a DCP
             checkpoint with ``torch.load(weights_only=True)``; refused by default.
         prefix: prepended to the tensor names of a Hugging Face model.
         verify: check every byte :meth:`read_tensor` / :meth:`read_into`

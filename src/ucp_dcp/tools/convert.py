@@ -73,14 +73,11 @@ def convert(
             with ranged requests; other formats are read from local
             directories only).
         dst: the output directory (created if needed), always local: a URL
-            is refused with :class:`~ucp_dcp.errors.StorageError` (save to object
-            storage with ``UCPStorageWriter``, or copy the converted
-            directory there). It may be ``src``
-            itself for a DCP checkpoint (its files are left alone; the
-            universal index takes precedence when loading). A directory that
-            already holds a universal checkpoint is refused unless
-            ``overwrite=True`` (then the old one stays loadable until the new
-            index replaces it).
+            is refused with :class:`~ucp_dcp.errors.StorageError` (save to object storage with
+            ``UCPStorageWriter``, or copy the converted directory there). It may be ``src`` itself
+            for a DCP checkpoint (its files are left alone; the universal index takes precedence
+            when loading). A directory that already holds a universal checkpoint is refused unless
+            ``overwrite=True`` (then the old one stays loadable until the new index replaces it).
         prefix: prepended to the tensor names of a Hugging Face model.
         progress: ``progress(done_bytes, total_bytes)`` after every entry.
         buffer_bytes: the copy buffer (at least 1 MiB).

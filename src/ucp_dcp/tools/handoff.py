@@ -56,9 +56,8 @@ def load_state_dict(
             Only the selected tensors' bytes are read.
         dtype: cast floating-point tensors to this dtype (integer and bool
             tensors, such as step counters, keep theirs).
-        device: where the tensors go.
-        rank_local: also return rank-local values, as ``{rank: value}``.
-        dcp_values: ``"weights_only"`` loads the pickled values of a DCP
+        device: where the tensors go. rank_local: also return rank-local values, as ``{rank:
+        value}``. dcp_values: ``"weights_only"`` loads the pickled values of a DCP
             checkpoint with ``torch.load(weights_only=True)``; refused by default.
         prefix: prepended to the tensor names of a Hugging Face model.
         verify: check every byte read against the checksums recorded at
@@ -114,13 +113,11 @@ def load_into_module(
 ) -> ModuleLoadResult:
     """Fill ``module``'s parameters and buffers in place from checkpoint ``path``.
 
-    The module's state-dict key ``k`` is read from checkpoint tensor
-    ``prefix + k``; ``path`` may be any format :class:`~ucp_dcp.Checkpoint`
-    reads (for a Hugging Face model saved from the same class, ``prefix=""``). Each tensor is read
-    straight into the module's own
-    storage when dtypes agree, and through the bounded staging buffer (cast
-    to the module's dtype, or copied to its device) otherwise: no full copy
-    of the model is ever made.
+    The module's state-dict key ``k`` is read from checkpoint tensor ``prefix + k``; ``path`` may be
+    any format :class:`~ucp_dcp.Checkpoint` reads (for a Hugging Face model saved from the same
+    class, ``prefix=""``). Each tensor is read straight into the module's own storage when dtypes
+    agree, and through the bounded staging buffer (cast to the module's dtype, or copied to its
+    device) otherwise: no full copy of the model is ever made.
 
     With ``strict`` (the default) a module key missing from the checkpoint,
     or a checkpoint tensor under ``prefix`` that the module lacks, is an

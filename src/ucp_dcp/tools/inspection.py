@@ -109,15 +109,12 @@ def inspect_checkpoint(
 
     Keys: ``path``, ``format`` (``"ucp_dcp version 1"``, ``"dcp"``, ``"hf"``, ...),
     ``format_version``, ``checksums`` (whether the format records them), ``world_size``, ``step``
-    and
-    ``step_key`` (None when no step counter is found), ``files``
-    (``count``, ``bytes``), ``tensors`` (per tensor: ``name``, ``dtype``,
-    ``shape``, ``sharding``, ``bytes``; sorted by name), ``values`` and
-    ``rank_local`` (names), ``totals`` (``tensors``, ``tensor_bytes``,
-    ``values``, ``rank_local``) and ``warnings`` (problems met while
-    reading the step counter, each put in words by ``describe``: the command
-    line passes one that names its own flags; the rest of the summary needs
-    only the index).
+    and ``step_key`` (None when no step counter is found), ``files`` (``count``, ``bytes``),
+    ``tensors`` (per tensor: ``name``, ``dtype``, ``shape``, ``sharding``, ``bytes``; sorted by
+    name), ``values`` and ``rank_local`` (names), ``totals`` (``tensors``, ``tensor_bytes``,
+    ``values``, ``rank_local``) and ``warnings`` (problems met while reading the step counter, each
+    put in words by ``describe``: the command line passes one that names its own flags; the rest of
+    the summary needs only the index).
 
     Raises :class:`~ucp_dcp.CheckpointFormatError` when ``path`` is not a
     readable checkpoint.

@@ -5,14 +5,13 @@ checkpoint (``ucp_index.json`` plus data files) and a commit marker
 ``COMMIT.json`` written last. A step is *committed* when its marker parses
 and names the step; nothing else is ever listed.
 
-============================  ===============================================
-module                        owns
-============================  ===============================================
-:mod:`.marker`                :class:`CommitMarker`, :class:`FileDigest`: the commit record
-:mod:`.base`                  :class:`Tier`, the interface; argument checks shared by every kind
-:mod:`.local`                 :class:`LocalTier`: a POSIX directory, commit by ``rename``
-:mod:`.fsspec_tier`           :class:`FsspecTier`: an fsspec URL, commit by the marker's PUT
-============================  ===============================================
+============================  =============================================== module
+owns ============================  =============================================== :mod:`.marker`
+:class:`CommitMarker`, :class:`FileDigest`: the commit record :mod:`.base`
+:class:`Tier`, the interface; argument checks shared by every kind :mod:`.local`
+:class:`LocalTier`: a POSIX directory, commit by ``rename`` :mod:`.fsspec_tier`
+:class:`FsspecTier`: an fsspec URL, commit by the marker's PUT ============================
+===============================================
 
 :func:`open_tier` picks the kind from the root.
 
