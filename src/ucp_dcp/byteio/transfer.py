@@ -72,6 +72,10 @@ class ChunkRegion:
         """Whether the region is the whole chunk."""
         return self.region == Box((0,) * len(self.chunk_sizes), tuple(self.chunk_sizes))
 
+    def fields(self) -> tuple[Location, tuple[int, ...], Box, torch.dtype]:
+        """``(location, chunk_sizes, region, dtype)``, for code that uses all four."""
+        return self.location, self.chunk_sizes, self.region, self.dtype
+
 
 def needs_staging(
     dest: torch.Tensor, src_dtype: torch.dtype, location: Location | None = None
@@ -290,12 +294,7 @@ class StagingBuffers:
     ) -> None:
         """Read ``part`` (in the chunk's stored order, see :func:`permuted`) into ``dest``; see
         :func:`read_staged`."""
-        location, chunk_sizes, region, src_dtype = (
-            part.location,
-            part.chunk_sizes,
-            part.region,
-            part.dtype,
-        )
+        location, chunk_sizes, region, src_dtype = part.fields()
         es = src_dtype.itemsize
         nbytes = part.nbytes
         if nbytes == 0:
@@ -349,12 +348,7 @@ class StagingBuffers:
         (whole blocks with ``check``: the blocks holding needed bytes are checked there), then one
         strided copy into ``dest``. False (nothing read) where the buffer cannot hold a useful
         span."""
-        location, chunk_sizes, region, src_dtype = (
-            part.location,
-            part.chunk_sizes,
-            part.region,
-            part.dtype,
-        )
+        location, chunk_sizes, region, src_dtype = part.fields()
         es = src_dtype.itemsize
         bs = check.sums.block if check is not None else 0
         a, b = span_of(chunk_sizes, region.offsets, region.sizes, es)
