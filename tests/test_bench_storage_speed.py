@@ -1,17 +1,21 @@
 """Smoke test of the storage-speed benchmark: the limits and the reports, never their timings.
 
-Runs ``benchmarks/bench_reshard.py`` from this process on one small pair
-(dp4 -> dp3, ~20 MB, dcp and ucp, 4 gloo ranks) with a small storage probe,
-then builds the size-sweep table and plot of ``bench_sweep.py`` from its
-result. It checks that every number the storage-speed page quotes is
-recorded (needed and pulled bytes, the limit, the ratios, peak memory, the
-save limits, a verdict per target) and that the loads were exact; no
-timing is asserted. Also checks ``harness.limits.parallel_write`` and
+Runs ``benchmarks/bench_reshard.py`` from this process once, on a small
+resharding pair (dp4 -> dp3) and the three same-layout pairs (one process,
+dp4 -> dp4, dp2tp2 -> dp2tp2; ~20 MB, dcp and ucp, 2 paired repeats, 4
+gloo ranks) with a small storage probe, then builds the size-sweep table
+and plot of ``bench_sweep.py`` from its result. It checks that every number
+the storage-speed page and issue 22's table quote is recorded (needed and
+pulled bytes, the limit, the ratios, peak memory, the save limits, a
+verdict per target, the paired repeats' order) and that the loads were
+exact; no timing is asserted. Also checks ``harness.limits.parallel_write`` and
 ``parallel_sequential_read`` move exactly the bytes they should.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -51,17 +55,29 @@ def test_storage_limits_records_every_configuration(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_bench_reshard_reports_the_physical_limits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """One small pair: the limit tables are printed and every quoted number is in the JSON; loads exact."""
-    out = tmp_path / "reshard.json"
-    rc = bench_reshard.main(["--size-mb", "20", "--hidden", "1024", "--pairs", "dp4-dp3", "--formats", "dcp,ucp",
-                             "--repeats", "1", "--probe-mb", "8", "--workdir", str(tmp_path / "ck"),
-                             "--out", str(out)])
-    printed = capsys.readouterr()
-    assert rc == 0, printed.out + printed.err
-    assert "storage speed: ucp against the physical limits" in printed.out
-    assert "load average" in printed.out
-    doc = json.loads(out.read_text())
+@pytest.fixture(scope="module")
+def reshard_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict]:
+    """One small run (~20 MB, dcp and ucp, 2 paired repeats) of a resharding pair and the three same-layout
+    pairs, in one spawn of 4 gloo ranks: (exit status, what it printed, the result JSON)."""
+    tmp = tmp_path_factory.mktemp("reshard")
+    out = tmp / "reshard.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = bench_reshard.main(["--size-mb", "20", "--hidden", "1024", "--pairs", ",".join(PAIRS),
+                                 "--formats", "dcp,ucp", "--repeats", "2", "--probe-mb", "8",
+                                 "--workdir", str(tmp / "ck"), "--out", str(out)])
+    return rc, printed.getvalue(), json.loads(out.read_text()) if out.exists() else {}
+
+
+PAIRS = ("dp4-dp3", "dp1-dp1", "dp4-dp4", "dp2tp2-dp2tp2")
+
+
+def test_bench_reshard_reports_the_physical_limits(reshard_run: tuple[int, str, dict], tmp_path: Path) -> None:
+    """The limit tables are printed and every quoted number is in the JSON; loads exact."""
+    rc, printed, doc = reshard_run
+    assert rc == 0, printed
+    assert "storage speed: ucp against the physical limits" in printed
+    assert "load average" in printed
     assert doc["failures"] == []
     best = doc["storage_limits"]["best"]
     assert best["read_bytes_per_s"] == max(doc["storage_limits"][k]["read_bytes_per_s"] for k in ("start", "end"))
@@ -75,7 +91,9 @@ def test_bench_reshard_reports_the_physical_limits(tmp_path: Path, capsys: pytes
     save = doc["save_limits"]["dp4"]
     assert save["limit_s"] == pytest.approx(save["ucp_bytes"] / best["write_bytes_per_s"])
     assert save["dcp_save_s"] is not None
-    assert set(doc["verdicts"].values()) <= {"met", "MISSED"} and len(doc["verdicts"]) == 5
+    assert set(doc["verdicts"].values()) <= {"met", "MISSED"}
+    # 3 per pair, 2 per source layout (dp4, dp1, dp2tp2), then issue 22's: one per pair, + the one-process limit
+    assert len(doc["verdicts"]) == 3 * 4 + 2 * 3 + 4 + 1
     assert "| dp4 → dp3 |" in doc["storage_speed_md"]
 
     # The sweep's table and plot from this one result (the sweep itself just runs main per size).
@@ -84,3 +102,42 @@ def test_bench_reshard_reports_the_physical_limits(tmp_path: Path, capsys: pytes
     png = tmp_path / "sweep.png"
     drawn = bench_sweep.plot(points, ["dp4-dp3"], png)
     assert drawn == png.exists()
+
+
+def test_same_layout_pairs_against_dcp_and_the_limit(reshard_run: tuple[int, str, dict]) -> None:
+    """Loads without resharding (one process, dp4 -> dp4, dp2tp2 -> dp2tp2) next to a resharding pair: every load
+    bit-exact, both formats cold in alternating order, ucp/DCP and ucp/limit as medians of the per-repeat ratios,
+    and a verdict per issue-22 target. No timing is asserted."""
+    rc, printed, doc = reshard_run
+    assert rc == 0, printed
+    assert "issue 22" in printed
+    by_pair = {rec["pair"]: rec for rec in doc["pairs"]}
+    assert set(by_pair) == set(PAIRS)
+    for pair, rec in by_pair.items():
+        for fmt in ("dcp", "ucp"):
+            f = rec["formats"][fmt]
+            assert f["mismatches"] == [] and f["error"] is None, (pair, fmt)  # every load compared bit for bit
+            assert len(f["load_s_runs"]) == 2
+        # repeat 0 runs dcp first, repeat 1 ucp first
+        assert rec["formats"]["dcp"]["run_positions"] == [0, 1] and rec["formats"]["ucp"]["run_positions"] == [1, 0]
+        counters = rec["formats"]["ucp"]["reader_per_rank"]
+        assert len(counters) == bench_reshard.LAYOUTS[bench_reshard.PAIRS[pair][1]].world
+        assert all(c["bytes_requested"] >= 0 for c in counters)
+    common = doc["common_case"]
+    assert set(common) == set(PAIRS)
+    for pair, c in common.items():
+        same = pair != "dp4-dp3"
+        assert c["same_layout"] is same
+        runs = by_pair[pair]["formats"]
+        want = [u / d for u, d in zip(runs["ucp"]["load_s_runs"], runs["dcp"]["load_s_runs"])]
+        assert c["ucp_over_dcp_runs"] == pytest.approx(want)
+        assert c["ucp_over_dcp"] == pytest.approx(sum(want) / 2)  # the median of two
+        assert c["ucp_over_limit"] == pytest.approx(sum(runs["ucp"]["load_s_runs"]) / 2 / c["limit_s"])
+        assert c["ucp_over_dcp_max"] == (0.8 if same else 1.0)
+        keys = {"same_layout_vs_dcp"} if same else {"not_slower_than_dcp"}
+        if pair == "dp1-dp1":
+            keys.add("one_process_over_limit")
+            assert c["ranks"] == 1
+        assert set(c["verdicts"]) == keys and set(c["verdicts"].values()) <= {"met", "MISSED"}
+        assert all(doc["verdicts"][f"{pair}/{k}"] == v for k, v in c["verdicts"].items())
+    assert "| dp1 → dp1 (one process) | 1 |" in doc["common_case_md"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 from . import _srcpath  # noqa: F401  (first: the checkout's ucp_dcp)
 from .cli import comma_list, quick_defaults
 from .formats import FORMATS, async_save_state, load_planner, load_state, make_reader, make_writer, metadata_file
+from .formats import reader_counters
 from .formats import round_trip, save_planner, save_state
 from .launch import ChildFailed, fresh_dir, free_port, log, rank_log, run_forked, set_rank_env, spawn_ranks
 from .limits import StorageLimits, best_of, copy_floor, parallel_read, parallel_sequential_read, parallel_write
@@ -57,8 +58,8 @@ from .pagecache import (
     resident_fraction,
     total_resident_bytes,
 )
-from .report import GB, MB, Column, MiB, default_out, fmt_mb, fmt_num, markdown_table, median, print_failures, ratio
-from .report import stats, text_table, write_json
+from .report import GB, MB, Column, MiB, default_out, fmt_mb, fmt_num, markdown_table, median, paired_ratio
+from .report import paired_ratios, print_failures, ratio, stats, text_table, verdict, write_json
 from .states import ADAMW_HYPER, adamw_state, bit_equal, leaves, local, seed_of, synth_values, tensor_bytes, tensors
 
 __all__ = [
@@ -67,11 +68,12 @@ __all__ = [
     "best_of", "bit_equal", "comma_list", "copy_floor", "default_out", "dir_bytes", "evict", "evict_tree",
     "files_under", "fmt_mb", "fmt_num", "free_port", "fresh_dir", "fs_type", "fsync_and_evict", "fsync_files",
     "leaves", "load_planner", "load_state", "local", "log", "make_reader", "make_writer", "markdown_table",
-    "max_rss_bytes", "median", "mem_available", "metadata_file", "parallel_read", "parallel_sequential_read",
+    "max_rss_bytes", "median", "mem_available", "metadata_file", "paired_ratio", "paired_ratios", "parallel_read", "parallel_sequential_read",
     "parallel_write", "peak_rss_bytes",
     "print_failures", "proc_io", "proc_read_bytes", "quick_defaults", "rank_log", "ratio", "read_ahead_kb",
+    "reader_counters",
     "release_free_memory", "reset_peak_rss", "resident_bytes", "resident_fraction", "round_trip", "rss_bytes",
     "run_forked", "save_planner", "save_state", "seed_of", "sequential_read", "set_rank_env", "spawn_ranks",
     "stats", "storage_limits", "sync", "synth_values", "tensor_bytes", "tensors", "text_table", "timed", "total_resident_bytes", "tree_pss_bytes",
-    "write_json"
+    "verdict", "write_json"
 ]

@@ -15,6 +15,7 @@ broken. Keyword options go to the writer's or reader's constructor.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch.distributed as dist
@@ -120,3 +121,30 @@ def round_trip(fmt: str, path: str, saved: dict[str, Any], target: dict[str, Any
     save_state(fmt, saved, path, process_group=group)
     if target is not None:
         load_state(fmt, target, path, process_group=group)
+
+
+def reader_counters(reader: StorageReader) -> dict[str, Any]:
+    """A storage reader's plain counters and settings after a load (numbers, strings, flags, flat dicts).
+
+    Whatever the reader keeps in its attributes, so statistics a reader
+    gains later (an access strategy, request counts) reach the result JSON
+    without the benchmarks naming them. Paths, options and ids are left out.
+    """
+    plain = (bool, int, float, str)
+    out: dict[str, Any] = {}
+    for k, v in vars(reader).items():
+        if k.startswith("_") or k in ("path", "storage_options", "load_id", "options"):
+            continue
+        if isinstance(v, plain) or v is None:
+            out[k] = v
+        elif isinstance(v, dict) and all(isinstance(x, plain) for x in v.values()):
+            out[k] = {str(a): b for a, b in v.items()}
+    stats = getattr(reader, "stats", None)
+    if callable(stats):
+        try:
+            got = stats()
+        except Exception as e:  # a counter must never fail a benchmark
+            got = f"stats() raised {type(e).__name__}: {e}"
+        # JSON-able whatever it holds: the result file is written with plain json.dump
+        out["stats()"] = json.loads(json.dumps(got, default=repr)) if isinstance(got, dict) else repr(got)
+    return out

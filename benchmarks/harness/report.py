@@ -75,6 +75,21 @@ def median(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def paired_ratios(ours: Sequence[float] | None, base: Sequence[float] | None) -> list[float]:
+    """``ours[i] / base[i]`` for every repeat ``i`` both ran (repeat ``i`` of both ran back to back)."""
+    return [a / b for a, b in zip(ours or [], base or []) if b]
+
+
+def paired_ratio(ours: Sequence[float] | None, base: Sequence[float] | None) -> float | None:
+    """The median of :func:`paired_ratios`, or None: steadier on a busy machine than a ratio of medians."""
+    return median(paired_ratios(ours, base))
+
+
+def verdict(value: float | None, limit: float) -> str:
+    """``met`` when ``value <= limit``, ``MISSED`` above it, ``-`` when there is no value."""
+    return "-" if value is None else ("met" if value <= limit else "MISSED")
+
+
 def stats(xs: Sequence[float]) -> dict[str, Any]:
     """n, mean, max, min, median and sum of ``xs`` (just n for none)."""
     if not xs:
