@@ -118,6 +118,7 @@ import xxhash
 from harness import (
     ADAMW_HYPER,
     GB,
+    MB,
     MiB,
     adamw_state,
     async_save_state,
@@ -125,7 +126,9 @@ from harness import (
     comma_list,
     copy_floor,
     default_out,
+    dir_bytes,
     evict_tree,
+    files_under,
     fmt_num,
     fs_type,
     leaves,
@@ -135,13 +138,18 @@ from harness import (
     markdown_table,
     max_rss_bytes,
     median,
+    paired_ratios,
     print_failures,
     quick_defaults,
     ratio,
+    reader_counters,
     release_free_memory,
     save_state,
+    storage_limits,
     tensor_bytes,
     tensors,
+    total_resident_bytes,
+    verdict,
     write_json,
 )
 from harness.memory import has_malloc_trim, loadavg, meminfo_bytes
@@ -151,7 +159,7 @@ from ucp_dcp.byteio.rangeio import tensor_view
 # The target the manager's blocking time aims for, relative to a synchronous
 # DCP save; printed next to the numbers, never asserted.
 TARGET_BLOCKING_RATIO = 0.1
-SECTIONS = ("blocking", "interference", "restore", "hash")
+SECTIONS = ("blocking", "interference", "restore", "hash", "vs_dcp")
 
 
 # --------------------------------------------------------------------------
@@ -772,6 +780,223 @@ def bench_restore(state: dict[str, Any], dcp_dir: str, dirs: Dirs, args: argpars
     }
 
 
+# --------------------------------------------------------------------------
+# 5. The manager's restore against plain dcp.load, cold, paired (issue 22)
+# --------------------------------------------------------------------------
+
+# Issue 22's targets; printed as met/MISSED, never asserted.
+VS_DCP_TARGETS = {
+    "mgr_over_dcp": 1.0,  # CheckpointManager.load (local tier) <= dcp.load with FileSystemReader
+    "mgr_over_ucp": 1.0,  # ... and no slower than dcp.load with the UCP classes on the same step
+    "ucp_over_dcp": 0.8,  # a one-process load without resharding: UCP classes <= 0.8x DCP's
+    "ucp_over_limit": 1.2,  # ... and within 1.2x the same-run physical limit
+    "mgr_s3_over_download": 1.0,  # restore from the S3 tier <= downloading the whole step
+}
+VS_DCP_WAYS = ("dcp", "ucp", "mgr")
+
+
+def _cold(path: str) -> int:
+    """fsync and evict every file under ``path``; the bytes still resident afterwards (0 unless eviction fails)."""
+    evict_tree(path)
+    return total_resident_bytes(files_under(path))
+
+
+def _vs_dcp_load(way: str, paths: dict[str, str], target: dict[str, Any], make_mgr: Callable[[], CheckpointManager],
+                 expect_tier: str) -> dict[str, Any]:
+    """One cold load of ``way`` into ``target``: its seconds, and what the reader or the manager reports.
+
+    The manager is made first and its step evicted after (its constructor
+    may read markers), as in :func:`mgr_restore`.
+    """
+    if way == "mgr":
+        out = mgr_restore(make_mgr, target, expect_tier, lambda: paths["mgr"])
+        return {"s": out.pop("wall_s"), "restore": out}
+    reader, planner = make_reader(way, paths[way])
+    residual = _cold(paths[way])
+    t0 = time.perf_counter()
+    dcp.load(target, storage_reader=reader, planner=planner)
+    return {"s": time.perf_counter() - t0, "residual_after_evict": residual,
+            "reader": reader_counters(reader) if way == "ucp" else None}
+
+
+def _paired_runs(ways: Sequence[str], repeat: int, run: Callable[[str], dict[str, Any]],
+                 check: Callable[[str], list[str]]) -> dict[str, Any]:
+    """``repeat`` rounds; round ``i`` runs every way once, back to back, the order rotated by ``i``.
+
+    Every load is checked with ``check`` (bit-exact); a way that fails or
+    loads wrong data drops out of the later rounds.
+    """
+    out: dict[str, Any] = {w: {"s": [], "positions": [], "runs": [], "mismatches": [], "error": None} for w in ways}
+    active = list(ways)
+    for i in range(repeat):
+        k = i % max(len(active), 1)
+        for pos, w in enumerate(active[k:] + active[:k]):
+            try:
+                r = run(w)
+                out[w]["mismatches"] = check(w)
+            except Exception as e:
+                out[w]["error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            if out[w]["error"] or out[w]["mismatches"]:
+                active.remove(w)
+                continue
+            out[w]["s"].append(r.pop("s"))
+            out[w]["positions"].append(pos)
+            out[w]["runs"].append(r)
+        log(f"  vs_dcp round {i + 1}/{repeat}: "
+            + ", ".join(f"{w} {out[w]['s'][-1]:.3f}s" for w in ways if len(out[w]["s"]) == i + 1))
+    return out
+
+
+def _vs_dcp_summary(ways: dict[str, Any], limit_s: float | None, s3: dict[str, Any] | None) -> dict[str, Any]:
+    """Medians, paired ratios (median of the per-round ratios) and a verdict per target."""
+    s = {w: v["s"] for w, v in ways.items()}
+    ratios: dict[str, Any] = {
+        "mgr_over_dcp": paired_ratios(s["mgr"], s["dcp"]), "mgr_over_ucp": paired_ratios(s["mgr"], s["ucp"]),
+        "ucp_over_dcp": paired_ratios(s["ucp"], s["dcp"]),
+        **{f"{w}_over_limit": [t / limit_s for t in s[w]] if limit_s else [] for w in ways},
+    }
+    if s3 is not None:
+        ratios["mgr_s3_over_download"] = paired_ratios(s3["mgr_s3"]["s"], s3["download"]["s"])
+    med = {k: median(v) for k, v in ratios.items()}
+    return {"median_s": {w: median(v) for w, v in s.items()}, "paired_ratios": ratios, "ratio_medians": med,
+            "verdicts": {k: verdict(med.get(k), bound) for k, bound in VS_DCP_TARGETS.items()
+                         if k in med and (s3 is not None or not k.startswith("mgr_s3"))}}
+
+
+def _vs_dcp_s3(state: dict[str, Any], target: dict[str, Any], dirs: Dirs, args: argparse.Namespace, step: int,
+               check: Callable[[str], list[str]]) -> dict[str, Any]:
+    """Restore from an S3 tier (moto on loopback) vs downloading the whole step, paired like the local ways."""
+    with moto_s3() as (url, opts):
+        root = f"{url}/run"
+        with CheckpointManager(root, storage_options=opts, keep_last=1) as w:
+            w.save(step, state)
+            w.wait()
+
+        def run(way: str) -> dict[str, Any]:
+            if way == "mgr_s3":
+                out = mgr_restore(lambda: CheckpointManager(root, storage_options=opts, keep_last=1), target,
+                                  "persistent")
+                return {"s": out.pop("wall_s"), "restore": out}
+            mgr = CheckpointManager(root, storage_options=opts, keep_last=1)
+            tmp = tempfile.mkdtemp(prefix="ucp_bench_dl_", dir=dirs.root)
+            try:
+                names = [d.name for d in mgr.persistent.marker(step).files]
+                t0 = time.perf_counter()
+                mgr.persistent.fetch(step, names, tmp)
+                return {"s": time.perf_counter() - t0, "bytes": dir_bytes(tmp)}
+            finally:
+                mgr.close()
+                rmtree(tmp)
+
+        return _paired_runs(("mgr_s3", "download"), args.repeat, run,
+                            lambda w: check(w) if w == "mgr_s3" else [])
+
+
+def bench_vs_dcp(state: dict[str, Any], dirs: Dirs, args: argparse.Namespace, res: dict[str, Any],
+                 failures: list[str]) -> None:
+    """Section 5: ``CheckpointManager.load`` from the local tier against plain ``dcp.load``, cold and paired.
+
+    The same state is saved as a DCP checkpoint (``FileSystemWriter``) and
+    by a manager to its local tier (a UCP checkpoint). Each of ``--repeat``
+    rounds then loads it, in an order rotated by the round, three ways, each
+    after evicting its files from the page cache: ``dcp`` (``dcp.load`` with
+    ``FileSystemReader`` and DCP's ``DefaultLoadPlanner``), ``ucp``
+    (``dcp.load`` of the manager's step directory with ``UCPStorageReader`` and
+    ``UCPLoadPlanner``) and ``mgr`` (``CheckpointManager.load`` through a fresh
+    manager with that local tier). Every load goes into a zeroed target and is
+    compared bit for bit with the state. The limit is the state's bytes at
+    the best cold read bandwidth of parallel sequential readers, measured
+    under ``--dir`` before and after (``harness.storage_limits``). With moto
+    and s3fs installed (and no ``--no-s3``), a restore from an S3 tier on
+    loopback is paired the same way with downloading the whole step.
+    """
+    step = 7
+    nbytes = tensor_bytes(state)
+    target = empty_like_state(state)
+    measured = [measure_limits(dirs.root, args.probe_mb, "start")]
+    dcp_dir = dirs.fresh("vs-dcp-dcp")
+    save_state("dcp", state, dcp_dir)
+    persist, local = dirs.fresh("vs-dcp-persistent"), dirs.fresh("vs-dcp-local")
+    # local tier only: the persistent tier is not due at this step
+    with CheckpointManager(persist, local=local, persistent_interval=10 ** 9, local_keep_last=1) as w:
+        w.save(step, state)
+        w.wait()
+    local_step = os.path.join(local, f"step-{step:012d}")
+    paths = {"dcp": dcp_dir, "ucp": local_step, "mgr": local_step}
+
+    def make_mgr() -> CheckpointManager:
+        return CheckpointManager(persist, local=local, persistent_interval=10 ** 9, local_keep_last=1)
+
+    def check(way: str) -> list[str]:
+        errors = compare(target, state)
+        zero_fill(target)  # the next load starts from zeros again
+        if errors:
+            failures.append(f"vs_dcp {way}: {len(errors)} mismatches, e.g. {errors[:3]}")
+        return errors
+
+    zero_fill(target)
+    ways = _paired_runs(VS_DCP_WAYS, args.repeat, lambda w: _vs_dcp_load(w, paths, target, make_mgr, "local"), check)
+    s3: dict[str, Any] | None = None
+    why = have_s3() if not args.no_s3 else "--no-s3"
+    if why is None:
+        try:
+            s3 = _vs_dcp_s3(state, target, dirs, args, step, check)
+        except Exception as e:
+            failures.append(f"vs_dcp S3: {type(e).__name__}: {e}")
+            traceback.print_exc()
+    else:
+        res["s3_skipped"] = why
+    measured.append(measure_limits(dirs.root, args.probe_mb, "end"))
+    reads = [m["read_bytes_per_s"] for m in measured if m]
+    read_bw = max(reads) if reads else None
+    limit_s = nbytes / read_bw if read_bw else None
+    for w, v in {**ways, **(s3 or {})}.items():
+        if v["error"]:
+            failures.append(f"vs_dcp {w}: {v['error']}")
+    res.update(bytes=nbytes, ways=ways, s3=s3, limits={"start": measured[0], "end": measured[-1]},
+               read_bytes_per_s=read_bw, limit_s=limit_s, **_vs_dcp_summary(ways, limit_s, s3))
+    for d in (dcp_dir, persist, local):
+        rmtree(d)
+
+
+def measure_limits(root: str, probe_mb: float, when: str) -> dict[str, Any]:
+    """The best cold read and write+fsync bandwidth under ``root`` ({} when ``probe_mb`` is 0)."""
+    if probe_mb <= 0:
+        return {}
+    log(f"  storage bandwidth ({when}, {probe_mb:g} MB probe)")
+    return storage_limits(root, int(probe_mb * MB)).as_dict()
+
+
+def vs_dcp_markdown(r: dict[str, Any]) -> str:
+    """Section 5's table: each way's median, its paired ratios to DCP, the UCP classes and the limit, verdicts."""
+    med, rm, v = r["median_s"], r["ratio_medians"], r["verdicts"]
+
+    def cell(key: str) -> str:
+        return fmt_num(rm.get(key), ".2f", "x") + (f" ({v[key]})" if key in v else "")
+
+    def spread(key: str) -> str:
+        xs = r["paired_ratios"].get(key) or []
+        return f"{min(xs):.2f}-{max(xs):.2f}" if xs else "-"
+
+    rows = [
+        ["`dcp.load`, FileSystemReader + DefaultLoadPlanner (DCP checkpoint)", fmt_num(med["dcp"], ".3f"), "1.00x",
+         "-", "-", cell("dcp_over_limit")],
+        ["`dcp.load`, UCPStorageReader + UCPLoadPlanner (the manager's step)", fmt_num(med["ucp"], ".3f"),
+         cell("ucp_over_dcp"), spread("ucp_over_dcp"), "1.00x", cell("ucp_over_limit")],
+        ["`CheckpointManager.load`, local tier", fmt_num(med["mgr"], ".3f"), cell("mgr_over_dcp"),
+         spread("mgr_over_dcp"), cell("mgr_over_ucp"), cell("mgr_over_limit")],
+    ]
+    if r.get("s3"):
+        s3 = r["s3"]
+        rows += [["download the whole step from S3 (moto, loopback)", fmt_num(median(s3["download"]["s"]), ".3f"),
+                  "-", "-", "-", "-"],
+                 ["`CheckpointManager.load`, S3 tier", fmt_num(median(s3["mgr_s3"]["s"]), ".3f"),
+                  f"{cell('mgr_s3_over_download')} of the download", spread("mgr_s3_over_download"), "-", "-"]]
+    return markdown_table(["cold load", "median s", "/ DCP (paired)", "per round", "/ UCP classes (paired)",
+                           "/ limit"], rows)
+
+
 def dataclass_dict(x: Any) -> dict[str, Any]:
     """A dataclass as a dict, tuples as lists."""
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(x).items()}
@@ -895,12 +1120,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) restore")
     p.add_argument("--no-shm", action="store_true", help="skip the /dev/shm local tier")
     p.add_argument("--sections", default=",".join(SECTIONS),
-                   help="comma-separated subset of: blocking, interference, restore, hash")
+                   help="comma-separated subset of: blocking, interference, restore, hash, vs_dcp")
+    p.add_argument("--probe-mb", type=float, default=None,
+                   help="vs_dcp: bytes each storage-bandwidth measurement reads and writes, MB (default 512, 32 "
+                        "with --quick; 0 skips the limit)")
     p.add_argument("--out", default=None,
                    help="JSON results (default benchmarks/results/manager.json; out/bench_manager_quick.json "
                         "with --quick)")
     args = p.parse_args(argv)
-    quick_defaults(args, mb=(64.0, 1024.0), steps=(10, 20))
+    quick_defaults(args, mb=(64.0, 1024.0), steps=(10, 20), probe_mb=(32.0, 512.0))
     if args.out is None:
         args.out = default_out("manager.json", args.quick, "bench_manager_quick.json")
     args.sections = comma_list(p, args.sections, SECTIONS, "section")
@@ -965,6 +1193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             assert dcp_dir is not None
             bench_restore(state, dcp_dir, dirs, args, result["restore"], failures)
             result["restore"]["peak_rss_mib_after"] = peak_rss_mib()
+        if "vs_dcp" in args.sections:
+            log("section 5: the manager's restore against dcp.load, cold, paired")
+            result["vs_dcp"] = {}
+            bench_vs_dcp(state, dirs, args, result["vs_dcp"], failures)
+            result["vs_dcp"]["peak_rss_mib_after"] = peak_rss_mib()
     except Exception as e:
         failures.append(f"{type(e).__name__}: {e}")
         traceback.print_exc()
@@ -976,12 +1209,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["machine"]["loadavg_at_end"] = loadavg()
     result["failures"] = failures
     result["wall_s"] = time.perf_counter() - t_start
-    table = report(result)
+    table = report(result) if set(args.sections) - {"vs_dcp"} else ""
     result["table_markdown"] = table
+    if result.get("vs_dcp", {}).get("median_s"):
+        result["vs_dcp_markdown"] = vs_dcp_markdown(result["vs_dcp"])
+        v = result["vs_dcp"]["verdicts"]
+        missed = [k for k, x in v.items() if x == "MISSED"]
+        table += ("\n\n**5. cold restore vs `dcp.load`, paired rounds** (medians of the per-round ratios; "
+                  f"limit: {fmt_num(result['vs_dcp']['limit_s'], '.3f', ' s')})\n\n" + result["vs_dcp_markdown"]
+                  + f"\n\nissue 22 targets: {len(v) - len(missed)} met, {len(missed)} MISSED"
+                  + (": " + ", ".join(missed) if missed else ""))
     print()
     print(f"state {nbytes / MiB:.0f} MiB ({result['state']['tensors']} tensors, hidden {hidden}), "
           f"repeat {args.repeat}, {result['machine']['cpus']} CPUs, torch {torch.__version__}"
-          f"{', page cache evicted before loads' if args.evict else ', reads page-cache warm'}")
+          f"{', page cache evicted before loads' if args.evict else ', reads page-cache warm'}"
+          f"{' (vs_dcp: always evicted)' if 'vs_dcp' in args.sections else ''}")
     print(table)
     write_json(args.out, result, default=str)
     print(f"\nwall time {result['wall_s']:.1f}s; peak RSS {result['peak_rss_mib']:.0f} MiB; "
