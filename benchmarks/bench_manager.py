@@ -1210,7 +1210,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["failures"] = failures
     result["wall_s"] = time.perf_counter() - t_start
     table = report(result) if set(args.sections) - {"vs_dcp"} else ""
-    result["table_markdown"] = table
     if result.get("vs_dcp", {}).get("median_s"):
         result["vs_dcp_markdown"] = vs_dcp_markdown(result["vs_dcp"])
         v = result["vs_dcp"]["verdicts"]
@@ -1219,6 +1218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"limit: {fmt_num(result['vs_dcp']['limit_s'], '.3f', ' s')})\n\n" + result["vs_dcp_markdown"]
                   + f"\n\nissue 22 targets: {len(v) - len(missed)} met, {len(missed)} MISSED"
                   + (": " + ", ".join(missed) if missed else ""))
+    result["table_markdown"] = table
     print()
     print(f"state {nbytes / MiB:.0f} MiB ({result['state']['tensors']} tensors, hidden {hidden}), "
           f"repeat {args.repeat}, {result['machine']['cpus']} CPUs, torch {torch.__version__}"

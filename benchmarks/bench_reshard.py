@@ -1226,6 +1226,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None,
                    help="timed saves and cold loads per layout/pair and format, median "
                         "reported (default 3, 1 with --quick)")
+    p.add_argument("--save-repeats", type=int, default=None,
+                   help="timed saves per source layout and format (default: --repeats)")
     p.add_argument("--quick", action="store_true", help="small smoke run (--size-mb 40)")
     p.add_argument("--saves-only", action="store_true",
                    help="time only the saves of the pairs' source layouts (no loads)")
@@ -1246,6 +1248,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     quick_defaults(args, size_mb=(40.0, 300.0), repeats=(1, 3), probe_mb=(32.0, 512.0))
     if args.hidden is None:
         args.hidden = 2048 if args.size_mb >= 150 else 1024
+    if args.save_repeats is None:
+        args.save_repeats = args.repeats
     args.pairs = comma_list(p, args.pairs, list(PAIRS), "pair")
     args.formats = comma_list(p, args.formats, FORMATS, "format")
     return args
@@ -1329,7 +1333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(workdir, exist_ok=True)
     failures: list[str] = []
     sources = sorted({PAIRS[p][0] for p in args.pairs}, key=list(LAYOUTS).index)
-    jobs = [Job("save", n, args.formats, specs, workdir, args.repeats) for n in sources]
+    jobs = [Job("save", n, args.formats, specs, workdir, args.save_repeats) for n in sources]
     if not args.saves_only:
         jobs += [Job("load", p, args.formats, specs, workdir, args.repeats, verify_cost=args.verify_cost)
                  for p in args.pairs]
