@@ -61,6 +61,19 @@ machine is shared and absolute times drift.
    state's bytes (single thread, in memory). ``verify_seconds`` is the
    steadiest of these: it times only the hashing.
 
+5. **The manager's restore against plain ``dcp.load``, cold and paired**
+   (``--sections vs_dcp``, needs no other section): the same state saved
+   as a DCP checkpoint and by a manager to its local tier; each of
+   ``--repeat`` rounds loads it, in an order rotated by the round and each
+   after evicting its files, with ``dcp.load`` + ``FileSystemReader`` (DCP's
+   defaults), with ``dcp.load`` + the UCP classes on the manager's step, and
+   with ``CheckpointManager.load``; every load is compared bit for bit.
+   Ratios are medians of the per-round ratios, against each other and
+   against the state's bytes at the best cold read bandwidth measured under
+   ``--dir`` in the same run (``--probe-mb``). With moto and s3fs, an S3
+   tier's restore is paired the same way with downloading the whole step.
+   Issue 22's targets are printed met/MISSED (never asserted).
+
 Caveats:
 
 * The machine has few cores (2 on the development VM) and is shared with
@@ -86,6 +99,7 @@ Usage::
     python benchmarks/bench_manager.py                  # 1024 MiB state, 3 repeats
     python benchmarks/bench_manager.py --quick          # 64 MiB smoke check
     python benchmarks/bench_manager.py --mb 512 --repeat 5 --dir /nvme/tmp
+    python benchmarks/bench_manager.py --sections vs_dcp --mb 256 --repeat 7   # section 5 alone
 
 See benchmarks/README.md for results.
 """

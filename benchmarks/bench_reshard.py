@@ -3,7 +3,8 @@
 
 One run saves a synthetic training state (Linear-like 2-D weights + AdamW
 state, held as DTensors) under several *source* parallel layouts, then loads
-every checkpoint into different *target* layouts and measures, per format:
+every checkpoint into *target* layouts (other layouts, and the same one as
+a restart does) and measures, per format:
 
 * save time (``dcp.save`` plus an fsync of every written file, so every format
   pays the same durability cost),
@@ -28,6 +29,11 @@ every checkpoint into different *target* layouts and measures, per format:
   read bandwidth, a save's is its bytes on disk at the write bandwidth;
   the ratios to them, DCP's ratios, and the storage-speed targets
   (docs/storage-speed.md) are printed as met/MISSED, never asserted,
+* loads without resharding (``dp1-dp1`` in one process, ``dp4-dp4``,
+  ``dp2tp2-dp2tp2``) next to the resharding pairs: every pair's ucp/DCP and
+  ucp/limit as medians of paired per-repeat ratios, against issue 22's
+  targets (same layout <= 0.8x DCP, no pair slower than DCP, one process
+  <= 1.2x the limit), printed met/MISSED, never asserted,
 * with ``--verify-cost``: for ucp, every timed cold load is run twice, with
   the reader's checksum verification on (the default) and off, in
   alternating order, and the per-pair cost of verification is reported
@@ -50,6 +56,7 @@ Usage::
     python benchmarks/bench_reshard.py                  # default ~330 MB state
     python benchmarks/bench_reshard.py --quick          # ~30 MB smoke check
     python benchmarks/bench_reshard.py --pairs dp2tp2-dp3 --formats dcp,ucp
+    python benchmarks/bench_reshard.py --pairs dp1-dp1,dp4-dp4,dp2tp2-dp2tp2 --formats dcp,ucp --repeats 5
     python benchmarks/bench_reshard.py --size-mb 150 --formats ucp --repeats 3 --verify-cost
 
 See benchmarks/README.md for the method and caveats.

@@ -95,10 +95,10 @@ def parts(quick: bool, work: Path, out: Path, s3: bool) -> list[Part]:
     return [
         Part("reshard_same", ["benchmarks/bench_reshard.py", *reshard, *common, "--pairs", SAME_PAIRS,
                               "--workdir", str(work / "reshard_same"), "--out", str(out / "reshard_same.json")],
-             150, "reshard_same.json"),
+             170, "reshard_same.json"),
         Part("manager", ["benchmarks/bench_manager.py", "--sections", "vs_dcp", *manager, "--no-shm",
                          *([] if s3 else ["--no-s3"]), "--dir", str(work / "manager"),
-                         "--out", str(out / "manager.json")], 75, "manager.json"),
+                         "--out", str(out / "manager.json")], 70, "manager.json"),
         Part("reshard_pairs", ["benchmarks/bench_reshard.py", *reshard, *common, "--pairs", RESHARD_PAIRS,
                                "--workdir", str(work / "reshard_pairs"), "--out", str(out / "reshard_pairs.json")],
              120, "reshard_pairs.json"),
