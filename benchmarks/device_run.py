@@ -179,7 +179,22 @@ def environment(work: Path) -> dict[str, Any]:
         return torch.__version__
 
     def ucp() -> None:
-        from ucp_dcp import CheckpointManager, UCPLoadPlanner, UCPStorageReader  # noqa: F401
+        """A tiny save and load with the UCP classes in this process (no process group), compared exactly."""
+        import warnings
+
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        from ucp_dcp import CheckpointManager, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader  # noqa: F401
+        from ucp_dcp import UCPStorageWriter
+
+        state = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "step": 3}
+        target = {"w": torch.zeros(3, 4), "step": 0}
+        with tempfile.TemporaryDirectory(dir=work) as d, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, storage_writer=UCPStorageWriter(d), planner=UCPSavePlanner())
+            dcp.load(target, storage_reader=UCPStorageReader(d), planner=UCPLoadPlanner())
+        assert torch.equal(target["w"], state["w"]) and target["step"] == 3, f"round trip gave {target}"
 
     def s3() -> str:
         from bench_manager import have_s3
