@@ -889,6 +889,7 @@ def _vs_dcp_s3(state: dict[str, Any], target: dict[str, Any], dirs: Dirs, args: 
 
         def run(way: str) -> dict[str, Any]:
             if way == "mgr_s3":
+                zero_fill(target)
                 out = mgr_restore(lambda: CheckpointManager(root, storage_options=opts, keep_last=1), target,
                                   "persistent")
                 return {"s": out.pop("wall_s"), "restore": out}
@@ -944,13 +945,15 @@ def bench_vs_dcp(state: dict[str, Any], dirs: Dirs, args: argparse.Namespace, re
 
     def check(way: str) -> list[str]:
         errors = compare(target, state)
-        zero_fill(target)  # the next load starts from zeros again
         if errors:
             failures.append(f"vs_dcp {way}: {len(errors)} mismatches, e.g. {errors[:3]}")
         return errors
 
-    zero_fill(target)
-    ways = _paired_runs(VS_DCP_WAYS, args.repeat, lambda w: _vs_dcp_load(w, paths, target, make_mgr, "local"), check)
+    def run(way: str) -> dict[str, Any]:
+        zero_fill(target)  # every load starts from zeros, whatever the one before did
+        return _vs_dcp_load(way, paths, target, make_mgr, "local")
+
+    ways = _paired_runs(VS_DCP_WAYS, args.repeat, run, check)
     s3: dict[str, Any] | None = None
     why = have_s3() if not args.no_s3 else "--no-s3"
     if why is None:
