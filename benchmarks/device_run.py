@@ -225,6 +225,10 @@ def _reshard_section(title: str, doc: dict[str, Any]) -> list[str]:
         lines += [doc["common_case_md"], ""]
     if doc.get("storage_speed_md"):
         lines += ["Storage speed (pulled bytes, memory, saves):", "", doc["storage_speed_md"], ""]
+    readers = [f"- {rec['pair']}: `{json.dumps(rec['formats']['ucp']['reader_per_rank'][0], sort_keys=True)}`"
+               for rec in doc.get("pairs", []) if (rec["formats"].get("ucp") or {}).get("reader_per_rank")]
+    if readers:
+        lines += ["ucp reader counters after the last cold load (rank 0):", "", *readers, ""]
     left = [f"{layout}/{fmt}: {s['residual_after_evict']} B"
             for layout, per in doc.get("saves", {}).items() for fmt, s in per.items()
             if s.get("residual_after_evict")]
@@ -262,7 +266,10 @@ def v_table(m: dict[str, Any]) -> str:
     left = [run["residual_after_evict"] for w in v["ways"].values() for run in w["runs"]
             if run.get("residual_after_evict")]
     warn = f"\n\n**Eviction left {max(left)} B resident (loads were not cold).**" if left else ""
-    return m.get("vs_dcp_markdown", "") + warn
+    runs = v["ways"]["ucp"]["runs"]
+    reader = (f"\n\nucp reader counters after the last UCP-classes load: "
+              f"`{json.dumps(runs[-1]['reader'], sort_keys=True)}`") if runs and runs[-1].get("reader") else ""
+    return m.get("vs_dcp_markdown", "") + warn + reader
 
 
 def _num(x: float | None) -> str:
