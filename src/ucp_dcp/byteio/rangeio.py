@@ -9,6 +9,15 @@ than split into another call, since the page holding them is fetched
 anyway), splits large ranges so several threads share them, and runs the
 calls on a thread pool (``preadv`` releases the GIL).
 
+Each file is read one of two ways, chosen once per load by
+:meth:`RangeReader.plan_access` from every byte range the load will read
+there (:func:`~ucp_dcp.core.spans.file_access`): *exact* (the file opened
+with ``POSIX_FADV_RANDOM``, each request announced with
+``POSIX_FADV_WILLNEED`` a window ahead: scattered pieces, no page pulled in
+that holds no needed byte) or *sequential* (a file read whole or in long
+stretches: each thread streams one stretch in order through its own
+descriptor with the kernel's read-ahead, no hints).
+
 It never allocates per-read memory: the scratch buffer for gaps is
 ``gap_bytes`` long and shared. A segment may carry a ``done`` callback, run
 by the I/O thread that completes the segment's last byte (to check what was
@@ -22,14 +31,16 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
+from ..core.spans import ACCESS_MODES, SEQUENTIAL, file_access
 from ..errors import InvalidArgumentError, TruncatedFileError
 from .files import open_data_file
 
@@ -43,7 +54,12 @@ __all__ = [
     "storage_view",
     "tensor_view",
     "HOOKED_REQUEST_BYTES",
+    "Extents",
+    "check_access",
 ]
+
+Extents = Mapping[int, tuple[np.ndarray, np.ndarray]]
+"""Every byte range a load will read, per file number: ``(starts, lengths)`` arrays."""
 
 _BY_POSITION = itemgetter(0, 1)
 # Requests a thread has announced to the kernel ahead of reading them: the
@@ -210,6 +226,21 @@ class ByteSource(Protocol):
         """Release files, threads or connections."""
         ...
 
+    def plan_access(self, extents: Extents, mode: str = "auto") -> dict[int, str]:
+        """Choose how to read each file from every range the load will read there (``mode``: one
+        of :data:`~ucp_dcp.core.spans.ACCESS_MODES`), before the first :meth:`read`; the choice
+        per file number. A source with one way of reading (object storage) chooses nothing."""
+        check_access(mode)
+        return {}
+
+
+def check_access(mode: str) -> str:
+    """``mode`` if it is one of :data:`~ucp_dcp.core.spans.ACCESS_MODES`, else an
+    :class:`InvalidArgumentError` naming it and them."""
+    if mode not in ACCESS_MODES:
+        raise InvalidArgumentError(f"access must be one of {ACCESS_MODES}, got {mode!r}")
+    return mode
+
 
 class RangeReader(ByteSource):
     """Reads byte ranges of a fixed list of files with coalesced ``preadv`` calls.
@@ -239,6 +270,7 @@ class RangeReader(ByteSource):
         self._threads = max(threads, 1)
         self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="ucp-read")
         self.stats = ReadStats()
+        self._sequential: frozenset[int] = frozenset()  # files read as streams (plan_access)
 
     # -------------------------------------------------------------- files
     def fd(self, file: int) -> int:
@@ -256,6 +288,21 @@ class RangeReader(ByteSource):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def plan_access(self, extents: Extents, mode: str = "auto") -> dict[int, str]:
+        """Choose, per file, a stream (:data:`~ucp_dcp.core.spans.SEQUENTIAL`) or exact reads
+        (:data:`~ucp_dcp.core.spans.EXACT`): ``mode`` for every file, or with ``"auto"``
+        :func:`~ucp_dcp.core.spans.file_access` of its ranges. Later reads follow it; a file
+        not in ``extents`` is read exactly."""
+        check_access(mode)
+        chosen = {
+            f: mode
+            if mode != "auto"
+            else file_access(starts, lengths, os.fstat(self.fd(f)).st_size)
+            for f, (starts, lengths) in extents.items()
+        }
+        self._sequential = frozenset(f for f, how in chosen.items() if how == SEQUENTIAL)
+        return chosen
+
     # -------------------------------------------------------------- reads
     def plan(self, segments: Sequence[Segment]) -> list[_Request]:
         """Coalesce ``segments`` into calls (exposed for tests)."""
@@ -272,14 +319,21 @@ class RangeReader(ByteSource):
         reqs = self.plan(segments)
         if not reqs:
             return
-        batches = _batches(reqs, self._threads * 4)
-        if len(batches) == 1:
-            self._run_all(batches[0])
+        tasks: list[tuple[Callable[[Sequence[_Request]], None], list[_Request]]] = []
+        if self._sequential:
+            stream = [r for r in reqs if r.file in self._sequential]
+            reqs = [r for r in reqs if r.file not in self._sequential]
+            # One in-order stretch per thread: each thread's stream is one the read-ahead follows.
+            tasks += [(self._stream, b) for b in _batches(stream, self._threads) if b]
+        if reqs:
+            tasks += [(self._run_all, b) for b in _batches(reqs, self._threads * 4)]
+        if len(tasks) == 1:
+            tasks[0][0](tasks[0][1])
             return
         # Every call finishes before this returns, also when one fails: no
         # thread may still write into a buffer the caller reuses.
         error: BaseException | None = None
-        for fut in [self._pool.submit(self._run_all, b) for b in batches]:
+        for fut in [self._pool.submit(fn, b) for fn, b in tasks]:
             try:
                 fut.result()
             except BaseException as e:
@@ -301,12 +355,27 @@ class RangeReader(ByteSource):
                 self._advise(reqs[i + _PREFETCH_WINDOW])
             self._run(r)
 
+    def _stream(self, reqs: Sequence[_Request]) -> None:
+        # Requests in file order through descriptors of this call's own (the kernel keeps one
+        # read-ahead state per open file: threads sharing a descriptor would break each other's
+        # pattern), opened without POSIX_FADV_RANDOM and never announced.
+        fds: dict[int, int] = {}
+        try:
+            for r in reqs:
+                fd = fds.get(r.file)
+                if fd is None:
+                    fd = fds[r.file] = open_data_file(self._paths[r.file], random=False)
+                self._run(r, fd)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
     def _advise(self, r: _Request) -> None:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd(r.file), r.offset, r.nbytes, os.POSIX_FADV_WILLNEED)
 
-    def _run(self, r: _Request) -> None:
-        fd = self.fd(r.file)
+    def _run(self, r: _Request, fd: int | None = None) -> None:
+        fd = self.fd(r.file) if fd is None else fd
         bufs, off, left, calls = r.bufs, r.offset, r.nbytes, 0
         while left:
             got = os.preadv(fd, bufs, off)

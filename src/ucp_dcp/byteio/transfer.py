@@ -76,6 +76,22 @@ class ChunkRegion:
         """``(location, chunk_sizes, region, dtype)``, for code that uses all four."""
         return self.location, self.chunk_sizes, self.region, self.dtype
 
+    def file_runs(self) -> tuple[np.ndarray, int]:
+        """The file offsets of the runs of bytes the region occupies (ascending) and their common
+        length: what reading it needs from the file, whichever way it is read."""
+        loc = self.location
+        if self.whole:
+            return np.array([loc.start], dtype=np.int64), loc.nbytes
+        sizes, region = self.chunk_sizes, self.region
+        if loc.dim_order:
+            sizes = tuple(sizes[d] for d in loc.dim_order)
+            region = Box(
+                tuple(region.offsets[d] for d in loc.dim_order),
+                tuple(region.sizes[d] for d in loc.dim_order),
+            )
+        starts, length = region_starts(sizes, region, self.dtype.itemsize)
+        return starts + loc.start, length
+
 
 def needs_staging(
     dest: torch.Tensor, src_dtype: torch.dtype, location: Location | None = None

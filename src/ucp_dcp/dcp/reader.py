@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import (
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..byteio.engine import ChunkReads
+from ..byteio.rangeio import Extents, check_access
 from ..byteio.transfer import ChunkRegion
 from ..core.sharding import Box
 from ..core.values import decode_value
@@ -120,6 +122,17 @@ class UCPStorageReader(_Directory, StorageReader):
             Values are always checked. Formats without checksums (DCP's,
             Hugging Face's) have nothing to check. ``verify=False`` skips
             the checks of tensor data.
+        access: how each local data file is read, chosen once per load from
+            every byte range this rank's plan reads there: ``"auto"`` (the
+            default) streams a file the rank reads whole or in long
+            stretches (``"sequential"``: the kernel's read-ahead, in-order
+            requests, one stretch per thread) and reads scattered pieces
+            exactly (``"exact"``: no read-ahead, each request announced to
+            the kernel ahead of reading it; see
+            :func:`~ucp_dcp.core.spans.file_access`). ``"sequential"`` or
+            ``"exact"`` forces that way for every file. ``file_access`` maps
+            each file the last load read to the way chosen (empty on object
+            storage, which has one way).
     """
 
     def __init__(
@@ -134,8 +147,11 @@ class UCPStorageReader(_Directory, StorageReader):
         prefix: str = "",
         verify: bool = True,
         storage_options: dict[str, Any] | None = None,
+        access: str = "auto",
     ) -> None:
         super().__init__()
+        self.access = check_access(access)
+        self.file_access: dict[str, str] = {}
         if dcp_values not in DCP_VALUES_MODES:
             raise InvalidArgumentError(
                 f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}"
@@ -246,18 +262,18 @@ class UCPStorageReader(_Directory, StorageReader):
             reread_block=self.max_request_bytes,
         )
         try:
-            for ri, idx in tensor_items:
+            parts = [self._part(src, ri, idx) for ri, idx in tensor_items]
+            chosen = reader.plan_access(_extents(parts), self.access)
+            self.file_access = {src.paths[f]: how for f, how in sorted(chosen.items())}
+            for (ri, idx), part in zip(tensor_items, parts):
                 fqn = ri.storage_index.fqn
-                location = src.locate(fqn, idx)
-                chunk = src.box(fqn, idx)
-                region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
                 dest = planner.resolve_tensor(ri)
                 engine.add(
-                    ChunkRegion(location, chunk.sizes, region, src.index.tensors[fqn].dtype),
+                    part,
                     dest,
                     name=fqn,
-                    chunk_offsets=chunk.offsets,
-                    sums=src.block_sums(fqn, idx, location) if engine.verify else None,
+                    chunk_offsets=src.box(fqn, idx).offsets,
+                    sums=src.block_sums(fqn, idx, part.location) if engine.verify else None,
                     # Committed once filled and checked (planners may move the data on).
                     done=functools.partial(planner.commit_tensor, ri, dest),
                 )
@@ -277,6 +293,17 @@ class UCPStorageReader(_Directory, StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    @staticmethod
+    def _part(src: Source, ri: ReadItem, idx: int) -> ChunkRegion:
+        """The region of saved chunk ``idx`` that tensor read item ``ri`` reads."""
+        fqn = ri.storage_index.fqn
+        return ChunkRegion(
+            src.locate(fqn, idx),
+            src.box(fqn, idx).sizes,
+            Box(tuple(ri.storage_offsets), tuple(ri.lengths)),
+            src.index.tensors[fqn].dtype,
+        )
 
     def _prepare(
         self, src: Source, plan: LoadPlan
@@ -319,6 +346,17 @@ class UCPStorageReader(_Directory, StorageReader):
         """Whether ``checkpoint_id`` is a path some source format recognises."""
         path = os.fspath(checkpoint_id)
         return any(c.detect(path) for c in source_types())
+
+
+def _extents(parts: list[ChunkRegion]) -> Extents:
+    """Every byte range ``parts`` read, per file number (what ``plan_access`` chooses from)."""
+    starts: dict[int, list[np.ndarray]] = {}
+    lengths: dict[int, list[np.ndarray]] = {}
+    for part in parts:
+        s, n = part.file_runs()
+        starts.setdefault(part.location.file, []).append(s)
+        lengths.setdefault(part.location.file, []).append(np.full(len(s), n, dtype=np.int64))
+    return {f: (np.concatenate(starts[f]), np.concatenate(lengths[f])) for f in starts}
 
 
 def _chunk_offsets(index: MetadataIndex) -> tuple[int, ...]:
