@@ -263,16 +263,16 @@ class UCPStorageReader(_Directory, StorageReader):
         )
         try:
             parts = [self._part(src, ri, idx) for ri, idx in tensor_items]
-            chosen = reader.plan_access(_extents(parts), self.access)
+            chosen = reader.plan_access(_extents([p for p, _ in parts]), self.access)
             self.file_access = {src.paths[f]: how for f, how in sorted(chosen.items())}
-            for (ri, idx), part in zip(tensor_items, parts):
+            for (ri, idx), (part, chunk_offsets) in zip(tensor_items, parts):
                 fqn = ri.storage_index.fqn
                 dest = planner.resolve_tensor(ri)
                 engine.add(
                     part,
                     dest,
                     name=fqn,
-                    chunk_offsets=src.box(fqn, idx).offsets,
+                    chunk_offsets=chunk_offsets,
                     sums=src.block_sums(fqn, idx, part.location) if engine.verify else None,
                     # Committed once filled and checked (planners may move the data on).
                     done=functools.partial(planner.commit_tensor, ri, dest),
@@ -295,15 +295,14 @@ class UCPStorageReader(_Directory, StorageReader):
         return fut
 
     @staticmethod
-    def _part(src: Source, ri: ReadItem, idx: int) -> ChunkRegion:
-        """The region of saved chunk ``idx`` that tensor read item ``ri`` reads."""
+    def _part(src: Source, ri: ReadItem, idx: int) -> tuple[ChunkRegion, tuple[int, ...]]:
+        """The region of saved chunk ``idx`` that tensor read item ``ri`` reads, and the chunk's
+        offsets in the tensor."""
         fqn = ri.storage_index.fqn
-        return ChunkRegion(
-            src.locate(fqn, idx),
-            src.box(fqn, idx).sizes,
-            Box(tuple(ri.storage_offsets), tuple(ri.lengths)),
-            src.index.tensors[fqn].dtype,
-        )
+        chunk = src.box(fqn, idx)
+        region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
+        dtype = src.index.tensors[fqn].dtype
+        return ChunkRegion(src.locate(fqn, idx), chunk.sizes, region, dtype), chunk.offsets
 
     def _prepare(
         self, src: Source, plan: LoadPlan
