@@ -220,3 +220,28 @@ def test_a_small_part_of_a_large_file_is_read_exactly(tmp_path: Path) -> None:
     dcp.load(out, storage_reader=reader, planner=UCPLoadPlanner())
     assert bit_equal(out["small"], sd["small"])
     assert set(reader.file_access.values()) == {EXACT}
+
+
+@pytest.mark.parametrize("mode", ["sequential", "exact"])
+def test_hints_follow_the_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """A streamed file gets no hints (the kernel's read-ahead does the work); an exact one has
+    read-ahead off and every request announced."""
+    paths, data = _files(tmp_path, [12 * MiB])
+    calls: list[int] = []
+    real = os.posix_fadvise
+
+    def spy(fd: int, offset: int, length: int, advice: int) -> None:
+        calls.append(advice)
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    buf = memoryview(bytearray(12 * MiB))
+    with RangeReader(paths, max_request_bytes=MiB) as r:
+        r.plan_access({0: (np.array([0]), np.array([12 * MiB]))}, mode)
+        calls.clear()  # plan_access opens the file for its size
+        r.read([Segment(0, 0, buf)])
+    assert bytes(buf) == data[0]
+    if mode == "sequential":
+        assert calls == []
+    else:
+        assert calls.count(os.POSIX_FADV_WILLNEED) == 12

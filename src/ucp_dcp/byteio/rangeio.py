@@ -29,6 +29,7 @@ that a callback finds what it checks still in the CPU cache.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -65,6 +66,10 @@ _BY_POSITION = itemgetter(0, 1)
 # Requests a thread has announced to the kernel ahead of reading them: the
 # device works on up to this many while the thread waits for the first.
 _PREFETCH_WINDOW = 32
+
+# A file read as a stream is shared among threads in stretches of at least this many bytes: a
+# shorter read is not worth a hand-off to another thread (and the read-ahead needs a run-up).
+STREAM_STRETCH = 4 << 20
 
 # Segments that carry a ``done`` callback are coalesced into requests of at
 # most this many bytes (or one segment, if longer): the callback then runs
@@ -170,11 +175,13 @@ class FileHandles:
     """Descriptors of a list of files, each opened once on first use; thread-safe.
 
     Opened with ``POSIX_FADV_RANDOM``: callers request exactly the bytes they
-    need, and read-ahead would only pull in neighbours other ranks own.
+    need, and read-ahead would only pull in neighbours other ranks own; with
+    ``random=False``, with the kernel's read-ahead (files read as streams).
     """
 
-    def __init__(self, paths: Sequence[str]) -> None:
+    def __init__(self, paths: Sequence[str], *, random: bool = True) -> None:
         self.paths = list(paths)
+        self.random = random
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
 
@@ -186,7 +193,7 @@ class FileHandles:
         with self._lock:
             fd = self._fds.get(file)
             if fd is None:
-                fd = open_data_file(self.paths[file])
+                fd = open_data_file(self.paths[file], random=self.random)
                 self._fds[file] = fd
         return fd
 
@@ -271,6 +278,9 @@ class RangeReader(ByteSource):
         self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="ucp-read")
         self.stats = ReadStats()
         self._sequential: frozenset[int] = frozenset()  # files read as streams (plan_access)
+        # Per stream lane, descriptors of its own: the kernel keeps one read-ahead state per open
+        # file, and lanes sharing a descriptor would break each other's pattern.
+        self._lanes = [FileHandles(self._paths, random=False) for _ in range(self._threads)]
 
     # -------------------------------------------------------------- files
     def fd(self, file: int) -> int:
@@ -281,6 +291,8 @@ class RangeReader(ByteSource):
         """Close every file and stop the thread pool."""
         self._pool.shutdown(wait=True)
         self._files.close()
+        for lane in self._lanes:
+            lane.close()
 
     def __enter__(self) -> RangeReader:
         return self
@@ -323,8 +335,13 @@ class RangeReader(ByteSource):
         if self._sequential:
             stream = [r for r in reqs if r.file in self._sequential]
             reqs = [r for r in reqs if r.file not in self._sequential]
-            # One in-order stretch per thread: each thread's stream is one the read-ahead follows.
-            tasks += [(self._stream, b) for b in _batches(stream, self._threads) if b]
+            # One in-order stretch per lane (a thread and its descriptors), each at least
+            # STREAM_STRETCH long: each lane's stream is one the read-ahead follows, and a short
+            # read stays on the calling thread.
+            total = sum(r.nbytes for r in stream)
+            lanes = max(1, min(self._threads, total // STREAM_STRETCH))
+            batches = [b for b in _batches(stream, lanes) if b]
+            tasks += [(functools.partial(self._stream, i), b) for i, b in enumerate(batches)]
         if reqs:
             tasks += [(self._run_all, b) for b in _batches(reqs, self._threads * 4)]
         if len(tasks) == 1:
@@ -355,20 +372,12 @@ class RangeReader(ByteSource):
                 self._advise(reqs[i + _PREFETCH_WINDOW])
             self._run(r)
 
-    def _stream(self, reqs: Sequence[_Request]) -> None:
-        # Requests in file order through descriptors of this call's own (the kernel keeps one
-        # read-ahead state per open file: threads sharing a descriptor would break each other's
-        # pattern), opened without POSIX_FADV_RANDOM and never announced.
-        fds: dict[int, int] = {}
-        try:
-            for r in reqs:
-                fd = fds.get(r.file)
-                if fd is None:
-                    fd = fds[r.file] = open_data_file(self._paths[r.file], random=False)
-                self._run(r, fd)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+    def _stream(self, lane: int, reqs: Sequence[_Request]) -> None:
+        # Requests in file order through lane ``lane``'s descriptors (opened without
+        # POSIX_FADV_RANDOM), never announced: the kernel's read-ahead runs ahead of them.
+        files = self._lanes[lane]
+        for r in reqs:
+            self._run(r, files.get(r.file))
 
     def _advise(self, r: _Request) -> None:
         if hasattr(os, "posix_fadvise"):
