@@ -336,21 +336,29 @@ class RangeReader(ByteSource):
             stream = [r for r in reqs if r.file in self._sequential]
             reqs = [r for r in reqs if r.file not in self._sequential]
             # One in-order stretch per lane (a thread and its descriptors), each at least
-            # STREAM_STRETCH long: each lane's stream is one the read-ahead follows, and a short
-            # read stays on the calling thread.
+            # STREAM_STRETCH long: each lane's stream is one the read-ahead follows. Lane 0 is the
+            # calling thread (no hand-off; a short read stays there), the others pool threads.
             total = sum(r.nbytes for r in stream)
             lanes = max(1, min(self._threads, total // STREAM_STRETCH))
             batches = [b for b in _batches(stream, lanes) if b]
             tasks += [(functools.partial(self._stream, i), b) for i, b in enumerate(batches)]
+        here = None
+        if tasks:  # a stream's first lane
+            here = tasks.pop(0)
         if reqs:
             tasks += [(self._run_all, b) for b in _batches(reqs, self._threads * 4)]
-        if len(tasks) == 1:
-            tasks[0][0](tasks[0][1])
-            return
+        if here is None and len(tasks) == 1:
+            here = tasks.pop()
         # Every call finishes before this returns, also when one fails: no
         # thread may still write into a buffer the caller reuses.
         error: BaseException | None = None
-        for fut in [self._pool.submit(fn, b) for fn, b in tasks]:
+        futures = [self._pool.submit(fn, b) for fn, b in tasks]
+        if here is not None:
+            try:
+                here[0](here[1])
+            except BaseException as e:
+                error = e
+        for fut in futures:
             try:
                 fut.result()
             except BaseException as e:
