@@ -91,6 +91,24 @@ def test_scattered_short_runs_are_exact(length: int, every: int, rows: int) -> N
     assert file_access(starts, [length] * rows, rows * row) == EXACT
 
 
+def test_extents_of_chunk_regions() -> None:
+    """The ranges a plan needs come from its regions: a column shard of a chunk of 4000-byte rows
+    is a 1000-byte run per row (exact), the whole chunk one run (sequential), per file."""
+    from ucp_dcp.byteio.transfer import ChunkRegion, extents
+    from ucp_dcp.core.sharding import Box
+    from ucp_dcp.format import Location
+
+    rows = 256
+    col = ChunkRegion(Location(0, 64, rows * 4000, ""), (rows, 1000), Box((0, 250), (rows, 250)), torch.float32)
+    whole = ChunkRegion(Location(1, 0, rows * 4000, ""), (rows, 1000), Box((0, 0), (rows, 1000)), torch.float32)
+    ext = extents([col, whole])
+    assert ext[0][0].tolist() == [64 + r * 4000 + 1000 for r in range(rows)]
+    assert set(ext[0][1].tolist()) == {1000}
+    assert ext[1][0].tolist() == [0] and ext[1][1].tolist() == [rows * 4000]
+    assert file_access(*ext[0], 64 + rows * 4000) == EXACT
+    assert file_access(*ext[1], rows * 4000) == SEQUENTIAL
+
+
 # ------------------------------------------------------------ the range reader
 def _files(tmp_path: Path, sizes: list[int]) -> tuple[list[str], list[bytes]]:
     paths, data = [], []

@@ -16,7 +16,7 @@ pipeline carries over from one read item to the next.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +30,11 @@ from ..errors import InvalidArgumentTypeError
 from ..format import Location
 from .blocksums import ChunkCheck, read_verified
 from .integrity import ChecksumError
-from .rangeio import ByteSource, Segment, storage_view
+from .rangeio import ByteSource, Extents, Segment, storage_view
 
 __all__ = [
     "ChunkRegion",
+    "extents",
     "needs_staging",
     "permuted",
     "segments_into",
@@ -91,6 +92,19 @@ class ChunkRegion:
             )
         starts, length = region_starts(sizes, region, self.dtype.itemsize)
         return starts + loc.start, length
+
+
+def extents(parts: Iterable[ChunkRegion]) -> Extents:
+    """Every byte range reading ``parts`` needs, per file number: what
+    :meth:`ByteSource.plan_access <ucp_dcp.byteio.rangeio.ByteSource.plan_access>` chooses
+    from."""
+    starts: dict[int, list[np.ndarray]] = {}
+    lengths: dict[int, list[np.ndarray]] = {}
+    for part in parts:
+        s, n = part.file_runs()
+        starts.setdefault(part.location.file, []).append(s)
+        lengths.setdefault(part.location.file, []).append(np.full(len(s), n, dtype=np.int64))
+    return {f: (np.concatenate(starts[f]), np.concatenate(lengths[f])) for f in starts}
 
 
 def needs_staging(

@@ -20,7 +20,6 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import (
@@ -36,8 +35,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..byteio.engine import ChunkReads
-from ..byteio.rangeio import Extents, check_access
-from ..byteio.transfer import ChunkRegion
+from ..byteio.rangeio import check_access
+from ..byteio.transfer import ChunkRegion, extents
 from ..core.sharding import Box
 from ..core.values import decode_value
 from ..errors import InvalidArgumentError
@@ -263,7 +262,7 @@ class UCPStorageReader(_Directory, StorageReader):
         )
         try:
             parts = [self._part(src, ri, idx) for ri, idx in tensor_items]
-            chosen = reader.plan_access(_extents([p for p, _ in parts]), self.access)
+            chosen = reader.plan_access(extents([p for p, _ in parts]), self.access)
             self.file_access = {src.paths[f]: how for f, how in sorted(chosen.items())}
             for (ri, idx), (part, chunk_offsets) in zip(tensor_items, parts):
                 fqn = ri.storage_index.fqn
@@ -345,17 +344,6 @@ class UCPStorageReader(_Directory, StorageReader):
         """Whether ``checkpoint_id`` is a path some source format recognises."""
         path = os.fspath(checkpoint_id)
         return any(c.detect(path) for c in source_types())
-
-
-def _extents(parts: list[ChunkRegion]) -> Extents:
-    """Every byte range ``parts`` read, per file number (what ``plan_access`` chooses from)."""
-    starts: dict[int, list[np.ndarray]] = {}
-    lengths: dict[int, list[np.ndarray]] = {}
-    for part in parts:
-        s, n = part.file_runs()
-        starts.setdefault(part.location.file, []).append(s)
-        lengths.setdefault(part.location.file, []).append(np.full(len(s), n, dtype=np.int64))
-    return {f: (np.concatenate(starts[f]), np.concatenate(lengths[f])) for f in starts}
 
 
 def _chunk_offsets(index: MetadataIndex) -> tuple[int, ...]:
