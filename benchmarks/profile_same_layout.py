@@ -7,8 +7,8 @@ the checkpoint's files evicted (``POSIX_FADV_DONTNEED``) before each load.
 Prints per-repeat times, the medians, the ratio and the load average;
 ``--profile`` writes a cProfile of one extra cold ucp_dcp load instead.
 
-    PYTHONPATH=src python benchmarks/profile_same_layout.py --dir /tmp/psl --repeats 7
-    PYTHONPATH=src python benchmarks/profile_same_layout.py --dir /tmp/psl --profile out.prof
+    python benchmarks/profile_same_layout.py --dir /tmp/psl --repeats 7 --access auto,exact
+    python benchmarks/profile_same_layout.py --dir /tmp/psl --profile out.prof
 """
 
 from __future__ import annotations
@@ -30,18 +30,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import fully_shard
 
+from harness.pagecache import evict_tree  # isort: skip (puts this checkout's src/ first)
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
-
-
-def _evict(root: str) -> None:
-    for p in sorted(Path(root).rglob("*")):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _state(hidden: int, layers: int) -> dict[str, Any]:
@@ -59,7 +49,7 @@ def _state(hidden: int, layers: int) -> dict[str, Any]:
 
 
 def _load(kind: str, path: str, state: dict[str, Any], access: str | None) -> float:
-    _evict(path)
+    evict_tree(path)
     t = time.perf_counter()
     if kind == "ucp":
         kw = {} if access is None else {"access": access}
@@ -91,7 +81,7 @@ def main() -> None:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(dcp_path))
         Path(ucp_path, ".done").touch()
     if args.profile:
-        _evict(ucp_path)
+        evict_tree(ucp_path)
         prof = cProfile.Profile()
         prof.enable()
         _load("ucp", ucp_path, state, None if args.access is None else args.access.split(",")[0])
