@@ -60,6 +60,8 @@ _MiB = 1024 * 1024
 # (POSIX_FADV_WILLNEED), so two keep the device's queue full; more only contend for the cores.
 # Scattered one-page reads (one per 8 KiB) ran at 0.10-0.15 GB/s with 4 ranks whatever the thread
 # count: bound by calls, not by requests in flight (core/spans.py reads such regions as spans).
+# A file read as a stream (access="sequential", chosen per file under "auto") is shared among as
+# many lanes, the calling thread being the first, each with the kernel's read-ahead.
 _IO_THREADS = 2
 
 
