@@ -1,13 +1,15 @@
-"""One process, same layout: an FSDP2 model + AdamW saved and loaded with ucp_dcp and with DCP.
+"""Same layout: an FSDP2 model + AdamW saved and loaded with ucp_dcp and with DCP.
 
-Saves the state once with ``UCPStorageWriter`` and once with DCP's
-``FileSystemWriter``, then loads each back ``--repeats`` times into the
-same FSDP2 state (paired, alternating which goes first), the page cache of
-the checkpoint's files evicted (``POSIX_FADV_DONTNEED``) before each load.
-Prints per-repeat times, the medians, the ratio and the load average;
+One process by default, or ``--world`` ranks. Saves the state once with
+``UCPStorageWriter`` and once with DCP's ``FileSystemWriter``, then loads
+each back ``--repeats`` times into the same FSDP2 state (paired, alternating
+which goes first), the page cache of the checkpoint's files evicted
+(``POSIX_FADV_DONTNEED``) before each load. Prints per-repeat times (until
+the slowest rank is done), the medians, the ratios and the load average;
 ``--profile`` writes a cProfile of one extra cold ucp_dcp load instead.
 
     python benchmarks/profile_same_layout.py --dir /tmp/psl --repeats 7 --access auto,exact
+    python benchmarks/profile_same_layout.py --dir /tmp/psl --world 4 --access auto,exact
     python benchmarks/profile_same_layout.py --dir /tmp/psl --profile out.prof
 """
 
@@ -49,13 +51,18 @@ def _state(hidden: int, layers: int) -> dict[str, Any]:
 
 
 def _load(kind: str, path: str, state: dict[str, Any], access: str | None) -> float:
-    evict_tree(path)
+    """One cold load on every rank: the files evicted, then the time until the slowest rank is
+    done."""
+    if dist.get_rank() == 0:
+        evict_tree(path)
+    dist.barrier()
     t = time.perf_counter()
     if kind == "ucp":
         kw = {} if access is None else {"access": access}
         dcp.load(state, storage_reader=UCPStorageReader(path, **kw), planner=UCPLoadPlanner())
     else:
         dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    dist.barrier()
     return time.perf_counter() - t
 
 
@@ -65,28 +72,39 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1216)
     ap.add_argument("--layers", type=int, default=17)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--world", type=int, default=1, help="ranks (FSDP2 over all of them)")
     ap.add_argument(
         "--access", default=None, help="comma-separated UCPStorageReader access= values to compare"
     )
     ap.add_argument("--profile", default=None, help="write a cProfile of one ucp_dcp load here")
     args = ap.parse_args()
+    args.dir = args.dir or tempfile.mkdtemp(prefix="psl-")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    work = args.dir or tempfile.mkdtemp(prefix="psl-")
+    if args.world == 1:
+        _bench(0, args)
+    else:
+        torch.multiprocessing.spawn(_bench, args=(args,), nprocs=args.world)
+
+
+def _bench(rank: int, args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo", rank=rank, world_size=args.world)
+    work = os.path.join(args.dir, f"world{args.world}")
     ucp_path, dcp_path = os.path.join(work, "ucp"), os.path.join(work, "dcp")
     state = _state(args.hidden, args.layers)
-    if not os.path.exists(os.path.join(ucp_path, ".done")):
+    saved = os.path.exists(os.path.join(ucp_path, ".done"))
+    dist.barrier()
+    if not saved:
         dcp.save(state, storage_writer=UCPStorageWriter(ucp_path), planner=UCPSavePlanner())
         dcp.save(state, storage_writer=dcp.FileSystemWriter(dcp_path))
-        Path(ucp_path, ".done").touch()
+        if rank == 0:
+            Path(ucp_path, ".done").touch()
     if args.profile:
-        evict_tree(ucp_path)
         prof = cProfile.Profile()
         prof.enable()
         _load("ucp", ucp_path, state, None if args.access is None else args.access.split(",")[0])
         prof.disable()
-        prof.dump_stats(args.profile)
+        prof.dump_stats(args.profile if rank == 0 else f"{args.profile}.{rank}")
         dist.destroy_process_group()
         return
     # Variants: ucp_dcp with each access mode named (default: the reader's own), and DCP.
@@ -110,8 +128,10 @@ def main() -> None:
         if v != "dcp":
             ratios = [u / d for u, d in zip(ts, times["dcp"])]
             out[f"{v}_over_dcp_median"] = round(statistics.median(ratios), 3)
+    out["world"] = args.world
     out["loadavg"] = os.getloadavg()
-    print(json.dumps(out))
+    if rank == 0:
+        print(json.dumps(out))
     dist.destroy_process_group()
 
 
