@@ -47,7 +47,8 @@ def _save_sources(rank: int, world: int, root: str, layouts: list[str], use_asyn
             torch.save({"ref": ref, "world": world}, os.path.join(root, f"{layout}.ref.pt"))
 
 
-def _load_targets(rank: int, world: int, root: str, pairs: list[tuple[str, str]]) -> None:
+def _load_targets(rank: int, world: int, root: str, pairs: list[tuple[str, str]], access: str = "auto",
+                  expect: str | None = None) -> None:
     for source, target in pairs:
         what = f"{source} -> {target}"
         saved = torch.load(os.path.join(root, f"{source}.ref.pt"))
@@ -61,7 +62,13 @@ def _load_targets(rank: int, world: int, root: str, pairs: list[tuple[str, str]]
 
         extra = RankLocal(None) if same_world else RankLocal(None, reshard=reshard)
         sd = {**state, "step": 0, "extra": extra}
-        dcp.load(sd, storage_reader=UCPStorageReader(os.path.join(root, source)), planner=UCPLoadPlanner())
+        reader = UCPStorageReader(os.path.join(root, source), access=access)
+        dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
+        if expect is not None:  # the file this rank wrote is read ``expect``'s way; forced: every file
+            own = [how for p, how in reader.file_access.items() if os.path.basename(p).startswith(f"rank{rank:05d}-")]
+            assert own == [expect], (what, reader.file_access)
+            if access != "auto":
+                assert set(reader.file_access.values()) == {access}, (what, reader.file_access)
         check_against({"model": sd["model"], "optim": sd["optim"]}, saved["ref"], f"rank {rank}: {what}")
         assert sd["step"] == 2, what
         if same_world:
@@ -100,6 +107,21 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_reshard_load(sources: str, world: int, pairs: list[tuple[str, str]]) -> None:
     """Every pair loads bit-exactly into the target layout (dp4 was saved with async_save)."""
     run_ranks(world, _load_targets, sources, pairs)
+
+
+@pytest.mark.parametrize(
+    "access,pairs,expect",
+    [
+        # A restart on the same layout: each rank reads its own file whole, as a stream (and the
+        # few bytes it needs from other ranks' files exactly).
+        ("auto", [("dp4", "dp4")], "sequential"),
+        ("sequential", [("dp4", "dp4"), ("dp2tp2", "tp4")], "sequential"),
+        ("exact", [("dp4", "dp4"), ("dp2tp2", "tp4")], "exact"),
+    ],
+)
+def test_reshard_load_each_access(sources: str, access: str, pairs: list[tuple[str, str]], expect: str) -> None:
+    """Bit-exact loads whichever way the files are read, and the way chosen is reported."""
+    run_ranks(4, _load_targets, sources, pairs, access, expect)
 
 
 def test_regular_layouts_are_stored_compactly(sources: str) -> None:

@@ -15,8 +15,9 @@ from ..format.header import parse_safetensors as _parse_safetensors
 __all__ = ["open_data_file", "FileAccess", "read_header", "read_safetensors"]
 
 
-def open_data_file(path: str) -> int:
-    """Open data file ``path`` for random reads (no read-ahead); a missing or unreadable file is a
+def open_data_file(path: str, *, random: bool = True) -> int:
+    """Open data file ``path`` for random reads (no read-ahead), or with ``random=False`` for a
+    stream (the kernel's default read-ahead); a missing or unreadable file is a
     :class:`CheckpointFormatError` naming it."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -24,7 +25,7 @@ def open_data_file(path: str) -> int:
         raise CheckpointFormatError(f"data file {path} is missing") from None
     except OSError as e:
         raise CheckpointFormatError(f"{path}: cannot open ({e.strerror or e})") from None
-    if hasattr(os, "posix_fadvise"):
+    if random and hasattr(os, "posix_fadvise"):
         # Without this the header read leaves read-ahead marks in the page
         # cache, and a later exact read of a marked page makes the kernel
         # stream in the rest of the file: other ranks' bytes.

@@ -9,6 +9,15 @@ than split into another call, since the page holding them is fetched
 anyway), splits large ranges so several threads share them, and runs the
 calls on a thread pool (``preadv`` releases the GIL).
 
+Each file is read one of two ways, chosen once per load by
+:meth:`RangeReader.plan_access` from every byte range the load will read
+there (:func:`~ucp_dcp.core.spans.file_access`): *exact* (the file opened
+with ``POSIX_FADV_RANDOM``, each request announced with
+``POSIX_FADV_WILLNEED`` a window ahead: scattered pieces, no page pulled in
+that holds no needed byte) or *sequential* (a file read whole or in long
+stretches: each thread streams one stretch in order through its own
+descriptor with the kernel's read-ahead, no hints).
+
 It never allocates per-read memory: the scratch buffer for gaps is
 ``gap_bytes`` long and shared. A segment may carry a ``done`` callback, run
 by the I/O thread that completes the segment's last byte (to check what was
@@ -20,16 +29,19 @@ that a callback finds what it checks still in the CPU cache.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
+from ..core.spans import ACCESS_MODES, SEQUENTIAL, file_access
 from ..errors import InvalidArgumentError, TruncatedFileError
 from .files import open_data_file
 
@@ -43,12 +55,21 @@ __all__ = [
     "storage_view",
     "tensor_view",
     "HOOKED_REQUEST_BYTES",
+    "Extents",
+    "check_access",
 ]
+
+Extents = Mapping[int, tuple[np.ndarray, np.ndarray]]
+"""Every byte range a load will read, per file number: ``(starts, lengths)`` arrays."""
 
 _BY_POSITION = itemgetter(0, 1)
 # Requests a thread has announced to the kernel ahead of reading them: the
 # device works on up to this many while the thread waits for the first.
 _PREFETCH_WINDOW = 32
+
+# A file read as a stream is shared among threads in stretches of at least this many bytes: a
+# shorter read is not worth a hand-off to another thread (and the read-ahead needs a run-up).
+STREAM_STRETCH = 4 << 20
 
 # Segments that carry a ``done`` callback are coalesced into requests of at
 # most this many bytes (or one segment, if longer): the callback then runs
@@ -154,11 +175,13 @@ class FileHandles:
     """Descriptors of a list of files, each opened once on first use; thread-safe.
 
     Opened with ``POSIX_FADV_RANDOM``: callers request exactly the bytes they
-    need, and read-ahead would only pull in neighbours other ranks own.
+    need, and read-ahead would only pull in neighbours other ranks own; with
+    ``random=False``, with the kernel's read-ahead (files read as streams).
     """
 
-    def __init__(self, paths: Sequence[str]) -> None:
+    def __init__(self, paths: Sequence[str], *, random: bool = True) -> None:
         self.paths = list(paths)
+        self.random = random
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
 
@@ -170,7 +193,7 @@ class FileHandles:
         with self._lock:
             fd = self._fds.get(file)
             if fd is None:
-                fd = open_data_file(self.paths[file])
+                fd = open_data_file(self.paths[file], random=self.random)
                 self._fds[file] = fd
         return fd
 
@@ -210,6 +233,21 @@ class ByteSource(Protocol):
         """Release files, threads or connections."""
         ...
 
+    def plan_access(self, extents: Extents, mode: str = "auto") -> dict[int, str]:
+        """Choose how to read each file from every range the load will read there (``mode``: one
+        of :data:`~ucp_dcp.core.spans.ACCESS_MODES`), before the first :meth:`read`; the choice
+        per file number. A source with one way of reading (object storage) chooses nothing."""
+        check_access(mode)
+        return {}
+
+
+def check_access(mode: str) -> str:
+    """``mode`` if it is one of :data:`~ucp_dcp.core.spans.ACCESS_MODES`, else an
+    :class:`InvalidArgumentError` naming it and them."""
+    if mode not in ACCESS_MODES:
+        raise InvalidArgumentError(f"access must be one of {ACCESS_MODES}, got {mode!r}")
+    return mode
+
 
 class RangeReader(ByteSource):
     """Reads byte ranges of a fixed list of files with coalesced ``preadv`` calls.
@@ -239,6 +277,10 @@ class RangeReader(ByteSource):
         self._threads = max(threads, 1)
         self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="ucp-read")
         self.stats = ReadStats()
+        self._sequential: frozenset[int] = frozenset()  # files read as streams (plan_access)
+        # Per stream lane, descriptors of its own: the kernel keeps one read-ahead state per open
+        # file, and lanes sharing a descriptor would break each other's pattern.
+        self._lanes = [FileHandles(self._paths, random=False) for _ in range(self._threads)]
 
     # -------------------------------------------------------------- files
     def fd(self, file: int) -> int:
@@ -249,12 +291,29 @@ class RangeReader(ByteSource):
         """Close every file and stop the thread pool."""
         self._pool.shutdown(wait=True)
         self._files.close()
+        for lane in self._lanes:
+            lane.close()
 
     def __enter__(self) -> RangeReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def plan_access(self, extents: Extents, mode: str = "auto") -> dict[int, str]:
+        """Choose, per file, a stream (:data:`~ucp_dcp.core.spans.SEQUENTIAL`) or exact reads
+        (:data:`~ucp_dcp.core.spans.EXACT`): ``mode`` for every file, or with ``"auto"``
+        :func:`~ucp_dcp.core.spans.file_access` of its ranges. Later reads follow it; a file
+        not in ``extents`` is read exactly."""
+        check_access(mode)
+        chosen = {
+            f: mode
+            if mode != "auto"
+            else file_access(starts, lengths, os.fstat(self.fd(f)).st_size)
+            for f, (starts, lengths) in extents.items()
+        }
+        self._sequential = frozenset(f for f, how in chosen.items() if how == SEQUENTIAL)
+        return chosen
 
     # -------------------------------------------------------------- reads
     def plan(self, segments: Sequence[Segment]) -> list[_Request]:
@@ -272,14 +331,34 @@ class RangeReader(ByteSource):
         reqs = self.plan(segments)
         if not reqs:
             return
-        batches = _batches(reqs, self._threads * 4)
-        if len(batches) == 1:
-            self._run_all(batches[0])
-            return
+        tasks: list[tuple[Callable[[Sequence[_Request]], None], list[_Request]]] = []
+        if self._sequential:
+            stream = [r for r in reqs if r.file in self._sequential]
+            reqs = [r for r in reqs if r.file not in self._sequential]
+            # One in-order stretch per lane (a thread and its descriptors), each at least
+            # STREAM_STRETCH long: each lane's stream is one the read-ahead follows. Lane 0 is the
+            # calling thread (no hand-off; a short read stays there), the others pool threads.
+            total = sum(r.nbytes for r in stream)
+            lanes = max(1, min(self._threads, total // STREAM_STRETCH))
+            batches = [b for b in _batches(stream, lanes) if b]
+            tasks += [(functools.partial(self._stream, i), b) for i, b in enumerate(batches)]
+        here = None
+        if tasks:  # a stream's first lane
+            here = tasks.pop(0)
+        if reqs:
+            tasks += [(self._run_all, b) for b in _batches(reqs, self._threads * 4)]
+        if here is None and len(tasks) == 1:
+            here = tasks.pop()
         # Every call finishes before this returns, also when one fails: no
         # thread may still write into a buffer the caller reuses.
         error: BaseException | None = None
-        for fut in [self._pool.submit(self._run_all, b) for b in batches]:
+        futures = [self._pool.submit(fn, b) for fn, b in tasks]
+        if here is not None:
+            try:
+                here[0](here[1])
+            except BaseException as e:
+                error = e
+        for fut in futures:
             try:
                 fut.result()
             except BaseException as e:
@@ -301,12 +380,19 @@ class RangeReader(ByteSource):
                 self._advise(reqs[i + _PREFETCH_WINDOW])
             self._run(r)
 
+    def _stream(self, lane: int, reqs: Sequence[_Request]) -> None:
+        # Requests in file order through lane ``lane``'s descriptors (opened without
+        # POSIX_FADV_RANDOM), never announced: the kernel's read-ahead runs ahead of them.
+        files = self._lanes[lane]
+        for r in reqs:
+            self._run(r, files.get(r.file))
+
     def _advise(self, r: _Request) -> None:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd(r.file), r.offset, r.nbytes, os.POSIX_FADV_WILLNEED)
 
-    def _run(self, r: _Request) -> None:
-        fd = self.fd(r.file)
+    def _run(self, r: _Request, fd: int | None = None) -> None:
+        fd = self.fd(r.file) if fd is None else fd
         bufs, off, left, calls = r.bufs, r.offset, r.nbytes, 0
         while left:
             got = os.preadv(fd, bufs, off)

@@ -16,7 +16,7 @@ pipeline carries over from one read item to the next.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +30,11 @@ from ..errors import InvalidArgumentTypeError
 from ..format import Location
 from .blocksums import ChunkCheck, read_verified
 from .integrity import ChecksumError
-from .rangeio import ByteSource, Segment, storage_view
+from .rangeio import ByteSource, Extents, Segment, storage_view
 
 __all__ = [
     "ChunkRegion",
+    "extents",
     "needs_staging",
     "permuted",
     "segments_into",
@@ -75,6 +76,35 @@ class ChunkRegion:
     def fields(self) -> tuple[Location, tuple[int, ...], Box, torch.dtype]:
         """``(location, chunk_sizes, region, dtype)``, for code that uses all four."""
         return self.location, self.chunk_sizes, self.region, self.dtype
+
+    def file_runs(self) -> tuple[np.ndarray, int]:
+        """The file offsets of the runs of bytes the region occupies (ascending) and their common
+        length: what reading it needs from the file, whichever way it is read."""
+        loc = self.location
+        if self.whole:
+            return np.array([loc.start], dtype=np.int64), loc.nbytes
+        sizes, region = self.chunk_sizes, self.region
+        if loc.dim_order:
+            sizes = tuple(sizes[d] for d in loc.dim_order)
+            region = Box(
+                tuple(region.offsets[d] for d in loc.dim_order),
+                tuple(region.sizes[d] for d in loc.dim_order),
+            )
+        starts, length = region_starts(sizes, region, self.dtype.itemsize)
+        return starts + loc.start, length
+
+
+def extents(parts: Iterable[ChunkRegion]) -> Extents:
+    """Every byte range reading ``parts`` needs, per file number: what
+    :meth:`ByteSource.plan_access <ucp_dcp.byteio.rangeio.ByteSource.plan_access>` chooses
+    from."""
+    starts: dict[int, list[np.ndarray]] = {}
+    lengths: dict[int, list[np.ndarray]] = {}
+    for part in parts:
+        s, n = part.file_runs()
+        starts.setdefault(part.location.file, []).append(s)
+        lengths.setdefault(part.location.file, []).append(np.full(len(s), n, dtype=np.int64))
+    return {f: (np.concatenate(starts[f]), np.concatenate(lengths[f])) for f in starts}
 
 
 def needs_staging(

@@ -15,7 +15,9 @@ A region of a row-major chunk is a set of equal-length *runs* (see
 
 :func:`read_cost` prices both from the runs' file offsets with
 :class:`ReadCosts`; :func:`prefer_span` picks; :func:`span_slabs` cuts a
-region into sub-boxes whose span fits a staging budget. Pure arithmetic,
+region into sub-boxes whose span fits a staging budget; :func:`file_access`
+picks how a rank reads each file as a whole (a stream with the kernel's
+read-ahead, or exact announced reads). Pure arithmetic,
 like the rest of :mod:`ucp_dcp.core`: the byte-moving code lives in
 :mod:`ucp_dcp.byteio.transfer`.
 """
@@ -38,7 +40,25 @@ __all__ = [
     "span_of",
     "span_slabs",
     "region_starts",
+    "ACCESS_MODES",
+    "SEQUENTIAL",
+    "EXACT",
+    "READ_AHEAD_BYTES",
+    "file_access",
 ]
+
+SEQUENTIAL = "sequential"
+"""A file read as a stream: the kernel's read-ahead, large in-order requests, one stretch per
+thread."""
+EXACT = "exact"
+"""A file read in exact announced requests (``POSIX_FADV_RANDOM``, ``WILLNEED`` a window ahead):
+no page that holds no needed byte."""
+ACCESS_MODES = ("auto", SEQUENTIAL, EXACT)
+"""What a reader's ``access`` accepts: ``"auto"`` chooses per file with :func:`file_access`."""
+READ_AHEAD_BYTES = 8 << 20
+"""The read-ahead window :func:`file_access` assumes: how far past a run's end the kernel may read
+(the development VM's ``read_ahead_kb``; 128 KiB elsewhere is common, so this errs towards
+exact)."""
 
 
 @dataclass(frozen=True)
@@ -235,3 +255,44 @@ def span_slabs(
                 tuple(int(o) for o in outer) + (start,) + (0,) * len(tail),
                 (1,) * d + (min(step, sizes[d] - start),) + tail,
             )
+
+
+def file_access(
+    starts: Sequence[int] | np.ndarray,
+    lengths: Sequence[int] | np.ndarray,
+    file_size: int,
+    *,
+    window: int = READ_AHEAD_BYTES,
+    max_waste: float = 0.25,
+) -> str:
+    """How a rank should read one file, given every byte range ``[start, start + length)`` it
+    plans to read there: :data:`SEQUENTIAL` or :data:`EXACT`.
+
+    The ranges are merged into runs (overlapping or touching), read in
+    ascending order. Read as a stream, the kernel may read ahead past each
+    run's end by up to ``window`` bytes, but never past the next run's start
+    (those bytes are needed anyway) or the file's end: that overshoot is
+    the waste of reading the file sequentially. Sequential wins when the
+    waste is at most ``max_waste`` of the bytes needed: a file read whole or
+    in long stretches (a restart on the same layout); scattered pieces (a
+    column shard: a short run per row, the rest of each row other ranks')
+    stay exact. No ranges at all: exact (nothing to stream).
+    """
+    s = np.asarray(starts, dtype=np.int64).reshape(-1)
+    n = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    keep = n > 0
+    s, n = s[keep], n[keep]
+    if not s.size:
+        return EXACT
+    order = np.argsort(s, kind="stable")
+    s = s[order]
+    ends = np.maximum.accumulate(s + n[order])
+    first = np.ones(s.size, dtype=bool)
+    first[1:] = s[1:] > ends[:-1]
+    idx = np.flatnonzero(first)
+    run_starts = s[idx]
+    run_ends = ends[np.r_[idx[1:] - 1, s.size - 1]]
+    needed = int((run_ends - run_starts).sum())
+    following = np.r_[run_starts[1:], max(int(file_size), int(run_ends[-1]))]
+    waste = int(np.minimum(window, following - run_ends).sum())
+    return SEQUENTIAL if waste <= max_waste * needed else EXACT

@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..byteio.engine import ChunkReads
-from ..byteio.transfer import ChunkRegion
+from ..byteio.rangeio import check_access
+from ..byteio.transfer import ChunkRegion, extents
 from ..core.sharding import Box
 from ..core.values import decode_value
 from ..errors import InvalidArgumentError
@@ -59,6 +60,8 @@ _MiB = 1024 * 1024
 # (POSIX_FADV_WILLNEED), so two keep the device's queue full; more only contend for the cores.
 # Scattered one-page reads (one per 8 KiB) ran at 0.10-0.15 GB/s with 4 ranks whatever the thread
 # count: bound by calls, not by requests in flight (core/spans.py reads such regions as spans).
+# A file read as a stream (access="sequential", chosen per file under "auto") is shared among as
+# many lanes, the calling thread being the first, each with the kernel's read-ahead.
 _IO_THREADS = 2
 
 
@@ -120,6 +123,17 @@ class UCPStorageReader(_Directory, StorageReader):
             Values are always checked. Formats without checksums (DCP's,
             Hugging Face's) have nothing to check. ``verify=False`` skips
             the checks of tensor data.
+        access: how each local data file is read, chosen once per load from
+            every byte range this rank's plan reads there: ``"auto"`` (the
+            default) streams a file the rank reads whole or in long
+            stretches (``"sequential"``: the kernel's read-ahead, in-order
+            requests, one stretch per thread) and reads scattered pieces
+            exactly (``"exact"``: no read-ahead, each request announced to
+            the kernel ahead of reading it; see
+            :func:`~ucp_dcp.core.spans.file_access`). ``"sequential"`` or
+            ``"exact"`` forces that way for every file. ``file_access`` maps
+            each file the last load read to the way chosen (empty on object
+            storage, which has one way).
     """
 
     def __init__(
@@ -134,8 +148,11 @@ class UCPStorageReader(_Directory, StorageReader):
         prefix: str = "",
         verify: bool = True,
         storage_options: dict[str, Any] | None = None,
+        access: str = "auto",
     ) -> None:
         super().__init__()
+        self.access = check_access(access)
+        self.file_access: dict[str, str] = {}
         if dcp_values not in DCP_VALUES_MODES:
             raise InvalidArgumentError(
                 f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}"
@@ -246,18 +263,18 @@ class UCPStorageReader(_Directory, StorageReader):
             reread_block=self.max_request_bytes,
         )
         try:
-            for ri, idx in tensor_items:
+            parts = [self._part(src, ri, idx) for ri, idx in tensor_items]
+            chosen = reader.plan_access(extents([p for p, _ in parts]), self.access)
+            self.file_access = {src.paths[f]: how for f, how in sorted(chosen.items())}
+            for (ri, idx), (part, chunk_offsets) in zip(tensor_items, parts):
                 fqn = ri.storage_index.fqn
-                location = src.locate(fqn, idx)
-                chunk = src.box(fqn, idx)
-                region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
                 dest = planner.resolve_tensor(ri)
                 engine.add(
-                    ChunkRegion(location, chunk.sizes, region, src.index.tensors[fqn].dtype),
+                    part,
                     dest,
                     name=fqn,
-                    chunk_offsets=chunk.offsets,
-                    sums=src.block_sums(fqn, idx, location) if engine.verify else None,
+                    chunk_offsets=chunk_offsets,
+                    sums=src.block_sums(fqn, idx, part.location) if engine.verify else None,
                     # Committed once filled and checked (planners may move the data on).
                     done=functools.partial(planner.commit_tensor, ri, dest),
                 )
@@ -277,6 +294,16 @@ class UCPStorageReader(_Directory, StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    @staticmethod
+    def _part(src: Source, ri: ReadItem, idx: int) -> tuple[ChunkRegion, tuple[int, ...]]:
+        """The region of saved chunk ``idx`` that tensor read item ``ri`` reads, and the chunk's
+        offsets in the tensor."""
+        fqn = ri.storage_index.fqn
+        chunk = src.box(fqn, idx)
+        region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
+        dtype = src.index.tensors[fqn].dtype
+        return ChunkRegion(src.locate(fqn, idx), chunk.sizes, region, dtype), chunk.offsets
 
     def _prepare(
         self, src: Source, plan: LoadPlan
