@@ -203,6 +203,67 @@ def test_corrupt_local_copy_falls_back_to_persistent_copy_of_same_step(tmp_path)
         assert_state_equal(target, make_state(2))
 
 
+def count_file_reads(monkeypatch, paths: list[str]) -> dict[str, int]:
+    """Bytes read from each of ``paths`` from now on, by any ``os.pread``/``os.preadv`` call (how
+    the reader reads files) or Python file object (how whole-file digests read)."""
+    import builtins
+
+    by_inode = {(os.stat(p).st_dev, os.stat(p).st_ino): os.path.basename(p) for p in paths}
+    counted = dict.fromkeys(by_inode.values(), 0)
+
+    def add(fd: int, n: int) -> None:
+        st = os.fstat(fd)
+        name = by_inode.get((st.st_dev, st.st_ino))
+        if name is not None:
+            counted[name] += n
+
+    real_pread, real_preadv, real_open = os.pread, os.preadv, builtins.open
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        data = real_pread(fd, n, offset)
+        add(fd, len(data))
+        return data
+
+    def preadv(fd: int, bufs, offset: int, *flags) -> int:
+        n = real_preadv(fd, bufs, offset, *flags)
+        add(fd, n)
+        return n
+
+    def opened(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if "r" in mode and isinstance(file, (str, os.PathLike)) and os.path.basename(file) in counted:
+            counted[os.path.basename(file)] += os.fstat(f.fileno()).st_size  # assume read whole
+        return f
+
+    monkeypatch.setattr(os, "pread", pread)
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(builtins, "open", opened)
+    return counted
+
+
+def test_local_restore_reads_each_data_byte_once(tmp_path, monkeypatch) -> None:
+    """Checks ride on the read: the restore hashes no whole file, and reads no data file byte
+    twice (the index is checked against the marker; data against its block checksums as it
+    arrives)."""
+    local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
+    with CheckpointManager(shared, local=local, persistent_interval=10**9) as mgr:
+        mgr.save(1, make_state(1, scale=64))
+        mgr.wait()
+        step_dir = mgr.local.step_path(1)
+    data = [os.path.join(step_dir, n) for n in os.listdir(step_dir) if n.endswith(".safetensors")]
+    size = sum(os.path.getsize(p) for p in data)
+    counted = count_file_reads(monkeypatch, data)
+    with CheckpointManager(shared, local=local, persistent_interval=10**9) as mgr:
+        target = empty_like_state(make_state(1, scale=64))
+        assert mgr.load(target) == 1 and mgr.last_restore.tier == "local"
+        assert_state_equal(target, make_state(1, scale=64))
+        rec = mgr.last_restore
+    monkeypatch.undo()
+    tensors = sum(t.numel() * t.element_size() for t in make_state(1, scale=64)["model"].values())
+    assert tensors <= rec.verified_bytes <= rec.read_bytes <= size, (rec, size)
+    assert tensors <= sum(counted.values()) <= size, (counted, size)
+
+
 def test_goodput_from_measured_saves(tmp_path) -> None:
     with CheckpointManager(tmp_path) as mgr:
         for step in range(3):

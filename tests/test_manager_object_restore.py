@@ -177,3 +177,64 @@ def test_object_that_disagrees_with_its_marker_falls_back(s3_bucket, caplog) -> 
         assert_state_equal(target, make_state(1, scale=8))
         (attempt,) = mgr.last_restore.failed_attempts
         assert name in attempt and "incomplete" in attempt, attempt
+
+
+def log_s3_requests(monkeypatch: Any) -> dict[str, list[Any]]:
+    """Record every GET s3fs makes from now on as ``(object name, bytes)``, and every listing."""
+    import s3fs
+
+    log: dict[str, list[Any]] = {"gets": [], "lists": []}
+    real_cat, real_ls = s3fs.S3FileSystem._cat_file, s3fs.S3FileSystem._ls
+
+    async def cat_file(self: Any, path: str, *args: Any, **kwargs: Any) -> bytes:
+        data = await real_cat(self, path, *args, **kwargs)
+        log["gets"].append((path.rsplit("/", 1)[-1], len(data)))
+        return data
+
+    async def ls(self: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+        log["lists"].append(path)
+        return await real_ls(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", cat_file)
+    monkeypatch.setattr(s3fs.S3FileSystem, "_ls", ls)
+    s3fs.S3FileSystem.clear_instance_cache()
+    return log
+
+
+def test_direct_restore_reads_in_large_requests_and_each_marker_once(s3_bucket, monkeypatch) -> None:
+    """One process needs the whole step: its tensor bytes come in requests of the manager's
+    request size (not the reader's smaller default), and the manager reads each step's marker
+    once, the index once, and lists twice plus the step directory once."""
+    import math
+
+    import ucp_dcp.manager._restore as restore
+
+    url, options = s3_bucket
+    root = f"{url}/requests-{uuid.uuid4().hex[:8]}"
+    with CheckpointManager(root, storage_options=options, keep_last=3) as mgr:
+        for step in (5, 6, 7):
+            mgr.save(step, {"model": full_tensors(step), "step": step})
+        mgr.wait()
+    request = 2 << 20  # smaller than the reader's 16 MiB default, so the count shows whose size it is
+    monkeypatch.setattr(restore, "OBJECT_REQUEST_BYTES", request)
+    target = {"model": {k: torch.zeros_like(t) for k, t in full_tensors(7).items()}, "step": -1}
+    log = log_s3_requests(monkeypatch)  # before the manager opens the store (s3fs binds its methods)
+    with CheckpointManager(root, storage_options=options) as mgr:
+        for requests in log.values():
+            requests.clear()  # start-up cleanup's
+        assert mgr.load(target) == 7 and mgr.last_restore.tier == "persistent"
+        monkeypatch.undo()
+    assert target["step"] == 7
+    for k, t in full_tensors(7).items():
+        assert bit_equal(target["model"][k], t), k
+    tensor_bytes = sum(t.numel() * t.element_size() for t in full_tensors(7).values())
+    names = [n for n, _ in log["gets"]]
+    data = [n for n, _ in log["gets"] if n.endswith(".safetensors")]
+    large = [size for n, size in log["gets"] if size > (1 << 20)]
+    assert all(size <= request for size in large), log["gets"]
+    assert len(large) == math.ceil(tensor_bytes / request), log["gets"]
+    assert sum(large) >= tensor_bytes - request, log["gets"]
+    assert len(set(data)) == 1
+    assert names.count(MARKER_FILE) == 3 + 1, names  # every step's once, the restored one's again
+    assert names.count(INDEX_FILE) == 2, names  # the manager's digest check and the reader's
+    assert len(log["lists"]) <= 3, log["lists"]

@@ -159,7 +159,7 @@ def test_node_layout(rank: int, world: int, asked: int | None, env: dict[str, st
     [
         ("keep_last", 0, "keep_last must be an int >= 1, got 0 \\(keep_last=0 would delete"),
         ("local_interval", -1, "local_interval must be an int >= 1, got -1$"),
-        ("io_threads", 1.5, "io_threads must be an int >= 1"),
+        ("io_threads", 1.5, "io_threads must be None or an int >= 1, got 1.5$"),
         ("keep_every", 0, "keep_every must be None or an int >= 1"),
         ("nonfinite", "warn", "nonfinite must be 'off', 'error' or 'flag'"),
     ],

@@ -197,7 +197,14 @@ def test_many_steps_sorted_and_junk_ignored(make_tier: Callable[[], Tier], tmp_p
         tier.fs.pipe_file(tier._root + "/step-abc/x", b"x")
         tier.fs.pipe_file(tier._root + f"/{step_dir_name(7)}/x", b"x")  # no token
         tier.fs.pipe_file(tier._root + f"/{step_dir_name(9)}-tok/x", b"x")  # uncommitted
-    assert make_tier().steps() == [2, 30, 1000]
+    fresh = make_tier()
+    assert fresh.steps() == [2, 30, 1000]
+    assert fresh.markers() == {s: fresh.marker(s) for s in (2, 30, 1000)}  # junk left out there too
+    if isinstance(fresh, FsspecTier):
+        copy = fresh.copy_of(30)
+        assert (copy.marker, copy.url) == (fresh.marker(30), fresh.step_path(30))
+        assert copy.sizes == fresh.files(30)
+        assert fresh.read_at(copy, INDEX_FILE) == fresh.read_bytes(30, INDEX_FILE)
 
 
 # ---------------------------------------------------------------- staging

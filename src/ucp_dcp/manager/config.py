@@ -140,10 +140,11 @@ class CheckpointConfig:
         fsspec options for a URL ``root`` (e.g. S3 endpoint and credentials).""",
     )
 
-    io_threads: int = _option(
-        4,
+    io_threads: int | None = _option(
+        None,
         """
-        Threads reading during ``load``.""",
+        Threads reading during ``load``. None: ``UCPStorageReader``'s default, so
+        a restore reads the way a plain ``dcp.load`` with the UCP classes does.""",
     )
 
     direct_restore: bool = _option(
@@ -168,10 +169,14 @@ class CheckpointConfig:
             "io_threads",
         ):
             v = getattr(self, k)
+            optional = k == "io_threads"
+            if optional and v is None:
+                continue
             if not isinstance(v, int) or v < 1:
                 why = " (keep_last=0 would delete the only good checkpoint)" if "keep" in k else ""
                 raise InvalidArgumentError(
-                    f"CheckpointConfig.{k} must be an int >= 1, got {v!r}{why}"
+                    f"CheckpointConfig.{k} must be {'None or ' if optional else ''}an int >= 1, "
+                    f"got {v!r}{why}"
                 )
         if self.keep_every is not None and (
             not isinstance(self.keep_every, int) or self.keep_every < 1

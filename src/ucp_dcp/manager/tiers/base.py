@@ -78,6 +78,20 @@ class Tier(ABC):
         unparsable markers are ignored.
         """
 
+    def markers(self) -> dict[int, CommitMarker]:
+        """The marker of every committed step (what :meth:`steps` lists), each read once.
+
+        Never raises for junk, like :meth:`steps`; a marker that turns
+        unreadable between the listing and its read is left out.
+        """
+        out: dict[int, CommitMarker] = {}
+        for s in self.steps():
+            try:
+                out[s] = self.marker(s)
+            except CheckpointFormatError:
+                continue
+        return out
+
     @abstractmethod
     def marker(self, step: int) -> CommitMarker:
         """The marker of committed ``step``; :class:`CheckpointFormatError` naming the tier and step

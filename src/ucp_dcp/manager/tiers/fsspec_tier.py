@@ -13,14 +13,14 @@ import os
 import re
 from collections.abc import Iterable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...byteio.durable import fsync_file, fsync_path, replace_via_temp
 from ...errors import CheckpointFormatError, InvalidArgumentError
 from .base import Tier, check_step, check_token, step_dir_name
 from .marker import MARKER_FILE, CommitMarker, check_name
 
-__all__ = ["FsspecTier"]
+__all__ = ["FsspecTier", "StepCopy"]
 
 _STEP_TOKEN_RE = re.compile(r"step-(\d{12,})-([A-Za-z0-9_-]{1,64})\Z")
 
@@ -40,6 +40,15 @@ _OBJECT_STORES = {
     "tos",
     "cos",
 }
+
+
+class StepCopy(NamedTuple):
+    """One committed copy of a step in an :class:`FsspecTier` (see :meth:`FsspecTier.copy_of`)."""
+
+    marker: CommitMarker
+    url: str
+    sizes: dict[str, int]
+    """Name -> size of each file in the copy, the marker excluded."""
 
 
 def _protocols(fs: Any) -> set[str]:
@@ -145,7 +154,40 @@ class FsspecTier(Tier):
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (see :meth:`Tier.steps`)."""
-        return sorted(step for step, dirs in self._dirs().items() if self._committed(step, dirs))
+        return sorted(self.markers())
+
+    def markers(self) -> dict[int, CommitMarker]:
+        """The newest committed marker of every step: one listing, one GET per step directory
+        (see :meth:`Tier.markers`)."""
+        out = {}
+        for step, dirs in self._dirs().items():
+            committed = self._committed(step, dirs)
+            if committed:
+                out[step] = committed[0][0]
+        return out
+
+    def copy_of(self, step: int) -> StepCopy:
+        """The newest committed copy of ``step`` as one look finds it: marker, URL and file sizes
+        (two listings and one GET; :class:`CheckpointFormatError` if there is none).
+
+        Reading the copy's files at its URL (:meth:`read_at`) reads that copy
+        even if the step is saved again meanwhile.
+        """
+        marker, d = self._current(step)
+        path = self._path(d)
+        return StepCopy(marker, self._to_url(path), self._file_sizes(path))
+
+    def read_at(self, copy: StepCopy, name: str) -> bytes:
+        """The content of file ``name`` of ``copy`` (one GET)."""
+        check_name(name, "file name")
+        src = f"{self.fs._strip_protocol(copy.url)}/{name}"
+        try:
+            return self.fs.cat_file(src)
+        except FileNotFoundError:
+            raise CheckpointFormatError(
+                f"{self._where(copy.marker.step, name)}: missing (expected an object "
+                f"{self._to_url(src)})"
+            ) from None
 
     def marker(self, step: int) -> CommitMarker:
         """The marker of the newest committed copy of ``step``."""
@@ -196,14 +238,8 @@ class FsspecTier(Tier):
 
     def read_bytes(self, step: int, name: str) -> bytes:
         """The content of file ``name`` of committed ``step``."""
-        check_name(name, "file name")
-        src = f"{self._path(self._current(step)[1])}/{name}"
-        try:
-            return self.fs.cat_file(src)
-        except FileNotFoundError:
-            raise CheckpointFormatError(
-                f"{self._where(step, name)}: missing (expected an object {self._to_url(src)})"
-            ) from None
+        marker, d = self._current(step)
+        return self.read_at(StepCopy(marker, self._to_url(self._path(d)), {}), name)
 
     # -- writing
 

@@ -130,15 +130,20 @@ class LocalTier(Tier):
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (see :meth:`Tier.steps`)."""
-        out = []
+        return sorted(self.markers())
+
+    def markers(self) -> dict[int, CommitMarker]:
+        """The marker of every committed step, from one listing (see :meth:`Tier.markers`)."""
+        out = {}
         for n in self._listdir():
             m = _STEP_RE.match(n)
             if m is None or step_dir_name(int(m.group(1))) != n:
                 continue
             step = int(m.group(1))
-            if self._committed(os.path.join(self.root, n), step) is not None:
-                out.append(step)
-        return sorted(out)
+            marker = self._committed(os.path.join(self.root, n), step)
+            if marker is not None:
+                out[step] = marker
+        return out
 
     def marker(self, step: int) -> CommitMarker:
         """The marker of committed ``step`` (:class:`CheckpointFormatError` if missing or
