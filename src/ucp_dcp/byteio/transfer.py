@@ -16,7 +16,7 @@ pipeline carries over from one read item to the next.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ __all__ = [
     "StagingBuffers",
     "read_staged",
     "read_checked",
+    "read_checked_many",
     "spanned",
     "staging_plan",
 ]
@@ -554,10 +555,20 @@ def read_checked(
     ``what`` names the entry and ``rank`` the file's writing rank in the
     :class:`~ucp_dcp.byteio.integrity.ChecksumError` raised on a mismatch.
     """
-    buf = bytearray(location.nbytes)
-    reader.read([Segment(location.file, location.start, memoryview(buf))])
-    if location.xxh3:
-        digest = xxhash.xxh3_64_hexdigest(buf)
-        if digest != location.xxh3:
-            raise ChecksumError(path, what, location.xxh3, digest, rank)
-    return bytes(buf)
+    return read_checked_many(reader, [(location, path, what, rank)])[0]
+
+
+def read_checked_many(
+    reader: ByteSource, reads: Sequence[tuple[Location, str, str, int | None]]
+) -> list[bytes]:
+    """:func:`read_checked` of each ``(location, path, what, rank)``, with one ``reader.read``
+    call: neighbouring locations share a request (on object storage one round trip for all the
+    values at the end of a data file, instead of one each)."""
+    bufs = [bytearray(loc.nbytes) for loc, _, _, _ in reads]
+    reader.read([Segment(r[0].file, r[0].start, memoryview(b)) for r, b in zip(reads, bufs)])
+    for (location, path, what, rank), buf in zip(reads, bufs):
+        if location.xxh3:
+            digest = xxhash.xxh3_64_hexdigest(buf)
+            if digest != location.xxh3:
+                raise ChecksumError(path, what, location.xxh3, digest, rank)
+    return [bytes(b) for b in bufs]

@@ -42,7 +42,7 @@ from ..core.values import decode_value
 from ..errors import InvalidArgumentError
 from ..format import TensorRecord
 from ..format.names import save_id_of
-from ..sources import Source, SourceOptions, open_source, read_value, source_types
+from ..sources import Source, SourceOptions, open_source, read_values, source_types
 from ..sources.distcp import DCP_VALUES_MODES
 from ._directory import _Directory
 from ._mesh_groups import LazyChunks
@@ -279,10 +279,9 @@ class UCPStorageReader(_Directory, StorageReader):
                     done=functools.partial(planner.commit_tensor, ri, dest),
                 )
             engine.flush()
-            for ri in value_items:
-                planner.load_bytes(
-                    ri, self._value_for(planner, read_value(src, reader, ri.storage_index.fqn), ri)
-                )
+            raws = read_values(src, reader, [ri.storage_index.fqn for ri in value_items])
+            for ri, raw in zip(value_items, raws):
+                planner.load_bytes(ri, self._value_for(planner, raw, ri))
         finally:
             engine.close()
             reader.close()

@@ -28,7 +28,7 @@ from ..byteio.objstore import ObjectStore, is_url, local_path
 from ..errors import CheckpointFormatError, NotACheckpointError
 from ..format.names import INDEX_FILE, save_id_of
 from ._dirs import ModelDir, open_location
-from .base import Source, SourceOptions, read_value, register, source_types
+from .base import Source, SourceOptions, read_value, read_values, register, source_types
 from .composite import CompositeSource
 from .deepspeed import DeepSpeedSource
 from .distcp import DCPSource
@@ -42,6 +42,7 @@ __all__ = [
     "open_source",
     "checkpoint_exists",
     "read_value",
+    "read_values",
     "register",
     "source_types",
     "formats_looked_for",

@@ -35,13 +35,13 @@ from ..byteio.blocksums import BlockSums
 from ..byteio.objrange import OBJECT_GAP_BYTES, ObjectRangeReader
 from ..byteio.objstore import ObjectStore, local_path
 from ..byteio.rangeio import ByteSource, RangeReader
-from ..byteio.transfer import read_checked
+from ..byteio.transfer import read_checked_many
 from ..core.sharding import Box, Grid
 from ..errors import CheckpointFormatError
 from ..format import ChunkRecord, Index, Location, split_rank_local_key
 from ._dirs import ModelDir, view_of
 
-__all__ = ["Source", "SourceOptions", "register", "source_types", "read_value"]
+__all__ = ["Source", "SourceOptions", "register", "source_types", "read_value", "read_values"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -266,11 +266,20 @@ class Source(ABC):
 def read_value(source: Source, reader: ByteSource, key: str) -> bytes:
     """Value ``key`` of ``source`` as tagged JSON, read with ``reader`` and checked against its
     checksum."""
-    loc = source.value_location(key)
-    rl = split_rank_local_key(key)
-    what = f"rank-local value {rl[1]!r} of rank {rl[0]}" if rl else f"value {key!r}"
-    raw = read_checked(reader, loc, source.paths[loc.file], what, source.file_rank(loc.file))
-    return source.decode_value(key, raw)
+    return read_values(source, reader, [key])[0]
+
+
+def read_values(source: Source, reader: ByteSource, keys: Sequence[str]) -> list[bytes]:
+    """:func:`read_value` of each of ``keys``, read with one ``reader.read`` call (values lie
+    together at the end of a data file: one request for all of them on object storage)."""
+    reads = []
+    for key in keys:
+        loc = source.value_location(key)
+        rl = split_rank_local_key(key)
+        what = f"rank-local value {rl[1]!r} of rank {rl[0]}" if rl else f"value {key!r}"
+        reads.append((loc, source.paths[loc.file], what, source.file_rank(loc.file)))
+    raws = read_checked_many(reader, reads)
+    return [source.decode_value(key, raw) for key, raw in zip(keys, raws)]
 
 
 _REGISTRY: list[type[Source]] = []
