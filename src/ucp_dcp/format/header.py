@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from .names import (
 )
 from .records import Layout
 from .schema import (
+    MAX_INT,
     field_dict,
     field_dtype,
     field_int,
@@ -174,39 +176,46 @@ def parse_safetensors(path: str, access: RandomAccess) -> SafetensorsHeader:
         raise CheckpointFormatError(f"{path}: __metadata__ is not a JSON object")
     entries: dict[str, StEntry] = {}
     end_of_data = data_start
+    end_to_end, last_end = True, data_start  # whether the non-empty entries so far are in order
     for name, e in doc.items():
         # The plain case in a few C-level checks; anything else (damage included) goes through
         # _st_entry, which accepts the same entries and says what is wrong with the others.
         offsets = e.get("data_offsets") if type(e) is dict else None
-        shape, code = (e.get("shape"), e.get("dtype")) if offsets is not None else (None, None)
-        if (
-            type(code) is str
-            and is_plain_index_list(offsets)
-            and len(offsets) == 2
-            and offsets[0] <= offsets[1]
-            and is_plain_index_list(shape)
-            and (
-                (dtype := dtype_from_st(code)) is None
-                or _nbytes(shape, dtype) == offsets[1] - offsets[0]
-            )
-        ):
-            entry = StEntry(
-                name, code, tuple(shape), data_start + offsets[0], offsets[1] - offsets[0]
+        if type(offsets) is list and len(offsets) == 2:
+            b, en = offsets
+            shape, code = e.get("shape"), e.get("dtype")
+            plain = (
+                type(b) is int
+                and type(en) is int
+                and 0 <= b <= en <= MAX_INT
+                and type(code) is str
+                and is_plain_index_list(shape)
+                and ((dtype := dtype_from_st(code)) is None or _nbytes(shape, dtype) == en - b)
             )
         else:
-            entry = _st_entry(path, name, e, data_start)
+            plain = False
+        entry = (
+            StEntry(name, code, tuple(shape), data_start + b, en - b)
+            if plain
+            else _st_entry(path, name, e, data_start)
+        )
         entries[name] = entry
         end_of_data = max(end_of_data, entry.start + entry.nbytes)
+        if entry.nbytes:
+            end_to_end = end_to_end and entry.start >= last_end
+            last_end = entry.start + entry.nbytes
     if end_of_data > size:
         raise CheckpointFormatError(
             f"{path}: truncated: entries need {end_of_data} bytes but the file has {size}"
         )
     # Entries must not share bytes (safetensors lays them end to end): then
     # no two records can claim the same data, and together they fit the file.
-    ordered = sorted((e for e in entries.values() if e.nbytes), key=lambda e: e.start)
-    for a, b_ in zip(ordered, ordered[1:]):
-        if b_.start < a.start + a.nbytes:
-            raise CheckpointFormatError(f"{path}: entries {a.name!r} and {b_.name!r} overlap")
+    # Entries that follow one another in the header's order need no sorting.
+    if not end_to_end:
+        ordered = sorted((e for e in entries.values() if e.nbytes), key=lambda e: e.start)
+        for a, b_ in zip(ordered, ordered[1:]):
+            if b_.start < a.start + a.nbytes:
+                raise CheckpointFormatError(f"{path}: entries {a.name!r} and {b_.name!r} overlap")
     return SafetensorsHeader(path, size, entries, md)
 
 
@@ -352,7 +361,7 @@ def _plain_entry_meta(
         or type(sizes) is not list
         or not len(shape) == len(offsets) == len(sizes)
         or not is_plain_index_list(shape + offsets + sizes)
-        or any(o + k > n for o, k, n in zip(offsets, sizes, shape))
+        or not all(map(operator.le, map(operator.add, offsets, sizes), shape))
         or math.prod(sizes) * dtype.itemsize != nbytes
         or name != chunk_entry_name(fqn, offsets)
     ):

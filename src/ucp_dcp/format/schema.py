@@ -130,8 +130,7 @@ def is_plain_index_list(v: Any) -> TypeGuard[list[int]]:
         type(v) is list
         and len(v) <= MAX_DIMS
         and set(map(type, v)) <= _JUST_INT
-        and min(v, default=0) >= 0
-        and max(v, default=0) <= MAX_INT
+        and (not v or (min(v) >= 0 and max(v) <= MAX_INT))
     )
 
 
