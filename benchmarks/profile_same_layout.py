@@ -50,7 +50,9 @@ def _state(hidden: int, layers: int) -> dict[str, Any]:
     return {"model": msd, "optim": osd}
 
 
-def _load(kind: str, path: str, state: dict[str, Any], access: str | None) -> float:
+def _load(
+    kind: str, path: str, state: dict[str, Any], access: str | None, io_threads: int | None = None
+) -> float:
     """One cold load on every rank: the files evicted, then the time until the slowest rank is
     done."""
     if dist.get_rank() == 0:
@@ -58,7 +60,9 @@ def _load(kind: str, path: str, state: dict[str, Any], access: str | None) -> fl
     dist.barrier()
     t = time.perf_counter()
     if kind == "ucp":
-        kw = {} if access is None else {"access": access}
+        kw: dict[str, Any] = {} if access is None else {"access": access}
+        if io_threads is not None:
+            kw["io_threads"] = io_threads
         dcp.load(state, storage_reader=UCPStorageReader(path, **kw), planner=UCPLoadPlanner())
     else:
         dcp.load(state, storage_reader=dcp.FileSystemReader(path))
@@ -75,6 +79,11 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=1, help="ranks (FSDP2 over all of them)")
     ap.add_argument(
         "--access", default=None, help="comma-separated UCPStorageReader access= values to compare"
+    )
+    ap.add_argument(
+        "--io-threads",
+        default=None,
+        help="comma-separated UCPStorageReader io_threads= values to compare (default: its own)",
     )
     ap.add_argument("--profile", default=None, help="write a cProfile of one ucp_dcp load here")
     args = ap.parse_args()
@@ -107,14 +116,20 @@ def _bench(rank: int, args: argparse.Namespace) -> None:
         prof.dump_stats(args.profile if rank == 0 else f"{args.profile}.{rank}")
         dist.destroy_process_group()
         return
-    # Variants: ucp_dcp with each access mode named (default: the reader's own), and DCP.
-    variants = [f"ucp:{a}" for a in (args.access or "default").split(",")] + ["dcp"]
+    # Variants: ucp_dcp with each access mode and thread count named (default: the reader's
+    # own), and DCP.
+    variants = [
+        f"ucp:{a}:{t}"
+        for a in (args.access or "default").split(",")
+        for t in (args.io_threads or "default").split(",")
+    ] + ["dcp"]
 
     def run(v: str) -> float:
         if v == "dcp":
             return _load("dcp", dcp_path, state, None)
-        a = v.split(":", 1)[1]
-        return _load("ucp", ucp_path, state, None if a == "default" else a)
+        _, a, t = v.split(":")
+        access = None if a == "default" else a
+        return _load("ucp", ucp_path, state, access, None if t == "default" else int(t))
 
     for v in variants:  # warm-up: imports, first-use costs
         run(v)
