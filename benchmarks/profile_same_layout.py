@@ -51,7 +51,12 @@ def _state(hidden: int, layers: int) -> dict[str, Any]:
 
 
 def _load(
-    kind: str, path: str, state: dict[str, Any], access: str | None, io_threads: int | None = None
+    kind: str,
+    path: str,
+    state: dict[str, Any],
+    access: str | None,
+    io_threads: int | None = None,
+    verify: bool = True,
 ) -> float:
     """One cold load on every rank: the files evicted, then the time until the slowest rank is
     done."""
@@ -63,6 +68,8 @@ def _load(
         kw: dict[str, Any] = {} if access is None else {"access": access}
         if io_threads is not None:
             kw["io_threads"] = io_threads
+        if not verify:
+            kw["verify"] = False
         dcp.load(state, storage_reader=UCPStorageReader(path, **kw), planner=UCPLoadPlanner())
     else:
         dcp.load(state, storage_reader=dcp.FileSystemReader(path))
@@ -84,6 +91,11 @@ def main() -> None:
         "--io-threads",
         default=None,
         help="comma-separated UCPStorageReader io_threads= values to compare (default: its own)",
+    )
+    ap.add_argument(
+        "--verify",
+        default="on",
+        help="comma-separated on/off: UCPStorageReader verify= values to compare (default: on)",
     )
     ap.add_argument("--profile", default=None, help="write a cProfile of one ucp_dcp load here")
     args = ap.parse_args()
@@ -119,17 +131,19 @@ def _bench(rank: int, args: argparse.Namespace) -> None:
     # Variants: ucp_dcp with each access mode and thread count named (default: the reader's
     # own), and DCP.
     variants = [
-        f"ucp:{a}:{t}"
+        f"ucp:{a}:{t}:{v}"
         for a in (args.access or "default").split(",")
         for t in (args.io_threads or "default").split(",")
+        for v in args.verify.split(",")
     ] + ["dcp"]
 
     def run(v: str) -> float:
         if v == "dcp":
             return _load("dcp", dcp_path, state, None)
-        _, a, t = v.split(":")
+        _, a, t, check = v.split(":")
         access = None if a == "default" else a
-        return _load("ucp", ucp_path, state, access, None if t == "default" else int(t))
+        threads = None if t == "default" else int(t)
+        return _load("ucp", ucp_path, state, access, threads, verify=check != "off")
 
     for v in variants:  # warm-up: imports, first-use costs
         run(v)
