@@ -22,7 +22,7 @@ from ..core.sharding import Box
 from ..core.values import decode_value
 from ..errors import CheckpointFormatError, CheckpointKeyError, ShapeMismatchError
 from ..format import Location, TensorRecord, rank_local_key
-from ..sources import SourceOptions, open_source, read_value
+from ..sources import SourceOptions, open_source, read_value, read_values
 from .progress import ProgressFn
 
 __all__ = ["Checkpoint"]
@@ -194,10 +194,9 @@ class Checkpoint:
             raise CheckpointKeyError(
                 _unknown(name, "rank-local value", self.index.rank_local, self.path)
             ) from None
-        return {
-            r: decode_value(read_value(self.source, self._reader, rank_local_key(r, name)), name)
-            for r in sorted(per_rank)
-        }
+        ranks = sorted(per_rank)
+        raws = read_values(self.source, self._reader, [rank_local_key(r, name) for r in ranks])
+        return {r: decode_value(raw, name) for r, raw in zip(ranks, raws)}
 
     # ------------------------------------------------------------ verifying
     def verify(self, progress: ProgressFn | None = None) -> list[str]:

@@ -40,7 +40,7 @@ from ..format import (
     rank_local_key,
     split_rank_local_key,
 )
-from ..sources import Source, SourceOptions, open_source, read_value
+from ..sources import Source, SourceOptions, open_source, read_values
 
 __all__ = ["convert"]
 
@@ -184,12 +184,8 @@ def _convert(
     per_rank: dict[int, int] = {}
     try:
         # Values first (they are small): their sizes are only known once encoded.
-        values = {
-            it[1]: read_value(source, reader, it[1])
-            for items in per_file.values()
-            for it in items
-            if it[0] == "v"
-        }
+        keys = [it[1] for items in per_file.values() for it in items if it[0] == "v"]
+        values = dict(zip(keys, read_values(source, reader, keys)))
         total = sum(
             e.nbytes
             for items in per_file.values()
