@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import operator
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
-
-import torch
 
 from ..errors import CheckpointFormatError
 from .names import (
@@ -32,7 +29,6 @@ from .names import (
 )
 from .records import Layout
 from .schema import (
-    MAX_INT,
     field_dict,
     field_dtype,
     field_int,
@@ -40,10 +36,7 @@ from .schema import (
     field_str,
     field_xxh3,
     is_index_list,
-    is_plain_index_list,
-    is_xxh3,
     parse_json,
-    stored_dtype,
 )
 
 
@@ -176,70 +169,34 @@ def parse_safetensors(path: str, access: RandomAccess) -> SafetensorsHeader:
         raise CheckpointFormatError(f"{path}: __metadata__ is not a JSON object")
     entries: dict[str, StEntry] = {}
     end_of_data = data_start
-    end_to_end, last_end = True, data_start  # whether the non-empty entries so far are in order
     for name, e in doc.items():
-        # The plain case in a few C-level checks; anything else (damage included) goes through
-        # _st_entry, which accepts the same entries and says what is wrong with the others.
-        offsets = e.get("data_offsets") if type(e) is dict else None
-        if type(offsets) is list and len(offsets) == 2:
-            b, en = offsets
-            shape, code = e.get("shape"), e.get("dtype")
-            plain = (
-                type(b) is int
-                and type(en) is int
-                and 0 <= b <= en <= MAX_INT
-                and type(code) is str
-                and is_plain_index_list(shape)
-                and ((dtype := dtype_from_st(code)) is None or _nbytes(shape, dtype) == en - b)
+        offsets = e.get("data_offsets") if isinstance(e, dict) else None
+        if not is_index_list(offsets, 2) or offsets[0] > offsets[1]:
+            raise CheckpointFormatError(
+                f"{path}: entry {name!r} has bad data_offsets {offsets!r}"[:300]
             )
-        else:
-            plain = False
-        entry = (
-            StEntry(name, code, tuple(shape), data_start + b, en - b)
-            if plain
-            else _st_entry(path, name, e, data_start)
-        )
-        entries[name] = entry
-        end_of_data = max(end_of_data, entry.start + entry.nbytes)
-        if entry.nbytes:
-            end_to_end = end_to_end and entry.start >= last_end
-            last_end = entry.start + entry.nbytes
+        shape = field_shape(e, "shape", f"{path}: entry {name!r}")
+        code = field_str(e, "dtype", f"{path}: entry {name!r}")
+        b, en = offsets
+        dtype = dtype_from_st(code)
+        if dtype is not None and en - b != math.prod(shape) * dtype.itemsize:
+            raise CheckpointFormatError(
+                f"{path}: entry {name!r} holds {en - b} bytes, but {code}{list(shape)} needs "
+                f"{math.prod(shape) * dtype.itemsize}"
+            )
+        entries[name] = StEntry(name, code, shape, data_start + b, en - b)
+        end_of_data = max(end_of_data, data_start + en)
     if end_of_data > size:
         raise CheckpointFormatError(
             f"{path}: truncated: entries need {end_of_data} bytes but the file has {size}"
         )
     # Entries must not share bytes (safetensors lays them end to end): then
     # no two records can claim the same data, and together they fit the file.
-    # Entries that follow one another in the header's order need no sorting.
-    if not end_to_end:
-        ordered = sorted((e for e in entries.values() if e.nbytes), key=lambda e: e.start)
-        for a, b_ in zip(ordered, ordered[1:]):
-            if b_.start < a.start + a.nbytes:
-                raise CheckpointFormatError(f"{path}: entries {a.name!r} and {b_.name!r} overlap")
+    ordered = sorted((e for e in entries.values() if e.nbytes), key=lambda e: e.start)
+    for a, b_ in zip(ordered, ordered[1:]):
+        if b_.start < a.start + a.nbytes:
+            raise CheckpointFormatError(f"{path}: entries {a.name!r} and {b_.name!r} overlap")
     return SafetensorsHeader(path, size, entries, md)
-
-
-def _nbytes(shape: list[int], dtype: torch.dtype) -> int:
-    return math.prod(shape) * dtype.itemsize
-
-
-def _st_entry(path: str, name: str, e: Any, data_start: int) -> StEntry:
-    """Entry ``name`` of a safetensors header, checked field by field."""
-    offsets = e.get("data_offsets") if isinstance(e, dict) else None
-    if not is_index_list(offsets, 2) or offsets[0] > offsets[1]:
-        raise CheckpointFormatError(
-            f"{path}: entry {name!r} has bad data_offsets {offsets!r}"[:300]
-        )
-    shape = field_shape(e, "shape", f"{path}: entry {name!r}")
-    code = field_str(e, "dtype", f"{path}: entry {name!r}")
-    b, en = offsets
-    dtype = dtype_from_st(code)
-    if dtype is not None and en - b != math.prod(shape) * dtype.itemsize:
-        raise CheckpointFormatError(
-            f"{path}: entry {name!r} holds {en - b} bytes, but {code}{list(shape)} needs "
-            f"{math.prod(shape) * dtype.itemsize}"
-        )
-    return StEntry(name, code, shape, data_start + b, en - b)
 
 
 _KINDS = ("tensor", "value", "rank_local")
@@ -272,7 +229,6 @@ def parse_header(path: str, access: RandomAccess) -> FileHeader:
     ranges = {name: (e.start, e.nbytes) for name, e in st.entries.items()}
     shapes = {name: e.shape for name, e in st.entries.items()}
     meta: dict[str, EntryMeta] = {}
-    layouts: dict[tuple[tuple[int, ...], tuple[str, ...], int], Layout] = {}
     for name, m in entries_meta.items():
         e = st.entries.get(name)
         if e is None:
@@ -284,12 +240,7 @@ def parse_header(path: str, access: RandomAccess) -> FileHeader:
                 f"{path}: entry {name!r} has dtype code {e.st_dtype!r}, which ucp_dcp does not "
                 "write"
             )
-        em = _plain_entry_meta(m, name, e.nbytes, layouts)
-        if em is None:
-            em = _entry_meta(m, name, e.nbytes, f"{path}: metadata of entry {name!r}")
-            if em.layout is not None:
-                layouts[em.layout.mesh, em.layout.placements, len(em.shape)] = em.layout
-        meta[name] = em
+        meta[name] = _entry_meta(m, name, e.nbytes, f"{path}: metadata of entry {name!r}")
     return FileHeader(
         path,
         st.size,
@@ -330,57 +281,6 @@ def block_sums_record(
             f"{path}: block_sums metadata without a U64 {BLOCK_SUMS_ENTRY} entry"
         )
     return BlockSumsRecord(block, e.start, e.nbytes, digest)
-
-
-def _plain_entry_meta(
-    m: Any,
-    name: str,
-    nbytes: int,
-    layouts: dict[tuple[tuple[int, ...], tuple[str, ...], int], Layout],
-) -> EntryMeta | None:
-    """What :func:`_entry_meta` returns for metadata ``m`` of an entry of ``nbytes`` bytes, found
-    with fewer checks, or None: ``m`` is not plainly well-formed (the lists are not all of plain
-    ints, say) or has a layout not in ``layouts`` yet (``(mesh, placements, ndim)`` ->
-    the layout :func:`_entry_meta` accepted). Never accepts what :func:`_entry_meta` refuses, so
-    a damaged entry fails there, with its error."""
-    if type(m) is not dict:
-        return None
-    kind, fqn, xxh3 = m.get("kind"), m.get("fqn"), m.get("xxh3")
-    if type(fqn) is not str or not is_xxh3(xxh3):
-        return None
-    if kind == "value" or kind == "rank_local":
-        expected = value_entry_name(fqn) if kind == "value" else rank_local_entry_name(fqn)
-        return EntryMeta(kind, fqn, "uint8", (), (), (), xxh3) if name == expected else None
-    dtype = stored_dtype(m.get("dtype"))
-    shape, offsets, sizes = m.get("shape"), m.get("offsets"), m.get("sizes")
-    if (
-        kind != "tensor"
-        or dtype is None
-        or type(shape) is not list
-        or type(offsets) is not list
-        or type(sizes) is not list
-        or not len(shape) == len(offsets) == len(sizes)
-        or not is_plain_index_list(shape + offsets + sizes)
-        or not all(map(operator.le, map(operator.add, offsets, sizes), shape))
-        or math.prod(sizes) * dtype.itemsize != nbytes
-        or name != chunk_entry_name(fqn, offsets)
-    ):
-        return None
-    layout = None
-    lj = m.get("layout")
-    if lj is not None:
-        mesh, pl = (lj.get("mesh"), lj.get("placements")) if type(lj) is dict else (None, None)
-        if not (is_plain_index_list(mesh) and type(pl) is list and set(map(type, pl)) <= _JUST_STR):
-            return None
-        layout = layouts.get((tuple(mesh), tuple(pl), len(shape)))
-        if layout is None:
-            return None
-    return EntryMeta(
-        kind, fqn, dtype_name(dtype), tuple(shape), tuple(offsets), tuple(sizes), xxh3, layout
-    )
-
-
-_JUST_STR = frozenset((str,))
 
 
 def _entry_meta(m: Any, name: str, nbytes: int, where: str) -> EntryMeta:

@@ -30,10 +30,7 @@ __all__ = [
     "field_dict",
     "field_xxh3",
     "is_index_list",
-    "is_plain_index_list",
-    "is_xxh3",
     "field_dtype",
-    "stored_dtype",
     "field_shape",
     "check_relative_name",
     "check_tensor_bytes",
@@ -96,11 +93,6 @@ def field_dict(d: Any, k: str, where: str) -> dict[str, Any]:
     return v
 
 
-def is_xxh3(v: Any) -> TypeGuard[str]:
-    """Whether ``v`` is an xxh3-64 checksum as :func:`field_xxh3` accepts it."""
-    return type(v) is str and _XXH3.fullmatch(v) is not None
-
-
 def field_xxh3(d: Any, k: str, where: str) -> str:
     """An xxh3-64 checksum: 16 lowercase hex digits."""
     v = field_str(d, k, where)
@@ -122,48 +114,20 @@ def is_index_list(v: Any, n: int | None = None) -> TypeGuard[list[int]]:
     )
 
 
-def is_plain_index_list(v: Any) -> TypeGuard[list[int]]:
-    """:func:`is_index_list` (any length) for the lists ``json.loads`` makes, in a few C-level
-    calls: a fast check for per-entry validation, which may also say False where the full check
-    would accept (an ``int`` subclass), never the other way round."""
-    return (
-        type(v) is list
-        and len(v) <= MAX_DIMS
-        and set(map(type, v)) <= _JUST_INT
-        and (not v or (min(v) >= 0 and max(v) <= MAX_INT))
-    )
-
-
-_JUST_INT = frozenset((int,))
-
 # Quantized and sub-byte integer dtypes: torch has names for them, but no
 # checkpoint holds them and most copies into them fail.
 _NOT_STORED = re.compile(r"q.*|u?int[1-7]")
 
 
-def stored_dtype(name: Any) -> torch.dtype | None:
-    """The dtype :func:`field_dtype` has already accepted under ``name`` (None: not yet, or never):
-    a dictionary look-up instead of the checks."""
-    return _ACCEPTED_DTYPES.get(name) if type(name) is str else None
-
-
-# Names field_dtype accepted: a subset of torch's few dtype names.
-_ACCEPTED_DTYPES: dict[str, torch.dtype] = {}
-
-
 def field_dtype(d: Any, k: str, where: str) -> torch.dtype:
     """A torch dtype by name (``"float32"``)."""
     name = field_str(d, k, where)
-    dtype = _ACCEPTED_DTYPES.get(name)
-    if dtype is not None:
-        return dtype
     try:
         dtype = dtype_from_name(name)
     except ValueError as e:
         raise CheckpointFormatError(f"{where}: {e}") from None
     if _NOT_STORED.fullmatch(name):
         raise CheckpointFormatError(f"{where}: dtype {name!r} is not one a checkpoint holds")
-    _ACCEPTED_DTYPES[name] = dtype
     return dtype
 
 
