@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-import ucp_dcp.byteio.blocksums
+import ucp_dcp.byteio.blockverify
 import ucp_dcp.byteio.datafile
 from dist_utils import bit_equal
 from test_integrity import flip
@@ -200,12 +200,12 @@ def cases(draw: Any) -> dict[str, Any]:
 @contextmanager
 def piece_blocks(n: int | None, block: int) -> Iterator[None]:
     """Loads inside cut runs read in place into pieces of ``n`` blocks (None: the default size)."""
-    old = ucp_dcp.byteio.blocksums._PIECE
-    ucp_dcp.byteio.blocksums._PIECE = old if n is None else n * block
+    old = ucp_dcp.byteio.blockverify._PIECE
+    ucp_dcp.byteio.blockverify._PIECE = old if n is None else n * block
     try:
         yield
     finally:
-        ucp_dcp.byteio.blocksums._PIECE = old
+        ucp_dcp.byteio.blockverify._PIECE = old
 
 
 @given(case=cases(), pick=st.randoms(use_true_random=False))

@@ -21,7 +21,7 @@ chooses, region by region:
   :class:`~ucp_dcp.byteio.transfer.StagingBuffers` sized for the largest.
 
 With ``verify``, every block a read touches is checked against the chunk's
-block checksums (:class:`~ucp_dcp.byteio.blocksums.BlockVerifier`), and a
+block checksums (:class:`~ucp_dcp.byteio.blockverify.BlockVerifier`), and a
 chunk without them against its whole checksum
 (:class:`~ucp_dcp.byteio.integrity.ChunkVerifier`: the destination's memory
 when it holds exactly the chunk, else the chunk read again), all before the
@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .blocksums import BlockSums, BlockVerifier, ChunkCheck
+from .blocksums import BlockSums, ChunkCheck
+from .blockverify import BlockVerifier
 from .integrity import HASH_BLOCK, ChunkVerifier
 from .rangeio import ByteSource, Segment
 from .transfer import (

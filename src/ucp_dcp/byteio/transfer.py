@@ -28,7 +28,8 @@ from ..core.sharding import Box, row_major_strides, runs, slabs
 from ..core.spans import prefer_span, region_starts, span_of, span_slabs
 from ..errors import InvalidArgumentTypeError
 from ..format import Location
-from .blocksums import ChunkCheck, read_verified
+from .blocksums import ChunkCheck
+from .blockverify import read_verified
 from .integrity import ChecksumError
 from .rangeio import ByteSource, Extents, Segment, storage_view
 
@@ -533,7 +534,7 @@ def read_staged(
     for this call alone and closed before returning, so that ``dest`` is
     complete on return. Memory stays bounded whatever the tensor size.
     With ``check``, every block each slab's read touches is checked in the
-    staging buffer (:mod:`~ucp_dcp.byteio.blocksums`). ``span``: whether
+    staging buffer (:mod:`~ucp_dcp.byteio.blockverify`). ``span``: whether
     to read it as spans, as :func:`staging_plan` decided (None: decide here).
     """
     part, dest = permuted(part, dest)
