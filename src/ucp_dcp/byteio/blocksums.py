@@ -44,7 +44,8 @@ import torch
 import xxhash
 from numpy.lib.stride_tricks import as_strided
 
-from ..core.sharding import Box, runs
+from ..core.contiguous import runs
+from ..core.sharding import Box
 from ..errors import ChecksumError, InvalidArgumentError
 from ..format import Location
 from .integrity import chunk_what
