@@ -31,7 +31,8 @@ from ucp_dcp import (
     flat_partition,
     pack_flat,
 )
-from ucp_dcp.core.sharding import flat_range_boxes, row_major_strides
+from ucp_dcp.core.contiguous import row_major_strides
+from ucp_dcp.core.sharding import flat_range_boxes
 from ucp_dcp.errors import InvalidArgumentError, LayoutError
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)

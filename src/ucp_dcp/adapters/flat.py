@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.contiguous import row_major_strides
 from ..core.pieces import Piece, TensorPieces
-from ..core.sharding import flat_range_boxes, row_major_strides
+from ..core.sharding import flat_range_boxes
 from ..errors import InvalidArgumentError, LayoutError
 
 __all__ = ["FlatParam", "FlatShard", "pack_flat", "flat_partition"]

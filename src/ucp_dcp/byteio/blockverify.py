@@ -37,7 +37,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from ..core.sharding import Box, runs
+from ..core.contiguous import runs
+from ..core.sharding import Box
 from ..errors import InvalidArgumentError
 from ..format import Location
 from .blockcheck import _Batch, _BlockChecks

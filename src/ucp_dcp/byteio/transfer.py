@@ -24,7 +24,8 @@ import numpy as np
 import torch
 import xxhash
 
-from ..core.sharding import Box, row_major_strides, runs, slabs
+from ..core.contiguous import row_major_strides, runs, slabs
+from ..core.sharding import Box
 from ..core.spans import prefer_span, region_starts, span_of, span_slabs
 from ..errors import InvalidArgumentTypeError
 from ..format import Location

@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from ..core.sharding import Box, Grid, layout_grid, placement_from_str
+from ..core.grid import Grid, layout_grid
+from ..core.sharding import Box, placement_from_str
 from ..errors import CheckpointFormatError, LayoutError
 from .names import FORMAT_NAME, FORMAT_VERSION, MAX_ENUMERATED_COORDS, MAX_MESH_DEVICES, dtype_name
 from .runs import RunList, decode_runs, encode_runs

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..byteio.objstore import ObjectStore
-from ..core.sharding import row_major_strides
+from ..core.contiguous import row_major_strides
 from ..errors import CheckpointFormatError, StorageError
 from ._pickle import PurposeName, TensorRef, unpickle
 

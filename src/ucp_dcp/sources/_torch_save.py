@@ -26,7 +26,7 @@ from typing import IO, cast
 import torch
 
 from ..byteio.rangeio import ReadStats
-from ..core.sharding import row_major_strides
+from ..core.contiguous import row_major_strides
 from ..errors import CheckpointFormatError
 from ._pickle import TensorRef, unpickle
 from ._torch_archive import (

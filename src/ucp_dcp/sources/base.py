@@ -36,7 +36,8 @@ from ..byteio.objrange import OBJECT_GAP_BYTES, ObjectRangeReader
 from ..byteio.objstore import ObjectStore, local_path
 from ..byteio.rangeio import ByteSource, RangeReader
 from ..byteio.transfer import read_checked_many
-from ..core.sharding import Box, Grid
+from ..core.grid import Grid
+from ..core.sharding import Box
 from ..errors import CheckpointFormatError
 from ..format import ChunkRecord, Index, Location, split_rank_local_key
 from ._dirs import ModelDir, view_of

@@ -27,7 +27,8 @@ from ..byteio.objstore import is_url, local_path
 from ..byteio.rangeio import storage_view, tensor_view
 from ..byteio.storage import commit_index
 from ..byteio.transfer import ChunkRegion
-from ..core.sharding import Box, slabs
+from ..core.contiguous import slabs
+from ..core.sharding import Box
 from ..errors import CheckpointExistsError, CheckpointFormatError, StorageError
 from ..format import (
     INDEX_FILE,
