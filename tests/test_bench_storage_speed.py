@@ -18,6 +18,7 @@ import contextlib
 import io
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -45,13 +46,22 @@ def test_parallel_write_and_read_move_every_byte(tmp_path: Path) -> None:
 
 
 def test_storage_limits_records_every_configuration(tmp_path: Path) -> None:
-    """Every (readers, block) and writer count is tried; the best of each is the limit; no scratch is left."""
+    """Every (readers, block) and writer count is tried; the fastest of each runs again ``confirm`` times and
+    the median of those is the limit; no scratch is left."""
     res = limits.storage_limits(str(tmp_path), 4 << 20, files=2, read_threads=(1, 3), read_blocks=(1 << 20,),
-                                write_threads=(1, 2))
+                                write_threads=(1, 2), confirm=3)
     assert [(r["threads"], r["block"]) for r in res.read_runs] == [(1, 1 << 20), (3, 1 << 20)]
     assert [r["threads"] for r in res.write_runs] == [1, 2]
-    assert res.read_bytes_per_s == max(r["bytes_per_s"] for r in res.read_runs) > 0
-    assert res.write_bytes_per_s == max(r["bytes_per_s"] for r in res.write_runs) > 0
+    assert res.best_single_read_bytes_per_s == max(r["bytes_per_s"] for r in res.read_runs) > 0
+    assert res.best_single_write_bytes_per_s == max(r["bytes_per_s"] for r in res.write_runs) > 0
+    best_read = (res.best_read["threads"], res.best_read["block"])
+    assert [(r["threads"], r["block"]) for r in res.read_confirm] == [best_read] * 3
+    assert [r["threads"] for r in res.write_confirm] == [res.best_write["threads"]] * 3
+    assert res.read_bytes_per_s == statistics.median(r["bytes_per_s"] for r in res.read_confirm)
+    assert res.write_bytes_per_s == statistics.median(r["bytes_per_s"] for r in res.write_confirm)
+    single = limits.storage_limits(str(tmp_path), 1 << 20, files=1, read_threads=(1,), read_blocks=(1 << 20,),
+                                   write_threads=(1,), confirm=0)
+    assert single.read_confirm == [] and single.read_bytes_per_s == single.best_single_read_bytes_per_s
     assert list(tmp_path.iterdir()) == []
 
 
