@@ -55,10 +55,32 @@ class _Batch:
     checked: bool = False
 
 
+def _rows(arr: np.ndarray, start: int, count: int, width: int, step: int, what: str) -> np.ndarray:
+    """``count`` rows of ``width`` bytes of 1-D ``uint8`` array ``arr``, row ``i`` starting at byte
+    ``start + i * step``: one strided view, no copy.
+
+    numpy's ``as_strided`` checks nothing, and a view past the end of ``arr`` reads (or, as a copy's
+    destination, writes) memory that is not ``arr``'s; so the rows must lie inside it, or an
+    :class:`InvalidArgumentError` names the view (a planning bug, never bad data on disk).
+    """
+    end = start + (count - 1) * step + width  # the byte just past the last row
+    if count < 1 or width < 0 or start < 0 or step < 0 or end > len(arr):
+        raise InvalidArgumentError(
+            f"{what}: {count} rows of {width} bytes every {step} bytes from byte {start} "
+            f"(up to byte {end}) are not inside a buffer of {len(arr)} bytes"
+        )
+    return as_strided(arr[start:], (count, width), (step, 1))
+
+
 def _digests(
-    mem: memoryview | np.ndarray, offs: np.ndarray, lens: np.ndarray, block: int
+    mem: memoryview | np.ndarray,
+    offs: np.ndarray,
+    lens: np.ndarray,
+    block: int,
+    what: str = "blocks to hash",
 ) -> np.ndarray:
-    """xxh3-64 of ``mem[offs[i] : offs[i] + lens[i]]`` for every ``i``.
+    """xxh3-64 of ``mem[offs[i] : offs[i] + lens[i]]`` for every ``i`` (``what`` names them in
+    errors).
 
     Blocks of full length at a constant stride (a run, consecutive runs of
     one block, scratch) are hashed as the rows of one strided 2-D view,
@@ -73,7 +95,7 @@ def _digests(
         fo = offs[full] if nfull < len(offs) else offs
         step = block if nfull == 1 else _arith(fo)
         if step is not None:
-            rows = as_strided(arr[int(fo[0]) :], (nfull, block), (step, 1))
+            rows = _rows(arr, int(fo[0]), nfull, block, step, what)
             out[full] = np.fromiter(map(_hash_array, rows), np.uint64, nfull)
             rest = ~full
     for i, o, n in zip(np.flatnonzero(rest).tolist(), offs[rest].tolist(), lens[rest].tolist()):
@@ -230,7 +252,7 @@ class _BlockChecks:
                 nbytes += w
             return nbytes
         lens = np.minimum(bs, n - blocks * bs)
-        got = _digests(mem, offs, lens, bs)
+        got = _digests(mem, offs, lens, bs, f"blocks of {chunk_what(check.fqn, check.offsets)}")
         want = check.sums.sums[blocks]
         bad = np.flatnonzero(got != want)
         if len(bad):
@@ -267,9 +289,10 @@ class _BlockChecks:
             # Equal pieces at equal strides (a column slice of rows): one strided copy.
             m, w = len(so), int(ln[0])
             dest = np.frombuffer(batch.dest, dtype=np.uint8)
+            what = f"pieces of {chunk_what(batch.check.fqn, batch.check.offsets)} copied"
             np.copyto(
-                as_strided(dest[int(do[0]) :], (m, w), (dstep, 1)),
-                as_strided(batch.scratch[int(so[0]) :], (m, w), (sstep, 1)),
+                _rows(dest, int(do[0]), m, w, dstep, f"{what} into the destination"),
+                _rows(batch.scratch, int(so[0]), m, w, sstep, f"{what} out of scratch"),
             )
             return
         dview, sview = batch.dest, batch.scratch.data
