@@ -308,6 +308,13 @@ def _union_bytes(start: np.ndarray, end: np.ndarray) -> int:
     return int((np.maximum.reduceat(end, first) - start[first]).sum())
 
 
+def _stable_order(key: np.ndarray) -> np.ndarray:
+    """A stable argsort of non-negative integers: numpy's radix sort when they fit 16 bits."""
+    if len(key) and int(key.max()) < (1 << 15):
+        return np.argsort(key.astype(np.int16), kind="stable")
+    return np.argsort(key, kind="stable")
+
+
 def _expand(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For each row ``i`` the integers ``lo[i]..hi[i]-1``: (row of each, the integer)."""
     count = np.maximum(hi - lo, 0)
@@ -605,7 +612,8 @@ def _transfers(
     receiver, reader, t_start = receiver[first], reader[first], t_start[first]
     t_end = np.maximum.reduceat(t_end, first) if len(first) else t_end[first]
     recv_offsets = np.searchsorted(receiver, np.arange(world + 1)).astype(_I64)
-    order = np.argsort(reader * world + receiver, kind="stable")
+    # Rows come by (receiver, start): a stable sort by reader makes that (reader, receiver, start).
+    order = _stable_order(reader)
     recv_index = np.empty(len(order), _I64)
     recv_index[order] = np.arange(len(order), dtype=_I64)
     file, offset = line.to_file(t_start[order])
@@ -669,23 +677,19 @@ def schedule_rounds(plan: JobReadPlan, budget_bytes: int) -> list[Transfers]:
         send_used[q] = np.where(spill, tail, s_used + n)
         recv_used[r] = np.where(spill, tail, r_used + n)
 
-    # Each row's bytes [u0, u1) of its pair's stream; byte u goes in round
-    # t0 if u < room, else t0 + 1 + (u - room) // budget.
-    def round_of(u: np.ndarray, rp: np.ndarray) -> np.ndarray:
-        return np.where(u < room[rp], t0[rp], t0[rp] + 1 + (u - room[rp]) // budget)
-
-    u1 = u0 + t.length
-    r_first, r_last = round_of(u0, row_pair), round_of(u1 - 1, row_pair)
-    row, rnd = _expand(r_first, r_last + 1)
-    rp = row_pair[row]
-    lo_u = np.where(rnd == t0[rp], 0, room[rp] + (rnd - t0[rp] - 1) * budget)
-    hi_u = np.where(rnd == t0[rp], room[rp], room[rp] + (rnd - t0[rp]) * budget)
-    s = np.maximum(u0[row], lo_u)
-    e = np.minimum(u1[row], hi_u)
-    keyed = np.lexsort((row, rnd))
-    row, rnd, s, e = row[keyed], rnd[keyed], s[keyed], e[keyed]
+    # A pair's bytes as if its first round t0 were already ``budget - room`` full: byte u of
+    # its stream is byte v = u + budget - room, in round t0 + v // budget.
+    v0 = u0 + (budget - room)[row_pair]
+    v1 = v0 + t.length
+    row, k = _expand(v0 // budget, (v1 - 1) // budget + 1)
+    rnd = t0[row_pair][row] + k
+    keyed = _stable_order(rnd)  # pieces come by row, each row's rounds ascending
+    row, k, rnd = row[keyed], k[keyed], rnd[keyed]
+    v0_row = v0[row]
+    s = np.maximum(v0_row, k * budget)
+    e = np.minimum(v1[row], (k + 1) * budget)
     pieces = Transfers(
-        t.reader[row], t.receiver[row], t.file[row], t.start[row] + (s - u0[row]), e - s
+        t.reader[row], t.receiver[row], t.file[row], t.start[row] + (s - v0_row), e - s
     )
     edges = np.flatnonzero(np.r_[True, rnd[1:] != rnd[:-1], True])
     return [pieces.take(slice(a, b)) for a, b in zip(edges[:-1].tolist(), edges[1:].tolist())]
