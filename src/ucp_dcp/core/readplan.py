@@ -215,10 +215,13 @@ def _gather(
     needs: Sequence[Extents], file_sizes: Mapping[int, int] | None, align: int
 ) -> tuple[_Line, np.ndarray, np.ndarray, np.ndarray]:
     """Every non-empty range as (rank, line start, line end), checked, and the line."""
+    numbers = sorted({int(f) for extents in needs for f in extents})
+    index = {f: i for i, f in enumerate(numbers)}
+    top = np.zeros(len(numbers), _I64)  # the end of the last needed byte of each file
     ranks: list[np.ndarray] = []
-    files: list[np.ndarray] = []
+    fidxs: list[np.ndarray] = []
     starts: list[np.ndarray] = []
-    lengths: list[np.ndarray] = []
+    ends: list[np.ndarray] = []
     for who, extents in enumerate(needs):
         for f in sorted(extents):
             s, n = (np.asarray(a) for a in extents[f])
@@ -239,21 +242,22 @@ def _gather(
                     f"rank {who}, file {f}: file numbers, starts and lengths must be >= 0, got "
                     f"file {f}, least start {int(s.min())}, least length {int(n.min())}"
                 )
+            s, n = s.astype(_I64), n.astype(_I64)
+            keep = n > 0
+            s, e = s[keep], s[keep] + n[keep]
+            if not len(s):
+                continue
+            i = index[int(f)]
+            top[i] = max(int(top[i]), int(e.max()))
             ranks.append(np.full(len(s), who, _I64))
-            files.append(np.full(len(s), int(f), _I64))
-            starts.append(s.astype(_I64))
-            lengths.append(n.astype(_I64))
-    rank, file, start, length = (
-        np.concatenate(xs) if xs else np.zeros(0, _I64) for xs in (ranks, files, starts, lengths)
+            fidxs.append(np.full(len(s), i, _I64))
+            starts.append(s)
+            ends.append(e)
+    rank, fidx, start, end = (
+        np.concatenate(xs) if xs else np.zeros(0, _I64) for xs in (ranks, fidxs, starts, ends)
     )
-    keep = length > 0
-    rank, file, start, end = rank[keep], file[keep], start[keep], start[keep] + length[keep]
-    numbers, fidx = np.unique(file, return_inverse=True)
-    fidx = fidx.reshape(-1)
-    top = np.zeros(len(numbers), _I64)
-    np.maximum.at(top, fidx, end)
     size = -(-top // align) * align
-    for i, f in enumerate(numbers.tolist()):
+    for i, f in enumerate(numbers):
         if file_sizes is not None and f in file_sizes:
             known = int(file_sizes[f])
             if top[i] > known:
@@ -266,7 +270,7 @@ def _gather(
     # One free page between files, so neither ranges nor pages of two files ever touch.
     stride = -(-size // align) * align + align
     base = np.concatenate([[0], np.cumsum(stride)[:-1]]).astype(_I64)
-    line = _Line(numbers.astype(_I64), base, base + size)
+    line = _Line(np.array(numbers, _I64), base, base + size)
     return line, rank, base[fidx] + start, base[fidx] + end
 
 
