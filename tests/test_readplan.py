@@ -225,6 +225,17 @@ def test_column_pieces_read_each_page_once() -> None:
     check_rounds(plan, 10000)
 
 
+def test_cuts_closer_than_min_run_are_thinned() -> None:
+    # Six ranks share 30000 bytes: 5000 each would cut pieces under min_run = 10000, so the
+    # cuts move down until every reader's piece is at least min_run.
+    needs = [{0: _ranges([(0, 30000)])} for _ in range(6)]
+    plan = plan_job_reads(needs, align=64, min_run=10000, file_sizes={0: 30000})
+    check_plan(needs, {0: 30000}, plan)
+    loads = plan.bytes_read_per_rank
+    assert loads.sum() == 30000 and loads[loads > 0].min() >= 10000
+    assert loads.max() < 5000 + 1 + 2 * 10000 + 64
+
+
 def test_ranges_needed_by_one_rank_are_not_exchanged() -> None:
     needs = [{0: _ranges([(0, 8192)])}, {0: _ranges([(16384, 8192)]), 1: _ranges([(5, 3)])}]
     plan = plan_job_reads(needs, align=4096)
