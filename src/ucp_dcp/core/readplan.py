@@ -567,9 +567,10 @@ def _snap(
     gap = np.diff(pos)
     close = (j[1:] == j[:-1]) & (gap > 0) & (gap < min_run) & (pos[1:] < b[1:])
     for seg in np.unique(j[1:][close]).tolist():
-        idx = np.flatnonzero(j == seg)
+        # Cuts are sorted, so a segment's are one slice of them.
+        lo, hi = np.searchsorted(j, seg, side="left"), np.searchsorted(j, seg, side="right")
         kept, end = int(seg_start[seg]), int(seg_end[seg])
-        for i in idx.tolist():
+        for i in range(int(lo), int(hi)):
             v = int(pos[i])
             if v == end or v - kept >= min_run:
                 kept = v
