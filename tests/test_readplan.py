@@ -236,6 +236,32 @@ def test_cuts_closer_than_min_run_are_thinned() -> None:
     assert loads.max() < 5000 + 1 + 2 * 10000 + 64
 
 
+def test_water_filling_counts_what_a_rank_must_read_alone() -> None:
+    # Rank 0 needs four units, ranks 1-3 one each of the first three: rank 0 reads the unit only
+    # it needs, each other rank its own unit, so no rank reads more than one unit (T* = 1).
+    u = 40960
+    needs = [{0: _ranges([(0, 4 * u)])}] + [{0: _ranges([(i * u, u)])} for i in range(3)]
+    plan = plan_job_reads(needs, align=4096, min_run=4096)
+    check_plan(needs, {0: 4 * u}, plan)
+    assert plan.bytes_read_per_rank.tolist() == [u] * 4
+
+
+def test_plans_stay_exact_when_set_fingerprints_collide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Segments are grouped by fingerprints of their rank sets and then checked exactly: with
+    every rank's key the same, all sets of one size collide, and the exact grouping decides."""
+    import ucp_dcp.core.readplan as readplan
+
+    monkeypatch.setattr(readplan, "_mix", lambda x: np.zeros(len(x), np.uint64))
+    needs = [
+        {0: _ranges([(0, 20000)])},
+        {0: _ranges([(10000, 20000)])},
+        {0: _ranges([(0, 5000), (25000, 5000)])},
+        {0: _ranges([(15000, 15000)])},
+    ]
+    plan = plan_job_reads(needs, align=64, min_run=1000, file_sizes={0: 30000})
+    check_plan(needs, {0: 30000}, plan)
+
+
 def test_ranges_needed_by_one_rank_are_not_exchanged() -> None:
     needs = [{0: _ranges([(0, 8192)])}, {0: _ranges([(16384, 8192)]), 1: _ranges([(5, 3)])}]
     plan = plan_job_reads(needs, align=4096)
