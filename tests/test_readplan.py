@@ -14,7 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucp_dcp.core.readplan import JobReadPlan, Transfers, plan_job_reads, schedule_rounds
+from ucp_dcp.core.readplan import (
+    JobReadPlan,
+    Transfers,
+    exchange_windows,
+    plan_job_reads,
+    schedule_rounds,
+)
 from ucp_dcp.errors import InvalidArgumentError
 
 A = np.array
@@ -129,13 +135,47 @@ def _check_pieces(readers: np.ndarray, page_need: np.ndarray, min_run: int) -> N
             assert len(pieces) == 1 or all(e - s >= min_run for s, e in pieces)
 
 
+def _fan(plan: JobReadPlan) -> int:
+    """The most peers one rank sends to or receives from."""
+    pairs = set(zip(plan.transfers.reader.tolist(), plan.transfers.receiver.tolist()))
+    outs = [sum(1 for q, _ in pairs if q == r) for r in range(plan.world_size)]
+    ins = [sum(1 for _, q in pairs if q == r) for r in range(plan.world_size)]
+    return max(outs + ins, default=0)
+
+
+def _stream(plan: JobReadPlan, rank: int, file: int, start: int) -> int:
+    """Where byte ``start`` of ``file`` is in ``rank``'s reads laid end to end."""
+    base = 0
+    for f, (starts, lengths) in sorted(plan.reads(rank).items()):
+        for s, n in zip(starts.tolist(), lengths.tolist()):
+            if f == file and s <= start < s + n:
+                return base + start - s
+            base += n
+    raise AssertionError(f"rank {rank} does not read byte {start} of file {file}")
+
+
 def check_rounds(plan: JobReadPlan, budget: int) -> None:
+    """Rounds keep the budget, send each byte in the round its reader reads it, and together
+    are the transfers."""
+    if budget < _fan(plan):
+        with pytest.raises(InvalidArgumentError, match="budget_bytes"):
+            schedule_rounds(plan, budget)
+        return
     rounds = schedule_rounds(plan, budget)
+    windows = exchange_windows(plan, budget)
     world = plan.world_size
-    for t in rounds:
-        assert len(t) and np.all(t.length > 0)
+    assert np.all((windows >= 1) & (windows <= budget))
+    assert not rounds or len(rounds[-1])
+    for k, t in enumerate(rounds):
+        assert np.all(t.length > 0)
+        if not len(t):
+            continue
         assert np.bincount(t.reader, weights=t.length, minlength=world).max() <= budget
         assert np.bincount(t.receiver, weights=t.length, minlength=world).max() <= budget
+        for i in range(len(t)):
+            q = int(t.reader[i])
+            u = _stream(plan, q, int(t.file[i]), int(t.start[i]))
+            assert k * windows[q] <= u and u + t.length[i] <= (k + 1) * windows[q]
     if not rounds:
         assert len(plan.transfers) == 0
         return

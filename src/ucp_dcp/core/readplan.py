@@ -66,6 +66,8 @@ __all__ = [
     "JobReadPlan",
     "plan_job_reads",
     "schedule_rounds",
+    "exchange_windows",
+    "stream_positions",
 ]
 
 Extents = Mapping[int, tuple[np.ndarray, np.ndarray]]
@@ -630,71 +632,132 @@ def _transfers(
 # ---------------------------------------------------------------- exchange rounds
 
 
-def schedule_rounds(plan: JobReadPlan, budget_bytes: int) -> list[Transfers]:
-    """The plan's transfers in rounds: in each, every rank sends at most ``budget_bytes`` and
-    receives at most ``budget_bytes`` (rows longer than a round allows are split), every
-    transferred byte in exactly one round, the same rounds on every rank.
+def stream_positions(plan: JobReadPlan) -> np.ndarray:
+    """Where each row of ``plan.transfers`` starts in its reader's *read stream*: the rank's
+    reads (``plan.reads``, by file then start) laid end to end."""
+    t = plan.transfers
+    u0 = np.zeros(len(t), _I64)
+    if not len(t):
+        return u0
+    read_pos = np.cumsum(plan.read_length) - plan.read_length  # over all ranks
+    files = np.unique(plan.read_file)
+    # One sortable key per (file, start) within a rank; else one search per (rank, file).
+    wide = int((plan.read_start + plan.read_length).max()) + 1 if len(plan.read_start) else 1
+    dense = len(files) < (1 << 62) // wide
+    for q in np.unique(t.reader).tolist():
+        rs = slice(int(plan.read_offsets[q]), int(plan.read_offsets[q + 1]))
+        ts = slice(int(plan.send_offsets[q]), int(plan.send_offsets[q + 1]))
+        r_file, r_start, t_file, t_start = (
+            plan.read_file[rs],
+            plan.read_start[rs],
+            t.file[ts],
+            t.start[ts],
+        )
+        if dense:
+            r_key = np.searchsorted(files, r_file) * wide + r_start
+            i = np.searchsorted(r_key, np.searchsorted(files, t_file) * wide + t_start, "right") - 1
+        else:
+            i = np.empty(len(t_start), _I64)
+            for f in np.unique(t_file).tolist():
+                rows, mine = np.flatnonzero(r_file == f), t_file == f
+                i[mine] = rows[np.searchsorted(r_start[rows], t_start[mine], "right") - 1]
+        base = read_pos[rs] - read_pos[rs.start]
+        u0[ts] = base[i] + t_start - r_start[i]
+    return u0
 
-    Pairs go in order of ``(receiver - reader) mod world`` (each such step pairs every reader
-    with a distinct receiver, as a rotating all-to-all), then reader; a pair's bytes fill its
-    reader's and receiver's last rounds, then the next. Rows in a round by (reader, receiver,
-    file, start).
+
+def exchange_windows(plan: JobReadPlan, budget_bytes: int) -> np.ndarray:
+    """Per rank, the bytes of its read stream (see :func:`stream_positions`) it reads in each
+    round of :func:`schedule_rounds`: rank ``q`` reads stream bytes ``[k * w[q], (k + 1) *
+    w[q])`` in round ``k`` and sends them in that round.
+
+    ``w[q]`` is at most ``budget_bytes``, and small enough that no receiver gets more than
+    ``budget_bytes // f`` from ``q`` in a window, ``f`` being the most of ``q``'s receivers'
+    readers and of ``q``'s receivers (so every rank sends and receives at most ``budget_bytes``
+    a round); a multiple of the plan's ``align`` where that allows, so a round's reads are whole
+    pages. Raises :class:`InvalidArgumentError` when ``budget_bytes`` is under ``f``.
     """
     budget = _positive("budget_bytes", budget_bytes, 1)
-    t, world = plan.transfers, plan.world_size
+    t, world, align = plan.transfers, plan.world_size, plan.align
+    windows = np.full(world, budget, _I64)
     if not len(t):
-        return []
+        return windows
     pair = t.reader * world + t.receiver
     first = np.flatnonzero(np.r_[True, pair[1:] != pair[:-1]])
     p_reader, p_receiver = t.reader[first], t.receiver[first]
-    shift = (p_receiver - p_reader) % world
-    row_pair = np.cumsum(np.r_[False, pair[1:] != pair[:-1]])
-    # Position of each row's first byte in its pair's stream.
-    csum = np.cumsum(t.length)
-    pair_base = (csum - t.length)[first]
-    u0 = csum - t.length - pair_base[row_pair]
-    pair_len = np.add.reduceat(t.length, first)
-
-    send_round = np.zeros(world, _I64)
-    send_used = np.zeros(world, _I64)
-    recv_round = np.zeros(world, _I64)
-    recv_used = np.zeros(world, _I64)
-    t0 = np.zeros(len(first), _I64)
-    room = np.zeros(len(first), _I64)
-    order = np.lexsort((p_reader, shift))
-    steps = np.flatnonzero(np.r_[True, shift[order][1:] != shift[order][:-1], True])
-    for lo, hi in zip(steps[:-1].tolist(), steps[1:].tolist()):
-        # One step: readers distinct, receivers distinct, so its pairs never share a cursor.
-        p = order[lo:hi]
-        q, r, n = p_reader[p], p_receiver[p], pair_len[p]
-        start = np.maximum(send_round[q], recv_round[r])
-        s_used = np.where(send_round[q] == start, send_used[q], 0)
-        r_used = np.where(recv_round[r] == start, recv_used[r], 0)
-        full = np.maximum(s_used, r_used) >= budget
-        start = start + full
-        s_used, r_used = np.where(full, 0, s_used), np.where(full, 0, r_used)
-        free = budget - np.maximum(s_used, r_used)
-        spill = n > free
-        last = np.where(spill, start + 1 + (n - free - 1) // budget, start)
-        tail = n - free - (last - start - 1) * budget  # bytes in the last round when it spills
-        t0[p], room[p] = start, free
-        send_round[q], recv_round[r] = last, last
-        send_used[q] = np.where(spill, tail, s_used + n)
-        recv_used[r] = np.where(spill, tail, r_used + n)
-
-    # A pair's bytes as if its first round t0 were already ``budget - room`` full: byte u of
-    # its stream is byte v = u + budget - room, in round t0 + v // budget.
-    v0 = u0 + (budget - room)[row_pair]
-    v1 = v0 + t.length
-    row, k = _expand(v0 // budget, (v1 - 1) // budget + 1)
-    rnd = t0[row_pair][row] + k
-    keyed = _stable_order(rnd)  # pieces come by row, each row's rounds ascending
-    row, k, rnd = row[keyed], k[keyed], rnd[keyed]
-    v0_row = v0[row]
-    s = np.maximum(v0_row, k * budget)
-    e = np.minimum(v1[row], (k + 1) * budget)
-    pieces = Transfers(
-        t.reader[row], t.receiver[row], t.file[row], t.start[row] + (s - v0_row), e - s
+    fan_in = np.bincount(p_receiver, minlength=world)
+    reader_first = np.flatnonzero(np.r_[True, p_reader[1:] != p_reader[:-1]])
+    readers = p_reader[reader_first]
+    fan = np.maximum(
+        np.diff(np.r_[reader_first, len(first)]),
+        np.maximum.reduceat(fan_in[p_receiver], reader_first),
     )
-    edges = np.flatnonzero(np.r_[True, rnd[1:] != rnd[:-1], True])
+    share = budget // fan  # the most one receiver may get from the reader in a round
+    if int(share.min()) == 0:
+        q = int(readers[np.argmin(share)])
+        raise InvalidArgumentError(
+            f"budget_bytes {budget} is less than the {int(fan.max())} peers rank {q} exchanges "
+            f"with in a round: each needs at least one byte of it"
+        )
+
+    def floor_align(x: np.ndarray) -> np.ndarray:
+        return np.where(x >= align, x // align * align, x)
+
+    # Start from the window the densest receiver allows on average; halve where a window of the
+    # grid gives one receiver more than its share; a window of at most the share always fits.
+    u0 = stream_positions(plan)
+    stream = np.bincount(plan.read_rank, weights=plan.read_length, minlength=world).astype(_I64)[
+        readers
+    ]
+    densest = np.maximum.reduceat(np.add.reduceat(t.length, first), reader_first)
+    least = floor_align(share)
+    ratio = np.minimum(stream // np.maximum(densest, 1), budget)  # bounded: no overflow below
+    window = np.maximum(least, floor_align(np.minimum(budget, share * ratio)))
+    pair_reader_index = np.repeat(np.arange(len(readers)), np.diff(np.r_[reader_first, len(first)]))
+    row_reader_index = pair_reader_index[np.cumsum(np.r_[False, pair[1:] != pair[:-1]])]
+    while True:
+        w = window[row_reader_index]
+        row, k = _expand(u0 // w, (u0 + t.length - 1) // w + 1)
+        got = np.minimum(u0[row] + t.length[row], (k + 1) * w[row]) - np.maximum(
+            u0[row], k * w[row]
+        )
+        # Rows come by pair, then stream position: one group per (pair, window).
+        group = np.flatnonzero(np.r_[True, (pair[row][1:] != pair[row][:-1]) | (k[1:] != k[:-1])])
+        most = np.zeros(len(readers), _I64)
+        np.maximum.at(most, row_reader_index[row[group]], np.add.reduceat(got, group))
+        over = (most > share) & (window > least)
+        if not over.any():
+            break
+        window = np.where(over, np.maximum(least, floor_align(window // 2)), window)
+    windows[readers] = window
+    return windows
+
+
+def schedule_rounds(plan: JobReadPlan, budget_bytes: int) -> list[Transfers]:
+    """The plan's transfers in rounds for an all_to_all with bounded memory: in round ``k``
+    each rank reads window ``k`` of its read stream (:func:`exchange_windows`) and sends what
+    others need of it, so a byte read is sent in the round it is read, to all its receivers.
+    In every round a rank reads and sends at most ``budget_bytes`` and receives at most
+    ``budget_bytes``; rows are split at window edges; every transferred byte is in exactly one
+    round; the same rounds on every rank; round ``k`` of the list is window ``k`` (empty where
+    no rank sends, up to the last round with a transfer). Rows in a round by (reader,
+    receiver, file, start). Raises :class:`InvalidArgumentError` when ``budget_bytes`` is less
+    than the number of peers one rank exchanges with.
+    """
+    windows = exchange_windows(plan, budget_bytes)
+    t = plan.transfers
+    if not len(t):
+        return []
+    u0 = stream_positions(plan)
+    w = windows[t.reader]
+    row, k = _expand(u0 // w, (u0 + t.length - 1) // w + 1)
+    keyed = _stable_order(k)  # pieces come by row, each row's rounds ascending
+    row, k = row[keyed], k[keyed]
+    lo = np.maximum(u0[row], k * w[row])
+    hi = np.minimum(u0[row] + t.length[row], (k + 1) * w[row])
+    pieces = Transfers(
+        t.reader[row], t.receiver[row], t.file[row], t.start[row] + (lo - u0[row]), hi - lo
+    )
+    # Round k is window k on every rank, so a round with nothing to send stays in, empty.
+    edges = np.searchsorted(k, np.arange(int(k[-1]) + 2))
     return [pieces.take(slice(a, b)) for a, b in zip(edges[:-1].tolist(), edges[1:].tolist())]
