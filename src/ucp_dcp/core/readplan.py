@@ -716,16 +716,27 @@ def exchange_windows(plan: JobReadPlan, budget_bytes: int) -> np.ndarray:
     pair_reader_index = np.repeat(np.arange(len(readers)), np.diff(np.r_[reader_first, len(first)]))
     row_reader_index = pair_reader_index[np.cumsum(np.r_[False, pair[1:] != pair[:-1]])]
     while True:
+        # Only readers whose window exceeds their share can give a receiver too much; a row of
+        # theirs over three windows or more fills one whole window for its receiver: too much.
+        # The other rows meet at most two windows, so the check takes O(rows) memory.
         w = window[row_reader_index]
-        row, k = _expand(u0 // w, (u0 + t.length - 1) // w + 1)
+        first_k, last_k = u0 // w, (u0 + t.length - 1) // w
+        risky = window[row_reader_index] > share[row_reader_index]
+        over = np.zeros(len(readers), bool)
+        over[row_reader_index[risky & (last_k - first_k >= 2)]] = True
+        rows = np.flatnonzero(risky & (last_k - first_k < 2))
+        row, k = _expand(first_k[rows], last_k[rows] + 1)
+        row = rows[row]
         got = np.minimum(u0[row] + t.length[row], (k + 1) * w[row]) - np.maximum(
             u0[row], k * w[row]
         )
         # Rows come by pair, then stream position: one group per (pair, window).
         group = np.flatnonzero(np.r_[True, (pair[row][1:] != pair[row][:-1]) | (k[1:] != k[:-1])])
-        most = np.zeros(len(readers), _I64)
-        np.maximum.at(most, row_reader_index[row[group]], np.add.reduceat(got, group))
-        over = (most > share) & (window > least)
+        if len(row):
+            most = np.zeros(len(readers), _I64)
+            np.maximum.at(most, row_reader_index[row[group]], np.add.reduceat(got, group))
+            over |= most > share
+        over &= window > least
         if not over.any():
             break
         window = np.where(over, np.maximum(least, floor_align(window // 2)), window)
@@ -743,6 +754,11 @@ def schedule_rounds(plan: JobReadPlan, budget_bytes: int) -> list[Transfers]:
     no rank sends, up to the last round with a transfer). Rows in a round by (reader,
     receiver, file, start). Raises :class:`InvalidArgumentError` when ``budget_bytes`` is less
     than the number of peers one rank exchanges with.
+
+    Size: a row gets a piece per window it spans, so where one reader sends the same bytes to
+    many ranks (full replication) the rounds hold about (pairs x rounds) rows: W^2 S / budget
+    for S bytes on W ranks. :func:`exchange_windows` and :func:`stream_positions` describe the
+    same schedule in O(rows), for a rank to cut its own sends and receives round by round.
     """
     windows = exchange_windows(plan, budget_bytes)
     t = plan.transfers
