@@ -236,6 +236,8 @@ def test_replicated_file_is_read_once_in_one_stretch_per_rank() -> None:
         assert len(plan.sends(r)) == world - 1
     assert plan.needed_bytes == world * size and plan.unique_bytes == size
     check_rounds(plan, 1 << 20)
+    # Each reader broadcasts to 3 ranks: windows of a third of the budget, in whole pages.
+    assert exchange_windows(plan, 1 << 20).tolist() == [(1 << 20) // 3 // 4096 * 4096] * world
 
 
 def test_hsdp_replica_pairs_split_their_shard() -> None:
@@ -497,3 +499,25 @@ def test_balance_on_random_needs(
         assert (
             plan.bytes_read_per_rank.max() < optimum(needs, sizes, align) + 1 + 2 * min_run + align
         )
+
+
+# ---------------------------------------------------------------- the benchmark's shapes
+
+
+def test_benchmark_shapes_at_16_ranks() -> None:
+    """bench_readplan.py's Llama-2-70B targets at W = 16: the job reads each needed page once
+    (padding of sub-page chunks aside), balanced, in as many rounds as the busiest rank needs."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_readplan
+
+    for target in ("hsdp", "replicated"):
+        row = bench_readplan.run(target, 16, 64 << 20)
+        assert 1.0 <= row["read_over_unique"] < 1.001, row
+        assert row["max_read_over_ideal"] < 1.001, row
+        assert row["rounds"] <= row["least_rounds"] + 1, row
+        # HSDP: each byte to its one other replica; replicated: to the 15 other ranks.
+        copies = 1 if target == "hsdp" else 15
+        assert row["exchanged_GB"] == pytest.approx(row["unique_GB"] * copies, rel=1e-3), row

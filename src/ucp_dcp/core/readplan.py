@@ -44,6 +44,12 @@ much better: a segment just under ``2 * min_run`` long is read whole by one of i
 When classes overlap (partial overlaps), the plan keeps rule 1's bound: no rank reads more
 than the pages it needs.
 
+Exchange: :func:`schedule_rounds` puts the transfers in rounds for an ``all_to_all`` with
+bounded memory: in round ``k`` every rank reads window ``k`` of its reads laid end to end
+(:func:`exchange_windows`, :func:`stream_positions`) and sends each byte of it to all the
+ranks that need it, so a reader holds one window and every rank reads, sends and receives
+at most the budget in a round.
+
 Cost: ``O((N + I) log (N + I))`` for ``N`` input ranges and ``I`` (segment, needing rank)
 pairs, which is ``O(N)`` for replicated, HSDP and sharded targets, plus the transfers
 themselves; one Python step per class of two or more ranks.
