@@ -1,0 +1,785 @@
+"""The job-wide read plan: every needed byte of a checkpoint read from storage by one rank.
+
+Input: every rank's needed byte ranges per file (:data:`Extents`, ``file -> (starts,
+lengths)``). Output (:class:`JobReadPlan`): what each rank reads from storage and, for every
+(reader, receiver) pair, the pieces the reader sends (:class:`Transfers`). Pure arithmetic on
+integer arrays, the same on every rank for the same input (sorts on integer keys only; no hash or
+dict order decides anything): no file is read and no process group is used here.
+
+The rules, in terms of *pages* (``align``-byte blocks of a file, offset a multiple of
+``align``; a rank *needs a page* when it needs any byte in it):
+
+1. Every page some rank needs is read by exactly one rank, its *reader*, which needs that page
+   itself. So no rank reads more than the pages it needs (what it would read on its own).
+2. The file is cut into *segments*: maximal runs of pages needed by the same set of ranks.
+   A segment needed by one rank is read by it.
+3. Segments needed by the same set of ranks (a *class*, e.g. a replica group) are laid end to end
+   in file order and cut into one contiguous stretch per member, sized by water-filling:
+   members with fewer bytes to read so far take more, up to a common level (classes in
+   order of fewer members first, then file order). Each exact cut moves down to the largest
+   point at or below it that is an end of its segment ``[a, b)`` or a page boundary at least
+   ``min_run`` inside both ends; then, going up each segment, a cut less than ``min_run``
+   above the last one kept moves down onto it. So a segment is cut only to balance, and every
+   reader's piece of it is either all of it or at least ``min_run`` bytes.
+4. A receiver gets exactly the bytes it needs that another rank reads: never alignment
+   padding, never a byte it reads itself. ``receives(r)`` and ``reads(r)`` together cover the
+   bytes rank ``r`` needs, without overlap.
+
+Balance. A cut moves down by less than ``min_run + align`` in the first step when its
+segment has an allowed page boundary inside, by less than the segment's length (under
+``2 * min_run + align``) when it has none, and by less than ``min_run`` more when thinned
+(only in the first case). So every member reads less than ``2 * min_run + align`` more than
+its water-filling target. When the classes' member sets are disjoint (full replication, HSDP
+replica groups, any target where the ranks sharing a page form one group of a partition of
+the ranks), a target is at most ``T*`` rounded up, ``T*`` being the optimum (the least
+possible maximum read by any rank, among plans whose readers need what they read; it is the
+largest, over sets ``S`` of ranks, of the bytes of pages needed only by ranks in ``S``,
+over ``|S|``)::
+
+    max bytes read by a rank < T* + 1 + 2 * min_run + align
+
+(A plan that never gives a reader less than ``min_run`` of a shared segment cannot promise
+much better: a segment just under ``2 * min_run`` long is read whole by one of its ranks.)
+
+When classes overlap (partial overlaps), the plan keeps rule 1's bound: no rank reads more
+than the pages it needs.
+
+Exchange: :func:`schedule_rounds` puts the transfers in rounds for an ``all_to_all`` with
+bounded memory: in round ``k`` every rank reads window ``k`` of its reads laid end to end
+(:func:`exchange_windows`, :func:`stream_positions`) and sends each byte of it to all the
+ranks that need it, so a reader holds one window and every rank reads, sends and receives
+at most the budget in a round.
+
+Cost: ``O((N + I) log (N + I))`` for ``N`` input ranges and ``I`` (segment, needing rank)
+pairs, which is ``O(N)`` for replicated, HSDP and sharded targets, plus the transfers
+themselves; one Python step per class of two or more ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+
+__all__ = [
+    "Extents",
+    "DEFAULT_ALIGN",
+    "DEFAULT_MIN_RUN",
+    "Transfers",
+    "JobReadPlan",
+    "plan_job_reads",
+    "schedule_rounds",
+    "exchange_windows",
+    "stream_positions",
+]
+
+Extents = Mapping[int, tuple[np.ndarray, np.ndarray]]
+"""Byte ranges per file number: ``(starts, lengths)`` int64 arrays (as
+``ucp_dcp.byteio.rangeio.Extents``; core does not import byteio)."""
+
+DEFAULT_ALIGN = 4096
+"""Reads start and end on multiples of this within a file: whole pages, whole 4 KiB checksum
+blocks of chunks that start on a page."""
+DEFAULT_MIN_RUN = 1 << 20
+"""A segment shared by several ranks is not cut into pieces shorter than this."""
+
+_I64 = np.int64
+
+
+@dataclass(frozen=True, eq=False)
+class Transfers:
+    """Pieces of files sent from a reader to a receiver: row ``i`` is bytes ``[start[i],
+    start[i] + length[i])`` of file ``file[i]``, read by ``reader[i]``, sent to ``receiver[i]``.
+    Columns are int64 arrays of one length."""
+
+    reader: np.ndarray
+    receiver: np.ndarray
+    file: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in all the rows."""
+        return int(self.length.sum())
+
+    def take(self, index: np.ndarray | slice) -> Transfers:
+        """The rows at ``index`` (a slice gives views)."""
+        return Transfers(
+            self.reader[index],
+            self.receiver[index],
+            self.file[index],
+            self.start[index],
+            self.length[index],
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class JobReadPlan:
+    """Who reads which bytes of which file, and who sends what to whom (see the module's rules).
+
+    ``read_*``: every rank's reads, sorted by (rank, file, start), merged (no two touch);
+    ``read_offsets[r]:read_offsets[r + 1]`` are rank ``r``'s. ``transfers`` sorted by (reader,
+    receiver, file, start), ``send_offsets`` likewise per reader; ``recv_index`` lists the rows
+    of ``transfers`` per receiver in (file, start) order, ``recv_offsets`` per receiver.
+    ``needed_bytes``: the sum over ranks of the bytes each needs; ``unique_bytes``: the bytes
+    at least one rank needs.
+    """
+
+    world_size: int
+    align: int
+    min_run: int
+    read_rank: np.ndarray
+    read_file: np.ndarray
+    read_start: np.ndarray
+    read_length: np.ndarray
+    read_offsets: np.ndarray
+    transfers: Transfers
+    send_offsets: np.ndarray
+    recv_index: np.ndarray
+    recv_offsets: np.ndarray
+    needed_bytes: int
+    unique_bytes: int
+
+    def reads(self, rank: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """What ``rank`` reads from storage, as :data:`Extents` (sorted, non-overlapping)."""
+        lo, hi = self._span(self.read_offsets, rank)
+        files, starts, lengths = (
+            self.read_file[lo:hi],
+            self.read_start[lo:hi],
+            self.read_length[lo:hi],
+        )
+        cuts = np.flatnonzero(np.diff(files)) + 1
+        return {
+            int(f[0]): (s, n)
+            for f, s, n in zip(
+                np.split(files, cuts), np.split(starts, cuts), np.split(lengths, cuts)
+            )
+            if len(f)
+        }
+
+    def sends(self, rank: int) -> Transfers:
+        """The pieces ``rank`` reads for others, by (receiver, file, start)."""
+        lo, hi = self._span(self.send_offsets, rank)
+        return self.transfers.take(slice(lo, hi))
+
+    def receives(self, rank: int) -> Transfers:
+        """The pieces other ranks read for ``rank``, by (file, start)."""
+        lo, hi = self._span(self.recv_offsets, rank)
+        return self.transfers.take(self.recv_index[lo:hi])
+
+    @property
+    def bytes_read_per_rank(self) -> np.ndarray:
+        """Bytes each rank reads from storage (alignment padding included), indexed by rank."""
+        return np.bincount(
+            self.read_rank, weights=self.read_length, minlength=self.world_size
+        ).astype(_I64)
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes read from storage by the whole job."""
+        return int(self.read_length.sum())
+
+    def _span(self, offsets: np.ndarray, rank: int) -> tuple[int, int]:
+        if not 0 <= rank < self.world_size:
+            raise InvalidArgumentError(
+                f"rank {rank} is not in 0..{self.world_size - 1} of this read plan"
+            )
+        return int(offsets[rank]), int(offsets[rank + 1])
+
+
+# ---------------------------------------------------------------- input
+
+
+def _positive(name: str, value: int, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class _Line:
+    """Files laid end to end on one integer line (each at a multiple of ``align``, one page
+    apart, so no range of one file touches another's): ``files[i]`` starts at ``base[i]``
+    and its pages end at ``clip[i]`` (its size where known)."""
+
+    files: np.ndarray
+    base: np.ndarray
+    clip: np.ndarray
+
+    def to_file(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """File numbers and offsets of line positions."""
+        idx = np.searchsorted(self.base, pos, side="right") - 1
+        return self.files[idx], pos - self.base[idx]
+
+
+def _gather(
+    needs: Sequence[Extents], file_sizes: Mapping[int, int] | None, align: int
+) -> tuple[_Line, np.ndarray, np.ndarray, np.ndarray]:
+    """Every non-empty range as (rank, line start, line end), checked, and the line."""
+    numbers = sorted({int(f) for extents in needs for f in extents})
+    index = {f: i for i, f in enumerate(numbers)}
+    top = np.zeros(len(numbers), _I64)  # the end of the last needed byte of each file
+    ranks: list[np.ndarray] = []
+    fidxs: list[np.ndarray] = []
+    starts: list[np.ndarray] = []
+    ends: list[np.ndarray] = []
+    for who, extents in enumerate(needs):
+        for f in sorted(extents):
+            s, n = (np.asarray(a) for a in extents[f])
+            if s.shape != n.shape or s.ndim != 1:
+                raise InvalidArgumentError(
+                    f"rank {who}, file {f}: starts and lengths must be 1-D arrays of one length, "
+                    f"got shapes {s.shape} and {n.shape}"
+                )
+            if not len(s):
+                continue
+            if not (np.issubdtype(s.dtype, np.integer) and np.issubdtype(n.dtype, np.integer)):
+                raise InvalidArgumentError(
+                    f"rank {who}, file {f}: starts and lengths must be integer arrays, "
+                    f"got {s.dtype} and {n.dtype}"
+                )
+            if int(f) < 0 or int(s.min()) < 0 or int(n.min()) < 0:
+                raise InvalidArgumentError(
+                    f"rank {who}, file {f}: file numbers, starts and lengths must be >= 0, got "
+                    f"file {f}, least start {int(s.min())}, least length {int(n.min())}"
+                )
+            s, n = s.astype(_I64), n.astype(_I64)
+            keep = n > 0
+            s, e = s[keep], s[keep] + n[keep]
+            if not len(s):
+                continue
+            i = index[int(f)]
+            top[i] = max(int(top[i]), int(e.max()))
+            ranks.append(np.full(len(s), who, _I64))
+            fidxs.append(np.full(len(s), i, _I64))
+            starts.append(s)
+            ends.append(e)
+    rank, fidx, start, end = (
+        np.concatenate(xs) if xs else np.zeros(0, _I64) for xs in (ranks, fidxs, starts, ends)
+    )
+    size = -(-top // align) * align
+    for i, f in enumerate(numbers):
+        if file_sizes is not None and f in file_sizes:
+            known = int(file_sizes[f])
+            if top[i] > known:
+                bad = int(np.flatnonzero((fidx == i) & (end > known))[0])
+                raise InvalidArgumentError(
+                    f"rank {int(rank[bad])}, file {f}: range [{int(start[bad])}, {int(end[bad])}) "
+                    f"ends past the file's size {known}"
+                )
+            size[i] = known
+    # One free page between files, so neither ranges nor pages of two files ever touch.
+    stride = -(-size // align) * align + align
+    base = np.concatenate([[0], np.cumsum(stride)[:-1]]).astype(_I64)
+    line = _Line(np.array(numbers, _I64), base, base + size)
+    return line, rank, base[fidx] + start, base[fidx] + end
+
+
+def _merge(
+    rank: np.ndarray, start: np.ndarray, end: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each rank's ranges as sorted, disjoint, non-touching ranges (by rank, then start)."""
+    if not len(rank):
+        return rank, start, end
+    order = np.lexsort((start, rank))
+    rank, start, end = rank[order], start[order], end[order]
+    span = int(end.max()) + 1
+    if int(rank[-1]) + 1 < (1 << 62) // span:
+        # A running maximum of the ends within each rank: offsetting rank r by r * span puts
+        # every earlier rank's keys below all of r's, so one accumulate restarts per rank.
+        key = rank * span + end
+        reach = np.maximum.accumulate(key) - rank * span
+    else:
+        reach = np.empty_like(end)
+        cuts = np.flatnonzero(np.diff(rank)) + 1
+        for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(rank)]):
+            reach[lo:hi] = np.maximum.accumulate(end[lo:hi])
+    new = np.ones(len(rank), bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (start[1:] > reach[:-1])
+    first = np.flatnonzero(new)
+    return rank[first], start[first], np.maximum.reduceat(end, first)
+
+
+def _union_bytes(start: np.ndarray, end: np.ndarray) -> int:
+    """Bytes in the union of ranges."""
+    if not len(start):
+        return 0
+    order = np.argsort(start, kind="stable")
+    start, end = start[order], end[order]
+    reach = np.maximum.accumulate(end)
+    new = np.ones(len(start), bool)
+    new[1:] = start[1:] > reach[:-1]
+    first = np.flatnonzero(new)
+    return int((np.maximum.reduceat(end, first) - start[first]).sum())
+
+
+def _stable_order(key: np.ndarray) -> np.ndarray:
+    """A stable argsort of non-negative integers: numpy's radix sort when they fit 16 bits."""
+    if len(key) and int(key.max()) < (1 << 15):
+        return np.argsort(key.astype(np.int16), kind="stable")
+    return np.argsort(key, kind="stable")
+
+
+def _expand(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each row ``i`` the integers ``lo[i]..hi[i]-1``: (row of each, the integer)."""
+    count = np.maximum(hi - lo, 0)
+    row = np.repeat(np.arange(len(lo), dtype=_I64), count)
+    first = np.cumsum(count) - count
+    return row, lo[row] + np.arange(len(row), dtype=_I64) - first[row]
+
+
+# ---------------------------------------------------------------- segments and classes
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 of each value: fixed pseudo-random 64-bit keys, the same on every rank."""
+    z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@dataclass(frozen=True)
+class _Segments:
+    """Maximal runs of pages needed by one set of ranks: ``[start, end)`` on the line;
+    ``members[ptr[j]:ptr[j + 1]]`` the ranks needing segment ``j`` (ascending); ``klass``
+    its class (segments of equal member sets)."""
+
+    start: np.ndarray
+    end: np.ndarray
+    ptr: np.ndarray
+    members: np.ndarray
+    klass: np.ndarray
+
+
+def _segments(rank: np.ndarray, start: np.ndarray, end: np.ndarray) -> _Segments:
+    """Sweep the ranks' (merged, page-aligned) ranges into segments and group them by set."""
+    points = np.unique(np.concatenate([start, end]))
+    i0, i1 = np.searchsorted(points, start), np.searchsorted(points, end)
+    delta = np.bincount(i0, minlength=len(points)) - np.bincount(i1, minlength=len(points))
+    covered = np.cumsum(delta)[:-1] > 0
+    seg_of = np.cumsum(covered) - 1
+    elems = np.flatnonzero(covered)
+    row, elem = _expand(i0, i1)
+    seg = seg_of[elem]
+    # Rows come by (rank, start); a stable sort by segment keeps each segment's ranks ascending.
+    order = np.argsort(seg, kind="stable")
+    seg, members = seg[order], rank[row[order]]
+    nseg = len(elems)
+    ptr = np.concatenate([[0], np.cumsum(np.bincount(seg, minlength=nseg))]).astype(_I64)
+    return _Segments(points[elems], points[elems + 1], ptr, members, _classes(ptr, seg, members))
+
+
+def _classes(ptr: np.ndarray, seg: np.ndarray, members: np.ndarray) -> np.ndarray:
+    """Class number of each segment: equal member sets share one, numbered by first segment."""
+    nseg = len(ptr) - 1
+    if not nseg:
+        return np.zeros(0, _I64)
+    count = np.diff(ptr)
+    # Two 64-bit sums of fixed per-rank keys find candidates; the exact check below decides.
+    fp1 = np.add.reduceat(_mix(members), ptr[:-1])
+    fp2 = np.add.reduceat(_mix(members + (1 << 40)), ptr[:-1])
+    order = np.lexsort((fp2, fp1, count))
+    new = np.ones(nseg, bool)
+    new[1:] = (
+        (count[order][1:] != count[order][:-1])
+        | (fp1[order][1:] != fp1[order][:-1])
+        | (fp2[order][1:] != fp2[order][:-1])
+    )
+    group = np.empty(nseg, _I64)
+    group[order] = np.cumsum(new) - 1
+    # The lexsort is stable: each group's first row is its lowest segment.
+    rep = order[new][group]
+    pos = np.arange(len(members), dtype=_I64) - ptr[seg]
+    if not np.array_equal(members, members[ptr[rep[seg]] + pos]):
+        rep = _exact_reps(ptr, members)
+    # Number classes by their first segment, so the numbering follows file order.
+    _, klass = np.unique(rep, return_inverse=True)
+    return klass.reshape(-1).astype(_I64)
+
+
+def _exact_reps(ptr: np.ndarray, members: np.ndarray) -> np.ndarray:
+    """The first segment with the same member set, for each segment (used only if two different
+    sets ever share both fingerprints)."""
+    first: dict[bytes, int] = {}
+    return np.array(
+        [first.setdefault(members[ptr[j] : ptr[j + 1]].tobytes(), j) for j in range(len(ptr) - 1)],
+        _I64,
+    )
+
+
+def _water_fill(loads: np.ndarray, total: int) -> np.ndarray:
+    """Shares of ``total`` bytes (summing to it) that raise the least loaded up to one level:
+    ``max(0, level - load)``, the remainder bytes to the lowest-loaded first (ties: order given)."""
+    order = np.argsort(loads, kind="stable")
+    low = loads[order]
+    need = low * np.arange(1, len(low) + 1) - np.cumsum(low)  # to lift the i+1 lowest to low[i]
+    filled = int(np.searchsorted(need, total, side="right"))
+    level, extra = divmod(total + int(low[:filled].sum()), filled)
+    share = np.zeros(len(low), _I64)
+    share[:filled] = level - low[:filled]
+    share[:extra] += 1
+    out = np.empty_like(share)
+    out[order] = share
+    return out
+
+
+# ---------------------------------------------------------------- planning
+
+
+def plan_job_reads(
+    needs: Sequence[Extents],
+    *,
+    align: int = DEFAULT_ALIGN,
+    min_run: int = DEFAULT_MIN_RUN,
+    file_sizes: Mapping[int, int] | None = None,
+) -> JobReadPlan:
+    """The job-wide read plan for ``needs[r]``, rank ``r``'s needed ranges (see the module).
+
+    Ranges of one rank may overlap or touch. ``align``: reads start and end on multiples of it
+    (a file's last page ends at its size where ``file_sizes`` gives it, else on a multiple of
+    ``align``: a read there may come back short at the end of the file). ``min_run``: the least
+    piece of a shared segment given to one reader. Raises :class:`InvalidArgumentError` for
+    negative numbers, arrays of other shapes or kinds, ranges past a known file size.
+    """
+    align = _positive("align", align, 1)
+    min_run = _positive("min_run", min_run, 0)
+    world = len(needs)
+    line, rank, start, end = _gather(needs, file_sizes, align)
+    rank, start, end = _merge(rank, start, end)
+    needed = int((end - start).sum())
+    unique = _union_bytes(start, end)
+
+    fidx = np.searchsorted(line.base, start, side="right") - 1
+    page_start = start // align * align
+    page_end = np.minimum(-(-end // align) * align, line.clip[fidx])
+    segs = _segments(*_merge(rank, page_start, page_end))
+    piece_reader, piece_start, piece_end = _assign(segs, world, align, min_run)
+
+    reads = _reads(line, world, piece_reader, piece_start, piece_end)
+    transfers, send_offsets, recv_index, recv_offsets = _transfers(
+        line, world, rank, start, end, piece_reader, piece_start, piece_end
+    )
+    return JobReadPlan(
+        world,
+        align,
+        min_run,
+        *reads,
+        transfers,
+        send_offsets,
+        recv_index,
+        recv_offsets,
+        needed,
+        unique,
+    )
+
+
+def _assign(
+    segs: _Segments, world: int, align: int, min_run: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces (reader, start, end) covering every segment, sorted by start."""
+    size = segs.end - segs.start
+    count = np.diff(segs.ptr)
+    alone = count == 1
+    loads = np.bincount(
+        segs.members[segs.ptr[:-1][alone]], weights=size[alone], minlength=world
+    ).astype(_I64)
+
+    # Shared classes, fewest members first, then by first segment (class numbers follow it).
+    shared = np.flatnonzero(~alone)
+    nclass = int(segs.klass.max()) + 1 if len(segs.klass) else 0
+    class_count = np.zeros(nclass, _I64)
+    class_count[segs.klass] = count
+    class_rep = np.unique(segs.klass, return_index=True)[1].astype(_I64)  # first segment of each
+    class_bytes = np.bincount(segs.klass, weights=size, minlength=nclass).astype(_I64)
+    todo = np.flatnonzero(class_count > 1)
+    todo = todo[np.lexsort((todo, class_count[todo]))]
+
+    cuts: list[np.ndarray] = []
+    member_lists: list[np.ndarray] = []
+    for c in todo.tolist():
+        rep = int(class_rep[c])
+        members = segs.members[segs.ptr[rep] : segs.ptr[rep + 1]]
+        share = _water_fill(loads[members], int(class_bytes[c]))
+        loads[members] += share
+        cuts.append(np.cumsum(share)[:-1])
+        member_lists.append(members)
+
+    # Lay the shared segments end to end, class by class in ``todo`` order (file order inside).
+    rank_of_class = np.empty(nclass, _I64)
+    rank_of_class[todo] = np.arange(len(todo))
+    seg_order = shared[np.lexsort((shared, rank_of_class[segs.klass[shared]]))]
+    s_len = size[seg_order]
+    s_pos = np.concatenate([[0], np.cumsum(s_len)]).astype(_I64)  # stream positions
+    class_pos = s_pos[np.searchsorted(rank_of_class[segs.klass[seg_order]], np.arange(len(todo)))]
+
+    ncut = np.array([len(c) for c in cuts], _I64)
+    cut = (
+        np.concatenate(cuts).astype(_I64) + np.repeat(class_pos, ncut)
+        if cuts
+        else np.zeros(0, _I64)
+    )
+    cut = _snap(cut, s_pos, segs.start[seg_order], segs.end[seg_order], align, min_run)
+    bounds = np.union1d(s_pos, cut)
+    lo, hi = bounds[:-1], bounds[1:]
+    lo, hi = lo[hi > lo], hi[hi > lo]
+    j = np.searchsorted(s_pos, lo, side="right") - 1
+    klass = rank_of_class[segs.klass[seg_order[j]]]
+    cuts_before = np.concatenate([[0], np.cumsum(ncut)]).astype(_I64)
+    member_ptr = np.concatenate([[0], np.cumsum(ncut + 1)]).astype(_I64)
+    which = np.searchsorted(cut, lo, side="right") - cuts_before[klass]
+    flat_members = np.concatenate(member_lists) if member_lists else np.zeros(0, _I64)
+    reader = flat_members[member_ptr[klass] + which]
+    offset = segs.start[seg_order[j]] - s_pos[j]
+
+    single = np.flatnonzero(alone)
+    reader = np.concatenate([segs.members[segs.ptr[single]], reader])
+    start = np.concatenate([segs.start[single], lo + offset])
+    end = np.concatenate([segs.end[single], hi + offset])
+    order = np.argsort(start, kind="stable")
+    return reader[order], start[order], end[order]
+
+
+def _snap(
+    cut: np.ndarray,
+    s_pos: np.ndarray,
+    seg_start: np.ndarray,
+    seg_end: np.ndarray,
+    align: int,
+    min_run: int,
+) -> np.ndarray:
+    """Stream positions of the cuts moved down to allowed cuts (rule 3): first each to the
+    largest allowed point of its segment ``[a, b)`` at or below it (``a``, ``b``, or a page
+    boundary at least ``min_run`` inside both ends), then, going up a segment, a cut less than
+    ``min_run`` above the last one kept down onto it. Monotone: sorted cuts stay sorted."""
+    if not len(cut):
+        return cut
+    j = np.minimum(np.searchsorted(s_pos, cut, side="right") - 1, len(seg_start) - 1)
+    a, b = seg_start[j], seg_end[j]
+    pos = a + (cut - s_pos[j])
+    first = -(-(a + min_run) // align) * align
+    last = (b - min_run) // align * align
+    page = pos // align * align
+    pos = np.where(
+        pos >= b, b, np.where((first <= last) & (page >= first), np.minimum(page, last), a)
+    )
+    # Two different interior cuts of one segment closer than min_run: thin them, in order (a
+    # Python step per cut, only in the segments that need it).
+    gap = np.diff(pos)
+    close = (j[1:] == j[:-1]) & (gap > 0) & (gap < min_run) & (pos[1:] < b[1:])
+    for seg in np.unique(j[1:][close]).tolist():
+        # Cuts are sorted, so a segment's are one slice of them.
+        lo, hi = np.searchsorted(j, seg, side="left"), np.searchsorted(j, seg, side="right")
+        kept, end = int(seg_start[seg]), int(seg_end[seg])
+        for i in range(int(lo), int(hi)):
+            v = int(pos[i])
+            if v == end or v - kept >= min_run:
+                kept = v
+            pos[i] = kept
+    return s_pos[j] + (pos - a)
+
+
+def _reads(
+    line: _Line, world: int, reader: np.ndarray, start: np.ndarray, end: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each rank's pieces merged: (rank, file, start, length, offsets per rank)."""
+    rank, start, end = _merge(reader, start, end)
+    file, offset = line.to_file(start)
+    offsets = np.searchsorted(rank, np.arange(world + 1)).astype(_I64)
+    return rank, file, offset, end - start, offsets
+
+
+def _transfers(
+    line: _Line,
+    world: int,
+    rank: np.ndarray,
+    start: np.ndarray,
+    end: np.ndarray,
+    p_reader: np.ndarray,
+    p_start: np.ndarray,
+    p_end: np.ndarray,
+) -> tuple[Transfers, np.ndarray, np.ndarray, np.ndarray]:
+    """What each rank needs (merged ``rank, start, end``) of the pieces others read."""
+    lo = np.searchsorted(p_end, start, side="right")
+    hi = np.searchsorted(p_start, end, side="left")
+    row, piece = _expand(lo, hi)
+    reader = p_reader[piece]
+    keep = reader != rank[row]
+    row, piece, reader = row[keep], piece[keep], reader[keep]
+    receiver = rank[row]
+    t_start = np.maximum(start[row], p_start[piece])
+    t_end = np.minimum(end[row], p_end[piece])
+    # In (receiver, start) order, one reader's adjacent pieces of one needed range touch: merge.
+    new = np.ones(len(row), bool)
+    new[1:] = (
+        (receiver[1:] != receiver[:-1]) | (reader[1:] != reader[:-1]) | (t_start[1:] != t_end[:-1])
+    )
+    first = np.flatnonzero(new)
+    receiver, reader, t_start = receiver[first], reader[first], t_start[first]
+    t_end = np.maximum.reduceat(t_end, first) if len(first) else t_end[first]
+    recv_offsets = np.searchsorted(receiver, np.arange(world + 1)).astype(_I64)
+    # Rows come by (receiver, start): a stable sort by reader makes that (reader, receiver, start).
+    order = _stable_order(reader)
+    recv_index = np.empty(len(order), _I64)
+    recv_index[order] = np.arange(len(order), dtype=_I64)
+    file, offset = line.to_file(t_start[order])
+    transfers = Transfers(reader[order], receiver[order], file, offset, (t_end - t_start)[order])
+    send_offsets = np.searchsorted(transfers.reader, np.arange(world + 1)).astype(_I64)
+    return transfers, send_offsets, recv_index, recv_offsets
+
+
+# ---------------------------------------------------------------- exchange rounds
+
+
+def stream_positions(plan: JobReadPlan) -> np.ndarray:
+    """Where each row of ``plan.transfers`` starts in its reader's *read stream*: the rank's
+    reads (``plan.reads``, by file then start) laid end to end."""
+    t = plan.transfers
+    u0 = np.zeros(len(t), _I64)
+    if not len(t):
+        return u0
+    read_pos = np.cumsum(plan.read_length) - plan.read_length  # over all ranks
+    files = np.unique(plan.read_file)
+    # One sortable key per (file, start) within a rank; else one search per (rank, file).
+    wide = int((plan.read_start + plan.read_length).max()) + 1 if len(plan.read_start) else 1
+    dense = len(files) < (1 << 62) // wide
+    for q in np.unique(t.reader).tolist():
+        rs = slice(int(plan.read_offsets[q]), int(plan.read_offsets[q + 1]))
+        ts = slice(int(plan.send_offsets[q]), int(plan.send_offsets[q + 1]))
+        r_file, r_start, t_file, t_start = (
+            plan.read_file[rs],
+            plan.read_start[rs],
+            t.file[ts],
+            t.start[ts],
+        )
+        if dense:
+            r_key = np.searchsorted(files, r_file) * wide + r_start
+            i = np.searchsorted(r_key, np.searchsorted(files, t_file) * wide + t_start, "right") - 1
+        else:
+            i = np.empty(len(t_start), _I64)
+            for f in np.unique(t_file).tolist():
+                rows, mine = np.flatnonzero(r_file == f), t_file == f
+                i[mine] = rows[np.searchsorted(r_start[rows], t_start[mine], "right") - 1]
+        base = read_pos[rs] - read_pos[rs.start]
+        u0[ts] = base[i] + t_start - r_start[i]
+    return u0
+
+
+def exchange_windows(plan: JobReadPlan, budget_bytes: int) -> np.ndarray:
+    """Per rank, the bytes of its read stream (see :func:`stream_positions`) it reads in each
+    round of :func:`schedule_rounds`: rank ``q`` reads stream bytes ``[k * w[q], (k + 1) *
+    w[q])`` in round ``k`` and sends them in that round.
+
+    ``w[q]`` is at most ``budget_bytes``, and small enough that no receiver gets more than
+    ``budget_bytes // f`` from ``q`` in a window, ``f`` being the most of ``q``'s receivers'
+    readers and of ``q``'s receivers (so every rank sends and receives at most ``budget_bytes``
+    a round); a multiple of the plan's ``align`` where that allows, so a round's reads are whole
+    pages. Raises :class:`InvalidArgumentError` when ``budget_bytes`` is under ``f``.
+    """
+    budget = _positive("budget_bytes", budget_bytes, 1)
+    t, world, align = plan.transfers, plan.world_size, plan.align
+    windows = np.full(world, budget, _I64)
+    if not len(t):
+        return windows
+    pair = t.reader * world + t.receiver
+    first = np.flatnonzero(np.r_[True, pair[1:] != pair[:-1]])
+    p_reader, p_receiver = t.reader[first], t.receiver[first]
+    fan_in = np.bincount(p_receiver, minlength=world)
+    reader_first = np.flatnonzero(np.r_[True, p_reader[1:] != p_reader[:-1]])
+    readers = p_reader[reader_first]
+    fan = np.maximum(
+        np.diff(np.r_[reader_first, len(first)]),
+        np.maximum.reduceat(fan_in[p_receiver], reader_first),
+    )
+    share = budget // fan  # the most one receiver may get from the reader in a round
+    if int(share.min()) == 0:
+        q = int(readers[np.argmin(share)])
+        raise InvalidArgumentError(
+            f"budget_bytes {budget} is less than the {int(fan.max())} peers rank {q} exchanges "
+            f"with in a round: each needs at least one byte of it"
+        )
+
+    def floor_align(x: np.ndarray) -> np.ndarray:
+        return np.where(x >= align, x // align * align, x)
+
+    # Start from the window the densest receiver allows on average; halve where a window of the
+    # grid gives one receiver more than its share; a window of at most the share always fits.
+    u0 = stream_positions(plan)
+    stream = np.bincount(plan.read_rank, weights=plan.read_length, minlength=world).astype(_I64)[
+        readers
+    ]
+    densest = np.maximum.reduceat(np.add.reduceat(t.length, first), reader_first)
+    least = floor_align(share)
+    ratio = np.minimum(stream // np.maximum(densest, 1), budget)  # bounded: no overflow below
+    window = np.maximum(least, floor_align(np.minimum(budget, share * ratio)))
+    pair_reader_index = np.repeat(np.arange(len(readers)), np.diff(np.r_[reader_first, len(first)]))
+    row_reader_index = pair_reader_index[np.cumsum(np.r_[False, pair[1:] != pair[:-1]])]
+    while True:
+        # Only readers whose window exceeds their share can give a receiver too much; a row of
+        # theirs over three windows or more fills one whole window for its receiver: too much.
+        # The other rows meet at most two windows, so the check takes O(rows) memory.
+        w = window[row_reader_index]
+        first_k, last_k = u0 // w, (u0 + t.length - 1) // w
+        risky = window[row_reader_index] > share[row_reader_index]
+        over = np.zeros(len(readers), bool)
+        over[row_reader_index[risky & (last_k - first_k >= 2)]] = True
+        rows = np.flatnonzero(risky & (last_k - first_k < 2))
+        row, k = _expand(first_k[rows], last_k[rows] + 1)
+        row = rows[row]
+        got = np.minimum(u0[row] + t.length[row], (k + 1) * w[row]) - np.maximum(
+            u0[row], k * w[row]
+        )
+        # Rows come by pair, then stream position: one group per (pair, window).
+        group = np.flatnonzero(np.r_[True, (pair[row][1:] != pair[row][:-1]) | (k[1:] != k[:-1])])
+        if len(row):
+            most = np.zeros(len(readers), _I64)
+            np.maximum.at(most, row_reader_index[row[group]], np.add.reduceat(got, group))
+            over |= most > share
+        over &= window > least
+        if not over.any():
+            break
+        window = np.where(over, np.maximum(least, floor_align(window // 2)), window)
+    windows[readers] = window
+    return windows
+
+
+def schedule_rounds(plan: JobReadPlan, budget_bytes: int) -> list[Transfers]:
+    """The plan's transfers in rounds for an all_to_all with bounded memory: in round ``k``
+    each rank reads window ``k`` of its read stream (:func:`exchange_windows`) and sends what
+    others need of it, so a byte read is sent in the round it is read, to all its receivers.
+    In every round a rank reads and sends at most ``budget_bytes`` and receives at most
+    ``budget_bytes``; rows are split at window edges; every transferred byte is in exactly one
+    round; the same rounds on every rank; round ``k`` of the list is window ``k`` (empty where
+    no rank sends, up to the last round with a transfer). Rows in a round by (reader,
+    receiver, file, start). Raises :class:`InvalidArgumentError` when ``budget_bytes`` is less
+    than the number of peers one rank exchanges with.
+
+    Size: a row gets a piece per window it spans, so where one reader sends the same bytes to
+    many ranks (full replication) the rounds hold about (pairs x rounds) rows: W^2 S / budget
+    for S bytes on W ranks. :func:`exchange_windows` and :func:`stream_positions` describe the
+    same schedule in O(rows), for a rank to cut its own sends and receives round by round.
+    """
+    windows = exchange_windows(plan, budget_bytes)
+    t = plan.transfers
+    if not len(t):
+        return []
+    u0 = stream_positions(plan)
+    w = windows[t.reader]
+    row, k = _expand(u0 // w, (u0 + t.length - 1) // w + 1)
+    keyed = _stable_order(k)  # pieces come by row, each row's rounds ascending
+    row, k = row[keyed], k[keyed]
+    lo = np.maximum(u0[row], k * w[row])
+    hi = np.minimum(u0[row] + t.length[row], (k + 1) * w[row])
+    pieces = Transfers(
+        t.reader[row], t.receiver[row], t.file[row], t.start[row] + (lo - u0[row]), hi - lo
+    )
+    # Round k is window k on every rank, so a round with nothing to send stays in, empty.
+    edges = np.searchsorted(k, np.arange(int(k[-1]) + 2))
+    return [pieces.take(slice(a, b)) for a, b in zip(edges[:-1].tolist(), edges[1:].tolist())]
