@@ -127,9 +127,9 @@ class Restorer(GroupWorker):
         attempts: list[str] = []
         for cand in candidates:
             try:
-                path, options, done = self._prepare(cand, token)
+                path, options, index, done = self._prepare(cand, token)
                 try:
-                    verified, read = self._load_from(path, state, options)
+                    verified, read = self._load_from(path, state, options, index)
                 finally:
                     done()
             except (Exception, CheckpointException) as e:
@@ -182,12 +182,12 @@ class Restorer(GroupWorker):
 
     def _prepare(
         self, cand: Candidate, token: str
-    ) -> tuple[str, dict[str, Any] | None, Callable[[], None]]:
+    ) -> tuple[str, dict[str, Any] | None, bytes | None, Callable[[], None]]:
         """Make ``cand`` loadable on every rank: its location, the storage options to read it with,
-        a clean-up."""
+        its checked index (None: the reader reads it), a clean-up."""
         if self.direct(cand):
             assert isinstance(self.persistent, FsspecTier)
-            return self._check_remote(cand), self.persistent.storage_options, lambda: None
+            return self._check_remote(cand), self.persistent.storage_options, None, lambda: None
         if cand.tier == "local":
             path = self._repair_local(cand, f"r{token}")
         elif self.persistent.local:
@@ -201,10 +201,9 @@ class Restorer(GroupWorker):
                 lambda: self.persistent.fetch(cand.step, [d.name for d in cand.marker.files], tmp),
                 cand,
             )
-            self._check_index(tmp, cand)
-            return tmp, None, lambda: shutil.rmtree(tmp, ignore_errors=True)
-        self._check_index(path, cand)
-        return path, None, lambda: None
+            index = self._check_index(tmp, cand)
+            return tmp, None, index, lambda: shutil.rmtree(tmp, ignore_errors=True)
+        return path, None, self._check_index(path, cand), lambda: None
 
     def _check_remote(self, cand: Candidate) -> str:
         """The URL of ``cand``'s persistent copy, after checking it against its marker (rank 0
@@ -345,16 +344,17 @@ class Restorer(GroupWorker):
         self._agree(f"fetching step {step} from {self.persistent.url}", fetch, cand)
         return tier.step_path(step)
 
-    def _check_index(self, path: str, cand: Candidate) -> None:
-        """The index must match the marker's digest (a flipped byte there could misdirect every
-        read)."""
-        self._agree(
-            "checking the index",
-            lambda: self._check_index_bytes(
-                Path(path, INDEX_FILE).read_bytes(), os.path.join(path, INDEX_FILE), cand
-            ),
-            cand,
-        )
+    def _check_index(self, path: str, cand: Candidate) -> bytes:
+        """The index's bytes, which must match the marker's digest (a flipped byte there could
+        misdirect every read); the load parses these same bytes (read once, no window between
+        the check and the read)."""
+
+        def check() -> bytes:
+            data = Path(path, INDEX_FILE).read_bytes()
+            self._check_index_bytes(data, os.path.join(path, INDEX_FILE), cand)
+            return data
+
+        return self._agree("checking the index", check, cand)
 
     @staticmethod
     def _check_index_bytes(data: bytes, where: str, cand: Candidate) -> None:
@@ -370,17 +370,25 @@ class Restorer(GroupWorker):
             )
 
     def _load_from(
-        self, path: str, state: Mapping[str, Any], storage_options: dict[str, Any] | None
+        self,
+        path: str,
+        state: Mapping[str, Any],
+        storage_options: dict[str, Any] | None,
+        index: bytes | None = None,
     ) -> tuple[int, int]:
-        """Load ``path`` (a directory, or a URL read with ``storage_options``); return (verified,
-        read) bytes."""
+        """Load ``path`` (a directory, or a URL read with ``storage_options``; ``index``: its index,
+        already read and checked); return (verified, read) bytes."""
         options: dict[str, Any] = {}
         if self.config.io_threads is not None:
             options["io_threads"] = self.config.io_threads
         if is_url(path):
             options["max_request_bytes"] = OBJECT_REQUEST_BYTES
         reader = UCPStorageReader(
-            path, verify=self.config.verify_on_load, storage_options=storage_options, **options
+            path,
+            verify=self.config.verify_on_load,
+            storage_options=storage_options,
+            preread=None if index is None else {INDEX_FILE: index},
+            **options,
         )
         dcp.load(
             state, storage_reader=reader, planner=UCPLoadPlanner(), process_group=self.group.pg
