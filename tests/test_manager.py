@@ -301,6 +301,45 @@ def test_local_restore_reads_the_index_once_and_loads_what_was_checked(tmp_path,
     assert_state_equal(target, make_state(1))
 
 
+def test_restore_pauses_the_cyclic_collector_for_the_whole_load(tmp_path, monkeypatch) -> None:
+    """Index parsing and planning run with Python's cyclic collector paused (a full collection
+    walks the whole heap), and it runs again after the restore, a failed attempt included."""
+    import gc
+
+    from ucp_dcp import UCPLoadPlanner, UCPStorageReader
+
+    local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
+    with CheckpointManager(shared, local=local) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.wait()
+    seen: dict[str, bool] = {}
+    read_metadata, plan = UCPStorageReader.read_metadata, UCPLoadPlanner.create_local_plan
+
+    def read_metadata_seen(self, *a, **k):
+        seen["read_metadata"] = gc.isenabled()
+        return read_metadata(self, *a, **k)
+
+    def plan_seen(self):
+        seen["create_local_plan"] = gc.isenabled()
+        if seen.pop("fail", False):
+            raise RuntimeError("planning failed")
+        return plan(self)
+
+    monkeypatch.setattr(UCPStorageReader, "read_metadata", read_metadata_seen)
+    monkeypatch.setattr(UCPLoadPlanner, "create_local_plan", plan_seen)
+    assert gc.isenabled()
+    with CheckpointManager(shared, local=local) as mgr:
+        assert _load(mgr)[0] == 1
+        assert seen == {"read_metadata": False, "create_local_plan": False}
+        assert gc.isenabled()
+        seen["fail"] = True  # the local copy's load fails inside dcp.load; the persistent one loads
+        step, target = _load(mgr)
+        assert (step, mgr.last_restore.tier) == (1, "persistent")
+        assert "planning failed" in mgr.last_restore.failed_attempts[0]
+        assert gc.isenabled() and seen["create_local_plan"] is False
+    assert_state_equal(target, make_state(1))
+
+
 def test_goodput_from_measured_saves(tmp_path) -> None:
     with CheckpointManager(tmp_path) as mgr:
         for step in range(3):

@@ -254,7 +254,7 @@ class UCPStorageReader(_Directory, StorageReader):
         # CPU time of such a load on 2 cores, falling on loads at random.
         # Nothing a load allocates forms reference cycles, so the collector
         # waits until it is done.
-        with _collector_paused():
+        with collector_paused():
             return self._read_data(plan, planner)
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -376,7 +376,7 @@ def _save_id(index: Any) -> str | None:
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector (process-wide) for the ``with`` block, if it was
     running."""
     was = gc.isenabled()
