@@ -395,8 +395,8 @@ class Restorer(GroupWorker):
         # (reader.read_data): parsing the index and planning allocate tens of thousands of
         # objects, enough to set off full collections, each walking the training process's whole
         # heap. Measured (one process, 2 shared cores, cold local restores of a 261 MiB state,
-        # about 0.19 s each without one): a full collection took 0.10-0.13 s and fell in 6 of 24
-        # restores, in index parsing or planning; with the pause, in none of 24. What a load
+        # about 0.19 s each without one): a full collection took 0.10-0.13 s and fell in 15 of 64
+        # restores, in index parsing or planning; with the pause, in none of 64. What a load
         # allocates is freed when it returns; any cycle (an error's traceback) is collected once
         # the collector runs again.
         with collector_paused():
