@@ -15,6 +15,7 @@ from manager_utils import assert_state_equal, empty_like_state, flip_byte, make_
 from ucp_dcp import CheckpointManager, NoCheckpointError
 from ucp_dcp.manager.manager import CheckpointSaveError
 from ucp_dcp.errors import InvalidArgumentError
+from ucp_dcp.format import INDEX_FILE
 from ucp_dcp.manager.snapshot import NonFiniteError
 from ucp_dcp.manager.tiers import LocalTier
 
@@ -205,8 +206,10 @@ def test_corrupt_local_copy_falls_back_to_persistent_copy_of_same_step(tmp_path)
 
 def count_file_reads(monkeypatch, paths: list[str]) -> dict[str, int]:
     """Bytes read from each of ``paths`` from now on, by any ``os.pread``/``os.preadv`` call (how
-    the reader reads files) or Python file object (how whole-file digests read)."""
+    the reader reads files) or Python file object (how whole-file digests and small files read;
+    ``pathlib`` opens through ``io.open``)."""
     import builtins
+    import io
 
     by_inode = {(os.stat(p).st_dev, os.stat(p).st_ino): os.path.basename(p) for p in paths}
     counted = dict.fromkeys(by_inode.values(), 0)
@@ -238,6 +241,7 @@ def count_file_reads(monkeypatch, paths: list[str]) -> dict[str, int]:
     monkeypatch.setattr(os, "pread", pread)
     monkeypatch.setattr(os, "preadv", preadv)
     monkeypatch.setattr(builtins, "open", opened)
+    monkeypatch.setattr(io, "open", opened)
     return counted
 
 
@@ -262,6 +266,78 @@ def test_local_restore_reads_each_data_byte_once(tmp_path, monkeypatch) -> None:
     tensors = sum(t.numel() * t.element_size() for t in make_state(1, scale=64)["model"].values())
     assert tensors <= rec.verified_bytes <= rec.read_bytes <= size, (rec, size)
     assert tensors <= sum(counted.values()) <= size, (counted, size)
+
+
+def test_local_restore_reads_the_index_once_and_loads_what_was_checked(tmp_path, monkeypatch):
+    """The index is read once, for the digest check against the commit marker, and the load parses
+    those bytes: an index replaced on disk after the check does not reach the load."""
+    from ucp_dcp.manager._restore import Restorer
+
+    local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
+    with CheckpointManager(shared, local=local, persistent_interval=10**9) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.wait()
+        index = os.path.join(mgr.local.step_path(1), INDEX_FILE)
+    counted = count_file_reads(monkeypatch, [index])
+    with CheckpointManager(shared, local=local, persistent_interval=10**9) as mgr:
+        step, target = _load(mgr)
+        assert (step, mgr.last_restore.tier, mgr.last_restore.failed_attempts) == (1, "local", ())
+    assert counted[INDEX_FILE] == os.path.getsize(index)
+    assert_state_equal(target, make_state(1))
+    monkeypatch.undo()
+
+    checked = Restorer._check_index
+
+    def check_then_damage(self, path: str, cand) -> bytes:
+        data = checked(self, path, cand)
+        with open(os.path.join(path, INDEX_FILE), "wb") as f:
+            f.write(b"{")  # after the check: a reader that read the file again would fail
+        return data
+
+    monkeypatch.setattr(Restorer, "_check_index", check_then_damage)
+    with CheckpointManager(shared, local=local, persistent_interval=10**9) as mgr:
+        step, target = _load(mgr)
+        assert (step, mgr.last_restore.tier, mgr.last_restore.failed_attempts) == (1, "local", ())
+    assert_state_equal(target, make_state(1))
+
+
+def test_restore_pauses_the_cyclic_collector_for_the_whole_load(tmp_path, monkeypatch) -> None:
+    """Index parsing and planning run with Python's cyclic collector paused (a full collection
+    walks the whole heap), and it runs again after the restore, a failed attempt included."""
+    import gc
+
+    from ucp_dcp import UCPLoadPlanner, UCPStorageReader
+
+    local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
+    with CheckpointManager(shared, local=local) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.wait()
+    seen: dict[str, bool] = {}
+    read_metadata, plan = UCPStorageReader.read_metadata, UCPLoadPlanner.create_local_plan
+
+    def read_metadata_seen(self, *a, **k):
+        seen["read_metadata"] = gc.isenabled()
+        return read_metadata(self, *a, **k)
+
+    def plan_seen(self):
+        seen["create_local_plan"] = gc.isenabled()
+        if seen.pop("fail", False):
+            raise RuntimeError("planning failed")
+        return plan(self)
+
+    monkeypatch.setattr(UCPStorageReader, "read_metadata", read_metadata_seen)
+    monkeypatch.setattr(UCPLoadPlanner, "create_local_plan", plan_seen)
+    assert gc.isenabled()
+    with CheckpointManager(shared, local=local) as mgr:
+        assert _load(mgr)[0] == 1
+        assert seen == {"read_metadata": False, "create_local_plan": False}
+        assert gc.isenabled()
+        seen["fail"] = True  # the local copy's load fails inside dcp.load; the persistent one loads
+        step, target = _load(mgr)
+        assert (step, mgr.last_restore.tier) == (1, "persistent")
+        assert "planning failed" in mgr.last_restore.failed_attempts[0]
+        assert gc.isenabled() and seen["create_local_plan"] is False
+    assert_state_equal(target, make_state(1))
 
 
 def test_goodput_from_measured_saves(tmp_path) -> None:

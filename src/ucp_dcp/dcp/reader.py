@@ -17,7 +17,7 @@ import gc
 import io
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -134,6 +134,13 @@ class UCPStorageReader(_Directory, StorageReader):
             ``"exact"`` forces that way for every file. ``file_access`` maps
             each file the last load read to the way chosen (empty on object
             storage, which has one way).
+        preread: files of the checkpoint the caller has already read (file
+            name -> bytes, e.g. ``{"ucp_index.json": data}``): the first
+            load opens the checkpoint from these bytes instead of reading
+            them again. :class:`~ucp_dcp.CheckpointManager` hands on the index
+            it has checked against its commit marker, so the load parses the
+            very bytes that were checked. Dropped by :meth:`reset` to another
+            checkpoint.
     """
 
     def __init__(
@@ -149,6 +156,7 @@ class UCPStorageReader(_Directory, StorageReader):
         verify: bool = True,
         storage_options: dict[str, Any] | None = None,
         access: str = "auto",
+        preread: Mapping[str, bytes] | None = None,
     ) -> None:
         super().__init__()
         self.access = check_access(access)
@@ -171,6 +179,7 @@ class UCPStorageReader(_Directory, StorageReader):
         self.verified_bytes = 0
         self.verify_seconds = 0.0
         self.load_id = uuid.uuid4().hex
+        self._preread = dict(preread) if preread else None
 
     @property
     def index(self) -> Any:
@@ -179,6 +188,8 @@ class UCPStorageReader(_Directory, StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load, optionally from another checkpoint."""
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
+            self._preread = None  # bytes of the checkpoint given first, not of this one
         self._set_path(checkpoint_id)
         self.source = None
         self.load_id = uuid.uuid4().hex
@@ -187,8 +198,9 @@ class UCPStorageReader(_Directory, StorageReader):
         """Open the source and describe it as DCP's metadata (nothing is unpickled but DCP's own
         records)."""
         self.source = source = open_source(
-            self.path, self.options, storage_options=self.storage_options
+            self.path, self.options, storage_options=self.storage_options, preread=self._preread
         )
+        self._preread = None  # used once: a later opening reads the files as they are then
         index = source.index
         md: dict[str, Any] = {}
         for fqn, t in index.tensors.items():
@@ -242,7 +254,7 @@ class UCPStorageReader(_Directory, StorageReader):
         # CPU time of such a load on 2 cores, falling on loads at random.
         # Nothing a load allocates forms reference cycles, so the collector
         # waits until it is done.
-        with _collector_paused():
+        with collector_paused():
             return self._read_data(plan, planner)
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -364,7 +376,7 @@ def _save_id(index: Any) -> str | None:
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector (process-wide) for the ``with`` block, if it was
     running."""
     was = gc.isenabled()

@@ -22,6 +22,7 @@ that does opens it:
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from ..byteio.objstore import ObjectStore, is_url, local_path
@@ -62,6 +63,7 @@ def open_source(
     options: SourceOptions | None = None,
     *,
     storage_options: dict[str, Any] | None = None,
+    preread: Mapping[str, bytes] | None = None,
     **kwargs: Any,
 ) -> Source:
     """Open the checkpoint at ``path``, detecting its format.
@@ -73,10 +75,14 @@ def open_source(
     view and every registered format is asked, in registration order, whether
     it recognises it (:meth:`Source.detect`). A location no format recognises
     is a :class:`~ucp_dcp.errors.NotACheckpointError` naming it and the
-    formats looked for (:func:`formats_looked_for`).
+    formats looked for (:func:`formats_looked_for`). ``preread``: files of
+    the checkpoint the caller has already read (name -> bytes), opened from
+    these bytes instead of being read again (:meth:`ModelDir.keep`).
     """
     opts = options if options is not None else SourceOptions(**kwargs)
     d = open_location(path, storage_options)
+    if preread:
+        d.keep(preread)
     for cls in source_types():
         if cls.detect(d):
             return cls.open(d, opts)

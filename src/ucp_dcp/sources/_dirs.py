@@ -14,6 +14,7 @@ from __future__ import annotations
 import builtins
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any
 
 from ..byteio.objstore import ObjectAccess, ObjectStore, is_url, local_path
@@ -57,6 +58,15 @@ class ModelDir(ABC):
     """The location as given (the directory, or the file named directly)."""
     store: ObjectStore | None = None
     """The object store the directory is in; None for a local directory."""
+    _kept: dict[str, bytes]
+    """Bytes of files already read, which :meth:`read` returns once instead of reading again."""
+
+    def keep(self, files: Mapping[str, bytes]) -> None:
+        """Hand the view bytes of its files that the caller has already read (name -> bytes):
+        :meth:`read` returns them, once, instead of reading the file again, and :meth:`holds`
+        knows they exist. The manager hands on the index it has checked against its commit
+        marker, so the index a load parses is the one that was checked, read once."""
+        self._kept.update(files)
 
     @abstractmethod
     def path_of(self, name: str) -> str:
@@ -108,6 +118,7 @@ class LocalDir(ModelDir):
         self.where = path
         self.named = named
         self.location = os.path.join(path, named) if named else path
+        self._kept: dict[str, bytes] = {}
 
     def path_of(self, name: str) -> str:
         """``os.path.join`` of the directory and ``name``."""
@@ -128,8 +139,16 @@ class LocalDir(ModelDir):
         except FileNotFoundError:
             return None
 
+    def holds(self, name: str) -> bool:
+        """Whether :meth:`keep` was handed ``name`` or it is a file (one ``stat``)."""
+        return name in self._kept or self.is_file(name)
+
     def read(self, name: str) -> bytes:
-        """The file's bytes; an unreadable file is a :class:`CheckpointFormatError` naming it."""
+        """The file's bytes (those handed to :meth:`keep`, the first time); an unreadable file is
+        a :class:`CheckpointFormatError` naming it."""
+        kept = self._kept.pop(name, None)
+        if kept is not None:
+            return kept
         path = self.path_of(name)
         try:
             with open(path, "rb") as f:
