@@ -17,7 +17,7 @@ import gc
 import io
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -134,6 +134,10 @@ class UCPStorageReader(_Directory, StorageReader):
             ``"exact"`` forces that way for every file. ``file_access`` maps
             each file the last load read to the way chosen (empty on object
             storage, which has one way).
+        known_files: for a URL, the bytes of files of the checkpoint the caller has
+            already read, by name (the manager hands on the index whose digest it
+            checked against the commit marker): used instead of fetching them again.
+            Dropped when :meth:`reset` names another checkpoint.
     """
 
     def __init__(
@@ -149,6 +153,7 @@ class UCPStorageReader(_Directory, StorageReader):
         verify: bool = True,
         storage_options: dict[str, Any] | None = None,
         access: str = "auto",
+        known_files: Mapping[str, bytes] | None = None,
     ) -> None:
         super().__init__()
         self.access = check_access(access)
@@ -164,6 +169,7 @@ class UCPStorageReader(_Directory, StorageReader):
         self.max_buffer_bytes = max(max_buffer_bytes, _MiB)
         self.gap_bytes = gap_bytes  # None: the storage's default (Source.open_reader)
         self.storage_options = storage_options
+        self.known_files = dict(known_files or {})
         self.max_request_bytes = max_request_bytes
         self.bytes_requested = 0
         self.read_calls = 0
@@ -179,6 +185,8 @@ class UCPStorageReader(_Directory, StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load, optionally from another checkpoint."""
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
+            self.known_files = {}  # they are another checkpoint's
         self._set_path(checkpoint_id)
         self.source = None
         self.load_id = uuid.uuid4().hex
@@ -187,7 +195,10 @@ class UCPStorageReader(_Directory, StorageReader):
         """Open the source and describe it as DCP's metadata (nothing is unpickled but DCP's own
         records)."""
         self.source = source = open_source(
-            self.path, self.options, storage_options=self.storage_options
+            self.path,
+            self.options,
+            storage_options=self.storage_options,
+            known_files=self.known_files,
         )
         index = source.index
         md: dict[str, Any] = {}

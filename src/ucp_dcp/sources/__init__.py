@@ -22,6 +22,7 @@ that does opens it:
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from ..byteio.objstore import ObjectStore, is_url, local_path
@@ -62,6 +63,7 @@ def open_source(
     options: SourceOptions | None = None,
     *,
     storage_options: dict[str, Any] | None = None,
+    known_files: Mapping[str, bytes] | None = None,
     **kwargs: Any,
 ) -> Source:
     """Open the checkpoint at ``path``, detecting its format.
@@ -69,14 +71,16 @@ def open_source(
     ``options`` (or its fields as keyword arguments, see
     :class:`SourceOptions`) tune the formats that need them. ``path`` is a
     local path or an fsspec URL (``s3://bucket/ckpt``; ``storage_options`` go
-    to fsspec), read with ranged requests; either is opened as a directory
+    to fsspec), read with ranged requests (``known_files``: bytes of its files the caller has
+    already read, such as an index whose digest it checked, used instead of fetching them
+    again); either is opened as a directory
     view and every registered format is asked, in registration order, whether
     it recognises it (:meth:`Source.detect`). A location no format recognises
     is a :class:`~ucp_dcp.errors.NotACheckpointError` naming it and the
     formats looked for (:func:`formats_looked_for`).
     """
     opts = options if options is not None else SourceOptions(**kwargs)
-    d = open_location(path, storage_options)
+    d = open_location(path, storage_options, known=known_files)
     for cls in source_types():
         if cls.detect(d):
             return cls.open(d, opts)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import builtins
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any
 
 from ..byteio.objstore import ObjectAccess, ObjectStore, is_url, local_path
@@ -168,13 +169,21 @@ class StoreDir(ModelDir):
 
     store: ObjectStore
 
-    def __init__(self, store: ObjectStore, named: str | None = None) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        named: str | None = None,
+        *,
+        known: Mapping[str, bytes] | None = None,
+    ) -> None:
         self.store = store
         self.where = store.url
         self.named = named
         self.location = store.url_of(named or "")
         self._sizes: dict[str, int] | None = None
-        self._kept: dict[str, bytes] = {}  # read by holds() before any listing
+        # Read by holds() before any listing, or handed over by the caller (``known``: files it
+        # has read and checked already, such as the manager's digest-checked index): no request.
+        self._kept: dict[str, bytes] = dict(known or {})
 
     def path_of(self, name: str) -> str:
         """The object's URL."""
@@ -255,10 +264,14 @@ _FILE_SUFFIXES = (".safetensors", ".safetensors.index.json")
 
 
 def open_location(
-    path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+    path: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    known: Mapping[str, bytes] | None = None,
 ) -> ModelDir:
     """The directory view of ``path``: a local path, or an fsspec URL (``storage_options`` go to
-    fsspec).
+    fsspec; ``known``: the bytes of files of the directory the caller has already read, by name,
+    which the view of a URL answers without a request).
 
     A URL whose last part names a ``.safetensors`` file or index is the view
     of its parent with that file :attr:`~ModelDir.named` (as a local path may
@@ -269,8 +282,8 @@ def open_location(
         url = os.fspath(path)
         parent, _, last = url.rstrip("/").rpartition("/")
         if "://" in parent and last.endswith(_FILE_SUFFIXES):
-            return StoreDir(ObjectStore(parent, storage_options), last)
-        return StoreDir(ObjectStore(url, storage_options))
+            return StoreDir(ObjectStore(parent, storage_options), last, known=known)
+        return StoreDir(ObjectStore(url, storage_options), known=known)
     local = local_path(path)
     if not os.path.exists(local):
         raise NotACheckpointError(f"{local}: not a checkpoint (no such directory)", local)
