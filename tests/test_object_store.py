@@ -372,6 +372,23 @@ def test_object_range_reader_reads_to_a_near_end_and_keeps_it() -> None:
     assert reader.stats.calls == 2 and reader.stats.bytes == 1100 + 10
 
 
+def test_object_range_reader_fetches_an_object_it_needs_most_of_two_requests_at_a_time() -> None:
+    """Needing at least 3/4 of an object: two requests per batch; needing less: one."""
+    store = CountingStore(f"memory://ucp-{uuid.uuid4().hex[:8]}/blob")
+    store.put("f", _BLOB)
+    n = len(_BLOB)
+    batches: list[int] = []
+    real = store.read_ranges
+    store.read_ranges = lambda rs: batches.append(len(rs)) or real(rs)  # type: ignore[method-assign]
+    for keep, want in ((n, 2), (n // 2, 1)):
+        batches.clear()
+        dest = bytearray(keep)
+        reader = ObjectRangeReader(store, ["f"], sizes=[n], max_request_bytes=n // 8, window_bytes=1)
+        reader.read([Segment(0, 0, memoryview(dest))])
+        assert bytes(dest) == _BLOB[:keep]
+        assert max(batches) == want and sum(batches) == -(-keep // (n // 8)), (keep, batches)
+
+
 def test_a_native_header_and_its_block_checksums_come_in_one_request(monkeypatch: Any) -> None:
     """A data file whose header is over 64 KiB (hundreds of entries): its header and block
     checksums are one request (a header under a 128th of the file, as here, is), its tensors and

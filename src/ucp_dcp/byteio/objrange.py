@@ -24,13 +24,23 @@ from concurrent.futures import ThreadPoolExecutor
 from .objstore import ObjectStore
 from .rangeio import ByteSource, ReadStats, Segment, _Request, coalesce
 
-__all__ = ["ObjectRangeReader", "OBJECT_GAP_BYTES"]
+__all__ = ["ObjectRangeReader", "OBJECT_GAP_BYTES", "DENSE_FRACTION"]
 
 OBJECT_GAP_BYTES = 32 << 10
 """Neighbouring ranges at most this far apart are fetched with one request. A round trip costs
 at least the time of 100 KiB on any link (a millisecond at 100 MB/s), so merging a smaller gap
 saves time; keeping it small keeps the bytes fetched (which egress bills) close to those needed:
 column slices of narrow rows are merged, other ranks' shards are not."""
+
+
+DENSE_FRACTION = 0.75
+"""A read that needs at least this fraction of an object's bytes fetches that object
+``dense_parallel`` requests at a time (the others one window of ``window_bytes`` at a time). It
+reads (nearly) the whole object anyway: concurrent requests shorten it on any store, and
+on a server that reads the whole object for every ranged GET (moto's S3) they overlap those reads.
+Measured on loopback moto, one process, a 262 MiB step in 64 MiB requests, 2 shared cores (load
+average 10-12), 4 paired rounds against downloading the whole step: one request at a time 1.11x
+the download, two at a time 0.89x (medians of the per-round ratios)."""
 
 
 class ObjectRangeReader(ByteSource):
@@ -44,6 +54,9 @@ class ObjectRangeReader(ByteSource):
         of concurrent requests; two
             windows are held at most (one being copied into place while the
             next is fetched), so the staging memory stays within 64 MiB.
+        dense_parallel: requests in flight at once for an object the read needs
+            :data:`DENSE_FRACTION` of (its sizes known): its windows hold that many
+            requests, and the staging memory that many times more.
     """
 
     def __init__(
@@ -55,6 +68,7 @@ class ObjectRangeReader(ByteSource):
         gap_bytes: int = OBJECT_GAP_BYTES,
         max_request_bytes: int = 16 << 20,
         window_bytes: int = 32 << 20,
+        dense_parallel: int = 2,
     ) -> None:
         self.store = store
         self.names = list(names)
@@ -66,6 +80,7 @@ class ObjectRangeReader(ByteSource):
         self._scratch = memoryview(bytearray(max(gap_bytes, 1)))  # where merged gaps land
         self._max_request = max(max_request_bytes, 1)
         self._window = max(window_bytes, self._max_request)
+        self._dense_window = max(self._window, self._max_request * max(dense_parallel, 1))
         self.stats = ReadStats()
 
     def close(self) -> None:
@@ -96,15 +111,18 @@ class ObjectRangeReader(ByteSource):
     def read(self, segments: Sequence[Segment]) -> None:
         """Fill every segment's buffer; a failed or short request raises naming the object.
 
-        The requests go out in windows of ``window_bytes``; the next window
+        The requests go out in windows of ``window_bytes`` (``dense_parallel``
+        requests for an object the segments need most of); the next window
         is being fetched while the current one is copied into place, so at
         most two windows of fetched bytes are held.
         """
         segments = self._from_tails(segments)
+        dense = self._dense(segments)
         windows: list[list[_Request]] = [[]]
         held = 0
         for r in self.plan(segments):
-            if windows[-1] and held + r.nbytes > self._window:
+            limit = self._dense_window if r.file in dense else self._window
+            if windows[-1] and held + r.nbytes > limit:
                 windows.append([])
                 held = 0
             windows[-1].append(r)
@@ -141,6 +159,16 @@ class ObjectRangeReader(ByteSource):
             if s.done is not None:
                 s.done(1)
         return rest
+
+    def _dense(self, segments: Sequence[Segment]) -> set[int]:
+        """The objects ``segments`` need at least :data:`DENSE_FRACTION` of."""
+        if self.sizes is None:
+            return set()
+        need: dict[int, int] = {}
+        for s in segments:
+            need[s.file] = need.get(s.file, 0) + len(s.dest)
+        sizes = self.sizes
+        return {f for f, n in need.items() if n >= DENSE_FRACTION * sizes[f] > 0}
 
     def _end(self, r: _Request) -> int:
         """Where request ``r`` stops: the object's end if that is within the gap, else its own."""

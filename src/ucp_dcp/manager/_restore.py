@@ -53,7 +53,9 @@ moto, one process, a 256 MiB step, 2 shared cores (load average 4.5-8), two runs
 repeats: with 16 MiB requests and the old marker reads (50 requests) the restore took 2.37-2.45x
 the whole-step download; with 64 MiB and the markers read once (27 requests: 14 to the data file,
 of which 9 are the header, block checksums and values) 1.41-1.49x. The reader keeps at most two
-requests' bytes (128 MiB) in memory: one being placed, the next being fetched."""
+windows' bytes in memory, one being placed, the next being fetched: of one request each (128
+MiB), or of two for an object the rank needs most of (256 MiB; see
+:data:`~ucp_dcp.byteio.objrange.DENSE_FRACTION`)."""
 
 
 @dataclass(frozen=True)
