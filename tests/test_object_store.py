@@ -379,11 +379,15 @@ def test_object_range_reader_fetches_an_object_it_needs_most_of_two_requests_at_
     n = len(_BLOB)
     batches: list[int] = []
     real = store.read_ranges
-    store.read_ranges = lambda rs: batches.append(len(rs)) or real(rs)  # type: ignore[method-assign]
+    store.read_ranges = (  # type: ignore[method-assign]
+        lambda rs: batches.append(len(rs)) or real(rs)
+    )
     for keep, want in ((n, 2), (n // 2, 1)):
         batches.clear()
         dest = bytearray(keep)
-        reader = ObjectRangeReader(store, ["f"], sizes=[n], max_request_bytes=n // 8, window_bytes=1)
+        reader = ObjectRangeReader(
+            store, ["f"], sizes=[n], max_request_bytes=n // 8, window_bytes=1
+        )
         reader.read([Segment(0, 0, memoryview(dest))])
         assert bytes(dest) == _BLOB[:keep]
         assert max(batches) == want and sum(batches) == -(-keep // (n // 8)), (keep, batches)
