@@ -314,3 +314,128 @@ def test_commit_writes_the_index_then_removes_only_old_data_files(kind: str, tmp
     commit_index(storage, index)
     assert sorted(storage.list()) == ["notes.txt", "rank00000-new.safetensors", "ucp_index.json"]
     assert storage.exists("ucp_index.json") and not storage.exists("rank00000-old.safetensors")
+
+
+class CountingStore(ObjectStore):
+    """An ObjectStore that records every ranged read it makes, as ``(name, start, end)``."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.reads: list[tuple[str, int | None, int | None]] = []
+
+    def read(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+        self.reads.append((name, start, end))
+        return super().read(name, start, end)
+
+
+def test_object_access_extends_its_prefix_in_one_request() -> None:
+    """The first read fetches the prefix; a read past it that starts inside it (or right after)
+    extends it by the prefix size again in one request; a read elsewhere is a request of its own."""
+    from ucp_dcp.byteio.objstore import ObjectAccess
+
+    store = CountingStore(f"memory://ucp-{uuid.uuid4().hex[:8]}/blob")
+    store.put("f", _BLOB)
+    a = ObjectAccess(store, "f", len(_BLOB), head_bytes=1000)
+    assert a.pread(8, 0) == _BLOB[:8] and a.pread(900, 8) == _BLOB[8:908]
+    assert store.reads == [("f", 0, 1000)]
+    assert a.pread(500, 900) == _BLOB[900:1400]  # the header is longer than the prefix
+    assert store.reads[1:] == [("f", 1000, 2400)]
+    assert a.pread(800, 1500) == _BLOB[1500:2300]  # what follows the header came with it
+    assert a.pread(10, 5000) == _BLOB[5000:5010] and store.reads[2:] == [("f", 5000, 5010)]
+    a.release()
+    assert a.pread(4, 2400) == _BLOB[2400:2404] and store.reads[3:] == [("f", 2400, 2404)]
+    # The prefix never reaches past the object, and a first read beyond the prefix is exact.
+    b = ObjectAccess(store, "f", len(_BLOB), head_bytes=10 * len(_BLOB))
+    assert b.pread(8, 0) == _BLOB[:8] and store.reads[-1] == ("f", 0, len(_BLOB))
+    c = ObjectAccess(store, "f", len(_BLOB), head_bytes=16)
+    assert c.pread(4, 100) == _BLOB[100:104] and store.reads[-1] == ("f", 100, 104)
+
+
+def test_object_range_reader_reads_to_a_near_end_and_keeps_it() -> None:
+    """A request ending within the gap of its object's end reads to the end; a later segment there
+    is filled from the bytes kept (no request), one elsewhere is not."""
+    store = CountingStore(f"memory://ucp-{uuid.uuid4().hex[:8]}/blob")
+    store.put("f", _BLOB)
+    n = len(_BLOB)
+    reader = ObjectRangeReader(store, ["f"], sizes=[n], gap_bytes=100)
+    calls: list[tuple[str, int, int]] = []
+    real = store.read_ranges
+    store.read_ranges = lambda rs: calls.extend(rs) or real(rs)  # type: ignore[method-assign]
+    first, tail, before = bytearray(1000), bytearray(50), bytearray(10)
+    reader.read([Segment(0, n - 1100, memoryview(first))])
+    assert calls == [("f", n - 1100, n)] and bytes(first) == _BLOB[n - 1100 : n - 100]
+    seen: list[int] = []
+    reader.read([Segment(0, n - 60, memoryview(tail), seen.append)])
+    assert len(calls) == 1 and bytes(tail) == _BLOB[n - 60 : n - 10] and seen == [1]
+    reader.read([Segment(0, n - 1200, memoryview(before))])
+    assert calls[1:] == [("f", n - 1200, n - 1190)] and bytes(before) == _BLOB[n - 1200 : n - 1190]
+    assert reader.stats.calls == 2 and reader.stats.bytes == 1100 + 10
+
+
+def test_object_range_reader_fetches_an_object_it_needs_most_of_two_requests_at_a_time() -> None:
+    """Needing at least 3/4 of an object: two requests per batch; needing less: one."""
+    store = CountingStore(f"memory://ucp-{uuid.uuid4().hex[:8]}/blob")
+    store.put("f", _BLOB)
+    n = len(_BLOB)
+    batches: list[int] = []
+    real = store.read_ranges
+    store.read_ranges = (  # type: ignore[method-assign]
+        lambda rs: batches.append(len(rs)) or real(rs)
+    )
+    for keep, want in ((n, 2), (n // 2, 1)):
+        batches.clear()
+        dest = bytearray(keep)
+        reader = ObjectRangeReader(
+            store, ["f"], sizes=[n], max_request_bytes=n // 8, window_bytes=1
+        )
+        reader.read([Segment(0, 0, memoryview(dest))])
+        assert bytes(dest) == _BLOB[:keep]
+        assert max(batches) == want and sum(batches) == -(-keep // (n // 8)), (keep, batches)
+
+
+def test_a_native_header_and_its_block_checksums_come_in_one_request(monkeypatch: Any) -> None:
+    """A data file whose header is over 64 KiB (hundreds of entries): its header and block
+    checksums are one request (a header under a 128th of the file, as here, is), its tensors and
+    values the others; the load is bit-exact."""
+    from ucp_dcp.sources.native import head_request_bytes
+
+    url = f"memory://ucp-{uuid.uuid4().hex[:8]}/ckpt"
+    sd = {f"layer{i}.weight": full(f"w{i}", (64, 512)) for i in range(250)}
+    sd["step"] = 5
+    dcp.save(sd, storage_writer=UCPStorageWriter(url), planner=UCPSavePlanner())
+    name = next(n for n in ObjectStore(url).list() if n.endswith(".safetensors"))
+    size = ObjectStore(url).size(name)
+    reads: list[tuple[str, Any, Any]] = []
+    ranges: list[tuple[str, int, int]] = []
+    real_read, real_ranges = ObjectStore.read, ObjectStore.read_ranges
+
+    def read(self: ObjectStore, n: str, start: Any = None, end: Any = None) -> bytes:
+        reads.append((n, start, end))
+        return real_read(self, n, start, end)
+
+    def read_ranges(self: ObjectStore, rs: Any) -> list[bytes]:
+        ranges.extend(rs)
+        return real_ranges(self, rs)
+
+    monkeypatch.setattr(ObjectStore, "read", read)
+    monkeypatch.setattr(ObjectStore, "read_ranges", read_ranges)
+    got: dict[str, Any] = {k: torch.zeros_like(v) for k, v in sd.items() if k != "step"}
+    got["step"] = -1
+    dcp.load(got, storage_reader=UCPStorageReader(url), planner=UCPLoadPlanner())
+    assert all(bit_equal(got[k], v) for k, v in sd.items() if k != "step") and got["step"] == 5
+    header = [r for r in reads if r[0] == name]
+    assert header == [(name, 0, head_request_bytes(size))], header
+    (n,) = struct_unpack_header(real_read(ObjectStore(url), name, 0, 8))
+    assert n > 64 << 10  # the old 64 KiB first request would have needed two more
+    # The tensors in 16 MiB requests (the reader's default); the last reads on to the end of the
+    # file, where the value is, which then needs no request of its own.
+    tensors = 250 * 64 * 512 * 4
+    assert [r[0] for r in ranges] == [name] * -(-tensors // (16 << 20)), ranges
+    assert ranges[-1][2] == size, ranges
+
+
+def struct_unpack_header(head: bytes) -> tuple[int]:
+    """The header length a safetensors file starts with."""
+    import struct
+
+    return struct.unpack("<Q", head)

@@ -9,7 +9,10 @@ round trip (milliseconds) and is billed, so neighbouring ranges are merged
 across larger gaps (:data:`OBJECT_GAP_BYTES`), and many requests are in
 flight at once (one ``cat_ranges`` batch per window of
 ``window_bytes``, the next window fetched while the current one is copied
-into place; two windows bound the memory the fetched bytes take).
+into place; two windows bound the memory the fetched bytes take). A request
+that ends within the gap of its object's end reads on to the end, and the
+reader keeps those last bytes: the values a native data file ends with, read
+after its tensors, then cost no request of their own.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .objstore import ObjectStore
 from .rangeio import ByteSource, ReadStats, Segment, _Request, coalesce
 
-__all__ = ["ObjectRangeReader", "OBJECT_GAP_BYTES"]
+__all__ = ["ObjectRangeReader", "OBJECT_GAP_BYTES", "DENSE_FRACTION"]
 
 OBJECT_GAP_BYTES = 32 << 10
 """Neighbouring ranges at most this far apart are fetched with one request. A round trip costs
@@ -30,16 +33,30 @@ saves time; keeping it small keeps the bytes fetched (which egress bills) close 
 column slices of narrow rows are merged, other ranks' shards are not."""
 
 
+DENSE_FRACTION = 0.75
+"""A read that needs at least this fraction of an object's bytes fetches that object
+``dense_parallel`` requests at a time (the others one window of ``window_bytes`` at a time). It
+reads (nearly) the whole object anyway: concurrent requests shorten it on any store, and
+on a server that reads the whole object for every ranged GET (moto's S3) they overlap those reads.
+Measured on loopback moto, one process, a 262 MiB step in 64 MiB requests, 2 shared cores (load
+average 10-12), 4 paired rounds against downloading the whole step: one request at a time 1.11x
+the download, two at a time 0.89x (medians of the per-round ratios)."""
+
+
 class ObjectRangeReader(ByteSource):
     """Reads byte ranges of a fixed list of objects with coalesced, concurrent ranged GETs.
 
     Args:
         store: the checkpoint's store. names: the objects, by position (``Segment.file``).
+        sizes: their sizes, if known (lets a request near an object's end read to it).
         gap_bytes: neighbouring ranges at most this far apart share a request. max_request_bytes:
         upper bound on one request (a large range is split). window_bytes: bytes fetched per batch
         of concurrent requests; two
             windows are held at most (one being copied into place while the
             next is fetched), so the staging memory stays within 64 MiB.
+        dense_parallel: requests in flight at once for an object the read needs
+            :data:`DENSE_FRACTION` of (its sizes known): its windows hold that many
+            requests, and the staging memory that many times more.
     """
 
     def __init__(
@@ -47,16 +64,23 @@ class ObjectRangeReader(ByteSource):
         store: ObjectStore,
         names: Sequence[str],
         *,
+        sizes: Sequence[int] | None = None,
         gap_bytes: int = OBJECT_GAP_BYTES,
         max_request_bytes: int = 16 << 20,
         window_bytes: int = 32 << 20,
+        dense_parallel: int = 2,
     ) -> None:
         self.store = store
         self.names = list(names)
+        self.sizes = list(sizes) if sizes is not None and len(sizes) == len(self.names) else None
         self.gap_bytes = gap_bytes
+        # Per object, the bytes a request read past its last segment to the object's end, and where
+        # they start: later segments inside them are filled without a request.
+        self._tails: dict[int, tuple[int, bytes]] = {}
         self._scratch = memoryview(bytearray(max(gap_bytes, 1)))  # where merged gaps land
         self._max_request = max(max_request_bytes, 1)
         self._window = max(window_bytes, self._max_request)
+        self._dense_window = max(self._window, self._max_request * max(dense_parallel, 1))
         self.stats = ReadStats()
 
     def close(self) -> None:
@@ -87,14 +111,18 @@ class ObjectRangeReader(ByteSource):
     def read(self, segments: Sequence[Segment]) -> None:
         """Fill every segment's buffer; a failed or short request raises naming the object.
 
-        The requests go out in windows of ``window_bytes``; the next window
+        The requests go out in windows of ``window_bytes`` (``dense_parallel``
+        requests for an object the segments need most of); the next window
         is being fetched while the current one is copied into place, so at
         most two windows of fetched bytes are held.
         """
+        segments = self._from_tails(segments)
+        dense = self._dense(segments)
         windows: list[list[_Request]] = [[]]
         held = 0
         for r in self.plan(segments):
-            if windows[-1] and held + r.nbytes > self._window:
+            limit = self._dense_window if r.file in dense else self._window
+            if windows[-1] and held + r.nbytes > limit:
                 windows.append([])
                 held = 0
             windows[-1].append(r)
@@ -116,8 +144,41 @@ class ObjectRangeReader(ByteSource):
                     ahead.cancel()
                     raise
 
+    def _from_tails(self, segments: Sequence[Segment]) -> Sequence[Segment]:
+        """Fill the segments that lie inside a kept tail; return the others."""
+        if not self._tails:
+            return segments
+        rest = []
+        for s in segments:
+            tail = self._tails.get(s.file)
+            at = s.offset - tail[0] if tail is not None else -1
+            if tail is None or at < 0 or at + len(s.dest) > len(tail[1]):
+                rest.append(s)
+                continue
+            s.dest[:] = tail[1][at : at + len(s.dest)]
+            if s.done is not None:
+                s.done(1)
+        return rest
+
+    def _dense(self, segments: Sequence[Segment]) -> set[int]:
+        """The objects ``segments`` need at least :data:`DENSE_FRACTION` of."""
+        if self.sizes is None:
+            return set()
+        need: dict[int, int] = {}
+        for s in segments:
+            need[s.file] = need.get(s.file, 0) + len(s.dest)
+        sizes = self.sizes
+        return {f for f, n in need.items() if n >= DENSE_FRACTION * sizes[f] > 0}
+
+    def _end(self, r: _Request) -> int:
+        """Where request ``r`` stops: the object's end if that is within the gap, else its own."""
+        size = self.sizes[r.file] if self.sizes is not None else 0
+        return size if r.end < size <= r.end + self.gap_bytes else r.end
+
     def _fetch(self, window: list[_Request]) -> list[bytes]:
-        return self.store.read_ranges([(self.names[r.file], r.offset, r.end) for r in window])
+        return self.store.read_ranges(
+            [(self.names[r.file], r.offset, self._end(r)) for r in window]
+        )
 
     def _place(self, window: list[_Request], datas: list[bytes]) -> None:
         for r, data in zip(window, datas):
@@ -125,6 +186,8 @@ class ObjectRangeReader(ByteSource):
             for buf in r.bufs:  # gaps land in the scratch buffer, as with preadv
                 buf[:] = view[at : at + len(buf)]
                 at += len(buf)
-            self.stats.add(1, r.nbytes)
+            if len(data) > r.nbytes:
+                self._tails[r.file] = (r.end, bytes(view[r.nbytes :]))
+            self.stats.add(1, len(data))
             for fn, n in r.done or ():
                 fn(n)

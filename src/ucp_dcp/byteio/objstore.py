@@ -348,18 +348,28 @@ class ObjectAccess:
     """One object as :class:`~ucp_dcp.format.header.RandomAccess`: header parsing reads it through
     this.
 
-    The first read fetches at least the first 64 KiB, which holds a data
-    file's header in one request (it is read as its length, then its body).
-    ``size``, when the caller knows it (an index records every data file's
-    size), saves the request that would ask the store; an object shorter
-    than that fails its first read that reaches past its end
-    (:class:`~ucp_dcp.errors.TruncatedFileError`, naming it).
+    The first read that starts within the first ``head_bytes`` fetches at least that prefix (64
+    KiB by default), which holds a data file's header in one request (it is read as its length,
+    then its body). A later read that starts inside the prefix held, or right after it, extends
+    the prefix in one request, to its end plus ``head_bytes`` more: what usually follows a
+    header (a native data file's block checksums) comes with it. Any other read is one request
+    of its own. ``size``, when the caller knows it (an index records every data file's size),
+    saves the request that would ask the store; an object shorter than that fails its first read
+    that reaches past its end (:class:`~ucp_dcp.errors.TruncatedFileError`, naming it).
     """
 
-    def __init__(self, store: ObjectStore, name: str, size: int | None = None) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        name: str,
+        size: int | None = None,
+        *,
+        head_bytes: int = _HEAD_BYTES,
+    ) -> None:
         self.store = store
         self.name = name
         self.size = store.size(name) if size is None else size
+        self.head_bytes = max(head_bytes, 1)
         self._head = b""
 
     def pread(self, n: int, offset: int) -> bytes:
@@ -367,8 +377,15 @@ class ObjectAccess:
         end = min(offset + n, self.size)
         if offset >= end:
             return b""
-        if not self._head and offset < _HEAD_BYTES:
-            self._head = self.store.read(self.name, 0, min(self.size, max(end, _HEAD_BYTES)))
+        held = len(self._head)
+        if end > held and offset <= max(held, self.head_bytes - 1):
+            # One request extends the prefix held (the first fetches it) past this read.
+            want = min(self.size, max(end + (self.head_bytes if held else 0), self.head_bytes))
+            self._head += self.store.read(self.name, held, want)
         if end <= len(self._head):
             return self._head[offset:end]
         return self.store.read(self.name, offset, end)
+
+    def release(self) -> None:
+        """Forget the prefix held (the bytes parsed from it are no longer read)."""
+        self._head = b""

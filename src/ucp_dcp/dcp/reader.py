@@ -134,13 +134,13 @@ class UCPStorageReader(_Directory, StorageReader):
             ``"exact"`` forces that way for every file. ``file_access`` maps
             each file the last load read to the way chosen (empty on object
             storage, which has one way).
-        preread: files of the checkpoint the caller has already read (file
-            name -> bytes, e.g. ``{"ucp_index.json": data}``): the first
-            load opens the checkpoint from these bytes instead of reading
-            them again. :class:`~ucp_dcp.CheckpointManager` hands on the index
-            it has checked against its commit marker, so the load parses the
-            very bytes that were checked. Dropped by :meth:`reset` to another
-            checkpoint.
+        known_files: files of the checkpoint the caller has already read (file
+            name -> bytes, e.g. ``{"ucp_index.json": data}``): the first load
+            opens the checkpoint from these bytes instead of reading (or, in
+            object storage, fetching) them again. :class:`~ucp_dcp.CheckpointManager`
+            hands on the index it has checked against its commit marker, so the
+            load parses the very bytes that were checked. Dropped by
+            :meth:`reset` to another checkpoint.
     """
 
     def __init__(
@@ -156,7 +156,7 @@ class UCPStorageReader(_Directory, StorageReader):
         verify: bool = True,
         storage_options: dict[str, Any] | None = None,
         access: str = "auto",
-        preread: Mapping[str, bytes] | None = None,
+        known_files: Mapping[str, bytes] | None = None,
     ) -> None:
         super().__init__()
         self.access = check_access(access)
@@ -179,7 +179,7 @@ class UCPStorageReader(_Directory, StorageReader):
         self.verified_bytes = 0
         self.verify_seconds = 0.0
         self.load_id = uuid.uuid4().hex
-        self._preread = dict(preread) if preread else None
+        self._known = dict(known_files) if known_files else None
 
     @property
     def index(self) -> Any:
@@ -189,7 +189,7 @@ class UCPStorageReader(_Directory, StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load, optionally from another checkpoint."""
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
-            self._preread = None  # bytes of the checkpoint given first, not of this one
+            self._known = None  # bytes of the checkpoint given first, not of this one
         self._set_path(checkpoint_id)
         self.source = None
         self.load_id = uuid.uuid4().hex
@@ -198,9 +198,9 @@ class UCPStorageReader(_Directory, StorageReader):
         """Open the source and describe it as DCP's metadata (nothing is unpickled but DCP's own
         records)."""
         self.source = source = open_source(
-            self.path, self.options, storage_options=self.storage_options, preread=self._preread
+            self.path, self.options, storage_options=self.storage_options, known_files=self._known
         )
-        self._preread = None  # used once: a later opening reads the files as they are then
+        self._known = None  # used once: a later opening reads the files as they are then
         index = source.index
         md: dict[str, Any] = {}
         for fqn, t in index.tensors.items():

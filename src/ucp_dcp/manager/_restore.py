@@ -16,13 +16,14 @@ one, and says so.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,9 @@ moto, one process, a 256 MiB step, 2 shared cores (load average 4.5-8), two runs
 repeats: with 16 MiB requests and the old marker reads (50 requests) the restore took 2.37-2.45x
 the whole-step download; with 64 MiB and the markers read once (27 requests: 14 to the data file,
 of which 9 are the header, block checksums and values) 1.41-1.49x. The reader keeps at most two
-requests' bytes (128 MiB) in memory: one being placed, the next being fetched."""
+windows' bytes in memory, one being placed, the next being fetched: of one request each (128
+MiB), or of two for an object the rank needs most of (256 MiB; see
+:data:`~ucp_dcp.byteio.objrange.DENSE_FRACTION`)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,20 @@ def order_candidates(
     return sorted(out, key=lambda c: (-c.step, _TIER_ORDER[c.tier]))
 
 
+@dataclass(frozen=True)
+class _Loadable:
+    """A candidate made loadable on this rank: where to read it and how, and the clean-up after."""
+
+    path: str
+    """A local directory or a URL."""
+    storage_options: dict[str, Any] | None = None
+    """For a URL: fsspec's options."""
+    known_files: Mapping[str, bytes] = field(default_factory=dict)
+    """Files already read and checked (the index), which the load need not fetch again."""
+    done: Callable[[], None] = lambda: None
+    """Run after the load, whatever its outcome."""
+
+
 def _recorded_size(marker: CommitMarker, name: str) -> int | None:
     """The size ``marker`` records for file ``name`` (None if it has no such file)."""
     return next((d.size for d in marker.files if d.name == name), None)
@@ -128,11 +145,11 @@ class Restorer(GroupWorker):
         attempts: list[str] = []
         for cand in candidates:
             try:
-                path, options, index, done = self._prepare(cand, token)
+                ready = self._prepare(cand, token)
                 try:
-                    verified, read = self._load_from(path, state, options, index)
+                    verified, read = self._load_from(ready, state)
                 finally:
-                    done()
+                    ready.done()
             except (Exception, CheckpointException) as e:
                 msg = f"step {cand.step} from the {cand.tier} tier failed: {describe(e)}"
                 attempts.append(msg)
@@ -181,14 +198,13 @@ class Restorer(GroupWorker):
         persistent tier)."""
         return self.local is not None and self.direct(cand)
 
-    def _prepare(
-        self, cand: Candidate, token: str
-    ) -> tuple[str, dict[str, Any] | None, bytes | None, Callable[[], None]]:
+    def _prepare(self, cand: Candidate, token: str) -> _Loadable:
         """Make ``cand`` loadable on every rank: its location, the storage options to read it with,
         its checked index (None: the reader reads it), a clean-up."""
         if self.direct(cand):
             assert isinstance(self.persistent, FsspecTier)
-            return self._check_remote(cand), self.persistent.storage_options, None, lambda: None
+            url, index = self._check_remote(cand)
+            return _Loadable(url, self.persistent.storage_options, {INDEX_FILE: index})
         if cand.tier == "local":
             path = self._repair_local(cand, f"r{token}")
         elif self.persistent.local:
@@ -203,22 +219,25 @@ class Restorer(GroupWorker):
                 cand,
             )
             index = self._check_index(tmp, cand)
-            return tmp, None, index, lambda: shutil.rmtree(tmp, ignore_errors=True)
-        return path, None, self._check_index(path, cand), lambda: None
+            done = functools.partial(shutil.rmtree, tmp, ignore_errors=True)
+            return _Loadable(tmp, known_files={INDEX_FILE: index}, done=done)
+        return _Loadable(path, known_files={INDEX_FILE: self._check_index(path, cand)})
 
-    def _check_remote(self, cand: Candidate) -> str:
-        """The URL of ``cand``'s persistent copy, after checking it against its marker (rank 0
-        looks, all agree).
+    def _check_remote(self, cand: Candidate) -> tuple[str, bytes]:
+        """The URL of ``cand``'s persistent copy and its index's bytes, after checking it against
+        its marker (rank 0 looks, all agree).
 
         Every file the marker lists must be there with its recorded size, and
         the index must match its recorded digest (a flipped byte there could
         misdirect every read); the data is checked by the load itself, chunk by
-        chunk or block by block, as it arrives.
+        chunk or block by block, as it arrives. The checked index goes to every
+        rank with the URL, and the load reads it from there: one request, and
+        the bytes loaded are the bytes checked.
         """
         step, marker, tier = cand.step, cand.marker, self.persistent
         assert isinstance(tier, FsspecTier)
 
-        def check() -> str | None:
+        def check() -> tuple[str, bytes] | None:
             if self.layout.rank != 0:
                 return None
             copy = tier.copy_of(step)  # one look: the URL, sizes and index read are of one copy
@@ -235,13 +254,14 @@ class Restorer(GroupWorker):
                         f"{step} records "
                         f"{d.size}: the object is incomplete or was replaced"
                     )
-            self._check_index_bytes(tier.read_at(copy, INDEX_FILE), f"{url}/{INDEX_FILE}", cand)
-            return url
+            index = tier.read_at(copy, INDEX_FILE)
+            self._check_index_bytes(index, f"{url}/{INDEX_FILE}", cand)
+            return url, index
 
-        url = self._agree(
+        checked = self._agree(
             f"checking step {step} in {tier.url} against its commit marker", check, cand
         )
-        return self.group.bcast(url)
+        return self.group.bcast(checked)
 
     def refill(self, cand: Candidate, token: str) -> None:
         """Copy ``cand`` from the persistent tier into this node's local tier (node leaders); never
@@ -370,25 +390,19 @@ class Restorer(GroupWorker):
                 f"bytes, {want.xxh3}): it is corrupt"
             )
 
-    def _load_from(
-        self,
-        path: str,
-        state: Mapping[str, Any],
-        storage_options: dict[str, Any] | None,
-        index: bytes | None = None,
-    ) -> tuple[int, int]:
-        """Load ``path`` (a directory, or a URL read with ``storage_options``; ``index``: its index,
-        already read and checked); return (verified, read) bytes."""
+    def _load_from(self, ready: _Loadable, state: Mapping[str, Any]) -> tuple[int, int]:
+        """Load ``ready`` (a directory, or a URL read with its storage options; the index it
+        holds already checked); return (verified, read) bytes."""
         options: dict[str, Any] = {}
         if self.config.io_threads is not None:
             options["io_threads"] = self.config.io_threads
-        if is_url(path):
+        if is_url(ready.path):
             options["max_request_bytes"] = OBJECT_REQUEST_BYTES
         reader = UCPStorageReader(
-            path,
+            ready.path,
             verify=self.config.verify_on_load,
-            storage_options=storage_options,
-            preread=None if index is None else {INDEX_FILE: index},
+            storage_options=ready.storage_options,
+            known_files=ready.known_files,
             **options,
         )
         # Python's cyclic collector paused for the whole load, not only while the reader reads

@@ -63,7 +63,7 @@ def open_source(
     options: SourceOptions | None = None,
     *,
     storage_options: dict[str, Any] | None = None,
-    preread: Mapping[str, bytes] | None = None,
+    known_files: Mapping[str, bytes] | None = None,
     **kwargs: Any,
 ) -> Source:
     """Open the checkpoint at ``path``, detecting its format.
@@ -75,14 +75,15 @@ def open_source(
     view and every registered format is asked, in registration order, whether
     it recognises it (:meth:`Source.detect`). A location no format recognises
     is a :class:`~ucp_dcp.errors.NotACheckpointError` naming it and the
-    formats looked for (:func:`formats_looked_for`). ``preread``: files of
-    the checkpoint the caller has already read (name -> bytes), opened from
-    these bytes instead of being read again (:meth:`ModelDir.keep`).
+    formats looked for (:func:`formats_looked_for`). ``known_files``: files of
+    the checkpoint the caller has already read (name -> bytes, such as an
+    index whose digest it checked), opened from these bytes instead of being
+    read or fetched again (:meth:`ModelDir.keep`).
     """
     opts = options if options is not None else SourceOptions(**kwargs)
     d = open_location(path, storage_options)
-    if preread:
-        d.keep(preread)
+    if known_files:
+        d.keep(known_files)
     for cls in source_types():
         if cls.detect(d):
             return cls.open(d, opts)

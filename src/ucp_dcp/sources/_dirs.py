@@ -193,7 +193,8 @@ class StoreDir(ModelDir):
         self.named = named
         self.location = store.url_of(named or "")
         self._sizes: dict[str, int] | None = None
-        self._kept: dict[str, bytes] = {}  # read by holds() before any listing
+        # Read by holds() before any listing, or handed over by the caller (keep()): no request.
+        self._kept: dict[str, bytes] = {}
 
     def path_of(self, name: str) -> str:
         """The object's URL."""

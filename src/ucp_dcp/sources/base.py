@@ -144,6 +144,7 @@ class Source(ABC):
         return ObjectRangeReader(
             self.store,
             names,
+            sizes=[f.size for f in self.index.files],
             gap_bytes=gap,
             max_request_bytes=max_request_bytes,
         )

@@ -125,7 +125,9 @@ class NativeSource(Source):
         obj = self._objects.get(file)
         if obj is None:  # the index's size: no request to ask the store
             rec = self.index.files[file]
-            obj = self._objects[file] = ObjectAccess(self.store, rec.name, rec.size)
+            obj = self._objects[file] = ObjectAccess(
+                self.store, rec.name, rec.size, head_bytes=head_request_bytes(rec.size)
+            )
         return obj
 
     def _entry(self, file: int, name: str, what: str) -> tuple[int, int, EntryMeta]:
@@ -213,7 +215,10 @@ class NativeSource(Source):
     def _read_block_sums(self, file: int) -> tuple[int, np.ndarray, dict[int, int]] | None:
         h = self.header(file)
         rec = h.block_sums
+        obj = self._object(file)
         if rec is None:
+            if obj is not None:
+                obj.release()
             return None
         # One checksum per block of every tensor chunk, chunk after chunk in file order.
         first: dict[int, int] = {}
@@ -229,9 +234,9 @@ class NativeSource(Source):
                 f"{path}: {rec.nbytes // 8} block checksums recorded for the {k} blocks of its "
                 "tensor chunks"
             )
-        obj = self._object(file)
         if obj is not None:
             raw = obj.pread(rec.nbytes, rec.start)
+            obj.release()  # the header is parsed and the checksums copied out: nothing more to read
         else:
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -300,6 +305,22 @@ class NativeSource(Source):
         except CheckpointFormatError:
             return what
         return None if rec.chunk_file(idx) == file else what
+
+
+def head_request_bytes(size: int) -> int:
+    """The first request for the header of a data file of ``size`` bytes in object storage.
+
+    It should also hold the block checksums that follow the header, read next: one request
+    instead of three (header length, header, checksums), each a round trip, and on some servers
+    a read of the whole object (moto's). The checksums take 8 bytes per 4 KiB block, at most
+    ``size / 512``. The header takes a few hundred bytes per entry: guessed as a 128th of the
+    file, at least 64 KiB and at most 1 MiB, so what a smaller rank's read does not need (the
+    first chunks, when the header is shorter) is at most about 1% of the file. A longer header
+    costs one more request (:class:`~ucp_dcp.byteio.objstore.ObjectAccess` extends the prefix it
+    holds past the header by as much again, checksums included).
+    """
+    header = min(max(size // 128, 64 << 10), 1 << 20)
+    return min(max(size, 1), header + size // 512)
 
 
 def _disagree(path: str, what: str, here: Location, listed: Location) -> str:
