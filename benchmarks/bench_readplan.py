@@ -36,13 +36,9 @@ import numpy as np
 from harness.cli import comma_list
 from harness.states import llama_weights
 
-from ucp_dcp.core.readplan import (
-    JobReadPlan,
-    exchange_windows,
-    plan_job_reads,
-    schedule_rounds,
-    stream_positions,
-)
+from ucp_dcp.core.exchange_rounds import exchange_windows, schedule_rounds, stream_positions
+from ucp_dcp.core.ranges import expand
+from ucp_dcp.core.readplan import JobReadPlan, plan_job_reads
 
 Needs = list[dict[int, tuple[np.ndarray, np.ndarray]]]
 PAGE = 4096
@@ -93,7 +89,7 @@ def hsdp_needs(world: int) -> Needs:
         t0 = np.minimum(np.arange(shards) * tchunk[w], rows[w])
         t1 = np.minimum(t0 + tchunk[w], rows[w])
         f0, f1 = t0 // chunk[w], np.where(t1 > t0, (t1 - 1) // chunk[w] + 1, t0 // chunk[w])
-        shard, f = _expand(f0, f1)
+        shard, f = expand(f0, f1)
         r0 = np.maximum(t0[shard], f * chunk[w])
         r1 = np.minimum(t1[shard], (f + 1) * chunk[w])
         start = offsets[f, w] + (r0 - f * chunk[w]) * row_bytes[w]
@@ -110,12 +106,6 @@ def replicated_needs(world: int) -> Needs:
     sizes = rows * row_bytes
     offsets = _layout(sizes[None, :])[0]
     return [{0: (offsets.copy(), sizes.copy())} for _ in range(world)]
-
-
-def _expand(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    count = hi - lo
-    row = np.repeat(np.arange(len(lo)), count)
-    return row, lo[row] + np.arange(len(row)) - (np.cumsum(count) - count)[row]
 
 
 def _plan_nbytes(plan: JobReadPlan) -> int:

@@ -14,13 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucp_dcp.core.readplan import (
-    JobReadPlan,
-    Transfers,
-    exchange_windows,
-    plan_job_reads,
-    schedule_rounds,
-)
+from ucp_dcp.core.exchange_rounds import exchange_windows, schedule_rounds
+from ucp_dcp.core.readplan import JobReadPlan, Transfers, plan_job_reads
 from ucp_dcp.errors import InvalidArgumentError
 
 A = np.array

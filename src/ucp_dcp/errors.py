@@ -27,6 +27,7 @@ __all__ = [
     "CheckpointRestoreError",
     "NoCheckpointError",
     "PeerTransferError",
+    "ReadOnceError",
     "CLIError",
     "InvalidArgumentError",
     "InvalidStateError",
@@ -190,6 +191,12 @@ class NoCheckpointError(CheckpointRestoreError, LookupError):
 class PeerTransferError(UCPError, RuntimeError):
     """A file needed by some rank is held by no rank (names the files and the
     ranks that want them), or a provider could not deliver a scheduled file."""
+
+
+class ReadOnceError(UCPError, RuntimeError):
+    """A read-once load (``UCPStorageReader(read_once=...)``) could not run its exchange: a
+    rank failed before the plan was agreed, or the plan left a needed byte unsent (names the
+    rank or the file)."""
 
 
 # ---------------------------------------------------------------- tools

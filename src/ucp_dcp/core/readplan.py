@@ -44,11 +44,10 @@ much better: a segment just under ``2 * min_run`` long is read whole by one of i
 When classes overlap (partial overlaps), the plan keeps rule 1's bound: no rank reads more
 than the pages it needs.
 
-Exchange: :func:`schedule_rounds` puts the transfers in rounds for an ``all_to_all`` with
-bounded memory: in round ``k`` every rank reads window ``k`` of its reads laid end to end
-(:func:`exchange_windows`, :func:`stream_positions`) and sends each byte of it to all the
-ranks that need it, so a reader holds one window and every rank reads, sends and receives
-at most the budget in a round.
+Exchange: :mod:`~ucp_dcp.core.exchange_rounds` puts the transfers in rounds for an
+``all_to_all`` with bounded memory: in round ``k`` every rank reads window ``k`` of its reads
+laid end to end and sends each byte of it to all the ranks that need it, so a reader holds one
+window and every rank reads, sends and receives at most the budget in a round.
 
 Cost: ``O((N + I) log (N + I))`` for ``N`` input ranges and ``I`` (segment, needing rank)
 pairs, which is ``O(N)`` for replicated, HSDP and sharded targets, plus the transfers
@@ -63,6 +62,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from .ranges import at_least, expand, stable_order
 
 __all__ = [
     "Extents",
@@ -71,9 +71,6 @@ __all__ = [
     "Transfers",
     "JobReadPlan",
     "plan_job_reads",
-    "schedule_rounds",
-    "exchange_windows",
-    "stream_positions",
 ]
 
 Extents = Mapping[int, tuple[np.ndarray, np.ndarray]]
@@ -197,12 +194,6 @@ class JobReadPlan:
 # ---------------------------------------------------------------- input
 
 
-def _positive(name: str, value: int, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
 @dataclass(frozen=True)
 class _Line:
     """Files laid end to end on one integer line (each at a multiple of ``align``, one page
@@ -320,21 +311,6 @@ def _union_bytes(start: np.ndarray, end: np.ndarray) -> int:
     return int((np.maximum.reduceat(end, first) - start[first]).sum())
 
 
-def _stable_order(key: np.ndarray) -> np.ndarray:
-    """A stable argsort of non-negative integers: numpy's radix sort when they fit 16 bits."""
-    if len(key) and int(key.max()) < (1 << 15):
-        return np.argsort(key.astype(np.int16), kind="stable")
-    return np.argsort(key, kind="stable")
-
-
-def _expand(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each row ``i`` the integers ``lo[i]..hi[i]-1``: (row of each, the integer)."""
-    count = np.maximum(hi - lo, 0)
-    row = np.repeat(np.arange(len(lo), dtype=_I64), count)
-    first = np.cumsum(count) - count
-    return row, lo[row] + np.arange(len(row), dtype=_I64) - first[row]
-
-
 # ---------------------------------------------------------------- segments and classes
 
 
@@ -367,7 +343,7 @@ def _segments(rank: np.ndarray, start: np.ndarray, end: np.ndarray) -> _Segments
     covered = np.cumsum(delta)[:-1] > 0
     seg_of = np.cumsum(covered) - 1
     elems = np.flatnonzero(covered)
-    row, elem = _expand(i0, i1)
+    row, elem = expand(i0, i1)
     seg = seg_of[elem]
     # Rows come by (rank, start); a stable sort by segment keeps each segment's ranks ascending.
     order = np.argsort(seg, kind="stable")
@@ -449,8 +425,8 @@ def plan_job_reads(
     piece of a shared segment given to one reader. Raises :class:`InvalidArgumentError` for
     negative numbers, arrays of other shapes or kinds, ranges past a known file size.
     """
-    align = _positive("align", align, 1)
-    min_run = _positive("min_run", min_run, 0)
+    align = at_least("align", align, 1)
+    min_run = at_least("min_run", min_run, 0)
     world = len(needs)
     line, rank, start, end = _gather(needs, file_sizes, align)
     rank, start, end = _merge(rank, start, end)
@@ -609,7 +585,7 @@ def _transfers(
     """What each rank needs (merged ``rank, start, end``) of the pieces others read."""
     lo = np.searchsorted(p_end, start, side="right")
     hi = np.searchsorted(p_start, end, side="left")
-    row, piece = _expand(lo, hi)
+    row, piece = expand(lo, hi)
     reader = p_reader[piece]
     keep = reader != rank[row]
     row, piece, reader = row[keep], piece[keep], reader[keep]
@@ -626,160 +602,10 @@ def _transfers(
     t_end = np.maximum.reduceat(t_end, first) if len(first) else t_end[first]
     recv_offsets = np.searchsorted(receiver, np.arange(world + 1)).astype(_I64)
     # Rows come by (receiver, start): a stable sort by reader makes that (reader, receiver, start).
-    order = _stable_order(reader)
+    order = stable_order(reader)
     recv_index = np.empty(len(order), _I64)
     recv_index[order] = np.arange(len(order), dtype=_I64)
     file, offset = line.to_file(t_start[order])
     transfers = Transfers(reader[order], receiver[order], file, offset, (t_end - t_start)[order])
     send_offsets = np.searchsorted(transfers.reader, np.arange(world + 1)).astype(_I64)
     return transfers, send_offsets, recv_index, recv_offsets
-
-
-# ---------------------------------------------------------------- exchange rounds
-
-
-def stream_positions(plan: JobReadPlan) -> np.ndarray:
-    """Where each row of ``plan.transfers`` starts in its reader's *read stream*: the rank's
-    reads (``plan.reads``, by file then start) laid end to end."""
-    t = plan.transfers
-    u0 = np.zeros(len(t), _I64)
-    if not len(t):
-        return u0
-    read_pos = np.cumsum(plan.read_length) - plan.read_length  # over all ranks
-    files = np.unique(plan.read_file)
-    # One sortable key per (file, start) within a rank; else one search per (rank, file).
-    wide = int((plan.read_start + plan.read_length).max()) + 1 if len(plan.read_start) else 1
-    dense = len(files) < (1 << 62) // wide
-    for q in np.unique(t.reader).tolist():
-        rs = slice(int(plan.read_offsets[q]), int(plan.read_offsets[q + 1]))
-        ts = slice(int(plan.send_offsets[q]), int(plan.send_offsets[q + 1]))
-        r_file, r_start, t_file, t_start = (
-            plan.read_file[rs],
-            plan.read_start[rs],
-            t.file[ts],
-            t.start[ts],
-        )
-        if dense:
-            r_key = np.searchsorted(files, r_file) * wide + r_start
-            i = np.searchsorted(r_key, np.searchsorted(files, t_file) * wide + t_start, "right") - 1
-        else:
-            i = np.empty(len(t_start), _I64)
-            for f in np.unique(t_file).tolist():
-                rows, mine = np.flatnonzero(r_file == f), t_file == f
-                i[mine] = rows[np.searchsorted(r_start[rows], t_start[mine], "right") - 1]
-        base = read_pos[rs] - read_pos[rs.start]
-        u0[ts] = base[i] + t_start - r_start[i]
-    return u0
-
-
-def exchange_windows(plan: JobReadPlan, budget_bytes: int) -> np.ndarray:
-    """Per rank, the bytes of its read stream (see :func:`stream_positions`) it reads in each
-    round of :func:`schedule_rounds`: rank ``q`` reads stream bytes ``[k * w[q], (k + 1) *
-    w[q])`` in round ``k`` and sends them in that round.
-
-    ``w[q]`` is at most ``budget_bytes``, and small enough that no receiver gets more than
-    ``budget_bytes // f`` from ``q`` in a window, ``f`` being the most of ``q``'s receivers'
-    readers and of ``q``'s receivers (so every rank sends and receives at most ``budget_bytes``
-    a round); a multiple of the plan's ``align`` where that allows, so a round's reads are whole
-    pages. Raises :class:`InvalidArgumentError` when ``budget_bytes`` is under ``f``.
-    """
-    budget = _positive("budget_bytes", budget_bytes, 1)
-    t, world, align = plan.transfers, plan.world_size, plan.align
-    windows = np.full(world, budget, _I64)
-    if not len(t):
-        return windows
-    pair = t.reader * world + t.receiver
-    first = np.flatnonzero(np.r_[True, pair[1:] != pair[:-1]])
-    p_reader, p_receiver = t.reader[first], t.receiver[first]
-    fan_in = np.bincount(p_receiver, minlength=world)
-    reader_first = np.flatnonzero(np.r_[True, p_reader[1:] != p_reader[:-1]])
-    readers = p_reader[reader_first]
-    fan = np.maximum(
-        np.diff(np.r_[reader_first, len(first)]),
-        np.maximum.reduceat(fan_in[p_receiver], reader_first),
-    )
-    share = budget // fan  # the most one receiver may get from the reader in a round
-    if int(share.min()) == 0:
-        q = int(readers[np.argmin(share)])
-        raise InvalidArgumentError(
-            f"budget_bytes {budget} is less than the {int(fan.max())} peers rank {q} exchanges "
-            f"with in a round: each needs at least one byte of it"
-        )
-
-    def floor_align(x: np.ndarray) -> np.ndarray:
-        return np.where(x >= align, x // align * align, x)
-
-    # Start from the window the densest receiver allows on average; halve where a window of the
-    # grid gives one receiver more than its share; a window of at most the share always fits.
-    u0 = stream_positions(plan)
-    stream = np.bincount(plan.read_rank, weights=plan.read_length, minlength=world).astype(_I64)[
-        readers
-    ]
-    densest = np.maximum.reduceat(np.add.reduceat(t.length, first), reader_first)
-    least = floor_align(share)
-    ratio = np.minimum(stream // np.maximum(densest, 1), budget)  # bounded: no overflow below
-    window = np.maximum(least, floor_align(np.minimum(budget, share * ratio)))
-    pair_reader_index = np.repeat(np.arange(len(readers)), np.diff(np.r_[reader_first, len(first)]))
-    row_reader_index = pair_reader_index[np.cumsum(np.r_[False, pair[1:] != pair[:-1]])]
-    while True:
-        # Only readers whose window exceeds their share can give a receiver too much; a row of
-        # theirs over three windows or more fills one whole window for its receiver: too much.
-        # The other rows meet at most two windows, so the check takes O(rows) memory.
-        w = window[row_reader_index]
-        first_k, last_k = u0 // w, (u0 + t.length - 1) // w
-        risky = window[row_reader_index] > share[row_reader_index]
-        over = np.zeros(len(readers), bool)
-        over[row_reader_index[risky & (last_k - first_k >= 2)]] = True
-        rows = np.flatnonzero(risky & (last_k - first_k < 2))
-        row, k = _expand(first_k[rows], last_k[rows] + 1)
-        row = rows[row]
-        got = np.minimum(u0[row] + t.length[row], (k + 1) * w[row]) - np.maximum(
-            u0[row], k * w[row]
-        )
-        # Rows come by pair, then stream position: one group per (pair, window).
-        group = np.flatnonzero(np.r_[True, (pair[row][1:] != pair[row][:-1]) | (k[1:] != k[:-1])])
-        if len(row):
-            most = np.zeros(len(readers), _I64)
-            np.maximum.at(most, row_reader_index[row[group]], np.add.reduceat(got, group))
-            over |= most > share
-        over &= window > least
-        if not over.any():
-            break
-        window = np.where(over, np.maximum(least, floor_align(window // 2)), window)
-    windows[readers] = window
-    return windows
-
-
-def schedule_rounds(plan: JobReadPlan, budget_bytes: int) -> list[Transfers]:
-    """The plan's transfers in rounds for an all_to_all with bounded memory: in round ``k``
-    each rank reads window ``k`` of its read stream (:func:`exchange_windows`) and sends what
-    others need of it, so a byte read is sent in the round it is read, to all its receivers.
-    In every round a rank reads and sends at most ``budget_bytes`` and receives at most
-    ``budget_bytes``; rows are split at window edges; every transferred byte is in exactly one
-    round; the same rounds on every rank; round ``k`` of the list is window ``k`` (empty where
-    no rank sends, up to the last round with a transfer). Rows in a round by (reader,
-    receiver, file, start). Raises :class:`InvalidArgumentError` when ``budget_bytes`` is less
-    than the number of peers one rank exchanges with.
-
-    Size: a row gets a piece per window it spans, so where one reader sends the same bytes to
-    many ranks (full replication) the rounds hold about (pairs x rounds) rows: W^2 S / budget
-    for S bytes on W ranks. :func:`exchange_windows` and :func:`stream_positions` describe the
-    same schedule in O(rows), for a rank to cut its own sends and receives round by round.
-    """
-    windows = exchange_windows(plan, budget_bytes)
-    t = plan.transfers
-    if not len(t):
-        return []
-    u0 = stream_positions(plan)
-    w = windows[t.reader]
-    row, k = _expand(u0 // w, (u0 + t.length - 1) // w + 1)
-    keyed = _stable_order(k)  # pieces come by row, each row's rounds ascending
-    row, k = row[keyed], k[keyed]
-    lo = np.maximum(u0[row], k * w[row])
-    hi = np.minimum(u0[row] + t.length[row], (k + 1) * w[row])
-    pieces = Transfers(
-        t.reader[row], t.receiver[row], t.file[row], t.start[row] + (lo - u0[row]), hi - lo
-    )
-    # Round k is window k on every rank, so a round with nothing to send stays in, empty.
-    edges = np.searchsorted(k, np.arange(int(k[-1]) + 2))
-    return [pieces.take(slice(a, b)) for a, b in zip(edges[:-1].tolist(), edges[1:].tolist())]

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -35,8 +36,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..byteio.engine import ChunkReads
-from ..byteio.rangeio import check_access
-from ..byteio.transfer import ChunkRegion, extents
+from ..byteio.rangeio import ByteSource, check_access
+from ..byteio.transfer import ChunkRegion, extents, needs_staging
 from ..core.sharding import Box
 from ..core.values import decode_value
 from ..errors import InvalidArgumentError
@@ -45,8 +46,10 @@ from ..format.names import save_id_of
 from ..sources import Source, SourceOptions, open_source, read_values, source_types
 from ..sources.distcp import DCP_VALUES_MODES
 from ._directory import _Directory
+from ._exchange import ExchangeTotals, LocalNeeds, Region, run_exchange
 from ._mesh_groups import LazyChunks
 from ._plan_records import LoadSourceInfo
+from ._read_once import ReadOnceDecision, check_read_once, coordinate
 from .load_planner import UCPLoadPlanner
 
 __all__ = ["UCPStorageReader"]
@@ -141,6 +144,23 @@ class UCPStorageReader(_Directory, StorageReader):
             hands on the index it has checked against its commit marker, so the
             load parses the very bytes that were checked. Dropped by
             :meth:`reset` to another checkpoint.
+        read_once: read each needed byte from storage once for the whole
+            job (see :mod:`ucp_dcp.dcp._read_once`): one rank reads it and
+            sends it to the others that need it over ``process_group``, in
+            rounds of at most a quarter of ``max_buffer_bytes`` sent and
+            received per rank, each piece checked against its block
+            checksums where it is received. ``True`` always does, ``False``
+            never does (each rank reads its own bytes), ``"auto"`` (the
+            default) does where the storage is shared by the job (an object
+            store, a network file system) and the ranks' needs overlap by
+            more than 5%. Regions read through staging (casts, device
+            destinations, chunks stored in another dimension order) and
+            values are read by each rank itself. ``read_once_decision``
+            says what the last load decided and why, ``exchange_totals``
+            what it moved. Every rank of the group must load with the same
+            setting.
+        process_group: the group ``dcp.load`` runs on (default: the default
+            group), for ``read_once``.
     """
 
     def __init__(
@@ -157,9 +177,15 @@ class UCPStorageReader(_Directory, StorageReader):
         storage_options: dict[str, Any] | None = None,
         access: str = "auto",
         known_files: Mapping[str, bytes] | None = None,
+        read_once: bool | str = "auto",
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.access = check_access(access)
+        self.read_once = check_read_once(read_once)
+        self.process_group = process_group
+        self.read_once_decision: ReadOnceDecision | None = None
+        self.exchange_totals: ExchangeTotals | None = None
         self.file_access: dict[str, str] = {}
         if dcp_values not in DCP_VALUES_MODES:
             raise InvalidArgumentError(
@@ -260,7 +286,13 @@ class UCPStorageReader(_Directory, StorageReader):
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         src = self.source
         assert src is not None
-        tensor_items, value_items = self._prepare(src, plan)
+        try:
+            tensor_items, value_items = self._prepare(src, plan)
+            parts = [self._part(src, ri, idx) for ri, idx in tensor_items]
+        except Exception as e:
+            if self._may_exchange():  # the other ranks wait for this one's needs: say why not
+                coordinate(self.read_once, self.path, None, e, self.process_group, 0)
+            raise
         reader = src.open_reader(
             threads=self.io_threads,
             gap_bytes=self.gap_bytes,
@@ -275,10 +307,11 @@ class UCPStorageReader(_Directory, StorageReader):
             reread_block=self.max_request_bytes,
         )
         try:
-            parts = [self._part(src, ri, idx) for ri, idx in tensor_items]
-            chosen = reader.plan_access(extents([p for p, _ in parts]), self.access)
+            items = self._exchange(src, reader, planner, tensor_items, parts)
+            chosen = reader.plan_access(extents([parts[i][0] for i in items]), self.access)
             self.file_access = {src.paths[f]: how for f, how in sorted(chosen.items())}
-            for (ri, idx), (part, chunk_offsets) in zip(tensor_items, parts):
+            for i in items:
+                (ri, idx), (part, chunk_offsets) = tensor_items[i], parts[i]
                 fqn = ri.storage_index.fqn
                 dest = planner.resolve_tensor(ri)
                 engine.add(
@@ -305,6 +338,59 @@ class UCPStorageReader(_Directory, StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _exchange(
+        self,
+        src: Source,
+        reader: ByteSource,
+        planner: LoadPlanner,
+        tensor_items: list[tuple[ReadItem, int]],
+        parts: list[tuple[ChunkRegion, tuple[int, ...]]],
+    ) -> list[int]:
+        """Fill what the job reads once (see ``read_once``); the positions of the tensor items
+        left for this rank to read itself."""
+        self.read_once_decision = self.exchange_totals = None
+        everything = list(range(len(tensor_items)))
+        if not self._may_exchange():
+            return everything
+        regions: list[Region] = []
+        taken: list[int] = []
+        failure: BaseException | None = None
+        try:
+            for i, ((ri, idx), (part, chunk_offsets)) in enumerate(zip(tensor_items, parts)):
+                dest = planner.resolve_tensor(ri)
+                if needs_staging(dest, part.dtype, part.location):
+                    continue
+                fqn = ri.storage_index.fqn
+                sums = src.block_sums(fqn, idx, part.location) if self.verify else None
+                if sums is None and self.verify and part.location.xxh3:
+                    continue  # checked chunk by chunk only: the engine reads it whole
+                done = functools.partial(planner.commit_tensor, ri, dest)
+                regions.append(Region(part, dest, fqn, chunk_offsets, sums, done))
+                taken.append(i)
+            needs = LocalNeeds(regions)
+        except Exception as e:  # noqa: BLE001  (every rank must reach the collective; raised there)
+            failure, needs = e, None
+        budget = max(self.max_buffer_bytes // 4, _MiB)
+        decision, rounds = coordinate(
+            self.read_once, self.path, needs, failure, self.process_group, budget
+        )
+        self.read_once_decision = decision
+        if rounds is None:
+            return everything
+        assert needs is not None
+        paths = src.paths
+        ranks = [src.file_rank(i) for i in range(len(paths))]
+        self.exchange_totals = run_exchange(rounds, needs, reader, paths, ranks, self.process_group)
+        exchanged = set(taken)
+        return [i for i in everything if i not in exchanged]
+
+    def _may_exchange(self) -> bool:
+        """Whether this load takes part in a read-once exchange (then every rank of the group
+        must reach :func:`~ucp_dcp.dcp._read_once.coordinate`)."""
+        if self.read_once is False or not dist.is_available() or not dist.is_initialized():
+            return False
+        return dist.get_world_size(self.process_group) > 1
 
     @staticmethod
     def _part(src: Source, ri: ReadItem, idx: int) -> tuple[ChunkRegion, tuple[int, ...]]:

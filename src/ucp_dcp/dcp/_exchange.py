@@ -1,0 +1,402 @@
+"""Read-once loads, the moving half: rounds of reads and one ``all_to_all_single`` each.
+
+:mod:`ucp_dcp.dcp._read_once` plans who reads which byte of the job's needs;
+this module runs one rank's share. A rank's share comes as
+:class:`ExchangeRound` records, the same number on every rank: in each round
+the rank reads the pieces it sends (to itself too; each byte once however
+many peers get it), one ``all_to_all_single`` on the load's process group
+moves them, and every received piece is checked block by block against the
+chunk's block checksums before its bytes are copied into the destination
+tensors. Nothing is committed (no ``done`` callback runs) until every round
+succeeded on every rank.
+
+Every message opens with a status word, so a rank whose read or check failed
+tells every other rank in the next round (or in the closing gather): all
+ranks stop after the same round and raise the same error, and none is left
+waiting in a collective.
+
+The bytes of a round live in three buffers of at most the round's budget
+each (read, sent, received): a load of any size streams through them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..byteio.blocksums import BlockSums, ChunkCheck
+from ..byteio.blockverify import BlockVerifier
+from ..byteio.rangeio import ByteSource, Segment, storage_view
+from ..byteio.transfer import ChunkRegion
+from ..core.contiguous import runs
+from ..core.ranges import merge_ranges
+from ..errors import ReadOnceError
+from ..format import Location
+
+__all__ = [
+    "ExchangeRound",
+    "ExchangeTotals",
+    "LocalNeeds",
+    "Region",
+    "run_exchange",
+]
+
+_STATUS = 8  # bytes of the status word that opens every message (int64: 0 ok, 1 failed)
+
+
+@dataclass(frozen=True)
+class ExchangeRound:
+    """One rank's part of one round: per peer (by group rank, this rank included), the pieces of
+    the checkpoint's files it sends there and receives from there, as ``(k, 3)`` int64 arrays of
+    ``(file, start, length)`` in the order they travel."""
+
+    sends: tuple[np.ndarray, ...]
+    recvs: tuple[np.ndarray, ...]
+
+
+@dataclass
+class ExchangeTotals:
+    """What :func:`run_exchange` did on this rank: ``rounds``; bytes ``read`` from storage,
+    ``sent`` and ``received`` over the group (its own pieces left out), ``copied`` into
+    destinations; ``checked``: bytes hashed; ``seconds`` in all."""
+
+    rounds: int = 0
+    read: int = 0
+    sent: int = 0
+    received: int = 0
+    copied: int = 0
+    checked: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A region of a saved chunk to fill in place: ``part`` into CPU tensor ``dest`` (saved dtype,
+    chunk stored row-major). ``sums``: the chunk's block checksums (None: nothing to check);
+    ``name`` and ``chunk_offsets`` name it in errors; ``done`` runs once every rank succeeded."""
+
+    part: ChunkRegion
+    dest: torch.Tensor
+    name: str
+    chunk_offsets: tuple[int, ...]
+    sums: BlockSums | None
+    done: Callable[[], None] | None
+
+
+@dataclass
+class LocalNeeds:
+    """The byte ranges of the files this rank's regions need, and where each lands.
+
+    :meth:`needs` rounds each run out to whole checksum blocks of its chunk
+    (a received piece is checked before any of it is used) and merges them
+    per file: what this rank asks the job for. The destination runs are
+    kept sorted by file and start, to find by bisection where a received
+    piece goes.
+    """
+
+    regions: Sequence[Region]
+    file: np.ndarray = field(init=False)
+    start: np.ndarray = field(init=False)
+    length: np.ndarray = field(init=False)
+    region: np.ndarray = field(init=False)
+    dst: np.ndarray = field(init=False)
+    reach: np.ndarray = field(init=False)
+    views: list[memoryview] = field(init=False)
+
+    def __post_init__(self) -> None:
+        cols: list[list[np.ndarray]] = [[], [], [], [], []]
+        self.views = []
+        for i, r in enumerate(self.regions):
+            es = r.dest.element_size()
+            grid = runs(
+                r.part.chunk_sizes, r.part.region, r.dest.stride(), int(r.dest.storage_offset())
+            )
+            self.views.append(storage_view(r.dest))
+            k = len(grid.src)
+            if not k or not grid.count:
+                continue
+            cols[0].append(np.full(k, r.part.location.file, np.int64))
+            cols[1].append(grid.src * es + r.part.location.start)
+            cols[2].append(np.full(k, grid.count * es, np.int64))
+            cols[3].append(np.full(k, i, np.int64))
+            cols[4].append(grid.dst * es)
+        file, start, length, region, dst = (
+            np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols
+        )
+        order = np.lexsort((start, file))
+        self.file, self.start, self.length = file[order], start[order], length[order]
+        self.region, self.dst = region[order], dst[order]
+        # Per file, the running maximum of the runs' ends (see copy_in).
+        ends = self.start + self.length
+        self.reach = np.empty_like(ends)
+        for f in np.unique(self.file).tolist():
+            sel = np.flatnonzero(self.file == f)
+            self.reach[sel] = np.maximum.accumulate(ends[sel])
+
+    def needs(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Per file, the merged ``(starts, lengths)`` this rank needs, runs rounded out to whole
+        blocks of their chunks."""
+        starts, ends = self.start.copy(), self.start + self.length
+        for i, r in enumerate(self.regions):
+            if r.sums is None:
+                continue
+            sel = self.region == i
+            loc, bs = r.part.location, r.sums.block
+            rel_a = (starts[sel] - loc.start) // bs * bs
+            rel_b = np.minimum(-(-(ends[sel] - loc.start) // bs) * bs, loc.nbytes)
+            starts[sel], ends[sel] = rel_a + loc.start, rel_b + loc.start
+        out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for f in np.unique(self.file).tolist():
+            sel = self.file == f
+            a, b = merge_ranges(starts[sel], ends[sel])
+            out[int(f)] = (a, b - a)
+        return out
+
+    def copy_in(self, file: int, start: int, data: np.ndarray) -> int:
+        """Copy ``data`` (bytes ``[start, start + len(data))`` of ``file``) into every destination
+        run it overlaps; the bytes copied."""
+        end = start + len(data)
+        lo = int(np.searchsorted(self.file, file, "left"))
+        hi = int(np.searchsorted(self.file, file, "right"))
+        # Runs sorted by start; the running maximum of their ends is sorted too, so the runs a
+        # piece may overlap are one slice (two read items may read the same bytes).
+        i = lo + int(np.searchsorted(self.reach[lo:hi], start, "right"))
+        j = lo + int(np.searchsorted(self.start[lo:hi], end, "left"))
+        copied = 0
+        for k in range(i, j):
+            a = max(int(self.start[k]), start)
+            b = min(int(self.start[k] + self.length[k]), end)
+            if a < b:
+                d = int(self.dst[k]) + a - int(self.start[k])
+                self.views[int(self.region[k])][d : d + b - a] = data[a - start : b - start].data
+                copied += b - a
+        return copied
+
+
+class _Checker:
+    """Checks received pieces against the block checksums of this rank's chunks.
+
+    A block a piece holds whole is hashed where it was received; a block
+    split between pieces (a balancing cut inside a small chunk) is gathered
+    in ``pending`` until complete. :meth:`verified` returns the parts of a
+    piece that may be copied into place now.
+    """
+
+    def __init__(self, needs: LocalNeeds, verifier: BlockVerifier) -> None:
+        self.verifier = verifier
+        chunks: dict[tuple[int, int], Region] = {}
+        for r in needs.regions:
+            if r.sums is not None:
+                chunks.setdefault((r.part.location.file, r.part.location.start), r)
+        keys = sorted(chunks)
+        self._chunks = [chunks[k] for k in keys]
+        self._file = np.array([k[0] for k in keys], np.int64)
+        self._start = np.array([k[1] for k in keys], np.int64)
+        self._end = np.array([k[1] + chunks[k].part.location.nbytes for k in keys], np.int64)
+        self.pending: dict[tuple[int, int], tuple[bytearray, int]] = {}
+
+    def verified(
+        self, file: int, start: int, data: np.ndarray, sender: int
+    ) -> list[tuple[int, np.ndarray]]:
+        """Check every block of this rank's chunks that the piece completes; the parts of the
+        piece ready to copy, as ``(file offset, bytes)``."""
+        end = start + len(data)
+        lo = int(np.searchsorted(self._file, file, "left"))
+        hi = int(np.searchsorted(self._file, file, "right"))
+        i = lo + int(np.searchsorted(self._end[lo:hi], start, "right"))
+        j = lo + int(np.searchsorted(self._start[lo:hi], end, "left"))
+        ready: list[tuple[int, np.ndarray]] = []
+        cursor = start  # the bytes before it are handed out or held
+        for k in range(i, j):
+            r = self._chunks[k]
+            loc, sums = r.part.location, r.sums
+            assert sums is not None
+            bs = sums.block
+            a, b = max(start, loc.start), min(end, loc.start + loc.nbytes)
+            if cursor < a:  # bytes of no checked chunk of this rank's
+                ready.append((cursor, data[cursor - start : a - start]))
+            rel_a, rel_b = a - loc.start, b - loc.start
+            first = -(-rel_a // bs)  # the first block that starts in the piece
+            last = rel_b // bs if rel_b < loc.nbytes else -(-rel_b // bs)  # past its last whole one
+            check = ChunkCheck(
+                self.verifier, sums, f"{r.name} (read by rank {sender})", r.chunk_offsets
+            )
+            if first < last:
+                at, stop = first * bs, min(last * bs, loc.nbytes)
+                mem = data[loc.start + at - start : loc.start + stop - start]
+                self.verifier.check_span(
+                    check, loc, mem, at, np.arange(first, last, dtype=np.int64)
+                )
+                ready.append((loc.start + at, mem))
+            else:
+                first = last = rel_a // bs  # no whole block: the piece lies inside one
+            for ea, eb in ((rel_a, min(first * bs, rel_b)), (max(last * bs, rel_a), rel_b)):
+                if ea < eb:  # part of an edge block: held until the block is complete
+                    held = self._hold(
+                        check, loc, ea, data[loc.start + ea - start : loc.start + eb - start]
+                    )
+                    if held is not None:
+                        ready.append(held)
+            cursor = b
+        if cursor < end:
+            ready.append((cursor, data[cursor - start :]))
+        return ready
+
+    def _hold(
+        self, check: ChunkCheck, loc: Location, rel: int, part: np.ndarray
+    ) -> tuple[int, np.ndarray] | None:
+        """Keep ``part`` (bytes from ``rel`` of the chunk, inside one block); once its block is
+        complete, check it and return it as ``(file offset, bytes)``."""
+        bs = check.sums.block
+        k = rel // bs
+        width = min(bs, loc.nbytes - k * bs)
+        key = (loc.file, loc.start + k * bs)
+        buf, got = self.pending.pop(key, (bytearray(width), 0))
+        buf[rel - k * bs : rel - k * bs + len(part)] = part.data
+        got += len(part)
+        if got < width:
+            self.pending[key] = (buf, got)
+            return None
+        block = np.frombuffer(buf, dtype=np.uint8)
+        self.verifier.check_span(check, loc, block, k * bs, np.array([k], np.int64))
+        return loc.start + k * bs, block
+
+
+def run_exchange(
+    rounds: Sequence[ExchangeRound],
+    needs: LocalNeeds,
+    source: ByteSource,
+    paths: Sequence[str],
+    ranks: Sequence[int | None],
+    group: dist.ProcessGroup | None,
+) -> ExchangeTotals:
+    """Run this rank's ``rounds`` and then its regions' ``done`` callbacks.
+
+    Collective: every rank of ``group`` calls it with its own rounds, the
+    same number on every rank. Raises the first error any rank met, on
+    every rank (this rank's own where it has one).
+    """
+    me = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    verifier = BlockVerifier(paths, ranks)
+    checker = _Checker(needs, verifier)
+    totals = ExchangeTotals()
+    t0 = time.perf_counter()
+    error: BaseException | None = None
+    for rnd in rounds:
+        send_sizes, recv_sizes = _sizes(rnd.sends), _sizes(rnd.recvs)
+        send = torch.zeros(sum(send_sizes), dtype=torch.uint8)
+        # Any exception, not just the library's: a rank leaving the rounds early would leave the
+        # others waiting in the next collective. It is raised after the closing gather.
+        if error is None:
+            try:
+                _pack(rnd, source, send.numpy(), send_sizes, me, totals)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        if error is not None:  # tell every rank, in messages of the agreed sizes
+            for at in np.cumsum([0, *send_sizes[:-1]]).tolist():
+                send[at : at + _STATUS] = 1  # messages need not start 8-byte aligned
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+        totals.rounds += 1
+        data = recv.numpy()
+        peer_failed, at = False, 0
+        for p, (pieces, size) in enumerate(zip(rnd.recvs, recv_sizes)):
+            if data[at : at + _STATUS].any():
+                peer_failed = True
+            elif error is None:
+                try:
+                    _unpack(pieces, data[at + _STATUS : at + size], p, needs, checker, totals)
+                except Exception as e:  # noqa: BLE001  (see above)
+                    error = e
+            if p != me:
+                totals.received += size - _STATUS
+            at += size
+        if peer_failed:
+            break
+    totals.seconds = time.perf_counter() - t0
+    totals.checked = verifier.bytes
+    if error is None and checker.pending:
+        file, start = next(iter(checker.pending))
+        error = ReadOnceError(
+            f"{paths[file]}: the checksum block at byte {start} was only partly received: the "
+            "read-once plan left part of a block this rank needs unsent"
+        )
+    errors: list[BaseException | None] = [None] * world
+    dist.all_gather_object(errors, error, group=group)
+    first = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise error
+    if first is not None:
+        raise first
+    for r in needs.regions:
+        if r.done is not None:
+            r.done()
+    return totals
+
+
+def _sizes(pieces: Sequence[np.ndarray]) -> list[int]:
+    """Bytes of the message to or from each peer: the status word and the pieces."""
+    return [_STATUS + (int(p[:, 2].sum()) if len(p) else 0) for p in pieces]
+
+
+def _pack(
+    rnd: ExchangeRound,
+    source: ByteSource,
+    out: np.ndarray,
+    sizes: Sequence[int],
+    me: int,
+    totals: ExchangeTotals,
+) -> None:
+    """Read what this rank sends this round (each byte once, however many peers get it) and lay
+    it out in ``out``, one message per peer, each opening with a zero status word."""
+    held: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    sent = [p for p in rnd.sends if len(p)]
+    if sent:
+        every = np.concatenate(sent)
+        segs: list[Segment] = []
+        for f in np.unique(every[:, 0]).tolist():
+            sel = every[:, 0] == f
+            a, b = merge_ranges(every[sel, 1], every[sel, 1] + every[sel, 2])
+            offs = np.concatenate([[0], np.cumsum(b - a)])
+            buf = np.empty(int(offs[-1]), dtype=np.uint8)
+            segs += [
+                Segment(f, s, buf[o : o + e - s].data)
+                for s, e, o in zip(a.tolist(), b.tolist(), offs[:-1].tolist())
+            ]
+            held[f] = (a, offs, buf)
+            totals.read += int(offs[-1])
+        source.read(segs)
+    at = 0
+    for p, (pieces, size) in enumerate(zip(rnd.sends, sizes)):
+        w = at + _STATUS
+        for f, s, n in pieces.tolist():
+            a, offs, buf = held[f]
+            i = int(np.searchsorted(a, s, "right")) - 1
+            o = int(offs[i]) + s - int(a[i])
+            out[w : w + n] = buf[o : o + n]
+            w += n
+        if p != me:
+            totals.sent += size - _STATUS
+        at += size
+
+
+def _unpack(
+    pieces: np.ndarray,
+    data: np.ndarray,
+    sender: int,
+    needs: LocalNeeds,
+    checker: _Checker,
+    totals: ExchangeTotals,
+) -> None:
+    """Check and place the pieces of one received message."""
+    at = 0
+    for f, s, n in pieces.tolist():
+        for start, mem in checker.verified(f, s, data[at : at + n], sender):
+            totals.copied += needs.copy_in(f, start, mem)
+        at += n

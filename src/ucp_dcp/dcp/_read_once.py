@@ -1,0 +1,251 @@
+"""Read-once loads, the deciding half: whether to exchange, and each rank's rounds.
+
+``UCPStorageReader(read_once=...)`` hands :func:`coordinate` this rank's
+regions that can be filled in place. Every rank says which byte ranges of
+the files it needs (rounded out to whole checksum blocks,
+:meth:`~ucp_dcp.dcp._exchange.LocalNeeds.needs`) in one gather to the
+group's first rank, which makes the job's plan
+(:func:`~ucp_dcp.core.readplan.plan_job_reads`: every needed byte read by
+one rank, preferring a rank that needs it, balanced), decides with the
+policy whether exchanging pays, cuts the transfers into rounds of at most
+``budget`` bytes sent and received per rank
+(:func:`~ucp_dcp.core.exchange_rounds.schedule_rounds`, this rank's
+reads for itself included: each byte read once, in the round all its
+receivers get it), and scatters each rank
+its rounds. :func:`~ucp_dcp.dcp._exchange.run_exchange` then runs them.
+
+The policy (:func:`decide`): ``True`` always exchanges, ``False`` never
+(no collective at all), ``"auto"`` exchanges where the storage is shared by
+the job (an object store, a network file system) and the ranks' needs
+overlap (replicas, or pieces narrower than a checksum block), that is where
+the bytes the ranks would pull exceed the unique bytes by more than 5%. Two
+ranks on one machine reading one local disk share its page cache, which
+already reads each page once, so there ``"auto"`` reads directly without
+asking the other ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch.distributed as dist
+
+from ..byteio.objstore import is_url
+from ..core.exchange_rounds import schedule_rounds, with_own_reads
+from ..core.readplan import JobReadPlan, Transfers, plan_job_reads
+from ..errors import InvalidArgumentError, ReadOnceError, UCPError
+from ._exchange import ExchangeRound, LocalNeeds
+
+__all__ = [
+    "READ_ONCE_MODES",
+    "ReadOnceDecision",
+    "check_read_once",
+    "coordinate",
+    "decide",
+    "shared_storage",
+]
+
+READ_ONCE_MODES = (True, False, "auto")
+
+OVERLAP_TO_EXCHANGE = 1.05
+"""``"auto"`` exchanges where the bytes the ranks need, summed, exceed the unique bytes by more."""
+
+# File systems whose storage a job's ranks share over the network (their page caches are not
+# shared): what "auto" counts as shared storage besides object stores.
+_SHARED_FS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "cifs",
+        "smb3",
+        "ceph",
+        "glusterfs",
+        "fuse.glusterfs",
+        "fuse.juicefs",
+        "fuse.s3fs",
+        "fuse.gcsfuse",
+        "fuse.goofys",
+        "fuse.mountpoint-s3",
+        "wekafs",
+        "orangefs",
+        "9p",
+        "virtiofs",
+    }
+)
+
+
+def check_read_once(value: object) -> bool | str:
+    """``value`` if it is one of :data:`READ_ONCE_MODES`, else :class:`InvalidArgumentError`."""
+    if isinstance(value, bool) or value == "auto":
+        return value
+    raise InvalidArgumentError(f"read_once must be True, False or 'auto', got {value!r}")
+
+
+def shared_storage(path: str) -> tuple[bool, str]:
+    """Whether the job's ranks share the storage of ``path`` over the network, and what it is
+    (``"object store"``, or the file system type from ``/proc/mounts``)."""
+    if is_url(path):
+        return True, "object store"
+    try:
+        with open("/proc/mounts", encoding="utf-8") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) >= 3]
+    except OSError:
+        return False, "unknown"
+    real = os.path.realpath(path)
+    best, kind = "", "unknown"
+    for mount, fstype in mounts:
+        mount = mount.replace("\\040", " ")
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) > len(best):
+            best, kind = mount, fstype
+    return kind in _SHARED_FS, kind
+
+
+@dataclass(frozen=True)
+class ReadOnceDecision:
+    """What the read-once policy decided for one load, and from what.
+
+    ``mode``: the reader's ``read_once``; ``exchange``: whether this load
+    exchanged; ``reason``: why, in words; ``storage``: what the storage is
+    (``"object store"``, a file system type); ``shared``: whether the job
+    shares it; ``needed_bytes``: the bytes every rank needs, summed (whole
+    checksum blocks); ``unique_bytes``: the bytes at least one rank needs;
+    ``rounds``: exchange rounds; ``budget``: bytes sent and received per
+    rank and round, at most.
+    """
+
+    mode: bool | str
+    exchange: bool
+    reason: str
+    storage: str = ""
+    shared: bool = False
+    needed_bytes: int = 0
+    unique_bytes: int = 0
+    rounds: int = 0
+    budget: int = 0
+
+
+def decide(
+    mode: bool | str, shared: bool, storage: str, plan: JobReadPlan | None
+) -> ReadOnceDecision:
+    """The policy (see the module): whether a load with ``plan`` exchanges."""
+    needed = plan.needed_bytes if plan is not None else 0
+    unique = plan.unique_bytes if plan is not None else 0
+    base = ReadOnceDecision(mode, False, "", storage, shared, needed, unique)
+    if mode is False:
+        return dataclasses.replace(base, reason="read_once=False")
+    if plan is not None and not unique:
+        return dataclasses.replace(base, reason="nothing to read in place")
+    if mode is True:
+        return dataclasses.replace(base, exchange=True, reason="read_once=True")
+    if not shared:
+        return dataclasses.replace(
+            base, reason=f"local storage ({storage}): the ranks of a machine share its page cache"
+        )
+    if plan is None or needed <= OVERLAP_TO_EXCHANGE * unique:
+        return dataclasses.replace(
+            base, reason=f"the ranks' needs overlap by {needed / max(unique, 1):.3f}x: no gain"
+        )
+    return dataclasses.replace(
+        base,
+        exchange=True,
+        reason=f"shared storage ({storage}), the ranks' needs overlap by {needed / unique:.2f}x",
+    )
+
+
+def coordinate(
+    mode: bool | str,
+    path: str,
+    needs: LocalNeeds | None,
+    failure: BaseException | None,
+    group: dist.ProcessGroup | None,
+    budget: int,
+) -> tuple[ReadOnceDecision, list[ExchangeRound] | None]:
+    """This rank's rounds (None: read directly), agreed with every rank of ``group``.
+
+    Collective where the policy may exchange: call it on every rank, with
+    this rank's needs, or with the ``failure`` that kept it from knowing
+    them; then every rank raises (a :class:`ReadOnceError` naming the rank).
+    """
+    shared, storage = shared_storage(path)
+    if mode is False or (mode == "auto" and not shared):
+        if failure is not None:
+            raise failure
+        return decide(mode, shared, storage, None), None
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    mine: object = failure if failure is not None else (needs.needs() if needs else {})
+    gathered: list[object] | None = [None] * world if me == 0 else None
+    dist.gather_object(mine, gathered, dst=_global_rank(group, 0), group=group)
+    answers: list[object] = [None] * world
+    if me == 0:
+        assert gathered is not None
+        try:
+            answers = list(_plan(mode, shared, storage, gathered, budget))
+        except UCPError as e:
+            answers = [e] * world
+    out: list[object] = [None]
+    dist.scatter_object_list(
+        out, answers if me == 0 else None, src=_global_rank(group, 0), group=group
+    )
+    got = out[0]
+    if failure is not None:
+        raise failure
+    if isinstance(got, BaseException):
+        raise got
+    assert isinstance(got, tuple)
+    decision, rounds = got
+    return decision, rounds
+
+
+def _global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _plan(
+    mode: bool | str, shared: bool, storage: str, gathered: Sequence[object], budget: int
+) -> list[object]:
+    """On the coordinator: each rank's ``(decision, rounds or None)``, or the error every rank
+    raises."""
+    world = len(gathered)
+    for r, g in enumerate(gathered):
+        if isinstance(g, BaseException):
+            err = ReadOnceError(
+                f"rank {r} could not take part in the read-once load: {type(g).__name__}: {g}"
+            )
+            return [g if i == r else err for i in range(world)]
+    needs = [g if isinstance(g, dict) else {} for g in gathered]
+    plan = plan_job_reads(needs)
+    decision = decide(mode, shared, storage, plan)
+    if not decision.exchange:
+        return [(decision, None)] * world
+    rounds = schedule_rounds(with_own_reads(plan, needs), budget)
+    decision = dataclasses.replace(decision, rounds=len(rounds), budget=budget)
+    return [(decision, _rank_rounds(rounds, r, world)) for r in range(world)]
+
+
+def _rank_rounds(rounds: Sequence[Transfers], rank: int, world: int) -> list[ExchangeRound]:
+    """Rank ``rank``'s part of every round: per peer, the rows it sends there and gets from
+    there (each round's rows are in (reader, receiver, file, start) order, which both ends
+    follow)."""
+    out = []
+    empty = np.zeros((0, 3), np.int64)
+    for t in rounds:
+        sends = [empty] * world
+        recvs = [empty] * world
+        for sel, peer, box in (
+            (t.reader == rank, t.receiver, sends),
+            (t.receiver == rank, t.reader, recvs),
+        ):
+            idx = np.flatnonzero(sel)
+            for p in np.unique(peer[idx]).tolist():
+                rows = idx[peer[idx] == p]
+                box[p] = np.stack([t.file[rows], t.start[rows], t.length[rows]], axis=1)
+        out.append(ExchangeRound(tuple(sends), tuple(recvs)))
+    return out

@@ -1,0 +1,185 @@
+"""Read-once loads with real ranks (gloo): each needed byte read from storage by one rank.
+
+A model + AdamW state saved FSDP2 ``Shard(0)`` on 4 ranks is loaded into
+targets whose ranks overlap: replicated (every rank the whole state),
+HSDP (2 replicas x 2 shards) and every 2-D tensor ``Shard(1)`` (pieces of
+rows, narrower than a checksum block). Every loaded shard is compared bit
+for bit with the saved full tensors; the bytes the ranks read from storage,
+summed, must be the unique bytes the job needs, while without read-once
+they are a multiple of it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import math
+import os
+import shutil
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from dist_utils import run_ranks
+from layouts import build, check_against, full_reference, scramble, train_state, train_step
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
+from ucp_dcp.errors import ChecksumError, StorageError, unwrap
+from ucp_dcp.sources import open_source
+
+pytestmark = pytest.mark.multiproc
+
+WORLD = 4
+WATCHDOG_S = 300
+
+
+def _save(rank: int, world: int, root: str) -> None:
+    model, optim = build("dp4")
+    for step in range(2):
+        train_step(model, optim, step)
+    state = train_state(model, optim)
+    ref = full_reference(state)
+    dcp.save({**state, "step": 2}, storage_writer=UCPStorageWriter(root), planner=UCPSavePlanner())
+    if rank == 0:
+        torch.save(ref, os.path.join(root, "ref.pt"))
+
+
+def _columns(ref: dict[str, Any]) -> dict[str, Any]:
+    """Every 2-D tensor ``Shard(1)`` over all ranks, the rest replicated, from the reference."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    out: dict[str, Any] = {}
+    for k, v in ref.items():
+        if isinstance(v, torch.Tensor) and v.dim() == 2:
+            out[k] = distribute_tensor(torch.full_like(v, 13), mesh, [Shard(1)])
+        elif isinstance(v, torch.Tensor) and v.dim() >= 1:
+            out[k] = distribute_tensor(torch.full_like(v, 13), mesh, [Replicate()])
+        elif isinstance(v, torch.Tensor):
+            out[k] = torch.full_like(v, 13)
+        else:
+            out[k] = v
+    return out
+
+
+def _target(layout: str, ref: dict[str, Any]) -> dict[str, Any]:
+    if layout == "columns":
+        return _columns(ref)
+    model, optim = build(layout, seed=1)
+    state = train_state(model, optim)
+    scramble(state)
+    return state
+
+
+def _watchdog() -> None:
+    """A rank stuck in a collective fails the test with every thread's stack, not the suite's
+    timeout."""
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+
+
+def _load(rank: int, world: int, root: str, layouts: list[str], out: str) -> None:
+    _watchdog()
+    ref = torch.load(os.path.join(root, "ref.pt"))
+    counts: dict[str, Any] = {}
+    for layout in layouts:
+        for once in (False, True):
+            sd = _target(layout, ref)
+            reader = UCPStorageReader(root, read_once=once)
+            dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
+            flat = sd if layout == "columns" else {"model": sd["model"], "optim": sd["optim"]}
+            check_against(flat, ref, f"rank {rank}: {layout}, read_once={once}")
+            totals = reader.exchange_totals
+            decision = reader.read_once_decision
+            counts[f"{layout}/{once}"] = {
+                "requested": reader.bytes_requested,
+                "exchanged": None if totals is None else totals.read,
+                "received": None if totals is None else totals.received,
+                "exchange": decision is not None and decision.exchange,
+                "unique": None if decision is None else decision.unique_bytes,
+            }
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, counts)
+    if rank == 0:
+        torch.save(gathered, out)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = str(tmp_path_factory.mktemp("read_once") / "ckpt")
+    run_ranks(WORLD, _save, root)
+    return root
+
+
+@pytest.mark.parametrize("layout", ["plain", "hsdp2x2", "columns"])
+def test_read_once_loads_bit_exact_and_reads_each_byte_once(
+    saved: str, tmp_path: Any, layout: str
+) -> None:
+    out = str(tmp_path / "counts.pt")
+    run_ranks(WORLD, _load, saved, [layout], out)
+    ranks = torch.load(out)
+    once = [r[f"{layout}/True"] for r in ranks]
+    direct = [r[f"{layout}/False"] for r in ranks]
+    assert all(c["exchange"] for c in once)
+    assert not any(c["exchange"] for c in direct)
+    unique = once[0]["unique"]
+    assert all(c["unique"] == unique for c in once)
+    read_once = sum(c["exchanged"] for c in once)
+    assert read_once == unique  # every needed byte left storage once
+    read_direct = sum(c["requested"] for c in direct)
+    assert read_direct >= 1.9 * unique  # without it, replicas read the same bytes again
+
+
+def _corrupt_copy(saved: str, dest: str) -> str:
+    """A copy of the checkpoint with one byte flipped in the middle of its largest chunk; the path
+    of the data file holding it."""
+    shutil.copytree(saved, dest)
+    src = open_source(dest)
+    fqn = max(src.index.tensors, key=lambda k: math.prod(src.index.tensors[k].shape))
+    loc = src.locate(fqn, 0)
+    path = src.paths[loc.file]
+    with open(path, "r+b") as f:
+        f.seek(loc.start + loc.nbytes // 2)
+        b = f.read(1)
+        f.seek(loc.start + loc.nbytes // 2)
+        f.write(bytes([b[0] ^ 0x40]))
+    return path
+
+
+def _load_fails(rank: int, world: int, root: str, path: str, fail_rank: int | None) -> None:
+    _watchdog()
+    ref = torch.load(os.path.join(root, "ref.pt"))
+    sd = _target("plain", ref)
+    reader = UCPStorageReader(root, read_once=True)
+    if fail_rank == rank:  # this rank's storage fails mid-read
+        def broken(segments: Any) -> None:
+            raise StorageError(f"{path}: injected read failure on rank {rank}")
+
+        orig = UCPStorageReader._exchange
+
+        def exchange(self: Any, src: Any, reader: Any, *a: Any) -> Any:
+            reader.read = broken
+            return orig(self, src, reader, *a)
+
+        reader._exchange = types.MethodType(exchange, reader)  # type: ignore[method-assign]
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
+    err = unwrap(ei.value)
+    if fail_rank is None:
+        assert isinstance(err, ChecksumError), err
+        assert err.path == path and "read by rank" in err.what, err
+    else:
+        assert isinstance(err, StorageError) and f"on rank {fail_rank}" in str(err), err
+
+
+def test_flipped_byte_fails_every_rank(saved: str, tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")
+    path = _corrupt_copy(saved, root)
+    run_ranks(WORLD, _load_fails, root, path, None)
+
+
+def test_rank_failing_to_read_fails_every_rank_without_hanging(saved: str, tmp_path: Path) -> None:
+    run_ranks(WORLD, _load_fails, saved, "data", 2)
