@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
+from ucp_dcp.dcp import reader as reader_module
 from ucp_dcp.errors import ChecksumError, StorageError, unwrap
 from ucp_dcp.sources import open_source
 
@@ -81,8 +82,11 @@ def _watchdog() -> None:
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
 
 
-def _load(rank: int, world: int, root: str, layouts: list[str], out: str) -> None:
+def _load(
+    rank: int, world: int, root: str, layouts: list[str], out: str, round_bytes: int | None = None
+) -> None:
     _watchdog()
+    reader_module._ROUND_BYTES = round_bytes
     ref = torch.load(os.path.join(root, "ref.pt"))
     counts: dict[str, Any] = {}
     for layout in layouts:
@@ -95,6 +99,7 @@ def _load(rank: int, world: int, root: str, layouts: list[str], out: str) -> Non
             totals = reader.exchange_totals
             decision = reader.read_once_decision
             counts[f"{layout}/{once}"] = {
+                "rounds": None if decision is None else decision.rounds,
                 "requested": reader.bytes_requested,
                 "exchanged": None if totals is None else totals.read,
                 "received": None if totals is None else totals.received,
@@ -114,12 +119,17 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
     return root
 
 
-@pytest.mark.parametrize("layout", ["plain", "hsdp2x2", "columns"])
+@pytest.mark.parametrize(
+    "layout,round_bytes",
+    [("plain", None), ("hsdp2x2", None), ("columns", None), ("plain", 16 << 10), ("columns", 5000)],
+)
 def test_read_once_loads_bit_exact_and_reads_each_byte_once(
-    saved: str, tmp_path: Any, layout: str
+    saved: str, tmp_path: Any, layout: str, round_bytes: int | None
 ) -> None:
+    """Small rounds (16 KiB, 5000 bytes) make many rounds in flight and cut checksum blocks
+    between rounds."""
     out = str(tmp_path / "counts.pt")
-    run_ranks(WORLD, _load, saved, [layout], out)
+    run_ranks(WORLD, _load, saved, [layout], out, round_bytes)
     ranks = torch.load(out)
     once = [r[f"{layout}/True"] for r in ranks]
     direct = [r[f"{layout}/False"] for r in ranks]
@@ -129,6 +139,8 @@ def test_read_once_loads_bit_exact_and_reads_each_byte_once(
     assert all(c["unique"] == unique for c in once)
     read_once = sum(c["exchanged"] for c in once)
     assert read_once == unique  # every needed byte left storage once
+    if round_bytes is not None:
+        assert once[0]["rounds"] > 4
     read_direct = sum(c["requested"] for c in direct)
     assert read_direct >= 1.9 * unique  # without it, replicas read the same bytes again
 

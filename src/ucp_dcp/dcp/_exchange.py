@@ -15,8 +15,10 @@ tells every other rank in the next round (or in the closing gather): all
 ranks stop after the same round and raise the same error, and none is left
 waiting in a collective.
 
-The bytes of a round live in three buffers of at most the round's budget
-each (read, sent, received): a load of any size streams through them.
+A round's messages travel while the previous round's are checked and put
+in place, and the next round's are read: at most two rounds are in flight,
+each in a send and a receive buffer of at most the round's budget, so a
+load of any size streams through about five budgets of memory.
 """
 
 from __future__ import annotations
@@ -267,6 +269,43 @@ class _Checker:
         return loc.start + k * bs, block
 
 
+@dataclass
+class _InFlight:
+    """A round whose ``all_to_all_single`` may still be running: its work, buffers and pieces."""
+
+    work: dist.Work
+    send: torch.Tensor  # kept alive until the collective is done with it
+    recv: torch.Tensor
+    rnd: ExchangeRound
+    recv_sizes: list[int]
+
+    def finish(
+        self,
+        me: int,
+        needs: LocalNeeds,
+        checker: _Checker,
+        totals: ExchangeTotals,
+        error: BaseException | None,
+    ) -> tuple[bool, BaseException | None]:
+        """Wait for the round, then check and place what it brought (unless this rank already
+        failed); whether any rank said it failed, and this rank's error so far."""
+        self.work.wait()
+        data = self.recv.numpy()
+        peer_failed, at = False, 0
+        for p, (pieces, size) in enumerate(zip(self.rnd.recvs, self.recv_sizes)):
+            if data[at : at + _STATUS].any():
+                peer_failed = True
+            elif error is None:
+                try:
+                    _unpack(pieces, data[at + _STATUS : at + size], p, needs, checker, totals)
+                except Exception as e:  # noqa: BLE001  (raised after the closing gather)
+                    error = e
+            if p != me:
+                totals.received += size - _STATUS
+            at += size
+        return peer_failed, error
+
+
 def run_exchange(
     rounds: Sequence[ExchangeRound],
     needs: LocalNeeds,
@@ -287,12 +326,15 @@ def run_exchange(
     checker = _Checker(needs, verifier)
     totals = ExchangeTotals()
     t0 = time.perf_counter()
+    # Any exception, not just the library's, is kept and raised after the closing gather: a rank
+    # leaving the rounds early would leave the others waiting in the next collective.
     error: BaseException | None = None
+    flight: _InFlight | None = None
     for rnd in rounds:
+        # Round k's messages go out while round k-1's are placed: reading, sending and checking
+        # overlap (the collective runs on the group's own thread).
         send_sizes, recv_sizes = _sizes(rnd.sends), _sizes(rnd.recvs)
         send = torch.zeros(sum(send_sizes), dtype=torch.uint8)
-        # Any exception, not just the library's: a rank leaving the rounds early would leave the
-        # others waiting in the next collective. It is raised after the closing gather.
         if error is None:
             try:
                 _pack(rnd, source, send.numpy(), send_sizes, me, totals)
@@ -302,23 +344,20 @@ def run_exchange(
             for at in np.cumsum([0, *send_sizes[:-1]]).tolist():
                 send[at : at + _STATUS] = 1  # messages need not start 8-byte aligned
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+        work = dist.all_to_all_single(
+            recv, send, recv_sizes, send_sizes, group=group, async_op=True
+        )
         totals.rounds += 1
-        data = recv.numpy()
-        peer_failed, at = False, 0
-        for p, (pieces, size) in enumerate(zip(rnd.recvs, recv_sizes)):
-            if data[at : at + _STATUS].any():
-                peer_failed = True
-            elif error is None:
-                try:
-                    _unpack(pieces, data[at + _STATUS : at + size], p, needs, checker, totals)
-                except Exception as e:  # noqa: BLE001  (see above)
-                    error = e
-            if p != me:
-                totals.received += size - _STATUS
-            at += size
-        if peer_failed:
+        stop = False
+        if flight is not None:
+            # Every rank launched round k before any looks at round k-1's statuses, and all see
+            # the same ones: all stop after the same round, with round k still to be waited for.
+            stop, error = flight.finish(me, needs, checker, totals, error)
+        flight = _InFlight(work, send, recv, rnd, recv_sizes)
+        if stop:
             break
+    if flight is not None:
+        _, error = flight.finish(me, needs, checker, totals, error)
     totals.seconds = time.perf_counter() - t0
     totals.checked = verifier.bytes
     if error is None and checker.pending:

@@ -66,6 +66,9 @@ _MiB = 1024 * 1024
 # A file read as a stream (access="sequential", chosen per file under "auto") is shared among as
 # many lanes, the calling thread being the first, each with the kernel's read-ahead.
 _IO_THREADS = 2
+# Bytes sent and received per rank in a read-once round; None: a fifth of max_buffer_bytes, at
+# least 1 MiB. Tests set it lower to run many rounds on a small state.
+_ROUND_BYTES: int | None = None
 
 
 def _record_boxes(record: TensorRecord) -> list[Box]:
@@ -147,8 +150,8 @@ class UCPStorageReader(_Directory, StorageReader):
         read_once: read each needed byte from storage once for the whole
             job (see :mod:`ucp_dcp.dcp._read_once`): one rank reads it and
             sends it to the others that need it over ``process_group``, in
-            rounds of at most a quarter of ``max_buffer_bytes`` sent and
-            received per rank, each piece checked against its block
+            rounds of at most a fifth of ``max_buffer_bytes`` sent and
+            received per rank (two rounds in flight), each piece checked against its block
             checksums where it is received. ``True`` always does, ``False``
             never does (each rank reads its own bytes), ``"auto"`` (the
             default) does where the storage is shared by the job (an object
@@ -371,7 +374,8 @@ class UCPStorageReader(_Directory, StorageReader):
             needs = LocalNeeds(regions)
         except Exception as e:  # noqa: BLE001  (every rank must reach the collective; raised there)
             failure, needs = e, None
-        budget = max(self.max_buffer_bytes // 4, _MiB)
+        # Two rounds in flight, each a send and a receive buffer, and the next round's reads.
+        budget = _ROUND_BYTES or max(self.max_buffer_bytes // 5, _MiB)
         decision, rounds = coordinate(
             self.read_once, self.path, needs, failure, self.process_group, budget
         )
