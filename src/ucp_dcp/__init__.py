@@ -17,6 +17,7 @@ from .adapters.rules import Averaged, Fused, Reindex, Rename, Replicated, Shard,
 from .core.pieces import Piece, TensorPieces
 from .core.values import RankLocal
 from .dcp import UCPLoadPlanner, UCPSavePlanner
+from .dcp._read_once import ReadOnceCosts
 from .dcp.reader import UCPStorageReader
 from .dcp.writer import UCPStorageWriter
 from .errors import (
@@ -43,6 +44,7 @@ __all__ = [
     "UCPLoadPlanner",
     "UCPStorageWriter",
     "UCPStorageReader",
+    "ReadOnceCosts",
     "RankLocal",
     "Checkpoint",
     "load_state_dict",

@@ -37,11 +37,12 @@ import torch.distributed as dist
 from ..byteio.objstore import is_url
 from ..core.exchange_rounds import schedule_rounds, with_own_reads
 from ..core.readplan import JobReadPlan, Transfers, plan_job_reads
-from ..errors import InvalidArgumentError, ReadOnceError, UCPError
+from ..errors import InvalidArgumentError, ReadOnceError
 from ._exchange import ExchangeRound, LocalNeeds
 
 __all__ = [
     "READ_ONCE_MODES",
+    "ReadOnceCosts",
     "ReadOnceDecision",
     "check_read_once",
     "coordinate",
@@ -109,6 +110,31 @@ def shared_storage(path: str) -> tuple[bool, str]:
 
 
 @dataclass(frozen=True)
+class ReadOnceCosts:
+    """The cost model ``"auto"`` weighs an exchange with (configured, not measured: pass your
+    storage's and interconnect's figures to ``UCPStorageReader(read_once_costs=...)``)."""
+
+    storage_bytes_per_s: float = 1e9
+    """Read bandwidth of the shared storage for the whole job (all ranks together)."""
+    network_bytes_per_s: float = 5e9
+    """Bandwidth between ranks, per rank (what one rank can receive)."""
+    round_seconds: float = 2e-3
+    """Fixed cost of one exchange round (one ``all_to_all_single``)."""
+
+    def direct_seconds(self, needed_bytes: int) -> float:
+        """Every rank reads what it needs: the job pulls ``needed_bytes`` through the storage."""
+        return needed_bytes / self.storage_bytes_per_s
+
+    def exchange_seconds(self, unique_bytes: int, most_received: int, rounds: int) -> float:
+        """Each byte read once, then moved: reads and transfers overlap round by round, so the
+        slower of the two, plus the rounds' fixed costs."""
+        return (
+            max(unique_bytes / self.storage_bytes_per_s, most_received / self.network_bytes_per_s)
+            + rounds * self.round_seconds
+        )
+
+
+@dataclass(frozen=True)
 class ReadOnceDecision:
     """What the read-once policy decided for one load, and from what.
 
@@ -118,7 +144,8 @@ class ReadOnceDecision:
     shares it; ``needed_bytes``: the bytes every rank needs, summed (whole
     checksum blocks); ``unique_bytes``: the bytes at least one rank needs;
     ``rounds``: exchange rounds; ``budget``: bytes sent and received per
-    rank and round, at most.
+    rank and round, at most; ``costs``: the model weighed (``"auto"``),
+    ``direct_s`` / ``exchange_s``: its estimates (0 where not weighed).
     """
 
     mode: bool | str
@@ -130,12 +157,21 @@ class ReadOnceDecision:
     unique_bytes: int = 0
     rounds: int = 0
     budget: int = 0
+    costs: ReadOnceCosts | None = None
+    direct_s: float = 0.0
+    exchange_s: float = 0.0
 
 
 def decide(
-    mode: bool | str, shared: bool, storage: str, plan: JobReadPlan | None
+    mode: bool | str,
+    shared: bool,
+    storage: str,
+    plan: JobReadPlan | None,
+    costs: ReadOnceCosts | None = None,
+    budget: int = 64 << 20,
 ) -> ReadOnceDecision:
-    """The policy (see the module): whether a load with ``plan`` exchanges."""
+    """The policy (see the module): whether a load with ``plan`` exchanges; ``costs`` (default
+    :class:`ReadOnceCosts`) weigh it under ``"auto"``, for rounds of ``budget`` bytes."""
     needed = plan.needed_bytes if plan is not None else 0
     unique = plan.unique_bytes if plan is not None else 0
     base = ReadOnceDecision(mode, False, "", storage, shared, needed, unique)
@@ -153,10 +189,27 @@ def decide(
         return dataclasses.replace(
             base, reason=f"the ranks' needs overlap by {needed / max(unique, 1):.3f}x: no gain"
         )
+    costs = costs or ReadOnceCosts()
+    t = plan.transfers
+    received = np.bincount(t.receiver, weights=t.length, minlength=plan.world_size)
+    most = int(received.max()) if len(received) else 0
+    per_rank = np.bincount(plan.read_rank, weights=plan.read_length, minlength=plan.world_size)
+    rounds = -(-int(max(per_rank.max() if len(per_rank) else 0, most)) // max(budget, 1))
+    direct_s = costs.direct_seconds(needed)
+    exchange_s = costs.exchange_seconds(unique, most, rounds)
+    weighed = dataclasses.replace(base, costs=costs, direct_s=direct_s, exchange_s=exchange_s)
+    overlap = f"the ranks' needs overlap by {needed / unique:.2f}x"
+    if exchange_s >= direct_s:
+        return dataclasses.replace(
+            weighed,
+            reason=f"shared storage ({storage}), {overlap}, but exchanging would take "
+            f"{exchange_s:.3g} s against {direct_s:.3g} s reading directly",
+        )
     return dataclasses.replace(
-        base,
+        weighed,
         exchange=True,
-        reason=f"shared storage ({storage}), the ranks' needs overlap by {needed / unique:.2f}x",
+        reason=f"shared storage ({storage}), {overlap}: {exchange_s:.3g} s exchanging against "
+        f"{direct_s:.3g} s reading directly",
     )
 
 
@@ -167,6 +220,7 @@ def coordinate(
     failure: BaseException | None,
     group: dist.ProcessGroup | None,
     budget: int,
+    costs: ReadOnceCosts | None = None,
 ) -> tuple[ReadOnceDecision, list[ExchangeRound] | None]:
     """This rank's rounds (None: read directly), agreed with every rank of ``group``.
 
@@ -187,8 +241,8 @@ def coordinate(
     if me == 0:
         assert gathered is not None
         try:
-            answers = list(_plan(mode, shared, storage, gathered, budget))
-        except UCPError as e:
+            answers = list(_plan(mode, shared, storage, gathered, budget, costs))
+        except Exception as e:  # noqa: BLE001  (every rank waits for an answer: send the error)
             answers = [e] * world
     out: list[object] = [None]
     dist.scatter_object_list(
@@ -209,7 +263,12 @@ def _global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
 
 
 def _plan(
-    mode: bool | str, shared: bool, storage: str, gathered: Sequence[object], budget: int
+    mode: bool | str,
+    shared: bool,
+    storage: str,
+    gathered: Sequence[object],
+    budget: int,
+    costs: ReadOnceCosts | None,
 ) -> list[object]:
     """On the coordinator: each rank's ``(decision, rounds or None)``, or the error every rank
     raises."""
@@ -222,7 +281,7 @@ def _plan(
             return [g if i == r else err for i in range(world)]
     needs = [g if isinstance(g, dict) else {} for g in gathered]
     plan = plan_job_reads(needs)
-    decision = decide(mode, shared, storage, plan)
+    decision = decide(mode, shared, storage, plan, costs, budget)
     if not decision.exchange:
         return [(decision, None)] * world
     rounds = schedule_rounds(with_own_reads(plan, needs), budget)

@@ -49,7 +49,7 @@ from ._directory import _Directory
 from ._exchange import ExchangeTotals, LocalNeeds, Region, run_exchange
 from ._mesh_groups import LazyChunks
 from ._plan_records import LoadSourceInfo
-from ._read_once import ReadOnceDecision, check_read_once, coordinate
+from ._read_once import ReadOnceCosts, ReadOnceDecision, check_read_once, coordinate
 from .load_planner import UCPLoadPlanner
 
 __all__ = ["UCPStorageReader"]
@@ -156,7 +156,10 @@ class UCPStorageReader(_Directory, StorageReader):
             never does (each rank reads its own bytes), ``"auto"`` (the
             default) does where the storage is shared by the job (an object
             store, a network file system) and the ranks' needs overlap by
-            more than 5%. Regions read through staging (casts, device
+            more than 5% and ``read_once_costs``
+            (:class:`~ucp_dcp.dcp._read_once.ReadOnceCosts`: the storage's
+            bandwidth for the job, the interconnect's per rank) estimates
+            the exchange faster. Regions read through staging (casts, device
             destinations, chunks stored in another dimension order) and
             values are read by each rank itself. ``read_once_decision``
             says what the last load decided and why, ``exchange_totals``
@@ -182,11 +185,13 @@ class UCPStorageReader(_Directory, StorageReader):
         known_files: Mapping[str, bytes] | None = None,
         read_once: bool | str = "auto",
         process_group: dist.ProcessGroup | None = None,
+        read_once_costs: ReadOnceCosts | None = None,
     ) -> None:
         super().__init__()
         self.access = check_access(access)
         self.read_once = check_read_once(read_once)
         self.process_group = process_group
+        self.read_once_costs = read_once_costs
         self.read_once_decision: ReadOnceDecision | None = None
         self.exchange_totals: ExchangeTotals | None = None
         self.file_access: dict[str, str] = {}
@@ -377,7 +382,13 @@ class UCPStorageReader(_Directory, StorageReader):
         # Two rounds in flight, each a send and a receive buffer, and the next round's reads.
         budget = _ROUND_BYTES or max(self.max_buffer_bytes // 5, _MiB)
         decision, rounds = coordinate(
-            self.read_once, self.path, needs, failure, self.process_group, budget
+            self.read_once,
+            self.path,
+            needs,
+            failure,
+            self.process_group,
+            budget,
+            self.read_once_costs,
         )
         self.read_once_decision = decision
         if rounds is None:
