@@ -82,14 +82,25 @@ def _watchdog() -> None:
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
 
 
-def _load(
-    rank: int, world: int, root: str, layouts: list[str], out: str, round_bytes: int | None = None
-) -> None:
+CASES = [
+    ("plain", None),
+    ("hsdp2x2", None),
+    ("columns", None),
+    ("plain", 16 << 10),
+    ("columns", 5000),
+]
+"""Targets and round sizes (None: the default): small rounds (16 KiB, 5000 bytes) make many rounds
+in flight and cut checksum blocks between rounds."""
+
+
+def _load(rank: int, world: int, root: str, out: str) -> None:
+    """Every case of CASES, with and without read-once, checked bit for bit; the counters of
+    every rank saved to ``out``."""
     _watchdog()
-    reader_module._ROUND_BYTES = round_bytes
     ref = torch.load(os.path.join(root, "ref.pt"))
     counts: dict[str, Any] = {}
-    for layout in layouts:
+    for layout, round_bytes in CASES:
+        reader_module._ROUND_BYTES = round_bytes
         for once in (False, True):
             sd = _target(layout, ref)
             reader = UCPStorageReader(root, read_once=once)
@@ -98,7 +109,7 @@ def _load(
             check_against(flat, ref, f"rank {rank}: {layout}, read_once={once}")
             totals = reader.exchange_totals
             decision = reader.read_once_decision
-            counts[f"{layout}/{once}"] = {
+            counts[f"{layout}/{round_bytes}/{once}"] = {
                 "rounds": None if decision is None else decision.rounds,
                 "requested": reader.bytes_requested,
                 "exchanged": None if totals is None else totals.read,
@@ -106,6 +117,7 @@ def _load(
                 "exchange": decision is not None and decision.exchange,
                 "unique": None if decision is None else decision.unique_bytes,
             }
+    reader_module._ROUND_BYTES = None
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, counts)
     if rank == 0:
@@ -119,20 +131,23 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
     return root
 
 
-@pytest.mark.parametrize(
-    "layout,round_bytes",
-    [("plain", None), ("hsdp2x2", None), ("columns", None), ("plain", 16 << 10), ("columns", 5000)],
-)
+@pytest.fixture(scope="module")
+def loaded(saved: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every rank's counters for every case (one spawn of the ranks for all of them)."""
+    out = str(tmp_path_factory.mktemp("read_once_counts") / "counts.pt")
+    run_ranks(WORLD, _load, saved, out)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("layout,round_bytes", CASES)
 def test_read_once_loads_bit_exact_and_reads_each_byte_once(
-    saved: str, tmp_path: Any, layout: str, round_bytes: int | None
+    loaded: list[dict[str, Any]], layout: str, round_bytes: int | None
 ) -> None:
-    """Small rounds (16 KiB, 5000 bytes) make many rounds in flight and cut checksum blocks
-    between rounds."""
-    out = str(tmp_path / "counts.pt")
-    run_ranks(WORLD, _load, saved, [layout], out, round_bytes)
-    ranks = torch.load(out)
-    once = [r[f"{layout}/True"] for r in ranks]
-    direct = [r[f"{layout}/False"] for r in ranks]
+    """Bit-exact on every rank (checked in the ranks), and the job's reads from storage are the
+    unique bytes it needs."""
+    ranks = loaded
+    once = [r[f"{layout}/{round_bytes}/True"] for r in ranks]
+    direct = [r[f"{layout}/{round_bytes}/False"] for r in ranks]
     assert all(c["exchange"] for c in once)
     assert not any(c["exchange"] for c in direct)
     unique = once[0]["unique"]
@@ -161,37 +176,40 @@ def _corrupt_copy(saved: str, dest: str) -> str:
     return path
 
 
-def _load_fails(rank: int, world: int, root: str, path: str, fail_rank: int | None) -> None:
+def _load_fails(rank: int, world: int, corrupt: str, path: str, root: str) -> None:
+    """A flipped byte in ``corrupt``'s file ``path``, then a rank (2) whose reads fail: every rank
+    raises, none hangs."""
     _watchdog()
-    ref = torch.load(os.path.join(root, "ref.pt"))
-    sd = _target("plain", ref)
-    reader = UCPStorageReader(root, read_once=True)
-    if fail_rank == rank:  # this rank's storage fails mid-read
-        def broken(segments: Any) -> None:
-            raise StorageError(f"{path}: injected read failure on rank {rank}")
+    for where, fail_rank in ((corrupt, None), (root, 2)):
+        ref = torch.load(os.path.join(root, "ref.pt"))
+        sd = _target("plain", ref)
+        reader = UCPStorageReader(where, read_once=True)
+        if fail_rank == rank:  # this rank's storage fails mid-read
 
-        orig = UCPStorageReader._exchange
+            def broken(segments: Any) -> None:
+                raise StorageError(f"data: injected read failure on rank {rank}")
 
-        def exchange(self: Any, src: Any, reader: Any, *a: Any) -> Any:
-            reader.read = broken
-            return orig(self, src, reader, *a)
+            def exchange(self: Any, src: Any, source: Any, *a: Any) -> Any:
+                source.read = broken
+                return UCPStorageReader._exchange(self, src, source, *a)
 
-        reader._exchange = types.MethodType(exchange, reader)  # type: ignore[method-assign]
-    with pytest.raises(CheckpointException) as ei:
-        dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
-    err = unwrap(ei.value)
-    if fail_rank is None:
-        assert isinstance(err, ChecksumError), err
-        assert err.path == path and "read by rank" in err.what, err
-    else:
-        assert isinstance(err, StorageError) and f"on rank {fail_rank}" in str(err), err
-
-
-def test_flipped_byte_fails_every_rank(saved: str, tmp_path: Path) -> None:
-    root = str(tmp_path / "ckpt")
-    path = _corrupt_copy(saved, root)
-    run_ranks(WORLD, _load_fails, root, path, None)
+            reader._exchange = types.MethodType(exchange, reader)  # type: ignore[method-assign]
+        with pytest.raises(CheckpointException) as ei:
+            dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
+        err = unwrap(ei.value)
+        if fail_rank is None:
+            assert isinstance(err, ChecksumError), err
+            assert err.path == path and "read by rank" in err.what, err
+        else:
+            assert isinstance(err, StorageError) and f"on rank {fail_rank}" in str(err), err
 
 
-def test_rank_failing_to_read_fails_every_rank_without_hanging(saved: str, tmp_path: Path) -> None:
-    run_ranks(WORLD, _load_fails, saved, "data", 2)
+def test_a_flipped_byte_or_a_failing_rank_fails_every_rank_without_hanging(
+    saved: str, tmp_path: Path
+) -> None:
+    """One spawn: a checksum mismatch found by the receivers fails every rank with the
+    ChecksumError naming the file and the reading rank; then rank 2's reads fail and every rank
+    raises rank 2's StorageError."""
+    corrupt = str(tmp_path / "ckpt")
+    path = _corrupt_copy(saved, corrupt)
+    run_ranks(WORLD, _load_fails, corrupt, path, saved)

@@ -15,6 +15,9 @@ tells every other rank in the next round (or in the closing gather): all
 ranks stop after the same round and raise the same error, and none is left
 waiting in a collective.
 
+Messages are host memory on a group with a CPU backend (gloo, or
+``"cpu:gloo,cuda:nccl"``) and device memory on a group that is NCCL alone
+(copied there and back: the checks and copies into place run on the host).
 A round's messages travel while the previous round's are checked and put
 in place, and the next round's are read: at most two rounds are in flight,
 each in a send and a receive buffer of at most the round's budget, so a
@@ -290,7 +293,7 @@ class _InFlight:
         """Wait for the round, then check and place what it brought (unless this rank already
         failed); whether any rank said it failed, and this rank's error so far."""
         self.work.wait()
-        data = self.recv.numpy()
+        data = self.recv.cpu().numpy()  # no copy for a CPU group
         peer_failed, at = False, 0
         for p, (pieces, size) in enumerate(zip(self.rnd.recvs, self.recv_sizes)):
             if data[at : at + _STATUS].any():
@@ -322,6 +325,7 @@ def run_exchange(
     """
     me = dist.get_rank(group)
     world = dist.get_world_size(group)
+    wire = _wire_device(group)
     verifier = BlockVerifier(paths, ranks)
     checker = _Checker(needs, verifier)
     totals = ExchangeTotals()
@@ -343,7 +347,9 @@ def run_exchange(
         if error is not None:  # tell every rank, in messages of the agreed sizes
             for at in np.cumsum([0, *send_sizes[:-1]]).tolist():
                 send[at : at + _STATUS] = 1  # messages need not start 8-byte aligned
-        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=wire)
+        if wire.type != "cpu":  # an NCCL group moves device memory only
+            send = send.pin_memory().to(wire, non_blocking=True)
         work = dist.all_to_all_single(
             recv, send, recv_sizes, send_sizes, group=group, async_op=True
         )
@@ -377,6 +383,14 @@ def run_exchange(
         if r.done is not None:
             r.done()
     return totals
+
+
+def _wire_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the messages must be for ``group``'s collectives: the current CUDA device for a
+    group that is NCCL alone, else host memory (gloo, or a group with a CPU backend too)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _sizes(pieces: Sequence[np.ndarray]) -> list[int]:
