@@ -2,7 +2,7 @@
 
 :mod:`ucp_dcp.dcp._read_once` plans who reads which byte of the job's needs;
 this module runs one rank's share. A rank's share comes as
-:class:`ExchangeRound` records, the same number on every rank: in each round
+one :class:`RankRounds`, the same number of rounds on every rank: in each round
 the rank reads the pieces it sends (to itself too; each byte once however
 many peers get it), one ``all_to_all_single`` on the load's process group
 moves them, and every received piece is checked block by block against the
@@ -47,6 +47,7 @@ __all__ = [
     "ExchangeRound",
     "ExchangeTotals",
     "LocalNeeds",
+    "RankRounds",
     "Region",
     "run_exchange",
 ]
@@ -62,6 +63,28 @@ class ExchangeRound:
 
     sends: tuple[np.ndarray, ...]
     recvs: tuple[np.ndarray, ...]
+
+
+@dataclass(frozen=True)
+class RankRounds:
+    """One rank's share of every round of an exchange: ``count`` rounds; the rows it sends and
+    those it receives, ``(k, 5)`` int64 arrays of ``(round, peer, file, start, length)`` sorted by
+    (round, peer, file, start). Its size is this rank's rows, whatever the world size."""
+
+    count: int
+    sends: np.ndarray
+    recvs: np.ndarray
+
+    def round(self, k: int, world: int) -> ExchangeRound:
+        """Round ``k`` per peer (views, no copy)."""
+        return ExchangeRound(_by_peer(self.sends, k, world), _by_peer(self.recvs, k, world))
+
+
+def _by_peer(rows: np.ndarray, k: int, world: int) -> tuple[np.ndarray, ...]:
+    lo, hi = np.searchsorted(rows[:, 0], [k, k + 1]).tolist()
+    part = rows[lo:hi]
+    cuts = np.searchsorted(part[:, 1], np.arange(world + 1)).tolist()
+    return tuple(part[cuts[p] : cuts[p + 1], 2:] for p in range(world))
 
 
 @dataclass
@@ -310,7 +333,7 @@ class _InFlight:
 
 
 def run_exchange(
-    rounds: Sequence[ExchangeRound],
+    rounds: RankRounds,
     needs: LocalNeeds,
     source: ByteSource,
     paths: Sequence[str],
@@ -334,7 +357,8 @@ def run_exchange(
     # leaving the rounds early would leave the others waiting in the next collective.
     error: BaseException | None = None
     flight: _InFlight | None = None
-    for rnd in rounds:
+    for k in range(rounds.count):
+        rnd = rounds.round(k, world)
         # Round k's messages go out while round k-1's are placed: reading, sending and checking
         # overlap (the collective runs on the group's own thread).
         send_sizes, recv_sizes = _sizes(rnd.sends), _sizes(rnd.recvs)

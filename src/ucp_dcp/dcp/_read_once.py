@@ -38,7 +38,7 @@ from ..byteio.objstore import is_url
 from ..core.exchange_rounds import schedule_rounds, with_own_reads
 from ..core.readplan import JobReadPlan, Transfers, plan_job_reads
 from ..errors import InvalidArgumentError, ReadOnceError
-from ._exchange import ExchangeRound, LocalNeeds
+from ._exchange import LocalNeeds, RankRounds
 
 __all__ = [
     "READ_ONCE_MODES",
@@ -221,7 +221,7 @@ def coordinate(
     group: dist.ProcessGroup | None,
     budget: int,
     costs: ReadOnceCosts | None = None,
-) -> tuple[ReadOnceDecision, list[ExchangeRound] | None]:
+) -> tuple[ReadOnceDecision, RankRounds | None]:
     """This rank's rounds (None: read directly), agreed with every rank of ``group``.
 
     Collective where the policy may exchange: call it on every rank, with
@@ -286,25 +286,24 @@ def _plan(
         return [(decision, None)] * world
     rounds = schedule_rounds(with_own_reads(plan, needs), budget)
     decision = dataclasses.replace(decision, rounds=len(rounds), budget=budget)
-    return [(decision, _rank_rounds(rounds, r, world)) for r in range(world)]
+    return [(decision, share) for share in _rank_rounds(rounds, world)]
 
 
-def _rank_rounds(rounds: Sequence[Transfers], rank: int, world: int) -> list[ExchangeRound]:
-    """Rank ``rank``'s part of every round: per peer, the rows it sends there and gets from
-    there (each round's rows are in (reader, receiver, file, start) order, which both ends
-    follow)."""
-    out = []
-    empty = np.zeros((0, 3), np.int64)
-    for t in rounds:
-        sends = [empty] * world
-        recvs = [empty] * world
-        for sel, peer, box in (
-            (t.reader == rank, t.receiver, sends),
-            (t.receiver == rank, t.reader, recvs),
-        ):
-            idx = np.flatnonzero(sel)
-            for p in np.unique(peer[idx]).tolist():
-                rows = idx[peer[idx] == p]
-                box[p] = np.stack([t.file[rows], t.start[rows], t.length[rows]], axis=1)
-        out.append(ExchangeRound(tuple(sends), tuple(recvs)))
-    return out
+def _rank_rounds(rounds: Sequence[Transfers], world: int) -> list[RankRounds]:
+    """Every rank's share of ``rounds``: the rows it sends and those it receives, each as one
+    array sorted by (round, peer, file, start), the order both ends of a message follow."""
+    cols = ("reader", "receiver", "file", "start", "length")
+    if rounds:
+        reader, receiver, file, start, length = (
+            np.concatenate([getattr(t, c) for t in rounds]) for c in cols
+        )
+        k = np.repeat(np.arange(len(rounds), dtype=np.int64), [len(t) for t in rounds])
+    else:
+        reader = receiver = file = start = length = k = np.zeros(0, np.int64)
+    shares = []
+    for me, peer in ((reader, receiver), (receiver, reader)):
+        order = np.lexsort((start, file, peer, k, me))
+        rows = np.stack([k, peer, file, start, length], axis=1)[order]
+        cuts = np.searchsorted(me[order], np.arange(world + 1))
+        shares.append([rows[cuts[r] : cuts[r + 1]] for r in range(world)])
+    return [RankRounds(len(rounds), shares[0][r], shares[1][r]) for r in range(world)]
