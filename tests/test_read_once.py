@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from dist_utils import run_ranks
+from dist_utils import bit_equal, run_ranks
 from layouts import build, check_against, full_reference, scramble, train_state, train_step
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
@@ -67,9 +67,22 @@ def _columns(ref: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _cast(ref: dict[str, Any]) -> dict[str, Any]:
+    """The reference with every floating-point tensor in bfloat16 (what a cast load gives)."""
+    return {
+        k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in ref.items()
+    }
+
+
 def _target(layout: str, ref: dict[str, Any]) -> dict[str, Any]:
     if layout == "columns":
         return _columns(ref)
+    if layout == "bf16":  # every rank the whole state, cast on load (the generic sink)
+        return {
+            k: torch.full_like(v, 13) if isinstance(v, torch.Tensor) else v
+            for k, v in _cast(ref).items()
+        }
     model, optim = build(layout, seed=1)
     state = train_state(model, optim)
     scramble(state)
@@ -86,6 +99,7 @@ CASES = [
     ("plain", None),
     ("hsdp2x2", None),
     ("columns", None),
+    ("bf16", None),
     ("plain", 16 << 10),
     ("columns", 5000),
 ]
@@ -105,8 +119,15 @@ def _load(rank: int, world: int, root: str, out: str) -> None:
             sd = _target(layout, ref)
             reader = UCPStorageReader(root, read_once=once)
             dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
-            flat = sd if layout == "columns" else {"model": sd["model"], "optim": sd["optim"]}
-            check_against(flat, ref, f"rank {rank}: {layout}, read_once={once}")
+            what = f"rank {rank}: {layout}, read_once={once}"
+            if layout == "bf16":
+                want = _cast(ref)
+                assert all(bit_equal(sd[k], want[k]) for k in want if torch.is_tensor(want[k])), (
+                    what
+                )
+            else:
+                flat = sd if layout == "columns" else {"model": sd["model"], "optim": sd["optim"]}
+                check_against(flat, ref, what)
             totals = reader.exchange_totals
             decision = reader.read_once_decision
             counts[f"{layout}/{round_bytes}/{once}"] = {

@@ -116,6 +116,33 @@ class Region:
     done: Callable[[], None] | None
 
 
+class _InPlace:
+    """A CPU destination of the saved dtype: bytes copied into its storage."""
+
+    def __init__(self, dest: torch.Tensor) -> None:
+        self.view = storage_view(dest)
+        self.es = dest.element_size()
+
+    def put(self, elem: int, data: np.ndarray) -> None:
+        d = elem * self.es
+        self.view[d : d + len(data)] = data.data
+
+
+class _Converted:
+    """Any other destination (another dtype, a device): whole elements of the saved dtype copied
+    (and cast) into the destination's storage, run by run."""
+
+    def __init__(self, dest: torch.Tensor, saved: torch.dtype) -> None:
+        st = dest.untyped_storage()
+        flat = torch.empty(0, dtype=dest.dtype, device=dest.device)
+        self.flat = flat.set_(st, 0, (st.nbytes() // dest.element_size(),), (1,))
+        self.saved = saved
+
+    def put(self, elem: int, data: np.ndarray) -> None:
+        src = torch.frombuffer(data, dtype=self.saved)  # no copy; unaligned is fine
+        self.flat[elem : elem + len(src)].copy_(src)
+
+
 @dataclass
 class LocalNeeds:
     """The byte ranges of the files this rank's regions need, and where each lands.
@@ -124,7 +151,9 @@ class LocalNeeds:
     (a received piece is checked before any of it is used) and merges them
     per file: what this rank asks the job for. The destination runs are
     kept sorted by file and start, to find by bisection where a received
-    piece goes.
+    piece goes: into the destination's storage directly (a CPU tensor of the
+    saved dtype) or cast and copied run by run (another dtype, a device; such
+    regions need block checksums, whose checked blocks are whole elements).
     """
 
     regions: Sequence[Region]
@@ -132,19 +161,20 @@ class LocalNeeds:
     start: np.ndarray = field(init=False)
     length: np.ndarray = field(init=False)
     region: np.ndarray = field(init=False)
-    dst: np.ndarray = field(init=False)
+    dst: np.ndarray = field(init=False)  # element offset in the destination's storage
     reach: np.ndarray = field(init=False)
-    views: list[memoryview] = field(init=False)
+    sinks: list[_InPlace | _Converted] = field(init=False)
 
     def __post_init__(self) -> None:
         cols: list[list[np.ndarray]] = [[], [], [], [], []]
-        self.views = []
+        self.sinks = []
         for i, r in enumerate(self.regions):
-            es = r.dest.element_size()
+            es = r.part.dtype.itemsize
             grid = runs(
                 r.part.chunk_sizes, r.part.region, r.dest.stride(), int(r.dest.storage_offset())
             )
-            self.views.append(storage_view(r.dest))
+            in_place = r.dest.device.type == "cpu" and r.dest.dtype == r.part.dtype
+            self.sinks.append(_InPlace(r.dest) if in_place else _Converted(r.dest, r.part.dtype))
             k = len(grid.src)
             if not k or not grid.count:
                 continue
@@ -152,7 +182,7 @@ class LocalNeeds:
             cols[1].append(grid.src * es + r.part.location.start)
             cols[2].append(np.full(k, grid.count * es, np.int64))
             cols[3].append(np.full(k, i, np.int64))
-            cols[4].append(grid.dst * es)
+            cols[4].append(grid.dst)
         file, start, length, region, dst = (
             np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols
         )
@@ -200,8 +230,15 @@ class LocalNeeds:
             a = max(int(self.start[k]), start)
             b = min(int(self.start[k] + self.length[k]), end)
             if a < b:
-                d = int(self.dst[k]) + a - int(self.start[k])
-                self.views[int(self.region[k])][d : d + b - a] = data[a - start : b - start].data
+                r = int(self.region[k])
+                es = self.regions[r].part.dtype.itemsize
+                if (a - int(self.start[k])) % es or (b - a) % es:
+                    raise ReadOnceError(
+                        f"{self.regions[r].name}: bytes [{a}, {b}) of file {file} arrived cut "
+                        f"inside an element of {es} bytes"
+                    )
+                elem = int(self.dst[k]) + (a - int(self.start[k])) // es
+                self.sinks[r].put(elem, data[a - start : b - start])
                 copied += b - a
         return copied
 

@@ -159,9 +159,11 @@ class UCPStorageReader(_Directory, StorageReader):
             more than 5% and ``read_once_costs``
             (:class:`~ucp_dcp.dcp._read_once.ReadOnceCosts`: the storage's
             bandwidth for the job, the interconnect's per rank) estimates
-            the exchange faster. Regions read through staging (casts, device
-            destinations, chunks stored in another dimension order) and
-            values are read by each rank itself. ``read_once_decision``
+            the exchange faster. Received bytes land in the destinations directly, cast and
+            copied to the device where they must be (whole checked blocks,
+            so native checkpoints only); chunks stored in another dimension
+            order, casts and device copies of formats without block
+            checksums, and values are read by each rank itself. ``read_once_decision``
             says what the last load decided and why, ``exchange_totals``
             what it moved. Every rank of the group must load with the same
             setting.
@@ -366,13 +368,19 @@ class UCPStorageReader(_Directory, StorageReader):
         failure: BaseException | None = None
         try:
             for i, ((ri, idx), (part, chunk_offsets)) in enumerate(zip(tensor_items, parts)):
+                if part.location.dim_order:
+                    continue  # stored in another dimension order: the engine stages it
                 dest = planner.resolve_tensor(ri)
-                if needs_staging(dest, part.dtype, part.location):
-                    continue
                 fqn = ri.storage_index.fqn
-                sums = src.block_sums(fqn, idx, part.location) if self.verify else None
-                if sums is None and self.verify and part.location.xxh3:
+                sums = src.block_sums(fqn, idx, part.location)
+                if sums is None and part.location.xxh3 and self.verify:
                     continue  # checked chunk by chunk only: the engine reads it whole
+                if needs_staging(dest, part.dtype, part.location) and (
+                    sums is None or not self.verify
+                ):
+                    continue  # a cast or device copy needs whole elements: checked blocks are
+                if not self.verify:
+                    sums = None
                 done = functools.partial(planner.commit_tensor, ri, dest)
                 regions.append(Region(part, dest, fqn, chunk_offsets, sums, done))
                 taken.append(i)
