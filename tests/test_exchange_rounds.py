@@ -52,7 +52,7 @@ def _check_own(needs: Needs, sizes: dict[int, int], align: int, min_run: int, bu
         assert sum(len(x) for x in rounds) >= len(t)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_needs(), ALIGNS, MIN_RUNS, st.integers(1, 20000))
 def test_own_reads_complete_every_rank_on_random_needs(
     case: tuple[Needs, dict[int, int]], align: int, min_run: int, budget: int
@@ -61,7 +61,7 @@ def test_own_reads_complete_every_rank_on_random_needs(
     _check_own(needs, sizes, align, min_run, budget)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(structured_needs(), ALIGNS, MIN_RUNS, st.integers(1, 20000))
 def test_own_reads_complete_every_rank_on_structured_needs(
     case: tuple[Needs, dict[int, int], bool], align: int, min_run: int, budget: int
