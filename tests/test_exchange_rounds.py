@@ -23,6 +23,8 @@ from test_readplan import (
 from ucp_dcp.core.exchange_rounds import schedule_rounds, with_own_reads
 from ucp_dcp.core.ranges import intersect_ranges, merge_ranges
 from ucp_dcp.core.readplan import plan_job_reads
+from ucp_dcp.dcp._read_once import _rank_rounds
+from ucp_dcp.errors import InvalidArgumentError
 
 
 def _check_own(needs: Needs, sizes: dict[int, int], align: int, min_run: int, budget: int) -> None:
@@ -77,3 +79,33 @@ def test_merge_and_intersect_ranges() -> None:
         np.array([0, 10]), np.array([6, 30]), np.array([2, 5, 28]), np.array([3, 12, 40])
     )
     assert list(zip(s.tolist(), e.tolist())) == [(2, 3), (5, 6), (10, 12), (28, 30)]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_needs(), ALIGNS, st.integers(1, 20000))
+def test_each_ranks_windows_cut_the_same_rounds_as_the_schedule(
+    case: tuple[Needs, dict[int, int]], align: int, budget: int
+) -> None:
+    """What the read-once exchange runs (each rank cutting its own transfers by windows,
+    dcp/_read_once.py) is schedule_rounds' schedule, both ends of every message alike."""
+    needs, sizes = case
+    full = with_own_reads(plan_job_reads(needs, align=align, file_sizes=sizes), needs)
+    world = full.world_size
+    if budget < max(len(needs), 1) * 2:  # under the peers one rank exchanges with: refused
+        return
+    try:
+        rounds = schedule_rounds(full, budget)
+    except InvalidArgumentError:
+        return
+    count, shares = _rank_rounds(full, budget)
+    assert count == len(rounds)
+    for k, t in enumerate(rounds):
+        for me in range(world):
+            got = shares[me].round(k, me, world)
+            for p in range(world):
+                sel = (t.reader == me) & (t.receiver == p)
+                want = np.stack([t.file[sel], t.start[sel], t.length[sel]], axis=1)
+                want = want[np.lexsort((want[:, 1], want[:, 0]))]
+                assert np.array_equal(got.sends[p], want), (k, me, p)
+                back = shares[p].round(k, p, world).recvs[me]
+                assert np.array_equal(back, want), (k, me, p)

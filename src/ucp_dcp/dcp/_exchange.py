@@ -67,24 +67,46 @@ class ExchangeRound:
 
 @dataclass(frozen=True)
 class RankRounds:
-    """One rank's share of every round of an exchange: ``count`` rounds; the rows it sends and
-    those it receives, ``(k, 5)`` int64 arrays of ``(round, peer, file, start, length)`` sorted by
-    (round, peer, file, start). Its size is this rank's rows, whatever the world size."""
+    """One rank's share of an exchange of ``count`` rounds, described by windows rather than
+    listed round by round (its size is this rank's transfers, whatever the number of rounds).
+
+    ``sends`` / ``recvs``: ``(n, 5)`` int64 arrays of ``(peer, file, start, length, at)``, the
+    transfers this rank reads and sends (to itself too) and those it receives, ``at`` being where
+    the transfer starts in its reader's *stream* (the reader's reads laid end to end,
+    :func:`~ucp_dcp.core.exchange_rounds.stream_positions`); ``windows[q]``: the bytes of its
+    stream reader ``q`` handles per round. Round ``k`` holds, of every transfer, the part in
+    window ``k`` of its reader's stream: both ends of a message cut the same rows the same way.
+    """
 
     count: int
     sends: np.ndarray
     recvs: np.ndarray
+    windows: np.ndarray
 
-    def round(self, k: int, world: int) -> ExchangeRound:
-        """Round ``k`` per peer (views, no copy)."""
-        return ExchangeRound(_by_peer(self.sends, k, world), _by_peer(self.recvs, k, world))
+    def round(self, k: int, me: int, world: int) -> ExchangeRound:
+        """Round ``k``: per peer, the pieces this rank sends there and receives from there."""
+        return ExchangeRound(
+            _window(self.sends, self.windows[me], k, world),
+            _window(self.recvs, self.windows[self.recvs[:, 0]], k, world),
+        )
 
 
-def _by_peer(rows: np.ndarray, k: int, world: int) -> tuple[np.ndarray, ...]:
-    lo, hi = np.searchsorted(rows[:, 0], [k, k + 1]).tolist()
-    part = rows[lo:hi]
-    cuts = np.searchsorted(part[:, 1], np.arange(world + 1)).tolist()
-    return tuple(part[cuts[p] : cuts[p + 1], 2:] for p in range(world))
+def _window(
+    rows: np.ndarray, w: np.ndarray | np.integer, k: int, world: int
+) -> tuple[np.ndarray, ...]:
+    """The parts of ``rows`` in window ``k`` of their readers' streams (``w`` bytes a window),
+    per peer, each as ``(file, start, length)`` rows by (file, start)."""
+    peer, file, start, length, at = rows.T
+    lo, hi = k * w, (k + 1) * w
+    a, b = np.maximum(at, lo), np.minimum(at + length, hi)
+    keep = a < b
+    peer, file = peer[keep], file[keep]
+    start = (start + a - at)[keep]
+    length = (b - a)[keep]
+    order = np.lexsort((start, file, peer))
+    part = np.stack([file, start, length], axis=1)[order]
+    cuts = np.searchsorted(peer[order], np.arange(world + 1)).tolist()
+    return tuple(part[cuts[p] : cuts[p + 1]] for p in range(world))
 
 
 @dataclass
@@ -395,7 +417,7 @@ def run_exchange(
     error: BaseException | None = None
     flight: _InFlight | None = None
     for k in range(rounds.count):
-        rnd = rounds.round(k, world)
+        rnd = rounds.round(k, me, world)
         # Round k's messages go out while round k-1's are placed: reading, sending and checking
         # overlap (the collective runs on the group's own thread).
         send_sizes, recv_sizes = _sizes(rnd.sends), _sizes(rnd.recvs)

@@ -9,9 +9,9 @@ group's first rank, which makes the job's plan
 one rank, preferring a rank that needs it, balanced), decides with the
 policy whether exchanging pays, cuts the transfers into rounds of at most
 ``budget`` bytes sent and received per rank
-(:func:`~ucp_dcp.core.exchange_rounds.schedule_rounds`, this rank's
-reads for itself included: each byte read once, in the round all its
-receivers get it), and scatters each rank
+(:mod:`~ucp_dcp.core.exchange_rounds`, each rank's reads for itself
+included: each byte read once, in the round all its receivers get it), and
+scatters each rank its transfers and the windows that cut them into rounds
 its rounds. :func:`~ucp_dcp.dcp._exchange.run_exchange` then runs them.
 
 The policy (:func:`decide`): ``True`` always exchanges, ``False`` never
@@ -35,8 +35,8 @@ import numpy as np
 import torch.distributed as dist
 
 from ..byteio.objstore import is_url
-from ..core.exchange_rounds import schedule_rounds, with_own_reads
-from ..core.readplan import JobReadPlan, Transfers, plan_job_reads
+from ..core.exchange_rounds import exchange_windows, stream_positions, with_own_reads
+from ..core.readplan import JobReadPlan, plan_job_reads
 from ..errors import InvalidArgumentError, ReadOnceError
 from ._exchange import LocalNeeds, RankRounds
 
@@ -284,26 +284,23 @@ def _plan(
     decision = decide(mode, shared, storage, plan, costs, budget)
     if not decision.exchange:
         return [(decision, None)] * world
-    rounds = schedule_rounds(with_own_reads(plan, needs), budget)
-    decision = dataclasses.replace(decision, rounds=len(rounds), budget=budget)
-    return [(decision, share) for share in _rank_rounds(rounds, world)]
+    count, shares = _rank_rounds(with_own_reads(plan, needs), budget)
+    decision = dataclasses.replace(decision, rounds=count, budget=budget)
+    return [(decision, share) for share in shares]
 
 
-def _rank_rounds(rounds: Sequence[Transfers], world: int) -> list[RankRounds]:
-    """Every rank's share of ``rounds``: the rows it sends and those it receives, each as one
-    array sorted by (round, peer, file, start), the order both ends of a message follow."""
-    cols = ("reader", "receiver", "file", "start", "length")
-    if rounds:
-        reader, receiver, file, start, length = (
-            np.concatenate([getattr(t, c) for t in rounds]) for c in cols
-        )
-        k = np.repeat(np.arange(len(rounds), dtype=np.int64), [len(t) for t in rounds])
-    else:
-        reader = receiver = file = start = length = k = np.zeros(0, np.int64)
+def _rank_rounds(plan: JobReadPlan, budget: int) -> tuple[int, list[RankRounds]]:
+    """The number of rounds and every rank's share of them (``plan`` with each rank's reads for
+    itself among its transfers): the transfers it sends and receives with their positions in
+    their readers' streams, and every reader's window (O(transfers), whatever the rounds)."""
+    world, t = plan.world_size, plan.transfers
+    windows = exchange_windows(plan, budget)
+    at = stream_positions(plan)
+    count = int(((at + t.length - 1) // windows[t.reader]).max()) + 1 if len(t) else 0
     shares = []
-    for me, peer in ((reader, receiver), (receiver, reader)):
-        order = np.lexsort((start, file, peer, k, me))
-        rows = np.stack([k, peer, file, start, length], axis=1)[order]
+    for me, peer in ((t.reader, t.receiver), (t.receiver, t.reader)):
+        order = np.lexsort((at, peer, me))
+        rows = np.stack([peer, t.file, t.start, t.length, at], axis=1)[order]
         cuts = np.searchsorted(me[order], np.arange(world + 1))
         shares.append([rows[cuts[r] : cuts[r + 1]] for r in range(world)])
-    return [RankRounds(len(rounds), shares[0][r], shares[1][r]) for r in range(world)]
+    return count, [RankRounds(count, shares[0][r], shares[1][r], windows) for r in range(world)]
