@@ -15,27 +15,41 @@ once per rank.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import os
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+import s3_server
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_utils import bit_equal, run_ranks
 from safetensors.torch import save_file
 from test_deepspeed import FIXTURES, expected
+from test_manager_object_restore import count_s3_bytes, sharded_state
+from test_manager_object_restore import full_tensors as full_tensors_s3
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from ucp_dcp import UCPLoadPlanner, UCPStorageReader
+from ucp_dcp import (
+    CheckpointManager,
+    UCPLoadPlanner,
+    UCPSavePlanner,
+    UCPStorageReader,
+    UCPStorageWriter,
+)
+from ucp_dcp.manager import _restore
 from ucp_dcp.sources import open_source
 
 pytestmark = pytest.mark.multiproc
+
+s3_bucket = s3_server.s3_bucket  # the session fixture, made visible to this module
 
 WORLD = 3
 WATCHDOG_S = 300
@@ -213,3 +227,142 @@ def test_deepspeed_fixture(tmp_path: Path, variant: str) -> None:
     run_ranks(WORLD, _load_deepspeed, variant, out)
     targets = {k: v for k, v in expected(variant).items() if not k.endswith(".step")}
     _check_read_once(torch.load(out), str(FIXTURES / variant), targets)
+
+
+# ---------------------------------------------------------------- an object store (moto S3)
+#
+# The default read_once ("auto") exchanges where the storage is shared by the job: an object
+# store is, so replicated targets (every rank needs every byte) are read once over the job.
+
+
+def _save_s3(rank: int, world: int, url: str, options: dict[str, Any]) -> None:
+    state = sharded_state(7, world)
+    dcp.save(
+        state["model"],
+        storage_writer=UCPStorageWriter(url, storage_options=options),
+        planner=UCPSavePlanner(),
+    )
+
+
+def _load_s3(rank: int, world: int, url: str, options: dict[str, Any], out: str) -> None:
+    """Replicated targets from S3, read_once left at its default, then read_once=False; what
+    s3fs fetched each time."""
+    _watchdog()
+    want = full_tensors_s3(7)
+    records = {}
+    for once in ("auto", False):
+        sd = {k: torch.full_like(v, 13) for k, v in want.items()}
+        with pytest.MonkeyPatch.context() as mp:
+            counted = count_s3_bytes(mp)
+            kw: dict[str, Any] = {} if once == "auto" else {"read_once": False}
+            reader = UCPStorageReader(url, storage_options=options, **kw)
+            assert reader.read_once == "auto" or once is False
+            dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
+        for k, v in want.items():
+            assert bit_equal(sd[k], v), f"rank {rank}: {k} differs, read_once={once}"
+        records[once] = {
+            **_record(reader),
+            "s3": counted["bytes"],
+            "downloads": counted["downloads"],
+        }
+    _gather(rank, world, records, out)
+
+
+def test_object_store_auto_reads_each_byte_once(
+    s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    base, options = s3_bucket
+    url = f"{base}/read-once-{uuid.uuid4().hex[:8]}"
+    run_ranks(WORLD, _save_s3, url, options)
+    out = str(tmp_path / "counts.pt")
+    run_ranks(WORLD, _load_s3, url, options, out)
+    ranks = torch.load(out)
+    auto = [r["auto"] for r in ranks]
+    direct = [r[False] for r in ranks]
+    assert all(r["exchange"] for r in auto), auto
+    assert all("shared storage (object store)" in r["reason"] for r in auto), auto
+    assert not any(r["exchange"] for r in direct), direct
+    assert not any(r["downloads"] for r in auto + direct)
+    unique = auto[0]["unique"]
+    tensors = _tensor_bytes(full_tensors_s3(7))
+    assert all(r["unique"] == unique for r in auto)
+    # Whole checksum blocks of the saved chunks: the tensors' bytes, rounded up to 4 KiB per chunk.
+    assert tensors <= unique <= tensors + WORLD * len(full_tensors_s3(7)) * PAGE, unique
+    assert sum(r["read"] for r in auto) == unique
+    # Counted at s3fs: the data each rank fetches, summed, is the unique bytes once (and what is
+    # not tensor data: index, headers, block checksums, which every rank reads for itself);
+    # directly, every rank fetches all of it.
+    once_s3 = sum(r["s3"] for r in auto)
+    direct_s3 = sum(r["s3"] for r in direct)
+    assert sum(r["requested"] for r in auto) == unique
+    assert once_s3 <= unique + sum(r["s3"] - r["requested"] for r in direct), (once_s3, unique)
+    assert direct_s3 >= WORLD * tensors
+    assert once_s3 < direct_s3 / (WORLD - 0.5), (once_s3, direct_s3)
+
+
+# ---------------------------------------------------------------- CheckpointManager restore
+
+
+def _manager_save(rank: int, world: int, root: str, options: dict[str, Any]) -> None:
+    with CheckpointManager(root, storage_options=options) as mgr:
+        mgr.save(7, sharded_state(7, world))
+        mgr.wait()
+
+
+def _manager_restore(rank: int, world: int, root: str, options: dict[str, Any], out: str) -> None:
+    """A restore from the object-store tier into replicated targets: the manager's group
+    exchanges."""
+    _watchdog()
+    want = full_tensors_s3(7)
+    state = {"model": {k: torch.full_like(v, 13) for k, v in want.items()}, "step": -1}
+    groups: list[Any] = []
+
+    class Reader(UCPStorageReader):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            groups.append(kw.get("process_group"))
+            super().__init__(*a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        counted = count_s3_bytes(mp)
+        mp.setattr(_restore, "UCPStorageReader", Reader)
+        with CheckpointManager(root, storage_options=options) as mgr:
+            assert mgr.load(state) == 7
+            rec = mgr.last_restore
+            # The exchange runs on the group dcp.load runs on: the manager's own (gloo), not the
+            # default group (NCCL in a GPU job, where CPU tensors cannot travel).
+            pg = mgr._restorer.group.pg
+            assert pg is not None and groups == [pg], (groups, pg)
+    assert rec is not None and rec.tier == "persistent", rec
+    assert state["step"] == 7
+    for k, v in want.items():
+        assert bit_equal(state["model"][k], v), f"rank {rank}: {k} differs"
+    d = rec.read_once
+    assert d is not None
+    record = {"decision": dataclasses.asdict(d), "read": rec.read_bytes, "s3": counted["bytes"]}
+    _gather(rank, world, record, out)
+
+
+def test_manager_restore_from_object_store_exchanges(
+    s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    base, options = s3_bucket
+    root = f"{base}/mgr-read-once-{uuid.uuid4().hex[:8]}"
+    run_ranks(WORLD, _manager_save, root, options)
+    out = str(tmp_path / "restore.pt")
+    run_ranks(WORLD, _manager_restore, root, options, out)
+    ranks = torch.load(out)
+    decisions = [r["decision"] for r in ranks]
+    assert all(d["exchange"] and d["storage"] == "object store" for d in decisions), decisions
+    unique = decisions[0]["unique_bytes"]
+    assert all(d["unique_bytes"] == unique for d in decisions), decisions
+    assert all(d["needed_bytes"] == WORLD * unique for d in decisions), decisions
+    tensors = _tensor_bytes(full_tensors_s3(7))
+    assert tensors <= unique
+    # RestoreRecord.read_bytes: the data this rank fetched, now its share of the job's, and the
+    # values every rank reads itself (the step: a few bytes).
+    read = sum(r["read"] for r in ranks)
+    assert unique <= read <= unique + WORLD * 64, (read, unique)
+    # Counted at s3fs: besides the data, each rank reads the index, marker, headers and block
+    # checksums (about 0.2 MiB here); a restore without read-once fetches every byte WORLD times.
+    fetched = sum(r["s3"] for r in ranks)
+    assert fetched < unique + WORLD * (1 << 20), (fetched, unique)
