@@ -24,12 +24,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import fault_proxy
 import pytest
 import s3_server
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_utils import bit_equal, run_ranks
+from fault_proxy import FaultProxy
 from safetensors.torch import save_file
 from test_deepspeed import FIXTURES, expected
 from test_manager_object_restore import count_s3_bytes, sharded_state
@@ -50,6 +52,7 @@ from ucp_dcp.sources import open_source
 pytestmark = pytest.mark.multiproc
 
 s3_bucket = s3_server.s3_bucket  # the session fixture, made visible to this module
+s3_proxy = fault_proxy.s3_proxy  # a counting proxy in front of it (needs s3_bucket visible)
 
 WORLD = 3
 WATCHDOG_S = 300
@@ -244,41 +247,40 @@ def _save_s3(rank: int, world: int, url: str, options: dict[str, Any]) -> None:
     )
 
 
-def _load_s3(rank: int, world: int, url: str, options: dict[str, Any], out: str) -> None:
-    """Replicated targets from S3, read_once left at its default, then read_once=False; what
-    s3fs fetched each time."""
+def _load_s3(
+    rank: int, world: int, url: str, options: dict[str, Any], once: bool | str, out: str
+) -> None:
+    """Replicated targets from S3 (``once == "auto"``: read_once left at its default); what s3fs
+    fetched."""
     _watchdog()
     want = full_tensors_s3(7)
-    records = {}
-    for once in ("auto", False):
-        sd = {k: torch.full_like(v, 13) for k, v in want.items()}
-        with pytest.MonkeyPatch.context() as mp:
-            counted = count_s3_bytes(mp)
-            kw: dict[str, Any] = {} if once == "auto" else {"read_once": False}
-            reader = UCPStorageReader(url, storage_options=options, **kw)
-            assert reader.read_once == "auto" or once is False
-            dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
-        for k, v in want.items():
-            assert bit_equal(sd[k], v), f"rank {rank}: {k} differs, read_once={once}"
-        records[once] = {
-            **_record(reader),
-            "s3": counted["bytes"],
-            "downloads": counted["downloads"],
-        }
-    _gather(rank, world, records, out)
+    sd = {k: torch.full_like(v, 13) for k, v in want.items()}
+    with pytest.MonkeyPatch.context() as mp:
+        counted = count_s3_bytes(mp)
+        kw: dict[str, Any] = {} if once == "auto" else {"read_once": once}
+        reader = UCPStorageReader(url, storage_options=options, **kw)
+        assert reader.read_once == once
+        dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
+    for k, v in want.items():
+        assert bit_equal(sd[k], v), f"rank {rank}: {k} differs, read_once={once}"
+    fetched = {"s3": counted["bytes"], "downloads": counted["downloads"]}
+    _gather(rank, world, {**_record(reader), **fetched}, out)
 
 
 def test_object_store_auto_reads_each_byte_once(
-    s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path
+    s3_proxy: tuple[str, dict[str, Any], FaultProxy], tmp_path: Path
 ) -> None:
-    base, options = s3_bucket
+    # The options lead s3fs through the proxy, which counts what the server sends.
+    base, options, proxy = s3_proxy
     url = f"{base}/read-once-{uuid.uuid4().hex[:8]}"
     run_ranks(WORLD, _save_s3, url, options)
-    out = str(tmp_path / "counts.pt")
-    run_ranks(WORLD, _load_s3, url, options, out)
-    ranks = torch.load(out)
-    auto = [r["auto"] for r in ranks]
-    direct = [r[False] for r in ranks]
+    runs: dict[bool | str, tuple[list[dict[str, Any]], int]] = {}
+    for once in ("auto", False):
+        proxy.reset_records()
+        out = str(tmp_path / f"counts-{once}.pt")
+        run_ranks(WORLD, _load_s3, url, options, once, out)
+        runs[once] = torch.load(out), proxy.bytes_sent("GET")
+    (auto, server_auto), (direct, server_direct) = runs["auto"], runs[False]
     assert all(r["exchange"] for r in auto), auto
     assert all("shared storage (object store)" in r["reason"] for r in auto), auto
     assert not any(r["exchange"] for r in direct), direct
@@ -289,15 +291,18 @@ def test_object_store_auto_reads_each_byte_once(
     # Whole checksum blocks of the saved chunks: the tensors' bytes, rounded up to 4 KiB per chunk.
     assert tensors <= unique <= tensors + WORLD * len(full_tensors_s3(7)) * PAGE, unique
     assert sum(r["read"] for r in auto) == unique
-    # Counted at s3fs: the data each rank fetches, summed, is the unique bytes once (and what is
-    # not tensor data: index, headers, block checksums, which every rank reads for itself);
-    # directly, every rank fetches all of it.
+    assert sum(r["requested"] for r in auto) == unique
+    # Counted at s3fs: the data each rank fetches, summed, is the unique bytes once, plus what is
+    # not tensor data (index, headers, block checksums: every rank reads them for itself, as
+    # in a direct load); directly, every rank fetches all of it.
     once_s3 = sum(r["s3"] for r in auto)
     direct_s3 = sum(r["s3"] for r in direct)
-    assert sum(r["requested"] for r in auto) == unique
     assert once_s3 <= unique + sum(r["s3"] - r["requested"] for r in direct), (once_s3, unique)
     assert direct_s3 >= WORLD * tensors
-    assert once_s3 < direct_s3 / (WORLD - 0.5), (once_s3, direct_s3)
+    # Counted at the server (GET bodies, listings included): the same picture.
+    assert once_s3 <= server_auto < unique + WORLD * (1 << 20), (server_auto, once_s3, unique)
+    assert server_direct >= direct_s3 >= WORLD * tensors, (server_direct, direct_s3)
+    assert server_auto < server_direct / (WORLD - 0.5), (server_auto, server_direct)
 
 
 # ---------------------------------------------------------------- CheckpointManager restore
