@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..byteio.integrity import bytes_digest, file_digest
 from ..byteio.objstore import is_url
 from ..dcp import UCPLoadPlanner, UCPStorageReader
+from ..dcp._read_once import ReadOnceDecision
 from ..dcp.reader import collector_paused
 from ..errors import CheckpointFormatError, CheckpointRestoreError, NoCheckpointError
 from ..format import INDEX_FILE
@@ -147,7 +148,7 @@ class Restorer(GroupWorker):
             try:
                 ready = self._prepare(cand, token)
                 try:
-                    verified, read = self._load_from(ready, state)
+                    verified, read, once = self._load_from(ready, state)
                 finally:
                     ready.done()
             except (Exception, CheckpointException) as e:
@@ -164,7 +165,13 @@ class Restorer(GroupWorker):
                     len(attempts),
                 )
             return cand, RestoreRecord(
-                cand.step, cand.tier, time.perf_counter() - t0, tuple(attempts), verified, read
+                cand.step,
+                cand.tier,
+                time.perf_counter() - t0,
+                tuple(attempts),
+                verified,
+                read,
+                once,
             )
         raise CheckpointRestoreError("no copy of any candidate step could be restored:", attempts)
 
@@ -390,9 +397,12 @@ class Restorer(GroupWorker):
                 f"bytes, {want.xxh3}): it is corrupt"
             )
 
-    def _load_from(self, ready: _Loadable, state: Mapping[str, Any]) -> tuple[int, int]:
+    def _load_from(
+        self, ready: _Loadable, state: Mapping[str, Any]
+    ) -> tuple[int, int, ReadOnceDecision | None]:
         """Load ``ready`` (a directory, or a URL read with its storage options; the index it
-        holds already checked); return (verified, read) bytes."""
+        holds already checked); return the verified and read bytes, and what the reader's
+        read-once policy decided."""
         options: dict[str, Any] = {}
         if self.config.io_threads is not None:
             options["io_threads"] = self.config.io_threads
@@ -403,6 +413,9 @@ class Restorer(GroupWorker):
             verify=self.config.verify_on_load,
             storage_options=ready.storage_options,
             known_files=ready.known_files,
+            # The group dcp.load runs on below: a read-once exchange (the reader's default
+            # "auto": a copy in an object store, replicas needing the same bytes) runs on it too.
+            process_group=self.group.pg,
             **options,
         )
         # Python's cyclic collector paused for the whole load, not only while the reader reads
@@ -417,7 +430,11 @@ class Restorer(GroupWorker):
             dcp.load(
                 state, storage_reader=reader, planner=UCPLoadPlanner(), process_group=self.group.pg
             )
-        return int(getattr(reader, "verified_bytes", 0)), int(getattr(reader, "bytes_requested", 0))
+        return (
+            int(getattr(reader, "verified_bytes", 0)),
+            int(getattr(reader, "bytes_requested", 0)),
+            reader.read_once_decision,
+        )
 
     def _agree(self, what: str, fn: Callable[[], Any], cand: Candidate) -> Any:
         return self.group.agree(what, fn, step=cand.step, restoring=True)

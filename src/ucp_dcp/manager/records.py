@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..dcp._read_once import ReadOnceDecision
 
 __all__ = ["ReshardEvent", "SaveRecord", "RestoreRecord"]
 
@@ -40,3 +44,7 @@ class RestoreRecord:
     read_bytes: int = 0
     """Bytes this rank's load requested from the checkpoint's data files (headers and the index not
     counted; a whole-step download before the load is not counted either)."""
+    read_once: ReadOnceDecision | None = None
+    """What the load's read-once policy decided and why (see ``UCPStorageReader(read_once=)``):
+    ``read_once.exchange`` says whether each needed byte was read by one rank and sent to the
+    others over the manager's group; None where no decision was asked for (one process)."""
