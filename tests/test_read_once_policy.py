@@ -23,6 +23,7 @@ from ucp_dcp.dcp import _read_once
 from ucp_dcp.dcp._read_once import (
     OVERLAP_TO_EXCHANGE,
     READ_ONCE_MODES,
+    ReadOnceCosts,
     check_read_once,
     decide,
     shared_storage,
@@ -79,22 +80,48 @@ def test_auto_on_local_storage_reads_directly_before_any_plan() -> None:
     assert not decide("auto", False, "ext4", _plan(100, 100)).exchange
 
 
+FREE_ROUNDS = ReadOnceCosts(round_seconds=0.0)  # the overlap rule alone decides
+
+
 @pytest.mark.parametrize("storage", ["object store", "nfs4", "lustre"])
 def test_auto_on_shared_storage_exchanges_above_5_percent_overlap(storage: str) -> None:
     assert OVERLAP_TO_EXCHANGE == 1.05
-    above = decide("auto", True, storage, _plan(100, 6))  # 1.06x
+    above = decide("auto", True, storage, _plan(100, 6), FREE_ROUNDS)  # 1.06x
     assert above.exchange, above
-    assert above.reason == f"shared storage ({storage}), the ranks' needs overlap by 1.06x"
+    assert above.reason == (
+        f"shared storage ({storage}), the ranks' needs overlap by 1.06x: "
+        f"{above.exchange_s:.3g} s exchanging against {above.direct_s:.3g} s reading directly"
+    )
     assert (above.needed_bytes, above.unique_bytes) == (106 * PAGE, 100 * PAGE)
-    replicas = decide("auto", True, storage, _plan(50, 50, 50, 50))  # replicated: 4x
+    replicas = decide("auto", True, storage, _plan(50, 50, 50, 50), FREE_ROUNDS)  # replicated: 4x
     assert replicas.exchange and "overlap by 4.00x" in replicas.reason, replicas
 
 
 @pytest.mark.parametrize("pages", [0, 4, 5])  # 1.00x, 1.04x, exactly 1.05x
 def test_auto_on_shared_storage_reads_directly_at_or_below_5_percent(pages: int) -> None:
-    d = decide("auto", True, "object store", _plan(100, pages))
+    d = decide("auto", True, "object store", _plan(100, pages), FREE_ROUNDS)
     assert not d.exchange, d
     assert d.reason == f"the ranks' needs overlap by {(100 + pages) / 100:.3f}x: no gain"
+
+
+def test_auto_weighs_the_costs_and_reports_them() -> None:
+    """Direct: every rank's bytes through the job's storage bandwidth; exchanging: the unique
+    bytes through it, or the most a rank receives through its link, plus a fixed cost a round."""
+    plan = _plan(100, 100, 100, 100)  # 400 KiB, 4 replicas
+    costs = ReadOnceCosts(storage_bytes_per_s=1e6, network_bytes_per_s=1e7, round_seconds=0.0)
+    d = decide("auto", True, "object store", plan, costs, budget=1 << 20)
+    assert d.exchange and d.costs == costs
+    assert d.direct_s == pytest.approx(400 * PAGE / 1e6)
+    assert d.exchange_s == pytest.approx(max(100 * PAGE / 1e6, 75 * PAGE / 1e7))
+    # A slow interconnect: moving the bytes costs more than reading them again.
+    slow = ReadOnceCosts(storage_bytes_per_s=1e9, network_bytes_per_s=1e6, round_seconds=0.0)
+    d = decide("auto", True, "object store", plan, slow, budget=1 << 20)
+    assert not d.exchange
+    assert d.reason.startswith("shared storage (object store), the ranks' needs overlap by 4.00x,")
+    assert "but exchanging would take" in d.reason
+    # A tiny load: the rounds' fixed cost outweighs what reading once saves.
+    tiny = decide("auto", True, "object store", _plan(1, 1), ReadOnceCosts(round_seconds=1.0))
+    assert not tiny.exchange and tiny.exchange_s > tiny.direct_s
 
 
 def test_decisions_leave_rounds_and_budget_to_the_coordinator() -> None:
