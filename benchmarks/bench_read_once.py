@@ -55,7 +55,7 @@ local disk no slower than ``read_once=False`` beyond the noise (1.1x).
 
 Usage::
 
-    python benchmarks/bench_read_once.py                  # ~48 MB, 3 repeats, ~5 min on 2 cores
+    python benchmarks/bench_read_once.py                  # ~48 MB, 3 repeats, ~2.5 min on 2 cores
     python benchmarks/bench_read_once.py --quick          # ~8 MB, 1 repeat, ~1-2 min
     python benchmarks/bench_read_once.py --targets hsdp2x2 --no-s3 --repeats 5
     python benchmarks/bench_read_once.py --cap-mbps 100 --s3-targets hsdp2x2,replicated
