@@ -9,7 +9,10 @@ rank ``r`` the endpoint of port ``r``), relays every byte to the server
 unchanged, and frames the HTTP/1.1 traffic as it passes to count, per port,
 requests by kind and the bytes of request and response bodies; a small
 control server answers ``GET /`` with every port's counters as JSON, so
-that ranks can read theirs before and after a timed section.
+that ranks can read theirs before and after a timed section. With
+``cap_bytes_per_s`` the proxy also stands for storage whose bandwidth the
+whole job shares: every byte it relays from the server, on all ports
+together, passes one :class:`TokenBucket` first.
 
 Nothing leaves the machine: every socket is bound to 127.0.0.1.
 """
@@ -23,6 +26,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -30,6 +34,7 @@ from typing import Any, BinaryIO
 
 FAKE_CREDENTIALS = {"key": "testing", "secret": "testing"}
 _RELAY_BYTES = 1 << 20
+_CAPPED_SLICE = 64 << 10  # under a cap, responses are released in slices this big: ports take turns
 
 
 def s3_environment() -> None:
@@ -141,6 +146,38 @@ class Counters:
         return Counters(**{k: v - getattr(before, k) for k, v in asdict(self).items()})
 
 
+class TokenBucket:
+    """A cap on the total rate of bytes through every caller, however many threads call.
+
+    Each :meth:`take` reserves its bytes at the cap's rate after every
+    earlier reservation (a virtual clock, ``free_at``) and sleeps until all
+    but ``burst_bytes`` of what is reserved would have gone through: over
+    any stretch of time the bytes taken are at most ``burst_bytes`` plus the
+    rate times the stretch, and callers are served in arrival order.
+    ``clock`` and ``sleep`` are for tests.
+    """
+
+    def __init__(self, bytes_per_s: float, burst_bytes: int = 256 << 10, *,
+                 clock: Any = time.monotonic, sleep: Any = time.sleep) -> None:
+        if bytes_per_s <= 0:
+            raise ValueError(f"a cap must be positive, got {bytes_per_s} bytes/s")
+        self.bytes_per_s = float(bytes_per_s)
+        self.burst_bytes = burst_bytes
+        self.clock, self.sleep = clock, sleep
+        self.lock = threading.Lock()
+        self.free_at = clock()  # when the bytes reserved so far have all gone through
+
+    def take(self, n: int) -> float:
+        """Wait until ``n`` more bytes may pass; returns the seconds waited (0 within the burst)."""
+        with self.lock:
+            now = self.clock()
+            self.free_at = max(self.free_at, now) + n / self.bytes_per_s
+            wait = self.free_at - now - self.burst_bytes / self.bytes_per_s
+        if wait > 0:
+            self.sleep(wait)
+        return max(wait, 0.0)
+
+
 def _kind(method: str, target: str) -> str:
     """The counter a request goes to: GET of a bucket (no key, or a listing query) is a listing."""
     if method != "GET":
@@ -231,7 +268,15 @@ class _Relay:
         return done
 
     def _send(self, dst: socket.socket, data: bytes, wire: str) -> None:
-        dst.sendall(data)
+        cap = self.proxy.cap if wire == "wire_in" else None
+        if cap is None:
+            dst.sendall(data)
+        else:  # the server's answers share the cap; requests (and uploads) do not
+            view = memoryview(data)
+            for i in range(0, len(view), _CAPPED_SLICE):
+                piece = view[i:i + _CAPPED_SLICE]
+                cap.take(len(piece))
+                dst.sendall(piece)
         with self.proxy.lock:
             setattr(self.c, wire, getattr(self.c, wire) + len(data))
 
@@ -293,11 +338,16 @@ class CountingProxy:
     """``clients`` listening ports on 127.0.0.1 relaying to ``upstream_port``, counting per port.
 
     ``endpoints[i]`` is the URL client ``i`` should use; ``control_url``
-    answers ``GET`` with ``{"0": {counters}, "1": ...}``. A context manager.
+    answers ``GET`` with ``{"0": {counters}, "1": ...}``. ``cap_bytes_per_s``:
+    the most bytes per second the server's answers (headers and bodies) may
+    reach the clients at, all ports together (None: as fast as they come).
+    A context manager.
     """
 
-    def __init__(self, upstream_port: int, clients: int) -> None:
+    def __init__(self, upstream_port: int, clients: int,
+                 cap_bytes_per_s: float | None = None) -> None:
         self.upstream_port = upstream_port
+        self.cap = TokenBucket(cap_bytes_per_s) if cap_bytes_per_s else None
         self.lock = threading.Lock()
         self.counters = [Counters() for _ in range(clients)]
         self.listeners: list[socket.socket] = []

@@ -49,7 +49,14 @@ from ._directory import _Directory
 from ._exchange import ExchangeTotals, LocalNeeds, Region, run_exchange
 from ._mesh_groups import LazyChunks
 from ._plan_records import LoadSourceInfo
-from ._read_once import ReadOnceCosts, ReadOnceDecision, check_read_once, coordinate
+from ._read_once import (
+    ReadOnceCosts,
+    ReadOnceDecision,
+    check_read_once,
+    coordinate,
+    decide,
+    shared_storage,
+)
 from .load_planner import UCPLoadPlanner
 
 __all__ = ["UCPStorageReader"]
@@ -363,6 +370,11 @@ class UCPStorageReader(_Directory, StorageReader):
         everything = list(range(len(tensor_items)))
         if not self._may_exchange():
             return everything
+        if self.read_once == "auto":
+            shared, storage = shared_storage(self.path)
+            if not shared:  # decided without the other ranks: this rank's needs are not wanted
+                self.read_once_decision = decide(self.read_once, shared, storage, None)
+                return everything
         regions: list[Region] = []
         taken: list[int] = []
         failure: BaseException | None = None
