@@ -17,7 +17,6 @@ bytes (``UCPStorageReader.bytes_requested``).
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -473,25 +472,91 @@ def _save_stacked_ep(rank: int, world: int, paths: dict[str, str], group: Any) -
 
 
 def _stacked_into_per_expert(rank: int, world: int, paths: dict[str, str], group: Any) -> None:
-    ref = hf_reference()
-    per = E // world
-    want = {HF + "gate.weight": ref[HF + "gate.weight"]}
-    for i in range(per):
-        for w in SHAPES:
-            want[f"{HF}experts.{i}.{w}.weight"] = ref[f"{HF}experts.{rank * per + i}.{w}.weight"]
+    want = _per_expert_local(rank, world)
     sd = {k: torch.full_like(v, float("nan")) for k, v in want.items()}
+    per = E // world
     spec = LayoutSpec(unstacked_rules(per_rank=per if world > 1 else 0), axes={"ep": (rank, world)})
     got = _load_checked(sd, spec, paths["stacked"], group)
     assert [k for k in want if not bit_equal(sd[k], want[k])] == [], (rank, world)
     assert got == _nbytes(want.values()), (rank, world, got)
 
 
+def _per_expert_local(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """EP rank ``rank`` of ``world``'s per-expert tensors under local indices, and the router."""
+    ref = hf_reference()
+    per = E // world
+    out = {HF + "gate.weight": ref[HF + "gate.weight"]}
+    for i in range(per):
+        for w in SHAPES:
+            out[f"{HF}experts.{i}.{w}.weight"] = ref[f"{HF}experts.{rank * per + i}.{w}.weight"]
+    return out
+
+
+def _save_plain_stacked_as_per_expert(
+    rank: int, world: int, paths: dict[str, str], group: Any
+) -> None:
+    ep_rank, tp_rank = divmod(rank, 2)
+    local = local_stacked(stacked_reference(hf_reference()), ep_rank, 2, tp_rank, 2)
+    spec = LayoutSpec(
+        stacked_rules("ep", tp=True) + [Replicated("gate")],
+        axes={"ep": (ep_rank, 2), "tp": (tp_rank, 2)},
+    )
+    dcp.save(
+        spec.apply(local, record=True),
+        storage_writer=UCPStorageWriter(paths["per_expert"]),
+        planner=UCPSavePlanner(),
+        process_group=group,
+    )
+
+
+def _per_expert_checkpoint_as_it_is(
+    rank: int, world: int, paths: dict[str, str], group: Any
+) -> None:
+    """What the stacked EP x TP save wrote: Hugging Face's per-expert tensors, no spec needed."""
+    want = hf_reference()
+    sd = {k: torch.full_like(v, float("nan")) for k, v in want.items()}
+    reader = UCPStorageReader(paths["per_expert"])
+    dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner(), process_group=group)
+    assert [k for k in want if not bit_equal(sd[k], want[k])] == []
+
+
+def _save_per_expert_as_stacked(rank: int, world: int, paths: dict[str, str], group: Any) -> None:
+    spec = LayoutSpec(unstacked_rules(per_rank=E // world), axes={"ep": (rank, world)})
+    dcp.save(
+        spec.apply(_per_expert_local(rank, world), record=True),
+        storage_writer=UCPStorageWriter(paths["stacked2"]),
+        planner=UCPSavePlanner(),
+        process_group=group,
+    )
+
+
+def _stacked_checkpoint_into_dtensors(
+    rank: int, world: int, paths: dict[str, str], group: Any
+) -> None:
+    """The per-expert EP 2 save wrote stacked tensors: a stacked EP 4 model reads them as such."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    st = stacked_reference(hf_reference())
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    sd = _stacked_dtensors(st, mesh, tp=False, nan=True)
+    dcp.load(
+        sd,
+        storage_reader=UCPStorageReader(paths["stacked2"]),
+        planner=UCPLoadPlanner(),
+        process_group=group,
+    )
+    want = _stacked_dtensors(st, mesh, tp=False, nan=False)
+    assert [k for k in sd if not bit_equal(sd[k].to_local(), want[k].to_local())] == [], rank
+
+
 @pytest.mark.multiproc
 def test_hf_experts_into_stacked_ep_and_back(tmp_path: Path) -> None:
     """A Mixtral-style model.safetensors into stacked experts: DTensor EP 4 (6 experts: 2, 2, 2,
-    0), DTensor EP 2 x TP 2, plain EP 2 x TP 2; then a stacked EP 4 save into per-expert EP 2 and
-    one process."""
-    paths = {"hf": _hf_dir(tmp_path / "hf", hf_reference()), "stacked": str(tmp_path / "stacked")}
+    0), DTensor EP 2 x TP 2, plain EP 2 x TP 2; a stacked EP 4 save into per-expert EP 2 and one
+    process. Saves through the rules: plain stacked EP 2 x TP 2 as per-expert tensors, per-expert
+    EP 2 as stacked ones, each then read by a model of the other form with no rules at all."""
+    paths = {"hf": _hf_dir(tmp_path / "hf", hf_reference())}
+    paths.update((k, str(tmp_path / k)) for k in ("stacked", "per_expert", "stacked2"))
     run_ranks(
         4,
         _phases,
@@ -503,6 +568,9 @@ def test_hf_experts_into_stacked_ep_and_back(tmp_path: Path) -> None:
             (4, _save_stacked_ep),
             (2, _stacked_into_per_expert),
             (1, _stacked_into_per_expert),
+            (4, _save_plain_stacked_as_per_expert),
+            (1, _per_expert_checkpoint_as_it_is),
+            (2, _save_per_expert_as_stacked),
+            (4, _stacked_checkpoint_into_dtensors),
         ],
     )
-    assert os.path.isdir(paths["stacked"])
