@@ -35,6 +35,8 @@ DOCUMENTED = [
     "VocabPad",
     "Replicated",
     "Averaged",
+    "Stacked",
+    "Unstacked",
     # the common error base
     "UCPError",
 ]
@@ -70,7 +72,8 @@ def test_layout_rules_are_the_adapter_classes() -> None:
     from ucp_dcp.adapters.layout_spec import LayoutSpec
 
     assert ucp_dcp.LayoutSpec is LayoutSpec
-    for name in ("Rename", "Reindex", "Fused", "Shard", "VocabPad", "Replicated", "Averaged"):
+    names = ("Rename", "Reindex", "Fused", "Shard", "VocabPad", "Replicated", "Averaged")
+    for name in names + ("Stacked", "Unstacked"):
         assert getattr(ucp_dcp, name) is getattr(rules, name)
 
 

@@ -13,7 +13,17 @@ layout and world size, reading only the bytes each rank needs::
 from .adapters.flat import FlatParam, FlatShard, flat_partition, pack_flat
 from .adapters.fsdp1 import fsdp1_apply_loaded, fsdp1_state_dict
 from .adapters.layout_spec import LayoutSpec
-from .adapters.rules import Averaged, Fused, Reindex, Rename, Replicated, Shard, VocabPad
+from .adapters.rules import (
+    Averaged,
+    Fused,
+    Reindex,
+    Rename,
+    Replicated,
+    Shard,
+    Stacked,
+    Unstacked,
+    VocabPad,
+)
 from .core.pieces import Piece, TensorPieces
 from .core.values import RankLocal
 from .dcp import UCPLoadPlanner, UCPSavePlanner
@@ -82,6 +92,8 @@ __all__ = [
     "VocabPad",
     "Replicated",
     "Averaged",
+    "Stacked",
+    "Unstacked",
     "LayoutRuleError",
 ]
 

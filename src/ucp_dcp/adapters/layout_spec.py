@@ -36,6 +36,11 @@ How a key is handled:
    is, or cut into pieces under its new name if renamed); a plain tensor is
    an error when ``strict`` (the layout cannot explain it), else saved as a
    full replicated copy.
+4. The first *stack* rule (:class:`Stacked`, :class:`Unstacked`) that
+   matches the renamed key then re-expresses those pieces (a DTensor's
+   included) between experts stacked along one dim and experts one by one;
+   under a stack rule a plain tensor no layout rule matches holds whole
+   experts.
 
 Non-tensor leaves (ints, ``param_groups`` lists, :class:`~ucp_dcp.RankLocal`)
 are kept at their keys. The returned state dict has the caller's structure,
@@ -76,7 +81,7 @@ from ..core.sharding import Box, intersect
 from ..core.values import RankLocal
 from ..errors import LayoutRuleError
 from ..format.names import LAYOUT_KEY
-from .rules import LayoutRule, Reindex, Rename, Rule, RuleContext, full_piece
+from .rules import LayoutRule, Reindex, Rename, Rule, RuleContext, StackRule, full_piece
 
 __all__ = ["LayoutSpec", "LAYOUT_KEY"]
 
@@ -239,11 +244,12 @@ class LayoutSpec:
                 set_in_place(state_dict, path, loaded[key])
 
     def _pieces(self, key: str, name: str, value: torch.Tensor, used: set[int], save: bool) -> Any:
-        rule = None
+        rule = stack = None
         for i, r in enumerate(self.rules):
-            if isinstance(r, LayoutRule) and r.regex.search(name):
-                rule, used_index = r, i
-                break
+            if rule is None and isinstance(r, LayoutRule) and r.regex.search(name):
+                rule, rule_index = r, i
+            elif stack is None and isinstance(r, StackRule) and r.regex.search(name):
+                stack, stack_index = r, i
         source = key if key == name else f"{key} -> {name}"
         ctx = RuleContext(key=key, source=source, save=save, groups=self.groups)
         if isinstance(value, DTensor):
@@ -253,9 +259,17 @@ class LayoutSpec:
                     "layout; "
                     f"change the rule's pattern so it does not match it"
                 )
-            return value if name == key else _dtensor_pieces(name, value, source)
+            if stack is None:
+                return value if name == key else _dtensor_pieces(name, value, source)
+            if getattr(stack, "axis", None) is not None:
+                raise LayoutRuleError(
+                    f"{stack.describe()} matches {key!r}, a DTensor: its placements say which "
+                    "experts this rank holds; leave the rule's axis unset"
+                )
+            used.add(stack_index)
+            return stack.restack(_dtensor_pieces(name, value, source), 0, 1, ctx)
         if rule is None:
-            if self.strict:
+            if stack is None and self.strict:
                 raise LayoutRuleError(
                     f"the layout cannot explain {key!r}"
                     + (f" (renamed {name!r})" if name != key else "")
@@ -264,10 +278,16 @@ class LayoutSpec:
                     f"Replicated({re.escape(name.rsplit('.', 1)[-1])!r}) if every rank holds the "
                     "same copy"
                 )
-            return full_piece(name, value.detach(), ctx)
-        used.add(used_index)
-        rank, size = self._coord(rule.axis)
-        return rule.pieces(name, value.detach(), rank, size, ctx)
+            # Under a stack rule a tensor no layout rule cuts holds its experts whole.
+            pieces = full_piece(name, value.detach(), ctx)
+        else:
+            used.add(rule_index)
+            rank, size = self._coord(rule.axis)
+            pieces = rule.pieces(name, value.detach(), rank, size, ctx)
+        if stack is None:
+            return pieces
+        used.add(stack_index)
+        return stack.restack(pieces, *self._coord(getattr(stack, "axis", None)), ctx)
 
     # -- JSON --------------------------------------------------------------
 

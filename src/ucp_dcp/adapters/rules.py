@@ -1,10 +1,13 @@
 """Layout rules: the records of the layout language (:mod:`ucp_dcp.adapters.layout_spec`).
 
 Each rule is a frozen dataclass matched by regular expression on a DCP key:
-:class:`Rename` and :class:`Reindex` change the key, and a
+:class:`Rename` and :class:`Reindex` change the key, a
 :class:`LayoutRule` (:class:`Shard`, :class:`Fused`, :class:`VocabPad`,
 :class:`Replicated`, :class:`Averaged`) cuts a tensor into the pieces of its
-logical tensors. Rules round-trip through JSON (:meth:`Rule.to_json`).
+logical tensors, and a :class:`StackRule` (:class:`Stacked`,
+:class:`Unstacked`) then re-expresses those pieces between experts kept one
+by one and experts stacked along one dimension. Rules round-trip through
+JSON (:meth:`Rule.to_json`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ __all__ = [
     "VocabPad",
     "Replicated",
     "Averaged",
+    "StackRule",
+    "Stacked",
+    "Unstacked",
     "RuleContext",
     "RULES",
     "full_piece",
@@ -344,8 +350,174 @@ class Averaged(LayoutRule):
         return full_piece(name, mean, ctx)
 
 
+@dataclass(frozen=True)
+class StackRule(Rule):
+    """Base of the rules between experts kept one by one and experts stacked along ``dim``.
+
+    A stack rule does not cut a tensor itself: the first layout rule that
+    matches the key (a :class:`Shard` of a tensor-parallel dim inside each
+    expert, say), or a DTensor's own placements, or, with neither, the whole
+    tensor, gives its pieces, and the stack rule then renames and reshapes
+    each piece, keeping its view of the caller's memory. ``repl`` is the text
+    that replaces the pattern's match in a piece's name (``re`` template:
+    ``\\1`` works); ``experts`` is the global number of experts ``E``.
+    """
+
+    repl: str = ""
+    dim: int = 0
+    experts: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.experts < 0:
+            raise LayoutRuleError(f"{self.describe()}: experts must be >= 0")
+
+    def restack(self, pieces: TensorPieces, rank: int, size: int, ctx: RuleContext) -> TensorPieces:
+        """``pieces`` (what the layout rule or DTensor made of the key) re-expressed; ``rank`` of
+        ``size``: this rank's place on the rule's axis."""
+        raise NotImplementedError
+
+    def _match(self, fqn: str, ctx: RuleContext) -> re.Match[str]:
+        m = self.regex.search(fqn)
+        if m is None:
+            raise LayoutRuleError(
+                f"{self.describe()} matches {ctx.key!r}, but not {fqn!r}, the name a layout rule "
+                "gave one of its pieces: widen the pattern so it matches every piece"
+            )
+        return m
+
+
+@dataclass(frozen=True)
+class Stacked(StackRule):
+    """A tensor whose ``dim`` stacks experts, as one logical tensor per expert.
+
+    ``Stacked(r"\\.experts\\.(w[123])$", repl=r".experts.{}.\\1.weight", axis="ep")``
+    makes torchtitan's ``experts.w1`` of shape ``[E_local, ffn, hidden]``
+    the pieces ``experts.{e}.w1.weight`` of shape ``[ffn, hidden]`` (the
+    names Hugging Face and Megatron use), each viewed as ``local[e - e0]``:
+    ``{}`` in ``repl`` stands for the global expert index ``e``. The local
+    experts are a contiguous range starting at ``e0``: a DTensor says where
+    (``Shard(dim)`` over an expert-parallel mesh, uneven shards included;
+    leave ``axis`` unset); for a plain tensor, coordinate r of ``axis``
+    holds ``[r * E_local, (r + 1) * E_local)``. A tensor-parallel split
+    inside each expert is a layout rule matching the stacked name
+    (``Shard(r"\\.experts\\.w[13]$", dim=1, axis="tp")``), or the DTensor's
+    placements. ``experts`` (0: not checked) is the global E the tensor
+    must describe.
+    """
+
+    axis: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.repl.count("{}") != 1:
+            raise LayoutRuleError(
+                f"{self.describe()}: repl must hold '{{}}' once, where the expert index goes"
+            )
+
+    def restack(self, pieces: TensorPieces, rank: int, size: int, ctx: RuleContext) -> TensorPieces:
+        out = []
+        for p in pieces.pieces:
+            d = _check_dim(self, ctx.key, p.data, self.dim)
+            m = self._match(p.fqn, ctx)
+            stacked, offset = p.shape[d], p.offsets[d]
+            if self.axis is not None:
+                if p.data.shape[d] != stacked:
+                    raise LayoutRuleError(
+                        f"{self.describe()} splits dim {d} of {ctx.key!r} over {self.axis!r}, "
+                        "but the layout rule that matches it already cut that dim "
+                        f"({p.data.shape[d]} of {stacked}): cut it with one of them only"
+                    )
+                offset, stacked = rank * stacked, stacked * size
+            if self.experts and stacked != self.experts:
+                how = (
+                    f" ({p.shape[d]} on each of {size} {self.axis!r} coordinates)"
+                    if self.axis is not None
+                    else ""
+                )
+                raise LayoutRuleError(
+                    f"{self.describe()}: {ctx.key!r} stacks {stacked} experts along dim {d}{how}, "
+                    f"expected experts={self.experts}"
+                )
+            head, tail = p.fqn[: m.start()], p.fqn[m.end() :]
+            template = m.expand(self.repl)
+            shape = p.shape[:d] + p.shape[d + 1 :]
+            offsets = p.offsets[:d] + p.offsets[d + 1 :]
+            for i in range(p.data.shape[d]):
+                name = head + template.replace("{}", str(offset + i)) + tail
+                out.append(Piece(name, shape, offsets, p.data.select(d, i)))
+        return _like(pieces, out)
+
+
+@dataclass(frozen=True)
+class Unstacked(StackRule):
+    """Tensors of one expert each, as boxes of one logical tensor stacking all ``E`` along ``dim``.
+
+    ``Unstacked(r"\\.experts\\.(\\d+)\\.(w[123])\\.weight$", repl=r".experts.\\2", experts=8)``
+    makes ``experts.5.w1.weight`` of shape ``[ffn, hidden]`` the box
+    ``[5:6]`` of ``experts.w1`` of shape ``[8, ffn, hidden]``, viewed with
+    ``dim`` unsqueezed. Group 1 of the pattern is the global expert index
+    (a :class:`Reindex` before it turns an expert-parallel rank's local
+    index into the global one); ``repl`` replaces the match to give the
+    stacked name. A tensor-parallel split inside the expert is a layout rule
+    matching the per-expert name, or the DTensor's placements.
+    """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.regex.groups < 1:
+            raise LayoutRuleError(
+                f"{self.describe()}: the pattern needs a capture group (the expert index)"
+            )
+        if self.experts <= 0:
+            raise LayoutRuleError(
+                f"{self.describe()}: give experts, the number of experts the stacked tensor holds"
+            )
+
+    def restack(self, pieces: TensorPieces, rank: int, size: int, ctx: RuleContext) -> TensorPieces:
+        out = []
+        for p in pieces.pieces:
+            m = self._match(p.fqn, ctx)
+            try:
+                e = int(m.group(1))
+            except (TypeError, ValueError):
+                raise LayoutRuleError(
+                    f"{self.describe()}: group 1 of the match in {p.fqn!r} is {m.group(1)!r}, "
+                    "not an expert index"
+                ) from None
+            if not 0 <= e < self.experts:
+                raise LayoutRuleError(
+                    f"{self.describe()}: {p.fqn!r} (from {ctx.key!r}) is expert {e}, outside "
+                    f"the {self.experts} experts of the stacked tensor"
+                )
+            n = len(p.shape)
+            if not -(n + 1) <= self.dim <= n:
+                raise LayoutRuleError(
+                    f"{self.describe()}: {ctx.key!r} has {n} dims, so the stacked tensor has "
+                    f"{n + 1}, which have no dim {self.dim}"
+                )
+            d = self.dim % (n + 1)
+            name = p.fqn[: m.start()] + m.expand(self.repl) + p.fqn[m.end() :]
+            shape = p.shape[:d] + (self.experts,) + p.shape[d:]
+            offsets = p.offsets[:d] + (e,) + p.offsets[d:]
+            out.append(Piece(name, shape, offsets, p.data.unsqueeze(d)))
+        return _like(pieces, out)
+
+
+def _like(pieces: TensorPieces, new: list[Piece]) -> TensorPieces:
+    """``new`` with the replication, padding and source of ``pieces``."""
+    return TensorPieces(
+        new,
+        replicated=pieces.replicated,
+        fill=pieces.fill,
+        fill_value=pieces.fill_value,
+        source=pieces.source,
+    )
+
+
 RULES: dict[str, type[Rule]] = {
-    c.__name__: c for c in (Rename, Reindex, Shard, Fused, VocabPad, Replicated, Averaged)
+    c.__name__: c
+    for c in (Rename, Reindex, Shard, Fused, VocabPad, Replicated, Averaged, Stacked, Unstacked)
 }
 """Every rule class by name (what :meth:`Rule.from_json` reads back)."""
 
