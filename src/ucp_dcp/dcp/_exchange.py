@@ -1,8 +1,10 @@
 """Read-once loads, the moving half: rounds of reads and one ``all_to_all_single`` each.
 
 :mod:`ucp_dcp.dcp._read_once` plans who reads which byte of the job's needs;
-this module runs one rank's share. A rank's share comes as
-one :class:`RankRounds`, the same number of rounds on every rank: in each round
+this module runs one rank's share, with :mod:`~ucp_dcp.dcp._landing`
+(where received bytes go) and :mod:`~ucp_dcp.dcp._piece_check` (their
+checks). A rank's share comes as one :class:`RankRounds`, the same number
+of rounds on every rank: in each round
 the rank reads the pieces it sends (to itself too; each byte once however
 many peers get it), one ``all_to_all_single`` on the load's process group
 moves them, and every received piece is checked block by block against the
@@ -27,30 +29,21 @@ load of any size streams through about five budgets of memory.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..byteio.blocksums import BlockSums, ChunkCheck
 from ..byteio.blockverify import BlockVerifier
-from ..byteio.rangeio import ByteSource, Segment, storage_view
-from ..byteio.transfer import ChunkRegion
-from ..core.contiguous import runs
+from ..byteio.rangeio import ByteSource, Segment
 from ..core.ranges import merge_ranges
 from ..errors import ReadOnceError
-from ..format import Location
+from ._landing import LocalNeeds
+from ._piece_check import PieceChecker
 
-__all__ = [
-    "ExchangeRound",
-    "ExchangeTotals",
-    "LocalNeeds",
-    "RankRounds",
-    "Region",
-    "run_exchange",
-]
+__all__ = ["ExchangeRound", "ExchangeTotals", "RankRounds", "run_exchange"]
 
 _STATUS = 8  # bytes of the status word that opens every message (int64: 0 ok, 1 failed)
 
@@ -124,236 +117,6 @@ class ExchangeTotals:
     seconds: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class Region:
-    """A region of a saved chunk to fill in place: ``part`` into CPU tensor ``dest`` (saved dtype,
-    chunk stored row-major). ``sums``: the chunk's block checksums (None: nothing to check);
-    ``name`` and ``chunk_offsets`` name it in errors; ``done`` runs once every rank succeeded."""
-
-    part: ChunkRegion
-    dest: torch.Tensor
-    name: str
-    chunk_offsets: tuple[int, ...]
-    sums: BlockSums | None
-    done: Callable[[], None] | None
-
-
-class _InPlace:
-    """A CPU destination of the saved dtype: bytes copied into its storage."""
-
-    def __init__(self, dest: torch.Tensor) -> None:
-        self.view = storage_view(dest)
-        self.es = dest.element_size()
-
-    def put(self, elem: int, data: np.ndarray) -> None:
-        d = elem * self.es
-        self.view[d : d + len(data)] = data.data
-
-
-class _Converted:
-    """Any other destination (another dtype, a device): whole elements of the saved dtype copied
-    (and cast) into the destination's storage, run by run."""
-
-    def __init__(self, dest: torch.Tensor, saved: torch.dtype) -> None:
-        st = dest.untyped_storage()
-        flat = torch.empty(0, dtype=dest.dtype, device=dest.device)
-        self.flat = flat.set_(st, 0, (st.nbytes() // dest.element_size(),), (1,))
-        self.saved = saved
-
-    def put(self, elem: int, data: np.ndarray) -> None:
-        src = torch.frombuffer(data, dtype=self.saved)  # no copy; unaligned is fine
-        self.flat[elem : elem + len(src)].copy_(src)
-
-
-@dataclass
-class LocalNeeds:
-    """The byte ranges of the files this rank's regions need, and where each lands.
-
-    :meth:`needs` rounds each run out to whole checksum blocks of its chunk
-    (a received piece is checked before any of it is used) and merges them
-    per file: what this rank asks the job for. The destination runs are
-    kept sorted by file and start, to find by bisection where a received
-    piece goes: into the destination's storage directly (a CPU tensor of the
-    saved dtype) or cast and copied run by run (another dtype, a device; such
-    regions need block checksums, whose checked blocks are whole elements).
-    """
-
-    regions: Sequence[Region]
-    file: np.ndarray = field(init=False)
-    start: np.ndarray = field(init=False)
-    length: np.ndarray = field(init=False)
-    region: np.ndarray = field(init=False)
-    dst: np.ndarray = field(init=False)  # element offset in the destination's storage
-    reach: np.ndarray = field(init=False)
-    sinks: list[_InPlace | _Converted] = field(init=False)
-
-    def __post_init__(self) -> None:
-        cols: list[list[np.ndarray]] = [[], [], [], [], []]
-        self.sinks = []
-        for i, r in enumerate(self.regions):
-            es = r.part.dtype.itemsize
-            grid = runs(
-                r.part.chunk_sizes, r.part.region, r.dest.stride(), int(r.dest.storage_offset())
-            )
-            in_place = r.dest.device.type == "cpu" and r.dest.dtype == r.part.dtype
-            self.sinks.append(_InPlace(r.dest) if in_place else _Converted(r.dest, r.part.dtype))
-            k = len(grid.src)
-            if not k or not grid.count:
-                continue
-            cols[0].append(np.full(k, r.part.location.file, np.int64))
-            cols[1].append(grid.src * es + r.part.location.start)
-            cols[2].append(np.full(k, grid.count * es, np.int64))
-            cols[3].append(np.full(k, i, np.int64))
-            cols[4].append(grid.dst)
-        file, start, length, region, dst = (
-            np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols
-        )
-        order = np.lexsort((start, file))
-        self.file, self.start, self.length = file[order], start[order], length[order]
-        self.region, self.dst = region[order], dst[order]
-        # Per file, the running maximum of the runs' ends (see copy_in).
-        ends = self.start + self.length
-        self.reach = np.empty_like(ends)
-        for f in np.unique(self.file).tolist():
-            sel = np.flatnonzero(self.file == f)
-            self.reach[sel] = np.maximum.accumulate(ends[sel])
-
-    def needs(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Per file, the merged ``(starts, lengths)`` this rank needs, runs rounded out to whole
-        blocks of their chunks."""
-        starts, ends = self.start.copy(), self.start + self.length
-        for i, r in enumerate(self.regions):
-            if r.sums is None:
-                continue
-            sel = self.region == i
-            loc, bs = r.part.location, r.sums.block
-            rel_a = (starts[sel] - loc.start) // bs * bs
-            rel_b = np.minimum(-(-(ends[sel] - loc.start) // bs) * bs, loc.nbytes)
-            starts[sel], ends[sel] = rel_a + loc.start, rel_b + loc.start
-        out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        for f in np.unique(self.file).tolist():
-            sel = self.file == f
-            a, b = merge_ranges(starts[sel], ends[sel])
-            out[int(f)] = (a, b - a)
-        return out
-
-    def copy_in(self, file: int, start: int, data: np.ndarray) -> int:
-        """Copy ``data`` (bytes ``[start, start + len(data))`` of ``file``) into every destination
-        run it overlaps; the bytes copied."""
-        end = start + len(data)
-        lo = int(np.searchsorted(self.file, file, "left"))
-        hi = int(np.searchsorted(self.file, file, "right"))
-        # Runs sorted by start; the running maximum of their ends is sorted too, so the runs a
-        # piece may overlap are one slice (two read items may read the same bytes).
-        i = lo + int(np.searchsorted(self.reach[lo:hi], start, "right"))
-        j = lo + int(np.searchsorted(self.start[lo:hi], end, "left"))
-        copied = 0
-        for k in range(i, j):
-            a = max(int(self.start[k]), start)
-            b = min(int(self.start[k] + self.length[k]), end)
-            if a < b:
-                r = int(self.region[k])
-                es = self.regions[r].part.dtype.itemsize
-                if (a - int(self.start[k])) % es or (b - a) % es:
-                    raise ReadOnceError(
-                        f"{self.regions[r].name}: bytes [{a}, {b}) of file {file} arrived cut "
-                        f"inside an element of {es} bytes"
-                    )
-                elem = int(self.dst[k]) + (a - int(self.start[k])) // es
-                self.sinks[r].put(elem, data[a - start : b - start])
-                copied += b - a
-        return copied
-
-
-class _Checker:
-    """Checks received pieces against the block checksums of this rank's chunks.
-
-    A block a piece holds whole is hashed where it was received; a block
-    split between pieces (a balancing cut inside a small chunk) is gathered
-    in ``pending`` until complete. :meth:`verified` returns the parts of a
-    piece that may be copied into place now.
-    """
-
-    def __init__(self, needs: LocalNeeds, verifier: BlockVerifier) -> None:
-        self.verifier = verifier
-        chunks: dict[tuple[int, int], Region] = {}
-        for r in needs.regions:
-            if r.sums is not None:
-                chunks.setdefault((r.part.location.file, r.part.location.start), r)
-        keys = sorted(chunks)
-        self._chunks = [chunks[k] for k in keys]
-        self._file = np.array([k[0] for k in keys], np.int64)
-        self._start = np.array([k[1] for k in keys], np.int64)
-        self._end = np.array([k[1] + chunks[k].part.location.nbytes for k in keys], np.int64)
-        self.pending: dict[tuple[int, int], tuple[bytearray, int]] = {}
-
-    def verified(
-        self, file: int, start: int, data: np.ndarray, sender: int
-    ) -> list[tuple[int, np.ndarray]]:
-        """Check every block of this rank's chunks that the piece completes; the parts of the
-        piece ready to copy, as ``(file offset, bytes)``."""
-        end = start + len(data)
-        lo = int(np.searchsorted(self._file, file, "left"))
-        hi = int(np.searchsorted(self._file, file, "right"))
-        i = lo + int(np.searchsorted(self._end[lo:hi], start, "right"))
-        j = lo + int(np.searchsorted(self._start[lo:hi], end, "left"))
-        ready: list[tuple[int, np.ndarray]] = []
-        cursor = start  # the bytes before it are handed out or held
-        for k in range(i, j):
-            r = self._chunks[k]
-            loc, sums = r.part.location, r.sums
-            assert sums is not None
-            bs = sums.block
-            a, b = max(start, loc.start), min(end, loc.start + loc.nbytes)
-            if cursor < a:  # bytes of no checked chunk of this rank's
-                ready.append((cursor, data[cursor - start : a - start]))
-            rel_a, rel_b = a - loc.start, b - loc.start
-            first = -(-rel_a // bs)  # the first block that starts in the piece
-            last = rel_b // bs if rel_b < loc.nbytes else -(-rel_b // bs)  # past its last whole one
-            check = ChunkCheck(
-                self.verifier, sums, f"{r.name} (read by rank {sender})", r.chunk_offsets
-            )
-            if first < last:
-                at, stop = first * bs, min(last * bs, loc.nbytes)
-                mem = data[loc.start + at - start : loc.start + stop - start]
-                self.verifier.check_span(
-                    check, loc, mem, at, np.arange(first, last, dtype=np.int64)
-                )
-                ready.append((loc.start + at, mem))
-            else:
-                first = last = rel_a // bs  # no whole block: the piece lies inside one
-            for ea, eb in ((rel_a, min(first * bs, rel_b)), (max(last * bs, rel_a), rel_b)):
-                if ea < eb:  # part of an edge block: held until the block is complete
-                    held = self._hold(
-                        check, loc, ea, data[loc.start + ea - start : loc.start + eb - start]
-                    )
-                    if held is not None:
-                        ready.append(held)
-            cursor = b
-        if cursor < end:
-            ready.append((cursor, data[cursor - start :]))
-        return ready
-
-    def _hold(
-        self, check: ChunkCheck, loc: Location, rel: int, part: np.ndarray
-    ) -> tuple[int, np.ndarray] | None:
-        """Keep ``part`` (bytes from ``rel`` of the chunk, inside one block); once its block is
-        complete, check it and return it as ``(file offset, bytes)``."""
-        bs = check.sums.block
-        k = rel // bs
-        width = min(bs, loc.nbytes - k * bs)
-        key = (loc.file, loc.start + k * bs)
-        buf, got = self.pending.pop(key, (bytearray(width), 0))
-        buf[rel - k * bs : rel - k * bs + len(part)] = part.data
-        got += len(part)
-        if got < width:
-            self.pending[key] = (buf, got)
-            return None
-        block = np.frombuffer(buf, dtype=np.uint8)
-        self.verifier.check_span(check, loc, block, k * bs, np.array([k], np.int64))
-        return loc.start + k * bs, block
-
-
 @dataclass
 class _InFlight:
     """A round whose ``all_to_all_single`` may still be running: its work, buffers and pieces."""
@@ -368,7 +131,7 @@ class _InFlight:
         self,
         me: int,
         needs: LocalNeeds,
-        checker: _Checker,
+        checker: PieceChecker,
         totals: ExchangeTotals,
         error: BaseException | None,
     ) -> tuple[bool, BaseException | None]:
@@ -409,7 +172,7 @@ def run_exchange(
     world = dist.get_world_size(group)
     wire = _wire_device(group)
     verifier = BlockVerifier(paths, ranks)
-    checker = _Checker(needs, verifier)
+    checker = PieceChecker(needs, verifier)
     totals = ExchangeTotals()
     t0 = time.perf_counter()
     # Any exception, not just the library's, is kept and raised after the closing gather: a rank
@@ -527,7 +290,7 @@ def _unpack(
     data: np.ndarray,
     sender: int,
     needs: LocalNeeds,
-    checker: _Checker,
+    checker: PieceChecker,
     totals: ExchangeTotals,
 ) -> None:
     """Check and place the pieces of one received message."""

@@ -38,7 +38,8 @@ from ..byteio.objstore import is_url
 from ..core.exchange_rounds import exchange_windows, stream_positions, with_own_reads
 from ..core.readplan import JobReadPlan, plan_job_reads
 from ..errors import InvalidArgumentError, ReadOnceError
-from ._exchange import LocalNeeds, RankRounds
+from ._exchange import RankRounds
+from ._landing import LocalNeeds
 
 __all__ = [
     "READ_ONCE_MODES",

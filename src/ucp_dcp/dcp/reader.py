@@ -46,7 +46,8 @@ from ..format.names import save_id_of
 from ..sources import Source, SourceOptions, open_source, read_values, source_types
 from ..sources.distcp import DCP_VALUES_MODES
 from ._directory import _Directory
-from ._exchange import ExchangeTotals, LocalNeeds, Region, run_exchange
+from ._exchange import ExchangeTotals, run_exchange
+from ._landing import LocalNeeds, Region
 from ._mesh_groups import LazyChunks
 from ._plan_records import LoadSourceInfo
 from ._read_once import (
