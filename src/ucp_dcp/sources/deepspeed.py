@@ -30,6 +30,7 @@ from ..core.values import encode_value
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes, numel
 from ._dirs import ModelDir, StoreDir
+from ._ds_pipeline import TIED_PREFIX, layer_prefix, tied_keys
 from ._ds_utils import (
     LATEST_FILE,
     ModelStates,
@@ -37,6 +38,7 @@ from ._ds_utils import (
     find_deepspeed_files,
     looks_like_deepspeed,
     moment,
+    read_layer_states,
     read_model_states,
     read_rank_optim,
 )
@@ -86,31 +88,43 @@ class DeepSpeedSource(Source):
     def __init__(self, path: str, model_dir: ModelDir | None = None) -> None:
         files = find_deepspeed_files(model_dir if model_dir is not None else path)
         folder = files.folder
+        layer_paths = list(files.layers.values())
         if isinstance(folder, StoreDir):
             # Each archive is a few round trips (tail, pickle, local headers): read them side by
             # side.
             with ThreadPoolExecutor(
-                max_workers=min(16, len(files.model) + len(files.optim))
+                max_workers=min(16, len(files.model) + len(files.optim) + len(layer_paths))
             ) as pool:
                 mf = [pool.submit(read_model_states, p, folder) for p in files.model]
                 of = [
                     pool.submit(read_rank_optim, p, files.bf16_optimizer, folder)
                     for p in files.optim
                 ]
+                lf = [pool.submit(read_layer_states, p, folder) for p in layer_paths]
                 models = [f.result() for f in mf]
                 optims = [f.result() for f in of]
+                layers = [f.result() for f in lf]
         else:
             models = [read_model_states(p) for p in files.model]
             optims = [read_rank_optim(p, files.bf16_optimizer) for p in files.optim]
+            layers = [read_layer_states(p) for p in layer_paths]
+        # Pipeline-parallel: one model states file per stage, the optimizer files stage by stage.
+        stages = len(models) if files.layers else 1
+        dp = len(optims) // stages
         self.world_size = len(optims)
-        saved_at = models[0].dp_world_size
-        if saved_at is not None and saved_at != self.world_size:
-            raise CheckpointFormatError(
-                f"{files.directory}: saved by {saved_at} data-parallel ranks (dp_world_size in "
-                f"{os.path.basename(files.model[0])}) but holds optimizer files of "
-                f"{self.world_size}: "
-                f"{', '.join(os.path.basename(p) for p in files.optim)}"
-            )
+        for m, mpath in zip(models if files.layers else models[:1], files.model):
+            if m.dp_world_size is not None and m.dp_world_size != dp:
+                raise CheckpointFormatError(
+                    f"{files.directory}: saved by {m.dp_world_size} data-parallel ranks "
+                    f"(dp_world_size in {os.path.basename(mpath)}) but holds optimizer files of "
+                    f"{dp}: "
+                    f"{', '.join(os.path.basename(p) for p in files.optim)}"
+                )
+            if m.module_is_none and not files.layers:
+                raise CheckpointFormatError(
+                    f"{mpath}: 'module' is None (a pipeline-parallel engine's model states) but "
+                    f"{files.directory} holds no layer_XX-model_YY-model_states.pt files"
+                )
         self.stage = optims[0].stage
         for p, o in zip(files.optim, optims):
             if o.stage != self.stage or len(o.fp32) != len(optims[0].fp32):
@@ -118,22 +132,33 @@ class DeepSpeedSource(Source):
                     f"{p}: ZeRO stage {o.stage} with {len(o.fp32)} flat buffers; "
                     f"{files.optim[0]} has stage {self.stage} with {len(optims[0].fp32)}"
                 )
-        if (self.stage == 3) != (len(models) > 1):
+        if not files.layers and (self.stage == 3) != (len(models) > 1):
             raise CheckpointFormatError(
                 f"{files.directory}: ZeRO stage {self.stage} optimizer files with "
                 f"{'per-rank' if len(models) > 1 else 'one'} model states file(s)"
             )
         b = ArchiveIndex([m.archive for m in models] + [o.archive for o in optims])
         m0 = models[0]
-        if self.stage == 3:
+        if files.layers:
+            groups = self._pipeline(b, models, optims, dict(zip(files.layers, layers)))
+        elif self.stage == 3:
             groups = self._zero3(b, models, optims)
         else:
             groups = self._zero12(b, m0, optims)
         self._param_groups(b, optims[0], groups)
-        self._frozen_and_buffers(b, models)
+        if not files.layers:
+            self._frozen_and_buffers(b, models)
         for tied, owner in m0.shared.items():
             b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
-        ranks = [r if self.stage == 3 else 0 for r in range(len(models))] + list(range(len(optims)))
+        if files.layers:
+            # The global rank that wrote each file: stage s's data-parallel rank r is s * dp + r;
+            # its data-parallel rank 0 wrote the stage's model states and layer files.
+            ranks = [s * dp for s in range(stages)] + list(range(len(optims)))
+            ranks += [self._layer_stage.get(i, 0) * dp for i in files.layers]
+        else:
+            ranks = [r if self.stage == 3 else 0 for r in range(len(models))] + list(
+                range(len(optims))
+            )
         super().__init__(path, b.index(self.world_size, path, ranks), [a.path for a in b.archives])
         if isinstance(folder, StoreDir):
             self.store = folder.store  # the tag folder's: paths are its objects' URLs
@@ -213,8 +238,66 @@ class DeepSpeedSource(Source):
             except ValueError as e:
                 raise CheckpointFormatError(f"{m0.archive.path}: group {g}: {e}") from None
             for (fqn, shape), segs in zip(shapes.items(), all_segs):
-                self._param(b, fqn, shape, segs, optims, g)
+                # A tied parameter is in every stage that uses it, equal (DeepSpeed
+                # all-reduces its gradient over those stages): read from the first.
+                if f"model.{fqn}" not in b.tensors:
+                    self._param(b, fqn, shape, segs, optims, g)
             groups.append(list(shapes))
+        return groups
+
+    def _pipeline(
+        self,
+        b: ArchiveIndex,
+        models: list[ModelStates],
+        optims: list[RankOptim],
+        layers: dict[int, tuple[TorchArchive, dict[str, TensorRef]]],
+    ) -> list[list[str]]:
+        """A PipelineModule's checkpoint: each stage's ZeRO-1/2 partitions (``models[s]`` and
+        its share of ``optims``) under the engine module's names, then the layer files'
+        frozen parameters and buffers; the param groups' fqns over all stages."""
+        if self.stage == 3:
+            raise CheckpointFormatError(
+                f"{models[0].archive.path}: ZeRO-3 optimizer files in a pipeline-parallel "
+                "checkpoint"
+            )
+        dp = len(optims) // len(models)
+        groups: list[list[str]] = []
+        self._layer_stage: dict[int, int] = {}
+        hyper0 = [{k: v for k, v in g.items() if k != "params"} for g in optims[0].param_groups]
+        for s, m in enumerate(models):
+            mine = optims[s * dp : (s + 1) * dp]
+            hyper = [{k: v for k, v in g.items() if k != "params"} for g in mine[0].param_groups]
+            if hyper != hyper0:
+                raise CheckpointFormatError(
+                    f"{mine[0].archive.path}: stage {s}'s optimizer groups {hyper} differ from "
+                    f"stage 0's {hyper0} ({optims[0].archive.path})"
+                )
+            for g, names in enumerate(self._zero12(b, m, mine)):
+                if g == len(groups):
+                    groups.append([])
+                groups[g] += [n for n in names if n not in groups[g]]
+                for n in names:
+                    if not n.startswith(TIED_PREFIX):
+                        self._layer_stage.setdefault(int(n.split(".", 1)[0]), s)
+        trainable = {n for m in models for shapes in m.param_shapes for n in shapes}
+        buffers = {n: s for s, m in enumerate(models) for n in m.buffer_names}
+        known = trainable | set(buffers)
+        tied = tied_keys(known)
+        for index, (archive, entries) in sorted(layers.items()):
+            prefix = layer_prefix(index, list(entries), known, tied, archive.path)
+            b.add_archive(archive)
+            for entry, t in entries.items():
+                name = prefix + entry
+                if name in trainable or f"model.{name}" in b.tensors:
+                    continue  # the fp32 master weight, or a tied layer's second copy
+                b.whole(
+                    f"model.{name}", ("model", name), archive, t, t.size, f"layer entry {entry!r}"
+                )
+        for name, s in buffers.items():
+            if f"model.{name}" not in b.tensors:
+                raise CheckpointFormatError(
+                    f"{models[s].archive.path}: buffer {name!r} of stage {s} is in no layer file"
+                )
         return groups
 
     def _zero3(

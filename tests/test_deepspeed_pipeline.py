@@ -1,0 +1,253 @@
+"""DeepSpeed pipeline-parallel (PipelineModule) checkpoints, loaded in place into other layouts.
+
+The fixtures under ``tests/fixtures/deepspeed/pipe/`` were written by
+DeepSpeed 0.19 (``generate_pipe.py`` there): a 6-layer PipelineModule on 2
+stages with a tied embedding (layer 0, and the head at layer 5 through
+``forward_fn``), a frozen parameter and a buffer, ZeRO-1 over 2 or 1
+data-parallel ranks. ``reference.safetensors`` holds DeepSpeed's own full
+fp32 params and Adam moments (``safe_get_full_fp32_param`` /
+``safe_get_full_optimizer_state`` on every stage) and each stage's module
+state; ``reference.json`` the losses of the steps after the save.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dist_utils import bit_equal, flatten, run_ranks
+from safetensors.torch import load_file
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from ucp_dcp import CheckpointFormatError, UCPLoadPlanner, UCPStorageReader, load_state_dict
+from ucp_dcp.sources import DeepSpeedSource, open_source
+
+PIPE = Path(__file__).parent / "fixtures" / "deepspeed" / "pipe"
+VARIANTS = sorted(p.name for p in PIPE.iterdir() if (p / "latest").is_file())
+
+
+def _generator() -> Any:
+    # generate_pipe.py imports deepspeed only in its worker and layer_specs.
+    spec = importlib.util.spec_from_file_location(
+        "ds_pipe_fixture_generate", PIPE.parent / "generate_pipe.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+GEN = _generator()
+
+
+def meta(variant: str) -> dict[str, Any]:
+    return json.loads((PIPE / variant / "reference.json").read_text())
+
+
+def expected(variant: str) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own full tensors under the engine module's names, as get_state_dict keys."""
+    ref = load_file(str(PIPE / variant / "reference.safetensors"))
+    m = meta(variant)
+    out: dict[str, torch.Tensor] = {}
+    for k, t in ref.items():
+        kind, name = k.split("/", 1)
+        if kind == "fp32":
+            out[f"model.{name}"] = t
+        elif kind in ("exp_avg", "exp_avg_sq"):
+            out[f"optim.state.{name}.{kind}"] = t
+            out[f"optim.state.{name}.step"] = torch.tensor(float(m["optimizer_step"]))
+    for k, t in ref.items():
+        kind, name = k.split("/", 1)
+        if kind == "module" and f"model.{name}" not in out:
+            out[f"model.{name}"] = t  # the frozen param and the buffer: only in the layer files
+    return out
+
+
+def _model_and_optim() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = GEN.build_plain_model()
+    return model, torch.optim.AdamW(GEN.param_groups(model), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pipeline_checkpoint_loads_bit_exact_in_one_process(variant: str) -> None:
+    """Weights (fp32 masters), moments, steps, the frozen param and the buffer equal DeepSpeed's;
+    the keys are get_state_dict's of the same model without a pipeline; the tied embedding,
+    held by both stages, is read once (from stage 0's partitions)."""
+    src = open_source(PIPE / variant)
+    assert isinstance(src, DeepSpeedSource) and src.stage == 1
+    m = meta(variant)
+    assert src.world_size == m["pp"] * m["dp"]
+    # 5 layer files (the head at layer 5 has no state of its own), 2 model states, pp x dp optim.
+    assert len(src.paths) == 5 + m["pp"] + m["pp"] * m["dp"]
+    tied = src.index.tensors["model.tied_modules.embed.weight"]
+    assert {src.paths[c.location.file].rsplit("_mp_rank_", 1)[1] for c in tied.chunks} == {
+        "00_optim_states.pt"
+    }
+    got = load_state_dict(PIPE / variant)
+    want = expected(variant)
+    for k, v in want.items():
+        assert bit_equal(got[k], v), k
+    for g, grp in enumerate(m["param_groups"]):
+        for hp, v in grp.items():
+            assert got[f"optim.param_groups.{g}.{hp}"] == (
+                tuple(v) if isinstance(v, list) else v
+            ), (g, hp)
+    model, optim = _model_and_optim()
+    msd, osd = get_state_dict(model, optim)
+    keys = set(flatten_state_dict({"model": msd, "optim": osd})[0])
+    assert set(got) == keys, set(got) ^ keys
+    assert sorted(got["optim.param_groups.0.params"]) == sorted(osd["param_groups"][0]["params"])
+
+
+def _resume(
+    model: torch.nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any], variant: str
+) -> None:
+    """Step 3 and 4 after the load, without a pipeline: DeepSpeed's losses.
+
+    Every micro-batch of every data-parallel rank is the same size, so the mean
+    of their losses (what train_batch averaged gradients over) is the loss of
+    their concatenation.
+    """
+    m = meta(variant)
+    ref = load_file(str(PIPE / variant / "reference.safetensors"))
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def loss(step: int) -> torch.Tensor:
+        t = torch.cat(
+            [
+                ref[f"batch/step{step}/dp{d}/micro{k}"]
+                for d in range(m["dp"])
+                for k in range(m["micro_batches"])
+            ]
+        )
+        return GEN.loss_fn(model(t[:, :-1]), t[:, 1:])
+
+    loss3 = loss(3)
+    loss3.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), m["gradient_clipping"])
+    optim.step()
+    with torch.no_grad():
+        loss4 = loss(4)
+    assert math.isclose(loss3.item(), m["loss_step3"], rel_tol=1e-5), (
+        variant,
+        loss3.item(),
+        m["loss_step3"],
+    )
+    assert math.isclose(loss4.item(), m["loss_step4"], rel_tol=1e-5), (
+        variant,
+        loss4.item(),
+        m["loss_step4"],
+    )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_resumed_without_a_pipeline_training_matches_deepspeeds_next_steps(variant: str) -> None:
+    model, optim = _model_and_optim()
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    dcp.load(
+        state,
+        storage_reader=UCPStorageReader(PIPE / variant),
+        planner=UCPLoadPlanner(),
+        no_dist=True,
+    )
+    _resume(model, optim, state, variant)
+
+
+def _fsdp2(rank: int, world: int, variants: list[str]) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for variant in variants:
+        model, _ = _model_and_optim()
+        fully_shard(model)
+        optim = torch.optim.AdamW(GEN.param_groups(model), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+        msd, osd = get_state_dict(model, optim)
+        state: dict[str, Any] = {"model": msd, "optim": osd}
+        for v in flatten(state).values():
+            if isinstance(v, torch.Tensor):
+                (v.to_local() if isinstance(v, DTensor) else v).fill_(13)
+        dcp.load(state, storage_reader=UCPStorageReader(PIPE / variant), planner=UCPLoadPlanner())
+        flat = flatten(state)
+        for k, v in expected(variant).items():
+            t = flat[k]
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            assert bit_equal(full, v), (variant, rank, k)
+        _resume(model, optim, state, variant)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [2, 3])
+def test_pipeline_checkpoints_load_into_fsdp2_and_train_on(world: int) -> None:
+    """Into FSDP2 on 2 and 3 ranks: bit-exact weights and moments, then DeepSpeed's next losses."""
+    run_ranks(world, _fsdp2, VARIANTS)
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def _copy(variant: str, tmp_path: Path) -> Path:
+    dst = tmp_path / variant
+    shutil.copytree(PIPE / variant, dst)
+    return dst
+
+
+def test_tensor_parallel_layer_files_are_refused_naming_the_missing_rule(tmp_path: Path) -> None:
+    d = _copy("pp2_dp1_zero1", tmp_path)
+    tag = d / "step2"
+    shutil.copy(
+        tag / "layer_01-model_00-model_states.pt", tag / "layer_01-model_01-model_states.pt"
+    )
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{tag}: tensor-parallel DeepSpeed checkpoints (model-parallel ranks [0, 1], layer "
+        "files of tensor-parallel ranks [0, 1]: mp_rank_00_model_states.pt, "
+        "mp_rank_01_model_states.pt, layer_01-model_01-model_states.pt) are not supported: "
+        "joining each parameter's mp_rank slices needs its partitioning rule (the dimension it "
+        "is split along, or that it is replicated, and the vocabulary padding: the "
+        "tensor-parallel patterns of universal_checkpoint_info), and no such rule is "
+        "implemented; data-parallel ZeRO checkpoints (mp_rank_00) and pipeline-parallel ones "
+        "(layer_XX-model_00 files) are read"
+    )
+
+
+def test_damaged_pipeline_checkpoints_name_the_files(tmp_path: Path) -> None:
+    d = _copy("pp2_dp2_zero1", tmp_path)
+    tag = d / "step2"
+    # A stage's optimizer file gone.
+    (tag / "zero_pp_rank_1_mp_rank_01_optim_states.pt").rename(tmp_path / "moved.pt")
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{tag}: stage 1 has optimizer files for data-parallel ranks [0]; expected 0..1, as "
+        "stage 0 (missing zero_pp_rank_1_mp_rank_01_optim_states.pt)"
+    )
+    (tmp_path / "moved.pt").rename(tag / "zero_pp_rank_1_mp_rank_01_optim_states.pt")
+    # The layer file holding the buffer gone.
+    (tag / "layer_03-model_00-model_states.pt").unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert (
+        str(e.value)
+        == f"{tag / 'mp_rank_01_model_states.pt'}: buffer '3.scale' of stage 1 is in no layer file"
+    )
+    # A stage's model states gone.
+    (tag / "mp_rank_01_model_states.pt").unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{tag}: pipeline stages (mp_rank_XX) [0, 1] with model states files for [0]; expected "
+        "mp_rank_00..mp_rank_01 of each"
+    )
