@@ -251,3 +251,25 @@ def test_damaged_pipeline_checkpoints_name_the_files(tmp_path: Path) -> None:
         f"{tag}: pipeline stages (mp_rank_XX) [0, 1] with model states files for [0]; expected "
         "mp_rank_00..mp_rank_01 of each"
     )
+
+
+def _fqn(key: str) -> str:
+    """The parameter name in ``model.<fqn>`` / ``optim.state.<fqn>.<state>``."""
+    return (
+        key.split(".", 1)[1] if key.startswith("model.") else key.split(".", 2)[2].rsplit(".", 1)[0]
+    )
+
+
+@pytest.mark.filterwarnings("ignore:.*checkpoint key\\(s\\) not in the state dict")
+def test_into_another_pipeline_split_each_stage_reads_its_layers() -> None:
+    """Saved as 2 stages, loaded as 3 (layers 0-1, 2-3, 4-5; the tied embedding on the first and
+    the last): each stage asks for its own names only and gets DeepSpeed's values."""
+    want = expected("pp2_dp2_zero1")
+    split = [("tied_modules.", "1."), ("2.", "3."), ("4.", "tied_modules.")]
+    for prefixes in split:
+        state = {k: torch.full_like(v, 13) for k, v in want.items() if _fqn(k).startswith(prefixes)}
+        assert state
+        reader = UCPStorageReader(PIPE / "pp2_dp2_zero1")
+        dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner(), no_dist=True)
+        for k, t in state.items():
+            assert bit_equal(t, want[k]), (prefixes, k)
