@@ -13,6 +13,12 @@ parallelism:
   ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per rank (``fp32_flat_groups``,
   one flat buffer per sub-group, and the inner optimizer over them).
 
+A pipeline-parallel checkpoint has ``mp_rank_{s}_model_states.pt`` (``module``
+None) and ``zero_pp_rank_{r}_mp_rank_{s}_optim_states.pt`` per stage ``s``, and
+``layer_{i}-model_00-model_states.pt`` per layer with state (global index
+``i``). Several model-parallel ranks without layer files, or layer files of
+tensor-parallel ranks above 0, are tensor parallelism, refused.
+
 This module finds those files and turns their pickles, read as inert records
 by :mod:`._torch_archive` (the classes they may name are :mod:`._pickle`'s
 ``"deepspeed"`` entries), into :class:`ModelStates` and :class:`RankOptim`,

@@ -1,4 +1,5 @@
-"""A DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, fp32 or bf16) as a source, read in place.
+"""A DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, fp32 or bf16; data- or pipeline-parallel) as a
+source, read in place.
 
 DeepSpeed's files are ``torch.save`` archives whose tensor storages are
 stored uncompressed, so every parameter's elements are byte ranges inside
@@ -17,6 +18,14 @@ Names are those of ``torch.distributed.checkpoint.state_dict.get_state_dict(mode
 * ``optim.state.<fqn>.exp_avg`` / ``.exp_avg_sq`` / ``.step`` (and any other
   per-element state the inner optimizer keeps);
 * ``optim.param_groups.<g>.<hyperparameter>`` and ``.params`` (the fqns).
+
+A pipeline-parallel checkpoint (``PipelineModule``: ``layer_XX-model_00`` files,
+one ``mp_rank_SS`` model states file and ZeRO-1/2 optimizer files per stage)
+gives the same keys under the engine module's names (``3.fc1.weight``,
+``tied_modules.embed.weight``): each stage's partitions, a tied module read
+from the first stage holding it, frozen parameters and buffers from the layer
+files (:mod:`._ds_pipeline` names their entries). Tensor-parallel checkpoints
+are refused.
 
 DeepSpeed records no checksums; the files' sizes are checked.
 """
@@ -76,8 +85,9 @@ def zero3_frozen(
 
 @register
 class DeepSpeedSource(Source):
-    """A DeepSpeed ZeRO-1/2/3 checkpoint: the directory with ``latest``, or one tag folder (local,
-    or at an fsspec URL: a :class:`~ucp_dcp.sources._dirs.StoreDir` view)."""
+    """A DeepSpeed ZeRO-1/2/3 checkpoint, data- or pipeline-parallel: the directory with
+    ``latest``, or one tag folder (local, or at an fsspec URL: a
+    :class:`~ucp_dcp.sources._dirs.StoreDir` view)."""
 
     format = "deepspeed"
     checksums = False
