@@ -33,7 +33,9 @@ from ucp_dcp import CheckpointFormatError, UCPLoadPlanner, UCPStorageReader, loa
 from ucp_dcp.sources import DeepSpeedSource, open_source
 
 PIPE = Path(__file__).parent / "fixtures" / "deepspeed" / "pipe"
-VARIANTS = sorted(p.name for p in PIPE.iterdir() if (p / "latest").is_file())
+ALL = sorted(p.name for p in PIPE.iterdir() if (p / "latest").is_file())
+VARIANTS = [v for v in ALL if "_tp" not in v]  # pipeline x data parallelism
+TP_VARIANTS = [v for v in ALL if "_tp" in v]  # x tensor parallelism
 
 
 def _generator() -> Any:
