@@ -319,12 +319,10 @@ def test_unsupported_and_damaged_checkpoints_name_the_files(tmp_path: Path) -> N
     with pytest.raises(CheckpointFormatError) as e:
         open_source(d)
     assert str(e.value) == (
-        f"{tag}: tensor-parallel DeepSpeed checkpoints (model-parallel ranks [0, 1]: "
-        "mp_rank_00_model_states.pt, mp_rank_01_model_states.pt) are not supported: joining each "
-        "parameter's mp_rank slices needs its partitioning rule (the dimension it is split along, or that "
-        "it is replicated, and the vocabulary padding: the tensor-parallel patterns of "
-        "universal_checkpoint_info), and no such rule is implemented; data-parallel ZeRO checkpoints "
-        "(mp_rank_00) and pipeline-parallel ones (layer_XX-model_00 files) are read"
+        f"{tag}: tensor-parallel DeepSpeed checkpoints without a pipeline (model-parallel ranks "
+        "[0, 1]: mp_rank_00_model_states.pt, mp_rank_01_model_states.pt; no layer_XX-model_YY "
+        "files) are not supported; tensor parallelism is read in PipelineModule checkpoints "
+        "(layer files), joined by the patterns of their universal_checkpoint_info"
     )
     (tag / "mp_rank_01_model_states.pt").unlink()
     # A missing rank.

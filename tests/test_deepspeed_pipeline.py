@@ -205,23 +205,20 @@ def _copy(variant: str, tmp_path: Path) -> Path:
     return dst
 
 
-def test_tensor_parallel_layer_files_are_refused_naming_the_missing_rule(tmp_path: Path) -> None:
+def test_tensor_parallel_without_partitioning_rules_is_refused_naming_them(tmp_path: Path) -> None:
+    """Layer files of two tensor-parallel ranks and no universal_checkpoint_info: which dimension
+    each parameter is split along is unknown."""
     d = _copy("pp2_dp1_zero1", tmp_path)
     tag = d / "step2"
-    shutil.copy(
-        tag / "layer_01-model_00-model_states.pt", tag / "layer_01-model_01-model_states.pt"
-    )
+    for f in tag.glob("layer_*-model_00-model_states.pt"):
+        shutil.copy(f, f.with_name(f.name.replace("-model_00-", "-model_01-")))
     with pytest.raises(CheckpointFormatError) as e:
         open_source(d)
     assert str(e.value) == (
-        f"{tag}: tensor-parallel DeepSpeed checkpoints (model-parallel ranks [0, 1], layer "
-        "files of tensor-parallel ranks [0, 1]: mp_rank_00_model_states.pt, "
-        "mp_rank_01_model_states.pt, layer_01-model_01-model_states.pt) are not supported: "
-        "joining each parameter's mp_rank slices needs its partitioning rule (the dimension it "
-        "is split along, or that it is replicated, and the vocabulary padding: the "
-        "tensor-parallel patterns of universal_checkpoint_info), and no such rule is "
-        "implemented; data-parallel ZeRO checkpoints (mp_rank_00) and pipeline-parallel ones "
-        "(layer_XX-model_00 files) are read"
+        f"{tag / 'mp_rank_00_model_states.pt'}: tensor-parallel checkpoint without partitioning "
+        "rules: universal_checkpoint_info is missing, so it is unknown which dimension each of "
+        "1.fc1.bias, 1.fc1.weight, 1.fc2.bias, 1.fc2.weight, 2.fc1.bias, 2.fc1.weight ... is "
+        "split along (or whether it is replicated)"
     )
 
 
@@ -233,25 +230,25 @@ def test_damaged_pipeline_checkpoints_name_the_files(tmp_path: Path) -> None:
     with pytest.raises(CheckpointFormatError) as e:
         open_source(d)
     assert str(e.value) == (
-        f"{tag}: stage 1 has optimizer files for data-parallel ranks [0]; expected 0..1, as "
-        "stage 0 (missing zero_pp_rank_1_mp_rank_01_optim_states.pt)"
+        f"{tag}: model-parallel rank 1 has optimizer files for data-parallel ranks [0]; expected "
+        "0..1, as rank 0 (missing zero_pp_rank_1_mp_rank_01_optim_states.pt)"
     )
     (tmp_path / "moved.pt").rename(tag / "zero_pp_rank_1_mp_rank_01_optim_states.pt")
     # The layer file holding the buffer gone.
     (tag / "layer_03-model_00-model_states.pt").unlink()
     with pytest.raises(CheckpointFormatError) as e:
         open_source(d)
-    assert (
-        str(e.value)
-        == f"{tag / 'mp_rank_01_model_states.pt'}: buffer '3.scale' of stage 1 is in no layer file"
+    assert str(e.value) == (
+        f"{tag / 'mp_rank_01_model_states.pt'}: buffer '3.scale' of model-parallel rank 1 is in no "
+        "layer file"
     )
     # A stage's model states gone.
     (tag / "mp_rank_01_model_states.pt").unlink()
     with pytest.raises(CheckpointFormatError) as e:
         open_source(d)
     assert str(e.value) == (
-        f"{tag}: pipeline stages (mp_rank_XX) [0, 1] with model states files for [0]; expected "
-        "mp_rank_00..mp_rank_01 of each"
+        f"{tag}: model-parallel ranks (mp_rank_XX) [0, 1] with model states files for [0]; "
+        "expected mp_rank_00..mp_rank_01 of each, a multiple of the 1 tensor-parallel ranks"
     )
 
 
@@ -275,3 +272,69 @@ def test_into_another_pipeline_split_each_stage_reads_its_layers() -> None:
         dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner(), no_dist=True)
         for k, t in state.items():
             assert bit_equal(t, want[k]), (prefixes, k)
+
+
+# ---------------------------------------------------------------- tensor parallelism
+
+
+def expected_tp(variant: str) -> dict[str, torch.Tensor]:
+    """ds_to_universal's merged tensors (slices joined, vocabulary padding stripped) as keys."""
+    ref = load_file(str(PIPE / variant / "reference.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for k, t in ref.items():
+        if k.startswith("universal/"):
+            _, kind, name = k.split("/", 2)
+            out[f"model.{name}" if kind == "fp32" else f"optim.state.{name}.{kind}"] = t
+            out[f"optim.state.{name}.step"] = torch.tensor(2.0)
+    # Non-trainable entries are replicated: tensor-parallel rank 0's layer file.
+    for name in ("3.frozen", "3.scale"):
+        out[f"model.{name}"] = ref[f"module/{name}/tp0"]
+    return out
+
+
+@pytest.mark.parametrize("variant", TP_VARIANTS)
+def test_tensor_parallel_slices_join_bit_exact_to_ds_to_universal(variant: str) -> None:
+    """PP=2 x TP=2: column-parallel slices joined along 0, row-parallel along 1, replicated ones
+    read from rank 0, the vocabulary-parallel tied embedding joined and its padding row cut,
+    each by the checkpoint's universal_checkpoint_info; weights and moments equal
+    ds_to_universal's."""
+    src = open_source(PIPE / variant)
+    assert isinstance(src, DeepSpeedSource)
+    got = load_state_dict(PIPE / variant)
+    want = expected_tp(variant)
+    assert set(got) - {k for k in got if k.startswith("optim.param_groups.")} == set(want)
+    for k, v in want.items():
+        assert bit_equal(got[k], v), k
+    # Replicated parameters are read from tensor-parallel rank 0 only (mp_rank_00 / _02).
+    for k in ("model.1.gain", "model.4.fc2.bias"):
+        files = {src.paths[c.location.file].rsplit("/", 1)[1] for c in src.index.tensors[k].chunks}
+        assert files <= {
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_0_mp_rank_02_optim_states.pt",
+        }, (k, files)
+
+
+def _tp_into_3(rank: int, world: int, variant: str) -> None:
+    """Into a TP=3 layout (column-parallel along 0, row-parallel along 1, the rest replicated)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    want = expected_tp(variant)
+    state: dict[str, Any] = {}
+    for k, v in want.items():
+        name = _fqn(k)
+        if v.ndim == 0 or name.startswith("3.") or name.endswith((".gain", ".fc2.bias")):
+            placement: list[Any] = [Replicate()]
+        else:
+            placement = [Shard(1 if name.endswith(".fc2.weight") else 0)]
+        state[k] = distribute_tensor(torch.full_like(v, 13), mesh, placement)
+    dcp.load(state, storage_reader=UCPStorageReader(PIPE / variant), planner=UCPLoadPlanner())
+    for k, v in want.items():
+        assert bit_equal(state[k].full_tensor(), v), (rank, k)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("variant", TP_VARIANTS)
+def test_tensor_parallel_checkpoint_loads_into_tp3(variant: str) -> None:
+    run_ranks(3, _tp_into_3, variant)

@@ -78,11 +78,14 @@ class DSFiles:
     bf16_optimizer: bool
     folder: ModelDir | None = None
     """The tag folder's view (local or in a store), which the files are read through."""
-    layers: dict[int, str] = field(default_factory=dict)
-    """Pipeline-parallel checkpoints: the ``layer_XX[-model_00]-model_states.pt`` files by global
-    layer index (empty otherwise). ``model`` then holds one ``mp_rank_SS_model_states.pt`` per
-    pipeline stage ``SS`` and ``optim`` the stages' optimizer files, stage by stage, each stage's
+    layers: dict[tuple[int, int], str] = field(default_factory=dict)
+    """Pipeline-parallel checkpoints: the ``layer_XX[-model_YY]-model_states.pt`` files by
+    (global layer index, tensor-parallel rank) (empty otherwise). ``model`` then holds one
+    ``mp_rank_MM_model_states.pt`` per model-parallel rank ``MM`` (stage ``MM // tp``,
+    tensor-parallel rank ``MM % tp``) and ``optim`` their optimizer files, rank by rank, each's
     in data-parallel rank order."""
+    tp: int = 1
+    """The tensor-parallel degree (pipeline-parallel checkpoints: the layer files' ``YY``)."""
 
 
 def looks_like_deepspeed(path: str | ModelDir) -> bool:
@@ -222,19 +225,13 @@ def find_deepspeed_files(path: str | ModelDir) -> DSFiles:
             f" ({', '.join(names[:8]) or 'it is empty'})"
         )
     mp = sorted({k[0] for k in optim} | set(model12) | {k[0] for k in model3})
-    tp = sorted({k[1] for k in layers})
-    if tp not in ([], [0]) or (not layers and mp != [0]):
+    if not layers and mp != [0]:
         files = sorted(n for n in names if _MODEL_12.fullmatch(n) or _MODEL_3.fullmatch(n))
-        files += sorted(n for n in names if (m := _LAYER.fullmatch(n)) and int(m.group(2) or 0))
         raise CheckpointFormatError(
-            f"{folder}: tensor-parallel DeepSpeed checkpoints (model-parallel ranks {mp}"
-            + (f", layer files of tensor-parallel ranks {tp}" if layers else "")
-            + f": {', '.join(files[:6])}) are not supported: joining each parameter's "
-            "mp_rank slices needs its partitioning rule (the dimension it is split along, or "
-            "that it is replicated, and the vocabulary padding: the tensor-parallel patterns of "
-            "universal_checkpoint_info), and no such rule is implemented; data-parallel ZeRO "
-            "checkpoints (mp_rank_00) and pipeline-parallel ones (layer_XX-model_00 files) are "
-            "read"
+            f"{folder}: tensor-parallel DeepSpeed checkpoints without a pipeline (model-parallel "
+            f"ranks {mp}: {', '.join(files[:6])}; no layer_XX-model_YY files) are not "
+            "supported; tensor parallelism is read in PipelineModule checkpoints (layer files), "
+            "joined by the patterns of their universal_checkpoint_info"
         )
     if len(bf16) > 1:
         raise CheckpointFormatError(
@@ -284,16 +281,30 @@ def _pipeline_files(
     ``mp_rank_SS_model_states.pt`` and one optimizer file per data-parallel rank, and the layer
     files."""
     folder = view.where
+    tp = len({k[1] for k in layers})
+    if sorted({k[1] for k in layers}) != list(range(tp)):
+        raise CheckpointFormatError(
+            f"{folder}: layer files of tensor-parallel ranks {sorted({k[1] for k in layers})}; "
+            f"expected 0..{tp - 1}"
+        )
+    for i in sorted({k[0] for k in layers}):
+        gone = [t for t in range(tp) if (i, t) not in layers]
+        if gone:
+            raise CheckpointFormatError(
+                f"{folder}: no layer_{i:02d}-model_{gone[0]:02d}-model_states.pt, though other "
+                f"tensor-parallel ranks of layer {i} have one"
+            )
     if model3:
         raise CheckpointFormatError(
             f"{folder}: layer_XX files next to ZeRO-3 model files ({sorted(model3.values())[0]}): "
             "DeepSpeed does not combine pipeline parallelism with ZeRO-3"
         )
     stages = sorted({k[0] for k in optim} | set(model12))
-    if stages != list(range(len(stages))) or sorted(model12) != stages:
+    if stages != list(range(len(stages))) or sorted(model12) != stages or len(stages) % tp:
         raise CheckpointFormatError(
-            f"{folder}: pipeline stages (mp_rank_XX) {stages} with model states files for "
-            f"{sorted(model12)}; expected mp_rank_00..mp_rank_{len(stages) - 1:02d} of each"
+            f"{folder}: model-parallel ranks (mp_rank_XX) {stages} with model states files for "
+            f"{sorted(model12)}; expected mp_rank_00..mp_rank_{len(stages) - 1:02d} of each, a "
+            f"multiple of the {tp} tensor-parallel ranks"
         )
     world = len([k for k in optim if k[0] == 0])
     prefix = "bf16_" if bf16 else ""
@@ -302,8 +313,8 @@ def _pipeline_files(
         ranks = {k[1] for k in optim if k[0] == s}
         if sorted(ranks) != list(range(world)):
             raise CheckpointFormatError(
-                f"{folder}: stage {s} has optimizer files for data-parallel ranks "
-                f"{sorted(ranks)}; expected 0..{world - 1}, as stage 0"
+                f"{folder}: model-parallel rank {s} has optimizer files for data-parallel ranks "
+                f"{sorted(ranks)}; expected 0..{world - 1}, as rank 0"
                 + _missing(
                     ranks, world, prefix + "zero_pp_rank_{}_mp_rank_" + f"{s:02d}_optim_states.pt"
                 )
@@ -315,7 +326,8 @@ def _pipeline_files(
         optim_files,
         bf16,
         view,
-        {i: view.path_of(n) for (i, _), n in sorted(layers.items())},
+        {k: view.path_of(n) for k, n in sorted(layers.items())},
+        tp,
     )
 
 
@@ -345,6 +357,7 @@ class ModelStates:
     ds_version: str
     dp_world_size: int | None  # the data-parallel degree it was saved at, where recorded
     module_is_none: bool = False  # a PipelineModule's: its state is in the layer files
+    universal_info: Any = None  # universal_checkpoint_info (Megatron-DeepSpeed's client state)
 
 
 @dataclass
@@ -449,6 +462,7 @@ def read_model_states(path: str, folder: ModelDir | None = None) -> ModelStates:
         str(version) if version is not None else "",
         dp,
         raw_module is None,
+        sd.get("universal_checkpoint_info"),
     )
 
 

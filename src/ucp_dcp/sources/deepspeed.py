@@ -33,6 +33,7 @@ DeepSpeed records no checksums; the files' sizes are checked.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..core.values import encode_value
@@ -40,6 +41,7 @@ from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes, numel
 from ._dirs import ModelDir, StoreDir
 from ._ds_pipeline import TIED_PREFIX, layer_prefix, tied_keys
+from ._ds_tp import TPSlice, tp_rules
 from ._ds_utils import (
     LATEST_FILE,
     ModelStates,
@@ -119,8 +121,10 @@ class DeepSpeedSource(Source):
             optims = [read_rank_optim(p, files.bf16_optimizer) for p in files.optim]
             layers = [read_layer_states(p) for p in layer_paths]
         # Pipeline-parallel: one model states file per stage, the optimizer files stage by stage.
-        stages = len(models) if files.layers else 1
-        dp = len(optims) // stages
+        # Pipeline-parallel: one model states file per model-parallel rank (stage x tensor-parallel
+        # rank), the optimizer files rank by rank.
+        mp = len(models) if files.layers else 1
+        dp = len(optims) // mp
         self.world_size = len(optims)
         for m, mpath in zip(models if files.layers else models[:1], files.model):
             if m.dp_world_size is not None and m.dp_world_size != dp:
@@ -150,7 +154,7 @@ class DeepSpeedSource(Source):
         b = ArchiveIndex([m.archive for m in models] + [o.archive for o in optims])
         m0 = models[0]
         if files.layers:
-            groups = self._pipeline(b, models, optims, dict(zip(files.layers, layers)))
+            groups = self._pipeline(b, models, optims, dict(zip(files.layers, layers)), files.tp)
         elif self.stage == 3:
             groups = self._zero3(b, models, optims)
         else:
@@ -161,10 +165,17 @@ class DeepSpeedSource(Source):
         for tied, owner in m0.shared.items():
             b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
         if files.layers:
-            # The global rank that wrote each file: stage s's data-parallel rank r is s * dp + r;
-            # its data-parallel rank 0 wrote the stage's model states and layer files.
-            ranks = [s * dp for s in range(stages)] + list(range(len(optims)))
-            ranks += [self._layer_stage.get(i, 0) * dp for i in files.layers]
+            # The global rank that wrote each file, on Megatron-DeepSpeed's (pipe, data, model)
+            # grid: data-parallel rank 0 of each model-parallel rank wrote its model states
+            # and layer files.
+            tp = files.tp
+
+            def grid_rank(m: int, r: int) -> int:
+                return (m // tp) * dp * tp + r * tp + m % tp
+
+            ranks = [grid_rank(m, 0) for m in range(mp)]
+            ranks += [grid_rank(m, r) for m in range(mp) for r in range(dp)]
+            ranks += [grid_rank(self._layer_stage.get(i, 0) * tp + t, 0) for i, t in files.layers]
         else:
             ranks = [r if self.stage == 3 else 0 for r in range(len(models))] + list(
                 range(len(optims))
@@ -185,9 +196,11 @@ class DeepSpeedSource(Source):
         segs: list[Segment],
         optims: list[RankOptim],
         first_buffer: int,
+        place: TPSlice | None = None,
     ) -> None:
         """``model.<fqn>``, the fp32 weight laid out as ``segs`` of the ranks' fp32 buffers, and
-        ``optim.state.<fqn>.*``: its per-element moments laid out the same way, plus the step."""
+        ``optim.state.<fqn>.*``: its per-element moments laid out the same way, plus the step
+        (``place``: ``shape`` is that tensor-parallel slice of them)."""
         b.flat(
             f"model.{fqn}",
             ("model", fqn),
@@ -195,6 +208,7 @@ class DeepSpeedSource(Source):
             segs,
             lambda s: (optims[s.rank].archive, optims[s.rank].fp32[s.buffer]),
             f"fp32 weight {fqn!r}",
+            place,
         )
         st0 = optims[0].state.get(first_buffer, {})
         for name, v in st0.items():
@@ -228,9 +242,17 @@ class DeepSpeedSource(Source):
                     )
                 return o.archive, t
 
-            b.flat(key, path, shape, segs, buffer_of, f"{name} of {fqn!r}")
+            b.flat(key, path, shape, segs, buffer_of, f"{name} of {fqn!r}", place)
 
-    def _zero12(self, b: ArchiveIndex, m0: ModelStates, optims: list[RankOptim]) -> list[list[str]]:
+    def _zero12(
+        self,
+        b: ArchiveIndex,
+        m0: ModelStates,
+        optims: list[RankOptim],
+        keep: Callable[[str, tuple[int, ...]], tuple[bool, TPSlice | None]] | None = None,
+    ) -> list[list[str]]:
+        """Each group's parameters, laid over the ranks' partitions (``keep(fqn, shape)``: whether
+        to record it here, and as which tensor-parallel slice); the groups' fqns."""
         if len(m0.param_shapes) != len(optims[0].fp32):
             raise CheckpointFormatError(
                 f"{m0.archive.path}: param_shapes has {len(m0.param_shapes)} groups, the "
@@ -248,10 +270,9 @@ class DeepSpeedSource(Source):
             except ValueError as e:
                 raise CheckpointFormatError(f"{m0.archive.path}: group {g}: {e}") from None
             for (fqn, shape), segs in zip(shapes.items(), all_segs):
-                # A tied parameter is in every stage that uses it, equal (DeepSpeed
-                # all-reduces its gradient over those stages): read from the first.
-                if f"model.{fqn}" not in b.tensors:
-                    self._param(b, fqn, shape, segs, optims, g)
+                record, place = keep(fqn, shape) if keep is not None else (True, None)
+                if record:
+                    self._param(b, fqn, shape, segs, optims, g, place)
             groups.append(list(shapes))
         return groups
 
@@ -260,53 +281,87 @@ class DeepSpeedSource(Source):
         b: ArchiveIndex,
         models: list[ModelStates],
         optims: list[RankOptim],
-        layers: dict[int, tuple[TorchArchive, dict[str, TensorRef]]],
+        layers: dict[tuple[int, int], tuple[TorchArchive, dict[str, TensorRef]]],
+        tp: int,
     ) -> list[list[str]]:
-        """A PipelineModule's checkpoint: each stage's ZeRO-1/2 partitions (``models[s]`` and
-        its share of ``optims``) under the engine module's names, then the layer files'
-        frozen parameters and buffers; the param groups' fqns over all stages."""
+        """A PipelineModule's checkpoint: each model-parallel rank's ZeRO-1/2 partitions
+        (``models[m]``, its share of ``optims``: stage ``m // tp``, tensor-parallel rank
+        ``m % tp``) under the engine module's names, then the layer files' frozen parameters
+        and buffers; the param groups' fqns over all stages.
+
+        A tied parameter is in every stage that uses it, equal (DeepSpeed all-reduces its
+        gradient over those stages): read from the first. Under tensor parallelism each
+        parameter's slices are joined by the checkpoint's ``universal_checkpoint_info``
+        (:mod:`._ds_tp`), a replicated one read from tensor-parallel rank 0.
+        """
         if self.stage == 3:
             raise CheckpointFormatError(
                 f"{models[0].archive.path}: ZeRO-3 optimizer files in a pipeline-parallel "
                 "checkpoint"
             )
         dp = len(optims) // len(models)
+        trainable = {n for m in models for shapes in m.param_shapes for n in shapes}
+        rules = (
+            tp_rules(models[0].universal_info, models[0].archive.path, sorted(trainable))
+            if tp > 1
+            else None
+        )
         groups: list[list[str]] = []
         self._layer_stage: dict[int, int] = {}
+        owner: dict[str, int] = {}  # fqn -> the stage it is read from
         hyper0 = [{k: v for k, v in g.items() if k != "params"} for g in optims[0].param_groups]
-        for s, m in enumerate(models):
-            mine = optims[s * dp : (s + 1) * dp]
+        for mi, m in enumerate(models):
+            stage, rank = divmod(mi, tp)
+            mine = optims[mi * dp : (mi + 1) * dp]
             hyper = [{k: v for k, v in g.items() if k != "params"} for g in mine[0].param_groups]
             if hyper != hyper0:
                 raise CheckpointFormatError(
-                    f"{mine[0].archive.path}: stage {s}'s optimizer groups {hyper} differ from "
-                    f"stage 0's {hyper0} ({optims[0].archive.path})"
+                    f"{mine[0].archive.path}: model-parallel rank {mi}'s optimizer groups "
+                    f"{hyper} differ from rank 0's {hyper0} ({optims[0].archive.path})"
                 )
-            for g, names in enumerate(self._zero12(b, m, mine)):
+
+            def keep(
+                fqn: str, shape: tuple[int, ...], stage: int = stage, rank: int = rank
+            ) -> tuple[bool, TPSlice | None]:
+                if owner.setdefault(fqn, stage) != stage:
+                    return False, None
+                if rules is None:
+                    return True, None
+                sl = rules.slice_of(fqn, rank, tp, shape)
+                if sl.dim is None:
+                    return rank == 0, None
+                return True, sl
+
+            for g, names in enumerate(self._zero12(b, m, mine, keep)):
                 if g == len(groups):
                     groups.append([])
                 groups[g] += [n for n in names if n not in groups[g]]
                 for n in names:
                     if not n.startswith(TIED_PREFIX):
-                        self._layer_stage.setdefault(int(n.split(".", 1)[0]), s)
-        trainable = {n for m in models for shapes in m.param_shapes for n in shapes}
-        buffers = {n: s for s, m in enumerate(models) for n in m.buffer_names}
+                        self._layer_stage.setdefault(int(n.split(".", 1)[0]), stage)
+        buffers = {n: mi for mi, m in enumerate(models) for n in m.buffer_names}
         known = trainable | set(buffers)
         tied = tied_keys(known)
-        for index, (archive, entries) in sorted(layers.items()):
+        first_file: dict[str, int] = {}  # name -> the layer index it is read from
+        for (index, rank), (archive, entries) in sorted(layers.items()):
             prefix = layer_prefix(index, list(entries), known, tied, archive.path)
             b.add_archive(archive)
             for entry, t in entries.items():
                 name = prefix + entry
-                if name in trainable or f"model.{name}" in b.tensors:
+                if name in trainable or first_file.setdefault(name, index) != index:
                     continue  # the fp32 master weight, or a tied layer's second copy
-                b.whole(
-                    f"model.{name}", ("model", name), archive, t, t.size, f"layer entry {entry!r}"
-                )
-        for name, s in buffers.items():
+                key, path, what = f"model.{name}", ("model", name), f"layer entry {entry!r}"
+                sl = rules.slice_of(name, rank, tp, t.size) if rules is not None else None
+                if sl is None or sl.dim is None:
+                    if rank == 0:
+                        b.whole(key, path, archive, t, t.size, what)
+                else:
+                    b.placed_whole(key, path, archive, t, sl, what)
+        for name, mi in buffers.items():
             if f"model.{name}" not in b.tensors:
                 raise CheckpointFormatError(
-                    f"{models[s].archive.path}: buffer {name!r} of stage {s} is in no layer file"
+                    f"{models[mi].archive.path}: buffer {name!r} of model-parallel rank {mi} is "
+                    "in no layer file"
                 )
         return groups
 
