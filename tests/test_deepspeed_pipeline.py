@@ -338,3 +338,22 @@ def _tp_into_3(rank: int, world: int, variant: str) -> None:
 @pytest.mark.parametrize("variant", TP_VARIANTS)
 def test_tensor_parallel_checkpoint_loads_into_tp3(variant: str) -> None:
     run_ranks(3, _tp_into_3, variant)
+
+
+@pytest.mark.parametrize("variant", ["pp2_dp2_zero1", *TP_VARIANTS])
+def test_from_an_object_store_url_as_from_the_local_directory(variant: str) -> None:
+    """The layer files are read through the store view too (side by side with the others)."""
+    import uuid
+
+    import fsspec
+
+    url = f"memory://ucp-ds-pipe-{uuid.uuid4().hex}/ck"
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.put(str(PIPE / variant), root, recursive=True)
+    src, local = open_source(url), open_source(PIPE / variant)
+    assert isinstance(src, DeepSpeedSource) and src.store is not None
+    assert [f.name for f in src.index.files] == [f.name for f in local.index.files]
+    got, want = load_state_dict(url), load_state_dict(PIPE / variant)
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert bit_equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
