@@ -34,8 +34,9 @@ from ucp_dcp.sources import DeepSpeedSource, open_source
 
 PIPE = Path(__file__).parent / "fixtures" / "deepspeed" / "pipe"
 ALL = sorted(p.name for p in PIPE.iterdir() if (p / "latest").is_file())
-VARIANTS = [v for v in ALL if "_tp" not in v]  # pipeline x data parallelism
-TP_VARIANTS = [v for v in ALL if "_tp" in v]  # x tensor parallelism
+_TP = {v: json.loads((PIPE / v / "reference.json").read_text())["tp"] for v in ALL}
+VARIANTS = [v for v in ALL if _TP[v] == 1]  # pipeline x data parallelism
+TP_VARIANTS = [v for v in ALL if _TP[v] > 1]  # tensor x (pipeline x) data parallelism
 
 
 def _generator() -> Any:
@@ -189,11 +190,18 @@ def _fsdp2(rank: int, world: int, variants: list[str]) -> None:
         _resume(model, optim, state, variant)
 
 
+def _all_on_3(rank: int, world: int) -> None:
+    _fsdp2(rank, world, VARIANTS)
+    for v in TP_VARIANTS:
+        _tp_into_3(rank, world, v)
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world", [2, 3])
-def test_pipeline_checkpoints_load_into_fsdp2_and_train_on(world: int) -> None:
-    """Into FSDP2 on 2 and 3 ranks: bit-exact weights and moments, then DeepSpeed's next losses."""
-    run_ranks(world, _fsdp2, VARIANTS)
+def test_every_fixture_loads_on_3_ranks() -> None:
+    """Pipeline x data-parallel fixtures into FSDP2 (bit-exact weights and moments, then
+    DeepSpeed's next losses); tensor-parallel ones into a TP=3 layout (bit-exact to
+    ds_to_universal's merged tensors). One spawn for all: each costs seconds."""
+    run_ranks(3, _all_on_3)
 
 
 # ---------------------------------------------------------------- refusals
@@ -285,7 +293,8 @@ def expected_tp(variant: str) -> dict[str, torch.Tensor]:
         if k.startswith("universal/"):
             _, kind, name = k.split("/", 2)
             out[f"model.{name}" if kind == "fp32" else f"optim.state.{name}.{kind}"] = t
-            out[f"optim.state.{name}.step"] = torch.tensor(2.0)
+            if kind != "fp32":  # without a pipeline it also copies frozen params and buffers
+                out[f"optim.state.{name}.step"] = torch.tensor(2.0)
     # Non-trainable entries are replicated: tensor-parallel rank 0's layer file.
     for name in ("3.frozen", "3.scale"):
         out[f"model.{name}"] = ref[f"module/{name}/tp0"]
@@ -305,13 +314,13 @@ def test_tensor_parallel_slices_join_bit_exact_to_ds_to_universal(variant: str) 
     assert set(got) - {k for k in got if k.startswith("optim.param_groups.")} == set(want)
     for k, v in want.items():
         assert bit_equal(got[k], v), k
-    # Replicated parameters are read from tensor-parallel rank 0 only (mp_rank_00 / _02).
+    # Replicated parameters are read from tensor-parallel rank 0 only (mp_rank_MM, MM % tp == 0).
     for k in ("model.1.gain", "model.4.fc2.bias"):
-        files = {src.paths[c.location.file].rsplit("/", 1)[1] for c in src.index.tensors[k].chunks}
-        assert files <= {
-            "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-            "zero_pp_rank_0_mp_rank_02_optim_states.pt",
-        }, (k, files)
+        mps = {
+            int(src.paths[c.location.file].split("_mp_rank_")[1][:2])
+            for c in src.index.tensors[k].chunks
+        }
+        assert {m % _TP[variant] for m in mps} == {0}, (k, mps)
 
 
 def _tp_into_3(rank: int, world: int, variant: str) -> None:
@@ -332,12 +341,6 @@ def _tp_into_3(rank: int, world: int, variant: str) -> None:
     dcp.load(state, storage_reader=UCPStorageReader(PIPE / variant), planner=UCPLoadPlanner())
     for k, v in want.items():
         assert bit_equal(state[k].full_tensor(), v), (rank, k)
-
-
-@pytest.mark.multiproc
-@pytest.mark.parametrize("variant", TP_VARIANTS)
-def test_tensor_parallel_checkpoint_loads_into_tp3(variant: str) -> None:
-    run_ranks(3, _tp_into_3, variant)
 
 
 @pytest.mark.parametrize("variant", ["pp2_dp2_zero1", *TP_VARIANTS])

@@ -13,11 +13,13 @@ parallelism:
   ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per rank (``fp32_flat_groups``,
   one flat buffer per sub-group, and the inner optimizer over them).
 
-A pipeline-parallel checkpoint has ``mp_rank_{s}_model_states.pt`` (``module``
-None) and ``zero_pp_rank_{r}_mp_rank_{s}_optim_states.pt`` per stage ``s``, and
-``layer_{i}-model_00-model_states.pt`` per layer with state (global index
-``i``). Several model-parallel ranks without layer files, or layer files of
-tensor-parallel ranks above 0, are tensor parallelism, refused.
+A pipeline- or tensor-parallel checkpoint has ``mp_rank_{m}_model_states.pt``
+and ``zero_pp_rank_{r}_mp_rank_{m}_optim_states.pt`` per model-parallel rank
+``m`` (stage ``m // T``, tensor-parallel rank ``m % T``) and, under a
+pipeline, ``layer_{i}-model_{t}-model_states.pt`` per layer with state
+(global index ``i``, tensor-parallel rank ``t``; the model states' ``module``
+is then None). Without layer files every model-parallel rank is a
+tensor-parallel one.
 
 This module finds those files and turns their pickles, read as inert records
 by :mod:`._torch_archive` (the classes they may name are :mod:`._pickle`'s
@@ -225,19 +227,11 @@ def find_deepspeed_files(path: str | ModelDir) -> DSFiles:
             f" ({', '.join(names[:8]) or 'it is empty'})"
         )
     mp = sorted({k[0] for k in optim} | set(model12) | {k[0] for k in model3})
-    if not layers and mp != [0]:
-        files = sorted(n for n in names if _MODEL_12.fullmatch(n) or _MODEL_3.fullmatch(n))
-        raise CheckpointFormatError(
-            f"{folder}: tensor-parallel DeepSpeed checkpoints without a pipeline (model-parallel "
-            f"ranks {mp}: {', '.join(files[:6])}; no layer_XX-model_YY files) are not "
-            "supported; tensor parallelism is read in PipelineModule checkpoints (layer files), "
-            "joined by the patterns of their universal_checkpoint_info"
-        )
     if len(bf16) > 1:
         raise CheckpointFormatError(
             f"{folder}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files"
         )
-    if layers:
+    if layers or mp != [0]:
         return _pipeline_files(view, model12, model3, optim, layers, bf16.pop())
     world = len(optim)
     prefix = "bf16_" if True in bf16 else ""
@@ -277,12 +271,12 @@ def _pipeline_files(
     layers: dict[tuple[int, int], str],
     bf16: bool,
 ) -> DSFiles:
-    """The files of a pipeline-parallel checkpoint: per stage (model-parallel rank ``SS``) one
-    ``mp_rank_SS_model_states.pt`` and one optimizer file per data-parallel rank, and the layer
-    files."""
+    """The files of a pipeline- or tensor-parallel checkpoint: per model-parallel rank ``MM`` one
+    ``mp_rank_MM_model_states.pt`` and one optimizer file per data-parallel rank, and the layer
+    files (none without a pipeline: every model-parallel rank is then a tensor-parallel one)."""
     folder = view.where
-    tp = len({k[1] for k in layers})
-    if sorted({k[1] for k in layers}) != list(range(tp)):
+    tp = len({k[1] for k in layers}) if layers else len(set(model12) | {k[0] for k in optim})
+    if layers and sorted({k[1] for k in layers}) != list(range(tp)):
         raise CheckpointFormatError(
             f"{folder}: layer files of tensor-parallel ranks {sorted({k[1] for k in layers})}; "
             f"expected 0..{tp - 1}"
@@ -296,8 +290,8 @@ def _pipeline_files(
             )
     if model3:
         raise CheckpointFormatError(
-            f"{folder}: layer_XX files next to ZeRO-3 model files ({sorted(model3.values())[0]}): "
-            "DeepSpeed does not combine pipeline parallelism with ZeRO-3"
+            f"{folder}: ZeRO-3 model files ({sorted(model3.values())[0]}) of a pipeline- or "
+            "tensor-parallel checkpoint are not supported"
         )
     stages = sorted({k[0] for k in optim} | set(model12))
     if stages != list(range(len(stages))) or sorted(model12) != stages or len(stages) % tp:

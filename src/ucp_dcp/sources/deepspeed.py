@@ -1,5 +1,5 @@
-"""A DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, fp32 or bf16; data- or pipeline-parallel) as a
-source, read in place.
+"""A DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, fp32 or bf16; data-, pipeline- or
+tensor-parallel) as a source, read in place.
 
 DeepSpeed's files are ``torch.save`` archives whose tensor storages are
 stored uncompressed, so every parameter's elements are byte ranges inside
@@ -24,8 +24,9 @@ one ``mp_rank_SS`` model states file and ZeRO-1/2 optimizer files per stage)
 gives the same keys under the engine module's names (``3.fc1.weight``,
 ``tied_modules.embed.weight``): each stage's partitions, a tied module read
 from the first stage holding it, frozen parameters and buffers from the layer
-files (:mod:`._ds_pipeline` names their entries). Tensor-parallel checkpoints
-are refused.
+files (:mod:`._ds_pipeline` names their entries). Under tensor parallelism
+(several ``mp_rank_MM``, with or without a pipeline) each parameter's slices
+are joined by the checkpoint's ``universal_checkpoint_info`` (:mod:`._ds_tp`).
 
 DeepSpeed records no checksums; the files' sizes are checked.
 """
@@ -87,7 +88,7 @@ def zero3_frozen(
 
 @register
 class DeepSpeedSource(Source):
-    """A DeepSpeed ZeRO-1/2/3 checkpoint, data- or pipeline-parallel: the directory with
+    """A DeepSpeed ZeRO-1/2/3 checkpoint, data-, pipeline- or tensor-parallel: the directory with
     ``latest``, or one tag folder (local, or at an fsspec URL: a
     :class:`~ucp_dcp.sources._dirs.StoreDir` view)."""
 
@@ -123,10 +124,11 @@ class DeepSpeedSource(Source):
         # Pipeline-parallel: one model states file per stage, the optimizer files stage by stage.
         # Pipeline-parallel: one model states file per model-parallel rank (stage x tensor-parallel
         # rank), the optimizer files rank by rank.
-        mp = len(models) if files.layers else 1
+        parallel = bool(files.layers) or files.tp > 1
+        mp = len(models) if parallel else 1
         dp = len(optims) // mp
         self.world_size = len(optims)
-        for m, mpath in zip(models if files.layers else models[:1], files.model):
+        for m, mpath in zip(models if parallel else models[:1], files.model):
             if m.dp_world_size is not None and m.dp_world_size != dp:
                 raise CheckpointFormatError(
                     f"{files.directory}: saved by {m.dp_world_size} data-parallel ranks "
@@ -146,25 +148,25 @@ class DeepSpeedSource(Source):
                     f"{p}: ZeRO stage {o.stage} with {len(o.fp32)} flat buffers; "
                     f"{files.optim[0]} has stage {self.stage} with {len(optims[0].fp32)}"
                 )
-        if not files.layers and (self.stage == 3) != (len(models) > 1):
+        if not parallel and (self.stage == 3) != (len(models) > 1):
             raise CheckpointFormatError(
                 f"{files.directory}: ZeRO stage {self.stage} optimizer files with "
                 f"{'per-rank' if len(models) > 1 else 'one'} model states file(s)"
             )
         b = ArchiveIndex([m.archive for m in models] + [o.archive for o in optims])
         m0 = models[0]
-        if files.layers:
+        if parallel:
             groups = self._pipeline(b, models, optims, dict(zip(files.layers, layers)), files.tp)
         elif self.stage == 3:
             groups = self._zero3(b, models, optims)
         else:
             groups = self._zero12(b, m0, optims)
         self._param_groups(b, optims[0], groups)
-        if not files.layers:
+        if not parallel:
             self._frozen_and_buffers(b, models)
         for tied, owner in m0.shared.items():
             b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
-        if files.layers:
+        if parallel:
             # The global rank that wrote each file, on Megatron-DeepSpeed's (pipe, data, model)
             # grid: data-parallel rank 0 of each model-parallel rank wrote its model states
             # and layer files.
@@ -296,8 +298,8 @@ class DeepSpeedSource(Source):
         """
         if self.stage == 3:
             raise CheckpointFormatError(
-                f"{models[0].archive.path}: ZeRO-3 optimizer files in a pipeline-parallel "
-                "checkpoint"
+                f"{models[0].archive.path}: ZeRO-3 optimizer files in a pipeline- or "
+                "tensor-parallel checkpoint"
             )
         dp = len(optims) // len(models)
         trainable = {n for m in models for shapes in m.param_shapes for n in shapes}
@@ -342,10 +344,19 @@ class DeepSpeedSource(Source):
         buffers = {n: mi for mi, m in enumerate(models) for n in m.buffer_names}
         known = trainable | set(buffers)
         tied = tied_keys(known)
+        # Frozen parameters and buffers: in the layer files under a pipeline, else in each
+        # tensor-parallel rank's module state dict (full names).
+        sources: list[tuple[int, int, TorchArchive, dict[str, TensorRef], str | None]] = [
+            (index, rank, archive, entries, None)
+            for (index, rank), (archive, entries) in sorted(layers.items())
+        ]
+        if not layers:
+            sources = [(0, mi, m.archive, m.module, "") for mi, m in enumerate(models)]
         first_file: dict[str, int] = {}  # name -> the layer index it is read from
-        for (index, rank), (archive, entries) in sorted(layers.items()):
-            prefix = layer_prefix(index, list(entries), known, tied, archive.path)
-            b.add_archive(archive)
+        for index, rank, archive, entries, prefix in sources:
+            if prefix is None:
+                prefix = layer_prefix(index, list(entries), known, tied, archive.path)
+                b.add_archive(archive)
             for entry, t in entries.items():
                 name = prefix + entry
                 if name in trainable or first_file.setdefault(name, index) != index:
@@ -361,7 +372,7 @@ class DeepSpeedSource(Source):
             if f"model.{name}" not in b.tensors:
                 raise CheckpointFormatError(
                     f"{models[mi].archive.path}: buffer {name!r} of model-parallel rank {mi} is "
-                    "in no layer file"
+                    "in no layer file" + ("" if layers else " (and not in its module)")
                 )
         return groups
 
