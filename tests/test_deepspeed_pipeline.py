@@ -360,3 +360,13 @@ def test_from_an_object_store_url_as_from_the_local_directory(variant: str) -> N
     assert set(got) == set(want)
     for k, v in want.items():
         assert bit_equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
+
+
+def test_layer_files_without_a_model_axis_load_alike(tmp_path: Path) -> None:
+    """A PipeDataParallelTopology (no "model" axis) names layer files layer_XX-model_states.pt."""
+    d = _copy("pp2_dp2_zero1", tmp_path)
+    for f in (d / "step2").glob("layer_*-model_00-model_states.pt"):
+        f.rename(f.with_name(f.name.replace("-model_00-", "-")))
+    got, want = load_state_dict(d), load_state_dict(PIPE / "pp2_dp2_zero1")
+    assert set(got) == set(want)
+    assert all(bit_equal(got[k], v) for k, v in want.items() if isinstance(v, torch.Tensor))

@@ -311,6 +311,7 @@ class DeepSpeedSource(Source):
         groups: list[list[str]] = []
         self._layer_stage: dict[int, int] = {}
         owner: dict[str, int] = {}  # fqn -> the stage it is read from
+        local: dict[str, tuple[tuple[int, ...], int]] = {}  # fqn -> (slice shape, mp rank)
         hyper0 = [{k: v for k, v in g.items() if k != "params"} for g in optims[0].param_groups]
         for mi, m in enumerate(models):
             stage, rank = divmod(mi, tp)
@@ -323,12 +324,25 @@ class DeepSpeedSource(Source):
                 )
 
             def keep(
-                fqn: str, shape: tuple[int, ...], stage: int = stage, rank: int = rank
+                fqn: str,
+                shape: tuple[int, ...],
+                stage: int = stage,
+                rank: int = rank,
+                mi: int = mi,
+                m: ModelStates = m,
             ) -> tuple[bool, TPSlice | None]:
                 if owner.setdefault(fqn, stage) != stage:
                     return False, None
                 if rules is None:
                     return True, None
+                # Slices are placed at rank x their size: only an even split is known.
+                first = local.setdefault(fqn, (shape, mi))
+                if first[0] != shape:
+                    raise CheckpointFormatError(
+                        f"{m.archive.path}: {fqn!r} is a {shape} slice; model-parallel rank "
+                        f"{first[1]} holds a {first[0]} one (uneven tensor-parallel slices are "
+                        "not supported)"
+                    )
                 sl = rules.slice_of(fqn, rank, tp, shape)
                 if sl.dim is None:
                     return rank == 0, None
