@@ -41,7 +41,7 @@ from ..core.values import encode_value
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes, numel
 from ._dirs import ModelDir, StoreDir
-from ._ds_pipeline import TIED_PREFIX, layer_prefix, tied_keys
+from ._ds_pipeline import layer_prefix, tied_keys
 from ._ds_tp import TPSlice, tp_rules
 from ._ds_utils import (
     LATEST_FILE,
@@ -121,9 +121,8 @@ class DeepSpeedSource(Source):
             models = [read_model_states(p) for p in files.model]
             optims = [read_rank_optim(p, files.bf16_optimizer) for p in files.optim]
             layers = [read_layer_states(p) for p in layer_paths]
-        # Pipeline-parallel: one model states file per stage, the optimizer files stage by stage.
-        # Pipeline-parallel: one model states file per model-parallel rank (stage x tensor-parallel
-        # rank), the optimizer files rank by rank.
+        # Pipeline- or tensor-parallel: one model states file per model-parallel rank (stage x
+        # tensor-parallel rank), the optimizer files rank by rank.
         parallel = bool(files.layers) or files.tp > 1
         mp = len(models) if parallel else 1
         dp = len(optims) // mp
@@ -353,8 +352,9 @@ class DeepSpeedSource(Source):
                     groups.append([])
                 groups[g] += [n for n in names if n not in groups[g]]
                 for n in names:
-                    if not n.startswith(TIED_PREFIX):
-                        self._layer_stage.setdefault(int(n.split(".", 1)[0]), stage)
+                    head = n.split(".", 1)[0]  # a PipelineModule's layer index
+                    if layers and head.isdigit():
+                        self._layer_stage.setdefault(int(head), stage)
         buffers = {n: mi for mi, m in enumerate(models) for n in m.buffer_names}
         known = trainable | set(buffers)
         tied = tied_keys(known)
@@ -366,6 +366,7 @@ class DeepSpeedSource(Source):
         ]
         if not layers:
             sources = [(0, mi, m.archive, m.module, "") for mi, m in enumerate(models)]
+        shared = {n for m in models for n in m.shared}
         first_file: dict[str, int] = {}  # name -> the layer index it is read from
         for index, rank, archive, entries, prefix in sources:
             if prefix is None:
@@ -373,8 +374,12 @@ class DeepSpeedSource(Source):
                 b.add_archive(archive)
             for entry, t in entries.items():
                 name = prefix + entry
-                if name in trainable or first_file.setdefault(name, index) != index:
-                    continue  # the fp32 master weight, or a tied layer's second copy
+                if (
+                    name in trainable
+                    or name in shared
+                    or first_file.setdefault(name, index) != index
+                ):
+                    continue  # the fp32 master weight (or a tied alias), or a tied layer's copy
                 key, path, what = f"model.{name}", ("model", name), f"layer entry {entry!r}"
                 sl = rules.slice_of(name, rank, tp, t.size) if rules is not None else None
                 if sl is None or sl.dim is None:
