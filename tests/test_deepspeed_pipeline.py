@@ -36,6 +36,10 @@ PIPE = Path(__file__).parent / "fixtures" / "deepspeed" / "pipe"
 ALL = sorted(p.name for p in PIPE.iterdir() if (p / "latest").is_file())
 _TP = {v: json.loads((PIPE / v / "reference.json").read_text())["tp"] for v in ALL}
 VARIANTS = [v for v in ALL if _TP[v] == 1]  # pipeline x data parallelism
+# Trained on after loading (a bf16 run's next step depends on its bf16 module copies).
+FP32 = [
+    v for v in VARIANTS if not json.loads((PIPE / v / "reference.json").read_text()).get("bf16")
+]
 TP_VARIANTS = [v for v in ALL if _TP[v] > 1]  # tensor x (pipeline x) data parallelism
 
 
@@ -155,7 +159,7 @@ def _resume(
     )
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", FP32)
 def test_resumed_without_a_pipeline_training_matches_deepspeeds_next_steps(variant: str) -> None:
     model, optim = _model_and_optim()
     msd, osd = get_state_dict(model, optim)
@@ -191,7 +195,7 @@ def _fsdp2(rank: int, world: int, variants: list[str]) -> None:
 
 
 def _all_on_3(rank: int, world: int) -> None:
-    _fsdp2(rank, world, VARIANTS)
+    _fsdp2(rank, world, FP32)
     for v in TP_VARIANTS:
         _tp_into_3(rank, world, v)
 
