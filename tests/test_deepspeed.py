@@ -314,14 +314,14 @@ def test_a_pickle_naming_any_other_class_is_refused_before_anything_runs(tmp_pat
 def test_unsupported_and_damaged_checkpoints_name_the_files(tmp_path: Path) -> None:
     d = _copy("zero2_fp32_w2", tmp_path)
     tag = d / "step2"
-    # A tensor-parallel checkpoint: several model-parallel ranks.
+    # A tensor-parallel checkpoint (several model-parallel ranks) without rank 1's optimizer files.
     shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
     with pytest.raises(CheckpointFormatError) as e:
         open_source(d)
     assert str(e.value) == (
-        f"{tag}: tensor- or pipeline-parallel DeepSpeed checkpoints (model-parallel ranks [0, 1]: "
-        "mp_rank_00_model_states.pt, mp_rank_01_model_states.pt) are not supported; only data-parallel "
-        "ZeRO checkpoints (mp_rank_00) are"
+        f"{tag}: model-parallel rank 1 has optimizer files for data-parallel ranks []; expected "
+        "0..1, as rank 0 (missing zero_pp_rank_0_mp_rank_01_optim_states.pt, "
+        "zero_pp_rank_1_mp_rank_01_optim_states.pt)"
     )
     (tag / "mp_rank_01_model_states.pt").unlink()
     # A missing rank.

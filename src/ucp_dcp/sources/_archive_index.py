@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,7 +24,22 @@ from ._torch_archive import TorchArchive
 from ._zero_layout import Segment, segment_boxes
 from .base import Source
 
-__all__ = ["ArchiveIndex", "check_sizes", "numel"]
+__all__ = ["ArchiveIndex", "Placement", "check_sizes", "numel"]
+
+
+class Placement(Protocol):
+    """Where the boxes of one slice of a tensor go in the full tensor (e.g. a tensor-parallel
+    slice, :class:`~ucp_dcp.sources._ds_tp.TPSlice`)."""
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The full tensor's shape."""
+        ...
+
+    def place(self, box: Box) -> Box | None:
+        """The full tensor's box filled by the first elements of the slice's ``box`` (None:
+        none of them are kept)."""
+        ...
 
 
 class ArchiveIndex:
@@ -108,9 +123,14 @@ class ArchiveIndex:
         segs: list[Segment],
         buffer_of: Callable[[Segment], tuple[TorchArchive, TensorRef]],
         what: str,
+        place: Placement | None = None,
     ) -> None:
         """``key`` of ``shape`` lies in flat buffers: ``buffer_of(seg)`` gives ``(archive, tensor)``
-        of a segment."""
+        of a segment.
+
+        With ``place`` (a tensor-parallel slice of ``shape``), the boxes go where it puts
+        them in its full tensor, added to the chunks other slices gave ``key``.
+        """
         chunks: list[ChunkRecord] = []
         dtype = None
         for seg in segs:
@@ -121,9 +141,64 @@ class ArchiveIndex:
                     f"{archive.path}: {what} is stored as both {dtype} and {t.dtype}"
                 )
             for box, off in segment_boxes(shape, seg):
-                chunks.append(ChunkRecord(box, self.location(archive, t, off, box.numel, what)))
+                chunks += self._chunk(archive, t, box, off, what, place)
         # An empty parameter has no element stored anywhere, and no chunks.
-        self.add(key, path, dtype or torch.float32, shape, chunks)
+        if place is None:
+            self.add(key, path, dtype or torch.float32, shape, chunks)
+        else:
+            self.extend(key, path, dtype or torch.float32, place.full_shape, chunks)
+
+    def placed_whole(
+        self,
+        key: str,
+        path: tuple[str | int, ...],
+        archive: TorchArchive,
+        t: TensorRef,
+        place: Placement,
+        what: str,
+    ) -> None:
+        """Tensor ``t``, a tensor-parallel slice, put where ``place`` says in ``key``."""
+        box = Box((0,) * len(t.size), tuple(t.size))
+        self.extend(
+            key, path, t.dtype, place.full_shape, self._chunk(archive, t, box, 0, what, place)
+        )
+
+    def _chunk(
+        self,
+        archive: TorchArchive,
+        t: TensorRef,
+        box: Box,
+        off: int,
+        what: str,
+        place: Placement | None,
+    ) -> list[ChunkRecord]:
+        if place is None:
+            return [ChunkRecord(box, self.location(archive, t, off, box.numel, what))]
+        full = place.place(box)
+        if full is None or not full.numel:
+            return []
+        # A placed box keeps a prefix of the slice box's elements (see Placement.place).
+        return [ChunkRecord(full, self.location(archive, t, off, full.numel, what))]
+
+    def extend(
+        self,
+        key: str,
+        path: tuple[str | int, ...],
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        chunks: list[ChunkRecord],
+    ) -> None:
+        """Add ``chunks`` to ``key`` (recorded with ``dtype`` and ``shape`` if new)."""
+        rec = self.tensors.get(key)
+        if rec is None:
+            self.add(key, path, dtype, shape, chunks)
+            return
+        if rec.dtype != dtype or tuple(rec.shape) != tuple(shape):
+            raise CheckpointFormatError(
+                f"{key}: tensor-parallel slices of {rec.dtype} {tuple(rec.shape)} and {dtype} "
+                f"{tuple(shape)}"
+            )
+        rec.chunks.extend(chunks)
 
     def add(
         self,

@@ -13,6 +13,14 @@ parallelism:
   ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per rank (``fp32_flat_groups``,
   one flat buffer per sub-group, and the inner optimizer over them).
 
+A pipeline- or tensor-parallel checkpoint has ``mp_rank_{m}_model_states.pt``
+and ``zero_pp_rank_{r}_mp_rank_{m}_optim_states.pt`` per model-parallel rank
+``m`` (stage ``m // T``, tensor-parallel rank ``m % T``) and, under a
+pipeline, ``layer_{i}-model_{t}-model_states.pt`` per layer with state
+(global index ``i``, tensor-parallel rank ``t``; the model states' ``module``
+is then None). Without layer files every model-parallel rank is a
+tensor-parallel one.
+
 This module finds those files and turns their pickles, read as inert records
 by :mod:`._torch_archive` (the classes they may name are :mod:`._pickle`'s
 ``"deepspeed"`` entries), into :class:`ModelStates` and :class:`RankOptim`,
@@ -40,6 +48,7 @@ __all__ = [
     "find_deepspeed_files",
     "looks_like_deepspeed",
     "read_archive",
+    "read_layer_states",
     "read_model_states",
     "read_rank_optim",
     "looks_like_universal",
@@ -53,6 +62,9 @@ UNIVERSAL_DIR = "zero"  # one folder per parameter: fp32.pt, exp_avg.pt, exp_avg
 _MODEL_12 = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 _MODEL_3 = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
 _OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+# A PipelineModule's per-layer files: global layer index, then the tensor-parallel rank
+# (``-model_YY``, absent under a topology without a "model" axis).
+_LAYER = re.compile(r"layer_(\d+)(?:-model_(\d+))?-model_states\.pt")
 # Other names in a tag folder that are DeepSpeed's and not state: the
 # recovery script it copies next to the checkpoint.
 _IGNORED = {"zero_to_fp32.py"}
@@ -68,6 +80,14 @@ class DSFiles:
     bf16_optimizer: bool
     folder: ModelDir | None = None
     """The tag folder's view (local or in a store), which the files are read through."""
+    layers: dict[tuple[int, int], str] = field(default_factory=dict)
+    """Pipeline-parallel checkpoints: the ``layer_XX[-model_YY]-model_states.pt`` files by
+    (global layer index, tensor-parallel rank) (empty otherwise). ``model`` then holds one
+    ``mp_rank_MM_model_states.pt`` per model-parallel rank ``MM`` (stage ``MM // tp``,
+    tensor-parallel rank ``MM % tp``) and ``optim`` their optimizer files, rank by rank, each's
+    in data-parallel rank order."""
+    tp: int = 1
+    """The tensor-parallel degree (pipeline-parallel checkpoints: the layer files' ``YY``)."""
 
 
 def looks_like_deepspeed(path: str | ModelDir) -> bool:
@@ -188,6 +208,7 @@ def find_deepspeed_files(path: str | ModelDir) -> DSFiles:
     model12: dict[int, str] = {}
     model3: dict[tuple[int, int], str] = {}
     optim: dict[tuple[int, int], str] = {}
+    layers: dict[tuple[int, int], str] = {}
     bf16 = set()
     for n in names:
         if m := _MODEL_12.fullmatch(n):
@@ -197,6 +218,8 @@ def find_deepspeed_files(path: str | ModelDir) -> DSFiles:
         elif m := _OPTIM.fullmatch(n):
             optim[(int(m.group(3)), int(m.group(2)))] = n
             bf16.add(bool(m.group(1)))
+        elif m := _LAYER.fullmatch(n):
+            layers[(int(m.group(1)), int(m.group(2) or 0))] = n
     if not optim:
         raise CheckpointFormatError(
             f"{folder}: not a DeepSpeed ZeRO checkpoint: no "
@@ -204,18 +227,12 @@ def find_deepspeed_files(path: str | ModelDir) -> DSFiles:
             f" ({', '.join(names[:8]) or 'it is empty'})"
         )
     mp = sorted({k[0] for k in optim} | set(model12) | {k[0] for k in model3})
-    if mp != [0]:
-        files = sorted(n for n in names if _MODEL_12.fullmatch(n) or _MODEL_3.fullmatch(n))
-        raise CheckpointFormatError(
-            f"{folder}: tensor- or pipeline-parallel DeepSpeed checkpoints (model-parallel ranks "
-            f"{mp}: "
-            f"{', '.join(files[:6])}) are not supported; only data-parallel ZeRO checkpoints "
-            "(mp_rank_00) are"
-        )
     if len(bf16) > 1:
         raise CheckpointFormatError(
             f"{folder}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files"
         )
+    if layers or mp != [0]:
+        return _pipeline_files(view, model12, model3, optim, layers, bf16.pop())
     world = len(optim)
     prefix = "bf16_" if True in bf16 else ""
     if sorted(k[1] for k in optim) != list(range(world)):
@@ -246,6 +263,68 @@ def find_deepspeed_files(path: str | ModelDir) -> DSFiles:
     return DSFiles(folder, model_files, optim_files, bf16.pop(), view)
 
 
+def _pipeline_files(
+    view: ModelDir,
+    model12: dict[int, str],
+    model3: dict[tuple[int, int], str],
+    optim: dict[tuple[int, int], str],
+    layers: dict[tuple[int, int], str],
+    bf16: bool,
+) -> DSFiles:
+    """The files of a pipeline- or tensor-parallel checkpoint: per model-parallel rank ``MM`` one
+    ``mp_rank_MM_model_states.pt`` and one optimizer file per data-parallel rank, and the layer
+    files (none without a pipeline: every model-parallel rank is then a tensor-parallel one)."""
+    folder = view.where
+    tp = len({k[1] for k in layers}) if layers else len(set(model12) | {k[0] for k in optim})
+    if layers and sorted({k[1] for k in layers}) != list(range(tp)):
+        raise CheckpointFormatError(
+            f"{folder}: layer files of tensor-parallel ranks {sorted({k[1] for k in layers})}; "
+            f"expected 0..{tp - 1}"
+        )
+    for i in sorted({k[0] for k in layers}):
+        gone = [t for t in range(tp) if (i, t) not in layers]
+        if gone:
+            raise CheckpointFormatError(
+                f"{folder}: no layer_{i:02d}-model_{gone[0]:02d}-model_states.pt, though other "
+                f"tensor-parallel ranks of layer {i} have one"
+            )
+    if model3:
+        raise CheckpointFormatError(
+            f"{folder}: ZeRO-3 model files ({sorted(model3.values())[0]}) of a pipeline- or "
+            "tensor-parallel checkpoint are not supported"
+        )
+    stages = sorted({k[0] for k in optim} | set(model12))
+    if stages != list(range(len(stages))) or sorted(model12) != stages or len(stages) % tp:
+        raise CheckpointFormatError(
+            f"{folder}: model-parallel ranks (mp_rank_XX) {stages} with model states files for "
+            f"{sorted(model12)}; expected mp_rank_00..mp_rank_{len(stages) - 1:02d} of each, a "
+            f"multiple of the {tp} tensor-parallel ranks"
+        )
+    world = len([k for k in optim if k[0] == 0])
+    prefix = "bf16_" if bf16 else ""
+    optim_files = []
+    for s in stages:
+        ranks = {k[1] for k in optim if k[0] == s}
+        if sorted(ranks) != list(range(world)):
+            raise CheckpointFormatError(
+                f"{folder}: model-parallel rank {s} has optimizer files for data-parallel ranks "
+                f"{sorted(ranks)}; expected 0..{world - 1}, as rank 0"
+                + _missing(
+                    ranks, world, prefix + "zero_pp_rank_{}_mp_rank_" + f"{s:02d}_optim_states.pt"
+                )
+            )
+        optim_files += [view.path_of(optim[(s, r)]) for r in range(world)]
+    return DSFiles(
+        folder,
+        [view.path_of(model12[s]) for s in stages],
+        optim_files,
+        bf16,
+        view,
+        {k: view.path_of(n) for k, n in sorted(layers.items())},
+        tp,
+    )
+
+
 def _missing(have: set[int], world: int, pattern: str) -> str:
     """`` (missing <file>, ...)`` for the ranks below ``world`` (or the highest seen) with no
     file."""
@@ -271,6 +350,8 @@ class ModelStates:
     buffer_names: list[str]
     ds_version: str
     dp_world_size: int | None  # the data-parallel degree it was saved at, where recorded
+    module_is_none: bool = False  # a PipelineModule's: its state is in the layer files
+    universal_info: Any = None  # universal_checkpoint_info (Megatron-DeepSpeed's client state)
 
 
 @dataclass
@@ -334,7 +415,9 @@ def read_model_states(path: str, folder: ModelDir | None = None) -> ModelStates:
         raise CheckpointFormatError(
             f"{path}: holds a {type(sd).__name__}, not DeepSpeed's model states dict"
         )
-    module = _tensors(_need(sd, "module", dict, path), f"{path}: 'module'")
+    # A PipelineModule's engine saves module=None: its layers are in layer_XX files.
+    raw_module = _need(sd, "module", (dict, type(None)), path)
+    module = _tensors(raw_module if raw_module is not None else {}, f"{path}: 'module'")
     shapes_raw = _need(sd, "param_shapes", list, path)
     param_shapes = []
     for g, d in enumerate(shapes_raw):
@@ -372,7 +455,18 @@ def read_model_states(path: str, folder: ModelDir | None = None) -> ModelStates:
         list(buffers),
         str(version) if version is not None else "",
         dp,
+        raw_module is None,
+        sd.get("universal_checkpoint_info"),
     )
+
+
+def read_layer_states(
+    path: str, folder: ModelDir | None = None
+) -> tuple[TorchArchive, dict[str, TensorRef]]:
+    """Read a pipeline layer file (``layer_XX-model_YY-model_states.pt``: the layer's own
+    ``state_dict()``), its pickle only, as inert records."""
+    a = read_archive(path, folder)
+    return a, _tensors(a.obj, f"{path}: the layer's state dict")
 
 
 def _stage(v: Any, where: str) -> int:

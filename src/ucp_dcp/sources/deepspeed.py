@@ -1,4 +1,5 @@
-"""A DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, fp32 or bf16) as a source, read in place.
+"""A DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, fp32 or bf16; data-, pipeline- or
+tensor-parallel) as a source, read in place.
 
 DeepSpeed's files are ``torch.save`` archives whose tensor storages are
 stored uncompressed, so every parameter's elements are byte ranges inside
@@ -18,18 +19,30 @@ Names are those of ``torch.distributed.checkpoint.state_dict.get_state_dict(mode
   per-element state the inner optimizer keeps);
 * ``optim.param_groups.<g>.<hyperparameter>`` and ``.params`` (the fqns).
 
+A pipeline-parallel checkpoint (``PipelineModule``: ``layer_XX-model_00`` files,
+one ``mp_rank_SS`` model states file and ZeRO-1/2 optimizer files per stage)
+gives the same keys under the engine module's names (``3.fc1.weight``,
+``tied_modules.embed.weight``): each stage's partitions, a tied module read
+from the first stage holding it, frozen parameters and buffers from the layer
+files (:mod:`._ds_pipeline` names their entries). Under tensor parallelism
+(several ``mp_rank_MM``, with or without a pipeline) each parameter's slices
+are joined by the checkpoint's ``universal_checkpoint_info`` (:mod:`._ds_tp`).
+
 DeepSpeed records no checksums; the files' sizes are checked.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes, numel
 from ._dirs import ModelDir, StoreDir
+from ._ds_pipeline import layer_prefix, tied_keys
+from ._ds_tp import TPSlice, tp_rules
 from ._ds_utils import (
     LATEST_FILE,
     ModelStates,
@@ -37,6 +50,7 @@ from ._ds_utils import (
     find_deepspeed_files,
     looks_like_deepspeed,
     moment,
+    read_layer_states,
     read_model_states,
     read_rank_optim,
 )
@@ -74,8 +88,9 @@ def zero3_frozen(
 
 @register
 class DeepSpeedSource(Source):
-    """A DeepSpeed ZeRO-1/2/3 checkpoint: the directory with ``latest``, or one tag folder (local,
-    or at an fsspec URL: a :class:`~ucp_dcp.sources._dirs.StoreDir` view)."""
+    """A DeepSpeed ZeRO-1/2/3 checkpoint, data-, pipeline- or tensor-parallel: the directory with
+    ``latest``, or one tag folder (local, or at an fsspec URL: a
+    :class:`~ucp_dcp.sources._dirs.StoreDir` view)."""
 
     format = "deepspeed"
     checksums = False
@@ -86,31 +101,45 @@ class DeepSpeedSource(Source):
     def __init__(self, path: str, model_dir: ModelDir | None = None) -> None:
         files = find_deepspeed_files(model_dir if model_dir is not None else path)
         folder = files.folder
+        layer_paths = list(files.layers.values())
         if isinstance(folder, StoreDir):
             # Each archive is a few round trips (tail, pickle, local headers): read them side by
             # side.
             with ThreadPoolExecutor(
-                max_workers=min(16, len(files.model) + len(files.optim))
+                max_workers=min(16, len(files.model) + len(files.optim) + len(layer_paths))
             ) as pool:
                 mf = [pool.submit(read_model_states, p, folder) for p in files.model]
                 of = [
                     pool.submit(read_rank_optim, p, files.bf16_optimizer, folder)
                     for p in files.optim
                 ]
+                lf = [pool.submit(read_layer_states, p, folder) for p in layer_paths]
                 models = [f.result() for f in mf]
                 optims = [f.result() for f in of]
+                layers = [f.result() for f in lf]
         else:
             models = [read_model_states(p) for p in files.model]
             optims = [read_rank_optim(p, files.bf16_optimizer) for p in files.optim]
+            layers = [read_layer_states(p) for p in layer_paths]
+        # Pipeline- or tensor-parallel: one model states file per model-parallel rank (stage x
+        # tensor-parallel rank), the optimizer files rank by rank.
+        parallel = bool(files.layers) or files.tp > 1
+        mp = len(models) if parallel else 1
+        dp = len(optims) // mp
         self.world_size = len(optims)
-        saved_at = models[0].dp_world_size
-        if saved_at is not None and saved_at != self.world_size:
-            raise CheckpointFormatError(
-                f"{files.directory}: saved by {saved_at} data-parallel ranks (dp_world_size in "
-                f"{os.path.basename(files.model[0])}) but holds optimizer files of "
-                f"{self.world_size}: "
-                f"{', '.join(os.path.basename(p) for p in files.optim)}"
-            )
+        for m, mpath in zip(models if parallel else models[:1], files.model):
+            if m.dp_world_size is not None and m.dp_world_size != dp:
+                raise CheckpointFormatError(
+                    f"{files.directory}: saved by {m.dp_world_size} data-parallel ranks "
+                    f"(dp_world_size in {os.path.basename(mpath)}) but holds optimizer files of "
+                    f"{dp}: "
+                    f"{', '.join(os.path.basename(p) for p in files.optim)}"
+                )
+            if m.module_is_none and not files.layers:
+                raise CheckpointFormatError(
+                    f"{mpath}: 'module' is None (a pipeline-parallel engine's model states) but "
+                    f"{files.directory} holds no layer_XX-model_YY-model_states.pt files"
+                )
         self.stage = optims[0].stage
         for p, o in zip(files.optim, optims):
             if o.stage != self.stage or len(o.fp32) != len(optims[0].fp32):
@@ -118,22 +147,40 @@ class DeepSpeedSource(Source):
                     f"{p}: ZeRO stage {o.stage} with {len(o.fp32)} flat buffers; "
                     f"{files.optim[0]} has stage {self.stage} with {len(optims[0].fp32)}"
                 )
-        if (self.stage == 3) != (len(models) > 1):
+        if not parallel and (self.stage == 3) != (len(models) > 1):
             raise CheckpointFormatError(
                 f"{files.directory}: ZeRO stage {self.stage} optimizer files with "
                 f"{'per-rank' if len(models) > 1 else 'one'} model states file(s)"
             )
         b = ArchiveIndex([m.archive for m in models] + [o.archive for o in optims])
         m0 = models[0]
-        if self.stage == 3:
+        if parallel:
+            groups = self._pipeline(b, models, optims, dict(zip(files.layers, layers)), files.tp)
+        elif self.stage == 3:
             groups = self._zero3(b, models, optims)
         else:
             groups = self._zero12(b, m0, optims)
         self._param_groups(b, optims[0], groups)
-        self._frozen_and_buffers(b, models)
+        if not parallel:
+            self._frozen_and_buffers(b, models)
         for tied, owner in m0.shared.items():
             b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
-        ranks = [r if self.stage == 3 else 0 for r in range(len(models))] + list(range(len(optims)))
+        if parallel:
+            # The global rank that wrote each file, on Megatron-DeepSpeed's (pipe, data, model)
+            # grid: data-parallel rank 0 of each model-parallel rank wrote its model states
+            # and layer files.
+            tp = files.tp
+
+            def grid_rank(m: int, r: int) -> int:
+                return (m // tp) * dp * tp + r * tp + m % tp
+
+            ranks = [grid_rank(m, 0) for m in range(mp)]
+            ranks += [grid_rank(m, r) for m in range(mp) for r in range(dp)]
+            ranks += [grid_rank(self._layer_stage.get(i, 0) * tp + t, 0) for i, t in files.layers]
+        else:
+            ranks = [r if self.stage == 3 else 0 for r in range(len(models))] + list(
+                range(len(optims))
+            )
         super().__init__(path, b.index(self.world_size, path, ranks), [a.path for a in b.archives])
         if isinstance(folder, StoreDir):
             self.store = folder.store  # the tag folder's: paths are its objects' URLs
@@ -150,9 +197,11 @@ class DeepSpeedSource(Source):
         segs: list[Segment],
         optims: list[RankOptim],
         first_buffer: int,
+        place: TPSlice | None = None,
     ) -> None:
         """``model.<fqn>``, the fp32 weight laid out as ``segs`` of the ranks' fp32 buffers, and
-        ``optim.state.<fqn>.*``: its per-element moments laid out the same way, plus the step."""
+        ``optim.state.<fqn>.*``: its per-element moments laid out the same way, plus the step
+        (``place``: ``shape`` is that tensor-parallel slice of them)."""
         b.flat(
             f"model.{fqn}",
             ("model", fqn),
@@ -160,6 +209,7 @@ class DeepSpeedSource(Source):
             segs,
             lambda s: (optims[s.rank].archive, optims[s.rank].fp32[s.buffer]),
             f"fp32 weight {fqn!r}",
+            place,
         )
         st0 = optims[0].state.get(first_buffer, {})
         for name, v in st0.items():
@@ -193,9 +243,17 @@ class DeepSpeedSource(Source):
                     )
                 return o.archive, t
 
-            b.flat(key, path, shape, segs, buffer_of, f"{name} of {fqn!r}")
+            b.flat(key, path, shape, segs, buffer_of, f"{name} of {fqn!r}", place)
 
-    def _zero12(self, b: ArchiveIndex, m0: ModelStates, optims: list[RankOptim]) -> list[list[str]]:
+    def _zero12(
+        self,
+        b: ArchiveIndex,
+        m0: ModelStates,
+        optims: list[RankOptim],
+        keep: Callable[[str, tuple[int, ...]], tuple[bool, TPSlice | None]] | None = None,
+    ) -> list[list[str]]:
+        """Each group's parameters, laid over the ranks' partitions (``keep(fqn, shape)``: whether
+        to record it here, and as which tensor-parallel slice); the groups' fqns."""
         if len(m0.param_shapes) != len(optims[0].fp32):
             raise CheckpointFormatError(
                 f"{m0.archive.path}: param_shapes has {len(m0.param_shapes)} groups, the "
@@ -213,8 +271,128 @@ class DeepSpeedSource(Source):
             except ValueError as e:
                 raise CheckpointFormatError(f"{m0.archive.path}: group {g}: {e}") from None
             for (fqn, shape), segs in zip(shapes.items(), all_segs):
-                self._param(b, fqn, shape, segs, optims, g)
+                record, place = keep(fqn, shape) if keep is not None else (True, None)
+                if record:
+                    self._param(b, fqn, shape, segs, optims, g, place)
             groups.append(list(shapes))
+        return groups
+
+    def _pipeline(
+        self,
+        b: ArchiveIndex,
+        models: list[ModelStates],
+        optims: list[RankOptim],
+        layers: dict[tuple[int, int], tuple[TorchArchive, dict[str, TensorRef]]],
+        tp: int,
+    ) -> list[list[str]]:
+        """A PipelineModule's checkpoint: each model-parallel rank's ZeRO-1/2 partitions
+        (``models[m]``, its share of ``optims``: stage ``m // tp``, tensor-parallel rank
+        ``m % tp``) under the engine module's names, then the layer files' frozen parameters
+        and buffers; the param groups' fqns over all stages.
+
+        A tied parameter is in every stage that uses it, equal (DeepSpeed all-reduces its
+        gradient over those stages): read from the first. Under tensor parallelism each
+        parameter's slices are joined by the checkpoint's ``universal_checkpoint_info``
+        (:mod:`._ds_tp`), a replicated one read from tensor-parallel rank 0.
+        """
+        if self.stage == 3:
+            raise CheckpointFormatError(
+                f"{models[0].archive.path}: ZeRO-3 optimizer files in a pipeline- or "
+                "tensor-parallel checkpoint"
+            )
+        dp = len(optims) // len(models)
+        trainable = {n for m in models for shapes in m.param_shapes for n in shapes}
+        rules = (
+            tp_rules(models[0].universal_info, models[0].archive.path, sorted(trainable))
+            if tp > 1
+            else None
+        )
+        groups: list[list[str]] = []
+        self._layer_stage: dict[int, int] = {}
+        owner: dict[str, int] = {}  # fqn -> the stage it is read from
+        local: dict[str, tuple[tuple[int, ...], int]] = {}  # fqn -> (slice shape, mp rank)
+        hyper0 = [{k: v for k, v in g.items() if k != "params"} for g in optims[0].param_groups]
+        for mi, m in enumerate(models):
+            stage, rank = divmod(mi, tp)
+            mine = optims[mi * dp : (mi + 1) * dp]
+            hyper = [{k: v for k, v in g.items() if k != "params"} for g in mine[0].param_groups]
+            if hyper != hyper0:
+                raise CheckpointFormatError(
+                    f"{mine[0].archive.path}: model-parallel rank {mi}'s optimizer groups "
+                    f"{hyper} differ from rank 0's {hyper0} ({optims[0].archive.path})"
+                )
+
+            def keep(
+                fqn: str,
+                shape: tuple[int, ...],
+                stage: int = stage,
+                rank: int = rank,
+                mi: int = mi,
+                m: ModelStates = m,
+            ) -> tuple[bool, TPSlice | None]:
+                if owner.setdefault(fqn, stage) != stage:
+                    return False, None
+                if rules is None:
+                    return True, None
+                # Slices are placed at rank x their size: only an even split is known.
+                first = local.setdefault(fqn, (shape, mi))
+                if first[0] != shape:
+                    raise CheckpointFormatError(
+                        f"{m.archive.path}: {fqn!r} is a {shape} slice; model-parallel rank "
+                        f"{first[1]} holds a {first[0]} one (uneven tensor-parallel slices are "
+                        "not supported)"
+                    )
+                sl = rules.slice_of(fqn, rank, tp, shape)
+                if sl.dim is None:
+                    return rank == 0, None
+                return True, sl
+
+            for g, names in enumerate(self._zero12(b, m, mine, keep)):
+                if g == len(groups):
+                    groups.append([])
+                groups[g] += [n for n in names if n not in groups[g]]
+                for n in names:
+                    head = n.split(".", 1)[0]  # a PipelineModule's layer index
+                    if layers and head.isdigit():
+                        self._layer_stage.setdefault(int(head), stage)
+        buffers = {n: mi for mi, m in enumerate(models) for n in m.buffer_names}
+        known = trainable | set(buffers)
+        tied = tied_keys(known)
+        # Frozen parameters and buffers: in the layer files under a pipeline, else in each
+        # tensor-parallel rank's module state dict (full names).
+        sources: list[tuple[int, int, TorchArchive, dict[str, TensorRef], str | None]] = [
+            (index, rank, archive, entries, None)
+            for (index, rank), (archive, entries) in sorted(layers.items())
+        ]
+        if not layers:
+            sources = [(0, mi, m.archive, m.module, "") for mi, m in enumerate(models)]
+        shared = {n for m in models for n in m.shared}
+        first_file: dict[str, int] = {}  # name -> the layer index it is read from
+        for index, rank, archive, entries, prefix in sources:
+            if prefix is None:
+                prefix = layer_prefix(index, list(entries), known, tied, archive.path)
+                b.add_archive(archive)
+            for entry, t in entries.items():
+                name = prefix + entry
+                if (
+                    name in trainable
+                    or name in shared
+                    or first_file.setdefault(name, index) != index
+                ):
+                    continue  # the fp32 master weight (or a tied alias), or a tied layer's copy
+                key, path, what = f"model.{name}", ("model", name), f"layer entry {entry!r}"
+                sl = rules.slice_of(name, rank, tp, t.size) if rules is not None else None
+                if sl is None or sl.dim is None:
+                    if rank == 0:
+                        b.whole(key, path, archive, t, t.size, what)
+                else:
+                    b.placed_whole(key, path, archive, t, sl, what)
+        for name, mi in buffers.items():
+            if f"model.{name}" not in b.tensors:
+                raise CheckpointFormatError(
+                    f"{models[mi].archive.path}: buffer {name!r} of model-parallel rank {mi} is "
+                    "in no layer file" + ("" if layers else " (and not in its module)")
+                )
         return groups
 
     def _zero3(

@@ -1,0 +1,376 @@
+"""DeepSpeed pipeline-parallel (PipelineModule) checkpoints, loaded in place into other layouts.
+
+The fixtures under ``tests/fixtures/deepspeed/pipe/`` were written by
+DeepSpeed 0.19 (``generate_pipe.py`` there): a 6-layer PipelineModule on 2
+stages with a tied embedding (layer 0, and the head at layer 5 through
+``forward_fn``), a frozen parameter and a buffer, ZeRO-1 over 2 or 1
+data-parallel ranks. ``reference.safetensors`` holds DeepSpeed's own full
+fp32 params and Adam moments (``safe_get_full_fp32_param`` /
+``safe_get_full_optimizer_state`` on every stage) and each stage's module
+state; ``reference.json`` the losses of the steps after the save.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dist_utils import bit_equal, flatten, run_ranks
+from safetensors.torch import load_file
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from ucp_dcp import CheckpointFormatError, UCPLoadPlanner, UCPStorageReader, load_state_dict
+from ucp_dcp.sources import DeepSpeedSource, open_source
+
+PIPE = Path(__file__).parent / "fixtures" / "deepspeed" / "pipe"
+ALL = sorted(p.name for p in PIPE.iterdir() if (p / "latest").is_file())
+_TP = {v: json.loads((PIPE / v / "reference.json").read_text())["tp"] for v in ALL}
+VARIANTS = [v for v in ALL if _TP[v] == 1]  # pipeline x data parallelism
+# Trained on after loading (a bf16 run's next step depends on its bf16 module copies).
+FP32 = [
+    v for v in VARIANTS if not json.loads((PIPE / v / "reference.json").read_text()).get("bf16")
+]
+TP_VARIANTS = [v for v in ALL if _TP[v] > 1]  # tensor x (pipeline x) data parallelism
+
+
+def _generator() -> Any:
+    # generate_pipe.py imports deepspeed only in its worker and layer_specs.
+    spec = importlib.util.spec_from_file_location(
+        "ds_pipe_fixture_generate", PIPE.parent / "generate_pipe.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+GEN = _generator()
+
+
+def meta(variant: str) -> dict[str, Any]:
+    return json.loads((PIPE / variant / "reference.json").read_text())
+
+
+def expected(variant: str) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own full tensors under the engine module's names, as get_state_dict keys."""
+    ref = load_file(str(PIPE / variant / "reference.safetensors"))
+    m = meta(variant)
+    out: dict[str, torch.Tensor] = {}
+    for k, t in ref.items():
+        kind, name = k.split("/", 1)
+        if kind == "fp32":
+            out[f"model.{name}"] = t
+        elif kind in ("exp_avg", "exp_avg_sq"):
+            out[f"optim.state.{name}.{kind}"] = t
+            out[f"optim.state.{name}.step"] = torch.tensor(float(m["optimizer_step"]))
+    for k, t in ref.items():
+        kind, name = k.split("/", 1)
+        if kind == "module" and f"model.{name}" not in out:
+            out[f"model.{name}"] = t  # the frozen param and the buffer: only in the layer files
+    return out
+
+
+def _model_and_optim() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = GEN.build_plain_model()
+    return model, torch.optim.AdamW(GEN.param_groups(model), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pipeline_checkpoint_loads_bit_exact_in_one_process(variant: str) -> None:
+    """Weights (fp32 masters), moments, steps, the frozen param and the buffer equal DeepSpeed's;
+    the keys are get_state_dict's of the same model without a pipeline; the tied embedding,
+    held by both stages, is read once (from stage 0's partitions)."""
+    src = open_source(PIPE / variant)
+    assert isinstance(src, DeepSpeedSource) and src.stage == 1
+    m = meta(variant)
+    assert src.world_size == m["pp"] * m["dp"]
+    # 5 layer files (the head at layer 5 has no state of its own), 2 model states, pp x dp optim.
+    assert len(src.paths) == 5 + m["pp"] + m["pp"] * m["dp"]
+    tied = src.index.tensors["model.tied_modules.embed.weight"]
+    assert {src.paths[c.location.file].rsplit("_mp_rank_", 1)[1] for c in tied.chunks} == {
+        "00_optim_states.pt"
+    }
+    got = load_state_dict(PIPE / variant)
+    want = expected(variant)
+    for k, v in want.items():
+        assert bit_equal(got[k], v), k
+    for g, grp in enumerate(m["param_groups"]):
+        for hp, v in grp.items():
+            assert got[f"optim.param_groups.{g}.{hp}"] == (
+                tuple(v) if isinstance(v, list) else v
+            ), (g, hp)
+    model, optim = _model_and_optim()
+    msd, osd = get_state_dict(model, optim)
+    keys = set(flatten_state_dict({"model": msd, "optim": osd})[0])
+    assert set(got) == keys, set(got) ^ keys
+    assert sorted(got["optim.param_groups.0.params"]) == sorted(osd["param_groups"][0]["params"])
+
+
+def _resume(
+    model: torch.nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any], variant: str
+) -> None:
+    """Step 3 and 4 after the load, without a pipeline: DeepSpeed's losses.
+
+    Every micro-batch of every data-parallel rank is the same size, so the mean
+    of their losses (what train_batch averaged gradients over) is the loss of
+    their concatenation.
+    """
+    m = meta(variant)
+    ref = load_file(str(PIPE / variant / "reference.safetensors"))
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def loss(step: int) -> torch.Tensor:
+        t = torch.cat(
+            [
+                ref[f"batch/step{step}/dp{d}/micro{k}"]
+                for d in range(m["dp"])
+                for k in range(m["micro_batches"])
+            ]
+        )
+        return GEN.loss_fn(model(t[:, :-1]), t[:, 1:])
+
+    loss3 = loss(3)
+    loss3.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), m["gradient_clipping"])
+    optim.step()
+    with torch.no_grad():
+        loss4 = loss(4)
+    assert math.isclose(loss3.item(), m["loss_step3"], rel_tol=1e-5), (
+        variant,
+        loss3.item(),
+        m["loss_step3"],
+    )
+    assert math.isclose(loss4.item(), m["loss_step4"], rel_tol=1e-5), (
+        variant,
+        loss4.item(),
+        m["loss_step4"],
+    )
+
+
+@pytest.mark.parametrize("variant", FP32)
+def test_resumed_without_a_pipeline_training_matches_deepspeeds_next_steps(variant: str) -> None:
+    model, optim = _model_and_optim()
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    dcp.load(
+        state,
+        storage_reader=UCPStorageReader(PIPE / variant),
+        planner=UCPLoadPlanner(),
+        no_dist=True,
+    )
+    _resume(model, optim, state, variant)
+
+
+def _fsdp2(rank: int, world: int, variants: list[str]) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for variant in variants:
+        model, _ = _model_and_optim()
+        fully_shard(model)
+        optim = torch.optim.AdamW(GEN.param_groups(model), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+        msd, osd = get_state_dict(model, optim)
+        state: dict[str, Any] = {"model": msd, "optim": osd}
+        for v in flatten(state).values():
+            if isinstance(v, torch.Tensor):
+                (v.to_local() if isinstance(v, DTensor) else v).fill_(13)
+        dcp.load(state, storage_reader=UCPStorageReader(PIPE / variant), planner=UCPLoadPlanner())
+        flat = flatten(state)
+        for k, v in expected(variant).items():
+            t = flat[k]
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            assert bit_equal(full, v), (variant, rank, k)
+        _resume(model, optim, state, variant)
+
+
+def _all_on_3(rank: int, world: int) -> None:
+    _fsdp2(rank, world, FP32)
+    for v in TP_VARIANTS:
+        _tp_into_3(rank, world, v)
+
+
+@pytest.mark.multiproc
+def test_every_fixture_loads_on_3_ranks() -> None:
+    """Pipeline x data-parallel fixtures into FSDP2 (bit-exact weights and moments, then
+    DeepSpeed's next losses); tensor-parallel ones into a TP=3 layout (bit-exact to
+    ds_to_universal's merged tensors). One spawn for all: each costs seconds."""
+    run_ranks(3, _all_on_3)
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def _copy(variant: str, tmp_path: Path) -> Path:
+    dst = tmp_path / variant
+    shutil.copytree(PIPE / variant, dst)
+    return dst
+
+
+def test_tensor_parallel_without_partitioning_rules_is_refused_naming_them(tmp_path: Path) -> None:
+    """Layer files of two tensor-parallel ranks and no universal_checkpoint_info: which dimension
+    each parameter is split along is unknown."""
+    d = _copy("pp2_dp1_zero1", tmp_path)
+    tag = d / "step2"
+    for f in tag.glob("layer_*-model_00-model_states.pt"):
+        shutil.copy(f, f.with_name(f.name.replace("-model_00-", "-model_01-")))
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{tag / 'mp_rank_00_model_states.pt'}: tensor-parallel checkpoint without partitioning "
+        "rules: universal_checkpoint_info is missing, so it is unknown which dimension each of "
+        "1.fc1.bias, 1.fc1.weight, 1.fc2.bias, 1.fc2.weight, 2.fc1.bias, 2.fc1.weight ... is "
+        "split along (or whether it is replicated)"
+    )
+
+
+def test_damaged_pipeline_checkpoints_name_the_files(tmp_path: Path) -> None:
+    d = _copy("pp2_dp2_zero1", tmp_path)
+    tag = d / "step2"
+    # A stage's optimizer file gone.
+    (tag / "zero_pp_rank_1_mp_rank_01_optim_states.pt").rename(tmp_path / "moved.pt")
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{tag}: model-parallel rank 1 has optimizer files for data-parallel ranks [0]; expected "
+        "0..1, as rank 0 (missing zero_pp_rank_1_mp_rank_01_optim_states.pt)"
+    )
+    (tmp_path / "moved.pt").rename(tag / "zero_pp_rank_1_mp_rank_01_optim_states.pt")
+    # The layer file holding the buffer gone.
+    (tag / "layer_03-model_00-model_states.pt").unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{tag / 'mp_rank_01_model_states.pt'}: buffer '3.scale' of model-parallel rank 1 is in no "
+        "layer file"
+    )
+    # A stage's model states gone.
+    (tag / "mp_rank_01_model_states.pt").unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{tag}: model-parallel ranks (mp_rank_XX) [0, 1] with model states files for [0]; "
+        "expected mp_rank_00..mp_rank_01 of each, a multiple of the 1 tensor-parallel ranks"
+    )
+
+
+def _fqn(key: str) -> str:
+    """The parameter name in ``model.<fqn>`` / ``optim.state.<fqn>.<state>``."""
+    return (
+        key.split(".", 1)[1] if key.startswith("model.") else key.split(".", 2)[2].rsplit(".", 1)[0]
+    )
+
+
+@pytest.mark.filterwarnings("ignore:.*checkpoint key\\(s\\) not in the state dict")
+def test_into_another_pipeline_split_each_stage_reads_its_layers() -> None:
+    """Saved as 2 stages, loaded as 3 (layers 0-1, 2-3, 4-5; the tied embedding on the first and
+    the last): each stage asks for its own names only and gets DeepSpeed's values."""
+    want = expected("pp2_dp2_zero1")
+    split = [("tied_modules.", "1."), ("2.", "3."), ("4.", "tied_modules.")]
+    for prefixes in split:
+        state = {k: torch.full_like(v, 13) for k, v in want.items() if _fqn(k).startswith(prefixes)}
+        assert state
+        reader = UCPStorageReader(PIPE / "pp2_dp2_zero1")
+        dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner(), no_dist=True)
+        for k, t in state.items():
+            assert bit_equal(t, want[k]), (prefixes, k)
+
+
+# ---------------------------------------------------------------- tensor parallelism
+
+
+def expected_tp(variant: str) -> dict[str, torch.Tensor]:
+    """ds_to_universal's merged tensors (slices joined, vocabulary padding stripped) as keys."""
+    ref = load_file(str(PIPE / variant / "reference.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for k, t in ref.items():
+        if k.startswith("universal/"):
+            _, kind, name = k.split("/", 2)
+            out[f"model.{name}" if kind == "fp32" else f"optim.state.{name}.{kind}"] = t
+            if kind != "fp32":  # without a pipeline it also copies frozen params and buffers
+                out[f"optim.state.{name}.step"] = torch.tensor(2.0)
+    # Non-trainable entries are replicated: tensor-parallel rank 0's layer file.
+    for name in ("3.frozen", "3.scale"):
+        out[f"model.{name}"] = ref[f"module/{name}/tp0"]
+    return out
+
+
+@pytest.mark.parametrize("variant", TP_VARIANTS)
+def test_tensor_parallel_slices_join_bit_exact_to_ds_to_universal(variant: str) -> None:
+    """PP=2 x TP=2: column-parallel slices joined along 0, row-parallel along 1, replicated ones
+    read from rank 0, the vocabulary-parallel tied embedding joined and its padding row cut,
+    each by the checkpoint's universal_checkpoint_info; weights and moments equal
+    ds_to_universal's."""
+    src = open_source(PIPE / variant)
+    assert isinstance(src, DeepSpeedSource)
+    got = load_state_dict(PIPE / variant)
+    want = expected_tp(variant)
+    assert set(got) - {k for k in got if k.startswith("optim.param_groups.")} == set(want)
+    for k, v in want.items():
+        assert bit_equal(got[k], v), k
+    # Replicated parameters are read from tensor-parallel rank 0 only (mp_rank_MM, MM % tp == 0).
+    for k in ("model.1.gain", "model.4.fc2.bias"):
+        mps = {
+            int(src.paths[c.location.file].split("_mp_rank_")[1][:2])
+            for c in src.index.tensors[k].chunks
+        }
+        assert {m % _TP[variant] for m in mps} == {0}, (k, mps)
+
+
+def _tp_into_3(rank: int, world: int, variant: str) -> None:
+    """Into a TP=3 layout (column-parallel along 0, row-parallel along 1, the rest replicated)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    want = expected_tp(variant)
+    state: dict[str, Any] = {}
+    for k, v in want.items():
+        name = _fqn(k)
+        if v.ndim == 0 or name.startswith("3.") or name.endswith((".gain", ".fc2.bias")):
+            placement: list[Any] = [Replicate()]
+        else:
+            placement = [Shard(1 if name.endswith(".fc2.weight") else 0)]
+        state[k] = distribute_tensor(torch.full_like(v, 13), mesh, placement)
+    dcp.load(state, storage_reader=UCPStorageReader(PIPE / variant), planner=UCPLoadPlanner())
+    for k, v in want.items():
+        assert bit_equal(state[k].full_tensor(), v), (rank, k)
+
+
+@pytest.mark.parametrize("variant", ["pp2_dp2_zero1", *TP_VARIANTS])
+def test_from_an_object_store_url_as_from_the_local_directory(variant: str) -> None:
+    """The layer files are read through the store view too (side by side with the others)."""
+    import uuid
+
+    import fsspec
+
+    url = f"memory://ucp-ds-pipe-{uuid.uuid4().hex}/ck"
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.put(str(PIPE / variant), root, recursive=True)
+    src, local = open_source(url), open_source(PIPE / variant)
+    assert isinstance(src, DeepSpeedSource) and src.store is not None
+    assert [f.name for f in src.index.files] == [f.name for f in local.index.files]
+    got, want = load_state_dict(url), load_state_dict(PIPE / variant)
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert bit_equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
+
+
+def test_layer_files_without_a_model_axis_load_alike(tmp_path: Path) -> None:
+    """A PipeDataParallelTopology (no "model" axis) names layer files layer_XX-model_states.pt."""
+    d = _copy("pp2_dp2_zero1", tmp_path)
+    for f in (d / "step2").glob("layer_*-model_00-model_states.pt"):
+        f.rename(f.with_name(f.name.replace("-model_00-", "-")))
+    got, want = load_state_dict(d), load_state_dict(PIPE / "pp2_dp2_zero1")
+    assert set(got) == set(want)
+    assert all(bit_equal(got[k], v) for k, v in want.items() if isinstance(v, torch.Tensor))
