@@ -47,6 +47,14 @@ conversion: the peak PSS of its process tree, less that of a process that
 only imports the same module) and disk space the step wrote. After each load, a few tensors are
 compared bit-exactly with DeepSpeed's (or the safetensors files') own.
 
+``--pipeline`` benchmarks a pipeline-parallel run instead: DeepSpeed writes a
+``PipelineModule`` of the same layers on PP=2 x DP=``--ds-dp`` ranks under
+ZeRO-1 (``benchmarks/results/deepspeed_pipeline.json``); ucp_dcp loads it in
+place, into one process's plain state dict and into FSDP2 on ``--world``
+ranks, against ``ds_to_universal`` and then its folder read as DeepSpeed's
+own universal loading reads it (``torch.load`` of each parameter's files,
+each rank keeping its slice; ``--universal-reader ucp``: ucp_dcp's source).
+
 See benchmarks/README.md ("bench_deepspeed.py").
 """
 
@@ -210,6 +218,116 @@ def write_deepspeed_checkpoint(ckpt: Path, hidden: int, layers: int, world: int)
         script.unlink()
 
 
+class TanhLinear(nn.Linear):
+    """``tanh(Linear(x))``: one layer of the pipeline model (a ``LayerSpec`` each)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(super().forward(x))
+
+
+def pipe_names(layers: int) -> list[str]:
+    """The pipeline engine module's parameter names: layer ``i`` is the submodule ``i``."""
+    return [f"{i}.{k}" for i in range(layers) for k in ("weight", "bias")]
+
+
+def pipe_worker(out: Path, hidden: int, layers: int, dp: int) -> None:
+    """One DeepSpeed rank (under torchrun): PP=2 x DP=``dp`` ZeRO-1, two ``train_batch`` steps,
+    save, DeepSpeed's own full fp32 params and moments of a few parameters (gathered to rank 0)."""
+    deepspeed = GEN.import_deepspeed_for_gloo()
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from safetensors.torch import save_file
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(SEED)
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=1, num_dp=dp)
+    module = PipelineModule(
+        layers=[LayerSpec(TanhLinear, hidden, hidden) for _ in range(layers)],
+        topology=topo,
+        loss_fn=lambda y, t: (y - t).pow(2).mean(),
+        partition_method="uniform",
+    )
+    opt = torch.optim.AdamW(GEN.param_groups(module), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10_000,
+        "wall_clock_breakdown": False,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=cfg)
+    g = torch.Generator().manual_seed(SEED + engine.grid.get_data_parallel_id())
+    for _ in range(2):
+        data = [
+            (
+                torch.randn(MICRO_BATCH, hidden, generator=g),
+                torch.randn(MICRO_BATCH, hidden, generator=g),
+            )
+            for _ in range(2)
+        ]
+        engine.train_batch(data_iter=iter(data))
+    inner = engine.optimizer
+    if hasattr(inner, "_hp_optimizer_states_linked"):
+        # DeepSpeed 0.19.8 links the Adam state of the first group only (see generate.py).
+        inner._hp_optimizer_states_linked = False
+        inner._lazy_init_hp_params_optimizer_state()
+    names = pipe_names(layers)
+    picks = {
+        names[0],
+        names[1],
+        names[len(names) // 2],
+        names[len(names) // 2 + 1],
+        names[-2],
+        names[-1],
+    }
+    ref: dict[str, torch.Tensor] = {}
+    for name, p in engine.module.named_parameters():
+        if name in picks:  # each stage holds its own layers
+            ref[f"model.{name}"] = safe_get_full_fp32_param(p).detach().clone().contiguous()
+            for key in ("exp_avg", "exp_avg_sq"):
+                ref[f"optim.state.{name}.{key}"] = (
+                    safe_get_full_optimizer_state(p, key).detach().clone().contiguous()
+                )
+    engine.save_checkpoint(str(out), tag=TAG)
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(ref, gathered, dst=0)
+    if rank == 0 and gathered is not None:
+        merged = {k: v for r in gathered for k, v in r.items()}
+        save_file(merged, str(out.parent / "reference.safetensors"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def write_pipeline_checkpoint(ckpt: Path, hidden: int, layers: int, dp: int) -> None:
+    """Run :func:`pipe_worker` on 2 x ``dp`` ranks under torchrun."""
+    shutil.rmtree(ckpt, ignore_errors=True)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    port = 29500 + os.getpid() % 1000
+    cmd = [
+        str(torchrun),
+        "--nproc-per-node",
+        str(2 * dp),
+        "--master-port",
+        str(port),
+        __file__,
+        "--pipe-worker",
+        str(ckpt),
+        "--hidden",
+        str(hidden),
+        "--layers",
+        str(layers),
+        "--ds-dp",
+        str(dp),
+    ]
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL if not _VERBOSE else None)
+    for script in ckpt.glob("*.py"):
+        script.unlink()
+
+
 def write_hf_model(path: Path, size_mb: float, shard_mb: int) -> int:
     """A random Llama, ``save_pretrained`` in fp32 safetensors shards; its parameter count."""
     from transformers import LlamaForCausalLM
@@ -263,13 +381,21 @@ def import_floor(module: str) -> int:
 # ---------------------------------------------------------------- loads (timed, on spawned ranks)
 
 
-def _fsdp2_stack(hidden: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The DeepSpeed model as FSDP2 on this world: built on meta, sharded, then materialised."""
+def _fsdp2_stack(
+    hidden: int, layers: int, pipeline: bool = False
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The DeepSpeed model as FSDP2 on this world: built on meta, sharded, then materialised
+    (``pipeline``: the pipeline model under its engine names, ``nn.Sequential`` of
+    :class:`TanhLinear`)."""
     from torch.distributed.fsdp import fully_shard
 
     with torch.device("meta"):
-        model = LinearStack(hidden, layers)
-    for layer in model.layers:
+        model: nn.Module = (
+            nn.Sequential(*(TanhLinear(hidden, hidden) for _ in range(layers)))
+            if pipeline
+            else LinearStack(hidden, layers)
+        )
+    for layer in (model if pipeline else model.layers):
         fully_shard(layer)
     fully_shard(model)
     model.to_empty(device="cpu")
@@ -384,6 +510,106 @@ def _load_ds(variant: str, path: Path, hidden: int, layers: int, ref: dict[str, 
     return rec
 
 
+def _load_pp(
+    variant: str,
+    path: Path,
+    hidden: int,
+    layers: int,
+    universal_reader: str,
+    ref: dict[str, torch.Tensor],
+) -> dict[str, Any]:
+    """pp_ucp / pp_ds_to_universal: the pipeline run's weights and Adam moments into one process's
+    plain state dict (what an export or a single-process resume holds), preallocated."""
+    from ucp_dcp import UCPLoadPlanner, UCPStorageReader
+
+    names = pipe_names(layers)
+    model = {n: torch.empty((hidden, hidden) if n.endswith("weight") else (hidden,)) for n in names}
+    optim = {
+        n: {"exp_avg": torch.empty_like(t), "exp_avg_sq": torch.empty_like(t)}
+        for n, t in model.items()
+    }
+    state: dict[str, Any] = {"model": model, "optim": {"state": optim}}
+    _fill_nan(state)
+    zero = path / f"{TAG}_universal" / "zero"
+
+    def load() -> dict[str, Any]:
+        if variant == "pp_ds_to_universal" and universal_reader == "torch":
+            # As DeepSpeed's own universal loading reads it: each parameter's files whole
+            # (torch.load, a dict with the full tensor under "param"), then copied in.
+            for n in names:
+                model[n].copy_(torch.load(zero / n / "fp32.pt", weights_only=False)["param"])
+                for k in ("exp_avg", "exp_avg_sq"):
+                    optim[n][k].copy_(torch.load(zero / n / f"{k}.pt", weights_only=False)["param"])
+            return {}
+        reader = UCPStorageReader(path)
+        dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner())
+        return {"bytes_requested": reader.bytes_requested}
+
+    rec = _timed_load(path, load)
+    rec["failures"] = _mismatches(_flat(state), ref, variant)
+    return rec
+
+
+def _load_pp_fsdp2(
+    variant: str,
+    path: Path,
+    hidden: int,
+    layers: int,
+    universal_reader: str,
+    ref: dict[str, torch.Tensor],
+) -> dict[str, Any]:
+    """pp_ucp_fsdp2 / pp_ds_to_universal_fsdp2: the pipeline run into FSDP2 and its AdamW state."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from ucp_dcp import UCPLoadPlanner, UCPStorageReader
+
+    model, optim = _fsdp2_stack(hidden, layers, pipeline=True)
+    msd, osd = get_state_dict(model, optim)
+    # Both load the moments into osd's tensors; the universal folder has no hyperparameters.
+    state: dict[str, Any] = {
+        "model": msd,
+        "optim": {
+            "state": {
+                n: {k: st[k] for k in ("exp_avg", "exp_avg_sq")} for n, st in osd["state"].items()
+            }
+        },
+    }
+    if variant == "pp_ucp_fsdp2":
+        state["optim"]["param_groups"] = osd["param_groups"]
+    _fill_nan(state)
+    zero = path / f"{TAG}_universal" / "zero"
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    @torch.no_grad()  # msd holds the model's parameters
+    def into(local: torch.Tensor, full: torch.Tensor) -> None:
+        # FSDP2 shards dim 0 as torch.chunk does: this rank's rows of the full tensor.
+        parts = full.chunk(world, dim=0)
+        if rank < len(parts):
+            local.copy_(parts[rank])
+
+    def load() -> dict[str, Any]:
+        if variant == "pp_ds_to_universal_fsdp2" and universal_reader == "torch":
+            # As DeepSpeed's own universal loading does: every rank reads each parameter's
+            # files whole and keeps its slice.
+            for n, t in msd.items():
+                into(t.to_local(), torch.load(zero / n / "fp32.pt", weights_only=False)["param"])
+                for k in ("exp_avg", "exp_avg_sq"):
+                    into(
+                        osd["state"][n][k].to_local(),
+                        torch.load(zero / n / f"{k}.pt", weights_only=False)["param"],
+                    )
+            set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
+            return {}
+        reader = UCPStorageReader(path)
+        dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner())
+        set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
+        return {"bytes_requested": reader.bytes_requested}
+
+    rec = _timed_load(path, load)
+    rec["failures"] = _mismatches(_flat(state), ref, variant)
+    return rec
+
+
 def _load_hf(variant: str, path: Path, cfg: Any) -> dict[str, Any]:
     """hf_ucp / hf_dcp: the Hugging Face directory into an FSDP2 Llama."""
     from safetensors import safe_open
@@ -415,18 +641,27 @@ def _load_hf(variant: str, path: Path, cfg: Any) -> dict[str, Any]:
     return rec
 
 
-def rank_main(rank: int, world: int, jobs: list[dict[str, Any]], ds: dict[str, Any], hf_cfg: dict[str, Any],
-              ref_path: str, repeats: int, warmup: bool) -> dict[str, Any]:
+def rank_main(rank: int, world: int, jobs: list[dict[str, Any]], ds: dict[str, Any],
+              hf_cfg: dict[str, Any] | None, ref_path: str, repeats: int, warmup: bool) -> dict[str, Any]:
     """Every load job on this rank: an untimed warm-up round, then ``repeats`` cold timed rounds."""
     from safetensors.torch import load_file
-    from transformers import LlamaConfig
 
     torch.manual_seed(0)
     ref = load_file(ref_path)
-    cfg = LlamaConfig(**hf_cfg)
+    cfg = None
+    if hf_cfg:  # --pipeline runs need no transformers
+        from transformers import LlamaConfig
+
+        cfg = LlamaConfig(**hf_cfg)
     out: dict[str, list[dict[str, Any]]] = {j["name"]: [] for j in jobs}
 
     def one(job: dict[str, Any]) -> dict[str, Any]:
+        if job["name"].endswith("_fsdp2"):
+            return _load_pp_fsdp2(job["name"], Path(job["path"]), ds["hidden"], ds["layers"],
+                                  ds["universal_reader"], ref)
+        if job["name"].startswith("pp_"):
+            return _load_pp(job["name"], Path(job["path"]), ds["hidden"], ds["layers"],
+                            ds["universal_reader"], ref)
         if job["name"].startswith("hf_"):
             return _load_hf(job["name"], Path(job["path"]), cfg)
         return _load_ds(job["name"], Path(job["path"]), ds["hidden"], ds["layers"], ref)
@@ -454,6 +689,13 @@ ROWS = [
      "ucp_weights"),
     ("hf_ucp", "HF dir: ucp_dcp UCPStorageReader(prefix='model.')", "weights", None, None),
     ("hf_dcp", "HF dir: DCP HuggingFaceStorageReader", "weights", None, "hf_ucp"),
+    ("pp_ucp", "ucp_dcp: PP x ZeRO-1 DeepSpeed dir -> one process", "weights + Adam", None, None),
+    ("pp_ds_to_universal", "ds_to_universal + load (torch.load per parameter file)",
+     "weights + Adam", "pp_ds_to_universal", "pp_ucp"),
+    ("pp_ucp_fsdp2", "ucp_dcp: PP x ZeRO-1 DeepSpeed dir -> FSDP2", "weights + Adam", None, None),
+    ("pp_ds_to_universal_fsdp2",
+     "ds_to_universal + load (each rank: torch.load per file, its slice)",
+     "weights + Adam", "pp_ds_to_universal", "pp_ucp_fsdp2"),
 ]
 
 
@@ -548,7 +790,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verbose", action="store_true", help="progress lines from the ranks and DeepSpeed output")
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/deepspeed.json; "
                    "out/bench_deepspeed_quick.json with --quick)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="instead: a PP=2 x DP=--ds-dp ZeRO-1 checkpoint, in place vs "
+                   "ds_to_universal, into one process and into FSDP2 on --world ranks (0: none)")
+    p.add_argument("--ds-dp", type=int, default=2,
+                   help="--pipeline: data-parallel ranks per stage (default 2)")
+    p.add_argument("--universal-reader", choices=("torch", "ucp"), default="torch",
+                   help="--pipeline: read the universal folder with torch.load per file "
+                   "(default) or ucp_dcp")
     p.add_argument("--ds-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--pipe-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.size_mb is None:
@@ -558,8 +809,174 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
     if args.out is None:
-        args.out = default_out("deepspeed.json", args.quick, "bench_deepspeed_quick.json")
+        name = "deepspeed_pipeline" if args.pipeline else "deepspeed"
+        args.out = default_out(f"{name}.json", args.quick, f"bench_{name}_quick.json")
     return args
+
+
+def _environment(work: Path) -> dict[str, Any]:
+    """Machine and versions, for the result JSON."""
+    import deepspeed
+
+    machine: dict[str, Any] = {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "fs": fs_type(str(work)),
+        "read_ahead_kb": None,
+    }
+    try:
+        machine["read_ahead_kb"] = read_ahead_kb(str(REPO))
+    except OSError:
+        pass
+    return {
+        "machine": machine,
+        "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__},
+    }
+
+
+def pipeline_main(args: argparse.Namespace) -> int:
+    """--pipeline: a PP=2 x DP ZeRO-1 checkpoint in place vs ds_to_universal + load."""
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_ds_pipe_", dir="/tmp"))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    load_before = loadavg()
+    try:
+        layers = stack_layers(args.size_mb, args.hidden)
+        ckpt, uni = work / "ds", work / "universal"
+        log(
+            f"setup: DeepSpeed PP=2 x DP={args.ds_dp} ZeRO-1 on {2 * args.ds_dp} ranks, "
+            f"{layers} x Linear({args.hidden}, {args.hidden})"
+        )
+        write_pipeline_checkpoint(ckpt, args.hidden, layers, args.ds_dp)
+        evict_tree(ckpt)
+        tag_dir = ckpt / TAG
+        setup = {
+            "ds_layers": layers,
+            "ds_hidden": args.hidden,
+            "pp": 2,
+            "dp": args.ds_dp,
+            "zero_stage": 1,
+            "ds_params": layers * (args.hidden * args.hidden + args.hidden),
+            "ds_checkpoint_bytes": dir_bytes(ckpt),
+            "ds_files": sorted(f.name for f in tag_dir.iterdir()),
+        }
+        log(
+            f"setup: DeepSpeed checkpoint {setup['ds_checkpoint_bytes'] / MB:.0f} MB "
+            f"in {len(setup['ds_files'])} files"
+        )
+        log("convert: ds_to_universal (cold)")
+        conv = run_conversion(
+            "ds_to_universal",
+            GEN.ds_to_universal_cmd(tag_dir, uni / f"{TAG}_universal", args.convert_workers),
+            ckpt,
+            uni,
+        )
+        (uni / "latest_universal").write_text(f"{TAG}_universal")
+        conv["import_floor_bytes"] = import_floor("deepspeed.checkpoint.ds_to_universal")
+        conv["peak_extra_bytes"] = max(0, conv["peak_bytes"] - conv["import_floor_bytes"])
+        convs = {"pp_ds_to_universal": conv}
+        jobs = [
+            {"name": "pp_ucp", "path": str(ckpt)},
+            {"name": "pp_ds_to_universal", "path": str(uni)},
+        ]
+        log(
+            f"loads in one process: {args.repeats} paired cold round(s)"
+            + ("" if args.no_warmup else " after a warm-up")
+        )
+        per_rank = spawn_ranks(
+            rank_main,
+            1,
+            jobs,
+            {"hidden": args.hidden, "layers": layers, "universal_reader": args.universal_reader},
+            None,
+            str(work / "reference.safetensors"),
+            args.repeats,
+            not args.no_warmup,
+            timeout_min=30,
+        )
+        loads = {
+            j["name"]: [[per_rank[0][j["name"]][i]] for i in range(args.repeats)] for j in jobs
+        }
+        if args.world > 0:
+            jobs = [
+                {"name": "pp_ucp_fsdp2", "path": str(ckpt)},
+                {"name": "pp_ds_to_universal_fsdp2", "path": str(uni)},
+            ]
+            log(f"loads into FSDP2 on {args.world} ranks: {args.repeats} paired cold round(s)")
+            per_rank = spawn_ranks(
+                rank_main,
+                args.world,
+                jobs,
+                {
+                    "hidden": args.hidden,
+                    "layers": layers,
+                    "universal_reader": args.universal_reader,
+                },
+                None,
+                str(work / "reference.safetensors"),
+                args.repeats,
+                not args.no_warmup,
+                timeout_min=30,
+            )
+            loads.update(
+                {
+                    j["name"]: [
+                        [per_rank[r][j["name"]][i] for r in range(args.world)]
+                        for i in range(args.repeats)
+                    ]
+                    for j in jobs
+                }
+            )
+        failures = sorted(
+            {f for reps in loads.values() for ranks in reps for r in ranks for f in r["failures"]}
+        )
+        rows = summarise(loads, convs)
+        if args.universal_reader == "ucp":
+            for uni_row in ("pp_ds_to_universal", "pp_ds_to_universal_fsdp2"):
+                if uni_row in rows:
+                    rows[uni_row]["label"] = "ds_to_universal + load (ucp_dcp universal source)"
+        for uni_row, ucp_row in (
+            ("pp_ds_to_universal", "pp_ucp"),
+            ("pp_ds_to_universal_fsdp2", "pp_ucp_fsdp2"),
+        ):
+            if (
+                uni_row in rows
+            ):  # per round: the universal load against the in-place load of the same round
+                rows[uni_row]["load_vs_ucp_per_round"] = [
+                    ratio(max(r["seconds"] for r in u), max(r["seconds"] for r in p))
+                    for u, p in zip(loads[uni_row], loads[ucp_row])
+                ]
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    md = table(rows)
+    print()
+    print(md)
+    print(
+        f"ds_to_universal: peak PSS of the process tree {conv['peak_bytes'] / MB:.0f} MB, of which "
+        f"{conv['import_floor_bytes'] / MB:.0f} MB a process importing it alone; "
+        f"{conv['read_bytes'] / MB:.0f} MB read, {conv['disk_bytes'] / MB:.0f} MB written"
+    )
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "started": started,
+        **_environment(work),
+        "loadavg_before_after": [load_before, loadavg()],
+        "args": {
+            k: v for k, v in vars(args).items() if k not in ("ds_worker", "pipe_worker", "layers")
+        },
+        "setup": setup,
+        "conversions": convs,
+        "rows": rows,
+        "loads_per_rank": loads,
+        "table": md,
+        "failures": failures,
+    }
+    path = write_json(args.out, result)
+    print(f"\nresults: {path}")
+    print_failures(failures, bar=True)
+    return 1 if failures else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -569,14 +986,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ds_worker:
         ds_worker(Path(args.ds_worker), args.hidden, args.layers)
         return 0
+    if args.pipe_worker:
+        pipe_worker(Path(args.pipe_worker), args.hidden, args.layers, args.ds_dp)
+        return 0
     _VERBOSE = args.verbose
-    for mod in ("deepspeed", "transformers"):
+    for mod in ("deepspeed",) if args.pipeline else ("deepspeed", "transformers"):
         if importlib.util.find_spec(mod) is None:
             print(f"bench_deepspeed needs {mod} (not a dependency of ucp_dcp): run it with a venv that has it, "
                   "e.g. DS_ACCELERATOR=cpu .venv-ds/bin/python benchmarks/bench_deepspeed.py", file=sys.stderr)
             return 2
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     set_rank_env(args.verbose)
+    if args.pipeline:
+        return pipeline_main(args)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_ds_", dir="/tmp"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -43,3 +43,11 @@ def test_without_deepspeed_it_says_what_it_needs(capsys: pytest.CaptureFixture[s
     assert bench_deepspeed.main(["--quick"]) == 2
     err = capsys.readouterr().err
     assert "needs deepspeed" in err and "DS_ACCELERATOR=cpu" in err
+
+
+def test_pipeline_mode_names_and_result_file() -> None:
+    # The engine module's names of a PipelineModule of LayerSpecs, as nn.Sequential gives them.
+    assert bench_deepspeed.pipe_names(2) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    args = bench_deepspeed.parse_args(["--pipeline"])
+    assert args.out.endswith("deepspeed_pipeline.json") and args.ds_dp == 2
+    assert args.universal_reader == "torch"
