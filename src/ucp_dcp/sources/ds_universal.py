@@ -256,16 +256,15 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> list[lis
             f"multiple of tp_degree {tp}"
         )
     local: dict[str, tuple[int, ...]] = {}  # fqn -> tensor-parallel rank 0's slice shape
-    groups: list[list[str]] = []
+    groups: list[dict[str, None]] = []  # each group's fqns in stage order (ordered, unique)
     for mi, m in enumerate(models):
         for g, d in enumerate(m.param_shapes):
             if g == len(groups):
-                groups.append([])
+                groups.append({})
             for fqn, shape in d.items():
                 if mi % tp == 0:
                     local.setdefault(fqn, shape)
-                if fqn not in groups[g]:
-                    groups[g].append(fqn)
+                groups[g].setdefault(fqn)
     info = m0.universal_info
     rules = (
         tp_rules(info, m0.archive.path, sorted(local))
@@ -335,7 +334,7 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> list[lis
                     b.whole(key, ("model", name), m.archive, t, t.size, what)
             else:
                 b.placed_whole(key, ("model", name), m.archive, t, sl, what)
-    return groups
+    return [list(g) for g in groups]
 
 
 def _padded(e: UniversalEntry, full: tuple[int, ...]) -> TPSlice | None:
