@@ -17,6 +17,7 @@ import json
 import math
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from ucp_dcp import CheckpointFormatError, UCPLoadPlanner, UCPStorageReader, load_state_dict
-from ucp_dcp.sources import DeepSpeedSource, open_source
+from ucp_dcp.sources import DeepSpeedSource, DeepSpeedUniversalSource, open_source
 
 PIPE = Path(__file__).parent / "fixtures" / "deepspeed" / "pipe"
 ALL = sorted(p.name for p in PIPE.iterdir() if (p / "latest").is_file())
@@ -41,6 +42,8 @@ FP32 = [
     v for v in VARIANTS if not json.loads((PIPE / v / "reference.json").read_text()).get("bf16")
 ]
 TP_VARIANTS = [v for v in ALL if _TP[v] > 1]  # tensor x (pipeline x) data parallelism
+# ds_to_universal's output of some of them (generate_pipe.py's UNIVERSAL_FROM).
+UNIVERSAL = sorted(p.name for p in PIPE.iterdir() if (p / "latest_universal").is_file())
 
 
 def _generator() -> Any:
@@ -198,13 +201,19 @@ def _all_on_3(rank: int, world: int) -> None:
     _fsdp2(rank, world, FP32)
     for v in TP_VARIANTS:
         _tp_into_3(rank, world, v)
+    for v in UNIVERSAL:
+        if _TP[_converted(v)] > 1:
+            _tp_into_3(rank, world, v, expected_universal(v))
+        else:
+            _fsdp2_universal(rank, world, v)
 
 
 @pytest.mark.multiproc
 def test_every_fixture_loads_on_3_ranks() -> None:
     """Pipeline x data-parallel fixtures into FSDP2 (bit-exact weights and moments, then
     DeepSpeed's next losses); tensor-parallel ones into a TP=3 layout (bit-exact to
-    ds_to_universal's merged tensors). One spawn for all: each costs seconds."""
+    ds_to_universal's merged tensors); their Universal folders alike. One spawn for all: each
+    costs seconds."""
     run_ranks(3, _all_on_3)
 
 
@@ -327,13 +336,15 @@ def test_tensor_parallel_slices_join_bit_exact_to_ds_to_universal(variant: str) 
         assert {m % _TP[variant] for m in mps} == {0}, (k, mps)
 
 
-def _tp_into_3(rank: int, world: int, variant: str) -> None:
+def _tp_into_3(
+    rank: int, world: int, variant: str, want: dict[str, torch.Tensor] | None = None
+) -> None:
     """Into a TP=3 layout (column-parallel along 0, row-parallel along 1, the rest replicated)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    want = expected_tp(variant)
+    want = expected_tp(variant) if want is None else want
     state: dict[str, Any] = {}
     for k, v in want.items():
         name = _fqn(k)
@@ -374,3 +385,138 @@ def test_layer_files_without_a_model_axis_load_alike(tmp_path: Path) -> None:
     got, want = load_state_dict(d), load_state_dict(PIPE / "pp2_dp2_zero1")
     assert set(got) == set(want)
     assert all(bit_equal(got[k], v) for k, v in want.items() if isinstance(v, torch.Tensor))
+
+
+# ---------------------------------------------------------------- ds_to_universal's folders
+
+
+def _converted(variant: str) -> str:
+    """The fixture a Universal folder was converted from."""
+    return variant.removesuffix("_universal")
+
+
+def expected_universal(variant: str) -> dict[str, torch.Tensor]:
+    """What a Universal folder holds: the trainable parameters' weights, moments and steps, and
+    without a pipeline the frozen parameter and the buffer (from the copied modules). A pipeline
+    run's model states have ``module`` None and ds_to_universal copies no layer files, so those
+    two are in no file of its folder."""
+    src = _converted(variant)
+    want = expected_tp(src) if _TP[src] > 1 else expected(src)
+    if meta(src)["pp"] == 1:
+        return want
+    return {k: v for k, v in want.items() if _fqn(k) not in ("3.frozen", "3.scale")}
+
+
+@pytest.mark.parametrize("variant", UNIVERSAL)
+def test_universal_folder_of_a_3d_run_loads_bit_exact(variant: str) -> None:
+    """One mp_rank_MM per stage x tensor-parallel rank (module None under a pipeline), cat_dim
+    and vocab_tensor entries: the merged tensors (the vocabulary cut to 11 rows) equal
+    DeepSpeed's references; the param groups name the parameters as the source checkpoint's
+    do."""
+    src = open_source(PIPE / variant)
+    assert isinstance(src, DeepSpeedUniversalSource)
+    got = load_state_dict(PIPE / variant)
+    want = expected_universal(variant)
+    assert {k for k in got if not k.startswith("optim.param_groups.")} == set(want)
+    for k, v in want.items():
+        assert bit_equal(got[k], v), k
+    assert tuple(got["model.tied_modules.embed.weight"].shape) == (11, 7)
+    orig = load_state_dict(PIPE / _converted(variant))
+    for g in (0, 1):
+        key = f"optim.param_groups.{g}.params"
+        assert got[key] == orig[key], g
+
+
+def _fsdp2_universal(rank: int, world: int, variant: str) -> None:
+    """A pipeline run's Universal folder into FSDP2 (its keys only), the frozen parameter and the
+    buffer from the checkpoint it was converted from; then DeepSpeed's next losses."""
+    from torch.distributed.fsdp import fully_shard
+
+    model, _ = _model_and_optim()
+    fully_shard(model)
+    optim = torch.optim.AdamW(GEN.param_groups(model), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    msd, osd = get_state_dict(model, optim)
+    state: dict[str, Any] = {"model": msd, "optim": osd}
+    for v in flatten(state).values():
+        if isinstance(v, torch.Tensor):
+            (v.to_local() if isinstance(v, DTensor) else v).fill_(13)
+    dcp.load(
+        state,
+        storage_reader=UCPStorageReader(PIPE / variant),
+        planner=UCPLoadPlanner(allow_partial_load=True),
+    )
+    rest = {"model": {n: msd[n] for n in ("3.frozen", "3.scale")}}
+    with warnings.catch_warnings():  # the checkpoint's other keys, which this load leaves out
+        warnings.filterwarnings("ignore", ".*not in the state dict")
+        dcp.load(
+            rest,
+            storage_reader=UCPStorageReader(PIPE / _converted(variant)),
+            planner=UCPLoadPlanner(),
+        )
+    flat = flatten(state)
+    for k, v in expected(_converted(variant)).items():
+        t = flat[k]
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        assert bit_equal(full, v), (variant, rank, k)
+    _resume(model, optim, state, _converted(variant))
+
+
+def _resave(f: Path, **entries: Any) -> None:
+    """Rewrite Universal file ``f`` with ``entries`` changed (as DeepSpeed writes it: a dict)."""
+    d = torch.load(f, weights_only=True)
+    d.update(entries)
+    torch.save(d, f)
+
+
+def test_universal_vocabulary_padding_is_stripped_where_the_entry_says_so(tmp_path: Path) -> None:
+    """A vocab_tensor still holding its padding rows (12 of them) is read cut to the
+    original_vocab_size of 11: the padding row is never read."""
+    d = _copy("pp2_tp2_dp2_zero1_universal", tmp_path)
+    zero = d / "step2_universal" / "zero" / "tied_modules.embed.weight"
+    want = load_state_dict(PIPE / "pp2_tp2_dp2_zero1_universal")
+    for kind in ("fp32", "exp_avg", "exp_avg_sq"):
+        t = torch.load(zero / f"{kind}.pt", weights_only=True)["param"]
+        _resave(zero / f"{kind}.pt", param=torch.cat([t, torch.full((1, 7), float("nan"))]))
+    got = load_state_dict(d)
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert bit_equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
+
+
+def test_damaged_universal_folders_name_the_file_and_what_is_missing(tmp_path: Path) -> None:
+    d = _copy("pp2_tp2_dp2_zero1_universal", tmp_path)
+    tag = d / "step2_universal"
+    zero = tag / "zero"
+    # cat_dim disagreeing with universal_checkpoint_info (row-parallel: joined along 1).
+    _resave(zero / "1.fc2.weight" / "fp32.pt", cat_dim=0)
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{zero / '1.fc2.weight' / 'fp32.pt'}: cat_dim 0, but universal_checkpoint_info joins "
+        "'1.fc2.weight' along dimension 1"
+    )
+    _resave(zero / "1.fc2.weight" / "fp32.pt", cat_dim=1)
+    # A merged tensor of the wrong shape (one slice only).
+    t = torch.load(zero / "2.fc1.weight" / "exp_avg.pt", weights_only=True)["param"]
+    _resave(zero / "2.fc1.weight" / "exp_avg.pt", param=t[:3].clone())
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{zero / '2.fc1.weight' / 'exp_avg.pt'}: a tensor of shape [3, 7], expected [6, 7]: "
+        "param_shapes' [3, 7] of 2 tensor-parallel rank(s) joined as universal_checkpoint_info "
+        "says"
+    )
+    _resave(zero / "2.fc1.weight" / "exp_avg.pt", param=t)
+    # A parameter's weight gone.
+    (zero / "4.gain" / "fp32.pt").unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == f"{zero}: no 4.gain/fp32.pt for parameter '4.gain'"
+    # A model-parallel rank's model states gone.
+    (tag / "mp_rank_01_model_states.pt").unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{tag}: model states of model-parallel ranks [0, 2, 3]; expected mp_rank_00..mp_rank_03 "
+        "(missing mp_rank_01_model_states.pt)"
+    )

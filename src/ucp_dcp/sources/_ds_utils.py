@@ -137,19 +137,26 @@ UNIVERSAL_MODEL_FILES = (
 
 
 def universal_model_files(folder: str) -> list[str]:
-    """The model-states files of a Universal tag folder: ``[mp_rank_00]``, or ZeRO-3's per rank in
-    rank order.
+    """The model-states files of a Universal tag folder: ZeRO-1/2's ``mp_rank_MM`` (one per
+    model-parallel rank of a pipeline- or tensor-parallel run) in rank order, or ZeRO-3's per
+    data-parallel rank in rank order.
 
-    Empty when there are none; :class:`CheckpointFormatError` when ZeRO-3
-    ranks are missing or the model is tensor- or pipeline-parallel.
+    Empty when there are none; :class:`CheckpointFormatError` when ranks are
+    missing or a ZeRO-3 model is tensor- or pipeline-parallel.
     """
-    one = os.path.join(folder, "mp_rank_00_model_states.pt")
-    if os.path.isfile(one):
-        return [one]
     try:
         names = os.listdir(folder)
     except OSError:
         return []
+    mp = {int(m.group(1)): n for n in names if (m := _MODEL_12.fullmatch(n))}
+    if mp:
+        if sorted(mp) != list(range(len(mp))):
+            raise CheckpointFormatError(
+                f"{folder}: model states of model-parallel ranks {sorted(mp)}; expected "
+                f"mp_rank_00..mp_rank_{max(mp):02d}"
+                + _missing(set(mp), len(mp), "mp_rank_{:02d}_model_states.pt")
+            )
+        return [os.path.join(folder, mp[r]) for r in sorted(mp)]
     ranks: dict[int, str] = {}
     for n in names:
         if m := _MODEL_3.fullmatch(n):
@@ -352,6 +359,7 @@ class ModelStates:
     dp_world_size: int | None  # the data-parallel degree it was saved at, where recorded
     module_is_none: bool = False  # a PipelineModule's: its state is in the layer files
     universal_info: Any = None  # universal_checkpoint_info (Megatron-DeepSpeed's client state)
+    tp_degree: int | None = None  # checkpoint_parallel_dimensions' tp_degree, where recorded
 
 
 @dataclass
@@ -445,6 +453,12 @@ def read_model_states(path: str, folder: ModelDir | None = None) -> ModelStates:
     dp = sd.get("dp_world_size")
     if dp is not None and not (isinstance(dp, int) and not isinstance(dp, bool) and dp > 0):
         raise CheckpointFormatError(f"{path}: dp_world_size {dp!r} is not a positive integer")
+    dims = sd.get("checkpoint_parallel_dimensions")
+    tp = dims.get("tp_degree") if isinstance(dims, dict) else None
+    if tp is not None and not (isinstance(tp, int) and not isinstance(tp, bool) and tp > 0):
+        raise CheckpointFormatError(
+            f"{path}: checkpoint_parallel_dimensions['tp_degree'] {tp!r} is not a positive integer"
+        )
     return ModelStates(
         a,
         module,
@@ -457,6 +471,7 @@ def read_model_states(path: str, folder: ModelDir | None = None) -> ModelStates:
         dp,
         raw_module is None,
         sd.get("universal_checkpoint_info"),
+        tp,
     )
 
 

@@ -5,21 +5,32 @@ One ``torch.save`` file per parameter and state (``zero/<fqn>/fp32.pt``,
 DeepSpeed copied from the checkpoint it converted. Each tensor is one chunk
 at its byte range; the pickles are read as inert records
 (:mod:`._torch_archive`). Names are those of :mod:`.deepspeed`'s source.
+Folders of pipeline- or tensor-parallel runs (one ``mp_rank_MM`` per stage x
+tensor-parallel rank) hold the tensors already merged, checked against the
+slices' shapes by the checkpoint's ``universal_checkpoint_info``
+(:mod:`._ds_tp`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes
 from ._dirs import ModelDir
+from ._ds_tp import TPSlice, tp_rules
 from ._ds_utils import (
     LATEST_UNIVERSAL_FILE,
     UNIVERSAL_DIR,
     UNIVERSAL_MODEL_FILES,
+    ModelStates,
     looks_like_universal,
     read_model_states,
     universal_folder,
@@ -30,7 +41,18 @@ from ._torch_archive import TorchArchive, read_torch_archive
 from .base import Source, SourceOptions, register
 from .deepspeed import zero3_frozen
 
-__all__ = ["DeepSpeedUniversalSource"]
+__all__ = ["DeepSpeedUniversalSource", "UniversalEntry"]
+
+
+@dataclass(frozen=True)
+class UniversalEntry:
+    """One ``zero/<fqn>/<kind>.pt`` file: its tensor and the dict's other entries (``cat_dim``,
+    ``vocab_tensor``; empty for a bare tensor such as ``step.pt``)."""
+
+    path: str
+    archive: TorchArchive
+    t: TensorRef
+    entries: dict[str, Any]
 
 
 @register
@@ -47,6 +69,11 @@ class DeepSpeedUniversalSource(Source):
     Converted from ZeRO-3, the folder stores tensors flattened (read in their
     shapes), no ``step.pt`` and no files for frozen parameters (read from the
     copied per-rank model states), and no ``optim.param_groups`` is given.
+    Converted from a pipeline- or tensor-parallel run (several ``mp_rank_MM``,
+    ``cat_dim`` / ``vocab_tensor`` entries), each tensor has its merged shape (a
+    vocabulary still padded is cut to ``original_vocab_size`` rows); under a
+    pipeline the folder holds no frozen parameters or buffers (they were in the
+    layer files, which ``ds_to_universal`` does not copy), so those keys are absent.
     """
 
     format = "deepspeed-universal"
@@ -64,76 +91,14 @@ class DeepSpeedUniversalSource(Source):
                 f"(expected {' or '.join(UNIVERSAL_MODEL_FILES)})"
             )
         models = [read_model_states(f) for f in model_files]
-        m0 = models[0]
         b = ArchiveIndex([m.archive for m in models])
         zero = os.path.join(folder, UNIVERSAL_DIR)
-
-        def one(
-            fqn: str, kind: str, shape: tuple[int, ...] | None
-        ) -> tuple[TorchArchive, TensorRef] | None:
-            f = os.path.join(zero, fqn, f"{kind}.pt")
-            if not os.path.isfile(f):
-                return None
-            a = read_torch_archive(f, "deepspeed")
-            t = a.obj.get("param") if isinstance(a.obj, dict) else a.obj
-            if not isinstance(t, TensorRef):
-                raise CheckpointFormatError(
-                    f"{f}: holds no tensor (expected a dict with 'param', or a tensor)"
-                )
-            # From a ZeRO-3 source, ds_to_universal saves each tensor flattened
-            # (1-D, the same elements in row-major order): read as the shape.
-            if (
-                shape is not None
-                and t.size != shape
-                and not (t.size == (math.prod(shape),) and t.stride == (1,))
-            ):
-                raise CheckpointFormatError(
-                    f"{f}: a tensor of shape {list(t.size)}, expected {list(shape)} from "
-                    "param_shapes "
-                    "(padded vocabularies and tensor-parallel universal folders are not supported)"
-                )
-            b.add_archive(a)
-            return a, t
-
-        shapes = {fqn: shape for d in m0.param_shapes for fqn, shape in d.items()}
-        for fqn, shape in {**shapes, **m0.frozen_shapes}.items():
-            got = one(fqn, "fp32", shape)
-            if got is None and fqn not in shapes and len(models) > 1:
-                # From ZeRO-3, ds_to_universal writes no files for frozen
-                # parameters; the copied per-rank model states hold them.
-                zero3_frozen(b, models, fqn, shape)
-                continue
-            if got is None:
-                raise CheckpointFormatError(f"{zero}: no {fqn}/fp32.pt for parameter {fqn!r}")
-            b.whole(f"model.{fqn}", ("model", fqn), got[0], got[1], shape, f"parameter {fqn!r}")
-            if fqn not in shapes:
-                continue
-            for kind in ("exp_avg", "exp_avg_sq", "step"):
-                got = one(fqn, kind, None if kind == "step" else shape)
-                if got is not None:
-                    b.whole(
-                        f"optim.state.{fqn}.{kind}",
-                        ("optim", "state", fqn, kind),
-                        got[0],
-                        got[1],
-                        got[1].size if kind == "step" else shape,
-                        f"{kind} of {fqn!r}",
-                    )
-        for tied, owner in m0.shared.items():
-            b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
-        for name in m0.buffer_names:
-            t = m0.module.get(name)
-            if t is None:
-                raise CheckpointFormatError(
-                    f"{m0.archive.path}: buffer {name!r} is not in the module state dict"
-                )
-            b.whole(f"model.{name}", ("model", name), m0.archive, t, t.size, f"buffer {name!r}")
-        # From ZeRO-3, param_shapes lists the optimizer's sub-groups, not its
-        # parameter groups: no optim.param_groups there.
-        for g, d in enumerate(m0.param_shapes if len(models) == 1 else []):
-            b.value(
-                f"optim.param_groups.{g}.params", ("optim", "param_groups", g, "params"), list(d)
-            )
+        if len(models) > 1 and os.path.basename(model_files[0]).startswith("mp_rank_"):
+            groups = _parallel(b, models, zero)
+        else:
+            groups = _data_parallel(b, models, zero)
+        for g, names in enumerate(groups):
+            b.value(f"optim.param_groups.{g}.params", ("optim", "param_groups", g, "params"), names)
         super().__init__(
             path, b.index(1, path, [0] * len(b.archives)), [a.path for a in b.archives]
         )
@@ -163,3 +128,224 @@ class DeepSpeedUniversalSource(Source):
     def check_files(self) -> list[str]:
         """Every file is still the size it was when opened."""
         return check_sizes(self)
+
+
+def _read(b: ArchiveIndex, zero: str, fqn: str, kind: str) -> UniversalEntry | None:
+    """``zero/<fqn>/<kind>.pt`` (None if absent), its archive added to ``b``."""
+    f = os.path.join(zero, fqn, f"{kind}.pt")
+    if not os.path.isfile(f):
+        return None
+    a = read_torch_archive(f, "deepspeed")
+    entries = a.obj if isinstance(a.obj, dict) else {}
+    t = entries.get("param") if isinstance(a.obj, dict) else a.obj
+    if not isinstance(t, TensorRef):
+        raise CheckpointFormatError(
+            f"{f}: holds no tensor (expected a dict with 'param', or a tensor)"
+        )
+    b.add_archive(a)
+    return UniversalEntry(f, a, t, entries)
+
+
+def _data_parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> list[list[str]]:
+    """The folder of a data-parallel run (one ``mp_rank_00``, or ZeRO-3's per-rank model states):
+    the tensors in ``param_shapes``' shapes; the param groups' fqns (none from ZeRO-3)."""
+    m0 = models[0]
+
+    def one(fqn: str, kind: str, shape: tuple[int, ...] | None) -> UniversalEntry | None:
+        e = _read(b, zero, fqn, kind)
+        # From a ZeRO-3 source, ds_to_universal saves each tensor flattened
+        # (1-D, the same elements in row-major order): read as the shape.
+        if (
+            e is not None
+            and shape is not None
+            and e.t.size != shape
+            and not (e.t.size == (math.prod(shape),) and e.t.stride == (1,))
+        ):
+            raise CheckpointFormatError(
+                f"{e.path}: a tensor of shape {list(e.t.size)}, expected {list(shape)} from "
+                "param_shapes"
+            )
+        return e
+
+    shapes = {fqn: shape for d in m0.param_shapes for fqn, shape in d.items()}
+    for fqn, shape in {**shapes, **m0.frozen_shapes}.items():
+        got = one(fqn, "fp32", shape)
+        if got is None and fqn not in shapes and len(models) > 1:
+            # From ZeRO-3, ds_to_universal writes no files for frozen
+            # parameters; the copied per-rank model states hold them.
+            zero3_frozen(b, models, fqn, shape)
+            continue
+        if got is None:
+            raise CheckpointFormatError(f"{zero}: no {fqn}/fp32.pt for parameter {fqn!r}")
+        b.whole(f"model.{fqn}", ("model", fqn), got.archive, got.t, shape, f"parameter {fqn!r}")
+        if fqn in shapes:
+
+            def state(
+                kind: str, fqn: str = fqn, shape: tuple[int, ...] = shape
+            ) -> UniversalEntry | None:
+                return one(fqn, kind, None if kind == "step" else shape)
+
+            _moments(b, zero, fqn, state, shape)
+    for tied, owner in m0.shared.items():
+        b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
+    for name in m0.buffer_names:
+        t = m0.module.get(name)
+        if t is None:
+            raise CheckpointFormatError(
+                f"{m0.archive.path}: buffer {name!r} is not in the module state dict"
+            )
+        b.whole(f"model.{name}", ("model", name), m0.archive, t, t.size, f"buffer {name!r}")
+    # From ZeRO-3, param_shapes lists the optimizer's sub-groups, not its
+    # parameter groups: no optim.param_groups there.
+    return [list(d) for d in m0.param_shapes] if len(models) == 1 else []
+
+
+def _moments(
+    b: ArchiveIndex,
+    zero: str,
+    fqn: str,
+    one: Callable[[str], UniversalEntry | None],
+    shape: tuple[int, ...],
+    place: Callable[[UniversalEntry], TPSlice | None] | None = None,
+) -> None:
+    """``optim.state.<fqn>.{exp_avg,exp_avg_sq,step}`` from their files where present (``one``
+    reads and checks one; ``place``: a cut of the tensor, vocabulary padding stripped)."""
+    for kind in ("exp_avg", "exp_avg_sq", "step"):
+        e = one(kind)
+        if e is None:
+            continue
+        key, path, what = (
+            f"optim.state.{fqn}.{kind}",
+            ("optim", "state", fqn, kind),
+            f"{kind} of {fqn!r}",
+        )
+        cut = place(e) if place is not None and kind != "step" else None
+        if cut is not None:
+            b.placed_whole(key, path, e.archive, e.t, cut, what)
+        else:
+            b.whole(key, path, e.archive, e.t, e.t.size if kind == "step" else shape, what)
+
+
+def _parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> list[list[str]]:
+    """The folder of a pipeline- or tensor-parallel run: one ``mp_rank_MM`` per model-parallel
+    rank (stage ``MM // tp``, tensor-parallel rank ``MM % tp``), whose ``param_shapes`` hold
+    local slices under the engine module's names; ``zero/<fqn>/*.pt`` hold them merged.
+
+    Each file's tensor must have the full shape the checkpoint's ``universal_checkpoint_info``
+    gives the slices (:mod:`._ds_tp`), its ``cat_dim`` the dimension they say; a
+    ``vocab_tensor`` still holding its padding rows is cut to ``original_vocab_size``. Frozen
+    parameters and buffers come from the model states' ``module`` (tensor-parallel rank 0's
+    where replicated, as :class:`~ucp_dcp.sources.deepspeed.DeepSpeedSource` reads them); under
+    a pipeline ``module`` is None and ``ds_to_universal`` copies no layer files, so the folder
+    holds none: they are not keys.
+    """
+    m0 = models[0]
+    tps = {m.tp_degree for m in models}
+    if len(tps) != 1 or None in tps:
+        bad = next(m for m in models if m.tp_degree is None or m.tp_degree != m0.tp_degree)
+        raise CheckpointFormatError(
+            f"{bad.archive.path}: checkpoint_parallel_dimensions['tp_degree'] is "
+            f"{bad.tp_degree!r} ({m0.archive.path}: {m0.tp_degree!r}); a Universal folder of "
+            f"{len(models)} model-parallel ranks needs it to tell stages from tensor-parallel "
+            "ranks"
+        )
+    tp = m0.tp_degree or 1
+    if len(models) % tp:
+        raise CheckpointFormatError(
+            f"{m0.archive.path}: {len(models)} model states files (mp_rank_XX) are not a "
+            f"multiple of tp_degree {tp}"
+        )
+    local: dict[str, tuple[int, ...]] = {}  # fqn -> tensor-parallel rank 0's slice shape
+    groups: list[dict[str, None]] = []  # each group's fqns in stage order (ordered, unique)
+    for mi, m in enumerate(models):
+        for g, d in enumerate(m.param_shapes):
+            if g == len(groups):
+                groups.append({})
+            for fqn, shape in d.items():
+                if mi % tp == 0:
+                    local.setdefault(fqn, shape)
+                groups[g].setdefault(fqn)
+    info = m0.universal_info
+    rules = (
+        tp_rules(info, m0.archive.path, sorted(local))
+        if tp > 1 or (isinstance(info, dict) and info.get("vocabulary_parameter_patterns"))
+        else None
+    )
+
+    def merged(fqn: str, shape: tuple[int, ...]) -> TPSlice | None:
+        """How the slices of ``fqn`` were joined (None: replicated, or no tensor parallelism)."""
+        if rules is None or any(re.match(p, fqn) for p in rules.average):
+            return None  # averaged by ds_to_universal: the slice's shape
+        sl = rules.slice_of(fqn, 0, tp, shape)
+        return sl if sl.dim is not None or sl.rows is not None else None
+
+    for fqn, shape in local.items():
+        sl = merged(fqn, shape)
+        full = sl.full_shape if sl is not None else shape
+
+        def one(
+            kind: str,
+            fqn: str = fqn,
+            full: tuple[int, ...] = full,
+            sl: TPSlice | None = sl,
+            shape: tuple[int, ...] = shape,
+        ) -> UniversalEntry | None:
+            e = _read(b, zero, fqn, kind)
+            if e is None or kind == "step":
+                return e
+            cat = e.entries.get("cat_dim")
+            if sl is not None and sl.dim is not None and cat is not None and cat != sl.dim:
+                raise CheckpointFormatError(
+                    f"{e.path}: cat_dim {cat!r}, but universal_checkpoint_info joins {fqn!r} "
+                    f"along dimension {sl.dim}"
+                )
+            if e.t.size != full and _padded(e, full) is None:
+                raise CheckpointFormatError(
+                    f"{e.path}: a tensor of shape {list(e.t.size)}, expected {list(full)}: "
+                    f"param_shapes' {list(shape)} of {tp} tensor-parallel rank(s) joined as "
+                    "universal_checkpoint_info says"
+                )
+            return e
+
+        e = one("fp32")
+        if e is None:
+            raise CheckpointFormatError(f"{zero}: no {fqn}/fp32.pt for parameter {fqn!r}")
+        key, path, what = f"model.{fqn}", ("model", fqn), f"parameter {fqn!r}"
+        cut = _padded(e, full)
+        if cut is not None:
+            b.placed_whole(key, path, e.archive, e.t, cut, what)
+        else:
+            b.whole(key, path, e.archive, e.t, full, what)
+        _moments(b, zero, fqn, one, full, functools.partial(_padded, full=full))
+    for m in models:
+        for tied, owner in m.shared.items():
+            if f"model.{tied}" not in b.tensors:
+                b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
+    # Frozen parameters and buffers: in the module state dicts (without a pipeline).
+    for mi, m in enumerate(models):
+        rank = mi % tp
+        for name, t in m.module.items():
+            if name in local or any(name in x.shared for x in models):
+                continue
+            key, what = f"model.{name}", f"module entry {name!r}"
+            sl = rules.slice_of(name, rank, tp, t.size) if rules is not None and tp > 1 else None
+            if sl is None or sl.dim is None:
+                if rank == 0 and key not in b.tensors:
+                    b.whole(key, ("model", name), m.archive, t, t.size, what)
+            else:
+                b.placed_whole(key, ("model", name), m.archive, t, sl, what)
+    return [list(g) for g in groups]
+
+
+def _padded(e: UniversalEntry, full: tuple[int, ...]) -> TPSlice | None:
+    """A ``vocab_tensor`` entry that still holds padding rows beyond ``full``'s: its first
+    ``full[0]`` rows (None otherwise)."""
+    t = e.t.size
+    if (
+        e.entries.get("vocab_tensor") is True
+        and len(t) == len(full) >= 1
+        and t[0] > full[0]
+        and t[1:] == full[1:]
+    ):
+        return TPSlice(0, t, None, 1, full[0])
+    return None
