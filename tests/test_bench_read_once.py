@@ -1,8 +1,8 @@
 """Smoke test of the read-once benchmark: its JSON and its byte ratios, never its timings.
 
-Runs ``benchmarks/bench_read_once.py --quick`` from this process once (~8 MB
-state saved dp4, 4 gloo ranks; replicated, HSDP 2x2, every 2-D tensor
-``Shard(1)`` and dp3 targets on the local disk, HSDP from moto's S3 behind
+Runs ``benchmarks/bench_read_once.py --quick --targets replicated,hsdp2x2``
+from this process once (~8 MB state saved dp4, 4 gloo ranks; replicated and
+HSDP 2x2 targets on the local disk, HSDP from moto's S3 behind
 the capped proxy where moto and s3fs are installed; DCP and ucp with
 ``read_once`` False, True and ``"auto"``) and checks that every number
 docs/read-once.md quotes is recorded, that every load was exact, and the
@@ -53,7 +53,10 @@ WAY_KEYS = {
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench") / "read_once.json"
-    args = ["--quick", "--out", str(out), "--workdir", str(tmp_path_factory.mktemp("ckpt"))]
+    # Two of the four local targets (the default suite's time): columns and dp3 are exchanged
+    # bit-exact in tests/test_read_once.py; the full --quick run is the benchmark's own.
+    args = ["--quick", "--targets", "replicated,hsdp2x2", "--out", str(out)]
+    args += ["--workdir", str(tmp_path_factory.mktemp("ckpt"))]
     if not _have_s3():
         args.append("--no-s3")
     return bench_read_once.main(args)
@@ -66,7 +69,7 @@ def test_quick_run_records_every_number_and_reads_each_byte_once(quick: dict[str
     assert set(doc["load_avg"]) == {"start", "end"} and len(doc["load_avg"]["start"]) == 3
     parts = [("local", doc["local"])] + ([("s3", doc["s3"])] if doc["s3"] else [])
     objects = doc["s3"]["data_objects"] if doc["s3"] else {}
-    assert set(doc["local"]["targets"]) == {"replicated", "hsdp2x2", "columns", "dp3"}
+    assert set(doc["local"]["targets"]) == {"replicated", "hsdp2x2"}
     for part, res in parts:
         for name, rec in res["targets"].items():
             assert rec["unique_bytes"] > 0.9 * doc["state_bytes"]
