@@ -26,7 +26,6 @@ from ucp_dcp.dcp._read_once import (
     ReadOnceCosts,
     check_read_once,
     decide,
-    round_budget,
     shared_storage,
 )
 from ucp_dcp.errors import InvalidArgumentError, UCPError
@@ -204,13 +203,3 @@ def test_the_reader_refuses_a_bad_mode_before_opening_anything(tmp_path: Path) -
     with pytest.raises(InvalidArgumentError) as ei:
         UCPStorageReader(tmp_path / "missing", read_once="yes")
     assert str(ei.value) == "read_once must be True, False or 'auto', got 'yes'"
-
-
-def test_round_budget_aims_at_eight_overlapping_rounds() -> None:
-    big = _plan(*([4096] * 4))  # 16 MiB every rank needs: each of 4 readers reads 4 MiB
-    assert _read_once.PIPELINE_ROUNDS == 8 and _read_once.MIN_ROUND_BYTES == 1 << 20
-    assert round_budget(big, 64 << 20) == 1 << 20  # 4 MiB / 8 is under the least round
-    huge = _plan(*([65536] * 2))  # 256 MiB, 2 readers of 128 MiB: rounds of 16 MiB
-    assert round_budget(huge, 64 << 20) == 16 << 20
-    assert round_budget(huge, 8 << 20) == 8 << 20  # never more than asked
-    assert round_budget(_plan(1, 1), 5000) == 5000  # a smaller asked budget is kept

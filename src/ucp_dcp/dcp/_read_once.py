@@ -48,17 +48,10 @@ __all__ = [
     "check_read_once",
     "coordinate",
     "decide",
-    "round_budget",
     "shared_storage",
 ]
 
 READ_ONCE_MODES = (True, False, "auto")
-
-PIPELINE_ROUNDS = 8
-"""Rounds the rank reading the most should take, so the exchange overlaps the reads (see
-:func:`round_budget`)."""
-MIN_ROUND_BYTES = 1 << 20
-"""The smallest round :func:`round_budget` picks (fewer, larger rounds below it)."""
 
 OVERLAP_TO_EXCHANGE = 1.05
 """``"auto"`` exchanges where the bytes the ranks need, summed, exceed the unique bytes by more."""
@@ -292,21 +285,9 @@ def _plan(
     decision = decide(mode, shared, storage, plan, costs, budget)
     if not decision.exchange:
         return [(decision, None)] * world
-    budget = round_budget(plan, budget)
     count, shares = _rank_rounds(with_own_reads(plan, needs), budget)
     decision = dataclasses.replace(decision, rounds=count, budget=budget)
     return [(decision, share) for share in shares]
-
-
-def round_budget(plan: JobReadPlan, most: int) -> int:
-    """Bytes a round moves per rank: at most ``most``, and small enough that the rank reading
-    the most reads it in about :data:`PIPELINE_ROUNDS` rounds (at least ``MIN_ROUND_BYTES``).
-
-    Rounds overlap (one travels while the next is read), so a load that fits one or two
-    rounds reads everything and only then exchanges it; a few more rounds hide the exchange
-    behind the reads, at a fixed cost per round that a round of 1 MiB or more outweighs."""
-    most_read = int(plan.bytes_read_per_rank.max()) if plan.world_size else 0
-    return max(min(most, -(-most_read // PIPELINE_ROUNDS)), min(MIN_ROUND_BYTES, most))
 
 
 def _rank_rounds(plan: JobReadPlan, budget: int) -> tuple[int, list[RankRounds]]:
