@@ -1,0 +1,114 @@
+"""Segments of a job's needs: maximal runs of pages needed by one set of ranks, grouped by set.
+
+The first step of the job-wide read plan (:mod:`~ucp_dcp.core.readplan`): a
+sweep over every rank's page-aligned ranges cuts the file line into
+:class:`Segments`, each needed by one set of ranks, and numbers the segments
+by *class* (equal sets share one; fingerprints find candidates, an exact
+comparison decides). :func:`water_fill` is the balancing rule the plan
+applies to each class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .ranges import expand
+
+__all__ = ["Segments", "segments", "water_fill"]
+
+_I64 = np.int64
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 of each value: fixed pseudo-random 64-bit keys, the same on every rank."""
+    z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Maximal runs of pages needed by one set of ranks: ``[start, end)`` on the line;
+    ``members[ptr[j]:ptr[j + 1]]`` the ranks needing segment ``j`` (ascending); ``klass``
+    its class (segments of equal member sets)."""
+
+    start: np.ndarray
+    end: np.ndarray
+    ptr: np.ndarray
+    members: np.ndarray
+    klass: np.ndarray
+
+
+def segments(rank: np.ndarray, start: np.ndarray, end: np.ndarray) -> Segments:
+    """Sweep the ranks' (merged, page-aligned) ranges into segments and group them by set."""
+    points = np.unique(np.concatenate([start, end]))
+    i0, i1 = np.searchsorted(points, start), np.searchsorted(points, end)
+    delta = np.bincount(i0, minlength=len(points)) - np.bincount(i1, minlength=len(points))
+    covered = np.cumsum(delta)[:-1] > 0
+    seg_of = np.cumsum(covered) - 1
+    elems = np.flatnonzero(covered)
+    row, elem = expand(i0, i1)
+    seg = seg_of[elem]
+    # Rows come by (rank, start); a stable sort by segment keeps each segment's ranks ascending.
+    order = np.argsort(seg, kind="stable")
+    seg, members = seg[order], rank[row[order]]
+    nseg = len(elems)
+    ptr = np.concatenate([[0], np.cumsum(np.bincount(seg, minlength=nseg))]).astype(_I64)
+    return Segments(points[elems], points[elems + 1], ptr, members, _classes(ptr, seg, members))
+
+
+def _classes(ptr: np.ndarray, seg: np.ndarray, members: np.ndarray) -> np.ndarray:
+    """Class number of each segment: equal member sets share one, numbered by first segment."""
+    nseg = len(ptr) - 1
+    if not nseg:
+        return np.zeros(0, _I64)
+    count = np.diff(ptr)
+    # Two 64-bit sums of fixed per-rank keys find candidates; the exact check below decides.
+    fp1 = np.add.reduceat(_mix(members), ptr[:-1])
+    fp2 = np.add.reduceat(_mix(members + (1 << 40)), ptr[:-1])
+    order = np.lexsort((fp2, fp1, count))
+    new = np.ones(nseg, bool)
+    new[1:] = (
+        (count[order][1:] != count[order][:-1])
+        | (fp1[order][1:] != fp1[order][:-1])
+        | (fp2[order][1:] != fp2[order][:-1])
+    )
+    group = np.empty(nseg, _I64)
+    group[order] = np.cumsum(new) - 1
+    # The lexsort is stable: each group's first row is its lowest segment.
+    rep = order[new][group]
+    pos = np.arange(len(members), dtype=_I64) - ptr[seg]
+    if not np.array_equal(members, members[ptr[rep[seg]] + pos]):
+        rep = _exact_reps(ptr, members)
+    # Number classes by their first segment, so the numbering follows file order.
+    _, klass = np.unique(rep, return_inverse=True)
+    return klass.reshape(-1).astype(_I64)
+
+
+def _exact_reps(ptr: np.ndarray, members: np.ndarray) -> np.ndarray:
+    """The first segment with the same member set, for each segment (used only if two different
+    sets ever share both fingerprints)."""
+    first: dict[bytes, int] = {}
+    return np.array(
+        [first.setdefault(members[ptr[j] : ptr[j + 1]].tobytes(), j) for j in range(len(ptr) - 1)],
+        _I64,
+    )
+
+
+def water_fill(loads: np.ndarray, total: int) -> np.ndarray:
+    """Shares of ``total`` bytes (summing to it) that raise the least loaded up to one level:
+    ``max(0, level - load)``, the remainder bytes to the lowest-loaded first (ties: order given)."""
+    order = np.argsort(loads, kind="stable")
+    low = loads[order]
+    need = low * np.arange(1, len(low) + 1) - np.cumsum(low)  # to lift the i+1 lowest to low[i]
+    filled = int(np.searchsorted(need, total, side="right"))
+    level, extra = divmod(total + int(low[:filled].sum()), filled)
+    share = np.zeros(len(low), _I64)
+    share[:filled] = level - low[:filled]
+    share[:extra] += 1
+    out = np.empty_like(share)
+    out[order] = share
+    return out
