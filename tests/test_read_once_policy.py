@@ -72,7 +72,7 @@ def test_nothing_to_read_in_place_never_exchanges() -> None:
 
 
 def test_auto_on_local_storage_reads_directly_before_any_plan() -> None:
-    # coordinate() asks decide() with no plan on local storage: no collective at all.
+    # The reader asks decide() with no plan on local storage: no collective at all.
     d = decide("auto", False, "ext4", None)
     assert not d.exchange
     assert d.reason == "local storage (ext4): the ranks of a machine share its page cache"

@@ -125,20 +125,23 @@ class LocalNeeds:
     def needs(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per file, the merged ``(starts, lengths)`` this rank needs, runs rounded out to whole
         blocks of their chunks."""
+        # Each run's chunk start, size and block (0: no checksums, the run kept as it is), so
+        # that every run is rounded in one pass, whatever the number of regions.
+        locs = [r.part.location for r in self.regions]
+        base = np.array([loc.start for loc in locs], np.int64)[self.region]
+        size = np.array([loc.nbytes for loc in locs], np.int64)[self.region]
+        bs = np.array([r.sums.block if r.sums else 0 for r in self.regions], np.int64)[self.region]
         starts, ends = self.start.copy(), self.start + self.length
-        for i, r in enumerate(self.regions):
-            if r.sums is None:
-                continue
-            sel = self.region == i
-            loc, bs = r.part.location, r.sums.block
-            rel_a = (starts[sel] - loc.start) // bs * bs
-            rel_b = np.minimum(-(-(ends[sel] - loc.start) // bs) * bs, loc.nbytes)
-            starts[sel], ends[sel] = rel_a + loc.start, rel_b + loc.start
+        on = bs > 0
+        b = bs[on]
+        starts[on] = base[on] + (starts[on] - base[on]) // b * b
+        ends[on] = base[on] + np.minimum(-(-(ends[on] - base[on]) // b) * b, size[on])
         out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        for f in np.unique(self.file).tolist():
-            sel = self.file == f
-            a, b = merge_ranges(starts[sel], ends[sel])
-            out[int(f)] = (a, b - a)
+        cuts = np.flatnonzero(np.diff(self.file)) + 1  # runs are sorted by file
+        for f, s, e in zip(np.split(self.file, cuts), np.split(starts, cuts), np.split(ends, cuts)):
+            if len(f):
+                a, z = merge_ranges(s, e)
+                out[int(f[0])] = (a, z - a)
         return out
 
     def copy_in(self, file: int, start: int, data: np.ndarray) -> int:

@@ -216,7 +216,8 @@ def decide(
 
 def coordinate(
     mode: bool | str,
-    path: str,
+    shared: bool,
+    storage: str,
     needs: LocalNeeds | None,
     failure: BaseException | None,
     group: dist.ProcessGroup | None,
@@ -225,15 +226,11 @@ def coordinate(
 ) -> tuple[ReadOnceDecision, RankRounds | None]:
     """This rank's rounds (None: read directly), agreed with every rank of ``group``.
 
-    Collective where the policy may exchange: call it on every rank, with
-    this rank's needs, or with the ``failure`` that kept it from knowing
-    them; then every rank raises (a :class:`ReadOnceError` naming the rank).
+    Collective: call it on every rank of a load that may exchange (``read_once`` True, or
+    ``"auto"`` on ``shared`` storage, :func:`shared_storage`), with this rank's needs, or with
+    the ``failure`` that kept it from knowing them; then every rank raises (a
+    :class:`ReadOnceError` naming the rank).
     """
-    shared, storage = shared_storage(path)
-    if mode is False or (mode == "auto" and not shared):
-        if failure is not None:
-            raise failure
-        return decide(mode, shared, storage, None), None
     me, world = dist.get_rank(group), dist.get_world_size(group)
     mine: object = failure if failure is not None else (needs.needs() if needs else {})
     gathered: list[object] | None = [None] * world if me == 0 else None

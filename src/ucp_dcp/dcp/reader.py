@@ -203,6 +203,7 @@ class UCPStorageReader(_Directory, StorageReader):
         self.process_group = process_group
         self.read_once_costs = read_once_costs
         self.read_once_decision: ReadOnceDecision | None = None
+        self._storage: tuple[bool, str] = (False, "")  # set by _may_exchange
         self.exchange_totals: ExchangeTotals | None = None
         self.file_access: dict[str, str] = {}
         if dcp_values not in DCP_VALUES_MODES:
@@ -309,7 +310,7 @@ class UCPStorageReader(_Directory, StorageReader):
             parts = [self._part(src, ri, idx) for ri, idx in tensor_items]
         except Exception as e:
             if self._may_exchange():  # the other ranks wait for this one's needs: say why not
-                coordinate(self.read_once, self.path, None, e, self.process_group, 0)
+                coordinate(self.read_once, *self._storage, None, e, self.process_group, 0)
             raise
         reader = src.open_reader(
             threads=self.io_threads,
@@ -371,11 +372,6 @@ class UCPStorageReader(_Directory, StorageReader):
         everything = list(range(len(tensor_items)))
         if not self._may_exchange():
             return everything
-        if self.read_once == "auto":
-            shared, storage = shared_storage(self.path)
-            if not shared:  # decided without the other ranks: this rank's needs are not wanted
-                self.read_once_decision = decide(self.read_once, shared, storage, None)
-                return everything
         regions: list[Region] = []
         taken: list[int] = []
         failure: BaseException | None = None
@@ -404,7 +400,7 @@ class UCPStorageReader(_Directory, StorageReader):
         budget = _ROUND_BYTES or max(self.max_buffer_bytes // 5, _MiB)
         decision, rounds = coordinate(
             self.read_once,
-            self.path,
+            *self._storage,
             needs,
             failure,
             self.process_group,
@@ -423,10 +419,18 @@ class UCPStorageReader(_Directory, StorageReader):
 
     def _may_exchange(self) -> bool:
         """Whether this load takes part in a read-once exchange (then every rank of the group
-        must reach :func:`~ucp_dcp.dcp._read_once.coordinate`)."""
+        must reach :func:`~ucp_dcp.dcp._read_once.coordinate`). Looks at the storage once per
+        load (``_storage``); ``"auto"`` on storage the job does not share is decided here, by
+        this rank alone, before any need is listed."""
         if self.read_once is False or not dist.is_available() or not dist.is_initialized():
             return False
-        return dist.get_world_size(self.process_group) > 1
+        if dist.get_world_size(self.process_group) < 2:
+            return False
+        self._storage = shared, kind = shared_storage(self.path)
+        if self.read_once == "auto" and not shared:
+            self.read_once_decision = decide(self.read_once, shared, kind, None)
+            return False
+        return True
 
     @staticmethod
     def _part(src: Source, ri: ReadItem, idx: int) -> tuple[ChunkRegion, tuple[int, ...]]:
