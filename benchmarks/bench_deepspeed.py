@@ -205,17 +205,22 @@ def ds_worker(out: Path, hidden: int, layers: int) -> None:
     dist.destroy_process_group()
 
 
-def write_deepspeed_checkpoint(ckpt: Path, hidden: int, layers: int, world: int) -> None:
-    """Run :func:`ds_worker` on ``world`` ranks under torchrun."""
+def _torchrun(ckpt: Path, nproc: int, *args: str) -> None:
+    """Run this script with ``args`` on ``nproc`` DeepSpeed CPU ranks under torchrun, writing
+    ``ckpt`` afresh (DeepSpeed's zero_to_fp32.py copy, not part of the state, removed)."""
     shutil.rmtree(ckpt, ignore_errors=True)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     torchrun = Path(sys.executable).with_name("torchrun")
     port = 29500 + os.getpid() % 1000
-    cmd = [str(torchrun), "--nproc-per-node", str(world), "--master-port", str(port), __file__,
-           "--ds-worker", str(ckpt), "--hidden", str(hidden), "--layers", str(layers)]
+    cmd = [str(torchrun), "--nproc-per-node", str(nproc), "--master-port", str(port), __file__, *args]
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL if not _VERBOSE else None)
-    for script in ckpt.glob("*.py"):  # DeepSpeed's zero_to_fp32.py copy: not part of the state
+    for script in ckpt.glob("*.py"):
         script.unlink()
+
+
+def write_deepspeed_checkpoint(ckpt: Path, hidden: int, layers: int, world: int) -> None:
+    """Run :func:`ds_worker` on ``world`` ranks under torchrun."""
+    _torchrun(ckpt, world, "--ds-worker", str(ckpt), "--hidden", str(hidden), "--layers", str(layers))
 
 
 class TanhLinear(nn.Linear):
@@ -303,29 +308,8 @@ def pipe_worker(out: Path, hidden: int, layers: int, dp: int) -> None:
 
 def write_pipeline_checkpoint(ckpt: Path, hidden: int, layers: int, dp: int) -> None:
     """Run :func:`pipe_worker` on 2 x ``dp`` ranks under torchrun."""
-    shutil.rmtree(ckpt, ignore_errors=True)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    port = 29500 + os.getpid() % 1000
-    cmd = [
-        str(torchrun),
-        "--nproc-per-node",
-        str(2 * dp),
-        "--master-port",
-        str(port),
-        __file__,
-        "--pipe-worker",
-        str(ckpt),
-        "--hidden",
-        str(hidden),
-        "--layers",
-        str(layers),
-        "--ds-dp",
-        str(dp),
-    ]
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL if not _VERBOSE else None)
-    for script in ckpt.glob("*.py"):
-        script.unlink()
+    _torchrun(ckpt, 2 * dp, "--pipe-worker", str(ckpt), "--hidden", str(hidden), "--layers",
+              str(layers), "--ds-dp", str(dp))
 
 
 def write_hf_model(path: Path, size_mb: float, shard_mb: int) -> int:
