@@ -12,7 +12,9 @@ flight at once (one ``cat_ranges`` batch per window of
 into place; two windows bound the memory the fetched bytes take). A request
 that ends within the gap of its object's end reads on to the end, and the
 reader keeps those last bytes: the values a native data file ends with, read
-after its tensors, then cost no request of their own.
+after its tensors, then cost no request of their own. A source may hand it
+other bytes it already fetched (:meth:`ObjectRangeReader.hold`: the part of a
+data file's first request past its header) for the same reason.
 """
 
 from __future__ import annotations
@@ -74,9 +76,9 @@ class ObjectRangeReader(ByteSource):
         self.names = list(names)
         self.sizes = list(sizes) if sizes is not None and len(sizes) == len(self.names) else None
         self.gap_bytes = gap_bytes
-        # Per object, the bytes a request read past its last segment to the object's end, and where
-        # they start: later segments inside them are filled without a request.
-        self._tails: dict[int, tuple[int, bytes]] = {}
+        # Per object, bytes already fetched and where they start (a request's read on to the
+        # object's end, a source's header request): segments inside them cost no request.
+        self._held: dict[int, list[tuple[int, bytes | memoryview]]] = {}
         self._scratch = memoryview(bytearray(max(gap_bytes, 1)))  # where merged gaps land
         self._max_request = max(max_request_bytes, 1)
         self._window = max(window_bytes, self._max_request)
@@ -91,6 +93,13 @@ class ObjectRangeReader(ByteSource):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def hold(self, file: int, start: int, data: bytes | memoryview) -> None:
+        """Keep ``data``, object ``file``'s bytes from ``start``: later segments inside them are
+        filled from memory (bytes held from the same ``start`` before are replaced)."""
+        if len(data):
+            held = [h for h in self._held.get(file, ()) if h[0] != start]
+            self._held[file] = [*held, (start, data)]
 
     def plan(self, segments: Sequence[Segment]) -> list[_Request]:
         """Coalesce ``segments`` into requests (exposed for tests):
@@ -116,7 +125,7 @@ class ObjectRangeReader(ByteSource):
         is being fetched while the current one is copied into place, so at
         most two windows of fetched bytes are held.
         """
-        segments = self._from_tails(segments)
+        segments = self._from_held(segments)
         dense = self._dense(segments)
         windows: list[list[_Request]] = [[]]
         held = 0
@@ -144,20 +153,21 @@ class ObjectRangeReader(ByteSource):
                     ahead.cancel()
                     raise
 
-    def _from_tails(self, segments: Sequence[Segment]) -> Sequence[Segment]:
-        """Fill the segments that lie inside a kept tail; return the others."""
-        if not self._tails:
+    def _from_held(self, segments: Sequence[Segment]) -> Sequence[Segment]:
+        """Fill the segments that lie inside bytes held; return the others."""
+        if not self._held:
             return segments
         rest = []
         for s in segments:
-            tail = self._tails.get(s.file)
-            at = s.offset - tail[0] if tail is not None else -1
-            if tail is None or at < 0 or at + len(s.dest) > len(tail[1]):
+            for start, data in self._held.get(s.file, ()):
+                at = s.offset - start
+                if 0 <= at and at + len(s.dest) <= len(data):
+                    s.dest[:] = data[at : at + len(s.dest)]
+                    if s.done is not None:
+                        s.done(1)
+                    break
+            else:
                 rest.append(s)
-                continue
-            s.dest[:] = tail[1][at : at + len(s.dest)]
-            if s.done is not None:
-                s.done(1)
         return rest
 
     def _dense(self, segments: Sequence[Segment]) -> set[int]:
@@ -187,7 +197,7 @@ class ObjectRangeReader(ByteSource):
                 buf[:] = view[at : at + len(buf)]
                 at += len(buf)
             if len(data) > r.nbytes:
-                self._tails[r.file] = (r.end, bytes(view[r.nbytes :]))
+                self.hold(r.file, r.end, bytes(view[r.nbytes :]))
             self.stats.add(1, len(data))
             for fn, n in r.done or ():
                 fn(n)

@@ -386,6 +386,17 @@ class ObjectAccess:
             return self._head[offset:end]
         return self.store.read(self.name, offset, end)
 
+    def fetch_head(self) -> None:
+        """Fetch the prefix now (one request), if it is not held yet: a source fetches the
+        headers of every object a load reads at once, each in a thread of its own."""
+        if not self._head and self.size:
+            self.pread(1, 0)
+
+    @property
+    def head(self) -> bytes:
+        """The prefix held (from byte 0; empty before the first read and after :meth:`release`)."""
+        return self._head
+
     def release(self) -> None:
         """Forget the prefix held (the bytes parsed from it are no longer read)."""
         self._head = b""

@@ -43,7 +43,8 @@ class RestoreRecord:
     verified_bytes: int
     read_bytes: int = 0
     """Bytes this rank's load requested from the checkpoint's data files (headers and the index not
-    counted; a whole-step download before the load is not counted either)."""
+    counted, nor data that came with a header's request; a whole-step download before the load is
+    not counted either)."""
     read_once: ReadOnceDecision | None = None
     """What the load's read-once policy decided and why (see ``UCPStorageReader(read_once=)``):
     ``read_once.exchange`` says whether each needed byte was read by one rank and sent to the

@@ -10,13 +10,17 @@ import math
 import os
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import xxhash
 
 from ..byteio.blocksums import BlockSums
 from ..byteio.files import read_header
+from ..byteio.objrange import ObjectRangeReader
 from ..byteio.objstore import ObjectAccess
+from ..byteio.rangeio import ByteSource
 from ..byteio.storage import write_index
 from ..errors import CheckpointExistsError, CheckpointFormatError, ChecksumError
 from ..format import (
@@ -129,6 +133,48 @@ class NativeSource(Source):
                 self.store, rec.name, rec.size, head_bytes=head_request_bytes(rec.size)
             )
         return obj
+
+    def prepare(
+        self, chunks: Sequence[tuple[str, int]], values: Sequence[str], threads: int = 4
+    ) -> None:
+        """In object storage, fetch the first request of every data file the load reads whose
+        header is not parsed yet, all at once (``threads`` at a time): each is a round trip,
+        which one after the other would keep the store idle for as many round trips before
+        the first byte of data is asked for."""
+        if self.store is None:
+            return
+        files: set[int] = set()
+        for fqn, idx in chunks:
+            rec = self.index.tensors.get(fqn)
+            file = rec.chunk_file(idx) if rec is not None else None
+            if file is not None:
+                files.add(file)
+        for key in values:
+            try:
+                files.add(Source.value_location(self, key).file)
+            except CheckpointFormatError:
+                pass  # the read names it
+        with self._lock:
+            objs = [self._object(f) for f in sorted(files) if f not in self._headers]
+        todo = [o for o in objs if o is not None and not o.head]
+        if len(todo) < 2:
+            return  # the first read fetches it as soon
+        with ThreadPoolExecutor(min(max(threads, 1), len(todo)), "ucp-head") as pool:
+            list(pool.map(ObjectAccess.fetch_head, todo))
+
+    def open_reader(
+        self, *, threads: int, gap_bytes: int | None = None, max_request_bytes: int = 16 << 20
+    ) -> ByteSource:
+        """As any source's; in object storage the reader is also handed the data files' first
+        requests held (:meth:`prepare`): what a load reads inside them (the first chunks of a
+        file whose header is short, small values) costs no request."""
+        reader = super().open_reader(
+            threads=threads, gap_bytes=gap_bytes, max_request_bytes=max_request_bytes
+        )
+        if isinstance(reader, ObjectRangeReader):
+            for file, obj in list(self._objects.items()):
+                reader.hold(file, 0, memoryview(obj.head))
+        return reader
 
     def _entry(self, file: int, name: str, what: str) -> tuple[int, int, EntryMeta]:
         """``(start, nbytes, metadata)`` of entry ``name`` of data file ``file``; the index says it
