@@ -39,6 +39,7 @@ from .multipart import ParallelUpload, StreamedWrite, supports_parallel_upload
 __all__ = [
     "ObjectStore",
     "ObjectAccess",
+    "fetch_heads",
     "RetryPolicy",
     "discard",
     "is_url",
@@ -386,12 +387,6 @@ class ObjectAccess:
             return self._head[offset:end]
         return self.store.read(self.name, offset, end)
 
-    def fetch_head(self) -> None:
-        """Fetch the prefix now (one request), if it is not held yet: a source fetches the
-        headers of every object a load reads at once, each in a thread of its own."""
-        if not self._head and self.size:
-            self.pread(1, 0)
-
     @property
     def head(self) -> bytes:
         """The prefix held (from byte 0; empty before the first read and after :meth:`release`)."""
@@ -400,3 +395,14 @@ class ObjectAccess:
     def release(self) -> None:
         """Forget the prefix held (the bytes parsed from it are no longer read)."""
         self._head = b""
+
+
+def fetch_heads(objects: Sequence[ObjectAccess]) -> None:
+    """Fetch the prefix of every object of ``objects`` (of one store) not held yet, in one batch
+    of concurrent requests (:meth:`ObjectStore.read_ranges`): a source reads the headers of every
+    object a load reads at once, not one round trip after another."""
+    todo = [o for o in objects if not o._head and o.size]
+    if todo:
+        got = todo[0].store.read_ranges([(o.name, 0, min(o.size, o.head_bytes)) for o in todo])
+        for o, data in zip(todo, got):
+            o._head = data

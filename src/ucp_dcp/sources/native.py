@@ -11,7 +11,6 @@ import os
 import threading
 from collections import defaultdict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import xxhash
@@ -19,7 +18,7 @@ import xxhash
 from ..byteio.blocksums import BlockSums
 from ..byteio.files import read_header
 from ..byteio.objrange import ObjectRangeReader
-from ..byteio.objstore import ObjectAccess
+from ..byteio.objstore import ObjectAccess, fetch_heads
 from ..byteio.rangeio import ByteSource
 from ..byteio.storage import write_index
 from ..errors import CheckpointExistsError, CheckpointFormatError, ChecksumError
@@ -138,9 +137,9 @@ class NativeSource(Source):
         self, chunks: Sequence[tuple[str, int]], values: Sequence[str], threads: int = 4
     ) -> None:
         """In object storage, fetch the first request of every data file the load reads whose
-        header is not parsed yet, all at once (``threads`` at a time): each is a round trip,
-        which one after the other would keep the store idle for as many round trips before
-        the first byte of data is asked for."""
+        header is not parsed yet, in one batch of concurrent requests: one after the other, each
+        a round trip, they would keep the store idle before the first byte of data is asked
+        for."""
         if self.store is None:
             return
         files: set[int] = set()
@@ -156,11 +155,7 @@ class NativeSource(Source):
                 pass  # the read names it
         with self._lock:
             objs = [self._object(f) for f in sorted(files) if f not in self._headers]
-        todo = [o for o in objs if o is not None and not o.head]
-        if len(todo) < 2:
-            return  # the first read fetches it as soon
-        with ThreadPoolExecutor(min(max(threads, 1), len(todo)), "ucp-head") as pool:
-            list(pool.map(ObjectAccess.fetch_head, todo))
+        fetch_heads([o for o in objs if o is not None])
 
     def open_reader(
         self, *, threads: int, gap_bytes: int | None = None, max_request_bytes: int = 16 << 20
