@@ -42,6 +42,9 @@ FP32 = [
     v for v in VARIANTS if not json.loads((PIPE / v / "reference.json").read_text()).get("bf16")
 ]
 TP_VARIANTS = [v for v in ALL if _TP[v] > 1]  # tensor x (pipeline x) data parallelism
+TP_FP32 = [
+    v for v in TP_VARIANTS if not json.loads((PIPE / v / "reference.json").read_text())["bf16"]
+]
 # ds_to_universal's output of some of them (generate_pipe.py's UNIVERSAL_FROM).
 UNIVERSAL = sorted(p.name for p in PIPE.iterdir() if (p / "latest_universal").is_file())
 
@@ -84,10 +87,17 @@ def expected(variant: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _model_and_optim() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _model_and_optim(tp: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model without a pipeline under the engine's names (``tp``: the tensor-parallel
+    fixtures' layers, whole: their slices joined, the vocabulary padding cut) and its AdamW."""
     torch.manual_seed(0)
-    model = GEN.build_plain_model()
-    return model, torch.optim.AdamW(GEN.param_groups(model), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    model = GEN.build_plain_model(GEN.tp_layers() if tp else None)
+    return model, _adamw(model)
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The generator's optimizer: its two groups and hyperparameters."""
+    return torch.optim.AdamW(GEN.param_groups(model), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -128,7 +138,9 @@ def _resume(
 
     Every micro-batch of every data-parallel rank is the same size, so the mean
     of their losses (what train_batch averaged gradients over) is the loss of
-    their concatenation.
+    their concatenation. DeepSpeed clips the global gradient norm (1.0 by
+    default; under tensor parallelism it counts each slice once and a
+    replicated parameter once), as ``clip_grad_norm_`` of the whole model does.
     """
     m = meta(variant)
     ref = load_file(str(PIPE / variant / "reference.safetensors"))
@@ -201,6 +213,8 @@ def _all_on_3(rank: int, world: int) -> None:
     _fsdp2(rank, world, FP32)
     for v in TP_VARIANTS:
         _tp_into_3(rank, world, v)
+    for v in TP_FP32:
+        _tp3_resume(rank, world, v, PIPE / v)
     for v in UNIVERSAL:
         if _TP[_converted(v)] > 1:
             _tp_into_3(rank, world, v, expected_universal(v))
@@ -212,7 +226,8 @@ def _all_on_3(rank: int, world: int) -> None:
 def test_every_fixture_loads_on_3_ranks() -> None:
     """Pipeline x data-parallel fixtures into FSDP2 (bit-exact weights and moments, then
     DeepSpeed's next losses); tensor-parallel ones into a TP=3 layout (bit-exact to
-    ds_to_universal's merged tensors); their Universal folders alike. One spawn for all: each
+    ds_to_universal's merged tensors; the fp32 ones also into a TP=3 model of DTensors that
+    resumes to DeepSpeed's next losses); their Universal folders alike. One spawn for all: each
     costs seconds."""
     run_ranks(3, _all_on_3)
 
@@ -336,8 +351,80 @@ def test_tensor_parallel_slices_join_bit_exact_to_ds_to_universal(variant: str) 
         assert {m % _TP[variant] for m in mps} == {0}, (k, mps)
 
 
+@pytest.mark.parametrize("variant", TP_FP32)
+def test_tensor_parallel_resumed_in_one_process_matches_deepspeeds_next_steps(variant: str) -> None:
+    """TP=2 (x PP=2) x DP checkpoints into the whole model in one process: DeepSpeed's step-3
+    and step-4 losses (its loss leaves the vocabulary padding row out, which the load cuts)."""
+    model, optim = _model_and_optim(tp=True)
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    dcp.load(
+        state,
+        storage_reader=UCPStorageReader(PIPE / variant),
+        planner=UCPLoadPlanner(),
+        no_dist=True,
+    )
+    _resume(model, optim, state, variant)
+
+
+def _tp3_partition(name: str, module: torch.nn.Module, mesh: Any) -> None:
+    """TP=3 of the whole tensor-parallel model: ``fc1`` column-parallel (weight and bias split
+    along 0), ``fc2`` row-parallel (weight along 1); :func:`distribute_module` replicates the
+    rest (the vocabulary too: another layout than the checkpoint's)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if name.endswith((".fc1", ".fc2")):
+        dim = 0 if name.endswith(".fc1") else 1
+        for pname in ("weight", "bias") if dim == 0 else ("weight",):
+            t = getattr(module, pname)
+            module.register_parameter(
+                pname, torch.nn.Parameter(distribute_tensor(t.data, mesh, [Shard(dim)]))
+            )
+
+
+def _tp3_resume(rank: int, world: int, variant: str, path: Path, partial: bool = False) -> None:
+    """A tensor-parallel fixture (or its Universal folder at ``path``, which records no
+    hyperparameters: ``partial`` keeps the optimizer's own) into a TP=3 model of DTensors
+    (uneven slices: 14 and 10 over 3): bit-exact weights and moments, then DeepSpeed's next
+    losses."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, _ = _model_and_optim(tp=True)
+    distribute_module(
+        model,
+        mesh,
+        _tp3_partition,
+        input_fn=lambda _m, args, mesh: tuple(
+            DTensor.from_local(a, mesh, [Replicate()]) for a in args
+        ),
+        output_fn=lambda _m, out, _mesh: out.full_tensor(),
+    )
+    optim = _adamw(model)
+    msd, osd = get_state_dict(model, optim)
+    state: dict[str, Any] = {"model": msd, "optim": osd}
+    for v in flatten(state).values():
+        if isinstance(v, torch.Tensor):
+            (v.to_local() if isinstance(v, DTensor) else v).fill_(13)
+    dcp.load(
+        state,
+        storage_reader=UCPStorageReader(path),
+        planner=UCPLoadPlanner(allow_partial_load=partial),
+    )
+    flat = flatten(state)
+    for k, v in expected_tp(variant).items():
+        t = flat[k]
+        assert bit_equal(t.full_tensor() if isinstance(t, DTensor) else t, v), (variant, rank, k)
+    _resume(model, optim, state, variant)
+
+
 def _tp_into_3(
-    rank: int, world: int, variant: str, want: dict[str, torch.Tensor] | None = None
+    rank: int,
+    world: int,
+    variant: str,
+    want: dict[str, torch.Tensor] | None = None,
+    path: Path | None = None,
 ) -> None:
     """Into a TP=3 layout (column-parallel along 0, row-parallel along 1, the rest replicated)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -353,7 +440,8 @@ def _tp_into_3(
         else:
             placement = [Shard(1 if name.endswith(".fc2.weight") else 0)]
         state[k] = distribute_tensor(torch.full_like(v, 13), mesh, placement)
-    dcp.load(state, storage_reader=UCPStorageReader(PIPE / variant), planner=UCPLoadPlanner())
+    reader = UCPStorageReader(PIPE / variant if path is None else path)
+    dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner())
     for k, v in want.items():
         assert bit_equal(state[k].full_tensor(), v), (rank, k)
 
