@@ -17,7 +17,6 @@ import json
 import math
 import shutil
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -209,27 +208,32 @@ def _fsdp2(rank: int, world: int, variants: list[str]) -> None:
         _resume(model, optim, state, variant)
 
 
-def _all_on_3(rank: int, world: int) -> None:
+def _all_on_3(rank: int, world: int, root: str) -> None:
     _fsdp2(rank, world, FP32)
     for v in TP_VARIANTS:
         _tp_into_3(rank, world, v)
     for v in TP_FP32:
         _tp3_resume(rank, world, v, PIPE / v)
     for v in UNIVERSAL:
-        if _TP[_converted(v)] > 1:
-            _tp_into_3(rank, world, v, expected_universal(v))
+        src, path = _converted(v), _universal_dir(v, Path(root))
+        if _TP[src] > 1:
+            _tp_into_3(rank, world, v, expected_universal(v), path)
+            if src in TP_FP32:
+                _tp3_resume(rank, world, src, path, partial=True)
         else:
-            _fsdp2_universal(rank, world, v)
+            _fsdp2_universal(rank, world, v, path)
 
 
 @pytest.mark.multiproc
-def test_every_fixture_loads_on_3_ranks() -> None:
+def test_every_fixture_loads_on_3_ranks(tmp_path: Path) -> None:
     """Pipeline x data-parallel fixtures into FSDP2 (bit-exact weights and moments, then
     DeepSpeed's next losses); tensor-parallel ones into a TP=3 layout (bit-exact to
     ds_to_universal's merged tensors; the fp32 ones also into a TP=3 model of DTensors that
     resumes to DeepSpeed's next losses); their Universal folders alike. One spawn for all: each
     costs seconds."""
-    run_ranks(3, _all_on_3)
+    for v in UNIVERSAL:
+        _universal_dir(v, tmp_path)
+    run_ranks(3, _all_on_3, str(tmp_path))
 
 
 # ---------------------------------------------------------------- refusals
@@ -484,26 +488,39 @@ def _converted(variant: str) -> str:
 
 
 def expected_universal(variant: str) -> dict[str, torch.Tensor]:
-    """What a Universal folder holds: the trainable parameters' weights, moments and steps, and
-    without a pipeline the frozen parameter and the buffer (from the copied modules). A pipeline
-    run's model states have ``module`` None and ds_to_universal copies no layer files, so those
-    two are in no file of its folder."""
+    """What a Universal folder gives: the trainable parameters' weights, moments and steps, the
+    frozen parameter and the buffer (from the copied modules without a pipeline, from the
+    layer files under one: :func:`_universal_dir`)."""
     src = _converted(variant)
-    want = expected_tp(src) if _TP[src] > 1 else expected(src)
-    if meta(src)["pp"] == 1:
-        return want
-    return {k: v for k, v in want.items() if _fqn(k) not in ("3.frozen", "3.scale")}
+    return expected_tp(src) if _TP[src] > 1 else expected(src)
+
+
+def _universal_dir(variant: str, root: Path) -> Path:
+    """Universal folder ``variant`` ready to load. A pipeline run's model states have ``module``
+    None and ds_to_universal copies no layer files, so the folder is laid out under ``root`` as
+    Megatron-DeepSpeed does: ``step2_universal`` (and ``latest_universal``) beside the tag
+    folder it was converted from, ``step2``, whose layer files hold the frozen parameter and
+    the buffer. Without a pipeline, the fixture itself."""
+    if meta(_converted(variant))["pp"] == 1:
+        return PIPE / variant
+    dst = root / variant
+    if not dst.exists():
+        shutil.copytree(PIPE / variant, dst)
+        shutil.copytree(PIPE / _converted(variant) / "step2", dst / "step2")
+    return dst
 
 
 @pytest.mark.parametrize("variant", UNIVERSAL)
-def test_universal_folder_of_a_3d_run_loads_bit_exact(variant: str) -> None:
+def test_universal_folder_of_a_3d_run_loads_bit_exact(variant: str, tmp_path: Path) -> None:
     """One mp_rank_MM per stage x tensor-parallel rank (module None under a pipeline), cat_dim
     and vocab_tensor entries: the merged tensors (the vocabulary cut to 11 rows) equal
-    DeepSpeed's references; the param groups name the parameters as the source checkpoint's
-    do."""
-    src = open_source(PIPE / variant)
+    DeepSpeed's references, the frozen parameter and the buffer too (under a pipeline from the
+    layer files of the tag folder beside it); the param groups name the parameters as the
+    source checkpoint's do."""
+    d = _universal_dir(variant, tmp_path)
+    src = open_source(d)
     assert isinstance(src, DeepSpeedUniversalSource)
-    got = load_state_dict(PIPE / variant)
+    got = load_state_dict(d)
     want = expected_universal(variant)
     assert {k for k in got if not k.startswith("optim.param_groups.")} == set(want)
     for k, v in want.items():
@@ -515,14 +532,15 @@ def test_universal_folder_of_a_3d_run_loads_bit_exact(variant: str) -> None:
         assert got[key] == orig[key], g
 
 
-def _fsdp2_universal(rank: int, world: int, variant: str) -> None:
-    """A pipeline run's Universal folder into FSDP2 (its keys only), the frozen parameter and the
-    buffer from the checkpoint it was converted from; then DeepSpeed's next losses."""
+def _fsdp2_universal(rank: int, world: int, variant: str, path: Path) -> None:
+    """A pipeline run's Universal folder (at ``path``, beside the tag folder it was converted
+    from) into FSDP2: bit-exact, the frozen parameter and the buffer from the layer files; then
+    DeepSpeed's next losses. The folder records no hyperparameters: the optimizer's own stay."""
     from torch.distributed.fsdp import fully_shard
 
     model, _ = _model_and_optim()
     fully_shard(model)
-    optim = torch.optim.AdamW(GEN.param_groups(model), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    optim = _adamw(model)
     msd, osd = get_state_dict(model, optim)
     state: dict[str, Any] = {"model": msd, "optim": osd}
     for v in flatten(state).values():
@@ -530,17 +548,9 @@ def _fsdp2_universal(rank: int, world: int, variant: str) -> None:
             (v.to_local() if isinstance(v, DTensor) else v).fill_(13)
     dcp.load(
         state,
-        storage_reader=UCPStorageReader(PIPE / variant),
+        storage_reader=UCPStorageReader(path),
         planner=UCPLoadPlanner(allow_partial_load=True),
     )
-    rest = {"model": {n: msd[n] for n in ("3.frozen", "3.scale")}}
-    with warnings.catch_warnings():  # the checkpoint's other keys, which this load leaves out
-        warnings.filterwarnings("ignore", ".*not in the state dict")
-        dcp.load(
-            rest,
-            storage_reader=UCPStorageReader(PIPE / _converted(variant)),
-            planner=UCPLoadPlanner(),
-        )
     flat = flatten(state)
     for k, v in expected(_converted(variant)).items():
         t = flat[k]
@@ -556,12 +566,47 @@ def _resave(f: Path, **entries: Any) -> None:
     torch.save(d, f)
 
 
+def test_pipeline_universal_folder_without_layer_files_is_refused_naming_the_buffer(
+    tmp_path: Path,
+) -> None:
+    """ds_to_universal's output of a pipeline run as it is: the model states name buffer
+    3.scale, which only the layer files it does not copy hold. With them copied into the folder
+    it loads whole (frozen parameter and buffer bit-exact); with the buffer's layer file gone it
+    is refused, naming the folder of layer files."""
+    for variant in ("pp2_dp2_zero1_universal", "pp2_tp2_dp2_zero1_universal"):
+        folder = PIPE / variant / "step2_universal"
+        with pytest.raises(CheckpointFormatError) as e:
+            open_source(PIPE / variant)
+        assert str(e.value) == (
+            f"{folder}: a Universal folder of a pipeline run holds no layer files, so buffer "
+            "'3.scale' is in no file (ds_to_universal does not copy the "
+            "layer_XX-model_YY-model_states.pt files that hold frozen parameters and buffers): "
+            "copy them from the checkpoint it was converted from into this folder, where "
+            f"DeepSpeed's PipelineEngine reads them too, or keep that checkpoint's tag folder as "
+            f"{PIPE / variant / 'step2'}"
+        )
+    d = _copy("pp2_dp2_zero1_universal", tmp_path)
+    tag = d / "step2_universal"
+    for f in (PIPE / "pp2_dp2_zero1" / "step2").glob("layer_*"):
+        shutil.copy(f, tag / f.name)
+    got, want = load_state_dict(d), expected("pp2_dp2_zero1")
+    assert {k for k in got if not k.startswith("optim.param_groups.")} == set(want)
+    assert all(bit_equal(got[k], v) for k, v in want.items())
+    (tag / "layer_03-model_00-model_states.pt").unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{tag / 'mp_rank_01_model_states.pt'}: buffer '3.scale' of model-parallel rank 1 is in "
+        f"no layer file of {tag}"
+    )
+
+
 def test_universal_vocabulary_padding_is_stripped_where_the_entry_says_so(tmp_path: Path) -> None:
     """A vocab_tensor still holding its padding rows (12 of them) is read cut to the
     original_vocab_size of 11: the padding row is never read."""
-    d = _copy("pp2_tp2_dp2_zero1_universal", tmp_path)
+    d = _universal_dir("pp2_tp2_dp2_zero1_universal", tmp_path)
     zero = d / "step2_universal" / "zero" / "tied_modules.embed.weight"
-    want = load_state_dict(PIPE / "pp2_tp2_dp2_zero1_universal")
+    want = load_state_dict(_universal_dir("pp2_tp2_dp2_zero1_universal", tmp_path / "orig"))
     for kind in ("fp32", "exp_avg", "exp_avg_sq"):
         t = torch.load(zero / f"{kind}.pt", weights_only=True)["param"]
         _resave(zero / f"{kind}.pt", param=torch.cat([t, torch.full((1, 7), float("nan"))]))
@@ -572,7 +617,7 @@ def test_universal_vocabulary_padding_is_stripped_where_the_entry_says_so(tmp_pa
 
 
 def test_damaged_universal_folders_name_the_file_and_what_is_missing(tmp_path: Path) -> None:
-    d = _copy("pp2_tp2_dp2_zero1_universal", tmp_path)
+    d = _universal_dir("pp2_tp2_dp2_zero1_universal", tmp_path)
     tag = d / "step2_universal"
     zero = tag / "zero"
     # cat_dim disagreeing with universal_checkpoint_info (row-parallel: joined along 1).
