@@ -601,6 +601,20 @@ def test_pipeline_universal_folder_without_layer_files_is_refused_naming_the_buf
     )
 
 
+def test_layer_files_of_another_run_beside_a_universal_folder_are_not_read(tmp_path: Path) -> None:
+    """The tag folder beside step2_universal must be the one it was converted from: the model
+    states ds_to_universal copied byte for byte tell (here PP=2 x DP=1's beside PP=2 x DP=2's)."""
+    d = _copy("pp2_dp2_zero1_universal", tmp_path)
+    shutil.copytree(PIPE / "pp2_dp1_zero1" / "step2", d / "step2")
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{d / 'step2'}: not the checkpoint {d / 'step2_universal'} was converted from (its "
+        "mp_rank_00_model_states.pt differs from the byte copy ds_to_universal made of it), so "
+        "its layer files are not read"
+    )
+
+
 def test_universal_vocabulary_padding_is_stripped_where_the_entry_says_so(tmp_path: Path) -> None:
     """A vocab_tensor still holding its padding rows (12 of them) is read cut to the
     original_vocab_size of 11: the padding row is never read."""

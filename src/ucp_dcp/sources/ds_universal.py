@@ -19,6 +19,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..core.values import encode_value
@@ -371,7 +372,11 @@ def _layer_entry_files(
         if base.endswith("_universal")
         else None
     )
-    found = layer_files(folder) or (layer_files(sibling) if sibling is not None else {})
+    found = layer_files(folder)
+    if not found and sibling is not None:
+        found = layer_files(sibling)
+        if found:
+            _check_converted_from(sibling, folder, models)
     if not found:
         names = [f"buffer {n!r}" for n in buffers] + [f"frozen parameter {n!r}" for n in frozen]
         if not names:
@@ -410,3 +415,26 @@ def _padded(e: UniversalEntry, full: tuple[int, ...]) -> TPSlice | None:
     ):
         return TPSlice(0, t, None, 1, full[0])
     return None
+
+
+def _check_converted_from(sibling: str, folder: str, models: list[ModelStates]) -> None:
+    """Refuse tag folder ``sibling`` unless it is the checkpoint Universal ``folder`` was
+    converted from: ``ds_to_universal`` copies each ``mp_rank_MM_model_states.pt`` byte for
+    byte (small under a pipeline: ``module`` is None), so another run's layer files are not
+    read as this one's."""
+    for m in models:
+        name = os.path.basename(m.archive.path)
+        try:
+            theirs: bytes | None = Path(sibling, name).read_bytes()
+        except FileNotFoundError:
+            theirs = None
+        if theirs != Path(m.archive.path).read_bytes():
+            what = (
+                f"it has no {name}"
+                if theirs is None
+                else f"its {name} differs from the byte copy ds_to_universal made of it"
+            )
+            raise CheckpointFormatError(
+                f"{sibling}: not the checkpoint {folder} was converted from ({what}), so its "
+                "layer files are not read"
+            )
