@@ -338,7 +338,8 @@ def test_tensor_parallel_slices_join_bit_exact_to_ds_to_universal(variant: str) 
     """PP=2 x TP=2: column-parallel slices joined along 0, row-parallel along 1, replicated ones
     read from rank 0, the vocabulary-parallel tied embedding joined and its padding row cut,
     each by the checkpoint's universal_checkpoint_info; weights and moments equal
-    ds_to_universal's."""
+    ds_to_universal's, and each rank's slice equals what DeepSpeed's safe_get_full_* returned
+    on that rank before the save (the bf16 run's fp32 masters included)."""
     src = open_source(PIPE / variant)
     assert isinstance(src, DeepSpeedSource)
     got = load_state_dict(PIPE / variant)
@@ -346,6 +347,18 @@ def test_tensor_parallel_slices_join_bit_exact_to_ds_to_universal(variant: str) 
     assert set(got) - {k for k in got if k.startswith("optim.param_groups.")} == set(want)
     for k, v in want.items():
         assert bit_equal(got[k], v), k
+    for k, v in load_file(str(PIPE / variant / "reference.safetensors")).items():
+        if k.startswith("slice/"):
+            _, kind, rest = k.split("/", 2)
+            name, t = rest.rsplit("/tp", 1)
+            full = got[f"model.{name}" if kind == "fp32" else f"optim.state.{name}.{kind}"]
+            if name.endswith((".gain", ".fc2.bias")) or name.startswith("3."):
+                assert bit_equal(full, v), k  # replicated
+                continue
+            dim = 1 if name.endswith(".fc2.weight") else 0
+            n = v.shape[dim]
+            mine = full.narrow(dim, int(t) * n, min(n, full.shape[dim] - int(t) * n))
+            assert bit_equal(mine, v.narrow(dim, 0, mine.shape[dim])), k  # the vocabulary cut
     # Replicated parameters are read from tensor-parallel rank 0 only (mp_rank_MM, MM % tp == 0).
     for k in ("model.1.gain", "model.4.fc2.bias"):
         mps = {
