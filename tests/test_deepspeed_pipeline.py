@@ -17,7 +17,6 @@ import json
 import math
 import shutil
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,9 @@ FP32 = [
     v for v in VARIANTS if not json.loads((PIPE / v / "reference.json").read_text()).get("bf16")
 ]
 TP_VARIANTS = [v for v in ALL if _TP[v] > 1]  # tensor x (pipeline x) data parallelism
+TP_FP32 = [
+    v for v in TP_VARIANTS if not json.loads((PIPE / v / "reference.json").read_text())["bf16"]
+]
 # ds_to_universal's output of some of them (generate_pipe.py's UNIVERSAL_FROM).
 UNIVERSAL = sorted(p.name for p in PIPE.iterdir() if (p / "latest_universal").is_file())
 
@@ -84,10 +86,17 @@ def expected(variant: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _model_and_optim() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _model_and_optim(tp: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model without a pipeline under the engine's names (``tp``: the tensor-parallel
+    fixtures' layers, whole: their slices joined, the vocabulary padding cut) and its AdamW."""
     torch.manual_seed(0)
-    model = GEN.build_plain_model()
-    return model, torch.optim.AdamW(GEN.param_groups(model), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    model = GEN.build_plain_model(GEN.tp_layers() if tp else None)
+    return model, _adamw(model)
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The generator's optimizer: its two groups and hyperparameters."""
+    return torch.optim.AdamW(GEN.param_groups(model), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -128,7 +137,9 @@ def _resume(
 
     Every micro-batch of every data-parallel rank is the same size, so the mean
     of their losses (what train_batch averaged gradients over) is the loss of
-    their concatenation.
+    their concatenation. DeepSpeed clips the global gradient norm (1.0 by
+    default; under tensor parallelism it counts each slice once and a
+    replicated parameter once), as ``clip_grad_norm_`` of the whole model does.
     """
     m = meta(variant)
     ref = load_file(str(PIPE / variant / "reference.safetensors"))
@@ -197,24 +208,32 @@ def _fsdp2(rank: int, world: int, variants: list[str]) -> None:
         _resume(model, optim, state, variant)
 
 
-def _all_on_3(rank: int, world: int) -> None:
+def _all_on_3(rank: int, world: int, root: str) -> None:
     _fsdp2(rank, world, FP32)
     for v in TP_VARIANTS:
         _tp_into_3(rank, world, v)
+    for v in TP_FP32:
+        _tp3_resume(rank, world, v, PIPE / v)
     for v in UNIVERSAL:
-        if _TP[_converted(v)] > 1:
-            _tp_into_3(rank, world, v, expected_universal(v))
+        src, path = _converted(v), _universal_dir(v, Path(root))
+        if _TP[src] > 1:
+            _tp_into_3(rank, world, v, expected_universal(v), path)
+            if src in TP_FP32:
+                _tp3_resume(rank, world, src, path, partial=True)
         else:
-            _fsdp2_universal(rank, world, v)
+            _fsdp2_universal(rank, world, v, path)
 
 
 @pytest.mark.multiproc
-def test_every_fixture_loads_on_3_ranks() -> None:
+def test_every_fixture_loads_on_3_ranks(tmp_path: Path) -> None:
     """Pipeline x data-parallel fixtures into FSDP2 (bit-exact weights and moments, then
     DeepSpeed's next losses); tensor-parallel ones into a TP=3 layout (bit-exact to
-    ds_to_universal's merged tensors); their Universal folders alike. One spawn for all: each
+    ds_to_universal's merged tensors; the fp32 ones also into a TP=3 model of DTensors that
+    resumes to DeepSpeed's next losses); their Universal folders alike. One spawn for all: each
     costs seconds."""
-    run_ranks(3, _all_on_3)
+    for v in UNIVERSAL:
+        _universal_dir(v, tmp_path)
+    run_ranks(3, _all_on_3, str(tmp_path))
 
 
 # ---------------------------------------------------------------- refusals
@@ -319,7 +338,8 @@ def test_tensor_parallel_slices_join_bit_exact_to_ds_to_universal(variant: str) 
     """PP=2 x TP=2: column-parallel slices joined along 0, row-parallel along 1, replicated ones
     read from rank 0, the vocabulary-parallel tied embedding joined and its padding row cut,
     each by the checkpoint's universal_checkpoint_info; weights and moments equal
-    ds_to_universal's."""
+    ds_to_universal's, and each rank's slice equals what DeepSpeed's safe_get_full_* returned
+    on that rank before the save (the bf16 run's fp32 masters included)."""
     src = open_source(PIPE / variant)
     assert isinstance(src, DeepSpeedSource)
     got = load_state_dict(PIPE / variant)
@@ -327,6 +347,18 @@ def test_tensor_parallel_slices_join_bit_exact_to_ds_to_universal(variant: str) 
     assert set(got) - {k for k in got if k.startswith("optim.param_groups.")} == set(want)
     for k, v in want.items():
         assert bit_equal(got[k], v), k
+    for k, v in load_file(str(PIPE / variant / "reference.safetensors")).items():
+        if k.startswith("slice/"):
+            _, kind, rest = k.split("/", 2)
+            name, t = rest.rsplit("/tp", 1)
+            full = got[f"model.{name}" if kind == "fp32" else f"optim.state.{name}.{kind}"]
+            if name.endswith((".gain", ".fc2.bias")) or name.startswith("3."):
+                assert bit_equal(full, v), k  # replicated
+                continue
+            dim = 1 if name.endswith(".fc2.weight") else 0
+            n = v.shape[dim]
+            mine = full.narrow(dim, int(t) * n, min(n, full.shape[dim] - int(t) * n))
+            assert bit_equal(mine, v.narrow(dim, 0, mine.shape[dim])), k  # the vocabulary cut
     # Replicated parameters are read from tensor-parallel rank 0 only (mp_rank_MM, MM % tp == 0).
     for k in ("model.1.gain", "model.4.fc2.bias"):
         mps = {
@@ -336,8 +368,80 @@ def test_tensor_parallel_slices_join_bit_exact_to_ds_to_universal(variant: str) 
         assert {m % _TP[variant] for m in mps} == {0}, (k, mps)
 
 
+@pytest.mark.parametrize("variant", TP_FP32)
+def test_tensor_parallel_resumed_in_one_process_matches_deepspeeds_next_steps(variant: str) -> None:
+    """TP=2 (x PP=2) x DP checkpoints into the whole model in one process: DeepSpeed's step-3
+    and step-4 losses (its loss leaves the vocabulary padding row out, which the load cuts)."""
+    model, optim = _model_and_optim(tp=True)
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    dcp.load(
+        state,
+        storage_reader=UCPStorageReader(PIPE / variant),
+        planner=UCPLoadPlanner(),
+        no_dist=True,
+    )
+    _resume(model, optim, state, variant)
+
+
+def _tp3_partition(name: str, module: torch.nn.Module, mesh: Any) -> None:
+    """TP=3 of the whole tensor-parallel model: ``fc1`` column-parallel (weight and bias split
+    along 0), ``fc2`` row-parallel (weight along 1); :func:`distribute_module` replicates the
+    rest (the vocabulary too: another layout than the checkpoint's)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if name.endswith((".fc1", ".fc2")):
+        dim = 0 if name.endswith(".fc1") else 1
+        for pname in ("weight", "bias") if dim == 0 else ("weight",):
+            t = getattr(module, pname)
+            module.register_parameter(
+                pname, torch.nn.Parameter(distribute_tensor(t.data, mesh, [Shard(dim)]))
+            )
+
+
+def _tp3_resume(rank: int, world: int, variant: str, path: Path, partial: bool = False) -> None:
+    """A tensor-parallel fixture (or its Universal folder at ``path``, which records no
+    hyperparameters: ``partial`` keeps the optimizer's own) into a TP=3 model of DTensors
+    (uneven slices: 14 and 10 over 3): bit-exact weights and moments, then DeepSpeed's next
+    losses."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, _ = _model_and_optim(tp=True)
+    distribute_module(
+        model,
+        mesh,
+        _tp3_partition,
+        input_fn=lambda _m, args, mesh: tuple(
+            DTensor.from_local(a, mesh, [Replicate()]) for a in args
+        ),
+        output_fn=lambda _m, out, _mesh: out.full_tensor(),
+    )
+    optim = _adamw(model)
+    msd, osd = get_state_dict(model, optim)
+    state: dict[str, Any] = {"model": msd, "optim": osd}
+    for v in flatten(state).values():
+        if isinstance(v, torch.Tensor):
+            (v.to_local() if isinstance(v, DTensor) else v).fill_(13)
+    dcp.load(
+        state,
+        storage_reader=UCPStorageReader(path),
+        planner=UCPLoadPlanner(allow_partial_load=partial),
+    )
+    flat = flatten(state)
+    for k, v in expected_tp(variant).items():
+        t = flat[k]
+        assert bit_equal(t.full_tensor() if isinstance(t, DTensor) else t, v), (variant, rank, k)
+    _resume(model, optim, state, variant)
+
+
 def _tp_into_3(
-    rank: int, world: int, variant: str, want: dict[str, torch.Tensor] | None = None
+    rank: int,
+    world: int,
+    variant: str,
+    want: dict[str, torch.Tensor] | None = None,
+    path: Path | None = None,
 ) -> None:
     """Into a TP=3 layout (column-parallel along 0, row-parallel along 1, the rest replicated)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -353,7 +457,8 @@ def _tp_into_3(
         else:
             placement = [Shard(1 if name.endswith(".fc2.weight") else 0)]
         state[k] = distribute_tensor(torch.full_like(v, 13), mesh, placement)
-    dcp.load(state, storage_reader=UCPStorageReader(PIPE / variant), planner=UCPLoadPlanner())
+    reader = UCPStorageReader(PIPE / variant if path is None else path)
+    dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner())
     for k, v in want.items():
         assert bit_equal(state[k].full_tensor(), v), (rank, k)
 
@@ -396,26 +501,39 @@ def _converted(variant: str) -> str:
 
 
 def expected_universal(variant: str) -> dict[str, torch.Tensor]:
-    """What a Universal folder holds: the trainable parameters' weights, moments and steps, and
-    without a pipeline the frozen parameter and the buffer (from the copied modules). A pipeline
-    run's model states have ``module`` None and ds_to_universal copies no layer files, so those
-    two are in no file of its folder."""
+    """What a Universal folder gives: the trainable parameters' weights, moments and steps, the
+    frozen parameter and the buffer (from the copied modules without a pipeline, from the
+    layer files under one: :func:`_universal_dir`)."""
     src = _converted(variant)
-    want = expected_tp(src) if _TP[src] > 1 else expected(src)
-    if meta(src)["pp"] == 1:
-        return want
-    return {k: v for k, v in want.items() if _fqn(k) not in ("3.frozen", "3.scale")}
+    return expected_tp(src) if _TP[src] > 1 else expected(src)
+
+
+def _universal_dir(variant: str, root: Path) -> Path:
+    """Universal folder ``variant`` ready to load. A pipeline run's model states have ``module``
+    None and ds_to_universal copies no layer files, so the folder is laid out under ``root`` as
+    Megatron-DeepSpeed does: ``step2_universal`` (and ``latest_universal``) beside the tag
+    folder it was converted from, ``step2``, whose layer files hold the frozen parameter and
+    the buffer. Without a pipeline, the fixture itself."""
+    if meta(_converted(variant))["pp"] == 1:
+        return PIPE / variant
+    dst = root / variant
+    if not dst.exists():
+        shutil.copytree(PIPE / variant, dst)
+        shutil.copytree(PIPE / _converted(variant) / "step2", dst / "step2")
+    return dst
 
 
 @pytest.mark.parametrize("variant", UNIVERSAL)
-def test_universal_folder_of_a_3d_run_loads_bit_exact(variant: str) -> None:
+def test_universal_folder_of_a_3d_run_loads_bit_exact(variant: str, tmp_path: Path) -> None:
     """One mp_rank_MM per stage x tensor-parallel rank (module None under a pipeline), cat_dim
     and vocab_tensor entries: the merged tensors (the vocabulary cut to 11 rows) equal
-    DeepSpeed's references; the param groups name the parameters as the source checkpoint's
-    do."""
-    src = open_source(PIPE / variant)
+    DeepSpeed's references, the frozen parameter and the buffer too (under a pipeline from the
+    layer files of the tag folder beside it); the param groups name the parameters as the
+    source checkpoint's do."""
+    d = _universal_dir(variant, tmp_path)
+    src = open_source(d)
     assert isinstance(src, DeepSpeedUniversalSource)
-    got = load_state_dict(PIPE / variant)
+    got = load_state_dict(d)
     want = expected_universal(variant)
     assert {k for k in got if not k.startswith("optim.param_groups.")} == set(want)
     for k, v in want.items():
@@ -427,14 +545,15 @@ def test_universal_folder_of_a_3d_run_loads_bit_exact(variant: str) -> None:
         assert got[key] == orig[key], g
 
 
-def _fsdp2_universal(rank: int, world: int, variant: str) -> None:
-    """A pipeline run's Universal folder into FSDP2 (its keys only), the frozen parameter and the
-    buffer from the checkpoint it was converted from; then DeepSpeed's next losses."""
+def _fsdp2_universal(rank: int, world: int, variant: str, path: Path) -> None:
+    """A pipeline run's Universal folder (at ``path``, beside the tag folder it was converted
+    from) into FSDP2: bit-exact, the frozen parameter and the buffer from the layer files; then
+    DeepSpeed's next losses. The folder records no hyperparameters: the optimizer's own stay."""
     from torch.distributed.fsdp import fully_shard
 
     model, _ = _model_and_optim()
     fully_shard(model)
-    optim = torch.optim.AdamW(GEN.param_groups(model), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    optim = _adamw(model)
     msd, osd = get_state_dict(model, optim)
     state: dict[str, Any] = {"model": msd, "optim": osd}
     for v in flatten(state).values():
@@ -442,17 +561,9 @@ def _fsdp2_universal(rank: int, world: int, variant: str) -> None:
             (v.to_local() if isinstance(v, DTensor) else v).fill_(13)
     dcp.load(
         state,
-        storage_reader=UCPStorageReader(PIPE / variant),
+        storage_reader=UCPStorageReader(path),
         planner=UCPLoadPlanner(allow_partial_load=True),
     )
-    rest = {"model": {n: msd[n] for n in ("3.frozen", "3.scale")}}
-    with warnings.catch_warnings():  # the checkpoint's other keys, which this load leaves out
-        warnings.filterwarnings("ignore", ".*not in the state dict")
-        dcp.load(
-            rest,
-            storage_reader=UCPStorageReader(PIPE / _converted(variant)),
-            planner=UCPLoadPlanner(),
-        )
     flat = flatten(state)
     for k, v in expected(_converted(variant)).items():
         t = flat[k]
@@ -468,12 +579,61 @@ def _resave(f: Path, **entries: Any) -> None:
     torch.save(d, f)
 
 
+def test_pipeline_universal_folder_without_layer_files_is_refused_naming_the_buffer(
+    tmp_path: Path,
+) -> None:
+    """ds_to_universal's output of a pipeline run as it is: the model states name buffer
+    3.scale, which only the layer files it does not copy hold. With them copied into the folder
+    it loads whole (frozen parameter and buffer bit-exact); with the buffer's layer file gone it
+    is refused, naming the folder of layer files."""
+    for variant in ("pp2_dp2_zero1_universal", "pp2_tp2_dp2_zero1_universal"):
+        folder = PIPE / variant / "step2_universal"
+        with pytest.raises(CheckpointFormatError) as e:
+            open_source(PIPE / variant)
+        assert str(e.value) == (
+            f"{folder}: a Universal folder of a pipeline run holds no layer files, so buffer "
+            "'3.scale' is in no file (ds_to_universal does not copy the "
+            "layer_XX-model_YY-model_states.pt files that hold frozen parameters and buffers): "
+            "copy them from the checkpoint it was converted from into this folder, where "
+            f"DeepSpeed's PipelineEngine reads them too, or keep that checkpoint's tag folder as "
+            f"{PIPE / variant / 'step2'}"
+        )
+    d = _copy("pp2_dp2_zero1_universal", tmp_path)
+    tag = d / "step2_universal"
+    for f in (PIPE / "pp2_dp2_zero1" / "step2").glob("layer_*"):
+        shutil.copy(f, tag / f.name)
+    got, want = load_state_dict(d), expected("pp2_dp2_zero1")
+    assert {k for k in got if not k.startswith("optim.param_groups.")} == set(want)
+    assert all(bit_equal(got[k], v) for k, v in want.items())
+    (tag / "layer_03-model_00-model_states.pt").unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{tag / 'mp_rank_01_model_states.pt'}: buffer '3.scale' of model-parallel rank 1 is in "
+        f"no layer file of {tag}"
+    )
+
+
+def test_layer_files_of_another_run_beside_a_universal_folder_are_not_read(tmp_path: Path) -> None:
+    """The tag folder beside step2_universal must be the one it was converted from: the model
+    states ds_to_universal copied byte for byte tell (here PP=2 x DP=1's beside PP=2 x DP=2's)."""
+    d = _copy("pp2_dp2_zero1_universal", tmp_path)
+    shutil.copytree(PIPE / "pp2_dp1_zero1" / "step2", d / "step2")
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{d / 'step2'}: not the checkpoint {d / 'step2_universal'} was converted from (its "
+        "mp_rank_00_model_states.pt differs from the byte copy ds_to_universal made of it), so "
+        "its layer files are not read"
+    )
+
+
 def test_universal_vocabulary_padding_is_stripped_where_the_entry_says_so(tmp_path: Path) -> None:
     """A vocab_tensor still holding its padding rows (12 of them) is read cut to the
     original_vocab_size of 11: the padding row is never read."""
-    d = _copy("pp2_tp2_dp2_zero1_universal", tmp_path)
+    d = _universal_dir("pp2_tp2_dp2_zero1_universal", tmp_path)
     zero = d / "step2_universal" / "zero" / "tied_modules.embed.weight"
-    want = load_state_dict(PIPE / "pp2_tp2_dp2_zero1_universal")
+    want = load_state_dict(_universal_dir("pp2_tp2_dp2_zero1_universal", tmp_path / "orig"))
     for kind in ("fp32", "exp_avg", "exp_avg_sq"):
         t = torch.load(zero / f"{kind}.pt", weights_only=True)["param"]
         _resave(zero / f"{kind}.pt", param=torch.cat([t, torch.full((1, 7), float("nan"))]))
@@ -484,7 +644,7 @@ def test_universal_vocabulary_padding_is_stripped_where_the_entry_says_so(tmp_pa
 
 
 def test_damaged_universal_folders_name_the_file_and_what_is_missing(tmp_path: Path) -> None:
-    d = _copy("pp2_tp2_dp2_zero1_universal", tmp_path)
+    d = _universal_dir("pp2_tp2_dp2_zero1_universal", tmp_path)
     tag = d / "step2_universal"
     zero = tag / "zero"
     # cat_dim disagreeing with universal_checkpoint_info (row-parallel: joined along 1).

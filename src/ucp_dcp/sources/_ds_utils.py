@@ -46,6 +46,7 @@ __all__ = [
     "ModelStates",
     "RankOptim",
     "find_deepspeed_files",
+    "layer_files",
     "looks_like_deepspeed",
     "read_archive",
     "read_layer_states",
@@ -171,6 +172,21 @@ def universal_model_files(folder: str) -> list[str]:
             f"{folder}: ZeRO-3 model files for ranks {sorted(ranks)}; expected 0..{len(ranks) - 1}"
         )
     return [ranks[r] for r in sorted(ranks)]
+
+
+def layer_files(folder: str) -> dict[tuple[int, int], str]:
+    """The pipeline layer files (``layer_XX[-model_YY]-model_states.pt``) of local folder
+    ``folder`` by (global layer index, tensor-parallel rank); empty when it has none or is no
+    directory."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return {}
+    found = {}
+    for n in sorted(names):
+        if m := _LAYER.fullmatch(n):
+            found[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(folder, n)
+    return found
 
 
 def _tag_folder(d: ModelDir, latest_name: str = LATEST_FILE) -> ModelDir:

@@ -41,7 +41,7 @@ from ..core.values import encode_value
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes, numel
 from ._dirs import ModelDir, StoreDir
-from ._ds_pipeline import layer_prefix, tied_keys
+from ._ds_pipeline import EntryFile, place_entries
 from ._ds_tp import TPSlice, tp_rules
 from ._ds_utils import (
     LATEST_FILE,
@@ -356,37 +356,16 @@ class DeepSpeedSource(Source):
                     if layers and head.isdigit():
                         self._layer_stage.setdefault(int(head), stage)
         buffers = {n: mi for mi, m in enumerate(models) for n in m.buffer_names}
-        known = trainable | set(buffers)
-        tied = tied_keys(known)
         # Frozen parameters and buffers: in the layer files under a pipeline, else in each
         # tensor-parallel rank's module state dict (full names).
-        sources: list[tuple[int, int, TorchArchive, dict[str, TensorRef], str | None]] = [
-            (index, rank, archive, entries, None)
+        sources = [
+            EntryFile(index, rank, archive, entries, None)
             for (index, rank), (archive, entries) in sorted(layers.items())
         ]
         if not layers:
-            sources = [(0, mi, m.archive, m.module, "") for mi, m in enumerate(models)]
+            sources = [EntryFile(0, mi, m.archive, m.module, "") for mi, m in enumerate(models)]
         shared = {n for m in models for n in m.shared}
-        first_file: dict[str, int] = {}  # name -> the layer index it is read from
-        for index, rank, archive, entries, prefix in sources:
-            if prefix is None:
-                prefix = layer_prefix(index, list(entries), known, tied, archive.path)
-                b.add_archive(archive)
-            for entry, t in entries.items():
-                name = prefix + entry
-                if (
-                    name in trainable
-                    or name in shared
-                    or first_file.setdefault(name, index) != index
-                ):
-                    continue  # the fp32 master weight (or a tied alias), or a tied layer's copy
-                key, path, what = f"model.{name}", ("model", name), f"layer entry {entry!r}"
-                sl = rules.slice_of(name, rank, tp, t.size) if rules is not None else None
-                if sl is None or sl.dim is None:
-                    if rank == 0:
-                        b.whole(key, path, archive, t, t.size, what)
-                else:
-                    b.placed_whole(key, path, archive, t, sl, what)
+        place_entries(b, sources, trainable | set(buffers), trainable | shared, rules, tp)
         for name, mi in buffers.items():
             if f"model.{name}" not in b.tensors:
                 raise CheckpointFormatError(

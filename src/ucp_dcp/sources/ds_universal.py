@@ -19,19 +19,23 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes
 from ._dirs import ModelDir
+from ._ds_pipeline import EntryFile, place_entries
 from ._ds_tp import TPSlice, tp_rules
 from ._ds_utils import (
     LATEST_UNIVERSAL_FILE,
     UNIVERSAL_DIR,
     UNIVERSAL_MODEL_FILES,
     ModelStates,
+    layer_files,
     looks_like_universal,
+    read_layer_states,
     read_model_states,
     universal_folder,
     universal_model_files,
@@ -71,9 +75,13 @@ class DeepSpeedUniversalSource(Source):
     copied per-rank model states), and no ``optim.param_groups`` is given.
     Converted from a pipeline- or tensor-parallel run (several ``mp_rank_MM``,
     ``cat_dim`` / ``vocab_tensor`` entries), each tensor has its merged shape (a
-    vocabulary still padded is cut to ``original_vocab_size`` rows); under a
-    pipeline the folder holds no frozen parameters or buffers (they were in the
-    layer files, which ``ds_to_universal`` does not copy), so those keys are absent.
+    vocabulary still padded is cut to ``original_vocab_size`` rows). Under a
+    pipeline the frozen parameters and buffers were in the layer files, which
+    ``ds_to_universal`` does not copy: they are read from layer files copied into
+    the folder, or from the tag folder it was converted from beside it
+    (``<tag>_universal`` next to ``<tag>``, as Megatron-DeepSpeed lays them out);
+    with neither, a folder whose model states name buffers (or frozen
+    parameters) is refused, naming them.
     """
 
     format = "deepspeed-universal"
@@ -94,7 +102,7 @@ class DeepSpeedUniversalSource(Source):
         b = ArchiveIndex([m.archive for m in models])
         zero = os.path.join(folder, UNIVERSAL_DIR)
         if len(models) > 1 and os.path.basename(model_files[0]).startswith("mp_rank_"):
-            groups = _parallel(b, models, zero)
+            groups = _parallel(b, models, folder)
         else:
             groups = _data_parallel(b, models, zero)
         for g, names in enumerate(groups):
@@ -226,7 +234,7 @@ def _moments(
             b.whole(key, path, e.archive, e.t, e.t.size if kind == "step" else shape, what)
 
 
-def _parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> list[list[str]]:
+def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[list[str]]:
     """The folder of a pipeline- or tensor-parallel run: one ``mp_rank_MM`` per model-parallel
     rank (stage ``MM // tp``, tensor-parallel rank ``MM % tp``), whose ``param_shapes`` hold
     local slices under the engine module's names; ``zero/<fqn>/*.pt`` hold them merged.
@@ -235,10 +243,10 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> list[lis
     gives the slices (:mod:`._ds_tp`), its ``cat_dim`` the dimension they say; a
     ``vocab_tensor`` still holding its padding rows is cut to ``original_vocab_size``. Frozen
     parameters and buffers come from the model states' ``module`` (tensor-parallel rank 0's
-    where replicated, as :class:`~ucp_dcp.sources.deepspeed.DeepSpeedSource` reads them); under
-    a pipeline ``module`` is None and ``ds_to_universal`` copies no layer files, so the folder
-    holds none: they are not keys.
+    where replicated, as :class:`~ucp_dcp.sources.deepspeed.DeepSpeedSource` reads them), or
+    under a pipeline (``module`` None) from layer files: :func:`_layer_entry_files`.
     """
+    zero = os.path.join(folder, UNIVERSAL_DIR)
     m0 = models[0]
     tps = {m.tp_degree for m in models}
     if len(tps) != 1 or None in tps:
@@ -321,20 +329,78 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> list[lis
         for tied, owner in m.shared.items():
             if f"model.{tied}" not in b.tensors:
                 b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
-    # Frozen parameters and buffers: in the module state dicts (without a pipeline).
-    for mi, m in enumerate(models):
-        rank = mi % tp
-        for name, t in m.module.items():
-            if name in local or any(name in x.shared for x in models):
-                continue
-            key, what = f"model.{name}", f"module entry {name!r}"
-            sl = rules.slice_of(name, rank, tp, t.size) if rules is not None and tp > 1 else None
-            if sl is None or sl.dim is None:
-                if rank == 0 and key not in b.tensors:
-                    b.whole(key, ("model", name), m.archive, t, t.size, what)
-            else:
-                b.placed_whole(key, ("model", name), m.archive, t, sl, what)
+    # Frozen parameters and buffers: in the module state dicts without a pipeline, in layer
+    # files under one.
+    buffers = {n: mi for mi, m in enumerate(models) for n in m.buffer_names}
+    frozen = {n: mi for mi, m in enumerate(models) for n in m.frozen_shapes}
+    if any(m.module_is_none for m in models):
+        files = _layer_entry_files(folder, models, tp, sorted(buffers), sorted(frozen))
+    else:
+        files = [EntryFile(0, mi % tp, m.archive, m.module, "") for mi, m in enumerate(models)]
+    skip = set(local) | {n for m in models for n in m.shared}
+    place_entries(b, files, set(local) | set(buffers), skip, rules if tp > 1 else None, tp)
+    layers = [f for f in files if f.prefix is None]
+    for name, mi in {**frozen, **buffers}.items():
+        if f"model.{name}" not in b.tensors:
+            raise CheckpointFormatError(
+                f"{models[mi].archive.path}: {'buffer' if name in buffers else 'frozen parameter'} "
+                f"{name!r} of model-parallel rank {mi} is "
+                + (
+                    f"in no layer file of {os.path.dirname(layers[0].archive.path)}"
+                    if layers
+                    else "not in its module"
+                )
+            )
     return [list(g) for g in groups]
+
+
+def _layer_entry_files(
+    folder: str, models: list[ModelStates], tp: int, buffers: list[str], frozen: list[str]
+) -> list[EntryFile]:
+    """The layer files of a pipeline run's Universal folder (whose model states' ``module`` is
+    None): the ``layer_XX-model_YY-model_states.pt`` files copied into ``folder``, else those of
+    the tag folder it was converted from next to it (Megatron-DeepSpeed's layout:
+    ``<tag>_universal`` beside ``<tag>``).
+
+    ``ds_to_universal`` copies no layer files, so a folder with neither holds the
+    frozen parameters and ``buffers`` in no file: refused, naming them (``frozen``:
+    those the model states record; ZeRO-1's record none), unless there are none.
+    """
+    base = os.path.basename(os.path.normpath(folder))
+    sibling = (
+        os.path.join(os.path.dirname(os.path.normpath(folder)), base.removesuffix("_universal"))
+        if base.endswith("_universal")
+        else None
+    )
+    found = layer_files(folder)
+    if not found and sibling is not None:
+        found = layer_files(sibling)
+        if found:
+            _check_converted_from(sibling, folder, models)
+    if not found:
+        names = [f"buffer {n!r}" for n in buffers] + [f"frozen parameter {n!r}" for n in frozen]
+        if not names:
+            return []
+        raise CheckpointFormatError(
+            f"{folder}: a Universal folder of a pipeline run holds no layer files, so "
+            f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} in no file "
+            "(ds_to_universal does not copy the layer_XX-model_YY-model_states.pt files that "
+            "hold frozen parameters and buffers): copy them from the checkpoint it was "
+            "converted from into this folder, where DeepSpeed's PipelineEngine reads them too"
+            + (f", or keep that checkpoint's tag folder as {sibling}" if sibling else "")
+        )
+    for index in sorted({i for i, _ in found}):
+        gone = [t for t in range(tp) if (index, t) not in found]
+        if gone:
+            where = os.path.dirname(next(iter(found.values())))
+            raise CheckpointFormatError(
+                f"{where}: no layer_{index:02d}-model_{gone[0]:02d}-model_states.pt, though "
+                f"other tensor-parallel ranks of layer {index} have one"
+            )
+    return [
+        EntryFile(index, rank, *read_layer_states(path), None)
+        for (index, rank), path in sorted(found.items())
+    ]
 
 
 def _padded(e: UniversalEntry, full: tuple[int, ...]) -> TPSlice | None:
@@ -349,3 +415,26 @@ def _padded(e: UniversalEntry, full: tuple[int, ...]) -> TPSlice | None:
     ):
         return TPSlice(0, t, None, 1, full[0])
     return None
+
+
+def _check_converted_from(sibling: str, folder: str, models: list[ModelStates]) -> None:
+    """Refuse tag folder ``sibling`` unless it is the checkpoint Universal ``folder`` was
+    converted from: ``ds_to_universal`` copies each ``mp_rank_MM_model_states.pt`` byte for
+    byte (small under a pipeline: ``module`` is None), so another run's layer files are not
+    read as this one's."""
+    for m in models:
+        name = os.path.basename(m.archive.path)
+        try:
+            theirs: bytes | None = Path(sibling, name).read_bytes()
+        except FileNotFoundError:
+            theirs = None
+        if theirs != Path(m.archive.path).read_bytes():
+            what = (
+                f"it has no {name}"
+                if theirs is None
+                else f"its {name} differs from the byte copy ds_to_universal made of it"
+            )
+            raise CheckpointFormatError(
+                f"{sibling}: not the checkpoint {folder} was converted from ({what}), so its "
+                "layer files are not read"
+            )
