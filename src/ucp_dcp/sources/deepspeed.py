@@ -41,6 +41,7 @@ from ..core.values import encode_value
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes, numel
 from ._dirs import ModelDir, StoreDir
+from ._ds_moe import expert_layout
 from ._ds_pipeline import EntryFile, place_entries
 from ._ds_tp import TPSlice, tp_rules
 from ._ds_utils import (
@@ -124,6 +125,7 @@ class DeepSpeedSource(Source):
         # Pipeline- or tensor-parallel: one model states file per model-parallel rank (stage x
         # tensor-parallel rank), the optimizer files rank by rank.
         parallel = bool(files.layers) or files.tp > 1
+        moe = expert_layout(files, models, optims)
         mp = len(models) if parallel else 1
         dp = len(optims) // mp
         self.world_size = len(optims)
@@ -158,6 +160,8 @@ class DeepSpeedSource(Source):
             groups = self._pipeline(b, models, optims, dict(zip(files.layers, layers)), files.tp)
         elif self.stage == 3:
             groups = self._zero3(b, models, optims)
+        elif moe is not None:
+            groups = moe.lay_out(b, m0, optims, self._param)
         else:
             groups = self._zero12(b, m0, optims)
         self._param_groups(b, optims[0], groups)
@@ -181,6 +185,7 @@ class DeepSpeedSource(Source):
             ranks = [r if self.stage == 3 else 0 for r in range(len(models))] + list(
                 range(len(optims))
             )
+            ranks += moe.writers() if moe is not None else []
         super().__init__(path, b.index(self.world_size, path, ranks), [a.path for a in b.archives])
         if isinstance(folder, StoreDir):
             self.store = folder.store  # the tag folder's: paths are its objects' URLs

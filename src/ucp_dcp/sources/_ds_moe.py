@@ -1,0 +1,333 @@
+"""DeepSpeed MoE checkpoints (``deepspeed.moe.layer.MoE``, ZeRO-1/2): where each expert is.
+
+A model with native DeepSpeed MoE layers saves, besides the ZeRO files of the
+data-parallel case (:mod:`._ds_utils`):
+
+* ``layer_{L}_expert_{G}_mp_rank_00_model_states.pt`` for MoE layer ``L``
+  (the order of the ``MoE`` modules in the model) and **global** expert
+  ``G``: that expert's ``state_dict`` entries (model dtype, buffers
+  included) under global names, ``<prefix>.deepspeed_moe.experts.deepspeed_experts.<G>.<rest>``.
+  The model states' ``module`` leaves every expert entry out.
+* Optimizer groups marked ``moe`` (``split_params_into_different_moe_groups_for_optimizer``)
+  that hold the expert parameters. Each is partitioned over the ranks of one
+  *expert-data-parallel* group only (``partition_count`` = ``W / ep_size``),
+  not over all ``W`` ranks: the ``W / ep_size`` ranks of expert-parallel rank
+  ``e`` hold the fp32 masters and moments of ``e``'s local experts.
+  ``param_shapes`` names them by **local** index (rank 0's view, the same
+  structure on every expert-parallel rank); local expert ``i`` of
+  expert-parallel rank ``e`` is global expert ``e * E_local + i``.
+
+Which ranks are expert-parallel rank ``e``: DeepSpeed's groups without tensor
+or pipeline parallelism put ``e`` on ranks ``d * ep_size + e`` (expert-data-parallel
+rank ``d``), or on ``e * (W / ep_size) + d`` with the config's
+``use_data_before_expert_parallelism``. ``expp_rank_*_optim_states.pt`` files
+exist only without ZeRO, which is not read.
+
+:func:`expert_layout` reads this (names and pickles only) and
+:meth:`ExpertLayout.lay_out` records every expert parameter once per global
+expert under its global name, fp32 master and moments from the optimizer
+partitions, like any other parameter; the expert files give the entries no
+optimizer holds (buffers, frozen parameters).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from ..errors import CheckpointFormatError
+from ._archive_index import ArchiveIndex, numel
+from ._dirs import ModelDir
+from ._ds_utils import DSFiles, ModelStates, RankOptim, read_layer_states
+from ._pickle import TensorRef
+from ._torch_archive import TorchArchive
+from ._zero_layout import Segment, zero12_segments
+
+__all__ = ["ExpertLayout", "expert_layout"]
+
+EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt")
+# DeepSpeed's older naming (no layer id), and its per-expert-rank optimizer files (no ZeRO).
+_OLD_EXPERT_FILE = re.compile(r"expert_(\d+)_mp_rank_(\d+)_model_states\.pt")
+_EXPP_OPTIM = re.compile(r"expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+EXPERTS_INFIX = ".deepspeed_moe.experts.deepspeed_experts."
+_EXPERT_NAME = re.compile(r"(.+)" + re.escape(EXPERTS_INFIX) + r"(\d+)\.(.+)")
+_EP_GROUP = re.compile(r"ep_size_(\d+)")
+_DATA_BEFORE_EXPERT = "use_data_before_expert_parallelism"
+
+# Records one parameter, ``(index, fqn, shape, segments, optims, group)``: DeepSpeedSource._param.
+ParamFn = Callable[[ArchiveIndex, str, tuple[int, ...], list[Segment], list[RankOptim], int], None]
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """The experts of a DeepSpeed MoE checkpoint: their files and how their optimizer groups lie
+    over the ranks."""
+
+    folder: str
+    world: int
+    ep_size: dict[int, int]
+    """Optimizer group -> its expert-parallel size, for the groups marked ``moe``."""
+    data_before_expert: bool
+    """The config's ``use_data_before_expert_parallelism``: expert-parallel ranks strided."""
+    layers: dict[str, int]
+    """MoE module prefix (``moe``, ``layers.3.mlp``) -> its MoE layer id."""
+    num_experts: dict[int, int]
+    """MoE layer id -> its global expert count."""
+    files: dict[tuple[int, int], tuple[TorchArchive, dict[str, TensorRef]]]
+    """(MoE layer id, global expert) -> that expert file's archive and entries."""
+
+    def ranks(self, g: int, e: int) -> list[int]:
+        """The ranks holding expert-parallel rank ``e``'s partitions of group ``g``, in
+        expert-data-parallel order."""
+        ep = self.ep_size[g]
+        edp = self.world // ep
+        if self.data_before_expert:
+            return [e * edp + d for d in range(edp)]
+        return [d * ep + e for d in range(edp)]
+
+    def writer(self, expert: tuple[int, int]) -> int:
+        """The rank that wrote an expert file: expert-data-parallel rank 0 of its expert's
+        expert-parallel rank (in the layout of the first ``moe`` group)."""
+        layer, gid = expert
+        if not self.ep_size:  # no trainable expert: nothing says which rank wrote it
+            return 0
+        g = min(self.ep_size)
+        local = self.num_experts[layer] // self.ep_size[g]
+        return self.ranks(g, gid // local)[0] if local else 0
+
+    def global_name(self, local_name: str, g: int, e: int, where: str) -> str:
+        """``param_shapes``' name of local expert ``i`` -> the name of global expert
+        ``e * E_local + i``."""
+        m = _EXPERT_NAME.fullmatch(local_name)
+        if m is None or m.group(1) not in self.layers:
+            raise CheckpointFormatError(
+                f"{where}: optimizer group {g} is marked moe, but {local_name!r} is not an expert "
+                f"parameter of a MoE layer with expert files ({sorted(self.layers)})"
+            )
+        layer = self.layers[m.group(1)]
+        local = self.num_experts[layer] // self.ep_size[g]
+        i = int(m.group(2))
+        if i >= local:
+            raise CheckpointFormatError(
+                f"{where}: {local_name!r} is local expert {i}, but MoE layer {layer} has "
+                f"{self.num_experts[layer]} experts over {self.ep_size[g]} expert-parallel ranks "
+                f"({local} each)"
+            )
+        return f"{m.group(1)}{EXPERTS_INFIX}{e * local + i}.{m.group(3)}"
+
+    def lay_out(
+        self, b: ArchiveIndex, m0: ModelStates, optims: list[RankOptim], param: ParamFn
+    ) -> list[list[str]]:
+        """Record every parameter (``param(b, fqn, shape, segs, optims, group)``): the groups
+        not marked ``moe`` over all ranks, each ``moe`` group once per expert-parallel rank over
+        that rank's expert-data-parallel ranks, under global expert names; then the expert
+        files' other entries. The groups' fqns."""
+        where = m0.archive.path
+        if len(m0.param_shapes) != len(optims[0].fp32):
+            raise CheckpointFormatError(
+                f"{where}: param_shapes has {len(m0.param_shapes)} groups, the optimizer files "
+                f"{len(optims[0].fp32)}"
+            )
+        groups: list[list[str]] = []
+        for g, shapes in enumerate(m0.param_shapes):
+            numels = [numel(s) for s in shapes.values()]
+            parts: list[tuple[list[int], int | None]]  # (ranks, expert-parallel rank)
+            if g in self.ep_size:
+                parts = [(self.ranks(g, e), e) for e in range(self.ep_size[g])]
+            else:
+                parts = [(list(range(self.world)), None)]
+                for fqn in shapes:
+                    if _EXPERT_NAME.fullmatch(fqn) and fqn.split(EXPERTS_INFIX)[0] in self.layers:
+                        raise CheckpointFormatError(
+                            f"{where}: expert parameter {fqn!r} is in optimizer group {g}, which "
+                            "is not marked moe"
+                        )
+            names: list[str] = []
+            for ranks, e in parts:
+                sizes = [optims[r].fp32[g].numel + optims[r].paddings[g] for r in ranks]
+                try:
+                    all_segs = zero12_segments(numels, sizes, g)
+                except ValueError as err:
+                    raise CheckpointFormatError(f"{where}: group {g}: {err}") from None
+                for (fqn, shape), segs in zip(shapes.items(), all_segs):
+                    name = fqn if e is None else self.global_name(fqn, g, e, where)
+                    if e is not None:
+                        self._check_in_file(name, shape)
+                    param(b, name, shape, [replace(s, rank=ranks[s.rank]) for s in segs], optims, g)
+                    names.append(name)
+            groups.append(names)
+        for archive, entries in self.files.values():
+            b.add_archive(archive)
+            for name, t in entries.items():
+                if f"model.{name}" not in b.tensors:  # a buffer or frozen parameter
+                    b.whole(f"model.{name}", ("model", name), archive, t, t.size, f"entry {name!r}")
+        return groups
+
+    def writers(self) -> list[int]:
+        """The writing rank of each expert file, in the order :meth:`lay_out` adds them."""
+        return [self.writer(k) for k in self.files]
+
+    def _check_in_file(self, name: str, shape: tuple[int, ...]) -> None:
+        m = _EXPERT_NAME.fullmatch(name)
+        assert m is not None
+        key = (self.layers[m.group(1)], int(m.group(2)))
+        archive, entries = self.files[key]
+        t = entries.get(name)
+        if t is None or tuple(t.size) != tuple(shape):
+            got = "no such entry" if t is None else f"a {tuple(t.size)} entry"
+            raise CheckpointFormatError(
+                f"{archive.path}: expected {name!r} of shape {tuple(shape)} (param_shapes of the "
+                f"model states, local expert name renumbered), found {got}"
+            )
+
+
+def _refuse_other_moe_files(folder: str, names: list[str]) -> None:
+    for n in names:
+        if _OLD_EXPERT_FILE.fullmatch(n):
+            raise CheckpointFormatError(
+                f"{folder}: {n} is an expert file of DeepSpeed's older naming (no MoE layer id); "
+                "only layer_<L>_expert_<G>_mp_rank_00_model_states.pt files are read"
+            )
+        if _EXPP_OPTIM.fullmatch(n):
+            raise CheckpointFormatError(
+                f"{folder}: {n} holds the optimizer state of a MoE model trained without ZeRO; "
+                "only ZeRO-1/2 MoE checkpoints (expert state in zero_pp_rank_* files) are read"
+            )
+
+
+def _expert_files(
+    files: DSFiles, names: list[str], num_experts: list[int] | None, model_path: str
+) -> dict[tuple[int, int], str]:
+    """The expert files by (MoE layer id, global expert), every expert of every layer present."""
+    found: dict[tuple[int, int], str] = {}
+    for n in names:
+        if m := EXPERT_FILE.fullmatch(n):
+            if int(m.group(3)) != 0:
+                raise CheckpointFormatError(
+                    f"{files.directory}: {n}: MoE checkpoints with tensor or pipeline parallelism "
+                    "(mp_rank other than 00) are not supported"
+                )
+            found[(int(m.group(1)), int(m.group(2)))] = n
+    layers = sorted({k[0] for k in found})
+    counts = list(num_experts) if num_experts is not None else []
+    if num_experts is None:  # not recorded: the files say how many
+        counts = [1 + max(k[1] for k in found if k[0] == layer) for layer in layers]
+    elif layers and layers[-1] >= len(counts):
+        raise CheckpointFormatError(
+            f"{files.directory}: expert files of MoE layers {layers}, but num_experts in "
+            f"{model_path} lists {len(counts)} MoE layer(s): {counts}"
+        )
+    for layer, n_exp in enumerate(counts):
+        gone = [e for e in range(n_exp) if (layer, e) not in found]
+        if gone:
+            raise CheckpointFormatError(
+                f"{files.directory}: no layer_{layer}_expert_{gone[0]}_mp_rank_00_model_states.pt "
+                f"(MoE layer {layer} has {n_exp} experts by num_experts in {model_path}"
+                + (f"; missing experts {gone}" if len(gone) > 1 else "")
+                + ")"
+            )
+    extra = [k for k in found if k[0] >= len(counts) or k[1] >= counts[k[0]]]
+    if extra:
+        raise CheckpointFormatError(
+            f"{files.directory}: {found[extra[0]]} is beyond the {counts} experts per MoE layer "
+            f"of num_experts in {model_path}"
+        )
+    return {k: files.folder.path_of(n) if files.folder else n for k, n in sorted(found.items())}
+
+
+def _ep_sizes(optims: list[RankOptim], world: int) -> dict[int, int]:
+    """Group -> expert-parallel size, for the optimizer groups marked ``moe``."""
+    o = optims[0]
+    counts = o.archive.obj["optimizer_state_dict"].get("partition_count")
+    out = {}
+    for g, grp in enumerate(o.param_groups):
+        if not grp.get("moe"):
+            continue
+        pc = counts[g] if isinstance(counts, list) and g < len(counts) else None
+        if not isinstance(pc, int) or pc <= 0 or world % pc:
+            raise CheckpointFormatError(
+                f"{o.archive.path}: optimizer group {g} is marked moe, but its partition_count "
+                f"{pc!r} does not divide the {world} data-parallel ranks"
+            )
+        named = _EP_GROUP.fullmatch(str(grp.get("name", "")))
+        if named and int(named.group(1)) != world // pc:
+            raise CheckpointFormatError(
+                f"{o.archive.path}: optimizer group {g} is named {grp['name']!r} but is "
+                f"partitioned over {pc} of {world} ranks (expert-parallel size {world // pc})"
+            )
+        out[g] = world // pc
+    return out
+
+
+def expert_layout(
+    files: DSFiles, models: list[ModelStates], optims: list[RankOptim]
+) -> ExpertLayout | None:
+    """The experts of the checkpoint ``files`` (its model states and optimizer files read), or
+    None when it has no MoE layer (no expert files and no optimizer group marked ``moe``).
+
+    Raises :class:`CheckpointFormatError` naming the file when an expert file is missing or
+    does not hold its expert, and for MoE checkpoints this does not read (without ZeRO, with
+    tensor or pipeline parallelism, DeepSpeed's older expert file names).
+    """
+    folder: ModelDir | None = files.folder
+    names = sorted(folder.list()) if folder is not None else []
+    _refuse_other_moe_files(files.directory, names)
+    world = len(optims)
+    ep_size = _ep_sizes(optims, world)
+    has_files = any(EXPERT_FILE.fullmatch(n) for n in names)
+    if not ep_size and not has_files:
+        return None
+    m0 = models[0]
+    if files.layers or files.tp > 1:
+        raise CheckpointFormatError(
+            f"{files.directory}: a MoE checkpoint with tensor or pipeline parallelism is not "
+            "supported"
+        )
+    if optims[0].stage == 3:
+        raise CheckpointFormatError(
+            f"{files.directory}: a ZeRO-3 MoE checkpoint is not supported (DeepSpeed's native MoE "
+            "trains under ZeRO-1/2)"
+        )
+    raw = m0.archive.obj
+    num = raw.get("num_experts")
+    if num is not None and not (
+        isinstance(num, list) and all(isinstance(n, int) and n > 0 for n in num)
+    ):
+        raise CheckpointFormatError(
+            f"{m0.archive.path}: num_experts {num!r} is not a list of expert counts"
+        )
+    if not has_files:
+        raise CheckpointFormatError(
+            f"{files.directory}: optimizer groups {sorted(ep_size)} hold experts (marked moe), but "
+            "there is no layer_<L>_expert_<G>_mp_rank_00_model_states.pt file"
+        )
+    paths = _expert_files(files, names, num, m0.archive.path)
+    experts = {k: read_layer_states(p, folder) for k, p in paths.items()}
+    layers: dict[str, int] = {}
+    for (layer, gid), (archive, entries) in experts.items():
+        for name in entries:
+            m = _EXPERT_NAME.fullmatch(name)
+            if m is None or int(m.group(2)) != gid:
+                raise CheckpointFormatError(
+                    f"{archive.path}: entry {name!r} is not a parameter or buffer of expert {gid} "
+                    f"(<module>{EXPERTS_INFIX}{gid}.<name>)"
+                )
+            if layers.setdefault(m.group(1), layer) != layer:
+                raise CheckpointFormatError(
+                    f"{archive.path}: MoE module {m.group(1)!r} is in the files of MoE layers "
+                    f"{layers[m.group(1)]} and {layer}"
+                )
+    counts: dict[int, int] = {}
+    for layer, gid in paths:
+        counts[layer] = max(counts.get(layer, 0), gid + 1)
+    for g, ep in ep_size.items():
+        for layer, n in counts.items():
+            if n % ep:
+                raise CheckpointFormatError(
+                    f"{files.directory}: MoE layer {layer} has {n} experts, not a multiple of "
+                    f"optimizer group {g}'s expert-parallel size {ep}"
+                )
+    config = raw.get("ds_config")
+    dbe = bool(config.get(_DATA_BEFORE_EXPERT, False)) if isinstance(config, dict) else False
+    return ExpertLayout(files.directory, world, ep_size, dbe, layers, counts, experts)
