@@ -1,0 +1,238 @@
+"""DeepSpeed MoE checkpoints (``deepspeed.moe.layer.MoE``, ZeRO-1/2), written by real DeepSpeed.
+
+The fixtures under ``tests/fixtures/deepspeed/moe/`` were written by
+DeepSpeed 0.19.8 on CPU ranks (``generate_moe.py`` there, which needs
+deepspeed; the suite does not): 4 experts with expert-parallel size 2 on 4
+ranks (ZeRO-1, ZeRO-2, and ZeRO-2 with ``use_data_before_expert_parallelism``)
+and on 2 ranks. Every expert's fp32 master weight, Adam moments and buffer is
+compared bit for bit with DeepSpeed's own consolidated values under global
+expert names; a plain-torch replay of the layer resumes to DeepSpeed's next
+losses; the experts load stacked (``[E, ...]``, torchtitan style) and
+sharded over 2 expert-parallel ranks by the ``Stacked`` rule, each rank
+reading only its experts' bytes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dist_utils import bit_equal
+from safetensors.torch import load_file
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ucp_dcp import (
+    CheckpointFormatError,
+    LayoutSpec,
+    Replicated,
+    Stacked,
+    UCPLoadPlanner,
+    UCPStorageReader,
+    load_state_dict,
+)
+from ucp_dcp.sources import DeepSpeedSource, open_source
+
+MOE = Path(__file__).parent / "fixtures" / "deepspeed" / "moe"
+VARIANTS = sorted(p.name for p in MOE.iterdir() if (p / "latest").is_file())
+
+
+def _generator() -> Any:
+    # generate_moe.py imports deepspeed only inside its worker.
+    spec = importlib.util.spec_from_file_location("ds_moe_fixture_generate", MOE.parent / "generate_moe.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+GEN = _generator()
+EXPERT = GEN.PREFIX  # "moe.deepspeed_moe.experts.deepspeed_experts."
+
+
+def meta(variant: str) -> dict[str, Any]:
+    return json.loads((MOE / variant / "reference.json").read_text())
+
+
+def expected(variant: str) -> dict[str, torch.Tensor]:
+    """DeepSpeed's consolidated tensors under the keys of ``get_state_dict`` (global expert names)."""
+    out = {}
+    for k, t in load_file(str(MOE / variant / "reference.safetensors")).items():
+        kind, name = k.split("/", 1)
+        if kind in ("fp32", "buffer"):
+            out[f"model.{name}"] = t
+        elif kind in ("exp_avg", "exp_avg_sq"):
+            out[f"optim.state.{name}.{kind}"] = t
+            out[f"optim.state.{name}.step"] = torch.tensor(float(meta(variant)["optimizer_step"]))
+    return out
+
+
+def _model_and_optim(ep: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = GEN.build_model()
+    optim = torch.optim.AdamW(GEN.plain_param_groups(model, ep), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    return model, optim
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_expert_loads_bit_exact_in_one_process(variant: str) -> None:
+    """Weights, moments and buffers of all 4 experts (and the dense params) equal DeepSpeed's own;
+    the keys are exactly a plain model's ``get_state_dict`` with DeepSpeed's four optimizer groups."""
+    m = meta(variant)
+    src = open_source(MOE / variant)
+    assert isinstance(src, DeepSpeedSource) and src.stage == m["zero_stage"] and src.world_size == m["world_size"]
+    got = load_state_dict(MOE / variant)
+    want = expected(variant)
+    assert len([k for k in want if k.startswith(f"model.{EXPERT}")]) == 4 * 5  # fc1/fc2 weight+bias, scale
+    for k, v in want.items():
+        assert bit_equal(got[k], v), k
+    for g, grp in enumerate(m["param_groups"]):
+        for hp, v in grp.items():
+            assert got[f"optim.param_groups.{g}.{hp}"] == (tuple(v) if isinstance(v, list) else v), (g, hp)
+    assert got["optim.param_groups.2.params"] == [
+        f"{EXPERT}{e}.{w}.weight" for e in range(4) for w in ("fc1", "fc2")
+    ]
+    model, optim = _model_and_optim(m["ep_size"])
+    msd, osd = get_state_dict(model, optim)
+    keys = set(flatten_state_dict({"model": msd, "optim": osd})[0])
+    assert set(got) == keys, set(got) ^ keys
+    assert [got[f"optim.param_groups.{g}.params"] for g in range(4)] == [grp["params"] for grp in osd["param_groups"]]
+
+
+@pytest.mark.parametrize("variant", ["moe_zero2_ep2_w4_dbe", "moe_zero1_ep2_w4", "moe_zero2_ep2_w2"])
+def test_resumed_training_matches_deepspeeds_next_steps(variant: str) -> None:
+    """Loaded into the plain model (every expert in one process) and trained on: DeepSpeed's losses.
+
+    DeepSpeed averages every gradient over the data-parallel ranks' batches (the
+    experts' too: expert-parallel all-to-all, then a sum over the expert-data-parallel
+    ranks of a gradient divided by the data-parallel degree) and clips the global norm
+    to 1.0: the mean of the ranks' losses, backward, clip, step.
+    """
+    m = meta(variant)
+    model, optim = _model_and_optim(m["ep_size"])
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, storage_reader=UCPStorageReader(MOE / variant), planner=UCPLoadPlanner(), no_dist=True)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    ref = load_file(str(MOE / variant / "reference.safetensors"))
+    W = m["world_size"]
+
+    def loss(step: int) -> torch.Tensor:
+        return sum(GEN.loss_of(model, ref[f"batch/step{step}/rank{r}"]) for r in range(W)) / W
+
+    loss3 = loss(3)
+    loss3.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), m["gradient_clipping"])
+    optim.step()
+    with torch.no_grad():
+        loss4 = loss(4)
+    assert math.isclose(loss3.item(), m["loss_step3"], rel_tol=1e-6), (loss3.item(), m["loss_step3"])
+    assert math.isclose(loss4.item(), m["loss_step4"], rel_tol=1e-6), (loss4.item(), m["loss_step4"])
+
+
+def test_experts_load_stacked_and_sharded_over_two_expert_parallel_ranks() -> None:
+    """torchtitan-style ``moe.experts.fc1.weight`` of shape ``[4, 5, 7]`` (weights and both moments),
+    split over EP 2 as plain tensors: each rank gets experts ``2r, 2r + 1`` bit-exact and reads
+    exactly their bytes and the dense params'."""
+    variant = "moe_zero2_ep2_w4"
+    want = expected(variant)
+    names = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+    for rank in range(2):
+        sd: dict[str, torch.Tensor] = {}
+        for n in names:
+            per = want[f"model.{EXPERT}0.{n}"].shape
+            for key in (f"model.moe.experts.{n}", f"optim.state.moe.experts.{n}.exp_avg", f"optim.state.moe.experts.{n}.exp_avg_sq"):
+                sd[key] = torch.full((2, *per), 13.0)
+        sd["model.moe.deepspeed_moe.gate.wg.weight"] = torch.full((4, 7), 13.0)
+        spec = LayoutSpec(
+            [
+                Stacked(r"\.moe\.experts\.(fc[12]\.(?:weight|bias))", repl=r".moe.deepspeed_moe.experts.deepspeed_experts.{}.\1", experts=4, axis="ep"),
+                Replicated(r"gate"),
+            ],
+            axes={"ep": (rank, 2)},
+        )
+        reader = UCPStorageReader(MOE / variant, gap_bytes=0)  # no neighbouring bytes merged in
+        dcp.load(spec.apply(sd), storage_reader=reader, planner=UCPLoadPlanner(), no_dist=True)
+        for key, t in sd.items():
+            if "gate" in key:
+                assert bit_equal(t, want[key]), key
+                continue
+            kind, n = key.split(".moe.experts.")
+            n, _, moment = n.partition(".exp_avg")
+            mine = [want[f"{kind}.{EXPERT}{e}.{n}" + (f".exp_avg{moment}" if key.endswith(("exp_avg", "exp_avg_sq")) else "")] for e in (2 * rank, 2 * rank + 1)]
+            assert bit_equal(t, torch.stack(mine)), (rank, key)
+        assert reader.bytes_requested == sum(t.numel() * 4 for t in sd.values()), (rank, reader.bytes_requested)
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def _copy(tmp_path: Path, variant: str = "moe_zero2_ep2_w4") -> Path:
+    dst = tmp_path / variant
+    shutil.copytree(MOE / variant, dst)
+    return dst / "step2"
+
+
+def test_missing_or_damaged_expert_files_are_refused_naming_the_file(tmp_path: Path) -> None:
+    tag = _copy(tmp_path)
+    models = tag / "mp_rank_00_model_states.pt"
+    # A missing expert file.
+    (tag / "layer_0_expert_2_mp_rank_00_model_states.pt").rename(tmp_path / "moved.pt")
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(tag.parent)
+    assert str(e.value) == (
+        f"{tag}: no layer_0_expert_2_mp_rank_00_model_states.pt (MoE layer 0 has 4 experts by num_experts in {models})"
+    )
+    # Another expert's file under its name.
+    shutil.copy(tag / "layer_0_expert_3_mp_rank_00_model_states.pt", tag / "layer_0_expert_2_mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(tag.parent)
+    assert str(e.value) == (
+        f"{tag / 'layer_0_expert_2_mp_rank_00_model_states.pt'}: entry '{EXPERT}3.scale' is not a parameter "
+        "or buffer of expert 2 (<module>.deepspeed_moe.experts.deepspeed_experts.2.<name>)"
+    )
+    # A truncated one.
+    victim = tag / "layer_0_expert_2_mp_rank_00_model_states.pt"
+    (tmp_path / "moved.pt").rename(victim)
+    victim.write_bytes(victim.read_bytes()[:1000])
+    with pytest.raises(CheckpointFormatError, match=str(victim)):
+        open_source(tag.parent)
+    # No expert files at all, though the optimizer groups hold experts.
+    for f in tag.glob("layer_0_expert_*"):
+        f.unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(tag.parent)
+    assert str(e.value) == (
+        f"{tag}: optimizer groups [2, 3] hold experts (marked moe), but there is no "
+        "layer_<L>_expert_<G>_mp_rank_00_model_states.pt file"
+    )
+
+
+def test_moe_checkpoints_this_does_not_read_are_refused(tmp_path: Path) -> None:
+    tag = _copy(tmp_path, "moe_zero2_ep2_w2")
+    # DeepSpeed writes expp_rank_* optimizer files only without ZeRO.
+    expp = tag / "expp_rank_0_mp_rank_00_optim_states.pt"
+    shutil.copy(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", expp)
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(tag.parent)
+    assert str(e.value) == (
+        f"{tag}: expp_rank_0_mp_rank_00_optim_states.pt holds the optimizer state of a MoE model trained "
+        "without ZeRO; only ZeRO-1/2 MoE checkpoints (expert state in zero_pp_rank_* files) are read"
+    )
+    expp.unlink()
+    # An expert file of another model-parallel rank.
+    shutil.copy(tag / "layer_0_expert_0_mp_rank_00_model_states.pt", tag / "layer_0_expert_0_mp_rank_01_model_states.pt")
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(tag.parent)
+    assert str(e.value) == (
+        f"{tag}: layer_0_expert_0_mp_rank_01_model_states.pt: MoE checkpoints with tensor or pipeline "
+        "parallelism (mp_rank other than 00) are not supported"
+    )
