@@ -19,6 +19,7 @@ import json
 import math
 import shutil
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,22 @@ def test_experts_load_stacked_and_sharded_over_two_expert_parallel_ranks() -> No
             mine = [want[f"{kind}.{EXPERT}{e}.{n}" + (f".exp_avg{moment}" if key.endswith(("exp_avg", "exp_avg_sq")) else "")] for e in (2 * rank, 2 * rank + 1)]
             assert bit_equal(t, torch.stack(mine)), (rank, key)
         assert reader.bytes_requested == sum(t.numel() * 4 for t in sd.values()), (rank, reader.bytes_requested)
+
+
+def test_a_moe_checkpoint_in_an_object_store_loads_as_the_local_one() -> None:
+    """At a ``memory://`` URL: the same files (expert files included, each opened with one request
+    at this size) and bit-identical tensors."""
+    fsspec = pytest.importorskip("fsspec")
+    url = f"memory://ucp-ds-moe-{uuid.uuid4().hex}/ck"
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.put(str(MOE / "moe_zero2_ep2_w4"), root, recursive=True)
+    src, local = open_source(url), open_source(MOE / "moe_zero2_ep2_w4")
+    assert [f.name for f in src.index.files] == [f.name for f in local.index.files]
+    assert sum("_expert_" in f.name for f in src.index.files) == 4
+    got, want = load_state_dict(url), load_state_dict(MOE / "moe_zero2_ep2_w4")
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert bit_equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
 
 
 # ---------------------------------------------------------------- refusals

@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, numel
-from ._dirs import ModelDir
+from ._dirs import ModelDir, StoreDir
 from ._ds_utils import DSFiles, ModelStates, RankOptim, read_layer_states
 from ._pickle import TensorRef
 from ._torch_archive import TorchArchive
@@ -77,10 +78,12 @@ class ExpertLayout:
     files: dict[tuple[int, int], tuple[TorchArchive, dict[str, TensorRef]]]
     """(MoE layer id, global expert) -> that expert file's archive and entries."""
 
-    def ranks(self, g: int, e: int) -> list[int]:
-        """The ranks holding expert-parallel rank ``e``'s partitions of group ``g``, in
-        expert-data-parallel order."""
-        ep = self.ep_size[g]
+    layer_ep: dict[int, int]
+    """MoE layer id -> the expert-parallel size of the ``moe`` groups holding its experts."""
+
+    def ranks(self, ep: int, e: int) -> list[int]:
+        """The ranks holding expert-parallel rank ``e``'s partitions of a ``moe`` group of
+        expert-parallel size ``ep``, in expert-data-parallel order."""
         edp = self.world // ep
         if self.data_before_expert:
             return [e * edp + d for d in range(edp)]
@@ -88,31 +91,26 @@ class ExpertLayout:
 
     def writer(self, expert: tuple[int, int]) -> int:
         """The rank that wrote an expert file: expert-data-parallel rank 0 of its expert's
-        expert-parallel rank (in the layout of the first ``moe`` group)."""
+        expert-parallel rank."""
         layer, gid = expert
-        if not self.ep_size:  # no trainable expert: nothing says which rank wrote it
+        ep = self.layer_ep.get(layer)
+        if ep is None:  # no trainable expert in this layer: nothing says which rank wrote it
             return 0
-        g = min(self.ep_size)
-        local = self.num_experts[layer] // self.ep_size[g]
-        return self.ranks(g, gid // local)[0] if local else 0
+        return self.ranks(ep, gid // (self.num_experts[layer] // ep))[0]
 
-    def global_name(self, local_name: str, g: int, e: int, where: str) -> str:
-        """``param_shapes``' name of local expert ``i`` -> the name of global expert
-        ``e * E_local + i``."""
+    def global_name(self, local_name: str, e: int) -> str:
+        """``param_shapes``' name of local expert ``i`` (an expert parameter of a known layer)
+        -> the name of global expert ``e * E_local + i``."""
         m = _EXPERT_NAME.fullmatch(local_name)
-        if m is None or m.group(1) not in self.layers:
-            raise CheckpointFormatError(
-                f"{where}: optimizer group {g} is marked moe, but {local_name!r} is not an expert "
-                f"parameter of a MoE layer with expert files ({sorted(self.layers)})"
-            )
+        assert m is not None, local_name  # expert_layout checked every moe group's names
         layer = self.layers[m.group(1)]
-        local = self.num_experts[layer] // self.ep_size[g]
+        local = self.num_experts[layer] // self.layer_ep[layer]
         i = int(m.group(2))
         if i >= local:
             raise CheckpointFormatError(
-                f"{where}: {local_name!r} is local expert {i}, but MoE layer {layer} has "
-                f"{self.num_experts[layer]} experts over {self.ep_size[g]} expert-parallel ranks "
-                f"({local} each)"
+                f"{self.folder}: {local_name!r} in param_shapes is local expert {i}, but MoE "
+                f"layer {layer} has {self.num_experts[layer]} experts over "
+                f"{self.layer_ep[layer]} expert-parallel ranks ({local} each)"
             )
         return f"{m.group(1)}{EXPERTS_INFIX}{e * local + i}.{m.group(3)}"
 
@@ -134,7 +132,8 @@ class ExpertLayout:
             numels = [numel(s) for s in shapes.values()]
             parts: list[tuple[list[int], int | None]]  # (ranks, expert-parallel rank)
             if g in self.ep_size:
-                parts = [(self.ranks(g, e), e) for e in range(self.ep_size[g])]
+                ep = self.ep_size[g]
+                parts = [(self.ranks(ep, e), e) for e in range(ep)]
             else:
                 parts = [(list(range(self.world)), None)]
                 for fqn in shapes:
@@ -151,7 +150,7 @@ class ExpertLayout:
                 except ValueError as err:
                     raise CheckpointFormatError(f"{where}: group {g}: {err}") from None
                 for (fqn, shape), segs in zip(shapes.items(), all_segs):
-                    name = fqn if e is None else self.global_name(fqn, g, e, where)
+                    name = fqn if e is None else self.global_name(fqn, e)
                     if e is not None:
                         self._check_in_file(name, shape)
                     param(b, name, shape, [replace(s, rank=ranks[s.rank]) for s in segs], optims, g)
@@ -303,7 +302,12 @@ def expert_layout(
             "there is no layer_<L>_expert_<G>_mp_rank_00_model_states.pt file"
         )
     paths = _expert_files(files, names, num, m0.archive.path)
-    experts = {k: read_layer_states(p, folder) for k, p in paths.items()}
+    if isinstance(folder, StoreDir):  # a few round trips each: side by side, as deepspeed.py does
+        with ThreadPoolExecutor(max_workers=min(16, len(paths))) as pool:
+            read = list(pool.map(lambda p: read_layer_states(p, folder), paths.values()))
+    else:
+        read = [read_layer_states(p) for p in paths.values()]
+    experts = dict(zip(paths, read))
     layers: dict[str, int] = {}
     for (layer, gid), (archive, entries) in experts.items():
         for name in entries:
@@ -321,13 +325,27 @@ def expert_layout(
     counts: dict[int, int] = {}
     for layer, gid in paths:
         counts[layer] = max(counts.get(layer, 0), gid + 1)
+    layer_ep: dict[int, int] = {}
     for g, ep in ep_size.items():
-        for layer, n in counts.items():
-            if n % ep:
+        for fqn in m0.param_shapes[g] if g < len(m0.param_shapes) else ():
+            m = _EXPERT_NAME.fullmatch(fqn)
+            if m is None or m.group(1) not in layers:
                 raise CheckpointFormatError(
-                    f"{files.directory}: MoE layer {layer} has {n} experts, not a multiple of "
-                    f"optimizer group {g}'s expert-parallel size {ep}"
+                    f"{m0.archive.path}: optimizer group {g} is marked moe, but {fqn!r} is not "
+                    f"an expert parameter of a MoE layer with expert files ({sorted(layers)})"
                 )
+            layer = layers[m.group(1)]
+            if layer_ep.setdefault(layer, ep) != ep:
+                raise CheckpointFormatError(
+                    f"{m0.archive.path}: the experts of MoE layer {layer} are in moe optimizer "
+                    f"groups of expert-parallel sizes {layer_ep[layer]} and {ep}"
+                )
+    for layer, ep in layer_ep.items():
+        if counts[layer] % ep:
+            raise CheckpointFormatError(
+                f"{files.directory}: MoE layer {layer} has {counts[layer]} experts, not a "
+                f"multiple of its expert-parallel size {ep}"
+            )
     config = raw.get("ds_config")
     dbe = bool(config.get(_DATA_BEFORE_EXPERT, False)) if isinstance(config, dict) else False
-    return ExpertLayout(files.directory, world, ep_size, dbe, layers, counts, experts)
+    return ExpertLayout(files.directory, world, ep_size, dbe, layers, counts, experts, layer_ep)
