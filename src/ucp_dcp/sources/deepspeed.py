@@ -27,6 +27,9 @@ from the first stage holding it, frozen parameters and buffers from the layer
 files (:mod:`._ds_pipeline` names their entries). Under tensor parallelism
 (several ``mp_rank_MM``, with or without a pipeline) each parameter's slices
 are joined by the checkpoint's ``universal_checkpoint_info`` (:mod:`._ds_tp`).
+A MoE checkpoint (``deepspeed.moe.layer.MoE``, ZeRO-1/2: ``layer_L_expert_G`` files and
+optimizer groups marked ``moe``, each partitioned over one expert-data-parallel group) gives
+one key per global expert (:mod:`._ds_moe`).
 
 DeepSpeed records no checksums; the files' sizes are checked.
 """
