@@ -8,8 +8,9 @@ and on 2 ranks. Every expert's fp32 master weight, Adam moments and buffer is
 compared bit for bit with DeepSpeed's own consolidated values under global
 expert names; a plain-torch replay of the layer resumes to DeepSpeed's next
 losses; the experts load stacked (``[E, ...]``, torchtitan style) and
-sharded over 2 expert-parallel ranks by the ``Stacked`` rule, each rank
-reading only its experts' bytes.
+sharded over 2 expert-parallel ranks by the ``Stacked`` rule (plain tensors
+with ``no_dist``, and DTensors on 2 real gloo ranks), each rank reading only
+its experts' bytes.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_utils import bit_equal
+from dist_utils import bit_equal, run_ranks
 from safetensors.torch import load_file
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -187,6 +188,33 @@ def test_a_moe_checkpoint_in_an_object_store_loads_as_the_local_one() -> None:
     assert set(got) == set(want)
     for k, v in want.items():
         assert bit_equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
+
+
+def _stacked_dtensors_on_2(rank: int, world: int, variant: str) -> None:
+    """Experts stacked as DTensors ``Shard(0)`` over a 2-rank expert-parallel mesh (``Stacked``
+    without ``axis``: the DTensor says which experts a rank holds)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    want = expected(variant)
+    sd = {}
+    for n in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
+        for kind, suffix in (("model", ""), ("optim.state", ".exp_avg"), ("optim.state", ".exp_avg_sq")):
+            full = torch.stack([want[f"{kind}.{EXPERT}{e}.{n}{suffix}"] for e in range(4)])
+            sd[f"{kind}.moe.experts.{n}{suffix}"] = (full, distribute_tensor(torch.full_like(full, float("nan")), mesh, [Shard(0)]))
+    spec = LayoutSpec([Stacked(r"\.moe\.experts\.(fc[12]\.(?:weight|bias))", repl=r".moe.deepspeed_moe.experts.deepspeed_experts.{}.\1", experts=4)])
+    reader = UCPStorageReader(MOE / variant, gap_bytes=0)
+    dcp.load(spec.apply({k: d for k, (_, d) in sd.items()}), storage_reader=reader, planner=UCPLoadPlanner())
+    for key, (full, d) in sd.items():
+        assert bit_equal(d.to_local(), full[2 * rank : 2 * rank + 2]), (rank, key)
+    assert reader.bytes_requested == sum(d.to_local().numel() * 4 for _, d in sd.values())
+
+
+@pytest.mark.multiproc
+def test_experts_load_into_stacked_dtensors_on_two_ranks() -> None:
+    """DeepSpeed's EP 2 x DP 2 (strided layout) into a torchtitan-style EP 2 model on 2 real ranks."""
+    run_ranks(2, _stacked_dtensors_on_2, "moe_zero2_ep2_w4_dbe")
 
 
 # ---------------------------------------------------------------- refusals
