@@ -4,7 +4,7 @@ The fixtures under ``tests/fixtures/deepspeed/moe/`` were written by
 DeepSpeed 0.19.8 on CPU ranks (``generate_moe.py`` there, which needs
 deepspeed; the suite does not): 4 experts with expert-parallel size 2 on 4
 ranks (ZeRO-1, ZeRO-2, and ZeRO-2 with ``use_data_before_expert_parallelism``)
-and on 2 ranks. Every expert's fp32 master weight, Adam moments and buffer is
+and on 2 ranks, and two MoE layers (4 experts on EP 2, 8 on EP 4) on 4 ranks. Every expert's fp32 master weight, Adam moments and buffer is
 compared bit for bit with DeepSpeed's own consolidated values under global
 expert names; a plain-torch replay of the layer resumes to DeepSpeed's next
 losses; the experts load stacked (``[E, ...]``, torchtitan style) and
@@ -78,22 +78,27 @@ def expected(variant: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _model_and_optim(ep: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = GEN.build_model()
-    optim = torch.optim.AdamW(GEN.plain_param_groups(model, ep), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+def _model_and_optim(m: dict[str, Any]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The plain model of fixture ``m`` (every expert of every MoE layer) and an AdamW with the
+    checkpoint's optimizer groups."""
+    model = GEN.build_model(layers=[tuple(layer) for layer in m["moe_layers"]])
+    names = list(dict.fromkeys(g["name"] for g in m["param_groups"] if g.get("moe")))
+    optim = torch.optim.AdamW(GEN.plain_param_groups(model, names), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     return model, optim
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_expert_loads_bit_exact_in_one_process(variant: str) -> None:
-    """Weights, moments and buffers of all 4 experts (and the dense params) equal DeepSpeed's own;
-    the keys are exactly a plain model's ``get_state_dict`` with DeepSpeed's four optimizer groups."""
+    """Weights, moments and buffers of every expert (and the dense params) equal DeepSpeed's own;
+    the keys are exactly a plain model's ``get_state_dict`` with DeepSpeed's optimizer groups
+    (four; six with two MoE layers of different expert-parallel sizes)."""
     m = meta(variant)
     src = open_source(MOE / variant)
     assert isinstance(src, DeepSpeedSource) and src.stage == m["zero_stage"] and src.world_size == m["world_size"]
     got = load_state_dict(MOE / variant)
     want = expected(variant)
-    assert len([k for k in want if k.startswith(f"model.{EXPERT}")]) == 4 * 5  # fc1/fc2 weight+bias, scale
+    # fc1/fc2 weight and bias and scale of every expert
+    assert sum(GEN.INFIX in k and k.startswith("model.") for k in want) == sum(5 * n for _, n, _ in m["moe_layers"])
     for k, v in want.items():
         assert bit_equal(got[k], v), k
     for g, grp in enumerate(m["param_groups"]):
@@ -102,14 +107,23 @@ def test_every_expert_loads_bit_exact_in_one_process(variant: str) -> None:
     assert got["optim.param_groups.2.params"] == [
         f"{EXPERT}{e}.{w}.weight" for e in range(4) for w in ("fc1", "fc2")
     ]
-    model, optim = _model_and_optim(m["ep_size"])
+    # Each expert file is recorded as written by expert-data-parallel rank 0 of its expert's
+    # expert-parallel rank (the layout's, as reference.json's ep_rank_of_rank says).
+    writer = {f.name: f.rank for f in src.index.files}
+    ep_ranks = m["ep_rank_of_rank"]
+    for _, n, ep in m["moe_layers"][:1]:
+        for gid in range(n):
+            assert ep_ranks[writer[f"step2/layer_0_expert_{gid}_mp_rank_00_model_states.pt"]] == gid // (n // ep)
+    model, optim = _model_and_optim(m)
     msd, osd = get_state_dict(model, optim)
     keys = set(flatten_state_dict({"model": msd, "optim": osd})[0])
     assert set(got) == keys, set(got) ^ keys
-    assert [got[f"optim.param_groups.{g}.params"] for g in range(4)] == [grp["params"] for grp in osd["param_groups"]]
+    assert [got[f"optim.param_groups.{g}.params"] for g in range(len(m["param_groups"]))] == [
+        grp["params"] for grp in osd["param_groups"]
+    ]
 
 
-@pytest.mark.parametrize("variant", ["moe_zero2_ep2_w4_dbe", "moe_zero1_ep2_w4", "moe_zero2_ep2_w2"])
+@pytest.mark.parametrize("variant", ["moe_zero2_ep2_w4_dbe", "moe_zero1_ep2_w4", "moe_zero2_ep2_w2", "moe2_zero2_w4"])
 def test_resumed_training_matches_deepspeeds_next_steps(variant: str) -> None:
     """Loaded into the plain model (every expert in one process) and trained on: DeepSpeed's losses.
 
@@ -119,7 +133,7 @@ def test_resumed_training_matches_deepspeeds_next_steps(variant: str) -> None:
     to 1.0: the mean of the ranks' losses, backward, clip, step.
     """
     m = meta(variant)
-    model, optim = _model_and_optim(m["ep_size"])
+    model, optim = _model_and_optim(m)
     msd, osd = get_state_dict(model, optim)
     state = {"model": msd, "optim": osd}
     dcp.load(state, storage_reader=UCPStorageReader(MOE / variant), planner=UCPLoadPlanner(), no_dist=True)
