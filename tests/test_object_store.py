@@ -111,24 +111,25 @@ def test_s3_save_on_4_load_resharded_on_3(s3_bucket: tuple[str, dict[str, Any]],
     index_bytes = ObjectStore(url, options).size("ucp_index.json")
     run_ranks(3, _load, url, options, str(tmp_path))
     column_chunk = 4 * COLS["c0"][0] // 4 * COLS["c0"][1]  # bytes of one saved row-chunk of c0
+    heads: list[int] = []
     for r in range(3):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
         exact, default = got["exact"], got["default"]
         # Exact requests: the bytes the rank needs, less those that came with the headers' requests
-        # (the reader is handed them). The server sent the needed bytes, the index, and the first
-        # 64 KiB (the header) of each of the 4 data files at most.
+        # (the reader is handed them). The server sent at most the needed bytes, the index, and the
+        # first 64 KiB (the header) of each of the 4 data files.
         assert exact["requested"] <= 1.05 * exact["needed"], got
-        assert exact["needed"] <= exact["server_bytes"], got
         assert exact["server_bytes"] <= 1.05 * exact["needed"] + index_bytes + 4 * (64 << 10), got
-        # Every rank needs rows of c0 from all 4 files: one GET for the index, one per header.
-        assert exact["server_gets"] == exact["calls"] + 1 + 4, got
+        # Every rank needs rows of c0 from all 4 files: one GET for the index, and its share of
+        # the 4 headers' (a read-once load has each made by one rank, the others get it from there).
+        heads.append(exact["server_gets"] - exact["calls"] - 1)
         assert default["verified"] >= exact["needed"], got  # every byte used was checked against its block sums
         # The default merges the column slices of each row-chunk of c0 (gaps of 5 KiB) into one
         # request per chunk: at most the 4 chunks of c0 extra, in far fewer requests.
         assert default["requested"] <= 1.05 * exact["needed"] + 4 * column_chunk, got
-        assert exact["needed"] <= default["server_bytes"], got
         # (Exact reads inside a header's request cost none: about 105 requests remain, against 7-12.)
         assert default["calls"] * 8 < exact["calls"], got
+    assert sorted(heads) == [1, 1, 2], heads
 
 
 def test_memory_url_round_trip_and_overwrite() -> None:

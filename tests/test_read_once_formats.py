@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 from test_deepspeed import FIXTURES, expected
 from test_manager_object_restore import count_s3_bytes, sharded_state
 from test_manager_object_restore import full_tensors as full_tensors_s3
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -46,6 +47,8 @@ from ucp_dcp import (
     UCPStorageReader,
     UCPStorageWriter,
 )
+from ucp_dcp.byteio.objstore import ObjectStore
+from ucp_dcp.errors import unwrap
 from ucp_dcp.manager import _restore
 from ucp_dcp.sources import open_source
 
@@ -303,6 +306,38 @@ def test_object_store_auto_reads_each_byte_once(
     assert once_s3 <= server_auto < unique + WORLD * (1 << 20), (server_auto, once_s3, unique)
     assert server_direct >= direct_s3 >= WORLD * tensors, (server_direct, direct_s3)
     assert server_auto < server_direct / (WORLD - 0.5), (server_auto, server_direct)
+
+
+def _load_without_an_object(
+    rank: int, world: int, url: str, options: dict[str, Any], out: str
+) -> None:
+    """A read-once load of a checkpoint one of whose data objects is gone: every rank raises."""
+    _watchdog()
+    sd = {k: torch.full_like(v, 13) for k, v in full_tensors_s3(7).items()}
+    reader = UCPStorageReader(url, storage_options=options, read_once=True)
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
+    err = unwrap(ei.value)
+    _gather(rank, world, {"type": type(err).__name__, "message": str(err)}, out)
+
+
+def test_a_header_one_rank_cannot_fetch_for_the_others_fails_every_rank(
+    s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Each data file's first request is made by one rank for all: where that rank's request
+    fails, every rank raises its storage error, naming the object; none waits."""
+    base, options = s3_bucket
+    url = f"{base}/read-once-gone-{uuid.uuid4().hex[:8]}"
+    run_ranks(WORLD, _save_s3, url, options)
+    store = ObjectStore(url, options)
+    gone = sorted(n for n in store.list() if n.startswith("rank"))[1]
+    store.remove([gone])
+    out = str(tmp_path / "errors.pt")
+    run_ranks(WORLD, _load_without_an_object, url, options, out)
+    errors = torch.load(out)
+    assert len({e["message"] for e in errors}) == 1, errors
+    assert all(e["type"] == "StorageError" for e in errors), errors
+    assert errors[0]["message"].startswith(f"{url}/{gone}: "), errors
 
 
 # ---------------------------------------------------------------- CheckpointManager restore

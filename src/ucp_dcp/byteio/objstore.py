@@ -387,6 +387,15 @@ class ObjectAccess:
             return self._head[offset:end]
         return self.store.read(self.name, offset, end)
 
+    def first_request(self) -> tuple[str, int, int]:
+        """``(name, start, end)`` of the first request (the prefix, or the whole of a shorter
+        object)."""
+        return self.name, 0, min(self.size, self.head_bytes)
+
+    def hold_head(self, data: bytes) -> None:
+        """Take the first request's bytes, fetched by someone else (no request is made)."""
+        self._head = data
+
     @property
     def head(self) -> bytes:
         """The prefix held (from byte 0; empty before the first read and after :meth:`release`)."""
@@ -401,8 +410,7 @@ def fetch_heads(objects: Sequence[ObjectAccess]) -> None:
     """Fetch the prefix of every object of ``objects`` (of one store) not held yet, in one batch
     of concurrent requests (:meth:`ObjectStore.read_ranges`): a source reads the headers of every
     object a load reads at once, not one round trip after another."""
-    todo = [o for o in objects if not o._head and o.size]
+    todo = [o for o in objects if not o.head and o.size]
     if todo:
-        got = todo[0].store.read_ranges([(o.name, 0, min(o.size, o.head_bytes)) for o in todo])
-        for o, data in zip(todo, got):
-            o._head = data
+        for o, data in zip(todo, todo[0].store.read_ranges([o.first_request() for o in todo])):
+            o.hold_head(data)

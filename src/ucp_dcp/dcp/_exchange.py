@@ -43,9 +43,17 @@ from ..errors import ReadOnceError
 from ._landing import LocalNeeds
 from ._piece_check import PieceChecker
 
-__all__ = ["ExchangeRound", "ExchangeTotals", "RankRounds", "run_exchange"]
+__all__ = [
+    "STATUS_BYTES",
+    "ExchangeRound",
+    "ExchangeTotals",
+    "RankRounds",
+    "run_exchange",
+    "wire_device",
+]
 
-_STATUS = 8  # bytes of the status word that opens every message (int64: 0 ok, 1 failed)
+STATUS_BYTES = 8
+"""Bytes of the status word that opens every message (int64: 0 ok, 1 failed)."""
 
 
 @dataclass(frozen=True)
@@ -141,15 +149,15 @@ class _InFlight:
         data = self.recv.cpu().numpy()  # no copy for a CPU group
         peer_failed, at = False, 0
         for p, (pieces, size) in enumerate(zip(self.rnd.recvs, self.recv_sizes)):
-            if data[at : at + _STATUS].any():
+            if data[at : at + STATUS_BYTES].any():
                 peer_failed = True
             elif error is None:
                 try:
-                    _unpack(pieces, data[at + _STATUS : at + size], p, needs, checker, totals)
+                    _unpack(pieces, data[at + STATUS_BYTES : at + size], p, needs, checker, totals)
                 except Exception as e:  # noqa: BLE001  (raised after the closing gather)
                     error = e
             if p != me:
-                totals.received += size - _STATUS
+                totals.received += size - STATUS_BYTES
             at += size
         return peer_failed, error
 
@@ -170,7 +178,7 @@ def run_exchange(
     """
     me = dist.get_rank(group)
     world = dist.get_world_size(group)
-    wire = _wire_device(group)
+    wire = wire_device(group)
     verifier = BlockVerifier(paths, ranks)
     checker = PieceChecker(needs, verifier)
     totals = ExchangeTotals()
@@ -192,7 +200,7 @@ def run_exchange(
                 error = e
         if error is not None:  # tell every rank, in messages of the agreed sizes
             for at in np.cumsum([0, *send_sizes[:-1]]).tolist():
-                send[at : at + _STATUS] = 1  # messages need not start 8-byte aligned
+                send[at : at + STATUS_BYTES] = 1  # messages need not start 8-byte aligned
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=wire)
         if wire.type != "cpu":  # an NCCL group moves device memory only
             send = send.pin_memory().to(wire, non_blocking=True)
@@ -231,7 +239,7 @@ def run_exchange(
     return totals
 
 
-def _wire_device(group: dist.ProcessGroup | None) -> torch.device:
+def wire_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where the messages must be for ``group``'s collectives: the current CUDA device for a
     group that is NCCL alone, else host memory (gloo, or a group with a CPU backend too)."""
     if dist.get_backend(group) == "nccl":
@@ -241,7 +249,7 @@ def _wire_device(group: dist.ProcessGroup | None) -> torch.device:
 
 def _sizes(pieces: Sequence[np.ndarray]) -> list[int]:
     """Bytes of the message to or from each peer: the status word and the pieces."""
-    return [_STATUS + (int(p[:, 2].sum()) if len(p) else 0) for p in pieces]
+    return [STATUS_BYTES + (int(p[:, 2].sum()) if len(p) else 0) for p in pieces]
 
 
 def _pack(
@@ -273,7 +281,7 @@ def _pack(
         source.read(segs)
     at = 0
     for p, (pieces, size) in enumerate(zip(rnd.sends, sizes)):
-        w = at + _STATUS
+        w = at + STATUS_BYTES
         for f, s, n in pieces.tolist():
             a, offs, buf = held[f]
             i = int(np.searchsorted(a, s, "right")) - 1
@@ -281,7 +289,7 @@ def _pack(
             out[w : w + n] = buf[o : o + n]
             w += n
         if p != me:
-            totals.sent += size - _STATUS
+            totals.sent += size - STATUS_BYTES
         at += size
 
 

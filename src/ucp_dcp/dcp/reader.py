@@ -47,6 +47,7 @@ from ..sources import Source, SourceOptions, open_source, read_values, source_ty
 from ..sources.distcp import DCP_VALUES_MODES
 from ._directory import _Directory
 from ._exchange import ExchangeTotals, run_exchange
+from ._first_requests import FirstRequests, share_first_requests
 from ._landing import LocalNeeds, Region
 from ._mesh_groups import LazyChunks
 from ._plan_records import LoadSourceInfo
@@ -305,11 +306,18 @@ class UCPStorageReader(_Directory, StorageReader):
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         src = self.source
         assert src is not None
+        self.read_once_decision = self.exchange_totals = None
+        exchanging = self._may_exchange()
+        tensor_items, value_items = self._items(src, plan, exchanging)
         try:
-            tensor_items, value_items = self._prepare(src, plan)
+            src.prepare(
+                [(ri.storage_index.fqn, idx) for ri, idx in tensor_items],
+                [ri.storage_index.fqn for ri in value_items],
+                self.io_threads,
+            )
             parts = [self._part(src, ri, idx) for ri, idx in tensor_items]
         except Exception as e:
-            if self._may_exchange():  # the other ranks wait for this one's needs: say why not
+            if exchanging:  # the other ranks wait for this one's needs: say why not
                 coordinate(self.read_once, *self._storage, None, e, self.process_group, 0)
             raise
         reader = src.open_reader(
@@ -326,7 +334,7 @@ class UCPStorageReader(_Directory, StorageReader):
             reread_block=self.max_request_bytes,
         )
         try:
-            items = self._exchange(src, reader, planner, tensor_items, parts)
+            items = self._exchange(src, reader, planner, tensor_items, parts, exchanging)
             chosen = reader.plan_access(extents([parts[i][0] for i in items]), self.access)
             self.file_access = {src.paths[f]: how for f, how in sorted(chosen.items())}
             for i in items:
@@ -365,12 +373,12 @@ class UCPStorageReader(_Directory, StorageReader):
         planner: LoadPlanner,
         tensor_items: list[tuple[ReadItem, int]],
         parts: list[tuple[ChunkRegion, tuple[int, ...]]],
+        exchanging: bool,
     ) -> list[int]:
         """Fill what the job reads once (see ``read_once``); the positions of the tensor items
         left for this rank to read itself."""
-        self.read_once_decision = self.exchange_totals = None
         everything = list(range(len(tensor_items)))
-        if not self._may_exchange():
+        if not exchanging:
             return everything
         regions: list[Region] = []
         taken: list[int] = []
@@ -442,24 +450,40 @@ class UCPStorageReader(_Directory, StorageReader):
         dtype = src.index.tensors[fqn].dtype
         return ChunkRegion(src.locate(fqn, idx), chunk.sizes, region, dtype), chunk.offsets
 
-    def _prepare(
-        self, src: Source, plan: LoadPlan
+    def _items(
+        self, src: Source, plan: LoadPlan, exchanging: bool
     ) -> tuple[list[tuple[ReadItem, int]], list[ReadItem]]:
-        """The plan's tensor items (with the position of the chunk each reads) and value items,
-        handed to the source before any byte is read: a source refuses here what it will not
-        read, and may locate chunks ahead."""
-        value_items = [ri for ri in plan.items if ri.type == LoadItemType.BYTE_IO]
-        tensor_items = [
-            (ri, src.chunk_index(si.fqn, _chunk_offsets(si), si.index))
-            for ri in plan.items
-            if ri.type != LoadItemType.BYTE_IO
-            for si in (ri.storage_index,)
-        ]
-        src.prepare(
-            [(ri.storage_index.fqn, idx) for ri, idx in tensor_items],
-            [ri.storage_index.fqn for ri in value_items],
-            self.io_threads,
+        """The plan's tensor items (with the position of the chunk each reads) and value items.
+
+        Where the load may exchange, the ranks also share the data files' first requests
+        (:mod:`~ucp_dcp.dcp._first_requests`): each is made by one rank, not by every rank that
+        reads the file.
+        """
+        shares = (
+            src if exchanging and src.store is not None and isinstance(src, FirstRequests) else None
         )
+        try:
+            value_items = [ri for ri in plan.items if ri.type == LoadItemType.BYTE_IO]
+            tensor_items = [
+                (ri, src.chunk_index(si.fqn, _chunk_offsets(si), si.index))
+                for ri in plan.items
+                if ri.type != LoadItemType.BYTE_IO
+                for si in (ri.storage_index,)
+            ]
+            wanted: list[int] = []
+            if shares is not None:
+                wanted = shares.first_requests(
+                    [(ri.storage_index.fqn, idx) for ri, idx in tensor_items],
+                    [ri.storage_index.fqn for ri in value_items],
+                )
+        except Exception as e:
+            if shares is not None:  # the other ranks wait for this one's files: say why not
+                share_first_requests(shares, [], e, self.process_group)
+            elif exchanging:
+                coordinate(self.read_once, *self._storage, None, e, self.process_group, 0)
+            raise
+        if shares is not None:
+            share_first_requests(shares, wanted, None, self.process_group)
         return tensor_items, value_items
 
     @staticmethod

@@ -10,7 +10,7 @@ import math
 import os
 import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import xxhash
@@ -140,8 +140,17 @@ class NativeSource(Source):
         header is not parsed yet, in one batch of concurrent requests: one after the other, each
         a round trip, they would keep the store idle before the first byte of data is asked
         for."""
+        files = self.first_requests(chunks, values)
+        with self._lock:
+            objs = [self._object(f) for f in files]
+        fetch_heads([o for o in objs if o is not None])
+
+    # -------------------------------------------- first requests (dcp._first_requests)
+    def first_requests(self, chunks: Sequence[tuple[str, int]], values: Sequence[str]) -> list[int]:
+        """In object storage, the data files a load of ``chunks`` and ``values`` reads whose
+        header is not parsed or fetched yet (none for local files)."""
         if self.store is None:
-            return
+            return []
         files: set[int] = set()
         for fqn, idx in chunks:
             rec = self.index.tensors.get(fqn)
@@ -153,9 +162,30 @@ class NativeSource(Source):
                 files.add(Source.value_location(self, key).file)
             except CheckpointFormatError:
                 pass  # the read names it
+        held = self._objects
+        return [
+            f for f in sorted(files) if f not in self._headers and not (f in held and held[f].head)
+        ]
+
+    def first_request_bytes(self, file: int) -> int:
+        """The length of data file ``file``'s first request, from the index's record of it."""
+        size = self.index.files[file].size
+        return min(size, head_request_bytes(size))
+
+    def fetch_first_requests(self, files: Sequence[int]) -> dict[int, bytes]:
+        """The first requests of ``files`` (in object storage), in one batch; not kept."""
+        assert self.store is not None
+        asked = [f for f in files if self.first_request_bytes(f)]  # an empty file has none
+        ranges = [(self.index.files[f].name, 0, self.first_request_bytes(f)) for f in asked]
+        return {f: b"" for f in files} | dict(zip(asked, self.store.read_ranges(ranges)))
+
+    def hold_first_requests(self, heads: Mapping[int, bytes]) -> None:
+        """Keep first requests fetched by another rank: the headers are parsed from them."""
         with self._lock:
-            objs = [self._object(f) for f in sorted(files) if f not in self._headers]
-        fetch_heads([o for o in objs if o is not None])
+            for f, data in heads.items():
+                obj = self._object(f)
+                if obj is not None and not obj.head:
+                    obj.hold_head(data)
 
     def open_reader(
         self, *, threads: int, gap_bytes: int | None = None, max_request_bytes: int = 16 << 20

@@ -1,0 +1,164 @@
+"""Read-once loads, the metadata half: each data file's first request made by one rank.
+
+Before a rank can list the byte ranges it needs, it parses the header of
+every data file it reads. In object storage that is each file's first
+ranged GET (the header and the block checksums after it), which every rank
+would otherwise make for itself: ranks x files requests, and on a
+replicated target the same bytes read as many times as there are ranks.
+Where a load may exchange (``UCPStorageReader(read_once=...)``), the ranks
+first say which files they read (one ``all_gather_object`` of runs of file
+numbers); one of the ranks that read a file fetches its first request (file
+``f`` goes to the ``f mod n``-th of its ``n`` readers, so a replicated target
+spreads them evenly), and one ``all_to_all_single`` hands the bytes to the
+others. Every rank computes the same assignment from the same gather, and
+the length of every first request follows from the index, so the message
+sizes need no exchange of their own.
+
+Every message opens with a status word, as in the exchange's rounds: a rank
+whose fetch failed says so to every other rank, and then every rank raises
+its error (a :class:`~ucp_dcp.errors.StorageError` naming the object),
+gathered; none is left waiting.
+The bytes are checked as any header is, where they are parsed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..core.ranges import merge_ranges
+from ..errors import ReadOnceError
+from ._exchange import STATUS_BYTES, wire_device
+
+__all__ = ["FirstRequests", "share_first_requests"]
+
+
+@runtime_checkable
+class FirstRequests(Protocol):
+    """A source whose data files are opened by a first request of a length the index decides
+    (a native checkpoint in object storage): the ranks of a load can share those requests."""
+
+    def first_requests(self, chunks: Sequence[tuple[str, int]], values: Sequence[str]) -> list[int]:
+        """The files a load of ``chunks`` and ``values`` reads whose header is not parsed yet."""
+        ...
+
+    def first_request_bytes(self, file: int) -> int:
+        """The length of file ``file``'s first request (the same on every rank)."""
+        ...
+
+    def fetch_first_requests(self, files: Sequence[int]) -> dict[int, bytes]:
+        """The first requests of ``files``, fetched now (one batch of requests)."""
+        ...
+
+    def hold_first_requests(self, heads: Mapping[int, bytes]) -> None:
+        """Take the first requests of files this rank reads, fetched elsewhere."""
+        ...
+
+
+def share_first_requests(
+    src: FirstRequests,
+    wanted: Sequence[int],
+    failure: BaseException | None,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Have the first request of each file of ``wanted`` made by one rank of ``group`` and
+    handed to ``src`` (:meth:`FirstRequests.hold_first_requests`).
+
+    Collective: every rank of ``group`` calls it, with the ``failure`` that kept it from knowing
+    what it reads if one did. Raises on every rank if any rank failed.
+    """
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    files = np.array(sorted(set(wanted)), dtype=np.int64)
+    mine: object = failure if failure is not None else merge_ranges(files, files + 1)
+    gathered: list[object] = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    _raise_any(gathered, failure)
+    readers = _readers([g for g in gathered if isinstance(g, tuple)])
+    reads = sorted(f for f, r in readers.items() if r == me)
+    error: BaseException | None = None
+    got: Mapping[int, bytes] = {}
+    try:
+        got = src.fetch_first_requests(reads)
+    except Exception as e:  # noqa: BLE001  (raised after the collective: the others wait on it)
+        error = e
+    size = src.first_request_bytes
+    sends = [
+        _message(got, _wants(gathered[p], reads) if p != me else [], size, error)
+        for p in range(world)
+    ]
+    expect = [sorted(f for f in files.tolist() if readers[f] == p != me) for p in range(world)]
+    recv_sizes = [STATUS_BYTES + sum(size(f) for f in fs) for fs in expect]
+    wire = wire_device(group)
+    send = torch.from_numpy(np.concatenate(sends))
+    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=wire)
+    dist.all_to_all_single(recv, send.to(wire), recv_sizes, [len(m) for m in sends], group=group)
+    data = recv.cpu().numpy()
+    held: dict[int, bytes] = {f: got[f] for f in reads if f in got and f in set(wanted)}
+    failed: int | None = None
+    at = 0
+    for p, (fs, nbytes) in enumerate(zip(expect, recv_sizes)):
+        if data[at : at + STATUS_BYTES].any():
+            failed = p if failed is None else failed
+        w = at + STATUS_BYTES
+        for f in fs:
+            held[f] = data[w : w + size(f)].tobytes()
+            w += size(f)
+        at += nbytes
+    if failed is not None:  # every rank saw it (each sends every rank a status): say what failed
+        errors: list[BaseException | None] = [None] * world
+        dist.all_gather_object(errors, error, group=group)
+        if error is not None:
+            raise error
+        first = next((e for e in errors if e is not None), None)
+        raise first or ReadOnceError(f"rank {failed} could not fetch a data file's first request")
+    src.hold_first_requests(held)
+
+
+def _raise_any(gathered: list[object], failure: BaseException | None) -> None:
+    """Raise on every rank if any rank failed before knowing what it reads."""
+    if failure is not None:
+        raise failure
+    for r, g in enumerate(gathered):
+        if isinstance(g, BaseException):
+            raise ReadOnceError(
+                f"rank {r} could not take part in the read-once load: {type(g).__name__}: {g}"
+            )
+
+
+def _readers(runs: list[object]) -> dict[int, int]:
+    """Who fetches each file some rank reads: the ``f mod n``-th of its ``n`` readers."""
+    needers: dict[int, list[int]] = {}
+    for r, g in enumerate(runs):
+        assert isinstance(g, tuple)
+        for a, b in zip(*(x.tolist() for x in g)):
+            for f in range(a, b):
+                needers.setdefault(f, []).append(r)
+    return {f: rs[f % len(rs)] for f, rs in needers.items()}
+
+
+def _wants(runs: object, files: list[int]) -> list[int]:
+    """Those of ``files`` (sorted) that a rank's runs of file numbers hold."""
+    assert isinstance(runs, tuple)
+    a, b = runs
+    i = np.searchsorted(a, files, side="right") - 1
+    return [f for f, k in zip(files, i.tolist()) if k >= 0 and f < b[k]]
+
+
+def _message(
+    got: Mapping[int, bytes],
+    files: list[int],
+    size: Callable[[int], int],
+    error: BaseException | None,
+) -> np.ndarray:
+    """The status word, then the first requests of ``files`` in order; after a failure, the
+    status set and zeros of the agreed length (the receiver stops at the status)."""
+    status = np.zeros(STATUS_BYTES, dtype=np.uint8)
+    if error is not None:
+        out = np.zeros(STATUS_BYTES + sum(size(f) for f in files), dtype=np.uint8)
+        out[0] = 1
+        return out
+    return np.concatenate([status, *(np.frombuffer(got[f], dtype=np.uint8) for f in files)])
