@@ -317,3 +317,27 @@ def test_missing_and_wrong_user_rules_are_refused_naming_the_parameter(tmp_path:
         "tp_rules: expected a LayoutSpec or a list of layout rules (Shard, VocabPad, "
         "Replicated), got str"
     )
+
+
+def test_parameters_autotp_could_not_describe_are_refused_unless_a_rule_places_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AutoTP lists the parameters it cannot describe in
+    autotp_unsupported_parameter_patterns (pattern -> reason): refused by name, read once a
+    user rule places them."""
+    reason = "layer type LlamaRMSNorm has no tensor-parallel metadata"
+
+    def unsupported(info: dict[str, Any]) -> dict[str, Any]:
+        return {**info, "autotp_unsupported_parameter_patterns": {r"^model\.norm\.weight$": reason}}
+
+    d = _stripped(tmp_path, unsupported)
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{d / 'step2' / 'mp_rank_00_model_states.pt'}: "
+        "universal_checkpoint_info['autotp_unsupported_parameter_patterns'] says AutoTP cannot "
+        f"describe the split of model.norm.weight ({reason}): give tp_rules for them"
+    )
+    got = _read_all(DeepSpeedSource(str(d), tp_rules=[Replicated(r"^model\.norm\.")]), monkeypatch)
+    for k, v in expected("autotp2_dp2_zero1").items():
+        assert bit_equal(got[k], v), k

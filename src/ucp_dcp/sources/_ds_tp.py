@@ -54,9 +54,10 @@ _UNSUPPORTED = (
     "sub_param_shape",
     "sub_param_shard_widths",
     "affine_params",
-    # AutoTP's parameters it could not describe (pattern -> reason).
-    "autotp_unsupported_parameter_patterns",
 )
+# AutoTP's parameters it could not describe ({pattern: reason}): refused unless a user rule
+# places them.
+_AUTOTP_UNSUPPORTED = "autotp_unsupported_parameter_patterns"
 # User rules this reader places (the adapters.rules class names).
 _USER_KINDS = ("Shard", "VocabPad", "Replicated", "Averaged")
 
@@ -203,10 +204,25 @@ class TPRules:
     vocab_rows: int | None
     user: tuple[TPRule, ...] = ()
     missing: str | None = None
+    unsupported: tuple[tuple[str, str], ...] = ()  # AutoTP's (pattern, reason)
 
     def user_rule(self, name: str) -> TPRule | None:
         """The first user rule matching ``name``, if any."""
         return next((r for r in self.user if re.search(r.pattern, name)), None)
+
+    def check_supported(self, names: list[str]) -> None:
+        """Refuse those of ``names`` (not placed by a user rule) that AutoTP said it could not
+        describe, naming them and its reasons."""
+        bad = []
+        for n in names:
+            reason = next((r for p, r in self.unsupported if re.match(p, n)), None)
+            if reason is not None and self.user_rule(n) is None:
+                bad.append(f"{n} ({reason})")
+        if bad:
+            raise CheckpointFormatError(
+                f"{self.where}: {_INFO}[{_AUTOTP_UNSUPPORTED!r}] says AutoTP cannot describe the "
+                f"split of {', '.join(bad)}: give tp_rules for them"
+            )
 
     def unused(self, names: list[str]) -> list[str]:
         """The user rules (as written) that match none of ``names``."""
@@ -219,6 +235,7 @@ class TPRules:
             return rule.slice_of(self.where, name, rank, degree, local)
         if self.missing is not None:
             raise _unknown_split(self.where, self.missing, [name], bool(self.user))
+        self.check_supported([name])
         if any(re.match(p, name) for p in self.average):
             raise CheckpointFormatError(
                 f"{self.where}: {name!r} matches parameter_to_average_patterns: its value is the "
@@ -300,7 +317,12 @@ def tp_rules(info: Any, where: str, params: list[str], user: tuple[TPRule, ...] 
         raise CheckpointFormatError(
             f"{where}: {_INFO}['original_vocab_size'] {rows!r} is not a positive integer"
         )
-    return TPRules(
+    unsupported = info.get(_AUTOTP_UNSUPPORTED) or {}
+    if not isinstance(unsupported, dict) or not all(isinstance(p, str) for p in unsupported):
+        raise CheckpointFormatError(
+            f"{where}: {_INFO}[{_AUTOTP_UNSUPPORTED!r}] is not a dict of patterns"
+        )
+    rules = TPRules(
         where,
         _patterns(info, _REPLICATED, where),
         _patterns(info, _ROW, where),
@@ -308,4 +330,8 @@ def tp_rules(info: Any, where: str, params: list[str], user: tuple[TPRule, ...] 
         _patterns(info, _AVERAGE, where),
         rows,
         user,
+        None,
+        tuple((p, str(r)) for p, r in unsupported.items()),
     )
+    rules.check_supported(params)
+    return rules
