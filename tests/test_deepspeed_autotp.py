@@ -312,6 +312,14 @@ def test_missing_and_wrong_user_rules_are_refused_naming_the_parameter(tmp_path:
         "layouts are not supported)"
     )
     with pytest.raises(InvalidArgumentError) as e:
+        DeepSpeedSource(
+            str(d), tp_rules=[{"rule": "VocabPad", "pattern": "embed", "dim": 1, "size": 64}]
+        )
+    assert str(e.value) == (
+        "tp_rules: VocabPad('embed', dim=1, size=64): vocabulary padding is cut along dimension "
+        "0 only, to a positive size"
+    )
+    with pytest.raises(InvalidArgumentError) as e:
         DeepSpeedSource(str(d), tp_rules="Shard")
     assert str(e.value) == (
         "tp_rules: expected a LayoutSpec or a list of layout rules (Shard, VocabPad, "

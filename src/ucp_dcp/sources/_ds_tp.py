@@ -140,6 +140,7 @@ class TPRule:
 
 
 def _rule_text(d: dict[str, Any]) -> str:
+    """A rule's JSON dict written as the rule (``Shard('x', dim=1)``), for messages."""
     args = [repr(d.get("pattern"))] + [
         f"{k}={v!r}"
         for k, v in d.items()
@@ -180,11 +181,14 @@ def user_tp_rules(rules: Any) -> tuple[TPRule, ...]:
         except re.error as e:
             raise InvalidArgumentError(f"tp_rules: {text}: {e}") from None
         dim, size = d.get("dim", 0), d.get("size", 0)
-        if d["rule"] == "VocabPad" and dim != 0:
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (dim, size)):
+            raise InvalidArgumentError(f"tp_rules: {text}: dim and size must be integers")
+        if d["rule"] == "VocabPad" and (dim != 0 or size <= 0):
             raise InvalidArgumentError(
-                f"tp_rules: {text}: vocabulary padding is cut along dimension 0 only"
+                f"tp_rules: {text}: vocabulary padding is cut along dimension 0 only, to a "
+                "positive size"
             )
-        out.append(TPRule(d["pattern"], d["rule"], int(dim), int(size), text))
+        out.append(TPRule(d["pattern"], d["rule"], dim, size, text))
     return tuple(out)
 
 

@@ -106,7 +106,8 @@ class DeepSpeedSource(Source):
     0), or their JSON (``Rule.to_json()``). Patterns are ``re.search``-ed in the engine's
     parameter names (``1.fc2.weight``, ``model.layers.0.mlp.down_proj.weight``); the first match
     decides and wins over the checkpoint's ``universal_checkpoint_info``, which still places
-    the parameters no rule matches. A rule that matches no parameter is refused.
+    the parameters no rule matches. A rule that matches no parameter is refused; without
+    tensor parallelism the rules are not needed and not read.
     """
 
     format = "deepspeed"
