@@ -209,7 +209,10 @@ def _fsdp2(rank: int, world: int, variants: list[str]) -> None:
 
 
 def _all_on_3(rank: int, world: int, root: str) -> None:
+    from test_deepspeed_autotp import autotp_into_tp3
+
     _fsdp2(rank, world, FP32)
+    autotp_into_tp3(rank, world)  # DeepSpeed AutoTP fixtures into TP=3
     for v in TP_VARIANTS:
         _tp_into_3(rank, world, v)
     for v in TP_FP32:

@@ -26,7 +26,10 @@ gives the same keys under the engine module's names (``3.fc1.weight``,
 from the first stage holding it, frozen parameters and buffers from the layer
 files (:mod:`._ds_pipeline` names their entries). Under tensor parallelism
 (several ``mp_rank_MM``, with or without a pipeline) each parameter's slices
-are joined by the checkpoint's ``universal_checkpoint_info`` (:mod:`._ds_tp`).
+are joined by the checkpoint's ``universal_checkpoint_info`` (:mod:`._ds_tp`), or by
+the user's ``tp_rules`` where it has none or wrong ones: DeepSpeed's AutoTP
+(``"tensor_parallel": {"autotp_size": T}``) writes the same files and records
+its own patterns.
 A MoE checkpoint (``deepspeed.moe.layer.MoE``, ZeRO-1/2: ``layer_L_expert_G`` files and
 optimizer groups marked ``moe``, each partitioned over one expert-data-parallel group) gives
 one key per global expert (:mod:`._ds_moe`).
@@ -41,12 +44,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..core.values import encode_value
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, InvalidArgumentError
 from ._archive_index import ArchiveIndex, check_sizes, numel
 from ._dirs import ModelDir, StoreDir
 from ._ds_moe import expert_layout
 from ._ds_pipeline import EntryFile, place_entries
-from ._ds_tp import TPSlice, tp_rules
+from ._ds_tp import TPRule, TPSlice, tp_rules, user_tp_rules
 from ._ds_utils import (
     LATEST_FILE,
     ModelStates,
@@ -94,7 +97,18 @@ def zero3_frozen(
 class DeepSpeedSource(Source):
     """A DeepSpeed ZeRO-1/2/3 checkpoint, data-, pipeline- or tensor-parallel: the directory with
     ``latest``, or one tag folder (local, or at an fsspec URL: a
-    :class:`~ucp_dcp.sources._dirs.StoreDir` view)."""
+    :class:`~ucp_dcp.sources._dirs.StoreDir` view).
+
+    ``tp_rules`` supplies or overrides the tensor-parallel partitioning of a checkpoint with
+    several tensor-parallel ranks: a ``LayoutSpec`` or a list of its layout rules
+    (``Shard(pattern, dim=d)``: slices joined along ``d``; ``VocabPad(pattern, size=n)``:
+    joined along 0, cut to ``n`` rows; ``Replicated(pattern)``: read from tensor-parallel rank
+    0), or their JSON (``Rule.to_json()``). Patterns are ``re.search``-ed in the engine's
+    parameter names (``1.fc2.weight``, ``model.layers.0.mlp.down_proj.weight``); the first match
+    decides and wins over the checkpoint's ``universal_checkpoint_info``, which still places
+    the parameters no rule matches. A rule that matches no parameter is refused; without
+    tensor parallelism the rules are not needed and not read.
+    """
 
     format = "deepspeed"
     checksums = False
@@ -102,7 +116,10 @@ class DeepSpeedSource(Source):
     looks_for = f"{LATEST_FILE} / *zero_pp_rank_*_optim_states.pt"
     detect_order = 30
 
-    def __init__(self, path: str, model_dir: ModelDir | None = None) -> None:
+    def __init__(
+        self, path: str, model_dir: ModelDir | None = None, *, tp_rules: object = None
+    ) -> None:
+        self._user_rules: tuple[TPRule, ...] = user_tp_rules(tp_rules)
         files = find_deepspeed_files(model_dir if model_dir is not None else path)
         folder = files.folder
         layer_paths = list(files.layers.values())
@@ -310,8 +327,9 @@ class DeepSpeedSource(Source):
             )
         dp = len(optims) // len(models)
         trainable = {n for m in models for shapes in m.param_shapes for n in shapes}
+        m0 = models[0]
         rules = (
-            tp_rules(models[0].universal_info, models[0].archive.path, sorted(trainable))
+            tp_rules(m0.universal_info, m0.archive.path, sorted(trainable), self._user_rules)
             if tp > 1
             else None
         )
@@ -374,6 +392,13 @@ class DeepSpeedSource(Source):
             sources = [EntryFile(0, mi, m.archive, m.module, "") for mi, m in enumerate(models)]
         shared = {n for m in models for n in m.shared}
         place_entries(b, sources, trainable | set(buffers), trainable | shared, rules, tp)
+        placed = {k.split(".", 1)[1] for k in b.tensors if k.startswith("model.")}
+        unused = rules.unused(sorted(trainable | placed)) if rules is not None else []
+        if unused:
+            raise InvalidArgumentError(
+                f"tp_rules: no parameter of {os.path.dirname(models[0].archive.path)} matches "
+                f"{', '.join(unused)}"
+            )
         for name, mi in buffers.items():
             if f"model.{name}" not in b.tensors:
                 raise CheckpointFormatError(
@@ -468,7 +493,8 @@ class DeepSpeedSource(Source):
         ranged requests (archives side by side), tensor bytes later through
         :meth:`~ucp_dcp.sources.base.Source.open_reader`.
         """
-        return cls(d.where, d)
+        # tp_rules: the field SourceOptions is to carry (None until it does).
+        return cls(d.where, d, tp_rules=getattr(options, "tp_rules", None))
 
     def decode_value(self, key: str, raw: bytes) -> bytes:
         """Values live in the pickles, read when the checkpoint was opened."""
