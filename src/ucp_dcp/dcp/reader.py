@@ -122,6 +122,10 @@ class UCPStorageReader(_Directory, StorageReader):
             ``torch.load(weights_only=True)``.
         prefix: prepended to the tensor names of a Hugging Face model
             (``"model."`` fills ``get_state_dict`` keys).
+        tp_rules: the tensor-parallel partitioning of a DeepSpeed checkpoint
+            that does not record it, or records it wrong (a ``LayoutSpec`` or a
+            list of ``Shard``/``VocabPad``/``Replicated`` rules; see
+            :class:`~ucp_dcp.sources.base.SourceOptions`).
         verify: check every byte this rank's reads use against checksums
             recorded at save (on by default), raising
             :class:`~ucp_dcp.ChecksumError` (naming tensor, chunk, block, file
@@ -190,6 +194,7 @@ class UCPStorageReader(_Directory, StorageReader):
         max_request_bytes: int = 16 * _MiB,
         dcp_values: str | None = None,
         prefix: str = "",
+        tp_rules: object = None,
         verify: bool = True,
         storage_options: dict[str, Any] | None = None,
         access: str = "auto",
@@ -212,7 +217,7 @@ class UCPStorageReader(_Directory, StorageReader):
                 f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}"
             )
         self.path = os.fspath(path)
-        self.options = SourceOptions(dcp_values=dcp_values, prefix=prefix)
+        self.options = SourceOptions(dcp_values=dcp_values, prefix=prefix, tp_rules=tp_rules)
         self.source: Source | None = None
         self.io_threads = io_threads
         self.max_buffer_bytes = max(max_buffer_bytes, _MiB)

@@ -61,6 +61,14 @@ class SourceOptions:
     convention of its own (a Hugging Face directory): ``"model."`` makes its
     names those of ``get_state_dict(model, optim)``."""
 
+    tp_rules: object = None
+    """Tensor-parallel partitioning of a DeepSpeed checkpoint whose
+    ``universal_checkpoint_info`` is missing or wrong: a ``LayoutSpec``, a list
+    of layout rules (``Shard``, ``VocabPad``, ``Replicated``) or their JSON
+    (``Rule.to_json()``), searched (``re.search``) in DeepSpeed's parameter
+    names; the first match wins over the checkpoint's patterns. None: the
+    checkpoint's patterns only."""
+
 
 class Source(ABC):
     """A checkpoint of some format: records, byte locations and values (see the module docstring).

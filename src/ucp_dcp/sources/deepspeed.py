@@ -493,8 +493,7 @@ class DeepSpeedSource(Source):
         ranged requests (archives side by side), tensor bytes later through
         :meth:`~ucp_dcp.sources.base.Source.open_reader`.
         """
-        # tp_rules: the field SourceOptions is to carry (None until it does).
-        return cls(d.where, d, tp_rules=getattr(options, "tp_rules", None))
+        return cls(d.where, d, tp_rules=options.tp_rules)
 
     def decode_value(self, key: str, raw: bytes) -> bytes:
         """Values live in the pickles, read when the checkpoint was opened."""
