@@ -11,6 +11,13 @@ smaller than one part goes up in one PUT.
 The multipart upload is completed only by :meth:`ParallelUpload.close`
 after every part succeeded; a failed part (after s3fs's and botocore's own
 retries) aborts it, so the object appears whole or not at all.
+
+Given the store's :class:`~ucp_dcp.byteio.objrequests.RequestScheduler`,
+each part upload has a deadline from its size and the throughput seen so
+far, is tried again past it, counts against the rank's requests in flight,
+and waits out a throttling pause; a part that fails for good is a
+:class:`~ucp_dcp.errors.StorageError` naming the object, the part, its byte
+range and the rank.
 """
 
 from __future__ import annotations
@@ -18,7 +25,10 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .objrequests import RequestScheduler
 
 __all__ = ["ParallelUpload", "StreamedWrite", "supports_parallel_upload"]
 
@@ -51,12 +61,22 @@ class ParallelUpload(StreamedWrite):
     Args:
         fs: an ``s3fs.S3FileSystem``. path: the object's path (``bucket/key``). part_bytes: size of
         every part but the last (at least 5 MiB). parallel: parts uploading at once (and held in
-        memory).
+        memory). scheduler: deadlines, retries and the bound on requests for each part (None:
+        s3fs's own retries only). where: the object's URL, for messages.
     """
 
     def __init__(
-        self, fs: Any, path: str, *, part_bytes: int = 16 << 20, parallel: int = 4
+        self,
+        fs: Any,
+        path: str,
+        *,
+        part_bytes: int = 16 << 20,
+        parallel: int = 4,
+        scheduler: RequestScheduler | None = None,
+        where: str = "",
     ) -> None:
+        self.scheduler = scheduler
+        self.where = where or path
         self.fs = fs
         self.path = path
         self.bucket, self.key, _ = fs.split_path(path)
@@ -69,6 +89,7 @@ class ParallelUpload(StreamedWrite):
         self._inflight: deque[Future[dict[str, Any]]] = deque()
         self._etags: list[dict[str, Any]] = []
         self._next_part = 1
+        self._offset = 0  # where the next part starts in the object
 
     # ------------------------------------------------------------ the file
     def write(self, data: Any) -> int:
@@ -156,13 +177,27 @@ class ParallelUpload(StreamedWrite):
             self._collect()  # bounded memory: wait for the oldest part
         number = self._next_part
         self._next_part += 1
-        coro = self.fs._call_s3(
-            "upload_part",
-            Bucket=self.bucket,
-            Key=self.key,
-            UploadId=self._upload_id,
-            PartNumber=number,
-            Body=body,
+        start, self._offset = self._offset, self._offset + len(body)
+
+        def part() -> Any:
+            return self.fs._call_s3(
+                "upload_part",
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self._upload_id,
+                PartNumber=number,
+                Body=body,
+            )
+
+        coro = (
+            part()
+            if self.scheduler is None
+            else self.scheduler.run(
+                part,
+                len(body),
+                where=self.where,
+                what=f"uploading part {number} (bytes [{start}, {self._offset}))",
+            )
         )
         fut = asyncio.run_coroutine_threadsafe(_tagged(coro, number), self.fs.loop)
         self._inflight.append(fut)

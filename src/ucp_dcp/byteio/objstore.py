@@ -25,22 +25,32 @@ and writers keep their ``preadv``/``pwrite`` path for them.
 
 from __future__ import annotations
 
-import errno
+import asyncio
 import os
-import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import StorageError, TruncatedFileError, UCPError
 from .multipart import ParallelUpload, StreamedWrite, supports_parallel_upload
+from .objrequests import (
+    PERMANENT,
+    ObjectStats,
+    RequestPolicy,
+    RequestScheduler,
+    RetryPolicy,
+    loop_of,
+    no_credentials,
+    storage_error,
+)
 
 __all__ = [
     "ObjectStore",
     "ObjectAccess",
     "fetch_heads",
     "RetryPolicy",
+    "RequestPolicy",
+    "ObjectStats",
     "discard",
     "is_url",
     "local_path",
@@ -49,27 +59,6 @@ __all__ = [
 _T = TypeVar("_T")
 
 _LOCAL_PROTOCOLS = ("file", "local")
-
-
-def _no_credentials(e: BaseException) -> bool:
-    """Whether ``e`` says the client found no usable credentials (botocore's
-    ``NoCredentialsError``, ``PartialCredentialsError``...): a retry cannot fix that."""
-    return any("Credentials" in c.__name__ for c in type(e).__mro__)
-
-
-# Errors a retry cannot fix. Anything else a store raises (the client's own
-# connection, timeout and HTTP errors, OSError(EIO) for a 5xx that outlived
-# the client's retries) is treated as transient.
-_PERMANENT: tuple[type[BaseException], ...] = (
-    FileNotFoundError,
-    PermissionError,
-    IsADirectoryError,
-    NotADirectoryError,
-    FileExistsError,
-    TypeError,
-    ValueError,
-    UCPError,
-)
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -91,26 +80,6 @@ def local_path(path: str | os.PathLike[str]) -> str:
     return s
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How often, and how patiently, a failing request is tried again."""
-
-    attempts: int = 5
-    """Tries in all (1: no retry)."""
-    backoff_s: float = 0.1
-    """Wait before the first retry; doubled for each next one (plus up to 50% jitter)."""
-    max_backoff_s: float = 5.0
-    """Upper bound on one wait."""
-
-    def delays(self) -> list[float]:
-        """The waits before each retry (``attempts - 1`` of them)."""
-        out = []
-        for k in range(max(self.attempts, 1) - 1):
-            d = min(self.backoff_s * (2**k), self.max_backoff_s)
-            out.append(d * (1 + random.random() / 2))
-        return out
-
-
 class ObjectStore:
     """The objects under one fsspec URL, with retries and errors that name the URL.
 
@@ -125,6 +94,10 @@ class ObjectStore:
             once (:class:`~ucp_dcp.byteio.multipart.ParallelUpload`); 1, or
             another store, uploads through fsspec's buffered file, part
             after part.
+        requests: deadlines, hedging and the bound on requests in flight
+            (:class:`~ucp_dcp.byteio.objrequests.RequestPolicy`), applied to
+            ranged reads and part uploads on an async store (s3fs); a
+            blocking store (``memory://``) calls fsspec as it is.
     """
 
     def __init__(
@@ -135,6 +108,7 @@ class ObjectStore:
         retry: RetryPolicy | None = None,
         write_block_bytes: int = 16 << 20,
         upload_parallel: int = 4,
+        requests: RequestPolicy | None = None,
     ) -> None:
         import fsspec  # only object storage needs it
 
@@ -148,6 +122,9 @@ class ObjectStore:
         except (ImportError, ValueError) as e:  # unknown protocol, or its package is not installed
             raise StorageError(f"{self.url}: cannot open this URL with fsspec: {e}") from None
         self.root = root.rstrip("/")
+        self.requests = requests or RequestPolicy()
+        self.scheduler = RequestScheduler(self.requests, self.retry)
+        self._loop = loop_of(self.fs)  # None: a blocking store, called as it is
 
     # ------------------------------------------------------------ names
     def path(self, name: str) -> str:
@@ -176,26 +153,73 @@ class ObjectStore:
         for k in range(len(delays) + 1):
             try:
                 return fn()
-            except _PERMANENT as e:
+            except PERMANENT as e:
                 if isinstance(e, UCPError):
                     raise
                 raise self.error(what, name, e) from e
             except Exception as e:  # the client's connection/HTTP errors: transient
-                if k == len(delays) or _no_credentials(e):  # a retry finds no credentials either
+                if k == len(delays) or no_credentials(e):  # a retry finds no credentials either
                     raise self.error(what, name, e, tries=k + 1) from e
                 time.sleep(delays[k])
         raise AssertionError("unreachable")
 
     def error(self, what: str, name: str, e: BaseException, tries: int = 1) -> StorageError:
         """A :class:`StorageError` naming the URL of ``name``, what failed and why."""
-        after = f" (after {tries} tries)" if tries > 1 else ""
-        code = getattr(e, "errno", None)
-        if isinstance(e, FileNotFoundError):
-            code = code or errno.ENOENT
-        elif isinstance(e, PermissionError):
-            code = code or errno.EACCES
-        msg = f"{self.url_of(name)}: {what} failed{after}: {type(e).__name__}: {e}"
-        return StorageError(code, msg) if code else StorageError(msg)
+        return storage_error(self.url_of(name), what, e, tries)
+
+    @property
+    def stats(self) -> ObjectStats:
+        """What this store's scheduled requests did (deadlines, hedges, throttling)."""
+        return self.scheduler.stats
+
+    def _sync(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run coroutine function ``fn(*args)`` on the store's event loop; its result."""
+        import fsspec.asyn
+
+        return fsspec.asyn.sync(self._loop, fn, *args)
+
+    async def _hook(self) -> None:
+        """Let the scheduler see the throttling answers the S3 client retries by itself."""
+        if hasattr(self.fs, "set_session"):
+            try:
+                self.scheduler.hook(await self.fs.set_session())
+            except Exception:  # no client yet (credentials...): the request will say why
+                pass
+
+    async def _get(self, name: str, start: int | None, end: int | None) -> bytes:
+        """One scheduled GET of bytes ``[start, end)`` of ``name`` (all of it by default)."""
+        path = self.path(name)
+        ranged = start is not None and end is not None
+        n = end - start if start is not None and end is not None else None
+
+        def check(data: bytes) -> str | None:
+            if n is None or len(data) == n:
+                return None
+            return f"needed bytes [{start}, {end}) but got {len(data)}"
+
+        data = await self.scheduler.run(
+            lambda: self.fs._cat_file(path, start=start, end=end),
+            n,
+            where=self.url_of(name),
+            what=f"reading bytes [{start}, {end})" if start is not None else "reading the object",
+            hedge=ranged,
+            check=check,
+        )
+        return bytes(data)
+
+    async def _get_all(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        """Scheduled GETs of every range; the first failure cancels the others and is raised."""
+        await self._hook()
+        tasks = [asyncio.ensure_future(self._get(n, s, e)) for n, s, e in ranges]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in tasks:
+                if t.done() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()
 
     # ------------------------------------------------------------ reads
     def exists(self, name: str) -> bool:
@@ -216,6 +240,8 @@ class ObjectStore:
     def read(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of object ``name`` (the whole object by default), checked for
         length."""
+        if self._loop is not None:
+            return bytes(self._sync(self._get_all, [(name, start, end)])[0])
         path = self.path(name)
         data = self.call(
             f"reading bytes [{start}, {end})" if start is not None else "reading the object",
@@ -246,11 +272,16 @@ class ObjectStore:
         """Bytes ``[start, end)`` of each ``(name, start, end)``, fetched concurrently where the
         store can.
 
-        One batch of requests (fsspec's ``cat_ranges``); requests that fail
-        are retried on their own under the same policy as :meth:`call`.
+        On an async store (s3fs) each request is scheduled under the store's
+        :class:`~ucp_dcp.byteio.objrequests.RequestPolicy` (deadline, hedge,
+        bounded in flight); elsewhere one batch of fsspec's ``cat_ranges``.
+        Requests that fail are retried on their own under the same policy as
+        :meth:`call`.
         """
         if not ranges:
             return []
+        if self._loop is not None:
+            return list(self._sync(self._get_all, ranges))
         paths = [self.path(n) for n, _, _ in ranges]
         starts = [s for _, s, _ in ranges]
         ends = [e for _, _, e in ranges]
@@ -304,11 +335,14 @@ class ObjectStore:
         """
         path = self.path(name)
         if self.upload_parallel > 1 and supports_parallel_upload(self.fs):
+            self._sync(self._hook)
             return ParallelUpload(
                 self.fs,
                 path,
                 part_bytes=self.write_block_bytes,
                 parallel=self.upload_parallel,
+                scheduler=self.scheduler,
+                where=self.url_of(name),
             )
         return self.call(
             "starting the upload",
