@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import http.client
+import select
 import socket
 import struct
 import threading
@@ -53,7 +54,7 @@ s3_bucket = s3_server.s3_bucket  # the session fixture s3_proxy builds on
 Match = Callable[[str, str, Mapping[str, str]], bool]
 """``match(method, path_with_query, headers) -> bool``: which requests a fault applies to."""
 
-FAULT_KINDS = ("reset", "500", "503", "slow", "reset_mid")
+FAULT_KINDS = ("reset", "500", "503", "slow", "reset_mid", "stall")
 
 # Connection-level headers (RFC 9110 7.6.1) are not forwarded; Expect is answered
 # by this proxy (BaseHTTPRequestHandler sends the 100 Continue itself).
@@ -140,11 +141,13 @@ class FaultProxy:
         self._idle = threading.Condition(self._lock)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()  # releases stalled requests
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> FaultProxy:
         """Bind 127.0.0.1:0 and serve in a daemon thread."""
+        self._stopping.clear()
         handler = type("_BoundHandler", (_Handler,), {"proxy": self})
         server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         server.daemon_threads = True
@@ -155,6 +158,7 @@ class FaultProxy:
 
     def stop(self) -> None:
         """Stop serving (open keep-alive connections die with their daemon threads)."""
+        self._stopping.set()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -179,21 +183,25 @@ class FaultProxy:
 
     # ------------------------------------------------------------ faults
 
-    def inject(self, kind: str, count: int = 1, *, match: Match | None = None, delay_s: float = 0.5) -> None:
+    def inject(self, kind: str, count: int = 1, *, match: Match | None = None, delay_s: float | None = None) -> None:
         """Apply fault ``kind`` to the next ``count`` requests chosen by ``match`` (None: any request).
 
         Kinds: ``reset`` (read the request, then RST the connection), ``500``
         (InternalError), ``503`` (SlowDown), ``slow`` (forward, wait
-        ``delay_s`` before answering), ``reset_mid`` (forward, send status,
-        headers and half the body, then RST). Rules are tried in the order
-        they were injected; one request gets at most one fault.
+        ``delay_s`` before answering; 0.5 s by default), ``reset_mid``
+        (forward, send status, headers and half the body, then RST),
+        ``stall`` (read the request, forward nothing and answer nothing:
+        hold the connection until the client closes it, the proxy stops or
+        ``delay_s`` passes; no limit by default). Rules are tried in the
+        order they were injected; one request gets at most one fault.
         """
         if kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault kind {kind!r}; expected one of {FAULT_KINDS}")
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         with self._lock:
-            self._rules.append(_Rule(kind, count, match, delay_s, 0))
+            default = float("inf") if kind == "stall" else 0.5
+            self._rules.append(_Rule(kind, count, match, default if delay_s is None else delay_s, 0))
 
     def deny(self, match: Match | None, status: int = 403) -> None:
         """Answer every request chosen by ``match`` with an AccessDenied-style error until ``clear()``."""
@@ -399,6 +407,16 @@ class _Handler(BaseHTTPRequestHandler):
         # closes rfile/wfile, before socketserver's shutdown(SHUT_WR) could send a FIN.
         self.connection.close()
 
+    def _stall(self, limit_s: float) -> None:
+        """Answer nothing until the client closes the connection, the proxy stops or ``limit_s``
+        passes; then close it."""
+        end = time.monotonic() + limit_s
+        self.close_connection = True
+        while not self.proxy._stopping.is_set() and time.monotonic() < end:
+            ready, _, _ = select.select([self.connection], [], [], 0.05)
+            if ready and not self.connection.recv(1, socket.MSG_PEEK):
+                return  # the client gave up on this request
+
     def _proxy(self) -> None:
         self.proxy._begin()  # balanced by _record in the finally below (or _record(None))
         t0 = time.monotonic()
@@ -421,6 +439,8 @@ class _Handler(BaseHTTPRequestHandler):
                 sent = self._send(status, reason, headers, data, cut=False)
             elif rule.kind == "reset":
                 self._rst()
+            elif rule.kind == "stall":
+                self._stall(rule.delay_s)
             elif rule.kind in ("500", "503"):
                 status = int(rule.kind)
                 sent = self._send_error(status, path)

@@ -7,8 +7,11 @@ bytes they need. ``memory://`` covers the same paths without a server.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
+import time
 import uuid
 from typing import Any
 
@@ -24,11 +27,12 @@ from torch.distributed.tensor import DTensor, Shard
 import s3_server
 from dist_utils import bit_equal, run_ranks
 from fault_proxy import FaultProxy, storage_options_via
-from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter, load_state_dict
+from ucp_dcp import (RequestPolicy, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter,
+                     load_state_dict)
 from ucp_dcp.byteio.objrange import ObjectRangeReader
 from ucp_dcp.byteio.objstore import ObjectStore, RetryPolicy, is_url, local_path
 from ucp_dcp.byteio.rangeio import Segment
-from ucp_dcp.errors import CheckpointFormatError, StorageError, TruncatedFileError
+from ucp_dcp.errors import CheckpointFormatError, StorageError, TruncatedFileError, unwrap
 from ucp_dcp.sources import formats_looked_for
 
 s3_bucket = s3_server.s3_bucket  # the session fixture, made visible to this module
@@ -92,8 +96,38 @@ def _load(rank: int, world: int, url: str, options: dict[str, Any], out_dir: str
             stats[mode] = {"needed": needed, "requested": reader.bytes_requested, "calls": reader.read_calls,
                            "verified": reader.verified_bytes, "server_bytes": proxy.bytes_sent("GET"),
                            "server_gets": proxy.count("GET")}
+        # Then rank 1's ranged GETs never answer (issue 25): every rank fails with its StorageError
+        # within the deadlines, with and without the read-once exchange (costs no spawn of its own).
+        if rank == 1:
+            proxy.inject("stall", count=10**6, match=lambda m, p, h: m == "GET" and h.get("Range") is not None)
+        for once in (False, True):
+            fails_on_rank_1_within_the_deadline(url, via, expected, mesh, once)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(stats, f)
+
+
+def fails_on_rank_1_within_the_deadline(url: str, via: dict[str, Any], expected: dict[str, Any], mesh: Any,
+                                        read_once: bool) -> None:
+    """A load whose rank 1 gets no answer fails on every rank with rank 1's error, naming the object,
+    the byte range, the rank and the time it waited, within two tries of 0.5 s (and the load's work)."""
+    target = {"model": {k: DTensor.from_local(torch.zeros_like(v.to_local()), mesh, v.placements, run_check=False,
+                                               shape=v.shape, stride=v.stride()) for k, v in expected.items()},
+              "step": 0}
+    policy = RequestPolicy(attempts=2, deadline_floor_s=0.3, deadline_cap_s=0.5)
+    reader = UCPStorageReader(url, storage_options=via, requests=policy, read_once=read_once)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(target, storage_reader=reader, planner=UCPLoadPlanner())
+    took = time.monotonic() - t0
+    err = unwrap(e.value)
+    assert isinstance(err, StorageError) and err.errno == errno.ETIMEDOUT, repr(e.value)
+    assert re.fullmatch(
+        re.escape(url) + r"/rank0000\d-\w+\.safetensors: reading bytes \[\d+, \d+\) failed \(after 2 tries\): "
+        r"DeadlineExceeded: rank 1 got no answer within the deadline of each of 2 tries "
+        r"\(0\.50, 0\.50 s for \d+ bytes\) and waited 1\.\d\d s in all",
+        str(err),
+    ), str(err)
+    assert took < 6.0, (read_once, took)
 
 
 def _url(base: str) -> str:

@@ -24,6 +24,7 @@ from .adapters.rules import (
     Unstacked,
     VocabPad,
 )
+from .byteio.objrequests import RequestPolicy
 from .core.pieces import Piece, TensorPieces
 from .core.values import RankLocal
 from .dcp import UCPLoadPlanner, UCPSavePlanner
@@ -55,6 +56,7 @@ __all__ = [
     "UCPStorageWriter",
     "UCPStorageReader",
     "ReadOnceCosts",
+    "RequestPolicy",
     "RankLocal",
     "Checkpoint",
     "load_state_dict",

@@ -91,6 +91,10 @@ class RequestPolicy:
     deadline is never under 10 s). Tests and benchmarks shorten them.
     """
 
+    attempts: int = 5
+    """Tries of a request in all (1: no retry), with exponential backoff and jitter between
+    them (:class:`RetryPolicy`). A request that never answers fails after at most
+    ``attempts * deadline_cap_s`` plus the backoffs."""
     deadline_floor_s: float = 10.0
     """The least time a request gets before it is abandoned and tried again."""
     deadline_cap_s: float = 120.0
@@ -106,8 +110,9 @@ class RequestPolicy:
     """No GET is hedged before it has taken this long (a round trip is not worth a hedge)."""
     hedge_fraction: float = 0.05
     """Hedged bytes stay within this fraction of the bytes requested so far."""
-    max_in_flight: int = 16
-    """Requests of one rank in flight at once (hedges included)."""
+    max_in_flight: int = 8
+    """Requests of one rank in flight at once (hedges included): a job of thousands of ranks
+    must not open a burst of connections per rank to one prefix."""
     throttle_pause_s: float = 0.5
     """After a throttling answer (S3 ``SlowDown``/503), no new request starts for this long;
     doubled while throttling goes on."""
@@ -122,6 +127,8 @@ class RequestPolicy:
                 f"RequestPolicy: needs 0 < deadline_floor_s <= deadline_cap_s, got "
                 f"{self.deadline_floor_s} and {self.deadline_cap_s}"
             )
+        if self.attempts < 1:
+            raise InvalidArgumentError(f"RequestPolicy(attempts={self.attempts}): needs at least 1")
         if self.max_in_flight < 1:
             raise InvalidArgumentError(
                 f"RequestPolicy(max_in_flight={self.max_in_flight}): needs at least 1"
@@ -336,7 +343,6 @@ class RequestScheduler:
         deadlines: list[float] = []
         wrong = 0
         for k in range(len(delays) + 1):
-            await self._wait_for_pause()
             if k:
                 self.stats.retries += 1
             if nbytes is None:
@@ -417,6 +423,11 @@ class RequestScheduler:
 
     async def _start(self, make: Callable[[], Awaitable[Any]], t: _Try) -> None:
         await self._slot()
+        try:  # a pause that began while this request waited for its slot holds it too
+            await self._wait_for_pause()
+        except BaseException:
+            self._free()
+            raise
 
         async def one() -> Any:
             try:

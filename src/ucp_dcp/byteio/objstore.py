@@ -87,7 +87,8 @@ class ObjectStore:
         url: the checkpoint directory, e.g. ``s3://bucket/run/step-100``.
         storage_options: passed to fsspec as they are (credentials,
             ``client_kwargs={"endpoint_url": ...}``, ...).
-        retry: how transient errors are retried. write_block_bytes: the buffer of a streamed write;
+        retry: how transient errors are retried (default: ``requests.attempts`` tries).
+        write_block_bytes: the buffer of a streamed write;
         on S3 the size of
             each part of the multipart upload (at least 5 MiB there).
         upload_parallel: on S3, parts of one streamed write uploading at
@@ -114,7 +115,6 @@ class ObjectStore:
 
         self.url = str(url).rstrip("/")
         self.storage_options = dict(storage_options or {})
-        self.retry = retry or RetryPolicy()
         self.write_block_bytes = write_block_bytes
         self.upload_parallel = upload_parallel
         try:
@@ -123,6 +123,7 @@ class ObjectStore:
             raise StorageError(f"{self.url}: cannot open this URL with fsspec: {e}") from None
         self.root = root.rstrip("/")
         self.requests = requests or RequestPolicy()
+        self.retry = retry or RetryPolicy(attempts=self.requests.attempts)
         self.scheduler = RequestScheduler(self.requests, self.retry)
         self._loop = loop_of(self.fs)  # None: a blocking store, called as it is
 

@@ -27,7 +27,7 @@ from ..errors import CheckpointWriteError
 from ..format import INDEX_FILE, Index, PlannedEntry, index_bytes
 from .datafile import DataFileWriter, stream_data_file
 from .durable import atomic_write
-from .objstore import ObjectStore, discard, is_url, local_path
+from .objstore import ObjectStore, RequestPolicy, discard, is_url, local_path
 
 __all__ = [
     "CheckpointStorage",
@@ -243,12 +243,15 @@ class ObjectStorage:
 
 
 def storage_at(
-    path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+    path: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    requests: RequestPolicy | None = None,
 ) -> CheckpointStorage:
     """The storage of checkpoint ``path``: an :class:`ObjectStorage` for an fsspec URL
-    (``storage_options`` go to fsspec), else a :class:`LocalStorage`."""
+    (``storage_options`` go to fsspec, ``requests`` says its deadlines), else a
+    :class:`LocalStorage`."""
     if is_url(path):
-        return ObjectStorage(ObjectStore(os.fspath(path), storage_options))
+        return ObjectStorage(ObjectStore(os.fspath(path), storage_options, requests=requests))
     return LocalStorage(path)
 
 

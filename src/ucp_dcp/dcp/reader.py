@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..byteio.engine import ChunkReads
+from ..byteio.objrequests import RequestPolicy
 from ..byteio.rangeio import ByteSource, check_access
 from ..byteio.transfer import ChunkRegion, extents, needs_staging
 from ..core.sharding import Box
@@ -99,6 +100,10 @@ class UCPStorageReader(_Directory, StorageReader):
             in flight.
         storage_options: for a URL, passed to fsspec as they are
             (credentials, ``client_kwargs={"endpoint_url": ...}``).
+        requests: for a URL, each request's deadline, hedged reads, the
+            bound on requests in flight and the pause after throttling
+            (:class:`~ucp_dcp.byteio.objrequests.RequestPolicy`; its defaults
+            when None). See docs/object-storage.md.
         io_threads: threads of each rank issuing reads in parallel (default 2,
             enough to keep one local disk busy with 1-4 ranks per machine; more
             helps storage that serves many reads at once).
@@ -197,6 +202,7 @@ class UCPStorageReader(_Directory, StorageReader):
         tp_rules: object = None,
         verify: bool = True,
         storage_options: dict[str, Any] | None = None,
+        requests: RequestPolicy | None = None,
         access: str = "auto",
         known_files: Mapping[str, bytes] | None = None,
         read_once: bool | str = "auto",
@@ -223,6 +229,7 @@ class UCPStorageReader(_Directory, StorageReader):
         self.max_buffer_bytes = max(max_buffer_bytes, _MiB)
         self.gap_bytes = gap_bytes  # None: the storage's default (Source.open_reader)
         self.storage_options = storage_options
+        self.requests = requests
         self.max_request_bytes = max_request_bytes
         self.bytes_requested = 0
         self.read_calls = 0
@@ -249,7 +256,11 @@ class UCPStorageReader(_Directory, StorageReader):
         """Open the source and describe it as DCP's metadata (nothing is unpickled but DCP's own
         records)."""
         self.source = source = open_source(
-            self.path, self.options, storage_options=self.storage_options, known_files=self._known
+            self.path,
+            self.options,
+            storage_options=self.storage_options,
+            known_files=self._known,
+            requests=self.requests,
         )
         self._known = None  # used once: a later opening reads the files as they are then
         index = source.index

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..byteio.datafile import chunk_entry, layout, value_entry
+from ..byteio.objrequests import RequestPolicy
 from ..byteio.rangeio import tensor_view
 from ..byteio.storage import (
     CheckpointStorage,
@@ -109,6 +110,10 @@ class UCPStorageWriter(_Directory, StorageWriter):
             S3, no local copy); the coordinator commits by writing the index
             last, one PUT, so a save that fails or is killed midway leaves no
             index and a committed checkpoint at the same URL stays loadable.
+        requests: for a URL, each part upload's deadline, the bound on
+            requests in flight and the pause after throttling
+            (:class:`~ucp_dcp.byteio.objrequests.RequestPolicy`; its defaults
+            when None).
 
     A rank whose write fails (``ENOSPC``, an I/O error) removes its partial
     data file and raises :class:`~ucp_dcp.errors.CheckpointWriteError` (an
@@ -126,6 +131,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
         align: int = ALIGN,
         threads: int = DEFAULT_WRITE_THREADS,
         storage_options: dict[str, Any] | None = None,
+        requests: RequestPolicy | None = None,
     ) -> None:
         super().__init__()
         if threads < 1:
@@ -135,6 +141,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
         self.threads = threads
         self.path = os.fspath(path)
         self.storage_options = storage_options
+        self.requests = requests
         self._storage: CheckpointStorage | None = None
         self.overwrite = overwrite
         self.sync_files = sync_files
@@ -152,7 +159,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
         """Where the checkpoint goes: a local directory or an object store (made when first
         used)."""
         if self._storage is None:
-            self._storage = storage_at(self.path, self.storage_options)
+            self._storage = storage_at(self.path, self.storage_options, self.requests)
         return self._storage
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -25,7 +25,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..byteio.objstore import ObjectStore, is_url, local_path
+from ..byteio.objstore import ObjectStore, RequestPolicy, is_url, local_path
 from ..errors import CheckpointFormatError, NotACheckpointError
 from ..format.names import INDEX_FILE, save_id_of
 from ._dirs import ModelDir, open_location
@@ -64,6 +64,7 @@ def open_source(
     *,
     storage_options: dict[str, Any] | None = None,
     known_files: Mapping[str, bytes] | None = None,
+    requests: RequestPolicy | None = None,
     **kwargs: Any,
 ) -> Source:
     """Open the checkpoint at ``path``, detecting its format.
@@ -78,10 +79,11 @@ def open_source(
     formats looked for (:func:`formats_looked_for`). ``known_files``: files of
     the checkpoint the caller has already read (name -> bytes, such as an
     index whose digest it checked), opened from these bytes instead of being
-    read or fetched again (:meth:`ModelDir.keep`).
+    read or fetched again (:meth:`ModelDir.keep`). ``requests``: deadlines and
+    hedging of a URL's requests (:class:`~ucp_dcp.byteio.objrequests.RequestPolicy`).
     """
     opts = options if options is not None else SourceOptions(**kwargs)
-    d = open_location(path, storage_options)
+    d = open_location(path, storage_options, requests)
     if known_files:
         d.keep(known_files)
     for cls in source_types():

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
-from ..byteio.objstore import ObjectAccess, ObjectStore, is_url, local_path
+from ..byteio.objstore import ObjectAccess, ObjectStore, RequestPolicy, is_url, local_path
 from ..errors import CheckpointFormatError, NotACheckpointError
 from ..format.header import RandomAccess
 
@@ -245,7 +245,10 @@ class StoreDir(ModelDir):
         s = self.store
         return StoreDir(
             ObjectStore(
-                s.url_of(plain_file_name(name, self.where)), s.storage_options, retry=s.retry
+                s.url_of(plain_file_name(name, self.where)),
+                s.storage_options,
+                retry=s.retry,
+                requests=s.requests,
             )
         )
 
@@ -275,7 +278,9 @@ _FILE_SUFFIXES = (".safetensors", ".safetensors.index.json")
 
 
 def open_location(
-    path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+    path: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    requests: RequestPolicy | None = None,
 ) -> ModelDir:
     """The directory view of ``path``: a local path, or an fsspec URL (``storage_options`` go to
     fsspec).
@@ -289,8 +294,8 @@ def open_location(
         url = os.fspath(path)
         parent, _, last = url.rstrip("/").rpartition("/")
         if "://" in parent and last.endswith(_FILE_SUFFIXES):
-            return StoreDir(ObjectStore(parent, storage_options), last)
-        return StoreDir(ObjectStore(url, storage_options))
+            return StoreDir(ObjectStore(parent, storage_options, requests=requests), last)
+        return StoreDir(ObjectStore(url, storage_options, requests=requests))
     local = local_path(path)
     if not os.path.exists(local):
         raise NotACheckpointError(f"{local}: not a checkpoint (no such directory)", local)

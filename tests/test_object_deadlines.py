@@ -1,0 +1,188 @@
+"""Object-store requests that cannot stall a load or a save (issue 25): deadlines, hedged reads,
+a bounded and throttle-aware request stream (``ucp_dcp.byteio.objrequests``).
+
+Every test runs against moto's S3 server behind the fault proxy (tests/fault_proxy.py): a GET
+or a part upload that never answers ("stall"), GETs much slower than the others ("slow"), a
+503 SlowDown. Loads and saves finish bit-exact through a retry or a hedge, or fail with the
+library's StorageError naming the object, the byte range, the rank and how long it waited,
+within the configured deadlines (a rank whose GETs never answer failing every rank of a 3-rank
+load, with and without the read-once exchange: tests/test_object_store.py, which spawns those
+ranks already). Each test is bounded by a watchdog of its own; the deadlines
+are short (under a second) so the file costs a few seconds.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import fault_proxy
+import s3_server
+from dist_utils import bit_equal
+from ucp_dcp import RequestPolicy, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
+from ucp_dcp.byteio.objstore import ObjectStore, discard
+from ucp_dcp.errors import StorageError
+
+s3_bucket = s3_server.s3_bucket  # session fixtures, made visible to this module
+s3_proxy = fault_proxy.s3_proxy
+
+WATCHDOG_S = 60.0
+
+# Short deadlines: a stalled request is abandoned after at most a second.
+FAST = RequestPolicy(deadline_floor_s=0.3, deadline_cap_s=1.0, hedge_floor_s=0.1)
+
+
+@pytest.fixture(autouse=True)
+def watchdog() -> Iterator[None]:
+    """A test that hangs fails with every thread's stack instead of holding the suite."""
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _ranged_get(m: str, p: str, h: Any) -> bool:
+    return m == "GET" and h.get("Range") is not None
+
+
+def _part(number: int | None = None) -> Any:
+    def match(m: str, p: str, h: Any) -> bool:
+        return m == "PUT" and (f"partNumber={number}&" in p + "&" if number else "partNumber=" in p)
+
+    return match
+
+
+def _state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(512, 1024, generator=g), "b": torch.randn(77, generator=g), "step": seed}
+
+
+def _zeros(sd: dict[str, Any]) -> dict[str, Any]:
+    return {k: torch.zeros_like(v) if torch.is_tensor(v) else 0 for k, v in sd.items()}
+
+
+def _same(got: dict[str, Any], sd: dict[str, Any]) -> bool:
+    return all(bit_equal(got[k], v) if torch.is_tensor(v) else got[k] == v for k, v in sd.items())
+
+
+def test_a_stalled_get_is_abandoned_at_its_deadline_and_the_load_is_bit_exact(s3_proxy: Any) -> None:
+    base, options, proxy = s3_proxy
+    url = f"{base}/stall-{uuid.uuid4().hex[:8]}"
+    sd = _state(1)
+    dcp.save(sd, storage_writer=UCPStorageWriter(url, storage_options=options), planner=UCPSavePlanner())
+    proxy.reset_records()
+    proxy.inject("stall", count=1, match=_ranged_get)  # the data file's first ranged GET never answers
+    got = _zeros(sd)
+    reader = UCPStorageReader(url, storage_options=options, requests=FAST)
+    t0 = time.monotonic()
+    dcp.load(got, storage_reader=reader, planner=UCPLoadPlanner())
+    took = time.monotonic() - t0
+    assert _same(got, sd)
+    assert proxy.count(fault="stall") == 1
+    stats = reader.source.store.stats
+    # Nothing was observed before that first GET: it waited the cap (1 s), then was sent again.
+    assert stats.timeouts == 1 and stats.retries == 1, stats
+    assert 1.0 <= took < 1.0 + 5, took
+
+
+def test_slow_gets_are_hedged_within_the_byte_budget(s3_proxy: Any) -> None:
+    base, options, proxy = s3_proxy
+    # Deadlines far off: only a hedge can finish the slowed GETs early.
+    policy = RequestPolicy(deadline_floor_s=8.0, deadline_cap_s=10.0, hedge_floor_s=0.1)
+    store = ObjectStore(f"{base}/hedge-{uuid.uuid4().hex[:8]}", options, requests=policy)
+    data = os.urandom(4 << 20)
+    store.put("obj", data)
+    piece = 64 << 10
+    ranges = [("obj", o, o + piece) for o in range(0, len(data), piece)]
+    assert b"".join(store.read_ranges(ranges)) == data  # 64 GETs: the running medians
+    proxy.reset_records()
+    proxy.inject("slow", count=2, match=_ranged_get, delay_s=1.2)  # 20x and more the others' time
+    t0 = time.monotonic()
+    assert b"".join(store.read_ranges(ranges[:16])) == data[: 16 * piece]
+    took = time.monotonic() - t0
+    s = store.stats
+    assert (s.hedges, s.hedge_wins, s.hedged_bytes, s.timeouts) == (2, 2, 2 * piece, 0), s
+    assert s.hedged_bytes <= policy.hedge_fraction * s.bytes_requested, s
+    assert took < 1.2, took  # the slowed answers came 1.2 s after they were asked for
+    # At the server's side: the two slowed ranges were asked for twice, every other range once.
+    slowed = {r.range for r in proxy.select("GET", fault="slow")}
+    asked = [r.range for r in proxy.select("GET")]
+    assert len(slowed) == 2 and all(asked.count(r) == 2 for r in slowed), asked
+    assert len(asked) == 16 + 2
+
+
+def test_no_hedge_beyond_the_budget(s3_proxy: Any) -> None:
+    base, options, proxy = s3_proxy
+    policy = RequestPolicy(deadline_floor_s=8.0, deadline_cap_s=10.0, hedge_floor_s=0.1)
+    store = ObjectStore(f"{base}/budget-{uuid.uuid4().hex[:8]}", options, requests=policy)
+    data = os.urandom(1 << 20)
+    store.put("obj", data)
+    ranges = [("obj", o, o + (256 << 10)) for o in range(0, len(data), 256 << 10)]
+    store.read_ranges(ranges * 2)  # 8 requests of 256 KiB: a budget of 5% of 2 MiB < 256 KiB
+    proxy.inject("slow", count=1, match=_ranged_get, delay_s=0.6)
+    assert b"".join(store.read_ranges(ranges)) == data
+    assert store.stats.hedges == 0 and store.stats.hedged_bytes == 0, store.stats
+
+
+def test_a_503_burst_pauses_the_whole_stream(s3_proxy: Any) -> None:
+    base, options, proxy = s3_proxy
+    policy = RequestPolicy(max_in_flight=2, throttle_pause_s=0.4, hedge=False)
+    store = ObjectStore(f"{base}/slowdown-{uuid.uuid4().hex[:8]}", options, requests=policy)
+    data = os.urandom(1 << 20)
+    store.put("obj", data)
+    proxy.reset_records()
+    proxy.inject("503", count=2, match=_ranged_get)
+    ranges = [("obj", o, o + (64 << 10)) for o in range(0, len(data), 64 << 10)]
+    assert b"".join(store.read_ranges(ranges)) == data
+    recs = proxy.select("GET")
+    throttled = [r for r in recs if r.fault == "503"]
+    assert len(throttled) == 2 and store.stats.throttles == 2, store.stats
+    first_503 = min(r.started_s + r.elapsed_s for r in throttled)
+    # No new request started within the pause after the first SlowDown (botocore's own retries of
+    # the throttled ranges may), and never more than 2 at once.
+    again = {r.range for r in throttled}
+    new = [r.started_s - first_503 for r in recs if r.range not in again and r.started_s > first_503]
+    assert new and min(new) >= 0.35, sorted(new)
+    assert store.stats.throttle_wait_s > 0 and store.stats.most_in_flight <= 2, store.stats
+    assert proxy.max_in_flight("GET") <= 2
+
+
+def test_a_stalled_part_upload_is_retried_and_a_dead_one_fails_naming_the_part(s3_proxy: Any) -> None:
+    base, options, proxy = s3_proxy
+    url = f"{base}/parts-{uuid.uuid4().hex[:8]}"
+    store = ObjectStore(url, options, write_block_bytes=5 << 20, upload_parallel=2, requests=FAST)
+    data = os.urandom(6 << 20)  # parts of 5 and 1 MiB
+    proxy.inject("stall", count=1, match=_part(2))
+    out = store.open_write("obj")
+    out.write(data)
+    out.close()
+    assert store.read("obj") == data
+    assert proxy.count(fault="stall") == 1 and store.stats.timeouts == 1, store.stats
+
+    policy = RequestPolicy(attempts=2, deadline_floor_s=0.3, deadline_cap_s=0.5)
+    store = ObjectStore(url, options, write_block_bytes=5 << 20, upload_parallel=2, requests=policy)
+    proxy.inject("stall", count=1000, match=_part(1))
+    out = store.open_write("dead")
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as e:
+        out.write(data)
+        out.close()
+    took = time.monotonic() - t0
+    discard(out)
+    proxy.clear()
+    assert re.fullmatch(
+        re.escape(f"{url}/dead") + r": uploading part 1 \(bytes \[0, 5242880\)\) failed \(after 2 tries\): "
+        r"DeadlineExceeded: rank 0 got no answer within the deadline of each of 2 tries "
+        r"\(0\.50, 0\.50 s for 5242880 bytes\) and waited 1\.\d\d s in all",
+        str(e.value),
+    ), str(e.value)
+    assert took < 3.0, took
+    assert "dead" not in store.list()
