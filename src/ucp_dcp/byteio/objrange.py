@@ -23,6 +23,7 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from .objrequests import ObjectStats
 from .objstore import ObjectStore
 from .rangeio import ByteSource, ReadStats, Segment, _Request, coalesce
 
@@ -84,6 +85,12 @@ class ObjectRangeReader(ByteSource):
         self._window = max(window_bytes, self._max_request)
         self._dense_window = max(self._window, self._max_request * max(dense_parallel, 1))
         self.stats = ReadStats()
+
+    @property
+    def object_stats(self) -> ObjectStats:
+        """The store's request counters: deadlines passed, retries, hedges and their bytes,
+        throttling (of every request of the store's load, headers included)."""
+        return self.store.stats
 
     def close(self) -> None:
         """Nothing to release (the store's connections belong to fsspec's cached filesystem)."""

@@ -88,17 +88,20 @@ class RequestPolicy:
 
     Given to :class:`~ucp_dcp.UCPStorageReader` and :class:`~ucp_dcp.UCPStorageWriter`
     as ``requests=``; the defaults suit a real object store (a request's
-    deadline is never under 10 s). Tests and benchmarks shorten them.
+    deadline is never under 5 s). Tests and benchmarks shorten them.
     """
 
     attempts: int = 5
     """Tries of a request in all (1: no retry), with exponential backoff and jitter between
     them (:class:`RetryPolicy`). A request that never answers fails after at most
     ``attempts * deadline_cap_s`` plus the backoffs."""
-    deadline_floor_s: float = 10.0
+    deadline_floor_s: float = 5.0
     """The least time a request gets before it is abandoned and tried again."""
-    deadline_cap_s: float = 120.0
-    """The most time a request gets; also the deadline before any throughput is observed."""
+    deadline_cap_s: float = 60.0
+    """The most time a request gets (botocore's own read timeout is 60 s per read)."""
+    first_bytes_per_s: float = float(1 << 20)
+    """Before any request was observed, a request gets the time its size takes at this rate
+    (within the floor and cap); a request of unknown size gets the cap."""
     deadline_factor: float = 8.0
     """A request's deadline is this many times the time its size took so far (the median of
     requests of its size, else its size at the median throughput), within the floor and cap."""
@@ -278,7 +281,7 @@ class RequestScheduler:
         p = self.policy
         expected = self._observed.expected(n)
         if expected is None:
-            return p.deadline_cap_s
+            return min(p.deadline_cap_s, max(p.deadline_floor_s, n / p.first_bytes_per_s))
         return min(p.deadline_cap_s, max(p.deadline_floor_s, p.deadline_factor * expected))
 
     def _hedge_after(self, n: int) -> float | None:

@@ -1,0 +1,251 @@
+#!/usr/bin/env python
+"""Loads from a loopback S3 server under faults: deadlines and hedged reads vs. DCP's FsspecReader.
+
+One run starts moto's S3 server on 127.0.0.1 (a child process,
+``harness.objstore.MotoServer``) and the tests' fault proxy
+(``tests/fault_proxy.py``, in this process) in front of it. A state of
+``--size-mb`` MB (fp32 tensors, ``Shard(0)`` DTensors) is saved from 4 gloo
+ranks twice, fault-free: with ``UCPStorageWriter`` and with DCP's
+``FsspecWriter``. Then each reader loads it resharded on 3 ranks, into
+NaN-filled targets, checked bit-exactly, under each fault scenario:
+
+* ``none``: no fault;
+* ``slow1`` / ``slow5``: each ranged GET is slowed with probability 1% / 5%
+  (the proxy holds its answer ``--slow-factor`` (20) times the median time of
+  a ranged GET of the fault-free ucp load);
+* ``slow5+stall``: as ``slow5``, and the first ranged GET of the load never
+  answers (the proxy holds it ``--stall-s`` (30 s) then closes it, unless
+  the client gives up first).
+
+Readers: ``ucp`` (``UCPStorageReader`` with ``RequestPolicy(deadline_floor_s=1)``:
+hedged reads and deadlines), ``ucp-nohedge`` (the same, ``hedge=False``:
+deadlines only) and ``dcp`` (``FsspecReader`` + DCP's default planner). A
+load's time is the slowest rank's (barrier, ``dcp.load``, barrier); it is
+reported relative to the same reader's fault-free load. Each (reader,
+scenario) is one spawn of 3 ranks and one load (no repeats: the faults are
+random, and a run takes minutes).
+
+Usage::
+
+    python benchmarks/bench_faults.py                  # 48 MB, every scenario and reader
+    python benchmarks/bench_faults.py --size-mb 16 --readers ucp --scenarios none,slow5+stall
+
+Needs ``moto[server]`` and ``s3fs``. See docs/object-storage.md ("Deadlines, hedged reads and
+throttling").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from harness import _srcpath  # noqa: F401  (the checkout's src/ first on sys.path)
+from harness.launch import spawn_ranks
+from harness.objstore import MotoServer, s3_environment, storage_options
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from fault_proxy import FaultProxy  # noqa: E402  (the tests' proxy: stall and slow faults)
+
+SCENARIOS = ("none", "slow1", "slow5", "slow5+stall")
+READERS = ("ucp", "ucp-nohedge", "dcp")
+ROWS = 1024  # every tensor is (ROWS * k, 1024) fp32
+
+
+def _tensors(size_mb: int) -> dict[str, tuple[int, int]]:
+    """Six tensors of about ``size_mb`` MB in all."""
+    rows = max(ROWS, (size_mb << 20) // 6 // 4096 // 12 * 12)  # divisible by 4 and 3 ranks
+    return {f"w{i}": (rows, 1024) for i in range(6)}
+
+
+def _full(name: str, shape: tuple[int, int]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(shape, generator=g)
+
+
+def _state(mesh: Any, shapes: dict[str, tuple[int, int]], fill: float | None) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor, Shard
+
+    out: dict[str, Any] = {}
+    for name, shape in shapes.items():
+        full = _full(name, shape)
+        n, r = mesh.size(), mesh.get_local_rank()
+        local = full.chunk(n, 0)[r].clone()
+        if fill is not None:
+            local.fill_(fill)
+        out[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape,
+                                       stride=full.stride())
+    return out
+
+
+def save_rank(rank: int, world: int, urls: dict[str, str], options: dict[str, Any],
+              shapes: dict[str, tuple[int, int]]) -> None:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ucp_dcp import UCPSavePlanner, UCPStorageWriter
+
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {"model": _state(mesh, shapes, None)}
+    dcp.save(sd, storage_writer=UCPStorageWriter(urls["ucp"], storage_options=options), planner=UCPSavePlanner())
+    dcp.save(sd, storage_writer=FsspecWriter(urls["dcp"], sync_files=False, **options))
+
+
+def load_rank(rank: int, world: int, reader_kind: str, url: str, options: dict[str, Any],
+              shapes: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ucp_dcp import RequestPolicy, UCPLoadPlanner, UCPStorageReader
+
+    mesh = init_device_mesh("cpu", (world,))
+    target = {"model": _state(mesh, shapes, float("nan"))}
+    if reader_kind == "dcp":
+        reader: Any = FsspecReader(url, **options)
+        planner = None
+    else:
+        policy = RequestPolicy(deadline_floor_s=1.0, hedge=reader_kind == "ucp")
+        reader = UCPStorageReader(url, storage_options=options, requests=policy)
+        planner = UCPLoadPlanner()
+    dist.barrier()
+    t0 = time.perf_counter()
+    err = ""
+    try:
+        dcp.load(target, storage_reader=reader, planner=planner)
+    except BaseException as e:  # noqa: BLE001 (reported, the run goes on)
+        err = f"{type(e).__name__}: {e}"[:400]
+    took = time.perf_counter() - t0
+    dist.barrier()
+    slowest = torch.tensor([took])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    wrong = [] if err else [
+        k for k, v in target["model"].items()
+        if not torch.equal(v.to_local().view(torch.int32), _full(k, shapes[k]).chunk(world, 0)[rank].view(torch.int32))
+    ]
+    out: dict[str, Any] = {"seconds": float(slowest), "own_seconds": took, "error": err, "wrong": wrong}
+    store = getattr(getattr(reader, "source", None), "store", None)
+    if store is not None:
+        from dataclasses import asdict
+
+        out["object_stats"] = asdict(store.stats)
+    return out
+
+
+def _ranged_get(m: str, p: str, h: Any) -> bool:
+    return m == "GET" and h.get("Range") is not None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    s3_environment()
+    shapes = _tensors(args.size_mb)
+    nbytes = sum(r * c * 4 for r, c in shapes.values())
+    doc: dict[str, Any] = {
+        "command": " ".join(["python", "benchmarks/bench_faults.py", *sys.argv[1:]]),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "torch": torch.__version__, "load_average_start": os.getloadavg()},
+        "state_bytes": nbytes, "save_ranks": 4, "load_ranks": 3, "runs": [],
+    }
+    with MotoServer() as server:
+        base = server.create_bucket(f"bench-faults-{uuid.uuid4().hex[:8]}")
+        with FaultProxy(server.endpoint) as proxy:
+            options = storage_options(proxy.url)
+            urls = {"ucp": f"{base}/ucp", "dcp": f"{base}/dcp"}
+            spawn_ranks(save_rank, 4, urls, options, shapes)
+            delay = None
+            for scenario in args.scenarios:
+                for kind in args.readers:
+                    proxy.clear()
+                    proxy.reset_records()
+                    if scenario != "none":
+                        assert delay is not None, "the fault-free ucp load measures the slow delay"
+                        p = 0.01 if scenario == "slow1" else 0.05
+                        rng = random.Random(f"{scenario}-{kind}")
+                        if scenario.endswith("+stall"):
+                            proxy.inject("stall", count=1, match=_ranged_get, delay_s=args.stall_s)
+                        proxy.inject("slow", count=10**6, delay_s=delay,
+                                     match=lambda m, path, h, rng=rng, p=p: _ranged_get(m, path, h) and rng.random() < p)
+                    url = urls["dcp" if kind == "dcp" else "ucp"]
+                    per_rank = spawn_ranks(load_rank, 3, kind, url, options, shapes)
+                    recs = proxy.select("GET")
+                    ranged = [r for r in recs if r.range is not None]
+                    if scenario == "none" and kind == "ucp":
+                        median = statistics.median(r.elapsed_s for r in ranged if r.fault is None)
+                        delay = args.slow_factor * median
+                        doc["median_ranged_get_s"], doc["slow_delay_s"] = median, delay
+                    run_rec = {
+                        "scenario": scenario, "reader": kind, "seconds": per_rank[0]["seconds"],
+                        "errors": [r["error"] for r in per_rank if r["error"]],
+                        "wrong": sorted({w for r in per_rank for w in r["wrong"]}),
+                        "gets": len(recs), "ranged_gets": len(ranged),
+                        "bytes_fetched": sum(r.response_bytes for r in recs),
+                        "slowed": sum(r.fault == "slow" for r in recs),
+                        "stalled": sum(r.fault == "stall" for r in recs),
+                    }
+                    stats = [r["object_stats"] for r in per_rank if "object_stats" in r]
+                    if stats:
+                        run_rec["object_stats"] = {k: sum(s[k] for s in stats) for k in
+                                                   ("requests", "bytes_requested", "hedges", "hedged_bytes",
+                                                    "hedge_wins", "timeouts", "retries", "throttles")}
+                        req = run_rec["object_stats"]["bytes_requested"]
+                        run_rec["hedged_fraction"] = run_rec["object_stats"]["hedged_bytes"] / req if req else 0.0
+                    doc["runs"].append(run_rec)
+                    print(json.dumps(run_rec), flush=True)
+    base_s = {r["reader"]: r["seconds"] for r in doc["runs"] if r["scenario"] == "none"}
+    for r in doc["runs"]:
+        r["relative_to_fault_free"] = r["seconds"] / base_s[r["reader"]] if r["reader"] in base_s else None
+    doc["machine"]["load_average_end"] = os.getloadavg()
+    return doc
+
+
+def table(doc: dict[str, Any]) -> str:
+    lines = ["| scenario | reader | load s | vs fault-free | slowed | stalled | hedges | hedged bytes % | timeouts | status |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["runs"]:
+        st = r.get("object_stats", {})
+        rel = r["relative_to_fault_free"]
+        status = "ok" if not r["errors"] and not r["wrong"] else f"FAILED: {(r['errors'] or r['wrong'])[0]}"
+        lines.append(
+            f"| {r['scenario']} | {r['reader']} | {r['seconds']:.2f} | {rel:.2f}x | {r['slowed']} | {r['stalled']} | "
+            f"{st.get('hedges', '-')} | {100 * r['hedged_fraction']:.1f} | {st.get('timeouts', '-')} | {status} |"
+            if "hedged_fraction" in r else
+            f"| {r['scenario']} | {r['reader']} | {r['seconds']:.2f} | {rel:.2f}x | {r['slowed']} | {r['stalled']} | "
+            f"- | - | - | {status} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-mb", type=int, default=48)
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--readers", default=",".join(READERS))
+    ap.add_argument("--slow-factor", type=float, default=20.0)
+    ap.add_argument("--stall-s", type=float, default=30.0)
+    ap.add_argument("--out", default="out/bench_faults.json")
+    args = ap.parse_args(argv)
+    args.scenarios = [s for s in args.scenarios.split(",") if s]
+    args.readers = [r for r in args.readers.split(",") if r]
+    if args.scenarios[0] != "none" or "ucp" not in args.readers:
+        ap.error("the first scenario must be 'none' and the readers must include 'ucp' (it measures the delay)")
+    doc = run(args)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(table(doc))
+    print(f"wrote {args.out}")
+    return 0 if all(not r["errors"] and not r["wrong"] for r in doc["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
