@@ -17,8 +17,9 @@ NaN-filled targets, checked bit-exactly, under each fault scenario:
   answers (the proxy holds it ``--stall-s`` (30 s) then closes it, unless
   the client gives up first).
 
-Readers: ``ucp`` (``UCPStorageReader`` with ``RequestPolicy(deadline_floor_s=1)``:
-hedged reads and deadlines), ``ucp-nohedge`` (the same, ``hedge=False``:
+Readers: ``ucp`` (``UCPStorageReader`` with ``RequestPolicy(deadline_floor_s=1,
+deadline_factor=4)`` by default, ``--floor-s``/``--deadline-factor``: hedged reads and
+deadlines), ``ucp-nohedge`` (the same, ``hedge=False``:
 deadlines only) and ``dcp`` (``FsspecReader`` + DCP's default planner). A
 load's time is the slowest rank's (barrier, ``dcp.load``, barrier); it is
 reported relative to the same reader's fault-free load. Each (reader,
@@ -103,7 +104,7 @@ def save_rank(rank: int, world: int, urls: dict[str, str], options: dict[str, An
 
 
 def load_rank(rank: int, world: int, reader_kind: str, url: str, options: dict[str, Any],
-              shapes: dict[str, tuple[int, int]]) -> dict[str, Any]:
+              shapes: dict[str, tuple[int, int]], policy_args: dict[str, float]) -> dict[str, Any]:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -115,7 +116,7 @@ def load_rank(rank: int, world: int, reader_kind: str, url: str, options: dict[s
         reader: Any = FsspecReader(url, **options)
         planner = None
     else:
-        policy = RequestPolicy(deadline_floor_s=1.0, hedge=reader_kind == "ucp")
+        policy = RequestPolicy(**policy_args, hedge=reader_kind == "ucp")
         reader = UCPStorageReader(url, storage_options=options, requests=policy)
         planner = UCPLoadPlanner()
     dist.barrier()
@@ -154,6 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(["python", "benchmarks/bench_faults.py", *sys.argv[1:]]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__, "load_average_start": os.getloadavg()},
+        "policy": {"deadline_floor_s": args.floor_s, "deadline_factor": args.deadline_factor},
         "state_bytes": nbytes, "save_ranks": 4, "load_ranks": 3, "runs": [],
     }
     with MotoServer() as server:
@@ -176,7 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         proxy.inject("slow", count=10**6, delay_s=delay,
                                      match=lambda m, path, h, rng=rng, p=p: _ranged_get(m, path, h) and rng.random() < p)
                     url = urls["dcp" if kind == "dcp" else "ucp"]
-                    per_rank = spawn_ranks(load_rank, 3, kind, url, options, shapes)
+                    per_rank = spawn_ranks(load_rank, 3, kind, url, options, shapes, doc["policy"])
                     recs = proxy.select("GET")
                     ranged = [r for r in recs if r.range is not None]
                     if scenario == "none" and kind == "ucp":
@@ -232,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--readers", default=",".join(READERS))
     ap.add_argument("--slow-factor", type=float, default=20.0)
     ap.add_argument("--stall-s", type=float, default=30.0)
+    ap.add_argument("--floor-s", type=float, default=1.0, help="RequestPolicy.deadline_floor_s of the ucp readers")
+    ap.add_argument("--deadline-factor", type=float, default=4.0, help="RequestPolicy.deadline_factor of the ucp readers")
     ap.add_argument("--out", default="out/bench_faults.json")
     args = ap.parse_args(argv)
     args.scenarios = [s for s in args.scenarios.split(",") if s]

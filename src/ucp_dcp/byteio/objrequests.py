@@ -16,9 +16,11 @@ One rank's requests to one checkpoint go through one :class:`RequestScheduler`
   for the sum of those timeouts.
 * **hedged reads**: a ranged GET that takes longer than
   :attr:`RequestPolicy.hedge_factor` times the median time of requests of its
-  size gets a second, identical request; the first complete answer wins and
-  the other is cancelled. The hedges' bytes are bounded by
-  :attr:`RequestPolicy.hedge_fraction` of the bytes requested so far and
+  size (before any is observed: of its size at
+  :attr:`RequestPolicy.first_bytes_per_s`) gets a second, identical request;
+  the first complete answer wins and the other is cancelled. The hedges'
+  bytes are bounded by :attr:`RequestPolicy.hedge_fraction` of the bytes
+  requested so far plus :attr:`RequestPolicy.hedge_allowance_bytes`, and
   counted in :class:`ObjectStats`.
 * **bounded**: at most :attr:`RequestPolicy.max_in_flight` requests of the
   scheduler are in flight at once (hedges included), whatever the callers
@@ -112,7 +114,11 @@ class RequestPolicy:
     hedge_floor_s: float = 0.2
     """No GET is hedged before it has taken this long (a round trip is not worth a hedge)."""
     hedge_fraction: float = 0.05
-    """Hedged bytes stay within this fraction of the bytes requested so far."""
+    """Hedged bytes stay within this fraction of the bytes requested so far, plus
+    ``hedge_allowance_bytes``."""
+    hedge_allowance_bytes: int = 256 << 10
+    """Hedged bytes allowed on top of ``hedge_fraction``: a stalled header request, one of the
+    first of a load, can be hedged before the fraction amounts to anything."""
     max_in_flight: int = 8
     """Requests of one rank in flight at once (hedges included): a job of thousands of ranks
     must not open a burst of connections per rank to one prefix."""
@@ -286,9 +292,11 @@ class RequestScheduler:
 
     def _hedge_after(self, n: int) -> float | None:
         p = self.policy
-        expected = self._observed.expected(n)
-        if not p.hedge or expected is None:
+        if not p.hedge:
             return None
+        expected = self._observed.expected(n)
+        if expected is None:  # nothing observed yet: the time its size takes at the first rate
+            expected = max(n, _SMALL) / p.first_bytes_per_s
         return max(p.hedge_floor_s, p.hedge_factor * expected)
 
     def throttled(self) -> None:
@@ -417,7 +425,7 @@ class RequestScheduler:
 
     def _may_hedge(self, nbytes: int) -> bool:
         s = self.stats
-        budget = self.policy.hedge_fraction * s.bytes_requested
+        budget = self.policy.hedge_fraction * s.bytes_requested + self.policy.hedge_allowance_bytes
         return (
             s.hedged_bytes + nbytes <= budget
             and self._slots is not None
