@@ -11,8 +11,8 @@ One rank's requests to one checkpoint go through one :class:`RequestScheduler`
   task cancelled, which closes its connection) and tried again; once the
   tries are spent the request fails with a
   :class:`~ucp_dcp.errors.StorageError` naming the object, the byte range,
-  the rank and how long it waited. The HTTP client's own read timeout (60 s
-  in botocore) is far too patient for this: a stalled request held a load
+  the rank and how long it waited. The HTTP client's own read timeout (15 s
+  per read in s3fs, then retried) is far too patient for this: a stalled request held a load
   for the sum of those timeouts.
 * **hedged reads**: a ranged GET that takes longer than
   :attr:`RequestPolicy.hedge_factor` times the median time of requests of its
@@ -100,7 +100,7 @@ class RequestPolicy:
     deadline_floor_s: float = 5.0
     """The least time a request gets before it is abandoned and tried again."""
     deadline_cap_s: float = 60.0
-    """The most time a request gets (botocore's own read timeout is 60 s per read)."""
+    """The most time a request gets."""
     first_bytes_per_s: float = float(1 << 20)
     """Before any request was observed, a request gets the time its size takes at this rate
     (within the floor and cap); a request of unknown size gets the cap."""
