@@ -250,14 +250,17 @@ def test_user_rules_load_a_checkpoint_without_universal_checkpoint_info(
 
 
 def test_dcp_load_takes_the_rules_through_the_storage_reader(tmp_path: Path) -> None:
-    """``UCPStorageReader(tp_rules=...)`` hands the rules to the DeepSpeed source: ``dcp.load`` of
-    the stripped checkpoint fills every weight and moment bit-exact."""
+    """``UCPStorageReader(tp_rules=...)`` and ``load_state_dict(tp_rules=...)`` hand the rules to
+    the DeepSpeed source: the stripped checkpoint loads every weight and moment bit-exact."""
     d = _stripped(tmp_path)
     want = expected("autotp2_dp2_zero1")
     sd = {k: torch.full_like(v, 13) for k, v in want.items()}
     reader = UCPStorageReader(str(d), tp_rules=RULES)
     dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner(), no_dist=True)
     assert [k for k, v in want.items() if not bit_equal(sd[k], v)] == []
+    # The hand-off reads it alike (Checkpoint passes the rules on).
+    full = load_state_dict(d, tp_rules=RULES)
+    assert [k for k, v in want.items() if not bit_equal(full[k], v)] == []
 
 
 def test_user_rules_override_wrong_patterns_of_the_checkpoint(
