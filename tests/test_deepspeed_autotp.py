@@ -12,10 +12,8 @@ of the steps after the save.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import bit_equal
+from ds_fixtures import generator
 from safetensors.torch import load_file
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -46,19 +45,7 @@ AUTOTP = Path(__file__).parent / "fixtures" / "deepspeed" / "autotp"
 VARIANTS = sorted(p.name for p in AUTOTP.iterdir() if (p / "latest").is_file())
 
 
-def _generator() -> Any:
-    # generate_autotp.py imports deepspeed only in its worker.
-    spec = importlib.util.spec_from_file_location(
-        "ds_autotp_fixture_generate", AUTOTP.parent / "generate_autotp.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-GEN = _generator()
+GEN = generator("generate_autotp.py")
 
 
 def meta(variant: str) -> dict[str, Any]:
