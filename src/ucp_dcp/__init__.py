@@ -24,10 +24,12 @@ from .adapters.rules import (
     Unstacked,
     VocabPad,
 )
+from .byteio.progress import ProgressConfig
 from .core.pieces import Piece, TensorPieces
 from .core.values import RankLocal
 from .dcp import UCPLoadPlanner, UCPSavePlanner
 from .dcp._read_once import ReadOnceCosts
+from .dcp._slowest import SlowestRecord
 from .dcp.reader import UCPStorageReader
 from .dcp.writer import UCPStorageWriter
 from .errors import (
@@ -55,6 +57,8 @@ __all__ = [
     "UCPStorageWriter",
     "UCPStorageReader",
     "ReadOnceCosts",
+    "ProgressConfig",
+    "SlowestRecord",
     "RankLocal",
     "Checkpoint",
     "load_state_dict",
