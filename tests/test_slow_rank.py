@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dist_utils import bit_equal, run_ranks
 from ucp_dcp import (
@@ -30,7 +31,7 @@ from ucp_dcp import (
 )
 from ucp_dcp.byteio import durable
 from ucp_dcp.byteio.progress import Progress
-from ucp_dcp.errors import InvalidArgumentError
+from ucp_dcp.errors import InvalidArgumentError, TruncatedFileError, unwrap
 
 WATCHDOG_S = 120
 EVERY = ProgressConfig(interval=0.05, threshold=0.0)  # a line at the first request after 50 ms
@@ -181,6 +182,22 @@ def _slow_rank_named(rank: int, world: int, root: str) -> None:
     assert everyone == [job] * world
     if rank == 0:
         assert any(m.startswith(f"load of {root}: slowest rank rank 1: ") for m in lines.lines)
+
+    # A load that fails on rank 1 (its reads of rank 0's file come back empty: a truncated file)
+    # fails on every rank with rank 1's error; the gather at its end waits for no one.
+    if rank == 1:
+        os.preadv = lambda fd, bufs, off: (
+            0 if slow_file in os.readlink(f"/proc/self/fd/{fd}") else real_preadv(fd, bufs, off)
+        )
+    failed = UCPStorageReader(root, read_once=False)
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load({k: torch.zeros_like(v) for k, v in full.items()}, storage_reader=failed,
+                 planner=UCPLoadPlanner())
+    os.preadv = real_preadv
+    err = unwrap(caught.value)
+    assert isinstance(err, TruncatedFileError) and slow_file in str(err), caught.value
+    assert list(caught.value.failures) == [1]
+    assert failed.slowest is not None and failed.rank_record is not None
 
     # A load without collectives (no_dist, one rank alone) gathers nothing: it would hang here.
     if rank == 0:
