@@ -13,25 +13,24 @@ and the losses of the steps after the save.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import pickle
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dist_utils import bit_equal, flatten, run_ranks
+from ds_fixtures import generator
 from safetensors.torch import load_file
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from dist_utils import bit_equal, flatten, run_ranks
 from ucp_dcp import (
     CheckpointFormatError,
     FlatShard,
@@ -54,18 +53,7 @@ REFERENCE_OF = {UNIVERSAL: "zero2_fp32_w2", UNIVERSAL3: "zero3_fp32_w2"}
 RESUME = ("zero3_fp32_w4", "zero2_fp32_w2", "zero1_fp32_w4")
 
 
-def _generate_module() -> Any:
-    # generate.py imports deepspeed only inside its worker: its model and
-    # optimizer groups are usable without it.
-    spec = importlib.util.spec_from_file_location("ds_fixture_generate", FIXTURES / "generate.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-GEN = _generate_module()
+GEN = generator("generate.py")
 
 
 def meta(variant: str) -> dict[str, Any]:

@@ -12,10 +12,8 @@ of the steps after the save.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import bit_equal
+from ds_fixtures import generator
 from safetensors.torch import load_file
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -46,19 +45,7 @@ AUTOTP = Path(__file__).parent / "fixtures" / "deepspeed" / "autotp"
 VARIANTS = sorted(p.name for p in AUTOTP.iterdir() if (p / "latest").is_file())
 
 
-def _generator() -> Any:
-    # generate_autotp.py imports deepspeed only in its worker.
-    spec = importlib.util.spec_from_file_location(
-        "ds_autotp_fixture_generate", AUTOTP.parent / "generate_autotp.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-GEN = _generator()
+GEN = generator("generate_autotp.py")
 
 
 def meta(variant: str) -> dict[str, Any]:
@@ -250,14 +237,17 @@ def test_user_rules_load_a_checkpoint_without_universal_checkpoint_info(
 
 
 def test_dcp_load_takes_the_rules_through_the_storage_reader(tmp_path: Path) -> None:
-    """``UCPStorageReader(tp_rules=...)`` hands the rules to the DeepSpeed source: ``dcp.load`` of
-    the stripped checkpoint fills every weight and moment bit-exact."""
+    """``UCPStorageReader(tp_rules=...)`` and ``load_state_dict(tp_rules=...)`` hand the rules to
+    the DeepSpeed source: the stripped checkpoint loads every weight and moment bit-exact."""
     d = _stripped(tmp_path)
     want = expected("autotp2_dp2_zero1")
     sd = {k: torch.full_like(v, 13) for k, v in want.items()}
     reader = UCPStorageReader(str(d), tp_rules=RULES)
     dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner(), no_dist=True)
     assert [k for k, v in want.items() if not bit_equal(sd[k], v)] == []
+    # The hand-off reads it alike (Checkpoint passes the rules on).
+    full = load_state_dict(d, tp_rules=RULES)
+    assert [k for k, v in want.items() if not bit_equal(full[k], v)] == []
 
 
 def test_user_rules_override_wrong_patterns_of_the_checkpoint(

@@ -10,17 +10,16 @@ rules and compared bit-exactly with DeepSpeed's own full tensors
 from __future__ import annotations
 
 import enum
-import importlib.util
 import json
 import math
 import pickletools
 import struct
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+from ds_fixtures import generator
 from safetensors.torch import load_file
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
@@ -221,15 +220,6 @@ def test_universal_folder_matches_its_source_references():
     assert torch.equal(_load(zero / "head.weight" / "fp32.pt")["param"], ref["param/head.weight"])
 
 
-def _generator():
-    """tests/fixtures/deepspeed/generate.py as a module: the model, batches and loss of the fixtures."""
-    spec = importlib.util.spec_from_file_location("ds_fixture_generate", FIXTURES / "generate.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, mod)  # its dataclasses look their module up there
-    spec.loader.exec_module(sys.modules[spec.name])
-    return sys.modules[spec.name]
-
-
 def _mean_loss(gen, model, kind, ref, step, world):
     return sum(gen.loss_of(model, kind, ref[f"batch/step{step}/rank{r}"]) for r in range(world)) / world
 
@@ -243,7 +233,7 @@ _LOSS_TOL = dict(rel=1e-6, abs=1e-6)
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if "_fp32_" in v and not v.startswith("llama")])
 def test_references_resume_training_in_plain_torch(variant):
     """Full params + moments + step from the references, the recipe of reference.json: DeepSpeed's step 3 and 4 losses."""
-    gen = _generator()
+    gen = generator("generate.py")
     meta = json.loads((FIXTURES / variant / "reference.json").read_text())
     ref = load_file(FIXTURES / variant / "reference.safetensors")
     model = gen.build_model("mlp")
@@ -276,7 +266,7 @@ def test_references_resume_training_in_plain_torch(variant):
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.startswith("llama")])
 def test_llama_references_reproduce_step3_loss(variant):
     pytest.importorskip("transformers")
-    gen = _generator()
+    gen = generator("generate.py")
     meta = json.loads((FIXTURES / variant / "reference.json").read_text())
     ref = load_file(FIXTURES / variant / "reference.safetensors")
     model = gen.build_model("llama")

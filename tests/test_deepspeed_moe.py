@@ -15,11 +15,9 @@ its experts' bytes.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import bit_equal, run_ranks
+from ds_fixtures import generator
 from safetensors.torch import load_file
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -47,17 +46,7 @@ MOE = Path(__file__).parent / "fixtures" / "deepspeed" / "moe"
 VARIANTS = sorted(p.name for p in MOE.iterdir() if (p / "latest").is_file())
 
 
-def _generator() -> Any:
-    # generate_moe.py imports deepspeed only inside its worker.
-    spec = importlib.util.spec_from_file_location("ds_moe_fixture_generate", MOE.parent / "generate_moe.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-GEN = _generator()
+GEN = generator("generate_moe.py")
 EXPERT = GEN.PREFIX  # "moe.deepspeed_moe.experts.deepspeed_experts."
 
 

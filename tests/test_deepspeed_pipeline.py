@@ -12,11 +12,9 @@ state; ``reference.json`` the losses of the steps after the save.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +22,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import bit_equal, flatten, run_ranks
+from ds_fixtures import generator
 from safetensors.torch import load_file
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -48,19 +47,7 @@ TP_FP32 = [
 UNIVERSAL = sorted(p.name for p in PIPE.iterdir() if (p / "latest_universal").is_file())
 
 
-def _generator() -> Any:
-    # generate_pipe.py imports deepspeed only in its worker and layer_specs.
-    spec = importlib.util.spec_from_file_location(
-        "ds_pipe_fixture_generate", PIPE.parent / "generate_pipe.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-GEN = _generator()
+GEN = generator("generate_pipe.py")
 
 
 def meta(variant: str) -> dict[str, Any]:

@@ -32,8 +32,20 @@ def _save_fsdp(rank: int, world: int, root: str) -> None:
                     p.add_(1.0)
         mgr.wait()
         assert mgr.steps() == [2, 3]
+        _check_slowest([r.slowest for r in mgr.stats()], world)
     if rank == 0:
         torch.save(ref, os.path.join(root, "ref.pt"))
+
+
+def _check_slowest(records: list, world: int) -> None:
+    """Each save's or restore's slowest rank is named, with its file, the same on every rank."""
+    assert records and all(
+        r is not None and 0 <= r.rank < world and r.file.endswith(".safetensors") and r.seconds > 0
+        for r in records
+    ), records
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, records)
+    assert everyone == [records] * world, everyone
 
 
 def _restore_elastic(rank: int, world: int, root: str) -> None:
@@ -46,6 +58,8 @@ def _restore_elastic(rank: int, world: int, root: str) -> None:
         step = mgr.load(state)
     assert step == 3
     assert events == [ReshardEvent(3, 4, world, "persistent")], events
+    assert mgr.last_restore is not None
+    _check_slowest([mgr.last_restore.slowest], world)
     ref = torch.load(os.path.join(root, "ref.pt"), weights_only=False)
     check_against(state, ref, f"rank {rank} of {world}")
 

@@ -270,13 +270,21 @@ def _load_s3(
     _gather(rank, world, {**_record(reader), **fetched}, out)
 
 
-def test_object_store_auto_reads_each_byte_once(
-    s3_proxy: tuple[str, dict[str, Any], FaultProxy], tmp_path: Path
-) -> None:
-    # The options lead s3fs through the proxy, which counts what the server sends.
-    base, options, proxy = s3_proxy
+@pytest.fixture(scope="module")
+def saved_s3(s3_bucket: tuple[str, dict[str, Any]]) -> str:
+    """The URL of a checkpoint saved on WORLD ranks in the test server (once for the module)."""
+    base, options = s3_bucket
     url = f"{base}/read-once-{uuid.uuid4().hex[:8]}"
     run_ranks(WORLD, _save_s3, url, options)
+    return url
+
+
+def test_object_store_auto_reads_each_byte_once(
+    saved_s3: str, s3_proxy: tuple[str, dict[str, Any], FaultProxy], tmp_path: Path
+) -> None:
+    # The options lead s3fs through the proxy, which counts what the server sends.
+    _, options, proxy = s3_proxy
+    url = saved_s3
     runs: dict[bool | str, tuple[list[dict[str, Any]], int]] = {}
     for once in ("auto", False):
         proxy.reset_records()
@@ -322,14 +330,15 @@ def _load_without_an_object(
 
 
 def test_a_header_one_rank_cannot_fetch_for_the_others_fails_every_rank(
-    s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path
+    saved_s3: str, s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path
 ) -> None:
     """Each data file's first request is made by one rank for all: where that rank's request
     fails, every rank raises its storage error, naming the object; none waits."""
-    base, options = s3_bucket
-    url = f"{base}/read-once-gone-{uuid.uuid4().hex[:8]}"
-    run_ranks(WORLD, _save_s3, url, options)
+    _, options = s3_bucket
+    url = f"{saved_s3}-gone"
     store = ObjectStore(url, options)
+    for name in ObjectStore(saved_s3, options).list():
+        store.fs.copy(f"{saved_s3}/{name}", store.path(name))
     gone = sorted(n for n in store.list() if n.startswith("rank"))[1]
     store.remove([gone])
     out = str(tmp_path / "errors.pt")

@@ -25,10 +25,12 @@ from .adapters.rules import (
     VocabPad,
 )
 from .byteio.objrequests import RequestPolicy
+from .byteio.progress import ProgressConfig
 from .core.pieces import Piece, TensorPieces
 from .core.values import RankLocal
 from .dcp import UCPLoadPlanner, UCPSavePlanner
 from .dcp._read_once import ReadOnceCosts
+from .dcp._slowest import SlowestRecord
 from .dcp.reader import UCPStorageReader
 from .dcp.writer import UCPStorageWriter
 from .errors import (
@@ -57,6 +59,8 @@ __all__ = [
     "UCPStorageReader",
     "ReadOnceCosts",
     "RequestPolicy",
+    "ProgressConfig",
+    "SlowestRecord",
     "RankLocal",
     "Checkpoint",
     "load_state_dict",

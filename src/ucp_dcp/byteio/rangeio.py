@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ import torch
 from ..core.spans import ACCESS_MODES, SEQUENTIAL, file_access
 from ..errors import InvalidArgumentError, TruncatedFileError
 from .files import open_data_file
+from .progress import Progress
 
 __all__ = [
     "coalesce",
@@ -103,17 +105,38 @@ class Segment(NamedTuple):
 
 @dataclass
 class ReadStats:
-    """What a reader asked storage for: calls, bytes requested (gaps included)."""
+    """What a reader asked storage for: calls, bytes requested (gaps included), and per file
+    the bytes and the seconds its requests took (which file held this rank up)."""
 
     calls: int = 0
     bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    file_bytes: dict[int, int] = field(default_factory=dict)
+    """Bytes requested per file number (requests that named their file)."""
+    file_seconds: dict[int, float] = field(default_factory=dict)
+    """Seconds of requests per file number, summed over the threads that made them (on object
+    storage, each batch of concurrent requests' time shared among them by bytes)."""
+    progress: Progress | None = field(default=None, repr=False)
+    """Fed every request's bytes, to log a long load's progress (set by the load)."""
 
-    def add(self, calls: int, nbytes: int) -> None:
-        """Count ``calls`` system calls that requested ``nbytes`` bytes."""
+    def add(self, calls: int, nbytes: int, file: int = -1, seconds: float = 0.0) -> None:
+        """Count ``calls`` system calls that requested ``nbytes`` bytes; with ``file``, also
+        ``nbytes`` and ``seconds`` (how long they took) for that file."""
         with self._lock:
             self.calls += calls
             self.bytes += nbytes
+            if file >= 0:
+                self.file_bytes[file] = self.file_bytes.get(file, 0) + nbytes
+                self.file_seconds[file] = self.file_seconds.get(file, 0.0) + seconds
+            if self.progress is not None:
+                self.progress.add(nbytes)
+
+    def slowest_file(self) -> int | None:
+        """The file number whose requests took the most seconds (more bytes breaks a tie); None
+        if no request named its file."""
+        if not self.file_seconds:
+            return None
+        return max(self.file_seconds, key=lambda f: (self.file_seconds[f], self.file_bytes[f]))
 
 
 @dataclass
@@ -393,6 +416,7 @@ class RangeReader(ByteSource):
 
     def _run(self, r: _Request, fd: int | None = None) -> None:
         fd = self.fd(r.file) if fd is None else fd
+        t0 = time.perf_counter()
         bufs, off, left, calls = r.bufs, r.offset, r.nbytes, 0
         while left:
             got = os.preadv(fd, bufs, off)
@@ -409,7 +433,7 @@ class RangeReader(ByteSource):
                     got -= len(bufs[0])
                     bufs = bufs[1:]
                 bufs = [bufs[0][got:], *bufs[1:]]
-        self.stats.add(calls, r.nbytes)
+        self.stats.add(calls, r.nbytes, r.file, time.perf_counter() - t0)
         if r.done:
             for fn, n in r.done:
                 fn(n)

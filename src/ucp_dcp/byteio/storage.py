@@ -28,6 +28,7 @@ from ..format import INDEX_FILE, Index, PlannedEntry, index_bytes
 from .datafile import DataFileWriter, stream_data_file
 from .durable import atomic_write
 from .objstore import ObjectStore, RequestPolicy, discard, is_url, local_path
+from .progress import Progress
 
 __all__ = [
     "CheckpointStorage",
@@ -54,7 +55,7 @@ class WrittenFile(NamedTuple):
 @dataclass(frozen=True)
 class DataFileSpec:
     """Who writes a data file, for which save, and how (``sync`` and ``threads`` matter to local
-    files only)."""
+    files only; ``progress``, if given, is fed the bytes of each piece written)."""
 
     rank: int
     world_size: int
@@ -62,6 +63,21 @@ class DataFileSpec:
     align: int
     sync: bool = True
     threads: int = 1
+    progress: Progress | None = None
+
+
+class _Counted:
+    """A streamed write that feeds ``progress`` the bytes of every write."""
+
+    def __init__(self, out: Any, progress: Progress) -> None:
+        self.out = out
+        self.progress = progress
+
+    def write(self, data: Any) -> int:
+        """Append ``data`` to the stream, then count it."""
+        n: int = self.out.write(data)
+        self.progress.add(memoryview(data).nbytes)
+        return n
 
 
 class CheckpointStorage(Protocol):
@@ -150,6 +166,8 @@ class LocalStorage:
             with out:
                 for i, (piece, stable) in enumerate(data):
                     out.write(i, piece, stable=stable)
+                    if spec.progress is not None:  # written, or queued behind a few pieces
+                        spec.progress.add(memoryview(piece).nbytes)
         except OSError as e:
             gone = "; its partial file was removed" if out.created else ""
             raise write_error(
@@ -212,7 +230,7 @@ class ObjectStorage:
             out = self.store.open_write(name)
             try:
                 done = stream_data_file(
-                    out,
+                    out if spec.progress is None else _Counted(out, spec.progress),
                     entries,
                     pieces,
                     path=self.store.url_of(name),

@@ -77,8 +77,8 @@ def share_first_requests(
     gathered: list[object] = [None] * world
     dist.all_gather_object(gathered, mine, group=group)
     _raise_any(gathered, failure)
-    readers = _readers([g for g in gathered if isinstance(g, tuple)])
-    reads = sorted(f for f, r in readers.items() if r == me)
+    readers = _readers(gathered)
+    reads = np.flatnonzero(readers == me).tolist()
     error: BaseException | None = None
     got: Mapping[int, bytes] = {}
     try:
@@ -90,14 +90,17 @@ def share_first_requests(
         _message(got, _wants(gathered[p], reads) if p != me else [], size, error)
         for p in range(world)
     ]
-    expect = [sorted(f for f in files.tolist() if readers[f] == p != me) for p in range(world)]
+    expect: list[list[int]] = [[] for _ in range(world)]
+    for f in files.tolist():  # sorted: each reader sends its files in order
+        if readers[f] != me:
+            expect[readers[f]].append(f)
     recv_sizes = [STATUS_BYTES + sum(size(f) for f in fs) for fs in expect]
     wire = wire_device(group)
     send = torch.from_numpy(np.concatenate(sends))
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=wire)
     dist.all_to_all_single(recv, send.to(wire), recv_sizes, [len(m) for m in sends], group=group)
     data = recv.cpu().numpy()
-    held: dict[int, bytes] = {f: got[f] for f in reads if f in got and f in set(wanted)}
+    held: dict[int, bytes] = {f: got[f] for f in files.tolist() if f in got}
     failed: int | None = None
     at = 0
     for p, (fs, nbytes) in enumerate(zip(expect, recv_sizes)):
@@ -129,15 +132,23 @@ def _raise_any(gathered: list[object], failure: BaseException | None) -> None:
             )
 
 
-def _readers(runs: list[object]) -> dict[int, int]:
-    """Who fetches each file some rank reads: the ``f mod n``-th of its ``n`` readers."""
-    needers: dict[int, list[int]] = {}
-    for r, g in enumerate(runs):
-        assert isinstance(g, tuple)
-        for a, b in zip(*(x.tolist() for x in g)):
-            for f in range(a, b):
-                needers.setdefault(f, []).append(r)
-    return {f: rs[f % len(rs)] for f, rs in needers.items()}
+def _readers(runs: list[object]) -> np.ndarray:
+    """Who fetches each file (by file number; -1 for files no rank reads): the ``f mod n``-th,
+    in rank order, of its ``n`` readers. Numpy over each rank's runs: linear in the files the
+    ranks read, whatever the number of ranks."""
+    spans = [(r, a, b) for r, g in enumerate(runs) if isinstance(g, tuple) for a, b in zip(*g)]
+    end = max((int(b) for _, _, b in spans), default=0)
+    count = np.zeros(end, dtype=np.int64)
+    for _, a, b in spans:
+        count[a:b] += 1
+    pick = np.arange(end) % np.maximum(count, 1)  # which of its readers, in rank order
+    seen = np.zeros(end, dtype=np.int64)
+    reader = np.full(end, -1, dtype=np.int64)
+    for r, a, b in spans:  # in rank order
+        hit = seen[a:b] == pick[a:b]
+        reader[a:b][hit] = r
+        seen[a:b] += 1
+    return reader
 
 
 def _wants(runs: object, files: list[int]) -> list[int]:

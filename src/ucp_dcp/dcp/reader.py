@@ -12,10 +12,12 @@ dimension order). The reader itself knows no format.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import io
 import os
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -37,7 +39,8 @@ from torch.futures import Future
 
 from ..byteio.engine import ChunkReads
 from ..byteio.objrequests import RequestPolicy
-from ..byteio.rangeio import ByteSource, check_access
+from ..byteio.progress import Progress, ProgressConfig
+from ..byteio.rangeio import ByteSource, ReadStats, check_access
 from ..byteio.transfer import ChunkRegion, extents, needs_staging
 from ..core.sharding import Box
 from ..core.values import decode_value
@@ -60,6 +63,7 @@ from ._read_once import (
     decide,
     shared_storage,
 )
+from ._slowest import LoadRun, SlowestRecord, name_slowest, rank_record
 from .load_planner import UCPLoadPlanner
 
 __all__ = ["UCPStorageReader"]
@@ -186,7 +190,16 @@ class UCPStorageReader(_Directory, StorageReader):
             what it moved. Every rank of the group must load with the same
             setting.
         process_group: the group ``dcp.load`` runs on (default: the default
-            group), for ``read_once``.
+            group), for ``read_once`` and for naming the job's slowest rank.
+        progress: when a long load logs its progress, per rank, on the
+            ``ucp_dcp.progress`` logger (:class:`~ucp_dcp.ProgressConfig`:
+            after 5 s, every 10 s by default; a line says the bytes read and the
+            rate). After a load, ``rank_record`` (a :class:`~ucp_dcp.SlowestRecord`)
+            says how long this rank read, how many bytes, and which file its
+            requests spent the most time on; ``slowest`` says the same of the
+            job's slowest rank, learnt with one small gather at the end of a load
+            that runs collectives over ``process_group`` (elsewhere it is this
+            rank's own record).
     """
 
     def __init__(
@@ -208,6 +221,7 @@ class UCPStorageReader(_Directory, StorageReader):
         read_once: bool | str = "auto",
         process_group: dist.ProcessGroup | None = None,
         read_once_costs: ReadOnceCosts | None = None,
+        progress: ProgressConfig | None = None,
     ) -> None:
         super().__init__()
         self.access = check_access(access)
@@ -218,6 +232,11 @@ class UCPStorageReader(_Directory, StorageReader):
         self._storage: tuple[bool, str] = (False, "")  # set by _may_exchange
         self.exchange_totals: ExchangeTotals | None = None
         self.file_access: dict[str, str] = {}
+        self.progress = progress if progress is not None else ProgressConfig()
+        self.rank_record: SlowestRecord | None = None
+        self.slowest: SlowestRecord | None = None
+        self._stats = ReadStats()  # the last load's byte reader's
+        self._progress: Progress | None = None
         if dcp_values not in DCP_VALUES_MODES:
             raise InvalidArgumentError(
                 f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}"
@@ -305,8 +324,9 @@ class UCPStorageReader(_Directory, StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Nothing to coordinate: every rank reads its own byte ranges."""
-        return plans
+        """Tell every rank how many ranks load (whether the load runs collectives); each reads
+        its own byte ranges."""
+        return [dataclasses.replace(p, storage_data=LoadRun(len(plans))) for p in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` into the tensors ``planner`` resolves."""
@@ -317,7 +337,30 @@ class UCPStorageReader(_Directory, StorageReader):
         # Nothing a load allocates forms reference cycles, so the collector
         # waits until it is done.
         with collector_paused():
-            return self._read_data(plan, planner)
+            t0 = time.perf_counter()
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            self._stats, self.rank_record, self.slowest = ReadStats(), None, None
+            self._progress = Progress(f"load of {self.path}", rank, config=self.progress)
+            try:
+                fut = self._read_data(plan, planner)
+            except BaseException:
+                self._name_slowest(plan, rank, t0, failing=True)
+                raise
+            self._name_slowest(plan, rank, t0, failing=False)
+            return fut
+
+    def _name_slowest(self, plan: LoadPlan, rank: int, t0: float, *, failing: bool) -> None:
+        """Fill ``rank_record`` and ``slowest`` (every rank of a collective load calls it, also
+        when its load failed: the gather waits for all)."""
+        run, paths = plan.storage_data, self.source.paths if self.source is not None else []
+        assert self._progress is not None
+        self.rank_record, self.slowest = name_slowest(
+            rank_record(rank, time.perf_counter() - t0, self._stats, paths),
+            self._progress,
+            run.ranks if isinstance(run, LoadRun) else 1,
+            self.process_group,
+            failing=failing,
+        )
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         src = self.source
@@ -341,6 +384,8 @@ class UCPStorageReader(_Directory, StorageReader):
             gap_bytes=self.gap_bytes,
             max_request_bytes=self.max_request_bytes,
         )
+        self._stats = reader.stats
+        reader.stats.progress = self._progress
         engine = ChunkReads(
             reader,
             src.paths,

@@ -27,6 +27,8 @@ from torch.futures import Future
 
 from ..byteio.datafile import chunk_entry, layout, value_entry
 from ..byteio.objrequests import RequestPolicy
+from ..byteio.progress import Progress, ProgressConfig
+from ..byteio.progress import log as progress_log
 from ..byteio.rangeio import tensor_view
 from ..byteio.storage import (
     CheckpointStorage,
@@ -54,6 +56,7 @@ from ..format import (
 from ._directory import _Directory
 from ._mesh_groups import compact_records
 from ._plan_records import SaveSummary, tensor_data
+from ._slowest import SlowestRecord, slowest_of
 from .save_planner import UCPSavePlanner, resolved_as
 
 __all__ = ["UCPStorageWriter", "DEFAULT_WRITE_THREADS"]
@@ -86,6 +89,7 @@ class _WriteRecord:
     file_size: int
     entries: list[WrittenEntry]  # values, rank-local values, per-chunk-planned tensors
     mesh_chunks: int  # chunks of mesh-planned tensors written
+    timing: SlowestRecord | None = None  # how long the rank took: the coordinator names the slowest
 
 
 class UCPStorageWriter(_Directory, StorageWriter):
@@ -114,6 +118,13 @@ class UCPStorageWriter(_Directory, StorageWriter):
             requests in flight and the pause after throttling
             (:class:`~ucp_dcp.byteio.objrequests.RequestPolicy`; its defaults
             when None).
+        progress: when a long save logs its progress, per rank, on the
+            ``ucp_dcp.progress`` logger (:class:`~ucp_dcp.ProgressConfig`).
+            After a save, ``rank_record`` (a :class:`~ucp_dcp.SlowestRecord`)
+            says how long this rank's ``write_data`` took and how many bytes
+            its file holds; on the coordinator, ``slowest`` names the job's
+            slowest rank (each rank's record comes with its write results; no
+            collective of its own). Elsewhere ``slowest`` is the rank's own.
 
     A rank whose write fails (``ENOSPC``, an I/O error) removes its partial
     data file and raises :class:`~ucp_dcp.errors.CheckpointWriteError` (an
@@ -132,6 +143,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
         threads: int = DEFAULT_WRITE_THREADS,
         storage_options: dict[str, Any] | None = None,
         requests: RequestPolicy | None = None,
+        progress: ProgressConfig | None = None,
     ) -> None:
         super().__init__()
         if threads < 1:
@@ -147,6 +159,9 @@ class UCPStorageWriter(_Directory, StorageWriter):
         self.sync_files = sync_files
         self.align = align
         self.save_id = ""
+        self.progress = progress if progress is not None else ProgressConfig()
+        self.rank_record: SlowestRecord | None = None
+        self.slowest: SlowestRecord | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save, optionally into another directory."""
@@ -200,6 +215,8 @@ class UCPStorageWriter(_Directory, StorageWriter):
         # Every rank learns the save id the coordinator chose (DCP's writers
         # expose theirs as ``save_id``; the reader reports it back).
         self.save_id = plan.storage_data.save_id
+        self.rank_record = self.slowest = None
+        progress = Progress(f"save to {self.path}", self.rank, verb="written", config=self.progress)
         entries, values = self._entries(plan, planner)
         if not entries:
             fut.set_result([])
@@ -210,11 +227,24 @@ class UCPStorageWriter(_Directory, StorageWriter):
             entries,
             self._data(plan, planner, values),
             DataFileSpec(
-                self.rank, job.world_size, job.save_id, self.align, self.sync_files, self.threads
+                self.rank,
+                job.world_size,
+                job.save_id,
+                self.align,
+                self.sync_files,
+                self.threads,
+                progress,
             ),
         )
+        seconds = progress.finish()
+        where, size = self.storage.path_of(job.file), written.size
+        self.rank_record = self.slowest = timing = SlowestRecord(
+            self.rank, where, seconds, size, seconds, size
+        )
         fut.set_result(
-            self._results(plan, planner, job.file, written.size, written.entries, written.starts)
+            self._results(
+                plan, planner, job.file, size, written.entries, written.starts, timing=timing
+            )
         )
         return fut
 
@@ -260,6 +290,8 @@ class UCPStorageWriter(_Directory, StorageWriter):
         size: int,
         entries: list[PlannedEntry],
         starts: list[int],
+        *,
+        timing: SlowestRecord | None = None,
     ) -> list[WriteResult]:
         assert isinstance(planner, UCPSavePlanner)
         explicit = []
@@ -269,7 +301,8 @@ class UCPStorageWriter(_Directory, StorageWriter):
                 compact += 1
             else:
                 explicit.append(WrittenEntry.of(e, s))
-        return [WriteResult(MetadataIndex(name), size, _WriteRecord(name, size, explicit, compact))]
+        record = _WriteRecord(name, size, explicit, compact, timing)
+        return [WriteResult(MetadataIndex(name), size, record)]
 
     @staticmethod
     def _entries(
@@ -311,6 +344,14 @@ class UCPStorageWriter(_Directory, StorageWriter):
         files: list[FileRecord] = []
         written: list[list[WrittenEntry]] = []
         counts: dict[int, int] = {}
+        timings = [r[0].storage_data.timing for r in results if r]
+        self.slowest = slowest_of(timings)
+        if (
+            len(timings) > 1
+            and self.slowest is not None
+            and self.slowest.seconds >= self.progress.threshold
+        ):
+            progress_log.info("save to %s: slowest rank %s", self.path, self.slowest.describe())
         for rank, res in enumerate(results):
             if not res:
                 continue

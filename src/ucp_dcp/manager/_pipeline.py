@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..byteio.integrity import bytes_digest, file_digest
 from ..dcp import UCPSavePlanner, UCPStorageWriter
+from ..dcp._slowest import SlowestRecord
 from ..errors import CheckpointSaveError
 from ..format import INDEX_FILE
 from ._collective import GroupWorker, describe
@@ -73,26 +74,34 @@ class SavePipeline(GroupWorker):
         try:
             job.staged.wait_ready()
             t0 = time.perf_counter()
-            marker, committed = self._write_and_commit(job)
+            marker, committed, slowest = self._write_and_commit(job)
             self._retain(job.step)
             nbytes = sum(d.size for d in marker.files if d.rank == self.layout.rank)
             return SaveRecord(
-                job.step, job.blocking_s, time.perf_counter() - t0, nbytes, tuple(committed)
+                job.step,
+                job.blocking_s,
+                time.perf_counter() - t0,
+                nbytes,
+                tuple(committed),
+                slowest,
             )
         except BaseException:
             self._abort(job)
             raise
 
-    def _write_and_commit(self, job: SaveJob) -> tuple[CommitMarker, list[str]]:
+    def _write_and_commit(
+        self, job: SaveJob
+    ) -> tuple[CommitMarker, list[str], SlowestRecord | None]:
         state, step, agree, lay = job.staged.state, job.step, self.group.agree, self.layout
         committed: list[str] = []
         src: str | None = None  # a local directory holding this rank's files of the step
+        slowest: SlowestRecord | None = None  # the dcp.save's slowest rank
         scratch: str | None = None
         if "local" in job.tiers:
             local = self.local
             assert local is not None
             staging = local.staging_path(step, job.token)
-            marker = self._write(job, state, local, staging, per_node=True)
+            marker, slowest = self._write(job, state, local, staging, per_node=True)
             if self.config.peer_replication and lay.num_nodes > 1:
                 agree("peer replication", lambda: self._replicate(staging, marker), step=step)
             agree(
@@ -105,13 +114,13 @@ class SavePipeline(GroupWorker):
         if "persistent" in job.tiers:
             if src is None and self.persistent.local:
                 staging = self.persistent.staging_path(step, job.token)
-                marker = self._write(job, state, self.persistent, staging, per_node=False)
+                marker, slowest = self._write(job, state, self.persistent, staging, per_node=False)
             else:
                 if (
                     src is None
                 ):  # a remote tier and no local one: write to a scratch dir, then upload
                     scratch = src = tempfile.mkdtemp(prefix=f"ucp-scratch-{step}-")
-                    marker = self._write(job, state, None, scratch, per_node=False)
+                    marker, slowest = self._write(job, state, None, scratch, per_node=False)
                 staging = self._upload(job, src, marker)
             agree(
                 "persistent commit",
@@ -121,13 +130,13 @@ class SavePipeline(GroupWorker):
             committed.append("persistent")
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
-        return marker, committed
+        return marker, committed, slowest
 
     def _write(
         self, job: SaveJob, state: Any, tier: Tier | None, path: str, *, per_node: bool
-    ) -> CommitMarker:
+    ) -> tuple[CommitMarker, SlowestRecord | None]:
         """dcp.save the staged state into ``path``; return the commit marker (digests of every
-        file)."""
+        file) and the save's slowest rank."""
         step, lay, group = job.step, self.layout, self.group
         creator = lay.is_leader if per_node else lay.rank == 0
         if tier is not None:
@@ -136,10 +145,11 @@ class SavePipeline(GroupWorker):
                 lambda: tier.begin(step, job.token) if creator else None,
                 step=step,
             )
+        writer = UCPStorageWriter(path)
         try:
             dcp.save(
                 dict(state),
-                storage_writer=UCPStorageWriter(path),
+                storage_writer=writer,
                 planner=UCPSavePlanner(),
                 process_group=group.pg,
             )
@@ -162,7 +172,9 @@ class SavePipeline(GroupWorker):
         marker = CommitMarker(
             step, lay.world_size, time.time(), tuple(files), job.nonfinite, job.extra
         )
-        marker = group.bcast(marker)  # one creation time on every rank
+        # One creation time on every rank; the save's slowest rank, which only its coordinator
+        # (rank 0) learnt, comes along.
+        marker, slowest = group.bcast((marker, writer.slowest))
         if per_node and lay.num_nodes > 1:
             # Every node's directory gets the index, so that it is a complete
             # description of the checkpoint wherever the data files end up.
@@ -175,7 +187,7 @@ class SavePipeline(GroupWorker):
                     tier.put_bytes(path, INDEX_FILE, index)
 
             group.agree("replicating the index", put_index, step=step)
-        return marker
+        return marker, slowest
 
     def _replicate(self, staging: str, marker: CommitMarker) -> None:
         """Copy the previous node's data files into this node's staging directory."""

@@ -34,6 +34,7 @@ from ..byteio.integrity import bytes_digest, file_digest
 from ..byteio.objstore import is_url
 from ..dcp import UCPLoadPlanner, UCPStorageReader
 from ..dcp._read_once import ReadOnceDecision
+from ..dcp._slowest import SlowestRecord
 from ..dcp.reader import collector_paused
 from ..errors import CheckpointFormatError, CheckpointRestoreError, NoCheckpointError
 from ..format import INDEX_FILE
@@ -148,7 +149,7 @@ class Restorer(GroupWorker):
             try:
                 ready = self._prepare(cand, token)
                 try:
-                    verified, read, once = self._load_from(ready, state)
+                    verified, read, once, slowest = self._load_from(ready, state)
                 finally:
                     ready.done()
             except (Exception, CheckpointException) as e:
@@ -172,6 +173,7 @@ class Restorer(GroupWorker):
                 verified,
                 read,
                 once,
+                slowest,
             )
         raise CheckpointRestoreError("no copy of any candidate step could be restored:", attempts)
 
@@ -399,10 +401,10 @@ class Restorer(GroupWorker):
 
     def _load_from(
         self, ready: _Loadable, state: Mapping[str, Any]
-    ) -> tuple[int, int, ReadOnceDecision | None]:
+    ) -> tuple[int, int, ReadOnceDecision | None, SlowestRecord | None]:
         """Load ``ready`` (a directory, or a URL read with its storage options; the index it
-        holds already checked); return the verified and read bytes, and what the reader's
-        read-once policy decided."""
+        holds already checked); return the verified and read bytes, what the reader's
+        read-once policy decided, and the load's slowest rank."""
         options: dict[str, Any] = {}
         if self.config.io_threads is not None:
             options["io_threads"] = self.config.io_threads
@@ -434,6 +436,7 @@ class Restorer(GroupWorker):
             int(getattr(reader, "verified_bytes", 0)),
             int(getattr(reader, "bytes_requested", 0)),
             reader.read_once_decision,
+            reader.slowest,
         )
 
     def _agree(self, what: str, fn: Callable[[], Any], cand: Candidate) -> Any:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..dcp._read_once import ReadOnceDecision
+    from ..dcp._slowest import SlowestRecord
 
 __all__ = ["ReshardEvent", "SaveRecord", "RestoreRecord"]
 
@@ -30,6 +31,9 @@ class SaveRecord:
     write_s: float
     nbytes: int
     tiers: tuple[str, ...]
+    slowest: SlowestRecord | None = None
+    """The save's slowest rank: how long its ``dcp.save`` write took and how many bytes (see
+    ``UCPStorageWriter.slowest``); the same on every rank."""
 
 
 @dataclass(frozen=True)
@@ -49,3 +53,7 @@ class RestoreRecord:
     """What the load's read-once policy decided and why (see ``UCPStorageReader(read_once=)``):
     ``read_once.exchange`` says whether each needed byte was read by one rank and sent to the
     others over the manager's group; None where no decision was asked for (one process)."""
+    slowest: SlowestRecord | None = None
+    """The load's slowest rank, with the file its reads spent the most time on (see
+    ``UCPStorageReader.slowest``): the same on every rank where the load ran on several; this
+    rank's own in one process."""

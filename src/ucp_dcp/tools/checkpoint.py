@@ -42,6 +42,8 @@ class Checkpoint:
         device copies. dcp_values: ``"weights_only"`` to load the pickled values of a DCP
             checkpoint with ``torch.load(weights_only=True)``; refused by default.
         prefix: prepended to the tensor names of a Hugging Face model.
+        tp_rules: the tensor-parallel partitioning of a DeepSpeed checkpoint that does not
+            record it (see :class:`~ucp_dcp.sources.base.SourceOptions`).
         verify: check every byte :meth:`read_tensor` / :meth:`read_into`
             read against the checksums recorded at save (block checksums,
             or whole-chunk ones for checkpoints written before them), as
@@ -61,13 +63,14 @@ class Checkpoint:
         max_buffer_bytes: int = 64 << 20,
         dcp_values: str | None = None,
         prefix: str = "",
+        tp_rules: object = None,
         verify: bool = True,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self.source = open_source(
             self.path,
-            SourceOptions(dcp_values=dcp_values, prefix=prefix),
+            SourceOptions(dcp_values=dcp_values, prefix=prefix, tp_rules=tp_rules),
             storage_options=storage_options,
         )
         self.index = self.source.index

@@ -44,6 +44,7 @@ def load_state_dict(
     rank_local: bool = False,
     dcp_values: str | None = None,
     prefix: str = "",
+    tp_rules: object = None,
     verify: bool = True,
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -60,6 +61,8 @@ def load_state_dict(
         value}``. dcp_values: ``"weights_only"`` loads the pickled values of a DCP
             checkpoint with ``torch.load(weights_only=True)``; refused by default.
         prefix: prepended to the tensor names of a Hugging Face model.
+        tp_rules: the tensor-parallel partitioning of a DeepSpeed checkpoint that does not
+            record it (see :class:`~ucp_dcp.sources.base.SourceOptions`).
         verify: check every byte read against the checksums recorded at
             save (:class:`~ucp_dcp.ChecksumError` on a mismatch); False skips
             the checks of tensor data.
@@ -73,7 +76,12 @@ def load_state_dict(
     select = _selector(keys)
     out: dict[str, Any] = {}
     with Checkpoint(
-        path, dcp_values=dcp_values, prefix=prefix, verify=verify, storage_options=storage_options
+        path,
+        dcp_values=dcp_values,
+        prefix=prefix,
+        tp_rules=tp_rules,
+        verify=verify,
+        storage_options=storage_options,
     ) as ckpt:
         for name in ckpt.tensor_names():
             if select(name):

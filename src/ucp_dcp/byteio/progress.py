@@ -1,0 +1,136 @@
+"""Progress of a long load or save, logged per rank at a steady interval.
+
+The byte readers and writers feed a :class:`Progress` the bytes of each
+request they complete (:class:`~ucp_dcp.byteio.rangeio.ReadStats` does it for
+every reader, the data-file writers per piece written): :meth:`Progress.add`
+is one counter add and one clock read. Once a load or save has run
+``threshold`` seconds, and every ``interval`` seconds after that, the next
+``add`` logs one line on the ``ucp_dcp.progress`` logger (``INFO``): the rank,
+what it does, the bytes done and the rate, overall and over the last interval.
+:meth:`Progress.finish` logs the last line, for operations that ran past the
+threshold. Operations shorter than the threshold log nothing.
+
+Why logging and not tqdm (which the command line's bars use): a job of many
+ranks writes log files, not terminals; one line per rank per interval is what
+an operator can grep for the rank that lags, and the logging configuration
+routes or silences it (``logging.getLogger("ucp_dcp.progress").setLevel(...)``).
+Why no thread: a timer thread per rank for a line every few seconds costs more
+than a clock read per request. The price is that a rank whose storage delivers
+nothing at all logs nothing until it does; the deadlines on requests are what
+end such a wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["ProgressConfig", "Progress", "log", "mb"]
+
+log = logging.getLogger("ucp_dcp.progress")
+
+
+@dataclass(frozen=True)
+class ProgressConfig:
+    """When a rank logs the progress of a long load or save (``UCPStorageReader(progress=)``,
+    ``UCPStorageWriter(progress=)``)."""
+
+    interval: float = 10.0
+    """Seconds between two progress lines of one rank (a line is logged at the first request
+    completed after that)."""
+    threshold: float = 5.0
+    """Seconds a load or save runs before its first line: shorter ones log nothing.
+    ``math.inf`` turns the lines off."""
+
+    def __post_init__(self) -> None:
+        if not self.interval > 0 or not self.threshold >= 0:
+            raise InvalidArgumentError(
+                f"ProgressConfig(interval={self.interval}, threshold={self.threshold}): the "
+                "interval must be positive and the threshold at least 0 seconds"
+            )
+
+
+def mb(n: float) -> str:
+    """``'12.3 MB'``: bytes (or bytes per second) as progress lines write them."""
+    return f"{n / 1e6:.1f} MB"
+
+
+class Progress:
+    """Counts the bytes of one load or save of one rank and logs them at ``config``'s interval.
+
+    Args:
+        what: the operation as lines name it (``"load of /ckpt"``). rank: this rank.
+        verb: what is done to the bytes (``"read"``, ``"written"``). config: when to log.
+        clock: seconds, monotonic (tests pass a fake).
+
+    Not locked: callers that add from several threads serialize the calls (ReadStats adds
+    under its lock).
+    """
+
+    def __init__(
+        self,
+        what: str,
+        rank: int,
+        *,
+        verb: str = "read",
+        config: ProgressConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.what = what
+        self.rank = rank
+        self.verb = verb
+        self.config = config = config if config is not None else ProgressConfig()
+        self.clock = clock
+        self.start = clock()
+        self.done = 0
+        self.lines = 0  # progress lines logged so far
+        self._next = self.start + config.threshold  # inf when lines are off
+        self._mark = (self.start, 0)  # time and bytes at the last line: the recent rate
+
+    def add(self, nbytes: int) -> None:
+        """Count ``nbytes`` more bytes done; log a line if the interval has passed."""
+        self.done += nbytes
+        now = self.clock()
+        if now >= self._next:
+            self._line(now)
+
+    def _line(self, now: float) -> None:
+        since, at = self._mark
+        total = now - self.start
+        log.info(
+            "rank %d: %s: %s %s in %.1f s (%s/s; %s/s over the last %.1f s)",
+            self.rank,
+            self.what,
+            mb(self.done),
+            self.verb,
+            total,
+            mb(self.done / total if total > 0 else 0.0),
+            mb((self.done - at) / (now - since) if now > since else 0.0),
+            now - since,
+        )
+        self.lines += 1
+        self._mark = (now, self.done)
+        self._next = now + self.config.interval
+
+    def finish(self, detail: str = "") -> float:
+        """Log the last line (``detail`` appended) if the operation ran past the threshold; its
+        seconds so far."""
+        now = self.clock()
+        total = now - self.start
+        if total >= self.config.threshold:
+            log.info(
+                "rank %d: %s: done, %s %s in %.1f s (%s/s)%s",
+                self.rank,
+                self.what,
+                mb(self.done),
+                self.verb,
+                total,
+                mb(self.done / total if total > 0 else 0.0),
+                f"; {detail}" if detail else "",
+            )
+            self.lines += 1
+        return total

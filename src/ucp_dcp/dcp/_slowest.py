@@ -1,0 +1,142 @@
+"""The slow rank named: each rank's time in a load or save, its slowest file, the job's slowest.
+
+Every rank knows how long its own reads (or writes) took and, from its byte
+reader's :class:`~ucp_dcp.byteio.rangeio.ReadStats`, which file its requests
+spent the most time on: a :class:`SlowestRecord`. The job's slowest rank is
+the record with the most seconds. A load learns it with one small gather at
+its end, only where DCP already runs collectives for it (:func:`gather_slowest`);
+a save needs none, since each rank's record travels to the coordinator with
+its write results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ..byteio.progress import Progress, mb
+from ..byteio.progress import log as progress_log
+from ..byteio.rangeio import ReadStats
+
+__all__ = [
+    "SlowestRecord",
+    "rank_record",
+    "slowest_of",
+    "gather_slowest",
+    "name_slowest",
+    "LoadRun",
+]
+
+
+@dataclass(frozen=True)
+class SlowestRecord:
+    """One rank's time in a load (or save) and the file it spent the most of it on.
+
+    As the job's slowest (``UCPStorageReader.slowest``): the rank whose reads took longest.
+    """
+
+    rank: int
+    """The rank (global)."""
+    file: str
+    """Its slowest file: the one its requests took the most seconds on ('' if it read none)."""
+    seconds: float
+    """The rank's seconds in the load's ``read_data`` (the save's ``write_data``)."""
+    bytes: int
+    """Bytes the rank requested from (wrote to) storage, gaps included."""
+    file_seconds: float = 0.0
+    """Seconds of requests on ``file`` (summed over the rank's threads; see
+    :attr:`~ucp_dcp.byteio.rangeio.ReadStats.file_seconds`)."""
+    file_bytes: int = 0
+    """Bytes requested from ``file``."""
+
+    def where(self) -> str:
+        """``'slowest file /ckpt/rank00003.safetensors (9.0 s, 800.0 MB)'`` ('' if none)."""
+        if not self.file:
+            return ""
+        return f"slowest file {self.file} ({self.file_seconds:.1f} s, {mb(self.file_bytes)})"
+
+    def describe(self) -> str:
+        """``'rank 3: 12.0 s, 1200.0 MB; slowest file ...'`` (:meth:`where`)."""
+        where = self.where()
+        return f"rank {self.rank}: {self.seconds:.1f} s, {mb(self.bytes)}" + (
+            f"; {where}" if where else ""
+        )
+
+
+@dataclass(frozen=True)
+class LoadRun:
+    """What ``UCPStorageReader.prepare_global_plan`` tells each rank (``LoadPlan.storage_data``):
+    how many ranks DCP planned the load for (1 where it runs no collectives)."""
+
+    ranks: int
+
+
+def rank_record(rank: int, seconds: float, stats: ReadStats, paths: Sequence[str]) -> SlowestRecord:
+    """This rank's record from its reader's ``stats`` (file numbers index ``paths``)."""
+    f = stats.slowest_file()
+    if f is None:
+        return SlowestRecord(rank, "", seconds, stats.bytes)
+    return SlowestRecord(
+        rank, paths[f], seconds, stats.bytes, stats.file_seconds[f], stats.file_bytes[f]
+    )
+
+
+def slowest_of(records: Iterable[SlowestRecord | None]) -> SlowestRecord | None:
+    """The record with the most seconds (the lowest rank breaks a tie); None if there is none."""
+    real = [r for r in records if r is not None]
+    return max(real, key=lambda r: (r.seconds, -r.rank)) if real else None
+
+
+def gather_slowest(
+    own: SlowestRecord | None,
+    ranks: int,
+    group: dist.ProcessGroup | None,
+    *,
+    failing: bool = False,
+) -> SlowestRecord | None:
+    """The job's slowest rank: one ``all_gather_object`` of every rank's record over ``group``.
+
+    Only where the load runs collectives over that group: DCP planned it for ``ranks`` > 1
+    ranks, and ``group`` has that many (a load on a subgroup the reader was not told of gathers
+    nothing, rather than wait on ranks that do not load). Every rank must call it, a rank whose
+    load failed too (``failing``: then an error of the gather itself is dropped, so that the
+    load's own error is the one raised). Elsewhere ``own``.
+    """
+    if ranks < 2 or not dist.is_available() or not dist.is_initialized():
+        return own
+    if dist.get_world_size(group) != ranks:
+        return own
+    got: list[SlowestRecord | None] = [None] * ranks
+    try:
+        dist.all_gather_object(got, own, group=group)
+    except Exception:
+        if failing:
+            return own
+        raise
+    return slowest_of(got)
+
+
+def name_slowest(
+    own: SlowestRecord,
+    progress: Progress,
+    ranks: int,
+    group: dist.ProcessGroup | None,
+    *,
+    failing: bool = False,
+) -> tuple[SlowestRecord, SlowestRecord | None]:
+    """End a load: ``progress``'s last line (naming this rank's slowest file), the job's slowest
+    rank (:func:`gather_slowest`), logged by rank 0 of ``group`` when the load ran past the
+    progress threshold. ``own`` and the job's record."""
+    ran = progress.finish("" if failing else own.where())
+    job = gather_slowest(own, ranks, group, failing=failing)
+    if (
+        ranks > 1
+        and job is not None
+        and not failing
+        and ran >= progress.config.threshold
+        and dist.get_rank(group) == 0
+    ):
+        progress_log.info("%s: slowest rank %s", progress.what, job.describe())
+    return own, job

@@ -1,0 +1,216 @@
+"""The slow rank named: progress lines of long loads and saves, and the slowest rank and file.
+
+A rank's reads of one data file (or its writes) are slowed where the library meets the OS
+(``os.preadv``, ``durable._pwrite``); the reader and writer must name that rank and that file,
+and the progress lines must appear on the ``ucp_dcp.progress`` logger.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dist_utils import bit_equal, run_ranks
+from ucp_dcp import (
+    ProgressConfig,
+    SlowestRecord,
+    UCPLoadPlanner,
+    UCPSavePlanner,
+    UCPStorageReader,
+    UCPStorageWriter,
+)
+from ucp_dcp.byteio import durable
+from ucp_dcp.byteio.progress import Progress
+from ucp_dcp.errors import InvalidArgumentError, TruncatedFileError, unwrap
+
+WATCHDOG_S = 120
+EVERY = ProgressConfig(interval=0.05, threshold=0.0)  # a line at the first request after 50 ms
+DELAY_S = 0.25
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_lines_at_the_interval(caplog: pytest.LogCaptureFixture) -> None:
+    clock = _Clock()
+    p = Progress("load of /ckpt", 3, config=ProgressConfig(interval=10, threshold=5), clock=clock)
+    caplog.set_level(logging.INFO, logger="ucp_dcp.progress")
+    for t, n in ((1, 10**6), (6, 2 * 10**6), (7, 10**6), (16, 4 * 10**6)):
+        clock.now = 100.0 + t
+        p.add(n)
+    clock.now = 120.0
+    assert p.finish("slowest file f (1.0 s, 2.0 MB)") == 20.0
+    assert [r.name for r in caplog.records] == ["ucp_dcp.progress"] * 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "rank 3: load of /ckpt: 3.0 MB read in 6.0 s (0.5 MB/s; 0.5 MB/s over the last 6.0 s)",
+        "rank 3: load of /ckpt: 8.0 MB read in 16.0 s (0.5 MB/s; 0.5 MB/s over the last 10.0 s)",
+        "rank 3: load of /ckpt: done, 8.0 MB read in 20.0 s (0.4 MB/s); "
+        "slowest file f (1.0 s, 2.0 MB)",
+    ]
+
+
+def test_short_operations_log_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    clock = _Clock()
+    caplog.set_level(logging.INFO, logger="ucp_dcp.progress")
+    p = Progress("save to /ckpt", 0, verb="written", config=ProgressConfig(), clock=clock)
+    clock.now += 4.9
+    p.add(10**9)
+    assert p.finish() == pytest.approx(4.9)
+    assert caplog.records == [] and p.lines == 0
+    with pytest.raises(InvalidArgumentError, match=r"interval must be positive"):
+        ProgressConfig(interval=0)
+
+
+def test_object_store_reads_and_writes_report(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="ucp_dcp.progress")
+    url = f"memory://ucp-{uuid.uuid4().hex[:8]}/ckpt"
+    sd = {"a": torch.arange(300 * 70, dtype=torch.float32).reshape(300, 70)}
+    writer = UCPStorageWriter(url, progress=EVERY)
+    dcp.save(sd, storage_writer=writer, planner=UCPSavePlanner())
+    out = {"a": torch.zeros(300, 70)}
+    reader = UCPStorageReader(url, progress=EVERY)
+    dcp.load(out, storage_reader=reader, planner=UCPLoadPlanner())
+    assert bit_equal(out["a"], sd["a"])
+    w, r = writer.rank_record, reader.rank_record
+    assert w is not None and r is not None and writer.slowest == w and reader.slowest == r
+    assert w.rank == 0 and w.file.startswith(url) and w.file.endswith(".safetensors")
+    assert w.bytes == w.file_bytes > 300 * 70 * 4
+    # The object reader charged its requests to the one data object.
+    assert r.file == w.file and 0 < r.file_bytes == r.bytes == reader.bytes_requested
+    assert r.file_seconds > 0 and r.seconds >= r.file_seconds
+    lines = [x.getMessage() for x in caplog.records]
+    assert any(m.startswith(f"rank 0: save to {url}: done, ") for m in lines), lines
+    assert any(m.startswith(f"rank 0: load of {url}: done, ") and r.file in m for m in lines), lines
+
+
+class _Lines(logging.Handler):
+    """Keeps every message of the ``ucp_dcp.progress`` logger (spawned ranks have no caplog)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        log = logging.getLogger("ucp_dcp.progress")
+        log.setLevel(logging.INFO)
+        log.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _slowed(real: Any, wanted: str) -> Any:
+    """``real`` (an ``os`` read or write call), its first call on a file named ``wanted...``
+    ``DELAY_S`` late."""
+    slept = []
+
+    def call(fd: int, *args: Any) -> Any:
+        if not slept and wanted in os.readlink(f"/proc/self/fd/{fd}"):
+            slept.append(fd)
+            time.sleep(DELAY_S)
+        return real(fd, *args)
+
+    return call
+
+
+def _full() -> dict[str, torch.Tensor]:
+    return {
+        f"w{i}": torch.arange(i * 10**5, i * 10**5 + 300 * 100, dtype=torch.float32).reshape(300, 100)
+        for i in range(2)
+    }
+
+
+def _slow_rank_named(rank: int, world: int, root: str) -> None:
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    lines = _Lines()
+    full = _full()
+    # Save: rank 1's writes are slow; the coordinator (rank 0) names it.
+    if rank == 1:
+        durable._pwrite = _slowed(os.pwrite, "rank00001-")  # a write of its own data file
+    writer = UCPStorageWriter(root, progress=EVERY)
+    sd = {f"w{rank}": full[f"w{rank}"]}  # each rank saves one tensor into its own file
+    dcp.save(sd, storage_writer=writer, planner=UCPSavePlanner())
+    durable._pwrite = os.pwrite
+    own = writer.rank_record
+    assert own is not None and own.rank == rank and f"rank{rank:05d}-" in own.file, own
+    assert own.bytes == own.file_bytes == os.path.getsize(own.file)
+    if rank == 0:
+        assert writer.slowest is not None and writer.slowest.rank == 1, writer.slowest
+        assert "rank00001-" in writer.slowest.file and writer.slowest.seconds >= DELAY_S
+        assert any(m.startswith(f"save to {root}: slowest rank rank 1: ") for m in lines.lines)
+    else:
+        assert writer.slowest == own
+        assert any(m.startswith(f"rank 1: save to {root}: done, ") for m in lines.lines)
+
+    # Load every tensor whole on every rank: each rank reads both files; rank 1's reads of
+    # rank 0's file are slow. Every rank learns that rank 1 was slowest, and where.
+    names = sorted(os.listdir(root))
+    slow_file = next(n for n in names if n.startswith("rank00000-"))
+    real_preadv = os.preadv
+    if rank == 1:
+        os.preadv = _slowed(real_preadv, slow_file)
+    out = {k: torch.zeros_like(v) for k, v in full.items()}
+    reader = UCPStorageReader(root, read_once=False, progress=EVERY)
+    dcp.load(out, storage_reader=reader, planner=UCPLoadPlanner())
+    assert all(bit_equal(out[k], full[k]) for k in full)
+    mine = reader.rank_record
+    assert mine is not None and mine.rank == rank and mine.bytes == reader.bytes_requested
+    if rank == 1:
+        os.preadv = real_preadv
+        assert mine.file == os.path.join(root, slow_file) and mine.file_seconds >= DELAY_S, mine
+        assert any(m.startswith(f"rank 1: load of {root}: ") and " read in " in m for m in lines.lines)
+        done = [m for m in lines.lines if m.startswith(f"rank 1: load of {root}: done, ")]
+        assert len(done) == 1 and f"slowest file {mine.file} (" in done[0], lines.lines
+    job = reader.slowest
+    assert isinstance(job, SlowestRecord) and job.rank == 1, job
+    assert job.file == os.path.join(root, slow_file) and job.seconds >= DELAY_S
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, job)
+    assert everyone == [job] * world
+    if rank == 0:
+        assert any(m.startswith(f"load of {root}: slowest rank rank 1: ") for m in lines.lines)
+
+    # A load that fails on rank 1 (its reads of rank 0's file come back empty: a truncated file)
+    # fails on every rank with rank 1's error; the gather at its end waits for no one.
+    if rank == 1:
+        os.preadv = lambda fd, bufs, off: (
+            0 if slow_file in os.readlink(f"/proc/self/fd/{fd}") else real_preadv(fd, bufs, off)
+        )
+    failed = UCPStorageReader(root, read_once=False)
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load({k: torch.zeros_like(v) for k, v in full.items()}, storage_reader=failed,
+                 planner=UCPLoadPlanner())
+    os.preadv = real_preadv
+    err = unwrap(caught.value)
+    assert isinstance(err, TruncatedFileError) and slow_file in str(err), caught.value
+    assert list(caught.value.failures) == [1]
+    assert failed.slowest is not None and failed.rank_record is not None
+
+    # A load without collectives (no_dist, one rank alone) gathers nothing: it would hang here.
+    if rank == 0:
+        alone = UCPStorageReader(root, read_once=False)
+        out = {k: torch.zeros_like(v) for k, v in full.items()}
+        dcp.load(out, storage_reader=alone, planner=UCPLoadPlanner(), no_dist=True)
+        assert all(bit_equal(out[k], full[k]) for k in full)
+        assert alone.slowest == alone.rank_record and alone.slowest is not None
+        assert alone.slowest.rank == 0 and alone.slowest.bytes > 0
+    dist.barrier()
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.mark.multiproc
+def test_slow_rank_and_file_named(tmp_path) -> None:
+    run_ranks(2, _slow_rank_named, str(tmp_path / "ckpt"))
