@@ -34,6 +34,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+from ..errors import UnsupportedValueError
+
 __all__ = ["MASK64", "box_share", "combine", "digest_hex", "parse_digest"]
 
 MASK64 = (1 << 64) - 1
@@ -87,7 +89,7 @@ def _bits(t: torch.Tensor) -> np.ndarray:
         words = t.view(torch.int64).numpy().view(np.uint64).reshape(*t.shape, 2)
         return np.bitwise_xor(words[..., 0], words[..., 1] * _M2)
     if size not in _SIGNED:
-        raise ValueError(f"no placement digest for elements of {size} bytes ({t.dtype})")
+        raise UnsupportedValueError(f"no placement digest for elements of {size} bytes ({t.dtype})")
     if t.dtype == torch.bool:
         t = t.view(torch.uint8)
     return t.view(_SIGNED[size]).numpy().view(_UNSIGNED[size])
