@@ -49,10 +49,14 @@ PAIRS = {"dp4-dp3": (3, "S0"), "dp4-cols3": (3, "S1"), "dp4-hsdp2x2": (4, "R,S0"
 
 def _dstate(state: dict[str, object], mesh_shape: tuple[int, ...], how: str) -> dict[str, object]:
     """``state``'s tensors as DTensors on a fresh mesh (``how``: ``S0``, ``S1`` or ``R,S0``)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", mesh_shape)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    n = 1
+    for d in mesh_shape:
+        n *= d
+    mesh = DeviceMesh("cpu", torch.arange(n).reshape(mesh_shape))
     out: dict[str, object] = {}
     for k, v in state.items():
         if not torch.is_tensor(v):
@@ -72,7 +76,7 @@ def _rank(rank: int, world: int, init: str, root: str, size_mb: int, repeats: in
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    full = make_state(size_mb)
+    full = make_state(size_mb, hidden=1024)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     saves: list[tuple[float, float]] = []
     state = _dstate(full, (4,), "S0")
@@ -87,8 +91,10 @@ def _rank(rank: int, world: int, init: str, root: str, size_mb: int, repeats: in
     results: dict[str, object] = {"save": saves}
     for name, (n, how) in PAIRS.items():
         group = dist.new_group(list(range(n)))
+        # Every rank makes the mesh (its process groups are made by all ranks); ranks outside
+        # it hold nothing and do not load.
+        target = _dstate(full, (2, 2) if how == "R,S0" else (n,), how)
         if rank < n:
-            target = _dstate(full, (2, 2) if how == "R,S0" else (n,), how)
             times = []
             for i in range(repeats):
                 pair = {}
@@ -121,7 +127,9 @@ def reshard(size_mb: int, repeats: int) -> None:
             res = json.load(f)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"state: {size_mb} MiB fp32, {repeats} rounds, load average {os.getloadavg()}")
+    st = make_state(size_mb, hidden=1024)
+    nbytes = sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+    print(f"state: {nbytes / 1e6:.0f} MB fp32, {repeats} rounds, load average {os.getloadavg()}")
     for name, times in res.items():
         off = statistics.median(a for a, _ in times)
         on = statistics.median(b for _, b in times)
