@@ -39,7 +39,7 @@ from ucp_dcp import (
     UCPStorageWriter,
 )
 from ucp_dcp.core.placement_digest import K, M1, M2, MASK64, box_share, combine, digest_hex
-from ucp_dcp.errors import unwrap
+from ucp_dcp.errors import CheckpointFormatError, unwrap
 from ucp_dcp.format import index_digest
 
 WORLD = 4
@@ -341,3 +341,21 @@ def test_loads_into_every_layout_prove_themselves_and_wrong_ones_fail(
     assert copies["hsdp2x2"][BAD] == 2 and copies["plain"][BAD] == 4
     if "dp2tp2" in copies:
         assert copies["dp2tp2"][BAD] == 1
+
+
+def test_a_malformed_digest_in_the_index_is_refused(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    dcp.save(_small_state(), storage_writer=UCPStorageWriter(ckpt, placement_digests=True),
+             planner=UCPSavePlanner())
+    path = ckpt / "ucp_index.json"
+    doc = json.loads(path.read_bytes())
+    doc["tensors"]["w"]["placement_digest"] = "not hex"
+    del doc["digest"]
+    doc["digest"] = index_digest(doc)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointFormatError) as ei:
+        Checkpoint(ckpt)
+    assert str(ei.value) == (
+        f"{path}: tensor 'w': field 'placement_digest' must be a 64-bit placement digest "
+        "(16 hex digits), got 'not hex'"
+    )
