@@ -16,6 +16,7 @@ no rank needs to know which copies the others hold.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -46,6 +47,10 @@ __all__ = [
     "check_placement",
     "flat_state",
     "no_digests_error",
+    "placement_records",
+    "check_loaded",
+    "PlacementCheck",
+    "checked_placement",
 ]
 
 _SLOTS = 4  # per tensor: share's low 32 bits, its high 32 bits, elements counted, casts
@@ -123,6 +128,60 @@ def local_shares(
             mine.share = (mine.share + box_share(data, offsets, rec.shape)) & MASK64
             mine.count += data.numel()
     return out
+
+
+def placement_records(enabled: bool, source: Any, where: str) -> Mapping[str, TensorRecord] | None:
+    """The tensor records of open ``source`` to check a load against (None: not ``enabled``).
+
+    Raises :class:`~ucp_dcp.errors.PlacementError` when they hold no digest: on every rank
+    alike, before any read or collective.
+    """
+    if not enabled:
+        return None
+    assert source is not None
+    records: Mapping[str, TensorRecord] = source.index.tensors
+    no_digests_error(records, where)
+    return records
+
+
+@dataclass
+class PlacementCheck:
+    """What :func:`checked_placement` found (``report`` None: off, or the load failed)."""
+
+    report: PlacementReport | None = None
+
+
+@contextlib.contextmanager
+def checked_placement(
+    enabled: bool, source: Any, planner: Any, group: dist.ProcessGroup | None, where: str
+) -> Iterator[PlacementCheck]:
+    """Check the placement of what ``planner``'s state dict holds once the ``with`` block (a
+    load's reads) is done, when ``enabled``.
+
+    Raises :class:`~ucp_dcp.errors.PlacementError` on entry when the checkpoint has no digests
+    (every rank alike, before any read). When the block raises, this rank still joins the
+    check's all-reduce, flagged, so that the other ranks skip it rather than wait.
+    """
+    check = PlacementCheck()
+    records = placement_records(enabled, source, where)
+    if records is None:
+        yield check
+        return
+    try:
+        yield check
+    except BaseException:
+        check_placement(records, None, group, where)
+        raise
+    check.report = check_loaded(records, planner, group, where)
+
+
+def check_loaded(
+    records: Mapping[str, TensorRecord], planner: Any, group: dist.ProcessGroup | None, where: str
+) -> PlacementReport:
+    """:func:`check_placement` of what a load planner's (flattened) state dict holds."""
+    state = getattr(planner, "state_dict", None)
+    shares = local_shares(state, records) if isinstance(state, Mapping) else {}
+    return check_placement(records, shares, group, where)
 
 
 def no_digests_error(records: Mapping[str, TensorRecord], where: str) -> None:

@@ -53,7 +53,7 @@ from ._exchange import ExchangeTotals, run_exchange
 from ._first_requests import FirstRequests, share_first_requests
 from ._landing import LocalNeeds, Region
 from ._mesh_groups import LazyChunks
-from ._placement import PlacementReport, check_placement, local_shares, no_digests_error
+from ._placement import PlacementReport, checked_placement
 from ._plan_records import LoadSourceInfo
 from ._read_once import (
     ReadOnceCosts,
@@ -186,8 +186,7 @@ class UCPStorageReader(_Directory, StorageReader):
             what it moved. Every rank of the group must load with the same
             setting.
         process_group: the group ``dcp.load`` runs on (default: the default
-            group), for ``read_once``, ``verify_placement`` and for naming the job's
-            slowest rank.
+            group), for ``read_once``, ``verify_placement``, naming the slowest rank.
         progress: when a long load logs its progress, per rank, on the
             ``ucp_dcp.progress`` logger (:class:`~ucp_dcp.ProgressConfig`:
             after 5 s, every 10 s by default; a line says the bytes read and the
@@ -197,19 +196,9 @@ class UCPStorageReader(_Directory, StorageReader):
             job's slowest rank, learnt with one small gather at the end of a load
             that runs collectives over ``process_group`` (elsewhere it is this
             rank's own record).
-        verify_placement: after this rank's reads, prove that every element
-            landed where the save found it: each rank hashes the boxes its
-            state dict holds with their global positions (a DTensor's from
-            its mesh and placements, never from the load plan), one
-            all-reduce over ``process_group`` adds the shares up, and every
-            loaded tensor must match the placement digest recorded at save
-            (``UCPStorageWriter(placement_digests=True)``), once per copy
-            the job holds. A mismatch raises
-            :class:`~ucp_dcp.errors.PlacementError` on every rank, naming the
-            tensor; so does a checkpoint without digests, before anything is
-            read. Tensors loaded into another dtype are not checked.
-            ``placement_report`` says what the last load checked. Costs one
-            pass over the loaded state (docs/format.md, "Placement digests").
+        verify_placement: prove every element landed where the save found it, or raise
+            :class:`~ucp_dcp.errors.PlacementError` on every rank naming the tensor (also for
+            a checkpoint without digests); ``placement_report`` says what the load checked.
     """
 
     def __init__(
@@ -348,39 +337,17 @@ class UCPStorageReader(_Directory, StorageReader):
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             self._stats, self.rank_record, self.slowest = ReadStats(), None, None
             self._progress = Progress(f"load of {self.path}", rank, config=self.progress)
-            self.placement_report = None
-            records = self._placement_records()
-            try:
-                fut = self._read_data(plan, planner)
-            except BaseException:
+            with checked_placement(  # after the slowest rank's gather, on both paths
+                self.verify_placement, self.source, planner, self.process_group, self.path
+            ) as check:
                 try:
+                    fut = self._read_data(plan, planner)
+                except BaseException:
                     self._name_slowest(plan, rank, t0, failing=True)
-                finally:
-                    if records is not None:
-                        # The other ranks wait in the check's all-reduce: tell them to skip it.
-                        check_placement(records, None, self.process_group, self.path)
-                raise
-            self._name_slowest(plan, rank, t0, failing=False)
-            if records is not None:
-                state = getattr(planner, "state_dict", None)
-                shares = local_shares(state, records) if isinstance(state, Mapping) else {}
-                self.placement_report = check_placement(
-                    records, shares, self.process_group, self.path
-                )
+                    raise
+                self._name_slowest(plan, rank, t0, failing=False)
+            self.placement_report = check.report
             return fut
-
-    def _placement_records(self) -> Mapping[str, TensorRecord] | None:
-        """The tensor records to check placement against (None: ``verify_placement`` is off).
-
-        Raises :class:`~ucp_dcp.errors.PlacementError` when the checkpoint records no digests:
-        every rank alike, before any read or collective.
-        """
-        if not self.verify_placement:
-            return None
-        assert self.source is not None
-        records: Mapping[str, TensorRecord] = self.source.index.tensors
-        no_digests_error(records, self.path)
-        return records
 
     def _name_slowest(self, plan: LoadPlan, rank: int, t0: float, *, failing: bool) -> None:
         """Fill ``rank_record`` and ``slowest`` (every rank of a collective load calls it, also
