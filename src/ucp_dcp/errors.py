@@ -193,6 +193,12 @@ class PeerTransferError(UCPError, RuntimeError):
     ranks that want them), or a provider could not deliver a scheduled file."""
 
 
+class PlacementError(UCPError, RuntimeError):
+    """A loaded state does not match the placement digests its checkpoint recorded: some
+    element is not where the save found it (names the tensor, the digests and how many copies
+    were loaded), or the checkpoint records no digests to check against."""
+
+
 class ReadOnceError(UCPError, RuntimeError):
     """A read-once load (``UCPStorageReader(read_once=...)``) could not run its exchange: a
     rank failed before the plan was agreed, or the plan left a needed byte unsent (names the

@@ -54,6 +54,7 @@ from ._exchange import ExchangeTotals, run_exchange
 from ._first_requests import FirstRequests, share_first_requests
 from ._landing import LocalNeeds, Region
 from ._mesh_groups import LazyChunks
+from ._placement import PlacementReport, checked_placement
 from ._plan_records import LoadSourceInfo
 from ._read_once import (
     ReadOnceCosts,
@@ -190,7 +191,7 @@ class UCPStorageReader(_Directory, StorageReader):
             what it moved. Every rank of the group must load with the same
             setting.
         process_group: the group ``dcp.load`` runs on (default: the default
-            group), for ``read_once`` and for naming the job's slowest rank.
+            group), for ``read_once``, ``verify_placement``, naming the slowest rank.
         progress: when a long load logs its progress, per rank, on the
             ``ucp_dcp.progress`` logger (:class:`~ucp_dcp.ProgressConfig`:
             after 5 s, every 10 s by default; a line says the bytes read and the
@@ -200,6 +201,9 @@ class UCPStorageReader(_Directory, StorageReader):
             job's slowest rank, learnt with one small gather at the end of a load
             that runs collectives over ``process_group`` (elsewhere it is this
             rank's own record).
+        verify_placement: prove every element landed where the save found it, or raise
+            :class:`~ucp_dcp.errors.PlacementError` on every rank naming the tensor (also for
+            a checkpoint without digests); ``placement_report`` says what the load checked.
     """
 
     def __init__(
@@ -222,8 +226,11 @@ class UCPStorageReader(_Directory, StorageReader):
         process_group: dist.ProcessGroup | None = None,
         read_once_costs: ReadOnceCosts | None = None,
         progress: ProgressConfig | None = None,
+        verify_placement: bool = False,
     ) -> None:
         super().__init__()
+        self.verify_placement = verify_placement
+        self.placement_report: PlacementReport | None = None
         self.access = check_access(access)
         self.read_once = check_read_once(read_once)
         self.process_group = process_group
@@ -341,12 +348,16 @@ class UCPStorageReader(_Directory, StorageReader):
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             self._stats, self.rank_record, self.slowest = ReadStats(), None, None
             self._progress = Progress(f"load of {self.path}", rank, config=self.progress)
-            try:
-                fut = self._read_data(plan, planner)
-            except BaseException:
-                self._name_slowest(plan, rank, t0, failing=True)
-                raise
-            self._name_slowest(plan, rank, t0, failing=False)
+            with checked_placement(  # after the slowest rank's gather, on both paths
+                self.verify_placement, self.source, planner, self.process_group, self.path
+            ) as check:
+                try:
+                    fut = self._read_data(plan, planner)
+                except BaseException:
+                    self._name_slowest(plan, rank, t0, failing=True)
+                    raise
+                self._name_slowest(plan, rank, t0, failing=False)
+            self.placement_report = check.report
             return fut
 
     def _name_slowest(self, plan: LoadPlan, rank: int, t0: float, *, failing: bool) -> None:

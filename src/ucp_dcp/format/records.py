@@ -47,6 +47,7 @@ from .schema import (
     check_relative_name,
     check_tensor_bytes,
     field_dict,
+    field_digest64,
     field_dtype,
     field_int,
     field_list,
@@ -195,6 +196,9 @@ class TensorRecord:
         default_factory=list
     )  # compact only: file index per chunk (often a RunList)
     chunks: list[ChunkRecord] = field(default_factory=list)  # explicit only
+    digest: str | None = None
+    """Placement digest (16 hex digits, :mod:`ucp_dcp.core.placement_digest`); None: not
+    recorded (a save without ``placement_digests``, an older checkpoint, another format)."""
 
     def chunk_list(self) -> list[ChunkRecord]:
         """Every chunk, expanding a compact layout (locations then unknown)."""
@@ -299,6 +303,8 @@ class Index:
                     for c in t.chunks
                     if c.location is not None
                 ]
+            if t.digest is not None:
+                d["placement_digest"] = t.digest
             tensors[fqn] = d
         return {
             "format": FORMAT_NAME,
@@ -397,6 +403,8 @@ def _tensor_from_json(
     layout = Layout.from_json(t["layout"], w) if t.get("layout") is not None else None
     if layout is not None:
         layout.check_dims(len(shape), w)
+    # Optional: indexes written without placement digests have none.
+    digest = field_digest64(t, "placement_digest", w) if "placement_digest" in t else None
     if "files" in t:
         if layout is None:
             raise CheckpointFormatError(f"{w}: compact chunk list without a layout")
@@ -412,7 +420,7 @@ def _tensor_from_json(
                 f"{w}: compact chunk list names {len(file_ids)} files for {n} chunks, "
                 f"or a file outside 0..{len(files) - 1}"
             )
-        return TensorRecord(dtype, shape, layout, True, file_ids)
+        return TensorRecord(dtype, shape, layout, True, file_ids, digest=digest)
     chunks = []
     whole = Box((0,) * len(shape), shape)
     for i, c in enumerate(field_list(t, "chunks", w)):
@@ -435,7 +443,7 @@ def _tensor_from_json(
     covered = sum(c.box.numel for c in chunks)
     if covered != whole.numel:
         raise CheckpointFormatError(f"{w}: its chunks hold {covered} of its {whole.numel} elements")
-    return TensorRecord(dtype, shape, layout, False, chunks=chunks)
+    return TensorRecord(dtype, shape, layout, False, chunks=chunks, digest=digest)
 
 
 def _check_location(loc: Location, files: Sequence[FileRecord], where: str) -> None:

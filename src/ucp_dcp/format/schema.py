@@ -103,6 +103,17 @@ def field_xxh3(d: Any, k: str, where: str) -> str:
     return v
 
 
+def field_digest64(d: Any, k: str, where: str) -> str:
+    """A placement digest (:mod:`ucp_dcp.core.placement_digest`): 16 lowercase hex digits."""
+    v = field_str(d, k, where)
+    if not _XXH3.fullmatch(v):
+        raise CheckpointFormatError(
+            f"{where}: field {k!r} must be a 64-bit placement digest (16 hex digits), got "
+            f"{_short(v)}"
+        )
+    return v
+
+
 def is_index_list(v: Any, n: int | None = None) -> TypeGuard[list[int]]:
     """Whether ``v`` is a list of non-negative integers (of length ``n``, when given) that fit in 63
     bits."""

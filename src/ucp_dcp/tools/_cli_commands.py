@@ -157,6 +157,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                 values=len(ck.index.values),
                 rank_local=len(ck.index.rank_local),
                 bytes_verified=ck.bytes_read,
+                placement_digests=ck.placement_digests,
             )
     if args.json:
         _print_json({**summary, "ok": not problems, "problems": problems})
@@ -173,6 +174,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                 else f" (the {summary['format']} format records no checksums: structure and "
                 "readability only)"
             )
+            + _digests_note(summary["placement_digests"], summary["tensors"])
         )
     else:
         for p in problems:
@@ -181,6 +183,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         _error_line(f"{args.path}: verify found {_plural(len(problems), 'problem')}")
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _digests_note(digests: int, tensors: int) -> str:
+    """What ``verify`` says about placement digests (checked against the data when recorded)."""
+    if not digests:
+        return "; no placement digests (loads cannot use verify_placement)"
+    return f"; placement digests of {digests} of {_plural(tensors, 'tensor')} match the data"
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:

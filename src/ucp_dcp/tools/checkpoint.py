@@ -11,15 +11,25 @@ from __future__ import annotations
 
 import difflib
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..byteio.engine import ChunkReads
 from ..byteio.integrity import HASH_BLOCK, chunk_what, hash_range
 from ..byteio.transfer import ChunkRegion
+from ..core.placement_digest import box_share, digest_hex
 from ..core.sharding import Box
 from ..core.values import decode_value
+from ..dcp._placement import (
+    PlacementReport,
+    check_placement,
+    flat_state,
+    local_shares,
+    no_digests_error,
+)
 from ..errors import CheckpointFormatError, CheckpointKeyError, ShapeMismatchError
 from ..format import Location, TensorRecord, rank_local_key
 from ..sources import SourceOptions, open_source, read_value, read_values
@@ -89,6 +99,12 @@ class Checkpoint:
     def has_checksums(self) -> bool:
         """Whether the format records checksums, so :meth:`verify` can detect changed bytes."""
         return self.source.checksums
+
+    @property
+    def placement_digests(self) -> int:
+        """How many of its tensors the checkpoint records a placement digest for (0: none; see
+        :meth:`verify_loaded`)."""
+        return sum(t.digest is not None for t in self.index.tensors.values())
 
     # ------------------------------------------------------------ listing
     def tensor_names(self) -> list[str]:
@@ -240,6 +256,7 @@ class Checkpoint:
             except CheckpointFormatError as e:
                 note(e)
         work += self.source.checksummed_records()
+        problems += self._check_digests()
         total = sum(loc.nbytes for _, loc in work)
         done = 0
         buf = bytearray(min(HASH_BLOCK, max((loc.nbytes for _, loc in work), default=1)))
@@ -268,6 +285,48 @@ class Checkpoint:
             if progress is not None:
                 progress(done, total)
         return problems
+
+    def _check_digests(self) -> list[str]:
+        """Every recorded placement digest against the saved tensor (read whole, one at a
+        time): a digest that does not match the data is reported like a checksum mismatch."""
+        problems = []
+        for name, rec in sorted(self.index.tensors.items()):
+            if rec.digest is None:
+                continue
+            try:
+                data = self.read_tensor(name)
+            except CheckpointFormatError:
+                continue  # the data's own checks below report it
+            got = digest_hex(box_share(data, (0,) * data.dim(), rec.shape))
+            if got != rec.digest:
+                problems.append(
+                    f"{self.path}: tensor {name!r}: placement digest mismatch (the index records "
+                    f"{rec.digest}, the saved data hashes to {got})"
+                )
+        return problems
+
+    def verify_loaded(
+        self, state: Mapping[str, Any], *, process_group: dist.ProcessGroup | None = None
+    ) -> PlacementReport:
+        """Prove that ``state``, already loaded from this checkpoint, holds every element where
+        the save found it: the check ``UCPStorageReader(verify_placement=True)`` makes.
+
+        ``state`` is the (nested) state dict as loaded: plain tensors, DTensors of any mesh and
+        placements, ShardedTensors, :class:`~ucp_dcp.TensorPieces`. Each box is hashed at the
+        global position its own layout gives it; under an initialised process group with more
+        than one rank, every rank of ``process_group`` must call this (one all-reduce adds the
+        ranks' shares up). Every copy the job holds is checked; tensors loaded into another
+        dtype and tensors without a digest are listed as not checked in the returned
+        :class:`~ucp_dcp.dcp._placement.PlacementReport`.
+
+        Raises :class:`~ucp_dcp.PlacementError` on every rank, naming the tensor, when a tensor
+        does not match its digest, and when the checkpoint records no digests at all.
+        """
+        records = self.index.tensors
+        no_digests_error(records, self.path)
+        return check_placement(
+            records, local_shares(flat_state(state), records), process_group, self.path
+        )
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:
