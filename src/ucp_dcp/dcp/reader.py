@@ -11,15 +11,12 @@ dimension order). The reader itself knows no format.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
-import io
 import os
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,7 +25,6 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
-    MetadataIndex,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
@@ -42,11 +38,7 @@ from ..byteio.objrequests import RequestPolicy
 from ..byteio.progress import Progress, ProgressConfig
 from ..byteio.rangeio import ByteSource, ReadStats, check_access
 from ..byteio.transfer import ChunkRegion, extents, needs_staging
-from ..core.sharding import Box
-from ..core.values import decode_value
 from ..errors import InvalidArgumentError
-from ..format import TensorRecord
-from ..format.names import save_id_of
 from ..sources import Source, SourceOptions, open_source, read_values, source_types
 from ..sources.distcp import DCP_VALUES_MODES
 from ._directory import _Directory
@@ -56,6 +48,14 @@ from ._landing import LocalNeeds, Region
 from ._mesh_groups import LazyChunks
 from ._placement import PlacementReport, checked_placement
 from ._plan_records import LoadSourceInfo
+from ._read_items import (
+    chunk_offsets,
+    chunk_part,
+    collector_paused,
+    record_boxes,
+    save_id,
+    value_for,
+)
 from ._read_once import (
     ReadOnceCosts,
     ReadOnceDecision,
@@ -65,7 +65,6 @@ from ._read_once import (
     shared_storage,
 )
 from ._slowest import LoadRun, SlowestRecord, name_slowest, rank_record
-from .load_planner import UCPLoadPlanner
 
 __all__ = ["UCPStorageReader"]
 
@@ -84,10 +83,6 @@ _IO_THREADS = 2
 # Bytes sent and received per rank in a read-once round; None: a fifth of max_buffer_bytes, at
 # least 1 MiB. Tests set it lower to run many rounds on a small state.
 _ROUND_BYTES: int | None = None
-
-
-def _record_boxes(record: TensorRecord) -> list[Box]:
-    return [c.box for c in record.chunk_list()]
 
 
 class UCPStorageReader(_Directory, StorageReader):
@@ -295,7 +290,7 @@ class UCPStorageReader(_Directory, StorageReader):
             md[fqn] = TensorStorageMetadata(
                 TensorProperties(dtype=t.dtype),
                 torch.Size(t.shape),
-                LazyChunks(functools.partial(_record_boxes, t)),
+                LazyChunks(functools.partial(record_boxes, t)),
             )
         for fqn in [*index.values, *index.rank_local]:
             md[fqn] = BytesStorageMetadata()
@@ -311,7 +306,7 @@ class UCPStorageReader(_Directory, StorageReader):
                 paths=index.paths,
             ),
             storage_meta=StorageMeta(
-                checkpoint_id=self.path, save_id=_save_id(index), load_id=self.load_id
+                checkpoint_id=self.path, save_id=save_id(index), load_id=self.load_id
             ),
             # The version of DCP's metadata conventions these keys follow: a
             # DCP checkpoint's own (None before torch 2.4, which DCP's planners
@@ -385,7 +380,7 @@ class UCPStorageReader(_Directory, StorageReader):
                 [ri.storage_index.fqn for ri in value_items],
                 self.io_threads,
             )
-            parts = [self._part(src, ri, idx) for ri, idx in tensor_items]
+            parts = [chunk_part(src, ri, idx) for ri, idx in tensor_items]
         except Exception as e:
             if exchanging:  # the other ranks wait for this one's needs: say why not
                 coordinate(self.read_once, *self._storage, None, e, self.process_group, 0)
@@ -425,7 +420,7 @@ class UCPStorageReader(_Directory, StorageReader):
             engine.flush()
             raws = read_values(src, reader, [ri.storage_index.fqn for ri in value_items])
             for ri, raw in zip(value_items, raws):
-                planner.load_bytes(ri, self._value_for(planner, raw, ri))
+                planner.load_bytes(ri, value_for(planner, raw, ri))
         finally:
             engine.close()
             reader.close()
@@ -512,16 +507,6 @@ class UCPStorageReader(_Directory, StorageReader):
             return False
         return True
 
-    @staticmethod
-    def _part(src: Source, ri: ReadItem, idx: int) -> tuple[ChunkRegion, tuple[int, ...]]:
-        """The region of saved chunk ``idx`` that tensor read item ``ri`` reads, and the chunk's
-        offsets in the tensor."""
-        fqn = ri.storage_index.fqn
-        chunk = src.box(fqn, idx)
-        region = Box(tuple(ri.storage_offsets), tuple(ri.lengths))
-        dtype = src.index.tensors[fqn].dtype
-        return ChunkRegion(src.locate(fqn, idx), chunk.sizes, region, dtype), chunk.offsets
-
     def _items(
         self, src: Source, plan: LoadPlan, exchanging: bool
     ) -> tuple[list[tuple[ReadItem, int]], list[ReadItem]]:
@@ -537,7 +522,7 @@ class UCPStorageReader(_Directory, StorageReader):
         try:
             value_items = [ri for ri in plan.items if ri.type == LoadItemType.BYTE_IO]
             tensor_items = [
-                (ri, src.chunk_index(si.fqn, _chunk_offsets(si), si.index))
+                (ri, src.chunk_index(si.fqn, chunk_offsets(si), si.index))
                 for ri in plan.items
                 if ri.type != LoadItemType.BYTE_IO
                 for si in (ri.storage_index,)
@@ -558,53 +543,8 @@ class UCPStorageReader(_Directory, StorageReader):
             share_first_requests(shares, wanted, None, self.process_group)
         return tensor_items, value_items
 
-    @staticmethod
-    def _value_for(planner: LoadPlanner, tagged: bytes, ri: ReadItem) -> io.BytesIO:
-        """What ``planner.load_bytes`` expects: the tagged JSON for UCPLoadPlanner; for any other
-        planner (DCP's own, which calls ``torch.load`` on it) the decoded value re-saved with
-        ``torch.save``.
-
-        The decoded value holds only what tagged JSON can: numbers, strings,
-        containers, tensors, arrays; nothing from the checkpoint is unpickled.
-        """
-        if isinstance(planner, UCPLoadPlanner):
-            return io.BytesIO(tagged)
-        buf = io.BytesIO()
-        torch.save(decode_value(tagged, ri.storage_index.fqn), buf)
-        buf.seek(0)
-        return buf
-
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether ``checkpoint_id`` is a path some source format recognises."""
         path = os.fspath(checkpoint_id)
         return any(c.detect(path) for c in source_types())
-
-
-def _chunk_offsets(index: MetadataIndex) -> tuple[int, ...]:
-    """The offsets of the chunk a tensor read item reads (DCP's planners set them on every one)."""
-    if index.offset is None:
-        raise InvalidArgumentError(
-            f"tensor {index.fqn!r}: the load plan reads a chunk of it without its offsets "
-            "(MetadataIndex.offset); a tensor read item must name the saved chunk it reads"
-        )
-    return tuple(index.offset)
-
-
-def _save_id(index: Any) -> str | None:
-    """The save that wrote a native checkpoint's data files (None for other formats, or a mix)."""
-    ids = {save_id_of(f.name) for f in getattr(index, "files", ())}
-    return ids.pop() if len(ids) == 1 else None
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector (process-wide) for the ``with`` block, if it was
-    running."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()

@@ -33,9 +33,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..byteio.integrity import bytes_digest, file_digest
 from ..byteio.objstore import is_url
 from ..dcp import UCPLoadPlanner, UCPStorageReader
+from ..dcp._read_items import collector_paused
 from ..dcp._read_once import ReadOnceDecision
 from ..dcp._slowest import SlowestRecord
-from ..dcp.reader import collector_paused
 from ..errors import CheckpointFormatError, CheckpointRestoreError, NoCheckpointError
 from ..format import INDEX_FILE
 from ._collective import GroupWorker, describe
