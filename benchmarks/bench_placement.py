@@ -17,6 +17,7 @@ without ``verify_placement``, alternating; reported per pair: median seconds and
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -113,11 +114,20 @@ def _rank(rank: int, world: int, init: str, root: str, size_mb: int, repeats: in
     dist.destroy_process_group()
 
 
-def reshard(size_mb: int, repeats: int) -> None:
-    """The ``--reshard`` run (see the module docstring)."""
-    import json
+def _write(path: str | None, doc: dict) -> None:
+    """The run's numbers as JSON at ``path`` (nothing if None)."""
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"results written to {path}")
 
+
+def reshard(size_mb: int, repeats: int, out_json: str | None = None) -> None:
+    """The ``--reshard`` run (see the module docstring)."""
     import torch.multiprocessing as mp
+
+    load_start = os.getloadavg()
 
     root = tempfile.mkdtemp()
     try:
@@ -130,12 +140,17 @@ def reshard(size_mb: int, repeats: int) -> None:
     st = make_state(size_mb, hidden=1024)
     nbytes = sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
     print(f"state: {nbytes / 1e6:.0f} MB fp32, {repeats} rounds, load average {os.getloadavg()}")
+    summary = {}
     for name, times in res.items():
         off = statistics.median(a for a, _ in times)
         on = statistics.median(b for _, b in times)
         ratio = statistics.median(b / a for a, b in times)
+        summary[name] = {"without_s": off, "with_s": on, "median_ratio": ratio}
         what = "placement_digests" if name == "save" else "verify_placement"
         print(f"{name}: {off:.3f} s, with {what} {on:.3f} s (median ratio {ratio:.2f}x)")
+    _write(out_json, {"mode": "reshard", "size_mb": size_mb, "repeats": repeats, "state_bytes": nbytes,
+                      "load_avg": {"start": load_start, "end": os.getloadavg()},
+                      "times_without_with": res, "summary": summary})
 
 
 def main() -> None:
@@ -144,14 +159,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", default=None, help="directory on the disk to measure")
     ap.add_argument("--reshard", action="store_true", help="real ranks: see the module docstring")
+    ap.add_argument("--out", default=None, help="write the numbers as JSON here")
     args = ap.parse_args()
     if args.reshard:
-        reshard(args.size_mb, args.repeats)
+        reshard(args.size_mb, args.repeats, args.out)
         return
+    load_start = os.getloadavg()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     x = torch.randn(4096, 4096)
-    print(f"hashing: fp32 {_rate(x, 3):.0f} MB/s, bf16 {_rate(x.bfloat16(), 3):.0f} MB/s")
+    rates = {"fp32": _rate(x, 3), "bf16": _rate(x.bfloat16(), 3)}
+    print(f"hashing: fp32 {rates['fp32']:.0f} MB/s, bf16 {rates['bf16']:.0f} MB/s")
     state = make_state(args.size_mb)
     nbytes = sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
     root = tempfile.mkdtemp(dir=args.dir)
@@ -182,6 +200,10 @@ def main() -> None:
           f"(median ratio {ratio_s:.2f}x)")
     print(f"load: {med['load']:.3f} s, with verify_placement {med['load+v']:.3f} s "
           f"(median ratio {ratio_l:.2f}x)")
+    _write(args.out, {"mode": "one process", "size_mb": args.size_mb, "repeats": args.repeats,
+                      "state_bytes": nbytes, "hashing_mb_per_s": rates,
+                      "load_avg": {"start": load_start, "end": os.getloadavg()}, "times_s": times,
+                      "medians_s": med, "median_ratio": {"save": ratio_s, "load": ratio_l}})
 
 
 if __name__ == "__main__":

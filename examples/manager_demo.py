@@ -44,7 +44,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +181,7 @@ def worker(args: argparse.Namespace) -> None:
         # The crash. The save of step `stop` has just been handed to the
         # background thread; nobody waits for it. Records of the saves that
         # finished so far (those save() collected) are all we get.
-        result["stats"] = [r.__dict__ for r in mgr.stats()]
+        result["stats"] = [asdict(r) for r in mgr.stats()]
         result["steps_before_crash"] = mgr.steps()
         if rank == 0:
             Path(args.result).write_text(json.dumps(result))
@@ -190,7 +190,7 @@ def worker(args: argparse.Namespace) -> None:
 
     if mgr is not None:
         mgr.wait()
-        result["stats"] = [r.__dict__ for r in mgr.stats()]
+        result["stats"] = [asdict(r) for r in mgr.stats()]
         result["steps_after"] = mgr.steps()
         mgr.close()
         lap("final wait")

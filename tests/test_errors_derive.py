@@ -54,6 +54,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     # A file object's seek before the start: zipfile (the only caller) expects OSError from a
     # file too short to be an archive, and turns it into its own BadZipFile.
     ("sources/_torch_archive.py", "seek", "OSError"): "file protocol for zipfile",
+    # The request scheduler's own signals between a try and its retry: ObjectStore wraps the
+    # last one in a StorageError naming the object, the range, the rank and the time waited.
+    ("byteio/objrequests.py", "DeadlineExceeded", "TimeoutError"): "internal: a try past its deadline",
+    ("byteio/objrequests.py", "_Wrong", "Exception"): "internal: an answer the check refused",
 }
 
 

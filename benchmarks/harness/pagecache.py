@@ -8,6 +8,8 @@ into the page cache, one rank at a time.
 
 from __future__ import annotations
 
+import dataclasses
+
 import ctypes
 import inspect
 import mmap
@@ -210,8 +212,10 @@ class TurnTakingReader(StorageReader):
         return self.inner.prepare_local_plan(plan)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Delegated."""
-        return self.inner.prepare_global_plan(plans)
+        """Delegated, then the plans' ``storage_data`` cleared: ranks take turns in ``read_data``,
+        where a reader's end-of-load collective (UCPStorageReader's gather of the slowest rank,
+        asked for by its plans' ``LoadRun``) would wait for ranks whose turn has not come."""
+        return [dataclasses.replace(p, storage_data=None) for p in self.inner.prepare_global_plan(plans)]
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
