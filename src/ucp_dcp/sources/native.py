@@ -140,10 +140,13 @@ class NativeSource(Source):
         header is not parsed yet, in one batch of concurrent requests: one after the other, each
         a round trip, they would keep the store idle before the first byte of data is asked
         for."""
-        files = self.first_requests(chunks, values)
+        fetch_heads(self._accesses(self.first_requests(chunks, values)))
+
+    def _accesses(self, files: Sequence[int]) -> list[ObjectAccess]:
+        """The objects of ``files`` (in object storage), made if need be."""
         with self._lock:
             objs = [self._object(f) for f in files]
-        fetch_heads([o for o in objs if o is not None])
+        return [o for o in objs if o is not None]
 
     # -------------------------------------------- first requests (dcp._first_requests)
     def first_requests(self, chunks: Sequence[tuple[str, int]], values: Sequence[str]) -> list[int]:
@@ -168,16 +171,17 @@ class NativeSource(Source):
         ]
 
     def first_request_bytes(self, file: int) -> int:
-        """The length of data file ``file``'s first request, from the index's record of it."""
-        size = self.index.files[file].size
-        return min(size, head_request_bytes(size))
+        """The length of data file ``file``'s first request (:meth:`ObjectAccess.first_request`,
+        from the index's record of its size: the same on every rank)."""
+        _, start, end = self._accesses([file])[0].first_request()
+        return end - start
 
     def fetch_first_requests(self, files: Sequence[int]) -> dict[int, bytes]:
         """The first requests of ``files`` (in object storage), in one batch; not kept."""
         assert self.store is not None
-        asked = [f for f in files if self.first_request_bytes(f)]  # an empty file has none
-        ranges = [(self.index.files[f].name, 0, self.first_request_bytes(f)) for f in asked]
-        return {f: b"" for f in files} | dict(zip(asked, self.store.read_ranges(ranges)))
+        asked = [(f, o) for f, o in zip(files, self._accesses(files)) if o.size]  # empty: none
+        got = self.store.read_ranges([o.first_request() for _, o in asked])
+        return {f: b"" for f in files} | {f: data for (f, _), data in zip(asked, got)}
 
     def hold_first_requests(self, heads: Mapping[int, bytes]) -> None:
         """Keep first requests fetched by another rank: the headers are parsed from them."""
