@@ -174,6 +174,24 @@ def test_resumed_without_a_pipeline_training_matches_deepspeeds_next_steps(varia
     _resume(model, optim, state, variant)
 
 
+def _load_into(
+    model: torch.nn.Module, optim: torch.optim.Optimizer, path: Path | str, partial: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``get_state_dict(model, optim)`` with every tensor set to 13, then loaded from ``path``:
+    the state (for ``set_state_dict``) and its flattened view (keys as ``expected``'s)."""
+    msd, osd = get_state_dict(model, optim)
+    state: dict[str, Any] = {"model": msd, "optim": osd}
+    for v in flatten(state).values():
+        if isinstance(v, torch.Tensor):
+            (v.to_local() if isinstance(v, DTensor) else v).fill_(13)
+    dcp.load(
+        state,
+        storage_reader=UCPStorageReader(path),
+        planner=UCPLoadPlanner(allow_partial_load=partial),
+    )
+    return state, flatten(state)
+
+
 def _fsdp2(rank: int, world: int, variants: list[str]) -> None:
     from torch.distributed.fsdp import fully_shard
 
@@ -181,13 +199,7 @@ def _fsdp2(rank: int, world: int, variants: list[str]) -> None:
         model, _ = _model_and_optim()
         fully_shard(model)
         optim = torch.optim.AdamW(GEN.param_groups(model), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
-        msd, osd = get_state_dict(model, optim)
-        state: dict[str, Any] = {"model": msd, "optim": osd}
-        for v in flatten(state).values():
-            if isinstance(v, torch.Tensor):
-                (v.to_local() if isinstance(v, DTensor) else v).fill_(13)
-        dcp.load(state, storage_reader=UCPStorageReader(PIPE / variant), planner=UCPLoadPlanner())
-        flat = flatten(state)
+        state, flat = _load_into(model, optim, PIPE / variant)
         for k, v in expected(variant).items():
             t = flat[k]
             full = t.full_tensor() if isinstance(t, DTensor) else t
@@ -409,17 +421,7 @@ def _tp3_resume(rank: int, world: int, variant: str, path: Path, partial: bool =
         output_fn=lambda _m, out, _mesh: out.full_tensor(),
     )
     optim = _adamw(model)
-    msd, osd = get_state_dict(model, optim)
-    state: dict[str, Any] = {"model": msd, "optim": osd}
-    for v in flatten(state).values():
-        if isinstance(v, torch.Tensor):
-            (v.to_local() if isinstance(v, DTensor) else v).fill_(13)
-    dcp.load(
-        state,
-        storage_reader=UCPStorageReader(path),
-        planner=UCPLoadPlanner(allow_partial_load=partial),
-    )
-    flat = flatten(state)
+    state, flat = _load_into(model, optim, path, partial)
     for k, v in expected_tp(variant).items():
         t = flat[k]
         assert bit_equal(t.full_tensor() if isinstance(t, DTensor) else t, v), (variant, rank, k)
@@ -544,17 +546,7 @@ def _fsdp2_universal(rank: int, world: int, variant: str, path: Path) -> None:
     model, _ = _model_and_optim()
     fully_shard(model)
     optim = _adamw(model)
-    msd, osd = get_state_dict(model, optim)
-    state: dict[str, Any] = {"model": msd, "optim": osd}
-    for v in flatten(state).values():
-        if isinstance(v, torch.Tensor):
-            (v.to_local() if isinstance(v, DTensor) else v).fill_(13)
-    dcp.load(
-        state,
-        storage_reader=UCPStorageReader(path),
-        planner=UCPLoadPlanner(allow_partial_load=True),
-    )
-    flat = flatten(state)
+    state, flat = _load_into(model, optim, path, partial=True)
     for k, v in expected(_converted(variant)).items():
         t = flat[k]
         full = t.full_tensor() if isinstance(t, DTensor) else t
