@@ -8,7 +8,7 @@ from others), each once; every reader reads each byte in one round only; rounds 
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from test_readplan import (
     ALIGNS,
@@ -21,9 +21,11 @@ from test_readplan import (
 )
 
 from ucp_dcp.core.exchange_rounds import schedule_rounds, with_own_reads
+from ucp_dcp.core.group_plan import NeedGroups, plan_group_reads
 from ucp_dcp.core.ranges import intersect_ranges, merge_ranges
 from ucp_dcp.core.readplan import plan_job_reads
-from ucp_dcp.dcp._read_once import _rank_rounds
+from ucp_dcp.dcp._exchange import RankRounds
+from ucp_dcp.dcp._read_once import rank_shares
 from ucp_dcp.errors import InvalidArgumentError
 
 
@@ -87,8 +89,11 @@ def test_each_ranks_windows_cut_the_same_rounds_as_the_schedule(
     case: tuple[Needs, dict[int, int]], align: int, budget: int
 ) -> None:
     """What the read-once exchange runs (each rank cutting its own transfers by windows,
-    dcp/_read_once.py) is schedule_rounds' schedule, both ends of every message alike."""
+    dcp/_read_once.py) is schedule_rounds' schedule, both ends of every message alike: where
+    no two ranks need the same (each group one rank), the compact plan is the per-rank one."""
     needs, sizes = case
+    groups = NeedGroups.of(needs)
+    assume(len(groups.extents) == len(needs))
     full = with_own_reads(plan_job_reads(needs, align=align, file_sizes=sizes), needs)
     world = full.world_size
     if budget < max(len(needs), 1) * 2:  # under the peers one rank exchanges with: refused
@@ -97,7 +102,10 @@ def test_each_ranks_windows_cut_the_same_rounds_as_the_schedule(
         rounds = schedule_rounds(full, budget)
     except InvalidArgumentError:
         return
-    count, shares = _rank_rounds(full, budget)
+    plan = plan_group_reads(groups, align=align, file_sizes=sizes)
+    assert groups.group_of.tolist() == list(range(world))
+    count, windows, sends, recvs = rank_shares(plan, budget)
+    shares = [RankRounds(count, sends[r], recvs[r], windows, groups.group_of) for r in range(world)]
     assert count == len(rounds)
     for k, t in enumerate(rounds):
         for me in range(world):

@@ -21,7 +21,13 @@ from ..errors import InvalidArgumentError
 from .ranges import at_least, expand, intersect_ranges, merge_ranges, stable_order
 from .readplan import JobReadPlan, Transfers
 
-__all__ = ["exchange_windows", "schedule_rounds", "stream_positions", "with_own_reads"]
+__all__ = [
+    "exchange_windows",
+    "fit_windows",
+    "schedule_rounds",
+    "stream_positions",
+    "with_own_reads",
+]
 
 _I64 = np.int64
 
@@ -115,19 +121,50 @@ def exchange_windows(plan: JobReadPlan, budget_bytes: int) -> np.ndarray:
     a round); a multiple of the plan's ``align`` where that allows, so a round's reads are whole
     pages. Raises :class:`InvalidArgumentError` when ``budget_bytes`` is under ``f``.
     """
+    t = plan.transfers
+    stream = np.bincount(plan.read_rank, weights=plan.read_length, minlength=plan.world_size)
+    return fit_windows(
+        t.reader,
+        t.receiver,
+        t.length,
+        stream_positions(plan) if len(t) else np.zeros(0, _I64),
+        stream.astype(_I64),
+        np.ones(plan.world_size, _I64),
+        plan.align,
+        budget_bytes,
+    )
+
+
+def fit_windows(
+    reader: np.ndarray,
+    receiver: np.ndarray,
+    length: np.ndarray,
+    at: np.ndarray,
+    stream: np.ndarray,
+    receiver_size: np.ndarray,
+    align: int,
+    budget_bytes: int,
+) -> np.ndarray:
+    """The windows of :func:`exchange_windows` for transfer rows given as columns, sorted by
+    (reader, receiver, stream position ``at``): ``receiver[i]`` names a set of
+    ``receiver_size[receiver[i]]`` ranks that each get row ``i`` whole (a single rank where the
+    sizes are ones; a group of ranks with identical needs in
+    :mod:`~ucp_dcp.core.group_plan`); ``stream[q]``: the bytes reader ``q`` reads. A reader's
+    fan-out counts the ranks of its receiver sets, a set's fan-in its readers."""
     budget = at_least("budget_bytes", budget_bytes, 1)
-    t, world, align = plan.transfers, plan.world_size, plan.align
+    world = len(stream)
     windows = np.full(world, budget, _I64)
-    if not len(t):
+    if not len(reader):
         return windows
-    pair = t.reader * world + t.receiver
+    nrecv = len(receiver_size)
+    pair = reader * nrecv + receiver
     first = np.flatnonzero(np.r_[True, pair[1:] != pair[:-1]])
-    p_reader, p_receiver = t.reader[first], t.receiver[first]
-    fan_in = np.bincount(p_receiver, minlength=world)
+    p_reader, p_receiver = reader[first], receiver[first]
+    fan_in = np.bincount(p_receiver, minlength=nrecv)
     reader_first = np.flatnonzero(np.r_[True, p_reader[1:] != p_reader[:-1]])
     readers = p_reader[reader_first]
     fan = np.maximum(
-        np.diff(np.r_[reader_first, len(first)]),
+        np.add.reduceat(receiver_size[p_receiver], reader_first),
         np.maximum.reduceat(fan_in[p_receiver], reader_first),
     )
     share = budget // fan  # the most one receiver may get from the reader in a round
@@ -143,11 +180,9 @@ def exchange_windows(plan: JobReadPlan, budget_bytes: int) -> np.ndarray:
 
     # Start from the window the densest receiver allows on average; halve where a window of the
     # grid gives one receiver more than its share; a window of at most the share always fits.
-    u0 = stream_positions(plan)
-    stream = np.bincount(plan.read_rank, weights=plan.read_length, minlength=world).astype(_I64)[
-        readers
-    ]
-    densest = np.maximum.reduceat(np.add.reduceat(t.length, first), reader_first)
+    u0 = at
+    stream = stream[readers]
+    densest = np.maximum.reduceat(np.add.reduceat(length, first), reader_first)
     least = floor_align(share)
     ratio = np.minimum(stream // np.maximum(densest, 1), budget)  # bounded: no overflow below
     window = np.maximum(least, floor_align(np.minimum(budget, share * ratio)))
@@ -158,16 +193,14 @@ def exchange_windows(plan: JobReadPlan, budget_bytes: int) -> np.ndarray:
         # theirs over three windows or more fills one whole window for its receiver: too much.
         # The other rows meet at most two windows, so the check takes O(rows) memory.
         w = window[row_reader_index]
-        first_k, last_k = u0 // w, (u0 + t.length - 1) // w
+        first_k, last_k = u0 // w, (u0 + length - 1) // w
         risky = window[row_reader_index] > share[row_reader_index]
         over = np.zeros(len(readers), bool)
         over[row_reader_index[risky & (last_k - first_k >= 2)]] = True
         rows = np.flatnonzero(risky & (last_k - first_k < 2))
         row, k = expand(first_k[rows], last_k[rows] + 1)
         row = rows[row]
-        got = np.minimum(u0[row] + t.length[row], (k + 1) * w[row]) - np.maximum(
-            u0[row], k * w[row]
-        )
+        got = np.minimum(u0[row] + length[row], (k + 1) * w[row]) - np.maximum(u0[row], k * w[row])
         # Rows come by pair, then stream position: one group per (pair, window).
         group = np.flatnonzero(np.r_[True, (pair[row][1:] != pair[row][:-1]) | (k[1:] != k[:-1])])
         if len(row):

@@ -11,6 +11,7 @@ applies to each class.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
@@ -98,16 +99,29 @@ def _exact_reps(ptr: np.ndarray, members: np.ndarray) -> np.ndarray:
     )
 
 
-def water_fill(loads: np.ndarray, total: int) -> np.ndarray:
+def water_fill(loads: np.ndarray, total: int, weights: np.ndarray | None = None) -> np.ndarray:
     """Shares of ``total`` bytes (summing to it) that raise the least loaded up to one level:
-    ``max(0, level - load)``, the remainder bytes to the lowest-loaded first (ties: order given)."""
-    order = np.argsort(loads, kind="stable")
-    low = loads[order]
-    need = low * np.arange(1, len(low) + 1) - np.cumsum(low)  # to lift the i+1 lowest to low[i]
-    filled = int(np.searchsorted(need, total, side="right"))
-    level, extra = divmod(total + int(low[:filled].sum()), filled)
+    ``max(0, level - load)``, the remainder bytes to the lowest-loaded first (ties: order given).
+
+    With ``weights`` (positive integers: the ranks each entry stands for) the level is per
+    weight: shares ``max(0, floor(level * weight) - load)``, lowest ``load / weight`` first;
+    all ones is the unweighted rule exactly."""
+    w = np.ones(len(loads), _I64) if weights is None else np.asarray(weights, _I64)
+    if not len(w) or int(w.min()) == int(w.max()):
+        order = np.argsort(loads, kind="stable")  # equal weights: by load
+    else:  # by load / weight, exactly (ties: order given)
+        order = np.array(
+            sorted(range(len(loads)), key=lambda i: Fraction(int(loads[i]), int(w[i]))), _I64
+        )
+    low, lw = loads[order].astype(_I64), w[order]
+    cw, cl = np.cumsum(lw), np.cumsum(low)
+    # Lifting the i+1 lowest to entry i's level low[i] / lw[i] costs low[i] * cw[i] / lw[i] -
+    # cl[i] bytes; compared with total in integers, cross-multiplied (non-decreasing in i).
+    filled = int(np.count_nonzero(low * cw - cl * lw <= total * lw))
+    top = total + int(cl[filled - 1])
     share = np.zeros(len(low), _I64)
-    share[:filled] = level - low[:filled]
+    share[:filled] = (top * lw[:filled]) // int(cw[filled - 1]) - low[:filled]
+    extra = total - int(share.sum())  # under ``filled``: the floors' remainders
     share[:extra] += 1
     out = np.empty_like(share)
     out[order] = share

@@ -180,6 +180,12 @@ class JobReadPlan:
         ).astype(_I64)
 
     @property
+    def bytes_received_per_rank(self) -> np.ndarray:
+        """Bytes each rank receives from the transfers, indexed by rank."""
+        t = self.transfers
+        return np.bincount(t.receiver, weights=t.length, minlength=self.world_size).astype(_I64)
+
+    @property
     def read_bytes(self) -> int:
         """Bytes read from storage by the whole job."""
         return int(self.read_length.sum())
@@ -308,13 +314,16 @@ def plan_job_reads(
     align: int = DEFAULT_ALIGN,
     min_run: int = DEFAULT_MIN_RUN,
     file_sizes: Mapping[int, int] | None = None,
+    weights: np.ndarray | None = None,
 ) -> JobReadPlan:
     """The job-wide read plan for ``needs[r]``, rank ``r``'s needed ranges (see the module).
 
     Ranges of one rank may overlap or touch. ``align``: reads start and end on multiples of it
     (a file's last page ends at its size where ``file_sizes`` gives it, else on a multiple of
     ``align``: a read there may come back short at the end of the file). ``min_run``: the least
-    piece of a shared segment given to one reader. Raises :class:`InvalidArgumentError` for
+    piece of a shared segment given to one reader. ``weights[r]`` (positive integers, default
+    all ones): the ranks input ``r`` stands for (:mod:`~ucp_dcp.core.group_plan`), shared bytes
+    balanced by bytes per weight. Raises :class:`InvalidArgumentError` for
     negative numbers, arrays of other shapes or kinds, ranges past a known file size.
     """
     align = at_least("align", align, 1)
@@ -330,7 +339,13 @@ def plan_job_reads(
     page_start = start // align * align
     page_end = np.minimum(-(-end // align) * align, line.clip[fidx])
     segs = segments(*_merge(rank, page_start, page_end))
-    piece_reader, piece_start, piece_end = _assign(segs, world, align, min_run)
+    if weights is not None:
+        weights = np.asarray(weights, _I64)
+        if weights.shape != (world,) or (world and int(weights.min()) < 1):
+            raise InvalidArgumentError(
+                f"weights must be {world} positive integers, one per rank, got {weights.tolist()}"
+            )
+    piece_reader, piece_start, piece_end = _assign(segs, world, align, min_run, weights)
 
     reads = _reads(line, world, piece_reader, piece_start, piece_end)
     transfers, send_offsets, recv_index, recv_offsets = _transfers(
@@ -351,7 +366,7 @@ def plan_job_reads(
 
 
 def _assign(
-    segs: Segments, world: int, align: int, min_run: int
+    segs: Segments, world: int, align: int, min_run: int, weights: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pieces (reader, start, end) covering every segment, sorted by start."""
     size = segs.end - segs.start
@@ -376,7 +391,9 @@ def _assign(
     for c in todo.tolist():
         rep = int(class_rep[c])
         members = segs.members[segs.ptr[rep] : segs.ptr[rep + 1]]
-        share = water_fill(loads[members], int(class_bytes[c]))
+        share = water_fill(
+            loads[members], int(class_bytes[c]), None if weights is None else weights[members]
+        )
         loads[members] += share
         cuts.append(np.cumsum(share)[:-1])
         member_lists.append(members)

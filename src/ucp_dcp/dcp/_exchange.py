@@ -71,23 +71,29 @@ class RankRounds:
     """One rank's share of an exchange of ``count`` rounds, described by windows rather than
     listed round by round (its size is this rank's transfers, whatever the number of rounds).
 
-    ``sends`` / ``recvs``: ``(n, 5)`` int64 arrays of ``(peer, file, start, length, at)``, the
-    transfers this rank reads and sends (to itself too) and those it receives, ``at`` being where
-    the transfer starts in its reader's *stream* (the reader's reads laid end to end,
-    :func:`~ucp_dcp.core.exchange_rounds.stream_positions`); ``windows[q]``: the bytes of its
-    stream reader ``q`` handles per round. Round ``k`` holds, of every transfer, the part in
-    window ``k`` of its reader's stream: both ends of a message cut the same rows the same way.
+    ``sends``: ``(n, 5)`` int64 array of ``(group, file, start, length, at)``, the transfers
+    this rank reads and sends to every rank of a group (its own group too: then itself among
+    them; ``group_of[r]`` is rank ``r``'s group, :class:`~ucp_dcp.core.group_plan.NeedGroups`);
+    ``recvs``: ``(n, 5)`` of ``(reader, file, start, length, at)``, those it receives (its own
+    reads for itself included). ``at`` is where the transfer starts in its reader's *stream*
+    (the reader's reads laid end to end); ``windows[q]``: the bytes of its stream reader ``q``
+    handles per round. Round ``k`` holds, of every transfer, the part in window ``k`` of its
+    reader's stream: both ends of a message cut the same rows the same way.
     """
 
     count: int
     sends: np.ndarray
     recvs: np.ndarray
     windows: np.ndarray
+    group_of: np.ndarray
 
     def round(self, k: int, me: int, world: int) -> ExchangeRound:
-        """Round ``k``: per peer, the pieces this rank sends there and receives from there."""
+        """Round ``k``: per peer, the pieces this rank sends there and receives from there (the
+        ranks of one group share one array of pieces)."""
+        groups = int(self.group_of.max()) + 1 if len(self.group_of) else 0
+        by_group = _window(self.sends, self.windows[me], k, groups)
         return ExchangeRound(
-            _window(self.sends, self.windows[me], k, world),
+            tuple(by_group[g] for g in self.group_of.tolist()),
             _window(self.recvs, self.windows[self.recvs[:, 0]], k, world),
         )
 
@@ -96,7 +102,8 @@ def _window(
     rows: np.ndarray, w: np.ndarray | np.integer, k: int, world: int
 ) -> tuple[np.ndarray, ...]:
     """The parts of ``rows`` in window ``k`` of their readers' streams (``w`` bytes a window),
-    per peer, each as ``(file, start, length)`` rows by (file, start)."""
+    per peer (``world`` of them: ranks, or groups of ranks), each as ``(file, start, length)``
+    rows by (file, start)."""
     peer, file, start, length, at = rows.T
     lo, hi = k * w, (k + 1) * w
     a, b = np.maximum(at, lo), np.minimum(at + length, hi)
@@ -263,7 +270,8 @@ def _pack(
     """Read what this rank sends this round (each byte once, however many peers get it) and lay
     it out in ``out``, one message per peer, each opening with a zero status word."""
     held: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-    sent = [p for p in rnd.sends if len(p)]
+    # The ranks of a group share one array of pieces: read them once.
+    sent = list({id(p): p for p in rnd.sends if len(p)}.values())
     if sent:
         every = np.concatenate(sent)
         segs: list[Segment] = []

@@ -35,8 +35,8 @@ import numpy as np
 import torch.distributed as dist
 
 from ..byteio.objstore import is_url
-from ..core.exchange_rounds import exchange_windows, stream_positions, with_own_reads
-from ..core.readplan import JobReadPlan, plan_job_reads
+from ..core.group_plan import GroupReadPlan, NeedGroups, needs_digest, plan_group_reads
+from ..core.readplan import JobReadPlan
 from ..errors import InvalidArgumentError, ReadOnceError
 from ._exchange import RankRounds
 from ._landing import LocalNeeds
@@ -167,7 +167,7 @@ def decide(
     mode: bool | str,
     shared: bool,
     storage: str,
-    plan: JobReadPlan | None,
+    plan: JobReadPlan | GroupReadPlan | None,
     costs: ReadOnceCosts | None = None,
     budget: int = 64 << 20,
 ) -> ReadOnceDecision:
@@ -191,10 +191,9 @@ def decide(
             base, reason=f"the ranks' needs overlap by {needed / max(unique, 1):.3f}x: no gain"
         )
     costs = costs or ReadOnceCosts()
-    t = plan.transfers
-    received = np.bincount(t.receiver, weights=t.length, minlength=plan.world_size)
+    received = plan.bytes_received_per_rank
     most = int(received.max()) if len(received) else 0
-    per_rank = np.bincount(plan.read_rank, weights=plan.read_length, minlength=plan.world_size)
+    per_rank = plan.bytes_read_per_rank
     rounds = -(-int(max(per_rank.max() if len(per_rank) else 0, most)) // max(budget, 1))
     direct_s = costs.direct_seconds(needed)
     exchange_s = costs.exchange_seconds(unique, most, rounds)
@@ -233,13 +232,20 @@ def coordinate(
     """
     me, world = dist.get_rank(group), dist.get_world_size(group)
     mine: object = failure if failure is not None else (needs.needs() if needs else {})
+    # Ranks with identical needs (replicas) send them once: every rank learns the needs'
+    # digests, and only the lowest rank of each digest (and any rank that failed) sends more.
+    digests: list[bytes] = [b""] * world
+    digest = needs_digest(mine) if isinstance(mine, dict) else b""
+    dist.all_gather_object(digests, digest, group=group)
+    body = mine if failure is not None or digests.index(digests[me]) == me else None
     gathered: list[object] | None = [None] * world if me == 0 else None
-    dist.gather_object(mine, gathered, dst=_global_rank(group, 0), group=group)
+    dist.gather_object(body, gathered, dst=_global_rank(group, 0), group=group)
     answers: list[object] = [None] * world
+    common: list[object] = [None]
     if me == 0:
         assert gathered is not None
         try:
-            answers = list(_plan(mode, shared, storage, gathered, budget, costs))
+            answers, common[0] = _plan(mode, shared, storage, digests, gathered, budget, costs)
         except Exception as e:  # noqa: BLE001  (every rank waits for an answer: send the error)
             answers = [e] * world
     out: list[object] = [None]
@@ -252,53 +258,99 @@ def coordinate(
     if isinstance(got, BaseException):
         raise got
     assert isinstance(got, tuple)
-    decision, rounds = got
-    return decision, rounds
+    decision, part = got
+    if part is None:
+        return decision, None
+    # What every rank needs alike (the windows, the groups, the rows to large groups) goes out
+    # once, not in every rank's share: a replicated target's rows are not copied per rank.
+    dist.broadcast_object_list(common, src=_global_rank(group, 0), group=group)
+    assert isinstance(common[0], _Common) and isinstance(part, _Part)
+    return decision, common[0].rounds(part, me)
 
 
 def _global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
+@dataclass(frozen=True)
+class _Part:
+    """What the coordinator sends one rank alone: the rounds' count, the rows it sends, and the
+    rows it receives unless they are its group's in :class:`_Common`."""
+
+    count: int
+    sends: np.ndarray
+    recvs: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class _Common:
+    """What the coordinator sends every rank alike: every reader's window, every rank's group,
+    and the rows received by each large group (one copy however many ranks it has)."""
+
+    windows: np.ndarray
+    group_of: np.ndarray
+    group_recvs: dict[int, np.ndarray]
+
+    def rounds(self, part: _Part, me: int) -> RankRounds:
+        """Rank ``me``'s rounds from its own part and this."""
+        recvs = part.recvs
+        if recvs is None:
+            recvs = self.group_recvs[int(self.group_of[me])]
+        return RankRounds(part.count, part.sends, recvs, self.windows, self.group_of)
+
+
 def _plan(
     mode: bool | str,
     shared: bool,
     storage: str,
+    digests: Sequence[bytes],
     gathered: Sequence[object],
     budget: int,
     costs: ReadOnceCosts | None,
-) -> list[object]:
-    """On the coordinator: each rank's ``(decision, rounds or None)``, or the error every rank
-    raises."""
+) -> tuple[list[object], _Common | None]:
+    """On the coordinator: each rank's ``(decision, part or None)``, or the error every rank
+    raises; and what goes to every rank alike when exchanging."""
     world = len(gathered)
     for r, g in enumerate(gathered):
         if isinstance(g, BaseException):
             err = ReadOnceError(
                 f"rank {r} could not take part in the read-once load: {type(g).__name__}: {g}"
             )
-            return [g if i == r else err for i in range(world)]
-    needs = [g if isinstance(g, dict) else {} for g in gathered]
-    plan = plan_job_reads(needs)
+            return [g if i == r else err for i in range(world)], None
+    bodies = {r: g for r, g in enumerate(gathered) if isinstance(g, dict)}
+    plan = plan_group_reads(NeedGroups.from_digests(digests, bodies))
     decision = decide(mode, shared, storage, plan, costs, budget)
     if not decision.exchange:
-        return [(decision, None)] * world
-    count, shares = _rank_rounds(with_own_reads(plan, needs), budget)
+        return [(decision, None)] * world, None
+    count, windows, sends, recvs = rank_shares(plan, budget)
     decision = dataclasses.replace(decision, rounds=count, budget=budget)
-    return [(decision, share) for share in shares]
+    group_of = plan.groups.group_of
+    sizes = plan.groups.sizes
+    # A group of at least sqrt(world) ranks has its rows broadcast (at most sqrt(world) such
+    # groups); a smaller one's go in each of its ranks' parts.
+    large = {g: recvs[g] for g in np.flatnonzero(sizes * sizes >= world).tolist()}
+    parts = [
+        (
+            decision,
+            _Part(count, sends[r], None if int(group_of[r]) in large else recvs[group_of[r]]),
+        )
+        for r in range(world)
+    ]
+    return list(parts), _Common(windows, group_of, large)
 
 
-def _rank_rounds(plan: JobReadPlan, budget: int) -> tuple[int, list[RankRounds]]:
-    """The number of rounds and every rank's share of them (``plan`` with each rank's reads for
-    itself among its transfers): the transfers it sends and receives with their positions in
-    their readers' streams, and every reader's window (O(transfers), whatever the rounds)."""
-    world, t = plan.world_size, plan.transfers
-    windows = exchange_windows(plan, budget)
-    at = stream_positions(plan)
-    count = int(((at + t.length - 1) // windows[t.reader]).max()) + 1 if len(t) else 0
-    shares = []
-    for me, peer in ((t.reader, t.receiver), (t.receiver, t.reader)):
-        order = np.lexsort((at, peer, me))
-        rows = np.stack([peer, t.file, t.start, t.length, at], axis=1)[order]
-        cuts = np.searchsorted(me[order], np.arange(world + 1))
-        shares.append([rows[cuts[r] : cuts[r + 1]] for r in range(world)])
-    return count, [RankRounds(count, shares[0][r], shares[1][r], windows) for r in range(world)]
+def rank_shares(
+    plan: GroupReadPlan, budget: int
+) -> tuple[int, np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """The number of rounds, every reader's window, and the rows of :class:`RankRounds`: what
+    each rank sends, ``(group, file, start, length, at)``, and what each group receives,
+    ``(reader, file, start, length, at)`` (O(rows + ranks), whatever the rounds)."""
+    world, ngroups = plan.world_size, len(plan.groups.extents)
+    windows = plan.windows(budget)
+    count = plan.round_count(windows)
+    t = plan.transfers
+    rows = np.stack([t.group, t.file, t.start, t.length, t.at], axis=1)
+    sends = [rows[plan.send_offsets[r] : plan.send_offsets[r + 1]] for r in range(world)]
+    back = np.stack([t.reader, t.file, t.start, t.length, t.at], axis=1)[plan.recv_index]
+    recvs = [back[plan.recv_offsets[g] : plan.recv_offsets[g + 1]] for g in range(ngroups)]
+    return count, windows, sends, recvs
