@@ -3,7 +3,18 @@
 
 No rank processes and no files: one process builds every rank's needed byte ranges of a
 native checkpoint of Llama-2-70B's 723 bf16 weights (``harness.states.llama_weights``) and
-times ``plan_job_reads`` and ``schedule_rounds`` on them.
+times what the read-once coordinator does with them, two ways (``--plans``):
+
+* ``rank``: the per-rank plan, ``plan_job_reads`` on every rank's needs (and
+  ``schedule_rounds`` where its rows stay under 20M), one transfer row per (piece, receiver);
+* ``group``: the compact plan the coordinator makes (core/group_plan.py): ranks with identical
+  needs grouped by digest (``NeedGroups.of``; in a load each rank hashes its own needs),
+  ``plan_group_reads``, and the messages (``dcp._read_once.messages``: each rank's part and the
+  part every rank gets alike), one transfer row per (piece, receiving group).
+
+With ``--out`` every configuration is run ``--repeats`` times (medians of the seconds, each run
+listed) plus once under ``tracemalloc`` for the peak memory the planning allocates, and the
+JSON records the command, the load average and the machine.
 
 Checkpoint layout: each data file is a header (512 bytes per chunk, rounded up to a page),
 then its chunks back to back, each starting on a 4 KiB page (as native files lay them out).
@@ -22,6 +33,8 @@ load average. Timings are noisy on a shared machine: run it alone when you compa
 
     python benchmarks/bench_readplan.py                      # W = 64, 1024, 4096
     python benchmarks/bench_readplan.py --worlds 64,256 --targets hsdp
+    python benchmarks/bench_readplan.py --plans group,rank --worlds 1024,4096 --repeats 3 \
+        --out benchmarks/results/vm-2026-11-26/readplan_replicated.json
 """
 
 from __future__ import annotations
@@ -30,15 +43,29 @@ import argparse
 import json
 import math
 import os
+import platform
+import statistics
+import sys
 import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from harness.cli import comma_list
+from harness.report import write_json
 from harness.states import llama_weights
 
-from ucp_dcp.core.exchange_rounds import exchange_windows, schedule_rounds, stream_positions
+from ucp_dcp.core.exchange_rounds import (
+    exchange_windows,
+    schedule_rounds,
+    stream_positions,
+    with_own_reads,
+)
+from ucp_dcp.core.group_plan import GroupReadPlan, NeedGroups, plan_group_reads
 from ucp_dcp.core.ranges import expand
 from ucp_dcp.core.readplan import JobReadPlan, plan_job_reads
+from ucp_dcp.dcp._read_once import messages
 
 Needs = list[dict[int, tuple[np.ndarray, np.ndarray]]]
 PAGE = 4096
@@ -186,16 +213,175 @@ def run(target: str, world: int, budget: int) -> dict[str, object]:
     }
 
 
+def _group_plan_nbytes(plan: GroupReadPlan) -> int:
+    t = plan.transfers
+    arrays = [plan.read_rank, plan.read_file, plan.read_start, plan.read_length]
+    arrays += [plan.read_offsets, plan.send_offsets, plan.recv_index, plan.recv_offsets]
+    arrays += [t.reader, t.group, t.file, t.start, t.length, t.at, plan.groups.group_of]
+    return sum(a.nbytes for a in arrays)
+
+
+def _rank_shares_bytes(plan: JobReadPlan, budget: int) -> tuple[int, int]:
+    """The per-rank path's coordinator step before the compact plan (own reads added, windows,
+    each rank's sends and receives cut out, the windows in every share): (bytes of all the
+    shares, bytes of the largest)."""
+    windows = exchange_windows(plan, budget)
+    at = stream_positions(plan)
+    t, world = plan.transfers, plan.world_size
+    sizes = np.zeros(world, np.int64)
+    for me, peer in ((t.reader, t.receiver), (t.receiver, t.reader)):
+        order = np.lexsort((at, peer, me))
+        rows = np.stack([peer, t.file, t.start, t.length, at], axis=1)[order]
+        sizes += np.bincount(me, minlength=world) * rows.itemsize * 5
+        del rows
+    sizes += windows.nbytes
+    return int(sizes.sum()), int(sizes.max())
+
+
+def run_rank(target: str, world: int, budget: int) -> dict[str, object]:
+    """The per-rank path as the coordinator ran it: plan, own reads, windows and shares."""
+    needs = TARGETS[target](world)
+    t0 = time.perf_counter()
+    plan = plan_job_reads(needs)
+    t1 = time.perf_counter()
+    full = with_own_reads(plan, needs)
+    t2 = time.perf_counter()
+    total, largest = _rank_shares_bytes(full, budget)
+    t3 = time.perf_counter()
+    t = full.transfers
+    rows = np.bincount(t.reader, minlength=world) + np.bincount(t.receiver, minlength=world)
+    return {
+        "target": target,
+        "world": world,
+        "plan": "rank",
+        "plan_s": t1 - t0,
+        "own_s": t2 - t1,
+        "shares_s": t3 - t2,
+        "total_s": t3 - t0,
+        "transfer_rows": len(t),
+        "plan_MB": _plan_nbytes(full) / 1e6,
+        "max_share_rows": int(rows.max()),
+        "messages_MB": total / 1e6,
+        "max_message_MB": largest / 1e6,
+        "max_read_over_ideal": float(plan.bytes_read_per_rank.max())
+        / (plan.unique_bytes / world),
+    }
+
+
+def run_group(target: str, world: int, budget: int) -> dict[str, object]:
+    """The compact path: group by digest, plan, the messages."""
+    needs = TARGETS[target](world)
+    t0 = time.perf_counter()
+    groups = NeedGroups.of(needs)
+    t1 = time.perf_counter()
+    plan = plan_group_reads(groups)
+    t2 = time.perf_counter()
+    parts, common = messages(plan, budget)
+    t3 = time.perf_counter()
+    t, sizes = plan.transfers, groups.sizes
+    share_rows = [
+        len(p.sends) + (len(p.recvs) if p.recvs is not None else len(common.group_recvs[int(g)]))
+        for p, g in zip(parts, groups.group_of.tolist())
+    ]
+    own = t.group == groups.group_of[t.reader]
+    loads = plan.bytes_read_per_rank
+    return {
+        "target": target,
+        "world": world,
+        "plan": "group",
+        "groups": len(groups.extents),
+        "digest_s": t1 - t0,
+        "plan_s": t2 - t1,
+        "shares_s": t3 - t2,
+        "total_s": t3 - t0,
+        "transfer_rows": len(t),
+        "read_rows": len(plan.read_rank),
+        "plan_MB": _group_plan_nbytes(plan) / 1e6,
+        "max_share_rows": max(share_rows),
+        "messages_MB": (sum(p.nbytes for p in parts) + common.nbytes) / 1e6,
+        "shared_MB": common.nbytes / 1e6,
+        "max_message_MB": (max(p.nbytes for p in parts) + common.nbytes) / 1e6,
+        "unique_GB": plan.unique_bytes / 1e9,
+        "read_over_unique": plan.read_bytes / plan.unique_bytes,
+        "max_read_over_ideal": float(loads.max()) / (plan.unique_bytes / world),
+        "exchanged_GB": float((t.length * (sizes[t.group] - own)).sum()) / 1e9,
+        "rounds": common.count,
+    }
+
+
+RUNS: dict[str, Callable[[str, int, int], dict[str, object]]] = {
+    "rank": run_rank,
+    "group": run_group,
+}
+
+
+def measure(plan: str, target: str, world: int, budget: int, repeats: int) -> dict[str, Any]:
+    """``repeats`` timed runs (medians of the seconds, each run listed), then one under
+    tracemalloc for the peak bytes the planning allocates (numpy's arrays included)."""
+    runs = [RUNS[plan](target, world, budget) for _ in range(repeats)]
+    row: dict[str, Any] = dict(runs[0])
+    for k in [k for k in row if k.endswith("_s")]:
+        row[k] = round(statistics.median(r[k] for r in runs), 3)  # type: ignore[misc]
+        row[k + "_runs"] = [round(r[k], 3) for r in runs]  # type: ignore[call-overload]
+    needs = TARGETS[target](world)  # the input, outside the traced peak
+    del needs
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    RUNS[plan](target, world, budget)
+    row["peak_MB"] = round((tracemalloc.get_traced_memory()[1] - base) / 1e6, 1)
+    tracemalloc.stop()
+    for k, v in row.items():
+        if isinstance(v, float) and not k.endswith("_s"):
+            row[k] = round(v, 4)
+    row["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worlds", default="64,1024,4096", help="even world sizes (64,1024,4096)")
     ap.add_argument("--targets", default=",".join(TARGETS), help="hsdp,replicated (default both)")
     ap.add_argument("--budget-mib", type=int, default=64, help="MiB per rank per round (64)")
+    ap.add_argument(
+        "--plans", default="", help="rank,group: the coordinator's two paths, measured (--out)"
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (3)")
+    ap.add_argument("--out", default="", help="JSON file for --plans runs")
     args = ap.parse_args()
     worlds = [int(w) for w in comma_list(ap, args.worlds, what="world size")]
-    for target in comma_list(ap, args.targets, list(TARGETS), "target"):
+    targets = comma_list(ap, args.targets, list(TARGETS), "target")
+    if not args.plans:
+        for target in targets:
+            for world in worlds:
+                print(json.dumps(run(target, world, args.budget_mib << 20)), flush=True)
+        return
+    plans = comma_list(ap, args.plans, list(RUNS), "plan")
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    rows = []
+    for target in targets:
         for world in worlds:
-            print(json.dumps(run(target, world, args.budget_mib << 20)), flush=True)
+            for plan in plans:
+                row = measure(plan, target, world, args.budget_mib << 20, args.repeats)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    if args.out:
+        doc = {
+            "command": "python " + " ".join(["benchmarks/bench_readplan.py", *sys.argv[1:]]),
+            "started": started,
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load_avg": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
+            "env": {
+                "python": platform.python_version(),
+                "numpy": np.__version__,
+                "cpus": os.cpu_count(),
+                "machine": platform.machine(),
+                "platform": platform.platform(),
+            },
+            "budget_bytes": args.budget_mib << 20,
+            "rows": rows,
+        }
+        print(f"wrote {write_json(args.out, doc)}")
 
 
 if __name__ == "__main__":

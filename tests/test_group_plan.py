@@ -19,7 +19,7 @@ from ucp_dcp.core.group_plan import GroupReadPlan, NeedGroups, needs_digest, pla
 from ucp_dcp.core.page_segments import water_fill
 from ucp_dcp.core.readplan import plan_job_reads
 from ucp_dcp.dcp._exchange import RankRounds
-from ucp_dcp.dcp._read_once import rank_shares
+from ucp_dcp.dcp._read_once import messages, rank_shares
 from ucp_dcp.errors import InvalidArgumentError
 
 
@@ -131,7 +131,7 @@ def test_grouped_needs_one_reader_and_exact_receipt(
     check_group_plan(needs, sizes, plan)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(grouped_needs(), ALIGNS, st.integers(1, 20000))
 def test_each_ranks_share_cuts_rounds_that_agree_and_keep_the_budget(
     case: tuple[Needs, dict[int, int]], align: int, budget: int
@@ -222,3 +222,52 @@ def test_bad_groups_are_refused_by_name() -> None:
     plan = plan_group_reads(NeedGroups.of([{0: _ranges([(0, 10)])}]))
     with pytest.raises(InvalidArgumentError, match="rank 1 is not in 0..0"):
         plan.receives(1)
+
+
+def test_messages_send_a_replicated_plan_once_not_per_rank() -> None:
+    """The coordinator's messages for full replication: each rank's part holds its own sends
+    only; the rows every rank receives go once in the shared part, whatever the ranks."""
+    size = 4096 * 256
+    shared = {}
+    for world in (16, 256):
+        needs = [{0: _ranges([(0, size)])} for _ in range(world)]
+        plan = plan_group_reads(NeedGroups.of(needs), align=4096, min_run=4096)
+        parts, common = messages(plan, 1 << 20)
+        assert all(p.recvs is None and len(p.sends) == 1 for p in parts)
+        assert list(common.group_recvs) == [0] and len(common.group_recvs[0]) == world
+        rounds = common.rounds(parts[3], 3)
+        assert rounds.recvs is common.group_recvs[0] and rounds.count == common.count
+        shared[world] = common.nbytes
+    # windows and group_of (8 bytes a rank each) and one 40-byte row per reader
+    assert shared == {16: 16 * 56, 256: 256 * 56}
+
+
+def test_messages_put_small_groups_rows_in_their_ranks_parts() -> None:
+    """HSDP replica pairs on 16 ranks: groups of 2 < sqrt(16), so each rank's part carries its
+    group's rows and the shared part none."""
+    shard = 4096 * 8
+    needs = [{0: _ranges([((r % 8) * shard, shard)])} for r in range(16)]
+    plan = plan_group_reads(NeedGroups.of(needs), align=4096, min_run=4096)
+    parts, common = messages(plan, 1 << 20)
+    assert common.group_recvs == {}
+    for r, p in enumerate(parts):
+        assert p.recvs is not None and int(p.recvs[:, 3].sum()) == shard
+        assert set(p.recvs[:, 0].tolist()) == {r % 8, r % 8 + 8}
+
+
+def test_benchmark_shapes_compact_at_16_ranks() -> None:
+    """bench_readplan.py's Llama-2-70B targets at W = 16 in compact form: one group for full
+    replication (one row per reader), replica pairs for HSDP, balanced, each byte read once."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_readplan
+
+    rep = bench_readplan.run_group("replicated", 16, 64 << 20)
+    assert rep["groups"] == 1 and rep["transfer_rows"] == 16 and rep["read_rows"] == 16
+    assert rep["max_read_over_ideal"] < 1.0001 and rep["read_over_unique"] == 1.0
+    assert rep["exchanged_GB"] == pytest.approx(rep["unique_GB"] * 15, rel=1e-9)
+    hsdp = bench_readplan.run_group("hsdp", 16, 64 << 20)
+    assert hsdp["groups"] == 8 and hsdp["max_read_over_ideal"] < 1.001
+    assert hsdp["exchanged_GB"] == pytest.approx(hsdp["unique_GB"], rel=1e-3)

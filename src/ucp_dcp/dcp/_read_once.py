@@ -47,7 +47,11 @@ __all__ = [
     "ReadOnceDecision",
     "check_read_once",
     "coordinate",
+    "RankPart",
+    "SharedPart",
     "decide",
+    "messages",
+    "rank_shares",
     "shared_storage",
 ]
 
@@ -264,7 +268,7 @@ def coordinate(
     # What every rank needs alike (the windows, the groups, the rows to large groups) goes out
     # once, not in every rank's share: a replicated target's rows are not copied per rank.
     dist.broadcast_object_list(common, src=_global_rank(group, 0), group=group)
-    assert isinstance(common[0], _Common) and isinstance(part, _Part)
+    assert isinstance(common[0], SharedPart) and isinstance(part, RankPart)
     return decision, common[0].rounds(part, me)
 
 
@@ -273,30 +277,42 @@ def _global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
 
 
 @dataclass(frozen=True)
-class _Part:
-    """What the coordinator sends one rank alone: the rounds' count, the rows it sends, and the
-    rows it receives unless they are its group's in :class:`_Common`."""
+class RankPart:
+    """What the coordinator sends one rank alone: the rows it sends, and the rows it receives
+    unless they are its group's in the :class:`SharedPart` (see :class:`RankRounds`)."""
 
-    count: int
     sends: np.ndarray
     recvs: np.ndarray | None
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its arrays."""
+        return self.sends.nbytes + (0 if self.recvs is None else self.recvs.nbytes)
+
 
 @dataclass(frozen=True)
-class _Common:
-    """What the coordinator sends every rank alike: every reader's window, every rank's group,
-    and the rows received by each large group (one copy however many ranks it has)."""
+class SharedPart:
+    """What the coordinator sends every rank alike: the rounds' count, every reader's window,
+    every rank's group, and the rows received by each large group (one copy however many ranks
+    it has)."""
 
+    count: int
     windows: np.ndarray
     group_of: np.ndarray
     group_recvs: dict[int, np.ndarray]
 
-    def rounds(self, part: _Part, me: int) -> RankRounds:
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its arrays."""
+        rows = sum(a.nbytes for a in self.group_recvs.values())
+        return self.windows.nbytes + self.group_of.nbytes + rows
+
+    def rounds(self, part: RankPart, me: int) -> RankRounds:
         """Rank ``me``'s rounds from its own part and this."""
         recvs = part.recvs
         if recvs is None:
             recvs = self.group_recvs[int(self.group_of[me])]
-        return RankRounds(part.count, part.sends, recvs, self.windows, self.group_of)
+        return RankRounds(self.count, part.sends, recvs, self.windows, self.group_of)
 
 
 def _plan(
@@ -307,7 +323,7 @@ def _plan(
     gathered: Sequence[object],
     budget: int,
     costs: ReadOnceCosts | None,
-) -> tuple[list[object], _Common | None]:
+) -> tuple[list[object], SharedPart | None]:
     """On the coordinator: each rank's ``(decision, part or None)``, or the error every rank
     raises; and what goes to every rank alike when exchanging."""
     world = len(gathered)
@@ -322,21 +338,24 @@ def _plan(
     decision = decide(mode, shared, storage, plan, costs, budget)
     if not decision.exchange:
         return [(decision, None)] * world, None
+    parts, common = messages(plan, budget)
+    decision = dataclasses.replace(decision, rounds=common.count, budget=budget)
+    return [(decision, part) for part in parts], common
+
+
+def messages(plan: GroupReadPlan, budget: int) -> tuple[list[RankPart], SharedPart]:
+    """What the coordinator sends for an exchange of ``plan`` in rounds of ``budget``: each
+    rank's own :class:`RankPart` and the :class:`SharedPart` every rank gets alike. A group of
+    at least sqrt(ranks) ranks has the rows it receives in the shared part (there are at most
+    sqrt(ranks) such groups), a smaller one in each of its ranks' parts."""
     count, windows, sends, recvs = rank_shares(plan, budget)
-    decision = dataclasses.replace(decision, rounds=count, budget=budget)
-    group_of = plan.groups.group_of
-    sizes = plan.groups.sizes
-    # A group of at least sqrt(world) ranks has its rows broadcast (at most sqrt(world) such
-    # groups); a smaller one's go in each of its ranks' parts.
+    world, group_of, sizes = plan.world_size, plan.groups.group_of, plan.groups.sizes
     large = {g: recvs[g] for g in np.flatnonzero(sizes * sizes >= world).tolist()}
     parts = [
-        (
-            decision,
-            _Part(count, sends[r], None if int(group_of[r]) in large else recvs[group_of[r]]),
-        )
+        RankPart(sends[r], None if int(group_of[r]) in large else recvs[int(group_of[r])])
         for r in range(world)
     ]
-    return list(parts), _Common(windows, group_of, large)
+    return parts, SharedPart(count, windows, group_of, large)
 
 
 def rank_shares(
