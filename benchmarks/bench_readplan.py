@@ -13,8 +13,9 @@ times what the read-once coordinator does with them, two ways (``--plans``):
   part every rank gets alike), one transfer row per (piece, receiving group).
 
 With ``--out`` every configuration is run ``--repeats`` times (medians of the seconds, each run
-listed) plus once under ``tracemalloc`` for the peak memory the planning allocates, and the
-JSON records the command, the load average and the machine.
+listed) plus once under ``tracemalloc`` for the peak memory the planning allocates beyond its
+input (every rank's needs, built before), and the JSON records the command, the load average
+and the machine.
 
 Checkpoint layout: each data file is a header (512 bytes per chunk, rounded up to a page),
 then its chunks back to back, each starting on a 4 KiB page (as native files lay them out).
@@ -238,9 +239,12 @@ def _rank_shares_bytes(plan: JobReadPlan, budget: int) -> tuple[int, int]:
     return int(sizes.sum()), int(sizes.max())
 
 
-def run_rank(target: str, world: int, budget: int) -> dict[str, object]:
-    """The per-rank path as the coordinator ran it: plan, own reads, windows and shares."""
-    needs = TARGETS[target](world)
+def run_rank(
+    target: str, world: int, budget: int, needs: Needs | None = None
+) -> dict[str, object]:
+    """The per-rank path as the coordinator ran it: plan, own reads, windows and shares (of
+    ``needs``, built from ``target`` and ``world`` unless given)."""
+    needs = TARGETS[target](world) if needs is None else needs
     t0 = time.perf_counter()
     plan = plan_job_reads(needs)
     t1 = time.perf_counter()
@@ -268,9 +272,11 @@ def run_rank(target: str, world: int, budget: int) -> dict[str, object]:
     }
 
 
-def run_group(target: str, world: int, budget: int) -> dict[str, object]:
-    """The compact path: group by digest, plan, the messages."""
-    needs = TARGETS[target](world)
+def run_group(
+    target: str, world: int, budget: int, needs: Needs | None = None
+) -> dict[str, object]:
+    """The compact path: group by digest, plan, the messages (of ``needs`` as in run_rank)."""
+    needs = TARGETS[target](world) if needs is None else needs
     t0 = time.perf_counter()
     groups = NeedGroups.of(needs)
     t1 = time.perf_counter()
@@ -309,7 +315,7 @@ def run_group(target: str, world: int, budget: int) -> dict[str, object]:
     }
 
 
-RUNS: dict[str, Callable[[str, int, int], dict[str, object]]] = {
+RUNS: dict[str, Callable[[str, int, int, Needs | None], dict[str, object]]] = {
     "rank": run_rank,
     "group": run_group,
 }
@@ -318,16 +324,15 @@ RUNS: dict[str, Callable[[str, int, int], dict[str, object]]] = {
 def measure(plan: str, target: str, world: int, budget: int, repeats: int) -> dict[str, Any]:
     """``repeats`` timed runs (medians of the seconds, each run listed), then one under
     tracemalloc for the peak bytes the planning allocates (numpy's arrays included)."""
-    runs = [RUNS[plan](target, world, budget) for _ in range(repeats)]
+    runs = [RUNS[plan](target, world, budget, None) for _ in range(repeats)]
     row: dict[str, Any] = dict(runs[0])
     for k in [k for k in row if k.endswith("_s")]:
         row[k] = round(statistics.median(r[k] for r in runs), 3)  # type: ignore[misc]
         row[k + "_runs"] = [round(r[k], 3) for r in runs]  # type: ignore[call-overload]
-    needs = TARGETS[target](world)  # the input, outside the traced peak
-    del needs
+    needs = TARGETS[target](world)  # the input (every rank's needs), outside the traced peak
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    RUNS[plan](target, world, budget)
+    RUNS[plan](target, world, budget, needs)
     row["peak_MB"] = round((tracemalloc.get_traced_memory()[1] - base) / 1e6, 1)
     tracemalloc.stop()
     for k, v in row.items():
