@@ -3,16 +3,20 @@
 ``UCPStorageReader(read_once=...)`` hands :func:`coordinate` this rank's
 regions that can be filled in place. Every rank says which byte ranges of
 the files it needs (rounded out to whole checksum blocks,
-:meth:`~ucp_dcp.dcp._exchange.LocalNeeds.needs`) in one gather to the
-group's first rank, which makes the job's plan
-(:func:`~ucp_dcp.core.readplan.plan_job_reads`: every needed byte read by
-one rank, preferring a rank that needs it, balanced), decides with the
-policy whether exchanging pays, cuts the transfers into rounds of at most
-``budget`` bytes sent and received per rank
-(:mod:`~ucp_dcp.core.exchange_rounds`, each rank's reads for itself
-included: each byte read once, in the round all its receivers get it), and
-scatters each rank its transfers and the windows that cut them into rounds
-its rounds. :func:`~ucp_dcp.dcp._exchange.run_exchange` then runs them.
+:meth:`~ucp_dcp.dcp._exchange.LocalNeeds.needs`): every rank learns the
+digest of every rank's needs (one ``all_gather_object``), and one gather to
+the group's first rank carries each distinct set of needs once (from the
+lowest rank that has it), so replicas do not each send theirs. The first rank
+makes the job's plan in compact form
+(:func:`~ucp_dcp.core.group_plan.plan_group_reads`: ranks with identical
+needs as one group, every needed byte read by one rank, preferring a rank
+that needs it, balanced, each transfer a row "to every rank of group g"),
+decides with the policy whether exchanging pays, cuts the transfers into
+rounds of at most ``budget`` bytes sent and received per rank (each rank's
+reads for itself included: each byte read once, in the round all its
+receivers get it), scatters each rank its part and broadcasts what every
+rank gets alike (:func:`messages`). :func:`~ucp_dcp.dcp._exchange.run_exchange`
+then runs the rounds.
 
 The policy (:func:`decide`): ``True`` always exchanges, ``False`` never
 (no collective at all), ``"auto"`` exchanges where the storage is shared by
