@@ -137,6 +137,7 @@ def _load(rank: int, world: int, root: str, out: str) -> None:
                 "received": None if totals is None else totals.received,
                 "exchange": decision is not None and decision.exchange,
                 "unique": None if decision is None else decision.unique_bytes,
+                "groups": None if decision is None else decision.groups,
             }
     reader_module._ROUND_BYTES = None
     gathered: list[Any] = [None] * world
@@ -175,6 +176,11 @@ def test_read_once_loads_bit_exact_and_reads_each_byte_once(
     assert all(c["unique"] == unique for c in once)
     read_once = sum(c["exchanged"] for c in once)
     assert read_once == unique  # every needed byte left storage once
+    # Ranks with the same needs are one group of the plan: all 4 when replicated, the 2 replica
+    # pairs of HSDP; for columns the needs, rounded out to whole 4 KiB checksum blocks, of ranks
+    # 0-1 and of ranks 2-3 come out equal here (small tensors: a block holds several pieces).
+    groups = {"plain": 1, "bf16": 1, "hsdp2x2": 2, "columns": 2}[layout]
+    assert [c["groups"] for c in once] == [groups] * WORLD
     if round_bytes is not None:
         assert once[0]["rounds"] > 4
     read_direct = sum(c["requested"] for c in direct)

@@ -154,7 +154,9 @@ class ReadOnceDecision:
     checksum blocks); ``unique_bytes``: the bytes at least one rank needs;
     ``rounds``: exchange rounds; ``budget``: bytes sent and received per
     rank and round, at most; ``costs``: the model weighed (``"auto"``),
-    ``direct_s`` / ``exchange_s``: its estimates (0 where not weighed).
+    ``direct_s`` / ``exchange_s``: its estimates (0 where not weighed);
+    ``groups``: the distinct needs among the ranks (ranks needing the same
+    bytes form one group of the plan: 1 for a fully replicated target).
     """
 
     mode: bool | str
@@ -169,6 +171,7 @@ class ReadOnceDecision:
     costs: ReadOnceCosts | None = None
     direct_s: float = 0.0
     exchange_s: float = 0.0
+    groups: int = 0
 
 
 def decide(
@@ -339,7 +342,9 @@ def _plan(
             return [g if i == r else err for i in range(world)], None
     bodies = {r: g for r, g in enumerate(gathered) if isinstance(g, dict)}
     plan = plan_group_reads(NeedGroups.from_digests(digests, bodies))
-    decision = decide(mode, shared, storage, plan, costs, budget)
+    decision = dataclasses.replace(
+        decide(mode, shared, storage, plan, costs, budget), groups=len(plan.groups.extents)
+    )
     if not decision.exchange:
         return [(decision, None)] * world, None
     parts, common = messages(plan, budget)
