@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
+from ucp_dcp.dcp import _read_once as read_once_module
 from ucp_dcp.dcp import reader as reader_module
 from ucp_dcp.errors import ChecksumError, StorageError, unwrap
 from ucp_dcp.sources import open_source
@@ -113,9 +114,23 @@ def _load(rank: int, world: int, root: str, out: str) -> None:
     _watchdog()
     ref = torch.load(os.path.join(root, "ref.pt"))
     counts: dict[str, Any] = {}
+    # Which of this rank's gathers to the coordinator carried its needs (replicas send theirs
+    # once: only the lowest rank with the same needs does).
+    carried: list[bool] = []
+    gather = read_once_module.dist.gather_object
+
+    def recording_gather(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        carried.append(obj is not None)
+        return gather(obj, *args, **kwargs)
+
+    read_once_module.dist = types.SimpleNamespace(
+        **{k: getattr(dist, k) for k in dir(dist) if not k.startswith("__")}
+    )
+    read_once_module.dist.gather_object = recording_gather
     for layout, round_bytes in CASES:
         reader_module._ROUND_BYTES = round_bytes
         for once in (False, True):
+            carried.clear()
             sd = _target(layout, ref)
             reader = UCPStorageReader(root, read_once=once)
             dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
@@ -138,6 +153,7 @@ def _load(rank: int, world: int, root: str, out: str) -> None:
                 "exchange": decision is not None and decision.exchange,
                 "unique": None if decision is None else decision.unique_bytes,
                 "groups": None if decision is None else decision.groups,
+                "sent_needs": list(carried),
             }
     reader_module._ROUND_BYTES = None
     gathered: list[Any] = [None] * world
@@ -178,9 +194,15 @@ def test_read_once_loads_bit_exact_and_reads_each_byte_once(
     assert read_once == unique  # every needed byte left storage once
     # Ranks with the same needs are one group of the plan: all 4 when replicated, the 2 replica
     # pairs of HSDP; for columns the needs, rounded out to whole 4 KiB checksum blocks, of ranks
-    # 0-1 and of ranks 2-3 come out equal here (small tensors: a block holds several pieces).
+    # 0-2 come out equal here (small tensors: a block holds several ranks' pieces), and rank 3's
+    # differ (torch.chunk leaves it no column of the 5-column tensor ``tiny``).
     groups = {"plain": 1, "bf16": 1, "hsdp2x2": 2, "columns": 2}[layout]
     assert [c["groups"] for c in once] == [groups] * WORLD
+    # One gather per load, and only the lowest rank of each group put its needs in it: rank 0
+    # when replicated; ranks 0 and 1 for HSDP (replica pairs 0-2 and 1-3); 0 and 3 for columns.
+    senders = {"plain": [0], "bf16": [0], "hsdp2x2": [0, 1], "columns": [0, 3]}[layout]
+    assert [c["sent_needs"] for c in once] == [[r in senders] for r in range(WORLD)]
+    assert all(c["sent_needs"] == [] for c in direct)
     if round_bytes is not None:
         assert once[0]["rounds"] > 4
     read_direct = sum(c["requested"] for c in direct)
