@@ -1,0 +1,161 @@
+"""The I/O threads of a local load, and the deadline of every read they are in.
+
+A ``preadv`` blocked in the kernel (a hung NFS server, a stalled FUSE mount, a dying disk)
+cannot be cancelled: no signal reaches a thread in uninterruptible sleep, and Python has no
+way to stop a thread. So the thread that waits for the reads is the one that keeps time: each
+read an I/O thread makes gets a deadline from its size and the times this load's reads took
+so far (:func:`~ucp_dcp.byteio.deadlines.deadline_for`, under the same
+:class:`~ucp_dcp.byteio.objrequests.RequestPolicy` as object-store requests), and a read past
+it fails the load with a :class:`~ucp_dcp.errors.StorageError` (``errno.ETIMEDOUT``) naming the
+file, the byte range, the rank and how long it waited. The blocked thread is left behind: the
+threads are daemon threads (``concurrent.futures``' are joined when the interpreter exits,
+which would hang the process on the blocked read), and the others stop before their next read.
+
+Why not a ``ThreadPoolExecutor``: its threads are joined at exit and by ``shutdown``, and it has
+no notion of which read a thread is in.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import StorageError
+from .deadlines import Observed, deadline_for
+from .objrequests import DeadlineExceeded, RequestPolicy, current_rank, storage_error
+
+__all__ = ["IOWorkers", "Abandoned"]
+
+
+class Abandoned(Exception):
+    """Raised in an I/O thread whose load already failed at a deadline: it reads nothing more."""
+
+
+@dataclass(frozen=True)
+class _Read:
+    """The read one I/O thread is in: where, and since when."""
+
+    path: str
+    offset: int
+    nbytes: int
+    start: float
+    deadline_s: float
+
+
+class IOWorkers:
+    """``threads`` daemon threads running one reader's tasks (:meth:`submit`), and the deadline
+    of each read they make (:meth:`begin`/:meth:`end`), kept by the thread that waits for them
+    (:meth:`wait`)."""
+
+    def __init__(self, threads: int, policy: RequestPolicy, name: str = "ucp-read") -> None:
+        self.policy = policy
+        self.observed = Observed()
+        self.failed: StorageError | None = None
+        """The deadline error of this reader's load, once one of its reads was left behind."""
+        self._size = max(threads, 1)
+        self._name = name
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[Any], Any], Any] | None] = (
+            queue.SimpleQueue()
+        )
+        self._threads: list[threading.Thread] = []
+        self._reads: dict[int, _Read] = {}  # per thread ident: the read it is in
+
+    # ------------------------------------------------------------ tasks
+    def submit(self, fn: Callable[[Any], Any], arg: Any) -> Future[Any]:
+        """Run ``fn(arg)`` on an I/O thread; its future."""
+        if not self._threads:
+            for i in range(self._size):
+                t = threading.Thread(target=self._work, name=f"{self._name}_{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
+        fut: Future[Any] = Future()
+        self._queue.put((fut, fn, arg))
+        return fut
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fut, fn, arg = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(arg))
+            except BaseException as e:
+                fut.set_exception(e)
+
+    def close(self) -> None:
+        """Stop the threads; wait for them unless a read was left behind (its thread may never
+        return)."""
+        for _ in self._threads:
+            self._queue.put(None)
+        if self.failed is None:
+            for t in self._threads:
+                t.join()
+        self._threads = []
+
+    # ------------------------------------------------------------ deadlines
+    def begin(self, path: str, offset: int, nbytes: int) -> None:
+        """The calling I/O thread starts reading ``nbytes`` at ``offset`` of ``path``; raises
+        :class:`Abandoned` once the load failed."""
+        if self.failed is not None:
+            raise Abandoned(str(self.failed))
+        deadline = deadline_for(self.policy, self.observed, nbytes)
+        self._reads[threading.get_ident()] = _Read(path, offset, nbytes, time.monotonic(), deadline)
+
+    def end(self, ok: bool = True) -> float:
+        """The calling I/O thread's read returned (``ok``: completely); the seconds it took."""
+        r = self._reads.pop(threading.get_ident())
+        took = time.monotonic() - r.start
+        if ok:
+            self.observed.add(r.nbytes, took)
+        return took
+
+    def blocked(self) -> list[str]:
+        """The files of the reads the I/O threads are in now (after a failure: those left
+        behind)."""
+        return [r.path for r in list(self._reads.values())]
+
+    def wait(self, futures: Iterable[Future[Any]]) -> None:
+        """Wait for every future; raise the first error among them, or at once the
+        :class:`StorageError` of a read past its deadline (its thread is left behind)."""
+        if self.failed is not None:
+            raise self.failed
+        pending = set(futures)
+        error: BaseException | None = None
+        while pending:
+            done, pending = wait_futures(pending, self._tick(), FIRST_COMPLETED)
+            for fut in done:
+                e = fut.exception()
+                if e is not None and error is None:
+                    error = e
+            late = self._late()
+            if late is not None:
+                self.failed = late
+                raise late
+        if error is not None:
+            raise error
+
+    def _tick(self) -> float:
+        """How long the waiting thread may sleep before a read it waits for could be late."""
+        now = time.monotonic()
+        lefts = [r.start + r.deadline_s - now for r in list(self._reads.values())]
+        return max(min(lefts, default=self.policy.deadline_floor_s), 0.0) + 1e-3
+
+    def _late(self) -> StorageError | None:
+        now = time.monotonic()
+        for r in list(self._reads.values()):
+            waited = now - r.start
+            if waited > r.deadline_s:
+                why = DeadlineExceeded(
+                    f"rank {current_rank()}'s read did not return within its deadline "
+                    f"({r.deadline_s:.2f} s for {r.nbytes} bytes) and waited {waited:.2f} s; a "
+                    f"blocked local read cannot be cancelled: its I/O thread is left behind"
+                )
+                where = f"reading bytes [{r.offset}, {r.offset + r.nbytes})"
+                return storage_error(r.path, where, why)
+        return None
