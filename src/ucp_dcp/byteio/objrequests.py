@@ -91,7 +91,10 @@ class RequestPolicy:
 
     Given to :class:`~ucp_dcp.UCPStorageReader` and :class:`~ucp_dcp.UCPStorageWriter`
     as ``requests=``; the defaults suit a real object store (a request's
-    deadline is never under 5 s). Tests and benchmarks shorten them.
+    deadline is never under 5 s). Tests and benchmarks shorten them. A local
+    load's reads get their deadlines from the same fields (and arithmetic,
+    :mod:`~ucp_dcp.byteio.deadlines`); one past it fails the load instead of
+    being retried (:mod:`~ucp_dcp.byteio.workers`).
     """
 
     attempts: int = 5
