@@ -17,9 +17,11 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -114,3 +116,25 @@ def test_a_process_with_a_read_left_behind_still_exits(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"failed: {errno.ETIMEDOUT}\n", (done.stdout, done.stderr)
+
+
+@pytest.mark.parametrize("deadlines", [True, False])
+def test_which_thread_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, deadlines: bool) -> None:
+    """With deadlines (the default) every read runs on an I/O thread, the calling thread keeping
+    time; ``RequestPolicy(local_deadlines=False)`` reads a lone request on the calling thread (no
+    hand-off, no deadline). The bytes are the same."""
+    path = tmp_path / "f.bin"
+    data = _data(path, 1 << 16)
+    readers: list[int] = []
+    real = os.preadv
+
+    def preadv(fd: int, bufs: Any, off: int) -> int:
+        readers.append(threading.get_ident())
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    with RangeReader([str(path)], requests=RequestPolicy(local_deadlines=deadlines)) as reader:
+        out = bytearray(5000)
+        reader.read([Segment(0, 1000, memoryview(out))])
+    assert out == data[1000:6000]
+    assert len(readers) == 1 and (readers[0] == threading.get_ident()) is not deadlines

@@ -131,6 +131,11 @@ class RequestPolicy:
     doubled while throttling goes on."""
     throttle_max_pause_s: float = 8.0
     """Upper bound on one throttling pause."""
+    local_deadlines: bool = True
+    """Local loads: every read runs on an I/O thread under its deadline, the loading thread keeping
+    time (:mod:`~ucp_dcp.byteio.workers`). False: the loading thread makes one share of the reads
+    itself and nothing is timed, saving a thread hand-off per read call (tens of microseconds;
+    docs/object-storage.md), but a read blocked in the kernel then holds the load forever."""
 
     def __post_init__(self) -> None:
         from ..errors import InvalidArgumentError

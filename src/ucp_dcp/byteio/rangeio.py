@@ -375,13 +375,25 @@ class RangeReader(ByteSource):
             lanes = max(1, min(self._threads, total // STREAM_STRETCH))
             batches = [b for b in _batches(stream, lanes) if b]
             tasks += [(functools.partial(self._stream, i), b) for i, b in enumerate(batches)]
+        streams = len(tasks)
         if reqs:
             tasks += [(self._run_all, b) for b in _batches(reqs, self._threads * 4)]
-        # Every call runs on an I/O thread, none on this one: this thread keeps their deadlines
-        # (a read blocked in the kernel here could not be timed). Every call finishes before
-        # this returns, also when one fails (no thread may still write into a buffer the caller
-        # reuses), except a call past its deadline, which fails the load at once.
-        self._workers.wait([self._workers.submit(fn, b) for fn, b in tasks])
+        # With deadlines, every call runs on an I/O thread, none on this one: this thread keeps
+        # their deadlines (a read blocked in the kernel here could not be timed). Without, this
+        # thread takes a stream's first lane, or the only task (no hand-off). Every call
+        # finishes before this returns, also when one fails (no thread may still write into a
+        # buffer the caller reuses), except a call past its deadline, which fails the load.
+        here = None
+        if not self._workers.policy.local_deadlines and (streams or len(tasks) == 1):
+            here = tasks.pop(0)
+        futures = [self._workers.submit(fn, b) for fn, b in tasks]
+        error: BaseException | None = None
+        if here is not None:
+            try:
+                here[0](here[1])
+            except BaseException as e:
+                error = e
+        self._workers.wait(futures, error)
 
     def _run_all(self, reqs: Sequence[_Request]) -> None:
         # One pool task per batch, not per request: strided loads issue tens

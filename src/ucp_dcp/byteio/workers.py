@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
@@ -37,15 +38,16 @@ class Abandoned(Exception):
     """Raised in an I/O thread whose load already failed at a deadline: it reads nothing more."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Read:
-    """The read one I/O thread is in: where, and since when."""
+    """The read one I/O thread is in: where, since when, and its deadline (set by the waiting
+    thread when it first looks: the I/O thread's own time goes to reading)."""
 
     path: str
     offset: int
     nbytes: int
     start: float
-    deadline_s: float
+    deadline_s: float | None = None
 
 
 class IOWorkers:
@@ -104,14 +106,13 @@ class IOWorkers:
         :class:`Abandoned` once the load failed."""
         if self.failed is not None:
             raise Abandoned(str(self.failed))
-        deadline = deadline_for(self.policy, self.observed, nbytes)
-        self._reads[threading.get_ident()] = _Read(path, offset, nbytes, time.monotonic(), deadline)
+        self._reads[threading.get_ident()] = _Read(path, offset, nbytes, time.monotonic())
 
     def end(self, ok: bool = True) -> float:
         """The calling I/O thread's read returned (``ok``: completely); the seconds it took."""
         r = self._reads.pop(threading.get_ident())
         took = time.monotonic() - r.start
-        if ok:
+        if ok and self.policy.local_deadlines:
             self.observed.add(r.nbytes, took)
         return took
 
@@ -120,40 +121,57 @@ class IOWorkers:
         behind)."""
         return [r.path for r in list(self._reads.values())]
 
-    def wait(self, futures: Iterable[Future[Any]]) -> None:
-        """Wait for every future; raise the first error among them, or at once the
-        :class:`StorageError` of a read past its deadline (its thread is left behind)."""
+    def wait(self, futures: Iterable[Future[Any]], error: BaseException | None = None) -> None:
+        """Wait for every future; raise ``error`` or the first error among them, or at once the
+        :class:`StorageError` of a read past its deadline (its thread is left behind; only
+        with the policy's ``local_deadlines``)."""
         if self.failed is not None:
             raise self.failed
         pending = set(futures)
-        error: BaseException | None = None
+        timed = self.policy.local_deadlines
         while pending:
-            done, pending = wait_futures(pending, self._tick(), FIRST_COMPLETED)
+            if len(pending) == 1:  # the common case, without wait()'s waiter on each future
+                (fut,) = pending
+                try:
+                    fut.exception(self._tick())
+                    done, pending = pending, set()
+                except FuturesTimeout:
+                    done = set()
+            else:
+                done, pending = wait_futures(pending, self._tick(), FIRST_COMPLETED)
             for fut in done:
                 e = fut.exception()
                 if e is not None and error is None:
                     error = e
-            late = self._late()
+            late = self._late() if timed else None
             if late is not None:
                 self.failed = late
                 raise late
         if error is not None:
             raise error
 
-    def _tick(self) -> float:
+    def _tick(self) -> float | None:
         """How long the waiting thread may sleep before a read it waits for could be late."""
+        if not self.policy.local_deadlines:
+            return None
         now = time.monotonic()
-        lefts = [r.start + r.deadline_s - now for r in list(self._reads.values())]
+        lefts = [r.start + self._deadline(r) - now for r in list(self._reads.values())]
         return max(min(lefts, default=self.policy.deadline_floor_s), 0.0) + 1e-3
+
+    def _deadline(self, r: _Read) -> float:
+        if r.deadline_s is None:
+            r.deadline_s = deadline_for(self.policy, self.observed, r.nbytes)
+        return r.deadline_s
 
     def _late(self) -> StorageError | None:
         now = time.monotonic()
         for r in list(self._reads.values()):
             waited = now - r.start
-            if waited > r.deadline_s:
+            deadline = self._deadline(r)
+            if waited > deadline:
                 why = DeadlineExceeded(
                     f"rank {current_rank()}'s read did not return within its deadline "
-                    f"({r.deadline_s:.2f} s for {r.nbytes} bytes) and waited {waited:.2f} s; a "
+                    f"({deadline:.2f} s for {r.nbytes} bytes) and waited {waited:.2f} s; a "
                     f"blocked local read cannot be cancelled: its I/O thread is left behind"
                 )
                 where = f"reading bytes [{r.offset}, {r.offset + r.nbytes})"
