@@ -360,7 +360,10 @@ class RangeReader(ByteSource):
         )
 
     def read(self, segments: Sequence[Segment]) -> None:
-        """Fill every segment's buffer; raises on a short file or an I/O error."""
+        """Fill every segment's buffer; raises on a short file or an I/O error, and once a read
+        was past its deadline, that read's :class:`~ucp_dcp.errors.StorageError` again."""
+        if self._workers.failed is not None:
+            raise self._workers.failed
         reqs = self.plan(segments)
         if not reqs:
             return
@@ -405,6 +408,7 @@ class RangeReader(ByteSource):
         for r in reqs[:_PREFETCH_WINDOW]:
             self._advise(r)
         for i, r in enumerate(reqs):
+            self._workers.check()  # before opening anything: the reader may be closed
             if i + _PREFETCH_WINDOW < n:
                 self._advise(reqs[i + _PREFETCH_WINDOW])
             self._run(r)
@@ -414,6 +418,7 @@ class RangeReader(ByteSource):
         # POSIX_FADV_RANDOM), never announced: the kernel's read-ahead runs ahead of them.
         files = self._lanes[lane]
         for r in reqs:
+            self._workers.check()
             self._run(r, files.get(r.file))
 
     def _advise(self, r: _Request) -> None:

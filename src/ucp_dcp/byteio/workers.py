@@ -101,11 +101,16 @@ class IOWorkers:
         self._threads = []
 
     # ------------------------------------------------------------ deadlines
+    def check(self) -> None:
+        """Raise :class:`Abandoned` once the load failed at a deadline (an I/O thread then
+        stops)."""
+        if self.failed is not None:
+            raise Abandoned(str(self.failed))
+
     def begin(self, path: str, offset: int, nbytes: int) -> None:
         """The calling I/O thread starts reading ``nbytes`` at ``offset`` of ``path``; raises
         :class:`Abandoned` once the load failed."""
-        if self.failed is not None:
-            raise Abandoned(str(self.failed))
+        self.check()
         self._reads[threading.get_ident()] = _Read(path, offset, nbytes, time.monotonic())
 
     def end(self, ok: bool = True) -> float:
