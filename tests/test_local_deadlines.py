@@ -32,7 +32,7 @@ from ucp_dcp.byteio.rangeio import RangeReader, Segment
 from ucp_dcp.errors import StorageError
 
 WATCHDOG_S = 60.0
-FAST = RequestPolicy(deadline_floor_s=0.3, deadline_cap_s=0.5)
+FAST = RequestPolicy(attempts=1, deadline_floor_s=0.3, deadline_cap_s=0.5)
 
 
 @pytest.fixture(autouse=True)
@@ -70,7 +70,8 @@ def test_a_blocked_read_fails_at_its_deadline_naming_file_range_and_rank(tmp_pat
         assert m, str(e.value)
         deadline, waited = map(float, m.groups())
         # One observed read (8 KiB from page cache) is not enough for a median: the floor.
-        assert deadline == 0.30 and 0.30 <= waited < 0.45 and took < 1.0, (m.groups(), took)
+        # The waiting thread wakes at the deadline; a busy machine may wake it late, not early.
+        assert deadline == 0.30 and 0.30 <= waited < 1.0 and took < 2.0, (m.groups(), took)
         # The load is failed: a later read says so at once, without touching the files.
         with pytest.raises(StorageError) as again:
             reader.read([Segment(0, 0, memoryview(bytearray(16)))])
@@ -79,7 +80,7 @@ def test_a_blocked_read_fails_at_its_deadline_naming_file_range_and_rank(tmp_pat
         assert len(left) == 2 and all(t.daemon for t in left)
         t0 = time.monotonic()
         reader.close()
-        assert time.monotonic() - t0 < 0.2
+        assert time.monotonic() - t0 < 1.0  # no join of the blocked thread
     finally:
         os.preadv = real  # type: ignore[assignment]
         os.write(end, b"x" * 64)  # the blocked read returns; its thread then stops
@@ -99,7 +100,7 @@ from ucp_dcp.errors import StorageError
 d = {d!r}
 open(os.path.join(d, "f"), "wb").write(bytes(1 << 16))
 stall_reads_of([os.path.join(d, "f")], os.path.join(d, "stall"))
-reader = RangeReader([os.path.join(d, "f")], requests=RequestPolicy(deadline_floor_s=0.3, deadline_cap_s=0.5))
+reader = RangeReader([os.path.join(d, "f")], requests=RequestPolicy(attempts=1, deadline_floor_s=0.3, deadline_cap_s=0.5))
 try:
     reader.read([Segment(0, 0, memoryview(bytearray(100)))])
 except StorageError as e:
@@ -138,3 +139,22 @@ def test_which_thread_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dea
         reader.read([Segment(0, 1000, memoryview(out))])
     assert out == data[1000:6000]
     assert len(readers) == 1 and (readers[0] == threading.get_ident()) is not deadlines
+
+
+def test_a_local_read_gets_the_time_of_every_try(tmp_path: Path) -> None:
+    """A local read is not tried again: its deadline is ``attempts`` times an object-store try's
+    (here 2 x the 0.3 s floor)."""
+    path = tmp_path / "f.bin"
+    _data(path, 1 << 14)
+    real, end = stall_reads_of([str(path)], str(tmp_path / "stall"))
+    try:
+        reader = RangeReader([str(path)], requests=RequestPolicy(attempts=2, deadline_floor_s=0.3))
+        with pytest.raises(StorageError) as e:
+            reader.read([Segment(0, 0, memoryview(bytearray(100)))])
+        m = re.fullmatch(deadline_error(0, str(path), 0, 100), str(e.value))
+        assert m and float(m.group(1)) == 0.60 and 0.60 <= float(m.group(2)) < 1.5, str(e.value)
+        reader.close()
+    finally:
+        os.preadv = real  # type: ignore[assignment]
+        os.write(end, b"x" * 64)
+        os.close(end)

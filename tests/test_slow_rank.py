@@ -40,7 +40,7 @@ from ucp_dcp.errors import InvalidArgumentError, StorageError, TruncatedFileErro
 WATCHDOG_S = 120
 EVERY = ProgressConfig(interval=0.05, threshold=0.0)  # a line at the first request after 50 ms
 DELAY_S = 0.25
-FAST = RequestPolicy(deadline_floor_s=0.3, deadline_cap_s=0.5)  # a blocked read fails in 0.3 s
+FAST = RequestPolicy(attempts=1, deadline_floor_s=0.3, deadline_cap_s=0.5)  # a blocked read: 0.3 s
 
 
 class _Clock:
@@ -233,7 +233,7 @@ def _slow_rank_named(rank: int, world: int, root: str) -> None:
         m = re.fullmatch(pattern, str(err))
         assert m, (pattern, str(err))
         deadline, waited = map(float, m.groups())
-        assert deadline == 0.30 and 0.30 <= waited < 0.6 and took < 5.0, (m.groups(), took)
+        assert deadline == 0.30 and 0.30 <= waited < 1.5 and took < 8.0, (m.groups(), took)
         if end is not None:
             os.write(end, b"x" * 64)
 

@@ -93,8 +93,8 @@ class RequestPolicy:
     as ``requests=``; the defaults suit a real object store (a request's
     deadline is never under 5 s). Tests and benchmarks shorten them. A local
     load's reads get their deadlines from the same fields (and arithmetic,
-    :mod:`~ucp_dcp.byteio.deadlines`); one past it fails the load instead of
-    being retried (:mod:`~ucp_dcp.byteio.workers`).
+    :mod:`~ucp_dcp.byteio.deadlines`), times ``attempts``; one past it fails
+    the load instead of being retried (:mod:`~ucp_dcp.byteio.workers`).
     """
 
     attempts: int = 5

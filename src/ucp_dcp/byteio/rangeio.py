@@ -287,7 +287,8 @@ class RangeReader(ByteSource):
             split across threads.
         requests: the deadline of each call (its floor, cap and factor; see
             :mod:`~ucp_dcp.byteio.workers`): :class:`~ucp_dcp.byteio.objrequests.RequestPolicy`'s
-            defaults when None. Its retry and hedging fields do not apply to local files.
+            defaults when None. A read gets ``attempts`` times the deadline of one try (it is not
+            tried again); the hedging fields do not apply to local files.
     """
 
     def __init__(

@@ -5,11 +5,12 @@ cannot be cancelled: no signal reaches a thread in uninterruptible sleep, and Py
 way to stop a thread. So the thread that waits for the reads is the one that keeps time: each
 read an I/O thread makes gets a deadline from its size and the times this load's reads took
 so far (:func:`~ucp_dcp.byteio.deadlines.deadline_for`, under the same
-:class:`~ucp_dcp.byteio.objrequests.RequestPolicy` as object-store requests), and a read past
-it fails the load with a :class:`~ucp_dcp.errors.StorageError` (``errno.ETIMEDOUT``) naming the
-file, the byte range, the rank and how long it waited. The blocked thread is left behind: the
-threads are daemon threads (``concurrent.futures``' are joined when the interpreter exits,
-which would hang the process on the blocked read), and the others stop before their next read.
+:class:`~ucp_dcp.byteio.objrequests.RequestPolicy` as object-store requests, times its
+``attempts``: a local read is not tried again), and a read past it fails the load with a
+:class:`~ucp_dcp.errors.StorageError` (``errno.ETIMEDOUT``) naming the file, the byte range,
+the rank and how long it waited. The blocked thread is left behind: the threads are daemon
+threads (``concurrent.futures``' are joined when the interpreter exits, which would hang the
+process on the blocked read), and the others stop before their next read.
 
 Why not a ``ThreadPoolExecutor``: its threads are joined at exit and by ``shutdown``, and it has
 no notion of which read a thread is in.
@@ -164,8 +165,12 @@ class IOWorkers:
         return max(min(lefts, default=self.policy.deadline_floor_s), 0.0) + 1e-3
 
     def _deadline(self, r: _Read) -> float:
+        # A local read cannot be tried again, so it gets the time all of an object-store
+        # request's tries would: a slow but working file system (a first uncached read after
+        # cached ones set a fast median) must not fail the load where a retry would have saved
+        # an object-store request.
         if r.deadline_s is None:
-            r.deadline_s = deadline_for(self.policy, self.observed, r.nbytes)
+            r.deadline_s = self.policy.attempts * deadline_for(self.policy, self.observed, r.nbytes)
         return r.deadline_s
 
     def _late(self) -> StorageError | None:
