@@ -7,9 +7,11 @@ and the progress lines must appear on the ``ucp_dcp.progress`` logger.
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import logging
 import os
+import re
 import time
 import uuid
 from typing import Any
@@ -21,8 +23,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dist_utils import bit_equal, run_ranks
+from stall import deadline_error, stall_reads_of
 from ucp_dcp import (
     ProgressConfig,
+    RequestPolicy,
     SlowestRecord,
     UCPLoadPlanner,
     UCPSavePlanner,
@@ -31,11 +35,12 @@ from ucp_dcp import (
 )
 from ucp_dcp.byteio import durable
 from ucp_dcp.byteio.progress import Progress
-from ucp_dcp.errors import InvalidArgumentError, TruncatedFileError, unwrap
+from ucp_dcp.errors import InvalidArgumentError, StorageError, TruncatedFileError, unwrap
 
 WATCHDOG_S = 120
 EVERY = ProgressConfig(interval=0.05, threshold=0.0)  # a line at the first request after 50 ms
 DELAY_S = 0.25
+FAST = RequestPolicy(attempts=1, deadline_floor_s=0.3, deadline_cap_s=0.5)  # a blocked read: 0.3 s
 
 
 class _Clock:
@@ -198,6 +203,39 @@ def _slow_rank_named(rank: int, world: int, root: str) -> None:
     assert isinstance(err, TruncatedFileError) and slow_file in str(err), caught.value
     assert list(caught.value.failures) == [1]
     assert failed.slowest is not None and failed.rank_record is not None
+
+    # A load whose rank 1 blocks in a read (issue 25; tests/stall.py) fails on every rank with rank
+    # 1's StorageError naming the file, the byte range, the rank and the time waited, within the
+    # deadline: on its own (rank 1's read of rank 0's file) and in the read-once exchange (rank 1
+    # reads what it sends; any of its reads blocks).
+    fifo = os.path.join(os.path.dirname(root), "stall")
+    for once in (False, True):
+        blocked = [os.path.join(root, slow_file)] if not once else [os.path.join(root, n) for n in names]
+        real = end = None
+        if rank == 1:
+            real, end = stall_reads_of(blocked, f"{fifo}-{once}")
+        late = UCPStorageReader(root, read_once=once, requests=FAST)
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointException) as caught:
+            dcp.load({k: torch.zeros_like(v) for k, v in full.items()}, storage_reader=late,
+                     planner=UCPLoadPlanner())
+        took = time.monotonic() - t0
+        if real is not None:
+            os.preadv = real
+        err = unwrap(caught.value)
+        assert isinstance(err, StorageError) and err.errno == errno.ETIMEDOUT, caught.value
+        assert late.source is not None
+        # Any request of rank 1's in the exchange; alone, the chunk of w0 (in rank 0's file).
+        pattern = deadline_error(1)
+        if not once:
+            loc = late.source.locate("w0", 0)
+            pattern = deadline_error(1, late.source.paths[loc.file], loc.start, loc.nbytes)
+        m = re.fullmatch(pattern, str(err))
+        assert m, (pattern, str(err))
+        deadline, waited = map(float, m.groups())
+        assert deadline == 0.30 and 0.30 <= waited < 1.5 and took < 8.0, (m.groups(), took)
+        if end is not None:
+            os.write(end, b"x" * 64)
 
     # A load without collectives (no_dist, one rank alone) gathers nothing: it would hang here.
     if rank == 0:

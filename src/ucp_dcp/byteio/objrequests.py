@@ -40,14 +40,15 @@ from __future__ import annotations
 import asyncio
 import errno
 import random
-import statistics
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import StorageError, UCPError
+from .deadlines import SMALL_REQUEST as _SMALL
+from .deadlines import Observed as _Observed
+from .deadlines import deadline_for
 
 __all__ = [
     "RequestPolicy",
@@ -90,7 +91,10 @@ class RequestPolicy:
 
     Given to :class:`~ucp_dcp.UCPStorageReader` and :class:`~ucp_dcp.UCPStorageWriter`
     as ``requests=``; the defaults suit a real object store (a request's
-    deadline is never under 5 s). Tests and benchmarks shorten them.
+    deadline is never under 5 s). Tests and benchmarks shorten them. A local
+    load's reads get their deadlines from the same fields (and arithmetic,
+    :mod:`~ucp_dcp.byteio.deadlines`), times ``attempts``; one past it fails
+    the load instead of being retried (:mod:`~ucp_dcp.byteio.workers`).
     """
 
     attempts: int = 5
@@ -127,6 +131,11 @@ class RequestPolicy:
     doubled while throttling goes on."""
     throttle_max_pause_s: float = 8.0
     """Upper bound on one throttling pause."""
+    local_deadlines: bool = True
+    """Local loads: every read runs on an I/O thread under its deadline, the loading thread keeping
+    time (:mod:`~ucp_dcp.byteio.workers`). False: the loading thread makes one share of the reads
+    itself and nothing is timed, saving a thread hand-off per read call (tens of microseconds;
+    docs/object-storage.md), but a read blocked in the kernel then holds the load forever."""
 
     def __post_init__(self) -> None:
         from ..errors import InvalidArgumentError
@@ -222,38 +231,6 @@ def current_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-_SMALL = 64 << 10  # requests up to this size cost a round trip, whatever their size
-_SAMPLES = 256  # observations kept (the recent ones: throughput changes during a job)
-_MIN_SAMPLES = 3  # observations needed before a median is trusted
-
-
-class _Observed:
-    """Recent (bytes, seconds) of successful requests: the medians deadlines and hedges use."""
-
-    def __init__(self) -> None:
-        self._all: deque[tuple[int, float]] = deque(maxlen=_SAMPLES)
-        self._by_size: dict[int, deque[float]] = {}
-
-    @staticmethod
-    def _bucket(n: int) -> int:
-        # Sizes within a factor of 4 share a bucket; all small requests share one.
-        return max(n, _SMALL).bit_length() // 2
-
-    def add(self, n: int, seconds: float) -> None:
-        self._all.append((n, seconds))
-        self._by_size.setdefault(self._bucket(n), deque(maxlen=_SAMPLES // 4)).append(seconds)
-
-    def expected(self, n: int) -> float | None:
-        """The time a request of ``n`` bytes should take (None before enough observations)."""
-        same = self._by_size.get(self._bucket(n))
-        if same is not None and len(same) >= _MIN_SAMPLES:
-            return statistics.median(same)
-        if len(self._all) < _MIN_SAMPLES:
-            return None
-        rate = statistics.median(max(b, _SMALL) / max(s, 1e-6) for b, s in self._all)
-        return max(n, _SMALL) / rate
-
-
 @dataclass
 class _Try:
     """One try of a request: its deadline and what its hedging may do."""
@@ -284,11 +261,7 @@ class RequestScheduler:
     # ------------------------------------------------------------ the policy
     def deadline(self, n: int) -> float:
         """Seconds a request of ``n`` bytes gets now."""
-        p = self.policy
-        expected = self._observed.expected(n)
-        if expected is None:
-            return min(p.deadline_cap_s, max(p.deadline_floor_s, n / p.first_bytes_per_s))
-        return min(p.deadline_cap_s, max(p.deadline_floor_s, p.deadline_factor * expected))
+        return deadline_for(self.policy, self._observed, n)
 
     def _hedge_after(self, n: int) -> float | None:
         p = self.policy

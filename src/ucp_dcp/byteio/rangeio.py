@@ -7,7 +7,9 @@ neighbours into ``os.preadv`` calls (one system call fills many buffers;
 gaps up to ``gap_bytes`` between them are read into a scratch buffer rather
 than split into another call, since the page holding them is fetched
 anyway), splits large ranges so several threads share them, and runs the
-calls on a thread pool (``preadv`` releases the GIL).
+calls on I/O threads (``preadv`` releases the GIL). Every call has a deadline, kept by the
+thread that waits for them (:mod:`~ucp_dcp.byteio.workers`): a read blocked in the kernel fails
+the load naming the file, the byte range and the rank instead of holding it forever.
 
 Each file is read one of two ways, chosen once per load by
 :meth:`RangeReader.plan_access` from every byte range the load will read
@@ -32,9 +34,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, NamedTuple, Protocol
@@ -45,7 +45,9 @@ import torch
 from ..core.spans import ACCESS_MODES, SEQUENTIAL, file_access
 from ..errors import InvalidArgumentError, TruncatedFileError
 from .files import open_data_file
+from .objrequests import RequestPolicy
 from .progress import Progress
+from .workers import Abandoned, IOWorkers
 
 __all__ = [
     "coalesce",
@@ -220,11 +222,13 @@ class FileHandles:
                 self._fds[file] = fd
         return fd
 
-    def close(self) -> None:
-        """Close every descriptor opened so far."""
+    def close(self, keep: frozenset[str] = frozenset()) -> None:
+        """Close every descriptor opened so far, except those of the paths in ``keep`` (a read
+        left blocked in one: closing it would let its number name another file)."""
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
+            for file, fd in self._fds.items():
+                if self.paths[file] not in keep:
+                    os.close(fd)
             self._fds.clear()
 
 
@@ -281,6 +285,10 @@ class RangeReader(ByteSource):
             one call, the gap landing in a scratch buffer.
         max_request_bytes: upper bound on one call, so that a large range is
             split across threads.
+        requests: the deadline of each call (its floor, cap and factor; see
+            :mod:`~ucp_dcp.byteio.workers`): :class:`~ucp_dcp.byteio.objrequests.RequestPolicy`'s
+            defaults when None. A read gets ``attempts`` times the deadline of one try (it is not
+            tried again); the hedging fields do not apply to local files.
     """
 
     def __init__(
@@ -290,6 +298,7 @@ class RangeReader(ByteSource):
         threads: int = 4,
         gap_bytes: int = 0,
         max_request_bytes: int = 16 * 1024 * 1024,
+        requests: RequestPolicy | None = None,
     ) -> None:
         self._paths = list(paths)
         self._files = FileHandles(self._paths)
@@ -298,7 +307,7 @@ class RangeReader(ByteSource):
         self._max_request = max(max_request_bytes, 1)
         self._hooked_request = min(self._max_request, HOOKED_REQUEST_BYTES)
         self._threads = max(threads, 1)
-        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="ucp-read")
+        self._workers = IOWorkers(self._threads, requests or RequestPolicy())
         self.stats = ReadStats()
         self._sequential: frozenset[int] = frozenset()  # files read as streams (plan_access)
         # Per stream lane, descriptors of its own: the kernel keeps one read-ahead state per open
@@ -311,11 +320,13 @@ class RangeReader(ByteSource):
         return self._files.get(file)
 
     def close(self) -> None:
-        """Close every file and stop the thread pool."""
-        self._pool.shutdown(wait=True)
-        self._files.close()
+        """Close every file and stop the I/O threads (not waiting for one left blocked in a read
+        past its deadline, whose file stays open)."""
+        self._workers.close()
+        keep = frozenset(self._workers.blocked())
+        self._files.close(keep)
         for lane in self._lanes:
-            lane.close()
+            lane.close(keep)
 
     def __enter__(self) -> RangeReader:
         return self
@@ -350,7 +361,10 @@ class RangeReader(ByteSource):
         )
 
     def read(self, segments: Sequence[Segment]) -> None:
-        """Fill every segment's buffer; raises on a short file or an I/O error."""
+        """Fill every segment's buffer; raises on a short file or an I/O error, and once a read
+        was past its deadline, that read's :class:`~ucp_dcp.errors.StorageError` again."""
+        if self._workers.failed is not None:
+            raise self._workers.failed
         reqs = self.plan(segments)
         if not reqs:
             return
@@ -365,29 +379,25 @@ class RangeReader(ByteSource):
             lanes = max(1, min(self._threads, total // STREAM_STRETCH))
             batches = [b for b in _batches(stream, lanes) if b]
             tasks += [(functools.partial(self._stream, i), b) for i, b in enumerate(batches)]
-        here = None
-        if tasks:  # a stream's first lane
-            here = tasks.pop(0)
+        streams = len(tasks)
         if reqs:
             tasks += [(self._run_all, b) for b in _batches(reqs, self._threads * 4)]
-        if here is None and len(tasks) == 1:
-            here = tasks.pop()
-        # Every call finishes before this returns, also when one fails: no
-        # thread may still write into a buffer the caller reuses.
+        # With deadlines, every call runs on an I/O thread, none on this one: this thread keeps
+        # their deadlines (a read blocked in the kernel here could not be timed). Without, this
+        # thread takes a stream's first lane, or the only task (no hand-off). Every call
+        # finishes before this returns, also when one fails (no thread may still write into a
+        # buffer the caller reuses), except a call past its deadline, which fails the load.
+        here = None
+        if not self._workers.policy.local_deadlines and (streams or len(tasks) == 1):
+            here = tasks.pop(0)
+        futures = [self._workers.submit(fn, b) for fn, b in tasks]
         error: BaseException | None = None
-        futures = [self._pool.submit(fn, b) for fn, b in tasks]
         if here is not None:
             try:
                 here[0](here[1])
             except BaseException as e:
                 error = e
-        for fut in futures:
-            try:
-                fut.result()
-            except BaseException as e:
-                error = error or e
-        if error is not None:
-            raise error
+        self._workers.wait(futures, error)
 
     def _run_all(self, reqs: Sequence[_Request]) -> None:
         # One pool task per batch, not per request: strided loads issue tens
@@ -399,6 +409,7 @@ class RangeReader(ByteSource):
         for r in reqs[:_PREFETCH_WINDOW]:
             self._advise(r)
         for i, r in enumerate(reqs):
+            self._workers.check()  # before opening anything: the reader may be closed
             if i + _PREFETCH_WINDOW < n:
                 self._advise(reqs[i + _PREFETCH_WINDOW])
             self._run(r)
@@ -408,6 +419,7 @@ class RangeReader(ByteSource):
         # POSIX_FADV_RANDOM), never announced: the kernel's read-ahead runs ahead of them.
         files = self._lanes[lane]
         for r in reqs:
+            self._workers.check()
             self._run(r, files.get(r.file))
 
     def _advise(self, r: _Request) -> None:
@@ -416,24 +428,30 @@ class RangeReader(ByteSource):
 
     def _run(self, r: _Request, fd: int | None = None) -> None:
         fd = self.fd(r.file) if fd is None else fd
-        t0 = time.perf_counter()
+        workers = self._workers
+        workers.begin(self._paths[r.file], r.offset, r.nbytes)
         bufs, off, left, calls = r.bufs, r.offset, r.nbytes, 0
-        while left:
-            got = os.preadv(fd, bufs, off)
-            calls += 1
-            if got <= 0:
-                raise TruncatedFileError(
-                    f"{self._paths[r.file]}: needed bytes [{off}, {off + left}) but the file ends "
-                    f"at {os.fstat(fd).st_size}: truncated data file"
-                )
-            off += got
-            left -= got
-            if left:  # short read: drop what was filled and go on
-                while got >= len(bufs[0]):
-                    got -= len(bufs[0])
-                    bufs = bufs[1:]
-                bufs = [bufs[0][got:], *bufs[1:]]
-        self.stats.add(calls, r.nbytes, r.file, time.perf_counter() - t0)
+        try:
+            while left:
+                got = os.preadv(fd, bufs, off)
+                calls += 1
+                if got <= 0:
+                    raise TruncatedFileError(
+                        f"{self._paths[r.file]}: needed bytes [{off}, {off + left}) but the file "
+                        f"ends at {os.fstat(fd).st_size}: truncated data file"
+                    )
+                off += got
+                left -= got
+                if left:  # short read: drop what was filled and go on
+                    if workers.failed is not None:  # left behind: fd may be closed by now
+                        raise Abandoned(str(workers.failed))
+                    while got >= len(bufs[0]):
+                        got -= len(bufs[0])
+                        bufs = bufs[1:]
+                    bufs = [bufs[0][got:], *bufs[1:]]
+        finally:
+            took = workers.end(ok=not left)
+        self.stats.add(calls, r.nbytes, r.file, took)
         if r.done:
             for fn, n in r.done:
                 fn(n)

@@ -103,7 +103,10 @@ class UCPStorageReader(_Directory, StorageReader):
         requests: for a URL, each request's deadline, hedged reads, the
             bound on requests in flight and the pause after throttling
             (:class:`~ucp_dcp.byteio.objrequests.RequestPolicy`; its defaults
-            when None). See docs/object-storage.md.
+            when None). See docs/object-storage.md. For local files, the
+            deadline of each read the I/O threads make (its floor, cap and
+            factor): a read past it fails the load with a ``StorageError``
+            naming the file, the byte range and the rank.
         io_threads: threads of each rank issuing reads in parallel (default 2,
             enough to keep one local disk busy with 1-4 ranks per machine; more
             helps storage that serves many reads at once).
@@ -389,6 +392,7 @@ class UCPStorageReader(_Directory, StorageReader):
             threads=self.io_threads,
             gap_bytes=self.gap_bytes,
             max_request_bytes=self.max_request_bytes,
+            requests=self.requests,
         )
         self._stats = reader.stats
         reader.stats.progress = self._progress

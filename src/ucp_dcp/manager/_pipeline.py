@@ -145,7 +145,7 @@ class SavePipeline(GroupWorker):
                 lambda: tier.begin(step, job.token) if creator else None,
                 step=step,
             )
-        writer = UCPStorageWriter(path)
+        writer = UCPStorageWriter(path, placement_digests=self.config.placement_digests)
         try:
             dcp.save(
                 dict(state),

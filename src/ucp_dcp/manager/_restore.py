@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..byteio.integrity import bytes_digest, file_digest
 from ..byteio.objstore import is_url
 from ..dcp import UCPLoadPlanner, UCPStorageReader
+from ..dcp._placement import PlacementReport
 from ..dcp._read_items import collector_paused
 from ..dcp._read_once import ReadOnceDecision
 from ..dcp._slowest import SlowestRecord
@@ -149,7 +150,7 @@ class Restorer(GroupWorker):
             try:
                 ready = self._prepare(cand, token)
                 try:
-                    verified, read, once, slowest = self._load_from(ready, state)
+                    verified, read, once, slowest, placement = self._load_from(ready, state)
                 finally:
                     ready.done()
             except (Exception, CheckpointException) as e:
@@ -174,6 +175,7 @@ class Restorer(GroupWorker):
                 read,
                 once,
                 slowest,
+                placement,
             )
         raise CheckpointRestoreError("no copy of any candidate step could be restored:", attempts)
 
@@ -401,10 +403,10 @@ class Restorer(GroupWorker):
 
     def _load_from(
         self, ready: _Loadable, state: Mapping[str, Any]
-    ) -> tuple[int, int, ReadOnceDecision | None, SlowestRecord | None]:
+    ) -> tuple[int, int, ReadOnceDecision | None, SlowestRecord | None, PlacementReport | None]:
         """Load ``ready`` (a directory, or a URL read with its storage options; the index it
         holds already checked); return the verified and read bytes, what the reader's
-        read-once policy decided, and the load's slowest rank."""
+        read-once policy decided, the load's slowest rank and its placement check's report."""
         options: dict[str, Any] = {}
         if self.config.io_threads is not None:
             options["io_threads"] = self.config.io_threads
@@ -415,6 +417,7 @@ class Restorer(GroupWorker):
             verify=self.config.verify_on_load,
             storage_options=ready.storage_options,
             known_files=ready.known_files,
+            verify_placement=self.config.verify_placement,
             # The group dcp.load runs on below: a read-once exchange (the reader's default
             # "auto": a copy in an object store, replicas needing the same bytes) runs on it too.
             process_group=self.group.pg,
@@ -437,6 +440,7 @@ class Restorer(GroupWorker):
             int(getattr(reader, "bytes_requested", 0)),
             reader.read_once_decision,
             reader.slowest,
+            reader.placement_report,
         )
 
     def _agree(self, what: str, fn: Callable[[], Any], cand: Candidate) -> Any:

@@ -157,6 +157,29 @@ class CheckpointConfig:
         downloaded to local disk first, then loaded (the way before ranged reads).""",
     )
 
+    placement_digests: bool = _option(
+        False,
+        """
+        Record every tensor's placement digest in each step's index
+        (``UCPStorageWriter(placement_digests=True)``), on every tier (the local
+        copy, and the persistent one written from it or uploaded), so that a
+        restore can prove where it put every element. Off by default: the
+        hashing made a local save 1.5-1.8x as long in the measurements of
+        docs/format.md ("Placement digests").""",
+    )
+
+    verify_placement: bool = _option(
+        False,
+        """
+        Check after every restore, from either tier, that each element landed
+        where the save found it (``UCPStorageReader(verify_placement=True)``;
+        1.5-3.4x a load's time in docs/format.md's measurements). A wrong
+        placement, or a step saved without ``placement_digests``, fails that
+        copy naming the tensor (or saying the step has no digests) and the
+        restore falls back to the next copy, as for a failed checksum;
+        ``last_restore.placement`` says what was checked.""",
+    )
+
     def validate(self) -> None:
         """Raise :class:`~ucp_dcp.errors.InvalidArgumentError` (a ``ValueError``) naming the first
         field out of range."""

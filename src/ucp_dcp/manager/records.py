@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ..dcp._placement import PlacementReport
     from ..dcp._read_once import ReadOnceDecision
     from ..dcp._slowest import SlowestRecord
 
@@ -57,3 +58,7 @@ class RestoreRecord:
     """The load's slowest rank, with the file its reads spent the most time on (see
     ``UCPStorageReader.slowest``): the same on every rank where the load ran on several; this
     rank's own in one process."""
+    placement: PlacementReport | None = None
+    """What the placement check found (``CheckpointConfig.verify_placement``; see
+    ``UCPStorageReader.placement_report``): the tensors whose placement was proven, and those it
+    could not check (loaded into another dtype, or with no digest); None where not asked for."""

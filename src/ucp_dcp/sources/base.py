@@ -33,6 +33,7 @@ import torch
 
 from ..byteio.blocksums import BlockSums
 from ..byteio.objrange import OBJECT_GAP_BYTES, ObjectRangeReader
+from ..byteio.objrequests import RequestPolicy
 from ..byteio.objstore import ObjectStore, local_path
 from ..byteio.rangeio import ByteSource, RangeReader
 from ..byteio.transfer import read_checked_many
@@ -134,18 +135,28 @@ class Source(ABC):
         """Open the checkpoint of view ``d`` (which :meth:`detect_dir` accepted)."""
 
     def open_reader(
-        self, *, threads: int, gap_bytes: int | None = None, max_request_bytes: int = 16 << 20
+        self,
+        *,
+        threads: int,
+        gap_bytes: int | None = None,
+        max_request_bytes: int = 16 << 20,
+        requests: RequestPolicy | None = None,
     ) -> ByteSource:
         """The byte reader of ``paths``: ``preadv`` calls for files, ranged requests for objects.
 
         ``gap_bytes=None`` takes the storage's default: merge gaps within a
         page on a file system, up to :data:`~ucp_dcp.byteio.objrange.OBJECT_GAP_BYTES`
-        on object storage, where a request costs a round trip.
+        on object storage, where a request costs a round trip. ``requests``: the deadlines of
+        local reads (object stores keep the policy they were opened with).
         """
         if self.store is None:
             gap = _PAGE - 1 if gap_bytes is None else gap_bytes
             return RangeReader(
-                self.paths, threads=threads, gap_bytes=gap, max_request_bytes=max_request_bytes
+                self.paths,
+                threads=threads,
+                gap_bytes=gap,
+                max_request_bytes=max_request_bytes,
+                requests=requests,
             )
         gap = OBJECT_GAP_BYTES if gap_bytes is None else gap_bytes
         names = [self.store.name_of(p) for p in self.paths]

@@ -18,6 +18,7 @@ import xxhash
 from ..byteio.blocksums import BlockSums
 from ..byteio.files import read_header
 from ..byteio.objrange import ObjectRangeReader
+from ..byteio.objrequests import RequestPolicy
 from ..byteio.objstore import ObjectAccess, fetch_heads
 from ..byteio.rangeio import ByteSource
 from ..byteio.storage import write_index
@@ -192,13 +193,21 @@ class NativeSource(Source):
                     obj.hold_head(data)
 
     def open_reader(
-        self, *, threads: int, gap_bytes: int | None = None, max_request_bytes: int = 16 << 20
+        self,
+        *,
+        threads: int,
+        gap_bytes: int | None = None,
+        max_request_bytes: int = 16 << 20,
+        requests: RequestPolicy | None = None,
     ) -> ByteSource:
         """As any source's; in object storage the reader is also handed the data files' first
         requests held (:meth:`prepare`): what a load reads inside them (the first chunks of a
         file whose header is short, small values) costs no request."""
         reader = super().open_reader(
-            threads=threads, gap_bytes=gap_bytes, max_request_bytes=max_request_bytes
+            threads=threads,
+            gap_bytes=gap_bytes,
+            max_request_bytes=max_request_bytes,
+            requests=requests,
         )
         if isinstance(reader, ObjectRangeReader):
             for file, obj in list(self._objects.items()):
