@@ -35,11 +35,11 @@ def stall_reads_of(paths: list[str], fifo: str) -> tuple[Any, int]:
     return real, end
 
 
-def deadline_error(rank: int, path: str | None = None, start: int | None = None,
+def deadline_error(rank: int | None, path: str | None = None, start: int | None = None,
                    nbytes: int | None = None) -> str:
     """A regular expression of the exact message of a local read of ``nbytes`` at ``start`` of
-    ``path`` on ``rank`` past its deadline (None: any file, any range); the deadline and the time
-    waited are its groups."""
+    ``path`` on ``rank`` past its deadline (None: any rank, any file, any range); the deadline and
+    the time waited are its groups."""
     where = re.escape(path) if path is not None else r"\S+"
     if start is not None and nbytes is not None:
         span, n = re.escape(f"[{start}, {start + nbytes})"), str(nbytes)
@@ -48,7 +48,8 @@ def deadline_error(rank: int, path: str | None = None, start: int | None = None,
     return (
         where
         + f": reading bytes {span} failed: DeadlineExceeded: "
-        + re.escape(f"rank {rank}'s read did not return within its deadline (")
+        + (re.escape(f"rank {rank}") if rank is not None else r"rank \d+")
+        + re.escape("'s read did not return within its deadline (")
         + r"(\d+\.\d\d) s for "
         + n
         + r" bytes\) and waited (\d+\.\d\d) s; "
