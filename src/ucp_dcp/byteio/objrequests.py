@@ -18,10 +18,17 @@ One rank's requests to one checkpoint go through one :class:`RequestScheduler`
   :attr:`RequestPolicy.hedge_factor` times the median time of requests of its
   size (before any is observed: of its size at
   :attr:`RequestPolicy.first_bytes_per_s`) gets a second, identical request;
-  the first complete answer wins and the other is cancelled. The hedges'
-  bytes are bounded by :attr:`RequestPolicy.hedge_fraction` of the bytes
-  requested so far plus :attr:`RequestPolicy.hedge_allowance_bytes`, and
-  counted in :class:`ObjectStats`.
+  the first complete answer wins and the other is cancelled. It is judged
+  again every 50 ms while it waits, against what completed since (its peers
+  of the same batch). The hedge waits for a slot ahead of new requests
+  (:class:`~ucp_dcp.byteio.objslots.Slots`). The hedges' bytes are bounded by
+  :attr:`RequestPolicy.hedge_fraction` of the bytes requested so far plus
+  :attr:`RequestPolicy.hedge_allowance_bytes`, and counted in
+  :class:`ObjectStats`. So that a slow part of a large GET fits that budget,
+  :class:`~ucp_dcp.byteio.objstore.ObjectStore` sends a long range as parts
+  of :meth:`RequestScheduler.part_bytes` (a quarter of the budget, between
+  :attr:`RequestPolicy.min_request_bytes` and
+  :attr:`RequestPolicy.max_request_bytes`), concurrently.
 * **bounded**: at most :attr:`RequestPolicy.max_in_flight` requests of the
   scheduler are in flight at once (hedges included), whatever the callers
   batch.
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import random
 import statistics
 import time
@@ -48,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import StorageError, UCPError
+from .objslots import Slots
 
 __all__ = [
     "RequestPolicy",
@@ -107,6 +116,14 @@ class RequestPolicy:
     deadline_factor: float = 8.0
     """A request's deadline is this many times the time its size took so far (the median of
     requests of its size, else its size at the median throughput), within the floor and cap."""
+    max_request_bytes: int = 8 << 20
+    """A ranged GET of more bytes is sent as parts, concurrently (within ``max_in_flight``), each
+    with its own deadline and hedge. A part is at most this long, and at most a quarter of the
+    hedge budget (:meth:`RequestScheduler.part_bytes`): a slow part can then be hedged, which a
+    GET of several MB in a load of a hundred MB would not fit."""
+    min_request_bytes: int = 1 << 20
+    """Parts are at least this long (a part costs a round trip; on S3 one of about 1 MiB takes
+    little more than the round trip itself)."""
     hedge: bool = True
     """Send a second, identical ranged GET for one that is slow (reads only)."""
     hedge_factor: float = 4.0
@@ -138,6 +155,11 @@ class RequestPolicy:
             )
         if self.attempts < 1:
             raise InvalidArgumentError(f"RequestPolicy(attempts={self.attempts}): needs at least 1")
+        if not 0 < self.min_request_bytes <= self.max_request_bytes:
+            raise InvalidArgumentError(
+                f"RequestPolicy: needs 0 < min_request_bytes <= max_request_bytes, got "
+                f"{self.min_request_bytes} and {self.max_request_bytes}"
+            )
         if self.max_in_flight < 1:
             raise InvalidArgumentError(
                 f"RequestPolicy(max_in_flight={self.max_in_flight}): needs at least 1"
@@ -256,11 +278,14 @@ class _Observed:
 
 @dataclass
 class _Try:
-    """One try of a request: its deadline and what its hedging may do."""
+    """One try of a request: its deadline and whether it may be hedged."""
 
     deadline_s: float
-    hedge_after_s: float | None
+    hedge: bool
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+
+_RECHECK_S = 0.05  # how often an unanswered GET is judged again against what completed since
 
 
 class RequestScheduler:
@@ -275,8 +300,9 @@ class RequestScheduler:
         self.retry = retry
         self.stats = ObjectStats()
         self._observed = _Observed()
-        self._slots: asyncio.Semaphore | None = None
+        self._slots: Slots | None = None
         self._in_flight = 0
+        self._hedges_waiting = 0  # bytes of hedges decided on, waiting for a slot
         self._paused_until = 0.0
         self._pause = 0.0
         self._hooked: set[int] = set()
@@ -290,14 +316,24 @@ class RequestScheduler:
             return min(p.deadline_cap_s, max(p.deadline_floor_s, n / p.first_bytes_per_s))
         return min(p.deadline_cap_s, max(p.deadline_floor_s, p.deadline_factor * expected))
 
-    def _hedge_after(self, n: int) -> float | None:
+    def _hedge_after(self, n: int) -> float:
+        """Seconds after which a GET of ``n`` bytes is hedged, by what was observed so far."""
         p = self.policy
-        if not p.hedge:
-            return None
         expected = self._observed.expected(n)
         if expected is None:  # nothing observed yet: the time its size takes at the first rate
             expected = max(n, _SMALL) / p.first_bytes_per_s
         return max(p.hedge_floor_s, p.hedge_factor * expected)
+
+    def part_bytes(self, batch_bytes: int) -> int:
+        """The most bytes one GET of a batch of ``batch_bytes`` asks for: a quarter of the hedge
+        budget once the batch is counted, within the policy's ``min_request_bytes`` and
+        ``max_request_bytes`` (without hedging: ``max_request_bytes``)."""
+        p = self.policy
+        if not p.hedge:
+            return p.max_request_bytes
+        budget = p.hedge_fraction * (self.stats.bytes_requested + batch_bytes)
+        budget += p.hedge_allowance_bytes
+        return int(min(p.max_request_bytes, max(p.min_request_bytes, budget // 4)))
 
     def throttled(self) -> None:
         """A throttling answer came back: pause every new request for a while."""
@@ -357,9 +393,9 @@ class RequestScheduler:
             if k:
                 self.stats.retries += 1
             if nbytes is None:
-                t = _Try(self.policy.deadline_cap_s, None)
+                t = _Try(self.policy.deadline_cap_s, False)
             else:
-                t = _Try(self.deadline(nbytes), self._hedge_after(nbytes) if hedge else None)
+                t = _Try(self.deadline(nbytes), hedge and self.policy.hedge)
             deadlines.append(t.deadline_s)
             try:
                 out, took = await self._try(make, nbytes, t)
@@ -411,10 +447,15 @@ class RequestScheduler:
             self.stats.throttle_wait_s += wait
             await asyncio.sleep(wait)
 
-    async def _slot(self) -> None:
+    async def _slot(self, hedge: bool = False) -> None:
         if self._slots is None:  # made on the loop that uses it
-            self._slots = asyncio.Semaphore(self.policy.max_in_flight)
-        await self._slots.acquire()
+            self._slots = Slots(self.policy.max_in_flight)
+        await self._slots.acquire(hedge)
+        try:  # a pause that began while this request waited for its slot holds it too
+            await self._wait_for_pause()
+        except BaseException:
+            self._slots.release()
+            raise
         self._in_flight += 1
         self.stats.most_in_flight = max(self.stats.most_in_flight, self._in_flight)
 
@@ -424,71 +465,86 @@ class RequestScheduler:
         self._slots.release()
 
     def _may_hedge(self, nbytes: int) -> bool:
+        """Whether a hedge of ``nbytes`` fits the budget, hedges waiting for a slot included."""
         s = self.stats
         budget = self.policy.hedge_fraction * s.bytes_requested + self.policy.hedge_allowance_bytes
-        return (
-            s.hedged_bytes + nbytes <= budget
-            and self._slots is not None
-            and not self._slots.locked()
-        )
+        return s.hedged_bytes + self._hedges_waiting + nbytes <= budget
 
-    async def _start(self, make: Callable[[], Awaitable[Any]], t: _Try) -> None:
-        await self._slot()
-        try:  # a pause that began while this request waited for its slot holds it too
-            await self._wait_for_pause()
-        except BaseException:
-            self._free()
-            raise
-
-        async def one() -> Any:
-            try:
-                return await make()
-            finally:
-                self._free()
-
+    async def _request(self, make: Callable[[], Awaitable[_T]]) -> tuple[_T, float]:
+        """``make()``'s answer and when it was sent (its slot is held, and freed by the caller)."""
         self.stats.requests += 1
-        t.tasks.append(asyncio.ensure_future(one()))
+        sent = time.monotonic()
+        return await make(), sent
+
+    async def _hedged(
+        self, make: Callable[[], Awaitable[_T]], nbytes: int, held: list[int]
+    ) -> tuple[_T, float]:
+        """A hedge: waits for a slot ahead of new requests, and is counted once it is sent.
+        ``held``: the budget it holds while it waits (given back once it is sent)."""
+        await self._slot(hedge=True)
+        self._unhold(held)
+        try:
+            self.stats.hedges += 1
+            self.stats.hedged_bytes += nbytes
+            return await self._request(make)
+        finally:
+            self._free()
+
+    def _unhold(self, held: list[int]) -> None:
+        self._hedges_waiting -= held.pop() if held else 0
+
+    def _unheld(self, held: list[int], _: object) -> None:
+        self._unhold(held)
 
     async def _try(
         self, make: Callable[[], Awaitable[_T]], nbytes: int | None, t: _Try
     ) -> tuple[_T, float]:
         """One try: the request, and its hedge if it is slow; the first complete answer wins.
-        Returns the answer and the seconds it took."""
-        await self._start(make, t)  # waiting for a slot is not the request's time
+        Returns the answer and the seconds it took (the winner's own time)."""
+        await self._slot()  # waiting for a slot is not the request's time
         start = time.monotonic()
-        first = t.tasks[0]
-        pending = set(t.tasks)
+        first = asyncio.ensure_future(self._request(make))
+        # Freed when the task ends, even if it is cancelled before it ever ran.
+        first.add_done_callback(lambda _: self._free())
+        t.tasks.append(first)
+        pending: set[asyncio.Future[Any]] = {first}
+        hedge: asyncio.Future[Any] | None = None
+        until = start + t.deadline_s
         error: BaseException | None = None
         try:
             while pending:
-                now = time.monotonic() - start
-                left = t.deadline_s - now
-                if left <= 0:
+                now = time.monotonic()
+                if now >= until:
                     raise DeadlineExceeded(f"no answer within {t.deadline_s:.2f} s")
-                if t.hedge_after_s is not None and len(t.tasks) == 1:
-                    left = min(left, max(t.hedge_after_s - now, 0.0) + 1e-3)
+                wait = until - now
+                if hedge is None and t.hedge and nbytes is not None:
+                    # Judged again at every look: what completed since (its peers of the same
+                    # batch, as they come in) tells how long this one should take.
+                    due = start + self._hedge_after(nbytes)
+                    if now >= due and self._may_hedge(nbytes):
+                        # The budget is held from now: another GET judged before this hedge
+                        # runs must not spend it too. Given back if it is cancelled unsent.
+                        held = [nbytes]
+                        self._hedges_waiting += nbytes
+                        hedge = asyncio.ensure_future(self._hedged(make, nbytes, held))
+                        hedge.add_done_callback(functools.partial(self._unheld, held))
+                        t.tasks.append(hedge)
+                        pending.add(hedge)  # within the try's deadline: a failure stays bounded
+                    else:
+                        wait = min(wait, _RECHECK_S if now >= due else min(due - now, _RECHECK_S))
                 done, pending = await asyncio.wait(
-                    pending, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                    pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED
                 )
                 for task in done:
                     if task.exception() is None:
-                        took = time.monotonic() - start
+                        out, sent_at = task.result()
+                        took = time.monotonic() - (start if task is first else sent_at)
                         if nbytes is not None:
                             self._observed.add(nbytes, took)
                         if task is not first:
                             self.stats.hedge_wins += 1
-                        return task.result(), took
+                        return out, took
                     error = error or task.exception()
-                now = time.monotonic() - start
-                hedge_due = t.hedge_after_s is not None and now >= t.hedge_after_s
-                if pending and len(t.tasks) == 1 and hedge_due and nbytes is not None:
-                    if self._may_hedge(nbytes):
-                        self.stats.hedges += 1
-                        self.stats.hedged_bytes += nbytes
-                        await self._start(make, t)
-                        pending.add(t.tasks[-1])
-                    else:
-                        t.hedge_after_s = now + 0.05  # no budget or slot yet: look again soon
             assert error is not None
             raise error
         finally:
