@@ -396,7 +396,6 @@ class RequestScheduler:
                 t = _Try(self.policy.deadline_cap_s, False)
             else:
                 t = _Try(self.deadline(nbytes), hedge and self.policy.hedge)
-            deadlines.append(t.deadline_s)
             try:
                 out, took = await self._try(make, nbytes, t)
                 why = check(out) if check is not None else None
@@ -425,6 +424,8 @@ class RequestScheduler:
                 if no_credentials(e):
                     raise storage_error(where, what, e) from e
                 last = e
+            finally:
+                deadlines.append(t.deadline_s)  # as a hedge may have extended it
             if k == len(delays):
                 break
             await asyncio.sleep(delays[k])
@@ -529,7 +530,12 @@ class RequestScheduler:
                         hedge = asyncio.ensure_future(self._hedged(make, nbytes, held))
                         hedge.add_done_callback(functools.partial(self._unheld, held))
                         t.tasks.append(hedge)
-                        pending.add(hedge)  # within the try's deadline: a failure stays bounded
+                        pending.add(hedge)
+                        # The hedge gets a request's deadline from when it is sent, within the
+                        # cap from the try's start (a failure stays bounded by the cap).
+                        cap = start + self.policy.deadline_cap_s
+                        until = max(until, min(now + self.deadline(nbytes), cap))
+                        t.deadline_s = until - start
                     else:
                         wait = min(wait, _RECHECK_S if now >= due else min(due - now, _RECHECK_S))
                 done, pending = await asyncio.wait(
