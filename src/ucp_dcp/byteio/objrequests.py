@@ -285,6 +285,7 @@ class _Try:
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
 
+_LATER_ANSWERED = 2  # requests sent after a GET, answered before it, that make it an outlier
 _RECHECK_S = 0.05  # how often an unanswered GET is judged again against what completed since
 
 
@@ -303,6 +304,8 @@ class RequestScheduler:
         self._slots: Slots | None = None
         self._in_flight = 0
         self._hedges_waiting = 0  # bytes of hedges decided on, waiting for a slot
+        self._sent = 0  # requests sent so far (first tries and retries; not hedges)
+        self._answered: deque[int] = deque(maxlen=_SAMPLES)  # when each answered one was sent
         self._paused_until = 0.0
         self._pause = 0.0
         self._hooked: set[int] = set()
@@ -465,6 +468,15 @@ class RequestScheduler:
         self._in_flight -= 1
         self._slots.release()
 
+    def _outlier(self, seq: int) -> bool:
+        """Whether the request sent ``seq``-th is slow among its peers: requests sent after it
+        were answered first (:data:`_LATER_ANSWERED`), or none is in flight with it. When the
+        store slows down for every request at once, none is an outlier: a hedge would only add
+        to the load (measured: a fault-free load on a busy machine spent its whole budget)."""
+        if self._in_flight <= 1:
+            return True
+        return sum(1 for k in self._answered if k > seq) >= _LATER_ANSWERED
+
     def _may_hedge(self, nbytes: int) -> bool:
         """Whether a hedge of ``nbytes`` fits the budget, hedges waiting for a slot included."""
         s = self.stats
@@ -504,6 +516,8 @@ class RequestScheduler:
         Returns the answer and the seconds it took (the winner's own time)."""
         await self._slot()  # waiting for a slot is not the request's time
         start = time.monotonic()
+        self._sent += 1
+        seq = self._sent
         first = asyncio.ensure_future(self._request(make))
         # Freed when the task ends, even if it is cancelled before it ever ran.
         first.add_done_callback(lambda _: self._free())
@@ -522,7 +536,7 @@ class RequestScheduler:
                     # Judged again at every look: what completed since (its peers of the same
                     # batch, as they come in) tells how long this one should take.
                     due = start + self._hedge_after(nbytes)
-                    if now >= due and self._may_hedge(nbytes):
+                    if now >= due and self._outlier(seq) and self._may_hedge(nbytes):
                         # The budget is held from now: another GET judged before this hedge
                         # runs must not spend it too. Given back if it is cancelled unsent.
                         held = [nbytes]
@@ -547,6 +561,7 @@ class RequestScheduler:
                         took = time.monotonic() - (start if task is first else sent_at)
                         if nbytes is not None:
                             self._observed.add(nbytes, took)
+                        self._answered.append(seq)
                         if task is not first:
                             self.stats.hedge_wins += 1
                         return out, took
