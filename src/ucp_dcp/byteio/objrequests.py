@@ -22,8 +22,8 @@ One rank's requests to one checkpoint go through one :class:`RequestScheduler`
   again every 50 ms while it waits, against what completed since (its peers
   of the same batch). The hedge waits for a slot ahead of new requests
   (:class:`~ucp_dcp.byteio.objslots.Slots`). The hedges' bytes are bounded by
-  :attr:`RequestPolicy.hedge_fraction` of the bytes requested so far plus
-  :attr:`RequestPolicy.hedge_allowance_bytes`, and counted in
+  :attr:`RequestPolicy.hedge_fraction` of the bytes requested so far, or
+  :attr:`RequestPolicy.hedge_allowance_bytes` while that is more, and counted in
   :class:`ObjectStats`. So that a slow part of a large GET fits that budget,
   :class:`~ucp_dcp.byteio.objstore.ObjectStore` sends a long range as parts
   of :meth:`RequestScheduler.part_bytes` (a quarter of the budget, between
@@ -131,11 +131,13 @@ class RequestPolicy:
     hedge_floor_s: float = 0.2
     """No GET is hedged before it has taken this long (a round trip is not worth a hedge)."""
     hedge_fraction: float = 0.05
-    """Hedged bytes stay within this fraction of the bytes requested so far, plus
-    ``hedge_allowance_bytes``."""
-    hedge_allowance_bytes: int = 256 << 10
-    """Hedged bytes allowed on top of ``hedge_fraction``: a stalled header request, one of the
-    first of a load, can be hedged before the fraction amounts to anything."""
+    """Hedged bytes stay within this fraction of the bytes requested so far (or
+    ``hedge_allowance_bytes`` while that is more)."""
+    hedge_allowance_bytes: int = 1 << 20
+    """Hedged bytes allowed before ``hedge_fraction`` amounts to as much: a stalled request
+    among the first of a load (a data file's header and block checksums, a few hundred KiB
+    for a large file) can be hedged. Not added to the fraction: a load of at least 20 times
+    this hedges at most ``hedge_fraction`` of its bytes."""
     max_in_flight: int = 8
     """Requests of one rank in flight at once (hedges included): a job of thousands of ranks
     must not open a burst of connections per rank to one prefix."""
@@ -334,8 +336,9 @@ class RequestScheduler:
         p = self.policy
         if not p.hedge:
             return p.max_request_bytes
-        budget = p.hedge_fraction * (self.stats.bytes_requested + batch_bytes)
-        budget += p.hedge_allowance_bytes
+        budget = max(
+            p.hedge_fraction * (self.stats.bytes_requested + batch_bytes), p.hedge_allowance_bytes
+        )
         return int(min(p.max_request_bytes, max(p.min_request_bytes, budget // 4)))
 
     def throttled(self) -> None:
@@ -480,7 +483,8 @@ class RequestScheduler:
     def _may_hedge(self, nbytes: int) -> bool:
         """Whether a hedge of ``nbytes`` fits the budget, hedges waiting for a slot included."""
         s = self.stats
-        budget = self.policy.hedge_fraction * s.bytes_requested + self.policy.hedge_allowance_bytes
+        p = self.policy
+        budget = max(p.hedge_fraction * s.bytes_requested, p.hedge_allowance_bytes)
         return s.hedged_bytes + self._hedges_waiting + nbytes <= budget
 
     async def _request(self, make: Callable[[], Awaitable[_T]]) -> tuple[_T, float]:
