@@ -176,11 +176,11 @@ def test_a_slow_part_of_a_large_get_is_hedged_sooner_than_its_prior_and_within_t
 ) -> None:
     base, options, proxy = s3_proxy
     part = 512 << 10
-    # Deadlines far off, and nothing observed before: the prior (1 MiB/s) would hedge a part
-    # only after 4 x 0.5 s; the parts that complete meanwhile tell sooner that it is slow.
+    # Deadlines far off, and nothing observed before: the prior (first_hedge_s) would hedge a
+    # part only after 2 s; the parts that complete meanwhile tell sooner that it is slow.
     policy = RequestPolicy(deadline_floor_s=8.0, deadline_cap_s=10.0, hedge_floor_s=0.1,
                            min_request_bytes=part, max_request_bytes=part, max_in_flight=4,
-                           hedge_allowance_bytes=256 << 10)
+                           hedge_allowance_bytes=256 << 10, first_hedge_s=2.0)
     store = ObjectStore(f"{base}/hedge-parts-{uuid.uuid4().hex[:8]}", options, requests=policy)
     data = os.urandom(12 << 20)
     store.put("obj", data)

@@ -16,8 +16,8 @@ One rank's requests to one checkpoint go through one :class:`RequestScheduler`
   for the sum of those timeouts.
 * **hedged reads**: a ranged GET that takes longer than
   :attr:`RequestPolicy.hedge_factor` times the median time of requests of its
-  size (before any is observed: of its size at
-  :attr:`RequestPolicy.first_bytes_per_s`) gets a second, identical request;
+  size (before any is observed: :attr:`RequestPolicy.first_hedge_s`) gets a
+  second, identical request;
   the first complete answer wins and the other is cancelled. It is judged
   again every 50 ms while it waits, against what completed since (its peers
   of the same batch). The hedge waits for a slot ahead of new requests
@@ -128,6 +128,10 @@ class RequestPolicy:
     """Send a second, identical ranged GET for one that is slow (reads only)."""
     hedge_factor: float = 4.0
     """A ranged GET is hedged once it has taken this many times the median time of its size."""
+    first_hedge_s: float = 0.5
+    """Before any request was observed, a GET is hedged after this long. Not the deadline's
+    patient prior (``first_bytes_per_s``): a stalled first request of a load (a data file's
+    header, read before anything else) held every rank 4 x 0.47 s at that rate."""
     hedge_floor_s: float = 0.2
     """No GET is hedged before it has taken this long (a round trip is not worth a hedge)."""
     hedge_fraction: float = 0.05
@@ -325,8 +329,8 @@ class RequestScheduler:
         """Seconds after which a GET of ``n`` bytes is hedged, by what was observed so far."""
         p = self.policy
         expected = self._observed.expected(n)
-        if expected is None:  # nothing observed yet: the time its size takes at the first rate
-            expected = max(n, _SMALL) / p.first_bytes_per_s
+        if expected is None:  # nothing observed yet: a hedge costs budget, not correctness
+            return max(p.hedge_floor_s, p.first_hedge_s)
         return max(p.hedge_floor_s, p.hedge_factor * expected)
 
     def part_bytes(self, batch_bytes: int) -> int:
