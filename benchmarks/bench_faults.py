@@ -23,12 +23,22 @@ deadlines), ``ucp-nohedge`` (the same, ``hedge=False``:
 deadlines only) and ``dcp`` (``FsspecReader`` + DCP's default planner). A
 load's time is the slowest rank's (barrier, ``dcp.load``, barrier); it is
 reported relative to the same reader's fault-free load. Each (reader,
-scenario) is one spawn of 3 ranks and one load (no repeats: the faults are
-random, and a run takes minutes).
+scenario) is one spawn of 3 ranks and one load, ``--repeats`` times
+(interleaved: every repeat runs every cell once, so the shared machine's
+noise falls on all cells alike); the summary gives each cell's median and
+its median relative to the same reader's median fault-free time. Slowed
+GETs are drawn with a seed per (scenario, reader, repeat).
+
+The server is moto with ranged GETs that read only their range
+(``harness.objstore._RANGED_READS``; stock moto reads the whole object for
+every ranged GET, which makes a load's cost grow with its number of
+requests as S3's does not); ``--stock-moto`` runs stock moto, as the older
+result files did.
 
 Usage::
 
     python benchmarks/bench_faults.py                  # 48 MB, every scenario and reader
+    python benchmarks/bench_faults.py --size-mb 192 --repeats 3 --out benchmarks/results/vm-2026-11-26/bench_faults_hedged.json
     python benchmarks/bench_faults.py --size-mb 16 --readers ucp --scenarios none,slow5+stall
 
 Needs ``moto[server]`` and ``s3fs``. See docs/object-storage.md ("Deadlines, hedged reads and
@@ -155,74 +165,110 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(["python", "benchmarks/bench_faults.py", *sys.argv[1:]]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__, "load_average_start": os.getloadavg()},
-        "policy": {"deadline_floor_s": args.floor_s, "deadline_factor": args.deadline_factor},
+        "policy": {"deadline_floor_s": args.floor_s, "deadline_factor": args.deadline_factor,
+                   **({"max_request_bytes": args.max_request_kib << 10} if args.max_request_kib else {})},
+        "repeats": args.repeats,
+        "server": "moto, stock (a ranged GET reads the whole object)" if args.stock_moto
+        else "moto, ranged GETs read only their range (harness.objstore._RANGED_READS)",
         "state_bytes": nbytes, "save_ranks": 4, "load_ranks": 3, "runs": [],
     }
-    with MotoServer() as server:
+    with MotoServer(ranged_reads=not args.stock_moto) as server:
         base = server.create_bucket(f"bench-faults-{uuid.uuid4().hex[:8]}")
         with FaultProxy(server.endpoint) as proxy:
             options = storage_options(proxy.url)
             urls = {"ucp": f"{base}/ucp", "dcp": f"{base}/dcp"}
             spawn_ranks(save_rank, 4, urls, options, shapes)
-            delay = None
-            for scenario in args.scenarios:
-                for kind in args.readers:
-                    proxy.clear()
-                    proxy.reset_records()
-                    if scenario != "none":
-                        assert delay is not None, "the fault-free ucp load measures the slow delay"
-                        p = 0.01 if scenario == "slow1" else 0.05
-                        rng = random.Random(f"{scenario}-{kind}")
-                        if scenario.endswith("+stall"):
-                            proxy.inject("stall", count=1, match=_ranged_get, delay_s=args.stall_s)
-                        proxy.inject("slow", count=10**6, delay_s=delay,
-                                     match=lambda m, path, h, rng=rng, p=p: _ranged_get(m, path, h) and rng.random() < p)
-                    url = urls["dcp" if kind == "dcp" else "ucp"]
-                    per_rank = spawn_ranks(load_rank, 3, kind, url, options, shapes, doc["policy"])
-                    recs = proxy.select("GET")
-                    ranged = [r for r in recs if r.range is not None]
-                    if scenario == "none" and kind == "ucp":
-                        median = statistics.median(r.elapsed_s for r in ranged if r.fault is None)
-                        delay = args.slow_factor * median
-                        doc["median_ranged_get_s"], doc["slow_delay_s"] = median, delay
-                    run_rec = {
-                        "scenario": scenario, "reader": kind, "seconds": per_rank[0]["seconds"],
-                        "errors": [r["error"] for r in per_rank if r["error"]],
-                        "wrong": sorted({w for r in per_rank for w in r["wrong"]}),
-                        "gets": len(recs), "ranged_gets": len(ranged),
-                        "bytes_fetched": sum(r.response_bytes for r in recs),
-                        "slowed": sum(r.fault == "slow" for r in recs),
-                        "stalled": sum(r.fault == "stall" for r in recs),
-                    }
-                    stats = [r["object_stats"] for r in per_rank if "object_stats" in r]
-                    if stats:
-                        run_rec["object_stats"] = {k: sum(s[k] for s in stats) for k in
-                                                   ("requests", "bytes_requested", "hedges", "hedged_bytes",
-                                                    "hedge_wins", "timeouts", "retries", "throttles")}
-                        req = run_rec["object_stats"]["bytes_requested"]
-                        run_rec["hedged_fraction"] = run_rec["object_stats"]["hedged_bytes"] / req if req else 0.0
-                    doc["runs"].append(run_rec)
-                    print(json.dumps(run_rec), flush=True)
-    base_s = {r["reader"]: r["seconds"] for r in doc["runs"] if r["scenario"] == "none"}
-    for r in doc["runs"]:
-        r["relative_to_fault_free"] = r["seconds"] / base_s[r["reader"]] if r["reader"] in base_s else None
+            delay = args.slow_delay_s
+            for rep in range(args.repeats):  # interleaved: the machine's noise falls on every cell alike
+                for scenario in args.scenarios:
+                    for kind in args.readers:
+                        delay = _one_load(doc, proxy, urls, options, shapes, scenario, kind, rep, delay, args)
+    doc["summary"] = summarize(doc["runs"])
     doc["machine"]["load_average_end"] = os.getloadavg()
     return doc
 
 
+def _one_load(doc: dict[str, Any], proxy: Any, urls: dict[str, str], options: dict[str, Any],
+              shapes: dict[str, tuple[int, int]], scenario: str, kind: str, rep: int, delay: float | None,
+              args: argparse.Namespace) -> float | None:
+    """One spawn of 3 ranks loading under ``scenario``; appends its record to ``doc["runs"]``.
+    Returns the slow delay (measured by the first fault-free ucp load unless ``--slow-delay-s``)."""
+    proxy.clear()
+    proxy.reset_records()
+    if scenario != "none":
+        assert delay is not None, "the fault-free ucp load measures the slow delay"
+        p = 0.01 if scenario == "slow1" else 0.05
+        rng = random.Random(f"{scenario}-{kind}-{rep}")
+        if scenario.endswith("+stall"):
+            proxy.inject("stall", count=1, match=_ranged_get, delay_s=args.stall_s)
+        proxy.inject("slow", count=10**6, delay_s=delay,
+                     match=lambda m, path, h, rng=rng, p=p: _ranged_get(m, path, h) and rng.random() < p)
+    url = urls["dcp" if kind == "dcp" else "ucp"]
+    per_rank = spawn_ranks(load_rank, 3, kind, url, options, shapes, doc["policy"])
+    recs = proxy.select("GET")
+    ranged = [r for r in recs if r.range is not None]
+    if scenario == "none" and kind == "ucp" and delay is None:
+        median = statistics.median(r.elapsed_s for r in ranged if r.fault is None)
+        delay = args.slow_factor * median
+        doc["median_ranged_get_s"], doc["slow_delay_s"] = median, delay
+    run_rec: dict[str, Any] = {
+        "scenario": scenario, "reader": kind, "repeat": rep, "seconds": per_rank[0]["seconds"],
+        "errors": [r["error"] for r in per_rank if r["error"]],
+        "wrong": sorted({w for r in per_rank for w in r["wrong"]}),
+        "gets": len(recs), "ranged_gets": len(ranged),
+        "bytes_fetched": sum(r.response_bytes for r in recs),
+        "slowed": sum(r.fault == "slow" for r in recs),
+        "stalled": sum(r.fault == "stall" for r in recs),
+        "load_average": os.getloadavg()[0],
+    }
+    stats = [r["object_stats"] for r in per_rank if "object_stats" in r]
+    if stats:
+        run_rec["object_stats"] = {k: sum(s[k] for s in stats) for k in
+                                   ("requests", "bytes_requested", "hedges", "hedged_bytes",
+                                    "hedge_wins", "timeouts", "retries", "throttles")}
+        run_rec["slowest_request_s"] = max(s["slowest_s"] for s in stats)
+        req = run_rec["object_stats"]["bytes_requested"]
+        run_rec["hedged_fraction"] = run_rec["object_stats"]["hedged_bytes"] / req if req else 0.0
+    doc["runs"].append(run_rec)
+    print(json.dumps(run_rec), flush=True)
+    return delay
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (scenario, reader): the median load time over repeats, relative to the same reader's
+    median fault-free time, and the largest hedged fraction of bytes of any repeat."""
+    cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        cells.setdefault((r["scenario"], r["reader"]), []).append(r)
+    base = {k[1]: statistics.median(x["seconds"] for x in v) for k, v in cells.items() if k[0] == "none"}
+    out = []
+    for (scenario, reader), rs in cells.items():
+        med = statistics.median(x["seconds"] for x in rs)
+        out.append({
+            "scenario": scenario, "reader": reader, "repeats": len(rs), "median_seconds": med,
+            "seconds": [x["seconds"] for x in rs],
+            "relative_to_fault_free": med / base[reader] if reader in base else None,
+            "relative_each": [x["seconds"] / base[reader] for x in rs] if reader in base else None,
+            "max_hedged_fraction": max((x.get("hedged_fraction", 0.0) for x in rs), default=0.0)
+            if "hedged_fraction" in rs[0] else None,
+            "hedges": [x["object_stats"]["hedges"] for x in rs] if "object_stats" in rs[0] else None,
+            "timeouts": [x["object_stats"]["timeouts"] for x in rs] if "object_stats" in rs[0] else None,
+            "slowed": [x["slowed"] for x in rs], "stalled": [x["stalled"] for x in rs],
+            "failed": sum(bool(x["errors"] or x["wrong"]) for x in rs),
+        })
+    return out
+
+
 def table(doc: dict[str, Any]) -> str:
-    lines = ["| scenario | reader | load s | vs fault-free | slowed | stalled | hedges | hedged bytes % | timeouts | status |",
+    lines = ["| scenario | reader | median load s (each) | vs fault-free | slowed | stalled | hedges | max hedged bytes % "
+             "| timeouts | failed |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in doc["runs"]:
-        st = r.get("object_stats", {})
-        rel = r["relative_to_fault_free"]
-        status = "ok" if not r["errors"] and not r["wrong"] else f"FAILED: {(r['errors'] or r['wrong'])[0]}"
+    for c in doc["summary"]:
+        each = ", ".join(f"{x:.2f}" for x in c["seconds"])
+        hf = "-" if c["max_hedged_fraction"] is None else f"{100 * c['max_hedged_fraction']:.1f}"
         lines.append(
-            f"| {r['scenario']} | {r['reader']} | {r['seconds']:.2f} | {rel:.2f}x | {r['slowed']} | {r['stalled']} | "
-            f"{st.get('hedges', '-')} | {100 * r['hedged_fraction']:.1f} | {st.get('timeouts', '-')} | {status} |"
-            if "hedged_fraction" in r else
-            f"| {r['scenario']} | {r['reader']} | {r['seconds']:.2f} | {rel:.2f}x | {r['slowed']} | {r['stalled']} | "
-            f"- | - | - | {status} |"
+            f"| {c['scenario']} | {c['reader']} | {c['median_seconds']:.2f} ({each}) | {c['relative_to_fault_free']:.2f}x "
+            f"| {c['slowed']} | {c['stalled']} | {c['hedges'] or '-'} | {hf} | {c['timeouts'] or '-'} | {c['failed']} |"
         )
     return "\n".join(lines)
 
@@ -236,6 +282,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--stall-s", type=float, default=30.0)
     ap.add_argument("--floor-s", type=float, default=1.0, help="RequestPolicy.deadline_floor_s of the ucp readers")
     ap.add_argument("--deadline-factor", type=float, default=4.0, help="RequestPolicy.deadline_factor of the ucp readers")
+    ap.add_argument("--max-request-kib", type=int, default=None,
+                    help="RequestPolicy.max_request_bytes of the ucp readers, in KiB (default: the policy's)")
+    ap.add_argument("--repeats", type=int, default=1, help="loads per (scenario, reader), interleaved; medians reported")
+    ap.add_argument("--slow-delay-s", type=float, default=None,
+                    help="hold slowed GETs this long (default: --slow-factor times the fault-free ucp load's median ranged GET)")
+    ap.add_argument("--stock-moto", action="store_true",
+                    help="leave moto reading the whole object for every ranged GET (the older result files)")
     ap.add_argument("--out", default="out/bench_faults.json")
     args = ap.parse_args(argv)
     args.scenarios = [s for s in args.scenarios.split(",") if s]

@@ -58,9 +58,54 @@ def storage_options(endpoint: str) -> dict[str, Any]:
     return {**FAKE_CREDENTIALS, "client_kwargs": {"endpoint_url": endpoint}}
 
 
+# Stock moto reads an object whole for every ranged GET, then slices it: a ranged GET of a 48 MB
+# object costs about 45 ms on the 2-core VM whatever its length (measured under load average 10:
+# 55 ms for 1 MiB, 82 ms for 4 MiB; 24 ms for 1 MiB of an 8 MB object), where S3 reads only the
+# range. With ``ranged_reads`` the server's GET hands moto a stand-in for the object's bytes that
+# reads only the slice asked for, so many small ranged GETs cost what they would on S3.
+_RANGED_READS = """
+import re
+from moto.s3 import responses as _r
+
+class _Slice:
+    def __init__(self, key):
+        self.key = key
+    def __len__(self):
+        return self.key.size
+    def __bool__(self):
+        return self.key.size > 0
+    def __getitem__(self, s):
+        start, stop, _ = s.indices(self.key.size)
+        with self.key.lock:
+            self.key._value_buffer.seek(start)
+            return self.key._value_buffer.read(max(stop - start, 0))
+
+import threading
+from moto.s3.models import FakeKey
+_lazy = threading.local()
+_value = FakeKey.value
+
+def value(self):
+    return _Slice(self) if getattr(_lazy, "on", False) else _value.fget(self)
+
+FakeKey.value = property(value, _value.fset)
+_get_object = _r.S3Response.get_object
+_RANGE = re.compile(r"bytes=\\d+-\\d*$")
+
+def get_object(self):
+    _lazy.on = bool(_RANGE.match(self.headers.get("range", "") or ""))
+    try:
+        return _get_object(self)
+    finally:
+        _lazy.on = False
+
+_r.S3Response.get_object = get_object
+"""
+
 _MOTO_MAIN = """
 import logging, sys
 from moto.server import ThreadedMotoServer
+""" + "{ranged}" + """
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
 server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
 server.start()
@@ -72,10 +117,14 @@ server.stop()
 
 
 class MotoServer:
-    """moto's S3 server in a child process on 127.0.0.1 (a free port); a context manager."""
+    """moto's S3 server in a child process on 127.0.0.1 (a free port); a context manager.
 
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _MOTO_MAIN], stdin=subprocess.PIPE,
+    ``ranged_reads``: a ranged GET reads only its range, as on S3 (stock moto reads the whole
+    object for each; see ``_RANGED_READS``)."""
+
+    def __init__(self, ranged_reads: bool = False) -> None:
+        main = _MOTO_MAIN.replace("{ranged}", _RANGED_READS if ranged_reads else "")
+        self.proc = subprocess.Popen([sys.executable, "-c", main], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line.strip():

@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # objrequests imports this module
     from .objrequests import RequestPolicy
 
-__all__ = ["Observed", "deadline_for", "SMALL_REQUEST"]
+__all__ = ["Observed", "deadline_for", "SMALL_REQUEST", "SAMPLES"]
 
 SMALL_REQUEST = 64 << 10
 """Requests up to this size cost a round trip (or a page fault), whatever their size."""
-_SAMPLES = 256  # observations kept (the recent ones: throughput changes during a job)
+SAMPLES = 256
+"""Observations kept (the recent ones: throughput changes during a job)."""
 _MIN_SAMPLES = 3  # observations needed before a median is trusted
 
 
@@ -35,7 +36,7 @@ class Observed:
     """
 
     def __init__(self) -> None:
-        self._all: deque[tuple[int, float]] = deque(maxlen=_SAMPLES)
+        self._all: deque[tuple[int, float]] = deque(maxlen=SAMPLES)
         self._by_size: dict[int, deque[float]] = {}
         self._lock = threading.Lock()
 
@@ -48,7 +49,7 @@ class Observed:
         """Record that a request of ``n`` bytes took ``seconds``."""
         with self._lock:
             self._all.append((n, seconds))
-            same = self._by_size.setdefault(self._bucket(n), deque(maxlen=_SAMPLES // 4))
+            same = self._by_size.setdefault(self._bucket(n), deque(maxlen=SAMPLES // 4))
             same.append(seconds)
 
     def expected(self, n: int) -> float | None:

@@ -7,9 +7,10 @@ works unchanged on object storage. What differs is the cost model: on a
 file system a call costs a system call, on object storage a request costs a
 round trip (milliseconds) and is billed, so neighbouring ranges are merged
 across larger gaps (:data:`OBJECT_GAP_BYTES`), and many requests are in
-flight at once (one ``cat_ranges`` batch per window of
-``window_bytes``, the next window fetched while the current one is copied
-into place; two windows bound the memory the fetched bytes take). A request
+flight at once (one batch per window of ``window_bytes``, the next windows
+fetched while the current one is copied into place, as many as
+``staging_bytes`` (64 MiB) holds: a slow request then holds back only its own
+window, not the store's other requests). A request
 that ends within the gap of its object's end reads on to the end, and the
 reader keeps those last bytes: the values a native data file ends with, read
 after its tensors, then cost no request of their own. A source may hand it
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -39,12 +41,14 @@ column slices of narrow rows are merged, other ranks' shards are not."""
 
 DENSE_FRACTION = 0.75
 """A read that needs at least this fraction of an object's bytes fetches that object
-``dense_parallel`` requests at a time (the others one window of ``window_bytes`` at a time). It
-reads (nearly) the whole object anyway: concurrent requests shorten it on any store, and
+``dense_parallel`` requests per window (default 1: the store already sends each request as
+parts that run concurrently, :meth:`~ucp_dcp.byteio.objrequests.RequestScheduler.part_bytes`).
+It reads (nearly) the whole object anyway: concurrent requests shorten it on any store, and
 on a server that reads the whole object for every ranged GET (moto's S3) they overlap those reads.
 Measured on loopback moto, one process, a 262 MiB step in 64 MiB requests, 2 shared cores (load
 average 10-12), 4 paired rounds against downloading the whole step: one request at a time 1.11x
-the download, two at a time 0.89x (medians of the per-round ratios)."""
+the download, two at a time 0.89x (medians of the per-round ratios; before requests were split
+into parts)."""
 
 
 class ObjectRangeReader(ByteSource):
@@ -55,12 +59,14 @@ class ObjectRangeReader(ByteSource):
         sizes: their sizes, if known (lets a request near an object's end read to it).
         gap_bytes: neighbouring ranges at most this far apart share a request. max_request_bytes:
         upper bound on one request (a large range is split). window_bytes: bytes fetched per batch
-        of concurrent requests; two
-            windows are held at most (one being copied into place while the
-            next is fetched), so the staging memory stays within 64 MiB.
-        dense_parallel: requests in flight at once for an object the read needs
+        of concurrent requests (the store splits each request into parts that run
+            concurrently: :meth:`~ucp_dcp.byteio.objrequests.RequestScheduler.part_bytes`).
+        dense_parallel: requests per window for an object the read needs
             :data:`DENSE_FRACTION` of (its sizes known): its windows hold that many
-            requests, and the staging memory that many times more.
+            requests, and are that many times larger.
+        staging_bytes: the fetched bytes held at most: as many windows are fetched ahead of the
+            one being copied into place as fit (at least one). A slow request holds back only
+            its own window; the requests of the windows ahead keep the store busy meanwhile.
     """
 
     def __init__(
@@ -71,8 +77,9 @@ class ObjectRangeReader(ByteSource):
         sizes: Sequence[int] | None = None,
         gap_bytes: int = OBJECT_GAP_BYTES,
         max_request_bytes: int = 16 << 20,
-        window_bytes: int = 32 << 20,
-        dense_parallel: int = 2,
+        window_bytes: int = 16 << 20,
+        dense_parallel: int = 1,
+        staging_bytes: int = 64 << 20,
     ) -> None:
         self.store = store
         self.names = list(names)
@@ -85,6 +92,7 @@ class ObjectRangeReader(ByteSource):
         self._max_request = max(max_request_bytes, 1)
         self._window = max(window_bytes, self._max_request)
         self._dense_window = max(self._window, self._max_request * max(dense_parallel, 1))
+        self._staging = staging_bytes
         self.stats = ReadStats()
 
     @property
@@ -129,9 +137,9 @@ class ObjectRangeReader(ByteSource):
         """Fill every segment's buffer; a failed or short request raises naming the object.
 
         The requests go out in windows of ``window_bytes`` (``dense_parallel``
-        requests for an object the segments need most of); the next window
-        is being fetched while the current one is copied into place, so at
-        most two windows of fetched bytes are held.
+        requests for an object the segments need most of); the next windows
+        are being fetched while the current one is copied into place, as many
+        as ``staging_bytes`` holds with the current one (at least one).
         """
         segments = self._from_held(segments)
         dense = self._dense(segments)
@@ -149,16 +157,19 @@ class ObjectRangeReader(ByteSource):
         if len(windows) == 1:
             self._place(windows[0], self._fetch(windows[0]))
             return
-        with ThreadPoolExecutor(1, thread_name_prefix="ucp-fetch") as pool:
-            ahead = pool.submit(self._fetch, windows[0])
+        largest = max(sum(r.nbytes for r in w) for w in windows)
+        n = max(1, min(self._staging // max(largest, 1) - 1, len(windows)))
+        with ThreadPoolExecutor(n, thread_name_prefix="ucp-fetch") as pool:
+            ahead = deque(pool.submit(self._fetch, w) for w in windows[:n])
             for k in range(len(windows)):
-                datas = ahead.result()
-                if k + 1 < len(windows):
-                    ahead = pool.submit(self._fetch, windows[k + 1])
+                datas = ahead.popleft().result()
+                if k + n < len(windows):
+                    ahead.append(pool.submit(self._fetch, windows[k + n]))
                 try:
                     self._place(windows[k], datas)
                 except BaseException:
-                    ahead.cancel()
+                    for f in ahead:
+                        f.cancel()
                     raise
 
     def _from_held(self, segments: Sequence[Segment]) -> Sequence[Segment]:

@@ -16,12 +16,19 @@ One rank's requests to one checkpoint go through one :class:`RequestScheduler`
   for the sum of those timeouts.
 * **hedged reads**: a ranged GET that takes longer than
   :attr:`RequestPolicy.hedge_factor` times the median time of requests of its
-  size (before any is observed: of its size at
-  :attr:`RequestPolicy.first_bytes_per_s`) gets a second, identical request;
-  the first complete answer wins and the other is cancelled. The hedges'
-  bytes are bounded by :attr:`RequestPolicy.hedge_fraction` of the bytes
-  requested so far plus :attr:`RequestPolicy.hedge_allowance_bytes`, and
-  counted in :class:`ObjectStats`.
+  size (before any is observed: :attr:`RequestPolicy.first_hedge_s`) gets a
+  second, identical request;
+  the first complete answer wins and the other is cancelled. It is judged
+  again every 50 ms while it waits, against what completed since (its peers
+  of the same batch). The hedge waits for a slot ahead of new requests
+  (:class:`~ucp_dcp.byteio.objslots.Slots`). The hedges' bytes are bounded by
+  :attr:`RequestPolicy.hedge_fraction` of the bytes requested so far, or
+  :attr:`RequestPolicy.hedge_allowance_bytes` while that is more, and counted in
+  :class:`ObjectStats`. So that a slow part of a large GET fits that budget,
+  :class:`~ucp_dcp.byteio.objstore.ObjectStore` sends a long range as parts
+  of :meth:`RequestScheduler.part_bytes` (a quarter of the budget, between
+  :attr:`RequestPolicy.min_request_bytes` and
+  :attr:`RequestPolicy.max_request_bytes`), concurrently.
 * **bounded**: at most :attr:`RequestPolicy.max_in_flight` requests of the
   scheduler are in flight at once (hedges included), whatever the callers
   batch.
@@ -39,16 +46,19 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import random
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import StorageError, UCPError
-from .deadlines import SMALL_REQUEST as _SMALL
+from .deadlines import SAMPLES as _SAMPLES
 from .deadlines import Observed as _Observed
 from .deadlines import deadline_for
+from .objslots import Slots
 
 __all__ = [
     "RequestPolicy",
@@ -111,18 +121,32 @@ class RequestPolicy:
     deadline_factor: float = 8.0
     """A request's deadline is this many times the time its size took so far (the median of
     requests of its size, else its size at the median throughput), within the floor and cap."""
+    max_request_bytes: int = 8 << 20
+    """A ranged GET of more bytes is sent as parts, concurrently (within ``max_in_flight``), each
+    with its own deadline and hedge. A part is at most this long, and at most a quarter of the
+    hedge budget (:meth:`RequestScheduler.part_bytes`): a slow part can then be hedged, which a
+    GET of several MB in a load of a hundred MB would not fit."""
+    min_request_bytes: int = 1 << 20
+    """Parts are at least this long (a part costs a round trip; on S3 one of about 1 MiB takes
+    little more than the round trip itself)."""
     hedge: bool = True
     """Send a second, identical ranged GET for one that is slow (reads only)."""
     hedge_factor: float = 4.0
     """A ranged GET is hedged once it has taken this many times the median time of its size."""
+    first_hedge_s: float = 0.5
+    """Before any request was observed, a GET is hedged after this long. Not the deadline's
+    patient prior (``first_bytes_per_s``): a stalled first request of a load (a data file's
+    header, read before anything else) held every rank 4 x 0.47 s at that rate."""
     hedge_floor_s: float = 0.2
     """No GET is hedged before it has taken this long (a round trip is not worth a hedge)."""
     hedge_fraction: float = 0.05
-    """Hedged bytes stay within this fraction of the bytes requested so far, plus
-    ``hedge_allowance_bytes``."""
-    hedge_allowance_bytes: int = 256 << 10
-    """Hedged bytes allowed on top of ``hedge_fraction``: a stalled header request, one of the
-    first of a load, can be hedged before the fraction amounts to anything."""
+    """Hedged bytes stay within this fraction of the bytes requested so far (or
+    ``hedge_allowance_bytes`` while that is more)."""
+    hedge_allowance_bytes: int = 1 << 20
+    """Hedged bytes allowed before ``hedge_fraction`` amounts to as much: a stalled request
+    among the first of a load (a data file's header and block checksums, a few hundred KiB
+    for a large file) can be hedged. Not added to the fraction: a load of at least 20 times
+    this hedges at most ``hedge_fraction`` of its bytes."""
     max_in_flight: int = 8
     """Requests of one rank in flight at once (hedges included): a job of thousands of ranks
     must not open a burst of connections per rank to one prefix."""
@@ -147,6 +171,11 @@ class RequestPolicy:
             )
         if self.attempts < 1:
             raise InvalidArgumentError(f"RequestPolicy(attempts={self.attempts}): needs at least 1")
+        if not 0 < self.min_request_bytes <= self.max_request_bytes:
+            raise InvalidArgumentError(
+                f"RequestPolicy: needs 0 < min_request_bytes <= max_request_bytes, got "
+                f"{self.min_request_bytes} and {self.max_request_bytes}"
+            )
         if self.max_in_flight < 1:
             raise InvalidArgumentError(
                 f"RequestPolicy(max_in_flight={self.max_in_flight}): needs at least 1"
@@ -233,11 +262,15 @@ def current_rank() -> int:
 
 @dataclass
 class _Try:
-    """One try of a request: its deadline and what its hedging may do."""
+    """One try of a request: its deadline and whether it may be hedged."""
 
     deadline_s: float
-    hedge_after_s: float | None
+    hedge: bool
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+
+_LATER_ANSWERED = 2  # requests sent after a GET, answered before it, that make it an outlier
+_RECHECK_S = 0.05  # how often an unanswered GET is judged again against what completed since
 
 
 class RequestScheduler:
@@ -252,8 +285,11 @@ class RequestScheduler:
         self.retry = retry
         self.stats = ObjectStats()
         self._observed = _Observed()
-        self._slots: asyncio.Semaphore | None = None
+        self._slots: Slots | None = None
         self._in_flight = 0
+        self._hedges_waiting = 0  # bytes of hedges decided on, waiting for a slot
+        self._sent = 0  # requests sent so far (first tries and retries; not hedges)
+        self._answered: deque[int] = deque(maxlen=_SAMPLES)  # when each answered one was sent
         self._paused_until = 0.0
         self._pause = 0.0
         self._hooked: set[int] = set()
@@ -263,14 +299,25 @@ class RequestScheduler:
         """Seconds a request of ``n`` bytes gets now."""
         return deadline_for(self.policy, self._observed, n)
 
-    def _hedge_after(self, n: int) -> float | None:
+    def _hedge_after(self, n: int) -> float:
+        """Seconds after which a GET of ``n`` bytes is hedged, by what was observed so far."""
+        p = self.policy
+        expected = self._observed.expected(n)
+        if expected is None:  # nothing observed yet: a hedge costs budget, not correctness
+            return max(p.hedge_floor_s, p.first_hedge_s)
+        return max(p.hedge_floor_s, p.hedge_factor * expected)
+
+    def part_bytes(self, batch_bytes: int) -> int:
+        """The most bytes one GET of a batch of ``batch_bytes`` asks for: a quarter of the hedge
+        budget once the batch is counted, within the policy's ``min_request_bytes`` and
+        ``max_request_bytes`` (without hedging: ``max_request_bytes``)."""
         p = self.policy
         if not p.hedge:
-            return None
-        expected = self._observed.expected(n)
-        if expected is None:  # nothing observed yet: the time its size takes at the first rate
-            expected = max(n, _SMALL) / p.first_bytes_per_s
-        return max(p.hedge_floor_s, p.hedge_factor * expected)
+            return p.max_request_bytes
+        budget = max(
+            p.hedge_fraction * (self.stats.bytes_requested + batch_bytes), p.hedge_allowance_bytes
+        )
+        return int(min(p.max_request_bytes, max(p.min_request_bytes, budget // 4)))
 
     def throttled(self) -> None:
         """A throttling answer came back: pause every new request for a while."""
@@ -330,10 +377,9 @@ class RequestScheduler:
             if k:
                 self.stats.retries += 1
             if nbytes is None:
-                t = _Try(self.policy.deadline_cap_s, None)
+                t = _Try(self.policy.deadline_cap_s, False)
             else:
-                t = _Try(self.deadline(nbytes), self._hedge_after(nbytes) if hedge else None)
-            deadlines.append(t.deadline_s)
+                t = _Try(self.deadline(nbytes), hedge and self.policy.hedge)
             try:
                 out, took = await self._try(make, nbytes, t)
                 why = check(out) if check is not None else None
@@ -362,6 +408,8 @@ class RequestScheduler:
                 if no_credentials(e):
                     raise storage_error(where, what, e) from e
                 last = e
+            finally:
+                deadlines.append(t.deadline_s)  # as a hedge may have extended it
             if k == len(delays):
                 break
             await asyncio.sleep(delays[k])
@@ -384,10 +432,15 @@ class RequestScheduler:
             self.stats.throttle_wait_s += wait
             await asyncio.sleep(wait)
 
-    async def _slot(self) -> None:
+    async def _slot(self, hedge: bool = False) -> None:
         if self._slots is None:  # made on the loop that uses it
-            self._slots = asyncio.Semaphore(self.policy.max_in_flight)
-        await self._slots.acquire()
+            self._slots = Slots(self.policy.max_in_flight)
+        await self._slots.acquire(hedge)
+        try:  # a pause that began while this request waited for its slot holds it too
+            await self._wait_for_pause()
+        except BaseException:
+            self._slots.release()
+            raise
         self._in_flight += 1
         self.stats.most_in_flight = max(self.stats.most_in_flight, self._in_flight)
 
@@ -396,72 +449,105 @@ class RequestScheduler:
         self._in_flight -= 1
         self._slots.release()
 
+    def _outlier(self, seq: int) -> bool:
+        """Whether the request sent ``seq``-th is slow among its peers: requests sent after it
+        were answered first (:data:`_LATER_ANSWERED`), or none is in flight with it. When the
+        store slows down for every request at once, none is an outlier: a hedge would only add
+        to the load (measured: a fault-free load on a busy machine spent its whole budget)."""
+        if self._in_flight <= 1:
+            return True
+        return sum(1 for k in self._answered if k > seq) >= _LATER_ANSWERED
+
     def _may_hedge(self, nbytes: int) -> bool:
+        """Whether a hedge of ``nbytes`` fits the budget, hedges waiting for a slot included."""
         s = self.stats
-        budget = self.policy.hedge_fraction * s.bytes_requested + self.policy.hedge_allowance_bytes
-        return (
-            s.hedged_bytes + nbytes <= budget
-            and self._slots is not None
-            and not self._slots.locked()
-        )
+        p = self.policy
+        budget = max(p.hedge_fraction * s.bytes_requested, p.hedge_allowance_bytes)
+        return s.hedged_bytes + self._hedges_waiting + nbytes <= budget
 
-    async def _start(self, make: Callable[[], Awaitable[Any]], t: _Try) -> None:
-        await self._slot()
-        try:  # a pause that began while this request waited for its slot holds it too
-            await self._wait_for_pause()
-        except BaseException:
-            self._free()
-            raise
-
-        async def one() -> Any:
-            try:
-                return await make()
-            finally:
-                self._free()
-
+    async def _request(self, make: Callable[[], Awaitable[_T]]) -> tuple[_T, float]:
+        """``make()``'s answer and when it was sent (its slot is held, and freed by the caller)."""
         self.stats.requests += 1
-        t.tasks.append(asyncio.ensure_future(one()))
+        sent = time.monotonic()
+        return await make(), sent
+
+    async def _hedged(
+        self, make: Callable[[], Awaitable[_T]], nbytes: int, held: list[int]
+    ) -> tuple[_T, float]:
+        """A hedge: waits for a slot ahead of new requests, and is counted once it is sent.
+        ``held``: the budget it holds while it waits (given back once it is sent)."""
+        await self._slot(hedge=True)
+        self._unhold(held)
+        try:
+            self.stats.hedges += 1
+            self.stats.hedged_bytes += nbytes
+            return await self._request(make)
+        finally:
+            self._free()
+
+    def _unhold(self, held: list[int]) -> None:
+        self._hedges_waiting -= held.pop() if held else 0
+
+    def _unheld(self, held: list[int], _: object) -> None:
+        self._unhold(held)
 
     async def _try(
         self, make: Callable[[], Awaitable[_T]], nbytes: int | None, t: _Try
     ) -> tuple[_T, float]:
         """One try: the request, and its hedge if it is slow; the first complete answer wins.
-        Returns the answer and the seconds it took."""
-        await self._start(make, t)  # waiting for a slot is not the request's time
+        Returns the answer and the seconds it took (the winner's own time)."""
+        await self._slot()  # waiting for a slot is not the request's time
         start = time.monotonic()
-        first = t.tasks[0]
-        pending = set(t.tasks)
+        self._sent += 1
+        seq = self._sent
+        first = asyncio.ensure_future(self._request(make))
+        # Freed when the task ends, even if it is cancelled before it ever ran.
+        first.add_done_callback(lambda _: self._free())
+        t.tasks.append(first)
+        pending: set[asyncio.Future[Any]] = {first}
+        hedge: asyncio.Future[Any] | None = None
+        until = start + t.deadline_s
         error: BaseException | None = None
         try:
             while pending:
-                now = time.monotonic() - start
-                left = t.deadline_s - now
-                if left <= 0:
+                now = time.monotonic()
+                if now >= until:
                     raise DeadlineExceeded(f"no answer within {t.deadline_s:.2f} s")
-                if t.hedge_after_s is not None and len(t.tasks) == 1:
-                    left = min(left, max(t.hedge_after_s - now, 0.0) + 1e-3)
+                wait = until - now
+                if hedge is None and t.hedge and nbytes is not None:
+                    # Judged again at every look: what completed since (its peers of the same
+                    # batch, as they come in) tells how long this one should take.
+                    due = start + self._hedge_after(nbytes)
+                    if now >= due and self._outlier(seq) and self._may_hedge(nbytes):
+                        # The budget is held from now: another GET judged before this hedge
+                        # runs must not spend it too. Given back if it is cancelled unsent.
+                        held = [nbytes]
+                        self._hedges_waiting += nbytes
+                        hedge = asyncio.ensure_future(self._hedged(make, nbytes, held))
+                        hedge.add_done_callback(functools.partial(self._unheld, held))
+                        t.tasks.append(hedge)
+                        pending.add(hedge)
+                        # The hedge gets a request's deadline from when it is sent, within the
+                        # cap from the try's start (a failure stays bounded by the cap).
+                        cap = start + self.policy.deadline_cap_s
+                        until = max(until, min(now + self.deadline(nbytes), cap))
+                        t.deadline_s = until - start
+                    else:
+                        wait = min(wait, _RECHECK_S if now >= due else min(due - now, _RECHECK_S))
                 done, pending = await asyncio.wait(
-                    pending, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                    pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED
                 )
                 for task in done:
                     if task.exception() is None:
-                        took = time.monotonic() - start
+                        out, sent_at = task.result()
+                        took = time.monotonic() - (start if task is first else sent_at)
                         if nbytes is not None:
                             self._observed.add(nbytes, took)
+                        self._answered.append(seq)
                         if task is not first:
                             self.stats.hedge_wins += 1
-                        return task.result(), took
+                        return out, took
                     error = error or task.exception()
-                now = time.monotonic() - start
-                hedge_due = t.hedge_after_s is not None and now >= t.hedge_after_s
-                if pending and len(t.tasks) == 1 and hedge_due and nbytes is not None:
-                    if self._may_hedge(nbytes):
-                        self.stats.hedges += 1
-                        self.stats.hedged_bytes += nbytes
-                        await self._start(make, t)
-                        pending.add(t.tasks[-1])
-                    else:
-                        t.hedge_after_s = now + 0.05  # no budget or slot yet: look again soon
             assert error is not None
             raise error
         finally:

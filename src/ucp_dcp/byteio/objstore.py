@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from ..errors import StorageError, TruncatedFileError, UCPError
@@ -187,7 +187,18 @@ class ObjectStore:
             except Exception:  # no client yet (credentials...): the request will say why
                 pass
 
-    async def _get(self, name: str, start: int | None, end: int | None) -> bytes:
+    async def _get(self, name: str, start: int | None, end: int | None, part: int) -> bytes:
+        """Bytes ``[start, end)`` of ``name`` (all of it by default): one scheduled GET, or for a
+        range over ``part`` bytes concurrent GETs of its parts, joined."""
+        if start is None or end is None or end - start <= part:
+            return await self._get_one(name, start, end)
+        return b"".join(
+            await _gather(
+                [self._get_one(name, s, min(s + part, end)) for s in range(start, end, part)]
+            )
+        )
+
+    async def _get_one(self, name: str, start: int | None, end: int | None) -> bytes:
         """One scheduled GET of bytes ``[start, end)`` of ``name`` (all of it by default)."""
         path = self.path(name)
         ranged = start is not None and end is not None
@@ -211,16 +222,8 @@ class ObjectStore:
     async def _get_all(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
         """Scheduled GETs of every range; the first failure cancels the others and is raised."""
         await self._hook()
-        tasks = [asyncio.ensure_future(self._get(n, s, e)) for n, s, e in ranges]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in tasks:
-                if t.done() and t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]
-            return [t.result() for t in tasks]
-        finally:
-            for t in tasks:
-                t.cancel()
+        part = self.scheduler.part_bytes(sum(e - s for _, s, e in ranges if s is not None))
+        return await _gather([self._get(n, s, e, part) for n, s, e in ranges])
 
     # ------------------------------------------------------------ reads
     def exists(self, name: str) -> bool:
@@ -363,6 +366,21 @@ class ObjectStore:
                     pass
 
             self.call("deleting the object", name, rm)
+
+
+async def _gather(coros: Sequence[Coroutine[Any, Any, bytes]]) -> list[bytes]:
+    """The results of ``coros``, run concurrently; the first failure cancels the others and is
+    raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in tasks:
+            if t.done() and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def discard(f: Any) -> None:

@@ -57,10 +57,12 @@ for every ranged GET (0.23 s for 300 bytes of a 256 MiB object, measured). Measu
 moto, one process, a 256 MiB step, 2 shared cores (load average 4.5-8), two runs each of 3 paired
 repeats: with 16 MiB requests and the old marker reads (50 requests) the restore took 2.37-2.45x
 the whole-step download; with 64 MiB and the markers read once (27 requests: 14 to the data file,
-of which 9 are the header, block checksums and values) 1.41-1.49x. The reader keeps at most two
-windows' bytes in memory, one being placed, the next being fetched: of one request each (128
-MiB), or of two for an object the rank needs most of (256 MiB; see
-:data:`~ucp_dcp.byteio.objrange.DENSE_FRACTION`)."""
+of which 9 are the header, block checksums and values) 1.41-1.49x. Since then the store sends
+each request as parts that fit the hedge budget (1-8 MiB,
+:meth:`~ucp_dcp.byteio.objrequests.RequestScheduler.part_bytes`), concurrently: on moto each
+part reads the whole object again, so that measurement is no longer what a restore from moto
+costs (not measured again). The reader keeps at most two windows' bytes in memory, one being
+placed, the next being fetched: of one request each (128 MiB)."""
 
 
 @dataclass(frozen=True)
