@@ -166,7 +166,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__, "load_average_start": os.getloadavg()},
         "policy": {"deadline_floor_s": args.floor_s, "deadline_factor": args.deadline_factor,
-                   **({"max_request_bytes": args.max_request_kib << 10} if args.max_request_kib else {})},
+                   **({"max_request_bytes": args.max_request_kib << 10} if args.max_request_kib else {}),
+                   **({"hedge_fraction": args.hedge_fraction} if args.hedge_fraction is not None else {})},
         "repeats": args.repeats,
         "server": "moto, stock (a ranged GET reads the whole object)" if args.stock_moto
         else "moto, ranged GETs read only their range (harness.objstore._RANGED_READS)",
@@ -241,6 +242,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in runs:
         cells.setdefault((r["scenario"], r["reader"]), []).append(r)
     base = {k[1]: statistics.median(x["seconds"] for x in v) for k, v in cells.items() if k[0] == "none"}
+    # The bytes hedges really cost: what the server sent beyond the fewest bytes any fault-free
+    # load of the same reader fetched (a hedge's loser is cancelled; it costs what it sent by then).
+    fetched = {k[1]: min(x["bytes_fetched"] for x in v) for k, v in cells.items() if k[0] == "none"}
     out = []
     for (scenario, reader), rs in cells.items():
         med = statistics.median(x["seconds"] for x in rs)
@@ -251,6 +255,8 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "relative_each": [x["seconds"] / base[reader] for x in rs] if reader in base else None,
             "max_hedged_fraction": max((x.get("hedged_fraction", 0.0) for x in rs), default=0.0)
             if "hedged_fraction" in rs[0] else None,
+            "max_extra_fetched_fraction": max(x["bytes_fetched"] / fetched[reader] - 1 for x in rs)
+            if reader in fetched else None,
             "hedges": [x["object_stats"]["hedges"] for x in rs] if "object_stats" in rs[0] else None,
             "timeouts": [x["object_stats"]["timeouts"] for x in rs] if "object_stats" in rs[0] else None,
             "slowed": [x["slowed"] for x in rs], "stalled": [x["stalled"] for x in rs],
@@ -261,14 +267,16 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(doc: dict[str, Any]) -> str:
     lines = ["| scenario | reader | median load s (each) | vs fault-free | slowed | stalled | hedges | max hedged bytes % "
-             "| timeouts | failed |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| max extra fetched % | timeouts | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in doc["summary"]:
         each = ", ".join(f"{x:.2f}" for x in c["seconds"])
         hf = "-" if c["max_hedged_fraction"] is None else f"{100 * c['max_hedged_fraction']:.1f}"
+        ef = "-" if c["max_extra_fetched_fraction"] is None else f"{100 * c['max_extra_fetched_fraction']:.1f}"
         lines.append(
             f"| {c['scenario']} | {c['reader']} | {c['median_seconds']:.2f} ({each}) | {c['relative_to_fault_free']:.2f}x "
-            f"| {c['slowed']} | {c['stalled']} | {c['hedges'] or '-'} | {hf} | {c['timeouts'] or '-'} | {c['failed']} |"
+            f"| {c['slowed']} | {c['stalled']} | {c['hedges'] or '-'} | {hf} | {ef} | {c['timeouts'] or '-'} "
+            f"| {c['failed']} |"
         )
     return "\n".join(lines)
 
@@ -284,6 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--deadline-factor", type=float, default=4.0, help="RequestPolicy.deadline_factor of the ucp readers")
     ap.add_argument("--max-request-kib", type=int, default=None,
                     help="RequestPolicy.max_request_bytes of the ucp readers, in KiB (default: the policy's)")
+    ap.add_argument("--hedge-fraction", type=float, default=None,
+                    help="RequestPolicy.hedge_fraction of the ucp readers (default: the policy's)")
     ap.add_argument("--repeats", type=int, default=1, help="loads per (scenario, reader), interleaved; medians reported")
     ap.add_argument("--slow-delay-s", type=float, default=None,
                     help="hold slowed GETs this long (default: --slow-factor times the fault-free ucp load's median ranged GET)")
