@@ -48,6 +48,7 @@ from .readplan import (
     DEFAULT_MIN_RUN,
     Extents,
     JobReadPlan,
+    ReadsByRank,
     Transfers,
     plan_job_reads,
 )
@@ -151,7 +152,7 @@ class GroupTransfers:
 
 
 @dataclass(frozen=True, eq=False)
-class GroupReadPlan:
+class GroupReadPlan(ReadsByRank):
     """Who reads which bytes, and which bytes go to every rank of which group (see the module).
 
     ``read_*``: every rank's reads, sorted by (rank, file, start), ``read_offsets`` per rank as
@@ -194,13 +195,6 @@ class GroupReadPlan:
         return self.transfers.take(self.recv_index[lo:hi])
 
     @property
-    def bytes_read_per_rank(self) -> np.ndarray:
-        """Bytes each rank reads from storage (alignment padding included), indexed by rank."""
-        return np.bincount(
-            self.read_rank, weights=self.read_length, minlength=self.world_size
-        ).astype(_I64)
-
-    @property
     def bytes_received_per_rank(self) -> np.ndarray:
         """Bytes each rank receives from other ranks (its reads for itself left out)."""
         t, group_of = self.transfers, self.groups.group_of
@@ -208,11 +202,6 @@ class GroupReadPlan:
         own = t.group == group_of[t.reader]
         mine = np.bincount(t.reader[own], weights=t.length[own], minlength=self.world_size)
         return (to_group[group_of] - mine).astype(_I64)
-
-    @property
-    def read_bytes(self) -> int:
-        """Bytes read from storage by the whole job."""
-        return int(self.read_length.sum())
 
     def windows(self, budget_bytes: int) -> np.ndarray:
         """Per rank, the bytes of its read stream it reads in each round: round ``k`` holds,

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -71,6 +72,7 @@ __all__ = [
     "DEFAULT_MIN_RUN",
     "Transfers",
     "JobReadPlan",
+    "ReadsByRank",
     "plan_job_reads",
 ]
 
@@ -118,8 +120,34 @@ class Transfers:
         )
 
 
+class ReadsByRank:
+    """What a job read plan says of its reads, from ``read_rank``/``read_length`` (one row per
+    read) and ``world_size``: shared by :class:`JobReadPlan` and the compact group plan."""
+
+    read_rank: np.ndarray
+    read_length: np.ndarray
+
+    if TYPE_CHECKING:  # a field of JobReadPlan, a property of the group plan
+
+        @property
+        def world_size(self) -> int:
+            """The number of ranks."""
+
+    @property
+    def bytes_read_per_rank(self) -> np.ndarray:
+        """Bytes each rank reads from storage (alignment padding included), indexed by rank."""
+        return np.bincount(
+            self.read_rank, weights=self.read_length, minlength=self.world_size
+        ).astype(_I64)
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes read from storage by the whole job."""
+        return int(self.read_length.sum())
+
+
 @dataclass(frozen=True, eq=False)
-class JobReadPlan:
+class JobReadPlan(ReadsByRank):
     """Who reads which bytes of which file, and who sends what to whom (see the module's rules).
 
     ``read_*``: every rank's reads, sorted by (rank, file, start), merged (no two touch);
@@ -173,22 +201,10 @@ class JobReadPlan:
         return self.transfers.take(self.recv_index[lo:hi])
 
     @property
-    def bytes_read_per_rank(self) -> np.ndarray:
-        """Bytes each rank reads from storage (alignment padding included), indexed by rank."""
-        return np.bincount(
-            self.read_rank, weights=self.read_length, minlength=self.world_size
-        ).astype(_I64)
-
-    @property
     def bytes_received_per_rank(self) -> np.ndarray:
         """Bytes each rank receives from the transfers, indexed by rank."""
         t = self.transfers
         return np.bincount(t.receiver, weights=t.length, minlength=self.world_size).astype(_I64)
-
-    @property
-    def read_bytes(self) -> int:
-        """Bytes read from storage by the whole job."""
-        return int(self.read_length.sum())
 
     def _span(self, offsets: np.ndarray, rank: int) -> tuple[int, int]:
         if not 0 <= rank < self.world_size:
