@@ -1,4 +1,4 @@
-"""Real multi-process ranks for tests: torch.multiprocessing.spawn + gloo on CPU."""
+"""Real multi-process ranks for tests: torch.multiprocessing (from a fork server) + gloo on CPU."""
 
 from __future__ import annotations
 
