@@ -167,7 +167,8 @@ def test_a_large_ranged_get_is_sent_as_parts_and_joined_bit_exact(s3_proxy: Any)
     want = [f"bytes={s}-{min(s + part, end) - 1}" for s in range(start, end, part)] + ["bytes=0-9"]
     assert asked == sorted(want), asked
     s = store.stats
-    assert (s.requests, s.bytes_requested, s.hedges, s.retries) == (6, end - start + 10, 0, 0), s
+    # The PUT is a scheduled request too (not counted in the bytes requested: those are the reads').
+    assert (s.requests, s.bytes_requested, s.hedges, s.retries) == (1 + 6, end - start + 10, 0, 0), s
     assert s.most_in_flight <= 3 and proxy.max_in_flight("GET") <= 3
 
 
@@ -260,3 +261,75 @@ def test_a_stalled_part_upload_is_retried_and_a_dead_one_fails_naming_the_part(s
     ), str(e.value)
     assert took < 3.0, took
     assert "dead" not in store.list()
+
+
+def _head(m: str, p: str, h: Any) -> bool:
+    return m == "HEAD"
+
+
+def _index_put(m: str, p: str, h: Any) -> bool:
+    return m == "PUT" and "ucp_index.json" in p
+
+
+def _list(m: str, p: str, h: Any) -> bool:
+    return m == "GET" and "list-type=" in p
+
+
+def test_a_stalled_head_and_a_stalled_index_put_are_abandoned_and_the_save_is_bit_exact(
+    s3_proxy: Any,
+) -> None:
+    base, options, proxy = s3_proxy
+    url = f"{base}/meta-{uuid.uuid4().hex[:8]}"
+    sd = _state(2)
+    proxy.reset_records()
+    # The save's first HEAD (is there a committed index already?) and its index PUT never answer.
+    proxy.inject("stall", count=1, match=_head)
+    proxy.inject("stall", count=1, match=_index_put)
+    writer = UCPStorageWriter(url, storage_options=options, requests=FAST)
+    t0 = time.monotonic()
+    dcp.save(sd, storage_writer=writer, planner=UCPSavePlanner())
+    took = time.monotonic() - t0
+    stats = writer.storage.store.stats
+    assert proxy.count(fault="stall") == 2 and proxy.pending() == 0
+    assert stats.timeouts == 2 and stats.retries == 2, stats
+    # Each was sent again: one stalled HEAD and one stalled index PUT, each followed by an answer.
+    assert [r.fault for r in proxy.select("PUT") if "ucp_index.json" in r.path] == ["stall", None]
+    assert took < 2 * FAST.deadline_cap_s + 3, took
+    got = _zeros(sd)
+    dcp.load(got, storage_reader=UCPStorageReader(url, storage_options=options, requests=FAST),
+             planner=UCPLoadPlanner())
+    assert _same(got, sd)
+
+
+def test_metadata_requests_that_stall_on_every_try_fail_naming_the_object_within_the_deadlines(
+    s3_proxy: Any,
+) -> None:
+    base, options, proxy = s3_proxy
+    url = f"{base}/meta-dead-{uuid.uuid4().hex[:8]}"
+    policy = RequestPolicy(attempts=2, deadline_floor_s=0.3, deadline_cap_s=0.5)
+    store = ObjectStore(url, options, requests=policy)
+    store.put("obj", b"x" * 1000)
+    # What they answer when nothing stalls: a missing object is an answer, not a failure.
+    assert store.exists("obj") and not store.exists("nothing")
+    assert store.read_if_exists("nothing") is None and store.read_if_exists("obj") == b"x" * 1000
+    assert store.size("obj") == 1000 and store.list_sizes() == {"obj": 1000}
+    failed = {}
+    for what, match, call in [
+        ("listing the checkpoint", _list, store.list_sizes),
+        ("reading the object's size", _head, lambda: store.size("obj")),
+    ]:
+        proxy.inject("stall", count=1000, match=match)
+        t0 = time.monotonic()
+        with pytest.raises(StorageError) as e:
+            call()
+        failed[what] = time.monotonic() - t0
+        proxy.clear()
+        where = url + ("/obj" if "size" in what else "")
+        assert re.fullmatch(
+            re.escape(f"{where}: {what} failed (after 2 tries): ") + r"DeadlineExceeded: rank 0 got no "
+            r"answer within the deadline of each of 2 tries \(0\.30, 0\.30 s for 0 bytes\) and waited "
+            r"0\.\d\d s in all",
+            str(e.value),
+        ), str(e.value)
+    assert all(took < 1.5 for took in failed.values()), failed
+    assert store.stats.timeouts == 4, store.stats

@@ -17,7 +17,11 @@ each part upload has a deadline from its size and the throughput seen so
 far, is tried again past it, counts against the rank's requests in flight,
 and waits out a throttling pause; a part that fails for good is a
 :class:`~ucp_dcp.errors.StorageError` naming the object, the part, its byte
-range and the rank.
+range and the rank. The upload's other requests (create, complete, abort,
+the one PUT of a small object) get the same deadlines and retries, sized as
+a round trip (or the PUT's length). A create abandoned at its deadline may
+still start an upload at the server that nothing completes or aborts: a
+bucket lifecycle rule for incomplete multipart uploads cleans those up.
 """
 
 from __future__ import annotations
@@ -110,21 +114,28 @@ class ParallelUpload(StreamedWrite):
         if self._upload_id is None:
             # Smaller than one part: one PUT, atomic like any other.
             body = self._cut(self._pending_bytes)
-            self._run(self.fs._call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=body))
+            self._s3(
+                "put_object",
+                len(body),
+                "uploading the object",
+                Bucket=self.bucket,
+                Key=self.key,
+                Body=body,
+            )
         else:
             if self._pending_bytes:
                 self._send(self._cut(self._pending_bytes))
             while self._inflight:
                 self._collect()
             parts = sorted(self._etags, key=lambda p: p["PartNumber"])
-            self._run(
-                self.fs._call_s3(
-                    "complete_multipart_upload",
-                    Bucket=self.bucket,
-                    Key=self.key,
-                    UploadId=self._upload_id,
-                    MultipartUpload={"Parts": parts},
-                )
+            self._s3(
+                "complete_multipart_upload",
+                0,
+                "completing the upload",
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": parts},
             )
         self.closed = True
         self.fs.invalidate_cache(self.path)
@@ -141,13 +152,13 @@ class ParallelUpload(StreamedWrite):
                 pass
         self._inflight.clear()
         if self._upload_id is not None:
-            self._run(
-                self.fs._call_s3(
-                    "abort_multipart_upload",
-                    Bucket=self.bucket,
-                    Key=self.key,
-                    UploadId=self._upload_id,
-                )
+            self._s3(
+                "abort_multipart_upload",
+                0,
+                "aborting the upload",
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self._upload_id,
             )
 
     # ------------------------------------------------------------ parts
@@ -169,8 +180,12 @@ class ParallelUpload(StreamedWrite):
 
     def _send(self, body: bytes) -> None:
         if self._upload_id is None:
-            mpu = self._run(
-                self.fs._call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
+            mpu = self._s3(
+                "create_multipart_upload",
+                0,
+                "starting the upload",
+                Bucket=self.bucket,
+                Key=self.key,
             )
             self._upload_id = mpu["UploadId"]
         while len(self._inflight) >= self.parallel:
@@ -207,6 +222,20 @@ class ParallelUpload(StreamedWrite):
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop).result()
+
+    def _s3(self, method: str, nbytes: int, what: str, **kwargs: Any) -> Any:
+        """S3 call ``method`` (of ``nbytes`` bytes: 0 for a create, complete or abort), under the
+        scheduler's deadline and retries when there is one; its answer. A small object's one PUT
+        feeds the medians like a part; the other calls are round trips and do not."""
+
+        def make() -> Any:
+            return self.fs._call_s3(method, **kwargs)
+
+        if self.scheduler is None:
+            return self._run(make())
+        return self._run(
+            self.scheduler.run(make, nbytes, where=self.where, what=what, observe=nbytes > 0)
+        )
 
 
 async def _tagged(coro: Any, number: int) -> dict[str, Any]:

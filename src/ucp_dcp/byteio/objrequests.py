@@ -266,6 +266,7 @@ class _Try:
 
     deadline_s: float
     hedge: bool
+    observe: bool = True
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
 
@@ -359,16 +360,19 @@ class RequestScheduler:
         what: str,
         hedge: bool = False,
         check: Callable[[_T], str | None] | None = None,
+        observe: bool = True,
     ) -> _T:
         """Run the request ``make()`` makes (about ``nbytes`` bytes; None: unknown, it gets the
         deadline cap and no hedge) under the policy.
 
         ``check(result)`` returns why an answer is wrong (a short read), or
         None; a wrong answer is tried again once, then it is the error.
-        Failures are :class:`StorageError` naming ``where`` (the object's
-        URL) and ``what`` was being done.
+        ``observe=False`` (a HEAD, a LIST, an index PUT): timed against what the reads and parts
+        observed, but neither feeds the medians nor counts in ``bytes_requested`` (the hedge
+        budget): its time is a round trip, not a throughput. Failures are
+        :class:`StorageError` naming ``where`` (the object's URL) and ``what`` was being done.
         """
-        self.stats.bytes_requested += nbytes or 0
+        self.stats.bytes_requested += (nbytes or 0) if observe else 0
         delays = self.retry.delays()
         t0 = time.monotonic()
         deadlines: list[float] = []
@@ -379,7 +383,7 @@ class RequestScheduler:
             if nbytes is None:
                 t = _Try(self.policy.deadline_cap_s, False)
             else:
-                t = _Try(self.deadline(nbytes), hedge and self.policy.hedge)
+                t = _Try(self.deadline(nbytes), hedge and self.policy.hedge, observe)
             try:
                 out, took = await self._try(make, nbytes, t)
                 why = check(out) if check is not None else None
@@ -541,7 +545,7 @@ class RequestScheduler:
                     if task.exception() is None:
                         out, sent_at = task.result()
                         took = time.monotonic() - (start if task is first else sent_at)
-                        if nbytes is not None:
+                        if nbytes is not None and t.observe:
                             self._observed.add(nbytes, took)
                         self._answered.append(seq)
                         if task is not first:

@@ -97,8 +97,10 @@ class ObjectStore:
             after part.
         requests: deadlines, hedging and the bound on requests in flight
             (:class:`~ucp_dcp.byteio.objrequests.RequestPolicy`), applied to
-            ranged reads and part uploads on an async store (s3fs); a
-            blocking store (``memory://``) calls fsspec as it is.
+            every request on an async store (s3fs): GETs, part uploads, and
+            the HEADs, LISTs, PUTs and DELETEs of the other methods; a
+            blocking store (``memory://``) calls fsspec as it is, with
+            retries but no deadline.
     """
 
     def __init__(
@@ -179,6 +181,25 @@ class ObjectStore:
 
         return fsspec.asyn.sync(self._loop, fn, *args)
 
+    def _scheduled(
+        self, what: str, name: str, make: Callable[[], Coroutine[Any, Any, _T]], nbytes: int | None
+    ) -> _T:
+        """Run the request ``make()`` makes (about object ``name``, of ``nbytes`` bytes) on the
+        store's event loop under the scheduler: deadline, retries, bound on requests in flight.
+
+        ``nbytes``: 0 for a HEAD, LIST or DELETE (the deadline floor, or ``deadline_factor``
+        times what small requests took if that is more), a PUT's length, None when unknown (the
+        deadline cap). Such a request does not feed the read medians (``observe=False``).
+        """
+
+        async def run() -> _T:
+            await self._hook()
+            return await self.scheduler.run(
+                make, nbytes, where=self.url_of(name), what=what, observe=False
+            )
+
+        return self._sync(run)
+
     async def _hook(self) -> None:
         """Let the scheduler see the throttling answers the S3 client retries by itself."""
         if hasattr(self.fs, "set_session"):
@@ -229,17 +250,28 @@ class ObjectStore:
     def exists(self, name: str) -> bool:
         """Whether object ``name`` exists (listing caches are bypassed: other processes write)."""
         path = self.path(name)
+        what = "checking for the object"
+        if self._loop is not None:
+
+            async def ask_async() -> bool:
+                self.fs.invalidate_cache(path)  # each try asks the store, never a cache
+                return bool(await self.fs._exists(path))
+
+            return self._scheduled(what, name, ask_async, 0)
 
         def ask() -> bool:
             self.fs.invalidate_cache(path)
             return bool(self.fs.exists(path))
 
-        return self.call("checking for the object", name, ask)
+        return self.call(what, name, ask)
 
     def size(self, name: str) -> int:
         """Size of object ``name`` in bytes; a missing one is a :class:`StorageError` (ENOENT)."""
         path = self.path(name)
-        return int(self.call("reading the object's size", name, lambda: self.fs.info(path)["size"]))
+        what = "reading the object's size"
+        if self._loop is not None:
+            return int(self._scheduled(what, name, lambda: self.fs._info(path), 0)["size"])
+        return int(self.call(what, name, lambda: self.fs.info(path)["size"]))
 
     def read(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of object ``name`` (the whole object by default), checked for
@@ -261,8 +293,18 @@ class ObjectStore:
 
     def read_if_exists(self, name: str) -> bytes | None:
         """The whole of object ``name``, or None when there is no such object (one request either
-        way)."""
+        way). On an async store its size is unknown: it gets the deadline cap, like any whole-object
+        read."""
         path = self.path(name)
+        if self._loop is not None:
+
+            async def cat_async() -> bytes | None:
+                try:
+                    return bytes(await self.fs._cat_file(path))
+                except FileNotFoundError:  # an answer, not a failure (PERMANENT in the scheduler)
+                    return None
+
+            return self._scheduled("reading the object", name, cat_async, None)
 
         def cat() -> bytes | None:
             try:
@@ -308,25 +350,43 @@ class ObjectStore:
         """Name -> size of the objects directly under the checkpoint's URL, from one listing."""
         self.fs.invalidate_cache(self.root)
 
-        def ls() -> dict[str, int]:
-            try:
-                entries = self.fs.ls(self.root, detail=True)
-            except FileNotFoundError:
-                return {}
+        def sizes(entries: Any) -> dict[str, int]:
             return {
                 self.name_of(e["name"]): int(e.get("size") or 0)
                 for e in entries
                 if e.get("type", "file") != "directory"
             }
 
-        return self.call("listing the checkpoint", "", ls)
+        what = "listing the checkpoint"
+        if self._loop is not None:
+
+            async def ls_async() -> dict[str, int]:
+                self.fs.invalidate_cache(self.root)  # a retry must not answer from a cache
+                try:
+                    return sizes(await self.fs._ls(self.root, detail=True))
+                except FileNotFoundError:
+                    return {}
+
+            return self._scheduled(what, "", ls_async, 0)
+
+        def ls() -> dict[str, int]:
+            try:
+                return sizes(self.fs.ls(self.root, detail=True))
+            except FileNotFoundError:
+                return {}
+
+        return self.call(what, "", ls)
 
     # ------------------------------------------------------------ writes
     def put(self, name: str, data: bytes) -> None:
         """Write object ``name`` in one request: it appears whole, replacing any older one, or not
         at all."""
         path = self.path(name)
-        self.call("writing the object", name, lambda: self.fs.pipe_file(path, data))
+        what = "writing the object"
+        if self._loop is not None:  # a deadline from its size, like a part upload's
+            self._scheduled(what, name, lambda: self.fs._pipe_file(path, data), len(data))
+            return
+        self.call(what, name, lambda: self.fs.pipe_file(path, data))
 
     def open_write(self, name: str) -> StreamedWrite:
         """A streamed write of object ``name``: call :func:`discard` on failure, ``close()`` to
@@ -358,6 +418,16 @@ class ObjectStore:
         """Delete objects ``names`` (missing ones are not an error)."""
         for name in names:
             path = self.path(name)
+            if self._loop is not None:
+
+                async def rm_async(path: str = path) -> None:
+                    try:
+                        await self.fs._rm_file(path)
+                    except FileNotFoundError:
+                        pass
+
+                self._scheduled("deleting the object", name, rm_async, 0)
+                continue
 
             def rm(path: str = path) -> None:
                 try:
