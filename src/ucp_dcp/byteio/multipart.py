@@ -130,7 +130,7 @@ class ParallelUpload(StreamedWrite):
             parts = sorted(self._etags, key=lambda p: p["PartNumber"])
             self._s3(
                 "complete_multipart_upload",
-                0,
+                None,  # S3 may take long to join many parts: the cap, not a round trip's floor
                 "completing the upload",
                 Bucket=self.bucket,
                 Key=self.key,
@@ -223,10 +223,11 @@ class ParallelUpload(StreamedWrite):
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop).result()
 
-    def _s3(self, method: str, nbytes: int, what: str, **kwargs: Any) -> Any:
-        """S3 call ``method`` (of ``nbytes`` bytes: 0 for a create, complete or abort), under the
-        scheduler's deadline and retries when there is one; its answer. A small object's one PUT
-        feeds the medians like a part; the other calls are round trips and do not."""
+    def _s3(self, method: str, nbytes: int | None, what: str, **kwargs: Any) -> Any:
+        """S3 call ``method`` (of ``nbytes`` bytes: 0 for a create or abort, None (the deadline
+        cap) for a complete), under the scheduler's deadline and retries when there is one; its
+        answer. A small object's one PUT feeds the medians like a part; the other calls are not
+        transfers and do not."""
 
         def make() -> Any:
             return self.fs._call_s3(method, **kwargs)
@@ -234,7 +235,7 @@ class ParallelUpload(StreamedWrite):
         if self.scheduler is None:
             return self._run(make())
         return self._run(
-            self.scheduler.run(make, nbytes, where=self.where, what=what, observe=nbytes > 0)
+            self.scheduler.run(make, nbytes, where=self.where, what=what, observe=bool(nbytes))
         )
 
 
