@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from typing import Any, Callable
+
+import pytest
 
 import torch
 import torch.distributed as dist
@@ -123,3 +127,15 @@ def flatten(sd: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+WATCHDOG_S = 60.0
+
+
+@pytest.fixture(autouse=True)
+def watchdog() -> Iterator[None]:
+    """Imported by a test module, every test in it that hangs (a stalled request, a blocked
+    read) fails after ``WATCHDOG_S`` with every thread's stack instead of holding the suite."""
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()

@@ -12,35 +12,26 @@ short (0.3-0.5 s).
 from __future__ import annotations
 
 import errno
-import faulthandler
 import os
 import re
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from dist_utils import watchdog  # noqa: F401 (an autouse fixture)
 from stall import deadline_error, stall_reads_of
 
 from ucp_dcp import RequestPolicy
 from ucp_dcp.byteio.rangeio import RangeReader, Segment
 from ucp_dcp.errors import StorageError
 
-WATCHDOG_S = 60.0
 FAST = RequestPolicy(attempts=1, deadline_floor_s=0.3, deadline_cap_s=0.5)
 
-
-@pytest.fixture(autouse=True)
-def watchdog() -> Iterator[None]:
-    """A test that hangs fails with every thread's stack instead of holding the suite."""
-    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 def _data(path: Path, n: int) -> bytes:

@@ -14,12 +14,10 @@ are short (under a second) so the file costs a few seconds.
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
 import os
 import re
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 
 import fault_proxy
 import s3_server
-from dist_utils import bit_equal
+from dist_utils import bit_equal, watchdog  # noqa: F401 (watchdog: an autouse fixture)
 from ucp_dcp import RequestPolicy, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.byteio.objstore import ObjectStore, discard
 from ucp_dcp.errors import StorageError
@@ -36,18 +34,10 @@ from ucp_dcp.errors import StorageError
 s3_bucket = s3_server.s3_bucket  # session fixtures, made visible to this module
 s3_proxy = fault_proxy.s3_proxy
 
-WATCHDOG_S = 60.0
 
 # Short deadlines: a stalled request is abandoned after at most a second.
 FAST = RequestPolicy(deadline_floor_s=0.3, deadline_cap_s=1.0, hedge_floor_s=0.1)
 
-
-@pytest.fixture(autouse=True)
-def watchdog() -> Iterator[None]:
-    """A test that hangs fails with every thread's stack instead of holding the suite."""
-    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 def _ranged_get(m: str, p: str, h: Any) -> bool:
