@@ -197,6 +197,40 @@ def test_a_slow_part_of_a_large_get_is_hedged_sooner_than_its_prior_and_within_t
     assert took < 1.5 + 2.0, took
 
 
+def _query(p: str) -> list[str]:
+    return p.partition("?")[2].split("&")
+
+
+def test_a_stalled_multipart_create_complete_and_delete_are_abandoned_and_retried(s3_proxy: Any) -> None:
+    """The multipart bookkeeping calls and DELETEs are scheduled requests too: each stalled once,
+    each abandoned at its deadline and sent again; the object is whole, then gone."""
+    base, options, proxy = s3_proxy
+    store = ObjectStore(f"{base}/bookkeeping-{uuid.uuid4().hex[:8]}", options, write_block_bytes=5 << 20,
+                        upload_parallel=2, requests=FAST)
+    data = os.urandom(6 << 20)  # parts of 5 and 1 MiB
+    proxy.reset_records()
+    proxy.inject("stall", count=1, match=lambda m, p, h: m == "POST" and any(
+        q in ("uploads", "uploads=") for q in _query(p)))
+    proxy.inject("stall", count=1, match=lambda m, p, h: m == "POST" and any(
+        q.startswith("uploadId=") for q in _query(p)))
+    proxy.inject("stall", count=1, match=lambda m, p, h: m == "DELETE")
+    t0 = time.monotonic()
+    out = store.open_write("obj")
+    out.write(data)
+    out.close()
+    assert store.read("obj") == data
+    store.remove(["obj"])
+    took = time.monotonic() - t0
+    assert "obj" not in store.list()
+    posts = [(r.query, r.fault) for r in proxy.select("POST")]
+    assert [f for q, f in posts if "uploads" in q.split("&") or "uploads=" in q.split("&")] == ["stall", None], posts
+    assert [f for q, f in posts if q.startswith("uploadId=") or "&uploadId=" in q] == ["stall", None], posts
+    assert [r.fault for r in proxy.select("DELETE")] == ["stall", None]
+    assert proxy.count(fault="stall") == 3 and store.stats.timeouts == 3, store.stats
+    # Create and DELETE are round trips (the floor, 0.3 s); the complete gets the cap (1 s).
+    assert took < 2 * FAST.deadline_floor_s + FAST.deadline_cap_s + 3, took
+
+
 def test_a_503_burst_pauses_the_whole_stream(s3_proxy: Any) -> None:
     base, options, proxy = s3_proxy
     policy = RequestPolicy(max_in_flight=2, throttle_pause_s=0.4, hedge=False)
