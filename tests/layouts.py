@@ -16,7 +16,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -112,6 +112,23 @@ def full_reference(state: dict[str, Any]) -> dict[str, Any]:
     for k in sorted(flat):
         v = flat[k]
         out[k] = v.full_tensor() if isinstance(v, DTensor) else (v.clone() if isinstance(v, torch.Tensor) else v)
+    return out
+
+
+def columns_target(ref: dict[str, Any]) -> dict[str, Any]:
+    """A load target from a full reference: every 2-D tensor ``Shard(1)`` over all ranks, other
+    tensors replicated, all filled with 13; non-tensors as they are."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    out: dict[str, Any] = {}
+    for k, v in ref.items():
+        if isinstance(v, torch.Tensor) and v.dim() == 2:
+            out[k] = distribute_tensor(torch.full_like(v, 13), mesh, [Shard(1)])
+        elif isinstance(v, torch.Tensor) and v.dim() >= 1:
+            out[k] = distribute_tensor(torch.full_like(v, 13), mesh, [Replicate()])
+        elif isinstance(v, torch.Tensor):
+            out[k] = torch.full_like(v, 13)
+        else:
+            out[k] = v
     return out
 
 

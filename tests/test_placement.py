@@ -24,11 +24,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from cli_utils import run_cli
 from dist_utils import run_ranks
-from layouts import build, check_against, full_reference, scramble, train_state, train_step
+from layouts import build, check_against, columns_target, full_reference, scramble, train_state, train_step
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from ucp_dcp import (
     Checkpoint,
@@ -243,23 +241,10 @@ def _save(rank: int, world: int, root: str) -> None:
         torch.save(ref, os.path.join(root, "ref.pt"))
 
 
-def _columns(ref: dict[str, Any]) -> dict[str, Any]:
-    """Every 2-D tensor ``Shard(1)`` over all ranks, the rest replicated."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    out: dict[str, Any] = {}
-    for k, v in ref.items():
-        if isinstance(v, torch.Tensor) and v.dim() == 2:
-            out[k] = distribute_tensor(torch.full_like(v, 13), mesh, [Shard(1)])
-        elif isinstance(v, torch.Tensor) and v.dim() >= 1:
-            out[k] = distribute_tensor(torch.full_like(v, 13), mesh, [Replicate()])
-        else:
-            out[k] = torch.full_like(v, 13) if isinstance(v, torch.Tensor) else v
-    return out
-
 
 def _target(layout: str, ref: dict[str, Any]) -> Any:
     if layout == "columns":
-        return _columns(ref)
+        return columns_target(ref)
     model, optim = build(layout, seed=1)
     state = train_state(model, optim)
     scramble(state)

@@ -24,10 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_utils import bit_equal, run_ranks
-from layouts import build, check_against, full_reference, scramble, train_state, train_step
+from layouts import build, check_against, columns_target, full_reference, scramble, train_state, train_step
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.dcp import _read_once as read_once_module
@@ -52,21 +50,6 @@ def _save(rank: int, world: int, root: str) -> None:
         torch.save(ref, os.path.join(root, "ref.pt"))
 
 
-def _columns(ref: dict[str, Any]) -> dict[str, Any]:
-    """Every 2-D tensor ``Shard(1)`` over all ranks, the rest replicated, from the reference."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    out: dict[str, Any] = {}
-    for k, v in ref.items():
-        if isinstance(v, torch.Tensor) and v.dim() == 2:
-            out[k] = distribute_tensor(torch.full_like(v, 13), mesh, [Shard(1)])
-        elif isinstance(v, torch.Tensor) and v.dim() >= 1:
-            out[k] = distribute_tensor(torch.full_like(v, 13), mesh, [Replicate()])
-        elif isinstance(v, torch.Tensor):
-            out[k] = torch.full_like(v, 13)
-        else:
-            out[k] = v
-    return out
-
 
 def _cast(ref: dict[str, Any]) -> dict[str, Any]:
     """The reference with every floating-point tensor in bfloat16 (what a cast load gives)."""
@@ -78,7 +61,7 @@ def _cast(ref: dict[str, Any]) -> dict[str, Any]:
 
 def _target(layout: str, ref: dict[str, Any]) -> dict[str, Any]:
     if layout == "columns":
-        return _columns(ref)
+        return columns_target(ref)
     if layout == "bf16":  # every rank the whole state, cast on load (the generic sink)
         return {
             k: torch.full_like(v, 13) if isinstance(v, torch.Tensor) else v
