@@ -59,6 +59,11 @@ def mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
+def _rate(nbytes: float, seconds: float) -> str:
+    """``nbytes`` over ``seconds`` as :func:`mb` writes it (0 over no time)."""
+    return mb(nbytes / seconds if seconds > 0 else 0.0)
+
+
 class Progress:
     """Counts the bytes of one load or save of one rank and logs them at ``config``'s interval.
 
@@ -108,8 +113,8 @@ class Progress:
             mb(self.done),
             self.verb,
             total,
-            mb(self.done / total if total > 0 else 0.0),
-            mb((self.done - at) / (now - since) if now > since else 0.0),
+            _rate(self.done, total),
+            _rate(self.done - at, now - since),
             now - since,
         )
         self.lines += 1
@@ -129,7 +134,7 @@ class Progress:
                 mb(self.done),
                 self.verb,
                 total,
-                mb(self.done / total if total > 0 else 0.0),
+                _rate(self.done, total),
                 f"; {detail}" if detail else "",
             )
             self.lines += 1
