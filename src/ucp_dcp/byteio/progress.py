@@ -105,21 +105,27 @@ class Progress:
 
     def _line(self, now: float) -> None:
         since, at = self._mark
+        last = f"; {_rate(self.done - at, now - since)}/s over the last {now - since:.1f} s"
+        self._log(now, "", last, "")
+        self._mark = (now, self.done)
+        self._next = now + self.config.interval
+
+    def _log(self, now: float, done: str, inside: str, after: str) -> None:
+        # "rank R: WHAT: [done, ]N MB VERB in T s (RATE/s[inside])[after]"
         total = now - self.start
         log.info(
-            "rank %d: %s: %s %s in %.1f s (%s/s; %s/s over the last %.1f s)",
+            "rank %d: %s: %s%s %s in %.1f s (%s/s%s)%s",
             self.rank,
             self.what,
+            done,
             mb(self.done),
             self.verb,
             total,
             _rate(self.done, total),
-            _rate(self.done - at, now - since),
-            now - since,
+            inside,
+            after,
         )
         self.lines += 1
-        self._mark = (now, self.done)
-        self._next = now + self.config.interval
 
     def finish(self, detail: str = "") -> float:
         """Log the last line (``detail`` appended) if the operation ran past the threshold; its
@@ -127,15 +133,5 @@ class Progress:
         now = self.clock()
         total = now - self.start
         if total >= self.config.threshold:
-            log.info(
-                "rank %d: %s: done, %s %s in %.1f s (%s/s)%s",
-                self.rank,
-                self.what,
-                mb(self.done),
-                self.verb,
-                total,
-                _rate(self.done, total),
-                f"; {detail}" if detail else "",
-            )
-            self.lines += 1
+            self._log(now, "done, ", "", f"; {detail}" if detail else "")
         return total
