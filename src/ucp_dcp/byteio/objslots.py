@@ -25,10 +25,6 @@ class Slots:
         self._hedges: deque[asyncio.Future[None]] = deque()
         self._plain: deque[asyncio.Future[None]] = deque()
 
-    def locked(self) -> bool:
-        """Whether a new request would wait."""
-        return self._free <= 0
-
     async def acquire(self, hedge: bool = False) -> None:
         """Wait for a slot (hedges first)."""
         if self._free > 0 and not self._hedges and not self._plain:
