@@ -71,25 +71,21 @@ def make_state(rows: int, rank: int, world: int, fill: bool) -> dict[str, Any]:
 
 
 def count_s3_bytes() -> dict[str, int]:
-    """Count every byte s3fs fetches from now on in this process (GETs and whole-object downloads)."""
+    """Count every byte s3fs fetches from now on in this process: each GET's answer (ranged, whole,
+    or part of a whole-object download)."""
     import s3fs
 
     counted = {"bytes": 0}
-    real_cat, real_get = s3fs.S3FileSystem._cat_file, s3fs.S3FileSystem._get_file
+    real_call = s3fs.S3FileSystem._call_s3
 
-    async def cat_file(self: Any, path: str, *args: Any, **kwargs: Any) -> bytes:
-        data = await real_cat(self, path, *args, **kwargs)
-        counted["bytes"] += len(data)
-        return data
-
-    async def get_file(self: Any, rpath: str, lpath: str, *args: Any, **kwargs: Any) -> Any:
-        out = await real_get(self, rpath, lpath, *args, **kwargs)
-        counted["bytes"] += os.path.getsize(lpath)
+    async def call_s3(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        out = await real_call(self, method, *args, **kwargs)
+        if method == "get_object":
+            counted["bytes"] += int(out["ContentLength"])
         return out
 
-    s3fs.S3FileSystem._cat_file = cat_file  # type: ignore[method-assign]
-    s3fs.S3FileSystem._get_file = get_file  # type: ignore[method-assign]
-    # A filesystem binds its sync methods (get_file, cat_file) when it is created: drop the cached ones.
+    s3fs.S3FileSystem._call_s3 = call_s3  # type: ignore[method-assign]
+    # A filesystem binds its sync methods when it is created: drop the cached ones.
     s3fs.S3FileSystem.clear_instance_cache()
     return counted
 

@@ -54,7 +54,7 @@ s3_bucket = s3_server.s3_bucket  # the session fixture s3_proxy builds on
 Match = Callable[[str, str, Mapping[str, str]], bool]
 """``match(method, path_with_query, headers) -> bool``: which requests a fault applies to."""
 
-FAULT_KINDS = ("reset", "500", "503", "slow", "reset_mid", "stall")
+FAULT_KINDS = ("reset", "500", "503", "slow", "trickle", "reset_mid", "stall")
 
 # Connection-level headers (RFC 9110 7.6.1) are not forwarded; Expect is answered
 # by this proxy (BaseHTTPRequestHandler sends the 100 Continue itself).
@@ -76,6 +76,9 @@ _ERRORS = {
     503: ("SlowDown", "Please reduce your request rate."),
     403: ("AccessDenied", "Access Denied"),
 }
+
+TRICKLE_PIECE = 64 << 10
+"""The body of a ``trickle`` answer is written in pieces of this many bytes."""
 
 _ANY: Any = object()  # "no filter" for count(), where None means "no fault"
 
@@ -188,7 +191,11 @@ class FaultProxy:
 
         Kinds: ``reset`` (read the request, then RST the connection), ``500``
         (InternalError), ``503`` (SlowDown), ``slow`` (forward, wait
-        ``delay_s`` before answering; 0.5 s by default), ``reset_mid``
+        ``delay_s`` before answering; 0.5 s by default), ``trickle`` (forward,
+        send status, headers and the body's first piece of ``TRICKLE_PIECE``
+        bytes at once, then the other pieces spread evenly over ``delay_s``: a
+        slow transfer rather than a late one; the record counts the pieces
+        written before the client went away), ``reset_mid``
         (forward, send status, headers and half the body, then RST),
         ``stall`` (read the request, forward nothing and answer nothing:
         hold the connection until the client closes it, the proxy stops or
@@ -300,6 +307,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive towards the client
     proxy: FaultProxy  # set on the per-proxy subclass
     _upstream: http.client.HTTPConnection | None = None
+    _body_sent = 0  # body bytes of the current answer written so far (a trickled one, piece by piece)
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # one line per request would drown test output
@@ -367,8 +375,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------ client side
 
-    def _send(self, status: int, reason: str, headers: list[tuple[str, str]], body: bytes, *, cut: bool) -> int:
-        """Send a response; with ``cut`` only half the body, and return the body bytes sent."""
+    def _send(self, status: int, reason: str, headers: list[tuple[str, str]], body: bytes, *, cut: bool,
+              spread_s: float = 0.0) -> int:
+        """Send a response; with ``cut`` only half the body, and return the body bytes sent. With
+        ``spread_s`` the body goes in pieces of TRICKLE_PIECE, the first at once and the last
+        ``spread_s`` later, each counted in
+        ``self._body_sent`` once written (what the client got before it went away)."""
         self.send_response_only(status, reason)
         for name, value in headers:
             if name.lower() in _HOP_BY_HOP or name.lower() == "content-length":
@@ -383,10 +395,16 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        sent = body[: len(body) // 2] if cut else body
-        if sent:
-            self.wfile.write(sent)
         self.wfile.flush()
+        sent = body[: len(body) // 2] if cut else body
+        pieces = [sent[i:i + TRICKLE_PIECE] for i in range(0, len(sent), TRICKLE_PIECE)] if spread_s else [sent]
+        for k, piece in enumerate(pieces):
+            if k:
+                time.sleep(spread_s / (len(pieces) - 1))
+            if piece:
+                self.wfile.write(piece)
+                self.wfile.flush()
+                self._body_sent += len(piece)
         return len(sent)
 
     def _send_error(self, status: int, path: str) -> int:
@@ -431,12 +449,16 @@ class _Handler(BaseHTTPRequestHandler):
         fault = rule.kind if rule else None
         status: int | None = None
         sent = 0
+        self._body_sent = 0
         try:
             if rule is None or rule.kind == "slow":
                 status, reason, headers, data = self._forward(body)
                 if rule is not None:
                     time.sleep(rule.delay_s)
                 sent = self._send(status, reason, headers, data, cut=False)
+            elif rule.kind == "trickle":
+                status, reason, headers, data = self._forward(body)
+                sent = self._send(status, reason, headers, data, cut=False, spread_s=rule.delay_s)
             elif rule.kind == "reset":
                 self._rst()
             elif rule.kind == "stall":
@@ -454,6 +476,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._rst()
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client went away; still record what was asked
+            sent = self._body_sent  # and the pieces of a trickled body it was sent
         finally:
             self.proxy._record(
                 RequestRecord(

@@ -33,25 +33,25 @@ ROWS, COLS = 1536, 512
 
 
 def count_s3_bytes(monkeypatch: Any) -> dict[str, int]:
-    """Count every byte s3fs fetches from now on: GETs (ranged or whole) and whole-object downloads."""
+    """Count every byte s3fs fetches from now on (each GET's answer: ranged, whole, or part of a
+    whole-object download), the GETs, and the downloads."""
     import s3fs
 
     counted = {"bytes": 0, "gets": 0, "downloads": 0}
-    real_cat, real_get = s3fs.S3FileSystem._cat_file, s3fs.S3FileSystem._get_file
+    real_call, real_get = s3fs.S3FileSystem._call_s3, s3fs.S3FileSystem._get_file
 
-    async def cat_file(self: Any, path: str, *args: Any, **kwargs: Any) -> bytes:
-        data = await real_cat(self, path, *args, **kwargs)
-        counted["bytes"] += len(data)
-        counted["gets"] += 1
-        return data
-
-    async def get_file(self: Any, rpath: str, lpath: str, *args: Any, **kwargs: Any) -> Any:
-        out = await real_get(self, rpath, lpath, *args, **kwargs)
-        counted["bytes"] += os.path.getsize(lpath)
-        counted["downloads"] += 1
+    async def call_s3(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        out = await real_call(self, method, *args, **kwargs)
+        if method == "get_object":  # every read's request (the library's ranged GETs, s3fs's own)
+            counted["bytes"] += int(out["ContentLength"])
+            counted["gets"] += 1
         return out
 
-    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", cat_file)
+    async def get_file(self: Any, rpath: str, lpath: str, *args: Any, **kwargs: Any) -> Any:
+        counted["downloads"] += 1
+        return await real_get(self, rpath, lpath, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call_s3)
     monkeypatch.setattr(s3fs.S3FileSystem, "_get_file", get_file)
     # A filesystem binds its sync methods (get_file, cat_file) when it is created: drop the cached ones.
     s3fs.S3FileSystem.clear_instance_cache()
@@ -188,18 +188,19 @@ def log_s3_requests(monkeypatch: Any) -> dict[str, list[Any]]:
     import s3fs
 
     log: dict[str, list[Any]] = {"gets": [], "lists": []}
-    real_cat, real_ls = s3fs.S3FileSystem._cat_file, s3fs.S3FileSystem._ls
+    real_call, real_ls = s3fs.S3FileSystem._call_s3, s3fs.S3FileSystem._ls
 
-    async def cat_file(self: Any, path: str, *args: Any, **kwargs: Any) -> bytes:
-        data = await real_cat(self, path, *args, **kwargs)
-        log["gets"].append((path.rsplit("/", 1)[-1], len(data)))
-        return data
+    async def call_s3(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        out = await real_call(self, method, *args, **kwargs)
+        if method == "get_object":
+            log["gets"].append((kwargs["Key"].rsplit("/", 1)[-1], int(out["ContentLength"])))
+        return out
 
     async def ls(self: Any, path: str, *args: Any, **kwargs: Any) -> Any:
         log["lists"].append(path)
         return await real_ls(self, path, *args, **kwargs)
 
-    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", cat_file)
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call_s3)
     monkeypatch.setattr(s3fs.S3FileSystem, "_ls", ls)
     s3fs.S3FileSystem.clear_instance_cache()
     return log

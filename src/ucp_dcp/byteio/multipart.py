@@ -194,7 +194,7 @@ class ParallelUpload(StreamedWrite):
         self._next_part += 1
         start, self._offset = self._offset, self._offset + len(body)
 
-        def part() -> Any:
+        def part(_: Any) -> Any:
             return self.fs._call_s3(
                 "upload_part",
                 Bucket=self.bucket,
@@ -205,7 +205,7 @@ class ParallelUpload(StreamedWrite):
             )
 
         coro = (
-            part()
+            part(None)
             if self.scheduler is None
             else self.scheduler.run(
                 part,
@@ -229,7 +229,7 @@ class ParallelUpload(StreamedWrite):
         answer. A small object's one PUT feeds the medians like a part; the other calls are not
         transfers and do not."""
 
-        def make() -> Any:
+        def make(_: Any = None) -> Any:
             return self.fs._call_s3(method, **kwargs)
 
         if self.scheduler is None:

@@ -154,6 +154,7 @@ class ObjectRangeReader(ByteSource):
             held += r.nbytes
         if not windows[-1]:
             return
+        self.store.scheduler.expect(sum(self._end(r) - r.offset for w in windows for r in w))
         if len(windows) == 1:
             self._place(windows[0], self._fetch(windows[0]))
             return

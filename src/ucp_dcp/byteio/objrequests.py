@@ -17,14 +17,19 @@ One rank's requests to one checkpoint go through one :class:`RequestScheduler`
 * **hedged reads**: a ranged GET that takes longer than
   :attr:`RequestPolicy.hedge_factor` times the median time of requests of its
   size (before any is observed: :attr:`RequestPolicy.first_hedge_s`) gets a
-  second, identical request;
-  the first complete answer wins and the other is cancelled. It is judged
+  second, identical request, and a third if that one is slow too
+  (:attr:`RequestPolicy.max_hedges`); the first complete answer wins and the
+  others are cancelled. It is judged
   again every 50 ms while it waits, against what completed since (its peers
   of the same batch). The hedge waits for a slot ahead of new requests
-  (:class:`~ucp_dcp.byteio.objslots.Slots`). The hedges' bytes are bounded by
-  :attr:`RequestPolicy.hedge_fraction` of the bytes requested so far, or
+  (:class:`~ucp_dcp.byteio.objslots.Slots`). What hedging costs is the bytes
+  received for the answer that lost (:class:`Received`, counted as they arrive;
+  on S3 a cancelled answer stops there). That cost is bounded by
+  :attr:`RequestPolicy.hedge_fraction` of the load's bytes (requested so far,
+  or announced by the read under way, :meth:`RequestScheduler.expect`), or
   :attr:`RequestPolicy.hedge_allowance_bytes` while that is more, and counted in
-  :class:`ObjectStats`. So that a slow part of a large GET fits that budget,
+  :class:`ObjectStats`; a hedge in flight holds its whole size of that budget
+  until its try ends. So that a slow part of a large GET fits that budget,
   :class:`~ucp_dcp.byteio.objstore.ObjectStore` sends a long range as parts
   of :meth:`RequestScheduler.part_bytes` (a quarter of the budget, between
   :attr:`RequestPolicy.min_request_bytes` and
@@ -46,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import functools
 import random
 import time
 from collections import deque
@@ -65,6 +69,7 @@ __all__ = [
     "RetryPolicy",
     "ObjectStats",
     "RequestScheduler",
+    "Received",
     "DeadlineExceeded",
     "PERMANENT",
     "no_credentials",
@@ -133,17 +138,25 @@ class RequestPolicy:
     """Send a second, identical ranged GET for one that is slow (reads only)."""
     hedge_factor: float = 4.0
     """A ranged GET is hedged once it has taken this many times the median time of its size."""
-    first_hedge_s: float = 0.5
+    first_hedge_s: float = 0.25
     """Before any request was observed, a GET is hedged after this long. Not the deadline's
     patient prior (``first_bytes_per_s``): a stalled first request of a load (a data file's
-    header, read before anything else) held every rank 4 x 0.47 s at that rate."""
+    header, read before anything else) held every rank 4 x 0.47 s at that rate. A hedge that
+    was not needed costs the bytes its loser sent by then, a round trip's worth or none."""
+    max_hedges: int = 2
+    """Hedges one try of a GET may send: another once the last one sent is slow too (a load's
+    slowed share of GETs slows that share of its hedges as well)."""
     hedge_floor_s: float = 0.2
     """No GET is hedged before it has taken this long (a round trip is not worth a hedge)."""
     hedge_fraction: float = 0.05
-    """Hedged bytes stay within this fraction of the bytes requested so far (or
-    ``hedge_allowance_bytes`` while that is more)."""
+    """The bytes hedging costs stay within this fraction of the load's bytes (those requested so
+    far, or those the read under way announced if more; or ``hedge_allowance_bytes`` while that
+    is more): the bytes received for answers that lost to
+    their hedge and for hedges that lost (:attr:`ObjectStats.hedge_extra_bytes`), plus the whole
+    size of each hedge still in flight. Not what the hedges asked for: a slow answer cancelled
+    after a few bytes cost those bytes."""
     hedge_allowance_bytes: int = 1 << 20
-    """Hedged bytes allowed before ``hedge_fraction`` amounts to as much: a stalled request
+    """Hedging's cost allowed before ``hedge_fraction`` amounts to as much: a stalled request
     among the first of a load (a data file's header and block checksums, a few hundred KiB
     for a large file) can be hedged. Not added to the fraction: a load of at least 20 times
     this hedges at most ``hedge_fraction`` of its bytes."""
@@ -176,6 +189,10 @@ class RequestPolicy:
                 f"RequestPolicy: needs 0 < min_request_bytes <= max_request_bytes, got "
                 f"{self.min_request_bytes} and {self.max_request_bytes}"
             )
+        if self.max_hedges < 0:
+            raise InvalidArgumentError(
+                f"RequestPolicy(max_hedges={self.max_hedges}): needs at least 0"
+            )
         if self.max_in_flight < 1:
             raise InvalidArgumentError(
                 f"RequestPolicy(max_in_flight={self.max_in_flight}): needs at least 1"
@@ -193,7 +210,12 @@ class ObjectStats:
     hedges: int = 0
     """Hedged GETs sent."""
     hedged_bytes: int = 0
-    """Bytes the hedged GETs asked for (the extra bytes hedging may cost)."""
+    """Bytes the hedged GETs asked for."""
+    hedge_extra_bytes: int = 0
+    """Bytes received for the answers that lost (a GET to its hedge, or a hedge to its GET):
+    what hedging cost. Counted as they arrive on S3 (up to the moment the loser is cancelled;
+    bytes still in flight on the connection then are not seen); on a store whose GETs cannot be
+    counted, the loser's whole size."""
     hedge_wins: int = 0
     """Hedges that answered before the request they doubled."""
     timeouts: int = 0
@@ -261,6 +283,29 @@ def current_rank() -> int:
 
 
 @dataclass
+class Received:
+    """What one request's answer delivered: a GET that can count adds to ``bytes`` as the body
+    arrives and sets ``counted``; the scheduler charges a hedge's cost by the loser's count."""
+
+    bytes: int = 0
+    """Body bytes received so far."""
+    counted: bool = False
+    """Whether ``bytes`` was counted as the answer arrived (else the request could not tell)."""
+    sent: bool = False
+    """Whether the request was sent (a hedge may be cancelled while it waits for a slot)."""
+
+    def cost(self, nbytes: int) -> int:
+        """The bytes this request cost if its answer is thrown away (``nbytes``: its size)."""
+        if not self.sent:
+            return 0
+        return self.bytes if self.counted else nbytes
+
+
+Make = Callable[[Received], Awaitable[_T]]
+"""Makes one request (``make(got)``); a GET counts its answer's bytes into ``got``."""
+
+
+@dataclass
 class _Try:
     """One try of a request: its deadline and whether it may be hedged."""
 
@@ -288,7 +333,9 @@ class RequestScheduler:
         self._observed = _Observed()
         self._slots: Slots | None = None
         self._in_flight = 0
-        self._hedges_waiting = 0  # bytes of hedges decided on, waiting for a slot
+        self._trying = 0  # tries in flight (a request and its hedges are one)
+        self._hedges_held = 0  # bytes of the hedges in flight (or waiting for a slot)
+        self._expected = 0  # bytes the reads announced so far will request (expect())
         self._sent = 0  # requests sent so far (first tries and retries; not hedges)
         self._answered: deque[int] = deque(maxlen=_SAMPLES)  # when each answered one was sent
         self._paused_until = 0.0
@@ -316,9 +363,17 @@ class RequestScheduler:
         if not p.hedge:
             return p.max_request_bytes
         budget = max(
-            p.hedge_fraction * (self.stats.bytes_requested + batch_bytes), p.hedge_allowance_bytes
+            p.hedge_fraction * max(self.stats.bytes_requested + batch_bytes, self._expected),
+            p.hedge_allowance_bytes,
         )
         return int(min(p.max_request_bytes, max(p.min_request_bytes, budget // 4)))
+
+    def expect(self, nbytes: int) -> None:
+        """A read of ``nbytes`` is under way (a load's planned ranges, fetched in windows): the
+        hedge budget is a fraction of them from now, not only of the bytes requested so far. A
+        window held back by a slow GET of a load's first windows can then be hedged, as can a
+        slow hedge (every byte announced is requested before the read ends)."""
+        self._expected += nbytes
 
     def throttled(self) -> None:
         """A throttling answer came back: pause every new request for a while."""
@@ -353,7 +408,7 @@ class RequestScheduler:
     # ------------------------------------------------------------ requests
     async def run(
         self,
-        make: Callable[[], Awaitable[_T]],
+        make: Make[_T],
         nbytes: int | None,
         *,
         where: str,
@@ -362,8 +417,9 @@ class RequestScheduler:
         check: Callable[[_T], str | None] | None = None,
         observe: bool = True,
     ) -> _T:
-        """Run the request ``make()`` makes (about ``nbytes`` bytes; None: unknown, it gets the
-        deadline cap and no hedge) under the policy.
+        """Run the request ``make(got)`` makes (about ``nbytes`` bytes; None: unknown, it gets the
+        deadline cap and no hedge) under the policy. A GET that can counts the bytes of its answer
+        into ``got`` (:class:`Received`) as they arrive: what a hedge that lost cost.
 
         ``check(result)`` returns why an answer is wrong (a short read), or
         None; a wrong answer is tried again once, then it is the error.
@@ -455,61 +511,59 @@ class RequestScheduler:
 
     def _outlier(self, seq: int) -> bool:
         """Whether the request sent ``seq``-th is slow among its peers: requests sent after it
-        were answered first (:data:`_LATER_ANSWERED`), or none is in flight with it. When the
+        were answered first (:data:`_LATER_ANSWERED`), or too few are in flight for that to
+        happen (a load's last requests, slowed together, have no later peer). When the
         store slows down for every request at once, none is an outlier: a hedge would only add
         to the load (measured: a fault-free load on a busy machine spent its whole budget)."""
-        if self._in_flight <= 1:
+        if self._trying <= _LATER_ANSWERED:
             return True
         return sum(1 for k in self._answered if k > seq) >= _LATER_ANSWERED
 
     def _may_hedge(self, nbytes: int) -> bool:
-        """Whether a hedge of ``nbytes`` fits the budget, hedges waiting for a slot included."""
+        """Whether a hedge of ``nbytes`` fits the budget: what hedges cost so far, plus the whole
+        size of each hedge in flight (its try has not ended: either answer may still lose)."""
         s = self.stats
         p = self.policy
-        budget = max(p.hedge_fraction * s.bytes_requested, p.hedge_allowance_bytes)
-        return s.hedged_bytes + self._hedges_waiting + nbytes <= budget
+        load = max(s.bytes_requested, self._expected)
+        budget = max(p.hedge_fraction * load, p.hedge_allowance_bytes)
+        return s.hedge_extra_bytes + self._hedges_held + nbytes <= budget
 
-    async def _request(self, make: Callable[[], Awaitable[_T]]) -> tuple[_T, float]:
-        """``make()``'s answer and when it was sent (its slot is held, and freed by the caller)."""
+    async def _request(self, make: Make[_T], got: Received) -> tuple[_T, float]:
+        """``make(got)``'s answer and when it was sent (its slot is held, and freed by the
+        caller)."""
         self.stats.requests += 1
         sent = time.monotonic()
-        return await make(), sent
+        got.sent = True
+        return await make(got), sent
 
-    async def _hedged(
-        self, make: Callable[[], Awaitable[_T]], nbytes: int, held: list[int]
-    ) -> tuple[_T, float]:
-        """A hedge: waits for a slot ahead of new requests, and is counted once it is sent.
-        ``held``: the budget it holds while it waits (given back once it is sent)."""
+    async def _hedged(self, make: Make[_T], nbytes: int, got: Received) -> tuple[_T, float]:
+        """A hedge: waits for a slot ahead of new requests, and is counted once it is sent."""
         await self._slot(hedge=True)
-        self._unhold(held)
         try:
             self.stats.hedges += 1
             self.stats.hedged_bytes += nbytes
-            return await self._request(make)
+            return await self._request(make, got)
         finally:
             self._free()
 
-    def _unhold(self, held: list[int]) -> None:
-        self._hedges_waiting -= held.pop() if held else 0
-
-    def _unheld(self, held: list[int], _: object) -> None:
-        self._unhold(held)
-
-    async def _try(
-        self, make: Callable[[], Awaitable[_T]], nbytes: int | None, t: _Try
-    ) -> tuple[_T, float]:
-        """One try: the request, and its hedge if it is slow; the first complete answer wins.
-        Returns the answer and the seconds it took (the winner's own time)."""
+    async def _try(self, make: Make[_T], nbytes: int | None, t: _Try) -> tuple[_T, float]:
+        """One try: the request, and its hedges if it is slow (another each time the last one sent
+        is slow too, up to ``max_hedges``); the first complete answer wins. Returns the answer and
+        the seconds it took (the winner's own time)."""
         await self._slot()  # waiting for a slot is not the request's time
+        self._trying += 1
         start = time.monotonic()
         self._sent += 1
         seq = self._sent
-        first = asyncio.ensure_future(self._request(make))
+        got = Received()
+        first = asyncio.ensure_future(self._request(make, got))
         # Freed when the task ends, even if it is cancelled before it ever ran.
         first.add_done_callback(lambda _: self._free())
         t.tasks.append(first)
         pending: set[asyncio.Future[Any]] = {first}
-        hedge: asyncio.Future[Any] | None = None
+        hedges: list[tuple[asyncio.Future[Any], Received]] = []
+        last = start  # when the last request of the try (the GET, or its last hedge) was sent
+        won: asyncio.Future[Any] | None = None
         until = start + t.deadline_s
         error: BaseException | None = None
         try:
@@ -518,26 +572,27 @@ class RequestScheduler:
                 if now >= until:
                     raise DeadlineExceeded(f"no answer within {t.deadline_s:.2f} s")
                 wait = until - now
-                if hedge is None and t.hedge and nbytes is not None:
+                if len(hedges) < self.policy.max_hedges and t.hedge and nbytes is not None:
                     # Judged again at every look: what completed since (its peers of the same
                     # batch, as they come in) tells how long this one should take.
-                    due = start + self._hedge_after(nbytes)
+                    due = last + self._hedge_after(nbytes)
                     if now >= due and self._outlier(seq) and self._may_hedge(nbytes):
-                        # The budget is held from now: another GET judged before this hedge
-                        # runs must not spend it too. Given back if it is cancelled unsent.
-                        held = [nbytes]
-                        self._hedges_waiting += nbytes
-                        hedge = asyncio.ensure_future(self._hedged(make, nbytes, held))
-                        hedge.add_done_callback(functools.partial(self._unheld, held))
+                        # Its whole size is held from now until the try ends (below): another
+                        # GET judged meanwhile must not spend it too.
+                        self._hedges_held += nbytes
+                        hedge_got = Received()
+                        hedge = asyncio.ensure_future(self._hedged(make, nbytes, hedge_got))
+                        hedges.append((hedge, hedge_got))
                         t.tasks.append(hedge)
                         pending.add(hedge)
+                        last = now
                         # The hedge gets a request's deadline from when it is sent, within the
                         # cap from the try's start (a failure stays bounded by the cap).
                         cap = start + self.policy.deadline_cap_s
                         until = max(until, min(now + self.deadline(nbytes), cap))
                         t.deadline_s = until - start
-                    else:
-                        wait = min(wait, _RECHECK_S if now >= due else min(due - now, _RECHECK_S))
+                        due = now + self._hedge_after(nbytes)  # when the next may be sent
+                    wait = min(wait, _RECHECK_S if now >= due else min(due - now, _RECHECK_S))
                 done, pending = await asyncio.wait(
                     pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED
                 )
@@ -550,13 +605,21 @@ class RequestScheduler:
                         self._answered.append(seq)
                         if task is not first:
                             self.stats.hedge_wins += 1
+                        won = task
                         return out, took
                     error = error or task.exception()
             assert error is not None
             raise error
         finally:
+            self._trying -= 1
             for task in t.tasks:
-                task.cancel()
+                task.cancel()  # a cancelled GET counts no more bytes (it never resumes)
+            if hedges and nbytes is not None:
+                # What the hedges cost: the answers that lost (when the try failed, the retry
+                # pays for the GET, and the hedges were the extra).
+                lost = hedges if won is None else [(first, got), *hedges]
+                self._hedges_held -= nbytes * len(hedges)
+                self.stats.hedge_extra_bytes += sum(g.cost(nbytes) for k, g in lost if k is not won)
 
 
 class _Wrong(Exception):

@@ -36,6 +36,7 @@ from .multipart import ParallelUpload, StreamedWrite, supports_parallel_upload
 from .objrequests import (
     PERMANENT,
     ObjectStats,
+    Received,
     RequestPolicy,
     RequestScheduler,
     RetryPolicy,
@@ -195,7 +196,7 @@ class ObjectStore:
         async def run() -> _T:
             await self._hook()
             return await self.scheduler.run(
-                make, nbytes, where=self.url_of(name), what=what, observe=False
+                lambda _: make(), nbytes, where=self.url_of(name), what=what, observe=False
             )
 
         return self._sync(run)
@@ -231,7 +232,7 @@ class ObjectStore:
             return f"needed bytes [{start}, {end}) but got {len(data)}"
 
         data = await self.scheduler.run(
-            lambda: self.fs._cat_file(path, start=start, end=end),
+            lambda got: _cat_counted(self.fs, path, start, end, got),
             n,
             where=self.url_of(name),
             what=f"reading bytes [{start}, {end})" if start is not None else "reading the object",
@@ -451,6 +452,37 @@ async def _gather(coros: Sequence[Coroutine[Any, Any, bytes]]) -> list[bytes]:
     finally:
         for t in tasks:
             t.cancel()
+
+
+_CHUNK = 1 << 20  # the most bytes one read of a GET's body takes (it returns what has arrived)
+
+
+async def _cat_counted(
+    fs: Any, path: str, start: int | None, end: int | None, got: Received
+) -> bytes:
+    """Bytes ``[start, end)`` of ``path``: on S3 one ranged GET whose body is read as it arrives,
+    counted into ``got`` (a hedge that loses costs what its answer delivered before it was
+    cancelled, not its size); elsewhere, and for a whole object, fsspec's ``_cat_file``."""
+    if not hasattr(fs, "_call_s3") or start is None or end is None or end <= start:
+        return bytes(await fs._cat_file(path, start=start, end=end))
+    bucket, key, version = fs.split_path(path)
+    got.counted = True  # from now on: an answer cancelled before its headers came cost nothing
+    resp = await fs._call_s3(  # s3fs's call: its session, and its errors as OSErrors
+        "get_object",
+        Bucket=bucket,
+        Key=key,
+        Range=f"bytes={start}-{end - 1}",
+        **({"VersionId": version} if version else {}),
+    )
+    body = resp["Body"]
+    parts = []
+    try:
+        while chunk := await body.read(_CHUNK):
+            got.bytes += len(chunk)
+            parts.append(chunk)
+    finally:
+        body.close()
+    return b"".join(parts)
 
 
 def discard(f: Any) -> None:
