@@ -11,8 +11,11 @@ NaN-filled targets, checked bit-exactly, under each fault scenario:
 
 * ``none``: no fault;
 * ``slow1`` / ``slow5``: each ranged GET is slowed with probability 1% / 5%
-  (the proxy holds its answer ``--slow-factor`` (20) times the median time of
-  a ranged GET of the fault-free ucp load);
+  to ``--slow-factor`` (20) times the median time of a ranged GET of the
+  fault-free ucp load: with ``--slow-kind slow`` (the default) the proxy holds
+  the whole answer that long, with ``--slow-kind trickle`` it sends the first
+  64 KiB at once and spreads the rest over that long (a slow transfer, whose
+  cancelled loser has sent part of its bytes);
 * ``slow5+stall``: as ``slow5``, and the first ranged GET of the load never
   answers (the proxy holds it ``--stall-s`` (30 s) then closes it, unless
   the client gives up first).
@@ -168,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "policy": {"deadline_floor_s": args.floor_s, "deadline_factor": args.deadline_factor,
                    **({"max_request_bytes": args.max_request_kib << 10} if args.max_request_kib else {}),
                    **({"hedge_fraction": args.hedge_fraction} if args.hedge_fraction is not None else {})},
-        "repeats": args.repeats,
+        "repeats": args.repeats, "slow_kind": args.slow_kind,
         "server": "moto, stock (a ranged GET reads the whole object)" if args.stock_moto
         else "moto, ranged GETs read only their range (harness.objstore._RANGED_READS)",
         "state_bytes": nbytes, "save_ranks": 4, "load_ranks": 3, "runs": [],
@@ -202,9 +205,10 @@ def _one_load(doc: dict[str, Any], proxy: Any, urls: dict[str, str], options: di
         rng = random.Random(f"{scenario}-{kind}-{rep}")
         if scenario.endswith("+stall"):
             proxy.inject("stall", count=1, match=_ranged_get, delay_s=args.stall_s)
-        proxy.inject("slow", count=10**6, delay_s=delay,
+        proxy.inject(args.slow_kind, count=10**6, delay_s=delay,
                      match=lambda m, path, h, rng=rng, p=p: _ranged_get(m, path, h) and rng.random() < p)
     url = urls["dcp" if kind == "dcp" else "ucp"]
+    t_load = time.monotonic()
     per_rank = spawn_ranks(load_rank, 3, kind, url, options, shapes, doc["policy"])
     recs = proxy.select("GET")
     ranged = [r for r in recs if r.range is not None]
@@ -218,18 +222,26 @@ def _one_load(doc: dict[str, Any], proxy: Any, urls: dict[str, str], options: di
         "wrong": sorted({w for r in per_rank for w in r["wrong"]}),
         "gets": len(recs), "ranged_gets": len(ranged),
         "bytes_fetched": sum(r.response_bytes for r in recs),
-        "slowed": sum(r.fault == "slow" for r in recs),
+        "slowed": sum(r.fault == args.slow_kind for r in recs),
         "stalled": sum(r.fault == "stall" for r in recs),
+        # Slowed or stalled GETs nobody hedged (their range asked for once): what hedging missed.
+        "unhedged": [f"{r.path.rsplit('/', 1)[-1]} {r.range} {r.fault} +{r.started_s - t_load:.2f}s"
+                     for r in recs if r.fault is not None
+                     and sum((q.path, q.range) == (r.path, r.range) for q in recs) == 1],
         "load_average": os.getloadavg()[0],
     }
     stats = [r["object_stats"] for r in per_rank if "object_stats" in r]
     if stats:
         run_rec["object_stats"] = {k: sum(s[k] for s in stats) for k in
                                    ("requests", "bytes_requested", "hedges", "hedged_bytes",
-                                    "hedge_wins", "timeouts", "retries", "throttles")}
+                                    "hedge_extra_bytes", "hedge_wins", "timeouts", "retries",
+                                    "throttles")}
         run_rec["slowest_request_s"] = max(s["slowest_s"] for s in stats)
         req = run_rec["object_stats"]["bytes_requested"]
         run_rec["hedged_fraction"] = run_rec["object_stats"]["hedged_bytes"] / req if req else 0.0
+        # What hedging cost, as the readers counted it (the losers' bytes received).
+        extra = run_rec["object_stats"]["hedge_extra_bytes"]
+        run_rec["hedge_extra_fraction"] = extra / req if req else 0.0
     doc["runs"].append(run_rec)
     print(json.dumps(run_rec), flush=True)
     return delay
@@ -255,6 +267,8 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "relative_each": [x["seconds"] / base[reader] for x in rs] if reader in base else None,
             "max_hedged_fraction": max((x.get("hedged_fraction", 0.0) for x in rs), default=0.0)
             if "hedged_fraction" in rs[0] else None,
+            "max_hedge_extra_fraction": max(x.get("hedge_extra_fraction", 0.0) for x in rs)
+            if "hedge_extra_fraction" in rs[0] else None,
             "max_extra_fetched_fraction": max(x["bytes_fetched"] / fetched[reader] - 1 for x in rs)
             if reader in fetched else None,
             "hedges": [x["object_stats"]["hedges"] for x in rs] if "object_stats" in rs[0] else None,
@@ -267,15 +281,16 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(doc: dict[str, Any]) -> str:
     lines = ["| scenario | reader | median load s (each) | vs fault-free | slowed | stalled | hedges | max hedged bytes % "
-             "| max extra fetched % | timeouts | failed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| max hedge cost % | max extra fetched % | timeouts | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in doc["summary"]:
         each = ", ".join(f"{x:.2f}" for x in c["seconds"])
         hf = "-" if c["max_hedged_fraction"] is None else f"{100 * c['max_hedged_fraction']:.1f}"
         ef = "-" if c["max_extra_fetched_fraction"] is None else f"{100 * c['max_extra_fetched_fraction']:.1f}"
+        xf = "-" if c.get("max_hedge_extra_fraction") is None else f"{100 * c['max_hedge_extra_fraction']:.1f}"
         lines.append(
             f"| {c['scenario']} | {c['reader']} | {c['median_seconds']:.2f} ({each}) | {c['relative_to_fault_free']:.2f}x "
-            f"| {c['slowed']} | {c['stalled']} | {c['hedges'] or '-'} | {hf} | {ef} | {c['timeouts'] or '-'} "
+            f"| {c['slowed']} | {c['stalled']} | {c['hedges'] or '-'} | {hf} | {xf} | {ef} | {c['timeouts'] or '-'} "
             f"| {c['failed']} |"
         )
     return "\n".join(lines)
@@ -287,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--readers", default=",".join(READERS))
     ap.add_argument("--slow-factor", type=float, default=20.0)
+    ap.add_argument("--slow-kind", choices=("slow", "trickle"), default="slow",
+                    help="how a slowed GET is slow: its whole answer late, or its body sent slowly")
     ap.add_argument("--stall-s", type=float, default=30.0)
     ap.add_argument("--floor-s", type=float, default=1.0, help="RequestPolicy.deadline_floor_s of the ucp readers")
     ap.add_argument("--deadline-factor", type=float, default=4.0, help="RequestPolicy.deadline_factor of the ucp readers")
