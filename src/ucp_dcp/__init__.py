@@ -24,8 +24,8 @@ from .adapters.rules import (
     Unstacked,
     VocabPad,
 )
-from .byteio.objrequests import RequestPolicy
 from .byteio.progress import ProgressConfig
+from .byteio.reqpolicy import RequestPolicy
 from .core.pieces import Piece, TensorPieces
 from .core.values import RankLocal
 from .dcp import UCPLoadPlanner, UCPSavePlanner

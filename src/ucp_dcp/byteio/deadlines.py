@@ -4,7 +4,7 @@ save uses, on object storage (:mod:`~ucp_dcp.byteio.objrequests`) and on local f
 
 A request's deadline comes from its size and the times the same load's (or save's) requests took
 so far (:class:`Observed`), within the floor and cap of the one
-:class:`~ucp_dcp.byteio.objrequests.RequestPolicy` the user configures (:func:`deadline_for`).
+:class:`~ucp_dcp.byteio.reqpolicy.RequestPolicy` the user configures (:func:`deadline_for`).
 What happens past it differs: an object-store request is abandoned and tried again, a local read
 (which the kernel cannot cancel) fails the load.
 """
@@ -14,10 +14,8 @@ from __future__ import annotations
 import statistics
 import threading
 from collections import deque
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # objrequests imports this module
-    from .objrequests import RequestPolicy
+from .reqpolicy import RequestPolicy
 
 __all__ = ["Observed", "deadline_for", "SMALL_REQUEST", "SAMPLES"]
 

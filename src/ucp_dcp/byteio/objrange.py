@@ -26,9 +26,9 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from .objrequests import ObjectStats
 from .objstore import ObjectStore
 from .rangeio import ByteSource, ReadStats, Segment, _Request, coalesce
+from .reqpolicy import ObjectStats
 
 __all__ = ["ObjectRangeReader", "OBJECT_GAP_BYTES", "DENSE_FRACTION"]
 

@@ -35,15 +35,13 @@ from ..errors import StorageError, TruncatedFileError, UCPError
 from .multipart import ParallelUpload, StreamedWrite, supports_parallel_upload
 from .objrequests import (
     PERMANENT,
-    ObjectStats,
     Received,
-    RequestPolicy,
     RequestScheduler,
-    RetryPolicy,
     loop_of,
     no_credentials,
     storage_error,
 )
+from .reqpolicy import ObjectStats, RequestPolicy, RetryPolicy
 
 __all__ = [
     "ObjectStore",
@@ -97,7 +95,7 @@ class ObjectStore:
             another store, uploads through fsspec's buffered file, part
             after part.
         requests: deadlines, hedging and the bound on requests in flight
-            (:class:`~ucp_dcp.byteio.objrequests.RequestPolicy`), applied to
+            (:class:`~ucp_dcp.byteio.reqpolicy.RequestPolicy`), applied to
             every request on an async store (s3fs): GETs, part uploads, and
             the HEADs, LISTs, PUTs and DELETEs of the other methods; a
             blocking store (``memory://``) calls fsspec as it is, with
@@ -320,7 +318,7 @@ class ObjectStore:
         store can.
 
         On an async store (s3fs) each request is scheduled under the store's
-        :class:`~ucp_dcp.byteio.objrequests.RequestPolicy` (deadline, hedge,
+        :class:`~ucp_dcp.byteio.reqpolicy.RequestPolicy` (deadline, hedge,
         bounded in flight); elsewhere one batch of fsspec's ``cat_ranges``.
         Requests that fail are retried on their own under the same policy as
         :meth:`call`.

@@ -45,8 +45,8 @@ import torch
 from ..core.spans import ACCESS_MODES, SEQUENTIAL, file_access
 from ..errors import InvalidArgumentError, TruncatedFileError
 from .files import open_data_file
-from .objrequests import RequestPolicy
 from .progress import Progress
+from .reqpolicy import RequestPolicy
 from .workers import Abandoned, IOWorkers
 
 __all__ = [
@@ -286,7 +286,7 @@ class RangeReader(ByteSource):
         max_request_bytes: upper bound on one call, so that a large range is
             split across threads.
         requests: the deadline of each call (its floor, cap and factor; see
-            :mod:`~ucp_dcp.byteio.workers`): :class:`~ucp_dcp.byteio.objrequests.RequestPolicy`'s
+            :mod:`~ucp_dcp.byteio.workers`): :class:`~ucp_dcp.byteio.reqpolicy.RequestPolicy`'s
             defaults when None. A read gets ``attempts`` times the deadline of one try (it is not
             tried again); the hedging fields do not apply to local files.
     """

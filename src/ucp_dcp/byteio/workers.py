@@ -5,7 +5,7 @@ cannot be cancelled: no signal reaches a thread in uninterruptible sleep, and Py
 way to stop a thread. So the thread that waits for the reads is the one that keeps time: each
 read an I/O thread makes gets a deadline from its size and the times this load's reads took
 so far (:func:`~ucp_dcp.byteio.deadlines.deadline_for`, under the same
-:class:`~ucp_dcp.byteio.objrequests.RequestPolicy` as object-store requests, times its
+:class:`~ucp_dcp.byteio.reqpolicy.RequestPolicy` as object-store requests, times its
 ``attempts``: a local read is not tried again), and a read past it fails the load with a
 :class:`~ucp_dcp.errors.StorageError` (``errno.ETIMEDOUT``) naming the file, the byte range,
 the rank and how long it waited. The blocked thread is left behind: the threads are daemon
@@ -30,7 +30,8 @@ from typing import Any
 
 from ..errors import StorageError
 from .deadlines import Observed, deadline_for
-from .objrequests import DeadlineExceeded, RequestPolicy, current_rank, storage_error
+from .objrequests import DeadlineExceeded, current_rank, storage_error
+from .reqpolicy import RequestPolicy
 
 __all__ = ["IOWorkers", "Abandoned"]
 

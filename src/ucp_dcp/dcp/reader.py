@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..byteio.engine import ChunkReads
-from ..byteio.objrequests import RequestPolicy
 from ..byteio.progress import Progress, ProgressConfig
 from ..byteio.rangeio import ByteSource, ReadStats, check_access
+from ..byteio.reqpolicy import RequestPolicy
 from ..byteio.transfer import ChunkRegion, extents, needs_staging
 from ..errors import InvalidArgumentError
 from ..sources import Source, SourceOptions, open_source, read_values, source_types
@@ -102,7 +102,7 @@ class UCPStorageReader(_Directory, StorageReader):
             (credentials, ``client_kwargs={"endpoint_url": ...}``).
         requests: for a URL, each request's deadline, hedged reads, the
             bound on requests in flight and the pause after throttling
-            (:class:`~ucp_dcp.byteio.objrequests.RequestPolicy`; its defaults
+            (:class:`~ucp_dcp.byteio.reqpolicy.RequestPolicy`; its defaults
             when None). See docs/object-storage.md. For local files, the
             deadline of each read the I/O threads make (its floor, cap and
             factor): a read past it fails the load with a ``StorageError``

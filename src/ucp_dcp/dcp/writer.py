@@ -26,10 +26,10 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..byteio.datafile import chunk_entry, layout, value_entry
-from ..byteio.objrequests import RequestPolicy
 from ..byteio.progress import Progress, ProgressConfig
 from ..byteio.progress import log as progress_log
 from ..byteio.rangeio import tensor_view
+from ..byteio.reqpolicy import RequestPolicy
 from ..byteio.storage import (
     CheckpointStorage,
     DataFileSpec,
@@ -121,7 +121,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
             index and a committed checkpoint at the same URL stays loadable.
         requests: for a URL, each part upload's deadline, the bound on
             requests in flight and the pause after throttling
-            (:class:`~ucp_dcp.byteio.objrequests.RequestPolicy`; its defaults
+            (:class:`~ucp_dcp.byteio.reqpolicy.RequestPolicy`; its defaults
             when None).
         progress: when a long save logs its progress, per rank, on the
             ``ucp_dcp.progress`` logger (:class:`~ucp_dcp.ProgressConfig`).

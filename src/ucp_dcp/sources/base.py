@@ -33,9 +33,9 @@ import torch
 
 from ..byteio.blocksums import BlockSums
 from ..byteio.objrange import OBJECT_GAP_BYTES, ObjectRangeReader
-from ..byteio.objrequests import RequestPolicy
 from ..byteio.objstore import ObjectStore, local_path
 from ..byteio.rangeio import ByteSource, RangeReader
+from ..byteio.reqpolicy import RequestPolicy
 from ..byteio.transfer import read_checked_many
 from ..core.grid import Grid
 from ..core.sharding import Box

@@ -18,9 +18,9 @@ import xxhash
 from ..byteio.blocksums import BlockSums
 from ..byteio.files import read_header
 from ..byteio.objrange import ObjectRangeReader
-from ..byteio.objrequests import RequestPolicy
 from ..byteio.objstore import ObjectAccess, fetch_heads
 from ..byteio.rangeio import ByteSource
+from ..byteio.reqpolicy import RequestPolicy
 from ..byteio.storage import write_index
 from ..errors import CheckpointExistsError, CheckpointFormatError, ChecksumError
 from ..format import (
