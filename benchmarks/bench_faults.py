@@ -125,6 +125,12 @@ def load_rank(rank: int, world: int, reader_kind: str, url: str, options: dict[s
 
     mesh = init_device_mesh("cpu", (world,))
     target = {"model": _state(mesh, shapes, float("nan"))}
+    # The client's modules are imported before the clock starts, for every reader: FsspecReader's
+    # constructor imports s3fs, UCPStorageReader opens its store in read_metadata (timed), and a
+    # fresh process's import of s3fs and aiobotocore (0.4-0.7 s here) is not a load's cost.
+    import aiobotocore.session  # noqa: F401
+    import s3fs  # noqa: F401
+
     if reader_kind == "dcp":
         reader: Any = FsspecReader(url, **options)
         planner = None
