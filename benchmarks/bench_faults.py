@@ -176,6 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "torch": torch.__version__, "load_average_start": os.getloadavg()},
         "policy": {"deadline_floor_s": args.floor_s, "deadline_factor": args.deadline_factor,
                    **({"max_request_bytes": args.max_request_kib << 10} if args.max_request_kib else {}),
+                   **({"min_request_bytes": args.min_request_kib << 10} if args.min_request_kib else {}),
                    **({"hedge_fraction": args.hedge_fraction} if args.hedge_fraction is not None else {})},
         "repeats": args.repeats, "slow_kind": args.slow_kind,
         "server": "moto, stock (a ranged GET reads the whole object)" if args.stock_moto
@@ -315,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--deadline-factor", type=float, default=4.0, help="RequestPolicy.deadline_factor of the ucp readers")
     ap.add_argument("--max-request-kib", type=int, default=None,
                     help="RequestPolicy.max_request_bytes of the ucp readers, in KiB (default: the policy's)")
+    ap.add_argument("--min-request-kib", type=int, default=None,
+                    help="RequestPolicy.min_request_bytes of the ucp readers, in KiB (default: the policy's)")
     ap.add_argument("--hedge-fraction", type=float, default=None,
                     help="RequestPolicy.hedge_fraction of the ucp readers (default: the policy's)")
     ap.add_argument("--repeats", type=int, default=1, help="loads per (scenario, reader), interleaved; medians reported")

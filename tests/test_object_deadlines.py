@@ -211,16 +211,16 @@ def test_no_hedge_beyond_the_budget(s3_proxy: Any) -> None:
     assert store.stats.hedges == 0 and store.stats.hedged_bytes == 0, store.stats
 
 
-def test_part_bytes_is_a_quarter_of_the_hedge_budget_within_the_policy_bounds() -> None:
+def test_part_bytes_is_half_the_hedge_budget_within_the_policy_bounds() -> None:
     from ucp_dcp.byteio.objrequests import RequestScheduler
     from ucp_dcp.byteio.reqpolicy import RetryPolicy
 
     policy = RequestPolicy(hedge_allowance_bytes=0, min_request_bytes=1 << 20, max_request_bytes=8 << 20)
     sched = RequestScheduler(policy, RetryPolicy())
-    assert sched.part_bytes(64 << 20) == 1 << 20  # 5% of 64 MiB / 4 = 0.8 MiB: the least part
-    assert sched.part_bytes(320 << 20) == 4 << 20  # 5% of 320 MiB / 4
-    sched.expect(640 << 20)  # a read of 640 MiB is under way: the budget counts it from now
-    assert sched.part_bytes(64 << 20) == 8 << 20  # 5% of 640 MiB / 4
+    assert sched.part_bytes(32 << 20) == 1 << 20  # 5% of 32 MiB / 2 = 0.8 MiB: the least part
+    assert sched.part_bytes(160 << 20) == 4 << 20  # 5% of 160 MiB / 2
+    sched.expect(320 << 20)  # a read of 320 MiB is under way: the budget counts it from now
+    assert sched.part_bytes(32 << 20) == 8 << 20  # 5% of 320 MiB / 2
     sched.stats.bytes_requested = 10 << 30  # later in a load of 10 GiB
     assert sched.part_bytes(0) == 8 << 20  # the most
     no_hedge = RequestScheduler(dataclasses.replace(policy, hedge=False), RetryPolicy())

@@ -31,7 +31,7 @@ One rank's requests to one checkpoint go through one :class:`RequestScheduler`
   :class:`ObjectStats`; a hedge in flight holds its whole size of that budget
   until its try ends. So that a slow part of a large GET fits that budget,
   :class:`~ucp_dcp.byteio.objstore.ObjectStore` sends a long range as parts
-  of :meth:`RequestScheduler.part_bytes` (a quarter of the budget, between
+  of :meth:`RequestScheduler.part_bytes` (half the budget, between
   :attr:`RequestPolicy.min_request_bytes` and
   :attr:`RequestPolicy.max_request_bytes`), concurrently.
 * **bounded**: at most :attr:`RequestPolicy.max_in_flight` requests of the
@@ -199,9 +199,10 @@ class RequestScheduler:
         return max(p.hedge_floor_s, p.hedge_factor * expected)
 
     def part_bytes(self, batch_bytes: int) -> int:
-        """The most bytes one GET of a batch of ``batch_bytes`` asks for: a quarter of the hedge
-        budget once the batch is counted, within the policy's ``min_request_bytes`` and
-        ``max_request_bytes`` (without hedging: ``max_request_bytes``)."""
+        """The most bytes one GET of a batch of ``batch_bytes`` asks for: half the hedge budget
+        once the batch is counted (two hedges of a part fit in flight at once; each gives the
+        budget back, less what its loser received, when its race ends), within the policy's
+        ``min_request_bytes`` and ``max_request_bytes`` (without hedging: ``max_request_bytes``)."""
         p = self.policy
         if not p.hedge:
             return p.max_request_bytes
@@ -209,7 +210,7 @@ class RequestScheduler:
             p.hedge_fraction * max(self.stats.bytes_requested + batch_bytes, self._expected),
             p.hedge_allowance_bytes,
         )
-        return int(min(p.max_request_bytes, max(p.min_request_bytes, budget // 4)))
+        return int(min(p.max_request_bytes, max(p.min_request_bytes, budget // 2)))
 
     def expect(self, nbytes: int) -> None:
         """A read of ``nbytes`` is under way (a load's planned ranges, fetched in windows): the

@@ -63,12 +63,13 @@ class RequestPolicy:
     requests of its size, else its size at the median throughput), within the floor and cap."""
     max_request_bytes: int = 8 << 20
     """A ranged GET of more bytes is sent as parts, concurrently (within ``max_in_flight``), each
-    with its own deadline and hedge. A part is at most this long, and at most a quarter of the
-    hedge budget (:meth:`~ucp_dcp.byteio.objrequests.RequestScheduler.part_bytes`): a slow part
-    can then be hedged, which a GET of several MB in a load of a hundred MB would not fit."""
-    min_request_bytes: int = 1 << 20
-    """Parts are at least this long (a part costs a round trip; on S3 one of about 1 MiB takes
-    little more than the round trip itself)."""
+    with its own deadline and hedge. A part is at most this long, and at most half the hedge
+    budget (:meth:`~ucp_dcp.byteio.objrequests.RequestScheduler.part_bytes`): a slow part can
+    then be hedged, which a GET of several MB in a load of a hundred MB would not fit."""
+    min_request_bytes: int = 2 << 20
+    """Parts are at least this long: a part costs a round trip (on S3 one of about 1 MiB takes
+    little more than the round trip itself), and on the benchmark's server a load of 64 MB per
+    rank in parts of 1 MiB took 1.3-1.45x its time in parts of 2 MiB (docs/object-storage.md)."""
     hedge: bool = True
     """Send a second, identical ranged GET for one that is slow (reads only)."""
     hedge_factor: float = 4.0
