@@ -177,7 +177,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "policy": {"deadline_floor_s": args.floor_s, "deadline_factor": args.deadline_factor,
                    **({"max_request_bytes": args.max_request_kib << 10} if args.max_request_kib else {}),
                    **({"min_request_bytes": args.min_request_kib << 10} if args.min_request_kib else {}),
-                   **({"hedge_fraction": args.hedge_fraction} if args.hedge_fraction is not None else {})},
+                   **({"hedge_fraction": args.hedge_fraction} if args.hedge_fraction is not None else {}),
+                   **{k: float(v) for k, v in (kv.split("=", 1) for kv in args.policy)}},
         "repeats": args.repeats, "slow_kind": args.slow_kind,
         "server": "moto, stock (a ranged GET reads the whole object)" if args.stock_moto
         else "moto, ranged GETs read only their range (harness.objstore._RANGED_READS)",
@@ -318,6 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="RequestPolicy.max_request_bytes of the ucp readers, in KiB (default: the policy's)")
     ap.add_argument("--min-request-kib", type=int, default=None,
                     help="RequestPolicy.min_request_bytes of the ucp readers, in KiB (default: the policy's)")
+    ap.add_argument("--policy", action="append", default=[], metavar="NAME=VALUE",
+                    help="another RequestPolicy field of the ucp readers (a number), e.g. hedge_factor=3")
     ap.add_argument("--hedge-fraction", type=float, default=None,
                     help="RequestPolicy.hedge_fraction of the ucp readers (default: the policy's)")
     ap.add_argument("--repeats", type=int, default=1, help="loads per (scenario, reader), interleaved; medians reported")

@@ -17,9 +17,9 @@ One rank's requests to one checkpoint go through one :class:`RequestScheduler`
 * **hedged reads**: a ranged GET that takes longer than
   :attr:`RequestPolicy.hedge_factor` times the median time of requests of its
   size (before any is observed: :attr:`RequestPolicy.first_hedge_s`) gets a
-  second, identical request, and a third if that one is slow too
+  second, identical request, replaced by a third if it is slow too
   (:attr:`RequestPolicy.max_hedges`); the first complete answer wins and the
-  others are cancelled. It is judged
+  other is cancelled. It is judged
   again every 50 ms while it waits, against what completed since (its peers
   of the same batch). The hedge waits for a slot ahead of new requests
   (:class:`~ucp_dcp.byteio.objslots.Slots`). What hedging costs is the bytes
@@ -363,14 +363,17 @@ class RequestScheduler:
             return True
         return sum(1 for k in self._answered if k > seq) >= _LATER_ANSWERED
 
-    def _may_hedge(self, nbytes: int) -> bool:
+    def _may_hedge(self, nbytes: int, replaced: Received) -> bool:
         """Whether a hedge of ``nbytes`` fits the budget: what hedges cost so far, plus the whole
-        size of each hedge in flight (its try has not ended: either answer may still lose)."""
+        size of each hedge in flight (its try has not ended: either answer may still lose). A
+        hedge that replaces one in flight (``replaced``, sent unless it is empty) takes over its
+        share, and adds what that one received."""
         s = self.stats
         p = self.policy
         load = max(s.bytes_requested, self._expected)
         budget = max(p.hedge_fraction * load, p.hedge_allowance_bytes)
-        return s.hedge_extra_bytes + self._hedges_held + nbytes <= budget
+        more = replaced.cost(nbytes) if replaced.sent else nbytes
+        return s.hedge_extra_bytes + self._hedges_held + more <= budget
 
     async def _request(self, make: Make[_T], got: Received) -> tuple[_T, float]:
         """``make(got)``'s answer and when it was sent (its slot is held, and freed by the
@@ -391,9 +394,10 @@ class RequestScheduler:
             self._free()
 
     async def _try(self, make: Make[_T], nbytes: int | None, t: _Try) -> tuple[_T, float]:
-        """One try: the request, and its hedges if it is slow (another each time the last one sent
-        is slow too, up to ``max_hedges``); the first complete answer wins. Returns the answer and
-        the seconds it took (the winner's own time)."""
+        """One try: the request, and a hedge if it is slow; a hedge that is slow too is replaced
+        by a new one (up to ``max_hedges`` sent), so that one hedge at most is in flight beside
+        the request. The first complete answer wins. Returns the answer and the seconds it took
+        (the winner's own time)."""
         await self._slot()  # waiting for a slot is not the request's time
         self._trying += 1
         start = time.monotonic()
@@ -405,7 +409,9 @@ class RequestScheduler:
         first.add_done_callback(lambda _: self._free())
         t.tasks.append(first)
         pending: set[asyncio.Future[Any]] = {first}
-        hedges: list[tuple[asyncio.Future[Any], Received]] = []
+        hedge: asyncio.Future[Any] | None = None  # the hedge in flight
+        hedge_got = Received()
+        sent = 0  # hedges sent
         last = start  # when the last request of the try (the GET, or its last hedge) was sent
         won: asyncio.Future[Any] | None = None
         until = start + t.deadline_s
@@ -416,17 +422,24 @@ class RequestScheduler:
                 if now >= until:
                     raise DeadlineExceeded(f"no answer within {t.deadline_s:.2f} s")
                 wait = until - now
-                if len(hedges) < self.policy.max_hedges and t.hedge and nbytes is not None:
+                # (A hedge still waiting for a slot is not judged: it has not been slow yet.)
+                judge = hedge is None or hedge_got.sent
+                if sent < self.policy.max_hedges and t.hedge and nbytes is not None and judge:
                     # Judged again at every look: what completed since (its peers of the same
                     # batch, as they come in) tells how long this one should take.
                     due = last + self._hedge_after(nbytes)
-                    if now >= due and self._outlier(seq) and self._may_hedge(nbytes):
-                        # Its whole size is held from now until the try ends (below): another
-                        # GET judged meanwhile must not spend it too.
-                        self._hedges_held += nbytes
+                    if now >= due and self._outlier(seq) and self._may_hedge(nbytes, hedge_got):
+                        if hedge is None:
+                            # Its whole size is held from now until the try ends (below):
+                            # another GET judged meanwhile must not spend it too.
+                            self._hedges_held += nbytes
+                        else:  # a slow hedge is replaced: it costs what it received
+                            hedge.cancel()
+                            pending.discard(hedge)
+                            self.stats.hedge_extra_bytes += hedge_got.cost(nbytes)
                         hedge_got = Received()
                         hedge = asyncio.ensure_future(self._hedged(make, nbytes, hedge_got))
-                        hedges.append((hedge, hedge_got))
+                        sent += 1
                         t.tasks.append(hedge)
                         pending.add(hedge)
                         last = now
@@ -458,12 +471,11 @@ class RequestScheduler:
             self._trying -= 1
             for task in t.tasks:
                 task.cancel()  # a cancelled GET counts no more bytes (it never resumes)
-            if hedges and nbytes is not None:
-                # What the hedges cost: the answers that lost (when the try failed, the retry
-                # pays for the GET, and the hedges were the extra).
-                lost = hedges if won is None else [(first, got), *hedges]
-                self._hedges_held -= nbytes * len(hedges)
-                self.stats.hedge_extra_bytes += sum(g.cost(nbytes) for k, g in lost if k is not won)
+            if hedge is not None and nbytes is not None:
+                # What the hedge cost: the answer that lost (the hedge, unless it won; when the
+                # try failed, the retry pays for the GET and the hedge was the extra).
+                self._hedges_held -= nbytes
+                self.stats.hedge_extra_bytes += (got if won is hedge else hedge_got).cost(nbytes)
 
 
 class _Wrong(Exception):

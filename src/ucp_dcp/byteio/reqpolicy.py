@@ -72,18 +72,22 @@ class RequestPolicy:
     rank in parts of 1 MiB took 1.3-1.45x its time in parts of 2 MiB (docs/object-storage.md)."""
     hedge: bool = True
     """Send a second, identical ranged GET for one that is slow (reads only)."""
-    hedge_factor: float = 4.0
-    """A ranged GET is hedged once it has taken this many times the median time of its size."""
-    first_hedge_s: float = 0.25
+    hedge_factor: float = 3.0
+    """A ranged GET is hedged once it has taken this many times the median time of its size
+    (about the 95th percentile of an object store's GETs; an unneeded hedge costs at most the
+    budget)."""
+    first_hedge_s: float = 0.1
     """Before any request was observed, a GET is hedged after this long. Not the deadline's
     patient prior (``first_bytes_per_s``): a stalled first request of a load (a data file's
     header, read before anything else) held every rank 4 x 0.47 s at that rate. A hedge that
     was not needed costs the bytes its loser sent by then, a round trip's worth or none."""
     max_hedges: int = 2
-    """Hedges one try of a GET may send: another once the last one sent is slow too (a load's
-    slowed share of GETs slows that share of its hedges as well)."""
-    hedge_floor_s: float = 0.2
-    """No GET is hedged before it has taken this long (a round trip is not worth a hedge)."""
+    """Hedges one try of a GET may send: a hedge as slow as the GET it doubles is replaced by a
+    new one (a load's slowed share of GETs slows that share of its hedges as well). One hedge at
+    most is in flight beside the GET, so a try holds one hedge's size of the budget."""
+    hedge_floor_s: float = 0.1
+    """No GET is hedged before it has taken this long (a round trip is not worth a hedge: tens of
+    milliseconds on S3)."""
     hedge_fraction: float = 0.05
     """The bytes hedging costs stay within this fraction of the load's bytes (those requested so
     far, or those the read under way announced if more; or ``hedge_allowance_bytes`` while that
