@@ -157,9 +157,9 @@ def test_a_hedge_costs_the_bytes_its_loser_sent_not_its_size(s3_proxy: Any) -> N
     assert proxy.bytes_sent("GET") == 8 * piece + sent
 
 
-def test_a_slow_hedge_gets_a_hedge_of_its_own(s3_proxy: Any) -> None:
+def test_a_slow_hedge_is_replaced_by_another(s3_proxy: Any) -> None:
     """A slowed GET whose hedge is slowed too (each of a load's GETs, hedges included, is as likely
-    to be): a second hedge is sent once the first has taken as long, and answers."""
+    to be): once the hedge has taken as long, it is cancelled and another sent, which answers."""
     _, _, proxy = s3_proxy
     piece = 64 << 10
     store, data, ranges = _warmed(s3_proxy, PATIENT, piece, 32)
