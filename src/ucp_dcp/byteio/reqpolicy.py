@@ -99,7 +99,7 @@ class RequestPolicy:
     """Hedging's cost allowed before ``hedge_fraction`` amounts to as much: a stalled request
     among the first of a load (a data file's header and block checksums, a few hundred KiB
     for a large file) can be hedged. Not added to the fraction: a load of at least 20 times
-    this hedges at most ``hedge_fraction`` of its bytes."""
+    this wastes at most ``hedge_fraction`` of its bytes on hedges."""
     max_in_flight: int = 8
     """Requests of one rank in flight at once (hedges included): a job of thousands of ranks
     must not open a burst of connections per rank to one prefix."""
