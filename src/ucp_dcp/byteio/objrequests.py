@@ -363,16 +363,16 @@ class RequestScheduler:
             return True
         return sum(1 for k in self._answered if k > seq) >= _LATER_ANSWERED
 
-    def _may_hedge(self, nbytes: int, replaced: Received) -> bool:
+    def _may_hedge(self, nbytes: int, replaced: Received | None) -> bool:
         """Whether a hedge of ``nbytes`` fits the budget: what hedges cost so far, plus the whole
         size of each hedge in flight (its try has not ended: either answer may still lose). A
-        hedge that replaces one in flight (``replaced``, sent unless it is empty) takes over its
+        hedge that replaces one in flight (``replaced``: what that one received) takes over its
         share, and adds what that one received."""
         s = self.stats
         p = self.policy
         load = max(s.bytes_requested, self._expected)
         budget = max(p.hedge_fraction * load, p.hedge_allowance_bytes)
-        more = replaced.cost(nbytes) if replaced.sent else nbytes
+        more = nbytes if replaced is None else replaced.cost(nbytes)
         return s.hedge_extra_bytes + self._hedges_held + more <= budget
 
     async def _request(self, make: Make[_T], got: Received) -> tuple[_T, float]:
@@ -428,7 +428,8 @@ class RequestScheduler:
                     # Judged again at every look: what completed since (its peers of the same
                     # batch, as they come in) tells how long this one should take.
                     due = last + self._hedge_after(nbytes)
-                    if now >= due and self._outlier(seq) and self._may_hedge(nbytes, hedge_got):
+                    replaced = None if hedge is None else hedge_got
+                    if now >= due and self._outlier(seq) and self._may_hedge(nbytes, replaced):
                         if hedge is None:
                             # Its whole size is held from now until the try ends (below):
                             # another GET judged meanwhile must not spend it too.

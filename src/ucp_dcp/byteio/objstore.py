@@ -229,7 +229,7 @@ class ObjectStore:
                 return None
             return f"needed bytes [{start}, {end}) but got {len(data)}"
 
-        data = await self.scheduler.run(
+        return await self.scheduler.run(
             lambda got: _cat_counted(self.fs, path, start, end, got),
             n,
             where=self.url_of(name),
@@ -237,7 +237,6 @@ class ObjectStore:
             hedge=ranged,
             check=check,
         )
-        return bytes(data)
 
     async def _get_all(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
         """Scheduled GETs of every range; the first failure cancels the others and is raised."""

@@ -69,7 +69,7 @@ class RequestPolicy:
     min_request_bytes: int = 2 << 20
     """Parts are at least this long: a part costs a round trip (on S3 one of about 1 MiB takes
     little more than the round trip itself), and on the benchmark's server a load of 64 MB per
-    rank in parts of 1 MiB took 1.3-1.45x its time in parts of 2 MiB (docs/object-storage.md)."""
+    rank in parts of 1 MiB took 1.29x its time in parts of 2 MiB (docs/object-storage.md)."""
     hedge: bool = True
     """Send a second, identical ranged GET for one that is slow (reads only)."""
     hedge_factor: float = 3.0
