@@ -258,8 +258,16 @@ def test_user_rules_override_wrong_patterns_of_the_checkpoint(
     still place the rest."""
 
     def no_rows(info: dict[str, Any]) -> dict[str, Any]:
+        # Without its affine map too (as DeepSpeed wrote it before 0.18): the map decides first.
+        info = {k: v for k, v in info.items() if k != "affine_map"}
         return {**info, "parameter_with_row_parallelism_patterns": []}
 
+    # With the map, as ds_to_universal: the map places o_proj whatever the patterns say.
+    d = _stripped(tmp_path / "map", lambda i: {**i, "parameter_with_row_parallelism_patterns": []})
+    assert open_source(d).index.tensors["model.model.layers.0.self_attn.o_proj.weight"].shape == (
+        32,
+        32,
+    )
     d = _stripped(tmp_path, no_rows)
     assert open_source(d).index.tensors["model.model.layers.0.self_attn.o_proj.weight"].shape == (
         64,
@@ -305,12 +313,15 @@ def test_missing_and_wrong_user_rules_are_refused_naming_the_parameter(tmp_path:
     assert str(e.value) == (
         f"tp_rules: no parameter of {d / 'step2'} matches Replicated('layernorm\\\\.bias')"
     )
-    with pytest.raises(InvalidArgumentError) as e:
-        DeepSpeedSource(str(d), tp_rules=[Fused(r"qkv", dim=0, parts={"q": 4, "k": 4})])
+    # A fused layout whose parts do not fit the slices.
+    with pytest.raises(CheckpointFormatError) as e:
+        DeepSpeedSource(
+            str(d), tp_rules=[Fused(r"gate_proj", dim=0, parts={"a": 30, "b": 20}), *RULES]
+        )
     assert str(e.value) == (
-        "tp_rules: Fused('qkv', parts={'q': 4, 'k': 4}) is not a tensor-parallel partitioning "
-        "rule: expected one of Shard, VocabPad, Replicated, Averaged (fused sub-parameter "
-        "layouts are not supported)"
+        f"{states}: 'model.layers.0.mlp.gate_proj.weight': tp_rules' Fused('gate_proj', "
+        "parts={'a': 30, 'b': 20}) has parts of widths [30, 20] adding up to 50, but its 2 "
+        "slices of 24 along dimension 0 join to 48"
     )
     with pytest.raises(InvalidArgumentError) as e:
         DeepSpeedSource(
@@ -324,7 +335,7 @@ def test_missing_and_wrong_user_rules_are_refused_naming_the_parameter(tmp_path:
         DeepSpeedSource(str(d), tp_rules="Shard")
     assert str(e.value) == (
         "tp_rules: expected a LayoutSpec or a list of layout rules (Shard, VocabPad, "
-        "Replicated), got str"
+        "Replicated, Averaged, Fused), got str"
     )
 
 

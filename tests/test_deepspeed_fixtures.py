@@ -37,6 +37,7 @@ DOCUMENTED_GLOBALS = {
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
     ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ("deepspeed.checkpoint.universal_checkpoint", "SubparamShape"),
 }
 
 
@@ -58,6 +59,7 @@ _ZeroStageEnum.__module__, _ZeroStageEnum.__qualname__ = "deepspeed.runtime.zero
 _STANDINS = [
     _standin("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
     _standin("deepspeed.utils.tensor_fragment", "fragment_address"),
+    _standin("deepspeed.checkpoint.universal_checkpoint", "SubparamShape"),
     _ZeroStageEnum,
 ]
 

@@ -635,7 +635,7 @@ def test_damaged_universal_folders_name_the_file_and_what_is_missing(tmp_path: P
         open_source(d)
     assert str(e.value) == (
         f"{zero / '1.fc2.weight' / 'fp32.pt'}: cat_dim 0, but universal_checkpoint_info joins "
-        "'1.fc2.weight' along dimension 1"
+        "'1.fc2.weight' along dimension 1 (parameter_with_row_parallelism_patterns)"
     )
     _resave(zero / "1.fc2.weight" / "fp32.pt", cat_dim=1)
     # A merged tensor of the wrong shape (one slice only).

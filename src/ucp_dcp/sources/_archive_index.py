@@ -19,6 +19,7 @@ import torch
 from ..core.sharding import Box
 from ..errors import CheckpointFormatError
 from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord
+from ._ds_average import MEAN_FILE_NAME, MeanFile, MeanTensor
 from ._pickle import TensorRef
 from ._torch_archive import TorchArchive
 from ._zero_layout import Segment, segment_boxes
@@ -29,16 +30,32 @@ __all__ = ["ArchiveIndex", "Placement", "check_sizes", "numel"]
 
 class Placement(Protocol):
     """Where the boxes of one slice of a tensor go in the full tensor (e.g. a tensor-parallel
-    slice, :class:`~ucp_dcp.sources._ds_tp.TPSlice`)."""
+    slice, :class:`~ucp_dcp.sources._ds_tp.TPSlice`), or, ``averaged``, that the full tensor
+    is the mean of the slices (``rank``: this one's position among them)."""
+
+    @property
+    def rank(self) -> int:
+        """The slice's position among the tensor's slices."""
+        ...
+
+    @property
+    def averaged(self) -> bool:
+        """Whether the full tensor is the slices' mean (no box of it is this slice's)."""
+        ...
 
     @property
     def full_shape(self) -> tuple[int, ...]:
         """The full tensor's shape."""
         ...
 
-    def place(self, box: Box) -> Box | None:
-        """The full tensor's box filled by the first elements of the slice's ``box`` (None:
-        none of them are kept)."""
+    @property
+    def local(self) -> tuple[int, ...]:
+        """The slice's shape, as its elements are laid out."""
+        ...
+
+    def place(self, box: Box) -> list[tuple[int, Box]]:
+        """The full tensor's boxes that the slice's ``box`` fills, each with the offset in
+        ``box``'s elements of the contiguous run that fills it."""
         ...
 
 
@@ -58,11 +75,16 @@ class ArchiveIndex:
         self.tensors: dict[str, TensorRecord] = {}
         self.values: dict[str, Any] = {}
         self.paths: dict[str, tuple[str | int, ...]] = {}
+        # key -> rank -> (dtype, slice shape, chunks in the slice): tensors to average
+        self.operands: dict[str, dict[int, tuple[torch.dtype, tuple[int, ...], list[ChunkRecord]]]]
+        self.operands = {}
+        self.means: MeanFile | None = None
         for a in archives:
             self.add_archive(a)
 
     def add_archive(self, archive: TorchArchive) -> None:
         """Make ``archive`` the next data file."""
+        assert self.means is None, "the computed file comes after every archive"
         self.file_of[id(archive)] = len(self.archives)
         self.archives.append(archive)
 
@@ -84,6 +106,8 @@ class ArchiveIndex:
         files = [
             FileRecord(_relative(a.path, root), r, a.size) for a, r in zip(self.archives, ranks)
         ]
+        if self.means is not None:
+            files.append(FileRecord(MEAN_FILE_NAME, 0, self.means.size))
         values = {k: Location(0, 0, 0, "") for k in self.values}
         return Index(world_size, files, self.tensors, values, {}, paths=dict(self.paths))
 
@@ -128,11 +152,15 @@ class ArchiveIndex:
         """``key`` of ``shape`` lies in flat buffers: ``buffer_of(seg)`` gives ``(archive, tensor)``
         of a segment.
 
-        With ``place`` (a tensor-parallel slice of ``shape``), the boxes go where it puts
-        them in its full tensor, added to the chunks other slices gave ``key``.
+        With ``place`` (a tensor-parallel slice of ``shape``, laid out as ``place.local``: the
+        same elements), the boxes go where it puts them in its full tensor, added to the chunks
+        other slices gave ``key``.
         """
+        if place is not None:
+            shape = place.local
         chunks: list[ChunkRecord] = []
         dtype = None
+        to = None if place is None or place.averaged else place  # an operand keeps its boxes
         for seg in segs:
             archive, t = buffer_of(seg)
             dtype = t.dtype if dtype is None else dtype
@@ -141,9 +169,11 @@ class ArchiveIndex:
                     f"{archive.path}: {what} is stored as both {dtype} and {t.dtype}"
                 )
             for box, off in segment_boxes(shape, seg):
-                chunks += self._chunk(archive, t, box, off, what, place)
+                chunks += self._chunk(archive, t, box, off, what, to)
         # An empty parameter has no element stored anywhere, and no chunks.
-        if place is None:
+        if place is not None and place.averaged:
+            self.operand(key, path, dtype or torch.float32, place, chunks)
+        elif place is None:
             self.add(key, path, dtype or torch.float32, shape, chunks)
         else:
             self.extend(key, path, dtype or torch.float32, place.full_shape, chunks)
@@ -157,11 +187,63 @@ class ArchiveIndex:
         place: Placement,
         what: str,
     ) -> None:
-        """Tensor ``t``, a tensor-parallel slice, put where ``place`` says in ``key``."""
-        box = Box((0,) * len(t.size), tuple(t.size))
+        """Tensor ``t``, a tensor-parallel slice (laid out as ``place.local``), put where
+        ``place`` says in ``key``."""
+        box = Box((0,) * len(place.local), tuple(place.local))
+        if place.averaged:
+            self.operand(key, path, t.dtype, place, self._chunk(archive, t, box, 0, what, None))
+            return
         self.extend(
             key, path, t.dtype, place.full_shape, self._chunk(archive, t, box, 0, what, place)
         )
+
+    def operand(
+        self,
+        key: str,
+        path: tuple[str | int, ...],
+        dtype: torch.dtype,
+        place: Placement,
+        chunks: list[ChunkRecord],
+    ) -> None:
+        """``chunks`` (boxes of the slice) are slice ``place.rank`` of ``key``, the mean of its
+        slices: recorded by :meth:`finish_means`."""
+        self.operands.setdefault(key, {})[place.rank] = (dtype, tuple(place.local), chunks)
+        self.paths[key] = path
+
+    def finish_means(self, degree: int, where: str) -> None:
+        """Record each averaged tensor (the mean of its ``degree`` slices) as a byte range of
+        the computed file that comes after the archives (:mod:`._ds_average`)."""
+        if not self.operands:
+            return
+        file = len(self.archives)
+        tensors, offset = [], 0
+        for key in sorted(self.operands):
+            slices = self.operands[key]
+            gone = sorted(set(range(degree)) - set(slices))
+            if gone:
+                raise CheckpointFormatError(
+                    f"{where}: {key} is the mean of its tensor-parallel slices, but "
+                    f"tensor-parallel rank(s) {gone} hold none"
+                )
+            kinds = {(d, s) for d, s, _ in slices.values()}
+            if len(kinds) != 1:
+                raise CheckpointFormatError(
+                    f"{where}: {key} is the mean of its tensor-parallel slices, which are "
+                    f"{sorted(f'{d} {list(s)}' for d, s in kinds)}: not one dtype and shape"
+                )
+            dtype, shape = kinds.pop()
+            ops = tuple(
+                tuple((c.box, c.location) for c in slices[r][2] if c.location is not None)
+                for r in range(degree)
+            )
+            mean = MeanTensor(key, offset, dtype, shape, ops)
+            tensors.append(mean)
+            box = Box((0,) * len(shape), shape)
+            loc = Location(file, offset, mean.nbytes, "")
+            chunks = [ChunkRecord(box, loc)] if mean.nbytes else []
+            self.add(key, self.paths[key], dtype, shape, chunks)
+            offset += mean.nbytes
+        self.means = MeanFile(file, tensors)
 
     def _chunk(
         self,
@@ -174,11 +256,11 @@ class ArchiveIndex:
     ) -> list[ChunkRecord]:
         if place is None:
             return [ChunkRecord(box, self.location(archive, t, off, box.numel, what))]
-        full = place.place(box)
-        if full is None or not full.numel:
-            return []
-        # A placed box keeps a prefix of the slice box's elements (see Placement.place).
-        return [ChunkRecord(full, self.location(archive, t, off, full.numel, what))]
+        return [
+            ChunkRecord(full, self.location(archive, t, off + at, full.numel, what))
+            for at, full in place.place(box)
+            if full.numel
+        ]
 
     def extend(
         self,
@@ -218,6 +300,8 @@ def check_sizes(source: Source) -> list[str]:
     problems = []
     store = source.store
     for p, f in zip(source.paths, source.index.files):
+        if f.name == MEAN_FILE_NAME:
+            continue  # computed, in no storage
         try:
             size = store.size(store.name_of(p)) if store is not None else os.path.getsize(p)
         except OSError as e:  # a StorageError too: it names the URL

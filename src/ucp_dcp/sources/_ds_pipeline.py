@@ -101,8 +101,11 @@ def place_entries(
                 continue  # the fp32 master weight (or a tied alias), or a tied layer's copy
             key, path, what = f"model.{name}", ("model", name), f"layer entry {entry!r}"
             sl = rules.slice_of(name, f.rank, tp, t.size) if rules is not None else None
-            if sl is None or sl.dim is None:
+            if sl is None or (sl.replicated and sl.full_shape == sl.local):
                 if f.rank == 0:
                     b.whole(key, path, f.archive, t, t.size, what)
+            elif sl.replicated:
+                if f.rank == 0:
+                    b.placed_whole(key, path, f.archive, t, sl, what)
             else:
                 b.placed_whole(key, path, f.archive, t, sl, what)

@@ -1,142 +1,321 @@
-"""Where each tensor-parallel slice of a DeepSpeed parameter lies in the full one (rules only).
+"""Where each tensor-parallel slice of a DeepSpeed parameter lies in the merged one (rules only).
 
-A Megatron-DeepSpeed checkpoint with tensor parallelism ``T`` holds, per
-model-parallel rank, *slices*: each parameter is cut evenly along one
-dimension (column-parallel: 0, row-parallel: 1), or replicated, and the
-vocabulary-parallel embedding has padding rows at the end. Which is which is
-not in the tensors; the checkpoint says it in ``universal_checkpoint_info``
-(the patterns ``ds_to_universal`` reads, matched with :func:`re.match` against
-the engine module's names):
+A Megatron-DeepSpeed (or AutoTP) checkpoint with tensor parallelism ``T`` holds, per
+model-parallel rank, *slices* of each parameter. Which slice goes where is not in the tensors;
+the checkpoint says it in ``universal_checkpoint_info``, whose keys ``ds_to_universal`` reads
+(:data:`INFO_KEYS` pins their names as ``deepspeed.checkpoint.constants`` spells them). Its
+``merge_tp_slices`` merges each parameter by the first of these rules that matches (patterns
+:func:`re.match`-ed against the engine module's names):
 
-* ``tp_replicated_parameter_patterns``: every rank holds the whole parameter
-  (read from rank 0);
-* ``parameter_with_row_parallelism_patterns``: joined along dimension 1;
-* ``vocabulary_parameter_patterns``: joined along 0, then cut to
-  ``original_vocab_size`` rows;
-* ``parameter_to_average_patterns``: the mean of the slices, which is no byte
-  range and is refused;
-* anything else: joined along dimension 0.
+1. ``affine_map``: pieces of each rank's slice, each a box of the merged tensor;
+2. ``tp_replicated_parameter_patterns``: every rank holds the whole parameter (read from
+   tensor-parallel rank 0);
+3. ``parameter_to_average_patterns``: the mean of the slices, ``sum(slices) / len(slices)``
+   (computed at load time: :mod:`._ds_average`);
+4. ``parameter_with_2_sub_params_cat_dim_0``: each slice is ``[a_k; b_k]`` (SwiGLU's fused
+   ``dense_h_to_4h``), the merged tensor ``[a_0 .. a_n; b_0 .. b_n]``;
+5. ``parameter_with_sub_params``: a ``SubparamShape`` (fused QKV under GQA): along its
+   ``partition_dim`` each slice holds its share (``sub_param_shard_widths``) of every
+   sub-parameter, the merged tensor each sub-parameter whole, one after the other;
+6. ``parameter_with_row_parallelism_patterns``: joined along dimension 1;
+7. anything else: joined along dimension 0;
 
-:func:`tp_rules` reads those patterns; :meth:`TPRules.slice_of` places one
-rank's slice (:class:`TPSlice`), whose :meth:`TPSlice.place` maps a box of the
-slice to the box of the full tensor it fills.
+and then cuts a parameter matching ``vocabulary_parameter_patterns`` to
+``original_vocab_size`` rows. Every rule but the mean is a re-ordering: :class:`TPSlice` lists
+the pieces of one slice as pairs of boxes (of the slice, of the merged tensor), so a rank of
+any new layout reads exactly the bytes of the pieces it needs.
 
-Where the checkpoint has no such patterns (Megatron-style code that never
-recorded them), or wrong ones, the user supplies rules (:func:`user_tp_rules`):
-the layout rules of :mod:`ucp_dcp.adapters.rules` (``Shard(pattern, dim=d)``,
-``VocabPad(pattern, size=n)``, ``Replicated(pattern)``), a ``LayoutSpec``
-holding them, or their JSON form (``Rule.to_json()``). They are read as data
-(``to_json``), so this layer imports nothing of ``adapters``. A user rule is
-``re.search``-ed in the engine name, the first match decides (as in a
-``LayoutSpec``), and it wins over the checkpoint's patterns.
+A key of ``universal_checkpoint_info`` this reader does not know is refused, naming it: a key
+it ignored could change the merge (the reason the rule-4 key once went unseen).
+
+Where the checkpoint has no such patterns (Megatron-style code that never recorded them), or
+wrong ones, the user supplies rules (:func:`user_tp_rules`): the layout rules of
+:mod:`ucp_dcp.adapters.rules` (``Shard(pattern, dim=d)``, ``VocabPad(pattern, size=n)``,
+``Replicated(pattern)``, ``Averaged(pattern)``, ``Fused(pattern, dim=d, parts={...})``), a
+``LayoutSpec`` holding them, or their JSON form (``Rule.to_json()``). They are read as data
+(``to_json``), so this layer imports nothing of ``adapters``. A user rule is ``re.search``-ed
+in the engine name, the first match decides (as in a ``LayoutSpec``), and it wins over the
+checkpoint's patterns.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.sharding import Box
+from ..core.sharding import Box, intersect
 from ..errors import CheckpointFormatError, InvalidArgumentError
 
-__all__ = ["TPRule", "TPRules", "TPSlice", "tp_rules", "user_tp_rules"]
+__all__ = [
+    "INFO_KEYS",
+    "UNEVEN_RULES",
+    "TPRule",
+    "TPRules",
+    "TPSlice",
+    "check_info_keys",
+    "tp_rules",
+    "user_tp_rules",
+]
 
-_INFO = "universal_checkpoint_info"
-_REPLICATED = "tp_replicated_parameter_patterns"
-_ROW = "parameter_with_row_parallelism_patterns"
-_VOCAB = "vocabulary_parameter_patterns"
-_AVERAGE = "parameter_to_average_patterns"
-# Layouts this reader does not place (fused sub-parameters, affine maps): refused by name.
-_UNSUPPORTED = (
-    "parameters_with_2_sub_params_cat_dim_0",
-    "parameter_with_sub_params",
-    "sub_param_shape",
-    "sub_param_shard_widths",
-    "affine_params",
-)
-# AutoTP's parameters it could not describe ({pattern: reason}): refused unless a user rule
-# places them.
-_AUTOTP_UNSUPPORTED = "autotp_unsupported_parameter_patterns"
+# The keys of universal_checkpoint_info, as deepspeed.checkpoint.constants names them (the
+# constant's name: the key). The fixture generators assert these against the installed
+# DeepSpeed; nothing else in the package spells them.
+INFO_KEYS: dict[str, str] = {
+    "UNIVERSAL_CHECKPOINT_INFO": "universal_checkpoint_info",
+    "UNIVERSAL_CHECKPOINT_VERSION_KEY": "universal_checkpoint_version",
+    "ORIGINAL_VOCAB_SIZE": "original_vocab_size",
+    "PADDED_VOCAB_SIZE": "padded_vocab_size",
+    "TP_REPLICATED_PARAMETER_PATTERNS": "tp_replicated_parameter_patterns",
+    "PARAMETER_TO_AVERAGE_PATTERNS": "parameter_to_average_patterns",
+    "PARAMETER_WITH_ROW_PARALLELISM_PATTERNS": "parameter_with_row_parallelism_patterns",
+    "VOCABULARY_PARAMETER_PATTERNS": "vocabulary_parameter_patterns",
+    "PIPELINE_REPLICATED_PARAMETER_PATTERNS": "pipeline_replicated_parameter_patterns",
+    "PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0": "parameter_with_2_sub_params_cat_dim_0",
+    "PARAMETER_WITH_SUB_PARAMS": "parameter_with_sub_params",
+    "SUB_PARAM_SHARD_WIDTHS": "sub_param_shard_widths",
+    "AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS": "autotp_unsupported_parameter_patterns",
+    "AFFINE_MAP": "affine_map",
+}
+_K = INFO_KEYS
+_INFO = _K["UNIVERSAL_CHECKPOINT_INFO"]
+_VERSION = _K["UNIVERSAL_CHECKPOINT_VERSION_KEY"]
+_REPLICATED = _K["TP_REPLICATED_PARAMETER_PATTERNS"]
+_ROW = _K["PARAMETER_WITH_ROW_PARALLELISM_PATTERNS"]
+_VOCAB = _K["VOCABULARY_PARAMETER_PATTERNS"]
+_AVERAGE = _K["PARAMETER_TO_AVERAGE_PATTERNS"]
+_TWO_SUB = _K["PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0"]
+_SUB = _K["PARAMETER_WITH_SUB_PARAMS"]
+_WIDTHS = _K["SUB_PARAM_SHARD_WIDTHS"]
+_AFFINE = _K["AFFINE_MAP"]
+_AUTOTP_UNSUPPORTED = _K["AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS"]
+# Keys that say how slices merge: any of them makes the checkpoint's rules complete.
+_RULE_KEYS = (_REPLICATED, _ROW, _VOCAB, _AVERAGE, _TWO_SUB, _SUB, _AFFINE)
+# The affine map format versions ds_to_universal reads (deepspeed.checkpoint.affine).
+_AFFINE_VERSIONS = (1,)
+# The rules that give each rank's widths, so slices of one parameter may differ in shape.
+UNEVEN_RULES = (_SUB, _AFFINE)
 # User rules this reader places (the adapters.rules class names).
-_USER_KINDS = ("Shard", "VocabPad", "Replicated", "Averaged")
+_USER_KINDS = ("Shard", "VocabPad", "Replicated", "Averaged", "Fused")
+
+Pieces = tuple[tuple[Box, Box], ...]
+
+
+def _shift(box: Box, dim: int, by: int) -> Box:
+    offsets = list(box.offsets)
+    offsets[dim] += by
+    return Box(tuple(offsets), box.sizes)
+
+
+def _runs(outer: Box, inner: Box) -> list[tuple[int, Box]]:
+    """``inner`` (inside ``outer``) as runs contiguous in ``outer``'s row-major order: each
+    with its element offset there. One run unless ``inner`` is narrower than ``outer`` in a
+    dimension after one where it spans more than one index."""
+    nd = len(outer.sizes)
+    k = max((d for d in range(nd) if inner.sizes[d] != outer.sizes[d]), default=-1)
+    strides = [math.prod(outer.sizes[d + 1 :]) for d in range(nd)]
+    lead = [range(inner.offsets[d], inner.offsets[d] + inner.sizes[d]) for d in range(max(k, 0))]
+    out = []
+    for idx in _product(lead):
+        offsets = list(idx) + list(inner.offsets[len(idx) :])
+        sizes = [1] * len(idx) + list(inner.sizes[len(idx) :])
+        off = sum((o - b) * s for o, b, s in zip(offsets, outer.offsets, strides))
+        out.append((off, Box(tuple(offsets), tuple(sizes))))
+    return out
+
+
+def _product(ranges: list[range]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for r in ranges:
+        out = [t + (i,) for t in out for i in r]
+    return out
 
 
 @dataclass(frozen=True)
 class TPSlice:
-    """Tensor-parallel rank ``rank``'s slice (of shape ``local``) of a parameter: joined along
-    ``dim`` (None: replicated), the full tensor cut to ``rows`` rows of dimension 0 (vocabulary
-    padding stripped; None: not cut)."""
+    """Tensor-parallel rank ``rank``'s slice (laid out as shape ``local``) of a parameter whose
+    merged shape is ``full_shape``: ``pieces`` pair a box of the slice with the box of the
+    merged tensor it fills (equal sizes). ``replicated``: every rank holds the whole tensor (read
+    from rank 0's); ``averaged``: the merged tensor is the mean of the slices (no pieces);
+    ``rule`` names what placed it; ``cat_dim`` the dimension ``ds_to_universal`` records that it
+    joined along (None where it records none)."""
 
     rank: int
     local: tuple[int, ...]
-    dim: int | None
-    degree: int
-    rows: int | None = None
+    full_shape: tuple[int, ...]
+    pieces: Pieces
+    rule: str
+    replicated: bool = False
+    averaged: bool = False
+    cat_dim: int | None = None
 
-    @property
-    def full_shape(self) -> tuple[int, ...]:
-        """The shape of the joined parameter."""
-        shape = list(self.local)
-        if self.dim is not None:
-            shape[self.dim] *= self.degree
-        if self.rows is not None:
-            shape[0] = self.rows
-        return tuple(shape)
+    def place(self, box: Box) -> list[tuple[int, Box]]:
+        """The boxes of the merged tensor that ``box`` (of the slice, contiguous in its
+        row-major order) fills, each with the offset in ``box``'s elements where its run
+        starts."""
+        out = []
+        for src, dst in self.pieces:
+            part = intersect(box, src)
+            if part is None:
+                continue
+            for off, run in _runs(box, part):
+                delta = [d - s for d, s in zip(dst.offsets, src.offsets)]
+                out.append((off, Box(tuple(o + x for o, x in zip(run.offsets, delta)), run.sizes)))
+        return out
 
-    def place(self, box: Box) -> Box | None:
-        """The box of the full tensor that ``box`` (of the slice) fills, or None when it lies in
-        the stripped padding. A cut box keeps the first elements of the slice's box (dimension
-        0 is its outermost), so its bytes are a prefix of the same run."""
-        offsets = list(box.offsets)
-        sizes = list(box.sizes)
-        if self.dim is not None:
-            offsets[self.dim] += self.rank * self.local[self.dim]
-        if self.rows is not None:
-            sizes[0] = min(sizes[0], self.rows - offsets[0])
-            if sizes[0] <= 0:
-                return None
-        return Box(tuple(offsets), tuple(sizes))
+    @staticmethod
+    def cut(local: tuple[int, ...], rows: int, rule: str = "vocabulary padding") -> TPSlice:
+        """A tensor of shape ``local`` whose first ``rows`` rows are kept (vocabulary padding
+        stripped)."""
+        full = (min(rows, local[0]),) + tuple(local[1:])
+        return TPSlice(0, local, full, ((Box((0,) * len(full), full),) * 2,), rule)
+
+
+def _joined(
+    rank: int, local: tuple[int, ...], dim: int, degree: int, rule: str, cat: int | None
+) -> TPSlice:
+    """Slices of equal shape ``local`` joined along ``dim``."""
+    full = list(local)
+    full[dim] *= degree
+    box = Box((0,) * len(local), local)
+    return TPSlice(
+        rank, local, tuple(full), ((box, _shift(box, dim, rank * local[dim])),), rule, cat_dim=cat
+    )
+
+
+def _sub_params(
+    rank: int,
+    local: tuple[int, ...],
+    dim: int,
+    widths: Sequence[Sequence[int]],
+    rule: str,
+    cat: int | None = None,
+) -> TPSlice:
+    """Along ``dim`` each slice holds, for every sub-parameter ``s``, ``widths[s][rank]`` of it;
+    the merged tensor holds the sub-parameters one after the other, each its ranks' shares in
+    rank order."""
+    sizes = [sum(w) for w in widths]
+    full = list(local)
+    full[dim] = sum(sizes)
+    pieces = []
+    pos = base = 0
+    for w, size in zip(widths, sizes):
+        n = w[rank]
+        if n:
+            sizes_ = list(local)
+            sizes_[dim] = n
+            off = [0] * len(local)
+            off[dim] = pos
+            src = Box(tuple(off), tuple(sizes_))
+            pieces.append((src, _shift(src, dim, base + sum(w[:rank]) - pos)))
+        pos += n
+        base += size
+    return TPSlice(rank, local, tuple(full), tuple(pieces), rule, cat_dim=cat)
+
+
+def _with_rows(sl: TPSlice, rows: int) -> TPSlice:
+    """``sl`` with the merged tensor cut to its first ``rows`` rows (``param[:rows]``)."""
+    full = (min(rows, sl.full_shape[0]),) + sl.full_shape[1:]
+    keep = Box((0,) * len(full), full)
+    pieces = []
+    for src, dst in sl.pieces:
+        d = intersect(dst, keep)
+        if d is None:
+            continue
+        pieces.append((Box(src.offsets, d.sizes), d))  # only dimension 0 shrinks, from the end
+    return TPSlice(
+        sl.rank, sl.local, full, tuple(pieces), sl.rule, sl.replicated, sl.averaged, sl.cat_dim
+    )
+
+
+@dataclass(frozen=True)
+class SubParams:
+    """A ``parameter_with_sub_params`` entry (``SubparamShape``): ``patterns`` whose merged
+    tensor has ``shape`` (``sizes``: each sub-parameter's size along ``dim``), each rank holding
+    ``widths[s][rank]`` of sub-parameter ``s``."""
+
+    patterns: tuple[str, ...]
+    shape: tuple[int, ...]  # -1: resolved from the slices' elements
+    dim: int
+    sizes: tuple[int, ...]
+    widths: tuple[tuple[int, ...], ...] | None  # None: an even split of each size
+
+
+@dataclass(frozen=True)
+class AffinePiece:
+    """One piece of an ``affine_map`` entry: ``src`` (of the rank's slice) fills ``dst`` (of the
+    merged tensor); ``holders``: the ranks that hold it."""
+
+    src: Box
+    dst: Box
+    holders: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AffineMap:
+    """An ``affine_map`` entry: the merged ``shape``, per rank its slice's shape and pieces."""
+
+    shape: tuple[int, ...]
+    ranks: Mapping[int, tuple[tuple[int, ...], tuple[AffinePiece, ...]]]
 
 
 @dataclass(frozen=True)
 class TPRule:
     """One user-supplied partitioning rule: parameters whose engine name ``pattern`` is
     ``re.search``-ed in are ``kind`` (an ``adapters.rules`` class name: ``Shard`` joined along
-    ``dim``, ``VocabPad`` joined along 0 and cut to ``size`` rows, ``Replicated``, ``Averaged``);
-    ``text`` is the rule as the user wrote it, for messages."""
+    ``dim``, ``VocabPad`` joined along 0 and cut to ``size`` rows, ``Replicated``, ``Averaged``,
+    ``Fused`` sub-parameters of global ``widths`` along ``dim``, or with ``groups`` grouped, so
+    joined along ``dim``); ``text`` is the rule as the user wrote it, for messages."""
 
     pattern: str
     kind: str
     dim: int = 0
     size: int = 0
     text: str = ""
+    widths: tuple[int, ...] = ()
+    groups: int | None = None
 
     def slice_of(
         self, where: str, name: str, rank: int, degree: int, local: tuple[int, ...]
     ) -> TPSlice:
         """Where ``rank``'s slice (shape ``local``) of ``name`` goes by this rule."""
+        rule = f"tp_rules' {self.text}"
+        box = Box((0,) * len(local), local)
         if self.kind == "Averaged":
-            raise CheckpointFormatError(
-                f"{where}: {name!r} matches tp_rules' {self.text}: its value is the mean of the "
-                "tensor-parallel slices, which cannot be read in place"
-            )
+            return TPSlice(rank, local, local, (), rule, averaged=True)
         if self.kind == "Replicated":
-            return TPSlice(rank, local, None, degree)
+            return TPSlice(rank, local, local, ((box, box),), rule, replicated=True)
         if not 0 <= self.dim < len(local):
             raise CheckpointFormatError(
                 f"{where}: {name!r} of shape {local} cannot be joined along dimension "
-                f"{self.dim} (tp_rules' {self.text})"
+                f"{self.dim} ({rule})"
             )
-        if self.kind == "Shard":
-            return TPSlice(rank, local, self.dim, degree)
+        if self.kind == "Shard" or (self.kind == "Fused" and self.groups is not None):
+            return _joined(rank, local, self.dim, degree, rule, self.dim)
+        if self.kind == "Fused":
+            bad = [w for w in self.widths if w % degree]
+            if bad:
+                raise CheckpointFormatError(
+                    f"{where}: {name!r}: {rule} has parts of widths {bad}, which do not split "
+                    f"evenly over {degree} tensor-parallel ranks"
+                )
+            if sum(self.widths) != local[self.dim] * degree:
+                raise CheckpointFormatError(
+                    f"{where}: {name!r}: {rule} has parts of widths {list(self.widths)} adding "
+                    f"up to {sum(self.widths)}, but its {degree} slices of {local[self.dim]} "
+                    f"along dimension {self.dim} join to {local[self.dim] * degree}"
+                )
+            widths = [[w // degree] * degree for w in self.widths]
+            return _sub_params(rank, local, self.dim, widths, rule)
         joined = local[0] * degree
         if self.size > joined:
             raise CheckpointFormatError(
-                f"{where}: {name!r}: tp_rules' {self.text} keeps {self.size} rows, but its "
+                f"{where}: {name!r}: {rule} keeps {self.size} rows, but its "
                 f"{degree} slices of {local[0]} rows join to {joined}"
             )
-        return TPSlice(rank, local, 0, degree, self.size)
+        return _with_rows(_joined(rank, local, 0, degree, rule, 0), self.size)
 
 
 def _rule_text(d: dict[str, Any]) -> str:
@@ -152,7 +331,7 @@ def _rule_text(d: dict[str, Any]) -> str:
 def user_tp_rules(rules: Any) -> tuple[TPRule, ...]:
     """The partitioning rules a user gives a DeepSpeed source: None, a ``LayoutSpec`` (its
     ``rules``), or a sequence of layout rules (``Shard``, ``VocabPad``, ``Replicated``,
-    ``Averaged``) or of their JSON dicts (``Rule.to_json()``). Anything else, and a
+    ``Averaged``, ``Fused``) or of their JSON dicts (``Rule.to_json()``). Anything else, and a
     ``VocabPad`` along a dimension other than 0, is refused naming the rule."""
     if rules is None:
         return ()
@@ -160,27 +339,27 @@ def user_tp_rules(rules: Any) -> tuple[TPRule, ...]:
         rules = rules.rules  # a LayoutSpec: its axes describe a rank of the new layout, not this
     if isinstance(rules, (str, bytes, dict)) or not hasattr(rules, "__iter__"):
         raise InvalidArgumentError(
-            f"tp_rules: expected a LayoutSpec or a list of layout rules (Shard, VocabPad, "
-            f"Replicated), got {type(rules).__name__}"
+            f"tp_rules: expected a LayoutSpec or a list of layout rules ({', '.join(_USER_KINDS)})"
+            f", got {type(rules).__name__}"
         )
     out = []
     for r in rules:
         d = r.to_json() if hasattr(r, "to_json") else r
         if not isinstance(d, dict) or not isinstance(d.get("pattern"), str):
             raise InvalidArgumentError(
-                f"tp_rules: {r!r} is not a layout rule (Shard, VocabPad, Replicated) or its JSON"
+                f"tp_rules: {r!r} is not a layout rule ({', '.join(_USER_KINDS)}) or its JSON"
             )
         text = r.describe() if hasattr(r, "describe") else _rule_text(d)
         if d.get("rule") not in _USER_KINDS:
             raise InvalidArgumentError(
                 f"tp_rules: {text} is not a tensor-parallel partitioning rule: expected one of "
-                f"{', '.join(_USER_KINDS)} (fused sub-parameter layouts are not supported)"
+                f"{', '.join(_USER_KINDS)}"
             )
         try:
             re.compile(d["pattern"])
         except re.error as e:
             raise InvalidArgumentError(f"tp_rules: {text}: {e}") from None
-        dim, size = d.get("dim", 0), d.get("size", 0)
+        dim, size, groups = d.get("dim", 0), d.get("size", 0), d.get("groups")
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (dim, size)):
             raise InvalidArgumentError(f"tp_rules: {text}: dim and size must be integers")
         if d["rule"] == "VocabPad" and (dim != 0 or size <= 0):
@@ -188,13 +367,26 @@ def user_tp_rules(rules: Any) -> tuple[TPRule, ...]:
                 f"tp_rules: {text}: vocabulary padding is cut along dimension 0 only, to a "
                 "positive size"
             )
-        out.append(TPRule(d["pattern"], d["rule"], dim, size, text))
+        widths: tuple[int, ...] = ()
+        if d["rule"] == "Fused":
+            parts = d.get("parts")
+            try:
+                widths = tuple(int(w) for _, w in parts)  # type: ignore[union-attr]
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(
+                    f"tp_rules: {text}: parts must be [name, width] pairs"
+                ) from None
+            if not widths or any(w <= 0 for w in widths):
+                raise InvalidArgumentError(f"tp_rules: {text}: parts need positive widths")
+            if groups is not None and (not isinstance(groups, int) or groups < 1):
+                raise InvalidArgumentError(f"tp_rules: {text}: groups must be a positive integer")
+        out.append(TPRule(d["pattern"], d["rule"], dim, size, text, widths, groups))
     return tuple(out)
 
 
 @dataclass(frozen=True)
 class TPRules:
-    """The partitioning patterns of one checkpoint (from ``where``), after the user's rules.
+    """The partitioning rules of one checkpoint (from ``where``), after the user's rules.
 
     ``missing`` says why the checkpoint's own patterns are absent (None: it has them); a
     parameter no rule places is then refused.
@@ -209,6 +401,9 @@ class TPRules:
     user: tuple[TPRule, ...] = ()
     missing: str | None = None
     unsupported: tuple[tuple[str, str], ...] = ()  # AutoTP's (pattern, reason)
+    two_sub: tuple[str, ...] = ()
+    sub: tuple[SubParams, ...] = ()
+    affine: tuple[tuple[str, AffineMap], ...] = ()
 
     def user_rule(self, name: str) -> TPRule | None:
         """The first user rule matching ``name``, if any."""
@@ -232,35 +427,160 @@ class TPRules:
         """The user rules (as written) that match none of ``names``."""
         return [r.text for r in self.user if not any(re.search(r.pattern, n) for n in names)]
 
-    def slice_of(self, name: str, rank: int, degree: int, local: tuple[int, ...]) -> TPSlice:
-        """Where ``rank``'s slice (shape ``local``) of parameter ``name`` goes."""
+    def is_averaged(self, name: str) -> bool:
+        """Whether the merged ``name`` is the mean of its slices (by the user's rule or the
+        checkpoint's)."""
+        rule = self.user_rule(name)
+        if rule is not None:
+            return rule.kind == "Averaged"
+        if self.missing is not None or any(re.match(p, name) for p, _ in self.affine):
+            return False
+        return not _match(self.replicated, name) and _match(self.average, name)
+
+    def slice_of(
+        self,
+        name: str,
+        rank: int,
+        degree: int,
+        local: tuple[int, ...],
+        total: int | None = None,
+    ) -> TPSlice:
+        """Where ``rank``'s slice (shape ``local``) of parameter ``name`` goes (``total``: the
+        elements of all its slices, where they may differ, for sub-parameter shapes)."""
         rule = self.user_rule(name)
         if rule is not None:
             return rule.slice_of(self.where, name, rank, degree, local)
         if self.missing is not None:
             raise _unknown_split(self.where, self.missing, [name], bool(self.user))
         self.check_supported([name])
-        if any(re.match(p, name) for p in self.average):
-            raise CheckpointFormatError(
-                f"{self.where}: {name!r} matches parameter_to_average_patterns: its value is the "
-                "mean of the tensor-parallel slices, which cannot be read in place"
-            )
-        if any(re.match(p, name) for p in self.replicated):
-            return TPSlice(rank, local, None, degree)
-        dim = 1 if any(re.match(p, name) for p in self.row) else 0
+        sl = self._merge(name, rank, degree, local, total)
+        if _match(self.vocab, name):
+            if self.vocab_rows is None:
+                raise CheckpointFormatError(
+                    f"{self.where}: {name!r} matches {_VOCAB} but {_INFO} has no "
+                    f"{_K['ORIGINAL_VOCAB_SIZE']}"
+                )
+            sl = _with_rows(sl, self.vocab_rows)
+        return sl
+
+    def _merge(
+        self, name: str, rank: int, degree: int, local: tuple[int, ...], total: int | None
+    ) -> TPSlice:
+        """ds_to_universal's merge of ``name``, before the vocabulary cut (its branch order)."""
+        box = Box((0,) * len(local), local)
+        amap = next((m for p, m in self.affine if re.match(p, name)), None)
+        if amap is not None:
+            return _affine_slice(self.where, name, amap, rank, local)
+        if _match(self.replicated, name):
+            return TPSlice(rank, local, local, ((box, box),), _REPLICATED, replicated=True)
+        if _match(self.average, name):
+            return TPSlice(rank, local, local, (), _AVERAGE, averaged=True)
+        if _match(self.two_sub, name):
+            if not local:
+                raise CheckpointFormatError(
+                    f"{self.where}: {name!r} matches {_TWO_SUB} but is a scalar"
+                )
+            first = -(-local[0] // 2)  # torch.chunk(s, 2): the first chunk takes the odd row
+            widths = [[first] * degree, [local[0] - first] * degree]
+            return _sub_params(rank, local, 0, widths, _TWO_SUB, 0)
+        sub = next((s for s in self.sub if any(re.match(p, name) for p in s.patterns)), None)
+        if sub is not None:
+            return _sub_param_slice(self.where, name, sub, rank, degree, local, total)
+        dim = 1 if _match(self.row, name) else 0
         if dim >= len(local):
             raise CheckpointFormatError(
                 f"{self.where}: {name!r} of shape {local} cannot be joined along dimension {dim}"
             )
-        rows = None
-        if any(re.match(p, name) for p in self.vocab):
-            if self.vocab_rows is None:
-                raise CheckpointFormatError(
-                    f"{self.where}: {name!r} matches vocabulary_parameter_patterns but "
-                    f"{_INFO} has no original_vocab_size"
-                )
-            rows = self.vocab_rows
-        return TPSlice(rank, local, dim, degree, rows)
+        return _joined(rank, local, dim, degree, _ROW if dim else "column-parallel", dim)
+
+
+def _match(patterns: tuple[str, ...], name: str) -> bool:
+    return any(re.match(p, name) for p in patterns)
+
+
+def _sub_param_slice(
+    where: str,
+    name: str,
+    sub: SubParams,
+    rank: int,
+    degree: int,
+    local: tuple[int, ...],
+    total: int | None,
+) -> TPSlice:
+    """Rank ``rank``'s slice of ``name`` under ``sub`` (a ``SubparamShape``), as ds_to_universal
+    views it: the merged shape's other dimensions, along ``dim`` the rank's widths."""
+    sizes = sub.sizes
+    if len(sizes) == 1 and sizes[0] < 0:  # before version 0.4: the number of equal parts
+        n, full = -sizes[0], (local[sub.dim] if sub.dim < len(local) else 0) * degree
+        if full % n:
+            raise CheckpointFormatError(
+                f"{where}: {name!r}: {n} sub-parameters do not evenly divide its {full} elements "
+                f"along dimension {sub.dim}"
+            )
+        sizes = (full // n,) * n
+    if sub.widths is None:
+        uneven = [s for s in sizes if s % degree]
+        if uneven:
+            raise CheckpointFormatError(
+                f"{where}: {name!r}: sub-parameter sizes {uneven} are not divisible by the "
+                f"tensor-parallel degree {degree}, and the checkpoint records no {_WIDTHS!r}"
+            )
+    widths = sub.widths or tuple(tuple([s // degree] * degree) for s in sizes)
+    if len(widths) != len(sizes) or any(
+        len(w) != degree or sum(w) != s for w, s in zip(widths, sizes)
+    ):
+        raise CheckpointFormatError(
+            f"{where}: {name!r}: {_INFO}[{_WIDTHS!r}] {[list(w) for w in widths]} does not give "
+            f"each of the sub-parameters of sizes {list(sizes)} one width per "
+            f"tensor-parallel rank ({degree}), adding up to its size"
+        )
+    shape = list(sub.shape)
+    shape[sub.dim] = sum(sizes)
+    numel = total if total is not None else math.prod(local) * degree
+    if shape.count(-1) == 1:
+        known = math.prod(s for s in shape if s != -1)
+        if known <= 0 or numel % known:
+            raise CheckpointFormatError(
+                f"{where}: {name!r}: sub-parameter shape {list(sub.shape)} does not fit its "
+                f"{numel} elements"
+            )
+        shape[shape.index(-1)] = numel // known
+    view = list(shape)
+    view[sub.dim] = sum(w[rank] for w in widths)
+    if any(s < 0 for s in shape) or math.prod(view) != math.prod(local):
+        raise CheckpointFormatError(
+            f"{where}: tensor-parallel rank {rank} holds {math.prod(local)} elements of "
+            f"{name!r} (shape {list(local)}), but its {_SUB} widths describe a shape of {view}"
+        )
+    return _sub_params(rank, tuple(view), sub.dim, widths, _SUB)
+
+
+def _affine_slice(
+    where: str, name: str, amap: AffineMap, rank: int, local: tuple[int, ...]
+) -> TPSlice:
+    """Rank ``rank``'s slice by an ``affine_map`` entry: its pieces (a replicated piece from the
+    lowest rank holding it)."""
+    entry = amap.ranks.get(rank)
+    if entry is None:
+        raise CheckpointFormatError(
+            f"{where}: {_INFO}[{_AFFINE!r}] for {name!r} has no tensor-parallel rank {rank}"
+        )
+    shape, pieces = entry
+    if math.prod(shape) != math.prod(local):
+        raise CheckpointFormatError(
+            f"{where}: {_INFO}[{_AFFINE!r}] gives tensor-parallel rank {rank}'s slice of {name!r} "
+            f"the shape {list(shape)}, but it holds {list(local)}"
+        )
+    mine = tuple((p.src, p.dst) for p in pieces if min(p.holders) == rank)
+    for src, dst in mine:
+        if not Box((0,) * len(shape), shape).contains(src) or not Box(
+            (0,) * len(amap.shape), amap.shape
+        ).contains(dst):
+            raise CheckpointFormatError(
+                f"{where}: {_INFO}[{_AFFINE!r}]: a piece of {name!r} on rank {rank} lies outside "
+                f"its slice {list(shape)} or the merged shape {list(amap.shape)}"
+            )
+    return TPSlice(rank, shape, amap.shape, mine, _AFFINE)
 
 
 def _patterns(info: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
@@ -273,6 +593,145 @@ def _patterns(info: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
         except re.error as e:
             raise CheckpointFormatError(f"{where}: {_INFO}[{key!r}]: {p!r}: {e}") from None
     return tuple(v)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _sub_params_entries(info: dict[str, Any], where: str) -> tuple[SubParams, ...]:
+    """``parameter_with_sub_params`` (dicts of ``SubparamShape``'s fields, or its pickled
+    record) with ``sub_param_shard_widths``, checked as ds_to_universal checks them."""
+    raw = info.get(_SUB) or []
+    widths_of = info.get(_WIDTHS) or {}
+    version = info.get(_VERSION, 0.0)
+    if not isinstance(raw, list) or not isinstance(widths_of, dict):
+        raise CheckpointFormatError(
+            f"{where}: {_INFO}[{_SUB!r}] is not a list or [{_WIDTHS!r}] not a dict"
+        )
+    out = []
+    for i, s in enumerate(raw):
+        what = f"{where}: {_INFO}[{_SUB!r}][{i}]"
+        fields = s if isinstance(s, dict) else getattr(s, "state", None)
+        if not isinstance(fields, dict) or set(fields) != {"patterns", "shape", "partition_dim"}:
+            raise CheckpointFormatError(
+                f"{what} is not a SubparamShape (patterns, shape, partition_dim): {s!r}"
+            )
+        patterns, shape, dim = fields["patterns"], fields["shape"], fields["partition_dim"]
+        if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
+            raise CheckpointFormatError(f"{what}: patterns {patterns!r} are not strings")
+        for p in patterns:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise CheckpointFormatError(f"{what}: {p!r}: {e}") from None
+        if not isinstance(shape, (list, tuple)) or not _is_int(dim) or not 0 <= dim < len(shape):
+            raise CheckpointFormatError(
+                f"{what}: shape {shape!r} with partition_dim {dim!r} is not a shape and one of "
+                "its dimensions"
+            )
+        spec = shape[dim]
+        dims = [d for i_, d in enumerate(shape) if i_ != dim]
+        if not all(_is_int(d) and (d > 0 or d == -1) for d in dims):
+            raise CheckpointFormatError(f"{what}: shape {shape!r} has a dimension not a size")
+        if isinstance(spec, (list, tuple)):
+            sizes = tuple(spec)
+        elif _is_int(spec) and spec > 0 and version < 0.4:
+            sizes = ()  # the number of equal sub-parameters: sized from the slices (see below)
+        else:
+            raise CheckpointFormatError(
+                f"{what}: shape[{dim}] {spec!r} is neither the sub-parameters' sizes nor (before "
+                "version 0.4) their number"
+            )
+        if sizes and not all(_is_int(x) and x >= 0 for x in sizes):
+            raise CheckpointFormatError(f"{what}: sub-parameter sizes {list(sizes)} are not sizes")
+        widths = None
+        if version >= 0.4:
+            w = [widths_of.get(p) for p in patterns if p in widths_of]
+            if not w:
+                raise CheckpointFormatError(
+                    f"{what}: universal checkpoint version {version} records no {_WIDTHS!r} for "
+                    f"its patterns {list(patterns)}"
+                )
+            if not isinstance(w[0], (list, tuple)) or not all(
+                isinstance(x, (list, tuple)) and all(_is_int(y) and y >= 0 for y in x) for x in w[0]
+            ):
+                raise CheckpointFormatError(f"{what}: {_WIDTHS!r} {w[0]!r} is not a list of widths")
+            widths = tuple(tuple(x) for x in w[0])
+        merged = tuple(-1 if i_ == dim else d for i_, d in enumerate(shape))
+        # Before 0.4 (a count), the sizes come from the slices: _sub_param_slice.
+        out.append(SubParams(tuple(patterns), merged, dim, sizes or (-int(spec),), widths))
+    return tuple(out)
+
+
+def _box(at: Any, shape: tuple[int, ...], of: tuple[int, ...]) -> Box | None:
+    """The box a piece of ``shape`` at ``at`` (``[offset, strides]``, ``torch.as_strided``'s) of
+    a row-major tensor of shape ``of`` covers (None: not a box of it)."""
+    if not isinstance(at, (list, tuple)) or len(at) != 2:
+        return None
+    offset, strides = at
+    if not _is_int(offset) or not isinstance(strides, (list, tuple)) or len(strides) != len(of):
+        return None
+    rm = [math.prod(of[d + 1 :]) for d in range(len(of))]
+    if any(s != r for s, r, n in zip(strides, rm, shape) if n > 1) or len(shape) != len(of):
+        return None
+    offsets = []
+    rest = offset
+    for r in rm:
+        offsets.append(rest // r if r else 0)
+        rest = rest % r if r else rest
+    return Box(tuple(offsets), shape)
+
+
+def _affine_maps(info: dict[str, Any], where: str) -> tuple[tuple[str, AffineMap], ...]:
+    """``affine_map``'s entries (format version 1): each piece a box of the slice and of the
+    merged tensor. A scaled piece, or one that is no box of its tensors, is refused."""
+    raw = info.get(_AFFINE)
+    if not raw:
+        return ()
+    what = f"{where}: {_INFO}[{_AFFINE!r}]"
+    if not isinstance(raw, dict) or set(raw) - {"version", "params"}:
+        got = sorted(raw) if isinstance(raw, dict) else raw
+        raise CheckpointFormatError(f"{what} has keys {got!r}; expected version and params")
+    if raw.get("version", 1) not in _AFFINE_VERSIONS:
+        raise CheckpointFormatError(
+            f"{what}: format version {raw.get('version')!r}; this reader knows {_AFFINE_VERSIONS}"
+        )
+    out = []
+    for pattern, entry in (raw.get("params") or {}).items():
+        w = f"{what}[{pattern!r}]"
+        try:
+            re.compile(pattern)
+            shape = tuple(int(x) for x in entry["logical_shape"])
+            ranks = {}
+            for r, v in entry["ranks"].items():
+                sshape = tuple(int(x) for x in v["shard_shape"])
+                pieces = []
+                for p in v["pieces"]:
+                    if set(p) - {"shape", "source", "dest", "locations", "scale"}:
+                        raise CheckpointFormatError(f"{w}: a piece has keys {sorted(p)}")
+                    if float(p.get("scale", 1.0)) != 1.0:
+                        raise CheckpointFormatError(
+                            f"{w}: a piece on rank {r} is scaled by {p['scale']}: the merged "
+                            "tensor is no byte range of the slices (and DeepSpeed refuses its "
+                            "optimizer moments)"
+                        )
+                    pshape = tuple(int(x) for x in p["shape"])
+                    dst = _box(p["source"], pshape, shape)
+                    src = _box(p["dest"], pshape, sshape)
+                    if dst is None or src is None:
+                        raise CheckpointFormatError(
+                            f"{w}: a piece on rank {r} is not a box of the slice and of the "
+                            f"merged tensor (strided pieces are not read in place): {p!r}"
+                        )
+                    pieces.append(AffinePiece(src, dst, tuple(int(x) for x in p["locations"])))
+                ranks[int(r)] = (sshape, tuple(pieces))
+        except CheckpointFormatError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, re.error) as e:
+            raise CheckpointFormatError(f"{w} is not an affine map entry ({e!r})") from None
+        out.append((pattern, AffineMap(shape, ranks)))
+    return tuple(out)
 
 
 def _unknown_split(
@@ -288,6 +747,20 @@ def _unknown_split(
     )
 
 
+def check_info_keys(info: Any, where: str) -> None:
+    """Refuse a ``universal_checkpoint_info`` holding a key this reader does not know (it could
+    change how slices merge), naming it and the keys it knows."""
+    if not isinstance(info, dict):
+        return
+    unknown = sorted(str(k) for k in info if k not in INFO_KEYS.values())
+    if unknown:
+        raise CheckpointFormatError(
+            f"{where}: {_INFO} has key(s) {', '.join(repr(k) for k in unknown)} that this "
+            f"reader does not know (it knows {', '.join(sorted(INFO_KEYS.values())[1:])}); an "
+            "unread key could change how the tensor-parallel slices merge"
+        )
+
+
 def tp_rules(info: Any, where: str, params: list[str], user: tuple[TPRule, ...] = ()) -> TPRules:
     """The rules of ``info`` (a model states file's ``universal_checkpoint_info``, read from
     ``where``), for a checkpoint whose split parameters are ``params``, with the user's rules
@@ -295,29 +768,23 @@ def tp_rules(info: Any, where: str, params: list[str], user: tuple[TPRule, ...] 
 
     Without ``info`` (or without any tensor-parallel pattern) nothing but the user's rules says
     how ``params`` are split: those no user rule matches are refused, naming them and the
-    missing patterns.
+    missing patterns. A key of ``info`` this reader does not know is refused.
     """
-    if not isinstance(info, dict) or not any(
-        info.get(k) for k in (_REPLICATED, _ROW, _VOCAB, _AVERAGE)
-    ):
+    check_info_keys(info, where)
+    if not isinstance(info, dict) or not any(info.get(k) for k in _RULE_KEYS):
         missing = (
-            "is missing"
-            if not isinstance(info, dict)
-            else f"has none of {_REPLICATED}, {_ROW}, {_VOCAB}, {_AVERAGE}"
+            "is missing" if not isinstance(info, dict) else f"has none of {', '.join(_RULE_KEYS)}"
         )
         rules = TPRules(where, (), (), (), (), None, user, missing)
         unplaced = [p for p in params if rules.user_rule(p) is None]
         if unplaced:
             raise _unknown_split(where, missing, unplaced, bool(user))
         return rules
-    bad = [k for k in _UNSUPPORTED if info.get(k)]
-    if bad:
-        raise CheckpointFormatError(
-            f"{where}: {_INFO} has {', '.join(bad)}: fused sub-parameter and affine layouts "
-            "are not supported"
-        )
-    rows = info.get("original_vocab_size")
-    if rows is not None and not (isinstance(rows, int) and not isinstance(rows, bool) and rows > 0):
+    version = info.get(_VERSION, 0.0)
+    if not isinstance(version, (int, float)) or isinstance(version, bool):
+        raise CheckpointFormatError(f"{where}: {_INFO}[{_VERSION!r}] {version!r} is not a number")
+    rows = info.get(_K["ORIGINAL_VOCAB_SIZE"])
+    if rows is not None and not (_is_int(rows) and rows > 0):
         raise CheckpointFormatError(
             f"{where}: {_INFO}['original_vocab_size'] {rows!r} is not a positive integer"
         )
@@ -326,6 +793,7 @@ def tp_rules(info: Any, where: str, params: list[str], user: tuple[TPRule, ...] 
         raise CheckpointFormatError(
             f"{where}: {_INFO}[{_AUTOTP_UNSUPPORTED!r}] is not a dict of patterns"
         )
+    _patterns(info, _K["PIPELINE_REPLICATED_PARAMETER_PATTERNS"], where)
     rules = TPRules(
         where,
         _patterns(info, _REPLICATED, where),
@@ -336,6 +804,9 @@ def tp_rules(info: Any, where: str, params: list[str], user: tuple[TPRule, ...] 
         user,
         None,
         tuple((p, str(r)) for p, r in unsupported.items()),
+        _patterns(info, _TWO_SUB, where),
+        _sub_params_entries(info, where),
+        _affine_maps(info, where),
     )
     rules.check_supported(params)
     return rules

@@ -304,6 +304,8 @@ ALLOWED: dict[PurposeName, Purpose] = {
                     ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
                     ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
                     ("deepspeed.utils.tensor_fragment", "fragment_address"),
+                    # ds_to_universal's record of a fused parameter's sub-parameter layout
+                    ("deepspeed.checkpoint.universal_checkpoint", "SubparamShape"),
                 )
             ),
         },

@@ -27,7 +27,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -71,6 +71,15 @@ class SourceOptions:
     checkpoint's patterns only."""
 
 
+class ComputedFile(Protocol):
+    """A data file whose bytes a reader computes from the other files' (the mean of
+    tensor-parallel slices: :class:`~ucp_dcp.sources._ds_average.MeanFile`)."""
+
+    def wrap(self, base: ByteSource) -> ByteSource:
+        """A reader of the real files (``base``) that also serves this file's bytes."""
+        ...
+
+
 class Source(ABC):
     """A checkpoint of some format: records, byte locations and values (see the module docstring).
 
@@ -85,6 +94,9 @@ class Source(ABC):
     """Short name of the format, shown by ``ucp-dcp inspect``."""
     store: ObjectStore | None = None
     """The object store the checkpoint is in; None for a local checkpoint (``paths`` are files)."""
+    computed: ComputedFile | None = None
+    """A last data file whose bytes are computed from the others' (its path names no storage),
+    or None."""
     checksums: bool = False
     """Whether the format records a checksum of every chunk and value."""
     title: ClassVar[str] = ""
@@ -149,24 +161,28 @@ class Source(ABC):
         on object storage, where a request costs a round trip. ``requests``: the deadlines of
         local reads (object stores keep the policy they were opened with).
         """
+        real = len(self.paths) - (self.computed is not None)
+        reader: ByteSource
         if self.store is None:
             gap = _PAGE - 1 if gap_bytes is None else gap_bytes
-            return RangeReader(
-                self.paths,
+            reader = RangeReader(
+                self.paths[:real],
                 threads=threads,
                 gap_bytes=gap,
                 max_request_bytes=max_request_bytes,
                 requests=requests,
             )
-        gap = OBJECT_GAP_BYTES if gap_bytes is None else gap_bytes
-        names = [self.store.name_of(p) for p in self.paths]
-        return ObjectRangeReader(
-            self.store,
-            names,
-            sizes=[f.size for f in self.index.files],
-            gap_bytes=gap,
-            max_request_bytes=max_request_bytes,
-        )
+        else:
+            gap = OBJECT_GAP_BYTES if gap_bytes is None else gap_bytes
+            names = [self.store.name_of(p) for p in self.paths[:real]]
+            reader = ObjectRangeReader(
+                self.store,
+                names,
+                sizes=[f.size for f in self.index.files[:real]],
+                gap_bytes=gap,
+                max_request_bytes=max_request_bytes,
+            )
+        return reader if self.computed is None else self.computed.wrap(reader)
 
     # ------------------------------------------------------------ records
     def chunks(self, fqn: str) -> list[ChunkRecord]:

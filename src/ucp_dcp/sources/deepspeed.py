@@ -47,9 +47,10 @@ from ..core.values import encode_value
 from ..errors import CheckpointFormatError, InvalidArgumentError
 from ._archive_index import ArchiveIndex, check_sizes, numel
 from ._dirs import ModelDir, StoreDir
+from ._ds_average import MEAN_FILE_NAME, MeanFile
 from ._ds_moe import expert_layout
 from ._ds_pipeline import EntryFile, place_entries
-from ._ds_tp import TPRule, TPSlice, tp_rules, user_tp_rules
+from ._ds_tp import UNEVEN_RULES, TPRule, TPSlice, tp_rules, user_tp_rules
 from ._ds_utils import (
     LATEST_FILE,
     ModelStates,
@@ -206,11 +207,17 @@ class DeepSpeedSource(Source):
                 range(len(optims))
             )
             ranks += moe.writers() if moe is not None else []
-        super().__init__(path, b.index(self.world_size, path, ranks), [a.path for a in b.archives])
+        paths = [a.path for a in b.archives] + ([MEAN_FILE_NAME] if b.means is not None else [])
+        super().__init__(path, b.index(self.world_size, path, ranks), paths)
+        self.computed = b.means
         if isinstance(folder, StoreDir):
             self.store = folder.store  # the tag folder's: paths are its objects' URLs
         self._values = b.values
         self.directory = files.directory
+        # The tensors that are the mean of their tensor-parallel slices (ds_to_universal's
+        # parameter_to_average_patterns): means.equal lists those whose slices a load found
+        # bit-equal.
+        self.means: MeanFile | None = b.means
         self.ds_version = m0.ds_version
 
     # ------------------------------------------------------------ layouts
@@ -327,6 +334,11 @@ class DeepSpeedSource(Source):
             )
         dp = len(optims) // len(models)
         trainable = {n for m in models for shapes in m.param_shapes for n in shapes}
+        totals: dict[tuple[int, str], int] = {}  # (stage, fqn) -> elements of all its slices
+        for mi, m in enumerate(models):
+            for shapes in m.param_shapes:
+                for n, shape in shapes.items():
+                    totals[mi // tp, n] = totals.get((mi // tp, n), 0) + numel(shape)
         m0 = models[0]
         rules = (
             tp_rules(m0.universal_info, m0.archive.path, sorted(trainable), self._user_rules)
@@ -360,17 +372,18 @@ class DeepSpeedSource(Source):
                     return False, None
                 if rules is None:
                     return True, None
-                # Slices are placed at rank x their size: only an even split is known.
+                sl = rules.slice_of(fqn, rank, tp, shape, totals[stage, fqn])
+                # Slices are placed at rank x their size unless their rule gives each rank's
+                # widths: only then may they differ.
                 first = local.setdefault(fqn, (shape, mi))
-                if first[0] != shape:
+                if first[0] != shape and sl.rule not in UNEVEN_RULES:
                     raise CheckpointFormatError(
                         f"{m.archive.path}: {fqn!r} is a {shape} slice; model-parallel rank "
                         f"{first[1]} holds a {first[0]} one (uneven tensor-parallel slices are "
-                        "not supported)"
+                        f"not supported by its rule, {sl.rule})"
                     )
-                sl = rules.slice_of(fqn, rank, tp, shape)
-                if sl.dim is None:
-                    return rank == 0, None
+                if sl.replicated:  # read from rank 0 (cut, where it is a vocabulary)
+                    return rank == 0, None if sl.full_shape == sl.local else sl
                 return True, sl
 
             for g, names in enumerate(self._zero12(b, m, mine, keep)):
@@ -392,6 +405,8 @@ class DeepSpeedSource(Source):
             sources = [EntryFile(0, mi, m.archive, m.module, "") for mi, m in enumerate(models)]
         shared = {n for m in models for n in m.shared}
         place_entries(b, sources, trainable | set(buffers), trainable | shared, rules, tp)
+        if rules is not None:
+            b.finish_means(tp, os.path.dirname(models[0].archive.path))
         placed = {k.split(".", 1)[1] for k in b.tensors if k.startswith("model.")}
         unused = rules.unused(sorted(trainable | placed)) if rules is not None else []
         if unused:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,8 +149,24 @@ def _read(b: ArchiveIndex, zero: str, fqn: str, kind: str) -> UniversalEntry | N
         raise CheckpointFormatError(
             f"{f}: holds no tensor (expected a dict with 'param', or a tensor)"
         )
+    unknown = sorted(str(k) for k in entries if k not in _ENTRY_KEYS)
+    if unknown:
+        raise CheckpointFormatError(
+            f"{f}: holds key(s) {', '.join(repr(k) for k in unknown)} this reader does not know "
+            f"(it knows {', '.join(_ENTRY_KEYS)}); an unread key could change what the tensor is"
+        )
     b.add_archive(a)
     return UniversalEntry(f, a, t, entries)
+
+
+# The keys ds_to_universal writes beside a merged tensor (deepspeed.checkpoint.constants:
+# PARAM, CAT_DIM, PARAM_N_SUB_PARAMS, SUB_PARAM_SHAPE, VOCAB_TENSOR); the layout they describe is
+# checked against universal_checkpoint_info's.
+_ENTRY_KEYS = ("param", "cat_dim", "param_n_sub_params", "sub_param_shape", "vocab_tensor")
+
+
+def _holds(m: ModelStates, fqn: str) -> bool:
+    return any(fqn in d for d in m.param_shapes)
 
 
 def _data_parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> list[list[str]]:
@@ -264,6 +279,7 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
             f"multiple of tp_degree {tp}"
         )
     local: dict[str, tuple[int, ...]] = {}  # fqn -> tensor-parallel rank 0's slice shape
+    totals: dict[str, int] = {}  # fqn -> the elements of its slices (of the first stage with it)
     groups: list[dict[str, None]] = []  # each group's fqns in stage order (ordered, unique)
     for mi, m in enumerate(models):
         for g, d in enumerate(m.param_shapes):
@@ -272,6 +288,8 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
             for fqn, shape in d.items():
                 if mi % tp == 0:
                     local.setdefault(fqn, shape)
+                if mi // tp == min(i // tp for i, n in enumerate(models) if _holds(n, fqn)):
+                    totals[fqn] = totals.get(fqn, 0) + math.prod(shape)
                 groups[g].setdefault(fqn)
     info = m0.universal_info
     rules = (
@@ -281,11 +299,12 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
     )
 
     def merged(fqn: str, shape: tuple[int, ...]) -> TPSlice | None:
-        """How the slices of ``fqn`` were joined (None: replicated, or no tensor parallelism)."""
-        if rules is None or any(re.match(p, fqn) for p in rules.average):
+        """How the slices of ``fqn`` were joined (None: replicated, averaged, or no tensor
+        parallelism: the slice's shape)."""
+        if rules is None or rules.is_averaged(fqn):
             return None  # averaged by ds_to_universal: the slice's shape
-        sl = rules.slice_of(fqn, 0, tp, shape)
-        return sl if sl.dim is not None or sl.rows is not None else None
+        sl = rules.slice_of(fqn, 0, tp, shape, totals.get(fqn))
+        return None if sl.replicated and sl.full_shape == sl.local else sl
 
     for fqn, shape in local.items():
         sl = merged(fqn, shape)
@@ -302,10 +321,10 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
             if e is None or kind == "step":
                 return e
             cat = e.entries.get("cat_dim")
-            if sl is not None and sl.dim is not None and cat is not None and cat != sl.dim:
+            if sl is not None and sl.cat_dim is not None and cat is not None and cat != sl.cat_dim:
                 raise CheckpointFormatError(
                     f"{e.path}: cat_dim {cat!r}, but universal_checkpoint_info joins {fqn!r} "
-                    f"along dimension {sl.dim}"
+                    f"along dimension {sl.cat_dim} ({sl.rule})"
                 )
             if e.t.size != full and _padded(e, full) is None:
                 raise CheckpointFormatError(
@@ -413,7 +432,7 @@ def _padded(e: UniversalEntry, full: tuple[int, ...]) -> TPSlice | None:
         and t[0] > full[0]
         and t[1:] == full[1:]
     ):
-        return TPSlice(0, t, None, 1, full[0])
+        return TPSlice.cut(t, full[0])
     return None
 
 
