@@ -102,11 +102,27 @@ def test_averaged_slices_are_their_mean_bit_for_bit(tmp_path: Path) -> None:
         lambda i: {**i, "parameter_to_average_patterns": [r"\d+\.fc1\.bias$", r"1\.fc1\.weight$"]},
     )
     src = open_source(d)
-    assert isinstance(src, DeepSpeedSource) and src.means is not None
+    assert isinstance(src, DeepSpeedSource) and src.merges is not None
     assert src.index.tensors["model.1.fc1.weight"].shape == (7, 7)  # the slice's shape
     got = load_state_dict(d)
     _check(got, dict.fromkeys(names, _average))
     assert src.check_files() == []  # the computed file is on no storage, and not checked there
+
+
+def test_replicated_slices_are_checked_equal_on_a_verified_load(tmp_path: Path) -> None:
+    """tp_replicated_parameter_patterns: slice 0, once every other slice is found bit-equal to
+    it (ds_to_universal asserts the same); slices that differ are refused naming the parameter
+    and both ranks. verify=False reads slice 0 only."""
+    got = load_state_dict(FIXTURE)
+    _check(got, {"1.gain": lambda s: s[0], "4.fc2.bias": lambda s: s[0]})
+    d = _rewritten(
+        tmp_path, lambda i: {**i, "tp_replicated_parameter_patterns": [r"1\.fc1\.bias$"]}
+    )
+    with pytest.raises(CheckpointFormatError) as e:
+        load_state_dict(d)
+    assert f"{d / 'step2'}: model.1.fc1.bias is tensor-parallel replicated" in str(e.value)
+    assert "tensor-parallel ranks 0 and 1 hold different values" in str(e.value)
+    _check(load_state_dict(d, verify=False), {"1.fc1.bias": lambda s: s[0]})
 
 
 def test_two_sub_params_re_cut_the_fused_halves(tmp_path: Path) -> None:

@@ -361,13 +361,17 @@ def test_tensor_parallel_slices_join_bit_exact_to_ds_to_universal(variant: str) 
             n = v.shape[dim]
             mine = full.narrow(dim, int(t) * n, min(n, full.shape[dim] - int(t) * n))
             assert bit_equal(mine, v.narrow(dim, 0, mine.shape[dim])), k  # the vocabulary cut
-    # Replicated parameters are read from tensor-parallel rank 0 only (mp_rank_MM, MM % tp == 0).
+    # Replicated parameters are slice 0, checked against every tensor-parallel rank's
+    # (ds_to_universal asserts they are equal): computed from the optimizer files of both
+    # (zero_pp_rank_D_mp_rank_MM, the file of model-parallel rank MM).
+    assert src.merges is not None
+    replicas = {t.key: t for t in src.merges.tensors if t.op == "replica"}
     for k in ("model.1.gain", "model.4.fc2.bias"):
-        mps = {
-            int(src.paths[c.location.file].split("_mp_rank_")[1][:2])
-            for c in src.index.tensors[k].chunks
-        }
-        assert {m % _TP[variant] for m in mps} == {0}, (k, mps)
+        mps = [
+            {int(src.paths[loc.file].split("_mp_rank_")[1][:2]) % _TP[variant] for _, loc in op}
+            for op in replicas[k].operands
+        ]
+        assert mps == [{t} for t in range(_TP[variant])], (k, mps)
 
 
 @pytest.mark.parametrize("variant", TP_FP32)

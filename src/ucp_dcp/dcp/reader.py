@@ -393,6 +393,7 @@ class UCPStorageReader(_Directory, StorageReader):
             gap_bytes=self.gap_bytes,
             max_request_bytes=self.max_request_bytes,
             requests=self.requests,
+            verify=self.verify,
         )
         self._stats = reader.stats
         reader.stats.progress = self._progress

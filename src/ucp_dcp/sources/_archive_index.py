@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from ..core.sharding import Box
 from ..errors import CheckpointFormatError
 from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord
-from ._ds_average import MEAN_FILE_NAME, MeanFile, MeanTensor
+from ._ds_merge import MERGE_FILE_NAME, MergedTensor, MergeFile, MergeOp
 from ._pickle import TensorRef
 from ._torch_archive import TorchArchive
 from ._zero_layout import Segment, segment_boxes
@@ -30,8 +31,8 @@ __all__ = ["ArchiveIndex", "Placement", "check_sizes", "numel"]
 
 class Placement(Protocol):
     """Where the boxes of one slice of a tensor go in the full tensor (e.g. a tensor-parallel
-    slice, :class:`~ucp_dcp.sources._ds_tp.TPSlice`), or, ``averaged``, that the full tensor
-    is the mean of the slices (``rank``: this one's position among them)."""
+    slice, :class:`~ucp_dcp.sources._ds_tp.TPSlice`), or, with :attr:`merge`, that the full
+    tensor is merged from all the slices (``rank``: this one's position among them)."""
 
     @property
     def rank(self) -> int:
@@ -39,8 +40,9 @@ class Placement(Protocol):
         ...
 
     @property
-    def averaged(self) -> bool:
-        """Whether the full tensor is the slices' mean (no box of it is this slice's)."""
+    def merge(self) -> MergeOp | None:
+        """How the full tensor is computed from all the slices (:mod:`._ds_merge`): their
+        ``"mean"``, or the ``"replica"`` they all are; None: the boxes of :meth:`place`."""
         ...
 
     @property
@@ -59,6 +61,16 @@ class Placement(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class _Operand:
+    """One slice of a tensor merged from all its slices: how, and the slice's chunks."""
+
+    op: MergeOp
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: list[ChunkRecord]
+
+
 class ArchiveIndex:
     """Collects tensor records whose chunks are byte ranges of the archives, and values already
     decoded.
@@ -75,16 +87,16 @@ class ArchiveIndex:
         self.tensors: dict[str, TensorRecord] = {}
         self.values: dict[str, Any] = {}
         self.paths: dict[str, tuple[str | int, ...]] = {}
-        # key -> rank -> (dtype, slice shape, chunks in the slice): tensors to average
-        self.operands: dict[str, dict[int, tuple[torch.dtype, tuple[int, ...], list[ChunkRecord]]]]
+        # key -> rank -> (op, dtype, slice shape, chunks in the slice): tensors to merge
+        self.operands: dict[str, dict[int, _Operand]]
         self.operands = {}
-        self.means: MeanFile | None = None
+        self.merges: MergeFile | None = None
         for a in archives:
             self.add_archive(a)
 
     def add_archive(self, archive: TorchArchive) -> None:
         """Make ``archive`` the next data file."""
-        assert self.means is None, "the computed file comes after every archive"
+        assert self.merges is None, "the computed file comes after every archive"
         self.file_of[id(archive)] = len(self.archives)
         self.archives.append(archive)
 
@@ -106,8 +118,8 @@ class ArchiveIndex:
         files = [
             FileRecord(_relative(a.path, root), r, a.size) for a, r in zip(self.archives, ranks)
         ]
-        if self.means is not None:
-            files.append(FileRecord(MEAN_FILE_NAME, 0, self.means.size))
+        if self.merges is not None:
+            files.append(FileRecord(MERGE_FILE_NAME, 0, self.merges.size))
         values = {k: Location(0, 0, 0, "") for k in self.values}
         return Index(world_size, files, self.tensors, values, {}, paths=dict(self.paths))
 
@@ -160,7 +172,7 @@ class ArchiveIndex:
             shape = place.local
         chunks: list[ChunkRecord] = []
         dtype = None
-        to = None if place is None or place.averaged else place  # an operand keeps its boxes
+        to = None if place is None or place.merge else place  # an operand keeps its boxes
         for seg in segs:
             archive, t = buffer_of(seg)
             dtype = t.dtype if dtype is None else dtype
@@ -171,7 +183,7 @@ class ArchiveIndex:
             for box, off in segment_boxes(shape, seg):
                 chunks += self._chunk(archive, t, box, off, what, to)
         # An empty parameter has no element stored anywhere, and no chunks.
-        if place is not None and place.averaged:
+        if place is not None and place.merge:
             self.operand(key, path, dtype or torch.float32, place, chunks)
         elif place is None:
             self.add(key, path, dtype or torch.float32, shape, chunks)
@@ -190,7 +202,7 @@ class ArchiveIndex:
         """Tensor ``t``, a tensor-parallel slice (laid out as ``place.local``), put where
         ``place`` says in ``key``."""
         box = Box((0,) * len(place.local), tuple(place.local))
-        if place.averaged:
+        if place.merge:
             self.operand(key, path, t.dtype, place, self._chunk(archive, t, box, 0, what, None))
             return
         self.extend(
@@ -205,14 +217,17 @@ class ArchiveIndex:
         place: Placement,
         chunks: list[ChunkRecord],
     ) -> None:
-        """``chunks`` (boxes of the slice) are slice ``place.rank`` of ``key``, the mean of its
-        slices: recorded by :meth:`finish_means`."""
-        self.operands.setdefault(key, {})[place.rank] = (dtype, tuple(place.local), chunks)
+        """``chunks`` (boxes of the slice) are slice ``place.rank`` of ``key``, which is merged
+        from all its slices (``place.merge``): recorded by :meth:`finish_merges`."""
+        assert place.merge is not None
+        self.operands.setdefault(key, {})[place.rank] = _Operand(
+            place.merge, dtype, tuple(place.local), chunks
+        )
         self.paths[key] = path
 
-    def finish_means(self, degree: int, where: str) -> None:
-        """Record each averaged tensor (the mean of its ``degree`` slices) as a byte range of
-        the computed file that comes after the archives (:mod:`._ds_average`)."""
+    def finish_merges(self, degree: int, where: str) -> None:
+        """Record each merged tensor (computed from its ``degree`` slices) as a byte range of
+        the computed file that comes after the archives (:mod:`._ds_merge`)."""
         if not self.operands:
             return
         file = len(self.archives)
@@ -222,28 +237,29 @@ class ArchiveIndex:
             gone = sorted(set(range(degree)) - set(slices))
             if gone:
                 raise CheckpointFormatError(
-                    f"{where}: {key} is the mean of its tensor-parallel slices, but "
+                    f"{where}: {key} is merged from its tensor-parallel slices, but "
                     f"tensor-parallel rank(s) {gone} hold none"
                 )
-            kinds = {(d, s) for d, s, _ in slices.values()}
+            kinds = {(o.op, o.dtype, o.shape) for o in slices.values()}
             if len(kinds) != 1:
                 raise CheckpointFormatError(
-                    f"{where}: {key} is the mean of its tensor-parallel slices, which are "
-                    f"{sorted(f'{d} {list(s)}' for d, s in kinds)}: not one dtype and shape"
+                    f"{where}: {key} is merged from its tensor-parallel slices, which are "
+                    f"{sorted(f'{op} of {d} {list(s)}' for op, d, s in kinds)}: not one rule, "
+                    "dtype and shape"
                 )
-            dtype, shape = kinds.pop()
+            op, dtype, shape = kinds.pop()
             ops = tuple(
-                tuple((c.box, c.location) for c in slices[r][2] if c.location is not None)
+                tuple((c.box, c.location) for c in slices[r].chunks if c.location is not None)
                 for r in range(degree)
             )
-            mean = MeanTensor(key, offset, dtype, shape, ops)
-            tensors.append(mean)
+            merged = MergedTensor(key, offset, dtype, shape, op, ops)
+            tensors.append(merged)
             box = Box((0,) * len(shape), shape)
-            loc = Location(file, offset, mean.nbytes, "")
-            chunks = [ChunkRecord(box, loc)] if mean.nbytes else []
+            loc = Location(file, offset, merged.nbytes, "")
+            chunks = [ChunkRecord(box, loc)] if merged.nbytes else []
             self.add(key, self.paths[key], dtype, shape, chunks)
-            offset += mean.nbytes
-        self.means = MeanFile(file, tensors)
+            offset += merged.nbytes
+        self.merges = MergeFile(file, tensors, where)
 
     def _chunk(
         self,
@@ -300,7 +316,7 @@ def check_sizes(source: Source) -> list[str]:
     problems = []
     store = source.store
     for p, f in zip(source.paths, source.index.files):
-        if f.name == MEAN_FILE_NAME:
+        if f.name == MERGE_FILE_NAME:
             continue  # computed, in no storage
         try:
             size = store.size(store.name_of(p)) if store is not None else os.path.getsize(p)

@@ -48,6 +48,7 @@ from typing import Any
 
 from ..core.sharding import Box, intersect
 from ..errors import CheckpointFormatError, InvalidArgumentError
+from ._ds_merge import MergeOp
 
 __all__ = [
     "INFO_KEYS",
@@ -150,6 +151,17 @@ class TPSlice:
     replicated: bool = False
     averaged: bool = False
     cat_dim: int | None = None
+
+    @property
+    def merge(self) -> MergeOp | None:
+        """Whether the merged tensor is computed from every slice (:mod:`._ds_merge`): their
+        ``"mean"``, or the ``"replica"`` they all are (checked equal, as ds_to_universal does:
+        not for a replicated vocabulary, which is cut); None: placed by :attr:`pieces`."""
+        if self.averaged:
+            return "mean"
+        if self.replicated and self.full_shape == self.local:
+            return "replica"
+        return None
 
     def place(self, box: Box) -> list[tuple[int, Box]]:
         """The boxes of the merged tensor that ``box`` (of the slice, contiguous in its

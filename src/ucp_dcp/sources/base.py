@@ -73,10 +73,11 @@ class SourceOptions:
 
 class ComputedFile(Protocol):
     """A data file whose bytes a reader computes from the other files' (the mean of
-    tensor-parallel slices: :class:`~ucp_dcp.sources._ds_average.MeanFile`)."""
+    tensor-parallel slices: :class:`~ucp_dcp.sources._ds_merge.MergeFile`)."""
 
-    def wrap(self, base: ByteSource) -> ByteSource:
-        """A reader of the real files (``base``) that also serves this file's bytes."""
+    def wrap(self, base: ByteSource, verify: bool = True) -> ByteSource:
+        """A reader of the real files (``base``) that also serves this file's bytes (``verify``:
+        check what it computes them from, where it can)."""
         ...
 
 
@@ -153,13 +154,16 @@ class Source(ABC):
         gap_bytes: int | None = None,
         max_request_bytes: int = 16 << 20,
         requests: RequestPolicy | None = None,
+        verify: bool = True,
     ) -> ByteSource:
         """The byte reader of ``paths``: ``preadv`` calls for files, ranged requests for objects.
 
         ``gap_bytes=None`` takes the storage's default: merge gaps within a
         page on a file system, up to :data:`~ucp_dcp.byteio.objrange.OBJECT_GAP_BYTES`
         on object storage, where a request costs a round trip. ``requests``: the deadlines of
-        local reads (object stores keep the policy they were opened with).
+        local reads (object stores keep the policy they were opened with). ``verify``: a
+        :attr:`computed` file checks what it computes from (bytes read are checked by the
+        load's own checksums either way).
         """
         real = len(self.paths) - (self.computed is not None)
         reader: ByteSource
@@ -182,7 +186,7 @@ class Source(ABC):
                 gap_bytes=gap,
                 max_request_bytes=max_request_bytes,
             )
-        return reader if self.computed is None else self.computed.wrap(reader)
+        return reader if self.computed is None else self.computed.wrap(reader, verify)
 
     # ------------------------------------------------------------ records
     def chunks(self, fqn: str) -> list[ChunkRecord]:

@@ -47,7 +47,7 @@ from ..core.values import encode_value
 from ..errors import CheckpointFormatError, InvalidArgumentError
 from ._archive_index import ArchiveIndex, check_sizes, numel
 from ._dirs import ModelDir, StoreDir
-from ._ds_average import MEAN_FILE_NAME, MeanFile
+from ._ds_merge import MERGE_FILE_NAME, MergeFile
 from ._ds_moe import expert_layout
 from ._ds_pipeline import EntryFile, place_entries
 from ._ds_tp import UNEVEN_RULES, TPRule, TPSlice, tp_rules, user_tp_rules
@@ -207,17 +207,17 @@ class DeepSpeedSource(Source):
                 range(len(optims))
             )
             ranks += moe.writers() if moe is not None else []
-        paths = [a.path for a in b.archives] + ([MEAN_FILE_NAME] if b.means is not None else [])
+        paths = [a.path for a in b.archives] + ([MERGE_FILE_NAME] if b.merges is not None else [])
         super().__init__(path, b.index(self.world_size, path, ranks), paths)
-        self.computed = b.means
+        self.computed = b.merges
         if isinstance(folder, StoreDir):
             self.store = folder.store  # the tag folder's: paths are its objects' URLs
         self._values = b.values
         self.directory = files.directory
-        # The tensors that are the mean of their tensor-parallel slices (ds_to_universal's
-        # parameter_to_average_patterns): means.equal lists those whose slices a load found
-        # bit-equal.
-        self.means: MeanFile | None = b.means
+        # The tensors merged from all their tensor-parallel slices (ds_to_universal's
+        # parameter_to_average_patterns and tp_replicated_parameter_patterns): merges.equal
+        # lists the averaged ones whose slices a load found bit-equal.
+        self.merges: MergeFile | None = b.merges
         self.ds_version = m0.ds_version
 
     # ------------------------------------------------------------ layouts
@@ -382,9 +382,9 @@ class DeepSpeedSource(Source):
                         f"{first[1]} holds a {first[0]} one (uneven tensor-parallel slices are "
                         f"not supported by its rule, {sl.rule})"
                     )
-                if sl.replicated:  # read from rank 0 (cut, where it is a vocabulary)
-                    return rank == 0, None if sl.full_shape == sl.local else sl
-                return True, sl
+                if sl.replicated and sl.merge is None:  # a cut vocabulary: rank 0's
+                    return rank == 0, sl
+                return True, sl  # replicated: every rank's, checked equal (_ds_merge)
 
             for g, names in enumerate(self._zero12(b, m, mine, keep)):
                 if g == len(groups):
@@ -406,7 +406,7 @@ class DeepSpeedSource(Source):
         shared = {n for m in models for n in m.shared}
         place_entries(b, sources, trainable | set(buffers), trainable | shared, rules, tp)
         if rules is not None:
-            b.finish_means(tp, os.path.dirname(models[0].archive.path))
+            b.finish_merges(tp, os.path.dirname(models[0].archive.path))
         placed = {k.split(".", 1)[1] for k in b.tensors if k.startswith("model.")}
         unused = rules.unused(sorted(trainable | placed)) if rules is not None else []
         if unused:

@@ -199,6 +199,7 @@ class NativeSource(Source):
         gap_bytes: int | None = None,
         max_request_bytes: int = 16 << 20,
         requests: RequestPolicy | None = None,
+        verify: bool = True,
     ) -> ByteSource:
         """As any source's; in object storage the reader is also handed the data files' first
         requests held (:meth:`prepare`): what a load reads inside them (the first chunks of a
@@ -208,6 +209,7 @@ class NativeSource(Source):
             gap_bytes=gap_bytes,
             max_request_bytes=max_request_bytes,
             requests=requests,
+            verify=verify,
         )
         if isinstance(reader, ObjectRangeReader):
             for file, obj in list(self._objects.items()):

@@ -85,7 +85,7 @@ class Checkpoint:
         )
         self.index = self.source.index
         self.max_buffer_bytes = max(max_buffer_bytes, 1 << 20)
-        self._reader = self.source.open_reader(threads=io_threads)
+        self._reader = self.source.open_reader(threads=io_threads, verify=verify)
         self.verify_reads = verify
         self._ranks = [self.source.file_rank(i) for i in range(len(self.source.paths))]
         self._verified = 0
