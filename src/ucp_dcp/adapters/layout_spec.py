@@ -228,6 +228,45 @@ class LayoutSpec:
             out[LAYOUT_KEY] = RankLocal(self.to_json())
         return out
 
+    def logical(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The whole logical tensors that one process's ``tensors`` hold (every axis of size
+        1): renamed, fused ones split into their parts, each assembled from its pieces. Meta
+        tensors give the names, shapes and dtypes without data. The hand-off tools use it to
+        give a checkpoint's tensors another model's names (a Megatron QKV as Hugging Face's
+        ``q_proj``, ``k_proj``, ``v_proj``).
+
+        Raises:
+            LayoutRuleError: an axis of size > 1, or a logical tensor its pieces do not cover
+                whole (named).
+        """
+        wide = {a: n for a, (_, n) in self.axes.items() if n != 1}
+        if wide:
+            raise LayoutRuleError(
+                f"logical tensors of one process need every axis of size 1, got {wide}"
+            )
+        out: dict[str, torch.Tensor] = {}
+        covered: dict[str, int] = {}
+        for key, value in self.apply(dict(tensors)).items():
+            if not isinstance(value, TensorPieces):
+                out[key] = value
+                continue
+            for p in value.pieces:
+                t = out.get(p.fqn)
+                if t is None:
+                    t = out[p.fqn] = torch.empty(p.shape, dtype=p.data.dtype, device=p.data.device)
+                    covered[p.fqn] = 0
+                box = tuple(slice(o, o + n) for o, n in zip(p.offsets, p.data.shape))
+                t[box].copy_(p.data)
+                covered[p.fqn] += p.data.numel()
+        short = [
+            f"{k} ({n} of {out[k].numel()} elements)"
+            for k, n in covered.items()
+            if n != out[k].numel()
+        ]
+        if short:
+            raise LayoutRuleError(f"the layout's pieces do not cover {', '.join(short)}")
+        return out
+
     @staticmethod
     def update_values(state_dict: Mapping[str, Any], applied: Mapping[str, Any]) -> None:
         """Copy the non-tensor values a ``dcp.load`` put into ``applied`` back into ``state_dict``.

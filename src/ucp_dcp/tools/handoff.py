@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ..adapters.layout_spec import LayoutSpec
 from ..errors import CheckpointKeyError, InvalidArgumentTypeError
 from .checkpoint import Checkpoint
 
@@ -45,6 +46,7 @@ def load_state_dict(
     dcp_values: str | None = None,
     prefix: str = "",
     tp_rules: object = None,
+    layout: LayoutSpec | None = None,
     verify: bool = True,
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -63,6 +65,9 @@ def load_state_dict(
         prefix: prepended to the tensor names of a Hugging Face model.
         tp_rules: the tensor-parallel partitioning of a DeepSpeed checkpoint that does not
             record it (see :class:`~ucp_dcp.sources.base.SourceOptions`).
+        layout: return the logical tensors this :class:`~ucp_dcp.LayoutSpec` makes of the
+            selected tensors (:meth:`~ucp_dcp.LayoutSpec.logical`: renamed, fused ones split
+            into their parts, e.g. a Megatron QKV as Hugging Face's q/k/v) instead of them.
         verify: check every byte read against the checksums recorded at
             save (:class:`~ucp_dcp.ChecksumError` on a mismatch); False skips
             the checks of tensor data.
@@ -100,6 +105,9 @@ def load_state_dict(
         unmatched = [k for k in wanted if not any(_selector(k)(n) for n in out)]
         if unmatched:
             raise CheckpointKeyError(f"{os.fspath(path)}: no key matches {unmatched}")
+    if layout is not None:
+        tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+        out = {**{k: v for k, v in out.items() if k not in tensors}, **layout.logical(tensors)}
     return out
 
 

@@ -29,6 +29,7 @@ Neither needs a process group, a GPU or ``transformers``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -42,6 +43,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.layout_spec import LayoutSpec
 from ..byteio.durable import commit_dir, temp_dir_for, write_all
 from ..byteio.objstore import is_url, local_path
 from ..byteio.rangeio import tensor_view
@@ -199,6 +201,21 @@ class _Planned:
     cast: torch.dtype | None  # dtype to read as (None: as saved)
     shape: tuple[int, ...]
     nbytes: int
+    part: str | None = None  # the layout's logical tensor of ``src`` written (None: ``src``)
+
+
+def _logical_names(
+    layout: LayoutSpec, name: str, shape: tuple[int, ...], dtype: torch.dtype
+) -> dict[str, tuple[int, ...]]:
+    """The logical tensors (name: shape) ``layout`` makes of tensor ``name``, without data."""
+    meta = torch.empty(shape, dtype=dtype, device="meta")
+    return {k: tuple(v.shape) for k, v in _one_by_one(layout).logical({name: meta}).items()}
+
+
+def _one_by_one(layout: LayoutSpec) -> LayoutSpec:
+    """``layout`` applied to one tensor at a time: a rule matches some tensors, not every one
+    (:func:`_plan_export` checks that each matches one)."""
+    return dataclasses.replace(layout, allow_unused_rules=True)
 
 
 def _plan_export(
@@ -206,6 +223,7 @@ def _plan_export(
     prefix: str,
     rules: list[tuple[re.Pattern[str], str]],
     cast: torch.dtype | None,
+    layout: LayoutSpec | None = None,
 ) -> list[_Planned]:
     names = [n for n in ckpt.tensor_names() if n.startswith(prefix)]
     values = [v for v in ckpt.value_names() if v.startswith(prefix)]
@@ -232,9 +250,27 @@ def _plan_export(
         ).with_option("prefix", guess, hint)
     planned: list[_Planned] = []
     seen: dict[str, str] = {}
+    if layout is not None and layout.strict and not layout.allow_unused_rules:
+        unused = [
+            r.describe()
+            for r in layout.rules
+            if not r.optional and not any(r.regex.search(n[len(prefix) :]) for n in names)
+        ]
+        if unused:
+            raise InvalidArgumentError(
+                f"layout: no tensor of {ckpt.path} under {prefix!r} matches {', '.join(unused)}"
+            )
+    targets: list[tuple[str, str | None, tuple[int, ...]]] = []  # (source, part, shape)
     for src in names:
+        shape, dtype = _shape_dtype(ckpt, src)
+        if layout is None:
+            targets.append((src, None, shape))
+        else:
+            parts = _logical_names(layout, src[len(prefix) :], shape, dtype)
+            targets += [(src, part, s) for part, s in parts.items()]
+    for src, part, shape in targets:
         rec = ckpt.tensor_record(src)
-        name = _apply_rename(src[len(prefix) :], rules)
+        name = _apply_rename(src[len(prefix) :] if part is None else part, rules)
         if not name:
             raise InvalidArgumentError(
                 f"tensor {src!r} gets an empty name after stripping {prefix!r} and renaming"
@@ -256,10 +292,15 @@ def _plan_export(
             raise InvalidArgumentError(
                 f"tensor {src!r} has dtype {dtype_name(out_dtype)}, which safetensors cannot store"
             )
-        nbytes = math.prod(rec.shape) * out_dtype.itemsize
-        planned.append(_Planned(src, name, out_dtype, to, tuple(rec.shape), nbytes))
+        nbytes = math.prod(shape) * out_dtype.itemsize
+        planned.append(_Planned(src, name, out_dtype, to, shape, nbytes, part))
     planned.sort(key=lambda p: _natural_key(p.name))
     return planned
+
+
+def _shape_dtype(ckpt: Checkpoint, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+    rec = ckpt.tensor_record(name)
+    return tuple(rec.shape), rec.dtype
 
 
 def _shard(planned: list[_Planned], max_bytes: int) -> list[list[_Planned]]:
@@ -339,6 +380,7 @@ def export_hf(
     max_shard_size: int | str = "5GB",
     prefix: str = "model.",
     rename: RenameRules | None = None,
+    layout: LayoutSpec | None = None,
     config: str | os.PathLike[str] | Mapping[str, Any] | Any | None = None,
     progress: ProgressFn | None = None,
     dcp_values: str | None = None,
@@ -371,6 +413,12 @@ def export_hf(
             applied with ``re.sub`` in order to every name after stripping
             ``prefix``, e.g. ``[(r"^layers\\.", "model.layers.")]`` to map a
             custom model onto Hugging Face names.
+        layout: a :class:`~ucp_dcp.LayoutSpec` whose logical tensors are written instead of
+            the checkpoint's (applied after stripping ``prefix``, before ``rename``; see
+            :meth:`~ucp_dcp.LayoutSpec.logical`): e.g. ``Fused`` splits a Megatron fused QKV
+            or SwiGLU weight into Hugging Face's ``q_proj``/``k_proj``/``v_proj`` or
+            ``gate_proj``/``up_proj``, ``Reindex`` shifts layer numbers. A rule that matches
+            no tensor is refused (``strict``).
         config: optionally also write ``config.json``: a path to a
             ``config.json``, a Hugging Face model directory (its
             ``config.json`` is written and its generation config and
@@ -436,7 +484,7 @@ def export_hf(
     with Checkpoint(
         src, dcp_values=dcp_values, verify=verify, storage_options=storage_options
     ) as ckpt:
-        planned = _plan_export(ckpt, prefix, rules, cast)
+        planned = _plan_export(ckpt, prefix, rules, cast, layout)
         shards = _shard(planned, max_bytes)
         n = len(shards)
         names = (
@@ -445,6 +493,7 @@ def export_hf(
             else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         )
         total = sum(p.nbytes for p in planned)
+        last: dict[str, Any] = {}  # the source tensor read last, as its layout's tensors
         tmp = temp_dir_for(dst)
         try:
             done = 0
@@ -453,7 +502,7 @@ def export_hf(
                 try:
                     write_all(fd, _st_header(shard))
                     for p in shard:
-                        t = ckpt.read_tensor(p.src, dtype=p.cast)
+                        t = _read_part(ckpt, p, prefix, layout, last)
                         if (
                             t.dtype != p.dtype or tuple(t.shape) != p.shape
                         ):  # cannot happen: the index said so
@@ -505,6 +554,25 @@ def export_hf(
             stacklevel=2,
         )
     return [os.path.join(dst, w) for w in written]
+
+
+def _read_part(
+    ckpt: Checkpoint,
+    p: _Planned,
+    prefix: str,
+    layout: LayoutSpec | None,
+    last: dict[str, Any],
+) -> torch.Tensor:
+    """The tensor ``p`` writes: its source tensor, or the part of it that ``layout`` names
+    (the source read once for its parts, which are planned one after another)."""
+    if p.part is None or layout is None:
+        return ckpt.read_tensor(p.src, dtype=p.cast)
+    if last.get("src") != p.src:
+        t = ckpt.read_tensor(p.src, dtype=p.cast)
+        last.clear()
+        last.update(src=p.src, parts=_one_by_one(layout).logical({p.src[len(prefix) :]: t}))
+    parts: dict[str, torch.Tensor] = last["parts"]
+    return parts[p.part]
 
 
 # ====================================================================== import
