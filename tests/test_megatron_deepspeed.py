@@ -25,8 +25,10 @@ from ds_fixtures import generator
 from safetensors.torch import load_file
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from ucp_dcp import UCPLoadPlanner, UCPStorageReader, load_state_dict
+from ucp_dcp import LayoutSpec, UCPLoadPlanner, UCPStorageReader, load_state_dict
+from ucp_dcp.adapters.rules import Fused, Rename
 from ucp_dcp.sources import DeepSpeedSource, DeepSpeedUniversalSource, open_source
+from ucp_dcp.tools.hf import export_hf
 
 MDS = Path(__file__).parent / "fixtures" / "deepspeed" / "megatron_ds"
 GEN = generator("generate_megatron_ds.py")
@@ -64,7 +66,6 @@ def test_in_place_equals_ds_to_universal_bit_for_bit(variant: str) -> None:
     src = open_source(MDS / variant)
     assert isinstance(src, DeepSpeedSource)
     averaged = _meta(variant)["averaged_params"]
-    assert (src.means is not None) == bool(averaged)
     got = load_state_dict(MDS / variant)
     assert set(want["fp32"]) == {
         k[len("model.") :] for k in got if k.startswith("model.") and k[6:] in want["fp32"]
@@ -72,9 +73,18 @@ def test_in_place_equals_ds_to_universal_bit_for_bit(variant: str) -> None:
     for kind in KINDS:
         for name, v in want[kind].items():
             assert bit_equal(got[_key(kind, name)], v), (variant, kind, name)
-    if averaged:
-        assert src.means is not None
-        assert {t.key for t in src.means.tensors} >= {f"model.{n}" for n in averaged}
+    # Averaged parameters are the slices' mean, replicated ones slice 0 checked against the
+    # others: both computed from every slice.
+    assert src.merges is not None
+    ops = {t.key: t.op for t in src.merges.tensors}
+    assert {k for k, op in ops.items() if op == "mean" and k.startswith("model.")} == {
+        f"model.{n}" for n in averaged
+    }
+    rules = _meta(variant)["param_rules"]
+    replicated = {n for n, r in rules.items() if r.startswith("replicated")}
+    assert {k for k, op in ops.items() if op == "replica" and k.startswith("model.")} == {
+        f"model.{n}" for n in replicated
+    }
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -167,3 +177,55 @@ def test_a_rank_reads_only_the_sub_parameter_pieces_it_needs() -> None:
             read += len(wanted & set(range(lo, lo + n))) * c.box.sizes[1]
             assert lo + n <= 16, c.box  # only q rows
     assert read == 6 * 8
+
+
+LLAMAS = [v for v in VARIANTS if v.startswith("llama")]
+
+
+def _hf_layout(variant: str, *, strip: bool) -> LayoutSpec:
+    """The generator's Hugging Face names for ``variant`` as a LayoutSpec: its renames, then its
+    Fused splits of QKV (after one another, or per KV group) and SwiGLU (``strip``: the
+    checkpoint's ``model.`` prefix first)."""
+    renames, fused = GEN.hf_split_rules(GEN.family_of(variant))
+    rules: list[Any] = [Rename(r"^model\.", "")] if strip else []
+    rules += [Rename(p, r) for p, r in renames] + [Fused(**f) for f in fused]
+    return LayoutSpec(rules, strict=False)
+
+
+@pytest.mark.parametrize("variant", LLAMAS)
+def test_as_hugging_face_tensors_through_load_state_dict(variant: str) -> None:
+    """The in-place load under Hugging Face's names, q/k/v and gate/up split: the generator's
+    split of ds_to_universal's merged tensors, bit for bit."""
+    got = load_state_dict(MDS / variant, "model.", layout=_hf_layout(variant, strip=True))
+    want = GEN.hf_state_dict(_universal(variant)["fp32"], GEN.family_of(variant))
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert bit_equal(got[k], v), (variant, k)
+
+
+@pytest.mark.parametrize("variant", LLAMAS)
+def test_export_hf_gives_transformers_the_reference_logits(variant: str, tmp_path: Path) -> None:
+    """export_hf straight from the DeepSpeed directory, then transformers' LlamaForCausalLM
+    from_pretrained: its logits on step 4's batch equal those of DeepSpeed's merged weights in
+    the same model (the generator's reference), bit for bit."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    family = GEN.family_of(variant)
+    out = tmp_path / "hf"
+    export_hf(
+        MDS / variant,
+        out,
+        layout=_hf_layout(variant, strip=False),
+        config=LlamaConfig(**GEN.hf_config(family)),
+    )
+    ref = load_file(str(MDS / variant / "reference.safetensors"))
+    model = LlamaForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    tokens = GEN.global_batch(ref, 4, _meta(variant)["dp"])[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the generator computed the reference
+    try:
+        with torch.no_grad():
+            logits = model(tokens).logits
+    finally:
+        torch.set_num_threads(threads)
+    assert bit_equal(logits, ref["hf/logits_step4"])
