@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointRestoreError, CheckpointSaveError
 from .config import CheckpointConfig
-from .tiers import LocalTier, Tier
+from .tiers import CommitMarker, LocalTier, Tier
 
 __all__ = ["NodeLayout", "Group", "GroupWorker", "describe"]
 
@@ -59,6 +59,20 @@ class NodeLayout:
     @property
     def num_nodes(self) -> int:
         return -(-self.world_size // self.ranks_per_node)
+
+    @property
+    def partner(self) -> int:
+        """The node whose data files this node's local tier also keeps (peer replication): the
+        previous node on the ring, ``(node - 1) mod num_nodes``; so node ``k``'s files live on
+        node ``k`` and node ``k + 1``. The one place the ring's direction is decided."""
+        return (self.node - 1) % self.num_nodes
+
+    def held_files(self, marker: CommitMarker, *, peer: bool) -> list[str]:
+        """The files of ``marker``'s step this node's local tier holds: the index, this node's
+        ranks' data files and, with ``peer`` replication over several nodes, its
+        :attr:`partner`'s."""
+        nodes = {self.node} | ({self.partner} if peer and self.num_nodes > 1 else set())
+        return [d.name for d in marker.files if d.rank < 0 or self.node_of(d.rank) in nodes]
 
     @property
     def is_leader(self) -> bool:

@@ -104,9 +104,10 @@ class SavePipeline(GroupWorker):
             marker, slowest = self._write(job, state, local, staging, per_node=True)
             if self.config.peer_replication and lay.num_nodes > 1:
                 agree("peer replication", lambda: self._replicate(staging, marker), step=step)
+            held = lay.held_files(marker, peer=self.config.peer_replication)
             agree(
                 "local commit",
-                lambda: local.commit(staging, marker) if lay.is_leader else None,
+                lambda: local.commit(staging, marker, held=held) if lay.is_leader else None,
                 step=step,
             )
             committed.append("local")
@@ -190,13 +191,13 @@ class SavePipeline(GroupWorker):
         return marker, slowest
 
     def _replicate(self, staging: str, marker: CommitMarker) -> None:
-        """Copy the previous node's data files into this node's staging directory."""
+        """Copy the partner node's data files (:attr:`NodeLayout.partner`) into this node's
+        staging directory."""
         lay = self.layout
-        partner = (lay.node - 1) % lay.num_nodes
         wanted = []
         if lay.is_leader:
             wanted = [
-                d.name for d in marker.files if d.rank >= 0 and lay.node_of(d.rank) == partner
+                d.name for d in marker.files if d.rank >= 0 and lay.node_of(d.rank) == lay.partner
             ]
         own = [d.name for d in marker.files if d.rank == lay.rank]
         exchange_files(self.group.pg, staging, own, staging, wanted)

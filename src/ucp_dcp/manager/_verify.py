@@ -15,13 +15,17 @@ from .tiers import Tier
 __all__ = ["verify_copy"]
 
 
-def verify_copy(tier: Tier, step: int, layout: NodeLayout, *, node_local: bool) -> list[str]:
+def verify_copy(
+    tier: Tier, step: int, layout: NodeLayout, *, node_local: bool, peer: bool = True
+) -> list[str]:
     """Problems of the copy of ``step`` in ``tier`` ([] = intact).
 
     Whole-file xxh3-128 digests against the commit marker (catches any
     flipped byte, header and padding included), then, for a damaged data
     file, every chunk checksum to name the tensors hit. A ``node_local``
-    tier is expected to hold only this node's data files (and the index).
+    tier is expected to hold the files :meth:`NodeLayout.held_files` names (the index, this
+    node's data files and, with ``peer`` replication, its partner's); others it holds are
+    checked too.
     """
     where = f"step {step} in the {tier.name} tier ({tier.url})"
     try:
@@ -40,8 +44,9 @@ def verify_copy(tier: Tier, step: int, layout: NodeLayout, *, node_local: bool) 
             present = {n: os.path.getsize(os.path.join(tmp, n)) for n in os.listdir(tmp)}
         problems: list[str] = []
         damaged = False
+        held = set(layout.held_files(marker, peer=peer)) if node_local else None
         for d in marker.files:
-            own = d.rank == -1 or not node_local or layout.node_of(d.rank) == layout.node
+            own = held is None or d.name in held
             who = "the index" if d.rank == -1 else f"written by rank {d.rank}"
             if d.name not in present:
                 if own:

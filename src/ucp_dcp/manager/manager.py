@@ -294,7 +294,13 @@ class CheckpointManager:
             if step not in t.steps():
                 continue
             found = True
-            problems += verify_copy(t, step, self.layout, node_local=t is not self.persistent)
+            problems += verify_copy(
+                t,
+                step,
+                self.layout,
+                node_local=t is not self.persistent,
+                peer=self.config.peer_replication,
+            )
         if not found:
             problems.append(
                 f"step {step}: not committed in {', '.join(t.name for t in tiers) or 'any tier'}"

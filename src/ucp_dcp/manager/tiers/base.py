@@ -12,7 +12,7 @@ import os
 import re
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from ...errors import CheckpointFormatError, InvalidArgumentError
@@ -146,11 +146,14 @@ class Tier(ABC):
         self._check_payload_name(name, "put_bytes")
         self._put_bytes(self._staging_step(staging)[1], name, data)
 
-    def commit(self, staging: str, marker: CommitMarker) -> None:
+    def commit(
+        self, staging: str, marker: CommitMarker, *, held: Collection[str] | None = None
+    ) -> None:
         """Make step ``marker.step`` visible atomically, replacing an earlier commit of the same
         step.
 
-        Every file the marker lists must be in ``staging`` with the listed
+        Every file the marker lists (``held``: those of its files this copy holds, a node's
+        share of a node-local tier) must be in ``staging`` with the listed
         size (:class:`CheckpointFormatError` otherwise, and nothing becomes
         visible).
         """
@@ -160,7 +163,7 @@ class Tier(ABC):
                 f"{self._where(step)}: marker is for step {marker.step} but staging {staging} is "
                 f"for step {step}"
             )
-        self._commit(step, path, marker)
+        self._commit(step, path, marker, None if held is None else frozenset(held))
 
     @abstractmethod
     def delete(self, step: int) -> None:
@@ -196,8 +199,11 @@ class Tier(ABC):
         """:meth:`put_bytes` with checked arguments."""
 
     @abstractmethod
-    def _commit(self, step: int, staging: str, marker: CommitMarker) -> None:
-        """:meth:`commit` of ``marker`` (of ``step``) from checked ``staging``."""
+    def _commit(
+        self, step: int, staging: str, marker: CommitMarker, held: frozenset[str] | None
+    ) -> None:
+        """:meth:`commit` of ``marker`` (of ``step``) from checked ``staging``, which holds the
+        files ``held`` (None: all of them)."""
 
     def _check_payload_name(self, name: str, method: str) -> None:
         check_name(name, "file name")
@@ -207,11 +213,19 @@ class Tier(ABC):
             )
 
     def _check_staged(
-        self, step: int, staging: str, marker: CommitMarker, sizes: Mapping[str, int]
+        self,
+        step: int,
+        staging: str,
+        marker: CommitMarker,
+        sizes: Mapping[str, int],
+        held: frozenset[str] | None = None,
     ) -> None:
-        """Every file ``marker`` lists is in ``staging`` (``sizes``: name -> size) with its recorded
-        size."""
+        """Every file ``marker`` lists (of ``held``, where given) is in ``staging`` (``sizes``:
+        name -> size) with its recorded size; so is any other file of the marker that is
+        there."""
         for f in marker.files:
+            if f.name not in sizes and held is not None and f.name not in held:
+                continue
             if f.name not in sizes:
                 raise CheckpointFormatError(
                     f"{self._where(step, f.name)}: cannot commit: the marker lists it but staging "

@@ -279,13 +279,15 @@ class FsspecTier(Tier):
     def _put_bytes(self, path: str, name: str, data: bytes) -> None:
         self.fs.pipe_file(f"{path}/{name}", bytes(data))
 
-    def _commit(self, step: int, path: str, marker: CommitMarker) -> None:
+    def _commit(
+        self, step: int, path: str, marker: CommitMarker, held: frozenset[str] | None
+    ) -> None:
         """Upload the marker last (one atomic PUT commits), then remove older copies of the step."""
         try:
             sizes = self._file_sizes(path)
         except FileNotFoundError:
             sizes = {}
-        self._check_staged(step, self._to_url(path), marker, sizes)
+        self._check_staged(step, self._to_url(path), marker, sizes, held)
         # The commit point: until this PUT completes the directory is not
         # listed; after it, it is (and, being newest, wins over older copies).
         self.fs.pipe_file(f"{path}/{MARKER_FILE}", marker.encode())

@@ -243,7 +243,9 @@ class LocalTier(Tier):
     def _put_bytes(self, staging: str, name: str, data: bytes) -> None:
         write_bytes_durable(os.path.join(staging, name), data)
 
-    def _commit(self, step: int, staging: str, marker: CommitMarker) -> None:
+    def _commit(
+        self, step: int, staging: str, marker: CommitMarker, held: frozenset[str] | None
+    ) -> None:
         """Make ``staging`` the committed ``step-N`` (see the module docstring for the layout).
 
         Crash safety: at every point below, each step committed before is
@@ -258,9 +260,9 @@ class LocalTier(Tier):
                 sizes[f.name] = os.stat(os.path.join(staging, f.name)).st_size
             except FileNotFoundError:
                 pass
-        self._check_staged(step, staging, marker, sizes)
-        for f in marker.files:
-            fsync_file(os.path.join(staging, f.name))
+        self._check_staged(step, staging, marker, sizes, held)
+        for name in sizes:
+            fsync_file(os.path.join(staging, name))
         # 1. Marker into staging: temp file + fsync + rename, then fsync the
         #    staging dir: the marker's and the data files' directory entries
         #    are durable before the directory can become visible, so a power

@@ -1,0 +1,123 @@
+"""CheckpointManager on a simulated cluster of 4 and more nodes (real gloo ranks).
+
+Each simulated *machine* has a node-local directory ``local/m<id>``; a job's node ``k`` runs on
+the machine ``machines[k]`` says, so a restart can lose a machine, swap in an empty one or add
+one, and node ``k`` after a restart need not be the machine that was node ``k`` before. Four
+nodes (``ranks_per_node=1``) and four nodes of two ranks (8 ranks) save steps 1-3 with the
+persistent tier every 2 steps; then (a) one machine's disk is lost and the job restarts on the
+3 survivors, (b) an empty machine replaces it at the same world size, (c) a fifth machine joins,
+(d) two neighbouring machines are lost. Two nodes would hide the ring's direction: with four,
+node ``k`` holds its own files and node ``k - 1``'s, nobody else's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+from layouts import build, check_against, full_reference, scramble, train_state, train_step
+
+from ucp_dcp import CheckpointManager, ReshardEvent
+from ucp_dcp.manager.tiers import LocalTier
+
+pytestmark = pytest.mark.multiproc
+
+
+def _local(base: str, machines: list[int], rank: int, rpn: int) -> str:
+    return os.path.join(base, "local", f"m{machines[rank // rpn]}")
+
+
+def _kw(base: str, machines: list[int], rank: int, rpn: int) -> dict[str, Any]:
+    return dict(
+        local=_local(base, machines, rank, rpn), ranks_per_node=rpn, persistent_interval=2
+    )
+
+
+def _save(rank: int, world: int, base: str, rpn: int) -> None:
+    machines = list(range(world // rpn))
+    model, optim = build(f"dp{world}")
+    with CheckpointManager(os.path.join(base, "shared"), **_kw(base, machines, rank, rpn)) as mgr:
+        for step in (1, 2, 3):
+            train_step(model, optim, step)
+            state = train_state(model, optim)
+            mgr.save(step, state)
+            ref = full_reference(state)
+        mgr.wait()
+        assert mgr.verify(3) == [], mgr.verify(3)  # each node: its files and its partner's
+    if rank == 0:
+        torch.save(ref, os.path.join(base, "ref3.pt"))
+    dist.barrier()
+
+
+def _held(base: str, machine: int, step: int) -> set[int]:
+    """The saving ranks whose data files machine ``machine``'s local tier holds of ``step``."""
+    names = LocalTier(os.path.join(base, "local", f"m{machine}"), name="l").files(step)
+    return {int(n[4:9]) for n in names if n.endswith(".safetensors")}
+
+
+def _restore(
+    rank: int,
+    world: int,
+    base: str,
+    rpn: int,
+    machines: list[int],
+    expect: tuple[int, str],
+    saved_world: int,
+) -> None:
+    model, optim = build(f"dp{world}", seed=5)
+    train_step(model, optim, 0)
+    state = train_state(model, optim)
+    scramble(state)
+    events: list[ReshardEvent] = []
+    kw = _kw(base, machines, rank, rpn)
+    with CheckpointManager(os.path.join(base, "shared"), on_reshard=[events.append], **kw) as mgr:
+        step = mgr.load(state)
+        rec = mgr.last_restore
+        assert rec is not None and (step, rec.tier) == expect, rec
+        if world != saved_world:
+            assert events == [ReshardEvent(step, saved_world, world, rec.tier)], events
+        if expect == (2, "persistent"):
+            # Why not step 3: its local copy lost files, which the attempts name.
+            assert "step 3 from the local tier failed" in rec.failed_attempts[0], rec
+        mgr.wait()
+    if step == 3:
+        check_against(state, torch.load(os.path.join(base, "ref3.pt"), weights_only=False), f"{rank}")
+
+
+@pytest.mark.parametrize(("world", "rpn"), [(4, 1), (8, 2)])
+def test_four_nodes_save_and_lose_restart_swap_and_grow(tmp_path, world: int, rpn: int) -> None:
+    base = str(tmp_path)
+    nodes = world // rpn
+    run_ranks(world, _save, base, rpn)
+    # The ring: machine k holds the files of its own ranks and of machine k - 1's, no others.
+    for m in range(nodes):
+        want = {r for r in range(world) if r // rpn in (m, (m - 1) % nodes)}
+        assert _held(base, m, 3) == want, (m, _held(base, m, 3))
+    # (d), on a copy of the tiers as saved: two neighbouring machines lost (1 and 2). Node 1's
+    # files were on machines 1 and 2 only, so no local copy of step 3 or 2 is whole: step 2
+    # comes from the persistent tier, and the restore says why.
+    lost = os.path.join(base, "d")
+    for tier in ("shared", "local"):
+        shutil.copytree(os.path.join(base, tier), os.path.join(lost, tier))
+    shutil.copy(os.path.join(base, "ref3.pt"), lost)
+    for m in (1, 2):
+        shutil.rmtree(os.path.join(lost, "local", f"m{m}"))
+    run_ranks(2 * rpn, _restore, lost, rpn, [0, 3], (2, "persistent"), world)
+    ref_step3 = (3, "local")
+    # (a) Machine 2's disk is lost; the job restarts on the three survivors (machines 0, 1, 3:
+    # node 2 is now machine 3): step 3 from the local tier, machine 2's files from machine 3.
+    shutil.rmtree(os.path.join(base, "local", "m2"))
+    survivors = [0, 1, 3]
+    run_ranks(len(survivors) * rpn, _restore, base, rpn, survivors, ref_step3, world)
+    # (b) Hot swap: an empty machine 4 replaces machine 2 at the same world size; afterwards it
+    # holds the step: its own node's files and its partner's (here: all, fetched to load).
+    run_ranks(world, _restore, base, rpn, [0, 1, 4, 3], ref_step3, world)
+    node2 = {r for r in range(world) if r // rpn in (2, 1)}
+    assert node2 <= _held(base, 4, 3)
+    # (c) Scale up: a fifth, empty machine joins.
+    run_ranks(world + rpn, _restore, base, rpn, [0, 1, 4, 3, 5], ref_step3, world)
