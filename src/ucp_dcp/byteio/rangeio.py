@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -276,6 +277,15 @@ def check_access(mode: str) -> str:
     return mode
 
 
+def _release(workers: IOWorkers, files: FileHandles, lanes: Sequence[FileHandles]) -> None:
+    """Stop ``workers`` and close the descriptors, but those of a read left blocked."""
+    workers.close()
+    keep = frozenset(workers.blocked())
+    files.close(keep)
+    for lane in lanes:
+        lane.close(keep)
+
+
 class RangeReader(ByteSource):
     """Reads byte ranges of a fixed list of files with coalesced ``preadv`` calls.
 
@@ -313,6 +323,9 @@ class RangeReader(ByteSource):
         # Per stream lane, descriptors of its own: the kernel keeps one read-ahead state per open
         # file, and lanes sharing a descriptor would break each other's pattern.
         self._lanes = [FileHandles(self._paths, random=False) for _ in range(self._threads)]
+        # Closed by close(), or when the reader is collected unclosed: a long-lived process
+        # keeps no descriptor or thread of a reader it dropped.
+        self._release = weakref.finalize(self, _release, self._workers, self._files, self._lanes)
 
     # -------------------------------------------------------------- files
     def fd(self, file: int) -> int:
@@ -322,11 +335,7 @@ class RangeReader(ByteSource):
     def close(self) -> None:
         """Close every file and stop the I/O threads (not waiting for one left blocked in a read
         past its deadline, whose file stays open)."""
-        self._workers.close()
-        keep = frozenset(self._workers.blocked())
-        self._files.close(keep)
-        for lane in self._lanes:
-            lane.close(keep)
+        self._release()
 
     def __enter__(self) -> RangeReader:
         return self

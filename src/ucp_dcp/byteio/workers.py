@@ -14,6 +14,10 @@ process on the blocked read), and the others stop before their next read.
 
 Why not a ``ThreadPoolExecutor``: its threads are joined at exit and by ``shutdown``, and it has
 no notion of which read a thread is in.
+
+The threads start with the first task and stop after :data:`IDLE_S` without one: a reader kept
+open between loads (a ``Checkpoint`` a service holds, one never closed) holds no idle thread,
+and the next task starts them again.
 """
 
 from __future__ import annotations
@@ -33,7 +37,11 @@ from .deadlines import Observed, deadline_for
 from .objrequests import DeadlineExceeded, current_rank, storage_error
 from .reqpolicy import RequestPolicy
 
-__all__ = ["IOWorkers", "Abandoned"]
+__all__ = ["IOWorkers", "Abandoned", "IDLE_S"]
+
+IDLE_S = 1.0
+"""Seconds an I/O thread waits for a task before it stops (a load's reads come much closer
+together; a thread costs ~0.1 ms to start again)."""
 
 
 class Abandoned(Exception):
@@ -68,22 +76,39 @@ class IOWorkers:
             queue.SimpleQueue()
         )
         self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()  # the thread list, and a thread's decision to stop
+        self._started = 0  # threads ever started (their names)
         self._reads: dict[int, _Read] = {}  # per thread ident: the read it is in
 
     # ------------------------------------------------------------ tasks
     def submit(self, fn: Callable[[Any], Any], arg: Any) -> Future[Any]:
         """Run ``fn(arg)`` on an I/O thread; its future."""
-        if not self._threads:
-            for i in range(self._size):
-                t = threading.Thread(target=self._work, name=f"{self._name}_{i}", daemon=True)
-                t.start()
-                self._threads.append(t)
         fut: Future[Any] = Future()
-        self._queue.put((fut, fn, arg))
+        with self._lock:  # a thread stopping for idleness decides under it: none misses this
+            self._queue.put((fut, fn, arg))
+            while len(self._threads) < self._size:
+                t = threading.Thread(
+                    target=self._work, name=f"{self._name}_{self._started}", daemon=True
+                )
+                self._started += 1
+                self._threads.append(t)
+                t.start()
         return fut
 
     def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
+        while True:
+            try:
+                item = self._queue.get(timeout=IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():  # idle: stop (submit starts another)
+                        me = threading.current_thread()
+                        if me in self._threads:
+                            self._threads.remove(me)
+                        return
+                continue
+            if item is None:
+                return
             fut, fn, arg = item
             if not fut.set_running_or_notify_cancel():
                 continue
@@ -95,12 +120,14 @@ class IOWorkers:
     def close(self) -> None:
         """Stop the threads; wait for them unless a read was left behind (its thread may never
         return)."""
-        for _ in self._threads:
-            self._queue.put(None)
+        with self._lock:
+            threads, self._threads = self._threads, []
+            for _ in threads:
+                self._queue.put(None)
         if self.failed is None:
-            for t in self._threads:
-                t.join()
-        self._threads = []
+            for t in threads:
+                if t is not threading.current_thread():
+                    t.join()
 
     # ------------------------------------------------------------ deadlines
     def check(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from ..byteio.engine import ChunkReads
 from ..byteio.integrity import HASH_BLOCK, chunk_what, hash_range
+from ..byteio.rangeio import ByteSource
 from ..byteio.transfer import ChunkRegion
 from ..core.placement_digest import box_share, digest_hex
 from ..core.sharding import Box
@@ -32,7 +34,7 @@ from ..dcp._placement import (
 )
 from ..errors import CheckpointFormatError, CheckpointKeyError, ShapeMismatchError
 from ..format import Location, TensorRecord, rank_local_key
-from ..sources import SourceOptions, open_source, read_value, read_values
+from ..sources import Source, SourceOptions, open_source, read_value, read_values
 from .progress import ProgressFn
 
 __all__ = ["Checkpoint"]
@@ -89,6 +91,8 @@ class Checkpoint:
         self.verify_reads = verify
         self._ranks = [self.source.file_rank(i) for i in range(len(self.source.paths))]
         self._verified = 0
+        # close(), or when collected unclosed (``Checkpoint(path).verify()``): nothing is kept.
+        self._release = weakref.finalize(self, _release, self._reader, self.source)
 
     @property
     def format(self) -> str:
@@ -330,15 +334,19 @@ class Checkpoint:
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Release files and threads."""
-        self._reader.close()
-        self.source.close()
+        """Release files and threads (also done when the object is collected unclosed)."""
+        self._release()
 
     def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release(reader: ByteSource, source: Source) -> None:
+    reader.close()
+    source.close()
 
 
 def _unknown(name: str, what: str, known: Any, path: str) -> str:
