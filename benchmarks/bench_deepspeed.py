@@ -55,6 +55,22 @@ ranks, against ``ds_to_universal`` and then its folder read as DeepSpeed's
 own universal loading reads it (``torch.load`` of each parameter's files,
 each rank keeping its slice; ``--universal-reader ucp``: ucp_dcp's source).
 
+``--patterns`` benchmarks every tensor-parallel merge rule of ``ds_to_universal``
+(``benchmarks/results/deepspeed_patterns.json``): DeepSpeed writes a
+Megatron-DeepSpeed-style Llama on TP=``--tp`` x DP=``--ds-dp`` ranks under ZeRO-1
+(fp32, a plain engine with the grid as ``mpu=``) with its
+``universal_checkpoint_info``: RMSNorms under ``parameter_to_average_patterns``,
+a GQA fused QKV under ``parameter_with_sub_params`` (version 0.4 widths), the
+SwiGLU ``dense_h_to_4h`` under ``parameter_with_2_sub_params_cat_dim_0``,
+row-parallel ``dense`` / ``dense_4h_to_h``, a padded vocabulary-parallel
+embedding and output layer. On ``--world`` ranks, into DTensors re-cut from the
+merged tensors (fused and the rest ``Shard(0)``, row-parallel ``Shard(1)``, norms
+replicated): the bytes each rank's reader requests for the fused tensors
+against the bytes of its pieces (``gap_bytes`` default and 0; the other roles
+too), then cold rounds of the whole state in place against ``ds_to_universal``
++ the Universal folder's load, alternating which runs first, both compared bit
+for bit after every load.
+
 See benchmarks/README.md ("bench_deepspeed.py").
 """
 
@@ -62,8 +78,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import math
 import os
 import platform
+import re
 import resource
 import shutil
 import subprocess
@@ -746,6 +765,764 @@ def table(rows: dict[str, Any]) -> str:
     return markdown_table(header, out)
 
 
+# ---------------------------------------------------------------- --patterns: every TP merge rule
+
+# A Megatron-DeepSpeed-style Llama under its engine module's names: "0" the vocabulary-parallel
+# embedding, "1".."L" blocks, "L+1" the final RMSNorm, "L+2" the untied vocabulary-parallel
+# output layer (as tests/fixtures/deepspeed/generate_megatron_ds.py's llama_tp2_dp2, bigger).
+PAT_HEADS, PAT_KV_HEADS = 16, 4
+PAT_QKV = r"\d+\.self_attention\.query_key_value\.weight$"
+PAT_SWIGLU = r"\d+\.mlp\.dense_h_to_4h\.weight$"
+PAT_ROW = [r"\d+\.self_attention\.dense\.weight$", r"\d+\.mlp\.dense_4h_to_h\.weight$"]
+PAT_AVERAGED = [
+    r"\d+\.input_layernorm\.weight$",
+    r"\d+\.post_attention_layernorm\.weight$",
+    r"\d+\.final_layernorm\.weight$",
+]
+PAT_VOCAB = [r"\d+\.word_embeddings\.weight$", r"\d+\.output_layer\.weight$"]
+PAT_VOCAB_PAD = 77  # padding rows of the vocabulary (Megatron pads to a multiple of 128 x TP)
+
+
+def patterns_dims(size_mb: float, hidden: int, tp: int) -> dict[str, int]:
+    """The Llama whose checkpoint comes to about ``size_mb`` on disk: 16 bytes a parameter (fp32
+    module weights in ``mp_rank_*``, fp32 master + two Adam moments in ``zero_pp_rank_*``). GQA 16
+    query / 4 KV heads of ``hidden // 16``, SwiGLU inner size Llama's ``8/3 hidden`` rounded up to
+    256; as many whole blocks as fit with at least 1024 vocabulary rows, the vocabulary (padded to a
+    multiple of 128 x ``tp``) filling the rest."""
+    head_dim = hidden // PAT_HEADS
+    ffn = 256 * math.ceil(8 * hidden / 3 / 256)
+    q_rows, kv_rows = PAT_HEADS * head_dim, PAT_KV_HEADS * head_dim
+    per_layer = hidden * (q_rows + 2 * kv_rows) + q_rows * hidden + 3 * hidden * ffn + 2 * hidden
+    budget = size_mb * MB / 16 - hidden  # the final norm
+    layers = max(1, int((budget - 2 * 1024 * hidden) // per_layer))
+    step = 128 * tp
+    padded = max(
+        1024 // step * step or step,
+        int((budget - layers * per_layer) / (2 * hidden)) // step * step,
+    )
+    return {
+        "hidden": hidden,
+        "heads": PAT_HEADS,
+        "kv_heads": PAT_KV_HEADS,
+        "head_dim": head_dim,
+        "q_rows": q_rows,
+        "kv_rows": kv_rows,
+        "ffn": ffn,
+        "layers": layers,
+        "tp": tp,
+        "padded_vocab": padded,
+        "vocab": padded - PAT_VOCAB_PAD,
+        "params": layers * per_layer + 2 * padded * hidden + hidden,
+    }
+
+
+def patterns_info(d: dict[str, int]) -> dict[str, Any]:
+    """The ``universal_checkpoint_info`` Megatron-DeepSpeed saves for this Llama (keys and format
+    as generate_megatron_ds.py's LLAMA_INFO: universal_checkpoint_version 0.4, sub-parameter
+    shapes as tuples at ``partition_dim``, every sub-parameter's rows per TP rank)."""
+    tp = d["tp"]
+    return {
+        "universal_checkpoint_version": 0.4,
+        "original_vocab_size": d["vocab"],
+        "padded_vocab_size": d["padded_vocab"],
+        "vocabulary_parameter_patterns": PAT_VOCAB,
+        "pipeline_replicated_parameter_patterns": [],
+        "tp_replicated_parameter_patterns": [],
+        "parameter_to_average_patterns": PAT_AVERAGED,
+        "parameter_with_row_parallelism_patterns": PAT_ROW,
+        "parameter_with_2_sub_params_cat_dim_0": [PAT_SWIGLU],
+        "parameter_with_sub_params": [
+            {
+                "patterns": [PAT_QKV],
+                "shape": ((d["q_rows"], d["kv_rows"], d["kv_rows"]), d["hidden"]),
+                "partition_dim": 0,
+            }
+        ],
+        "sub_param_shard_widths": {
+            PAT_QKV: [
+                [d["q_rows"] // tp] * tp,
+                [d["kv_rows"] // tp] * tp,
+                [d["kv_rows"] // tp] * tp,
+            ]
+        },
+    }
+
+
+def patterns_model(d: dict[str, int], tp_rank: int) -> nn.Module:
+    """Tensor-parallel rank ``tp_rank``'s slices (each rank its own random values, the averaged
+    RMSNorms included). The forward pass touches every parameter with plain local math (no
+    tensor-parallel collectives: the values, not the model's correctness, are what is saved)."""
+    tp, hidden, hd = d["tp"], d["hidden"], d["head_dim"]
+    nq, nkv, ffn = d["heads"] // tp, d["kv_heads"] // tp, d["ffn"] // tp
+    vocab_rows = d["padded_vocab"] // tp
+
+    def weight(*shape: int, scale: float) -> nn.Parameter:
+        p = nn.Parameter(torch.randn(*shape) * scale)
+        # A TP slice: DeepSpeed's gradient norm counts it on every TP rank.
+        p.tensor_model_parallel = True  # type: ignore[attr-defined]
+        return p
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+    class Norm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(1.0 + 0.3 * torch.randn(hidden))
+
+    class Lin(nn.Module):
+        def __init__(self, out: int, inp: int, scale: float = 0.0) -> None:
+            super().__init__()
+            self.weight = weight(out, inp, scale=scale or 1 / math.sqrt(inp))
+
+    class Embedding(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.word_embeddings = Lin(vocab_rows, hidden, 0.5)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            local = tokens - tp_rank * vocab_rows
+            inside = ((local >= 0) & (local < vocab_rows)).unsqueeze(-1)
+            w = self.word_embeddings.weight
+            return nn.functional.embedding(local.clamp(0, vocab_rows - 1), w) * inside
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.query_key_value = Lin((nq + 2 * nkv) * hd, hidden)  # [q_k; k_k; v_k]
+            self.dense = Lin(hidden, nq * hd)  # row-parallel
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            q, k, v = (h @ self.query_key_value.weight.t()).split([nq * hd, nkv * hd, nkv * hd], -1)
+            b, t, _ = q.shape
+            o = q.view(b, t, nkv, nq // nkv, hd) * torch.sigmoid(k + v).view(b, t, nkv, 1, hd)
+            return o.reshape(b, t, nq * hd) @ self.dense.weight.t()
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense_h_to_4h = Lin(2 * ffn, hidden)  # [gate_k; up_k]
+            self.dense_4h_to_h = Lin(hidden, ffn)  # row-parallel
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            gate, up = (h @ self.dense_h_to_4h.weight.t()).chunk(2, dim=-1)
+            return (nn.functional.silu(gate) * up) @ self.dense_4h_to_h.weight.t()
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.input_layernorm = Norm()
+            self.self_attention = Attention()
+            self.post_attention_layernorm = Norm()
+            self.mlp = MLP()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + self.self_attention(rms(x, self.input_layernorm.weight))
+            return x + self.mlp(rms(x, self.post_attention_layernorm.weight))
+
+    class FinalNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.final_layernorm = Norm()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return rms(x, self.final_layernorm.weight)
+
+    class Output(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.output_layer = Lin(vocab_rows, hidden)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.output_layer.weight.t()
+
+    class Llama(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            mods = [Embedding(), *(Block() for _ in range(d["layers"])), FinalNorm(), Output()]
+            for i, m in enumerate(mods):
+                self.add_module(str(i), m)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = tokens
+            for m in self.children():
+                x = m(x)
+            return x.pow(2).mean()  # the "loss"
+
+    return Llama()
+
+
+def patterns_worker(out: Path, d: dict[str, int], dp: int) -> None:
+    """One DeepSpeed rank (under torchrun) of TP=``d["tp"]`` x DP=``dp``: a plain engine with the
+    grid as ``mpu=`` (Megatron-DeepSpeed without a pipeline), ZeRO-1 fp32, two steps, saved with
+    its ``universal_checkpoint_info``."""
+    deepspeed = GEN.import_deepspeed_for_gloo()
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == d["tp"] * dp, (world, d["tp"], dp)
+    topo = PipeModelDataParallelTopology(num_pp=1, num_mp=d["tp"], num_dp=dp)
+    mpu = PipelineParallelGrid(topology=topo)
+    tp_rank = topo.get_coord(rank).model
+    torch.manual_seed(SEED + tp_rank)  # the TP ranks' slices (and averaged norms) differ
+    model = patterns_model(d, tp_rank)
+    opt = torch.optim.AdamW(GEN.param_groups(model), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10_000,
+        "wall_clock_breakdown": False,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg, mpu=mpu)
+    g = torch.Generator().manual_seed(SEED + mpu.get_data_parallel_id())
+    for _ in range(2):
+        loss = engine(torch.randint(0, d["vocab"], (MICRO_BATCH, 8), generator=g))
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(
+        str(out), tag=TAG, client_state={"universal_checkpoint_info": patterns_info(d)}
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def pattern_role(key: str) -> str:
+    """``fused`` (QKV, SwiGLU), ``row`` (row-parallel), ``averaged`` (RMSNorms) or ``other``
+    (embedding, output layer) for a state key ``model.<name>`` / ``optim.state.<name>.<kind>``."""
+    name = (
+        key.removeprefix("model.")
+        if key.startswith("model.")
+        else key.removeprefix("optim.state.").rsplit(".", 1)[0]
+    )
+    if re.match(PAT_QKV, name) or re.match(PAT_SWIGLU, name):
+        return "fused"
+    if any(re.match(p, name) for p in PAT_ROW):
+        return "row"
+    if any(re.match(p, name) for p in PAT_AVERAGED):
+        return "averaged"
+    return "other"
+
+
+def _pattern_state(specs: list[list[Any]], mesh: Any) -> dict[str, Any]:
+    """``specs`` ([key, shape, role]) as NaN-filled DTensors on the 1-D ``mesh``: the fused
+    tensors and the others Shard(0), row-parallel weights Shard(1), the norms replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import empty as dt_empty
+
+    state = {}
+    for key, shape, role in specs:
+        placement = {"row": Shard(1), "averaged": Replicate()}.get(role, Shard(0))
+        t = dt_empty(*shape, device_mesh=mesh, placements=[placement], dtype=torch.float32)
+        t.to_local().fill_(float("nan"))
+        state[key] = t
+    return state
+
+
+def _local_bytes(state: dict[str, Any]) -> int:
+    return sum(t.to_local().numel() * t.to_local().element_size() for t in state.values())
+
+
+def _pattern_load(state: dict[str, Any], path: Path, gap_bytes: int | None = None) -> Any:
+    from ucp_dcp import UCPLoadPlanner, UCPStorageReader
+
+    kw = {} if gap_bytes is None else {"gap_bytes": gap_bytes}
+    reader = UCPStorageReader(path, read_once=False, **kw)
+    dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner())
+    return reader
+
+
+def _unfilled(state: dict[str, Any]) -> list[str]:
+    return [k for k, t in state.items() if torch.isnan(t.to_local()).any()]
+
+
+def patterns_rank_main(
+    rank: int,
+    world: int,
+    specs: list[list[Any]],
+    picks: list[str],
+    ckpt: str,
+    uni: str,
+    conv_cmd: list[str],
+    repeats: int,
+    warmup: bool,
+) -> dict[str, Any]:
+    """Bytes of the fused tensors, then ``repeats`` cold rounds of (a) the in-place load and
+    (b) ``ds_to_universal`` (rank 0, a subprocess; the others wait at a broadcast) + the Universal
+    folder's load, alternating which goes first; (a) and (b) compared bit for bit after each
+    load."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # Each load fills a part of what the checkpoint offers (no step, no param_groups): DCP says so.
+    warnings.filterwarnings("ignore", message=r".*checkpoint key\(s\) not in the state dict")
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    ckpt_p, uni_p = Path(ckpt), Path(uni)
+    out: dict[str, Any] = {"rank": rank}
+
+    # --- bytes: the fused tensors (QKV, SwiGLU and their moments) alone, each of them alone,
+    # and, to explain the whole state's, the tensors of each other role
+    by_gap: dict[str, Any] = {}
+    for label, gap in (("default", None), ("gap_bytes=0", 0)):
+        by_gap[label] = {}
+        for role in ("fused", "row", "averaged", "other"):
+            group = [s for s in specs if s[2] == role]
+            state = _pattern_state(group, mesh)
+            reader = _pattern_load(state, ckpt_p, gap)
+            rec = {
+                "requested": reader.bytes_requested,
+                "target": _local_bytes(state),
+                "tensors": len(group),
+                "unfilled": _unfilled(state),
+            }
+            rec["ratio"] = ratio(rec["requested"], rec["target"])
+            if role == "fused":  # each tensor alone: which ones a rank over-reads
+                rec["per_tensor"] = {}
+                for spec in group:
+                    single = _pattern_state([spec], mesh)
+                    rec["per_tensor"][spec[0]] = {
+                        "requested": _pattern_load(single, ckpt_p, gap).bytes_requested,
+                        "target": _local_bytes(single),
+                    }
+            by_gap[label][role] = rec
+    out["role_bytes"] = by_gap
+
+    # --- times: the whole state, in place (a) and through ds_to_universal (b)
+    states = {"ucp": _pattern_state(specs, mesh), "universal": _pattern_state(specs, mesh)}
+    target_all = _local_bytes(states["ucp"])
+    loaded: set[str] = set()
+    failures: list[str] = []
+
+    def compare(variant: str, when: str) -> dict[str, Any]:
+        """Every local shard of (a) and (b) equal, and the picks' full tensors (collectives)."""
+        a, b = states["ucp"], states["universal"]
+        differ = [k for k in a if not torch.equal(a[k].to_local(), b[k].to_local())]
+        full_differ = [k for k in picks if not torch.equal(a[k].full_tensor(), b[k].full_tensor())]
+        bad = differ + [f"{k} (full)" for k in full_differ]
+        failures.extend(f"{when}: {k}: in-place and ds_to_universal differ" for k in bad)
+        return {"after": variant, "when": when, "local_differ": differ, "picks_differ": full_differ}
+
+    def one(variant: str) -> dict[str, Any]:
+        state = states[variant]
+        for t in state.values():
+            t.to_local().fill_(float("nan"))
+        conv = None
+        if variant == "universal":
+            box: list[Any] = [None]
+            if rank == 0:
+                box[0] = run_conversion("ds_to_universal", conv_cmd, ckpt_p, uni_p)
+                (uni_p / "latest_universal").write_text(f"{TAG}_universal")
+            dist.broadcast_object_list(box, src=0)
+            conv = box[0]
+        reader: Any = None
+
+        def load() -> dict[str, Any]:
+            nonlocal reader
+            reader = _pattern_load(state, uni_p if variant == "universal" else ckpt_p)
+            return {"bytes_requested": reader.bytes_requested}
+
+        rec = _timed_load(uni_p if variant == "universal" else ckpt_p, load)
+        rec["target_bytes"] = target_all
+        rec["convert"] = conv
+        rec["loadavg"] = loadavg()
+        rec["unfilled"] = _unfilled(state)
+        failures.extend(f"{variant}: {k} not filled" for k in rec["unfilled"])
+        loaded.add(variant)
+        return rec
+
+    if warmup:  # lazy imports, first collectives, the first conversion: charged to no round
+        for variant in ("ucp", "universal"):
+            one(variant)
+        out["warmup_compare"] = compare("universal", "warm-up")
+    rounds = []
+    for r in range(repeats):
+        order = ("ucp", "universal") if r % 2 == 0 else ("universal", "ucp")
+        rnd: dict[str, Any] = {"order": list(order)}
+        for variant in order:
+            rank_log(f"round {r + 1}/{repeats}: {variant}")
+            rnd[variant] = one(variant)
+            if loaded == {"ucp", "universal"}:
+                rnd.setdefault("compare", []).append(
+                    compare(variant, f"round {r + 1} after {variant}")
+                )
+        rounds.append(rnd)
+    out["rounds"] = rounds
+    out["target_bytes_all"] = target_all
+    out["failures"] = failures
+    return out
+
+
+def _pattern_specs(ckpt: Path) -> list[list[Any]]:
+    """[key, shape, role] of every fp32 weight and Adam moment the DeepSpeed checkpoint offers."""
+    from ucp_dcp import UCPStorageReader
+
+    md = UCPStorageReader(ckpt).read_metadata().state_dict_metadata
+    specs = []
+    for key, m in md.items():
+        if not (key.startswith("model.") or key.endswith((".exp_avg", ".exp_avg_sq"))):
+            continue
+        assert m.properties.dtype == torch.float32, (key, m.properties.dtype)
+        specs.append([key, list(m.size), pattern_role(key)])
+    return sorted(specs)
+
+
+def _pattern_picks(specs: list[list[Any]]) -> list[str]:
+    """One fused QKV, one SwiGLU, one averaged norm, each with both moments (the first block)."""
+    names = [
+        "1.self_attention.query_key_value.weight",
+        "1.mlp.dense_h_to_4h.weight",
+        "1.input_layernorm.weight",
+    ]
+    keys = {s[0] for s in specs}
+    picks = [
+        k
+        for n in names
+        for k in (f"model.{n}", f"optim.state.{n}.exp_avg", f"optim.state.{n}.exp_avg_sq")
+    ]
+    missing = [k for k in picks if k not in keys]
+    assert not missing, missing
+    return picks
+
+
+def _pattern_tables(res: dict[str, Any]) -> str:
+    """The markdown tables: bytes per rank, times per round, the summary."""
+    bt = []
+    for r in res["bytes_per_rank"]:
+        d, z = r["default"], r["gap_bytes=0"]
+        bt.append(
+            [
+                r["rank"],
+                f"{d['target'] / MB:.2f}",
+                f"{d['requested'] / MB:.2f}",
+                _x(d["ratio"]),
+                f"{z['requested'] / MB:.2f}",
+                _x(z["ratio"]),
+                f"{r['full_target'] / MB:.2f}",
+                f"{r['full_requested'] / MB:.2f}",
+                _x(r["full_ratio"]),
+                _x(r["full_ratio_gap0"]),
+            ]
+        )
+    md = markdown_table(
+        [
+            "rank",
+            "fused pieces MB",
+            "requested MB",
+            "ratio",
+            "requested MB (gap_bytes=0)",
+            "ratio (gap_bytes=0)",
+            "whole state: pieces MB",
+            "requested MB",
+            "ratio",
+            "ratio (gap_bytes=0, per-role loads)",
+        ],
+        bt,
+    )
+    rt = []
+    for role, what in (
+        ("fused", "QKV + SwiGLU, Shard(0)"),
+        ("row", "dense + dense_4h_to_h, Shard(1)"),
+        ("averaged", "RMSNorms, replicated (mean of the TP slices)"),
+        ("other", "embedding + output layer, Shard(0)"),
+    ):
+        d0 = [r["by_role"]["default"][role] for r in res["bytes_per_rank"]]
+        z0 = [r["by_role"]["gap_bytes=0"][role] for r in res["bytes_per_rank"]]
+        rt.append(
+            [
+                role,
+                what,
+                d0[0]["tensors"],
+                f"{sum(x['target'] for x in d0) / MB:.2f}",
+                f"{sum(x['requested'] for x in d0) / MB:.2f}",
+                _x(max(x["ratio"] for x in d0)),
+                f"{sum(x['requested'] for x in z0) / MB:.2f}",
+                _x(max(x["ratio"] for x in z0)),
+            ]
+        )
+    md += "\n\n" + markdown_table(
+        [
+            "role",
+            "tensors (with moments)",
+            "n",
+            "pieces MB (all ranks)",
+            "requested MB",
+            "worst rank",
+            "requested MB (gap_bytes=0)",
+            "worst rank (gap_bytes=0)",
+        ],
+        rt,
+    )
+    tt = []
+    for i, rnd in enumerate(res["rounds"]):
+        tt.append(
+            [
+                i + 1,
+                " then ".join(rnd["order"]),
+                _s(rnd["ucp_seconds"]),
+                _s(rnd["convert_seconds"]),
+                _s(rnd["universal_load_seconds"]),
+                _s(rnd["universal_total_seconds"]),
+                _x(rnd["ratio"]),
+                _mb(rnd["ucp_read_bytes"]),
+                f"{_mb(rnd['convert']['read_bytes'])} + {_mb(rnd['universal_read_bytes'])}",
+                " ".join(rnd["loadavg"] or []),
+            ]
+        )
+    s = res["summary"]
+    tt.append(
+        [
+            "median",
+            "",
+            _s(s["ucp_seconds"]),
+            _s(s["convert_seconds"]),
+            _s(s["universal_load_seconds"]),
+            _s(s["universal_total_seconds"]),
+            _x(s["ratio"]),
+            _mb(s["ucp_read_bytes"]),
+            f"{_mb(s['convert_read_bytes'])} + {_mb(s['universal_read_bytes'])}",
+            "",
+        ]
+    )
+    md += "\n\n" + markdown_table(
+        [
+            "round",
+            "order",
+            "(a) ucp in place s",
+            "ds_to_universal s",
+            "universal load s",
+            "(b) total s",
+            "(b)/(a)",
+            "(a) read MB",
+            "(b) read MB (convert + load)",
+            "load average",
+        ],
+        tt,
+    )
+    return md
+
+
+def patterns_main(args: argparse.Namespace) -> int:
+    """--patterns: every ds_to_universal merge rule in a TP x DP ZeRO-1 Llama, in place vs
+    ds_to_universal + load."""
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_ds_patterns_", dir="/tmp"))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    load_before = loadavg()
+    hidden = 256 if args.quick and args.hidden == 1024 else args.hidden
+    d = patterns_dims(args.size_mb, hidden, args.tp)
+    ckpt, uni = work / "ds", work / "universal"
+    try:
+        log(
+            f"setup: DeepSpeed TP={args.tp} x DP={args.ds_dp} ZeRO-1 fp32 on "
+            f"{args.tp * args.ds_dp} ranks: Llama hidden {hidden}, {d['layers']} block(s), GQA "
+            f"{d['heads']}/{d['kv_heads']} heads of {d['head_dim']}, SwiGLU {d['ffn']}, "
+            f"vocabulary {d['vocab']} padded to {d['padded_vocab']}"
+        )
+        _torchrun(
+            ckpt,
+            args.tp * args.ds_dp,
+            "--patterns-worker",
+            str(ckpt),
+            "--patterns-dims",
+            json.dumps(d),
+            "--ds-dp",
+            str(args.ds_dp),
+        )
+        evict_tree(ckpt)
+        tag_dir = ckpt / TAG
+        specs = _pattern_specs(ckpt)
+        picks = _pattern_picks(specs)
+        roles: dict[str, int] = {}
+        for _, _, role in specs:
+            roles[role] = roles.get(role, 0) + 1
+        setup = {
+            "dims": d,
+            "universal_checkpoint_info": json.loads(json.dumps(patterns_info(d))),
+            "tp": args.tp,
+            "dp": args.ds_dp,
+            "zero_stage": 1,
+            "dtype": "float32",
+            "ds_checkpoint_bytes": dir_bytes(ckpt),
+            "ds_files": sorted(f.name for f in tag_dir.iterdir()),
+            "tensors": len(specs),
+            "tensors_by_role": roles,
+            "state_bytes": sum(4 * math.prod(s[1]) for s in specs),
+            "fused_state_bytes": sum(4 * math.prod(s[1]) for s in specs if s[2] == "fused"),
+            "placements": {
+                "fused": "Shard(0)",
+                "row": "Shard(1)",
+                "averaged": "Replicate()",
+                "other": "Shard(0)",
+            },
+            "load_world": args.world,
+            "picks": picks,
+        }
+        log(
+            f"setup: DeepSpeed checkpoint {setup['ds_checkpoint_bytes'] / MB:.0f} MB in "
+            f"{len(setup['ds_files'])} files; {len(specs)} tensors "
+            f"({setup['state_bytes'] / MB:.0f} MB) to load, "
+            f"{setup['fused_state_bytes'] / MB:.0f} MB of them fused"
+        )
+        conv_cmd = GEN.ds_to_universal_cmd(tag_dir, uni / f"{TAG}_universal", args.convert_workers)
+        log(
+            f"loads on {args.world} ranks: fused-tensor bytes, then {args.repeats} cold "
+            "round(s) of "
+            "(a) in place and (b) ds_to_universal + load, alternating"
+            + ("" if args.no_warmup else ", after a warm-up")
+        )
+        per_rank = spawn_ranks(
+            patterns_rank_main,
+            args.world,
+            specs,
+            picks,
+            str(ckpt),
+            str(uni),
+            conv_cmd,
+            args.repeats,
+            not args.no_warmup,
+            timeout_min=30,
+        )
+        conv_disk = dir_bytes(uni)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    failures = sorted({f for r in per_rank for f in r["failures"]})
+    for r in per_rank:
+        for label, roles_ in r["role_bytes"].items():
+            for role, rec in roles_.items():
+                failures += [
+                    f"{role}-only load ({label}), rank {r['rank']}: {k} not filled"
+                    for k in rec["unfilled"]
+                ]
+    bytes_rows = []
+    over = []
+    for r in per_rank:
+        full_req = median([rnd["ucp"]["bytes_requested"] for rnd in r["rounds"]])
+        fused_ = {label: r["role_bytes"][label]["fused"] for label in r["role_bytes"]}
+        row = {
+            "rank": r["rank"],
+            **{
+                k: {kk: vv for kk, vv in v.items() if kk != "per_tensor"} for k, v in fused_.items()
+            },
+            "per_tensor": {k: v["per_tensor"] for k, v in fused_.items()},
+            "by_role": {
+                label: {
+                    role: {kk: vv for kk, vv in rec.items() if kk != "per_tensor"}
+                    for role, rec in roles_.items()
+                }
+                for label, roles_ in r["role_bytes"].items()
+            },
+            "full_target": r["target_bytes_all"],
+            "full_requested": full_req,
+            "full_ratio": ratio(full_req, r["target_bytes_all"]),
+            # The whole state with gap_bytes=0: the sum of the per-role loads (not one load).
+            "full_requested_gap0": sum(
+                rec["requested"] for rec in r["role_bytes"]["gap_bytes=0"].values()
+            ),
+        }
+        row["full_ratio_gap0"] = ratio(row["full_requested_gap0"], r["target_bytes_all"])
+        bytes_rows.append(row)
+        for label, pt in row["per_tensor"].items():
+            for key, v in pt.items():
+                if v["requested"] > 1.05 * v["target"]:
+                    over.append(
+                        f"rank {r['rank']} ({label}): {key}: {v['requested']} bytes requested "
+                        f"for {v['target']} bytes of pieces"
+                    )
+    rounds = []
+    for i in range(args.repeats):
+        rs = [r["rounds"][i] for r in per_rank]
+        a = max(x["ucp"]["seconds"] for x in rs)
+        load_b = max(x["universal"]["seconds"] for x in rs)
+        conv = rs[0]["universal"]["convert"]
+        rounds.append(
+            {
+                "order": rs[0]["order"],
+                "ucp_seconds": a,
+                "convert_seconds": conv["seconds"],
+                "universal_load_seconds": load_b,
+                "universal_total_seconds": conv["seconds"] + load_b,
+                "ratio": ratio(conv["seconds"] + load_b, a),
+                "loadavg": rs[0]["ucp"]["loadavg"],
+                "ucp_read_bytes": sum(x["ucp"]["read_bytes"] for x in rs),
+                "universal_read_bytes": sum(x["universal"]["read_bytes"] for x in rs),
+                "convert": conv,
+                "per_rank": [
+                    {
+                        "ucp": x["ucp"],
+                        "universal": {k: v for k, v in x["universal"].items() if k != "convert"},
+                    }
+                    for x in rs
+                ],
+            }
+        )
+    summary: dict[str, Any] = {
+        k: median([rnd[k] for rnd in rounds])
+        for k in (
+            "ucp_seconds",
+            "convert_seconds",
+            "universal_load_seconds",
+            "universal_total_seconds",
+            "ratio",
+            "ucp_read_bytes",
+            "universal_read_bytes",
+        )
+    }
+    summary["convert_read_bytes"] = median([rnd["convert"]["read_bytes"] for rnd in rounds])
+    summary["convert_peak_bytes"] = median([rnd["convert"]["peak_bytes"] for rnd in rounds])
+    summary["convert_disk_bytes"] = conv_disk
+    summary["fused_ratio_max"] = {
+        label: max(r[label]["ratio"] for r in bytes_rows) for label in ("default", "gap_bytes=0")
+    }
+    summary["bit_exact"] = not [f for f in failures if "differ" in f]
+    summary["compared"] = (
+        "every tensor's local shard on every rank, and the full tensors of: " + ", ".join(picks)
+    )
+    summary["targets"] = {"fused_bytes_ratio_max": 1.05, "time_ratio_min": 10.0}
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "started": started,
+        **_environment(work),
+        "loadavg_before_after": [load_before, loadavg()],
+        "args": {
+            k: v
+            for k, v in vars(args).items()
+            if k not in ("ds_worker", "pipe_worker", "patterns_worker", "patterns_dims", "layers")
+        },
+        "setup": setup,
+        "bytes_per_rank": bytes_rows,
+        "over_reading": over,
+        "rounds": rounds,
+        "summary": summary,
+        "warmup_compare": [r.get("warmup_compare") for r in per_rank],
+        "failures": failures,
+    }
+    md = _pattern_tables(result)
+    result["table"] = md
+    print()
+    print(md)
+    print(
+        "\nfused tensors: requested / pieces, worst rank: "
+        f"{_x(summary['fused_ratio_max']['default'])} "
+        f"(gap_bytes=0: {_x(summary['fused_ratio_max']['gap_bytes=0'])}); target <= 1.05x"
+    )
+    print(
+        f"(b)/(a): {_x(summary['ratio'])} (median of {args.repeats}); target >= 10x; "
+        f"bit-exact: {summary['bit_exact']}; load average before {load_before}, after {loadavg()}"
+    )
+    for line in over:
+        print(f"  over-reading: {line}")
+    path = write_json(args.out, result)
+    print(f"\nresults: {path}")
+    print_failures(failures, bar=True)
+    return 1 if failures else 0
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -757,13 +1534,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-mb", type=float, default=None,
-                   help="DeepSpeed state (fp32 weights + 2 Adam moments), default 280 (30 with --quick)")
+                   help="DeepSpeed state (fp32 weights + 2 Adam moments), default 280 (30 with "
+                   "--quick); --patterns: the checkpoint on disk, default 320 (40 with --quick)")
     p.add_argument("--hidden", type=int, default=1024, help="Linear width of the DeepSpeed model (default 1024)")
     p.add_argument("--hf-size-mb", type=float, default=None,
                    help="fp32 weights of the Hugging Face Llama, default 150 (20 with --quick)")
     p.add_argument("--hf-shard-mb", type=int, default=50, help="save_pretrained max_shard_size in MB (default 50)")
     p.add_argument("--ds-world", type=int, default=2, help="DeepSpeed ranks that write the checkpoint (default 2)")
-    p.add_argument("--world", type=int, default=3, help="FSDP2 ranks that load (default 3)")
+    p.add_argument("--world", type=int, default=None,
+                   help="ranks that load (default 3; 4 with --patterns)")
     p.add_argument("--convert-workers", type=int, default=os.cpu_count() or 1,
                    help="ds_to_universal --num_extract_workers/--num_merge_workers (default: CPU count)")
     p.add_argument("--repeats", type=int, default=None, help="cold timed rounds of the loads (default 3, 1 with --quick)")
@@ -782,18 +1561,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--universal-reader", choices=("torch", "ucp"), default="torch",
                    help="--pipeline: read the universal folder with torch.load per file "
                    "(default) or ucp_dcp")
+    p.add_argument("--patterns", action="store_true",
+                   help="instead: a Megatron-DeepSpeed-style Llama on TP=--tp x DP=--ds-dp "
+                   "ZeRO-1 with every ds_to_universal merge rule; bytes each rank reads of the "
+                   "fused QKV/SwiGLU re-cut to --world ranks, and in place vs "
+                   "ds_to_universal + load")
+    p.add_argument("--tp", type=int, default=2,
+                   help="--patterns: tensor-parallel degree of the save (default 2)")
     p.add_argument("--ds-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--patterns-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--patterns-dims", default=None, help=argparse.SUPPRESS)
     p.add_argument("--pipe-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.size_mb is None:
-        args.size_mb = 30.0 if args.quick else 280.0
+        if args.patterns:
+            args.size_mb = 40.0 if args.quick else 320.0
+        else:
+            args.size_mb = 30.0 if args.quick else 280.0
+    if args.world is None:
+        args.world = 4 if args.patterns else 3
     if args.hf_size_mb is None:
         args.hf_size_mb = 20.0 if args.quick else 150.0
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
     if args.out is None:
-        name = "deepspeed_pipeline" if args.pipeline else "deepspeed"
+        name = ("deepspeed_patterns" if args.patterns
+                else "deepspeed_pipeline" if args.pipeline else "deepspeed")
         args.out = default_out(f"{name}.json", args.quick, f"bench_{name}_quick.json")
     return args
 
@@ -948,7 +1742,8 @@ def pipeline_main(args: argparse.Namespace) -> int:
         **_environment(work),
         "loadavg_before_after": [load_before, loadavg()],
         "args": {
-            k: v for k, v in vars(args).items() if k not in ("ds_worker", "pipe_worker", "layers")
+            k: v for k, v in vars(args).items()
+            if k not in ("ds_worker", "pipe_worker", "patterns_worker", "patterns_dims", "layers")
         },
         "setup": setup,
         "conversions": convs,
@@ -973,14 +1768,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.pipe_worker:
         pipe_worker(Path(args.pipe_worker), args.hidden, args.layers, args.ds_dp)
         return 0
+    if args.patterns_worker:
+        patterns_worker(Path(args.patterns_worker), json.loads(args.patterns_dims), args.ds_dp)
+        return 0
     _VERBOSE = args.verbose
-    for mod in ("deepspeed",) if args.pipeline else ("deepspeed", "transformers"):
+    for mod in ("deepspeed",) if args.pipeline or args.patterns else ("deepspeed", "transformers"):
         if importlib.util.find_spec(mod) is None:
             print(f"bench_deepspeed needs {mod} (not a dependency of ucp_dcp): run it with a venv that has it, "
                   "e.g. DS_ACCELERATOR=cpu .venv-ds/bin/python benchmarks/bench_deepspeed.py", file=sys.stderr)
             return 2
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     set_rank_env(args.verbose)
+    if args.patterns:
+        return patterns_main(args)
     if args.pipeline:
         return pipeline_main(args)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_ds_", dir="/tmp"))
@@ -1054,7 +1854,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "loadavg_before_after": [load_before, loadavg()],
         "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                      "transformers": importlib.import_module("transformers").__version__},
-        "args": {k: v for k, v in vars(args).items() if k not in ("ds_worker", "layers")},
+        "args": {k: v for k, v in vars(args).items()
+                 if k not in ("ds_worker", "pipe_worker", "patterns_worker", "patterns_dims",
+                              "layers")},
         "setup": setup,
         "conversions": convs,
         "import_floor_bytes": floors,
