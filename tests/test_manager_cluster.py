@@ -121,3 +121,31 @@ def test_four_nodes_save_and_lose_restart_swap_and_grow(tmp_path, world: int, rp
     assert node2 <= _held(base, 4, 3)
     # (c) Scale up: a fifth, empty machine joins.
     run_ranks(world + rpn, _restore, base, rpn, [0, 1, 4, 3, 5], ref_step3, world)
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("rpn", [1, 2, 4])
+@pytest.mark.parametrize("uneven", [False, True])
+def test_the_ring_keeps_every_file_on_two_nodes(nodes: int, rpn: int, uneven: bool) -> None:
+    """NodeLayout.held_files, the one statement of the ring: with several nodes, every data file
+    is on its own node and the next one (node k keeps node k - 1's), the index on all; a last node
+    with fewer ranks (``uneven``) takes part like any other."""
+    from ucp_dcp.manager._collective import NodeLayout
+    from ucp_dcp.manager.tiers import CommitMarker, FileDigest
+
+    world = nodes * rpn - (1 if uneven and rpn > 1 else 0)
+    files = tuple(FileDigest(f"rank{r:05d}-x.safetensors", 1, "0" * 32, r) for r in range(world))
+    marker = CommitMarker(3, world, 1.0, (*files, FileDigest("ucp_index.json", 1, "0" * 32, -1)))
+    layouts = [NodeLayout(r, world, rpn) for r in range(0, world, rpn)]  # each node's leader
+    assert [lay.node for lay in layouts] == list(range(nodes))
+    holders: dict[str, list[int]] = {}
+    for lay in layouts:
+        for name in lay.held_files(marker, peer=True):
+            holders.setdefault(name, []).append(lay.node)
+        assert set(lay.held_files(marker, peer=False)) == {
+            f.name for f in marker.files if f.rank < 0 or f.rank // rpn == lay.node
+        }
+    assert holders.pop("ucp_index.json") == list(range(nodes))
+    for f in files:
+        own = f.rank // rpn
+        assert sorted(holders[f.name]) == sorted({own, (own + 1) % nodes}), (f.name, holders)
