@@ -597,14 +597,21 @@ def _affine_slice(
 
 def _patterns(info: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
     v = info.get(key) or []
-    if not isinstance(v, list) or not all(isinstance(p, str) for p in v):
+    if not isinstance(v, list):
         raise CheckpointFormatError(f"{where}: {_INFO}[{key!r}] is not a list of patterns")
-    for p in v:
+    return _compiled(v, f"{where}: {_INFO}[{key!r}]")
+
+
+def _compiled(patterns: Any, what: str) -> tuple[str, ...]:
+    """``patterns`` (a list or tuple of regular expressions), each checked to compile."""
+    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
+        raise CheckpointFormatError(f"{what}: {patterns!r} are not patterns (strings)")
+    for p in patterns:
         try:
             re.compile(p)
         except re.error as e:
-            raise CheckpointFormatError(f"{where}: {_INFO}[{key!r}]: {p!r}: {e}") from None
-    return tuple(v)
+            raise CheckpointFormatError(f"{what}: {p!r}: {e}") from None
+    return tuple(patterns)
 
 
 def _is_int(v: Any) -> bool:
@@ -629,14 +636,8 @@ def _sub_params_entries(info: dict[str, Any], where: str) -> tuple[SubParams, ..
             raise CheckpointFormatError(
                 f"{what} is not a SubparamShape (patterns, shape, partition_dim): {s!r}"
             )
-        patterns, shape, dim = fields["patterns"], fields["shape"], fields["partition_dim"]
-        if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
-            raise CheckpointFormatError(f"{what}: patterns {patterns!r} are not strings")
-        for p in patterns:
-            try:
-                re.compile(p)
-            except re.error as e:
-                raise CheckpointFormatError(f"{what}: {p!r}: {e}") from None
+        patterns = _compiled(fields["patterns"], f"{what} patterns")
+        shape, dim = fields["shape"], fields["partition_dim"]
         if not isinstance(shape, (list, tuple)) or not _is_int(dim) or not 0 <= dim < len(shape):
             raise CheckpointFormatError(
                 f"{what}: shape {shape!r} with partition_dim {dim!r} is not a shape and one of "
