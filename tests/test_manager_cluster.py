@@ -22,7 +22,7 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 from layouts import build, check_against, full_reference, scramble, train_state, train_step
 
-from ucp_dcp import CheckpointManager, ReshardEvent
+from ucp_dcp import CheckpointManager, ReshardEvent, UCPStorageReader
 from ucp_dcp.manager.tiers import LocalTier
 
 pytestmark = pytest.mark.multiproc
@@ -49,6 +49,11 @@ def _save(rank: int, world: int, base: str, rpn: int) -> None:
             ref = full_reference(state)
         mgr.wait()
         assert mgr.verify(3) == [], mgr.verify(3)  # each node: its files and its partner's
+        # What a restore fetches is planned from the index: the model's shards, at the saved
+        # layout, are in this rank's own file only.
+        step3 = os.path.join(_local(base, machines, rank, rpn), "step-000000000003")
+        reads = UCPStorageReader(step3).files_to_read({"model": state["model"]})
+        assert [int(n[4:9]) for n in reads] == [rank], reads
     if rank == 0:
         torch.save(ref, os.path.join(base, "ref3.pt"))
     dist.barrier()
@@ -109,6 +114,13 @@ def test_four_nodes_save_and_lose_restart_swap_and_grow(tmp_path, world: int, rp
         shutil.rmtree(os.path.join(lost, "local", f"m{m}"))
     run_ranks(2 * rpn, _restore, lost, rpn, [0, 3], (2, "persistent"), world)
     ref_step3 = (3, "local")
+    # The same nodes again: from the local tier, each node keeping its share of the ring (and
+    # the other files its ranks read: here every rank reads the AdamW step counters, saved once
+    # each, from every file).
+    run_ranks(world, _restore, base, rpn, list(range(nodes)), ref_step3, world)
+    for m in range(nodes):
+        want = {r for r in range(world) if r // rpn in (m, (m - 1) % nodes)}
+        assert want <= _held(base, m, 3), (m, _held(base, m, 3))
     # (a) Machine 2's disk is lost; the job restarts on the three survivors (machines 0, 1, 3:
     # node 2 is now machine 3): step 3 from the local tier, machine 2's files from machine 3.
     shutil.rmtree(os.path.join(base, "local", "m2"))

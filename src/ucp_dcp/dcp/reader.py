@@ -328,6 +328,32 @@ class UCPStorageReader(_Directory, StorageReader):
         """Nothing to add per rank (UCPLoadPlanner keeps its items local; see read_data)."""
         return plan
 
+    def files_to_read(self, state_dict: dict[str, Any]) -> list[str]:
+        """The data files (names relative to the checkpoint) that this rank's ``dcp.load`` of
+        ``state_dict`` with a :class:`~ucp_dcp.UCPLoadPlanner` reads, planned as that load
+        plans, from the index alone (no data file need be present: a node fetches these before
+        it loads). Not collective; ``state_dict`` is not changed."""
+        from .load_planner import UCPLoadPlanner  # the planner imports this module
+
+        md = self.read_metadata()
+        planner = UCPLoadPlanner()
+        planner.set_up_planner(dict(state_dict), md, False)
+        plan = planner.finish_plan(planner.create_local_plan())
+        src = self.source
+        assert src is not None
+        index, files = src.index, set()
+        for item in plan.items:
+            key = item.storage_index.fqn
+            rec = index.tensors.get(key)
+            if rec is None:
+                files.add(src.value_file(key))
+                continue
+            offsets = tuple(item.storage_index.offset or ())
+            idx = src.chunk_index(key, offsets, item.storage_index.index)
+            f = rec.chunk_file(idx)
+            files.add(f if f is not None else src.locate(key, idx).file)
+        return sorted(index.files[f].name for f in files)
+
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Tell every rank how many ranks load (whether the load runs collectives); each reads
         its own byte ranges."""

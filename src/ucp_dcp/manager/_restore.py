@@ -150,7 +150,7 @@ class Restorer(GroupWorker):
         attempts: list[str] = []
         for cand in candidates:
             try:
-                ready = self._prepare(cand, token)
+                ready = self._prepare(cand, token, state)
                 try:
                     verified, read, once, slowest, placement = self._load_from(ready, state)
                 finally:
@@ -211,15 +211,17 @@ class Restorer(GroupWorker):
         persistent tier)."""
         return self.local is not None and self.direct(cand)
 
-    def _prepare(self, cand: Candidate, token: str) -> _Loadable:
+    def _prepare(self, cand: Candidate, token: str, state: Mapping[str, Any]) -> _Loadable:
         """Make ``cand`` loadable on every rank: its location, the storage options to read it with,
-        its checked index (None: the reader reads it), a clean-up."""
+        its checked index (None: the reader reads it), a clean-up (``state``: what the load
+        reads into, which decides the files a node-local copy must have)."""
         if self.direct(cand):
             assert isinstance(self.persistent, FsspecTier)
             url, index = self._check_remote(cand)
             return _Loadable(url, self.persistent.storage_options, {INDEX_FILE: index})
         if cand.tier == "local":
-            path = self._repair_local(cand, f"r{token}")
+            path, index = self._repair_local(cand, f"r{token}", state)
+            return _Loadable(path, known_files={INDEX_FILE: index})
         elif self.persistent.local:
             path = self.persistent.step_path(cand.step)
         elif self.local is not None:
@@ -324,43 +326,67 @@ class Restorer(GroupWorker):
             time.perf_counter() - t0,
         )
 
-    def _repair_local(self, cand: Candidate, token: str) -> str:
-        """The local copy of ``cand``, after fetching files any node lacks from the nodes that hold
-        them."""
+    def _repair_local(
+        self, cand: Candidate, token: str, state: Mapping[str, Any]
+    ) -> tuple[str, bytes]:
+        """The local copy of ``cand`` and its checked index, after each node fetched, from the
+        nodes that hold them, the files it lacks of those its ranks' load of ``state`` reads
+        (and, restarted at the saved world size, of its share of the ring:
+        :meth:`NodeLayout.held_files`)."""
         step, marker, tier, lay = cand.step, cand.marker, self.local, self.layout
         assert tier is not None
         have_step = lay.node in cand.nodes_with_step
+        dest = tier.step_path(step) if have_step else tier.staging_path(step, token)
+        self._agree(
+            f"creating a local directory for step {step}",
+            lambda: tier.begin(step, token) if lay.is_leader and not have_step else None,
+            cand,
+        )
 
-        def missing() -> list[str]:
-            if not lay.is_leader:
-                return []
-            present = tier.files(step) if have_step else {}
-            return [d.name for d in marker.files if present.get(d.name) != d.size]
+        def present() -> dict[str, int]:
+            """This node's files of the step that are whole (their recorded size)."""
+            if not lay.is_leader or not have_step:
+                return {}
+            return {
+                n: size for n, size in tier.files(step).items() if _recorded_size(marker, n) == size
+            }
 
-        wanted = self._agree(f"listing local files of step {step}", missing, cand)
-        if any(self.group.gather(bool(wanted))):
-            # Some node lost files (or never had them): fetch them from the
-            # nodes that hold copies, then commit the repaired directory.
-            dest = tier.step_path(step) if have_step else tier.staging_path(step, token)
-            self._agree(
-                f"creating a local directory for step {step}",
-                lambda: tier.begin(step, token) if lay.is_leader and not have_step else None,
-                cand,
-            )
-            avail = []
-            if have_step:
-                avail = [
-                    n for n, size in tier.files(step).items() if _recorded_size(marker, n) == size
-                ]
-            exchange_files(
-                self.group.pg, tier.step_path(step) if have_step else None, avail, dest, wanted
-            )
-            self._agree(
-                f"committing repaired step {step} locally",
-                lambda: tier.commit(dest, marker) if lay.is_leader and not have_step else None,
-                cand,
-            )
-        return tier.step_path(step)
+        def fetch(wanted: list[str], what: str) -> None:
+            """``wanted`` (node leaders) from the nodes that hold them, into ``dest``."""
+            held = self._agree(f"listing local files of step {step}", present, cand)
+            wanted = [n for n in wanted if n not in held]
+            if any(self.group.gather(bool(wanted))):
+                src = tier.step_path(step) if have_step else None
+                self._agree(
+                    f"fetching {what} of step {step} from other nodes",
+                    lambda: exchange_files(self.group.pg, src, sorted(held), dest, wanted),
+                    cand,
+                )
+
+        # The index first: every node plans its ranks' reads from it.
+        fetch([INDEX_FILE] if lay.is_leader else [], "the index")
+        index = self._check_index(dest, cand)
+
+        def mine() -> list[str]:
+            reader = UCPStorageReader(dest, known_files={INDEX_FILE: index})
+            return reader.files_to_read(dict(state))
+
+        reads = self.group.gather(self._agree(f"planning the reads of step {step}", mine, cand))
+        wanted: set[str] = set()
+        if lay.is_leader:
+            for rank, names in enumerate(reads):
+                if lay.node_of(rank) == lay.node:
+                    wanted.update(names)
+            if marker.world_size == lay.world_size:  # the same ring: keep this node's share
+                wanted.update(lay.held_files(marker, peer=self.config.peer_replication))
+        fetch(sorted(wanted), "the files its ranks read")
+        committing = lay.is_leader and not have_step
+        self._agree(  # on every rank: an agreement is collective
+            f"committing step {step} locally",
+            lambda: tier.commit(dest, marker, held=os.listdir(dest)) if committing else None,
+            cand,
+        )
+        return tier.step_path(step), index
 
     def _download_into_local(self, cand: Candidate, token: str) -> str:
         """Download a remote persistent copy into the local tier and commit it there (the next
