@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,7 +68,7 @@ from ._read_once import (
 )
 from ._slowest import LoadRun, SlowestRecord, name_slowest, rank_record
 
-__all__ = ["UCPStorageReader"]
+__all__ = ["PlannedRead", "UCPStorageReader"]
 
 _MiB = 1024 * 1024
 # Read threads per rank. Measured on the development VM (2 cores, virtio disk, cold page cache
@@ -83,6 +85,16 @@ _IO_THREADS = 2
 # Bytes sent and received per rank in a read-once round; None: a fifth of max_buffer_bytes, at
 # least 1 MiB. Tests set it lower to run many rounds on a small state.
 _ROUND_BYTES: int | None = None
+
+
+@dataclass(frozen=True)
+class PlannedRead:
+    """One read of a planned load (:meth:`UCPStorageReader.planned_reads`): ``nbytes`` of data
+    file ``file`` (its name in the checkpoint) into the state dict's flattened key ``key``."""
+
+    key: str
+    file: str
+    nbytes: int
 
 
 class UCPStorageReader(_Directory, StorageReader):
@@ -330,9 +342,15 @@ class UCPStorageReader(_Directory, StorageReader):
 
     def files_to_read(self, state_dict: dict[str, Any]) -> list[str]:
         """The data files (names relative to the checkpoint) that this rank's ``dcp.load`` of
-        ``state_dict`` with a :class:`~ucp_dcp.UCPLoadPlanner` reads, planned as that load
-        plans, from the index alone (no data file need be present: a node fetches these before
-        it loads). Not collective; ``state_dict`` is not changed."""
+        ``state_dict`` with a :class:`~ucp_dcp.UCPLoadPlanner` reads (see
+        :meth:`planned_reads`)."""
+        return sorted({r.file for r in self.planned_reads(state_dict)})
+
+    def planned_reads(self, state_dict: dict[str, Any]) -> list[PlannedRead]:
+        """What this rank's ``dcp.load`` of ``state_dict`` with a
+        :class:`~ucp_dcp.UCPLoadPlanner` reads, planned as that load plans, from the index
+        alone (no data file need be present: a node fetches what it lacks before it loads):
+        one record per read item. Not collective; ``state_dict`` is not changed."""
         from .load_planner import UCPLoadPlanner  # the planner imports this module
 
         md = self.read_metadata()
@@ -341,18 +359,21 @@ class UCPStorageReader(_Directory, StorageReader):
         plan = planner.finish_plan(planner.create_local_plan())
         src = self.source
         assert src is not None
-        index, files = src.index, set()
+        index, out = src.index, []
         for item in plan.items:
             key = item.storage_index.fqn
             rec = index.tensors.get(key)
             if rec is None:
-                files.add(src.value_file(key))
+                loc = Source.value_location(src, key)  # from the index: no file is read
+                out.append(PlannedRead(item.dest_index.fqn, index.files[loc.file].name, loc.nbytes))
                 continue
             offsets = tuple(item.storage_index.offset or ())
             idx = src.chunk_index(key, offsets, item.storage_index.index)
             f = rec.chunk_file(idx)
-            files.add(f if f is not None else src.locate(key, idx).file)
-        return sorted(index.files[f].name for f in files)
+            f = f if f is not None else src.locate(key, idx).file
+            nbytes = math.prod(item.lengths) * rec.dtype.itemsize
+            out.append(PlannedRead(item.dest_index.fqn, index.files[f].name, nbytes))
+        return out
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Tell every rank how many ranks load (whether the load runs collectives); each reads

@@ -37,9 +37,11 @@ from ..dcp._placement import PlacementReport
 from ..dcp._read_items import collector_paused
 from ..dcp._read_once import ReadOnceDecision
 from ..dcp._slowest import SlowestRecord
+from ..dcp.reader import PlannedRead
 from ..errors import CheckpointFormatError, CheckpointRestoreError, NoCheckpointError
 from ..format import INDEX_FILE
 from ._collective import GroupWorker, describe
+from ._small_reads import SmallReads, fill, put_back, serve, small_keys, without
 from .peer import exchange_files
 from .records import RestoreRecord
 from .tiers import CommitMarker, FsspecTier
@@ -121,6 +123,9 @@ class _Loadable:
     """Files already read and checked (the index), which the load need not fetch again."""
     done: Callable[[], None] = lambda: None
     """Run after the load, whatever its outcome."""
+    small: SmallReads | None = None
+    """Keys read through the group from the nodes that hold their files (the same on every
+    rank; None: none, on any rank)."""
 
 
 def _recorded_size(marker: CommitMarker, name: str) -> int | None:
@@ -220,8 +225,8 @@ class Restorer(GroupWorker):
             url, index = self._check_remote(cand)
             return _Loadable(url, self.persistent.storage_options, {INDEX_FILE: index})
         if cand.tier == "local":
-            path, index = self._repair_local(cand, f"r{token}", state)
-            return _Loadable(path, known_files={INDEX_FILE: index})
+            path, index, small = self._repair_local(cand, f"r{token}", state)
+            return _Loadable(path, known_files={INDEX_FILE: index}, small=small)
         elif self.persistent.local:
             path = self.persistent.step_path(cand.step)
         elif self.local is not None:
@@ -328,11 +333,12 @@ class Restorer(GroupWorker):
 
     def _repair_local(
         self, cand: Candidate, token: str, state: Mapping[str, Any]
-    ) -> tuple[str, bytes]:
-        """The local copy of ``cand`` and its checked index, after each node fetched, from the
-        nodes that hold them, the files it lacks of those its ranks' load of ``state`` reads
-        (and, restarted at the saved world size, of its share of the ring:
-        :meth:`NodeLayout.held_files`)."""
+    ) -> tuple[str, bytes, SmallReads | None]:
+        """The local copy of ``cand``, its checked index and the keys read through the group,
+        after each node fetched, from the nodes that hold them, the files it lacks of those
+        its ranks' load of ``state`` reads (and, restarted at the saved world size, of its
+        share of the ring: :meth:`NodeLayout.held_files`); a small key whose file is on
+        another node is read there and sent (:mod:`._small_reads`), not fetched as a file."""
         step, marker, tier, lay = cand.step, cand.marker, self.local, self.layout
         assert tier is not None
         have_step = lay.node in cand.nodes_with_step
@@ -367,18 +373,34 @@ class Restorer(GroupWorker):
         fetch([INDEX_FILE] if lay.is_leader else [], "the index")
         index = self._check_index(dest, cand)
 
-        def mine() -> list[str]:
+        def mine() -> tuple[list[PlannedRead], dict[str, tuple[str, ...]]]:
             reader = UCPStorageReader(dest, known_files={INDEX_FILE: index})
-            return reader.files_to_read(dict(state))
+            reads = reader.planned_reads(dict(state))
+            return reads, small_keys(state, reads)
 
-        reads = self.group.gather(self._agree(f"planning the reads of step {step}", mine, cand))
+        plans = self.group.gather(self._agree(f"planning the reads of step {step}", mine, cand))
+        held = self._node_files(self.group.gather(sorted(present())))
+        # A small key is read through the group where its files are all on another node (one
+        # that holds them all) and not all on this rank's node; every other read, from a file
+        # this node fetches.
+        small: list[dict[str, tuple[str, ...]]] = []
+        for rank, (_, keys) in enumerate(plans):
+            own = held[lay.node_of(rank)]
+            small.append(
+                {
+                    k: files
+                    for k, files in keys.items()
+                    if not set(files) <= own and any(set(files) <= h for h in held)
+                }
+            )
         wanted: set[str] = set()
         if lay.is_leader:
-            for rank, names in enumerate(reads):
+            for rank, (reads, _) in enumerate(plans):
                 if lay.node_of(rank) == lay.node:
-                    wanted.update(names)
+                    wanted.update(r.file for r in reads if r.key not in small[rank])
             if marker.world_size == lay.world_size:  # the same ring: keep this node's share
                 wanted.update(lay.held_files(marker, peer=self.config.peer_replication))
+        wanted.discard(INDEX_FILE)  # fetched and checked above: the load parses those bytes
         fetch(sorted(wanted), "the files its ranks read")
         committing = lay.is_leader and not have_step
         self._agree(  # on every rank: an agreement is collective
@@ -386,7 +408,17 @@ class Restorer(GroupWorker):
             lambda: tier.commit(dest, marker, held=os.listdir(dest)) if committing else None,
             cand,
         )
-        return tier.step_path(step), index
+        reads_through = None
+        if any(small):
+            after = self._node_files(self.group.gather(sorted(present())))
+            reads_through = SmallReads(step, small, after)
+        return tier.step_path(step), index, reads_through
+
+    def _node_files(self, listed: list[list[str]]) -> list[frozenset[str]]:
+        """Per node, the files its leader listed (``listed``: every rank's list, in rank
+        order; only leaders list)."""
+        lay = self.layout
+        return [frozenset(listed[n * lay.ranks_per_node]) for n in range(lay.num_nodes)]
 
     def _download_into_local(self, cand: Candidate, token: str) -> str:
         """Download a remote persistent copy into the local tier and commit it there (the next
@@ -459,10 +491,15 @@ class Restorer(GroupWorker):
         # restores, in index parsing or planning; with the pause, in none of 64. What a load
         # allocates is freed when it returns; any cycle (an error's traceback) is collected once
         # the collector runs again.
+        small, lay = ready.small, self.layout
+        target = without(state, list(small.keys[lay.rank])) if small is not None else state
         with collector_paused():
             dcp.load(
-                state, storage_reader=reader, planner=UCPLoadPlanner(), process_group=self.group.pg
+                target, storage_reader=reader, planner=UCPLoadPlanner(), process_group=self.group.pg
             )
+        if small is not None:
+            put_back(state, target)
+            self._through_group(small, ready.path, state)
         return (
             int(getattr(reader, "verified_bytes", 0)),
             int(getattr(reader, "bytes_requested", 0)),
@@ -470,6 +507,22 @@ class Restorer(GroupWorker):
             reader.slowest,
             reader.placement_report,
         )
+
+    def _through_group(self, small: SmallReads, path: str, state: Mapping[str, Any]) -> None:
+        """Fill this rank's small keys: each read by the lowest rank whose node holds its files
+        (from ``path``, that rank's local copy), all of them gathered to every rank."""
+        lay = self.layout
+
+        def read() -> dict[str, Any]:
+            return serve(
+                small, lay.rank, lay.world_size, lay.node_of, path, self.config.verify_on_load
+            )
+
+        got: dict[str, Any] = {}
+        parts = self.group.agree("reading small keys", read, step=small.step, restoring=True)
+        for part in self.group.gather(parts):
+            got.update(part)
+        fill(state, small.keys[lay.rank], got)
 
     def _agree(self, what: str, fn: Callable[[], Any], cand: Candidate) -> Any:
         return self.group.agree(what, fn, step=cand.step, restoring=True)

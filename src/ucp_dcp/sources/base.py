@@ -284,10 +284,6 @@ class Source(ABC):
         except KeyError:
             raise CheckpointFormatError(f"{self.path}: no saved value for {key!r}") from None
 
-    def value_file(self, key: str) -> int:
-        """The data file that holds value ``key``, from the index alone (no file is read)."""
-        return Source.value_location(self, key).file  # not a format's check against its files
-
     def decode_value(self, key: str, raw: bytes) -> bytes:
         """The stored bytes of value ``key`` as tagged JSON (:mod:`ucp_dcp.core.values`)."""
         return raw
