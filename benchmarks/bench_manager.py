@@ -1,10 +1,9 @@
 #!/usr/bin/env python
 """CheckpointManager benchmark: save blocking time, training interference, restore per tier, checksum cost.
 
-One process, no process group: every timing here is what one rank pays.
-Multi-rank behaviour (collective commits, peer replication, fallback across
-nodes) is covered by the tests (``tests/test_manager_multiproc.py``), not
-timed here.
+Sections 1-5: one process, no process group: every timing there is what one
+rank pays. Section 6 (``elastic``) times restores of a 4-rank job (gloo)
+after losing, swapping or adding a node.
 
 The state (``--mb`` MiB, default 1024) looks like a mixed-precision model
 plus AdamW: ``--layers`` (24) transformer blocks of hidden size H (chosen so
@@ -74,6 +73,35 @@ machine is shared and absolute times drift.
    tier's restore is paired the same way with downloading the whole step.
    Issue 22's targets are printed met/MISSED (never asserted).
 
+6. **Elastic restarts on a simulated cluster** (``--sections elastic``, runs
+   only when named, needs no other section): 4 nodes of one gloo rank each
+   (forked from a fork server that imported torch once), machines simulated
+   as directories ``local/m<id>`` as in ``tests/test_manager_cluster.py``. A
+   ``--elastic-mb`` (256) MiB state (the layout above, every weight and AdamW
+   moment a ``Shard(0)`` DTensor, values closed-form per tensor and step) is
+   saved at steps 1-3 with ``persistent_interval=2`` and
+   ``local_keep_last=3``: step 2 in the persistent tier, steps 1-3 locally,
+   machine k holding its own and machine k-1's data files. Each of
+   ``--repeat`` rounds (order rotated by the round) restarts the job with a
+   fresh manager per rank on a hard-linked copy of the saved directories
+   (new directories, the same files: the repair writes new files by rename,
+   and the saved tree is checked unchanged after every restart) in each
+   scenario: ``same`` (the 4 machines, nothing lost), ``lost-node`` (m2's
+   dir deleted, world 3 on m0, m1, m3), ``hot-swap`` (m2 deleted, an empty
+   m4 as node 2), ``scale-up`` (an empty m4 as a fifth node),
+   ``persistent`` (every local dir deleted: step 2 from the persistent
+   tier) and ``same-whole`` (as ``same``, every machine already holding the
+   whole step: the load without a repair). Rank 0 evicts every checkpoint
+   file after all managers opened, then a barrier starts the clock; the time
+   is the slowest rank's ``mgr.load``. Also recorded: ``last_restore``'s tier
+   and step, the bytes each machine's dir gained (names new or resized, the
+   commit marker left out), the repair's ``exchange_files``
+   ``TransferReport`` (wrapped in the rank: bytes over the wire, its time),
+   ``last_restore.read_bytes`` summed over ranks, the bytes each new rank's
+   rows need from files its machine lacked (computed from the shard
+   geometry: what a fetch-what-you-read repair would move), and a bit-exact
+   check of every rank's shards against the step's values.
+
 Caveats:
 
 * The machine has few cores (2 on the development VM) and is shared with
@@ -100,6 +128,8 @@ Usage::
     python benchmarks/bench_manager.py --quick          # 64 MiB smoke check
     python benchmarks/bench_manager.py --mb 512 --repeat 5 --dir /nvme/tmp
     python benchmarks/bench_manager.py --sections vs_dcp --mb 256 --repeat 7   # section 5 alone
+    python benchmarks/bench_manager.py --sections elastic       # section 6: 4 gloo ranks, 256 MiB, ~3 min
+    python benchmarks/bench_manager.py --sections elastic --quick --repeat 1   # 16 MiB smoke run, ~25 s
 
 See benchmarks/README.md for results.
 """
@@ -143,6 +173,7 @@ from harness import (
     dir_bytes,
     evict_tree,
     files_under,
+    fmt_mb,
     fmt_num,
     fs_type,
     leaves,
@@ -159,7 +190,10 @@ from harness import (
     reader_counters,
     release_free_memory,
     save_state,
+    seed_of,
+    set_rank_env,
     storage_limits,
+    synth_values,
     tensor_bytes,
     tensors,
     total_resident_bytes,
@@ -167,13 +201,14 @@ from harness import (
     write_json,
 )
 from harness.memory import has_malloc_trim, loadavg, meminfo_bytes
+from harness.states import local as local_tensor
 from ucp_dcp import CheckpointManager
 from ucp_dcp.byteio.rangeio import tensor_view
 
 # The target the manager's blocking time aims for, relative to a synchronous
 # DCP save; printed next to the numbers, never asserted.
 TARGET_BLOCKING_RATIO = 0.1
-SECTIONS = ("blocking", "interference", "restore", "hash", "vs_dcp")
+SECTIONS = ("blocking", "interference", "restore", "hash", "vs_dcp", "elastic")
 
 
 # --------------------------------------------------------------------------
@@ -202,10 +237,8 @@ def choose_hidden(mb: float, layers: int) -> int:
     return best
 
 
-def build_state(hidden: int, layers: int, seed: int = 0) -> dict[str, Any]:
-    """Model (bf16) + AdamW (fp32 exp_avg, exp_avg_sq, 0-d step) + a few plain values, nested like
-    ``get_state_dict`` output."""
-    g = torch.Generator().manual_seed(seed)
+def weight_shapes(hidden: int, layers: int) -> dict[str, tuple[int, ...]]:
+    """The weights' names and shapes, in order: an embedding ``[8H, H]``, ``layers`` blocks, a final norm."""
     h = hidden
     shapes: list[tuple[str, tuple[int, ...]]] = [("embed.weight", (8 * h, h))]
     for i in range(layers):
@@ -218,7 +251,14 @@ def build_state(hidden: int, layers: int, seed: int = 0) -> dict[str, Any]:
             (f"layers.{i}.mlp.down.weight", (h, 4 * h)),
         ]
     shapes.append(("norm.weight", (h,)))
-    dims = dict(shapes)
+    return dict(shapes)
+
+
+def build_state(hidden: int, layers: int, seed: int = 0) -> dict[str, Any]:
+    """Model (bf16) + AdamW (fp32 exp_avg, exp_avg_sq, 0-d step) + a few plain values, nested like
+    ``get_state_dict`` output."""
+    g = torch.Generator().manual_seed(seed)
+    dims = weight_shapes(hidden, layers)
 
     def make(name: str, kind: str) -> torch.Tensor:
         x = torch.randn(dims[name], generator=g)
@@ -1014,6 +1054,422 @@ def vs_dcp_markdown(r: dict[str, Any]) -> str:
                            "/ limit"], rows)
 
 
+# --------------------------------------------------------------------------
+# 6. Elastic restarts on a simulated 4-node cluster (real gloo ranks)
+# --------------------------------------------------------------------------
+
+ELASTIC_NODES = 4  # nodes of the saving job, one rank each
+ELASTIC_INTERVAL = 2  # persistent_interval: step 2 goes to the persistent tier, steps 1-3 stay local
+ELASTIC_STEPS = (1, 2, 3)
+# scenario -> (the machine each node of the restarted job runs on, machines whose local dir is
+# deleted first, the (step, tier) the restore must come from). Machine m's local dir is
+# ``local/m<m>``; the saving job ran node k on machine k.
+ELASTIC_SCENARIOS: dict[str, tuple[list[int], list[int], tuple[int, str]]] = {
+    "same": ([0, 1, 2, 3], [], (3, "local")),
+    "lost-node": ([0, 1, 3], [2], (3, "local")),
+    "hot-swap": ([0, 1, 4, 3], [2], (3, "local")),
+    "scale-up": ([0, 1, 2, 3, 4], [], (3, "local")),
+    "persistent": ([0, 1, 2, 3], [0, 1, 2, 3], (2, "persistent")),
+    # A reference, not a failure: as `same`, but every machine's step-3 dir already holds the whole step
+    # (hard links from the others), so the load repairs nothing: `same` minus this is the repair's cost.
+    "same-whole": ([0, 1, 2, 3], [], (3, "local")),
+}
+ELASTIC_WHOLE = ("same-whole",)  # scenarios whose machines get every file of the step before the restart
+MARKER_NAME = "COMMIT.json"  # a committed step's marker (ucp_dcp.manager.tiers.marker.MARKER_FILE): written, not moved
+
+
+def _shard_rows(n: int, world: int, rank: int) -> tuple[int, int]:
+    """(offset, rows) of ``rank``'s ``Shard(0)`` piece of ``n`` rows over ``world`` ranks (torch.chunk's split,
+    which DTensor uses: ceil(n / world) rows each, the last ranks shorter or empty)."""
+    c = -(-n // world)
+    off = min(n, rank * c)
+    return off, max(0, min(n, off + c) - off)
+
+
+def _elastic_values(fqn: str, kind: str, step: int, shape: tuple[int, ...], off: int, rows: int) -> torch.Tensor:
+    """Rows ``[off, off + rows)`` of tensor ``fqn``/``kind`` as saved at ``step``: closed-form values
+    (``harness.synth_values``), different for every tensor and step; weights bf16, moments fp32."""
+    per_row = 1
+    for d in shape[1:]:
+        per_row *= d
+    idx = torch.arange(off * per_row, (off + rows) * per_row, dtype=torch.int64)
+    v = synth_values(seed_of(fqn, kind) + 7919 * step, idx).reshape((rows, *shape[1:]))
+    return v.to(torch.bfloat16) if kind == "param" else v
+
+
+def elastic_state(dims: dict[str, tuple[int, ...]], mesh: Any, step: int, fill: float | None = None) -> dict[str, Any]:
+    """This rank's part of the training state at ``step``: every weight and AdamW moment a ``Shard(0)``
+    DTensor over ``mesh`` (weights bf16, moments fp32), a replicated 0-d ``step`` tensor per weight, the
+    optimizer's ``param_groups`` and an int ``step``. With ``fill``: the same structure, every tensor
+    filled with it and the int step -1 (a load target that a load must overwrite)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    world, rank = mesh.size(), mesh.get_local_rank()
+
+    def make(fqn: str, kind: str) -> torch.Tensor:
+        shape = dims[fqn]
+        off, rows = _shard_rows(shape[0], world, rank)
+        if fill is None:
+            t = _elastic_values(fqn, kind, step, shape, off, rows)
+        else:
+            t = torch.full((rows, *shape[1:]), fill, dtype=torch.bfloat16 if kind == "param" else torch.float32)
+        return DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
+
+    state = adamw_state(dims, make, lambda fqn: torch.tensor(float(step) if fill is None else fill), ADAMW_HYPER)
+    return {**state, "step": step if fill is None else -1}
+
+
+def elastic_check(state: dict[str, Any], dims: dict[str, tuple[int, ...]], step: int) -> list[str]:
+    """Bit-exact check of this rank's restored state against the values saved at ``step`` (DTensors by their
+    local shards, which must also have the shape this rank's ``Shard(0)`` piece has)."""
+    mesh = next(iter(state["model"].values())).device_mesh
+    have = dict(leaves(state))
+    errors = []
+    for path, w in leaves(elastic_state(dims, mesh, step)):
+        g = have.get(path)
+        if isinstance(w, torch.Tensor):
+            if not (isinstance(g, torch.Tensor) and bit_equal(local_tensor(g), local_tensor(w))):
+                errors.append(f"{path}: tensor differs")
+        elif g != w:
+            errors.append(f"{path}: {g!r} != {w!r}")
+    return errors
+
+
+def _elastic_kw(base: str, machine: int) -> dict[str, Any]:
+    """The manager's options on a node running on ``machine``: its local dir, one rank per node, the
+    persistent tier every ``ELASTIC_INTERVAL`` steps, and every saved step kept locally."""
+    return dict(local=os.path.join(base, "local", f"m{machine}"), ranks_per_node=1,
+                persistent_interval=ELASTIC_INTERVAL, local_keep_last=len(ELASTIC_STEPS))
+
+
+def elastic_save_rank(rank: int, world: int, base: str, dims: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """One rank of the saving job (node ``rank`` on machine ``rank``): steps 1-3, each awaited."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    records = []
+    with CheckpointManager(os.path.join(base, "shared"), **_elastic_kw(base, rank)) as mgr:
+        for step in ELASTIC_STEPS:
+            state = elastic_state(dims, mesh, step)
+            mgr.save(step, state)
+            mgr.wait()
+            records.append(dataclass_dict(mgr.stats()[-1]))
+            del state
+    return {"records": records if rank == 0 else None}
+
+
+def elastic_restore_rank(rank: int, world: int, base: str, machines: list[int], dims: dict[str, tuple[int, ...]],
+                         cold: bool) -> dict[str, Any]:
+    """One rank of a restarted job (node ``rank`` on machine ``machines[rank]``): a fresh manager loads the
+    newest step into a target filled with -7, timed from a barrier after rank 0 evicted every checkpoint
+    file; what the repair's ``exchange_files`` moved is recorded by wrapping it (its ``TransferReport``)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ucp_dcp.manager._restore as restore_mod
+
+    real_exchange = restore_mod.exchange_files
+    exchanges: list[dict[str, Any]] = []
+
+    def exchange(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        rep = real_exchange(*a, **k)
+        exchanges.append({"s": time.perf_counter() - t0, "bytes_received": rep.bytes_received,
+                          "bytes_sent": rep.bytes_sent, "files_received": len(rep.received),
+                          "files_sent": len(rep.sent), "files_local": len(rep.local)})
+        return rep
+
+    restore_mod.exchange_files = exchange
+    mesh = init_device_mesh("cpu", (world,))
+    target = elastic_state(dims, mesh, 0, fill=-7.0)
+    residual = None
+    mgr = CheckpointManager(os.path.join(base, "shared"), **_elastic_kw(base, machines[rank]))
+    try:
+        dist.barrier()
+        if rank == 0 and cold:  # after every manager opened its tiers, as a restart's first load finds them
+            evict_tree(base)
+            residual = total_resident_bytes(files_under(base))
+        dist.barrier()
+        t0 = time.perf_counter()
+        step = mgr.load(target)
+        took = time.perf_counter() - t0
+        rec = mgr.last_restore
+        assert rec is not None
+        mgr.wait()
+    finally:
+        mgr.close()
+        restore_mod.exchange_files = real_exchange
+    errors = elastic_check(target, dims, step)
+    return {"s": took, "step": step, "tier": rec.tier, "restore_seconds": rec.seconds,
+            "failed_attempts": list(rec.failed_attempts), "read_bytes": rec.read_bytes,
+            "verified_bytes": rec.verified_bytes, "exchanges": exchanges, "mismatches": errors[:5],
+            "n_mismatches": len(errors), "residual_after_evict": residual, "own_state_bytes": tensor_bytes(target)}
+
+
+def elastic_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_min: float = 10.0) -> list[Any]:
+    """:func:`harness.spawn_ranks`, with the ranks forked from a fork server that imported torch, ucp_dcp and
+    this script once (as ``tests/dist_utils.run_ranks`` does): a spawned rank spends seconds of a 2-core
+    machine importing torch (16 s for 4 trivial ranks under load), a forked one about 0.1 s. The server is a
+    clean process (no threads, no process group), so its children are as fresh as spawned ones."""
+    import json
+    import multiprocessing
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+    from harness.launch import _rank_entry, free_port
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["__main__", "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor",
+         "ucp_dcp"])
+    with tempfile.TemporaryDirectory(prefix="bench_ranks_") as rd:
+        mp.start_processes(_rank_entry, args=(world, free_port(), fn, args, rd, timeout_min), nprocs=world,
+                           join=True, start_method="forkserver")
+        return [json.loads(Path(rd, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _sizes_under(root: str) -> dict[str, tuple[int, int]]:
+    """``relpath -> (size, mtime_ns)`` of every file under ``root``."""
+    out = {}
+    for p in files_under(root):
+        st = os.stat(p)
+        out[os.path.relpath(p, root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _machine_files(base: str, machine: int) -> dict[str, int]:
+    """``relpath -> size`` of the files in machine ``machine``'s local dir (none if it has no dir)."""
+    d = os.path.join(base, "local", f"m{machine}")
+    return {k: v[0] for k, v in _sizes_under(d).items()} if os.path.isdir(d) else {}
+
+
+def _step_dir(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+def _saving_rank(name: str) -> int | None:
+    """The saving rank of a data file ``rank%05d-...safetensors``; None for other files (the index)."""
+    return int(name[4:9]) if name.startswith("rank") and name.endswith(".safetensors") else None
+
+
+def _needed_from_others(dims: dict[str, tuple[int, ...]], held: list[set[int]], has_index: list[bool],
+                        index_bytes: int, step_world: int) -> list[int]:
+    """Per node of the restarted job: the bytes of the saved step its own rank's load reads from files
+    its machine did not hold (``held[k]``: the saving ranks whose data files it held), plus the index
+    if it lacked it. A lower bound on what must cross the network to load (fetch exactly what is read;
+    redundancy not restored); the 0-d step tensors (4 bytes each) are left out."""
+    world = len(held)
+    out = []
+    for k in range(world):
+        need = 0 if has_index[k] else index_bytes
+        for shape in dims.values():
+            per_row = 1
+            for d in shape[1:]:
+                per_row *= d
+            off, rows = _shard_rows(shape[0], world, k)
+            for s in range(step_world):
+                if s in held[k]:
+                    continue
+                so, sr = _shard_rows(shape[0], step_world, s)
+                overlap = max(0, min(off + rows, so + sr) - max(off, so))
+                need += overlap * per_row * (2 + 4 + 4)  # bf16 weight, fp32 exp_avg and exp_avg_sq
+        out.append(need)
+    return out
+
+
+def bench_elastic(dirs: Dirs, args: argparse.Namespace, res: dict[str, Any], failures: list[str]) -> None:
+    """Section 6: restarts of a 4-node job (one gloo rank per node) after losing, swapping or adding a
+    machine, or losing every local disk; see the module docstring."""
+    set_rank_env(False)
+    hidden = choose_hidden(args.elastic_mb, args.layers)
+    dims = weight_shapes(hidden, args.layers)
+    nbytes = state_bytes_for(hidden, args.layers)
+    base = dirs.fresh("elastic")
+    saved = os.path.join(base, "saved")
+    res["config"] = {"nodes": ELASTIC_NODES, "ranks_per_node": 1, "persistent_interval": ELASTIC_INTERVAL,
+                     "steps": list(ELASTIC_STEPS), "local_keep_last": len(ELASTIC_STEPS), "repeat": args.repeat,
+                     "cold": True, "scenarios": {k: {"machines": v[0], "lost": v[1], "expect": list(v[2])}
+                                                 for k, v in ELASTIC_SCENARIOS.items()}}
+    res["state"] = {"hidden": hidden, "layers": args.layers, "bytes": nbytes, "MiB": nbytes / MiB,
+                    "tensors": 4 * len(dims), "sharding": "Shard(0) DTensors over all ranks (weights bf16, "
+                    "exp_avg/exp_avg_sq fp32), 0-d step tensors replicated"}
+    res["loadavg_before"] = list(os.getloadavg())
+    log(f"  saving steps {ELASTIC_STEPS} from {ELASTIC_NODES} ranks: {nbytes / MiB:.0f} MiB state (hidden {hidden})")
+    t0 = time.perf_counter()
+    out = elastic_ranks(elastic_save_rank, ELASTIC_NODES, saved, dims)
+    res["save_s"] = time.perf_counter() - t0
+    res["save_records"] = out[0]["records"]
+    # What the saving job left: per machine, the saving ranks whose step-3 data files it holds.
+    step3 = _step_dir(ELASTIC_STEPS[-1])
+    saved_files = {m: _machine_files(saved, m) for m in range(ELASTIC_NODES)}
+    step_files: dict[str, int] = {}
+    for fs in saved_files.values():
+        for rel, size in fs.items():
+            d, name = os.path.split(rel)
+            if d == step3 and name != MARKER_NAME:
+                step_files[name] = size
+    step_bytes = sum(step_files.values())
+    index_bytes = sum(v for k, v in step_files.items() if _saving_rank(k) is None)
+    held_saved = {m: {r for rel in fs if os.path.dirname(rel) == step3
+                      and (r := _saving_rank(os.path.basename(rel))) is not None}
+                  for m, fs in saved_files.items()}
+    res["saved"] = {"step_files": step_files, "step_bytes": step_bytes,
+                    "held_step3": {m: sorted(v) for m, v in held_saved.items()},
+                    "local_bytes": {m: sum(fs.values()) for m, fs in saved_files.items()},
+                    "persistent_bytes": dir_bytes(os.path.join(saved, "shared")),
+                    "persistent_steps": sorted(os.listdir(os.path.join(saved, "shared")))}
+    pristine = _sizes_under(saved)
+    log(f"  saved in {res['save_s']:.1f}s; step {ELASTIC_STEPS[-1]}: {len(step_files)} files, "
+        f"{step_bytes / MB:.1f} MB; machine m holds ranks {res['saved']['held_step3']}")
+
+    runs: list[dict[str, Any]] = []
+    names = list(args.elastic_scenarios)
+    run_dir = os.path.join(base, "run")
+    for rep in range(args.repeat):
+        k = rep % len(names)
+        for name in names[k:] + names[:k]:  # the order rotated by the repeat
+            machines, lost, expect = ELASTIC_SCENARIOS[name]
+            rmtree(run_dir)
+            shutil.copytree(saved, run_dir, copy_function=os.link)  # new dirs, the saved files hard-linked
+            for m in lost:
+                rmtree(os.path.join(run_dir, "local", f"m{m}"))
+            if name in ELASTIC_WHOLE:
+                for m in machines:
+                    dest = os.path.join(run_dir, "local", f"m{m}", step3)
+                    for f in step_files:
+                        if not os.path.exists(os.path.join(dest, f)):
+                            src = next(os.path.join(run_dir, "local", f"m{o}", step3, f) for o in range(ELASTIC_NODES)
+                                       if os.path.exists(os.path.join(run_dir, "local", f"m{o}", step3, f)))
+                            os.link(src, os.path.join(dest, f))
+            all_machines = sorted(set(machines) | set(range(ELASTIC_NODES)))
+            before = {m: _machine_files(run_dir, m) for m in all_machines}
+            held = [{r for rel in before[m] if os.path.dirname(rel) == step3
+                     and (r := _saving_rank(os.path.basename(rel))) is not None} for m in machines]
+            has_index = [any(os.path.dirname(rel) == step3 and _saving_rank(os.path.basename(rel)) is None
+                             and os.path.basename(rel) != MARKER_NAME for rel in before[m]) for m in machines]
+            rec: dict[str, Any] = {"scenario": name, "repeat": rep, "world": len(machines), "machines": machines,
+                                   "loadavg": os.getloadavg()[0]}
+            try:
+                per_rank = elastic_ranks(elastic_restore_rank, len(machines), run_dir, machines, dims, True)
+            except Exception as e:
+                rec["error"] = f"{type(e).__name__}: {e}"
+                failures.append(f"elastic {name} repeat {rep}: {rec['error']}")
+                traceback.print_exc()
+                runs.append(rec)
+                continue
+            after = {m: _machine_files(run_dir, m) for m in all_machines}
+            added = {m: sum(size for rel, size in after[m].items()
+                            if before[m].get(rel) != size and os.path.basename(rel) != MARKER_NAME)
+                     for m in all_machines}
+            step_after = {m: sum(size for rel, size in after[m].items()
+                                 if os.path.dirname(rel) == step3 and os.path.basename(rel) != MARKER_NAME)
+                          for m in machines if os.path.isdir(os.path.join(run_dir, "local", f"m{m}", step3))}
+            ex = [e for r in per_rank for e in r["exchanges"]]
+            rec.update(
+                s=max(r["s"] for r in per_rank), s_per_rank=[r["s"] for r in per_rank],
+                restore_seconds=max(r["restore_seconds"] for r in per_rank),
+                step=per_rank[0]["step"], tier=per_rank[0]["tier"],
+                failed_attempts=per_rank[0]["failed_attempts"],
+                read_bytes=sum(r["read_bytes"] for r in per_rank),
+                read_bytes_per_rank=[r["read_bytes"] for r in per_rank],
+                verified_bytes=sum(r["verified_bytes"] for r in per_rank),
+                exchange_s=max((e["s"] for e in ex), default=0.0),
+                exchanges_per_rank=[r["exchanges"] for r in per_rank],
+                wire_bytes=sum(e["bytes_received"] for e in ex),
+                wire_bytes_sent=sum(e["bytes_sent"] for e in ex),
+                moved_bytes=sum(added.values()), added_per_machine=added,
+                step3_bytes_after=step_after,
+                needed_from_others=(_needed_from_others(dims, held, has_index, index_bytes, ELASTIC_NODES)
+                                    if expect[1] == "local" else None),
+                residual_after_evict=per_rank[0]["residual_after_evict"],
+                mismatches=sum(r["n_mismatches"] for r in per_rank),
+                mismatch_examples=[m for r in per_rank for m in r["mismatches"]][:5],
+            )
+            if (rec["step"], rec["tier"]) != expect:
+                failures.append(f"elastic {name}: restored step {rec['step']} from the {rec['tier']} tier, "
+                                f"expected {expect}")
+            if rec["mismatches"]:
+                failures.append(f"elastic {name}: {rec['mismatches']} mismatches, e.g. {rec['mismatch_examples']}")
+            if _sizes_under(saved) != pristine:
+                failures.append(f"elastic {name}: the saved directories changed under a restore of hard links")
+                pristine = _sizes_under(saved)
+            log(f"  elastic {rep + 1}/{args.repeat} {name:10s} world {len(machines)}: {rec['s']:.3f}s "
+                f"(exchange {rec['exchange_s']:.3f}s), step {rec['step']} {rec['tier']}, moved "
+                f"{rec['moved_bytes'] / MB:.1f} MB (wire {rec['wire_bytes'] / MB:.1f} MB), read "
+                f"{rec['read_bytes'] / MB:.1f} MB, {'exact' if not rec['mismatches'] else 'MISMATCH'}; "
+                f"load avg {rec['loadavg']:.2f}")
+            runs.append(rec)
+            rmtree(run_dir)
+    res["runs"] = runs
+    res["loadavg_after"] = list(os.getloadavg())
+    res["summary"] = _elastic_summary(runs, names, step_bytes)
+    res["markdown"] = elastic_markdown(res)
+    rmtree(base)
+
+
+def _elastic_summary(runs: list[dict[str, Any]], names: Sequence[str], step_bytes: int) -> dict[str, Any]:
+    """Per scenario: medians over repeats, and ratios paired by repeat against ``persistent`` and ``same``."""
+    ok = [r for r in runs if "error" not in r]
+    by = {n: [r for r in ok if r["scenario"] == n] for n in names}
+    by_rep = {n: {r["repeat"]: r["s"] for r in rs} for n, rs in by.items()}
+
+    def paired(n: str, base: str) -> list[float]:
+        if base not in by_rep:
+            return []
+        return [by_rep[n][i] / by_rep[base][i] for i in sorted(by_rep[n]) if i in by_rep[base]]
+
+    out: dict[str, Any] = {}
+    for n, rs in by.items():
+        if not rs:
+            out[n] = {"runs": 0}
+            continue
+        s = [r["s"] for r in rs]
+        after = rs[-1]["step3_bytes_after"]
+        out[n] = {
+            "runs": len(rs), "median_s": median(s), "min_s": min(s), "max_s": max(s),
+            "median_exchange_s": median([r["exchange_s"] for r in rs]),
+            "step": rs[0]["step"], "tier": rs[0]["tier"], "world": rs[0]["world"],
+            "moved_bytes": median([r["moved_bytes"] for r in rs]),
+            "wire_bytes": median([r["wire_bytes"] for r in rs]),
+            "needed_from_others": (sum(rs[0]["needed_from_others"]) if rs[0]["needed_from_others"] is not None
+                                   else None),
+            "read_bytes": median([r["read_bytes"] for r in rs]),
+            "step3_bytes_after": after,
+            "step3_fraction_after": {m: v / step_bytes for m, v in after.items()},
+            "exact": all(r["mismatches"] == 0 for r in rs),
+            "paired_over_persistent": paired(n, "persistent"), "paired_over_same": paired(n, "same"),
+            "over_persistent": median(paired(n, "persistent")), "over_same": median(paired(n, "same")),
+            "loadavg": [r["loadavg"] for r in rs],
+        }
+    return out
+
+
+def elastic_markdown(res: dict[str, Any]) -> str:
+    """Section 6's table."""
+    rows = []
+    for n, v in res["summary"].items():
+        if not v.get("runs"):
+            rows.append([f"`{n}`", "-", "FAILED"] + ["-"] * 9)
+            continue
+        machines = ELASTIC_SCENARIOS[n][0]
+        fr = v["step3_fraction_after"]
+        after = (f"{min(fr.values()):.2f}-{max(fr.values()):.2f}" if min(fr.values()) != max(fr.values())
+                 else f"{min(fr.values()):.2f}") if fr else "-"
+        rows.append([
+            f"`{n}`", f"{v['world']} (m{','.join(map(str, machines))})", f"step {v['step']}, {v['tier']}",
+            f"{v['median_s']:.2f} ({v['min_s']:.2f}-{v['max_s']:.2f})",
+            fmt_num(v["over_persistent"], ".2f", "x"), fmt_num(v["over_same"], ".2f", "x"),
+            f"{v['median_exchange_s']:.2f}", fmt_mb(v["moved_bytes"]), fmt_mb(v["wire_bytes"]),
+            fmt_mb(v["needed_from_others"]), after, fmt_mb(v["read_bytes"]),
+            "yes" if v["exact"] else "**NO**",
+        ])
+    return markdown_table(
+        ["scenario", "world (machines)", "restored", "load s, median (min-max)", "/ persistent", "/ same",
+         "repair exchange s", "MB moved (dir diff)", "MB over the wire (TransferReport)",
+         "MB the load needs from other nodes", "each node's step-3 dir after (x step)", "MB read by the load",
+         "bit-exact"], rows)
+
+
 def dataclass_dict(x: Any) -> dict[str, Any]:
     """A dataclass as a dict, tuples as lists."""
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(x).items()}
@@ -1123,7 +1579,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=float, default=None, help="state size in MiB (default 1024; 64 with --quick)")
     p.add_argument("--layers", type=int, default=24, help="transformer blocks (default 24)")
-    p.add_argument("--repeat", type=int, default=3, help="repetitions per measurement, median reported (default 3)")
+    p.add_argument("--repeat", "--repeats", dest="repeat", type=int, default=3,
+                   help="repetitions per measurement, median reported (default 3)")
     p.add_argument("--warm-saves", type=int, default=2,
                    help="warm manager saves per repetition after the cold one (default 2)")
     p.add_argument("--steps", type=int, default=None,
@@ -1136,19 +1593,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="evict each checkpoint's files from the page cache before each timed load (cold reads)")
     p.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) restore")
     p.add_argument("--no-shm", action="store_true", help="skip the /dev/shm local tier")
-    p.add_argument("--sections", default=",".join(SECTIONS),
-                   help="comma-separated subset of: blocking, interference, restore, hash, vs_dcp")
+    p.add_argument("--sections", default=",".join(s for s in SECTIONS if s != "elastic"),
+                   help="comma-separated subset of: blocking, interference, restore, hash, vs_dcp, elastic "
+                        "(default: all but elastic, which runs only when named)")
+    p.add_argument("--elastic-mb", type=float, default=None,
+                   help="elastic: the whole training state in MiB, over all ranks (default 256; 16 with --quick)")
+    p.add_argument("--elastic-scenarios", default=",".join(ELASTIC_SCENARIOS),
+                   help=f"elastic: comma-separated subset of {', '.join(ELASTIC_SCENARIOS)} (default all)")
     p.add_argument("--probe-mb", type=float, default=None,
                    help="vs_dcp: bytes each storage-bandwidth measurement reads and writes, MB (default 512, 32 "
                         "with --quick; 0 skips the limit)")
     p.add_argument("--out", default=None,
                    help="JSON results (default benchmarks/results/manager.json; out/bench_manager_quick.json "
-                        "with --quick)")
+                        "with --quick; --sections elastic alone: benchmarks/results/manager_elastic.json, "
+                        "out/bench_manager_elastic_quick.json with --quick)")
     args = p.parse_args(argv)
-    quick_defaults(args, mb=(64.0, 1024.0), steps=(10, 20), probe_mb=(32.0, 512.0))
-    if args.out is None:
-        args.out = default_out("manager.json", args.quick, "bench_manager_quick.json")
+    quick_defaults(args, mb=(64.0, 1024.0), steps=(10, 20), probe_mb=(32.0, 512.0), elastic_mb=(16.0, 256.0))
     args.sections = comma_list(p, args.sections, SECTIONS, "section")
+    args.elastic_scenarios = comma_list(p, args.elastic_scenarios, tuple(ELASTIC_SCENARIOS), "scenario")
+    if args.out is None:
+        if args.sections == ["elastic"]:
+            args.out = default_out("manager_elastic.json", args.quick, "bench_manager_elastic_quick.json")
+        else:
+            args.out = default_out("manager.json", args.quick, "bench_manager_quick.json")
     if "restore" in args.sections and "blocking" not in args.sections:
         p.error("the restore section needs the blocking section (its DCP checkpoint is the load baseline)")
     if args.repeat < 1:
@@ -1168,6 +1635,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if fs_type(work) == "tmpfs":
         print(f"warning: {work} is on tmpfs; the 'disk' numbers will be memory numbers", file=sys.stderr)
     dirs = Dirs(work)
+    one_process = [x for x in args.sections if x != "elastic"]  # the sections that use the one-process state
     hidden = choose_hidden(args.mb, args.layers)
     result: dict[str, Any] = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
@@ -1177,18 +1645,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "targets": {"mgr_warm_blocking_over_dcp_sync_max": TARGET_BLOCKING_RATIO},
     }
     failures: list[str] = []
-    log(f"building the state: {args.layers} layers, hidden {hidden}")
-    state = build_state(hidden, args.layers)
-    nbytes = tensor_bytes(state)
-    ts = list(tensors(state))
-    result["state"] = {
-        "hidden": hidden, "layers": args.layers, "tensors": len(ts), "bytes": nbytes, "MiB": nbytes / MiB,
-        "largest_tensor_bytes": max(t.numel() * t.element_size() for t in ts),
-        "dtypes": sorted({str(t.dtype) for t in ts}),
-    }
-    del ts
-    log(f"state: {len(result['state']['dtypes'])} dtypes, {result['state']['tensors']} tensors, "
-        f"{nbytes / MiB:.1f} MiB; work dir {work} ({result['machine']['dir_fs']}); peak RSS {peak_rss_mib():.0f} MiB")
+    state: dict[str, Any] = {}
+    nbytes = 0
+    if one_process:
+        log(f"building the state: {args.layers} layers, hidden {hidden}")
+        state = build_state(hidden, args.layers)
+        nbytes = tensor_bytes(state)
+        ts = list(tensors(state))
+        result["state"] = {
+            "hidden": hidden, "layers": args.layers, "tensors": len(ts), "bytes": nbytes, "MiB": nbytes / MiB,
+            "largest_tensor_bytes": max(t.numel() * t.element_size() for t in ts),
+            "dtypes": sorted({str(t.dtype) for t in ts}),
+        }
+        del ts
+        log(f"state: {len(result['state']['dtypes'])} dtypes, {result['state']['tensors']} tensors, "
+            f"{nbytes / MiB:.1f} MiB; work dir {work} ({result['machine']['dir_fs']}); peak RSS "
+            f"{peak_rss_mib():.0f} MiB")
     try:
         dcp_dir = None
         if "hash" in args.sections:
@@ -1215,6 +1687,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["vs_dcp"] = {}
             bench_vs_dcp(state, dirs, args, result["vs_dcp"], failures)
             result["vs_dcp"]["peak_rss_mib_after"] = peak_rss_mib()
+        if "elastic" in args.sections:
+            log(f"section 6: elastic restarts of a {ELASTIC_NODES}-node job (gloo ranks), cold")
+            result["elastic"] = {}
+            bench_elastic(dirs, args, result["elastic"], failures)
     except Exception as e:
         failures.append(f"{type(e).__name__}: {e}")
         traceback.print_exc()
@@ -1226,7 +1702,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["machine"]["loadavg_at_end"] = loadavg()
     result["failures"] = failures
     result["wall_s"] = time.perf_counter() - t_start
-    table = report(result) if set(args.sections) - {"vs_dcp"} else ""
+    table = report(result) if set(args.sections) - {"vs_dcp", "elastic"} else ""
     if result.get("vs_dcp", {}).get("median_s"):
         result["vs_dcp_markdown"] = vs_dcp_markdown(result["vs_dcp"])
         v = result["vs_dcp"]["verdicts"]
@@ -1235,12 +1711,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"limit: {fmt_num(result['vs_dcp']['limit_s'], '.3f', ' s')})\n\n" + result["vs_dcp_markdown"]
                   + f"\n\nissue 22 targets: {len(v) - len(missed)} met, {len(missed)} MISSED"
                   + (": " + ", ".join(missed) if missed else ""))
+    el = result.get("elastic", {})
+    if el.get("markdown"):
+        st = el["state"]
+        table += (("\n\n" if table else "")
+                  + f"**6. elastic restarts, {ELASTIC_NODES} nodes x 1 rank, {st['MiB']:.0f} MiB state, cold** "
+                  f"(slowest rank's `mgr.load`; ratios: medians of the per-repeat ratios; load average "
+                  f"{el['loadavg_before'][0]:.2f} before, {el['loadavg_after'][0]:.2f} after)\n\n" + el["markdown"])
     result["table_markdown"] = table
     print()
-    print(f"state {nbytes / MiB:.0f} MiB ({result['state']['tensors']} tensors, hidden {hidden}), "
-          f"repeat {args.repeat}, {result['machine']['cpus']} CPUs, torch {torch.__version__}"
-          f"{', page cache evicted before loads' if args.evict else ', reads page-cache warm'}"
-          f"{' (vs_dcp: always evicted)' if 'vs_dcp' in args.sections else ''}")
+    if one_process:
+        print(f"state {nbytes / MiB:.0f} MiB ({result['state']['tensors']} tensors, hidden {hidden}), "
+              f"repeat {args.repeat}, {result['machine']['cpus']} CPUs, torch {torch.__version__}"
+              f"{', page cache evicted before loads' if args.evict else ', reads page-cache warm'}"
+              f"{' (vs_dcp: always evicted)' if 'vs_dcp' in args.sections else ''}")
+    else:
+        print(f"repeat {args.repeat}, {result['machine']['cpus']} CPUs, torch {torch.__version__}")
     print(table)
     write_json(args.out, result, default=str)
     print(f"\nwall time {result['wall_s']:.1f}s; peak RSS {result['peak_rss_mib']:.0f} MiB; "
