@@ -3,8 +3,8 @@
 Save a training state under one parallel layout, load it into any other
 layout and world size, reading only the bytes each rank needs::
 
-    import torch.distributed.checkpoint as dcp from ucp_dcp import UCPSavePlanner, UCPLoadPlanner,
-    UCPStorageWriter, UCPStorageReader
+    import torch.distributed.checkpoint as dcp
+    from ucp_dcp import UCPSavePlanner, UCPLoadPlanner, UCPStorageWriter, UCPStorageReader
 
     dcp.save(sd, storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())
     dcp.load(sd, storage_reader=UCPStorageReader(path), planner=UCPLoadPlanner())

@@ -53,10 +53,10 @@ class _OptionHint:
 
     Attributes:
         option: the keyword argument that would fix it (e.g. ``"dcp_values"``), or None.
-        option_value: the value to pass for it. hint: the text of the message that says so in Python
-        (e.g.
-            ``"UCPStorageReader(path, dcp_values='weights_only')"``); the ``ucp-dcp``
-            command line replaces it with its own flag (``--dcp-values weights_only``).
+        option_value: the value to pass for it.
+        hint: the text of the message that says so in Python (e.g. ``"UCPStorageReader(path,
+            dcp_values='weights_only')"``); the ``ucp-dcp`` command line replaces it with its own
+            flag (``--dcp-values weights_only``).
     """
 
     option: str | None = None
@@ -85,9 +85,11 @@ class ChecksumError(CheckpointFormatError):
     """Data on disk does not match the checksum recorded when it was written.
 
     Attributes:
-        path: the data file. what: the entry, e.g. ``"tensor 'layer.w' chunk at [0, 4]"`` or
-        ``"value 'step'"``. expected: the recorded digest (hex). actual: the digest of the data read
-        (hex). rank: the rank that wrote the file, when known.
+        path: the data file.
+        what: the entry, e.g. ``"tensor 'layer.w' chunk at [0, 4]"`` or ``"value 'step'"``.
+        expected: the recorded digest (hex).
+        actual: the digest of the data read (hex).
+        rank: the rank that wrote the file, when known.
     """
 
     def __init__(
@@ -303,7 +305,8 @@ def unwrap(exc: BaseException) -> UCPError | None:
         try:
             dcp.load(state, storage_reader=UCPStorageReader(path))
         except CheckpointException as e:
-            err = unwrap(e) if err is None:
+            err = unwrap(e)
+            if err is None:
                 raise
             raise err from e  # e.g. a ChecksumError naming the file and tensor
     """

@@ -15,10 +15,11 @@ size::
     from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
     from ucp_dcp.adapters.fsdp1 import fsdp1_apply_loaded, fsdp1_state_dict
 
-    model = FSDP(Model(), auto_wrap_policy=ModuleWrapPolicy({Block})) optim =
-    torch.optim.AdamW(model.parameters(), lr=1e-3) ... sd = fsdp1_state_dict(model, optim)
-    # {"model": {...}, "optim": {...}} dcp.save(sd, storage_writer=UCPStorageWriter(path),
-    planner=UCPSavePlanner())
+    model = FSDP(Model(), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ...
+    sd = fsdp1_state_dict(model, optim)  # {"model": {...}, "optim": {...}}
+    dcp.save(sd, storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())
 
     # Resume, possibly on another world size or from an FSDP2 checkpoint:
     sd = fsdp1_state_dict(model, optim)          # creates optimizer state if empty

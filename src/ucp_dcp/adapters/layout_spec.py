@@ -22,7 +22,8 @@ layout, loads it::
          VocabPad(r"embed\\.weight", dim=0, size=vocab, axis="tp"),
          Replicated(r"norm", axis="tp")],
         axes={"tp": (tp_rank, tp_size), "ep": (ep_rank, ep_size)},
-    ) dcp.save(spec.apply(state, record=True), storage_writer=..., planner=UCPSavePlanner())
+    )
+    dcp.save(spec.apply(state, record=True), storage_writer=..., planner=UCPSavePlanner())
     dcp.load(target_spec.apply(state), storage_reader=..., planner=UCPLoadPlanner())
 
 How a key is handled:

@@ -63,10 +63,13 @@ class ParallelUpload(StreamedWrite):
     """A write-only file uploading object ``path`` of s3fs filesystem ``fs`` in parallel parts.
 
     Args:
-        fs: an ``s3fs.S3FileSystem``. path: the object's path (``bucket/key``). part_bytes: size of
-        every part but the last (at least 5 MiB). parallel: parts uploading at once (and held in
-        memory). scheduler: deadlines, retries and the bound on requests for each part (None:
-        s3fs's own retries only). where: the object's URL, for messages.
+        fs: an ``s3fs.S3FileSystem``.
+        path: the object's path (``bucket/key``).
+        part_bytes: size of every part but the last (at least 5 MiB).
+        parallel: parts uploading at once (and held in memory).
+        scheduler: deadlines, retries and the bound on requests for each part (None: s3fs's own
+            retries only).
+        where: the object's URL, for messages.
     """
 
     def __init__(

@@ -55,18 +55,19 @@ class ObjectRangeReader(ByteSource):
     """Reads byte ranges of a fixed list of objects with coalesced, concurrent ranged GETs.
 
     Args:
-        store: the checkpoint's store. names: the objects, by position (``Segment.file``).
+        store: the checkpoint's store.
+        names: the objects, by position (``Segment.file``).
         sizes: their sizes, if known (lets a request near an object's end read to it).
-        gap_bytes: neighbouring ranges at most this far apart share a request. max_request_bytes:
-        upper bound on one request (a large range is split). window_bytes: bytes fetched per batch
-        of concurrent requests (the store splits each request into parts that run
-            concurrently: :meth:`~ucp_dcp.byteio.objrequests.RequestScheduler.part_bytes`).
-        dense_parallel: requests per window for an object the read needs
-            :data:`DENSE_FRACTION` of (its sizes known): its windows hold that many
-            requests, and are that many times larger.
-        staging_bytes: the fetched bytes held at most: as many windows are fetched ahead of the
-            one being copied into place as fit (at least one). A slow request holds back only
-            its own window; the requests of the windows ahead keep the store busy meanwhile.
+        gap_bytes: neighbouring ranges at most this far apart share a request.
+        max_request_bytes: upper bound on one request (a large range is split).
+        window_bytes: bytes fetched per batch of concurrent requests (the store splits each request
+            into parts that run concurrently:
+            :meth:`~ucp_dcp.byteio.objrequests.RequestScheduler.part_bytes`).
+        dense_parallel: requests per window for an object the read needs :data:`DENSE_FRACTION` of
+            (its sizes known): its windows hold that many requests, and are that many times larger.
+        staging_bytes: the fetched bytes held at most: as many windows are fetched ahead of the one
+            being copied into place as fit (at least one). A slow request holds back only its own
+            window; the requests of the windows ahead keep the store busy meanwhile.
     """
 
     def __init__(

@@ -68,8 +68,10 @@ class Progress:
     """Counts the bytes of one load or save of one rank and logs them at ``config``'s interval.
 
     Args:
-        what: the operation as lines name it (``"load of /ckpt"``). rank: this rank.
-        verb: what is done to the bytes (``"read"``, ``"written"``). config: when to log.
+        what: the operation as lines name it (``"load of /ckpt"``).
+        rank: this rank.
+        verb: what is done to the bytes (``"read"``, ``"written"``).
+        config: when to log.
         clock: seconds, monotonic (tests pass a fake).
 
     Not locked: callers that add from several threads serialize the calls (ReadStats adds

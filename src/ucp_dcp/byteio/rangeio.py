@@ -290,11 +290,11 @@ class RangeReader(ByteSource):
     """Reads byte ranges of a fixed list of files with coalesced ``preadv`` calls.
 
     Args:
-        paths: the files; segments refer to them by position. threads: size of the I/O thread pool.
-        gap_bytes: neighbouring ranges at most this far apart are read with
-            one call, the gap landing in a scratch buffer.
-        max_request_bytes: upper bound on one call, so that a large range is
-            split across threads.
+        paths: the files; segments refer to them by position.
+        threads: size of the I/O thread pool.
+        gap_bytes: neighbouring ranges at most this far apart are read with one call, the gap
+            landing in a scratch buffer.
+        max_request_bytes: upper bound on one call, so that a large range is split across threads.
         requests: the deadline of each call (its floor, cap and factor; see
             :mod:`~ucp_dcp.byteio.workers`): :class:`~ucp_dcp.byteio.reqpolicy.RequestPolicy`'s
             defaults when None. A read gets ``attempts`` times the deadline of one try (it is not

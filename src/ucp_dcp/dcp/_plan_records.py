@@ -98,15 +98,14 @@ class SaveRankReport:
     """What a rank tells the coordinator with its local save plan.
 
     Attributes:
-        rank: the rank's global rank. digests: xxh3 of every value and plain tensor it saves, by key
-        (the
-            coordinator finds values that differ across ranks).
-        layouts: layout of every tensor planned per chunk (DTensors outside
-            mesh groups, plain tensors).
+        rank: the rank's global rank.
+        digests: xxh3 of every value and plain tensor it saves, by key (the coordinator finds values
+            that differ across ranks).
+        layouts: layout of every tensor planned per chunk (DTensors outside mesh groups, plain
+            tensors).
         rank_local: keys of its :class:`~ucp_dcp.RankLocal` values.
         groups: one report per mesh group it holds.
-        pieces: logical tensors it saves pieces of (sorted), to be checked
-            for tiling.
+        pieces: logical tensors it saves pieces of (sorted), to be checked for tiling.
         piece_digests: xxh3 of each box of a replicated piece set it holds.
     """
 
@@ -137,12 +136,13 @@ class SaveSummary:
     (coordinator only).
 
     Attributes:
-        world_size: ranks in the save. layouts: layout of every tensor (None where ranks disagree).
-        owners: for every mesh-planned tensor, the mesh group that writes it. positions: global rank
-        -> position in the save's process group. paths: the nesting path of every key whose path is
-        not its dotted
-            name split at the dots (list indices, keys with dots), so that a
-            load into an empty state dict rebuilds the nesting.
+        world_size: ranks in the save.
+        layouts: layout of every tensor (None where ranks disagree).
+        owners: for every mesh-planned tensor, the mesh group that writes it.
+        positions: global rank -> position in the save's process group.
+        paths: the nesting path of every key whose path is not its dotted name split at the dots
+            (list indices, keys with dots), so that a load into an empty state dict rebuilds the
+            nesting.
     """
 
     world_size: int
@@ -169,9 +169,10 @@ class LoadRankReport:
     """What a rank tells the coordinator with its (otherwise empty) local load plan.
 
     Attributes:
-        rank: the rank's global rank. items: how many read items it keeps (DCP gets none of them).
-        asked: bitmap over the sorted checkpoint keys (``numpy.packbits``):
-            which ones its state dict asked for.
+        rank: the rank's global rank.
+        items: how many read items it keeps (DCP gets none of them).
+        asked: bitmap over the sorted checkpoint keys (``numpy.packbits``): which ones its state
+            dict asked for.
     """
 
     rank: int

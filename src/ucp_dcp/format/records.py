@@ -3,7 +3,8 @@
 A checkpoint is a directory::
 
     ucp_index.json                 the global index, written last (atomically)
-    rank00000-<saveid>.safetensors one data file per writing rank rank00001-<saveid>.safetensors ...
+    rank00000-<saveid>.safetensors one data file per writing rank
+    rank00001-<saveid>.safetensors ...
 
 Data files are standard safetensors files (``safetensors.safe_open`` opens
 them). Tensor data of at least ``ALIGN`` bytes starts on an ``ALIGN``-byte

@@ -6,7 +6,8 @@
                             persistent_interval=1000)
     start = mgr.load(state) + 1 if mgr.steps() else 0
     for step in range(start, steps):
-        train_step(...) mgr.save(step, state)   # returns once the state is staged in host memory
+        train_step(...)
+        mgr.save(step, state)   # returns once the state is staged in host memory
     mgr.wait()
 
 Every checkpoint is a universal checkpoint (``UCPStorageWriter``), so
@@ -106,8 +107,9 @@ class CheckpointManager:
     ::
 
         mgr = CheckpointManager("/shared/ckpt", local="/local_nvme/ckpt", persistent_interval=1000)
-        start = mgr.load(state) + 1 if mgr.steps() else 0 ... mgr.save(step, state)   # returns once
-        the state is staged in host memory
+        start = mgr.load(state) + 1 if mgr.steps() else 0
+        ...
+        mgr.save(step, state)   # returns once the state is staged in host memory
 
     Args:
         root: persistent tier: a directory (shared file system) or an fsspec

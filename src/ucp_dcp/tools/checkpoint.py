@@ -44,22 +44,20 @@ class Checkpoint:
     """Open the checkpoint at ``path`` for reading in this process.
 
     Args:
-        path: the checkpoint: a universal checkpoint, a DCP
-            ``FileSystemWriter`` directory, a Hugging Face safetensors model,
-            or a directory whose subfolders are checkpoints; or the fsspec URL
-            of a universal checkpoint, a DCP checkpoint or a Hugging Face
-            safetensors model in object storage (``s3://...``), read with
-            ranged requests.
-        io_threads: threads issuing reads. max_buffer_bytes: staging bound for dtype casts and
-        device copies. dcp_values: ``"weights_only"`` to load the pickled values of a DCP
-            checkpoint with ``torch.load(weights_only=True)``; refused by default.
+        path: the checkpoint: a universal checkpoint, a DCP ``FileSystemWriter`` directory, a
+            Hugging Face safetensors model, or a directory whose subfolders are checkpoints; or the
+            fsspec URL of a universal checkpoint, a DCP checkpoint or a Hugging Face safetensors
+            model in object storage (``s3://...``), read with ranged requests.
+        io_threads: threads issuing reads.
+        max_buffer_bytes: staging bound for dtype casts and device copies.
+        dcp_values: ``"weights_only"`` to load the pickled values of a DCP checkpoint with
+            ``torch.load(weights_only=True)``; refused by default.
         prefix: prepended to the tensor names of a Hugging Face model.
-        tp_rules: the tensor-parallel partitioning of a DeepSpeed checkpoint that does not
-            record it (see :class:`~ucp_dcp.sources.base.SourceOptions`).
-        verify: check every byte :meth:`read_tensor` / :meth:`read_into`
-            read against the checksums recorded at save (block checksums,
-            or whole-chunk ones for checkpoints written before them), as
-            ``UCPStorageReader(verify=True)`` does; a mismatch raises
+        tp_rules: the tensor-parallel partitioning of a DeepSpeed checkpoint that does not record it
+            (see :class:`~ucp_dcp.sources.base.SourceOptions`).
+        verify: check every byte :meth:`read_tensor` / :meth:`read_into` read against the checksums
+            recorded at save (block checksums, or whole-chunk ones for checkpoints written before
+            them), as ``UCPStorageReader(verify=True)`` does; a mismatch raises
             :class:`~ucp_dcp.ChecksumError`. Values are always checked.
         storage_options: for a URL, passed to fsspec as they are.
 

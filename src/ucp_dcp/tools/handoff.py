@@ -54,25 +54,24 @@ def load_state_dict(
 
     Args:
         path: the checkpoint (see :class:`~ucp_dcp.Checkpoint` for the formats).
-        keys: names (``"model.layers.0.w"``), prefixes (``"model."``), a list
-            of either, or a predicate on the name; None for everything.
-            Only the selected tensors' bytes are read.
-        dtype: cast floating-point tensors to this dtype (integer and bool
-            tensors, such as step counters, keep theirs).
-        device: where the tensors go. rank_local: also return rank-local values, as ``{rank:
-        value}``. dcp_values: ``"weights_only"`` loads the pickled values of a DCP
-            checkpoint with ``torch.load(weights_only=True)``; refused by default.
+        keys: names (``"model.layers.0.w"``), prefixes (``"model."``), a list of either, or a
+            predicate on the name; None for everything. Only the selected tensors' bytes are read.
+        dtype: cast floating-point tensors to this dtype (integer and bool tensors, such as step
+            counters, keep theirs).
+        device: where the tensors go.
+        rank_local: also return rank-local values, as ``{rank: value}``.
+        dcp_values: ``"weights_only"`` loads the pickled values of a DCP checkpoint with
+            ``torch.load(weights_only=True)``; refused by default.
         prefix: prepended to the tensor names of a Hugging Face model.
-        tp_rules: the tensor-parallel partitioning of a DeepSpeed checkpoint that does not
-            record it (see :class:`~ucp_dcp.sources.base.SourceOptions`).
-        layout: return the logical tensors this :class:`~ucp_dcp.LayoutSpec` makes of the
-            selected tensors (:meth:`~ucp_dcp.LayoutSpec.logical`: renamed, fused ones split
-            into their parts, e.g. a Megatron QKV as Hugging Face's q/k/v) instead of them.
-        verify: check every byte read against the checksums recorded at
-            save (:class:`~ucp_dcp.ChecksumError` on a mismatch); False skips
-            the checks of tensor data.
-        storage_options: for a checkpoint at an fsspec URL (``s3://...``),
-            passed to fsspec as they are.
+        tp_rules: the tensor-parallel partitioning of a DeepSpeed checkpoint that does not record it
+            (see :class:`~ucp_dcp.sources.base.SourceOptions`).
+        layout: return the logical tensors this :class:`~ucp_dcp.LayoutSpec` makes of the selected
+            tensors (:meth:`~ucp_dcp.LayoutSpec.logical`: renamed, fused ones split into their
+            parts, e.g. a Megatron QKV as Hugging Face's q/k/v) instead of them.
+        verify: check every byte read against the checksums recorded at save
+            (:class:`~ucp_dcp.ChecksumError` on a mismatch); False skips the checks of tensor data.
+        storage_options: for a checkpoint at an fsspec URL (``s3://...``), passed to fsspec as they
+            are.
 
     Keys are DCP's flattened names (``"model.embed.weight"``,
     ``"optim.state.embed.weight.exp_avg"``). Tensors are read one at a

@@ -5,9 +5,10 @@ under any parallel layout) into a Hugging Face model directory that
 ``AutoModelForCausalLM.from_pretrained`` (or any safetensors reader) loads::
 
     model-00001-of-00003.safetensors     or model.safetensors when one file is enough
-    model-00002-of-00003.safetensors model-00003-of-00003.safetensors model.safetensors.index.json
-    {"metadata": {"total_size": ...}, "weight_map": {name: file}} config.json
-    only when ``config=`` is given
+    model-00002-of-00003.safetensors
+    model-00003-of-00003.safetensors
+    model.safetensors.index.json     {"metadata": {"total_size": ...}, "weight_map": {name: file}}
+    config.json                          only when ``config=`` is given
 
 It streams: the shards are planned from the index (dtypes and shapes), each
 file's safetensors header is written first, then the tensors' bytes one

@@ -66,11 +66,11 @@ class ProgressBar:
     """A ``progress(done, total)`` callback that draws ``label: 45%|####  | 1.2G/2.6G [rate, ETA]``.
 
     Args:
-        label: text in front of the bar. stream: where to draw (stderr by default). enabled: force
-        drawing on (True) or off (False); None draws only
-            when ``stream`` is a terminal.
-        min_interval: least seconds between two redraws (the final state is
-            always drawn).
+        label: text in front of the bar.
+        stream: where to draw (stderr by default).
+        enabled: force drawing on (True) or off (False); None draws only when ``stream`` is a
+            terminal.
+        min_interval: least seconds between two redraws (the final state is always drawn).
     """
 
     def __init__(
