@@ -8,24 +8,21 @@ exactly the blocks its reads touch (:mod:`~ucp_dcp.byteio.blockverify`).
 
 :class:`BlockHasher` computes them while :class:`~ucp_dcp.byteio.datafile.DataFileWriter`
 writes the chunk, in pieces of any size; :class:`BlockSums` holds one chunk's
-recorded sums, and :class:`ChunkCheck` says how reads of one chunk are checked.
+recorded sums (:mod:`~ucp_dcp.byteio.blockverify` checks reads against them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import numpy as np
 import xxhash
 
 from ..errors import InvalidArgumentError
 
-if TYPE_CHECKING:
-    from .blockverify import BlockVerifier
-
-__all__ = ["BlockSums", "BlockHasher", "ChunkCheck"]
+__all__ = ["BlockSums", "BlockHasher"]
 
 # The same function, for numpy arrays (the rows of a 2-D view, hashed in place). Arrays have the
 # buffer protocol, but numpy's stubs declare it (``__buffer__``) only for Python 3.12+ and mypy
@@ -88,14 +85,3 @@ class BlockHasher:
         if self._k != len(self.sums):
             raise InvalidArgumentError(f"block hasher fed {self._k} of {len(self.sums)} blocks")
         return self.sums
-
-
-@dataclass(frozen=True)
-class ChunkCheck:
-    """How reads of one saved chunk are checked: by ``verifier``, against ``sums``;
-    ``fqn``/``offsets`` name it."""
-
-    verifier: BlockVerifier
-    sums: BlockSums
-    fqn: str
-    offsets: tuple[int, ...]

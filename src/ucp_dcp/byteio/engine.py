@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .blocksums import BlockSums, ChunkCheck
-from .blockverify import BlockVerifier
+from .blocksums import BlockSums
+from .blockverify import BlockVerifier, ChunkCheck
 from .integrity import HASH_BLOCK, ChunkVerifier
 from .rangeio import ByteSource, Segment
 from .transfer import (

@@ -13,25 +13,14 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .sharding import Box
+from .boxes import Box, row_major_strides
 
 __all__ = ["row_major_strides", "Run", "RunGrid", "runs", "slabs"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
-
-
-def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """Element strides of a contiguous row-major array of ``shape``."""
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return tuple(reversed(strides))
 
 
 @dataclass(frozen=True)

@@ -22,14 +22,13 @@ import itertools
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial, Placement
 
 from .._compat import StridedShard, compute_shard_box_on_mesh_shape
 from ..errors import LayoutError
-from .contiguous import row_major_strides
+from .boxes import Box, intersect, row_major_strides
 
 __all__ = [
     "Box",
@@ -41,26 +40,6 @@ __all__ = [
     "intersect",
     "flat_range_boxes",
 ]
-
-
-@dataclass(frozen=True)
-class Box:
-    """A hyper-rectangle of a global tensor: ``offsets`` and ``sizes`` per dimension."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        """Number of elements in the box (0 for an empty shard)."""
-        return math.prod(self.sizes)
-
-    def contains(self, other: Box) -> bool:
-        """Whether ``other`` lies entirely inside this box."""
-        return all(
-            so <= oo and oo + os <= so + ss
-            for so, ss, oo, os in zip(self.offsets, self.sizes, other.offsets, other.sizes)
-        )
 
 
 _PLACEMENT_RE = re.compile(r"^(R|S\((\d+)\)|SS\((\d+),(\d+)\))$")
@@ -166,18 +145,6 @@ def _tiles_grid(boxes: Sequence[Box], global_shape: Sequence[int]) -> bool:
         if end != global_shape[d]:
             return False
     return len(boxes) == math.prod(len(i) for i in per_dim)
-
-
-def intersect(a: Box, b: Box) -> Box | None:
-    """Intersection of two boxes, or None when it is empty."""
-    offs, sizes = [], []
-    for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes):
-        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
-        if hi <= lo:
-            return None
-        offs.append(lo)
-        sizes.append(hi - lo)
-    return Box(tuple(offs), tuple(sizes))
 
 
 def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..byteio.blocksums import ChunkCheck
-from ..byteio.blockverify import BlockVerifier
+from ..byteio.blockverify import BlockVerifier, ChunkCheck
 from ..format import Location
 from ._landing import LocalNeeds, Region
 

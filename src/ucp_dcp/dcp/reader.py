@@ -67,6 +67,7 @@ from ._read_once import (
     shared_storage,
 )
 from ._slowest import LoadRun, SlowestRecord, name_slowest, rank_record
+from .load_planner import UCPLoadPlanner
 
 __all__ = ["PlannedRead", "UCPStorageReader"]
 
@@ -351,8 +352,6 @@ class UCPStorageReader(_Directory, StorageReader):
         :class:`~ucp_dcp.UCPLoadPlanner` reads, planned as that load plans, from the index
         alone (no data file need be present: a node fetches what it lacks before it loads):
         one record per read item. Not collective; ``state_dict`` is not changed."""
-        from .load_planner import UCPLoadPlanner  # the planner imports this module
-
         md = self.read_metadata()
         planner = UCPLoadPlanner()
         planner.set_up_planner(dict(state_dict), md, False)
