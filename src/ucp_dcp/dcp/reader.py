@@ -91,11 +91,13 @@ _ROUND_BYTES: int | None = None
 @dataclass(frozen=True)
 class PlannedRead:
     """One read of a planned load (:meth:`UCPStorageReader.planned_reads`): ``nbytes`` of data
-    file ``file`` (its name in the checkpoint) into the state dict's flattened key ``key``."""
+    file ``file`` (its name in the checkpoint), of the checkpoint's ``stored`` tensor or value,
+    into the state dict's flattened key ``key``."""
 
     key: str
     file: str
     nbytes: int
+    stored: str
 
 
 class UCPStorageReader(_Directory, StorageReader):
@@ -364,14 +366,15 @@ class UCPStorageReader(_Directory, StorageReader):
             rec = index.tensors.get(key)
             if rec is None:
                 loc = Source.value_location(src, key)  # from the index: no file is read
-                out.append(PlannedRead(item.dest_index.fqn, index.files[loc.file].name, loc.nbytes))
+                name = index.files[loc.file].name
+                out.append(PlannedRead(item.dest_index.fqn, name, loc.nbytes, key))
                 continue
             offsets = tuple(item.storage_index.offset or ())
             idx = src.chunk_index(key, offsets, item.storage_index.index)
             f = rec.chunk_file(idx)
             f = f if f is not None else src.locate(key, idx).file
             nbytes = math.prod(item.lengths) * rec.dtype.itemsize
-            out.append(PlannedRead(item.dest_index.fqn, index.files[f].name, nbytes))
+            out.append(PlannedRead(item.dest_index.fqn, index.files[f].name, nbytes, key))
         return out
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:

@@ -21,6 +21,7 @@ import torch
 
 from .._compat import flatten_state_dict
 from ..core.nested import set_in_place
+from ..core.values import RankLocal
 from ..dcp.reader import PlannedRead
 from ..tools.checkpoint import Checkpoint
 
@@ -55,6 +56,8 @@ def _eligible(value: Any, path: tuple[Any, ...], state: Mapping[str, Any]) -> bo
     may be in files no node lends: its file is fetched."""
     if isinstance(value, torch.Tensor):
         return type(value) in (torch.Tensor, torch.nn.Parameter)
+    if isinstance(value, RankLocal):
+        return False  # one value per saving rank, gathered by the planner
     cur: Any = state
     for p in path[:-1]:
         try:
@@ -72,13 +75,19 @@ def small_keys(
     flat, paths = flatten_state_dict(dict(state))
     sizes: dict[str, int] = {}
     files: dict[str, set[str]] = {}
+    renamed: set[str] = set()  # keys read from a tensor or value of another name
     for r in reads:
         sizes[r.key] = sizes.get(r.key, 0) + r.nbytes
         files.setdefault(r.key, set()).add(r.file)
+        if r.stored != r.key:
+            renamed.add(r.key)
     return {
         k: tuple(sorted(files[k]))
         for k, n in sizes.items()
-        if n <= SMALL_READ_BYTES and k in flat and _eligible(flat[k], paths[k], state)
+        if n <= SMALL_READ_BYTES
+        and k in flat
+        and k not in renamed
+        and _eligible(flat[k], paths[k], state)
     }
 
 
