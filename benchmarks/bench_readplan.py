@@ -9,7 +9,7 @@ times what the read-once coordinator does with them, two ways (``--plans``):
   ``schedule_rounds`` where its rows stay under 20M), one transfer row per (piece, receiver);
 * ``group``: the compact plan the coordinator makes (core/group_plan.py): ranks with identical
   needs grouped by digest (``NeedGroups.of``; in a load each rank hashes its own needs),
-  ``plan_group_reads``, and the messages (``dcp._read_once.messages``: each rank's part and the
+  ``plan_group_reads``, and the messages (``dcp.read_once.messages``: each rank's part and the
   part every rank gets alike), one transfer row per (piece, receiving group).
 
 With ``--out`` every configuration is run ``--repeats`` times (medians of the seconds, each run
@@ -66,7 +66,7 @@ from ucp_dcp.core.exchange_rounds import (
 from ucp_dcp.core.group_plan import GroupReadPlan, NeedGroups, plan_group_reads
 from ucp_dcp.core.ranges import expand
 from ucp_dcp.core.readplan import JobReadPlan, plan_job_reads
-from ucp_dcp.dcp._read_once import messages
+from ucp_dcp.dcp.read_once import messages
 
 Needs = list[dict[int, tuple[np.ndarray, np.ndarray]]]
 PAGE = 4096

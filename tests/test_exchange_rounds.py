@@ -25,7 +25,7 @@ from ucp_dcp.core.group_plan import NeedGroups, plan_group_reads
 from ucp_dcp.core.ranges import intersect_ranges, merge_ranges
 from ucp_dcp.core.readplan import plan_job_reads
 from ucp_dcp.dcp._exchange import RankRounds
-from ucp_dcp.dcp._read_once import rank_shares
+from ucp_dcp.dcp.read_once import rank_shares
 from ucp_dcp.errors import InvalidArgumentError
 
 
@@ -89,7 +89,7 @@ def test_each_ranks_windows_cut_the_same_rounds_as_the_schedule(
     case: tuple[Needs, dict[int, int]], align: int, budget: int
 ) -> None:
     """What the read-once exchange runs (each rank cutting its own transfers by windows,
-    dcp/_read_once.py) is schedule_rounds' schedule, both ends of every message alike: where
+    dcp/read_once.py) is schedule_rounds' schedule, both ends of every message alike: where
     no two ranks need the same (each group one rank), the compact plan is the per-rank one."""
     needs, sizes = case
     groups = NeedGroups.of(needs)

@@ -3,7 +3,7 @@
 Checked byte by byte on random mixes of groups (everyone, a replica group, single ranks) with
 partial overlaps: every needed byte has exactly one reader, which needs it; every rank receives,
 from the rows to its group, exactly the bytes it needs, each once; the rounds each rank cuts
-from its share (dcp/_read_once.py ``rank_shares``) keep the budget and agree at both ends of
+from its share (dcp/read_once.py ``rank_shares``) keep the budget and agree at both ends of
 every message; and the plan's size does not grow with the ranks a group holds.
 """
 
@@ -19,7 +19,7 @@ from ucp_dcp.core.group_plan import GroupReadPlan, NeedGroups, needs_digest, pla
 from ucp_dcp.core.page_segments import water_fill
 from ucp_dcp.core.readplan import plan_job_reads
 from ucp_dcp.dcp._exchange import RankRounds
-from ucp_dcp.dcp._read_once import messages, rank_shares
+from ucp_dcp.dcp.read_once import messages, rank_shares
 from ucp_dcp.errors import InvalidArgumentError
 
 

@@ -92,3 +92,16 @@ def test_every_error_is_a_ucp_error_with_a_builtin_base() -> None:
         assert issubclass(cls, errors.UCPError), name
         if cls not in (errors.UCPError, errors.CLIError):
             assert issubclass(cls, builtin), name
+
+
+def test_no_public_name_is_defined_in_a_private_module() -> None:
+    """Each name of ``ucp_dcp.__all__`` that a module defines comes from a public one (no
+    ``_``-prefixed part in its dotted path), so its documentation has a public home."""
+    private = []
+    for name in ucp_dcp.__all__:
+        obj = getattr(ucp_dcp, name)
+        mod = getattr(obj, "__module__", None)
+        if isinstance(mod, str) and mod.startswith("ucp_dcp"):
+            if any(part.startswith("_") for part in mod.split(".")[1:]):
+                private.append(f"{name} ({mod})")
+    assert private == []

@@ -28,7 +28,7 @@ from layouts import build, check_against, columns_target, full_reference, scramb
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
-from ucp_dcp.dcp import _read_once as read_once_module
+from ucp_dcp.dcp import read_once as read_once_module
 from ucp_dcp.dcp import reader as reader_module
 from ucp_dcp.errors import ChecksumError, StorageError, unwrap
 from ucp_dcp.sources import open_source

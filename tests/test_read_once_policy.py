@@ -19,8 +19,8 @@ import pytest
 
 from ucp_dcp import UCPStorageReader
 from ucp_dcp.core.readplan import JobReadPlan, plan_job_reads
-from ucp_dcp.dcp import _read_once
-from ucp_dcp.dcp._read_once import (
+from ucp_dcp.dcp import read_once as _read_once
+from ucp_dcp.dcp.read_once import (
     OVERLAP_TO_EXCHANGE,
     READ_ONCE_MODES,
     ReadOnceCosts,

@@ -29,9 +29,9 @@ from .byteio.reqpolicy import RequestPolicy
 from .core.pieces import Piece, TensorPieces
 from .core.values import RankLocal
 from .dcp import UCPLoadPlanner, UCPSavePlanner
-from .dcp._read_once import ReadOnceCosts
-from .dcp._slowest import SlowestRecord
+from .dcp.read_once import ReadOnceCosts
 from .dcp.reader import UCPStorageReader
+from .dcp.slowest import SlowestRecord
 from .dcp.writer import UCPStorageWriter
 from .errors import (
     CheckpointFormatError,
@@ -51,7 +51,10 @@ from .format import FORMAT_VERSION
 from .manager.manager import CheckpointConfig, CheckpointManager, ReshardEvent
 from .sources.native import load_index, rebuild_index
 from .tools.checkpoint import Checkpoint
+from .tools.convert import convert
 from .tools.handoff import ModuleLoadResult, load_into_module, load_state_dict
+from .tools.hf import export_hf, import_hf
+from .tools.inspection import inspect_checkpoint
 
 __all__ = [
     "UCPSavePlanner",
@@ -65,6 +68,10 @@ __all__ = [
     "RankLocal",
     "Checkpoint",
     "load_state_dict",
+    "export_hf",
+    "import_hf",
+    "convert",
+    "inspect_checkpoint",
     "load_into_module",
     "ModuleLoadResult",
     "UCPError",

@@ -5,9 +5,17 @@ any layout; ``UCPLoadPlanner`` + ``UCPStorageReader`` load any source into
 any layout with exact offset reads.
 """
 
+from ._read_items import collector_paused
 from .load_planner import UCPLoadPlanner
-from .reader import UCPStorageReader
+from .reader import PlannedRead, UCPStorageReader
 from .save_planner import UCPSavePlanner
 from .writer import UCPStorageWriter
 
-__all__ = ["UCPSavePlanner", "UCPLoadPlanner", "UCPStorageWriter", "UCPStorageReader"]
+__all__ = [
+    "UCPSavePlanner",
+    "UCPLoadPlanner",
+    "UCPStorageWriter",
+    "UCPStorageReader",
+    "PlannedRead",
+    "collector_paused",
+]

@@ -1,6 +1,6 @@
 """Read-once loads, the moving half: rounds of reads and one ``all_to_all_single`` each.
 
-:mod:`ucp_dcp.dcp._read_once` plans who reads which byte of the job's needs;
+:mod:`ucp_dcp.dcp.read_once` plans who reads which byte of the job's needs;
 this module runs one rank's share, with :mod:`~ucp_dcp.dcp._landing`
 (where received bytes go) and :mod:`~ucp_dcp.dcp._piece_check` (their
 checks). A rank's share comes as one :class:`RankRounds`, the same number

@@ -48,7 +48,6 @@ from ._exchange import ExchangeTotals, run_exchange
 from ._first_requests import FirstRequests, share_first_requests
 from ._landing import LocalNeeds, Region
 from ._mesh_groups import LazyChunks
-from ._placement import PlacementReport, checked_placement
 from ._plan_records import LoadSourceInfo
 from ._read_items import (
     chunk_offsets,
@@ -58,7 +57,9 @@ from ._read_items import (
     save_id,
     value_for,
 )
-from ._read_once import (
+from .load_planner import UCPLoadPlanner
+from .placement import PlacementReport, checked_placement
+from .read_once import (
     ReadOnceCosts,
     ReadOnceDecision,
     check_read_once,
@@ -66,8 +67,7 @@ from ._read_once import (
     decide,
     shared_storage,
 )
-from ._slowest import LoadRun, SlowestRecord, name_slowest, rank_record
-from .load_planner import UCPLoadPlanner
+from .slowest import LoadRun, SlowestRecord, name_slowest, rank_record
 
 __all__ = ["PlannedRead", "UCPStorageReader"]
 
@@ -184,7 +184,7 @@ class UCPStorageReader(_Directory, StorageReader):
             load parses the very bytes that were checked. Dropped by
             :meth:`reset` to another checkpoint.
         read_once: read each needed byte from storage once for the whole
-            job (see :mod:`ucp_dcp.dcp._read_once`): one rank reads it and
+            job (see :mod:`ucp_dcp.dcp.read_once`): one rank reads it and
             sends it to the others that need it over ``process_group``, in
             rounds of at most a fifth of ``max_buffer_bytes`` sent and
             received per rank (two rounds in flight), each piece checked against its block
@@ -193,7 +193,7 @@ class UCPStorageReader(_Directory, StorageReader):
             default) does where the storage is shared by the job (an object
             store, a network file system) and the ranks' needs overlap by
             more than 5% and ``read_once_costs``
-            (:class:`~ucp_dcp.dcp._read_once.ReadOnceCosts`: the storage's
+            (:class:`~ucp_dcp.dcp.read_once.ReadOnceCosts`: the storage's
             bandwidth for the job, the interconnect's per rank) estimates
             the exchange faster. Received bytes land in the destinations directly, cast and
             copied to the device where they must be (whole checked blocks,
@@ -548,7 +548,7 @@ class UCPStorageReader(_Directory, StorageReader):
 
     def _may_exchange(self) -> bool:
         """Whether this load takes part in a read-once exchange (then every rank of the group
-        must reach :func:`~ucp_dcp.dcp._read_once.coordinate`). Looks at the storage once per
+        must reach :func:`~ucp_dcp.dcp.read_once.coordinate`). Looks at the storage once per
         load (``_storage``); ``"auto"`` on storage the job does not share is decided here, by
         this rank alone, before any need is listed."""
         if self.read_once is False or not dist.is_available() or not dist.is_initialized():

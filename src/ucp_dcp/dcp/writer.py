@@ -58,8 +58,8 @@ from ..format import (
 from ._directory import _Directory
 from ._mesh_groups import compact_records
 from ._plan_records import SaveSummary, tensor_data
-from ._slowest import SlowestRecord, slowest_of
 from .save_planner import UCPSavePlanner, resolved_as
+from .slowest import SlowestRecord, slowest_of
 
 __all__ = ["UCPStorageWriter", "DEFAULT_WRITE_THREADS"]
 

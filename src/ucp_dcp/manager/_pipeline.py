@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..byteio.integrity import bytes_digest, file_digest
 from ..dcp import UCPSavePlanner, UCPStorageWriter
-from ..dcp._slowest import SlowestRecord
+from ..dcp.slowest import SlowestRecord
 from ..errors import CheckpointSaveError
 from ..format import INDEX_FILE
 from ._collective import GroupWorker, describe

@@ -32,12 +32,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..byteio.integrity import bytes_digest, file_digest
 from ..byteio.objstore import is_url
-from ..dcp import UCPLoadPlanner, UCPStorageReader
-from ..dcp._placement import PlacementReport
-from ..dcp._read_items import collector_paused
-from ..dcp._read_once import ReadOnceDecision
-from ..dcp._slowest import SlowestRecord
-from ..dcp.reader import PlannedRead
+from ..dcp import PlannedRead, UCPLoadPlanner, UCPStorageReader, collector_paused
+from ..dcp.placement import PlacementReport
+from ..dcp.read_once import ReadOnceDecision
+from ..dcp.slowest import SlowestRecord
 from ..errors import CheckpointFormatError, CheckpointRestoreError, NoCheckpointError
 from ..format import INDEX_FILE
 from ._collective import GroupWorker, describe

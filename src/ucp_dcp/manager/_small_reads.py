@@ -22,7 +22,7 @@ import torch
 from .._compat import flatten_state_dict
 from ..core.nested import set_in_place
 from ..core.values import RankLocal
-from ..dcp.reader import PlannedRead
+from ..dcp import PlannedRead
 from ..tools.checkpoint import Checkpoint
 
 __all__ = ["SMALL_READ_BYTES", "SmallReads", "fill", "put_back", "serve", "small_keys", "without"]

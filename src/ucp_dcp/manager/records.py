@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..dcp._placement import PlacementReport
-    from ..dcp._read_once import ReadOnceDecision
-    from ..dcp._slowest import SlowestRecord
+    from ..dcp.placement import PlacementReport
+    from ..dcp.read_once import ReadOnceDecision
+    from ..dcp.slowest import SlowestRecord
 
 __all__ = ["ReshardEvent", "SaveRecord", "RestoreRecord"]
 

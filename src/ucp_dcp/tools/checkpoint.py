@@ -25,7 +25,7 @@ from ..byteio.transfer import ChunkRegion
 from ..core.placement_digest import box_share, digest_hex
 from ..core.sharding import Box
 from ..core.values import decode_value
-from ..dcp._placement import (
+from ..dcp.placement import (
     PlacementReport,
     check_placement,
     flat_state,
@@ -319,7 +319,7 @@ class Checkpoint:
         than one rank, every rank of ``process_group`` must call this (one all-reduce adds the
         ranks' shares up). Every copy the job holds is checked; tensors loaded into another
         dtype and tensors without a digest are listed as not checked in the returned
-        :class:`~ucp_dcp.dcp._placement.PlacementReport`.
+        :class:`~ucp_dcp.dcp.placement.PlacementReport`.
 
         Raises :class:`~ucp_dcp.PlacementError` on every rank, naming the tensor, when a tensor
         does not match its digest, and when the checkpoint records no digests at all.
