@@ -23,7 +23,7 @@ from cli_utils import one_error_line, run_cli
 from ucp_dcp import RankLocal, UCPSavePlanner, UCPStorageWriter, load_state_dict
 from ucp_dcp.errors import StorageError
 from ucp_dcp.format import INDEX_FILE
-from ucp_dcp.tools._cli_words import STORAGE_OPTIONS_ENV
+from ucp_dcp.tools.cli import STORAGE_OPTIONS_ENV
 from ucp_dcp.tools.checkpoint import Checkpoint
 from ucp_dcp.tools.convert import convert
 

@@ -28,41 +28,43 @@ either fsspec's own defaults apply (environment credentials).
 The conversion modules (:mod:`ucp_dcp.tools.hf`, :mod:`ucp_dcp.tools.convert`)
 are imported only by the commands that need them.
 
-The parser and its option tables live in :mod:`ucp_dcp.tools._cli_args`, the
-commands and their output in :mod:`ucp_dcp.tools._cli_commands`, the
-command's name, exit statuses and flag words in :mod:`ucp_dcp.tools._cli_words`;
-this module runs them and turns every failure into an exit status.
+This module holds the argument parser (its option tables, argument types and refusals) and
+runs the commands, turning every failure into an exit status; the commands, their output and
+the command's words (name, exit statuses, flags) are in :mod:`ucp_dcp.tools._cli_commands`.
 """
 
 from __future__ import annotations
 
+import argparse
 import io
+import json
 import os
+import re
 import sys
 import traceback
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from ..errors import CLIError, StorageError
-from ._cli_args import (
-    _refuse_unused,
-    _storage_options,
-    _unknown_arguments,
-    build_parser,
-    parse_size,
-    parse_storage_options,
-)
-from ._cli_commands import format_inspection
-from ._cli_words import (
+from ._cli_commands import (
+    _HF_DTYPES,
     EXIT_ERROR,
     EXIT_OK,
     FLAGS,
     PROG,
     STORAGE_OPTIONS_ENV,
+    _cmd_convert,
+    _cmd_diff,
+    _cmd_export_hf,
+    _cmd_import_hf,
+    _cmd_inspect,
+    _cmd_verify,
     _error_line,
+    format_inspection,
     in_cli_words,
 )
+from .progress import size_bytes
 
 __all__ = [
     "main",
@@ -161,6 +163,347 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         _error_line(_reason(e))
         return EXIT_ERROR
+
+
+# ---------------------------------------------------------------- the parser
+
+_EPILOG = (
+    "exit status: 0 success; 1 verify found problems (a damaged checkpoint) or diff found "
+    "differences; 2 any other error, such as a path that does not exist or holds no checkpoint "
+    "(one line 'ucp-dcp: error: ...' on stderr). A checkpoint to read may be an fsspec URL "
+    "(s3://bucket/ckpt); --storage-options JSON, else the environment variable "
+    "UCP_DCP_STORAGE_OPTIONS, gives fsspec its options."
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, raised rather than printed."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CLIError(f"{message} (see '{self.prog} --help')")
+
+
+# ====================================================================== argument types
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``'5GB'`` (decimal, as Hugging Face counts), ``'512MiB'`` (binary) or ``'1000'``."""
+    n = size_bytes(text)
+    if n is None:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}; write e.g. 5GB, 500MB or 2GiB")
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be at least 1 byte")
+    return n
+
+
+def _rename_rule(text: str) -> tuple[str, str]:
+    pattern, sep, repl = text.partition("=")
+    if not sep or not pattern:
+        raise argparse.ArgumentTypeError(
+            f"invalid rename rule {text!r}; write PATTERN=REPL (a regular expression, split at "
+            "the first '=')"
+        )
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"invalid rename pattern {pattern!r}: {e}") from None
+    return pattern, repl
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid tolerance {text!r}; write a number such as 1e-6"
+        ) from None
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"invalid tolerance {text!r}: must be 0 or more")
+    return value
+
+
+def parse_storage_options(text: str, origin: str = "--storage-options") -> dict[str, Any]:
+    """The fsspec options in ``text``, which must be a JSON object; ``origin`` names where it came
+    from."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CLIError(
+            f"{origin}: not valid JSON ({e}); write a JSON object such as "
+            '\'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\''
+        ) from None
+    if not isinstance(doc, dict):
+        # The text itself is not echoed: it may hold credentials.
+        raise CLIError(
+            f"{origin}: expected a JSON object of fsspec options, got a JSON {type(doc).__name__}"
+        )
+    return doc
+
+
+def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``--storage-options``, else ``$UCP_DCP_STORAGE_OPTIONS``, else None (fsspec's defaults)."""
+    if args.storage_options is not None:
+        return parse_storage_options(args.storage_options)
+    env = os.environ.get(STORAGE_OPTIONS_ENV)
+    if env is not None and env.strip():
+        return parse_storage_options(env, f"${STORAGE_OPTIONS_ENV}")
+    return None
+
+
+# ====================================================================== parser
+
+
+def _common_options(defaults: bool) -> _Parser:
+    """--quiet/--progress/--debug, accepted before and after the command name.
+
+    Only the top-level parser sets defaults: a subcommand's default would
+    overwrite a value given before the command name.
+    """
+    p = _Parser(add_help=False)  # a parent: only its arguments are used
+    kw: dict[str, Any] = {"action": "store_true"}
+    if not defaults:
+        kw["default"] = argparse.SUPPRESS
+    p.add_argument("-q", "--quiet", help="no progress bar", **kw)
+    p.add_argument(
+        "--progress", help="draw the progress bar even when stderr is not a terminal", **kw
+    )
+    p.add_argument("--debug", help="print the traceback of an error", **kw)
+    return p
+
+
+_DCP_VALUES_READ = (
+    "load the pickled values of a DCP checkpoint with torch.load(weights_only=True) (refused by "
+    "default)"
+)
+_DCP_VALUES_CONVERT = (
+    "how the pickled values of a DCP checkpoint are loaded: with torch.load(weights_only=True), "
+    "the one choice and convert's default"
+)
+_READING_OPTIONS = ("dcp_values", "no_verify", "storage_options")
+
+
+def _reading_options(
+    p: argparse.ArgumentParser,
+    *,
+    dcp_values: str | None = _DCP_VALUES_READ,
+    no_verify: bool = True,
+    top: bool = False,
+) -> None:
+    """The options of a command that reads checkpoints: --storage-options, and --dcp-values (with
+    help text ``dcp_values``) and --no-verify where the command uses them.
+
+    The top-level parser (``top``) takes all three before the command name, with the defaults;
+    a subcommand's own leave the value given before its name alone, and record which of them
+    the command takes (:func:`_refuse_unused`).
+    """
+    default: Any = argparse.SUPPRESS
+    where = " (given before COMMAND: for the commands that take it)" if top else ""
+    if top:
+        p.set_defaults(dcp_values=None, no_verify=False, storage_options=None, takes=())
+        default = None
+    else:
+        p.set_defaults(
+            takes=("storage_options",)
+            + (("dcp_values",) if dcp_values else ())
+            + (("no_verify",) if no_verify else ())
+        )
+    if dcp_values:
+        p.add_argument(
+            "--dcp-values", choices=["weights_only"], default=default, help=dcp_values + where
+        )
+    if no_verify:
+        p.add_argument(
+            "--no-verify",
+            action="store_true",
+            default=False if top else argparse.SUPPRESS,
+            help="do not check the tensor data read against the checksums recorded at save "
+            "(checked by default)" + where,
+        )
+    p.add_argument(
+        "--storage-options",
+        metavar="JSON",
+        default=default,
+        help="fsspec options for checkpoints given as URLs (s3://bucket/ckpt), as a JSON object, "
+        'e.g. \'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'; default: the '
+        f"environment variable {STORAGE_OPTIONS_ENV}, else fsspec's defaults" + where,
+    )
+
+
+def _refuse_unused(args: argparse.Namespace) -> None:
+    """An option given before the command name that the command does not take: one line."""
+    given = [o for o in _READING_OPTIONS if getattr(args, o) not in (None, False)]
+    unused = ["--" + o.replace("_", "-") for o in given if o not in args.takes]
+    if unused:
+        _unknown_arguments(args.command, unused)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ucp-dcp`` argument parser (one subcommand per task)."""
+    from .. import __version__
+
+    parser = _Parser(
+        prog=PROG,
+        parents=[_common_options(True)],
+        epilog=_EPILOG,
+        description="Inspect, verify, compare and convert ucp_dcp universal checkpoints.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _reading_options(parser, top=True)  # before the command name, for the commands that take them
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    common = [_common_options(False)]
+
+    def command(
+        name: str, handler: Callable[[argparse.Namespace], int], help: str
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=common, help=help, description=help, epilog=_EPILOG)
+        p.set_defaults(handler=handler)
+        return p
+
+    for name, handler, text in (
+        (
+            "inspect",
+            _cmd_inspect,
+            "Summarise a checkpoint: format, step, world size, files, and every tensor's "
+            "dtype, shape, sharding and size. Reads only the index.",
+        ),
+        (
+            "verify",
+            _cmd_verify,
+            "Re-read every data file and check every checksum; print one line per "
+            "problem (naming the file and the tensor or value) and exit 1 if there is any.",
+        ),
+    ):
+        p = command(name, handler, text)
+        # verify checks everything: --no-verify would contradict it.
+        _reading_options(p, no_verify=name != "verify")
+        p.add_argument(
+            "path",
+            metavar="PATH",
+            help="checkpoint (any format ucp_dcp reads), or the fsspec URL "
+            "of a ucp_dcp checkpoint (s3://bucket/ckpt)",
+        )
+        p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+
+    p = command(
+        "diff",
+        _cmd_diff,
+        "Compare two checkpoints: entries only in one, shape/dtype differences, "
+        "per-tensor max abs difference (NaN-aware), differing values. Exit 1 if they differ.",
+    )
+    _reading_options(p)
+    p.add_argument("a", metavar="A", help="first checkpoint (any format, or a URL)")
+    p.add_argument("b", metavar="B", help="second checkpoint (any format, or a URL)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+    p.add_argument(
+        "--atol",
+        type=_tolerance,
+        default=0.0,
+        metavar="X",
+        help="tensors whose elements differ by at most X count as equal (default 0: exact)",
+    )
+
+    p = command(
+        "export-hf",
+        _cmd_export_hf,
+        "Write a checkpoint's model weights as a Hugging Face "
+        "safetensors checkpoint (sharded, with model.safetensors.index.json).",
+    )
+    _reading_options(p)
+    p.add_argument("src", metavar="SRC", help="checkpoint (any format ucp_dcp reads, or a URL)")
+    p.add_argument("dst", metavar="DST", help="output directory (local)")
+    p.add_argument(
+        "--dtype", choices=sorted(_HF_DTYPES), help="cast floating-point tensors to this dtype"
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        metavar="SIZE",
+        help="largest output file, e.g. 5GB (decimal) or 4GiB (binary)",
+    )
+    p.add_argument(
+        "--prefix",
+        metavar="PREFIX",
+        help="export only the tensors whose names start with PREFIX, "
+        "with PREFIX removed (default: 'model.')",
+    )
+    p.add_argument(
+        "--rename",
+        type=_rename_rule,
+        action="append",
+        metavar="PATTERN=REPL",
+        help="rename tensors with re.sub(PATTERN, REPL, name); repeatable, applied in order",
+    )
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        help="also write config.json: from a config.json file, or from a "
+        "Hugging Face model directory (its tokenizer and generation config are copied too)",
+    )
+
+    p = command(
+        "convert",
+        _cmd_convert,
+        "Write any checkpoint this tool reads (ucp_dcp, DCP's FileSystemWriter "
+        "format, Megatron torch_dist, accelerate subfolders, a Hugging Face model) as a ucp_dcp "
+        "checkpoint with checksums, keeping its sharding. The pickled values of a DCP "
+        "checkpoint are loaded with torch.load(weights_only=True) (--dcp-values weights_only, "
+        "the default here). Loading never needs this.",
+    )
+    _reading_options(p, dcp_values=_DCP_VALUES_CONVERT)
+    p.add_argument(
+        "src",
+        metavar="SRC",
+        help="source checkpoint (directory or file), or the fsspec URL of a ucp_dcp checkpoint",
+    )
+    p.add_argument("dst", metavar="DST", help="output ucp_dcp checkpoint directory (local)")
+    p.add_argument(
+        "--prefix",
+        metavar="PREFIX",
+        help="put PREFIX in front of a Hugging Face model's tensor names",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace a ucp_dcp checkpoint already in DST"
+    )
+
+    p = command(
+        "import-hf",
+        _cmd_import_hf,
+        "Like convert, for a Hugging Face model (names get 'model.' by "
+        "default; DST must be new or empty). Kept as an alias.",
+    )
+    p.add_argument("src", metavar="SRC", help="Hugging Face model directory")
+    p.add_argument("dst", metavar="DST", help="output ucp_dcp checkpoint directory")
+    p.add_argument(
+        "--prefix",
+        metavar="PREFIX",
+        help="put PREFIX in front of every tensor name (default: 'model.')",
+    )
+
+    p = command(
+        "import-dcp",
+        _cmd_convert,
+        "Alias of convert for a checkpoint saved with DCP's default "
+        "FileSystemWriter (.metadata + .distcp files).",
+    )
+    _reading_options(p, dcp_values=_DCP_VALUES_CONVERT)
+    p.add_argument("src", metavar="SRC", help="DCP checkpoint directory")
+    p.add_argument("dst", metavar="DST", help="output ucp_dcp checkpoint directory")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace a ucp_dcp checkpoint already in DST"
+    )
+    p.set_defaults(prefix=None)
+    return parser
+
+
+def _unknown_arguments(command: str, extra: list[str]) -> NoReturn:
+    """Arguments the command does not take: name them and the command (one line)."""
+    options = [a for a in extra if a.startswith("-")]
+    what = (
+        f"{command} does not take the option{'s' if len(options) > 1 else ''} {', '.join(options)}"
+        if options
+        else f"unrecognized arguments: {' '.join(extra)}"
+    )
+    raise CLIError(f"{what} (see '{PROG} {command} --help')")
 
 
 if __name__ == "__main__":
