@@ -61,6 +61,7 @@ __all__ = [
     "tensor_view",
     "HOOKED_REQUEST_BYTES",
     "Extents",
+    "IO_THREADS",
     "check_access",
 ]
 
@@ -277,6 +278,20 @@ def check_access(mode: str) -> str:
     return mode
 
 
+# Read threads per rank, the one default of every reader (UCPStorageReader, Checkpoint,
+# convert, RangeReader). Measured on the development VM (2 cores, virtio disk, cold page cache
+# evicted with benchmarks/harness/pagecache.py; RangeReader reading 64 MiB files, 3 runs each): with
+# 4 ranks reading at once, 2 threads per rank pulled a median 1.6-2.1 GB/s in 1-16 MiB requests, 4
+# threads 1.2-1.5 GB/s, 8 threads 0.7-1.4 GB/s; one rank alone, 1-2 threads 2.7-2.9 GB/s in 1 MiB
+# requests, 4 threads 1.6-2.1. Each thread announces its requests a window ahead
+# (POSIX_FADV_WILLNEED), so two keep the device's queue full; more only contend for the cores.
+# Scattered one-page reads (one per 8 KiB) ran at 0.10-0.15 GB/s with 4 ranks whatever the thread
+# count: bound by calls, not by requests in flight (core/spans.py reads such regions as spans).
+# A file read as a stream (access="sequential", chosen per file under "auto") is shared among as
+# many lanes, the calling thread being the first, each with the kernel's read-ahead.
+IO_THREADS = 2
+
+
 def _release(workers: IOWorkers, files: FileHandles, lanes: Sequence[FileHandles]) -> None:
     """Stop ``workers`` and close the descriptors, but those of a read left blocked."""
     workers.close()
@@ -305,7 +320,7 @@ class RangeReader(ByteSource):
         self,
         paths: Sequence[str],
         *,
-        threads: int = 4,
+        threads: int = IO_THREADS,
         gap_bytes: int = 0,
         max_request_bytes: int = 16 * 1024 * 1024,
         requests: RequestPolicy | None = None,

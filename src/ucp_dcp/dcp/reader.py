@@ -37,7 +37,7 @@ from torch.futures import Future
 
 from ..byteio.engine import ChunkReads
 from ..byteio.progress import Progress, ProgressConfig
-from ..byteio.rangeio import ByteSource, ReadStats, check_access
+from ..byteio.rangeio import IO_THREADS, ByteSource, ReadStats, check_access
 from ..byteio.reqpolicy import RequestPolicy
 from ..byteio.transfer import ChunkRegion, extents, needs_staging
 from ..errors import InvalidArgumentError
@@ -72,17 +72,6 @@ from .slowest import LoadRun, SlowestRecord, name_slowest, rank_record
 __all__ = ["PlannedRead", "UCPStorageReader"]
 
 _MiB = 1024 * 1024
-# Read threads per rank. Measured on the development VM (2 cores, virtio disk, cold page cache
-# evicted with benchmarks/harness/pagecache.py; RangeReader reading 64 MiB files, 3 runs each): with
-# 4 ranks reading at once, 2 threads per rank pulled a median 1.6-2.1 GB/s in 1-16 MiB requests, 4
-# threads 1.2-1.5 GB/s, 8 threads 0.7-1.4 GB/s; one rank alone, 1-2 threads 2.7-2.9 GB/s in 1 MiB
-# requests, 4 threads 1.6-2.1. Each thread announces its requests a window ahead
-# (POSIX_FADV_WILLNEED), so two keep the device's queue full; more only contend for the cores.
-# Scattered one-page reads (one per 8 KiB) ran at 0.10-0.15 GB/s with 4 ranks whatever the thread
-# count: bound by calls, not by requests in flight (core/spans.py reads such regions as spans).
-# A file read as a stream (access="sequential", chosen per file under "auto") is shared among as
-# many lanes, the calling thread being the first, each with the kernel's read-ahead.
-_IO_THREADS = 2
 # Bytes sent and received per rank in a read-once round; None: a fifth of max_buffer_bytes, at
 # least 1 MiB. Tests set it lower to run many rounds on a small state.
 _ROUND_BYTES: int | None = None
@@ -223,7 +212,7 @@ class UCPStorageReader(_Directory, StorageReader):
         self,
         path: str | os.PathLike[str],
         *,
-        io_threads: int = _IO_THREADS,
+        io_threads: int = IO_THREADS,
         max_buffer_bytes: int = 64 * _MiB,
         gap_bytes: int | None = None,
         max_request_bytes: int = 16 * _MiB,

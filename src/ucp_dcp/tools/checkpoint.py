@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..byteio.engine import ChunkReads
 from ..byteio.integrity import HASH_BLOCK, chunk_what, hash_range
-from ..byteio.rangeio import ByteSource
+from ..byteio.rangeio import IO_THREADS, ByteSource
 from ..byteio.transfer import ChunkRegion
 from ..core.placement_digest import box_share, digest_hex
 from ..core.sharding import Box
@@ -48,7 +48,8 @@ class Checkpoint:
             Hugging Face safetensors model, or a directory whose subfolders are checkpoints; or the
             fsspec URL of a universal checkpoint, a DCP checkpoint or a Hugging Face safetensors
             model in object storage (``s3://...``), read with ranged requests.
-        io_threads: threads issuing reads.
+        io_threads: threads issuing reads (default :data:`~ucp_dcp.byteio.rangeio.IO_THREADS`,
+            2, as every reader).
         max_buffer_bytes: staging bound for dtype casts and device copies.
         dcp_values: ``"weights_only"`` to load the pickled values of a DCP checkpoint with
             ``torch.load(weights_only=True)``; refused by default.
@@ -69,7 +70,7 @@ class Checkpoint:
         self,
         path: str | os.PathLike[str],
         *,
-        io_threads: int = 4,
+        io_threads: int = IO_THREADS,
         max_buffer_bytes: int = 64 << 20,
         dcp_values: str | None = None,
         prefix: str = "",

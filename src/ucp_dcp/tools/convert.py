@@ -24,7 +24,7 @@ import torch
 from ..byteio.datafile import DataFileWriter, chunk_entry, value_entry
 from ..byteio.engine import ChunkReads
 from ..byteio.objstore import is_url, local_path
-from ..byteio.rangeio import storage_view, tensor_view
+from ..byteio.rangeio import IO_THREADS, storage_view, tensor_view
 from ..byteio.storage import commit_index
 from ..byteio.transfer import ChunkRegion
 from ..core.contiguous import slabs
@@ -59,7 +59,7 @@ def convert(
     overwrite: bool = False,
     sync_files: bool = True,
     buffer_bytes: int = 64 * _MiB,
-    io_threads: int = 4,
+    io_threads: int = IO_THREADS,
     dcp_values: str | None = "weights_only",
     verify: bool = True,
     storage_options: dict[str, Any] | None = None,
