@@ -76,7 +76,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 
 from .._compat import compute_local_shape_and_global_offset, flatten_state_dict
-from ..core.nested import set_in_place
+from ..core.nested import copy_containers, set_in_place
 from ..core.pieces import Piece, TensorPieces
 from ..core.sharding import Box, intersect
 from ..core.values import RankLocal
@@ -199,7 +199,7 @@ class LayoutSpec:
         if LAYOUT_KEY in state_dict:
             raise LayoutRuleError(f"the state dict already has the reserved key {LAYOUT_KEY!r}")
         flat, paths = flatten_state_dict(dict(state_dict))
-        out = _copy_containers(state_dict)
+        out = copy_containers(state_dict)
         used: set[int] = set()
         produced: _Produced = {}
         for key, value in flat.items():
@@ -381,16 +381,6 @@ def _dtensor_pieces(name: str, value: Any, source: str) -> TensorPieces:
     replicated = any(isinstance(p, Replicate) for p in placements)
     pieces = [Piece(name, tuple(value.shape), tuple(offsets), local)] if local.numel() else []
     return TensorPieces(pieces, replicated=replicated, source=source)
-
-
-def _copy_containers(obj: Any) -> Any:
-    """``obj`` with every dict and list copied (leaves shared), for :meth:`LayoutSpec.apply` to
-    fill."""
-    if isinstance(obj, Mapping):
-        return {k: _copy_containers(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_copy_containers(v) for v in obj]
-    return obj
 
 
 _Produced = dict[

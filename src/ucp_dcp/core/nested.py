@@ -9,11 +9,22 @@ do it with :func:`set_in_place`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from .._compat import set_element
 
-__all__ = ["set_in_place"]
+__all__ = ["copy_containers", "set_in_place"]
+
+
+def copy_containers(obj: Any) -> Any:
+    """``obj`` with every dict and list copied (leaves shared): a state dict a load may fill and
+    reshape without touching the caller's containers."""
+    if isinstance(obj, Mapping):
+        return {k: copy_containers(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [copy_containers(v) for v in obj]
+    return obj
 
 
 def set_in_place(root: Any, path: tuple[Any, ...], value: Any) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .._compat import flatten_state_dict
-from ..core.nested import set_in_place
+from ..core.nested import copy_containers, set_in_place
 from ..core.values import RankLocal
 from ..dcp import PlannedRead
 from ..tools.checkpoint import Checkpoint
@@ -95,21 +95,13 @@ def without(state: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
     """``state`` with its containers copied (leaves shared) and the leaves at ``keys`` left out:
     what ``dcp.load`` fills in place; :func:`put_back` returns its values."""
     _, paths = flatten_state_dict(dict(state))
-    out = _copy(state)
+    out = copy_containers(state)
     for k in keys:
         cur = out
         for p in paths[k][:-1]:
             cur = cur[p]
         del cur[paths[k][-1]]
     return out
-
-
-def _copy(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return {k: _copy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_copy(v) for v in obj]
-    return obj
 
 
 def put_back(state: Any, loaded: Mapping[str, Any]) -> None:

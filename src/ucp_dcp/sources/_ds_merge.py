@@ -18,6 +18,7 @@ refuses a slice that differs, naming the parameter and both tensor-parallel rank
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from collections.abc import Sequence
@@ -96,6 +97,7 @@ class _MergeReader(ByteSource):
         self.gap_bytes = base.gap_bytes
         self.stats = base.stats
         self._done: dict[int, np.ndarray] = {}  # tensor position -> its bytes
+        self._starts = [t.offset for t in merges.tensors]  # end to end: ascending
         self._lock = threading.Lock()
 
     def read(self, segments: Sequence[Segment]) -> None:
@@ -111,7 +113,12 @@ class _MergeReader(ByteSource):
     def _fill(self, s: Segment) -> None:
         out = np.frombuffer(s.dest, dtype=np.uint8)
         lo, hi = s.offset, s.offset + len(out)
-        for i, t in enumerate(self._merges.tensors):
+        tensors = self._merges.tensors
+        # The tensors the segment overlaps: from the last one starting at or before it on.
+        for i in range(max(bisect.bisect_right(self._starts, lo) - 1, 0), len(tensors)):
+            t = tensors[i]
+            if t.offset >= hi:
+                break
             a, b = max(lo, t.offset), min(hi, t.offset + t.nbytes)
             if a < b:
                 data = self._merged(i, t)
