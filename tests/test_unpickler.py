@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ucp_dcp import CheckpointFormatError
 from ucp_dcp.byteio.rangeio import ReadStats
-from ucp_dcp.sources._dcp_metadata import read_dcp_metadata
+from ucp_dcp.sources.distcp import read_dcp_metadata
 from ucp_dcp.sources._pickle import ALLOWED, Inert, PurposeName, TensorRef, unpickle
 from ucp_dcp.sources._torch_archive import read_torch_archive
 from ucp_dcp.sources._torch_save import parse_tensor_item

@@ -66,6 +66,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    Metadata,
     MetadataIndex,
     TensorStorageMetadata,
 )
@@ -76,16 +77,43 @@ from ..core.values import encode_value
 from ..errors import CheckpointFormatError, DCPValueError, InvalidArgumentError
 from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord, dtype_name
 from ..format.schema import check_paths, check_relative_name, check_tensor_bytes
-from ._dcp_metadata import DCP_METADATA_FILE, read_dcp_metadata
 from ._dirs import LocalDir, ModelDir
-from ._pickle import is_index_tuple, is_nonneg_int
+from ._pickle import is_index_tuple, is_nonneg_int, unpickle
 from ._torch_save import PRead, StoredTensor, dim_order, item_ends, parse_tensor_item
 from .base import Source, SourceOptions, register
 
 __all__ = ["DCPSource", "DCP_METADATA_FILE", "DCP_VALUES_MODES", "read_dcp_metadata"]
 
+DCP_METADATA_FILE = ".metadata"
 DCP_VALUES_MODES = (None, "weights_only")
 _DISTCP_NAME = re.compile(r"__(\d+)_(\d+)\.distcp")
+
+
+def read_dcp_metadata(directory: str | os.PathLike[str] | ModelDir) -> Metadata:
+    """Load DCP's ``.metadata`` of ``directory`` (a local path, or a directory view) with the
+    restricted unpickler (purpose ``"dcp_metadata"``).
+
+    The unpickler constructs only DCP's own metadata records, the plan records
+    Megatron-core attaches to it (``all_local_plans``: ``SavePlan``,
+    ``WriteItem``, ``TensorWriteData``, ``WriteItemType``), ``torch.Size``,
+    dtypes, layouts and paths. The file is read as bytes (from object
+    storage: one request) and only then unpickled. Raises
+    :class:`CheckpointFormatError` naming the file when it is missing, not a
+    DCP metadata pickle, or refers to any class outside the allow-list
+    (refused before it is imported, naming it).
+    """
+    d = directory if isinstance(directory, ModelDir) else LocalDir(os.fspath(directory))
+    path = d.path_of(DCP_METADATA_FILE)
+    if not d.is_file(DCP_METADATA_FILE):
+        raise CheckpointFormatError(f"{d.where}: not a DCP checkpoint (no {DCP_METADATA_FILE})")
+    md = unpickle(d.read(DCP_METADATA_FILE), path, "dcp_metadata")
+    if not isinstance(md, Metadata):
+        raise CheckpointFormatError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
+    if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
+        raise CheckpointFormatError(
+            f"{path}: DCP metadata without state_dict_metadata/storage_data"
+        )
+    return md
 
 
 @register
