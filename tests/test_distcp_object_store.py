@@ -30,7 +30,7 @@ from dist_utils import bit_equal, run_ranks
 from ucp_dcp import Checkpoint, UCPLoadPlanner, UCPStorageReader, load_state_dict
 from ucp_dcp.errors import CheckpointFormatError, DCPValueError
 from ucp_dcp.sources import DCPSource, open_source
-from ucp_dcp.sources._torch_save import item_ends
+from ucp_dcp.sources._torch_archive import item_ends
 from ucp_dcp.sources.distcp import read_dcp_metadata
 
 fsspec = pytest.importorskip("fsspec")

@@ -28,7 +28,7 @@ from ucp_dcp.byteio.rangeio import ReadStats
 from ucp_dcp.sources.distcp import read_dcp_metadata
 from ucp_dcp.sources._pickle import ALLOWED, Inert, PurposeName, TensorRef, unpickle
 from ucp_dcp.sources._torch_archive import read_torch_archive
-from ucp_dcp.sources._torch_save import parse_tensor_item
+from ucp_dcp.sources._torch_archive import parse_tensor_item
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -1,21 +1,33 @@
-"""A whole ``torch.save`` file read as inert records, its tensors as byte ranges.
+"""``torch.save`` archives read without running code from them or building their tensors.
 
-Formats that keep their state in ``torch.save`` files (DeepSpeed's
-``*_model_states.pt`` / ``*_optim_states.pt``, DeepSpeed Universal's
-``fp32.pt``) pickle dicts of tensors and a few of their own classes. To read
-such a file without running code from it, :func:`read_torch_archive`:
+A ``torch.save`` file is a zip archive: ``<name>/data.pkl`` (the pickle that
+rebuilds the object) and one uncompressed record ``<name>/data/<key>`` per
+storage. The pickle goes through the library's one restricted unpickler
+(:mod:`._pickle`), for the purpose the caller names: containers,
+``torch.Size``, dtypes, each tensor as a :class:`TensorRef` (storage key and
+geometry; no data is read), a format's own classes as :class:`Inert`
+records. Anything else is refused, naming it, before anything is built. Two
+readers share the archive parsing (:func:`read_pickle_record`,
+:func:`storage_records`, :func:`stored_record_start`, :func:`archive_errors`,
+:class:`HeldBytesFile`):
 
-* opens the zip archive (only its central directory and ``data.pkl``; in
-  object storage with a few ranged requests: the tail, the pickle, the
-  storage records' local headers in one batch);
-* unpickles ``data.pkl`` with the library's one restricted unpickler
-  (:mod:`._pickle`), for the purpose the caller names: containers,
-  ``torch.Size``, dtypes, each tensor as a :class:`TensorRef` (storage key
-  and geometry; no data is read), the format's own classes as
-  :class:`Inert` records. Anything else is refused, naming it, before
-  anything is built;
-* finds where each storage record's bytes start in the file, so a reader
-  can fetch any slice of any tensor with one ``pread``.
+* :func:`read_torch_archive` reads a whole file as inert records, for the
+  formats that keep their state in ``torch.save`` files (DeepSpeed's
+  ``*_model_states.pt`` / ``*_optim_states.pt``, DeepSpeed Universal's
+  ``fp32.pt``): it opens the archive (only its central directory and
+  ``data.pkl``; in object storage with a few ranged requests: the tail, the
+  pickle, the storage records' local headers in one batch) and finds where
+  each storage record's bytes start in the file, so a reader can fetch any
+  slice of any tensor with one ``pread``.
+* :func:`parse_tensor_item` finds the byte address of one saved tensor (an
+  archive held inside a larger file, as DCP's ``.distcp`` items are): its
+  storage record's absolute start, and from ``data.pkl`` (purpose
+  ``"distcp_item"``: only torch's plain tensor rebuild functions) the storage
+  key, dtype, ``storage_offset``, size and stride. Only the two ends of the
+  item are read, more only if the archive needs it: with ``pread`` calls on a
+  local file, with ranged requests on an object (the caller hands in a
+  ``pread`` of either kind, and may fetch the two ends of many items ahead,
+  in one batch: :func:`item_ends`).
 """
 
 from __future__ import annotations
@@ -24,12 +36,15 @@ import io
 import os
 import struct
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any, cast
+
+import torch
 
 from ..byteio.objstore import ObjectStore
+from ..byteio.rangeio import ReadStats
 from ..core.contiguous import row_major_strides
 from ..errors import CheckpointFormatError, StorageError
 from ._pickle import PurposeName, TensorRef, unpickle
@@ -37,10 +52,11 @@ from ._pickle import PurposeName, TensorRef, unpickle
 __all__ = [
     "TorchArchive",
     "read_torch_archive",
-    "read_pickle_record",
-    "storage_records",
-    "stored_record_start",
-    "archive_errors",
+    "StoredTensor",
+    "PRead",
+    "item_ends",
+    "parse_tensor_item",
+    "dim_order",
 ]
 
 # A pickle describing state (not tensor data) is small; a larger one is damaged or hostile.
@@ -347,3 +363,141 @@ class _ObjectFile(HeldBytesFile):
             else:
                 merged.append((s, e))
         self.fetch(merged)
+
+
+# One tensor item: an archive inside a larger file (a DCP ``.distcp`` item).
+
+PRead = Callable[[int, int], bytes]
+"""``pread(n, offset)``: up to ``n`` bytes of a file at ``offset`` (fewer only at its end)."""
+
+# Bytes read at each end of an item to parse it: the zip central directory
+# (7 records of a torch.save archive) sits at the end, data.pkl and the
+# storage record's local header at the start. Anything not in them is read
+# on demand.
+_ITEM_HEAD_BYTES = 768
+_ITEM_TAIL_BYTES = 768
+_ITEM_MAX_PICKLE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a ``torch.save``\\ d tensor's bytes are and how they are laid out."""
+
+    dtype: torch.dtype
+    data_start: int  # absolute offset of the storage record in the data file
+    record_nbytes: int
+    storage_offset: int  # elements
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _ItemView(HeldBytesFile):
+    """A read-only, seekable view of ``[base, base + length)`` of a file.
+
+    Reads that fall inside the pieces read up front are served from them;
+    anything else is read with ``pread`` and counted in ``stats``.
+    """
+
+    def __init__(
+        self,
+        pread: PRead,
+        base: int,
+        length: int,
+        pieces: list[tuple[int, bytes]],
+        stats: ReadStats,
+    ) -> None:
+        super().__init__(length, pieces)
+        self._pread, self._base, self._stats = pread, base, stats
+
+    def read_missing(self, offset: int, n: int) -> bytes:
+        return _pread_exact(self._pread, n, self._base + offset, self._stats)
+
+
+def _pread_exact(pread: PRead, n: int, offset: int, stats: ReadStats) -> bytes:
+    parts, calls, got = [], 0, 0
+    while got < n:
+        chunk = pread(n - got, offset + got)
+        calls += 1
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    stats.add(calls, got)
+    return b"".join(parts)
+
+
+def item_ends(offset: int, length: int) -> list[tuple[int, int]]:
+    """The ``(start, end)`` ranges of a file that :func:`parse_tensor_item` reads first for item
+    ``[offset, offset + length)``.
+
+    A caller that fetches them itself (many items' in one batch of ranged
+    requests) passes their bytes as ``ends``.
+    """
+    if length <= _ITEM_HEAD_BYTES + _ITEM_TAIL_BYTES:
+        return [(offset, offset + length)]
+    return [
+        (offset, offset + _ITEM_HEAD_BYTES),
+        (offset + length - _ITEM_TAIL_BYTES, offset + length),
+    ]
+
+
+def parse_tensor_item(
+    pread: PRead,
+    offset: int,
+    length: int,
+    where: str,
+    stats: ReadStats,
+    ends: Sequence[bytes] | None = None,
+) -> StoredTensor:
+    """Find a ``torch.save``\\ d tensor's storage bytes inside ``[offset, offset + length)`` of a
+    file.
+
+    ``pread`` reads the file; ``ends``, when given, are the bytes of
+    :func:`item_ends` already read (counted by whoever read them).
+    """
+    ranges = item_ends(offset, length)
+    if ends is None:
+        ends = [_pread_exact(pread, e - s, s, stats) for s, e in ranges]
+    pieces = [(s - offset, data) for (s, _), data in zip(ranges, ends)]
+    if sum(len(p) for _, p in pieces) < min(length, _ITEM_HEAD_BYTES + _ITEM_TAIL_BYTES):
+        raise CheckpointFormatError(f"{where}: truncated: the data file ends inside the item")
+    view = _ItemView(pread, offset, length, pieces, stats)
+    with archive_errors(where):
+        zf = zipfile.ZipFile(cast(IO[bytes], view))  # a raw file: all zipfile uses of one
+        prefix, pkl = read_pickle_record(zf, where, _ITEM_MAX_PICKLE_BYTES, "not a tensor's")
+        records = storage_records(zf, prefix)
+        t = unpickle(pkl, where, "distcp_item", records)
+        if not isinstance(t, TensorRef):
+            raise CheckpointFormatError(f"{where}: the item does not hold a tensor")
+        rec = records[t.storage]
+
+        def read_at(off: int, n: int) -> bytes:
+            view.seek(off)
+            return view.read(n)
+
+        start = stored_record_start(read_at, rec, where)
+    if start + rec.file_size > length:
+        raise CheckpointFormatError(
+            f"{where}: storage record data/{t.storage} runs past the end of the item"
+        )
+    return StoredTensor(t.dtype, offset + start, rec.file_size, t.storage_offset, t.size, t.stride)
+
+
+def dim_order(size: Sequence[int], stride: Sequence[int]) -> tuple[int, ...] | None:
+    """The dimension order in which ``size``/``stride`` is dense row-major, or None.
+
+    Identity for a row-major tensor; ``(1, 0)`` for a transposed matrix;
+    ``(0, 2, 3, 1)`` for ``channels_last``. None when no order makes it dense
+    (overlapping or gapped strides). Size-1 dims may have any stride.
+    """
+    nd = len(size)
+    big = [d for d in range(nd) if size[d] > 1]
+    ident = tuple(range(nd))
+    rm = row_major_strides(size)
+    if all(stride[d] == rm[d] for d in big):
+        return ident
+    order = sorted(big, key=lambda d: -stride[d]) + [d for d in range(nd) if size[d] <= 1]
+    expect = row_major_strides([size[d] for d in order])
+    if all(stride[d] == e for d, e in zip(order, expect) if size[d] > 1):
+        return tuple(order)
+    return None

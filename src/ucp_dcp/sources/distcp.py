@@ -79,7 +79,7 @@ from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord, dty
 from ..format.schema import check_paths, check_relative_name, check_tensor_bytes
 from ._dirs import LocalDir, ModelDir
 from ._pickle import is_index_tuple, is_nonneg_int, unpickle
-from ._torch_save import PRead, StoredTensor, dim_order, item_ends, parse_tensor_item
+from ._torch_archive import PRead, StoredTensor, dim_order, item_ends, parse_tensor_item
 from .base import Source, SourceOptions, register
 
 __all__ = ["DCPSource", "DCP_METADATA_FILE", "DCP_VALUES_MODES", "read_dcp_metadata"]
