@@ -25,7 +25,6 @@ from ..core.values import encode_value
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes
 from ._dirs import ModelDir
-from ._ds_pipeline import EntryFile, place_entries
 from ._ds_tp import TPSlice, tp_rules
 from ._ds_utils import (
     LATEST_UNIVERSAL_FILE,
@@ -42,7 +41,7 @@ from ._ds_utils import (
 from ._pickle import TensorRef
 from ._torch_archive import TorchArchive, read_torch_archive
 from .base import Source, SourceOptions, register
-from .deepspeed import zero3_frozen
+from .deepspeed import EntryFile, place_entries, zero3_frozen
 
 __all__ = ["DeepSpeedUniversalSource", "UniversalEntry"]
 
