@@ -60,7 +60,7 @@ from ..errors import (
 )
 from ..format import dtype_name, st_dtype
 from ..sources import checkpoint_exists
-from ..sources._hf_utils import HF_CONFIG_FILES, HF_INDEX_NAME, HF_WEIGHTS_NAME
+from ..sources.hf import HF_CONFIG_FILES, HF_INDEX_NAME, HF_WEIGHTS_NAME
 from .checkpoint import Checkpoint
 from .progress import ProgressFn, size_bytes
 
