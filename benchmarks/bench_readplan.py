@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Planning time and plan size of the job-wide read plan (core/readplan.py) at scale.
+"""Planning time and plan size of the job-wide read plan (dcp/read_once/plan.py) at scale.
 
 No rank processes and no files: one process builds every rank's needed byte ranges of a
 native checkpoint of Llama-2-70B's 723 bf16 weights (``harness.states.llama_weights``) and
@@ -7,8 +7,8 @@ times what the read-once coordinator does with them, two ways (``--plans``):
 
 * ``rank``: the per-rank plan, ``plan_job_reads`` on every rank's needs (and
   ``schedule_rounds`` where its rows stay under 20M), one transfer row per (piece, receiver);
-* ``group``: the compact plan the coordinator makes (core/group_plan.py): ranks with identical
-  needs grouped by digest (``NeedGroups.of``; in a load each rank hashes its own needs),
+* ``group``: the compact plan the coordinator makes (dcp/read_once/rounds.py): ranks with
+  identical needs grouped by digest (``NeedGroups.of``; in a load each rank hashes its own needs),
   ``plan_group_reads``, and the messages (``dcp.read_once.messages``: each rank's part and the
   part every rank gets alike), one transfer row per (piece, receiving group).
 
@@ -57,16 +57,17 @@ from harness.cli import comma_list
 from harness.report import write_json
 from harness.states import llama_weights
 
-from ucp_dcp.core.exchange_rounds import (
+from ucp_dcp.dcp.read_once import messages
+from ucp_dcp.dcp.read_once.plan import JobReadPlan, expand, plan_job_reads
+from ucp_dcp.dcp.read_once.rounds import (
+    GroupReadPlan,
+    NeedGroups,
     exchange_windows,
+    plan_group_reads,
     schedule_rounds,
     stream_positions,
     with_own_reads,
 )
-from ucp_dcp.core.group_plan import GroupReadPlan, NeedGroups, plan_group_reads
-from ucp_dcp.core.ranges import expand
-from ucp_dcp.core.readplan import JobReadPlan, plan_job_reads
-from ucp_dcp.dcp.read_once import messages
 
 Needs = list[dict[int, tuple[np.ndarray, np.ndarray]]]
 PAGE = 4096

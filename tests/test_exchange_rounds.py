@@ -1,6 +1,6 @@
-"""Exchange rounds with each rank's reads for itself (core/exchange_rounds.py ``with_own_reads``).
+"""Exchange rounds with each rank's reads for itself (read_once/rounds.py ``with_own_reads``).
 
-What the read-once exchange (dcp/_exchange.py) relies on, checked byte by byte on random and
+What the read-once exchange (read_once/exchange.py) relies on, checked byte by byte on random and
 structured needs: every rank gets, over all rounds, exactly the bytes it needs (from itself or
 from others), each once; every reader reads each byte in one round only; rounds keep the budget.
 """
@@ -20,12 +20,15 @@ from test_readplan import (
     structured_needs,
 )
 
-from ucp_dcp.core.exchange_rounds import schedule_rounds, with_own_reads
-from ucp_dcp.core.group_plan import NeedGroups, plan_group_reads
-from ucp_dcp.core.ranges import intersect_ranges, merge_ranges
-from ucp_dcp.core.readplan import plan_job_reads
-from ucp_dcp.dcp._exchange import RankRounds
 from ucp_dcp.dcp.read_once import rank_shares
+from ucp_dcp.dcp.read_once.exchange import RankRounds
+from ucp_dcp.dcp.read_once.plan import intersect_ranges, merge_ranges, plan_job_reads
+from ucp_dcp.dcp.read_once.rounds import (
+    NeedGroups,
+    plan_group_reads,
+    schedule_rounds,
+    with_own_reads,
+)
 from ucp_dcp.errors import InvalidArgumentError
 
 
@@ -89,7 +92,7 @@ def test_each_ranks_windows_cut_the_same_rounds_as_the_schedule(
     case: tuple[Needs, dict[int, int]], align: int, budget: int
 ) -> None:
     """What the read-once exchange runs (each rank cutting its own transfers by windows,
-    dcp/read_once.py) is schedule_rounds' schedule, both ends of every message alike: where
+    read_once/__init__.py) is schedule_rounds' schedule, both ends of every message alike: where
     no two ranks need the same (each group one rank), the compact plan is the per-rank one."""
     needs, sizes = case
     groups = NeedGroups.of(needs)

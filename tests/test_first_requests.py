@@ -1,4 +1,4 @@
-"""Who makes each data file's first request in a read-once load (dcp/_first_requests.py)."""
+"""Who makes each data file's first request in a read-once load (read_once/first_requests.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucp_dcp.core.ranges import merge_ranges
-from ucp_dcp.dcp._first_requests import _readers, _wants
+from ucp_dcp.dcp.read_once.first_requests import _readers, _wants
+from ucp_dcp.dcp.read_once.plan import merge_ranges
 
 
 def _runs(files: set[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -1,9 +1,9 @@
-"""The compact job read plan (core/group_plan.py): ranks with identical needs as one group.
+"""The compact job read plan (dcp/read_once/rounds.py): ranks with identical needs as one group.
 
 Checked byte by byte on random mixes of groups (everyone, a replica group, single ranks) with
 partial overlaps: every needed byte has exactly one reader, which needs it; every rank receives,
 from the rows to its group, exactly the bytes it needs, each once; the rounds each rank cuts
-from its share (dcp/read_once.py ``rank_shares``) keep the budget and agree at both ends of
+from its share (read_once ``rank_shares``) keep the budget and agree at both ends of
 every message; and the plan's size does not grow with the ranks a group holds.
 """
 
@@ -15,11 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_readplan import ALIGNS, MIN_RUNS, Needs, _need_masks, _pages, _ranges, random_needs
 
-from ucp_dcp.core.group_plan import GroupReadPlan, NeedGroups, needs_digest, plan_group_reads
-from ucp_dcp.core.page_segments import water_fill
-from ucp_dcp.core.readplan import plan_job_reads
-from ucp_dcp.dcp._exchange import RankRounds
 from ucp_dcp.dcp.read_once import messages, rank_shares
+from ucp_dcp.dcp.read_once.exchange import RankRounds
+from ucp_dcp.dcp.read_once.plan import plan_job_reads, water_fill
+from ucp_dcp.dcp.read_once.rounds import GroupReadPlan, NeedGroups, needs_digest, plan_group_reads
 from ucp_dcp.errors import InvalidArgumentError
 
 

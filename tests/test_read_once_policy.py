@@ -3,7 +3,7 @@
 ``decide(mode, shared, storage, plan)`` is a pure function of the reader's
 ``read_once``, what the storage is, and the job's read plan (the bytes every
 rank needs summed, against the bytes at least one rank needs); these tests
-build plans with :func:`~ucp_dcp.core.readplan.plan_job_reads` from needs
+build plans with :func:`~ucp_dcp.dcp.read_once.plan.plan_job_reads` from needs
 whose overlap is known to the byte. ``shared_storage`` reads
 ``/proc/mounts``: a fake one shows which mount a path falls under.
 """
@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from ucp_dcp import UCPStorageReader
-from ucp_dcp.core.readplan import JobReadPlan, plan_job_reads
 from ucp_dcp.dcp import read_once as _read_once
 from ucp_dcp.dcp.read_once import (
     OVERLAP_TO_EXCHANGE,
@@ -28,6 +27,7 @@ from ucp_dcp.dcp.read_once import (
     decide,
     shared_storage,
 )
+from ucp_dcp.dcp.read_once.plan import JobReadPlan, plan_job_reads
 from ucp_dcp.errors import InvalidArgumentError, UCPError
 
 PAGE = 4096

@@ -1,4 +1,4 @@
-"""The job-wide read plan (core/readplan.py): who reads each needed byte, who sends it to whom.
+"""The job-wide read plan (read_once/plan.py): who reads each needed byte, who sends it to whom.
 
 Every plan here is checked byte by byte against boolean masks over small files: each needed
 byte has exactly one reader, every rank receives exactly what it needs and does not read
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucp_dcp.core.exchange_rounds import exchange_windows, schedule_rounds
-from ucp_dcp.core.readplan import JobReadPlan, Transfers, plan_job_reads
+from ucp_dcp.dcp.read_once.plan import JobReadPlan, Transfers, plan_job_reads
+from ucp_dcp.dcp.read_once.rounds import exchange_windows, schedule_rounds
 from ucp_dcp.errors import InvalidArgumentError
 
 A = np.array
@@ -286,9 +286,9 @@ def test_water_filling_counts_what_a_rank_must_read_alone() -> None:
 def test_plans_stay_exact_when_set_fingerprints_collide(monkeypatch: pytest.MonkeyPatch) -> None:
     """Segments are grouped by fingerprints of their rank sets and then checked exactly: with
     every rank's key the same, all sets of one size collide, and the exact grouping decides."""
-    import ucp_dcp.core.page_segments as page_segments
+    import ucp_dcp.dcp.read_once.plan as plan_module
 
-    monkeypatch.setattr(page_segments, "_mix", lambda x: np.zeros(len(x), np.uint64))
+    monkeypatch.setattr(plan_module, "_mix", lambda x: np.zeros(len(x), np.uint64))
     needs = [
         {0: _ranges([(0, 20000)])},
         {0: _ranges([(10000, 20000)])},

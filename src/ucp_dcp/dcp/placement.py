@@ -38,7 +38,7 @@ from ..core.pieces import TensorPieces
 from ..core.placement_digest import MASK64, box_share, digest_hex
 from ..errors import PlacementError
 from ..format import TensorRecord
-from ._exchange import wire_device
+from .read_once.exchange import wire_device
 
 __all__ = [
     "PlacementReport",

@@ -44,9 +44,6 @@ from ..errors import InvalidArgumentError
 from ..sources import Source, SourceOptions, open_source, read_values, source_types
 from ..sources.distcp import DCP_VALUES_MODES
 from ._directory import _Directory
-from ._exchange import ExchangeTotals, run_exchange
-from ._first_requests import FirstRequests, share_first_requests
-from ._landing import LocalNeeds, Region
 from ._mesh_groups import LazyChunks
 from ._plan_records import LoadSourceInfo
 from ._read_items import (
@@ -67,6 +64,8 @@ from .read_once import (
     decide,
     shared_storage,
 )
+from .read_once.exchange import ExchangeTotals, LocalNeeds, Region, run_exchange
+from .read_once.first_requests import FirstRequests, share_first_requests
 from .slowest import LoadRun, SlowestRecord, name_slowest, rank_record
 
 __all__ = ["PlannedRead", "UCPStorageReader"]

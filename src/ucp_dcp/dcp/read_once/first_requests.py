@@ -5,7 +5,7 @@ every data file it reads. In object storage that is each file's first
 ranged GET (the header and the block checksums after it), which every rank
 would otherwise make for itself: ranks x files requests, and on a
 replicated target the same bytes read as many times as there are ranks.
-Where a load may exchange (``UCPStorageReader(read_once=...)``), the ranks
+Where a load may exchange (``ReadOptions(read_once=...)``), the ranks
 first say which files they read (one ``all_gather_object`` of runs of file
 numbers); one of the ranks that read a file fetches its first request (file
 ``f`` goes to the ``f mod n``-th of its ``n`` readers, so a replicated target
@@ -30,9 +30,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..core.ranges import merge_ranges
-from ..errors import ReadOnceError
-from ._exchange import STATUS_BYTES, wire_device
+from ...errors import ReadOnceError
+from .exchange import STATUS_BYTES, rank_failed, wire_device
+from .plan import merge_ranges
 
 __all__ = ["FirstRequests", "share_first_requests"]
 
@@ -127,9 +127,7 @@ def _raise_any(gathered: list[object], failure: BaseException | None) -> None:
         raise failure
     for r, g in enumerate(gathered):
         if isinstance(g, BaseException):
-            raise ReadOnceError(
-                f"rank {r} could not take part in the read-once load: {type(g).__name__}: {g}"
-            )
+            raise rank_failed(r, g)
 
 
 def _readers(runs: list[object]) -> np.ndarray:

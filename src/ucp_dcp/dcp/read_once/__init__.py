@@ -1,22 +1,36 @@
-"""Read-once loads, the deciding half: whether to exchange, and each rank's rounds.
+"""Read-once loads: each needed byte read from storage by one rank of the job and sent to
+the ranks that need it, over the load's process group.
 
-``UCPStorageReader(read_once=...)`` hands :func:`coordinate` this rank's
+The subpackage, in reading order:
+
+- :mod:`~ucp_dcp.dcp.read_once.plan`: which rank reads each needed page (one that needs it,
+  balanced) and what it sends to whom: pure arithmetic on byte ranges as integer arrays.
+- :mod:`~ucp_dcp.dcp.read_once.rounds`: the plan's transfers in rounds within a budget (each
+  byte read once), and the plan in compact form (ranks with identical needs as one group).
+- :mod:`~ucp_dcp.dcp.read_once.exchange`: one rank's part: reading, moving
+  (``all_to_all_single``), checking received pieces block by block, putting them in place.
+- :mod:`~ucp_dcp.dcp.read_once.first_requests`: each data file's first request (its header)
+  made by one rank and shared.
+- this module: whether a load exchanges (the policy, :class:`ReadOnceCosts`) and each rank's
+  rounds, agreed by the whole group (:func:`coordinate`).
+
+``ReadOptions(read_once=...)`` hands :func:`coordinate` this rank's
 regions that can be filled in place. Every rank says which byte ranges of
 the files it needs (rounded out to whole checksum blocks,
-:meth:`~ucp_dcp.dcp._exchange.LocalNeeds.needs`): every rank learns the
+:meth:`~ucp_dcp.dcp.read_once.exchange.LocalNeeds.needs`): every rank learns the
 digest of every rank's needs (one ``all_gather_object``), and one gather to
 the group's first rank carries each distinct set of needs once (from the
 lowest rank that has it), so replicas do not each send theirs. The first rank
 makes the job's plan in compact form
-(:func:`~ucp_dcp.core.group_plan.plan_group_reads`: ranks with identical
+(:func:`~ucp_dcp.dcp.read_once.rounds.plan_group_reads`: ranks with identical
 needs as one group, every needed byte read by one rank, preferring a rank
 that needs it, balanced, each transfer a row "to every rank of group g"),
 decides with the policy whether exchanging pays, cuts the transfers into
 rounds of at most ``budget`` bytes sent and received per rank (each rank's
 reads for itself included: each byte read once, in the round all its
 receivers get it), scatters each rank its part and broadcasts what every
-rank gets alike (:func:`messages`). :func:`~ucp_dcp.dcp._exchange.run_exchange`
-then runs the rounds.
+rank gets alike (:func:`messages`).
+:func:`~ucp_dcp.dcp.read_once.exchange.run_exchange` then runs the rounds.
 
 The policy (:func:`decide`): ``True`` always exchanges, ``False`` never
 (no collective at all), ``"auto"`` exchanges where the storage is shared by
@@ -38,15 +52,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch.distributed as dist
 
-from ..byteio.objstore import is_url
-from ..core.group_plan import GroupReadPlan, NeedGroups, needs_digest, plan_group_reads
-from ..core.readplan import JobReadPlan
-from ..errors import InvalidArgumentError, ReadOnceError
-from ._exchange import RankRounds
-from ._landing import LocalNeeds
+from ...byteio.objstore import is_url
+from ...errors import InvalidArgumentError
+from .exchange import ExchangeTotals, LocalNeeds, RankRounds, rank_failed
+from .plan import JobReadPlan
+from .rounds import GroupReadPlan, NeedGroups, needs_digest, plan_group_reads
 
 __all__ = [
     "READ_ONCE_MODES",
+    "ExchangeTotals",
     "ReadOnceCosts",
     "ReadOnceDecision",
     "check_read_once",
@@ -121,7 +135,7 @@ def shared_storage(path: str) -> tuple[bool, str]:
 @dataclass(frozen=True)
 class ReadOnceCosts:
     """The cost model ``"auto"`` weighs an exchange with (configured, not measured: pass your
-    storage's and interconnect's figures to ``UCPStorageReader(read_once_costs=...)``)."""
+    storage's and interconnect's figures to ``ReadOptions(read_once_costs=...)``)."""
 
     storage_bytes_per_s: float = 1e9
     """Read bandwidth of the shared storage for the whole job (all ranks together)."""
@@ -239,7 +253,7 @@ def coordinate(
     Collective: call it on every rank of a load that may exchange (``read_once`` True, or
     ``"auto"`` on ``shared`` storage, :func:`shared_storage`), with this rank's needs, or with
     the ``failure`` that kept it from knowing them; then every rank raises (a
-    :class:`ReadOnceError` naming the rank).
+    :class:`~ucp_dcp.errors.ReadOnceError` naming the rank).
     """
     me, world = dist.get_rank(group), dist.get_world_size(group)
     mine: object = failure if failure is not None else (needs.needs() if needs else {})
@@ -336,9 +350,7 @@ def _plan(
     world = len(gathered)
     for r, g in enumerate(gathered):
         if isinstance(g, BaseException):
-            err = ReadOnceError(
-                f"rank {r} could not take part in the read-once load: {type(g).__name__}: {g}"
-            )
+            err = rank_failed(r, g)
             return [g if i == r else err for i in range(world)], None
     bodies = {r: g for r, g in enumerate(gathered) if isinstance(g, dict)}
     plan = plan_group_reads(NeedGroups.from_digests(digests, bodies))

@@ -1,0 +1,586 @@
+"""Read-once loads, one rank's part: moving the bytes, where they land, checking them.
+
+:mod:`ucp_dcp.dcp.read_once` plans who reads which byte of the job's needs;
+this module runs one rank's share. It comes as one :class:`RankRounds`, the
+same number of rounds on every rank: in each round the rank reads the pieces
+it sends (to itself too; each byte once however many peers get it), one
+``all_to_all_single`` on the load's process group moves them, and every
+received piece is checked block by block against the chunk's block checksums
+before its bytes are copied into the destination tensors. Nothing is
+committed (no ``done`` callback runs) until every round succeeded on every
+rank.
+
+Every message opens with a status word, so a rank whose read or check failed
+tells every other rank in the next round (or in the closing gather): all
+ranks stop after the same round and raise the same error, and none is left
+waiting in a collective.
+
+Messages are host memory on a group with a CPU backend (gloo, or
+``"cpu:gloo,cuda:nccl"``) and device memory on a group that is NCCL alone
+(copied there and back: the checks and copies into place run on the host).
+A round's messages travel while the previous round's are checked and put
+in place, and the next round's are read: at most two rounds are in flight,
+each in a send and a receive buffer of at most the round's budget, so a
+load of any size streams through about five budgets of memory.
+
+**Where received bytes land.** :class:`LocalNeeds` lists, for every region
+of a saved chunk this rank fills (:class:`Region`), the runs of the file it
+needs and where each lands in the destination's storage. It answers which
+byte ranges to ask the job for (:meth:`LocalNeeds.needs`, rounded out to
+whole checksum blocks), and where the bytes of a received piece go
+(:meth:`LocalNeeds.copy_in`): straight into the storage of a CPU tensor of
+the saved dtype, or cast and copied run by run into any other destination.
+
+**Checks.** A received piece is hashed block by block where it was received
+(:class:`PieceChecker`), before any of it is copied into place; a block split
+between pieces is held until it is complete. A mismatch raises the
+:class:`~ucp_dcp.ChecksumError` of the block verifier, naming the file, the
+tensor, the block and the rank that read it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ...byteio.blocksums import BlockSums
+from ...byteio.blockverify import BlockVerifier, ChunkCheck
+from ...byteio.rangeio import ByteSource, Segment, storage_view
+from ...byteio.transfer import ChunkRegion
+from ...core.contiguous import runs
+from ...errors import ReadOnceError
+from ...format import Location
+from .plan import merge_ranges
+
+__all__ = [
+    "STATUS_BYTES",
+    "ExchangeRound",
+    "ExchangeTotals",
+    "LocalNeeds",
+    "PieceChecker",
+    "RankRounds",
+    "Region",
+    "rank_failed",
+    "run_exchange",
+    "wire_device",
+]
+
+STATUS_BYTES = 8
+"""Bytes of the status word that opens every message (int64: 0 ok, 1 failed)."""
+
+
+def rank_failed(rank: int, error: object) -> ReadOnceError:
+    """What every rank raises when ``rank`` could not take part in a read-once collective
+    (``error``: what kept it)."""
+    return ReadOnceError(
+        f"rank {rank} could not take part in the read-once load: {type(error).__name__}: {error}"
+    )
+
+
+def wire_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the messages must be for ``group``'s collectives: the current CUDA device for a
+    group that is NCCL alone, else host memory (gloo, or a group with a CPU backend too)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------- where received bytes land
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A region of a saved chunk to fill in place: ``part`` into CPU tensor ``dest`` (saved dtype,
+    chunk stored row-major). ``sums``: the chunk's block checksums (None: nothing to check);
+    ``name`` and ``chunk_offsets`` name it in errors; ``done`` runs once every rank succeeded."""
+
+    part: ChunkRegion
+    dest: torch.Tensor
+    name: str
+    chunk_offsets: tuple[int, ...]
+    sums: BlockSums | None
+    done: Callable[[], None] | None
+
+
+class _InPlace:
+    """A CPU destination of the saved dtype: bytes copied into its storage."""
+
+    def __init__(self, dest: torch.Tensor) -> None:
+        self.view = storage_view(dest)
+        self.es = dest.element_size()
+
+    def put(self, elem: int, data: np.ndarray) -> None:
+        d = elem * self.es
+        self.view[d : d + len(data)] = data.data
+
+
+class _Converted:
+    """Any other destination (another dtype, a device): whole elements of the saved dtype copied
+    (and cast) into the destination's storage, run by run."""
+
+    def __init__(self, dest: torch.Tensor, saved: torch.dtype) -> None:
+        st = dest.untyped_storage()
+        flat = torch.empty(0, dtype=dest.dtype, device=dest.device)
+        self.flat = flat.set_(st, 0, (st.nbytes() // dest.element_size(),), (1,))
+        self.saved = saved
+
+    def put(self, elem: int, data: np.ndarray) -> None:
+        src = torch.frombuffer(data, dtype=self.saved)  # no copy; unaligned is fine
+        self.flat[elem : elem + len(src)].copy_(src)
+
+
+@dataclass
+class LocalNeeds:
+    """The byte ranges of the files this rank's regions need, and where each lands.
+
+    :meth:`needs` rounds each run out to whole checksum blocks of its chunk
+    (a received piece is checked before any of it is used) and merges them
+    per file: what this rank asks the job for. The destination runs are
+    kept sorted by file and start, to find by bisection where a received
+    piece goes: into the destination's storage directly (a CPU tensor of the
+    saved dtype) or cast and copied run by run (another dtype, a device; such
+    regions need block checksums, whose checked blocks are whole elements).
+    """
+
+    regions: Sequence[Region]
+    file: np.ndarray = field(init=False)
+    start: np.ndarray = field(init=False)
+    length: np.ndarray = field(init=False)
+    region: np.ndarray = field(init=False)
+    dst: np.ndarray = field(init=False)  # element offset in the destination's storage
+    reach: np.ndarray = field(init=False)
+    sinks: list[_InPlace | _Converted] = field(init=False)
+
+    def __post_init__(self) -> None:
+        cols: list[list[np.ndarray]] = [[], [], [], [], []]
+        self.sinks = []
+        for i, r in enumerate(self.regions):
+            es = r.part.dtype.itemsize
+            grid = runs(
+                r.part.chunk_sizes, r.part.region, r.dest.stride(), int(r.dest.storage_offset())
+            )
+            in_place = r.dest.device.type == "cpu" and r.dest.dtype == r.part.dtype
+            self.sinks.append(_InPlace(r.dest) if in_place else _Converted(r.dest, r.part.dtype))
+            k = len(grid.src)
+            if not k or not grid.count:
+                continue
+            cols[0].append(np.full(k, r.part.location.file, np.int64))
+            cols[1].append(grid.src * es + r.part.location.start)
+            cols[2].append(np.full(k, grid.count * es, np.int64))
+            cols[3].append(np.full(k, i, np.int64))
+            cols[4].append(grid.dst)
+        file, start, length, region, dst = (
+            np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols
+        )
+        order = np.lexsort((start, file))
+        self.file, self.start, self.length = file[order], start[order], length[order]
+        self.region, self.dst = region[order], dst[order]
+        # Per file, the running maximum of the runs' ends (see copy_in).
+        ends = self.start + self.length
+        self.reach = np.empty_like(ends)
+        for f in np.unique(self.file).tolist():
+            sel = np.flatnonzero(self.file == f)
+            self.reach[sel] = np.maximum.accumulate(ends[sel])
+
+    def needs(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Per file, the merged ``(starts, lengths)`` this rank needs, runs rounded out to whole
+        blocks of their chunks."""
+        # Each run's chunk start, size and block (0: no checksums, the run kept as it is), so
+        # that every run is rounded in one pass, whatever the number of regions.
+        locs = [r.part.location for r in self.regions]
+        base = np.array([loc.start for loc in locs], np.int64)[self.region]
+        size = np.array([loc.nbytes for loc in locs], np.int64)[self.region]
+        bs = np.array([r.sums.block if r.sums else 0 for r in self.regions], np.int64)[self.region]
+        starts, ends = self.start.copy(), self.start + self.length
+        on = bs > 0
+        b = bs[on]
+        starts[on] = base[on] + (starts[on] - base[on]) // b * b
+        ends[on] = base[on] + np.minimum(-(-(ends[on] - base[on]) // b) * b, size[on])
+        out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        cuts = np.flatnonzero(np.diff(self.file)) + 1  # runs are sorted by file
+        for f, s, e in zip(np.split(self.file, cuts), np.split(starts, cuts), np.split(ends, cuts)):
+            if len(f):
+                a, z = merge_ranges(s, e)
+                out[int(f[0])] = (a, z - a)
+        return out
+
+    def copy_in(self, file: int, start: int, data: np.ndarray) -> int:
+        """Copy ``data`` (bytes ``[start, start + len(data))`` of ``file``) into every destination
+        run it overlaps; the bytes copied."""
+        end = start + len(data)
+        lo = int(np.searchsorted(self.file, file, "left"))
+        hi = int(np.searchsorted(self.file, file, "right"))
+        # Runs sorted by start; the running maximum of their ends is sorted too, so the runs a
+        # piece may overlap are one slice (two read items may read the same bytes).
+        i = lo + int(np.searchsorted(self.reach[lo:hi], start, "right"))
+        j = lo + int(np.searchsorted(self.start[lo:hi], end, "left"))
+        copied = 0
+        for k in range(i, j):
+            a = max(int(self.start[k]), start)
+            b = min(int(self.start[k] + self.length[k]), end)
+            if a < b:
+                r = int(self.region[k])
+                es = self.regions[r].part.dtype.itemsize
+                if (a - int(self.start[k])) % es or (b - a) % es:
+                    raise ReadOnceError(
+                        f"{self.regions[r].name}: bytes [{a}, {b}) of file {file} arrived cut "
+                        f"inside an element of {es} bytes"
+                    )
+                elem = int(self.dst[k]) + (a - int(self.start[k])) // es
+                self.sinks[r].put(elem, data[a - start : b - start])
+                copied += b - a
+        return copied
+
+
+# ---------------------------------------------------------------- checks
+
+
+class PieceChecker:
+    """Checks received pieces against the block checksums of this rank's chunks.
+
+    A block a piece holds whole is hashed where it was received; a block
+    split between pieces (a balancing cut inside a small chunk) is gathered
+    in ``pending`` until complete. :meth:`verified` returns the parts of a
+    piece that may be copied into place now.
+    """
+
+    def __init__(self, needs: LocalNeeds, verifier: BlockVerifier) -> None:
+        self.verifier = verifier
+        chunks: dict[tuple[int, int], Region] = {}
+        for r in needs.regions:
+            if r.sums is not None:
+                chunks.setdefault((r.part.location.file, r.part.location.start), r)
+        keys = sorted(chunks)
+        self._chunks = [chunks[k] for k in keys]
+        self._file = np.array([k[0] for k in keys], np.int64)
+        self._start = np.array([k[1] for k in keys], np.int64)
+        self._end = np.array([k[1] + chunks[k].part.location.nbytes for k in keys], np.int64)
+        self.pending: dict[tuple[int, int], tuple[bytearray, int]] = {}
+
+    def verified(
+        self, file: int, start: int, data: np.ndarray, sender: int
+    ) -> list[tuple[int, np.ndarray]]:
+        """Check every block of this rank's chunks that the piece completes; the parts of the
+        piece ready to copy, as ``(file offset, bytes)``."""
+        end = start + len(data)
+        lo = int(np.searchsorted(self._file, file, "left"))
+        hi = int(np.searchsorted(self._file, file, "right"))
+        i = lo + int(np.searchsorted(self._end[lo:hi], start, "right"))
+        j = lo + int(np.searchsorted(self._start[lo:hi], end, "left"))
+        ready: list[tuple[int, np.ndarray]] = []
+        cursor = start  # the bytes before it are handed out or held
+        for k in range(i, j):
+            r = self._chunks[k]
+            loc, sums = r.part.location, r.sums
+            assert sums is not None
+            bs = sums.block
+            a, b = max(start, loc.start), min(end, loc.start + loc.nbytes)
+            if cursor < a:  # bytes of no checked chunk of this rank's
+                ready.append((cursor, data[cursor - start : a - start]))
+            rel_a, rel_b = a - loc.start, b - loc.start
+            first = -(-rel_a // bs)  # the first block that starts in the piece
+            last = rel_b // bs if rel_b < loc.nbytes else -(-rel_b // bs)  # past its last whole one
+            check = ChunkCheck(
+                self.verifier, sums, f"{r.name} (read by rank {sender})", r.chunk_offsets
+            )
+            if first < last:
+                at, stop = first * bs, min(last * bs, loc.nbytes)
+                mem = data[loc.start + at - start : loc.start + stop - start]
+                self.verifier.check_span(
+                    check, loc, mem, at, np.arange(first, last, dtype=np.int64)
+                )
+                ready.append((loc.start + at, mem))
+            else:
+                first = last = rel_a // bs  # no whole block: the piece lies inside one
+            for ea, eb in ((rel_a, min(first * bs, rel_b)), (max(last * bs, rel_a), rel_b)):
+                if ea < eb:  # part of an edge block: held until the block is complete
+                    held = self._hold(
+                        check, loc, ea, data[loc.start + ea - start : loc.start + eb - start]
+                    )
+                    if held is not None:
+                        ready.append(held)
+            cursor = b
+        if cursor < end:
+            ready.append((cursor, data[cursor - start :]))
+        return ready
+
+    def _hold(
+        self, check: ChunkCheck, loc: Location, rel: int, part: np.ndarray
+    ) -> tuple[int, np.ndarray] | None:
+        """Keep ``part`` (bytes from ``rel`` of the chunk, inside one block); once its block is
+        complete, check it and return it as ``(file offset, bytes)``."""
+        bs = check.sums.block
+        k = rel // bs
+        width = min(bs, loc.nbytes - k * bs)
+        key = (loc.file, loc.start + k * bs)
+        buf, got = self.pending.pop(key, (bytearray(width), 0))
+        buf[rel - k * bs : rel - k * bs + len(part)] = part.data
+        got += len(part)
+        if got < width:
+            self.pending[key] = (buf, got)
+            return None
+        block = np.frombuffer(buf, dtype=np.uint8)
+        self.verifier.check_span(check, loc, block, k * bs, np.array([k], np.int64))
+        return loc.start + k * bs, block
+
+
+# ---------------------------------------------------------------- rounds
+
+
+@dataclass(frozen=True)
+class ExchangeRound:
+    """One rank's part of one round: per peer (by group rank, this rank included), the pieces of
+    the checkpoint's files it sends there and receives from there, as ``(k, 3)`` int64 arrays of
+    ``(file, start, length)`` in the order they travel."""
+
+    sends: tuple[np.ndarray, ...]
+    recvs: tuple[np.ndarray, ...]
+
+
+@dataclass(frozen=True)
+class RankRounds:
+    """One rank's share of an exchange of ``count`` rounds, described by windows rather than
+    listed round by round (its size is this rank's transfers, whatever the number of rounds).
+
+    ``sends``: ``(n, 5)`` int64 array of ``(group, file, start, length, at)``, the transfers
+    this rank reads and sends to every rank of a group (its own group too: then itself among
+    them; ``group_of[r]`` is rank ``r``'s group,
+    :class:`~ucp_dcp.dcp.read_once.rounds.NeedGroups`); ``recvs``: ``(n, 5)`` of ``(reader,
+    file, start, length, at)``, those it receives (its own reads for itself included). ``at``
+    is where the transfer starts in its reader's *stream* (the reader's reads laid end to end);
+    ``windows[q]``: the bytes of its stream reader ``q`` handles per round. Round ``k`` holds,
+    of every transfer, the part in window ``k`` of its reader's stream: both ends of a message
+    cut the same rows the same way.
+    """
+
+    count: int
+    sends: np.ndarray
+    recvs: np.ndarray
+    windows: np.ndarray
+    group_of: np.ndarray
+
+    def round(self, k: int, me: int, world: int) -> ExchangeRound:
+        """Round ``k``: per peer, the pieces this rank sends there and receives from there (the
+        ranks of one group share one array of pieces)."""
+        groups = int(self.group_of.max()) + 1 if len(self.group_of) else 0
+        by_group = _window(self.sends, self.windows[me], k, groups)
+        return ExchangeRound(
+            tuple(by_group[g] for g in self.group_of.tolist()),
+            _window(self.recvs, self.windows[self.recvs[:, 0]], k, world),
+        )
+
+
+def _window(
+    rows: np.ndarray, w: np.ndarray | np.integer, k: int, world: int
+) -> tuple[np.ndarray, ...]:
+    """The parts of ``rows`` in window ``k`` of their readers' streams (``w`` bytes a window),
+    per peer (``world`` of them: ranks, or groups of ranks), each as ``(file, start, length)``
+    rows by (file, start)."""
+    peer, file, start, length, at = rows.T
+    lo, hi = k * w, (k + 1) * w
+    a, b = np.maximum(at, lo), np.minimum(at + length, hi)
+    keep = a < b
+    peer, file = peer[keep], file[keep]
+    start = (start + a - at)[keep]
+    length = (b - a)[keep]
+    order = np.lexsort((start, file, peer))
+    part = np.stack([file, start, length], axis=1)[order]
+    cuts = np.searchsorted(peer[order], np.arange(world + 1)).tolist()
+    return tuple(part[cuts[p] : cuts[p + 1]] for p in range(world))
+
+
+@dataclass
+class ExchangeTotals:
+    """What :func:`run_exchange` did on this rank: ``rounds``; bytes ``read`` from storage,
+    ``sent`` and ``received`` over the group (its own pieces left out), ``copied`` into
+    destinations; ``checked``: bytes hashed; ``seconds`` in all."""
+
+    rounds: int = 0
+    read: int = 0
+    sent: int = 0
+    received: int = 0
+    copied: int = 0
+    checked: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _InFlight:
+    """A round whose ``all_to_all_single`` may still be running: its work, buffers and pieces."""
+
+    work: dist.Work
+    send: torch.Tensor  # kept alive until the collective is done with it
+    recv: torch.Tensor
+    rnd: ExchangeRound
+    recv_sizes: list[int]
+
+    def finish(
+        self,
+        me: int,
+        needs: LocalNeeds,
+        checker: PieceChecker,
+        totals: ExchangeTotals,
+        error: BaseException | None,
+    ) -> tuple[bool, BaseException | None]:
+        """Wait for the round, then check and place what it brought (unless this rank already
+        failed); whether any rank said it failed, and this rank's error so far."""
+        self.work.wait()
+        data = self.recv.cpu().numpy()  # no copy for a CPU group
+        peer_failed, at = False, 0
+        for p, (pieces, size) in enumerate(zip(self.rnd.recvs, self.recv_sizes)):
+            if data[at : at + STATUS_BYTES].any():
+                peer_failed = True
+            elif error is None:
+                try:
+                    _unpack(pieces, data[at + STATUS_BYTES : at + size], p, needs, checker, totals)
+                except Exception as e:  # noqa: BLE001  (raised after the closing gather)
+                    error = e
+            if p != me:
+                totals.received += size - STATUS_BYTES
+            at += size
+        return peer_failed, error
+
+
+def run_exchange(
+    rounds: RankRounds,
+    needs: LocalNeeds,
+    source: ByteSource,
+    paths: Sequence[str],
+    ranks: Sequence[int | None],
+    group: dist.ProcessGroup | None,
+) -> ExchangeTotals:
+    """Run this rank's ``rounds`` and then its regions' ``done`` callbacks.
+
+    Collective: every rank of ``group`` calls it with its own rounds, the
+    same number on every rank. Raises the first error any rank met, on
+    every rank (this rank's own where it has one).
+    """
+    me = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    wire = wire_device(group)
+    verifier = BlockVerifier(paths, ranks)
+    checker = PieceChecker(needs, verifier)
+    totals = ExchangeTotals()
+    t0 = time.perf_counter()
+    # Any exception, not just the library's, is kept and raised after the closing gather: a rank
+    # leaving the rounds early would leave the others waiting in the next collective.
+    error: BaseException | None = None
+    flight: _InFlight | None = None
+    for k in range(rounds.count):
+        rnd = rounds.round(k, me, world)
+        # Round k's messages go out while round k-1's are placed: reading, sending and checking
+        # overlap (the collective runs on the group's own thread).
+        send_sizes, recv_sizes = _sizes(rnd.sends), _sizes(rnd.recvs)
+        send = torch.zeros(sum(send_sizes), dtype=torch.uint8)
+        if error is None:
+            try:
+                _pack(rnd, source, send.numpy(), send_sizes, me, totals)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        if error is not None:  # tell every rank, in messages of the agreed sizes
+            for at in np.cumsum([0, *send_sizes[:-1]]).tolist():
+                send[at : at + STATUS_BYTES] = 1  # messages need not start 8-byte aligned
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=wire)
+        if wire.type != "cpu":  # an NCCL group moves device memory only
+            send = send.pin_memory().to(wire, non_blocking=True)
+        work = dist.all_to_all_single(
+            recv, send, recv_sizes, send_sizes, group=group, async_op=True
+        )
+        totals.rounds += 1
+        stop = False
+        if flight is not None:
+            # Every rank launched round k before any looks at round k-1's statuses, and all see
+            # the same ones: all stop after the same round, with round k still to be waited for.
+            stop, error = flight.finish(me, needs, checker, totals, error)
+        flight = _InFlight(work, send, recv, rnd, recv_sizes)
+        if stop:
+            break
+    if flight is not None:
+        _, error = flight.finish(me, needs, checker, totals, error)
+    totals.seconds = time.perf_counter() - t0
+    totals.checked = verifier.bytes
+    if error is None and checker.pending:
+        file, start = next(iter(checker.pending))
+        error = ReadOnceError(
+            f"{paths[file]}: the checksum block at byte {start} was only partly received: the "
+            "read-once plan left part of a block this rank needs unsent"
+        )
+    errors: list[BaseException | None] = [None] * world
+    dist.all_gather_object(errors, error, group=group)
+    first = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise error
+    if first is not None:
+        raise first
+    for r in needs.regions:
+        if r.done is not None:
+            r.done()
+    return totals
+
+
+def _sizes(pieces: Sequence[np.ndarray]) -> list[int]:
+    """Bytes of the message to or from each peer: the status word and the pieces."""
+    return [STATUS_BYTES + (int(p[:, 2].sum()) if len(p) else 0) for p in pieces]
+
+
+def _pack(
+    rnd: ExchangeRound,
+    source: ByteSource,
+    out: np.ndarray,
+    sizes: Sequence[int],
+    me: int,
+    totals: ExchangeTotals,
+) -> None:
+    """Read what this rank sends this round (each byte once, however many peers get it) and lay
+    it out in ``out``, one message per peer, each opening with a zero status word."""
+    held: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    # The ranks of a group share one array of pieces: read them once.
+    sent = list({id(p): p for p in rnd.sends if len(p)}.values())
+    if sent:
+        every = np.concatenate(sent)
+        segs: list[Segment] = []
+        for f in np.unique(every[:, 0]).tolist():
+            sel = every[:, 0] == f
+            a, b = merge_ranges(every[sel, 1], every[sel, 1] + every[sel, 2])
+            offs = np.concatenate([[0], np.cumsum(b - a)])
+            buf = np.empty(int(offs[-1]), dtype=np.uint8)
+            segs += [
+                Segment(f, s, buf[o : o + e - s].data)
+                for s, e, o in zip(a.tolist(), b.tolist(), offs[:-1].tolist())
+            ]
+            held[f] = (a, offs, buf)
+            totals.read += int(offs[-1])
+        source.read(segs)
+    at = 0
+    for p, (pieces, size) in enumerate(zip(rnd.sends, sizes)):
+        w = at + STATUS_BYTES
+        for f, s, n in pieces.tolist():
+            a, offs, buf = held[f]
+            i = int(np.searchsorted(a, s, "right")) - 1
+            o = int(offs[i]) + s - int(a[i])
+            out[w : w + n] = buf[o : o + n]
+            w += n
+        if p != me:
+            totals.sent += size - STATUS_BYTES
+        at += size
+
+
+def _unpack(
+    pieces: np.ndarray,
+    data: np.ndarray,
+    sender: int,
+    needs: LocalNeeds,
+    checker: PieceChecker,
+    totals: ExchangeTotals,
+) -> None:
+    """Check and place the pieces of one received message."""
+    at = 0
+    for f, s, n in pieces.tolist():
+        for start, mem in checker.verified(f, s, data[at : at + n], sender):
+            totals.copied += needs.copy_in(f, start, mem)
+        at += n
