@@ -45,8 +45,17 @@ from .names import (
     st_dtype,
     value_entry_name,
 )
-from .records import ChunkRecord, FileRecord, Index, Layout, Location, TensorRecord
-from .runs import RunList, decode_runs, encode_runs
+from .records import (
+    ChunkRecord,
+    FileRecord,
+    Index,
+    Layout,
+    Location,
+    RunList,
+    TensorRecord,
+    decode_runs,
+    encode_runs,
+)
 
 __all__ = [
     "ALIGN",
