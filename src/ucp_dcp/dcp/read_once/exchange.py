@@ -52,10 +52,10 @@ from ...byteio.blocksums import BlockSums
 from ...byteio.blockverify import BlockVerifier, ChunkCheck
 from ...byteio.rangeio import ByteSource, Segment, storage_view
 from ...byteio.transfer import ChunkRegion
-from ...core.contiguous import runs
+from ...core.boxes import runs
 from ...errors import ReadOnceError
 from ...format import Location
-from .plan import merge_ranges
+from .plan import merge_ranges, offsets
 
 __all__ = [
     "STATUS_BYTES",
@@ -390,7 +390,7 @@ def _window(
     length = (b - a)[keep]
     order = np.lexsort((start, file, peer))
     part = np.stack([file, start, length], axis=1)[order]
-    cuts = np.searchsorted(peer[order], np.arange(world + 1)).tolist()
+    cuts = offsets(peer[order], world).tolist()
     return tuple(part[cuts[p] : cuts[p + 1]] for p in range(world))
 
 

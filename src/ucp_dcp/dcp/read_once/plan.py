@@ -87,6 +87,7 @@ __all__ = [
     "expand",
     "intersect_ranges",
     "merge_ranges",
+    "offsets",
     "plan_job_reads",
     "segments",
     "stable_order",
@@ -159,6 +160,12 @@ def at_least(name: str, value: int, minimum: int) -> int:
     return int(value)
 
 
+def offsets(sorted_keys: np.ndarray, n: int) -> np.ndarray:
+    """Where each key ``0..n-1`` starts in ``sorted_keys`` (ascending), and its end: ``n + 1``
+    int64 offsets, key ``k``'s rows at ``offsets[k]:offsets[k + 1]``."""
+    return np.searchsorted(sorted_keys, np.arange(n + 1)).astype(_I64)
+
+
 # ---------------------------------------------------------------- records
 
 _C = TypeVar("_C", bound="Columns")
@@ -197,13 +204,30 @@ class Transfers(Columns):
         return int(self.length.sum())
 
 
+@dataclass(frozen=True, eq=False)
 class ReadsByRank:
-    """What a job read plan says of its reads, from ``read_rank``/``read_length`` (one row per
-    read) and ``world_size``: shared by :class:`JobReadPlan` and the compact group plan
-    (:class:`~ucp_dcp.dcp.read_once.rounds.GroupReadPlan`)."""
+    """What both forms of a job read plan hold, the per-rank :class:`JobReadPlan` and the
+    compact :class:`~ucp_dcp.dcp.read_once.rounds.GroupReadPlan` (each adds its transfers).
 
+    ``read_*``: every rank's reads, sorted by (rank, file, start), merged (no two touch);
+    ``read_offsets[r]:read_offsets[r + 1]`` are rank ``r``'s. ``send_offsets``: the rows of
+    the transfers per reader; ``recv_index`` lists the rows per receiver in order,
+    ``recv_offsets`` per receiver. ``needed_bytes``: the sum over ranks of the bytes each
+    needs; ``unique_bytes``: the bytes at least one rank needs. Reads start and end on
+    multiples of ``align`` (a file's last page may end at its size).
+    """
+
+    align: int
     read_rank: np.ndarray
+    read_file: np.ndarray
+    read_start: np.ndarray
     read_length: np.ndarray
+    read_offsets: np.ndarray
+    send_offsets: np.ndarray
+    recv_index: np.ndarray
+    recv_offsets: np.ndarray
+    needed_bytes: int
+    unique_bytes: int
 
     if TYPE_CHECKING:  # a field of JobReadPlan, a property of the group plan
 
@@ -234,28 +258,14 @@ class ReadsByRank:
 class JobReadPlan(ReadsByRank):
     """Who reads which bytes of which file, and who sends what to whom (see the module's rules).
 
-    ``read_*``: every rank's reads, sorted by (rank, file, start), merged (no two touch);
-    ``read_offsets[r]:read_offsets[r + 1]`` are rank ``r``'s. ``transfers`` sorted by (reader,
-    receiver, file, start), ``send_offsets`` likewise per reader; ``recv_index`` lists the rows
-    of ``transfers`` per receiver in (file, start) order, ``recv_offsets`` per receiver.
-    ``needed_bytes``: the sum over ranks of the bytes each needs; ``unique_bytes``: the bytes
-    at least one rank needs.
+    The reads and indices as in :class:`ReadsByRank`; ``transfers`` sorted by (reader,
+    receiver, file, start), ``recv_index`` lists them per receiver in (file, start) order.
+    ``min_run``: the least piece of a shared segment given to one reader.
     """
 
     world_size: int
-    align: int
     min_run: int
-    read_rank: np.ndarray
-    read_file: np.ndarray
-    read_start: np.ndarray
-    read_length: np.ndarray
-    read_offsets: np.ndarray
     transfers: Transfers
-    send_offsets: np.ndarray
-    recv_index: np.ndarray
-    recv_offsets: np.ndarray
-    needed_bytes: int
-    unique_bytes: int
 
     def reads(self, rank: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """What ``rank`` reads from storage, as :data:`Extents` (sorted, non-overlapping)."""
@@ -553,21 +563,27 @@ def plan_job_reads(
             )
     piece_reader, piece_start, piece_end = _assign(segs, world, align, min_run, weights)
 
-    reads = _reads(line, world, piece_reader, piece_start, piece_end)
-    transfers, send_offsets, recv_index, recv_offsets = _transfers(
+    read_rank, read_file, read_start, read_length = _reads(
+        line, piece_reader, piece_start, piece_end
+    )
+    transfers, recv_index, recv_offsets = _transfers(
         line, world, rank, start, end, piece_reader, piece_start, piece_end
     )
     return JobReadPlan(
-        world,
-        align,
-        min_run,
-        *reads,
-        transfers,
-        send_offsets,
-        recv_index,
-        recv_offsets,
-        needed,
-        unique,
+        align=align,
+        read_rank=read_rank,
+        read_file=read_file,
+        read_start=read_start,
+        read_length=read_length,
+        read_offsets=offsets(read_rank, world),
+        send_offsets=offsets(transfers.reader, world),
+        recv_index=recv_index,
+        recv_offsets=recv_offsets,
+        needed_bytes=needed,
+        unique_bytes=unique,
+        world_size=world,
+        min_run=min_run,
+        transfers=transfers,
     )
 
 
@@ -679,13 +695,12 @@ def _snap(
 
 
 def _reads(
-    line: _Line, world: int, reader: np.ndarray, start: np.ndarray, end: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Each rank's pieces merged: (rank, file, start, length, offsets per rank)."""
+    line: _Line, reader: np.ndarray, start: np.ndarray, end: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each rank's pieces merged: (rank, file, start, length)."""
     rank, start, end = _merge(reader, start, end)
     file, offset = line.to_file(start)
-    offsets = np.searchsorted(rank, np.arange(world + 1)).astype(_I64)
-    return rank, file, offset, end - start, offsets
+    return rank, file, offset, end - start
 
 
 def _transfers(
@@ -697,8 +712,9 @@ def _transfers(
     p_reader: np.ndarray,
     p_start: np.ndarray,
     p_end: np.ndarray,
-) -> tuple[Transfers, np.ndarray, np.ndarray, np.ndarray]:
-    """What each rank needs (merged ``rank, start, end``) of the pieces others read."""
+) -> tuple[Transfers, np.ndarray, np.ndarray]:
+    """What each rank needs (merged ``rank, start, end``) of the pieces others read: the
+    transfers, ``recv_index`` and ``recv_offsets`` (see :class:`ReadsByRank`)."""
     lo = np.searchsorted(p_end, start, side="right")
     hi = np.searchsorted(p_start, end, side="left")
     row, piece = expand(lo, hi)
@@ -716,12 +732,11 @@ def _transfers(
     first = np.flatnonzero(new)
     receiver, reader, t_start = receiver[first], reader[first], t_start[first]
     t_end = np.maximum.reduceat(t_end, first) if len(first) else t_end[first]
-    recv_offsets = np.searchsorted(receiver, np.arange(world + 1)).astype(_I64)
+    recv_offsets = offsets(receiver, world)
     # Rows come by (receiver, start): a stable sort by reader makes that (reader, receiver, start).
     order = stable_order(reader)
     recv_index = np.empty(len(order), _I64)
     recv_index[order] = np.arange(len(order), dtype=_I64)
     file, offset = line.to_file(t_start[order])
     transfers = Transfers(reader[order], receiver[order], file, offset, (t_end - t_start)[order])
-    send_offsets = np.searchsorted(transfers.reader, np.arange(world + 1)).astype(_I64)
-    return transfers, send_offsets, recv_index, recv_offsets
+    return transfers, recv_index, recv_offsets

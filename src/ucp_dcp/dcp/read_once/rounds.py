@@ -44,6 +44,7 @@ Its rounds: :meth:`GroupReadPlan.windows` cuts the transfers into rounds as
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ from .plan import (
     expand,
     intersect_ranges,
     merge_ranges,
+    offsets,
     plan_job_reads,
     stable_order,
 )
@@ -110,21 +112,12 @@ def with_own_reads(plan: JobReadPlan, needs: Sequence[Extents]) -> JobReadPlan:
     every = Transfers(reader[order], receiver[order], file[order], start[order], length[order])
     world = plan.world_size
     recv_index = np.lexsort((every.start, every.file, every.receiver)).astype(_I64)
-    return JobReadPlan(
-        world,
-        plan.align,
-        plan.min_run,
-        plan.read_rank,
-        plan.read_file,
-        plan.read_start,
-        plan.read_length,
-        plan.read_offsets,
-        every,
-        np.searchsorted(every.reader, np.arange(world + 1)).astype(_I64),
-        recv_index,
-        np.searchsorted(every.receiver[recv_index], np.arange(world + 1)).astype(_I64),
-        plan.needed_bytes,
-        plan.unique_bytes,
+    return dataclasses.replace(
+        plan,
+        transfers=every,
+        send_offsets=offsets(every.reader, world),
+        recv_index=recv_index,
+        recv_offsets=offsets(every.receiver[recv_index], world),
     )
 
 
@@ -388,26 +381,13 @@ class GroupTransfers(Columns):
 class GroupReadPlan(ReadsByRank):
     """Who reads which bytes, and which bytes go to every rank of which group (see the module).
 
-    ``read_*``: every rank's reads, sorted by (rank, file, start), ``read_offsets`` per rank as
-    in :class:`~ucp_dcp.dcp.read_once.plan.JobReadPlan`; ``transfers`` sorted by (reader, group,
-    at), ``send_offsets`` per reader; ``recv_index`` the rows by (group, reader, at),
-    ``recv_offsets`` per group. ``needed_bytes``: the bytes every rank needs, summed;
-    ``unique_bytes``: the bytes at least one rank needs.
+    The reads and indices as in :class:`~ucp_dcp.dcp.read_once.plan.ReadsByRank`, receivers
+    being the ``groups``; ``transfers`` sorted by (reader, group, at), ``recv_index`` the rows
+    by (group, reader, at), ``recv_offsets`` per group.
     """
 
     groups: NeedGroups
-    align: int
-    read_rank: np.ndarray
-    read_file: np.ndarray
-    read_start: np.ndarray
-    read_length: np.ndarray
-    read_offsets: np.ndarray
     transfers: GroupTransfers
-    send_offsets: np.ndarray
-    recv_index: np.ndarray
-    recv_offsets: np.ndarray
-    needed_bytes: int
-    unique_bytes: int
 
     @property
     def world_size(self) -> int:
@@ -525,21 +505,22 @@ def plan_group_reads(
 
     reads = _split_reads(base.read_file, base.read_start, base.read_length, pos, cut, who)
     transfers = _split_transfers(base, pos, g0, cut, who)
-    read_offsets = np.searchsorted(reads[0], np.arange(world + 1)).astype(_I64)
-    send_offsets = np.searchsorted(transfers.reader, np.arange(world + 1)).astype(_I64)
+    read_rank, read_file, read_start, read_length = reads
     recv_index = np.lexsort((transfers.at, transfers.reader, transfers.group)).astype(_I64)
-    recv_offsets = np.searchsorted(transfers.group[recv_index], np.arange(ngroups + 1)).astype(_I64)
     return GroupReadPlan(
-        groups,
-        align,
-        *reads,
-        read_offsets,
-        transfers,
-        send_offsets,
-        recv_index,
-        recv_offsets,
-        needed,
-        base.unique_bytes,
+        align=align,
+        read_rank=read_rank,
+        read_file=read_file,
+        read_start=read_start,
+        read_length=read_length,
+        read_offsets=offsets(read_rank, world),
+        send_offsets=offsets(transfers.reader, world),
+        recv_index=recv_index,
+        recv_offsets=offsets(transfers.group[recv_index], ngroups),
+        needed_bytes=needed,
+        unique_bytes=base.unique_bytes,
+        groups=groups,
+        transfers=transfers,
     )
 
 
