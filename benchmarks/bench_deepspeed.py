@@ -118,6 +118,7 @@ from harness import (
 )
 from harness.memory import loadavg
 from harness.report import default_out
+from ucp_dcp import ReadOptions
 
 REPO = Path(__file__).resolve().parent.parent
 TAG = "step2"
@@ -501,7 +502,7 @@ def _load_ds(variant: str, path: Path, hidden: int, layers: int, ref: dict[str, 
             set_model_state_dict(model, state["model"])
         else:
             set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
-        return {"bytes_requested": reader.bytes_requested}
+        return {"bytes_requested": reader.last_load.bytes_requested}
 
     rec = _timed_load(path, load)
     if variant == "zero_to_fp32":
@@ -546,7 +547,7 @@ def _load_pp(
             return {}
         reader = UCPStorageReader(path)
         dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner())
-        return {"bytes_requested": reader.bytes_requested}
+        return {"bytes_requested": reader.last_load.bytes_requested}
 
     rec = _timed_load(path, load)
     rec["failures"] = _mismatches(_flat(state), ref, variant)
@@ -606,7 +607,7 @@ def _load_pp_fsdp2(
         reader = UCPStorageReader(path)
         dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner())
         set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
-        return {"bytes_requested": reader.bytes_requested}
+        return {"bytes_requested": reader.last_load.bytes_requested}
 
     rec = _timed_load(path, load)
     rec["failures"] = _mismatches(_flat(state), ref, variant)
@@ -629,7 +630,7 @@ def _load_hf(variant: str, path: Path, cfg: Any) -> dict[str, Any]:
         if variant == "hf_ucp":
             reader = UCPStorageReader(path, prefix="model.")
             dcp.load({"model": msd}, storage_reader=reader, planner=UCPLoadPlanner())
-            return {"bytes_requested": reader.bytes_requested}
+            return {"bytes_requested": reader.last_load.bytes_requested}
         dcp.load(msd, storage_reader=HuggingFaceStorageReader(str(path)))
         return {}
 
@@ -1028,8 +1029,7 @@ def _local_bytes(state: dict[str, Any]) -> int:
 def _pattern_load(state: dict[str, Any], path: Path, gap_bytes: int | None = None) -> Any:
     from ucp_dcp import UCPLoadPlanner, UCPStorageReader
 
-    kw = {} if gap_bytes is None else {"gap_bytes": gap_bytes}
-    reader = UCPStorageReader(path, read_once=False, **kw)
+    reader = UCPStorageReader(path, options=ReadOptions(read_once=False, gap_bytes=gap_bytes))
     dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner())
     return reader
 
@@ -1074,7 +1074,7 @@ def patterns_rank_main(
             state = _pattern_state(group, mesh)
             reader = _pattern_load(state, ckpt_p, gap)
             rec = {
-                "requested": reader.bytes_requested,
+                "requested": reader.last_load.bytes_requested,
                 "target": _local_bytes(state),
                 "tensors": len(group),
                 "unfilled": _unfilled(state),
@@ -1123,7 +1123,7 @@ def patterns_rank_main(
         def load() -> dict[str, Any]:
             nonlocal reader
             reader = _pattern_load(state, uni_p if variant == "universal" else ckpt_p)
-            return {"bytes_requested": reader.bytes_requested}
+            return {"bytes_requested": reader.last_load.bytes_requested}
 
         rec = _timed_load(uni_p if variant == "universal" else ckpt_p, load)
         rec["target_bytes"] = target_all

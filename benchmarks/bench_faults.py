@@ -71,6 +71,7 @@ from harness.objstore import MotoServer, s3_environment, storage_options
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from fault_proxy import FaultProxy  # noqa: E402  (the tests' proxy: stall and slow faults)
+from ucp_dcp import ReadOptions
 
 SCENARIOS = ("none", "slow1", "slow5", "slow5+stall")
 READERS = ("ucp", "ucp-nohedge", "dcp")
@@ -136,7 +137,7 @@ def load_rank(rank: int, world: int, reader_kind: str, url: str, options: dict[s
         planner = None
     else:
         policy = RequestPolicy(**policy_args, hedge=reader_kind == "ucp")
-        reader = UCPStorageReader(url, storage_options=options, requests=policy)
+        reader = UCPStorageReader(url, storage_options=options, options=ReadOptions(requests=policy))
         planner = UCPLoadPlanner()
     dist.barrier()
     t0 = time.perf_counter()

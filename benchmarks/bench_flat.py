@@ -431,8 +431,8 @@ def target_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             with PhaseProbe(dist.barrier) as pr:
                 dcp.load(state, storage_reader=reader, planner=planner)
             if ucp:
-                extra |= {"bytes_requested": reader.bytes_requested, "read_calls": reader.read_calls,
-                          "gap_bytes": reader.gap_bytes}
+                extra |= {"bytes_requested": reader.last_load.bytes_requested, "read_calls": reader.last_load.read_calls,
+                          "gap_bytes": reader.options.gap_bytes}
             errs = verify(state, fqns, expected_groups, f"{fmt} load (repeat {rep})")
             errors += errs
             runs.append(pr.record(fmt=fmt, rep=rep, needed=needed, ok=not errs, **extra))

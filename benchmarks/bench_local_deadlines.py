@@ -41,7 +41,7 @@ import json, os, sys, time, warnings
 warnings.filterwarnings("ignore")
 import torch
 import torch.distributed.checkpoint as dcp
-from ucp_dcp import UCPLoadPlanner, UCPStorageReader
+from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPStorageReader
 from ucp_dcp.byteio.rangeio import RangeReader, Segment
 torch.set_num_threads(1)
 ckpt, blob, calls, variant = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -61,9 +61,9 @@ with RangeReader([blob], threads=2, **opts) as r:
 with open(os.path.join(ckpt, "shapes.json")) as f:
     shapes = json.load(f)
 state = {k: torch.empty(shape) for k, shape in shapes.items()}
-dcp.load(state, storage_reader=UCPStorageReader(ckpt, **opts), planner=UCPLoadPlanner())  # warm
+dcp.load(state, storage_reader=UCPStorageReader(ckpt, options=ReadOptions(**opts)), planner=UCPLoadPlanner())  # warm
 t0 = time.perf_counter()
-dcp.load(state, storage_reader=UCPStorageReader(ckpt, **opts), planner=UCPLoadPlanner())
+dcp.load(state, storage_reader=UCPStorageReader(ckpt, options=ReadOptions(**opts)), planner=UCPLoadPlanner())
 out["load_s"] = time.perf_counter() - t0
 small = os.path.join(os.path.dirname(ckpt), "small")
 calls = [0]
@@ -73,10 +73,10 @@ def counted(self, segments):
     return real(self, segments)
 RangeReader.read = counted
 many = {f"t{i}": torch.empty(64, 64, dtype=torch.float64) for i in range(2000)}
-dcp.load(many, storage_reader=UCPStorageReader(small, **opts), planner=UCPLoadPlanner())  # warm
+dcp.load(many, storage_reader=UCPStorageReader(small, options=ReadOptions(**opts)), planner=UCPLoadPlanner())  # warm
 calls[0] = 0
 t0 = time.perf_counter()
-dcp.load(many, storage_reader=UCPStorageReader(small, **opts), planner=UCPLoadPlanner())
+dcp.load(many, storage_reader=UCPStorageReader(small, options=ReadOptions(**opts)), planner=UCPLoadPlanner())
 out["cast_load_s"] = time.perf_counter() - t0
 out["cast_load_read_calls"] = calls[0]
 print(json.dumps(out))

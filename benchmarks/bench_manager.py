@@ -654,7 +654,7 @@ def direct_load(path: str, target: dict[str, Any], verify: bool) -> dict[str, An
     """One ``dcp.load`` through ``UCPStorageReader(verify=verify)``, no manager."""
     reader, planner = make_reader("ucp", path, verify=verify)
     wall, _ = timed_load(lambda: dcp.load(target, storage_reader=reader, planner=planner))
-    return {"wall_s": wall, "verify_seconds": reader.verify_seconds, "verified_bytes": reader.verified_bytes}
+    return {"wall_s": wall, "verify_seconds": reader.last_load.verify_seconds, "verified_bytes": reader.last_load.verified_bytes}
 
 
 def bench_restore(state: dict[str, Any], dcp_dir: str, dirs: Dirs, args: argparse.Namespace,

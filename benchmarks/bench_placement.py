@@ -29,7 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from bench_save import make_state
 
-from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
+from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.core.placement_digest import box_share
 
 
@@ -100,7 +100,7 @@ def _rank(rank: int, world: int, init: str, root: str, size_mb: int, repeats: in
             for i in range(repeats):
                 pair = {}
                 for verify in ((False, True) if i % 2 == 0 else (True, False)):
-                    reader = UCPStorageReader(os.path.join(root, "ck1"), verify_placement=verify,
+                    reader = UCPStorageReader(os.path.join(root, "ck1"), options=ReadOptions(verify_placement=verify),
                                               process_group=group)
                     dist.barrier(group)
                     pair[verify] = _timed(lambda: dcp.load(target, storage_reader=reader,
@@ -186,7 +186,7 @@ def main() -> None:
             path = os.path.join(root, "ck1")
             for verify in (False, True):
                 target = {k: torch.empty_like(v) if torch.is_tensor(v) else v for k, v in state.items()}
-                reader = UCPStorageReader(path, verify_placement=verify)
+                reader = UCPStorageReader(path, options=ReadOptions(verify_placement=verify))
                 times["load+v" if verify else "load"].append(
                     _timed(lambda: dcp.load(target, storage_reader=reader, planner=UCPLoadPlanner()))
                 )

@@ -128,6 +128,7 @@ from harness.objstore import (
 )
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.tensor import Replicate, Shard
+from ucp_dcp import ReadOptions
 
 WORLD = 4
 SOURCE = "dp4"
@@ -369,7 +370,7 @@ def make_reader(
     reader = UCPStorageReader(
         ckpt_path(cfg, "ucp", s3),
         storage_options=options,
-        read_once=_READ_ONCE[way],
+        options=ReadOptions(read_once=_READ_ONCE[way]),
         process_group=group,
     )
     return counted(reader, snapshot), UCPLoadPlanner()
@@ -379,10 +380,10 @@ def reader_record(way: str, reader: Any) -> dict[str, Any]:
     """What a ucp reader counted in its last load (empty for DCP)."""
     if way == "dcp":
         return {}
-    decision, totals = reader.read_once_decision, reader.exchange_totals
+    decision, totals = reader.last_load.read_once, reader.last_load.exchange
     return {
-        "bytes_requested": reader.bytes_requested,
-        "read_calls": reader.read_calls,
+        "bytes_requested": reader.last_load.bytes_requested,
+        "read_calls": reader.last_load.read_calls,
         "decision": None if decision is None else {k: v for k, v in asdict(decision).items()},
         "exchange": None if totals is None else asdict(totals),
     }

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import fully_shard
 
 from harness.pagecache import evict_tree  # isort: skip (puts this checkout's src/ first)
-from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
+from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 
 
 def _state(hidden: int, layers: int) -> dict[str, Any]:
@@ -70,7 +70,7 @@ def _load(
             kw["io_threads"] = io_threads
         if not verify:
             kw["verify"] = False
-        dcp.load(state, storage_reader=UCPStorageReader(path, **kw), planner=UCPLoadPlanner())
+        dcp.load(state, storage_reader=UCPStorageReader(path, options=ReadOptions(**kw)), planner=UCPLoadPlanner())
     else:
         dcp.load(state, storage_reader=dcp.FileSystemReader(path))
     dist.barrier()

@@ -15,7 +15,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from dist_utils import bit_equal
-from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
+from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.byteio.rangeio import RangeReader, Segment
 from ucp_dcp.core.spans import EXACT, READ_AHEAD_BYTES, SEQUENTIAL, file_access
 from ucp_dcp.errors import InvalidArgumentError
@@ -202,7 +202,7 @@ def _zeros(sd: dict[str, Any], cast: bool) -> dict[str, Any]:
 
 def test_access_is_validated() -> None:
     with pytest.raises(InvalidArgumentError) as e:
-        UCPStorageReader("/nonexistent", access="random")
+        UCPStorageReader("/nonexistent", options=ReadOptions(access="random"))
     assert str(e.value) == "access must be one of ('auto', 'sequential', 'exact'), got 'random'"
 
 
@@ -215,15 +215,15 @@ def test_load_bit_exact_and_reported(tmp_path: Path, access: str, cast: bool, ve
     sd = _state()
     dcp.save(sd, storage_writer=UCPStorageWriter(tmp_path), planner=UCPSavePlanner())
     out = _zeros(sd, cast)
-    reader = UCPStorageReader(tmp_path, access=access, verify=verify)
+    reader = UCPStorageReader(tmp_path, options=ReadOptions(access=access, verify=verify))
     dcp.load(out, storage_reader=reader, planner=UCPLoadPlanner())
     for k in ("w", "b"):
         assert bit_equal(out[k], sd[k].to(out[k].dtype)), k
     assert bit_equal(out["m"]["exp_avg"], sd["m"]["exp_avg"]) and out["m"]["step"].item() == 3.0
     assert out["epoch"] == 7
     data = sorted(p for p in os.listdir(tmp_path) if p.endswith(".safetensors"))
-    assert [os.path.basename(p) for p in reader.file_access] == data
-    assert set(reader.file_access.values()) == {SEQUENTIAL if access == "auto" else access}
+    assert [os.path.basename(p) for p in reader.last_load.file_access] == data
+    assert set(reader.last_load.file_access.values()) == {SEQUENTIAL if access == "auto" else access}
 
 
 def test_a_small_part_of_a_large_file_is_read_exactly(tmp_path: Path) -> None:
@@ -236,7 +236,7 @@ def test_a_small_part_of_a_large_file_is_read_exactly(tmp_path: Path) -> None:
     reader = UCPStorageReader(tmp_path)
     dcp.load(out, storage_reader=reader, planner=UCPLoadPlanner())
     assert bit_equal(out["small"], sd["small"])
-    assert set(reader.file_access.values()) == {EXACT}
+    assert set(reader.last_load.file_access.values()) == {EXACT}
 
 
 @pytest.mark.parametrize("mode", ["sequential", "exact"])

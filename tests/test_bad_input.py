@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ucp_dcp.byteio.storage
 from ucp_dcp import (
+    ReadOptions,
     CheckpointFormatError,
     RankLocal,
     UCPLoadPlanner,
@@ -119,7 +120,7 @@ def save(sd: dict[str, Any], path: Path, **writer_kw: Any) -> None:
 def load(sd: dict[str, Any], path: Path, planner: UCPLoadPlanner | None = None, **reader_kw: Any) -> UCPLoadPlanner:
     """Load with the ucp_dcp reader and planner; returns the planner."""
     planner = planner or UCPLoadPlanner()
-    dcp.load(sd, storage_reader=UCPStorageReader(path, **reader_kw), planner=planner)
+    dcp.load(sd, storage_reader=UCPStorageReader(path, options=ReadOptions(**reader_kw)), planner=planner)
     return planner
 
 

@@ -33,6 +33,7 @@ import bench_read_once  # noqa: E402  (benchmarks/)
 from harness.objstore import TokenBucket  # noqa: E402
 
 from ucp_dcp.sources.native import head_request_bytes  # noqa: E402
+from ucp_dcp import ReadOptions
 
 WAY_KEYS = {
     "storage_bytes",
@@ -159,10 +160,10 @@ def _auto_on_local_disk(rank: int, world: int, root: str) -> None:
 
     reader_module.LocalNeeds = Refused  # type: ignore[misc,assignment]
     target = {"w": torch.zeros(64, 64)}
-    reader = UCPStorageReader(root, read_once="auto")
+    reader = UCPStorageReader(root, options=ReadOptions(read_once="auto"))
     dcp.load(target, storage_reader=reader, planner=UCPLoadPlanner())
     assert torch.equal(target["w"], state["w"])
-    decision = reader.read_once_decision
+    decision = reader.last_load.read_once
     assert decision is not None and not decision.exchange and "local storage" in decision.reason
 
 

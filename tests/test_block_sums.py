@@ -42,6 +42,7 @@ import ucp_dcp.byteio.datafile
 from dist_utils import bit_equal
 from test_integrity import flip
 from ucp_dcp import (
+    ReadOptions,
     Checkpoint,
     ChecksumError,
     UCPLoadPlanner,
@@ -118,7 +119,7 @@ def target(sizes: tuple[int, ...], dtype: torch.dtype, mode: str) -> torch.Tenso
 
 
 def load_box(path: str, shape: tuple[int, ...], offs: tuple[int, ...], dest: torch.Tensor, **reader_kw: Any) -> UCPStorageReader:
-    reader = UCPStorageReader(path, **reader_kw)
+    reader = UCPStorageReader(path, options=ReadOptions(**reader_kw))
     planner = UCPLoadPlanner(allow_dtype_cast=True)
     dcp.load({"p": TensorPieces([Piece("w", shape, offs, dest)])}, storage_reader=reader, planner=planner, no_dist=True)
     return reader
@@ -242,7 +243,7 @@ def _check_flips_and_garbage(case: dict[str, Any], pick: random.Random) -> None:
                   for c, t in touched.items()}
         nbytes = {c: locs[c[0]].nbytes for c in chunks}
         # Every block the load touches is hashed once, and no other.
-        assert reader.verified_bytes == sum(
+        assert reader.last_load.verified_bytes == sum(
             sum(min(block, nbytes[c] - k * block) for k in ks) for c, ks in blocks.items()
         )
 
@@ -316,14 +317,14 @@ def test_checkpoints_without_block_sums_load_and_are_checked_whole(
     reader = UCPStorageReader(path)
     dcp.load(out, storage_reader=reader, planner=UCPLoadPlanner(), no_dist=True)
     assert bit_equal(out["model"]["w"], sd["model"]["w"]) and out["step"] == 4
-    assert reader.verified_bytes == sd["model"]["w"].nbytes + sd["model"]["b"].nbytes
+    assert reader.last_load.verified_bytes == sd["model"]["w"].nbytes + sd["model"]["b"].nbytes
     loc = src.locate("model.w", 0)
     flip(src.paths[0], loc.start + 12345, 0x10)
     with pytest.raises(BaseException) as ei:
         dcp.load(blank(sd), storage_reader=UCPStorageReader(path), planner=UCPLoadPlanner(), no_dist=True)
     err = unwrap(ei.value)
     assert isinstance(err, ChecksumError) and err.what == "tensor 'model.w' chunk at [0, 0]" and err.expected == loc.xxh3
-    dcp.load(blank(sd), storage_reader=UCPStorageReader(path, verify=False), planner=UCPLoadPlanner(), no_dist=True)
+    dcp.load(blank(sd), storage_reader=UCPStorageReader(path, options=ReadOptions(verify=False)), planner=UCPLoadPlanner(), no_dist=True)
     with pytest.raises(ChecksumError, match="tensor 'model.w' chunk at"):
         load_state_dict(path)
 
@@ -341,7 +342,7 @@ def test_a_damaged_block_sum_entry_is_named(tmp_path: Path, sd: dict[str, Any]) 
     with Checkpoint(path) as ck:
         problems = ck.verify()
     assert len(problems) == 1 and "the block checksums" in problems[0] and src.paths[0] in problems[0]
-    assert load_state_dict(path, verify=False)["step"] == 4
+    assert load_state_dict(path, options=ReadOptions(verify=False))["step"] == 4
 
 
 def test_single_process_tools_verify_by_default(tmp_path: Path, sd: dict[str, Any]) -> None:
@@ -359,14 +360,14 @@ def test_single_process_tools_verify_by_default(tmp_path: Path, sd: dict[str, An
             ck.read_tensor("model.w")
         assert bit_equal(ck.read_tensor("model.b"), sd["model"]["b"])  # other tensors still read
         assert ck.verified_bytes >= sd["model"]["b"].nbytes
-    with Checkpoint(path, verify=False) as ck:
+    with Checkpoint(path, options=ReadOptions(verify=False)) as ck:
         assert not bit_equal(ck.read_tensor("model.w"), sd["model"]["w"])
     with pytest.raises(ChecksumError):
         load_state_dict(path, "model.w")
     assert load_state_dict(path, "model.b")["model.b"].shape == (7,)  # reads only what it needs
     with pytest.raises(ChecksumError):
         load_into_module(_Wb(), path, prefix="model.")
-    load_into_module(_Wb(), path, prefix="model.", verify=False)
+    load_into_module(_Wb(), path, prefix="model.", options=ReadOptions(verify=False))
     assert cli_main(["-q", "diff", str(good), str(path)]) == 2  # a checksum error: one line, exit 2
     assert cli_main(["-q", "--no-verify", "diff", str(good), str(path)]) == 1  # differs
     assert cli_main(["-q", "convert", str(path), str(tmp_path / "conv")]) == 2

@@ -27,7 +27,7 @@ from ucp_dcp.tools.checkpoint import Checkpoint
 from ucp_dcp.tools.cli import parse_size
 from ucp_dcp.format import INDEX_FILE, ChunkRecord, Layout, Location, TensorRecord
 from ucp_dcp.tools.inspection import compare_tensors, describe_sharding, diff_checkpoints, inspect_checkpoint
-from ucp_dcp.tools.progress import ProgressBar, format_bytes
+from ucp_dcp.byteio.progress import ProgressBar, format_bytes
 from ucp_dcp.core.sharding import Box
 
 
@@ -293,7 +293,7 @@ def test_export_hf_passes_parsed_options(capsys: pytest.CaptureFixture[str], mon
                       "model.", "--rename", r"^layers\.(\d+)=h.\1", "--rename", "a=b=c", "--config", "cfg.json", "-q")
     assert rc == 0 and f"exported {good.name} to D" in out
     [(args, kw)] = calls
-    assert args == (good.name, "D") and callable(kw.pop("progress"))
+    assert args == (good.name, "D") and callable(kw.pop("on_progress"))
     assert kw == {"dtype": torch.bfloat16, "max_shard_size": 2 * 10**9, "prefix": "model.",
                   "rename": [(r"^layers\.(\d+)", r"h.\1"), ("a", "b=c")], "config": "cfg.json"}
 

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from ucp_dcp import (
+    ReadOptions,
     CheckpointFormatError,
     FlatShard,
     UCPLoadPlanner,
@@ -182,7 +183,7 @@ def _fsdp2_on_3(rank: int, world: int, variants: list[str]) -> None:
         # gap_bytes=0: count exactly the bytes asked for. (By default the
         # reader merges reads less than a page apart, which in files this
         # small means asking for more bytes of the same pages.)
-        reader = UCPStorageReader(FIXTURES / variant, gap_bytes=0)
+        reader = UCPStorageReader(FIXTURES / variant, options=ReadOptions(gap_bytes=0))
         dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner())
         flat = flatten(state)
         want = expected(variant)
@@ -197,7 +198,7 @@ def _fsdp2_on_3(rank: int, world: int, variants: list[str]) -> None:
                 got = {hp: state["optim"]["param_groups"][g][hp] for hp in grp}
                 assert got == {hp: tuple(v) if isinstance(v, list) else v for hp, v in grp.items()}, (variant, g)
         needed = _needed_bytes(open_source(FIXTURES / variant), flat)
-        assert needed <= reader.bytes_requested <= 1.05 * needed, (variant, rank, reader.bytes_requested, needed)
+        assert needed <= reader.last_load.bytes_requested <= 1.05 * needed, (variant, rank, reader.last_load.bytes_requested, needed)
         if variant in RESUME:
             _resume(model, optim, state, variant)
 

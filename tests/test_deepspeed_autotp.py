@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import ucp_dcp.tools.checkpoint as checkpoint_mod
 from ucp_dcp import (
+    ReadOptions,
     CheckpointFormatError,
     Fused,
     LayoutSpec,
@@ -242,11 +243,11 @@ def test_dcp_load_takes_the_rules_through_the_storage_reader(tmp_path: Path) -> 
     d = _stripped(tmp_path)
     want = expected("autotp2_dp2_zero1")
     sd = {k: torch.full_like(v, 13) for k, v in want.items()}
-    reader = UCPStorageReader(str(d), tp_rules=RULES)
+    reader = UCPStorageReader(str(d), options=ReadOptions(tp_rules=RULES))
     dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner(), no_dist=True)
     assert [k for k, v in want.items() if not bit_equal(sd[k], v)] == []
     # The hand-off reads it alike (Checkpoint passes the rules on).
-    full = load_state_dict(d, tp_rules=RULES)
+    full = load_state_dict(d, options=ReadOptions(tp_rules=RULES))
     assert [k for k, v in want.items() if not bit_equal(full[k], v)] == []
 
 

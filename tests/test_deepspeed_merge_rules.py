@@ -23,7 +23,7 @@ from dist_utils import bit_equal, run_ranks
 from safetensors.torch import load_file
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from ucp_dcp import CheckpointFormatError, UCPLoadPlanner, UCPStorageReader, load_state_dict
+from ucp_dcp import CheckpointFormatError, load_state_dict, ReadOptions, UCPLoadPlanner, UCPStorageReader
 from ucp_dcp.adapters.rules import Averaged, Fused
 from ucp_dcp.sources import DeepSpeedSource, open_source
 from ucp_dcp.sources._ds_info import INFO_KEYS
@@ -122,7 +122,7 @@ def test_replicated_slices_are_checked_equal_on_a_verified_load(tmp_path: Path) 
         load_state_dict(d)
     assert f"{d / 'step2'}: model.1.fc1.bias is tensor-parallel replicated" in str(e.value)
     assert "tensor-parallel ranks 0 and 1 hold different values" in str(e.value)
-    _check(load_state_dict(d, verify=False), {"1.fc1.bias": lambda s: s[0]})
+    _check(load_state_dict(d, options=ReadOptions(verify=False)), {"1.fc1.bias": lambda s: s[0]})
 
 
 def test_two_sub_params_re_cut_the_fused_halves(tmp_path: Path) -> None:
@@ -171,7 +171,7 @@ def test_user_rules_state_the_same_merges(tmp_path: Path) -> None:
         Averaged(r"\.fc1\.bias$"),
         Fused(r"^1\.fc1\.weight$", dim=0, parts={"gate": 8, "up": 6}),
     ]
-    got = load_state_dict(FIXTURE, tp_rules=rules)
+    got = load_state_dict(FIXTURE, options=ReadOptions(tp_rules=rules))
     widths = [[4, 4], [3, 3]]
     _check(
         got, {"1.fc1.bias": _average, "4.fc1.bias": _average, "1.fc1.weight": _sub_params(widths)}
@@ -220,7 +220,7 @@ def _averaged_into_3(rank: int, world: int, root: str, read_once: Any) -> None:
         placement = [Shard(0)] if "fc1.bias" in k and v.ndim == 1 else [Replicate()]
         state[k] = distribute_tensor(torch.full_like(v, 13), mesh, placement)
     dcp.load(
-        state, storage_reader=UCPStorageReader(root, read_once=read_once), planner=UCPLoadPlanner()
+        state, storage_reader=UCPStorageReader(root, options=ReadOptions(read_once=read_once)), planner=UCPLoadPlanner()
     )
     for k, t in state.items():
         assert bit_equal(t.full_tensor(), want[k]), (rank, k)

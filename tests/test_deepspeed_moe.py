@@ -32,6 +32,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ucp_dcp import (
+    ReadOptions,
     CheckpointFormatError,
     LayoutSpec,
     Replicated,
@@ -164,7 +165,7 @@ def test_experts_load_stacked_and_sharded_over_two_expert_parallel_ranks() -> No
             ],
             axes={"ep": (rank, 2)},
         )
-        reader = UCPStorageReader(MOE / variant, gap_bytes=0)  # no neighbouring bytes merged in
+        reader = UCPStorageReader(MOE / variant, options=ReadOptions(gap_bytes=0))  # no neighbouring bytes merged in
         dcp.load(spec.apply(sd), storage_reader=reader, planner=UCPLoadPlanner(), no_dist=True)
         for key, t in sd.items():
             if "gate" in key:
@@ -174,7 +175,7 @@ def test_experts_load_stacked_and_sharded_over_two_expert_parallel_ranks() -> No
             n, _, moment = n.partition(".exp_avg")
             mine = [want[f"{kind}.{EXPERT}{e}.{n}" + (f".exp_avg{moment}" if key.endswith(("exp_avg", "exp_avg_sq")) else "")] for e in (2 * rank, 2 * rank + 1)]
             assert bit_equal(t, torch.stack(mine)), (rank, key)
-        assert reader.bytes_requested == sum(t.numel() * 4 for t in sd.values()), (rank, reader.bytes_requested)
+        assert reader.last_load.bytes_requested == sum(t.numel() * 4 for t in sd.values()), (rank, reader.last_load.bytes_requested)
 
 
 def test_a_moe_checkpoint_in_an_object_store_loads_as_the_local_one() -> None:
@@ -207,11 +208,11 @@ def _stacked_dtensors_on_2(rank: int, world: int, variant: str) -> None:
             full = torch.stack([want[f"{kind}.{EXPERT}{e}.{n}{suffix}"] for e in range(4)])
             sd[f"{kind}.moe.experts.{n}{suffix}"] = (full, distribute_tensor(torch.full_like(full, float("nan")), mesh, [Shard(0)]))
     spec = LayoutSpec([Stacked(r"\.moe\.experts\.(fc[12]\.(?:weight|bias))", repl=r".moe.deepspeed_moe.experts.deepspeed_experts.{}.\1", experts=4)])
-    reader = UCPStorageReader(MOE / variant, gap_bytes=0)
+    reader = UCPStorageReader(MOE / variant, options=ReadOptions(gap_bytes=0))
     dcp.load(spec.apply({k: d for k, (_, d) in sd.items()}), storage_reader=reader, planner=UCPLoadPlanner())
     for key, (full, d) in sd.items():
         assert bit_equal(d.to_local(), full[2 * rank : 2 * rank + 2]), (rank, key)
-    assert reader.bytes_requested == sum(d.to_local().numel() * 4 for _, d in sd.values())
+    assert reader.last_load.bytes_requested == sum(d.to_local().numel() * 4 for _, d in sd.values())
 
 
 @pytest.mark.multiproc

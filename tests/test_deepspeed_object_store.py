@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 import s3_server
 import test_deepspeed as tds
 from dist_utils import bit_equal, flatten, run_ranks
-from ucp_dcp import UCPLoadPlanner, UCPStorageReader, load_state_dict
+from ucp_dcp import load_state_dict, ReadOptions, UCPLoadPlanner, UCPStorageReader
 from ucp_dcp.byteio.objstore import ObjectStore
 from ucp_dcp.errors import CheckpointFormatError
 from ucp_dcp.sources import DeepSpeedSource, open_source
@@ -149,9 +149,9 @@ def _fsdp2_from(rank: int, world: int, variants: list[str], urls: list[str], opt
             for v in flatten(state).values():
                 if isinstance(v, torch.Tensor):
                     (v.to_local() if isinstance(v, DTensor) else v).fill_(13)
-            reader = UCPStorageReader(where, storage_options=opts, gap_bytes=0)
+            reader = UCPStorageReader(where, storage_options=opts, options=ReadOptions(gap_bytes=0))
             dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner())
-            states.append((flatten(state), reader.bytes_requested))
+            states.append((flatten(state), reader.last_load.bytes_requested))
         (flat, requested), (local_flat, local_requested) = states
         for k, v in tds.expected(variant).items():
             t = flat[k]

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from dist_utils import bit_equal, flatten, nest, run_ranks
-from ucp_dcp import Checkpoint, CheckpointFormatError, UCPLoadPlanner, UCPStorageReader
+from ucp_dcp import Checkpoint, CheckpointFormatError, ReadOptions, UCPLoadPlanner, UCPStorageReader
 from ucp_dcp.errors import DCPValueError
 from ucp_dcp.sources.distcp import DCPSource, read_dcp_metadata
 from ucp_dcp.tools.convert import convert
@@ -153,7 +153,7 @@ def _load_3(rank: int, world: int, direct: str, imported: str, out: str) -> None
         else:
             reader = UCPStorageReader(imported if what == "imported" else direct, dcp_values="weights_only")
             dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
-            counts[what] = reader.bytes_requested
+            counts[what] = reader.last_load.bytes_requested
             if what == "direct":
                 assert isinstance(reader.source, DCPSource)
                 counts["direct_parse"] = reader.source.parse_stats.bytes
@@ -178,7 +178,7 @@ def test_dcp_dp2_import_and_direct_load_bit_exact(tmp_path: Path) -> None:
     run_ranks(2, _save_dp2, str(src))
     assert (src / ".metadata").exists() and not (src / "ucp_index.json").exists()
     seen: list[tuple[int, int]] = []
-    index = convert(src, dst, progress=lambda done, total: seen.append((done, total)))
+    index = convert(src, dst, on_progress=lambda done, total: seen.append((done, total)))
     assert seen and seen[-1][0] == seen[-1][1]
     md = read_dcp_metadata(src)
     assert set(index.tensors) | set(index.values) == set(md.state_dict_metadata)
@@ -211,7 +211,7 @@ def test_dcp_dp2_import_and_direct_load_bit_exact(tmp_path: Path) -> None:
     reader = UCPStorageReader(src)
     with pytest.raises(CheckpointException, match=r"value 'optim\.\w+' is stored by DCP as a pickle.*dcp_values='weights_only'"):
         dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
-    assert reader.bytes_requested == 0
+    assert reader.last_load.bytes_requested == 0
     assert all((t == 13).all() for t in flatten(sd).values() if isinstance(t, torch.Tensor))
     # ... and tensors alone need no opt-in.
     sd = _blank_plain(full, values=False)
@@ -248,12 +248,12 @@ def test_direct_load_odd_dtypes_and_stored_layouts(tmp_path: Path) -> None:
     out = _zeros(ODD)
     holder = torch.zeros(13, 7)
     out["transposed"] = holder.t()  # a strided destination: must be filled in place
-    reader = UCPStorageReader(tmp_path, gap_bytes=0)  # no coalescing across items: count exact bytes
+    reader = UCPStorageReader(tmp_path, options=ReadOptions(gap_bytes=0))  # no coalescing across items: count exact bytes
     dcp.load(out, storage_reader=reader, planner=UCPLoadPlanner())
     for k, v in ODD.items():
         assert bit_equal(out[k], v), k
     assert bit_equal(holder, ODD["transposed"].t())
-    assert reader.bytes_requested == sum(v.numel() * v.element_size() for v in ODD.values())
+    assert reader.last_load.bytes_requested == sum(v.numel() * v.element_size() for v in ODD.values())
     # A cast (staged) read of an item stored transposed.
     out = {"transposed": torch.zeros(7, 13, dtype=torch.float64)}
     with pytest.warns(UserWarning, match="not in the state dict"):
@@ -266,7 +266,7 @@ def test_import_dcp_then_load_bit_exact(tmp_path: Path) -> None:
     src, dst = tmp_path / "dcp", tmp_path / "ucp"
     sd: dict[str, Any] = {**ODD, "cfg": {"lr": 0.1, "betas": (0.9, 0.99), "name": "x", "ids": [1, 2], "none": None}}
     dcp.save(sd, checkpoint_id=str(src))
-    convert(src, dst, buffer_bytes=1)  # the smallest buffer: big chunks go slab by slab
+    convert(src, dst, options=ReadOptions(max_buffer_bytes=1))  # the smallest buffer: big chunks go slab by slab
     assert Checkpoint(dst).verify() == []
     out: dict[str, Any] = {**_zeros(ODD), "cfg": {k: None for k in sd["cfg"]}}
     dcp.load(out, storage_reader=UCPStorageReader(dst), planner=UCPLoadPlanner())
@@ -292,7 +292,7 @@ def test_large_item_sub_box_reads_only_needed_bytes(tmp_path: Path) -> None:
     dcp.save({"big": big}, checkpoint_id=str(tmp_path))
     reader = UCPStorageReader(tmp_path)
     dcp.load({"big": torch.zeros(512, 256)}, storage_reader=reader, planner=UCPLoadPlanner())
-    assert reader.bytes_requested == big.numel() * 4
+    assert reader.last_load.bytes_requested == big.numel() * 4
     assert isinstance(reader.source, DCPSource) and reader.source.parse_stats.bytes <= 4096
 
 

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dist_utils import bit_equal, run_ranks
 from layouts import build, check_against, full_reference, scramble, train_state, train_step
 from ucp_dcp import (
+    ReadOptions,
     FlatParam,
     FlatShard,
     Piece,
@@ -106,7 +107,7 @@ def _save_nodist(sd: dict[str, Any], path: str) -> None:
 
 
 def _load_nodist(sd: dict[str, Any], path: str, **reader_kw: Any) -> UCPStorageReader:
-    reader = UCPStorageReader(path, **reader_kw)
+    reader = UCPStorageReader(path, options=ReadOptions(**reader_kw))
     dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner(), no_dist=True)
     return reader
 
@@ -148,7 +149,7 @@ def test_random_flat_partitions_round_trip_through_boxes(data: st.DataObject) ->
         )
         assert bit_equal(dst, src)  # padding zeroed, parameters exact
         # Exactly the parameters' bytes are read: nothing for padding, nothing twice.
-        assert reader.bytes_requested == sum(p.numel for p in params) * dst.element_size()
+        assert reader.last_load.bytes_requested == sum(p.numel for p in params) * dst.element_size()
 
 
 # ----------------------------------------------- ZeRO-style AdamW <-> FSDP2

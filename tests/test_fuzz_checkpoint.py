@@ -54,6 +54,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from dist_utils import bit_equal, run_ranks
 from ucp_dcp import (
+    ReadOptions,
     Checkpoint,
     Piece,
     RankLocal,
@@ -154,7 +155,7 @@ def _verify(path: Path) -> list[str]:
 
 def _load_dcp(path: Path) -> dict[str, Any]:
     target = _dcp_target()
-    reader = UCPStorageReader(path, verify=True)
+    reader = UCPStorageReader(path, options=ReadOptions(verify=True))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

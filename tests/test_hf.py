@@ -258,7 +258,7 @@ def test_import_roundtrip_into_fsdp(tmp_path: Path) -> None:
     expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     seen: list[tuple[int, int]] = []
-    import_hf(src, tmp_path / "ucp", progress=lambda done, total: seen.append((done, total)))
+    import_hf(src, tmp_path / "ucp", on_progress=lambda done, total: seen.append((done, total)))
     total = sum(v.numel() * v.element_size() for v in expected.values())
     assert seen and seen[-1] == (total, total) and all(a <= b for (a, _), (b, _) in zip(seen, seen[1:]))
     with Checkpoint(tmp_path / "ucp") as ck:

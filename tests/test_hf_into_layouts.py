@@ -51,7 +51,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dist_utils import bit_equal, run_ranks
-from ucp_dcp import CheckpointKeyError, LayoutSpec, UCPLoadPlanner, UCPStorageReader, load_state_dict
+from ucp_dcp import CheckpointKeyError, LayoutSpec, load_state_dict, ReadOptions, UCPLoadPlanner, UCPStorageReader
 from ucp_dcp import Fused, Rename, Replicated, Shard, VocabPad
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model comes from a local config
@@ -235,11 +235,11 @@ def _counted_load(
     state: dict[str, Any], hf: str, prefix: str, gap_bytes: int | None = None, **load_kw: Any
 ) -> Reads:
     """``dcp.load`` from the Hugging Face directory, counting its reads."""
-    reader = UCPStorageReader(hf, prefix=prefix, gap_bytes=gap_bytes)
+    reader = UCPStorageReader(hf, prefix=prefix, options=ReadOptions(gap_bytes=gap_bytes))
     reads = Reads()
     with _CountAllReads(reads):
         dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner(), **load_kw)
-    reads.requested = reader.bytes_requested
+    reads.requested = reader.last_load.bytes_requested
     return reads
 
 

@@ -25,7 +25,7 @@ import torch
 import s3_server
 from dist_utils import bit_equal, run_ranks
 from test_hf_into_layouts import CONFIG  # the same tiny untied Llama
-from ucp_dcp import Checkpoint, UCPLoadPlanner, UCPStorageReader, load_into_module, load_state_dict
+from ucp_dcp import Checkpoint, load_into_module, load_state_dict, ReadOptions, UCPLoadPlanner, UCPStorageReader
 from ucp_dcp.byteio.objstore import ObjectStore
 from ucp_dcp.errors import CheckpointFormatError
 from ucp_dcp.sources import formats_looked_for
@@ -193,12 +193,12 @@ def _load_on_ranks(rank: int, world: int, url: str, options: dict[str, Any], loc
         msd = {k: DTensor.from_local(torch.full_like(_rows(v, rank, world), float("nan")), mesh, [Shard(0)],
                                      run_check=False, shape=v.shape, stride=v.stride())
                for k, v in ref.items()}
-        reader = UCPStorageReader(url, storage_options=options, prefix="model.", gap_bytes=gap)
+        reader = UCPStorageReader(url, storage_options=options, prefix="model.", options=ReadOptions(gap_bytes=gap))
         dcp.load({"model": msd}, storage_reader=reader, planner=UCPLoadPlanner())
         wrong = [k for k, v in ref.items() if not bit_equal(msd[k].to_local(), _rows(v, rank, world))]
         assert not wrong, (rank, mode, wrong)
         needed = sum(v.to_local().nbytes for v in msd.values())
-        stats[mode] = {"needed": needed, "requested": reader.bytes_requested}
+        stats[mode] = {"needed": needed, "requested": reader.last_load.bytes_requested}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(stats, f)
 

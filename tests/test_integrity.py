@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import ucp_dcp.byteio.durable
 from dist_utils import bit_equal, run_ranks
-from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter, load_index
+from ucp_dcp import load_index, ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.format import INDEX_FILE, Location
 from ucp_dcp.sources import NativeSource
 from ucp_dcp.byteio.integrity import ChecksumError, bytes_digest, file_digest, hash_range
@@ -97,7 +97,7 @@ def save(sd: dict[str, Any], path: Path, **kw: Any) -> None:
 
 def load(path: Path, like: dict[str, Any], *, verify: bool, mode: str = "plain") -> tuple[dict[str, Any], UCPStorageReader]:
     out = blank(like, mode)
-    reader = UCPStorageReader(path, verify=verify)
+    reader = UCPStorageReader(path, options=ReadOptions(verify=verify))
     dcp.load(out, storage_reader=reader, planner=UCPLoadPlanner(allow_dtype_cast=mode == "cast"))
     return out, reader
 
@@ -211,10 +211,10 @@ def test_verified_load_hashes_every_tensor_byte_once(ckpt: tuple[Path, dict[str,
         assert out["step"] == sd["step"]
     else:
         assert_same(out, sd)
-    assert reader.verified_bytes == sum(t.nbytes for t in flat_tensors(sd).values())
-    assert reader.verify_seconds > 0
+    assert reader.last_load.verified_bytes == sum(t.nbytes for t in flat_tensors(sd).values())
+    assert reader.last_load.verify_seconds > 0
     _, plain = load(path, sd, verify=False)
-    assert plain.verified_bytes == 0 and plain.verify_seconds == 0
+    assert plain.last_load.verified_bytes == 0 and plain.last_load.verify_seconds == 0
 
 
 def test_flipped_byte_in_any_chunk_fails_verified_load(ckpt: tuple[Path, dict[str, Any]]) -> None:
@@ -408,14 +408,14 @@ def _load_three_ranks(rank: int, world: int, root: str) -> None:
     # once, whole, even when only part of it is read (w: saved rows 0-4 | 5-9, loaded 0-3 | 4-7 | 8-9; b: saved by
     # columns, loaded by rows, so every rank reads part of both chunks).
     sd = target()
-    reader = UCPStorageReader(good, verify=True)
+    reader = UCPStorageReader(good, options=ReadOptions(verify=True))
     dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
     rows = _rows(rank, world, 10)
     assert isinstance(sd["w"], DTensor) and sd["step"] == 5
     assert bit_equal(sd["w"].to_local(), W_FULL[rows.start : rows.stop])
     assert bit_equal(sd["b"].to_local(), B_FULL[_rows(rank, world, 6).start : _rows(rank, world, 6).stop])
     w_chunks = sum(1 for c in (range(0, 5), range(5, 10)) if set(c) & set(rows))
-    assert reader.verified_bytes == w_chunks * 5 * 6 * 4 + B_FULL.nbytes
+    assert reader.last_load.verified_bytes == w_chunks * 5 * 6 * 4 + B_FULL.nbytes
 
     # Corrupt the last row of w, which only rank 2 reads. Rank 1 reads rows 5-7 of the same
     # chunk, never the bad byte, and must still fail: the chunk (120 bytes) is one block.
@@ -428,14 +428,14 @@ def _load_three_ranks(rank: int, world: int, root: str) -> None:
         flip(Path(file), loc.start + 4 * 6 * 4 + 3, 0x40)
     dist.barrier()
     with pytest.raises(CheckpointException) as ei:
-        dcp.load(target(), storage_reader=UCPStorageReader(good, verify=True), planner=UCPLoadPlanner())
+        dcp.load(target(), storage_reader=UCPStorageReader(good, options=ReadOptions(verify=True)), planner=UCPLoadPlanner())
     assert set(ei.value.failures) == {1, 2}, failure_text(ei.value)
     for r in (1, 2):
         err = ei.value.failures[r][0]
         assert isinstance(err, ChecksumError), err
         assert (err.path, err.what, err.rank) == (file, "tensor 'w' chunk at [5, 0], block 0 (bytes [0, 120) of the chunk)", 1)
     assert "ChecksumError" in str(ei.value) and file in str(ei.value)
-    dcp.load(target(), storage_reader=UCPStorageReader(good, verify=False), planner=UCPLoadPlanner())  # not checked
+    dcp.load(target(), storage_reader=UCPStorageReader(good, options=ReadOptions(verify=False)), planner=UCPLoadPlanner())  # not checked
 
 
 @pytest.mark.multiproc

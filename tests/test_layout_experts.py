@@ -31,6 +31,7 @@ from dist_utils import bit_equal, run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ucp_dcp import (
+    ReadOptions,
     CheckpointKeyError,
     LayoutRuleError,
     LayoutSpec,
@@ -332,7 +333,7 @@ def test_one_process_hf_to_stacked_and_refusals(tmp_path: Path) -> None:
     reader = UCPStorageReader(hf)
     dcp.load(spec.apply(sd), storage_reader=reader, planner=UCPLoadPlanner(), no_dist=True)
     assert [k for k in st if not bit_equal(sd[k], st[k])] == []
-    assert reader.bytes_requested == _nbytes(ref.values())
+    assert reader.last_load.bytes_requested == _nbytes(ref.values())
     # Expert 5 missing from the file.
     hf5 = _hf_dir(tmp_path / "hf5", {k: v for k, v in ref.items() if ".experts.5." not in k})
     err = _load_error(spec.apply(sd), hf5)
@@ -410,9 +411,9 @@ def _load_checked(
     sd: dict[str, Any], spec: LayoutSpec, path: str, group: Any, gap_bytes: int | None = None
 ) -> int:
     """Load through ``spec``; the bytes the reader asked of storage."""
-    reader = UCPStorageReader(path, gap_bytes=gap_bytes)
+    reader = UCPStorageReader(path, options=ReadOptions(gap_bytes=gap_bytes))
     dcp.load(spec.apply(sd), storage_reader=reader, planner=UCPLoadPlanner(), process_group=group)
-    return reader.bytes_requested
+    return reader.last_load.bytes_requested
 
 
 def _hf_into_dtensor(rank: int, world: int, paths: dict[str, str], group: Any, tp: bool) -> None:

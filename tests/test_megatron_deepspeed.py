@@ -25,7 +25,7 @@ from ds_fixtures import generator
 from safetensors.torch import load_file
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from ucp_dcp import LayoutSpec, UCPLoadPlanner, UCPStorageReader, load_state_dict
+from ucp_dcp import LayoutSpec, load_state_dict, ReadOptions, UCPLoadPlanner, UCPStorageReader
 from ucp_dcp.adapters.rules import Fused, Rename
 from ucp_dcp.sources import DeepSpeedSource, DeepSpeedUniversalSource, open_source
 from ucp_dcp.tools.hf import export_hf
@@ -145,7 +145,7 @@ def _into_new_layouts(rank: int, world: int, variant: str, read_once: Any) -> No
         row = any(re.match(p, k.removeprefix("model.")) or re.match(p, name) for p in rows)
         placement = [Replicate()] if v.ndim == 0 else [Shard(1 if row else 0)]
         state[k] = distribute_tensor(torch.full_like(v, 13), mesh, placement)
-    reader = UCPStorageReader(MDS / variant, read_once=read_once)
+    reader = UCPStorageReader(MDS / variant, options=ReadOptions(read_once=read_once))
     dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner())
     for k, t in state.items():
         assert bit_equal(t.full_tensor(), want[k]), (rank, variant, k)

@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 import fault_proxy
 import s3_server
 from dist_utils import bit_equal, watchdog  # noqa: F401 (watchdog: an autouse fixture)
-from ucp_dcp import RequestPolicy, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
+from ucp_dcp import ReadOptions, RequestPolicy, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.byteio.objstore import ObjectStore, discard
 from ucp_dcp.errors import StorageError
 
@@ -73,7 +73,7 @@ def test_a_stalled_get_is_abandoned_at_its_deadline_and_the_load_is_bit_exact(s3
     proxy.inject("stall", count=1, match=_ranged_get)  # the data file's first ranged GET never answers
     got = _zeros(sd)
     policy = RequestPolicy(deadline_floor_s=0.3, deadline_cap_s=1.0, hedge=False)  # deadlines only
-    reader = UCPStorageReader(url, storage_options=options, requests=policy)
+    reader = UCPStorageReader(url, storage_options=options, options=ReadOptions(requests=policy))
     t0 = time.monotonic()
     dcp.load(got, storage_reader=reader, planner=UCPLoadPlanner())
     took = time.monotonic() - t0
@@ -421,7 +421,7 @@ def test_a_stalled_head_and_a_stalled_index_put_are_abandoned_and_the_save_is_bi
     assert [r.fault for r in proxy.select("PUT") if "ucp_index.json" in r.path] == ["stall", None]
     assert took < 2 * policy.deadline_cap_s + 3, took
     got = _zeros(sd)
-    dcp.load(got, storage_reader=UCPStorageReader(url, storage_options=options, requests=FAST),
+    dcp.load(got, storage_reader=UCPStorageReader(url, storage_options=options, options=ReadOptions(requests=FAST)),
              planner=UCPLoadPlanner())
     assert _same(got, sd)
 

@@ -34,6 +34,7 @@ from ucp_dcp.byteio.objstore import ObjectStore, RetryPolicy, is_url, local_path
 from ucp_dcp.byteio.rangeio import Segment
 from ucp_dcp.errors import CheckpointFormatError, StorageError, TruncatedFileError, unwrap
 from ucp_dcp.sources import formats_looked_for
+from ucp_dcp import ReadOptions
 
 s3_bucket = s3_server.s3_bucket  # the session fixture, made visible to this module
 
@@ -88,7 +89,7 @@ def _load(rank: int, world: int, url: str, options: dict[str, Any], out_dir: str
                                                        stride=v.stride())
                                 for k, v in expected.items()}, "step": 0}
             proxy.reset_records()
-            reader = UCPStorageReader(url, storage_options=via, gap_bytes=gap, verify=gap is None)
+            reader = UCPStorageReader(url, storage_options=via, options=ReadOptions(gap_bytes=gap, verify=gap is None))
             dcp.load(target, storage_reader=reader, planner=UCPLoadPlanner())
             wrong = [k for k, v in expected.items() if not bit_equal(target["model"][k].to_local(), v.to_local())]
             assert not wrong, f"rank {rank} ({mode} reads): {wrong} differ"
@@ -96,8 +97,8 @@ def _load(rank: int, world: int, url: str, options: dict[str, Any], out_dir: str
             store = reader.source.store
             # GETs beyond each request's first: hedges and retries (a slow server's, under load).
             again = store.stats.hedges + store.stats.retries
-            stats[mode] = {"needed": needed, "requested": reader.bytes_requested, "calls": reader.read_calls,
-                           "verified": reader.verified_bytes, "server_bytes": proxy.bytes_sent("GET"),
+            stats[mode] = {"needed": needed, "requested": reader.last_load.bytes_requested, "calls": reader.last_load.read_calls,
+                           "verified": reader.last_load.verified_bytes, "server_bytes": proxy.bytes_sent("GET"),
                            "server_gets": proxy.count("GET"), "again": again,
                            "hedged_bytes": store.stats.hedged_bytes}
         # Then rank 1's ranged GETs never answer (issue 25): every rank fails with its StorageError
@@ -119,7 +120,7 @@ def fails_on_rank_1_within_the_deadline(url: str, via: dict[str, Any], expected:
                                                shape=v.shape, stride=v.stride()) for k, v in expected.items()},
               "step": 0}
     policy = RequestPolicy(attempts=2, deadline_floor_s=0.3, deadline_cap_s=0.5)
-    reader = UCPStorageReader(url, storage_options=via, requests=policy, read_once=read_once)
+    reader = UCPStorageReader(url, storage_options=via, options=ReadOptions(requests=policy, read_once=read_once))
     t0 = time.monotonic()
     with pytest.raises(CheckpointException) as e:
         dcp.load(target, storage_reader=reader, planner=UCPLoadPlanner())

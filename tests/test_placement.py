@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from ucp_dcp import (
+    ReadOptions,
     Checkpoint,
     PlacementError,
     UCPLoadPlanner,
@@ -142,15 +143,15 @@ def test_one_process_save_load_and_a_wrong_placement(tmp_path: Path) -> None:
         "w": digest_hex(_reference(state["w"])), "n": digest_hex(_reference(state["n"]))
     }
     target = _blank()
-    reader = UCPStorageReader(ckpt, verify_placement=True)
+    reader = UCPStorageReader(ckpt, options=ReadOptions(verify_placement=True))
     dcp.load(target, storage_reader=reader, planner=UCPLoadPlanner())
     assert torch.equal(target["w"], state["w"]) and torch.equal(target["n"], state["n"])
-    assert reader.placement_report is not None
-    assert reader.placement_report.checked == ("n", "w")
-    assert reader.placement_report.copies == {"n": 1, "w": 1}
+    assert reader.last_load.placement is not None
+    assert reader.last_load.placement.checked == ("n", "w")
+    assert reader.last_load.placement.copies == {"n": 1, "w": 1}
 
     with pytest.raises(CheckpointException) as ei:
-        dcp.load(_blank(), storage_reader=UCPStorageReader(ckpt, verify_placement=True),
+        dcp.load(_blank(), storage_reader=UCPStorageReader(ckpt, options=ReadOptions(verify_placement=True)),
                  planner=_SwapRowsAfterRead())
     err = unwrap(ei.value)
     assert isinstance(err, PlacementError)
@@ -192,7 +193,7 @@ def test_without_digests_a_load_says_so_and_old_checkpoints_load(
         "load without verify_placement"
     )
     with pytest.raises(CheckpointException) as ei:
-        dcp.load(_blank(), storage_reader=UCPStorageReader(ckpt, verify_placement=True),
+        dcp.load(_blank(), storage_reader=UCPStorageReader(ckpt, options=ReadOptions(verify_placement=True)),
                  planner=UCPLoadPlanner())
     assert isinstance(unwrap(ei.value), PlacementError) and str(unwrap(ei.value)) == expected
     with Checkpoint(ckpt) as ck, pytest.raises(PlacementError) as e2:
@@ -277,11 +278,11 @@ def _save_and_load(rank: int, world: int, root: str, out: str) -> None:
     copies: dict[str, dict[str, int]] = {}
     for layout in LAYOUTS:
         state = _target(layout, ref)
-        reader = UCPStorageReader(root, verify_placement=True)
+        reader = UCPStorageReader(root, options=ReadOptions(verify_placement=True))
         dcp.load(state, storage_reader=reader, planner=UCPLoadPlanner())
         check_against({k: v for k, v in state.items() if k != "step"},
                       {k: v for k, v in ref.items()}, f"rank {rank}: {layout}")
-        report = reader.placement_report
+        report = reader.last_load.placement
         assert report is not None
         assert set(report.checked) == {k for k, v in ref.items() if isinstance(v, torch.Tensor)}
         copies[layout] = report.copies
@@ -291,7 +292,7 @@ def _save_and_load(rank: int, world: int, root: str, out: str) -> None:
     # A planner that swaps two chunks (on rank 1 only): every rank fails, naming the tensor.
     state = _target("plain", ref)
     with pytest.raises(CheckpointException) as ei:
-        dcp.load(state, storage_reader=UCPStorageReader(root, verify_placement=True),
+        dcp.load(state, storage_reader=UCPStorageReader(root, options=ReadOptions(verify_placement=True)),
                  planner=_SwapChunks())
     err = unwrap(ei.value)
     assert isinstance(err, PlacementError), err

@@ -27,7 +27,7 @@ from dist_utils import bit_equal, run_ranks
 from layouts import build, check_against, columns_target, full_reference, scramble, train_state, train_step
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
+from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.dcp import read_once as read_once_module
 from ucp_dcp.dcp import reader as reader_module
 from ucp_dcp.errors import ChecksumError, StorageError, unwrap
@@ -115,7 +115,7 @@ def _load(rank: int, world: int, root: str, out: str) -> None:
         for once in (False, True):
             carried.clear()
             sd = _target(layout, ref)
-            reader = UCPStorageReader(root, read_once=once)
+            reader = UCPStorageReader(root, options=ReadOptions(read_once=once))
             dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
             what = f"rank {rank}: {layout}, read_once={once}"
             if layout == "bf16":
@@ -126,11 +126,11 @@ def _load(rank: int, world: int, root: str, out: str) -> None:
             else:
                 flat = sd if layout == "columns" else {"model": sd["model"], "optim": sd["optim"]}
                 check_against(flat, ref, what)
-            totals = reader.exchange_totals
-            decision = reader.read_once_decision
+            totals = reader.last_load.exchange
+            decision = reader.last_load.read_once
             counts[f"{layout}/{round_bytes}/{once}"] = {
                 "rounds": None if decision is None else decision.rounds,
-                "requested": reader.bytes_requested,
+                "requested": reader.last_load.bytes_requested,
                 "exchanged": None if totals is None else totals.read,
                 "received": None if totals is None else totals.received,
                 "exchange": decision is not None and decision.exchange,
@@ -215,7 +215,7 @@ def _load_fails(rank: int, world: int, corrupt: str, path: str, root: str) -> No
     for where, fail_rank in ((corrupt, None), (root, 2)):
         ref = torch.load(os.path.join(root, "ref.pt"))
         sd = _target("plain", ref)
-        reader = UCPStorageReader(where, read_once=True)
+        reader = UCPStorageReader(where, options=ReadOptions(read_once=True))
         if fail_rank == rank:  # this rank's storage fails mid-read
 
             def broken(segments: Any) -> None:

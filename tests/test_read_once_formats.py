@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from ucp_dcp import (
+    ReadOptions,
     CheckpointManager,
     UCPLoadPlanner,
     UCPSavePlanner,
@@ -82,7 +83,7 @@ def full_tensors() -> dict[str, torch.Tensor]:
 
 def _record(reader: UCPStorageReader) -> dict[str, Any]:
     """What one rank's load decided and read."""
-    d, t = reader.read_once_decision, reader.exchange_totals
+    d, t = reader.last_load.read_once, reader.last_load.exchange
     return {
         "exchange": d is not None and d.exchange,
         "reason": None if d is None else d.reason,
@@ -90,7 +91,7 @@ def _record(reader: UCPStorageReader) -> dict[str, Any]:
         "needed": None if d is None else d.needed_bytes,
         "read": None if t is None else t.read,
         "received": None if t is None else t.received,
-        "requested": reader.bytes_requested,
+        "requested": reader.last_load.bytes_requested,
     }
 
 
@@ -108,7 +109,7 @@ def _load_replicated(rank: int, world: int, path: str, out: str) -> None:
     records = {}
     for once in (False, True):
         sd = {k: torch.full_like(v, 13) for k, v in want.items()}
-        reader = UCPStorageReader(path, read_once=once)
+        reader = UCPStorageReader(path, options=ReadOptions(read_once=once))
         dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
         for k, v in want.items():
             assert bit_equal(sd[k], v), f"rank {rank}: {k} differs, read_once={once}"
@@ -219,7 +220,7 @@ def _load_deepspeed(rank: int, world: int, variant: str, out: str) -> None:
     records = {}
     for once in (False, True):
         sd = {k: torch.full_like(v, 13) for k, v in want.items() if not k.endswith(".step")}
-        reader = UCPStorageReader(FIXTURES / variant, read_once=once)
+        reader = UCPStorageReader(FIXTURES / variant, options=ReadOptions(read_once=once))
         dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
         for k, v in sd.items():
             assert bit_equal(v, want[k].to(v.dtype)), f"rank {rank}: {variant} {k}, {once}"
@@ -261,8 +262,8 @@ def _load_s3(
     with pytest.MonkeyPatch.context() as mp:
         counted = count_s3_bytes(mp)
         kw: dict[str, Any] = {} if once == "auto" else {"read_once": once}
-        reader = UCPStorageReader(url, storage_options=options, **kw)
-        assert reader.read_once == once
+        reader = UCPStorageReader(url, storage_options=options, options=ReadOptions(**kw))
+        assert reader.options.read_once == once
         dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
     for k, v in want.items():
         assert bit_equal(sd[k], v), f"rank {rank}: {k} differs, read_once={once}"
@@ -322,7 +323,7 @@ def _load_without_an_object(
     """A read-once load of a checkpoint one of whose data objects is gone: every rank raises."""
     _watchdog()
     sd = {k: torch.full_like(v, 13) for k, v in full_tensors_s3(7).items()}
-    reader = UCPStorageReader(url, storage_options=options, read_once=True)
+    reader = UCPStorageReader(url, storage_options=options, options=ReadOptions(read_once=True))
     with pytest.raises(CheckpointException) as ei:
         dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
     err = unwrap(ei.value)

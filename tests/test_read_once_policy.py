@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ucp_dcp import UCPStorageReader
+from ucp_dcp import ReadOptions, UCPStorageReader
 from ucp_dcp.dcp import read_once as _read_once
 from ucp_dcp.dcp.read_once import (
     OVERLAP_TO_EXCHANGE,
@@ -201,5 +201,5 @@ def test_other_values_are_refused_naming_the_value(bad: object) -> None:
 
 def test_the_reader_refuses_a_bad_mode_before_opening_anything(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError) as ei:
-        UCPStorageReader(tmp_path / "missing", read_once="yes")
+        UCPStorageReader(tmp_path / "missing", options=ReadOptions(read_once="yes"))
     assert str(ei.value) == "read_once must be True, False or 'auto', got 'yes'"

@@ -39,7 +39,7 @@ def test_values_are_read_in_one_request_from_an_object_store() -> None:
     assert {k: v for k, v in target.items() if k != "w"} == {k: v for k, v in state.items() if k != "w"}
     # One request: the tensor's reads on to the end of the file, which holds all six values (one
     # request each before, then one for them all).
-    assert reader.read_calls == 1, reader.read_calls
+    assert reader.last_load.read_calls == 1, reader.last_load.read_calls
 
 
 def test_a_corrupt_value_read_with_others_still_fails_its_checksum(tmp_path) -> None:

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from dist_utils import bit_equal, run_ranks
 from layouts import build, check_against, full_reference, scramble, train_state, train_step
-from ucp_dcp import RankLocal, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
+from ucp_dcp import RankLocal, ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 
 pytestmark = pytest.mark.multiproc
 
@@ -62,13 +62,13 @@ def _load_targets(rank: int, world: int, root: str, pairs: list[tuple[str, str]]
 
         extra = RankLocal(None) if same_world else RankLocal(None, reshard=reshard)
         sd = {**state, "step": 0, "extra": extra}
-        reader = UCPStorageReader(os.path.join(root, source), access=access)
+        reader = UCPStorageReader(os.path.join(root, source), options=ReadOptions(access=access))
         dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
         if expect is not None:  # the file this rank wrote is read ``expect``'s way; forced: every file
-            own = [how for p, how in reader.file_access.items() if os.path.basename(p).startswith(f"rank{rank:05d}-")]
-            assert own == [expect], (what, reader.file_access)
+            own = [how for p, how in reader.last_load.file_access.items() if os.path.basename(p).startswith(f"rank{rank:05d}-")]
+            assert own == [expect], (what, reader.last_load.file_access)
             if access != "auto":
-                assert set(reader.file_access.values()) == {access}, (what, reader.file_access)
+                assert set(reader.last_load.file_access.values()) == {access}, (what, reader.last_load.file_access)
         check_against({"model": sd["model"], "optim": sd["optim"]}, saved["ref"], f"rank {rank}: {what}")
         assert sd["step"] == 2, what
         if same_world:

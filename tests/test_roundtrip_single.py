@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dist_utils import bit_equal
-from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
+from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -30,7 +30,7 @@ def _save(sd: dict[str, Any], path: Path) -> None:
 
 
 def _load(sd: dict[str, Any], path: Path, **kw: Any) -> UCPStorageReader:
-    reader = UCPStorageReader(path, **{k: v for k, v in kw.items() if k in ("max_buffer_bytes",)})
+    reader = UCPStorageReader(path, options=ReadOptions(**{k: v for k, v in kw.items() if k in ("max_buffer_bytes",)}))
     dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner(**{k: v for k, v in kw.items() if k.startswith("allow")}))
     return reader
 
@@ -109,7 +109,7 @@ def test_reads_only_needed_bytes(tmp_path: Path) -> None:
     out = {"w3": torch.zeros(256, 256)}
     reader = _load(out, tmp_path, allow_partial_load=True)
     assert torch.equal(out["w3"], sd["w3"])
-    assert reader.bytes_requested == 256 * 256 * 4
+    assert reader.last_load.bytes_requested == 256 * 256 * 4
 
 
 def test_bytesio_values_round_trip(tmp_path: Path) -> None:
@@ -194,9 +194,9 @@ def test_load_pauses_the_garbage_collector_and_restores_it(tmp_path: Path) -> No
     seen = []
     real = reader_module.UCPStorageReader._read_data
 
-    def spy(self: Any, plan: Any, planner: Any) -> Any:
+    def spy(self: Any, *args: Any) -> Any:
         seen.append(gc.isenabled())
-        return real(self, plan, planner)
+        return real(self, *args)
 
     sd = {"w": torch.arange(12.0).reshape(3, 4)}
     dcp.save(sd, storage_writer=UCPStorageWriter(tmp_path / "c"), planner=UCPSavePlanner(), no_dist=True)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dist_utils import bit_equal, run_ranks
 from stall import deadline_error, stall_reads_of
 from ucp_dcp import (
+    ReadOptions,
     ProgressConfig,
     RequestPolicy,
     SlowestRecord,
@@ -88,15 +89,15 @@ def test_object_store_reads_and_writes_report(caplog: pytest.LogCaptureFixture) 
     writer = UCPStorageWriter(url, progress=EVERY)
     dcp.save(sd, storage_writer=writer, planner=UCPSavePlanner())
     out = {"a": torch.zeros(300, 70)}
-    reader = UCPStorageReader(url, progress=EVERY)
+    reader = UCPStorageReader(url, options=ReadOptions(progress=EVERY))
     dcp.load(out, storage_reader=reader, planner=UCPLoadPlanner())
     assert bit_equal(out["a"], sd["a"])
-    w, r = writer.rank_record, reader.rank_record
-    assert w is not None and r is not None and writer.slowest == w and reader.slowest == r
+    w, r = writer.rank_record, reader.last_load.rank_record
+    assert w is not None and r is not None and writer.slowest == w and reader.last_load.slowest == r
     assert w.rank == 0 and w.file.startswith(url) and w.file.endswith(".safetensors")
     assert w.bytes == w.file_bytes > 300 * 70 * 4
     # The object reader charged its requests to the one data object.
-    assert r.file == w.file and 0 < r.file_bytes == r.bytes == reader.bytes_requested
+    assert r.file == w.file and 0 < r.file_bytes == r.bytes == reader.last_load.bytes_requested
     assert r.file_seconds > 0 and r.seconds >= r.file_seconds
     lines = [x.getMessage() for x in caplog.records]
     assert any(m.startswith(f"rank 0: save to {url}: done, ") for m in lines), lines
@@ -168,18 +169,18 @@ def _slow_rank_named(rank: int, world: int, root: str) -> None:
     if rank == 1:
         os.preadv = _slowed(real_preadv, slow_file)
     out = {k: torch.zeros_like(v) for k, v in full.items()}
-    reader = UCPStorageReader(root, read_once=False, progress=EVERY)
+    reader = UCPStorageReader(root, options=ReadOptions(read_once=False, progress=EVERY))
     dcp.load(out, storage_reader=reader, planner=UCPLoadPlanner())
     assert all(bit_equal(out[k], full[k]) for k in full)
-    mine = reader.rank_record
-    assert mine is not None and mine.rank == rank and mine.bytes == reader.bytes_requested
+    mine = reader.last_load.rank_record
+    assert mine is not None and mine.rank == rank and mine.bytes == reader.last_load.bytes_requested
     if rank == 1:
         os.preadv = real_preadv
         assert mine.file == os.path.join(root, slow_file) and mine.file_seconds >= DELAY_S, mine
         assert any(m.startswith(f"rank 1: load of {root}: ") and " read in " in m for m in lines.lines)
         done = [m for m in lines.lines if m.startswith(f"rank 1: load of {root}: done, ")]
         assert len(done) == 1 and f"slowest file {mine.file} (" in done[0], lines.lines
-    job = reader.slowest
+    job = reader.last_load.slowest
     assert isinstance(job, SlowestRecord) and job.rank == 1, job
     assert job.file == os.path.join(root, slow_file) and job.seconds >= DELAY_S
     everyone: list[Any] = [None] * world
@@ -194,7 +195,7 @@ def _slow_rank_named(rank: int, world: int, root: str) -> None:
         os.preadv = lambda fd, bufs, off: (
             0 if slow_file in os.readlink(f"/proc/self/fd/{fd}") else real_preadv(fd, bufs, off)
         )
-    failed = UCPStorageReader(root, read_once=False)
+    failed = UCPStorageReader(root, options=ReadOptions(read_once=False))
     with pytest.raises(CheckpointException) as caught:
         dcp.load({k: torch.zeros_like(v) for k, v in full.items()}, storage_reader=failed,
                  planner=UCPLoadPlanner())
@@ -202,7 +203,7 @@ def _slow_rank_named(rank: int, world: int, root: str) -> None:
     err = unwrap(caught.value)
     assert isinstance(err, TruncatedFileError) and slow_file in str(err), caught.value
     assert list(caught.value.failures) == [1]
-    assert failed.slowest is not None and failed.rank_record is not None
+    assert failed.last_load.slowest is not None and failed.last_load.rank_record is not None
 
     # A load whose rank 1 blocks in a read (issue 25; tests/stall.py) fails on every rank with rank
     # 1's StorageError naming the file, the byte range, the rank and the time waited, within the
@@ -214,7 +215,7 @@ def _slow_rank_named(rank: int, world: int, root: str) -> None:
         real = end = None
         if rank == 1 or once:
             real, end = stall_reads_of(blocked, f"{fifo}-{once}-{rank}")
-        late = UCPStorageReader(root, read_once=once, requests=FAST)
+        late = UCPStorageReader(root, options=ReadOptions(read_once=once, requests=FAST))
         t0 = time.monotonic()
         with pytest.raises(CheckpointException) as caught:
             dcp.load({k: torch.zeros_like(v) for k, v in full.items()}, storage_reader=late,
@@ -240,12 +241,12 @@ def _slow_rank_named(rank: int, world: int, root: str) -> None:
 
     # A load without collectives (no_dist, one rank alone) gathers nothing: it would hang here.
     if rank == 0:
-        alone = UCPStorageReader(root, read_once=False)
+        alone = UCPStorageReader(root, options=ReadOptions(read_once=False))
         out = {k: torch.zeros_like(v) for k, v in full.items()}
         dcp.load(out, storage_reader=alone, planner=UCPLoadPlanner(), no_dist=True)
         assert all(bit_equal(out[k], full[k]) for k in full)
-        assert alone.slowest == alone.rank_record and alone.slowest is not None
-        assert alone.slowest.rank == 0 and alone.slowest.bytes > 0
+        assert alone.last_load.slowest == alone.last_load.rank_record and alone.last_load.slowest is not None
+        assert alone.last_load.slowest.rank == 0 and alone.last_load.slowest.bytes > 0
     dist.barrier()
     faulthandler.cancel_dump_traceback_later()
 

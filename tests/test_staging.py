@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 
 import ucp_dcp.byteio.engine as ucp_engine
 from dist_utils import bit_equal
-from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
+from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.tools.checkpoint import Checkpoint
 from ucp_dcp.core.sharding import Box
 from ucp_dcp.byteio.transfer import ChunkRegion, StagingBuffers, read_staged
@@ -88,7 +88,7 @@ def cast_equal(got: torch.Tensor, src: torch.Tensor, dtype: torch.dtype, ref: to
 
 def _load(path: Path, out: dict[str, torch.Tensor], max_buffer_bytes: int) -> UCPStorageReader:
     reader = UCPStorageReader(path)
-    reader.max_buffer_bytes = max_buffer_bytes  # below the constructor's 1 MiB floor: many slabs
+    reader._buffer_bytes = max_buffer_bytes  # below ReadOptions.buffer_bytes's 1 MiB floor: many slabs
     dcp.load(out, storage_reader=reader, planner=UCPLoadPlanner(allow_dtype_cast=True))
     return reader
 
@@ -151,7 +151,7 @@ def test_checkpoint_read_tensor_one_buffer_per_read(saved: tuple[Path, dict[str,
     """Checkpoint.read_tensor with a cast: one staging buffer per read, exact; none when no staging is needed."""
     path, sd = saved
     made = _spy(monkeypatch, ucp_engine, overlap=True)
-    with Checkpoint(path, max_buffer_bytes=1) as ck:
+    with Checkpoint(path, options=ReadOptions(max_buffer_bytes=1)) as ck:
         for k in sd:
             got = ck.read_tensor(k, dtype=torch.float64)
             assert cast_equal(got, sd[k], torch.float64), k

@@ -77,8 +77,14 @@ def make_writer(fmt: str, path: str, *, default_planner: bool = False,
 
 def make_reader(fmt: str, path: str, *, default_planner: bool = False,
                 **options: Any) -> tuple[StorageReader, LoadPlanner | None]:
-    """(storage reader, load planner) of ``fmt`` reading ``path``; planner as :func:`load_planner`."""
+    """(storage reader, load planner) of ``fmt`` reading ``path``; planner as :func:`load_planner`.
+    For ``ucp``, the fields of ``ReadOptions`` among ``options`` go to the reader as its ``options``."""
     planner = load_planner(fmt, default_planner)
+    if fmt == "ucp":
+        read_options = _ucp("ReadOptions")
+        knobs = {k: options.pop(k) for k in list(options) if k in read_options.__dataclass_fields__}
+        if knobs:
+            options["options"] = read_options(**knobs)
     return _storage_class(fmt, "Reader")(path, **options), planner
 
 

@@ -29,6 +29,7 @@ from .byteio.reqpolicy import RequestPolicy
 from .core.pieces import Piece, TensorPieces
 from .core.values import RankLocal
 from .dcp import UCPLoadPlanner, UCPSavePlanner
+from .dcp.options import LoadReport, ReadOptions
 from .dcp.read_once import ReadOnceCosts
 from .dcp.reader import UCPStorageReader
 from .dcp.slowest import SlowestRecord
@@ -61,6 +62,8 @@ __all__ = [
     "UCPLoadPlanner",
     "UCPStorageWriter",
     "UCPStorageReader",
+    "ReadOptions",
+    "LoadReport",
     "ReadOnceCosts",
     "RequestPolicy",
     "ProgressConfig",

@@ -202,7 +202,7 @@ class PlacementError(UCPError, RuntimeError):
 
 
 class ReadOnceError(UCPError, RuntimeError):
-    """A read-once load (``UCPStorageReader(read_once=...)``) could not run its exchange: a
+    """A read-once load (``ReadOptions(read_once=...)``) could not run its exchange: a
     rank failed before the plan was agreed, or the plan left a needed byte unsent (names the
     rank or the file)."""
 

@@ -4,7 +4,7 @@ Two digests, for two jobs:
 
 * xxh3-64 per chunk and per value, recorded when the data is written (in
   the data file's header and the index). Loads check what they read against
-  it: :class:`ChunkVerifier` (``UCPStorageReader(verify=True)``),
+  it: :class:`ChunkVerifier` (``ReadOptions(verify=True)``),
   :func:`~ucp_dcp.byteio.transfer.read_checked` for values, and
   :meth:`ucp_dcp.Checkpoint.verify` for everything.
 * xxh3-128 of whole files (:func:`file_digest`, :func:`bytes_digest`), for

@@ -1,6 +1,6 @@
-"""Progress of a long load or save, logged per rank at a steady interval.
+"""Progress of long work: a load or save logged per rank, a command drawn as a bar.
 
-The byte readers and writers feed a :class:`Progress` the bytes of each
+A load or save: the byte readers and writers feed a :class:`Progress` the bytes of each
 request they complete (:class:`~ucp_dcp.byteio.rangeio.ReadStats` does it for
 every reader, the data-file writers per piece written): :meth:`Progress.add`
 is one counter add and one clock read. Once a load or save has run
@@ -10,7 +10,13 @@ what it does, the bytes done and the rate, overall and over the last interval.
 :meth:`Progress.finish` logs the last line, for operations that ran past the
 threshold. Operations shorter than the threshold log nothing.
 
-Why logging and not tqdm (which the command line's bars use): a job of many
+A single-process command (verify, diff, conversions) takes an ``on_progress(done, total)``
+callback instead (:data:`ProgressFn`); :class:`ProgressBar` is the command line's, drawn by tqdm
+with its rate and time left, only when its stream is a terminal (or when forced), ending its line
+when ``done`` reaches ``total`` or when it is closed. :func:`format_bytes` and
+:func:`size_bytes` write and read the byte counts people type and read.
+
+Why logging and not tqdm for loads and saves: a job of many
 ranks writes log files, not terminals; one line per rank per interval is what
 an operator can grep for the rank that lags, and the logging configuration
 routes or silences it (``logging.getLogger("ucp_dcp.progress").setLevel(...)``).
@@ -23,20 +29,34 @@ end such a wait.
 from __future__ import annotations
 
 import logging
+import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TextIO
+
+from tqdm import tqdm
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["ProgressConfig", "Progress", "log", "mb"]
+__all__ = [
+    "ProgressConfig",
+    "Progress",
+    "log",
+    "mb",
+    "ProgressFn",
+    "ProgressBar",
+    "format_bytes",
+    "size_bytes",
+]
 
 log = logging.getLogger("ucp_dcp.progress")
 
 
 @dataclass(frozen=True)
 class ProgressConfig:
-    """When a rank logs the progress of a long load or save (``UCPStorageReader(progress=)``,
+    """When a rank logs the progress of a long load or save (``ReadOptions(progress=)``,
     ``UCPStorageWriter(progress=)``)."""
 
     interval: float = 10.0
@@ -137,3 +157,115 @@ class Progress:
         if total >= self.config.threshold:
             self._log(now, "done, ", "", f"; {detail}" if detail else "")
         return total
+
+
+ProgressFn = Callable[[int, int], None]
+"""``on_progress(done_bytes, total_bytes)``: called as work proceeds (a :class:`ProgressBar` draws
+it)."""
+
+_UNITS = ("B", "KB", "MB", "GB", "TB", "PB")
+
+
+def format_bytes(n: int | float) -> str:
+    """``'1.5 GB'`` for 1.5e9: decimal units, three significant digits."""
+    value = float(n)
+    for unit in _UNITS:
+        if abs(value) < 1000 or unit == _UNITS[-1]:
+            if unit == "B":
+                return f"{int(value)} B"
+            return f"{value:.3g} {unit}" if abs(value) < 100 else f"{value:.0f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def size_bytes(text: str) -> int | None:
+    """Bytes in ``'5GB'`` (decimal, as Hugging Face counts), ``'512MiB'`` (binary) or ``'1000'``
+    (any case, blanks around); None when ``text`` is not a size. Callers check the sign."""
+    m = _SIZE_RE.fullmatch(text)
+    scale = _SIZE_UNITS.get(m.group(2).upper()) if m else None
+    if m is None or scale is None:
+        return None
+    return int(float(m.group(1)) * scale)
+
+
+class ProgressBar:
+    """A ``progress(done, total)`` callback that draws ``label: 45%|####  | 1.2G/2.6G [rate, ETA]``.
+
+    Args:
+        label: text in front of the bar.
+        stream: where to draw (stderr by default).
+        enabled: force drawing on (True) or off (False); None draws only when ``stream`` is a
+            terminal.
+        min_interval: least seconds between two redraws (the final state is always drawn).
+    """
+
+    def __init__(
+        self,
+        label: str = "",
+        *,
+        stream: TextIO | None = None,
+        enabled: bool | None = None,
+        min_interval: float = 0.1,
+    ) -> None:
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = _is_tty(self.stream) if enabled is None else enabled
+        self.min_interval = min_interval
+        self._bar: tqdm[None] | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        """Report that ``done`` of ``total`` bytes (or units) are finished."""
+        if not self.enabled:
+            return
+        if self._bar is None:
+            self._bar = tqdm(
+                total=max(total, 0),
+                desc=self.label or None,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1000,
+                file=self.stream,
+                mininterval=self.min_interval,
+                miniters=1,
+                dynamic_ncols=True,
+            )
+        bar = self._bar
+        if bar.total != max(total, 0):
+            bar.total = max(total, 0)
+        bar.update(done - bar.n)
+        if total <= 0 or done >= total:
+            self.close()
+
+    def close(self) -> None:
+        """End the bar's line, if one is open, so later output starts clean."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _is_tty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False

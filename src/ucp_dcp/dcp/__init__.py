@@ -7,6 +7,7 @@ any layout with exact offset reads.
 
 from ._read_items import collector_paused
 from .load_planner import UCPLoadPlanner
+from .options import LoadReport, ReadOptions
 from .reader import PlannedRead, UCPStorageReader
 from .save_planner import UCPSavePlanner
 from .writer import UCPStorageWriter
@@ -16,6 +17,8 @@ __all__ = [
     "UCPLoadPlanner",
     "UCPStorageWriter",
     "UCPStorageReader",
+    "ReadOptions",
+    "LoadReport",
     "PlannedRead",
     "collector_paused",
 ]

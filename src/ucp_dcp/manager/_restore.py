@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..byteio.integrity import bytes_digest, file_digest
 from ..byteio.objstore import is_url
-from ..dcp import PlannedRead, UCPLoadPlanner, UCPStorageReader, collector_paused
+from ..dcp import PlannedRead, ReadOptions, UCPLoadPlanner, UCPStorageReader, collector_paused
 from ..dcp.placement import PlacementReport
 from ..dcp.read_once import ReadOnceDecision
 from ..dcp.slowest import SlowestRecord
@@ -372,7 +372,8 @@ class Restorer(GroupWorker):
         index = self._check_index(dest, cand)
 
         def mine() -> tuple[list[PlannedRead], dict[str, tuple[str, ...]]]:
-            reader = UCPStorageReader(dest, known_files={INDEX_FILE: index})
+            reader = UCPStorageReader(dest)
+            reader.provide_files({INDEX_FILE: index})
             reads = reader.planned_reads(dict(state))
             return reads, small_keys(state, reads)
 
@@ -465,22 +466,24 @@ class Restorer(GroupWorker):
         """Load ``ready`` (a directory, or a URL read with its storage options; the index it
         holds already checked); return the verified and read bytes, what the reader's
         read-once policy decided, the load's slowest rank and its placement check's report."""
-        options: dict[str, Any] = {}
-        if self.config.io_threads is not None:
-            options["io_threads"] = self.config.io_threads
-        if is_url(ready.path):
-            options["max_request_bytes"] = OBJECT_REQUEST_BYTES
+        threads = self.config.io_threads
+        options = ReadOptions(
+            io_threads=threads if threads is not None else ReadOptions.io_threads,
+            max_request_bytes=(
+                OBJECT_REQUEST_BYTES if is_url(ready.path) else ReadOptions.max_request_bytes
+            ),
+            verify=self.config.verify_on_load,
+            verify_placement=self.config.verify_placement,
+        )
         reader = UCPStorageReader(
             ready.path,
-            verify=self.config.verify_on_load,
+            options=options,
             storage_options=ready.storage_options,
-            known_files=ready.known_files,
-            verify_placement=self.config.verify_placement,
             # The group dcp.load runs on below: a read-once exchange (the reader's default
             # "auto": a copy in an object store, replicas needing the same bytes) runs on it too.
             process_group=self.group.pg,
-            **options,
         )
+        reader.provide_files(ready.known_files)
         # Python's cyclic collector paused for the whole load, not only while the reader reads
         # (reader.read_data): parsing the index and planning allocate tens of thousands of
         # objects, enough to set off full collections, each walking the training process's whole
@@ -498,12 +501,13 @@ class Restorer(GroupWorker):
         if small is not None:
             put_back(state, target)
             self._through_group(small, ready.path, state)
+        done = reader.last_load
         return (
-            int(getattr(reader, "verified_bytes", 0)),
-            int(getattr(reader, "bytes_requested", 0)),
-            reader.read_once_decision,
-            reader.slowest,
-            reader.placement_report,
+            done.verified_bytes,
+            done.bytes_requested,
+            done.read_once,
+            done.slowest,
+            done.placement,
         )
 
     def _through_group(self, small: SmallReads, path: str, state: Mapping[str, Any]) -> None:

@@ -22,7 +22,7 @@ import torch
 from .._compat import flatten_state_dict
 from ..core.nested import copy_containers, set_in_place
 from ..core.values import RankLocal
-from ..dcp import PlannedRead
+from ..dcp import PlannedRead, ReadOptions
 from ..tools.checkpoint import Checkpoint
 
 __all__ = ["SMALL_READ_BYTES", "SmallReads", "fill", "put_back", "serve", "small_keys", "without"]
@@ -126,7 +126,7 @@ def serve(
     ]
     out: dict[str, Any] = {}
     if mine:
-        with Checkpoint(local_dir, verify=verify) as ck:
+        with Checkpoint(local_dir, options=ReadOptions(verify=verify)) as ck:
             tensors = set(ck.tensor_names())
             for k in mine:
                 out[k] = ck.read_tensor(k) if k in tensors else ck.read_value(k)

@@ -172,7 +172,7 @@ class CheckpointConfig:
         False,
         """
         Check after every restore, from either tier, that each element landed
-        where the save found it (``UCPStorageReader(verify_placement=True)``;
+        where the save found it (``ReadOptions(verify_placement=True)``;
         1.5-3.4x a load's time in docs/format.md's measurements). A wrong
         placement, or a step saved without ``placement_digests``, fails that
         copy naming the tensor (or saying the step has no digests) and the

@@ -51,7 +51,7 @@ class RestoreRecord:
     counted, nor data that came with a header's request; a whole-step download before the load is
     not counted either)."""
     read_once: ReadOnceDecision | None = None
-    """What the load's read-once policy decided and why (see ``UCPStorageReader(read_once=)``):
+    """What the load's read-once policy decided and why (see ``ReadOptions(read_once=)``):
     ``read_once.exchange`` says whether each needed byte was read by one rank and sent to the
     others over the manager's group; None where no decision was asked for (one process)."""
     slowest: SlowestRecord | None = None

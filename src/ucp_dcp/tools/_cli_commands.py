@@ -22,8 +22,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TextIO
 
+from ..byteio.progress import ProgressBar, format_bytes
 from ..errors import CLIError, NotACheckpointError
-from .progress import ProgressBar, format_bytes
 
 PROG = "ucp-dcp"
 EXIT_OK = 0
@@ -156,6 +156,7 @@ def format_inspection(info: dict[str, Any]) -> str:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from ..dcp.options import ReadOptions
     from .inspection import inspect_checkpoint
 
     where = _location_options(args, args.path)
@@ -163,7 +164,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         args.path,
         describe=in_cli_words,
         dcp_values=args.dcp_values,
-        verify=not args.no_verify,
+        options=ReadOptions(verify=not args.no_verify),
         **where,
     )
     if args.json:
@@ -189,7 +190,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     else:
         with ck, _progress(args, "verifying") as bar:
             # One damaged file header is reported again for every tensor it holds: say it once.
-            problems = list(dict.fromkeys(ck.verify(progress=bar)))
+            problems = list(dict.fromkeys(ck.verify(on_progress=bar)))
             summary.update(
                 format=ck.format,
                 checksums=ck.has_checksums,
@@ -234,6 +235,7 @@ def _digests_note(digests: int, tensors: int) -> str:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
+    from ..dcp.options import ReadOptions
     from .inspection import diff_checkpoints
 
     where = _location_options(args, args.a, args.b)
@@ -241,9 +243,9 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         report = diff_checkpoints(
             args.a,
             args.b,
-            progress=bar,
+            on_progress=bar,
             dcp_values=args.dcp_values,
-            verify=not args.no_verify,
+            options=ReadOptions(verify=not args.no_verify),
             **where,
         )
     same = report.identical if args.atol == 0 else report.within(args.atol)
@@ -289,6 +291,8 @@ def _function(module: ModuleType, attr: str, command: str) -> Callable[..., Any]
 
 
 def _cmd_export_hf(args: argparse.Namespace) -> int:
+    from ..dcp.options import ReadOptions
+
     export_hf = _function(
         _optional_module("ucp_dcp.tools.hf", "export-hf"), "export_hf", "export-hf"
     )
@@ -308,15 +312,17 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
     if args.dcp_values is not None:
         kwargs["dcp_values"] = args.dcp_values
     if args.no_verify:
-        kwargs["verify"] = False
+        kwargs["options"] = ReadOptions(verify=False)
     with _progress(args, "exporting") as bar:
-        written = export_hf(args.src, args.dst, progress=bar, **kwargs)
+        written = export_hf(args.src, args.dst, on_progress=bar, **kwargs)
     count = f": {_plural(len(written), 'file')}" if isinstance(written, list) else ""
     print(f"exported {args.src} to {args.dst} (Hugging Face safetensors){count}")
     return EXIT_OK
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    from ..dcp.options import ReadOptions
+
     convert = _function(
         _optional_module("ucp_dcp.tools.convert", args.command), "convert", args.command
     )
@@ -324,11 +330,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if args.prefix is not None:
         kwargs["prefix"] = args.prefix
     if args.no_verify:
-        kwargs["verify"] = False
+        kwargs["options"] = ReadOptions(verify=False)
     if args.dcp_values is not None:
         kwargs["dcp_values"] = args.dcp_values
     with _progress(args, "converting") as bar:
-        convert(args.src, args.dst, progress=bar, **kwargs)
+        convert(args.src, args.dst, on_progress=bar, **kwargs)
     print(f"converted {args.src} into ucp_dcp checkpoint {args.dst}")
     return EXIT_OK
 
@@ -353,6 +359,6 @@ def _cmd_import_hf(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = {} if args.prefix is None else {"prefix": args.prefix}
     _require_checkpoint(args.src, None)
     with _progress(args, "importing") as bar:
-        import_hf(args.src, args.dst, progress=bar, **kwargs)
+        import_hf(args.src, args.dst, on_progress=bar, **kwargs)
     print(f"imported {args.src} into ucp_dcp checkpoint {args.dst}")
     return EXIT_OK

@@ -20,11 +20,13 @@ import torch.distributed as dist
 
 from ..byteio.engine import ChunkReads
 from ..byteio.integrity import HASH_BLOCK, chunk_what, hash_range
-from ..byteio.rangeio import IO_THREADS, ByteSource
+from ..byteio.progress import ProgressFn
+from ..byteio.rangeio import ByteSource
 from ..byteio.transfer import ChunkRegion
 from ..core.placement_digest import box_share, digest_hex
 from ..core.sharding import Box
 from ..core.values import decode_value
+from ..dcp.options import ReadOptions, source_options
 from ..dcp.placement import (
     PlacementReport,
     check_placement,
@@ -34,8 +36,7 @@ from ..dcp.placement import (
 )
 from ..errors import CheckpointFormatError, CheckpointKeyError, ShapeMismatchError
 from ..format import Location, TensorRecord, rank_local_key
-from ..sources import Source, SourceOptions, open_source, read_value, read_values
-from .progress import ProgressFn
+from ..sources import Source, open_source, read_value, read_values
 
 __all__ = ["Checkpoint"]
 
@@ -48,19 +49,15 @@ class Checkpoint:
             Hugging Face safetensors model, or a directory whose subfolders are checkpoints; or the
             fsspec URL of a universal checkpoint, a DCP checkpoint or a Hugging Face safetensors
             model in object storage (``s3://...``), read with ranged requests.
-        io_threads: threads issuing reads (default :data:`~ucp_dcp.byteio.rangeio.IO_THREADS`,
-            2, as every reader).
-        max_buffer_bytes: staging bound for dtype casts and device copies.
+        options: how to read (:class:`~ucp_dcp.ReadOptions`; its defaults when None): here
+            ``io_threads``, ``max_buffer_bytes`` (the staging bound for dtype casts and device
+            copies), ``gap_bytes``, ``max_request_bytes``, ``requests``, ``tp_rules`` and
+            ``verify`` (every byte :meth:`read_tensor` / :meth:`read_into` read checked against
+            the checksums recorded at save, as a load checks it; values are always checked).
+        storage_options: for a URL, passed to fsspec as they are.
+        prefix: prepended to the tensor names of a Hugging Face model.
         dcp_values: ``"weights_only"`` to load the pickled values of a DCP checkpoint with
             ``torch.load(weights_only=True)``; refused by default.
-        prefix: prepended to the tensor names of a Hugging Face model.
-        tp_rules: the tensor-parallel partitioning of a DeepSpeed checkpoint that does not record it
-            (see :class:`~ucp_dcp.sources.base.SourceOptions`).
-        verify: check every byte :meth:`read_tensor` / :meth:`read_into` read against the checksums
-            recorded at save (block checksums, or whole-chunk ones for checkpoints written before
-            them), as ``UCPStorageReader(verify=True)`` does; a mismatch raises
-            :class:`~ucp_dcp.ChecksumError`. Values are always checked.
-        storage_options: for a URL, passed to fsspec as they are.
 
     Raises :class:`~ucp_dcp.CheckpointFormatError` when ``path`` is not a
     readable checkpoint. Use as a context manager, or call :meth:`close`.
@@ -70,24 +67,29 @@ class Checkpoint:
         self,
         path: str | os.PathLike[str],
         *,
-        io_threads: int = IO_THREADS,
-        max_buffer_bytes: int = 64 << 20,
-        dcp_values: str | None = None,
-        prefix: str = "",
-        tp_rules: object = None,
-        verify: bool = True,
+        options: ReadOptions | None = None,
         storage_options: dict[str, Any] | None = None,
+        prefix: str = "",
+        dcp_values: str | None = None,
     ) -> None:
+        opts = options if options is not None else ReadOptions()
         self.path = os.fspath(path)
         self.source = open_source(
             self.path,
-            SourceOptions(dcp_values=dcp_values, prefix=prefix, tp_rules=tp_rules),
+            source_options(dcp_values, prefix, opts.tp_rules),
             storage_options=storage_options,
+            requests=opts.requests,
         )
         self.index = self.source.index
-        self.max_buffer_bytes = max(max_buffer_bytes, 1 << 20)
-        self._reader = self.source.open_reader(threads=io_threads, verify=verify)
-        self.verify_reads = verify
+        self.max_buffer_bytes = opts.buffer_bytes
+        self._reader = self.source.open_reader(
+            threads=opts.io_threads,
+            gap_bytes=opts.gap_bytes,
+            max_request_bytes=opts.max_request_bytes,
+            requests=opts.requests,
+            verify=opts.verify,
+        )
+        self.verify_reads = opts.verify
         self._ranks = [self.source.file_rank(i) for i in range(len(self.source.paths))]
         self._verified = 0
         # close(), or when collected unclosed (``Checkpoint(path).verify()``): nothing is kept.
@@ -221,7 +223,7 @@ class Checkpoint:
         return {r: decode_value(raw, name) for r, raw in zip(ranks, raws)}
 
     # ------------------------------------------------------------ verifying
-    def verify(self, progress: ProgressFn | None = None) -> list[str]:
+    def verify(self, on_progress: ProgressFn | None = None) -> list[str]:
         """Re-check every data file, index entry and checksum.
 
         For a native checkpoint the index is also cross-checked with every
@@ -285,8 +287,8 @@ class Checkpoint:
                     f"{digest})"
                 )
             done += loc.nbytes
-            if progress is not None:
-                progress(done, total)
+            if on_progress is not None:
+                on_progress(done, total)
         return problems
 
     def _check_digests(self) -> list[str]:
@@ -312,7 +314,7 @@ class Checkpoint:
         self, state: Mapping[str, Any], *, process_group: dist.ProcessGroup | None = None
     ) -> PlacementReport:
         """Prove that ``state``, already loaded from this checkpoint, holds every element where
-        the save found it: the check ``UCPStorageReader(verify_placement=True)`` makes.
+        the save found it: the check ``ReadOptions(verify_placement=True)`` makes.
 
         ``state`` is the (nested) state dict as loaded: plain tensors, DTensors of any mesh and
         placements, ShardedTensors, :class:`~ucp_dcp.TensorPieces`. Each box is hashed at the

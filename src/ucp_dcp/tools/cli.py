@@ -46,6 +46,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from ..byteio.progress import size_bytes
 from ..errors import CLIError, StorageError
 from ._cli_commands import (
     _HF_DTYPES,
@@ -64,7 +65,6 @@ from ._cli_commands import (
     format_inspection,
     in_cli_words,
 )
-from .progress import size_bytes
 
 __all__ = [
     "main",

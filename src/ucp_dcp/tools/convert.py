@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import os
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,11 +23,13 @@ import torch
 from ..byteio.datafile import DataFileWriter, chunk_entry, value_entry
 from ..byteio.engine import ChunkReads
 from ..byteio.objstore import is_url, local_path
-from ..byteio.rangeio import IO_THREADS, storage_view, tensor_view
+from ..byteio.progress import ProgressFn
+from ..byteio.rangeio import storage_view, tensor_view
 from ..byteio.storage import commit_index
 from ..byteio.transfer import ChunkRegion
 from ..core.contiguous import slabs
 from ..core.sharding import Box
+from ..dcp.options import ReadOptions, source_options
 from ..errors import CheckpointExistsError, CheckpointFormatError, StorageError
 from ..format import (
     INDEX_FILE,
@@ -41,28 +42,22 @@ from ..format import (
     rank_local_key,
     split_rank_local_key,
 )
-from ..sources import Source, SourceOptions, open_source, read_values
+from ..sources import Source, open_source, read_values
 
 __all__ = ["convert"]
-
-_MiB = 1024 * 1024
-
-ProgressFn = Callable[[int, int], None]
 
 
 def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
+    options: ReadOptions | None = None,
+    storage_options: dict[str, Any] | None = None,
     prefix: str = "",
-    progress: ProgressFn | None = None,
+    dcp_values: str | None = "weights_only",
     overwrite: bool = False,
     sync_files: bool = True,
-    buffer_bytes: int = 64 * _MiB,
-    io_threads: int = IO_THREADS,
-    dcp_values: str | None = "weights_only",
-    verify: bool = True,
-    storage_options: dict[str, Any] | None = None,
+    on_progress: ProgressFn | None = None,
 ) -> Index:
     """Write checkpoint ``src`` (any format :func:`~ucp_dcp.sources.open_source` reads) as a
     universal one at ``dst``.
@@ -79,18 +74,19 @@ def convert(
             for a DCP checkpoint (its files are left alone; the universal index takes precedence
             when loading). A directory that already holds a universal checkpoint is refused unless
             ``overwrite=True`` (then the old one stays loadable until the new index replaces it).
-        prefix: prepended to the tensor names of a Hugging Face model.
-        progress: ``progress(done_bytes, total_bytes)`` after every entry.
-        buffer_bytes: the copy buffer (at least 1 MiB).
-        dcp_values: how DCP's pickled values are loaded; by default with
-            ``torch.load(weights_only=True)`` (torch's restricted unpickler:
-            a value it refuses fails the conversion naming the key).
-        verify: check the tensor data read against the source's checksums
-            (block checksums where it records them, whole chunks otherwise),
-            so that damaged bytes are not given fresh checksums; a mismatch
-            raises :class:`~ucp_dcp.ChecksumError`.
+        options: how to read ``src`` (:class:`~ucp_dcp.ReadOptions`; its defaults when None):
+            ``max_buffer_bytes`` bounds the copy buffer and staging memory together,
+            ``io_threads``, ``tp_rules``, and ``verify`` checks the tensor data read against
+            the source's checksums (block checksums where it records them, whole chunks
+            otherwise), so that damaged bytes are not given fresh checksums; a mismatch raises
+            :class:`~ucp_dcp.ChecksumError`.
         storage_options: for a ``src`` URL, passed to fsspec as they are
             (credentials, ``client_kwargs={"endpoint_url": ...}``).
+        prefix: prepended to the tensor names of a Hugging Face model.
+        dcp_values: how DCP's pickled values are loaded; by default (unlike a load, which
+            refuses them) with ``torch.load(weights_only=True)`` (torch's restricted unpickler:
+            a value it refuses fails the conversion naming the key).
+        on_progress: ``on_progress(done_bytes, total_bytes)`` after every entry.
 
     Returns the index written.
     """
@@ -102,8 +98,12 @@ def convert(
             "and copy it there, or save to the URL with UCPStorageWriter"
         )
     dst = local_path(dst)  # a file:// URL is a local path
+    opts = options if options is not None else ReadOptions()
     source = open_source(
-        src, SourceOptions(dcp_values=dcp_values, prefix=prefix), storage_options=storage_options
+        src,
+        source_options(dcp_values, prefix, opts.tp_rules),
+        storage_options=storage_options,
+        requests=opts.requests,
     )
     try:
         if os.path.exists(dst) and not os.path.isdir(dst):
@@ -116,9 +116,7 @@ def convert(
                 "replace it. Convert into a new directory, or pass overwrite=True"
             ).with_option("overwrite", True, "overwrite=True")
         os.makedirs(dst, exist_ok=True)
-        return _convert(
-            source, dst, progress, sync_files, max(buffer_bytes, _MiB), io_threads, verify
-        )
+        return _convert(source, dst, on_progress, sync_files, opts)
     finally:
         source.close()
 
@@ -158,15 +156,19 @@ def _entry(source: Source, item: _Item, value: bytes | None) -> PlannedEntry:
 def _convert(
     source: Source,
     dst: str,
-    progress: ProgressFn | None,
+    on_progress: ProgressFn | None,
     sync_files: bool,
-    budget: int,
-    io_threads: int,
-    verify: bool,
+    opts: ReadOptions,
 ) -> Index:
-    index = source.index
+    index, budget = source.index, opts.buffer_bytes
     per_file = _items_by_file(source)
-    reader = source.open_reader(threads=io_threads)
+    reader = source.open_reader(
+        threads=opts.io_threads,
+        gap_bytes=opts.gap_bytes,
+        max_request_bytes=opts.max_request_bytes,
+        requests=opts.requests,
+        verify=opts.verify,
+    )
     ranks = [source.file_rank(i) for i in range(len(source.paths))]
     buf = torch.empty(budget, dtype=torch.uint8)
     # A chunk stored in another dimension order is read through staging memory as well: each of
@@ -175,7 +177,7 @@ def _convert(
         reader,
         source.paths,
         ranks,
-        verify=verify,
+        verify=opts.verify,
         max_buffer_bytes=budget // 2,
         scratch_in_buffer=False,
     )
@@ -219,8 +221,8 @@ def _convert(
                     else:
                         _copy_chunk(source, engine, it[1], it[2], out, i, buf)
                     done += entries[i].nbytes
-                    if progress is not None:
-                        progress(done, total)
+                    if on_progress is not None:
+                        on_progress(done, total)
             files.append(FileRecord(name, rank, out.size))
             written.append([WrittenEntry.of(e, s) for e, s in zip(out.entries, out.starts)])
     finally:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..adapters.layout_spec import LayoutSpec
+from ..dcp.options import ReadOptions
 from ..errors import CheckpointKeyError, InvalidArgumentTypeError
 from .checkpoint import Checkpoint
 
@@ -43,12 +44,11 @@ def load_state_dict(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     rank_local: bool = False,
-    dcp_values: str | None = None,
-    prefix: str = "",
-    tp_rules: object = None,
     layout: LayoutSpec | None = None,
-    verify: bool = True,
+    options: ReadOptions | None = None,
     storage_options: dict[str, Any] | None = None,
+    prefix: str = "",
+    dcp_values: str | None = None,
 ) -> dict[str, Any]:
     """Full tensors and values of a checkpoint of any format, in this process.
 
@@ -60,18 +60,17 @@ def load_state_dict(
             counters, keep theirs).
         device: where the tensors go.
         rank_local: also return rank-local values, as ``{rank: value}``.
-        dcp_values: ``"weights_only"`` loads the pickled values of a DCP checkpoint with
-            ``torch.load(weights_only=True)``; refused by default.
-        prefix: prepended to the tensor names of a Hugging Face model.
-        tp_rules: the tensor-parallel partitioning of a DeepSpeed checkpoint that does not record it
-            (see :class:`~ucp_dcp.sources.base.SourceOptions`).
         layout: return the logical tensors this :class:`~ucp_dcp.LayoutSpec` makes of the selected
             tensors (:meth:`~ucp_dcp.LayoutSpec.logical`: renamed, fused ones split into their
             parts, e.g. a Megatron QKV as Hugging Face's q/k/v) instead of them.
-        verify: check every byte read against the checksums recorded at save
-            (:class:`~ucp_dcp.ChecksumError` on a mismatch); False skips the checks of tensor data.
+        options: how to read (:class:`~ucp_dcp.ReadOptions`, as :class:`~ucp_dcp.Checkpoint`
+            uses them: ``verify`` checks every byte read against the checksums recorded at
+            save, ``tp_rules`` partitions a DeepSpeed checkpoint that does not record it).
         storage_options: for a checkpoint at an fsspec URL (``s3://...``), passed to fsspec as they
             are.
+        prefix: prepended to the tensor names of a Hugging Face model.
+        dcp_values: ``"weights_only"`` loads the pickled values of a DCP checkpoint with
+            ``torch.load(weights_only=True)``; refused by default.
 
     Keys are DCP's flattened names (``"model.embed.weight"``,
     ``"optim.state.embed.weight.exp_avg"``). Tensors are read one at a
@@ -81,11 +80,10 @@ def load_state_dict(
     out: dict[str, Any] = {}
     with Checkpoint(
         path,
-        dcp_values=dcp_values,
-        prefix=prefix,
-        tp_rules=tp_rules,
-        verify=verify,
+        options=options,
         storage_options=storage_options,
+        prefix=prefix,
+        dcp_values=dcp_values,
     ) as ckpt:
         for name in ckpt.tensor_names():
             if select(name):
@@ -123,7 +121,7 @@ def load_into_module(
     *,
     prefix: str = "model.",
     strict: bool = True,
-    verify: bool = True,
+    options: ReadOptions | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> ModuleLoadResult:
     """Fill ``module``'s parameters and buffers in place from checkpoint ``path``.
@@ -140,11 +138,12 @@ def load_into_module(
     always an error naming the tensor and both shapes.
 
     Every byte read is checked against the checksums recorded at save
-    (:class:`~ucp_dcp.ChecksumError` on a mismatch) unless ``verify=False``.
-    ``storage_options`` go to fsspec for a checkpoint at a URL.
+    (:class:`~ucp_dcp.ChecksumError` on a mismatch) unless ``options`` (a
+    :class:`~ucp_dcp.ReadOptions`, as :class:`~ucp_dcp.Checkpoint` uses them) say
+    ``verify=False``. ``storage_options`` go to fsspec for a checkpoint at a URL.
     """
     targets = module.state_dict(keep_vars=True)
-    with Checkpoint(path, verify=verify, storage_options=storage_options) as ckpt:
+    with Checkpoint(path, options=options, storage_options=storage_options) as ckpt:
         available = {n[len(prefix) :] for n in ckpt.tensor_names() if n.startswith(prefix)}
         missing = sorted(k for k in targets if k not in available)
         unexpected = sorted(k for k in available if k not in targets)

@@ -47,7 +47,9 @@ import torch
 from ..adapters.layout_spec import LayoutSpec
 from ..byteio.durable import commit_dir, temp_dir_for, write_all
 from ..byteio.objstore import is_url, local_path
+from ..byteio.progress import ProgressFn, size_bytes
 from ..byteio.rangeio import tensor_view
+from ..dcp.options import ReadOptions
 from ..errors import (
     CheckpointExistsError,
     CheckpointFormatError,
@@ -62,7 +64,6 @@ from ..format import dtype_name, st_dtype
 from ..sources import checkpoint_exists
 from ..sources.hf import HF_CONFIG_FILES, HF_INDEX_NAME, HF_WEIGHTS_NAME
 from .checkpoint import Checkpoint
-from .progress import ProgressFn, size_bytes
 
 __all__ = [
     "export_hf",
@@ -383,10 +384,10 @@ def export_hf(
     rename: RenameRules | None = None,
     layout: LayoutSpec | None = None,
     config: str | os.PathLike[str] | Mapping[str, Any] | Any | None = None,
-    progress: ProgressFn | None = None,
-    dcp_values: str | None = None,
-    verify: bool = True,
+    options: ReadOptions | None = None,
     storage_options: dict[str, Any] | None = None,
+    dcp_values: str | None = None,
+    on_progress: ProgressFn | None = None,
 ) -> list[str]:
     """Write the model weights of checkpoint ``src`` (any format) as a Hugging Face directory
     ``dst``.
@@ -431,10 +432,14 @@ def export_hf(
             other source only weights are written and a ``UserWarning`` says
             so: ``from_pretrained`` needs a ``config.json`` next to them (pass
             ``config=``, or ``config.save_pretrained(dst)`` yourself).
-        progress: ``progress(done_bytes, total_bytes)`` after each tensor.
-        verify: check the tensor data read against the checksums recorded
-            at save (:class:`~ucp_dcp.ChecksumError` on a mismatch).
+        options: how to read ``src`` (:class:`~ucp_dcp.ReadOptions`, as
+            :class:`~ucp_dcp.Checkpoint` uses them; ``verify``, on by default, checks the
+            tensor data read against the checksums recorded at save,
+            :class:`~ucp_dcp.ChecksumError` on a mismatch).
         storage_options: for a ``src`` URL, passed to fsspec as they are.
+        dcp_values: ``"weights_only"`` loads the pickled values of a DCP checkpoint with
+            ``torch.load(weights_only=True)``; refused by default.
+        on_progress: ``on_progress(done_bytes, total_bytes)`` after each tensor.
 
     Returns:
         The paths of the files written in ``dst``: the safetensors files in
@@ -483,7 +488,7 @@ def export_hf(
         config = src  # a Hugging Face source carries its own config
     cfg_doc, cfg_extra = _load_config(config) if config is not None else (None, [])
     with Checkpoint(
-        src, dcp_values=dcp_values, verify=verify, storage_options=storage_options
+        src, options=options, storage_options=storage_options, dcp_values=dcp_values
     ) as ckpt:
         planned = _plan_export(ckpt, prefix, rules, cast, layout)
         shards = _shard(planned, max_bytes)
@@ -513,8 +518,8 @@ def export_hf(
                         write_all(fd, tensor_view(t.contiguous()))
                         del t
                         done += p.nbytes
-                        if progress is not None:
-                            progress(done, total)
+                        if on_progress is not None:
+                            on_progress(done, total)
                     os.fsync(fd)
                 finally:
                     os.close(fd)
@@ -584,7 +589,7 @@ def import_hf(
     dst: str | os.PathLike[str],
     *,
     prefix: str = "model.",
-    progress: ProgressFn | None = None,
+    on_progress: ProgressFn | None = None,
 ) -> None:
     """Write the weights of Hugging Face model ``src`` as a universal checkpoint at ``dst``.
 
@@ -619,7 +624,7 @@ def import_hf(
     _check_empty_dst(dst)
     tmp = temp_dir_for(dst)
     try:
-        convert(src, tmp, prefix=prefix, progress=progress)
+        convert(src, tmp, prefix=prefix, on_progress=on_progress)
         commit_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

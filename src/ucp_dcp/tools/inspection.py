@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
+from ..byteio.progress import ProgressFn
 from ..errors import CheckpointFormatError, InvalidArgumentError
 from ..format import TensorRecord, dtype_name
 from .checkpoint import Checkpoint
-from .progress import ProgressFn
 
 __all__ = [
     "inspect_checkpoint",
@@ -99,13 +99,13 @@ def inspect_checkpoint(
     path: str | os.PathLike[str],
     *,
     describe: Callable[[BaseException], str] = str,
-    **options: Any,
+    **open_kw: Any,
 ) -> dict[str, Any]:
-    """A JSON-ready summary of the checkpoint at ``path`` (any format; ``options`` as for
+    """A JSON-ready summary of the checkpoint at ``path`` (any format; ``open_kw`` as for
     :class:`Checkpoint`).
 
     ``path`` may be the fsspec URL of a universal checkpoint in object
-    storage (``storage_options=`` among ``options`` go to fsspec).
+    storage (``storage_options=`` among ``open_kw`` go to fsspec).
 
     Keys: ``path``, ``format`` (``"ucp_dcp version 1"``, ``"dcp"``, ``"hf"``, ...),
     ``format_version``, ``checksums`` (whether the format records them), ``world_size``, ``step``
@@ -119,7 +119,7 @@ def inspect_checkpoint(
     Raises :class:`~ucp_dcp.CheckpointFormatError` when ``path`` is not a
     readable checkpoint.
     """
-    with Checkpoint(path, **options) as ck:
+    with Checkpoint(path, **open_kw) as ck:
         index = ck.index
         tensors = [
             {
@@ -378,20 +378,20 @@ def diff_checkpoints(
     a: str | os.PathLike[str],
     b: str | os.PathLike[str],
     *,
-    progress: ProgressFn | None = None,
-    **options: Any,
+    on_progress: ProgressFn | None = None,
+    **open_kw: Any,
 ) -> DiffReport:
-    """Compare checkpoints ``a`` and ``b`` (any formats; ``options`` as for :class:`Checkpoint`)
-    entry by entry.
+    """Compare checkpoints ``a`` and ``b`` (any formats; ``open_kw`` as for :class:`Checkpoint`:
+    ``options``, ``storage_options``, ``prefix``, ``dcp_values``) entry by entry.
 
     Tensors present in both with the same shape are read one at a time
-    (each side once) and compared in float64 slices; ``progress(done,
+    (each side once) and compared in float64 slices; ``on_progress(done,
     total)`` reports the bytes read of both sides. Values and rank-local
     values are decoded and compared deeply. Either side may be an fsspec URL
-    (one ``storage_options=`` among ``options`` serves both). Raises
+    (one ``storage_options=`` among ``open_kw`` serves both). Raises
     :class:`~ucp_dcp.CheckpointFormatError` when either side cannot be read.
     """
-    with Checkpoint(a, **options) as ca, Checkpoint(b, **options) as cb:
+    with Checkpoint(a, **open_kw) as ca, Checkpoint(b, **open_kw) as cb:
         report = DiffReport(ca.path, cb.path)
         names = _diff_structure(ca, cb, report)
         total = sum(
@@ -403,7 +403,7 @@ def diff_checkpoints(
             report.tensors.append(compare_tensors(ta, tb, name))
             done += ta.nbytes + tb.nbytes
             del ta, tb
-            if progress is not None:
-                progress(done, total)
+            if on_progress is not None:
+                on_progress(done, total)
         _diff_values(ca, cb, report)
         return report
