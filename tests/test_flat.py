@@ -32,7 +32,7 @@ from ucp_dcp import (
     flat_partition,
     pack_flat,
 )
-from ucp_dcp.core.contiguous import row_major_strides
+from ucp_dcp.core.boxes import row_major_strides
 from ucp_dcp.core.sharding import flat_range_boxes
 from ucp_dcp.errors import InvalidArgumentError, LayoutError
 

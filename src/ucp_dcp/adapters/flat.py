@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.contiguous import row_major_strides
+from ..core.boxes import row_major_strides
 from ..core.pieces import Piece, TensorPieces
 from ..core.sharding import flat_range_boxes
 from ..errors import InvalidArgumentError, LayoutError

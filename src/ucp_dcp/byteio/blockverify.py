@@ -41,7 +41,7 @@ import torch
 import xxhash
 from numpy.lib.stride_tricks import as_strided
 
-from ..core.contiguous import runs
+from ..core.boxes import runs
 from ..core.sharding import Box
 from ..errors import ChecksumError, InvalidArgumentError
 from ..format import Location

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ..core.contiguous import row_major_strides, runs, slabs
+from ..core.boxes import row_major_strides, runs, slabs
 from ..core.sharding import Box
 from ..core.spans import prefer_span, region_starts, span_of, span_slabs
 from ..errors import InvalidArgumentTypeError

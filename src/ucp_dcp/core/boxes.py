@@ -2,16 +2,24 @@
 
 A *box* is a hyper-rectangle of a global tensor: per-dimension ``offsets`` and ``sizes``. Every
 saved chunk and every target shard is one. The rest of :mod:`ucp_dcp.core` builds on this module
-and it on nothing: :mod:`.sharding` turns layouts into boxes, :mod:`.contiguous` boxes into runs.
+and it on nothing: :mod:`.sharding` turns layouts into boxes.
+
+A *run* is a maximal piece of a region that is contiguous both in the saved
+chunk (row-major) and in the destination memory (any strides), so that it can
+be read with one ``pread`` straight into place (:func:`runs`). :func:`slabs`
+cuts a box into pieces that fit a bounded staging buffer.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Box", "intersect", "row_major_strides"]
+import numpy as np
+
+__all__ = ["Box", "intersect", "row_major_strides", "Run", "RunGrid", "runs", "slabs"]
 
 
 @dataclass(frozen=True)
@@ -53,3 +61,116 @@ def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= n
     return tuple(reversed(strides))
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Run:
+    """``count`` elements, contiguous at element ``src`` of the saved chunk
+    and at element ``dst`` of the destination storage."""
+
+    src: int
+    dst: int
+    count: int
+
+
+@dataclass(frozen=True)
+class RunGrid:
+    """All runs of a region: equal length ``count``, start offsets as arrays.
+
+    Strided regions have tens of thousands of runs; numpy arrays of their
+    offsets cost a few bytes each, where per-run Python objects would cost
+    microseconds and hundreds of bytes.
+    """
+
+    count: int
+    src: np.ndarray  # int64 element offsets into the saved chunk
+    dst: np.ndarray  # int64 element offsets into the destination storage
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def __iter__(self) -> Iterator[Run]:
+        for s, d in zip(self.src.tolist(), self.dst.tolist()):
+            yield Run(s, d, self.count)
+
+
+def _contiguous_from(lengths: Sequence[int], strides: Sequence[int]) -> int:
+    """Smallest dim ``j`` such that dims ``j..`` of a ``lengths`` region laid
+    out with ``strides`` form one contiguous block of memory.
+
+    Dims of length 1 never break contiguity (their stride is irrelevant).
+    """
+    j = len(lengths)
+    expected = 1
+    for d in range(len(lengths) - 1, -1, -1):
+        if lengths[d] != 1 and strides[d] != expected:
+            break
+        j = d
+        expected *= lengths[d]
+    return j
+
+
+def runs(
+    chunk_sizes: Sequence[int],
+    region: Box,
+    dst_strides: Sequence[int],
+    dst_offset: int,
+) -> RunGrid:
+    """Split ``region`` (offsets relative to the saved chunk) into runs.
+
+    ``chunk_sizes`` is the shape of the saved chunk, stored row-major.
+    ``dst_strides``/``dst_offset`` address the destination region in element
+    units of its storage (``tensor.stride()``/``tensor.storage_offset()`` of
+    the destination view, whose shape is ``region.sizes``).
+
+    Runs come in row-major order of the region; every run has the same
+    length. An empty region has no run.
+    """
+    lengths = region.sizes
+    if math.prod(lengths) == 0:
+        return RunGrid(0, _EMPTY, _EMPTY)
+    src_strides = row_major_strides(chunk_sizes)
+    src0 = sum(o * s for o, s in zip(region.offsets, src_strides))
+    # The region is contiguous in the chunk from the first dim after which it
+    # spans the chunk's full extent; ``_contiguous_from`` with the chunk's own
+    # strides computes exactly that. j == ndim (a transposed destination, say)
+    # means single-element runs.
+    j = max(_contiguous_from(lengths, src_strides), _contiguous_from(lengths, dst_strides))
+    src = np.array([src0], dtype=np.int64)
+    dst = np.array([dst_offset], dtype=np.int64)
+    for d in range(j):
+        steps = np.arange(lengths[d], dtype=np.int64)
+        src = (src[:, None] + steps * src_strides[d]).reshape(-1)
+        dst = (dst[:, None] + steps * dst_strides[d]).reshape(-1)
+    return RunGrid(math.prod(lengths[j:]), src, dst)
+
+
+def slabs(
+    lengths: Sequence[int], itemsize: int, budget: int
+) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Split a box of ``lengths`` into sub-boxes of at most ``budget`` bytes.
+
+    Yields ``(offsets, sizes)`` relative to the box, outermost dims first, so
+    that a bounded staging buffer can carry any box, however large. Only the
+    outermost dim that has to be cut is cut in several places; the dims
+    before it are taken one index at a time.
+    """
+    ndim = len(lengths)
+    if ndim == 0 or math.prod(lengths) * itemsize <= budget:
+        yield (0,) * ndim, tuple(lengths)
+        return
+    d = 0
+    while d < ndim - 1 and math.prod(lengths[d + 1 :]) * itemsize > budget:
+        d += 1
+    inner = math.prod(lengths[d + 1 :]) * itemsize
+    step = max(1, budget // inner)
+    rest = tuple(lengths[d + 1 :])
+    for outer in itertools.product(*(range(n) for n in lengths[:d])):
+        for start in range(0, lengths[d], step):
+            yield (
+                tuple(outer) + (start,) + (0,) * len(rest),
+                (1,) * d + (min(step, lengths[d] - start),) + rest,
+            )

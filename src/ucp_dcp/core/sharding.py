@@ -13,7 +13,7 @@ Terms:
 
 The chunk grids of layouts (vectorised, for any world size) are in
 :mod:`ucp_dcp.core.grid`; the contiguous runs of a box (what one ``pread``
-can read straight into place) are in :mod:`ucp_dcp.core.contiguous`.
+can read straight into place) are in :mod:`ucp_dcp.core.boxes`.
 """
 
 from __future__ import annotations

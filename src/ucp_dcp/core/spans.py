@@ -1,7 +1,7 @@
 """Exact reads or one span read: the cost model of reading a region of a saved chunk.
 
 A region of a row-major chunk is a set of equal-length *runs* (see
-:func:`~ucp_dcp.core.contiguous.runs`). Two ways to read it:
+:func:`~ucp_dcp.core.boxes.runs`). Two ways to read it:
 
 * **exact**: one destination buffer per run, neighbours closer than
   ``gap_bytes`` sharing a ``preadv`` call. Reads no page that holds no
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .contiguous import _contiguous_from, row_major_strides, runs
+from .boxes import _contiguous_from, row_major_strides, runs
 from .sharding import Box
 
 __all__ = [
@@ -225,7 +225,7 @@ def span_slabs(
     """Split ``region`` into sub-boxes (``(offsets, sizes)`` relative to it) whose span in the chunk
     is at most ``budget`` bytes, or a single element where even that is more.
 
-    Like :func:`~ucp_dcp.core.contiguous.slabs`, outermost dims first: the
+    Like :func:`~ucp_dcp.core.boxes.slabs`, outermost dims first: the
     outermost dim whose single index still fits is cut into steps as long as
     the budget allows, the dims before it taken one index at a time.
     """

@@ -45,7 +45,7 @@ import torch
 
 from ..byteio.objstore import ObjectStore
 from ..byteio.rangeio import ReadStats
-from ..core.contiguous import row_major_strides
+from ..core.boxes import row_major_strides
 from ..errors import CheckpointFormatError, StorageError
 from ._pickle import PurposeName, TensorRef, unpickle
 

@@ -27,7 +27,7 @@ from ..byteio.progress import ProgressFn
 from ..byteio.rangeio import storage_view, tensor_view
 from ..byteio.storage import commit_index
 from ..byteio.transfer import ChunkRegion
-from ..core.contiguous import slabs
+from ..core.boxes import slabs
 from ..core.sharding import Box
 from ..dcp.options import ReadOptions, source_options
 from ..errors import CheckpointExistsError, CheckpointFormatError, StorageError
