@@ -52,7 +52,7 @@ from ucp_dcp import (
     load_into_module,
     load_state_dict,
 )
-from ucp_dcp.byteio.blocksums import BlockHasher
+from ucp_dcp.byteio.integrity import BlockHasher
 from ucp_dcp.errors import InvalidArgumentError
 from ucp_dcp.byteio.rangeio import HOOKED_REQUEST_BYTES, RangeReader, Segment
 from ucp_dcp.core.pieces import Piece, TensorPieces

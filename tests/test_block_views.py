@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ucp_dcp.byteio import blockverify
-from ucp_dcp.byteio.blocksums import BlockHasher, BlockSums
+from ucp_dcp.byteio.integrity import BlockHasher, BlockSums
 from ucp_dcp.byteio.blockverify import ChunkCheck, _Batch, _BlockChecks, _digests, _rows
 from ucp_dcp.byteio.blockverify import BlockVerifier, read_verified
 from ucp_dcp.byteio.rangeio import ReadStats, Segment

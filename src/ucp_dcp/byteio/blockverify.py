@@ -1,7 +1,7 @@
 """Verified reads: plan reads of chunk regions so that every block they touch is checked.
 
 Every data file records the xxh3-64 of every block of every tensor chunk
-(:mod:`~ucp_dcp.byteio.blocksums`), and a load checks exactly the blocks its
+(:mod:`~ucp_dcp.byteio.integrity`), and a load checks exactly the blocks its
 reads touch:
 
 :class:`BlockVerifier` turns a read of a region of a chunk into segments
@@ -45,8 +45,7 @@ from ..core.boxes import runs
 from ..core.sharding import Box
 from ..errors import ChecksumError, InvalidArgumentError
 from ..format import Location
-from .blocksums import BlockSums, _hash_array
-from .integrity import chunk_what
+from .integrity import BlockSums, _hash_array, chunk_what
 from .rangeio import HOOKED_REQUEST_BYTES, ByteSource, Segment, storage_view
 
 __all__ = ["BlockVerifier", "ChunkCheck", "read_verified"]

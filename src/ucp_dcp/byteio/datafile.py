@@ -5,7 +5,7 @@ entry's aligned offset, the block checksums' entry first), then each
 entry's bytes are written at its offset, in one piece or slab by slab, and
 hashed on the way: one xxh3-64 of the entry, and one of every
 :data:`~ucp_dcp.format.BLOCK_BYTES` block of a tensor chunk
-(:mod:`~ucp_dcp.byteio.blocksums`). Last the block checksums and the header
+(:mod:`~ucp_dcp.byteio.integrity`). Last the block checksums and the header
 are written, with the checksums (the header keeps its length: a checksum
 has a fixed width), and the file is fsync'd. A failed write removes the
 partial file, so no half-written file ever holds space or looks like data.
@@ -50,7 +50,7 @@ from ..format import (
     st_dtype,
     value_entry_name,
 )
-from .blocksums import BlockHasher
+from .integrity import BlockHasher
 from .durable import remove_quietly, start_writeback, write_all
 
 __all__ = [

@@ -39,9 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .blocksums import BlockSums
 from .blockverify import BlockVerifier, ChunkCheck
-from .integrity import HASH_BLOCK, ChunkVerifier
+from .integrity import HASH_BLOCK, BlockSums, ChunkVerifier
 from .rangeio import ByteSource, Segment
 from .transfer import (
     ChunkRegion,

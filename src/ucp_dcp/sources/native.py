@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import xxhash
 
-from ..byteio.blocksums import BlockSums
+from ..byteio.integrity import BlockSums
 from ..byteio.files import read_header
 from ..byteio.objrange import ObjectRangeReader
 from ..byteio.objstore import ObjectAccess, fetch_heads

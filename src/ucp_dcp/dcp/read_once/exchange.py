@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...byteio.blocksums import BlockSums
+from ...byteio.integrity import BlockSums
 from ...byteio.blockverify import BlockVerifier, ChunkCheck
 from ...byteio.rangeio import ByteSource, Segment, storage_view
 from ...byteio.transfer import ChunkRegion
