@@ -40,7 +40,6 @@ from ..byteio.progress import Progress
 from ..byteio.rangeio import ByteSource
 from ..byteio.transfer import ChunkRegion, extents, needs_staging
 from ..sources import Source, open_source, read_values, source_types
-from ._directory import _Directory
 from ._mesh_groups import LazyChunks
 from ._plan_records import LoadSourceInfo
 from ._read_items import (
@@ -58,6 +57,7 @@ from .read_once import coordinate, decide, shared_storage
 from .read_once.exchange import LocalNeeds, Region, run_exchange
 from .read_once.first_requests import FirstRequests, share_first_requests
 from .slowest import LoadRun, name_slowest, rank_record
+from .writer import _Directory
 
 __all__ = ["PlannedRead", "UCPStorageReader"]
 

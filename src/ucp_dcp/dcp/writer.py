@@ -55,7 +55,6 @@ from ..format import (
     data_file_name,
     split_rank_local_key,
 )
-from ._directory import _Directory
 from ._mesh_groups import compact_records
 from ._plan_records import SaveSummary, tensor_data
 from .save_planner import UCPSavePlanner, resolved_as
@@ -66,6 +65,22 @@ __all__ = ["UCPStorageWriter", "DEFAULT_WRITE_THREADS"]
 DEFAULT_WRITE_THREADS = 2
 """Writer threads per rank: two keep the storage busy while one thread copies into the page
 cache and the rank's own thread hashes (measured in docs/resharding.md, "Saves")."""
+
+
+class _Directory:
+    """A checkpoint that is a local directory (``checkpoint_id`` is its path): the writer's,
+    and the reader's (:class:`~ucp_dcp.dcp.reader.UCPStorageReader` shares this base)."""
+
+    path: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint directory."""
+        return self.path
+
+    def _set_path(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
 
 
 @dataclass(frozen=True)
