@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from ucp_dcp.byteio.durable import copy_durable, replace_via_temp, swap_paths
 from ucp_dcp.errors import InvalidArgumentError
 from ucp_dcp.manager._collective import NodeLayout
-from ucp_dcp.manager._policy import steps_to_delete, tiers_due
+from ucp_dcp.manager.config import steps_to_delete, tiers_due
 from ucp_dcp.manager._restore import Candidate, order_candidates
 from ucp_dcp.manager.config import CheckpointConfig
 from ucp_dcp.manager.records import ReshardEvent, RestoreRecord, SaveRecord

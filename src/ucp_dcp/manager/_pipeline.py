@@ -11,7 +11,7 @@ order, on the background process group:
 3. Persistent tier: written directly when it is a local path and no local
    copy exists, otherwise uploaded from the local copy (or a scratch
    directory); then its commit.
-4. Retention deletes steps outside the policy (:mod:`._policy`); its errors
+4. Retention deletes steps outside the policy (:func:`.config.steps_to_delete`); its errors
    are logged, never raised (the step is committed).
 
 Any error stops the save on every rank (:meth:`Group.agree`) and removes
@@ -38,7 +38,7 @@ from ..dcp.slowest import SlowestRecord
 from ..errors import CheckpointSaveError
 from ..format import INDEX_FILE
 from ._collective import GroupWorker, describe
-from ._policy import steps_to_delete
+from .config import steps_to_delete
 from .peer import exchange_files
 from .records import SaveRecord
 from .snapshot import StagedState

@@ -1,4 +1,6 @@
-"""CheckpointConfig: every setting of a :class:`~ucp_dcp.manager.manager.CheckpointManager`.
+"""CheckpointConfig: every setting of a :class:`~ucp_dcp.manager.manager.CheckpointManager`, and
+what they decide (:func:`tiers_due`: which tiers a step goes to; :func:`steps_to_delete`: which
+steps a tier keeps).
 
 Each field carries its own description (``metadata["doc"]``); the class
 docstring lists them all, so ``help(CheckpointConfig)`` says what every
@@ -9,12 +11,13 @@ from __future__ import annotations
 
 import inspect
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["CheckpointConfig"]
+__all__ = ["CheckpointConfig", "steps_to_delete", "tiers_due"]
 
 
 def _option(default: Any, doc: str) -> Any:
@@ -212,3 +215,35 @@ class CheckpointConfig:
                 "CheckpointConfig.nonfinite must be 'off', 'error' or 'flag', got "
                 f"{self.nonfinite!r}"
             )
+
+
+# What the configuration decides, as pure functions: which tiers a step goes to, which steps a
+# tier keeps.
+
+
+def tiers_due(
+    step: int, *, local_interval: int | None, persistent_interval: int
+) -> tuple[str, ...]:
+    """The tiers ``step`` is saved to, fastest first: ``"local"`` (None: there is no local tier),
+    ``"persistent"``."""
+    due = []
+    if local_interval is not None and step % local_interval == 0:
+        due.append("local")
+    if step % persistent_interval == 0:
+        due.append("persistent")
+    return tuple(due)
+
+
+def steps_to_delete(
+    committed: Sequence[int], newest: int, *, keep_last: int, keep_every: int | None
+) -> list[int]:
+    """The steps of ``committed`` (ascending) that retention removes, in that order.
+
+    Kept: the last ``keep_last`` of ``committed``, the step just saved
+    (``newest``, whatever else is committed), and with ``keep_every`` every
+    step divisible by it.
+    """
+    keep = set(committed[-keep_last:]) | {newest}
+    if keep_every:
+        keep |= {s for s in committed if s % keep_every == 0}
+    return [s for s in committed if s not in keep]

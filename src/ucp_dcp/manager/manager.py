@@ -17,11 +17,11 @@ This module is the public face: it checks arguments and owns the threads,
 buffers and process groups. The work is done by
 
 ===========================  ==================================================
-:mod:`.config`               :class:`CheckpointConfig`, every option with its description
+:mod:`.config`               :class:`CheckpointConfig`, every option with its description; which
+                             tiers a step goes to, which steps a tier keeps (pure functions)
 :mod:`.records`              :class:`ReshardEvent`, :class:`SaveRecord`, :class:`RestoreRecord`
 :mod:`.snapshot`             staging the state into reusable host buffers; the NaN/Inf guard
 :mod:`._pipeline`            the background half of a save: write, hash, replicate, commit, retain
-:mod:`._policy`              which tiers a step goes to, which steps a tier keeps (pure)
 :mod:`._restore`             restore candidates in order, repair/download, fallback
 :mod:`._verify`              rechecking a committed copy against its marker
 :mod:`._collective`          ranks and nodes; gather/broadcast/agree on the manager's groups
@@ -78,10 +78,9 @@ from ..errors import (
 from . import goodput
 from ._collective import Group, NodeLayout
 from ._pipeline import SaveJob, SavePipeline
-from ._policy import tiers_due
 from ._restore import Restorer
 from ._verify import verify_copy
-from .config import CheckpointConfig
+from .config import CheckpointConfig, tiers_due
 from .peer import clean_partials
 from .records import ReshardEvent, RestoreRecord, SaveRecord
 from .snapshot import NonFiniteError, Snapshotter, find_nonfinite
