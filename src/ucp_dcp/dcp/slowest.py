@@ -34,7 +34,7 @@ __all__ = [
 class SlowestRecord:
     """One rank's time in a load (or save) and the file it spent the most of it on.
 
-    As the job's slowest (``UCPStorageReader.slowest``): the rank whose reads took longest.
+    As the job's slowest (``LoadReport.slowest``): the rank whose reads took longest.
     """
 
     rank: int

@@ -56,9 +56,9 @@ class RestoreRecord:
     others over the manager's group; None where no decision was asked for (one process)."""
     slowest: SlowestRecord | None = None
     """The load's slowest rank, with the file its reads spent the most time on (see
-    ``UCPStorageReader.slowest``): the same on every rank where the load ran on several; this
+    ``LoadReport.slowest``): the same on every rank where the load ran on several; this
     rank's own in one process."""
     placement: PlacementReport | None = None
     """What the placement check found (``CheckpointConfig.verify_placement``; see
-    ``UCPStorageReader.placement_report``): the tensors whose placement was proven, and those it
+    ``LoadReport.placement``): the tensors whose placement was proven, and those it
     could not check (loaded into another dtype, or with no digest); None where not asked for."""
