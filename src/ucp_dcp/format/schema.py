@@ -95,21 +95,19 @@ def field_dict(d: Any, k: str, where: str) -> dict[str, Any]:
 
 def field_xxh3(d: Any, k: str, where: str) -> str:
     """An xxh3-64 checksum: 16 lowercase hex digits."""
-    v = field_str(d, k, where)
-    if not _XXH3.fullmatch(v):
-        raise CheckpointFormatError(
-            f"{where}: field {k!r} must be an xxh3-64 checksum (16 hex digits), got {_short(v)}"
-        )
-    return v
+    return _field_hex64(d, k, where, "an xxh3-64 checksum")
 
 
 def field_digest64(d: Any, k: str, where: str) -> str:
     """A placement digest (:mod:`ucp_dcp.core.placement_digest`): 16 lowercase hex digits."""
+    return _field_hex64(d, k, where, "a 64-bit placement digest")
+
+
+def _field_hex64(d: Any, k: str, where: str, what: str) -> str:
     v = field_str(d, k, where)
     if not _XXH3.fullmatch(v):
         raise CheckpointFormatError(
-            f"{where}: field {k!r} must be a 64-bit placement digest (16 hex digits), got "
-            f"{_short(v)}"
+            f"{where}: field {k!r} must be {what} (16 hex digits), got {_short(v)}"
         )
     return v
 
