@@ -186,7 +186,17 @@ class Source(ABC):
                 gap_bytes=gap,
                 max_request_bytes=max_request_bytes,
             )
+            for file, head in self.held_heads().items():
+                reader.hold(file, 0, head)
         return reader if self.computed is None else self.computed.wrap(reader, verify)
+
+    def held_heads(self) -> dict[int, memoryview]:
+        """The first bytes of data files (index in :attr:`paths` -> bytes from offset 0) that
+        the source already holds, handed to every object-store reader it opens so that what a
+        load reads inside them costs no request. None here; a native source in object storage
+        holds its data files' first requests
+        (:meth:`~ucp_dcp.sources.native.NativeSource.prepare`)."""
+        return {}
 
     # ------------------------------------------------------------ records
     def chunks(self, fqn: str) -> list[ChunkRecord]:

@@ -15,12 +15,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import xxhash
 
-from ..byteio.integrity import BlockSums
 from ..byteio.files import read_header
-from ..byteio.objrange import ObjectRangeReader
+from ..byteio.integrity import BlockSums
 from ..byteio.objstore import ObjectAccess, fetch_heads
-from ..byteio.rangeio import ByteSource
-from ..byteio.reqpolicy import RequestPolicy
 from ..byteio.storage import write_index
 from ..errors import CheckpointExistsError, CheckpointFormatError, ChecksumError
 from ..format import (
@@ -192,29 +189,10 @@ class NativeSource(Source):
                 if obj is not None and not obj.head:
                     obj.hold_head(data)
 
-    def open_reader(
-        self,
-        *,
-        threads: int,
-        gap_bytes: int | None = None,
-        max_request_bytes: int = 16 << 20,
-        requests: RequestPolicy | None = None,
-        verify: bool = True,
-    ) -> ByteSource:
-        """As any source's; in object storage the reader is also handed the data files' first
-        requests held (:meth:`prepare`): what a load reads inside them (the first chunks of a
-        file whose header is short, small values) costs no request."""
-        reader = super().open_reader(
-            threads=threads,
-            gap_bytes=gap_bytes,
-            max_request_bytes=max_request_bytes,
-            requests=requests,
-            verify=verify,
-        )
-        if isinstance(reader, ObjectRangeReader):
-            for file, obj in list(self._objects.items()):
-                reader.hold(file, 0, memoryview(obj.head))
-        return reader
+    def held_heads(self) -> dict[int, memoryview]:
+        """The data files' first requests held (:meth:`prepare`): what a load reads inside them
+        (the first chunks of a file whose header is short, small values) costs no request."""
+        return {file: memoryview(obj.head) for file, obj in list(self._objects.items())}
 
     def _entry(self, file: int, name: str, what: str) -> tuple[int, int, EntryMeta]:
         """``(start, nbytes, metadata)`` of entry ``name`` of data file ``file``; the index says it
