@@ -48,8 +48,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...byteio.integrity import BlockSums
 from ...byteio.blockverify import BlockVerifier, ChunkCheck
+from ...byteio.integrity import BlockSums
 from ...byteio.rangeio import ByteSource, Segment, storage_view
 from ...byteio.transfer import ChunkRegion
 from ...core.boxes import runs
