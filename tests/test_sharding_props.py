@@ -25,13 +25,16 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from ucp_dcp.format import RunList, decode_runs, encode_runs
 from ucp_dcp.byteio.rangeio import RangeReader, Segment
 from ucp_dcp.core.boxes import Run, row_major_strides, runs, slabs
-from ucp_dcp.core.grid import Grid, layout_grid, arith_box, _application_order
 from ucp_dcp.core.sharding import (
     Box,
+    Grid,
     LayoutError,
+    _application_order,
+    arith_box,
     chunk_box,
     intersect,
     layout_chunks,
+    layout_grid,
     placement_from_str,
     placement_to_str,
 )

@@ -5,7 +5,7 @@ A target (this rank's shard of a DTensor, a plain tensor, a piece) is a box
 of the global tensor; the saved chunks are boxes too. Every non-empty
 intersection becomes one DCP read item (:func:`overlap_reads`). The saved
 chunks of a regular layout form a grid, searched per dimension
-(:meth:`~ucp_dcp.core.grid.Grid.overlapping`), so the cost does not
+(:meth:`~ucp_dcp.core.sharding.Grid.overlapping`), so the cost does not
 depend on the saved world size; an irregular chunk list is scanned.
 
 A rank-local value is read from this rank's own copy when the world size is
@@ -34,9 +34,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.tensor import DTensor
 
 from .._compat import create_chunk_list, dtensor_local, is_checkpointable
-from ..core.grid import Grid, arith_box
 from ..core.pieces import TensorPieces
-from ..core.sharding import Box, intersect
+from ..core.sharding import Box, Grid, arith_box, intersect
 from ..core.values import RankLocal, ReshardFn
 from ..errors import CheckpointKeyError, UnsupportedValueError
 from ..format import LAYOUT_KEY, dtype_name, rank_local_key, split_rank_local_key

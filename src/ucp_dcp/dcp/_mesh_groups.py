@@ -45,8 +45,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor.placement_types import Placement
 
-from ..core.grid import arith_box
-from ..core.sharding import Box, placement_from_str
+from ..core.sharding import Box, arith_box, placement_from_str
 from ..core.values import dtype_from_name
 from ..errors import CheckpointFormatError
 from ..format import FileRecord, Layout, RunList, TensorRecord, decode_runs, encode_runs

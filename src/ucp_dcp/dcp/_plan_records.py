@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem
 
-from ..core.grid import Grid
+from ..core.sharding import Grid
 from ..errors import CheckpointKeyError, UnsupportedValueError
 from ..format import Layout
 from ._mesh_groups import MeshGroup

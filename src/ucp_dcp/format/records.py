@@ -38,8 +38,7 @@ from typing import Any, SupportsIndex, overload
 import numpy as np
 import torch
 
-from ..core.grid import Grid, layout_grid
-from ..core.sharding import Box, placement_from_str
+from ..core.sharding import Box, Grid, layout_grid, placement_from_str
 from ..errors import CheckpointFormatError, LayoutError
 from .names import FORMAT_NAME, FORMAT_VERSION, MAX_ENUMERATED_COORDS, MAX_MESH_DEVICES, dtype_name
 from .schema import (

@@ -37,8 +37,7 @@ from ..byteio.objstore import ObjectStore, local_path
 from ..byteio.rangeio import ByteSource, RangeReader
 from ..byteio.reqpolicy import RequestPolicy
 from ..byteio.transfer import read_checked_many
-from ..core.grid import Grid
-from ..core.sharding import Box
+from ..core.sharding import Box, Grid
 from ..errors import CheckpointFormatError
 from ..format import ChunkRecord, Index, Location, split_rank_local_key
 from ._dirs import ModelDir, view_of
