@@ -1,5 +1,5 @@
 """Object-store requests that cannot stall a load or a save (issue 25): deadlines, hedged reads,
-a bounded and throttle-aware request stream (``ucp_dcp.byteio.objrequests``).
+a bounded and throttle-aware request stream (``ucp_dcp.byteio.requests``).
 
 Every test runs against moto's S3 server behind the fault proxy (tests/fault_proxy.py): a GET
 or a part upload that never answers ("stall"), GETs much slower than the others ("slow"), a
@@ -212,18 +212,17 @@ def test_no_hedge_beyond_the_budget(s3_proxy: Any) -> None:
 
 
 def test_part_bytes_is_half_the_hedge_budget_within_the_policy_bounds() -> None:
-    from ucp_dcp.byteio.objrequests import RequestScheduler
-    from ucp_dcp.byteio.reqpolicy import RetryPolicy
+    from ucp_dcp.byteio.requests import RequestScheduler
 
     policy = RequestPolicy(hedge_allowance_bytes=0, min_request_bytes=1 << 20, max_request_bytes=8 << 20)
-    sched = RequestScheduler(policy, RetryPolicy())
+    sched = RequestScheduler(policy)
     assert sched.part_bytes(32 << 20) == 1 << 20  # 5% of 32 MiB / 2 = 0.8 MiB: the least part
     assert sched.part_bytes(160 << 20) == 4 << 20  # 5% of 160 MiB / 2
     sched.expect(320 << 20)  # a read of 320 MiB is under way: the budget counts it from now
     assert sched.part_bytes(32 << 20) == 8 << 20  # 5% of 320 MiB / 2
     sched.stats.bytes_requested = 10 << 30  # later in a load of 10 GiB
     assert sched.part_bytes(0) == 8 << 20  # the most
-    no_hedge = RequestScheduler(dataclasses.replace(policy, hedge=False), RetryPolicy())
+    no_hedge = RequestScheduler(dataclasses.replace(policy, hedge=False))
     assert no_hedge.part_bytes(64 << 20) == 8 << 20
 
 

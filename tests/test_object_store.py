@@ -29,8 +29,7 @@ from dist_utils import bit_equal, run_ranks
 from fault_proxy import FaultProxy, storage_options_via
 from ucp_dcp import (RequestPolicy, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter,
                      load_state_dict)
-from ucp_dcp.byteio.objrange import ObjectRangeReader
-from ucp_dcp.byteio.objstore import ObjectStore, RetryPolicy, is_url, local_path
+from ucp_dcp.byteio.objstore import ObjectRangeReader, ObjectStore, is_url, local_path
 from ucp_dcp.byteio.rangeio import Segment
 from ucp_dcp.errors import CheckpointFormatError, StorageError, TruncatedFileError, unwrap
 from ucp_dcp.sources import formats_looked_for
@@ -254,12 +253,12 @@ def test_url_helpers() -> None:
 
 
 def test_retry_policy_is_bounded() -> None:
-    delays = RetryPolicy(attempts=4, backoff_s=0.1, max_backoff_s=0.25).delays()
+    delays = RequestPolicy(attempts=4, backoff_s=0.1, max_backoff_s=0.25).delays()
     assert len(delays) == 3 and all(0.1 <= d <= 0.375 for d in delays) and delays[2] <= 0.375
 
 
 def test_transient_errors_are_retried_then_reported() -> None:
-    store = ObjectStore(f"memory://ucp-{uuid.uuid4().hex[:8]}/x", retry=RetryPolicy(attempts=3, backoff_s=0.001))
+    store = ObjectStore(f"memory://ucp-{uuid.uuid4().hex[:8]}/x", requests=RequestPolicy(attempts=3, backoff_s=0.001))
     calls = []
 
     def flaky() -> int:

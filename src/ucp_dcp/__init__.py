@@ -25,7 +25,7 @@ from .adapters.rules import (
     VocabPad,
 )
 from .byteio.progress import ProgressConfig
-from .byteio.reqpolicy import RequestPolicy
+from .byteio.requests import RequestPolicy
 from .core.pieces import Piece, TensorPieces
 from .core.values import RankLocal
 from .dcp import UCPLoadPlanner, UCPSavePlanner

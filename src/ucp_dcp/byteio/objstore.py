@@ -1,55 +1,72 @@
 """A checkpoint directory at an fsspec URL (``s3://bucket/prefix``, ``gs://``, ``az://``,
-``memory://``).
+``memory://``), and the ways its objects are read.
 
 :class:`ObjectStore` is the one place the library talks to object storage.
-It names objects relative to the checkpoint's URL, and wraps every request
-in the same policy:
+It names objects relative to the checkpoint's URL, and runs every request,
+each operation written once, through one path: its
+:class:`~ucp_dcp.byteio.requests.RequestScheduler`, on the store's event loop
+(s3fs's own; a blocking store such as ``memory://`` is wrapped by fsspec's
+``AsyncFileSystemWrapper``, its calls on worker threads), under the
+:class:`~ucp_dcp.byteio.requests.RequestPolicy`:
 
 * **transient errors are retried** (connection resets, timeouts, 5xx,
   throttling: anything but the permanent errors below), with exponential
-  backoff and jitter, a bounded number of times (:class:`RetryPolicy`), on
-  top of whatever the client library retries by itself;
+  backoff and jitter, a bounded number of times, on top of whatever the
+  client library retries by itself; every try has a deadline, ranged GETs are
+  hedged, and the requests in flight are bounded;
 * **permanent errors fail at once** (no such object or bucket, access
   denied, a bad request): :class:`~ucp_dcp.errors.StorageError` naming the
   URL, the object and what was being done, keeping the errno;
-* **reads are ranged** and batched (:meth:`ObjectStore.read_ranges`, which is
-  fsspec's ``cat_ranges``: concurrent requests on async stores such as
-  s3fs), and a short answer is a :class:`~ucp_dcp.errors.TruncatedFileError`;
-* **writes stream** (:meth:`ObjectStore.open_write`: the store's own
-  buffered file, a multipart upload on S3), and a write that fails is
+* **reads are ranged** and batched (:meth:`ObjectStore.read_ranges`), and a
+  short answer is a :class:`~ucp_dcp.errors.TruncatedFileError`;
+* **writes stream** (:meth:`ObjectStore.open_write`: a multipart upload on
+  S3, the store's own buffered file elsewhere), and a write that fails is
   discarded, never completed: an object appears whole or not at all.
 
 Local paths never come here: ``is_url`` tells them apart, and the readers
 and writers keep their ``preadv``/``pwrite`` path for them.
+
+Reading: :class:`ObjectAccess` is one object as random access (header parsing), and
+:class:`ObjectRangeReader` reads byte ranges of objects into destination memory, the
+object-storage twin of :class:`~ucp_dcp.byteio.rangeio.RangeReader`: the same
+:class:`~ucp_dcp.byteio.rangeio.ByteSource` (``read(segments)``, ``stats``, ``gap_bytes``,
+``close``), so every read path (staged column reads, spans, verification) works unchanged on
+object storage. What differs is the cost model: on a file system a call costs a system call, on
+object storage a request costs a round trip (milliseconds) and is billed, so neighbouring ranges
+are merged across larger gaps (:data:`OBJECT_GAP_BYTES`), and many requests are in flight at once
+(one batch per window of ``window_bytes``, the next windows fetched while the current one is
+copied into place, as many as ``staging_bytes`` (64 MiB) holds: a slow request then holds back
+only its own window, not the store's other requests). A request that ends within the gap of its
+object's end reads on to the end, and the reader keeps those last bytes: the values a native data
+file ends with, read after its tensors, then cost no request of their own. A source may hand it
+other bytes it already fetched (:meth:`ObjectRangeReader.hold`: the part of a data file's first
+request past its header) for the same reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ..errors import StorageError, TruncatedFileError, UCPError
+from ..errors import StorageError
 from .multipart import ParallelUpload, StreamedWrite, supports_parallel_upload
-from .objrequests import (
-    PERMANENT,
-    Received,
-    RequestScheduler,
-    loop_of,
-    no_credentials,
-    storage_error,
-)
-from .reqpolicy import ObjectStats, RequestPolicy, RetryPolicy
+from .rangeio import ByteSource, ReadStats, Segment, _Request, coalesce
+from .requests import ObjectStats, Received, RequestPolicy, RequestScheduler
 
 __all__ = [
     "ObjectStore",
     "ObjectAccess",
+    "ObjectRangeReader",
+    "OBJECT_GAP_BYTES",
+    "DENSE_FRACTION",
     "fetch_heads",
-    "RetryPolicy",
-    "RequestPolicy",
-    "ObjectStats",
+    "DOWNLOAD_BYTES",
     "discard",
     "is_url",
     "local_path",
@@ -80,26 +97,22 @@ def local_path(path: str | os.PathLike[str]) -> str:
 
 
 class ObjectStore:
-    """The objects under one fsspec URL, with retries and errors that name the URL.
+    """The objects under one fsspec URL, every request under one policy, errors naming the URL.
 
     Args:
         url: the checkpoint directory, e.g. ``s3://bucket/run/step-100``.
         storage_options: passed to fsspec as they are (credentials,
             ``client_kwargs={"endpoint_url": ...}``, ...).
-        retry: how transient errors are retried (default: ``requests.attempts`` tries).
-        write_block_bytes: the buffer of a streamed write;
-        on S3 the size of
+        write_block_bytes: the buffer of a streamed write; on S3 the size of
             each part of the multipart upload (at least 5 MiB there).
         upload_parallel: on S3, parts of one streamed write uploading at
             once (:class:`~ucp_dcp.byteio.multipart.ParallelUpload`); 1, or
             another store, uploads through fsspec's buffered file, part
             after part.
-        requests: deadlines, hedging and the bound on requests in flight
-            (:class:`~ucp_dcp.byteio.reqpolicy.RequestPolicy`), applied to
-            every request on an async store (s3fs): GETs, part uploads, and
-            the HEADs, LISTs, PUTs and DELETEs of the other methods; a
-            blocking store (``memory://``) calls fsspec as it is, with
-            retries but no deadline.
+        requests: deadlines, retries, hedging and the bound on requests in
+            flight (:class:`~ucp_dcp.byteio.requests.RequestPolicy`), applied
+            to every request: GETs, part uploads, and the HEADs, LISTs, PUTs
+            and DELETEs of the other methods.
     """
 
     def __init__(
@@ -107,7 +120,6 @@ class ObjectStore:
         url: str,
         storage_options: dict[str, Any] | None = None,
         *,
-        retry: RetryPolicy | None = None,
         write_block_bytes: int = 16 << 20,
         upload_parallel: int = 4,
         requests: RequestPolicy | None = None,
@@ -124,9 +136,13 @@ class ObjectStore:
             raise StorageError(f"{self.url}: cannot open this URL with fsspec: {e}") from None
         self.root = root.rstrip("/")
         self.requests = requests or RequestPolicy()
-        self.retry = retry or RetryPolicy(attempts=self.requests.attempts)
-        self.scheduler = RequestScheduler(self.requests, self.retry)
-        self._loop = loop_of(self.fs)  # None: a blocking store, called as it is
+        self.scheduler = RequestScheduler(self.requests)
+        self._afs = self.fs  # the async view every request goes through
+        if not (getattr(self.fs, "async_impl", False) and hasattr(self.fs, "_cat_file")):
+            from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+            self._afs = AsyncFileSystemWrapper(self.fs, asynchronous=False)
+        self._loop = self._afs.loop
 
     # ------------------------------------------------------------ names
     def path(self, name: str) -> str:
@@ -146,32 +162,18 @@ class ObjectStore:
 
     # ------------------------------------------------------------ policy
     def call(self, what: str, name: str, fn: Callable[[], _T]) -> _T:
-        """Run ``fn`` (one request about object ``name``), retrying transient errors.
+        """Run ``fn``, an operation about object ``name`` made of requests that are scheduled
+        each (a whole streamed upload), tried again as a whole on a transient error.
 
         ``what`` says what was being done, for the message of the error
-        raised when the request fails for good.
+        raised when the operation fails for good. ``fn`` runs on a worker
+        thread, under no deadline of its own: its requests have theirs.
         """
-        delays = self.retry.delays()
-        for k in range(len(delays) + 1):
-            try:
-                return fn()
-            except PERMANENT as e:
-                if isinstance(e, UCPError):
-                    raise
-                raise self.error(what, name, e) from e
-            except Exception as e:  # the client's connection/HTTP errors: transient
-                if k == len(delays) or no_credentials(e):  # a retry finds no credentials either
-                    raise self.error(what, name, e, tries=k + 1) from e
-                time.sleep(delays[k])
-        raise AssertionError("unreachable")
-
-    def error(self, what: str, name: str, e: BaseException, tries: int = 1) -> StorageError:
-        """A :class:`StorageError` naming the URL of ``name``, what failed and why."""
-        return storage_error(self.url_of(name), what, e, tries)
+        return self._run(what, name, lambda: asyncio.to_thread(fn), None, timed=False)
 
     @property
     def stats(self) -> ObjectStats:
-        """What this store's scheduled requests did (deadlines, hedges, throttling)."""
+        """What this store's requests did (deadlines, hedges, throttling)."""
         return self.scheduler.stats
 
     def _sync(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -180,8 +182,13 @@ class ObjectStore:
 
         return fsspec.asyn.sync(self._loop, fn, *args)
 
-    def _scheduled(
-        self, what: str, name: str, make: Callable[[], Coroutine[Any, Any, _T]], nbytes: int | None
+    def _run(
+        self,
+        what: str,
+        name: str,
+        make: Callable[[], Coroutine[Any, Any, _T]],
+        nbytes: int | None,
+        timed: bool = True,
     ) -> _T:
         """Run the request ``make()`` makes (about object ``name``, of ``nbytes`` bytes) on the
         store's event loop under the scheduler: deadline, retries, bound on requests in flight.
@@ -194,16 +201,21 @@ class ObjectStore:
         async def run() -> _T:
             await self._hook()
             return await self.scheduler.run(
-                lambda _: make(), nbytes, where=self.url_of(name), what=what, observe=False
+                lambda _: make(),
+                nbytes,
+                where=self.url_of(name),
+                what=what,
+                observe=False,
+                timed=timed,
             )
 
         return self._sync(run)
 
     async def _hook(self) -> None:
         """Let the scheduler see the throttling answers the S3 client retries by itself."""
-        if hasattr(self.fs, "set_session"):
+        if hasattr(self._afs, "set_session"):
             try:
-                self.scheduler.hook(await self.fs.set_session())
+                self.scheduler.hook(await self._afs.set_session())
             except Exception:  # no client yet (credentials...): the request will say why
                 pass
 
@@ -230,7 +242,7 @@ class ObjectStore:
             return f"needed bytes [{start}, {end}) but got {len(data)}"
 
         return await self.scheduler.run(
-            lambda got: _cat_counted(self.fs, path, start, end, got),
+            lambda got: _cat_counted(self._afs, path, start, end, got),
             n,
             where=self.url_of(name),
             what=f"reading bytes [{start}, {end})" if start is not None else "reading the object",
@@ -238,162 +250,122 @@ class ObjectStore:
             check=check,
         )
 
-    async def _get_all(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+    async def _get_all(self, ranges: Sequence[tuple[str, int | None, int | None]]) -> list[bytes]:
         """Scheduled GETs of every range; the first failure cancels the others and is raised."""
         await self._hook()
-        part = self.scheduler.part_bytes(sum(e - s for _, s, e in ranges if s is not None))
+        part = self.scheduler.part_bytes(
+            sum(e - s for _, s, e in ranges if s is not None and e is not None)
+        )
         return await _gather([self._get(n, s, e, part) for n, s, e in ranges])
 
     # ------------------------------------------------------------ reads
     def exists(self, name: str) -> bool:
         """Whether object ``name`` exists (listing caches are bypassed: other processes write)."""
         path = self.path(name)
-        what = "checking for the object"
-        if self._loop is not None:
 
-            async def ask_async() -> bool:
-                self.fs.invalidate_cache(path)  # each try asks the store, never a cache
-                return bool(await self.fs._exists(path))
+        async def ask() -> bool:
+            self.fs.invalidate_cache(path)  # each try asks the store, never a cache
+            return bool(await self._afs._exists(path))
 
-            return self._scheduled(what, name, ask_async, 0)
-
-        def ask() -> bool:
-            self.fs.invalidate_cache(path)
-            return bool(self.fs.exists(path))
-
-        return self.call(what, name, ask)
+        return self._run("checking for the object", name, ask, 0)
 
     def size(self, name: str) -> int:
         """Size of object ``name`` in bytes; a missing one is a :class:`StorageError` (ENOENT)."""
         path = self.path(name)
-        what = "reading the object's size"
-        if self._loop is not None:
-            return int(self._scheduled(what, name, lambda: self.fs._info(path), 0)["size"])
-        return int(self.call(what, name, lambda: self.fs.info(path)["size"]))
+        info = self._run("reading the object's size", name, lambda: self._afs._info(path), 0)
+        return int(info["size"])
 
     def read(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of object ``name`` (the whole object by default), checked for
         length."""
-        if self._loop is not None:
-            return bytes(self._sync(self._get_all, [(name, start, end)])[0])
-        path = self.path(name)
-        data = self.call(
-            f"reading bytes [{start}, {end})" if start is not None else "reading the object",
-            name,
-            lambda: self.fs.cat_file(path, start=start, end=end),
-        )
-        if start is not None and end is not None and len(data) != end - start:
-            raise TruncatedFileError(
-                f"{self.url_of(name)}: needed bytes [{start}, {end}) but got {len(data)}: "
-                "truncated object"
-            )
-        return bytes(data)
+        return bytes(self._sync(self._get_all, [(name, start, end)])[0])
 
     def read_if_exists(self, name: str) -> bytes | None:
         """The whole of object ``name``, or None when there is no such object (one request either
-        way). On an async store its size is unknown: it gets the deadline cap, like any whole-object
-        read."""
+        way). Its size is unknown: it gets the deadline cap, like any whole-object read."""
         path = self.path(name)
-        if self._loop is not None:
 
-            async def cat_async() -> bytes | None:
-                try:
-                    return bytes(await self.fs._cat_file(path))
-                except FileNotFoundError:  # an answer, not a failure (PERMANENT in the scheduler)
-                    return None
-
-            return self._scheduled("reading the object", name, cat_async, None)
-
-        def cat() -> bytes | None:
+        async def cat() -> bytes | None:
             try:
-                return bytes(self.fs.cat_file(path))
-            except FileNotFoundError:
+                return bytes(await self._afs._cat_file(path))
+            except FileNotFoundError:  # an answer, not a failure (PERMANENT in the scheduler)
                 return None
 
-        return self.call("reading the object", name, cat)
+        return self._run("reading the object", name, cat, None)
 
     def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
-        """Bytes ``[start, end)`` of each ``(name, start, end)``, fetched concurrently where the
-        store can.
+        """Bytes ``[start, end)`` of each ``(name, start, end)``, fetched concurrently.
 
-        On an async store (s3fs) each request is scheduled under the store's
-        :class:`~ucp_dcp.byteio.reqpolicy.RequestPolicy` (deadline, hedge,
-        bounded in flight); elsewhere one batch of fsspec's ``cat_ranges``.
-        Requests that fail are retried on their own under the same policy as
-        :meth:`call`.
+        Each request is scheduled under the store's
+        :class:`~ucp_dcp.byteio.requests.RequestPolicy` (deadline, hedge, retries, bounded in
+        flight); a long range goes as parts. Why not fsspec's ``cat_ranges``: it gathers a batch
+        with no deadline, no hedge and no bound shared across batches.
         """
         if not ranges:
             return []
-        if self._loop is not None:
-            return list(self._sync(self._get_all, ranges))
-        paths = [self.path(n) for n, _, _ in ranges]
-        starts = [s for _, s, _ in ranges]
-        ends = [e for _, _, e in ranges]
-        try:
-            got: list[Any] = list(self.fs.cat_ranges(paths, starts, ends, on_error="return"))
-        except Exception as e:  # a store whose cat_ranges raises instead of returning errors
-            got = [e] * len(ranges)
-        out: list[bytes] = []
-        for (name, s, end), data in zip(ranges, got):
-            if isinstance(data, BaseException) or len(data) != end - s:
-                data = self.read(name, s, end)  # retried, or raises naming the object
-            out.append(data)
-        return out
+        return list(self._sync(self._get_all, ranges))
 
     def list(self) -> list[str]:
         """Names of the objects directly under the checkpoint's URL (none if it does not exist)."""
         return list(self.list_sizes())
 
-    def list_sizes(self) -> dict[str, int]:
-        """Name -> size of the objects directly under the checkpoint's URL, from one listing."""
-        self.fs.invalidate_cache(self.root)
+    def list_sizes(self, under: str = "") -> dict[str, int]:
+        """Name -> size of the objects directly under the checkpoint's URL (or under its folder
+        ``under``), from one listing."""
+        return self._list(under)[0]
 
-        def sizes(entries: Any) -> dict[str, int]:
-            return {
-                self.name_of(e["name"]): int(e.get("size") or 0)
-                for e in entries
-                if e.get("type", "file") != "directory"
-            }
+    def list_folders(self, under: str = "") -> list[str]:
+        """Names of the folders (prefixes) directly under the checkpoint's URL (or under its folder
+        ``under``), from one listing."""
+        return self._list(under)[1]
 
-        what = "listing the checkpoint"
-        if self._loop is not None:
+    def _list(self, under: str) -> tuple[dict[str, int], list[str]]:
+        """One listing of folder ``under``: its objects' sizes by name, and its folders."""
+        path = self.path(under)
 
-            async def ls_async() -> dict[str, int]:
-                self.fs.invalidate_cache(self.root)  # a retry must not answer from a cache
-                try:
-                    return sizes(await self.fs._ls(self.root, detail=True))
-                except FileNotFoundError:
-                    return {}
-
-            return self._scheduled(what, "", ls_async, 0)
-
-        def ls() -> dict[str, int]:
+        async def ls() -> tuple[dict[str, int], list[str]]:
+            self.fs.invalidate_cache(path)  # a retry must not answer from a cache
             try:
-                return sizes(self.fs.ls(self.root, detail=True))
+                entries = await self._afs._ls(path, detail=True)
             except FileNotFoundError:
-                return {}
+                return {}, []
+            files, folders = {}, []
+            for e in entries:
+                name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+                if e.get("type", "file") == "directory":
+                    folders.append(name)
+                else:
+                    files[name] = int(e.get("size") or 0)
+            return files, folders
 
-        return self.call(what, "", ls)
+        return self._run(
+            "listing the checkpoint" if not under else "listing the folder", under, ls, 0
+        )
+
+    def download(self, name: str, dst: str, size: int | None = None) -> None:
+        """Object ``name`` into local file ``dst`` (created or truncated), in ranged GETs of at most
+        :data:`DOWNLOAD_BYTES` each (each sent as concurrent parts); ``size``, when the caller
+        knows it, saves the request that asks the store."""
+        size = self.size(name) if size is None else size
+        with open(dst, "wb") as f:
+            for start in range(0, size, DOWNLOAD_BYTES):
+                f.write(self.read(name, start, min(start + DOWNLOAD_BYTES, size)))
 
     # ------------------------------------------------------------ writes
     def put(self, name: str, data: bytes) -> None:
         """Write object ``name`` in one request: it appears whole, replacing any older one, or not
-        at all."""
+        at all. Its deadline comes from its size, like a part upload's."""
         path = self.path(name)
-        what = "writing the object"
-        if self._loop is not None:  # a deadline from its size, like a part upload's
-            self._scheduled(what, name, lambda: self.fs._pipe_file(path, data), len(data))
-            return
-        self.call(what, name, lambda: self.fs.pipe_file(path, data))
+        self._run("writing the object", name, lambda: self._afs._pipe_file(path, data), len(data))
 
     def open_write(self, name: str) -> StreamedWrite:
         """A streamed write of object ``name``: call :func:`discard` on failure, ``close()`` to
         complete it.
 
         On S3, up to ``upload_parallel`` parts of ``write_block_bytes`` upload
-        at once; elsewhere the store's buffered file uploads a part each time
-        its buffer fills. Either way the object appears only when ``close()``
-        completes the upload.
+        at once, each a scheduled request; elsewhere the store's buffered file
+        uploads a part each time its buffer fills. Either way the object
+        appears only when ``close()`` completes the upload.
         """
         path = self.path(name)
         if self.upload_parallel > 1 and supports_parallel_upload(self.fs):
@@ -412,28 +384,35 @@ class ObjectStore:
             lambda: self.fs.open(path, "wb", block_size=self.write_block_bytes),
         )
 
+    def upload(self, name: str, src: str) -> None:
+        """Local file ``src`` as object ``name``: a streamed write (:meth:`open_write`), restarted
+        from its first byte on a transient failure; the object appears whole or not at all."""
+
+        def go() -> None:
+            out = self.open_write(name)
+            try:
+                with open(src, "rb") as f:
+                    while chunk := f.read(self.write_block_bytes):
+                        out.write(chunk)
+                out.close()  # completes the upload: the object appears whole
+            except BaseException:
+                discard(out)  # an upload that failed is aborted, never completed
+                raise
+
+        self.call("uploading the object", name, go)
+
     def remove(self, names: Sequence[str]) -> None:
-        """Delete objects ``names`` (missing ones are not an error)."""
+        """Delete objects ``names`` (missing ones are not an error), one request each."""
         for name in names:
             path = self.path(name)
-            if self._loop is not None:
 
-                async def rm_async(path: str = path) -> None:
-                    try:
-                        await self.fs._rm_file(path)
-                    except FileNotFoundError:
-                        pass
-
-                self._scheduled("deleting the object", name, rm_async, 0)
-                continue
-
-            def rm(path: str = path) -> None:
+            async def rm(path: str = path) -> None:
                 try:
-                    self.fs.rm_file(path)
+                    await self._afs._rm_file(path)
                 except FileNotFoundError:
                     pass
 
-            self.call("deleting the object", name, rm)
+            self._run("deleting the object", name, rm, 0)
 
 
 async def _gather(coros: Sequence[Coroutine[Any, Any, bytes]]) -> list[bytes]:
@@ -450,6 +429,9 @@ async def _gather(coros: Sequence[Coroutine[Any, Any, bytes]]) -> list[bytes]:
         for t in tasks:
             t.cancel()
 
+
+DOWNLOAD_BYTES = 64 << 20
+"""The most bytes one read of :meth:`ObjectStore.download` asks for (and holds in memory)."""
 
 _CHUNK = 1 << 20  # the most bytes one read of a GET's body takes (it returns what has arrived)
 
@@ -566,3 +548,204 @@ def fetch_heads(objects: Sequence[ObjectAccess]) -> None:
     if todo:
         for o, data in zip(todo, todo[0].store.read_ranges([o.first_request() for o in todo])):
             o.hold_head(data)
+
+
+OBJECT_GAP_BYTES = 32 << 10
+"""Neighbouring ranges at most this far apart are fetched with one request. A round trip costs
+at least the time of 100 KiB on any link (a millisecond at 100 MB/s), so merging a smaller gap
+saves time; keeping it small keeps the bytes fetched (which egress bills) close to those needed:
+column slices of narrow rows are merged, other ranks' shards are not."""
+
+
+DENSE_FRACTION = 0.75
+"""A read that needs at least this fraction of an object's bytes fetches that object
+``dense_parallel`` requests per window (default 1: the store already sends each request as
+parts that run concurrently, :meth:`~ucp_dcp.byteio.requests.RequestScheduler.part_bytes`).
+It reads (nearly) the whole object anyway: concurrent requests shorten it on any store, and
+on a server that reads the whole object for every ranged GET (moto's S3) they overlap those reads.
+Measured on loopback moto, one process, a 262 MiB step in 64 MiB requests, 2 shared cores (load
+average 10-12), 4 paired rounds against downloading the whole step: one request at a time 1.11x
+the download, two at a time 0.89x (medians of the per-round ratios; before requests were split
+into parts)."""
+
+
+class ObjectRangeReader(ByteSource):
+    """Reads byte ranges of a fixed list of objects with coalesced, concurrent ranged GETs.
+
+    Args:
+        store: the checkpoint's store.
+        names: the objects, by position (``Segment.file``).
+        sizes: their sizes, if known (lets a request near an object's end read to it).
+        gap_bytes: neighbouring ranges at most this far apart share a request.
+        max_request_bytes: upper bound on one request (a large range is split).
+        window_bytes: bytes fetched per batch of concurrent requests (the store splits each request
+            into parts that run concurrently:
+            :meth:`~ucp_dcp.byteio.requests.RequestScheduler.part_bytes`).
+        dense_parallel: requests per window for an object the read needs :data:`DENSE_FRACTION` of
+            (its sizes known): its windows hold that many requests, and are that many times larger.
+        staging_bytes: the fetched bytes held at most: as many windows are fetched ahead of the one
+            being copied into place as fit (at least one). A slow request holds back only its own
+            window; the requests of the windows ahead keep the store busy meanwhile.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        names: Sequence[str],
+        *,
+        sizes: Sequence[int] | None = None,
+        gap_bytes: int = OBJECT_GAP_BYTES,
+        max_request_bytes: int = 16 << 20,
+        window_bytes: int = 16 << 20,
+        dense_parallel: int = 1,
+        staging_bytes: int = 64 << 20,
+    ) -> None:
+        self.store = store
+        self.names = list(names)
+        self.sizes = list(sizes) if sizes is not None and len(sizes) == len(self.names) else None
+        self.gap_bytes = gap_bytes
+        # Per object, bytes already fetched and where they start (a request's read on to the
+        # object's end, a source's header request): segments inside them cost no request.
+        self._held: dict[int, list[tuple[int, bytes | memoryview]]] = {}
+        self._scratch = memoryview(bytearray(max(gap_bytes, 1)))  # where merged gaps land
+        self._max_request = max(max_request_bytes, 1)
+        self._window = max(window_bytes, self._max_request)
+        self._dense_window = max(self._window, self._max_request * max(dense_parallel, 1))
+        self._staging = staging_bytes
+        self.stats = ReadStats()
+
+    @property
+    def object_stats(self) -> ObjectStats:
+        """The store's request counters: deadlines passed, retries, hedges and their bytes,
+        throttling (of every request of the store's load, headers included)."""
+        return self.store.stats
+
+    def close(self) -> None:
+        """Nothing to release (the store's connections belong to fsspec's cached filesystem)."""
+
+    def __enter__(self) -> ObjectRangeReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def hold(self, file: int, start: int, data: bytes | memoryview) -> None:
+        """Keep ``data``, object ``file``'s bytes from ``start``: later segments inside them are
+        filled from memory (bytes held from the same ``start`` before are replaced)."""
+        if len(data):
+            held = [h for h in self._held.get(file, ()) if h[0] != start]
+            self._held[file] = [*held, (start, data)]
+
+    def plan(self, segments: Sequence[Segment]) -> list[_Request]:
+        """Coalesce ``segments`` into requests (exposed for tests):
+        :func:`~ucp_dcp.byteio.rangeio.coalesce`.
+
+        Unlike a file's, a request's size is not cut down for segments with
+        callbacks, nor its pieces counted: each cut would cost a round trip.
+        """
+        return coalesce(
+            segments,
+            gap_bytes=self.gap_bytes,
+            max_request=self._max_request,
+            hooked_request=self._max_request,
+            scratch=self._scratch,
+            max_bufs=sys.maxsize,
+        )
+
+    def read(self, segments: Sequence[Segment]) -> None:
+        """Fill every segment's buffer; a failed or short request raises naming the object.
+
+        The requests go out in windows of ``window_bytes`` (``dense_parallel``
+        requests for an object the segments need most of); the next windows
+        are being fetched while the current one is copied into place, as many
+        as ``staging_bytes`` holds with the current one (at least one).
+        """
+        segments = self._from_held(segments)
+        dense = self._dense(segments)
+        windows: list[list[_Request]] = [[]]
+        held = 0
+        for r in self.plan(segments):
+            limit = self._dense_window if r.file in dense else self._window
+            if windows[-1] and held + r.nbytes > limit:
+                windows.append([])
+                held = 0
+            windows[-1].append(r)
+            held += r.nbytes
+        if not windows[-1]:
+            return
+        self.store.scheduler.expect(sum(self._end(r) - r.offset for w in windows for r in w))
+        if len(windows) == 1:
+            self._place(windows[0], self._fetch(windows[0]))
+            return
+        largest = max(sum(r.nbytes for r in w) for w in windows)
+        # No more windows ahead than requests may be in flight: a thread per window beyond
+        # that would only wait for a slot (thousands of tiny windows, thousands of threads).
+        ahead_most = min(self.store.requests.max_in_flight, len(windows))
+        n = max(1, min(self._staging // max(largest, 1) - 1, ahead_most))
+        with ThreadPoolExecutor(n, thread_name_prefix="ucp-fetch") as pool:
+            ahead = deque(pool.submit(self._fetch, w) for w in windows[:n])
+            for k in range(len(windows)):
+                datas = ahead.popleft().result()
+                if k + n < len(windows):
+                    ahead.append(pool.submit(self._fetch, windows[k + n]))
+                try:
+                    self._place(windows[k], datas)
+                except BaseException:
+                    for f in ahead:
+                        f.cancel()
+                    raise
+
+    def _from_held(self, segments: Sequence[Segment]) -> Sequence[Segment]:
+        """Fill the segments that lie inside bytes held; return the others."""
+        if not self._held:
+            return segments
+        rest = []
+        for s in segments:
+            for start, data in self._held.get(s.file, ()):
+                at = s.offset - start
+                if 0 <= at and at + len(s.dest) <= len(data):
+                    s.dest[:] = data[at : at + len(s.dest)]
+                    if s.done is not None:
+                        s.done(1)
+                    break
+            else:
+                rest.append(s)
+        return rest
+
+    def _dense(self, segments: Sequence[Segment]) -> set[int]:
+        """The objects ``segments`` need at least :data:`DENSE_FRACTION` of."""
+        if self.sizes is None:
+            return set()
+        need: dict[int, int] = {}
+        for s in segments:
+            need[s.file] = need.get(s.file, 0) + len(s.dest)
+        sizes = self.sizes
+        return {f for f, n in need.items() if n >= DENSE_FRACTION * sizes[f] > 0}
+
+    def _end(self, r: _Request) -> int:
+        """Where request ``r`` stops: the object's end if that is within the gap, else its own."""
+        size = self.sizes[r.file] if self.sizes is not None else 0
+        return size if r.end < size <= r.end + self.gap_bytes else r.end
+
+    def _fetch(self, window: list[_Request]) -> list[bytes]:
+        t0 = time.perf_counter()
+        datas = self.store.read_ranges(
+            [(self.names[r.file], r.offset, self._end(r)) for r in window]
+        )
+        # The batch's requests run concurrently and report together: each object is charged
+        # the batch's time by its share of the bytes.
+        seconds, total = time.perf_counter() - t0, max(sum(len(d) for d in datas), 1)
+        for r, data in zip(window, datas):
+            self.stats.add(1, len(data), r.file, seconds * len(data) / total)
+        return datas
+
+    def _place(self, window: list[_Request], datas: list[bytes]) -> None:
+        for r, data in zip(window, datas):
+            view, at = memoryview(data), 0
+            for buf in r.bufs:  # gaps land in the scratch buffer, as with preadv
+                buf[:] = view[at : at + len(buf)]
+                at += len(buf)
+            if len(data) > r.nbytes:
+                self.hold(r.file, r.end, bytes(view[r.nbytes :]))
+            for fn, n in r.done or ():
+                fn(n)

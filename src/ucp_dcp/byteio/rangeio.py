@@ -47,7 +47,7 @@ from ..core.spans import ACCESS_MODES, SEQUENTIAL, file_access
 from ..errors import InvalidArgumentError, TruncatedFileError
 from .files import open_data_file
 from .progress import Progress
-from .reqpolicy import RequestPolicy
+from .requests import RequestPolicy
 from .workers import Abandoned, IOWorkers
 
 __all__ = [
@@ -240,7 +240,7 @@ class ByteSource(Protocol):
     Files are numbered (``Segment.file``); :meth:`read` fills each segment's
     buffer from its byte range and runs its ``done`` callback once it is
     read. :class:`RangeReader` reads local files with ``preadv``,
-    :class:`~ucp_dcp.byteio.objrange.ObjectRangeReader` objects with ranged
+    :class:`~ucp_dcp.byteio.objstore.ObjectRangeReader` objects with ranged
     requests; another way to obtain the bytes (a per-file access strategy,
     bytes shared between ranks) is one more class with these four members,
     and every read path (:mod:`~ucp_dcp.byteio.engine`, staging, spans,
@@ -311,7 +311,7 @@ class RangeReader(ByteSource):
             landing in a scratch buffer.
         max_request_bytes: upper bound on one call, so that a large range is split across threads.
         requests: the deadline of each call (its floor, cap and factor; see
-            :mod:`~ucp_dcp.byteio.workers`): :class:`~ucp_dcp.byteio.reqpolicy.RequestPolicy`'s
+            :mod:`~ucp_dcp.byteio.workers`): :class:`~ucp_dcp.byteio.requests.RequestPolicy`'s
             defaults when None. A read gets ``attempts`` times the deadline of one try (it is not
             tried again); the hedging fields do not apply to local files.
     """

@@ -4,8 +4,8 @@ A ``preadv`` blocked in the kernel (a hung NFS server, a stalled FUSE mount, a d
 cannot be cancelled: no signal reaches a thread in uninterruptible sleep, and Python has no
 way to stop a thread. So the thread that waits for the reads is the one that keeps time: each
 read an I/O thread makes gets a deadline from its size and the times this load's reads took
-so far (:func:`~ucp_dcp.byteio.deadlines.deadline_for`, under the same
-:class:`~ucp_dcp.byteio.reqpolicy.RequestPolicy` as object-store requests, times its
+so far (:func:`~ucp_dcp.byteio.requests.deadline_for`, under the same
+:class:`~ucp_dcp.byteio.requests.RequestPolicy` as object-store requests, times its
 ``attempts``: a local read is not tried again), and a read past it fails the load with a
 :class:`~ucp_dcp.errors.StorageError` (``errno.ETIMEDOUT``) naming the file, the byte range,
 the rank and how long it waited. The blocked thread is left behind: the threads are daemon
@@ -33,9 +33,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StorageError
-from .deadlines import Observed, deadline_for
-from .objrequests import DeadlineExceeded, current_rank, storage_error
-from .reqpolicy import RequestPolicy
+from .requests import (
+    DeadlineExceeded,
+    Observed,
+    RequestPolicy,
+    current_rank,
+    deadline_for,
+    storage_error,
+)
 
 __all__ = ["IOWorkers", "Abandoned", "IDLE_S"]
 

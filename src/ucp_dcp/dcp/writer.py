@@ -29,7 +29,7 @@ from ..byteio.datafile import chunk_entry, layout, value_entry
 from ..byteio.progress import Progress, ProgressConfig
 from ..byteio.progress import log as progress_log
 from ..byteio.rangeio import tensor_view
-from ..byteio.reqpolicy import RequestPolicy
+from ..byteio.requests import RequestPolicy
 from ..byteio.storage import (
     CheckpointStorage,
     DataFileSpec,
@@ -136,7 +136,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
             index and a committed checkpoint at the same URL stays loadable.
         requests: for a URL, each part upload's deadline, the bound on
             requests in flight and the pause after throttling
-            (:class:`~ucp_dcp.byteio.reqpolicy.RequestPolicy`; its defaults
+            (:class:`~ucp_dcp.byteio.requests.RequestPolicy`; its defaults
             when None).
         progress: when a long save logs its progress, per rank, on the
             ``ucp_dcp.progress`` logger (:class:`~ucp_dcp.ProgressConfig`).

@@ -80,7 +80,7 @@ def open_source(
     the checkpoint the caller has already read (name -> bytes, such as an
     index whose digest it checked), opened from these bytes instead of being
     read or fetched again (:meth:`ModelDir.keep`). ``requests``: deadlines and
-    hedging of a URL's requests (:class:`~ucp_dcp.byteio.reqpolicy.RequestPolicy`).
+    hedging of a URL's requests (:class:`~ucp_dcp.byteio.requests.RequestPolicy`).
     """
     opts = options if options is not None else SourceOptions(**kwargs)
     d = open_location(path, storage_options, requests)

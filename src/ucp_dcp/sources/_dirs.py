@@ -247,7 +247,6 @@ class StoreDir(ModelDir):
             ObjectStore(
                 s.url_of(plain_file_name(name, self.where)),
                 s.storage_options,
-                retry=s.retry,
                 requests=s.requests,
             )
         )

@@ -32,10 +32,9 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from ..byteio.integrity import BlockSums
-from ..byteio.objrange import OBJECT_GAP_BYTES, ObjectRangeReader
-from ..byteio.objstore import ObjectStore, local_path
+from ..byteio.objstore import OBJECT_GAP_BYTES, ObjectRangeReader, ObjectStore, local_path
 from ..byteio.rangeio import ByteSource, RangeReader
-from ..byteio.reqpolicy import RequestPolicy
+from ..byteio.requests import RequestPolicy
 from ..byteio.transfer import read_checked_many
 from ..core.sharding import Box, Grid
 from ..errors import CheckpointFormatError
@@ -158,7 +157,7 @@ class Source(ABC):
         """The byte reader of ``paths``: ``preadv`` calls for files, ranged requests for objects.
 
         ``gap_bytes=None`` takes the storage's default: merge gaps within a
-        page on a file system, up to :data:`~ucp_dcp.byteio.objrange.OBJECT_GAP_BYTES`
+        page on a file system, up to :data:`~ucp_dcp.byteio.objstore.OBJECT_GAP_BYTES`
         on object storage, where a request costs a round trip. ``requests``: the deadlines of
         local reads (object stores keep the policy they were opened with). ``verify``: a
         :attr:`computed` file checks what it computes from (bytes read are checked by the

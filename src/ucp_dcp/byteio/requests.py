@@ -1,5 +1,14 @@
-"""Object-store requests that cannot stall a job: deadlines, hedged reads, bounded and
-throttle-aware request streams, on an async store's event loop (s3fs).
+"""What one rank's storage requests may do, and how its object-store requests run: the policy
+a user configures (:class:`RequestPolicy`: deadlines, retries, hedging, the bound on requests in
+flight), the deadline arithmetic every request uses (:func:`deadline_for`, from what the same
+load or save observed: :class:`Observed`), the counters a load or a save fills
+(:class:`ObjectStats`), and the scheduler that applies them to object-store requests
+(:class:`RequestScheduler`). A local load's reads take their deadlines from the same policy and
+arithmetic (:mod:`~ucp_dcp.byteio.workers`); past it, an object-store request is abandoned and
+tried again, a local read (which the kernel cannot cancel) fails the load.
+
+Object-store requests cannot stall a job: deadlines, hedged reads, bounded and
+throttle-aware request streams, on the store's event loop.
 
 One rank's requests to one checkpoint go through one :class:`RequestScheduler`
 (owned by its :class:`~ucp_dcp.byteio.objstore.ObjectStore`):
@@ -22,7 +31,7 @@ One rank's requests to one checkpoint go through one :class:`RequestScheduler`
   other is cancelled. It is judged
   again every 50 ms while it waits, against what completed since (its peers
   of the same batch). The hedge waits for a slot ahead of new requests
-  (:class:`~ucp_dcp.byteio.objslots.Slots`). What hedging costs is the bytes
+  (:class:`Slots`). What hedging costs is the bytes
   received for the answer that lost (:class:`Received`, counted as they arrive;
   on S3 a cancelled answer stops there). That cost is bounded by
   :attr:`RequestPolicy.hedge_fraction` of the load's bytes (requested so far,
@@ -51,6 +60,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import random
+import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -58,13 +70,15 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import StorageError, UCPError
-from .deadlines import SAMPLES as _SAMPLES
-from .deadlines import Observed as _Observed
-from .deadlines import deadline_for
-from .objslots import Slots
-from .reqpolicy import ObjectStats, RequestPolicy, RetryPolicy
 
 __all__ = [
+    "RequestPolicy",
+    "ObjectStats",
+    "Observed",
+    "deadline_for",
+    "SMALL_REQUEST",
+    "SAMPLES",
+    "Slots",
     "RequestScheduler",
     "Received",
     "DeadlineExceeded",
@@ -73,6 +87,255 @@ __all__ = [
     "storage_error",
     "current_rank",
 ]
+
+
+@dataclass(frozen=True)
+class RequestPolicy:
+    """Deadlines, hedging and the request stream of one rank on an object store.
+
+    Given to :class:`~ucp_dcp.UCPStorageReader` and :class:`~ucp_dcp.UCPStorageWriter`
+    as ``requests=``; the defaults suit a real object store (a request's
+    deadline is never under 5 s). Tests and benchmarks shorten them. A local
+    load's reads get their deadlines from the same fields (and arithmetic,
+    :func:`deadline_for`), times ``attempts``; one past it fails
+    the load instead of being retried (:mod:`~ucp_dcp.byteio.workers`).
+    """
+
+    attempts: int = 5
+    """Tries of a request in all (1: no retry), with exponential backoff and jitter between
+    them (:meth:`delays`). A request that never answers fails after at most
+    ``attempts * deadline_cap_s`` plus the backoffs."""
+    backoff_s: float = 0.1
+    """Wait before the first retry; doubled for each next one (plus up to 50% jitter)."""
+    max_backoff_s: float = 5.0
+    """Upper bound on one wait before a retry."""
+    deadline_floor_s: float = 5.0
+    """The least time a request gets before it is abandoned and tried again."""
+    deadline_cap_s: float = 60.0
+    """The most time a request gets."""
+    first_bytes_per_s: float = float(1 << 20)
+    """Before any request was observed, a request gets the time its size takes at this rate
+    (within the floor and cap); a request of unknown size gets the cap."""
+    deadline_factor: float = 8.0
+    """A request's deadline is this many times the time its size took so far (the median of
+    requests of its size, else its size at the median throughput), within the floor and cap."""
+    max_request_bytes: int = 8 << 20
+    """A ranged GET of more bytes is sent as parts, concurrently (within ``max_in_flight``), each
+    with its own deadline and hedge. A part is at most this long, and at most half the hedge
+    budget (:meth:`RequestScheduler.part_bytes`): a slow part can
+    then be hedged, which a GET of several MB in a load of a hundred MB would not fit."""
+    min_request_bytes: int = 2 << 20
+    """Parts are at least this long: a part costs a round trip (on S3 one of about 1 MiB takes
+    little more than the round trip itself), and on the benchmark's server a load of 64 MB per
+    rank in parts of 1 MiB took 1.29x its time in parts of 2 MiB (docs/object-storage.md)."""
+    hedge: bool = True
+    """Send a second, identical ranged GET for one that is slow (reads only)."""
+    hedge_factor: float = 3.0
+    """A ranged GET is hedged once it has taken this many times the median time of its size
+    (about the 95th percentile of an object store's GETs; an unneeded hedge costs at most the
+    budget)."""
+    first_hedge_s: float = 0.1
+    """Before any request was observed, a GET is hedged after this long. Not the deadline's
+    patient prior (``first_bytes_per_s``): a stalled first request of a load (a data file's
+    header, read before anything else) held every rank 4 x 0.47 s at that rate. A hedge that
+    was not needed costs the bytes its loser sent by then, a round trip's worth or none."""
+    max_hedges: int = 2
+    """Hedges one try of a GET may send: a hedge as slow as the GET it doubles is replaced by a
+    new one (a load's slowed share of GETs slows that share of its hedges as well). One hedge at
+    most is in flight beside the GET, so a try holds one hedge's size of the budget."""
+    hedge_floor_s: float = 0.1
+    """No GET is hedged before it has taken this long (a round trip is not worth a hedge: tens of
+    milliseconds on S3)."""
+    hedge_fraction: float = 0.05
+    """The bytes hedging costs stay within this fraction of the load's bytes (those requested so
+    far, or those the read under way announced if more; or ``hedge_allowance_bytes`` while that
+    is more): the bytes received for answers that lost to
+    their hedge and for hedges that lost (:attr:`ObjectStats.hedge_extra_bytes`), plus the whole
+    size of each hedge still in flight. Not what the hedges asked for: a slow answer cancelled
+    after a few bytes cost those bytes."""
+    hedge_allowance_bytes: int = 1 << 20
+    """Hedging's cost allowed before ``hedge_fraction`` amounts to as much: a stalled request
+    among the first of a load (a data file's header and block checksums, a few hundred KiB
+    for a large file) can be hedged. Not added to the fraction: a load of at least 20 times
+    this wastes at most ``hedge_fraction`` of its bytes on hedges."""
+    max_in_flight: int = 8
+    """Requests of one rank in flight at once (hedges included): a job of thousands of ranks
+    must not open a burst of connections per rank to one prefix."""
+    throttle_pause_s: float = 0.5
+    """After a throttling answer (S3 ``SlowDown``/503), no new request starts for this long;
+    doubled while throttling goes on."""
+    throttle_max_pause_s: float = 8.0
+    """Upper bound on one throttling pause."""
+    local_deadlines: bool = True
+    """Local loads: every read runs on an I/O thread under its deadline, the loading thread keeping
+    time (:mod:`~ucp_dcp.byteio.workers`). False: the loading thread makes one share of the reads
+    itself and nothing is timed, saving a thread hand-off per read call (tens of microseconds;
+    docs/object-storage.md), but a read blocked in the kernel then holds the load forever."""
+
+    def delays(self) -> list[float]:
+        """The waits before each retry (``attempts - 1`` of them)."""
+        out = []
+        for k in range(max(self.attempts, 1) - 1):
+            d = min(self.backoff_s * (2**k), self.max_backoff_s)
+            out.append(d * (1 + random.random() / 2))
+        return out
+
+    def __post_init__(self) -> None:
+        from ..errors import InvalidArgumentError
+
+        if not 0 < self.deadline_floor_s <= self.deadline_cap_s:
+            raise InvalidArgumentError(
+                f"RequestPolicy: needs 0 < deadline_floor_s <= deadline_cap_s, got "
+                f"{self.deadline_floor_s} and {self.deadline_cap_s}"
+            )
+        if self.attempts < 1:
+            raise InvalidArgumentError(f"RequestPolicy(attempts={self.attempts}): needs at least 1")
+        if not 0 < self.min_request_bytes <= self.max_request_bytes:
+            raise InvalidArgumentError(
+                f"RequestPolicy: needs 0 < min_request_bytes <= max_request_bytes, got "
+                f"{self.min_request_bytes} and {self.max_request_bytes}"
+            )
+        if self.max_hedges < 0:
+            raise InvalidArgumentError(
+                f"RequestPolicy(max_hedges={self.max_hedges}): needs at least 0"
+            )
+        if self.max_in_flight < 1:
+            raise InvalidArgumentError(
+                f"RequestPolicy(max_in_flight={self.max_in_flight}): needs at least 1"
+            )
+
+
+@dataclass
+class ObjectStats:
+    """What one scheduler's requests did (a load's or a save's, on one rank)."""
+
+    requests: int = 0
+    """Requests sent (tries, retries and hedges included)."""
+    bytes_requested: int = 0
+    """Bytes of the requests asked for (each logical request once, hedges and retries not)."""
+    hedges: int = 0
+    """Hedged GETs sent."""
+    hedged_bytes: int = 0
+    """Bytes the hedged GETs asked for."""
+    hedge_extra_bytes: int = 0
+    """Bytes received for the answers that lost (a GET to its hedge, or a hedge to its GET):
+    what hedging cost. Counted as they arrive on S3 (up to the moment the loser is cancelled;
+    bytes still in flight on the connection then are not seen); on a store whose GETs cannot be
+    counted, the loser's whole size."""
+    hedge_wins: int = 0
+    """Hedges that answered before the request they doubled."""
+    timeouts: int = 0
+    """Tries abandoned at their deadline."""
+    retries: int = 0
+    """Tries after the first of a request (after a deadline, an error or a short answer)."""
+    throttles: int = 0
+    """Throttling answers seen (each pauses the stream)."""
+    throttle_wait_s: float = 0.0
+    """Seconds requests waited, in all, for a throttling pause to end."""
+    most_in_flight: int = 0
+    """The most requests in flight at once."""
+    slowest_s: float = 0.0
+    """The longest time one successful request took."""
+    slowest: str = ""
+    """What that request was (object and byte range)."""
+
+
+SMALL_REQUEST = 64 << 10
+"""Requests up to this size cost a round trip (or a page fault), whatever their size."""
+SAMPLES = 256
+"""Observations kept (the recent ones: throughput changes during a job)."""
+_MIN_SAMPLES = 3  # observations needed before a median is trusted
+
+
+class Observed:
+    """Recent (bytes, seconds) of successful requests: the medians deadlines and hedges use.
+
+    Thread-safe: a local load's I/O threads add to it while the thread that waits for them asks
+    for deadlines.
+    """
+
+    def __init__(self) -> None:
+        self._all: deque[tuple[int, float]] = deque(maxlen=SAMPLES)
+        self._by_size: dict[int, deque[float]] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _bucket(n: int) -> int:
+        # Sizes within a factor of 4 share a bucket; all small requests share one.
+        return max(n, SMALL_REQUEST).bit_length() // 2
+
+    def add(self, n: int, seconds: float) -> None:
+        """Record that a request of ``n`` bytes took ``seconds``."""
+        with self._lock:
+            self._all.append((n, seconds))
+            same = self._by_size.setdefault(self._bucket(n), deque(maxlen=SAMPLES // 4))
+            same.append(seconds)
+
+    def expected(self, n: int) -> float | None:
+        """The time a request of ``n`` bytes should take (None before enough observations)."""
+        with self._lock:
+            same = self._by_size.get(self._bucket(n))
+            if same is not None and len(same) >= _MIN_SAMPLES:
+                return statistics.median(same)
+            if len(self._all) < _MIN_SAMPLES:
+                return None
+            all_ = list(self._all)
+        rate = statistics.median(max(b, SMALL_REQUEST) / max(s, 1e-6) for b, s in all_)
+        return max(n, SMALL_REQUEST) / rate
+
+
+def deadline_for(policy: RequestPolicy, observed: Observed, n: int) -> float:
+    """Seconds a request of ``n`` bytes gets now: ``deadline_factor`` times the time its size took
+    so far (before anything was observed: its size at ``first_bytes_per_s``), within
+    ``deadline_floor_s`` and ``deadline_cap_s``."""
+    expected = observed.expected(n)
+    if expected is None:
+        wanted = n / policy.first_bytes_per_s
+    else:
+        wanted = policy.deadline_factor * expected
+    return min(policy.deadline_cap_s, max(policy.deadline_floor_s, wanted))
+
+
+class Slots:
+    """At most ``n`` requests in flight; a waiting hedge is served before waiting requests.
+
+    A hedge that queued behind a window of new requests would start only after them, too late
+    to help: a slow request holds its window back, the hedge is what lets it go. (Not
+    :class:`asyncio.Semaphore`: its waiters are served in arrival order.)
+    """
+
+    def __init__(self, n: int) -> None:
+        self._free = n
+        self._hedges: deque[asyncio.Future[None]] = deque()
+        self._plain: deque[asyncio.Future[None]] = deque()
+
+    async def acquire(self, hedge: bool = False) -> None:
+        """Wait for a slot (hedges first)."""
+        if self._free > 0 and not self._hedges and not self._plain:
+            self._free -= 1
+            return
+        queue = self._hedges if hedge else self._plain
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # handed a slot, then cancelled: pass it on
+                self.release()
+            elif fut in queue:
+                queue.remove(fut)
+            raise
+
+    def release(self) -> None:
+        """Free a slot: the longest-waiting hedge takes it, else the longest-waiting request."""
+        for queue in (self._hedges, self._plain):
+            while queue:
+                fut = queue.popleft()
+                if not fut.done():
+                    fut.set_result(None)
+                    return
+        self._free += 1
+
 
 _T = TypeVar("_T")
 
@@ -169,18 +432,17 @@ class RequestScheduler:
     ``stats`` may be read from any thread.
     """
 
-    def __init__(self, policy: RequestPolicy, retry: RetryPolicy) -> None:
+    def __init__(self, policy: RequestPolicy) -> None:
         self.policy = policy
-        self.retry = retry
         self.stats = ObjectStats()
-        self._observed = _Observed()
+        self._observed = Observed()
         self._slots: Slots | None = None
         self._in_flight = 0
         self._trying = 0  # tries in flight (a request and its hedges are one)
         self._hedges_held = 0  # bytes of the hedges in flight (or waiting for a slot)
         self._expected = 0  # bytes the reads announced so far will request (expect())
         self._sent = 0  # requests sent so far (first tries and retries; not hedges)
-        self._answered: deque[int] = deque(maxlen=_SAMPLES)  # when each answered one was sent
+        self._answered: deque[int] = deque(maxlen=SAMPLES)  # when each answered one was sent
         self._paused_until = 0.0
         self._pause = 0.0
         self._hooked: set[int] = set()
@@ -260,6 +522,7 @@ class RequestScheduler:
         hedge: bool = False,
         check: Callable[[_T], str | None] | None = None,
         observe: bool = True,
+        timed: bool = True,
     ) -> _T:
         """Run the request ``make(got)`` makes (about ``nbytes`` bytes; None: unknown, it gets the
         deadline cap and no hedge) under the policy. A GET that can counts the bytes of its answer
@@ -269,11 +532,13 @@ class RequestScheduler:
         None; a wrong answer is tried again once, then it is the error.
         ``observe=False`` (a HEAD, a LIST, an index PUT): timed against what the reads and parts
         observed, but neither feeds the medians nor counts in ``bytes_requested`` (the hedge
-        budget): its time is a round trip, not a throughput. Failures are
-        :class:`StorageError` naming ``where`` (the object's URL) and ``what`` was being done.
+        budget): its time is a round trip, not a throughput. ``timed=False``: an operation made of
+        requests scheduled each (a whole streamed upload), tried again as a whole on a transient
+        failure, but given no deadline and no slot of its own (its requests take theirs). Failures
+        are :class:`StorageError` naming ``where`` (the object's URL) and ``what`` was being done.
         """
         self.stats.bytes_requested += (nbytes or 0) if observe else 0
-        delays = self.retry.delays()
+        delays = self.policy.delays()
         t0 = time.monotonic()
         deadlines: list[float] = []
         wrong = 0
@@ -285,7 +550,10 @@ class RequestScheduler:
             else:
                 t = _Try(self.deadline(nbytes), hedge and self.policy.hedge, observe)
             try:
-                out, took = await self._try(make, nbytes, t)
+                if timed:
+                    out, took = await self._try(make, nbytes, t)
+                else:
+                    out, took = await make(Received()), 0.0
                 why = check(out) if check is not None else None
                 if why is None:
                     if took > self.stats.slowest_s:
@@ -485,10 +753,3 @@ class _Wrong(Exception):
 
 def _is_throttle(text: str) -> bool:
     return any(w in text for w in _THROTTLE_WORDS)
-
-
-def loop_of(fs: Any) -> Any:
-    """The event loop of an async fsspec filesystem (s3fs), or None for a blocking one."""
-    if not getattr(fs, "async_impl", False) or not hasattr(fs, "_cat_file"):
-        return None
-    return getattr(fs, "loop", None)
