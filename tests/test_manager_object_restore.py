@@ -4,11 +4,17 @@ A step only the S3 tier holds is loaded from it directly: each rank fetches
 the byte ranges its shards need (checked here by counting every byte s3fs
 returns), no copy of the step is written to local disk, and a configured
 local tier is refilled in the background afterwards.
+
+The tier's requests run under the manager's ``requests`` policy, like the reader's and the
+writer's (tests/test_object_deadlines.py): a stalled PUT of a step's upload and a stalled GET of
+a restore (behind the fault proxy, tests/fault_proxy.py) are each abandoned at the policy's
+deadline, far below s3fs's own read timeout, and the restore is bit-exact.
 """
 
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from typing import Any
 
@@ -16,15 +22,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fault_proxy
 import s3_server
 from dist_utils import bit_equal, run_ranks
 from manager_utils import assert_state_equal, empty_like_state, make_state
-from ucp_dcp import CheckpointManager
+from ucp_dcp import CheckpointManager, RequestPolicy
 from ucp_dcp.format import INDEX_FILE
 from ucp_dcp.manager.tiers import MARKER_FILE, LocalTier
 from ucp_dcp.sources.native import head_request_bytes
 
-s3_bucket = s3_server.s3_bucket  # the session fixture, made visible to this module
+s3_bucket = s3_server.s3_bucket  # the session fixtures, made visible to this module
+s3_proxy = fault_proxy.s3_proxy
 
 # Rows shard evenly over 2 and 3 ranks; every tensor is 3 MiB, so that the rows of a saved shard one rank
 # does not need (a sixth of a tensor) exceed the reader's 256 KiB gap merging (OBJECT_GAP_BYTES): the bytes
@@ -246,3 +254,63 @@ def test_direct_restore_reads_in_large_requests_and_each_marker_once(s3_bucket, 
     assert names.count(MARKER_FILE) == 3 + 1, names  # every step's once, the restored one's again
     assert names.count(INDEX_FILE) == 1, names  # checked by the manager, its bytes handed on
     assert len(log["lists"]) <= 3, log["lists"]
+
+
+# Short deadlines: a stalled request is abandoned after at most a second (s3fs's own read timeout
+# would hold it 15 s, then retry).
+STALL_POLICY = RequestPolicy(deadline_floor_s=0.3, deadline_cap_s=1.0, hedge=False)
+SLACK_S = 5.0  # what the rest of a save or a restore may take on loopback moto
+
+
+def _is_marker(path: str) -> bool:
+    return path.split("?")[0].endswith("/" + MARKER_FILE)
+
+
+def test_a_stalled_upload_of_a_step_is_abandoned_at_the_deadline(s3_proxy: Any) -> None:
+    """The first PUT of a step's files (a data file or the index) never answers: the tier's store
+    abandons it at the policy's deadline and sends it again; the step commits and restores
+    bit-exact."""
+    base, options, proxy = s3_proxy
+    root = f"{base}/mgr-stall-put-{uuid.uuid4().hex[:8]}"
+    proxy.inject("stall", count=1, match=lambda m, p, h: m == "PUT" and not _is_marker(p))
+    with CheckpointManager(root, storage_options=options, requests=STALL_POLICY, async_save=False) as mgr:
+        t0 = time.monotonic()
+        mgr.save(1, make_state(1, scale=16))
+        mgr.wait()
+        took = time.monotonic() - t0
+        stats = mgr.persistent.store.stats
+    assert proxy.count(fault="stall") == 1 and proxy.pending() == 0
+    assert stats.timeouts == 1 and stats.retries >= 1, stats
+    assert took < STALL_POLICY.deadline_cap_s + SLACK_S, took
+    with CheckpointManager(root, storage_options=options) as mgr:
+        target = empty_like_state(make_state(1, scale=16))
+        assert mgr.load(target) == 1
+    assert_state_equal(target, make_state(1, scale=16))
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "download"])
+def test_a_stalled_get_of_a_restore_is_abandoned_at_the_deadline_and_bit_exact(s3_proxy: Any, direct: bool) -> None:
+    """The tier's GET of the step's marker and the first ranged GET of its data (the reader's, for
+    a direct restore; the tier's download otherwise) never answer: each is abandoned at the
+    policy's deadline and sent again, and the restore is bit-exact."""
+    base, options, proxy = s3_proxy
+    root = f"{base}/mgr-stall-get-{uuid.uuid4().hex[:8]}"
+    with CheckpointManager(root, storage_options=options) as mgr:
+        mgr.save(2, make_state(2, scale=16))
+        mgr.wait()
+    proxy.reset_records()
+    proxy.inject("stall", count=1, match=lambda m, p, h: m == "GET" and _is_marker(p))
+    proxy.inject("stall", count=1, match=lambda m, p, h: m == "GET" and h.get("Range") is not None)
+    with CheckpointManager(
+        root, storage_options=options, requests=STALL_POLICY, direct_restore=direct
+    ) as mgr:
+        target = empty_like_state(make_state(2, scale=16))
+        t0 = time.monotonic()
+        assert mgr.load(target) == 2 and mgr.last_restore.tier == "persistent"
+        took = time.monotonic() - t0
+        tier_stats = mgr.persistent.store.stats
+    assert_state_equal(target, make_state(2, scale=16))
+    assert proxy.count(fault="stall") == 2 and proxy.pending() == 0
+    assert tier_stats.timeouts == (1 if direct else 2), tier_stats
+    # Two stalls in a row at most, each abandoned at its deadline (the cap at the most).
+    assert took < 2 * STALL_POLICY.deadline_cap_s + SLACK_S, took

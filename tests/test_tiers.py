@@ -390,13 +390,13 @@ def test_fetch_failure_leaves_no_partial_file(make_tier: Callable[[], Tier], tmp
         monkeypatch.setattr(local_tier, "copy_durable", copy)
     else:
         assert isinstance(tier, FsspecTier)
-        real = tier.fs.get_file
+        real = tier.store.download
 
-        def copy(src: str, dst: str, **kw: Any) -> None:
+        def copy(name: str, dst: str, size: int | None = None) -> None:
             Path(dst).write_bytes(b"partial")
             raise Boom
 
-        monkeypatch.setattr(tier.fs, "get_file", copy)
+        monkeypatch.setattr(tier.store, "download", copy)
     with pytest.raises(Boom):
         tier.fetch(9, [name], str(dest))
     assert os.listdir(dest) == []

@@ -46,6 +46,7 @@ request past its header) for the same reason.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import os
 import sys
 import time
@@ -314,16 +315,16 @@ class ObjectStore:
         ``under``), from one listing."""
         return self._list(under)[0]
 
-    def list_folders(self, under: str = "") -> list[str]:
+    def list_folders(self, under: str = "") -> builtins.list[str]:
         """Names of the folders (prefixes) directly under the checkpoint's URL (or under its folder
         ``under``), from one listing."""
         return self._list(under)[1]
 
-    def _list(self, under: str) -> tuple[dict[str, int], list[str]]:
+    def _list(self, under: str) -> tuple[dict[str, int], builtins.list[str]]:
         """One listing of folder ``under``: its objects' sizes by name, and its folders."""
         path = self.path(under)
 
-        async def ls() -> tuple[dict[str, int], list[str]]:
+        async def ls() -> tuple[dict[str, int], builtins.list[str]]:
             self.fs.invalidate_cache(path)  # a retry must not answer from a cache
             try:
                 entries = await self._afs._ls(path, detail=True)

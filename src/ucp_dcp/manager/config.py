@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from ..byteio.requests import RequestPolicy
 from ..errors import InvalidArgumentError
 
 __all__ = ["CheckpointConfig", "steps_to_delete", "tiers_due"]
@@ -141,6 +142,15 @@ class CheckpointConfig:
         None,
         """
         fsspec options for a URL ``root`` (e.g. S3 endpoint and credentials).""",
+    )
+
+    requests: RequestPolicy | None = _option(
+        None,
+        """
+        For a URL ``root``: the policy every request to it runs under (each request's
+        deadline, retries, hedged reads, the bound on requests in flight): the uploads,
+        downloads, listings and deletes of the persistent tier, and the reads of a
+        restore from it. None: ``RequestPolicy()``'s defaults.""",
     )
 
     io_threads: int | None = _option(

@@ -167,7 +167,7 @@ class CheckpointManager:
         self._session = self._fg.bcast(uuid.uuid4().hex[:6])
         self._seq = 0
         self.persistent: Tier = open_tier(
-            root, name="persistent", storage_options=cfg.storage_options
+            root, name="persistent", storage_options=cfg.storage_options, requests=cfg.requests
         )
         self.local: LocalTier | None = (
             LocalTier(cfg.local.format(node=self.node), name="local") if cfg.local else None

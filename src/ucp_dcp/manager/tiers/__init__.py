@@ -5,13 +5,14 @@ checkpoint (``ucp_index.json`` plus data files) and a commit marker
 ``COMMIT.json`` written last. A step is *committed* when its marker parses
 and names the step; nothing else is ever listed.
 
-============================  =============================================== module
-owns ============================  =============================================== :mod:`.marker`
-:class:`CommitMarker`, :class:`FileDigest`: the commit record :mod:`.base`
-:class:`Tier`, the interface; argument checks shared by every kind :mod:`.local`
-:class:`LocalTier`: a POSIX directory, commit by ``rename`` :mod:`.fsspec_tier`
-:class:`FsspecTier`: an fsspec URL, commit by the marker's PUT ============================
-===============================================
+Modules:
+
+* :mod:`.marker`: :class:`CommitMarker`, :class:`FileDigest`, the commit record;
+* :mod:`.base`: :class:`Tier`, the interface; argument checks shared by every kind;
+* :mod:`.local`: :class:`LocalTier`, a POSIX directory, commit by ``rename``;
+* :mod:`.fsspec_tier`: :class:`FsspecTier`, an fsspec URL, commit by the marker's PUT (every
+  request through an :class:`~ucp_dcp.byteio.objstore.ObjectStore`, under a
+  :class:`~ucp_dcp.byteio.requests.RequestPolicy`).
 
 :func:`open_tier` picks the kind from the root.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ...byteio.requests import RequestPolicy
 from .base import Tier, step_dir_name
 from .fsspec_tier import FsspecTier
 from .local import LocalTier
@@ -45,12 +47,17 @@ __all__ = [
 
 
 def open_tier(
-    root: str | os.PathLike[str], *, name: str, storage_options: dict[str, Any] | None = None
+    root: str | os.PathLike[str],
+    *,
+    name: str,
+    storage_options: dict[str, Any] | None = None,
+    requests: RequestPolicy | None = None,
 ) -> Tier:
     """A :class:`LocalTier` for plain paths and ``file://`` URLs, an :class:`FsspecTier` for other
     URLs.
 
-    ``storage_options`` go to fsspec; they are ignored for local tiers.
+    ``storage_options`` go to fsspec and ``requests`` is the policy of the requests; both are
+    ignored for local tiers.
     """
     if not isinstance(root, str):
         return LocalTier(os.fspath(root), name=name)
@@ -59,5 +66,5 @@ def open_tier(
     if root.startswith("local://"):
         return LocalTier(root[len("local://") :] or "/", name=name)
     if "://" in root or "::" in root:
-        return FsspecTier(root, name=name, storage_options=storage_options)
+        return FsspecTier(root, name=name, storage_options=storage_options, requests=requests)
     return LocalTier(root, name=name)

@@ -5,6 +5,11 @@ Object stores have no atomic rename: every save writes its own directory
 atomic, so the marker's presence is the commit. When two committed
 directories hold the same step (a re-save, before the older one is removed)
 the newer marker (``created``) wins.
+
+Every request goes through the tier's :class:`~ucp_dcp.byteio.objstore.ObjectStore`, under the
+same :class:`~ucp_dcp.byteio.requests.RequestPolicy` as the readers' and writers' requests
+(deadlines, retries, the bound on requests in flight): a stalled upload or download of a step is
+abandoned at the policy's deadline and tried again, not held for the HTTP client's own timeout.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from ...byteio.durable import fsync_file, fsync_path, replace_via_temp
-from ...errors import CheckpointFormatError, InvalidArgumentError
+from ...byteio.objstore import ObjectStore
+from ...byteio.requests import RequestPolicy
+from ...errors import CheckpointFormatError, InvalidArgumentError, StorageError
 from .base import Tier, check_step, check_token, step_dir_name
 from .marker import MARKER_FILE, CommitMarker, check_name
 
@@ -61,23 +68,30 @@ class FsspecTier(Tier):
 
     Each save writes its own directory ``root/step-%012d-<token>/`` (staging
     and committed location are the same); the marker, uploaded last, commits
-    it. ``storage_options`` go to fsspec (credentials, ``endpoint_url``...).
+    it. ``storage_options`` go to fsspec (credentials, ``endpoint_url``...);
+    ``requests`` is the policy every request of the tier runs under.
     """
 
     def __init__(
-        self, root: str, *, name: str, storage_options: dict[str, Any] | None = None
+        self,
+        root: str,
+        *,
+        name: str,
+        storage_options: dict[str, Any] | None = None,
+        requests: RequestPolicy | None = None,
     ) -> None:
         """Open the tier at URL ``root``; ``name`` is used in messages."""
-        import fsspec
-
         self.name = name
         self.url = str(root).rstrip("/")
         self.local = False
         self.storage_options: dict[str, Any] = dict(storage_options or {})
         """The fsspec options the tier was opened with (readers of its steps open the store with
         them)."""
-        self.fs, path = fsspec.core.url_to_fs(self.url, **self.storage_options)
-        self._root = path.rstrip("/")
+        self.store = ObjectStore(self.url, self.storage_options, requests=requests)
+        """The tier's objects: every request goes through it."""
+        self.requests = self.store.requests
+        self.fs = self.store.fs  # names only (protocols, paths): requests go through the store
+        self._root = self.store.root
 
     # -- paths
 
@@ -87,20 +101,14 @@ class FsspecTier(Tier):
     def _to_url(self, path: str) -> str:
         return self.fs.unstrip_protocol(path)
 
-    def _refresh(self, path: str | None = None) -> None:
-        # s3fs & co cache listings; another process may have written since.
-        self.fs.invalidate_cache(path)
+    def _name(self, path: str) -> str:
+        """The store's name of ``path`` (a path under the root)."""
+        return path[len(self._root) + 1 :]
 
     def _dirs(self) -> dict[int, list[str]]:
         """Step directory names under the root, by step (uncommitted ones included)."""
-        self._refresh(self._root)
-        try:
-            entries = self.fs.ls(self._root, detail=False)
-        except FileNotFoundError:
-            return {}
         out: dict[int, list[str]] = {}
-        for e in entries:
-            n = e.rstrip("/").rsplit("/", 1)[-1]
+        for n in self.store.list_folders():
             m = _STEP_TOKEN_RE.match(n)
             if m is not None and n.startswith(step_dir_name(int(m.group(1))) + "-"):
                 out.setdefault(int(m.group(1)), []).append(n)
@@ -112,11 +120,13 @@ class FsspecTier(Tier):
         path = self._path(dirname, MARKER_FILE)
         where = f"{self._where(step, MARKER_FILE)} ({self._to_url(path)})"
         try:
-            data = self.fs.cat_file(path)
-        except FileNotFoundError:
+            data = self.store.read_if_exists(self._name(path))
+        except StorageError as e:
+            if isinstance(e.__cause__, (IsADirectoryError, NotADirectoryError)):
+                raise CheckpointFormatError(f"{where}: not a file ({e.__cause__})") from None
+            raise
+        if data is None:
             return None
-        except (IsADirectoryError, NotADirectoryError) as e:
-            raise CheckpointFormatError(f"{where}: not a file ({e})") from None
         m = CommitMarker.decode(data, where)
         if m.step != step:
             raise CheckpointFormatError(f"{where}: the marker names step {m.step}, expected {step}")
@@ -181,13 +191,13 @@ class FsspecTier(Tier):
         """The content of file ``name`` of ``copy`` (one GET)."""
         check_name(name, "file name")
         src = f"{self.fs._strip_protocol(copy.url)}/{name}"
-        try:
-            return self.fs.cat_file(src)
-        except FileNotFoundError:
+        data = self.store.read_if_exists(self._name(src))
+        if data is None:
             raise CheckpointFormatError(
                 f"{self._where(copy.marker.step, name)}: missing (expected an object "
                 f"{self._to_url(src)})"
-            ) from None
+            )
+        return data
 
     def marker(self, step: int) -> CommitMarker:
         """The marker of the newest committed copy of ``step``."""
@@ -202,15 +212,11 @@ class FsspecTier(Tier):
         return self._file_sizes(self._path(self._current(step)[1]))
 
     def _file_sizes(self, path: str) -> dict[str, int]:
-        """Names and sizes of the files in directory ``path``, the marker excluded
-        (FileNotFoundError if none)."""
-        self._refresh(path)
-        out = {}
-        for e in self.fs.ls(path, detail=True):
-            n = e["name"].rstrip("/").rsplit("/", 1)[-1]
-            if e.get("type") == "file" and n != MARKER_FILE:
-                out[n] = int(e["size"])
-        return out
+        """Names and sizes of the files in directory ``path``, the marker excluded (one
+        listing)."""
+        sizes = self.store.list_sizes(self._name(path))
+        sizes.pop(MARKER_FILE, None)
+        return sizes
 
     def fetch(self, step: int, names: Iterable[str], dest_dir: str) -> None:
         """Download named files of committed ``step`` into ``dest_dir`` (temp name, fsync,
@@ -218,22 +224,23 @@ class FsspecTier(Tier):
         d = self._path(self._current(step)[1])
         dest_dir = os.fspath(dest_dir)
         os.makedirs(dest_dir, exist_ok=True)
-        fetched = False
+        names = list(names)
         for name in names:
             check_name(name, "file name")
+        sizes = self._file_sizes(d) if names else {}
+        for name in names:
             src = f"{d}/{name}"
-            try:
-                replace_via_temp(os.path.join(dest_dir, name), partial(self._download, src))
-            except FileNotFoundError:
+            if name not in sizes:
                 raise CheckpointFormatError(
                     f"{self._where(step, name)}: missing (expected an object {self._to_url(src)})"
-                ) from None
-            fetched = True
-        if fetched:
+                )
+            download = partial(self._download, self._name(src), sizes[name])
+            replace_via_temp(os.path.join(dest_dir, name), download)
+        if names:
             fsync_path(dest_dir)
 
-    def _download(self, src: str, dst: str) -> None:
-        self.fs.get_file(src, dst)
+    def _download(self, name: str, size: int, dst: str) -> None:
+        self.store.download(name, dst, size)
         fsync_file(dst)
 
     def read_bytes(self, step: int, name: str) -> bytes:
@@ -251,15 +258,22 @@ class FsspecTier(Tier):
         """Remove leftover content under the staging URL and return it."""
         url = self.staging_path(step, token)
         path = self.fs._strip_protocol(url)
-        self._refresh(path)
-        if self.fs.exists(path):
+        if self.store.exists(self._name(path)):
             self._rm_dir(path)
-        if not _OBJECT_STORES.intersection(_protocols(self.fs)):
+        if self._has_dirs():
             # File systems with real directories (sftp, hdfs, smb...) need
             # it; object stores have none (and s3fs/gcsfs makedirs would
             # create a missing bucket).
-            self.fs.makedirs(path, exist_ok=True)
+            self.store.call(
+                "creating the directory",
+                self._name(path),
+                lambda: self.fs.makedirs(path, exist_ok=True),
+            )
         return url
+
+    def _has_dirs(self) -> bool:
+        """Whether the store has directories of its own (not an object store's prefixes)."""
+        return not _OBJECT_STORES.intersection(_protocols(self.fs))
 
     def _staging_step(self, staging: str) -> tuple[int, str]:
         """The step of staging URL ``staging`` and its path without the protocol."""
@@ -274,24 +288,20 @@ class FsspecTier(Tier):
         return int(m.group(1)), path
 
     def _put_file(self, path: str, local_path: str, name: str) -> None:
-        self.fs.put_file(local_path, f"{path}/{name}")
+        self.store.upload(self._name(f"{path}/{name}"), local_path)
 
     def _put_bytes(self, path: str, name: str, data: bytes) -> None:
-        self.fs.pipe_file(f"{path}/{name}", bytes(data))
+        self.store.put(self._name(f"{path}/{name}"), bytes(data))
 
     def _commit(
         self, step: int, path: str, marker: CommitMarker, held: frozenset[str] | None
     ) -> None:
         """Upload the marker last (one atomic PUT commits), then remove older copies of the step."""
-        try:
-            sizes = self._file_sizes(path)
-        except FileNotFoundError:
-            sizes = {}
+        sizes = self._file_sizes(path)
         self._check_staged(step, self._to_url(path), marker, sizes, held)
         # The commit point: until this PUT completes the directory is not
         # listed; after it, it is (and, being newest, wins over older copies).
-        self.fs.pipe_file(f"{path}/{MARKER_FILE}", marker.encode())
-        self._refresh(path)
+        self.store.put(self._name(f"{path}/{MARKER_FILE}"), marker.encode())
         # Only now remove earlier commits of the same step (whatever their
         # `created`, so the new one wins even under clock skew). A crash here
         # leaves two committed copies; the newest wins and cleanup() removes
@@ -302,16 +312,18 @@ class FsspecTier(Tier):
 
     def _rm_dir(self, path: str) -> None:
         """Remove a step directory: marker first (so it is unlisted at once), then the rest."""
-        try:
-            self.fs.rm_file(f"{path}/{MARKER_FILE}")
-        except FileNotFoundError:
-            pass
-        self._refresh(path)
-        try:
-            self.fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
-        self._refresh(path)
+        d = self._name(path)
+        self.store.remove([f"{d}/{MARKER_FILE}"])
+        self.store.remove([f"{d}/{n}" for n in self.store.list_sizes(d)])
+        if self._has_dirs():  # the directory itself (and a memory store's pseudo-directory)
+
+            def rm() -> None:
+                try:
+                    self.fs.rm(path, recursive=True)
+                except FileNotFoundError:
+                    pass
+
+            self.store.call("removing the directory", d, rm)
 
     def delete(self, step: int) -> None:
         """Remove every copy of ``step``: markers first, then the data."""
@@ -324,11 +336,7 @@ class FsspecTier(Tier):
         # All markers first: once the first is gone an older copy could win,
         # so none may remain before data goes. A crash part way leaves
         # unmarked dirs (never listed; cleanup() removes them).
-        for d in dirs:
-            try:
-                self.fs.rm_file(self._path(d, MARKER_FILE))
-            except FileNotFoundError:
-                pass
+        self.store.remove([f"{d}/{MARKER_FILE}" for d in dirs])
         for d in dirs:
             self._rm_dir(self._path(d))
 
@@ -347,11 +355,7 @@ class FsspecTier(Tier):
             for d in dirs:
                 if any(d == c for _, c in committed):
                     continue
-                try:
-                    has_marker = self.fs.exists(self._path(d, MARKER_FILE))
-                except FileNotFoundError:
-                    has_marker = False
-                if not has_marker:
+                if not self.store.exists(f"{d}/{MARKER_FILE}"):
                     self._rm_dir(self._path(d))
                     done.append(
                         f"removed {self._to_url(self._path(d))} (unfinished save or delete)"
