@@ -66,6 +66,7 @@ __all__ = [
     "RankRounds",
     "Region",
     "rank_failed",
+    "raise_gathered",
     "run_exchange",
     "wire_device",
 ]
@@ -80,6 +81,18 @@ def rank_failed(rank: int, error: object) -> ReadOnceError:
     return ReadOnceError(
         f"rank {rank} could not take part in the read-once load: {type(error).__name__}: {error}"
     )
+
+
+def raise_gathered(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
+    """Collective: every rank's ``error`` (None: none) gathered; this rank's own raised where it
+    has one, else the first any rank had, so that no rank carries on alone."""
+    errors: list[BaseException | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    if error is not None:
+        raise error
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
 
 
 def wire_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -510,13 +523,7 @@ def run_exchange(
             f"{paths[file]}: the checksum block at byte {start} was only partly received: the "
             "read-once plan left part of a block this rank needs unsent"
         )
-    errors: list[BaseException | None] = [None] * world
-    dist.all_gather_object(errors, error, group=group)
-    first = next((e for e in errors if e is not None), None)
-    if error is not None:
-        raise error
-    if first is not None:
-        raise first
+    raise_gathered(error, group)
     for r in needs.regions:
         if r.done is not None:
             r.done()

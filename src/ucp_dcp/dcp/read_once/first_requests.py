@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ReadOnceError
-from .exchange import STATUS_BYTES, rank_failed, wire_device
+from .exchange import STATUS_BYTES, raise_gathered, rank_failed, wire_device
 from .plan import merge_ranges
 
 __all__ = ["FirstRequests", "share_first_requests"]
@@ -112,12 +112,8 @@ def share_first_requests(
             w += size(f)
         at += nbytes
     if failed is not None:  # every rank saw it (each sends every rank a status): say what failed
-        errors: list[BaseException | None] = [None] * world
-        dist.all_gather_object(errors, error, group=group)
-        if error is not None:
-            raise error
-        first = next((e for e in errors if e is not None), None)
-        raise first or ReadOnceError(f"rank {failed} could not fetch a data file's first request")
+        raise_gathered(error, group)
+        raise ReadOnceError(f"rank {failed} could not fetch a data file's first request")
     src.hold_first_requests(held)
 
 
