@@ -57,7 +57,7 @@ from typing import Any, TypeVar
 
 from ..errors import StorageError
 from .multipart import ParallelUpload, StreamedWrite, supports_parallel_upload
-from .rangeio import ByteSource, ReadStats, Segment, _Request, coalesce
+from .rangeio import MAX_REQUEST_BYTES, ByteSource, ReadStats, Segment, _Request, coalesce
 from .requests import ObjectStats, Received, RequestPolicy, RequestScheduler
 
 __all__ = [
@@ -596,7 +596,7 @@ class ObjectRangeReader(ByteSource):
         *,
         sizes: Sequence[int] | None = None,
         gap_bytes: int = OBJECT_GAP_BYTES,
-        max_request_bytes: int = 16 << 20,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
         window_bytes: int = 16 << 20,
         dense_parallel: int = 1,
         staging_bytes: int = 64 << 20,

@@ -62,6 +62,7 @@ __all__ = [
     "HOOKED_REQUEST_BYTES",
     "Extents",
     "IO_THREADS",
+    "MAX_REQUEST_BYTES",
     "check_access",
 ]
 
@@ -291,6 +292,12 @@ def check_access(mode: str) -> str:
 # many lanes, the calling thread being the first, each with the kernel's read-ahead.
 IO_THREADS = 2
 
+# The largest single read, the one default of every reader (ReadOptions.max_request_bytes, a
+# source's open_reader, RangeReader, ObjectRangeReader): a big tensor is read as several such
+# requests, by several threads at once. (RequestPolicy's min/max_request_bytes bound something
+# else: the parts an object-store GET is sent as, from the hedge budget.)
+MAX_REQUEST_BYTES = 16 << 20
+
 
 def _release(workers: IOWorkers, files: FileHandles, lanes: Sequence[FileHandles]) -> None:
     """Stop ``workers`` and close the descriptors, but those of a read left blocked."""
@@ -322,7 +329,7 @@ class RangeReader(ByteSource):
         *,
         threads: int = IO_THREADS,
         gap_bytes: int = 0,
-        max_request_bytes: int = 16 * 1024 * 1024,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
         requests: RequestPolicy | None = None,
     ) -> None:
         self._paths = list(paths)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ..byteio.engine import ReadTotals
 from ..byteio.progress import ProgressConfig
-from ..byteio.rangeio import IO_THREADS, ReadStats, check_access
+from ..byteio.rangeio import IO_THREADS, MAX_REQUEST_BYTES, ReadStats, check_access
 from ..byteio.requests import RequestPolicy
 from ..errors import InvalidArgumentError
 from ..sources import SourceOptions
@@ -56,8 +56,9 @@ class ReadOptions:
             round trip costs); regions of many short runs may still be read as covering spans
             where that is cheaper. ``0`` reads exactly the needed bytes: no gap is merged and
             no span with a gap is read.
-        max_request_bytes: largest single read (default 16 MiB), so that big tensors are read
-            by several threads at once.
+        max_request_bytes: largest single read (default
+            :data:`~ucp_dcp.byteio.rangeio.MAX_REQUEST_BYTES`, 16 MiB), so that big tensors are
+            read by several threads at once.
         verify: check every byte a read uses against the checksums recorded at save (default
             True), raising :class:`~ucp_dcp.ChecksumError` (naming tensor, chunk, block, file
             and writing rank) on a mismatch. Native checkpoints record an xxh3-64 of every
@@ -115,7 +116,7 @@ class ReadOptions:
     io_threads: int = IO_THREADS
     max_buffer_bytes: int = 64 * _MiB
     gap_bytes: int | None = None
-    max_request_bytes: int = 16 * _MiB
+    max_request_bytes: int = MAX_REQUEST_BYTES
     verify: bool = True
     requests: RequestPolicy | None = None
     access: str = "auto"

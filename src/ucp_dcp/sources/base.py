@@ -33,7 +33,7 @@ import torch
 
 from ..byteio.integrity import BlockSums
 from ..byteio.objstore import OBJECT_GAP_BYTES, ObjectRangeReader, ObjectStore, local_path
-from ..byteio.rangeio import ByteSource, RangeReader
+from ..byteio.rangeio import MAX_REQUEST_BYTES, ByteSource, RangeReader
 from ..byteio.requests import RequestPolicy
 from ..byteio.transfer import read_checked_many
 from ..core.sharding import Box, Grid
@@ -150,7 +150,7 @@ class Source(ABC):
         *,
         threads: int,
         gap_bytes: int | None = None,
-        max_request_bytes: int = 16 << 20,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
         requests: RequestPolicy | None = None,
         verify: bool = True,
     ) -> ByteSource:
