@@ -31,7 +31,7 @@ from harness import Column, text_table, write_json
 from harness.report import RESULTS_DIR
 from harness.states import TP, llama_entries, mesh_shape_of, placements_for
 
-from ucp_dcp.byteio.storage import write_index
+from ucp_dcp.byteio.location import write_index
 from ucp_dcp.core.sharding import placement_to_str
 from ucp_dcp.dcp._mesh_groups import MeshGroup, TensorSpec, compact_records
 from ucp_dcp.format import FileRecord, Layout, build_index, data_file_name, dtype_name

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
-import ucp_dcp.byteio.storage
+import ucp_dcp.byteio.location
 from ucp_dcp import (
     ReadOptions,
     CheckpointFormatError,
@@ -650,7 +650,7 @@ def test_overwrite_is_atomic_when_commit_fails(ckpt: tuple[Path, dict[str, Any]]
     def boom(directory: str, index: Any) -> None:
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(ucp_dcp.byteio.storage, "write_index", boom)
+    monkeypatch.setattr(ucp_dcp.byteio.location, "write_index", boom)
     with pytest.raises(CheckpointException, match="disk full"):
         save({"model": {"w": torch.ones(8, 16)}}, path, overwrite=True)
     monkeypatch.undo()
@@ -739,7 +739,7 @@ def test_rebuild_index_does_not_mix_saves(ckpt: tuple[Path, dict[str, Any]], mon
     def boom(directory: str, index: Any) -> None:
         raise OSError("crash before commit (simulated)")
 
-    monkeypatch.setattr(ucp_dcp.byteio.storage, "write_index", boom)
+    monkeypatch.setattr(ucp_dcp.byteio.location, "write_index", boom)
     with pytest.raises(CheckpointException, match="crash before commit"):
         save(make_state() | {"step": 8}, path, overwrite=True)
     monkeypatch.undo()

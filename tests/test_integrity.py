@@ -448,7 +448,7 @@ def test_partial_chunk_reads_are_verified_and_one_full_disk_fails_the_save(tmp_p
 
 
 def test_write_index_out_of_space_leaves_old_index_and_no_temp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ucp_dcp.byteio.storage import write_index
+    from ucp_dcp.byteio.location import write_index
 
     path = tmp_path / "ck"
     dcp.save({"w": torch.arange(10.0)}, storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())

@@ -351,12 +351,12 @@ def test_object_range_reader_reads_exact_bytes(cuts: list[int], keep: list[bool]
 def test_commit_writes_the_index_then_removes_only_old_data_files(kind: str, tmp_path: Any) -> None:
     """The one commit, for both storages: the index is whole, then the data files of other saves
     go and nothing else kept there does."""
-    from ucp_dcp.byteio.storage import LocalStorage, ObjectStorage, commit_index, storage_at
+    from ucp_dcp.byteio.location import LocalDir, StoreDir, commit_index, location_at
     from ucp_dcp.format import FileRecord, Index
 
     where = str(tmp_path / "ck") if kind == "local" else f"memory://ucp-{uuid.uuid4().hex[:8]}/ckpt"
-    storage = storage_at(where)
-    assert isinstance(storage, LocalStorage if kind == "local" else ObjectStorage)
+    storage = location_at(where)
+    assert isinstance(storage, LocalDir if kind == "local" else StoreDir)
     storage.make()
     for name in ("rank00000-old.safetensors", "rank00000-new.safetensors", "notes.txt"):
         storage.write_atomic(name, b"x")

@@ -385,22 +385,33 @@ class ObjectStore:
             lambda: self.fs.open(path, "wb", block_size=self.write_block_bytes),
         )
 
-    def upload(self, name: str, src: str) -> None:
-        """Local file ``src`` as object ``name``: a streamed write (:meth:`open_write`), restarted
-        from its first byte on a transient failure; the object appears whole or not at all."""
+    def write_stream(self, name: str, what: str, fill: Callable[[StreamedWrite], _T]) -> _T:
+        """Object ``name`` written by ``fill(out)`` through a streamed write (:meth:`open_write`),
+        which is completed when ``fill`` returns and aborted when it raises: the object appears
+        whole or not at all. A transient failure restarts it from its first byte (``what`` names
+        it in the error). Returns what ``fill`` returned."""
 
-        def go() -> None:
+        def go() -> _T:
             out = self.open_write(name)
             try:
-                with open(src, "rb") as f:
-                    while chunk := f.read(self.write_block_bytes):
-                        out.write(chunk)
+                result = fill(out)
                 out.close()  # completes the upload: the object appears whole
+                return result
             except BaseException:
                 discard(out)  # an upload that failed is aborted, never completed
                 raise
 
-        self.call("uploading the object", name, go)
+        return self.call(what, name, go)
+
+    def upload(self, name: str, src: str) -> None:
+        """Local file ``src`` as object ``name`` (:meth:`write_stream`)."""
+
+        def fill(out: StreamedWrite) -> None:
+            with open(src, "rb") as f:
+                while chunk := f.read(self.write_block_bytes):
+                    out.write(chunk)
+
+        self.write_stream(name, "uploading the object", fill)
 
     def remove(self, names: Sequence[str]) -> None:
         """Delete objects ``names`` (missing ones are not an error), one request each."""

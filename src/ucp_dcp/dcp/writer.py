@@ -1,11 +1,11 @@
 """``UCPStorageWriter``: each rank writes one native data file; the coordinator commits the index.
 
-The writer holds one storage object (:func:`~ucp_dcp.byteio.storage.storage_at`:
+The writer holds one location (:func:`~ucp_dcp.byteio.location.location_at`:
 a local directory or an object store, as DCP's ``FsspecWriter`` holds ``fs``)
 and never asks which. The rank's file is laid out and written by the one
 data-file writer (aligned, self-describing, every entry hashed while it is
 written). The coordinator commits the save by writing the JSON index last
-(:func:`~ucp_dcp.byteio.storage.commit_index`).
+(:func:`~ucp_dcp.byteio.location.commit_index`).
 """
 
 from __future__ import annotations
@@ -26,17 +26,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..byteio.datafile import chunk_entry, layout, value_entry
+from ..byteio.location import DataFileSpec, ModelDir, commit_index, location_at, write_error
 from ..byteio.progress import Progress, ProgressConfig
 from ..byteio.progress import log as progress_log
 from ..byteio.rangeio import tensor_view
 from ..byteio.requests import RequestPolicy
-from ..byteio.storage import (
-    CheckpointStorage,
-    DataFileSpec,
-    commit_index,
-    storage_at,
-    write_error,
-)
 from ..core.placement_digest import MASK64, box_share, combine, digest_hex
 from ..errors import (
     CheckpointExistsError,
@@ -184,7 +178,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
         self.path = os.fspath(path)
         self.storage_options = storage_options
         self.requests = requests
-        self._storage: CheckpointStorage | None = None
+        self._storage: ModelDir | None = None
         self.overwrite = overwrite
         self.sync_files = sync_files
         self.align = align
@@ -200,11 +194,11 @@ class UCPStorageWriter(_Directory, StorageWriter):
         self.save_id = ""
 
     @property
-    def storage(self) -> CheckpointStorage:
+    def storage(self) -> ModelDir:
         """Where the checkpoint goes: a local directory or an object store (made when first
         used)."""
         if self._storage is None:
-            self._storage = storage_at(self.path, self.storage_options, self.requests)
+            self._storage = location_at(self.path, self.storage_options, self.requests)
         return self._storage
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -4,7 +4,7 @@ The coordinator builds the index at the end of a save from what every rank repor
 (:class:`WrittenEntry`); :func:`~ucp_dcp.sources.native.rebuild_index` builds the same index from
 the data files' headers alone. Both go through :func:`build_index`, which stores a tensor compactly
 when its chunks are exactly those of the DTensor layout it was saved with. No file is opened here:
-the index is committed by :func:`~ucp_dcp.byteio.storage.commit_index` and loaded by
+the index is committed by :func:`~ucp_dcp.byteio.location.commit_index` and loaded by
 :func:`~ucp_dcp.sources.native.load_index`.
 """
 

@@ -1,7 +1,7 @@
 """Checkpoint sources: every format the readers understand, behind one seam (:class:`Source`).
 
 :func:`open_source` opens a location (a local path or an fsspec URL) as a
-directory view (:func:`~ucp_dcp.sources._dirs.open_location`) and asks each
+directory view (:func:`~ucp_dcp.byteio.location.open_location`) and asks each
 registered format, in this order, whether it recognises the view; the first
 that does opens it:
 
@@ -25,10 +25,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ..byteio.location import ModelDir, open_location
 from ..byteio.objstore import ObjectStore, RequestPolicy, is_url, local_path
 from ..errors import CheckpointFormatError, NotACheckpointError
 from ..format.names import INDEX_FILE, save_id_of
-from ._dirs import ModelDir, open_location
 from .base import Source, SourceOptions, read_value, read_values, register, source_types
 from .composite import CompositeSource
 from .deepspeed import DeepSpeedSource

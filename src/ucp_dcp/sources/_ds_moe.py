@@ -37,9 +37,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+from ..byteio.location import ModelDir, StoreDir
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, numel
-from ._dirs import ModelDir, StoreDir
 from ._ds_utils import DSFiles, ModelStates, RankOptim, read_layer_states
 from ._pickle import TensorRef
 from ._torch_archive import TorchArchive

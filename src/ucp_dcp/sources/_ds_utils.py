@@ -36,8 +36,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..byteio.location import LocalDir, ModelDir, StoreDir
 from ..errors import CheckpointFormatError
-from ._dirs import LocalDir, ModelDir, StoreDir
 from ._pickle import Inert, TensorRef
 from ._torch_archive import TorchArchive, read_torch_archive
 

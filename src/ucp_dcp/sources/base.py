@@ -16,7 +16,7 @@ Everything that reads (``UCPStorageReader`` for ``dcp.load``, ``Checkpoint``,
 the hand-off functions, the CLI, ``convert``) goes through this seam and
 contains no format test of its own. Adding a format is one module: subclass
 :class:`Source`, implement ``detect_dir``/``open_dir`` (from a directory
-view, :class:`~ucp_dcp.sources._dirs.ModelDir`, local or in object storage)
+view, :class:`~ucp_dcp.byteio.location.ModelDir`, local or in object storage)
 and ``locate``, say what detection looks for (``title``, ``looks_for``), and
 decorate the class with :func:`register`.
 """
@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from ..byteio.integrity import BlockSums
+from ..byteio.location import ModelDir, view_of
 from ..byteio.objstore import OBJECT_GAP_BYTES, ObjectRangeReader, ObjectStore, local_path
 from ..byteio.rangeio import MAX_REQUEST_BYTES, ByteSource, RangeReader
 from ..byteio.requests import RequestPolicy
@@ -39,7 +40,6 @@ from ..byteio.transfer import read_checked_many
 from ..core.sharding import Box, Grid
 from ..errors import CheckpointFormatError
 from ..format import ChunkRecord, Index, Location, split_rank_local_key
-from ._dirs import ModelDir, view_of
 
 __all__ = ["Source", "SourceOptions", "register", "source_types", "read_value", "read_values"]
 

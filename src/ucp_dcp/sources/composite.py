@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from ..byteio.integrity import BlockSums
+from ..byteio.location import ModelDir
 from ..errors import CheckpointFormatError
 from ..format import FileRecord, Index, Location, TensorRecord, split_rank_local_key
-from ._dirs import ModelDir
 from .base import Source, SourceOptions, register, source_types
 
 __all__ = ["CompositeSource"]

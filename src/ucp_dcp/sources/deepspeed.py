@@ -44,10 +44,10 @@ from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..byteio.location import ModelDir, StoreDir
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError, InvalidArgumentError
 from ._archive_index import ArchiveIndex, check_sizes, numel
-from ._dirs import ModelDir, StoreDir
 from ._ds_merge import MERGE_FILE_NAME, MergeFile
 from ._ds_moe import expert_layout
 from ._ds_tp import UNEVEN_RULES, TPRule, TPRules, TPSlice, tp_rules, user_tp_rules
@@ -199,7 +199,7 @@ def place_entries(
 class DeepSpeedSource(Source):
     """A DeepSpeed ZeRO-1/2/3 checkpoint, data-, pipeline- or tensor-parallel: the directory with
     ``latest``, or one tag folder (local, or at an fsspec URL: a
-    :class:`~ucp_dcp.sources._dirs.StoreDir` view).
+    :class:`~ucp_dcp.byteio.location.StoreDir` view).
 
     ``tp_rules`` supplies or overrides the tensor-parallel partitioning of a checkpoint with
     several tensor-parallel ranks: a ``LayoutSpec`` or a list of its layout rules

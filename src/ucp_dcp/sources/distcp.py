@@ -39,7 +39,7 @@ checkpoint in the native format, streaming with bounded memory.
 
 The same checkpoint at an fsspec URL (written there by DCP's
 ``FsspecWriter``, or copied there) is read where it lies
-(a :class:`~ucp_dcp.sources._dirs.StoreDir` view): ``.metadata`` in one request, the data
+(a :class:`~ucp_dcp.byteio.location.StoreDir` view): ``.metadata`` in one request, the data
 files' sizes from the listing, the two ends of every item a load needs in
 one batch of ranged requests, and tensor bytes with the source's ranged reads.
 
@@ -71,13 +71,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..byteio.location import LocalDir, ModelDir
 from ..byteio.rangeio import ByteSource, FileHandles, ReadStats, Segment, storage_view
 from ..core.sharding import Box
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError, DCPValueError, InvalidArgumentError
 from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord, dtype_name
 from ..format.schema import check_paths, check_relative_name, check_tensor_bytes
-from ._dirs import LocalDir, ModelDir
 from ._pickle import is_index_tuple, is_nonneg_int, unpickle
 from ._torch_archive import PRead, StoredTensor, dim_order, item_ends, parse_tensor_item
 from .base import Source, SourceOptions, register

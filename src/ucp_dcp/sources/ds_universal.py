@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..byteio.location import ModelDir
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes
-from ._dirs import ModelDir
 from ._ds_tp import TPSlice, tp_rules
 from ._ds_utils import (
     LATEST_UNIVERSAL_FILE,

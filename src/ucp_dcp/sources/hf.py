@@ -8,7 +8,7 @@ rows of a weight reads exactly those rows. Names are the file's, with
 ``get_state_dict(model, optim)``). Safetensors records no checksums; the
 headers are checked against the files' sizes.
 
-The same model in object storage (a :class:`~ucp_dcp.sources._dirs.StoreDir` view) is found by
+The same model in object storage (a :class:`~ucp_dcp.byteio.location.StoreDir` view) is found by
 listing the URL instead of the directory; each file's header is read with
 ranged requests (its size, then one request for a header under 64 KiB), and
 tensors with the source's ranged reads like any other.
@@ -25,6 +25,7 @@ import os
 import re
 
 from ..byteio.files import read_safetensors
+from ..byteio.location import LocalDir, ModelDir, plain_file_name
 from ..byteio.objstore import ObjectAccess
 from ..core.sharding import Box
 from ..errors import CheckpointFormatError, InvalidArgumentTypeError, StorageError
@@ -37,7 +38,6 @@ from ..format import (
     dtype_from_st,
 )
 from ..format.schema import parse_json
-from ._dirs import LocalDir, ModelDir, plain_file_name
 from .base import Source, SourceOptions, register
 
 __all__ = [

@@ -17,8 +17,8 @@ import xxhash
 
 from ..byteio.files import read_header
 from ..byteio.integrity import BlockSums
+from ..byteio.location import LocalDir, ModelDir, write_index
 from ..byteio.objstore import ObjectAccess, fetch_heads
-from ..byteio.storage import write_index
 from ..errors import CheckpointExistsError, CheckpointFormatError, ChecksumError
 from ..format import (
     INDEX_FILE,
@@ -37,7 +37,6 @@ from ..format import (
     split_rank_local_key,
     value_entry_name,
 )
-from ._dirs import LocalDir, ModelDir
 from .base import Source, SourceOptions, register
 
 __all__ = ["NativeSource", "load_index", "rebuild_index"]
