@@ -131,7 +131,6 @@ class UCPStorageReader(_Directory, StorageReader):
         self.last_load = LoadReport()
         self.load_id = uuid.uuid4().hex
         self._storage: tuple[bool, str] = (False, "")  # set by _may_exchange
-        self._progress: Progress | None = None
         self._known: dict[str, bytes] | None = None
         self._buffer_bytes = opts.buffer_bytes  # tests set it below the floor: many slabs
 
@@ -259,7 +258,7 @@ class UCPStorageReader(_Directory, StorageReader):
             t0 = time.perf_counter()
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             self.last_load = report = LoadReport()
-            self._progress = Progress(f"load of {self.path}", rank, config=self.options.progress)
+            progress = Progress(f"load of {self.path}", rank, config=self.options.progress)
             with checked_placement(  # after the slowest rank's gather, on both paths
                 self.options.verify_placement,
                 self.source,
@@ -268,30 +267,38 @@ class UCPStorageReader(_Directory, StorageReader):
                 self.path,
             ) as check:
                 try:
-                    fut = self._read_data(plan, planner, report)
+                    fut = self._read_data(plan, planner, report, progress)
                 except BaseException:
-                    self._name_slowest(plan, rank, t0, report, failing=True)
+                    self._name_slowest(plan, rank, t0, report, progress, failing=True)
                     raise
-                self._name_slowest(plan, rank, t0, report, failing=False)
+                self._name_slowest(plan, rank, t0, report, progress, failing=False)
             report.placement = check.report
             return fut
 
     def _name_slowest(
-        self, plan: LoadPlan, rank: int, t0: float, report: LoadReport, *, failing: bool
+        self,
+        plan: LoadPlan,
+        rank: int,
+        t0: float,
+        report: LoadReport,
+        progress: Progress,
+        *,
+        failing: bool,
     ) -> None:
         """Fill the report's ``rank_record`` and ``slowest`` (every rank of a collective load
         calls it, also when its load failed: the gather waits for all)."""
         run, paths = plan.storage_data, self.source.paths if self.source is not None else []
-        assert self._progress is not None
         report.rank_record, report.slowest = name_slowest(
             rank_record(rank, time.perf_counter() - t0, report.stats, paths),
-            self._progress,
+            progress,
             run.ranks if isinstance(run, LoadRun) else 1,
             self.process_group,
             failing=failing,
         )
 
-    def _read_data(self, plan: LoadPlan, planner: LoadPlanner, report: LoadReport) -> Future[None]:
+    def _read_data(
+        self, plan: LoadPlan, planner: LoadPlanner, report: LoadReport, progress: Progress
+    ) -> Future[None]:
         src, opts = self.source, self.options
         assert src is not None
         exchanging = self._may_exchange(report)
@@ -315,7 +322,7 @@ class UCPStorageReader(_Directory, StorageReader):
             verify=opts.verify,
         )
         report.stats = reader.stats
-        reader.stats.progress = self._progress
+        reader.stats.progress = progress
         engine = ChunkReads(
             reader,
             src.paths,
