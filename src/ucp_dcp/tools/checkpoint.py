@@ -234,7 +234,7 @@ class Checkpoint:
 
         Returns one line per problem, naming the file and the tensor or value;
         an empty list means the checkpoint is intact. Reads every byte once,
-        in blocks of 16 MiB.
+        in blocks of 16 MiB; ``on_progress(done_bytes, total_bytes)`` after each chunk and value.
         """
         problems: list[str] = self.source.check_files()
         work: list[tuple[str, Location]] = []
