@@ -53,7 +53,7 @@ machine is shared and absolute times drift.
    Baselines: ``dcp.load`` with ``FileSystemReader`` of the same state from
    the same disk, and ``dcp.load`` with ``UCPStorageReader`` directly. The
    first load from each tier is compared bit for bit with the state.
-4. **Checksum cost**: managers on the local tier with ``verify_on_load``
+4. **Checksum cost**: managers on the local tier with ``read=ReadOptions(verify=...)``
    True vs False (interleaved), the same with ``UCPStorageReader`` directly
    (its ``verify_seconds`` / load time), 3x ``--repeat`` loads each since
    they are short, and raw xxh3-64 / xxh3-128 hashing throughput over the
@@ -202,7 +202,7 @@ from harness import (
 )
 from harness.memory import has_malloc_trim, loadavg, meminfo_bytes
 from harness.states import local as local_tensor
-from ucp_dcp import CheckpointManager
+from ucp_dcp import CheckpointManager, ReadOptions
 from ucp_dcp.byteio.rangeio import tensor_view
 
 # The target the manager's blocking time aims for, relative to a synchronous
@@ -742,7 +742,7 @@ def bench_restore(state: dict[str, Any], dcp_dir: str, dirs: Dirs, args: argpars
         for i in range(3 * args.repeat):  # short loads, noisy machine: more samples
             for verify in (True, False):
                 out = mgr_restore(lambda: CheckpointManager(persist, local=local, keep_last=1, local_keep_last=1,
-                                                            verify_on_load=verify),
+                                                            read=ReadOptions(verify=verify)),
                                   target, "local", (lambda: local_step) if ev else None)
                 onoff["verify_on_s" if verify else "verify_off_s"].append(out["wall_s"])
     except Exception as e:
@@ -1554,7 +1554,7 @@ def report(result: dict[str, Any]) -> str:
             rows.append(("S3", "skipped", r["s3_skipped"]))
         rows += [
             ("**4. checksum cost**", "", ""),
-            ("manager load, local tier, verify_on_load=True / False",
+            ("manager load, local tier, read.verify=True / False",
              f"{fmt_num(m['mgr_verify_on_s'], '.3f')} / {fmt_num(m['mgr_verify_off_s'], '.3f')} s",
              fmt_num(q["mgr_verify_on_over_off"], ".2f", "x")),
             ("UCPStorageReader verify=True / False",

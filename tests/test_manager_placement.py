@@ -1,5 +1,5 @@
 """Placement proofs through CheckpointManager (issue 25): ``placement_digests`` saves them on every
-tier, ``verify_placement`` checks every restore, from the local tier, a local persistent tier and
+tier, ``read=ReadOptions(verify_placement=True)`` checks every restore, from the local tier, a local persistent tier and
 an object-store one (loaded from it directly). A wrong placement (a load planner that puts two
 rows of a tensor in each other's place, as tests/test_placement.py does to UCPStorageReader) fails
 each copy naming the tensor, and the restore says so for every attempt; a step saved without
@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 import s3_server
 import ucp_dcp.manager._restore
 from manager_utils import assert_state_equal, empty_like_state, make_state
-from ucp_dcp import CheckpointManager, UCPLoadPlanner
+from ucp_dcp import CheckpointManager, ReadOptions, UCPLoadPlanner
 from ucp_dcp.core.placement_digest import box_share, digest_hex
 from ucp_dcp.errors import CheckpointRestoreError
 from ucp_dcp.format import INDEX_FILE
@@ -72,7 +72,7 @@ def _restore(mgr: CheckpointManager) -> dict[str, Any]:
 
 def test_local_tiers_save_digests_and_restores_prove_placement(tmp_path: Path, monkeypatch: Any) -> None:
     local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
-    opts = {"local": local, "placement_digests": True, "verify_placement": True}
+    opts = {"local": local, "placement_digests": True, "read": ReadOptions(verify_placement=True)}
     with CheckpointManager(shared, **opts) as mgr:
         mgr.save(1, make_state(1))
         mgr.wait()
@@ -96,7 +96,7 @@ def test_local_tiers_save_digests_and_restores_prove_placement(tmp_path: Path, m
         monkeypatch.undo()
 
     # The persistent copy alone proves its placement too.
-    with CheckpointManager(shared, placement_digests=True, verify_placement=True) as mgr:
+    with CheckpointManager(shared, placement_digests=True, read=ReadOptions(verify_placement=True)) as mgr:
         assert_state_equal(_restore(mgr), make_state(1))
         assert mgr.last_restore.tier == "persistent" and mgr.last_restore.placement.checked == TENSORS
     # Without verify_placement nothing is checked; a step saved without digests cannot be proven.
@@ -107,7 +107,7 @@ def test_local_tiers_save_digests_and_restores_prove_placement(tmp_path: Path, m
     with CheckpointManager(bare) as mgr:
         mgr.save(1, make_state(1))
         mgr.wait()
-    with CheckpointManager(bare, verify_placement=True) as mgr:
+    with CheckpointManager(bare, read=ReadOptions(verify_placement=True)) as mgr:
         with pytest.raises(CheckpointRestoreError) as e:
             mgr.load(empty_like_state(make_state(0)))
         step_dir = LocalTier(bare, name="p").step_path(1)
@@ -122,7 +122,7 @@ def test_local_tiers_save_digests_and_restores_prove_placement(tmp_path: Path, m
 def test_object_tier_restores_prove_placement(tmp_path: Path, s3_bucket: Any, monkeypatch: Any) -> None:
     url, options = s3_bucket
     root = f"{url}/mgr-placement-{uuid.uuid4().hex[:8]}"
-    with CheckpointManager(root, storage_options=options, placement_digests=True, verify_placement=True) as mgr:
+    with CheckpointManager(root, storage_options=options, placement_digests=True, read=ReadOptions(verify_placement=True)) as mgr:
         mgr.save(1, make_state(1))
         mgr.wait()
         # Loaded straight from the object store (ranged reads), placement proven.

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ucp_dcp.byteio.durable import copy_durable, replace_via_temp, swap_paths
+from ucp_dcp import ReadOptions
 from ucp_dcp.errors import InvalidArgumentError
 from ucp_dcp.manager._collective import NodeLayout
 from ucp_dcp.manager.config import steps_to_delete, tiers_due
@@ -159,7 +160,7 @@ def test_node_layout(rank: int, world: int, asked: int | None, env: dict[str, st
     [
         ("keep_last", 0, "keep_last must be an int >= 1, got 0 \\(keep_last=0 would delete"),
         ("local_interval", -1, "local_interval must be an int >= 1, got -1$"),
-        ("io_threads", 1.5, "io_threads must be None or an int >= 1, got 1.5$"),
+        ("read", ReadOptions(io_threads=1.5), "read.io_threads must be an int >= 1, got 1.5$"),  # type: ignore[arg-type]
         ("keep_every", 0, "keep_every must be None or an int >= 1"),
         ("nonfinite", "warn", "nonfinite must be 'off', 'error' or 'flag'"),
     ],
@@ -177,7 +178,9 @@ def test_config_defaults_valid() -> None:
 def test_config_help_describes_every_field() -> None:
     doc = CheckpointConfig.__doc__ or ""
     for f in dataclasses.fields(CheckpointConfig):
-        assert f"    {f.name} (default {f.default!r}):" in doc
+        shown = f.metadata["shown"]  # the default's repr, or a shorter spelling equal to it
+        assert f"    {f.name} (default {shown}):" in doc
+        assert eval(shown, {"ReadOptions": ReadOptions}) == f.default
         assert f.metadata["doc"].split()[0] in doc
     assert "Fields:" in doc and "backpressure" in doc
 

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -466,16 +466,7 @@ class Restorer(GroupWorker):
         """Load ``ready`` (a directory, or a URL read with its storage options; the index it
         holds already checked); return the verified and read bytes, what the reader's
         read-once policy decided, the load's slowest rank and its placement check's report."""
-        threads = self.config.io_threads
-        options = ReadOptions(
-            io_threads=threads if threads is not None else ReadOptions.io_threads,
-            max_request_bytes=(
-                OBJECT_REQUEST_BYTES if is_url(ready.path) else ReadOptions.max_request_bytes
-            ),
-            verify=self.config.verify_on_load,
-            verify_placement=self.config.verify_placement,
-            requests=self.config.requests,
-        )
+        options = self._read_options(ready.path)
         reader = UCPStorageReader(
             ready.path,
             options=options,
@@ -511,6 +502,18 @@ class Restorer(GroupWorker):
             done.placement,
         )
 
+    def _read_options(self, path: str) -> ReadOptions:
+        """``config.read`` for a load of ``path``: its requests ``config.requests`` unless it names
+        its own, its largest request :data:`OBJECT_REQUEST_BYTES` from an object store unless it
+        sets another."""
+        read = self.config.read
+        changes: dict[str, Any] = {}
+        if read.requests is None:
+            changes["requests"] = self.config.requests
+        if is_url(path) and read.max_request_bytes == ReadOptions.max_request_bytes:
+            changes["max_request_bytes"] = OBJECT_REQUEST_BYTES
+        return replace(read, **changes) if changes else read
+
     def _through_group(self, small: SmallReads, path: str, state: Mapping[str, Any]) -> None:
         """Fill this rank's small keys: each read by the lowest rank whose node holds its files
         (from ``path``, that rank's local copy), all of them gathered to every rank."""
@@ -518,7 +521,7 @@ class Restorer(GroupWorker):
 
         def read() -> dict[str, Any]:
             return serve(
-                small, lay.rank, lay.world_size, lay.node_of, path, self.config.verify_on_load
+                small, lay.rank, lay.world_size, lay.node_of, path, self._read_options(path)
             )
 
         got: dict[str, Any] = {}

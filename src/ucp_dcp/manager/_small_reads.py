@@ -114,7 +114,7 @@ def put_back(state: Any, loaded: Mapping[str, Any]) -> None:
 
 
 def serve(
-    small: SmallReads, rank: int, world: int, node_of: Any, local_dir: str, verify: bool
+    small: SmallReads, rank: int, world: int, node_of: Any, local_dir: str, options: ReadOptions
 ) -> dict[str, Any]:
     """The values of the keys this rank provides (those whose files its node holds, for which
     it is the lowest such rank), read from ``local_dir``: full tensors, or decoded values."""
@@ -126,7 +126,7 @@ def serve(
     ]
     out: dict[str, Any] = {}
     if mine:
-        with Checkpoint(local_dir, options=ReadOptions(verify=verify)) as ck:
+        with Checkpoint(local_dir, options=options) as ck:
             tensors = set(ck.tensor_names())
             for k in mine:
                 out[k] = ck.read_tensor(k) if k in tensors else ck.read_value(k)

@@ -16,21 +16,24 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from ..byteio.requests import RequestPolicy
+from ..dcp import ReadOptions
 from ..errors import InvalidArgumentError
 
 __all__ = ["CheckpointConfig", "steps_to_delete", "tiers_due"]
 
 
-def _option(default: Any, doc: str) -> Any:
-    """A dataclass field with a default and a description (shown by ``help``)."""
-    return field(default=default, metadata={"doc": " ".join(doc.split())})
+def _option(default: Any, doc: str, shown: str | None = None) -> Any:
+    """A dataclass field with a default and a description (shown by ``help``); ``shown`` spells
+    the default there where its repr would be long (a record of defaults)."""
+    meta = {"doc": " ".join(doc.split()), "shown": shown or repr(default)}
+    return field(default=default, metadata=meta)
 
 
 def _list_fields(cls: type) -> type:
     """Append a "Fields" section, built from each field's description, to ``cls.__doc__``."""
     lines = [inspect.cleandoc(cls.__doc__ or ""), "", "Fields:"]
     for f in fields(cls):
-        lines.append(f"    {f.name} (default {f.default!r}):")
+        lines.append(f"    {f.name} (default {f.metadata['shown']}):")
         lines += textwrap.wrap(
             f.metadata["doc"],
             76,
@@ -49,7 +52,8 @@ class CheckpointConfig:
 
     Intervals decide which tiers a step is saved to (a step divisible by the
     interval); the ``keep`` fields decide which committed steps each tier
-    keeps (the newest committed step always stays).
+    keeps (the newest committed step always stays). How a restore reads is one
+    :class:`~ucp_dcp.ReadOptions` (``read``), as for every other reader.
     """
 
     local: str | None = _option(
@@ -104,13 +108,6 @@ class CheckpointConfig:
         Write in the background. False: ``save`` returns after the commit.""",
     )
 
-    verify_on_load: bool = _option(
-        True,
-        """
-        Check every chunk ``load`` reads against its xxh3 checksum (cost: see
-        benchmarks/README.md), and the index against the commit marker.""",
-    )
-
     nonfinite: Literal["off", "error", "flag"] = _option(
         "off",
         """
@@ -150,14 +147,8 @@ class CheckpointConfig:
         For a URL ``root``: the policy every request to it runs under (each request's
         deadline, retries, hedged reads, the bound on requests in flight): the uploads,
         downloads, listings and deletes of the persistent tier, and the reads of a
-        restore from it. None: ``RequestPolicy()``'s defaults.""",
-    )
-
-    io_threads: int | None = _option(
-        None,
-        """
-        Threads reading during ``load``. None: ``UCPStorageReader``'s default, so
-        a restore reads the way a plain ``dcp.load`` with the UCP classes does.""",
+        restore from it unless ``read.requests`` names another. None:
+        ``RequestPolicy()``'s defaults.""",
     )
 
     direct_restore: bool = _option(
@@ -181,16 +172,23 @@ class CheckpointConfig:
         docs/format.md ("Placement digests").""",
     )
 
-    verify_placement: bool = _option(
-        False,
+    read: ReadOptions = _option(
+        ReadOptions(),
         """
-        Check after every restore, from either tier, that each element landed
-        where the save found it (``ReadOptions(verify_placement=True)``;
-        1.5-3.4x a load's time in docs/format.md's measurements). A wrong
-        placement, or a step saved without ``placement_digests``, fails that
-        copy naming the tensor (or saying the step has no digests) and the
-        restore falls back to the next copy, as for a failed checksum;
-        ``last_restore.placement`` says what was checked.""",
+        How every restore reads a step, from either tier: the reader's
+        :class:`~ucp_dcp.ReadOptions`, the same fields as for ``dcp.load`` with the UCP
+        classes. ``read.verify`` (on by default) checks every chunk ``load`` reads
+        against its xxh3 checksum (cost: see benchmarks/README.md); the index is
+        checked against the commit marker either way. ``read.verify_placement`` checks
+        after every restore that each element landed where the save found it
+        (1.5-3.4x a load's time in docs/format.md's measurements): a wrong placement,
+        or a step saved without ``placement_digests``, fails that copy naming the
+        tensor (or saying the step has no digests) and the restore falls back to the
+        next copy, as for a failed checksum; ``last_restore.placement`` says what was
+        checked. ``read.requests`` None: ``requests`` above. ``read.max_request_bytes``
+        at its default: 64 MiB for a restore straight from an object store (a request
+        costs a round trip).""",
+        shown="ReadOptions()",
     )
 
     def validate(self) -> None:
@@ -202,18 +200,22 @@ class CheckpointConfig:
             "keep_last",
             "local_keep_last",
             "max_in_flight",
-            "io_threads",
         ):
             v = getattr(self, k)
-            optional = k == "io_threads"
-            if optional and v is None:
-                continue
             if not isinstance(v, int) or v < 1:
                 why = " (keep_last=0 would delete the only good checkpoint)" if "keep" in k else ""
                 raise InvalidArgumentError(
-                    f"CheckpointConfig.{k} must be {'None or ' if optional else ''}an int >= 1, "
-                    f"got {v!r}{why}"
+                    f"CheckpointConfig.{k} must be an int >= 1, got {v!r}{why}"
                 )
+        if not isinstance(self.read, ReadOptions):
+            raise InvalidArgumentError(
+                f"CheckpointConfig.read must be a ReadOptions, got {self.read!r}"
+            )
+        threads = self.read.io_threads
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise InvalidArgumentError(
+                f"CheckpointConfig.read.io_threads must be an int >= 1, got {threads!r}"
+            )
         if self.keep_every is not None and (
             not isinstance(self.keep_every, int) or self.keep_every < 1
         ):

@@ -59,6 +59,6 @@ class RestoreRecord:
     ``LoadReport.slowest``): the same on every rank where the load ran on several; this
     rank's own in one process."""
     placement: PlacementReport | None = None
-    """What the placement check found (``CheckpointConfig.verify_placement``; see
+    """What the placement check found (``CheckpointConfig.read.verify_placement``; see
     ``LoadReport.placement``): the tensors whose placement was proven, and those it
     could not check (loaded into another dtype, or with no digest); None where not asked for."""
