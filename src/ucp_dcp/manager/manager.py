@@ -23,7 +23,6 @@ buffers and process groups. The work is done by
 :mod:`.snapshot`             staging the state into reusable host buffers; the NaN/Inf guard
 :mod:`._pipeline`            the background half of a save: write, hash, replicate, commit, retain
 :mod:`._restore`             restore candidates in order, repair/download, fallback
-:mod:`._verify`              rechecking a committed copy against its marker
 :mod:`._collective`          ranks and nodes; gather/broadcast/agree on the manager's groups
 :mod:`.tiers`                the storage: local directory or fsspec URL, atomic commit
 :mod:`.peer`                 copying files between ranks (replication, repair)
@@ -64,6 +63,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch.distributed as dist
@@ -79,7 +79,6 @@ from . import goodput
 from ._collective import Group, NodeLayout
 from ._pipeline import SaveJob, SavePipeline
 from ._restore import Restorer
-from ._verify import verify_copy
 from .config import CheckpointConfig, tiers_due
 from .peer import clean_partials
 from .records import ReshardEvent, RestoreRecord, SaveRecord
@@ -295,13 +294,10 @@ class CheckpointManager:
             if step not in t.steps():
                 continue
             found = True
-            problems += verify_copy(
-                t,
-                step,
-                self.layout,
-                node_local=t is not self.persistent,
-                peer=self.config.peer_replication,
-            )
+            # A node-local tier holds this node's share of the files (and its partner's).
+            node_local = t is not self.persistent
+            held = partial(self.layout.held_files, peer=self.config.peer_replication)
+            problems += t.verify(step, held=held if node_local else None)
         if not found:
             problems.append(
                 f"step {step}: not committed in {', '.join(t.name for t in tiers) or 'any tier'}"

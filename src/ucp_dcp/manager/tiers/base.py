@@ -12,11 +12,11 @@ import os
 import re
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from ...errors import CheckpointFormatError, InvalidArgumentError
-from .marker import MARKER_FILE, CommitMarker, check_name, is_int
+from .marker import MARKER_FILE, CommitMarker, check_copy, check_name, is_int
 
 __all__ = ["Tier", "step_dir_name", "check_step", "check_token"]
 
@@ -119,6 +119,33 @@ class Tier(ABC):
             self.fetch(step, [name], d)
             with open(os.path.join(d, name), "rb") as f:
                 return f.read()
+
+    def verify(
+        self, step: int, *, held: Callable[[CommitMarker], Collection[str]] | None = None
+    ) -> list[str]:
+        """Problems of the copy of ``step`` here ([] = intact): :func:`~.marker.check_copy` of the
+        step's files against its marker, read in place on a local tier, downloaded into a
+        temporary directory otherwise.
+
+        ``held`` gives the files this copy is expected to hold, from the marker (a node's share of
+        a node-local tier); None: all of them.
+        """
+        where = f"step {step} in the {self.name} tier ({self.url})"
+        try:
+            marker = self.marker(step)
+        except CheckpointFormatError as e:
+            return [f"{where}: {e}"]
+        expected = None if held is None else set(held(marker))
+        if self.local:
+            return check_copy(
+                marker, self.step_path(step), self.files(step), held=expected, where=where
+            )
+        with tempfile.TemporaryDirectory(
+            prefix=f"ucp-verify-{step}-", ignore_cleanup_errors=True
+        ) as tmp:
+            self.fetch(step, [d.name for d in marker.files], tmp)
+            present = {n: os.path.getsize(os.path.join(tmp, n)) for n in os.listdir(tmp)}
+            return check_copy(marker, tmp, present, held=expected, where=where)
 
     # ------------------------------------------------------------ writing
 

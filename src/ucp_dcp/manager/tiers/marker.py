@@ -6,17 +6,22 @@ directory is committed when its marker parses and names that step.
 whole-file xxh3-128 digest (:class:`FileDigest`,
 :func:`ucp_dcp.byteio.integrity.file_digest`); constructing one validates
 every field, and :meth:`CommitMarker.decode` reads the bytes back strictly.
+:func:`check_copy` rechecks a copy of the step against its marker, one line per problem.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...byteio.integrity import file_digest
 from ...errors import CheckpointFormatError, InvalidArgumentError
+from ...tools.checkpoint import Checkpoint
 
 __all__ = [
     "MARKER_FILE",
@@ -25,6 +30,7 @@ __all__ = [
     "FileDigest",
     "CommitMarker",
     "check_name",
+    "check_copy",
 ]
 
 MARKER_FILE = "COMMIT.json"
@@ -287,3 +293,46 @@ class CommitMarker:
             f"{len(self.files)} files: "
             f"{', '.join(f.name for f in self.files[:8])}{', ...' if len(self.files) > 8 else ''})"
         )
+
+
+def check_copy(
+    marker: CommitMarker,
+    path: str,
+    present: Mapping[str, int],
+    *,
+    held: Collection[str] | None,
+    where: str,
+) -> list[str]:
+    """Problems of the copy of ``marker.step`` in local directory ``path`` ([] = intact), each
+    line starting with ``where``.
+
+    ``present`` names the files the copy holds (name -> size). Whole-file xxh3-128 digests against
+    the marker (catches any flipped byte, header and padding included), then, for a damaged data
+    file, every chunk checksum to name the tensors hit. ``held``: the files the copy is expected
+    to hold (a node's share of a node-local tier; None: all of them); others it holds are checked
+    too.
+    """
+    problems: list[str] = []
+    damaged = False
+    for d in marker.files:
+        own = held is None or d.name in held
+        who = "the index" if d.rank == -1 else f"written by rank {d.rank}"
+        if d.name not in present:
+            if own:
+                problems.append(f"{where}: {d.name} ({who}) is missing")
+            continue
+        size, digest = file_digest(os.path.join(path, d.name))
+        if size != d.size or digest != d.xxh3:
+            damaged = True
+            problems.append(
+                f"{where}: {d.name} ({who}) is corrupt: {size} bytes with xxh3-128 {digest}, "
+                f"the commit recorded {d.size} bytes with {d.xxh3}"
+            )
+    if damaged and all(d.name in present for d in marker.files):
+        try:
+            with Checkpoint(path) as ck:
+                problems += [f"{where}: {p}" for p in ck.verify()]
+        except Exception as e:  # a damaged index: the digest line above already says so
+            # One process, no dcp.load: never a CheckpointException with per-rank failures.
+            problems.append(f"{where}: cannot check chunks: {type(e).__name__}: {e}")
+    return problems
