@@ -23,7 +23,7 @@ from ..sources import SourceOptions
 from ..sources.distcp import DCP_VALUES_MODES
 from .placement import PlacementReport
 from .read_once import ReadOnceCosts, ReadOnceDecision, check_read_once
-from .read_once.exchange import ExchangeTotals
+from .read_once.exchange import ExchangeTotals, Transport
 from .slowest import SlowestRecord
 
 __all__ = ["ReadOptions", "LoadReport", "source_options"]
@@ -97,6 +97,12 @@ class ReadOptions:
         read_once_costs: the cost model ``"auto"`` weighs an exchange with
             (:class:`~ucp_dcp.ReadOnceCosts`: the storage's bandwidth for the job, the
             interconnect's per rank, a round's fixed cost); None: its defaults.
+        device_transport: on a process group that is NCCL alone, move read-once's messages and
+            the placement check's sums through device memory on that group (default False:
+            they move in host memory on a gloo group made once from the group's ranks and
+            reused). Not yet verified on multi-GPU. A group with a CPU backend (gloo,
+            ``"cpu:gloo,cuda:nccl"``) is always used as it is, in host memory.
+            :attr:`LoadReport.transport` says which was used.
         progress: when a long load logs its progress, per rank, on the ``ucp_dcp.progress``
             logger (:class:`~ucp_dcp.ProgressConfig`: after 5 s, every 10 s by default; a line
             says the bytes read and the rate).
@@ -122,6 +128,7 @@ class ReadOptions:
     access: str = "auto"
     read_once: bool | str = "auto"
     read_once_costs: ReadOnceCosts | None = None
+    device_transport: bool = False
     progress: ProgressConfig = ProgressConfig()
     verify_placement: bool = False
     tp_rules: object = None
@@ -166,6 +173,13 @@ class LoadReport:
         read_once: what the read-once policy decided and why (None where it did not run: one
             rank, ``read_once=False``).
         exchange: what a read-once exchange moved (None where none ran).
+        transport: how read-once's messages travelled, or would have (``"group"``: host memory
+            on the load's group; ``"gloo"``: host memory on a gloo group made from the ranks of
+            a group that is NCCL alone; ``"device"``: device memory, opted in with
+            ``ReadOptions(device_transport=True)``; ``"none"``: no exchange, the group moves no
+            host memory and torch has no gloo), a
+            :class:`~ucp_dcp.dcp.read_once.exchange.Transport`; None where read-once did not
+            get that far (one rank, ``read_once=False``, ``"auto"`` on local storage).
         placement: what the placement check found (None without ``verify_placement``).
         stats: the byte reader's own statistics (per file: what ``rank_record`` is made from).
     """
@@ -179,6 +193,7 @@ class LoadReport:
     file_access: dict[str, str] = field(default_factory=dict)
     read_once: ReadOnceDecision | None = None
     exchange: ExchangeTotals | None = None
+    transport: Transport | None = None
     placement: PlacementReport | None = None
     stats: ReadStats = field(default_factory=ReadStats, repr=False, compare=False)
 

@@ -6,7 +6,9 @@ The save recorded, per tensor, the sum of a hash of every element and its global
 placements through DTensor's arithmetic, a piece's offsets, a ShardedTensor's shard metadata),
 never from the load plan: a planner that computed a wrong offset, swapped two chunks or copied
 into the wrong place is caught, because the destination's own layout says where each element
-belongs. One all-reduce adds the ranks' shares up.
+belongs. One all-reduce adds the ranks' shares up, in host memory, on the load's group or, for a
+group that is NCCL alone, on a gloo group made from its ranks (the read-once exchange's rule,
+:func:`~ucp_dcp.dcp.read_once.exchange.wire_for`; device memory only where the caller opts in).
 
 Replicas are not skipped but counted: a tensor held ``n`` times in the job (a plain tensor on
 every rank, a DTensor replicated along a mesh dimension) must sum to ``n`` times its digest,
@@ -38,7 +40,7 @@ from ..core.pieces import TensorPieces
 from ..core.placement_digest import MASK64, box_share, digest_hex
 from ..errors import PlacementError
 from ..format import TensorRecord
-from .read_once.exchange import wire_device
+from .read_once.exchange import wire_for
 
 __all__ = [
     "PlacementReport",
@@ -153,7 +155,12 @@ class PlacementCheck:
 
 @contextlib.contextmanager
 def checked_placement(
-    enabled: bool, source: Any, planner: Any, group: dist.ProcessGroup | None, where: str
+    enabled: bool,
+    source: Any,
+    planner: Any,
+    group: dist.ProcessGroup | None,
+    where: str,
+    allow_device: bool = False,
 ) -> Iterator[PlacementCheck]:
     """Check the placement of what ``planner``'s state dict holds once the ``with`` block (a
     load's reads) is done, when ``enabled``.
@@ -170,18 +177,22 @@ def checked_placement(
     try:
         yield check
     except BaseException:
-        check_placement(records, None, group, where)
+        check_placement(records, None, group, where, allow_device)
         raise
-    check.report = check_loaded(records, planner, group, where)
+    check.report = check_loaded(records, planner, group, where, allow_device)
 
 
 def check_loaded(
-    records: Mapping[str, TensorRecord], planner: Any, group: dist.ProcessGroup | None, where: str
+    records: Mapping[str, TensorRecord],
+    planner: Any,
+    group: dist.ProcessGroup | None,
+    where: str,
+    allow_device: bool = False,
 ) -> PlacementReport:
     """:func:`check_placement` of what a load planner's (flattened) state dict holds."""
     state = getattr(planner, "state_dict", None)
     shares = local_shares(state, records) if isinstance(state, Mapping) else {}
-    return check_placement(records, shares, group, where)
+    return check_placement(records, shares, group, where, allow_device)
 
 
 def no_digests_error(records: Mapping[str, TensorRecord], where: str) -> None:
@@ -201,9 +212,14 @@ def check_placement(
     shares: Mapping[str, LocalShare] | None,
     group: dist.ProcessGroup | None = None,
     where: str = "",
+    allow_device: bool = False,
 ) -> PlacementReport:
     """Add the ranks' shares up (one all-reduce over ``group`` when a process group is
     initialised) and compare every loaded tensor with its recorded digest.
+
+    The all-reduce moves host memory: on ``group`` where it handles CPU tensors, else on a gloo
+    group made once from its ranks (:func:`~ucp_dcp.dcp.read_once.exchange.wire_for`); on an
+    NCCL group's device memory only with ``allow_device``.
 
     Every rank of the group must call this. ``shares=None`` says this rank's load failed: the
     check is skipped on every rank (the failing rank raises its own error), so no rank waits.
@@ -224,8 +240,9 @@ def check_placement(
             # Halves of 32 bits: an int64 sum of them cannot overflow below 2^31 ranks.
             vec[i : i + _SLOTS] = torch.tensor([s.share & _LO, s.share >> 32, s.count, int(s.cast)])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        wire = vec.to(wire_device(group))
-        dist.all_reduce(wire, group=group)
+        on = wire_for(group, allow_device)
+        wire = vec.to(on.device)
+        dist.all_reduce(wire, group=on.group)
         vec = wire.cpu()
     if vec[-1]:
         return PlacementReport()  # some rank's load failed; it raises its own error

@@ -53,8 +53,8 @@ from ._read_items import (
 from .load_planner import UCPLoadPlanner
 from .options import LoadReport, ReadOptions, source_options
 from .placement import checked_placement
-from .read_once import coordinate, decide, shared_storage
-from .read_once.exchange import LocalNeeds, Region, run_exchange
+from .read_once import ReadOnceDecision, coordinate, decide, shared_storage
+from .read_once.exchange import LocalNeeds, Region, Transport, Wire, run_exchange, wire_for
 from .read_once.first_requests import FirstRequests, share_first_requests
 from .slowest import LoadRun, name_slowest, rank_record
 from .writer import _Directory
@@ -107,8 +107,8 @@ class UCPStorageReader(_Directory, StorageReader):
 
     What each load found is :attr:`last_load` (a :class:`~ucp_dcp.LoadReport`, replaced when the
     next load starts reading): this rank's and the job's slowest rank's time and slowest file,
-    the bytes requested and verified, how each file was read, what read-once decided and moved,
-    what the placement check found.
+    the bytes requested and verified, how each file was read, what read-once decided and moved
+    and over what (``transport``), what the placement check found.
     """
 
     def __init__(
@@ -131,6 +131,7 @@ class UCPStorageReader(_Directory, StorageReader):
         self.last_load = LoadReport()
         self.load_id = uuid.uuid4().hex
         self._storage: tuple[bool, str] = (False, "")  # set by _may_exchange
+        self._wire = Wire(Transport.GROUP, process_group)  # set by _may_exchange
         self._known: dict[str, bytes] | None = None
         self._buffer_bytes = opts.buffer_bytes  # tests set it below the floor: many slabs
 
@@ -265,6 +266,7 @@ class UCPStorageReader(_Directory, StorageReader):
                 planner,
                 self.process_group,
                 self.path,
+                self.options.device_transport,
             ) as check:
                 try:
                     fut = self._read_data(plan, planner, report, progress)
@@ -312,7 +314,7 @@ class UCPStorageReader(_Directory, StorageReader):
             parts = [chunk_part(src, ri, idx) for ri, idx in tensor_items]
         except Exception as e:
             if exchanging:  # the other ranks wait for this one's needs: say why not
-                coordinate(opts.read_once, *self._storage, None, e, self.process_group, 0)
+                coordinate(opts.read_once, *self._storage, None, e, self._wire.group, 0)
             raise
         reader = src.open_reader(
             threads=opts.io_threads,
@@ -404,7 +406,7 @@ class UCPStorageReader(_Directory, StorageReader):
             *self._storage,
             needs,
             failure,
-            self.process_group,
+            self._wire.group,
             budget,
             self.options.read_once_costs,
         )
@@ -413,7 +415,7 @@ class UCPStorageReader(_Directory, StorageReader):
         assert needs is not None
         paths = src.paths
         ranks = [src.file_rank(i) for i in range(len(paths))]
-        report.exchange = run_exchange(rounds, needs, reader, paths, ranks, self.process_group)
+        report.exchange = run_exchange(rounds, needs, reader, paths, ranks, self._wire)
         exchanged = set(taken)
         return [i for i in everything if i not in exchanged]
 
@@ -421,7 +423,12 @@ class UCPStorageReader(_Directory, StorageReader):
         """Whether this load takes part in a read-once exchange (then every rank of the group
         must reach :func:`~ucp_dcp.dcp.read_once.coordinate`). Looks at the storage once per
         load (``_storage``); ``"auto"`` on storage the job does not share is decided here, by
-        this rank alone, before any need is listed."""
+        this rank alone, before any need is listed.
+
+        Then the transport (``_wire``, :func:`~ucp_dcp.dcp.read_once.exchange.wire_for`): on a
+        group that is NCCL alone, a gloo group made from its ranks the first time (collective:
+        every rank of the group is here, with the same options), unless ``device_transport``
+        opts in to device memory; where no host-memory group can be had, no exchange."""
         mode = self.options.read_once
         if mode is False or not dist.is_available() or not dist.is_initialized():
             return False
@@ -430,6 +437,18 @@ class UCPStorageReader(_Directory, StorageReader):
         self._storage = shared, kind = shared_storage(self.path)
         if mode == "auto" and not shared:
             report.read_once = decide(mode, shared, kind, None)
+            return False
+        self._wire = wire_for(self.process_group, self.options.device_transport)
+        report.transport = self._wire.transport
+        if self._wire.transport is Transport.NONE:
+            report.read_once = ReadOnceDecision(
+                mode,
+                False,
+                "the group is NCCL alone and this torch has no gloo to move host memory with "
+                "(ReadOptions(device_transport=True) exchanges in device memory)",
+                kind,
+                shared,
+            )
             return False
         return True
 
@@ -461,12 +480,12 @@ class UCPStorageReader(_Directory, StorageReader):
                 )
         except Exception as e:
             if shares is not None:  # the other ranks wait for this one's files: say why not
-                share_first_requests(shares, [], e, self.process_group)
+                share_first_requests(shares, [], e, self._wire)
             elif exchanging:
-                coordinate(self.options.read_once, *self._storage, None, e, self.process_group, 0)
+                coordinate(self.options.read_once, *self._storage, None, e, self._wire.group, 0)
             raise
         if shares is not None:
-            share_first_requests(shares, wanted, None, self.process_group)
+            share_first_requests(shares, wanted, None, self._wire)
         return tensor_items, value_items
 
     @classmethod

@@ -4,7 +4,10 @@ The fast node-local tier of a checkpoint survives the loss of one node's
 disk only if every node's files also live somewhere else. This module moves
 whole files between ranks with plain ``torch.distributed`` point-to-point
 operations (gloo, CPU ``uint8`` tensors) on a process group the caller
-gives: no transport of its own.
+gives: no transport of its own. The manager gives its own gloo groups. A
+group that is NCCL alone is never used for the files: they go over a gloo
+group made once from its ranks and reused, the read-once exchange's rule
+(:func:`~ucp_dcp.dcp.read_once.exchange.wire_for`, without device memory).
 
 :func:`exchange_files` is one collective. Every rank says which files it
 can provide (from ``src_dir``) and which it wants (into ``dest_dir``); one
@@ -34,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..byteio.durable import fsync_path, remove_quietly, write_all
+from ..dcp.read_once.exchange import Transport, wire_for
 from ..errors import InvalidArgumentError, PeerTransferError
 
 __all__ = ["PeerTransferError", "TransferReport", "clean_partials", "exchange_files"]
@@ -347,8 +351,11 @@ def exchange_files(
     If some wanted name is held by nobody, every rank raises the same :class:`PeerTransferError`
     (names and wanting ranks) before anything is transferred. Invalid names (paths, ``..``) on any
     rank raise the same :class:`~ucp_dcp.errors.InvalidArgumentError` (a ``ValueError``) on every
-    rank. Files travel in blocks of ``block_bytes`` as CPU ``uint8`` tensors (the group must handle
-    CPU tensors: gloo), double-buffered with isend/irecv; the steps run in one global order, so no
+    rank. Files travel in blocks of ``block_bytes`` as CPU ``uint8`` tensors, on ``group`` where it
+    handles CPU tensors (gloo), else (NCCL alone) on a gloo group made from its ranks the first
+    time (then collective over ``group``'s ranks, see
+    :func:`~ucp_dcp.dcp.read_once.exchange.gloo_group`) and reused; double-buffered with
+    isend/irecv; the steps run in one global order, so no
     pair deadlocks. Each received file is written to a ``.part`` file, fsynced and renamed
     (``dest_dir`` is fsynced once at the end); an interrupted receive leaves only ``.part`` files
     (see :func:`clean_partials`). A provider that cannot read a file it offered, or a receiver that
@@ -368,15 +375,18 @@ def exchange_files(
     sizes, problems = _local_info(src_dir, available, dest_dir, wanted)
 
     if dist.is_initialized():
-        if dist.get_backend(group) == "nccl":
-            raise InvalidArgumentError(
-                "exchange_files needs a process group that handles CPU tensors (gloo), got nccl"
-            )
-        me = dist.get_rank(group)
-        if me < 0:
+        if dist.get_rank(group) < 0:
             raise InvalidArgumentError(
                 "exchange_files: this process is not a member of the given group"
             )
+        wire = wire_for(group)  # host memory: the group itself, or gloo made from its ranks
+        if wire.transport is Transport.NONE:
+            raise InvalidArgumentError(
+                "exchange_files needs a process group that handles CPU tensors, or gloo to make "
+                f"one from its ranks; got {dist.get_backend(group)} and this torch has no gloo"
+            )
+        group = wire.group
+        me = dist.get_rank(group)
         world = dist.get_world_size(group)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, (sizes, wanted, problems), group=group)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ReadOnceError
-from .exchange import STATUS_BYTES, raise_gathered, rank_failed, wire_device
+from .exchange import STATUS_BYTES, Wire, raise_gathered, rank_failed
 from .plan import merge_ranges
 
 __all__ = ["FirstRequests", "share_first_requests"]
@@ -63,14 +63,16 @@ def share_first_requests(
     src: FirstRequests,
     wanted: Sequence[int],
     failure: BaseException | None,
-    group: dist.ProcessGroup | None,
+    on: Wire,
 ) -> None:
-    """Have the first request of each file of ``wanted`` made by one rank of ``group`` and
-    handed to ``src`` (:meth:`FirstRequests.hold_first_requests`).
+    """Have the first request of each file of ``wanted`` made by one rank of the load's group and
+    handed to ``src`` (:meth:`FirstRequests.hold_first_requests`), over the group and memory
+    ``on`` names (:func:`~ucp_dcp.dcp.read_once.exchange.wire_for`).
 
-    Collective: every rank of ``group`` calls it, with the ``failure`` that kept it from knowing
+    Collective: every rank of the group calls it, with the ``failure`` that kept it from knowing
     what it reads if one did. Raises on every rank if any rank failed.
     """
+    group = on.group
     me, world = dist.get_rank(group), dist.get_world_size(group)
     files = np.array(sorted(set(wanted)), dtype=np.int64)
     mine: object = failure if failure is not None else merge_ranges(files, files + 1)
@@ -95,7 +97,7 @@ def share_first_requests(
         if readers[f] != me:
             expect[readers[f]].append(f)
     recv_sizes = [STATUS_BYTES + sum(size(f) for f in fs) for fs in expect]
-    wire = wire_device(group)
+    wire = on.device
     send = torch.from_numpy(np.concatenate(sends))
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=wire)
     dist.all_to_all_single(recv, send.to(wire), recv_sizes, [len(m) for m in sends], group=group)
