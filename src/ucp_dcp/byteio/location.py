@@ -1,6 +1,7 @@
 """Where a checkpoint or a model lives: a local directory or the objects under an fsspec URL, as
 one type, :class:`ModelDir` (:class:`LocalDir`, :class:`StoreDir`), that the writer, every source
 and its directory questions use without asking which (as DCP's ``FsspecWriter`` holds ``fs``).
+The manager's object tier keeps each step directory as a :class:`StoreDir` on its one store.
 
 Reading: :func:`open_location` opens a path or URL as a view (:class:`StoreDir` listed once) and
 every registered format detects and opens itself from it (DeepSpeed's state is in a tag
@@ -328,7 +329,9 @@ class LocalDir(ModelDir):
 
 
 class StoreDir(ModelDir):
-    """The objects directly under an :class:`~ucp_dcp.byteio.objstore.ObjectStore`'s URL.
+    """The objects directly under an :class:`~ucp_dcp.byteio.objstore.ObjectStore`'s URL, or under
+    its folder ``under`` (a step directory of the manager's object tier: every request through
+    the one store, so under its one bound on requests in flight).
 
     Listed once (one request) and answered from that listing after, so
     finding the files costs no request per name; a file that disappears
@@ -337,27 +340,37 @@ class StoreDir(ModelDir):
 
     store: ObjectStore
 
-    def __init__(self, store: ObjectStore, named: str | None = None) -> None:
+    def __init__(self, store: ObjectStore, named: str | None = None, under: str = "") -> None:
         self.store = store
-        self.where = store.url
+        self.under = under.strip("/")
+        """The folder inside the store's URL this view holds ("": the URL itself)."""
+        self.where = store.url_of(self.under)
         self.named = named
-        self.location = store.url_of(named or "")
+        self.location = store.url_of(self._name(named or ""))
         self._sizes: dict[str, int] | None = None
         # Read by holds() before any listing, or handed over by the caller (keep()): no request.
         self._kept: dict[str, bytes] = {}
 
+    def _name(self, name: str) -> str:
+        """The store's name of file ``name`` of this view."""
+        return f"{self.under}/{name}" if self.under and name else name or self.under
+
     def path_of(self, name: str) -> str:
         """The object's URL."""
-        return self.store.url_of(name)
+        return self.store.url_of(self._name(name))
 
     def _listing(self) -> dict[str, int]:
         if self._sizes is None:
-            self._sizes = self.store.list_sizes()
+            self._sizes = self.store.list_sizes(self.under)
         return self._sizes
 
     def list(self) -> list[str]:
         """The store's listing (held until this view writes or removes an object)."""
         return list(self._listing())
+
+    def sizes(self) -> dict[str, int]:
+        """Name -> size of every object, from the listing (a copy)."""
+        return dict(self._listing())
 
     def is_file(self, name: str) -> bool:
         """Whether the listing holds ``name``."""
@@ -373,7 +386,7 @@ class StoreDir(ModelDir):
         if self._sizes is not None:
             return name in self._sizes
         if name not in self._kept:
-            raw = self.store.read_if_exists(name)
+            raw = self.store.read_if_exists(self._name(name))
             if raw is None:
                 return False
             self._kept[name] = raw
@@ -382,12 +395,12 @@ class StoreDir(ModelDir):
     def read(self, name: str) -> bytes:
         """The whole object (errors are :class:`~ucp_dcp.errors.StorageError` naming its URL)."""
         kept = self._kept.pop(name, None)
-        return kept if kept is not None else self.store.read(name)
+        return kept if kept is not None else self.store.read(self._name(name))
 
     def access(self, name: str) -> ObjectAccess:
         """Ranged reads of the object (its size from the listing): one request for a header under 64
         KiB."""
-        return ObjectAccess(self.store, name, self._listing().get(name))
+        return ObjectAccess(self.store, self._name(name), self._listing().get(name))
 
     def child(self, name: str) -> StoreDir:
         """The objects under prefix ``name/`` (its own store, same options; listed when first
@@ -395,7 +408,7 @@ class StoreDir(ModelDir):
         s = self.store
         return StoreDir(
             ObjectStore(
-                s.url_of(plain_file_name(name, self.where)),
+                s.url_of(self._name(plain_file_name(name, self.where))),
                 s.storage_options,
                 requests=s.requests,
             )
@@ -411,7 +424,7 @@ class StoreDir(ModelDir):
 
     def exists(self, name: str) -> bool:
         """One request (a HEAD)."""
-        return self.store.exists(name)
+        return self.store.exists(self._name(name))
 
     def make(self) -> None:
         """Nothing: a prefix exists through its objects."""
@@ -434,7 +447,7 @@ class StoreDir(ModelDir):
                 out if spec.progress is None else _Counted(out, spec.progress),
                 entries,
                 pieces,
-                path=self.store.url_of(name),
+                path=self.path_of(name),
                 rank=spec.rank,
                 world_size=spec.world_size,
                 save_id=spec.save_id,
@@ -442,17 +455,29 @@ class StoreDir(ModelDir):
             )
             return WrittenFile(*done)
 
-        return self.store.write_stream(name, f"uploading rank {spec.rank}'s data file", fill)
+        return self.store.write_stream(
+            self._name(name), f"uploading rank {spec.rank}'s data file", fill
+        )
 
     def write_atomic(self, name: str, data: bytes) -> None:
         """One PUT: the object appears whole, replacing the older one, or not at all."""
         self._sizes = None
-        self.store.put(name, data)
+        self.store.put(self._name(name), data)
 
     def remove(self, names: Sequence[str]) -> None:
         """One request per object."""
         self._sizes = None
-        self.store.remove(names)
+        self.store.remove([self._name(n) for n in names])
+
+    def upload(self, name: str, src: str) -> None:
+        """Local file ``src`` as object ``name``, streamed (restarted on a transient failure): it
+        appears whole or not at all."""
+        self._sizes = None
+        self.store.upload(self._name(name), src)
+
+    def download(self, name: str, dst: str, size: int | None = None) -> None:
+        """Object ``name`` into local file ``dst`` (``size``: the listing's, saving a request)."""
+        self.store.download(self._name(name), dst, size)
 
 
 def view_of(where: str | os.PathLike[str] | ModelDir) -> ModelDir:

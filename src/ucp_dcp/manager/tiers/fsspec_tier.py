@@ -6,6 +6,8 @@ atomic, so the marker's presence is the commit. When two committed
 directories hold the same step (a re-save, before the older one is removed)
 the newer marker (``created``) wins.
 
+A step directory is a :class:`~ucp_dcp.byteio.location.StoreDir` (the location type of the
+writer and the sources) on the tier's one store; the tier lists its step directories itself.
 Every request goes through the tier's :class:`~ucp_dcp.byteio.objstore.ObjectStore`, under the
 same :class:`~ucp_dcp.byteio.requests.RequestPolicy` as the readers' and writers' requests
 (deadlines, retries, the bound on requests in flight): a stalled upload or download of a step is
@@ -21,6 +23,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from ...byteio.durable import fsync_file, fsync_path, replace_via_temp
+from ...byteio.location import StoreDir
 from ...byteio.objstore import ObjectStore
 from ...byteio.requests import RequestPolicy
 from ...errors import CheckpointFormatError, InvalidArgumentError, StorageError
@@ -105,6 +108,10 @@ class FsspecTier(Tier):
         """The store's name of ``path`` (a path under the root)."""
         return path[len(self._root) + 1 :]
 
+    def _dir(self, path: str) -> StoreDir:
+        """Step directory ``path`` (under the root) as a location on the tier's store."""
+        return StoreDir(self.store, under=self._name(path))
+
     def _dirs(self) -> dict[int, list[str]]:
         """Step directory names under the root, by step (uncommitted ones included)."""
         out: dict[int, list[str]] = {}
@@ -117,17 +124,18 @@ class FsspecTier(Tier):
     def _load_marker(self, dirname: str, step: int) -> CommitMarker | None:
         """The dir's marker; None if it has none; CheckpointFormatError if corrupt or of another
         step."""
-        path = self._path(dirname, MARKER_FILE)
-        where = f"{self._where(step, MARKER_FILE)} ({self._to_url(path)})"
+        d = self._dir(self._path(dirname))
+        where = (
+            f"{self._where(step, MARKER_FILE)} ({self._to_url(self._path(dirname, MARKER_FILE))})"
+        )
         try:
-            data = self.store.read_if_exists(self._name(path))
+            if not d.holds(MARKER_FILE):  # one GET, whose bytes read() returns
+                return None
         except StorageError as e:
             if isinstance(e.__cause__, (IsADirectoryError, NotADirectoryError)):
                 raise CheckpointFormatError(f"{where}: not a file ({e.__cause__})") from None
             raise
-        if data is None:
-            return None
-        m = CommitMarker.decode(data, where)
+        m = CommitMarker.decode(d.read(MARKER_FILE), where)
         if m.step != step:
             raise CheckpointFormatError(f"{where}: the marker names step {m.step}, expected {step}")
         return m
@@ -190,14 +198,14 @@ class FsspecTier(Tier):
     def read_at(self, copy: StepCopy, name: str) -> bytes:
         """The content of file ``name`` of ``copy`` (one GET)."""
         check_name(name, "file name")
-        src = f"{self.fs._strip_protocol(copy.url)}/{name}"
-        data = self.store.read_if_exists(self._name(src))
-        if data is None:
+        path = self.fs._strip_protocol(copy.url)
+        d = self._dir(path)
+        if not d.holds(name):
             raise CheckpointFormatError(
                 f"{self._where(copy.marker.step, name)}: missing (expected an object "
-                f"{self._to_url(src)})"
+                f"{self._to_url(f'{path}/{name}')})"
             )
-        return data
+        return d.read(name)
 
     def marker(self, step: int) -> CommitMarker:
         """The marker of the newest committed copy of ``step``."""
@@ -214,7 +222,7 @@ class FsspecTier(Tier):
     def _file_sizes(self, path: str) -> dict[str, int]:
         """Names and sizes of the files in directory ``path``, the marker excluded (one
         listing)."""
-        sizes = self.store.list_sizes(self._name(path))
+        sizes = self._dir(path).sizes()
         sizes.pop(MARKER_FILE, None)
         return sizes
 
@@ -227,21 +235,18 @@ class FsspecTier(Tier):
         names = list(names)
         for name in names:
             check_name(name, "file name")
-        sizes = self._file_sizes(d) if names else {}
+        step_dir = self._dir(d)
+        sizes = step_dir.sizes() if names else {}
         for name in names:
-            src = f"{d}/{name}"
             if name not in sizes:
                 raise CheckpointFormatError(
-                    f"{self._where(step, name)}: missing (expected an object {self._to_url(src)})"
+                    f"{self._where(step, name)}: missing (expected an object "
+                    f"{self._to_url(f'{d}/{name}')})"
                 )
-            download = partial(self._download, self._name(src), sizes[name])
+            download = partial(_download, step_dir, name, sizes[name])
             replace_via_temp(os.path.join(dest_dir, name), download)
         if names:
             fsync_path(dest_dir)
-
-    def _download(self, name: str, size: int, dst: str) -> None:
-        self.store.download(name, dst, size)
-        fsync_file(dst)
 
     def read_bytes(self, step: int, name: str) -> bytes:
         """The content of file ``name`` of committed ``step``."""
@@ -288,10 +293,10 @@ class FsspecTier(Tier):
         return int(m.group(1)), path
 
     def _put_file(self, path: str, local_path: str, name: str) -> None:
-        self.store.upload(self._name(f"{path}/{name}"), local_path)
+        self._dir(path).upload(name, local_path)
 
     def _put_bytes(self, path: str, name: str, data: bytes) -> None:
-        self.store.put(self._name(f"{path}/{name}"), bytes(data))
+        self._dir(path).write_atomic(name, bytes(data))
 
     def _commit(
         self, step: int, path: str, marker: CommitMarker, held: frozenset[str] | None
@@ -301,7 +306,7 @@ class FsspecTier(Tier):
         self._check_staged(step, self._to_url(path), marker, sizes, held)
         # The commit point: until this PUT completes the directory is not
         # listed; after it, it is (and, being newest, wins over older copies).
-        self.store.put(self._name(f"{path}/{MARKER_FILE}"), marker.encode())
+        self._dir(path).write_atomic(MARKER_FILE, marker.encode())
         # Only now remove earlier commits of the same step (whatever their
         # `created`, so the new one wins even under clock skew). A crash here
         # leaves two committed copies; the newest wins and cleanup() removes
@@ -313,8 +318,9 @@ class FsspecTier(Tier):
     def _rm_dir(self, path: str) -> None:
         """Remove a step directory: marker first (so it is unlisted at once), then the rest."""
         d = self._name(path)
-        self.store.remove([f"{d}/{MARKER_FILE}"])
-        self.store.remove([f"{d}/{n}" for n in self.store.list_sizes(d)])
+        step_dir = self._dir(path)
+        step_dir.remove([MARKER_FILE])
+        step_dir.remove(step_dir.list())  # listed after the marker went
         if self._has_dirs():  # the directory itself (and a memory store's pseudo-directory)
 
             def rm() -> None:
@@ -336,7 +342,8 @@ class FsspecTier(Tier):
         # All markers first: once the first is gone an older copy could win,
         # so none may remain before data goes. A crash part way leaves
         # unmarked dirs (never listed; cleanup() removes them).
-        self.store.remove([f"{d}/{MARKER_FILE}" for d in dirs])
+        for d in dirs:
+            self._dir(self._path(d)).remove([MARKER_FILE])
         for d in dirs:
             self._rm_dir(self._path(d))
 
@@ -355,9 +362,15 @@ class FsspecTier(Tier):
             for d in dirs:
                 if any(d == c for _, c in committed):
                     continue
-                if not self.store.exists(f"{d}/{MARKER_FILE}"):
+                if not self._dir(self._path(d)).exists(MARKER_FILE):
                     self._rm_dir(self._path(d))
                     done.append(
                         f"removed {self._to_url(self._path(d))} (unfinished save or delete)"
                     )
         return done
+
+
+def _download(step_dir: StoreDir, name: str, size: int, dst: str) -> None:
+    """Object ``name`` of ``step_dir`` into local file ``dst``, fsync'd."""
+    step_dir.download(name, dst, size)
+    fsync_file(dst)
