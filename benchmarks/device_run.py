@@ -5,6 +5,21 @@ Run from the repository root::
 
     PYTHONPATH=$PWD/src python3 benchmarks/device_run.py          # ~3-4 min on 16 cores; never over --budget-s
     python3 benchmarks/device_run.py --quick --out out/device     # smoke run of the plumbing (~2 min on 2 cores)
+    python3 benchmarks/device_run.py --gpu --out benchmarks/results/gpu-<date>/   # the GPU paths (issue 35)
+    python3 benchmarks/device_run.py --gpu --dry-run --out out/gpu                # every GPU step listed, skipped
+
+``--gpu`` (issue 35) runs, instead of the parts below, on one GPU in under 8
+minutes (``--budget-s`` 450): ``gpu_checks`` (``gpu_checks.py``: bit-exact
+round trips of CUDA tensors and DTensors through ``dcp.save``,
+``dcp.async_save``, ``dcp.load``, the manager, DeepSpeed and Hugging Face
+sources), ``cuda_tests`` (``pytest -m cuda``, JUnit XML kept) and
+``gpu_load`` (``bench_gpu.py`` on ``--gpu-gb`` GB, default 2: cold loads
+into the same CUDA tensors with the UCP reader and DCP's
+``FileSystemReader``, with the same run's cold read and pinned
+host-to-device bandwidth). ``summary.json`` records torch's and CUDA's
+versions and the card. Without CUDA, or with ``--dry-run``, each part and
+each check is listed as skipped and the exit status is 0;
+``--gpu-device cpu`` runs the checks and the benchmark on CPU tensors.
 
 The parts run one after another, each (but ``env``) in its own process
 with its own timeout, so one that fails or runs out of time still leaves
@@ -314,6 +329,194 @@ def summary(status: dict[str, Any], env: dict[str, Any], docs: dict[str, dict[st
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------- --gpu (issue 35)
+
+GPU_PARTS = ("gpu_checks", "cuda_tests", "gpu_load")
+
+
+def gpu_parts(out: Path, work: Path, gb: float, device: str = "cuda") -> list[Part]:
+    """The GPU parts: the round-trip checks, the CUDA tests, the load benchmark (``gb`` GB of state).
+
+    ``device="cpu"``: the checks and the benchmark on CPU tensors (a self-test of the plumbing)."""
+    return [
+        Part("gpu_checks", ["benchmarks/gpu_checks.py", "--device", device, "--out", str(out / "gpu_checks.json")],
+             120, "gpu_checks.json"),
+        Part("cuda_tests", ["-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "--junitxml", str(out / "cuda_tests.xml"), "tests"], 150, "cuda_tests.xml"),
+        Part("gpu_load", ["benchmarks/bench_gpu.py", "--device", device, "--gb", f"{gb:g}", "--repeats", "2",
+                          "--dir", str(work / "gpu_load"), "--out", str(out / "gpu_load.json")], 190, "gpu_load.json"),
+    ]
+
+
+def cuda_test_files() -> list[str]:
+    """The test files that mark tests ``cuda`` (what ``pytest -m cuda`` selects from), by their text."""
+    return sorted(str(f.relative_to(REPO)) for f in (REPO / "tests").glob("test_*.py")
+                  if "pytest.mark.cuda" in f.read_text())
+
+
+def gpu_environment() -> dict[str, Any]:
+    """torch's and CUDA's versions, and the card (name, memory, capability, driver), each never raising."""
+    import torch
+
+    env: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                           "cuda_available": torch.cuda.is_available()}
+    if not env["cuda_available"]:
+        return env
+    try:
+        env["device_count"] = torch.cuda.device_count()
+        props = torch.cuda.get_device_properties(0)
+        env.update(device_name=props.name, device_memory_gib=round(props.total_memory / 2**30, 2),
+                   capability=f"{props.major}.{props.minor}", cudnn=torch.backends.cudnn.version())
+        nccl = torch.cuda.nccl.version()  # a tuple in recent torch, an int in older ones
+        env["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    except Exception as e:  # recorded: the parts say what fails
+        env["error"] = f"{type(e).__name__}: {e}"
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        env["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        env["nvidia_smi"] = f"unavailable: {e}"
+    return env
+
+
+def junit_counts(path: Path) -> dict[str, int] | None:
+    """tests, failures, errors and skipped of a pytest JUnit XML file (None if absent or unreadable)."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None:
+        return None
+    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+
+
+def load_rows(doc: dict[str, Any] | None) -> list[list[str]]:
+    """The GPU load benchmark's headline rows: limits (pinned host->device, cold storage read) and loads."""
+    rows = []
+    for r in (doc or {}).get("rows", []):
+        limit = r["step"] == "1 raw" and r["what"].startswith("host->device") or r["step"] == "3 storage"
+        if limit or r["step"] == "4 load":
+            ratio = f"{r['ratio']:.2f} of {r['ratio_to']}" if r.get("ratio") is not None else "(limit)"
+            rows.append([r["what"], f"{r['bytes'] / 1e9:.2f}", f"{r['seconds']:.3f}", f"{r['gbps']:.2f}", ratio])
+    return rows
+
+
+def gpu_summary(doc: dict[str, Any]) -> str:
+    """The markdown summary of a ``--gpu`` run (or of its dry run)."""
+    g = doc["gpu"]
+    card = (f"{g.get('device_name')}, {g.get('device_memory_gib')} GiB, capability {g.get('capability')}; "
+            f"nvidia-smi: {g.get('nvidia_smi')}") if g.get("device_name") else "no CUDA device"
+    lines = ["# ucp_dcp GPU paths (benchmarks/device_run.py --gpu)", "",
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {g['torch']}, CUDA {g['cuda']}; "
+             f"{card}; wall {doc['wall_s']:.0f} s", ""]
+    if doc["dry_run"] or not g["cuda_available"] and doc["device"] == "cuda":
+        lines += ["**Nothing ran on a GPU** (" + ("dry run" if doc["dry_run"] else "no CUDA device") +
+                  "): every step below is listed and skipped.", ""]
+    elif doc["device"] == "cpu":
+        lines += ["**Nothing ran on a GPU**: `--gpu-device cpu`, the same parts on CPU tensors "
+                  "(a self-test of the plumbing; no number here is a GPU's).", ""]
+    lines += [markdown_table(["part", "status", "seconds", "command"],
+                             [[n, s["status"], f"{s['seconds']:.0f}", f"`{s['command']}`"]
+                              for n, s in doc["parts"].items()]), ""]
+    counts = doc.get("cuda_tests")
+    lines += ["## CUDA tests (`pytest -m cuda`)", "",
+              f"files with `cuda`-marked tests: {', '.join(doc['cuda_test_files'])}", "",
+              (f"{counts['tests']} tests: {counts['failures']} failed, {counts['errors']} errors, "
+               f"{counts['skipped']} skipped (cuda_tests.xml)") if counts else "(not run)", ""]
+    checks = (doc.get("checks") or {}).get("checks", [])
+    lines += ["## Round trips on the device (gpu_checks.py, bit-exact)", "",
+              markdown_table(["check", "status", "detail"],
+                             [[c["name"], c["status"], c["detail"].splitlines()[0][:200] if c["detail"] else ""]
+                              for c in checks]) if checks else "(not run)", ""]
+    rows = load_rows(doc.get("load"))
+    load = doc.get("load") or {}
+    cold = {r["what"]: r["seconds"] for r in load.get("rows", []) if r["step"] == "4 load"}
+    if cold.get("UCPStorageReader, cold") and cold.get("FileSystemReader, cold"):
+        rows.append(["FileSystemReader / UCPStorageReader time, cold", "", "", "",
+                     f"{cold['FileSystemReader, cold'] / cold['UCPStorageReader, cold']:.2f}x"])
+    lines += ["## Load into device memory, cold (bench_gpu.py; gpu_load.json)", "",
+              (f"state {load['state_bytes'] / 1e9:.2f} GB; storage {load.get('storage', {}).get('fs_type', '?')}, "
+               f"resident after eviction {load.get('storage', {}).get('resident_after_evict')}; failures "
+               f"{load.get('failures')}\n\n" if load else "")
+              + (markdown_table(["measurement", "GB", "s", "GB/s", "ratio"], rows) if rows else "(not run)"), ""]
+    return "\n".join(lines) + "\n"
+
+
+def gpu_main(args: argparse.Namespace, out: Path, t_start: float) -> int:
+    """``--gpu``: the GPU parts within the budget, or (dry run, no CUDA) each listed and skipped."""
+    gpu = gpu_environment()
+    skip = None
+    if args.dry_run:
+        skip = "skipped: dry run" + ("" if gpu["cuda_available"] else " (no CUDA)")
+    elif not gpu["cuda_available"] and args.gpu_device == "cuda":
+        skip = "skipped: no CUDA"
+    work = (Path(args.workdir).resolve() if args.workdir else default_workdir()) if not skip else Path("WORK")
+    wanted = set(args.parts.split(",")) if args.parts else set(GPU_PARTS)
+    unknown = wanted - set(GPU_PARTS)
+    if unknown:
+        raise SystemExit(f"device_run: unknown --gpu parts {sorted(unknown)}; choose from {', '.join(GPU_PARTS)}")
+    budget = args.budget_s if args.budget_s is not None else 450.0
+    print(f"device_run --gpu: torch {gpu['torch']}, CUDA {gpu['cuda']}, device {gpu.get('device_name', 'none')}, "
+          f"results to {out}" + (f" ({skip})" if skip else ""), flush=True)
+    env_vars = _env_vars()
+    status: dict[str, Any] = {}
+    with open(out / "logs.txt", "w") as log:
+        for part in gpu_parts(out, work, args.gpu_gb, args.gpu_device):
+            if part.name not in wanted:
+                continue
+            command = " ".join(["python", *part.args])
+            (out / part.result).unlink(missing_ok=True)  # a stale result must not pass for this run's
+            if skip:
+                status[part.name] = {"status": skip, "seconds": 0.0, "rc": None, "command": command}
+                if part.name == "gpu_checks":  # lists every check, skipped (a real run of the script's plumbing)
+                    how = ["--dry-run"] if args.dry_run else ["--device", args.gpu_device]
+                    res = run_part("gpu_checks (listing)", [sys.executable, "benchmarks/gpu_checks.py", *how,
+                                                            "--out", str(out / part.result)], 120, log, env=env_vars)
+                    if res["status"] != "ok":
+                        status[part.name]["status"] = f"{skip}; listing the checks: {res['status']}"
+                print(f"device_run --gpu: {part.name}: {status[part.name]['status']}", flush=True)
+                continue
+            left = budget - (time.perf_counter() - t_start)
+            if left < 20:
+                status[part.name] = {"status": "skipped: budget spent", "seconds": 0.0, "rc": None, "command": command}
+                continue
+            print(f"device_run --gpu: {part.name} (up to {min(part.cap_s, left):.0f} s) ...", flush=True)
+            status[part.name] = {**run_part(part.name, [sys.executable, *part.args], min(part.cap_s, left), log,
+                                            env=env_vars), "command": command}
+            shutil.rmtree(work / part.name, ignore_errors=True)
+            print(f"device_run --gpu: {part.name}: {status[part.name]['status']} in "
+                  f"{status[part.name]['seconds']:.0f} s", flush=True)
+    if not skip and not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    doc: dict[str, Any] = {"mode": "gpu", "device": args.gpu_device, "dry_run": args.dry_run,
+                           "ran_on_gpu": skip is None and args.gpu_device == "cuda", "gpu": gpu,
+                           "parts": status, "cuda_test_files": cuda_test_files(),
+                           "cuda_tests": junit_counts(out / "cuda_tests.xml"),
+                           "checks": _load(out / "gpu_checks.json"), "load": _load(out / "gpu_load.json"),
+                           "gpu_gb": args.gpu_gb, "budget_s": budget}
+    doc["wall_s"] = time.perf_counter() - t_start
+    text = gpu_summary(doc)
+    (out / "summary.md").write_text(text)
+    (out / "summary.json").write_text(json.dumps(doc, indent=1))
+    print(text)
+    if skip:
+        return 0
+    clean = all(s["status"] == "ok" for s in status.values()) and len(status) == len(wanted)
+    return 0 if clean else 1
+
+
+def _env_vars() -> dict[str, str]:
+    """This process's environment with the checkout's src/ first on PYTHONPATH."""
+    env_vars = dict(os.environ)
+    src = str(REPO / "src")
+    if src not in env_vars.get("PYTHONPATH", "").split(os.pathsep):
+        env_vars["PYTHONPATH"] = os.pathsep.join(x for x in (src, env_vars.get("PYTHONPATH")) if x)
+    return env_vars
+
+
 def default_workdir() -> Path:
     """A fresh directory on a disk-backed file system: /tmp, or out/ in the checkout where /tmp is tmpfs."""
     root = Path(tempfile.gettempdir())
@@ -330,20 +533,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT"), help="result folder (default: $OUT, else out/device)")
     p.add_argument("--workdir", default=os.environ.get("WORK"),
                    help="where checkpoints go, on the disk to measure (default: a fresh folder under /tmp)")
-    p.add_argument("--budget-s", type=float, default=330.0, help="wall-clock budget of all parts (default 330)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall-clock budget of all parts (default 330; with --gpu 450)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, 2 repeats: checks the plumbing only")
-    p.add_argument("--parts", default="reshard_same,manager,reshard_pairs",
-                   help="comma-separated subset of reshard_same, manager, reshard_pairs")
+    p.add_argument("--parts", default=None,
+                   help="comma-separated subset of reshard_same, manager, reshard_pairs "
+                        "(with --gpu: of gpu_checks, cuda_tests, gpu_load)")
+    p.add_argument("--gpu", action="store_true",
+                   help="the GPU parts instead (issue 35): gpu_checks.py, pytest -m cuda, bench_gpu.py")
+    p.add_argument("--gpu-gb", type=float, default=2.0, help="with --gpu: the load benchmark's state, GB (default 2)")
+    p.add_argument("--gpu-device", choices=["cuda", "cpu"], default="cuda",
+                   help="with --gpu: cpu runs the checks and the benchmark on CPU tensors (a self-test)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --gpu: list every step (and every round-trip check), each skipped; run nothing heavy")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     out = Path(args.out or REPO / "out" / "device").resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.gpu:
+        return gpu_main(args, out, t_start)
+    if args.dry_run:
+        p.error("--dry-run goes with --gpu")
+    if args.budget_s is None:
+        args.budget_s = 330.0
+    if args.parts is None:
+        args.parts = "reshard_same,manager,reshard_pairs"
     work = Path(args.workdir).resolve() if args.workdir else default_workdir()
     work.mkdir(parents=True, exist_ok=True)
-    env_vars = dict(os.environ)
-    src = str(REPO / "src")
-    if src not in env_vars.get("PYTHONPATH", "").split(os.pathsep):
-        env_vars["PYTHONPATH"] = os.pathsep.join(x for x in (src, env_vars.get("PYTHONPATH")) if x)
+    env_vars = _env_vars()
     env = environment(work)
     print(f"device_run: {env['cpus']} CPUs, torch {env['checks'].get('torch')}, work dir {work} "
           f"({env['workdir_fs']}), results to {out}", flush=True)

@@ -180,7 +180,7 @@ def test_max_buffers() -> None:
         Snapshotter(max_buffers=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_pinned_nonblocking() -> None:
     """CUDA sources: pinned buffers, copies ordered before later in-place ops on the same stream."""
     g = torch.Generator().manual_seed(0)

@@ -29,7 +29,7 @@ from ucp_dcp.core.sharding import Box
 from ucp_dcp.byteio.transfer import ChunkRegion, StagingBuffers, read_staged
 
 ROOT = Path(__file__).resolve().parents[1]
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.cuda  # skipped without CUDA (tests/conftest.py)
 
 
 def _rand(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
