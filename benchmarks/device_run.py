@@ -341,7 +341,10 @@ def gpu_parts(out: Path, work: Path, gb: float, device: str = "cuda") -> list[Pa
     return [
         Part("gpu_checks", ["benchmarks/gpu_checks.py", "--device", device, "--out", str(out / "gpu_checks.json")],
              120, "gpu_checks.json"),
-        Part("cuda_tests", ["-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "--junitxml", str(out / "cuda_tests.xml"), "tests"], 150, "cuda_tests.xml"),
+        # --continue-on-collection-errors: a test module that cannot import here (an optional
+        # dependency the lent machine lacks) must not stop the CUDA tests of the others.
+        Part("cuda_tests", ["-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+                            "--continue-on-collection-errors", "--junitxml", str(out / "cuda_tests.xml"), "tests"], 150, "cuda_tests.xml"),
         Part("gpu_load", ["benchmarks/bench_gpu.py", "--device", device, "--gb", f"{gb:g}", "--repeats", "2",
                           "--dir", str(work / "gpu_load"), "--out", str(out / "gpu_load.json")], 190, "gpu_load.json"),
     ]

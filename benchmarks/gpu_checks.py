@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -217,6 +218,8 @@ def one_rank_group(device: torch.device, tmp: Path) -> Iterator[Any]:
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # One rank on a machine without a network: NCCL's bootstrap on loopback (gloo uses the file store).
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=f"file://{tmp / 'pg_store'}", rank=0, world_size=1)
     try:
         yield init_device_mesh(device.type, (1,))
