@@ -70,27 +70,22 @@ class Tier(ABC):
 
     # ------------------------------------------------------------ reading
 
-    @abstractmethod
     def steps(self) -> list[int]:
         """Committed steps, ascending: a step directory whose marker parses and names that step.
 
         Never raises for junk: other names, uncommitted directories and
         unparsable markers are ignored.
         """
+        return sorted(self.markers())
 
+    @abstractmethod
     def markers(self) -> dict[int, CommitMarker]:
-        """The marker of every committed step (what :meth:`steps` lists), each read once.
+        """The marker of every committed step (what :meth:`steps` lists), from one listing, each
+        read once.
 
         Never raises for junk, like :meth:`steps`; a marker that turns
         unreadable between the listing and its read is left out.
         """
-        out: dict[int, CommitMarker] = {}
-        for s in self.steps():
-            try:
-                out[s] = self.marker(s)
-            except CheckpointFormatError:
-                continue
-        return out
 
     @abstractmethod
     def marker(self, step: int) -> CommitMarker:

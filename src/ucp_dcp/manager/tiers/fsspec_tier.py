@@ -135,10 +135,7 @@ class FsspecTier(Tier):
             if isinstance(e.__cause__, (IsADirectoryError, NotADirectoryError)):
                 raise CheckpointFormatError(f"{where}: not a file ({e.__cause__})") from None
             raise
-        m = CommitMarker.decode(d.read(MARKER_FILE), where)
-        if m.step != step:
-            raise CheckpointFormatError(f"{where}: the marker names step {m.step}, expected {step}")
-        return m
+        return CommitMarker.decode(d.read(MARKER_FILE), where, step=step)
 
     def _committed(self, step: int, dirs: list[str]) -> list[tuple[CommitMarker, str]]:
         """Committed dirs of ``step``, newest first; junk ignored."""
@@ -169,10 +166,6 @@ class FsspecTier(Tier):
         )
 
     # -- reading
-
-    def steps(self) -> list[int]:
-        """Committed steps, ascending (see :meth:`Tier.steps`)."""
-        return sorted(self.markers())
 
     def markers(self) -> dict[int, CommitMarker]:
         """The newest committed marker of every step: one listing, one GET per step directory

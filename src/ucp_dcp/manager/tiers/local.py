@@ -111,10 +111,7 @@ class LocalTier(Tier):
             ) from None
         except OSError as e:
             raise CheckpointFormatError(f"{where}: cannot read the commit marker: {e}") from None
-        m = CommitMarker.decode(data, where)
-        if m.step != step:
-            raise CheckpointFormatError(f"{where}: the marker names step {m.step}, expected {step}")
-        return m
+        return CommitMarker.decode(data, where, step=step)
 
     def _committed(self, dirpath: str, step: int) -> CommitMarker | None:
         try:
@@ -127,10 +124,6 @@ class LocalTier(Tier):
             return sorted(os.listdir(self.root))
         except FileNotFoundError:
             return []
-
-    def steps(self) -> list[int]:
-        """Committed steps, ascending (see :meth:`Tier.steps`)."""
-        return sorted(self.markers())
 
     def markers(self) -> dict[int, CommitMarker]:
         """The marker of every committed step, from one listing (see :meth:`Tier.markers`)."""

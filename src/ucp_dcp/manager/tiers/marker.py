@@ -271,16 +271,20 @@ class CommitMarker:
             raise CheckpointFormatError(f"{where}: {e}") from None
 
     @staticmethod
-    def decode(data: bytes, where: str) -> CommitMarker:
+    def decode(data: bytes, where: str, *, step: int | None = None) -> CommitMarker:
         """Parse the bytes of a ``COMMIT.json`` (:class:`CheckpointFormatError` if truncated or
-        corrupt)."""
+        corrupt, or, with ``step``, if it names another step: a step directory's marker must
+        name that directory's step)."""
         try:
             doc = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointFormatError(
                 f"{where}: truncated or corrupt commit marker ({e})"
             ) from None
-        return CommitMarker.from_json(doc, where)
+        m = CommitMarker.from_json(doc, where)
+        if step is not None and m.step != step:
+            raise CheckpointFormatError(f"{where}: the marker names step {m.step}, expected {step}")
+        return m
 
     def digest(self, name: str) -> FileDigest:
         """The record of file ``name``; :class:`CheckpointFormatError` if the marker does not list
