@@ -15,6 +15,7 @@ broken. Keyword options go to the writer's or reader's constructor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -145,6 +146,15 @@ def reader_counters(reader: StorageReader) -> dict[str, Any]:
             out[k] = v
         elif isinstance(v, dict) and all(isinstance(x, plain) for x in v.values()):
             out[k] = {str(a): b for a, b in v.items()}
+    # What the last load found (ucp_dcp's LoadReport, replaced on every load): its plain fields.
+    report = getattr(reader, "last_load", None)
+    if dataclasses.is_dataclass(report) and not isinstance(report, type):
+        for field in dataclasses.fields(report):
+            v = getattr(report, field.name)
+            if isinstance(v, plain) or v is None:
+                out[field.name] = v
+            elif isinstance(v, dict) and all(isinstance(x, plain) for x in v.values()):
+                out[field.name] = {str(a): b for a, b in v.items()}
     stats = getattr(reader, "stats", None)
     if callable(stats):
         try:
