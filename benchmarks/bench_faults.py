@@ -176,8 +176,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__, "load_average_start": os.getloadavg()},
         "policy": {"deadline_floor_s": args.floor_s, "deadline_factor": args.deadline_factor,
-                   **({"max_request_bytes": args.max_request_kib << 10} if args.max_request_kib else {}),
-                   **({"min_request_bytes": args.min_request_kib << 10} if args.min_request_kib else {}),
+                   **({"max_part_bytes": args.max_request_kib << 10} if args.max_request_kib else {}),
+                   **({"min_part_bytes": args.min_request_kib << 10} if args.min_request_kib else {}),
                    **({"hedge_fraction": args.hedge_fraction} if args.hedge_fraction is not None else {}),
                    **{k: float(v) for k, v in (kv.split("=", 1) for kv in args.policy)}},
         "repeats": args.repeats, "slow_kind": args.slow_kind,
@@ -317,9 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--floor-s", type=float, default=1.0, help="RequestPolicy.deadline_floor_s of the ucp readers")
     ap.add_argument("--deadline-factor", type=float, default=4.0, help="RequestPolicy.deadline_factor of the ucp readers")
     ap.add_argument("--max-request-kib", type=int, default=None,
-                    help="RequestPolicy.max_request_bytes of the ucp readers, in KiB (default: the policy's)")
+                    help="RequestPolicy.max_part_bytes of the ucp readers, in KiB (default: the policy's)")
     ap.add_argument("--min-request-kib", type=int, default=None,
-                    help="RequestPolicy.min_request_bytes of the ucp readers, in KiB (default: the policy's)")
+                    help="RequestPolicy.min_part_bytes of the ucp readers, in KiB (default: the policy's)")
     ap.add_argument("--policy", action="append", default=[], metavar="NAME=VALUE",
                     help="another RequestPolicy field of the ucp readers (a number), e.g. hedge_factor=3")
     ap.add_argument("--hedge-fraction", type=float, default=None,

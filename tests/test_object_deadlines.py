@@ -214,7 +214,7 @@ def test_no_hedge_beyond_the_budget(s3_proxy: Any) -> None:
 def test_part_bytes_is_half_the_hedge_budget_within_the_policy_bounds() -> None:
     from ucp_dcp.byteio.requests import RequestScheduler
 
-    policy = RequestPolicy(hedge_allowance_bytes=0, min_request_bytes=1 << 20, max_request_bytes=8 << 20)
+    policy = RequestPolicy(hedge_allowance_bytes=0, min_part_bytes=1 << 20, max_part_bytes=8 << 20)
     sched = RequestScheduler(policy)
     assert sched.part_bytes(32 << 20) == 1 << 20  # 5% of 32 MiB / 2 = 0.8 MiB: the least part
     assert sched.part_bytes(160 << 20) == 4 << 20  # 5% of 160 MiB / 2
@@ -229,7 +229,7 @@ def test_part_bytes_is_half_the_hedge_budget_within_the_policy_bounds() -> None:
 def test_a_large_ranged_get_is_sent_as_parts_and_joined_bit_exact(s3_proxy: Any) -> None:
     base, options, proxy = s3_proxy
     part = 256 << 10
-    policy = RequestPolicy(min_request_bytes=part, max_request_bytes=part, max_in_flight=3)
+    policy = RequestPolicy(min_part_bytes=part, max_part_bytes=part, max_in_flight=3)
     store = ObjectStore(f"{base}/parts-{uuid.uuid4().hex[:8]}", options, requests=policy)
     data = os.urandom(3 << 20)
     store.put("obj", data)
@@ -253,7 +253,7 @@ def test_slow_parts_of_a_large_get_are_hedged_sooner_than_the_prior_one_at_a_tim
     # Deadlines far off, and nothing observed before: the prior (first_hedge_s) would hedge a
     # part only after 2 s; the parts that complete meanwhile tell sooner that it is slow.
     policy = RequestPolicy(deadline_floor_s=8.0, deadline_cap_s=10.0, hedge_floor_s=0.1,
-                           min_request_bytes=part, max_request_bytes=part, max_in_flight=4,
+                           min_part_bytes=part, max_part_bytes=part, max_in_flight=4,
                            hedge_allowance_bytes=256 << 10, first_hedge_s=2.0)
     store = ObjectStore(f"{base}/hedge-parts-{uuid.uuid4().hex[:8]}", options, requests=policy)
     data = os.urandom(12 << 20)

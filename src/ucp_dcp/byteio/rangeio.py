@@ -294,7 +294,7 @@ IO_THREADS = 2
 
 # The largest single read, the one default of every reader (ReadOptions.max_request_bytes, a
 # source's open_reader, RangeReader, ObjectRangeReader): a big tensor is read as several such
-# requests, by several threads at once. (RequestPolicy's min/max_request_bytes bound something
+# requests, by several threads at once. (RequestPolicy's min/max_part_bytes bound something
 # else: the parts an object-store GET is sent as, from the hedge budget.)
 MAX_REQUEST_BYTES = 16 << 20
 

@@ -41,8 +41,8 @@ One rank's requests to one checkpoint go through one :class:`RequestScheduler`
   until its try ends. So that a slow part of a large GET fits that budget,
   :class:`~ucp_dcp.byteio.objstore.ObjectStore` sends a long range as parts
   of :meth:`RequestScheduler.part_bytes` (half the budget, between
-  :attr:`RequestPolicy.min_request_bytes` and
-  :attr:`RequestPolicy.max_request_bytes`), concurrently.
+  :attr:`RequestPolicy.min_part_bytes` and
+  :attr:`RequestPolicy.max_part_bytes`), concurrently.
 * **bounded**: at most :attr:`RequestPolicy.max_in_flight` requests of the
   scheduler are in flight at once (hedges included), whatever the callers
   batch.
@@ -119,12 +119,12 @@ class RequestPolicy:
     deadline_factor: float = 8.0
     """A request's deadline is this many times the time its size took so far (the median of
     requests of its size, else its size at the median throughput), within the floor and cap."""
-    max_request_bytes: int = 8 << 20
+    max_part_bytes: int = 8 << 20
     """A ranged GET of more bytes is sent as parts, concurrently (within ``max_in_flight``), each
     with its own deadline and hedge. A part is at most this long, and at most half the hedge
     budget (:meth:`RequestScheduler.part_bytes`): a slow part can
     then be hedged, which a GET of several MB in a load of a hundred MB would not fit."""
-    min_request_bytes: int = 2 << 20
+    min_part_bytes: int = 2 << 20
     """Parts are at least this long: a part costs a round trip (on S3 one of about 1 MiB takes
     little more than the round trip itself), and on the benchmark's server a load of 64 MB per
     rank in parts of 1 MiB took 1.29x its time in parts of 2 MiB (docs/object-storage.md)."""
@@ -190,10 +190,10 @@ class RequestPolicy:
             )
         if self.attempts < 1:
             raise InvalidArgumentError(f"RequestPolicy(attempts={self.attempts}): needs at least 1")
-        if not 0 < self.min_request_bytes <= self.max_request_bytes:
+        if not 0 < self.min_part_bytes <= self.max_part_bytes:
             raise InvalidArgumentError(
-                f"RequestPolicy: needs 0 < min_request_bytes <= max_request_bytes, got "
-                f"{self.min_request_bytes} and {self.max_request_bytes}"
+                f"RequestPolicy: needs 0 < min_part_bytes <= max_part_bytes, got "
+                f"{self.min_part_bytes} and {self.max_part_bytes}"
             )
         if self.max_hedges < 0:
             raise InvalidArgumentError(
@@ -464,15 +464,15 @@ class RequestScheduler:
         """The most bytes one GET of a batch of ``batch_bytes`` asks for: half the hedge budget
         once the batch is counted (two hedges of a part fit in flight at once; each gives the
         budget back, less what its loser received, when its race ends), within the policy's
-        ``min_request_bytes`` and ``max_request_bytes`` (without hedging: ``max_request_bytes``)."""
+        ``min_part_bytes`` and ``max_part_bytes`` (without hedging: ``max_part_bytes``)."""
         p = self.policy
         if not p.hedge:
-            return p.max_request_bytes
+            return p.max_part_bytes
         budget = max(
             p.hedge_fraction * max(self.stats.bytes_requested + batch_bytes, self._expected),
             p.hedge_allowance_bytes,
         )
-        return int(min(p.max_request_bytes, max(p.min_request_bytes, budget // 2)))
+        return int(min(p.max_part_bytes, max(p.min_part_bytes, budget // 2)))
 
     def expect(self, nbytes: int) -> None:
         """A read of ``nbytes`` is under way (a load's planned ranges, fetched in windows): the
