@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import re
+import threading
 import time
 import uuid
 from typing import Any
@@ -179,6 +180,33 @@ def test_s3_save_on_4_load_resharded_on_3(s3_bucket: tuple[str, dict[str, Any]],
         # (Exact reads inside a header's request cost none: about 105 requests remain, against 7-12.)
         assert default["calls"] * 8 < exact["calls"], got
     assert sorted(heads) == [1, 1, 2], heads
+
+
+def test_many_streamed_writes_at_once_on_a_blocking_store_all_finish() -> None:
+    """Each whole streamed write (a composite operation) runs on a thread of its own: forty at
+    once on memory:// (whose requests run on the event loop's default executor, six threads
+    here) all finish, each object whole. On the loop's executor a dozen held every thread while
+    their own requests queued behind them, and none finished."""
+    store = ObjectStore(f"memory://ucp-{uuid.uuid4().hex[:8]}/ckpt")
+    n, done = 40, []
+
+    def one(i: int) -> None:
+        def fill(out: Any) -> int:
+            out.write(bytes([i]) * 1000)
+            time.sleep(0.1)  # every write is in flight at once
+            out.write(bytes([i]) * 1000)
+            return i
+
+        done.append(store.write_stream(f"f{i}", "writing", fill))
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert sorted(done) == list(range(n)), f"{len(done)} of {n} writes finished within 30 s"
+    assert all(store.read(f"f{i}") == bytes([i]) * 2000 for i in range(n))
 
 
 def test_memory_url_round_trip_and_overwrite() -> None:

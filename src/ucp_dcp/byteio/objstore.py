@@ -49,6 +49,7 @@ import asyncio
 import builtins
 import os
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
@@ -167,10 +168,11 @@ class ObjectStore:
         each (a whole streamed upload), tried again as a whole on a transient error.
 
         ``what`` says what was being done, for the message of the error
-        raised when the operation fails for good. ``fn`` runs on a worker
-        thread, under no deadline of its own: its requests have theirs.
+        raised when the operation fails for good. ``fn`` runs on a thread of
+        its own (:func:`_in_own_thread`), under no deadline of its own: its
+        requests have theirs.
         """
-        return self._run(what, name, lambda: asyncio.to_thread(fn), None, timed=False)
+        return self._run(what, name, lambda: _in_own_thread(fn), None, timed=False)
 
     @property
     def stats(self) -> ObjectStats:
@@ -474,6 +476,40 @@ async def _cat_counted(
     finally:
         body.close()
     return b"".join(parts)
+
+
+async def _in_own_thread(fn: Callable[[], _T]) -> _T:
+    """``fn()`` run on a new thread, awaited on the running loop.
+
+    Not ``asyncio.to_thread``: a composite operation waits for requests of its own, and on a
+    blocking store (``memory://`` through ``AsyncFileSystemWrapper``) each of those runs on the
+    loop's default executor. A dozen composite operations at once held every thread of that
+    executor while their requests queued behind them: a deadlock. A thread per composite
+    operation (whole uploads: a few at a time) cannot starve it, and ends with the operation.
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if fut.done():  # the awaiting request was cancelled meanwhile
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def work() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as e:  # handed to the awaiting coroutine, raised there
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop was closed meanwhile: nobody waits any more
+            pass
+
+    threading.Thread(target=work, name="ucp-composite", daemon=True).start()
+    return await fut
 
 
 def discard(f: Any) -> None:
