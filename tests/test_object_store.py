@@ -30,7 +30,8 @@ from dist_utils import bit_equal, run_ranks
 from fault_proxy import FaultProxy, storage_options_via
 from ucp_dcp import (RequestPolicy, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter,
                      load_state_dict)
-from ucp_dcp.byteio.objstore import ObjectRangeReader, ObjectStore, is_url, local_path
+from ucp_dcp.byteio.objrange import ObjectRangeReader
+from ucp_dcp.byteio.objstore import ObjectStore, is_url, local_path
 from ucp_dcp.byteio.rangeio import Segment
 from ucp_dcp.errors import CheckpointFormatError, StorageError, TruncatedFileError, unwrap
 from ucp_dcp.sources import formats_looked_for
@@ -413,7 +414,7 @@ class CountingStore(ObjectStore):
 def test_object_access_extends_its_prefix_in_one_request() -> None:
     """The first read fetches the prefix; a read past it that starts inside it (or right after)
     extends it by the prefix size again in one request; a read elsewhere is a request of its own."""
-    from ucp_dcp.byteio.objstore import ObjectAccess
+    from ucp_dcp.byteio.objrange import ObjectAccess
 
     store = CountingStore(f"memory://ucp-{uuid.uuid4().hex[:8]}/blob")
     store.put("f", _BLOB)

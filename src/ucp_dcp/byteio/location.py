@@ -31,7 +31,8 @@ from ..format import INDEX_FILE, Index, PlannedEntry, index_bytes
 from ..format.header import RandomAccess
 from .datafile import DataFileWriter, stream_data_file
 from .durable import atomic_write
-from .objstore import ObjectAccess, ObjectStore, is_url, local_path
+from .objrange import ObjectAccess
+from .objstore import ObjectStore, is_url, local_path
 from .progress import Progress
 from .requests import RequestPolicy
 

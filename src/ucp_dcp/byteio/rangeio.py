@@ -241,7 +241,7 @@ class ByteSource(Protocol):
     Files are numbered (``Segment.file``); :meth:`read` fills each segment's
     buffer from its byte range and runs its ``done`` callback once it is
     read. :class:`RangeReader` reads local files with ``preadv``,
-    :class:`~ucp_dcp.byteio.objstore.ObjectRangeReader` objects with ranged
+    :class:`~ucp_dcp.byteio.objrange.ObjectRangeReader` objects with ranged
     requests; another way to obtain the bytes (a per-file access strategy,
     bytes shared between ranks) is one more class with these four members,
     and every read path (:mod:`~ucp_dcp.byteio.engine`, staging, spans,

@@ -145,7 +145,7 @@ def parse_safetensors(path: str, access: RandomAccess) -> SafetensorsHeader:
     has a dtype code, a shape and a byte range inside the file. Raises
     :class:`CheckpointFormatError` naming the file. ``access`` reads the bytes (a local file:
     :class:`~ucp_dcp.byteio.files.FileAccess`; an object:
-    :class:`~ucp_dcp.byteio.objstore.ObjectAccess`).
+    :class:`~ucp_dcp.byteio.objrange.ObjectAccess`).
     """
     size = access.size
     head = access.pread(8, 0)

@@ -33,7 +33,8 @@ import torch
 
 from ..byteio.integrity import BlockSums
 from ..byteio.location import ModelDir, view_of
-from ..byteio.objstore import OBJECT_GAP_BYTES, ObjectRangeReader, ObjectStore, local_path
+from ..byteio.objrange import OBJECT_GAP_BYTES, ObjectRangeReader
+from ..byteio.objstore import ObjectStore, local_path
 from ..byteio.rangeio import MAX_REQUEST_BYTES, ByteSource, RangeReader
 from ..byteio.requests import RequestPolicy
 from ..byteio.transfer import read_checked_many
@@ -157,7 +158,7 @@ class Source(ABC):
         """The byte reader of ``paths``: ``preadv`` calls for files, ranged requests for objects.
 
         ``gap_bytes=None`` takes the storage's default: merge gaps within a
-        page on a file system, up to :data:`~ucp_dcp.byteio.objstore.OBJECT_GAP_BYTES`
+        page on a file system, up to :data:`~ucp_dcp.byteio.objrange.OBJECT_GAP_BYTES`
         on object storage, where a request costs a round trip. ``requests``: the deadlines of
         local reads (object stores keep the policy they were opened with). ``verify``: a
         :attr:`computed` file checks what it computes from (bytes read are checked by the

@@ -26,7 +26,7 @@ import re
 
 from ..byteio.files import read_safetensors
 from ..byteio.location import LocalDir, ModelDir, plain_file_name
-from ..byteio.objstore import ObjectAccess
+from ..byteio.objrange import ObjectAccess
 from ..core.sharding import Box
 from ..errors import CheckpointFormatError, InvalidArgumentTypeError, StorageError
 from ..format import (

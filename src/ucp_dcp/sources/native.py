@@ -18,7 +18,7 @@ import xxhash
 from ..byteio.files import read_header
 from ..byteio.integrity import BlockSums
 from ..byteio.location import LocalDir, ModelDir, write_index
-from ..byteio.objstore import ObjectAccess, fetch_heads
+from ..byteio.objrange import ObjectAccess, fetch_heads
 from ..errors import CheckpointExistsError, CheckpointFormatError, ChecksumError
 from ..format import (
     INDEX_FILE,
@@ -379,7 +379,7 @@ def head_request_bytes(size: int) -> int:
     ``size / 512``. The header takes a few hundred bytes per entry: guessed as a 128th of the
     file, at least 64 KiB and at most 1 MiB, so what a smaller rank's read does not need (the
     first chunks, when the header is shorter) is at most about 1% of the file. A longer header
-    costs one more request (:class:`~ucp_dcp.byteio.objstore.ObjectAccess` extends the prefix it
+    costs one more request (:class:`~ucp_dcp.byteio.objrange.ObjectAccess` extends the prefix it
     holds past the header by as much again, checksums included).
     """
     header = min(max(size // 128, 64 << 10), 1 << 20)
