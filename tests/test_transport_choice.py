@@ -1,12 +1,12 @@
 """How read-once's messages travel (issue 35): never through device memory by default.
 
 The choice is a pure function of the group's backend string
-(:func:`~ucp_dcp.dcp.read_once.exchange.choose_transport`), asserted here for ``"nccl"``,
+(:func:`~ucp_dcp.dcp.read_once.transport.choose_transport`), asserted here for ``"nccl"``,
 ``"gloo"``, ``"cpu:gloo,cuda:nccl"`` and others without a GPU. The group a collective then
-runs on (:func:`~ucp_dcp.dcp.read_once.exchange.wire_for`) is checked with fake groups (a
+runs on (:func:`~ucp_dcp.dcp.read_once.transport.wire_for`) is checked with fake groups (a
 gloo group made once per process group from its ranks, reused), and with real ranks: a gloo
 default group stands in for one that is NCCL alone through the same seam
-(:func:`~ucp_dcp.dcp.read_once.exchange.group_backend`), so a load, its placement check and the
+(:func:`~ucp_dcp.dcp.read_once.transport.group_backend`), so a load, its placement check and the
 manager's peer copies run over the gloo group made from its ranks, and the load's report names
 the transport.
 """
@@ -26,8 +26,8 @@ from dist_utils import bit_equal, run_ranks
 
 from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.dcp import reader as reader_module
-from ucp_dcp.dcp.read_once import ReadOnceCosts, exchange
-from ucp_dcp.dcp.read_once.exchange import (
+from ucp_dcp.dcp.read_once import ReadOnceCosts, transport
+from ucp_dcp.dcp.read_once.transport import (
     Transport,
     Wire,
     choose_transport,
@@ -98,7 +98,7 @@ class _FakeGroup:
 
 @pytest.fixture
 def fake_dist(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """``exchange``'s view of torch.distributed, faked: a world of 4 ranks whose default group has
+    """``transport``'s view of torch.distributed, faked: a world of 4 ranks whose default group has
     the backend ``state["world"].backend``; every ``new_group`` call is recorded."""
     world = _FakeGroup([0, 1, 2, 3], "nccl")
     state: dict[str, Any] = {"world": world, "made": []}
@@ -118,8 +118,8 @@ def fake_dist(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         get_rank=lambda g=None: 0,
         new_group=new_group,
     )
-    monkeypatch.setattr(exchange, "dist", fake)
-    monkeypatch.setattr(exchange, "group_backend", lambda g: (g or world).backend)
+    monkeypatch.setattr(transport, "dist", fake)
+    monkeypatch.setattr(transport, "group_backend", lambda g: (g or world).backend)
     return state
 
 
@@ -205,8 +205,8 @@ def _ranks(rank: int, world: int, root: str, files: str) -> None:
 
     # From here on the default group reads "nccl" through the seam; groups made from it are gloo.
     default = dist.group.WORLD
-    real_backend = exchange.group_backend
-    exchange.group_backend = lambda g: "nccl" if g is None or g is default else real_backend(g)
+    real_backend = transport.group_backend
+    transport.group_backend = lambda g: "nccl" if g is None or g is default else real_backend(g)
     made: list[Any] = []
     new_group = dist.new_group
 
@@ -264,7 +264,7 @@ def _ranks(rank: int, world: int, root: str, files: str) -> None:
         assert got.received == []
     finally:
         dist.new_group = new_group
-        exchange.group_backend = real_backend
+        transport.group_backend = real_backend
 
 
 @pytest.mark.multiproc

@@ -23,7 +23,8 @@ from ..sources import SourceOptions
 from ..sources.distcp import DCP_VALUES_MODES
 from .placement import PlacementReport
 from .read_once import ReadOnceCosts, ReadOnceDecision, check_read_once
-from .read_once.exchange import ExchangeTotals, Transport
+from .read_once.exchange import ExchangeTotals
+from .read_once.transport import Transport
 from .slowest import SlowestRecord
 
 __all__ = ["ReadOptions", "LoadReport", "source_options"]
@@ -178,7 +179,7 @@ class LoadReport:
             a group that is NCCL alone; ``"device"``: device memory, opted in with
             ``ReadOptions(device_transport=True)``; ``"none"``: no exchange, the group moves no
             host memory and torch has no gloo), a
-            :class:`~ucp_dcp.dcp.read_once.exchange.Transport`; None where read-once did not
+            :class:`~ucp_dcp.dcp.read_once.transport.Transport`; None where read-once did not
             get that far (one rank, ``read_once=False``, ``"auto"`` on local storage).
         placement: what the placement check found (None without ``verify_placement``).
         stats: the byte reader's own statistics (per file: what ``rank_record`` is made from).

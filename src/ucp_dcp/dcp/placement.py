@@ -8,7 +8,7 @@ never from the load plan: a planner that computed a wrong offset, swapped two ch
 into the wrong place is caught, because the destination's own layout says where each element
 belongs. One all-reduce adds the ranks' shares up, in host memory, on the load's group or, for a
 group that is NCCL alone, on a gloo group made from its ranks (the read-once exchange's rule,
-:func:`~ucp_dcp.dcp.read_once.exchange.wire_for`; device memory only where the caller opts in).
+:func:`~ucp_dcp.dcp.read_once.transport.wire_for`; device memory only where the caller opts in).
 
 Replicas are not skipped but counted: a tensor held ``n`` times in the job (a plain tensor on
 every rank, a DTensor replicated along a mesh dimension) must sum to ``n`` times its digest,
@@ -40,7 +40,7 @@ from ..core.pieces import TensorPieces
 from ..core.placement_digest import MASK64, box_share, digest_hex
 from ..errors import PlacementError
 from ..format import TensorRecord
-from .read_once.exchange import wire_for
+from .read_once.transport import wire_for
 
 __all__ = [
     "PlacementReport",
@@ -218,7 +218,7 @@ def check_placement(
     initialised) and compare every loaded tensor with its recorded digest.
 
     The all-reduce moves host memory: on ``group`` where it handles CPU tensors, else on a gloo
-    group made once from its ranks (:func:`~ucp_dcp.dcp.read_once.exchange.wire_for`); on an
+    group made once from its ranks (:func:`~ucp_dcp.dcp.read_once.transport.wire_for`); on an
     NCCL group's device memory only with ``allow_device``.
 
     Every rank of the group must call this. ``shares=None`` says this rank's load failed: the

@@ -54,8 +54,9 @@ from .load_planner import UCPLoadPlanner
 from .options import LoadReport, ReadOptions, source_options
 from .placement import checked_placement
 from .read_once import ReadOnceDecision, coordinate, decide, shared_storage
-from .read_once.exchange import LocalNeeds, Region, Transport, Wire, run_exchange, wire_for
+from .read_once.exchange import LocalNeeds, Region, run_exchange
 from .read_once.first_requests import FirstRequests, share_first_requests
+from .read_once.transport import Transport, Wire, wire_for
 from .slowest import LoadRun, name_slowest, rank_record
 from .writer import _Directory
 
@@ -425,7 +426,7 @@ class UCPStorageReader(_Directory, StorageReader):
         load (``_storage``); ``"auto"`` on storage the job does not share is decided here, by
         this rank alone, before any need is listed.
 
-        Then the transport (``_wire``, :func:`~ucp_dcp.dcp.read_once.exchange.wire_for`): on a
+        Then the transport (``_wire``, :func:`~ucp_dcp.dcp.read_once.transport.wire_for`): on a
         group that is NCCL alone, a gloo group made from its ranks the first time (collective:
         every rank of the group is here, with the same options), unless ``device_transport``
         opts in to device memory; where no host-memory group can be had, no exchange."""

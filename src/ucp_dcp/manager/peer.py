@@ -7,7 +7,7 @@ operations (gloo, CPU ``uint8`` tensors) on a process group the caller
 gives: no transport of its own. The manager gives its own gloo groups. A
 group that is NCCL alone is never used for the files: they go over a gloo
 group made once from its ranks and reused, the read-once exchange's rule
-(:func:`~ucp_dcp.dcp.read_once.exchange.wire_for`, without device memory).
+(:func:`~ucp_dcp.dcp.read_once.transport.wire_for`, without device memory).
 
 :func:`exchange_files` is one collective. Every rank says which files it
 can provide (from ``src_dir``) and which it wants (into ``dest_dir``); one
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..byteio.durable import fsync_path, remove_quietly, write_all
-from ..dcp.read_once.exchange import Transport, wire_for
+from ..dcp.read_once.transport import Transport, wire_for
 from ..errors import InvalidArgumentError, PeerTransferError
 
 __all__ = ["PeerTransferError", "TransferReport", "clean_partials", "exchange_files"]
@@ -354,7 +354,7 @@ def exchange_files(
     rank. Files travel in blocks of ``block_bytes`` as CPU ``uint8`` tensors, on ``group`` where it
     handles CPU tensors (gloo), else (NCCL alone) on a gloo group made from its ranks the first
     time (then collective over ``group``'s ranks, see
-    :func:`~ucp_dcp.dcp.read_once.exchange.gloo_group`) and reused; double-buffered with
+    :func:`~ucp_dcp.dcp.read_once.transport.gloo_group`) and reused; double-buffered with
     isend/irecv; the steps run in one global order, so no
     pair deadlocks. Each received file is written to a ``.part`` file, fsynced and renamed
     (``dest_dir`` is fsynced once at the end); an interrupted receive leaves only ``.part`` files

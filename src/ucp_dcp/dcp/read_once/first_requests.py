@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ReadOnceError
-from .exchange import STATUS_BYTES, Wire, raise_gathered, rank_failed
+from .exchange import STATUS_BYTES, raise_gathered, rank_failed
 from .plan import merge_ranges
+from .transport import Wire
 
 __all__ = ["FirstRequests", "share_first_requests"]
 
@@ -67,7 +68,7 @@ def share_first_requests(
 ) -> None:
     """Have the first request of each file of ``wanted`` made by one rank of the load's group and
     handed to ``src`` (:meth:`FirstRequests.hold_first_requests`), over the group and memory
-    ``on`` names (:func:`~ucp_dcp.dcp.read_once.exchange.wire_for`).
+    ``on`` names (:func:`~ucp_dcp.dcp.read_once.transport.wire_for`).
 
     Collective: every rank of the group calls it, with the ``failure`` that kept it from knowing
     what it reads if one did. Raises on every rank if any rank failed.
