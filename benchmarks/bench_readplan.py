@@ -58,7 +58,8 @@ from harness.report import write_json
 from harness.states import llama_weights
 
 from ucp_dcp.dcp.read_once import messages
-from ucp_dcp.dcp.read_once.plan import JobReadPlan, expand, plan_job_reads
+from ucp_dcp.dcp.read_once.plan import JobReadPlan, plan_job_reads
+from ucp_dcp.dcp.read_once.ranges import expand
 from ucp_dcp.dcp.read_once.rounds import (
     GroupReadPlan,
     NeedGroups,

@@ -22,7 +22,8 @@ from test_readplan import (
 
 from ucp_dcp.dcp.read_once import rank_shares
 from ucp_dcp.dcp.read_once.exchange import RankRounds
-from ucp_dcp.dcp.read_once.plan import intersect_ranges, merge_ranges, plan_job_reads
+from ucp_dcp.dcp.read_once.plan import plan_job_reads
+from ucp_dcp.dcp.read_once.ranges import intersect_ranges, merge_ranges
 from ucp_dcp.dcp.read_once.rounds import (
     NeedGroups,
     plan_group_reads,

@@ -17,7 +17,8 @@ from test_readplan import ALIGNS, MIN_RUNS, Needs, _need_masks, _pages, _ranges,
 
 from ucp_dcp.dcp.read_once import messages, rank_shares
 from ucp_dcp.dcp.read_once.exchange import RankRounds
-from ucp_dcp.dcp.read_once.plan import plan_job_reads, water_fill
+from ucp_dcp.dcp.read_once.plan import plan_job_reads
+from ucp_dcp.dcp.read_once.ranges import water_fill
 from ucp_dcp.dcp.read_once.rounds import GroupReadPlan, NeedGroups, needs_digest, plan_group_reads
 from ucp_dcp.errors import InvalidArgumentError
 

@@ -286,9 +286,9 @@ def test_water_filling_counts_what_a_rank_must_read_alone() -> None:
 def test_plans_stay_exact_when_set_fingerprints_collide(monkeypatch: pytest.MonkeyPatch) -> None:
     """Segments are grouped by fingerprints of their rank sets and then checked exactly: with
     every rank's key the same, all sets of one size collide, and the exact grouping decides."""
-    import ucp_dcp.dcp.read_once.plan as plan_module
+    import ucp_dcp.dcp.read_once.ranges as ranges_module
 
-    monkeypatch.setattr(plan_module, "_mix", lambda x: np.zeros(len(x), np.uint64))
+    monkeypatch.setattr(ranges_module, "_mix", lambda x: np.zeros(len(x), np.uint64))
     needs = [
         {0: _ranges([(0, 20000)])},
         {0: _ranges([(10000, 20000)])},

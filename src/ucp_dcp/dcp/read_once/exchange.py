@@ -53,7 +53,7 @@ from ...byteio.transfer import ChunkRegion
 from ...core.boxes import runs
 from ...errors import ReadOnceError
 from ...format import Location
-from .plan import merge_ranges, offsets
+from .ranges import merge_ranges, offsets
 from .transport import Wire
 
 __all__ = [

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ...errors import ReadOnceError
 from .exchange import STATUS_BYTES, raise_gathered, rank_failed
-from .plan import merge_ranges
+from .ranges import merge_ranges
 from .transport import Wire
 
 __all__ = ["FirstRequests", "share_first_requests"]

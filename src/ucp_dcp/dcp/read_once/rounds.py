@@ -60,14 +60,9 @@ from .plan import (
     JobReadPlan,
     ReadsByRank,
     Transfers,
-    at_least,
-    expand,
-    intersect_ranges,
-    merge_ranges,
-    offsets,
     plan_job_reads,
-    stable_order,
 )
+from .ranges import at_least, expand, intersect_ranges, merge_ranges, offsets, stable_order
 
 __all__ = [
     "GroupReadPlan",
