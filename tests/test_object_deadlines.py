@@ -212,7 +212,7 @@ def test_no_hedge_beyond_the_budget(s3_proxy: Any) -> None:
 
 
 def test_part_bytes_is_half_the_hedge_budget_within_the_policy_bounds() -> None:
-    from ucp_dcp.byteio.requests import RequestScheduler
+    from ucp_dcp.byteio.scheduler import RequestScheduler
 
     policy = RequestPolicy(hedge_allowance_bytes=0, min_part_bytes=1 << 20, max_part_bytes=8 << 20)
     sched = RequestScheduler(policy)

@@ -12,7 +12,7 @@ The multipart upload is completed only by :meth:`ParallelUpload.close`
 after every part succeeded; a failed part (after s3fs's and botocore's own
 retries) aborts it, so the object appears whole or not at all.
 
-Given the store's :class:`~ucp_dcp.byteio.requests.RequestScheduler`,
+Given the store's :class:`~ucp_dcp.byteio.scheduler.RequestScheduler`,
 each part upload has a deadline from its size and the throughput seen so
 far, is tried again past it, counts against the rank's requests in flight,
 and waits out a throttling pause; a part that fails for good is a
@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .requests import RequestScheduler
+    from .scheduler import RequestScheduler
 
 __all__ = ["ParallelUpload", "StreamedWrite", "supports_parallel_upload"]
 

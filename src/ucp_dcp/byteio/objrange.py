@@ -124,7 +124,7 @@ column slices of narrow rows are merged, other ranks' shards are not."""
 DENSE_FRACTION = 0.75
 """A read that needs at least this fraction of an object's bytes fetches that object
 ``dense_parallel`` requests per window (default 1: the store already sends each request as
-parts that run concurrently, :meth:`~ucp_dcp.byteio.requests.RequestScheduler.part_bytes`).
+parts that run concurrently, :meth:`~ucp_dcp.byteio.scheduler.RequestScheduler.part_bytes`).
 It reads (nearly) the whole object anyway: concurrent requests shorten it on any store, and
 on a server that reads the whole object for every ranged GET (moto's S3) they overlap those reads.
 Measured on loopback moto, one process, a 262 MiB step in 64 MiB requests, 2 shared cores (load
@@ -144,7 +144,7 @@ class ObjectRangeReader(ByteSource):
         max_request_bytes: upper bound on one request (a large range is split).
         window_bytes: bytes fetched per batch of concurrent requests (the store splits each request
             into parts that run concurrently:
-            :meth:`~ucp_dcp.byteio.requests.RequestScheduler.part_bytes`).
+            :meth:`~ucp_dcp.byteio.scheduler.RequestScheduler.part_bytes`).
         dense_parallel: requests per window for an object the read needs :data:`DENSE_FRACTION` of
             (its sizes known): its windows hold that many requests, and are that many times larger.
         staging_bytes: the fetched bytes held at most: as many windows are fetched ahead of the one

@@ -4,7 +4,7 @@
 :class:`ObjectStore` is the one place the library talks to object storage.
 It names objects relative to the checkpoint's URL, and runs every request,
 each operation written once, through one path: its
-:class:`~ucp_dcp.byteio.requests.RequestScheduler`, on the store's event loop
+:class:`~ucp_dcp.byteio.scheduler.RequestScheduler`, on the store's event loop
 (s3fs's own; a blocking store such as ``memory://`` is wrapped by fsspec's
 ``AsyncFileSystemWrapper``, its calls on worker threads), under the
 :class:`~ucp_dcp.byteio.requests.RequestPolicy`:
@@ -40,7 +40,8 @@ from typing import Any, TypeVar
 
 from ..errors import StorageError
 from .multipart import ParallelUpload, StreamedWrite, supports_parallel_upload
-from .requests import ObjectStats, Received, RequestPolicy, RequestScheduler
+from .requests import ObjectStats, RequestPolicy
+from .scheduler import Received, RequestScheduler
 
 __all__ = [
     "ObjectStore",

@@ -59,7 +59,7 @@ repeats: with 16 MiB requests and the old marker reads (50 requests) the restore
 the whole-step download; with 64 MiB and the markers read once (27 requests: 14 to the data file,
 of which 9 are the header, block checksums and values) 1.41-1.49x. Since then the store sends
 each request as parts that fit the hedge budget (1-8 MiB,
-:meth:`~ucp_dcp.byteio.requests.RequestScheduler.part_bytes`), concurrently: on moto each
+:meth:`~ucp_dcp.byteio.scheduler.RequestScheduler.part_bytes`), concurrently: on moto each
 part reads the whole object again, so that measurement is no longer what a restore from moto
 costs (not measured again). The reader keeps at most two windows' bytes in memory, one being
 placed, the next being fetched: of one request each (128 MiB)."""
