@@ -1,9 +1,8 @@
-"""What one rank's storage requests may do, and how its object-store requests run: the policy
-a user configures (:class:`RequestPolicy`: deadlines, retries, hedging, the bound on requests in
-flight), the deadline arithmetic every request uses (:func:`deadline_for`, from what the same
-load or save observed: :class:`Observed`), the counters a load or a save fills
-(:class:`ObjectStats`), and the scheduler that applies them to object-store requests
-(:class:`RequestScheduler`). A local load's reads take their deadlines from the same policy and
+"""What one rank's storage requests may do: the policy a user configures (:class:`RequestPolicy`:
+deadlines, retries, hedging, the bound on requests in flight), the deadline arithmetic every
+request uses (:func:`deadline_for`, from what the same load or save observed:
+:class:`Observed`), the counters a load or a save fills (:class:`ObjectStats`), and the errors
+that name a failed request. A local load's reads take their deadlines from the same policy and
 arithmetic (:mod:`~ucp_dcp.byteio.workers`); past it, an object-store request is abandoned and
 tried again, a local read (which the kernel cannot cancel) fails the load.
 
