@@ -57,7 +57,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     # The request scheduler's own signals between a try and its retry: ObjectStore wraps the
     # last one in a StorageError naming the object, the range, the rank and the time waited.
     ("byteio/requests.py", "DeadlineExceeded", "TimeoutError"): "internal: a try past its deadline",
-    ("byteio/requests.py", "_Wrong", "Exception"): "internal: an answer the check refused",
+    ("byteio/scheduler.py", "_Wrong", "Exception"): "internal: an answer the check refused",
     # Raised in an I/O thread once its load failed at a deadline, so it reads nothing more:
     # IOWorkers.wait raises the load's StorageError before any future holding it is looked at.
     ("byteio/workers.py", "Abandoned", "Exception"): "internal: stops an I/O thread of a failed load",
