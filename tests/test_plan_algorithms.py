@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from ucp_dcp import RankLocal
-from ucp_dcp.core.nested import set_in_place
+from ucp_dcp.core.values import set_in_place
 from ucp_dcp.core.pieces import Piece, TensorPieces
 from ucp_dcp.core.sharding import Box
 from ucp_dcp.dcp._load_plan import (

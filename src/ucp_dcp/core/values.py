@@ -1,4 +1,4 @@
-"""Non-tensor values of a training state, stored as tagged JSON, never pickled.
+"""Non-tensor values of a training state: stored as tagged JSON (never pickled), put back in place.
 
 A state dict carries more than tensors: optimizer ``param_groups``, step
 counters, dataloader positions, RNG states. DCP stores those with
@@ -8,6 +8,11 @@ of tags for what JSON cannot say itself (tuples, non-string dict keys,
 non-finite floats, small tensors, numpy arrays, bytes, ``io.BytesIO``, dtypes). Anything else
 is refused at save time with the key that holds it, rather than silently
 stringified or pickled.
+
+A load that replaces a leaf (a decoded value, a piece set) puts it back where the caller's
+nested state dict holds it, at the path of container keys DCP recorded when it flattened the
+dict: :func:`set_in_place` (used by the load planner, the layout rules and the manager's small
+reads), in containers :func:`copy_containers` may have copied first.
 """
 
 from __future__ import annotations
@@ -16,15 +21,24 @@ import base64
 import io
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .._compat import set_element
 from ..errors import CheckpointFormatError, InvalidArgumentError, UnsupportedValueError
 
-__all__ = ["RankLocal", "UnsupportedValueError", "encode_value", "decode_value", "ReshardFn"]
+__all__ = [
+    "RankLocal",
+    "UnsupportedValueError",
+    "encode_value",
+    "decode_value",
+    "ReshardFn",
+    "copy_containers",
+    "set_in_place",
+]
 
 _TAG = "__ucp__"
 
@@ -221,3 +235,38 @@ _MALFORMED = (
     RuntimeError,
     RecursionError,
 )
+
+
+# ------------------------------------------------------------ putting loaded values back
+
+
+def copy_containers(obj: Any) -> Any:
+    """``obj`` with every dict and list copied (leaves shared): a state dict a load may fill and
+    reshape without touching the caller's containers."""
+    if isinstance(obj, Mapping):
+        return {k: copy_containers(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [copy_containers(v) for v in obj]
+    return obj
+
+
+def set_in_place(root: Any, path: tuple[Any, ...], value: Any) -> None:
+    """Put ``value`` at ``path`` of the caller's nested state dict.
+
+    DCP's flattened paths hold ``str(key)`` for dict keys; where the caller's
+    dict has a non-str key with that spelling (``{0: ...}`` in optimizer-style
+    state), use the caller's key rather than adding a new str one.
+    """
+    cur = root
+    for i, p in enumerate(path):
+        key = p
+        if isinstance(cur, dict) and p not in cur:
+            key = next((k for k in cur if str(k) == str(p)), p)
+        if i == len(path) - 1:
+            cur[key] = value
+            return
+        try:
+            cur = cur[key]
+        except (KeyError, IndexError, TypeError):
+            set_element(root, path, value)  # a missing container: DCP's own rules create it
+            return

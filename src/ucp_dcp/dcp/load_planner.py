@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import STORAGE_TYPES, BytesStorageMet
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from .._compat import flatten_sharded_tensors, flatten_state_dict
-from ..core.nested import set_in_place
+from ..core.values import set_in_place
 from ..core.pieces import TensorPieces
 from ..core.sharding import Box
 from ..core.values import RankLocal, ReshardFn, decode_value

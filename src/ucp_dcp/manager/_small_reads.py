@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .._compat import flatten_state_dict
-from ..core.nested import copy_containers, set_in_place
+from ..core.values import copy_containers, set_in_place
 from ..core.values import RankLocal
 from ..dcp import PlannedRead, ReadOptions
 from ..tools.checkpoint import Checkpoint
