@@ -5,10 +5,9 @@ any layout; ``UCPLoadPlanner`` + ``UCPStorageReader`` load any source into
 any layout with exact offset reads.
 """
 
-from ._read_items import collector_paused
 from .load_planner import UCPLoadPlanner
 from .options import LoadReport, ReadOptions
-from .reader import PlannedRead, UCPStorageReader
+from .reader import PlannedRead, UCPStorageReader, collector_paused
 from .save_planner import UCPSavePlanner
 from .writer import UCPStorageWriter
 

@@ -19,10 +19,9 @@ from torch.distributed.checkpoint.metadata import STORAGE_TYPES, BytesStorageMet
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from .._compat import flatten_sharded_tensors, flatten_state_dict
-from ..core.values import set_in_place
 from ..core.pieces import TensorPieces
 from ..core.sharding import Box
-from ..core.values import RankLocal, ReshardFn, decode_value
+from ..core.values import RankLocal, ReshardFn, decode_value, set_in_place
 from ..errors import CheckpointKeyError
 from ..format import dtype_name
 from ._load_plan import (
