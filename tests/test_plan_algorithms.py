@@ -27,7 +27,7 @@ from ucp_dcp import RankLocal
 from ucp_dcp.core.values import set_in_place
 from ucp_dcp.core.pieces import Piece, TensorPieces
 from ucp_dcp.core.sharding import Box
-from ucp_dcp.dcp._load_plan import (
+from ucp_dcp.dcp.load_planner import (
     RankLocalGather,
     asked_keys,
     check_target,
@@ -60,7 +60,7 @@ from ucp_dcp.dcp._save_global import (
     plan_value_item,
     value_writers,
 )
-from ucp_dcp.dcp._save_local import create_local_save_plan
+from ucp_dcp.dcp.save_planner import create_local_save_plan
 from ucp_dcp.errors import CheckpointKeyError, InconsistentSaveError
 from ucp_dcp.format import LAYOUT_KEY, Layout, rank_local_key
 

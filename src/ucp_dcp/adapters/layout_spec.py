@@ -76,10 +76,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 
 from .._compat import compute_local_shape_and_global_offset, flatten_state_dict
-from ..core.values import copy_containers, set_in_place
 from ..core.pieces import Piece, TensorPieces
 from ..core.sharding import Box, intersect
-from ..core.values import RankLocal
+from ..core.values import RankLocal, copy_containers, set_in_place
 from ..errors import LayoutRuleError
 from ..format.names import LAYOUT_KEY
 from .rules import LayoutRule, Reindex, Rename, Rule, RuleContext, StackRule, full_piece

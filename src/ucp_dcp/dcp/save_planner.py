@@ -1,30 +1,67 @@
-"""``UCPSavePlanner``: what each rank saves, as DCP's save-planner protocol.
+"""``UCPSavePlanner``: what each rank saves, as DCP's save-planner protocol, and its local step.
 
 The planner records every tensor's DTensor layout, encodes non-tensor values as tagged JSON (never
 pickle), checks that values saved once for all ranks really are the same on every rank, and spreads
 the writing of replicated chunks across their replicas. Its methods are thin: the local plan is
-:func:`~ucp_dcp.dcp._save_local.create_local_save_plan`, the coordinator's step
+:func:`create_local_save_plan` (below), the coordinator's step
 :func:`~ucp_dcp.dcp._save_global.create_global_save_plan`, and the derived writes of mesh groups
 :func:`~ucp_dcp.dcp._mesh_groups.group_items`.
+
+What one rank saves (:func:`create_local_save_plan`, its plan and the report it sends the
+coordinator): every flattened state-dict entry becomes write items or a mesh-group
+membership: a :class:`~ucp_dcp.RankLocal` value is written under this rank's
+own key; a regular DTensor joins its mesh's group (no write item: the rank
+derives its writes once the coordinator has checked the group), except on a
+rank outside its mesh (a sub-mesh DTensor), which holds none of it; an
+irregular DTensor or a plain tensor is planned per chunk; a
+``LocalShardsWrapper`` DTensor or a tensor subclass of DCP's checkpointable
+protocol is planned from the write items it makes itself; the pieces of a
+:class:`~ucp_dcp.TensorPieces` are named by their logical tensors; any other
+value is encoded as tagged JSON. Values and plain tensors are hashed so the
+coordinator can tell whether ranks agree on them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
-from ..errors import InvalidArgumentError, InvalidArgumentTypeError
-from ..format import Layout, split_rank_local_key
-from ._mesh_groups import group_items
-from ._plan_records import SaveReply, rank_and_world
+from .._compat import ShardedTensor, create_write_items, dtensor_local, is_checkpointable
+from ..byteio.rangeio import tensor_view
+from ..core.pieces import Piece, TensorPieces
+from ..core.sharding import Box, placement_to_str
+from ..core.values import RankLocal, encode_value
+from ..errors import (
+    InconsistentSaveError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    LayoutError,
+    UnsupportedValueError,
+)
+from ..format import Layout, dtype_name, rank_local_key, split_rank_local_key
+from ._mesh_groups import MeshGroup, TensorSpec, cached_group, group_items, shard_item
+from ._plan_records import (
+    MeshGroupReport,
+    PieceKey,
+    SaveRankReport,
+    SaveReply,
+    rank_and_world,
+    tensor_data,
+)
 from ._save_global import create_global_save_plan
-from ._save_local import LocalSavePlan, create_local_save_plan
 
 __all__ = ["UCPSavePlanner"]
 
@@ -159,3 +196,249 @@ def resolved_as(item: WriteItem, data: object, kind: type[_T]) -> _T:
             f"{type(data).__name__}, not a {kind.__name__}"
         )
     return data
+
+
+# ------------------------------------------------------------ what one rank saves
+
+_PLAIN = Layout()  # one object for every plain tensor: pickled once per plan
+
+
+@dataclass
+class LocalSavePlan:
+    """A rank's local save plan, and what its planner keeps to finish and resolve it.
+
+    Attributes:
+        plan: the items and the :class:`SaveRankReport` sent to the coordinator.
+        groups: this rank's mesh groups (their writes are derived in ``finish_plan``).
+        coords: mesh-planned tensor -> this rank's coordinate on its mesh.
+        encoded: encoded bytes of every value, by state-dict key.
+        layouts: layout of every tensor this rank saves (None: pieces).
+        pieces: ``(fqn, offsets)`` -> (state-dict key, piece) of every piece it saves.
+    """
+
+    plan: SavePlan
+    groups: list[MeshGroup] = field(default_factory=list)
+    coords: dict[str, list[int]] = field(default_factory=dict)
+    encoded: dict[str, bytes] = field(default_factory=dict)
+    layouts: dict[str, Layout | None] = field(default_factory=dict)
+    pieces: dict[PieceKey, tuple[str, Piece]] = field(default_factory=dict)
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """xxh3-64 of a tensor's bytes (copied to the CPU first if needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return xxhash.xxh3_64_hexdigest(tensor_view(t.contiguous()))
+
+
+def create_local_save_plan(
+    state_dict: dict[str, Any],
+    rank: int,
+    world_size: int,
+    *,
+    compact_plans: bool = True,
+    check_replicated_tensors: bool = True,
+) -> LocalSavePlan:
+    """Write items for values, plain tensors and irregular chunks; mesh groups for the rest.
+
+    ``state_dict`` is flattened (DCP's keys). Regular DTensors produce no
+    write item here when ``compact_plans``: the rank sends its mesh group's
+    checksum (the mesh's first rank also sends the group's description).
+    """
+    out = LocalSavePlan(SavePlan([]))
+    items: list[WriteItem] = []
+    digests: dict[str, str] = {}
+    layouts: dict[str, Layout] = {}
+    rank_local: list[str] = []
+    meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...], list[int]]] = {}
+    piece_fqns: set[str] = set()
+    piece_digests: dict[PieceKey, str] = {}
+    members: dict[tuple[tuple[int, ...], tuple[int, ...]], list[TensorSpec]] = defaultdict(list)
+    for fqn, obj in state_dict.items():
+        if isinstance(obj, RankLocal):
+            out.encoded[fqn] = encode_value(obj.value, fqn)
+            rank_local.append(fqn)
+            items.append(WriteItem(MetadataIndex(rank_local_key(rank, fqn)), WriteItemType.BYTE_IO))
+        elif is_checkpointable(obj):
+            # LocalShardsWrapper DTensors (torchrec) and tensor subclasses of
+            # DCP's checkpointable protocol say their own chunks: their
+            # placements, if any, do not describe them. Listed explicitly, as
+            # a ShardedTensor's are.
+            if isinstance(obj, DTensor):
+                _dtensor_layout(fqn, obj)  # refuses Partial placements, naming the key
+            out.layouts[fqn] = None
+            items.extend(_checkpointable_items(fqn, obj))
+        elif isinstance(obj, DTensor):
+            layout = _dtensor_layout(fqn, obj)
+            if obj.device_mesh.get_coordinate() is None:
+                # This rank is not in the tensor's mesh (a DTensor on a
+                # sub-mesh): it holds none of it, and the mesh's ranks save it.
+                continue
+            out.layouts[fqn] = layout
+            shape = tuple(obj.shape)
+            if compact_plans and obj.numel() and _arithmetic_grid(layout, shape):
+                mesh = meshes.get(id(obj.device_mesh))
+                if mesh is None:
+                    dm = obj.device_mesh
+                    mesh = (
+                        tuple(dm.shape),
+                        tuple(dm.mesh.reshape(-1).tolist()),
+                        list(dm.get_coordinate() or ()),
+                    )
+                    meshes[id(obj.device_mesh)] = mesh
+                members[mesh[:2]].append(TensorSpec(fqn, dtype_name(obj.dtype), shape, layout))
+                out.coords[fqn] = mesh[2]
+                continue
+            layouts[fqn] = layout
+            # Empty local shards (uneven FSDP splits) hold no bytes; keep
+            # them only for an empty tensor, so that it is still recorded.
+            items.extend(
+                i
+                for i in create_write_items(fqn, obj)
+                if tensor_data(i).chunk.sizes.numel() or not obj.numel()
+            )
+        elif isinstance(obj, TensorPieces):
+            items.extend(
+                _piece_items(fqn, obj, rank, world_size, out.pieces, piece_fqns, piece_digests)
+            )
+        elif isinstance(obj, ShardedTensor):
+            # FSDP1 SHARDED_STATE_DICT, torchrec: each rank holds shards at
+            # global offsets, as an irregular DTensor does. No layout is known,
+            # so the index lists its chunks explicitly.
+            out.layouts[fqn] = None
+            items.extend(
+                i
+                for i in create_write_items(fqn, obj)
+                if tensor_data(i).chunk.sizes.numel() or not obj.numel()
+            )
+        elif isinstance(obj, torch.Tensor):
+            out.layouts[fqn] = layouts[fqn] = _PLAIN
+            if check_replicated_tensors and world_size > 1:
+                digests[fqn] = tensor_digest(obj)
+            items.extend(create_write_items(fqn, obj))
+        else:
+            data = encode_value(obj, fqn)
+            out.encoded[fqn] = data
+            digests[fqn] = xxhash.xxh3_64_hexdigest(data)
+            items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
+    reports = []
+    for (mesh_shape, ranks), specs in members.items():
+        group = cached_group(
+            MeshGroup(mesh_shape, ranks, tuple(sorted(specs, key=lambda t: t.fqn)))
+        )
+        out.groups.append(group)
+        describe = rank == group.first_rank
+        reports.append(
+            MeshGroupReport(
+                group.signature, group.first_rank, group.to_json() if describe else None
+            )
+        )
+    report = SaveRankReport(
+        rank=rank,
+        digests=digests,
+        layouts=layouts,
+        rank_local=tuple(rank_local),
+        groups=tuple(reports),
+        pieces=tuple(sorted(piece_fqns)),
+        piece_digests=piece_digests,
+    )
+    out.plan = SavePlan(items, planner_data=report)
+    return out
+
+
+def _dtensor_layout(fqn: str, obj: DTensor) -> Layout:
+    """The layout of DTensor ``fqn``; a ``LayoutError`` naming it when its placements have none
+    (Partial)."""
+    try:
+        return _layout_for(tuple(obj.device_mesh.shape), tuple(obj.placements))
+    except ValueError as e:
+        raise LayoutError(f"tensor {fqn!r}: {e}") from None
+
+
+def _checkpointable_items(fqn: str, obj: torch.Tensor) -> list[WriteItem]:
+    """The write items ``obj`` plans for itself (``__create_write_items__``), checked.
+
+    Every item must be a tensor chunk inside the tensor's global shape; the
+    empty shard of a rank that holds none is dropped.
+    """
+    kind = type(dtensor_local(obj) if isinstance(obj, DTensor) else obj).__name__
+    if not hasattr(obj, "__create_write_items__"):
+        raise UnsupportedValueError(
+            f"tensor {fqn!r}: its {kind} has __create_chunk_list__ but no __create_write_items__; "
+            "a checkpointable tensor must implement both (and __get_tensor_shard__) to be saved"
+        )
+    shape = tuple(obj.shape)
+    out = []
+    for item in create_write_items(fqn, obj):
+        td = item.tensor_data
+        if item.type == WriteItemType.BYTE_IO or td is None:
+            raise UnsupportedValueError(
+                f"tensor {fqn!r}: its {kind} plans a non-tensor write item ({item.type.name}); "
+                "only tensor "
+                "chunks can be saved from a checkpointable tensor"
+            )
+        offsets, sizes = tuple(td.chunk.offsets), tuple(td.chunk.sizes)
+        if math.prod(sizes) == 0 and math.prod(shape) != 0:
+            # an empty shard (a rank that holds none) has no bytes; an empty tensor is still
+            # recorded
+            continue
+        if (
+            tuple(td.size) != shape
+            or len(offsets) != len(shape)
+            or len(sizes) != len(shape)
+            or any(o < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape))
+        ):
+            raise UnsupportedValueError(
+                f"tensor {fqn!r}: its {kind} plans a chunk at offsets {list(offsets)} of size "
+                f"{list(sizes)} "
+                f"in a tensor of size {list(td.size)}, but the tensor's shape is {list(shape)}: "
+                "the chunk must "
+                "lie inside it"
+            )
+        out.append(item)
+    return out
+
+
+def _piece_items(
+    key: str,
+    obj: TensorPieces,
+    rank: int,
+    world_size: int,
+    seen: dict[PieceKey, tuple[str, Piece]],
+    piece_fqns: set[str],
+    piece_digests: dict[PieceKey, str],
+) -> list[WriteItem]:
+    """One write item per piece, named by its logical tensor (the state-dict key is not stored)."""
+    items = []
+    for p in obj.pieces:
+        piece_fqns.add(p.fqn)
+        if not p.data.numel() and math.prod(p.shape) != 0:
+            continue  # holds no bytes; an empty logical tensor is still recorded
+        where = (p.fqn, p.offsets)
+        other = seen.get(where)
+        if other is not None:
+            raise InconsistentSaveError(
+                f"logical tensor {p.fqn!r}: this rank (rank {rank}) gives the piece at offsets "
+                f"{list(p.offsets)} twice, under state-dict keys {other[0]!r} and {key!r}"
+            )
+        seen[where] = (key, p)
+        if obj.replicated and world_size > 1:
+            piece_digests[where] = tensor_digest(p.data)
+        items.append(shard_item(p.fqn, Box(p.offsets, tuple(p.data.shape)), p.data.dtype, p.shape))
+    return items
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout_for(mesh_shape: tuple[int, ...], placements: tuple[Placement, ...]) -> Layout:
+    # Every parameter of a model shares a handful of layouts: name them once.
+    return Layout(mesh_shape, tuple(placement_to_str(p) for p in placements))
+
+
+@functools.lru_cache(maxsize=4096)
+def _arithmetic_grid(layout: Layout, shape: tuple[int, ...]) -> bool:
+    """Whether the layout's chunks (and their holders) follow by arithmetic."""
+    try:
+        return layout.grid(shape).mesh_lin is not None
+    except ValueError:  # not box-shaped: planned per chunk
+        return False

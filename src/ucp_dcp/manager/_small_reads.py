@@ -20,8 +20,7 @@ from typing import Any
 import torch
 
 from .._compat import flatten_state_dict
-from ..core.values import copy_containers, set_in_place
-from ..core.values import RankLocal
+from ..core.values import RankLocal, copy_containers, set_in_place
 from ..dcp import PlannedRead, ReadOptions
 from ..tools.checkpoint import Checkpoint
 
