@@ -1,4 +1,4 @@
-"""``UCPLoadPlanner``: what each rank reads back, as DCP's load-planner protocol, and its local step.
+"""``UCPLoadPlanner``: what each rank reads back, as DCP's load-planner protocol; its local step.
 
 The planner turns the target state dict (any layout, any world size) into reads of exactly the
 overlapping boxes of the saved chunks, with strictness rules on keys, shapes and dtypes, and hands
