@@ -321,7 +321,7 @@ def driver(args: argparse.Namespace) -> int:
 
     # --- goodput from the crashed run's save costs; restart cost = the restart phase up to
     # the restored state (torchrun, imports, set-up, load), as measured here.
-    from ucp_dcp.manager.goodput import estimate
+    from ucp_dcp.manager.config import estimate
 
     stats = train["stats"]
     if stats:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucp_dcp.errors import InvalidArgumentError
-from ucp_dcp.manager.goodput import daly_interval, effective_ratio, estimate, young_interval
+from ucp_dcp.manager.config import daly_interval, effective_ratio, estimate, young_interval
 
 costs = st.floats(min_value=0.01, max_value=600.0)
 mtbfs = st.floats(min_value=600.0, max_value=30 * 86400.0)

@@ -75,11 +75,10 @@ from ..errors import (
     InvalidStateError,
     NoCheckpointError,
 )
-from . import goodput
 from ._collective import Group, NodeLayout
 from ._pipeline import SaveJob, SavePipeline
 from ._restore import Restorer
-from .config import CheckpointConfig, tiers_due
+from .config import CheckpointConfig, GoodputEstimate, estimate, tiers_due
 from .peer import clean_partials
 from .records import ReshardEvent, RestoreRecord, SaveRecord
 from .snapshot import NonFiniteError, Snapshotter, find_nonfinite
@@ -309,11 +308,11 @@ class CheckpointManager:
         """Per-save measurements of the saves committed so far."""
         return list(self.records)
 
-    def goodput(self, mtbf_s: float, *, restart_s: float = 0.0) -> goodput.GoodputEstimate:
+    def goodput(self, mtbf_s: float, *, restart_s: float = 0.0) -> GoodputEstimate:
         """Daly's optimal checkpoint interval and the expected goodput for the measured save
         cost."""
         recs = self.records
-        return goodput.estimate(
+        return estimate(
             [r.blocking_s for r in recs],
             [r.write_s for r in recs],
             [r.nbytes for r in recs],
