@@ -51,9 +51,8 @@ from .errors import (
 from .format import FORMAT_VERSION
 from .manager.manager import CheckpointConfig, CheckpointManager, ReshardEvent
 from .sources.native import load_index, rebuild_index
-from .tools.checkpoint import Checkpoint
+from .tools.checkpoint import Checkpoint, ModuleLoadResult, load_into_module, load_state_dict
 from .tools.convert import convert
-from .tools.handoff import ModuleLoadResult, load_into_module, load_state_dict
 from .tools.hf import export_hf, import_hf
 from .tools.inspection import inspect_checkpoint
 
