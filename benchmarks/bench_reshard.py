@@ -34,6 +34,18 @@ a restart does) and measures, per format:
   ucp/limit as medians of paired per-repeat ratios, against issue 22's
   targets (same layout <= 0.8x DCP, no pair slower than DCP, one process
   <= 1.2x the limit), printed met/MISSED, never asserted,
+* the user's restart (issue 36; ``--pairs fsdp2-1,fsdp2-dp4``, not in the
+  default set): a real transformer-like ``nn.Module`` under FSDP2
+  ``fully_shard`` on a 1-rank or 4-rank mesh, one AdamW step taken, state
+  from ``get_state_dict``, saved with each format's defaults and loaded back
+  in the same layout into a fresh model's ``get_state_dict`` (cold), ucp
+  defaults vs DCP defaults in paired repeats of alternating order (ucp first
+  in repeats 1, 3, ...): wall time of ``dcp.load`` and CPU seconds (user +
+  sys of every rank, threads included) side by side, each as the median of
+  the paired per-repeat ratios against the issue's 0.9x-DCP target
+  (met/MISSED, never asserted); ``set_state_dict`` timed apart; every load
+  compared bit-exactly with the saved state.  ``--formats`` and ``--hidden``
+  do not apply to these pairs,
 * with ``--verify-cost``: for ucp, every timed cold load is run twice, with
   the reader's checksum verification on (the default) and off, in
   alternating order, and the per-pair cost of verification is reported
@@ -58,6 +70,8 @@ Usage::
     python benchmarks/bench_reshard.py --pairs dp2tp2-dp3 --formats dcp,ucp
     python benchmarks/bench_reshard.py --pairs dp1-dp1,dp4-dp4,dp2tp2-dp2tp2 --formats dcp,ucp --repeats 5
     python benchmarks/bench_reshard.py --size-mb 150 --formats ucp --repeats 3 --verify-cost
+    python benchmarks/bench_reshard.py --pairs fsdp2-1,fsdp2-dp4 --repeats 5 --probe-mb 0   # the user's restart
+    python benchmarks/bench_reshard.py --pairs fsdp2-1,fsdp2-dp4 --size-mb 20 --repeats 2 --probe-mb 0
 
 See benchmarks/README.md for the method and caveats.
 """
@@ -69,6 +83,7 @@ import functools
 import math
 import os
 import platform
+import resource
 import shutil
 import statistics
 import sys
@@ -128,6 +143,7 @@ from harness import (
     storage_limits,
     synth_values,
     tensor_bytes,
+    tensors,
     text_table,
     total_resident_bytes,
     verdict,
@@ -152,6 +168,8 @@ EXTRA_MEMORY_PER_RANK = 64 * MiB  # peak extra anonymous memory per rank during 
 # one-process load is TARGET_LOAD_OVER_LIMIT, which every pair is held to.
 TARGET_SAME_LAYOUT_VS_DCP = 0.8  # same-layout pairs: ucp cold load / DCP's (median of paired repeats)
 TARGET_NOT_SLOWER_THAN_DCP = 1.0  # every pair, resharding or not
+# The user's restart (issue 36): FSDP2 + AdamW from get_state_dict, same layout, cold. Informational.
+TARGET_RESTART_VS_DCP = 0.9  # ucp / DCP, wall time and CPU seconds (medians of paired per-repeat ratios)
 
 
 # --------------------------------------------------------------------------
@@ -274,6 +292,16 @@ PAIRS: dict[str, tuple[str, str]] = {
     "dp2tp2-dp2tp2": ("dp2tp2", "dp2tp2"),
 }
 SAME_LAYOUT_PAIRS = tuple(p for p, (src, dst) in PAIRS.items() if src == dst)
+
+# The user's restart (issue 36): a real FSDP2 model (``fully_shard`` on a 1-D mesh of this many ranks)
+# with AdamW state from ``get_state_dict``, saved and loaded back in the same layout. Kept apart from
+# PAIRS (other scripts iterate that), selected with the same --pairs option.
+RESTART_PAIRS: dict[str, int] = {"fsdp2-1": 1, "fsdp2-dp4": 4}
+RESTART_FORMATS = ("ucp", "dcp")  # repeat i runs them in this order when i is even, reversed when odd
+RESTART_LAYERS = 5  # 6 weights per block + embedding, final norm (w, b), head: 34 params, 136 state tensors
+RESTART_VOCAB_PER_HIDDEN = 4
+# The mesh of each restart pair (Shard(0) placements only serve the tiny warm-up round trip).
+RESTART_LAYOUTS: dict[str, Layout] = {p: _fsdp(p, n) for p, n in RESTART_PAIRS.items()}
 
 
 def make_mesh(layout: Layout) -> DeviceMesh | None:
@@ -484,8 +512,10 @@ def ckpt_dir(workdir: str, layout: str, fmt: str) -> str:
 class Job:
     """One unit of work for the spawned ranks.
 
-    kind "save": name is a source layout; kind "load": name is a pair id.  A
-    job runs on ranks 0..nranks-1 of the world, the others wait it out.
+    kind "save": name is a source layout; kind "load": name is a pair id;
+    kind "restart": name is a restart pair (save and load of a real FSDP2
+    model, :func:`run_restart_job`).  A job runs on ranks 0..nranks-1 of the
+    world, the others wait it out.
     """
 
     kind: str
@@ -496,10 +526,13 @@ class Job:
     repeats: int = 1
     sample_interval_s: float = 0.002
     verify_cost: bool = False
+    size_mb: float = 0.0  # kind "restart": the training state's size
 
     @property
     def layout(self) -> Layout:
         """The layout the job's ranks hold (the source of a save, the target of a load)."""
+        if self.kind == "restart":
+            return RESTART_LAYOUTS[self.name]
         return LAYOUTS[self.name if self.kind == "save" else PAIRS[self.name][1]]
 
     @property
@@ -747,6 +780,181 @@ def run_load_job(job: Job, ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+# --------------------------------------------------------------------------
+# The user's restart (issue 36): a real FSDP2 model + AdamW, same layout
+# --------------------------------------------------------------------------
+
+
+class _Block(torch.nn.Module):
+    """A transformer-like block: the weights of ``model_specs``' template (GQA qkv, o, MLP up/down, norms)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        kv = hidden // 4
+        self.hidden = hidden
+        self.attn_norm = torch.nn.LayerNorm(hidden, bias=False)
+        self.qkv = torch.nn.Linear(hidden, hidden + 2 * kv, bias=False)
+        self.o = torch.nn.Linear(hidden, hidden, bias=False)
+        self.mlp_norm = torch.nn.LayerNorm(hidden, bias=False)
+        self.up = torch.nn.Linear(hidden, 2 * hidden, bias=False)
+        self.down = torch.nn.Linear(2 * hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual 'attention' (the q part of qkv through o) and MLP."""
+        x = x + self.o(self.qkv(self.attn_norm(x))[..., : self.hidden])
+        return x + self.down(torch.nn.functional.gelu(self.up(self.mlp_norm(x))))
+
+
+class RestartModel(torch.nn.Module):
+    """Embedding, RESTART_LAYERS blocks, final LayerNorm and an untied head."""
+
+    def __init__(self, hidden: int, vocab: int, layers: int = RESTART_LAYERS) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.layers = torch.nn.ModuleList(_Block(hidden) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of ``tokens``."""
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def restart_dims(size_mb: float) -> tuple[int, int]:
+    """(hidden, vocab) whose fp32 params + AdamW moments come closest to ``size_mb`` (hidden a multiple of 64).
+
+    Per hidden^2: 6.5 elements per block (qkv 1.5, o 1, up 2, down 2) and 2 x vocab/hidden for the
+    embedding and the head; 12 bytes per element (param, exp_avg, exp_avg_sq).
+    """
+    per_h2 = 6.5 * RESTART_LAYERS + 2 * RESTART_VOCAB_PER_HIDDEN
+    hidden = max(64, round(math.sqrt(size_mb * MB / 12 / per_h2) / 64) * 64)
+    return hidden, RESTART_VOCAB_PER_HIDDEN * hidden
+
+
+def build_restart(size_mb: float, mesh: DeviceMesh, *, trained: bool) -> tuple[Any, Any, dict[str, Any]]:
+    """(model, AdamW, ``{"model": ..., "optim": ...}`` from ``get_state_dict``) of an FSDP2 model on ``mesh``.
+
+    trained: seeded init and one AdamW step on a fixed batch (the state to save). Otherwise the
+    user's restart: built on the meta device, sharded, ``to_empty``, a fresh AdamW (``get_state_dict``
+    initialises its state), and every floating tensor of the state dict filled with NaN, so an
+    element the load forgets fails the comparison.
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    hidden, vocab = restart_dims(size_mb)
+    if trained:
+        torch.manual_seed(0)
+        model = RestartModel(hidden, vocab)
+    else:
+        with torch.device("meta"):
+            model = RestartModel(hidden, vocab)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if not trained:
+        model.to_empty(device="cpu")
+    optim = torch.optim.AdamW(model.parameters(), lr=ADAMW_HYPER["lr"], betas=ADAMW_HYPER["betas"],
+                              eps=ADAMW_HYPER["eps"], weight_decay=ADAMW_HYPER["weight_decay"])
+    if trained:
+        tokens = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+        model(tokens).float().pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    sd = {"model": model_sd, "optim": optim_sd}
+    if not trained:
+        with torch.no_grad():
+            for t in tensors(sd):
+                if local(t).is_floating_point():
+                    local(t).fill_(float("nan"))
+    return model, optim, sd
+
+
+def _restart_cold_load(fmt: str, path: str, files: list[str], sd: dict[str, Any], ctx: Ctx) -> dict[str, Any]:
+    """One cold ``dcp.load`` of ``fmt`` with its default reader options: wall time and this process's CPU time."""
+    reader, planner = make_reader(fmt, path)
+    release_free_memory()
+    evict(files)  # every rank evicts: no doubt about which rank's eviction ran last
+    ctx.barrier()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process, user + system
+    t0 = time.perf_counter()
+    dcp.load(sd, storage_reader=reader, planner=planner, process_group=ctx.group)
+    load_s = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_s = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    return {"load_s": load_s, "cpu_s": cpu_s, "reader": reader_counters(reader) if fmt == "ucp" else None}
+
+
+def _restart_repeat(job: Job, fmt: str, expected: dict[str, Any], ctx: Ctx, res: dict[str, Any]) -> None:
+    """Build the restart target, load ``fmt`` cold (timed), verify bit-exactly, then ``set_state_dict`` (timed)."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = ckpt_dir(job.workdir, job.name, fmt)
+    model, optim, sd = build_restart(job.size_mb, ctx.mesh, trained=False)
+    ctx.barrier()
+    run = _restart_cold_load(fmt, path, files_under(path), sd, ctx)
+    res["load_s_runs"].append(run["load_s"])
+    res["cpu_s_runs"].append(run["cpu_s"])
+    if run["reader"] is not None:
+        res["reader"] = run["reader"]
+    res["mismatches"] = verify(sd, expected)
+    rank_log(f"restart {job.name}/{fmt}: cold load {run['load_s']:.2f}s, cpu {run['cpu_s']:.2f}s")
+    t0 = time.perf_counter()
+    set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    res["set_s_runs"].append(time.perf_counter() - t0)
+    del model, optim, sd
+
+
+def run_restart_job(job: Job, ctx: Ctx) -> dict[str, Any]:
+    """The user's restart: save a trained FSDP2 model + AdamW once per format, then paired cold loads.
+
+    Repeat ``i`` loads ucp then DCP when ``i`` is even (the 1st, 3rd, ... repeat), DCP then ucp
+    when it is odd. A format that fails or loads wrong data (on any rank) drops out.
+    """
+    rank_log(f"restart {job.name}: building and training the model")
+    _model, _optim, expected = build_restart(job.size_mb, ctx.mesh, trained=True)
+    out: dict[str, Any] = {}
+    active: list[str] = []
+    for fmt in RESTART_FORMATS:
+        res: dict[str, Any] = {"needed_bytes": tensor_bytes(expected), "num_tensors": sum(1 for _ in tensors(expected)),
+                               "load_s_runs": [], "cpu_s_runs": [], "set_s_runs": [], "run_positions": [],
+                               "mismatches": []}
+        out[fmt] = res
+        err = None
+        try:
+            warm_up(fmt, job.layout, ctx, job.workdir)
+            path = ckpt_dir(job.workdir, job.name, fmt)
+            fresh_dir(path, ctx.group)
+            saved = _timed_save(fmt, path, expected, ctx)  # dcp.save's defaults for each format, fsynced, evicted
+            res.update({"save_s": saved.pop("save_s"), **saved})
+            rank_log(f"restart {job.name}/{fmt}: saved in {res['save_s']:.2f}s")
+        except Exception:
+            err = traceback.format_exc()
+        res["error"] = ctx.agree(err)
+        if res["error"] is None:
+            active.append(fmt)
+
+    for i in range(job.repeats):
+        order = [f for f in (RESTART_FORMATS if i % 2 == 0 else RESTART_FORMATS[::-1]) if f in active]
+        for pos, fmt in enumerate(order):
+            out[fmt]["run_positions"].append(pos)
+            err = None
+            try:
+                _restart_repeat(job, fmt, expected, ctx, out[fmt])
+            except Exception:
+                err = traceback.format_exc()
+            out[fmt]["error"] = ctx.agree(err)
+            # every rank takes the same branch (a mismatch may be seen on one rank only)
+            wrong = ctx.agree("mismatch" if out[fmt]["mismatches"] else None)
+            if out[fmt]["error"] is not None or wrong:
+                active.remove(fmt)
+    return out
+
+
 def rank_main(rank: int, world: int, jobs: list[Job]) -> list[dict[str, Any]]:
     """One spawned rank: every job in order; per job, its per-format results (None where idle)."""
     rank_log("process group up")
@@ -761,7 +969,7 @@ def rank_main(rank: int, world: int, jobs: list[Job]) -> list[dict[str, Any]]:
         per_format = None
         if rank < job.nranks:
             ctx = Ctx(groups[job.nranks], mesh)
-            fn = run_save_job if job.kind == "save" else run_load_job
+            fn = {"save": run_save_job, "load": run_load_job, "restart": run_restart_job}[job.kind]
             per_format = fn(job, ctx)
         results.append({"kind": job.kind, "name": job.name, "per_format": per_format})
         dist.barrier()  # idle ranks wait here, outside any measurement
@@ -842,6 +1050,116 @@ def merge_load(per_rank: list[list[dict[str, Any]]], j: int) -> dict[str, Any]:
     return merged
 
 
+def merge_restart(per_rank: list[list[dict[str, Any]]], j: int) -> dict[str, Any]:
+    """Per format of a restart pair: slowest rank's wall time, CPU seconds summed over ranks, per repeat."""
+    ranks = _participants(per_rank, j)
+    merged: dict[str, Any] = {}
+    for fmt, r0 in ranks[0].items():
+        rs = [r[fmt] for r in ranks]
+        entry: dict[str, Any] = {
+            "error": r0.get("error"), "run_positions": r0.get("run_positions"),
+            "mismatches": [f"rank {i}: {m}" for i, r in enumerate(rs) for m in r.get("mismatches", [])],
+            "needed_bytes": sum(r["needed_bytes"] for r in rs), "num_tensors": r0.get("num_tensors"),
+            "ranks": len(rs)}
+        if all("save_s" in r for r in rs):
+            entry.update(save_s=max(r["save_s"] for r in rs), bytes_on_disk=r0.get("bytes_on_disk"),
+                         num_files=r0.get("num_files"), residual_after_evict=r0.get("residual_after_evict"))
+        # a run counts once every rank finished it (a failed run leaves shorter lists)
+        wall = [max(v) for v in zip(*(r["load_s_runs"] for r in rs))]
+        cpu = [sum(v) for v in zip(*(r["cpu_s_runs"] for r in rs))]
+        sets = [max(v) for v in zip(*(r["set_s_runs"] for r in rs))]
+        entry.update(load_s_runs=wall, cpu_s_runs=cpu, set_s_runs=sets, load_s=median(wall), cpu_s=median(cpu),
+                     set_s=median(sets))
+        if any(r.get("reader") for r in rs):
+            entry["reader_per_rank"] = [r.get("reader") for r in rs]
+        merged[fmt] = entry
+    return merged
+
+
+RESTART_COLUMNS = [Column("pair", 10, "<"), Column("repeats", 8), Column("ucp wall s", 11), Column("DCP wall s", 11),
+                   Column("wall ucp/DCP", 13), Column(f"<={TARGET_RESTART_VS_DCP}", 8), Column("ucp CPU s", 10),
+                   Column("DCP CPU s", 10), Column("CPU ucp/DCP", 12), Column(f"<={TARGET_RESTART_VS_DCP}", 8),
+                   Column("set_state_dict s", 17), Column("status", 0, "<", gap=2)]
+RESTART_REPEAT_COLUMNS = [Column("pair", 10, "<"), Column("repeat", 7), Column("first", 6, "<", gap=2),
+                          Column("ucp wall s", 11), Column("DCP wall s", 11), Column("wall ratio", 11),
+                          Column("ucp CPU s", 10), Column("DCP CPU s", 10), Column("CPU ratio", 10)]
+
+
+def restart_records(loads: dict[str, Any], pairs: Sequence[str]) -> dict[str, Any]:
+    """Per restart pair: both formats' runs, the paired ratios ucp/DCP (wall, CPU) and the 0.9x verdicts."""
+    out: dict[str, Any] = {}
+    verdicts: dict[str, str] = {}
+    for pair in pairs:
+        per = loads.get(pair, {})
+        ucp, dcp_ = per.get("ucp", {}), per.get("dcp", {})
+        wall = paired_ratios(ucp.get("load_s_runs"), dcp_.get("load_s_runs"))
+        cpu = paired_ratios(ucp.get("cpu_s_runs"), dcp_.get("cpu_s_runs"))
+        rec = {"pair": pair, "ranks": RESTART_PAIRS[pair], "repeats": min(len(wall), len(cpu)),
+               "formats": per, "wall_ratio_runs": wall, "cpu_ratio_runs": cpu,
+               "wall_ratio": median(wall), "cpu_ratio": median(cpu), "target_max": TARGET_RESTART_VS_DCP}
+        rec["verdicts"] = {"wall_vs_dcp": verdict(rec["wall_ratio"], TARGET_RESTART_VS_DCP),
+                           "cpu_vs_dcp": verdict(rec["cpu_ratio"], TARGET_RESTART_VS_DCP)}
+        out[pair] = rec
+        verdicts.update({f"{pair}/{k}": v for k, v in rec["verdicts"].items()})
+    return {"pairs": out, "verdicts": verdicts}
+
+
+def _restart_status(per: dict[str, Any]) -> str:
+    bad = [f"{fmt}: " + ("FAILED" if e.get("error") else f"MISMATCH ({len(e['mismatches'])})")
+           for fmt, e in per.items() if e.get("error") or e.get("mismatches")]
+    return "; ".join(bad) if bad else ("ok" if per else "not run")
+
+
+def _restart_rows(doc: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for pair, rec in doc["pairs"].items():
+        ucp, dcp_ = rec["formats"].get("ucp", {}), rec["formats"].get("dcp", {})
+        rows.append([pair, str(rec["repeats"]), fmt_num(ucp.get("load_s"), ".3f"), fmt_num(dcp_.get("load_s"), ".3f"),
+                     fmt_num(rec["wall_ratio"], ".2f"), rec["verdicts"]["wall_vs_dcp"],
+                     fmt_num(ucp.get("cpu_s"), ".2f"), fmt_num(dcp_.get("cpu_s"), ".2f"),
+                     fmt_num(rec["cpu_ratio"], ".2f"), rec["verdicts"]["cpu_vs_dcp"],
+                     f"{fmt_num(ucp.get('set_s'), '.3f')} / {fmt_num(dcp_.get('set_s'), '.3f')}",
+                     _restart_status(rec["formats"])])
+    return rows
+
+
+def restart_report(doc: dict[str, Any], size_mb: float) -> str:
+    """The issue-36 tables: each restart pair's medians and ratios, then every repeat."""
+    hidden, vocab = restart_dims(size_mb)
+    per_repeat = []
+    for pair, rec in doc["pairs"].items():
+        ucp, dcp_ = rec["formats"].get("ucp", {}), rec["formats"].get("dcp", {})
+        for i in range(rec["repeats"]):
+            per_repeat.append([pair, str(i + 1), "ucp" if i % 2 == 0 else "DCP",
+                               fmt_num(ucp["load_s_runs"][i], ".3f"), fmt_num(dcp_["load_s_runs"][i], ".3f"),
+                               fmt_num(rec["wall_ratio_runs"][i], ".2f"), fmt_num(ucp["cpu_s_runs"][i], ".2f"),
+                               fmt_num(dcp_["cpu_s_runs"][i], ".2f"), fmt_num(rec["cpu_ratio_runs"][i], ".2f")])
+    first = next(iter(doc["pairs"].values()), {}).get("formats", {}).get("ucp", {})
+    missed = [k for k, v in doc["verdicts"].items() if v == "MISSED"]
+    return "\n".join([
+        "=== the user's restart (issue 36): FSDP2 + AdamW from get_state_dict, same layout, cold; "
+        "ucp defaults vs DCP defaults ===",
+        f"model: {RESTART_LAYERS} blocks, hidden {hidden}, vocab {vocab}; "
+        f"{fmt_mb(first.get('needed_bytes'))} MB state, {first.get('num_tensors', '-')} tensors in each rank's "
+        "state dict",
+        *text_table(RESTART_COLUMNS, _restart_rows(doc)),
+        "wall: dcp.load on the slowest rank; CPU: user+sys of every rank (all threads) during dcp.load, summed; "
+        "ratios: medians of the per-repeat ratios (ucp first in repeats 1, 3, ..., DCP first in 2, 4, ...); "
+        f"target <= {TARGET_RESTART_VS_DCP:g}x DCP (informational); set_state_dict s: ucp / DCP medians",
+        "",
+        *text_table(RESTART_REPEAT_COLUMNS, per_repeat),
+        f"targets: {len(doc['verdicts']) - len(missed)} met, {len(missed)} MISSED"
+        + (": " + ", ".join(missed) if missed else ""),
+    ])
+
+
+def restart_markdown(doc: dict[str, Any]) -> str:
+    """The issue-36 table as markdown."""
+    return markdown_table(["pair", "repeats", "ucp wall s", "DCP wall s", "wall ucp / DCP", "wall target",
+                           "ucp CPU s", "DCP CPU s", "CPU ucp / DCP", "CPU target", "set_state_dict s (ucp / DCP)",
+                           "status"], _restart_rows(doc))
+
+
 def run_jobs(jobs: list[Job], failures: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Spawn once, run every job; returns (saves by layout, loads by pair)."""
     world = max(j.nranks for j in jobs)
@@ -860,6 +1178,8 @@ def run_jobs(jobs: list[Job], failures: list[str]) -> tuple[dict[str, Any], dict
     for j, job in enumerate(jobs):
         if job.kind == "save":
             saves[job.name] = merge_save(per_rank, j)
+        elif job.kind == "restart":  # restart pair names differ from PAIRS': one dict, one failure list
+            loads[job.name] = merge_restart(per_rank, j)
         else:
             loads[job.name] = merge_load(per_rank, j)
     print(f"ranks done in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -1227,7 +1547,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=None,
                    help="hidden size; default 2048, or 1024 when --size-mb < 150")
     p.add_argument("--pairs", default=",".join(PAIRS),
-                   help=f"comma-separated subset of: {', '.join(PAIRS)}")
+                   help=f"comma-separated subset of: {', '.join(PAIRS)} (default: all of these), and the "
+                        f"user's restart (issue 36; real FSDP2 model + AdamW, ucp vs DCP, wall and CPU "
+                        f"seconds): {', '.join(RESTART_PAIRS)}")
     p.add_argument("--formats", default=",".join(FORMATS),
                    help="comma-separated subset of: dcp, ucp, hf")
     p.add_argument("--repeats", type=int, default=None,
@@ -1257,7 +1579,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.hidden = 2048 if args.size_mb >= 150 else 1024
     if args.save_repeats is None:
         args.save_repeats = args.repeats
-    args.pairs = comma_list(p, args.pairs, list(PAIRS), "pair")
+    args.pairs = comma_list(p, args.pairs, [*PAIRS, *RESTART_PAIRS], "pair")
+    args.restart_pairs = [x for x in args.pairs if x in RESTART_PAIRS]  # always ucp vs dcp; --formats ignored
+    args.pairs = [x for x in args.pairs if x in PAIRS]
     args.formats = comma_list(p, args.formats, FORMATS, "format")
     return args
 
@@ -1265,6 +1589,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def print_reports(saves: dict[str, Any], loads: dict[str, Any], args: argparse.Namespace,
                   measured: Sequence[dict[str, Any]] = ()) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Print every table; returns the per-pair JSON records and the storage-limit records."""
+    if not args.pairs:  # restart pairs only: their own table
+        return [], {}
     print()
     print(save_report(saves, args.formats))
     records = []
@@ -1332,9 +1658,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     specs = model_specs(args.size_mb, args.hidden)
     state_bytes = 3 * 4 * sum(s.numel for s in specs)
-    print(f"state: {len(specs)} weights (+ exp_avg, exp_avg_sq, step), hidden={args.hidden}, "
-          f"{state_bytes / MB:.1f} MB fp32; shapes: "
-          + ", ".join(f"{s.fqn.split('.', 2)[2]}{list(s.shape)}" for s in specs[:6]), flush=True)
+    if args.pairs:
+        print(f"state: {len(specs)} weights (+ exp_avg, exp_avg_sq, step), hidden={args.hidden}, "
+              f"{state_bytes / MB:.1f} MB fp32; shapes: "
+              + ", ".join(f"{s.fqn.split('.', 2)[2]}{list(s.shape)}" for s in specs[:6]), flush=True)
+    if args.restart_pairs:
+        hidden, vocab = restart_dims(args.size_mb)
+        print(f"restart state: FSDP2 model ({RESTART_LAYERS} blocks, hidden {hidden}, vocab {vocab}) + AdamW, "
+              f"pairs {', '.join(args.restart_pairs)}", flush=True)
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="ucp_bench_", dir="/tmp")
     os.makedirs(workdir, exist_ok=True)
@@ -1344,11 +1675,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.saves_only:
         jobs += [Job("load", p, args.formats, specs, workdir, args.repeats, verify_cost=args.verify_cost)
                  for p in args.pairs]
+        jobs += [Job("restart", p, list(RESTART_FORMATS), [], workdir, args.repeats, size_mb=args.size_mb)
+                 for p in args.restart_pairs]
     load_avg = [os.getloadavg()]
     measured: list[dict[str, Any]] = []
     try:
         measured.append(measure_storage(workdir, args.probe_mb, "start"))
-        saves, loads = run_jobs(jobs, failures)
+        saves, loads = run_jobs(jobs, failures) if jobs else ({}, {})
         measured.append(measure_storage(workdir, args.probe_mb, "end"))
     finally:
         load_avg.append(os.getloadavg())
@@ -1358,6 +1691,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"end {', '.join(f'{x:.2f}' for x in load_avg[1])}")
 
     records, limit_doc = print_reports(saves, loads, args, measured)
+    restart_doc = restart_records(loads, args.restart_pairs) if args.restart_pairs else None
+    if restart_doc:
+        print()
+        print(restart_report(restart_doc, args.size_mb))
     failures += collect_failures(saves, loads)
 
     wall = time.perf_counter() - t_start
@@ -1389,6 +1726,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if limit_doc.get("common_case"):
         result["common_case_md"] = common_case_markdown(limit_doc["common_case"])
+    if restart_doc:  # issue 36; the key is there only when a restart pair ran
+        hidden, vocab = restart_dims(args.size_mb)
+        result["restart"] = {**restart_doc, "model": {"layers": RESTART_LAYERS, "hidden": hidden, "vocab": vocab},
+                             "target_max": TARGET_RESTART_VS_DCP, "markdown": restart_markdown(restart_doc)}
     if limit_doc.get("saves") is not None:
         result["storage_speed_md"] = storage_speed_markdown(result)
         print("\n=== storage speed, markdown (the tables of docs/storage-speed.md) ===")

@@ -3,7 +3,7 @@
 
 Run from the repository root::
 
-    PYTHONPATH=$PWD/src python3 benchmarks/device_run.py          # ~3-4 min on 16 cores; never over --budget-s
+    PYTHONPATH=$PWD/src python3 benchmarks/device_run.py          # ~4-5 min on 16 cores; never over --budget-s
     python3 benchmarks/device_run.py --quick --out out/device     # smoke run of the plumbing (~2 min on 2 cores)
     python3 benchmarks/device_run.py --gpu --out benchmarks/results/gpu-<date>/   # the GPU paths (issue 35)
     python3 benchmarks/device_run.py --gpu --dry-run --out out/gpu                # every GPU step listed, skipped
@@ -35,6 +35,15 @@ the others' results. In order of importance:
     ``FileSystemWriter``/``FileSystemReader`` with its default planners, cold
     loads (page cache evicted) in paired repeats of alternating order, and
     the physical limit measured in the same run.
+``restart``
+    ``bench_reshard.py --pairs fsdp2-1,fsdp2-dp4`` (issue 36): the user's
+    restart, a real FSDP2 model (``fully_shard`` on a 1-rank and a 4-rank
+    mesh) with AdamW state from ``get_state_dict``, ~300 MB, saved with each
+    format's defaults and loaded back in the same layout into a fresh
+    model's ``get_state_dict``, cold, ucp_dcp's defaults against DCP's in 5
+    paired repeats of alternating order; wall time and CPU seconds (user +
+    sys of every rank, threads included) side by side, each against the
+    0.9x-DCP target.
 ``manager``
     ``bench_manager.py --sections vs_dcp``: ``CheckpointManager.load`` from
     the local tier against ``dcp.load`` of the same state with
@@ -49,10 +58,10 @@ Each part gets ``min(its cap, what is left of --budget-s)`` seconds. Only
 DCP's synchronous ``dcp.save``/``dcp.load`` are used (no async staging,
 whose ``DefaultStager`` fails on some torch releases).
 
-``$OUT`` (or ``--out``) receives at most 6 files, no folders:
+``$OUT`` (or ``--out``) receives at most 7 files, no folders:
 ``summary.md`` (every table and verdict), ``summary.json`` (the parts'
-status, the environment, every issue-22 verdict with its value),
-``reshard_same.json``, ``manager.json``, ``reshard_pairs.json`` (each
+status, the environment, every issue-22 and issue-36 verdict with its value),
+``reshard_same.json``, ``restart.json``, ``manager.json``, ``reshard_pairs.json`` (each
 script's full result) and ``logs.txt`` (every part's output). Checkpoints
 go to ``--workdir`` (default: a fresh directory under ``/tmp``, or under
 ``out/`` when ``/tmp`` is tmpfs, where page-cache eviction means nothing),
@@ -84,6 +93,7 @@ sys.path.insert(0, str(HERE))
 from harness import fs_type, markdown_table, read_ahead_kb  # noqa: E402  (benchmarks/harness)
 
 SAME_PAIRS = "dp1-dp1,dp4-dp4,dp2tp2-dp2tp2"
+RESTART_PAIRS = "fsdp2-1,fsdp2-dp4"  # issue 36: bench_reshard's real FSDP2 + AdamW restart pairs
 RESHARD_PAIRS = "dp2tp2-dp3,dp4-dp3"
 
 
@@ -98,11 +108,14 @@ class Part:
 
 
 def parts(quick: bool, work: Path, out: Path, s3: bool) -> list[Part]:
-    """The three benchmark parts, full size or (``quick``) tiny."""
+    """The four benchmark parts, full size or (``quick``) tiny."""
     if quick:
         reshard = ["--size-mb", "20", "--hidden", "1024", "--repeats", "2", "--probe-mb", "8"]
+        restart = ["--size-mb", "20", "--repeats", "2", "--probe-mb", "0"]
         manager = ["--quick", "--mb", "8", "--layers", "4", "--repeat", "2", "--probe-mb", "8"]
     else:
+        # the state issue 36 measured (~300 MB, 136 tensors), 5 paired cold loads per pair
+        restart = ["--size-mb", "300", "--repeats", "5", "--probe-mb", "0"]
         # ~1 GB of fp32 weights + AdamW, 5 paired cold loads per pair; saves are not issue 22's subject
         reshard = ["--size-mb", "1000", "--repeats", "5", "--save-repeats", "2", "--probe-mb", "1024"]
         manager = ["--mb", "1024", "--repeat", "5", "--probe-mb", "1024"]
@@ -111,6 +124,9 @@ def parts(quick: bool, work: Path, out: Path, s3: bool) -> list[Part]:
         Part("reshard_same", ["benchmarks/bench_reshard.py", *reshard, *common, "--pairs", SAME_PAIRS,
                               "--workdir", str(work / "reshard_same"), "--out", str(out / "reshard_same.json")],
              170, "reshard_same.json"),
+        Part("restart", ["benchmarks/bench_reshard.py", *restart, "--pairs", RESTART_PAIRS,
+                         "--workdir", str(work / "restart"), "--out", str(out / "restart.json")],
+             100, "restart.json"),
         Part("manager", ["benchmarks/bench_manager.py", "--sections", "vs_dcp", *manager, "--no-shm",
                          *([] if s3 else ["--no-s3"]), "--dir", str(work / "manager"),
                          "--out", str(out / "manager.json")], 70, "manager.json"),
@@ -252,8 +268,29 @@ def _reshard_section(title: str, doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _restart_section(doc: dict[str, Any]) -> list[str]:
+    """bench_reshard's restart pairs (issue 36): the table, the model, ucp's reader counters, eviction check."""
+    r = doc["restart"]
+    m = r["model"]
+    lines = ["## The user's restart (issue 36): FSDP2 + AdamW, same layout, cold, ucp vs DCP defaults", "",
+             f"model: {m['layers']} blocks, hidden {m['hidden']}, vocab {m['vocab']} (state from `get_state_dict`, "
+             f"{doc['config']['size_mb']:g} MB target); repeats {doc['config']['repeats']}, load average "
+             f"{doc['load_avg']['start'][0]:.1f} -> {doc['load_avg']['end'][0]:.1f}, wall {doc['wall_s']:.0f} s. "
+             "Wall: `dcp.load` on the slowest rank; CPU: user + sys of every rank, threads included, summed; "
+             "ratios: medians of the per-repeat ratios (the order alternates).", "", r["markdown"], ""]
+    readers = [f"- {pair}: `{json.dumps(rec['formats']['ucp']['reader_per_rank'][0], sort_keys=True)}`"
+               for pair, rec in r["pairs"].items() if (rec["formats"].get("ucp") or {}).get("reader_per_rank")]
+    if readers:
+        lines += ["ucp reader counters after the last cold load (rank 0):", "", *readers, ""]
+    left = [f"{pair}/{fmt}: {e['residual_after_evict']} B" for pair, rec in r["pairs"].items()
+            for fmt, e in rec["formats"].items() if e.get("residual_after_evict")]
+    if left:
+        lines += [f"**Eviction left pages resident (loads were not cold):** {', '.join(left)}", ""]
+    return lines
+
+
 def verdict_rows(docs: dict[str, dict[str, Any] | None]) -> list[list[str]]:
-    """(target, value, verdict) for every issue-22 target the parts' results hold."""
+    """(target, value, verdict) for every issue-22 and issue-36 target the parts' results hold."""
     rows = []
     for part in ("reshard_same", "reshard_pairs"):
         doc = docs.get(part) or {}
@@ -264,6 +301,11 @@ def verdict_rows(docs: dict[str, dict[str, Any] | None]) -> list[list[str]]:
                                  _num(c["ucp_over_limit"]), v])
                 else:
                     rows.append([f"{pair}: ucp / DCP <= {c['ucp_over_dcp_max']:g}", _num(c["ucp_over_dcp"]), v])
+    for pair, rec in ((docs.get("restart") or {}).get("restart") or {}).get("pairs", {}).items():
+        for key, what in (("wall_vs_dcp", "wall"), ("cpu_vs_dcp", "CPU seconds")):
+            value = rec["wall_ratio"] if key == "wall_vs_dcp" else rec["cpu_ratio"]
+            rows.append([f"{pair} restart (issue 36): ucp / DCP {what} <= {rec['target_max']:g}", _num(value),
+                         rec["verdicts"][key]])
     vs = (docs.get("manager") or {}).get("vs_dcp") or {}
     names = {"mgr_over_dcp": "manager (local tier) / dcp.load FileSystemReader <= 1",
              "mgr_over_ucp": "manager (local tier) / dcp.load UCP classes <= 1",
@@ -307,7 +349,7 @@ def summary(status: dict[str, Any], env: dict[str, Any], docs: dict[str, dict[st
         lines += [f"**Environment checks failed:** {bad}", ""]
     rows = verdict_rows(docs)
     missed = sum(r[2] == "MISSED" for r in rows)
-    lines += ["## Issue 22 targets (medians of paired ratios; informational)", "",
+    lines += ["## Issue 22 and 36 targets (medians of paired ratios; informational)", "",
               markdown_table(["target", "value", "verdict"], rows) if rows else "(no results)", "",
               f"{len(rows) - missed} met, {missed} MISSED", ""]
     failures = [f"{part}: {f}" for part, doc in docs.items() if doc for f in doc.get("failures", [])]
@@ -315,6 +357,8 @@ def summary(status: dict[str, Any], env: dict[str, Any], docs: dict[str, dict[st
         lines += ["## Failures", "", *(f"- {f[:500]}" for f in failures), ""]
     if docs.get("reshard_same"):
         lines += _reshard_section("Same layout: one process, dp4 -> dp4, dp2tp2 -> dp2tp2", docs["reshard_same"])
+    if (docs.get("restart") or {}).get("restart"):
+        lines += _restart_section(docs["restart"])
     m = docs.get("manager")
     if m and m.get("vs_dcp", {}).get("median_s"):
         v = m["vs_dcp"]
@@ -537,10 +581,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workdir", default=os.environ.get("WORK"),
                    help="where checkpoints go, on the disk to measure (default: a fresh folder under /tmp)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="wall-clock budget of all parts (default 330; with --gpu 450)")
+                   help="wall-clock budget of all parts (default 430; with --gpu 450)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, 2 repeats: checks the plumbing only")
     p.add_argument("--parts", default=None,
-                   help="comma-separated subset of reshard_same, manager, reshard_pairs "
+                   help="comma-separated subset of reshard_same, restart, manager, reshard_pairs "
                         "(with --gpu: of gpu_checks, cuda_tests, gpu_load)")
     p.add_argument("--gpu", action="store_true",
                    help="the GPU parts instead (issue 35): gpu_checks.py, pytest -m cuda, bench_gpu.py")
@@ -558,9 +602,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         p.error("--dry-run goes with --gpu")
     if args.budget_s is None:
-        args.budget_s = 330.0
+        args.budget_s = 430.0
     if args.parts is None:
-        args.parts = "reshard_same,manager,reshard_pairs"
+        args.parts = "reshard_same,restart,manager,reshard_pairs"
     work = Path(args.workdir).resolve() if args.workdir else default_workdir()
     work.mkdir(parents=True, exist_ok=True)
     env_vars = _env_vars()
