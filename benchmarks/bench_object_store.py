@@ -275,8 +275,9 @@ def run_load(cfg: Config, ctx: Ctx, rank: int, pair: str) -> dict[str, Any]:
         def load() -> dict[str, Any]:
             dcp.load(target, storage_reader=reader, planner=planner, process_group=ctx.group)
             # ucp's own count of what it asked for: a cross-check of the proxy's count
-            return {"reader_calls": getattr(reader, "read_calls", None),
-                    "reader_bytes": getattr(reader, "bytes_requested", None)}
+            report = getattr(reader, "last_load", None)  # ucp's LoadReport; DCP keeps none
+            return {"reader_calls": getattr(report, "read_calls", None),
+                    "reader_bytes": getattr(report, "bytes_requested", None)}
 
         run = _counted(cfg, ctx, rank, load)
         run["mismatches"] = verify(target, expected)

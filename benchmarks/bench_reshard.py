@@ -652,6 +652,12 @@ def run_save_job(job: Job, ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+def _report(reader: Any, name: str, default: Any) -> Any:
+    """Field ``name`` of the reader's report of its last load (``reader.last_load``; ``default`` for
+    DCP's readers, which keep none)."""
+    return getattr(getattr(reader, "last_load", None), name, default)
+
+
 def _timed_cold_load(fmt: str, path: str, files: list[str], target: dict[str, Any],
                      ctx: Ctx, **options: Any) -> dict[str, Any]:
     reader, planner = make_reader(fmt, path, **options)
@@ -664,7 +670,7 @@ def _timed_cold_load(fmt: str, path: str, files: list[str], target: dict[str, An
     dcp.load(target, storage_reader=reader, planner=planner, process_group=ctx.group)
     load_s = time.perf_counter() - t0
     return {"load_s": load_s, "cold_io_read_bytes": proc_read_bytes() - io0, "cpu_s": time.process_time() - c0,
-            "verify_s": getattr(reader, "verify_seconds", 0.0), "verified_bytes": getattr(reader, "verified_bytes", 0),
+            "verify_s": _report(reader, "verify_seconds", 0.0), "verified_bytes": _report(reader, "verified_bytes", 0),
             "reader": reader_counters(reader) if fmt == "ucp" else None}
 
 
@@ -698,11 +704,11 @@ def _cold_repeat(job: Job, fmt: str, expected: dict[str, Any], ctx: Ctx, res: di
             res["cpu_s_noverify_runs"].append(run["cpu_s"])
         else:
             res["load_s_runs"].append(run["load_s"])
+            res["cpu_s_runs"].append(run["cpu_s"])
             res["cold_io_read_bytes_runs"].append(run["cold_io_read_bytes"])
             if run["reader"] is not None:
                 res["reader"] = run["reader"]  # the counters of the last verified cold load
             if both:
-                res["cpu_s_runs"].append(run["cpu_s"])
                 res["verify_s_runs"].append(run["verify_s"])
                 res["verified_bytes_runs"].append(run["verified_bytes"])
         res["mismatches"] = verify(target, expected)
@@ -735,11 +741,10 @@ def run_load_job(job: Job, ctx: Ctx) -> dict[str, Any]:
     active: list[str] = []
     for fmt in job.formats:
         expected = expected_full["model"] if fmt == "hf" else expected_full
-        res: dict[str, Any] = {"needed_bytes": tensor_bytes(expected), "load_s_runs": [],
+        res: dict[str, Any] = {"needed_bytes": tensor_bytes(expected), "load_s_runs": [], "cpu_s_runs": [],
                                "cold_io_read_bytes_runs": [], "mismatches": [], "run_positions": []}
         if job.verify_cost and fmt == "ucp":
-            res.update(load_s_noverify_runs=[], verify_s_runs=[], verified_bytes_runs=[], cpu_s_runs=[],
-                       cpu_s_noverify_runs=[])
+            res.update(load_s_noverify_runs=[], verify_s_runs=[], verified_bytes_runs=[], cpu_s_noverify_runs=[])
         out[fmt] = res
         if not _saved_marker(job.workdir, src, fmt).exists():
             res["skipped"] = "save failed or not run"
@@ -1019,6 +1024,12 @@ def merge_load(per_rank: list[list[dict[str, Any]]], j: int) -> dict[str, Any]:
             entry["load_s_runs"] = runs
             entry["load_s"] = statistics.median(runs)
             entry["cold_io_read_bytes"] = sum(r["cold_io_read_bytes_runs"][0] for r in rs)
+        # CPU time of each load (all threads, user + system), summed over ranks: what the load costs
+        # the machine, steadier than wall time when ranks share cores (issue 36).
+        cpu = [sum(v) for v in zip(*(r.get("cpu_s_runs", []) for r in rs))]
+        if cpu:
+            entry["cpu_s_runs"] = cpu
+            entry["cpu_s"] = statistics.median(cpu)
         if any(r.get("reader") for r in rs):
             entry["reader_per_rank"] = [r.get("reader") for r in rs]
         off = [max(vals) for vals in zip(*(r.get("load_s_noverify_runs", []) for r in rs))]
@@ -1032,11 +1043,9 @@ def merge_load(per_rank: list[list[dict[str, Any]]], j: int) -> dict[str, Any]:
             entry["verified_bytes"] = sum(r["verified_bytes_runs"][0] for r in rs)
             # CPU time of the load (all threads, user + system), summed over ranks: steadier than
             # wall time on a busy machine, and what verification adds when ranks share cores.
-            cpu_on = [sum(v) for v in zip(*(r["cpu_s_runs"] for r in rs))]
             cpu_off = [sum(v) for v in zip(*(r["cpu_s_noverify_runs"] for r in rs))]
-            entry["cpu_s"] = statistics.median(cpu_on)
             entry["cpu_s_noverify"] = statistics.median(cpu_off)
-            entry["verify_cpu_ratio"] = statistics.median(a / b for a, b in zip(cpu_on, cpu_off))
+            entry["verify_cpu_ratio"] = statistics.median(a / b for a, b in zip(cpu, cpu_off))
         if all("pulled_bytes" in r for r in rs):
             for key in ("pulled_bytes", "io_read_bytes", "residual_bytes"):
                 entry[key] = sum(r[key] for r in rs)
@@ -1425,7 +1434,9 @@ def storage_speed_markdown(doc: dict[str, Any]) -> str:
 
 COMMON_COLUMNS = [Column("pair", 15, "<"), Column("ranks", 6), Column("ucp s", 8), Column("dcp s", 8),
                   Column("limit s", 8), Column("ucp/dcp", 8), Column("per repeat", 13), Column("ucp/lim", 8),
-                  Column("dcp/lim", 8), Column("vs dcp", 17, "<", gap=2), Column("vs limit", 14, "<")]
+                  Column("dcp/lim", 8), Column("vs dcp", 17, "<", gap=2), Column("vs limit", 14, "<"),
+                  Column("ucp cpu", 8), Column("dcp cpu", 8), Column("cpu u/d", 8),
+                  Column(f"36: wall/cpu<={TARGET_RESTART_VS_DCP:g}", 22, "<", gap=2)]
 
 
 def common_case(records: list[dict[str, Any]], limits: dict[str, Any]) -> dict[str, Any]:
@@ -1449,15 +1460,21 @@ def common_case(records: list[dict[str, Any]], limits: dict[str, Any]) -> dict[s
         ranks = LAYOUTS[PAIRS[pair][1]].world
         bound = TARGET_SAME_LAYOUT_VS_DCP if same else TARGET_NOT_SLOWER_THAN_DCP
         runs = paired_ratios(ucp.get("load_s_runs"), dcp_.get("load_s_runs"))
+        cpu_runs = paired_ratios(ucp.get("cpu_s_runs"), dcp_.get("cpu_s_runs"))
         lim_runs = [t / limit_s for t in ucp.get("load_s_runs", [])] if limit_s else []
         c = {"same_layout": same, "ranks": ranks, "ucp_load_s": ucp.get("load_s"), "dcp_load_s": dcp_.get("load_s"),
              "ucp_load_s_runs": ucp.get("load_s_runs"), "dcp_load_s_runs": dcp_.get("load_s_runs"),
              "needed_bytes": needed, "limit_s": limit_s, "ucp_over_dcp": median(runs), "ucp_over_dcp_runs": runs,
              "ucp_over_limit": median(lim_runs), "ucp_over_limit_runs": lim_runs,
              "dcp_over_limit": ratio(dcp_.get("load_s"), limit_s), "ucp_over_dcp_max": bound,
+             "ucp_cpu_s": ucp.get("cpu_s"), "dcp_cpu_s": dcp_.get("cpu_s"),
+             "ucp_cpu_over_dcp": median(cpu_runs), "ucp_cpu_over_dcp_runs": cpu_runs,
              "verdicts": {}}
         key = "same_layout_vs_dcp" if same else "not_slower_than_dcp"
         c["verdicts"][key] = verdict(c["ucp_over_dcp"], bound)
+        # Issue 36: every pair at most 0.9x DCP's wall time and 0.9x its CPU seconds.
+        c["verdicts"]["wall_vs_dcp_36"] = verdict(c["ucp_over_dcp"], TARGET_RESTART_VS_DCP)
+        c["verdicts"]["cpu_vs_dcp_36"] = verdict(c["ucp_cpu_over_dcp"], TARGET_RESTART_VS_DCP)
         if same and ranks == 1:
             c["ucp_over_limit_max"] = TARGET_LOAD_OVER_LIMIT
             c["verdicts"]["one_process_over_limit"] = verdict(c["ucp_over_limit"], TARGET_LOAD_OVER_LIMIT)
@@ -1478,7 +1495,10 @@ def _common_rows(doc: dict[str, Any], titles: dict[str, str] | None = None) -> l
                      fmt_num(c["dcp_load_s"], ".3f"), fmt_num(c["limit_s"], ".3f"), fmt_num(c["ucp_over_dcp"], ".2f"),
                      spread, fmt_num(c["ucp_over_limit"], ".2f"), fmt_num(c["dcp_over_limit"], ".2f"),
                      f"{vs} (<={c['ucp_over_dcp_max']:g}x)",
-                     f"{lim} (<={TARGET_LOAD_OVER_LIMIT:g}x)" if lim else "-"])
+                     f"{lim} (<={TARGET_LOAD_OVER_LIMIT:g}x)" if lim else "-",
+                     fmt_num(c.get("ucp_cpu_s"), ".2f"), fmt_num(c.get("dcp_cpu_s"), ".2f"),
+                     fmt_num(c.get("ucp_cpu_over_dcp"), ".2f"),
+                     f"{v.get('wall_vs_dcp_36', '-')} / {v.get('cpu_vs_dcp_36', '-')}"])
     return rows
 
 
@@ -1491,7 +1511,9 @@ def common_case_report(doc: dict[str, Any]) -> str:
         "ucp/dcp and ucp/lim: medians of the per-repeat ratios (cold loads, formats back to back in alternating "
         "order); per repeat: the range of ucp/dcp; vs dcp: <= "
         f"{TARGET_SAME_LAYOUT_VS_DCP:g}x DCP for same-layout pairs ({', '.join(SAME_LAYOUT_PAIRS)}), no slower than "
-        f"DCP for the others; vs limit: a one-process same-layout load <= {TARGET_LOAD_OVER_LIMIT:g}x the limit",
+        f"DCP for the others; vs limit: a one-process same-layout load <= {TARGET_LOAD_OVER_LIMIT:g}x the limit; "
+        "cpu: CPU seconds of the load (user + system, all threads) summed over ranks, medians; cpu u/d: median of "
+        f"the per-repeat ratios; 36: issue 36's targets, wall and CPU each <= {TARGET_RESTART_VS_DCP:g}x DCP",
         f"targets: {len(doc['verdicts']) - len(missed)} met, {len(missed)} MISSED"
         + (": " + ", ".join(missed) if missed else ""),
     ])
@@ -1500,7 +1522,8 @@ def common_case_report(doc: dict[str, Any]) -> str:
 def common_case_markdown(doc: dict[str, Any]) -> str:
     """The issue-22 table as markdown."""
     return markdown_table(["pair", "ranks", "ucp cold load s", "DCP s", "limit s", "ucp / DCP (paired)",
-                           "per repeat", "ucp / limit", "DCP / limit", "vs DCP", "vs limit"],
+                           "per repeat", "ucp / limit", "DCP / limit", "vs DCP", "vs limit", "ucp CPU s",
+                           "DCP CPU s", "CPU ucp / DCP (paired)", "issue 36: wall / CPU <= 0.9x"],
                           _common_rows(doc, PAIR_TITLES))
 
 

@@ -102,8 +102,12 @@ def test_bench_reshard_reports_the_physical_limits(reshard_run: tuple[int, str, 
     assert save["limit_s"] == pytest.approx(save["ucp_bytes"] / best["write_bytes_per_s"])
     assert save["dcp_save_s"] is not None
     assert set(doc["verdicts"].values()) <= {"met", "MISSED"}
-    # 3 per pair, 2 per source layout (dp4, dp1, dp2tp2), then issue 22's: one per pair, + the one-process limit
-    assert len(doc["verdicts"]) == 3 * 4 + 2 * 3 + 4 + 1
+    # 3 per pair, 2 per source layout (dp4, dp1, dp2tp2), then issue 22's: one per pair, + the one-process limit,
+    # then issue 36's: wall and CPU seconds against DCP, per pair
+    assert len(doc["verdicts"]) == 3 * 4 + 2 * 3 + 4 + 1 + 2 * 4
+    for pair, c in doc["common_case"].items():  # CPU seconds of both formats, every rank summed
+        assert c["ucp_cpu_s"] > 0 and c["dcp_cpu_s"] > 0, pair
+        assert c["ucp_cpu_over_dcp"] == pytest.approx(statistics.median(c["ucp_cpu_over_dcp_runs"])), pair
     assert "| dp4 → dp3 |" in doc["storage_speed_md"]
 
     # The sweep's table and plot from this one result (the sweep itself just runs main per size).
@@ -144,7 +148,7 @@ def test_same_layout_pairs_against_dcp_and_the_limit(reshard_run: tuple[int, str
         assert c["ucp_over_dcp"] == pytest.approx(sum(want) / 2)  # the median of two
         assert c["ucp_over_limit"] == pytest.approx(sum(runs["ucp"]["load_s_runs"]) / 2 / c["limit_s"])
         assert c["ucp_over_dcp_max"] == (0.8 if same else 1.0)
-        keys = {"same_layout_vs_dcp"} if same else {"not_slower_than_dcp"}
+        keys = ({"same_layout_vs_dcp"} if same else {"not_slower_than_dcp"}) | {"wall_vs_dcp_36", "cpu_vs_dcp_36"}
         if pair == "dp1-dp1":
             keys.add("one_process_over_limit")
             assert c["ranks"] == 1
