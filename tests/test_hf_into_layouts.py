@@ -51,6 +51,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dist_utils import bit_equal, run_ranks
+from ucp_dcp.byteio.rangeio import RangeReader
 from ucp_dcp import CheckpointKeyError, LayoutSpec, load_state_dict, ReadOptions, UCPLoadPlanner, UCPStorageReader
 from ucp_dcp import Fused, Rename, Replicated, Shard, VocabPad
 
@@ -197,7 +198,9 @@ class Reads:
 
 
 class _CountAllReads:
-    """Counts every ``os.pread``/``os.preadv`` of this process while active, and the file pages they touch."""
+    """Counts every ``os.pread``/``os.preadv`` of this process while active, and the file pages they touch;
+    and every span a reader copies out of a file mapped into memory (``RangeReader.read_mapped``: the
+    span's pages are asked of storage)."""
 
     def __init__(self, reads: Reads) -> None:
         self.reads = reads
@@ -225,10 +228,22 @@ class _CountAllReads:
             return n
 
         os.pread, os.preadv = pread, preadv  # type: ignore[assignment]
+        real_mapped = self._real_mapped = RangeReader.read_mapped
+        counter = self
+
+        def read_mapped(reader: RangeReader, file: int, spans: Any) -> bool:
+            done = real_mapped(reader, file, spans)
+            if done:
+                for span in spans:
+                    counter._add(reader.fd(file), span.start, span.nbytes)
+            return done
+
+        RangeReader.read_mapped = read_mapped  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: Any) -> None:
         os.pread, os.preadv = self._real  # type: ignore[assignment]
+        RangeReader.read_mapped = self._real_mapped  # type: ignore[method-assign]
 
 
 def _counted_load(

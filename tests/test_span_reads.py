@@ -141,7 +141,7 @@ def span_cases(draw: Any) -> dict[str, Any]:
         "shape": shape, "dtype": dtype, "region": Box(tuple(offs), tuple(sizes)), "order": order,
         "cast": draw(st.booleans()), "verify": draw(st.booleans()), "block": draw(st.sampled_from([16, 24, 64, 100, 4096])),
         "budget": draw(st.sampled_from([64, 200, 4096, 1 << 20])), "lead": draw(st.integers(0, 5000)),
-        "seed": draw(st.integers(0, 2**16)),
+        "seed": draw(st.integers(0, 2**16)), "mapped": draw(st.booleans()),
     }
 
 
@@ -162,6 +162,8 @@ def _read(
     verifier = BlockVerifier([path], [0]) if case["verify"] else None
     check = ChunkCheck(verifier, sums, "w", (0,) * len(case["shape"])) if verifier is not None else None
     with RangeReader([path], threads=2, gap_bytes=4095) as reader:
+        if not case.get("mapped", True):  # the staged path: what a source that cannot map takes
+            reader.read_mapped = lambda file, spans: False  # type: ignore[method-assign]
         with StagingBuffers(case["budget"]) as staging:
             read_staged(reader, ChunkRegion(loc, case["shape"], case["region"], case["dtype"]), dest, buffers=staging, check=check)
     return verifier, staging
@@ -171,8 +173,9 @@ def _read(
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 def test_span_reads_are_bit_exact_and_catch_a_flipped_needed_byte(case: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """The span path (forced) fills the region exactly: any shape, dtype, slice, gap, budget, cast, stored
-    order, verified or not. Verified, a flipped byte the region needs fails the read naming its block; a
-    flipped byte of the span outside every touched block changes nothing."""
+    order, verified or not, copied out of the file mapped into memory or read into staging memory.
+    Verified, a flipped byte the region needs fails the read naming its block; a flipped byte of the span
+    outside every touched block changes nothing."""
     used: list[bool] = []
 
     def forced(*args: Any) -> bool:
@@ -191,7 +194,11 @@ def test_span_reads_are_bit_exact_and_catch_a_flipped_needed_byte(case: dict[str
         assert used, "the span path was asked"
         # Taken wherever the buffer holds an element plus a block at each end and an element to align.
         fits = case["budget"] - (2 * case["block"] if case["verify"] else 0) - dtype.itemsize >= dtype.itemsize
-        assert (staging.spans > 0) == fits
+        mapped = case["mapped"] and case["lead"] % dtype.itemsize == 0  # a chunk at an element boundary
+        if mapped:  # straight from the mapping: no staging memory, whatever its bound
+            assert staging.spans > 0 and staging.allocations == 0
+        else:
+            assert (staging.spans > 0) == fits
         assert bit_equal(dest, want.to(out_dtype))
 
         # Which bytes of the stored chunk the region needs (positions in stored order).
@@ -202,7 +209,7 @@ def test_span_reads_are_bit_exact_and_catch_a_flipped_needed_byte(case: dict[str
         needed = rank_of[pos[tuple(slice(o, o + s) for o, s in zip(region.offsets, region.sizes))].reshape(-1)]
         es, bs = dtype.itemsize, case["block"]
         touched = {b for i in needed.tolist() for b in range(i * es // bs, ((i + 1) * es - 1) // bs + 1)}
-        if verifier is not None and fits:  # each touched block hashed once, no other
+        if verifier is not None and (fits or mapped):  # each touched block hashed once, no other
             assert verifier.bytes == sum(min(bs, loc.nbytes - k * bs) for k in touched)
 
         def flipped(byte: int) -> torch.Tensor:
@@ -241,12 +248,54 @@ def test_span_staging_stays_within_its_bound_for_a_large_column_slice(tmp_path: 
     assert prefer_span(full.shape, region, 4, base=loc.start)
     dest = torch.zeros(region.sizes)
     with RangeReader([path], threads=2, gap_bytes=4095) as reader, StagingBuffers(128 << 10) as staging:
+        reader.read_mapped = lambda file, spans: False  # type: ignore[method-assign]  # staged, as from a store
         verifier = BlockVerifier([path], [0])
         read_staged(reader, ChunkRegion(loc, full.shape, region, torch.float32), dest, buffers=staging,
                     check=ChunkCheck(verifier, sums, "w", (0, 0)))
         assert staging.capacity <= 128 << 10 and staging.allocations == 1 and staging.spans >= 64
         assert reader.stats.calls < 1024 // 8  # not one call per row
     assert bit_equal(dest, full[:, 512:1024])
+
+
+def test_mapped_spans_read_a_column_slice_without_staging_and_check_each_touched_block_once(tmp_path: Any) -> None:
+    """A local file's column slice is copied straight out of the file mapped into memory: bit-exact, no
+    staging memory, a call per 16 MiB of span, every block holding a needed byte hashed exactly once, a
+    flipped needed byte named by its block. A file cut short is not mapped: the staged read names the
+    truncation."""
+    from ucp_dcp.errors import TruncatedFileError
+
+    full = _full((4096, 2048), torch.float32, 2)  # 32 MiB, 8 KiB rows: spans of two requests
+    region = Box((0, 512), (4096, 512))  # 2 KiB of each row: in one 4 KiB block of it
+    path, loc, sums = _write(str(tmp_path), full, (), 64, 4096)
+    part = ChunkRegion(loc, full.shape, region, torch.float32)
+
+    def read(dest: torch.Tensor, *, verify: bool = True) -> tuple[RangeReader, StagingBuffers, BlockVerifier]:
+        verifier = BlockVerifier([path], [0])
+        check = ChunkCheck(verifier, sums, "w", (0, 0)) if verify else None
+        with RangeReader([path], threads=2, gap_bytes=4095) as reader, StagingBuffers(1 << 20) as staging:
+            assert reader.maps_files and transfer.spanned(reader, part, dest)
+            read_staged(reader, part, dest, buffers=staging, check=check)
+        return reader, staging, verifier
+
+    dest = torch.zeros(region.sizes)
+    reader, staging, verifier = read(dest)
+    assert bit_equal(dest, full[:, 512:1024])
+    assert staging.allocations == 0 and staging.spans == reader.stats.calls == 2
+    assert verifier.bytes == 4096 * 4096  # row r's needed bytes lie in its block 2r: 4096 blocks, once each
+    byte = (1000 * 2048 + 700) * 4 + 1  # row 1000, column 700: needed
+    with open(path, "r+b") as f:
+        f.seek(loc.start + byte)
+        b = f.read(1)[0]
+        f.seek(loc.start + byte)
+        f.write(bytes([b ^ 4]))
+    with pytest.raises(ChecksumError, match=f"block {byte // 4096} "):
+        read(torch.zeros(region.sizes))
+    unchecked = torch.zeros(region.sizes)
+    read(unchecked, verify=False)
+    assert int((unchecked != full[:, 512:1024]).sum()) == 1  # unverified, the flipped element as it is
+    os.truncate(path, loc.start + loc.nbytes // 2)
+    with pytest.raises(TruncatedFileError, match="truncated"):
+        read(torch.zeros(region.sizes), verify=False)
 
 
 def test_dcp_load_reads_a_narrow_column_slice_as_spans_and_checks_it(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,6 +37,7 @@ the local file they come from.
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import threading
 import weakref
@@ -59,6 +60,7 @@ from .workers import Abandoned, IOWorkers
 __all__ = [
     "coalesce",
     "ByteSource",
+    "MappedSpan",
     "Segment",
     "FileHandles",
     "RangeReader",
@@ -263,6 +265,9 @@ class ByteSource(Protocol):
     it)."""
     stats: ReadStats
     """Calls (or requests) made and bytes requested, gaps included."""
+    maps_files: bool = False
+    """Whether :meth:`read_mapped` can read spans from files mapped into memory (the span cost
+    model reads it)."""
 
     def read(self, segments: Sequence[Segment]) -> None:
         """Fill every segment's buffer (and run its callback); raises naming the file on a
@@ -279,6 +284,22 @@ class ByteSource(Protocol):
         per file number. A source with one way of reading (object storage) chooses nothing."""
         check_access(mode)
         return {}
+
+    def read_mapped(self, file: int, spans: Sequence[MappedSpan]) -> bool:
+        """Run each span's ``fn`` with its bytes of file ``file`` mapped into memory, where the
+        source can map the file; False (nothing run) where it cannot (object storage: the
+        caller reads the spans instead)."""
+        return False
+
+
+class MappedSpan(NamedTuple):
+    """``fn(view)``, given ``view``: bytes ``[start, start + nbytes)`` of a file mapped into
+    memory, read-only by contract (:meth:`ByteSource.read_mapped`). What ``fn`` copies out of the
+    view is what the span reads."""
+
+    start: int
+    nbytes: int
+    fn: Callable[[memoryview], None]
 
 
 def check_access(mode: str) -> str:
@@ -309,10 +330,23 @@ IO_THREADS = 2
 MAX_REQUEST_BYTES = 16 << 20
 
 
-def _release(workers: IOWorkers, files: FileHandles, lanes: Sequence[FileHandles]) -> None:
-    """Stop ``workers`` and close the descriptors, but those of a read left blocked."""
+def _release(
+    workers: IOWorkers,
+    files: FileHandles,
+    lanes: Sequence[FileHandles],
+    maps: dict[int, mmap.mmap | None],
+) -> None:
+    """Stop ``workers``, unmap the files and close the descriptors, but those of a read left
+    blocked."""
     workers.close()
     keep = frozenset(workers.blocked())
+    for m in maps.values():
+        if m is not None and not keep:
+            try:
+                m.close()
+            except BufferError:  # a view of it is still held: unmapped once that is collected
+                pass
+    maps.clear()
     files.close(keep)
     for lane in lanes:
         lane.close(keep)
@@ -345,6 +379,7 @@ class RangeReader(ByteSource):
         self._paths = list(paths)
         self._files = FileHandles(self._paths)
         self.gap_bytes = gap_bytes
+        self.maps_files = True
         self._scratch = memoryview(bytearray(max(gap_bytes, 1)))
         self._max_request = max(max_request_bytes, 1)
         self._hooked_request = min(self._max_request, HOOKED_REQUEST_BYTES)
@@ -355,9 +390,14 @@ class RangeReader(ByteSource):
         # Per stream lane, descriptors of its own: the kernel keeps one read-ahead state per open
         # file, and lanes sharing a descriptor would break each other's pattern.
         self._lanes = [FileHandles(self._paths, random=False) for _ in range(self._threads)]
+        # Files mapped into memory for span reads (read_mapped), each once; None: cannot be.
+        self._maps: dict[int, mmap.mmap | None] = {}
+        self._maps_lock = threading.Lock()
         # Closed by close(), or when the reader is collected unclosed: a long-lived process
-        # keeps no descriptor or thread of a reader it dropped.
-        self._release = weakref.finalize(self, _release, self._workers, self._files, self._lanes)
+        # keeps no descriptor, mapping or thread of a reader it dropped.
+        self._release = weakref.finalize(
+            self, _release, self._workers, self._files, self._lanes, self._maps
+        )
 
     # -------------------------------------------------------------- files
     def fd(self, file: int) -> int:
@@ -374,6 +414,63 @@ class RangeReader(ByteSource):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def read_mapped(self, file: int, spans: Sequence[MappedSpan]) -> bool:
+        """Run each span's ``fn`` with a view of its bytes of the file mapped into memory, on the
+        I/O threads, each under a read's deadline (its page faults are the read); False (nothing
+        run) where the file cannot be mapped.
+
+        Why: a span read with ``preadv`` copies every byte of the span into staging memory, and
+        then the needed ones into place; from a mapping only the pages holding needed bytes are
+        touched, and the needed bytes copied once (a column slice of rows: about half the work).
+        A span past the file's end is not mapped (a truncated file): the caller reads it, and
+        :meth:`read` names the truncation.
+        """
+        m = self._map(file)
+        if m is None or any(s.start < 0 or s.start + s.nbytes > len(m) for s in spans):
+            return False
+        view = memoryview(m)
+        path = self._paths[file]
+
+        def run(span: MappedSpan) -> None:
+            workers = self._workers
+            workers.begin(path, span.start, span.nbytes)
+            ok = False
+            try:
+                if hasattr(os, "posix_fadvise"):
+                    # The mapping reads no page around a fault (MADV_RANDOM): the span's pages are
+                    # asked for here, all at once, and no other (as a span read with preadv).
+                    os.posix_fadvise(self.fd(file), span.start, span.nbytes, os.POSIX_FADV_WILLNEED)
+                span.fn(view[span.start : span.start + span.nbytes])
+                ok = True
+            finally:
+                took = workers.end(ok=ok)
+            self.stats.add(1, span.nbytes, file, took)
+
+        try:
+            futures = [self._workers.submit(run, s) for s in spans]
+            self._workers.wait(futures)
+        finally:
+            view.release()
+        return True
+
+    def _map(self, file: int) -> mmap.mmap | None:
+        """File ``file`` mapped whole (copy-on-write: writable views, nothing written back), once;
+        None where it cannot be (empty, or a file system without mappings)."""
+        with self._maps_lock:
+            if file not in self._maps:
+                m = None
+                try:
+                    fd = self.fd(file)
+                    size = os.fstat(fd).st_size
+                    if size:
+                        m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
+                        # No read-around on a fault: it would pull in pages of other ranks' parts.
+                        m.madvise(mmap.MADV_RANDOM)
+                except (OSError, ValueError):
+                    m = None
+                self._maps[file] = m
+            return self._maps[file]
 
     def plan_access(self, extents: Extents, mode: str = "auto") -> dict[int, str]:
         """Choose, per file, a stream (:data:`~ucp_dcp.core.spans.SEQUENTIAL`) or exact reads

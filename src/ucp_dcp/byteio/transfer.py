@@ -31,7 +31,7 @@ from ..errors import InvalidArgumentTypeError
 from ..format import Location
 from .blockverify import ChunkCheck, read_verified
 from .integrity import ChecksumError
-from .rangeio import ByteSource, Extents, Segment, storage_view
+from .rangeio import MAX_REQUEST_BYTES, ByteSource, Extents, MappedSpan, Segment, storage_view
 
 __all__ = [
     "ChunkRegion",
@@ -336,6 +336,10 @@ class StagingBuffers:
         if span is None:
             span = spanned(reader, part)
         if not halves and span:
+            mapped = read_spans_mapped(reader, part, dest, check)
+            if mapped:
+                self.spans += mapped
+                return
             if self._read_spans(reader, part, dest, check):
                 return
         self._ensure(nbytes, halves, pin=cuda and torch.cuda.is_available())
@@ -445,6 +449,62 @@ class StagingBuffers:
         return True
 
 
+def read_spans_mapped(
+    reader: ByteSource, part: ChunkRegion, dest: torch.Tensor, check: ChunkCheck | None
+) -> int:
+    """Read ``part`` (in the chunk's stored order) into CPU tensor ``dest`` span by span straight
+    from the file mapped into memory (:meth:`~ucp_dcp.byteio.rangeio.ByteSource.read_mapped`):
+    per sub-box, the blocks holding needed bytes checked in the mapping (with ``check``), then one
+    strided copy into ``dest``; the sub-boxes run in parallel on the reader's I/O threads. The
+    number of spans read; 0 (nothing read) where the source cannot map the file, or ``dest`` is
+    not in CPU memory, or the chunk does not start at an element boundary of the file.
+    """
+    location, chunk_sizes, region, src_dtype = part.fields()
+    es = src_dtype.itemsize
+    if dest.device.type != "cpu" or location.start % es or region.numel == 0:
+        return 0
+    bs = check.sums.block if check is not None else 0
+    strides = row_major_strides(chunk_sizes)
+    spans: list[MappedSpan] = []
+    last = -1  # the last block a sub-box before this one checks
+    # Sub-boxes of at most a request's span: one per I/O call, several in flight.
+    for offs, sizes in span_slabs(chunk_sizes, region, es, MAX_REQUEST_BYTES):
+        sub = Box(tuple(o + p for o, p in zip(region.offsets, offs)), sizes)
+        a, b = span_of(chunk_sizes, sub.offsets, sizes, es)
+        lo, hi, blocks = a, b, None
+        if check is not None:  # whole blocks: each block holding a needed byte is checked, once
+            lo, hi = a // bs * bs, min(-(-b // bs) * bs, location.nbytes)
+            starts, length = region_starts(chunk_sizes, sub, es)
+            blocks = _blocks_of(starts, length, bs)
+            # A block the previous sub-box shares with this one is checked there: the same bytes
+            # of the same mapping.
+            blocks = blocks[blocks > last]
+            last = int(blocks[-1]) if len(blocks) else last
+        target = dest
+        for d, (o, n) in enumerate(zip(offs, sizes)):
+            target = target.narrow(d, o, n)
+
+        def copy_out(
+            view: memoryview,
+            a: int = a,
+            b: int = b,
+            lo: int = lo,
+            blocks: np.ndarray | None = blocks,
+            sizes: tuple[int, ...] = sizes,
+            target: torch.Tensor = target,
+        ) -> None:
+            typed = torch.frombuffer(view, dtype=torch.uint8)[a - lo : b - lo].view(src_dtype)
+            # The copy first: it faults the needed pages in without the GIL, so the hashing after
+            # it (which holds the GIL) finds them in memory; a mismatch still fails the load.
+            target.copy_(torch.as_strided(typed, sizes, strides, typed.storage_offset()))
+            if check is not None and blocks is not None:
+                mem = np.frombuffer(view, dtype=np.uint8)
+                check.verifier.check_span(check, location, mem, lo, blocks)
+
+        spans.append(MappedSpan(location.start + lo, hi - lo, copy_out))
+    return len(spans) if reader.read_mapped(location.file, spans) else 0
+
+
 def _blocks_of(starts: np.ndarray, length: int, block: int) -> np.ndarray:
     """Every block number that a run ``[s, s + length)`` for ``s`` in ``starts`` touches, ascending,
     once each."""
@@ -466,6 +526,7 @@ def spanned(reader: ByteSource, part: ChunkRegion, dest: torch.Tensor | None = N
         base=part.location.start,
         gap_bytes=reader.gap_bytes,
         dst_strides=None if dest is None else dest.stride(),
+        mapped=reader.maps_files and (dest is None or dest.device.type == "cpu"),
     )
 
 

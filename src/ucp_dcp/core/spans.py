@@ -153,10 +153,14 @@ def read_cost(
     request_bytes: int = 16 << 20,
     iov_max: int = 1024,
     costs: ReadCosts = ReadCosts(),
+    mapped: bool = False,
 ) -> tuple[ReadCost, ReadCost]:
     """``(exact, span)``: the cost of reading runs of ``length`` bytes at ascending chunk offsets
     ``starts`` of a chunk that begins at file offset ``base``, run by run or as one covering
-    span."""
+    span.
+
+    ``mapped``: the span is copied out of the file mapped into memory, which touches only the
+    pages holding needed bytes (the exact reads' pages) and copies only the needed bytes."""
     n = len(starts)
     if not n or length <= 0:
         zero = ReadCost(0, 0, 0.0)
@@ -172,6 +176,8 @@ def read_cost(
     span_bytes = end - first
     span_pages = (end - 1) // page - first // page + 1
     span_calls = -(-span_bytes // request_bytes)
+    if mapped:
+        span_pages, span_bytes = pages, n * length
     span = ReadCost(
         span_calls,
         span_pages,
@@ -191,10 +197,12 @@ def prefer_span(
     costs: ReadCosts = ReadCosts(),
     min_runs: int = 8,
     dst_strides: Sequence[int] | None = None,
+    mapped: bool = False,
 ) -> bool:
     """Whether ``region`` of a chunk at file offset ``base`` is cheaper to read as spans than run by
     run into a destination of ``dst_strides`` (default: contiguous; a run must be contiguous in
-    both).
+    both). ``mapped``: spans are copied out of the file mapped into memory (see
+    :func:`read_cost`).
 
     Regions of fewer than ``min_runs`` runs are always read exactly (the
     per-run cost is noise there, and staging would copy for nothing). With
@@ -215,7 +223,9 @@ def prefer_span(
         return False
     if gap_bytes <= 0 and int(starts.max()) + length - int(starts.min()) > len(starts) * length:
         return False  # gap_bytes=0 asks for exactly the needed bytes: no span that reads a gap
-    exact, span = read_cost(starts, length, base=base, gap_bytes=gap_bytes, page=page, costs=costs)
+    exact, span = read_cost(
+        starts, length, base=base, gap_bytes=gap_bytes, page=page, costs=costs, mapped=mapped
+    )
     return span.seconds < exact.seconds
 
 
