@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import ucp_dcp.byteio.transfer as transfer
@@ -170,6 +170,10 @@ def _read(
 
 
 @given(case=span_cases())
+@example(case={  # blocks of 100 bytes, 8-byte elements: the first needed byte is not at a block's element boundary
+    "shape": (64,), "dtype": torch.float64, "region": Box((13,), (1,)), "order": (), "cast": False, "verify": True,
+    "block": 100, "budget": 64, "lead": 0, "seed": 0, "mapped": True,
+})
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 def test_span_reads_are_bit_exact_and_catch_a_flipped_needed_byte(case: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """The span path (forced) fills the region exactly: any shape, dtype, slice, gap, budget, cast, stored

@@ -445,6 +445,10 @@ class RangeReader(ByteSource):
                 ok = True
             finally:
                 took = workers.end(ok=ok)
+            # Unmapped from this process once copied out (the page cache keeps the pages): its
+            # resident memory does not grow with every span it read.
+            first = span.start // mmap.PAGESIZE * mmap.PAGESIZE
+            m.madvise(mmap.MADV_DONTNEED, first, span.start + span.nbytes - first)
             self.stats.add(1, span.nbytes, file, took)
 
         try:

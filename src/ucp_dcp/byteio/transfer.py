@@ -493,10 +493,12 @@ def read_spans_mapped(
             sizes: tuple[int, ...] = sizes,
             target: torch.Tensor = target,
         ) -> None:
-            typed = torch.frombuffer(view, dtype=torch.uint8)[a - lo : b - lo].view(src_dtype)
+            # From the first needed byte (at an element boundary of the file, unlike ``lo`` where
+            # blocks are not a multiple of the element size).
+            typed = torch.frombuffer(view[a - lo : b - lo], dtype=src_dtype)
             # The copy first: it faults the needed pages in without the GIL, so the hashing after
             # it (which holds the GIL) finds them in memory; a mismatch still fails the load.
-            target.copy_(torch.as_strided(typed, sizes, strides, typed.storage_offset()))
+            target.copy_(torch.as_strided(typed, sizes, strides, 0))
             if check is not None and blocks is not None:
                 mem = np.frombuffer(view, dtype=np.uint8)
                 check.verifier.check_span(check, location, mem, lo, blocks)
