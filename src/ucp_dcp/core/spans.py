@@ -159,8 +159,8 @@ def read_cost(
     ``starts`` of a chunk that begins at file offset ``base``, run by run or as one covering
     span.
 
-    ``mapped``: the span is copied out of the file mapped into memory, which touches only the
-    pages holding needed bytes (the exact reads' pages) and copies only the needed bytes."""
+    ``mapped``: the span is copied out of the file mapped into memory: its pages are asked for
+    all the same, but only the needed bytes are copied (no staging copy of the span)."""
     n = len(starts)
     if not n or length <= 0:
         zero = ReadCost(0, 0, 0.0)
@@ -177,7 +177,7 @@ def read_cost(
     span_pages = (end - 1) // page - first // page + 1
     span_calls = -(-span_bytes // request_bytes)
     if mapped:
-        span_pages, span_bytes = pages, n * length
+        span_bytes = n * length
     span = ReadCost(
         span_calls,
         span_pages,
