@@ -32,36 +32,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.pagecache import evict_tree  # noqa: E402  (puts this checkout's src/ first)
+from harness.states import tensors  # noqa: E402
+from profile_same_layout import _state as _fsdp2_state  # noqa: E402
 
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter  # noqa: E402
 from ucp_dcp.byteio.rangeio import RangeReader  # noqa: E402
 
 
 def state(tensors: int, elements: int) -> dict[str, Any]:
-    """An FSDP2 model of Linear layers (weight and bias: 2 parameters, 6 state-dict tensors each
-    with AdamW's two moments; ``step`` counters are more) with about ``tensors`` tensors of about
-    ``elements`` elements each, after one AdamW step."""
-    torch.manual_seed(0)
-    layers = max(1, tensors // 6)
-    side = max(2, int(elements**0.5))
-    model = nn.Sequential(*[nn.Linear(side, side) for _ in range(layers)])
-    for m in model:
-        fully_shard(m)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, side)).sum().backward()
-    opt.step()
-    msd, osd = get_state_dict(model, opt)
-    return {"model": msd, "optim": osd}
+    """An FSDP2 model of Linear layers (weight and bias: 6 state-dict tensors each with AdamW's
+    moments, and its step counters) with about ``tensors`` tensors of about ``elements`` elements
+    each, after one AdamW step (:func:`profile_same_layout._state`)."""
+    return _fsdp2_state(max(2, int(elements**0.5)), max(1, tensors // 6))
 
 
 class Clock:
@@ -116,7 +103,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for n in [int(x) for x in args.tensors.split(",")]:
         sd = state(n, args.elements)
-        count = sum(1 for _ in _leaves(sd))
+        count = sum(1 for _ in tensors(sd))
         paths = {k: os.path.join(work, f"{n}-{k}") for k in ("ucp", "dcp")}
         dcp.save(sd, storage_writer=UCPStorageWriter(paths["ucp"]), planner=UCPSavePlanner())
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(paths["dcp"]))
@@ -138,17 +125,6 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({"repeats": args.repeats, "rows": results}, indent=1))
     dist.destroy_process_group()
-
-
-def _leaves(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _leaves(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _leaves(v)
-    elif isinstance(obj, torch.Tensor):
-        yield obj
 
 
 if __name__ == "__main__":
