@@ -15,14 +15,18 @@ first, and records per load:
 * ``total``: the whole ``dcp.load``.
 
 Prints the medians and the paired differences ucp - DCP of each, and writes them as JSON with
-``--out``. Run on an idle machine::
+``--out``; ``--profile`` adds a cProfile of one more cold load of each size. Run on an idle
+machine::
 
     python benchmarks/bench_prefix.py --tensors 136,1000,4000 --repeats 9 --out prefix.json
+    python benchmarks/bench_prefix.py --tensors 136 --repeats 3 --profile /tmp/prefix.prof
+    python -c "import pstats; pstats.Stats('/tmp/prefix.prof.176').print_stats(40)"
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import statistics
@@ -94,6 +98,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--profile",
+        default=None,
+        help="also write a cProfile of one more cold ucp_dcp load of each size (PROFILE.<tensors>)",
+    )
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29541")
@@ -120,6 +129,13 @@ def main() -> None:
             diffs = [u[j] - d[j] for u, d in zip(got["ucp"], got["dcp"])]
             row[f"{what}_diff_ms"] = round(1000 * statistics.median(diffs), 2)
         row["loadavg"] = os.getloadavg()[0]
+        if args.profile:  # after the timed repeats: the profiler's overhead is in no timing
+            prof = cProfile.Profile()
+            evict_tree(paths["ucp"])
+            prof.enable()
+            dcp.load(sd, storage_reader=UCPStorageReader(paths["ucp"]), planner=UCPLoadPlanner())
+            prof.disable()
+            prof.dump_stats(f"{args.profile}.{count}")
         results.append(row)
         print(json.dumps(row), flush=True)
     if args.out:
