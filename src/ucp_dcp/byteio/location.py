@@ -1,7 +1,8 @@
 """Where a checkpoint or a model lives: a local directory or the objects under an fsspec URL, as
 one type, :class:`ModelDir` (:class:`LocalDir`, :class:`StoreDir`), that the writer, every source
 and its directory questions use without asking which (as DCP's ``FsspecWriter`` holds ``fs``).
-The manager's object tier keeps each step directory as a :class:`StoreDir` on its one store.
+The manager's tiers keep each step directory as one too (a :class:`LocalDir`, or a
+:class:`StoreDir` on the object tier's one store).
 
 Reading: :func:`open_location` opens a path or URL as a view (:class:`StoreDir` listed once) and
 every registered format detects and opens itself from it (DeepSpeed's state is in a tag
@@ -149,6 +150,11 @@ class ModelDir(ABC):
     def size(self, name: str) -> int | None:
         """Size of file ``name`` in bytes; None if there is no such file."""
 
+    @abstractmethod
+    def sizes(self) -> dict[str, int]:
+        """Name -> size of every file directly in the directory (folders and, locally, links
+        left out), from one listing."""
+
     def holds(self, name: str) -> bool:
         """Whether file ``name`` exists, asked the cheapest way (:meth:`is_file` unless a view
         knows better)."""
@@ -233,6 +239,15 @@ class LocalDir(ModelDir):
             return os.stat(self.path_of(name)).st_size
         except FileNotFoundError:
             return None
+
+    def sizes(self) -> dict[str, int]:
+        """One ``os.scandir``: its regular files (not following links)."""
+        with os.scandir(self.where) as it:
+            return {
+                e.name: e.stat(follow_symlinks=False).st_size
+                for e in it
+                if e.is_file(follow_symlinks=False)
+            }
 
     def holds(self, name: str) -> bool:
         """Whether :meth:`keep` was handed ``name`` or it is a file (one ``stat``)."""

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
+from ...byteio.location import ModelDir
 from ...errors import CheckpointFormatError, InvalidArgumentError
 from .marker import MARKER_FILE, CommitMarker, check_copy, check_name, is_int
 
@@ -226,6 +227,14 @@ class Tier(ABC):
     ) -> None:
         """:meth:`commit` of ``marker`` (of ``step``) from checked ``staging``, which holds the
         files ``held`` (None: all of them)."""
+
+    @staticmethod
+    def _step_files(d: ModelDir) -> dict[str, int]:
+        """Names and sizes of the files in step directory ``d``, the marker excluded (one
+        listing)."""
+        sizes = d.sizes()
+        sizes.pop(MARKER_FILE, None)
+        return sizes
 
     def _check_payload_name(self, name: str, method: str) -> None:
         check_name(name, "file name")

@@ -215,9 +215,7 @@ class FsspecTier(Tier):
     def _file_sizes(self, path: str) -> dict[str, int]:
         """Names and sizes of the files in directory ``path``, the marker excluded (one
         listing)."""
-        sizes = self._dir(path).sizes()
-        sizes.pop(MARKER_FILE, None)
-        return sizes
+        return self._step_files(self._dir(path))
 
     def fetch(self, step: int, names: Iterable[str], dest_dir: str) -> None:
         """Download named files of committed ``step`` into ``dest_dir`` (temp name, fsync,

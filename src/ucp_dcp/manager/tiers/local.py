@@ -27,8 +27,8 @@ from ...byteio.durable import (
     fsync_path,
     replace_via_temp,
     swap_paths,
-    write_bytes_durable,
 )
+from ...byteio.location import LocalDir
 from ...errors import CheckpointFormatError, InvalidArgumentError, StorageError
 from .base import Tier, check_token, step_dir_name
 from .marker import MARKER_FILE, CommitMarker, check_name
@@ -151,12 +151,7 @@ class LocalTier(Tier):
         """Names and sizes of the regular files in committed ``step``, the marker excluded."""
         path = self.step_path(step)
         self._read_marker(path, step)
-        out = {}
-        with os.scandir(path) as it:
-            for e in it:
-                if e.name != MARKER_FILE and e.is_file(follow_symlinks=False):
-                    out[e.name] = e.stat(follow_symlinks=False).st_size
-        return out
+        return self._step_files(LocalDir(path))
 
     def fetch(self, step: int, names: Iterable[str], dest_dir: str) -> None:
         """Copy named files of committed ``step`` into ``dest_dir`` (temp name, fsync, rename)."""
@@ -183,14 +178,12 @@ class LocalTier(Tier):
     def read_bytes(self, step: int, name: str) -> bytes:
         """The content of file ``name`` of committed ``step``."""
         check_name(name, "file name")
-        path = os.path.join(self.step_path(step), name)
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except FileNotFoundError:
+        d = LocalDir(self.step_path(step))
+        if not d.is_file(name):
             raise CheckpointFormatError(
-                f"{self._where(step, name)}: missing (expected a file at {path})"
-            ) from None
+                f"{self._where(step, name)}: missing (expected a file at {d.path_of(name)})"
+            )
+        return d.read(name)
 
     # -- writing
 
@@ -234,7 +227,7 @@ class LocalTier(Tier):
         copy_durable(local_path, dst)
 
     def _put_bytes(self, staging: str, name: str, data: bytes) -> None:
-        write_bytes_durable(os.path.join(staging, name), data)
+        LocalDir(staging).write_atomic(name, data)
 
     def _commit(
         self, step: int, staging: str, marker: CommitMarker, held: frozenset[str] | None
