@@ -726,6 +726,20 @@ def _turn_taking_repeat(job: Job, fmt: str, expected: dict[str, Any], ctx: Ctx, 
     res["mismatches"] = verify(target, expected)
 
 
+def _agreed(ctx: Ctx, res: dict[str, Any], fn: Callable[[], None]) -> bool:
+    """Run ``fn()`` on every rank; ``res["error"]`` is the error any rank raised. True when every rank
+    may go on: no rank failed and none found a mismatch. Every rank must take the same branch (a
+    mismatch is seen on one rank), or the next collective would hang on the ranks that went on."""
+    err = None
+    try:
+        fn()
+    except Exception:
+        err = traceback.format_exc()
+    res["error"] = ctx.agree(err)
+    wrong = ctx.agree("mismatch" if res["mismatches"] else None)
+    return res["error"] is None and not wrong
+
+
 def run_load_job(job: Job, ctx: Ctx) -> dict[str, Any]:
     """Page floor, timed cold loads and one turn-taking load of one pair in every format.
 
@@ -763,16 +777,7 @@ def run_load_job(job: Job, ctx: Ctx) -> dict[str, Any]:
 
     def step(fmt: str, fn: Callable[[Job, str, dict[str, Any], Ctx, dict[str, Any]], None]) -> None:
         expected = expected_full["model"] if fmt == "hf" else expected_full
-        err = None
-        try:
-            fn(job, fmt, expected, ctx, out[fmt])
-        except Exception:
-            err = traceback.format_exc()
-        out[fmt]["error"] = ctx.agree(err)
-        # Every rank must take the same branch (a mismatch is seen on one rank), or the
-        # next collective would hang on the ranks that went on.
-        wrong = ctx.agree("mismatch" if out[fmt]["mismatches"] else None)
-        if (out[fmt]["error"] is not None or wrong) and fmt in active:
+        if not _agreed(ctx, out[fmt], functools.partial(fn, job, fmt, expected, ctx, out[fmt])) and fmt in active:
             active.remove(fmt)
 
     for i in range(job.repeats):
@@ -947,15 +952,7 @@ def run_restart_job(job: Job, ctx: Ctx) -> dict[str, Any]:
         order = [f for f in (RESTART_FORMATS if i % 2 == 0 else RESTART_FORMATS[::-1]) if f in active]
         for pos, fmt in enumerate(order):
             out[fmt]["run_positions"].append(pos)
-            err = None
-            try:
-                _restart_repeat(job, fmt, expected, ctx, out[fmt])
-            except Exception:
-                err = traceback.format_exc()
-            out[fmt]["error"] = ctx.agree(err)
-            # every rank takes the same branch (a mismatch may be seen on one rank only)
-            wrong = ctx.agree("mismatch" if out[fmt]["mismatches"] else None)
-            if out[fmt]["error"] is not None or wrong:
+            if not _agreed(ctx, out[fmt], functools.partial(_restart_repeat, job, fmt, expected, ctx, out[fmt])):
                 active.remove(fmt)
     return out
 

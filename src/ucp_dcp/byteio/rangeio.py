@@ -421,8 +421,9 @@ class RangeReader(ByteSource):
         run) where the file cannot be mapped.
 
         Why: a span read with ``preadv`` copies every byte of the span into staging memory, and
-        then the needed ones into place; from a mapping only the pages holding needed bytes are
-        touched, and the needed bytes copied once (a column slice of rows: about half the work).
+        then the needed ones into place; from a mapping the span's pages are asked for the same
+        way, but only the needed bytes are copied, once (a column slice of rows: about half the
+        work).
         A span past the file's end is not mapped (a truncated file): the caller reads it, and
         :meth:`read` names the truncation.
         """

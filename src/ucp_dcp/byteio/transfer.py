@@ -361,9 +361,7 @@ class StagingBuffers:
                 reader.read(list(segments_into(location, chunk_sizes, sub, buf, self._view)))
             else:  # checked in the staging buffer, before it is copied anywhere
                 read_verified(reader, location, chunk_sizes, sub, buf, check, self._view)
-            target = dest
-            for d, (o, s) in enumerate(zip(offs, sizes)):
-                target = target.narrow(d, o, s)
+            target = _narrowed(dest, offs, sizes)
             self.slabs += 1
             self.bytes_staged += n
             if not halves:
@@ -400,18 +398,15 @@ class StagingBuffers:
         strides = row_major_strides(chunk_sizes)
         prev = (0, 0, 0)  # the span [a0, b0) the buffer holds now, from byte ``shift`` of it
         for offs, sizes in span_slabs(chunk_sizes, region, es, budget):
-            sub = Box(tuple(o + p for o, p in zip(region.offsets, offs)), sizes)
-            a, b = span_of(chunk_sizes, sub.offsets, sizes, es)
-            if check is None:
-                a0, b0, shift = a, b, 0
+            a, b, a0, b0, blocks = _sub_span(part, offs, sizes, bs)
+            if blocks is None:
+                shift = 0
                 reader.read([Segment(location.file, location.start + a0, self._view[: b0 - a0])])
             else:
                 # Whole blocks: every block holding a needed byte is checked before any byte is
                 # handed over.
-                a0, b0 = a // bs * bs, min(-(-b // bs) * bs, location.nbytes)
+                assert check is not None
                 shift = -(a - a0) % es
-                starts, length = region_starts(chunk_sizes, sub, es)
-                blocks = _blocks_of(starts, length, bs)
                 keep = 0
                 if a0 < prev[1]:
                     # The previous span ended in this span's first block, and checked it: carry
@@ -439,10 +434,7 @@ class StagingBuffers:
             )  # a multiple of the itemsize: the buffer can be viewed as src_dtype there
             typed = self._buf[first : first + b - a].view(src_dtype)
             src = torch.as_strided(typed, sizes, strides, first // es)
-            target = dest
-            for d, (o, n) in enumerate(zip(offs, sizes)):
-                target = target.narrow(d, o, n)
-            target.copy_(src)
+            _narrowed(dest, offs, sizes).copy_(src)
             self.slabs += 1
             self.spans += 1
             self.bytes_staged += b0 - a0
@@ -454,8 +446,9 @@ def read_spans_mapped(
 ) -> int:
     """Read ``part`` (in the chunk's stored order) into CPU tensor ``dest`` span by span straight
     from the file mapped into memory (:meth:`~ucp_dcp.byteio.rangeio.ByteSource.read_mapped`):
-    per sub-box, the blocks holding needed bytes checked in the mapping (with ``check``), then one
-    strided copy into ``dest``; the sub-boxes run in parallel on the reader's I/O threads. The
+    per sub-box, one strided copy into ``dest``, then (with ``check``) the blocks holding the
+    needed bytes checked in the mapping; the sub-boxes run in parallel on the reader's I/O
+    threads. The
     number of spans read; 0 (nothing read) where the source cannot map the file, or ``dest`` is
     not in CPU memory, or the chunk does not start at an element boundary of the file.
     """
@@ -469,20 +462,13 @@ def read_spans_mapped(
     last = -1  # the last block a sub-box before this one checks
     # Sub-boxes of at most a request's span: one per I/O call, several in flight.
     for offs, sizes in span_slabs(chunk_sizes, region, es, MAX_REQUEST_BYTES):
-        sub = Box(tuple(o + p for o, p in zip(region.offsets, offs)), sizes)
-        a, b = span_of(chunk_sizes, sub.offsets, sizes, es)
-        lo, hi, blocks = a, b, None
-        if check is not None:  # whole blocks: each block holding a needed byte is checked, once
-            lo, hi = a // bs * bs, min(-(-b // bs) * bs, location.nbytes)
-            starts, length = region_starts(chunk_sizes, sub, es)
-            blocks = _blocks_of(starts, length, bs)
+        a, b, lo, hi, blocks = _sub_span(part, offs, sizes, bs)
+        if blocks is not None:
             # A block the previous sub-box shares with this one is checked there: the same bytes
             # of the same mapping.
             blocks = blocks[blocks > last]
             last = int(blocks[-1]) if len(blocks) else last
-        target = dest
-        for d, (o, n) in enumerate(zip(offs, sizes)):
-            target = target.narrow(d, o, n)
+        target = _narrowed(dest, offs, sizes)
 
         def copy_out(
             view: memoryview,
@@ -505,6 +491,29 @@ def read_spans_mapped(
 
         spans.append(MappedSpan(location.start + lo, hi - lo, copy_out))
     return len(spans) if reader.read_mapped(location.file, spans) else 0
+
+
+def _narrowed(t: torch.Tensor, offs: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """The sub-box of ``t`` at ``offs`` of ``sizes`` (a view)."""
+    for d, (o, n) in enumerate(zip(offs, sizes)):
+        t = t.narrow(d, o, n)
+    return t
+
+
+def _sub_span(
+    part: ChunkRegion, offs: Sequence[int], sizes: Sequence[int], block: int
+) -> tuple[int, int, int, int, np.ndarray | None]:
+    """``(a, b, lo, hi, blocks)`` of the sub-box of ``part``'s region at ``offs`` of ``sizes``: its
+    span ``[a, b)`` in the chunk, widened to whole blocks ``[lo, hi)``, and the blocks holding its
+    needed bytes; with ``block`` 0 (nothing to check) ``lo, hi = a, b`` and no blocks."""
+    es = part.dtype.itemsize
+    sub = Box(tuple(o + p for o, p in zip(part.region.offsets, offs)), tuple(sizes))
+    a, b = span_of(part.chunk_sizes, sub.offsets, sub.sizes, es)
+    if not block:
+        return a, b, a, b, None
+    starts, length = region_starts(part.chunk_sizes, sub, es)
+    lo, hi = a // block * block, min(-(-b // block) * block, part.location.nbytes)
+    return a, b, lo, hi, _blocks_of(starts, length, block)
 
 
 def _blocks_of(starts: np.ndarray, length: int, block: int) -> np.ndarray:
