@@ -27,11 +27,6 @@ read while other threads still read); the segments of one call that share a
 callback are reported in one call of it, and segments with callbacks are
 merged into calls of at most ``HOOKED_REQUEST_BYTES`` (about 1 MiB), so
 that a callback finds what it checks still in the CPU cache.
-
-Local data files are opened here too (:func:`open_data_file`, :class:`FileAccess`), and their
-headers read through them (:func:`read_header`, :func:`read_safetensors`): :mod:`ucp_dcp.format`
-parses headers from bytes (a :class:`~ucp_dcp.format.header.RandomAccess`), this module opens
-the local file they come from.
 """
 
 from __future__ import annotations
@@ -50,9 +45,8 @@ import numpy as np
 import torch
 
 from ..core.spans import ACCESS_MODES, SEQUENTIAL, file_access
-from ..errors import CheckpointFormatError, InvalidArgumentError, TruncatedFileError
-from ..format.header import FileHeader, RandomAccess, SafetensorsHeader, parse_header
-from ..format.header import parse_safetensors as _parse_safetensors
+from ..errors import InvalidArgumentError, TruncatedFileError
+from .files import open_data_file
 from .progress import Progress
 from .requests import RequestPolicy
 from .workers import Abandoned, IOWorkers
@@ -72,10 +66,6 @@ __all__ = [
     "IO_THREADS",
     "MAX_REQUEST_BYTES",
     "check_access",
-    "open_data_file",
-    "FileAccess",
-    "read_header",
-    "read_safetensors",
 ]
 
 Extents = Mapping[int, tuple[np.ndarray, np.ndarray]]
@@ -679,65 +669,3 @@ def _batches(reqs: list[_Request], n: int) -> list[list[_Request]]:
         out[-1].append(r)
         acc += r.nbytes
     return out
-
-
-# ------------------------------------------------------------ local data files opened for reading
-
-
-def open_data_file(path: str, *, random: bool = True) -> int:
-    """Open data file ``path`` for random reads (no read-ahead), or with ``random=False`` for a
-    stream (the kernel's default read-ahead); a missing or unreadable file is a
-    :class:`CheckpointFormatError` naming it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise CheckpointFormatError(f"data file {path} is missing") from None
-    except OSError as e:
-        raise CheckpointFormatError(f"{path}: cannot open ({e.strerror or e})") from None
-    if random and hasattr(os, "posix_fadvise"):
-        # Without this the header read leaves read-ahead marks in the page
-        # cache, and a later exact read of a marked page makes the kernel
-        # stream in the rest of the file: other ranks' bytes.
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    return fd
-
-
-class FileAccess:
-    """:class:`~ucp_dcp.format.header.RandomAccess` over a local file, opened by
-    :func:`open_data_file` and closed by :meth:`close` (or the ``with`` block)."""
-
-    def __init__(self, path: str) -> None:
-        self.fd = open_data_file(path)
-        self.size = os.fstat(self.fd).st_size
-
-    def pread(self, n: int, offset: int) -> bytes:
-        """Up to ``n`` bytes at ``offset``."""
-        return os.pread(self.fd, n, offset)
-
-    def close(self) -> None:
-        """Close the descriptor."""
-        os.close(self.fd)
-
-    def __enter__(self) -> FileAccess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def read_safetensors(path: str, access: RandomAccess | None = None) -> SafetensorsHeader:
-    """The checked header of safetensors file ``path``: read through ``access``, or from the local
-    file (:func:`~ucp_dcp.format.header.parse_safetensors`)."""
-    if access is not None:
-        return _parse_safetensors(path, access)
-    with FileAccess(path) as f:
-        return _parse_safetensors(path, f)
-
-
-def read_header(path: str, *, access: RandomAccess | None = None) -> FileHeader:
-    """The checked header of native data file ``path``: read through ``access``, or from the local
-    file (:func:`~ucp_dcp.format.header.parse_header`)."""
-    if access is not None:
-        return parse_header(path, access)
-    with FileAccess(path) as f:
-        return parse_header(path, f)
