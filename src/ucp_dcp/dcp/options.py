@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from ..byteio.engine import ReadTotals
 from ..byteio.progress import ProgressConfig
-from ..byteio.rangeio import IO_THREADS, MAX_REQUEST_BYTES, ReadStats, check_access
+from ..byteio.rangeio import IO_THREADS, MAX_REQUEST_BYTES, ByteSource, ReadStats, check_access
 from ..byteio.requests import RequestPolicy
 from ..errors import InvalidArgumentError
-from ..sources import SourceOptions
+from ..sources import Source, SourceOptions
 from ..sources.distcp import DCP_VALUES_MODES
 from .placement import PlacementReport
 from .read_once import ReadOnceCosts, ReadOnceDecision, check_read_once
@@ -142,6 +142,17 @@ class ReadOptions:
     def buffer_bytes(self) -> int:
         """``max_buffer_bytes``, raised to the 1 MiB every reader needs at least."""
         return max(self.max_buffer_bytes, _MiB)
+
+    def open_reader(self, source: Source) -> ByteSource:
+        """``source``'s byte reader with these options' threads, gaps, request sizes, deadlines
+        and verification: the one place every entry point opens it."""
+        return source.open_reader(
+            threads=self.io_threads,
+            gap_bytes=self.gap_bytes,
+            max_request_bytes=self.max_request_bytes,
+            requests=self.requests,
+            verify=self.verify,
+        )
 
 
 def source_options(dcp_values: str | None, prefix: str, tp_rules: object) -> SourceOptions:

@@ -323,13 +323,7 @@ class UCPStorageReader(_Directory, StorageReader):
             if exchanging:  # the other ranks wait for this one's needs: say why not
                 coordinate(opts.read_once, *self._storage, None, e, self._wire.group, 0)
             raise
-        reader = src.open_reader(
-            threads=opts.io_threads,
-            gap_bytes=opts.gap_bytes,
-            max_request_bytes=opts.max_request_bytes,
-            requests=opts.requests,
-            verify=opts.verify,
-        )
+        reader = opts.open_reader(src)
         report.stats = reader.stats
         reader.stats.progress = progress
         engine = ChunkReads(

@@ -94,13 +94,7 @@ class Checkpoint:
         )
         self.index = self.source.index
         self.max_buffer_bytes = opts.buffer_bytes
-        self._reader = self.source.open_reader(
-            threads=opts.io_threads,
-            gap_bytes=opts.gap_bytes,
-            max_request_bytes=opts.max_request_bytes,
-            requests=opts.requests,
-            verify=opts.verify,
-        )
+        self._reader = opts.open_reader(self.source)
         self.verify_reads = opts.verify
         self._ranks = [self.source.file_rank(i) for i in range(len(self.source.paths))]
         self._verified = 0

@@ -162,13 +162,7 @@ def _convert(
 ) -> Index:
     index, budget = source.index, opts.buffer_bytes
     per_file = _items_by_file(source)
-    reader = source.open_reader(
-        threads=opts.io_threads,
-        gap_bytes=opts.gap_bytes,
-        max_request_bytes=opts.max_request_bytes,
-        requests=opts.requests,
-        verify=opts.verify,
-    )
+    reader = opts.open_reader(source)
     ranks = [source.file_rank(i) for i in range(len(source.paths))]
     buf = torch.empty(budget, dtype=torch.uint8)
     # A chunk stored in another dimension order is read through staging memory as well: each of
