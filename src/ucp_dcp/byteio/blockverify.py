@@ -68,6 +68,10 @@ _hash = xxhash.xxh3_64_intdigest
 # Up to this many blocks (or pieces to copy) are handled in a plain loop: cheaper than a dozen small
 # array operations.
 _FEW = 8
+# A batch's arrays where it has none (read-only: batches replace them, never write into them).
+_NO_I64 = np.zeros(0, np.int64)
+_NO_U8 = np.zeros(0, np.uint8)
+_NO_I64.flags.writeable = _NO_U8.flags.writeable = False
 
 
 @dataclass
@@ -446,6 +450,17 @@ class BlockVerifier(_BlockChecks):
         """
         t0 = time.thread_time()
         es = dest.element_size()
+        if dest.is_contiguous() and not any(region.offsets) and region.sizes == tuple(chunk_sizes):
+            # The whole chunk into a contiguous tensor, every read of a same-layout restart: one
+            # run, planned without arrays.
+            if region.numel:
+                view = storage_view(dest) if view is None else view
+                at = int(dest.storage_offset()) * es
+                batch, segments = self._batch_one(location, check, 0, at, region.numel * es, view)
+                self._pending.append(batch)
+                self._spent(time.thread_time() - t0)
+                yield segments
+            return
         grid = runs(chunk_sizes, region, dest.stride(), int(dest.storage_offset()))
         if not grid.count:
             return
@@ -498,10 +513,7 @@ class BlockVerifier(_BlockChecks):
             raise InvalidArgumentError(f"read [{start}, {end}) outside a chunk of {n} bytes")
         first = min(-(-start // bs) * bs, n)  # the run's whole blocks are [first, last)
         last = n if end == n else end // bs * bs
-        empty = np.zeros(0, np.int64)
-        batch = _Batch(
-            location, check, view, empty, empty, np.zeros(0, np.uint8), empty, (empty,) * 3
-        )
+        batch = _Batch(location, check, view, _NO_I64, _NO_I64, _NO_U8, _NO_I64, (_NO_I64,) * 3)
         done = functools.partial(self._segment_done, batch)
         segments: list[Segment] = []
         edges: list[

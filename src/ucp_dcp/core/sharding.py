@@ -25,6 +25,7 @@ place) are in :mod:`ucp_dcp.core.boxes`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -77,8 +78,10 @@ def placement_to_str(p: Placement) -> str:
     raise LayoutError(f"unsupported DTensor placement {p!r}")
 
 
+@functools.lru_cache(maxsize=256)
 def placement_from_str(s: str) -> Placement:
-    """Inverse of :func:`placement_to_str`."""
+    """Inverse of :func:`placement_to_str` (cached: an index names a few placements many times,
+    and placements are immutable)."""
     m = _PLACEMENT_RE.match(s)
     if not m:
         raise LayoutError(f"unknown placement {s!r}; expected 'R', 'S(dim)' or 'SS(dim,split)'")
@@ -248,10 +251,16 @@ class Grid:
 
     def box(self, k: int) -> Box:
         """The box of chunk ``k``."""
-        cell = self.cell_of_chunk[k]
+        # Planners ask this once or more per chunk they touch; reading numpy scalars one by one
+        # costs several times the plain lists, made once per grid (grids are cached per layout).
+        lists = self.__dict__.get("_lists")
+        if lists is None:
+            lists = ([o.tolist() for o in self.offsets], [s.tolist() for s in self.sizes])
+            object.__setattr__(self, "_lists", lists)
+        cell = self.cell_of_chunk[k].tolist()
         return Box(
-            tuple(int(o[i]) for o, i in zip(self.offsets, cell)),
-            tuple(int(s[i]) for s, i in zip(self.sizes, cell)),
+            tuple(o[i] for o, i in zip(lists[0], cell)),
+            tuple(s[i] for s, i in zip(lists[1], cell)),
         )
 
     def boxes(self) -> list[Box]:

@@ -115,12 +115,12 @@ def _field_hex64(d: Any, k: str, where: str, what: str) -> str:
 def is_index_list(v: Any, n: int | None = None) -> TypeGuard[list[int]]:
     """Whether ``v`` is a list of non-negative integers (of length ``n``, when given) that fit in 63
     bits."""
-    return (
-        isinstance(v, list)
-        and len(v) <= MAX_DIMS
-        and (n is None or len(v) == n)
-        and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_INT for x in v)
-    )
+    if not isinstance(v, list) or len(v) > MAX_DIMS or (n is not None and len(v) != n):
+        return False
+    for x in v:  # a plain loop: called for every shape and box of an index and of every header
+        if type(x) is not int or not 0 <= x <= MAX_INT:  # int, not bool (a subclass of it)
+            return False
+    return True
 
 
 # Quantized and sub-byte integer dtypes: torch has names for them, but no
