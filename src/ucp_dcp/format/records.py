@@ -154,6 +154,9 @@ class RunList(Sequence[int]):
             i += n
         if not 0 <= i < n:
             raise IndexError(f"run list index {i} out of range ({n})")
+        if len(self.runs) == 1:  # most tensors' files: one run, no search
+            start, _, step = self.runs[0]
+            return start + i * step
         r = int(np.searchsorted(self._ends, i, side="right"))
         start, count, step = self.runs[r]
         return start + (i - (int(self._ends[r]) - count)) * step

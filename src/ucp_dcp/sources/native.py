@@ -10,7 +10,7 @@ import math
 import os
 import threading
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import xxhash
@@ -193,14 +193,14 @@ class NativeSource(Source):
         (the first chunks of a file whose header is short, small values) costs no request."""
         return {file: memoryview(obj.head) for file, obj in list(self._objects.items())}
 
-    def _entry(self, file: int, name: str, what: str) -> tuple[int, int, EntryMeta]:
+    def _entry(self, file: int, name: str, what: Callable[[], str]) -> tuple[int, int, EntryMeta]:
         """``(start, nbytes, metadata)`` of entry ``name`` of data file ``file``; the index says it
-        holds ``what``."""
+        holds ``what()`` (words made only for an error: a load asks this of every chunk)."""
         h = self.header(file)
         meta = h.meta.get(name)
         if meta is None:
             raise CheckpointFormatError(
-                f"{self.paths[file]}: the index says it holds {what} (entry {name!r}), but it "
+                f"{self.paths[file]}: the index says it holds {what()} (entry {name!r}), but it "
                 "does not"
             )
         return (*h.ranges[name], meta)
@@ -220,7 +220,10 @@ class NativeSource(Source):
         if file is None:
             return super().locate(fqn, idx)  # raises: an explicit chunk listed without its bytes
         name = chunk_entry_name(fqn, box.offsets)
-        what = f"chunk {list(box.offsets)} of {fqn!r}"
+
+        def what() -> str:  # made only for an error: a load locates every chunk it reads
+            return f"chunk {list(box.offsets)} of {fqn!r}"
+
         start, nbytes, meta = self._entry(file, name, what)
         found = (meta.fqn, meta.dtype, meta.shape, meta.offsets, meta.sizes)
         want = (fqn, dtype_name(rec.dtype), rec.shape, box.offsets, box.sizes)
@@ -228,12 +231,12 @@ class NativeSource(Source):
             raise CheckpointFormatError(
                 f"{self.paths[file]}: entry {name!r} is a {meta.dtype}{list(meta.sizes)} chunk of "
                 f"{meta.fqn!r} "
-                f"{list(meta.shape)}, but the index has {what} as {want[1]}{list(box.sizes)} of "
+                f"{list(meta.shape)}, but the index has {what()} as {want[1]}{list(box.sizes)} of "
                 f"{list(rec.shape)}"
             )
         here = Location(file, start, nbytes, meta.xxh3)
         if loc is not None and loc != here:
-            raise CheckpointFormatError(_disagree(self.paths[file], what, here, loc))
+            raise CheckpointFormatError(_disagree(self.paths[file], what(), here, loc))
         return here
 
     def value_location(self, key: str) -> Location:
@@ -242,7 +245,7 @@ class NativeSource(Source):
         rl = split_rank_local_key(key)
         what = f"rank-local value {rl[1]!r} of rank {rl[0]}" if rl else f"value {key!r}"
         name = rank_local_entry_name(rl[1]) if rl else value_entry_name(key)
-        start, nbytes, meta = self._entry(loc.file, name, what)
+        start, nbytes, meta = self._entry(loc.file, name, lambda: what)
         if rl and self.header(loc.file).rank != rl[0]:
             raise CheckpointFormatError(
                 f"{self.paths[loc.file]}: the index has {what} in the file of rank "
