@@ -8,6 +8,8 @@
   tensor's chunks may be garbage and the load is still exact. Shapes,
   dtypes, chunkings and block sizes (some not multiples of the element
   size) are random; small blocks put many block boundaries in small tensors.
+* A chunk read whole is checked against its entry's xxh3-64 in one hash; a flipped byte is
+  still named by its block, a wrong entry checksum by the chunk.
 * Checkpoints without block checksums (written before them) still load, and
   a verified load checks them chunk by chunk; a damaged block-checksum entry
   is named by loads and by ``verify``.
@@ -327,6 +329,39 @@ def test_checkpoints_without_block_sums_load_and_are_checked_whole(
     dcp.load(blank(sd), storage_reader=UCPStorageReader(path, options=ReadOptions(verify=False)), planner=UCPLoadPlanner(), no_dist=True)
     with pytest.raises(ChecksumError, match="tensor 'model.w' chunk at"):
         load_state_dict(path)
+
+
+def test_a_whole_chunk_is_checked_against_its_entry_checksum(tmp_path: Path, sd: dict[str, Any]) -> None:
+    """A chunk read whole is hashed once against its entry's xxh3-64 (not block by block): a
+    flipped byte is still named by its block, and an entry checksum that disagrees with blocks
+    that all match is named for the chunk."""
+    path = tmp_path / "ck"
+    save_plain(path, sd)
+    src = NativeSource(str(path))
+    loc = src.locate("model.w", 0)
+    reader = UCPStorageReader(path)
+    out = blank(sd)
+    dcp.load(out, storage_reader=reader, planner=UCPLoadPlanner(), no_dist=True)
+    assert bit_equal(out["model"]["w"], sd["model"]["w"])
+    assert reader.last_load.verified_bytes == sd["model"]["w"].nbytes + sd["model"]["b"].nbytes
+
+    flip(src.paths[0], loc.start + 9000, 0x04)
+    with pytest.raises(BaseException) as ei:
+        dcp.load(blank(sd), storage_reader=UCPStorageReader(path), planner=UCPLoadPlanner(), no_dist=True)
+    err = unwrap(ei.value)
+    assert isinstance(err, ChecksumError) and err.what == "tensor 'model.w' chunk at [0, 0], block 2 (bytes [8192, 12288) of the chunk)"
+    flip(src.paths[0], loc.start + 9000, 0x04)  # undone
+
+    # The entry's recorded checksum changed in the header (same length): every block matches.
+    raw = Path(src.paths[0]).read_bytes()
+    assert loc.xxh3 is not None and raw.count(loc.xxh3.encode()) == 1
+    other = f"{int(loc.xxh3, 16) ^ 1:016x}"
+    Path(src.paths[0]).write_bytes(raw.replace(loc.xxh3.encode(), other.encode()))
+    with pytest.raises(BaseException) as ei:
+        dcp.load(blank(sd), storage_reader=UCPStorageReader(path), planner=UCPLoadPlanner(), no_dist=True)
+    err = unwrap(ei.value)
+    assert isinstance(err, ChecksumError) and err.what == "tensor 'model.w' chunk at [0, 0]"
+    assert (err.expected, err.actual) == (other, loc.xxh3)
 
 
 def test_a_damaged_block_sum_entry_is_named(tmp_path: Path, sd: dict[str, Any]) -> None:

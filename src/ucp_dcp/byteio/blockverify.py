@@ -16,7 +16,12 @@ coalesces them into the same ``preadv`` calls, and with 4 KiB blocks
 starting on page boundaries they read no page the load did not need.
 A long run read in place is cut into pieces of about 1 MiB, and the I/O
 thread that reads a piece hashes it right after the read, while it is
-still in the CPU cache (one hash pass, one comparison per piece). Other
+still in the CPU cache (one hash pass, one comparison per piece). A whole
+chunk read in place is instead checked against the chunk's recorded xxh3-64:
+its pieces are fed, in order as they land, to one streaming hash (a call per
+piece, which releases the GIL, where its blocks take a call each that holds
+it); only on a mismatch are its blocks compared, to name the one that
+differs. Other
 batches whose reads take few ``preadv`` calls (neighbouring rows) are
 checked by the I/O thread that completes their last segment, while the
 other threads still read; the rest after the reads.
@@ -35,6 +40,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -93,6 +99,15 @@ class _Batch:
     # arrays.
     run: tuple[int, int, int] | None = None
     pieces: int = 0  # segments of ``run`` whose callbacks hash their own blocks
+    # The whole chunk read in place (``run`` is all of it) is hashed as one stream against its
+    # recorded xxh3-64, piece by piece in order as they land (see ``_stream_pieces``): ``landed``
+    # maps a read piece's offset in ``dest`` to its end, ``hashed`` is where the stream is.
+    whole: bool = False
+    stream: Any = None
+    landed: dict[int, int] = dataclasses.field(default_factory=dict)
+    hashed: int = 0
+    stream_end: int = 0  # the chunk's end in ``dest``
+    hashing: bool = False
     left: int = 0  # its segments not read yet
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     checked: bool = False
@@ -219,7 +234,14 @@ class _BlockChecks:
 
     def _piece_done(self, batch: _Batch, off: int, k0: int, k1: int, n: int) -> None:
         """A piece of ``batch``'s run (blocks ``k0 .. k1-1`` at ``dest[off:]``) was read: hash and
-        compare it now; the rest of the batch once its last segment is read."""
+        compare it now; the rest of the batch once its last segment is read. A whole chunk's
+        pieces go into its one hash instead (:meth:`_stream_pieces`)."""
+        if batch.whole:
+            end = min(off + (k1 - k0) * batch.check.sums.block, batch.stream_end)
+            self._stream_pieces(batch, off, end)
+            with batch.lock:
+                batch.left -= n
+            return
         t0 = time.thread_time()
         nbytes = self._compare_run(batch, off, k0, k1)  # raising fails the read
         with batch.lock:
@@ -228,6 +250,53 @@ class _BlockChecks:
         self._spent(time.thread_time() - t0, nbytes)
         if last:
             self._check_now(batch, run_hashed=True)
+
+    def _stream_pieces(self, batch: _Batch, off: int, end: int) -> None:
+        """Piece ``dest[off:end]`` of a whole chunk landed: feed the chunk's hash every landed piece
+        that is next in order, while it is still in the CPU's cache. Pieces land on several I/O
+        threads in any order; one thread at a time feeds the hash (each update releases the GIL),
+        and a piece that lands meanwhile is left for it. Whoever feeds the last piece compares the
+        chunk's digest (:meth:`_check_whole`)."""
+        with batch.lock:
+            batch.landed[off] = end
+            if batch.hashing:
+                return
+            batch.hashing = True
+        t0 = time.thread_time()
+        nbytes = 0
+        try:
+            while True:
+                with batch.lock:
+                    at = batch.hashed
+                    stop = batch.landed.pop(at, None)
+                    if stop is None:
+                        batch.hashing = False
+                        return
+                batch.stream.update(batch.dest[at:stop])
+                nbytes += stop - at
+                batch.hashed = stop
+                if stop == batch.stream_end:
+                    self._check_whole(batch)
+                    self._check_now(batch, run_hashed=True)
+                    return
+        finally:
+            self._spent(time.thread_time() - t0, nbytes)
+
+    def _check_whole(self, batch: _Batch) -> None:
+        """Compare the whole chunk's streamed hash with its recorded xxh3-64. On a mismatch its
+        blocks are compared, to name the one that differs (the error a partial read gives);
+        blocks that all match under a chunk checksum that does not are reported for the chunk."""
+        location, (off, k0, k1) = batch.location, batch.run or (0, 0, 0)
+        got = batch.stream.hexdigest()
+        if got != location.xxh3:
+            self._compare_run(batch, off, k0, k1)  # raises naming the block, if one differs
+            raise ChecksumError(
+                self.paths[location.file],
+                chunk_what(batch.check.fqn, batch.check.offsets),
+                str(location.xxh3),
+                got,
+                self.ranks[location.file],
+            )
 
     def _check_now(self, batch: _Batch, run_hashed: bool = False) -> None:
         t0 = time.thread_time()
@@ -537,6 +606,9 @@ class BlockVerifier(_BlockChecks):
                     )
                 )
             batch.pieces = len(segments)
+            if start == 0 and end == n and location.xxh3:
+                batch.whole, batch.stream = True, xxhash.xxh3_64()
+                batch.hashed, batch.stream_end = at, at + n
             edges += [(start, first, at)] if start < first else []
             edges += [(last, end, at + last - start)] if last < end else []
         else:
