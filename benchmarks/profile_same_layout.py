@@ -157,6 +157,10 @@ def _bench(rank: int, args: argparse.Namespace) -> None:
         if v != "dcp":
             ratios = [u / d for u, d in zip(ts, times["dcp"])]
             out[f"{v}_over_dcp_median"] = round(statistics.median(ratios), 3)
+    for v in times:  # each verified variant against its unverified twin, paired per repeat
+        if v.endswith(":on") and v[:-3] + ":off" in times:
+            ratios = [a / b for a, b in zip(times[v], times[v[:-3] + ":off"])]
+            out[f"{v[:-3]}:on_over_off_median"] = round(statistics.median(ratios), 3)
     out["world"] = args.world
     out["loadavg"] = os.getloadavg()
     if rank == 0:
