@@ -1,7 +1,7 @@
 """The chunk-read engine (ucp_dcp.byteio.engine.ChunkReads) on its own: bit-exact regions of
 saved chunks under the direct and the staged path, unverified, block-verified and checked
 against whole-chunk checksums; the bytes it asks its ByteSource for; callbacks after the
-checks; a damaged needed byte caught."""
+checks; a damaged needed byte caught; the byte view of a destination's storage it reads into."""
 
 from __future__ import annotations
 
@@ -207,3 +207,26 @@ def test_whole_chunk_checksum_hashes_the_destination_or_reads_again(tmp_path: An
 def test_object_range_reader_is_a_byte_source() -> None:
     """Both readers declare the seam the engine reads through."""
     assert ByteSource in RangeReader.__mro__ and ByteSource in ObjectRangeReader.__mro__
+
+
+def test_storage_view_covers_the_storage_and_keeps_it_alive() -> None:
+    """``storage_view`` addresses the whole storage of a (possibly offset, strided) view, is
+    writable, and keeps the memory alive after every tensor over it is gone."""
+    import gc
+
+    import numpy as np
+
+    from ucp_dcp.byteio.rangeio import storage_view
+
+    base = torch.arange(24, dtype=torch.float32)
+    view = base[4:].view(4, 5)[:, ::2]  # offset and strided: the view still sees all 24 floats
+    mv = storage_view(view)
+    assert (mv.nbytes, mv.readonly, mv.format) == (96, False, "B")
+    assert bytes(mv) == base.numpy().tobytes()
+    mv[0:4] = np.float32(7.5).tobytes()  # writes land in the tensor
+    assert base[0].item() == 7.5
+    del base, view
+    gc.collect()
+    torch.randn(1 << 16)  # other allocations do not reuse the memory the view holds
+    assert np.frombuffer(mv, dtype=np.float32)[:3].tolist() == [7.5, 1.0, 2.0]
+    assert storage_view(torch.empty(0)).nbytes == 0
