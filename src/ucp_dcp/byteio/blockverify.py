@@ -81,6 +81,22 @@ _NO_I64.flags.writeable = _NO_U8.flags.writeable = False
 
 
 @dataclass
+class ChunkStream:
+    """The xxh3-64 of a whole chunk read in place, fed its pieces in order as they land.
+
+    ``landed`` maps the offset in the destination of each piece read but not hashed yet to its
+    end; ``at`` is where the hash has got to, ``end`` the chunk's end; ``feeding``: a thread is
+    feeding it. All under the batch's lock.
+    """
+
+    at: int
+    end: int
+    hasher: Any = dataclasses.field(default_factory=xxhash.xxh3_64)
+    landed: dict[int, int] = dataclasses.field(default_factory=dict)
+    feeding: bool = False
+
+
+@dataclass
 class _Batch:
     """The checks of one batch of reads of one chunk that :meth:`BlockVerifier.check` runs."""
 
@@ -99,15 +115,8 @@ class _Batch:
     # arrays.
     run: tuple[int, int, int] | None = None
     pieces: int = 0  # segments of ``run`` whose callbacks hash their own blocks
-    # The whole chunk read in place (``run`` is all of it) is hashed as one stream against its
-    # recorded xxh3-64, piece by piece in order as they land (see ``_stream_pieces``): ``landed``
-    # maps a read piece's offset in ``dest`` to its end, ``hashed`` is where the stream is.
-    whole: bool = False
-    stream: Any = None
-    landed: dict[int, int] = dataclasses.field(default_factory=dict)
-    hashed: int = 0
-    stream_end: int = 0  # the chunk's end in ``dest``
-    hashing: bool = False
+    # The whole chunk read in place (``run`` is all of it): its pieces feed one hash instead.
+    stream: ChunkStream | None = None
     left: int = 0  # its segments not read yet
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     checked: bool = False
@@ -235,12 +244,9 @@ class _BlockChecks:
     def _piece_done(self, batch: _Batch, off: int, k0: int, k1: int, n: int) -> None:
         """A piece of ``batch``'s run (blocks ``k0 .. k1-1`` at ``dest[off:]``) was read: hash and
         compare it now; the rest of the batch once its last segment is read. A whole chunk's
-        pieces go into its one hash instead (:meth:`_stream_pieces`)."""
-        if batch.whole:
-            end = min(off + (k1 - k0) * batch.check.sums.block, batch.stream_end)
-            self._stream_pieces(batch, off, end)
-            with batch.lock:
-                batch.left -= n
+        pieces go into its one hash instead (:meth:`_feed`)."""
+        if batch.stream is not None:
+            self._feed(batch, off, min(off + (k1 - k0) * batch.check.sums.block, batch.stream.end))
             return
         t0 = time.thread_time()
         nbytes = self._compare_run(batch, off, k0, k1)  # raising fails the read
@@ -251,45 +257,47 @@ class _BlockChecks:
         if last:
             self._check_now(batch, run_hashed=True)
 
-    def _stream_pieces(self, batch: _Batch, off: int, end: int) -> None:
+    def _feed(self, batch: _Batch, off: int, end: int) -> None:
         """Piece ``dest[off:end]`` of a whole chunk landed: feed the chunk's hash every landed piece
         that is next in order, while it is still in the CPU's cache. Pieces land on several I/O
         threads in any order; one thread at a time feeds the hash (each update releases the GIL),
         and a piece that lands meanwhile is left for it. Whoever feeds the last piece compares the
         chunk's digest (:meth:`_check_whole`)."""
+        stream = batch.stream
+        assert stream is not None
         with batch.lock:
-            batch.landed[off] = end
-            if batch.hashing:
+            stream.landed[off] = end
+            if stream.feeding:
                 return
-            batch.hashing = True
+            stream.feeding = True
         t0 = time.thread_time()
         nbytes = 0
         try:
             while True:
                 with batch.lock:
-                    at = batch.hashed
-                    stop = batch.landed.pop(at, None)
+                    at = stream.at
+                    stop = stream.landed.pop(at, None)
                     if stop is None:
-                        batch.hashing = False
+                        stream.feeding = False
                         return
-                batch.stream.update(batch.dest[at:stop])
+                stream.hasher.update(batch.dest[at:stop])
                 nbytes += stop - at
-                batch.hashed = stop
-                if stop == batch.stream_end:
-                    self._check_whole(batch)
+                stream.at = stop
+                if stop == stream.end:
+                    self._check_whole(batch, stream.hasher.hexdigest())
                     self._check_now(batch, run_hashed=True)
                     return
         finally:
             self._spent(time.thread_time() - t0, nbytes)
 
-    def _check_whole(self, batch: _Batch) -> None:
-        """Compare the whole chunk's streamed hash with its recorded xxh3-64. On a mismatch its
+    def _check_whole(self, batch: _Batch, got: str) -> None:
+        """Compare ``got``, the whole chunk's xxh3-64, with the recorded one. On a mismatch its
         blocks are compared, to name the one that differs (the error a partial read gives);
         blocks that all match under a chunk checksum that does not are reported for the chunk."""
-        location, (off, k0, k1) = batch.location, batch.run or (0, 0, 0)
-        got = batch.stream.hexdigest()
+        location = batch.location
         if got != location.xxh3:
-            self._compare_run(batch, off, k0, k1)  # raises naming the block, if one differs
+            assert batch.run is not None
+            self._compare_run(batch, *batch.run)  # raises naming the block, if one differs
             raise ChecksumError(
                 self.paths[location.file],
                 chunk_what(batch.check.fqn, batch.check.offsets),
@@ -607,8 +615,7 @@ class BlockVerifier(_BlockChecks):
                 )
             batch.pieces = len(segments)
             if start == 0 and end == n and location.xxh3:
-                batch.whole, batch.stream = True, xxhash.xxh3_64()
-                batch.hashed, batch.stream_end = at, at + n
+                batch.stream = ChunkStream(at, at + n)
             edges += [(start, first, at)] if start < first else []
             edges += [(last, end, at + last - start)] if last < end else []
         else:
