@@ -1,6 +1,6 @@
 """The strided views of block checking stay inside their buffers.
 
-:mod:`ucp_dcp.byteio.blockverify` hashes many blocks, and copies many equal
+:mod:`ucp_dcp.byteio.blockcheck` hashes many blocks, and copies many equal
 pieces out of scratch memory, through ``as_strided`` views, which numpy does
 not bounds-check: a view reaching past its buffer would read, or write,
 memory that is not the buffer's (heap corruption, far from its cause).
@@ -28,9 +28,10 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucp_dcp.byteio import blockverify
+from ucp_dcp.byteio import blockcheck
 from ucp_dcp.byteio.integrity import BlockHasher, BlockSums
-from ucp_dcp.byteio.blockverify import ChunkCheck, _Batch, _BlockChecks, _digests, _rows
+from ucp_dcp.byteio.blockcheck import Batch, BlockChecks, _digests, _rows
+from ucp_dcp.byteio.blockcheck import ChunkCheck
 from ucp_dcp.byteio.blockverify import BlockVerifier, read_verified
 from ucp_dcp.byteio.rangeio import ReadStats, Segment
 from ucp_dcp.core.sharding import Box
@@ -161,7 +162,7 @@ def test_copy_writes_exactly_the_pieces_asked_for(
     empty = np.zeros(0, np.int64)
     loc = Location(0, 0, 0, "")
     check = ChunkCheck(BlockVerifier(["f"], [0]), BlockSums(1, np.zeros(0, np.uint64)), "t", (0,))
-    batch = _Batch(
+    batch = Batch(
         loc,
         check,
         dest.data,
@@ -171,7 +172,7 @@ def test_copy_writes_exactly_the_pieces_asked_for(
         empty,
         tuple(np.array(x, dtype=np.int64) for x in (so, do, ln)),
     )  # type: ignore[arg-type]
-    _BlockChecks._copy(batch)
+    BlockChecks._copy(batch)
     assert np.array_equal(outer, want)
 
 
@@ -181,7 +182,7 @@ def test_copy_refuses_pieces_past_the_destination() -> None:
     outer, dest = _guarded(100, 0)
     before = outer.copy()
     _, scratch = _guarded(400, 1)
-    n = 12  # more than blockverify._FEW: the strided path
+    n = 12  # more than blockcheck._FEW: the strided path
     so, do, ln = (
         np.arange(n, dtype=np.int64) * 30,
         np.arange(n, dtype=np.int64) * 9,
@@ -189,14 +190,14 @@ def test_copy_refuses_pieces_past_the_destination() -> None:
     )
     empty = np.zeros(0, np.int64)
     check = ChunkCheck(BlockVerifier(["f"], [0]), BlockSums(1, np.zeros(0, np.uint64)), "t", (0,))
-    batch = _Batch(
+    batch = Batch(
         Location(0, 0, 0, ""), check, dest.data, empty, empty, scratch, empty, (so, do, ln)
     )
     with pytest.raises(
         InvalidArgumentError,
         match=r"pieces of tensor 't' chunk at \[0\] copied into the destination",
     ):
-        _BlockChecks._copy(batch)
+        BlockChecks._copy(batch)
     assert np.array_equal(outer, before)
 
 
@@ -335,7 +336,7 @@ def test_verified_reads_take_both_strided_paths(monkeypatch: pytest.MonkeyPatch)
     """Narrow columns of many rows take the strided copy out of scratch, one whole block of each
     row the strided hash in place; both stay exact and inside their buffers."""
     built: list[str] = []
-    real = blockverify._rows
+    real = blockcheck._rows
 
     def spy(
         arr: np.ndarray, start: int, count: int, width: int, step: int, what: str
@@ -343,7 +344,7 @@ def test_verified_reads_take_both_strided_paths(monkeypatch: pytest.MonkeyPatch)
         built.append(what)
         return real(arr, start, count, width, step, what)
 
-    monkeypatch.setattr(blockverify, "_rows", spy)
+    monkeypatch.setattr(blockcheck, "_rows", spy)
     base = {
         "dtype": torch.uint8,
         "pads": [(2, 1), (1, 3)],

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .blockverify import BlockVerifier, ChunkCheck
+from .blockcheck import ChunkCheck
+from .blockverify import BlockVerifier
 from .integrity import HASH_BLOCK, BlockSums, ChunkVerifier
 from .rangeio import ByteSource, Segment
 from .transfer import (
@@ -160,7 +161,8 @@ class ChunkReads:
             self._staged.append(_Staged(part, dest, name, chunk_offsets, check, done))
             return
         if check is not None:
-            verifier = check.verifier
+            verifier = self.blocks  # the check's own verifier, as this engine's type
+            assert verifier is not None
             loc, sizes, region = part.location, part.chunk_sizes, part.region
             for batch in verifier.plan(loc, check, sizes, region, dest):
                 self._segments.extend(batch)

@@ -46,7 +46,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...byteio.blockverify import BlockVerifier, ChunkCheck
+from ...byteio.blockcheck import ChunkCheck
+from ...byteio.blockverify import BlockVerifier
 from ...byteio.integrity import BlockSums
 from ...byteio.rangeio import ByteSource, Segment, storage_view
 from ...byteio.transfer import ChunkRegion
