@@ -1003,17 +1003,26 @@ def merge_save(per_rank: list[list[dict[str, Any]]], j: int) -> dict[str, Any]:
     return merged
 
 
+def _merged_entry(r0: dict[str, Any], rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a load's and a restart's merged entries share: the first rank's error and run order,
+    every rank's mismatches (named by rank), the needed bytes summed, each rank's reader report."""
+    entry: dict[str, Any] = {
+        "error": r0.get("error"), "run_positions": r0.get("run_positions"),
+        "mismatches": [f"rank {i}: {m}" for i, r in enumerate(rs) for m in r.get("mismatches", [])],
+        "needed_bytes": sum(r["needed_bytes"] for r in rs)}
+    if any(r.get("reader") for r in rs):
+        entry["reader_per_rank"] = [r.get("reader") for r in rs]
+    return entry
+
+
 def merge_load(per_rank: list[list[dict[str, Any]]], j: int) -> dict[str, Any]:
     """Per format: sums over ranks for bytes/memory, slowest rank for time."""
     ranks = _participants(per_rank, j)
     merged: dict[str, Any] = {}
     for fmt, r0 in ranks[0].items():
         rs = [r[fmt] for r in ranks]
-        entry: dict[str, Any] = {
-            "error": r0.get("error"), "skipped": r0.get("skipped"), "run_positions": r0.get("run_positions"),
-            "mismatches": [f"rank {i}: {m}" for i, r in enumerate(rs)
-                           for m in r.get("mismatches", [])],
-            "needed_bytes": sum(r["needed_bytes"] for r in rs)}
+        entry = _merged_entry(r0, rs)
+        entry["skipped"] = r0.get("skipped")
         if all("floor_bytes" in r for r in rs):
             entry["floor_bytes"] = sum(r["floor_bytes"] for r in rs)
         runs = [max(vals) for vals in zip(*(r.get("load_s_runs", []) for r in rs))]
@@ -1027,8 +1036,6 @@ def merge_load(per_rank: list[list[dict[str, Any]]], j: int) -> dict[str, Any]:
         if cpu:
             entry["cpu_s_runs"] = cpu
             entry["cpu_s"] = statistics.median(cpu)
-        if any(r.get("reader") for r in rs):
-            entry["reader_per_rank"] = [r.get("reader") for r in rs]
         off = [max(vals) for vals in zip(*(r.get("load_s_noverify_runs", []) for r in rs))]
         if runs and off:
             entry["load_s_noverify_runs"] = off
@@ -1062,11 +1069,8 @@ def merge_restart(per_rank: list[list[dict[str, Any]]], j: int) -> dict[str, Any
     merged: dict[str, Any] = {}
     for fmt, r0 in ranks[0].items():
         rs = [r[fmt] for r in ranks]
-        entry: dict[str, Any] = {
-            "error": r0.get("error"), "run_positions": r0.get("run_positions"),
-            "mismatches": [f"rank {i}: {m}" for i, r in enumerate(rs) for m in r.get("mismatches", [])],
-            "needed_bytes": sum(r["needed_bytes"] for r in rs), "num_tensors": r0.get("num_tensors"),
-            "ranks": len(rs)}
+        entry = _merged_entry(r0, rs)
+        entry.update(num_tensors=r0.get("num_tensors"), ranks=len(rs))
         if all("save_s" in r for r in rs):
             entry.update(save_s=max(r["save_s"] for r in rs), bytes_on_disk=r0.get("bytes_on_disk"),
                          num_files=r0.get("num_files"), residual_after_evict=r0.get("residual_after_evict"))
@@ -1076,8 +1080,6 @@ def merge_restart(per_rank: list[list[dict[str, Any]]], j: int) -> dict[str, Any
         sets = [max(v) for v in zip(*(r["set_s_runs"] for r in rs))]
         entry.update(load_s_runs=wall, cpu_s_runs=cpu, set_s_runs=sets, load_s=median(wall), cpu_s=median(cpu),
                      set_s=median(sets))
-        if any(r.get("reader") for r in rs):
-            entry["reader_per_rank"] = [r.get("reader") for r in rs]
         merged[fmt] = entry
     return merged
 
