@@ -365,6 +365,8 @@ class RangeReader(ByteSource):
             tried again); the hedging fields do not apply to local files.
     """
 
+    maps_files = True  # local files: read_mapped maps them
+
     def __init__(
         self,
         paths: Sequence[str],
@@ -377,7 +379,6 @@ class RangeReader(ByteSource):
         self._paths = list(paths)
         self._files = FileHandles(self._paths)
         self.gap_bytes = gap_bytes
-        self.maps_files = True
         self._scratch = memoryview(bytearray(max(gap_bytes, 1)))
         self._max_request = max(max_request_bytes, 1)
         self._hooked_request = min(self._max_request, HOOKED_REQUEST_BYTES)

@@ -449,9 +449,8 @@ def read_spans_mapped(
     from the file mapped into memory (:meth:`~ucp_dcp.byteio.rangeio.ByteSource.read_mapped`):
     per sub-box, one strided copy into ``dest``, then (with ``check``) the blocks holding the
     needed bytes checked in the mapping; the sub-boxes run in parallel on the reader's I/O
-    threads. The
-    number of spans read; 0 (nothing read) where the source cannot map the file, or ``dest`` is
-    not in CPU memory, or the chunk does not start at an element boundary of the file.
+    threads. The number of spans read; 0 (nothing read) where the source cannot map the file, or
+    ``dest`` is not in CPU memory, or the chunk does not start at an element boundary of the file.
     """
     location, chunk_sizes, region, src_dtype = part.fields()
     es = src_dtype.itemsize
