@@ -33,7 +33,8 @@ from ucp_dcp.byteio.integrity import BlockHasher, BlockSums
 from ucp_dcp.byteio.blockcheck import Batch, BlockChecks, _digests, _rows
 from ucp_dcp.byteio.blockcheck import ChunkCheck
 from ucp_dcp.byteio.blockverify import BlockVerifier, read_verified
-from ucp_dcp.byteio.rangeio import ReadStats, Segment
+from ucp_dcp.byteio.rangeio import ReadStats
+from ucp_dcp.byteio.segments import Segment
 from ucp_dcp.core.sharding import Box
 from ucp_dcp.errors import InvalidArgumentError
 from ucp_dcp.format import Location

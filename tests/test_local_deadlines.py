@@ -27,7 +27,8 @@ from dist_utils import watchdog  # noqa: F401 (an autouse fixture)
 from stall import deadline_error, stall_reads_of
 
 from ucp_dcp import RequestPolicy
-from ucp_dcp.byteio.rangeio import RangeReader, Segment
+from ucp_dcp.byteio.rangeio import RangeReader
+from ucp_dcp.byteio.segments import Segment
 from ucp_dcp.errors import StorageError
 
 FAST = RequestPolicy(attempts=1, deadline_floor_s=0.3, deadline_cap_s=0.5)
@@ -86,7 +87,8 @@ import os, sys, time
 sys.path.insert(0, {tests!r})
 from stall import stall_reads_of
 from ucp_dcp import RequestPolicy
-from ucp_dcp.byteio.rangeio import RangeReader, Segment
+from ucp_dcp.byteio.rangeio import RangeReader
+from ucp_dcp.byteio.segments import Segment
 from ucp_dcp.errors import StorageError
 d = {d!r}
 open(os.path.join(d, "f"), "wb").write(bytes(1 << 16))

@@ -42,7 +42,8 @@ from ..core.sharding import Box
 from ..errors import InvalidArgumentError
 from ..format import Location
 from .blockcheck import Batch, BlockChecks, ChunkCheck, ChunkStream
-from .rangeio import HOOKED_REQUEST_BYTES, ByteSource, Segment, storage_view
+from .rangeio import HOOKED_REQUEST_BYTES, ByteSource, storage_view
+from .segments import Segment
 
 __all__ = ["BlockVerifier", "read_verified"]
 

@@ -42,7 +42,8 @@ import torch
 from .blockcheck import ChunkCheck
 from .blockverify import BlockVerifier
 from .integrity import HASH_BLOCK, BlockSums, ChunkVerifier
-from .rangeio import ByteSource, Segment
+from .rangeio import ByteSource
+from .segments import Segment
 from .transfer import (
     ChunkRegion,
     StagingBuffers,

@@ -28,8 +28,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from .objstore import ObjectStore
-from .rangeio import MAX_REQUEST_BYTES, ByteSource, ReadStats, Segment, _Request, coalesce
+from .rangeio import MAX_REQUEST_BYTES, ByteSource, ReadStats
 from .requests import ObjectStats
+from .segments import Request, Segment, coalesce
 
 __all__ = [
     "ObjectAccess",
@@ -200,9 +201,9 @@ class ObjectRangeReader(ByteSource):
             held = [h for h in self._held.get(file, ()) if h[0] != start]
             self._held[file] = [*held, (start, data)]
 
-    def plan(self, segments: Sequence[Segment]) -> list[_Request]:
+    def plan(self, segments: Sequence[Segment]) -> list[Request]:
         """Coalesce ``segments`` into requests (exposed for tests):
-        :func:`~ucp_dcp.byteio.rangeio.coalesce`.
+        :func:`~ucp_dcp.byteio.segments.coalesce`.
 
         Unlike a file's, a request's size is not cut down for segments with
         callbacks, nor its pieces counted: each cut would cost a round trip.
@@ -226,7 +227,7 @@ class ObjectRangeReader(ByteSource):
         """
         segments = self._from_held(segments)
         dense = self._dense(segments)
-        windows: list[list[_Request]] = [[]]
+        windows: list[list[Request]] = [[]]
         held = 0
         for r in self.plan(segments):
             limit = self._dense_window if r.file in dense else self._window
@@ -286,12 +287,12 @@ class ObjectRangeReader(ByteSource):
         sizes = self.sizes
         return {f for f, n in need.items() if n >= DENSE_FRACTION * sizes[f] > 0}
 
-    def _end(self, r: _Request) -> int:
+    def _end(self, r: Request) -> int:
         """Where request ``r`` stops: the object's end if that is within the gap, else its own."""
         size = self.sizes[r.file] if self.sizes is not None else 0
         return size if r.end < size <= r.end + self.gap_bytes else r.end
 
-    def _fetch(self, window: list[_Request]) -> list[bytes]:
+    def _fetch(self, window: list[Request]) -> list[bytes]:
         t0 = time.perf_counter()
         datas = self.store.read_ranges(
             [(self.names[r.file], r.offset, self._end(r)) for r in window]
@@ -303,7 +304,7 @@ class ObjectRangeReader(ByteSource):
             self.stats.add(1, len(data), r.file, seconds * len(data) / total)
         return datas
 
-    def _place(self, window: list[_Request], datas: list[bytes]) -> None:
+    def _place(self, window: list[Request], datas: list[bytes]) -> None:
         for r, data in zip(window, datas):
             view, at = memoryview(data), 0
             for buf in r.bufs:  # gaps land in the scratch buffer, as with preadv

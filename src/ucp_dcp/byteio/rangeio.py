@@ -1,9 +1,9 @@
 """The byte-range reader: exact offset reads straight into memory.
 
-Callers describe what they need as :class:`Segment`\\ s: a byte range of a
-file and a writable buffer of the same length (usually a slice of the
-destination tensor's own storage). The reader sorts them per file, merges
-neighbours into ``os.preadv`` calls (one system call fills many buffers;
+Callers describe what they need as :class:`~ucp_dcp.byteio.segments.Segment`\\ s: a byte
+range of a file and a writable buffer of the same length (usually a slice of the destination
+tensor's own storage). The reader sorts them per file, merges neighbours into ``os.preadv``
+calls (:func:`~ucp_dcp.byteio.segments.coalesce`) (one system call fills many buffers;
 gaps up to ``gap_bytes`` between them are read into a scratch buffer rather
 than split into another call, since the page holding them is fetched
 anyway), splits large ranges so several threads share them, and runs the
@@ -39,8 +39,7 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -50,13 +49,12 @@ from ..errors import InvalidArgumentError, TruncatedFileError
 from .files import open_data_file
 from .progress import Progress
 from .requests import RequestPolicy
+from .segments import Request, Segment, coalesce, spread
 from .workers import Abandoned, IOWorkers
 
 __all__ = [
-    "coalesce",
     "ByteSource",
     "MappedSpan",
-    "Segment",
     "FileHandles",
     "RangeReader",
     "ReadStats",
@@ -72,7 +70,6 @@ __all__ = [
 Extents = Mapping[int, tuple[np.ndarray, np.ndarray]]
 """Every byte range a load will read, per file number: ``(starts, lengths)`` arrays."""
 
-_BY_POSITION = itemgetter(0, 1)
 # Requests a thread has announced to the kernel ahead of reading them: the
 # device works on up to this many while the thread waits for the first.
 _PREFETCH_WINDOW = 32
@@ -86,29 +83,6 @@ STREAM_STRETCH = 4 << 20
 # while what the request read is still in the CPU's cache (a checksum over
 # it costs about half as much as over memory read back from DRAM).
 HOOKED_REQUEST_BYTES = 1 << 20
-
-try:
-    _IOV_MAX = os.sysconf("SC_IOV_MAX")
-except (ValueError, OSError, AttributeError):
-    _IOV_MAX = 1024
-_IOV_MAX = max(16, min(_IOV_MAX, 1024))
-
-
-class Segment(NamedTuple):
-    """``len(dest)`` bytes at ``offset`` of file number ``file`` go into ``dest``.
-
-    ``done``, if given, is called on an I/O thread as ``done(n)`` once the
-    whole segment has been read, ``n`` being the number of segments sharing
-    that callback which the call completed (segments coalesced into one
-    ``preadv`` report together); an exception it raises fails the read. A
-    named tuple rather than a dataclass: strided loads make tens of
-    thousands of them, and tuples are the cheapest record to build.
-    """
-
-    file: int
-    offset: int
-    dest: memoryview
-    done: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -145,42 +119,6 @@ class ReadStats:
         if not self.file_seconds:
             return None
         return max(self.file_seconds, key=lambda f: (self.file_seconds[f], self.file_bytes[f]))
-
-
-@dataclass
-class _Request:
-    file: int
-    offset: int
-    bufs: list[memoryview]
-    nbytes: int
-    done: list[list[Any]] | None = None  # [callback, segments of this request that carry it]
-
-    @property
-    def start(self) -> int:
-        """The first byte the request reads (``offset``)."""
-        return self.offset
-
-    @property
-    def end(self) -> int:
-        """The byte just past the request."""
-        return self.offset + self.nbytes
-
-
-class _AfterAll:
-    """Calls ``fn(1)`` once it has been called ``n`` times (from any threads): a segment split into
-    ``n`` requests."""
-
-    def __init__(self, n: int, fn: Callable[[int], None]) -> None:
-        self.n = n
-        self.fn = fn
-        self._lock = threading.Lock()
-
-    def __call__(self, parts: int) -> None:
-        with self._lock:
-            self.n -= parts
-            last = self.n == 0
-        if last:
-            self.fn(1)
 
 
 def storage_view(t: torch.Tensor) -> memoryview:
@@ -492,7 +430,7 @@ class RangeReader(ByteSource):
         return chosen
 
     # -------------------------------------------------------------- reads
-    def plan(self, segments: Sequence[Segment]) -> list[_Request]:
+    def plan(self, segments: Sequence[Segment]) -> list[Request]:
         """Coalesce ``segments`` into calls (exposed for tests)."""
         return coalesce(
             segments,
@@ -510,7 +448,7 @@ class RangeReader(ByteSource):
         reqs = self.plan(segments)
         if not reqs:
             return
-        tasks: list[tuple[Callable[[Sequence[_Request]], None], list[_Request]]] = []
+        tasks: list[tuple[Callable[[Sequence[Request]], None], list[Request]]] = []
         if self._sequential:
             stream = [r for r in reqs if r.file in self._sequential]
             reqs = [r for r in reqs if r.file not in self._sequential]
@@ -519,11 +457,11 @@ class RangeReader(ByteSource):
             # calling thread (no hand-off; a short read stays there), the others pool threads.
             total = sum(r.nbytes for r in stream)
             lanes = max(1, min(self._threads, total // STREAM_STRETCH))
-            batches = [b for b in _batches(stream, lanes) if b]
+            batches = [b for b in spread(stream, lanes) if b]
             tasks += [(functools.partial(self._stream, i), b) for i, b in enumerate(batches)]
         streams = len(tasks)
         if reqs:
-            tasks += [(self._run_all, b) for b in _batches(reqs, self._threads * 4)]
+            tasks += [(self._run_all, b) for b in spread(reqs, self._threads * 4)]
         # With deadlines, every call runs on an I/O thread, none on this one: this thread keeps
         # their deadlines (a read blocked in the kernel here could not be timed). Without, this
         # thread takes a stream's first lane, or the only task (no hand-off). Every call
@@ -541,7 +479,7 @@ class RangeReader(ByteSource):
                 error = e
         self._workers.wait(futures, error)
 
-    def _run_all(self, reqs: Sequence[_Request]) -> None:
+    def _run_all(self, reqs: Sequence[Request]) -> None:
         # One pool task per batch, not per request: strided loads issue tens
         # of thousands of small reads, and a task per read costs more than it.
         # Each read is announced (POSIX_FADV_WILLNEED, exactly its bytes) a
@@ -556,7 +494,7 @@ class RangeReader(ByteSource):
                 self._advise(reqs[i + _PREFETCH_WINDOW])
             self._run(r)
 
-    def _stream(self, lane: int, reqs: Sequence[_Request]) -> None:
+    def _stream(self, lane: int, reqs: Sequence[Request]) -> None:
         # Requests in file order through lane ``lane``'s descriptors (opened without
         # POSIX_FADV_RANDOM), never announced: the kernel's read-ahead runs ahead of them.
         files = self._lanes[lane]
@@ -564,11 +502,11 @@ class RangeReader(ByteSource):
             self._workers.check()
             self._run(r, files.get(r.file))
 
-    def _advise(self, r: _Request) -> None:
+    def _advise(self, r: Request) -> None:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd(r.file), r.offset, r.nbytes, os.POSIX_FADV_WILLNEED)
 
-    def _run(self, r: _Request, fd: int | None = None) -> None:
+    def _run(self, r: Request, fd: int | None = None) -> None:
         fd = self.fd(r.file) if fd is None else fd
         workers = self._workers
         workers.begin(self._paths[r.file], r.offset, r.nbytes)
@@ -597,84 +535,3 @@ class RangeReader(ByteSource):
         if r.done:
             for fn, n in r.done:
                 fn(n)
-
-
-def coalesce(
-    segments: Sequence[Segment],
-    *,
-    gap_bytes: int,
-    max_request: int,
-    hooked_request: int,
-    scratch: memoryview,
-    max_bufs: int = _IOV_MAX,
-) -> list[_Request]:
-    """``segments`` coalesced into requests, in file and offset order.
-
-    Neighbours at most ``gap_bytes`` apart share a request, the gap landing
-    in ``scratch`` (at least ``gap_bytes`` long); a request holds at most
-    ``max_request`` bytes (``hooked_request`` once a segment with a ``done``
-    callback is in it) and ``max_bufs`` buffers; a longer segment is split,
-    its callback running after its last part.
-    """
-    reqs: list[_Request] = []
-    cur: _Request | None = None
-    for s in sorted(segments, key=_BY_POSITION):
-        n = len(s.dest)
-        if n == 0:
-            if s.done is not None:
-                raise InvalidArgumentError("an empty segment cannot carry a done callback")
-            continue
-        if cur is not None and cur.file == s.file:
-            gap = s.offset - (cur.offset + cur.nbytes)
-            limit = max_request if s.done is None and not cur.done else hooked_request
-            if (
-                0 <= gap <= gap_bytes
-                and cur.nbytes + gap + n <= limit
-                and len(cur.bufs) + 2 <= max_bufs
-            ):
-                if gap:
-                    cur.bufs.append(scratch[:gap])
-                cur.bufs.append(s.dest)
-                cur.nbytes += gap + n
-                if s.done is not None:
-                    if cur.done and cur.done[-1][0] is s.done:
-                        cur.done[-1][1] += 1
-                    else:
-                        cur.done = [*(cur.done or ()), [s.done, 1]]
-                continue
-        # A range larger than one request is split so threads share it.
-        off, dest = s.offset, s.dest
-        done = s.done
-        if done is not None and n > max_request:
-            done = _AfterAll(-(-n // max_request), done)
-        while len(dest) > max_request:
-            reqs.append(
-                _Request(
-                    s.file,
-                    off,
-                    [dest[:max_request]],
-                    max_request,
-                    None if done is None else [[done, 1]],
-                )
-            )
-            off += max_request
-            dest = dest[max_request:]
-        cur = _Request(s.file, off, [dest], len(dest), None if done is None else [[done, 1]])
-        reqs.append(cur)
-    return reqs
-
-
-def _batches(reqs: list[_Request], n: int) -> list[list[_Request]]:
-    """Split ``reqs`` into at most ``n`` runs of consecutive requests of similar byte totals."""
-    if n <= 1 or len(reqs) <= 1:
-        return [reqs]
-    target = sum(r.nbytes for r in reqs) / n
-    out: list[list[_Request]] = [[]]
-    acc = 0
-    for r in reqs:
-        if acc >= target and len(out) < n:
-            out.append([])
-            acc = 0
-        out[-1].append(r)
-        acc += r.nbytes
-    return out

@@ -32,7 +32,8 @@ from ..format import Location
 from .blockcheck import ChunkCheck
 from .blockverify import read_verified
 from .integrity import ChecksumError
-from .rangeio import MAX_REQUEST_BYTES, ByteSource, Extents, MappedSpan, Segment, storage_view
+from .rangeio import MAX_REQUEST_BYTES, ByteSource, Extents, MappedSpan, storage_view
+from .segments import Segment
 
 __all__ = [
     "ChunkRegion",

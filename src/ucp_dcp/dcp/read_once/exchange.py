@@ -49,7 +49,8 @@ import torch.distributed as dist
 from ...byteio.blockcheck import ChunkCheck
 from ...byteio.blockverify import BlockVerifier
 from ...byteio.integrity import BlockSums
-from ...byteio.rangeio import ByteSource, Segment, storage_view
+from ...byteio.rangeio import ByteSource, storage_view
+from ...byteio.segments import Segment
 from ...byteio.transfer import ChunkRegion
 from ...core.boxes import runs
 from ...errors import ReadOnceError
