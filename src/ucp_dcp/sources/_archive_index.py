@@ -13,7 +13,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -21,44 +21,13 @@ from ..core.sharding import Box
 from ..errors import CheckpointFormatError
 from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord
 from ._ds_merge import MERGE_FILE_NAME, MergedTensor, MergeFile, MergeOp
+from ._ds_tp import TPSlice
 from ._pickle import TensorRef
 from ._torch_archive import TorchArchive
 from ._zero_layout import Segment, segment_boxes
 from .base import Source
 
-__all__ = ["ArchiveIndex", "Placement", "check_sizes", "numel"]
-
-
-class Placement(Protocol):
-    """Where the boxes of one slice of a tensor go in the full tensor (e.g. a tensor-parallel
-    slice, :class:`~ucp_dcp.sources._ds_tp.TPSlice`), or, with :attr:`merge`, that the full
-    tensor is merged from all the slices (``rank``: this one's position among them)."""
-
-    @property
-    def rank(self) -> int:
-        """The slice's position among the tensor's slices."""
-        ...
-
-    @property
-    def merge(self) -> MergeOp | None:
-        """How the full tensor is computed from all the slices (:mod:`._ds_merge`): their
-        ``"mean"``, or the ``"replica"`` they all are; None: the boxes of :meth:`place`."""
-        ...
-
-    @property
-    def full_shape(self) -> tuple[int, ...]:
-        """The full tensor's shape."""
-        ...
-
-    @property
-    def local(self) -> tuple[int, ...]:
-        """The slice's shape, as its elements are laid out."""
-        ...
-
-    def place(self, box: Box) -> list[tuple[int, Box]]:
-        """The full tensor's boxes that the slice's ``box`` fills, each with the offset in
-        ``box``'s elements of the contiguous run that fills it."""
-        ...
+__all__ = ["ArchiveIndex", "check_sizes", "numel"]
 
 
 @dataclass(frozen=True)
@@ -159,7 +128,7 @@ class ArchiveIndex:
         segs: list[Segment],
         buffer_of: Callable[[Segment], tuple[TorchArchive, TensorRef]],
         what: str,
-        place: Placement | None = None,
+        place: TPSlice | None = None,
     ) -> None:
         """``key`` of ``shape`` lies in flat buffers: ``buffer_of(seg)`` gives ``(archive, tensor)``
         of a segment.
@@ -196,7 +165,7 @@ class ArchiveIndex:
         path: tuple[str | int, ...],
         archive: TorchArchive,
         t: TensorRef,
-        place: Placement,
+        place: TPSlice,
         what: str,
     ) -> None:
         """Tensor ``t``, a tensor-parallel slice (laid out as ``place.local``), put where
@@ -214,7 +183,7 @@ class ArchiveIndex:
         key: str,
         path: tuple[str | int, ...],
         dtype: torch.dtype,
-        place: Placement,
+        place: TPSlice,
         chunks: list[ChunkRecord],
     ) -> None:
         """``chunks`` (boxes of the slice) are slice ``place.rank`` of ``key``, which is merged
@@ -268,7 +237,7 @@ class ArchiveIndex:
         box: Box,
         off: int,
         what: str,
-        place: Placement | None,
+        place: TPSlice | None,
     ) -> list[ChunkRecord]:
         if place is None:
             return [ChunkRecord(box, self.location(archive, t, off, box.numel, what))]
