@@ -11,7 +11,7 @@ the checkpoint says it in ``universal_checkpoint_info``, whose keys ``ds_to_univ
 2. ``tp_replicated_parameter_patterns``: every rank holds the whole parameter (read from
    tensor-parallel rank 0);
 3. ``parameter_to_average_patterns``: the mean of the slices, ``sum(slices) / len(slices)``
-   (computed at load time: :mod:`._ds_average`);
+   (computed at load time: :mod:`._ds_merge`);
 4. ``parameter_with_2_sub_params_cat_dim_0``: each slice is ``[a_k; b_k]`` (SwiGLU's fused
    ``dense_h_to_4h``), the merged tensor ``[a_0 .. a_n; b_0 .. b_n]``;
 5. ``parameter_with_sub_params``: a ``SubparamShape`` (fused QKV under GQA): along its
@@ -163,11 +163,11 @@ class TPSlice:
         return out
 
     @staticmethod
-    def cut(local: tuple[int, ...], rows: int, rule: str = "vocabulary padding") -> TPSlice:
+    def cut(local: tuple[int, ...], rows: int) -> TPSlice:
         """A tensor of shape ``local`` whose first ``rows`` rows are kept (vocabulary padding
         stripped)."""
         full = (min(rows, local[0]),) + tuple(local[1:])
-        return TPSlice(0, local, full, ((Box((0,) * len(full), full),) * 2,), rule)
+        return TPSlice(0, local, full, ((Box((0,) * len(full), full),) * 2,), "vocabulary padding")
 
 
 def _joined(

@@ -66,9 +66,6 @@ _OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt"
 # A PipelineModule's per-layer files: global layer index, then the tensor-parallel rank
 # (``-model_YY``, absent under a topology without a "model" axis).
 _LAYER = re.compile(r"layer_(\d+)(?:-model_(\d+))?-model_states\.pt")
-# Other names in a tag folder that are DeepSpeed's and not state: the
-# recovery script it copies next to the checkpoint.
-_IGNORED = {"zero_to_fp32.py"}
 
 
 @dataclass(frozen=True)
@@ -91,21 +88,10 @@ class DSFiles:
     """The tensor-parallel degree (pipeline-parallel checkpoints: the layer files' ``YY``)."""
 
 
-def looks_like_deepspeed(path: str | ModelDir) -> bool:
-    """Whether ``path`` (a local path, or a directory view) is a DeepSpeed checkpoint directory
-    (with ``latest``) or tag folder, by names alone."""
-    if isinstance(path, ModelDir):
-        return path.is_file(LATEST_FILE) or any(_OPTIM.fullmatch(n) for n in path.list())
-    if not os.path.isdir(path):
-        return False
-    latest = os.path.join(path, LATEST_FILE)
-    if os.path.isfile(latest):
-        return True
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return False
-    return any(_OPTIM.fullmatch(n) for n in names)
+def looks_like_deepspeed(d: ModelDir) -> bool:
+    """Whether directory view ``d`` is a DeepSpeed checkpoint directory (with ``latest``) or tag
+    folder, by names alone."""
+    return d.is_file(LATEST_FILE) or any(_OPTIM.fullmatch(n) for n in d.list())
 
 
 def looks_like_universal(d: ModelDir) -> bool:
@@ -217,10 +203,12 @@ def find_deepspeed_files(path: str | ModelDir) -> DSFiles:
     """The model and optimizer files of the checkpoint at ``path`` (the directory with ``latest``,
     or a tag folder; a local path, or a directory view).
 
-    Raises :class:`CheckpointFormatError` naming the folder when files are
-    missing (a rank's optimizer file), when the checkpoint is tensor- or
-    pipeline-parallel (several ``mp_rank_XX``), which is not supported, or
-    when DeepSpeed's names are mixed with others it does not write.
+    Raises :class:`CheckpointFormatError` naming the folder when it holds no
+    optimizer files, when files are missing (a rank's optimizer or model
+    states file, a tensor-parallel rank's layer file), when bf16 and fp32
+    optimizer files are mixed, or when a pipeline- or tensor-parallel
+    checkpoint (several ``mp_rank_XX``, or layer files) has ZeRO-3 model
+    files, which is not supported.
     """
     view = _tag_folder(path if isinstance(path, ModelDir) else LocalDir(path))
     folder = view.where
@@ -371,7 +359,6 @@ class ModelStates:
     frozen_fragments: dict[str, TensorRef]
     shared: dict[str, str]  # tied name -> the name that owns the storage
     buffer_names: list[str]
-    ds_version: str
     dp_world_size: int | None  # the data-parallel degree it was saved at, where recorded
     module_is_none: bool = False  # a PipelineModule's: its state is in the layer files
     universal_info: Any = None  # universal_checkpoint_info (Megatron-DeepSpeed's client state)
@@ -465,7 +452,6 @@ def read_model_states(path: str, folder: ModelDir | None = None) -> ModelStates:
     buffers = sd.get("buffer_names") or []
     if not isinstance(buffers, list) or not all(isinstance(b, str) for b in buffers):
         raise CheckpointFormatError(f"{path}: 'buffer_names' is not a list of names")
-    version = sd.get("ds_version")
     dp = sd.get("dp_world_size")
     if dp is not None and not (isinstance(dp, int) and not isinstance(dp, bool) and dp > 0):
         raise CheckpointFormatError(f"{path}: dp_world_size {dp!r} is not a positive integer")
@@ -483,7 +469,6 @@ def read_model_states(path: str, folder: ModelDir | None = None) -> ModelStates:
         frozen_fragments,
         dict(shared),
         list(buffers),
-        str(version) if version is not None else "",
         dp,
         raw_module is None,
         sd.get("universal_checkpoint_info"),

@@ -314,12 +314,10 @@ class DeepSpeedSource(Source):
         if isinstance(folder, StoreDir):
             self.store = folder.store  # the tag folder's: paths are its objects' URLs
         self._values = b.values
-        self.directory = files.directory
         # The tensors merged from all their tensor-parallel slices (ds_to_universal's
         # parameter_to_average_patterns and tp_replicated_parameter_patterns): merges.equal
         # lists the averaged ones whose slices a load found bit-equal.
         self.merges: MergeFile | None = b.merges
-        self.ds_version = m0.ds_version
 
     # ------------------------------------------------------------ layouts
     def _param(

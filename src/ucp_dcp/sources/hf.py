@@ -14,8 +14,7 @@ ranged requests (its size, then one request for a header under 64 KiB), and
 tensors with the source's ranged reads like any other.
 
 The file names (:data:`HF_WEIGHTS_NAME`, :data:`HF_INDEX_NAME`, the config
-files :data:`HF_CONFIG_FILES`) and which files hold the weights
-(:func:`find_hf_files`) are shared with export (:mod:`ucp_dcp.tools.hf`).
+files :data:`HF_CONFIG_FILES`) are shared with export (:mod:`ucp_dcp.tools.hf`).
 """
 
 from __future__ import annotations
@@ -74,16 +73,8 @@ HF_CONFIG_FILES = (
 _NATIVE_DATA_FILE = re.compile(r"rank\d{5}-.*\.safetensors")
 
 
-def looks_like_hf(path: str | ModelDir) -> bool:
-    """Whether ``path`` (a local path, or a directory view) is a Hugging Face safetensors model (by
-    names alone)."""
-    if isinstance(path, str):
-        if os.path.isfile(path):
-            return path.endswith(".safetensors") or path.endswith(".safetensors.index.json")
-        if not os.path.isdir(path):
-            return False
-        path = LocalDir(path)
-    d = path
+def looks_like_hf(d: ModelDir) -> bool:
+    """Whether directory view ``d`` is a Hugging Face safetensors model (by names alone)."""
     if d.is_file(HF_WEIGHTS_NAME) or d.is_file(HF_INDEX_NAME):
         return True
     names = d.list()
