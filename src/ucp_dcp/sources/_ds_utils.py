@@ -45,6 +45,7 @@ __all__ = [
     "DSFiles",
     "ModelStates",
     "RankOptim",
+    "check_layer_files",
     "find_deepspeed_files",
     "layer_files",
     "looks_like_deepspeed",
@@ -160,19 +161,28 @@ def universal_model_files(folder: str) -> list[str]:
     return [ranks[r] for r in sorted(ranks)]
 
 
-def layer_files(folder: str) -> dict[tuple[int, int], str]:
-    """The pipeline layer files (``layer_XX[-model_YY]-model_states.pt``) of local folder
-    ``folder`` by (global layer index, tensor-parallel rank); empty when it has none or is no
-    directory."""
+def layer_files(d: ModelDir) -> dict[tuple[int, int], str]:
+    """The pipeline layer files (``layer_XX[-model_YY]-model_states.pt``) of folder ``d``, as
+    paths, by (global layer index, tensor-parallel rank) in that order; empty when it has none or
+    is no directory."""
     try:
-        names = os.listdir(folder)
+        names = d.list()
     except OSError:
         return {}
-    found = {}
-    for n in sorted(names):
-        if m := _LAYER.fullmatch(n):
-            found[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(folder, n)
-    return found
+    found = {(int(m[1]), int(m[2] or 0)): n for n in names if (m := _LAYER.fullmatch(n))}
+    return {k: d.path_of(n) for k, n in sorted(found.items())}
+
+
+def check_layer_files(layers: dict[tuple[int, int], str], tp: int, where: str) -> None:
+    """Refuse ``layers`` (:func:`layer_files` of folder ``where``) when a layer lacks the file of
+    one of the ``tp`` tensor-parallel ranks."""
+    for i in sorted({k[0] for k in layers}):
+        gone = [t for t in range(tp) if (i, t) not in layers]
+        if gone:
+            raise CheckpointFormatError(
+                f"{where}: no layer_{i:02d}-model_{gone[0]:02d}-model_states.pt, though other "
+                f"tensor-parallel ranks of layer {i} have one"
+            )
 
 
 def _tag_folder(d: ModelDir, latest_name: str = LATEST_FILE) -> ModelDir:
@@ -219,7 +229,6 @@ def find_deepspeed_files(path: str | ModelDir) -> DSFiles:
     model12: dict[int, str] = {}
     model3: dict[tuple[int, int], str] = {}
     optim: dict[tuple[int, int], str] = {}
-    layers: dict[tuple[int, int], str] = {}
     bf16 = set()
     for n in names:
         if m := _MODEL_12.fullmatch(n):
@@ -229,8 +238,6 @@ def find_deepspeed_files(path: str | ModelDir) -> DSFiles:
         elif m := _OPTIM.fullmatch(n):
             optim[(int(m.group(3)), int(m.group(2)))] = n
             bf16.add(bool(m.group(1)))
-        elif m := _LAYER.fullmatch(n):
-            layers[(int(m.group(1)), int(m.group(2) or 0))] = n
     if not optim:
         raise CheckpointFormatError(
             f"{folder}: not a DeepSpeed ZeRO checkpoint: no "
@@ -242,6 +249,7 @@ def find_deepspeed_files(path: str | ModelDir) -> DSFiles:
         raise CheckpointFormatError(
             f"{folder}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files"
         )
+    layers = layer_files(view)
     if layers or mp != [0]:
         return _pipeline_files(view, model12, model3, optim, layers, bf16.pop())
     world = len(optim)
@@ -292,13 +300,7 @@ def _pipeline_files(
             f"{folder}: layer files of tensor-parallel ranks {sorted({k[1] for k in layers})}; "
             f"expected 0..{tp - 1}"
         )
-    for i in sorted({k[0] for k in layers}):
-        gone = [t for t in range(tp) if (i, t) not in layers]
-        if gone:
-            raise CheckpointFormatError(
-                f"{folder}: no layer_{i:02d}-model_{gone[0]:02d}-model_states.pt, though other "
-                f"tensor-parallel ranks of layer {i} have one"
-            )
+    check_layer_files(layers, tp, folder)
     if model3:
         raise CheckpointFormatError(
             f"{folder}: ZeRO-3 model files ({sorted(model3.values())[0]}) of a pipeline- or "
@@ -331,7 +333,7 @@ def _pipeline_files(
         optim_files,
         bf16,
         view,
-        {k: view.path_of(n) for k, n in sorted(layers.items())},
+        layers,
         tp,
     )
 

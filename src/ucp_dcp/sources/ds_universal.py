@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..byteio.location import ModelDir
+from ..byteio.location import LocalDir, ModelDir
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes
@@ -31,6 +31,7 @@ from ._ds_utils import (
     UNIVERSAL_DIR,
     UNIVERSAL_MODEL_FILES,
     ModelStates,
+    check_layer_files,
     layer_files,
     looks_like_universal,
     read_layer_states,
@@ -390,9 +391,9 @@ def _layer_entry_files(
         if base.endswith("_universal")
         else None
     )
-    found = layer_files(folder)
+    found = layer_files(LocalDir(folder))
     if not found and sibling is not None:
-        found = layer_files(sibling)
+        found = layer_files(LocalDir(sibling))
         if found:
             _check_converted_from(sibling, folder, models)
     if not found:
@@ -407,14 +408,7 @@ def _layer_entry_files(
             "converted from into this folder, where DeepSpeed's PipelineEngine reads them too"
             + (f", or keep that checkpoint's tag folder as {sibling}" if sibling else "")
         )
-    for index in sorted({i for i, _ in found}):
-        gone = [t for t in range(tp) if (index, t) not in found]
-        if gone:
-            where = os.path.dirname(next(iter(found.values())))
-            raise CheckpointFormatError(
-                f"{where}: no layer_{index:02d}-model_{gone[0]:02d}-model_states.pt, though "
-                f"other tensor-parallel ranks of layer {index} have one"
-            )
+    check_layer_files(found, tp, os.path.dirname(next(iter(found.values()))))
     return [
         EntryFile(index, rank, *read_layer_states(path), None)
         for (index, rank), path in sorted(found.items())
