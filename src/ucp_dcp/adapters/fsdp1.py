@@ -83,19 +83,24 @@ def _clean(name: str) -> str:
 
 @dataclass
 class _Unit:
-    """One FSDP1 unit's FlatParameter and where its original parameters lie."""
+    """One FSDP1 unit's FlatParameter and where its original parameters lie.
 
-    module_name: str  # name of the FSDP module in the root, as named_modules gives it
+    Attributes:
+        flat_param: the unit's FlatParameter (this rank's shard).
+        params: its parameters, cleaned fqns relative to the model root, with their offsets in
+            the unsharded buffer.
+        start: the unsharded-buffer element at which this rank's shard starts.
+        in_shard: per parameter, whether this rank's shard holds any of its elements.
+        intra_start: per parameter, its first element in this rank's shard (if in_shard).
+        orig_params: the original parameters (``use_orig_params=True``), else None.
+    """
+
     flat_param: nn.Parameter
-    params: list[
-        FlatParam
-    ]  # cleaned fqns relative to the model root, offsets in the unsharded buffer
-    start: int  # unsharded-buffer element at which this rank's shard starts
-    in_shard: list[bool]  # per original param: does this rank's shard hold any of its elements
-    intra_start: list[
-        int
-    ]  # per original param: first element of it in this rank's shard (if in_shard)
-    orig_params: list[nn.Parameter] | None  # use_orig_params=True: the original parameters
+    params: list[FlatParam]
+    start: int
+    in_shard: list[bool]
+    intra_start: list[int]
+    orig_params: list[nn.Parameter] | None
 
     @property
     def fqns(self) -> list[str]:
@@ -191,7 +196,7 @@ def _units(model: nn.Module) -> list[_Unit]:
                     f"{where}: computed layout of {p.fqn!r} disagrees with FSDP's shard metadata "
                     f"(this torch version's FlatParameter layout is not understood)"
                 )
-        units.append(_Unit(mod_name, fp, params, start, in_shard, intra_start, flat.orig_params))
+        units.append(_Unit(fp, params, start, in_shard, intra_start, flat.orig_params))
     return units
 
 

@@ -175,13 +175,6 @@ class LayoutSpec:
         """The name ``key`` has after the :class:`Rename`/:class:`Reindex` rules."""
         return self._rename(key, set())
 
-    def rule_for(self, name: str) -> LayoutRule | None:
-        """The first layout rule whose pattern matches (renamed) ``name``, if any."""
-        for r in self.rules:
-            if isinstance(r, LayoutRule) and r.regex.search(name):
-                return r
-        return None
-
     # -- apply -------------------------------------------------------------
 
     def apply(self, state_dict: Mapping[str, Any], *, record: bool = False) -> dict[str, Any]:

@@ -36,7 +36,7 @@ import torch
 
 from ..errors import UnsupportedValueError
 
-__all__ = ["MASK64", "box_share", "combine", "digest_hex", "parse_digest"]
+__all__ = ["MASK64", "box_share", "combine", "digest_hex"]
 
 MASK64 = (1 << 64) - 1
 K = 0x9E3779B97F4A7C15
@@ -132,8 +132,3 @@ def combine(shares: Iterable[int]) -> int:
 def digest_hex(digest: int) -> str:
     """The 16-hex-digit form the index records."""
     return f"{digest & MASK64:016x}"
-
-
-def parse_digest(text: str) -> int:
-    """The integer of a 16-hex-digit digest (the index's schema has checked the form)."""
-    return int(text, 16)
