@@ -39,11 +39,18 @@ from dataclasses import dataclass, replace
 
 from ..byteio.location import ModelDir, StoreDir
 from ..errors import CheckpointFormatError
-from ._archive_index import ArchiveIndex, numel
-from ._ds_utils import DSFiles, ModelStates, RankOptim, read_layer_states
+from ._archive_index import ArchiveIndex
+from ._ds_utils import (
+    DSFiles,
+    ModelStates,
+    RankOptim,
+    check_zero12_groups,
+    read_layer_states,
+    zero12_group_segments,
+)
 from ._pickle import TensorRef
 from ._torch_archive import TorchArchive
-from ._zero_layout import Segment, zero12_segments
+from ._zero_layout import Segment
 
 __all__ = ["ExpertLayout", "expert_layout"]
 
@@ -122,14 +129,9 @@ class ExpertLayout:
         that rank's expert-data-parallel ranks, under global expert names; then the expert
         files' other entries. The groups' fqns."""
         where = m0.archive.path
-        if len(m0.param_shapes) != len(optims[0].fp32):
-            raise CheckpointFormatError(
-                f"{where}: param_shapes has {len(m0.param_shapes)} groups, the optimizer files "
-                f"{len(optims[0].fp32)}"
-            )
+        check_zero12_groups(m0, optims[0])
         groups: list[list[str]] = []
         for g, shapes in enumerate(m0.param_shapes):
-            numels = [numel(s) for s in shapes.values()]
             parts: list[tuple[list[int], int | None]]  # (ranks, expert-parallel rank)
             if g in self.ep_size:
                 ep = self.ep_size[g]
@@ -144,11 +146,7 @@ class ExpertLayout:
                         )
             names: list[str] = []
             for ranks, e in parts:
-                sizes = [optims[r].fp32[g].numel + optims[r].paddings[g] for r in ranks]
-                try:
-                    all_segs = zero12_segments(numels, sizes, g)
-                except ValueError as err:
-                    raise CheckpointFormatError(f"{where}: group {g}: {err}") from None
+                all_segs = zero12_group_segments(m0, [optims[r] for r in ranks], g)
                 for (fqn, shape), segs in zip(shapes.items(), all_segs):
                     name = fqn if e is None else self.global_name(fqn, e)
                     if e is not None:

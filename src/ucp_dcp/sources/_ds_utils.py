@@ -31,8 +31,10 @@ buffers is :mod:`._zero_layout`'s business.
 
 from __future__ import annotations
 
+import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +42,7 @@ from ..byteio.location import LocalDir, ModelDir, StoreDir
 from ..errors import CheckpointFormatError
 from ._pickle import Inert, TensorRef
 from ._torch_archive import TorchArchive, read_torch_archive
+from ._zero_layout import Segment, zero12_segments
 
 __all__ = [
     "DSFiles",
@@ -56,6 +59,8 @@ __all__ = [
     "looks_like_universal",
     "universal_folder",
     "UNIVERSAL_DIR",
+    "check_zero12_groups",
+    "zero12_group_segments",
 ]
 
 LATEST_FILE = "latest"
@@ -544,6 +549,30 @@ def read_rank_optim(path: str, bf16_optimizer: bool, folder: ModelDir | None = N
             f"0..{len(fp32) - 1}"
         )
     return RankOptim(a, stage, list(fp32), dict(state), list(groups), list(paddings))
+
+
+def check_zero12_groups(m0: ModelStates, o: RankOptim) -> None:
+    """Refuse model states ``m0`` unless its ``param_shapes`` has one group per ZeRO-1/2
+    partition of optimizer file ``o``."""
+    if len(m0.param_shapes) != len(o.fp32):
+        raise CheckpointFormatError(
+            f"{m0.archive.path}: param_shapes has {len(m0.param_shapes)} groups, the optimizer "
+            f"files {len(o.fp32)}"
+        )
+
+
+def zero12_group_segments(
+    m0: ModelStates, optims: Sequence[RankOptim], g: int
+) -> list[list[Segment]]:
+    """The segments of each parameter of ZeRO-1/2 group ``g`` (``m0.param_shapes[g]``) over the
+    partitions of ``optims`` (a segment's rank: its position in ``optims``)."""
+    # Each rank's partition is padded to the same length; the saved fp32 partition leaves the
+    # padding out (group_paddings).
+    sizes = [o.fp32[g].numel + o.paddings[g] for o in optims]
+    try:
+        return zero12_segments([math.prod(s) for s in m0.param_shapes[g].values()], sizes, g)
+    except ValueError as e:
+        raise CheckpointFormatError(f"{m0.archive.path}: group {g}: {e}") from None
 
 
 def moment(st: dict[str, Any], name: str, numel: int, where: str) -> TensorRef | None:

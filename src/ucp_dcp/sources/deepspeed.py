@@ -55,16 +55,18 @@ from ._ds_utils import (
     LATEST_FILE,
     ModelStates,
     RankOptim,
+    check_zero12_groups,
     find_deepspeed_files,
     looks_like_deepspeed,
     moment,
     read_layer_states,
     read_model_states,
     read_rank_optim,
+    zero12_group_segments,
 )
 from ._pickle import TensorRef
 from ._torch_archive import TorchArchive
-from ._zero_layout import Segment, zero3_segments, zero12_segments
+from ._zero_layout import Segment, zero3_segments
 from .base import Source, SourceOptions, register
 
 __all__ = [
@@ -385,23 +387,10 @@ class DeepSpeedSource(Source):
     ) -> list[list[str]]:
         """Each group's parameters, laid over the ranks' partitions (``keep(fqn, shape)``: whether
         to record it here, and as which tensor-parallel slice); the groups' fqns."""
-        if len(m0.param_shapes) != len(optims[0].fp32):
-            raise CheckpointFormatError(
-                f"{m0.archive.path}: param_shapes has {len(m0.param_shapes)} groups, the "
-                "optimizer files "
-                f"{len(optims[0].fp32)}"
-            )
+        check_zero12_groups(m0, optims[0])
         groups = []
         for g, shapes in enumerate(m0.param_shapes):
-            # Each rank's partition is padded to the same length; the saved
-            # fp32 partition leaves the padding out (group_paddings).
-            sizes = [o.fp32[g].numel + o.paddings[g] for o in optims]
-            numels = [numel(s) for s in shapes.values()]
-            try:
-                all_segs = zero12_segments(numels, sizes, g)
-            except ValueError as e:
-                raise CheckpointFormatError(f"{m0.archive.path}: group {g}: {e}") from None
-            for (fqn, shape), segs in zip(shapes.items(), all_segs):
+            for (fqn, shape), segs in zip(shapes.items(), zero12_group_segments(m0, optims, g)):
                 record, place = keep(fqn, shape) if keep is not None else (True, None)
                 if record:
                     self._param(b, fqn, shape, segs, optims, g, place)
