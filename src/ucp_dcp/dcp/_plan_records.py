@@ -3,16 +3,13 @@
 DCP carries an opaque ``planner_data`` on every ``SavePlan``, ``LoadPlan``
 and ``Metadata``. Each use here has its own frozen record:
 
-========================  ====================================
-=========================================== record                    carried in
-from -> to ========================  ====================================
-=========================================== :class:`SaveRankReport`   a rank's local ``SavePlan``
-rank -> coordinator (pickled, gathered) :class:`SaveReply`        the coordinator's plan for a rank
-coordinator -> rank (pickled, scattered) :class:`SaveSummary`      the save's ``Metadata``
-save planner -> ``UCPStorageWriter.finish`` :class:`LoadRankReport`   a rank's local ``LoadPlan``
-rank -> coordinator (pickled, gathered) :class:`LoadSourceInfo`   the load's ``Metadata``
-``UCPStorageReader`` -> load planner ========================  ====================================
-===========================================
+- :class:`SaveRankReport`: a rank's local ``SavePlan``; rank -> coordinator (pickled,
+  gathered).
+- :class:`SaveReply`: the coordinator's plan for a rank; coordinator -> rank (pickled,
+  scattered).
+- :class:`SaveSummary`: the save's ``Metadata``; save planner -> ``UCPStorageWriter.finish``.
+- :class:`LoadRankReport`: a rank's local ``LoadPlan``; rank -> coordinator (pickled, gathered).
+- :class:`LoadSourceInfo`: the load's ``Metadata``; ``UCPStorageReader`` -> load planner.
 
 The records that travel between ranks are slotted: their pickles carry the
 field values only, not the field names, so what a rank sends stays as small
