@@ -1,6 +1,6 @@
 """The strided views of block checking stay inside their buffers.
 
-:mod:`ucp_dcp.byteio.blockcheck` hashes many blocks, and copies many equal
+:mod:`ucp_dcp.byteio.blockverify` hashes many blocks, and copies many equal
 pieces out of scratch memory, through ``as_strided`` views, which numpy does
 not bounds-check: a view reaching past its buffer would read, or write,
 memory that is not the buffer's (heap corruption, far from its cause).
@@ -28,11 +28,16 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucp_dcp.byteio import blockcheck
+from ucp_dcp.byteio import blockverify
 from ucp_dcp.byteio.integrity import BlockHasher, BlockSums
-from ucp_dcp.byteio.blockcheck import Batch, BlockChecks, _digests, _rows
-from ucp_dcp.byteio.blockcheck import ChunkCheck
-from ucp_dcp.byteio.blockverify import BlockVerifier, read_verified
+from ucp_dcp.byteio.blockverify import (
+    Batch,
+    BlockVerifier,
+    ChunkCheck,
+    _digests,
+    _rows,
+    read_verified,
+)
 from ucp_dcp.byteio.rangeio import ReadStats
 from ucp_dcp.byteio.segments import Segment
 from ucp_dcp.core.sharding import Box
@@ -173,7 +178,7 @@ def test_copy_writes_exactly_the_pieces_asked_for(
         empty,
         tuple(np.array(x, dtype=np.int64) for x in (so, do, ln)),
     )  # type: ignore[arg-type]
-    BlockChecks._copy(batch)
+    BlockVerifier._copy(batch)
     assert np.array_equal(outer, want)
 
 
@@ -183,7 +188,7 @@ def test_copy_refuses_pieces_past_the_destination() -> None:
     outer, dest = _guarded(100, 0)
     before = outer.copy()
     _, scratch = _guarded(400, 1)
-    n = 12  # more than blockcheck._FEW: the strided path
+    n = 12  # more than blockverify._FEW: the strided path
     so, do, ln = (
         np.arange(n, dtype=np.int64) * 30,
         np.arange(n, dtype=np.int64) * 9,
@@ -198,7 +203,7 @@ def test_copy_refuses_pieces_past_the_destination() -> None:
         InvalidArgumentError,
         match=r"pieces of tensor 't' chunk at \[0\] copied into the destination",
     ):
-        BlockChecks._copy(batch)
+        BlockVerifier._copy(batch)
     assert np.array_equal(outer, before)
 
 
@@ -337,7 +342,7 @@ def test_verified_reads_take_both_strided_paths(monkeypatch: pytest.MonkeyPatch)
     """Narrow columns of many rows take the strided copy out of scratch, one whole block of each
     row the strided hash in place; both stay exact and inside their buffers."""
     built: list[str] = []
-    real = blockcheck._rows
+    real = blockverify._rows
 
     def spy(
         arr: np.ndarray, start: int, count: int, width: int, step: int, what: str
@@ -345,7 +350,7 @@ def test_verified_reads_take_both_strided_paths(monkeypatch: pytest.MonkeyPatch)
         built.append(what)
         return real(arr, start, count, width, step, what)
 
-    monkeypatch.setattr(blockcheck, "_rows", spy)
+    monkeypatch.setattr(blockverify, "_rows", spy)
     base = {
         "dtype": torch.uint8,
         "pads": [(2, 1), (1, 3)],

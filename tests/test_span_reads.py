@@ -26,8 +26,7 @@ from hypothesis import strategies as st
 import ucp_dcp.byteio.transfer as transfer
 from dist_utils import bit_equal
 from ucp_dcp.byteio.integrity import BlockHasher, BlockSums
-from ucp_dcp.byteio.blockcheck import ChunkCheck
-from ucp_dcp.byteio.blockverify import BlockVerifier
+from ucp_dcp.byteio.blockverify import BlockVerifier, ChunkCheck
 from ucp_dcp.byteio.rangeio import RangeReader
 from ucp_dcp.byteio.transfer import ChunkRegion, StagingBuffers, read_staged
 from ucp_dcp.core.sharding import Box

@@ -39,8 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .blockcheck import ChunkCheck
-from .blockverify import BlockVerifier
+from .blockverify import BlockVerifier, ChunkCheck
 from .integrity import HASH_BLOCK, BlockSums, ChunkVerifier
 from .rangeio import ByteSource
 from .segments import Segment
@@ -162,8 +161,7 @@ class ChunkReads:
             self._staged.append(_Staged(part, dest, name, chunk_offsets, check, done))
             return
         if check is not None:
-            verifier = self.blocks  # the check's own verifier, as this engine's type
-            assert verifier is not None
+            verifier = check.verifier
             loc, sizes, region = part.location, part.chunk_sizes, part.region
             for batch in verifier.plan(loc, check, sizes, region, dest):
                 self._segments.extend(batch)

@@ -29,8 +29,7 @@ from ..core.sharding import Box
 from ..core.spans import prefer_span, region_starts, span_of, span_slabs
 from ..errors import InvalidArgumentTypeError
 from ..format import Location
-from .blockcheck import ChunkCheck
-from .blockverify import read_verified
+from .blockverify import ChunkCheck, read_verified
 from .integrity import ChecksumError
 from .rangeio import MAX_REQUEST_BYTES, ByteSource, Extents, MappedSpan, storage_view
 from .segments import Segment

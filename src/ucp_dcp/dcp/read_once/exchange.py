@@ -46,8 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...byteio.blockcheck import ChunkCheck
-from ...byteio.blockverify import BlockVerifier
+from ...byteio.blockverify import BlockVerifier, ChunkCheck
 from ...byteio.integrity import BlockSums
 from ...byteio.rangeio import ByteSource, storage_view
 from ...byteio.segments import Segment
