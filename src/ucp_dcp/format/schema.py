@@ -63,9 +63,9 @@ def field_int(d: Any, k: str, where: str, lo: int = 0, hi: int = MAX_INT) -> int
     """Integer field ``k`` of object ``d``, within ``[lo, hi]`` (booleans are not integers)."""
     v = d.get(k) if isinstance(d, dict) else None
     if not isinstance(v, int) or isinstance(v, bool):
-        raise CheckpointFormatError(f"{where}: field {k!r} must be an integer, got {_short(v)}")
+        raise CheckpointFormatError(f"{where}: field {k!r} must be an integer, got {short_repr(v)}")
     if not lo <= v <= hi:
-        raise CheckpointFormatError(f"{where}: field {k!r} is {_short(v)}, outside {lo}..{hi}")
+        raise CheckpointFormatError(f"{where}: field {k!r} is {short_repr(v)}, outside {lo}..{hi}")
     return v
 
 
@@ -73,7 +73,7 @@ def field_str(d: Any, k: str, where: str) -> str:
     """String field ``k`` of object ``d``."""
     v = d.get(k) if isinstance(d, dict) else None
     if not isinstance(v, str):
-        raise CheckpointFormatError(f"{where}: field {k!r} must be a string, got {_short(v)}")
+        raise CheckpointFormatError(f"{where}: field {k!r} must be a string, got {short_repr(v)}")
     return v
 
 
@@ -107,7 +107,7 @@ def _field_hex64(d: Any, k: str, where: str, what: str) -> str:
     v = field_str(d, k, where)
     if not _XXH3.fullmatch(v):
         raise CheckpointFormatError(
-            f"{where}: field {k!r} must be {what} (16 hex digits), got {_short(v)}"
+            f"{where}: field {k!r} must be {what} (16 hex digits), got {short_repr(v)}"
         )
     return v
 
@@ -144,7 +144,7 @@ def field_shape(d: Any, k: str, where: str) -> tuple[int, ...]:
     """A shape: at most :data:`MAX_DIMS` non-negative integers."""
     v = d.get(k) if isinstance(d, dict) else None
     if not is_index_list(v):
-        raise CheckpointFormatError(f"{where}: malformed {k} {_short(v)}")
+        raise CheckpointFormatError(f"{where}: malformed {k} {short_repr(v)}")
     return tuple(v)
 
 
@@ -181,9 +181,10 @@ def check_tensor_bytes(
         raise CheckpointFormatError(f"{where}: shape {list(shape)} is too large to address")
 
 
-def _short(v: Any) -> str:
+def short_repr(v: Any, limit: int = 80) -> str:
+    """``repr(v)``, cut to ``limit`` characters (an error message quotes what it was given)."""
     s = repr(v)
-    return s if len(s) <= 80 else s[:77] + "..."
+    return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
 def check_paths(doc: Any, where: str, keys: Collection[str]) -> dict[str, tuple[str | int, ...]]:

@@ -23,6 +23,7 @@ import torch
 from ..byteio.progress import ProgressFn
 from ..errors import CheckpointFormatError, InvalidArgumentError
 from ..format import TensorRecord, dtype_name
+from ..format.schema import short_repr
 from .checkpoint import Checkpoint
 
 __all__ = [
@@ -39,7 +40,6 @@ __all__ = [
 # Elements compared per slice: a few float64 temporaries of this many
 # elements bound the memory the comparison adds on top of the two tensors.
 _COMPARE_ELEMS = 1 << 22
-_REPR_CHARS = 80
 
 
 # ====================================================================== inspect
@@ -332,11 +332,6 @@ def _same_value(x: Any, y: Any) -> bool:
     return bool(x == y)
 
 
-def _short(v: Any) -> str:
-    r = repr(v)
-    return r if len(r) <= _REPR_CHARS else r[: _REPR_CHARS - 3] + "..."
-
-
 def _diff_structure(ca: Checkpoint, cb: Checkpoint, report: DiffReport) -> list[str]:
     """Fill names-only-on-one-side and kind/shape/dtype mismatches; return tensors to compare."""
     ka, kb = _kinds(ca), _kinds(cb)
@@ -362,16 +357,19 @@ def _diff_structure(ca: Checkpoint, cb: Checkpoint, report: DiffReport) -> list[
 
 
 def _diff_values(ca: Checkpoint, cb: Checkpoint, report: DiffReport) -> None:
-    for name in sorted(ca.index.values.keys() & cb.index.values.keys()):
-        va, vb = ca.read_value(name), cb.read_value(name)
-        report.values_compared += 1
-        if not _same_value(va, vb):
-            report.value_mismatches.append(Mismatch(name, _short(va), _short(vb)))
-    for name in sorted(ca.index.rank_local.keys() & cb.index.rank_local.keys()):
-        va, vb = ca.read_rank_local(name), cb.read_rank_local(name)
-        report.values_compared += 1
-        if not _same_value(va, vb):
-            report.value_mismatches.append(Mismatch(name, _short(va), _short(vb)))
+    for names, read_a, read_b in (
+        (ca.index.values.keys() & cb.index.values.keys(), ca.read_value, cb.read_value),
+        (
+            ca.index.rank_local.keys() & cb.index.rank_local.keys(),
+            ca.read_rank_local,
+            cb.read_rank_local,
+        ),
+    ):
+        for name in sorted(names):
+            va, vb = read_a(name), read_b(name)
+            report.values_compared += 1
+            if not _same_value(va, vb):
+                report.value_mismatches.append(Mismatch(name, short_repr(va), short_repr(vb)))
 
 
 def diff_checkpoints(
