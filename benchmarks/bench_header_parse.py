@@ -23,7 +23,7 @@ import struct
 import time
 
 from harness.pagecache import evict  # isort: skip (puts this checkout's src/ first)
-from ucp_dcp.byteio.files import FileAccess, read_header
+from ucp_dcp.byteio.rangeio import FileAccess, read_header
 
 
 def _ms(ts: list[float]) -> float:

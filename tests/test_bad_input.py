@@ -34,7 +34,7 @@ from ucp_dcp import (
     rebuild_index,
 )
 from ucp_dcp.format import ALIGN, BLOCK_SUMS_ENTRY, INDEX_FILE, PAD_PREFIX, VALUE_PREFIX, RANK_LOCAL_PREFIX, chunk_entry_name
-from ucp_dcp.byteio.files import read_header
+from ucp_dcp.byteio.rangeio import read_header
 from ucp_dcp.sources import formats_looked_for
 from ucp_dcp.core.values import decode_value
 

@@ -59,7 +59,7 @@ from ucp_dcp.errors import InvalidArgumentError
 from ucp_dcp.byteio.rangeio import HOOKED_REQUEST_BYTES, RangeReader
 from ucp_dcp.byteio.segments import Segment
 from ucp_dcp.core.pieces import Piece, TensorPieces
-from ucp_dcp.byteio.files import read_header
+from ucp_dcp.byteio.rangeio import read_header
 from ucp_dcp.format import BLOCK_SUMS_ENTRY
 from ucp_dcp.sources import NativeSource
 from ucp_dcp.tools.cli import main as cli_main

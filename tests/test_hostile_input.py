@@ -31,7 +31,7 @@ from ucp_dcp import (
     load_state_dict,
 )
 from ucp_dcp.core.values import decode_value
-from ucp_dcp.byteio.files import read_header
+from ucp_dcp.byteio.rangeio import read_header
 from ucp_dcp.format import INDEX_FILE, index_digest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

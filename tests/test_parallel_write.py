@@ -43,7 +43,7 @@ from test_integrity import assert_same, load
 from ucp_dcp import UCPSavePlanner, UCPStorageWriter
 from ucp_dcp.byteio.datafile import DataFileWriter, chunk_entry, value_entry
 from ucp_dcp.byteio.rangeio import tensor_view
-from ucp_dcp.byteio.files import read_header
+from ucp_dcp.byteio.rangeio import read_header
 from ucp_dcp.format import INDEX_FILE
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

@@ -167,7 +167,7 @@ class ModelDir(ABC):
     @abstractmethod
     def access(self, name: str) -> RandomAccess | None:
         """``name`` as random access for header parsing; None: a local file, which
-        :mod:`ucp_dcp.byteio.files` opens."""
+        :mod:`ucp_dcp.byteio.rangeio` opens."""
 
     @abstractmethod
     def subfolders(self) -> builtins.list[str]:

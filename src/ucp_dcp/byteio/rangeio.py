@@ -27,6 +27,11 @@ read while other threads still read); the segments of one call that share a
 callback are reported in one call of it, and segments with callbacks are
 merged into calls of at most ``HOOKED_REQUEST_BYTES`` (about 1 MiB), so
 that a callback finds what it checks still in the CPU cache.
+
+The local files it reads are opened here too (:func:`open_data_file`), and
+so are those whose headers :mod:`ucp_dcp.format` parses (:class:`FileAccess`,
+:func:`read_header`, :func:`read_safetensors`): the local twin of
+:class:`~ucp_dcp.byteio.objrange.ObjectAccess`.
 """
 
 from __future__ import annotations
@@ -39,14 +44,20 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import torch
 
 from ..core.spans import ACCESS_MODES, SEQUENTIAL, file_access
-from ..errors import InvalidArgumentError, TruncatedFileError
-from .files import open_data_file
+from ..errors import CheckpointFormatError, InvalidArgumentError, TruncatedFileError
+from ..format.header import (
+    FileHeader,
+    RandomAccess,
+    SafetensorsHeader,
+    parse_header,
+    parse_safetensors,
+)
 from .progress import Progress
 from .requests import RequestPolicy
 from .segments import Request, Segment, coalesce, spread
@@ -65,6 +76,10 @@ __all__ = [
     "IO_THREADS",
     "MAX_REQUEST_BYTES",
     "check_access",
+    "open_data_file",
+    "FileAccess",
+    "read_header",
+    "read_safetensors",
 ]
 
 Extents = Mapping[int, tuple[np.ndarray, np.ndarray]]
@@ -145,6 +160,70 @@ def tensor_view(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     return t.detach().reshape(-1).view(torch.uint8).numpy().data.cast("B")
+
+
+def open_data_file(path: str, *, random: bool = True) -> int:
+    """Open data file ``path`` for random reads (no read-ahead), or with ``random=False`` for a
+    stream (the kernel's default read-ahead); a missing or unreadable file is a
+    :class:`CheckpointFormatError` naming it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"data file {path} is missing") from None
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot open ({e.strerror or e})") from None
+    if random and hasattr(os, "posix_fadvise"):
+        # Without this the header read leaves read-ahead marks in the page
+        # cache, and a later exact read of a marked page makes the kernel
+        # stream in the rest of the file: other ranks' bytes.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
+
+
+class FileAccess:
+    """:class:`~ucp_dcp.format.header.RandomAccess` over a local file, opened by
+    :func:`open_data_file` and closed by :meth:`close` (or the ``with`` block)."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = open_data_file(path)
+        self.size = os.fstat(self.fd).st_size
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Up to ``n`` bytes at ``offset``."""
+        return os.pread(self.fd, n, offset)
+
+    def close(self) -> None:
+        """Close the descriptor."""
+        os.close(self.fd)
+
+    def __enter__(self) -> FileAccess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_H = TypeVar("_H")
+
+
+def _parsed(parse: Callable[[str, RandomAccess], _H], path: str, access: RandomAccess | None) -> _H:
+    """``parse(path, access)``, or over the local file at ``path`` when ``access`` is None."""
+    if access is not None:
+        return parse(path, access)
+    with FileAccess(path) as f:
+        return parse(path, f)
+
+
+def read_safetensors(path: str, access: RandomAccess | None = None) -> SafetensorsHeader:
+    """The checked header of safetensors file ``path``: read through ``access``, or from the local
+    file (:func:`~ucp_dcp.format.header.parse_safetensors`)."""
+    return _parsed(parse_safetensors, path, access)
+
+
+def read_header(path: str, *, access: RandomAccess | None = None) -> FileHeader:
+    """The checked header of native data file ``path``: read through ``access``, or from the local
+    file (:func:`~ucp_dcp.format.header.parse_header`)."""
+    return _parsed(parse_header, path, access)
 
 
 class FileHandles:

@@ -3,7 +3,7 @@ headers.
 
 Everything here is plain data and its (de)serialisation from and to bytes: no
 file is opened here. Reading and writing files lives in :mod:`ucp_dcp.byteio`
-(data-file headers: :mod:`~ucp_dcp.byteio.files`; committing the index:
+(data-file headers: :mod:`~ucp_dcp.byteio.rangeio`; committing the index:
 :mod:`~ucp_dcp.byteio.location`) and :mod:`ucp_dcp.sources` (loading and
 rebuilding the index: :mod:`~ucp_dcp.sources.native`). The names most
 callers need are re-exported here.

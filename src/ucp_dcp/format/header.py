@@ -1,7 +1,7 @@
 """Safetensors data-file headers: parsing (one size limit) and laying out a data file.
 
 No file is opened here: parsing reads through a :class:`RandomAccess` the caller gives
-(:mod:`ucp_dcp.byteio.files` opens local files).
+(:mod:`ucp_dcp.byteio.rangeio` opens local files).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def parse_safetensors(path: str, access: RandomAccess) -> SafetensorsHeader:
     Checks the header length against :data:`MAX_HEADER_BYTES` and the file size, that every entry
     has a dtype code, a shape and a byte range inside the file. Raises
     :class:`CheckpointFormatError` naming the file. ``access`` reads the bytes (a local file:
-    :class:`~ucp_dcp.byteio.files.FileAccess`; an object:
+    :class:`~ucp_dcp.byteio.rangeio.FileAccess`; an object:
     :class:`~ucp_dcp.byteio.objrange.ObjectAccess`).
     """
     size = access.size

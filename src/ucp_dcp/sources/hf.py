@@ -23,9 +23,9 @@ import errno
 import os
 import re
 
-from ..byteio.files import read_safetensors
 from ..byteio.location import LocalDir, ModelDir, plain_file_name
 from ..byteio.objrange import ObjectAccess
+from ..byteio.rangeio import read_safetensors
 from ..core.sharding import Box
 from ..errors import CheckpointFormatError, InvalidArgumentTypeError, StorageError
 from ..format import (

@@ -15,10 +15,10 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import xxhash
 
-from ..byteio.files import read_header
 from ..byteio.integrity import BlockSums
 from ..byteio.location import LocalDir, ModelDir, write_index
 from ..byteio.objrange import ObjectAccess, fetch_heads
+from ..byteio.rangeio import read_header
 from ..errors import CheckpointExistsError, CheckpointFormatError, ChecksumError
 from ..format import (
     INDEX_FILE,
