@@ -34,16 +34,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from ..byteio.location import ModelDir, StoreDir
+from ..byteio.location import ModelDir
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex
 from ._ds_utils import (
     DSFiles,
     ModelStates,
     RankOptim,
+    archive_pool,
     check_zero12_groups,
     read_layer_states,
     zero12_group_segments,
@@ -300,11 +300,8 @@ def expert_layout(
             "there is no layer_<L>_expert_<G>_mp_rank_00_model_states.pt file"
         )
     paths = _expert_files(files, names, num, m0.archive.path)
-    if isinstance(folder, StoreDir):  # a few round trips each: side by side, as deepspeed.py does
-        with ThreadPoolExecutor(max_workers=min(16, len(paths))) as pool:
-            read = list(pool.map(lambda p: read_layer_states(p, folder), paths.values()))
-    else:
-        read = [read_layer_states(p) for p in paths.values()]
+    with archive_pool(folder, len(paths)) as pool:
+        read = list(pool.map(lambda p: read_layer_states(p, folder), paths.values()))
     experts = dict(zip(paths, read))
     layers: dict[str, int] = {}
     for (layer, gid), (archive, entries) in experts.items():

@@ -34,9 +34,10 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from ..byteio.location import LocalDir, ModelDir, StoreDir
 from ..errors import CheckpointFormatError
@@ -59,6 +60,7 @@ __all__ = [
     "looks_like_universal",
     "universal_folder",
     "UNIVERSAL_DIR",
+    "archive_pool",
     "check_zero12_groups",
     "zero12_group_segments",
 ]
@@ -422,6 +424,28 @@ def read_archive(path: str, folder: ModelDir | None = None) -> TorchArchive:
         name = folder.store.name_of(path)
         return read_torch_archive(path, "deepspeed", store=folder.store, size=folder.size(name))
     return read_torch_archive(path, "deepspeed")
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+class _InOrder(Executor):
+    """Runs each call when it is submitted (a failure raises there, as a plain call would)."""
+
+    def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_T]:
+        done: Future[_T] = Future()
+        done.set_result(fn(*args, **kwargs))
+        return done
+
+
+def archive_pool(folder: ModelDir | None, n: int) -> Executor:
+    """Where ``n`` archives of ``folder`` are read (``with`` it, ``submit`` or ``map`` the reads):
+    in a store, up to 16 side by side (each archive is a few round trips: tail, pickle, local
+    headers); locally, one after the other."""
+    if isinstance(folder, StoreDir) and n:
+        return ThreadPoolExecutor(max_workers=min(16, n))
+    return _InOrder()
 
 
 def read_model_states(path: str, folder: ModelDir | None = None) -> ModelStates:

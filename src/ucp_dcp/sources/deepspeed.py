@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Collection, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..byteio.location import ModelDir, StoreDir
@@ -55,6 +54,7 @@ from ._ds_utils import (
     LATEST_FILE,
     ModelStates,
     RankOptim,
+    archive_pool,
     check_zero12_groups,
     find_deepspeed_files,
     looks_like_deepspeed,
@@ -227,25 +227,15 @@ class DeepSpeedSource(Source):
         files = find_deepspeed_files(model_dir if model_dir is not None else path)
         folder = files.folder
         layer_paths = list(files.layers.values())
-        if isinstance(folder, StoreDir):
-            # Each archive is a few round trips (tail, pickle, local headers): read them side by
-            # side.
-            with ThreadPoolExecutor(
-                max_workers=min(16, len(files.model) + len(files.optim) + len(layer_paths))
-            ) as pool:
-                mf = [pool.submit(read_model_states, p, folder) for p in files.model]
-                of = [
-                    pool.submit(read_rank_optim, p, files.bf16_optimizer, folder)
-                    for p in files.optim
-                ]
-                lf = [pool.submit(read_layer_states, p, folder) for p in layer_paths]
-                models = [f.result() for f in mf]
-                optims = [f.result() for f in of]
-                layers = [f.result() for f in lf]
-        else:
-            models = [read_model_states(p) for p in files.model]
-            optims = [read_rank_optim(p, files.bf16_optimizer) for p in files.optim]
-            layers = [read_layer_states(p) for p in layer_paths]
+        with archive_pool(folder, len(files.model) + len(files.optim) + len(layer_paths)) as pool:
+            mf = [pool.submit(read_model_states, p, folder) for p in files.model]
+            of = [
+                pool.submit(read_rank_optim, p, files.bf16_optimizer, folder) for p in files.optim
+            ]
+            lf = [pool.submit(read_layer_states, p, folder) for p in layer_paths]
+            models = [f.result() for f in mf]
+            optims = [f.result() for f in of]
+            layers = [f.result() for f in lf]
         # Pipeline- or tensor-parallel: one model states file per model-parallel rank (stage x
         # tensor-parallel rank), the optimizer files rank by rank.
         parallel = bool(files.layers) or files.tp > 1
