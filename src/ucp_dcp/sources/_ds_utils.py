@@ -62,6 +62,7 @@ __all__ = [
     "UNIVERSAL_DIR",
     "archive_pool",
     "check_zero12_groups",
+    "tp_slice_totals",
     "zero12_group_segments",
 ]
 
@@ -573,6 +574,20 @@ def read_rank_optim(path: str, bf16_optimizer: bool, folder: ModelDir | None = N
             f"0..{len(fp32) - 1}"
         )
     return RankOptim(a, stage, list(fp32), dict(state), list(groups), list(paddings))
+
+
+def tp_slice_totals(models: Sequence[ModelStates], tp: int) -> dict[str, int]:
+    """Parameter -> the elements of all its tensor-parallel slices in the first stage holding it
+    (``models[m]``: model-parallel rank ``m``, stage ``m // tp``; its ``param_shapes`` hold the
+    slices), which a rule giving each rank's widths sizes its merged shape by."""
+    first: dict[str, int] = {}
+    totals: dict[str, int] = {}
+    for mi, m in enumerate(models):
+        for shapes in m.param_shapes:
+            for fqn, shape in shapes.items():
+                if first.setdefault(fqn, mi // tp) == mi // tp:
+                    totals[fqn] = totals.get(fqn, 0) + math.prod(shape)
+    return totals
 
 
 def check_zero12_groups(m0: ModelStates, o: RankOptim) -> None:

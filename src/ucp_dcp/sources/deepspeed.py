@@ -62,6 +62,7 @@ from ._ds_utils import (
     read_layer_states,
     read_model_states,
     read_rank_optim,
+    tp_slice_totals,
     zero12_group_segments,
 )
 from ._pickle import TensorRef
@@ -412,11 +413,7 @@ class DeepSpeedSource(Source):
             )
         dp = len(optims) // len(models)
         trainable = {n for m in models for shapes in m.param_shapes for n in shapes}
-        totals: dict[tuple[int, str], int] = {}  # (stage, fqn) -> elements of all its slices
-        for mi, m in enumerate(models):
-            for shapes in m.param_shapes:
-                for n, shape in shapes.items():
-                    totals[mi // tp, n] = totals.get((mi // tp, n), 0) + numel(shape)
+        totals = tp_slice_totals(models, tp)
         m0 = models[0]
         rules = (
             tp_rules(m0.universal_info, m0.archive.path, sorted(trainable), self._user_rules)
@@ -450,7 +447,7 @@ class DeepSpeedSource(Source):
                     return False, None
                 if rules is None:
                     return True, None
-                sl = rules.slice_of(fqn, rank, tp, shape, totals[stage, fqn])
+                sl = rules.slice_of(fqn, rank, tp, shape, totals[fqn])
                 # Slices are placed at rank x their size unless their rule gives each rank's
                 # widths: only then may they differ.
                 first = local.setdefault(fqn, (shape, mi))

@@ -36,6 +36,7 @@ from ._ds_utils import (
     looks_like_universal,
     read_layer_states,
     read_model_states,
+    tp_slice_totals,
     universal_folder,
     universal_model_files,
 )
@@ -165,10 +166,6 @@ def _read(b: ArchiveIndex, zero: str, fqn: str, kind: str) -> UniversalEntry | N
 _ENTRY_KEYS = ("param", "cat_dim", "param_n_sub_params", "sub_param_shape", "vocab_tensor")
 
 
-def _holds(m: ModelStates, fqn: str) -> bool:
-    return any(fqn in d for d in m.param_shapes)
-
-
 def _data_parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> list[list[str]]:
     """The folder of a data-parallel run (one ``mp_rank_00``, or ZeRO-3's per-rank model states):
     the tensors in ``param_shapes``' shapes; the param groups' fqns (none from ZeRO-3)."""
@@ -279,7 +276,6 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
             f"multiple of tp_degree {tp}"
         )
     local: dict[str, tuple[int, ...]] = {}  # fqn -> tensor-parallel rank 0's slice shape
-    totals: dict[str, int] = {}  # fqn -> the elements of its slices (of the first stage with it)
     groups: list[dict[str, None]] = []  # each group's fqns in stage order (ordered, unique)
     for mi, m in enumerate(models):
         for g, d in enumerate(m.param_shapes):
@@ -288,9 +284,8 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
             for fqn, shape in d.items():
                 if mi % tp == 0:
                     local.setdefault(fqn, shape)
-                if mi // tp == min(i // tp for i, n in enumerate(models) if _holds(n, fqn)):
-                    totals[fqn] = totals.get(fqn, 0) + math.prod(shape)
                 groups[g].setdefault(fqn)
+    totals = tp_slice_totals(models, tp)
     info = m0.universal_info
     rules = (
         tp_rules(info, m0.archive.path, sorted(local))
