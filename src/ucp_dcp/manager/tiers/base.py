@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
+from ...byteio.durable import fsync_path, replace_via_temp
 from ...byteio.location import ModelDir
 from ...errors import CheckpointFormatError, InvalidArgumentError
 from .marker import MARKER_FILE, CommitMarker, check_copy, check_name, is_int
@@ -101,13 +102,26 @@ class Tier(ABC):
     def files(self, step: int) -> dict[str, int]:
         """Names and sizes of the files present in committed ``step`` (the marker excluded)."""
 
-    @abstractmethod
     def fetch(self, step: int, names: Iterable[str], dest_dir: str) -> None:
         """Copy (download) the named files of committed ``step`` into local directory ``dest_dir``.
 
         Each file is written under a temporary name, fsync'd and renamed, so
         a crash never leaves a partial file under the final name.
         """
+        names = list(names)
+        for name in names:
+            check_name(name, "file name")
+        dest_dir = os.fspath(dest_dir)
+        source = self._fetcher(step, names, dest_dir)
+        os.makedirs(dest_dir, exist_ok=True)
+        wrote = False
+        for name in names:
+            write = source(name)
+            if write is not None:
+                replace_via_temp(os.path.join(dest_dir, name), write)
+                wrote = True
+        if wrote:
+            fsync_path(dest_dir)
 
     def read_bytes(self, step: int, name: str) -> bytes:
         """The content of file ``name`` of committed ``step`` (generic: fetch into a temp dir)."""
@@ -220,6 +234,15 @@ class Tier(ABC):
     @abstractmethod
     def _put_bytes(self, staging: str, name: str, data: bytes) -> None:
         """:meth:`put_bytes` with checked arguments."""
+
+    @abstractmethod
+    def _fetcher(
+        self, step: int, names: list[str], dest_dir: str
+    ) -> Callable[[str], Callable[[str], None] | None]:
+        """For :meth:`fetch` of checked ``names`` of committed ``step`` into ``dest_dir``: a
+        function of each name that gives what writes the file into a local path, durably (None:
+        ``dest_dir`` is where it is already), or raises :class:`CheckpointFormatError` naming it
+        if it is missing."""
 
     @abstractmethod
     def _commit(

@@ -16,13 +16,12 @@ abandoned at the policy's deadline and tried again, not held for the HTTP client
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
 
-from ...byteio.durable import fsync_file, fsync_path, replace_via_temp
+from ...byteio.durable import fsync_file
 from ...byteio.location import StoreDir
 from ...byteio.objstore import ObjectStore
 from ...byteio.requests import RequestPolicy
@@ -217,32 +216,23 @@ class FsspecTier(Tier):
         listing)."""
         return self._step_files(self._dir(path))
 
-    def fetch(self, step: int, names: Iterable[str], dest_dir: str) -> None:
-        """Download named files of committed ``step`` into ``dest_dir`` (temp name, fsync,
-        rename)."""
+    def _fetcher(
+        self, step: int, names: list[str], dest_dir: str
+    ) -> Callable[[str], Callable[[str], None] | None]:
+        """Downloads of the objects of the newest committed copy of ``step`` (one listing)."""
         d = self._path(self._current(step)[1])
-        dest_dir = os.fspath(dest_dir)
-        os.makedirs(dest_dir, exist_ok=True)
-        names = list(names)
-        for name in names:
-            check_name(name, "file name")
         step_dir = self._dir(d)
         sizes = step_dir.sizes() if names else {}
-        for name in names:
+
+        def source(name: str) -> Callable[[str], None]:
             if name not in sizes:
                 raise CheckpointFormatError(
                     f"{self._where(step, name)}: missing (expected an object "
                     f"{self._to_url(f'{d}/{name}')})"
                 )
-            download = partial(_download, step_dir, name, sizes[name])
-            replace_via_temp(os.path.join(dest_dir, name), download)
-        if names:
-            fsync_path(dest_dir)
+            return partial(_download, step_dir, name, sizes[name])
 
-    def read_bytes(self, step: int, name: str) -> bytes:
-        """The content of file ``name`` of committed ``step``."""
-        marker, d = self._current(step)
-        return self.read_at(StepCopy(marker, self._to_url(self._path(d)), {}), name)
+        return source
 
     # -- writing
 

@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable
 from functools import partial
 
 from ...byteio.durable import (
@@ -25,13 +25,12 @@ from ...byteio.durable import (
     copy_durable,
     fsync_file,
     fsync_path,
-    replace_via_temp,
     swap_paths,
 )
 from ...byteio.location import LocalDir
 from ...errors import CheckpointFormatError, InvalidArgumentError, StorageError
 from .base import Tier, check_token, step_dir_name
-from .marker import MARKER_FILE, CommitMarker, check_name
+from .marker import MARKER_FILE, CommitMarker
 
 __all__ = ["LocalTier"]
 
@@ -153,37 +152,27 @@ class LocalTier(Tier):
         self._read_marker(path, step)
         return self._step_files(LocalDir(path))
 
-    def fetch(self, step: int, names: Iterable[str], dest_dir: str) -> None:
-        """Copy named files of committed ``step`` into ``dest_dir`` (temp name, fsync, rename)."""
+    def _fetcher(
+        self, step: int, names: list[str], dest_dir: str
+    ) -> Callable[[str], Callable[[str], None] | None]:
+        """Copies of the files of ``step``'s directory (none where ``dest_dir`` is it)."""
         src_dir = self.step_path(step)
-        dest_dir = os.fspath(dest_dir)
-        os.makedirs(dest_dir, exist_ok=True)
-        same_dir = os.path.exists(src_dir) and os.path.samefile(src_dir, dest_dir)
-        copied = False
-        for name in names:
-            check_name(name, "file name")
+        same_dir = (
+            os.path.isdir(dest_dir)
+            and os.path.exists(src_dir)
+            and os.path.samefile(src_dir, dest_dir)
+        )
+
+        def source(name: str) -> Callable[[str], None] | None:
             src = os.path.join(src_dir, name)
             if not os.path.isfile(src):
                 raise CheckpointFormatError(
                     f"{self._where(step, name)}: missing (expected a file at {src}"
                     f"{'' if os.path.isdir(src_dir) else '; the step directory does not exist'})"
                 )
-            if same_dir:
-                continue
-            replace_via_temp(os.path.join(dest_dir, name), partial(copy_durable, src))
-            copied = True
-        if copied:
-            fsync_path(dest_dir)
+            return None if same_dir else partial(copy_durable, src)
 
-    def read_bytes(self, step: int, name: str) -> bytes:
-        """The content of file ``name`` of committed ``step``."""
-        check_name(name, "file name")
-        d = LocalDir(self.step_path(step))
-        if not d.is_file(name):
-            raise CheckpointFormatError(
-                f"{self._where(step, name)}: missing (expected a file at {d.path_of(name)})"
-            )
-        return d.read(name)
+        return source
 
     # -- writing
 
