@@ -27,7 +27,7 @@ from ._torch_archive import TorchArchive
 from ._zero_layout import Segment, segment_boxes
 from .base import Source
 
-__all__ = ["ArchiveIndex", "check_sizes", "numel"]
+__all__ = ["ArchiveIndex", "check_sizes"]
 
 
 @dataclass(frozen=True)
@@ -114,10 +114,7 @@ class ArchiveIndex:
         what: str,
     ) -> None:
         """``key`` is tensor ``t`` itself (viewed as ``shape``)."""
-        n = 1
-        for s in shape:
-            n *= s
-        loc = self.location(archive, t, 0, n, what)
+        loc = self.location(archive, t, 0, math.prod(shape), what)
         self.add(key, path, t.dtype, shape, [ChunkRecord(Box((0,) * len(shape), shape), loc)])
 
     def flat(
@@ -296,11 +293,6 @@ def check_sizes(source: Source) -> list[str]:
             where = "in the store" if store is not None else "on disk"
             problems.append(f"{p}: {size} bytes {where}, {f.size} when opened")
     return problems
-
-
-def numel(shape: tuple[int, ...]) -> int:
-    """Number of elements of a tensor of ``shape``."""
-    return math.prod(shape)
 
 
 def _relative(path: str, root: str) -> str:

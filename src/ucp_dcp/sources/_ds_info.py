@@ -8,12 +8,12 @@ refuses any other. :mod:`._ds_tp` places the slices by what these records say.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.boxes import row_major_strides
 from ..core.sharding import Box
 from ..errors import CheckpointFormatError
 
@@ -185,7 +185,7 @@ def _box(at: Any, shape: tuple[int, ...], of: tuple[int, ...]) -> Box | None:
     offset, strides = at
     if not _is_int(offset) or not isinstance(strides, (list, tuple)) or len(strides) != len(of):
         return None
-    rm = [math.prod(of[d + 1 :]) for d in range(len(of))]
+    rm = row_major_strides(of)
     if any(s != r for s, r, n in zip(strides, rm, shape) if n > 1) or len(shape) != len(of):
         return None
     offsets = []

@@ -30,6 +30,7 @@ import torch
 
 from ..byteio.rangeio import ByteSource, Extents
 from ..byteio.segments import Segment
+from ..core.boxes import row_major_strides
 from ..core.sharding import Box
 from ..errors import CheckpointFormatError
 from ..format import Location
@@ -162,7 +163,7 @@ class _MergeReader(ByteSource):
         out = torch.empty(t.shape, dtype=t.dtype)
         raw = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
         size = t.dtype.itemsize
-        strides = [math.prod(t.shape[d + 1 :]) for d in range(len(t.shape))]
+        strides = row_major_strides(t.shape)
         segs = []
         for box, loc in chunks:
             at = sum(o * s for o, s in zip(box.offsets, strides)) * size

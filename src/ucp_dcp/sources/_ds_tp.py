@@ -40,12 +40,14 @@ checkpoint's patterns.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.boxes import row_major_strides
 from ..core.sharding import Box, intersect
 from ..errors import CheckpointFormatError, InvalidArgumentError
 from ._ds_info import (
@@ -101,21 +103,14 @@ def _runs(outer: Box, inner: Box) -> list[tuple[int, Box]]:
     dimension after one where it spans more than one index."""
     nd = len(outer.sizes)
     k = max((d for d in range(nd) if inner.sizes[d] != outer.sizes[d]), default=-1)
-    strides = [math.prod(outer.sizes[d + 1 :]) for d in range(nd)]
+    strides = row_major_strides(outer.sizes)
     lead = [range(inner.offsets[d], inner.offsets[d] + inner.sizes[d]) for d in range(max(k, 0))]
     out = []
-    for idx in _product(lead):
+    for idx in itertools.product(*lead):
         offsets = list(idx) + list(inner.offsets[len(idx) :])
         sizes = [1] * len(idx) + list(inner.sizes[len(idx) :])
         off = sum((o - b) * s for o, b, s in zip(offsets, outer.offsets, strides))
         out.append((off, Box(tuple(offsets), tuple(sizes))))
-    return out
-
-
-def _product(ranges: list[range]) -> list[tuple[int, ...]]:
-    out: list[tuple[int, ...]] = [()]
-    for r in ranges:
-        out = [t + (i,) for t in out for i in r]
     return out
 
 

@@ -39,6 +39,7 @@ DeepSpeed records no checksums; the files' sizes are checked.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 from ..byteio.location import ModelDir, StoreDir
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError, InvalidArgumentError
-from ._archive_index import ArchiveIndex, check_sizes, numel
+from ._archive_index import ArchiveIndex, check_sizes
 from ._ds_merge import MERGE_FILE_NAME, MergeFile
 from ._ds_moe import expert_layout
 from ._ds_tp import UNEVEN_RULES, TPRule, TPRules, TPSlice, tp_rules, user_tp_rules
@@ -90,8 +91,8 @@ def zero3_frozen(
     """``model.<fqn>`` of a ZeRO-3 frozen parameter: one padded slice per rank's
     ``frozen_param_fragments``."""
     world = len(models)
-    ps = -(-numel(shape) // world)
-    segs = zero3_segments([numel(shape)], world, [ps])[0]
+    ps = -(-math.prod(shape) // world)
+    segs = zero3_segments([math.prod(shape)], world, [ps])[0]
 
     def frag(seg: Segment) -> tuple[TorchArchive, TensorRef]:
         m = models[seg.rank]
@@ -511,7 +512,7 @@ class DeepSpeedSource(Source):
                 )
         flat = [(fqn, shape, k) for k, d in enumerate(m0.param_shapes) for fqn, shape in d.items()]
         try:
-            all_segs = zero3_segments([numel(s) for _, s, _ in flat], W, sizes)
+            all_segs = zero3_segments([math.prod(s) for _, s, _ in flat], W, sizes)
         except ValueError as e:
             raise CheckpointFormatError(f"{m0.archive.path}: {e}") from None
         by_buffer: dict[int, list[str]] = {}
