@@ -470,12 +470,7 @@ def parse_tensor_item(
         if not isinstance(t, TensorRef):
             raise CheckpointFormatError(f"{where}: the item does not hold a tensor")
         rec = records[t.storage]
-
-        def read_at(off: int, n: int) -> bytes:
-            view.seek(off)
-            return view.read(n)
-
-        start = stored_record_start(read_at, rec, where)
+        start = stored_record_start(view.read_at, rec, where)
     if start + rec.file_size > length:
         raise CheckpointFormatError(
             f"{where}: storage record data/{t.storage} runs past the end of the item"
