@@ -250,7 +250,7 @@ class Restorer(GroupWorker):
             tmp = tempfile.mkdtemp(prefix=f"ucp-restore-{cand.step}-")
             self._agree(
                 f"fetching step {cand.step} from {self.persistent.url}",
-                lambda: self.persistent.fetch(cand.step, [d.name for d in cand.marker.files], tmp),
+                lambda: self.persistent.fetch(cand.step, cand.marker.names, tmp),
                 cand,
             )
             index = self._check_index(tmp, cand)
@@ -316,7 +316,7 @@ class Restorer(GroupWorker):
         dest: str | None = None
         try:
             dest = tier.begin(step, token)
-            self.persistent.fetch(step, [d.name for d in cand.marker.files], dest)
+            self.persistent.fetch(step, cand.marker.names, dest)
             for d in cand.marker.files:
                 size, digest = file_digest(os.path.join(dest, d.name))
                 if (size, digest) != (d.size, d.xxh3):
@@ -446,7 +446,7 @@ class Restorer(GroupWorker):
         def fetch() -> None:
             if self.layout.is_leader:
                 tier.begin(step, token)
-                self.persistent.fetch(step, [d.name for d in cand.marker.files], dest)
+                self.persistent.fetch(step, cand.marker.names, dest)
                 tier.commit(dest, cand.marker)
 
         self._agree(f"fetching step {step} from {self.persistent.url}", fetch, cand)

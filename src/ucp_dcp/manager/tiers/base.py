@@ -153,7 +153,7 @@ class Tier(ABC):
         with tempfile.TemporaryDirectory(
             prefix=f"ucp-verify-{step}-", ignore_cleanup_errors=True
         ) as tmp:
-            self.fetch(step, [d.name for d in marker.files], tmp)
+            self.fetch(step, marker.names, tmp)
             present = {n: os.path.getsize(os.path.join(tmp, n)) for n in os.listdir(tmp)}
             return check_copy(marker, tmp, present, held=expected, where=where)
 

@@ -286,6 +286,11 @@ class CommitMarker:
             raise CheckpointFormatError(f"{where}: the marker names step {m.step}, expected {step}")
         return m
 
+    @property
+    def names(self) -> list[str]:
+        """The names of the files listed, in order."""
+        return [f.name for f in self.files]
+
     def digest(self, name: str) -> FileDigest:
         """The record of file ``name``; :class:`CheckpointFormatError` if the marker does not list
         it."""
