@@ -138,7 +138,6 @@ class ArchiveIndex:
             shape = place.local
         chunks: list[ChunkRecord] = []
         dtype = None
-        to = None if place is None or place.merge else place  # an operand keeps its boxes
         for seg in segs:
             archive, t = buffer_of(seg)
             dtype = t.dtype if dtype is None else dtype
@@ -147,14 +146,9 @@ class ArchiveIndex:
                     f"{archive.path}: {what} is stored as both {dtype} and {t.dtype}"
                 )
             for box, off in segment_boxes(shape, seg):
-                chunks += self._chunk(archive, t, box, off, what, to)
+                chunks += self._chunk(archive, t, box, off, what, place)
         # An empty parameter has no element stored anywhere, and no chunks.
-        if place is not None and place.merge:
-            self.operand(key, path, dtype or torch.float32, place, chunks)
-        elif place is None:
-            self.add(key, path, dtype or torch.float32, shape, chunks)
-        else:
-            self.extend(key, path, dtype or torch.float32, place.full_shape, chunks)
+        self._record(key, path, dtype or torch.float32, shape, chunks, place)
 
     def placed_whole(
         self,
@@ -168,12 +162,27 @@ class ArchiveIndex:
         """Tensor ``t``, a tensor-parallel slice (laid out as ``place.local``), put where
         ``place`` says in ``key``."""
         box = Box((0,) * len(place.local), tuple(place.local))
-        if place.merge:
-            self.operand(key, path, t.dtype, place, self._chunk(archive, t, box, 0, what, None))
-            return
-        self.extend(
-            key, path, t.dtype, place.full_shape, self._chunk(archive, t, box, 0, what, place)
-        )
+        chunks = self._chunk(archive, t, box, 0, what, place)
+        self._record(key, path, t.dtype, place.local, chunks, place)
+
+    def _record(
+        self,
+        key: str,
+        path: tuple[str | int, ...],
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        chunks: list[ChunkRecord],
+        place: TPSlice | None,
+    ) -> None:
+        """``chunks`` of ``key`` (of ``shape``): the whole tensor, or with ``place`` a slice's,
+        added to the chunks other slices gave ``key`` or, where ``key`` is merged from every
+        slice, this slice's :meth:`operand`."""
+        if place is None:
+            self.add(key, path, dtype, shape, chunks)
+        elif place.merge:
+            self.operand(key, path, dtype, place, chunks)
+        else:
+            self.extend(key, path, dtype, place.full_shape, chunks)
 
     def operand(
         self,
@@ -236,7 +245,7 @@ class ArchiveIndex:
         what: str,
         place: TPSlice | None,
     ) -> list[ChunkRecord]:
-        if place is None:
+        if place is None or place.merge:  # an operand keeps the slice's boxes
             return [ChunkRecord(box, self.location(archive, t, off, box.numel, what))]
         return [
             ChunkRecord(full, self.location(archive, t, off + at, full.numel, what))
