@@ -46,7 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .._compat import flatten_state_dict
-from ..byteio.integrity import bytes_digest, file_digest
+from ..byteio.integrity import bytes_digest
 from ..byteio.objstore import is_url
 from ..core.values import RankLocal, copy_containers, set_in_place
 from ..dcp import PlannedRead, ReadOptions, UCPLoadPlanner, UCPStorageReader, collector_paused
@@ -141,11 +141,6 @@ class _Loadable:
     small: SmallReads | None = None
     """Keys read through the group from the nodes that hold their files (the same on every
     rank; None: none, on any rank)."""
-
-
-def _recorded_size(marker: CommitMarker, name: str) -> int | None:
-    """The size ``marker`` records for file ``name`` (None if it has no such file)."""
-    return next((d.size for d in marker.files if d.name == name), None)
 
 
 class Restorer(GroupWorker):
@@ -276,19 +271,16 @@ class Restorer(GroupWorker):
             if self.layout.rank != 0:
                 return None
             copy = tier.copy_of(step)  # one look: the URL, sizes and index read are of one copy
-            url, present = copy.url, copy.sizes
-            for d in marker.files:
-                if d.name not in present:
-                    raise CheckpointFormatError(
-                        f"{url}/{d.name}: missing (the commit marker of step {step} lists it, "
-                        f"{d.size} bytes)"
-                    )
-                if present[d.name] != d.size:
-                    raise CheckpointFormatError(
-                        f"{url}/{d.name}: {present[d.name]} bytes, the commit marker of step "
-                        f"{step} records "
-                        f"{d.size}: the object is incomplete or was replaced"
-                    )
+            url, bad = copy.url, marker.unlike(copy.sizes)
+            if bad is not None:
+                d, size = bad
+                raise CheckpointFormatError(
+                    f"{url}/{d.name}: missing (the commit marker of step {step} lists it, "
+                    f"{d.size} bytes)"
+                    if size is None
+                    else f"{url}/{d.name}: {size} bytes, the commit marker of step {step} records "
+                    f"{d.size}: the object is incomplete or was replaced"
+                )
             index = tier.read_at(copy, INDEX_FILE)
             self._check_index_bytes(index, f"{url}/{INDEX_FILE}", cand)
             return url, index
@@ -318,8 +310,9 @@ class Restorer(GroupWorker):
             dest = tier.begin(step, token)
             self.persistent.fetch(step, cand.marker.names, dest)
             for d in cand.marker.files:
-                size, digest = file_digest(os.path.join(dest, d.name))
-                if (size, digest) != (d.size, d.xxh3):
+                got = d.differs(os.path.join(dest, d.name))
+                if got is not None:
+                    size, digest = got
                     raise CheckpointFormatError(
                         f"{d.name} of step {step} from {self.persistent.url}: {size} bytes, "
                         f"xxh3-128 {digest}; "
@@ -368,9 +361,8 @@ class Restorer(GroupWorker):
             """This node's files of the step that are whole (their recorded size)."""
             if not lay.is_leader or not have_step:
                 return {}
-            return {
-                n: size for n, size in tier.files(step).items() if _recorded_size(marker, n) == size
-            }
+            recorded = marker.sizes
+            return {n: size for n, size in tier.files(step).items() if recorded.get(n) == size}
 
         def fetch(wanted: list[str], what: str) -> None:
             """``wanted`` (node leaders) from the nodes that hold them, into ``dest``."""

@@ -277,16 +277,14 @@ class Tier(ABC):
         """Every file ``marker`` lists (of ``held``, where given) is in ``staging`` (``sizes``:
         name -> size) with its recorded size; so is any other file of the marker that is
         there."""
-        for f in marker.files:
-            if f.name not in sizes and held is not None and f.name not in held:
-                continue
-            if f.name not in sizes:
-                raise CheckpointFormatError(
-                    f"{self._where(step, f.name)}: cannot commit: the marker lists it but staging "
-                    f"{staging} lacks it"
+        bad = marker.unlike(sizes, held)
+        if bad is not None:
+            f, size = bad
+            raise CheckpointFormatError(
+                f"{self._where(step, f.name)}: cannot commit: "
+                + (
+                    f"the marker lists it but staging {staging} lacks it"
+                    if size is None
+                    else f"the marker says {f.size} bytes, staging holds {size}"
                 )
-            if sizes[f.name] != f.size:
-                raise CheckpointFormatError(
-                    f"{self._where(step, f.name)}: cannot commit: the marker says {f.size} bytes, "
-                    f"staging holds {sizes[f.name]}"
-                )
+            )

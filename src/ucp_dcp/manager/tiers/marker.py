@@ -96,6 +96,12 @@ class FileDigest:
         """JSON form used inside the marker."""
         return {"name": self.name, "size": self.size, "xxh3": self.xxh3, "rank": self.rank}
 
+    def differs(self, path: str) -> tuple[int, str] | None:
+        """The size and xxh3-128 of local file ``path`` where they are not the recorded ones; None
+        where they are."""
+        got = file_digest(path)
+        return None if got == (self.size, self.xxh3) else got
+
 
 @dataclass(frozen=True)
 class CommitMarker:
@@ -291,6 +297,25 @@ class CommitMarker:
         """The names of the files listed, in order."""
         return [f.name for f in self.files]
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Name -> recorded size of every file listed, in order."""
+        return {f.name: f.size for f in self.files}
+
+    def unlike(
+        self, present: Mapping[str, int], held: Collection[str] | None = None
+    ) -> tuple[FileDigest, int | None] | None:
+        """The first file listed that ``present`` (name -> size) lacks (with None) or holds at
+        another size (with that size); a file not in ``held`` may be absent (None: every one is
+        expected). None: every file is there at its recorded size."""
+        for f in self.files:
+            if f.name not in present:
+                if held is None or f.name in held:
+                    return f, None
+            elif present[f.name] != f.size:
+                return f, present[f.name]
+        return None
+
     def digest(self, name: str) -> FileDigest:
         """The record of file ``name``; :class:`CheckpointFormatError` if the marker does not list
         it."""
@@ -330,8 +355,9 @@ def check_copy(
             if own:
                 problems.append(f"{where}: {d.name} ({who}) is missing")
             continue
-        size, digest = file_digest(os.path.join(path, d.name))
-        if size != d.size or digest != d.xxh3:
+        got = d.differs(os.path.join(path, d.name))
+        if got is not None:
+            size, digest = got
             damaged = True
             problems.append(
                 f"{where}: {d.name} ({who}) is corrupt: {size} bytes with xxh3-128 {digest}, "
