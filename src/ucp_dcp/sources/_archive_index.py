@@ -175,30 +175,18 @@ class ArchiveIndex:
         place: TPSlice | None,
     ) -> None:
         """``chunks`` of ``key`` (of ``shape``): the whole tensor, or with ``place`` a slice's,
-        added to the chunks other slices gave ``key`` or, where ``key`` is merged from every
-        slice, this slice's :meth:`operand`."""
+        added to the chunks other slices gave ``key``; where ``key`` is merged from all its
+        slices (``place.merge``), the chunks (boxes of the slice) are slice ``place.rank``'s
+        operand, recorded by :meth:`finish_merges`."""
         if place is None:
             self.add(key, path, dtype, shape, chunks)
         elif place.merge:
-            self.operand(key, path, dtype, place, chunks)
+            self.operands.setdefault(key, {})[place.rank] = _Operand(
+                place.merge, dtype, tuple(place.local), chunks
+            )
+            self.paths[key] = path
         else:
             self.extend(key, path, dtype, place.full_shape, chunks)
-
-    def operand(
-        self,
-        key: str,
-        path: tuple[str | int, ...],
-        dtype: torch.dtype,
-        place: TPSlice,
-        chunks: list[ChunkRecord],
-    ) -> None:
-        """``chunks`` (boxes of the slice) are slice ``place.rank`` of ``key``, which is merged
-        from all its slices (``place.merge``): recorded by :meth:`finish_merges`."""
-        assert place.merge is not None
-        self.operands.setdefault(key, {})[place.rank] = _Operand(
-            place.merge, dtype, tuple(place.local), chunks
-        )
-        self.paths[key] = path
 
     def finish_merges(self, degree: int, where: str) -> None:
         """Record each merged tensor (computed from its ``degree`` slices) as a byte range of
