@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 from ..errors import CheckpointFormatError, CheckpointWriteError, NotACheckpointError
 from ..format import INDEX_FILE, Index, PlannedEntry, index_bytes
 from ..format.header import RandomAccess
+from ..format.schema import is_plain_file_name
 from .datafile import DataFileWriter, stream_data_file
 from .durable import atomic_write
 from .objrange import ObjectAccess
@@ -93,15 +94,7 @@ class _Counted:
 def plain_file_name(name: Any, where: str) -> str:
     """``name`` if it names a file directly inside a directory (no path, no ``..``); else an error
     naming ``where``."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or os.path.isabs(name)
-        or "/" in name
-        or "\\" in name
-        or name in (".", "..")
-        or "\0" in name
-    ):
+    if not is_plain_file_name(name):
         raise CheckpointFormatError(
             f"{where}: file name {name!r} is not a plain file name inside the directory"
         )

@@ -32,6 +32,7 @@ __all__ = [
     "is_index_list",
     "field_dtype",
     "field_shape",
+    "is_plain_file_name",
     "check_relative_name",
     "check_tensor_bytes",
     "check_paths",
@@ -148,13 +149,23 @@ def field_shape(d: Any, k: str, where: str) -> tuple[int, ...]:
     return tuple(v)
 
 
+def is_plain_file_name(name: Any) -> TypeGuard[str]:
+    """Whether ``name`` is a string naming a file directly inside a directory: not empty, ``.`` or
+    ``..``, no path separator (``/``, ``\\``: nor absolute), no NUL."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\\0")
+    )
+
+
 def check_relative_name(name: str, where: str) -> None:
     """Refuse a data-file name that is absolute, has a path separator, is ``.``/``..`` or holds a
     NUL.
 
     A hostile index must not make the reader open files outside the checkpoint.
     """
-    if not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+    if not is_plain_file_name(name):
         raise CheckpointFormatError(
             f"{where}: data file name {name!r} is absolute or leaves the checkpoint directory; "
             "only plain file names inside the checkpoint are allowed"

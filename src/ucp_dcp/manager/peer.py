@@ -39,6 +39,7 @@ import torch.distributed as dist
 from ..byteio.durable import fsync_path, remove_quietly, write_all
 from ..dcp.read_once.transport import Transport, wire_for
 from ..errors import InvalidArgumentError, PeerTransferError
+from ..format.schema import is_plain_file_name
 
 __all__ = ["PeerTransferError", "TransferReport", "clean_partials", "exchange_files"]
 
@@ -87,7 +88,7 @@ def _check_name(name: Any) -> str | None:
     """Why ``name`` is not a plain file name, or None."""
     if not isinstance(name, str) or not name:
         return f"invalid file name {name!r} (not a non-empty string)"
-    if "/" in name or "\\" in name or "\0" in name or name in (".", "..") or os.path.isabs(name):
+    if not is_plain_file_name(name):
         return f"invalid file name {name!r} (must be a plain file name, no path)"
     return None
 

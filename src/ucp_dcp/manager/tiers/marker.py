@@ -21,6 +21,7 @@ from typing import Any
 
 from ...byteio.integrity import file_digest
 from ...errors import CheckpointFormatError, InvalidArgumentError
+from ...format.schema import is_plain_file_name
 from ...tools.checkpoint import Checkpoint
 
 __all__ = [
@@ -47,13 +48,7 @@ def is_int(v: Any) -> bool:
 
 def check_name(name: Any, what: str) -> None:
     """A plain file name: no directory parts, nothing that escapes the step directory."""
-    if (
-        not isinstance(name, str)
-        or name in ("", ".", "..")
-        or "/" in name
-        or "\\" in name
-        or "\0" in name
-    ):
+    if not is_plain_file_name(name):
         raise InvalidArgumentError(
             f"{what} must be a plain file name (no '/', not '.' or '..'), got {name!r}"
         )
