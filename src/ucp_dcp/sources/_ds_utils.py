@@ -41,7 +41,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from ..byteio.location import LocalDir, ModelDir, StoreDir
 from ..errors import CheckpointFormatError
-from ._pickle import Inert, TensorRef
+from ._pickle import Inert, TensorRef, is_index_tuple
 from ._torch_archive import TorchArchive, read_torch_archive
 from ._zero_layout import Segment, zero12_segments
 
@@ -403,9 +403,7 @@ def _need(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
 
 
 def _shape(v: Any, where: str) -> tuple[int, ...]:
-    if isinstance(v, (tuple, list)) and all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in v
-    ):
+    if isinstance(v, (tuple, list)) and is_index_tuple(tuple(v)):
         return tuple(v)
     raise CheckpointFormatError(f"{where}: {v!r} is not a shape")
 
