@@ -341,8 +341,7 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
         _moments(b, zero, fqn, one, full, functools.partial(_padded, full=full))
     for m in models:
         for tied, owner in m.shared.items():
-            if f"model.{tied}" not in b.tensors:
-                b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
+            b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
     # Frozen parameters and buffers: in the module state dicts without a pipeline, in layer
     # files under one.
     buffers = {n: mi for mi, m in enumerate(models) for n in m.buffer_names}
