@@ -59,7 +59,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..errors import UCPError
+from ..errors import TruncatedFileError, UCPError
 from .requests import (
     PERMANENT,
     SAMPLES,
@@ -293,13 +293,9 @@ class RequestScheduler:
                         self.stats.slowest_s, self.stats.slowest = took, f"{where}: {what}"
                     return out
                 wrong += 1
+                last: BaseException = TruncatedFileError(f"{where}: {why}: truncated object")
                 if wrong > 1:
-                    raise _Wrong(why)
-                last: BaseException = _Wrong(why)
-            except _Wrong as e:
-                from ..errors import TruncatedFileError
-
-                raise TruncatedFileError(f"{where}: {e}: truncated object") from None
+                    raise last
             except PERMANENT as e:
                 if isinstance(e, UCPError):
                     raise
@@ -318,10 +314,8 @@ class RequestScheduler:
             if k == len(delays):
                 break
             await asyncio.sleep(delays[k])
-        if isinstance(last, _Wrong):
-            from ..errors import TruncatedFileError
-
-            raise TruncatedFileError(f"{where}: {last}: truncated object")
+        if isinstance(last, TruncatedFileError):
+            raise last
         if isinstance(last, DeadlineExceeded):
             waited = time.monotonic() - t0
             last = DeadlineExceeded(
@@ -478,10 +472,6 @@ class RequestScheduler:
                 # try failed, the retry pays for the GET and the hedge was the extra).
                 self._hedges_held -= nbytes
                 self.stats.hedge_extra_bytes += (got if won is hedge else hedge_got).cost(nbytes)
-
-
-class _Wrong(Exception):
-    """An answer ``check`` refused (a short read)."""
 
 
 def _is_throttle(text: str) -> bool:
