@@ -161,8 +161,8 @@ class TPSlice:
     def cut(local: tuple[int, ...], rows: int) -> TPSlice:
         """A tensor of shape ``local`` whose first ``rows`` rows are kept (vocabulary padding
         stripped)."""
-        full = (min(rows, local[0]),) + tuple(local[1:])
-        return TPSlice(0, local, full, ((Box((0,) * len(full), full),) * 2,), "vocabulary padding")
+        box = Box((0,) * len(local), local)
+        return _with_rows(TPSlice(0, local, local, ((box, box),), "vocabulary padding"), rows)
 
 
 def _joined(
