@@ -201,11 +201,16 @@ class RequestScheduler:
         p = self.policy
         if not p.hedge:
             return p.max_part_bytes
-        budget = max(
-            p.hedge_fraction * max(self.stats.bytes_requested + batch_bytes, self._expected),
-            p.hedge_allowance_bytes,
-        )
+        budget = self._hedge_budget(batch_bytes)
         return int(min(p.max_part_bytes, max(p.min_part_bytes, budget // 2)))
+
+    def _hedge_budget(self, more: int = 0) -> float:
+        """The bytes hedges may cost: ``hedge_fraction`` of the load's bytes (those requested so
+        far and ``more``, or those announced, :meth:`expect`), at least
+        ``hedge_allowance_bytes``."""
+        p = self.policy
+        load = max(self.stats.bytes_requested + more, self._expected)
+        return max(p.hedge_fraction * load, p.hedge_allowance_bytes)
 
     def expect(self, nbytes: int) -> None:
         """A read of ``nbytes`` is under way (a load's planned ranges, fetched in windows): the
@@ -363,12 +368,8 @@ class RequestScheduler:
         size of each hedge in flight (its try has not ended: either answer may still lose). A
         hedge that replaces one in flight (``replaced``: what that one received) takes over its
         share, and adds what that one received."""
-        s = self.stats
-        p = self.policy
-        load = max(s.bytes_requested, self._expected)
-        budget = max(p.hedge_fraction * load, p.hedge_allowance_bytes)
         more = nbytes if replaced is None else replaced.cost(nbytes)
-        return s.hedge_extra_bytes + self._hedges_held + more <= budget
+        return self.stats.hedge_extra_bytes + self._hedges_held + more <= self._hedge_budget()
 
     async def _request(self, make: Make[_T], got: Received) -> tuple[_T, float]:
         """``make(got)``'s answer and when it was sent (its slot is held, and freed by the
