@@ -217,7 +217,6 @@ class DeepSpeedSource(Source):
     """
 
     format = "deepspeed"
-    checksums = False
     title = "DeepSpeed"
     looks_for = f"{LATEST_FILE} / *zero_pp_rank_*_optim_states.pt"
     detect_order = 30

@@ -134,7 +134,6 @@ class DCPSource(Source):
     """
 
     format = "dcp"
-    checksums = False
     title = "DCP"
     looks_for = DCP_METADATA_FILE
     detect_order = 20

@@ -85,7 +85,6 @@ class DeepSpeedUniversalSource(Source):
     """
 
     format = "deepspeed-universal"
-    checksums = False
     title = "DeepSpeed Universal"
     looks_for = f"{LATEST_UNIVERSAL_FILE} / {UNIVERSAL_DIR}/"
     detect_order = 40

@@ -156,7 +156,6 @@ class HFSource(Source):
     """A Hugging Face safetensors model directory, or one ``.safetensors`` file or index."""
 
     format = "hf"
-    checksums = False
     title = "Hugging Face"
     looks_for = f"{HF_WEIGHTS_NAME} / {HF_INDEX_NAME} / one .safetensors file"
     detect_order = 50
