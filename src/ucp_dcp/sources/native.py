@@ -18,7 +18,7 @@ import xxhash
 from ..byteio.integrity import BlockSums
 from ..byteio.location import LocalDir, ModelDir, write_index
 from ..byteio.objrange import ObjectAccess, fetch_heads
-from ..byteio.rangeio import read_header
+from ..byteio.rangeio import FileAccess, read_header
 from ..errors import CheckpointExistsError, CheckpointFormatError, ChecksumError
 from ..format import (
     INDEX_FILE,
@@ -304,11 +304,8 @@ class NativeSource(Source):
             raw = obj.pread(rec.nbytes, rec.start)
             obj.release()  # the header is parsed and the checksums copied out: nothing more to read
         else:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                raw = os.pread(fd, rec.nbytes, rec.start)
-            finally:
-                os.close(fd)
+            with FileAccess(path) as f:
+                raw = f.pread(rec.nbytes, rec.start)
         digest = xxhash.xxh3_64_hexdigest(raw)
         if len(raw) != rec.nbytes or digest != rec.xxh3:
             raise ChecksumError(path, "the block checksums", rec.xxh3, digest, self.file_rank(file))
