@@ -102,6 +102,27 @@ def layout(
     return header, starts[1:], size
 
 
+class _Hashes:
+    """The checksums of a data file's entries, hashed as their bytes go by: an xxh3-64 of each
+    entry (``whole``), and of every ``block`` bytes of each tensor chunk (``blocks``, by entry
+    number)."""
+
+    def __init__(self, entries: Sequence[PlannedEntry], block: int) -> None:
+        self.whole = [xxhash.xxh3_64() for _ in entries]
+        self.blocks = {
+            i: BlockHasher(e.nbytes, block)
+            for i, e in enumerate(entries)
+            if has_block_sums(e.meta, e.nbytes)
+        }
+
+    def update(self, i: int, view: memoryview) -> None:
+        """Entry ``i``'s next bytes."""
+        self.whole[i].update(view)
+        blocks = self.blocks.get(i)
+        if blocks is not None:
+            blocks.update(view)
+
+
 class DataFileWriter:
     """Writes the entries of one native data file at ``path``.
 
@@ -141,12 +162,7 @@ class DataFileWriter:
         self.sync = sync
         self.created = False
         self._fd = -1
-        self._hashers = [xxhash.xxh3_64() for _ in self.entries]
-        self._blocks = {
-            i: BlockHasher(e.nbytes, self.block)
-            for i, e in enumerate(self.entries)
-            if has_block_sums(e.meta, e.nbytes)
-        }
+        self._hashes = _Hashes(self.entries, self.block)
         self._written = [0] * len(self.entries)
         self.threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
@@ -188,10 +204,7 @@ class DataFileWriter:
                 self._queue(view[o : o + PIECE_BYTES], at + o)
         else:
             write_all(self._fd, view, at)
-        self._hashers[i].update(view)
-        blocks = self._blocks.get(i)
-        if blocks is not None:
-            blocks.update(view)
+        self._hashes.update(i, view)
         self._written[i] = done + len(view)
 
     def _queue(self, piece: memoryview, at: int) -> None:
@@ -241,13 +254,7 @@ class DataFileWriter:
                     f"{self.path}: entries {short[:5]} were not written in full"
                 )
             self.entries, final, raw = _finished(
-                self.path,
-                self.entries,
-                self._hashers,
-                self._blocks,
-                self._args,
-                self.block,
-                len(self.header),
+                self.path, self.entries, self._hashes, self._args, self.block, len(self.header)
             )
             if raw is not None:
                 # The block checksums' entry is the first one, right after the header.
@@ -278,8 +285,7 @@ class DataFileWriter:
 def _finished(
     path: str,
     entries: list[PlannedEntry],
-    hashers: list[Any],
-    blocks: dict[int, BlockHasher],
+    hashes: _Hashes,
     args: tuple[int, int, str, int],
     block: int,
     header_len: int,
@@ -290,10 +296,11 @@ def _finished(
         dataclasses.replace(e, meta=dataclasses.replace(e.meta, xxh3=h.hexdigest()))
         if e.meta
         else e
-        for e, h in zip(entries, hashers)
+        for e, h in zip(entries, hashes.whole)
     ]
     raw = None
     sums_xxh3 = PLACEHOLDER
+    blocks = hashes.blocks
     if blocks:
         sums = np.concatenate([blocks[i].digests() for i in sorted(blocks)]).astype("<u8")
         raw = sums.data.cast("B")
@@ -329,12 +336,7 @@ def stream_data_file(
     entries = list(entries)
     args = (rank, world_size, save_id, align)
     header, starts, size = layout(entries, *args, block=block)
-    hashers = [xxhash.xxh3_64() for _ in entries]
-    blocks = {
-        i: BlockHasher(e.nbytes, block)
-        for i, e in enumerate(entries)
-        if has_block_sums(e.meta, e.nbytes)
-    }
+    hashes = _Hashes(entries, block)
     views = []
     for i, (e, data) in enumerate(zip(entries, datas)):
         view = memoryview(data).cast("B")
@@ -342,11 +344,9 @@ def stream_data_file(
             raise InvalidArgumentError(
                 f"{path}: entry {e.name!r} has {len(view)} bytes, not {e.nbytes}"
             )
-        hashers[i].update(view)
-        if i in blocks:
-            blocks[i].update(view)
+        hashes.update(i, view)
         views.append(view)
-    entries, final, raw = _finished(path, entries, hashers, blocks, args, block, len(header))
+    entries, final, raw = _finished(path, entries, hashes, args, block, len(header))
     at = 0
 
     def emit(data: Any) -> None:
