@@ -28,14 +28,14 @@ from typing import Any
 from ..byteio.location import ModelDir, open_location
 from ..byteio.objstore import ObjectStore, RequestPolicy, is_url, local_path
 from ..errors import CheckpointFormatError, NotACheckpointError
-from ..format.names import INDEX_FILE, save_id_of
+from ..format.names import save_id_of
 from .base import Source, SourceOptions, read_value, read_values, register, source_types
 from .composite import CompositeSource
 from .deepspeed import DeepSpeedSource
 from .distcp import DCPSource
 from .ds_universal import DeepSpeedUniversalSource
 from .hf import HFSource
-from .native import NativeSource, load_index, rebuild_index
+from .native import NativeSource, load_index, missing_index, rebuild_index
 
 __all__ = [
     "Source",
@@ -114,16 +114,7 @@ def _not_a_checkpoint(d: ModelDir) -> CheckpointFormatError:
         shown = ", ".join(names[:10]) + (" ..." if len(names) > 10 else "")
         held = f"it holds {shown}" if names else "it is empty"
     if any(save_id_of(n) is not None for n in names):
-        rebuild = (
-            " or rebuild the index from complete data files with "
-            "ucp_dcp.rebuild_index(path, write=True)"
-            if d.store is None
-            else ""
-        )
-        return CheckpointFormatError(
-            f"{d.location}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing. A save that did "
-            f"not finish leaves no index; load an earlier checkpoint{rebuild}"
-        )
+        return missing_index(d.location, local=d.store is None)
     return NotACheckpointError(
         f"{d.location} is not a checkpoint: found none of {', '.join(formats)}; {held}",
         d.location,

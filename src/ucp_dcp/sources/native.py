@@ -39,7 +39,7 @@ from ..format import (
 )
 from .base import Source, SourceOptions, register
 
-__all__ = ["NativeSource", "load_index", "rebuild_index"]
+__all__ = ["NativeSource", "load_index", "missing_index", "rebuild_index"]
 
 
 @register
@@ -395,6 +395,22 @@ def _disagree(path: str, what: str, here: Location, listed: Location) -> str:
     )
 
 
+def missing_index(where: str, hint: str = "", local: bool = True) -> CheckpointFormatError:
+    """The error for checkpoint ``where`` without its index: a save that did not finish, with the
+    way to recover (``hint``: what else the directory holds; ``local``: the index can be rebuilt
+    there)."""
+    rebuild = (
+        " or rebuild the index from complete data files with "
+        "ucp_dcp.rebuild_index(path, write=True)"
+        if local
+        else ""
+    )
+    return CheckpointFormatError(
+        f"{where}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing{hint}. A save that did not "
+        f"finish leaves no index; load an earlier checkpoint{rebuild}"
+    )
+
+
 def load_index(directory: str) -> Index:
     """Read and validate ``ucp_index.json`` of checkpoint ``directory``.
 
@@ -415,12 +431,7 @@ def load_index(directory: str) -> Index:
             hint = (
                 " (it holds a DCP .metadata file: it was saved with DCP's default FileSystemWriter)"
             )
-        raise CheckpointFormatError(
-            f"{directory}: not a ucp_dcp checkpoint: {INDEX_FILE} is missing{hint}. "
-            "A save that did not finish leaves no index; load an earlier checkpoint "
-            "or rebuild the index from complete data files with ucp_dcp.rebuild_index(path, "
-            "write=True)"
-        ) from None
+        raise missing_index(directory, hint) from None
     except OSError as e:
         raise CheckpointFormatError(f"{path}: cannot read the index ({e.strerror or e})") from None
     return parse_index(raw, path)
