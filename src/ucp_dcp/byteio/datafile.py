@@ -131,8 +131,8 @@ class DataFileWriter:
     without an exception commits the header and fsyncs (``sync``), with one
     removes the file and re-raises. ``entries`` afterwards carry their
     checksums, and ``starts``/``size`` give each entry's offset and the
-    file's size. Tensor chunks also get block checksums (every ``block``
-    bytes), stored in the file's block checksums' entry.
+    file's size. Tensor chunks also get block checksums (every
+    :data:`~ucp_dcp.format.BLOCK_BYTES` bytes), stored in the file's block checksums' entry.
 
     ``threads``: writer threads for data written with ``stable=True``
     (1: every write happens in the caller's thread, as it comes).
@@ -151,13 +151,12 @@ class DataFileWriter:
         save_id: str,
         align: int = ALIGN,
         sync: bool = True,
-        block: int | None = None,
         threads: int = 1,
     ) -> None:
         self.path = path
         self.entries = list(entries)
         self._args = (rank, world_size, save_id, align)
-        self.block = block or BLOCK_BYTES  # looked up here, so tests can make blocks small
+        self.block = BLOCK_BYTES  # looked up here, so tests can make blocks small
         self.header, self.starts, self.size = layout(self.entries, *self._args, block=self.block)
         self.sync = sync
         self.created = False
@@ -321,7 +320,6 @@ def stream_data_file(
     world_size: int,
     save_id: str,
     align: int = ALIGN,
-    block: int | None = None,
 ) -> tuple[list[PlannedEntry], list[int], int]:
     """Write a native data file front to back into the file-like ``out`` (an object being uploaded).
 
@@ -332,7 +330,7 @@ def stream_data_file(
     written in file order. ``path`` names the file in messages. Returns
     ``(entries with checksums, their offsets, file size)``.
     """
-    block = block or BLOCK_BYTES
+    block = BLOCK_BYTES
     entries = list(entries)
     args = (rank, world_size, save_id, align)
     header, starts, size = layout(entries, *args, block=block)
