@@ -11,7 +11,7 @@ object storage. What differs is the cost model: on a file system a call costs a 
 object storage a request costs a round trip (milliseconds) and is billed, so neighbouring ranges
 are merged across larger gaps (:data:`OBJECT_GAP_BYTES`), and many requests are in flight at once
 (one batch per window of ``window_bytes``, the next windows fetched while the current one is
-copied into place, as many as ``staging_bytes`` (64 MiB) holds: a slow request then holds back
+copied into place, as many as 64 MiB holds: a slow request then holds back
 only its own window, not the store's other requests). A request that ends within the gap of its
 object's end reads on to the end, and the reader keeps those last bytes: the values a native data
 file ends with, read after its tensors, then cost no request of their own. A source may hand it
@@ -29,7 +29,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .objstore import ObjectStore
 from .rangeio import MAX_REQUEST_BYTES, ByteSource, ReadStats
-from .requests import ObjectStats
 from .segments import Request, Segment, coalesce
 
 __all__ = [
@@ -42,6 +41,8 @@ __all__ = [
 
 
 _HEAD_BYTES = 64 << 10
+# The most fetched bytes an ObjectRangeReader holds: windows fetched ahead and the one being placed.
+_STAGING_BYTES = 64 << 20
 
 
 class ObjectAccess:
@@ -137,6 +138,10 @@ into parts)."""
 class ObjectRangeReader(ByteSource):
     """Reads byte ranges of a fixed list of objects with coalesced, concurrent ranged GETs.
 
+    The fetched bytes held are at most :data:`_STAGING_BYTES`: as many windows are fetched ahead
+    of the one being copied into place as fit (at least one). A slow request holds back only its
+    own window; the requests of the windows ahead keep the store busy meanwhile.
+
     Args:
         store: the checkpoint's store.
         names: the objects, by position (``Segment.file``).
@@ -148,9 +153,6 @@ class ObjectRangeReader(ByteSource):
             :meth:`~ucp_dcp.byteio.scheduler.RequestScheduler.part_bytes`).
         dense_parallel: requests per window for an object the read needs :data:`DENSE_FRACTION` of
             (its sizes known): its windows hold that many requests, and are that many times larger.
-        staging_bytes: the fetched bytes held at most: as many windows are fetched ahead of the one
-            being copied into place as fit (at least one). A slow request holds back only its own
-            window; the requests of the windows ahead keep the store busy meanwhile.
     """
 
     def __init__(
@@ -163,7 +165,6 @@ class ObjectRangeReader(ByteSource):
         max_request_bytes: int = MAX_REQUEST_BYTES,
         window_bytes: int = 16 << 20,
         dense_parallel: int = 1,
-        staging_bytes: int = 64 << 20,
     ) -> None:
         self.store = store
         self.names = list(names)
@@ -176,14 +177,7 @@ class ObjectRangeReader(ByteSource):
         self._max_request = max(max_request_bytes, 1)
         self._window = max(window_bytes, self._max_request)
         self._dense_window = max(self._window, self._max_request * max(dense_parallel, 1))
-        self._staging = staging_bytes
         self.stats = ReadStats()
-
-    @property
-    def object_stats(self) -> ObjectStats:
-        """The store's request counters: deadlines passed, retries, hedges and their bytes,
-        throttling (of every request of the store's load, headers included)."""
-        return self.store.stats
 
     def close(self) -> None:
         """Nothing to release (the store's connections belong to fsspec's cached filesystem)."""
@@ -223,7 +217,7 @@ class ObjectRangeReader(ByteSource):
         The requests go out in windows of ``window_bytes`` (``dense_parallel``
         requests for an object the segments need most of); the next windows
         are being fetched while the current one is copied into place, as many
-        as ``staging_bytes`` holds with the current one (at least one).
+        as :data:`_STAGING_BYTES` holds with the current one (at least one).
         """
         segments = self._from_held(segments)
         dense = self._dense(segments)
@@ -246,7 +240,7 @@ class ObjectRangeReader(ByteSource):
         # No more windows ahead than requests may be in flight: a thread per window beyond
         # that would only wait for a slot (thousands of tiny windows, thousands of threads).
         ahead_most = min(self.store.requests.max_in_flight, len(windows))
-        n = max(1, min(self._staging // max(largest, 1) - 1, ahead_most))
+        n = max(1, min(_STAGING_BYTES // max(largest, 1) - 1, ahead_most))
         with ThreadPoolExecutor(n, thread_name_prefix="ucp-fetch") as pool:
             ahead = deque(pool.submit(self._fetch, w) for w in windows[:n])
             for k in range(len(windows)):
