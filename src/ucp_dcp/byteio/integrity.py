@@ -5,7 +5,7 @@ Three digests, for three jobs:
 * xxh3-64 per chunk and per value, recorded when the data is written (in
   the data file's header and the index). Loads check what they read against
   it: :class:`ChunkVerifier` (``ReadOptions(verify=True)``),
-  :func:`~ucp_dcp.byteio.transfer.read_checked` for values, and
+  :func:`~ucp_dcp.byteio.transfer.read_checked_many` for values, and
   :meth:`ucp_dcp.Checkpoint.verify` for everything.
 * xxh3-64 of every fixed-size block of every tensor chunk, also recorded at
   save. A chunk's whole-entry digest can only be checked by a read of the

@@ -42,7 +42,6 @@ __all__ = [
     "segments_into",
     "StagingBuffers",
     "read_staged",
-    "read_checked",
     "read_checked_many",
     "spanned",
     "staging_plan",
@@ -619,24 +618,18 @@ def read_staged(
         own.read(reader, part, dest, check, span)
 
 
-def read_checked(
-    reader: ByteSource, location: Location, path: str, what: str, rank: int | None = None
-) -> bytes:
-    """The bytes at ``location`` (in file ``path``), checked against its checksum.
+def read_checked_many(
+    reader: ByteSource, reads: Sequence[tuple[Location, str, str, int | None]]
+) -> list[bytes]:
+    """The bytes at each ``(location, path, what, rank)`` (in file ``path``), checked against
+    its checksum, with one ``reader.read`` call: neighbouring locations share a request (on
+    object storage one round trip for all the values at the end of a data file, instead of one
+    each).
 
     A location with no checksum (an imported DCP checkpoint) is not checked.
     ``what`` names the entry and ``rank`` the file's writing rank in the
     :class:`~ucp_dcp.byteio.integrity.ChecksumError` raised on a mismatch.
     """
-    return read_checked_many(reader, [(location, path, what, rank)])[0]
-
-
-def read_checked_many(
-    reader: ByteSource, reads: Sequence[tuple[Location, str, str, int | None]]
-) -> list[bytes]:
-    """:func:`read_checked` of each ``(location, path, what, rank)``, with one ``reader.read``
-    call: neighbouring locations share a request (on object storage one round trip for all the
-    values at the end of a data file, instead of one each)."""
     bufs = [bytearray(loc.nbytes) for loc, _, _, _ in reads]
     reader.read([Segment(r[0].file, r[0].start, memoryview(b)) for r, b in zip(reads, bufs)])
     for (location, path, what, rank), buf in zip(reads, bufs):
