@@ -273,10 +273,6 @@ class CheckpointManager:
                 cb(event)
         return cand.step
 
-    def add_reshard_callback(self, fn: Callable[[ReshardEvent], None]) -> None:
-        """Call ``fn`` after a restore from a step saved by another world size."""
-        self._on_reshard.append(fn)
-
     def verify(self, step: int, *, tier: str | None = None) -> list[str]:
         """Recheck every file of ``step`` this process can see; one line per problem ([] = intact).
 
