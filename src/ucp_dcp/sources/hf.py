@@ -23,7 +23,7 @@ import errno
 import os
 import re
 
-from ..byteio.location import LocalDir, ModelDir, plain_file_name
+from ..byteio.location import ModelDir, plain_file_name, view_of
 from ..byteio.objrange import ObjectAccess
 from ..byteio.rangeio import read_safetensors
 from ..core.sharding import Box
@@ -45,7 +45,6 @@ __all__ = [
     "HF_INDEX_NAME",
     "HF_CONFIG_FILES",
     "find_hf_files",
-    "local_model_dir",
     "looks_like_hf",
 ]
 
@@ -82,16 +81,6 @@ def looks_like_hf(d: ModelDir) -> bool:
         return True
     st = [n for n in names if n.endswith(".safetensors")]
     return len(st) == 1 and not _NATIVE_DATA_FILE.fullmatch(st[0])
-
-
-def local_model_dir(src: str) -> tuple[LocalDir, str | None]:
-    """``(directory, file named directly or None)`` of local path ``src``: a directory, or one file
-    in one."""
-    if not os.path.exists(src):
-        raise CheckpointFormatError(f"{src}: no such Hugging Face model directory or file")
-    if os.path.isfile(src):
-        return LocalDir(os.path.dirname(src) or "."), os.path.basename(src)
-    return LocalDir(src), None
 
 
 def find_hf_files(d: ModelDir, named: str | None = None) -> tuple[list[str], dict[str, str] | None]:
@@ -178,8 +167,12 @@ class HFSource(Source):
             raise InvalidArgumentTypeError(
                 f"HFSource({path!r}): prefix must be a string, got {prefix!r}"
             )
-        d: ModelDir
-        d, named = (model_dir, named) if model_dir is not None else local_model_dir(path)
+        d = model_dir
+        if d is None:  # a local directory, or one file in one
+            if not os.path.exists(path):
+                raise CheckpointFormatError(f"{path}: no such Hugging Face model directory or file")
+            d = view_of(path)
+            named = d.named
         names, weight_map = find_hf_files(d, named)
         directory = d.where
         files: list[FileRecord] = []
