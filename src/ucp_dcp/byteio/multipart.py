@@ -67,8 +67,7 @@ class ParallelUpload(StreamedWrite):
         path: the object's path (``bucket/key``).
         part_bytes: size of every part but the last (at least 5 MiB).
         parallel: parts uploading at once (and held in memory).
-        scheduler: deadlines, retries and the bound on requests for each part (None: s3fs's own
-            retries only).
+        scheduler: deadlines, retries and the bound on requests for each part.
         where: the object's URL, for messages.
     """
 
@@ -79,7 +78,7 @@ class ParallelUpload(StreamedWrite):
         *,
         part_bytes: int = 16 << 20,
         parallel: int = 4,
-        scheduler: RequestScheduler | None = None,
+        scheduler: RequestScheduler,
         where: str = "",
     ) -> None:
         self.scheduler = scheduler
@@ -207,15 +206,11 @@ class ParallelUpload(StreamedWrite):
                 Body=body,
             )
 
-        coro = (
-            part(None)
-            if self.scheduler is None
-            else self.scheduler.run(
-                part,
-                len(body),
-                where=self.where,
-                what=f"uploading part {number} (bytes [{start}, {self._offset}))",
-            )
+        coro = self.scheduler.run(
+            part,
+            len(body),
+            where=self.where,
+            what=f"uploading part {number} (bytes [{start}, {self._offset}))",
         )
         fut = asyncio.run_coroutine_threadsafe(_tagged(coro, number), self.fs.loop)
         self._inflight.append(fut)
@@ -228,15 +223,13 @@ class ParallelUpload(StreamedWrite):
 
     def _s3(self, method: str, nbytes: int | None, what: str, **kwargs: Any) -> Any:
         """S3 call ``method`` (of ``nbytes`` bytes: 0 for a create or abort, None (the deadline
-        cap) for a complete), under the scheduler's deadline and retries when there is one; its
-        answer. A small object's one PUT feeds the medians like a part; the other calls are not
-        transfers and do not."""
+        cap) for a complete), under the scheduler's deadline and retries; its answer. A small
+        object's one PUT feeds the medians like a part; the other calls are not transfers and do
+        not."""
 
         def make(_: Any = None) -> Any:
             return self.fs._call_s3(method, **kwargs)
 
-        if self.scheduler is None:
-            return self._run(make())
         return self._run(
             self.scheduler.run(make, nbytes, where=self.where, what=what, observe=bool(nbytes))
         )
