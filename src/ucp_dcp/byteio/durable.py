@@ -83,16 +83,13 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # errors surface at fsync
 
 
-def write_bytes_durable(
-    path: str, data: bytes | bytearray | memoryview, *, exclusive: bool = False
-) -> None:
-    """Write ``data`` to ``path`` (created, or truncated unless ``exclusive``) and fsync it.
+def write_bytes_durable(path: str, data: bytes | bytearray | memoryview) -> None:
+    """Write ``data`` to a new file ``path`` and fsync it.
 
-    ``exclusive`` refuses an existing file (``O_EXCL``), for temp names that
-    must be fresh. The caller renames into place and fsyncs the directory.
+    An existing file is refused (``O_EXCL``): it is for temp names that must
+    be fresh. The caller renames into place and fsyncs the directory.
     """
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
-    fd = os.open(path, flags, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         write_all(fd, data)
         os.fsync(fd)
@@ -143,7 +140,7 @@ def atomic_write(path: str, data: bytes | bytearray | memoryview) -> None:
     Readers see the previous file or the complete new one, never a partial
     file. On any failure the temp file is removed and ``path`` is untouched.
     """
-    replace_via_temp(path, lambda tmp: write_bytes_durable(tmp, data, exclusive=True))
+    replace_via_temp(path, lambda tmp: write_bytes_durable(tmp, data))
     fsync_path(os.path.dirname(path) or ".")
 
 
