@@ -26,7 +26,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from ucp_dcp import CheckpointFormatError, load_state_dict, ReadOptions, UCPLoadPlanner, UCPStorageReader
 from ucp_dcp.adapters.rules import Averaged, Fused
 from ucp_dcp.sources import DeepSpeedSource, open_source
-from ucp_dcp.sources._ds_info import INFO_KEYS
+from ucp_dcp.sources._ds_tp import INFO_KEYS
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepspeed" / "pipe" / "tp2_dp2_zero1"
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
