@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ...byteio.objstore import is_url, local_path
 from ...byteio.requests import RequestPolicy
 from .base import Tier, step_dir_name
 from .fsspec_tier import FsspecTier
@@ -59,12 +60,9 @@ def open_tier(
     ``storage_options`` go to fsspec and ``requests`` is the policy of the requests; both are
     ignored for local tiers.
     """
-    if not isinstance(root, str):
-        return LocalTier(os.fspath(root), name=name)
-    if root.startswith("file://"):
-        return LocalTier(root[len("file://") :] or "/", name=name)
-    if root.startswith("local://"):
-        return LocalTier(root[len("local://") :] or "/", name=name)
-    if "://" in root or "::" in root:
+    path = local_path(root)
+    if path == root and (is_url(root) or "::" in root):  # a URL given as a string
         return FsspecTier(root, name=name, storage_options=storage_options, requests=requests)
-    return LocalTier(root, name=name)
+    if not path and os.fspath(root):  # "file://" alone: the file system's root
+        path = "/"
+    return LocalTier(path, name=name)
