@@ -103,13 +103,9 @@ class FsspecTier(Tier):
     def _to_url(self, path: str) -> str:
         return self.fs.unstrip_protocol(path)
 
-    def _name(self, path: str) -> str:
-        """The store's name of ``path`` (a path under the root)."""
-        return path[len(self._root) + 1 :]
-
     def _dir(self, path: str) -> StoreDir:
         """Step directory ``path`` (under the root) as a location on the tier's store."""
-        return StoreDir(self.store, under=self._name(path))
+        return StoreDir(self.store, under=self.store.name_of(path))
 
     def _dirs(self) -> dict[int, list[str]]:
         """Step directory names under the root, by step (uncommitted ones included)."""
@@ -244,7 +240,7 @@ class FsspecTier(Tier):
         """Remove leftover content under the staging URL and return it."""
         url = self.staging_path(step, token)
         path = self.fs._strip_protocol(url)
-        if self.store.exists(self._name(path)):
+        if self.store.exists(self.store.name_of(path)):
             self._rm_dir(path)
         if self._has_dirs():
             # File systems with real directories (sftp, hdfs, smb...) need
@@ -252,7 +248,7 @@ class FsspecTier(Tier):
             # create a missing bucket).
             self.store.call(
                 "creating the directory",
-                self._name(path),
+                self.store.name_of(path),
                 lambda: self.fs.makedirs(path, exist_ok=True),
             )
         return url
@@ -298,7 +294,7 @@ class FsspecTier(Tier):
 
     def _rm_dir(self, path: str) -> None:
         """Remove a step directory: marker first (so it is unlisted at once), then the rest."""
-        d = self._name(path)
+        d = self.store.name_of(path)
         step_dir = self._dir(path)
         step_dir.remove([MARKER_FILE])
         step_dir.remove(step_dir.list())  # listed after the marker went
