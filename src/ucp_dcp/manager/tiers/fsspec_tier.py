@@ -100,8 +100,9 @@ class FsspecTier(Tier):
     def _path(self, *parts: str) -> str:
         return "/".join((self._root,) + parts)
 
-    def _to_url(self, path: str) -> str:
-        return self.fs.unstrip_protocol(path)
+    def _url(self, *parts: str) -> str:
+        """The URL of :meth:`_path`."""
+        return self.fs.unstrip_protocol(self._path(*parts))
 
     def _dir(self, path: str) -> StoreDir:
         """Step directory ``path`` (under the root) as a location on the tier's store."""
@@ -120,9 +121,7 @@ class FsspecTier(Tier):
         """The dir's marker; None if it has none; CheckpointFormatError if corrupt or of another
         step."""
         d = self._dir(self._path(dirname))
-        where = (
-            f"{self._where(step, MARKER_FILE)} ({self._to_url(self._path(dirname, MARKER_FILE))})"
-        )
+        where = f"{self._where(step, MARKER_FILE)} ({self._url(dirname, MARKER_FILE)})"
         try:
             if not d.holds(MARKER_FILE):  # one GET, whose bytes read() returns
                 return None
@@ -156,7 +155,7 @@ class FsspecTier(Tier):
             self._load_marker(d, step)  # raises the corrupt marker's error
         raise CheckpointFormatError(
             f"{self._where(step)}: no such committed step (expected a directory "
-            f"{self._to_url(self._path(step_dir_name(step)))}-<token>/ holding {MARKER_FILE}"
+            f"{self._url(step_dir_name(step))}-<token>/ holding {MARKER_FILE}"
             f"{'; found only uncommitted ' + ', '.join(sorted(dirs)) if dirs else ''})"
         )
 
@@ -180,8 +179,7 @@ class FsspecTier(Tier):
         even if the step is saved again meanwhile.
         """
         marker, d = self._current(step)
-        path = self._path(d)
-        return StepCopy(marker, self._to_url(path), self._file_sizes(path))
+        return StepCopy(marker, self._url(d), self._file_sizes(self._path(d)))
 
     def read_at(self, copy: StepCopy, name: str) -> bytes:
         """The content of file ``name`` of ``copy`` (one GET)."""
@@ -191,7 +189,7 @@ class FsspecTier(Tier):
         if not d.holds(name):
             raise CheckpointFormatError(
                 f"{self._where(copy.marker.step, name)}: missing (expected an object "
-                f"{self._to_url(f'{path}/{name}')})"
+                f"{self.fs.unstrip_protocol(f'{path}/{name}')})"
             )
         return d.read(name)
 
@@ -201,7 +199,7 @@ class FsspecTier(Tier):
 
     def step_path(self, step: int) -> str:
         """URL of the newest committed copy of ``step`` (:class:`CheckpointFormatError` if none)."""
-        return self._to_url(self._path(self._current(step)[1]))
+        return self._url(self._current(step)[1])
 
     def files(self, step: int) -> dict[str, int]:
         """Names and sizes of the files in committed ``step``, the marker excluded."""
@@ -224,7 +222,7 @@ class FsspecTier(Tier):
             if name not in sizes:
                 raise CheckpointFormatError(
                     f"{self._where(step, name)}: missing (expected an object "
-                    f"{self._to_url(f'{d}/{name}')})"
+                    f"{self.fs.unstrip_protocol(f'{d}/{name}')})"
                 )
             return partial(_download, step_dir, name, sizes[name])
 
@@ -234,7 +232,7 @@ class FsspecTier(Tier):
 
     def staging_path(self, step: int, token: str) -> str:
         """URL ``root/step-%012d-<token>``: staging and, once committed, the step's location."""
-        return self._to_url(self._path(f"{step_dir_name(step)}-{check_token(token)}"))
+        return self._url(f"{step_dir_name(step)}-{check_token(token)}")
 
     def begin(self, step: int, token: str) -> str:
         """Remove leftover content under the staging URL and return it."""
@@ -280,7 +278,7 @@ class FsspecTier(Tier):
     ) -> None:
         """Upload the marker last (one atomic PUT commits), then remove older copies of the step."""
         sizes = self._file_sizes(path)
-        self._check_staged(step, self._to_url(path), marker, sizes, held)
+        self._check_staged(step, self.fs.unstrip_protocol(path), marker, sizes, held)
         # The commit point: until this PUT completes the directory is not
         # listed; after it, it is (and, being newest, wins over older copies).
         self._dir(path).write_atomic(MARKER_FILE, marker.encode())
@@ -314,7 +312,7 @@ class FsspecTier(Tier):
         if not dirs:
             raise CheckpointFormatError(
                 f"{self._where(step)}: cannot delete: no such step "
-                f"(expected {self._to_url(self._path(step_dir_name(step)))}-<token>/)"
+                f"(expected {self._url(step_dir_name(step))}-<token>/)"
             )
         # All markers first: once the first is gone an older copy could win,
         # so none may remain before data goes. A crash part way leaves
@@ -335,15 +333,13 @@ class FsspecTier(Tier):
             committed = self._committed(step, dirs)
             for _, d in committed[1:]:
                 self._rm_dir(self._path(d))
-                done.append(f"removed {self._to_url(self._path(d))} (older copy of step {step})")
+                done.append(f"removed {self._url(d)} (older copy of step {step})")
             for d in dirs:
                 if any(d == c for _, c in committed):
                     continue
                 if not self._dir(self._path(d)).exists(MARKER_FILE):
                     self._rm_dir(self._path(d))
-                    done.append(
-                        f"removed {self._to_url(self._path(d))} (unfinished save or delete)"
-                    )
+                    done.append(f"removed {self._url(d)} (unfinished save or delete)")
         return done
 
 
