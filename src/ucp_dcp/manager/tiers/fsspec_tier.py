@@ -91,7 +91,6 @@ class FsspecTier(Tier):
         them)."""
         self.store = ObjectStore(self.url, self.storage_options, requests=requests)
         """The tier's objects: every request goes through it."""
-        self.requests = self.store.requests
         self.fs = self.store.fs  # names only (protocols, paths): requests go through the store
         self._root = self.store.root
 
