@@ -34,15 +34,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from .scheduler import RequestScheduler
 
-__all__ = ["ParallelUpload", "StreamedWrite", "supports_parallel_upload"]
+__all__ = ["ParallelUpload", "StreamedWrite", "protocols", "supports_parallel_upload"]
 
 _MIN_PART = 5 << 20  # S3's least part size (but the last)
 
 
+def protocols(fs: Any) -> set[str]:
+    """The protocols fsspec filesystem ``fs`` answers to."""
+    return {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+
+
 def supports_parallel_upload(fs: Any) -> bool:
     """Whether ``fs`` is s3fs (an async filesystem with S3's multipart calls)."""
-    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
-    return bool(protocols & {"s3", "s3a"}) and hasattr(fs, "_call_s3") and hasattr(fs, "loop")
+    return bool(protocols(fs) & {"s3", "s3a"}) and hasattr(fs, "_call_s3") and hasattr(fs, "loop")
 
 
 class StreamedWrite(Protocol):

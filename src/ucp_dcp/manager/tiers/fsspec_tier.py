@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 from ...byteio.durable import fsync_file
 from ...byteio.location import StoreDir
+from ...byteio.multipart import protocols
 from ...byteio.objstore import ObjectStore
 from ...byteio.requests import RequestPolicy
 from ...errors import CheckpointFormatError, InvalidArgumentError, StorageError
@@ -58,11 +59,6 @@ class StepCopy(NamedTuple):
     url: str
     sizes: dict[str, int]
     """Name -> size of each file in the copy, the marker excluded."""
-
-
-def _protocols(fs: Any) -> set[str]:
-    p = fs.protocol
-    return {p} if isinstance(p, str) else set(p)
 
 
 class FsspecTier(Tier):
@@ -252,7 +248,7 @@ class FsspecTier(Tier):
 
     def _has_dirs(self) -> bool:
         """Whether the store has directories of its own (not an object store's prefixes)."""
-        return not _OBJECT_STORES.intersection(_protocols(self.fs))
+        return not _OBJECT_STORES.intersection(protocols(self.fs))
 
     def _staging_step(self, staging: str) -> tuple[int, str]:
         """The step of staging URL ``staging`` and its path without the protocol."""
