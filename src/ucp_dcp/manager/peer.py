@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..byteio.durable import fsync_path, remove_quietly, write_all
+from ..byteio.durable import copy_durable, fsync_path, remove_quietly, write_all
 from ..dcp.read_once.transport import Transport, wire_for
 from ..errors import InvalidArgumentError, PeerTransferError
 from ..format.schema import is_plain_file_name
@@ -196,11 +195,9 @@ def _local_copy(src_dir: str, dest_dir: str, name: str) -> bool:
     if os.path.exists(dst) and os.path.samefile(src, dst):
         return False
     tmp, fd = _tmp_path(dest_dir, name)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
-            shutil.copyfileobj(inp, out, 1 << 20)
-            out.flush()
-            os.fsync(out.fileno())
+        copy_durable(src, tmp)
         os.replace(tmp, dst)
     except BaseException:
         remove_quietly(tmp)
