@@ -219,8 +219,12 @@ class _BufferSet:
     def __init__(self, signature: tuple[Any, ...], buffers: list[torch.Tensor]) -> None:
         self.signature = signature
         self.buffers = buffers
-        self.nbytes = sum(b.numel() * b.element_size() for b in buffers)
         self.held = False
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its buffers."""
+        return sum(b.numel() * b.element_size() for b in self.buffers)
 
 
 class Snapshotter:
@@ -293,7 +297,6 @@ class Snapshotter:
             with self._lock:
                 self._sets.remove(new)
             raise
-        new.nbytes = sum(b.numel() * b.element_size() for b in new.buffers)
         return new
 
     def _alloc(self, shape: torch.Size, dtype: torch.dtype, device_type: str) -> torch.Tensor:
@@ -331,7 +334,7 @@ class Snapshotter:
         signature = tuple((p, *spec) for (p, _), spec in zip(tensors, specs))
         bset = self._acquire(signature, specs)
         try:
-            events, nbytes = self._copy([t for _, t in tensors], bset.buffers)
+            events = self._copy([t for _, t in tensors], bset.buffers)
             it = iter(bset.buffers)
 
             def on_tensor(src: torch.Tensor) -> torch.Tensor:
@@ -358,20 +361,18 @@ class Snapshotter:
             raise
         return StagedState(
             state=out,
-            nbytes=nbytes,
+            nbytes=bset.nbytes,
             blocking_s=time.perf_counter() - t0,
             _events=events,
             _set=bset,
             _owner=self,
         )
 
-    def _copy(self, srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> tuple[list[Any], int]:
-        """Copy every source into its buffer; returns the CUDA events to wait on, and the bytes."""
+    def _copy(self, srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> list[Any]:
+        """Copy every source into its buffer; returns the CUDA events to wait on."""
         cuda_devices: dict[torch.device, None] = {}
-        nbytes = 0
         for src, dst in zip(srcs, dsts):
             src = src.detach()
-            nbytes += dst.numel() * dst.element_size()
             if src.device.type == "cuda":
                 # Enqueued on the source device's current stream, so it is
                 # ordered before anything training issues there afterwards.
@@ -384,7 +385,7 @@ class Snapshotter:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(dev))
             events.append(ev)
-        return events, nbytes
+        return events
 
     def _give_back(self, bset: _BufferSet) -> None:
         with self._lock:
