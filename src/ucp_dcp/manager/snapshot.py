@@ -19,6 +19,7 @@ protocol are refused: nothing says how to copy them.
 from __future__ import annotations
 
 import copy
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -304,10 +305,7 @@ class Snapshotter:
         # non_blocking copy truly asynchronous, and pinning host memory for CPU
         # sources would cost page-locked RAM for nothing. Empty tensors cannot
         # be pinned (no allocation to register).
-        n = 1
-        for d in shape:
-            n *= d
-        pin = self._pin and device_type == "cuda" and n > 0
+        pin = self._pin and device_type == "cuda" and math.prod(shape) > 0
         return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
     @torch.no_grad()
