@@ -85,15 +85,23 @@ class ChunkRegion:
         loc = self.location
         if self.whole:
             return np.array([loc.start], dtype=np.int64), loc.nbytes
-        sizes, region = self.chunk_sizes, self.region
-        if loc.dim_order:
-            sizes = tuple(sizes[d] for d in loc.dim_order)
-            region = Box(
-                tuple(region.offsets[d] for d in loc.dim_order),
-                tuple(region.sizes[d] for d in loc.dim_order),
-            )
-        starts, length = region_starts(sizes, region, self.dtype.itemsize)
+        stored = self.stored()
+        starts, length = region_starts(stored.chunk_sizes, stored.region, self.dtype.itemsize)
         return starts + loc.start, length
+
+    def stored(self) -> ChunkRegion:
+        """The same region with the chunk's dimensions in their stored order (itself for a
+        row-major chunk): its bytes are row-major in it."""
+        order = self.location.dim_order
+        if not order:
+            return self
+        sizes, region = self.chunk_sizes, self.region
+        return ChunkRegion(
+            self.location,
+            tuple(sizes[d] for d in order),
+            Box(tuple(region.offsets[d] for d in order), tuple(region.sizes[d] for d in order)),
+            self.dtype,
+        )
 
 
 def extents(parts: Iterable[ChunkRegion]) -> Extents:
@@ -135,18 +143,7 @@ def permuted(part: ChunkRegion, dest: torch.Tensor) -> tuple[ChunkRegion, torch.
     below apply unchanged. A row-major chunk is returned as it is.
     """
     order = part.location.dim_order
-    if not order:
-        return part, dest
-    region = part.region
-    return (
-        ChunkRegion(
-            part.location,
-            tuple(part.chunk_sizes[d] for d in order),
-            Box(tuple(region.offsets[d] for d in order), tuple(region.sizes[d] for d in order)),
-            part.dtype,
-        ),
-        dest.permute(order),
-    )
+    return (part.stored(), dest.permute(order)) if order else (part, dest)
 
 
 def segments_into(
