@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from ...byteio.durable import fsync_path, replace_via_temp
-from ...byteio.location import ModelDir
+from ...byteio.location import LocalDir, ModelDir
 from ...errors import CheckpointFormatError, InvalidArgumentError
 from .marker import MARKER_FILE, CommitMarker, check_copy, check_name, is_int
 
@@ -154,8 +154,7 @@ class Tier(ABC):
             prefix=f"ucp-verify-{step}-", ignore_cleanup_errors=True
         ) as tmp:
             self.fetch(step, marker.names, tmp)
-            present = {n: os.path.getsize(os.path.join(tmp, n)) for n in os.listdir(tmp)}
-            return check_copy(marker, tmp, present, held=expected, where=where)
+            return check_copy(marker, tmp, LocalDir(tmp).sizes(), held=expected, where=where)
 
     # ------------------------------------------------------------ writing
 
