@@ -523,7 +523,7 @@ def open_location(
         parent, _, last = url.rstrip("/").rpartition("/")
         if "://" in parent and last.endswith(_FILE_SUFFIXES):
             return StoreDir(ObjectStore(parent, storage_options, requests=requests), last)
-        return StoreDir(ObjectStore(url, storage_options, requests=requests))
+        return location_at(url, storage_options, requests)
     local = local_path(path)
     if not os.path.exists(local):
         raise NotACheckpointError(f"{local}: not a checkpoint (no such directory)", local)
