@@ -76,9 +76,7 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         """Size of the whole tensor in bytes."""
-        return (
-            math.prod(self.shape) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        )
+        return math.prod(self.shape) * dtype_from_name(self.dtype).itemsize
 
 
 @dataclass(frozen=True, eq=False)

@@ -291,13 +291,7 @@ def create_local_save_plan(
                 out.coords[fqn] = mesh[2]
                 continue
             layouts[fqn] = layout
-            # Empty local shards (uneven FSDP splits) hold no bytes; keep
-            # them only for an empty tensor, so that it is still recorded.
-            items.extend(
-                i
-                for i in create_write_items(fqn, obj)
-                if tensor_data(i).chunk.sizes.numel() or not obj.numel()
-            )
+            items.extend(_write_items(fqn, obj))
         elif isinstance(obj, TensorPieces):
             items.extend(
                 _piece_items(fqn, obj, rank, world_size, out.pieces, piece_fqns, piece_digests)
@@ -307,11 +301,7 @@ def create_local_save_plan(
             # global offsets, as an irregular DTensor does. No layout is known,
             # so the index lists its chunks explicitly.
             out.layouts[fqn] = None
-            items.extend(
-                i
-                for i in create_write_items(fqn, obj)
-                if tensor_data(i).chunk.sizes.numel() or not obj.numel()
-            )
+            items.extend(_write_items(fqn, obj))
         elif isinstance(obj, torch.Tensor):
             out.layouts[fqn] = layouts[fqn] = _PLAIN
             if check_replicated_tensors and world_size > 1:
@@ -345,6 +335,16 @@ def create_local_save_plan(
     )
     out.plan = SavePlan(items, planner_data=report)
     return out
+
+
+def _write_items(fqn: str, obj: DTensor | ShardedTensor) -> list[WriteItem]:
+    """DCP's write items of ``obj``'s local shards but the empty ones (uneven FSDP splits hold
+    no bytes), kept only for an empty tensor, so that it is still recorded."""
+    return [
+        i
+        for i in create_write_items(fqn, obj)
+        if tensor_data(i).chunk.sizes.numel() or not obj.numel()
+    ]
 
 
 def _dtensor_layout(fqn: str, obj: DTensor) -> Layout:

@@ -183,23 +183,18 @@ def _convert(
         # Values first (they are small): their sizes are only known once encoded.
         keys = [it[1] for items in per_file.values() for it in items if it[0] == "v"]
         values = dict(zip(keys, read_values(source, reader, keys)))
-        total = sum(
-            e.nbytes
-            for items in per_file.values()
-            for e in (
-                _entry(source, it, values.get(it[1]) if it[0] == "v" else None) for it in items
-            )
-        )
+        planned = {
+            fi: [_entry(source, it, values.get(it[1]) if it[0] == "v" else None) for it in items]
+            for fi, items in per_file.items()
+        }
+        total = sum(e.nbytes for entries in planned.values() for e in entries)
         done = 0
         for fi in sorted(per_file):
             rank = source.file_rank(fi) or 0
             n = per_rank.get(rank, 0)
             per_rank[rank] = n + 1
             name = data_file_name(rank, save_id if n == 0 else f"{save_id}-{n}")
-            items = per_file[fi]
-            entries = [
-                _entry(source, it, values.get(it[1]) if it[0] == "v" else None) for it in items
-            ]
+            items, entries = per_file[fi], planned[fi]
             out = DataFileWriter(
                 os.path.join(dst, name),
                 entries,

@@ -264,11 +264,12 @@ def _plan_export(
             )
     targets: list[tuple[str, str | None, tuple[int, ...]]] = []  # (source, part, shape)
     for src in names:
-        shape, dtype = _shape_dtype(ckpt, src)
+        rec = ckpt.tensor_record(src)
+        shape = tuple(rec.shape)
         if layout is None:
             targets.append((src, None, shape))
         else:
-            parts = _logical_names(layout, src[len(prefix) :], shape, dtype)
+            parts = _logical_names(layout, src[len(prefix) :], shape, rec.dtype)
             targets += [(src, part, s) for part, s in parts.items()]
     for src, part, shape in targets:
         rec = ckpt.tensor_record(src)
@@ -298,11 +299,6 @@ def _plan_export(
         planned.append(_Planned(src, name, out_dtype, to, shape, nbytes, part))
     planned.sort(key=lambda p: _natural_key(p.name))
     return planned
-
-
-def _shape_dtype(ckpt: Checkpoint, name: str) -> tuple[tuple[int, ...], torch.dtype]:
-    rec = ckpt.tensor_record(name)
-    return tuple(rec.shape), rec.dtype
 
 
 def _shard(planned: list[_Planned], max_bytes: int) -> list[list[_Planned]]:
