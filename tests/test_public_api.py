@@ -94,6 +94,24 @@ def test_every_error_is_a_ucp_error_with_a_builtin_base() -> None:
             assert issubclass(cls, builtin), name
 
 
+def test_every_error_class_is_listed_in_errors_all() -> None:
+    """The loop above sees every error: each exception class errors.py defines (bar private
+    helpers) is in ``errors.__all__`` (``PlacementError`` once was not)."""
+    import inspect
+
+    from ucp_dcp import errors
+
+    defined = {
+        n
+        for n, c in vars(errors).items()
+        if inspect.isclass(c)
+        and issubclass(c, BaseException)
+        and c.__module__ == errors.__name__
+        and not n.startswith("_")
+    }
+    assert sorted(defined - set(errors.__all__)) == []
+
+
 def test_no_public_name_is_defined_in_a_private_module() -> None:
     """Each name of ``ucp_dcp.__all__`` that a module defines comes from a public one (no
     ``_``-prefixed part in its dotted path), so its documentation has a public home."""

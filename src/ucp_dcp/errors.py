@@ -28,6 +28,7 @@ __all__ = [
     "NoCheckpointError",
     "PeerTransferError",
     "ReadOnceError",
+    "PlacementError",
     "CLIError",
     "InvalidArgumentError",
     "InvalidStateError",
