@@ -34,6 +34,12 @@ class Box:
         """Number of elements in the box (0 for an empty shard)."""
         return math.prod(self.sizes)
 
+    def fits(self, shape: Sequence[int]) -> bool:
+        """Whether the box is one of a tensor of ``shape``: as many dimensions, inside it."""
+        return len(self.offsets) == len(self.sizes) == len(shape) and all(
+            o >= 0 and o + k <= n for o, k, n in zip(self.offsets, self.sizes, shape)
+        )
+
     def contains(self, other: Box) -> bool:
         """Whether ``other`` lies entirely inside this box."""
         return all(

@@ -56,7 +56,7 @@ class Piece:
                 "data shape "
                 f"{list(sizes)} must have the same number of dimensions"
             )
-        if any(o < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape)):
+        if not Box(offsets, sizes).fits(shape):
             raise LayoutError(
                 f"piece of {self.fqn!r}: a box of size {list(sizes)} at offsets {list(offsets)} "
                 "does not fit in "

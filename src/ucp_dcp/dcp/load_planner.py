@@ -340,11 +340,7 @@ def local_boxes(fqn: str, obj: torch.Tensor) -> list[Box]:
             b = Box(tuple(c.offsets), tuple(c.sizes))
             if not b.numel:
                 continue  # an empty shard (this rank holds none of the tensor)
-            if (
-                len(b.offsets) != len(shape)
-                or len(b.sizes) != len(shape)
-                or any(o < 0 or o + n > d for o, n, d in zip(b.offsets, b.sizes, shape))
-            ):
+            if not b.fits(shape):
                 raise UnsupportedValueError(
                     f"{fqn!r}: its {type(inner).__name__} lists a chunk at offsets "
                     f"{list(b.offsets)} of size "

@@ -383,12 +383,7 @@ def _checkpointable_items(fqn: str, obj: torch.Tensor) -> list[WriteItem]:
             # an empty shard (a rank that holds none) has no bytes; an empty tensor is still
             # recorded
             continue
-        if (
-            tuple(td.size) != shape
-            or len(offsets) != len(shape)
-            or len(sizes) != len(shape)
-            or any(o < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape))
-        ):
+        if tuple(td.size) != shape or not Box(offsets, sizes).fits(shape):
             raise UnsupportedValueError(
                 f"tensor {fqn!r}: its {kind} plans a chunk at offsets {list(offsets)} of size "
                 f"{list(sizes)} "
