@@ -200,7 +200,7 @@ def _stripped(tmp_path: Path, edit: Any = lambda info: None) -> Path:
 
 def _read_all(src: DeepSpeedSource, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.Tensor]:
     """Every tensor of ``src``, read through ``Checkpoint`` (its bytes, located by ``src``)."""
-    monkeypatch.setattr(checkpoint_mod, "open_source", lambda *a, **k: src)
+    monkeypatch.setattr(ReadOptions, "open_source", lambda *a, **k: src)
     with checkpoint_mod.Checkpoint(src.path) as ck:
         return {n: ck.read_tensor(n) for n in ck.tensor_names()}
 

@@ -6,20 +6,22 @@ Every reading entry point takes the same :class:`ReadOptions`:
 :func:`~ucp_dcp.convert`, so each knob has one name and one default. What
 names the checkpoint (its path, ``storage_options`` for a URL, the ``prefix``
 of a Hugging Face model's names, ``dcp_values`` for a DCP checkpoint's
-pickled values) is an argument of each entry point itself; :func:`source_options`
-checks those once for all of them.
+pickled values) is an argument of each entry point itself;
+:meth:`ReadOptions.source_options` checks those once for all of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..byteio.engine import ReadTotals
 from ..byteio.progress import ProgressConfig
 from ..byteio.rangeio import IO_THREADS, MAX_REQUEST_BYTES, ByteSource, ReadStats, check_access
 from ..byteio.requests import RequestPolicy
 from ..errors import InvalidArgumentError
-from ..sources import Source, SourceOptions
+from ..sources import Source, SourceOptions, open_source
 from ..sources.distcp import DCP_VALUES_MODES
 from .placement import PlacementReport
 from .read_once import ReadOnceCosts, ReadOnceDecision, check_read_once
@@ -27,7 +29,7 @@ from .read_once.exchange import ExchangeTotals
 from .read_once.transport import Transport
 from .slowest import SlowestRecord
 
-__all__ = ["ReadOptions", "LoadReport", "source_options"]
+__all__ = ["ReadOptions", "LoadReport"]
 
 _MiB = 1024 * 1024
 
@@ -143,6 +145,34 @@ class ReadOptions:
         """``max_buffer_bytes``, raised to the 1 MiB every reader needs at least."""
         return max(self.max_buffer_bytes, _MiB)
 
+    def source_options(self, dcp_values: str | None, prefix: str) -> SourceOptions:
+        """What an entry point opens its checkpoint with: its ``dcp_values`` and ``prefix`` and
+        these options' ``tp_rules``; :class:`~ucp_dcp.errors.InvalidArgumentError` for a
+        ``dcp_values`` that is none of its choices (checked before anything is opened)."""
+        if dcp_values not in DCP_VALUES_MODES:
+            raise InvalidArgumentError(
+                f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}"
+            )
+        return SourceOptions(dcp_values=dcp_values, prefix=prefix, tp_rules=self.tp_rules)
+
+    def open_source(
+        self,
+        path: str,
+        options: SourceOptions,
+        storage_options: dict[str, Any] | None,
+        known_files: Mapping[str, bytes] | None = None,
+    ) -> Source:
+        """The checkpoint at ``path`` opened (:func:`~ucp_dcp.sources.open_source`) with
+        ``options`` (:meth:`source_options`), its object-store requests under these options'
+        policy: the one place every entry point opens it."""
+        return open_source(
+            path,
+            options,
+            storage_options=storage_options,
+            known_files=known_files,
+            requests=self.requests,
+        )
+
     def open_reader(self, source: Source) -> ByteSource:
         """``source``'s byte reader with these options' threads, gaps, request sizes, deadlines
         and verification: the one place every entry point opens it."""
@@ -153,17 +183,6 @@ class ReadOptions:
             requests=self.requests,
             verify=self.verify,
         )
-
-
-def source_options(dcp_values: str | None, prefix: str, tp_rules: object) -> SourceOptions:
-    """The :class:`~ucp_dcp.sources.base.SourceOptions` an entry point opens its checkpoint
-    with; :class:`~ucp_dcp.errors.InvalidArgumentError` for a ``dcp_values`` that is none of
-    its choices."""
-    if dcp_values not in DCP_VALUES_MODES:
-        raise InvalidArgumentError(
-            f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}"
-        )
-    return SourceOptions(dcp_values=dcp_values, prefix=prefix, tp_rules=tp_rules)
 
 
 @dataclass

@@ -53,11 +53,11 @@ from ..core.values import decode_value
 from ..errors import InvalidArgumentError
 from ..format import TensorRecord
 from ..format.names import save_id_of
-from ..sources import Source, open_source, read_values, source_types
+from ..sources import Source, read_values, source_types
 from ._mesh_groups import LazyChunks
 from ._plan_records import LoadSourceInfo
 from .load_planner import UCPLoadPlanner
-from .options import LoadReport, ReadOptions, source_options
+from .options import LoadReport, ReadOptions
 from .placement import checked_placement
 from .read_once import ReadOnceDecision, coordinate, decide, shared_storage
 from .read_once.exchange import LocalNeeds, Region, run_exchange
@@ -133,7 +133,7 @@ class UCPStorageReader(_Directory, StorageReader):
         self.process_group = process_group
         self.path = os.fspath(path)
         self.storage_options = storage_options
-        self._source_options = source_options(dcp_values, prefix, opts.tp_rules)
+        self._source_options = opts.source_options(dcp_values, prefix)
         self.source: Source | None = None
         self.last_load = LoadReport()
         self.load_id = uuid.uuid4().hex
@@ -166,12 +166,8 @@ class UCPStorageReader(_Directory, StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Open the source and describe it as DCP's metadata (nothing is unpickled but DCP's own
         records)."""
-        self.source = source = open_source(
-            self.path,
-            self._source_options,
-            storage_options=self.storage_options,
-            known_files=self._known,
-            requests=self.options.requests,
+        self.source = source = self.options.open_source(
+            self.path, self._source_options, self.storage_options, self._known
         )
         self._known = None  # used once: a later opening reads the files as they are then
         index = source.index

@@ -33,7 +33,7 @@ from ..byteio.transfer import ChunkRegion
 from ..core.placement_digest import box_share, digest_hex
 from ..core.sharding import Box
 from ..core.values import decode_value
-from ..dcp.options import ReadOptions, source_options
+from ..dcp.options import ReadOptions
 from ..dcp.placement import (
     PlacementReport,
     check_placement,
@@ -48,7 +48,7 @@ from ..errors import (
     ShapeMismatchError,
 )
 from ..format import Location, TensorRecord, rank_local_key
-from ..sources import Source, open_source, read_value, read_values
+from ..sources import Source, read_value, read_values
 
 __all__ = ["Checkpoint", "load_state_dict", "load_into_module", "KeySelector", "ModuleLoadResult"]
 
@@ -86,11 +86,8 @@ class Checkpoint:
     ) -> None:
         opts = options if options is not None else ReadOptions()
         self.path = os.fspath(path)
-        self.source = open_source(
-            self.path,
-            source_options(dcp_values, prefix, opts.tp_rules),
-            storage_options=storage_options,
-            requests=opts.requests,
+        self.source = opts.open_source(
+            self.path, opts.source_options(dcp_values, prefix), storage_options
         )
         self.index = self.source.index
         self.max_buffer_bytes = opts.buffer_bytes

@@ -29,7 +29,7 @@ from ..byteio.rangeio import storage_view, tensor_view
 from ..byteio.transfer import ChunkRegion
 from ..core.boxes import slabs
 from ..core.sharding import Box
-from ..dcp.options import ReadOptions, source_options
+from ..dcp.options import ReadOptions
 from ..errors import CheckpointExistsError, CheckpointFormatError, StorageError
 from ..format import (
     INDEX_FILE,
@@ -42,7 +42,7 @@ from ..format import (
     rank_local_key,
     split_rank_local_key,
 )
-from ..sources import Source, open_source, read_values
+from ..sources import Source, read_values
 
 __all__ = ["convert"]
 
@@ -99,12 +99,7 @@ def convert(
         )
     dst = local_path(dst)  # a file:// URL is a local path
     opts = options if options is not None else ReadOptions()
-    source = open_source(
-        src,
-        source_options(dcp_values, prefix, opts.tp_rules),
-        storage_options=storage_options,
-        requests=opts.requests,
-    )
+    source = opts.open_source(src, opts.source_options(dcp_values, prefix), storage_options)
     try:
         if os.path.exists(dst) and not os.path.isdir(dst):
             raise CheckpointExistsError(
