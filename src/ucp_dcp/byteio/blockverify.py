@@ -49,7 +49,7 @@ from ..core.boxes import runs
 from ..core.sharding import Box
 from ..errors import ChecksumError, InvalidArgumentError
 from ..format import Location
-from .integrity import BlockSums, _hash_array, chunk_what
+from .integrity import BlockSums, _hash_array, chunk_mismatch, chunk_what
 from .rangeio import HOOKED_REQUEST_BYTES, ByteSource, storage_view
 from .segments import Segment
 
@@ -607,12 +607,8 @@ class BlockVerifier:
         if got != location.xxh3:
             assert batch.run is not None
             self._compare_run(batch, *batch.run)  # raises naming the block, if one differs
-            raise ChecksumError(
-                self.paths[location.file],
-                chunk_what(batch.check.fqn, batch.check.offsets),
-                str(location.xxh3),
-                got,
-                self.ranks[location.file],
+            raise chunk_mismatch(
+                self.paths, self.ranks, location, batch.check.fqn, batch.check.offsets, got
             )
 
     def _check_now(self, batch: Batch, run_hashed: bool = False) -> None:

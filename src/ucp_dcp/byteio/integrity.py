@@ -48,6 +48,7 @@ __all__ = [
     "bytes_digest",
     "hash_range",
     "chunk_what",
+    "chunk_mismatch",
     "ChunkVerifier",
     "BlockSums",
     "BlockHasher",
@@ -209,13 +210,22 @@ class ChunkVerifier:
     def _compare(self, location: Location, fqn: str, offsets: Sequence[int], digest: str) -> None:
         self.bytes += location.nbytes
         if digest != location.xxh3:
-            raise ChecksumError(
-                self.paths[location.file],
-                chunk_what(fqn, offsets),
-                location.xxh3,
-                digest,
-                self.ranks[location.file],
-            )
+            raise chunk_mismatch(self.paths, self.ranks, location, fqn, offsets, digest)
+
+
+def chunk_mismatch(
+    paths: Sequence[str],
+    ranks: Sequence[int | None],
+    location: Location,
+    fqn: str,
+    offsets: Sequence[int],
+    digest: str,
+) -> ChecksumError:
+    """The error of a whole chunk whose bytes hash to ``digest``, not its recorded xxh3-64: the
+    file, the chunk and the rank that wrote it named."""
+    return ChecksumError(
+        paths[location.file], chunk_what(fqn, offsets), location.xxh3, digest, ranks[location.file]
+    )
 
 
 # ---------------------------------------------------------------- block sums

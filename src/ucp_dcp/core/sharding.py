@@ -249,18 +249,18 @@ class Grid:
         """Number of non-empty chunks."""
         return len(self.cell_of_chunk)
 
+    @functools.cached_property
+    def _lists(self) -> tuple[list[list[int]], list[list[int]]]:
+        # Planners ask box() once or more per chunk they touch; reading numpy scalars one by one
+        # costs several times these plain lists, made once per grid (grids are cached per layout).
+        return [o.tolist() for o in self.offsets], [s.tolist() for s in self.sizes]
+
     def box(self, k: int) -> Box:
         """The box of chunk ``k``."""
-        # Planners ask this once or more per chunk they touch; reading numpy scalars one by one
-        # costs several times the plain lists, made once per grid (grids are cached per layout).
-        lists = self.__dict__.get("_lists")
-        if lists is None:
-            lists = ([o.tolist() for o in self.offsets], [s.tolist() for s in self.sizes])
-            object.__setattr__(self, "_lists", lists)
+        offsets, sizes = self._lists
         cell = self.cell_of_chunk[k].tolist()
         return Box(
-            tuple(o[i] for o, i in zip(lists[0], cell)),
-            tuple(s[i] for s, i in zip(lists[1], cell)),
+            tuple(o[i] for o, i in zip(offsets, cell)), tuple(s[i] for s, i in zip(sizes, cell))
         )
 
     def boxes(self) -> list[Box]:
