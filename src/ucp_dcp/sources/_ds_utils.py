@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
@@ -169,14 +169,15 @@ def universal_model_files(folder: str) -> list[str]:
     return [ranks[r] for r in sorted(ranks)]
 
 
-def layer_files(d: ModelDir) -> dict[tuple[int, int], str]:
+def layer_files(d: ModelDir, names: Iterable[str] | None = None) -> dict[tuple[int, int], str]:
     """The pipeline layer files (``layer_XX[-model_YY]-model_states.pt``) of folder ``d``, as
     paths, by (global layer index, tensor-parallel rank) in that order; empty when it has none or
-    is no directory."""
-    try:
-        names = d.list()
-    except OSError:
-        return {}
+    is no directory. ``names``: the folder's file names where the caller has listed them."""
+    if names is None:
+        try:
+            names = d.list()
+        except OSError:
+            return {}
     found = {(int(m[1]), int(m[2] or 0)): n for n in names if (m := _LAYER.fullmatch(n))}
     return {k: d.path_of(n) for k, n in sorted(found.items())}
 
@@ -257,7 +258,7 @@ def find_deepspeed_files(path: str | ModelDir) -> DSFiles:
         raise CheckpointFormatError(
             f"{folder}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files"
         )
-    layers = layer_files(view)
+    layers = layer_files(view, names)
     if layers or mp != [0]:
         return _pipeline_files(view, model12, model3, optim, layers, bf16.pop())
     world = len(optim)
