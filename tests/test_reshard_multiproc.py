@@ -41,10 +41,36 @@ def _save_sources(rank: int, world: int, root: str, layouts: list[str], use_asyn
         writer, planner = UCPStorageWriter(path), UCPSavePlanner()
         if use_async and layout == "dp4":
             dcp.async_save(sd, storage_writer=writer, planner=planner).result()
+        elif use_async and layout == "dp2tp2":
+            _save_in_a_process(sd, writer, planner)
         else:
             dcp.save(sd, storage_writer=writer, planner=planner)
         if rank == 0:
             torch.save({"ref": ref, "world": world}, os.path.join(root, f"{layout}.ref.pt"))
+
+
+def _save_in_a_process(sd: dict[str, Any], writer: UCPStorageWriter, planner: UCPSavePlanner) -> None:
+    """torchtitan's ``async_with_pinned_mem`` save: staged by a ``DefaultStager``, written by a
+    checkpoint process of DCP's own over a gloo group of its own (the writer and the planner are
+    pickled into it), the staging awaited before the upload (pinned memory needs CUDA: off here)."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(False, True, True, False))
+    try:
+        res = dcp.async_save(
+            sd,
+            storage_writer=writer,
+            planner=planner,
+            process_group=dist.new_group(backend="gloo"),
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            async_stager=stager,
+        )
+        assert isinstance(res, AsyncSaveResponse), type(res)
+        res.staging_completion.result()
+        res.upload_completion.result()
+    finally:
+        stager.close()
 
 
 def _load_targets(rank: int, world: int, root: str, pairs: list[tuple[str, str]], access: str = "auto",
@@ -105,7 +131,8 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> str:
     ids=["world3", "world4", "world2", "world1"],
 )
 def test_reshard_load(sources: str, world: int, pairs: list[tuple[str, str]]) -> None:
-    """Every pair loads bit-exactly into the target layout (dp4 was saved with async_save)."""
+    """Every pair loads bit-exactly into the target layout (dp4 was saved with async_save, dp2tp2 by
+    DCP's checkpoint process)."""
     run_ranks(world, _load_targets, sources, pairs)
 
 
