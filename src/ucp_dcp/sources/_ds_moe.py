@@ -1,7 +1,7 @@
 """DeepSpeed MoE checkpoints (``deepspeed.moe.layer.MoE``, ZeRO-1/2): where each expert is.
 
 A model with native DeepSpeed MoE layers saves, besides the ZeRO files of the
-data-parallel case (:mod:`._ds_utils`):
+data-parallel case (:mod:`._ds_files`, :mod:`._ds_records`):
 
 * ``layer_{L}_expert_{G}_mp_rank_00_model_states.pt`` for MoE layer ``L``
   (the order of the ``MoE`` modules in the model) and **global** expert
@@ -39,8 +39,10 @@ from dataclasses import dataclass, replace
 from ..byteio.location import ModelDir
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex
-from ._ds_utils import (
+from ._ds_files import (
     DSFiles,
+)
+from ._ds_records import (
     ModelStates,
     RankOptim,
     archive_pool,

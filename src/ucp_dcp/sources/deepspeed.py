@@ -48,17 +48,18 @@ from ..byteio.location import ModelDir, StoreDir
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError, InvalidArgumentError
 from ._archive_index import ArchiveIndex, check_sizes
+from ._ds_files import (
+    LATEST_FILE,
+    find_deepspeed_files,
+    looks_like_deepspeed,
+)
 from ._ds_merge import MERGE_FILE_NAME, MergeFile
 from ._ds_moe import expert_layout
-from ._ds_tp import UNEVEN_RULES, TPRule, TPRules, TPSlice, tp_rules, user_tp_rules
-from ._ds_utils import (
-    LATEST_FILE,
+from ._ds_records import (
     ModelStates,
     RankOptim,
     archive_pool,
     check_zero12_groups,
-    find_deepspeed_files,
-    looks_like_deepspeed,
     moment,
     read_layer_states,
     read_model_states,
@@ -66,6 +67,7 @@ from ._ds_utils import (
     tp_slice_totals,
     zero12_group_segments,
 )
+from ._ds_tp import UNEVEN_RULES, TPRule, TPRules, TPSlice, tp_rules, user_tp_rules
 from ._pickle import TensorRef
 from ._torch_archive import TorchArchive
 from ._zero_layout import Segment, zero3_segments

@@ -25,21 +25,23 @@ from ..byteio.location import LocalDir, ModelDir
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex, check_sizes
-from ._ds_tp import TPSlice, tp_rules
-from ._ds_utils import (
+from ._ds_files import (
     LATEST_UNIVERSAL_FILE,
     UNIVERSAL_DIR,
     UNIVERSAL_MODEL_FILES,
-    ModelStates,
     check_layer_files,
     layer_files,
     looks_like_universal,
-    read_layer_states,
-    read_model_states,
-    tp_slice_totals,
     universal_folder,
     universal_model_files,
 )
+from ._ds_records import (
+    ModelStates,
+    read_layer_states,
+    read_model_states,
+    tp_slice_totals,
+)
+from ._ds_tp import TPSlice, tp_rules
 from ._pickle import TensorRef
 from ._torch_archive import TorchArchive, read_torch_archive
 from .base import Source, SourceOptions, register
