@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from ..byteio.location import LocalDir, ModelDir, StoreDir
 from ..errors import CheckpointFormatError
+from ..format.schema import is_plain_file_name
 
 __all__ = [
     "DSFiles",
@@ -193,7 +194,7 @@ def _tag_folder(d: ModelDir, latest_name: str = LATEST_FILE) -> ModelDir:
         tag = raw.decode("utf-8").strip()
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointFormatError(f"{latest}: cannot read the tag ({e})") from None
-    if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or "\0" in tag:
+    if not is_plain_file_name(tag):
         raise CheckpointFormatError(f"{latest}: {tag!r} is not a tag folder name")
     folder = d.child(tag)
     if not folder.is_dir():
