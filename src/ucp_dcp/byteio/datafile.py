@@ -108,6 +108,7 @@ class _Hashes:
     number)."""
 
     def __init__(self, entries: Sequence[PlannedEntry], block: int) -> None:
+        self.block = block
         self.whole = [xxhash.xxh3_64() for _ in entries]
         self.blocks = {
             i: BlockHasher(e.nbytes, block)
@@ -253,7 +254,7 @@ class DataFileWriter:
                     f"{self.path}: entries {short[:5]} were not written in full"
                 )
             self.entries, final, raw = _finished(
-                self.path, self.entries, self._hashes, self._args, self.block, len(self.header)
+                self.path, self.entries, self._hashes, self._args, len(self.header)
             )
             if raw is not None:
                 # The block checksums' entry is the first one, right after the header.
@@ -286,7 +287,6 @@ def _finished(
     entries: list[PlannedEntry],
     hashes: _Hashes,
     args: tuple[int, int, str, int],
-    block: int,
     header_len: int,
 ) -> tuple[list[PlannedEntry], bytes, memoryview | None]:
     """Once every entry is hashed: the entries with their checksums, the final header, the block
@@ -304,7 +304,7 @@ def _finished(
         sums = np.concatenate([blocks[i].digests() for i in sorted(blocks)]).astype("<u8")
         raw = sums.data.cast("B")
         sums_xxh3 = xxhash.xxh3_64_hexdigest(raw)
-    final, _, _ = layout(entries, *args, block=block, block_sums_xxh3=sums_xxh3)
+    final, _, _ = layout(entries, *args, block=hashes.block, block_sums_xxh3=sums_xxh3)
     if len(final) != header_len:  # cannot happen: checksums are fixed-width
         raise AssertionError(f"{path}: header length changed while writing")
     return entries, final, raw
@@ -344,7 +344,7 @@ def stream_data_file(
             )
         hashes.update(i, view)
         views.append(view)
-    entries, final, raw = _finished(path, entries, hashes, args, block, len(header))
+    entries, final, raw = _finished(path, entries, hashes, args, len(header))
     at = 0
 
     def emit(data: Any) -> None:

@@ -192,10 +192,10 @@ def check_tensor_bytes(
         raise CheckpointFormatError(f"{where}: shape {list(shape)} is too large to address")
 
 
-def short_repr(v: Any, limit: int = 80) -> str:
-    """``repr(v)``, cut to ``limit`` characters (an error message quotes what it was given)."""
+def short_repr(v: Any) -> str:
+    """``repr(v)``, cut to 80 characters (an error message quotes what it was given)."""
     s = repr(v)
-    return s if len(s) <= limit else s[: limit - 3] + "..."
+    return s if len(s) <= 80 else s[:77] + "..."
 
 
 def check_paths(doc: Any, where: str, keys: Collection[str]) -> dict[str, tuple[str | int, ...]]:
