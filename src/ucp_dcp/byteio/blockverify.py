@@ -704,12 +704,8 @@ class BlockVerifier:
         so, do, ln = batch.copies
         if not len(so):
             return
-        if len(so) <= _FEW:
-            dview, sview = batch.dest, batch.scratch.data
-            for s, d, w in zip(so.tolist(), do.tolist(), ln.tolist()):
-                dview[d : d + w] = sview[s : s + w]
-            return
-        sstep, dstep = _arith(so), _arith(do)
+        # Few pieces: a slice copy each costs less than finding the strides.
+        sstep, dstep = (None, None) if len(so) <= _FEW else (_arith(so), _arith(do))
         if sstep is not None and dstep is not None and bool(np.all(ln == ln[0])):
             # Equal pieces at equal strides (a column slice of rows): one strided copy.
             m, w = len(so), int(ln[0])
