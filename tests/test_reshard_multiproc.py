@@ -51,18 +51,24 @@ def _save_sources(rank: int, world: int, root: str, layouts: list[str], use_asyn
 
 def _save_in_a_process(sd: dict[str, Any], writer: UCPStorageWriter, planner: UCPSavePlanner) -> None:
     """torchtitan's ``async_with_pinned_mem`` save: staged by a ``DefaultStager``, written by a
-    checkpoint process of DCP's own over a gloo group of its own (the writer and the planner are
-    pickled into it), the staging awaited before the upload (pinned memory needs CUDA: off here)."""
+    checkpoint process of DCP's own (which joins a gloo group of its own; the writer and the
+    planner are pickled into it), the staging awaited before the upload (pinned memory needs
+    CUDA: off here). The process is stopped afterwards: the ranks end with ``os._exit``, which
+    would leave it behind."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    stager = DefaultStager(StagingOptions(False, True, True, False))
+    stager = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=False
+        )
+    )
     try:
         res = dcp.async_save(
             sd,
             storage_writer=writer,
             planner=planner,
-            process_group=dist.new_group(backend="gloo"),
             async_checkpointer_type=AsyncCheckpointerType.PROCESS,
             async_stager=stager,
         )
@@ -71,6 +77,9 @@ def _save_in_a_process(sd: dict[str, Any], writer: UCPStorageWriter, planner: UC
         res.upload_completion.result()
     finally:
         stager.close()
+        proc, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None
+        if proc is not None:
+            proc.__del__()  # DCP's own shutdown: a terminate request, then a join
 
 
 def _load_targets(rank: int, world: int, root: str, pairs: list[tuple[str, str]], access: str = "auto",
