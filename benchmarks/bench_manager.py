@@ -800,7 +800,7 @@ def bench_restore(state: dict[str, Any], dcp_dir: str, dirs: Dirs, args: argpars
                         tmp = tempfile.mkdtemp(prefix="ucp_bench_dl_", dir=dirs.root)
                         marker = reader_mgr.persistent.marker(step)
                         t0 = time.perf_counter()
-                        reader_mgr.persistent.fetch(step, [d.name for d in marker.files], tmp)
+                        reader_mgr.persistent.fetch(step, marker.names, tmp)
                         dl.append(time.perf_counter() - t0)
                         rmtree(tmp)
                     finally:
@@ -936,7 +936,7 @@ def _vs_dcp_s3(state: dict[str, Any], target: dict[str, Any], dirs: Dirs, args: 
             mgr = CheckpointManager(root, storage_options=opts, keep_last=1)
             tmp = tempfile.mkdtemp(prefix="ucp_bench_dl_", dir=dirs.root)
             try:
-                names = [d.name for d in mgr.persistent.marker(step).files]
+                names = mgr.persistent.marker(step).names
                 t0 = time.perf_counter()
                 mgr.persistent.fetch(step, names, tmp)
                 return {"s": time.perf_counter() - t0, "bytes": dir_bytes(tmp)}
