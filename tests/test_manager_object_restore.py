@@ -256,9 +256,13 @@ def test_direct_restore_reads_in_large_requests_and_each_marker_once(s3_bucket, 
     assert len(log["lists"]) <= 3, log["lists"]
 
 
-# Short deadlines: a stalled request is abandoned after at most a second (s3fs's own read timeout
-# would hold it 15 s, then retry).
-STALL_POLICY = RequestPolicy(deadline_floor_s=0.3, deadline_cap_s=1.0, hedge=False)
+# Short deadlines: a stalled request is abandoned after at most two seconds (s3fs's own read
+# timeout would hold it 15 s, then retry). The floor is a second, not less: a deadline is wall
+# clock, and on a loaded 2-core CI machine a healthy loopback GET beside a restore's other threads
+# once took more than 0.3 s, was abandoned and sent again like the stalled ones. Such a request is
+# handled right (retried, the restore stays bit-exact), so the counts below are "at least the
+# stalls"; the scheduler's exact counts are asserted on a quiet store in test_object_deadlines.
+STALL_POLICY = RequestPolicy(deadline_floor_s=1.0, deadline_cap_s=2.0, hedge=False)
 SLACK_S = 5.0  # what the rest of a save or a restore may take on loopback moto
 
 
@@ -280,7 +284,7 @@ def test_a_stalled_upload_of_a_step_is_abandoned_at_the_deadline(s3_proxy: Any) 
         took = time.monotonic() - t0
         stats = mgr.persistent.store.stats
     assert proxy.count(fault="stall") == 1 and proxy.pending() == 0
-    assert stats.timeouts == 1 and stats.retries >= 1, stats
+    assert stats.timeouts >= 1 and stats.retries >= stats.timeouts, stats
     assert took < STALL_POLICY.deadline_cap_s + SLACK_S, took
     with CheckpointManager(root, storage_options=options) as mgr:
         target = empty_like_state(make_state(1, scale=16))
@@ -311,6 +315,8 @@ def test_a_stalled_get_of_a_restore_is_abandoned_at_the_deadline_and_bit_exact(s
         tier_stats = mgr.persistent.store.stats
     assert_state_equal(target, make_state(2, scale=16))
     assert proxy.count(fault="stall") == 2 and proxy.pending() == 0
-    assert tier_stats.timeouts == (1 if direct else 2), tier_stats
+    # The tier's own stalls: the marker's, and the data's when the tier downloads (a direct
+    # restore's ranged GET is the reader's, counted by its own scheduler).
+    assert tier_stats.timeouts >= (1 if direct else 2) and tier_stats.retries >= tier_stats.timeouts, tier_stats
     # Two stalls in a row at most, each abandoned at its deadline (the cap at the most).
     assert took < 2 * STALL_POLICY.deadline_cap_s + SLACK_S, took
