@@ -30,6 +30,7 @@ from ucp_dcp import (
     UCPSavePlanner,
     UCPStorageReader,
     UCPStorageWriter,
+    UCPWarning,
     load_index,
     rebuild_index,
 )
@@ -524,7 +525,7 @@ def test_unexpected_key(ckpt: tuple[Path, dict[str, Any]]) -> None:
     out = blank_like(sd)
     del out["model"]["i"], out["step"]
     planner = UCPLoadPlanner()
-    with pytest.warns(UserWarning, match=re.escape("2 checkpoint key(s) not in the state dict were not loaded: ['model.i', 'step']")):
+    with pytest.warns(UCPWarning, match=re.escape("2 checkpoint key(s) not in the state dict were not loaded: ['model.i', 'step']")):
         load(out, path, planner)
     assert planner.unexpected_keys == ["model.i", "step"]
     del sd["model"]["i"], sd["step"]
@@ -573,9 +574,13 @@ def test_dtype_cast_by_default_says_which_keys(ckpt: tuple[Path, dict[str, Any]]
     path, sd = ckpt
     out = blank_like(sd)
     out["model"]["w"] = torch.zeros(8, 16, dtype=torch.float64)
-    with pytest.warns(UserWarning, match=re.escape("1 tensor(s) are cast from the checkpoint's dtype on load: "
-                                                   "['model.w (float32 -> float64)']")):
+    with pytest.warns(UCPWarning, match=re.escape("1 tensor(s) are cast from the checkpoint's dtype on load: "
+                                                  "['model.w (float32 -> float64)']")) as said:
         planner = load(out, path)
+    cast = next(w.message for w in said if isinstance(w.message, UCPWarning))
+    # The fix is named as data too (the ucp-dcp command says it in its own words).
+    assert (cast.option, cast.option_value, cast.hint) == (
+        "allow_dtype_cast", False, "UCPLoadPlanner(allow_dtype_cast=False)")
     assert planner.cast_keys == {"model.w": (torch.float32, torch.float64)}
     assert torch.equal(out["model"]["w"], sd["model"]["w"].to(torch.float64))
 

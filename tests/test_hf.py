@@ -41,6 +41,7 @@ from ucp_dcp import (
     UCPSavePlanner,
     UCPStorageReader,
     UCPStorageWriter,
+    UCPWarning,
 )
 from ucp_dcp.tools import hf
 from ucp_dcp.tools.hf import export_hf, import_hf, parse_size
@@ -377,6 +378,21 @@ def test_export_rename_and_names(small_ckpt: Path, tmp_path: Path) -> None:
     export_hf(small_ckpt, tmp_path / "moments", prefix="optim.state.", rename=[(r"\.", "/")])
     moments = load_file(str(tmp_path / "moments" / "model.safetensors"))
     assert "0/weight/exp_avg" in moments and "2/bias/exp_avg_sq" in moments
+
+
+def test_export_says_which_values_it_leaves_out(tmp_path: Path) -> None:
+    """Non-tensor values under the prefix cannot go into safetensors: the export writes the
+    tensors and one library warning names the values left out."""
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    state = {"model": {"w": w, "meta": "v1", "n": 7}, "step": 3}
+    dcp.save(state, storage_writer=UCPStorageWriter(tmp_path / "ck"), planner=UCPSavePlanner())
+    with pytest.warns(UCPWarning, match=r"2 non-tensor value\(s\) under 'model\.' are not exported "
+                                        r"\(safetensors holds tensors only\): 'model\.meta', 'model\.n'$"):
+        export_hf(tmp_path / "ck", tmp_path / "out")
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert list(got) == ["w"] and bit_equal(got["w"], w)
 
 
 def test_export_bad_input(small_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,6 +46,7 @@ from .errors import (
     PlacementError,
     StorageError,
     UCPError,
+    UCPWarning,
     UnsupportedValueError,
 )
 from .format import FORMAT_VERSION
@@ -77,6 +78,7 @@ __all__ = [
     "load_into_module",
     "ModuleLoadResult",
     "UCPError",
+    "UCPWarning",
     "CheckpointFormatError",
     "CheckpointKeyError",
     "UnsupportedValueError",

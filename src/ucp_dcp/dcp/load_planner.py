@@ -53,7 +53,7 @@ from .._compat import (
 from ..core.pieces import TensorPieces
 from ..core.sharding import Box, Grid, arith_box, intersect
 from ..core.values import RankLocal, ReshardFn, decode_value, set_in_place
-from ..errors import CheckpointKeyError, UnsupportedValueError
+from ..errors import CheckpointKeyError, UCPWarning, UnsupportedValueError
 from ..format import LAYOUT_KEY, dtype_name, rank_local_key, split_rank_local_key
 from ._plan_records import LoadRankReport, LoadSourceInfo, rank_and_world
 
@@ -165,11 +165,12 @@ class UCPLoadPlanner(DefaultLoadPlanner):
                 f"{k} ({dtype_name(a)} -> {dtype_name(b)})"
                 for k, (a, b) in sorted(self.cast_keys.items())
             ]
+            hint = "UCPLoadPlanner(allow_dtype_cast=False)"
             warnings.warn(
-                f"{len(casts)} tensor(s) are cast from the checkpoint's dtype on load: "
-                f"{key_list(casts)}. "
-                "Pass UCPLoadPlanner(allow_dtype_cast=False) to make a dtype mismatch an error",
-                UserWarning,
+                UCPWarning(
+                    f"{len(casts)} tensor(s) are cast from the checkpoint's dtype on load: "
+                    f"{key_list(casts)}. Pass {hint} to make a dtype mismatch an error"
+                ).with_option("allow_dtype_cast", False, hint),
                 stacklevel=2,
             )
         if missing and not self.allow_partial_load:
@@ -202,8 +203,10 @@ class UCPLoadPlanner(DefaultLoadPlanner):
             )
             if not_loaded:
                 warnings.warn(
-                    f"{len(not_loaded)} checkpoint key(s) not in the state dict were not loaded: "
-                    f"{key_list(not_loaded)}",
+                    UCPWarning(
+                        f"{len(not_loaded)} checkpoint key(s) not in the state dict were not "
+                        f"loaded: {key_list(not_loaded)}"
+                    ),
                     stacklevel=2,
                 )
         return super().create_global_plan(global_plan)

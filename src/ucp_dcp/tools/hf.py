@@ -231,9 +231,11 @@ def _plan_export(
     values = [v for v in ckpt.value_names() if v.startswith(prefix)]
     if values:
         warnings.warn(
-            f"{ckpt.path}: {len(values)} non-tensor value(s) under {prefix!r} are not exported "
-            f"(safetensors holds tensors only): {', '.join(map(repr, values[:5]))}"
-            f"{', ...' if len(values) > 5 else ''}",
+            UCPWarning(
+                f"{ckpt.path}: {len(values)} non-tensor value(s) under {prefix!r} are not "
+                f"exported (safetensors holds tensors only): {', '.join(map(repr, values[:5]))}"
+                f"{', ...' if len(values) > 5 else ''}"
+            ),
             stacklevel=3,
         )
     if not names:
