@@ -123,3 +123,28 @@ def test_no_public_name_is_defined_in_a_private_module() -> None:
             if any(part.startswith("_") for part in mod.split(".")[1:]):
                 private.append(f"{name} ({mod})")
     assert private == []
+
+
+def test_every_warning_the_library_gives_is_a_ucp_warning() -> None:
+    """``warnings.filterwarnings(..., category=ucp_dcp.UCPWarning)`` sees every warning of the
+    library: each ``warnings.warn`` in ``src/`` is handed a ``UCPWarning(...)`` (three were plain
+    ``UserWarning`` text once)."""
+    import ast
+
+    plain = []
+    for path in sorted((ROOT / "src" / "ucp_dcp").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if node.func.attr != "warn" or not isinstance(node.func.value, ast.Name):
+                continue
+            if node.func.value.id != "warnings":
+                continue
+            first = node.args[0] if node.args else None
+            # UCPWarning(...) or UCPWarning(...).with_option(...)
+            while isinstance(first, ast.Call) and isinstance(first.func, ast.Attribute):
+                first = first.func.value
+            made = isinstance(first, ast.Call) and isinstance(first.func, ast.Name)
+            if not (made and first.func.id == "UCPWarning"):  # type: ignore[union-attr]
+                plain.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not plain, plain
