@@ -21,7 +21,7 @@ from ucp_dcp.byteio.integrity import BlockHasher, BlockSums
 from ucp_dcp.byteio.engine import ChunkReads
 from ucp_dcp.byteio.objrange import ObjectRangeReader
 from ucp_dcp.byteio.rangeio import ByteSource, RangeReader, ReadStats
-from ucp_dcp.byteio.segments import Segment
+from ucp_dcp.byteio.rangeio import Segment
 from ucp_dcp.byteio.transfer import ChunkRegion
 from ucp_dcp.core.sharding import Box
 from ucp_dcp.errors import ChecksumError

@@ -50,8 +50,7 @@ from ..core.sharding import Box
 from ..errors import ChecksumError, InvalidArgumentError
 from ..format import Location
 from .integrity import BlockSums, _hash_array, chunk_mismatch, chunk_what
-from .rangeio import HOOKED_REQUEST_BYTES, ByteSource, storage_view
-from .segments import Segment
+from .rangeio import HOOKED_REQUEST_BYTES, ByteSource, Segment, storage_view
 
 __all__ = ["BlockVerifier", "read_verified", "ChunkCheck", "Batch", "ChunkStream"]
 

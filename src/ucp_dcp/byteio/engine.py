@@ -41,8 +41,7 @@ import torch
 
 from .blockverify import BlockVerifier, ChunkCheck
 from .integrity import HASH_BLOCK, BlockSums, ChunkVerifier
-from .rangeio import ByteSource
-from .segments import Segment
+from .rangeio import ByteSource, Segment
 from .transfer import (
     ChunkRegion,
     StagingBuffers,

@@ -38,8 +38,7 @@ import xxhash
 
 from ..errors import ChecksumError, InvalidArgumentError, StorageError
 from ..format import Location
-from .rangeio import ByteSource, tensor_view
-from .segments import Segment
+from .rangeio import ByteSource, Segment, tensor_view
 
 __all__ = [
     "HASH_BLOCK",

@@ -31,8 +31,7 @@ from ..errors import InvalidArgumentTypeError
 from ..format import Location
 from .blockverify import ChunkCheck, read_verified
 from .integrity import ChecksumError
-from .rangeio import MAX_REQUEST_BYTES, ByteSource, Extents, MappedSpan, storage_view
-from .segments import Segment
+from .rangeio import MAX_REQUEST_BYTES, ByteSource, Extents, MappedSpan, Segment, storage_view
 
 __all__ = [
     "ChunkRegion",

@@ -48,8 +48,7 @@ import torch.distributed as dist
 
 from ...byteio.blockverify import BlockVerifier, ChunkCheck
 from ...byteio.integrity import BlockSums
-from ...byteio.rangeio import ByteSource, storage_view
-from ...byteio.segments import Segment
+from ...byteio.rangeio import ByteSource, Segment, storage_view
 from ...byteio.transfer import ChunkRegion
 from ...core.boxes import runs
 from ...errors import ReadOnceError
