@@ -426,7 +426,7 @@ class ByteSource(Protocol):
     :class:`~ucp_dcp.byteio.objrange.ObjectRangeReader` objects with ranged
     requests; another way to obtain the bytes (a per-file access strategy,
     bytes shared between ranks) is one more class with these four members,
-    and every read path (:mod:`~ucp_dcp.byteio.engine`, staging, spans,
+    and every read path (:mod:`~ucp_dcp.byteio.transfer`, staging, spans,
     verification) works with it unchanged.
     """
 
