@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-import ucp_dcp.byteio.blockverify
+import ucp_dcp.byteio.blocksums
 import ucp_dcp.byteio.datafile
 from dist_utils import bit_equal
 from test_integrity import flip
@@ -54,7 +54,7 @@ from ucp_dcp import (
     load_into_module,
     load_state_dict,
 )
-from ucp_dcp.byteio.integrity import BlockHasher
+from ucp_dcp.byteio.blocksums import BlockHasher
 from ucp_dcp.errors import InvalidArgumentError
 from ucp_dcp.byteio.rangeio import HOOKED_REQUEST_BYTES, RangeReader
 from ucp_dcp.byteio.rangeio import Segment
@@ -204,12 +204,12 @@ def cases(draw: Any) -> dict[str, Any]:
 @contextmanager
 def piece_blocks(n: int | None, block: int) -> Iterator[None]:
     """Loads inside cut runs read in place into pieces of ``n`` blocks (None: the default size)."""
-    old = ucp_dcp.byteio.blockverify._PIECE
-    ucp_dcp.byteio.blockverify._PIECE = old if n is None else n * block
+    old = ucp_dcp.byteio.blocksums._PIECE
+    ucp_dcp.byteio.blocksums._PIECE = old if n is None else n * block
     try:
         yield
     finally:
-        ucp_dcp.byteio.blockverify._PIECE = old
+        ucp_dcp.byteio.blocksums._PIECE = old
 
 
 @given(case=cases(), pick=st.randoms(use_true_random=False))

@@ -1,6 +1,6 @@
 """The strided views of block checking stay inside their buffers.
 
-:mod:`ucp_dcp.byteio.blockverify` hashes many blocks, and copies many equal
+:mod:`ucp_dcp.byteio.blocksums` hashes many blocks, and copies many equal
 pieces out of scratch memory, through ``as_strided`` views, which numpy does
 not bounds-check: a view reaching past its buffer would read, or write,
 memory that is not the buffer's (heap corruption, far from its cause).
@@ -28,9 +28,9 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucp_dcp.byteio import blockverify
-from ucp_dcp.byteio.integrity import BlockHasher, BlockSums
-from ucp_dcp.byteio.blockverify import (
+from ucp_dcp.byteio import blocksums
+from ucp_dcp.byteio.blocksums import BlockHasher, BlockSums
+from ucp_dcp.byteio.blocksums import (
     Batch,
     BlockVerifier,
     ChunkCheck,
@@ -188,7 +188,7 @@ def test_copy_refuses_pieces_past_the_destination() -> None:
     outer, dest = _guarded(100, 0)
     before = outer.copy()
     _, scratch = _guarded(400, 1)
-    n = 12  # more than blockverify._FEW: the strided path
+    n = 12  # more than blocksums._FEW: the strided path
     so, do, ln = (
         np.arange(n, dtype=np.int64) * 30,
         np.arange(n, dtype=np.int64) * 9,
@@ -342,7 +342,7 @@ def test_verified_reads_take_both_strided_paths(monkeypatch: pytest.MonkeyPatch)
     """Narrow columns of many rows take the strided copy out of scratch, one whole block of each
     row the strided hash in place; both stay exact and inside their buffers."""
     built: list[str] = []
-    real = blockverify._rows
+    real = blocksums._rows
 
     def spy(
         arr: np.ndarray, start: int, count: int, width: int, step: int, what: str
@@ -350,7 +350,7 @@ def test_verified_reads_take_both_strided_paths(monkeypatch: pytest.MonkeyPatch)
         built.append(what)
         return real(arr, start, count, width, step, what)
 
-    monkeypatch.setattr(blockverify, "_rows", spy)
+    monkeypatch.setattr(blocksums, "_rows", spy)
     base = {
         "dtype": torch.uint8,
         "pads": [(2, 1), (1, 3)],

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from dist_utils import bit_equal
 from test_span_reads import _full
-from ucp_dcp.byteio.integrity import BlockHasher, BlockSums
+from ucp_dcp.byteio.blocksums import BlockHasher, BlockSums
 from ucp_dcp.byteio.transfer import ChunkReads
 from ucp_dcp.byteio.objrange import ObjectRangeReader
 from ucp_dcp.byteio.rangeio import ByteSource, RangeReader, ReadStats

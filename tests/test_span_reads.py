@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 import ucp_dcp.byteio.transfer as transfer
 from dist_utils import bit_equal
-from ucp_dcp.byteio.integrity import BlockHasher, BlockSums
-from ucp_dcp.byteio.blockverify import BlockVerifier, ChunkCheck
+from ucp_dcp.byteio.blocksums import BlockHasher, BlockSums
+from ucp_dcp.byteio.blocksums import BlockVerifier, ChunkCheck
 from ucp_dcp.byteio.rangeio import RangeReader
 from ucp_dcp.byteio.transfer import ChunkRegion, StagingBuffers, read_staged
 from ucp_dcp.core.sharding import Box

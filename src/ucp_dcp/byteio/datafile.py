@@ -50,8 +50,8 @@ from ..format import (
     st_dtype,
     value_entry_name,
 )
+from .blocksums import BlockHasher
 from .durable import remove_quietly, start_writeback, write_all
-from .integrity import BlockHasher
 
 __all__ = [
     "PLACEHOLDER",

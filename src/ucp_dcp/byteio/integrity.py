@@ -1,4 +1,4 @@
-"""Content checksums: of whole files, of chunks, and of every block of a chunk.
+"""Content checksums of whole chunks, values and files (block checksums: :mod:`.blocksums`).
 
 Three digests, for three jobs:
 
@@ -8,15 +8,9 @@ Three digests, for three jobs:
   :func:`~ucp_dcp.byteio.transfer.read_checked_many` for values, and
   :meth:`ucp_dcp.Checkpoint.verify` for everything.
 * xxh3-64 of every fixed-size block of every tensor chunk, also recorded at
-  save. A chunk's whole-entry digest can only be checked by a read of the
-  whole chunk, and a resharding load reads parts of chunks; so every data
-  file also records the digest of each ``block`` bytes of each tensor chunk
-  (blocks start at the chunk's first byte; the last may be shorter), and a
-  load checks exactly the blocks its reads touch
-  (:mod:`~ucp_dcp.byteio.blockverify`, the check side).
-  :class:`BlockHasher` computes them while
-  :class:`~ucp_dcp.byteio.datafile.DataFileWriter` writes the chunk, in
-  pieces of any size; :class:`BlockSums` holds one chunk's recorded sums.
+  save, so that a resharding load, which reads parts of chunks, can check
+  exactly the blocks its reads touch: :mod:`~ucp_dcp.byteio.blocksums`
+  computes, plans and checks them.
 * xxh3-128 of whole files (:func:`file_digest`, :func:`bytes_digest`), for
   manifests that let a copy of a checkpoint be checked file by file.
 
@@ -28,11 +22,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import cast
+from collections.abc import Sequence
 
-import numpy as np
 import torch
 import xxhash
 
@@ -49,8 +40,6 @@ __all__ = [
     "chunk_what",
     "chunk_mismatch",
     "ChunkVerifier",
-    "BlockSums",
-    "BlockHasher",
 ]
 
 # Large enough that the per-call overhead of read + hash vanishes, small
@@ -225,68 +214,3 @@ def chunk_mismatch(
     return ChecksumError(
         paths[location.file], chunk_what(fqn, offsets), location.xxh3, digest, ranks[location.file]
     )
-
-
-# ---------------------------------------------------------------- block sums
-
-# The same function, for numpy arrays (the rows of a 2-D view, hashed in place). Arrays have the
-# buffer protocol, but numpy's stubs declare it (``__buffer__``) only for Python 3.12+ and mypy
-# checks for 3.10; taking ``.data`` of every row instead would double the cost of hashing a block.
-_hash_array = cast("Callable[[np.ndarray], int]", xxhash.xxh3_64_intdigest)
-
-
-@dataclass(frozen=True, eq=False)
-class BlockSums:
-    """The recorded xxh3-64 of every ``block`` bytes of one saved chunk (``sums[k]``: block
-    ``k``)."""
-
-    block: int
-    sums: np.ndarray  # uint64, ceil(nbytes / block) of them
-
-
-class BlockHasher:
-    """The xxh3-64 of every ``block`` bytes of an ``nbytes``-long stream fed to :meth:`update` in
-    pieces of any size."""
-
-    def __init__(self, nbytes: int, block: int) -> None:
-        self.block = block
-        self.sums = np.zeros(-(-nbytes // block), dtype=np.uint64)
-        self._k = 0  # the block being filled
-        self._fill = 0  # its bytes hashed so far
-        self._partial: xxhash.xxh3_64 | None = None
-
-    def update(self, data: bytes | bytearray | memoryview) -> None:
-        """Hash the next ``len(data)`` bytes of the stream."""
-        view = memoryview(data).cast("B")
-        b, n, off = self.block, len(view), 0
-        if self._fill:
-            assert self._partial is not None
-            off = min(b - self._fill, n)
-            self._partial.update(view[:off])
-            self._fill += off
-            if self._fill < b:
-                return
-            self.sums[self._k] = self._partial.intdigest()
-            self._k, self._fill, self._partial = self._k + 1, 0, None
-        full = (n - off) // b
-        if full:
-            # The rows of a 2-D view: a quarter cheaper per block than slicing the memoryview.
-            rows = np.frombuffer(view, dtype=np.uint8, count=full * b, offset=off).reshape(full, b)
-            self.sums[self._k : self._k + full] = np.fromiter(
-                map(_hash_array, rows), np.uint64, full
-            )
-            self._k += full
-            off += full * b
-        if off < n:
-            self._partial = xxhash.xxh3_64(view[off:])
-            self._fill = n - off
-
-    def digests(self) -> np.ndarray:
-        """Every block's digest (call once the whole stream was fed)."""
-        if self._fill:
-            assert self._partial is not None
-            self.sums[self._k] = self._partial.intdigest()
-            self._k, self._fill, self._partial = self._k + 1, 0, None
-        if self._k != len(self.sums):
-            raise InvalidArgumentError(f"block hasher fed {self._k} of {len(self.sums)} blocks")
-        return self.sums

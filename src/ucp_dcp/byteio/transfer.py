@@ -22,7 +22,7 @@ chooses, region by region:
   :class:`StagingBuffers` sized for the largest.
 
 With ``verify``, every block a read touches is checked against the chunk's
-block checksums (:class:`~ucp_dcp.byteio.blockverify.BlockVerifier`), and a
+block checksums (:class:`~ucp_dcp.byteio.blocksums.BlockVerifier`), and a
 chunk without them against its whole checksum
 (:class:`~ucp_dcp.byteio.integrity.ChunkVerifier`: the destination's memory
 when it holds exactly the chunk, else the chunk read again), all before the
@@ -56,8 +56,8 @@ from ..core.sharding import Box
 from ..core.spans import prefer_span, region_starts, span_of, span_slabs
 from ..errors import InvalidArgumentTypeError
 from ..format import Location
-from .blockverify import BlockVerifier, ChunkCheck, read_verified
-from .integrity import HASH_BLOCK, BlockSums, ChecksumError, ChunkVerifier
+from .blocksums import BlockSums, BlockVerifier, ChunkCheck, read_verified
+from .integrity import HASH_BLOCK, ChecksumError, ChunkVerifier
 from .rangeio import MAX_REQUEST_BYTES, ByteSource, Extents, MappedSpan, Segment, storage_view
 
 __all__ = [
@@ -630,7 +630,7 @@ def read_staged(
     for this call alone and closed before returning, so that ``dest`` is
     complete on return. Memory stays bounded whatever the tensor size.
     With ``check``, every block each slab's read touches is checked in the
-    staging buffer (:mod:`~ucp_dcp.byteio.blockverify`). ``span``: whether
+    staging buffer (:mod:`~ucp_dcp.byteio.blocksums`). ``span``: whether
     to read it as spans, as :func:`staging_plan` decided (None: decide here).
     """
     part, dest = permuted(part, dest)

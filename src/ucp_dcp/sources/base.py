@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from ..byteio.integrity import BlockSums
+from ..byteio.blocksums import BlockSums
 from ..byteio.location import ModelDir, view_of
 from ..byteio.objrange import OBJECT_GAP_BYTES, ObjectRangeReader
 from ..byteio.objstore import ObjectStore, local_path

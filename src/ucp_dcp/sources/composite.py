@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TypeVar
 
-from ..byteio.integrity import BlockSums
+from ..byteio.blocksums import BlockSums
 from ..byteio.location import ModelDir
 from ..errors import CheckpointFormatError
 from ..format import FileRecord, Index, Location, TensorRecord, split_rank_local_key

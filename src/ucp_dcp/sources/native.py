@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import xxhash
 
-from ..byteio.integrity import BlockSums
+from ..byteio.blocksums import BlockSums
 from ..byteio.location import LocalDir, ModelDir, write_index
 from ..byteio.objrange import ObjectAccess, fetch_heads
 from ..byteio.rangeio import FileAccess, read_header

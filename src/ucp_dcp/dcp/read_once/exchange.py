@@ -46,8 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...byteio.blockverify import BlockVerifier, ChunkCheck
-from ...byteio.integrity import BlockSums
+from ...byteio.blocksums import BlockSums, BlockVerifier, ChunkCheck
 from ...byteio.rangeio import ByteSource, Segment, storage_view
 from ...byteio.transfer import ChunkRegion
 from ...core.boxes import runs
