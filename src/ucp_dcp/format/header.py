@@ -36,6 +36,7 @@ from .schema import (
     field_str,
     field_xxh3,
     is_index_list,
+    is_int,
     parse_json,
 )
 
@@ -269,12 +270,7 @@ def block_sums_record(
         return None
     e = entries.get(BLOCK_SUMS_ENTRY)
     block, digest = (bs.get("block"), bs.get("xxh3")) if isinstance(bs, dict) else (None, None)
-    if not (
-        isinstance(block, int)
-        and not isinstance(block, bool)
-        and 0 < block <= _MAX_BLOCK
-        and isinstance(digest, str)
-    ):
+    if not (is_int(block) and 0 < block <= _MAX_BLOCK and isinstance(digest, str)):
         raise CheckpointFormatError(f"{path}: malformed block_sums metadata {bs!r}")
     if e is None or e.st_dtype != "U64" or e.nbytes % 8:
         raise CheckpointFormatError(

@@ -24,6 +24,7 @@ __all__ = [
     "MAX_DIMS",
     "MAX_INT",
     "parse_json",
+    "is_int",
     "field_int",
     "field_str",
     "field_list",
@@ -60,10 +61,15 @@ def parse_json(raw: bytes | str, message: str, advice: str = "") -> Any:
         ) from None
 
 
+def is_int(v: Any) -> TypeGuard[int]:
+    """An int that is not a bool (``True`` is an ``int`` subclass, never a size, count or index)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def field_int(d: Any, k: str, where: str, lo: int = 0, hi: int = MAX_INT) -> int:
     """Integer field ``k`` of object ``d``, within ``[lo, hi]`` (booleans are not integers)."""
     v = d.get(k) if isinstance(d, dict) else None
-    if not isinstance(v, int) or isinstance(v, bool):
+    if not is_int(v):
         raise CheckpointFormatError(f"{where}: field {k!r} must be an integer, got {short_repr(v)}")
     if not lo <= v <= hi:
         raise CheckpointFormatError(f"{where}: field {k!r} is {short_repr(v)}, outside {lo}..{hi}")
@@ -208,10 +214,7 @@ def check_paths(doc: Any, where: str, keys: Collection[str]) -> dict[str, tuple[
         ok = (
             isinstance(path, list)
             and 0 < len(path) <= 64
-            and all(
-                isinstance(c, str) or (isinstance(c, int) and not isinstance(c, bool) and c >= 0)
-                for c in path
-            )
+            and all(isinstance(c, str) or (is_int(c) and c >= 0) for c in path)
         )
         if not ok or k not in keys or ".".join(map(str, path)) != k:
             raise CheckpointFormatError(f"{where}: {k!r}: malformed path {path!r}"[:300])

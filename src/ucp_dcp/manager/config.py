@@ -29,6 +29,7 @@ from typing import Any, Literal
 from ..byteio.requests import RequestPolicy
 from ..dcp import ReadOptions
 from ..errors import InvalidArgumentError
+from ..format.schema import is_int
 
 __all__ = [
     "CheckpointConfig",
@@ -232,7 +233,7 @@ class CheckpointConfig:
                 f"CheckpointConfig.read must be a ReadOptions, got {self.read!r}"
             )
         threads = self.read.io_threads
-        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        if not is_int(threads) or threads < 1:
             raise InvalidArgumentError(
                 f"CheckpointConfig.read.io_threads must be an int >= 1, got {threads!r}"
             )

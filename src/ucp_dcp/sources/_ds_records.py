@@ -18,6 +18,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from ..byteio.location import ModelDir, StoreDir
 from ..errors import CheckpointFormatError
+from ..format.schema import is_int
 from ._pickle import Inert, TensorRef, is_index_tuple
 from ._torch_archive import TorchArchive, read_torch_archive
 from ._zero_layout import Segment, zero12_segments
@@ -162,11 +163,11 @@ def read_model_states(path: str, folder: ModelDir | None = None) -> ModelStates:
     if not isinstance(buffers, list) or not all(isinstance(b, str) for b in buffers):
         raise CheckpointFormatError(f"{path}: 'buffer_names' is not a list of names")
     dp = sd.get("dp_world_size")
-    if dp is not None and not (isinstance(dp, int) and not isinstance(dp, bool) and dp > 0):
+    if dp is not None and not (is_int(dp) and dp > 0):
         raise CheckpointFormatError(f"{path}: dp_world_size {dp!r} is not a positive integer")
     dims = sd.get("checkpoint_parallel_dimensions")
     tp = dims.get("tp_degree") if isinstance(dims, dict) else None
-    if tp is not None and not (isinstance(tp, int) and not isinstance(tp, bool) and tp > 0):
+    if tp is not None and not (is_int(tp) and tp > 0):
         raise CheckpointFormatError(
             f"{path}: checkpoint_parallel_dimensions['tp_degree'] {tp!r} is not a positive integer"
         )
@@ -197,7 +198,7 @@ def read_layer_states(
 def _stage(v: Any, where: str) -> int:
     if isinstance(v, Inert) and v.qualname.endswith("ZeroStageEnum") and len(v.args) == 1:
         v = v.args[0]
-    if isinstance(v, int) and not isinstance(v, bool) and v in (1, 2, 3):
+    if is_int(v) and v in (1, 2, 3):
         return v
     raise CheckpointFormatError(f"{where}: zero_stage {v!r} is not 1, 2 or 3")
 

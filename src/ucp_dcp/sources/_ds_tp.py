@@ -54,6 +54,7 @@ from typing import Any
 from ..core.boxes import row_major_strides
 from ..core.sharding import Box, intersect
 from ..errors import CheckpointFormatError, InvalidArgumentError
+from ..format.schema import is_int
 from ._ds_merge import MergeOp
 
 __all__ = [
@@ -161,10 +162,6 @@ def _compiled(patterns: Any, what: str) -> tuple[str, ...]:
     return tuple(patterns)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _sub_params_entries(info: dict[str, Any], where: str) -> tuple[SubParams, ...]:
     """``parameter_with_sub_params`` (dicts of ``SubparamShape``'s fields, or its pickled
     record) with ``sub_param_shard_widths``, checked as ds_to_universal checks them."""
@@ -185,25 +182,25 @@ def _sub_params_entries(info: dict[str, Any], where: str) -> tuple[SubParams, ..
             )
         patterns = _compiled(fields["patterns"], f"{what} patterns")
         shape, dim = fields["shape"], fields["partition_dim"]
-        if not isinstance(shape, (list, tuple)) or not _is_int(dim) or not 0 <= dim < len(shape):
+        if not isinstance(shape, (list, tuple)) or not is_int(dim) or not 0 <= dim < len(shape):
             raise CheckpointFormatError(
                 f"{what}: shape {shape!r} with partition_dim {dim!r} is not a shape and one of "
                 "its dimensions"
             )
         spec = shape[dim]
         dims = [d for i_, d in enumerate(shape) if i_ != dim]
-        if not all(_is_int(d) and (d > 0 or d == -1) for d in dims):
+        if not all(is_int(d) and (d > 0 or d == -1) for d in dims):
             raise CheckpointFormatError(f"{what}: shape {shape!r} has a dimension not a size")
         if isinstance(spec, (list, tuple)):
             sizes = tuple(spec)
-        elif _is_int(spec) and spec > 0 and version < 0.4:
+        elif is_int(spec) and spec > 0 and version < 0.4:
             sizes = ()  # the number of equal sub-parameters: sized from the slices (see below)
         else:
             raise CheckpointFormatError(
                 f"{what}: shape[{dim}] {spec!r} is neither the sub-parameters' sizes nor (before "
                 "version 0.4) their number"
             )
-        if sizes and not all(_is_int(x) and x >= 0 for x in sizes):
+        if sizes and not all(is_int(x) and x >= 0 for x in sizes):
             raise CheckpointFormatError(f"{what}: sub-parameter sizes {list(sizes)} are not sizes")
         widths = None
         if version >= 0.4:
@@ -214,7 +211,7 @@ def _sub_params_entries(info: dict[str, Any], where: str) -> tuple[SubParams, ..
                     f"its patterns {list(patterns)}"
                 )
             if not isinstance(w[0], (list, tuple)) or not all(
-                isinstance(x, (list, tuple)) and all(_is_int(y) and y >= 0 for y in x) for x in w[0]
+                isinstance(x, (list, tuple)) and all(is_int(y) and y >= 0 for y in x) for x in w[0]
             ):
                 raise CheckpointFormatError(f"{what}: {_WIDTHS!r} {w[0]!r} is not a list of widths")
             widths = tuple(tuple(x) for x in w[0])
@@ -230,7 +227,7 @@ def _box(at: Any, shape: tuple[int, ...], of: tuple[int, ...]) -> Box | None:
     if not isinstance(at, (list, tuple)) or len(at) != 2:
         return None
     offset, strides = at
-    if not _is_int(offset) or not isinstance(strides, (list, tuple)) or len(strides) != len(of):
+    if not is_int(offset) or not isinstance(strides, (list, tuple)) or len(strides) != len(of):
         return None
     rm = row_major_strides(of)
     if any(s != r for s, r, n in zip(strides, rm, shape) if n > 1) or len(shape) != len(of):
@@ -548,7 +545,7 @@ def user_tp_rules(rules: Any) -> tuple[TPRule, ...]:
         except re.error as e:
             raise InvalidArgumentError(f"tp_rules: {text}: {e}") from None
         dim, size, groups = d.get("dim", 0), d.get("size", 0), d.get("groups")
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (dim, size)):
+        if not (is_int(dim) and is_int(size)):
             raise InvalidArgumentError(f"tp_rules: {text}: dim and size must be integers")
         if d["rule"] == "VocabPad" and (dim != 0 or size <= 0):
             raise InvalidArgumentError(
@@ -807,7 +804,7 @@ def tp_rules(info: Any, where: str, params: list[str], user: tuple[TPRule, ...] 
     if not isinstance(version, (int, float)) or isinstance(version, bool):
         raise CheckpointFormatError(f"{where}: {_INFO}[{_VERSION!r}] {version!r} is not a number")
     rows = info.get(_K["ORIGINAL_VOCAB_SIZE"])
-    if rows is not None and not (_is_int(rows) and rows > 0):
+    if rows is not None and not (is_int(rows) and rows > 0):
         raise CheckpointFormatError(
             f"{where}: {_INFO}['original_vocab_size'] {rows!r} is not a positive integer"
         )

@@ -53,6 +53,7 @@ import torch
 
 from .._compat import dtype_from_pickle_storage_type
 from ..errors import CheckpointFormatError
+from ..format.schema import is_int
 
 __all__ = [
     "ALLOWED",
@@ -150,7 +151,7 @@ class _Refused(CheckpointFormatError):
 
 def is_nonneg_int(x: Any) -> bool:
     """Whether ``x`` is an int >= 0 (and not a bool): a size, offset or stride."""
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    return is_int(x) and x >= 0
 
 
 def is_index_tuple(x: Any) -> bool:

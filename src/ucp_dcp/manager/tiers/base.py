@@ -18,7 +18,8 @@ from typing import Any
 from ...byteio.durable import fsync_path, replace_via_temp
 from ...byteio.location import LocalDir, ModelDir
 from ...errors import CheckpointFormatError, InvalidArgumentError
-from .marker import MARKER_FILE, CommitMarker, check_copy, check_name, is_int
+from ...format.schema import is_int
+from .marker import MARKER_FILE, CommitMarker, check_copy, check_name
 
 __all__ = ["Tier", "step_dir_name", "check_step", "check_token"]
 

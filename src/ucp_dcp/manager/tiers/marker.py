@@ -21,7 +21,7 @@ from typing import Any
 
 from ...byteio.integrity import file_digest
 from ...errors import CheckpointFormatError, InvalidArgumentError
-from ...format.schema import is_plain_file_name
+from ...format.schema import is_int, is_plain_file_name
 from ...tools.checkpoint import Checkpoint
 
 __all__ = [
@@ -39,11 +39,6 @@ MARKER_FORMAT = "ucp_dcp.commit"
 MARKER_VERSION = 1
 
 _HEX32_RE = re.compile(r"[0-9a-f]{32}\Z")
-
-
-def is_int(v: Any) -> bool:
-    """An int that is not a bool."""
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def check_name(name: Any, what: str) -> None:
