@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -370,15 +370,7 @@ def layout_file(
         rel.append(pos)
         layout.append(e)
         pos += e.nbytes
-    header: dict[str, Any] = {}
-    p = 0
-    for e in layout:
-        header[e.name] = {
-            "dtype": e.st_dtype,
-            "shape": list(e.shape),
-            "data_offsets": [p, p + e.nbytes],
-        }
-        p += e.nbytes
+    header = header_entries((e.name, e.st_dtype, e.shape, e.nbytes) for e in layout)
     header["__metadata__"] = {
         "ucp_dcp": json.dumps(
             {
@@ -397,9 +389,24 @@ def layout_file(
             separators=(",", ":"),
         )
     }
+    head = encode_header(header, align if pos else 8)
+    return head, [len(head) + r for r in rel], len(head) + pos
+
+
+def header_entries(entries: Iterable[tuple[str, str, Sequence[int], int]]) -> dict[str, Any]:
+    """A safetensors header's tensor entries for ``(name, dtype code, shape, nbytes)`` laid end to
+    end from the data section's first byte, in order."""
+    header: dict[str, Any] = {}
+    pos = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    return header
+
+
+def encode_header(header: dict[str, Any], align: int = 8) -> bytes:
+    """A safetensors header's bytes: the JSON's length (little-endian u64), then the JSON,
+    space-padded so that the data section after it starts on an ``align`` boundary."""
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    total = 8 + len(raw)
-    padded = -(-total // align) * align if pos else -(-total // 8) * 8
-    raw += b" " * (padded - total)
-    data_start = 8 + len(raw)
-    return struct.pack("<Q", len(raw)) + raw, [data_start + r for r in rel], data_start + pos
+    raw += b" " * (-(8 + len(raw)) % align)
+    return struct.pack("<Q", len(raw)) + raw

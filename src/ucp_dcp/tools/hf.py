@@ -36,7 +36,6 @@ import math
 import os
 import re
 import shutil
-import struct
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,7 +59,7 @@ from ..errors import (
     StorageError,
     UCPWarning,
 )
-from ..format import dtype_name, st_dtype
+from ..format import dtype_name, encode_header, header_entries, st_dtype
 from ..sources import checkpoint_exists
 from ..sources.hf import HF_CONFIG_FILES, HF_INDEX_NAME, HF_WEIGHTS_NAME
 from .checkpoint import Checkpoint
@@ -200,6 +199,7 @@ class _Planned:
     src: str  # name in the universal checkpoint
     name: str  # name in the Hugging Face files
     dtype: torch.dtype  # dtype written
+    st_dtype: str  # its safetensors code
     cast: torch.dtype | None  # dtype to read as (None: as saved)
     shape: tuple[int, ...]
     nbytes: int
@@ -293,12 +293,13 @@ def _plan_export(
             cast if cast is not None and rec.dtype.is_floating_point and rec.dtype != cast else None
         )
         out_dtype = to or rec.dtype
-        if st_dtype(out_dtype) is None:
+        code = st_dtype(out_dtype)
+        if code is None:
             raise InvalidArgumentError(
                 f"tensor {src!r} has dtype {dtype_name(out_dtype)}, which safetensors cannot store"
             )
         nbytes = math.prod(shape) * out_dtype.itemsize
-        planned.append(_Planned(src, name, out_dtype, to, shape, nbytes, part))
+        planned.append(_Planned(src, name, out_dtype, code, to, shape, nbytes, part))
     planned.sort(key=lambda p: _natural_key(p.name))
     return planned
 
@@ -320,19 +321,9 @@ def _shard(planned: list[_Planned], max_bytes: int) -> list[list[_Planned]]:
 
 
 def _st_header(entries: Iterable[_Planned]) -> bytes:
-    """A standard safetensors header: length, JSON (space-padded to 8 bytes)."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    pos = 0
-    for e in entries:
-        header[e.name] = {
-            "dtype": st_dtype(e.dtype),
-            "shape": list(e.shape),
-            "data_offsets": [pos, pos + e.nbytes],
-        }
-        pos += e.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
+    """A standard safetensors header (``__metadata__`` first, as safetensors writes it)."""
+    tensors = header_entries((e.name, e.st_dtype, e.shape, e.nbytes) for e in entries)
+    return encode_header({"__metadata__": {"format": "pt"}, **tensors})
 
 
 def _load_config(config: Any) -> tuple[dict[str, Any], list[str]]:
