@@ -160,7 +160,7 @@ def test_hostile_index_on_a_store(hf_dirs: dict[str, Path]) -> None:
     for bad in ("../" + shard, "/abs/" + shard, "sub/" + shard):
         hostile = {**index, "weight_map": {**index["weight_map"], key: bad}}
         store.put("model.safetensors.index.json", json.dumps(hostile).encode())
-        with pytest.raises(CheckpointFormatError, match="is not a plain file name inside the directory") as e:
+        with pytest.raises(CheckpointFormatError, match="file name .* is not a plain file name inside the checkpoint directory") as e:
             load_state_dict(url)
         assert str(e.value).startswith(f"{url}/model.safetensors.index.json: weight_map[{key!r}]"), str(e.value)
     store.put("model.safetensors.index.json", json.dumps(index).encode())

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 from ..errors import CheckpointFormatError, CheckpointWriteError, NotACheckpointError
 from ..format import INDEX_FILE, Index, PlannedEntry, index_bytes
 from ..format.header import RandomAccess
-from ..format.schema import is_plain_file_name
+from ..format.schema import check_relative_name
 from .datafile import DataFileWriter, stream_data_file
 from .durable import atomic_write
 from .objrange import ObjectAccess
@@ -42,7 +42,6 @@ __all__ = [
     "ModelDir",
     "LocalDir",
     "StoreDir",
-    "plain_file_name",
     "open_location",
     "location_at",
     "view_of",
@@ -89,16 +88,6 @@ class _Counted:
         n: int = self.out.write(data)
         self.progress.add(memoryview(data).nbytes)
         return n
-
-
-def plain_file_name(name: Any, where: str) -> str:
-    """``name`` if it names a file directly inside a directory (no path, no ``..``); else an error
-    naming ``where``."""
-    if not is_plain_file_name(name):
-        raise CheckpointFormatError(
-            f"{where}: file name {name!r} is not a plain file name inside the directory"
-        )
-    return name
 
 
 class ModelDir(ABC):
@@ -168,7 +157,8 @@ class ModelDir(ABC):
 
     @abstractmethod
     def child(self, name: str) -> ModelDir:
-        """The view of subfolder ``name`` (a plain name, checked by :func:`plain_file_name`)."""
+        """The view of subfolder ``name`` (a plain name, checked by
+        :func:`~ucp_dcp.format.schema.check_relative_name`)."""
 
     @abstractmethod
     def is_dir(self) -> bool:
@@ -273,7 +263,9 @@ class LocalDir(ModelDir):
 
     def child(self, name: str) -> LocalDir:
         """The subdirectory ``name``."""
-        return LocalDir(os.path.join(self.where, plain_file_name(name, self.where)))
+        return LocalDir(
+            os.path.join(self.where, check_relative_name(name, self.where, "folder name"))
+        )
 
     def is_dir(self) -> bool:
         """``os.path.isdir``."""
@@ -417,7 +409,7 @@ class StoreDir(ModelDir):
         s = self.store
         return StoreDir(
             ObjectStore(
-                s.url_of(self._name(plain_file_name(name, self.where))),
+                s.url_of(self._name(check_relative_name(name, self.where, "folder name"))),
                 s.storage_options,
                 requests=s.requests,
             )

@@ -165,17 +165,18 @@ def is_plain_file_name(name: Any) -> TypeGuard[str]:
     )
 
 
-def check_relative_name(name: str, where: str) -> None:
-    """Refuse a data-file name that is absolute, has a path separator, is ``.``/``..`` or holds a
-    NUL.
+def check_relative_name(name: Any, where: str, what: str = "data file name") -> str:
+    """``name`` if it is a plain file name (:func:`is_plain_file_name`); else an error naming
+    ``where`` and ``what``.
 
     A hostile index must not make the reader open files outside the checkpoint.
     """
     if not is_plain_file_name(name):
         raise CheckpointFormatError(
-            f"{where}: data file name {name!r} is absolute or leaves the checkpoint directory; "
-            "only plain file names inside the checkpoint are allowed"
+            f"{where}: {what} {name!r} is not a plain file name inside the checkpoint directory "
+            "(it is absolute, holds a path separator or a NUL, or is '.' or '..')"
         )
+    return name
 
 
 def check_tensor_bytes(

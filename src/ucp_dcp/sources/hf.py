@@ -23,7 +23,7 @@ import errno
 import os
 import re
 
-from ..byteio.location import ModelDir, plain_file_name, view_of
+from ..byteio.location import ModelDir, view_of
 from ..byteio.objrange import ObjectAccess
 from ..byteio.rangeio import read_safetensors
 from ..core.sharding import Box
@@ -36,7 +36,7 @@ from ..format import (
     TensorRecord,
     dtype_from_st,
 )
-from ..format.schema import parse_json
+from ..format.schema import check_relative_name, parse_json
 from .base import Source, SourceOptions, register
 
 __all__ = [
@@ -131,7 +131,7 @@ def _from_index(d: ModelDir, index_name: str) -> tuple[list[str], dict[str, str]
         raise CheckpointFormatError(f"{path}: the weight_map is empty")
     files: list[str] = []
     for key, name in wm.items():
-        plain_file_name(name, f"{path}: weight_map[{key!r}]")
+        check_relative_name(name, f"{path}: weight_map[{key!r}]", "file name")
         if name not in files:
             files.append(name)
     for name in files:
