@@ -46,8 +46,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from ..byteio.progress import size_bytes
-from ..errors import CLIError, StorageError
+from ..errors import CLIError, InvalidArgumentError, StorageError
 from ._cli_commands import (
     _HF_DTYPES,
     EXIT_ERROR,
@@ -65,6 +64,7 @@ from ._cli_commands import (
     format_inspection,
     in_cli_words,
 )
+from .hf import parse_size as hf_parse_size
 
 __all__ = [
     "main",
@@ -187,13 +187,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_size(text: str) -> int:
-    """Bytes in ``'5GB'`` (decimal, as Hugging Face counts), ``'512MiB'`` (binary) or ``'1000'``."""
-    n = size_bytes(text)
-    if n is None:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}; write e.g. 5GB, 500MB or 2GiB")
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be at least 1 byte")
-    return n
+    """Bytes in ``'5GB'`` (decimal, as Hugging Face counts), ``'512MiB'`` (binary) or ``'1000'``:
+    :func:`~ucp_dcp.tools.hf.parse_size`, its error as argparse's."""
+    try:
+        return hf_parse_size(text)
+    except InvalidArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _rename_rule(text: str) -> tuple[str, str]:

@@ -109,12 +109,14 @@ def parse_size(size: int | str) -> int:
         parsed = size_bytes(size)
         if parsed is None:
             raise InvalidArgumentError(
-                f"max_shard_size {size!r} is not a size: use bytes or a number with KB, MB, GB, TB "
-                "(powers of 1000, as Hugging Face) or KiB, MiB, GiB, TiB"
+                f"invalid size {size!r} for max_shard_size: write bytes or a number with KB, MB, "
+                "GB, TB (powers of 1000, as Hugging Face) or KiB, MiB, GiB, TiB"
             )
         value = parsed
     if value <= 0:
-        raise InvalidArgumentError(f"max_shard_size must be positive, got {size!r}")
+        raise InvalidArgumentError(
+            f"invalid size {size!r} for max_shard_size: must be at least 1 byte"
+        )
     return value
 
 
