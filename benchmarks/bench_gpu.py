@@ -85,7 +85,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-import ucp_dcp.byteio.transfer as ucp_engine
+import ucp_dcp.byteio.engine as ucp_engine
 from harness import (
     GB,
     Column,

@@ -43,7 +43,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPStorageReader
 from ucp_dcp.byteio.rangeio import RangeReader
-from ucp_dcp.byteio.rangeio import Segment
+from ucp_dcp.byteio.segments import Segment
 torch.set_num_threads(1)
 ckpt, blob, calls, variant = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 opts = {}

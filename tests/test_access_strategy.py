@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from dist_utils import bit_equal
 from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.byteio.rangeio import RangeReader
-from ucp_dcp.byteio.rangeio import Segment
+from ucp_dcp.byteio.segments import Segment
 from ucp_dcp.core.spans import EXACT, READ_AHEAD_BYTES, SEQUENTIAL, file_access
 from ucp_dcp.errors import InvalidArgumentError
 

@@ -57,7 +57,7 @@ from ucp_dcp import (
 from ucp_dcp.byteio.blocksums import BlockHasher
 from ucp_dcp.errors import InvalidArgumentError
 from ucp_dcp.byteio.rangeio import HOOKED_REQUEST_BYTES, RangeReader
-from ucp_dcp.byteio.rangeio import Segment
+from ucp_dcp.byteio.segments import Segment
 from ucp_dcp.core.pieces import Piece, TensorPieces
 from ucp_dcp.byteio.rangeio import read_header
 from ucp_dcp.format import BLOCK_SUMS_ENTRY

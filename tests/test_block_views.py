@@ -39,7 +39,7 @@ from ucp_dcp.byteio.blocksums import (
     read_verified,
 )
 from ucp_dcp.byteio.rangeio import ReadStats
-from ucp_dcp.byteio.rangeio import Segment
+from ucp_dcp.byteio.segments import Segment
 from ucp_dcp.core.sharding import Box
 from ucp_dcp.errors import InvalidArgumentError
 from ucp_dcp.format import Location

@@ -28,7 +28,7 @@ from stall import deadline_error, stall_reads_of
 
 from ucp_dcp import RequestPolicy
 from ucp_dcp.byteio.rangeio import RangeReader
-from ucp_dcp.byteio.rangeio import Segment
+from ucp_dcp.byteio.segments import Segment
 from ucp_dcp.errors import StorageError
 
 FAST = RequestPolicy(attempts=1, deadline_floor_s=0.3, deadline_cap_s=0.5)
@@ -88,7 +88,7 @@ sys.path.insert(0, {tests!r})
 from stall import stall_reads_of
 from ucp_dcp import RequestPolicy
 from ucp_dcp.byteio.rangeio import RangeReader
-from ucp_dcp.byteio.rangeio import Segment
+from ucp_dcp.byteio.segments import Segment
 from ucp_dcp.errors import StorageError
 d = {d!r}
 open(os.path.join(d, "f"), "wb").write(bytes(1 << 16))

@@ -32,7 +32,7 @@ from ucp_dcp import (RequestPolicy, UCPLoadPlanner, UCPSavePlanner, UCPStorageRe
                      load_state_dict)
 from ucp_dcp.byteio.objrange import ObjectRangeReader
 from ucp_dcp.byteio.objstore import ObjectStore, is_url, local_path
-from ucp_dcp.byteio.rangeio import Segment
+from ucp_dcp.byteio.segments import Segment
 from ucp_dcp.errors import CheckpointFormatError, StorageError, TruncatedFileError, unwrap
 from ucp_dcp.sources import formats_looked_for
 from ucp_dcp import ReadOptions

@@ -1,4 +1,4 @@
-"""The chunk-read engine (ucp_dcp.byteio.transfer.ChunkReads) on its own: bit-exact regions of
+"""The chunk-read engine (ucp_dcp.byteio.engine.ChunkReads) on its own: bit-exact regions of
 saved chunks under the direct and the staged path, unverified, block-verified and checked
 against whole-chunk checksums; the bytes it asks its ByteSource for; callbacks after the
 checks; a damaged needed byte caught; the byte view of a destination's storage it reads into."""
@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from dist_utils import bit_equal
 from test_span_reads import _full
 from ucp_dcp.byteio.blocksums import BlockHasher, BlockSums
-from ucp_dcp.byteio.transfer import ChunkReads
+from ucp_dcp.byteio.engine import ChunkReads
 from ucp_dcp.byteio.objrange import ObjectRangeReader
 from ucp_dcp.byteio.rangeio import ByteSource, RangeReader, ReadStats
-from ucp_dcp.byteio.rangeio import Segment
+from ucp_dcp.byteio.segments import Segment
 from ucp_dcp.byteio.transfer import ChunkRegion
 from ucp_dcp.core.sharding import Box
 from ucp_dcp.errors import ChecksumError

@@ -24,7 +24,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ucp_dcp.format import RunList, decode_runs, encode_runs
 from ucp_dcp.byteio.rangeio import RangeReader
-from ucp_dcp.byteio.rangeio import Segment
+from ucp_dcp.byteio.segments import Segment
 from ucp_dcp.core.boxes import Run, row_major_strides, runs, slabs
 from ucp_dcp.core.sharding import (
     Box,

@@ -316,7 +316,7 @@ def test_dcp_load_reads_a_narrow_column_slice_as_spans_and_checks_it(tmp_path: A
         made.append(StagingBuffers(*args, **kwargs))
         return made[-1]
 
-    import ucp_dcp.byteio.transfer as engine_module
+    import ucp_dcp.byteio.engine as engine_module
 
     monkeypatch.setattr(engine_module, "StagingBuffers", spy)
     shape = (512, 2048)

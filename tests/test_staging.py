@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import ucp_dcp.byteio.transfer as ucp_engine
+import ucp_dcp.byteio.engine as ucp_engine
 from dist_utils import bit_equal
 from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.tools.checkpoint import Checkpoint

@@ -52,7 +52,8 @@ from ..core.sharding import Box
 from ..errors import ChecksumError, InvalidArgumentError
 from ..format import Location
 from .integrity import chunk_mismatch, chunk_what
-from .rangeio import HOOKED_REQUEST_BYTES, ByteSource, Segment, storage_view
+from .rangeio import HOOKED_REQUEST_BYTES, ByteSource, storage_view
+from .segments import Segment
 
 __all__ = [
     "BlockSums",

@@ -29,7 +29,8 @@ import xxhash
 
 from ..errors import ChecksumError, InvalidArgumentError, StorageError
 from ..format import Location
-from .rangeio import ByteSource, Segment, tensor_view
+from .rangeio import ByteSource, tensor_view
+from .segments import Segment
 
 __all__ = [
     "HASH_BLOCK",

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from .objstore import ObjectStore
-from .rangeio import MAX_REQUEST_BYTES, ByteSource, ReadStats, Request, Segment, coalesce
+from .rangeio import MAX_REQUEST_BYTES, ByteSource, ReadStats
+from .segments import Request, Segment, coalesce
 
 __all__ = [
     "ObjectAccess",
@@ -196,7 +197,7 @@ class ObjectRangeReader(ByteSource):
 
     def plan(self, segments: Sequence[Segment]) -> list[Request]:
         """Coalesce ``segments`` into requests (exposed for tests):
-        :func:`~ucp_dcp.byteio.rangeio.coalesce`.
+        :func:`~ucp_dcp.byteio.segments.coalesce`.
 
         Unlike a file's, a request's size is not cut down for segments with
         callbacks, nor its pieces counted: each cut would cost a round trip.

@@ -1,19 +1,15 @@
 """The byte-range reader: exact offset reads straight into memory.
 
-Callers describe what they need as :class:`Segment`\\ s: a byte
+Callers describe what they need as :class:`~ucp_dcp.byteio.segments.Segment`\\ s: a byte
 range of a file and a writable buffer of the same length (usually a slice of the destination
 tensor's own storage). The reader sorts them per file, merges neighbours into ``os.preadv``
-calls (:func:`coalesce`) (one system call fills many buffers;
+calls (:func:`~ucp_dcp.byteio.segments.coalesce`) (one system call fills many buffers;
 gaps up to ``gap_bytes`` between them are read into a scratch buffer rather
 than split into another call, since the page holding them is fetched
 anyway), splits large ranges so several threads share them, and runs the
 calls on I/O threads (``preadv`` releases the GIL). Every call has a deadline, kept by the
 thread that waits for them (:mod:`~ucp_dcp.byteio.workers`): a read blocked in the kernel fails
 the load naming the file, the byte range and the rank instead of holding it forever.
-
-How segments become requests (:func:`coalesce`, :func:`spread`) is pure arithmetic on offsets
-and buffers, shared with the object reader (:mod:`~ucp_dcp.byteio.objrange`), whose requests
-are ranged GETs instead of system calls.
 
 Each file is read one of two ways, chosen once per load by
 :meth:`RangeReader.plan_access` from every byte range the load will read
@@ -48,8 +44,7 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -65,13 +60,10 @@ from ..format.header import (
 )
 from .progress import Progress
 from .requests import RequestPolicy
+from .segments import Request, Segment, coalesce, spread
 from .workers import Abandoned, IOWorkers
 
 __all__ = [
-    "Segment",
-    "Request",
-    "coalesce",
-    "spread",
     "ByteSource",
     "MappedSpan",
     "FileHandles",
@@ -89,153 +81,6 @@ __all__ = [
     "read_header",
     "read_safetensors",
 ]
-
-_BY_POSITION = itemgetter(0, 1)
-
-try:
-    _IOV_MAX = os.sysconf("SC_IOV_MAX")
-except (ValueError, OSError, AttributeError):
-    _IOV_MAX = 1024
-_IOV_MAX = max(16, min(_IOV_MAX, 1024))
-
-
-class Segment(NamedTuple):
-    """``len(dest)`` bytes at ``offset`` of file number ``file`` go into ``dest``.
-
-    ``done``, if given, is called on an I/O thread as ``done(n)`` once the
-    whole segment has been read, ``n`` being the number of segments sharing
-    that callback which the call completed (segments coalesced into one
-    ``preadv`` report together); an exception it raises fails the read. A
-    named tuple rather than a dataclass: strided loads make tens of
-    thousands of them, and tuples are the cheapest record to build.
-    """
-
-    file: int
-    offset: int
-    dest: memoryview
-    done: Callable[[int], None] | None = None
-
-
-@dataclass
-class Request:
-    """One call: ``nbytes`` bytes of file number ``file`` at ``offset`` into ``bufs`` (gaps into
-    scratch), and the callbacks to run once it is done (each with how many of its segments this
-    request completed)."""
-
-    file: int
-    offset: int
-    bufs: list[memoryview]
-    nbytes: int
-    done: list[list[Any]] | None = None  # [callback, segments of this request that carry it]
-
-    @property
-    def start(self) -> int:
-        """The first byte the request reads (``offset``)."""
-        return self.offset
-
-    @property
-    def end(self) -> int:
-        """The byte just past the request."""
-        return self.offset + self.nbytes
-
-
-class _AfterAll:
-    """Calls ``fn(1)`` once it has been called ``n`` times (from any threads): a segment split into
-    ``n`` requests."""
-
-    def __init__(self, n: int, fn: Callable[[int], None]) -> None:
-        self.n = n
-        self.fn = fn
-        self._lock = threading.Lock()
-
-    def __call__(self, parts: int) -> None:
-        with self._lock:
-            self.n -= parts
-            last = self.n == 0
-        if last:
-            self.fn(1)
-
-
-def coalesce(
-    segments: Sequence[Segment],
-    *,
-    gap_bytes: int,
-    max_request: int,
-    hooked_request: int,
-    scratch: memoryview,
-    max_bufs: int = _IOV_MAX,
-) -> list[Request]:
-    """``segments`` coalesced into requests, in file and offset order.
-
-    Neighbours at most ``gap_bytes`` apart share a request, the gap landing
-    in ``scratch`` (at least ``gap_bytes`` long); a request holds at most
-    ``max_request`` bytes (``hooked_request`` once a segment with a ``done``
-    callback is in it) and ``max_bufs`` buffers; a longer segment is split,
-    its callback running after its last part.
-    """
-    reqs: list[Request] = []
-    cur: Request | None = None
-    for s in sorted(segments, key=_BY_POSITION):
-        n = len(s.dest)
-        if n == 0:
-            if s.done is not None:
-                raise InvalidArgumentError("an empty segment cannot carry a done callback")
-            continue
-        if cur is not None and cur.file == s.file:
-            gap = s.offset - (cur.offset + cur.nbytes)
-            limit = max_request if s.done is None and not cur.done else hooked_request
-            if (
-                0 <= gap <= gap_bytes
-                and cur.nbytes + gap + n <= limit
-                and len(cur.bufs) + 2 <= max_bufs
-            ):
-                if gap:
-                    cur.bufs.append(scratch[:gap])
-                cur.bufs.append(s.dest)
-                cur.nbytes += gap + n
-                if s.done is not None:
-                    if cur.done and cur.done[-1][0] is s.done:
-                        cur.done[-1][1] += 1
-                    else:
-                        cur.done = [*(cur.done or ()), [s.done, 1]]
-                continue
-        # A range larger than one request is split so threads share it.
-        off, dest = s.offset, s.dest
-        done = s.done
-        if done is not None and n > max_request:
-            done = _AfterAll(-(-n // max_request), done)
-        while len(dest) > max_request:
-            reqs.append(
-                Request(
-                    s.file,
-                    off,
-                    [dest[:max_request]],
-                    max_request,
-                    None if done is None else [[done, 1]],
-                )
-            )
-            off += max_request
-            dest = dest[max_request:]
-        cur = Request(s.file, off, [dest], len(dest), None if done is None else [[done, 1]])
-        reqs.append(cur)
-    return reqs
-
-
-def spread(reqs: list[Request], n: int) -> list[list[Request]]:
-    """Split ``reqs`` into at most ``n`` runs of consecutive requests of similar byte totals."""
-    if n <= 1 or len(reqs) <= 1:
-        return [reqs]
-    target = sum(r.nbytes for r in reqs) / n
-    out: list[list[Request]] = [[]]
-    acc = 0
-    for r in reqs:
-        if acc >= target and len(out) < n:
-            out.append([])
-            acc = 0
-        out[-1].append(r)
-        acc += r.nbytes
-    return out
-
 
 Extents = Mapping[int, tuple[np.ndarray, np.ndarray]]
 """Every byte range a load will read, per file number: ``(starts, lengths)`` arrays."""
@@ -426,7 +271,7 @@ class ByteSource(Protocol):
     :class:`~ucp_dcp.byteio.objrange.ObjectRangeReader` objects with ranged
     requests; another way to obtain the bytes (a per-file access strategy,
     bytes shared between ranks) is one more class with these four members,
-    and every read path (:mod:`~ucp_dcp.byteio.transfer`, staging, spans,
+    and every read path (:mod:`~ucp_dcp.byteio.engine`, staging, spans,
     verification) works with it unchanged.
     """
 

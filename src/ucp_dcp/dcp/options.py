@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..byteio.engine import ReadTotals
 from ..byteio.progress import ProgressConfig
 from ..byteio.rangeio import IO_THREADS, MAX_REQUEST_BYTES, ByteSource, ReadStats, check_access
 from ..byteio.requests import RequestPolicy
-from ..byteio.transfer import ReadTotals
 from ..errors import InvalidArgumentError
 from ..sources import Source, SourceOptions, open_source
 from ..sources.distcp import DCP_VALUES_MODES

@@ -44,9 +44,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ..byteio.engine import ChunkReads
 from ..byteio.progress import Progress
 from ..byteio.rangeio import ByteSource
-from ..byteio.transfer import ChunkReads, ChunkRegion, extents, needs_staging
+from ..byteio.transfer import ChunkRegion, extents, needs_staging
 from ..core.sharding import Box
 from ..core.values import decode_value
 from ..errors import InvalidArgumentError

@@ -28,7 +28,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from ..byteio.rangeio import ByteSource, Extents, Segment
+from ..byteio.rangeio import ByteSource, Extents
+from ..byteio.segments import Segment
 from ..core.boxes import row_major_strides
 from ..core.sharding import Box
 from ..errors import CheckpointFormatError

@@ -72,7 +72,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..byteio.location import LocalDir, ModelDir
-from ..byteio.rangeio import ByteSource, FileHandles, ReadStats, Segment, storage_view
+from ..byteio.rangeio import ByteSource, FileHandles, ReadStats, storage_view
+from ..byteio.segments import Segment
 from ..core.sharding import Box
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError, DCPValueError, InvalidArgumentError

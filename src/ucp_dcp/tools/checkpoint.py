@@ -25,10 +25,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..adapters.layout_spec import LayoutSpec
+from ..byteio.engine import ChunkReads
 from ..byteio.integrity import HASH_BLOCK, chunk_what, hash_range
 from ..byteio.progress import ProgressFn
 from ..byteio.rangeio import ByteSource
-from ..byteio.transfer import ChunkReads, ChunkRegion
+from ..byteio.transfer import ChunkRegion
 from ..core.placement_digest import box_share, digest_hex
 from ..core.sharding import Box
 from ..core.values import decode_value

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 
 from ..byteio.datafile import DataFileWriter, chunk_entry, value_entry
+from ..byteio.engine import ChunkReads
 from ..byteio.location import commit_index
 from ..byteio.objstore import is_url, local_path
 from ..byteio.progress import ProgressFn
 from ..byteio.rangeio import storage_view, tensor_view
-from ..byteio.transfer import ChunkReads, ChunkRegion
+from ..byteio.transfer import ChunkRegion
 from ..core.boxes import slabs
 from ..core.sharding import Box
 from ..dcp.options import ReadOptions

@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 
 from ...byteio.blocksums import BlockSums, BlockVerifier, ChunkCheck
-from ...byteio.rangeio import ByteSource, Segment, storage_view
+from ...byteio.rangeio import ByteSource, storage_view
+from ...byteio.segments import Segment
 from ...byteio.transfer import ChunkRegion
 from ...core.boxes import runs
 from ...errors import ReadOnceError
