@@ -39,9 +39,7 @@ from dataclasses import dataclass, replace
 from ..byteio.location import ModelDir
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex
-from ._ds_files import (
-    DSFiles,
-)
+from ._ds_files import DSFiles
 from ._ds_records import (
     ModelStates,
     RankOptim,
