@@ -33,11 +33,23 @@ def test_whole_file_in_pieces_is_sequential() -> None:
 
 
 def test_column_pieces_are_exact() -> None:
-    """One rank reading every 4th 1000-byte piece of 4000-byte rows (a column shard) reads exactly:
-    read-ahead would pull in the three other ranks' pieces of every row."""
+    """One rank reading every 4th 4000-byte piece of 16000-byte rows (a column shard) reads
+    exactly: read-ahead would pull in the pages of the three other ranks' pieces of every row."""
+    rows = 4096
+    starts = [r * 16000 + 4000 for r in range(rows)]
+    assert file_access(starts, [4000] * rows, rows * 16000) == EXACT
+
+
+def test_column_pieces_narrower_than_a_page_stream() -> None:
+    """Every 4th 1000-byte piece of 4000-byte rows: every page of the file holds a needed byte,
+    so an exact read asks storage for the same pages a stream does, and the stream wins (the
+    kernel's read-ahead, no announcement per read)."""
     rows = 4096
     starts = [r * 4000 + 1000 for r in range(rows)]
-    assert file_access(starts, [1000] * rows, rows * 4000) == EXACT
+    assert file_access(starts, [1000] * rows, rows * 4000) == SEQUENTIAL
+    # Waste is counted in whole pages: one page between 4 KiB pieces is too much.
+    starts = [r * 8192 for r in range(rows)]
+    assert file_access(starts, [4096] * rows, rows * 8192) == EXACT
 
 
 def test_long_stretches_are_sequential_short_ones_exact() -> None:
@@ -83,17 +95,19 @@ def test_covering_the_file_is_sequential(ranges: list[tuple[int, int]], size: in
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 1 << 16), st.integers(2, 64), st.integers(1, 4096))
 def test_scattered_short_runs_are_exact(length: int, every: int, rows: int) -> None:
-    """Runs of ``length`` bytes, one per row of ``every`` runs, with three times their length or a
-    whole read-ahead window between them, are read exactly."""
+    """Runs of ``length`` bytes, one per row of ``every`` runs, with whole pages (a quarter of
+    their length or a whole read-ahead window) between them, are read exactly."""
     row = length * every
-    assume(min(row - length, READ_AHEAD_BYTES) > 0.25 * length)
+    # The whole pages between two runs: their gap less at most a partial page at each end.
+    assume(min(row - length - 2 * 4096, READ_AHEAD_BYTES) > 0.25 * length)
     starts = [r * row for r in range(rows)]
     assert file_access(starts, [length] * rows, rows * row) == EXACT
 
 
 def test_extents_of_chunk_regions() -> None:
     """The ranges a plan needs come from its regions: a column shard of a chunk of 4000-byte rows
-    is a 1000-byte run per row (exact), the whole chunk one run (sequential), per file."""
+    is a 1000-byte run per row (every page holds one: sequential, as the whole chunk, one run),
+    per file."""
     from ucp_dcp.byteio.transfer import ChunkRegion, extents
     from ucp_dcp.core.sharding import Box
     from ucp_dcp.format import Location
@@ -105,7 +119,7 @@ def test_extents_of_chunk_regions() -> None:
     assert ext[0][0].tolist() == [64 + r * 4000 + 1000 for r in range(rows)]
     assert set(ext[0][1].tolist()) == {1000}
     assert ext[1][0].tolist() == [0] and ext[1][1].tolist() == [rows * 4000]
-    assert file_access(*ext[0], 64 + rows * 4000) == EXACT
+    assert file_access(*ext[0], 64 + rows * 4000) == SEQUENTIAL
     assert file_access(*ext[1], rows * 4000) == SEQUENTIAL
 
 
@@ -125,9 +139,9 @@ def _files(tmp_path: Path, sizes: list[int]) -> tuple[list[str], list[bytes]]:
 def test_plan_access_per_file_and_override(tmp_path: Path) -> None:
     """One file read whole streams, one read in column pieces stays exact; a mode overrides both;
     an unknown mode is refused naming it and the accepted ones."""
-    paths, _ = _files(tmp_path, [64 * 1024, 4000 * 64])
+    paths, _ = _files(tmp_path, [64 * 1024, 16000 * 64])
     whole = (np.array([0, 1000]), np.array([1000, 63 * 1024]))
-    pieces = (np.arange(64) * 4000 + 1000, np.full(64, 1000))
+    pieces = (np.arange(64) * 16000 + 4000, np.full(64, 4000))
     with RangeReader(paths) as r:
         assert r.plan_access({0: whole, 1: pieces}) == {0: SEQUENTIAL, 1: EXACT}
         assert r.plan_access({0: whole, 1: pieces}, "exact") == {0: EXACT, 1: EXACT}

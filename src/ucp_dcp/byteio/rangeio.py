@@ -16,9 +16,10 @@ Each file is read one of two ways, chosen once per load by
 there (:func:`~ucp_dcp.core.spans.file_access`): *exact* (the file opened
 with ``POSIX_FADV_RANDOM``, each request announced with
 ``POSIX_FADV_WILLNEED`` a window ahead: scattered pieces, no page pulled in
-that holds no needed byte) or *sequential* (a file read whole or in long
-stretches: each thread streams one stretch in order through its own
-descriptor with the kernel's read-ahead, no hints).
+that holds no needed byte) or *sequential* (a file read whole, in long
+stretches, or in pieces that leave no page out: each thread streams one
+stretch in order through its own descriptor with the kernel's read-ahead,
+no hints).
 
 It never allocates per-read memory: the scratch buffer for gaps is
 ``gap_bytes`` long and shared. A segment may carry a ``done`` callback, run

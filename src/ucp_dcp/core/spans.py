@@ -275,6 +275,7 @@ def file_access(
     *,
     window: int = READ_AHEAD_BYTES,
     max_waste: float = 0.25,
+    page: int = 4096,
 ) -> str:
     """How a rank should read one file, given every byte range ``[start, start + length)`` it
     plans to read there: :data:`SEQUENTIAL` or :data:`EXACT`.
@@ -283,11 +284,15 @@ def file_access(
     ascending order. Read as a stream, the kernel may read ahead past each
     run's end by up to ``window`` bytes, but never past the next run's start
     (those bytes are needed anyway) or the file's end: that overshoot is
-    the waste of reading the file sequentially. Sequential wins when the
-    waste is at most ``max_waste`` of the bytes needed: a file read whole or
-    in long stretches (a restart on the same layout); scattered pieces (a
-    column shard: a short run per row, the rest of each row other ranks')
-    stay exact. No ranges at all: exact (nothing to stream).
+    the waste of reading the file sequentially. It is counted in whole
+    pages of ``page`` bytes: storage hands over pages, and an exact read of part of a page
+    reads all of it, so the rest of a page that holds a needed byte is read
+    either way. Sequential wins when the waste is at most ``max_waste`` of
+    the bytes needed: a file read whole or in long stretches (a restart on
+    the same layout), or in pieces that leave no page out (a column shard of
+    rows narrower than a page); pieces with whole pages between them (a
+    column shard of wide rows: a short run per row, the rest of each row
+    other ranks') stay exact. No ranges at all: exact (nothing to stream).
     """
     s = np.asarray(starts, dtype=np.int64).reshape(-1)
     n = np.asarray(lengths, dtype=np.int64).reshape(-1)
@@ -304,6 +309,11 @@ def file_access(
     run_starts = s[idx]
     run_ends = ends[np.r_[idx[1:] - 1, s.size - 1]]
     needed = int((run_ends - run_starts).sum())
-    following = np.r_[run_starts[1:], max(int(file_size), int(run_ends[-1]))]
-    waste = int(np.minimum(window, following - run_ends).sum())
+    # The pages of each run, and the whole pages from its last to the next run's first (or to
+    # the file's end): what read-ahead can pull in that no needed byte is on.
+    first_pages = run_starts // page * page
+    past_pages = -(-run_ends // page) * page
+    end = -(-max(int(file_size), int(run_ends[-1])) // page) * page
+    following = np.r_[first_pages[1:], end]
+    waste = int(np.minimum(window, np.maximum(following - past_pages, 0)).sum())
     return SEQUENTIAL if waste <= max_waste * needed else EXACT

@@ -80,8 +80,9 @@ class ReadOptions:
             naming the file, the byte range and the rank.
         access: how each local data file is read, chosen once per load from every byte range
             the rank's plan reads there: ``"auto"`` (the default) streams a file the rank reads
-            whole or in long stretches (``"sequential"``: the kernel's read-ahead, in-order
-            requests, one stretch per thread) and reads scattered pieces exactly (``"exact"``:
+            whole, in long stretches or in pieces that leave no page out (``"sequential"``: the
+            kernel's read-ahead, in-order requests, one stretch per thread) and reads pieces with
+            whole pages between them exactly (``"exact"``:
             no read-ahead, each request announced to the kernel ahead of reading it; see
             :func:`~ucp_dcp.core.spans.file_access`). ``"sequential"`` or ``"exact"`` forces
             that way for every file. :attr:`LoadReport.file_access` says what was chosen.
