@@ -63,6 +63,24 @@ def test_long_stretches_are_sequential_short_ones_exact() -> None:
     assert file_access([3 * MiB], [MiB], small) == SEQUENTIAL
 
 
+def test_pages_other_ranks_here_read_are_no_waste() -> None:
+    """Read-ahead into pages another rank on this machine reads (a column shard's other half,
+    another rank's tensors) is no waste: the page cache they share reads each page once, so the
+    file streams; pages no rank here reads still count."""
+    rows = 4096
+    starts = [r * 8192 for r in range(rows)]
+    size = rows * 8192
+    assert file_access(starts, [4096] * rows, size) == EXACT
+    others = ([r * 8192 + 4096 for r in range(rows)], [4096] * rows)
+    assert file_access(starts, [4096] * rows, size, shared=others) == SEQUENTIAL
+    half = ([r * 8192 + 4096 for r in range(rows // 2)], [4096] * (rows // 2))
+    assert file_access(starts, [4096] * rows, size, shared=half) == EXACT
+    # A small part of a large file whose rest other ranks here read: streamed.
+    assert file_access([0], [MiB], 64 * MiB) == EXACT
+    assert file_access([0], [MiB], 64 * MiB, shared=([0], [64 * MiB])) == SEQUENTIAL
+    assert file_access([0], [MiB], 64 * MiB, shared=([], [])) == EXACT
+
+
 def test_nothing_to_read_is_exact() -> None:
     assert file_access([], [], 1000) == EXACT
     assert file_access([10], [0], 1000) == EXACT
@@ -81,6 +99,22 @@ def test_order_and_splitting_do_not_matter(ranges: list[tuple[int, int]], size: 
     rnd.shuffle(shuffled)
     cut = [p for s, n in shuffled for p in ([(s, n // 2), (s + n // 2, n - n // 2)] if n > 1 else [(s, n)])]
     assert file_access([s for s, _ in cut], [n for _, n in cut], size) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(extents, extents, st.integers(0, 1 << 27))
+def test_shared_ranges_only_ever_make_a_file_stream(
+    ranges: list[tuple[int, int]], shared: list[tuple[int, int]], size: int
+) -> None:
+    """Ranges others on the machine read can turn an exact file into a streamed one, never the
+    reverse; the whole file shared streams any file this rank reads at all."""
+    size = max(size, max((s + n for s, n in ranges), default=0))
+    starts, lengths = [s for s, _ in ranges], [n for _, n in ranges]
+    alone = file_access(starts, lengths, size)
+    with_others = file_access(starts, lengths, size, shared=([s for s, _ in shared], [n for _, n in shared]))
+    assert alone == EXACT or with_others == SEQUENTIAL
+    everything = file_access(starts, lengths, size, shared=([0], [size]))
+    assert everything == (SEQUENTIAL if any(lengths) else EXACT)
 
 
 @settings(max_examples=200, deadline=None)

@@ -17,9 +17,9 @@ there (:func:`~ucp_dcp.core.spans.file_access`): *exact* (the file opened
 with ``POSIX_FADV_RANDOM``, each request announced with
 ``POSIX_FADV_WILLNEED`` a window ahead: scattered pieces, no page pulled in
 that holds no needed byte) or *sequential* (a file read whole, in long
-stretches, or in pieces that leave no page out: each thread streams one
-stretch in order through its own descriptor with the kernel's read-ahead,
-no hints).
+stretches, or in pieces that leave no page out, counting the pages other
+ranks on the same machine read: each thread streams one stretch in order
+through its own descriptor with the kernel's read-ahead, no hints).
 
 It never allocates per-read memory: the scratch buffer for gaps is
 ``gap_bytes`` long and shared. A segment may carry a ``done`` callback, run
@@ -294,10 +294,13 @@ class ByteSource(Protocol):
         """Release files, threads or connections."""
         ...
 
-    def plan_access(self, extents: Extents, mode: str = "auto") -> dict[int, str]:
+    def plan_access(
+        self, extents: Extents, mode: str = "auto", shared: Extents | None = None
+    ) -> dict[int, str]:
         """Choose how to read each file from every range the load will read there (``mode``: one
-        of :data:`~ucp_dcp.core.spans.ACCESS_MODES`), before the first :meth:`read`; the choice
-        per file number. A source with one way of reading (object storage) chooses nothing."""
+        of :data:`~ucp_dcp.core.spans.ACCESS_MODES`; ``shared``: ranges other ranks on this
+        machine read), before the first :meth:`read`; the choice per file number. A source with
+        one way of reading (object storage) chooses nothing."""
         check_access(mode)
         return {}
 
@@ -494,16 +497,20 @@ class RangeReader(ByteSource):
                 self._maps[file] = m
             return self._maps[file]
 
-    def plan_access(self, extents: Extents, mode: str = "auto") -> dict[int, str]:
+    def plan_access(
+        self, extents: Extents, mode: str = "auto", shared: Extents | None = None
+    ) -> dict[int, str]:
         """Choose, per file, a stream (:data:`~ucp_dcp.core.spans.SEQUENTIAL`) or exact reads
         (:data:`~ucp_dcp.core.spans.EXACT`): ``mode`` for every file, or with ``"auto"``
-        :func:`~ucp_dcp.core.spans.file_access` of its ranges. Later reads follow it; a file
-        not in ``extents`` is read exactly."""
+        :func:`~ucp_dcp.core.spans.file_access` of its ranges (and of the ``shared`` ranges
+        other ranks on this machine read there). Later reads follow it; a file not in
+        ``extents`` is read exactly."""
         check_access(mode)
+        shared = shared or {}
         chosen = {
             f: mode
             if mode != "auto"
-            else file_access(starts, lengths, os.fstat(self.fd(f)).st_size)
+            else file_access(starts, lengths, os.fstat(self.fd(f)).st_size, shared=shared.get(f))
             for f, (starts, lengths) in extents.items()
         }
         self._sequential = frozenset(f for f, how in chosen.items() if how == SEQUENTIAL)

@@ -276,6 +276,7 @@ def file_access(
     window: int = READ_AHEAD_BYTES,
     max_waste: float = 0.25,
     page: int = 4096,
+    shared: tuple[Sequence[int] | np.ndarray, Sequence[int] | np.ndarray] | None = None,
 ) -> str:
     """How a rank should read one file, given every byte range ``[start, start + length)`` it
     plans to read there: :data:`SEQUENTIAL` or :data:`EXACT`.
@@ -293,6 +294,10 @@ def file_access(
     rows narrower than a page); pieces with whole pages between them (a
     column shard of wide rows: a short run per row, the rest of each row
     other ranks') stay exact. No ranges at all: exact (nothing to stream).
+
+    ``shared``: ranges ``(starts, lengths)`` of the file that other ranks on this machine read
+    too. Read-ahead into their pages is no waste: the page cache the ranks share reads each page
+    once, whichever rank asks first (a column shard's partner needs the rest of every row).
     """
     s = np.asarray(starts, dtype=np.int64).reshape(-1)
     n = np.asarray(lengths, dtype=np.int64).reshape(-1)
@@ -315,5 +320,40 @@ def file_access(
     past_pages = -(-run_ends // page) * page
     end = -(-max(int(file_size), int(run_ends[-1])) // page) * page
     following = np.r_[first_pages[1:], end]
-    waste = int(np.minimum(window, np.maximum(following - past_pages, 0)).sum())
+    pulled_to = np.minimum(following, past_pages + window)
+    waste = int(np.maximum(pulled_to - past_pages, 0).sum())
+    if shared is not None and waste:
+        waste -= _covered(past_pages, pulled_to, shared, page)
     return SEQUENTIAL if waste <= max_waste * needed else EXACT
+
+
+def _covered(
+    lo: np.ndarray,
+    hi: np.ndarray,
+    ranges: tuple[Sequence[int] | np.ndarray, Sequence[int] | np.ndarray],
+    page: int,
+) -> int:
+    """Bytes of the intervals ``[lo, hi)`` (disjoint) that lie on pages of ``ranges``."""
+    s = np.asarray(ranges[0], dtype=np.int64).reshape(-1)
+    n = np.asarray(ranges[1], dtype=np.int64).reshape(-1)
+    keep = n > 0
+    s, n = s[keep], n[keep]
+    if not s.size:
+        return 0
+    order = np.argsort(s, kind="stable")
+    a = s[order] // page * page
+    b = np.maximum.accumulate(-(-(s[order] + n[order]) // page) * page)
+    # Disjoint covering intervals [a, b), and below(x): their bytes under x.
+    first = np.ones(a.size, dtype=bool)
+    first[1:] = a[1:] > b[:-1]
+    idx = np.flatnonzero(first)
+    a, b = a[idx], b[np.r_[idx[1:] - 1, a.size - 1]]
+    before = np.r_[0, np.cumsum(b - a)]
+
+    def below(x: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(a, x, side="right")  # intervals starting at or before x
+        last = np.maximum(k - 1, 0)
+        inside = np.where(k > 0, np.clip(x - a[last], 0, b[last] - a[last]), 0)
+        return before[np.maximum(k - 1, 0)] * (k > 0) + inside
+
+    return int(np.maximum(below(hi) - below(lo), 0).sum())

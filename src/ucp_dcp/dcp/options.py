@@ -82,8 +82,9 @@ class ReadOptions:
             the rank's plan reads there: ``"auto"`` (the default) streams a file the rank reads
             whole, in long stretches or in pieces that leave no page out (``"sequential"``: the
             kernel's read-ahead, in-order requests, one stretch per thread) and reads pieces with
-            whole pages between them exactly (``"exact"``:
-            no read-ahead, each request announced to the kernel ahead of reading it; see
+            whole pages between them exactly (``"exact"``: no read-ahead, each request announced
+            to the kernel ahead of reading it). Pages that ranks of the load on the same machine
+            read do not count as between: the page cache they share reads each page once (see
             :func:`~ucp_dcp.core.spans.file_access`). ``"sequential"`` or ``"exact"`` forces
             that way for every file. :attr:`LoadReport.file_access` says what was chosen.
         read_once: read each needed byte from storage once for the whole job (see

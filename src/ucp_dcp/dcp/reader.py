@@ -23,12 +23,14 @@ import gc
 import io
 import math
 import os
+import socket
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -42,6 +44,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ..byteio.engine import ChunkReads
@@ -208,8 +211,10 @@ class UCPStorageReader(_Directory, StorageReader):
             self.read_metadata()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """Nothing to add per rank (UCPLoadPlanner keeps its items local; see read_data)."""
-        return plan
+        """Say which machine this rank runs on (UCPLoadPlanner keeps its items local; see
+        read_data)."""
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return dataclasses.replace(plan, storage_data=_Whereabouts(socket.gethostname(), rank))
 
     def files_to_read(self, state_dict: dict[str, Any]) -> list[str]:
         """The data files (names relative to the checkpoint) that this rank's ``dcp.load`` of
@@ -246,9 +251,25 @@ class UCPStorageReader(_Directory, StorageReader):
         return out
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Tell every rank how many ranks load (whether the load runs collectives); each reads
-        its own byte ranges."""
-        return [dataclasses.replace(p, storage_data=LoadRun(len(plans))) for p in plans]
+        """Tell every rank how many ranks load (whether the load runs collectives) and which of
+        them share its machine (its page cache: how it reads its files); each reads its own byte
+        ranges."""
+        where = [
+            p.storage_data if isinstance(p.storage_data, _Whereabouts) else None for p in plans
+        ]
+        machines: dict[str, list[int]] = {}
+        for w in where:
+            if w is not None:
+                machines.setdefault(w.host, []).append(w.rank)
+        return [
+            dataclasses.replace(
+                p,
+                storage_data=LoadRun(
+                    len(plans), tuple(sorted(machines[w.host])) if w is not None else ()
+                ),
+            )
+            for p, w in zip(plans, where)
+        ]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` into the tensors ``planner`` resolves."""
@@ -332,7 +353,13 @@ class UCPStorageReader(_Directory, StorageReader):
         )
         try:
             items = self._exchange(src, reader, planner, tensor_items, parts, exchanging, report)
-            chosen = reader.plan_access(extents([parts[i][0] for i in items]), opts.access)
+            run, shared = plan.storage_data, None
+            if opts.access == "auto" and isinstance(run, LoadRun) and len(run.machine) > 1:
+                files = {parts[i][0].location.file for i in items}
+                shared = machine_shared(
+                    src, planner, [tensor_items[i][0] for i in items], files, run.machine
+                )
+            chosen = reader.plan_access(extents([parts[i][0] for i in items]), opts.access, shared)
             report.file_access = {src.paths[f]: how for f, how in sorted(chosen.items())}
             for i in items:
                 (ri, idx), (part, chunk_offsets) = tensor_items[i], parts[i]
@@ -493,6 +520,67 @@ class UCPStorageReader(_Directory, StorageReader):
 
 
 # ------------------------------------------------------------ what a load plan's read items are
+
+
+@dataclass(frozen=True, slots=True)
+class _Whereabouts:
+    """A rank's machine (host name) and global rank: ``LoadPlan.storage_data`` on its way to the
+    coordinator."""
+
+    host: str
+    rank: int
+
+
+# Bounds the chunks machine_shared looks at (a few ms): beyond it, a file's way of reading is
+# chosen from this rank's own needs, as where nothing is known of the others'.
+_SHARED_CHUNKS_MAX = 1 << 15
+
+
+def machine_shared(
+    src: Source,
+    planner: LoadPlanner,
+    items: Sequence[ReadItem],
+    files: set[int],
+    machine: Sequence[int],
+) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """The byte ranges of ``files`` that ranks on this machine (``machine``: their global ranks)
+    read, as far as this rank can tell without asking them: every saved chunk of a tensor it
+    loads (``items``) as a DTensor whose whole device mesh runs on this machine. The mesh's
+    ranks hold all of the tensor between them, so each of its chunks is read here, by some rank;
+    a stream's read-ahead into it is no waste (see :func:`~ucp_dcp.core.spans.file_access`)."""
+    state = getattr(planner, "state_dict", None) or {}
+    here = set(machine)
+    meshes: dict[int, bool] = {}
+    keys: dict[str, None] = {}
+    for ri in items:
+        fqn = ri.storage_index.fqn
+        dest = state.get(ri.dest_index.fqn)
+        if fqn in keys or ri.dest_index.fqn != fqn or not isinstance(dest, DTensor):
+            continue
+        mesh = dest.device_mesh
+        whole = meshes.get(id(mesh))
+        if whole is None:
+            whole = meshes[id(mesh)] = set(mesh.mesh.flatten().tolist()) <= here
+        if whole:
+            keys[fqn] = None
+    starts: dict[int, list[int]] = {}
+    lengths: dict[int, list[int]] = {}
+    budget = _SHARED_CHUNKS_MAX
+    for fqn in keys:
+        rec = src.index.tensors[fqn]
+        n = rec.chunk_count()
+        budget -= n
+        if budget < 0:
+            break
+        for idx in range(n):
+            if rec.chunk_file(idx) in files:
+                loc = src.locate(fqn, idx)
+                starts.setdefault(loc.file, []).append(loc.start)
+                lengths.setdefault(loc.file, []).append(loc.nbytes)
+    return {
+        f: (np.asarray(starts[f], dtype=np.int64), np.asarray(lengths[f], dtype=np.int64))
+        for f in starts
+    }
 
 
 def record_boxes(record: TensorRecord) -> list[Box]:

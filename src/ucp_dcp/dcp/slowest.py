@@ -68,9 +68,11 @@ class SlowestRecord:
 @dataclass(frozen=True)
 class LoadRun:
     """What ``UCPStorageReader.prepare_global_plan`` tells each rank (``LoadPlan.storage_data``):
-    how many ranks DCP planned the load for (1 where it runs no collectives)."""
+    how many ranks DCP planned the load for (1 where it runs no collectives), and the global
+    ranks of the load on this rank's machine, itself included (empty where unknown)."""
 
     ranks: int
+    machine: tuple[int, ...] = ()
 
 
 def rank_record(rank: int, seconds: float, stats: ReadStats, paths: Sequence[str]) -> SlowestRecord:

@@ -175,7 +175,9 @@ class _MergeReader(ByteSource):
         """Close ``base``; the merged tensors are dropped with this reader."""
         self._base.close()
 
-    def plan_access(self, extents: Extents, mode: str = "auto") -> dict[int, str]:
+    def plan_access(
+        self, extents: Extents, mode: str = "auto", shared: Extents | None = None
+    ) -> dict[int, str]:
         """``base``'s choice for the real files (the computed file is in memory)."""
         real = {f: e for f, e in extents.items() if f != self._merges.file}
-        return self._base.plan_access(real, mode)
+        return self._base.plan_access(real, mode, shared)
