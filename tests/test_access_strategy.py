@@ -10,11 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dist_utils import bit_equal
+from dist_utils import bit_equal, run_ranks
 from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.byteio.rangeio import RangeReader
 from ucp_dcp.byteio.segments import Segment
@@ -75,10 +76,14 @@ def test_pages_other_ranks_here_read_are_no_waste() -> None:
     assert file_access(starts, [4096] * rows, size, shared=others) == SEQUENTIAL
     half = ([r * 8192 + 4096 for r in range(rows // 2)], [4096] * (rows // 2))
     assert file_access(starts, [4096] * rows, size, shared=half) == EXACT
-    # A small part of a large file whose rest other ranks here read: streamed.
-    assert file_access([0], [MiB], 64 * MiB) == EXACT
-    assert file_access([0], [MiB], 64 * MiB, shared=([0], [64 * MiB])) == SEQUENTIAL
-    assert file_access([0], [MiB], 64 * MiB, shared=([], [])) == EXACT
+    # A part of a large file whose rest other ranks here read: streamed where the part is at
+    # least a read-ahead window, read exactly where it is less (a few small reads gain nothing
+    # from a stream, and its read-ahead would pull the others' pages in early).
+    part = READ_AHEAD_BYTES
+    assert file_access([0], [part], 64 * part) == EXACT
+    assert file_access([0], [part], 64 * part, shared=([0], [64 * part])) == SEQUENTIAL
+    assert file_access([0], [part], 64 * part, shared=([], [])) == EXACT
+    assert file_access([0], [4096], 64 * part, shared=([0], [64 * part])) == EXACT
 
 
 def test_nothing_to_read_is_exact() -> None:
@@ -107,14 +112,21 @@ def test_shared_ranges_only_ever_make_a_file_stream(
     ranges: list[tuple[int, int]], shared: list[tuple[int, int]], size: int
 ) -> None:
     """Ranges others on the machine read can turn an exact file into a streamed one, never the
-    reverse; the whole file shared streams any file this rank reads at all."""
+    reverse; the whole file shared streams any file this rank reads a read-ahead window of."""
     size = max(size, max((s + n for s, n in ranges), default=0))
     starts, lengths = [s for s, _ in ranges], [n for _, n in ranges]
     alone = file_access(starts, lengths, size)
     with_others = file_access(starts, lengths, size, shared=([s for s, _ in shared], [n for _, n in shared]))
     assert alone == EXACT or with_others == SEQUENTIAL
     everything = file_access(starts, lengths, size, shared=([0], [size]))
-    assert everything == (SEQUENTIAL if any(lengths) else EXACT)
+    needed, end = 0, 0  # the bytes the ranges cover, overlaps counted once
+    for s, n in sorted(ranges):
+        needed += max(0, s + n - max(s, end))
+        end = max(end, s + n)
+    if needed >= READ_AHEAD_BYTES:
+        assert everything == SEQUENTIAL
+    else:
+        assert everything == alone
 
 
 @settings(max_examples=200, deadline=None)
@@ -311,3 +323,40 @@ def test_hints_follow_the_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
         assert calls == []
     else:
         assert calls.count(os.POSIX_FADV_WILLNEED) == 12
+
+
+# ------------------------------------------------------------ ranks sharing a machine
+def _column_reshard(rank: int, world: int, root: str, separate: bool) -> None:
+    """A (dp2,tp2) weight, ``Shard(0), Shard(1)``, loaded as ``Shard(1)`` over 4 ranks: each rank
+    needs every other 4 KiB page of two files, 8 MiB of each (a read-ahead window), the pages
+    between them its partner's."""
+    import socket
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if separate:  # every rank on a machine of its own, as far as the load can tell
+        socket.gethostname = lambda: f"machine-{rank}"  # type: ignore[assignment]
+    full = torch.arange(4096 * 4096, dtype=torch.float32).view(4096, 4096)
+    saved = distribute_tensor(full, init_device_mesh("cpu", (2, 2)), [Shard(0), Shard(1)])
+    path = os.path.join(root, "saved")
+    if not separate:
+        dcp.save({"w": saved}, storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())
+    dist.barrier()
+    out = {"w": distribute_tensor(torch.zeros(4096, 4096), init_device_mesh("cpu", (4,)), [Shard(1)])}
+    reader = UCPStorageReader(path)
+    dcp.load(out, storage_reader=reader, planner=UCPLoadPlanner())
+    assert bit_equal(out["w"].to_local(), full[:, rank * 1024 : (rank + 1) * 1024])
+    ways = reader.last_load.file_access
+    assert len(ways) == 2, ways
+    # Alone, a rank reads such files exactly; on one machine its partner reads the pages between
+    # its pieces, the page cache they share reads each once, and both files stream.
+    assert set(ways.values()) == {EXACT if separate else SEQUENTIAL}, ways
+
+
+@pytest.mark.multiproc
+def test_ranks_on_one_machine_stream_what_they_read_between_them(tmp_path: Path) -> None:
+    """Which ranks share a machine reaches every rank with the load's plan (no collective of its
+    own), and turns a column reshard's exact reads into streams only where they do."""
+    run_ranks(4, _column_reshard, str(tmp_path), False)
+    run_ranks(4, _column_reshard, str(tmp_path), True)

@@ -160,38 +160,6 @@ def test_reshard_load_each_access(sources: str, access: str, pairs: list[tuple[s
     run_ranks(4, _load_targets, sources, pairs, access, expect)
 
 
-def _column_reshard_access(rank: int, world: int, root: str, separate: bool) -> None:
-    """(dp2,tp2) -> tp4 under ``auto``: bit-exact, and each file read the way the machine
-    allows."""
-    if separate:  # every rank on a machine of its own, as far as the load can tell
-        import socket
-
-        socket.gethostname = lambda: f"machine-{rank}"  # type: ignore[assignment]
-    saved = torch.load(os.path.join(root, "dp2tp2.ref.pt"))
-    model, optim = build("tp4", seed=1)
-    state = train_state(model, optim)
-    scramble(state)
-    sd = {**state, "step": 0, "extra": RankLocal(None)}
-    reader = UCPStorageReader(os.path.join(root, "dp2tp2"))
-    dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
-    check_against({"model": sd["model"], "optim": sd["optim"]}, saved["ref"], f"rank {rank}")
-    ways = reader.last_load.file_access
-    if separate:
-        # Alone, a rank reads exactly a file of which it needs scattered pages.
-        assert "exact" in ways.values(), ways
-    else:
-        # The four ranks share the machine's page cache and, between them, read every chunk of
-        # every tensor: read-ahead wastes nothing, and every file streams.
-        assert set(ways.values()) == {"sequential"}, ways
-
-
-@pytest.mark.parametrize("separate", [False, True], ids=["one_machine", "four_machines"])
-def test_column_reshard_streams_where_the_machine_reads_every_page(sources: str, separate: bool) -> None:
-    """Which ranks share a machine reaches every rank with the load's plan (no collective of its
-    own), and turns the column reshard's exact reads into streams only where they do."""
-    run_ranks(4, _column_reshard_access, sources, separate)
-
-
 def test_regular_layouts_are_stored_compactly(sources: str) -> None:
     """FSDP, FSDP+TP (with _StridedShard) and HSDP tensors are indexed by layout, not chunk lists."""
     from ucp_dcp import load_index

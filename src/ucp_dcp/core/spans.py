@@ -297,7 +297,8 @@ def file_access(
 
     ``shared``: ranges ``(starts, lengths)`` of the file that other ranks on this machine read
     too. Read-ahead into their pages is no waste: the page cache the ranks share reads each page
-    once, whichever rank asks first (a column shard's partner needs the rest of every row).
+    once, whichever rank asks first (a column shard's partner needs the rest of every row). It
+    counts where the rank needs at least ``window`` bytes of the file.
     """
     s = np.asarray(starts, dtype=np.int64).reshape(-1)
     n = np.asarray(lengths, dtype=np.int64).reshape(-1)
@@ -322,7 +323,10 @@ def file_access(
     following = np.r_[first_pages[1:], end]
     pulled_to = np.minimum(following, past_pages + window)
     waste = int(np.maximum(pulled_to - past_pages, 0).sum())
-    if shared is not None and waste:
+    if shared is not None and waste and needed >= window:
+        # Only where this rank reads at least a window of the file: for a few small reads a
+        # stream gains nothing, and its read-ahead would pull the other ranks' pages in early,
+        # in the way of their own streams (a same-layout restart's reads of others' counters).
         waste -= _covered(past_pages, pulled_to, shared, page)
     return SEQUENTIAL if waste <= max_waste * needed else EXACT
 
