@@ -52,6 +52,7 @@ from ..byteio.progress import Progress
 from ..byteio.rangeio import ByteSource
 from ..byteio.transfer import ChunkRegion, extents, needs_staging
 from ..core.sharding import Box
+from ..core.spans import EXACT, READ_AHEAD_BYTES
 from ..core.values import decode_value
 from ..errors import InvalidArgumentError
 from ..format import TensorRecord
@@ -353,13 +354,13 @@ class UCPStorageReader(_Directory, StorageReader):
         )
         try:
             items = self._exchange(src, reader, planner, tensor_items, parts, exchanging, report)
-            run, shared = plan.storage_data, None
-            if opts.access == "auto" and isinstance(run, LoadRun) and len(run.machine) > 1:
-                files = {parts[i][0].location.file for i in items}
-                shared = machine_shared(
-                    src, planner, [tensor_items[i][0] for i in items], files, run.machine
-                )
-            chosen = reader.plan_access(extents([parts[i][0] for i in items]), opts.access, shared)
+            chosen = self._plan_access(
+                reader,
+                plan,
+                planner,
+                [tensor_items[i][0] for i in items],
+                [parts[i][0] for i in items],
+            )
             report.file_access = {src.paths[f]: how for f, how in sorted(chosen.items())}
             for i in items:
                 (ri, idx), (part, chunk_offsets) = tensor_items[i], parts[i]
@@ -385,6 +386,31 @@ class UCPStorageReader(_Directory, StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _plan_access(
+        self,
+        reader: ByteSource,
+        plan: LoadPlan,
+        planner: LoadPlanner,
+        items: list[ReadItem],
+        parts: list[ChunkRegion],
+    ) -> dict[int, str]:
+        """How ``reader`` reads each file of ``parts`` (the regions of tensor ``items``): from this
+        rank's needs, then, for a file read exactly of which it reads at least a read-ahead
+        window, with the pages other ranks on its machine read (:func:`machine_shared`)."""
+        src, mode, run = self.source, self.options.access, plan.storage_data
+        assert src is not None
+        needs = extents(parts)
+        chosen = reader.plan_access(needs, mode)
+        if mode != "auto" or not isinstance(run, LoadRun) or len(run.machine) < 2:
+            return chosen
+        files = {
+            f
+            for f, how in chosen.items()
+            if how == EXACT and int(needs[f][1].sum()) >= READ_AHEAD_BYTES
+        }
+        shared = machine_shared(src, planner, items, files, run.machine) if files else {}
+        return reader.plan_access(needs, mode, shared) if shared else chosen
 
     def _exchange(
         self,
