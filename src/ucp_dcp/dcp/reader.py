@@ -545,7 +545,7 @@ class UCPStorageReader(_Directory, StorageReader):
         return any(c.detect(path) for c in source_types())
 
 
-# ------------------------------------------------------------ what a load plan's read items are
+# ------------------------------------------------------------ which ranks share a machine
 
 
 @dataclass(frozen=True, slots=True)
@@ -607,6 +607,9 @@ def machine_shared(
         f: (np.asarray(starts[f], dtype=np.int64), np.asarray(lengths[f], dtype=np.int64))
         for f in starts
     }
+
+
+# ------------------------------------------------------------ what a load plan's read items are
 
 
 def record_boxes(record: TensorRecord) -> list[Box]:
