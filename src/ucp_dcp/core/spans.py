@@ -298,22 +298,12 @@ def file_access(
     ``shared``: ranges ``(starts, lengths)`` of the file that other ranks on this machine read
     too. Read-ahead into their pages is no waste: the page cache the ranks share reads each page
     once, whichever rank asks first (a column shard's partner needs the rest of every row). It
-    counts where the rank needs at least ``window`` bytes of the file.
+    counts where :func:`may_share` says so.
     """
-    s = np.asarray(starts, dtype=np.int64).reshape(-1)
-    n = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    keep = n > 0
-    s, n = s[keep], n[keep]
+    s, e = _nonempty(starts, lengths)
     if not s.size:
         return EXACT
-    order = np.argsort(s, kind="stable")
-    s = s[order]
-    ends = np.maximum.accumulate(s + n[order])
-    first = np.ones(s.size, dtype=bool)
-    first[1:] = s[1:] > ends[:-1]
-    idx = np.flatnonzero(first)
-    run_starts = s[idx]
-    run_ends = ends[np.r_[idx[1:] - 1, s.size - 1]]
+    run_starts, run_ends = _runs(s, e)
     needed = int((run_ends - run_starts).sum())
     # The pages of each run, and the whole pages from its last to the next run's first (or to
     # the file's end): what read-ahead can pull in that no needed byte is on.
@@ -323,12 +313,40 @@ def file_access(
     following = np.r_[first_pages[1:], end]
     pulled_to = np.minimum(following, past_pages + window)
     waste = int(np.maximum(pulled_to - past_pages, 0).sum())
-    if shared is not None and waste and needed >= window:
-        # Only where this rank reads at least a window of the file: for a few small reads a
-        # stream gains nothing, and its read-ahead would pull the other ranks' pages in early,
-        # in the way of their own streams (a same-layout restart's reads of others' counters).
+    if shared is not None and waste and may_share(needed, window):
         waste -= _covered(past_pages, pulled_to, shared, page)
     return SEQUENTIAL if waste <= max_waste * needed else EXACT
+
+
+def may_share(needed: int, window: int = READ_AHEAD_BYTES) -> bool:
+    """Whether other ranks' pages count for a file this rank needs ``needed`` bytes of
+    (:func:`file_access`'s ``shared``): only where it reads at least a read-ahead ``window`` of
+    it. For a few small reads a stream gains nothing, and its read-ahead would pull the other
+    ranks' pages in early, in the way of their own streams (a same-layout restart's reads of the
+    others' step counters)."""
+    return needed >= window
+
+
+def _nonempty(
+    starts: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ranges ``[start, start + length)`` that are not empty, as int64 starts and ends."""
+    s = np.asarray(starts, dtype=np.int64).reshape(-1)
+    n = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    keep = n > 0
+    return s[keep], s[keep] + n[keep]
+
+
+def _runs(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Non-empty ranges ``[starts, ends)`` merged where they overlap or touch: the runs' starts
+    and ends, in ascending order."""
+    order = np.argsort(starts, kind="stable")
+    s = starts[order]
+    e = np.maximum.accumulate(ends[order])
+    first = np.ones(s.size, dtype=bool)
+    first[1:] = s[1:] > e[:-1]
+    idx = np.flatnonzero(first)
+    return s[idx], e[np.r_[idx[1:] - 1, s.size - 1]]
 
 
 def _covered(
@@ -338,26 +356,16 @@ def _covered(
     page: int,
 ) -> int:
     """Bytes of the intervals ``[lo, hi)`` (disjoint) that lie on pages of ``ranges``."""
-    s = np.asarray(ranges[0], dtype=np.int64).reshape(-1)
-    n = np.asarray(ranges[1], dtype=np.int64).reshape(-1)
-    keep = n > 0
-    s, n = s[keep], n[keep]
+    s, e = _nonempty(*ranges)
     if not s.size:
         return 0
-    order = np.argsort(s, kind="stable")
-    a = s[order] // page * page
-    b = np.maximum.accumulate(-(-(s[order] + n[order]) // page) * page)
-    # Disjoint covering intervals [a, b), and below(x): their bytes under x.
-    first = np.ones(a.size, dtype=bool)
-    first[1:] = a[1:] > b[:-1]
-    idx = np.flatnonzero(first)
-    a, b = a[idx], b[np.r_[idx[1:] - 1, a.size - 1]]
-    before = np.r_[0, np.cumsum(b - a)]
+    a, b = _runs(s // page * page, -(-e // page) * page)
+    before = np.r_[0, np.cumsum(b - a)]  # bytes of the runs before each run
 
     def below(x: np.ndarray) -> np.ndarray:
-        k = np.searchsorted(a, x, side="right")  # intervals starting at or before x
-        last = np.maximum(k - 1, 0)
-        inside = np.where(k > 0, np.clip(x - a[last], 0, b[last] - a[last]), 0)
-        return before[np.maximum(k - 1, 0)] * (k > 0) + inside
+        """Bytes of the runs under each ``x``."""
+        last = np.searchsorted(a, x, side="right") - 1  # the last run starting at or before x
+        at = np.maximum(last, 0)
+        return np.where(last >= 0, before[at] + np.clip(x - a[at], 0, b[at] - a[at]), 0)
 
     return int(np.maximum(below(hi) - below(lo), 0).sum())

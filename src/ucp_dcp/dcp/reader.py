@@ -23,14 +23,12 @@ import gc
 import io
 import math
 import os
-import socket
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -44,7 +42,6 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
-from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ..byteio.engine import ChunkReads
@@ -52,7 +49,7 @@ from ..byteio.progress import Progress
 from ..byteio.rangeio import ByteSource
 from ..byteio.transfer import ChunkRegion, extents, needs_staging
 from ..core.sharding import Box
-from ..core.spans import EXACT, READ_AHEAD_BYTES
+from ..core.spans import EXACT, may_share
 from ..core.values import decode_value
 from ..errors import InvalidArgumentError
 from ..format import TensorRecord
@@ -61,6 +58,7 @@ from ..sources import Source, read_values, source_types
 from ._mesh_groups import LazyChunks
 from ._plan_records import LoadSourceInfo
 from .load_planner import UCPLoadPlanner
+from .machine import Whereabouts, machine_shared, ranks_by_machine
 from .options import LoadReport, ReadOptions
 from .placement import checked_placement
 from .read_once import ReadOnceDecision, coordinate, decide, shared_storage
@@ -214,8 +212,7 @@ class UCPStorageReader(_Directory, StorageReader):
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Say which machine this rank runs on (UCPLoadPlanner keeps its items local; see
         read_data)."""
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        return dataclasses.replace(plan, storage_data=_Whereabouts(socket.gethostname(), rank))
+        return dataclasses.replace(plan, storage_data=Whereabouts.here())
 
     def files_to_read(self, state_dict: dict[str, Any]) -> list[str]:
         """The data files (names relative to the checkpoint) that this rank's ``dcp.load`` of
@@ -255,21 +252,10 @@ class UCPStorageReader(_Directory, StorageReader):
         """Tell every rank how many ranks load (whether the load runs collectives) and which of
         them share its machine (its page cache: how it reads its files); each reads its own byte
         ranges."""
-        where = [
-            p.storage_data if isinstance(p.storage_data, _Whereabouts) else None for p in plans
-        ]
-        machines: dict[str, list[int]] = {}
-        for w in where:
-            if w is not None:
-                machines.setdefault(w.host, []).append(w.rank)
+        machines = ranks_by_machine([p.storage_data for p in plans])
         return [
-            dataclasses.replace(
-                p,
-                storage_data=LoadRun(
-                    len(plans), tuple(sorted(machines[w.host])) if w is not None else ()
-                ),
-            )
-            for p, w in zip(plans, where)
+            dataclasses.replace(p, storage_data=LoadRun(len(plans), m))
+            for p, m in zip(plans, machines)
         ]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -405,9 +391,7 @@ class UCPStorageReader(_Directory, StorageReader):
         if mode != "auto" or not isinstance(run, LoadRun) or len(run.machine) < 2:
             return chosen
         files = {
-            f
-            for f, how in chosen.items()
-            if how == EXACT and int(needs[f][1].sum()) >= READ_AHEAD_BYTES
+            f for f, how in chosen.items() if how == EXACT and may_share(int(needs[f][1].sum()))
         }
         shared = machine_shared(src, planner, items, files, run.machine) if files else {}
         return reader.plan_access(needs, mode, shared) if shared else chosen
@@ -543,70 +527,6 @@ class UCPStorageReader(_Directory, StorageReader):
         """Whether ``checkpoint_id`` is a path some source format recognises."""
         path = os.fspath(checkpoint_id)
         return any(c.detect(path) for c in source_types())
-
-
-# ------------------------------------------------------------ which ranks share a machine
-
-
-@dataclass(frozen=True, slots=True)
-class _Whereabouts:
-    """A rank's machine (host name) and global rank: ``LoadPlan.storage_data`` on its way to the
-    coordinator."""
-
-    host: str
-    rank: int
-
-
-# Bounds the chunks machine_shared looks at (a few ms): beyond it, a file's way of reading is
-# chosen from this rank's own needs, as where nothing is known of the others'.
-_SHARED_CHUNKS_MAX = 1 << 15
-
-
-def machine_shared(
-    src: Source,
-    planner: LoadPlanner,
-    items: Sequence[ReadItem],
-    files: set[int],
-    machine: Sequence[int],
-) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """The byte ranges of ``files`` that ranks on this machine (``machine``: their global ranks)
-    read, as far as this rank can tell without asking them: every saved chunk of a tensor it
-    loads (``items``) as a DTensor whose whole device mesh runs on this machine. The mesh's
-    ranks hold all of the tensor between them, so each of its chunks is read here, by some rank;
-    a stream's read-ahead into it is no waste (see :func:`~ucp_dcp.core.spans.file_access`)."""
-    state = getattr(planner, "state_dict", None) or {}
-    here = set(machine)
-    meshes: dict[int, bool] = {}
-    keys: dict[str, None] = {}
-    for ri in items:
-        fqn = ri.storage_index.fqn
-        dest = state.get(ri.dest_index.fqn)
-        if fqn in keys or ri.dest_index.fqn != fqn or not isinstance(dest, DTensor):
-            continue
-        mesh = dest.device_mesh
-        whole = meshes.get(id(mesh))
-        if whole is None:
-            whole = meshes[id(mesh)] = set(mesh.mesh.flatten().tolist()) <= here
-        if whole:
-            keys[fqn] = None
-    starts: dict[int, list[int]] = {}
-    lengths: dict[int, list[int]] = {}
-    budget = _SHARED_CHUNKS_MAX
-    for fqn in keys:
-        rec = src.index.tensors[fqn]
-        n = rec.chunk_count()
-        budget -= n
-        if budget < 0:
-            break
-        for idx in range(n):
-            if rec.chunk_file(idx) in files:
-                loc = src.locate(fqn, idx)
-                starts.setdefault(loc.file, []).append(loc.start)
-                lengths.setdefault(loc.file, []).append(loc.nbytes)
-    return {
-        f: (np.asarray(starts[f], dtype=np.int64), np.asarray(lengths[f], dtype=np.int64))
-        for f in starts
-    }
 
 
 # ------------------------------------------------------------ what a load plan's read items are
