@@ -36,6 +36,7 @@ from ucp_dcp import (
 )
 from ucp_dcp.byteio import durable
 from ucp_dcp.byteio.progress import Progress
+from ucp_dcp.dcp import slowest
 from ucp_dcp.errors import InvalidArgumentError, StorageError, TruncatedFileError, unwrap
 
 WATCHDOG_S = 120
@@ -80,6 +81,26 @@ def test_short_operations_log_nothing(caplog: pytest.LogCaptureFixture) -> None:
     assert caplog.records == [] and p.lines == 0
     with pytest.raises(InvalidArgumentError, match=r"interval must be positive"):
         ProgressConfig(interval=0)
+
+
+def test_the_slowest_gather_moves_numbers_on_the_groups_device(monkeypatch: Any) -> None:
+    """The end-of-load gather moves six numbers a rank, in host memory where the group moves it,
+    on the current CUDA device for NCCL alone, and falls back to objects elsewhere; a record
+    comes back whole, its file by position in the load's files."""
+    cpu = torch.device("cpu")
+    for backend, want in [("gloo", cpu), ("cpu:gloo,cuda:nccl", cpu), ("nccl", None), ("ucc", None)]:
+        monkeypatch.setattr(slowest, "group_backend", lambda g, b=backend: b)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        assert slowest._wire_device(None) == want, backend
+    paths = ["/ckpt/rank00000-a.safetensors", "/ckpt/rank00001-a.safetensors"]
+    rec = SlowestRecord(3, paths[1], 12.25, 3 * 2**40 + 7, 9.5, 2**33 + 1)
+    assert slowest._decode(slowest._encode(rec, paths), paths) == rec
+    none = SlowestRecord(0, "", 0.001, 0)
+    assert slowest._decode(slowest._encode(none, paths), paths) == none
+    # A file the other rank's list lacks (a failed load with no source) is named by no one.
+    assert slowest._decode(slowest._encode(rec, paths), []) == SlowestRecord(
+        3, "", 12.25, 3 * 2**40 + 7, 9.5, 2**33 + 1
+    )
 
 
 def test_object_store_reads_and_writes_report(caplog: pytest.LogCaptureFixture) -> None:

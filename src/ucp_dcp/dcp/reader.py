@@ -306,6 +306,7 @@ class UCPStorageReader(_Directory, StorageReader):
             progress,
             run.ranks if isinstance(run, LoadRun) else 1,
             self.process_group,
+            paths,
             failing=failing,
         )
 
