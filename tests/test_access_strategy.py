@@ -352,6 +352,13 @@ def _column_reshard(rank: int, world: int, root: str, separate: bool) -> None:
     # Alone, a rank reads such files exactly; on one machine its partner reads the pages between
     # its pieces, the page cache they share reads each once, and both files stream.
     assert set(ways.values()) == {EXACT if separate else SEQUENTIAL}, ways
+    # The load's slowest rank (gathered as numbers at its end) is the same record on every rank:
+    # the rank record with the most seconds, its file one of the load's.
+    records: list[Any] = [None] * world
+    dist.all_gather_object(records, reader.last_load.rank_record)
+    job = reader.last_load.slowest
+    assert job == max(records, key=lambda r: (r.seconds, -r.rank)), (job, records)
+    assert job.file in reader.source.paths and job.bytes > 0
 
 
 @pytest.mark.multiproc
