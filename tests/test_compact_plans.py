@@ -112,6 +112,37 @@ def _compact_vs_per_chunk(rank: int, world: int, root: str) -> None:
                     assert bit_equal(got, want), f"{layout}/{mode}: {k}"
 
 
+def _restart_files(rank: int, world: int, root: str) -> None:
+    model, optim = build("dp4")
+    train_step(model, optim, 0)
+    state = train_state(model, optim)
+    ref = full_reference(state)
+    dcp.save(state, storage_writer=UCPStorageWriter(root), planner=UCPSavePlanner())
+    tmodel, toptim = build("dp4", seed=5)
+    train_step(tmodel, toptim, 0)
+    target = train_state(tmodel, toptim)
+    scramble(target)
+    reader = UCPStorageReader(root)
+    dcp.load(target, storage_reader=reader, planner=UCPLoadPlanner())
+    flat, _ = flatten_state_dict(target)
+    for k, want in ref.items():
+        got = flat[k]
+        if isinstance(got, DTensor):
+            assert bit_equal(got.to_local(), _local_slice(want, got)), k
+        elif isinstance(got, torch.Tensor):
+            assert bit_equal(got, want), k
+    # AdamW's step counters (a plain scalar per parameter, the same on every rank) were written by
+    # rank 0 alone: each rank read its own file and rank 0's, not every rank's.
+    files = sorted(os.path.basename(p) for p in reader.last_load.file_access)
+    assert [f[:10] for f in files] == sorted({"rank00000-", f"rank{rank:05d}-"}), files
+
+
+def test_an_fsdp2_restart_reads_its_own_file_and_rank_0s(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Small replicated tensors go to their lowest holder at save, so a same-layout load of an FSDP2
+    model and its AdamW state on 4 ranks opens two data files a rank, whatever the world size."""
+    run_ranks(4, _restart_files, str(tmp_path / "ckpt"))
+
+
 def test_compact_plans_write_the_same_checkpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """dp4, dp2tp2 (TP-replicated norms on DP submeshes), hsdp2x2 (replicas): compact planning
     writes every chunk once, stores the index compactly, and loads bit-exactly like per-chunk planning."""

@@ -47,6 +47,7 @@ from ucp_dcp.dcp._plan_records import (
     SaveSummary,
 )
 from ucp_dcp.dcp._save_global import (
+    SMALL_TENSOR_BYTES,
     assign_owners,
     assign_writers,
     check_groups,
@@ -170,19 +171,25 @@ def test_collect_chunks_refuses_one_key_two_tensors() -> None:
 
 
 def test_assign_writers_spreads_replicas() -> None:
-    """Each distinct chunk gets one writer; replicated tensors go to the least-loaded replica, largest first."""
+    """Each distinct chunk gets one writer; replicated tensors go to the least-loaded replica, largest
+    first, and tensors of at most 64 KiB to their lowest holder, however many there are (a load of
+    them then opens one file for them, not one per rank)."""
+    n = SMALL_TENSOR_BYTES // 4  # float32 elements of the largest "small" tensor
     plans = [
-        chunk_plan(r, [("big", Box((0,), (8,)), (8,)), ("small", Box((0,), (2,)), (2,)),
-                       (f"own{r}", Box((0,), (1,)), (1,))])
-        for r in range(2)
+        chunk_plan(r, [("big", Box((0,), (8 * n,)), (8 * n,)), ("mid", Box((0,), (n + 1,)), (n + 1,)),
+                       ("small", Box((0,), (n,)), (n,))]
+                   + [(f"step{i}", Box((), ()), ()) for i in range(6)]
+                   + [(f"own{r}", Box((0,), (1,)), (1,))])
+        for r in range(4)
     ]
     table = collect_chunks(plans)
-    assert table.holders[("big", (0,))] == [0, 1]
-    writer = assign_writers(table, 2)
-    assert writer[("big", (0,))] == 0 and writer[("small", (0,))] == 1
-    assert writer[("own0", (0,))] == 0 and writer[("own1", (0,))] == 1
+    assert table.holders[("big", (0,))] == [0, 1, 2, 3]
+    writer = assign_writers(table, 4)
+    assert writer[("big", (0,))] == 0 and writer[("mid", (0,))] == 1  # least loaded, largest first
+    assert writer[("small", (0,))] == 0 and {writer[(f"step{i}", ())] for i in range(6)} == {0}
+    assert [writer[(f"own{r}", (0,))] for r in range(4)] == [0, 1, 2, 3]
     md = table.metadata()
-    assert set(md) == {"big", "small", "own0", "own1"} and list(md["big"].size) == [8]
+    assert {"big", "mid", "small", "own0", "step5"} <= set(md) and list(md["big"].size) == [8 * n]
 
 
 # ------------------------------------------------------------------ mesh groups

@@ -13,8 +13,8 @@ does, as one function of the gathered local plans (as DCP's
   described the same mesh group (:func:`check_groups`);
 * the per-chunk-planned chunks in one :class:`ChunkTable` (refusing a key
   that names different tensors on different ranks), one writer per chunk
-  among the ranks holding it, replicated chunks spread over their replicas
-  (:func:`assign_writers`);
+  among the ranks holding it, replicated chunks spread over their replicas,
+  small replicated tensors on their lowest holder (:func:`assign_writers`);
 * one mesh per mesh-planned tensor that several meshes hold
   (:func:`assign_owners`), and the replies telling ranks what another mesh
   writes (:func:`group_replies`);
@@ -347,12 +347,21 @@ def collect_chunks(plans: Sequence[SavePlan]) -> ChunkTable:
     return table
 
 
+# Replicated tensors up to this size (all their chunks) are written by their lowest holder, like
+# shared values, not spread for balance: their bytes do not matter, but each data file they are
+# spread over is one more header every rank that loads them opens and parses (AdamW's ``step``
+# counters, one plain scalar per parameter: spread, they sent every rank of an FSDP2 restart
+# through every rank's file, N headers a rank).
+SMALL_TENSOR_BYTES = 64 << 10
+
+
 def assign_writers(table: ChunkTable, world_size: int) -> dict[PieceKey, int]:
     """One writer per distinct chunk, among the ranks holding it.
 
     The replica is chosen per tensor (the same replica index for all its
     chunks) to keep the index compact, and tensors are placed largest first
-    on the least-loaded replica.
+    on the least-loaded replica; tensors of at most :data:`SMALL_TENSOR_BYTES` on the lowest
+    rank holding them.
     """
     load = [0] * world_size
     writer: dict[PieceKey, int] = {}
@@ -364,7 +373,9 @@ def assign_writers(table: ChunkTable, world_size: int) -> dict[PieceKey, int]:
     for fqn in sorted(table.by_tensor, key=lambda f: (-sizes[f], f)):
         keys = table.by_tensor[fqn]
         reps0 = sorted(table.holders[keys[0]])
-        k = min(range(len(reps0)), key=lambda i: (load[reps0[i]], i))
+        k = 0
+        if sizes[fqn] > SMALL_TENSOR_BYTES:
+            k = min(range(len(reps0)), key=lambda i: (load[reps0[i]], i))
         for key in keys:
             reps = sorted(table.holders[key])
             w = reps[k % len(reps)]
