@@ -3,12 +3,13 @@
 A restore from the node-local tiers fetches, onto each node, the data files its ranks read that
 it lacks (:meth:`~ucp_dcp.manager._restore.Restorer._repair_local`). Fetching is per file, and
 one tiny read can cost a whole file: AdamW's ``step`` counters are plain tensors every rank
-holds, saved once each by one rank, so every rank reads a few bytes of every rank's file, and a
-restart on the same nodes would fetch every file it lacks. So a key whose reads are small
-(:data:`SMALL_READ_BYTES` in all) and whose target is a plain tensor or a value in a dict, is
-instead read by a rank whose node holds its file, and handed to the ranks that need it
-over the manager's group (one ``all_gather_object``: the values are small); the rest of the state
-loads with ``dcp.load`` as before. A file only such keys need is not fetched.
+holds, saved once each by one rank (rank 0, which writes small replicated tensors; in
+checkpoints saved before that rule, spread over every rank's file), so every rank reads a few
+bytes of a file its node lacks, and a restart on the same nodes would fetch it whole. So a key
+whose reads are small (:data:`SMALL_READ_BYTES` in all) and whose target is a plain tensor or a
+value in a dict, is instead read by a rank whose node holds its file, and handed to the ranks
+that need it over the manager's group (one ``all_gather_object``: the values are small); the rest
+of the state loads with ``dcp.load`` as before. A file only such keys need is not fetched.
 
 The restorer decides and runs this; here are its parts: which keys (:func:`small_keys`), the
 state without them for ``dcp.load`` (:func:`without`, :func:`put_back`), who reads each
