@@ -46,6 +46,7 @@ from ucp_dcp.dcp._plan_records import (
     SaveReply,
     SaveSummary,
 )
+from ucp_dcp.dcp import _save_global as save_global
 from ucp_dcp.dcp._save_global import (
     SMALL_TENSOR_BYTES,
     assign_owners,
@@ -190,6 +191,17 @@ def test_assign_writers_spreads_replicas() -> None:
     assert [writer[(f"own{r}", (0,))] for r in range(4)] == [0, 1, 2, 3]
     md = table.metadata()
     assert {"big", "mid", "small", "own0", "step5"} <= set(md) and list(md["big"].size) == [8 * n]
+
+
+def test_small_replicated_tensors_fill_the_lowest_holders_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each holder takes at most SMALL_BYTES_PER_RANK of small tensors, then the next one does: a
+    state of many small replicated tensors still spreads its writes, over as few files as that
+    allows; one that fits nowhere goes to the least-loaded holder."""
+    monkeypatch.setattr(save_global, "SMALL_BYTES_PER_RANK", 8)  # two float32 scalars a rank
+    plans = [chunk_plan(r, [(f"step{i}", Box((), ()), ()) for i in range(9)]) for r in range(4)]
+    writer = assign_writers(collect_chunks(plans), 4)
+    # Two a rank, lowest first; the ninth finds no room and goes to the least loaded (all alike).
+    assert [writer[(f"step{i}", ())] for i in range(9)] == [0, 0, 1, 1, 2, 2, 3, 3, 0]
 
 
 # ------------------------------------------------------------------ mesh groups

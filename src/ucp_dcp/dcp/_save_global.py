@@ -351,8 +351,11 @@ def collect_chunks(plans: Sequence[SavePlan]) -> ChunkTable:
 # shared values, not spread for balance: their bytes do not matter, but each data file they are
 # spread over is one more header every rank that loads them opens and parses (AdamW's ``step``
 # counters, one plain scalar per parameter: spread, they sent every rank of an FSDP2 restart
-# through every rank's file, N headers a rank).
+# through every rank's file, N headers a rank). A holder takes at most SMALL_BYTES_PER_RANK of
+# them, then the next one does, so that a state of many small tensors (a DDP model's biases and
+# norms) still spreads its writes, over as few files as that allows.
 SMALL_TENSOR_BYTES = 64 << 10
+SMALL_BYTES_PER_RANK = 16 << 20
 
 
 def assign_writers(table: ChunkTable, world_size: int) -> dict[PieceKey, int]:
@@ -361,9 +364,10 @@ def assign_writers(table: ChunkTable, world_size: int) -> dict[PieceKey, int]:
     The replica is chosen per tensor (the same replica index for all its
     chunks) to keep the index compact, and tensors are placed largest first
     on the least-loaded replica; tensors of at most :data:`SMALL_TENSOR_BYTES` on the lowest
-    rank holding them.
+    rank holding them that has written less than :data:`SMALL_BYTES_PER_RANK` of such tensors.
     """
     load = [0] * world_size
+    small = [0] * world_size  # bytes of small tensors each rank writes
     writer: dict[PieceKey, int] = {}
     first = table.first
     sizes = {
@@ -373,9 +377,11 @@ def assign_writers(table: ChunkTable, world_size: int) -> dict[PieceKey, int]:
     for fqn in sorted(table.by_tensor, key=lambda f: (-sizes[f], f)):
         keys = table.by_tensor[fqn]
         reps0 = sorted(table.holders[keys[0]])
-        k = 0
-        if sizes[fqn] > SMALL_TENSOR_BYTES:
-            k = min(range(len(reps0)), key=lambda i: (load[reps0[i]], i))
+        k = min(range(len(reps0)), key=lambda i: (load[reps0[i]], i))
+        if sizes[fqn] <= SMALL_TENSOR_BYTES:
+            room = (i for i, r in enumerate(reps0) if small[r] + sizes[fqn] <= SMALL_BYTES_PER_RANK)
+            k = next(room, k)
+            small[reps0[k]] += sizes[fqn]
         for key in keys:
             reps = sorted(table.holders[key])
             w = reps[k % len(reps)]
