@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..byteio.progress import Progress, mb
 from ..byteio.progress import log as progress_log
 from ..byteio.rangeio import ReadStats
-from .read_once.transport import Transport, choose_transport, group_backend
+from .read_once.transport import Transport, choose_transport, group_backend, wire_device
 
 __all__ = [
     "SlowestRecord",
@@ -95,9 +95,6 @@ def slowest_of(records: Iterable[SlowestRecord | None]) -> SlowestRecord | None:
 
 # A record on the wire: global rank, seconds, bytes, file number (-1: none), the file's seconds
 # and bytes. Float64 holds every count below 2**53 exactly.
-_FIELDS = 6
-
-
 def _encode(own: SlowestRecord, paths: Sequence[str]) -> list[float]:
     f = paths.index(own.file) if own.file in paths else -1
     return [own.rank, own.seconds, own.bytes, f, own.file_seconds, own.file_bytes]
@@ -111,13 +108,14 @@ def _decode(row: list[float], paths: Sequence[str]) -> SlowestRecord:
 
 def _wire_device(group: dist.ProcessGroup | None) -> torch.device | None:
     """Where ``group`` gathers a tensor: host memory where its backend moves it, the current CUDA
-    device for NCCL alone, None for a backend that does neither."""
-    backend = group_backend(group)
-    if choose_transport(backend, allow_device=False, gloo=False) is Transport.GROUP:
-        return torch.device("cpu")
-    if "nccl" in backend.lower() and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
+    device for NCCL alone (48 bytes a rank, where ``all_gather_object`` would go too), None for
+    a backend that does neither."""
+    transport = choose_transport(group_backend(group), allow_device=True, gloo=False)
+    if transport is Transport.NONE or (
+        transport is Transport.DEVICE and not torch.cuda.is_available()
+    ):
+        return None
+    return wire_device(transport)
 
 
 def gather_slowest(
