@@ -138,3 +138,30 @@ def test_reading_them_imports_neither_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_accelerate_folder_holding_a_deepspeed_tensor_parallel_checkpoint(tmp_path: Path) -> None:
+    """accelerate's DeepSpeed saves put the engine's checkpoint in a subfolder beside others.
+
+    Here the subfolder is a Megatron-DeepSpeed tensor-parallel checkpoint, whose merged tensors
+    are a file computed at load time, beside accelerate's FSDP model and optimizer folders: each
+    child reads its bytes its own way (the merge included), and every tensor is bit-exact."""
+    mds = FIXTURES / "deepspeed" / "megatron_ds" / "llama_tp2_dp2"
+    acc, _ = REAL["accelerate"]
+    for sub in ("pytorch_model_fsdp_0", "optimizer_0"):
+        (tmp_path / sub).symlink_to(acc / sub)
+    (tmp_path / "pytorch_model").symlink_to(mds)
+    with Checkpoint(mds) as ck:
+        want = {**reference("accelerate"), **{k: ck.read_tensor(k) for k in ck.tensor_names()}}
+    with Checkpoint(tmp_path) as ck:
+        assert ck.format == "subfolders"
+        assert sorted(ck.tensor_names()) == sorted(want)
+        for key, v in want.items():
+            assert bit_equal(ck.read_tensor(key), v), key
+    # dcp.load in one process: one joined reader over all three children's files.
+    sd: dict[str, Any] = {k: torch.full_like(v, 7) for k, v in want.items()}
+    reader = UCPStorageReader(tmp_path)
+    dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
+    for key, v in want.items():
+        assert bit_equal(sd[key], v), key
+    assert reader.last_load.stats.bytes >= sum(v.nbytes for v in reference("accelerate").values())

@@ -116,10 +116,16 @@ class ReadStats:
     storage, each batch of concurrent requests' time shared among them by bytes)."""
     progress: Progress | None = field(default=None, repr=False)
     """Fed every request's bytes, to log a long load's progress (set by the load)."""
+    into: tuple[ReadStats, int] | None = field(default=None, repr=False)
+    """``(stats, base)``: count into ``stats`` instead, file numbers shifted by ``base`` (a reader
+    that is one part of a reader of several checkpoints' files)."""
 
     def add(self, calls: int, nbytes: int, file: int = -1, seconds: float = 0.0) -> None:
         """Count ``calls`` system calls that requested ``nbytes`` bytes; with ``file``, also
         ``nbytes`` and ``seconds`` (how long they took) for that file."""
+        if self.into is not None:
+            stats, base = self.into
+            return stats.add(calls, nbytes, file + base if file >= 0 else -1, seconds)
         with self._lock:
             self.calls += calls
             self.bytes += nbytes

@@ -10,12 +10,20 @@ across subfolders.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import TypeVar
 
+import numpy as np
+import torch
+
 from ..byteio.blocksums import BlockSums
 from ..byteio.location import ModelDir
+from ..byteio.rangeio import MAX_REQUEST_BYTES, ByteSource, Extents, MappedSpan, ReadStats
+from ..byteio.requests import RequestPolicy
+from ..byteio.segments import Segment
 from ..errors import CheckpointFormatError
 from ..format import FileRecord, Index, Location, TensorRecord, split_rank_local_key
 from .base import Source, SourceOptions, register, source_types
@@ -37,6 +45,59 @@ def _child_sources(d: ModelDir) -> list[tuple[str, ModelDir, type[Source]]]:
         if cls is not None:
             found.append((name, sub, cls))
     return found
+
+
+class _JoinedReader(ByteSource):
+    """The children's readers as one: file ``f`` of the composite is file ``f - base`` of the
+    child whose files start at ``base``. Each child reads its own way (its object store, its
+    computed file), and every read is counted in this reader's :attr:`stats`."""
+
+    def __init__(self, readers: list[ByteSource], counts: list[int]) -> None:
+        self._readers = readers
+        self._bases = list(itertools.accumulate(counts, initial=0))[:-1]
+        self.gap_bytes = min(r.gap_bytes for r in readers)
+        self.maps_files = any(r.maps_files for r in readers)
+        self.stats = ReadStats()
+        for r, base in zip(readers, self._bases):
+            r.stats.into = (self.stats, base)
+
+    def _part(self, file: int) -> int:
+        return bisect.bisect_right(self._bases, file) - 1
+
+    def read(self, segments: Sequence[Segment]) -> None:
+        """Each child reads its segments, renumbered to its files."""
+        parts: dict[int, list[Segment]] = {}
+        for s in segments:
+            i = self._part(s.file)
+            parts.setdefault(i, []).append(s._replace(file=s.file - self._bases[i]))
+        for i, segs in parts.items():
+            self._readers[i].read(segs)
+
+    def plan_access(
+        self, extents: Extents, mode: str = "auto", shared: Extents | None = None
+    ) -> dict[int, str]:
+        """Each child's choice for its files, renumbered."""
+        chosen: dict[int, str] = {}
+        for i, (r, base) in enumerate(zip(self._readers, self._bases)):
+            mine = r.plan_access(
+                self._own(extents, i), mode, None if shared is None else self._own(shared, i)
+            )
+            chosen.update({f + base: how for f, how in mine.items()})
+        return chosen
+
+    def _own(self, extents: Extents, i: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Child ``i``'s part of ``extents``, renumbered to its files."""
+        return {f - self._bases[i]: e for f, e in extents.items() if self._part(f) == i}
+
+    def read_mapped(self, file: int, spans: Sequence[MappedSpan]) -> bool:
+        """As the child holding ``file`` maps it."""
+        i = self._part(file)
+        return self._readers[i].read_mapped(file - self._bases[i], spans)
+
+    def close(self) -> None:
+        """Close every child's reader."""
+        for r in self._readers:
+            r.close()
 
 
 @register
@@ -101,6 +162,37 @@ class CompositeSource(Source):
     def open_dir(cls, d: ModelDir, options: SourceOptions) -> CompositeSource:
         """Open every subfolder that is a checkpoint."""
         return cls(d.where, {name: c.open(sub, options) for name, sub, c in _child_sources(d)})
+
+    def open_reader(
+        self,
+        *,
+        threads: int,
+        gap_bytes: int | None = None,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+        requests: RequestPolicy | None = None,
+        verify: bool = True,
+    ) -> ByteSource:
+        """Each child's reader (its own storage, its own computed file), joined."""
+        readers = [
+            c.open_reader(
+                threads=threads,
+                gap_bytes=gap_bytes,
+                max_request_bytes=max_request_bytes,
+                requests=requests,
+                verify=verify,
+            )
+            for c in self.children.values()
+        ]
+        if len(readers) == 1:  # accelerate's usual case: the numbering is the child's
+            return readers[0]
+        return _JoinedReader(readers, [len(c.paths) for c in self.children.values()])
+
+    def materialize(self, reader: ByteSource, fqn: str, idx: int) -> torch.Tensor:
+        """As the child that holds ``fqn`` builds it, from its own files."""
+        child, base = self._child(fqn)
+        if isinstance(reader, _JoinedReader):
+            reader = reader._readers[reader._part(base)]
+        return child.materialize(reader, fqn, idx)
 
     def _child(self, key: str) -> tuple[Source, int]:
         rl = split_rank_local_key(key)
