@@ -23,8 +23,7 @@ from typing import Any, NamedTuple
 
 from ...byteio.durable import fsync_file
 from ...byteio.location import StoreDir
-from ...byteio.multipart import protocols
-from ...byteio.objstore import ObjectStore
+from ...byteio.objstore import ObjectStore, protocols
 from ...byteio.requests import RequestPolicy
 from ...errors import CheckpointFormatError, InvalidArgumentError, StorageError
 from .base import Tier, check_step, check_token, step_dir_name
