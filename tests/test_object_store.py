@@ -331,12 +331,12 @@ def test_object_range_reader_coalesces_within_the_gap() -> None:
     offs = [0, 100, 5000, 16000]
     segs = [Segment(0, o, memoryview(d)) for o, d in zip(offs, dests)]
     r = ObjectRangeReader(store, ["f"], gap_bytes=4096, max_request_bytes=1 << 20)
-    assert [(q.start, q.end) for q in r.plan(segs)] == [(0, 120), (5000, 5005), (16000, 16007)]
+    assert [(q.offset, q.end) for q in r.plan(segs)] == [(0, 120), (5000, 5005), (16000, 16007)]
     r.read(segs)
     assert all(bytes(d) == blob[o : o + len(d)] for o, d in zip(offs, dests))
     assert r.stats.calls == 3 and r.stats.bytes == 120 + 5 + 7
     exact = ObjectRangeReader(store, ["f"], gap_bytes=0, max_request_bytes=8)
-    assert [(q.start, q.end) for q in exact.plan(segs[:2])] == [(0, 8), (8, 10), (100, 108), (108, 116), (116, 120)]
+    assert [(q.offset, q.end) for q in exact.plan(segs[:2])] == [(0, 8), (8, 10), (100, 108), (108, 116), (116, 120)]
 
 
 _BLOB = bytes((i * 7 + i // 251) % 256 for i in range(1 << 16))
@@ -453,28 +453,6 @@ def test_object_range_reader_reads_to_a_near_end_and_keeps_it() -> None:
     reader.read([Segment(0, n - 1200, memoryview(before))])
     assert calls[1:] == [("f", n - 1200, n - 1190)] and bytes(before) == _BLOB[n - 1200 : n - 1190]
     assert reader.stats.calls == 2 and reader.stats.bytes == 1100 + 10
-
-
-def test_object_range_reader_fetches_an_object_it_needs_most_of_two_requests_at_a_time() -> None:
-    """With ``dense_parallel=2``, needing at least 3/4 of an object: two requests per batch;
-    needing less: one. (By default 1: the store sends each request as concurrent parts.)"""
-    store = CountingStore(f"memory://ucp-{uuid.uuid4().hex[:8]}/blob")
-    store.put("f", _BLOB)
-    n = len(_BLOB)
-    batches: list[int] = []
-    real = store.read_ranges
-    store.read_ranges = (  # type: ignore[method-assign]
-        lambda rs: batches.append(len(rs)) or real(rs)
-    )
-    for keep, want in ((n, 2), (n // 2, 1)):
-        batches.clear()
-        dest = bytearray(keep)
-        reader = ObjectRangeReader(
-            store, ["f"], sizes=[n], max_request_bytes=n // 8, window_bytes=1, dense_parallel=2
-        )
-        reader.read([Segment(0, 0, memoryview(dest))])
-        assert bytes(dest) == _BLOB[:keep]
-        assert max(batches) == want and sum(batches) == -(-keep // (n // 8)), (keep, batches)
 
 
 def test_a_native_header_and_its_block_checksums_come_in_one_request(monkeypatch: Any) -> None:

@@ -28,7 +28,7 @@ from dist_utils import bit_equal
 from ucp_dcp.byteio.blocksums import BlockHasher, BlockSums
 from ucp_dcp.byteio.blocksums import BlockVerifier, ChunkCheck
 from ucp_dcp.byteio.rangeio import RangeReader
-from ucp_dcp.byteio.transfer import ChunkRegion, StagingBuffers, read_staged
+from ucp_dcp.byteio.transfer import ChunkRegion, StagingBuffers
 from ucp_dcp.core.sharding import Box
 from ucp_dcp.core.spans import ReadCosts, prefer_span, read_cost, region_starts, span_of, span_slabs
 from ucp_dcp.errors import ChecksumError
@@ -164,7 +164,7 @@ def _read(
         if not case.get("mapped", True):  # the staged path: what a source that cannot map takes
             reader.read_mapped = lambda file, spans: False  # type: ignore[method-assign]
         with StagingBuffers(case["budget"]) as staging:
-            read_staged(reader, ChunkRegion(loc, case["shape"], case["region"], case["dtype"]), dest, buffers=staging, check=check)
+            staging.read(reader, ChunkRegion(loc, case["shape"], case["region"], case["dtype"]), dest, check)
     return verifier, staging
 
 
@@ -253,8 +253,8 @@ def test_span_staging_stays_within_its_bound_for_a_large_column_slice(tmp_path: 
     with RangeReader([path], threads=2, gap_bytes=4095) as reader, StagingBuffers(128 << 10) as staging:
         reader.read_mapped = lambda file, spans: False  # type: ignore[method-assign]  # staged, as from a store
         verifier = BlockVerifier([path], [0])
-        read_staged(reader, ChunkRegion(loc, full.shape, region, torch.float32), dest, buffers=staging,
-                    check=ChunkCheck(verifier, sums, "w", (0, 0)))
+        staging.read(reader, ChunkRegion(loc, full.shape, region, torch.float32), dest,
+                     ChunkCheck(verifier, sums, "w", (0, 0)))
         assert staging.capacity <= 128 << 10 and staging.allocations == 1 and staging.spans >= 64
         assert reader.stats.calls < 1024 // 8  # not one call per row
     assert bit_equal(dest, full[:, 512:1024])
@@ -277,7 +277,7 @@ def test_mapped_spans_read_a_column_slice_without_staging_and_check_each_touched
         check = ChunkCheck(verifier, sums, "w", (0, 0)) if verify else None
         with RangeReader([path], threads=2, gap_bytes=4095) as reader, StagingBuffers(1 << 20) as staging:
             assert reader.maps_files and transfer.spanned(reader, part, dest)
-            read_staged(reader, part, dest, buffers=staging, check=check)
+            staging.read(reader, part, dest, check)
         return reader, staging, verifier
 
     dest = torch.zeros(region.sizes)

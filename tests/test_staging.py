@@ -26,7 +26,7 @@ from dist_utils import bit_equal
 from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.tools.checkpoint import Checkpoint
 from ucp_dcp.core.sharding import Box
-from ucp_dcp.byteio.transfer import ChunkRegion, StagingBuffers, read_staged
+from ucp_dcp.byteio.transfer import ChunkRegion, StagingBuffers
 
 ROOT = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.cuda  # skipped without CUDA (tests/conftest.py)
@@ -174,7 +174,7 @@ def test_double_buffered_path_on_cpu_same_dtype(saved: tuple[Path, dict[str, tor
             out = torch.full(v.shape[::-1], 3, dtype=v.dtype).permute(tuple(reversed(range(v.dim()))))
             for box, loc in ck.chunks(k):
                 whole = Box((0,) * len(box.sizes), box.sizes)
-                read_staged(ck._reader, ChunkRegion(loc, box.sizes, whole, v.dtype), out, buffers=buffers)
+                buffers.read(ck._reader, ChunkRegion(loc, box.sizes, whole, v.dtype), out)
             outs[k] = out
         assert buffers.allocations == 1 and buffers.capacity <= max(max_bytes, 32)
         assert buffers.double_buffered(torch.empty(0))
@@ -249,14 +249,14 @@ def test_fake_stream_catches_a_missing_wait(saved: tuple[Path, dict[str, torch.T
         ((box, loc),) = ck.chunks("w")
         out = torch.zeros(sd["w"].shape)
         with StagingBuffers(1024, overlap=True, device_copy=stream.copy) as buffers:
-            read_staged(ck._reader, ChunkRegion(loc, box.sizes, Box((0, 0), box.sizes), torch.float32), out, buffers=buffers)
+            buffers.read(ck._reader, ChunkRegion(loc, box.sizes, Box((0, 0), box.sizes), torch.float32), out)
         stream.run_until(None)
     assert stream.max_in_flight > 2
     assert not bit_equal(out, sd["w"])
 
 
-def test_partial_regions_and_old_call_form(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
-    """Sub-boxes of a chunk, through shared buffers and through the old per-call form, match slicing."""
+def test_partial_regions_through_shared_and_own_buffers(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    """Sub-boxes of a chunk, through shared buffers and through a buffer of their own, match slicing."""
     path, sd = saved
     w = sd["cube"]
     regions = [Box((0, 0, 0), (5, 7, 33)), Box((1, 2, 3), (3, 4, 29)), Box((4, 6, 32), (1, 1, 1)), Box((2, 0, 5), (2, 7, 0))]
@@ -267,14 +267,14 @@ def test_partial_regions_and_old_call_form(saved: tuple[Path, dict[str, torch.Te
                 for r in regions:
                     want = w[tuple(slice(o, o + s) for o, s in zip(r.offsets, r.sizes))]
                     got = torch.empty(r.sizes, dtype=torch.float64)
-                    read_staged(ck._reader, ChunkRegion(loc, box.sizes, r, torch.float32), got, buffers=buffers)
+                    part = ChunkRegion(loc, box.sizes, r, torch.float32)
+                    buffers.read(ck._reader, part, got)
                     assert cast_equal(got, want, torch.float64), (overlap, r)
                     got2 = torch.empty(r.sizes, dtype=torch.float64)
-                    read_staged(ck._reader, ChunkRegion(loc, box.sizes, r, torch.float32), got2, 64)  # old form
+                    with StagingBuffers(64, largest_bytes=part.nbytes) as own:  # 64 bytes: many slabs
+                        own.read(ck._reader, part, got2)
                     assert bit_equal(got2, got)
             assert buffers.allocations == 1
-        with pytest.raises(TypeError, match="max_buffer_bytes or buffers"):
-            read_staged(ck._reader, ChunkRegion(loc, box.sizes, regions[0], torch.float32), torch.empty(5, 7, 33))
 
 
 def test_buffer_grows_within_bound_without_hint() -> None:
@@ -328,7 +328,7 @@ def test_cuda_buffer_is_pinned_and_copies_on_current_stream(saved: tuple[Path, d
         buffers = StagingBuffers(4096)
         out = torch.zeros(sd["w"].shape, device="cuda")
         ((box, loc),) = ck.chunks("w")
-        read_staged(ck._reader, ChunkRegion(loc, box.sizes, Box((0, 0), box.sizes), torch.float32), out, buffers=buffers)
+        buffers.read(ck._reader, ChunkRegion(loc, box.sizes, Box((0, 0), box.sizes), torch.float32), out)
         assert buffers.pinned and buffers.allocations == 1
         got = out.clone()  # ordered after the copies on the same stream, before close()
         buffers.close()
@@ -347,10 +347,10 @@ def test_cuda_read_tensor_and_upgrade_to_pinned(saved: tuple[Path, dict[str, tor
         whole = Box((0, 0, 0), box.sizes)
         with StagingBuffers(1 << 20) as b:
             cpu = torch.empty(box.sizes, dtype=torch.float64)
-            read_staged(ck._reader, ChunkRegion(loc, box.sizes, whole, torch.float32), cpu, buffers=b)
+            b.read(ck._reader, ChunkRegion(loc, box.sizes, whole, torch.float32), cpu)
             assert not b.pinned
             dev = torch.empty(box.sizes, dtype=torch.float32, device="cuda")
-            read_staged(ck._reader, ChunkRegion(loc, box.sizes, whole, torch.float32), dev, buffers=b)
+            b.read(ck._reader, ChunkRegion(loc, box.sizes, whole, torch.float32), dev)
             assert b.pinned and b.allocations == 2
         assert bit_equal(cpu, sd["cube"].double()) and bit_equal(dev, sd["cube"])
 

@@ -18,7 +18,7 @@ reads sit next to the destination reads in the file, so the range reader
 coalesces them into the same ``preadv`` calls, and with 4 KiB blocks
 starting on page boundaries they read no page the load did not need.
 A long run read in place is cut into pieces of about 1 MiB, each hashed by
-the I/O thread that reads it, while the piece is still in the CPU cache; a
+the I/O thread that reads it, right after the read; a
 whole chunk read in place feeds its pieces, in order as they land, to one
 streaming hash of the chunk (:class:`ChunkStream`) compared with the
 chunk's recorded xxh3-64 (a call per piece, which releases the GIL, where
@@ -65,10 +65,10 @@ __all__ = [
     "ChunkStream",
 ]
 
-# The same function, for numpy arrays (the rows of a 2-D view, hashed in place). Arrays have the
+# A block's xxh3-64, also of numpy arrays (the rows of a 2-D view, hashed in place). Arrays have the
 # buffer protocol, but numpy's stubs declare it (``__buffer__``) only for Python 3.12+ and mypy
 # checks for 3.10; taking ``.data`` of every row instead would double the cost of hashing a block.
-_hash_array = cast("Callable[[np.ndarray], int]", xxhash.xxh3_64_intdigest)
+_hash = cast("Callable[[np.ndarray | memoryview], int]", xxhash.xxh3_64_intdigest)
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,9 +108,7 @@ class BlockHasher:
         if full:
             # The rows of a 2-D view: a quarter cheaper per block than slicing the memoryview.
             rows = np.frombuffer(view, dtype=np.uint8, count=full * b, offset=off).reshape(full, b)
-            self.sums[self._k : self._k + full] = np.fromiter(
-                map(_hash_array, rows), np.uint64, full
-            )
+            self.sums[self._k : self._k + full] = np.fromiter(map(_hash, rows), np.uint64, full)
             self._k += full
             off += full * b
         if off < n:
@@ -139,7 +137,6 @@ class ChunkCheck:
     offsets: tuple[int, ...]
 
 
-_hash = xxhash.xxh3_64_intdigest
 # Up to this many blocks (or pieces to copy) are handled in a plain loop: cheaper than a dozen small
 # array operations.
 _FEW = 8
@@ -240,10 +237,10 @@ def _digests(
         step = block if nfull == 1 else _arith(fo)
         if step is not None:
             rows = _rows(arr, int(fo[0]), nfull, block, step, what)
-            out[full] = np.fromiter(map(_hash_array, rows), np.uint64, nfull)
+            out[full] = np.fromiter(map(_hash, rows), np.uint64, nfull)
             rest = ~full
     for i, o, n in zip(np.flatnonzero(rest).tolist(), offs[rest].tolist(), lens[rest].tolist()):
-        out[i] = _hash_array(arr[o : o + n])  # short last blocks, irregular strides
+        out[i] = _hash(arr[o : o + n])  # short last blocks, irregular strides
     return out
 
 
@@ -272,7 +269,7 @@ _POOL_BYTES = 32 << 20
 _pool: list[np.ndarray] = []
 _pool_lock = threading.Lock()
 # A run read in place is cut into pieces of about this size, each hashed by the I/O thread that read
-# it right after the read, while it is still in the CPU's cache (see rangeio.HOOKED_REQUEST_BYTES).
+# it right after the read (why this size: rangeio.HOOKED_REQUEST_BYTES).
 _PIECE = HOOKED_REQUEST_BYTES
 
 
@@ -433,9 +430,8 @@ class BlockVerifier:
         ] = []  # through scratch: (start in the chunk, end, offset in view)
         if first < last:
             batch.run = (at + first - start, first // bs, -(-last // bs))
-            # In pieces, each hashed by the I/O thread that read it while it is
-            # still in the CPU's cache (the reader keeps requests that carry
-            # callbacks near this size), rather than all of it after the last read.
+            # In pieces (_PIECE), each hashed by the I/O thread that read it, rather than
+            # all of it after the last read.
             piece = max(bs, _PIECE // bs * bs)
             for p in range(first, last, piece):
                 q = min(p + piece, last)
@@ -640,7 +636,7 @@ class BlockVerifier:
 
     def _feed(self, batch: Batch, off: int, end: int) -> None:
         """Piece ``dest[off:end]`` of a whole chunk landed: feed the chunk's hash every landed piece
-        that is next in order, while it is still in the CPU's cache. Pieces land on several I/O
+        that is next in order, right after it landed. Pieces land on several I/O
         threads in any order; one thread at a time feeds the hash (each update releases the GIL),
         and a piece that lands meanwhile is left for it. Whoever feeds the last piece compares the
         chunk's digest (:meth:`_check_whole`)."""
@@ -719,13 +715,13 @@ class BlockVerifier:
         nfull = nbytes // bs  # only the chunk's last block may be short
         arr = np.frombuffer(batch.dest, dtype=np.uint8, count=nbytes, offset=off)
         if nfull == k1 - k0:
-            got = np.fromiter(map(_hash_array, arr.reshape(nfull, bs)), np.uint64, nfull)
+            got = np.fromiter(map(_hash, arr.reshape(nfull, bs)), np.uint64, nfull)
         else:
             got = np.empty(k1 - k0, dtype=np.uint64)
             got[:nfull] = np.fromiter(
-                map(_hash_array, arr[: nfull * bs].reshape(nfull, bs)), np.uint64, nfull
+                map(_hash, arr[: nfull * bs].reshape(nfull, bs)), np.uint64, nfull
             )
-            got[nfull] = _hash_array(arr[nfull * bs :])
+            got[nfull] = _hash(arr[nfull * bs :])
         want = batch.check.sums.sums[k0:k1]
         if not np.array_equal(got, want):
             i = int(np.flatnonzero(got != want)[0])

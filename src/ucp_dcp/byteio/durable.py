@@ -56,6 +56,18 @@ def write_all(fd: int, data: bytes | bytearray | memoryview, offset: int | None 
             offset += n
 
 
+def _libc(name: str, argtypes: list[Any]) -> Any:
+    """The C library's function ``name`` returning an int (its calls release the GIL and keep
+    ``errno``), or False where it is missing."""
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
+
+
 _SYNC_FILE_RANGE_WRITE = 2
 _sync_file_range: Any = None  # None: not looked up yet; False: unavailable
 
@@ -72,13 +84,9 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """
     global _sync_file_range
     if _sync_file_range is None:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # CDLL calls release the GIL
-            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-            _sync_file_range = fn
-        except (OSError, AttributeError):
-            _sync_file_range = False
+        _sync_file_range = _libc(
+            "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        )
     if _sync_file_range is not False and nbytes > 0:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # errors surface at fsync
 
@@ -171,19 +179,10 @@ def swap_paths(a: str, b: str) -> bool:
     """
     global _renameat2
     if _renameat2 is None:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).renameat2
-            fn.argtypes = [
-                ctypes.c_int,
-                ctypes.c_char_p,
-                ctypes.c_int,
-                ctypes.c_char_p,
-                ctypes.c_uint,
-            ]
-            fn.restype = ctypes.c_int
-            _renameat2 = fn
-        except (OSError, AttributeError):
-            _renameat2 = False
+        _renameat2 = _libc(
+            "renameat2",
+            [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint],
+        )
     if _renameat2 is False:
         return False
     if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:

@@ -47,7 +47,6 @@ from .transfer import (
     ChunkRegion,
     StagingBuffers,
     needs_staging,
-    read_staged,
     segments_into,
     spanned,
     staging_plan,
@@ -208,8 +207,7 @@ class ChunkReads:
         staged, self._staged = self._staged, []
         self._n_staged += len(staged)
         # How each region is read (as spans or slab by slab), decided once, and the staging it
-        # takes: one buffer for all of them (pinned and double-buffered for CUDA destinations),
-        # whose close() waits for the last device copies.
+        # takes: one buffer for all of them, sized for the largest.
         plans = [
             staging_plan(self.source, s.part, s.dest, s.check.sums.block if s.check else 0)
             for s in staged
@@ -218,7 +216,7 @@ class ChunkReads:
         with StagingBuffers(self.staging_bytes, largest_bytes=largest) as staging:
             for s, (span, _) in zip(staged, plans):
                 # With block checksums, every slab is checked in the staging buffer.
-                read_staged(self.source, s.part, s.dest, buffers=staging, check=s.check, span=span)
+                staging.read(self.source, s.part, s.dest, s.check, span)
                 if s.done is not None:
                     s.done()
                 if s.check is None:  # a cast or device copy: the chunk is read again

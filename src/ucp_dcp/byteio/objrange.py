@@ -10,9 +10,7 @@ object-storage twin of :class:`~ucp_dcp.byteio.rangeio.RangeReader`: the same
 object storage. What differs is the cost model: on a file system a call costs a system call, on
 object storage a request costs a round trip (milliseconds) and is billed, so neighbouring ranges
 are merged across larger gaps (:data:`OBJECT_GAP_BYTES`), and many requests are in flight at once
-(one batch per window of ``window_bytes``, the next windows fetched while the current one is
-copied into place, as many as 64 MiB holds: a slow request then holds back
-only its own window, not the store's other requests). A request that ends within the gap of its
+(windows fetched ahead: :class:`ObjectRangeReader`). A request that ends within the gap of its
 object's end reads on to the end, and the reader keeps those last bytes: the values a native data
 file ends with, read after its tensors, then cost no request of their own. A source may hand it
 other bytes it already fetched (:meth:`ObjectRangeReader.hold`: the part of a data file's first
@@ -35,7 +33,6 @@ __all__ = [
     "ObjectAccess",
     "ObjectRangeReader",
     "OBJECT_GAP_BYTES",
-    "DENSE_FRACTION",
     "fetch_heads",
 ]
 
@@ -123,18 +120,6 @@ saves time; keeping it small keeps the bytes fetched (which egress bills) close 
 column slices of narrow rows are merged, other ranks' shards are not."""
 
 
-DENSE_FRACTION = 0.75
-"""A read that needs at least this fraction of an object's bytes fetches that object
-``dense_parallel`` requests per window (default 1: the store already sends each request as
-parts that run concurrently, :meth:`~ucp_dcp.byteio.scheduler.RequestScheduler.part_bytes`).
-It reads (nearly) the whole object anyway: concurrent requests shorten it on any store, and
-on a server that reads the whole object for every ranged GET (moto's S3) they overlap those reads.
-Measured on loopback moto, one process, a 262 MiB step in 64 MiB requests, 2 shared cores (load
-average 10-12), 4 paired rounds against downloading the whole step: one request at a time 1.11x
-the download, two at a time 0.89x (medians of the per-round ratios; before requests were split
-into parts)."""
-
-
 class ObjectRangeReader(ByteSource):
     """Reads byte ranges of a fixed list of objects with coalesced, concurrent ranged GETs.
 
@@ -151,8 +136,6 @@ class ObjectRangeReader(ByteSource):
         window_bytes: bytes fetched per batch of concurrent requests (the store splits each request
             into parts that run concurrently:
             :meth:`~ucp_dcp.byteio.scheduler.RequestScheduler.part_bytes`).
-        dense_parallel: requests per window for an object the read needs :data:`DENSE_FRACTION` of
-            (its sizes known): its windows hold that many requests, and are that many times larger.
     """
 
     def __init__(
@@ -164,7 +147,6 @@ class ObjectRangeReader(ByteSource):
         gap_bytes: int = OBJECT_GAP_BYTES,
         max_request_bytes: int = MAX_REQUEST_BYTES,
         window_bytes: int = 16 << 20,
-        dense_parallel: int = 1,
     ) -> None:
         self.store = store
         self.names = list(names)
@@ -176,7 +158,6 @@ class ObjectRangeReader(ByteSource):
         self._scratch = memoryview(bytearray(max(gap_bytes, 1)))  # where merged gaps land
         self._max_request = max(max_request_bytes, 1)
         self._window = max(window_bytes, self._max_request)
-        self._dense_window = max(self._window, self._max_request * max(dense_parallel, 1))
         self.stats = ReadStats()
 
     def close(self) -> None:
@@ -214,18 +195,13 @@ class ObjectRangeReader(ByteSource):
     def read(self, segments: Sequence[Segment]) -> None:
         """Fill every segment's buffer; a failed or short request raises naming the object.
 
-        The requests go out in windows of ``window_bytes`` (``dense_parallel``
-        requests for an object the segments need most of); the next windows
-        are being fetched while the current one is copied into place, as many
-        as :data:`_STAGING_BYTES` holds with the current one (at least one).
+        The requests go out in windows of ``window_bytes``, fetched ahead as the class says.
         """
         segments = self._from_held(segments)
-        dense = self._dense(segments)
         windows: list[list[Request]] = [[]]
         held = 0
         for r in self.plan(segments):
-            limit = self._dense_window if r.file in dense else self._window
-            if windows[-1] and held + r.nbytes > limit:
+            if windows[-1] and held + r.nbytes > self._window:
                 windows.append([])
                 held = 0
             windows[-1].append(r)
@@ -270,16 +246,6 @@ class ObjectRangeReader(ByteSource):
             else:
                 rest.append(s)
         return rest
-
-    def _dense(self, segments: Sequence[Segment]) -> set[int]:
-        """The objects ``segments`` need at least :data:`DENSE_FRACTION` of."""
-        if self.sizes is None:
-            return set()
-        need: dict[int, int] = {}
-        for s in segments:
-            need[s.file] = need.get(s.file, 0) + len(s.dest)
-        sizes = self.sizes
-        return {f for f, n in need.items() if n >= DENSE_FRACTION * sizes[f] > 0}
 
     def _end(self, r: Request) -> int:
         """Where request ``r`` stops: the object's end if that is within the gap, else its own."""

@@ -2,14 +2,9 @@
 
 Callers describe what they need as :class:`~ucp_dcp.byteio.segments.Segment`\\ s: a byte
 range of a file and a writable buffer of the same length (usually a slice of the destination
-tensor's own storage). The reader sorts them per file, merges neighbours into ``os.preadv``
-calls (:func:`~ucp_dcp.byteio.segments.coalesce`) (one system call fills many buffers;
-gaps up to ``gap_bytes`` between them are read into a scratch buffer rather
-than split into another call, since the page holding them is fetched
-anyway), splits large ranges so several threads share them, and runs the
-calls on I/O threads (``preadv`` releases the GIL). Every call has a deadline, kept by the
-thread that waits for them (:mod:`~ucp_dcp.byteio.workers`): a read blocked in the kernel fails
-the load naming the file, the byte range and the rank instead of holding it forever.
+tensor's own storage). The reader coalesces them into ``os.preadv`` calls (one system call
+fills many buffers: :func:`~ucp_dcp.byteio.segments.coalesce`) and runs the calls on I/O threads
+(``preadv`` releases the GIL), each under a deadline (:mod:`~ucp_dcp.byteio.workers`).
 
 Each file is read one of two ways, chosen once per load by
 :meth:`RangeReader.plan_access` from every byte range the load will read
@@ -26,8 +21,7 @@ It never allocates per-read memory: the scratch buffer for gaps is
 by the I/O thread that completes the segment's last byte (to check what was
 read while other threads still read); the segments of one call that share a
 callback are reported in one call of it, and segments with callbacks are
-merged into calls of at most ``HOOKED_REQUEST_BYTES`` (about 1 MiB), so
-that a callback finds what it checks still in the CPU cache.
+merged into calls of at most :data:`HOOKED_REQUEST_BYTES`.
 
 The local files it reads are opened here too (:func:`open_data_file`), and
 so are those whose headers :mod:`ucp_dcp.format` parses (:class:`FileAccess`,
@@ -384,7 +378,7 @@ class RangeReader(ByteSource):
         paths: the files; segments refer to them by position.
         threads: size of the I/O thread pool.
         gap_bytes: neighbouring ranges at most this far apart are read with one call, the gap
-            landing in a scratch buffer.
+            landing in a scratch buffer (the page holding it is fetched anyway).
         max_request_bytes: upper bound on one call, so that a large range is split across threads.
         requests: the deadline of each call (its floor, cap and factor; see
             :mod:`~ucp_dcp.byteio.workers`): :class:`~ucp_dcp.byteio.requests.RequestPolicy`'s

@@ -2,11 +2,8 @@
 deadlines, retries, hedging, the bound on requests in flight), the deadline arithmetic every
 request uses (:func:`deadline_for`, from what the same load or save observed:
 :class:`Observed`), the counters a load or a save fills (:class:`ObjectStats`), and the errors
-that name a failed request. A local load's reads take their deadlines from the same policy and
-arithmetic (:mod:`~ucp_dcp.byteio.workers`); past it, an object-store request is abandoned and
-tried again, a local read (which the kernel cannot cancel) fails the load.
-
-How object-store requests run under it is :mod:`~ucp_dcp.byteio.scheduler`'s.
+that name a failed request. How object-store requests run under it is
+:mod:`~ucp_dcp.byteio.scheduler`'s; how local reads do, :mod:`~ucp_dcp.byteio.workers`'.
 """
 
 from __future__ import annotations
@@ -72,9 +69,8 @@ class RequestPolicy:
     budget (:meth:`RequestScheduler.part_bytes`): a slow part can
     then be hedged, which a GET of several MB in a load of a hundred MB would not fit."""
     min_part_bytes: int = 2 << 20
-    """Parts are at least this long: a part costs a round trip (on S3 one of about 1 MiB takes
-    little more than the round trip itself), and on the benchmark's server a load of 64 MB per
-    rank in parts of 1 MiB took 1.29x its time in parts of 2 MiB (docs/object-storage.md)."""
+    """Parts are at least this long: a part costs a round trip (measured in
+    docs/object-storage.md, "Parts")."""
     hedge: bool = True
     """Send a second, identical ranged GET for one that is slow (reads only)."""
     hedge_factor: float = 3.0
@@ -82,10 +78,9 @@ class RequestPolicy:
     (about the 95th percentile of an object store's GETs; an unneeded hedge costs at most the
     budget)."""
     first_hedge_s: float = 0.1
-    """Before any request was observed, a GET is hedged after this long. Not the deadline's
-    patient prior (``first_bytes_per_s``): a stalled first request of a load (a data file's
-    header, read before anything else) held every rank 4 x 0.47 s at that rate. A hedge that
-    was not needed costs the bytes its loser sent by then, a round trip's worth or none."""
+    """Before any request was observed, a GET is hedged after this long, not at the deadline's
+    patient prior (``first_bytes_per_s``): that left a stalled first request (a data file's
+    header) unhedged for seconds (measured in docs/object-storage.md)."""
     max_hedges: int = 2
     """Hedges one try of a GET may send: a hedge as slow as the GET it doubles is replaced by a
     new one (a load's slowed share of GETs slows that share of its hedges as well). One hedge at

@@ -1,53 +1,27 @@
 """How one rank's object-store requests run, under its
-:class:`~ucp_dcp.byteio.requests.RequestPolicy`.
+:class:`~ucp_dcp.byteio.requests.RequestPolicy` (whose fields say what each limit is and why).
 
-Object-store requests cannot stall a job: deadlines, hedged reads, bounded and
-throttle-aware request streams, on the store's event loop.
+Object-store requests cannot stall a job. One rank's requests to one checkpoint go through one
+:class:`RequestScheduler` (owned by its :class:`~ucp_dcp.byteio.objstore.ObjectStore`), on the
+store's event loop, which:
 
-One rank's requests to one checkpoint go through one :class:`RequestScheduler`
-(owned by its :class:`~ucp_dcp.byteio.objstore.ObjectStore`):
-
-* **deadlines**: every request gets a deadline from its size and the
-  throughput observed so far by the same scheduler (a load's or a save's
-  store), between :attr:`RequestPolicy.deadline_floor_s` and
-  :attr:`RequestPolicy.deadline_cap_s`. A request past it is abandoned (its
-  task cancelled, which closes its connection) and tried again; once the
-  tries are spent the request fails with a
-  :class:`~ucp_dcp.errors.StorageError` naming the object, the byte range,
-  the rank and how long it waited. The HTTP client's own read timeout (15 s
-  per read in s3fs, then retried) is far too patient for this: a stalled request held a load
-  for the sum of those timeouts.
-* **hedged reads**: a ranged GET that takes longer than
-  :attr:`RequestPolicy.hedge_factor` times the median time of requests of its
-  size (before any is observed: :attr:`RequestPolicy.first_hedge_s`) gets a
-  second, identical request, replaced by a third if it is slow too
-  (:attr:`RequestPolicy.max_hedges`); the first complete answer wins and the
-  other is cancelled. It is judged
-  again every 50 ms while it waits, against what completed since (its peers
-  of the same batch). The hedge waits for a slot ahead of new requests
-  (:class:`Slots`). What hedging costs is the bytes
-  received for the answer that lost (:class:`Received`, counted as they arrive;
-  on S3 a cancelled answer stops there). That cost is bounded by
-  :attr:`RequestPolicy.hedge_fraction` of the load's bytes (requested so far,
-  or announced by the read under way, :meth:`RequestScheduler.expect`), or
-  :attr:`RequestPolicy.hedge_allowance_bytes` while that is more, and counted in
-  :class:`ObjectStats`; a hedge in flight holds its whole size of that budget
-  until its try ends. So that a slow part of a large GET fits that budget,
-  :class:`~ucp_dcp.byteio.objstore.ObjectStore` sends a long range as parts
-  of :meth:`RequestScheduler.part_bytes` (half the budget, between
-  :attr:`RequestPolicy.min_part_bytes` and
-  :attr:`RequestPolicy.max_part_bytes`), concurrently.
-* **bounded**: at most :attr:`RequestPolicy.max_in_flight` requests of the
-  scheduler are in flight at once (hedges included), whatever the callers
+* gives every try a deadline (:func:`~ucp_dcp.byteio.requests.deadline_for`, from what the same
+  scheduler observed), abandons a try past it (its task cancelled, which closes its connection)
+  and tries again; once the tries are spent the request fails with a
+  :class:`~ucp_dcp.errors.StorageError` naming the object, the byte range, the rank and how
+  long it waited. (The HTTP client's own read timeout, 15 s per read in s3fs, then retried,
+  held a stalled load for the sum of those timeouts.)
+* hedges a slow GET, judging it again every 50 ms against the peers that completed since; a
+  hedge waits for a slot ahead of new requests (:class:`Slots`), and what hedging costs (the
+  bytes received for the answer that lost, :class:`Received`) is held within the hedge budget;
+  :meth:`RequestScheduler.part_bytes` sizes the parts a long GET is sent as so that a slow part
+  fits that budget.
+* keeps at most ``max_in_flight`` requests in flight (hedges included), whatever the callers
   batch.
-* **throttle-aware**: a throttling answer (S3 ``SlowDown``/503, seen through
-  botocore's retry hook or in an error) pauses every new request of the
-  scheduler for a while (doubling while throttling goes on), instead of only
-  the one request being retried.
+* pauses every new request after a throttling answer (S3 ``SlowDown``/503, seen through
+  botocore's retry hook or in an error), not only the one request being retried.
 
-Why not fsspec's ``cat_ranges``: it gathers a batch with no deadline, no
-hedge and no bound shared across batches. The requests themselves are still
-fsspec's (``_cat_file``, ``_call_s3``); nothing here speaks HTTP.
+The requests themselves are fsspec's (``_cat_file``, ``_call_s3``); nothing here speaks HTTP.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A reader is handed :class:`Segment` records (bytes of a file into a buffer, with
 callback once they are in); :func:`coalesce` turns them into :class:`Request` records, one
 system call or ranged GET each: neighbours a small gap apart share a request (the gap landing in
 scratch memory), a long segment is split so that threads share it, and segments with callbacks
-are kept in requests small enough for what they check to be in the CPU's cache. Pure arithmetic
+are kept in smaller requests (:data:`~ucp_dcp.byteio.rangeio.HOOKED_REQUEST_BYTES`). Pure arithmetic
 on offsets and buffers: the local reader (:mod:`~ucp_dcp.byteio.rangeio`) and the object reader
 (:mod:`~ucp_dcp.byteio.objrange`) run the requests.
 """
@@ -59,11 +59,6 @@ class Request:
     bufs: list[memoryview]
     nbytes: int
     done: list[list[Any]] | None = None  # [callback, segments of this request that carry it]
-
-    @property
-    def start(self) -> int:
-        """The first byte the request reads (``offset``)."""
-        return self.offset
 
     @property
     def end(self) -> int:

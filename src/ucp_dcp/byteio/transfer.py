@@ -4,14 +4,8 @@ Two ways, chosen by the destination: a CPU tensor of the saved dtype is
 filled in place (its storage is the read buffer); anything else (a dtype
 cast, a device tensor) goes through bounded staging memory in the saved
 dtype, slab by slab (:class:`StagingBuffers`, made once per batch of reads
-and reused by all of them). Both the distributed reader and the
-single-process :class:`~ucp_dcp.tools.checkpoint.Checkpoint` use these.
-
-For a CUDA destination the staging memory is pinned and split in two
-halves: storage reads slab *k+1* into one half while the other half's
-``non_blocking`` host-to-device copy of slab *k* runs, and a CUDA event
-recorded after each copy says when its half may be overwritten. The
-pipeline carries over from one read item to the next.
+and reused by all of them; double-buffered for CUDA destinations). The
+chunk-read engine (:class:`~ucp_dcp.byteio.engine.ChunkReads`) runs every read through them.
 """
 
 from __future__ import annotations
@@ -27,7 +21,6 @@ import xxhash
 from ..core.boxes import row_major_strides, runs, slabs
 from ..core.sharding import Box
 from ..core.spans import prefer_span, region_starts, span_of, span_slabs
-from ..errors import InvalidArgumentTypeError
 from ..format import Location
 from .blocksums import ChunkCheck, read_verified
 from .integrity import ChecksumError
@@ -41,7 +34,6 @@ __all__ = [
     "permuted",
     "segments_into",
     "StagingBuffers",
-    "read_staged",
     "read_checked_many",
     "spanned",
     "staging_plan",
@@ -168,11 +160,11 @@ def segments_into(
 
 
 class StagingBuffers:
-    """Host staging memory for :func:`read_staged`, reused across read items.
+    """Host staging memory for :meth:`read`, reused across read items.
 
     Make one per batch of reads (one ``read_data`` call, one
-    ``Checkpoint.read_into``), pass it to every :func:`read_staged` call of
-    the batch, and :meth:`close` it at the end (or use it as a context
+    ``Checkpoint.read_into``), :meth:`read` every staged region of the
+    batch through it, and :meth:`close` it at the end (or use it as a context
     manager): that waits for copies still in flight and drops the memory.
 
     The memory is one ``uint8`` tensor of at most ``max_buffer_bytes`` (but
@@ -321,8 +313,15 @@ class StagingBuffers:
         check: ChunkCheck | None = None,
         span: bool | None = None,
     ) -> None:
-        """Read ``part`` (in the chunk's stored order, see :func:`permuted`) into ``dest``; see
-        :func:`read_staged`."""
+        """Read ``part`` of a saved chunk into ``dest`` (any dtype, any device), slab by slab.
+
+        The copies into a CUDA ``dest`` may still be in flight on return, until :meth:`close` or
+        later work on the same stream. Memory stays bounded whatever the tensor size. With
+        ``check``, every block each slab's read touches is checked in the staging buffer
+        (:mod:`~ucp_dcp.byteio.blocksums`). ``span``: whether to read it as spans, as
+        :func:`staging_plan` decided (None: decide here).
+        """
+        part, dest = permuted(part, dest)
         location, chunk_sizes, region, src_dtype = part.fields()
         es = src_dtype.itemsize
         nbytes = part.nbytes
@@ -540,12 +539,13 @@ def spanned(reader: ByteSource, part: ChunkRegion, dest: torch.Tensor | None = N
 def staging_plan(
     reader: ByteSource, part: ChunkRegion, dest: torch.Tensor, block: int = 0
 ) -> tuple[bool, int]:
-    """How :func:`read_staged` will read ``part`` into ``dest``: ``(as spans, staging bytes)``.
+    """How :meth:`StagingBuffers.read` reads ``part`` into ``dest``: ``(as spans, staging
+    bytes)``.
 
     The staging bytes read it in one piece (its span widened by ``block`` at
     each end when it is read as spans, else its own bytes): what a batch's
     :class:`StagingBuffers` should start at. Pass the first to
-    :func:`read_staged` as ``span`` so the choice is made once.
+    :meth:`StagingBuffers.read` as ``span`` so the choice is made once.
     """
     if part.region.numel == 0:
         return False, 0
@@ -581,38 +581,6 @@ def _copy_to_cuda(target: torch.Tensor, buf: torch.Tensor) -> Any:
     ev.record(stream)
     target.copy_(tmp)
     return ev
-
-
-def read_staged(
-    reader: ByteSource,
-    part: ChunkRegion,
-    dest: torch.Tensor,
-    max_buffer_bytes: int | None = None,
-    *,
-    buffers: StagingBuffers | None = None,
-    check: ChunkCheck | None = None,
-    span: bool | None = None,
-) -> None:
-    """Read ``part`` of a saved chunk into ``dest`` (any dtype, any device).
-
-    Slab by slab through ``buffers`` (a :class:`StagingBuffers` shared by a
-    batch of reads; the copies into a CUDA ``dest`` may still be in flight on
-    return, until ``buffers.close()`` or later work on the same stream), or,
-    without it, through a staging buffer of at most ``max_buffer_bytes`` made
-    for this call alone and closed before returning, so that ``dest`` is
-    complete on return. Memory stays bounded whatever the tensor size.
-    With ``check``, every block each slab's read touches is checked in the
-    staging buffer (:mod:`~ucp_dcp.byteio.blocksums`). ``span``: whether
-    to read it as spans, as :func:`staging_plan` decided (None: decide here).
-    """
-    part, dest = permuted(part, dest)
-    if buffers is not None:
-        buffers.read(reader, part, dest, check, span)
-        return
-    if max_buffer_bytes is None:
-        raise InvalidArgumentTypeError("read_staged needs max_buffer_bytes or buffers")
-    with StagingBuffers(max_buffer_bytes, largest_bytes=part.nbytes) as own:
-        own.read(reader, part, dest, check, span)
 
 
 def read_checked_many(

@@ -70,13 +70,12 @@ class IOWorkers:
     of each read they make (:meth:`begin`/:meth:`end`), kept by the thread that waits for them
     (:meth:`wait`)."""
 
-    def __init__(self, threads: int, policy: RequestPolicy, name: str = "ucp-read") -> None:
+    def __init__(self, threads: int, policy: RequestPolicy) -> None:
         self.policy = policy
         self.observed = Observed()
         self.failed: StorageError | None = None
         """The deadline error of this reader's load, once one of its reads was left behind."""
         self._size = max(threads, 1)
-        self._name = name
         self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[Any], Any], Any] | None] = (
             queue.SimpleQueue()
         )
@@ -93,7 +92,7 @@ class IOWorkers:
             self._queue.put((fut, fn, arg))
             while len(self._threads) < self._size:
                 t = threading.Thread(
-                    target=self._work, name=f"{self._name}_{self._started}", daemon=True
+                    target=self._work, name=f"ucp-read_{self._started}", daemon=True
                 )
                 self._started += 1
                 self._threads.append(t)
