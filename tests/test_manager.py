@@ -162,6 +162,14 @@ def test_bad_config_is_named(tmp_path, field: str) -> None:
         CheckpointManager(tmp_path, **{field: 0})
 
 
+@pytest.mark.parametrize("step", [-1, True, 1.0])
+def test_save_refuses_a_step_that_is_not_a_non_negative_int(tmp_path, step: object) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(InvalidArgumentError, match="CheckpointManager.save: step must be a non-negative integer"):
+            mgr.save(step, make_state(0))  # type: ignore[arg-type]
+        assert mgr.steps() == []
+
+
 def test_two_tiers_intervals_and_fallback_to_persistent(tmp_path) -> None:
     local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
     with CheckpointManager(shared, local=local, persistent_interval=2, local_keep_last=2, keep_last=5) as mgr:

@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ucp_dcp.byteio.durable as durable
+import ucp_dcp.byteio.location as location
 import ucp_dcp.manager.tiers.local as local_tier
 import s3_server
 from ucp_dcp.format import INDEX_FILE
@@ -381,13 +382,13 @@ def test_fetch_failure_leaves_no_partial_file(make_tier: Callable[[], Tier], tmp
         pass
 
     if isinstance(tier, LocalTier):
-        real = local_tier.copy_durable
+        real = location.copy_durable
 
         def copy(src: str, dst: str) -> None:
             Path(dst).write_bytes(Path(src).read_bytes()[:100])
             raise Boom
 
-        monkeypatch.setattr(local_tier, "copy_durable", copy)
+        monkeypatch.setattr(location, "copy_durable", copy)
     else:
         assert isinstance(tier, FsspecTier)
         real = tier.store.download
@@ -439,8 +440,9 @@ def _instrument(monkeypatch: pytest.MonkeyPatch, crasher: _Crasher) -> None:
     proxy.rename = wrap(os.rename)  # type: ignore[attr-defined]
     proxy.replace = wrap(os.replace)  # type: ignore[attr-defined]
     monkeypatch.setattr(local_tier, "os", proxy)
-    for name in ("fsync_path", "swap_paths", "atomic_write", "fsync_file"):
+    for name in ("fsync_path", "swap_paths", "fsync_file"):
         monkeypatch.setattr(local_tier, name, wrap(getattr(local_tier, name)))
+    monkeypatch.setattr(local_tier.LocalDir, "write_atomic", wrap(local_tier.LocalDir.write_atomic))
     real_remove = local_tier._remove_dir
 
     def remove(path: str) -> None:

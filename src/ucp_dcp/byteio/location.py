@@ -32,7 +32,7 @@ from ..format import INDEX_FILE, Index, PlannedEntry, index_bytes
 from ..format.header import RandomAccess
 from ..format.schema import check_relative_name
 from .datafile import DataFileWriter, stream_data_file
-from .durable import atomic_write
+from .durable import atomic_write, copy_durable, fsync_file
 from .objrange import ObjectAccess
 from .objstore import ObjectStore, is_url, local_path
 from .progress import Progress
@@ -194,6 +194,15 @@ class ModelDir(ABC):
     def remove(self, names: Sequence[str]) -> None:
         """Delete files ``names`` (missing ones are not an error)."""
 
+    @abstractmethod
+    def upload(self, name: str, src: str) -> None:
+        """Local file ``src`` as file ``name``, durably."""
+
+    @abstractmethod
+    def download(self, name: str, dst: str, size: int | None = None) -> None:
+        """File ``name`` into local file ``dst`` (created or truncated), fsync'd (``size``: its
+        size where the caller knows it, saving a request)."""
+
 
 class LocalDir(ModelDir):
     """A local directory."""
@@ -327,6 +336,19 @@ class LocalDir(ModelDir):
                 os.remove(self.path_of(name))
             except FileNotFoundError:
                 pass
+
+    def upload(self, name: str, src: str) -> None:
+        """:func:`~ucp_dcp.byteio.durable.copy_durable` of ``src``; only an fsync where ``src`` is
+        that file already (written in place)."""
+        dst = self.path_of(name)
+        if os.path.exists(dst) and os.path.samefile(src, dst):
+            fsync_file(dst)
+            return
+        copy_durable(src, dst)
+
+    def download(self, name: str, dst: str, size: int | None = None) -> None:
+        """:func:`~ucp_dcp.byteio.durable.copy_durable` of the file."""
+        copy_durable(self.path_of(name), dst)
 
 
 class StoreDir(ModelDir):
@@ -477,8 +499,10 @@ class StoreDir(ModelDir):
         self.store.upload(self._name(name), src)
 
     def download(self, name: str, dst: str, size: int | None = None) -> None:
-        """Object ``name`` into local file ``dst`` (``size``: the listing's, saving a request)."""
+        """Object ``name`` into local file ``dst``, fsync'd (``size``: the listing's, saving a
+        request)."""
         self.store.download(self._name(name), dst, size)
+        fsync_file(dst)
 
 
 def view_of(where: str | os.PathLike[str] | ModelDir) -> ModelDir:

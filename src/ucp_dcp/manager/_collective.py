@@ -96,13 +96,13 @@ class Group:
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
-    def bcast(self, obj: T, src: int = 0) -> T:
-        """``obj`` of rank ``src``, on every rank."""
+    def bcast(self, obj: T) -> T:
+        """``obj`` of rank 0, on every rank."""
         if self.pg is None:
             return obj
-        box = [obj if self.layout.rank == src else None]
-        dist.broadcast_object_list(box, src=src, group=self.pg)
-        return cast(T, box[0])  # rank src's obj, unpickled
+        box = [obj if self.layout.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.pg)
+        return cast(T, box[0])  # rank 0's obj, unpickled
 
     def agree(self, what: str, fn: Callable[[], T], *, step: int, restoring: bool = False) -> T:
         """Run ``fn`` on every rank; if it failed anywhere, raise on every rank (no rank is left

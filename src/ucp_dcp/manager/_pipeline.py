@@ -36,7 +36,7 @@ from ..byteio.integrity import bytes_digest, file_digest
 from ..dcp import UCPSavePlanner, UCPStorageWriter
 from ..dcp.slowest import SlowestRecord
 from ..errors import CheckpointSaveError
-from ..format import INDEX_FILE
+from ..format import INDEX_FILE, data_file_name
 from ._collective import GroupWorker, describe
 from .config import steps_to_delete
 from .peer import exchange_files
@@ -158,10 +158,9 @@ class SavePipeline(GroupWorker):
             raise CheckpointSaveError(step, describe(e)) from e
 
         def digest_mine() -> list[FileDigest]:
-            prefix = f"rank{lay.rank:05d}-"
-            mine = sorted(
-                n for n in os.listdir(path) if n.startswith(prefix) and n.endswith(".safetensors")
-            )
+            # This rank's one data file, if it had anything to write (the staging is fresh).
+            name = data_file_name(lay.rank, writer.save_id)
+            mine = [name] if os.path.exists(os.path.join(path, name)) else []
             out = [FileDigest(n, *file_digest(os.path.join(path, n)), lay.rank) for n in mine]
             if lay.rank == 0:
                 data = Path(path, INDEX_FILE).read_bytes()

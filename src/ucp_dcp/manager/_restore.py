@@ -11,9 +11,22 @@ arrive), after its marker's file list and sizes and its index digest are
 checked. A configured local tier is then refilled from the persistent copy
 by :meth:`Restorer.refill`, which the manager runs in the background. A copy
 that is missing, incomplete or fails its checksums falls back to the next
-one, and says so. The few bytes many ranks read from files their node lacks
-(``step`` counters, values) are served through the manager's group instead
-(:mod:`._small_reads`).
+one, and says so.
+
+Small reads go through the manager's group instead of fetching whole files.
+A node-local repair fetches per file, and one tiny read can cost a whole
+file: AdamW's ``step`` counters are plain tensors every rank holds, saved
+once each by one rank (rank 0, which writes small replicated tensors; in
+checkpoints saved before that rule, spread over every rank's file), so every
+rank reads a few bytes of a file its node lacks. So a key whose reads are
+small (:data:`SMALL_READ_BYTES` in all) and whose target is a plain tensor or
+a value in a dict is instead read by a rank whose node holds its file and
+handed to the ranks that need it (one ``all_gather_object``: the values are
+small); the rest of the state loads with ``dcp.load``, and a file only such
+keys need is not fetched. The parts: which keys (:func:`small_keys`), the
+state without them for ``dcp.load`` (:func:`without`, :func:`put_back`), who
+reads each (:meth:`SmallReads.provider`, :func:`serve`) and putting what
+arrives in place (:func:`fill`).
 """
 
 from __future__ import annotations
@@ -29,22 +42,27 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .._compat import flatten_state_dict
 from ..byteio.integrity import bytes_digest
+from ..byteio.location import LocalDir
 from ..byteio.objstore import is_url
+from ..core.values import RankLocal, copy_containers, set_in_place
 from ..dcp import PlannedRead, ReadOptions, UCPLoadPlanner, UCPStorageReader, collector_paused
 from ..dcp.placement import PlacementReport
 from ..dcp.read_once import ReadOnceDecision
 from ..dcp.slowest import SlowestRecord
 from ..errors import CheckpointFormatError, CheckpointRestoreError, NoCheckpointError
 from ..format import INDEX_FILE
+from ..tools.checkpoint import Checkpoint
 from ._collective import GroupWorker, describe
-from ._small_reads import SmallReads, fill, put_back, serve, small_keys, without
 from .peer import exchange_files
 from .records import RestoreRecord
 from .tiers import CommitMarker, FsspecTier
+from .tiers.marker import check_copy
 
 __all__ = ["Candidate", "order_candidates", "Restorer"]
 
@@ -54,17 +72,9 @@ _TIER_ORDER = {"local": 0, "persistent": 1}
 
 OBJECT_REQUEST_BYTES = 64 << 20
 """Largest ranged request of a restore straight from an object store (the reader's default is 16
-MiB). A request costs a round trip, and on some servers more: moto's S3 reads the whole object
-for every ranged GET (0.23 s for 300 bytes of a 256 MiB object, measured). Measured on loopback
-moto, one process, a 256 MiB step, 2 shared cores (load average 4.5-8), two runs each of 3 paired
-repeats: with 16 MiB requests and the old marker reads (50 requests) the restore took 2.37-2.45x
-the whole-step download; with 64 MiB and the markers read once (27 requests: 14 to the data file,
-of which 9 are the header, block checksums and values) 1.41-1.49x. Since then the store sends
-each request as parts that fit the hedge budget (1-8 MiB,
-:meth:`~ucp_dcp.byteio.scheduler.RequestScheduler.part_bytes`), concurrently: on moto each
-part reads the whole object again, so that measurement is no longer what a restore from moto
-costs (not measured again). The reader keeps at most two windows' bytes in memory, one being
-placed, the next being fetched: of one request each (128 MiB)."""
+MiB): a request costs a round trip, and on some servers more (moto's S3 reads the whole object
+for every ranged GET). The reader keeps at most two windows' bytes in memory, one being placed,
+the next being fetched: of one request each (128 MiB)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +119,130 @@ def order_candidates(
     elif not load_flagged:
         out = [c for c in out if not c.marker.nonfinite]
     return sorted(out, key=lambda c: (-c.step, _TIER_ORDER[c.tier]))
+
+
+# ------------------------------------------------------------ small reads through the group
+
+SMALL_READ_BYTES = 64 << 10
+"""A key whose planned reads add up to at most this many bytes may be read through the group."""
+
+
+@dataclass(frozen=True)
+class SmallReads:
+    """The keys each rank of the restore of ``step`` gets through the group (flattened key ->
+    the files its reads are in), rank by rank, and the files each node's local tier holds
+    (node by node)."""
+
+    step: int
+    keys: Sequence[Mapping[str, tuple[str, ...]]]
+    held: Sequence[frozenset[str]]
+
+    def provider(self, files: tuple[str, ...], node_of: Any, world: int) -> int | None:
+        """The lowest rank whose node holds every one of ``files`` (None: no node does)."""
+        return next(
+            (r for r in range(world) if set(files) <= self.held[node_of(r)]),
+            None,
+        )
+
+
+def _eligible(value: Any, path: tuple[Any, ...], state: Mapping[str, Any]) -> bool:
+    """Whether a target leaf is filled from a whole value, which one rank can read and send: a
+    plain tensor (its planned reads are the whole tensor), or a non-tensor leaf of a dict (DCP
+    puts values in place by their path). A shard (a DTensor) reads part of a tensor whose rest
+    may be in files no node lends: its file is fetched."""
+    if isinstance(value, torch.Tensor):
+        return type(value) in (torch.Tensor, torch.nn.Parameter)
+    if isinstance(value, RankLocal):
+        return False  # one value per saving rank, gathered by the planner
+    cur: Any = state
+    for p in path[:-1]:
+        try:
+            cur = cur[p]
+        except (KeyError, IndexError, TypeError):
+            return False
+    return isinstance(cur, dict)
+
+
+def small_keys(
+    state: Mapping[str, Any], reads: Sequence[PlannedRead]
+) -> dict[str, tuple[str, ...]]:
+    """The keys of ``state`` whose ``reads`` (this rank's planned reads) are small and whose
+    targets are eligible: key -> the files its reads are in."""
+    flat, paths = flatten_state_dict(dict(state))
+    sizes: dict[str, int] = {}
+    files: dict[str, set[str]] = {}
+    renamed: set[str] = set()  # keys read from a tensor or value of another name
+    for r in reads:
+        sizes[r.key] = sizes.get(r.key, 0) + r.nbytes
+        files.setdefault(r.key, set()).add(r.file)
+        if r.stored != r.key:
+            renamed.add(r.key)
+    return {
+        k: tuple(sorted(files[k]))
+        for k, n in sizes.items()
+        if n <= SMALL_READ_BYTES
+        and k in flat
+        and k not in renamed
+        and _eligible(flat[k], paths[k], state)
+    }
+
+
+def without(state: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """``state`` with its containers copied (leaves shared) and the leaves at ``keys`` left out:
+    what ``dcp.load`` fills in place; :func:`put_back` returns its values."""
+    _, paths = flatten_state_dict(dict(state))
+    out = copy_containers(state)
+    for k in keys:
+        cur = out
+        for p in paths[k][:-1]:
+            cur = cur[p]
+        del cur[paths[k][-1]]
+    return out
+
+
+def put_back(state: Any, loaded: Mapping[str, Any]) -> None:
+    """Copy the non-tensor values ``dcp.load`` put in ``loaded`` (a :func:`without` copy of
+    ``state``) into ``state``: tensors were filled in place."""
+    flat, paths = flatten_state_dict(dict(loaded))
+    for k, v in flat.items():
+        if not isinstance(v, torch.Tensor):
+            set_in_place(state, paths[k], v)
+
+
+def serve(
+    small: SmallReads, rank: int, world: int, node_of: Any, local_dir: str, options: ReadOptions
+) -> dict[str, Any]:
+    """The values of the keys this rank provides (those whose files its node holds, for which
+    it is the lowest such rank), read from ``local_dir``: full tensors, or decoded values."""
+    wanted: dict[str, tuple[str, ...]] = {}
+    for keys in small.keys:
+        wanted.update(keys)
+    mine = [
+        k for k, files in sorted(wanted.items()) if small.provider(files, node_of, world) == rank
+    ]
+    out: dict[str, Any] = {}
+    if mine:
+        with Checkpoint(local_dir, options=options) as ck:
+            tensors = set(ck.tensor_names())
+            for k in mine:
+                out[k] = ck.read_tensor(k) if k in tensors else ck.read_value(k)
+    return out
+
+
+def fill(state: Any, keys: Mapping[str, tuple[str, ...]], got: Mapping[str, Any]) -> int:
+    """Put the values ``got`` (key -> full tensor or value) of ``keys`` into ``state``: a plain
+    tensor whole (cast to its dtype), a value at its path; the bytes written into tensors."""
+    flat, paths = flatten_state_dict(dict(state))
+    n = 0
+    for k in keys:
+        target, value = flat[k], got[k]
+        if isinstance(target, torch.Tensor):
+            with torch.no_grad():
+                target.copy_(value)
+            n += target.numel() * target.element_size()
+        else:
+            set_in_place(state, paths[k], value)
+    return n
 
 
 @dataclass(frozen=True)
@@ -256,16 +390,8 @@ class Restorer(GroupWorker):
             if self.layout.rank != 0:
                 return None
             copy = tier.copy_of(step)  # one look: the URL, sizes and index read are of one copy
-            url, bad = copy.url, marker.unlike(copy.sizes)
-            if bad is not None:
-                d, size = bad
-                raise CheckpointFormatError(
-                    f"{url}/{d.name}: missing (the commit marker of step {step} lists it, "
-                    f"{d.size} bytes)"
-                    if size is None
-                    else f"{url}/{d.name}: {size} bytes, the commit marker of step {step} records "
-                    f"{d.size}: the object is incomplete or was replaced"
-                )
+            url = copy.url
+            marker.check_sizes(copy.sizes, where=lambda name: f"{url}/{name}", holder="the store")
             index = tier.read_at(copy, INDEX_FILE)
             self._check_index_bytes(index, f"{url}/{INDEX_FILE}", cand)
             return url, index
@@ -294,15 +420,10 @@ class Restorer(GroupWorker):
         try:
             dest = tier.begin(step, token)
             self.persistent.fetch(step, cand.marker.names, dest)
-            for d in cand.marker.files:
-                got = d.differs(os.path.join(dest, d.name))
-                if got is not None:
-                    size, digest = got
-                    raise CheckpointFormatError(
-                        f"{d.name} of step {step} from {self.persistent.url}: {size} bytes, "
-                        f"xxh3-128 {digest}; "
-                        f"the commit marker records {d.size} bytes, {d.xxh3}"
-                    )
+            where = f"step {step} from {self.persistent.url}"
+            problems = check_copy(cand.marker, dest, LocalDir(dest).sizes(), held=None, where=where)
+            if problems:
+                raise CheckpointFormatError("; ".join(problems))
             tier.commit(dest, cand.marker)
         except (
             Exception

@@ -1,56 +1,11 @@
 """CheckpointManager: async, atomic, verified, multi-tier checkpoints for a training loop.
 
-::
-
-    mgr = CheckpointManager("/shared/ckpt", local="/local_nvme/ckpt", local_interval=100,
-                            persistent_interval=1000)
-    start = mgr.load(state) + 1 if mgr.steps() else 0
-    for step in range(start, steps):
-        train_step(...)
-        mgr.save(step, state)   # returns once the state is staged in host memory
-    mgr.wait()
-
-Every checkpoint is a universal checkpoint (``UCPStorageWriter``), so
-``load`` reshards into whatever layout and world size the state has now.
-
-This module is the public face: it checks arguments and owns the threads,
-buffers and process groups. The work is done by
-
-===========================  ==================================================
-:mod:`.config`               :class:`CheckpointConfig`, every option with its description; which
-                             tiers a step goes to, which steps a tier keeps (pure functions)
-:mod:`.records`              :class:`ReshardEvent`, :class:`SaveRecord`, :class:`RestoreRecord`
-:mod:`.snapshot`             staging the state into reusable host buffers; the NaN/Inf guard
-:mod:`._pipeline`            the background half of a save: write, hash, replicate, commit, retain
-:mod:`._restore`             restore candidates in order, repair/download, fallback
-:mod:`._collective`          ranks and nodes; gather/broadcast/agree on the manager's groups
-:mod:`.tiers`                the storage: local directory or fsspec URL, atomic commit
-:mod:`.peer`                 copying files between ranks (replication, repair)
-===========================  ==================================================
-
-How a save goes (one background thread per process, saves run in order):
-
-1. ``save`` (blocking part): optional NaN/Inf check, wait for a free slot
-   (at most ``max_in_flight`` saves in flight), copy every tensor into
-   reusable host buffers (:class:`~ucp_dcp.manager.snapshot.Snapshotter`). From here
-   on training may change the state in place.
-2. Background (:class:`~ucp_dcp.manager._pipeline.SavePipeline`): ``dcp.save``
-   of the staged copy into a staging directory of the fastest tier that is
-   due, on its own gloo process group (so it never interleaves with the
-   training loop's collectives); a whole-file xxh3-128 digest per data file
-   and the index; replication of each node's files to a partner node (local
-   tier); a commit marker written last and an atomic rename. Then the local
-   copy drains to the persistent tier (upload, marker last), and retention
-   deletes old steps.
-3. Errors of any rank stop the save on every rank and surface at the next
-   ``save`` or ``wait``; nothing committed before is touched.
-
-Restore tries candidates newest first, for each step the fastest tier
-first; a missing or corrupt copy falls back to the next tier's copy of the
-same step, then to older steps, and says so (log and ``last_restore``). A
-step only an object store holds is loaded from it directly with ranged
-reads; the local tier, if any, is refilled afterwards in the background
-thread (``wait`` waits for it too).
+Every checkpoint is a universal checkpoint (``UCPStorageWriter``), so ``load`` reshards into
+whatever layout and world size the state has now. This module is the public face: it checks
+arguments and owns the threads, buffers and process groups; the background half of a save is
+:mod:`._pipeline`'s, restore with fallback :mod:`._restore`'s. The example is
+:class:`CheckpointManager`'s; docs/manager.md describes the behaviour and docs/architecture.md
+what each module of the package does.
 """
 
 from __future__ import annotations
@@ -71,7 +26,6 @@ import torch.distributed as dist
 from ..errors import (
     CheckpointRestoreError,
     CheckpointSaveError,
-    InvalidArgumentError,
     InvalidStateError,
     NoCheckpointError,
 )
@@ -83,6 +37,7 @@ from .peer import clean_partials
 from .records import ReshardEvent, RestoreRecord, SaveRecord
 from .snapshot import NonFiniteError, Snapshotter, find_nonfinite
 from .tiers import LocalTier, Tier, open_tier
+from .tiers.marker import check_step
 
 __all__ = [
     "CheckpointConfig",
@@ -103,10 +58,13 @@ class CheckpointManager:
 
     ::
 
-        mgr = CheckpointManager("/shared/ckpt", local="/local_nvme/ckpt", persistent_interval=1000)
+        mgr = CheckpointManager("/shared/ckpt", local="/local_nvme/ckpt", local_interval=100,
+                                persistent_interval=1000)
         start = mgr.load(state) + 1 if mgr.steps() else 0
-        ...
-        mgr.save(step, state)   # returns once the state is staged in host memory
+        for step in range(start, steps):
+            train_step(...)
+            mgr.save(step, state)   # returns once the state is staged in host memory
+        mgr.wait()
 
     Args:
         root: persistent tier: a directory (shared file system) or an fsspec
@@ -200,10 +158,7 @@ class CheckpointManager:
         """
         self._check_open()
         self._raise_finished_errors()
-        if not isinstance(step, int) or step < 0:
-            raise InvalidArgumentError(
-                f"CheckpointManager.save: step must be an int >= 0, got {step!r}"
-            )
+        check_step(step, "CheckpointManager.save: step")
         cfg = self.config
         due = tiers_due(
             step,

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from ..byteio.durable import copy_durable, fsync_path, remove_quietly, write_all
 from ..dcp.read_once.transport import Transport, wire_for
 from ..errors import InvalidArgumentError, PeerTransferError
-from ..format.schema import is_plain_file_name
+from .tiers.marker import check_name
 
 __all__ = ["PeerTransferError", "TransferReport", "clean_partials", "exchange_files"]
 
@@ -83,15 +83,6 @@ def clean_partials(dest_dir: str) -> list[str]:
     return removed
 
 
-def _check_name(name: Any) -> str | None:
-    """Why ``name`` is not a plain file name, or None."""
-    if not isinstance(name, str) or not name:
-        return f"invalid file name {name!r} (not a non-empty string)"
-    if not is_plain_file_name(name):
-        return f"invalid file name {name!r} (must be a plain file name, no path)"
-    return None
-
-
 def _dedup(names: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
@@ -100,7 +91,12 @@ def _local_info(
     src_dir: str | None, available: list[str], dest_dir: str | None, wanted: list[str]
 ) -> tuple[dict[str, int], list[str]]:
     """(name -> size of what this rank can provide, problems)."""
-    problems = [p for p in map(_check_name, available + wanted) if p]
+    problems = []
+    for name in available + wanted:
+        try:
+            check_name(name)
+        except InvalidArgumentError as e:
+            problems.append(str(e))
     if available and src_dir is None:
         problems.append("files offered as available but src_dir is None")
     if wanted and dest_dir is None:
@@ -335,34 +331,24 @@ def exchange_files(
     *,
     block_bytes: int = 64 << 20,
 ) -> TransferReport:
-    """Collective over ``group`` (None: the default group) moving whole files.
+    """Collective over ``group`` (None: the default group) moving whole files (see the module
+    docstring for the schedule, the transport and the ``.part`` files).
 
-    Each rank offers ``available`` (plain file names in ``src_dir``; names
-    that are not actually there are silently not offered) and asks for
-    ``wanted`` (written into ``dest_dir``; callers pass only what is
-    missing: nothing is skipped here). One ``all_gather_object`` of
-    (name -> size offered, wanted) later, every rank derives the same
-    schedule: a requester that has a file itself copies it locally;
-    otherwise the holder with the least bytes scheduled so far (ties: fewest
-    files, then lowest rank) sends it.
+    Each rank offers ``available`` (plain file names in ``src_dir``; names not actually there
+    are not offered) and asks for ``wanted`` (written into ``dest_dir``; nothing is skipped, so
+    callers pass only what is missing). A requester that holds a file copies it locally;
+    otherwise the holder with the least bytes scheduled so far (ties: fewest files, then lowest
+    rank) sends it, in blocks of ``block_bytes``.
 
-    If some wanted name is held by nobody, every rank raises the same :class:`PeerTransferError`
-    (names and wanting ranks) before anything is transferred. Invalid names (paths, ``..``) on any
-    rank raise the same :class:`~ucp_dcp.errors.InvalidArgumentError` (a ``ValueError``) on every
-    rank. Files travel in blocks of ``block_bytes`` as CPU ``uint8`` tensors, on ``group`` where it
-    handles CPU tensors (gloo), else (NCCL alone) on a gloo group made from its ranks the first
-    time (then collective over ``group``'s ranks, see
-    :func:`~ucp_dcp.dcp.read_once.transport.gloo_group`) and reused; double-buffered with
-    isend/irecv; the steps run in one global order, so no
-    pair deadlocks. Each received file is written to a ``.part`` file, fsynced and renamed
-    (``dest_dir`` is fsynced once at the end); an interrupted receive leaves only ``.part`` files
-    (see :func:`clean_partials`). A provider that cannot read a file it offered, or a receiver that
-    cannot write, still completes the schedule (the data is dropped), and then raises
-    :class:`PeerTransferError` on both ranks.
+    Every rank raises the same error for an invalid name on any rank
+    (:class:`~ucp_dcp.errors.InvalidArgumentError`, a ``ValueError``) and for a wanted name
+    nobody holds (:class:`PeerTransferError`), before anything moves. A provider that cannot
+    read a file it offered, or a receiver that cannot write, still completes the schedule (the
+    data is dropped), then raises :class:`PeerTransferError` on both ranks.
 
-    Without an initialized process group this is a world of one: every
-    wanted file must be in ``available`` and is copied from ``src_dir`` to
-    ``dest_dir`` (nothing to do where they are the same file).
+    Without an initialized process group this is a world of one: every wanted file must be in
+    ``available`` and is copied from ``src_dir`` to ``dest_dir`` (nothing to do where they are
+    the same file).
     """
     if block_bytes <= 0:
         raise InvalidArgumentError(

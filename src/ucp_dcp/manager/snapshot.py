@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import math
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,8 +110,15 @@ def _rebuild(obj: Any, on_tensor: Callable[[torch.Tensor], Any], memo: dict[int,
     if isinstance(obj, TensorPieces):  # the copy is only saved: padding (fill) is not needed
         staged = [Piece(p.fqn, p.shape, p.offsets, on_tensor(p.data)) for p in obj.pieces]
         return TensorPieces(staged, replicated=obj.replicated, source=obj.source)
+    kids = _children(obj)
+    if kids is None:
+        # One memo for the whole call keeps aliasing between leaves (an object
+        # two RankLocals share stays one object in the copy). Containers are
+        # rebuilt, not memoized: each visit of a shared container consumed its
+        # own buffers in the collecting pass, so it must here too.
+        return copy.deepcopy(obj, memo)
+    items = [(k, _rebuild(v, on_tensor, memo)) for k, v in kids]
     if isinstance(obj, Mapping):
-        items = [(k, _rebuild(v, on_tensor, memo)) for k, v in obj.items()]
         if type(obj) is dict or not isinstance(obj, dict):
             return dict(items)  # read-only Mappings (MappingProxyType) become plain dicts
         # Subclasses (OrderedDict, defaultdict, ...): a shallow copy keeps the
@@ -122,23 +128,16 @@ def _rebuild(obj: Any, on_tensor: Callable[[torch.Tensor], Any], memo: dict[int,
         out.clear()
         out.update(items)
         return out
+    values = [v for _, v in items]
     if isinstance(obj, list):
-        items = [_rebuild(v, on_tensor, memo) for v in obj]
         if type(obj) is list:
-            return items
+            return values
         seq = copy.copy(obj)
-        seq[:] = items
+        seq[:] = values
         return seq
-    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
-        items = [_rebuild(v, on_tensor, memo) for v in obj]
-        if hasattr(type(obj), "_fields"):  # namedtuple: positional constructor
-            return type(obj)(*items)
-        return tuple(items) if type(obj) is tuple else type(obj)(items)
-    # One memo for the whole call keeps aliasing between leaves (an object
-    # two RankLocals share stays one object in the copy). Containers are
-    # rebuilt, not memoized: each visit of a shared container consumed its
-    # own buffers in the collecting pass, so it must here too.
-    return copy.deepcopy(obj, memo)
+    if hasattr(type(obj), "_fields"):  # a namedtuple: positional constructor
+        return type(obj)(*values)
+    return tuple(values) if type(obj) is tuple else type(obj)(values)
 
 
 # --------------------------------------------------------------------------- non-finite check
@@ -202,7 +201,6 @@ class StagedState:
 
     state: dict[str, Any]
     nbytes: int
-    blocking_s: float
     _events: list[Any] = field(default_factory=list, repr=False, compare=False)
     _set: Any = field(default=None, repr=False, compare=False)
     _owner: Any = field(default=None, repr=False, compare=False)
@@ -321,7 +319,6 @@ class Snapshotter:
         Raises :class:`~ucp_dcp.errors.InvalidStateError` (a ``RuntimeError``) if max_buffers
         staged copies are still held (not released).
         """
-        t0 = time.perf_counter()
         tensors = [(p, _local(t)) for p, t in _walk_tensors(state)]
         for p, t in tensors:
             if t.layout != torch.strided:
@@ -360,7 +357,6 @@ class Snapshotter:
         return StagedState(
             state=out,
             nbytes=bset.nbytes,
-            blocking_s=time.perf_counter() - t0,
             _events=events,
             _set=bset,
             _owner=self,

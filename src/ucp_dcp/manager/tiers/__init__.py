@@ -1,24 +1,9 @@
 """Storage tiers: places that hold committed checkpoint steps.
 
-A *tier* holds the steps of a run, each a directory with a universal
-checkpoint (``ucp_index.json`` plus data files) and a commit marker
-``COMMIT.json`` written last. A step is *committed* when its marker parses
-and names the step; nothing else is ever listed.
-
-Modules:
-
-* :mod:`.marker`: :class:`CommitMarker`, :class:`FileDigest`, the commit record;
-* :mod:`.base`: :class:`Tier`, the interface; argument checks shared by every kind;
-* :mod:`.local`: :class:`LocalTier`, a POSIX directory, commit by ``rename``;
-* :mod:`.fsspec_tier`: :class:`FsspecTier`, an fsspec URL, commit by the marker's PUT (every
-  request through an :class:`~ucp_dcp.byteio.objstore.ObjectStore`, under a
-  :class:`~ucp_dcp.byteio.requests.RequestPolicy`).
-
-:func:`open_tier` picks the kind from the root.
-
-``cleanup()`` removes the leftovers of saves and deletes that did not finish:
-call it when no save into the tier is in progress (at start-up, before the
-first save), since an in-progress staging directory looks like a leftover.
+A tier holds the steps of a run, each a directory with a universal checkpoint (``ucp_index.json``
+plus data files) and its commit marker (:mod:`.marker`). :class:`Tier` (:mod:`.base`) is the
+interface; :class:`LocalTier` (a POSIX directory) and :class:`FsspecTier` (an fsspec URL) are the
+kinds, and :func:`open_tier` picks one from the root.
 """
 
 from __future__ import annotations
@@ -31,12 +16,10 @@ from ...byteio.requests import RequestPolicy
 from .base import Tier, step_dir_name
 from .fsspec_tier import FsspecTier
 from .local import LocalTier
-from .marker import MARKER_FILE, MARKER_FORMAT, MARKER_VERSION, CommitMarker, FileDigest
+from .marker import MARKER_FILE, CommitMarker, FileDigest
 
 __all__ = [
     "MARKER_FILE",
-    "MARKER_FORMAT",
-    "MARKER_VERSION",
     "FileDigest",
     "CommitMarker",
     "step_dir_name",

@@ -1,9 +1,13 @@
 """The seam between the manager and storage: :class:`Tier`, a place holding committed steps.
 
-The public methods that write (:meth:`Tier.put_file`, :meth:`Tier.put_bytes`,
-:meth:`Tier.commit`) check their arguments here, once for every kind of
-tier, and hand the checked values to the kind's ``_put_file``,
-``_put_bytes`` and ``_commit``.
+Every step directory is a :class:`~ucp_dcp.byteio.location.ModelDir` (a
+:class:`~ucp_dcp.byteio.location.LocalDir` or a
+:class:`~ucp_dcp.byteio.location.StoreDir`): listing, fetching and putting files
+are written here once over it, and the public methods that write
+(:meth:`Tier.put_file`, :meth:`Tier.put_bytes`, :meth:`Tier.commit`) check
+their arguments here, once for every kind of tier. A kind says where its
+directories are (``_dir``, ``_step_dir``, ``_staging_step``) and how it
+commits (``_commit``).
 """
 
 from __future__ import annotations
@@ -13,25 +17,17 @@ import re
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Mapping
+from functools import partial
 from typing import Any
 
 from ...byteio.durable import fsync_path, replace_via_temp
 from ...byteio.location import LocalDir, ModelDir
 from ...errors import CheckpointFormatError, InvalidArgumentError
-from ...format.schema import is_int
-from .marker import MARKER_FILE, CommitMarker, check_copy, check_name
+from .marker import MARKER_FILE, CommitMarker, check_copy, check_name, check_step
 
-__all__ = ["Tier", "step_dir_name", "check_step", "check_token"]
+__all__ = ["Tier", "step_dir_name", "check_token"]
 
 _TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
-
-
-def check_step(step: Any) -> int:
-    """``step`` itself if it is a non-negative int; :class:`~ucp_dcp.errors.InvalidArgumentError`
-    (a ``ValueError``) otherwise."""
-    if not is_int(step) or step < 0:
-        raise InvalidArgumentError(f"step must be a non-negative integer, got {step!r}")
-    return step
 
 
 def check_token(token: Any) -> str:
@@ -99,30 +95,37 @@ class Tier(ABC):
     def step_path(self, step: int) -> str:
         """Location of committed ``step`` (local path or URL)."""
 
-    @abstractmethod
     def files(self, step: int) -> dict[str, int]:
         """Names and sizes of the files present in committed ``step`` (the marker excluded)."""
+        return self._step_files(self._step_dir(step))
 
     def fetch(self, step: int, names: Iterable[str], dest_dir: str) -> None:
-        """Copy (download) the named files of committed ``step`` into local directory ``dest_dir``.
+        """Copy (download) the named files of committed ``step`` into local directory ``dest_dir``
+        (nothing to copy where ``dest_dir`` is the step's own directory).
 
-        Each file is written under a temporary name, fsync'd and renamed, so
-        a crash never leaves a partial file under the final name.
+        Every file is looked for first (:class:`CheckpointFormatError` naming a missing one,
+        nothing copied). Each is written under a temporary name, fsync'd and renamed, so a crash
+        never leaves a partial file under the final name.
         """
         names = list(names)
         for name in names:
-            check_name(name, "file name")
+            check_name(name)
         dest_dir = os.fspath(dest_dir)
-        source = self._fetcher(step, names, dest_dir)
-        os.makedirs(dest_dir, exist_ok=True)
-        wrote = False
+        d = self._step_dir(step)
+        sizes = d.sizes() if names else {}
         for name in names:
-            write = source(name)
-            if write is not None:
-                replace_via_temp(os.path.join(dest_dir, name), write)
-                wrote = True
-        if wrote:
-            fsync_path(dest_dir)
+            if name not in sizes:
+                raise CheckpointFormatError(
+                    f"{self._where(step, name)}: missing (expected it at {d.path_of(name)})"
+                )
+        os.makedirs(dest_dir, exist_ok=True)
+        if not names or (d.store is None and os.path.samefile(d.where, dest_dir)):
+            return
+        for name in names:
+            replace_via_temp(
+                os.path.join(dest_dir, name), partial(d.download, name, size=sizes[name])
+            )
+        fsync_path(dest_dir)
 
     def read_bytes(self, step: int, name: str) -> bytes:
         """The content of file ``name`` of committed ``step`` (generic: fetch into a temp dir)."""
@@ -176,12 +179,12 @@ class Tier(ABC):
     def put_file(self, staging: str, local_path: str, name: str) -> None:
         """Copy (upload) local file ``local_path`` into ``staging`` as ``name``, durably."""
         self._check_payload_name(name, "put_file")
-        self._put_file(self._staging_step(staging)[1], os.fspath(local_path), name)
+        self._dir(self._staging_step(staging)[1]).upload(name, os.fspath(local_path))
 
     def put_bytes(self, staging: str, name: str, data: bytes) -> None:
         """Write ``data`` into ``staging`` as file ``name``, durably."""
         self._check_payload_name(name, "put_bytes")
-        self._put_bytes(self._staging_step(staging)[1], name, data)
+        self._dir(self._staging_step(staging)[1]).write_atomic(name, bytes(data))
 
     def commit(
         self, staging: str, marker: CommitMarker, *, held: Collection[str] | None = None
@@ -215,7 +218,8 @@ class Tier(ABC):
         needed).
 
         Returns what was done, one line each. Call only while no save into
-        this tier is in progress.
+        this tier is in progress (at start-up, before the first save): an
+        in-progress staging directory looks like a leftover.
         """
 
     # ------------------------------------------------ for the kinds of tier
@@ -227,22 +231,14 @@ class Tier(ABC):
         location here."""
 
     @abstractmethod
-    def _put_file(self, staging: str, local_path: str, name: str) -> None:
-        """:meth:`put_file` with checked arguments (``staging`` as :meth:`_staging_step` returns
-        it)."""
+    def _dir(self, location: str) -> ModelDir:
+        """The directory at ``location`` (a step or staging directory, as :meth:`_staging_step`
+        returns it)."""
 
     @abstractmethod
-    def _put_bytes(self, staging: str, name: str, data: bytes) -> None:
-        """:meth:`put_bytes` with checked arguments."""
-
-    @abstractmethod
-    def _fetcher(
-        self, step: int, names: list[str], dest_dir: str
-    ) -> Callable[[str], Callable[[str], None] | None]:
-        """For :meth:`fetch` of checked ``names`` of committed ``step`` into ``dest_dir``: a
-        function of each name that gives what writes the file into a local path, durably (None:
-        ``dest_dir`` is where it is already), or raises :class:`CheckpointFormatError` naming it
-        if it is missing."""
+    def _step_dir(self, step: int) -> ModelDir:
+        """The directory of committed ``step``; :class:`CheckpointFormatError` naming the tier and
+        step if there is none."""
 
     @abstractmethod
     def _commit(
@@ -260,7 +256,7 @@ class Tier(ABC):
         return sizes
 
     def _check_payload_name(self, name: str, method: str) -> None:
-        check_name(name, "file name")
+        check_name(name)
         if name == MARKER_FILE:
             raise InvalidArgumentError(
                 f"{self._where()}: {MARKER_FILE} is written by commit(), not {method}()"
@@ -277,14 +273,9 @@ class Tier(ABC):
         """Every file ``marker`` lists (of ``held``, where given) is in ``staging`` (``sizes``:
         name -> size) with its recorded size; so is any other file of the marker that is
         there."""
-        bad = marker.unlike(sizes, held)
-        if bad is not None:
-            f, size = bad
-            raise CheckpointFormatError(
-                f"{self._where(step, f.name)}: cannot commit: "
-                + (
-                    f"the marker lists it but staging {staging} lacks it"
-                    if size is None
-                    else f"the marker says {f.size} bytes, staging holds {size}"
-                )
-            )
+        marker.check_sizes(
+            sizes,
+            held,
+            where=lambda name: f"{self._where(step, name)}: cannot commit",
+            holder=f"staging {staging}",
+        )

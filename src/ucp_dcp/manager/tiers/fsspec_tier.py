@@ -17,17 +17,14 @@ abandoned at the policy's deadline and tried again, not held for the HTTP client
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from functools import partial
 from typing import Any, NamedTuple
 
-from ...byteio.durable import fsync_file
 from ...byteio.location import StoreDir
 from ...byteio.objstore import ObjectStore, protocols
 from ...byteio.requests import RequestPolicy
 from ...errors import CheckpointFormatError, InvalidArgumentError, StorageError
-from .base import Tier, check_step, check_token, step_dir_name
-from .marker import MARKER_FILE, CommitMarker, check_name
+from .base import Tier, check_token, step_dir_name
+from .marker import MARKER_FILE, CommitMarker, check_name, check_step
 
 __all__ = ["FsspecTier", "StepCopy"]
 
@@ -85,7 +82,7 @@ class FsspecTier(Tier):
         """The fsspec options the tier was opened with (readers of its steps open the store with
         them)."""
         self.store = ObjectStore(self.url, self.storage_options, requests=requests)
-        """The tier's objects: every request goes through it."""
+        """The tier's objects."""
         self.fs = self.store.fs  # names only (protocols, paths): requests go through the store
         self._root = self.store.root
 
@@ -173,11 +170,11 @@ class FsspecTier(Tier):
         even if the step is saved again meanwhile.
         """
         marker, d = self._current(step)
-        return StepCopy(marker, self._url(d), self._file_sizes(self._path(d)))
+        return StepCopy(marker, self._url(d), self._step_files(self._dir(self._path(d))))
 
     def read_at(self, copy: StepCopy, name: str) -> bytes:
         """The content of file ``name`` of ``copy`` (one GET)."""
-        check_name(name, "file name")
+        check_name(name)
         path = self.fs._strip_protocol(copy.url)
         d = self._dir(path)
         if not d.holds(name):
@@ -195,32 +192,9 @@ class FsspecTier(Tier):
         """URL of the newest committed copy of ``step`` (:class:`CheckpointFormatError` if none)."""
         return self._url(self._current(step)[1])
 
-    def files(self, step: int) -> dict[str, int]:
-        """Names and sizes of the files in committed ``step``, the marker excluded."""
-        return self._file_sizes(self._path(self._current(step)[1]))
-
-    def _file_sizes(self, path: str) -> dict[str, int]:
-        """Names and sizes of the files in directory ``path``, the marker excluded (one
-        listing)."""
-        return self._step_files(self._dir(path))
-
-    def _fetcher(
-        self, step: int, names: list[str], dest_dir: str
-    ) -> Callable[[str], Callable[[str], None] | None]:
-        """Downloads of the objects of the newest committed copy of ``step`` (one listing)."""
-        d = self._path(self._current(step)[1])
-        step_dir = self._dir(d)
-        sizes = step_dir.sizes() if names else {}
-
-        def source(name: str) -> Callable[[str], None]:
-            if name not in sizes:
-                raise CheckpointFormatError(
-                    f"{self._where(step, name)}: missing (expected an object "
-                    f"{self.fs.unstrip_protocol(f'{d}/{name}')})"
-                )
-            return partial(_download, step_dir, name, sizes[name])
-
-        return source
+    def _step_dir(self, step: int) -> StoreDir:
+        """The newest committed copy of ``step``."""
+        return self._dir(self._path(self._current(step)[1]))
 
     # -- writing
 
@@ -261,17 +235,11 @@ class FsspecTier(Tier):
             )
         return int(m.group(1)), path
 
-    def _put_file(self, path: str, local_path: str, name: str) -> None:
-        self._dir(path).upload(name, local_path)
-
-    def _put_bytes(self, path: str, name: str, data: bytes) -> None:
-        self._dir(path).write_atomic(name, bytes(data))
-
     def _commit(
         self, step: int, path: str, marker: CommitMarker, held: frozenset[str] | None
     ) -> None:
         """Upload the marker last (one atomic PUT commits), then remove older copies of the step."""
-        sizes = self._file_sizes(path)
+        sizes = self._step_files(self._dir(path))
         self._check_staged(step, self.fs.unstrip_protocol(path), marker, sizes, held)
         # The commit point: until this PUT completes the directory is not
         # listed; after it, it is (and, being newest, wins over older copies).
@@ -335,9 +303,3 @@ class FsspecTier(Tier):
                     self._rm_dir(self._path(d))
                     done.append(f"removed {self._url(d)} (unfinished save or delete)")
         return done
-
-
-def _download(step_dir: StoreDir, name: str, size: int, dst: str) -> None:
-    """Object ``name`` of ``step_dir`` into local file ``dst``, fsync'd."""
-    step_dir.download(name, dst, size)
-    fsync_file(dst)

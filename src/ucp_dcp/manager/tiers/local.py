@@ -17,16 +17,8 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable
-from functools import partial
 
-from ...byteio.durable import (
-    atomic_write,
-    copy_durable,
-    fsync_file,
-    fsync_path,
-    swap_paths,
-)
+from ...byteio.durable import fsync_file, fsync_path, swap_paths
 from ...byteio.location import LocalDir
 from ...errors import CheckpointFormatError, InvalidArgumentError, StorageError
 from .base import Tier, check_token, step_dir_name
@@ -146,33 +138,15 @@ class LocalTier(Tier):
         """``root/step-%012d`` (the path; whether it is committed is for :meth:`steps` to say)."""
         return os.path.join(self.root, step_dir_name(step))
 
-    def files(self, step: int) -> dict[str, int]:
-        """Names and sizes of the regular files in committed ``step``, the marker excluded."""
+    def _dir(self, location: str) -> LocalDir:
+        """The directory at path ``location``."""
+        return LocalDir(location)
+
+    def _step_dir(self, step: int) -> LocalDir:
+        """``step``'s directory, once its marker is read."""
         path = self.step_path(step)
         self._read_marker(path, step)
-        return self._step_files(LocalDir(path))
-
-    def _fetcher(
-        self, step: int, names: list[str], dest_dir: str
-    ) -> Callable[[str], Callable[[str], None] | None]:
-        """Copies of the files of ``step``'s directory (none where ``dest_dir`` is it)."""
-        src_dir = self.step_path(step)
-        same_dir = (
-            os.path.isdir(dest_dir)
-            and os.path.exists(src_dir)
-            and os.path.samefile(src_dir, dest_dir)
-        )
-
-        def source(name: str) -> Callable[[str], None] | None:
-            src = os.path.join(src_dir, name)
-            if not os.path.isfile(src):
-                raise CheckpointFormatError(
-                    f"{self._where(step, name)}: missing (expected a file at {src}"
-                    f"{'' if os.path.isdir(src_dir) else '; the step directory does not exist'})"
-                )
-            return None if same_dir else partial(copy_durable, src)
-
-        return source
+        return LocalDir(path)
 
     # -- writing
 
@@ -206,18 +180,6 @@ class LocalTier(Tier):
             )
         return int(m.group(1)), staging
 
-    def _put_file(self, staging: str, local_path: str, name: str) -> None:
-        """Copy ``local_path`` into ``staging`` as ``name`` and fsync it (only fsync if it already
-        is that file)."""
-        dst = os.path.join(staging, name)
-        if os.path.exists(dst) and os.path.samefile(local_path, dst):
-            fsync_file(dst)  # dcp.save wrote it in place
-            return
-        copy_durable(local_path, dst)
-
-    def _put_bytes(self, staging: str, name: str, data: bytes) -> None:
-        LocalDir(staging).write_atomic(name, data)
-
     def _commit(
         self, step: int, staging: str, marker: CommitMarker, held: frozenset[str] | None
     ) -> None:
@@ -244,7 +206,7 @@ class LocalTier(Tier):
         #    loss cannot leave a visible step-N missing files. A crash here
         #    leaves a .tmp- dir, never listed (steps() only reads step-*);
         #    cleanup() removes it. No committed step was touched.
-        atomic_write(os.path.join(staging, MARKER_FILE), marker.encode())
+        self._dir(staging).write_atomic(MARKER_FILE, marker.encode())
         final = self.step_path(step)
         if os.path.lexists(final):
             # 3a. Re-save of step N: swap atomically where the OS can. A crash

@@ -15,7 +15,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,7 @@ __all__ = [
     "FileDigest",
     "CommitMarker",
     "check_name",
+    "check_step",
     "check_copy",
 ]
 
@@ -41,12 +42,21 @@ MARKER_VERSION = 1
 _HEX32_RE = re.compile(r"[0-9a-f]{32}\Z")
 
 
-def check_name(name: Any, what: str) -> None:
-    """A plain file name: no directory parts, nothing that escapes the step directory."""
+def check_name(name: Any, what: str = "file name") -> None:
+    """A plain file name: no directory parts, nothing that escapes the step directory
+    (:class:`~ucp_dcp.errors.InvalidArgumentError` naming ``what`` otherwise)."""
     if not is_plain_file_name(name):
         raise InvalidArgumentError(
-            f"{what} must be a plain file name (no '/', not '.' or '..'), got {name!r}"
+            f"invalid {what} {name!r}: must be a plain file name (no '/', not '', '.' or '..')"
         )
+
+
+def check_step(step: Any, what: str = "step") -> int:
+    """``step`` itself if it is a non-negative int (not a bool);
+    :class:`~ucp_dcp.errors.InvalidArgumentError` (a ``ValueError``) naming ``what`` otherwise."""
+    if not is_int(step) or step < 0:
+        raise InvalidArgumentError(f"{what} must be a non-negative integer, got {step!r}")
+    return step
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,7 @@ class FileDigest:
     rank: int
 
     def __post_init__(self) -> None:
-        check_name(self.name, "field 'name'")
+        check_name(self.name, "file name (field 'name')")
         if self.name == MARKER_FILE:
             raise InvalidArgumentError(
                 f"field 'name' must not be the commit marker {MARKER_FILE!r}"
@@ -113,10 +123,7 @@ class CommitMarker:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not is_int(self.step) or self.step < 0:
-            raise InvalidArgumentError(
-                f"field 'step' must be a non-negative integer, got {self.step!r}"
-            )
+        check_step(self.step, "field 'step'")
         if not is_int(self.world_size) or self.world_size < 1:
             raise InvalidArgumentError(
                 f"field 'world_size' must be a positive integer, got {self.world_size!r}"
@@ -292,19 +299,31 @@ class CommitMarker:
         """Name -> recorded size of every file listed, in order."""
         return {f.name: f.size for f in self.files}
 
-    def unlike(
-        self, present: Mapping[str, int], held: Collection[str] | None = None
-    ) -> tuple[FileDigest, int | None] | None:
-        """The first file listed that ``present`` (name -> size) lacks (with None) or holds at
-        another size (with that size); a file not in ``held`` may be absent (None: every one is
-        expected). None: every file is there at its recorded size."""
+    def check_sizes(
+        self,
+        present: Mapping[str, int],
+        held: Collection[str] | None = None,
+        *,
+        where: Callable[[str], str],
+        holder: str,
+    ) -> None:
+        """:class:`CheckpointFormatError` for the first file listed that ``present`` (name -> size,
+        what ``holder`` holds) lacks or holds at another size, each message starting with
+        ``where(name)``; a file not in ``held`` may be absent (None: every one is expected)."""
         for f in self.files:
-            if f.name not in present:
-                if held is None or f.name in held:
-                    return f, None
-            elif present[f.name] != f.size:
-                return f, present[f.name]
-        return None
+            size = present.get(f.name)
+            if size is None and held is not None and f.name not in held:
+                continue
+            if size is None:
+                raise CheckpointFormatError(
+                    f"{where(f.name)}: the commit marker of step {self.step} lists it "
+                    f"({f.size} bytes) but {holder} lacks it"
+                )
+            if size != f.size:
+                raise CheckpointFormatError(
+                    f"{where(f.name)}: the commit marker of step {self.step} says {f.size} bytes, "
+                    f"{holder} holds {size}: it is incomplete or was replaced"
+                )
 
     def digest(self, name: str) -> FileDigest:
         """The record of file ``name``; :class:`CheckpointFormatError` if the marker does not list
