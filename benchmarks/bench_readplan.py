@@ -8,7 +8,7 @@ times what the read-once coordinator does with them, two ways (``--plans``):
 * ``rank``: the per-rank plan, ``plan_job_reads`` on every rank's needs (and
   ``schedule_rounds`` where its rows stay under 20M), one transfer row per (piece, receiver);
 * ``group``: the compact plan the coordinator makes (dcp/read_once/rounds.py): ranks with
-  identical needs grouped by digest (``NeedGroups.of``; in a load each rank hashes its own needs),
+  identical needs grouped by digest (``need_groups``; in a load each rank hashes its own needs),
   ``plan_group_reads``, and the messages (``dcp.read_once.messages``: each rank's part and the
   part every rank gets alike), one transfer row per (piece, receiving group).
 
@@ -50,6 +50,7 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -62,13 +63,15 @@ from ucp_dcp.dcp.read_once.plan import JobReadPlan, plan_job_reads
 from ucp_dcp.dcp.read_once.ranges import expand
 from ucp_dcp.dcp.read_once.rounds import (
     GroupReadPlan,
-    NeedGroups,
-    exchange_windows,
     plan_group_reads,
-    schedule_rounds,
     stream_positions,
     with_own_reads,
 )
+
+# The per-rank plan's rounds, and grouping every rank's needs in one process, are the tests'
+# reference (tests/readplan_reference.py), not a load's code.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from readplan_reference import exchange_windows, need_groups, schedule_rounds  # noqa: E402
 
 Needs = list[dict[int, tuple[np.ndarray, np.ndarray]]]
 PAGE = 4096
@@ -280,7 +283,7 @@ def run_group(
     """The compact path: group by digest, plan, the messages (of ``needs`` as in run_rank)."""
     needs = TARGETS[target](world) if needs is None else needs
     t0 = time.perf_counter()
-    groups = NeedGroups.of(needs)
+    groups = need_groups(needs)
     t1 = time.perf_counter()
     plan = plan_group_reads(groups)
     t2 = time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from readplan_reference import need_groups, schedule_rounds
 from test_readplan import (
     ALIGNS,
     MIN_RUNS,
@@ -20,14 +21,13 @@ from test_readplan import (
     structured_needs,
 )
 
+from ucp_dcp.core.spans import merge_ranges
 from ucp_dcp.dcp.read_once import rank_shares
 from ucp_dcp.dcp.read_once.exchange import RankRounds
 from ucp_dcp.dcp.read_once.plan import plan_job_reads
-from ucp_dcp.dcp.read_once.ranges import intersect_ranges, merge_ranges
+from ucp_dcp.dcp.read_once.ranges import intersect_ranges
 from ucp_dcp.dcp.read_once.rounds import (
-    NeedGroups,
     plan_group_reads,
-    schedule_rounds,
     with_own_reads,
 )
 from ucp_dcp.errors import InvalidArgumentError
@@ -96,7 +96,7 @@ def test_each_ranks_windows_cut_the_same_rounds_as_the_schedule(
     read_once/__init__.py) is schedule_rounds' schedule, both ends of every message alike: where
     no two ranks need the same (each group one rank), the compact plan is the per-rank one."""
     needs, sizes = case
-    groups = NeedGroups.of(needs)
+    groups = need_groups(needs)
     assume(len(groups.extents) == len(needs))
     full = with_own_reads(plan_job_reads(needs, align=align, file_sizes=sizes), needs)
     world = full.world_size

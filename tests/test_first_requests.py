@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ucp_dcp.core.spans import merge_ranges
 from ucp_dcp.dcp.read_once.first_requests import _readers, _wants
-from ucp_dcp.dcp.read_once.ranges import merge_ranges
 
 
 def _runs(files: set[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from readplan_reference import members, need_groups, per_rank, receives, sends
 from test_readplan import ALIGNS, MIN_RUNS, Needs, _need_masks, _pages, _ranges, random_needs
 
 from ucp_dcp.dcp.read_once import messages, rank_shares
@@ -47,7 +48,7 @@ def check_group_plan(needs: Needs, sizes: dict[int, int], plan: GroupReadPlan) -
     got = [{f: np.zeros(n, np.int64) for f, n in sizes.items()} for _ in range(world)]
     t = plan.transfers
     for r in range(world):
-        rows = plan.receives(r)
+        rows = receives(plan, r)
         for q, f, s, n in zip(
             rows.reader.tolist(), rows.file.tolist(), rows.start.tolist(), rows.length.tolist()
         ):
@@ -97,13 +98,13 @@ def check_shares(plan: GroupReadPlan, budget: int) -> None:
                 if len(rounds[me].sends[p]):
                     assert int(rounds[me].sends[p][:, 2].sum()) * _fan(plan, me) <= budget
             total[me] += into
-    expect = np.array([int(plan.receives(r).length.sum()) for r in range(world)])
+    expect = np.array([int(receives(plan, r).length.sum()) for r in range(world)])
     assert np.array_equal(total, expect)
 
 
 def _fan(plan: GroupReadPlan, q: int) -> int:
     """The ranks reader ``q`` sends to."""
-    groups = np.unique(plan.sends(q).group)
+    groups = np.unique(sends(plan, q).group)
     return int(plan.groups.sizes[groups].sum())
 
 
@@ -124,7 +125,7 @@ def test_grouped_needs_one_reader_and_exact_receipt(
     case: tuple[Needs, dict[int, int]], align: int, min_run: int, known: bool
 ) -> None:
     needs, sizes = case
-    groups = NeedGroups.of(needs)
+    groups = need_groups(needs)
     plan = plan_group_reads(
         groups, align=align, min_run=min_run, file_sizes=sizes if known else None
     )
@@ -137,7 +138,7 @@ def test_each_ranks_share_cuts_rounds_that_agree_and_keep_the_budget(
     case: tuple[Needs, dict[int, int]], align: int, budget: int
 ) -> None:
     needs, sizes = case
-    plan = plan_group_reads(NeedGroups.of(needs), align=align, min_run=0, file_sizes=sizes)
+    plan = plan_group_reads(need_groups(needs), align=align, min_run=0, file_sizes=sizes)
     check_shares(plan, budget)
 
 
@@ -146,7 +147,7 @@ def test_everyone_needs_everything_one_row_per_piece_whatever_the_ranks() -> Non
     rows = {}
     for world in (4, 64, 1024):
         needs = [{0: _ranges([(0, size)])} for _ in range(world)]
-        groups = NeedGroups.of(needs)
+        groups = need_groups(needs)
         assert groups.group_of.tolist() == [0] * world and len(groups.extents) == 1
         plan = plan_group_reads(groups, align=4096, min_run=4096, file_sizes={0: size})
         # One piece per reader (100 pages over min(world, 100) readers), each to the one group.
@@ -159,8 +160,8 @@ def test_everyone_needs_everything_one_row_per_piece_whatever_the_ranks() -> Non
         rows[world] = len(plan.transfers)
     assert rows == {4: 4, 64: 64, 1024: 100}
     # Expanded per rank it is the per-rank plan's bytes: each reader's piece to every rank.
-    per_rank = plan.per_rank()
-    assert len(per_rank) == 100 * 1024 and per_rank.nbytes == 1024 * size
+    expanded = per_rank(plan)
+    assert len(expanded) == 100 * 1024 and expanded.nbytes == 1024 * size
 
 
 def test_hsdp_replicas_and_everyone_mixed() -> None:
@@ -170,14 +171,14 @@ def test_hsdp_replicas_and_everyone_mixed() -> None:
     shard = [(8192, 16384), (24576, 16384)]
     needs: Needs = [{0: _ranges([head, shard[r % 2]])} for r in range(4)]
     needs.append({0: _ranges([(9000, 3000)])})
-    groups = NeedGroups.of(needs)
+    groups = need_groups(needs)
     assert groups.group_of.tolist() == [0, 1, 0, 1, 2]
     plan = plan_group_reads(groups, align=4096, min_run=4096, file_sizes={0: 40960})
     check_group_plan(needs, {0: 40960}, plan)
     check_shares(plan, 1 << 16)
     # Every rank of group 0 gets the same rows; rank 4 only its 3000 bytes.
-    assert plan.receives(0).length.sum() == plan.receives(2).length.sum() == 8192 + 16384
-    r4 = plan.receives(4)
+    assert receives(plan, 0).length.sum() == receives(plan, 2).length.sum() == 8192 + 16384
+    r4 = receives(plan, 4)
     assert r4.length.sum() == 3000 and set(r4.group.tolist()) == {2}
 
 
@@ -187,7 +188,7 @@ def test_groups_are_weighted_by_their_ranks() -> None:
     size = 4096 * 64
     needs = [{0: _ranges([(0, size)])} for _ in range(3)] + [{0: _ranges([(0, size)])}]
     needs[3] = {0: _ranges([(0, size - 1), (size - 1, 1)])}  # the same bytes, written apart
-    plan = plan_group_reads(NeedGroups.of(needs), align=4096, min_run=4096, file_sizes={0: size})
+    plan = plan_group_reads(need_groups(needs), align=4096, min_run=4096, file_sizes={0: size})
     assert plan.groups.group_of.tolist() == [0, 0, 0, 1]
     assert plan.bytes_read_per_rank.tolist() == [size // 4] * 4
     check_group_plan(needs, {0: size}, plan)
@@ -207,9 +208,9 @@ def test_digest_tells_needs_apart_and_groups_are_numbered_by_lowest_rank() -> No
     assert needs_digest(a) == needs_digest({0: _ranges([(0, 10)])})
     assert needs_digest(a) != needs_digest(b) != needs_digest({1: _ranges([(0, 11)])})
     assert needs_digest({}) != needs_digest({0: _ranges([])})
-    groups = NeedGroups.of([b, a, b, {}, a])
+    groups = need_groups([b, a, b, {}, a])
     assert groups.group_of.tolist() == [0, 1, 0, 2, 1]
-    assert groups.sizes.tolist() == [2, 2, 1] and groups.members(1).tolist() == [1, 4]
+    assert groups.sizes.tolist() == [2, 2, 1] and members(groups, 1).tolist() == [1, 4]
 
 
 def test_bad_groups_are_refused_by_name() -> None:
@@ -219,9 +220,9 @@ def test_bad_groups_are_refused_by_name() -> None:
         plan_group_reads(NeedGroups(({}, {}), np.array([0, 0])))
     with pytest.raises(InvalidArgumentError, match="weights must be 2 positive integers"):
         plan_job_reads([{}, {}], weights=np.array([1, 0]))
-    plan = plan_group_reads(NeedGroups.of([{0: _ranges([(0, 10)])}]))
+    plan = plan_group_reads(need_groups([{0: _ranges([(0, 10)])}]))
     with pytest.raises(InvalidArgumentError, match="rank 1 is not in 0..0"):
-        plan.receives(1)
+        receives(plan, 1)
 
 
 def test_messages_send_a_replicated_plan_once_not_per_rank() -> None:
@@ -231,7 +232,7 @@ def test_messages_send_a_replicated_plan_once_not_per_rank() -> None:
     shared = {}
     for world in (16, 256):
         needs = [{0: _ranges([(0, size)])} for _ in range(world)]
-        plan = plan_group_reads(NeedGroups.of(needs), align=4096, min_run=4096)
+        plan = plan_group_reads(need_groups(needs), align=4096, min_run=4096)
         parts, common = messages(plan, 1 << 20)
         assert all(p.recvs is None and len(p.sends) == 1 for p in parts)
         assert list(common.group_recvs) == [0] and len(common.group_recvs[0]) == world
@@ -247,7 +248,7 @@ def test_messages_put_small_groups_rows_in_their_ranks_parts() -> None:
     group's rows and the shared part none."""
     shard = 4096 * 8
     needs = [{0: _ranges([((r % 8) * shard, shard)])} for r in range(16)]
-    plan = plan_group_reads(NeedGroups.of(needs), align=4096, min_run=4096)
+    plan = plan_group_reads(need_groups(needs), align=4096, min_run=4096)
     parts, common = messages(plan, 1 << 20)
     assert common.group_recvs == {}
     for r, p in enumerate(parts):

@@ -3,8 +3,9 @@
 ``decide(mode, shared, storage, plan)`` is a pure function of the reader's
 ``read_once``, what the storage is, and the job's read plan (the bytes every
 rank needs summed, against the bytes at least one rank needs); these tests
-build plans with :func:`~ucp_dcp.dcp.read_once.plan.plan_job_reads` from needs
-whose overlap is known to the byte. ``shared_storage`` reads
+build plans as the coordinator does
+(:func:`~ucp_dcp.dcp.read_once.rounds.plan_group_reads`) from needs whose
+overlap is known to the byte. ``shared_storage`` reads
 ``/proc/mounts``: a fake one shows which mount a path falls under.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from readplan_reference import need_groups
 
 from ucp_dcp import ReadOptions, UCPStorageReader
 from ucp_dcp.dcp import read_once as _read_once
@@ -27,19 +29,19 @@ from ucp_dcp.dcp.read_once import (
     decide,
     shared_storage,
 )
-from ucp_dcp.dcp.read_once.plan import JobReadPlan, plan_job_reads
+from ucp_dcp.dcp.read_once.rounds import GroupReadPlan, plan_group_reads
 from ucp_dcp.errors import InvalidArgumentError, UCPError
 
 PAGE = 4096
 
 
-def _plan(*pages_per_rank: int) -> JobReadPlan:
+def _plan(*pages_per_rank: int) -> GroupReadPlan:
     """Rank ``r`` needs the first ``pages_per_rank[r]`` pages of file 0: the needs overlap."""
     needs = [
         {0: (np.array([0], np.int64), np.array([n * PAGE], np.int64))} if n else {}
         for n in pages_per_rank
     ]
-    return plan_job_reads(needs)
+    return plan_group_reads(need_groups(needs))
 
 
 # ---------------------------------------------------------------- decide

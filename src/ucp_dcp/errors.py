@@ -31,7 +31,9 @@ __all__ = [
     "PlacementError",
     "CLIError",
     "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "InvalidStateError",
+    "PathNotFoundError",
     "InconsistentSaveError",
     "UnsupportedModelError",
     "TorchInternalsError",
@@ -39,8 +41,6 @@ __all__ = [
     "NotACheckpointError",
     "CheckpointExistsError",
     "CheckpointWriteError",
-    "InvalidArgumentTypeError",
-    "PathNotFoundError",
     "UCPWarning",
     "unwrap",
 ]
@@ -223,9 +223,17 @@ class InvalidArgumentError(UCPError, ValueError):
     is expected and what was given."""
 
 
+class InvalidArgumentTypeError(UCPError, TypeError):
+    """An argument of a library call of the wrong kind: names the call and what it needs."""
+
+
 class InvalidStateError(UCPError, RuntimeError):
     """A call the object's state does not allow (it is closed, or every staging buffer is in
     use): names the object and what to do first."""
+
+
+class PathNotFoundError(UCPError, FileNotFoundError):
+    """A path the call was given (a source, a config file) does not exist: names it."""
 
 
 # ---------------------------------------------------------------- saving and adapters
@@ -285,10 +293,6 @@ class CheckpointWriteError(UCPError, OSError):
     directory and the rank, and keeps the errno (``ENOSPC``...)."""
 
 
-class InvalidArgumentTypeError(UCPError, TypeError):
-    """An argument of a library call of the wrong kind: names the call and what it needs."""
-
-
 class UCPWarning(_OptionHint, UserWarning):
     """A warning of the library that may name an option to pass (see :class:`UCPError`)."""
 
@@ -329,7 +333,3 @@ def unwrap(exc: BaseException) -> UCPError | None:
                     todo.append(inner)
         todo += [c for c in (e.__cause__, e.__context__) if c is not None]
     return None
-
-
-class PathNotFoundError(UCPError, FileNotFoundError):
-    """A path the call was given (a source, a config file) does not exist: names it."""

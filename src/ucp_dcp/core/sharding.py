@@ -4,12 +4,9 @@ Everything here is pure integer arithmetic on shapes. It does not touch
 tensors, files or process groups, so it is cheap to property-test and is the
 one place where "which bytes does this rank need" is decided.
 
-Terms:
-
-* A *box* is a hyper-rectangle of a global tensor: per-dimension ``offsets``
-  and ``sizes``. Every saved chunk and every target shard is a box.
-* A *layout* is a mesh shape plus one placement per mesh dimension, the way a
-  DTensor describes itself. A regular layout determines every chunk's box.
+A *layout* is a mesh shape plus one placement per mesh dimension, the way a
+DTensor describes itself; a regular layout determines every chunk's *box*
+(:mod:`ucp_dcp.core.boxes`, which also has a box's contiguous runs).
 
 *Chunk grids*: sharding cuts every tensor dimension independently, so a
 box-shaped layout's chunks are the cells of a grid of per-dimension
@@ -17,9 +14,6 @@ intervals. :func:`layout_grid` computes that grid with vectorised integer
 arithmetic and :func:`arith_box` one mesh coordinate's box, so that nothing
 enumerates every rank's chunk, at any world size; layouts this arithmetic
 does not cover fall back to DTensor's own (:func:`layout_chunks`).
-
-The contiguous runs of a box (what one ``pread`` can read straight into
-place) are in :mod:`ucp_dcp.core.boxes`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ A region of a row-major chunk is a set of equal-length *runs* (see
 :class:`ReadCosts`; :func:`prefer_span` picks; :func:`span_slabs` cuts a
 region into sub-boxes whose span fits a staging budget; :func:`file_access`
 picks how a rank reads each file as a whole (a stream with the kernel's
-read-ahead, or exact announced reads). Pure arithmetic,
+read-ahead, or exact announced reads); :func:`merge_ranges` is the one union of
+byte ranges every layer above uses. Pure arithmetic,
 like the rest of :mod:`ucp_dcp.core`: the byte-moving code lives in
 :mod:`ucp_dcp.byteio.transfer`.
 """
@@ -46,6 +47,7 @@ __all__ = [
     "EXACT",
     "READ_AHEAD_BYTES",
     "file_access",
+    "merge_ranges",
 ]
 
 SEQUENTIAL = "sequential"
@@ -64,41 +66,18 @@ exact)."""
 
 @dataclass(frozen=True)
 class ReadCosts:
-    """Prices (seconds) of the parts of a read, for comparing ways to read one region.
-
-    The defaults were fitted on the development VM (2 cores shared by 3-4
-    ranks and other jobs, virtio disk, cold page cache evicted with
-    ``benchmarks/harness/pagecache.py``):
-
-    * ``page``: :class:`~ucp_dcp.byteio.rangeio.RangeReader` read a 256 MiB
-      file sequentially in 1-16 MiB requests at 1.8-2.9 GB/s with 1-16
-      threads, about 1.5 us per 4 KiB page.
-    * ``call``: one 2 KiB run per 8 KiB of the same file (one ``preadv``
-      and one lone page per run) took 12 us per run with 1 to 16 threads
-      alike (0.33 GB/s pulled), on a loaded machine up to 50 us: a system
-      call, its ``POSIX_FADV_WILLNEED`` hint, and the device's latency for
-      a lone page, which the hints a window ahead hide only in part.
-    * ``run`` and ``copy_byte``: alternating cold loads of one rank's
-      column slice, exact and as spans (``/tmp`` script, 20 pairs): 2 KiB of
-      each 4 KiB row (gaps under a page, so the same pages either way, and
-      the exact reads already share ``preadv`` calls, 512 runs to a call)
-      took ~50 ms exact and ~68 ms as spans for 24 MiB of span and 6144
-      runs; 2 KiB of each 8 KiB row ~620 ms exact and ~270 ms as spans.
-      Fitted: about 1 us of bookkeeping per run read exactly (segment,
-      memoryview slice, sort, plan, iovec), about 1 ns per byte of span
-      (first touch of the staging memory, the strided copy, and the I/O
-      parallelism a staged span gives up while it is copied out).
-
-    So a column slice whose gaps are under a page stays exact (its calls are
-    already few), narrow runs far apart stay exact (the pages of the gaps
-    cost more than the calls), and runs of a few KiB a page or two apart,
-    or runs of a few bytes, are read as spans.
-    """
+    """Prices (seconds) of the parts of a read, for comparing ways to read one region; fitted on
+    the development VM with a cold page cache (measured: docs/storage-speed.md, "The prices of
+    exact and span reads")."""
 
     call: float = 12e-6
+    """One read call: a system call, its read-ahead hint, a lone page's device latency."""
     run: float = 1e-6
+    """Bookkeeping of one run read exactly (segment, iovec, plan)."""
     page: float = 1.5e-6
+    """One 4 KiB page pulled from storage."""
     copy_byte: float = 1e-9
+    """One byte of span: staging memory touched, the strided copy out of it."""
 
 
 @dataclass(frozen=True)
@@ -303,7 +282,7 @@ def file_access(
     s, e = _nonempty(starts, lengths)
     if not s.size:
         return EXACT
-    run_starts, run_ends = _runs(s, e)
+    run_starts, run_ends = merge_ranges(s, e)
     needed = int((run_ends - run_starts).sum())
     # The pages of each run, and the whole pages from its last to the next run's first (or to
     # the file's end): what read-ahead can pull in that no needed byte is on.
@@ -337,16 +316,19 @@ def _nonempty(
     return s[keep], s[keep] + n[keep]
 
 
-def _runs(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Non-empty ranges ``[starts, ends)`` merged where they overlap or touch: the runs' starts
-    and ends, in ascending order."""
+def merge_ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The union of ``[starts[i], ends[i])`` as sorted, disjoint int64 ranges (overlapping and
+    touching ones merge)."""
+    starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
+    if not len(starts):
+        return starts, ends
     order = np.argsort(starts, kind="stable")
-    s = starts[order]
-    e = np.maximum.accumulate(ends[order])
-    first = np.ones(s.size, dtype=bool)
-    first[1:] = s[1:] > e[:-1]
-    idx = np.flatnonzero(first)
-    return s[idx], e[np.r_[idx[1:] - 1, s.size - 1]]
+    s, e = starts[order], ends[order]
+    reach = np.maximum.accumulate(e)
+    new = np.ones(len(s), dtype=bool)
+    new[1:] = s[1:] > reach[:-1]
+    idx = np.flatnonzero(new)
+    return s[idx], np.maximum.reduceat(e, idx)
 
 
 def _covered(
@@ -359,7 +341,7 @@ def _covered(
     s, e = _nonempty(*ranges)
     if not s.size:
         return 0
-    a, b = _runs(s // page * page, -(-e // page) * page)
+    a, b = merge_ranges(s // page * page, -(-e // page) * page)
     before = np.r_[0, np.cumsum(b - a)]  # bytes of the runs before each run
 
     def below(x: np.ndarray) -> np.ndarray:

@@ -1,20 +1,11 @@
 """The records ucp_dcp's planners put in DCP's ``planner_data`` fields, one kind per field.
 
-DCP carries an opaque ``planner_data`` on every ``SavePlan``, ``LoadPlan``
-and ``Metadata``. Each use here has its own frozen record:
-
-- :class:`SaveRankReport`: a rank's local ``SavePlan``; rank -> coordinator (pickled,
-  gathered).
-- :class:`SaveReply`: the coordinator's plan for a rank; coordinator -> rank (pickled,
-  scattered).
-- :class:`SaveSummary`: the save's ``Metadata``; save planner -> ``UCPStorageWriter.finish``.
-- :class:`LoadRankReport`: a rank's local ``LoadPlan``; rank -> coordinator (pickled, gathered).
-- :class:`LoadSourceInfo`: the load's ``Metadata``; ``UCPStorageReader`` -> load planner.
-
-The records that travel between ranks are slotted: their pickles carry the
-field values only, not the field names, so what a rank sends stays as small
-as a tuple (the README's "At scale" section). The other two never leave the
-process that made them.
+DCP carries an opaque ``planner_data`` on every ``SavePlan``, ``LoadPlan`` and ``Metadata``.
+Each use here has its own frozen record, whose docstring says who hands it to whom. Those that
+travel between ranks (:class:`SaveRankReport`, :class:`SaveReply`, :class:`LoadRankReport`) are
+slotted: their pickles carry the field values only, not the field names, so what a rank sends
+stays as small as a tuple (the README's "At scale" section). :class:`SaveSummary` and
+:class:`LoadSourceInfo` never leave the process that made them.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """The coordinator's step of a save: check every rank's report, pick the writers, build the
 metadata.
 
-:func:`create_global_save_plan` is what ``UCPSavePlanner.create_global_plan``
-does, as one function of the gathered local plans (as DCP's
-``create_default_global_save_plan`` is for its planner). Its parts:
-
-* checks that what is saved once is the same everywhere, and whole:
-  values and plain tensors hash the same on every rank, or become rank-local
-  (:func:`divergent_keys`); pieces declared replicated too
-  (:func:`check_replicated_pieces`); the boxes of a tensor given as pieces
-  cover it exactly once (:func:`check_tiling`); every rank of a mesh
-  described the same mesh group (:func:`check_groups`);
-* the per-chunk-planned chunks in one :class:`ChunkTable` (refusing a key
-  that names different tensors on different ranks), one writer per chunk
-  among the ranks holding it, replicated chunks spread over their replicas,
-  small replicated tensors on their lowest holder (:func:`assign_writers`);
-* one mesh per mesh-planned tensor that several meshes hold
-  (:func:`assign_owners`), and the replies telling ranks what another mesh
-  writes (:func:`group_replies`);
-* one writer per shared value, the lowest rank holding it, and every rank for
-  a rank-local one (:func:`value_writers`, :func:`plan_value_item`).
+:func:`create_global_save_plan` is what ``UCPSavePlanner.create_global_plan`` does, as one
+function of the gathered local plans (as DCP's ``create_default_global_save_plan`` is for its
+planner). The functions after it are its steps, in the order it runs them: the checks that what
+is saved once is the same everywhere and whole, the chunk table and its writers, the owners of
+tensors several meshes hold, the value writers.
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor
 
+from ..byteio.requests import current_rank
 from ..sources import Source
 
 __all__ = ["Whereabouts", "ranks_by_machine", "machine_shared"]
@@ -40,8 +40,7 @@ class Whereabouts:
     @staticmethod
     def here() -> Whereabouts:
         """This process's."""
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        return Whereabouts(socket.gethostname(), rank)
+        return Whereabouts(socket.gethostname(), current_rank())
 
 
 def ranks_by_machine(reported: Sequence[object]) -> list[tuple[int, ...]]:

@@ -1,13 +1,10 @@
 """How a checkpoint is read (:class:`ReadOptions`) and what one load found (:class:`LoadReport`).
 
-Every reading entry point takes the same :class:`ReadOptions`:
 :class:`~ucp_dcp.UCPStorageReader`, :class:`~ucp_dcp.Checkpoint`,
-:func:`~ucp_dcp.load_state_dict`, :func:`~ucp_dcp.export_hf` and
-:func:`~ucp_dcp.convert`, so each knob has one name and one default. What
-names the checkpoint (its path, ``storage_options`` for a URL, the ``prefix``
-of a Hugging Face model's names, ``dcp_values`` for a DCP checkpoint's
-pickled values) is an argument of each entry point itself;
-:meth:`ReadOptions.source_options` checks those once for all of them.
+:func:`~ucp_dcp.load_state_dict`, :func:`~ucp_dcp.export_hf` and :func:`~ucp_dcp.convert` take
+the same :class:`ReadOptions`, so each knob has one name and one default. What names the
+checkpoint (its path, ``storage_options``, ``prefix``, ``dcp_values``) is an argument of each
+entry point; :meth:`ReadOptions.source_options` checks those once for all of them.
 """
 
 from __future__ import annotations
@@ -36,89 +33,53 @@ _MiB = 1024 * 1024
 
 @dataclass(frozen=True)
 class ReadOptions:
-    """How a checkpoint is read: the same fields, names and defaults for every entry point.
-
-    A field that an entry point has no use for is ignored there (``Checkpoint``, the hand-off
-    functions and the converters read in one process: they use ``io_threads``,
-    ``max_buffer_bytes``, ``gap_bytes``, ``max_request_bytes``, ``requests``, ``verify`` and
-    ``tp_rules``; the rest are about ``dcp.load``).
+    """How a checkpoint is read. A field an entry point has no use for is ignored there: those
+    that read in one process (``Checkpoint``, the hand-off functions, ``convert``) say which
+    they use; the rest are about ``dcp.load``.
 
     Attributes:
-        io_threads: threads of each rank issuing reads in parallel (default
-            :data:`~ucp_dcp.byteio.rangeio.IO_THREADS`, 2: enough to keep one local disk busy
-            with 1-4 ranks per machine; more helps storage that serves many reads at once).
-        max_buffer_bytes: bound on staging memory, at least 1 MiB (default 64 MiB): dtype
-            casts, non-CPU destinations, chunks stored in another dimension order, regions read
-            as spans (:mod:`ucp_dcp.core.spans`) and ``convert``'s copy buffer; other CPU
-            tensors are filled in place. With ``verify`` it includes the block verifier's
-            scratch memory (16 MiB). A read-once load sends and receives at most a fifth of it
-            per rank and round.
+        io_threads: threads per rank issuing reads (default
+            :data:`~ucp_dcp.byteio.rangeio.IO_THREADS`, 2; more helps storage that serves many
+            reads at once).
+        max_buffer_bytes: bound on staging memory, at least 1 MiB (default 64 MiB): casts,
+            device destinations, chunks stored in another dimension order, spans
+            (:mod:`ucp_dcp.core.spans`), ``convert``'s copy buffer, the block verifier's 16 MiB
+            of scratch with ``verify``; a fifth of it per rank and read-once round.
         gap_bytes: neighbouring byte ranges closer than this are read with one call. None (the
-            default): one page less a byte on local files, which never pulls in a page that
-            holds no needed byte by itself, and 32 KiB on object storage (less than a request's
-            round trip costs); regions of many short runs may still be read as covering spans
-            where that is cheaper. ``0`` reads exactly the needed bytes: no gap is merged and
-            no span with a gap is read.
+            default): a page less a byte on local files, 32 KiB on object storage; ``0`` reads
+            exactly the needed bytes (no gap merged, no span with a gap).
         max_request_bytes: largest single read (default
-            :data:`~ucp_dcp.byteio.rangeio.MAX_REQUEST_BYTES`, 16 MiB), so that big tensors are
-            read by several threads at once.
+            :data:`~ucp_dcp.byteio.rangeio.MAX_REQUEST_BYTES`, 16 MiB), so that threads share
+            big tensors.
         verify: check every byte a read uses against the checksums recorded at save (default
-            True), raising :class:`~ucp_dcp.ChecksumError` (naming tensor, chunk, block, file
-            and writing rank) on a mismatch. Native checkpoints record an xxh3-64 of every
-            4 KiB block of every chunk: each block a read touches is hashed once it is in
-            memory (in the destination, or, at the edges of a read, in scratch memory filled
-            by the same ``preadv`` calls), so a partial read of a chunk costs no second read.
-            Checkpoints written before block checksums are checked chunk by chunk: a read that
-            fills a whole chunk into contiguous CPU memory is checked by hashing that memory,
-            any other reads the whole chunk again. Values are always checked; formats without
-            checksums (DCP's, Hugging Face's) have nothing to check. False skips the checks of
-            tensor data.
-        requests: for a URL, each request's deadline, hedged reads, the bound on requests in
-            flight and the pause after throttling (:class:`~ucp_dcp.RequestPolicy`; its
-            defaults when None; see docs/object-storage.md). For local files, the deadline of
-            each read the I/O threads make: a read past it fails with a ``StorageError``
-            naming the file, the byte range and the rank.
-        access: how each local data file is read, chosen once per load from every byte range
-            the rank's plan reads there: ``"auto"`` (the default) streams a file the rank reads
-            whole, in long stretches or in pieces that leave no page out (``"sequential"``: the
-            kernel's read-ahead, in-order requests, one stretch per thread) and reads pieces with
-            whole pages between them exactly (``"exact"``: no read-ahead, each request announced
-            to the kernel ahead of reading it). Pages that ranks of the load on the same machine
-            read do not count as between: the page cache they share reads each page once (see
-            :func:`~ucp_dcp.core.spans.file_access`). ``"sequential"`` or ``"exact"`` forces
-            that way for every file. :attr:`LoadReport.file_access` says what was chosen.
-        read_once: read each needed byte from storage once for the whole job (see
-            :mod:`ucp_dcp.dcp.read_once`): one rank reads it and sends it to the others that
-            need it over the load's process group, each piece checked against its block
-            checksums where it is received. True always does, False never does (each rank reads
-            its own bytes), ``"auto"`` (the default) does where the storage is shared by the
-            job (an object store, a network file system), the ranks' needs overlap by more than
-            5% and ``read_once_costs`` estimates the exchange faster. Received bytes land in the
-            destinations directly (whole checked blocks, so native checkpoints only); chunks
-            stored in another dimension order, casts and device copies of formats without block
-            checksums, and values are read by each rank itself. Every rank of the group must
-            load with the same setting. :attr:`LoadReport.read_once` says what a load decided
-            and why, :attr:`LoadReport.exchange` what it moved.
+            True; block by block, :mod:`ucp_dcp.byteio.blocksums`), raising
+            :class:`~ucp_dcp.ChecksumError` naming tensor, chunk, block, file and writing rank.
+            Values are always checked; False skips the checks of tensor data.
+        requests: each object-store request's deadline, hedging, bound in flight and pause
+            after throttling, and each local read's deadline (:class:`~ucp_dcp.RequestPolicy`;
+            its defaults when None).
+        access: how each local data file is read: ``"auto"`` (the default) chooses per file
+            from every range the rank reads there (:func:`~ucp_dcp.core.spans.file_access`);
+            ``"sequential"`` or ``"exact"`` forces one way
+            (:data:`~ucp_dcp.core.spans.ACCESS_MODES`). :attr:`LoadReport.file_access` says which.
+        read_once: read each needed byte from storage once for the whole job and send it to the
+            ranks that need it: True, False or ``"auto"`` (the default: on shared storage, where
+            it pays; the policy: :mod:`ucp_dcp.dcp.read_once`), the same on every rank.
+            :attr:`LoadReport.read_once` says what it decided.
         read_once_costs: the cost model ``"auto"`` weighs an exchange with
-            (:class:`~ucp_dcp.ReadOnceCosts`: the storage's bandwidth for the job, the
-            interconnect's per rank, a round's fixed cost); None: its defaults.
-        device_transport: on a process group that is NCCL alone, move read-once's messages and
-            the placement check's sums through device memory on that group (default False:
-            they move in host memory on a gloo group made once from the group's ranks and
-            reused). Not yet verified on multi-GPU. A group with a CPU backend (gloo,
-            ``"cpu:gloo,cuda:nccl"``) is always used as it is, in host memory.
-            :attr:`LoadReport.transport` says which was used.
-        progress: when a long load logs its progress, per rank, on the ``ucp_dcp.progress``
-            logger (:class:`~ucp_dcp.ProgressConfig`: after 5 s, every 10 s by default; a line
-            says the bytes read and the rate).
-        verify_placement: prove every element landed where the save found it, or raise
-            :class:`~ucp_dcp.errors.PlacementError` on every rank naming the tensor (also for a
-            checkpoint without digests); default False. :attr:`LoadReport.placement` says what
-            the load checked.
+            (:class:`~ucp_dcp.ReadOnceCosts`); None: its defaults.
+        device_transport: let read-once's messages and the placement check's sums move through
+            device memory on a group that is NCCL alone (default False: host memory, on a gloo
+            group made from its ranks; :class:`~ucp_dcp.dcp.read_once.transport.Transport`).
+            Not yet verified on multi-GPU.
+        progress: when a long load logs its progress on the ``ucp_dcp.progress`` logger, per
+            rank (:class:`~ucp_dcp.ProgressConfig`).
+        verify_placement: prove every element landed where the save found it
+            (:mod:`ucp_dcp.dcp.placement`), or raise :class:`~ucp_dcp.errors.PlacementError` on
+            every rank naming the tensor, also for a checkpoint without digests (default False).
         tp_rules: the tensor-parallel partitioning of a DeepSpeed checkpoint that does not
-            record it, or records it wrong (a ``LayoutSpec`` or a list of
-            ``Shard``/``VocabPad``/``Replicated`` rules; see
-            :class:`~ucp_dcp.sources.base.SourceOptions`); default None.
+            record it, or records it wrong (:class:`~ucp_dcp.sources.base.SourceOptions`);
+            default None.
 
     Raises :class:`~ucp_dcp.errors.InvalidArgumentError` for an ``access`` or ``read_once``
     that is none of its choices.
@@ -206,12 +167,8 @@ class LoadReport:
         read_once: what the read-once policy decided and why (None where it did not run: one
             rank, ``read_once=False``).
         exchange: what a read-once exchange moved (None where none ran).
-        transport: how read-once's messages travelled, or would have (``"group"``: host memory
-            on the load's group; ``"gloo"``: host memory on a gloo group made from the ranks of
-            a group that is NCCL alone; ``"device"``: device memory, opted in with
-            ``ReadOptions(device_transport=True)``; ``"none"``: no exchange, the group moves no
-            host memory and torch has no gloo), a
-            :class:`~ucp_dcp.dcp.read_once.transport.Transport`; None where read-once did not
+        transport: how read-once's messages travelled, or would have
+            (:class:`~ucp_dcp.dcp.read_once.transport.Transport`); None where read-once did not
             get that far (one rank, ``read_once=False``, ``"auto"`` on local storage).
         placement: what the placement check found (None without ``verify_placement``).
         stats: the byte reader's own statistics (per file: what ``rank_record`` is made from).

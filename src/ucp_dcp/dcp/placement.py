@@ -49,8 +49,6 @@ __all__ = [
     "check_placement",
     "flat_state",
     "no_digests_error",
-    "placement_records",
-    "check_loaded",
     "PlacementCheck",
     "checked_placement",
 ]
@@ -132,20 +130,6 @@ def local_shares(
     return out
 
 
-def placement_records(enabled: bool, source: Any, where: str) -> Mapping[str, TensorRecord] | None:
-    """The tensor records of open ``source`` to check a load against (None: not ``enabled``).
-
-    Raises :class:`~ucp_dcp.errors.PlacementError` when they hold no digest: on every rank
-    alike, before any read or collective.
-    """
-    if not enabled:
-        return None
-    assert source is not None
-    records: Mapping[str, TensorRecord] = source.index.tensors
-    no_digests_error(records, where)
-    return records
-
-
 @dataclass
 class PlacementCheck:
     """What :func:`checked_placement` found (``report`` None: off, or the load failed)."""
@@ -162,37 +146,28 @@ def checked_placement(
     where: str,
     allow_device: bool = False,
 ) -> Iterator[PlacementCheck]:
-    """Check the placement of what ``planner``'s state dict holds once the ``with`` block (a
-    load's reads) is done, when ``enabled``.
+    """Check the placement of what ``planner``'s (flattened) state dict holds once the ``with``
+    block (a load's reads) is done, when ``enabled``, against open ``source``'s records.
 
     Raises :class:`~ucp_dcp.errors.PlacementError` on entry when the checkpoint has no digests
     (every rank alike, before any read). When the block raises, this rank still joins the
     check's all-reduce, flagged, so that the other ranks skip it rather than wait.
     """
     check = PlacementCheck()
-    records = placement_records(enabled, source, where)
-    if records is None:
+    if not enabled:
         yield check
         return
+    assert source is not None
+    records: Mapping[str, TensorRecord] = source.index.tensors
+    no_digests_error(records, where)
     try:
         yield check
     except BaseException:
         check_placement(records, None, group, where, allow_device)
         raise
-    check.report = check_loaded(records, planner, group, where, allow_device)
-
-
-def check_loaded(
-    records: Mapping[str, TensorRecord],
-    planner: Any,
-    group: dist.ProcessGroup | None,
-    where: str,
-    allow_device: bool = False,
-) -> PlacementReport:
-    """:func:`check_placement` of what a load planner's (flattened) state dict holds."""
     state = getattr(planner, "state_dict", None)
     shares = local_shares(state, records) if isinstance(state, Mapping) else {}
-    return check_placement(records, shares, group, where, allow_device)
+    check.report = check_placement(records, shares, group, where, allow_device)
 
 
 def no_digests_error(records: Mapping[str, TensorRecord], where: str) -> None:

@@ -47,6 +47,7 @@ from torch.futures import Future
 from ..byteio.engine import ChunkReads
 from ..byteio.progress import Progress
 from ..byteio.rangeio import ByteSource
+from ..byteio.requests import current_rank
 from ..byteio.transfer import ChunkRegion, extents, needs_staging
 from ..core.sharding import Box
 from ..core.spans import EXACT, may_share
@@ -66,7 +67,6 @@ from .read_once.exchange import LocalNeeds, Region, run_exchange
 from .read_once.first_requests import FirstRequests, share_first_requests
 from .read_once.transport import Transport, Wire, wire_for
 from .slowest import LoadRun, name_slowest, rank_record
-from .writer import _Directory
 
 __all__ = ["PlannedRead", "UCPStorageReader", "collector_paused"]
 
@@ -88,7 +88,7 @@ class PlannedRead:
     stored: str
 
 
-class UCPStorageReader(_Directory, StorageReader):
+class UCPStorageReader(StorageReader):
     """Reads a checkpoint of any supported format from ``path`` (see :mod:`ucp_dcp.sources`).
 
     Args:
@@ -153,15 +153,15 @@ class UCPStorageReader(_Directory, StorageReader):
         self._known = dict(files) if files else None
 
     @property
-    def index(self) -> Any:
-        """The open source's records (None before :meth:`read_metadata`)."""
-        return self.source.index if self.source is not None else None
+    def checkpoint_id(self) -> str:
+        """The checkpoint's path or URL (what DCP's logging names the load by)."""
+        return self.path
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load, optionally from another checkpoint."""
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
             self._known = None  # bytes of the checkpoint given first, not of this one
-        self._set_path(checkpoint_id)
+            self.path = os.fspath(checkpoint_id)
         self.source = None
         self.load_id = uuid.uuid4().hex
 
@@ -268,7 +268,7 @@ class UCPStorageReader(_Directory, StorageReader):
         # waits until it is done.
         with collector_paused():
             t0 = time.perf_counter()
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            rank = current_rank()
             self.last_load = report = LoadReport()
             progress = Progress(f"load of {self.path}", rank, config=self.options.progress)
             with checked_placement(  # after the slowest rank's gather, on both paths

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -30,7 +29,7 @@ from ..byteio.location import DataFileSpec, ModelDir, commit_index, location_at,
 from ..byteio.progress import Progress, ProgressConfig
 from ..byteio.progress import log as progress_log
 from ..byteio.rangeio import tensor_view
-from ..byteio.requests import RequestPolicy
+from ..byteio.requests import RequestPolicy, current_rank
 from ..core.placement_digest import MASK64, box_share, combine, digest_hex
 from ..errors import (
     CheckpointExistsError,
@@ -59,22 +58,6 @@ __all__ = ["UCPStorageWriter", "DEFAULT_WRITE_THREADS"]
 DEFAULT_WRITE_THREADS = 2
 """Writer threads per rank: two keep the storage busy while one thread copies into the page
 cache and the rank's own thread hashes (measured in docs/resharding.md, "Saves")."""
-
-
-class _Directory:
-    """A checkpoint that is a local directory (``checkpoint_id`` is its path): the writer's,
-    and the reader's (:class:`~ucp_dcp.dcp.reader.UCPStorageReader` shares this base)."""
-
-    path: str
-
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint directory."""
-        return self.path
-
-    def _set_path(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
-        if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
 
 
 @dataclass(frozen=True)
@@ -106,7 +89,7 @@ class _WriteRecord:
     ``placement_digests``): the coordinator adds the ranks' shares up."""
 
 
-class UCPStorageWriter(_Directory, StorageWriter):
+class UCPStorageWriter(StorageWriter):
     """Writes a universal checkpoint into directory ``path``.
 
     Args:
@@ -187,9 +170,15 @@ class UCPStorageWriter(_Directory, StorageWriter):
         self.rank_record: SlowestRecord | None = None
         self.slowest: SlowestRecord | None = None
 
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint's path or URL (what DCP's logging names the save by)."""
+        return self.path
+
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save, optionally into another directory."""
-        self._set_path(checkpoint_id)
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
         self._storage = None
         self.save_id = ""
 
@@ -205,7 +194,7 @@ class UCPStorageWriter(_Directory, StorageWriter):
         """Remember whether this rank commits the checkpoint, and its rank."""
         self.is_coordinator = is_coordinator
         rank = kwargs.get("rank")
-        self.rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
+        self.rank = rank if rank is not None else current_rank()
 
     def storage_meta(self) -> StorageMeta | None:
         """Tell DCP where this checkpoint goes."""

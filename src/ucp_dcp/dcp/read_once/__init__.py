@@ -1,45 +1,30 @@
 """Read-once loads: each needed byte read from storage by one rank of the job and sent to
-the ranks that need it, over the load's process group.
+the ranks that need it, over the load's process group (the design and its measurements:
+docs/read-once.md).
 
 The subpackage, in reading order:
 
 - :mod:`~ucp_dcp.dcp.read_once.plan`: which rank reads each needed page (one that needs it,
   balanced) and what it sends to whom: pure arithmetic on byte ranges as integer arrays.
-- :mod:`~ucp_dcp.dcp.read_once.rounds`: the plan's transfers in rounds within a budget (each
-  byte read once), and the plan in compact form (ranks with identical needs as one group).
+- :mod:`~ucp_dcp.dcp.read_once.rounds`: the plan in compact form (ranks with identical needs as
+  one group) and its rounds within a budget (each byte read once).
 - :mod:`~ucp_dcp.dcp.read_once.exchange`: one rank's part: reading, moving
   (``all_to_all_single``), checking received pieces block by block, putting them in place.
 - :mod:`~ucp_dcp.dcp.read_once.first_requests`: each data file's first request (its header)
   made by one rank and shared.
-- this module: whether a load exchanges (the policy, :class:`ReadOnceCosts`) and each rank's
-  rounds, agreed by the whole group (:func:`coordinate`).
+- :mod:`~ucp_dcp.dcp.read_once.transport`: what the collectives run on.
+- this module: whether a load exchanges (the policy, :func:`decide`) and each rank's rounds,
+  agreed by the whole group (:func:`coordinate`: the needs' digests gathered by every rank, each
+  distinct needs once by the first rank, which plans, decides, and scatters each rank its part,
+  :func:`messages`).
 
-``ReadOptions(read_once=...)`` hands :func:`coordinate` this rank's
-regions that can be filled in place. Every rank says which byte ranges of
-the files it needs (rounded out to whole checksum blocks,
-:meth:`~ucp_dcp.dcp.read_once.exchange.LocalNeeds.needs`): every rank learns the
-digest of every rank's needs (one ``all_gather_object``), and one gather to
-the group's first rank carries each distinct set of needs once (from the
-lowest rank that has it), so replicas do not each send theirs. The first rank
-makes the job's plan in compact form
-(:func:`~ucp_dcp.dcp.read_once.rounds.plan_group_reads`: ranks with identical
-needs as one group, every needed byte read by one rank, preferring a rank
-that needs it, balanced, each transfer a row "to every rank of group g"),
-decides with the policy whether exchanging pays, cuts the transfers into
-rounds of at most ``budget`` bytes sent and received per rank (each rank's
-reads for itself included: each byte read once, in the round all its
-receivers get it), scatters each rank its part and broadcasts what every
-rank gets alike (:func:`messages`).
-:func:`~ucp_dcp.dcp.read_once.exchange.run_exchange` then runs the rounds.
-
-The policy (:func:`decide`): ``True`` always exchanges, ``False`` never
-(no collective at all), ``"auto"`` exchanges where the storage is shared by
-the job (an object store, a network file system) and the ranks' needs
-overlap (replicas, or pieces narrower than a checksum block), that is where
-the bytes the ranks would pull exceed the unique bytes by more than 5%. Two
-ranks on one machine reading one local disk share its page cache, which
-already reads each page once, so there ``"auto"`` reads directly without
-asking the other ranks.
+The policy: ``True`` always exchanges, ``False`` never (no collective at all), ``"auto"`` where
+the storage is shared by the job (an object store, a network file system:
+:func:`shared_storage`), the bytes the ranks need, summed, exceed the unique bytes by more than
+5% (:data:`OVERLAP_TO_EXCHANGE`: replicas, pieces narrower than a checksum block) and
+:class:`ReadOnceCosts` estimates the exchange faster. The ranks of a machine reading one local
+disk share its page cache, which already reads each page once, so there ``"auto"`` reads
+directly without asking the other ranks.
 """
 
 from __future__ import annotations
@@ -55,7 +40,6 @@ import torch.distributed as dist
 from ...byteio.objstore import is_url
 from ...errors import InvalidArgumentError
 from .exchange import ExchangeTotals, LocalNeeds, RankRounds, rank_failed
-from .plan import JobReadPlan
 from .rounds import GroupReadPlan, NeedGroups, needs_digest, plan_group_reads
 
 __all__ = [
@@ -192,7 +176,7 @@ def decide(
     mode: bool | str,
     shared: bool,
     storage: str,
-    plan: JobReadPlan | GroupReadPlan | None,
+    plan: GroupReadPlan | None,
     costs: ReadOnceCosts | None = None,
     budget: int = 64 << 20,
 ) -> ReadOnceDecision:

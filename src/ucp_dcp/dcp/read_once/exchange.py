@@ -51,9 +51,10 @@ from ...byteio.rangeio import ByteSource, storage_view
 from ...byteio.segments import Segment
 from ...byteio.transfer import ChunkRegion
 from ...core.boxes import runs
+from ...core.spans import merge_ranges
 from ...errors import ReadOnceError
 from ...format import Location
-from .ranges import merge_ranges, offsets
+from .ranges import offsets
 from .transport import Wire
 
 __all__ = [

@@ -30,9 +30,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ...core.spans import merge_ranges
 from ...errors import ReadOnceError
 from .exchange import STATUS_BYTES, raise_gathered, rank_failed
-from .ranges import merge_ranges
 from .transport import Wire
 
 __all__ = ["FirstRequests", "share_first_requests"]

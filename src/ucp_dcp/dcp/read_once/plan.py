@@ -23,8 +23,8 @@ The rules, in terms of *pages* (``align``-byte blocks of a file, offset a multip
    above the last one kept moves down onto it. So a segment is cut only to balance, and every
    reader's piece of it is either all of it or at least ``min_run`` bytes.
 4. A receiver gets exactly the bytes it needs that another rank reads: never alignment
-   padding, never a byte it reads itself. ``receives(r)`` and ``reads(r)`` together cover the
-   bytes rank ``r`` needs, without overlap.
+   padding, never a byte it reads itself. The transfers to ``r`` and ``reads(r)`` together
+   cover the bytes rank ``r`` needs, without overlap.
 
 Balance. A cut moves down by less than ``min_run + align`` in the first step when its
 segment has an allowed page boundary inside, by less than the segment's length (under
@@ -45,10 +45,8 @@ much better: a segment just under ``2 * min_run`` long is read whole by one of i
 When classes overlap (partial overlaps), the plan keeps rule 1's bound: no rank reads more
 than the pages it needs.
 
-Exchange: :mod:`~ucp_dcp.dcp.read_once.rounds` puts the transfers in rounds for an
-``all_to_all`` with bounded memory: in round ``k`` every rank reads window ``k`` of its reads
-laid end to end and sends each byte of it to all the ranks that need it, so a reader holds one
-window and every rank reads, sends and receives at most the budget in a round.
+A load plans ranks with identical needs as one input (:mod:`~ucp_dcp.dcp.read_once.rounds`,
+which also cuts the transfers into rounds within a budget).
 
 Cost: ``O((N + I) log (N + I))`` for ``N`` input ranges and ``I`` (segment, needing rank)
 pairs, which is ``O(N)`` for replicated, HSDP and sharded targets, plus the transfers
@@ -73,12 +71,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import numpy as np
 
 from ...byteio.rangeio import Extents
+from ...core.spans import merge_ranges
 from ...errors import InvalidArgumentError
 from .ranges import (
     Segments,
     at_least,
     expand,
-    merge_ranges,
     offsets,
     segments,
     stable_order,
@@ -207,7 +205,8 @@ class JobReadPlan(ReadsByRank):
 
     def reads(self, rank: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """What ``rank`` reads from storage, as :data:`Extents` (sorted, non-overlapping)."""
-        lo, hi = self._span(self.read_offsets, rank)
+        self._check_rank(rank)
+        lo, hi = int(self.read_offsets[rank]), int(self.read_offsets[rank + 1])
         files, starts, lengths = (
             self.read_file[lo:hi],
             self.read_start[lo:hi],
@@ -221,26 +220,6 @@ class JobReadPlan(ReadsByRank):
             )
             if len(f)
         }
-
-    def sends(self, rank: int) -> Transfers:
-        """The pieces ``rank`` reads for others, by (receiver, file, start)."""
-        lo, hi = self._span(self.send_offsets, rank)
-        return self.transfers.take(slice(lo, hi))
-
-    def receives(self, rank: int) -> Transfers:
-        """The pieces other ranks read for ``rank``, by (file, start)."""
-        lo, hi = self._span(self.recv_offsets, rank)
-        return self.transfers.take(self.recv_index[lo:hi])
-
-    @property
-    def bytes_received_per_rank(self) -> np.ndarray:
-        """Bytes each rank receives from the transfers, indexed by rank."""
-        t = self.transfers
-        return np.bincount(t.receiver, weights=t.length, minlength=self.world_size).astype(_I64)
-
-    def _span(self, offsets: np.ndarray, rank: int) -> tuple[int, int]:
-        self._check_rank(rank)
-        return int(offsets[rank]), int(offsets[rank + 1])
 
 
 # ---------------------------------------------------------------- input
@@ -328,26 +307,22 @@ def _gather(
 def _merge(
     rank: np.ndarray, start: np.ndarray, end: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each rank's ranges as sorted, disjoint, non-touching ranges (by rank, then start)."""
+    """Each rank's ranges as sorted, disjoint, non-touching ranges (by rank, then start):
+    :func:`~ucp_dcp.core.spans.merge_ranges` of every rank's ranges at once."""
     if not len(rank):
         return rank, start, end
-    order = np.lexsort((start, rank))
-    rank, start, end = rank[order], start[order], end[order]
     span = int(end.max()) + 1
-    if int(rank[-1]) + 1 < (1 << 62) // span:
-        # A running maximum of the ends within each rank: offsetting rank r by r * span puts
-        # every earlier rank's keys below all of r's, so one accumulate restarts per rank.
-        key = rank * span + end
-        reach = np.maximum.accumulate(key) - rank * span
-    else:
-        reach = np.empty_like(end)
-        cuts = np.flatnonzero(np.diff(rank)) + 1
-        for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(rank)]):
-            reach[lo:hi] = np.maximum.accumulate(end[lo:hi])
-    new = np.ones(len(rank), bool)
-    new[1:] = (rank[1:] != rank[:-1]) | (start[1:] > reach[:-1])
-    first = np.flatnonzero(new)
-    return rank[first], start[first], np.maximum.reduceat(end, first)
+    if int(rank.max()) + 1 < (1 << 62) // span:
+        # Rank r's ranges moved up by r * span: no two ranks' ranges meet, one merge does all.
+        s, e = merge_ranges(rank * span + start, rank * span + end)
+        r = s // span
+        return r, s - r * span, e - r * span
+    order = np.argsort(rank, kind="stable")  # else one merge per rank
+    rank, start, end = rank[order], start[order], end[order]
+    cuts = np.flatnonzero(np.diff(rank)) + 1
+    merged = [merge_ranges(s, e) for s, e in zip(np.split(start, cuts), np.split(end, cuts))]
+    ranks = np.repeat(rank[np.r_[0, cuts]], [len(s) for s, _ in merged])
+    return ranks, np.concatenate([s for s, _ in merged]), np.concatenate([e for _, e in merged])
 
 
 # ---------------------------------------------------------------- planning

@@ -1,9 +1,9 @@
-"""Read-once planning's arithmetic on byte ranges held as int64 arrays: merge, intersect,
-expand, group by a key (:func:`merge_ranges`, :func:`intersect_ranges`, :func:`expand`,
-:func:`stable_order`, :func:`offsets`); the *segments* of a file's needs, maximal runs of pages
-needed by one set of ranks, numbered by class (:func:`segments`); and :func:`water_fill`, the
-balancing rule that cuts a class's segments among its members
-(:mod:`~ucp_dcp.dcp.read_once.plan` builds the job's read plan from them).
+"""Read-once planning's arithmetic on byte ranges held as int64 arrays: intersect, expand,
+group by a key (:func:`intersect_ranges`, :func:`expand`, :func:`stable_order`,
+:func:`offsets`; their union is :func:`~ucp_dcp.core.spans.merge_ranges`); the *segments* of a
+file's needs, maximal runs of pages needed by one set of ranks, numbered by class
+(:func:`segments`); and :func:`water_fill`, the balancing rule that cuts a class's segments
+among its members (:mod:`~ucp_dcp.dcp.read_once.plan` builds the job's read plan from them).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ __all__ = [
     "at_least",
     "expand",
     "intersect_ranges",
-    "merge_ranges",
     "offsets",
     "segments",
     "stable_order",
@@ -31,20 +30,6 @@ _I64 = np.int64
 
 
 # ---------------------------------------------------------------- byte ranges
-
-
-def merge_ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The union of ``[starts[i], ends[i])`` as sorted, disjoint ranges (touching ones merge)."""
-    starts, ends = np.asarray(starts, _I64), np.asarray(ends, _I64)
-    if not len(starts):
-        return starts, ends
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], ends[order]
-    reach = np.maximum.accumulate(e)
-    new = np.ones(len(s), dtype=bool)
-    new[1:] = s[1:] > reach[:-1]
-    idx = np.flatnonzero(new)
-    return s[idx], np.maximum.reduceat(e, idx)
 
 
 def intersect_ranges(

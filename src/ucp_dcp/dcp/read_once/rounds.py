@@ -1,45 +1,19 @@
-"""The plan's transfers in rounds (bounded memory, each byte read once), and the plan in
-compact form (ranks with identical needs planned as one group).
+"""The job's read plan in compact form, ranks with identical needs planned as one group, and
+its rounds.
 
-**Rounds.** :func:`schedule_rounds` puts the transfers of a
-:class:`~ucp_dcp.dcp.read_once.plan.JobReadPlan` in rounds for an ``all_to_all``:
-in round ``k`` every rank reads window ``k`` of its reads laid end to end
-(:func:`stream_positions`, :func:`exchange_windows`) and sends each byte of
-it, in that round, to every rank that needs it. A reader holds one window,
-and every rank reads, sends and receives at most the budget in a round.
-:func:`with_own_reads` first adds each rank's reads for itself to the
-transfers (reader == receiver), so that the rounds also hold them: a byte a
-rank needs itself and sends to others is read once, in one round.
-
-**The compact plan.** A fully replicated target (every rank needs every byte, DDP style) gives
-the per-rank plan of :mod:`~ucp_dcp.dcp.read_once.plan` a row for every (needed range, rank)
-and a transfer for every (piece, receiver): O(ranks x ranges) rows, 16.8 M transfers for
-Llama-2-70B on 4096 ranks. Here the ranks whose needs are identical form a *group*
-(:class:`NeedGroups`: the whole job for full replication, the replicas of one shard for HSDP,
-single ranks elsewhere), each group's needs are given once, and the plan
-(:class:`GroupReadPlan`) says "reader ``q`` sends these bytes to every rank of group ``g``" in
-one row. Its size is O(distinct needs + ranks), whatever the number of ranks sharing them.
-
-How (:func:`plan_group_reads`):
-
-1. The groups are planned as if each were one rank
-   (:func:`~ucp_dcp.dcp.read_once.plan.plan_job_reads` over the groups' needs, with each
-   group's reads for itself added, :func:`with_own_reads`): every needed page read by one group
-   that needs it; every group receives exactly its needs, from itself or from other groups.
-2. Each group's reads, laid end to end (its *stream*), are cut into stretches of equal bytes
-   (to a page) for ``k`` of its members, ``k`` the group's size or fewer so that no stretch is
-   under ``min_run``: every member reads a contiguous part of the group's stream.
-3. Every group-level transfer is cut where the stretches meet: each part is sent by the member
-   that reads it to every rank of the receiving group (the reader itself included when that is
-   its own group: it reads what it needs once, as with ``with_own_reads``).
-
-So every needed byte has exactly one reader, and every rank receives, from all the rows to its
-group, exactly what it needs. Balance: within a group to a page per member; between groups, as
-:mod:`~ucp_dcp.dcp.read_once.plan` balances ranks, that is by bytes per group, not per member
-(a group of many ranks sharing bytes with a small group takes half of them, not more).
-
-Its rounds: :meth:`GroupReadPlan.windows` cuts the transfers into rounds as
-:func:`exchange_windows` does, a reader's fan-out counting the ranks of the groups it sends to.
+The per-rank plan of :mod:`~ucp_dcp.dcp.read_once.plan` has a transfer for every (piece,
+receiver): for a fully replicated target O(ranks x ranges) rows, 16.8 M for Llama-2-70B on 4096
+ranks. Here ranks whose needs are identical form a *group* (:class:`NeedGroups`: the whole job
+for full replication, the replicas of one shard for HSDP, single ranks elsewhere), and the plan
+(:class:`GroupReadPlan`, :func:`plan_group_reads`) says "reader ``q`` sends these bytes to every
+rank of group ``g``" in one row: O(distinct needs + ranks) rows. The groups are planned as if
+each were one rank, weighted by its size, with its reads for itself added
+(:func:`with_own_reads`); each group's reads laid end to end are cut into one stretch per member;
+each transfer is cut where the stretches meet. So every needed byte has one reader that needs
+it, and every rank receives exactly its needs from the rows to its group.
+:meth:`GroupReadPlan.windows` cuts the rows into rounds within a budget, each byte read once, in
+the round all its receivers get it. The steps, and the plan's size at 4096 ranks:
+docs/read-once.md, "The compact plan".
 """
 
 from __future__ import annotations
@@ -52,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...byteio.rangeio import Extents
+from ...core.spans import merge_ranges
 from ...errors import InvalidArgumentError
 from .plan import (
     DEFAULT_ALIGN,
@@ -62,25 +37,20 @@ from .plan import (
     Transfers,
     plan_job_reads,
 )
-from .ranges import at_least, expand, intersect_ranges, merge_ranges, offsets, stable_order
+from .ranges import at_least, expand, intersect_ranges, offsets
 
 __all__ = [
     "GroupReadPlan",
     "GroupTransfers",
     "NeedGroups",
-    "exchange_windows",
     "fit_windows",
     "needs_digest",
     "plan_group_reads",
-    "schedule_rounds",
     "stream_positions",
     "with_own_reads",
 ]
 
 _I64 = np.int64
-
-
-# ---------------------------------------------------------------- rounds
 
 
 def with_own_reads(plan: JobReadPlan, needs: Sequence[Extents]) -> JobReadPlan:
@@ -150,31 +120,6 @@ def stream_positions(plan: JobReadPlan) -> np.ndarray:
     return u0
 
 
-def exchange_windows(plan: JobReadPlan, budget_bytes: int) -> np.ndarray:
-    """Per rank, the bytes of its read stream (see :func:`stream_positions`) it reads in each
-    round of :func:`schedule_rounds`: rank ``q`` reads stream bytes ``[k * w[q], (k + 1) *
-    w[q])`` in round ``k`` and sends them in that round.
-
-    ``w[q]`` is at most ``budget_bytes``, and small enough that no receiver gets more than
-    ``budget_bytes // f`` from ``q`` in a window, ``f`` being the most of ``q``'s receivers'
-    readers and of ``q``'s receivers (so every rank sends and receives at most ``budget_bytes``
-    a round); a multiple of the plan's ``align`` where that allows, so a round's reads are whole
-    pages. Raises :class:`InvalidArgumentError` when ``budget_bytes`` is under ``f``.
-    """
-    t = plan.transfers
-    stream = np.bincount(plan.read_rank, weights=plan.read_length, minlength=plan.world_size)
-    return fit_windows(
-        t.reader,
-        t.receiver,
-        t.length,
-        stream_positions(plan) if len(t) else np.zeros(0, _I64),
-        stream.astype(_I64),
-        np.ones(plan.world_size, _I64),
-        plan.align,
-        budget_bytes,
-    )
-
-
 def fit_windows(
     reader: np.ndarray,
     receiver: np.ndarray,
@@ -185,12 +130,19 @@ def fit_windows(
     align: int,
     budget_bytes: int,
 ) -> np.ndarray:
-    """The windows of :func:`exchange_windows` for transfer rows given as columns, sorted by
-    (reader, receiver, stream position ``at``): ``receiver[i]`` names a set of
-    ``receiver_size[receiver[i]]`` ranks that each get row ``i`` whole (a single rank where the
-    sizes are ones; a group of ranks with identical needs in
-    :func:`plan_group_reads`); ``stream[q]``: the bytes reader ``q`` reads. A reader's
-    fan-out counts the ranks of its receiver sets, a set's fan-in its readers."""
+    """Per reader ``q``, its window ``w[q]``: in round ``k`` it reads bytes ``[k * w[q], (k + 1)
+    * w[q])`` of its read stream (its reads laid end to end) and sends them in that round.
+
+    Transfer rows come as columns sorted by (reader, receiver, stream position ``at``):
+    ``receiver[i]`` names a set of ``receiver_size[receiver[i]]`` ranks that each get row ``i``
+    whole (a group of ranks with identical needs, :func:`plan_group_reads`); ``stream[q]``: the
+    bytes reader ``q`` reads. ``w[q]`` is at most ``budget_bytes``, and small enough that no
+    receiver gets more than ``budget_bytes // f`` from ``q`` in a window, ``f`` being the most
+    of ``q``'s fan-out (the ranks of its receiver sets) and its sets' fan-in (their readers), so
+    every rank sends and receives at most ``budget_bytes`` a round; a multiple of ``align``
+    where that allows, so a round's reads are whole pages. Raises :class:`InvalidArgumentError`
+    when ``budget_bytes`` is under ``f``.
+    """
     budget = at_least("budget_bytes", budget_bytes, 1)
     world = len(stream)
     windows = np.full(world, budget, _I64)
@@ -255,41 +207,6 @@ def fit_windows(
     return windows
 
 
-def schedule_rounds(plan: JobReadPlan, budget_bytes: int) -> list[Transfers]:
-    """The plan's transfers in rounds for an all_to_all with bounded memory: in round ``k``
-    each rank reads window ``k`` of its read stream (:func:`exchange_windows`) and sends what
-    others need of it, so a byte read is sent in the round it is read, to all its receivers.
-    In every round a rank reads and sends at most ``budget_bytes`` and receives at most
-    ``budget_bytes``; rows are split at window edges; every transferred byte is in exactly one
-    round; the same rounds on every rank; round ``k`` of the list is window ``k`` (empty where
-    no rank sends, up to the last round with a transfer). Rows in a round by (reader,
-    receiver, file, start). Raises :class:`InvalidArgumentError` when ``budget_bytes`` is less
-    than the number of peers one rank exchanges with.
-
-    Size: a row gets a piece per window it spans, so where one reader sends the same bytes to
-    many ranks (full replication) the rounds hold about (pairs x rounds) rows: W^2 S / budget
-    for S bytes on W ranks. :func:`exchange_windows` and :func:`stream_positions` describe the
-    same schedule in O(rows), for a rank to cut its own sends and receives round by round.
-    """
-    windows = exchange_windows(plan, budget_bytes)
-    t = plan.transfers
-    if not len(t):
-        return []
-    u0 = stream_positions(plan)
-    w = windows[t.reader]
-    row, k = expand(u0 // w, (u0 + t.length - 1) // w + 1)
-    keyed = stable_order(k)  # pieces come by row, each row's rounds ascending
-    row, k = row[keyed], k[keyed]
-    lo = np.maximum(u0[row], k * w[row])
-    hi = np.minimum(u0[row] + t.length[row], (k + 1) * w[row])
-    pieces = Transfers(
-        t.reader[row], t.receiver[row], t.file[row], t.start[row] + (lo - u0[row]), hi - lo
-    )
-    # Round k is window k on every rank, so a round with nothing to send stays in, empty.
-    edges = np.searchsorted(k, np.arange(int(k[-1]) + 2))
-    return [pieces.take(slice(a, b)) for a, b in zip(edges[:-1].tolist(), edges[1:].tolist())]
-
-
 # ---------------------------------------------------------------- the compact plan
 
 
@@ -323,16 +240,6 @@ class NeedGroups:
     def sizes(self) -> np.ndarray:
         """The number of ranks in each group."""
         return np.bincount(self.group_of, minlength=len(self.extents)).astype(_I64)
-
-    def members(self, group: int) -> np.ndarray:
-        """The ranks of ``group``, ascending."""
-        return np.flatnonzero(self.group_of == group).astype(_I64)
-
-    @classmethod
-    def of(cls, needs: Sequence[Extents]) -> NeedGroups:
-        """The groups of per-rank ``needs`` (rank ``r``'s at ``needs[r]``), found by digest."""
-        digests = [needs_digest(e) for e in needs]
-        return cls.from_digests(digests, {r: needs[r] for r in _first_ranks(digests)})
 
     @classmethod
     def from_digests(cls, digests: Sequence[bytes], bodies: Mapping[int, Extents]) -> NeedGroups:
@@ -389,20 +296,6 @@ class GroupReadPlan(ReadsByRank):
         """The number of ranks."""
         return self.groups.world_size
 
-    def sends(self, rank: int) -> GroupTransfers:
-        """The rows ``rank`` reads and sends, by (group, at)."""
-        self._check_rank(rank)
-        lo, hi = int(self.send_offsets[rank]), int(self.send_offsets[rank + 1])
-        return self.transfers.take(slice(lo, hi))
-
-    def receives(self, rank: int) -> GroupTransfers:
-        """The rows ``rank`` receives (those to its group, its own reads included), by (reader,
-        at)."""
-        self._check_rank(rank)
-        g = int(self.groups.group_of[rank])
-        lo, hi = int(self.recv_offsets[g]), int(self.recv_offsets[g + 1])
-        return self.transfers.take(self.recv_index[lo:hi])
-
     @property
     def bytes_received_per_rank(self) -> np.ndarray:
         """Bytes each rank receives from other ranks (its reads for itself left out)."""
@@ -415,8 +308,7 @@ class GroupReadPlan(ReadsByRank):
     def windows(self, budget_bytes: int) -> np.ndarray:
         """Per rank, the bytes of its read stream it reads in each round: round ``k`` holds,
         of every row, the part in window ``k`` of its reader's stream. Every rank reads and
-        sends, and receives, at most ``budget_bytes`` a round (as
-        :func:`exchange_windows`)."""
+        sends, and receives, at most ``budget_bytes`` a round (:func:`fit_windows`)."""
         t = self.transfers
         return fit_windows(
             t.reader,
@@ -435,18 +327,6 @@ class GroupReadPlan(ReadsByRank):
         if not len(t):
             return 0
         return int(((t.at + t.length - 1) // windows[t.reader]).max()) + 1
-
-    def per_rank(self) -> Transfers:
-        """Every row expanded to one per receiving rank, by (reader, receiver, file, start):
-        O(ranks x rows), for tests and comparisons only."""
-        t = self.transfers
-        members = np.argsort(self.groups.group_of, kind="stable").astype(_I64)
-        ptr = np.concatenate([[0], np.cumsum(self.groups.sizes)]).astype(_I64)
-        row, pos = expand(ptr[t.group], ptr[t.group + 1])
-        receiver = members[pos]
-        order = np.lexsort((t.start[row], t.file[row], receiver, t.reader[row]))
-        row, receiver = row[order], receiver[order]
-        return Transfers(t.reader[row], receiver, t.file[row], t.start[row], t.length[row])
 
 
 def plan_group_reads(
