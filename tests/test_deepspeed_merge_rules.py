@@ -102,7 +102,7 @@ def test_averaged_slices_are_their_mean_bit_for_bit(tmp_path: Path) -> None:
         lambda i: {**i, "parameter_to_average_patterns": [r"\d+\.fc1\.bias$", r"1\.fc1\.weight$"]},
     )
     src = open_source(d)
-    assert isinstance(src, DeepSpeedSource) and src.merges is not None
+    assert isinstance(src, DeepSpeedSource) and src.computed is not None
     assert src.index.tensors["model.1.fc1.weight"].shape == (7, 7)  # the slice's shape
     got = load_state_dict(d)
     _check(got, dict.fromkeys(names, _average))

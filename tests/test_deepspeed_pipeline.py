@@ -364,8 +364,8 @@ def test_tensor_parallel_slices_join_bit_exact_to_ds_to_universal(variant: str) 
     # Replicated parameters are slice 0, checked against every tensor-parallel rank's
     # (ds_to_universal asserts they are equal): computed from the optimizer files of both
     # (zero_pp_rank_D_mp_rank_MM, the file of model-parallel rank MM).
-    assert src.merges is not None
-    replicas = {t.key: t for t in src.merges.tensors if t.op == "replica"}
+    assert src.computed is not None
+    replicas = {t.key: t for t in src.computed.tensors if t.op == "replica"}
     for k in ("model.1.gain", "model.4.fc2.bias"):
         mps = [
             {int(src.paths[loc.file].split("_mp_rank_")[1][:2]) % _TP[variant] for _, loc in op}

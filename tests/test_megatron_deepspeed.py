@@ -75,8 +75,8 @@ def test_in_place_equals_ds_to_universal_bit_for_bit(variant: str) -> None:
             assert bit_equal(got[_key(kind, name)], v), (variant, kind, name)
     # Averaged parameters are the slices' mean, replicated ones slice 0 checked against the
     # others: both computed from every slice.
-    assert src.merges is not None
-    ops = {t.key: t.op for t in src.merges.tensors}
+    assert src.computed is not None
+    ops = {t.key: t.op for t in src.computed.tensors}
     assert {k for k, op in ops.items() if op == "mean" and k.startswith("model.")} == {
         f"model.{n}" for n in averaged
     }

@@ -1,4 +1,4 @@
-"""ZeRO flat-partition arithmetic (``sources/_zero_layout.py``).
+"""ZeRO flat-partition arithmetic (``sources/_ds_records.py``).
 
 Every element of every parameter must be found where DeepSpeed puts it:
 buffers are filled with known values laid out as DeepSpeed lays them out,
@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucp_dcp.sources._zero_layout import Segment, segment_boxes, zero3_segments, zero12_segments
+from ucp_dcp.sources._ds_records import Segment, segment_boxes, zero3_segments, zero12_segments
 
 shapes = st.lists(st.lists(st.integers(1, 5), min_size=0, max_size=3), min_size=1, max_size=6)
 

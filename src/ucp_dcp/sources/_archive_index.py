@@ -4,7 +4,9 @@ The sources that read formats made of ``torch.save`` files (DeepSpeed's
 checkpoints and Universal folders) describe each tensor as chunks, each a
 byte range of one archive's storage record: the whole tensor
 (:meth:`ArchiveIndex.whole`), or pieces of flat buffers laid end to end
-(:meth:`ArchiveIndex.flat`, with the segments :mod:`._zero_layout` computes).
+(:meth:`ArchiveIndex.flat`, with the segments :mod:`._ds_records` computes).
+Both are an :class:`ArchiveSource`: the archives (and the computed file of
+merged tensors) are its data files, its values those read from the pickles.
 """
 
 from __future__ import annotations
@@ -18,16 +20,17 @@ from typing import Any
 import torch
 
 from ..core.sharding import Box
+from ..core.values import encode_value
 from ..errors import CheckpointFormatError
 from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord
 from ._ds_merge import MERGE_FILE_NAME, MergedTensor, MergeFile, MergeOp
+from ._ds_records import Segment, segment_boxes
 from ._ds_tp import TPSlice
 from ._pickle import TensorRef
 from ._torch_archive import TorchArchive
-from ._zero_layout import Segment, segment_boxes
 from .base import Source
 
-__all__ = ["ArchiveIndex", "check_sizes"]
+__all__ = ["ArchiveIndex", "ArchiveSource"]
 
 
 @dataclass(frozen=True)
@@ -273,23 +276,44 @@ class ArchiveIndex:
         self.paths[key] = path
 
 
-def check_sizes(source: Source) -> list[str]:
-    """One line per data file of ``source`` that is missing or not the size it was when opened
-    (local or in its store)."""
-    problems = []
-    store = source.store
-    for p, f in zip(source.paths, source.index.files):
-        if f.name == MERGE_FILE_NAME:
-            continue  # computed, in no storage
-        try:
-            size = store.size(store.name_of(p)) if store is not None else os.path.getsize(p)
-        except OSError as e:  # a StorageError too: it names the URL
-            problems.append(str(e) if store is not None else f"{p}: {e.strerror or e}")
-            continue
-        if size != f.size:
-            where = "in the store" if store is not None else "on disk"
-            problems.append(f"{p}: {size} bytes {where}, {f.size} when opened")
-    return problems
+class ArchiveSource(Source):
+    """A source whose data files are the archives of an :class:`ArchiveIndex`, then its computed
+    file of merged tensors (:attr:`computed`, where there is one); its values are those the
+    pickles held when it was opened."""
+
+    computed: MergeFile | None = None
+    """The tensors merged from all their tensor-parallel slices (``ds_to_universal``'s
+    ``parameter_to_average_patterns`` and ``tp_replicated_parameter_patterns``); its ``equal``
+    lists the averaged ones whose slices a load found bit-equal."""
+
+    def __init__(self, path: str, b: ArchiveIndex, world_size: int, ranks: Sequence[int]) -> None:
+        """Records of ``b`` (``ranks[i]``: the rank that wrote archive ``i``)."""
+        paths = [a.path for a in b.archives] + ([MERGE_FILE_NAME] if b.merges is not None else [])
+        super().__init__(path, b.index(world_size, path, ranks), paths)
+        self.computed = b.merges
+        self._values = b.values
+
+    def decode_value(self, key: str, raw: bytes) -> bytes:
+        """Values live in the pickles, read when the checkpoint was opened."""
+        return encode_value(self._values[key], key)
+
+    def check_files(self) -> list[str]:
+        """One line per data file that is missing or not the size it was when opened (local or
+        in its store)."""
+        problems = []
+        store = self.store
+        for p, f in zip(self.paths, self.index.files):
+            if f.name == MERGE_FILE_NAME:
+                continue  # computed, in no storage
+            try:
+                size = store.size(store.name_of(p)) if store is not None else os.path.getsize(p)
+            except OSError as e:  # a StorageError too: it names the URL
+                problems.append(str(e) if store is not None else f"{p}: {e.strerror or e}")
+                continue
+            if size != f.size:
+                where = "in the store" if store is not None else "on disk"
+                problems.append(f"{p}: {size} bytes {where}, {f.size} when opened")
+        return problems
 
 
 def _relative(path: str, root: str) -> str:

@@ -71,7 +71,7 @@ class DSFiles:
     model: list[str]
     optim: list[str]
     bf16_optimizer: bool
-    folder: ModelDir | None = None
+    folder: ModelDir
     """The tag folder's view (local or in a store), which the files are read through."""
     layers: dict[tuple[int, int], str] = field(default_factory=dict)
     """Pipeline-parallel checkpoints: the ``layer_XX[-model_YY]-model_states.pt`` files by
@@ -132,12 +132,13 @@ def universal_model_files(folder: str) -> list[str]:
         return []
     mp = {int(m.group(1)): n for n in names if (m := _MODEL_12.fullmatch(n))}
     if mp:
-        if sorted(mp) != list(range(len(mp))):
-            raise CheckpointFormatError(
-                f"{folder}: model states of model-parallel ranks {sorted(mp)}; expected "
-                f"mp_rank_00..mp_rank_{max(mp):02d}"
-                + _missing(set(mp), len(mp), "mp_rank_{:02d}_model_states.pt")
-            )
+        _check_ranks(
+            mp,
+            max(mp) + 1,
+            f"{folder}: model states of model-parallel ranks",
+            "mp_rank_{:02d}_model_states.pt",
+            name="mp_rank_{:02d}",
+        )
         return [os.path.join(folder, mp[r]) for r in sorted(mp)]
     ranks: dict[int, str] = {}
     for n in names:
@@ -148,10 +149,7 @@ def universal_model_files(folder: str) -> list[str]:
                     "supported"
                 )
             ranks[int(m.group(1))] = os.path.join(folder, n)
-    if ranks and sorted(ranks) != list(range(len(ranks))):
-        raise CheckpointFormatError(
-            f"{folder}: ZeRO-3 model files for ranks {sorted(ranks)}; expected 0..{len(ranks) - 1}"
-        )
+    _check_ranks(ranks, len(ranks), f"{folder}: ZeRO-3 model files for ranks")
     return [ranks[r] for r in sorted(ranks)]
 
 
@@ -249,24 +247,22 @@ def find_deepspeed_files(path: str | ModelDir) -> DSFiles:
         return _pipeline_files(view, model12, model3, optim, layers, bf16.pop())
     world = len(optim)
     prefix = "bf16_" if True in bf16 else ""
-    if sorted(k[1] for k in optim) != list(range(world)):
-        raise CheckpointFormatError(
-            f"{folder}: optimizer files for ranks {sorted(k[1] for k in optim)}; expected "
-            f"0..{world - 1}, one per rank"
-            + _missing(
-                {k[1] for k in optim}, world, prefix + "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
-            )
-        )
+    # One model-parallel rank here: the data-parallel ranks are the keys' second halves.
+    _check_ranks(
+        {k[1] for k in optim},
+        world,
+        f"{folder}: optimizer files for ranks",
+        prefix + "zero_pp_rank_{}_mp_rank_00_optim_states.pt",
+        note=", one per rank",
+    )
     optim_files = [view.path_of(optim[(0, r)]) for r in range(world)]
     if model3:
-        if sorted(k[1] for k in model3) != list(range(world)):
-            raise CheckpointFormatError(
-                f"{folder}: ZeRO-3 model files for ranks {sorted(k[1] for k in model3)}; expected "
-                f"0..{world - 1}"
-                + _missing(
-                    {k[1] for k in model3}, world, "zero_pp_rank_{}_mp_rank_00_model_states.pt"
-                )
-            )
+        _check_ranks(
+            {k[1] for k in model3},
+            world,
+            f"{folder}: ZeRO-3 model files for ranks",
+            "zero_pp_rank_{}_mp_rank_00_model_states.pt",
+        )
         model_files = [view.path_of(model3[(0, r)]) for r in range(world)]
     elif 0 in model12:
         model_files = [view.path_of(model12[0])]
@@ -290,11 +286,8 @@ def _pipeline_files(
     files (none without a pipeline: every model-parallel rank is then a tensor-parallel one)."""
     folder = view.where
     tp = len({k[1] for k in layers}) if layers else len(set(model12) | {k[0] for k in optim})
-    if layers and sorted({k[1] for k in layers}) != list(range(tp)):
-        raise CheckpointFormatError(
-            f"{folder}: layer files of tensor-parallel ranks {sorted({k[1] for k in layers})}; "
-            f"expected 0..{tp - 1}"
-        )
+    if layers:
+        _check_ranks({k[1] for k in layers}, tp, f"{folder}: layer files of tensor-parallel ranks")
     check_layer_files(layers, tp, folder)
     if model3:
         raise CheckpointFormatError(
@@ -312,15 +305,13 @@ def _pipeline_files(
     prefix = "bf16_" if bf16 else ""
     optim_files = []
     for s in stages:
-        ranks = {k[1] for k in optim if k[0] == s}
-        if sorted(ranks) != list(range(world)):
-            raise CheckpointFormatError(
-                f"{folder}: model-parallel rank {s} has optimizer files for data-parallel ranks "
-                f"{sorted(ranks)}; expected 0..{world - 1}, as rank 0"
-                + _missing(
-                    ranks, world, prefix + "zero_pp_rank_{}_mp_rank_" + f"{s:02d}_optim_states.pt"
-                )
-            )
+        _check_ranks(
+            {k[1] for k in optim if k[0] == s},
+            world,
+            f"{folder}: model-parallel rank {s} has optimizer files for data-parallel ranks",
+            prefix + "zero_pp_rank_{}_mp_rank_" + f"{s:02d}_optim_states.pt",
+            note=", as rank 0",
+        )
         optim_files += [view.path_of(optim[(s, r)]) for r in range(world)]
     return DSFiles(
         folder,
@@ -331,6 +322,26 @@ def _pipeline_files(
         layers,
         tp,
     )
+
+
+def _check_ranks(
+    have: Iterable[int],
+    n: int,
+    said: str,
+    file: str | None = None,
+    *,
+    name: str = "{}",
+    note: str = "",
+) -> None:
+    """Refuse ranks ``have`` unless they are ``0..n-1``, saying ``said``, the ranks, what was
+    expected (``name`` formats the first and last rank; ``note`` follows) and the files missing
+    (``file``: a pattern of the rank)."""
+    ranks = sorted(have)
+    if ranks != list(range(n)):
+        raise CheckpointFormatError(
+            f"{said} {ranks}; expected {name.format(0)}..{name.format(n - 1)}{note}"
+            + (_missing(set(ranks), n, file) if file else "")
+        )
 
 
 def _missing(have: set[int], world: int, pattern: str) -> str:

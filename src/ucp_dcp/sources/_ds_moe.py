@@ -36,13 +36,13 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ..byteio.location import ModelDir
 from ..errors import CheckpointFormatError
 from ._archive_index import ArchiveIndex
 from ._ds_files import DSFiles
 from ._ds_records import (
     ModelStates,
     RankOptim,
+    Segment,
     archive_pool,
     check_zero12_groups,
     read_layer_states,
@@ -50,7 +50,6 @@ from ._ds_records import (
 )
 from ._pickle import TensorRef
 from ._torch_archive import TorchArchive
-from ._zero_layout import Segment
 
 __all__ = ["ExpertLayout", "expert_layout"]
 
@@ -230,7 +229,7 @@ def _expert_files(
             f"{files.directory}: {found[extra[0]]} is beyond the {counts} experts per MoE layer "
             f"of num_experts in {model_path}"
         )
-    return {k: files.folder.path_of(n) if files.folder else n for k, n in sorted(found.items())}
+    return {k: files.folder.path_of(n) for k, n in sorted(found.items())}
 
 
 def _ep_sizes(optims: list[RankOptim], world: int) -> dict[int, int]:
@@ -267,8 +266,8 @@ def expert_layout(
     does not hold its expert, and for MoE checkpoints this does not read (without ZeRO, with
     tensor or pipeline parallelism, DeepSpeed's older expert file names).
     """
-    folder: ModelDir | None = files.folder
-    names = sorted(folder.list()) if folder is not None else []
+    folder = files.folder
+    names = sorted(folder.list())
     _refuse_other_moe_files(files.directory, names)
     world = len(optims)
     ep_size = _ep_sizes(optims, world)

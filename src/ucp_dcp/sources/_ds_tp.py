@@ -33,13 +33,9 @@ patterns (``SubparamShape`` entries with their widths, ``affine_map``) are read 
 (:class:`SubParams`, :class:`AffineMap`) and checked.
 
 Where the checkpoint has no such patterns (Megatron-style code that never recorded them), or
-wrong ones, the user supplies rules (:func:`user_tp_rules`): the layout rules of
-:mod:`ucp_dcp.adapters.rules` (``Shard(pattern, dim=d)``, ``VocabPad(pattern, size=n)``,
-``Replicated(pattern)``, ``Averaged(pattern)``, ``Fused(pattern, dim=d, parts={...})``), a
-``LayoutSpec`` holding them, or their JSON form (``Rule.to_json()``). They are read as data
-(``to_json``), so this layer imports nothing of ``adapters``. A user rule is ``re.search``-ed
-in the engine name, the first match decides (as in a ``LayoutSpec``), and it wins over the
-checkpoint's patterns.
+wrong ones, the user supplies rules (``tp_rules``: :class:`~ucp_dcp.sources.base.SourceOptions`,
+read by :func:`user_tp_rules`). They are read as data (``Rule.to_json()``), so this layer
+imports nothing of ``adapters``.
 """
 
 from __future__ import annotations

@@ -33,10 +33,8 @@ entry is built inert:
 Nothing here needs pickletools-level scanning: what a tensor's bytes are is
 in the arguments of its rebuild call and its storage's persistent id, both
 handed to builders above. One kind of pickle does not come here: DCP's
-non-tensor values, which are refused unless the caller asks for them with
-``dcp_values="weights_only"`` and are then loaded, as that option names,
-with ``torch.load(weights_only=True)`` (torch's own restricted unpickler,
-whose allow-list the user extends with ``torch.serialization.add_safe_globals``).
+non-tensor values, loaded only when asked for, with torch's own restricted
+unpickler (:meth:`~ucp_dcp.sources.distcp.DCPSource.decode_value`).
 """
 
 from __future__ import annotations
@@ -53,7 +51,7 @@ import torch
 
 from .._compat import dtype_from_pickle_storage_type
 from ..errors import CheckpointFormatError
-from ..format.schema import is_int
+from ..format.schema import is_index_list
 
 __all__ = [
     "ALLOWED",
@@ -64,8 +62,6 @@ __all__ = [
     "RestrictedUnpickler",
     "StorageRef",
     "TensorRef",
-    "is_index_tuple",
-    "is_nonneg_int",
     "unpickle",
 ]
 
@@ -149,24 +145,15 @@ class _Refused(CheckpointFormatError):
     :class:`RestrictedUnpickler` used directly raises it as it is)."""
 
 
-def is_nonneg_int(x: Any) -> bool:
-    """Whether ``x`` is an int >= 0 (and not a bool): a size, offset or stride."""
-    return is_int(x) and x >= 0
-
-
-def is_index_tuple(x: Any) -> bool:
-    """Whether ``x`` is a tuple of :func:`is_nonneg_int` values."""
-    return isinstance(x, tuple) and all(is_nonneg_int(v) for v in x)
-
-
 def _tensor(
     storage: StorageRef, dtype: torch.dtype, offset: Any, size: Any, stride: Any
 ) -> TensorRef:
     if not (
-        is_nonneg_int(offset)
-        and is_index_tuple(size)
-        and is_index_tuple(stride)
-        and len(size) == len(stride)
+        is_index_list([offset])
+        and isinstance(size, tuple)
+        and isinstance(stride, tuple)
+        and is_index_list(list(size))
+        and is_index_list(list(stride), len(size))
     ):
         raise _Refused(f"a tensor with malformed geometry {offset!r}, {size!r}, {stride!r}")
     return TensorRef(storage.key, dtype, offset, tuple(size), tuple(stride))

@@ -3,31 +3,15 @@
 A ``torch.save`` file is a zip archive: ``<name>/data.pkl`` (the pickle that
 rebuilds the object) and one uncompressed record ``<name>/data/<key>`` per
 storage. The pickle goes through the library's one restricted unpickler
-(:mod:`._pickle`), for the purpose the caller names: containers,
-``torch.Size``, dtypes, each tensor as a :class:`TensorRef` (storage key and
-geometry; no data is read), a format's own classes as :class:`Inert`
-records. Anything else is refused, naming it, before anything is built. Two
-readers share the archive parsing (:func:`read_pickle_record`,
-:func:`storage_records`, :func:`stored_record_start`, :func:`archive_errors`,
-:class:`HeldBytesFile`):
+(:mod:`._pickle`), for the purpose the caller names: each tensor becomes a
+:class:`TensorRef` (storage key and geometry; no data is read). Two readers
+share the archive parsing:
 
-* :func:`read_torch_archive` reads a whole file as inert records, for the
-  formats that keep their state in ``torch.save`` files (DeepSpeed's
-  ``*_model_states.pt`` / ``*_optim_states.pt``, DeepSpeed Universal's
-  ``fp32.pt``): it opens the archive (only its central directory and
-  ``data.pkl``; in object storage with a few ranged requests: the tail, the
-  pickle, the storage records' local headers in one batch) and finds where
-  each storage record's bytes start in the file, so a reader can fetch any
-  slice of any tensor with one ``pread``.
-* :func:`parse_tensor_item` finds the byte address of one saved tensor (an
-  archive held inside a larger file, as DCP's ``.distcp`` items are): its
-  storage record's absolute start, and from ``data.pkl`` (purpose
-  ``"distcp_item"``: only torch's plain tensor rebuild functions) the storage
-  key, dtype, ``storage_offset``, size and stride. Only the two ends of the
-  item are read, more only if the archive needs it: with ``pread`` calls on a
-  local file, with ranged requests on an object (the caller hands in a
-  ``pread`` of either kind, and may fetch the two ends of many items ahead,
-  in one batch: :func:`item_ends`).
+* :func:`read_torch_archive`: a whole file (DeepSpeed's state files) as inert
+  records, and where each storage record's bytes start, so a reader can fetch
+  any slice of any tensor with one ``pread``;
+* :func:`parse_tensor_item`: the byte address of one saved tensor held inside
+  a larger file (DCP's ``.distcp`` items).
 """
 
 from __future__ import annotations
@@ -179,11 +163,13 @@ def read_torch_archive(
     store: ObjectStore | None = None,
     size: int | None = None,
 ) -> TorchArchive:
-    """Read ``path`` (a ``torch.save`` file) as inert records; see the module docstring.
+    """Read ``path`` (a ``torch.save`` file) as inert records: only its central directory,
+    ``data.pkl`` and its storage records' local headers.
 
     With ``store``, ``path`` is the URL of an object in it (``size``, when
     the listing gave it, saves asking): the archive is read with a few
-    ranged requests (:class:`_ObjectFile`), never downloaded whole.
+    ranged requests (:class:`_ObjectFile`: the tail, the pickle, the local
+    headers in one batch), never downloaded whole.
 
     Raises :class:`CheckpointFormatError` naming the file when it is not a
     ``torch.save`` zip archive, when its pickle names a global outside
@@ -452,8 +438,11 @@ def parse_tensor_item(
     """Find a ``torch.save``\\ d tensor's storage bytes inside ``[offset, offset + length)`` of a
     file.
 
-    ``pread`` reads the file; ``ends``, when given, are the bytes of
-    :func:`item_ends` already read (counted by whoever read them).
+    Returns its storage record's absolute start and, from ``data.pkl`` (purpose
+    ``"distcp_item"``: torch's plain tensor rebuild functions only), the storage key, dtype,
+    ``storage_offset``, size and stride. Only the item's two ends are read (:func:`item_ends`),
+    more only if the archive needs it. ``pread`` reads the file (local or an object); ``ends``,
+    when given, are the bytes of :func:`item_ends` already read (counted by whoever read them).
     """
     ranges = item_ends(offset, length)
     if ends is None:

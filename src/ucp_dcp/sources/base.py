@@ -64,9 +64,10 @@ class SourceOptions:
     tp_rules: object = None
     """Tensor-parallel partitioning of a DeepSpeed checkpoint whose
     ``universal_checkpoint_info`` is missing or wrong: a ``LayoutSpec``, a list
-    of layout rules (``Shard``, ``VocabPad``, ``Replicated``) or their JSON
-    (``Rule.to_json()``), searched (``re.search``) in DeepSpeed's parameter
-    names; the first match wins over the checkpoint's patterns. None: the
+    of layout rules (``Shard``, ``VocabPad``, ``Replicated``, ``Averaged``,
+    ``Fused``) or their JSON (``Rule.to_json()``), searched (``re.search``) in
+    DeepSpeed's parameter names; the first match wins over the checkpoint's
+    patterns, which still place the parameters no rule matches. None: the
     checkpoint's patterns only."""
 
 

@@ -6,7 +6,7 @@ stored uncompressed, so every parameter's elements are byte ranges inside
 the ranks' flat fp32 buffers. Opening reads the pickles only (as inert
 records: :mod:`._torch_archive`, with DeepSpeed's own classes allowed as
 records and never imported) and lays each parameter over the buffers
-(:mod:`._zero_layout`): a rank of any new layout then reads exactly the
+(:mod:`._ds_records`): a rank of any new layout then reads exactly the
 slices it needs, with no ``deepspeed`` import and no conversion pass.
 
 Names are those of ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optim)``:
@@ -45,19 +45,18 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from ..byteio.location import ModelDir, StoreDir
-from ..core.values import encode_value
 from ..errors import CheckpointFormatError, InvalidArgumentError
-from ._archive_index import ArchiveIndex, check_sizes
+from ._archive_index import ArchiveIndex, ArchiveSource
 from ._ds_files import (
     LATEST_FILE,
     find_deepspeed_files,
     looks_like_deepspeed,
 )
-from ._ds_merge import MERGE_FILE_NAME, MergeFile
 from ._ds_moe import expert_layout
 from ._ds_records import (
     ModelStates,
     RankOptim,
+    Segment,
     archive_pool,
     check_zero12_groups,
     moment,
@@ -65,23 +64,15 @@ from ._ds_records import (
     read_model_states,
     read_rank_optim,
     tp_slice_totals,
+    zero3_segments,
     zero12_group_segments,
 )
 from ._ds_tp import UNEVEN_RULES, TPRule, TPRules, TPSlice, tp_rules, user_tp_rules
 from ._pickle import TensorRef
 from ._torch_archive import TorchArchive
-from ._zero_layout import Segment, zero3_segments
-from .base import Source, SourceOptions, register
+from .base import SourceOptions, register
 
-__all__ = [
-    "DeepSpeedSource",
-    "EntryFile",
-    "TIED_PREFIX",
-    "layer_prefix",
-    "place_entries",
-    "tied_keys",
-    "zero3_frozen",
-]
+__all__ = ["DeepSpeedSource", "EntryFile", "place_entries", "zero3_frozen"]
 
 # Inner optimizer state that is one value per flat buffer, not per element.
 _SCALAR_STATE = ("step",)
@@ -202,20 +193,15 @@ def place_entries(
 
 
 @register
-class DeepSpeedSource(Source):
+class DeepSpeedSource(ArchiveSource):
     """A DeepSpeed ZeRO-1/2/3 checkpoint, data-, pipeline- or tensor-parallel: the directory with
     ``latest``, or one tag folder (local, or at an fsspec URL: a
     :class:`~ucp_dcp.byteio.location.StoreDir` view).
 
-    ``tp_rules`` supplies or overrides the tensor-parallel partitioning of a checkpoint with
-    several tensor-parallel ranks: a ``LayoutSpec`` or a list of its layout rules
-    (``Shard(pattern, dim=d)``: slices joined along ``d``; ``VocabPad(pattern, size=n)``:
-    joined along 0, cut to ``n`` rows; ``Replicated(pattern)``: read from tensor-parallel rank
-    0), or their JSON (``Rule.to_json()``). Patterns are ``re.search``-ed in the engine's
-    parameter names (``1.fc2.weight``, ``model.layers.0.mlp.down_proj.weight``); the first match
-    decides and wins over the checkpoint's ``universal_checkpoint_info``, which still places
-    the parameters no rule matches. A rule that matches no parameter is refused; without
-    tensor parallelism the rules are not needed and not read.
+    ``tp_rules``: as :attr:`SourceOptions.tp_rules <ucp_dcp.sources.base.SourceOptions.tp_rules>`,
+    matched against the engine's parameter names (``1.fc2.weight``,
+    ``model.layers.0.mlp.down_proj.weight``). A rule that matches no parameter is refused;
+    without tensor parallelism the rules are not needed and not read.
     """
 
     format = "deepspeed"
@@ -303,16 +289,9 @@ class DeepSpeedSource(Source):
                 range(len(optims))
             )
             ranks += moe.writers() if moe is not None else []
-        paths = [a.path for a in b.archives] + ([MERGE_FILE_NAME] if b.merges is not None else [])
-        super().__init__(path, b.index(self.world_size, path, ranks), paths)
-        self.computed = b.merges
+        super().__init__(path, b, self.world_size, ranks)
         if isinstance(folder, StoreDir):
             self.store = folder.store  # the tag folder's: paths are its objects' URLs
-        self._values = b.values
-        # The tensors merged from all their tensor-parallel slices (ds_to_universal's
-        # parameter_to_average_patterns and tp_replicated_parameter_patterns): merges.equal
-        # lists the averaged ones whose slices a load found bit-equal.
-        self.merges: MergeFile | None = b.merges
 
     # ------------------------------------------------------------ layouts
     def _param(
@@ -586,11 +565,3 @@ class DeepSpeedSource(Source):
         :meth:`~ucp_dcp.sources.base.Source.open_reader`.
         """
         return cls(d.where, d, tp_rules=options.tp_rules)
-
-    def decode_value(self, key: str, raw: bytes) -> bytes:
-        """Values live in the pickles, read when the checkpoint was opened."""
-        return encode_value(self._values[key], key)
-
-    def check_files(self) -> list[str]:
-        """Every file is still the size it was when opened."""
-        return check_sizes(self)

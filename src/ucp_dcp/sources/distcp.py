@@ -8,18 +8,14 @@ maps each item's :class:`MetadataIndex` to its ``(relative_path, offset,
 length)``.
 
 This module makes that format readable without unpickling anything but DCP's
-own metadata:
+own metadata, through the restricted unpickler (:mod:`._pickle`):
 
-* :func:`read_dcp_metadata` loads ``.metadata`` with the library's
-  restricted unpickler (:mod:`._pickle`), which only constructs DCP's
-  metadata records, ``torch.Size``, dtypes, layouts and paths; any other
-  class (``os.system``, say) is refused before it is looked up, naming it.
+* :func:`read_dcp_metadata` loads ``.metadata``.
 * A tensor item is byte-addressed without ``torch.load``: :mod:`zipfile`
   finds the storage record ``<archive>/data/<key>`` inside the item and its
-  absolute start in the data file, and the item's ``data.pkl`` goes through
-  the same restricted unpickler, which allows only torch's plain tensor
-  rebuild functions and builds records of them (no tensor, no data) to get
-  the storage key, dtype, ``storage_offset``, size and stride. A row-major item is
+  absolute start in the data file, and the item's ``data.pkl``, read as
+  records (no tensor, no data), gives the storage key, dtype,
+  ``storage_offset``, size and stride. A row-major item is
   then one byte range; an item stored in another dimension order (a
   transposed weight, a ``channels_last`` convolution kernel: DCP keeps the
   strides it was given) is a byte range plus a dimension order: permuting
@@ -28,11 +24,9 @@ own metadata:
   region it needs. Only the items a rank reads are parsed (768 bytes at each
   end of the item, more only if the archive needs it), when the load is
   planned, in parallel.
-* Non-tensor values are pickles in DCP's format (``torch.save`` of the
-  object). :class:`~ucp_dcp.UCPStorageReader` refuses to load them unless
-  asked to with ``UCPStorageReader(path, dcp_values="weights_only")``, which
-  uses ``torch.load(..., weights_only=True)`` (torch's restricted unpickler)
-  and hands the value on as tagged JSON (:mod:`ucp_dcp.core.values`).
+* Non-tensor values are ``torch.save`` pickles, refused unless
+  ``dcp_values="weights_only"`` (:meth:`DCPSource.decode_value`) and then
+  handed on as tagged JSON (:mod:`ucp_dcp.core.values`).
 
 ``ucp-dcp convert`` (:func:`ucp_dcp.tools.convert.convert`) writes such a
 checkpoint in the native format, streaming with bounded memory.
@@ -78,8 +72,8 @@ from ..core.sharding import Box
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError, DCPValueError, InvalidArgumentError
 from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord, dtype_name
-from ..format.schema import check_paths, check_relative_name, check_tensor_bytes
-from ._pickle import is_index_tuple, is_nonneg_int, unpickle
+from ..format.schema import check_paths, check_relative_name, check_tensor_bytes, is_index_list
+from ._pickle import unpickle
 from ._torch_archive import PRead, StoredTensor, dim_order, item_ends, parse_tensor_item
 from .base import Source, SourceOptions, register
 
@@ -189,7 +183,7 @@ class DCPSource(Source):
             info = infos.get(key)
             if info is None:
                 raise CheckpointFormatError(f"{mdpath}: no stored item for {what}")
-            if not (is_nonneg_int(info.offset) and is_nonneg_int(info.length)):
+            if not is_index_list([info.offset, info.length]):
                 raise CheckpointFormatError(
                     f"{mdpath}: {what}: malformed byte range {info.offset!r}+{info.length!r}"
                 )
@@ -217,26 +211,27 @@ class DCPSource(Source):
                 raise CheckpointFormatError(
                     f"{mdpath}: {fqn!r} has unknown storage metadata {type(smd).__name__}"
                 )
-            shape = tuple(smd.size) if isinstance(smd.size, (tuple, list)) else None
+            dims = list(smd.size) if isinstance(smd.size, (tuple, list)) else None
             dtype = getattr(smd.properties, "dtype", None)
             if not (
-                is_index_tuple(shape)
+                is_index_list(dims)
                 and isinstance(dtype, torch.dtype)
                 and isinstance(smd.chunks, list)
             ):
                 raise CheckpointFormatError(f"{mdpath}: malformed tensor metadata for {fqn!r}")
+            shape = tuple(dims)
             check_tensor_bytes(shape, dtype, available, f"{mdpath}: tensor {fqn!r}")
             whole = Box((0,) * len(shape), shape)
             empty_tensor = math.prod(shape) == 0
             chunks, items = [], []
             for c in smd.chunks:
                 offs, sizes = (
-                    tuple(getattr(c, "offsets", None) or ()),
-                    tuple(getattr(c, "sizes", None) or ()),
+                    list(getattr(c, "offsets", None) or ()),
+                    list(getattr(c, "sizes", None) or ()),
                 )
-                if not (is_index_tuple(offs) and is_index_tuple(sizes) and len(offs) == len(sizes)):
+                if not (is_index_list(offs) and is_index_list(sizes, len(offs))):
                     raise CheckpointFormatError(f"{mdpath}: malformed chunk of {fqn!r}")
-                box = Box(offs, sizes)
+                box = Box(tuple(offs), tuple(sizes))
                 if len(box.offsets) != len(shape) or not whole.contains(box):
                     raise CheckpointFormatError(
                         f"{mdpath}: chunk {list(box.offsets)}+{list(box.sizes)} of {fqn!r} "

@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ..byteio.location import LocalDir, ModelDir
-from ..core.values import encode_value
 from ..errors import CheckpointFormatError
-from ._archive_index import ArchiveIndex, check_sizes
+from ._archive_index import ArchiveIndex, ArchiveSource
 from ._ds_files import (
     LATEST_UNIVERSAL_FILE,
     UNIVERSAL_DIR,
@@ -44,7 +43,7 @@ from ._ds_records import (
 from ._ds_tp import TPSlice, tp_rules
 from ._pickle import TensorRef
 from ._torch_archive import TorchArchive, read_torch_archive
-from .base import Source, SourceOptions, register
+from .base import SourceOptions, register
 from .deepspeed import EntryFile, place_entries, zero3_frozen
 
 __all__ = ["DeepSpeedUniversalSource", "UniversalEntry"]
@@ -62,7 +61,7 @@ class UniversalEntry:
 
 
 @register
-class DeepSpeedUniversalSource(Source):
+class DeepSpeedUniversalSource(ArchiveSource):
     """A DeepSpeed Universal checkpoint (``ds_to_universal`` output): one file per parameter and
     state.
 
@@ -108,10 +107,7 @@ class DeepSpeedUniversalSource(Source):
             groups = _data_parallel(b, models, zero)
         for g, names in enumerate(groups):
             b.value(f"optim.param_groups.{g}.params", ("optim", "param_groups", g, "params"), names)
-        super().__init__(
-            path, b.index(1, path, [0] * len(b.archives)), [a.path for a in b.archives]
-        )
-        self._values = b.values
+        super().__init__(path, b, 1, [0] * len(b.archives))
 
     @classmethod
     def detect_dir(cls, d: ModelDir) -> bool:
@@ -129,14 +125,6 @@ class DeepSpeedUniversalSource(Source):
                 "copy it to one first"
             )
         return cls(d.where)
-
-    def decode_value(self, key: str, raw: bytes) -> bytes:
-        """Values (the groups' parameter names) come from ``param_shapes``, read when opened."""
-        return encode_value(self._values[key], key)
-
-    def check_files(self) -> list[str]:
-        """Every file is still the size it was when opened."""
-        return check_sizes(self)
 
 
 def _read(b: ArchiveIndex, zero: str, fqn: str, kind: str) -> UniversalEntry | None:
@@ -206,7 +194,7 @@ def _data_parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> lis
             ) -> UniversalEntry | None:
                 return one(fqn, kind, None if kind == "step" else shape)
 
-            _moments(b, zero, fqn, state, shape)
+            _moments(b, fqn, state, shape)
     for tied, owner in m0.shared.items():
         b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
     for name in m0.buffer_names:
@@ -223,7 +211,6 @@ def _data_parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> lis
 
 def _moments(
     b: ArchiveIndex,
-    zero: str,
     fqn: str,
     one: Callable[[str], UniversalEntry | None],
     shape: tuple[int, ...],
@@ -339,7 +326,7 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
             b.placed_whole(key, path, e.archive, e.t, cut, what)
         else:
             b.whole(key, path, e.archive, e.t, full, what)
-        _moments(b, zero, fqn, one, full, functools.partial(_padded, full=full))
+        _moments(b, fqn, one, full, functools.partial(_padded, full=full))
     for m in models:
         for tied, owner in m.shared.items():
             b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")

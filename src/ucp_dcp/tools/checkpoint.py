@@ -403,14 +403,8 @@ def load_state_dict(
         layout: return the logical tensors this :class:`~ucp_dcp.LayoutSpec` makes of the selected
             tensors (:meth:`~ucp_dcp.LayoutSpec.logical`: renamed, fused ones split into their
             parts, e.g. a Megatron QKV as Hugging Face's q/k/v) instead of them.
-        options: how to read (:class:`~ucp_dcp.ReadOptions`, as :class:`~ucp_dcp.Checkpoint`
-            uses them: ``verify`` checks every byte read against the checksums recorded at
-            save, ``tp_rules`` partitions a DeepSpeed checkpoint that does not record it).
-        storage_options: for a checkpoint at an fsspec URL (``s3://...``), passed to fsspec as they
-            are.
-        prefix: prepended to the tensor names of a Hugging Face model.
-        dcp_values: ``"weights_only"`` loads the pickled values of a DCP checkpoint with
-            ``torch.load(weights_only=True)``; refused by default.
+        options, storage_options, prefix, dcp_values: how to read ``path``, as
+            :class:`~ucp_dcp.Checkpoint` takes them.
 
     Keys are DCP's flattened names (``"model.embed.weight"``,
     ``"optim.state.embed.weight.exp_avg"``). Tensors are read one at a
@@ -477,10 +471,8 @@ def load_into_module(
     error that lists the keys, as with the load planner. A shape mismatch is
     always an error naming the tensor and both shapes.
 
-    Every byte read is checked against the checksums recorded at save
-    (:class:`~ucp_dcp.ChecksumError` on a mismatch) unless ``options`` (a
-    :class:`~ucp_dcp.ReadOptions`, as :class:`~ucp_dcp.Checkpoint` uses them) say
-    ``verify=False``. ``storage_options`` go to fsspec for a checkpoint at a URL.
+    ``options`` and ``storage_options`` are :class:`~ucp_dcp.Checkpoint`'s: by default every
+    byte read is checked against the checksums recorded at save.
     """
     targets = module.state_dict(keep_vars=True)
     with Checkpoint(path, options=options, storage_options=storage_options) as ckpt:

@@ -64,15 +64,7 @@ from ..sources import checkpoint_exists
 from ..sources.hf import HF_CONFIG_FILES, HF_INDEX_NAME, HF_WEIGHTS_NAME
 from .checkpoint import Checkpoint
 
-__all__ = [
-    "export_hf",
-    "import_hf",
-    "parse_size",
-    "parse_dtype",
-    "HF_WEIGHTS_NAME",
-    "HF_INDEX_NAME",
-    "HF_CONFIG_FILES",
-]
+__all__ = ["export_hf", "import_hf", "parse_size", "parse_dtype"]
 
 RenameRules = Sequence[tuple[str, str]] | Mapping[str, str]
 
@@ -384,8 +376,8 @@ def export_hf(
     ``dst``.
 
     Args:
-        src: a universal checkpoint directory (any saved layout), or the
-            fsspec URL of one in object storage (``s3://bucket/ckpt``).
+        src: the checkpoint, any format :class:`~ucp_dcp.Checkpoint` reads (local, or at an
+            fsspec URL).
         dst: the output directory, local; it must not exist or be empty. Everything
             is written into a temporary sibling directory that is renamed to
             ``dst`` at the end, so a crash leaves no half-written output.
@@ -423,13 +415,8 @@ def export_hf(
             other source only weights are written and a ``UserWarning`` says
             so: ``from_pretrained`` needs a ``config.json`` next to them (pass
             ``config=``, or ``config.save_pretrained(dst)`` yourself).
-        options: how to read ``src`` (:class:`~ucp_dcp.ReadOptions`, as
-            :class:`~ucp_dcp.Checkpoint` uses them; ``verify``, on by default, checks the
-            tensor data read against the checksums recorded at save,
-            :class:`~ucp_dcp.ChecksumError` on a mismatch).
-        storage_options: for a ``src`` URL, passed to fsspec as they are.
-        dcp_values: ``"weights_only"`` loads the pickled values of a DCP checkpoint with
-            ``torch.load(weights_only=True)``; refused by default.
+        options, storage_options, dcp_values: how to read ``src``, as
+            :class:`~ucp_dcp.Checkpoint` takes them.
         on_progress: ``on_progress(done_bytes, total_bytes)`` after each tensor.
 
     Returns:
