@@ -1,35 +1,13 @@
 """Block checksums, computed at save, planned and checked at load.
 
-A chunk's whole-entry digest can only be checked by a read of the whole chunk, and a resharding
-load reads parts of chunks; so every data file also records the xxh3-64 of each ``block`` bytes
-of each tensor chunk (blocks start at the chunk's first byte; the last may be shorter), and a
-load checks exactly the blocks its reads touch. :class:`BlockHasher` computes them while
-:class:`~ucp_dcp.byteio.datafile.DataFileWriter` writes the chunk, in pieces of any size;
-:class:`BlockSums` holds one chunk's recorded sums; the rest of this module is the check side:
-
-:class:`BlockVerifier` turns a read of a region of a chunk into segments
-for :class:`~ucp_dcp.byteio.rangeio.RangeReader` such that every block the
-read touches is complete in memory once the read is done: a block that
-lies inside one contiguous run of the destination is read in place and
-hashed there; any other touched block (the edges of a run, or a block
-holding several narrow runs) is read whole into scratch memory, hashed
-there, and the bytes the load needs are copied into place. The scratch
-reads sit next to the destination reads in the file, so the range reader
-coalesces them into the same ``preadv`` calls, and with 4 KiB blocks
-starting on page boundaries they read no page the load did not need.
-A long run read in place is cut into pieces of about 1 MiB, each hashed by
-the I/O thread that reads it, right after the read; a
-whole chunk read in place feeds its pieces, in order as they land, to one
-streaming hash of the chunk (:class:`ChunkStream`) compared with the
-chunk's recorded xxh3-64 (a call per piece, which releases the GIL, where
-its blocks take a call each that holds it), and only on a mismatch are its
-blocks compared, to name the one that differs. Other batches
-(:class:`Batch`) whose reads take few ``preadv`` calls (neighbouring rows)
-are checked by the I/O thread that completes their last segment, while the
-other threads still read; the rest after the reads.
-
-A mismatch raises :class:`~ucp_dcp.ChecksumError` naming the file, the
-tensor, the chunk, the block and the writing rank.
+A whole-entry digest can only be checked by a read of the whole chunk, and a resharding load reads
+parts of chunks; so every data file also records the xxh3-64 of each ``block`` bytes of each tensor
+chunk, and a load checks exactly the blocks its reads touch. :class:`BlockHasher` computes them
+while :class:`~ucp_dcp.byteio.datafile.DataFileWriter` writes a chunk; :class:`BlockSums` holds one
+chunk's recorded sums; :class:`BlockVerifier` plans a read so that every block it touches is whole
+in memory (in place, or read whole into scratch) and checks it (:class:`Batch`,
+:class:`ChunkStream`). The file layout: docs/format.md ("Block checksums"); how a load reads and
+checks: docs/resharding.md ("Verified loads").
 """
 
 from __future__ import annotations
@@ -627,12 +605,8 @@ class BlockVerifier:
             return
         t0 = time.thread_time()
         nbytes = self._compare_run(batch, off, k0, k1)  # raising fails the read
-        with batch.lock:
-            batch.left -= n
-            last = batch.left == 0
         self._spent(time.thread_time() - t0, nbytes)
-        if last:
-            self._check_now(batch, run_hashed=True)
+        self._segment_done(batch, n)
 
     def _feed(self, batch: Batch, off: int, end: int) -> None:
         """Piece ``dest[off:end]`` of a whole chunk landed: feed the chunk's hash every landed piece

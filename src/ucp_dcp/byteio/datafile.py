@@ -1,23 +1,13 @@
-"""The one writer of native data files, used by ``UCPStorageWriter`` and ``convert``.
+"""The one writer of native data files (``UCPStorageWriter``, ``convert``): :class:`DataFileWriter`
+writes at offsets, :func:`stream_data_file` the same bytes front to back (for uploads).
 
-A data file is laid out first (:func:`layout`: header size and every
-entry's aligned offset, the block checksums' entry first), then each
-entry's bytes are written at its offset, in one piece or slab by slab, and
-hashed on the way: one xxh3-64 of the entry, and one of every
-:data:`~ucp_dcp.format.BLOCK_BYTES` block of a tensor chunk
-(:mod:`~ucp_dcp.byteio.integrity`). Last the block checksums and the header
-are written, with the checksums (the header keeps its length: a checksum
-has a fixed width), and the file is fsync'd. A failed write removes the
-partial file, so no half-written file ever holds space or looks like data.
-
-With ``threads > 1``, data the caller promises to leave unchanged until the
-file is closed (``write(..., stable=True)``: the tensors of a save) is cut
-into pieces of :data:`PIECE_BYTES` that a pool of writer threads writes
-with ``pwrite`` at their offsets, each thread asking the kernel to start
-writing its piece to storage right away (:func:`~ucp_dcp.byteio.durable.start_writeback`),
-so the final ``fsync`` finds little left to do. The caller's thread hashes
-the same bytes meanwhile, in order, so checksums, block checksums and the
-bytes of the file are exactly those of a one-thread write.
+A file is laid out first (:func:`layout`), each entry is hashed as it is written (its xxh3-64 and
+its block checksums), and the block checksums and the header are written last (the header keeps
+its length: a checksum has a fixed width). With ``threads > 1`` writer threads ``pwrite`` stable
+data in :data:`PIECE_BYTES` pieces, each piece's writeback started at once
+(:func:`~ucp_dcp.byteio.durable.start_writeback`) so that the final ``fsync`` finds little left,
+while the caller's thread hashes the same bytes in order. The format, and why the bytes are those
+of a one-thread write: docs/format.md.
 """
 
 from __future__ import annotations

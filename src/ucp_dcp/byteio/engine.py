@@ -1,35 +1,20 @@
 """The chunk-read engine: regions of saved chunks read into destination tensors, checked.
 
-Every read of tensor data goes through one :class:`ChunkReads`: the DCP
-reader (``UCPStorageReader.read_data``), the single-process
-:class:`~ucp_dcp.tools.checkpoint.Checkpoint` and ``convert``. A caller
-says what it wants with :meth:`~ChunkReads.add` (a :class:`ChunkRegion`,
-the destination, the chunk's block checksums if any, a callback once the
-destination is filled) and :meth:`~ChunkReads.flush`\\ es; the engine
-chooses, region by region:
+Every read of tensor data goes through one :class:`ChunkReads` (the DCP reader, the single-process
+:class:`~ucp_dcp.tools.checkpoint.Checkpoint`, ``convert``), over the
+:class:`~ucp_dcp.byteio.rangeio.ByteSource` it is made with (local files, object storage: another
+source of bytes plugs in there, with no change here). Region by region it reads either
 
-* **direct**: a CPU destination of the saved dtype whose region is cheaper
-  read run by run: segments into the destination's own memory
-  (:func:`~ucp_dcp.byteio.transfer.segments_into`, or the block verifier's
-  plan of them), batched across regions into one
-  :meth:`ByteSource.read <ucp_dcp.byteio.rangeio.ByteSource.read>` per
-  batch (a batch ends at 16384 segments or when the verifier's scratch
-  memory is full);
-* **staged**: a cast, a device destination, a chunk stored in another
-  dimension order, or a region cheaper read as covering spans: kept until
-  :meth:`~ChunkReads.flush`, then read through one
-  :class:`~ucp_dcp.byteio.transfer.StagingBuffers` sized for the largest.
+* **direct**: segments into the destination's own memory, batched across regions into one
+  :meth:`ByteSource.read <ucp_dcp.byteio.rangeio.ByteSource.read>` per batch; or
+* **staged**: a cast, a device destination, another stored dimension order, or a region cheaper
+  read as covering spans (:func:`~ucp_dcp.core.spans.prefer_span`), read at
+  :meth:`~ChunkReads.flush` through one :class:`~ucp_dcp.byteio.transfer.StagingBuffers`.
 
-With ``verify``, every block a read touches is checked against the chunk's
-block checksums (:class:`~ucp_dcp.byteio.blocksums.BlockVerifier`), and a
-chunk without them against its whole checksum
-(:class:`~ucp_dcp.byteio.integrity.ChunkVerifier`: the destination's memory
-when it holds exactly the chunk, else the chunk read again), all before the
-region's callback runs.
-
-Where the bytes come from is the :class:`~ucp_dcp.byteio.rangeio.ByteSource`
-the engine is made with (local files, object storage); another source of
-bytes plugs in there without any change to the engine or its callers.
+With ``verify`` every byte read is checked before the region's callback runs
+(:class:`~ucp_dcp.byteio.blocksums.BlockVerifier`; a chunk without block checksums:
+:class:`~ucp_dcp.byteio.integrity.ChunkVerifier`). See docs/resharding.md ("Exact reads",
+"Verified loads").
 """
 
 from __future__ import annotations

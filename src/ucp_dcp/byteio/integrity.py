@@ -1,21 +1,13 @@
 """Content checksums of whole chunks, values and files (block checksums: :mod:`.blocksums`).
 
-Three digests, for three jobs:
+* xxh3-64 per chunk and per value, recorded at save (in the data file's header and the index) and
+  checked by :class:`ChunkVerifier` (``ReadOptions(verify=True)``),
+  :func:`~ucp_dcp.byteio.transfer.read_checked_many` (values) and
+  :meth:`ucp_dcp.Checkpoint.verify` (everything);
+* xxh3-128 of whole files (:func:`file_digest`, :func:`bytes_digest`), for manifests that let a
+  copy of a checkpoint be checked file by file.
 
-* xxh3-64 per chunk and per value, recorded when the data is written (in
-  the data file's header and the index). Loads check what they read against
-  it: :class:`ChunkVerifier` (``ReadOptions(verify=True)``),
-  :func:`~ucp_dcp.byteio.transfer.read_checked_many` for values, and
-  :meth:`ucp_dcp.Checkpoint.verify` for everything.
-* xxh3-64 of every fixed-size block of every tensor chunk, also recorded at
-  save, so that a resharding load, which reads parts of chunks, can check
-  exactly the blocks its reads touch: :mod:`~ucp_dcp.byteio.blocksums`
-  computes, plans and checks them.
-* xxh3-128 of whole files (:func:`file_digest`, :func:`bytes_digest`), for
-  manifests that let a copy of a checkpoint be checked file by file.
-
-A mismatch raises :class:`ChecksumError`, which names the file, the entry,
-the rank that wrote it and both digests.
+A mismatch raises :class:`ChecksumError`.
 """
 
 from __future__ import annotations

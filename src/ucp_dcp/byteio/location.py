@@ -1,21 +1,11 @@
-"""Where a checkpoint or a model lives: a local directory or the objects under an fsspec URL, as
-one type, :class:`ModelDir` (:class:`LocalDir`, :class:`StoreDir`), that the writer, every source
-and its directory questions use without asking which (as DCP's ``FsspecWriter`` holds ``fs``).
-The manager's tiers keep each step directory as one too (a :class:`LocalDir`, or a
-:class:`StoreDir` on the object tier's one store).
+"""Where a checkpoint or a model lives, a local directory or the objects under an fsspec URL, as
+one type, :class:`ModelDir` (:class:`LocalDir`, :class:`StoreDir`), which the writer, every source
+and the manager's tiers use without asking which (as DCP's ``FsspecWriter`` holds ``fs``).
 
-Reading: :func:`open_location` opens a path or URL as a view (:class:`StoreDir` listed once) and
-every registered format detects and opens itself from it (DeepSpeed's state is in a tag
-subfolder: :meth:`ModelDir.child`), so one code path serves both.
-
-Writing (:func:`location_at`): a :class:`LocalDir` writes each data file with
-:class:`~ucp_dcp.byteio.datafile.DataFileWriter` (``pwrite`` threads, fsync) and the index by an
-atomic rename (:func:`~ucp_dcp.byteio.durable.atomic_write`); a :class:`StoreDir` streams each
-data file (a multipart upload on S3, restarted on a transient failure) and puts the index in one
-PUT, which is atomic. Either way a checkpoint is committed by :func:`commit_index`: the index is
-written last, whole, and only then are the data files of older saves removed
-(:func:`remove_old_data_files`, the one cleanup), so until the index is replaced the previous
-checkpoint stays loadable.
+:func:`open_location` opens a path or URL for reading (every registered format then detects and
+opens itself from the view); :func:`location_at` is where a save writes, and :func:`commit_index`
+commits it: the index last, whole, and only then the data files of older saves removed, so the
+previous checkpoint stays loadable until then (docs/format.md, "Commits").
 """
 
 from __future__ import annotations
@@ -138,9 +128,9 @@ class ModelDir(ABC):
         left out), from one listing."""
 
     def holds(self, name: str) -> bool:
-        """Whether file ``name`` exists, asked the cheapest way (:meth:`is_file` unless a view
-        knows better)."""
-        return self.is_file(name)
+        """Whether file ``name`` exists, asked the cheapest way: handed to :meth:`keep`, else
+        :meth:`is_file` (locally one ``stat``) unless a view knows better."""
+        return name in self._kept or self.is_file(name)
 
     @abstractmethod
     def read(self, name: str) -> bytes:
@@ -240,10 +230,6 @@ class LocalDir(ModelDir):
                 for e in it
                 if e.is_file(follow_symlinks=False)
             }
-
-    def holds(self, name: str) -> bool:
-        """Whether :meth:`keep` was handed ``name`` or it is a file (one ``stat``)."""
-        return name in self._kept or self.is_file(name)
 
     def read(self, name: str) -> bytes:
         """The file's bytes (those handed to :meth:`keep`, the first time); an unreadable file is

@@ -2,19 +2,13 @@
 :class:`~ucp_dcp.byteio.objstore.ObjectStore` it reads from (deadlines, retries, hedges, the bound
 on requests in flight).
 
-:class:`ObjectAccess` is one object as random access (header parsing), and
-:class:`ObjectRangeReader` reads byte ranges of objects into destination memory, the
-object-storage twin of :class:`~ucp_dcp.byteio.rangeio.RangeReader`: the same
-:class:`~ucp_dcp.byteio.rangeio.ByteSource` (``read(segments)``, ``stats``, ``gap_bytes``,
-``close``), so every read path (staged column reads, spans, verification) works unchanged on
-object storage. What differs is the cost model: on a file system a call costs a system call, on
-object storage a request costs a round trip (milliseconds) and is billed, so neighbouring ranges
-are merged across larger gaps (:data:`OBJECT_GAP_BYTES`), and many requests are in flight at once
-(windows fetched ahead: :class:`ObjectRangeReader`). A request that ends within the gap of its
-object's end reads on to the end, and the reader keeps those last bytes: the values a native data
-file ends with, read after its tensors, then cost no request of their own. A source may hand it
-other bytes it already fetched (:meth:`ObjectRangeReader.hold`: the part of a data file's first
-request past its header) for the same reason.
+:class:`ObjectAccess` is one object as random access (header parsing); :class:`ObjectRangeReader`
+is the object-storage twin of :class:`~ucp_dcp.byteio.rangeio.RangeReader`, so every read path
+(staged column reads, spans, verification) works unchanged on object storage. Only the cost model
+differs: a request costs a round trip and is billed, so neighbouring ranges are merged across
+larger gaps (:data:`OBJECT_GAP_BYTES`), many requests are in flight at once, and bytes already
+fetched are kept (an object's end, :meth:`ObjectRangeReader.hold`). How a load's requests go out:
+docs/object-storage.md ("How a load works").
 """
 
 from __future__ import annotations

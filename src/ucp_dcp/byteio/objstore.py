@@ -1,42 +1,18 @@
 """A checkpoint directory at an fsspec URL (``s3://bucket/prefix``, ``gs://``, ``az://``,
-``memory://``), and the ways its objects are read.
+``memory://``), and the ways its objects are read and written.
 
-:class:`ObjectStore` is the one place the library talks to object storage.
-It names objects relative to the checkpoint's URL, and runs every request,
-each operation written once, through one path: its
-:class:`~ucp_dcp.byteio.scheduler.RequestScheduler`, on the store's event loop
-(s3fs's own; a blocking store such as ``memory://`` is wrapped by fsspec's
-``AsyncFileSystemWrapper``, its calls on worker threads), under the
-:class:`~ucp_dcp.byteio.requests.RequestPolicy`:
+:class:`ObjectStore` is the one place the library talks to object storage: it names objects
+relative to the checkpoint's URL and runs every request, each operation written once, through its
+:class:`~ucp_dcp.byteio.scheduler.RequestScheduler` on the store's event loop (a blocking store
+such as ``memory://`` wrapped by fsspec's ``AsyncFileSystemWrapper``), under the
+:class:`~ucp_dcp.byteio.requests.RequestPolicy`: transient errors retried, permanent ones a
+:class:`~ucp_dcp.errors.StorageError` at once, reads ranged and batched (a short answer is a
+:class:`~ucp_dcp.errors.TruncatedFileError`), writes streamed (:class:`ParallelUpload` on S3) and
+appearing whole or not at all. See docs/object-storage.md ("How a save works", "Errors and
+retries").
 
-* **transient errors are retried** (connection resets, timeouts, 5xx,
-  throttling: anything but the permanent errors below), with exponential
-  backoff and jitter, a bounded number of times, on top of whatever the
-  client library retries by itself; every try has a deadline, ranged GETs are
-  hedged, and the requests in flight are bounded;
-* **permanent errors fail at once** (no such object or bucket, access
-  denied, a bad request): :class:`~ucp_dcp.errors.StorageError` naming the
-  URL, the object and what was being done, keeping the errno;
-* **reads are ranged** and batched (:meth:`ObjectStore.read_ranges`), and a
-  short answer is a :class:`~ucp_dcp.errors.TruncatedFileError`;
-* **writes stream** (:meth:`ObjectStore.open_write`: a multipart upload on
-  S3, the store's own buffered file elsewhere), and a write that fails is
-  discarded, never completed: an object appears whole or not at all.
-
-On S3 a streamed write is a :class:`ParallelUpload`: fsspec's buffered S3
-file uploads a part each time its buffer fills and waits for it, so one rank
-would get one connection's bandwidth; this one keeps up to ``parallel`` parts
-uploading at once on s3fs's event loop (holding at most that many in memory),
-each part a scheduled request with its own deadline and retries, and
-completes the upload only after every part succeeded. An object smaller than
-one part goes up in one PUT. A create abandoned at its deadline may still
-start an upload at the server that nothing completes or aborts: a bucket
-lifecycle rule for incomplete multipart uploads cleans those up.
-
-Local paths never come here: ``is_url`` tells them apart, and the readers
-and writers keep their ``preadv``/``pwrite`` path for them.
-
-Reading byte ranges of objects into place is :mod:`ucp_dcp.byteio.objrange`'s.
+Local paths never come here (:func:`is_url` tells them apart); reading byte ranges of objects into
+place is :mod:`ucp_dcp.byteio.objrange`'s.
 """
 
 from __future__ import annotations
@@ -546,6 +522,11 @@ class StreamedWrite(Protocol):
 
 class ParallelUpload(StreamedWrite):
     """A write-only file uploading object ``path`` of s3fs filesystem ``fs`` in parallel parts.
+
+    fsspec's buffered S3 file uploads a part each time its buffer fills and waits for it, so one
+    rank would get one connection's bandwidth; this one keeps ``parallel`` parts uploading at once
+    on s3fs's event loop, each a scheduled request with its own deadline and retries, and completes
+    the upload only after every part succeeded.
 
     Args:
         fs: an ``s3fs.S3FileSystem``.

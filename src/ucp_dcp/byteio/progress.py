@@ -1,29 +1,14 @@
-"""Progress of long work: a load or save logged per rank, a command drawn as a bar.
+"""Progress of long work: a load or save logged per rank (:class:`Progress`), a command drawn as a
+bar (:class:`ProgressBar`, tqdm, only on a terminal unless forced); :func:`format_bytes` and
+:func:`size_bytes` write and read the byte counts people type and read. What the lines say and
+when: docs/storage-speed.md ("The slow rank named").
 
-A load or save: the byte readers and writers feed a :class:`Progress` the bytes of each
-request they complete (:class:`~ucp_dcp.byteio.rangeio.ReadStats` does it for
-every reader, the data-file writers per piece written): :meth:`Progress.add`
-is one counter add and one clock read. Once a load or save has run
-``threshold`` seconds, and every ``interval`` seconds after that, the next
-``add`` logs one line on the ``ucp_dcp.progress`` logger (``INFO``): the rank,
-what it does, the bytes done and the rate, overall and over the last interval.
-:meth:`Progress.finish` logs the last line, for operations that ran past the
-threshold. Operations shorter than the threshold log nothing.
-
-A single-process command (verify, diff, conversions) takes an ``on_progress(done, total)``
-callback instead (:data:`ProgressFn`); :class:`ProgressBar` is the command line's, drawn by tqdm
-with its rate and time left, only when its stream is a terminal (or when forced), ending its line
-when ``done`` reaches ``total`` or when it is closed. :func:`format_bytes` and
-:func:`size_bytes` write and read the byte counts people type and read.
-
-Why logging and not tqdm for loads and saves: a job of many
-ranks writes log files, not terminals; one line per rank per interval is what
-an operator can grep for the rank that lags, and the logging configuration
-routes or silences it (``logging.getLogger("ucp_dcp.progress").setLevel(...)``).
-Why no thread: a timer thread per rank for a line every few seconds costs more
-than a clock read per request. The price is that a rank whose storage delivers
-nothing at all logs nothing until it does; the deadlines on requests are what
-end such a wait.
+Why logging and not tqdm for loads and saves: a job of many ranks writes log files, not terminals;
+one line per rank per interval is what an operator can grep for the rank that lags, and the
+logging configuration routes or silences it. Why no thread: a timer thread per rank for a line
+every few seconds costs more than a clock read per request. The price is that a rank whose storage
+delivers nothing at all logs nothing until it does; the deadlines on requests are what end such a
+wait.
 """
 
 from __future__ import annotations

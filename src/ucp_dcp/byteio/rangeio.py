@@ -1,32 +1,18 @@
 """The byte-range reader: exact offset reads straight into memory.
 
-Callers describe what they need as :class:`~ucp_dcp.byteio.segments.Segment`\\ s: a byte
-range of a file and a writable buffer of the same length (usually a slice of the destination
-tensor's own storage). The reader coalesces them into ``os.preadv`` calls (one system call
-fills many buffers: :func:`~ucp_dcp.byteio.segments.coalesce`) and runs the calls on I/O threads
-(``preadv`` releases the GIL), each under a deadline (:mod:`~ucp_dcp.byteio.workers`).
+Callers describe what they need as :class:`~ucp_dcp.byteio.segments.Segment` records (a byte range
+of a file and a buffer of its length, usually a slice of the destination tensor's storage);
+:class:`RangeReader` coalesces them into ``os.preadv`` calls
+(:func:`~ucp_dcp.byteio.segments.coalesce`) run on I/O threads, each under a deadline
+(:mod:`~ucp_dcp.byteio.workers`), and allocates no per-read memory (the scratch buffer for gaps is
+shared). Each file is read *exact* or *sequential*, chosen once per load
+(:meth:`RangeReader.plan_access`; docs/resharding.md, "Streamed or exact, per file"). A segment's
+``done`` callback runs on the I/O thread that completes it; segments with callbacks go in calls of
+at most :data:`HOOKED_REQUEST_BYTES`.
 
-Each file is read one of two ways, chosen once per load by
-:meth:`RangeReader.plan_access` from every byte range the load will read
-there (:func:`~ucp_dcp.core.spans.file_access`): *exact* (the file opened
-with ``POSIX_FADV_RANDOM``, each request announced with
-``POSIX_FADV_WILLNEED`` a window ahead: scattered pieces, no page pulled in
-that holds no needed byte) or *sequential* (a file read whole, in long
-stretches, or in pieces that leave no page out, counting the pages other
-ranks on the same machine read: each thread streams one stretch in order
-through its own descriptor with the kernel's read-ahead, no hints).
-
-It never allocates per-read memory: the scratch buffer for gaps is
-``gap_bytes`` long and shared. A segment may carry a ``done`` callback, run
-by the I/O thread that completes the segment's last byte (to check what was
-read while other threads still read); the segments of one call that share a
-callback are reported in one call of it, and segments with callbacks are
-merged into calls of at most :data:`HOOKED_REQUEST_BYTES`.
-
-The local files it reads are opened here too (:func:`open_data_file`), and
-so are those whose headers :mod:`ucp_dcp.format` parses (:class:`FileAccess`,
-:func:`read_header`, :func:`read_safetensors`): the local twin of
-:class:`~ucp_dcp.byteio.objrange.ObjectAccess`.
+The local files it reads are opened here too (:func:`open_data_file`), and so are those whose
+headers :mod:`ucp_dcp.format` parses (:class:`FileAccess`, :func:`read_header`,
+:func:`read_safetensors`): the local twin of :class:`~ucp_dcp.byteio.objrange.ObjectAccess`.
 """
 
 from __future__ import annotations

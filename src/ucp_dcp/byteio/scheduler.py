@@ -5,23 +5,15 @@ Object-store requests cannot stall a job. One rank's requests to one checkpoint 
 :class:`RequestScheduler` (owned by its :class:`~ucp_dcp.byteio.objstore.ObjectStore`), on the
 store's event loop, which:
 
-* gives every try a deadline (:func:`~ucp_dcp.byteio.requests.deadline_for`, from what the same
-  scheduler observed), abandons a try past it (its task cancelled, which closes its connection)
-  and tries again; once the tries are spent the request fails with a
-  :class:`~ucp_dcp.errors.StorageError` naming the object, the byte range, the rank and how
-  long it waited. (The HTTP client's own read timeout, 15 s per read in s3fs, then retried,
-  held a stalled load for the sum of those timeouts.)
-* hedges a slow GET, judging it again every 50 ms against the peers that completed since; a
-  hedge waits for a slot ahead of new requests (:class:`Slots`), and what hedging costs (the
-  bytes received for the answer that lost, :class:`Received`) is held within the hedge budget;
-  :meth:`RequestScheduler.part_bytes` sizes the parts a long GET is sent as so that a slow part
-  fits that budget.
-* keeps at most ``max_in_flight`` requests in flight (hedges included), whatever the callers
-  batch.
-* pauses every new request after a throttling answer (S3 ``SlowDown``/503, seen through
-  botocore's retry hook or in an error), not only the one request being retried.
+* gives every try a deadline (:func:`~ucp_dcp.byteio.requests.deadline_for`), abandons a try past
+  it and tries again, then fails with a :class:`~ucp_dcp.errors.StorageError`;
+* hedges a slow GET within the hedge budget (:class:`Slots`, :class:`Received`;
+  :meth:`RequestScheduler.part_bytes` sizes the parts of a long GET to fit it);
+* keeps at most ``max_in_flight`` requests in flight (hedges included);
+* pauses every new request after a throttling answer, not only the one being retried.
 
-The requests themselves are fsspec's (``_cat_file``, ``_call_s3``); nothing here speaks HTTP.
+The requests themselves are fsspec's (``_cat_file``, ``_call_s3``); nothing here speaks HTTP. The
+behaviour in full: docs/object-storage.md ("Deadlines, hedged reads and throttling").
 """
 
 from __future__ import annotations

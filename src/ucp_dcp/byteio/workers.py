@@ -1,23 +1,13 @@
 """The I/O threads of a local load, and the deadline of every read they are in.
 
-A ``preadv`` blocked in the kernel (a hung NFS server, a stalled FUSE mount, a dying disk)
-cannot be cancelled: no signal reaches a thread in uninterruptible sleep, and Python has no
-way to stop a thread. So the thread that waits for the reads is the one that keeps time: each
-read an I/O thread makes gets a deadline from its size and the times this load's reads took
-so far (:func:`~ucp_dcp.byteio.requests.deadline_for`, under the same
-:class:`~ucp_dcp.byteio.requests.RequestPolicy` as object-store requests, times its
-``attempts``: a local read is not tried again), and a read past it fails the load with a
-:class:`~ucp_dcp.errors.StorageError` (``errno.ETIMEDOUT``) naming the file, the byte range,
-the rank and how long it waited. The blocked thread is left behind: the threads are daemon
-threads (``concurrent.futures``' are joined when the interpreter exits, which would hang the
-process on the blocked read), and the others stop before their next read.
-
-Why not a ``ThreadPoolExecutor``: its threads are joined at exit and by ``shutdown``, and it has
-no notion of which read a thread is in.
-
-The threads start with the first task and stop after :data:`IDLE_S` without one: a reader kept
-open between loads (a ``Checkpoint`` a service holds, one never closed) holds no idle thread,
-and the next task starts them again.
+A ``preadv`` blocked in the kernel cannot be cancelled, so the thread that waits for the reads
+keeps time: each read gets a deadline (:func:`~ucp_dcp.byteio.requests.deadline_for` times the
+policy's ``attempts``: a local read is not tried again), and a read past it fails the load with a
+:class:`~ucp_dcp.errors.StorageError` while its blocked thread is left behind. Hence daemon threads
+of our own, not a ``ThreadPoolExecutor``: its threads are joined at exit and by ``shutdown``
+(which would hang the process on the blocked read), and it has no notion of which read a thread is
+in. The threads stop after :data:`IDLE_S` without a task, so a reader kept open between loads
+holds no idle thread. See docs/object-storage.md ("Local reads and writes").
 """
 
 from __future__ import annotations

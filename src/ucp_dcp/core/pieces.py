@@ -1,20 +1,10 @@
 """Pieces of logical tensors, held by a rank as views into its own memory.
 
-A DTensor describes itself: its mesh and placements say which box of the
-global tensor a rank holds. Much training state does not look like that: a
-ZeRO/FSDP1 flat buffer holds slices of many parameters, a fused QKV weight
-holds rows of three, a stage-local ``layers.0`` is global layer 12. Such a
-value enters a checkpoint as a :class:`TensorPieces`: a list of
-:class:`Piece` records, each naming a *logical* tensor (its checkpoint name
-and global shape), the box of it this rank holds, and a view of the rank's
-memory with exactly that box's shape.
-
-The planners treat a piece like any other chunk: save writes the view's
-bytes, as they are, as a chunk of the logical tensor; load reads into the
-view the overlap of every saved chunk with the piece's box. Writes into the
-views land in the caller's buffers. Producers of pieces:
-:class:`ucp_dcp.FlatShard` (flat buffers) and :mod:`ucp_dcp.adapters.layout_spec`
-(fused, padded, renamed, replicated and stage-local tensors).
+State that is not a DTensor box (a ZeRO/FSDP1 flat buffer, a fused QKV weight, a stage-local
+layer) enters a checkpoint as a :class:`TensorPieces`: :class:`Piece` records, each naming a
+*logical* tensor, the box of it this rank holds and a view of the rank's memory of that box's
+shape, which the planners save and load like any other chunk. Producers:
+:class:`ucp_dcp.FlatShard` and :mod:`ucp_dcp.adapters.layout_spec`. See docs/layouts.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
-"""The placement digest: a checksum of a logical tensor that does not depend on how it is sharded.
+"""The placement digest: a checksum of a logical tensor that does not depend on how it is sharded
+(definition and cost: docs/format.md, "Placement digests").
 
-Block checksums prove that the bytes a load reads are the bytes that were written; they say
-nothing about *where* the load put them. The placement digest does: it hashes every element
-together with its position in the global tensor, and adds the hashes up modulo 2^64::
+Every element is hashed together with its row-major position in the global tensor, and the hashes
+are added up modulo 2^64. So any box contributes its own *share*, computed from that box alone, and
+the shares of boxes that tile the tensor add up to the digest whatever the layout: a save adds up
+the shares of the chunks it writes, a load those of the boxes every rank holds. An element at the
+wrong position changes the sum unless 64-bit hashes collide.
 
-    x      = (i * K) mod 2^64  XOR  v          i: the element's row-major flat index in the
-                                               global tensor; v: its value bits (below)
-    h(x)   = murmur3's fmix64(x)               x ^= x >> 33; x *= M1; x ^= x >> 33;
-                                               x *= M2; x ^= x >> 33   (all mod 2^64)
-    digest = sum of h over all elements, mod 2^64
-
-with ``K = 0x9E3779B97F4A7C15``, ``M1 = 0xFF51AFD7ED558CCD``, ``M2 = 0xC4CEB9FE1A85EC53``.
-``v`` is the element's bits read as a little-endian unsigned integer of its own size (1, 2, 4
-or 8 bytes, zero-extended); a 16-byte element (``complex128``) is two 8-byte words ``w0, w1``
-and ``v = w0 XOR (w1 * M2 mod 2^64)``.
-
-Because the digest is a sum, any box of the tensor contributes its own *share* (the sum over
-its elements), computed from that box alone; the shares of boxes that tile the tensor add up
-to the digest, whatever the layout. A save adds up the shares of the chunks it writes; a load
-adds up the shares of the boxes every rank holds. An element loaded at the wrong position, two
-chunks swapped, a box shifted by one row: each changes the sum unless 64-bit hashes collide.
-
-Vectorised with numpy's ``uint64`` arithmetic (which wraps modulo 2^64 by definition), in
-blocks of 64 Ki elements so the temporaries stay in the CPU's cache: about 400 M elements/s on
-one core of the development VM (1.6 GB/s of fp32, 0.8 GB/s of bf16; docs/format.md).
+Vectorised with numpy's ``uint64`` arithmetic (which wraps modulo 2^64 by definition), in blocks
+of 64 Ki elements so that the temporaries stay in the CPU's cache.
 """
 
 from __future__ import annotations

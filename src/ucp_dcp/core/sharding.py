@@ -1,19 +1,12 @@
-"""Sharding arithmetic: boxes, placements and the chunk boxes of DTensor layouts.
+"""Sharding arithmetic: placements, and the chunk boxes and grids of DTensor layouts.
 
-Everything here is pure integer arithmetic on shapes. It does not touch
-tensors, files or process groups, so it is cheap to property-test and is the
-one place where "which bytes does this rank need" is decided.
-
-A *layout* is a mesh shape plus one placement per mesh dimension, the way a
-DTensor describes itself; a regular layout determines every chunk's *box*
-(:mod:`ucp_dcp.core.boxes`, which also has a box's contiguous runs).
-
-*Chunk grids*: sharding cuts every tensor dimension independently, so a
-box-shaped layout's chunks are the cells of a grid of per-dimension
-intervals. :func:`layout_grid` computes that grid with vectorised integer
-arithmetic and :func:`arith_box` one mesh coordinate's box, so that nothing
-enumerates every rank's chunk, at any world size; layouts this arithmetic
-does not cover fall back to DTensor's own (:func:`layout_chunks`).
+Pure integer arithmetic on shapes: it does not touch tensors, files or process groups, so it is
+cheap to property-test and is the one place where "which bytes does this rank need" is decided. A
+*layout* is a mesh shape plus one placement per mesh dimension, as a DTensor describes itself; a
+regular layout's chunks (boxes: :mod:`ucp_dcp.core.boxes`) are the cells of a :class:`Grid`, which
+:func:`layout_grid` computes (and :func:`arith_box` one mesh coordinate's box) without enumerating
+every rank's chunk; layouts this arithmetic does not cover fall back to DTensor's own
+(:func:`layout_chunks`).
 """
 
 from __future__ import annotations
@@ -302,6 +295,13 @@ class Grid:
             [[pos[d][b.offsets[d]] for d in range(len(shape))] for b in boxes], dtype=np.int64
         ).reshape(len(boxes), len(shape))
         return _grid(shape, offs, sizes, cells)
+
+    @staticmethod
+    def from_chunk_list(boxes: Sequence[Box], shape: Sequence[int]) -> Grid | None:
+        """The grid whose chunk ``k`` is ``boxes[k]`` for every ``k``, or None when the boxes do not
+        tile ``shape`` as a grid or one is empty (it would have no cell, and the chunks after it
+        would be renumbered)."""
+        return Grid.from_boxes(boxes, shape) if all(b.numel for b in boxes) else None
 
 
 def _grid(

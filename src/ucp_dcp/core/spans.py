@@ -1,26 +1,16 @@
 """Exact reads or one span read: the cost model of reading a region of a saved chunk.
 
-A region of a row-major chunk is a set of equal-length *runs* (see
-:func:`~ucp_dcp.core.boxes.runs`). Two ways to read it:
-
-* **exact**: one destination buffer per run, neighbours closer than
-  ``gap_bytes`` sharing a ``preadv`` call. Reads no page that holds no
-  needed byte, but pays per run (a Python segment, an iovec, bookkeeping)
-  and per call (a system call plus a read-ahead hint), and a column slice of
-  rows makes one run per row: tens of thousands of them.
-* **span**: the covering byte range read in large requests into bounded
-  staging memory, then one strided copy into place. Pays for the pages of
-  the gaps (none extra when every gap is shorter than a page: the pages
-  holding the gap hold needed bytes too) and for copying the span once.
-
-:func:`read_cost` prices both from the runs' file offsets with
-:class:`ReadCosts`; :func:`prefer_span` picks; :func:`span_slabs` cuts a
-region into sub-boxes whose span fits a staging budget; :func:`file_access`
-picks how a rank reads each file as a whole (a stream with the kernel's
-read-ahead, or exact announced reads); :func:`merge_ranges` is the one union of
-byte ranges every layer above uses. Pure arithmetic,
-like the rest of :mod:`ucp_dcp.core`: the byte-moving code lives in
-:mod:`ucp_dcp.byteio.transfer`.
+A region of a row-major chunk is a set of equal-length *runs* (:func:`~ucp_dcp.core.boxes.runs`),
+read either *exact* (a buffer per run, neighbours sharing ``preadv`` calls: no page without a
+needed byte, but a cost per run and per call) or as one *span* (the covering byte range read into
+bounded staging, then one strided copy: the cost of the gaps' pages and of the copy).
+:func:`read_cost` prices both with :class:`ReadCosts`; :func:`prefer_span` picks;
+:func:`span_slabs` cuts a region into sub-boxes whose span fits a staging budget;
+:func:`file_access` picks how a rank reads each file as a whole; :func:`merge_ranges` is the one
+union of byte ranges every layer above uses. Pure arithmetic, like the rest of
+:mod:`ucp_dcp.core`: the byte-moving code is :mod:`ucp_dcp.byteio.transfer`. When each wins, and
+the measured prices: docs/resharding.md ("Exact reads") and docs/storage-speed.md ("The prices of
+exact and span reads").
 """
 
 from __future__ import annotations
@@ -258,26 +248,19 @@ def file_access(
     shared: tuple[Sequence[int] | np.ndarray, Sequence[int] | np.ndarray] | None = None,
 ) -> str:
     """How a rank should read one file, given every byte range ``[start, start + length)`` it
-    plans to read there: :data:`SEQUENTIAL` or :data:`EXACT`.
+    plans to read there: :data:`SEQUENTIAL` or :data:`EXACT` (docs/resharding.md, "Streamed or
+    exact, per file").
 
-    The ranges are merged into runs (overlapping or touching), read in
-    ascending order. Read as a stream, the kernel may read ahead past each
-    run's end by up to ``window`` bytes, but never past the next run's start
-    (those bytes are needed anyway) or the file's end: that overshoot is
-    the waste of reading the file sequentially. It is counted in whole
-    pages of ``page`` bytes: storage hands over pages, and an exact read of part of a page
-    reads all of it, so the rest of a page that holds a needed byte is read
-    either way. Sequential wins when the waste is at most ``max_waste`` of
-    the bytes needed: a file read whole or in long stretches (a restart on
-    the same layout), or in pieces that leave no page out (a column shard of
-    rows narrower than a page); pieces with whole pages between them (a
-    column shard of wide rows: a short run per row, the rest of each row
-    other ranks') stay exact. No ranges at all: exact (nothing to stream).
+    The ranges are merged into runs, read in ascending order. Read as a stream, the kernel may read
+    ahead past each run's end by up to ``window`` bytes, but never past the next run's start (those
+    bytes are needed anyway) or the file's end: that overshoot, counted in whole pages of ``page``
+    bytes (the rest of a page that holds a needed byte is read either way), is the waste of reading
+    the file sequentially. Sequential wins when the waste is at most ``max_waste`` of the bytes
+    needed. No ranges at all: exact (nothing to stream).
 
     ``shared``: ranges ``(starts, lengths)`` of the file that other ranks on this machine read
-    too. Read-ahead into their pages is no waste: the page cache the ranks share reads each page
-    once, whichever rank asks first (a column shard's partner needs the rest of every row). It
-    counts where :func:`may_share` says so.
+    too. Read-ahead into their pages is no waste (the page cache the ranks share reads each page
+    once), where :func:`may_share` says so.
     """
     s, e = _nonempty(starts, lengths)
     if not s.size:

@@ -1,18 +1,14 @@
 """Non-tensor values of a training state: stored as tagged JSON (never pickled), put back in place.
 
-A state dict carries more than tensors: optimizer ``param_groups``, step
-counters, dataloader positions, RNG states. DCP stores those with
-``torch.save`` and reads them back with ``torch.load``, which can run code
-from an untrusted checkpoint. Here they are encoded as JSON with a small set
-of tags for what JSON cannot say itself (tuples, non-string dict keys,
-non-finite floats, small tensors, numpy arrays, bytes, ``io.BytesIO``, dtypes). Anything else
-is refused at save time with the key that holds it, rather than silently
-stringified or pickled.
+DCP stores such values (``param_groups``, step counters, RNG states) with ``torch.save`` and reads
+them with ``torch.load``, which can run code from an untrusted checkpoint. Here they are JSON with
+a few tags for what JSON cannot say itself (tuples, non-string dict keys, non-finite floats, small
+tensors, numpy arrays, bytes, ``io.BytesIO``, dtypes); anything else is refused at save time with
+the key that holds it, rather than silently stringified or pickled.
 
-A load that replaces a leaf (a decoded value, a piece set) puts it back where the caller's
-nested state dict holds it, at the path of container keys DCP recorded when it flattened the
-dict: :func:`set_in_place` (used by the load planner, the layout rules and the manager's small
-reads), in containers :func:`copy_containers` may have copied first.
+A load puts a replaced leaf (a decoded value, a piece set) back where the caller's nested state
+dict holds it, at the path of container keys DCP recorded when it flattened the dict:
+:func:`set_in_place`, in containers :func:`copy_containers` may have copied first.
 """
 
 from __future__ import annotations

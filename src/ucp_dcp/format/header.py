@@ -29,6 +29,8 @@ from .names import (
 )
 from .records import Layout
 from .schema import (
+    check_chunk_box,
+    check_chunk_bytes,
     field_dict,
     field_dtype,
     field_int,
@@ -296,32 +298,15 @@ def _entry_meta(m: Any, name: str, nbytes: int, where: str) -> EntryMeta:
         return EntryMeta(kind, fqn, "uint8", (), (), (), xxh3)
     dtype = field_dtype(m, "dtype", where)
     shape = field_shape(m, "shape", where)
-    offsets, sizes = m.get("offsets"), m.get("sizes")
-    if not (is_index_list(offsets, len(shape)) and is_index_list(sizes, len(shape))):
+    box = check_chunk_box(m.get("offsets"), m.get("sizes"), shape, where)
+    check_chunk_bytes(box, dtype, nbytes, where)
+    if name != chunk_entry_name(fqn, box.offsets):
         raise CheckpointFormatError(
-            f"{where}: malformed offsets/sizes for a tensor of shape {list(shape)}"
+            f"{where}: a chunk of {fqn!r} at {list(box.offsets)} must be stored as entry "
+            f"{chunk_entry_name(fqn, box.offsets)!r}"
         )
-    if any(o + k > n for o, k, n in zip(offsets, sizes, shape)):
-        raise CheckpointFormatError(
-            f"{where}: box {offsets}+{sizes} lies outside shape {list(shape)}"
-        )
-    if math.prod(sizes) * dtype.itemsize != nbytes:
-        raise CheckpointFormatError(
-            f"{where}: the entry holds {nbytes} bytes, not the "
-            f"{math.prod(sizes) * dtype.itemsize} of {dtype_name(dtype)}{sizes}"
-        )
-    if name != chunk_entry_name(fqn, offsets):
-        raise CheckpointFormatError(
-            f"{where}: a chunk of {fqn!r} at {offsets} must be stored as entry "
-            f"{chunk_entry_name(fqn, offsets)!r}"
-        )
-    layout = None
-    if m.get("layout") is not None:
-        layout = Layout.from_json(m["layout"], where)
-        layout.check_dims(len(shape), where)
-    return EntryMeta(
-        kind, fqn, dtype_name(dtype), tuple(shape), tuple(offsets), tuple(sizes), xxh3, layout
-    )
+    layout = Layout.from_field(m, len(shape), where)
+    return EntryMeta(kind, fqn, dtype_name(dtype), shape, box.offsets, box.sizes, xxh3, layout)
 
 
 @dataclass

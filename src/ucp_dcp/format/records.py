@@ -1,30 +1,9 @@
-"""The on-disk format: safetensors data files plus a JSON index.
+"""The index's records (:class:`Index`, :class:`TensorRecord`, :class:`Location`, :class:`Layout`),
+their JSON, and its validation (:meth:`Index.from_json`).
 
-A checkpoint is a directory::
-
-    ucp_index.json                 the global index, written last (atomically)
-    rank00000-<saveid>.safetensors one data file per writing rank
-    rank00001-<saveid>.safetensors ...
-
-Data files are standard safetensors files (``safetensors.safe_open`` opens
-them). Tensor data of at least ``ALIGN`` bytes starts on an ``ALIGN``-byte
-boundary, so that strided reads of large rows touch no page twice; the gaps
-are filled with ``__ucp_pad__.N`` uint8 entries because safetensors requires
-entries to be contiguous. The header's ``__metadata__["ucp_dcp"]`` holds a
-JSON document describing every entry (logical tensor name, global shape,
-global offsets, layout, xxh3-64 checksum), which is enough to rebuild the
-index from the data files alone (:func:`ucp_dcp.sources.native.rebuild_index`).
-
-The index (``Index``) lists every tensor with its dtype, global shape and
-chunks. A chunk list is stored either *compact* (the DTensor layout it was
-saved with plus a run-length list of which file holds each chunk, so the
-index grows with the number of tensors, not tensors x ranks; byte ranges and
-checksums then come from the data file's header) or *explicit* (file, byte
-range, global offsets/sizes and checksum per chunk) for irregular layouts.
-Non-tensor values and rank-local values are stored as uint8 entries holding
-tagged JSON (:mod:`ucp_dcp.core.values`).
-
-Nothing on the load path unpickles anything.
+A tensor's chunk list is *compact* (its layout plus a run-length list of which file holds each
+chunk, :class:`RunList`: the index grows with the number of tensors, not tensors x ranks) or
+*explicit* (file, byte range, box and checksum per chunk). The format: docs/format.md.
 """
 
 from __future__ import annotations
@@ -44,6 +23,8 @@ from ..errors import CheckpointFormatError, LayoutError
 from .names import FORMAT_NAME, FORMAT_VERSION, MAX_ENUMERATED_COORDS, MAX_MESH_DEVICES, dtype_name
 from .schema import (
     MAX_INT,
+    check_chunk_box,
+    check_chunk_bytes,
     check_paths,
     check_relative_name,
     check_tensor_bytes,
@@ -271,6 +252,16 @@ class Layout:
                 raise CheckpointFormatError(f"{where}: placement {p!r} has a split factor below 1")
         return Layout(tuple(mesh), tuple(pl))
 
+    @staticmethod
+    def from_field(d: Any, ndim: int, where: str) -> Layout | None:
+        """Field ``layout`` of record ``d`` (None when absent or null), parsed and checked against a
+        tensor of ``ndim`` dimensions."""
+        if d.get("layout") is None:
+            return None
+        layout = Layout.from_json(d["layout"], where)
+        layout.check_dims(ndim, where)
+        return layout
+
     def check_dims(self, ndim: int, where: str) -> None:
         """Refuse a placement that shards a dimension a tensor of ``ndim`` dimensions does not
         have."""
@@ -375,8 +366,7 @@ class TensorRecord:
             return self._layout_grid()
         g = self.__dict__.get("_grid", False)
         if g is False:
-            boxes = [c.box for c in self.chunks]
-            g = Grid.from_boxes(boxes, self.shape) if all(b.numel for b in boxes) else None
+            g = Grid.from_chunk_list([c.box for c in self.chunks], self.shape)
             self.__dict__["_grid"] = g
         return g
 
@@ -522,9 +512,7 @@ def _tensor_from_json(
     dtype = field_dtype(t, "dtype", w)
     shape = field_shape(t, "shape", w)
     check_tensor_bytes(shape, dtype, available, w)
-    layout = Layout.from_json(t["layout"], w) if t.get("layout") is not None else None
-    if layout is not None:
-        layout.check_dims(len(shape), w)
+    layout = Layout.from_field(t, len(shape), w)
     # Optional: indexes written without placement digests have none.
     digest = field_digest64(t, "placement_digest", w) if "placement_digest" in t else None
     if "files" in t:
@@ -548,19 +536,9 @@ def _tensor_from_json(
     for i, c in enumerate(field_list(t, "chunks", w)):
         cw = f"{w} chunk {i}"
         offs, sizes = (c.get("offsets"), c.get("sizes")) if isinstance(c, dict) else (None, None)
-        if not (is_index_list(offs, len(shape)) and is_index_list(sizes, len(shape))):
-            raise CheckpointFormatError(f"{cw}: malformed offsets/sizes")
-        box = Box(tuple(offs), tuple(sizes))
-        if not whole.contains(box):
-            raise CheckpointFormatError(
-                f"{cw}: box {offs}+{sizes} lies outside shape {list(shape)}"
-            )
+        box = check_chunk_box(offs, sizes, shape, cw)
         location = loc(c, cw)
-        if location.nbytes != box.numel * dtype.itemsize:
-            raise CheckpointFormatError(
-                f"{cw}: {location.nbytes} bytes recorded for {box.numel} {dtype_name(dtype)} "
-                "elements"
-            )
+        check_chunk_bytes(box, dtype, location.nbytes, cw)
         chunks.append(ChunkRecord(box, location))
     covered = sum(c.box.numel for c in chunks)
     if covered != whole.numel:

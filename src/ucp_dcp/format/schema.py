@@ -16,6 +16,7 @@ from typing import Any, TypeGuard
 
 import torch
 
+from ..core.boxes import Box
 from ..core.values import dtype_from_name
 from ..errors import CheckpointFormatError
 from .names import dtype_name
@@ -36,6 +37,8 @@ __all__ = [
     "is_plain_file_name",
     "check_relative_name",
     "check_tensor_bytes",
+    "check_chunk_box",
+    "check_chunk_bytes",
     "check_paths",
 ]
 
@@ -197,6 +200,29 @@ def check_tensor_bytes(
         )
     if math.prod(max(n, 1) for n in shape) * dtype.itemsize > MAX_INT:
         raise CheckpointFormatError(f"{where}: shape {list(shape)} is too large to address")
+
+
+def check_chunk_box(offsets: Any, sizes: Any, shape: Sequence[int], where: str) -> Box:
+    """The box ``offsets``+``sizes`` of a chunk of a tensor of ``shape``, refused unless both are
+    index lists of its rank and the box lies inside the tensor."""
+    if not (is_index_list(offsets, len(shape)) and is_index_list(sizes, len(shape))):
+        raise CheckpointFormatError(
+            f"{where}: malformed offsets/sizes for a tensor of shape {list(shape)}"
+        )
+    box = Box(tuple(offsets), tuple(sizes))
+    if not box.fits(shape):
+        raise CheckpointFormatError(
+            f"{where}: box {offsets}+{sizes} lies outside shape {list(shape)}"
+        )
+    return box
+
+
+def check_chunk_bytes(box: Box, dtype: torch.dtype, nbytes: int, where: str) -> None:
+    """Refuse a chunk recorded as ``nbytes`` bytes that are not its elements times the item size."""
+    if box.numel * dtype.itemsize != nbytes:
+        raise CheckpointFormatError(
+            f"{where}: {nbytes} bytes recorded for {box.numel} {dtype_name(dtype)} elements"
+        )
 
 
 def short_repr(v: Any) -> str:
