@@ -1,22 +1,15 @@
 """Flat-range shards: a rank's slice of a flat buffer of several parameters.
 
-ZeRO-1/2/3, FSDP1's ``FlatParameter`` and Megatron's distributed optimizer
-concatenate many parameters (flattened, row-major, with alignment padding)
-into one buffer and give each rank a contiguous range of it. A rank's range
-can start in the middle of one parameter's row and end inside another
-parameter. DCP has no way to describe that; :class:`FlatShard` does::
+ZeRO, FSDP1's ``FlatParameter`` and Megatron's distributed optimizer give each rank a
+contiguous range of a buffer of many flattened parameters, which can start and end inside a
+row. DCP has no way to describe that; :class:`FlatShard` does (docs/layouts.md, "Flat
+shards")::
 
     params, total = pack_flat([("layer.w", (512, 300)), ("layer.b", (512,))], align=64)
     start, stop = flat_partition(total, world_size, rank)
     local = buffer[start:stop]                   # this rank's slice (any 1-D tensor)
     state = {"model": {"flat": FlatShard(local, params, start, prefix="model.")}}
     dcp.save(state, storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())
-
-The checkpoint then holds ``model.layer.w`` and ``model.layer.b`` as ordinary
-logical tensors: each rank wrote its own bytes, as they are, cut into at most
-``2 * ndim - 1`` boxes per parameter (:func:`ucp_dcp.core.sharding.flat_range_boxes`).
-They load into anything: DTensor shards of another mesh, full tensors, or
-another ``FlatShard`` of another partition, each rank reading only its bytes.
 """
 
 from __future__ import annotations

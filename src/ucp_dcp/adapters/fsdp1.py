@@ -1,16 +1,11 @@
 """FSDP1 (``FullyShardedDataParallel``) training state as universal pieces.
 
-FSDP1 keeps each wrapped unit's parameters in one ``FlatParameter``: the
-parameters flattened back to back (with alignment padding when
-``use_orig_params=True``), split into equal contiguous slices, one per rank.
-A rank's slice cuts through rows and parameters. :func:`fsdp1_state_dict`
-describes that memory, and the optimizer state laid out the same way, as
-:class:`~ucp_dcp.FlatShard` values named like the state DCP's
-``get_state_dict`` gives for the same module under FSDP2 (``fully_shard``).
-Saving writes each rank's bytes as they are (no all-gather); loading reads
-in place into the flat parameters and the optimizer state. The checkpoint
-then loads into FSDP2, TP, HSDP, a plain module, or FSDP1 on another world
-size::
+FSDP1 keeps each wrapped unit's parameters in one ``FlatParameter``, split into equal
+contiguous slices, one per rank, that cut through rows and parameters.
+:func:`fsdp1_state_dict` describes that memory, and the optimizer state laid out the same way,
+as :class:`~ucp_dcp.FlatShard` values named like the state DCP's ``get_state_dict`` gives for
+the same module under FSDP2, so the checkpoint loads into FSDP2, TP, HSDP, a plain module, or
+FSDP1 on another world size (docs/layouts.md, "FSDP1", says what is supported)::
 
     from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
     from ucp_dcp.adapters.fsdp1 import fsdp1_apply_loaded, fsdp1_state_dict
@@ -31,17 +26,6 @@ Logical names are ``model.<fqn>``, ``optim.state.<fqn>.<state>`` and
 (``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``,
 ``_orig_mod.``) removed: exactly the keys DCP flattens
 ``{"model": msd, "optim": osd}`` from ``get_state_dict`` to.
-
-Supported: FSDP1 roots with any nesting of units, ``use_orig_params`` False
-or True, sharding strategies ``FULL_SHARD`` and ``SHARD_GRAD_OP`` over all
-ranks of the default process group, and torch.optim optimizers (AdamW,
-Adam, SGD, ...) built from the FSDP1 model's parameters whose state is
-tensors shaped like the parameter, 0-d tensors (``step``) and plain values.
-Not supported (:class:`~ucp_dcp.errors.UnsupportedModelError`, a
-``ValueError``): ``NO_SHARD``, ``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``,
-process groups smaller than the world, FSDP2 models (use ``get_state_dict``
-directly), and optimizer parameters that are not FlatParameters / original
-parameters of the model.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """A declarative layout language: regex rules that say how a rank's tensors map to logical tensors.
 
-Megatron-style training state is not described by DTensors: a fused QKV
-weight holds this TP rank's rows of three matrices, an embedding carries
-padding rows, a pipeline stage calls global layer 12 ``layers.0``, an
-expert-parallel rank calls global expert 6 ``experts.0``. A
-:class:`LayoutSpec` is a list of rules, matched by regular expression on the
+A :class:`LayoutSpec` is a list of rules, matched by regular expression on the
 DCP-flattened key of every state-dict leaf, that turn each tensor into
 :class:`~ucp_dcp.core.pieces.TensorPieces` of canonical *logical* tensors (global
 names, unfused, unpadded). The checkpoint then holds ``layers.12.attn.q.weight``
 whatever layout saved it, and the same kind of spec, built for the target
-layout, loads it::
+layout, loads it (docs/layouts.md, "Layout rules")::
 
     spec = LayoutSpec(
         [Rename(r"_orig_mod\\.", ""),
@@ -43,25 +39,8 @@ How a key is handled:
    under a stack rule a plain tensor no layout rule matches holds whole
    experts.
 
-Non-tensor leaves (ints, ``param_groups`` lists, :class:`~ucp_dcp.RankLocal`)
-are kept at their keys. The returned state dict has the caller's structure,
-so the keys DCP sees do not change; every piece is a view of the caller's
-tensor, so a load writes in place.
-
-``strict`` also makes a rule that matches no key on this rank an error. The
-check is per rank: under pipeline or expert parallelism a rule that only
-some ranks need (the embedding on the first stage) should be marked
-``optional=True``, or the spec built per rank with only the rules it needs.
-
-``apply(..., record=True)`` stores the spec (rules and this rank's axis
-coordinates, as JSON) in the checkpoint under ``"__ucp_layout__"`` as a
-:class:`~ucp_dcp.RankLocal`; :meth:`LayoutSpec.from_json` rebuilds it.
-
-:class:`LayoutSpec` renames every tensor key, picks the first layout rule
-that matches it and replaces the tensor by its pieces, keeping the caller's
-structure, and checks that no two keys claim the same part of a logical
-tensor. The rules themselves are in :mod:`ucp_dcp.adapters.rules`; every name
-used above is importable from :mod:`ucp_dcp`.
+The rules themselves are in :mod:`ucp_dcp.adapters.rules`; every name used above is
+importable from :mod:`ucp_dcp`.
 """
 
 from __future__ import annotations

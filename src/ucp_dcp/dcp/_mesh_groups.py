@@ -1,27 +1,12 @@
 """Compact save planning: describe a mesh's tensors once, not once per rank.
 
-DCP's save protocol gathers every rank's local plan on the coordinator (one
-write item per local shard of every tensor) and scatters a plan back. At
-16384 ranks x 700 tensors that is millions of items through one process,
-and it is the same information 16384 times over: every rank of a device
-mesh holds the same tensors with the same placements, and its chunk follows
-from its mesh coordinate.
-
-So :class:`~ucp_dcp.UCPSavePlanner` groups the regular DTensors of a rank
-by device mesh (:class:`MeshGroup`). The mesh's first rank sends the group's
-description; every rank sends only the description's checksum. The
-coordinator checks that all ranks of each mesh agree and picks the mesh
-that writes a tensor several meshes hold (:mod:`ucp_dcp.dcp._save_global`),
-and each rank derives its own write items (:func:`group_items`). Which
-replica writes a replicated chunk is decided by a deterministic rule on the
-description (:meth:`MeshGroup.replica_choice`) that every rank and the
-coordinator evaluate alike, so no per-item decision travels either way. The
-coordinator's index then needs, per tensor, only the file of each chunk: a
-vectorised computation over the grid (:meth:`MeshGroup.writer_ranks`,
-:func:`compact_records`), and DCP's chunk lists are built only if something
-reads them (:class:`LazyChunks`). Groups and derived items are cached per
-process, so a training loop that saves the same model again derives nothing
-twice.
+Every rank of a device mesh holds the same regular DTensors with the same placements, and its
+chunk follows from its mesh coordinate. So :class:`~ucp_dcp.UCPSavePlanner` groups them by mesh
+(:class:`MeshGroup`): the mesh's first rank sends the group's description, every rank its
+checksum. Which replica writes a replicated chunk (:meth:`MeshGroup.replica_choice`), each
+rank's writes (:func:`group_items`) and the coordinator's index (:func:`compact_records`)
+follow from the description alone, so no per-item decision travels either way. Why, and what
+it saves at 16384 ranks: docs/scale.md, "Save plans per device mesh".
 """
 
 from __future__ import annotations
@@ -29,9 +14,10 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, SupportsIndex, overload
+from typing import Any, SupportsIndex, TypeVar, overload
 
 import numpy as np
 import torch
@@ -61,7 +47,10 @@ __all__ = [
     "owned_metadata",
     "compact_records",
     "LazyChunks",
+    "balance",
 ]
+
+_H = TypeVar("_H", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -135,23 +124,27 @@ class MeshGroup:
     def replica_choice(self) -> dict[str, int]:
         """Per tensor, which replica (index over its replicated mesh dims) writes it.
 
-        Greedy, largest tensors first, each to the least-loaded replica of
-        the same replicated dims: the writes of a replicated layout (HSDP,
-        TP-replicated norms) spread over the replicas. Deterministic in the
-        description, so every rank computes the same answer.
+        :func:`balance` over the replicas of the same replicated dims, each charged
+        its chunk's bytes: the writes of a replicated layout (HSDP, TP-replicated
+        norms) spread over the replicas. Deterministic in the description, so
+        every rank computes the same answer.
         """
-        load: dict[tuple[int, ...], list[int]] = {}
-        choice: dict[str, int] = {}
-        for t in sorted(self.tensors, key=lambda t: (-t.nbytes, t.fqn)):
+        # A replica is a (replicated dims, index) slot: tensors replicated over the same dims
+        # share their slots, and so their load.
+        slots: dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]] = {}
+        replicas = {}
+        for t in self.tensors:
             rdims = _replicated_dims(t.layout)
-            n = math.prod(self.mesh[m] for m in rdims)
-            if n == 1:
-                choice[t.fqn] = 0
-                continue
-            slots = load.setdefault(rdims, [0] * n)
-            k = min(range(n), key=lambda i: (slots[i], i))
-            slots[k] += t.nbytes // max(1, t.layout.grid(t.shape).n_chunks)
-            choice[t.fqn] = k
+            if rdims not in slots:
+                slots[rdims] = [(rdims, i) for i in range(math.prod(self.mesh[m] for m in rdims))]
+            replicas[t.fqn] = slots[rdims]
+        load: dict[tuple[tuple[int, ...], int], int] = defaultdict(int)
+        choice: dict[str, int] = {}
+        for fqn, k in balance({t.fqn: t.nbytes for t in self.tensors}, replicas, load):
+            choice[fqn] = k
+            if len(replicas[fqn]) > 1:
+                t = self.spec(fqn)
+                load[replicas[fqn][k]] += t.nbytes // max(1, t.layout.grid(t.shape).n_chunks)
         return choice
 
     def writes(self, spec: TensorSpec, coord: Sequence[int]) -> bool:
@@ -186,6 +179,21 @@ class MeshGroup:
 
 def _replicated_dims(layout: Layout) -> tuple[int, ...]:
     return tuple(m for m, p in enumerate(layout.placements) if p == "R")
+
+
+def balance(
+    sizes: Mapping[str, int], options: Mapping[str, Sequence[_H]], load: Mapping[_H, int]
+) -> Iterator[tuple[str, int]]:
+    """Greedy balancing, the rule of every writer choice of a save: each name of ``sizes``,
+    largest first (ties by name), with the index in ``options[name]`` of the least-``load``ed
+    option (the first on a tie).
+
+    The caller adds what it placed to ``load`` before taking the next. The answer depends on
+    these arguments alone, so every rank that computes it from the same ones gets the same.
+    """
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        opts = options[name]
+        yield name, min(range(len(opts)), key=lambda i: load[opts[i]])
 
 
 # ---------------------------------------------------------------------- each rank's writes

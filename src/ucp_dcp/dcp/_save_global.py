@@ -30,7 +30,14 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 
 from ..errors import InconsistentSaveError
 from ..format import Layout, dtype_name, rank_local_key, split_rank_local_key
-from ._mesh_groups import MeshGroup, Owners, TensorSpec, described_group, owned_metadata
+from ._mesh_groups import (
+    MeshGroup,
+    Owners,
+    TensorSpec,
+    balance,
+    described_group,
+    owned_metadata,
+)
 from ._plan_records import PieceKey, SaveRankReport, SaveReply, SaveSummary, tensor_data
 
 __all__ = [
@@ -348,11 +355,12 @@ def assign_writers(table: ChunkTable, world_size: int) -> dict[PieceKey, int]:
     """One writer per distinct chunk, among the ranks holding it.
 
     The replica is chosen per tensor (the same replica index for all its
-    chunks) to keep the index compact, and tensors are placed largest first
-    on the least-loaded replica; tensors of at most :data:`SMALL_TENSOR_BYTES` on the lowest
-    rank holding them that has written less than :data:`SMALL_BYTES_PER_RANK` of such tensors.
+    chunks) to keep the index compact, by :func:`~ucp_dcp.dcp._mesh_groups.balance`
+    over the ranks holding its first chunk; tensors of at most :data:`SMALL_TENSOR_BYTES`
+    on the lowest rank holding them that has written less than
+    :data:`SMALL_BYTES_PER_RANK` of such tensors.
     """
-    load = [0] * world_size
+    load: dict[int, int] = defaultdict(int)
     small = [0] * world_size  # bytes of small tensors each rank writes
     writer: dict[PieceKey, int] = {}
     first = table.first
@@ -360,15 +368,14 @@ def assign_writers(table: ChunkTable, world_size: int) -> dict[PieceKey, int]:
         fqn: sum((first[k].tensor_storage_size() or 0) for k in keys)
         for fqn, keys in table.by_tensor.items()
     }
-    for fqn in sorted(table.by_tensor, key=lambda f: (-sizes[f], f)):
-        keys = table.by_tensor[fqn]
-        reps0 = sorted(table.holders[keys[0]])
-        k = min(range(len(reps0)), key=lambda i: (load[reps0[i]], i))
+    replicas = {fqn: sorted(table.holders[keys[0]]) for fqn, keys in table.by_tensor.items()}
+    for fqn, k in balance(sizes, replicas, load):
+        reps0 = replicas[fqn]
         if sizes[fqn] <= SMALL_TENSOR_BYTES:
             room = (i for i, r in enumerate(reps0) if small[r] + sizes[fqn] <= SMALL_BYTES_PER_RANK)
             k = next(room, k)
             small[reps0[k]] += sizes[fqn]
-        for key in keys:
+        for key in table.by_tensor[fqn]:
             reps = sorted(table.holders[key])
             w = reps[k % len(reps)]
             writer[key] = w
@@ -381,8 +388,8 @@ def assign_owners(groups: list[MeshGroup], taken: set[str]) -> Owners:
 
     A tensor held by several meshes with the same description is a replica
     (a TP-replicated parameter kept on each TP rank's data-parallel
-    submesh): one mesh writes it, chosen largest tensors first on the least
-    loaded mesh. Different descriptions under one key are an error.
+    submesh): one mesh writes it, chosen by :func:`~ucp_dcp.dcp._mesh_groups.balance`
+    over the meshes. Different descriptions under one key are an error.
     """
     holders: dict[str, list[tuple[MeshGroup, TensorSpec]]] = defaultdict(list)
     for g in sorted(groups, key=lambda g: g.first_rank):
@@ -390,7 +397,9 @@ def assign_owners(groups: list[MeshGroup], taken: set[str]) -> Owners:
             holders[t.fqn].append((g, t))
     load: dict[int, int] = defaultdict(int)
     owners: Owners = {}
-    for fqn in sorted(holders, key=lambda f: (-holders[f][0][1].nbytes, f)):
+    sizes = {fqn: cands[0][1].nbytes for fqn, cands in holders.items()}
+    meshes = {fqn: [g.first_rank for g, _ in cands] for fqn, cands in holders.items()}
+    for fqn, k in balance(sizes, meshes, load):
         cands = holders[fqn]
         spec = cands[0][1]
         same = (spec.dtype, spec.shape, spec.layout)
@@ -408,7 +417,7 @@ def assign_owners(groups: list[MeshGroup], taken: set[str]) -> Owners:
                 f"tensor {fqn!r} is saved {where}; one key must name one tensor on every rank "
                 "(pipeline stages: rename stage-local layers to global names)"
             )
-        g, t = min(cands, key=lambda c: (load[c[0].first_rank], c[0].first_rank))
+        g, t = cands[k]
         load[g.first_rank] += t.nbytes
         owners[fqn] = (g, t)
     return owners

@@ -1,25 +1,11 @@
 """``UCPLoadPlanner``: what each rank reads back, as DCP's load-planner protocol; its local step.
 
 The planner turns the target state dict (any layout, any world size) into reads of exactly the
-overlapping boxes of the saved chunks, with strictness rules on keys, shapes and dtypes, and hands
-each rank its own rank-local values. Its read items stay on the rank: DCP's global load plan only
-sees a :class:`~ucp_dcp.dcp._plan_records.LoadRankReport`.
-
-What one rank reads (the functions below the class): a target (this rank's shard of a DTensor, a
-plain tensor, a piece) is a box of the global tensor; the saved chunks are boxes too. Every
-non-empty intersection becomes one DCP read item (:func:`overlap_reads`). The saved
-chunks of a regular layout form a grid, searched per dimension
-(:meth:`~ucp_dcp.core.sharding.Grid.overlapping`), so the cost does not
-depend on the saved world size; an irregular chunk list is scanned.
-
-A rank-local value is read from this rank's own copy when the world size is
-unchanged; otherwise every saved copy is read and handed to a reshard
-function (:func:`rank_local_reads`, :class:`RankLocalGather`).
-
-Under pipeline or expert parallelism each rank loads only its part, so a
-key one rank did not ask for is not news; a key that no rank asked for is.
-Each rank sends one bit per checkpoint key (whatever the world size); the
-coordinator ORs them (:func:`asked_keys`, :func:`keys_no_rank_asked`).
+overlapping boxes of the saved chunks (:func:`overlap_reads`), with strictness rules on keys,
+shapes and dtypes, and hands each rank its own rank-local values (:func:`rank_local_reads`).
+Its read items stay on the rank: DCP's global load plan only sees a
+:class:`~ucp_dcp.dcp._plan_records.LoadRankReport`. Why the cost does not depend on the saved
+world size: docs/scale.md, "Load planning by arithmetic".
 """
 
 from __future__ import annotations
@@ -36,6 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     STORAGE_TYPES,
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
@@ -340,7 +327,7 @@ def local_boxes(fqn: str, obj: torch.Tensor) -> list[Box]:
         shape = tuple(obj.shape)
         boxes = []
         for c in create_chunk_list(obj):
-            b = Box(tuple(c.offsets), tuple(c.sizes))
+            b = _box_of(c)
             if not b.numel:
                 continue  # an empty shard (this rank holds none of the tensor)
             if not b.fits(shape):
@@ -358,7 +345,12 @@ def local_boxes(fqn: str, obj: torch.Tensor) -> list[Box]:
         box = arith_box(tuple(obj.shape), tuple(obj.device_mesh.shape), obj.placements, coord)
         if box is not None:
             return [box]
-    return [Box(tuple(c.offsets), tuple(c.sizes)) for c in create_chunk_list(obj)]
+    return [_box_of(c) for c in create_chunk_list(obj)]
+
+
+def _box_of(c: ChunkStorageMetadata) -> Box:
+    """The box of DCP's chunk record ``c``."""
+    return Box(tuple(c.offsets), tuple(c.sizes))
 
 
 def saved_grid(info: LoadSourceInfo, fqn: str, smd: TensorStorageMetadata) -> Grid | None:
@@ -366,8 +358,7 @@ def saved_grid(info: LoadSourceInfo, fqn: str, smd: TensorStorageMetadata) -> Gr
     one, else built from DCP's chunk list (another reader); None if irregular."""
     if callable(info.chunk_grid):
         return info.chunk_grid(fqn)
-    boxes = [Box(tuple(c.offsets), tuple(c.sizes)) for c in smd.chunks]
-    return Grid.from_boxes(boxes, tuple(smd.size)) if all(b.numel for b in boxes) else None
+    return Grid.from_chunk_list([_box_of(c) for c in smd.chunks], tuple(smd.size))
 
 
 def overlap_reads(
@@ -396,7 +387,7 @@ def overlap_reads(
         if grid is not None:  # binary search per dimension: independent of the saved world size
             found = [(int(k), grid.box(int(k))) for k in grid.overlapping(target)]
         else:  # an irregular chunk list: test every saved chunk
-            found = [(k, Box(tuple(c.offsets), tuple(c.sizes))) for k, c in enumerate(smd.chunks)]
+            found = [(k, _box_of(c)) for k, c in enumerate(smd.chunks)]
         covered = 0
         for idx, s in found:
             inter = intersect(target, s)

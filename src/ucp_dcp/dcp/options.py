@@ -64,7 +64,7 @@ class ReadOptions:
             (:data:`~ucp_dcp.core.spans.ACCESS_MODES`). :attr:`LoadReport.file_access` says which.
         read_once: read each needed byte from storage once for the whole job and send it to the
             ranks that need it: True, False or ``"auto"`` (the default: on shared storage, where
-            it pays; the policy: :mod:`ucp_dcp.dcp.read_once`), the same on every rank.
+            it pays; the policy: :func:`ucp_dcp.dcp.read_once.decide`), the same on every rank.
             :attr:`LoadReport.read_once` says what it decided.
         read_once_costs: the cost model ``"auto"`` weighs an exchange with
             (:class:`~ucp_dcp.ReadOnceCosts`); None: its defaults.

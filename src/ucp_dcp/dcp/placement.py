@@ -1,19 +1,10 @@
 """A load proves itself: every loaded tensor's placement digest, checked against the saved one.
 
-The save recorded, per tensor, the sum of a hash of every element and its global position
-(:mod:`ucp_dcp.core.placement_digest`). After a load each rank computes the shares of the boxes
-*its state dict* holds, read from the destinations' own descriptions (a DTensor's mesh and
-placements through DTensor's arithmetic, a piece's offsets, a ShardedTensor's shard metadata),
-never from the load plan: a planner that computed a wrong offset, swapped two chunks or copied
-into the wrong place is caught, because the destination's own layout says where each element
-belongs. One all-reduce adds the ranks' shares up, in host memory, on the load's group or, for a
-group that is NCCL alone, on a gloo group made from its ranks (the read-once exchange's rule,
-:func:`~ucp_dcp.dcp.read_once.transport.wire_for`; device memory only where the caller opts in).
-
-Replicas are not skipped but counted: a tensor held ``n`` times in the job (a plain tensor on
-every rank, a DTensor replicated along a mesh dimension) must sum to ``n`` times its digest,
-``n`` being the elements loaded divided by its element count. So every copy is checked, and
-no rank needs to know which copies the others hold.
+Each rank adds up the placement-digest shares (:mod:`ucp_dcp.core.placement_digest`) of the
+boxes its state dict holds, at the global positions their own layout gives them, never the load
+plan's; one all-reduce sums the ranks' shares, and a tensor held ``n`` times in the job must
+hash to ``n`` times its digest. What it proves, and why replicas are counted, not skipped:
+docs/resharding.md, "Loads that prove their placement".
 """
 
 from __future__ import annotations
@@ -93,7 +84,11 @@ def flat_state(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def _boxes(key: str, obj: Any) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
     """(tensor name, data, global offsets) of every box a flattened state-dict entry holds on
-    this rank, from the entry's own description of itself."""
+    this rank, from the entry's own description of itself.
+
+    Not :func:`~ucp_dcp.dcp.load_planner.local_boxes`, on purpose: the load planner's boxes come
+    from ucp_dcp's arithmetic (``arith_box``), and a check that shared it could not catch it.
+    """
     if isinstance(obj, TensorPieces):
         for p in obj.pieces:
             yield p.fqn, p.data, p.offsets
@@ -192,9 +187,8 @@ def check_placement(
     """Add the ranks' shares up (one all-reduce over ``group`` when a process group is
     initialised) and compare every loaded tensor with its recorded digest.
 
-    The all-reduce moves host memory: on ``group`` where it handles CPU tensors, else on a gloo
-    group made once from its ranks (:func:`~ucp_dcp.dcp.read_once.transport.wire_for`); on an
-    NCCL group's device memory only with ``allow_device``.
+    The all-reduce runs where :func:`~ucp_dcp.dcp.read_once.transport.wire_for` says: host
+    memory, or an NCCL group's device memory only with ``allow_device``.
 
     Every rank of the group must call this. ``shares=None`` says this rank's load failed: the
     check is skipped on every rank (the failing rank raises its own error), so no rank waits.

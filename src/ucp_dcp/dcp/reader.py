@@ -115,9 +115,7 @@ class UCPStorageReader(StorageReader):
             group), for ``read_once``, ``verify_placement``, naming the slowest rank.
 
     What each load found is :attr:`last_load` (a :class:`~ucp_dcp.LoadReport`, replaced when the
-    next load starts reading): this rank's and the job's slowest rank's time and slowest file,
-    the bytes requested and verified, how each file was read, what read-once decided and moved
-    and over what (``transport``), what the placement check found.
+    next load starts reading).
     """
 
     def __init__(

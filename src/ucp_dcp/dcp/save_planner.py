@@ -3,22 +3,10 @@
 The planner records every tensor's DTensor layout, encodes non-tensor values as tagged JSON (never
 pickle), checks that values saved once for all ranks really are the same on every rank, and spreads
 the writing of replicated chunks across their replicas. Its methods are thin: the local plan is
-:func:`create_local_save_plan` (below), the coordinator's step
+:func:`create_local_save_plan` (below; what it makes of each kind of entry: docs/resharding.md,
+"Tensor kinds"), the coordinator's step
 :func:`~ucp_dcp.dcp._save_global.create_global_save_plan`, and the derived writes of mesh groups
 :func:`~ucp_dcp.dcp._mesh_groups.group_items`.
-
-What one rank saves (:func:`create_local_save_plan`, its plan and the report it sends the
-coordinator): every flattened state-dict entry becomes write items or a mesh-group
-membership: a :class:`~ucp_dcp.RankLocal` value is written under this rank's
-own key; a regular DTensor joins its mesh's group (no write item: the rank
-derives its writes once the coordinator has checked the group), except on a
-rank outside its mesh (a sub-mesh DTensor), which holds none of it; an
-irregular DTensor or a plain tensor is planned per chunk; a
-``LocalShardsWrapper`` DTensor or a tensor subclass of DCP's checkpointable
-protocol is planned from the write items it makes itself; the pieces of a
-:class:`~ucp_dcp.TensorPieces` are named by their logical tensors; any other
-value is encoded as tagged JSON. Values and plain tensors are hashed so the
-coordinator can tell whether ranks agree on them.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ __all__ = [
     "slowest_of",
     "gather_slowest",
     "name_slowest",
+    "log_slowest",
     "LoadRun",
 ]
 
@@ -171,12 +172,17 @@ def name_slowest(
     progress threshold. ``own`` and the job's record."""
     ran = progress.finish("" if failing else own.where())
     job = gather_slowest(own, ranks, group, paths, failing=failing)
-    if (
-        ranks > 1
-        and job is not None
-        and not failing
-        and ran >= progress.config.threshold
-        and dist.get_rank(group) == 0
-    ):
-        progress_log.info("%s: slowest rank %s", progress.what, job.describe())
+    if ranks > 1 and not failing and dist.get_rank(group) == 0:
+        log_slowest(progress.what, job, progress.config.threshold, ran)
     return own, job
+
+
+def log_slowest(
+    what: str, job: SlowestRecord | None, threshold: float, seconds: float | None = None
+) -> None:
+    """Name the job's slowest rank ``job`` on the ``ucp_dcp.progress`` logger (``what``: the
+    operation, as its progress lines name it) when the run took at least the progress lines'
+    ``threshold``: ``seconds``, else the slowest rank's own. The caller logs it on one rank of a
+    job of several."""
+    if job is not None and (job.seconds if seconds is None else seconds) >= threshold:
+        progress_log.info("%s: slowest rank %s", what, job.describe())

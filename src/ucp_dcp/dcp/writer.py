@@ -27,7 +27,6 @@ from torch.futures import Future
 from ..byteio.datafile import chunk_entry, layout, value_entry
 from ..byteio.location import DataFileSpec, ModelDir, commit_index, location_at, write_error
 from ..byteio.progress import Progress, ProgressConfig
-from ..byteio.progress import log as progress_log
 from ..byteio.rangeio import tensor_view
 from ..byteio.requests import RequestPolicy, current_rank
 from ..core.placement_digest import MASK64, box_share, combine, digest_hex
@@ -51,7 +50,7 @@ from ..format import (
 from ._mesh_groups import compact_records
 from ._plan_records import SaveSummary, tensor_data
 from .save_planner import UCPSavePlanner, resolved_as
-from .slowest import SlowestRecord, slowest_of
+from .slowest import SlowestRecord, log_slowest, slowest_of
 
 __all__ = ["UCPStorageWriter", "DEFAULT_WRITE_THREADS"]
 
@@ -120,15 +119,11 @@ class UCPStorageWriter(StorageWriter):
             After a save, ``rank_record`` (a :class:`~ucp_dcp.SlowestRecord`)
             says how long this rank's ``write_data`` took and how many bytes
             its file holds; on the coordinator, ``slowest`` names the job's
-            slowest rank (each rank's record comes with its write results; no
-            collective of its own). Elsewhere ``slowest`` is the rank's own.
+            slowest rank. Elsewhere ``slowest`` is the rank's own.
         placement_digests: record every tensor's placement digest in the
-            index (:mod:`ucp_dcp.core.placement_digest`): each rank hashes
-            every element it writes with its global position, and the
-            coordinator adds the ranks' shares up. A load can then prove it
-            put every element in its place (``UCPStorageReader(
-            verify_placement=True)``, ``Checkpoint.verify_loaded``). Off by
-            default: it hashes at about 1.6 GB/s of fp32 per rank, a large
+            index, so that a load can prove it put every element in its place
+            (``ReadOptions(verify_placement=True)``, ``Checkpoint.verify_loaded``).
+            Off by default: it hashes at about 1.6 GB/s of fp32 per rank, a large
             part of a save's time (docs/format.md, "Placement digests").
 
     A rank whose write fails (``ENOSPC``, an I/O error) removes its partial
@@ -371,12 +366,8 @@ class UCPStorageWriter(StorageWriter):
         counts: dict[int, int] = {}
         timings = [r[0].storage_data.timing for r in results if r]
         self.slowest = slowest_of(timings)
-        if (
-            len(timings) > 1
-            and self.slowest is not None
-            and self.slowest.seconds >= self.progress.threshold
-        ):
-            progress_log.info("save to %s: slowest rank %s", self.path, self.slowest.describe())
+        if len(timings) > 1:
+            log_slowest(f"save to {self.path}", self.slowest, self.progress.threshold)
         for rank, res in enumerate(results):
             if not res:
                 continue

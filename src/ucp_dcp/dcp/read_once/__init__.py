@@ -4,6 +4,8 @@ docs/read-once.md).
 
 The subpackage, in reading order:
 
+- :mod:`~ucp_dcp.dcp.read_once.ranges`: the arithmetic on byte ranges the plan is built from
+  (segments of the needs, water-filling).
 - :mod:`~ucp_dcp.dcp.read_once.plan`: which rank reads each needed page (one that needs it,
   balanced) and what it sends to whom: pure arithmetic on byte ranges as integer arrays.
 - :mod:`~ucp_dcp.dcp.read_once.rounds`: the plan in compact form (ranks with identical needs as
@@ -17,14 +19,6 @@ The subpackage, in reading order:
   agreed by the whole group (:func:`coordinate`: the needs' digests gathered by every rank, each
   distinct needs once by the first rank, which plans, decides, and scatters each rank its part,
   :func:`messages`).
-
-The policy: ``True`` always exchanges, ``False`` never (no collective at all), ``"auto"`` where
-the storage is shared by the job (an object store, a network file system:
-:func:`shared_storage`), the bytes the ranks need, summed, exceed the unique bytes by more than
-5% (:data:`OVERLAP_TO_EXCHANGE`: replicas, pieces narrower than a checksum block) and
-:class:`ReadOnceCosts` estimates the exchange faster. The ranks of a machine reading one local
-disk share its page cache, which already reads each page once, so there ``"auto"`` reads
-directly without asking the other ranks.
 """
 
 from __future__ import annotations
@@ -180,8 +174,12 @@ def decide(
     costs: ReadOnceCosts | None = None,
     budget: int = 64 << 20,
 ) -> ReadOnceDecision:
-    """The policy (see the module): whether a load with ``plan`` exchanges; ``costs`` (default
-    :class:`ReadOnceCosts`) weigh it under ``"auto"``, for rounds of ``budget`` bytes."""
+    """Whether a load with ``plan`` exchanges: ``True`` always, ``False`` never (no collective at
+    all), ``"auto"`` where the storage is ``shared`` by the job (:func:`shared_storage`: on a
+    local disk the ranks of a machine share its page cache, which already reads each page once),
+    the ranks' summed needs exceed the unique bytes by more than :data:`OVERLAP_TO_EXCHANGE`
+    (replicas, pieces narrower than a checksum block) and ``costs`` (default
+    :class:`ReadOnceCosts`) estimate the exchange faster, for rounds of ``budget`` bytes."""
     needed = plan.needed_bytes if plan is not None else 0
     unique = plan.unique_bytes if plan is not None else 0
     base = ReadOnceDecision(mode, False, "", storage, shared, needed, unique)

@@ -1,45 +1,20 @@
 """Read-once loads, one rank's part: moving the bytes, where they land, checking them.
 
-:mod:`ucp_dcp.dcp.read_once` plans who reads which byte of the job's needs;
-this module runs one rank's share. It comes as one :class:`RankRounds`, the
-same number of rounds on every rank: in each round the rank reads the pieces
-it sends (to itself too; each byte once however many peers get it), one
-``all_to_all_single`` on the load's process group moves them, and every
-received piece is checked block by block against the chunk's block checksums
-before its bytes are copied into the destination tensors. Nothing is
-committed (no ``done`` callback runs) until every round succeeded on every
-rank.
-
-Every message opens with a status word, so a rank whose read or check failed
-tells every other rank in the next round (or in the closing gather): all
-ranks stop after the same round and raise the same error, and none is left
-waiting in a collective.
-
-Messages travel on a :class:`~ucp_dcp.dcp.read_once.transport.Wire` (its module says which).
-A round's messages travel while the previous round's are checked and put
-in place, and the next round's are read: at most two rounds are in flight,
-each in a send and a receive buffer of at most the round's budget, so a
-load of any size streams through about five budgets of memory.
-
-**Where received bytes land.** :class:`LocalNeeds` lists, for every region
-of a saved chunk this rank fills (:class:`Region`), the runs of the file it
-needs and where each lands in the destination's storage. It answers which
-byte ranges to ask the job for (:meth:`LocalNeeds.needs`, rounded out to
-whole checksum blocks), and where the bytes of a received piece go
-(:meth:`LocalNeeds.copy_in`): straight into the storage of a CPU tensor of
-the saved dtype, or cast and copied run by run into any other destination.
-
-**Checks.** A received piece is hashed block by block where it was received
-(:class:`PieceChecker`), before any of it is copied into place; a block split
-between pieces is held until it is complete. A mismatch raises the
-:class:`~ucp_dcp.ChecksumError` of the block verifier, naming the file, the
-tensor, the block and the rank that read it.
+:mod:`ucp_dcp.dcp.read_once` plans who reads which byte of the job's needs; this module runs
+one rank's share, one :class:`RankRounds`, the same number of rounds on every rank. In each
+round the rank reads the pieces it sends, one ``all_to_all_single`` on the load's group (a
+:class:`~ucp_dcp.dcp.read_once.transport.Wire`) moves them, and every received piece is checked
+(:class:`PieceChecker`) before its bytes are copied into place (:class:`LocalNeeds`). Every
+message opens with a status word (:func:`framed`), so a rank that fails tells the others in the
+next round: all stop after the same round, raise the same error, and commit nothing. The
+design, its memory bound and its failure rules: docs/read-once.md, "Rounds" to "Failure on every
+rank".
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,6 +34,9 @@ from .transport import Wire
 
 __all__ = [
     "STATUS_BYTES",
+    "message_sizes",
+    "framed",
+    "mark_failed",
     "ExchangeRound",
     "ExchangeTotals",
     "LocalNeeds",
@@ -71,7 +49,28 @@ __all__ = [
 ]
 
 STATUS_BYTES = 8
-"""Bytes of the status word that opens every message (int64: 0 ok, 1 failed)."""
+"""Bytes of the status word that opens every message (all zero: ok; any byte set: failed)."""
+
+
+def message_sizes(payloads: Iterable[int]) -> list[int]:
+    """Bytes of each message, given the bytes of its payload: the status word, then the payload."""
+    return [STATUS_BYTES + n for n in payloads]
+
+
+def framed(buf: np.ndarray, sizes: Sequence[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The messages laid end to end in ``buf`` (``sizes`` bytes each), as views of their status
+    word and payload: to fill a send buffer, or to read a received one."""
+    at = 0
+    for size in sizes:
+        yield buf[at : at + STATUS_BYTES], buf[at + STATUS_BYTES : at + size]
+        at += size
+
+
+def mark_failed(buf: np.ndarray, sizes: Sequence[int]) -> None:
+    """Set the status word of every message in ``buf``: this rank failed, and the messages keep
+    the sizes the receivers expect (they stop at the status)."""
+    for status, _ in framed(buf, sizes):
+        status[:] = 1  # bytes, not an int64: messages need not start 8-byte aligned
 
 
 def rank_failed(rank: int, error: object) -> ReadOnceError:
@@ -435,18 +434,18 @@ class _InFlight:
         failed); whether any rank said it failed, and this rank's error so far."""
         self.work.wait()
         data = self.recv.cpu().numpy()  # no copy for a CPU group
-        peer_failed, at = False, 0
-        for p, (pieces, size) in enumerate(zip(self.rnd.recvs, self.recv_sizes)):
-            if data[at : at + STATUS_BYTES].any():
+        peer_failed = False
+        messages = framed(data, self.recv_sizes)
+        for p, (pieces, (status, payload)) in enumerate(zip(self.rnd.recvs, messages)):
+            if status.any():
                 peer_failed = True
             elif error is None:
                 try:
-                    _unpack(pieces, data[at + STATUS_BYTES : at + size], p, needs, checker, totals)
+                    _unpack(pieces, payload, p, needs, checker, totals)
                 except Exception as e:  # noqa: BLE001  (raised after the closing gather)
                     error = e
             if p != me:
-                totals.received += size - STATUS_BYTES
-            at += size
+                totals.received += len(payload)
         return peer_failed, error
 
 
@@ -488,8 +487,7 @@ def run_exchange(
             except Exception as e:  # noqa: BLE001
                 error = e
         if error is not None:  # tell every rank, in messages of the agreed sizes
-            for at in np.cumsum([0, *send_sizes[:-1]]).tolist():
-                send[at : at + STATUS_BYTES] = 1  # messages need not start 8-byte aligned
+            mark_failed(send.numpy(), send_sizes)
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=wire)
         if wire.type != "cpu":  # opted in to device memory on an NCCL group
             send = send.pin_memory().to(wire, non_blocking=True)
@@ -523,8 +521,8 @@ def run_exchange(
 
 
 def _sizes(pieces: Sequence[np.ndarray]) -> list[int]:
-    """Bytes of the message to or from each peer: the status word and the pieces."""
-    return [STATUS_BYTES + (int(p[:, 2].sum()) if len(p) else 0) for p in pieces]
+    """Bytes of the message to or from each peer, whose payload is ``pieces``."""
+    return message_sizes(int(p[:, 2].sum()) if len(p) else 0 for p in pieces)
 
 
 def _pack(
@@ -555,18 +553,16 @@ def _pack(
             held[f] = (a, offs, buf)
             totals.read += int(offs[-1])
         source.read(segs)
-    at = 0
-    for p, (pieces, size) in enumerate(zip(rnd.sends, sizes)):
-        w = at + STATUS_BYTES
+    for p, (pieces, (_, payload)) in enumerate(zip(rnd.sends, framed(out, sizes))):
+        w = 0
         for f, s, n in pieces.tolist():
             a, offs, buf = held[f]
             i = int(np.searchsorted(a, s, "right")) - 1
             o = int(offs[i]) + s - int(a[i])
-            out[w : w + n] = buf[o : o + n]
+            payload[w : w + n] = buf[o : o + n]
             w += n
         if p != me:
-            totals.sent += size - STATUS_BYTES
-        at += size
+            totals.sent += len(payload)
 
 
 def _unpack(

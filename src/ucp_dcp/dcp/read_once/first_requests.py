@@ -1,29 +1,18 @@
 """Read-once loads, the metadata half: each data file's first request made by one rank.
 
-Before a rank can list the byte ranges it needs, it parses the header of
-every data file it reads. In object storage that is each file's first
-ranged GET (the header and the block checksums after it), which every rank
-would otherwise make for itself: ranks x files requests, and on a
-replicated target the same bytes read as many times as there are ranks.
-Where a load may exchange (``ReadOptions(read_once=...)``), the ranks
-first say which files they read (one ``all_gather_object`` of runs of file
-numbers); one of the ranks that read a file fetches its first request (file
-``f`` goes to the ``f mod n``-th of its ``n`` readers, so a replicated target
-spreads them evenly), and one ``all_to_all_single`` hands the bytes to the
-others. Every rank computes the same assignment from the same gather, and
-the length of every first request follows from the index, so the message
-sizes need no exchange of their own.
-
-Every message opens with a status word, as in the exchange's rounds: a rank
-whose fetch failed says so to every other rank, and then every rank raises
-its error (a :class:`~ucp_dcp.errors.StorageError` naming the object),
-gathered; none is left waiting.
-The bytes are checked as any header is, where they are parsed.
+The ranks say which files they read (one ``all_gather_object`` of runs of file numbers); file
+``f`` is fetched by the ``f mod n``-th of its ``n`` readers and one ``all_to_all_single`` hands
+the bytes to the others. Every rank computes the same assignment from the same gather, and the
+length of every first request follows from the index, so the message sizes need no exchange of
+their own. Messages are framed as the exchange's (a status word first,
+:func:`~ucp_dcp.dcp.read_once.exchange.framed`), so a failed fetch fails every rank. Why:
+docs/read-once.md, "The data files' first requests, shared". The bytes are checked as any header
+is, where they are parsed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -32,7 +21,7 @@ import torch.distributed as dist
 
 from ...core.spans import merge_ranges
 from ...errors import ReadOnceError
-from .exchange import STATUS_BYTES, raise_gathered, rank_failed
+from .exchange import framed, mark_failed, message_sizes, raise_gathered, rank_failed
 from .transport import Wire
 
 __all__ = ["FirstRequests", "share_first_requests"]
@@ -82,38 +71,39 @@ def share_first_requests(
     _raise_any(gathered, failure)
     readers = _readers(gathered)
     reads = np.flatnonzero(readers == me).tolist()
+    size = src.first_request_bytes
+    wants = [_wants(gathered[p], reads) if p != me else [] for p in range(world)]
+    send_sizes = message_sizes(sum(size(f) for f in fs) for fs in wants)
+    send = np.zeros(sum(send_sizes), dtype=np.uint8)
     error: BaseException | None = None
     got: Mapping[int, bytes] = {}
     try:
         got = src.fetch_first_requests(reads)
+        for fs, (_, payload) in zip(wants, framed(send, send_sizes)):
+            payload[:] = np.frombuffer(b"".join(got[f] for f in fs), dtype=np.uint8)
     except Exception as e:  # noqa: BLE001  (raised after the collective: the others wait on it)
         error = e
-    size = src.first_request_bytes
-    sends = [
-        _message(got, _wants(gathered[p], reads) if p != me else [], size, error)
-        for p in range(world)
-    ]
+        mark_failed(send, send_sizes)
     expect: list[list[int]] = [[] for _ in range(world)]
     for f in files.tolist():  # sorted: each reader sends its files in order
         if readers[f] != me:
             expect[readers[f]].append(f)
-    recv_sizes = [STATUS_BYTES + sum(size(f) for f in fs) for fs in expect]
+    recv_sizes = message_sizes(sum(size(f) for f in fs) for fs in expect)
     wire = on.device
-    send = torch.from_numpy(np.concatenate(sends))
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=wire)
-    dist.all_to_all_single(recv, send.to(wire), recv_sizes, [len(m) for m in sends], group=group)
+    dist.all_to_all_single(
+        recv, torch.from_numpy(send).to(wire), recv_sizes, send_sizes, group=group
+    )
     data = recv.cpu().numpy()
     held: dict[int, bytes] = {f: got[f] for f in files.tolist() if f in got}
     failed: int | None = None
-    at = 0
-    for p, (fs, nbytes) in enumerate(zip(expect, recv_sizes)):
-        if data[at : at + STATUS_BYTES].any():
+    for p, (fs, (status, payload)) in enumerate(zip(expect, framed(data, recv_sizes))):
+        if status.any():
             failed = p if failed is None else failed
-        w = at + STATUS_BYTES
+        w = 0
         for f in fs:
-            held[f] = data[w : w + size(f)].tobytes()
+            held[f] = payload[w : w + size(f)].tobytes()
             w += size(f)
-        at += nbytes
     if failed is not None:  # every rank saw it (each sends every rank a status): say what failed
         raise_gathered(error, group)
         raise ReadOnceError(f"rank {failed} could not fetch a data file's first request")
@@ -154,19 +144,3 @@ def _wants(runs: object, files: list[int]) -> list[int]:
     a, b = runs
     i = np.searchsorted(a, files, side="right") - 1
     return [f for f, k in zip(files, i.tolist()) if k >= 0 and f < b[k]]
-
-
-def _message(
-    got: Mapping[int, bytes],
-    files: list[int],
-    size: Callable[[int], int],
-    error: BaseException | None,
-) -> np.ndarray:
-    """The status word, then the first requests of ``files`` in order; after a failure, the
-    status set and zeros of the agreed length (the receiver stops at the status)."""
-    status = np.zeros(STATUS_BYTES, dtype=np.uint8)
-    if error is not None:
-        out = np.zeros(STATUS_BYTES + sum(size(f) for f in files), dtype=np.uint8)
-        out[0] = 1
-        return out
-    return np.concatenate([status, *(np.frombuffer(got[f], dtype=np.uint8) for f in files)])

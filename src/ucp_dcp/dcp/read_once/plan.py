@@ -45,20 +45,14 @@ much better: a segment just under ``2 * min_run`` long is read whole by one of i
 When classes overlap (partial overlaps), the plan keeps rule 1's bound: no rank reads more
 than the pages it needs.
 
-A load plans ranks with identical needs as one input (:mod:`~ucp_dcp.dcp.read_once.rounds`,
-which also cuts the transfers into rounds within a budget).
-
 Cost: ``O((N + I) log (N + I))`` for ``N`` input ranges and ``I`` (segment, needing rank)
 pairs, which is ``O(N)`` for replicated, HSDP and sharded targets, plus the transfers
 themselves; one Python step per class of two or more ranks.
 
-The arithmetic it is built from is :mod:`~ucp_dcp.dcp.read_once.ranges`': byte ranges as int64
-arrays, the *segments* of the needs (a sweep over every rank's page-aligned ranges cuts the file
-line into :class:`~ucp_dcp.dcp.read_once.ranges.Segments`, each needed by one set of ranks,
-numbered by *class*: equal sets share one, fingerprints find candidates, an exact comparison
-decides) and :func:`~ucp_dcp.dcp.read_once.ranges.water_fill`, the balancing rule of rule 3.
-This module holds the plan's records, its input, and the planning itself
-(:func:`plan_job_reads`).
+This module holds the plan's records, its input and :func:`plan_job_reads`; the segments and
+rule 3's :func:`~ucp_dcp.dcp.read_once.ranges.water_fill` are
+:mod:`~ucp_dcp.dcp.read_once.ranges`'s, and a load plans groups of ranks with identical needs
+as one input (:mod:`~ucp_dcp.dcp.read_once.rounds`).
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """The job's read plan in compact form, ranks with identical needs planned as one group, and
 its rounds.
 
-The per-rank plan of :mod:`~ucp_dcp.dcp.read_once.plan` has a transfer for every (piece,
-receiver): for a fully replicated target O(ranks x ranges) rows, 16.8 M for Llama-2-70B on 4096
-ranks. Here ranks whose needs are identical form a *group* (:class:`NeedGroups`: the whole job
-for full replication, the replicas of one shard for HSDP, single ranks elsewhere), and the plan
+Ranks whose needs are identical form a *group* (:class:`NeedGroups`), and one row of the plan
 (:class:`GroupReadPlan`, :func:`plan_group_reads`) says "reader ``q`` sends these bytes to every
-rank of group ``g``" in one row: O(distinct needs + ranks) rows. The groups are planned as if
-each were one rank, weighted by its size, with its reads for itself added
-(:func:`with_own_reads`); each group's reads laid end to end are cut into one stretch per member;
-each transfer is cut where the stretches meet. So every needed byte has one reader that needs
-it, and every rank receives exactly its needs from the rows to its group.
-:meth:`GroupReadPlan.windows` cuts the rows into rounds within a budget, each byte read once, in
-the round all its receivers get it. The steps, and the plan's size at 4096 ranks:
-docs/read-once.md, "The compact plan".
+rank of group ``g``": O(distinct needs + ranks) rows, where the per-rank plan of
+:mod:`~ucp_dcp.dcp.read_once.plan` has O(ranks x ranges). :meth:`GroupReadPlan.windows` cuts
+the rows into rounds within a budget, each byte read once. The steps, and the plan's size at
+4096 ranks: docs/read-once.md, "The compact plan".
 """
 
 from __future__ import annotations
@@ -336,8 +329,9 @@ def plan_group_reads(
     min_run: int = DEFAULT_MIN_RUN,
     file_sizes: Mapping[int, int] | None = None,
 ) -> GroupReadPlan:
-    """The compact job-wide read plan of ``groups`` (see the module); ``align``, ``min_run`` and
-    ``file_sizes`` as in :func:`~ucp_dcp.dcp.read_once.plan.plan_job_reads`."""
+    """The compact job-wide read plan of ``groups`` (its steps: docs/read-once.md, "The compact
+    plan"); ``align``, ``min_run`` and ``file_sizes`` as in
+    :func:`~ucp_dcp.dcp.read_once.plan.plan_job_reads`."""
     align = at_least("align", align, 1)
     min_run = at_least("min_run", min_run, 0)
     ngroups, world = len(groups.extents), groups.world_size
