@@ -179,7 +179,7 @@ def test_object_that_disagrees_with_its_marker_falls_back(s3_bucket, caplog) -> 
         mgr.wait()
         # Truncate a data object of step 2 behind the manager's back.
         step_url = mgr.persistent.step_path(2)
-        fs = mgr.persistent.fs
+        fs = mgr.persistent.store.fs
         name = next(d.name for d in mgr.persistent.marker(2).files if d.name not in (INDEX_FILE, MARKER_FILE))
         obj = fs._strip_protocol(f"{step_url}/{name}")
         fs.pipe_file(obj, fs.cat_file(obj)[:-100])
@@ -189,6 +189,41 @@ def test_object_that_disagrees_with_its_marker_falls_back(s3_bucket, caplog) -> 
         assert_state_equal(target, make_state(1, scale=8))
         (attempt,) = mgr.last_restore.failed_attempts
         assert name in attempt and "incomplete" in attempt, attempt
+
+
+def test_download_restore_commits_a_checked_copy_locally_first(s3_bucket, tmp_path) -> None:
+    """``direct_restore=False`` with a local tier: the step is downloaded into the local tier,
+    checked against its marker's digests and committed there before the load (the copy a refill
+    makes after a direct restore); a copy that fails the check is not committed, and the restore
+    falls back."""
+    url, options = s3_bucket
+    root = f"{url}/download-{uuid.uuid4().hex[:8]}"
+    local = str(tmp_path / "local")
+    with CheckpointManager(root, storage_options=options) as mgr:
+        for step in (1, 2):
+            mgr.save(step, make_state(step, scale=8))
+        mgr.wait()
+        # Flip one byte of a data object of step 2 (its size unchanged) behind the manager's back.
+        step_url = mgr.persistent.step_path(2)
+        fs = mgr.persistent.store.fs
+        name = next(d.name for d in mgr.persistent.marker(2).files if d.name not in (INDEX_FILE, MARKER_FILE))
+        obj = fs._strip_protocol(f"{step_url}/{name}")
+        data = bytearray(fs.cat_file(obj))
+        data[len(data) // 2] ^= 0xFF
+        fs.pipe_file(obj, bytes(data))
+        fs.invalidate_cache()
+    with CheckpointManager(root, storage_options=options, local=local, direct_restore=False) as mgr:
+        target = empty_like_state(make_state(1, scale=8))
+        assert mgr.load(target) == 1 and mgr.last_restore.tier == "persistent"
+        assert_state_equal(target, make_state(1, scale=8))
+        (attempt,) = mgr.last_restore.failed_attempts
+        assert name in attempt and "is corrupt" in attempt, attempt
+        assert LocalTier(local, name="l").steps() == [1]  # committed before the load; no refill
+        assert mgr.verify(1, tier="local") == []
+        assert not [n for n in os.listdir(local) if n.startswith(".tmp-")]
+        target = empty_like_state(make_state(1, scale=8))
+        assert mgr.load(target, 1) == 1 and mgr.last_restore.tier == "local"
+        assert_state_equal(target, make_state(1, scale=8))
 
 
 def log_s3_requests(monkeypatch: Any) -> dict[str, list[Any]]:

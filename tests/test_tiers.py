@@ -61,7 +61,7 @@ def make_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Ti
 
     def make() -> Tier:
         tier = FsspecTier(root, name="s3", storage_options=options)
-        tier.fs.invalidate_cache()
+        tier.store.fs.invalidate_cache()
         return tier
 
     return make
@@ -140,17 +140,17 @@ def _corrupt_marker(tier: Tier, step: int, data: bytes) -> None:
         Path(tier.step_path(step), MARKER_FILE).write_bytes(data)
     else:
         assert isinstance(tier, FsspecTier)
-        tier.fs.pipe_file(tier.fs._strip_protocol(tier.step_path(step)) + "/" + MARKER_FILE, data)
+        tier.store.fs.pipe_file(tier.store.fs._strip_protocol(tier.step_path(step)) + "/" + MARKER_FILE, data)
 
 
 def _entries(tier: Tier) -> list[str]:
     """Names directly under the tier's root."""
     if isinstance(tier, LocalTier):
-        return sorted(os.listdir(tier.root))
+        return sorted(os.listdir(tier.url))
     assert isinstance(tier, FsspecTier)
-    tier.fs.invalidate_cache()
+    tier.store.fs.invalidate_cache()
     try:
-        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in tier.fs.ls(tier._root, detail=False))
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in tier.store.fs.ls(tier.store.root, detail=False))
     except FileNotFoundError:
         return []
 
@@ -186,7 +186,7 @@ def test_many_steps_sorted_and_junk_ignored(make_tier: Callable[[], Tier], tmp_p
         _save(tier, step, f"t{step}", tmp_path)
     # Junk of every kind next to the steps.
     if isinstance(tier, LocalTier):
-        root = Path(tier.root)
+        root = Path(tier.url)
         (root / "notes.txt").write_text("hi")
         (root / "step-abc").mkdir()
         (root / "step-5").mkdir()  # not the canonical %012d name
@@ -194,10 +194,10 @@ def test_many_steps_sorted_and_junk_ignored(make_tier: Callable[[], Tier], tmp_p
         (root / step_dir_name(8)).write_text("a file")
     else:
         assert isinstance(tier, FsspecTier)
-        tier.fs.pipe_file(tier._root + "/notes.txt", b"hi")
-        tier.fs.pipe_file(tier._root + "/step-abc/x", b"x")
-        tier.fs.pipe_file(tier._root + f"/{step_dir_name(7)}/x", b"x")  # no token
-        tier.fs.pipe_file(tier._root + f"/{step_dir_name(9)}-tok/x", b"x")  # uncommitted
+        tier.store.fs.pipe_file(tier.store.root + "/notes.txt", b"hi")
+        tier.store.fs.pipe_file(tier.store.root + "/step-abc/x", b"x")
+        tier.store.fs.pipe_file(tier.store.root + f"/{step_dir_name(7)}/x", b"x")  # no token
+        tier.store.fs.pipe_file(tier.store.root + f"/{step_dir_name(9)}-tok/x", b"x")  # uncommitted
     fresh = make_tier()
     assert fresh.steps() == [2, 30, 1000]
     assert fresh.markers() == {s: fresh.marker(s) for s in (2, 30, 1000)}  # junk left out there too
@@ -575,7 +575,7 @@ def test_local_constructed_crash_states(tmp_path: Path, monkeypatch: pytest.Monk
     """The states a crash leaves between the two renames of a re-save, built by hand."""
     monkeypatch.setattr(durable, "_renameat2", False)
     tier = LocalTier(tmp_path / "tier", name="local")
-    root = Path(tier.root)
+    root = Path(tier.url)
     _, _, files4 = _save(tier, 4, "v1", tmp_path)
     _, _, files5 = _save(tier, 5, "v1", tmp_path)
     _, _, files6 = _save(tier, 6, "v1", tmp_path)
@@ -611,7 +611,7 @@ def test_local_constructed_crash_states(tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_local_two_old_copies_newest_restored(tmp_path: Path) -> None:
     tier = LocalTier(tmp_path / "tier", name="local")
-    root = Path(tier.root)
+    root = Path(tier.url)
     _save(tier, 3, "a", tmp_path, created=1e9)
     os.rename(root / step_dir_name(3), root / f".old-{step_dir_name(3)}-a")
     _, _, newer = _save(tier, 3, "b", tmp_path, created=2e9)

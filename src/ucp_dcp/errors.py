@@ -119,15 +119,13 @@ class TruncatedFileError(CheckpointFormatError, EOFError):
 
 
 class StorageError(UCPError, OSError):
-    """Object storage refused or kept failing a request: names the URL, the key and the error.
+    """Storage that failed a request for good: object storage that refused or kept failing one
+    (names the URL, the key and the error), a local read that failed or passed its deadline, or
+    a local checkpoint tier's directory that cannot be created or used (names the tier and path).
 
-    Also raised when a local checkpoint tier's directory cannot be created or
-    used (naming the tier and the path), with the errno of the OS error.
-
-    Raised for permanent errors (no such bucket, access denied) at once, and
-    for transient ones (connection resets, 5xx, throttling) once the bounded
-    retries are spent. A ``FileNotFoundError`` or ``PermissionError`` of the
-    store keeps its errno.
+    Permanent errors (no such bucket, access denied) are raised at once, transient ones
+    (connection resets, 5xx, throttling) once the bounded retries are spent; the errno of the
+    OS or store error is kept (a ``FileNotFoundError``'s, a ``PermissionError``'s).
     """
 
     def __str__(self) -> str:

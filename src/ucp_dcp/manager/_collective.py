@@ -146,6 +146,11 @@ class GroupWorker:
     """This node's local tier, if any."""
     persistent: Tier
 
+    def acts_for(self, tier: Tier) -> bool:
+        """Whether this rank does what one rank does for all that share ``tier`` (its clean-up,
+        its retention): the node's leader for the local tier, rank 0 for the persistent one."""
+        return self.layout.is_leader if tier is self.local else self.layout.rank == 0
+
 
 def describe(e: BaseException) -> str:
     """One line for an error, including DCP's per-rank failures."""

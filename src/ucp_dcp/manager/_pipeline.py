@@ -222,13 +222,14 @@ class SavePipeline(GroupWorker):
 
     def _retain(self, step: int) -> None:
         """Delete steps outside the retention policy; the newest committed step always stays."""
-        cfg, lay = self.config, self.layout
-        plans: list[tuple[Tier, int, int | None]] = []
-        if lay.rank == 0:
-            plans.append((self.persistent, cfg.keep_last, cfg.keep_every))
-        if self.local is not None and lay.is_leader:
-            plans.append((self.local, cfg.local_keep_last, None))
+        cfg = self.config
+        plans: list[tuple[Tier | None, int, int | None]] = [
+            (self.persistent, cfg.keep_last, cfg.keep_every),
+            (self.local, cfg.local_keep_last, None),
+        ]
         for tier, keep_last, keep_every in plans:
+            if tier is None or not self.acts_for(tier):
+                continue
             try:
                 for s in steps_to_delete(
                     tier.steps(), step, keep_last=keep_last, keep_every=keep_every
@@ -239,9 +240,8 @@ class SavePipeline(GroupWorker):
 
     def _abort(self, job: SaveJob) -> None:
         """Best effort: remove this save's staging leftovers (start-up cleanup catches the rest)."""
-        lay = self.layout
-        for tier, mine in ((self.local, lay.is_leader), (self.persistent, lay.rank == 0)):
-            if tier is None or not mine:
+        for tier in (self.local, self.persistent):
+            if tier is None or not self.acts_for(tier):
                 continue
             try:
                 if tier.local:

@@ -1,32 +1,19 @@
 """Restore with fallback: which copies to try, in what order, and making each one loadable.
 
-:func:`order_candidates` is the choice, a pure function: every committed
-(step, tier) pair, newest step first, for each step the local tier before the
-persistent one. :class:`Restorer` gathers the markers it needs (the same
-list on every rank), then tries each candidate until one loads: a local copy
-that some node lacks (a lost disk, a new node) is repaired from the nodes
-that hold it; a copy in an object store is loaded from there directly, each
-rank fetching only the byte ranges it needs (ranged reads, verified as they
-arrive), after its marker's file list and sizes and its index digest are
-checked. A configured local tier is then refilled from the persistent copy
-by :meth:`Restorer.refill`, which the manager runs in the background. A copy
-that is missing, incomplete or fails its checksums falls back to the next
-one, and says so.
+:func:`order_candidates` is the choice, a pure function. :class:`Restorer` gathers the markers
+(the same list on every rank) and tries each candidate until one loads, falling back past a
+copy that is missing, incomplete or fails its checksums: a local copy some node lacks is
+repaired from the nodes that hold it, an object-store copy is loaded from there directly
+(:meth:`Restorer.refill` then copies it into the local tier), any other persistent copy is read
+where it lies or downloaded first. See docs/manager.md ("Tiers").
 
-Small reads go through the manager's group instead of fetching whole files.
-A node-local repair fetches per file, and one tiny read can cost a whole
-file: AdamW's ``step`` counters are plain tensors every rank holds, saved
-once each by one rank (rank 0, which writes small replicated tensors; in
-checkpoints saved before that rule, spread over every rank's file), so every
-rank reads a few bytes of a file its node lacks. So a key whose reads are
-small (:data:`SMALL_READ_BYTES` in all) and whose target is a plain tensor or
-a value in a dict is instead read by a rank whose node holds its file and
-handed to the ranks that need it (one ``all_gather_object``: the values are
-small); the rest of the state loads with ``dcp.load``, and a file only such
-keys need is not fetched. The parts: which keys (:func:`small_keys`), the
-state without them for ``dcp.load`` (:func:`without`, :func:`put_back`), who
-reads each (:meth:`SmallReads.provider`, :func:`serve`) and putting what
-arrives in place (:func:`fill`).
+Small reads (docs/manager.md) go through the manager's group, not whole-file fetches: a
+node-local repair fetches per file, and the few bytes of AdamW's ``step`` counters every rank
+reads (saved by one rank; in checkpoints saved before rank 0 wrote small replicated tensors,
+spread over every rank's file) would each cost a file. Their values travel in one
+``all_gather_object`` (they are small). The parts: which keys (:func:`small_keys`), the state
+without them for ``dcp.load`` (:func:`without`, :func:`put_back`), who reads each
+(:meth:`SmallReads.provider`, :func:`serve`) and putting what arrives in place (:func:`fill`).
 """
 
 from __future__ import annotations
@@ -352,7 +339,7 @@ class Restorer(GroupWorker):
         if self.direct(cand):
             assert isinstance(self.persistent, FsspecTier)
             url, index = self._check_remote(cand)
-            return _Loadable(url, self.persistent.storage_options, {INDEX_FILE: index})
+            return _Loadable(url, self.persistent.store.storage_options, {INDEX_FILE: index})
         if cand.tier == "local":
             path, index, small = self._repair_local(cand, f"r{token}", state)
             return _Loadable(path, known_files={INDEX_FILE: index}, small=small)
@@ -402,48 +389,49 @@ class Restorer(GroupWorker):
         return self.group.bcast(checked)
 
     def refill(self, cand: Candidate, token: str) -> None:
-        """Copy ``cand`` from the persistent tier into this node's local tier (node leaders); never
-        raises.
-
-        Runs after the load, in the manager's background thread (in order with
-        saves, so retention never runs beside it). The files are downloaded
-        into a staging directory, checked against the marker's whole-file
-        digests, and committed by the tier's atomic rename: a failure at any
-        point leaves no committed step (the staging directory is removed, or
-        left for start-up cleanup). Not collective: each node's leader works alone.
-        """
-        tier, step = self.local, cand.step
-        if tier is None or not self.layout.is_leader:
+        """:meth:`_copy_to_local` after a direct restore, in the manager's background thread (in
+        order with saves, so retention never runs beside it); never raises: the step was restored,
+        and a failed refill only costs the next restore's speed."""
+        if self.local is None or not self.layout.is_leader:
             return
         t0 = time.perf_counter()
-        dest: str | None = None
         try:
-            dest = tier.begin(step, token)
-            self.persistent.fetch(step, cand.marker.names, dest)
-            where = f"step {step} from {self.persistent.url}"
-            problems = check_copy(cand.marker, dest, LocalDir(dest).sizes(), held=None, where=where)
-            if problems:
-                raise CheckpointFormatError("; ".join(problems))
-            tier.commit(dest, cand.marker)
-        except (
-            Exception
-        ) as e:  # the step was restored; a refill failure only costs the next restore's speed
-            if dest is not None:
-                shutil.rmtree(dest, ignore_errors=True)
+            self._copy_to_local(cand, token)
+        except Exception as e:
             log.warning(
                 "node %d: refilling the local tier %s with step %d failed: %s",
                 self.layout.node,
-                tier.url,
-                step,
+                self.local.url,
+                cand.step,
                 describe(e),
             )
             return
         log.info(
             "node %d: refilled the local tier with step %d in %.1f s",
             self.layout.node,
-            step,
+            cand.step,
             time.perf_counter() - t0,
         )
+
+    def _copy_to_local(self, cand: Candidate, token: str) -> None:
+        """Download every file of ``cand``'s persistent copy into a staging directory of this
+        node's local tier, check them against the marker's whole-file digests and commit them
+        by the tier's atomic rename (node leaders; not collective). A failure at any point
+        leaves no committed step: the staging directory is removed (or left for start-up
+        cleanup)."""
+        tier, step = self.local, cand.step
+        assert tier is not None
+        dest = tier.begin(step, token)
+        try:
+            self.persistent.fetch(step, cand.marker.names, dest)
+            where = f"step {step} from {self.persistent.url}"
+            problems = check_copy(cand.marker, dest, LocalDir(dest).sizes(), held=None, where=where)
+            if problems:
+                raise CheckpointFormatError("; ".join(problems))
+            tier.commit(dest, cand.marker)
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
 
     def _repair_local(
         self, cand: Candidate, token: str, state: Mapping[str, Any]
@@ -535,20 +523,15 @@ class Restorer(GroupWorker):
         return [frozenset(listed[n * lay.ranks_per_node]) for n in range(lay.num_nodes)]
 
     def _download_into_local(self, cand: Candidate, token: str) -> str:
-        """Download a remote persistent copy into the local tier and commit it there (the next
-        restore is local)."""
-        step, tier = cand.step, self.local
-        assert tier is not None
-        dest = tier.staging_path(step, token)
-
-        def fetch() -> None:
-            if self.layout.is_leader:
-                tier.begin(step, token)
-                self.persistent.fetch(step, cand.marker.names, dest)
-                tier.commit(dest, cand.marker)
-
-        self._agree(f"fetching step {step} from {self.persistent.url}", fetch, cand)
-        return tier.step_path(step)
+        """:meth:`_copy_to_local` on every node, before the load (the next restore is local); the
+        step's local path."""
+        self._agree(
+            f"fetching step {cand.step} from {self.persistent.url}",
+            lambda: self._copy_to_local(cand, token) if self.layout.is_leader else None,
+            cand,
+        )
+        assert self.local is not None
+        return self.local.step_path(cand.step)
 
     def _check_index(self, path: str, cand: Candidate) -> bytes:
         """The index's bytes, which must match the marker's digest (a flipped byte there could

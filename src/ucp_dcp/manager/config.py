@@ -1,20 +1,7 @@
 """CheckpointConfig: every setting of a :class:`~ucp_dcp.manager.manager.CheckpointManager`, and
 what they decide (:func:`tiers_due`: which tiers a step goes to; :func:`steps_to_delete`: which
-steps a tier keeps; :func:`estimate`: how often to save).
-
-Each field carries its own description (``metadata["doc"]``); the class
-docstring lists them all, so ``help(CheckpointConfig)`` says what every
-option does and what it defaults to.
-
-How often to save (:func:`estimate`, what :meth:`CheckpointManager.goodput` returns): with
-failures arriving at random (exponentially, mean time between failures M), checkpointing
-every tau seconds of work at a cost of C seconds each trades checkpoint overhead against
-lost work. Young (1974) gave the first-order optimum sqrt(2 C M); Daly (2006, "A higher order
-estimate of the optimum checkpoint interval for restart dumps") gave the higher-order one used
-here, and the expected wall time that goes with it. For an async manager the cost C is the
-time a save *blocks* training, not the time the background write takes; the write time still
-matters, because a failure during it falls back to the previous committed step. That lag is
-added to the restart cost as extra lost work.
+steps a tier keeps; :func:`estimate`: how often to save, by Young's and Daly's model, which
+docs/manager.md ("Goodput") describes).
 """
 
 from __future__ import annotations

@@ -79,17 +79,12 @@ class CheckpointManager:
     must construct the manager, and call ``save`` and ``load`` at the same
     steps (they are collective). Saves are written in the background in
     order; an error of any rank surfaces at the next ``save`` or ``wait``.
-    ``load`` falls back from a missing or corrupt copy to the next tier, then
-    to older steps (see :attr:`last_restore`).
+    See docs/manager.md.
 
     Attributes:
         config: the effective :class:`CheckpointConfig`.
-        rank, world_size: this process in the world (0 and 1 without a process group).
-        node, num_nodes, ranks_per_node: the node this rank is on (ranks sharing
-            one local directory); ``is_leader``: whether it acts for the node.
         persistent: the persistent :class:`~ucp_dcp.manager.tiers.Tier`.
         local: this node's :class:`~ucp_dcp.manager.tiers.LocalTier`, or None.
-        records: a :class:`SaveRecord` per committed save (see :meth:`stats`).
         last_restore: a :class:`RestoreRecord` of the last :meth:`load`.
     """
 
@@ -105,21 +100,14 @@ class CheckpointManager:
         cfg.validate()
         self.config = cfg
         distributed = dist.is_available() and dist.is_initialized()
-        self.layout = lay = NodeLayout.detect(
+        self._layout = NodeLayout.detect(
             dist.get_rank() if distributed else 0,
             dist.get_world_size() if distributed else 1,
             cfg.ranks_per_node,
         )
-        self.rank, self.world_size, self.ranks_per_node = (
-            lay.rank,
-            lay.world_size,
-            lay.ranks_per_node,
-        )
-        self.node, self.num_nodes, self.is_leader = lay.node, lay.num_nodes, lay.is_leader
-        # Two gloo groups of our own: the foreground one (save's checks, load)
-        # runs in the training thread, the background one in the writer thread.
-        self._fg = Group(self.layout, distributed)
-        self._bg = Group(self.layout, distributed)
+        # Two gloo groups of our own, one per thread that runs collectives (see ._collective).
+        self._fg = Group(self._layout, distributed)
+        self._bg = Group(self._layout, distributed)
         self._session = self._fg.bcast(uuid.uuid4().hex[:6])
         self._seq = 0
         self.persistent: Tier = open_tier(
@@ -131,8 +119,8 @@ class CheckpointManager:
         self._on_reshard = list(on_reshard)
         self._snap = Snapshotter(max_buffers=cfg.max_in_flight)
         self._slots = threading.Semaphore(cfg.max_in_flight)
-        self._pipeline = SavePipeline(cfg, self.layout, self._bg, self.local, self.persistent)
-        self._restorer = Restorer(cfg, self.layout, self._fg, self.local, self.persistent)
+        self._pipeline = SavePipeline(cfg, self._layout, self._bg, self.local, self.persistent)
+        self._restorer = Restorer(cfg, self._layout, self._fg, self.local, self.persistent)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="ucp-ckpt"
         )
@@ -140,10 +128,15 @@ class CheckpointManager:
         # order.
         self._futures: list[concurrent.futures.Future[SaveRecord | None]] = []
         self._lock = threading.Lock()
-        self.records: list[SaveRecord] = []
+        self._records: list[SaveRecord] = []
         self.last_restore: RestoreRecord | None = None
         self._closed = False
         self._fg.agree("start-up cleanup", self._startup_cleanup, step=-1)
+
+    @property
+    def node(self) -> int:
+        """The node this rank is on: the ranks sharing one local directory (``ranks_per_node``)."""
+        return self._layout.node
 
     # ------------------------------------------------------------------ saving
     def save(
@@ -181,7 +174,7 @@ class CheckpointManager:
         )
         if not cfg.async_save:
             self.wait()  # a local-tier refill may still run: saves never run beside it
-            self.records.append(self._save_in_background(job))
+            self._records.append(self._save_in_background(job))
             return True
         with self._lock:
             self._futures.append(self._pool.submit(self._save_in_background, job))
@@ -198,10 +191,7 @@ class CheckpointManager:
     def steps(self) -> list[int]:
         """Committed steps in any tier (this node's local tier and the persistent tier),
         ascending."""
-        found = set(self.persistent.steps())
-        if self.local is not None:
-            found.update(self.local.steps())
-        return sorted(found)
+        return sorted({s for t in self._tiers() for s in t.steps()})
 
     def load(self, state: Mapping[str, Any], step: int | None = None) -> int:
         """Load ``step`` (default: the newest valid one) into ``state`` in place; collective.
@@ -222,19 +212,19 @@ class CheckpointManager:
             # behind the training loop, in order with later saves.
             with self._lock:
                 self._futures.append(self._pool.submit(self._restorer.refill, cand, f"f{token}"))
-        if cand.marker.world_size != self.world_size:
-            event = ReshardEvent(cand.step, cand.marker.world_size, self.world_size, cand.tier)
+        world_size = self._layout.world_size
+        if cand.marker.world_size != world_size:
+            event = ReshardEvent(cand.step, cand.marker.world_size, world_size, cand.tier)
             for cb in self._on_reshard:
                 cb(event)
         return cand.step
 
     def verify(self, step: int, *, tier: str | None = None) -> list[str]:
-        """Recheck every file of ``step`` this process can see; one line per problem ([] = intact).
+        """Recheck every file of ``step`` this process can see against the digests of its commit
+        marker (:func:`~ucp_dcp.manager.tiers.marker.check_copy`); one line per problem, naming
+        the file and, for a damaged data file, the tensors hit ([] = intact).
 
-        Whole-file xxh3-128 digests against the commit marker (catches any
-        flipped byte, header and padding included), then, for a damaged data
-        file, every chunk checksum to name the tensors hit. Not collective: a
-        node-local tier is checked for this node's files only. ``tier``
+        Not collective: a node-local tier is checked for this node's files only. ``tier``
         (``"local"`` or ``"persistent"``): check that tier only.
         """
         problems: list[str] = []
@@ -246,7 +236,7 @@ class CheckpointManager:
             found = True
             # A node-local tier holds this node's share of the files (and its partner's).
             node_local = t is not self.persistent
-            held = partial(self.layout.held_files, peer=self.config.peer_replication)
+            held = partial(self._layout.held_files, peer=self.config.peer_replication)
             problems += t.verify(step, held=held if node_local else None)
         if not found:
             problems.append(
@@ -257,12 +247,12 @@ class CheckpointManager:
     # ------------------------------------------------------------- measuring
     def stats(self) -> list[SaveRecord]:
         """Per-save measurements of the saves committed so far."""
-        return list(self.records)
+        return list(self._records)
 
     def goodput(self, mtbf_s: float, *, restart_s: float = 0.0) -> GoodputEstimate:
         """Daly's optimal checkpoint interval and the expected goodput for the measured save
         cost."""
-        recs = self.records
+        recs = self._records
         return estimate(
             [r.blocking_s for r in recs],
             [r.write_s for r in recs],
@@ -334,7 +324,7 @@ class CheckpointManager:
             try:
                 rec = f.result()
                 if rec is not None:  # None: a refill
-                    self.records.append(rec)
+                    self._records.append(rec)
             except BaseException as e:
                 first = first or e
         if first is not None:
@@ -344,10 +334,10 @@ class CheckpointManager:
         return ([self.local] if self.local is not None else []) + [self.persistent]
 
     def _startup_cleanup(self) -> None:
-        if self.rank == 0:
+        if self._layout.rank == 0:
             for line in self.persistent.cleanup():
                 log.info("%s", line)
-        if self.local is not None and self.is_leader:
+        if self.local is not None and self._layout.is_leader:
             for line in self.local.cleanup():
                 log.info("%s", line)
             for s in self.local.steps():

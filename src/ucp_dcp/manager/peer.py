@@ -1,26 +1,21 @@
-"""Node-to-node replication of checkpoint files over torch.distributed.
+"""Copying whole checkpoint files between ranks over torch.distributed: the peer ring's copies
+and a node-local repair's fetches (docs/manager.md, "Tiers").
 
-The fast node-local tier of a checkpoint survives the loss of one node's
-disk only if every node's files also live somewhere else. This module moves
-whole files between ranks with plain ``torch.distributed`` point-to-point
-operations (gloo, CPU ``uint8`` tensors) on a process group the caller
-gives: no transport of its own. The manager gives its own gloo groups. A
-group that is NCCL alone is never used for the files: they go over a gloo
-group made once from its ranks and reused, the read-once exchange's rule
-(:func:`~ucp_dcp.dcp.read_once.transport.wire_for`, without device memory).
+Files move by plain ``torch.distributed`` point-to-point operations (gloo, CPU ``uint8``
+tensors) on a process group the caller gives: no transport of its own. A group that is NCCL
+alone is never used for the files: they go over a gloo group made once from its ranks and
+reused, the read-once exchange's rule (:func:`~ucp_dcp.dcp.read_once.transport.wire_for`,
+without device memory).
 
-:func:`exchange_files` is one collective. Every rank says which files it
-can provide (from ``src_dir``) and which it wants (into ``dest_dir``); one
-``all_gather_object`` later every rank derives the same schedule, refuses
-the whole exchange on every rank if some wanted file is held by nobody
-(before anything moves, so no rank waits on a peer that is already gone),
-and then runs the transfers in one global order, so no pair of ranks can
+:func:`exchange_files` is one collective: after one ``all_gather_object`` of what each rank
+offers and wants, every rank derives the same schedule, refuses the whole exchange if some
+wanted file is held by nobody (on every rank, before anything moves, so no rank waits on a peer
+that is already gone), and runs the transfers in one global order, so no pair of ranks can
 deadlock.
 
-Receivers write ``dest_dir/.<name>.<16 hex>.part``, fsync it and rename it
-to ``dest_dir/<name>``: a file under its final name is always complete. A
-rank killed mid-transfer leaves only such a ``.part`` file behind; callers
-remove leftovers with :func:`clean_partials` before (or after) an exchange.
+Receivers write ``dest_dir/.<name>.<16 hex>.part``, fsync it and rename it to
+``dest_dir/<name>``: a file under its final name is always complete. A rank killed mid-transfer
+leaves only such a ``.part`` file behind; callers remove leftovers with :func:`clean_partials`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Staging a training state into host memory, so that a save can run while training goes on.
 
-An asynchronous save must write the values the state held when the save was
-asked for, while the training loop keeps updating every parameter and
-optimizer tensor in place. :class:`Snapshotter` copies the state into host
-(CPU) buffers that it keeps and reuses from one save to the next, so steady
-state saves allocate nothing; :func:`find_nonfinite` finds NaN/Inf values
-before they are written over a good checkpoint.
+:class:`Snapshotter` copies the state into host buffers it reuses from one save to the next
+(steady-state saves allocate nothing); :func:`find_nonfinite` finds NaN/Inf values before they
+are written over a good checkpoint. See docs/manager.md ("Snapshot isolation").
 
 Both walk the same nested structure DCP saves: dicts (any key type, order
 kept), lists and tuples (named tuples included) down to leaves. Tensor leaves
@@ -244,8 +241,7 @@ class Snapshotter:
 
     Args:
         pin_memory: pin host buffers for CUDA tensors (default: True when CUDA is available).
-        max_buffers: how many staged copies may exist at once (one per in-flight save); buffers are
-        reused.
+        max_buffers: how many staged copies may exist at once (one per in-flight save).
     """
 
     def __init__(self, *, pin_memory: bool | None = None, max_buffers: int = 1) -> None:

@@ -6,12 +6,10 @@ atomic, so the marker's presence is the commit. When two committed
 directories hold the same step (a re-save, before the older one is removed)
 the newer marker (``created``) wins.
 
-A step directory is a :class:`~ucp_dcp.byteio.location.StoreDir` (the location type of the
-writer and the sources) on the tier's one store; the tier lists its step directories itself.
-Every request goes through the tier's :class:`~ucp_dcp.byteio.objstore.ObjectStore`, under the
-same :class:`~ucp_dcp.byteio.requests.RequestPolicy` as the readers' and writers' requests
-(deadlines, retries, the bound on requests in flight): a stalled upload or download of a step is
-abandoned at the policy's deadline and tried again, not held for the HTTP client's own timeout.
+The tier works with directory names (``step-N-<tok>``) on its one
+:class:`~ucp_dcp.byteio.objstore.ObjectStore`, each a
+:class:`~ucp_dcp.byteio.location.StoreDir`; every request goes through that store, under the
+manager's :class:`~ucp_dcp.byteio.requests.RequestPolicy` (see docs/manager.md).
 """
 
 from __future__ import annotations
@@ -60,10 +58,9 @@ class StepCopy(NamedTuple):
 class FsspecTier(Tier):
     """A tier at an fsspec URL: ``s3://bucket/prefix``, ``gs://...``, ``memory://...``.
 
-    Each save writes its own directory ``root/step-%012d-<token>/`` (staging
-    and committed location are the same); the marker, uploaded last, commits
-    it. ``storage_options`` go to fsspec (credentials, ``endpoint_url``...);
-    ``requests`` is the policy every request of the tier runs under.
+    Staging and committed location of a save are the same directory (see the module docstring).
+    ``storage_options`` go to fsspec (credentials, ``endpoint_url``...); ``requests`` is the
+    policy every request of the tier runs under.
     """
 
     def __init__(
@@ -76,28 +73,16 @@ class FsspecTier(Tier):
     ) -> None:
         """Open the tier at URL ``root``; ``name`` is used in messages."""
         self.name = name
-        self.url = str(root).rstrip("/")
         self.local = False
-        self.storage_options: dict[str, Any] = dict(storage_options or {})
-        """The fsspec options the tier was opened with (readers of its steps open the store with
-        them)."""
-        self.store = ObjectStore(self.url, self.storage_options, requests=requests)
-        """The tier's objects."""
-        self.fs = self.store.fs  # names only (protocols, paths): requests go through the store
-        self._root = self.store.root
+        self.store = ObjectStore(str(root), storage_options, requests=requests)
+        """The tier's objects: its URL, fsspec options and file system, and every request."""
+        self.url = self.store.url
 
-    # -- paths
+    # -- directories, by name
 
-    def _path(self, *parts: str) -> str:
-        return "/".join((self._root,) + parts)
-
-    def _url(self, *parts: str) -> str:
-        """The URL of :meth:`_path`."""
-        return self.fs.unstrip_protocol(self._path(*parts))
-
-    def _dir(self, path: str) -> StoreDir:
-        """Step directory ``path`` (under the root) as a location on the tier's store."""
-        return StoreDir(self.store, under=self.store.name_of(path))
+    def _dir(self, name: str) -> StoreDir:
+        """Step directory ``name`` as a location on the tier's store."""
+        return StoreDir(self.store, under=name)
 
     def _dirs(self) -> dict[int, list[str]]:
         """Step directory names under the root, by step (uncommitted ones included)."""
@@ -111,8 +96,8 @@ class FsspecTier(Tier):
     def _load_marker(self, dirname: str, step: int) -> CommitMarker | None:
         """The dir's marker; None if it has none; CheckpointFormatError if corrupt or of another
         step."""
-        d = self._dir(self._path(dirname))
-        where = f"{self._where(step, MARKER_FILE)} ({self._url(dirname, MARKER_FILE)})"
+        d = self._dir(dirname)
+        where = f"{self._where(step, MARKER_FILE)} ({d.path_of(MARKER_FILE)})"
         try:
             if not d.holds(MARKER_FILE):  # one GET, whose bytes read() returns
                 return None
@@ -146,7 +131,7 @@ class FsspecTier(Tier):
             self._load_marker(d, step)  # raises the corrupt marker's error
         raise CheckpointFormatError(
             f"{self._where(step)}: no such committed step (expected a directory "
-            f"{self._url(step_dir_name(step))}-<token>/ holding {MARKER_FILE}"
+            f"{self.store.url_of(step_dir_name(step))}-<token>/ holding {MARKER_FILE}"
             f"{'; found only uncommitted ' + ', '.join(sorted(dirs)) if dirs else ''})"
         )
 
@@ -170,17 +155,16 @@ class FsspecTier(Tier):
         even if the step is saved again meanwhile.
         """
         marker, d = self._current(step)
-        return StepCopy(marker, self._url(d), self._step_files(self._dir(self._path(d))))
+        return StepCopy(marker, self.store.url_of(d), self._step_files(self._dir(d)))
 
     def read_at(self, copy: StepCopy, name: str) -> bytes:
         """The content of file ``name`` of ``copy`` (one GET)."""
         check_name(name)
-        path = self.fs._strip_protocol(copy.url)
-        d = self._dir(path)
+        d = self._dir(self.store.name_of(copy.url))
         if not d.holds(name):
             raise CheckpointFormatError(
                 f"{self._where(copy.marker.step, name)}: missing (expected an object "
-                f"{self.fs.unstrip_protocol(f'{path}/{name}')})"
+                f"{d.path_of(name)})"
             )
         return d.read(name)
 
@@ -190,83 +174,86 @@ class FsspecTier(Tier):
 
     def step_path(self, step: int) -> str:
         """URL of the newest committed copy of ``step`` (:class:`CheckpointFormatError` if none)."""
-        return self._url(self._current(step)[1])
+        return self.store.url_of(self._current(step)[1])
 
     def _step_dir(self, step: int) -> StoreDir:
         """The newest committed copy of ``step``."""
-        return self._dir(self._path(self._current(step)[1]))
+        return self._dir(self._current(step)[1])
 
     # -- writing
 
+    @staticmethod
+    def _staging_name(step: int, token: str) -> str:
+        return f"{step_dir_name(step)}-{check_token(token)}"
+
     def staging_path(self, step: int, token: str) -> str:
         """URL ``root/step-%012d-<token>``: staging and, once committed, the step's location."""
-        return self._url(f"{step_dir_name(step)}-{check_token(token)}")
+        return self.store.url_of(self._staging_name(step, token))
 
     def begin(self, step: int, token: str) -> str:
         """Remove leftover content under the staging URL and return it."""
-        url = self.staging_path(step, token)
-        path = self.fs._strip_protocol(url)
-        if self.store.exists(self.store.name_of(path)):
-            self._rm_dir(path)
+        name = self._staging_name(step, token)
+        if self.store.exists(name):
+            self._rm_dir(name)
         if self._has_dirs():
             # File systems with real directories (sftp, hdfs, smb...) need
             # it; object stores have none (and s3fs/gcsfs makedirs would
             # create a missing bucket).
+            path = self.store.path(name)
             self.store.call(
                 "creating the directory",
-                self.store.name_of(path),
-                lambda: self.fs.makedirs(path, exist_ok=True),
+                name,
+                lambda: self.store.fs.makedirs(path, exist_ok=True),
             )
-        return url
+        return self.store.url_of(name)
 
     def _has_dirs(self) -> bool:
         """Whether the store has directories of its own (not an object store's prefixes)."""
-        return not _OBJECT_STORES.intersection(protocols(self.fs))
+        return not _OBJECT_STORES.intersection(protocols(self.store.fs))
 
     def _staging_step(self, staging: str) -> tuple[int, str]:
-        """The step of staging URL ``staging`` and its path without the protocol."""
-        path = self.fs._strip_protocol(staging).rstrip("/")
+        """The step of staging URL ``staging`` and its directory name."""
+        path = self.store.fs._strip_protocol(staging).rstrip("/")
         parent, _, base = path.rpartition("/")
         m = _STEP_TOKEN_RE.match(base)
-        if m is None or parent != self._root:
+        if m is None or parent != self.store.root:
             raise InvalidArgumentError(
                 f"{self._where()}: {staging} is not a staging location of this tier "
                 f"(expected {self.url}/step-NNNNNNNNNNNN-<token>, as returned by begin())"
             )
-        return int(m.group(1)), path
+        return int(m.group(1)), base
 
     def _commit(
-        self, step: int, path: str, marker: CommitMarker, held: frozenset[str] | None
+        self, step: int, name: str, marker: CommitMarker, held: frozenset[str] | None
     ) -> None:
         """Upload the marker last (one atomic PUT commits), then remove older copies of the step."""
-        sizes = self._step_files(self._dir(path))
-        self._check_staged(step, self.fs.unstrip_protocol(path), marker, sizes, held)
+        d = self._dir(name)
+        self._check_staged(step, d.where, marker, self._step_files(d), held)
         # The commit point: until this PUT completes the directory is not
         # listed; after it, it is (and, being newest, wins over older copies).
-        self._dir(path).write_atomic(MARKER_FILE, marker.encode())
+        d.write_atomic(MARKER_FILE, marker.encode())
         # Only now remove earlier commits of the same step (whatever their
         # `created`, so the new one wins even under clock skew). A crash here
         # leaves two committed copies; the newest wins and cleanup() removes
         # the others. Uncommitted dirs are left to cleanup().
-        mine = path.rsplit("/", 1)[-1]
-        for _, d in self._committed(step, [d for d in self._dirs().get(step, []) if d != mine]):
-            self._rm_dir(self._path(d))
+        for _, old in self._committed(step, [o for o in self._dirs().get(step, []) if o != name]):
+            self._rm_dir(old)
 
-    def _rm_dir(self, path: str) -> None:
+    def _rm_dir(self, name: str) -> None:
         """Remove a step directory: marker first (so it is unlisted at once), then the rest."""
-        d = self.store.name_of(path)
-        step_dir = self._dir(path)
+        step_dir = self._dir(name)
         step_dir.remove([MARKER_FILE])
         step_dir.remove(step_dir.list())  # listed after the marker went
         if self._has_dirs():  # the directory itself (and a memory store's pseudo-directory)
+            path = self.store.path(name)
 
             def rm() -> None:
                 try:
-                    self.fs.rm(path, recursive=True)
+                    self.store.fs.rm(path, recursive=True)
                 except FileNotFoundError:
                     pass
 
-            self.store.call("removing the directory", d, rm)
+            self.store.call("removing the directory", name, rm)
 
     def delete(self, step: int) -> None:
         """Remove every copy of ``step``: markers first, then the data."""
@@ -274,15 +261,15 @@ class FsspecTier(Tier):
         if not dirs:
             raise CheckpointFormatError(
                 f"{self._where(step)}: cannot delete: no such step "
-                f"(expected {self._url(step_dir_name(step))}-<token>/)"
+                f"(expected {self.store.url_of(step_dir_name(step))}-<token>/)"
             )
         # All markers first: once the first is gone an older copy could win,
         # so none may remain before data goes. A crash part way leaves
         # unmarked dirs (never listed; cleanup() removes them).
         for d in dirs:
-            self._dir(self._path(d)).remove([MARKER_FILE])
+            self._dir(d).remove([MARKER_FILE])
         for d in dirs:
-            self._rm_dir(self._path(d))
+            self._rm_dir(d)
 
     def cleanup(self) -> list[str]:
         """Remove step dirs without a marker and older copies of re-saved steps.
@@ -294,12 +281,12 @@ class FsspecTier(Tier):
         for step, dirs in sorted(self._dirs().items()):
             committed = self._committed(step, dirs)
             for _, d in committed[1:]:
-                self._rm_dir(self._path(d))
-                done.append(f"removed {self._url(d)} (older copy of step {step})")
+                self._rm_dir(d)
+                done.append(f"removed {self.store.url_of(d)} (older copy of step {step})")
             for d in dirs:
                 if any(d == c for _, c in committed):
                     continue
-                if not self._dir(self._path(d)).exists(MARKER_FILE):
-                    self._rm_dir(self._path(d))
-                    done.append(f"removed {self._url(d)} (unfinished save or delete)")
+                if not self._dir(d).exists(MARKER_FILE):
+                    self._rm_dir(d)
+                    done.append(f"removed {self.store.url_of(d)} (unfinished save or delete)")
         return done

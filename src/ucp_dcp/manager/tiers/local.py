@@ -66,20 +66,19 @@ class LocalTier(Tier):
         """Open (creating if needed) the tier rooted at directory ``root``; ``name`` is used in
         messages."""
         self.name = name
-        self.root = os.path.abspath(os.fspath(root))
-        self.url = self.root
+        self.url = os.path.abspath(os.fspath(root))
         self.local = True
         try:
-            os.makedirs(self.root, exist_ok=True)
+            os.makedirs(self.url, exist_ok=True)
         except OSError as e:
             raise StorageError(
                 e.errno,
-                f"{self._where()}: cannot create the tier directory {self.root}: {e.strerror}",
+                f"{self._where()}: cannot create the tier directory {self.url}: {e.strerror}",
             ) from e
-        if not os.path.isdir(self.root):
+        if not os.path.isdir(self.url):
             raise StorageError(
                 errno.ENOTDIR,
-                f"{self._where()}: expected a directory at {self.root}, found a file",
+                f"{self._where()}: expected a directory at {self.url}, found a file",
             )
 
     # -- reading
@@ -112,7 +111,7 @@ class LocalTier(Tier):
 
     def _listdir(self) -> list[str]:
         try:
-            return sorted(os.listdir(self.root))
+            return sorted(os.listdir(self.url))
         except FileNotFoundError:
             return []
 
@@ -124,7 +123,7 @@ class LocalTier(Tier):
             if m is None or step_dir_name(int(m.group(1))) != n:
                 continue
             step = int(m.group(1))
-            marker = self._committed(os.path.join(self.root, n), step)
+            marker = self._committed(os.path.join(self.url, n), step)
             if marker is not None:
                 out[step] = marker
         return out
@@ -136,7 +135,7 @@ class LocalTier(Tier):
 
     def step_path(self, step: int) -> str:
         """``root/step-%012d`` (the path; whether it is committed is for :meth:`steps` to say)."""
-        return os.path.join(self.root, step_dir_name(step))
+        return os.path.join(self.url, step_dir_name(step))
 
     def _dir(self, location: str) -> LocalDir:
         """The directory at path ``location``."""
@@ -152,7 +151,7 @@ class LocalTier(Tier):
 
     def staging_path(self, step: int, token: str) -> str:
         """``root/.tmp-step-%012d-<token>``."""
-        return os.path.join(self.root, f".tmp-{step_dir_name(step)}-{check_token(token)}")
+        return os.path.join(self.url, f".tmp-{step_dir_name(step)}-{check_token(token)}")
 
     def begin(self, step: int, token: str) -> str:
         """Create an empty staging directory (removing a leftover of the same name) and return its
@@ -168,10 +167,10 @@ class LocalTier(Tier):
         tier."""
         staging = os.path.abspath(os.fspath(staging))
         m = _TMP_RE.match(os.path.basename(staging))
-        if m is None or os.path.dirname(staging) != self.root:
+        if m is None or os.path.dirname(staging) != self.url:
             raise InvalidArgumentError(
                 f"{self._where()}: {staging} is not a staging directory of this tier "
-                f"(expected {self.root}/.tmp-step-NNNNNNNNNNNN-<token>, as returned by begin())"
+                f"(expected {self.url}/.tmp-step-NNNNNNNNNNNN-<token>, as returned by begin())"
             )
         if not os.path.isdir(staging):
             raise StorageError(
@@ -214,7 +213,7 @@ class LocalTier(Tier):
             #     new committed dir, the old one sits under the .tmp- name and
             #     cleanup() removes it.
             if swap_paths(staging, final):
-                fsync_path(self.root)  # the swap is durable before the old copy goes
+                fsync_path(self.url)  # the swap is durable before the old copy goes
                 _remove_dir(staging)
                 return
             # 3b. Fallback: two renames. Crash after the first one: step-N is
@@ -230,7 +229,7 @@ class LocalTier(Tier):
             # 5. fsync root: both renames are durable before the old copy is
             #    removed; without it a power loss could bring back a state
             #    with step-N missing and a half-removed .old dir.
-            fsync_path(self.root)
+            fsync_path(self.url)
             # 6. Remove the old copy, marker first: a crash mid-way leaves a
             #    .old dir without marker, which cleanup() removes and never
             #    restores; step-N is committed anyway.
@@ -240,7 +239,7 @@ class LocalTier(Tier):
             #    before: .tmp- leftover; after: committed step N.
             os.rename(staging, final)
             # 4. fsync root: the new step survives power loss once commit returns.
-            fsync_path(self.root)
+            fsync_path(self.url)
 
     def delete(self, step: int) -> None:
         """Rename ``step-N`` to ``.del-step-N-<random>``, fsync the root, then remove it."""
@@ -253,7 +252,7 @@ class LocalTier(Tier):
 
     def _aside(self, kind: str, step: int) -> str:
         """A fresh ``root/.<kind>-step-N-<random>`` name to move a copy of ``step`` to."""
-        return os.path.join(self.root, f".{kind}-{step_dir_name(step)}-{uuid.uuid4().hex[:12]}")
+        return os.path.join(self.url, f".{kind}-{step_dir_name(step)}-{uuid.uuid4().hex[:12]}")
 
     def _hide_and_remove(self, path: str, step: int) -> None:
         """Rename ``path`` (a directory of ``step``) to a ``.del-`` name, fsync the root, remove
@@ -263,7 +262,7 @@ class LocalTier(Tier):
         # crash before: the step is intact; after: a .del- leftover that
         # cleanup() removes. Other steps are not touched.
         os.rename(path, gone)
-        fsync_path(self.root)  # the deletion is durable before any byte goes
+        fsync_path(self.url)  # the deletion is durable before any byte goes
         _remove_dir(gone)
 
     def cleanup(self) -> list[str]:
@@ -278,7 +277,7 @@ class LocalTier(Tier):
         names = self._listdir()
         olds: dict[int, list[tuple[str, CommitMarker | None]]] = {}
         for n in names:
-            path = os.path.join(self.root, n)
+            path = os.path.join(self.url, n)
             if _TMP_RE.match(n) or _DEL_RE.match(n):
                 # Never listed, never restored: a save that did not commit (or
                 # whose swapped-out old copy was not removed), or a delete.
@@ -304,7 +303,7 @@ class LocalTier(Tier):
                     self._hide_and_remove(final, step)
                     done.append(f"removed uncommitted {final} (no valid {MARKER_FILE})")
                 os.rename(restore, final)
-                fsync_path(self.root)
+                fsync_path(self.url)
                 done.append(
                     f"restored step {step}: renamed {restore} back to {final} (a re-save of it "
                     "did not finish)"
