@@ -40,7 +40,7 @@ from ucp_dcp import (
     load_state_dict,
 )
 from ucp_dcp.errors import InvalidArgumentError
-from ucp_dcp.sources import DeepSpeedSource, open_source
+from ucp_dcp.sources import DeepSpeedSource, SourceOptions, open_source
 
 AUTOTP = Path(__file__).parent / "fixtures" / "deepspeed" / "autotp"
 VARIANTS = sorted(p.name for p in AUTOTP.iterdir() if (p / "latest").is_file())
@@ -229,7 +229,7 @@ def test_user_rules_load_a_checkpoint_without_universal_checkpoint_info(
         RULES,
         [r.to_json() for r in RULES],
     ):
-        got = _read_all(DeepSpeedSource(str(d), tp_rules=given), monkeypatch)
+        got = _read_all(DeepSpeedSource.open(str(d), SourceOptions(tp_rules=given)), monkeypatch)
         assert set(got) == {k for k in want} | {
             k for k in got if k.startswith("optim.state.") and k.endswith(".step")
         }
@@ -275,7 +275,7 @@ def test_user_rules_override_wrong_patterns_of_the_checkpoint(
         16,
     )
     rules = [Shard(r"\.(o_proj|down_proj)\.weight$", dim=1)]
-    got = _read_all(DeepSpeedSource(str(d), tp_rules=rules), monkeypatch)
+    got = _read_all(DeepSpeedSource.open(str(d), SourceOptions(tp_rules=rules)), monkeypatch)
     for k, v in expected("autotp2_dp2_zero1").items():
         assert bit_equal(got[k], v), k
 
@@ -285,7 +285,7 @@ def test_missing_and_wrong_user_rules_are_refused_naming_the_parameter(tmp_path:
     states = d / "step2" / "mp_rank_00_model_states.pt"
     # The norms have no rule.
     with pytest.raises(CheckpointFormatError) as e:
-        DeepSpeedSource(str(d), tp_rules=RULES[:3])
+        DeepSpeedSource.open(str(d), SourceOptions(tp_rules=RULES[:3]))
     assert str(e.value) == (
         f"{states}: tensor-parallel checkpoint without partitioning rules: "
         "universal_checkpoint_info is missing and tp_rules match none of "
@@ -296,28 +296,28 @@ def test_missing_and_wrong_user_rules_are_refused_naming_the_parameter(tmp_path:
     )
     # A dimension the parameter does not have.
     with pytest.raises(CheckpointFormatError) as e:
-        DeepSpeedSource(str(d), tp_rules=[Shard(r"\.o_proj\.", dim=2), *RULES])
+        DeepSpeedSource.open(str(d), SourceOptions(tp_rules=[Shard(r"\.o_proj\.", dim=2), *RULES]))
     assert str(e.value) == (
         f"{states}: 'model.layers.0.self_attn.o_proj.weight' of shape (32, 16) cannot be joined "
         "along dimension 2 (tp_rules' Shard('\\\\.o_proj\\\\.', dim=2))"
     )
     # More vocabulary rows than the slices hold.
     with pytest.raises(CheckpointFormatError) as e:
-        DeepSpeedSource(str(d), tp_rules=[VocabPad(r"embed_tokens", size=65), *RULES])
+        DeepSpeedSource.open(str(d), SourceOptions(tp_rules=[VocabPad(r"embed_tokens", size=65), *RULES]))
     assert str(e.value) == (
         f"{states}: 'model.embed_tokens.weight': tp_rules' VocabPad('embed_tokens', size=65) "
         "keeps 65 rows, but its 2 slices of 32 rows join to 64"
     )
     # A rule for no parameter (a typo), a fused layout, something that is not a rule.
     with pytest.raises(InvalidArgumentError) as e:
-        DeepSpeedSource(str(d), tp_rules=[*RULES, Replicated(r"layernorm\.bias")])
+        DeepSpeedSource.open(str(d), SourceOptions(tp_rules=[*RULES, Replicated(r"layernorm\.bias")]))
     assert str(e.value) == (
         f"tp_rules: no parameter of {d / 'step2'} matches Replicated('layernorm\\\\.bias')"
     )
     # A fused layout whose parts do not fit the slices.
     with pytest.raises(CheckpointFormatError) as e:
-        DeepSpeedSource(
-            str(d), tp_rules=[Fused(r"gate_proj", dim=0, parts={"a": 30, "b": 20}), *RULES]
+        DeepSpeedSource.open(
+            str(d), SourceOptions(tp_rules=[Fused(r"gate_proj", dim=0, parts={"a": 30, "b": 20}), *RULES])
         )
     assert str(e.value) == (
         f"{states}: 'model.layers.0.mlp.gate_proj.weight': tp_rules' Fused('gate_proj', "
@@ -325,15 +325,15 @@ def test_missing_and_wrong_user_rules_are_refused_naming_the_parameter(tmp_path:
         "slices of 24 along dimension 0 join to 48"
     )
     with pytest.raises(InvalidArgumentError) as e:
-        DeepSpeedSource(
-            str(d), tp_rules=[{"rule": "VocabPad", "pattern": "embed", "dim": 1, "size": 64}]
+        DeepSpeedSource.open(
+            str(d), SourceOptions(tp_rules=[{"rule": "VocabPad", "pattern": "embed", "dim": 1, "size": 64}])
         )
     assert str(e.value) == (
         "tp_rules: VocabPad('embed', dim=1, size=64): vocabulary padding is cut along dimension "
         "0 only, to a positive size"
     )
     with pytest.raises(InvalidArgumentError) as e:
-        DeepSpeedSource(str(d), tp_rules="Shard")
+        DeepSpeedSource.open(str(d), SourceOptions(tp_rules="Shard"))
     assert str(e.value) == (
         "tp_rules: expected a LayoutSpec or a list of layout rules (Shard, VocabPad, "
         "Replicated, Averaged, Fused), got str"
@@ -359,6 +359,7 @@ def test_parameters_autotp_could_not_describe_are_refused_unless_a_rule_places_t
         "universal_checkpoint_info['autotp_unsupported_parameter_patterns'] says AutoTP cannot "
         f"describe the split of model.norm.weight ({reason}): give tp_rules for them"
     )
-    got = _read_all(DeepSpeedSource(str(d), tp_rules=[Replicated(r"^model\.norm\.")]), monkeypatch)
+    src = DeepSpeedSource.open(str(d), SourceOptions(tp_rules=[Replicated(r"^model\.norm\.")]))
+    got = _read_all(src, monkeypatch)
     for k, v in expected("autotp2_dp2_zero1").items():
         assert bit_equal(got[k], v), k

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from dist_utils import bit_equal, flatten, nest, run_ranks
 from ucp_dcp import Checkpoint, CheckpointFormatError, ReadOptions, UCPLoadPlanner, UCPStorageReader
 from ucp_dcp.errors import DCPValueError
+from ucp_dcp.sources import SourceOptions
 from ucp_dcp.sources.distcp import DCPSource, read_dcp_metadata
 from ucp_dcp.tools.convert import convert
 
@@ -361,11 +362,11 @@ def test_metadata_naming_files_outside_the_checkpoint_is_refused(tmp_path: Path)
     md.storage_data = {key: type(info)("../outside.distcp", info.offset, info.length)}
     (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(CheckpointFormatError, match="is not a plain file name inside the checkpoint directory"):
-        DCPSource(tmp_path)
+        DCPSource.open(tmp_path, SourceOptions())
     md.storage_data = {key: type(info)(info.relative_path, info.offset, info.length + 10)}
     (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(CheckpointFormatError, match="lies outside.*truncated"):
-        DCPSource(tmp_path)
+        DCPSource.open(tmp_path, SourceOptions())
 
 
 def test_corrupt_item_is_named(tmp_path: Path) -> None:

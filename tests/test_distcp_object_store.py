@@ -29,7 +29,7 @@ from cli_utils import run_cli
 from dist_utils import bit_equal, run_ranks
 from ucp_dcp import Checkpoint, load_state_dict, ReadOptions, UCPLoadPlanner, UCPStorageReader
 from ucp_dcp.errors import CheckpointFormatError, DCPValueError
-from ucp_dcp.sources import DCPSource, open_source
+from ucp_dcp.sources import DCPSource, SourceOptions, open_source
 from ucp_dcp.sources._torch_archive import item_ends
 from ucp_dcp.sources.distcp import read_dcp_metadata
 
@@ -84,7 +84,7 @@ def test_filesystemwriter_checkpoint_uploaded_to_memory(saved: tuple[Path, str])
     src = open_source(url)
     assert isinstance(src, DCPSource) and src.store is not None and src.format == "dcp"
     assert src.paths[0].startswith(url + "/") and src.paths[0].endswith(".distcp")
-    assert src.index.files == DCPSource(local).index.files  # names, ranks and sizes, from the listing
+    assert src.index.files == DCPSource.open(local, SourceOptions()).index.files  # names, ranks and sizes, from the listing
     want = {**_tensors(), "step": 7}
     _same(load_state_dict(url, dcp_values="weights_only"), want)
     _same(load_state_dict(url, ["w", "t"]), {k: want[k] for k in ("w", "t")})  # tensors only: no value unpickled
@@ -131,7 +131,7 @@ def test_items_are_parsed_with_one_batch_of_ranged_requests(saved: tuple[Path, s
     assert requested == [sum(map(len, ends))]
     assert src.parse_stats.calls == sum(map(len, ends))
     assert src.parse_stats.bytes == sum(e - s for r in ends for s, e in r)
-    want = DCPSource(local)
+    want = DCPSource.open(local, SourceOptions())
     assert [src.locate(*c) for c in chunks] == [want.locate(*c) for c in chunks]
 
 

@@ -1,29 +1,12 @@
 """DeepSpeed ZeRO checkpoints: which files a checkpoint folder holds.
 
-A DeepSpeed checkpoint directory holds ``latest`` (the tag) and one folder
-per tag with, for data-parallel degree ``W`` and no tensor/pipeline
-parallelism:
-
-* ZeRO-1/2: ``mp_rank_00_model_states.pt`` (module state dict, parameter
-  shapes per optimizer group, tied and frozen parameters, buffers) and
-  ``[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per rank (that
-  rank's fp32 partition of every group, ``single_partition_of_fp32_groups``,
-  and the inner optimizer's ``state_dict`` over those flat partitions);
-* ZeRO-3: ``zero_pp_rank_{r}_mp_rank_00_model_states.pt`` and
-  ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per rank (``fp32_flat_groups``,
-  one flat buffer per sub-group, and the inner optimizer over them).
-
-A pipeline- or tensor-parallel checkpoint has ``mp_rank_{m}_model_states.pt``
-and ``zero_pp_rank_{r}_mp_rank_{m}_optim_states.pt`` per model-parallel rank
-``m`` (stage ``m // T``, tensor-parallel rank ``m % T``) and, under a
-pipeline, ``layer_{i}-model_{t}-model_states.pt`` per layer with state
-(global index ``i``, tensor-parallel rank ``t``; the model states' ``module``
-is then None). Without layer files every model-parallel rank is a
-tensor-parallel one.
-
-This module finds those files (a local folder or one in a store), refusing a
-folder whose files do not fit one of these layouts; what they hold is read by
-:mod:`._ds_records`.
+A DeepSpeed checkpoint directory holds ``latest`` (the tag) and one folder per tag with the
+model states (``[zero_pp_rank_{r}_]mp_rank_{m}_model_states.pt``), one optimizer file per rank
+(``[bf16_]zero_pp_rank_{r}_mp_rank_{m}_optim_states.pt``) and, under a pipeline, one
+``layer_{i}-model_{t}-model_states.pt`` per layer with state: which of them each layout (ZeRO-1/2
+or 3, pipeline- or tensor-parallel) has is in docs/deepspeed-format.md. This module finds them
+(in a local folder or one in a store), refusing a folder whose files do not fit one of these
+layouts; what they hold is read by :mod:`._ds_records`.
 """
 
 from __future__ import annotations

@@ -1,53 +1,22 @@
 """DeepSpeed MoE checkpoints (``deepspeed.moe.layer.MoE``, ZeRO-1/2): where each expert is.
 
-A model with native DeepSpeed MoE layers saves, besides the ZeRO files of the
-data-parallel case (:mod:`._ds_files`, :mod:`._ds_records`):
-
-* ``layer_{L}_expert_{G}_mp_rank_00_model_states.pt`` for MoE layer ``L``
-  (the order of the ``MoE`` modules in the model) and **global** expert
-  ``G``: that expert's ``state_dict`` entries (model dtype, buffers
-  included) under global names, ``<prefix>.deepspeed_moe.experts.deepspeed_experts.<G>.<rest>``.
-  The model states' ``module`` leaves every expert entry out.
-* Optimizer groups marked ``moe`` (``split_params_into_different_moe_groups_for_optimizer``)
-  that hold the expert parameters. Each is partitioned over the ranks of one
-  *expert-data-parallel* group only (``partition_count`` = ``W / ep_size``),
-  not over all ``W`` ranks: the ``W / ep_size`` ranks of expert-parallel rank
-  ``e`` hold the fp32 masters and moments of ``e``'s local experts.
-  ``param_shapes`` names them by **local** index (rank 0's view, the same
-  structure on every expert-parallel rank); local expert ``i`` of
-  expert-parallel rank ``e`` is global expert ``e * E_local + i``.
-
-Which ranks are expert-parallel rank ``e``: DeepSpeed's groups without tensor
-or pipeline parallelism put ``e`` on ranks ``d * ep_size + e`` (expert-data-parallel
-rank ``d``), or on ``e * (W / ep_size) + d`` with the config's
-``use_data_before_expert_parallelism``. ``expp_rank_*_optim_states.pt`` files
-exist only without ZeRO, which is not read.
-
-:func:`expert_layout` reads this (names and pickles only) and
-:meth:`ExpertLayout.lay_out` records every expert parameter once per global
-expert under its global name, fp32 master and moments from the optimizer
-partitions, like any other parameter; the expert files give the entries no
-optimizer holds (buffers, frozen parameters).
+The expert parameters are in optimizer groups marked ``moe``, each partitioned over the ranks of
+one expert-data-parallel group only, under *local* expert names (rank 0's view); the expert files
+(``layer_{L}_expert_{G}_mp_rank_00_model_states.pt``) hold each *global* expert's entries.
+:func:`expert_layout` reads which ranks hold which experts (names and pickles only); the ZeRO-1/2
+layout of :mod:`.deepspeed` then records every expert parameter once per global expert, as
+:class:`ExpertLayout` says (:meth:`~ExpertLayout.parts`, :meth:`~ExpertLayout.expert_name`).
+The files and how the groups lie over the ranks: see docs/deepspeed-format.md (MoE).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..errors import CheckpointFormatError
-from ._archive_index import ArchiveIndex
 from ._ds_files import DSFiles
-from ._ds_records import (
-    ModelStates,
-    RankOptim,
-    Segment,
-    archive_pool,
-    check_zero12_groups,
-    read_layer_states,
-    zero12_group_segments,
-)
+from ._ds_records import ModelStates, RankOptim, archive_pool, read_layer_states
 from ._pickle import TensorRef
 from ._torch_archive import TorchArchive
 
@@ -61,9 +30,6 @@ EXPERTS_INFIX = ".deepspeed_moe.experts.deepspeed_experts."
 _EXPERT_NAME = re.compile(r"(.+)" + re.escape(EXPERTS_INFIX) + r"(\d+)\.(.+)")
 _EP_GROUP = re.compile(r"ep_size_(\d+)")
 _DATA_BEFORE_EXPERT = "use_data_before_expert_parallelism"
-
-# Records one parameter, ``(index, fqn, shape, segments, optims, group)``: DeepSpeedSource._param.
-ParamFn = Callable[[ArchiveIndex, str, tuple[int, ...], list[Segment], list[RankOptim], int], None]
 
 
 @dataclass(frozen=True)
@@ -120,48 +86,30 @@ class ExpertLayout:
             )
         return f"{m.group(1)}{EXPERTS_INFIX}{e * local + i}.{m.group(3)}"
 
-    def lay_out(
-        self, b: ArchiveIndex, m0: ModelStates, optims: list[RankOptim], param: ParamFn
-    ) -> list[list[str]]:
-        """Record every parameter (``param(b, fqn, shape, segs, optims, group)``): the groups
-        not marked ``moe`` over all ranks, each ``moe`` group once per expert-parallel rank over
-        that rank's expert-data-parallel ranks, under global expert names; then the expert
-        files' other entries. The groups' fqns."""
-        where = m0.archive.path
-        check_zero12_groups(m0, optims[0])
-        groups: list[list[str]] = []
-        for g, shapes in enumerate(m0.param_shapes):
-            parts: list[tuple[list[int], int | None]]  # (ranks, expert-parallel rank)
-            if g in self.ep_size:
-                ep = self.ep_size[g]
-                parts = [(self.ranks(ep, e), e) for e in range(ep)]
-            else:
-                parts = [(list(range(self.world)), None)]
-                for fqn in shapes:
-                    if _EXPERT_NAME.fullmatch(fqn) and fqn.split(EXPERTS_INFIX)[0] in self.layers:
-                        raise CheckpointFormatError(
-                            f"{where}: expert parameter {fqn!r} is in optimizer group {g}, which "
-                            "is not marked moe"
-                        )
-            names: list[str] = []
-            for ranks, e in parts:
-                all_segs = zero12_group_segments(m0, [optims[r] for r in ranks], g)
-                for (fqn, shape), segs in zip(shapes.items(), all_segs):
-                    name = fqn if e is None else self.global_name(fqn, e)
-                    if e is not None:
-                        self._check_in_file(name, shape)
-                    param(b, name, shape, [replace(s, rank=ranks[s.rank]) for s in segs], optims, g)
-                    names.append(name)
-            groups.append(names)
-        for archive, entries in self.files.values():
-            b.add_archive(archive)
-            for name, t in entries.items():
-                if f"model.{name}" not in b.tensors:  # a buffer or frozen parameter
-                    b.whole(f"model.{name}", ("model", name), archive, t, t.size, f"entry {name!r}")
-        return groups
+    def parts(self, m0: ModelStates, g: int) -> list[tuple[list[int], int | None]]:
+        """How optimizer group ``g`` (``m0.param_shapes[g]``) lies over the ranks: ``(ranks,
+        expert-parallel rank)`` of each partitioning, once per expert-parallel rank for a group
+        marked ``moe``, else all ranks once (expert-parallel rank None)."""
+        if g in self.ep_size:
+            ep = self.ep_size[g]
+            return [(self.ranks(ep, e), e) for e in range(ep)]
+        for fqn in m0.param_shapes[g]:
+            if _EXPERT_NAME.fullmatch(fqn) and fqn.split(EXPERTS_INFIX)[0] in self.layers:
+                raise CheckpointFormatError(
+                    f"{m0.archive.path}: expert parameter {fqn!r} is in optimizer group {g}, which "
+                    "is not marked moe"
+                )
+        return [(list(range(self.world)), None)]
+
+    def expert_name(self, local_name: str, e: int, shape: tuple[int, ...]) -> str:
+        """:meth:`global_name` of ``local_name`` on expert-parallel rank ``e``, checked to be in
+        its expert file with ``shape``."""
+        name = self.global_name(local_name, e)
+        self._check_in_file(name, shape)
+        return name
 
     def writers(self) -> list[int]:
-        """The writing rank of each expert file, in the order :meth:`lay_out` adds them."""
+        """The writing rank of each expert file, in the order of :attr:`files`."""
         return [self.writer(k) for k in self.files]
 
     def _check_in_file(self, name: str, shape: tuple[int, ...]) -> None:

@@ -6,23 +6,13 @@ The files :mod:`._ds_files` finds are pickles; read as inert records by
 :class:`RankOptim` here, every field used checked, and the file and field
 named when one is not what DeepSpeed writes.
 
-Where each parameter's elements are inside the flat buffers (arithmetic only):
-DeepSpeed ZeRO keeps fp32 master weights and optimizer moments as flat 1-D
-buffers, one per rank and group, in which parameters are laid end to end:
-
-* **ZeRO-1/2**: per parameter group, the parameters are concatenated in
-  order (``param_shapes``), padded at the end, and the result is cut into one
-  contiguous partition per rank. A parameter may straddle partitions.
-* **ZeRO-3**: every parameter is padded to ``ceil(numel / W) * W`` and cut
-  into ``W`` equal slices; rank ``r`` holds slice ``r`` of every parameter,
-  laid end to end in parameter order, and that per-rank buffer is split into
-  sub-groups (``fp32_flat_groups``), which may cut a parameter's slice.
-
-:func:`zero12_segments` and :func:`zero3_segments` say, for each parameter,
-which element range of which rank's which buffer holds which of its
-elements; :func:`segment_boxes` turns one such range into boxes of the
-parameter's shape (a flat range of a row-major tensor is a few boxes), each
-a contiguous run of the buffer.
+Where each parameter's elements are inside the ranks' flat fp32 buffers is
+arithmetic only (the ZeRO-1/2 and ZeRO-3 flat layouts of
+docs/deepspeed-format.md): :func:`zero12_segments` and :func:`zero3_segments`
+say, for each parameter, which element range of which rank's which buffer
+holds which of its elements; :func:`segment_boxes` turns one such range into
+boxes of the parameter's shape (a flat range of a row-major tensor is a few
+boxes), each a contiguous run of the buffer.
 """
 
 from __future__ import annotations
@@ -134,7 +124,8 @@ def zero3_segments(
     ``numels`` are all trainable parameters in order (every group's, as in
     ``param_shapes``); ``buffer_sizes`` the lengths of one rank's
     sub-group buffers (equal on every rank). Each parameter is padded to a
-    multiple of ``world_size``; its slices must fit in the buffers.
+    multiple of ``world_size``, and rank ``r`` holds slice ``r`` of each, end to
+    end; the slices must fit in the buffers, whose ends may cut one.
     """
     bounds = list(itertools.accumulate(buffer_sizes, initial=0))
     total = sum(math.ceil(n / world_size) for n in numels)

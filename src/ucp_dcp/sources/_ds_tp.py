@@ -1,41 +1,23 @@
 """Where each tensor-parallel slice of a DeepSpeed parameter lies in the merged one (rules only).
 
 A Megatron-DeepSpeed (or AutoTP) checkpoint with tensor parallelism ``T`` holds, per
-model-parallel rank, *slices* of each parameter. Which slice goes where is not in the tensors;
-the checkpoint says it in ``universal_checkpoint_info``, whose keys ``ds_to_universal`` reads
-(here read by the names ``deepspeed.checkpoint.constants`` gives them, :data:`INFO_KEYS`). Its
-``merge_tp_slices`` merges each parameter by the first of these rules that matches (patterns
-:func:`re.match`-ed against the engine module's names):
+model-parallel rank, *slices* of each parameter. Its ``universal_checkpoint_info`` says how
+``ds_to_universal``'s ``merge_tp_slices`` joins them: by the first rule whose patterns match
+(:func:`re.match`-ed against the engine module's names), then a cut of a padded vocabulary. The
+rules, in that order, are the table in docs/deepspeed-format.md ("The merge rules of
+``ds_to_universal``, read in place"). Every rule but the mean (:mod:`._ds_merge`) is a
+re-ordering: :class:`TPSlice` lists the pieces of one slice as pairs of boxes (of the slice, of
+the merged tensor), so a rank of any new layout reads exactly the bytes of the pieces it needs.
 
-1. ``affine_map``: pieces of each rank's slice, each a box of the merged tensor;
-2. ``tp_replicated_parameter_patterns``: every rank holds the whole parameter (read from
-   tensor-parallel rank 0);
-3. ``parameter_to_average_patterns``: the mean of the slices, ``sum(slices) / len(slices)``
-   (computed at load time: :mod:`._ds_merge`);
-4. ``parameter_with_2_sub_params_cat_dim_0``: each slice is ``[a_k; b_k]`` (SwiGLU's fused
-   ``dense_h_to_4h``), the merged tensor ``[a_0 .. a_n; b_0 .. b_n]``;
-5. ``parameter_with_sub_params``: a ``SubparamShape`` (fused QKV under GQA): along its
-   ``partition_dim`` each slice holds its share (``sub_param_shard_widths``) of every
-   sub-parameter, the merged tensor each sub-parameter whole, one after the other;
-6. ``parameter_with_row_parallelism_patterns``: joined along dimension 1;
-7. anything else: joined along dimension 0;
+:data:`INFO_KEYS` is the one table of the checkpoint's keys. A key this reader does not know is
+refused, naming it (:func:`check_info_keys`): a key it ignored could change the merge (as
+``parameter_with_2_sub_params_cat_dim_0`` once went unseen). The entries that need more than a
+list of patterns (``SubparamShape`` entries with their widths, ``affine_map``) are read into
+records (:class:`SubParams`, :class:`AffineMap`) and checked.
 
-and then cuts a parameter matching ``vocabulary_parameter_patterns`` to
-``original_vocab_size`` rows. Every rule but the mean is a re-ordering: :class:`TPSlice` lists
-the pieces of one slice as pairs of boxes (of the slice, of the merged tensor), so a rank of
-any new layout reads exactly the bytes of the pieces it needs.
-
-:data:`INFO_KEYS` is the one table of its keys, as ``deepspeed.checkpoint.constants`` spells
-them (the fixture generators assert it against the installed DeepSpeed). A key this reader does
-not know is refused, naming it (:func:`check_info_keys`): a key it ignored could change the
-merge (the reason the rule-4 key once went unseen). The entries that need more than a list of
-patterns (``SubparamShape`` entries with their widths, ``affine_map``) are read into records
-(:class:`SubParams`, :class:`AffineMap`) and checked.
-
-Where the checkpoint has no such patterns (Megatron-style code that never recorded them), or
-wrong ones, the user supplies rules (``tp_rules``: :class:`~ucp_dcp.sources.base.SourceOptions`,
-read by :func:`user_tp_rules`). They are read as data (``Rule.to_json()``), so this layer
-imports nothing of ``adapters``.
+Where the checkpoint has no such patterns, or wrong ones, the user supplies rules (``tp_rules``:
+:class:`~ucp_dcp.sources.base.SourceOptions`, read by :func:`user_tp_rules`). They are read as
+data (``Rule.to_json()``), so this layer imports nothing of ``adapters``.
 """
 
 from __future__ import annotations

@@ -63,9 +63,7 @@ class TorchArchive:
     def byte_range(self, t: TensorRef, what: str) -> tuple[int, int]:
         """``(absolute start, nbytes)`` of dense tensor ``t``; an error naming ``what`` if it is not
         dense row-major."""
-        if t.numel > 1 and tuple(s for s, n in zip(t.stride, t.size) if n > 1) != tuple(
-            s for s, n in zip(row_major_strides(t.size), t.size) if n > 1
-        ):
+        if t.numel > 1 and not _row_major(t.size, t.stride):
             raise CheckpointFormatError(
                 f"{self.path}: {what} is not stored row-major (stride {list(t.stride)})"
             )
@@ -376,6 +374,12 @@ class StoredTensor:
     size: tuple[int, ...]
     stride: tuple[int, ...]
 
+    @property
+    def span(self) -> int:
+        """Elements of the storage from its start to one past the tensor's last (of a non-empty
+        tensor)."""
+        return self.storage_offset + sum((n - 1) * s for n, s in zip(self.size, self.stride)) + 1
+
 
 class _ItemView(HeldBytesFile):
     """A read-only, seekable view of ``[base, base + length)`` of a file.
@@ -475,13 +479,17 @@ def dim_order(size: Sequence[int], stride: Sequence[int]) -> tuple[int, ...] | N
     (overlapping or gapped strides). Size-1 dims may have any stride.
     """
     nd = len(size)
+    if _row_major(size, stride):
+        return tuple(range(nd))
     big = [d for d in range(nd) if size[d] > 1]
-    ident = tuple(range(nd))
-    rm = row_major_strides(size)
-    if all(stride[d] == rm[d] for d in big):
-        return ident
     order = sorted(big, key=lambda d: -stride[d]) + [d for d in range(nd) if size[d] <= 1]
     expect = row_major_strides([size[d] for d in order])
     if all(stride[d] == e for d, e in zip(order, expect) if size[d] > 1):
         return tuple(order)
     return None
+
+
+def _row_major(size: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether ``stride`` is the dense row-major one of ``size`` (size-1 dims may have any)."""
+    rm = row_major_strides(size)
+    return all(st == r for n, st, r in zip(size, stride, rm) if n > 1)

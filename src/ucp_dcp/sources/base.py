@@ -14,11 +14,10 @@ A source presents a checkpoint, whatever wrote it, as the same three things:
 
 Everything that reads (``UCPStorageReader`` for ``dcp.load``, ``Checkpoint``,
 the hand-off functions, the CLI, ``convert``) goes through this seam and
-contains no format test of its own. Adding a format is one module: subclass
-:class:`Source`, implement ``detect_dir``/``open_dir`` (from a directory
-view, :class:`~ucp_dcp.byteio.location.ModelDir`, local or in object storage)
-and ``locate``, say what detection looks for (``title``, ``looks_for``), and
-decorate the class with :func:`register`.
+contains no format test of its own. A format opens from a directory view
+(:class:`~ucp_dcp.byteio.location.ModelDir`, local or in object storage;
+:meth:`Source.open` takes a path too). Adding a format: see docs/sources.md
+("Adding a format").
 """
 
 from __future__ import annotations

@@ -1,48 +1,24 @@
-"""A DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, fp32 or bf16; data-, pipeline- or
-tensor-parallel) as a source, read in place.
+"""A DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, fp32 or bf16; data-, pipeline-, tensor- or
+expert-parallel) as a source, read in place.
 
-DeepSpeed's files are ``torch.save`` archives whose tensor storages are
-stored uncompressed, so every parameter's elements are byte ranges inside
-the ranks' flat fp32 buffers. Opening reads the pickles only (as inert
-records: :mod:`._torch_archive`, with DeepSpeed's own classes allowed as
-records and never imported) and lays each parameter over the buffers
-(:mod:`._ds_records`): a rank of any new layout then reads exactly the
-slices it needs, with no ``deepspeed`` import and no conversion pass.
+Opening reads the pickles only, as inert records (:mod:`._torch_archive`; ``deepspeed`` is never
+imported), and lays each parameter over the ranks' flat fp32 buffers (:mod:`._ds_records`), so
+a rank of any new layout reads exactly the slices it needs, with no conversion pass.
+Tensor-parallel slices are joined as :mod:`._ds_tp` says, MoE experts found by :mod:`._ds_moe`.
+The keys (those of ``get_state_dict(model, optim)``) and how each layout is read: see
+docs/sources.md and docs/deepspeed-format.md.
 
-Names are those of ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optim)``:
-
-* ``model.<fqn>``: the fp32 master weights of trainable parameters, frozen
-  parameters (``frozen_param_fragments``, else the module's copy), tied
-  parameters (``shared_params``: the same bytes as the parameter they are
-  tied to) and buffers;
-* ``optim.state.<fqn>.exp_avg`` / ``.exp_avg_sq`` / ``.step`` (and any other
-  per-element state the inner optimizer keeps);
-* ``optim.param_groups.<g>.<hyperparameter>`` and ``.params`` (the fqns).
-
-A pipeline-parallel checkpoint (``PipelineModule``: ``layer_XX-model_00`` files,
-one ``mp_rank_SS`` model states file and ZeRO-1/2 optimizer files per stage)
-gives the same keys under the engine module's names (``3.fc1.weight``,
-``tied_modules.embed.weight``): each stage's partitions, a tied module read
-from the first stage holding it, frozen parameters and buffers from the layer
-files (:func:`place_entries` names their entries). Under tensor parallelism
-(several ``mp_rank_MM``, with or without a pipeline) each parameter's slices
-are joined by the checkpoint's ``universal_checkpoint_info`` (:mod:`._ds_tp`), or by
-the user's ``tp_rules`` where it has none or wrong ones: DeepSpeed's AutoTP
-(``"tensor_parallel": {"autotp_size": T}``) writes the same files and records
-its own patterns.
-A MoE checkpoint (``deepspeed.moe.layer.MoE``, ZeRO-1/2: ``layer_L_expert_G`` files and
-optimizer groups marked ``moe``, each partitioned over one expert-data-parallel group) gives
-one key per global expert (:mod:`._ds_moe`).
-
-DeepSpeed records no checksums; the files' sizes are checked.
+The functions that record what every DeepSpeed layout holds (a parameter over flat buffers, the
+entries of a model states or layer file, tied aliases) are shared with the Universal folders
+(:mod:`.ds_universal`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, replace
 
 from ..byteio.location import ModelDir, StoreDir
 from ..errors import CheckpointFormatError, InvalidArgumentError
@@ -52,7 +28,7 @@ from ._ds_files import (
     find_deepspeed_files,
     looks_like_deepspeed,
 )
-from ._ds_moe import expert_layout
+from ._ds_moe import ExpertLayout, expert_layout
 from ._ds_records import (
     ModelStates,
     RankOptim,
@@ -72,7 +48,15 @@ from ._pickle import TensorRef
 from ._torch_archive import TorchArchive
 from .base import SourceOptions, register
 
-__all__ = ["DeepSpeedSource", "EntryFile", "place_entries", "zero3_frozen"]
+__all__ = [
+    "DeepSpeedSource",
+    "EntryFile",
+    "add_groups",
+    "alias_tied",
+    "check_placed",
+    "place_entries",
+    "zero3_frozen",
+]
 
 # Inner optimizer state that is one value per flat buffer, not per element.
 _SCALAR_STATE = ("step",)
@@ -99,14 +83,120 @@ def zero3_frozen(
     b.flat(f"model.{fqn}", ("model", fqn), shape, segs, frag, f"frozen parameter {fqn!r}")
 
 
+def record_param(
+    b: ArchiveIndex,
+    fqn: str,
+    shape: tuple[int, ...],
+    segs: list[Segment],
+    optims: list[RankOptim],
+    first_buffer: int,
+    place: TPSlice | None = None,
+) -> None:
+    """``model.<fqn>``, the fp32 weight laid out as ``segs`` of the ranks' fp32 buffers, and
+    ``optim.state.<fqn>.*``: its per-element moments laid out the same way, plus the step
+    (``place``: ``shape`` is that tensor-parallel slice of them)."""
+    b.flat(
+        f"model.{fqn}",
+        ("model", fqn),
+        shape,
+        segs,
+        lambda s: (optims[s.rank].archive, optims[s.rank].fp32[s.buffer]),
+        f"fp32 weight {fqn!r}",
+        place,
+    )
+    st0 = optims[0].state.get(first_buffer, {})
+    for name, v in st0.items():
+        key = f"optim.state.{fqn}.{name}"
+        path = ("optim", "state", fqn, name)
+        if name in _SCALAR_STATE or (isinstance(v, TensorRef) and not v.size):
+            if not isinstance(v, TensorRef):
+                raise CheckpointFormatError(
+                    f"{optims[0].archive.path}: optimizer state {name!r} of flat buffer "
+                    f"{first_buffer} is a "
+                    f"{type(v).__name__}, not a tensor"
+                )
+            b.whole(key, path, optims[0].archive, v, (), f"{name} of flat buffer {first_buffer}")
+            continue
+        if not isinstance(v, TensorRef):
+            continue
+
+        def buffer_of(seg: Segment, name: str = name) -> tuple[TorchArchive, TensorRef]:
+            o = optims[seg.rank]
+            t = moment(
+                o.state.get(seg.buffer, {}),
+                name,
+                o.fp32[seg.buffer].numel,
+                f"{o.archive.path}: optimizer state of flat buffer {seg.buffer}",
+            )
+            if t is None:
+                raise CheckpointFormatError(
+                    f"{o.archive.path}: flat buffer {seg.buffer} has no {name!r} state"
+                )
+            return o.archive, t
+
+        b.flat(key, path, shape, segs, buffer_of, f"{name} of {fqn!r}", place)
+
+
+# keep(fqn, shape): whether to record a parameter here, and as which tensor-parallel slice.
+_Keep = Callable[[str, tuple[int, ...]], tuple[bool, TPSlice | None]]
+
+
+def _zero12(
+    b: ArchiveIndex,
+    m0: ModelStates,
+    optims: list[RankOptim],
+    keep: _Keep | None = None,
+    moe: ExpertLayout | None = None,
+) -> list[list[str]]:
+    """Each ZeRO-1/2 group's parameters (``m0.param_shapes``) laid over the partitions of
+    ``optims`` (``keep``: which to record here); ``moe``'s expert groups once per
+    expert-parallel rank, over its ranks, under global expert names. The groups' fqns."""
+    check_zero12_groups(m0, optims[0])
+    groups = []
+    for g, shapes in enumerate(m0.param_shapes):
+        names: list[str] = []
+        parts = moe.parts(m0, g) if moe is not None else [(list(range(len(optims))), None)]
+        for ranks, e in parts:
+            all_segs = zero12_group_segments(m0, [optims[r] for r in ranks], g)
+            for (fqn, shape), segs in zip(shapes.items(), all_segs):
+                if moe is not None and e is not None:
+                    fqn = moe.expert_name(fqn, e, shape)
+                    segs = [replace(s, rank=ranks[s.rank]) for s in segs]
+                record, place = keep(fqn, shape) if keep is not None else (True, None)
+                if record:
+                    record_param(b, fqn, shape, segs, optims, g, place)
+                names.append(fqn)
+        groups.append(names)
+    return groups
+
+
+def add_groups(groups: list[dict[str, None]], more: Iterable[Iterable[str]]) -> None:
+    """Add the names of each group of ``more`` to the same group of ``groups`` (its names in the
+    order first seen, once each), adding groups as needed."""
+    for g, names in enumerate(more):
+        if g == len(groups):
+            groups.append({})
+        groups[g].update(dict.fromkeys(names))
+
+
+def alias_tied(b: ArchiveIndex, models: Iterable[ModelStates]) -> None:
+    """``model.<tied>`` of each of the models' ``shared_params``: the bytes of its owner."""
+    for m in models:
+        for tied, owner in m.shared.items():
+            b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
+
+
+def recorded_names(b: ArchiveIndex) -> set[str]:
+    """The names of the ``model.<name>`` tensors recorded so far."""
+    return {k[len("model.") :] for k in b.tensors if k.startswith("model.")}
+
+
 # A pipeline-parallel run's layer files save each layer's ``state_dict()`` on its own, with the
 # layer's own names (``fc1.weight``). The engine module, whose names the optimizer's
 # ``param_shapes`` and ``buffer_names`` use, registers layer ``XX`` as ``XX`` (``3.fc1.weight``)
 # and a ``TiedLayerSpec`` module once, as ``tied_modules.<key>``, whichever layer indices it
 # appears at. Nothing in the files says which layer is tied to which key: layer_prefix tells it
-# from the names the stages' model states know. place_entries records the entries that are not
-# trainable (those are read from the optimizer's fp32 masters) under the engine's names, for this
-# source and for a Universal folder of a pipeline run alike.
+# from the names the stages' model states know.
 
 TIED_PREFIX = "tied_modules."
 
@@ -143,8 +233,8 @@ def layer_prefix(
 @dataclass(frozen=True)
 class EntryFile:
     """A file holding frozen parameters and buffers: a layer file (global layer ``index``,
-    tensor-parallel ``rank``; ``prefix`` None: told by :func:`layer_prefix`) or a model states
-    file's ``module`` (full names: ``prefix`` ``""``)."""
+    tensor-parallel ``rank``; ``prefix`` None: told by :func:`layer_prefix`), or a model states
+    file's ``module`` or an expert file (full names: ``prefix`` ``""``)."""
 
     index: int
     rank: int
@@ -158,16 +248,17 @@ def place_entries(
     files: Iterable[EntryFile],
     known: Collection[str],
     skip: Collection[str],
-    rules: TPRules | None,
-    tp: int,
+    rules: TPRules | None = None,
+    tp: int = 1,
 ) -> None:
     """Record ``model.<name>`` for each entry of ``files`` not in ``skip`` (trainable parameters,
-    read from the fp32 masters, and tied aliases).
+    read from the fp32 masters, tied aliases, whatever is recorded already): the one way every
+    DeepSpeed layout records the entries no optimizer holds.
 
-    ``known``: the stages' parameter and buffer names (which tell a tied layer's
-    prefix). A tied layer's copies at later indices are skipped. Under tensor
-    parallelism (``rules``, degree ``tp``) a split entry is placed slice by
-    slice, a replicated one read from rank 0. Layer files' archives are added to ``b``.
+    ``known``: the stages' parameter and buffer names (which tell a layer file's prefix). A
+    tied layer's copies at later indices are skipped. Under tensor parallelism (``rules``,
+    degree ``tp``) a split entry is placed slice by slice, a replicated one read from rank 0.
+    The files' archives not in ``b`` yet are added to it.
     """
     tied = tied_keys(known)
     first_file: dict[str, int] = {}  # name -> the layer index it is read from
@@ -175,12 +266,14 @@ def place_entries(
         prefix = f.prefix
         if prefix is None:
             prefix = layer_prefix(f.index, list(f.entries), known, tied, f.archive.path)
+        if id(f.archive) not in b.file_of:
             b.add_archive(f.archive)
+        kind = "layer entry" if f.prefix is None else "module entry"
         for entry, t in f.entries.items():
             name = prefix + entry
             if name in skip or first_file.setdefault(name, f.index) != f.index:
                 continue  # the fp32 master weight (or a tied alias), or a tied layer's copy
-            key, path, what = f"model.{name}", ("model", name), f"layer entry {entry!r}"
+            key, path, what = f"model.{name}", ("model", name), f"{kind} {entry!r}"
             sl = rules.slice_of(name, f.rank, tp, t.size) if rules is not None else None
             if sl is None or (sl.replicated and sl.full_shape == sl.local):
                 if f.rank == 0:
@@ -192,11 +285,29 @@ def place_entries(
                 b.placed_whole(key, path, f.archive, t, sl, what)
 
 
+def check_placed(
+    b: ArchiveIndex,
+    models: list[ModelStates],
+    named: Mapping[str, int],
+    buffers: Collection[str],
+    where: str,
+) -> None:
+    """Refuse the first of ``named`` (name -> the model-parallel rank whose model states name
+    it) that is not recorded: a buffer (in ``buffers``) or frozen parameter that is ``where``
+    (``"in no layer file"``)."""
+    for name, mi in named.items():
+        if f"model.{name}" not in b.tensors:
+            kind = "buffer" if name in buffers else "frozen parameter"
+            raise CheckpointFormatError(
+                f"{models[mi].archive.path}: {kind} {name!r} of model-parallel rank {mi} is {where}"
+            )
+
+
 @register
 class DeepSpeedSource(ArchiveSource):
     """A DeepSpeed ZeRO-1/2/3 checkpoint, data-, pipeline- or tensor-parallel: the directory with
-    ``latest``, or one tag folder (local, or at an fsspec URL: a
-    :class:`~ucp_dcp.byteio.location.StoreDir` view).
+    ``latest``, or one tag folder, as a directory view (local, or a
+    :class:`~ucp_dcp.byteio.location.StoreDir`).
 
     ``tp_rules``: as :attr:`SourceOptions.tp_rules <ucp_dcp.sources.base.SourceOptions.tp_rules>`,
     matched against the engine's parameter names (``1.fc2.weight``,
@@ -209,11 +320,9 @@ class DeepSpeedSource(ArchiveSource):
     looks_for = f"{LATEST_FILE} / *zero_pp_rank_*_optim_states.pt"
     detect_order = 30
 
-    def __init__(
-        self, path: str, model_dir: ModelDir | None = None, *, tp_rules: object = None
-    ) -> None:
+    def __init__(self, d: ModelDir, *, tp_rules: object = None) -> None:
         self._user_rules: tuple[TPRule, ...] = user_tp_rules(tp_rules)
-        files = find_deepspeed_files(model_dir if model_dir is not None else path)
+        files = find_deepspeed_files(d)
         folder = files.folder
         layer_paths = list(files.layers.values())
         with archive_pool(folder, len(files.model) + len(files.optim) + len(layer_paths)) as pool:
@@ -263,15 +372,15 @@ class DeepSpeedSource(ArchiveSource):
             groups = self._pipeline(b, models, optims, dict(zip(files.layers, layers)), files.tp)
         elif self.stage == 3:
             groups = self._zero3(b, models, optims)
-        elif moe is not None:
-            groups = moe.lay_out(b, m0, optims, self._param)
         else:
-            groups = self._zero12(b, m0, optims)
+            groups = _zero12(b, m0, optims, moe=moe)
+            if moe is not None:  # the expert files' entries no optimizer holds (buffers)
+                experts = [EntryFile(k[0], 0, a, e, "") for k, (a, e) in moe.files.items()]
+                place_entries(b, experts, (), recorded_names(b))
         self._param_groups(b, optims[0], groups)
         if not parallel:
             self._frozen_and_buffers(b, models)
-        for tied, owner in m0.shared.items():
-            b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
+        alias_tied(b, [m0])
         if parallel:
             # The global rank that wrote each file, on Megatron-DeepSpeed's (pipe, data, model)
             # grid: data-parallel rank 0 of each model-parallel rank wrote its model states
@@ -289,86 +398,11 @@ class DeepSpeedSource(ArchiveSource):
                 range(len(optims))
             )
             ranks += moe.writers() if moe is not None else []
-        super().__init__(path, b, self.world_size, ranks)
+        super().__init__(d.where, b, self.world_size, ranks)
         if isinstance(folder, StoreDir):
             self.store = folder.store  # the tag folder's: paths are its objects' URLs
 
     # ------------------------------------------------------------ layouts
-    def _param(
-        self,
-        b: ArchiveIndex,
-        fqn: str,
-        shape: tuple[int, ...],
-        segs: list[Segment],
-        optims: list[RankOptim],
-        first_buffer: int,
-        place: TPSlice | None = None,
-    ) -> None:
-        """``model.<fqn>``, the fp32 weight laid out as ``segs`` of the ranks' fp32 buffers, and
-        ``optim.state.<fqn>.*``: its per-element moments laid out the same way, plus the step
-        (``place``: ``shape`` is that tensor-parallel slice of them)."""
-        b.flat(
-            f"model.{fqn}",
-            ("model", fqn),
-            shape,
-            segs,
-            lambda s: (optims[s.rank].archive, optims[s.rank].fp32[s.buffer]),
-            f"fp32 weight {fqn!r}",
-            place,
-        )
-        st0 = optims[0].state.get(first_buffer, {})
-        for name, v in st0.items():
-            key = f"optim.state.{fqn}.{name}"
-            path = ("optim", "state", fqn, name)
-            if name in _SCALAR_STATE or (isinstance(v, TensorRef) and not v.size):
-                if not isinstance(v, TensorRef):
-                    raise CheckpointFormatError(
-                        f"{optims[0].archive.path}: optimizer state {name!r} of flat buffer "
-                        f"{first_buffer} is a "
-                        f"{type(v).__name__}, not a tensor"
-                    )
-                b.whole(
-                    key, path, optims[0].archive, v, (), f"{name} of flat buffer {first_buffer}"
-                )
-                continue
-            if not isinstance(v, TensorRef):
-                continue
-
-            def buffer_of(seg: Segment, name: str = name) -> tuple[TorchArchive, TensorRef]:
-                o = optims[seg.rank]
-                t = moment(
-                    o.state.get(seg.buffer, {}),
-                    name,
-                    o.fp32[seg.buffer].numel,
-                    f"{o.archive.path}: optimizer state of flat buffer {seg.buffer}",
-                )
-                if t is None:
-                    raise CheckpointFormatError(
-                        f"{o.archive.path}: flat buffer {seg.buffer} has no {name!r} state"
-                    )
-                return o.archive, t
-
-            b.flat(key, path, shape, segs, buffer_of, f"{name} of {fqn!r}", place)
-
-    def _zero12(
-        self,
-        b: ArchiveIndex,
-        m0: ModelStates,
-        optims: list[RankOptim],
-        keep: Callable[[str, tuple[int, ...]], tuple[bool, TPSlice | None]] | None = None,
-    ) -> list[list[str]]:
-        """Each group's parameters, laid over the ranks' partitions (``keep(fqn, shape)``: whether
-        to record it here, and as which tensor-parallel slice); the groups' fqns."""
-        check_zero12_groups(m0, optims[0])
-        groups = []
-        for g, shapes in enumerate(m0.param_shapes):
-            for (fqn, shape), segs in zip(shapes.items(), zero12_group_segments(m0, optims, g)):
-                record, place = keep(fqn, shape) if keep is not None else (True, None)
-                if record:
-                    self._param(b, fqn, shape, segs, optims, g, place)
-            groups.append(list(shapes))
-        return groups
-
     def _pipeline(
         self,
         b: ArchiveIndex,
@@ -383,9 +417,8 @@ class DeepSpeedSource(ArchiveSource):
         and buffers; the param groups' fqns over all stages.
 
         A tied parameter is in every stage that uses it, equal (DeepSpeed all-reduces its
-        gradient over those stages): read from the first. Under tensor parallelism each
-        parameter's slices are joined by the checkpoint's ``universal_checkpoint_info``
-        (:mod:`._ds_tp`), a replicated one read from tensor-parallel rank 0.
+        gradient over those stages): read from the first. Under tensor parallelism a
+        replicated parameter is read from tensor-parallel rank 0.
         """
         if self.stage == 3:
             raise CheckpointFormatError(
@@ -401,7 +434,7 @@ class DeepSpeedSource(ArchiveSource):
             if tp > 1
             else None
         )
-        groups: list[list[str]] = []
+        groups: list[dict[str, None]] = []
         self._layer_stage: dict[int, int] = {}
         owner: dict[str, int] = {}  # fqn -> the stage it is read from
         local: dict[str, tuple[tuple[int, ...], int]] = {}  # fqn -> (slice shape, mp rank)
@@ -442,10 +475,9 @@ class DeepSpeedSource(ArchiveSource):
                     return rank == 0, sl
                 return True, sl  # replicated: every rank's, checked equal (_ds_merge)
 
-            for g, names in enumerate(self._zero12(b, m, mine, keep)):
-                if g == len(groups):
-                    groups.append([])
-                groups[g] += [n for n in names if n not in groups[g]]
+            stage_groups = _zero12(b, m, mine, keep)
+            add_groups(groups, stage_groups)
+            for names in stage_groups:
                 for n in names:
                     head = n.split(".", 1)[0]  # a PipelineModule's layer index
                     if layers and head.isdigit():
@@ -463,20 +495,16 @@ class DeepSpeedSource(ArchiveSource):
         place_entries(b, sources, trainable | set(buffers), trainable | shared, rules, tp)
         if rules is not None:
             b.finish_merges(tp, os.path.dirname(models[0].archive.path))
-        placed = {k.split(".", 1)[1] for k in b.tensors if k.startswith("model.")}
+        placed = recorded_names(b)
         unused = rules.unused(sorted(trainable | placed)) if rules is not None else []
         if unused:
             raise InvalidArgumentError(
                 f"tp_rules: no parameter of {os.path.dirname(models[0].archive.path)} matches "
                 f"{', '.join(unused)}"
             )
-        for name, mi in buffers.items():
-            if f"model.{name}" not in b.tensors:
-                raise CheckpointFormatError(
-                    f"{models[mi].archive.path}: buffer {name!r} of model-parallel rank {mi} is "
-                    "in no layer file" + ("" if layers else " (and not in its module)")
-                )
-        return groups
+        where = "in no layer file" + ("" if layers else " (and not in its module)")
+        check_placed(b, models, buffers, buffers, where)
+        return [list(g) for g in groups]
 
     def _zero3(
         self, b: ArchiveIndex, models: list[ModelStates], optims: list[RankOptim]
@@ -497,7 +525,7 @@ class DeepSpeedSource(ArchiveSource):
             raise CheckpointFormatError(f"{m0.archive.path}: {e}") from None
         by_buffer: dict[int, list[str]] = {}
         for (fqn, shape, k), segs in zip(flat, all_segs):
-            self._param(b, fqn, shape, segs, optims, segs[0].buffer if segs else k)
+            record_param(b, fqn, shape, segs, optims, segs[0].buffer if segs else k)
             by_buffer.setdefault(k, []).append(fqn)
         return [
             [f for k in grp["params"] for f in by_buffer.get(k, [])]
@@ -536,18 +564,16 @@ class DeepSpeedSource(ArchiveSource):
         # Buffers, and parameters known only from the module state dict
         # (frozen parameters of ZeRO-1, which records no fragments). Under
         # ZeRO-3 the module holds empty placeholders for parameters.
+        skip = recorded_names(b) | set(m0.shared)
         buffers = set(m0.buffer_names)
-        for name, t in m0.module.items():
-            key = f"model.{name}"
-            if key in b.tensors or name in m0.shared:
-                continue
-            if self.stage == 3 and name not in buffers:
+        for name in m0.module:
+            if self.stage == 3 and name not in skip and name not in buffers:
                 raise CheckpointFormatError(
                     f"{m0.archive.path}: module entry {name!r} is neither in param_shapes, "
                     "frozen_param_shapes, "
                     "shared_params nor buffer_names; under ZeRO-3 its module copy is a placeholder"
                 )
-            b.whole(key, ("model", name), m0.archive, t, t.size, f"module entry {name!r}")
+        place_entries(b, [EntryFile(0, 0, m0.archive, m0.module, "")], (), skip)
 
     # ------------------------------------------------------------ Source
     @classmethod
@@ -564,4 +590,4 @@ class DeepSpeedSource(ArchiveSource):
         ranged requests (archives side by side), tensor bytes later through
         :meth:`~ucp_dcp.sources.base.Source.open_reader`.
         """
-        return cls(d.where, d, tp_rules=options.tp_rules)
+        return cls(d, tp_rules=options.tp_rules)

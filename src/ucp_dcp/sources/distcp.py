@@ -1,49 +1,15 @@
-"""DCP's default ``.distcp`` format: read it in place, or convert it once.
+"""DCP's default ``.distcp`` format (what ``dcp.save`` writes with ``FileSystemWriter`` or
+``FsspecWriter``), read in place.
 
-A checkpoint written by ``dcp.save`` with DCP's ``FileSystemWriter`` is a
-directory holding ``.metadata`` (a pickled :class:`Metadata`) and data files
-``__<rank>_<n>.distcp``. Every stored item is a complete ``torch.save`` zip
-archive, written one after another into a data file; ``Metadata.storage_data``
-maps each item's :class:`MetadataIndex` to its ``(relative_path, offset,
-length)``.
-
-This module makes that format readable without unpickling anything but DCP's
-own metadata, through the restricted unpickler (:mod:`._pickle`):
-
-* :func:`read_dcp_metadata` loads ``.metadata``.
-* A tensor item is byte-addressed without ``torch.load``: :mod:`zipfile`
-  finds the storage record ``<archive>/data/<key>`` inside the item and its
-  absolute start in the data file, and the item's ``data.pkl``, read as
-  records (no tensor, no data), gives the storage key, dtype,
-  ``storage_offset``, size and stride. A row-major item is
-  then one byte range; an item stored in another dimension order (a
-  transposed weight, a ``channels_last`` convolution kernel: DCP keeps the
-  strides it was given) is a byte range plus a dimension order: permuting
-  the destination view alike makes those bytes row-major again, and the
-  usual strided reads apply. Either way a rank reads only the bytes of the
-  region it needs. Only the items a rank reads are parsed (768 bytes at each
-  end of the item, more only if the archive needs it), when the load is
-  planned, in parallel.
-* Non-tensor values are ``torch.save`` pickles, refused unless
-  ``dcp_values="weights_only"`` (:meth:`DCPSource.decode_value`) and then
-  handed on as tagged JSON (:mod:`ucp_dcp.core.values`).
-
-``ucp-dcp convert`` (:func:`ucp_dcp.tools.convert.convert`) writes such a
-checkpoint in the native format, streaming with bounded memory.
-
-The same checkpoint at an fsspec URL (written there by DCP's
-``FsspecWriter``, or copied there) is read where it lies
-(a :class:`~ucp_dcp.byteio.location.StoreDir` view): ``.metadata`` in one request, the data
-files' sizes from the listing, the two ends of every item a load needs in
-one batch of ranged requests, and tensor bytes with the source's ranged reads.
-
-Items stored with strides that are no permutation of a dense layout (only an ``as_strided`` view
-with overlapping elements can produce one) cannot be read as byte ranges: a direct load fails naming
-the key, ``convert`` converts them by reading that item's storage whole
-(:meth:`DCPSource.materialize`). Items written with DCP's experimental stream transforms
-(compression) are refused, naming the key. Checkpoints written with
-``SerializationFormat.SAFETENSORS`` or without collectives (``__<rank>.metadata`` files) are not
-this format.
+``.metadata`` (a pickled :class:`Metadata`, loaded by :func:`read_dcp_metadata` with the
+restricted unpickler, :mod:`._pickle`) maps each stored item to its byte range in a
+``__<rank>_<n>.distcp`` data file; every item is a complete ``torch.save`` archive. A tensor
+item is byte-addressed without ``torch.load`` (:func:`~._torch_archive.parse_tensor_item`): a
+byte range, plus a dimension order where DCP kept the strides of a transposed or
+``channels_last`` tensor. Only the items a rank reads are parsed, when the load is planned, in
+parallel. Non-tensor values are pickles, refused unless ``dcp_values="weights_only"``
+(:meth:`DCPSource.decode_value`). What is read and what is refused, locally and in object
+storage: see docs/sources.md ("DCP's FileSystemWriter format").
 """
 
 from __future__ import annotations
@@ -65,7 +31,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..byteio.location import LocalDir, ModelDir
+from ..byteio.location import ModelDir, view_of
 from ..byteio.rangeio import ByteSource, FileHandles, ReadStats, storage_view
 from ..byteio.segments import Segment
 from ..core.sharding import Box
@@ -97,7 +63,7 @@ def read_dcp_metadata(directory: str | os.PathLike[str] | ModelDir) -> Metadata:
     DCP metadata pickle, or refers to any class outside the allow-list
     (refused before it is imported, naming it).
     """
-    d = directory if isinstance(directory, ModelDir) else LocalDir(os.fspath(directory))
+    d = view_of(directory)
     path = d.path_of(DCP_METADATA_FILE)
     if not d.is_file(DCP_METADATA_FILE):
         raise CheckpointFormatError(f"{d.where}: not a DCP checkpoint (no {DCP_METADATA_FILE})")
@@ -132,20 +98,13 @@ class DCPSource(Source):
     looks_for = DCP_METADATA_FILE
     detect_order = 20
 
-    def __init__(
-        self,
-        directory: str | os.PathLike[str],
-        dcp_values: str | None = None,
-        *,
-        model_dir: ModelDir | None = None,
-    ) -> None:
-        """Open local ``directory``; or, given ``model_dir`` (a directory view), the checkpoint in
-        it."""
+    def __init__(self, d: ModelDir, dcp_values: str | None = None) -> None:
+        """The checkpoint in directory view ``d`` (local or in a store; :meth:`open` takes a
+        path)."""
         if dcp_values not in DCP_VALUES_MODES:
             raise InvalidArgumentError(
                 f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}"
             )
-        d = model_dir if model_dir is not None else LocalDir(os.fspath(directory))
         self.directory = d.where
         self.dcp_values = dcp_values
         self.metadata = md = read_dcp_metadata(d)
@@ -297,8 +256,7 @@ class DCPSource(Source):
             )
         es = rec.dtype.itemsize
         if box.numel:
-            last = st.storage_offset + sum((n - 1) * s for n, s in zip(st.size, st.stride)) + 1
-            if last * es > st.record_nbytes:
+            if st.span * es > st.record_nbytes:
                 raise CheckpointFormatError(
                     f"{where}: the tensor runs past its storage ({st.record_nbytes} bytes)"
                 )
@@ -347,7 +305,7 @@ class DCPSource(Source):
     def open_dir(cls, d: ModelDir, options: SourceOptions) -> DCPSource:
         """Read ``.metadata`` (restricted unpickler) and the data files' sizes: in a store,
         ``.metadata`` in one request, sizes from the view's one listing."""
-        return cls(d.where, options.dcp_values, model_dir=d)
+        return cls(d, options.dcp_values)
 
     def locate(self, fqn: str, idx: int) -> Location:
         """Byte location of chunk ``idx`` of ``fqn`` (parses its item the first time).
@@ -407,8 +365,7 @@ class DCPSource(Source):
         if st.size and math.prod(st.size) != 0 and dim_order(st.size, st.stride) is not None:
             return self._raise_unaddressable(fqn, idx)
         es = st.dtype.itemsize
-        span = st.storage_offset + sum((n - 1) * s for n, s in zip(st.size, st.stride)) + 1
-        raw = torch.empty(span * es, dtype=torch.uint8)
+        raw = torch.empty(st.span * es, dtype=torch.uint8)
         fi = self._tensor_items[fqn][idx][0]
         reader.read([Segment(fi, st.data_start, storage_view(raw))])
         return raw.view(st.dtype).as_strided(st.size, st.stride, st.storage_offset).contiguous()

@@ -44,7 +44,14 @@ from ._ds_tp import TPSlice, tp_rules
 from ._pickle import TensorRef
 from ._torch_archive import TorchArchive, read_torch_archive
 from .base import SourceOptions, register
-from .deepspeed import EntryFile, place_entries, zero3_frozen
+from .deepspeed import (
+    EntryFile,
+    add_groups,
+    alias_tied,
+    check_placed,
+    place_entries,
+    zero3_frozen,
+)
 
 __all__ = ["DeepSpeedUniversalSource", "UniversalEntry"]
 
@@ -62,27 +69,15 @@ class UniversalEntry:
 
 @register
 class DeepSpeedUniversalSource(ArchiveSource):
-    """A DeepSpeed Universal checkpoint (``ds_to_universal`` output): one file per parameter and
-    state.
+    """A DeepSpeed Universal checkpoint (``ds_to_universal`` output): the directory with
+    ``latest_universal``, or the tag folder, local only.
 
-    The directory with ``latest_universal``, or the tag folder. Each
-    ``zero/<fqn>/{fp32,exp_avg,exp_avg_sq}.pt`` holds the full tensor under
-    ``"param"``; ``step.pt`` the step. Names are as for
-    :class:`DeepSpeedSource`. The folder records no optimizer
-    hyperparameters, so ``optim.param_groups.<g>`` has ``params`` only: load
-    the others from your own optimizer (``allow_partial_load=True``).
-    Converted from ZeRO-3, the folder stores tensors flattened (read in their
-    shapes), no ``step.pt`` and no files for frozen parameters (read from the
-    copied per-rank model states), and no ``optim.param_groups`` is given.
-    Converted from a pipeline- or tensor-parallel run (several ``mp_rank_MM``,
-    ``cat_dim`` / ``vocab_tensor`` entries), each tensor has its merged shape (a
-    vocabulary still padded is cut to ``original_vocab_size`` rows). Under a
-    pipeline the frozen parameters and buffers were in the layer files, which
-    ``ds_to_universal`` does not copy: they are read from layer files copied into
-    the folder, or from the tag folder it was converted from beside it
-    (``<tag>_universal`` next to ``<tag>``, as Megatron-DeepSpeed lays them out);
-    with neither, a folder whose model states name buffers (or frozen
-    parameters) is refused, naming them.
+    Each ``zero/<fqn>/{fp32,exp_avg,exp_avg_sq}.pt`` holds the full tensor under ``"param"``,
+    ``step.pt`` the step. Names are as for :class:`DeepSpeedSource`. The folder records no
+    optimizer hyperparameters, so ``optim.param_groups.<g>`` has ``params`` only: load the
+    others from your own optimizer (``allow_partial_load=True``). What folders converted from
+    ZeRO-3 and from pipeline- or tensor-parallel runs hold, and where their frozen parameters
+    and buffers are read from: see docs/deepspeed-format.md.
     """
 
     format = "deepspeed-universal"
@@ -195,15 +190,10 @@ def _data_parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> lis
                 return one(fqn, kind, None if kind == "step" else shape)
 
             _moments(b, fqn, state, shape)
-    for tied, owner in m0.shared.items():
-        b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
-    for name in m0.buffer_names:
-        t = m0.module.get(name)
-        if t is None:
-            raise CheckpointFormatError(
-                f"{m0.archive.path}: buffer {name!r} is not in the module state dict"
-            )
-        b.whole(f"model.{name}", ("model", name), m0.archive, t, t.size, f"buffer {name!r}")
+    alias_tied(b, [m0])
+    buffers = {n: m0.module[n] for n in m0.buffer_names if n in m0.module}
+    place_entries(b, [EntryFile(0, 0, m0.archive, buffers, "")], (), ())
+    check_placed(b, models, dict.fromkeys(m0.buffer_names, 0), buffers, "not in its module")
     # From ZeRO-3, param_shapes lists the optimizer's sub-groups, not its
     # parameter groups: no optim.param_groups there.
     return [list(d) for d in m0.param_shapes] if len(models) == 1 else []
@@ -264,15 +254,13 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
             f"multiple of tp_degree {tp}"
         )
     local: dict[str, tuple[int, ...]] = {}  # fqn -> tensor-parallel rank 0's slice shape
-    groups: list[dict[str, None]] = []  # each group's fqns in stage order (ordered, unique)
+    groups: list[dict[str, None]] = []  # each group's fqns in stage order
     for mi, m in enumerate(models):
-        for g, d in enumerate(m.param_shapes):
-            if g == len(groups):
-                groups.append({})
-            for fqn, shape in d.items():
-                if mi % tp == 0:
+        add_groups(groups, m.param_shapes)
+        if mi % tp == 0:
+            for d in m.param_shapes:
+                for fqn, shape in d.items():
                     local.setdefault(fqn, shape)
-                groups[g].setdefault(fqn)
     totals = tp_slice_totals(models, tp)
     info = m0.universal_info
     rules = (
@@ -327,9 +315,7 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
         else:
             b.whole(key, path, e.archive, e.t, full, what)
         _moments(b, fqn, one, full, functools.partial(_padded, full=full))
-    for m in models:
-        for tied, owner in m.shared.items():
-            b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
+    alias_tied(b, models)
     # Frozen parameters and buffers: in the module state dicts without a pipeline, in layer
     # files under one.
     buffers = {n: mi for mi, m in enumerate(models) for n in m.buffer_names}
@@ -341,17 +327,12 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
     skip = set(local) | {n for m in models for n in m.shared}
     place_entries(b, files, set(local) | set(buffers), skip, rules if tp > 1 else None, tp)
     layers = [f for f in files if f.prefix is None]
-    for name, mi in {**frozen, **buffers}.items():
-        if f"model.{name}" not in b.tensors:
-            raise CheckpointFormatError(
-                f"{models[mi].archive.path}: {'buffer' if name in buffers else 'frozen parameter'} "
-                f"{name!r} of model-parallel rank {mi} is "
-                + (
-                    f"in no layer file of {os.path.dirname(layers[0].archive.path)}"
-                    if layers
-                    else "not in its module"
-                )
-            )
+    where = (
+        f"in no layer file of {os.path.dirname(layers[0].archive.path)}"
+        if layers
+        else "not in its module"
+    )
+    check_placed(b, models, {**frozen, **buffers}, buffers, where)
     return [list(g) for g in groups]
 
 

@@ -1,29 +1,20 @@
-"""A Hugging Face safetensors model (``save_pretrained``) as a source.
+"""A Hugging Face safetensors model (``save_pretrained``: ``model.safetensors``, or shards
+listed by ``model.safetensors.index.json``) as a source, local or in object storage.
 
-One file (``model.safetensors``) or a sharded directory
-(``model.safetensors.index.json`` plus its files). Every tensor is one chunk
-(the whole tensor) at its byte range in its file, so a rank that needs some
-rows of a weight reads exactly those rows. Names are the file's, with
-``SourceOptions.prefix`` in front (``"model."`` gives the names of
-``get_state_dict(model, optim)``). Safetensors records no checksums; the
-headers are checked against the files' sizes.
+Every tensor is one chunk (the whole tensor) at its byte range in its file, under the file's
+name with ``SourceOptions.prefix`` in front. Safetensors records no checksums; the headers are
+checked against the files' sizes. See docs/sources.md ("A Hugging Face safetensors model").
 
-The same model in object storage (a :class:`~ucp_dcp.byteio.location.StoreDir` view) is found by
-listing the URL instead of the directory; each file's header is read with
-ranged requests (its size, then one request for a header under 64 KiB), and
-tensors with the source's ranged reads like any other.
-
-The file names (:data:`HF_WEIGHTS_NAME`, :data:`HF_INDEX_NAME`, the config
-files :data:`HF_CONFIG_FILES`) are shared with export (:mod:`ucp_dcp.tools.hf`).
+The file names (:data:`HF_WEIGHTS_NAME`, :data:`HF_INDEX_NAME`, the config files
+:data:`HF_CONFIG_FILES`) are shared with export (:mod:`ucp_dcp.tools.hf`).
 """
 
 from __future__ import annotations
 
 import errno
-import os
 import re
 
-from ..byteio.location import ModelDir, view_of
+from ..byteio.location import ModelDir
 from ..byteio.objrange import ObjectAccess
 from ..byteio.rangeio import read_safetensors
 from ..core.sharding import Box
@@ -150,30 +141,15 @@ class HFSource(Source):
     detect_order = 50
     opens_files = True
 
-    def __init__(
-        self,
-        path: str,
-        prefix: str = "",
-        *,
-        model_dir: ModelDir | None = None,
-        named: str | None = None,
-    ) -> None:
-        """Open local ``path``; or, given ``model_dir`` (then ``path`` is only shown), the model in
-        it.
-
-        ``named``: with ``model_dir``, one ``.safetensors`` file or index in it named directly.
-        """
+    def __init__(self, d: ModelDir, prefix: str = "") -> None:
+        """The model in directory view ``d`` (local or in a store; or the one ``.safetensors`` file
+        or index it :attr:`~ucp_dcp.byteio.location.ModelDir.named`; :meth:`open` takes a path)."""
+        path = d.location
         if not isinstance(prefix, str):
             raise InvalidArgumentTypeError(
                 f"HFSource({path!r}): prefix must be a string, got {prefix!r}"
             )
-        d = model_dir
-        if d is None:  # a local directory, or one file in one
-            if not os.path.exists(path):
-                raise CheckpointFormatError(f"{path}: no such Hugging Face model directory or file")
-            d = view_of(path)
-            named = d.named
-        names, weight_map = find_hf_files(d, named)
+        names, weight_map = find_hf_files(d, d.named)
         directory = d.where
         files: list[FileRecord] = []
         tensors: dict[str, TensorRecord] = {}
@@ -229,7 +205,7 @@ class HFSource(Source):
     @classmethod
     def open_dir(cls, d: ModelDir, options: SourceOptions) -> HFSource:
         """Parse every file's header (nothing else is read; in a store, with ranged requests)."""
-        return cls(d.location, options.prefix, model_dir=d, named=d.named)
+        return cls(d, options.prefix)
 
     def check_files(self) -> list[str]:
         """Every file's header parses and its size is what it was when opened."""

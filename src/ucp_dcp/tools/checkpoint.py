@@ -174,14 +174,7 @@ class Checkpoint:
             )
         chunks = self.chunks(name)
         # Made per call, so that a failed read leaves nothing pending for the next.
-        engine = ChunkReads(
-            self._reader,
-            self.source.paths,
-            self._ranks,
-            verify=self.verify_reads,
-            max_buffer_bytes=self.max_buffer_bytes,
-            scratch_in_buffer=False,
-        )
+        engine = self._chunk_reads(self.max_buffer_bytes)
         try:
             for i, (box, loc) in enumerate(chunks):
                 dest = out
@@ -199,6 +192,18 @@ class Checkpoint:
         finally:
             engine.close()
             self._verified += engine.stats.verified_bytes
+
+    def _chunk_reads(self, max_buffer_bytes: int) -> ChunkReads:
+        """A chunk reader over this checkpoint's files, staging at most ``max_buffer_bytes`` and
+        checking what it reads when the options say ``verify`` (also :mod:`.convert`'s)."""
+        return ChunkReads(
+            self._reader,
+            self.source.paths,
+            self._ranks,
+            verify=self.verify_reads,
+            max_buffer_bytes=max_buffer_bytes,
+            scratch_in_buffer=False,
+        )
 
     def chunks(self, name: str) -> list[tuple[Box, Location]]:
         """Every saved chunk of tensor ``name``: its box and where its bytes are."""

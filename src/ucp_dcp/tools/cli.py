@@ -2,31 +2,20 @@
 
 Commands: ``inspect``, ``verify``, ``diff``, ``export-hf``, ``convert`` (and
 its aliases ``import-dcp``, ``import-hf``); ``ucp-dcp COMMAND --help``
-describes each. Every command reads every checkpoint format
-:mod:`ucp_dcp.sources` knows. This module holds the argument parser (its
-option tables, argument types and refusals) and one handler per command,
+describes each, docs/handoff.md ("The ``ucp-dcp`` command line") their exit
+statuses and ``--storage-options``. Every command reads every checkpoint
+format :mod:`ucp_dcp.sources` knows. This module holds the argument parser
+(its option tables, argument types and refusals) and one handler per command,
 which takes the parsed arguments, prints text or JSON and returns the exit
-status; :func:`main` turns every failure into an exit status.
-
-Exit status: 0 on success; 1 when ``verify`` finds a problem (a damaged
-checkpoint, an unreadable index included) or ``diff`` finds a difference; 2
-for any other failure (bad arguments, a path that does not exist or holds no
-checkpoint, a failed conversion), reported as one line ``ucp-dcp: error:
-<reason>`` on stderr; 130 when interrupted. ``--debug`` adds the traceback.
+status; :func:`main` turns every failure into an exit status: 1 when
+``verify`` finds a problem (an unreadable index included) or ``diff`` a
+difference, 2 for any other failure, reported as one line ``ucp-dcp: error:
+<reason>`` on stderr (``--debug`` adds the traceback).
 
 Messages name the command's own flags: a library error or warning that a
 keyword argument would fix records it (:class:`~ucp_dcp.errors.UCPError`'s
 ``option`` and ``hint``); :data:`FLAGS` says which flag that is here, and
 :func:`in_cli_words` rewrites the message to name it.
-
-A checkpoint to read (``inspect``, ``verify``, ``diff``, the source of
-``export-hf`` and ``convert``) may be the fsspec URL of a universal
-checkpoint in object storage (``s3://bucket/run/step-100``, ``gs://``,
-``memory://``...); outputs stay local. ``--storage-options JSON`` (a JSON
-object, given to fsspec as it is: credentials, ``{"client_kwargs":
-{"endpoint_url": ...}}``) applies to every URL of the command; without it
-the environment variable ``UCP_DCP_STORAGE_OPTIONS`` is read, and without
-either fsspec's own defaults apply (environment credentials).
 
 The conversion functions are looked up when their command runs
 (:func:`_optional_module`): a missing one fails that command only, in one line.
@@ -543,14 +532,22 @@ def _require_checkpoint(path: str, storage_options: dict[str, Any] | None) -> No
         raise CLIError(f"{path}: not a checkpoint ({what})")
 
 
-def _location_options(args: argparse.Namespace, *paths: str) -> dict[str, Any]:
+def _reading_kwargs(args: argparse.Namespace, *paths: str) -> dict[str, Any]:
     """Check that something is at every checkpoint in ``paths`` (local or URL); the keyword
-    arguments that reach them: ``{"storage_options": ...}`` when options were given, else
-    nothing (the functions called keep their defaults)."""
+    arguments of the reading function called that the flags give: ``storage_options``,
+    ``options`` (``--no-verify``) and ``dcp_values``, each only when given (the function keeps
+    its defaults)."""
+    from ..dcp.options import ReadOptions
+
     so = args.storage
     for path in paths:
         _require_checkpoint(path, so)
-    return {} if so is None else {"storage_options": so}
+    kwargs: dict[str, Any] = {} if so is None else {"storage_options": so}
+    if args.no_verify:
+        kwargs["options"] = ReadOptions(verify=False)
+    if args.dcp_values is not None:
+        kwargs["dcp_values"] = args.dcp_values
+    return kwargs
 
 
 # ====================================================================== output helpers
@@ -623,17 +620,9 @@ def format_inspection(info: dict[str, Any]) -> str:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from ..dcp.options import ReadOptions
     from .inspection import inspect_checkpoint
 
-    where = _location_options(args, args.path)
-    info = inspect_checkpoint(
-        args.path,
-        describe=in_cli_words,
-        dcp_values=args.dcp_values,
-        options=ReadOptions(verify=not args.no_verify),
-        **where,
-    )
+    info = inspect_checkpoint(args.path, describe=in_cli_words, **_reading_kwargs(args, args.path))
     if args.json:
         _print_json(info)
     else:
@@ -647,9 +636,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     summary: dict[str, Any] = {"path": args.path, "files": 0, "bytes_verified": 0}
     # Nothing to verify: the same "cannot open" as every command (status 2, not 1).
-    where = _location_options(args, args.path)
+    where = _reading_kwargs(args, args.path)
     try:
-        ck = Checkpoint(args.path, dcp_values=args.dcp_values, **where)
+        ck = Checkpoint(args.path, **where)
     except NotACheckpointError:  # not a damaged checkpoint: no checkpoint (status 2)
         raise
     except CheckpointFormatError as e:  # an unreadable index is a verification failure
@@ -702,19 +691,11 @@ def _digests_note(digests: int, tensors: int) -> str:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from ..dcp.options import ReadOptions
     from .inspection import diff_checkpoints
 
-    where = _location_options(args, args.a, args.b)
+    where = _reading_kwargs(args, args.a, args.b)
     with _progress(args, "comparing") as bar:
-        report = diff_checkpoints(
-            args.a,
-            args.b,
-            on_progress=bar,
-            dcp_values=args.dcp_values,
-            options=ReadOptions(verify=not args.no_verify),
-            **where,
-        )
+        report = diff_checkpoints(args.a, args.b, on_progress=bar, **where)
     same = report.identical if args.atol == 0 else report.within(args.atol)
     if args.json:
         _print_json(report.to_json(args.atol))
@@ -758,13 +739,11 @@ def _function(module: ModuleType, attr: str, command: str) -> Callable[..., Any]
 
 
 def _cmd_export_hf(args: argparse.Namespace) -> int:
-    from ..dcp.options import ReadOptions
-
     export_hf = _function(
         _optional_module("ucp_dcp.tools.hf", "export-hf"), "export_hf", "export-hf"
     )
     # convert and export_hf refuse a URL output themselves.
-    kwargs: dict[str, Any] = _location_options(args, args.src)
+    kwargs: dict[str, Any] = _reading_kwargs(args, args.src)
     if args.dtype is not None:
         kwargs["dtype"] = parse_dtype(args.dtype)
     if args.max_shard_size is not None:
@@ -775,10 +754,6 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
         kwargs["rename"] = list(args.rename)
     if args.config is not None:
         kwargs["config"] = args.config
-    if args.dcp_values is not None:
-        kwargs["dcp_values"] = args.dcp_values
-    if args.no_verify:
-        kwargs["options"] = ReadOptions(verify=False)
     with _progress(args, "exporting") as bar:
         written = export_hf(args.src, args.dst, on_progress=bar, **kwargs)
     count = f": {_plural(len(written), 'file')}" if isinstance(written, list) else ""
@@ -787,18 +762,12 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from ..dcp.options import ReadOptions
-
     convert = _function(
         _optional_module("ucp_dcp.tools.convert", args.command), "convert", args.command
     )
-    kwargs: dict[str, Any] = {"overwrite": args.overwrite, **_location_options(args, args.src)}
+    kwargs: dict[str, Any] = {"overwrite": args.overwrite, **_reading_kwargs(args, args.src)}
     if args.prefix is not None:
         kwargs["prefix"] = args.prefix
-    if args.no_verify:
-        kwargs["options"] = ReadOptions(verify=False)
-    if args.dcp_values is not None:
-        kwargs["dcp_values"] = args.dcp_values
     with _progress(args, "converting") as bar:
         convert(args.src, args.dst, on_progress=bar, **kwargs)
     print(f"converted {args.src} into ucp_dcp checkpoint {args.dst}")

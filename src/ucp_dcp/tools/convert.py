@@ -43,6 +43,7 @@ from ..format import (
     split_rank_local_key,
 )
 from ..sources import Source, read_values
+from .checkpoint import Checkpoint
 
 __all__ = ["convert"]
 
@@ -60,35 +61,25 @@ def convert(
     on_progress: ProgressFn | None = None,
 ) -> Index:
     """Write checkpoint ``src`` (any format :func:`~ucp_dcp.sources.open_source` reads) as a
-    universal one at ``dst``.
+    universal one at ``dst``; returns the index written.
 
     Args:
-        src: the source checkpoint: a local path, or the fsspec URL of a
-            universal checkpoint, a DCP checkpoint or a Hugging Face
-            safetensors model in object storage (``s3://bucket/ckpt``, read
-            with ranged requests; other formats are read from local
-            directories only).
-        dst: the output directory (created if needed), always local: a URL
-            is refused with :class:`~ucp_dcp.errors.StorageError` (save to object storage with
-            ``UCPStorageWriter``, or copy the converted directory there). It may be ``src`` itself
-            for a DCP checkpoint (its files are left alone; the universal index takes precedence
-            when loading). A directory that already holds a universal checkpoint is refused unless
-            ``overwrite=True`` (then the old one stays loadable until the new index replaces it).
-        options: how to read ``src`` (:class:`~ucp_dcp.ReadOptions`; its defaults when None):
-            ``max_buffer_bytes`` bounds the copy buffer and staging memory together,
-            ``io_threads``, ``tp_rules``, and ``verify`` checks the tensor data read against
-            the source's checksums (block checksums where it records them, whole chunks
-            otherwise), so that damaged bytes are not given fresh checksums; a mismatch raises
-            :class:`~ucp_dcp.ChecksumError`.
-        storage_options: for a ``src`` URL, passed to fsspec as they are
-            (credentials, ``client_kwargs={"endpoint_url": ...}``).
-        prefix: prepended to the tensor names of a Hugging Face model.
-        dcp_values: how DCP's pickled values are loaded; by default (unlike a load, which
-            refuses them) with ``torch.load(weights_only=True)`` (torch's restricted unpickler:
-            a value it refuses fails the conversion naming the key).
+        src: the checkpoint, as :class:`~ucp_dcp.Checkpoint` takes it (a local path or a URL).
+        dst: the output directory (created if needed), local only: a URL is refused with
+            :class:`~ucp_dcp.errors.StorageError` (save to object storage with
+            ``UCPStorageWriter``, or copy the converted directory there). It may be ``src``
+            itself for a DCP checkpoint (its files are left alone; the universal index takes
+            precedence when loading).
+        options, storage_options, prefix: how to read ``src``, as :class:`~ucp_dcp.Checkpoint`
+            takes them; ``max_buffer_bytes`` bounds the copy buffer and staging memory together,
+            and ``verify`` checks what is read against the source's checksums, so that damaged
+            bytes are not given fresh ones (:class:`~ucp_dcp.ChecksumError`).
+        dcp_values: as :class:`~ucp_dcp.Checkpoint`'s, but ``"weights_only"`` by default (a load
+            refuses DCP's pickled values unless asked).
+        overwrite: replace a universal checkpoint already at ``dst`` (refused otherwise); the
+            old one stays loadable until the new index replaces it.
+        sync_files: fsync every data file before the index is written.
         on_progress: ``on_progress(done_bytes, total_bytes)`` after every entry.
-
-    Returns the index written.
     """
     src, dst = os.fspath(src), os.fspath(dst)
     if is_url(dst):
@@ -98,9 +89,13 @@ def convert(
             "and copy it there, or save to the URL with UCPStorageWriter"
         )
     dst = local_path(dst)  # a file:// URL is a local path
-    opts = options if options is not None else ReadOptions()
-    source = opts.open_source(src, opts.source_options(dcp_values, prefix), storage_options)
-    try:
+    with Checkpoint(
+        src,
+        options=options,
+        storage_options=storage_options,
+        prefix=prefix,
+        dcp_values=dcp_values,
+    ) as ckpt:
         if os.path.exists(dst) and not os.path.isdir(dst):
             raise CheckpointExistsError(
                 f"{dst}: is a file; convert writes a checkpoint directory: name a new directory"
@@ -111,9 +106,7 @@ def convert(
                 "replace it. Convert into a new directory, or pass overwrite=True"
             ).with_option("overwrite", True, "overwrite=True")
         os.makedirs(dst, exist_ok=True)
-        return _convert(source, dst, on_progress, sync_files, opts)
-    finally:
-        source.close()
+        return _convert(ckpt, dst, on_progress, sync_files)
 
 
 # What one output file holds, in source order: ("t", fqn, idx) or ("v", key).
@@ -148,28 +141,14 @@ def _entry(source: Source, item: _Item, value: bytes | None) -> PlannedEntry:
     return chunk_entry(fqn, rec.dtype, rec.shape, box.offsets, box.sizes)
 
 
-def _convert(
-    source: Source,
-    dst: str,
-    on_progress: ProgressFn | None,
-    sync_files: bool,
-    opts: ReadOptions,
-) -> Index:
-    index, budget = source.index, opts.buffer_bytes
+def _convert(ckpt: Checkpoint, dst: str, on_progress: ProgressFn | None, sync_files: bool) -> Index:
+    source, reader = ckpt.source, ckpt._reader
+    index, budget = source.index, ckpt.max_buffer_bytes
     per_file = _items_by_file(source)
-    reader = opts.open_reader(source)
-    ranks = [source.file_rank(i) for i in range(len(source.paths))]
     buf = torch.empty(budget, dtype=torch.uint8)
     # A chunk stored in another dimension order is read through staging memory as well: each of
     # the copy buffer and the staging memory gets half the budget.
-    engine = ChunkReads(
-        reader,
-        source.paths,
-        ranks,
-        verify=opts.verify,
-        max_buffer_bytes=budget // 2,
-        scratch_in_buffer=False,
-    )
+    engine = ckpt._chunk_reads(budget // 2)
     save_id = uuid.uuid4().hex[:8]
     files: list[FileRecord] = []
     written: list[list[WrittenEntry]] = []
@@ -211,7 +190,6 @@ def _convert(
             written.append([WrittenEntry.of(e, s) for e, s in zip(out.entries, out.starts)])
     finally:
         engine.close()
-        reader.close()
     result = build_index(index.world_size, files, written)
     missing = sorted(set(index.tensors) - set(result.tensors))
     if missing:

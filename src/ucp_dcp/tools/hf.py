@@ -1,7 +1,7 @@
 """Hugging Face export and import: universal checkpoint <-> ``transformers`` weights.
 
-:func:`export_hf` turns the model part of a universal checkpoint (saved
-under any parallel layout) into a Hugging Face model directory that
+:func:`export_hf` turns the model part of a checkpoint (of any format,
+saved under any parallel layout) into a Hugging Face model directory that
 ``AutoModelForCausalLM.from_pretrained`` (or any safetensors reader) loads::
 
     model-00001-of-00003.safetensors     or model.safetensors when one file is enough
@@ -431,7 +431,7 @@ def export_hf(
 
     Raises:
         FileNotFoundError: ``src`` does not exist.
-        CheckpointFormatError: ``src`` is not a readable universal checkpoint.
+        CheckpointFormatError: ``src`` is not a readable checkpoint.
         FileExistsError: ``dst`` exists and is not an empty directory.
         StorageError: ``dst`` is a URL (the output is local), or the store
             of a ``src`` URL cannot be read.
@@ -584,7 +584,7 @@ def import_hf(
             is missing from the file the index names, or a name appears twice.
         FileExistsError: ``dst`` exists and is not an empty directory.
     """
-    from ..sources import HFSource, NativeSource
+    from ..sources import HFSource, NativeSource, SourceOptions
     from .convert import convert
 
     src, dst = os.fspath(src), os.fspath(dst)
@@ -598,7 +598,7 @@ def import_hf(
             "export_hf)"
         )
     if not HFSource.detect(src):
-        HFSource(src)  # raises, saying what is missing
+        HFSource.open(src, SourceOptions())  # raises, saying what is missing
     _check_empty_dst(dst)
     tmp = temp_dir_for(dst)
     try:
