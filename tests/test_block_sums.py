@@ -61,7 +61,7 @@ from ucp_dcp.byteio.segments import Segment
 from ucp_dcp.core.pieces import Piece, TensorPieces
 from ucp_dcp.byteio.rangeio import read_header
 from ucp_dcp.format import BLOCK_SUMS_ENTRY
-from ucp_dcp.sources import NativeSource
+from ucp_dcp.sources import NativeSource, SourceOptions
 from ucp_dcp.tools.cli import main as cli_main
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -232,7 +232,7 @@ def _check_flips_and_garbage(case: dict[str, Any], pick: random.Random) -> None:
     with tempfile.TemporaryDirectory() as d:
         with block_size(block):
             save_pieces(d, full, chunks)
-        src = NativeSource(d)
+        src = NativeSource.open(d, SourceOptions())
         locs = {c[0]: src.locate("w", src.chunk_index("w", c[0], None)) for c in chunks}
         path = src.paths[0]
         assert read_header(path).block_sums.block == block
@@ -313,7 +313,7 @@ def test_checkpoints_without_block_sums_load_and_are_checked_whole(
     path = tmp_path / "old"
     save_plain(path, sd)
     monkeypatch.undo()
-    src = NativeSource(str(path))
+    src = NativeSource.open(str(path), SourceOptions())
     h = read_header(src.paths[0])
     assert h.block_sums is None and BLOCK_SUMS_ENTRY not in h.ranges
     out = blank(sd)
@@ -338,7 +338,7 @@ def test_a_whole_chunk_is_checked_against_its_entry_checksum(tmp_path: Path, sd:
     that all match is named for the chunk."""
     path = tmp_path / "ck"
     save_plain(path, sd)
-    src = NativeSource(str(path))
+    src = NativeSource.open(str(path), SourceOptions())
     loc = src.locate("model.w", 0)
     reader = UCPStorageReader(path)
     out = blank(sd)
@@ -369,7 +369,7 @@ def test_a_damaged_block_sum_entry_is_named(tmp_path: Path, sd: dict[str, Any]) 
     """A flipped byte in the block checksums: loads fail naming them, verify reports them."""
     path = tmp_path / "ck"
     save_plain(path, sd)
-    src = NativeSource(str(path))
+    src = NativeSource.open(str(path), SourceOptions())
     rec = read_header(src.paths[0]).block_sums
     assert rec is not None and rec.nbytes == 8 * (-(-64 * 300 * 4 // 4096) + 1)
     flip(src.paths[0], rec.start + 5, 0x01)
@@ -388,7 +388,7 @@ def test_single_process_tools_verify_by_default(tmp_path: Path, sd: dict[str, An
     save_plain(path, sd)
     good = tmp_path / "good"
     save_plain(good, sd)
-    src = NativeSource(str(path))
+    src = NativeSource.open(str(path), SourceOptions())
     loc = src.locate("model.w", 0)
     flip(src.paths[0], loc.start + 40000, 0x80)
     with Checkpoint(path) as ck:
@@ -427,7 +427,7 @@ def test_convert_verifies_the_source_and_writes_block_sums(tmp_path: Path, sd: d
     save_plain(path, sd)
     out = tmp_path / "out"
     convert(path, out)
-    assert all(read_header(p).block_sums is not None for p in NativeSource(str(out)).paths)
+    assert all(read_header(p).block_sums is not None for p in NativeSource.open(str(out), SourceOptions()).paths)
     got = load_state_dict(out)
     assert bit_equal(got["model.w"], sd["model"]["w"]) and got["step"] == 4
 

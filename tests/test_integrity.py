@@ -39,7 +39,7 @@ import ucp_dcp.byteio.durable
 from dist_utils import bit_equal, run_ranks
 from ucp_dcp import load_index, ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.format import INDEX_FILE, Location
-from ucp_dcp.sources import NativeSource
+from ucp_dcp.sources import NativeSource, SourceOptions
 from ucp_dcp.byteio.integrity import ChecksumError, bytes_digest, file_digest, hash_range
 from ucp_dcp.byteio.rangeio import RangeReader
 from ucp_dcp.errors import InvalidArgumentError, StorageError
@@ -115,7 +115,7 @@ def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
 def chunk_of(path: Path, fqn: str, i: int) -> tuple[Path, Location, int]:
     """File, location and writing rank of chunk ``i`` of tensor ``fqn``."""
     index = load_index(str(path))
-    loc = NativeSource(str(path)).locate(fqn, i)
+    loc = NativeSource.open(str(path), SourceOptions()).locate(fqn, i)
     rec = index.files[loc.file]
     return path / rec.name, loc, rec.rank
 
@@ -421,7 +421,7 @@ def _load_three_ranks(rank: int, world: int, root: str) -> None:
     # chunk, never the bad byte, and must still fail: the chunk (120 bytes) is one block.
     dist.barrier()
     index = load_index(good)
-    locator = NativeSource(good)
+    locator = NativeSource.open(good, SourceOptions())
     loc = locator.locate("w", locator.chunk_index("w", (5, 0), None))
     file = os.path.join(good, index.files[loc.file].name)
     if rank == 0:

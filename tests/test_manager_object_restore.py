@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -170,6 +171,23 @@ def test_single_process_direct_restore_then_background_refill(s3_bucket, tmp_pat
         assert_state_equal(target, make_state(2, scale=64))
 
 
+def _change_data_object(mgr: CheckpointManager, step: int, change: Callable[[bytes], bytes]) -> str:
+    """Rewrite a data object of persistent ``step`` as ``change`` of its bytes, behind the
+    manager's back; its name."""
+    fs = mgr.persistent.store.fs
+    name = next(d.name for d in mgr.persistent.marker(step).files if d.name not in (INDEX_FILE, MARKER_FILE))
+    obj = fs._strip_protocol(f"{mgr.persistent.step_path(step)}/{name}")
+    fs.pipe_file(obj, change(fs.cat_file(obj)))
+    fs.invalidate_cache()
+    return name
+
+
+def _flip_middle_byte(data: bytes) -> bytes:
+    out = bytearray(data)
+    out[len(out) // 2] ^= 0xFF
+    return bytes(out)
+
+
 def test_object_that_disagrees_with_its_marker_falls_back(s3_bucket, caplog) -> None:
     url, options = s3_bucket
     root = f"{url}/short-{uuid.uuid4().hex[:8]}"
@@ -178,12 +196,7 @@ def test_object_that_disagrees_with_its_marker_falls_back(s3_bucket, caplog) -> 
             mgr.save(step, make_state(step, scale=8))
         mgr.wait()
         # Truncate a data object of step 2 behind the manager's back.
-        step_url = mgr.persistent.step_path(2)
-        fs = mgr.persistent.store.fs
-        name = next(d.name for d in mgr.persistent.marker(2).files if d.name not in (INDEX_FILE, MARKER_FILE))
-        obj = fs._strip_protocol(f"{step_url}/{name}")
-        fs.pipe_file(obj, fs.cat_file(obj)[:-100])
-        fs.invalidate_cache()
+        name = _change_data_object(mgr, 2, lambda data: data[:-100])
         target = empty_like_state(make_state(1, scale=8))
         assert mgr.load(target) == 1
         assert_state_equal(target, make_state(1, scale=8))
@@ -204,14 +217,7 @@ def test_download_restore_commits_a_checked_copy_locally_first(s3_bucket, tmp_pa
             mgr.save(step, make_state(step, scale=8))
         mgr.wait()
         # Flip one byte of a data object of step 2 (its size unchanged) behind the manager's back.
-        step_url = mgr.persistent.step_path(2)
-        fs = mgr.persistent.store.fs
-        name = next(d.name for d in mgr.persistent.marker(2).files if d.name not in (INDEX_FILE, MARKER_FILE))
-        obj = fs._strip_protocol(f"{step_url}/{name}")
-        data = bytearray(fs.cat_file(obj))
-        data[len(data) // 2] ^= 0xFF
-        fs.pipe_file(obj, bytes(data))
-        fs.invalidate_cache()
+        name = _change_data_object(mgr, 2, _flip_middle_byte)
     with CheckpointManager(root, storage_options=options, local=local, direct_restore=False) as mgr:
         target = empty_like_state(make_state(1, scale=8))
         assert mgr.load(target) == 1 and mgr.last_restore.tier == "persistent"

@@ -308,7 +308,7 @@ def test_dcp_load_reads_a_narrow_column_slice_as_spans_and_checks_it(tmp_path: A
 
     from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
     from ucp_dcp.core.pieces import Piece, TensorPieces
-    from ucp_dcp.sources import NativeSource
+    from ucp_dcp.sources import NativeSource, SourceOptions
 
     made: list[StagingBuffers] = []
 
@@ -335,7 +335,7 @@ def test_dcp_load_reads_a_narrow_column_slice_as_spans_and_checks_it(tmp_path: A
         dest, reader = load(verify)
         assert bit_equal(dest, full[6:506, 1024:1536])
         assert made[-1].spans >= 2 and reader.last_load.read_calls < 50  # not one read per row
-    src = NativeSource(str(tmp_path))
+    src = NativeSource.open(str(tmp_path), SourceOptions())
     loc = src.locate("w", src.chunk_index("w", (256, 0), None))
     byte = (100 * 2048 + 1100) * 4 + 2  # row 356, column 1100: needed
     with open(src.paths[loc.file], "r+b") as f:

@@ -16,7 +16,7 @@ import numpy as np
 import xxhash
 
 from ..byteio.blocksums import BlockSums
-from ..byteio.location import LocalDir, ModelDir, write_index
+from ..byteio.location import ModelDir, write_index
 from ..byteio.objrange import ObjectAccess, fetch_heads
 from ..byteio.rangeio import FileAccess, read_header
 from ..errors import CheckpointExistsError, CheckpointFormatError, ChecksumError
@@ -60,15 +60,10 @@ class NativeSource(Source):
     looks_for = INDEX_FILE
     detect_order = 10
 
-    def __init__(self, path: str | os.PathLike[str] | ModelDir) -> None:
-        """The checkpoint in local directory ``path``, or in directory view ``path`` (local or in
-        object storage)."""
-        if isinstance(path, ModelDir):
-            d = path
-            index = parse_index(d.read(INDEX_FILE), d.path_of(INDEX_FILE))
-        else:
-            d = LocalDir(os.fspath(path))
-            index = load_index(d.where)  # names what is missing, with a hint
+    def __init__(self, d: ModelDir) -> None:
+        """The checkpoint in directory view ``d`` (local or in object storage); open a path with
+        :meth:`~ucp_dcp.sources.base.Source.open`."""
+        index = parse_index(d.read(INDEX_FILE), d.path_of(INDEX_FILE))
         super().__init__(d.where, index, [d.path_of(f.name) for f in index.files])
         self.store = d.store
         self._headers: dict[int, FileHeader] = {}
