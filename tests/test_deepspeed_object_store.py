@@ -237,3 +237,15 @@ def test_damaged_tag_folders_in_the_store_name_what_is_wrong(tmp_path: Path) -> 
     upload(d, url)
     with pytest.raises(CheckpointFormatError, match=f"{url}/step2/zero_pp_rank_0_mp_rank_00_optim_states.pt"):
         load_state_dict(url)
+
+
+def test_a_url_holding_only_checkpoint_folders_says_what_to_do() -> None:
+    """accelerate's layout at a URL (subfolders that are checkpoints, no object of its own) is not
+    read as one: the error says it holds folders, names them, and says what to open instead."""
+    url = _memory_url()
+    upload(FIXTURES / "zero2_fp32_w2", f"{url}/pytorch_model")
+    upload(FIXTURES / "zero3_fp32_w2", f"{url}/other")
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(url)
+    assert "it holds only folders (other, pytorch_model): open a subfolder's URL" in str(e.value)
+    assert isinstance(open_source(f"{url}/pytorch_model"), DeepSpeedSource)

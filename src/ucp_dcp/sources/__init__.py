@@ -25,7 +25,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..byteio.location import ModelDir, open_location
+from ..byteio.location import ModelDir, StoreDir, open_location
 from ..byteio.objstore import ObjectStore, RequestPolicy, is_url, local_path
 from ..errors import CheckpointFormatError, NotACheckpointError
 from ..format.names import save_id_of
@@ -113,6 +113,15 @@ def _not_a_checkpoint(d: ModelDir) -> CheckpointFormatError:
         names = sorted(d.list())
         shown = ", ".join(names[:10]) + (" ..." if len(names) > 10 else "")
         held = f"it holds {shown}" if names else "it is empty"
+        if not names and isinstance(d, StoreDir):
+            # A store lists folders apart from objects; subfolders read as one are read locally.
+            folders = sorted(d.store.list_folders(d.under))
+            if folders:
+                held = (
+                    f"it holds only folders ({', '.join(folders[:10])}"
+                    f"{' ...' if len(folders) > 10 else ''}): open a subfolder's URL, or copy the "
+                    "directory down to read its subfolders as one"
+                )
     if any(save_id_of(n) is not None for n in names):
         return missing_index(d.location, local=d.store is None)
     return NotACheckpointError(
