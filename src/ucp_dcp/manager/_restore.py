@@ -7,13 +7,7 @@ repaired from the nodes that hold it, an object-store copy is loaded from there 
 (:meth:`Restorer.refill` then copies it into the local tier), any other persistent copy is read
 where it lies or downloaded first. See docs/manager.md ("Tiers").
 
-Small reads (docs/manager.md) go through the manager's group, not whole-file fetches: a
-node-local repair fetches per file, and the few bytes of AdamW's ``step`` counters every rank
-reads (saved by one rank; in checkpoints saved before rank 0 wrote small replicated tensors,
-spread over every rank's file) would each cost a file. Their values travel in one
-``all_gather_object`` (they are small). The parts: which keys (:func:`small_keys`), the state
-without them for ``dcp.load`` (:func:`without`, :func:`put_back`), who reads each
-(:meth:`SmallReads.provider`, :func:`serve`) and putting what arrives in place (:func:`fill`).
+Small reads go through the manager's group, not whole-file fetches (:mod:`._small_reads`).
 """
 
 from __future__ import annotations
@@ -29,23 +23,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .._compat import flatten_state_dict
 from ..byteio.integrity import bytes_digest
 from ..byteio.location import LocalDir
 from ..byteio.objstore import is_url
-from ..core.values import RankLocal, copy_containers, set_in_place
 from ..dcp import PlannedRead, ReadOptions, UCPLoadPlanner, UCPStorageReader, collector_paused
 from ..dcp.placement import PlacementReport
 from ..dcp.read_once import ReadOnceDecision
 from ..dcp.slowest import SlowestRecord
 from ..errors import CheckpointFormatError, CheckpointRestoreError, NoCheckpointError
 from ..format import INDEX_FILE
-from ..tools.checkpoint import Checkpoint
 from ._collective import GroupWorker, describe
+from ._small_reads import SmallReads, fill, put_back, serve, small_keys, without
 from .peer import exchange_files
 from .records import RestoreRecord
 from .tiers import CommitMarker, FsspecTier
@@ -106,130 +97,6 @@ def order_candidates(
     elif not load_flagged:
         out = [c for c in out if not c.marker.nonfinite]
     return sorted(out, key=lambda c: (-c.step, _TIER_ORDER[c.tier]))
-
-
-# ------------------------------------------------------------ small reads through the group
-
-SMALL_READ_BYTES = 64 << 10
-"""A key whose planned reads add up to at most this many bytes may be read through the group."""
-
-
-@dataclass(frozen=True)
-class SmallReads:
-    """The keys each rank of the restore of ``step`` gets through the group (flattened key ->
-    the files its reads are in), rank by rank, and the files each node's local tier holds
-    (node by node)."""
-
-    step: int
-    keys: Sequence[Mapping[str, tuple[str, ...]]]
-    held: Sequence[frozenset[str]]
-
-    def provider(self, files: tuple[str, ...], node_of: Any, world: int) -> int | None:
-        """The lowest rank whose node holds every one of ``files`` (None: no node does)."""
-        return next(
-            (r for r in range(world) if set(files) <= self.held[node_of(r)]),
-            None,
-        )
-
-
-def _eligible(value: Any, path: tuple[Any, ...], state: Mapping[str, Any]) -> bool:
-    """Whether a target leaf is filled from a whole value, which one rank can read and send: a
-    plain tensor (its planned reads are the whole tensor), or a non-tensor leaf of a dict (DCP
-    puts values in place by their path). A shard (a DTensor) reads part of a tensor whose rest
-    may be in files no node lends: its file is fetched."""
-    if isinstance(value, torch.Tensor):
-        return type(value) in (torch.Tensor, torch.nn.Parameter)
-    if isinstance(value, RankLocal):
-        return False  # one value per saving rank, gathered by the planner
-    cur: Any = state
-    for p in path[:-1]:
-        try:
-            cur = cur[p]
-        except (KeyError, IndexError, TypeError):
-            return False
-    return isinstance(cur, dict)
-
-
-def small_keys(
-    state: Mapping[str, Any], reads: Sequence[PlannedRead]
-) -> dict[str, tuple[str, ...]]:
-    """The keys of ``state`` whose ``reads`` (this rank's planned reads) are small and whose
-    targets are eligible: key -> the files its reads are in."""
-    flat, paths = flatten_state_dict(dict(state))
-    sizes: dict[str, int] = {}
-    files: dict[str, set[str]] = {}
-    renamed: set[str] = set()  # keys read from a tensor or value of another name
-    for r in reads:
-        sizes[r.key] = sizes.get(r.key, 0) + r.nbytes
-        files.setdefault(r.key, set()).add(r.file)
-        if r.stored != r.key:
-            renamed.add(r.key)
-    return {
-        k: tuple(sorted(files[k]))
-        for k, n in sizes.items()
-        if n <= SMALL_READ_BYTES
-        and k in flat
-        and k not in renamed
-        and _eligible(flat[k], paths[k], state)
-    }
-
-
-def without(state: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
-    """``state`` with its containers copied (leaves shared) and the leaves at ``keys`` left out:
-    what ``dcp.load`` fills in place; :func:`put_back` returns its values."""
-    _, paths = flatten_state_dict(dict(state))
-    out = copy_containers(state)
-    for k in keys:
-        cur = out
-        for p in paths[k][:-1]:
-            cur = cur[p]
-        del cur[paths[k][-1]]
-    return out
-
-
-def put_back(state: Any, loaded: Mapping[str, Any]) -> None:
-    """Copy the non-tensor values ``dcp.load`` put in ``loaded`` (a :func:`without` copy of
-    ``state``) into ``state``: tensors were filled in place."""
-    flat, paths = flatten_state_dict(dict(loaded))
-    for k, v in flat.items():
-        if not isinstance(v, torch.Tensor):
-            set_in_place(state, paths[k], v)
-
-
-def serve(
-    small: SmallReads, rank: int, world: int, node_of: Any, local_dir: str, options: ReadOptions
-) -> dict[str, Any]:
-    """The values of the keys this rank provides (those whose files its node holds, for which
-    it is the lowest such rank), read from ``local_dir``: full tensors, or decoded values."""
-    wanted: dict[str, tuple[str, ...]] = {}
-    for keys in small.keys:
-        wanted.update(keys)
-    mine = [
-        k for k, files in sorted(wanted.items()) if small.provider(files, node_of, world) == rank
-    ]
-    out: dict[str, Any] = {}
-    if mine:
-        with Checkpoint(local_dir, options=options) as ck:
-            tensors = set(ck.tensor_names())
-            for k in mine:
-                out[k] = ck.read_tensor(k) if k in tensors else ck.read_value(k)
-    return out
-
-
-def fill(state: Any, keys: Mapping[str, tuple[str, ...]], got: Mapping[str, Any]) -> int:
-    """Put the values ``got`` (key -> full tensor or value) of ``keys`` into ``state``: a plain
-    tensor whole (cast to its dtype), a value at its path; the bytes written into tensors."""
-    flat, paths = flatten_state_dict(dict(state))
-    n = 0
-    for k in keys:
-        target, value = flat[k], got[k]
-        if isinstance(target, torch.Tensor):
-            with torch.no_grad():
-                target.copy_(value)
-            n += target.numel() * target.element_size()
-        else:
-            set_in_place(state, paths[k], value)
-    return n
 
 
 @dataclass(frozen=True)
