@@ -14,6 +14,7 @@ import bisect
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import numpy as np
@@ -65,13 +66,21 @@ class _JoinedReader(ByteSource):
         return bisect.bisect_right(self._bases, file) - 1
 
     def read(self, segments: Sequence[Segment]) -> None:
-        """Each child reads its segments, renumbered to its files."""
+        """Each child reads its segments, renumbered to its files; children at once (each read
+        blocks until done, and a batch spanning two subfolders should take the longer, not the
+        sum)."""
         parts: dict[int, list[Segment]] = {}
         for s in segments:
             i = self._part(s.file)
-            parts.setdefault(i, []).append(s._replace(file=s.file - self._bases[i]))
-        for i, segs in parts.items():
-            self._readers[i].read(segs)
+            parts.setdefault(i, []).append(s._replace(file=s.file - self._bases[i]) if i else s)
+        if len(parts) <= 1:
+            for i, segs in parts.items():
+                self._readers[i].read(segs)
+            return
+        # A pool per call, not per reader: nothing to leak in a process that drops readers.
+        with ThreadPoolExecutor(len(parts), thread_name_prefix="ucp-joined") as pool:
+            for f in [pool.submit(self._readers[i].read, segs) for i, segs in parts.items()]:
+                f.result()  # the first failure raises, naming its file
 
     def plan_access(
         self, extents: Extents, mode: str = "auto", shared: Extents | None = None
@@ -189,9 +198,9 @@ class CompositeSource(Source):
 
     def materialize(self, reader: ByteSource, fqn: str, idx: int) -> torch.Tensor:
         """As the child that holds ``fqn`` builds it, from its own files."""
-        child, base = self._child(fqn)
-        if isinstance(reader, _JoinedReader):
-            reader = reader._readers[reader._part(base)]
+        child = self._child(fqn)[0]
+        if isinstance(reader, _JoinedReader):  # by position: a child of no files shares a base
+            reader = reader._readers[list(self.children.values()).index(child)]
         return child.materialize(reader, fqn, idx)
 
     def _child(self, key: str) -> tuple[Source, int]:
