@@ -18,6 +18,7 @@ DCP itself loaded, on gloo ranks:
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -33,10 +34,13 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dist_utils import bit_equal, run_ranks
 from ucp_dcp import (
     CheckpointManager,
+    ReadOptions,
     UCPLoadPlanner,
     UCPSavePlanner,
     UCPStorageReader,
@@ -44,7 +48,8 @@ from ucp_dcp import (
     UnsupportedValueError,
     load_state_dict,
 )
-from ucp_dcp.errors import LayoutError
+from ucp_dcp.byteio.transfer import shares_elements
+from ucp_dcp.errors import LayoutError, unwrap
 from ucp_dcp.manager.snapshot import Snapshotter
 
 ROWS, COLS = 8, 6
@@ -354,3 +359,88 @@ def test_unsupported_checkpointable_tensors_are_refused(tmp_path: Path) -> None:
             mgr.save(1, {"model": {"emb": Checkpointable(torch.ones(2, COLS), (0, 0), (ROWS, COLS))}})
     finally:
         mgr.close()
+
+
+# ------------------------------------------------------------ views whose memory is not their values
+def _views() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A conjugate and a negative view (their memory holds the values conjugated, negated), and
+    the values they read as."""
+    c = torch.tensor([1 + 2j, 3 - 4j, -5 + 0.5j], dtype=torch.complex64)
+    f = torch.tensor([1.0, -2.0, 3.0, -0.0, float("nan")])
+    views = {"c": c.conj(), "f": torch._neg_view(f)}
+    return views, {k: v.resolve_conj().resolve_neg() for k, v in views.items()}
+
+
+def _into_views(like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"c": torch.zeros_like(like["c"]).conj(), "f": torch._neg_view(torch.zeros_like(like["f"]))}
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_conjugate_and_negative_views_save_values_and_load_through(tmp_path: Path, verify: bool) -> None:
+    """The UCP writer saves what a conjugate or negative view reads as, and a load into such a
+    view writes each value through it (as ``copy_`` does), from UCP and DCP checkpoints alike."""
+    views, values = _views()
+    dcp.save(views, storage_writer=UCPStorageWriter(tmp_path / "ucp"), planner=UCPSavePlanner())
+    dcp.save(values, storage_writer=dcp.FileSystemWriter(tmp_path / "dcp"))
+    opts = ReadOptions(verify=verify)
+    for kind in ("ucp", "dcp"):
+        plain = {k: torch.zeros_like(v) for k, v in values.items()}
+        dcp.load(plain, storage_reader=UCPStorageReader(tmp_path / kind, options=opts), planner=UCPLoadPlanner())
+        into = _into_views(values)
+        dcp.load(into, storage_reader=UCPStorageReader(tmp_path / kind, options=opts), planner=UCPLoadPlanner())
+        for k, want in values.items():
+            assert bit_equal(plain[k], want), (kind, k, plain[k], want)
+            assert into[k].is_conj() or into[k].is_neg()
+            assert bit_equal(into[k].resolve_conj().resolve_neg(), want), (kind, k, into[k], want)
+
+
+def _load_views_2_ranks(rank: int, world: int, root: str) -> None:
+    views, values = _views()
+    if rank == 0:
+        dcp.save(views, storage_writer=UCPStorageWriter(root), planner=UCPSavePlanner(), no_dist=True)
+    dist.barrier()
+    into = _into_views(values)  # both ranks need every byte: read once and exchanged
+    reader = UCPStorageReader(root, options=ReadOptions(read_once=True))
+    dcp.load(into, storage_reader=reader, planner=UCPLoadPlanner())
+    for k, want in values.items():
+        assert bit_equal(into[k].resolve_conj().resolve_neg(), want), (rank, k, into[k], want)
+
+
+@pytest.mark.multiproc
+def test_conjugate_and_negative_view_destinations_on_2_ranks_reading_once(tmp_path: Path) -> None:
+    """The read-once exchange leaves such destinations to the reads that write through them."""
+    run_ranks(2, _load_views_2_ranks, str(tmp_path))
+
+
+@pytest.mark.parametrize("dest", ["expanded", "overlapping"])
+def test_a_destination_whose_elements_share_memory_is_refused(tmp_path: Path, dest: str) -> None:
+    """Loading into an expanded view (a stride of 0) or one whose elements overlap would leave
+    each shared place with the last value written: refused, naming the key."""
+    dcp.save({"w": torch.arange(16.0).reshape(4, 4)}, storage_writer=UCPStorageWriter(tmp_path), planner=UCPSavePlanner())
+    t = torch.zeros(1, 4).expand(4, 4) if dest == "expanded" else torch.zeros(8).as_strided((4, 4), (1, 1))
+    with pytest.raises(CheckpointException) as e:
+        dcp.load({"w": t}, storage_reader=UCPStorageReader(tmp_path), planner=UCPLoadPlanner())
+    err = unwrap(e.value)
+    assert isinstance(err, UnsupportedValueError), e.value
+    assert "'w'" in str(err) and "expanded or overlapping view" in str(err) and ".clone()" in str(err)
+    assert t.sum().item() == 0  # nothing was written
+
+
+def test_interleaved_but_disjoint_strides_load_bit_exact(tmp_path: Path) -> None:
+    """A view whose strides interleave without sharing an element (as_strided) is loaded into."""
+    src = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    dcp.save({"w": src}, storage_writer=UCPStorageWriter(tmp_path), planner=UCPSavePlanner())
+    base = torch.zeros(6)
+    t = base.as_strided((2, 2), (3, 2))  # elements 0, 2, 3, 5
+    dcp.load({"w": t}, storage_reader=UCPStorageReader(tmp_path), planner=UCPLoadPlanner())
+    assert bit_equal(t, src) and base[[1, 4]].tolist() == [0.0, 0.0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 7)), min_size=0, max_size=4))
+def test_shares_elements_is_exact(dims: list[tuple[int, int]]) -> None:
+    """Against every element's offset, listed."""
+    sizes, strides = [n for n, _ in dims], [s for _, s in dims]
+    t = torch.zeros(128).as_strided(sizes, strides)
+    offsets = [sum(i * s for i, s in zip(idx, strides)) for idx in itertools.product(*[range(n) for n in sizes])]
+    assert shares_elements(t) == (len(set(offsets)) < len(offsets)), (sizes, strides)

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from dist_utils import bit_equal, flatten, nest, run_ranks
 from ucp_dcp import Checkpoint, CheckpointFormatError, ReadOptions, UCPLoadPlanner, UCPStorageReader
-from ucp_dcp.errors import DCPValueError
+from ucp_dcp.errors import DCPValueError, unwrap
 from ucp_dcp.sources import SourceOptions
 from ucp_dcp.sources.distcp import DCPSource, read_dcp_metadata
 from ucp_dcp.tools.convert import convert
@@ -379,3 +380,46 @@ def test_corrupt_item_is_named(tmp_path: Path) -> None:
     with pytest.raises(CheckpointException, match=r"__0_0\.distcp: item of 'w' chunk \[0\].*not a readable torch.save archive"):
         dcp.load({"w": torch.zeros(300)}, storage_reader=UCPStorageReader(tmp_path), planner=UCPLoadPlanner())
 
+
+
+@pytest.mark.parametrize(
+    "field, bit, says",
+    [
+        (6, 7, "zip file version"),  # version needed to extract: 128 + 20
+        (8, 0, "encrypted"),  # general-purpose flags: bit 0, encrypted
+        (10, 3, "decompressing"),  # compression method: 8, deflate, over stored bytes
+    ],
+    ids=["version", "encrypted", "compression"],
+)
+def test_damaged_zip_directory_of_an_item_is_named(tmp_path: Path, field: int, bit: int, says: str) -> None:
+    """One bit flipped in an item's zip directory entry (fields zipfile reports with its own
+    NotImplementedError, RuntimeError or zlib.error) fails as a CheckpointFormatError naming
+    the file, key and byte range."""
+    dcp.save({"w": torch.arange(64.0).reshape(8, 8)}, checkpoint_id=str(tmp_path))
+    (data,) = tmp_path.glob("*.distcp")
+    raw = bytearray(data.read_bytes())
+    raw[raw.find(b"PK\x01\x02") + field] ^= 1 << bit  # the first central directory entry
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointException) as e:
+        dcp.load({"w": torch.zeros(8, 8)}, storage_reader=UCPStorageReader(tmp_path), planner=UCPLoadPlanner())
+    err = unwrap(e.value)
+    assert isinstance(err, CheckpointFormatError), e.value
+    assert re.search(r"__0_0\.distcp: item of 'w' chunk \[0, 0\].*not a readable torch.save archive", str(err)), err
+    assert says in str(err)
+
+
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_conjugate_or_negative_view_saved_by_dcp_is_refused(tmp_path: Path, view: str) -> None:
+    """DCP's writer saves a conjugate or negative view as the view's memory plus a bit in the
+    pickle's tensor metadata; the memory is not the tensor's values, so the load refuses it,
+    naming the key and how to save it (DCP's own reader applies the bit)."""
+    base = torch.tensor([1 + 2j, 3 - 4j]) if view == "conj" else torch.tensor([1.0, -2.0, 3.0])
+    saved = base.conj() if view == "conj" else torch._neg_view(base)
+    dcp.save({"c": saved}, storage_writer=dcp.FileSystemWriter(tmp_path))
+    with pytest.raises(CheckpointException) as e:
+        dcp.load({"c": torch.zeros_like(base)}, storage_reader=UCPStorageReader(tmp_path), planner=UCPLoadPlanner())
+    err = unwrap(e.value)
+    assert isinstance(err, CheckpointFormatError), e.value
+    kind = {"conj": "conjugate", "neg": "negative"}[view]
+    assert f"item of 'c' chunk [0]" in str(err) and f"saved as a {kind} view" in str(err), err
+    assert f"resolve_{view}()" in str(err)

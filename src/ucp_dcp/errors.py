@@ -148,7 +148,8 @@ class CheckpointKeyError(UCPError, KeyError):
 
 
 class UnsupportedValueError(UCPError, TypeError):
-    """A value in the state dict that the checkpoint format cannot store safely."""
+    """A value in the state dict that the checkpoint format cannot store safely, or a tensor
+    no load can fill (an expanded view)."""
 
 
 class LayoutError(UCPError, ValueError):

@@ -143,10 +143,12 @@ def storage_view(t: torch.Tensor) -> memoryview:
 
 
 def tensor_view(t: torch.Tensor) -> memoryview:
-    """A read-only byte view of contiguous CPU tensor ``t`` (for hashing, writing)."""
+    """A read-only byte view of contiguous CPU tensor ``t`` (for hashing, writing): of its values
+    (a conjugate or negative view is resolved first, into a copy)."""
     if t.numel() == 0:
         return memoryview(b"")
-    return t.detach().reshape(-1).view(torch.uint8).numpy().data.cast("B")
+    t = t.detach().resolve_conj().resolve_neg()
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def open_data_file(path: str, *, random: bool = True) -> int:

@@ -31,6 +31,7 @@ __all__ = [
     "ChunkRegion",
     "extents",
     "needs_staging",
+    "shares_elements",
     "permuted",
     "segments_into",
     "StagingBuffers",
@@ -115,15 +116,40 @@ def needs_staging(
     """Whether ``dest`` cannot be filled in place from bytes of ``src_dtype`` stored at
     ``location``.
 
-    A cast, a device destination, or a chunk stored in another dimension
+    A cast, a device destination, a conjugate or negative view (its memory holds values
+    conjugated or negated: ``copy_`` writes them so), or a chunk stored in another dimension
     order (read into a staging buffer laid out in the stored order, so that
     each read is as long as the region allows, then copied into place).
     """
     return (
         dest.device.type != "cpu"
         or dest.dtype != src_dtype
+        or dest.is_conj()
+        or dest.is_neg()
         or bool(location is not None and location.dim_order)
     )
+
+
+def shares_elements(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` are one place in memory (an expanded or overlapping view):
+    a load into it would leave each such place with whichever value came last."""
+    if t.numel() < 2:
+        return False
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    reach = 1  # elements spanned by the dimensions of smaller strides, plus one
+    for st, n in dims:
+        if st < reach:
+            break
+        reach += st * (n - 1)
+    else:
+        return False  # each stride steps past all the smaller ones cover: no overlap
+    if any(st == 0 for st, _ in dims):
+        return True
+    # Interleaved strides (only as_strided makes them): compare the element offsets themselves.
+    offsets = np.zeros(1, dtype=np.int64)
+    for st, n in dims:
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * st).reshape(-1)
+    return len(np.unique(offsets)) < len(offsets)
 
 
 def permuted(part: ChunkRegion, dest: torch.Tensor) -> tuple[ChunkRegion, torch.Tensor]:

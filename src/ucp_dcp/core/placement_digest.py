@@ -69,6 +69,7 @@ def _coord_term(offset: int, size: int, stride: int) -> np.ndarray:
 
 def _bits(t: torch.Tensor) -> np.ndarray:
     """The value bits of contiguous CPU tensor ``t`` as unsigned integers, shaped like ``t``."""
+    t = t.resolve_conj().resolve_neg()  # the values, not a view's memory
     size = t.element_size()
     if size == 16:  # complex128: two 64-bit words per element, folded into one
         words = t.view(torch.int64).numpy().view(np.uint64).reshape(*t.shape, 2)

@@ -60,7 +60,7 @@ class RankLocal:
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().to("cpu").contiguous().reshape(-1)
+    t = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous().reshape(-1)
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 

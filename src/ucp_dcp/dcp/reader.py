@@ -418,6 +418,8 @@ class UCPStorageReader(StorageReader):
                 if part.location.dim_order:
                     continue  # stored in another dimension order: the engine stages it
                 dest = planner.resolve_tensor(ri)
+                if dest.is_conj() or dest.is_neg():
+                    continue  # its memory holds values conjugated or negated: the engine stages it
                 fqn = ri.storage_index.fqn
                 sums = src.block_sums(fqn, idx, part.location)
                 if sums is None and part.location.xxh3 and verify:

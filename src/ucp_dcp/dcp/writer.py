@@ -280,7 +280,9 @@ class UCPStorageWriter(StorageWriter):
             t = resolved_as(item, planner.resolve_data(item), torch.Tensor)
             if t.device.type != "cpu":
                 t = t.cpu()
-            t = t.contiguous()
+            # A conjugate or negative view's memory holds other values than it reads as: the
+            # values are stored.
+            t = t.resolve_conj().resolve_neg().contiguous()
             if shares is not None:
                 td = tensor_data(item)
                 fqn = item.index.fqn

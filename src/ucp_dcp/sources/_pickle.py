@@ -159,11 +159,35 @@ def _tensor(
     return TensorRef(storage.key, dtype, offset, tuple(size), tuple(stride))
 
 
+_VIEW_BITS = {"conj": "conjugate", "neg": "negative"}
+
+
+def _check_metadata(rest: tuple[Any, ...], at: int) -> None:
+    """The tensor metadata ``torch.save`` appends (``rest[at]``, if there): a conjugate or
+    negative view's storage holds other values than the tensor reads as, and any other entry
+    is one this reader does not understand."""
+    meta = rest[at] if len(rest) > at else None
+    if meta is None or meta == {}:
+        return
+    if not isinstance(meta, dict):
+        raise _Refused(f"a tensor with malformed metadata {meta!r}"[:200])
+    for key, value in meta.items():
+        if key in _VIEW_BITS and value is False:
+            continue
+        if key in _VIEW_BITS:
+            raise _Refused(
+                f"a tensor saved as a {_VIEW_BITS[key]} view, whose stored bytes are not its "
+                f"values (resolve it before saving: tensor.resolve_{key}())"
+            )
+        raise _Refused(f"a tensor with metadata {key!r}, which this reader does not know"[:200])
+
+
 def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> TensorRef:
     if not isinstance(storage, StorageRef):
         raise _Refused(f"a tensor whose storage is {type(storage).__name__}, not a storage record")
     if storage.dtype is None:
         raise _Refused("a tensor (torch._utils._rebuild_tensor_v2) over an untyped storage")
+    _check_metadata(rest, 2)  # (requires_grad, backward_hooks, metadata)
     return _tensor(storage, storage.dtype, offset, size, stride)
 
 
@@ -177,6 +201,7 @@ def _rebuild_tensor_v3(
         )
     if not isinstance(dtype, torch.dtype):
         raise _Refused(f"a tensor of unknown dtype {dtype!r}")
+    _check_metadata(rest, 0)
     return _tensor(storage, dtype, offset, size, stride)
 
 

@@ -20,6 +20,7 @@ import io
 import os
 import struct
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -96,6 +97,9 @@ def archive_errors(where: str) -> Iterator[None]:
         EOFError,
         ValueError,
         struct.error,
+        zlib.error,  # a damaged compressed member
+        NotImplementedError,  # a damaged directory: "zip file version 12.8", "compression type 9"
+        RuntimeError,  # a damaged flag: "... is encrypted, password required for extract"
     ) as e:
         raise CheckpointFormatError(f"{where}: not a readable torch.save archive ({e})") from None
 
