@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ucp_dcp.byteio.location
 from ucp_dcp import (
+    Checkpoint,
     ReadOptions,
     CheckpointFormatError,
     RankLocal,
@@ -373,6 +374,28 @@ def test_data_file_cut_inside_header(ckpt: tuple[Path, dict[str, Any]]) -> None:
     with open(f, "r+b") as fh:
         fh.truncate(100)
     assert_load_fails(path, match=re.escape(str(f)) + r": header length \d+ exceeds the file \(100 bytes\)")
+
+
+def test_data_file_replaced_by_a_directory(ckpt: tuple[Path, dict[str, Any]]) -> None:
+    """A directory where a data file should be opens, then fails its first read: named as what
+    it is instead (and ``verify`` lists it)."""
+    path, _ = ckpt
+    f = data_file(path)
+    f.unlink()
+    f.mkdir()
+    assert_load_fails(path, match=re.escape(f"data file {f} is not a regular file"), sd={"model": {"w": torch.zeros(8, 16)}})
+    with Checkpoint(path) as ck:
+        assert ck.verify() == [f"data file {f} is not a regular file"]
+
+
+def test_dcp_data_file_that_is_a_symlink_loop(tmp_path: Path) -> None:
+    """A path that cannot even be looked at (a symlink to itself) is named, not raised as OSError."""
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path))
+    (data,) = tmp_path.glob("*.distcp")
+    data.unlink()
+    data.symlink_to(data.name)
+    with pytest.raises(CheckpointFormatError, match=re.escape(f"{data}: cannot open (Too many levels of symbolic links)")):
+        Checkpoint(tmp_path)
 
 
 def test_missing_data_file(ckpt: tuple[Path, dict[str, Any]]) -> None:

@@ -423,3 +423,49 @@ def test_conjugate_or_negative_view_saved_by_dcp_is_refused(tmp_path: Path, view
     kind = {"conj": "conjugate", "neg": "negative"}[view]
     assert f"item of 'c' chunk [0]" in str(err) and f"saved as a {kind} view" in str(err), err
     assert f"resolve_{view}()" in str(err)
+
+
+def _edit_metadata(path: Path, fqn: str, edit: Any) -> None:
+    """Rewrite ``.metadata`` with ``edit(TensorStorageMetadata)`` for ``fqn`` (our own file: a
+    plain pickle round trip)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = pickle.loads((path / ".metadata").read_bytes())
+    old = md.state_dict_metadata[fqn]
+    md.state_dict_metadata[fqn] = TensorStorageMetadata(old.properties, *edit(old))
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def test_chunks_that_do_not_cover_the_tensor_are_refused(tmp_path: Path) -> None:
+    """A tensor whose chunks leave elements out (a size larger than they cover, a chunk missing
+    from the list) would load with those elements as whatever memory held: refused at open,
+    naming the tensor. A chunk listed twice (as a replica may be) is read once."""
+    import shutil
+
+    w = torch.arange(64.0).reshape(8, 8)
+    _save_rows(tmp_path / "saved", w)  # one tensor of four row chunks, as four ranks list it
+    edits = {
+        "larger": (lambda m: (torch.Size([10, 8]), m.chunks), "64 of its 80"),
+        "chunk_gone": (lambda m: (m.size, m.chunks[:3]), "48 of its 64"),
+        "chunk_twice": (lambda m: (m.size, [*m.chunks, m.chunks[1]]), None),
+    }
+    for damage, (edit, says) in edits.items():
+        path = tmp_path / damage
+        shutil.copytree(tmp_path / "saved", path)
+        _edit_metadata(path, "w", edit)
+        if says is None:
+            out = {"w": torch.zeros(8, 8)}
+            dcp.load(out, storage_reader=UCPStorageReader(path), planner=UCPLoadPlanner())
+            assert bit_equal(out["w"], w)
+            continue
+        with pytest.raises(CheckpointFormatError, match=rf"\.metadata: tensor 'w': its chunks hold {says} elements"):
+            Checkpoint(path)
+
+
+def _save_rows(path: Path, w: torch.Tensor) -> None:
+    run_ranks(4, _save_rows_rank, str(path), w)
+
+
+def _save_rows_rank(rank: int, world: int, path: str, w: torch.Tensor) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    dcp.save({"w": distribute_tensor(w, mesh, [Shard(0)])}, checkpoint_id=path)

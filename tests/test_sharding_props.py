@@ -38,6 +38,7 @@ from ucp_dcp.core.sharding import (
     layout_grid,
     placement_from_str,
     placement_to_str,
+    tiles,
 )
 from ucp_dcp.core.values import UnsupportedValueError, decode_value, encode_value
 
@@ -703,3 +704,41 @@ def test_arith_box_matches_dtensor(data: st.DataObject) -> None:
         assert box.sizes == want.sizes
         if box.numel:
             assert box.offsets == want.offsets
+
+
+# ------------------------------------------------------------ chunks that tile a tensor
+@st.composite
+def _boxes_in(draw: Any) -> tuple[tuple[int, ...], list[Box]]:
+    shape = tuple(draw(st.lists(st.integers(1, 4), min_size=0, max_size=3)))
+    boxes = []
+    for _ in range(draw(st.integers(0, 6))):
+        offs = tuple(draw(st.integers(0, n - 1)) for n in shape)
+        sizes = tuple(draw(st.integers(0, n - o)) for n, o in zip(shape, offs))
+        boxes.append(Box(offs, sizes))
+    return shape, boxes
+
+
+def _split(shape: tuple[int, ...], cuts: list[list[int]]) -> list[Box]:
+    """The grid of boxes that cutting each dimension at ``cuts`` makes."""
+    per_dim = [list(zip([0, *c], [*c, n])) for n, c in zip(shape, cuts)]
+    return [Box(tuple(a for a, _ in cell), tuple(b - a for a, b in cell)) for cell in itertools.product(*per_dim)]
+
+
+@settings(max_examples=400, deadline=None)
+@given(_boxes_in())
+def test_tiles_agrees_with_counting_each_element(case: tuple[tuple[int, ...], list[Box]]) -> None:
+    """``tiles`` says yes exactly when every element lies in exactly one non-empty box."""
+    shape, boxes = case
+    counts = {e: 0 for e in itertools.product(*[range(n) for n in shape])}
+    for b in boxes:
+        for e in itertools.product(*[range(o, o + n) for o, n in zip(b.offsets, b.sizes)]):
+            counts[e] += 1
+    assert tiles(boxes, shape) == all(c == 1 for c in counts.values()), (shape, boxes)
+
+
+def test_a_grid_with_a_box_listed_twice_and_one_missing_does_not_tile() -> None:
+    """Per dimension the intervals still tile and the count is right: only distinct boxes tell."""
+    grid = _split((4, 6), [[2], [3]])
+    assert tiles(grid, (4, 6)) and Grid.from_boxes(grid, (4, 6)) is not None
+    twice = [grid[0], grid[0], grid[1], grid[2]]
+    assert not tiles(twice, (4, 6)) and Grid.from_boxes(twice, (4, 6)) is None

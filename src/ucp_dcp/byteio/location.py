@@ -216,11 +216,16 @@ class LocalDir(ModelDir):
         return os.path.isfile(self.path_of(name))
 
     def size(self, name: str) -> int | None:
-        """``os.stat``'s size (None for a missing file)."""
+        """``os.stat``'s size (None for a missing file; a :class:`CheckpointFormatError` naming
+        a path that cannot be looked at, such as a symlink loop)."""
         try:
             return os.stat(self.path_of(name)).st_size
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise CheckpointFormatError(
+                f"{self.path_of(name)}: cannot open ({e.strerror or e})"
+            ) from None
 
     def sizes(self) -> dict[str, int]:
         """One ``os.scandir``: its regular files (not following links)."""

@@ -21,6 +21,7 @@ import ctypes
 import functools
 import mmap
 import os
+import stat
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -161,6 +162,9 @@ def open_data_file(path: str, *, random: bool = True) -> int:
         raise CheckpointFormatError(f"data file {path} is missing") from None
     except OSError as e:
         raise CheckpointFormatError(f"{path}: cannot open ({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory opens, and fails its first read
+        os.close(fd)
+        raise CheckpointFormatError(f"data file {path} is not a regular file")
     if random and hasattr(os, "posix_fadvise"):
         # Without this the header read leaves read-ahead marks in the page
         # cache, and a later exact read of a marked page makes the kernel

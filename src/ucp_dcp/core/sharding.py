@@ -39,6 +39,7 @@ __all__ = [
     "Grid",
     "layout_grid",
     "arith_box",
+    "tiles",
 ]
 
 
@@ -146,7 +147,28 @@ def _tiles_grid(boxes: Sequence[Box], global_shape: Sequence[int]) -> bool:
             end = o + n
         if end != global_shape[d]:
             return False
-    return len(boxes) == math.prod(len(i) for i in per_dim)
+    # Each box is a combination of the intervals; as many distinct boxes as combinations is each
+    # combination once (a box listed twice would stand in for one never listed).
+    return len(set(boxes)) == len(boxes) == math.prod(len(i) for i in per_dim)
+
+
+def tiles(boxes: Sequence[Box], shape: Sequence[int]) -> bool:
+    """Whether ``boxes`` (empty ones aside) hold every element of a tensor of ``shape`` exactly
+    once: a grid (linear check), or boxes as many elements as the tensor, no two overlapping."""
+    boxes = [b for b in boxes if b.numel]
+    if sum(b.numel for b in boxes) != math.prod(shape):
+        return False
+    if _tiles_grid(boxes, shape) or len(boxes) < 2:
+        return True
+    lo = np.array([b.offsets for b in boxes], dtype=np.int64).reshape(len(boxes), len(shape))
+    hi = lo + np.array([b.sizes for b in boxes], dtype=np.int64).reshape(len(boxes), len(shape))
+    for i in range(0, len(boxes), 512):  # pairs in blocks: bounded memory for irregular lists
+        meet = (lo[i : i + 512, None] < hi[None]) & (lo[None] < hi[i : i + 512, None])
+        both: np.ndarray = np.asarray(meet.all(axis=2))
+        both[np.arange(both.shape[0]), np.arange(i, i + both.shape[0])] = False  # itself
+        if both.any():
+            return False
+    return True
 
 
 def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:

@@ -28,6 +28,7 @@ from .schema import (
     check_paths,
     check_relative_name,
     check_tensor_bytes,
+    check_tiling,
     field_dict,
     field_digest64,
     field_dtype,
@@ -532,7 +533,6 @@ def _tensor_from_json(
             )
         return TensorRecord(dtype, shape, layout, True, file_ids, digest=digest)
     chunks = []
-    whole = Box((0,) * len(shape), shape)
     for i, c in enumerate(field_list(t, "chunks", w)):
         cw = f"{w} chunk {i}"
         offs, sizes = (c.get("offsets"), c.get("sizes")) if isinstance(c, dict) else (None, None)
@@ -540,9 +540,7 @@ def _tensor_from_json(
         location = loc(c, cw)
         check_chunk_bytes(box, dtype, location.nbytes, cw)
         chunks.append(ChunkRecord(box, location))
-    covered = sum(c.box.numel for c in chunks)
-    if covered != whole.numel:
-        raise CheckpointFormatError(f"{w}: its chunks hold {covered} of its {whole.numel} elements")
+    check_tiling([c.box for c in chunks], shape, w)
     return TensorRecord(dtype, shape, layout, False, chunks=chunks, digest=digest)
 
 

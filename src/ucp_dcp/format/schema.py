@@ -17,6 +17,7 @@ from typing import Any, TypeGuard
 import torch
 
 from ..core.boxes import Box
+from ..core.sharding import tiles
 from ..core.values import dtype_from_name
 from ..errors import CheckpointFormatError
 from .names import dtype_name
@@ -223,6 +224,20 @@ def check_chunk_bytes(box: Box, dtype: torch.dtype, nbytes: int, where: str) -> 
         raise CheckpointFormatError(
             f"{where}: {nbytes} bytes recorded for {box.numel} {dtype_name(dtype)} elements"
         )
+
+
+def check_tiling(boxes: Sequence[Box], shape: Sequence[int], where: str) -> None:
+    """Refuse chunks that do not hold every element of the tensor exactly once: a gap would
+    load as whatever memory held, an overlap as whichever chunk came last."""
+    if tiles(boxes, shape):
+        return
+    covered, total = sum(b.numel for b in boxes), math.prod(shape)
+    if covered != total:
+        raise CheckpointFormatError(f"{where}: its chunks hold {covered} of its {total} elements")
+    raise CheckpointFormatError(
+        f"{where}: its chunks hold as many elements as the tensor but overlap, so some elements "
+        "are in none"
+    )
 
 
 def short_repr(v: Any) -> str:

@@ -38,7 +38,13 @@ from ..core.sharding import Box
 from ..core.values import encode_value
 from ..errors import CheckpointFormatError, DCPValueError, InvalidArgumentError
 from ..format import ChunkRecord, FileRecord, Index, Location, TensorRecord, dtype_name
-from ..format.schema import check_paths, check_relative_name, check_tensor_bytes, is_index_list
+from ..format.schema import (
+    check_paths,
+    check_relative_name,
+    check_tensor_bytes,
+    check_tiling,
+    is_index_list,
+)
 from ._pickle import unpickle
 from ._torch_archive import PRead, StoredTensor, dim_order, item_ends, parse_tensor_item
 from .base import Source, SourceOptions, register
@@ -183,6 +189,7 @@ class DCPSource(Source):
             whole = Box((0,) * len(shape), shape)
             empty_tensor = math.prod(shape) == 0
             chunks, items = [], []
+            seen: set[Box] = set()
             for c in smd.chunks:
                 offs, sizes = (
                     list(getattr(c, "offsets", None) or ()),
@@ -198,10 +205,14 @@ class DCPSource(Source):
                     )
                 if box.numel == 0 and not empty_tensor:
                     continue  # an empty shard of an uneven split holds no bytes
+                if box in seen:
+                    continue  # listed again (a replica): one stored item per offsets, read once
+                seen.add(box)
                 items.append(
                     item(MetadataIndex(fqn, c.offsets), f"chunk {list(box.offsets)} of {fqn!r}")
                 )
                 chunks.append(ChunkRecord(box, None))
+            check_tiling([c.box for c in chunks], shape, f"{mdpath}: tensor {fqn!r}")
             tensors[fqn] = TensorRecord(dtype, shape, None, False, chunks=chunks)
             self._tensor_items[fqn] = items
         world = max((f.rank for f in files), default=0) + 1
