@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from ucp_dcp import (
+    Checkpoint,
     ReadOptions,
     CheckpointFormatError,
     FlatShard,
@@ -332,6 +333,98 @@ def test_unsupported_and_damaged_checkpoints_name_the_files(tmp_path: Path) -> N
     with pytest.raises(CheckpointFormatError) as e:
         open_source(d)
     assert str(e.value) == f"{d / 'latest'}: names tag 'step9', but {d / 'step9'} is not a directory"
+
+
+def _universal_param(d: Path, fqn: str) -> Path:
+    """The ``zero/<fqn>/`` folder of a copied Universal fixture."""
+    return d / "step2_universal" / "zero" / fqn
+
+
+@pytest.mark.parametrize("universal", [UNIVERSAL, UNIVERSAL3])
+@pytest.mark.parametrize("kind", ["exp_avg", "exp_avg_sq"])
+def test_a_universal_folder_missing_one_moment_file_is_refused_naming_it(tmp_path: Path, universal: str, kind: str) -> None:
+    """ds_to_universal writes exp_avg.pt and exp_avg_sq.pt together for every parameter of the
+    optimizer: one of them gone (a partial copy) is lost state, not a tensor the checkpoint
+    never had. Refused naming the folder and the file, by every entry point, instead of
+    loading (and verifying) without optim.state.fc2.weight.<kind>."""
+    d = _copy(universal, tmp_path)
+    with Checkpoint(d) as ck:
+        assert f"optim.state.fc2.weight.{kind}" in ck.tensor_names()
+    folder = _universal_param(d, "fc2.weight")
+    (folder / f"{kind}.pt").unlink()
+    for entry in (open_source, load_state_dict, lambda p: Checkpoint(p).tensor_names()):
+        with pytest.raises(CheckpointFormatError) as e:
+            entry(d)
+        msg = str(e.value)
+        assert msg.startswith(f"{folder}: holds "), msg
+        assert f"but no {kind}.pt for parameter 'fc2.weight'" in msg
+    # The committed fixture is untouched.
+    assert (_universal_param(FIXTURES / universal, "fc2.weight") / f"{kind}.pt").is_file()
+
+
+def test_a_universal_parameter_without_the_state_of_the_rest_of_its_group_is_refused(tmp_path: Path) -> None:
+    """ds_to_universal takes each parameter's exp_avg/exp_avg_sq/step from its optimizer group's
+    flat state: a parameter whose files are all gone, or whose step.pt alone is, while the other
+    parameters of its group (param_shapes[0]) have them, is refused naming what is missing. A
+    group with no state at all (what DeepSpeed 0.19 writes for a group that never stepped:
+    fp32.pt only) still loads, without optim.state for it."""
+    d = _copy(UNIVERSAL, tmp_path)
+    folder = _universal_param(d, "fc2.weight")
+    (folder / "step.pt").unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value).startswith(f"{folder}: no step.pt (ds_to_universal writes an optimizer group's state ")
+    assert "3 of the 4 parameters of param_shapes[0] have exp_avg.pt, exp_avg_sq.pt, step.pt" in str(e.value)
+    for kind in ("exp_avg", "exp_avg_sq"):
+        (folder / f"{kind}.pt").unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        load_state_dict(d)
+    assert str(e.value).startswith(f"{folder}: no exp_avg.pt, exp_avg_sq.pt, step.pt (")
+    # step.pt left alone without the moments: refused as a partial folder.
+    shutil.copy(_universal_param(d, "fc1.weight") / "step.pt", folder / "step.pt")
+    with pytest.raises(CheckpointFormatError, match=f"^{folder}: holds step.pt but no exp_avg.pt and no exp_avg_sq.pt "):
+        open_source(d)
+    # The whole group 1 without optimizer state: as ds_to_universal writes a group that has none.
+    shutil.rmtree(d)
+    d = _copy(UNIVERSAL, tmp_path)
+    for fqn in ("fc1.bias", "fc2.bias", "proj.bias"):
+        for kind in ("exp_avg", "exp_avg_sq", "step"):
+            (_universal_param(d, fqn) / f"{kind}.pt").unlink()
+    sd = load_state_dict(d)
+    assert not [k for k in sd if k.startswith("optim.state.") and k.endswith(".bias.exp_avg")]
+    assert "optim.state.fc2.weight.exp_avg" in sd and "model.fc2.bias" in sd
+
+
+def test_a_zero3_universal_parameter_without_moments_is_refused(tmp_path: Path) -> None:
+    """From ZeRO-3, ds_to_universal writes exp_avg.pt and exp_avg_sq.pt for every parameter
+    (and step.pt for none): a folder with fp32.pt alone is refused naming both files."""
+    d = _copy(UNIVERSAL3, tmp_path)
+    folder = _universal_param(d, "fc2.weight")
+    for kind in ("exp_avg", "exp_avg_sq"):
+        (folder / f"{kind}.pt").unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        load_state_dict(d)
+    assert str(e.value).startswith(
+        f"{folder}: no exp_avg.pt, exp_avg_sq.pt (ds_to_universal writes exp_avg.pt and exp_avg_sq.pt for every "
+        "parameter of a ZeRO-3 checkpoint"
+    )
+
+
+@pytest.mark.parametrize("kind", ["exp_avg_sq", "step"])
+def test_a_tensor_parallel_universal_folder_missing_a_state_file_is_refused(tmp_path: Path, kind: str) -> None:
+    """The same rules for the folder of a tensor-parallel run (one mp_rank_MM per rank)."""
+    name = "tp2_dp2_zero1_universal"
+    d = tmp_path / name
+    shutil.copytree(FIXTURES / "pipe" / name, d)
+    assert "optim.state.2.fc1.weight.exp_avg_sq" in load_state_dict(d)
+    folder = _universal_param(d, "2.fc1.weight")
+    (folder / f"{kind}.pt").unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value).startswith(f"{folder}: "), str(e.value)
+    assert f"no {kind}.pt" in str(e.value)
+    if kind == "step":
+        assert "param_shapes[0] of mp_rank_00_model_states.pt" in str(e.value)
 
 
 # ---------------------------------------------------------------- CLI

@@ -75,9 +75,11 @@ class DeepSpeedUniversalSource(ArchiveSource):
     Each ``zero/<fqn>/{fp32,exp_avg,exp_avg_sq}.pt`` holds the full tensor under ``"param"``,
     ``step.pt`` the step. Names are as for :class:`DeepSpeedSource`. The folder records no
     optimizer hyperparameters, so ``optim.param_groups.<g>`` has ``params`` only: load the
-    others from your own optimizer (``allow_partial_load=True``). What folders converted from
-    ZeRO-3 and from pipeline- or tensor-parallel runs hold, and where their frozen parameters
-    and buffers are read from: see docs/deepspeed-format.md.
+    others from your own optimizer (``allow_partial_load=True``). A parameter whose folder
+    lacks optimizer state ``ds_to_universal`` writes (one moment without the other, or what the
+    rest of its group has: a partial copy) is refused, naming the missing files. What folders
+    converted from ZeRO-3 and from pipeline- or tensor-parallel runs hold, and where their
+    frozen parameters and buffers are read from: see docs/deepspeed-format.md.
     """
 
     format = "deepspeed-universal"
@@ -172,6 +174,7 @@ def _data_parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> lis
         return e
 
     shapes = {fqn: shape for d in m0.param_shapes for fqn, shape in d.items()}
+    present: dict[str, frozenset[str]] = {}
     for fqn, shape in {**shapes, **m0.frozen_shapes}.items():
         got = one(fqn, "fp32", shape)
         if got is None and fqn not in shapes and len(models) > 1:
@@ -189,7 +192,14 @@ def _data_parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> lis
             ) -> UniversalEntry | None:
                 return one(fqn, kind, None if kind == "step" else shape)
 
-            _moments(b, fqn, state, shape)
+            present[fqn] = _moments(b, zero, fqn, state, shape)
+    if len(models) == 1:
+        groups = [(f"param_shapes[{g}]", list(d)) for g, d in enumerate(m0.param_shapes)]
+        _check_groups(zero, groups, present, shapes, required=False)
+    else:
+        # From ZeRO-3 (param_shapes: sub-groups), every parameter's: extract_zero_shards_stage3
+        # takes both moments of every sub-group, and DeepSpeed's loader reads both.
+        _check_groups(zero, [("param_shapes", list(shapes))], present, shapes, required=True)
     alias_tied(b, [m0])
     buffers = {n: m0.module[n] for n in m0.buffer_names if n in m0.module}
     place_entries(b, [EntryFile(0, 0, m0.archive, buffers, "")], (), ())
@@ -199,17 +209,44 @@ def _data_parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> lis
     return [list(d) for d in m0.param_shapes] if len(models) == 1 else []
 
 
+# What ds_to_universal writes beside fp32.pt of a parameter of the optimizer (one of
+# param_shapes'), from the optimizer state of its group: exp_avg and exp_avg_sq together
+# (extract_zero_shards and extract_zero_shards_stage3 take both from the same state;
+# merge_tp_slices and merge_zero3_slices write fp32, exp_avg, exp_avg_sq), with step where
+# that state has one (ZeRO-1/2: "step" in the group's state; from ZeRO-3: never).
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_STATE = (*_MOMENTS, "step")
+
+
 def _moments(
     b: ArchiveIndex,
+    zero: str,
     fqn: str,
     one: Callable[[str], UniversalEntry | None],
     shape: tuple[int, ...],
     place: Callable[[UniversalEntry], TPSlice | None] | None = None,
-) -> None:
-    """``optim.state.<fqn>.{exp_avg,exp_avg_sq,step}`` from their files where present (``one``
-    reads and checks one; ``place``: a cut of the tensor, vocabulary padding stripped)."""
-    for kind in ("exp_avg", "exp_avg_sq", "step"):
-        e = one(kind)
+) -> frozenset[str]:
+    """``optim.state.<fqn>.{exp_avg,exp_avg_sq,step}`` of a parameter of the optimizer (``one``
+    reads and checks one file, None if absent; ``place``: a cut of the tensor, vocabulary
+    padding stripped); the kinds its folder holds.
+
+    A folder with some of the files ``ds_to_universal`` writes together but not all (one
+    moment without the other, ``step.pt`` without both) is refused, naming it and the missing
+    file(s): a partial copy, whose absent file is lost state. Whether a parameter should have
+    them at all, and ``step.pt``, is checked across its group: :func:`_check_groups`.
+    """
+    got = {kind: one(kind) for kind in _STATE}
+    has = frozenset(kind for kind, e in got.items() if e is not None)
+    if has and not has.issuperset(_MOMENTS):
+        missing = [f"{kind}.pt" for kind in _MOMENTS if kind not in has]
+        held = [f"{kind}.pt" for kind in _STATE if kind in has]
+        raise CheckpointFormatError(
+            f"{os.path.join(zero, fqn)}: holds {' and '.join(held)} but no "
+            f"{' and no '.join(missing)} for parameter {fqn!r}; ds_to_universal writes exp_avg.pt "
+            "and exp_avg_sq.pt together, from the same optimizer state (a partial copy of the "
+            "folder?)"
+        )
+    for kind, e in got.items():
         if e is None:
             continue
         key, path, what = (
@@ -222,6 +259,50 @@ def _moments(
             b.placed_whole(key, path, e.archive, e.t, cut, what)
         else:
             b.whole(key, path, e.archive, e.t, e.t.size if kind == "step" else shape, what)
+    return has
+
+
+def _check_groups(
+    zero: str,
+    groups: list[tuple[str, list[str]]],
+    present: dict[str, frozenset[str]],
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    required: bool,
+) -> None:
+    """Refuse a group (where it is listed, its fqns) whose parameters' folders do not all hold
+    the same optimizer state (``present``: fqn -> the kinds its folder holds).
+
+    ``ds_to_universal`` takes a parameter's state from its group's flat optimizer state, so
+    every parameter of a group has ``exp_avg.pt`` and ``exp_avg_sq.pt`` (and ``step.pt``
+    where that state has a step), or, where the group has no optimizer state, none of them
+    (ZeRO-1/2: DeepSpeed 0.19 then writes ``fp32.pt`` from ``module`` alone). ``required``:
+    every parameter has the moments (from ZeRO-3). A parameter of no elements may lack
+    them (its partitions hold no fragment of it).
+    """
+    for where, names in groups:
+        fqns = [f for f in names if f in present and (present[f] or math.prod(shapes[f]))]
+        stateful = [f for f in fqns if present[f]]
+        if not stateful and not (required and fqns):
+            continue
+        want = _STATE if any("step" in present[f] for f in stateful) else _MOMENTS
+        bad = [
+            f"{os.path.join(zero, f)}: no {', '.join(f'{k}.pt' for k in want if k not in has)}"
+            for f, has in ((f, present[f]) for f in fqns)
+            if not has.issuperset(want)
+        ]
+        if bad:
+            shown = "; ".join(bad[:5])
+            more = f" (and those of {len(bad) - 5} more parameter(s))" if len(bad) > 5 else ""
+            why = (
+                f"ds_to_universal writes {' and '.join(f'{k}.pt' for k in _MOMENTS)} for every "
+                "parameter of a ZeRO-3 checkpoint"
+                if required
+                else "ds_to_universal writes an optimizer group's state for all its parameters "
+                f"or for none, and {len(fqns) - len(bad)} of the {len(fqns)} parameters of "
+                f"{where} have {', '.join(f'{k}.pt' for k in want)}"
+            )
+            raise CheckpointFormatError(f"{shown}{more} ({why}; a partial copy of the folder?)")
 
 
 def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[list[str]]:
@@ -277,6 +358,8 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
         sl = rules.slice_of(fqn, 0, tp, shape, totals.get(fqn))
         return None if sl.replicated and sl.full_shape == sl.local else sl
 
+    present: dict[str, frozenset[str]] = {}
+    fulls: dict[str, tuple[int, ...]] = {}
     for fqn, shape in local.items():
         sl = merged(fqn, shape)
         full = sl.full_shape if sl is not None else shape
@@ -314,7 +397,23 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
             b.placed_whole(key, path, e.archive, e.t, cut, what)
         else:
             b.whole(key, path, e.archive, e.t, full, what)
-        _moments(b, fqn, one, full, functools.partial(_padded, full=full))
+        fulls[fqn] = full
+        present[fqn] = _moments(b, zero, fqn, one, full, functools.partial(_padded, full=full))
+    # Each stage's optimizer groups (tensor-parallel rank 0's names, as ``local``'s).
+    stage_groups: dict[tuple[int, int], list[str]] = {}
+    for mi in range(0, len(models), tp):
+        for g, d in enumerate(models[mi].param_shapes):
+            stage_groups.setdefault((mi // tp, g), []).extend(d)
+    _check_groups(
+        zero,
+        [
+            (f"param_shapes[{g}] of {os.path.basename(models[st * tp].archive.path)}", fqns)
+            for (st, g), fqns in stage_groups.items()
+        ],
+        present,
+        fulls,
+        required=False,
+    )
     alias_tied(b, models)
     # Frozen parameters and buffers: in the module state dicts without a pipeline, in layer
     # files under one.
