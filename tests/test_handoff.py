@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+from typing import Any
 
 
 import pytest
@@ -124,3 +126,47 @@ def test_fsdp_checkpoint_to_one_process(tmp_path: Path) -> None:
     assert set(got) == set(ref)
     for k in ref:
         assert bit_equal(got[k], ref[k]), k
+
+
+# ------------------------------------------------------------ arguments of the wrong kind
+def _misuses(path: str) -> dict[str, Any]:
+    """Each call with one argument of the wrong kind, and the words its error must hold."""
+    from ucp_dcp import convert
+
+    ck = Checkpoint(path)
+    w = torch.zeros(4, 6)
+    return {
+        "Checkpoint(None)": (lambda: Checkpoint(None), "Checkpoint: path must be a path or URL"),
+        "Checkpoint(options=1)": (lambda: Checkpoint(path, options=1), "options must be a ReadOptions"),
+        "read_tensor(123)": (lambda: ck.read_tensor(123), "a tensor name must be a string"),
+        "read_tensor(dtype='x')": (lambda: ck.read_tensor("w", dtype="x"), "dtype must be a torch.dtype"),
+        "read_tensor(device='bogus')": (lambda: ck.read_tensor("w", device="bogus"), "cannot place tensors on 'bogus'"),
+        "read_into(list)": (lambda: ck.read_into("w", [0.0]), "out must be a torch.Tensor"),
+        "read_into(expanded)": (lambda: ck.read_into("w", w[:1].expand(4, 6)), "expanded or overlapping view"),
+        "load_state_dict(keys=123)": (lambda: load_state_dict(path, 123), "keys must be None, a name"),
+        "load_state_dict(keys=[None])": (lambda: load_state_dict(path, [None]), "keys must be None, a name"),
+        "load_into_module(None)": (lambda: load_into_module(None, path), "module must be a torch.nn.Module"),
+        "load_into_module(prefix=None)": (
+            lambda: load_into_module(nn.Linear(6, 4), path, prefix=None),
+            "prefix must be a string",
+        ),
+        "convert(dst=None)": (lambda: convert(path, None), "convert: dst must be a path or URL"),
+    }
+
+
+def test_arguments_of_the_wrong_kind_are_named(tmp_path: Path) -> None:
+    """Every single-process entry point refuses an argument of the wrong kind with the library's
+    error naming it, not Python's TypeError or AttributeError from deep inside."""
+    from ucp_dcp import UCPError
+
+    path = str(tmp_path / "ck")
+    w = torch.arange(24.0).reshape(4, 6)
+    dcp.save({"w": w}, storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())
+    for what, (call, says) in _misuses(path).items():
+        with pytest.raises(UCPError, match=re.escape(says)):
+            call()
+        assert not os.path.exists("None"), what  # convert made nothing of its None
+    # A dtype's name is taken as export_hf takes it.
+    assert load_state_dict(path, "w", dtype="bf16")["w"].dtype == torch.bfloat16
+    with Checkpoint(path) as ck:
+        assert bit_equal(ck.read_tensor("w", dtype="fp64"), w.double())

@@ -68,6 +68,28 @@ def st_dtype(dtype: torch.dtype) -> str | None:
     return _ST_DTYPES.get(dtype)
 
 
+DTYPE_ALIASES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+"""The dtype names every entry point that takes a ``dtype`` accepts besides a ``torch.dtype``
+(case and a ``torch.`` prefix aside)."""
+
+
+def dtype_named(name: str) -> torch.dtype | None:
+    """The dtype :data:`DTYPE_ALIASES` names ``name`` (None for another name)."""
+    return DTYPE_ALIASES.get(name.strip().lower().removeprefix("torch."))
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``'float32'`` for ``torch.float32``: the name used in every record."""
     return str(dtype).removeprefix("torch.")

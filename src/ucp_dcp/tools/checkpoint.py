@@ -29,7 +29,7 @@ from ..byteio.engine import ChunkReads
 from ..byteio.integrity import HASH_BLOCK, chunk_what, hash_range
 from ..byteio.progress import ProgressFn
 from ..byteio.rangeio import ByteSource
-from ..byteio.transfer import ChunkRegion
+from ..byteio.transfer import ChunkRegion, shares_elements
 from ..core.placement_digest import box_share, digest_hex
 from ..core.sharding import Box
 from ..core.values import decode_value
@@ -44,13 +44,48 @@ from ..dcp.placement import (
 from ..errors import (
     CheckpointFormatError,
     CheckpointKeyError,
+    InvalidArgumentError,
     InvalidArgumentTypeError,
     ShapeMismatchError,
+    UnsupportedValueError,
 )
 from ..format import Location, TensorRecord, rank_local_key
+from ..format.names import dtype_named
 from ..sources import Source, read_value, read_values
 
 __all__ = ["Checkpoint", "load_state_dict", "load_into_module", "KeySelector", "ModuleLoadResult"]
+
+
+def path_arg(path: Any, what: str) -> str:
+    """``path`` (a ``str`` or ``os.PathLike`` of one: a local path or a URL) as a string."""
+    p = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(p, str):
+        raise InvalidArgumentTypeError(
+            f"{what} must be a path or URL (str or os.PathLike), got {type(path).__name__}"
+        )
+    return p
+
+
+def dtype_arg(dtype: Any, what: str) -> torch.dtype | None:
+    """``dtype`` (None, a ``torch.dtype`` or a name such as ``"bf16"``) as a ``torch.dtype``."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    named = dtype_named(dtype) if isinstance(dtype, str) else None
+    if named is None:
+        raise InvalidArgumentError(
+            f"{what} must be a torch.dtype or one of bf16, fp16, fp32, fp64, got {dtype!r}"
+        )
+    return named
+
+
+def device_arg(device: Any, what: str) -> torch.device:
+    """``device`` as a ``torch.device`` this process can allocate on."""
+    try:
+        dev = torch.device(device)
+        torch.empty(0, device=dev)
+    except (RuntimeError, TypeError, AssertionError) as e:
+        raise InvalidArgumentError(f"{what}: cannot place tensors on {device!r} ({e})") from None
+    return dev
 
 
 class Checkpoint:
@@ -84,8 +119,12 @@ class Checkpoint:
         prefix: str = "",
         dcp_values: str | None = None,
     ) -> None:
+        if options is not None and not isinstance(options, ReadOptions):
+            raise InvalidArgumentTypeError(
+                f"Checkpoint: options must be a ReadOptions, got {type(options).__name__}"
+            )
         opts = options if options is not None else ReadOptions()
-        self.path = os.fspath(path)
+        self.path = path_arg(path, "Checkpoint: path")
         self.source = opts.open_source(
             self.path, opts.source_options(dcp_values, prefix), storage_options
         )
@@ -129,6 +168,10 @@ class Checkpoint:
 
     def tensor_record(self, name: str) -> TensorRecord:
         """The index record (dtype, shape, layout) of tensor ``name``."""
+        if not isinstance(name, str):
+            raise InvalidArgumentTypeError(
+                f"a tensor name must be a string, got {type(name).__name__}"
+            )
         try:
             return self.index.tensors[name]
         except KeyError:
@@ -148,7 +191,11 @@ class Checkpoint:
 
     # ------------------------------------------------------------ reading
     def read_tensor(
-        self, name: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+        self,
+        name: str,
+        *,
+        dtype: torch.dtype | str | None = None,
+        device: str | torch.device = "cpu",
     ) -> torch.Tensor:
         """The full tensor ``name``, reading exactly its bytes.
 
@@ -156,10 +203,12 @@ class Checkpoint:
         buffer), so no second full-size copy is made.
         """
         rec = self.tensor_record(name)
+        cast = dtype_arg(dtype, "read_tensor: dtype")
+        dev = device_arg(device, "read_tensor: device")
         # Locate every chunk first: nothing is allocated for a tensor whose
         # bytes the data files do not hold (each chunk is checked against its file).
         self.chunks(name)
-        out = torch.empty(rec.shape, dtype=dtype or rec.dtype, device=device)
+        out = torch.empty(rec.shape, dtype=cast or rec.dtype, device=dev)
         self.read_into(name, out)
         return out
 
@@ -167,6 +216,15 @@ class Checkpoint:
         """Fill existing tensor ``out`` (the full shape; any dtype, device, strides) with
         ``name``."""
         rec = self.tensor_record(name)
+        if not isinstance(out, torch.Tensor):
+            raise InvalidArgumentTypeError(
+                f"read_into: out must be a torch.Tensor, got {type(out).__name__}"
+            )
+        if shares_elements(out):
+            raise UnsupportedValueError(
+                f"read_into({name!r}): out is an expanded or overlapping view: several of its "
+                "elements are one place in memory (.clone() it)"
+            )
         if tuple(out.shape) != rec.shape:
             raise ShapeMismatchError(
                 f"size mismatch for {name!r}: the checkpoint has shape {list(rec.shape)}, the "
@@ -375,7 +433,13 @@ def _selector(keys: KeySelector) -> Callable[[str], bool]:
         return lambda _: True
     if callable(keys):
         return keys
-    wanted = [keys] if isinstance(keys, str) else list(keys)
+    wanted = [keys] if isinstance(keys, str) else list(keys) if isinstance(keys, Iterable) else None
+    if wanted is None or not all(isinstance(k, str) for k in wanted):
+        raise InvalidArgumentTypeError(
+            f"keys must be None, a name or prefix, several of them, or a predicate; got {keys!r}"[
+                :200
+            ]
+        )
     # "model" and "model." both select everything under model.
     prefixes = tuple(k if k.endswith(".") else k + "." for k in wanted)
     exact = set(wanted)
@@ -386,7 +450,7 @@ def load_state_dict(
     path: str | os.PathLike[str],
     keys: KeySelector = None,
     *,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     rank_local: bool = False,
     layout: LayoutSpec | None = None,
@@ -401,8 +465,9 @@ def load_state_dict(
         path: the checkpoint (see :class:`~ucp_dcp.Checkpoint` for the formats).
         keys: names (``"model.layers.0.w"``), prefixes (``"model."``), a list of either, or a
             predicate on the name; None for everything. Only the selected tensors' bytes are read.
-        dtype: cast floating-point tensors to this dtype (integer and bool tensors, such as step
-            counters, keep theirs).
+        dtype: cast floating-point tensors to this dtype, a ``torch.dtype`` or a name (``"bf16"``,
+            as :func:`~ucp_dcp.tools.hf.export_hf` takes it; integer and bool tensors, such as
+            step counters, keep theirs).
         device: where the tensors go.
         rank_local: also return rank-local values, as ``{rank: value}``.
         layout: return the logical tensors this :class:`~ucp_dcp.LayoutSpec` makes of the selected
@@ -416,6 +481,7 @@ def load_state_dict(
     time, so peak memory is the result plus a fixed staging buffer.
     """
     select = _selector(keys)
+    dtype = dtype_arg(dtype, "load_state_dict: dtype")
     out: dict[str, Any] = {}
     with Checkpoint(
         path,
@@ -479,6 +545,12 @@ def load_into_module(
     ``options`` and ``storage_options`` are :class:`~ucp_dcp.Checkpoint`'s: by default every
     byte read is checked against the checksums recorded at save.
     """
+    if not isinstance(module, nn.Module):
+        raise InvalidArgumentTypeError(
+            f"load_into_module: module must be a torch.nn.Module, got {type(module).__name__}"
+        )
+    if not isinstance(prefix, str):
+        raise InvalidArgumentTypeError(f"load_into_module: prefix must be a string, got {prefix!r}")
     targets = module.state_dict(keep_vars=True)
     with Checkpoint(path, options=options, storage_options=storage_options) as ckpt:
         available = {n[len(prefix) :] for n in ckpt.tensor_names() if n.startswith(prefix)}

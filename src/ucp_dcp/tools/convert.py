@@ -43,7 +43,7 @@ from ..format import (
     split_rank_local_key,
 )
 from ..sources import Source, read_values
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, path_arg
 
 __all__ = ["convert"]
 
@@ -81,7 +81,7 @@ def convert(
         sync_files: fsync every data file before the index is written.
         on_progress: ``on_progress(done_bytes, total_bytes)`` after every entry.
     """
-    src, dst = os.fspath(src), os.fspath(dst)
+    src, dst = path_arg(src, "convert: src"), path_arg(dst, "convert: dst")
     if is_url(dst):
         raise StorageError(
             f"{dst}: convert writes a local directory, not object storage; convert into a local "

@@ -60,6 +60,7 @@ from ..errors import (
     UCPWarning,
 )
 from ..format import dtype_name, encode_header, header_entries, st_dtype
+from ..format.names import dtype_named
 from ..sources import checkpoint_exists
 from ..sources.hf import HF_CONFIG_FILES, HF_INDEX_NAME, HF_WEIGHTS_NAME
 from .checkpoint import Checkpoint
@@ -68,19 +69,6 @@ __all__ = ["export_hf", "import_hf", "parse_size", "parse_dtype"]
 
 RenameRules = Sequence[tuple[str, str]] | Mapping[str, str]
 
-_DTYPE_NAMES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp64": torch.float64,
-    "float64": torch.float64,
-    "double": torch.float64,
-}
 
 # ====================================================================== helpers
 
@@ -118,12 +106,12 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if dtype is None:
         return None
     if isinstance(dtype, str):
-        key = dtype.strip().lower().removeprefix("torch.")
-        if key not in _DTYPE_NAMES:
+        named = dtype_named(dtype)
+        if named is None:
             raise InvalidArgumentError(
                 f"unknown dtype {dtype!r}; use one of bf16, fp16, fp32, fp64 (or a torch.dtype)"
             )
-        return _DTYPE_NAMES[key]
+        return named
     if isinstance(dtype, torch.dtype):
         if not dtype.is_floating_point or st_dtype(dtype) is None:
             raise InvalidArgumentError(
