@@ -31,6 +31,7 @@ from .segments import Segment
 from .transfer import (
     ChunkRegion,
     StagingBuffers,
+    check_writable,
     needs_staging,
     segments_into,
     spanned,
@@ -137,6 +138,7 @@ class ChunkReads:
         destination may still be receiving them on its current stream).
         Direct reads may run here already; staged ones run at :meth:`flush`.
         """
+        check_writable(dest, name)
         self._regions += 1
         check = None
         if self.blocks is not None and sums is not None:

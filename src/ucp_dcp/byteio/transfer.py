@@ -21,6 +21,7 @@ import xxhash
 from ..core.boxes import row_major_strides, runs, slabs
 from ..core.sharding import Box
 from ..core.spans import prefer_span, region_starts, span_of, span_slabs
+from ..errors import UnsupportedValueError
 from ..format import Location
 from .blocksums import ChunkCheck, read_verified
 from .integrity import ChecksumError
@@ -31,6 +32,7 @@ __all__ = [
     "ChunkRegion",
     "extents",
     "needs_staging",
+    "check_writable",
     "shares_elements",
     "permuted",
     "segments_into",
@@ -128,6 +130,19 @@ def needs_staging(
         or dest.is_neg()
         or bool(location is not None and location.dim_order)
     )
+
+
+def check_writable(dest: torch.Tensor, name: str) -> None:
+    """Refuse a destination some of whose elements are one place in memory (an expanded or
+    overlapping view), before anything is written into it. Checked when a load reads, not when
+    it plans: planning alone (the scale simulator's expanded stand-ins) writes nothing."""
+    if shares_elements(dest):
+        raise UnsupportedValueError(
+            f"{name!r}: the state dict's tensor is an expanded or overlapping view (shape "
+            f"{list(dest.shape)}, strides {list(dest.stride())}): several of its elements are "
+            "one place in memory, so no load can give each its own value; load into a tensor of "
+            "its own (.clone() it)"
+        )
 
 
 def shares_elements(t: torch.Tensor) -> bool:

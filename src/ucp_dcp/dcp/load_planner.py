@@ -37,7 +37,6 @@ from .._compat import (
     flatten_state_dict,
     is_checkpointable,
 )
-from ..byteio.transfer import shares_elements
 from ..core.pieces import TensorPieces
 from ..core.sharding import Box, Grid, arith_box, intersect
 from ..core.values import RankLocal, ReshardFn, decode_value, set_in_place
@@ -298,14 +297,6 @@ def check_target(
             # "Size mismatch" as DCP's DefaultLoadPlanner words it, for callers that match on it.
             f"Size mismatch for {fqn!r}: the checkpoint has shape {list(smd.size)}, "
             f"the state dict expects {list(want)}"
-        )
-    local = dtensor_local(dest) if isinstance(dest, DTensor) else dest
-    if type(local) in (torch.Tensor, torch.nn.Parameter) and shares_elements(local):
-        raise UnsupportedValueError(
-            f"{fqn!r}: the state dict's tensor is an expanded or overlapping view (shape "
-            f"{list(local.shape)}, strides {list(local.stride())}): several of its elements are "
-            "one place in memory, so no load can give each its own value; load into a tensor of "
-            "its own (.clone() it)"
         )
     if dest.dtype != smd.properties.dtype and not allow_dtype_cast:
         raise CheckpointKeyError(

@@ -48,7 +48,7 @@ from ..byteio.engine import ChunkReads
 from ..byteio.progress import Progress
 from ..byteio.rangeio import ByteSource
 from ..byteio.requests import current_rank
-from ..byteio.transfer import ChunkRegion, extents, needs_staging
+from ..byteio.transfer import ChunkRegion, check_writable, extents, needs_staging
 from ..core.sharding import Box
 from ..core.spans import EXACT, may_share
 from ..core.values import decode_value
@@ -418,6 +418,7 @@ class UCPStorageReader(StorageReader):
                 if part.location.dim_order:
                     continue  # stored in another dimension order: the engine stages it
                 dest = planner.resolve_tensor(ri)
+                check_writable(dest, ri.storage_index.fqn)
                 if dest.is_conj() or dest.is_neg():
                     continue  # its memory holds values conjugated or negated: the engine stages it
                 fqn = ri.storage_index.fqn

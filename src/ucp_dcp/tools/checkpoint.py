@@ -29,7 +29,7 @@ from ..byteio.engine import ChunkReads
 from ..byteio.integrity import HASH_BLOCK, chunk_what, hash_range
 from ..byteio.progress import ProgressFn
 from ..byteio.rangeio import ByteSource
-from ..byteio.transfer import ChunkRegion, shares_elements
+from ..byteio.transfer import ChunkRegion, check_writable
 from ..core.placement_digest import box_share, digest_hex
 from ..core.sharding import Box
 from ..core.values import decode_value
@@ -47,7 +47,6 @@ from ..errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
     ShapeMismatchError,
-    UnsupportedValueError,
 )
 from ..format import Location, TensorRecord, rank_local_key
 from ..format.names import dtype_named
@@ -220,11 +219,7 @@ class Checkpoint:
             raise InvalidArgumentTypeError(
                 f"read_into: out must be a torch.Tensor, got {type(out).__name__}"
             )
-        if shares_elements(out):
-            raise UnsupportedValueError(
-                f"read_into({name!r}): out is an expanded or overlapping view: several of its "
-                "elements are one place in memory (.clone() it)"
-            )
+        check_writable(out, name)
         if tuple(out.shape) != rec.shape:
             raise ShapeMismatchError(
                 f"size mismatch for {name!r}: the checkpoint has shape {list(rec.shape)}, the "
