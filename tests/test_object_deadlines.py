@@ -344,7 +344,10 @@ def test_a_stalled_part_upload_is_retried_and_a_dead_one_fails_naming_the_part_a
 ) -> None:
     base, options, proxy = s3_proxy
     url = f"{base}/parts-{uuid.uuid4().hex[:8]}"
-    store = ObjectStore(url, options, write_block_bytes=5 << 20, upload_parallel=2, requests=FAST)
+    # A floor of 1 s, not FAST's 0.3: a 5 MiB part through moto on a loaded 2-core machine can
+    # take longer than 0.3 s without stalling, and only the stalled part may time out here.
+    patient = RequestPolicy(deadline_floor_s=1.0, deadline_cap_s=2.0, hedge_floor_s=0.1)
+    store = ObjectStore(url, options, write_block_bytes=5 << 20, upload_parallel=2, requests=patient)
     data = os.urandom(6 << 20)  # parts of 5 and 1 MiB
     proxy.inject("stall", count=1, match=_part(2))
     out = store.open_write("obj")
