@@ -148,7 +148,7 @@ def check_writable(dest: torch.Tensor, name: str) -> None:
 def shares_elements(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` are one place in memory (an expanded or overlapping view):
     a load into it would leave each such place with whichever value came last."""
-    if t.numel() < 2:
+    if t.is_contiguous() or t.numel() < 2:  # the common destination: one flag, no arithmetic
         return False
     dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
     reach = 1  # elements spanned by the dimensions of smaller strides, plus one
