@@ -39,6 +39,7 @@ from ucp_dcp.format import ALIGN, BLOCK_SUMS_ENTRY, INDEX_FILE, PAD_PREFIX, VALU
 from ucp_dcp.byteio.rangeio import read_header
 from ucp_dcp.sources import formats_looked_for
 from ucp_dcp.core.values import decode_value
+from ucp_dcp.errors import CheckpointWriteError, UCPError, UnsupportedValueError, unwrap
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
@@ -852,3 +853,79 @@ def test_data_files_open_with_stock_safetensors(ckpt: tuple[Path, dict[str, Any]
                 seen_tensors.add(fqn)
     assert seen_tensors == set(flat_tensors)
     assert seen_values == set(flat_values)
+
+
+# ---------------------------------------------------------------- what a save may touch
+def test_a_save_removes_only_the_data_files_saves_name(ckpt: tuple[Path, dict[str, Any]]) -> None:
+    """A save removes the data files of older saves (the names it gives them, convert's
+    ``-<n>`` ones too), never a user's own ``rank*.safetensors`` kept beside them."""
+    path, sd = ckpt
+    old = sorted(p.name for p in path.glob("rank*.safetensors"))
+    (path / "rank_0.safetensors").write_bytes(b"mine")
+    (path / "ranker_head.safetensors").write_bytes(b"mine too")
+    (path / "rank00007-0ld5ave-1.safetensors").write_bytes(b"a convert's second file")
+    save(sd, path)
+    names = sorted(p.name for p in path.iterdir())
+    assert "rank_0.safetensors" in names and "ranker_head.safetensors" in names, names
+    assert not set(old) & set(names) and "rank00007-0ld5ave-1.safetensors" not in names, names
+    assert_state_equal(_loaded(path), sd)
+
+
+def _loaded(path: Path) -> dict[str, Any]:
+    out = blank_like(make_state())
+    load(out, path)
+    return out
+
+
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        ({"align": -4096}, "align=-4096): needs a whole number of bytes"),
+        ({"align": 0}, "align=0): needs a whole number of bytes"),
+        ({"align": True}, "align=True): needs a whole number of bytes"),
+        ({"threads": "2"}, "threads='2'): needs a whole number of writer threads"),
+        ({"progress": 5}, "progress=...) takes a ProgressConfig, got int"),
+    ],
+)
+def test_writer_arguments_are_checked_before_anything_is_written(
+    ckpt: tuple[Path, dict[str, Any]], kw: dict[str, Any], says: str
+) -> None:
+    """A writer argument out of range is refused when the writer is made: the committed
+    checkpoint in the directory stays as it was (a negative alignment once committed an index
+    no reader accepts, and removed the good checkpoint's files)."""
+    path, sd = ckpt
+    before = snapshot(path)
+    with pytest.raises(UCPError, match=re.escape(says)):
+        save(sd, path, **kw)
+    assert snapshot(path) == before
+
+
+def test_a_save_where_a_file_is_in_the_way_is_named(tmp_path: Path) -> None:
+    """A checkpoint path that is a file, or lies under one, is a CheckpointWriteError naming it."""
+    (tmp_path / "afile").write_bytes(b"x")
+    for where in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        with pytest.raises(CheckpointException) as e:
+            save(make_state(), where)
+        err = unwrap(e.value)
+        assert isinstance(err, CheckpointWriteError) and f"{where}: cannot make the checkpoint directory" in str(err)
+    assert (tmp_path / "afile").read_bytes() == b"x"
+    with pytest.raises(UCPError, match="UCPStorageWriter: path must be a path or URL"):
+        UCPStorageWriter(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "sd, says",
+    [
+        ({"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}, "two state-dict entries flatten to one key"),
+        ({"__ucp_rank_local__/0/x": torch.ones(1)}, "begin with '__ucp_rank_local__/'"),
+    ],
+    ids=["flattened_collision", "reserved_prefix"],
+)
+def test_keys_a_save_cannot_keep_apart_are_refused(tmp_path: Path, sd: dict[str, Any], says: str) -> None:
+    """Two entries that flatten to one key, or a key in the format's reserved rank-local
+    namespace (it would be read back as another rank's value), are refused, naming them."""
+    with pytest.raises(CheckpointException) as e:
+        save(sd, tmp_path / "c")
+    err = unwrap(e.value)
+    assert isinstance(err, UnsupportedValueError) and says in str(err), e.value
+    assert not (tmp_path / "c" / "ucp_index.json").exists()

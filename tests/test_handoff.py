@@ -132,6 +132,7 @@ def test_fsdp_checkpoint_to_one_process(tmp_path: Path) -> None:
 def _misuses(path: str) -> dict[str, Any]:
     """Each call with one argument of the wrong kind, and the words its error must hold."""
     from ucp_dcp import convert
+    from ucp_dcp.tools.hf import export_hf, import_hf
 
     ck = Checkpoint(path)
     w = torch.zeros(4, 6)
@@ -151,6 +152,20 @@ def _misuses(path: str) -> dict[str, Any]:
             "prefix must be a string",
         ),
         "convert(dst=None)": (lambda: convert(path, None), "convert: dst must be a path or URL"),
+        "export_hf(rename=5)": (lambda: export_hf(path, f"{path}-hf", rename=5), "rename must be"),
+        "export_hf(layout=5)": (lambda: export_hf(path, f"{path}-hf", layout=5), "layout must be a LayoutSpec"),
+        "export_hf(config=object)": (
+            lambda: export_hf(path, f"{path}-hf", config={"a": object()}),
+            "config is not a JSON document",
+        ),
+        "export_hf(dst under a file)": (
+            lambda: export_hf(path, os.path.join(path, "ucp_index.json", "hf"), prefix=""),
+            "cannot make a directory there",
+        ),
+        "import_hf(dst=s3://)": (
+            lambda: import_hf(f"{path}-hf-src", "s3://bucket/run/init"),
+            "import_hf writes a local directory, not object storage",
+        ),
     }
 
 
@@ -165,7 +180,8 @@ def test_arguments_of_the_wrong_kind_are_named(tmp_path: Path) -> None:
     for what, (call, says) in _misuses(path).items():
         with pytest.raises(UCPError, match=re.escape(says)):
             call()
-        assert not os.path.exists("None"), what  # convert made nothing of its None
+        assert not os.path.exists("None") and not os.path.exists("s3:"), what  # made nothing
+        assert not os.path.exists(f"{path}-hf"), what
     # A dtype's name is taken as export_hf takes it.
     assert load_state_dict(path, "w", dtype="bf16")["w"].dtype == torch.bfloat16
     with Checkpoint(path) as ck:

@@ -206,11 +206,16 @@ def remove_quietly(path: str) -> None:
 def temp_dir_for(dst: str) -> str:
     """A fresh hidden sibling directory of ``dst`` to build it in (see :func:`commit_dir`)."""
     parent = os.path.dirname(os.path.abspath(dst))
-    os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(
         parent, f".{os.path.basename(os.path.abspath(dst))}.tmp-{uuid.uuid4().hex[:8]}"
     )
-    os.mkdir(tmp)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(tmp)
+    except OSError as e:
+        raise CheckpointWriteError(
+            e.errno, f"{dst}: cannot make a directory there ({e.strerror or e}; a file in the way?)"
+        ) from None
     return tmp
 
 

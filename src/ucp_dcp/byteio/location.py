@@ -17,9 +17,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ..errors import CheckpointFormatError, CheckpointWriteError, NotACheckpointError
+from ..errors import (
+    CheckpointFormatError,
+    CheckpointWriteError,
+    InvalidArgumentTypeError,
+    NotACheckpointError,
+)
 from ..format import INDEX_FILE, Index, PlannedEntry, index_bytes
 from ..format.header import RandomAccess
+from ..format.names import save_id_of
 from ..format.schema import check_relative_name
 from .datafile import DataFileWriter, stream_data_file
 from .durable import atomic_write, copy_durable, fsync_file
@@ -30,6 +36,7 @@ from .requests import RequestPolicy
 
 __all__ = [
     "ModelDir",
+    "path_arg",
     "LocalDir",
     "StoreDir",
     "open_location",
@@ -276,8 +283,16 @@ class LocalDir(ModelDir):
         return os.path.exists(self.path_of(name))
 
     def make(self) -> None:
-        """``os.makedirs``."""
-        os.makedirs(self.where, exist_ok=True)
+        """``os.makedirs``; a path that is a file, or lies under one, is a
+        :class:`CheckpointWriteError` naming it."""
+        try:
+            os.makedirs(self.where, exist_ok=True)
+        except OSError as e:
+            raise CheckpointWriteError(
+                e.errno,
+                f"{self.where}: cannot make the checkpoint directory ({e.strerror or e}; a file "
+                "is in the way?)",
+            ) from None
 
     def write_data_file(
         self,
@@ -561,17 +576,23 @@ def write_index(where: str | os.PathLike[str] | ModelDir, index: Index) -> None:
     _location(where).write_atomic(INDEX_FILE, index_bytes(index))
 
 
+def path_arg(path: Any, what: str) -> str:
+    """``path`` (a ``str`` or ``os.PathLike`` of one: a local path or a URL) as a string."""
+    p = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(p, str):
+        raise InvalidArgumentTypeError(
+            f"{what} must be a path or URL (str or os.PathLike), got {type(path).__name__}"
+        )
+    return p
+
+
 def remove_old_data_files(storage: ModelDir, keep: Iterable[str]) -> None:
-    """Remove the native data files (``rank*.safetensors``) of ``storage`` not in ``keep``: the
-    files of older saves and of saves that never committed; nothing else kept there."""
+    """Remove the native data files (named as :func:`~ucp_dcp.format.data_file_name` names them,
+    ``rank00000-<save id>.safetensors``) of ``storage`` not in ``keep``: the files of older saves
+    and of saves that never committed; nothing else kept there, not even a user's own
+    ``rank_0.safetensors``."""
     kept = set(keep)
-    storage.remove(
-        [
-            n
-            for n in storage.list()
-            if n.startswith("rank") and n.endswith(".safetensors") and n not in kept
-        ]
-    )
+    storage.remove([n for n in storage.list() if save_id_of(n) is not None and n not in kept])
 
 
 def commit_index(where: str | os.PathLike[str] | ModelDir, index: Index) -> None:

@@ -40,6 +40,7 @@ from ..errors import (
     UnsupportedValueError,
 )
 from ..format import Layout, dtype_name, rank_local_key, split_rank_local_key
+from ..format.names import RANK_LOCAL_PREFIX
 from ._mesh_groups import MeshGroup, TensorSpec, cached_group, group_items, shard_item
 from ._plan_records import (
     MeshGroupReport,
@@ -94,8 +95,23 @@ class UCPSavePlanner(DefaultSavePlanner):
     def set_up_planner(
         self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
     ) -> None:
-        """Flatten the state dict (DCP's rules); remember this rank's identity."""
-        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        """Flatten the state dict (DCP's rules); remember this rank's identity. Keys that collide
+        once flattened, or that begin with the format's reserved rank-local prefix, are refused."""
+        try:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        except ValueError as e:
+            if "duplicated flatten key" not in str(e):
+                raise
+            raise UnsupportedValueError(
+                f"two state-dict entries flatten to one key ({e}): nested {{'a': {{'b': ...}}}} "
+                "and a key 'a.b' at the top, say; rename one"
+            ) from None
+        reserved = [k for k in self.state_dict if k.startswith(RANK_LOCAL_PREFIX)]
+        if reserved:
+            raise UnsupportedValueError(
+                f"state-dict key(s) {reserved[:5]} begin with {RANK_LOCAL_PREFIX!r}, the prefix "
+                "the format names rank-local values by; rename them"
+            )
         self.rank, self.world_size = rank_and_world()
         self._local = LocalSavePlan(SavePlan([]))
 

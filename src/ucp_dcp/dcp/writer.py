@@ -25,7 +25,14 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..byteio.datafile import chunk_entry, layout, value_entry
-from ..byteio.location import DataFileSpec, ModelDir, commit_index, location_at, write_error
+from ..byteio.location import (
+    DataFileSpec,
+    ModelDir,
+    commit_index,
+    location_at,
+    path_arg,
+    write_error,
+)
 from ..byteio.progress import Progress, ProgressConfig
 from ..byteio.rangeio import tensor_view
 from ..byteio.requests import RequestPolicy, current_rank
@@ -148,12 +155,24 @@ class UCPStorageWriter(StorageWriter):
     ) -> None:
         super().__init__()
         self.placement_digests = placement_digests
-        if threads < 1:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise InvalidArgumentError(
-                f"UCPStorageWriter(threads={threads}): needs at least one writer thread"
+                f"UCPStorageWriter(threads={threads!r}): needs a whole number of writer threads, "
+                "at least 1"
+            )
+        # The alignment pads every entry's start: it must be a positive whole number of bytes
+        # (a negative one once wrote a header no reader accepts, then committed it).
+        if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 1 << 30:
+            raise InvalidArgumentError(
+                f"UCPStorageWriter(align={align!r}): needs a whole number of bytes from 1 to 2**30"
+            )
+        if progress is not None and not isinstance(progress, ProgressConfig):
+            raise InvalidArgumentTypeError(
+                "UCPStorageWriter(progress=...) takes a ProgressConfig, got "
+                f"{type(progress).__name__}"
             )
         self.threads = threads
-        self.path = os.fspath(path)
+        self.path = path_arg(path, "UCPStorageWriter: path")
         self.storage_options = storage_options
         self.requests = requests
         self._storage: ModelDir | None = None

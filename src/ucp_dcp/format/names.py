@@ -133,10 +133,12 @@ def data_file_name(rank: int, save_id: str) -> str:
     return f"rank{rank:05d}-{save_id}.safetensors"
 
 
-_DATA_FILE = re.compile(r"rank\d{5}-([0-9A-Za-z]+)\.safetensors")
+# convert writes a rank's further files as ``<save id>-<n>``.
+_DATA_FILE = re.compile(r"rank\d{5}-([0-9A-Za-z]+)(?:-\d+)?\.safetensors")
 
 
 def save_id_of(file_name: str) -> str | None:
-    """The save id in a data file name made by :func:`data_file_name` (None for any other name)."""
+    """The save id in a data file name made by :func:`data_file_name` (None for any other name:
+    the only files a save may remove are those it names)."""
     m = _DATA_FILE.fullmatch(file_name.rpartition("/")[2])
     return m.group(1) if m else None

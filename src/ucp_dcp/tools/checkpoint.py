@@ -27,6 +27,7 @@ from torch import nn
 from ..adapters.layout_spec import LayoutSpec
 from ..byteio.engine import ChunkReads
 from ..byteio.integrity import HASH_BLOCK, chunk_what, hash_range
+from ..byteio.location import path_arg
 from ..byteio.progress import ProgressFn
 from ..byteio.rangeio import ByteSource
 from ..byteio.transfer import ChunkRegion, check_writable
@@ -53,16 +54,6 @@ from ..format.names import dtype_named
 from ..sources import Source, read_value, read_values
 
 __all__ = ["Checkpoint", "load_state_dict", "load_into_module", "KeySelector", "ModuleLoadResult"]
-
-
-def path_arg(path: Any, what: str) -> str:
-    """``path`` (a ``str`` or ``os.PathLike`` of one: a local path or a URL) as a string."""
-    p = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
-    if not isinstance(p, str):
-        raise InvalidArgumentTypeError(
-            f"{what} must be a path or URL (str or os.PathLike), got {type(path).__name__}"
-        )
-    return p
 
 
 def dtype_arg(dtype: Any, what: str) -> torch.dtype | None:

@@ -22,7 +22,7 @@ import torch
 
 from ..byteio.datafile import DataFileWriter, chunk_entry, value_entry
 from ..byteio.engine import ChunkReads
-from ..byteio.location import commit_index
+from ..byteio.location import commit_index, path_arg
 from ..byteio.objstore import is_url, local_path
 from ..byteio.progress import ProgressFn
 from ..byteio.rangeio import storage_view, tensor_view
@@ -43,7 +43,7 @@ from ..format import (
     split_rank_local_key,
 )
 from ..sources import Source, read_values
-from .checkpoint import Checkpoint, path_arg
+from .checkpoint import Checkpoint
 
 __all__ = ["convert"]
 

@@ -124,6 +124,11 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 def _compile_rename(rename: RenameRules | None) -> list[tuple[re.Pattern[str], str]]:
     if rename is None:
         return []
+    if not isinstance(rename, (Mapping, list, tuple)):
+        raise InvalidArgumentTypeError(
+            "rename must be (regex pattern, replacement) pairs or a dict of them, got "
+            f"{type(rename).__name__}"
+        )
     pairs = list(rename.items()) if isinstance(rename, Mapping) else list(rename)
     rules = []
     for i, pair in enumerate(pairs):
@@ -311,6 +316,10 @@ def _st_header(entries: Iterable[_Planned]) -> bytes:
 def _load_config(config: Any) -> tuple[dict[str, Any], list[str]]:
     """``config`` as a config.json document, plus extra files to copy (paths)."""
     if isinstance(config, Mapping):
+        try:  # refused now, not once every tensor is written
+            json.dumps(config)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"config is not a JSON document ({e})") from None
         return dict(config), []
     if hasattr(config, "to_json_string") and not isinstance(config, (str, os.PathLike)):
         doc = json.loads(config.to_json_string())  # a transformers PretrainedConfig
@@ -434,6 +443,10 @@ def export_hf(
     rules = _compile_rename(rename)
     if not isinstance(prefix, str):
         raise InvalidArgumentTypeError(f"prefix must be a string, got {prefix!r}")
+    if layout is not None and not isinstance(layout, LayoutSpec):
+        raise InvalidArgumentTypeError(
+            f"layout must be a LayoutSpec or None, got {type(layout).__name__}"
+        )
     if is_url(dst):
         raise StorageError(
             f"{dst}: export_hf writes a local directory, not object storage; export into a local "
@@ -571,6 +584,7 @@ def import_hf(
             names a missing file, a file is not valid safetensors, a tensor
             is missing from the file the index names, or a name appears twice.
         FileExistsError: ``dst`` exists and is not an empty directory.
+        StorageError: ``dst`` is a URL (the output is local, as ``export_hf``'s).
     """
     from ..sources import HFSource, NativeSource, SourceOptions
     from .convert import convert
@@ -578,6 +592,12 @@ def import_hf(
     src, dst = os.fspath(src), os.fspath(dst)
     if not isinstance(prefix, str):
         raise InvalidArgumentTypeError(f"prefix must be a string, got {prefix!r}")
+    if is_url(dst):
+        raise StorageError(
+            f"{dst}: import_hf writes a local directory, not object storage; import into a local "
+            "directory and copy it there"
+        )
+    dst = local_path(dst)  # a file:// URL is a local path
     if not os.path.exists(src):
         raise PathNotFoundError(f"{src}: no such Hugging Face model directory or file")
     if NativeSource.detect(src):
