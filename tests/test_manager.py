@@ -5,7 +5,9 @@ from __future__ import annotations
 import errno
 import os
 import random
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,6 +148,80 @@ def test_nonfinite_flag_is_recorded_and_skipped_by_default(tmp_path) -> None:
         assert_state_equal(target, make_state(1))
         step, target = _load(mgr, step=2)  # but can be asked for
         assert_state_equal(target, bad)
+
+
+def test_retention_keeps_the_newest_step_a_default_load_restores(tmp_path) -> None:
+    """With nonfinite="flag", steps holding NaN or Inf after the last finite one count towards
+    keep_last but are not what load() picks: the last finite step is kept anyway."""
+    with CheckpointManager(tmp_path, nonfinite="flag", keep_last=2) as mgr:
+        mgr.save(1, make_state(1))
+        for step in (2, 3, 4):
+            bad = make_state(step)
+            bad["model"]["layer.bias"][0] = float("nan")
+            mgr.save(step, bad)
+        mgr.wait()
+        assert mgr.steps() == [1, 3, 4]
+        step, target = _load(mgr)
+        assert step == 1
+        assert_state_equal(target, make_state(1))
+
+
+def test_a_malformed_marker_is_skipped_not_raised(tmp_path) -> None:
+    """A COMMIT.json nested deeper than the JSON parser recurses, or holding an integer of more
+    digits than Python converts, is a damaged step like any other: listed as not committed, and
+    the load falls back."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.save(2, make_state(2))
+        mgr.wait()
+        marker = Path(mgr.persistent.step_path(2)) / "COMMIT.json"
+    assert marker.is_file()
+    for junk in (b"[" * 100_000 + b"]" * 100_000, b'{"step": ' + b"9" * 5000 + b"}"):
+        marker.write_bytes(junk)
+        with CheckpointManager(tmp_path) as mgr:
+            assert mgr.steps() == [1]
+            step, target = _load(mgr)
+            assert step == 1
+            assert_state_equal(target, make_state(1))
+
+
+def test_bad_arguments_are_named_and_leave_the_manager_usable(tmp_path) -> None:
+    """Arguments of the wrong kind are refused with the library's errors, before a save takes its
+    slot: a bad ``extra`` once left the slot taken, and the next save waited forever."""
+    import threading
+
+    from ucp_dcp import CheckpointConfig
+    from ucp_dcp.errors import InvalidArgumentTypeError, UnsupportedValueError
+
+    for kw, err, says in [
+        ({"root": None}, InvalidArgumentTypeError, "root must be a path"),
+        ({"config": {"keep_last": 2}}, InvalidArgumentTypeError, "config must be a CheckpointConfig"),
+        ({"keep_lats": 2}, InvalidArgumentTypeError, "unknown option(s) ['keep_lats']"),
+        ({"on_reshard": None}, InvalidArgumentTypeError, "on_reshard must be a sequence of callables"),
+        ({"ranks_per_node": "2"}, InvalidArgumentError, "ranks_per_node must be None or an int >= 1"),
+        ({"local": "/x/{nod}"}, InvalidArgumentError, "the only placeholder is '{node}'"),
+    ]:
+        root = kw.pop("root", tmp_path)
+        with pytest.raises(err, match=re.escape(says)):
+            CheckpointManager(root, **kw)
+    assert isinstance(CheckpointConfig(local=tmp_path / "loc"), CheckpointConfig)
+    with CheckpointManager(tmp_path, local=tmp_path / "loc-{node}", max_in_flight=1) as mgr:
+        for call, err, says in [
+            (lambda: mgr.save(1, None), InvalidArgumentTypeError, "state must be a mapping"),
+            (lambda: mgr.save(1, make_state(1), extra=[("a", 1), "b"]), InvalidArgumentTypeError, "extra must be"),
+            (lambda: mgr.save(1, make_state(1), extra={"a": object()}), InvalidArgumentError, "extra is not JSON"),
+            (lambda: mgr.save(1, {**make_state(1), "g": (x for x in ())}), UnsupportedValueError, "g: a generator"),
+            (lambda: mgr.save(1, {**make_state(1), "t": torch.empty(2, device="meta")}), UnsupportedValueError,
+             "t: a meta tensor"),
+        ]:
+            with pytest.raises(err, match=re.escape(says)):
+                call()
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (mgr.save(2, make_state(2)), mgr.wait(), done.set()), daemon=True)
+        t.start()
+        t.join(60)
+        assert done.is_set(), "a save after refused ones did not finish: its slot was never given back"
+        assert mgr.steps() == [2]
 
 
 def test_retention_keep_last_and_every(tmp_path) -> None:

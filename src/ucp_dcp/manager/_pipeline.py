@@ -231,8 +231,14 @@ class SavePipeline(GroupWorker):
             if tier is None or not self.acts_for(tier):
                 continue
             try:
+                markers = tier.markers()
+                finite = [s for s, m in markers.items() if not m.nonfinite]
                 for s in steps_to_delete(
-                    tier.steps(), step, keep_last=keep_last, keep_every=keep_every
+                    sorted(markers),
+                    step,
+                    keep_last=keep_last,
+                    keep_every=keep_every,
+                    last_good=max(finite, default=None),
                 ):
                     tier.delete(s)
             except Exception as e:  # retention must never fail a committed save

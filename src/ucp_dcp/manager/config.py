@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -15,7 +16,7 @@ from typing import Any, Literal
 
 from ..byteio.requests import RequestPolicy
 from ..dcp import ReadOptions
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, InvalidArgumentTypeError
 from ..format.schema import is_int
 
 __all__ = [
@@ -230,6 +231,26 @@ class CheckpointConfig:
             raise InvalidArgumentError(
                 f"CheckpointConfig.keep_every must be None or an int >= 1, got {self.keep_every!r}"
             )
+        if self.ranks_per_node is not None and (
+            not is_int(self.ranks_per_node) or self.ranks_per_node < 1
+        ):
+            raise InvalidArgumentError(
+                "CheckpointConfig.ranks_per_node must be None or an int >= 1, got "
+                f"{self.ranks_per_node!r}"
+            )
+        if self.local is not None and not isinstance(self.local, (str, os.PathLike)):
+            raise InvalidArgumentTypeError(
+                "CheckpointConfig.local must be None or a directory (str or os.PathLike, "
+                f"'{{node}}' standing for the node), got {type(self.local).__name__}"
+            )
+        if self.local is not None:
+            try:
+                os.fspath(self.local).format(node=0)
+            except (KeyError, IndexError, ValueError) as e:
+                raise InvalidArgumentError(
+                    f"CheckpointConfig.local={os.fspath(self.local)!r}: the only placeholder is "
+                    f"'{{node}}' ({e!r})"
+                ) from None
         if self.nonfinite not in ("off", "error", "flag"):
             raise InvalidArgumentError(
                 "CheckpointConfig.nonfinite must be 'off', 'error' or 'flag', got "
@@ -255,15 +276,24 @@ def tiers_due(
 
 
 def steps_to_delete(
-    committed: Sequence[int], newest: int, *, keep_last: int, keep_every: int | None
+    committed: Sequence[int],
+    newest: int,
+    *,
+    keep_last: int,
+    keep_every: int | None,
+    last_good: int | None = None,
 ) -> list[int]:
     """The steps of ``committed`` (ascending) that retention removes, in that order.
 
     Kept: the last ``keep_last`` of ``committed``, the step just saved
-    (``newest``, whatever else is committed), and with ``keep_every`` every
-    step divisible by it.
+    (``newest``, whatever else is committed), ``last_good`` (the newest step a default
+    :meth:`~ucp_dcp.CheckpointManager.load` restores: with ``nonfinite="flag"``, steps holding
+    NaN or Inf after it would otherwise push it out), and with ``keep_every`` every step
+    divisible by it.
     """
     keep = set(committed[-keep_last:]) | {newest}
+    if last_good is not None:
+        keep.add(last_good)
     if keep_every:
         keep |= {s for s in committed if s % keep_every == 0}
     return [s for s in committed if s not in keep]

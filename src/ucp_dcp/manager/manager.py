@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import os
 import threading
@@ -23,9 +24,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..byteio.location import path_arg
 from ..errors import (
     CheckpointRestoreError,
     CheckpointSaveError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
     InvalidStateError,
     NoCheckpointError,
 )
@@ -96,6 +100,22 @@ class CheckpointManager:
         on_reshard: Sequence[Callable[[ReshardEvent], None]] = (),
         **overrides: Any,
     ) -> None:
+        if config is not None and not isinstance(config, CheckpointConfig):
+            raise InvalidArgumentTypeError(
+                f"CheckpointManager: config must be a CheckpointConfig, got {type(config).__name__}"
+            )
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(CheckpointConfig)})
+        if unknown:
+            raise InvalidArgumentTypeError(
+                f"CheckpointManager: unknown option(s) {unknown}; CheckpointConfig's fields are "
+                "the options"
+            )
+        callbacks = list(on_reshard) if isinstance(on_reshard, Iterable) else None
+        if callbacks is None or not all(callable(f) for f in callbacks):
+            raise InvalidArgumentTypeError(
+                "CheckpointManager: on_reshard must be a sequence of callables"
+            )
+        root = path_arg(root, "CheckpointManager: root")
         cfg = dataclasses.replace(config or CheckpointConfig(), **overrides)
         cfg.validate()
         self.config = cfg
@@ -114,9 +134,11 @@ class CheckpointManager:
             root, name="persistent", storage_options=cfg.storage_options, requests=cfg.requests
         )
         self.local: LocalTier | None = (
-            LocalTier(cfg.local.format(node=self.node), name="local") if cfg.local else None
+            LocalTier(os.fspath(cfg.local).format(node=self.node), name="local")
+            if cfg.local
+            else None
         )
-        self._on_reshard = list(on_reshard)
+        self._on_reshard = callbacks
         self._snap = Snapshotter(max_buffers=cfg.max_in_flight)
         self._slots = threading.Semaphore(cfg.max_in_flight)
         self._pipeline = SavePipeline(cfg, self._layout, self._bg, self.local, self.persistent)
@@ -152,6 +174,20 @@ class CheckpointManager:
         self._check_open()
         self._raise_finished_errors()
         check_step(step, "CheckpointManager.save: step")
+        if not isinstance(state, Mapping):
+            raise InvalidArgumentTypeError(
+                f"CheckpointManager.save: state must be a mapping, got {type(state).__name__}"
+            )
+        if extra is not None and not isinstance(extra, Mapping):
+            raise InvalidArgumentTypeError(
+                "CheckpointManager.save: extra must be a mapping or None, got "
+                f"{type(extra).__name__}"
+            )
+        extras = dict(extra or {})
+        try:  # it goes into the commit marker: refused now, not once the save has run
+            json.dumps(extras)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"CheckpointManager.save: extra is not JSON ({e})") from None
         cfg = self.config
         due = tiers_due(
             step,
@@ -169,9 +205,7 @@ class CheckpointManager:
             self._slots.release()
             raise
         self._seq += 1
-        job = SaveJob(
-            step, staged, due, nonfinite, dict(extra or {}), self._token(), time.perf_counter() - t0
-        )
+        job = SaveJob(step, staged, due, nonfinite, extras, self._token(), time.perf_counter() - t0)
         if not cfg.async_save:
             self.wait()  # a local-tier refill may still run: saves never run beside it
             self._records.append(self._save_in_background(job))

@@ -99,7 +99,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return dtensor_local(t) if isinstance(t, DTensor) else t
 
 
-def _rebuild(obj: Any, on_tensor: Callable[[torch.Tensor], Any], memo: dict[int, Any]) -> Any:
+def _rebuild(
+    obj: Any, on_tensor: Callable[[torch.Tensor], Any], memo: dict[int, Any], path: str = ""
+) -> Any:
     """``obj`` with every tensor leaf replaced by ``on_tensor(t)`` and every other leaf
     deep-copied."""
     if isinstance(obj, torch.Tensor):
@@ -113,8 +115,14 @@ def _rebuild(obj: Any, on_tensor: Callable[[torch.Tensor], Any], memo: dict[int,
         # two RankLocals share stays one object in the copy). Containers are
         # rebuilt, not memoized: each visit of a shared container consumed its
         # own buffers in the collecting pass, so it must here too.
-        return copy.deepcopy(obj, memo)
-    items = [(k, _rebuild(v, on_tensor, memo)) for k, v in kids]
+        try:
+            return copy.deepcopy(obj, memo)
+        except Exception as e:  # a generator, a lock, an open file: nothing to save of it
+            raise UnsupportedValueError(
+                f"{path or 'the state'}: a {type(obj).__name__} cannot be copied into host memory "
+                f"for a save ({e})"
+            ) from None
+    items = [(k, _rebuild(v, on_tensor, memo, _join(path, k))) for k, v in kids]
     if isinstance(obj, Mapping):
         if type(obj) is dict or not isinstance(obj, dict):
             return dict(items)  # read-only Mappings (MappingProxyType) become plain dicts
@@ -317,6 +325,8 @@ class Snapshotter:
         """
         tensors = [(p, _local(t)) for p, t in _walk_tensors(state)]
         for p, t in tensors:
+            if t.device.type == "meta":
+                raise UnsupportedValueError(f"{p}: a meta tensor holds no data to save")
             if t.layout != torch.strided:
                 raise UnsupportedValueError(
                     f"{p}: cannot stage a {t.layout} tensor; only dense (strided) tensors"

@@ -280,9 +280,11 @@ class CommitMarker:
         name that directory's step)."""
         try:
             doc = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        # ValueError also covers an integer of more digits than Python converts; RecursionError,
+        # arrays nested deeper than the parser recurses.
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise CheckpointFormatError(
-                f"{where}: truncated or corrupt commit marker ({e})"
+                f"{where}: truncated or corrupt commit marker ({str(e)[:200]})"
             ) from None
         m = CommitMarker.from_json(doc, where)
         if step is not None and m.step != step:
