@@ -357,3 +357,24 @@ def test_flat_shards_held_by_replicas_are_written_once(tmp_path: Any) -> None:
     with Checkpoint(tmp_path) as ck:
         stored = sum(loc.nbytes for name in ck.tensor_names() for _, loc in ck.chunks(name))
     assert stored == (6 * 5 + 5) * 4
+
+
+def _save_diverged_replicas(rank: int, world: int, path: str) -> None:
+    # Both ranks claim the whole flat range of 'w' (as two data-parallel replicas of one
+    # partition do) but hold different bytes: a stale replica, or two pipeline stages that
+    # saved their own layer under one name.
+    sd = {"flat": FlatShard(torch.full((8,), float(rank + 1)), [FlatParam("w", (2, 4), 0)], 0, prefix="model.")}
+    with pytest.raises(CheckpointException) as e:
+        dcp.save(sd, storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())
+    assert re.search(
+        r"InconsistentSaveError: replicated tensor 'model\.w' \(box at offsets \[0, 0\]\) differs across ranks: "
+        r"ranks 0 hold one value, ranks 1 another", str(e.value)
+    ), str(e.value)[-2000:]
+    assert not os.path.exists(os.path.join(path, "ucp_index.json"))
+
+
+@pytest.mark.multiproc
+def test_a_box_two_ranks_save_with_different_bytes_fails_the_save(tmp_path: Any) -> None:
+    """A box several ranks save is written once: their bytes must agree, or one rank's data would
+    be lost without a word (the save kept rank 0's and dropped rank 1's)."""
+    run_ranks(2, _save_diverged_replicas, str(tmp_path / "ckpt"))

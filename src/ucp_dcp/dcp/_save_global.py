@@ -177,7 +177,8 @@ def divergent_keys(reports: Sequence[SaveRankReport], allow_rank_local: bool) ->
 
 
 def check_replicated_pieces(reports: Sequence[SaveRankReport]) -> None:
-    """Pieces declared replicated must hold the same bytes on every rank that has them."""
+    """A piece (a box of a logical tensor) that several ranks save must hold the same bytes on
+    each: it is written once."""
     per_key = _holders_by_digest(r.piece_digests for r in reports)
     bad = sorted(k for k, groups in per_key.items() if len(groups) > 1)
     if bad:
@@ -186,12 +187,11 @@ def check_replicated_pieces(reports: Sequence[SaveRankReport]) -> None:
         raise InconsistentSaveError(
             f"replicated tensor {fqn!r} (box at offsets {list(offs)}) differs across ranks: ranks "
             f"{describe_ranks(groups[0])} hold one value, ranks {describe_ranks(groups[1])} "
-            f"another ({len(bad)} "
-            "replicated piece(s) differ in all). A tensor declared replicated (Replicated layout "
-            "rule, "
-            "TensorPieces(replicated=True)) is saved once, so every rank that holds it must hold "
-            "the same bytes: "
-            "synchronise it, or declare how it is sharded"
+            f"another ({len(bad)} piece(s) differ in all). A box that several ranks save (a "
+            "replicated tensor: a Replicated layout rule, TensorPieces(replicated=True); replicas "
+            "of a flat partition) is written once, so every rank that holds it must hold the same "
+            "bytes: synchronise it, or give each rank's piece its own place (pipeline stages: a "
+            "Reindex rule)"
         )
 
 

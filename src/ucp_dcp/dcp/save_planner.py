@@ -298,7 +298,16 @@ def create_local_save_plan(
             items.extend(_write_items(fqn, obj))
         elif isinstance(obj, TensorPieces):
             items.extend(
-                _piece_items(fqn, obj, rank, world_size, out.pieces, piece_fqns, piece_digests)
+                _piece_items(
+                    fqn,
+                    obj,
+                    rank,
+                    world_size,
+                    out.pieces,
+                    piece_fqns,
+                    piece_digests,
+                    check_replicated_tensors,
+                )
             )
         elif isinstance(obj, ShardedTensor):
             # FSDP1 SHARDED_STATE_DICT, torchrec: each rank holds shards at
@@ -407,8 +416,14 @@ def _piece_items(
     seen: dict[PieceKey, tuple[str, Piece]],
     piece_fqns: set[str],
     piece_digests: dict[PieceKey, str],
+    check: bool = True,
 ) -> list[WriteItem]:
-    """One write item per piece, named by its logical tensor (the state-dict key is not stored)."""
+    """One write item per piece, named by its logical tensor (the state-dict key is not stored).
+
+    Each piece's digest goes to the coordinator when several ranks save (``check``, as for plain
+    tensors; always for replicated pieces): a box that two ranks save is written once, so they
+    must hold the same bytes (data-parallel replicas of a flat partition do; a pipeline stage
+    that forgot its ``Reindex`` does not, and one stage's layer would be lost)."""
     items = []
     for p in obj.pieces:
         piece_fqns.add(p.fqn)
@@ -422,7 +437,7 @@ def _piece_items(
                 f"{list(p.offsets)} twice, under state-dict keys {other[0]!r} and {key!r}"
             )
         seen[where] = (key, p)
-        if obj.replicated and world_size > 1:
+        if world_size > 1 and (obj.replicated or check):
             piece_digests[where] = tensor_digest(p.data)
         items.append(shard_item(p.fqn, Box(p.offsets, tuple(p.data.shape)), p.data.dtype, p.shape))
     return items
