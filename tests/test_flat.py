@@ -378,3 +378,20 @@ def test_a_box_two_ranks_save_with_different_bytes_fails_the_save(tmp_path: Any)
     """A box several ranks save is written once: their bytes must agree, or one rank's data would
     be lost without a word (the save kept rank 0's and dropped rank 1's)."""
     run_ranks(2, _save_diverged_replicas, str(tmp_path / "ckpt"))
+
+
+def test_a_parameter_of_no_elements_is_recorded(tmp_path: Any) -> None:
+    """A zero-size parameter in a flat buffer holds no bytes but is a key of the model: it is
+    recorded, so a load into full tensors finds it (it used to be left out, and the load failed
+    with a missing key)."""
+    from ucp_dcp import load_state_dict
+
+    params = [FlatParam("w", (2, 4), 0), FlatParam("empty", (0, 3), 8)]
+    sd = {"flat": FlatShard(torch.arange(8.0), params, 0, prefix="model.")}
+    dcp.save(sd, storage_writer=UCPStorageWriter(str(tmp_path)), planner=UCPSavePlanner())
+    got = load_state_dict(str(tmp_path))
+    assert sorted(got) == ["model.empty", "model.w"]
+    assert got["model.empty"].shape == (0, 3) and bit_equal(got["model.w"], torch.arange(8.0).view(2, 4))
+    full = {"model": {"w": torch.zeros(2, 4), "empty": torch.zeros(0, 3)}}
+    dcp.load(full, storage_reader=UCPStorageReader(str(tmp_path)), planner=UCPLoadPlanner())
+    assert bit_equal(full["model"]["w"], torch.arange(8.0).view(2, 4))

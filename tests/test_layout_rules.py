@@ -298,3 +298,31 @@ def _save_unequal_norm(rank: int, world: int, path: str) -> None:
 @pytest.mark.multiproc
 def test_unequal_replicated_parameter_fails_the_save(tmp_path: os.PathLike) -> None:
     run_ranks(2, _save_unequal_norm, str(tmp_path / "ckpt"))
+
+
+def test_bad_rules_and_arguments_are_the_librarys_errors() -> None:
+    """A replacement naming a group its pattern lacks, a spec JSON with a field missing or
+    unknown, a dim or a flat shape of the wrong type: each is named by the library's error,
+    not re.error, KeyError or TypeError from inside."""
+    from ucp_dcp import FlatParam, Fused, LayoutSpec, Rename, Replicated, Shard, Stacked, UCPError, pack_flat
+
+    cases = {
+        "Rename": lambda: LayoutSpec([Rename(r"w", r"\1"), Replicated("")]).apply({"w": torch.zeros(2)}),
+        "Fused": lambda: LayoutSpec([Fused(r"\.w", parts={r"\2": 2, ".b": 2})]).apply({"x.w": torch.zeros(4, 2)}),
+        "Stacked": lambda: LayoutSpec([Stacked(r"\.experts\.(w1)$", repl=r".experts.{}.\3")]).apply(
+            {"m.experts.w1": torch.zeros(2, 3)}
+        ),
+        "unknown field": lambda: LayoutSpec.from_json({"version": 1, "rules": [{"rule": "Shard", "pattern": "w", "bogus": 1}]}),
+        "no rules": lambda: LayoutSpec.from_json({"version": 1}),
+        "dim": lambda: LayoutSpec([Shard(r"w", dim="1")]).apply({"w": torch.zeros(2, 2)}),
+        "FlatParam": lambda: FlatParam("a", 5, 0),
+        "pack_flat": lambda: pack_flat([("a", 5)]),
+    }
+    for what, call in cases.items():
+        with pytest.raises(UCPError) as e:
+            call()
+        assert str(e.value), what
+    with pytest.raises(UCPError, match=r"replacement '\\\\1': invalid group reference 1"):
+        cases["Rename"]()
+    with pytest.raises(UCPError, match=r"malformed layout spec JSON \(KeyError: 'rules'\)"):
+        cases["no rules"]()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,7 +39,18 @@ class FlatParam:
     offset: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        shape, offset = self.shape, self.offset
+        if (
+            not isinstance(shape, (tuple, list, torch.Size))
+            or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
+            or isinstance(offset, bool)
+            or not isinstance(offset, int)
+        ):
+            raise InvalidArgumentError(
+                f"flat parameter {self.fqn!r}: shape must be a tuple of ints and offset an int, "
+                f"got {shape!r} and {offset!r}"
+            )
+        object.__setattr__(self, "shape", tuple(shape))
         if self.offset < 0 or any(n < 0 for n in self.shape):
             raise InvalidArgumentError(
                 f"flat parameter {self.fqn!r}: negative offset {self.offset} or shape "
@@ -70,7 +82,9 @@ def pack_flat(
         raise InvalidArgumentError(f"align must be >= 1, got {align}")
     out, pos = [], 0
     for fqn, shape in named_shapes:
-        p = FlatParam(fqn, tuple(shape), pos)
+        # A shape that is not a sequence (a bare int) is left for FlatParam to name.
+        dims: Any = tuple(shape) if isinstance(shape, (tuple, list)) else shape
+        p = FlatParam(fqn, dims, pos)
         out.append(p)
         pos = -(-p.end // align) * align
     return out, pos
@@ -130,12 +144,17 @@ class FlatShard(TensorPieces):
                 )
         pieces, fill, pos = [], [], start
         for p in ordered:
+            name = prefix + p.fqn + suffix
+            if math.prod(p.shape) == 0:
+                # No bytes, but a key of the model: recorded (by every rank holding a slice, alike)
+                # so that a load into full tensors finds it.
+                pieces.append(Piece(name, p.shape, (0,) * len(p.shape), flat[:0].view(p.shape)))
+                continue
             lo, hi = max(p.offset, start), min(p.end, stop)
             if lo >= hi:
                 continue
             if lo > pos:
                 fill.append(flat[pos - start : lo - start])
-            name = prefix + p.fqn + suffix
             strides = row_major_strides(p.shape)
             for box in flat_range_boxes(p.shape, lo - p.offset, hi - p.offset):
                 first = p.offset + sum(o * s for o, s in zip(box.offsets, strides)) - start

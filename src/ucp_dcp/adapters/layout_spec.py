@@ -45,6 +45,7 @@ importable from :mod:`ucp_dcp`.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ from ..core.sharding import Box, intersect
 from ..core.values import RankLocal, copy_containers, set_in_place
 from ..errors import LayoutRuleError
 from ..format.names import LAYOUT_KEY
-from .rules import LayoutRule, Reindex, Rename, Rule, RuleContext, StackRule, full_piece
+from .rules import LayoutRule, Reindex, Rename, Rule, RuleContext, StackRule, expand, full_piece
 
 __all__ = ["LayoutSpec", "LAYOUT_KEY"]
 
@@ -126,7 +127,7 @@ class LayoutSpec:
             if isinstance(r, Rename):
                 if r.regex.search(name):
                     used.add(i)
-                    name = r.regex.sub(r.repl, name)
+                    name = r.regex.sub(functools.partial(_renamed, r), name)
             elif isinstance(r, Reindex):
                 if r.regex.search(name):
                     used.add(i)
@@ -317,18 +318,29 @@ class LayoutSpec:
         cls, data: Mapping[str, Any], *, groups: Mapping[str, Any] | None = None
     ) -> LayoutSpec:
         """Rebuild a spec written by :meth:`to_json` (``groups``: process groups, if averaging)."""
-        version = data.get("version")
+        version = data.get("version") if isinstance(data, Mapping) else None
         if version != _JSON_VERSION:
             raise LayoutRuleError(
                 f"layout spec JSON version {version!r}; this code reads {_JSON_VERSION}"
             )
-        return cls(
-            [Rule.from_json(r) for r in data["rules"]],
-            axes={k: (int(v[0]), int(v[1])) for k, v in data.get("axes", {}).items()},
-            groups=dict(groups or {}),
-            strict=bool(data.get("strict", True)),
-            allow_unused_rules=bool(data.get("allow_unused_rules", False)),
-        )
+        try:
+            return cls(
+                [Rule.from_json(r) for r in data["rules"]],
+                axes={k: (int(v[0]), int(v[1])) for k, v in data.get("axes", {}).items()},
+                groups=dict(groups or {}),
+                strict=bool(data.get("strict", True)),
+                allow_unused_rules=bool(data.get("allow_unused_rules", False)),
+            )
+        except LayoutRuleError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            # A spec written by another version, or edited: a field this code does not know, or
+            # one missing, is named, never taken as absent.
+            raise LayoutRuleError(f"malformed layout spec JSON ({type(e).__name__}: {e})") from None
+
+
+def _renamed(rule: Rename, m: re.Match[str]) -> str:
+    return expand(rule, m, rule.repl)
 
 
 def _dtensor_pieces(name: str, value: Any, source: str) -> TensorPieces:

@@ -42,6 +42,15 @@ __all__ = [
 ]
 
 
+def expand(rule: Any, m: re.Match[str], repl: str) -> str:
+    """``m.expand(repl)`` for ``rule``; a replacement that names a group the pattern lacks (or a
+    bad escape) is a :class:`LayoutRuleError` naming the rule, not ``re.error``."""
+    try:
+        return m.expand(repl)
+    except re.error as e:
+        raise LayoutRuleError(f"{rule.describe()}: replacement {repl!r}: {e}") from None
+
+
 @dataclass(frozen=True)
 class Rule:
     """Base of every rule: a regular expression searched in the (renamed) DCP key.
@@ -238,7 +247,12 @@ class Fused(LayoutRule):
             global_group = rank * local_groups + g
             for key, w in self.parts.items():
                 block = w // groups
-                part_name = self.regex.sub(key, name, count=1)
+                m = self.regex.search(name)
+                part_name = (
+                    name
+                    if m is None
+                    else name[: m.start()] + expand(self, m, key) + name[m.end() :]
+                )
                 shape = list(t.shape)
                 shape[d] = w
                 offsets = [0] * t.dim()
@@ -440,7 +454,7 @@ class Stacked(StackRule):
                     f"expected experts={self.experts}"
                 )
             head, tail = p.fqn[: m.start()], p.fqn[m.end() :]
-            template = m.expand(self.repl)
+            template = expand(self, m, self.repl)
             shape = p.shape[:d] + p.shape[d + 1 :]
             offsets = p.offsets[:d] + p.offsets[d + 1 :]
             for i in range(p.data.shape[d]):
@@ -497,7 +511,7 @@ class Unstacked(StackRule):
                     f"{n + 1}, which have no dim {self.dim}"
                 )
             d = self.dim % (n + 1)
-            name = p.fqn[: m.start()] + m.expand(self.repl) + p.fqn[m.end() :]
+            name = p.fqn[: m.start()] + expand(self, m, self.repl) + p.fqn[m.end() :]
             shape = p.shape[:d] + (self.experts,) + p.shape[d:]
             offsets = p.offsets[:d] + (e,) + p.offsets[d:]
             out.append(Piece(name, shape, offsets, p.data.unsqueeze(d)))
@@ -524,6 +538,8 @@ RULES: dict[str, type[Rule]] = {
 
 def _check_dim(rule: Rule, name: str, t: torch.Tensor, dim: int) -> int:
     """``dim`` of ``t`` made non-negative; an error naming the rule if ``t`` has no such dim."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise LayoutRuleError(f"{rule.describe()}: dim must be an int, got {dim!r}")
     if not -t.dim() <= dim < t.dim() or t.dim() == 0:
         raise LayoutRuleError(
             f"{rule.describe()} matches {name!r} of shape {list(t.shape)}, which has no dim {dim}"
