@@ -553,9 +553,16 @@ def report(saves: dict[str, Any], loads: dict[str, Any], state_bytes: int) -> st
                  f"rank 0 after the gather alone: {sb['peak_rss_after_gather'] / MB:.1f} MB "
                  f"(the full state is {state_bytes / MB:.1f} MB)")
     amp = a["read_amp"]
+
+    def _gap(m: dict[str, Any]) -> str:
+        # ReadOptions.gap_bytes None is the storage's default (a page less a byte on local files),
+        # which the medians (numbers only) leave out.
+        g = m.get("gap_bytes")
+        return "gap_bytes default: a page less a byte" if g is None else f"gap_bytes={int(g)}"
+
     lines.append(f"  ucp read amp (rchar) {amp:.4f} vs target <= {TARGET_READ_AMP}: "
                  f"{'met' if amp <= TARGET_READ_AMP else 'MISSED'}; "
-                 f"requested {a['requested_amp']:.4f} (gap_bytes={int(a['gap_bytes'])}), "
+                 f"requested {a['requested_amp']:.4f} ({_gap(a)}), "
                  f"{ld['ucp_gap0']['requested_amp']:.4f} with gap_bytes=0")
     return "\n".join(lines)
 
