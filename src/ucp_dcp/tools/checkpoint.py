@@ -62,8 +62,10 @@ def dtype_arg(dtype: Any, what: str) -> torch.dtype | None:
         return dtype
     named = dtype_named(dtype) if isinstance(dtype, str) else None
     if named is None:
+        unknown = f"unknown dtype {dtype!r}; " if isinstance(dtype, str) else ""
         raise InvalidArgumentError(
-            f"{what} must be a torch.dtype or one of bf16, fp16, fp32, fp64, got {dtype!r}"
+            f"{what}: {unknown}dtype must be a torch.dtype or one of bf16, fp16, fp32, fp64, got "
+            f"{dtype!r}"
         )
     return named
 

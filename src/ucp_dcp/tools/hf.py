@@ -60,10 +60,9 @@ from ..errors import (
     UCPWarning,
 )
 from ..format import dtype_name, encode_header, header_entries, st_dtype
-from ..format.names import dtype_named
 from ..sources import checkpoint_exists
 from ..sources.hf import HF_CONFIG_FILES, HF_INDEX_NAME, HF_WEIGHTS_NAME
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, dtype_arg
 
 __all__ = ["export_hf", "import_hf", "parse_size", "parse_dtype"]
 
@@ -103,22 +102,12 @@ def parse_size(size: int | str) -> int:
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """A floating ``torch.dtype`` from a dtype or a name (``"bf16"``, ``"fp16"``, ``"fp32"``,
     ``"float32"``...)."""
-    if dtype is None:
-        return None
-    if isinstance(dtype, str):
-        named = dtype_named(dtype)
-        if named is None:
-            raise InvalidArgumentError(
-                f"unknown dtype {dtype!r}; use one of bf16, fp16, fp32, fp64 (or a torch.dtype)"
-            )
-        return named
-    if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point or st_dtype(dtype) is None:
-            raise InvalidArgumentError(
-                f"dtype must be a floating dtype that safetensors stores, got {dtype}"
-            )
-        return dtype
-    raise InvalidArgumentError(f"dtype must be a torch.dtype or a name like 'bf16', got {dtype!r}")
+    parsed = dtype_arg(dtype, "dtype")  # the names every entry point takes
+    if parsed is not None and (not parsed.is_floating_point or st_dtype(parsed) is None):
+        raise InvalidArgumentError(
+            f"dtype must be a floating dtype that safetensors stores, got {parsed}"
+        )
+    return parsed
 
 
 def _compile_rename(rename: RenameRules | None) -> list[tuple[re.Pattern[str], str]]:
