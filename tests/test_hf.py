@@ -42,6 +42,7 @@ from ucp_dcp import (
     UCPStorageReader,
     UCPStorageWriter,
     UCPWarning,
+    load_into_module,
 )
 from ucp_dcp.tools import hf
 from ucp_dcp.tools.hf import export_hf, import_hf, parse_size
@@ -287,6 +288,35 @@ def test_export_tied_embeddings(tmp_path: Path) -> None:
     ids = torch.randint(0, CONFIG["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(loaded.eval()(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_tied_model_loads_strictly_from_save_pretrained(tmp_path: Path) -> None:
+    """save_pretrained writes a tied weight once; strict load_into_module fills both names, from the
+    Hugging Face folder and from import_hf's checkpoint, and a tie whose twin is absent stays missing."""
+    cfg = transformers.LlamaConfig(**{**CONFIG, "tie_word_embeddings": True, "num_hidden_layers": 1})
+    torch.manual_seed(4)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "hf")
+    with Checkpoint(tmp_path / "hf") as ck:
+        assert "lm_head.weight" not in ck.tensor_names()  # one copy on disk, as transformers writes it
+    import_hf(tmp_path / "hf", tmp_path / "ucp")
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for path, prefix in ((tmp_path / "hf", ""), (tmp_path / "ucp", "model.")):
+        target = transformers.LlamaForCausalLM(cfg)
+        with torch.no_grad():
+            for p in target.parameters():
+                p.zero_()
+        assert load_into_module(target, path, prefix=prefix) == ([], [])
+        assert target.lm_head.weight is target.model.embed_tokens.weight
+        got = target.state_dict()
+        for k, v in expected.items():
+            assert bit_equal(got[k], v), (path, k)
+    # Untied, the head is a tensor of its own: the checkpoint does not hold it.
+    untied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**cfg.to_dict(), "tie_word_embeddings": False}))
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+    with pytest.raises(CheckpointKeyError, match=r"missing keys \['lm_head\.weight'\]"):
+        load_into_module(untied, tmp_path / "hf", prefix="")
+    assert load_into_module(untied, tmp_path / "hf", prefix="", strict=False).missing_keys == ["lm_head.weight"]
 
 
 def _write_raw_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> None:

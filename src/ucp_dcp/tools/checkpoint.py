@@ -508,6 +508,17 @@ class ModuleLoadResult(NamedTuple):
     unexpected_keys: list[str]
 
 
+def _same_memory(t: torch.Tensor) -> tuple[object, ...]:
+    """What makes two module tensors one: storage, offset, shape and strides.
+
+    A tensor with no memory (meta, empty, a DTensor, refused later) is only itself.
+    """
+    ptr = 0 if hasattr(t, "device_mesh") else t.untyped_storage().data_ptr()
+    if not ptr:
+        return (id(t),)
+    return (t.device, ptr, t.storage_offset(), t.shape, t.stride())
+
+
 def load_into_module(
     module: nn.Module,
     path: str | os.PathLike[str],
@@ -527,8 +538,11 @@ def load_into_module(
 
     With ``strict`` (the default) a module key missing from the checkpoint,
     or a checkpoint tensor under ``prefix`` that the module lacks, is an
-    error that lists the keys, as with the load planner. A shape mismatch is
-    always an error naming the tensor and both shapes.
+    error that lists the keys, as with the load planner. A key whose tensor is
+    another key's (tied weights, as ``lm_head.weight`` with
+    ``tie_word_embeddings``) is not missing when the checkpoint holds the
+    other: the one read fills both, as ``from_pretrained`` does. A shape
+    mismatch is always an error naming the tensor and both shapes.
 
     ``options`` and ``storage_options`` are :class:`~ucp_dcp.Checkpoint`'s: by default every
     byte read is checked against the checksums recorded at save.
@@ -542,7 +556,12 @@ def load_into_module(
     targets = module.state_dict(keep_vars=True)
     with Checkpoint(path, options=options, storage_options=storage_options) as ckpt:
         available = {n[len(prefix) :] for n in ckpt.tensor_names() if n.startswith(prefix)}
-        missing = sorted(k for k in targets if k not in available)
+        # A tied weight (``lm_head.weight`` sharing the embedding's storage) is one tensor under
+        # two keys, and Hugging Face saves it once: it is filled when its twin is read.
+        filled = {_same_memory(t) for k, t in targets.items() if k in available}
+        missing = sorted(
+            k for k in targets if k not in available and _same_memory(targets[k]) not in filled
+        )
         unexpected = sorted(k for k in available if k not in targets)
         if strict and (missing or unexpected):
             raise CheckpointKeyError(
