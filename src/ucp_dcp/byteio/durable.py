@@ -31,6 +31,7 @@ __all__ = [
     "remove_quietly",
     "temp_dir_for",
     "commit_dir",
+    "write_remedy",
 ]
 
 _COPY_CHUNK = 16 * 1024 * 1024
@@ -214,9 +215,20 @@ def temp_dir_for(dst: str) -> str:
         os.mkdir(tmp)
     except OSError as e:
         raise CheckpointWriteError(
-            e.errno, f"{dst}: cannot make a directory there ({e.strerror or e}; a file in the way?)"
+            e.errno, f"{dst}: cannot make a directory there ({e.strerror or e}): {write_remedy(e)}"
         ) from None
     return tmp
+
+
+def write_remedy(e: OSError) -> str:
+    """What to do about a failed write, by its errno: the one hint every write error gives."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space (or save elsewhere)"
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return "the place is not writable: save to one that is"
+    if e.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
+        return "a file is in the way: remove it or save elsewhere"
+    return "fix the cause (or save elsewhere)"
 
 
 def commit_dir(tmp: str, dst: str) -> None:

@@ -28,7 +28,7 @@ from ..format.header import RandomAccess
 from ..format.names import save_id_of
 from ..format.schema import check_relative_name
 from .datafile import DataFileWriter, stream_data_file
-from .durable import atomic_write, copy_durable, fsync_file
+from .durable import atomic_write, copy_durable, fsync_file, write_remedy
 from .objrange import ObjectAccess
 from .objstore import ObjectStore, is_url, local_path
 from .progress import Progress
@@ -290,8 +290,8 @@ class LocalDir(ModelDir):
         except OSError as e:
             raise CheckpointWriteError(
                 e.errno,
-                f"{self.where}: cannot make the checkpoint directory ({e.strerror or e}; a file "
-                "is in the way?)",
+                f"{self.where}: cannot make the checkpoint directory ({e.strerror or e}): "
+                f"{write_remedy(e)}",
             ) from None
 
     def write_data_file(
@@ -326,8 +326,8 @@ class LocalDir(ModelDir):
             raise write_error(
                 e,
                 f"rank {spec.rank} could not write checkpoint data file {path}: {e.strerror or e}"
-                f"{gone}. The save is not committed and a previous checkpoint is untouched: free "
-                "space (or save elsewhere) and save again",
+                f"{gone}. The save is not committed and a previous checkpoint is untouched: "
+                f"{write_remedy(e)}, and save again",
             ) from e
         return WrittenFile(out.entries, out.starts, out.size)
 

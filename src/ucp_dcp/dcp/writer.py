@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..byteio.datafile import chunk_entry, layout, value_entry
+from ..byteio.durable import write_remedy
 from ..byteio.location import (
     DataFileSpec,
     ModelDir,
@@ -413,8 +414,8 @@ class UCPStorageWriter(StorageWriter):
                 e,
                 f"could not commit checkpoint {self.storage.where} (writing {INDEX_FILE}): "
                 f"{e.strerror or e}. The save is not committed and a previous checkpoint in this "
-                "directory, if any, is intact. Free space (or save elsewhere) and save again; the "
-                "next save that commits here removes this one's data files",
+                f"directory, if any, is intact: {write_remedy(e)}, and save again; the next save "
+                "that commits here removes this one's data files",
             ) from e
 
     @classmethod

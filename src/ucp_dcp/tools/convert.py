@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from ..byteio.datafile import DataFileWriter, chunk_entry, value_entry
+from ..byteio.durable import write_remedy
 from ..byteio.engine import ChunkReads
-from ..byteio.location import commit_index, path_arg
+from ..byteio.location import commit_index, path_arg, view_of, write_error
 from ..byteio.objstore import is_url, local_path
 from ..byteio.progress import ProgressFn
 from ..byteio.rangeio import storage_view, tensor_view
@@ -30,7 +31,7 @@ from ..byteio.transfer import ChunkRegion
 from ..core.boxes import slabs
 from ..core.sharding import Box
 from ..dcp.options import ReadOptions
-from ..errors import CheckpointExistsError, CheckpointFormatError, StorageError
+from ..errors import CheckpointExistsError, CheckpointFormatError, StorageError, UCPError
 from ..format import (
     INDEX_FILE,
     FileRecord,
@@ -80,6 +81,11 @@ def convert(
             old one stays loadable until the new index replaces it.
         sync_files: fsync every data file before the index is written.
         on_progress: ``on_progress(done_bytes, total_bytes)`` after every entry.
+
+    Raises:
+        ~ucp_dcp.errors.CheckpointWriteError: ``dst`` cannot be made or written (read-only,
+            full: the message names the file and the remedy, and keeps the errno); nothing is
+            committed there.
     """
     src, dst = path_arg(src, "convert: src"), path_arg(dst, "convert: dst")
     if is_url(dst):
@@ -105,8 +111,17 @@ def convert(
                 f"{dst} already holds a committed ucp_dcp checkpoint ({INDEX_FILE}); refusing to "
                 "replace it. Convert into a new directory, or pass overwrite=True"
             ).with_option("overwrite", True, "overwrite=True")
-        os.makedirs(dst, exist_ok=True)
-        return _convert(ckpt, dst, on_progress, sync_files)
+        view_of(dst).make()
+        try:
+            return _convert(ckpt, dst, on_progress, sync_files)
+        except UCPError:
+            raise
+        except OSError as e:  # writing dst: reads fail as the library's own errors
+            raise write_error(
+                e,
+                f"{e.filename or dst}: convert could not write ({e.strerror or e}); nothing is "
+                f"committed in {dst}: {write_remedy(e)}, and convert again",
+            ) from e
 
 
 # What one output file holds, in source order: ("t", fqn, idx) or ("v", key).
