@@ -584,6 +584,7 @@ scalars = st.one_of(
     st.sampled_from([-0.0, 0.0, float("nan"), float("inf"), float("-inf")]),
     st.text(max_size=8),
     st.binary(max_size=8),
+    st.binary(max_size=8).map(bytearray),
     small_tensors(),
 )
 keys = st.one_of(
@@ -671,6 +672,30 @@ def test_numpy_float64_scalar_keeps_type() -> None:
     assert type(decode_value(encode_value(np.int64(3), "k"), "k")) is np.int64
     out = decode_value(encode_value(np.float64(1.5), "k"), "k")
     assert type(out) is np.float64, f"numpy.float64 decoded as {type(out).__name__}"
+
+
+def test_builtin_subclasses_are_refused_not_changed() -> None:
+    """A namedtuple or an enum would load as a plain tuple or int: refused, naming the key and
+    the type; bytearray keeps its type (it came back as bytes)."""
+    import collections
+    import enum
+
+    point = collections.namedtuple("point", "x y")
+
+    class Mode(enum.IntEnum):
+        TRAIN = 1
+
+    class Name(str):
+        pass
+
+    for obj, base in ((point(1, 2), "tuple"), (Mode.TRAIN, "int"), (Name("a"), "str")):
+        with pytest.raises(UnsupportedValueError, match=rf"^opt\.a\[0\]: a .*{type(obj).__qualname__} "
+                           rf"\(a subclass of {base}\) would load as a plain {base}"):
+            encode_value({"a": [obj]}, "opt")
+    out = decode_value(encode_value({"b": bytearray(b"\x00\xff"), "c": b"\x01"}, "k"), "k")
+    assert type(out["b"]) is bytearray and out["b"] == b"\x00\xff" and type(out["c"]) is bytes
+    ordered = decode_value(encode_value(collections.OrderedDict([("z", 1), ("a", 2)]), "k"), "k")
+    assert list(ordered.items()) == [("z", 1), ("a", 2)]  # a dict subclass loads as a dict, in order
 
 
 @pytest.mark.parametrize(

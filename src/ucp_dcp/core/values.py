@@ -3,8 +3,9 @@
 DCP stores such values (``param_groups``, step counters, RNG states) with ``torch.save`` and reads
 them with ``torch.load``, which can run code from an untrusted checkpoint. Here they are JSON with
 a few tags for what JSON cannot say itself (tuples, non-string dict keys, non-finite floats, small
-tensors, numpy arrays, bytes, ``io.BytesIO``, dtypes); anything else is refused at save time with
-the key that holds it, rather than silently stringified or pickled.
+tensors, numpy arrays, bytes, ``io.BytesIO``, dtypes); anything else, a namedtuple or an enum
+included, is refused at save time with the key that holds it, rather than silently stringified,
+pickled or loaded back as another type.
 
 A load puts a replaced leaf (a decoded value, a piece set) back where the caller's nested state
 dict holds it, at the path of container keys DCP recorded when it flattened the dict:
@@ -64,6 +65,21 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
+# Built-in types a value may be, whose subclasses would come back as the base: a namedtuple as a
+# tuple, an IntEnum as an int. Dict subclasses (OrderedDict) come back as dicts with their order.
+_EXACT = (bool, int, float, str, list, tuple, bytes, bytearray)
+
+
+def _check_exact(obj: Any, path: str) -> None:
+    base = next((b for b in _EXACT if isinstance(obj, b)), None)
+    if base is not None and type(obj) is not base and not isinstance(obj, (bool, torch.Size)):
+        raise UnsupportedValueError(
+            f"{path}: a {type(obj).__module__}.{type(obj).__qualname__} (a subclass of "
+            f"{base.__name__}) would load as a plain {base.__name__}; convert it to one (or to "
+            "its fields) to save it"
+        )
+
+
 def _encode(obj: Any, path: str) -> Any:
     # Subclasses before their bases: numpy.float64 is a float, torch.Size a
     # tuple, bool an int; each must keep its own type through a round trip.
@@ -84,6 +100,7 @@ def _encode(obj: Any, path: str) -> Any:
             }
         if isinstance(obj, np.generic):
             return {_TAG: "npscalar", "dtype": obj.dtype.str, "v": _encode(obj.item(), path)}
+    _check_exact(obj, path)
     if isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
@@ -122,7 +139,8 @@ def _encode(obj: Any, path: str) -> Any:
             "data": base64.b64encode(_tensor_bytes(obj)).decode("ascii"),
         }
     if isinstance(obj, (bytes, bytearray)):
-        return {_TAG: "bytes", "v": base64.b64encode(bytes(obj)).decode("ascii")}
+        tag = "bytes" if isinstance(obj, bytes) else "bytearray"
+        return {_TAG: tag, "v": base64.b64encode(obj).decode("ascii")}
     if isinstance(obj, io.BytesIO):
         # DCP stores a BytesIO value as its raw bytes (no pickle) and loads a BytesIO back.
         return {_TAG: "bytesio", "v": base64.b64encode(obj.getvalue()).decode("ascii")}
@@ -181,6 +199,8 @@ def _decode(obj: Any, key: str) -> Any:
         return torch.device(obj["v"])
     if tag == "bytes":
         return base64.b64decode(obj["v"])
+    if tag == "bytearray":
+        return bytearray(base64.b64decode(obj["v"]))
     if tag == "bytesio":
         return io.BytesIO(base64.b64decode(obj["v"]))
     if tag == "tensor":
