@@ -66,7 +66,7 @@ from .read_once import ReadOnceDecision, coordinate, decide, shared_storage
 from .read_once.exchange import LocalNeeds, Region, run_exchange
 from .read_once.first_requests import share_first_requests
 from .read_once.transport import Transport, Wire, wire_for
-from .slowest import LoadRun, name_slowest, rank_record
+from .slowest import LoadRun, gather_slowest, log_slowest, rank_record
 
 __all__ = ["PlannedRead", "UCPStorageReader", "collector_paused"]
 
@@ -295,17 +295,18 @@ class UCPStorageReader(StorageReader):
         *,
         failing: bool,
     ) -> None:
-        """Fill the report's ``rank_record`` and ``slowest`` (every rank of a collective load
-        calls it, also when its load failed: the gather waits for all)."""
+        """End the load: ``progress``'s last line (naming this rank's slowest file), the report's
+        ``rank_record`` and ``slowest`` (:func:`~ucp_dcp.dcp.slowest.gather_slowest`: every rank
+        of a collective load calls it, also when its load failed), the job's slowest rank logged
+        by rank 0 of the group when the load ran past the progress threshold."""
         run, paths = plan.storage_data, self.source.paths if self.source is not None else []
-        report.rank_record, report.slowest = name_slowest(
-            rank_record(rank, time.perf_counter() - t0, report.stats, paths),
-            progress,
-            run.ranks if isinstance(run, LoadRun) else 1,
-            self.process_group,
-            paths,
-            failing=failing,
-        )
+        ranks = run.ranks if isinstance(run, LoadRun) else 1
+        own = rank_record(rank, time.perf_counter() - t0, report.stats, paths)
+        ran = progress.finish("" if failing else own.where())
+        job = gather_slowest(own, ranks, self.process_group, paths, failing=failing)
+        if ranks > 1 and not failing and dist.get_rank(self.process_group) == 0:
+            log_slowest(progress.what, job, progress.config.threshold, ran)
+        report.rank_record, report.slowest = own, job
 
     def _read_data(
         self, plan: LoadPlan, planner: LoadPlanner, report: LoadReport, progress: Progress
