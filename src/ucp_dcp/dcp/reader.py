@@ -8,10 +8,10 @@ destination tensor in place (CPU, same dtype, row-major on disk), or through
 bounded staging (a cast, a device destination, a chunk stored in another
 dimension order). The reader itself knows no format.
 
-The module ends with small functions between DCP's records and this library's: the region of a
-saved chunk a tensor read item reads, the bytes a planner expects for a value, the saved chunk's
-offsets, the save that wrote a checkpoint, and the pause of Python's garbage collector a load runs
-under (:func:`collector_paused`).
+The module ends with small functions between DCP's records and this library's: which saved chunk
+a tensor read item reads and the region of it, the bytes a planner expects for a value, the save
+that wrote a checkpoint, and the pause of Python's garbage collector a load runs under
+(:func:`collector_paused`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from ..core.values import decode_value
 from ..errors import InvalidArgumentError
 from ..format import TensorRecord
 from ..format.names import save_id_of
-from ..sources import Source, read_values, source_types
+from ..sources import NativeSource, Source, read_values, source_types
 from ._mesh_groups import LazyChunks
 from ._plan_records import LoadSourceInfo
 from .load_planner import UCPLoadPlanner
@@ -64,9 +64,9 @@ from .options import LoadReport, ReadOptions
 from .placement import checked_placement
 from .read_once import ReadOnceDecision, coordinate, decide, shared_storage
 from .read_once.exchange import LocalNeeds, Region, run_exchange
-from .read_once.first_requests import FirstRequests, share_first_requests
+from .read_once.first_requests import share_first_requests
 from .read_once.transport import Transport, Wire, wire_for
-from .slowest import LoadRun, name_slowest, rank_record
+from .slowest import LoadRun, gather_slowest, log_slowest, rank_record
 
 __all__ = ["PlannedRead", "UCPStorageReader", "collector_paused"]
 
@@ -238,8 +238,7 @@ class UCPStorageReader(StorageReader):
                 name = index.files[loc.file].name
                 out.append(PlannedRead(item.dest_index.fqn, name, loc.nbytes, key))
                 continue
-            offsets = tuple(item.storage_index.offset or ())
-            idx = src.chunk_index(key, offsets, item.storage_index.index)
+            idx = saved_chunk(src, item.storage_index)
             f = rec.chunk_file(idx)
             f = f if f is not None else src.locate(key, idx).file
             nbytes = math.prod(item.lengths) * rec.dtype.itemsize
@@ -296,17 +295,18 @@ class UCPStorageReader(StorageReader):
         *,
         failing: bool,
     ) -> None:
-        """Fill the report's ``rank_record`` and ``slowest`` (every rank of a collective load
-        calls it, also when its load failed: the gather waits for all)."""
+        """End the load: ``progress``'s last line (naming this rank's slowest file), the report's
+        ``rank_record`` and ``slowest`` (:func:`~ucp_dcp.dcp.slowest.gather_slowest`: every rank
+        of a collective load calls it, also when its load failed), the job's slowest rank logged
+        by rank 0 of the group when the load ran past the progress threshold."""
         run, paths = plan.storage_data, self.source.paths if self.source is not None else []
-        report.rank_record, report.slowest = name_slowest(
-            rank_record(rank, time.perf_counter() - t0, report.stats, paths),
-            progress,
-            run.ranks if isinstance(run, LoadRun) else 1,
-            self.process_group,
-            paths,
-            failing=failing,
-        )
+        ranks = run.ranks if isinstance(run, LoadRun) else 1
+        own = rank_record(rank, time.perf_counter() - t0, report.stats, paths)
+        ran = progress.finish("" if failing else own.where())
+        job = gather_slowest(own, ranks, self.process_group, paths, failing=failing)
+        if ranks > 1 and not failing and dist.get_rank(self.process_group) == 0:
+            log_slowest(progress.what, job, progress.config.threshold, ran)
+        report.rank_record, report.slowest = own, job
 
     def _read_data(
         self, plan: LoadPlan, planner: LoadPlanner, report: LoadReport, progress: Progress
@@ -498,15 +498,14 @@ class UCPStorageReader(StorageReader):
         rank that reads the file.
         """
         shares = (
-            src if exchanging and src.store is not None and isinstance(src, FirstRequests) else None
+            src if exchanging and src.store is not None and isinstance(src, NativeSource) else None
         )
         try:
             value_items = [ri for ri in plan.items if ri.type == LoadItemType.BYTE_IO]
             tensor_items = [
-                (ri, src.chunk_index(si.fqn, chunk_offsets(si), si.index))
+                (ri, saved_chunk(src, ri.storage_index))
                 for ri in plan.items
                 if ri.type != LoadItemType.BYTE_IO
-                for si in (ri.storage_index,)
             ]
             wanted: list[int] = []
             if shares is not None:
@@ -565,14 +564,15 @@ def value_for(planner: LoadPlanner, tagged: bytes, ri: ReadItem) -> io.BytesIO:
     return buf
 
 
-def chunk_offsets(index: MetadataIndex) -> tuple[int, ...]:
-    """The offsets of the chunk a tensor read item reads (DCP's planners set them on every one)."""
+def saved_chunk(src: Source, index: MetadataIndex) -> int:
+    """The position in ``src`` of the saved chunk a tensor read item reads, found by its offsets
+    (DCP's planners set them on every one)."""
     if index.offset is None:
         raise InvalidArgumentError(
             f"tensor {index.fqn!r}: the load plan reads a chunk of it without its offsets "
             "(MetadataIndex.offset); a tensor read item must name the saved chunk it reads"
         )
-    return tuple(index.offset)
+    return src.chunk_index(index.fqn, tuple(index.offset), index.index)
 
 
 def save_id(index: Any) -> str | None:

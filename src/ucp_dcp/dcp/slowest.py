@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..byteio.progress import Progress, mb
 from ..byteio.progress import log as progress_log
+from ..byteio.progress import mb
 from ..byteio.rangeio import ReadStats
 from .read_once.transport import Transport, choose_transport, group_backend, wire_device
 
@@ -27,7 +27,6 @@ __all__ = [
     "rank_record",
     "slowest_of",
     "gather_slowest",
-    "name_slowest",
     "log_slowest",
     "LoadRun",
 ]
@@ -156,25 +155,6 @@ def gather_slowest(
             return own
         raise
     return slowest_of(_decode(t.tolist(), paths) for t in got)
-
-
-def name_slowest(
-    own: SlowestRecord,
-    progress: Progress,
-    ranks: int,
-    group: dist.ProcessGroup | None,
-    paths: Sequence[str] = (),
-    *,
-    failing: bool = False,
-) -> tuple[SlowestRecord, SlowestRecord | None]:
-    """End a load: ``progress``'s last line (naming this rank's slowest file), the job's slowest
-    rank (:func:`gather_slowest`), logged by rank 0 of ``group`` when the load ran past the
-    progress threshold. ``own`` and the job's record."""
-    ran = progress.finish("" if failing else own.where())
-    job = gather_slowest(own, ranks, group, paths, failing=failing)
-    if ranks > 1 and not failing and dist.get_rank(group) == 0:
-        log_slowest(progress.what, job, progress.config.threshold, ran)
-    return own, job
 
 
 def log_slowest(

@@ -246,7 +246,7 @@ def coordinate(
     dist.all_gather_object(digests, digest, group=group)
     body = mine if failure is not None or digests.index(digests[me]) == me else None
     gathered: list[object] | None = [None] * world if me == 0 else None
-    dist.gather_object(body, gathered, dst=_global_rank(group, 0), group=group)
+    dist.gather_object(body, gathered, group=group, group_dst=0)
     answers: list[object] = [None] * world
     common: list[object] = [None]
     if me == 0:
@@ -256,9 +256,7 @@ def coordinate(
         except Exception as e:  # noqa: BLE001  (every rank waits for an answer: send the error)
             answers = [e] * world
     out: list[object] = [None]
-    dist.scatter_object_list(
-        out, answers if me == 0 else None, src=_global_rank(group, 0), group=group
-    )
+    dist.scatter_object_list(out, answers if me == 0 else None, group=group, group_src=0)
     got = out[0]
     if failure is not None:
         raise failure
@@ -270,13 +268,9 @@ def coordinate(
         return decision, None
     # What every rank needs alike (the windows, the groups, the rows to large groups) goes out
     # once, not in every rank's share: a replicated target's rows are not copied per rank.
-    dist.broadcast_object_list(common, src=_global_rank(group, 0), group=group)
+    dist.broadcast_object_list(common, group=group, group_src=0)
     assert isinstance(common[0], SharedPart) and isinstance(part, RankPart)
     return decision, common[0].rounds(part, me)
-
-
-def _global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 @dataclass(frozen=True)

@@ -216,14 +216,9 @@ class LocalNeeds:
         """Copy ``data`` (bytes ``[start, start + len(data))`` of ``file``) into every destination
         run it overlaps; the bytes copied."""
         end = start + len(data)
-        lo = int(np.searchsorted(self.file, file, "left"))
-        hi = int(np.searchsorted(self.file, file, "right"))
-        # Runs sorted by start; the running maximum of their ends is sorted too, so the runs a
-        # piece may overlap are one slice (two read items may read the same bytes).
-        i = lo + int(np.searchsorted(self.reach[lo:hi], start, "right"))
-        j = lo + int(np.searchsorted(self.start[lo:hi], end, "left"))
         copied = 0
-        for k in range(i, j):
+        # By the running maximum of the runs' ends: two read items may read the same bytes.
+        for k in _rows_meeting(self.file, self.start, self.reach, file, start, end):
             a = max(int(self.start[k]), start)
             b = min(int(self.start[k] + self.length[k]), end)
             if a < b:
@@ -238,6 +233,17 @@ class LocalNeeds:
                 self.sinks[r].put(elem, data[a - start : b - start])
                 copied += b - a
         return copied
+
+
+def _rows_meeting(
+    files: np.ndarray, starts: np.ndarray, ends: np.ndarray, file: int, start: int, end: int
+) -> range:
+    """The rows that may meet bytes ``[start, end)`` of ``file``, of rows sorted by (file, start)
+    whose ``ends`` do not decrease within a file: one slice, found by bisection."""
+    lo = int(np.searchsorted(files, file, "left"))
+    hi = int(np.searchsorted(files, file, "right"))
+    first = lo + int(np.searchsorted(ends[lo:hi], start, "right"))
+    return range(first, lo + int(np.searchsorted(starts[lo:hi], end, "left")))
 
 
 # ---------------------------------------------------------------- checks
@@ -271,13 +277,9 @@ class PieceChecker:
         """Check every block of this rank's chunks that the piece completes; the parts of the
         piece ready to copy, as ``(file offset, bytes)``."""
         end = start + len(data)
-        lo = int(np.searchsorted(self._file, file, "left"))
-        hi = int(np.searchsorted(self._file, file, "right"))
-        i = lo + int(np.searchsorted(self._end[lo:hi], start, "right"))
-        j = lo + int(np.searchsorted(self._start[lo:hi], end, "left"))
         ready: list[tuple[int, np.ndarray]] = []
         cursor = start  # the bytes before it are handed out or held
-        for k in range(i, j):
+        for k in _rows_meeting(self._file, self._start, self._end, file, start, end):
             r = self._chunks[k]
             loc, sums = r.part.location, r.sums
             assert sums is not None

@@ -13,7 +13,6 @@ is, where they are parsed.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -21,43 +20,23 @@ import torch.distributed as dist
 
 from ...core.spans import merge_ranges
 from ...errors import ReadOnceError
+from ...sources import NativeSource
 from .exchange import framed, mark_failed, message_sizes, raise_gathered, rank_failed
 from .transport import Wire
 
-__all__ = ["FirstRequests", "share_first_requests"]
-
-
-@runtime_checkable
-class FirstRequests(Protocol):
-    """A source whose data files are opened by a first request of a length the index decides
-    (a native checkpoint in object storage): the ranks of a load can share those requests."""
-
-    def first_requests(self, chunks: Sequence[tuple[str, int]], values: Sequence[str]) -> list[int]:
-        """The files a load of ``chunks`` and ``values`` reads whose header is not parsed yet."""
-        ...
-
-    def first_request_bytes(self, file: int) -> int:
-        """The length of file ``file``'s first request (the same on every rank)."""
-        ...
-
-    def fetch_first_requests(self, files: Sequence[int]) -> dict[int, bytes]:
-        """The first requests of ``files``, fetched now (one batch of requests)."""
-        ...
-
-    def hold_first_requests(self, heads: Mapping[int, bytes]) -> None:
-        """Take the first requests of files this rank reads, fetched elsewhere."""
-        ...
+__all__ = ["share_first_requests"]
 
 
 def share_first_requests(
-    src: FirstRequests,
+    src: NativeSource,
     wanted: Sequence[int],
     failure: BaseException | None,
     on: Wire,
 ) -> None:
     """Have the first request of each file of ``wanted`` made by one rank of the load's group and
-    handed to ``src`` (:meth:`FirstRequests.hold_first_requests`), over the group and memory
-    ``on`` names (:func:`~ucp_dcp.dcp.read_once.transport.wire_for`).
+    handed to ``src``, a native checkpoint in object storage
+    (:meth:`~ucp_dcp.sources.NativeSource.hold_first_requests`), over the group and memory ``on``
+    names (:func:`~ucp_dcp.dcp.read_once.transport.wire_for`).
 
     Collective: every rank of the group calls it, with the ``failure`` that kept it from knowing
     what it reads if one did. Raises on every rank if any rank failed.

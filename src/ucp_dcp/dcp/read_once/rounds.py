@@ -240,21 +240,13 @@ class NeedGroups:
         taken from ``bodies`` at its lowest rank (the only one that must send them)."""
         number: dict[bytes, int] = {}
         group_of = np.array([number.setdefault(d, len(number)) for d in digests], _I64)
-        firsts = _first_ranks(digests)
+        firsts = np.unique(group_of, return_index=True)[1].tolist()  # each group's lowest rank
         missing = [r for r in firsts if r not in bodies]
         if missing:
             raise InvalidArgumentError(
                 f"rank {missing[0]} is the lowest rank of its group but its needs are missing"
             )
         return cls(tuple(bodies[r] for r in firsts), group_of)
-
-
-def _first_ranks(digests: Sequence[bytes]) -> list[int]:
-    """The lowest rank with each digest, in order of first appearance."""
-    seen: dict[bytes, int] = {}
-    for r, d in enumerate(digests):
-        seen.setdefault(d, r)
-    return list(seen.values())
 
 
 @dataclass(frozen=True, eq=False)
