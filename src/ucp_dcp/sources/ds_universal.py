@@ -103,7 +103,7 @@ class DeepSpeedUniversalSource(ArchiveSource):
         else:
             groups = _data_parallel(b, models, zero)
         for g, names in enumerate(groups):
-            b.value(f"optim.param_groups.{g}.params", ("optim", "param_groups", g, "params"), names)
+            b.value(("optim", "param_groups", g, "params"), names)
         super().__init__(path, b, 1, [0] * len(b.archives))
 
     @classmethod
@@ -184,7 +184,7 @@ def _data_parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> lis
             continue
         if got is None:
             raise CheckpointFormatError(f"{zero}: no {fqn}/fp32.pt for parameter {fqn!r}")
-        b.whole(f"model.{fqn}", ("model", fqn), got.archive, got.t, shape, f"parameter {fqn!r}")
+        b.whole(("model", fqn), got.archive, got.t, shape, f"parameter {fqn!r}")
         if fqn in shapes:
 
             def state(
@@ -249,16 +249,12 @@ def _moments(
     for kind, e in got.items():
         if e is None:
             continue
-        key, path, what = (
-            f"optim.state.{fqn}.{kind}",
-            ("optim", "state", fqn, kind),
-            f"{kind} of {fqn!r}",
-        )
+        path, what = ("optim", "state", fqn, kind), f"{kind} of {fqn!r}"
         cut = place(e) if place is not None and kind != "step" else None
         if cut is not None:
-            b.placed_whole(key, path, e.archive, e.t, cut, what)
+            b.placed_whole(path, e.archive, e.t, cut, what)
         else:
-            b.whole(key, path, e.archive, e.t, e.t.size if kind == "step" else shape, what)
+            b.whole(path, e.archive, e.t, e.t.size if kind == "step" else shape, what)
     return has
 
 
@@ -391,12 +387,12 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
         e = one("fp32")
         if e is None:
             raise CheckpointFormatError(f"{zero}: no {fqn}/fp32.pt for parameter {fqn!r}")
-        key, path, what = f"model.{fqn}", ("model", fqn), f"parameter {fqn!r}"
+        path, what = ("model", fqn), f"parameter {fqn!r}"
         cut = _padded(e, full)
         if cut is not None:
-            b.placed_whole(key, path, e.archive, e.t, cut, what)
+            b.placed_whole(path, e.archive, e.t, cut, what)
         else:
-            b.whole(key, path, e.archive, e.t, full, what)
+            b.whole(path, e.archive, e.t, full, what)
         fulls[fqn] = full
         present[fqn] = _moments(b, zero, fqn, one, full, functools.partial(_padded, full=full))
     # Each stage's optimizer groups (tensor-parallel rank 0's names, as ``local``'s).
