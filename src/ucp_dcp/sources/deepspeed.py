@@ -72,15 +72,20 @@ def zero3_frozen(
     segs = zero3_segments([math.prod(shape)], world, [ps])[0]
 
     def frag(seg: Segment) -> tuple[TorchArchive, TensorRef]:
-        m = models[seg.rank]
-        t = m.frozen_fragments.get(fqn)
-        if t is None:
-            raise CheckpointFormatError(
-                f"{m.archive.path}: no frozen_param_fragments entry for {fqn!r}"
-            )
-        return m.archive, t
+        return models[seg.rank].archive, _frozen_fragment(models[seg.rank], fqn)
 
     b.flat(("model", fqn), shape, segs, frag, f"frozen parameter {fqn!r}")
+
+
+def _frozen_fragment(m: ModelStates, fqn: str) -> TensorRef:
+    """Frozen parameter ``fqn``'s entry in the ``frozen_param_fragments`` of model states ``m``
+    (its whole tensor, or under ZeRO-3 the rank's padded slice)."""
+    t = m.frozen_fragments.get(fqn)
+    if t is None:
+        raise CheckpointFormatError(
+            f"{m.archive.path}: no frozen_param_fragments entry for {fqn!r}"
+        )
+    return t
 
 
 def record_param(
@@ -548,11 +553,7 @@ class DeepSpeedSource(ArchiveSource):
             if self.stage == 3:
                 zero3_frozen(b, models, fqn, shape)
             else:
-                t = m0.frozen_fragments.get(fqn)
-                if t is None:
-                    raise CheckpointFormatError(
-                        f"{m0.archive.path}: no frozen_param_fragments entry for {fqn!r}"
-                    )
+                t = _frozen_fragment(m0, fqn)
                 b.whole(("model", fqn), m0.archive, t, shape, f"frozen parameter {fqn!r}")
         # Buffers, and parameters known only from the module state dict
         # (frozen parameters of ZeRO-1, which records no fragments). Under
