@@ -81,37 +81,35 @@ def zero12_segments(
     out: list[list[Segment]] = []
     o = 0
     for n in numels:
-        out.append(_split(o, o + n, bounds, lambda k: k, o, buffer))
+        out.append(_split(o, o + n, bounds, o, buffer=buffer))
         o += n
     return out
-
-
-def _held_by(rank: int) -> Callable[[int], int]:
-    """``rank_of`` for buffers all held by ``rank``."""
-    return lambda _buffer: rank
 
 
 def _split(
     a: int,
     b: int,
     bounds: Sequence[int],
-    rank_of: Callable[[int], int],
     base: int,
-    buffer: int | None,
     first: int = 0,
+    *,
+    rank: int | None = None,
+    buffer: int | None = None,
 ) -> list[Segment]:
     """Cut positions ``[a, b)`` of concatenated buffers (``bounds``: their cumulative starts) at
     buffer ends.
 
-    Element ``pos`` is parameter element ``pos - base + first``; segment ``k``
-    goes to rank ``rank_of(k)`` and buffer ``buffer`` (or ``k`` when None).
+    Element ``pos`` is parameter element ``pos - base + first``. The piece in the ``k``-th
+    buffer goes to ``rank`` and ``buffer``, ``k`` standing for the one that is None: ZeRO-1/2's
+    buffers are the ranks' partitions of one group, ZeRO-3's one rank's sub-group buffers.
     """
     segs = []
     while a < b:
         k = bisect.bisect_right(bounds, a) - 1
         e = min(b, bounds[k + 1])
+        r = k if rank is None else rank
         buf = k if buffer is None else buffer
-        segs.append(Segment(rank_of(k), buf, a - bounds[k], a - base + first, e - base + first))
+        segs.append(Segment(r, buf, a - bounds[k], a - base + first, e - base + first))
         a = e
     return segs
 
@@ -141,7 +139,7 @@ def zero3_segments(
         for r in range(world_size):
             a, b = r * ps, min((r + 1) * ps, n)
             if a < b:
-                segs += _split(q, q + b - a, bounds, _held_by(r), q, None, a)
+                segs += _split(q, q + b - a, bounds, q, a, rank=r)
         out.append(segs)
         q += ps
     return out
