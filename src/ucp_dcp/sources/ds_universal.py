@@ -36,13 +36,14 @@ from ._ds_files import (
 )
 from ._ds_records import (
     ModelStates,
+    read_archive,
     read_layer_states,
     read_model_states,
     tp_slice_totals,
 )
 from ._ds_tp import TPSlice, tp_rules
 from ._pickle import TensorRef
-from ._torch_archive import TorchArchive, read_torch_archive
+from ._torch_archive import TorchArchive
 from .base import SourceOptions, register
 from .deepspeed import (
     EntryFile,
@@ -129,7 +130,7 @@ def _read(b: ArchiveIndex, zero: str, fqn: str, kind: str) -> UniversalEntry | N
     f = os.path.join(zero, fqn, f"{kind}.pt")
     if not os.path.isfile(f):
         return None
-    a = read_torch_archive(f, "deepspeed")
+    a = read_archive(f)
     entries = a.obj if isinstance(a.obj, dict) else {}
     t = entries.get("param") if isinstance(a.obj, dict) else a.obj
     if not isinstance(t, TensorRef):
