@@ -181,13 +181,11 @@ class RankOptim:
     archive: TorchArchive
     stage: int
     fp32: list[TensorRef]  # ZeRO-1/2: one partition per group; ZeRO-3: one buffer per sub-group
-    state: dict[
-        int, dict[str, Any]
-    ]  # inner optimizer state per flat buffer (moments are TensorRefs)
+    # The inner optimizer's state per flat buffer (moments are TensorRefs).
+    state: dict[int, dict[str, Any]]
     param_groups: list[dict[str, Any]]  # inner optimizer groups; "params" lists flat buffer numbers
-    paddings: list[int] = field(
-        default_factory=list
-    )  # ZeRO-1/2: this rank's padding at the end of each group
+    # ZeRO-1/2: this rank's padding at the end of each group.
+    paddings: list[int] = field(default_factory=list)
 
 
 def _need(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:

@@ -57,9 +57,8 @@ class TorchArchive:
     path: str
     obj: Any
     size: int
-    records: dict[str, tuple[int, int]] = field(
-        default_factory=dict
-    )  # storage key -> (absolute start, nbytes)
+    # Storage key -> (absolute start, nbytes).
+    records: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def byte_range(self, t: TensorRef, what: str) -> tuple[int, int]:
         """``(absolute start, nbytes)`` of dense tensor ``t``; an error naming ``what`` if it is not

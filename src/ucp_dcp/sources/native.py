@@ -67,9 +67,8 @@ class NativeSource(Source):
         super().__init__(d.where, index, [d.path_of(f.name) for f in index.files])
         self.store = d.store
         self._headers: dict[int, FileHeader] = {}
-        self._objects: dict[
-            int, ObjectAccess
-        ] = {}  # made under _lock by header(), which the sums read first
+        # Made under _lock by header(), which the sums read first.
+        self._objects: dict[int, ObjectAccess] = {}
         # Per file: (block size, every block checksum, first checksum of the entry at each offset),
         # or None.
         self._block_sums: dict[int, tuple[int, np.ndarray, dict[int, int]] | None] = {}
