@@ -29,6 +29,7 @@ from ..byteio.location import ModelDir, StoreDir
 from ..core.sharding import Box, flat_range_boxes
 from ..errors import CheckpointFormatError, LayoutError
 from ..format.schema import is_index_list, is_int
+from ._ds_tp import INFO_KEYS
 from ._pickle import Inert, TensorRef
 from ._torch_archive import TorchArchive, read_torch_archive
 
@@ -297,7 +298,7 @@ def read_model_states(path: str, folder: ModelDir | None = None) -> ModelStates:
         list(buffers),
         dp,
         raw_module is None,
-        sd.get("universal_checkpoint_info"),
+        sd.get(INFO_KEYS["UNIVERSAL_CHECKPOINT_INFO"]),
         tp,
     )
 

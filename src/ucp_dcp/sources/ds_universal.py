@@ -41,7 +41,7 @@ from ._ds_records import (
     read_model_states,
     tp_slice_totals,
 )
-from ._ds_tp import TPSlice, tp_rules
+from ._ds_tp import INFO_KEYS, TPSlice, tp_rules
 from ._pickle import TensorRef
 from ._torch_archive import TorchArchive
 from .base import SourceOptions, register
@@ -343,7 +343,8 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
     info = m0.universal_info
     rules = (
         tp_rules(info, m0.archive.path, sorted(local))
-        if tp > 1 or (isinstance(info, dict) and info.get("vocabulary_parameter_patterns"))
+        if tp > 1
+        or (isinstance(info, dict) and info.get(INFO_KEYS["VOCABULARY_PARAMETER_PATTERNS"]))
         else None
     )
 
