@@ -278,13 +278,10 @@ def place_entries(
                 continue  # the fp32 master weight (or a tied alias), or a tied layer's copy
             path, what = ("model", name), f"{kind} {entry!r}"
             sl = rules.slice_of(name, f.rank, tp, t.size) if rules is not None else None
-            if sl is None or (sl.replicated and sl.full_shape == sl.local):
+            if sl is None or sl.merge == "replica":  # the same on every rank: rank 0's
                 if f.rank == 0:
                     b.whole(path, f.archive, t, t.size, what)
-            elif sl.replicated:
-                if f.rank == 0:
-                    b.placed_whole(path, f.archive, t, sl, what)
-            else:
+            elif f.rank == 0 or not sl.replicated:  # a replicated vocabulary is cut from rank 0's
                 b.placed_whole(path, f.archive, t, sl, what)
 
 

@@ -354,7 +354,7 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
         if rules is None or rules.is_averaged(fqn):
             return None  # averaged by ds_to_universal: the slice's shape
         sl = rules.slice_of(fqn, 0, tp, shape, totals.get(fqn))
-        return None if sl.replicated and sl.full_shape == sl.local else sl
+        return None if sl.merge == "replica" else sl
 
     present: dict[str, frozenset[str]] = {}
     fulls: dict[str, tuple[int, ...]] = {}
