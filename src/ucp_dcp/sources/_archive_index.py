@@ -69,9 +69,8 @@ class ArchiveIndex:
         self.tensors: dict[str, TensorRecord] = {}
         self.values: dict[str, Any] = {}
         self.paths: dict[str, _Path] = {}
-        # key -> rank -> (op, dtype, slice shape, chunks in the slice): tensors to merge
-        self.operands: dict[str, dict[int, _Operand]]
-        self.operands = {}
+        # The tensors merged from all their slices: key -> tensor-parallel rank -> its slice.
+        self.operands: dict[str, dict[int, _Operand]] = {}
         self.merges: MergeFile | None = None
         for a in archives:
             self.add_archive(a)
