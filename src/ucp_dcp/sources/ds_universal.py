@@ -13,7 +13,6 @@ slices' shapes by the checkpoint's ``universal_checkpoint_info``
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Callable
@@ -185,7 +184,7 @@ def _data_parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> lis
             continue
         if got is None:
             raise CheckpointFormatError(f"{zero}: no {fqn}/fp32.pt for parameter {fqn!r}")
-        b.whole(("model", fqn), got.archive, got.t, shape, f"parameter {fqn!r}")
+        _record_entry(b, ("model", fqn), got, shape, f"parameter {fqn!r}")
         if fqn in shapes:
 
             def state(
@@ -225,11 +224,10 @@ def _moments(
     fqn: str,
     one: Callable[[str], UniversalEntry | None],
     shape: tuple[int, ...],
-    place: Callable[[UniversalEntry], TPSlice | None] | None = None,
 ) -> frozenset[str]:
     """``optim.state.<fqn>.{exp_avg,exp_avg_sq,step}`` of a parameter of the optimizer (``one``
-    reads and checks one file, None if absent; ``place``: a cut of the tensor, vocabulary
-    padding stripped); the kinds its folder holds.
+    reads and checks one file, None if absent; the moments are of ``shape``,
+    :func:`_record_entry`); the kinds its folder holds.
 
     A folder with some of the files ``ds_to_universal`` writes together but not all (one
     moment without the other, ``step.pt`` without both) is refused, naming it and the missing
@@ -251,12 +249,23 @@ def _moments(
         if e is None:
             continue
         path, what = ("optim", "state", fqn, kind), f"{kind} of {fqn!r}"
-        cut = place(e) if place is not None and kind != "step" else None
-        if cut is not None:
-            b.placed_whole(path, e.archive, e.t, cut, what)
+        if kind == "step":
+            b.whole(path, e.archive, e.t, e.t.size, what)
         else:
-            b.whole(path, e.archive, e.t, e.t.size if kind == "step" else shape, what)
+            _record_entry(b, path, e, shape, what)
     return has
+
+
+def _record_entry(
+    b: ArchiveIndex, path: tuple[str, ...], e: UniversalEntry, shape: tuple[int, ...], what: str
+) -> None:
+    """The tensor of file ``e`` as the key at ``path``, of ``shape``: a ``vocab_tensor`` that
+    still holds padding rows cut to ``shape`` (:func:`_padded`)."""
+    cut = _padded(e, shape)
+    if cut is not None:
+        b.placed_whole(path, e.archive, e.t, cut, what)
+    else:
+        b.whole(path, e.archive, e.t, shape, what)
 
 
 def _check_groups(
@@ -389,14 +398,9 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
         e = one("fp32")
         if e is None:
             raise CheckpointFormatError(f"{zero}: no {fqn}/fp32.pt for parameter {fqn!r}")
-        path, what = ("model", fqn), f"parameter {fqn!r}"
-        cut = _padded(e, full)
-        if cut is not None:
-            b.placed_whole(path, e.archive, e.t, cut, what)
-        else:
-            b.whole(path, e.archive, e.t, full, what)
+        _record_entry(b, ("model", fqn), e, full, f"parameter {fqn!r}")
         fulls[fqn] = full
-        present[fqn] = _moments(b, zero, fqn, one, full, functools.partial(_padded, full=full))
+        present[fqn] = _moments(b, zero, fqn, one, full)
     # Each stage's optimizer groups (tensor-parallel rank 0's names, as ``local``'s).
     stage_groups: dict[tuple[int, int], list[str]] = {}
     for mi in range(0, len(models), tp):
