@@ -327,7 +327,7 @@ def read_rank_optim(path: str, bf16_optimizer: bool, folder: ModelDir | None = N
     osd = _need(a.obj, "optimizer_state_dict", dict, path)
     where = f"{path}: optimizer_state_dict"
     if "fp32_flat_groups" in osd:
-        stage = _stage(osd.get("zero_stage", 3), f"{where}")
+        stage = _stage(osd.get("zero_stage", 3), where)
         fp32 = _need(osd, "fp32_flat_groups", list, where)
         inner = _need(osd, "optimizer_state_dict", dict, where)
         paddings: list[int] = []
