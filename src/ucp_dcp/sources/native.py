@@ -139,7 +139,7 @@ class NativeSource(Source):
             objs = [self._object(f) for f in files]
         return [o for o in objs if o is not None]
 
-    # -------------------------------------------- first requests (dcp._first_requests)
+    # -------------------------------------------- first requests (dcp.read_once.first_requests)
     def first_requests(self, chunks: Sequence[tuple[str, int]], values: Sequence[str]) -> list[int]:
         """In object storage, the data files a load of ``chunks`` and ``values`` reads whose
         header is not parsed or fetched yet (none for local files)."""
