@@ -58,10 +58,9 @@ __all__ = ["DeepSpeedUniversalSource", "UniversalEntry"]
 
 @dataclass(frozen=True)
 class UniversalEntry:
-    """One ``zero/<fqn>/<kind>.pt`` file: its tensor and the dict's other entries (``cat_dim``,
-    ``vocab_tensor``; empty for a bare tensor such as ``step.pt``)."""
+    """One ``zero/<fqn>/<kind>.pt`` file (its path: ``archive.path``): its tensor and the dict's
+    other entries (``cat_dim``, ``vocab_tensor``; empty for a bare tensor such as ``step.pt``)."""
 
-    path: str
     archive: TorchArchive
     t: TensorRef
     entries: dict[str, Any]
@@ -143,7 +142,7 @@ def _read(b: ArchiveIndex, zero: str, fqn: str, kind: str) -> UniversalEntry | N
             f"(it knows {', '.join(_ENTRY_KEYS)}); an unread key could change what the tensor is"
         )
     b.add_archive(a)
-    return UniversalEntry(f, a, t, entries)
+    return UniversalEntry(a, t, entries)
 
 
 # The keys ds_to_universal writes beside a merged tensor (deepspeed.checkpoint.constants:
@@ -168,8 +167,8 @@ def _data_parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> lis
             and not (e.t.size == (math.prod(shape),) and e.t.stride == (1,))
         ):
             raise CheckpointFormatError(
-                f"{e.path}: a tensor of shape {list(e.t.size)}, expected {list(shape)} from "
-                "param_shapes"
+                f"{e.archive.path}: a tensor of shape {list(e.t.size)}, expected {list(shape)} "
+                "from param_shapes"
             )
         return e
 
@@ -384,12 +383,12 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
             cat = e.entries.get("cat_dim")
             if sl is not None and sl.cat_dim is not None and cat is not None and cat != sl.cat_dim:
                 raise CheckpointFormatError(
-                    f"{e.path}: cat_dim {cat!r}, but universal_checkpoint_info joins {fqn!r} "
-                    f"along dimension {sl.cat_dim} ({sl.rule})"
+                    f"{e.archive.path}: cat_dim {cat!r}, but universal_checkpoint_info joins "
+                    f"{fqn!r} along dimension {sl.cat_dim} ({sl.rule})"
                 )
             if e.t.size != full and _padded(e, full) is None:
                 raise CheckpointFormatError(
-                    f"{e.path}: a tensor of shape {list(e.t.size)}, expected {list(full)}: "
+                    f"{e.archive.path}: a tensor of shape {list(e.t.size)}, expected {list(full)}: "
                     f"param_shapes' {list(shape)} of {tp} tensor-parallel rank(s) joined as "
                     "universal_checkpoint_info says"
                 )
