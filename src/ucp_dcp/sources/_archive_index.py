@@ -32,6 +32,16 @@ from .base import Source
 
 __all__ = ["ArchiveIndex", "ArchiveSource"]
 
+_Path = tuple[str | int, ...]
+"""Where a record nests in the state dict (``("optim", "state", fqn, "exp_avg")``); its key is
+the components joined with dots, as the format requires
+(:func:`~ucp_dcp.format.schema.check_paths`)."""
+
+
+def _key(path: _Path) -> str:
+    """The key of the record nested at ``path``."""
+    return ".".join(map(str, path))
+
 
 @dataclass(frozen=True)
 class _Operand:
@@ -58,10 +68,9 @@ class ArchiveIndex:
         self.file_of: dict[int, int] = {}
         self.tensors: dict[str, TensorRecord] = {}
         self.values: dict[str, Any] = {}
-        self.paths: dict[str, tuple[str | int, ...]] = {}
-        # key -> rank -> (op, dtype, slice shape, chunks in the slice): tensors to merge
-        self.operands: dict[str, dict[int, _Operand]]
-        self.operands = {}
+        self.paths: dict[str, _Path] = {}
+        # The tensors merged from all their slices: key -> tensor-parallel rank -> its slice.
+        self.operands: dict[str, dict[int, _Operand]] = {}
         self.merges: MergeFile | None = None
         for a in archives:
             self.add_archive(a)
@@ -72,17 +81,18 @@ class ArchiveIndex:
         self.file_of[id(archive)] = len(self.archives)
         self.archives.append(archive)
 
-    def alias(self, key: str, path: tuple[str | int, ...], owner: str) -> None:
-        """``key`` (nested at ``path``) has the same bytes as ``owner`` (a tied parameter), unless
+    def alias(self, path: _Path, owner: _Path) -> None:
+        """The key at ``path`` has the same bytes as ``owner``'s (a tied parameter), unless
         recorded itself."""
-        if owner in self.tensors and key not in self.tensors:
-            self.tensors[key] = self.tensors[owner]
+        key, owner_key = _key(path), _key(owner)
+        if owner_key in self.tensors and key not in self.tensors:
+            self.tensors[key] = self.tensors[owner_key]
             self.paths[key] = path
 
-    def value(self, key: str, path: tuple[str | int, ...], obj: Any) -> None:
-        """``key`` (nested at ``path``) is the value ``obj``."""
-        self.values[key] = obj
-        self.paths[key] = path
+    def value(self, path: _Path, obj: Any) -> None:
+        """The key at ``path`` is the value ``obj``."""
+        self.values[_key(path)] = obj
+        self.paths[_key(path)] = path
 
     def index(self, world_size: int, root: str, ranks: Sequence[int]) -> Index:
         """The records: one file per archive (named relative to ``root``, written by
@@ -109,33 +119,31 @@ class ArchiveIndex:
 
     def whole(
         self,
-        key: str,
-        path: tuple[str | int, ...],
+        path: _Path,
         archive: TorchArchive,
         t: TensorRef,
         shape: tuple[int, ...],
         what: str,
     ) -> None:
-        """``key`` is tensor ``t`` itself (viewed as ``shape``)."""
+        """The key at ``path`` is tensor ``t`` itself (viewed as ``shape``)."""
         loc = self.location(archive, t, 0, math.prod(shape), what)
-        self.add(key, path, t.dtype, shape, [ChunkRecord(Box((0,) * len(shape), shape), loc)])
+        self.add(path, t.dtype, shape, [ChunkRecord(Box((0,) * len(shape), shape), loc)])
 
     def flat(
         self,
-        key: str,
-        path: tuple[str | int, ...],
+        path: _Path,
         shape: tuple[int, ...],
         segs: list[Segment],
         buffer_of: Callable[[Segment], tuple[TorchArchive, TensorRef]],
         what: str,
         place: TPSlice | None = None,
     ) -> None:
-        """``key`` of ``shape`` lies in flat buffers: ``buffer_of(seg)`` gives ``(archive, tensor)``
-        of a segment.
+        """The key at ``path``, of ``shape``, lies in flat buffers: ``buffer_of(seg)`` gives
+        ``(archive, tensor)`` of a segment.
 
         With ``place`` (a tensor-parallel slice of ``shape``, laid out as ``place.local``: the
         same elements), the boxes go where it puts them in its full tensor, added to the chunks
-        other slices gave ``key``.
+        other slices gave the key.
         """
         if place is not None:
             shape = place.local
@@ -151,45 +159,43 @@ class ArchiveIndex:
             for box, off in segment_boxes(shape, seg):
                 chunks += self._chunk(archive, t, box, off, what, place)
         # An empty parameter has no element stored anywhere, and no chunks.
-        self._record(key, path, dtype or torch.float32, shape, chunks, place)
+        self._record(path, dtype or torch.float32, shape, chunks, place)
 
     def placed_whole(
         self,
-        key: str,
-        path: tuple[str | int, ...],
+        path: _Path,
         archive: TorchArchive,
         t: TensorRef,
         place: TPSlice,
         what: str,
     ) -> None:
         """Tensor ``t``, a tensor-parallel slice (laid out as ``place.local``), put where
-        ``place`` says in ``key``."""
+        ``place`` says in the key at ``path``."""
         box = Box((0,) * len(place.local), tuple(place.local))
         chunks = self._chunk(archive, t, box, 0, what, place)
-        self._record(key, path, t.dtype, place.local, chunks, place)
+        self._record(path, t.dtype, place.local, chunks, place)
 
     def _record(
         self,
-        key: str,
-        path: tuple[str | int, ...],
+        path: _Path,
         dtype: torch.dtype,
         shape: tuple[int, ...],
         chunks: list[ChunkRecord],
         place: TPSlice | None,
     ) -> None:
-        """``chunks`` of ``key`` (of ``shape``): the whole tensor, or with ``place`` a slice's,
-        added to the chunks other slices gave ``key``; where ``key`` is merged from all its
-        slices (``place.merge``), the chunks (boxes of the slice) are slice ``place.rank``'s
+        """``chunks`` of the key at ``path`` (of ``shape``): the whole tensor, or with ``place`` a
+        slice's, added to the chunks other slices gave the key; where the key is merged from all
+        its slices (``place.merge``), the chunks (boxes of the slice) are slice ``place.rank``'s
         operand, recorded by :meth:`finish_merges`."""
         if place is None:
-            self.add(key, path, dtype, shape, chunks)
+            self.add(path, dtype, shape, chunks)
         elif place.merge:
-            self.operands.setdefault(key, {})[place.rank] = _Operand(
+            self.operands.setdefault(_key(path), {})[place.rank] = _Operand(
                 place.merge, dtype, tuple(place.local), chunks
             )
-            self.paths[key] = path
+            self.paths[_key(path)] = path
         else:
-            self.extend(key, path, dtype, place.full_shape, chunks)
+            self.extend(path, dtype, place.full_shape, chunks)
 
     def finish_merges(self, degree: int, where: str) -> None:
         """Record each merged tensor (computed from its ``degree`` slices) as a byte range of
@@ -223,7 +229,7 @@ class ArchiveIndex:
             box = Box((0,) * len(shape), shape)
             loc = Location(file, offset, merged.nbytes, "")
             chunks = [ChunkRecord(box, loc)] if merged.nbytes else []
-            self.add(key, self.paths[key], dtype, shape, chunks)
+            self.add(self.paths[key], dtype, shape, chunks)
             offset += merged.nbytes
         self.merges = MergeFile(file, tensors, where)
 
@@ -246,16 +252,16 @@ class ArchiveIndex:
 
     def extend(
         self,
-        key: str,
-        path: tuple[str | int, ...],
+        path: _Path,
         dtype: torch.dtype,
         shape: tuple[int, ...],
         chunks: list[ChunkRecord],
     ) -> None:
-        """Add ``chunks`` to ``key`` (recorded with ``dtype`` and ``shape`` if new)."""
+        """Add ``chunks`` to the key at ``path`` (recorded with ``dtype`` and ``shape`` if new)."""
+        key = _key(path)
         rec = self.tensors.get(key)
         if rec is None:
-            self.add(key, path, dtype, shape, chunks)
+            self.add(path, dtype, shape, chunks)
             return
         if rec.dtype != dtype or tuple(rec.shape) != tuple(shape):
             raise CheckpointFormatError(
@@ -266,14 +272,13 @@ class ArchiveIndex:
 
     def add(
         self,
-        key: str,
-        path: tuple[str | int, ...],
+        path: _Path,
         dtype: torch.dtype,
         shape: tuple[int, ...],
         chunks: list[ChunkRecord],
     ) -> None:
-        self.tensors[key] = TensorRecord(dtype, tuple(shape), None, False, chunks=chunks)
-        self.paths[key] = path
+        self.tensors[_key(path)] = TensorRecord(dtype, tuple(shape), None, False, chunks=chunks)
+        self.paths[_key(path)] = path
 
 
 class ArchiveSource(Source):

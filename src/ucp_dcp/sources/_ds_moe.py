@@ -61,31 +61,6 @@ class ExpertLayout:
             return [e * edp + d for d in range(edp)]
         return [d * ep + e for d in range(edp)]
 
-    def writer(self, expert: tuple[int, int]) -> int:
-        """The rank that wrote an expert file: expert-data-parallel rank 0 of its expert's
-        expert-parallel rank."""
-        layer, gid = expert
-        ep = self.layer_ep.get(layer)
-        if ep is None:  # no trainable expert in this layer: nothing says which rank wrote it
-            return 0
-        return self.ranks(ep, gid // (self.num_experts[layer] // ep))[0]
-
-    def global_name(self, local_name: str, e: int) -> str:
-        """``param_shapes``' name of local expert ``i`` (an expert parameter of a known layer)
-        -> the name of global expert ``e * E_local + i``."""
-        m = _EXPERT_NAME.fullmatch(local_name)
-        assert m is not None, local_name  # expert_layout checked every moe group's names
-        layer = self.layers[m.group(1)]
-        local = self.num_experts[layer] // self.layer_ep[layer]
-        i = int(m.group(2))
-        if i >= local:
-            raise CheckpointFormatError(
-                f"{self.folder}: {local_name!r} in param_shapes is local expert {i}, but MoE "
-                f"layer {layer} has {self.num_experts[layer]} experts over "
-                f"{self.layer_ep[layer]} expert-parallel ranks ({local} each)"
-            )
-        return f"{m.group(1)}{EXPERTS_INFIX}{e * local + i}.{m.group(3)}"
-
     def parts(self, m0: ModelStates, g: int) -> list[tuple[list[int], int | None]]:
         """How optimizer group ``g`` (``m0.param_shapes[g]``) lies over the ranks: ``(ranks,
         expert-parallel rank)`` of each partitioning, once per expert-parallel rank for a group
@@ -102,21 +77,23 @@ class ExpertLayout:
         return [(list(range(self.world)), None)]
 
     def expert_name(self, local_name: str, e: int, shape: tuple[int, ...]) -> str:
-        """:meth:`global_name` of ``local_name`` on expert-parallel rank ``e``, checked to be in
-        its expert file with ``shape``."""
-        name = self.global_name(local_name, e)
-        self._check_in_file(name, shape)
-        return name
-
-    def writers(self) -> list[int]:
-        """The writing rank of each expert file, in the order of :attr:`files`."""
-        return [self.writer(k) for k in self.files]
-
-    def _check_in_file(self, name: str, shape: tuple[int, ...]) -> None:
-        m = _EXPERT_NAME.fullmatch(name)
-        assert m is not None
-        key = (self.layers[m.group(1)], int(m.group(2)))
-        archive, entries = self.files[key]
+        """``param_shapes``' name of local expert ``i`` (``local_name``, an expert parameter of a
+        known layer) on expert-parallel rank ``e`` -> the name of global expert ``e * E_local +
+        i``, checked to be in its expert file with ``shape``."""
+        m = _EXPERT_NAME.fullmatch(local_name)
+        assert m is not None, local_name  # expert_layout checked every moe group's names
+        layer = self.layers[m.group(1)]
+        local = self.num_experts[layer] // self.layer_ep[layer]
+        i = int(m.group(2))
+        if i >= local:
+            raise CheckpointFormatError(
+                f"{self.folder}: {local_name!r} in param_shapes is local expert {i}, but MoE "
+                f"layer {layer} has {self.num_experts[layer]} experts over "
+                f"{self.layer_ep[layer]} expert-parallel ranks ({local} each)"
+            )
+        gid = e * local + i
+        name = f"{m.group(1)}{EXPERTS_INFIX}{gid}.{m.group(3)}"
+        archive, entries = self.files[(layer, gid)]
         t = entries.get(name)
         if t is None or tuple(t.size) != tuple(shape):
             got = "no such entry" if t is None else f"a {tuple(t.size)} entry"
@@ -124,6 +101,19 @@ class ExpertLayout:
                 f"{archive.path}: expected {name!r} of shape {tuple(shape)} (param_shapes of the "
                 f"model states, local expert name renumbered), found {got}"
             )
+        return name
+
+    def writers(self) -> list[int]:
+        """The rank that wrote each expert file, in the order of :attr:`files`: expert-data-parallel
+        rank 0 of its expert's expert-parallel rank."""
+        out = []
+        for layer, gid in self.files:
+            ep = self.layer_ep.get(layer)
+            # A layer with no trainable expert: nothing says which rank wrote its files.
+            out.append(
+                0 if ep is None else self.ranks(ep, gid // (self.num_experts[layer] // ep))[0]
+            )
+        return out
 
 
 def _refuse_other_moe_files(folder: str, names: list[str]) -> None:
@@ -142,8 +132,9 @@ def _refuse_other_moe_files(folder: str, names: list[str]) -> None:
 
 def _expert_files(
     files: DSFiles, names: list[str], num_experts: list[int] | None, model_path: str
-) -> dict[tuple[int, int], str]:
-    """The expert files by (MoE layer id, global expert), every expert of every layer present."""
+) -> tuple[dict[tuple[int, int], str], dict[int, int]]:
+    """The expert files by (MoE layer id, global expert), every expert of every layer present,
+    and each layer's expert count."""
     found: dict[tuple[int, int], str] = {}
     for n in names:
         if m := EXPERT_FILE.fullmatch(n):
@@ -177,7 +168,7 @@ def _expert_files(
             f"{files.directory}: {found[extra[0]]} is beyond the {counts} experts per MoE layer "
             f"of num_experts in {model_path}"
         )
-    return {k: files.folder.path_of(n) for k, n in sorted(found.items())}
+    return {k: files.folder.path_of(n) for k, n in sorted(found.items())}, dict(enumerate(counts))
 
 
 def _ep_sizes(optims: list[RankOptim], world: int) -> dict[int, int]:
@@ -246,7 +237,7 @@ def expert_layout(
             f"{files.directory}: optimizer groups {sorted(ep_size)} hold experts (marked moe), but "
             "there is no layer_<L>_expert_<G>_mp_rank_00_model_states.pt file"
         )
-    paths = _expert_files(files, names, num, m0.archive.path)
+    paths, counts = _expert_files(files, names, num, m0.archive.path)
     with archive_pool(folder, len(paths)) as pool:
         read = list(pool.map(lambda p: read_layer_states(p, folder), paths.values()))
     experts = dict(zip(paths, read))
@@ -264,9 +255,6 @@ def expert_layout(
                     f"{archive.path}: MoE module {m.group(1)!r} is in the files of MoE layers "
                     f"{layers[m.group(1)]} and {layer}"
                 )
-    counts: dict[int, int] = {}
-    for layer, gid in paths:
-        counts[layer] = max(counts.get(layer, 0), gid + 1)
     layer_ep: dict[int, int] = {}
     for g, ep in ep_size.items():
         for fqn in m0.param_shapes[g] if g < len(m0.param_shapes) else ():

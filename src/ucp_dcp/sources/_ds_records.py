@@ -29,6 +29,7 @@ from ..byteio.location import ModelDir, StoreDir
 from ..core.sharding import Box, flat_range_boxes
 from ..errors import CheckpointFormatError, LayoutError
 from ..format.schema import is_index_list, is_int
+from ._ds_tp import INFO_KEYS
 from ._pickle import Inert, TensorRef
 from ._torch_archive import TorchArchive, read_torch_archive
 
@@ -81,37 +82,35 @@ def zero12_segments(
     out: list[list[Segment]] = []
     o = 0
     for n in numels:
-        out.append(_split(o, o + n, bounds, lambda k: k, o, buffer))
+        out.append(_split(o, o + n, bounds, o, buffer=buffer))
         o += n
     return out
-
-
-def _held_by(rank: int) -> Callable[[int], int]:
-    """``rank_of`` for buffers all held by ``rank``."""
-    return lambda _buffer: rank
 
 
 def _split(
     a: int,
     b: int,
     bounds: Sequence[int],
-    rank_of: Callable[[int], int],
     base: int,
-    buffer: int | None,
     first: int = 0,
+    *,
+    rank: int | None = None,
+    buffer: int | None = None,
 ) -> list[Segment]:
     """Cut positions ``[a, b)`` of concatenated buffers (``bounds``: their cumulative starts) at
     buffer ends.
 
-    Element ``pos`` is parameter element ``pos - base + first``; segment ``k``
-    goes to rank ``rank_of(k)`` and buffer ``buffer`` (or ``k`` when None).
+    Element ``pos`` is parameter element ``pos - base + first``. The piece in the ``k``-th
+    buffer goes to ``rank`` and ``buffer``, ``k`` standing for the one that is None: ZeRO-1/2's
+    buffers are the ranks' partitions of one group, ZeRO-3's one rank's sub-group buffers.
     """
     segs = []
     while a < b:
         k = bisect.bisect_right(bounds, a) - 1
         e = min(b, bounds[k + 1])
+        r = k if rank is None else rank
         buf = k if buffer is None else buffer
-        segs.append(Segment(rank_of(k), buf, a - bounds[k], a - base + first, e - base + first))
+        segs.append(Segment(r, buf, a - bounds[k], a - base + first, e - base + first))
         a = e
     return segs
 
@@ -141,7 +140,7 @@ def zero3_segments(
         for r in range(world_size):
             a, b = r * ps, min((r + 1) * ps, n)
             if a < b:
-                segs += _split(q, q + b - a, bounds, _held_by(r), q, None, a)
+                segs += _split(q, q + b - a, bounds, q, a, rank=r)
         out.append(segs)
         q += ps
     return out
@@ -183,13 +182,11 @@ class RankOptim:
     archive: TorchArchive
     stage: int
     fp32: list[TensorRef]  # ZeRO-1/2: one partition per group; ZeRO-3: one buffer per sub-group
-    state: dict[
-        int, dict[str, Any]
-    ]  # inner optimizer state per flat buffer (moments are TensorRefs)
+    # The inner optimizer's state per flat buffer (moments are TensorRefs).
+    state: dict[int, dict[str, Any]]
     param_groups: list[dict[str, Any]]  # inner optimizer groups; "params" lists flat buffer numbers
-    paddings: list[int] = field(
-        default_factory=list
-    )  # ZeRO-1/2: this rank's padding at the end of each group
+    # ZeRO-1/2: this rank's padding at the end of each group.
+    paddings: list[int] = field(default_factory=list)
 
 
 def _need(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -301,7 +298,7 @@ def read_model_states(path: str, folder: ModelDir | None = None) -> ModelStates:
         list(buffers),
         dp,
         raw_module is None,
-        sd.get("universal_checkpoint_info"),
+        sd.get(INFO_KEYS["UNIVERSAL_CHECKPOINT_INFO"]),
         tp,
     )
 
@@ -330,7 +327,7 @@ def read_rank_optim(path: str, bf16_optimizer: bool, folder: ModelDir | None = N
     osd = _need(a.obj, "optimizer_state_dict", dict, path)
     where = f"{path}: optimizer_state_dict"
     if "fp32_flat_groups" in osd:
-        stage = _stage(osd.get("zero_stage", 3), f"{where}")
+        stage = _stage(osd.get("zero_stage", 3), where)
         fp32 = _need(osd, "fp32_flat_groups", list, where)
         inner = _need(osd, "optimizer_state_dict", dict, where)
         paddings: list[int] = []

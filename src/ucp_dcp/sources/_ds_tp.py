@@ -784,7 +784,7 @@ def tp_rules(info: Any, where: str, params: list[str], user: tuple[TPRule, ...] 
     rows = info.get(_K["ORIGINAL_VOCAB_SIZE"])
     if rows is not None and not (is_int(rows) and rows > 0):
         raise CheckpointFormatError(
-            f"{where}: {_INFO}['original_vocab_size'] {rows!r} is not a positive integer"
+            f"{where}: {_INFO}[{_K['ORIGINAL_VOCAB_SIZE']!r}] {rows!r} is not a positive integer"
         )
     unsupported = info.get(_AUTOTP_UNSUPPORTED) or {}
     if not isinstance(unsupported, dict) or not all(isinstance(p, str) for p in unsupported):

@@ -57,9 +57,8 @@ class TorchArchive:
     path: str
     obj: Any
     size: int
-    records: dict[str, tuple[int, int]] = field(
-        default_factory=dict
-    )  # storage key -> (absolute start, nbytes)
+    # Storage key -> (absolute start, nbytes).
+    records: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def byte_range(self, t: TensorRef, what: str) -> tuple[int, int]:
         """``(absolute start, nbytes)`` of dense tensor ``t``; an error naming ``what`` if it is not
@@ -181,7 +180,7 @@ def read_torch_archive(
     if store is not None:
         name = store.name_of(path)
         obj = _ObjectFile(store, name, store.size(name) if size is None else size)
-        return _read_archive(obj, path, obj.size, purpose, obj.read_at, obj)
+        return _read_archive(obj, path, obj.size, purpose, obj.read_at)
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -191,7 +190,7 @@ def read_torch_archive(
         def read_at(offset: int, n: int) -> bytes:
             return os.pread(f.fileno(), n, offset)
 
-        return _read_archive(f, path, os.fstat(f.fileno()).st_size, purpose, read_at, None)
+        return _read_archive(f, path, os.fstat(f.fileno()).st_size, purpose, read_at)
 
 
 def _read_archive(
@@ -200,10 +199,10 @@ def _read_archive(
     size: int,
     purpose: PurposeName,
     read_at: Callable[[int, int], bytes],
-    obj: _ObjectFile | None,
 ) -> TorchArchive:
-    """The archive open as ``f`` (a local file, or an :class:`_ObjectFile` ``obj`` that fetches
-    ahead)."""
+    """The archive open as ``f``: a local file, or an :class:`_ObjectFile`, which fetches ahead
+    what will be read."""
+    obj = f if isinstance(f, _ObjectFile) else None
     with archive_errors(path):
         zf = zipfile.ZipFile(f)
         if obj is not None:
@@ -215,7 +214,7 @@ def _read_archive(
         obj.fetch([(zi.header_offset, zi.header_offset + _LOCAL_HEADER) for zi in infos.values()])
     records: dict[str, tuple[int, int]] = {}
     for key, zi in infos.items():
-        start = stored_record_start(read_at, zi, f"{path}")
+        start = stored_record_start(read_at, zi, path)
         if start + zi.file_size > size:
             raise CheckpointFormatError(
                 f"{path}: storage record data/{key} runs past the end of the file"

@@ -72,15 +72,20 @@ def zero3_frozen(
     segs = zero3_segments([math.prod(shape)], world, [ps])[0]
 
     def frag(seg: Segment) -> tuple[TorchArchive, TensorRef]:
-        m = models[seg.rank]
-        t = m.frozen_fragments.get(fqn)
-        if t is None:
-            raise CheckpointFormatError(
-                f"{m.archive.path}: no frozen_param_fragments entry for {fqn!r}"
-            )
-        return m.archive, t
+        return models[seg.rank].archive, _frozen_fragment(models[seg.rank], fqn)
 
-    b.flat(f"model.{fqn}", ("model", fqn), shape, segs, frag, f"frozen parameter {fqn!r}")
+    b.flat(("model", fqn), shape, segs, frag, f"frozen parameter {fqn!r}")
+
+
+def _frozen_fragment(m: ModelStates, fqn: str) -> TensorRef:
+    """Frozen parameter ``fqn``'s entry in the ``frozen_param_fragments`` of model states ``m``
+    (its whole tensor, or under ZeRO-3 the rank's padded slice)."""
+    t = m.frozen_fragments.get(fqn)
+    if t is None:
+        raise CheckpointFormatError(
+            f"{m.archive.path}: no frozen_param_fragments entry for {fqn!r}"
+        )
+    return t
 
 
 def record_param(
@@ -96,7 +101,6 @@ def record_param(
     ``optim.state.<fqn>.*``: its per-element moments laid out the same way, plus the step
     (``place``: ``shape`` is that tensor-parallel slice of them)."""
     b.flat(
-        f"model.{fqn}",
         ("model", fqn),
         shape,
         segs,
@@ -106,7 +110,6 @@ def record_param(
     )
     st0 = optims[0].state.get(first_buffer, {})
     for name, v in st0.items():
-        key = f"optim.state.{fqn}.{name}"
         path = ("optim", "state", fqn, name)
         if name in _SCALAR_STATE or (isinstance(v, TensorRef) and not v.size):
             if not isinstance(v, TensorRef):
@@ -115,7 +118,7 @@ def record_param(
                     f"{first_buffer} is a "
                     f"{type(v).__name__}, not a tensor"
                 )
-            b.whole(key, path, optims[0].archive, v, (), f"{name} of flat buffer {first_buffer}")
+            b.whole(path, optims[0].archive, v, (), f"{name} of flat buffer {first_buffer}")
             continue
         if not isinstance(v, TensorRef):
             continue
@@ -134,7 +137,7 @@ def record_param(
                 )
             return o.archive, t
 
-        b.flat(key, path, shape, segs, buffer_of, f"{name} of {fqn!r}", place)
+        b.flat(path, shape, segs, buffer_of, f"{name} of {fqn!r}", place)
 
 
 # keep(fqn, shape): whether to record a parameter here, and as which tensor-parallel slice.
@@ -183,7 +186,7 @@ def alias_tied(b: ArchiveIndex, models: Iterable[ModelStates]) -> None:
     """``model.<tied>`` of each of the models' ``shared_params``: the bytes of its owner."""
     for m in models:
         for tied, owner in m.shared.items():
-            b.alias(f"model.{tied}", ("model", tied), f"model.{owner}")
+            b.alias(("model", tied), ("model", owner))
 
 
 def recorded_names(b: ArchiveIndex) -> set[str]:
@@ -273,16 +276,13 @@ def place_entries(
             name = prefix + entry
             if name in skip or first_file.setdefault(name, f.index) != f.index:
                 continue  # the fp32 master weight (or a tied alias), or a tied layer's copy
-            key, path, what = f"model.{name}", ("model", name), f"{kind} {entry!r}"
+            path, what = ("model", name), f"{kind} {entry!r}"
             sl = rules.slice_of(name, f.rank, tp, t.size) if rules is not None else None
-            if sl is None or (sl.replicated and sl.full_shape == sl.local):
+            if sl is None or sl.merge == "replica":  # the same on every rank: rank 0's
                 if f.rank == 0:
-                    b.whole(key, path, f.archive, t, t.size, what)
-            elif sl.replicated:
-                if f.rank == 0:
-                    b.placed_whole(key, path, f.archive, t, sl, what)
-            else:
-                b.placed_whole(key, path, f.archive, t, sl, what)
+                    b.whole(path, f.archive, t, t.size, what)
+            elif f.rank == 0 or not sl.replicated:  # a replicated vocabulary is cut from rank 0's
+                b.placed_whole(path, f.archive, t, sl, what)
 
 
 def check_placed(
@@ -542,25 +542,16 @@ class DeepSpeedSource(ArchiveSource):
             )
         for g, (grp, fqns) in enumerate(zip(o.param_groups, groups)):
             for hp, v in grp.items():
-                b.value(
-                    f"optim.param_groups.{g}.{hp}",
-                    ("optim", "param_groups", g, hp),
-                    fqns if hp == "params" else v,
-                )
+                b.value(("optim", "param_groups", g, hp), fqns if hp == "params" else v)
 
     def _frozen_and_buffers(self, b: ArchiveIndex, models: list[ModelStates]) -> None:
         m0 = models[0]
         for fqn, shape in m0.frozen_shapes.items():
-            key, path, what = f"model.{fqn}", ("model", fqn), f"frozen parameter {fqn!r}"
             if self.stage == 3:
                 zero3_frozen(b, models, fqn, shape)
             else:
-                t = m0.frozen_fragments.get(fqn)
-                if t is None:
-                    raise CheckpointFormatError(
-                        f"{m0.archive.path}: no frozen_param_fragments entry for {fqn!r}"
-                    )
-                b.whole(key, path, m0.archive, t, shape, what)
+                t = _frozen_fragment(m0, fqn)
+                b.whole(("model", fqn), m0.archive, t, shape, f"frozen parameter {fqn!r}")
         # Buffers, and parameters known only from the module state dict
         # (frozen parameters of ZeRO-1, which records no fragments). Under
         # ZeRO-3 the module holds empty placeholders for parameters.

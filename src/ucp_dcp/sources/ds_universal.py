@@ -13,7 +13,6 @@ slices' shapes by the checkpoint's ``universal_checkpoint_info``
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Callable
@@ -36,13 +35,14 @@ from ._ds_files import (
 )
 from ._ds_records import (
     ModelStates,
+    read_archive,
     read_layer_states,
     read_model_states,
     tp_slice_totals,
 )
-from ._ds_tp import TPSlice, tp_rules
+from ._ds_tp import INFO_KEYS, TPSlice, tp_rules
 from ._pickle import TensorRef
-from ._torch_archive import TorchArchive, read_torch_archive
+from ._torch_archive import TorchArchive
 from .base import SourceOptions, register
 from .deepspeed import (
     EntryFile,
@@ -58,10 +58,9 @@ __all__ = ["DeepSpeedUniversalSource", "UniversalEntry"]
 
 @dataclass(frozen=True)
 class UniversalEntry:
-    """One ``zero/<fqn>/<kind>.pt`` file: its tensor and the dict's other entries (``cat_dim``,
-    ``vocab_tensor``; empty for a bare tensor such as ``step.pt``)."""
+    """One ``zero/<fqn>/<kind>.pt`` file (its path: ``archive.path``): its tensor and the dict's
+    other entries (``cat_dim``, ``vocab_tensor``; empty for a bare tensor such as ``step.pt``)."""
 
-    path: str
     archive: TorchArchive
     t: TensorRef
     entries: dict[str, Any]
@@ -103,7 +102,7 @@ class DeepSpeedUniversalSource(ArchiveSource):
         else:
             groups = _data_parallel(b, models, zero)
         for g, names in enumerate(groups):
-            b.value(f"optim.param_groups.{g}.params", ("optim", "param_groups", g, "params"), names)
+            b.value(("optim", "param_groups", g, "params"), names)
         super().__init__(path, b, 1, [0] * len(b.archives))
 
     @classmethod
@@ -129,7 +128,7 @@ def _read(b: ArchiveIndex, zero: str, fqn: str, kind: str) -> UniversalEntry | N
     f = os.path.join(zero, fqn, f"{kind}.pt")
     if not os.path.isfile(f):
         return None
-    a = read_torch_archive(f, "deepspeed")
+    a = read_archive(f)
     entries = a.obj if isinstance(a.obj, dict) else {}
     t = entries.get("param") if isinstance(a.obj, dict) else a.obj
     if not isinstance(t, TensorRef):
@@ -143,7 +142,7 @@ def _read(b: ArchiveIndex, zero: str, fqn: str, kind: str) -> UniversalEntry | N
             f"(it knows {', '.join(_ENTRY_KEYS)}); an unread key could change what the tensor is"
         )
     b.add_archive(a)
-    return UniversalEntry(f, a, t, entries)
+    return UniversalEntry(a, t, entries)
 
 
 # The keys ds_to_universal writes beside a merged tensor (deepspeed.checkpoint.constants:
@@ -168,8 +167,8 @@ def _data_parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> lis
             and not (e.t.size == (math.prod(shape),) and e.t.stride == (1,))
         ):
             raise CheckpointFormatError(
-                f"{e.path}: a tensor of shape {list(e.t.size)}, expected {list(shape)} from "
-                "param_shapes"
+                f"{e.archive.path}: a tensor of shape {list(e.t.size)}, expected {list(shape)} "
+                "from param_shapes"
             )
         return e
 
@@ -184,7 +183,7 @@ def _data_parallel(b: ArchiveIndex, models: list[ModelStates], zero: str) -> lis
             continue
         if got is None:
             raise CheckpointFormatError(f"{zero}: no {fqn}/fp32.pt for parameter {fqn!r}")
-        b.whole(f"model.{fqn}", ("model", fqn), got.archive, got.t, shape, f"parameter {fqn!r}")
+        _record_entry(b, ("model", fqn), got, shape, f"parameter {fqn!r}")
         if fqn in shapes:
 
             def state(
@@ -224,11 +223,10 @@ def _moments(
     fqn: str,
     one: Callable[[str], UniversalEntry | None],
     shape: tuple[int, ...],
-    place: Callable[[UniversalEntry], TPSlice | None] | None = None,
 ) -> frozenset[str]:
     """``optim.state.<fqn>.{exp_avg,exp_avg_sq,step}`` of a parameter of the optimizer (``one``
-    reads and checks one file, None if absent; ``place``: a cut of the tensor, vocabulary
-    padding stripped); the kinds its folder holds.
+    reads and checks one file, None if absent; the moments are of ``shape``,
+    :func:`_record_entry`); the kinds its folder holds.
 
     A folder with some of the files ``ds_to_universal`` writes together but not all (one
     moment without the other, ``step.pt`` without both) is refused, naming it and the missing
@@ -249,17 +247,24 @@ def _moments(
     for kind, e in got.items():
         if e is None:
             continue
-        key, path, what = (
-            f"optim.state.{fqn}.{kind}",
-            ("optim", "state", fqn, kind),
-            f"{kind} of {fqn!r}",
-        )
-        cut = place(e) if place is not None and kind != "step" else None
-        if cut is not None:
-            b.placed_whole(key, path, e.archive, e.t, cut, what)
+        path, what = ("optim", "state", fqn, kind), f"{kind} of {fqn!r}"
+        if kind == "step":
+            b.whole(path, e.archive, e.t, e.t.size, what)
         else:
-            b.whole(key, path, e.archive, e.t, e.t.size if kind == "step" else shape, what)
+            _record_entry(b, path, e, shape, what)
     return has
+
+
+def _record_entry(
+    b: ArchiveIndex, path: tuple[str, ...], e: UniversalEntry, shape: tuple[int, ...], what: str
+) -> None:
+    """The tensor of file ``e`` as the key at ``path``, of ``shape``: a ``vocab_tensor`` that
+    still holds padding rows cut to ``shape`` (:func:`_padded`)."""
+    cut = _padded(e, shape)
+    if cut is not None:
+        b.placed_whole(path, e.archive, e.t, cut, what)
+    else:
+        b.whole(path, e.archive, e.t, shape, what)
 
 
 def _check_groups(
@@ -346,7 +351,8 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
     info = m0.universal_info
     rules = (
         tp_rules(info, m0.archive.path, sorted(local))
-        if tp > 1 or (isinstance(info, dict) and info.get("vocabulary_parameter_patterns"))
+        if tp > 1
+        or (isinstance(info, dict) and info.get(INFO_KEYS["VOCABULARY_PARAMETER_PATTERNS"]))
         else None
     )
 
@@ -356,7 +362,7 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
         if rules is None or rules.is_averaged(fqn):
             return None  # averaged by ds_to_universal: the slice's shape
         sl = rules.slice_of(fqn, 0, tp, shape, totals.get(fqn))
-        return None if sl.replicated and sl.full_shape == sl.local else sl
+        return None if sl.merge == "replica" else sl
 
     present: dict[str, frozenset[str]] = {}
     fulls: dict[str, tuple[int, ...]] = {}
@@ -377,12 +383,12 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
             cat = e.entries.get("cat_dim")
             if sl is not None and sl.cat_dim is not None and cat is not None and cat != sl.cat_dim:
                 raise CheckpointFormatError(
-                    f"{e.path}: cat_dim {cat!r}, but universal_checkpoint_info joins {fqn!r} "
-                    f"along dimension {sl.cat_dim} ({sl.rule})"
+                    f"{e.archive.path}: cat_dim {cat!r}, but universal_checkpoint_info joins "
+                    f"{fqn!r} along dimension {sl.cat_dim} ({sl.rule})"
                 )
             if e.t.size != full and _padded(e, full) is None:
                 raise CheckpointFormatError(
-                    f"{e.path}: a tensor of shape {list(e.t.size)}, expected {list(full)}: "
+                    f"{e.archive.path}: a tensor of shape {list(e.t.size)}, expected {list(full)}: "
                     f"param_shapes' {list(shape)} of {tp} tensor-parallel rank(s) joined as "
                     "universal_checkpoint_info says"
                 )
@@ -391,14 +397,9 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
         e = one("fp32")
         if e is None:
             raise CheckpointFormatError(f"{zero}: no {fqn}/fp32.pt for parameter {fqn!r}")
-        key, path, what = f"model.{fqn}", ("model", fqn), f"parameter {fqn!r}"
-        cut = _padded(e, full)
-        if cut is not None:
-            b.placed_whole(key, path, e.archive, e.t, cut, what)
-        else:
-            b.whole(key, path, e.archive, e.t, full, what)
+        _record_entry(b, ("model", fqn), e, full, f"parameter {fqn!r}")
         fulls[fqn] = full
-        present[fqn] = _moments(b, zero, fqn, one, full, functools.partial(_padded, full=full))
+        present[fqn] = _moments(b, zero, fqn, one, full)
     # Each stage's optimizer groups (tensor-parallel rank 0's names, as ``local``'s).
     stage_groups: dict[tuple[int, int], list[str]] = {}
     for mi in range(0, len(models), tp):

@@ -36,7 +36,6 @@ __all__ = [
     "HF_INDEX_NAME",
     "HF_CONFIG_FILES",
     "find_hf_files",
-    "looks_like_hf",
 ]
 
 HF_WEIGHTS_NAME = "model.safetensors"
@@ -61,17 +60,6 @@ HF_CONFIG_FILES = (
 # Native data files are safetensors too: never mistake a directory of them
 # (say, one whose index was lost) for a Hugging Face model.
 _NATIVE_DATA_FILE = re.compile(r"rank\d{5}-.*\.safetensors")
-
-
-def looks_like_hf(d: ModelDir) -> bool:
-    """Whether directory view ``d`` is a Hugging Face safetensors model (by names alone)."""
-    if d.is_file(HF_WEIGHTS_NAME) or d.is_file(HF_INDEX_NAME):
-        return True
-    names = d.list()
-    if any(n.endswith(".safetensors.index.json") for n in names):
-        return True
-    st = [n for n in names if n.endswith(".safetensors")]
-    return len(st) == 1 and not _NATIVE_DATA_FILE.fullmatch(st[0])
 
 
 def find_hf_files(d: ModelDir, named: str | None = None) -> tuple[list[str], dict[str, str] | None]:
@@ -197,10 +185,16 @@ class HFSource(Source):
     @classmethod
     def detect_dir(cls, d: ModelDir) -> bool:
         """``model.safetensors``, a ``*.safetensors.index.json``, or one such file named
-        directly."""
+        directly (by names alone)."""
         if d.named is not None:
             return d.named.endswith((".safetensors", ".safetensors.index.json"))
-        return looks_like_hf(d)
+        if d.is_file(HF_WEIGHTS_NAME) or d.is_file(HF_INDEX_NAME):
+            return True
+        names = d.list()
+        if any(n.endswith(".safetensors.index.json") for n in names):
+            return True
+        st = [n for n in names if n.endswith(".safetensors")]
+        return len(st) == 1 and not _NATIVE_DATA_FILE.fullmatch(st[0])
 
     @classmethod
     def open_dir(cls, d: ModelDir, options: SourceOptions) -> HFSource:

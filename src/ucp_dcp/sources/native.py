@@ -67,9 +67,8 @@ class NativeSource(Source):
         super().__init__(d.where, index, [d.path_of(f.name) for f in index.files])
         self.store = d.store
         self._headers: dict[int, FileHeader] = {}
-        self._objects: dict[
-            int, ObjectAccess
-        ] = {}  # made under _lock by header(), which the sums read first
+        # Made under _lock by header(), which the sums read first.
+        self._objects: dict[int, ObjectAccess] = {}
         # Per file: (block size, every block checksum, first checksum of the entry at each offset),
         # or None.
         self._block_sums: dict[int, tuple[int, np.ndarray, dict[int, int]] | None] = {}
@@ -140,7 +139,7 @@ class NativeSource(Source):
             objs = [self._object(f) for f in files]
         return [o for o in objs if o is not None]
 
-    # -------------------------------------------- first requests (dcp._first_requests)
+    # -------------------------------------------- first requests (dcp.read_once.first_requests)
     def first_requests(self, chunks: Sequence[tuple[str, int]], values: Sequence[str]) -> list[int]:
         """In object storage, the data files a load of ``chunks`` and ``values`` reads whose
         header is not parsed or fetched yet (none for local files)."""
