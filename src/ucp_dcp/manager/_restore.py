@@ -27,7 +27,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..byteio.integrity import bytes_digest
-from ..byteio.location import LocalDir
 from ..byteio.objstore import is_url
 from ..dcp import PlannedRead, ReadOptions, UCPLoadPlanner, UCPStorageReader, collector_paused
 from ..dcp.placement import PlacementReport
@@ -292,7 +291,7 @@ class Restorer(GroupWorker):
         try:
             self.persistent.fetch(step, cand.marker.names, dest)
             where = f"step {step} from {self.persistent.url}"
-            problems = check_copy(cand.marker, dest, LocalDir(dest).sizes(), held=None, where=where)
+            problems = check_copy(cand.marker, dest, held=None, where=where)
             if problems:
                 raise CheckpointFormatError("; ".join(problems))
             tier.commit(dest, cand.marker)

@@ -21,7 +21,7 @@ from functools import partial
 from typing import Any
 
 from ...byteio.durable import fsync_path, replace_via_temp
-from ...byteio.location import LocalDir, ModelDir
+from ...byteio.location import ModelDir
 from ...errors import CheckpointFormatError, InvalidArgumentError
 from .marker import MARKER_FILE, CommitMarker, check_copy, check_name, check_step
 
@@ -151,14 +151,12 @@ class Tier(ABC):
             return [f"{where}: {e}"]
         expected = None if held is None else set(held(marker))
         if self.local:
-            return check_copy(
-                marker, self.step_path(step), self.files(step), held=expected, where=where
-            )
+            return check_copy(marker, self.step_path(step), held=expected, where=where)
         with tempfile.TemporaryDirectory(
             prefix=f"ucp-verify-{step}-", ignore_cleanup_errors=True
         ) as tmp:
             self.fetch(step, marker.names, tmp)
-            return check_copy(marker, tmp, LocalDir(tmp).sizes(), held=expected, where=where)
+            return check_copy(marker, tmp, held=expected, where=where)
 
     # ------------------------------------------------------------ writing
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...byteio.integrity import file_digest
+from ...byteio.location import LocalDir
 from ...errors import CheckpointFormatError, InvalidArgumentError
 from ...format.schema import is_int, is_plain_file_name
 from ...tools.checkpoint import Checkpoint
@@ -341,24 +342,20 @@ class CommitMarker:
 
 
 def check_copy(
-    marker: CommitMarker,
-    path: str,
-    present: Mapping[str, int],
-    *,
-    held: Collection[str] | None,
-    where: str,
+    marker: CommitMarker, path: str, *, held: Collection[str] | None, where: str
 ) -> list[str]:
     """Problems of the copy of ``marker.step`` in local directory ``path`` ([] = intact), each
     line starting with ``where``.
 
-    ``present`` names the files the copy holds (name -> size). Whole-file xxh3-128 digests against
-    the marker (catches any flipped byte, header and padding included), then, for a damaged data
-    file, every chunk checksum to name the tensors hit. ``held``: the files the copy is expected
+    Whole-file xxh3-128 digests of the files there against the marker (catches any flipped byte,
+    header and padding included), then, for a damaged data file, every chunk checksum to name the
+    tensors hit. ``held``: the files the copy is expected
     to hold (a node's share of a node-local tier; None: all of them); others it holds are checked
     too.
     """
     problems: list[str] = []
     damaged = False
+    present = LocalDir(path).sizes()
     for d in marker.files:
         own = held is None or d.name in held
         who = "the index" if d.rank == -1 else f"written by rank {d.rank}"
