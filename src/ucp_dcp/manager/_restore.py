@@ -484,9 +484,7 @@ class Restorer(GroupWorker):
         lay = self.layout
 
         def read() -> dict[str, Any]:
-            return serve(
-                small, lay.rank, lay.world_size, lay.node_of, path, self._read_options(path)
-            )
+            return serve(small, lay, path, self._read_options(path))
 
         got: dict[str, Any] = {}
         parts = self.group.agree("reading small keys", read, step=small.step, restoring=True)
