@@ -27,13 +27,14 @@ from .marker import MARKER_FILE, CommitMarker, check_copy, check_name, check_ste
 
 __all__ = ["Tier", "step_dir_name", "check_token"]
 
-_TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
+TOKEN_PATTERN = r"[A-Za-z0-9_-]{1,64}"
+"""A staging token (:func:`check_token`), as it appears in the tiers' directory names."""
 
 
 def check_token(token: Any) -> str:
     """``token`` itself if it is 1-64 characters of ``[A-Za-z0-9_-]``;
     :class:`~ucp_dcp.errors.InvalidArgumentError` (a ``ValueError``) otherwise."""
-    if not isinstance(token, str) or not _TOKEN_RE.match(token):
+    if not isinstance(token, str) or not re.fullmatch(TOKEN_PATTERN, token):
         raise InvalidArgumentError(f"token must be 1-64 characters of [A-Za-z0-9_-], got {token!r}")
     return token
 
