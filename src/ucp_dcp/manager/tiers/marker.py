@@ -97,12 +97,6 @@ class FileDigest:
         """JSON form used inside the marker."""
         return {"name": self.name, "size": self.size, "xxh3": self.xxh3, "rank": self.rank}
 
-    def differs(self, path: str) -> tuple[int, str] | None:
-        """The size and xxh3-128 of local file ``path`` where they are not the recorded ones; None
-        where they are."""
-        got = file_digest(path)
-        return None if got == (self.size, self.xxh3) else got
-
 
 @dataclass(frozen=True)
 class CommitMarker:
@@ -363,9 +357,8 @@ def check_copy(
             if own:
                 problems.append(f"{where}: {d.name} ({who}) is missing")
             continue
-        got = d.differs(os.path.join(path, d.name))
-        if got is not None:
-            size, digest = got
+        size, digest = file_digest(os.path.join(path, d.name))
+        if (size, digest) != (d.size, d.xxh3):
             damaged = True
             problems.append(
                 f"{where}: {d.name} ({who}) is corrupt: {size} bytes with xxh3-128 {digest}, "
