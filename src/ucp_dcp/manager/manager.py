@@ -269,9 +269,8 @@ class CheckpointManager:
                 continue
             found = True
             # A node-local tier holds this node's share of the files (and its partner's).
-            node_local = t is not self.persistent
             held = partial(self._layout.held_files, peer=self.config.peer_replication)
-            problems += t.verify(step, held=held if node_local else None)
+            problems += t.verify(step, held=held if t is self.local else None)
         if not found:
             problems.append(
                 f"step {step}: not committed in {', '.join(t.name for t in tiers) or 'any tier'}"
