@@ -32,7 +32,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..byteio.integrity import bytes_digest, file_digest
+from ..byteio.integrity import file_digest
 from ..dcp import UCPSavePlanner, UCPStorageWriter
 from ..dcp.slowest import SlowestRecord
 from ..errors import CheckpointSaveError
@@ -161,14 +161,12 @@ class SavePipeline(GroupWorker):
             raise CheckpointSaveError(step, describe(e)) from e
 
         def digest_mine() -> list[FileDigest]:
-            # This rank's one data file, if it had anything to write (the staging is fresh).
+            # This rank's one data file, if it had anything to write (the staging is fresh), and
+            # rank 0's index.
             name = data_file_name(lay.rank, writer.save_id)
-            mine = [name] if os.path.exists(os.path.join(path, name)) else []
-            out = [FileDigest(n, *file_digest(os.path.join(path, n)), lay.rank) for n in mine]
-            if lay.rank == 0:
-                data = Path(path, INDEX_FILE).read_bytes()
-                out.append(FileDigest(INDEX_FILE, len(data), bytes_digest(data), -1))
-            return out
+            mine = [(name, lay.rank)] if os.path.exists(os.path.join(path, name)) else []
+            mine += [(INDEX_FILE, -1)] if lay.rank == 0 else []
+            return [FileDigest(n, *file_digest(os.path.join(path, n)), r) for n, r in mine]
 
         digests = group.agree("hashing the written files", digest_mine, step=step)
         files = sorted((d for ds in group.gather(digests) for d in ds), key=lambda d: d.name)
