@@ -207,7 +207,7 @@ class LocalTier(Tier):
         self._dir(staging).write_atomic(MARKER_FILE, marker.encode())
         final = self.step_path(step)
         if os.path.lexists(final):
-            # 3a. Re-save of step N: swap atomically where the OS can. A crash
+            # 2a. Re-save of step N: swap atomically where the OS can. A crash
             #     before the swap: old step-N intact. After it: step-N is the
             #     new committed dir, the old one sits under the .tmp- name and
             #     cleanup() removes it.
@@ -215,29 +215,29 @@ class LocalTier(Tier):
                 fsync_path(self.url)  # the swap is durable before the old copy goes
                 _remove_dir(staging)
                 return
-            # 3b. Fallback: two renames. Crash after the first one: step-N is
+            # 2b. Fallback: two renames. Crash after the first one: step-N is
             #     missing, .old-step-N-<token> holds the complete old step
             #     (with its marker) and cleanup() renames it back, since
             #     step-N is missing. Other steps are never touched.
             old = self._aside("old", step)
             os.rename(final, old)
-            # 4. Crash after this rename but before the root fsync: either
+            # 3. Crash after this rename but before the root fsync: either
             #    rename may be lost on power failure, leaving one of the
             #    states above or the new step-N; all are handled.
             os.rename(staging, final)
-            # 5. fsync root: both renames are durable before the old copy is
+            # 4. fsync root: both renames are durable before the old copy is
             #    removed; without it a power loss could bring back a state
             #    with step-N missing and a half-removed .old dir.
             fsync_path(self.url)
-            # 6. Remove the old copy, marker first: a crash mid-way leaves a
+            # 5. Remove the old copy, marker first: a crash mid-way leaves a
             #    .old dir without marker, which cleanup() removes and never
             #    restores; step-N is committed anyway.
             _remove_dir(old)
         else:
-            # 3. New step: one rename makes it visible (atomic). A crash
+            # 2. New step: one rename makes it visible (atomic). A crash
             #    before: .tmp- leftover; after: committed step N.
             os.rename(staging, final)
-            # 4. fsync root: the new step survives power loss once commit returns.
+            # 3. fsync root: the new step survives power loss once commit returns.
             fsync_path(self.url)
 
     def delete(self, step: int) -> None:
