@@ -216,8 +216,13 @@ class Restorer(GroupWorker):
             return _Loadable(path, index, small=small)
         elif self.persistent.local:
             path = self.persistent.step_path(cand.step)
-        elif self.local is not None:
-            path = self._download_into_local(cand, f"f{token}")
+        elif self.local is not None:  # every node copies it into its local tier first
+            self._agree(
+                f"fetching step {cand.step} from {self.persistent.url}",
+                lambda: self._copy_to_local(cand, f"f{token}") if self.layout.is_leader else None,
+                cand,
+            )
+            path = self.local.step_path(cand.step)  # the next restore of it is local
         else:
             tmp = tempfile.mkdtemp(prefix=f"ucp-restore-{cand.step}-")
             self._agree(
@@ -391,17 +396,6 @@ class Restorer(GroupWorker):
         order; only leaders list)."""
         lay = self.layout
         return [frozenset(listed[n * lay.ranks_per_node]) for n in range(lay.num_nodes)]
-
-    def _download_into_local(self, cand: Candidate, token: str) -> str:
-        """:meth:`_copy_to_local` on every node, before the load (the next restore is local); the
-        step's local path."""
-        self._agree(
-            f"fetching step {cand.step} from {self.persistent.url}",
-            lambda: self._copy_to_local(cand, token) if self.layout.is_leader else None,
-            cand,
-        )
-        assert self.local is not None
-        return self.local.step_path(cand.step)
 
     def _check_index(self, path: str, cand: Candidate) -> bytes:
         """The index's bytes, which must match the marker's digest (a flipped byte there could
