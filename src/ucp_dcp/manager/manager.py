@@ -367,12 +367,11 @@ class CheckpointManager:
         return ([self.local] if self.local is not None else []) + [self.persistent]
 
     def _startup_cleanup(self) -> None:
-        if self._layout.rank == 0:
-            for line in self.persistent.cleanup():
-                log.info("%s", line)
+        for tier in self._tiers():
+            if self._pipeline.acts_for(tier):
+                for line in tier.cleanup():
+                    log.info("%s", line)
         if self.local is not None and self._layout.is_leader:
-            for line in self.local.cleanup():
-                log.info("%s", line)
             for s in self.local.steps():
                 clean_partials(self.local.step_path(s))
 
