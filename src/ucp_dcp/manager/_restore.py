@@ -198,11 +198,6 @@ class Restorer(GroupWorker):
             and is_url(self.persistent.url)
         )
 
-    def refills(self, cand: Candidate) -> bool:
-        """Whether the local tier should be refilled with ``cand`` (loaded directly from the
-        persistent tier)."""
-        return self.local is not None and self.direct(cand)
-
     def _prepare(self, cand: Candidate, token: str, state: Mapping[str, Any]) -> _Loadable:
         """Make ``cand`` loadable on every rank: its location, the storage options to read it with,
         its checked index, a clean-up (``state``: what the load reads into, which decides the

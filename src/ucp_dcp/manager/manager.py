@@ -241,7 +241,7 @@ class CheckpointManager:
         self.wait()
         token = self._token()
         cand, self.last_restore = self._restorer.restore(state, step, token)
-        if self._restorer.refills(cand):
+        if self.local is not None and self._restorer.direct(cand):
             # Loaded straight from the object store: copy it into the local tier
             # behind the training loop, in order with later saves.
             with self._lock:
