@@ -32,7 +32,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..byteio.integrity import bytes_digest, file_digest
+from ..byteio.integrity import file_digest
 from ..dcp import UCPSavePlanner, UCPStorageWriter
 from ..dcp.slowest import SlowestRecord
 from ..errors import CheckpointSaveError
@@ -92,7 +92,7 @@ class SavePipeline(GroupWorker):
     def _write_and_commit(
         self, job: SaveJob
     ) -> tuple[CommitMarker, list[str], SlowestRecord | None]:
-        state, step, agree, lay = job.staged.state, job.step, self.group.agree, self.layout
+        step, agree, lay = job.step, self.group.agree, self.layout
         committed: list[str] = []
         src: str | None = None  # a local directory holding this rank's files of the step
         slowest: SlowestRecord | None = None  # the dcp.save's slowest rank
@@ -100,32 +100,34 @@ class SavePipeline(GroupWorker):
         if "local" in job.tiers:
             local = self.local
             assert local is not None
-            staging = local.staging_path(step, job.token)
-            marker, slowest = self._write(job, state, local, staging, per_node=True)
-            if self.config.peer_replication and lay.num_nodes > 1:
-                agree("peer replication", lambda: self._replicate(staging, marker), step=step)
+            staging = self._begin(job, local)
+            marker, slowest = self._write(job, staging)
+            if lay.num_nodes > 1:
+                self._put_index(step, local, staging)
+                if self.config.peer_replication:
+                    agree("peer replication", lambda: self._replicate(staging, marker), step=step)
             held = lay.held_files(marker, peer=self.config.peer_replication)
             agree(
                 "local commit",
-                lambda: local.commit(staging, marker, held=held) if lay.is_leader else None,
+                lambda: local.commit(staging, marker, held=held) if self.acts_for(local) else None,
                 step=step,
             )
             committed.append("local")
             src = local.step_path(step)
         if "persistent" in job.tiers:
-            if src is None and self.persistent.local:
-                staging = self.persistent.staging_path(step, job.token)
-                marker, slowest = self._write(job, state, self.persistent, staging, per_node=False)
+            persistent = self.persistent
+            if src is None and persistent.local:
+                staging = self._begin(job, persistent)
+                marker, slowest = self._write(job, staging)
             else:
-                if (
-                    src is None
-                ):  # a remote tier and no local one: write to a scratch dir, then upload
+                if src is None:
+                    # A remote tier and no local one: write to a scratch dir, then upload.
                     scratch = src = tempfile.mkdtemp(prefix=f"ucp-scratch-{step}-")
-                    marker, slowest = self._write(job, state, None, scratch, per_node=False)
+                    marker, slowest = self._write(job, scratch)
                 staging = self._upload(job, src, marker)
             agree(
                 "persistent commit",
-                lambda: self.persistent.commit(staging, marker) if lay.rank == 0 else None,
+                lambda: persistent.commit(staging, marker) if self.acts_for(persistent) else None,
                 step=step,
             )
             committed.append("persistent")
@@ -133,23 +135,24 @@ class SavePipeline(GroupWorker):
             shutil.rmtree(scratch, ignore_errors=True)
         return marker, committed, slowest
 
-    def _write(
-        self, job: SaveJob, state: Any, tier: Tier | None, path: str, *, per_node: bool
-    ) -> tuple[CommitMarker, SlowestRecord | None]:
-        """dcp.save the staged state into ``path``; return the commit marker (digests of every
-        file) and the save's slowest rank."""
+    def _begin(self, job: SaveJob, tier: Tier) -> str:
+        """Create ``tier``'s staging location of ``job`` (the rank that acts for the tier does);
+        return it."""
+        self.group.agree(
+            f"creating the staging location in {tier.url}",
+            lambda: tier.begin(job.step, job.token) if self.acts_for(tier) else None,
+            step=job.step,
+        )
+        return tier.staging_path(job.step, job.token)
+
+    def _write(self, job: SaveJob, path: str) -> tuple[CommitMarker, SlowestRecord | None]:
+        """dcp.save the staged state into local directory ``path``; return the commit marker
+        (digests of every file) and the save's slowest rank."""
         step, lay, group = job.step, self.layout, self.group
-        creator = lay.is_leader if per_node else lay.rank == 0
-        if tier is not None:
-            group.agree(
-                "creating the staging directory",
-                lambda: tier.begin(step, job.token) if creator else None,
-                step=step,
-            )
         writer = UCPStorageWriter(path, placement_digests=self.config.placement_digests)
         try:
             dcp.save(
-                dict(state),
+                dict(job.staged.state),
                 storage_writer=writer,
                 planner=UCPSavePlanner(),
                 process_group=group.pg,
@@ -158,14 +161,12 @@ class SavePipeline(GroupWorker):
             raise CheckpointSaveError(step, describe(e)) from e
 
         def digest_mine() -> list[FileDigest]:
-            # This rank's one data file, if it had anything to write (the staging is fresh).
+            # This rank's one data file, if it had anything to write (the staging is fresh), and
+            # rank 0's index.
             name = data_file_name(lay.rank, writer.save_id)
-            mine = [name] if os.path.exists(os.path.join(path, name)) else []
-            out = [FileDigest(n, *file_digest(os.path.join(path, n)), lay.rank) for n in mine]
-            if lay.rank == 0:
-                data = Path(path, INDEX_FILE).read_bytes()
-                out.append(FileDigest(INDEX_FILE, len(data), bytes_digest(data), -1))
-            return out
+            mine = [(name, lay.rank)] if os.path.exists(os.path.join(path, name)) else []
+            mine += [(INDEX_FILE, -1)] if lay.rank == 0 else []
+            return [FileDigest(n, *file_digest(os.path.join(path, n)), r) for n, r in mine]
 
         digests = group.agree("hashing the written files", digest_mine, step=step)
         files = sorted((d for ds in group.gather(digests) for d in ds), key=lambda d: d.name)
@@ -174,20 +175,20 @@ class SavePipeline(GroupWorker):
         )
         # One creation time on every rank; the save's slowest rank, which only its coordinator
         # (rank 0) learnt, comes along.
-        marker, slowest = group.bcast((marker, writer.slowest))
-        if per_node and lay.num_nodes > 1:
-            # Every node's directory gets the index, so that it is a complete
-            # description of the checkpoint wherever the data files end up.
-            index = group.bcast(Path(path, INDEX_FILE).read_bytes() if lay.rank == 0 else None)
+        return group.bcast((marker, writer.slowest))
 
-            def put_index() -> None:
-                if lay.is_leader and lay.rank != 0:
-                    assert tier is not None
-                    assert index is not None  # rank 0's bytes
-                    tier.put_bytes(path, INDEX_FILE, index)
+    def _put_index(self, step: int, tier: Tier, staging: str) -> None:
+        """Copy rank 0's index into every node's ``staging`` of node-local ``tier``, so that each
+        is a complete description of the checkpoint wherever the data files end up."""
+        lay = self.layout
+        index = self.group.bcast(Path(staging, INDEX_FILE).read_bytes() if lay.rank == 0 else None)
 
-            group.agree("replicating the index", put_index, step=step)
-        return marker, slowest
+        def put_index() -> None:
+            if lay.is_leader and lay.rank != 0:
+                assert index is not None  # rank 0's bytes
+                tier.put_bytes(staging, INDEX_FILE, index)
+
+        self.group.agree("replicating the index", put_index, step=step)
 
     def _replicate(self, staging: str, marker: CommitMarker) -> None:
         """Copy the partner node's data files (:attr:`NodeLayout.partner`) into this node's
@@ -205,12 +206,7 @@ class SavePipeline(GroupWorker):
         """Copy this rank's files of the step from local ``src`` into the persistent tier's staging;
         return it."""
         step, rank = job.step, self.layout.rank
-        self.group.agree(
-            "creating the persistent staging location",
-            lambda: self.persistent.begin(step, job.token) if rank == 0 else None,
-            step=step,
-        )
-        staging = self.persistent.staging_path(step, job.token)
+        staging = self._begin(job, self.persistent)
 
         def put_mine() -> None:
             for d in marker.files:

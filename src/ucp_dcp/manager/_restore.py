@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +27,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..byteio.integrity import bytes_digest
-from ..byteio.location import LocalDir
 from ..byteio.objstore import is_url
-from ..dcp import PlannedRead, ReadOptions, UCPLoadPlanner, UCPStorageReader, collector_paused
-from ..dcp.placement import PlacementReport
-from ..dcp.read_once import ReadOnceDecision
-from ..dcp.slowest import SlowestRecord
+from ..dcp import (
+    LoadReport,
+    PlannedRead,
+    ReadOptions,
+    UCPLoadPlanner,
+    UCPStorageReader,
+    collector_paused,
+)
 from ..errors import CheckpointFormatError, CheckpointRestoreError, NoCheckpointError
 from ..format import INDEX_FILE
 from ._collective import GroupWorker, describe
@@ -105,10 +108,11 @@ class _Loadable:
 
     path: str
     """A local directory or a URL."""
+    index: bytes
+    """Its index, read and checked against the marker: the load parses these bytes (no second
+    read)."""
     storage_options: dict[str, Any] | None = None
     """For a URL: fsspec's options."""
-    known_files: Mapping[str, bytes] = field(default_factory=dict)
-    """Files already read and checked (the index), which the load need not fetch again."""
     done: Callable[[], None] = lambda: None
     """Run after the load, whatever its outcome."""
     small: SmallReads | None = None
@@ -140,7 +144,7 @@ class Restorer(GroupWorker):
             try:
                 ready = self._prepare(cand, token, state)
                 try:
-                    verified, read, once, slowest, placement = self._load_from(ready, state)
+                    done = self._load_from(ready, state)
                 finally:
                     ready.done()
             except (Exception, CheckpointException) as e:
@@ -161,11 +165,11 @@ class Restorer(GroupWorker):
                 cand.tier,
                 time.perf_counter() - t0,
                 tuple(attempts),
-                verified,
-                read,
-                once,
-                slowest,
-                placement,
+                done.verified_bytes,
+                done.bytes_requested,
+                done.read_once,
+                done.slowest,
+                done.placement,
             )
         raise CheckpointRestoreError("no copy of any candidate step could be restored:", attempts)
 
@@ -194,26 +198,26 @@ class Restorer(GroupWorker):
             and is_url(self.persistent.url)
         )
 
-    def refills(self, cand: Candidate) -> bool:
-        """Whether the local tier should be refilled with ``cand`` (loaded directly from the
-        persistent tier)."""
-        return self.local is not None and self.direct(cand)
-
     def _prepare(self, cand: Candidate, token: str, state: Mapping[str, Any]) -> _Loadable:
         """Make ``cand`` loadable on every rank: its location, the storage options to read it with,
-        its checked index (None: the reader reads it), a clean-up (``state``: what the load
-        reads into, which decides the files a node-local copy must have)."""
+        its checked index, a clean-up (``state``: what the load reads into, which decides the
+        files a node-local copy must have)."""
         if self.direct(cand):
             assert isinstance(self.persistent, FsspecTier)
             url, index = self._check_remote(cand)
-            return _Loadable(url, self.persistent.store.storage_options, {INDEX_FILE: index})
+            return _Loadable(url, index, self.persistent.store.storage_options)
         if cand.tier == "local":
             path, index, small = self._repair_local(cand, f"r{token}", state)
-            return _Loadable(path, known_files={INDEX_FILE: index}, small=small)
+            return _Loadable(path, index, small=small)
         elif self.persistent.local:
             path = self.persistent.step_path(cand.step)
-        elif self.local is not None:
-            path = self._download_into_local(cand, f"f{token}")
+        elif self.local is not None:  # every node copies it into its local tier first
+            self._agree(
+                f"fetching step {cand.step} from {self.persistent.url}",
+                lambda: self._copy_to_local(cand, f"f{token}") if self.layout.is_leader else None,
+                cand,
+            )
+            path = self.local.step_path(cand.step)  # the next restore of it is local
         else:
             tmp = tempfile.mkdtemp(prefix=f"ucp-restore-{cand.step}-")
             self._agree(
@@ -221,10 +225,9 @@ class Restorer(GroupWorker):
                 lambda: self.persistent.fetch(cand.step, cand.marker.names, tmp),
                 cand,
             )
-            index = self._check_index(tmp, cand)
             done = functools.partial(shutil.rmtree, tmp, ignore_errors=True)
-            return _Loadable(tmp, known_files={INDEX_FILE: index}, done=done)
-        return _Loadable(path, known_files={INDEX_FILE: self._check_index(path, cand)})
+            return _Loadable(tmp, self._check_index(tmp, cand), done=done)
+        return _Loadable(path, self._check_index(path, cand))
 
     def _check_remote(self, cand: Candidate) -> tuple[str, bytes]:
         """The URL of ``cand``'s persistent copy and its index's bytes, after checking it against
@@ -292,7 +295,7 @@ class Restorer(GroupWorker):
         try:
             self.persistent.fetch(step, cand.marker.names, dest)
             where = f"step {step} from {self.persistent.url}"
-            problems = check_copy(cand.marker, dest, LocalDir(dest).sizes(), held=None, where=where)
+            problems = check_copy(cand.marker, dest, held=None, where=where)
             if problems:
                 raise CheckpointFormatError("; ".join(problems))
             tier.commit(dest, cand.marker)
@@ -389,17 +392,6 @@ class Restorer(GroupWorker):
         lay = self.layout
         return [frozenset(listed[n * lay.ranks_per_node]) for n in range(lay.num_nodes)]
 
-    def _download_into_local(self, cand: Candidate, token: str) -> str:
-        """:meth:`_copy_to_local` on every node, before the load (the next restore is local); the
-        step's local path."""
-        self._agree(
-            f"fetching step {cand.step} from {self.persistent.url}",
-            lambda: self._copy_to_local(cand, token) if self.layout.is_leader else None,
-            cand,
-        )
-        assert self.local is not None
-        return self.local.step_path(cand.step)
-
     def _check_index(self, path: str, cand: Candidate) -> bytes:
         """The index's bytes, which must match the marker's digest (a flipped byte there could
         misdirect every read); the load parses these same bytes (read once, no window between
@@ -425,12 +417,9 @@ class Restorer(GroupWorker):
                 f"bytes, {want.xxh3}): it is corrupt"
             )
 
-    def _load_from(
-        self, ready: _Loadable, state: Mapping[str, Any]
-    ) -> tuple[int, int, ReadOnceDecision | None, SlowestRecord | None, PlacementReport | None]:
+    def _load_from(self, ready: _Loadable, state: Mapping[str, Any]) -> LoadReport:
         """Load ``ready`` (a directory, or a URL read with its storage options; the index it
-        holds already checked); return the verified and read bytes, what the reader's
-        read-once policy decided, the load's slowest rank and its placement check's report."""
+        holds already checked); return the reader's report of the load."""
         options = self._read_options(ready.path)
         reader = UCPStorageReader(
             ready.path,
@@ -440,7 +429,7 @@ class Restorer(GroupWorker):
             # "auto": a copy in an object store, replicas needing the same bytes) runs on it too.
             process_group=self.group.pg,
         )
-        reader.provide_files(ready.known_files)
+        reader.provide_files({INDEX_FILE: ready.index})
         # Python's cyclic collector paused for the whole load, not only while the reader reads
         # (reader.read_data): parsing the index and planning allocate tens of thousands of
         # objects, enough to set off full collections, each walking the training process's whole
@@ -458,14 +447,7 @@ class Restorer(GroupWorker):
         if small is not None:
             put_back(state, target)
             self._through_group(small, ready.path, state)
-        done = reader.last_load
-        return (
-            done.verified_bytes,
-            done.bytes_requested,
-            done.read_once,
-            done.slowest,
-            done.placement,
-        )
+        return reader.last_load
 
     def _read_options(self, path: str) -> ReadOptions:
         """``config.read`` for a load of ``path``: its requests ``config.requests`` unless it names
@@ -485,9 +467,7 @@ class Restorer(GroupWorker):
         lay = self.layout
 
         def read() -> dict[str, Any]:
-            return serve(
-                small, lay.rank, lay.world_size, lay.node_of, path, self._read_options(path)
-            )
+            return serve(small, lay, path, self._read_options(path))
 
         got: dict[str, Any] = {}
         parts = self.group.agree("reading small keys", read, step=small.step, restoring=True)

@@ -23,6 +23,7 @@ from .._compat import flatten_state_dict
 from ..core.values import RankLocal, copy_containers, set_in_place
 from ..dcp import PlannedRead, ReadOptions
 from ..tools.checkpoint import Checkpoint
+from ._collective import NodeLayout
 
 __all__ = ["SMALL_READ_BYTES", "SmallReads", "fill", "put_back", "serve", "small_keys", "without"]
 
@@ -40,10 +41,10 @@ class SmallReads:
     keys: Sequence[Mapping[str, tuple[str, ...]]]
     held: Sequence[frozenset[str]]
 
-    def provider(self, files: tuple[str, ...], node_of: Any, world: int) -> int | None:
+    def provider(self, files: tuple[str, ...], layout: NodeLayout) -> int | None:
         """The lowest rank whose node holds every one of ``files`` (None: no node does)."""
         return next(
-            (r for r in range(world) if set(files) <= self.held[node_of(r)]),
+            (r for r in range(layout.world_size) if set(files) <= self.held[layout.node_of(r)]),
             None,
         )
 
@@ -113,15 +114,16 @@ def put_back(state: Any, loaded: Mapping[str, Any]) -> None:
 
 
 def serve(
-    small: SmallReads, rank: int, world: int, node_of: Any, local_dir: str, options: ReadOptions
+    small: SmallReads, layout: NodeLayout, local_dir: str, options: ReadOptions
 ) -> dict[str, Any]:
-    """The values of the keys this rank provides (those whose files its node holds, for which
-    it is the lowest such rank), read from ``local_dir``: full tensors, or decoded values."""
+    """The values of the keys this rank (of ``layout``) provides (those whose files its node
+    holds, for which it is the lowest such rank), read from ``local_dir``: full tensors, or
+    decoded values."""
     wanted: dict[str, tuple[str, ...]] = {}
     for keys in small.keys:
         wanted.update(keys)
     mine = [
-        k for k, files in sorted(wanted.items()) if small.provider(files, node_of, world) == rank
+        k for k, files in sorted(wanted.items()) if small.provider(files, layout) == layout.rank
     ]
     out: dict[str, Any] = {}
     if mine:
@@ -132,17 +134,14 @@ def serve(
     return out
 
 
-def fill(state: Any, keys: Mapping[str, tuple[str, ...]], got: Mapping[str, Any]) -> int:
+def fill(state: Any, keys: Mapping[str, tuple[str, ...]], got: Mapping[str, Any]) -> None:
     """Put the values ``got`` (key -> full tensor or value) of ``keys`` into ``state``: a plain
-    tensor whole (cast to its dtype), a value at its path; the bytes written into tensors."""
+    tensor whole (cast to its dtype), a value at its path."""
     flat, paths = flatten_state_dict(dict(state))
-    n = 0
     for k in keys:
         target, value = flat[k], got[k]
         if isinstance(target, torch.Tensor):
             with torch.no_grad():
                 target.copy_(value)
-            n += target.numel() * target.element_size()
         else:
             set_in_place(state, paths[k], value)
-    return n

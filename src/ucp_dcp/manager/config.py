@@ -167,7 +167,7 @@ class CheckpointConfig:
         loaded from it directly: each rank fetches only the byte ranges its
         shards need, verified as they arrive, and a configured local tier is
         refilled in the background afterwards. False: the whole step is
-        downloaded to local disk first, then loaded (the way before ranged reads).""",
+        downloaded to local disk first, then loaded.""",
     )
 
     placement_digests: bool = _option(

@@ -241,7 +241,7 @@ class CheckpointManager:
         self.wait()
         token = self._token()
         cand, self.last_restore = self._restorer.restore(state, step, token)
-        if self._restorer.refills(cand):
+        if self.local is not None and self._restorer.direct(cand):
             # Loaded straight from the object store: copy it into the local tier
             # behind the training loop, in order with later saves.
             with self._lock:
@@ -269,9 +269,8 @@ class CheckpointManager:
                 continue
             found = True
             # A node-local tier holds this node's share of the files (and its partner's).
-            node_local = t is not self.persistent
             held = partial(self._layout.held_files, peer=self.config.peer_replication)
-            problems += t.verify(step, held=held if node_local else None)
+            problems += t.verify(step, held=held if t is self.local else None)
         if not found:
             problems.append(
                 f"step {step}: not committed in {', '.join(t.name for t in tiers) or 'any tier'}"
@@ -368,12 +367,11 @@ class CheckpointManager:
         return ([self.local] if self.local is not None else []) + [self.persistent]
 
     def _startup_cleanup(self) -> None:
-        if self._layout.rank == 0:
-            for line in self.persistent.cleanup():
-                log.info("%s", line)
+        for tier in self._tiers():
+            if self._pipeline.acts_for(tier):
+                for line in tier.cleanup():
+                    log.info("%s", line)
         if self.local is not None and self._layout.is_leader:
-            for line in self.local.cleanup():
-                log.info("%s", line)
             for s in self.local.steps():
                 clean_partials(self.local.step_path(s))
 

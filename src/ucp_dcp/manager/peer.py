@@ -78,10 +78,6 @@ def clean_partials(dest_dir: str) -> list[str]:
     return removed
 
 
-def _dedup(names: Iterable[str]) -> list[str]:
-    return list(dict.fromkeys(names))
-
-
 def _local_info(
     src_dir: str | None, available: list[str], dest_dir: str | None, wanted: list[str]
 ) -> tuple[dict[str, int], list[str]]:
@@ -349,8 +345,8 @@ def exchange_files(
         raise InvalidArgumentError(
             f"exchange_files: block_bytes must be positive, got {block_bytes}"
         )
-    available = _dedup(available)
-    wanted = _dedup(wanted)
+    available = list(dict.fromkeys(available))  # each name once, in order
+    wanted = list(dict.fromkeys(wanted))
     sizes, problems = _local_info(src_dir, available, dest_dir, wanted)
 
     if dist.is_initialized():

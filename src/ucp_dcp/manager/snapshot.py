@@ -147,9 +147,8 @@ def _rebuild(
 
 # --------------------------------------------------------------------------- non-finite check
 
-_NO_ISFINITE: set[torch.dtype] = (
-    set()
-)  # dtypes whose isfinite kernel is missing (float8_e4m3fn on CPU)
+# dtypes whose isfinite kernel is missing (float8_e4m3fn on CPU)
+_NO_ISFINITE: set[torch.dtype] = set()
 
 
 def _finite(t: torch.Tensor) -> torch.Tensor:

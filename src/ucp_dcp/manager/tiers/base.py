@@ -21,19 +21,20 @@ from functools import partial
 from typing import Any
 
 from ...byteio.durable import fsync_path, replace_via_temp
-from ...byteio.location import LocalDir, ModelDir
+from ...byteio.location import ModelDir
 from ...errors import CheckpointFormatError, InvalidArgumentError
 from .marker import MARKER_FILE, CommitMarker, check_copy, check_name, check_step
 
 __all__ = ["Tier", "step_dir_name", "check_token"]
 
-_TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
+TOKEN_PATTERN = r"[A-Za-z0-9_-]{1,64}"
+"""A staging token (:func:`check_token`), as it appears in the tiers' directory names."""
 
 
 def check_token(token: Any) -> str:
     """``token`` itself if it is 1-64 characters of ``[A-Za-z0-9_-]``;
     :class:`~ucp_dcp.errors.InvalidArgumentError` (a ``ValueError``) otherwise."""
-    if not isinstance(token, str) or not _TOKEN_RE.match(token):
+    if not isinstance(token, str) or not re.fullmatch(TOKEN_PATTERN, token):
         raise InvalidArgumentError(f"token must be 1-64 characters of [A-Za-z0-9_-], got {token!r}")
     return token
 
@@ -151,14 +152,12 @@ class Tier(ABC):
             return [f"{where}: {e}"]
         expected = None if held is None else set(held(marker))
         if self.local:
-            return check_copy(
-                marker, self.step_path(step), self.files(step), held=expected, where=where
-            )
+            return check_copy(marker, self.step_path(step), held=expected, where=where)
         with tempfile.TemporaryDirectory(
             prefix=f"ucp-verify-{step}-", ignore_cleanup_errors=True
         ) as tmp:
             self.fetch(step, marker.names, tmp)
-            return check_copy(marker, tmp, LocalDir(tmp).sizes(), held=expected, where=where)
+            return check_copy(marker, tmp, held=expected, where=where)
 
     # ------------------------------------------------------------ writing
 

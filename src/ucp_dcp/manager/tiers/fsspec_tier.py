@@ -21,12 +21,12 @@ from ...byteio.location import StoreDir
 from ...byteio.objstore import ObjectStore, protocols
 from ...byteio.requests import RequestPolicy
 from ...errors import CheckpointFormatError, InvalidArgumentError, StorageError
-from .base import Tier, check_token, step_dir_name
+from .base import TOKEN_PATTERN, Tier, check_token, step_dir_name
 from .marker import MARKER_FILE, CommitMarker, check_name, check_step
 
 __all__ = ["FsspecTier", "StepCopy"]
 
-_STEP_TOKEN_RE = re.compile(r"step-(\d{12,})-([A-Za-z0-9_-]{1,64})\Z")
+_STEP_TOKEN_RE = re.compile(rf"step-(\d{{12,}})-{TOKEN_PATTERN}\Z")
 
 
 _OBJECT_STORES = {

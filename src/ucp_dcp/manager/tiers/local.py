@@ -21,15 +21,14 @@ import uuid
 from ...byteio.durable import fsync_file, fsync_path, swap_paths
 from ...byteio.location import LocalDir
 from ...errors import CheckpointFormatError, InvalidArgumentError, StorageError
-from .base import Tier, check_token, step_dir_name
+from .base import TOKEN_PATTERN, Tier, check_token, step_dir_name
 from .marker import MARKER_FILE, CommitMarker
 
 __all__ = ["LocalTier"]
 
 _STEP_RE = re.compile(r"step-(\d{12,})\Z")
-_TMP_RE = re.compile(r"\.tmp-step-(\d{12,})-([A-Za-z0-9_-]{1,64})\Z")
-_OLD_RE = re.compile(r"\.old-step-(\d{12,})-([A-Za-z0-9_-]{1,64})\Z")
-_DEL_RE = re.compile(r"\.del-step-(\d{12,})-([A-Za-z0-9_-]{1,64})\Z")
+_HIDDEN_RE = re.compile(rf"\.(tmp|old|del)-step-(\d{{12,}})-{TOKEN_PATTERN}\Z")
+"""A staging directory (``tmp``), a replaced step's copy (``old``) or a deleted one (``del``)."""
 
 
 def _remove_dir(path: str) -> None:
@@ -166,8 +165,8 @@ class LocalTier(Tier):
         """The step of ``staging`` and its absolute path; it must be a ``begin()`` directory of this
         tier."""
         staging = os.path.abspath(os.fspath(staging))
-        m = _TMP_RE.match(os.path.basename(staging))
-        if m is None or os.path.dirname(staging) != self.url:
+        m = _HIDDEN_RE.match(os.path.basename(staging))
+        if m is None or m.group(1) != "tmp" or os.path.dirname(staging) != self.url:
             raise InvalidArgumentError(
                 f"{self._where()}: {staging} is not a staging directory of this tier "
                 f"(expected {self.url}/.tmp-step-NNNNNNNNNNNN-<token>, as returned by begin())"
@@ -177,7 +176,7 @@ class LocalTier(Tier):
                 errno.ENOENT,
                 f"{self._where()}: staging directory {staging} does not exist (call begin() first)",
             )
-        return int(m.group(1)), staging
+        return int(m.group(2)), staging
 
     def _commit(
         self, step: int, staging: str, marker: CommitMarker, held: frozenset[str] | None
@@ -208,7 +207,7 @@ class LocalTier(Tier):
         self._dir(staging).write_atomic(MARKER_FILE, marker.encode())
         final = self.step_path(step)
         if os.path.lexists(final):
-            # 3a. Re-save of step N: swap atomically where the OS can. A crash
+            # 2a. Re-save of step N: swap atomically where the OS can. A crash
             #     before the swap: old step-N intact. After it: step-N is the
             #     new committed dir, the old one sits under the .tmp- name and
             #     cleanup() removes it.
@@ -216,29 +215,29 @@ class LocalTier(Tier):
                 fsync_path(self.url)  # the swap is durable before the old copy goes
                 _remove_dir(staging)
                 return
-            # 3b. Fallback: two renames. Crash after the first one: step-N is
+            # 2b. Fallback: two renames. Crash after the first one: step-N is
             #     missing, .old-step-N-<token> holds the complete old step
             #     (with its marker) and cleanup() renames it back, since
             #     step-N is missing. Other steps are never touched.
             old = self._aside("old", step)
             os.rename(final, old)
-            # 4. Crash after this rename but before the root fsync: either
+            # 3. Crash after this rename but before the root fsync: either
             #    rename may be lost on power failure, leaving one of the
             #    states above or the new step-N; all are handled.
             os.rename(staging, final)
-            # 5. fsync root: both renames are durable before the old copy is
+            # 4. fsync root: both renames are durable before the old copy is
             #    removed; without it a power loss could bring back a state
             #    with step-N missing and a half-removed .old dir.
             fsync_path(self.url)
-            # 6. Remove the old copy, marker first: a crash mid-way leaves a
+            # 5. Remove the old copy, marker first: a crash mid-way leaves a
             #    .old dir without marker, which cleanup() removes and never
             #    restores; step-N is committed anyway.
             _remove_dir(old)
         else:
-            # 3. New step: one rename makes it visible (atomic). A crash
+            # 2. New step: one rename makes it visible (atomic). A crash
             #    before: .tmp- leftover; after: committed step N.
             os.rename(staging, final)
-            # 4. fsync root: the new step survives power loss once commit returns.
+            # 3. fsync root: the new step survives power loss once commit returns.
             fsync_path(self.url)
 
     def delete(self, step: int) -> None:
@@ -278,17 +277,18 @@ class LocalTier(Tier):
         olds: dict[int, list[tuple[str, CommitMarker | None]]] = {}
         for n in names:
             path = os.path.join(self.url, n)
-            if _TMP_RE.match(n) or _DEL_RE.match(n):
+            m = _HIDDEN_RE.match(n)
+            if m is None:
+                continue
+            if m.group(1) == "old":
+                step = int(m.group(2))
+                olds.setdefault(step, []).append((path, self._committed(path, step)))
+            else:
                 # Never listed, never restored: a save that did not commit (or
                 # whose swapped-out old copy was not removed), or a delete.
                 _remove_dir(path)
-                done.append(
-                    f"removed {path} "
-                    f"({'unfinished save' if n.startswith('.tmp-') else 'unfinished delete'})"
-                )
-            elif m := _OLD_RE.match(n):
-                step = int(m.group(1))
-                olds.setdefault(step, []).append((path, self._committed(path, step)))
+                what = "unfinished save" if m.group(1) == "tmp" else "unfinished delete"
+                done.append(f"removed {path} ({what})")
         for step, cands in sorted(olds.items()):
             final = self.step_path(step)
             restore = None

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...byteio.integrity import file_digest
+from ...byteio.location import LocalDir
 from ...errors import CheckpointFormatError, InvalidArgumentError
 from ...format.schema import is_int, is_plain_file_name
 from ...tools.checkpoint import Checkpoint
@@ -95,12 +96,6 @@ class FileDigest:
     def to_json(self) -> dict[str, Any]:
         """JSON form used inside the marker."""
         return {"name": self.name, "size": self.size, "xxh3": self.xxh3, "rank": self.rank}
-
-    def differs(self, path: str) -> tuple[int, str] | None:
-        """The size and xxh3-128 of local file ``path`` where they are not the recorded ones; None
-        where they are."""
-        got = file_digest(path)
-        return None if got == (self.size, self.xxh3) else got
 
 
 @dataclass(frozen=True)
@@ -341,24 +336,20 @@ class CommitMarker:
 
 
 def check_copy(
-    marker: CommitMarker,
-    path: str,
-    present: Mapping[str, int],
-    *,
-    held: Collection[str] | None,
-    where: str,
+    marker: CommitMarker, path: str, *, held: Collection[str] | None, where: str
 ) -> list[str]:
     """Problems of the copy of ``marker.step`` in local directory ``path`` ([] = intact), each
     line starting with ``where``.
 
-    ``present`` names the files the copy holds (name -> size). Whole-file xxh3-128 digests against
-    the marker (catches any flipped byte, header and padding included), then, for a damaged data
-    file, every chunk checksum to name the tensors hit. ``held``: the files the copy is expected
+    Whole-file xxh3-128 digests of the files there against the marker (catches any flipped byte,
+    header and padding included), then, for a damaged data file, every chunk checksum to name the
+    tensors hit. ``held``: the files the copy is expected
     to hold (a node's share of a node-local tier; None: all of them); others it holds are checked
     too.
     """
     problems: list[str] = []
     damaged = False
+    present = LocalDir(path).sizes()
     for d in marker.files:
         own = held is None or d.name in held
         who = "the index" if d.rank == -1 else f"written by rank {d.rank}"
@@ -366,9 +357,8 @@ def check_copy(
             if own:
                 problems.append(f"{where}: {d.name} ({who}) is missing")
             continue
-        got = d.differs(os.path.join(path, d.name))
-        if got is not None:
-            size, digest = got
+        size, digest = file_digest(os.path.join(path, d.name))
+        if (size, digest) != (d.size, d.xxh3):
             damaged = True
             problems.append(
                 f"{where}: {d.name} ({who}) is corrupt: {size} bytes with xxh3-128 {digest}, "
