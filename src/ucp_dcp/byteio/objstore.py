@@ -18,7 +18,6 @@ place is :mod:`ucp_dcp.byteio.objrange`'s.
 from __future__ import annotations
 
 import asyncio
-import builtins
 import os
 import threading
 from collections import deque
@@ -276,25 +275,21 @@ class ObjectStore:
             return []
         return list(self._sync(self._get_all, ranges))
 
-    def list(self) -> list[str]:
-        """Names of the objects directly under the checkpoint's URL (none if it does not exist)."""
-        return list(self.list_sizes())
-
     def list_sizes(self, under: str = "") -> dict[str, int]:
         """Name -> size of the objects directly under the checkpoint's URL (or under its folder
-        ``under``), from one listing."""
+        ``under``), from one listing (none if it does not exist)."""
         return self._list(under)[0]
 
-    def list_folders(self, under: str = "") -> builtins.list[str]:
+    def list_folders(self, under: str = "") -> list[str]:
         """Names of the folders (prefixes) directly under the checkpoint's URL (or under its folder
         ``under``), from one listing."""
         return self._list(under)[1]
 
-    def _list(self, under: str) -> tuple[dict[str, int], builtins.list[str]]:
+    def _list(self, under: str) -> tuple[dict[str, int], list[str]]:
         """One listing of folder ``under``: its objects' sizes by name, and its folders."""
         path = self.path(under)
 
-        async def ls() -> tuple[dict[str, int], builtins.list[str]]:
+        async def ls() -> tuple[dict[str, int], list[str]]:
             self.fs.invalidate_cache(path)  # a retry must not answer from a cache
             try:
                 entries = await self._afs._ls(path, detail=True)
@@ -684,9 +679,6 @@ class ParallelUpload(StreamedWrite):
     def _collect(self) -> None:
         self._etags.append(self._inflight.popleft().result())
 
-    def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.fs.loop).result()
-
     def _s3(self, method: str, nbytes: int | None, what: str, **kwargs: Any) -> Any:
         """S3 call ``method`` (of ``nbytes`` bytes: 0 for a create or abort, None (the deadline
         cap) for a complete), under the scheduler's deadline and retries; its answer. A small
@@ -696,9 +688,8 @@ class ParallelUpload(StreamedWrite):
         def make(_: Any = None) -> Any:
             return self.fs._call_s3(method, **kwargs)
 
-        return self._run(
-            self.scheduler.run(make, nbytes, where=self.where, what=what, observe=bool(nbytes))
-        )
+        coro = self.scheduler.run(make, nbytes, where=self.where, what=what, observe=bool(nbytes))
+        return asyncio.run_coroutine_threadsafe(coro, self.fs.loop).result()
 
 
 async def _tagged(coro: Any, number: int) -> dict[str, Any]:
