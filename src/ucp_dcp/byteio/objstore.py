@@ -203,7 +203,6 @@ class ObjectStore:
     async def _get_one(self, name: str, start: int | None, end: int | None) -> bytes:
         """One scheduled GET of bytes ``[start, end)`` of ``name`` (all of it by default)."""
         path = self.path(name)
-        ranged = start is not None and end is not None
         n = end - start if start is not None and end is not None else None
 
         def check(data: bytes) -> str | None:
@@ -216,7 +215,7 @@ class ObjectStore:
             n,
             where=self.url_of(name),
             what=f"reading bytes [{start}, {end})" if start is not None else "reading the object",
-            hedge=ranged,
+            hedge=n is not None,  # a ranged GET
             check=check,
         )
 
