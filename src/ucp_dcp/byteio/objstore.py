@@ -536,18 +536,18 @@ class ParallelUpload(StreamedWrite):
         fs: Any,
         path: str,
         *,
-        part_bytes: int = 16 << 20,
-        parallel: int = 4,
+        part_bytes: int,
+        parallel: int,
         scheduler: RequestScheduler,
-        where: str = "",
+        where: str,
     ) -> None:
         self.scheduler = scheduler
-        self.where = where or path
+        self.where = where
         self.fs = fs
         self.path = path
         self.bucket, self.key, _ = fs.split_path(path)
         self.part_bytes = max(part_bytes, _MIN_PART)
-        self.parallel = max(parallel, 1)
+        self.parallel = parallel
         self.closed = False
         self._pending: list[memoryview] = []  # written, not yet cut into a part
         self._pending_bytes = 0
