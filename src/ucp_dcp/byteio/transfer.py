@@ -112,9 +112,7 @@ def extents(parts: Iterable[ChunkRegion]) -> Extents:
     return {f: (np.concatenate(starts[f]), np.concatenate(lengths[f])) for f in starts}
 
 
-def needs_staging(
-    dest: torch.Tensor, src_dtype: torch.dtype, location: Location | None = None
-) -> bool:
+def needs_staging(dest: torch.Tensor, src_dtype: torch.dtype, location: Location) -> bool:
     """Whether ``dest`` cannot be filled in place from bytes of ``src_dtype`` stored at
     ``location``.
 
@@ -128,7 +126,7 @@ def needs_staging(
         or dest.dtype != src_dtype
         or dest.is_conj()
         or dest.is_neg()
-        or bool(location is not None and location.dim_order)
+        or bool(location.dim_order)
     )
 
 
