@@ -26,7 +26,6 @@ from .segments import Segment
 
 __all__ = [
     "HASH_BLOCK",
-    "ChecksumError",
     "file_digest",
     "bytes_digest",
     "hash_range",

@@ -21,10 +21,9 @@ import xxhash
 from ..core.boxes import row_major_strides, runs, slabs
 from ..core.sharding import Box
 from ..core.spans import prefer_span, region_starts, span_of, span_slabs
-from ..errors import UnsupportedValueError
+from ..errors import ChecksumError, UnsupportedValueError
 from ..format import Location
 from .blocksums import ChunkCheck, read_verified
-from .integrity import ChecksumError
 from .rangeio import MAX_REQUEST_BYTES, ByteSource, Extents, MappedSpan, storage_view
 from .segments import Segment
 
@@ -632,7 +631,7 @@ def read_checked_many(
 
     A location with no checksum (an imported DCP checkpoint) is not checked.
     ``what`` names the entry and ``rank`` the file's writing rank in the
-    :class:`~ucp_dcp.byteio.integrity.ChecksumError` raised on a mismatch.
+    :class:`~ucp_dcp.errors.ChecksumError` raised on a mismatch.
     """
     bufs = [bytearray(loc.nbytes) for loc, _, _, _ in reads]
     reader.read([Segment(r[0].file, r[0].start, memoryview(b)) for r, b in zip(reads, bufs)])
