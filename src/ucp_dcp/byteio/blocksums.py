@@ -411,9 +411,8 @@ class BlockVerifier:
         batch = Batch(location, check, view)
         done = functools.partial(self._segment_done, batch)
         segments: list[Segment] = []
-        edges: list[
-            tuple[int, int, int]
-        ] = []  # through scratch: (start in the chunk, end, offset in view)
+        # Read through scratch: (start in the chunk, end, offset in view).
+        edges: list[tuple[int, int, int]] = []
         if first < last:
             batch.run = (at + first - start, first // bs, -(-last // bs))
             # In pieces (_PIECE), each hashed by the I/O thread that read it, rather than

@@ -164,9 +164,8 @@ class DataFileWriter:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.created = True
         try:
-            os.ftruncate(
-                self._fd, self.size
-            )  # padding stays a hole: reads as zeros, costs no writes
+            # Padding stays a hole: reads as zeros, costs no writes.
+            os.ftruncate(self._fd, self.size)
         except BaseException:
             self._abort()
             raise

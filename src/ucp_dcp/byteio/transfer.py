@@ -269,10 +269,8 @@ class StagingBuffers:
         self._view: memoryview | None = None
         self._pinned = False
         self._next = 0  # the half the next double-buffered slab goes into
-        self._events: list[Any] = [
-            None,
-            None,
-        ]  # per half: its last copy's event, not yet waited for
+        # Per half: its last copy's event, not yet waited for.
+        self._events: list[Any] = [None, None]
 
     # ------------------------------------------------------------ state
     @property
@@ -463,9 +461,8 @@ class StagingBuffers:
                     check, location, self._buf[shift : shift + b0 - a0].numpy(), a0, blocks
                 )
                 prev = (a0, b0, shift)
-            first = (
-                shift + a - a0
-            )  # a multiple of the itemsize: the buffer can be viewed as src_dtype there
+            # A multiple of the itemsize: the buffer can be viewed as src_dtype there.
+            first = shift + a - a0
             typed = self._buf[first : first + b - a].view(src_dtype)
             src = torch.as_strided(typed, sizes, strides, first // es)
             _narrowed(dest, offs, sizes).copy_(src)
