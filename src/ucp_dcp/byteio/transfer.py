@@ -16,12 +16,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from ..core.boxes import row_major_strides, runs, slabs
 from ..core.sharding import Box
 from ..core.spans import prefer_span, region_starts, span_of, span_slabs
-from ..errors import ChecksumError, UnsupportedValueError
+from ..errors import UnsupportedValueError
 from ..format import Location
 from .blocksums import ChunkCheck, read_verified
 from .rangeio import MAX_REQUEST_BYTES, ByteSource, Extents, MappedSpan, storage_view
@@ -36,7 +35,6 @@ __all__ = [
     "permuted",
     "segments_into",
     "StagingBuffers",
-    "read_checked_many",
     "spanned",
     "staging_plan",
 ]
@@ -616,25 +614,3 @@ def _copy_to_cuda(target: torch.Tensor, buf: torch.Tensor) -> Any:
     ev.record(stream)
     target.copy_(tmp)
     return ev
-
-
-def read_checked_many(
-    reader: ByteSource, reads: Sequence[tuple[Location, str, str, int | None]]
-) -> list[bytes]:
-    """The bytes at each ``(location, path, what, rank)`` (in file ``path``), checked against
-    its checksum, with one ``reader.read`` call: neighbouring locations share a request (on
-    object storage one round trip for all the values at the end of a data file, instead of one
-    each).
-
-    A location with no checksum (an imported DCP checkpoint) is not checked.
-    ``what`` names the entry and ``rank`` the file's writing rank in the
-    :class:`~ucp_dcp.errors.ChecksumError` raised on a mismatch.
-    """
-    bufs = [bytearray(loc.nbytes) for loc, _, _, _ in reads]
-    reader.read([Segment(r[0].file, r[0].start, memoryview(b)) for r, b in zip(reads, bufs)])
-    for (location, path, what, rank), buf in zip(reads, bufs):
-        if location.xxh3:
-            digest = xxhash.xxh3_64_hexdigest(buf)
-            if digest != location.xxh3:
-                raise ChecksumError(path, what, location.xxh3, digest, rank)
-    return [bytes(b) for b in bufs]
