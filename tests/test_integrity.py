@@ -40,9 +40,9 @@ from dist_utils import bit_equal, run_ranks
 from ucp_dcp import load_index, ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.format import INDEX_FILE, Location
 from ucp_dcp.sources import NativeSource, SourceOptions
-from ucp_dcp.byteio.integrity import ChecksumError, bytes_digest, file_digest, hash_range
+from ucp_dcp.byteio.integrity import bytes_digest, file_digest, hash_range
 from ucp_dcp.byteio.rangeio import RangeReader
-from ucp_dcp.errors import InvalidArgumentError, StorageError
+from ucp_dcp.errors import ChecksumError, InvalidArgumentError, StorageError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -154,7 +154,7 @@ def test_s3_save_on_4_load_resharded_on_3(s3_bucket: tuple[str, dict[str, Any]],
     base, options = s3_bucket
     url = _url(base)
     run_ranks(4, _save, url, options)
-    names = ObjectStore(url, options).list()
+    names = ObjectStore(url, options).list_sizes()
     assert sorted(n for n in names if n.endswith(".safetensors")) == sorted(
         n for n in names if n.startswith("rank"))
     assert len([n for n in names if n.startswith("rank")]) == 4 and "ucp_index.json" in names
@@ -214,12 +214,12 @@ def test_memory_url_round_trip_and_overwrite() -> None:
     url = f"memory://ucp-{uuid.uuid4().hex[:8]}/ckpt"
     sd = {"a": full("a", (300, 70)), "b": {"ids": torch.arange(10), "name": "x"}}
     dcp.save(sd, storage_writer=UCPStorageWriter(url), planner=UCPSavePlanner())
-    first = ObjectStore(url).list()
+    first = ObjectStore(url).list_sizes()
     got = load_state_dict(url)
     assert bit_equal(got["a"], sd["a"]) and bit_equal(got["b.ids"], sd["b"]["ids"]) and got["b.name"] == "x"
     sd["a"] = sd["a"] * 2
     dcp.save(sd, storage_writer=UCPStorageWriter(url), planner=UCPSavePlanner())
-    second = ObjectStore(url).list()
+    second = ObjectStore(url).list_sizes()
     # The new save's data object replaced the old one, which is gone after the commit.
     assert len(second) == 2 and set(first) & set(second) == {"ucp_index.json"}
     assert bit_equal(load_state_dict(url)["a"], sd["a"])
@@ -245,7 +245,7 @@ def test_a_missing_data_object_names_it() -> None:
     url = f"memory://ucp-{uuid.uuid4().hex[:8]}/ckpt"
     dcp.save({"a": torch.ones(3)}, storage_writer=UCPStorageWriter(url), planner=UCPSavePlanner())
     store = ObjectStore(url)
-    data = [n for n in store.list() if n.startswith("rank")]
+    data = [n for n in store.list_sizes() if n.startswith("rank")]
     store.remove(data)
     with pytest.raises(StorageError) as e:
         load_state_dict(url)
@@ -257,7 +257,7 @@ def test_a_truncated_data_object_names_it() -> None:
     url = f"memory://ucp-{uuid.uuid4().hex[:8]}/ckpt"
     dcp.save({"a": full("a", (256, 256))}, storage_writer=UCPStorageWriter(url), planner=UCPSavePlanner())
     store = ObjectStore(url)
-    name = next(n for n in store.list() if n.startswith("rank"))
+    name = next(n for n in store.list_sizes() if n.startswith("rank"))
     raw = store.read(name)
     store.put(name, raw[: len(raw) - 1000])
     with pytest.raises(TruncatedFileError) as e:
@@ -270,7 +270,7 @@ def test_corrupt_object_is_a_checksum_error() -> None:
     url = f"memory://ucp-{uuid.uuid4().hex[:8]}/ckpt"
     dcp.save({"a": full("a", (64, 64))}, storage_writer=UCPStorageWriter(url), planner=UCPSavePlanner())
     store = ObjectStore(url)
-    name = next(n for n in store.list() if n.startswith("rank"))
+    name = next(n for n in store.list_sizes() if n.startswith("rank"))
     raw = bytearray(store.read(name))
     raw[-100] ^= 1  # a bit of the tensor's data (its last bytes end the file)
     store.put(name, bytes(raw))
@@ -465,7 +465,7 @@ def test_a_native_header_and_its_block_checksums_come_in_one_request(monkeypatch
     sd = {f"layer{i}.weight": full(f"w{i}", (64, 512)) for i in range(250)}
     sd["step"] = 5
     dcp.save(sd, storage_writer=UCPStorageWriter(url), planner=UCPSavePlanner())
-    name = next(n for n in ObjectStore(url).list() if n.endswith(".safetensors"))
+    name = next(n for n in ObjectStore(url).list_sizes() if n.endswith(".safetensors"))
     size = ObjectStore(url).size(name)
     reads: list[tuple[str, Any, Any]] = []
     ranges: list[tuple[str, int, int]] = []
@@ -524,7 +524,7 @@ def test_the_headers_of_a_load_are_fetched_at_once_and_what_they_hold_costs_no_r
     store = ObjectStore(url)
     for f in sorted(os.listdir(tmp_path / "ckpt")):
         store.put(f, (tmp_path / "ckpt" / f).read_bytes())
-    data = sorted(n for n in store.list() if n.endswith(".safetensors"))
+    data = sorted(n for n in store.list_sizes() if n.endswith(".safetensors"))
     sizes = [store.size(n) for n in data]
     assert len(data) == 2 and all(s <= head_request_bytes(s) for s in sizes)
     batches: list[list[tuple[str, Any, Any]]] = []

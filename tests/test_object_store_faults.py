@@ -87,7 +87,7 @@ def test_permanent_errors_name_the_url_and_leave_nothing_loadable(s3_proxy: Any)
     assert "StorageError" in str(e.value) and f"{url}/rank00000-" in str(e.value)
     assert "failed: PermissionError" in str(e.value)
     proxy.clear()
-    assert "ucp_index.json" not in ObjectStore(url, options).list()
+    assert "ucp_index.json" not in ObjectStore(url, options).list_sizes()
     with pytest.raises(CheckpointFormatError, match=re.escape(f"{url} is not a checkpoint: found none of ucp_index.json (ucp_dcp), ")):
         load_state_dict(url, storage_options=options)
 
@@ -118,7 +118,7 @@ def test_sigkill_mid_upload_leaves_the_previous_checkpoint(s3_proxy: Any) -> Non
     url = f"{base}/killed-{uuid.uuid4().hex[:8]}"
     sd = state(4)
     _save(sd, url, options)
-    before = sorted(ObjectStore(url, options).list())
+    before = sorted(ObjectStore(url, options).list_sizes())
     proxy.reset_records()
     # The first part of the new save reaches the server, then its answer is held back: the
     # child is killed while its multipart upload is open.
@@ -139,7 +139,7 @@ def test_sigkill_mid_upload_leaves_the_previous_checkpoint(s3_proxy: Any) -> Non
         child.wait()
     assert child.returncode == -signal.SIGKILL
     # Nothing of the killed save is listed, and the committed checkpoint loads as it was.
-    assert sorted(ObjectStore(url, options).list()) == before
+    assert sorted(ObjectStore(url, options).list_sizes()) == before
     assert _equal(load_state_dict(url, storage_options=options), sd)
 
 
@@ -169,7 +169,7 @@ def test_parts_upload_in_parallel_and_a_discard_aborts(s3_proxy: Any, parallel: 
     from ucp_dcp.byteio.objstore import discard
 
     discard(out)
-    assert "gone" not in store.list()
+    assert "gone" not in store.list_sizes()
     bucket = base.split("://", 1)[1]
     uploads = store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
     assert not [u for u in uploads if u["Key"].endswith("/gone")]

@@ -338,9 +338,9 @@ def test_a_header_one_rank_cannot_fetch_for_the_others_fails_every_rank(
     _, options = s3_bucket
     url = f"{saved_s3}-gone"
     store = ObjectStore(url, options)
-    for name in ObjectStore(saved_s3, options).list():
+    for name in ObjectStore(saved_s3, options).list_sizes():
         store.fs.copy(f"{saved_s3}/{name}", store.path(name))
-    gone = sorted(n for n in store.list() if n.startswith("rank"))[1]
+    gone = sorted(n for n in store.list_sizes() if n.startswith("rank"))[1]
     store.remove([gone])
     out = str(tmp_path / "errors.pt")
     run_ranks(WORLD, _load_without_an_object, url, options, out)

@@ -10,8 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
-from ucp_dcp.byteio.integrity import ChecksumError
+from ucp_dcp import ChecksumError, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 
 
 def _state() -> dict:

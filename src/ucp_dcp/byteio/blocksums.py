@@ -49,6 +49,12 @@ __all__ = [
 _hash = cast("Callable[[np.ndarray | memoryview], int]", xxhash.xxh3_64_intdigest)
 
 
+def _hash_rows(rows: np.ndarray) -> np.ndarray:
+    """The xxh3-64 of every row of 2-D ``uint8`` array ``rows`` (a block per row, hashed in place:
+    cheaper per block than slicing a memoryview for each)."""
+    return np.fromiter(map(_hash, rows), np.uint64, len(rows))
+
+
 @dataclass(frozen=True, eq=False)
 class BlockSums:
     """The recorded xxh3-64 of every ``block`` bytes of one saved chunk (``sums[k]``: block
@@ -80,13 +86,11 @@ class BlockHasher:
             self._fill += off
             if self._fill < b:
                 return
-            self.sums[self._k] = self._partial.intdigest()
-            self._k, self._fill, self._partial = self._k + 1, 0, None
+            self._end_partial()
         full = (n - off) // b
         if full:
-            # The rows of a 2-D view: a quarter cheaper per block than slicing the memoryview.
             rows = np.frombuffer(view, dtype=np.uint8, count=full * b, offset=off).reshape(full, b)
-            self.sums[self._k : self._k + full] = np.fromiter(map(_hash, rows), np.uint64, full)
+            self.sums[self._k : self._k + full] = _hash_rows(rows)
             self._k += full
             off += full * b
         if off < n:
@@ -96,12 +100,16 @@ class BlockHasher:
     def digests(self) -> np.ndarray:
         """Every block's digest (call once the whole stream was fed)."""
         if self._fill:
-            assert self._partial is not None
-            self.sums[self._k] = self._partial.intdigest()
-            self._k, self._fill, self._partial = self._k + 1, 0, None
+            self._end_partial()
         if self._k != len(self.sums):
             raise InvalidArgumentError(f"block hasher fed {self._k} of {len(self.sums)} blocks")
         return self.sums
+
+    def _end_partial(self) -> None:
+        """Record the digest of the block being filled, and start the next."""
+        assert self._partial is not None
+        self.sums[self._k] = self._partial.intdigest()
+        self._k, self._fill, self._partial = self._k + 1, 0, None
 
 
 @dataclass(frozen=True)
@@ -215,7 +223,7 @@ def _digests(
         step = block if nfull == 1 else _arith(fo)
         if step is not None:
             rows = _rows(arr, int(fo[0]), nfull, block, step, what)
-            out[full] = np.fromiter(map(_hash, rows), np.uint64, nfull)
+            out[full] = _hash_rows(rows)
             rest = ~full
     for i, o, n in zip(np.flatnonzero(rest).tolist(), offs[rest].tolist(), lens[rest].tolist()):
         out[i] = _hash(arr[o : o + n])  # short last blocks, irregular strides
@@ -403,9 +411,8 @@ class BlockVerifier:
         batch = Batch(location, check, view)
         done = functools.partial(self._segment_done, batch)
         segments: list[Segment] = []
-        edges: list[
-            tuple[int, int, int]
-        ] = []  # through scratch: (start in the chunk, end, offset in view)
+        # Read through scratch: (start in the chunk, end, offset in view).
+        edges: list[tuple[int, int, int]] = []
         if first < last:
             batch.run = (at + first - start, first // bs, -(-last // bs))
             # In pieces (_PIECE), each hashed by the I/O thread that read it, rather than
@@ -688,13 +695,9 @@ class BlockVerifier:
         nbytes = min(k1 * bs, n) - k0 * bs
         nfull = nbytes // bs  # only the chunk's last block may be short
         arr = np.frombuffer(batch.dest, dtype=np.uint8, count=nbytes, offset=off)
-        if nfull == k1 - k0:
-            got = np.fromiter(map(_hash, arr.reshape(nfull, bs)), np.uint64, nfull)
-        else:
-            got = np.empty(k1 - k0, dtype=np.uint64)
-            got[:nfull] = np.fromiter(
-                map(_hash, arr[: nfull * bs].reshape(nfull, bs)), np.uint64, nfull
-            )
+        got = np.empty(k1 - k0, dtype=np.uint64)
+        got[:nfull] = _hash_rows(arr[: nfull * bs].reshape(nfull, bs))
+        if nfull < k1 - k0:
             got[nfull] = _hash(arr[nfull * bs :])
         want = batch.check.sums.sums[k0:k1]
         if not np.array_equal(got, want):

@@ -42,6 +42,7 @@ from ..format import (
 )
 from .blocksums import BlockHasher
 from .durable import remove_quietly, start_writeback, write_all
+from .progress import Progress
 
 __all__ = [
     "PLACEHOLDER",
@@ -163,9 +164,8 @@ class DataFileWriter:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.created = True
         try:
-            os.ftruncate(
-                self._fd, self.size
-            )  # padding stays a hole: reads as zeros, costs no writes
+            # Padding stays a hole: reads as zeros, costs no writes.
+            os.ftruncate(self._fd, self.size)
         except BaseException:
             self._abort()
             raise
@@ -310,6 +310,7 @@ def stream_data_file(
     world_size: int,
     save_id: str,
     align: int = ALIGN,
+    progress: Progress | None = None,
 ) -> tuple[list[PlannedEntry], list[int], int]:
     """Write a native data file front to back into the file-like ``out`` (an object being uploaded).
 
@@ -317,7 +318,8 @@ def stream_data_file(
     cannot write at an offset: every entry's data (``datas[i]``, bytes-like,
     all in memory) is hashed first, then the header with its checksums, the
     block checksums, and the entries with their alignment padding are
-    written in file order. ``path`` names the file in messages. Returns
+    written in file order. ``path`` names the file in messages; ``progress``,
+    if given, is fed the bytes of every write. Returns
     ``(entries with checksums, their offsets, file size)``.
     """
     block = BLOCK_BYTES
@@ -340,7 +342,10 @@ def stream_data_file(
     def emit(data: Any) -> None:
         nonlocal at
         for o in range(0, len(data), PIECE_BYTES):
-            out.write(data[o : o + PIECE_BYTES])
+            piece = data[o : o + PIECE_BYTES]
+            out.write(piece)
+            if progress is not None:
+                progress.add(len(piece))
         at += len(data)
 
     def pad_to(offset: int) -> None:

@@ -2,7 +2,7 @@
 
 * xxh3-64 per chunk and per value, recorded at save (in the data file's header and the index) and
   checked by :class:`ChunkVerifier` (``ReadOptions(verify=True)``),
-  :func:`~ucp_dcp.byteio.transfer.read_checked_many` (values) and
+  :func:`read_checked_many` (values) and
   :meth:`ucp_dcp.Checkpoint.verify` (everything);
 * xxh3-128 of whole files (:func:`file_digest`, :func:`bytes_digest`), for manifests that let a
   copy of a checkpoint be checked file by file.
@@ -26,10 +26,10 @@ from .segments import Segment
 
 __all__ = [
     "HASH_BLOCK",
-    "ChecksumError",
     "file_digest",
     "bytes_digest",
     "hash_range",
+    "read_checked_many",
     "chunk_what",
     "chunk_mismatch",
     "ChunkVerifier",
@@ -92,6 +92,28 @@ def hash_range(reader: ByteSource, location: Location, buf: bytearray | memoryvi
         h.update(view[:n])
         pos += n
     return h.hexdigest()
+
+
+def read_checked_many(
+    reader: ByteSource, reads: Sequence[tuple[Location, str, str, int | None]]
+) -> list[bytes]:
+    """The bytes at each ``(location, path, what, rank)`` (in file ``path``), checked against
+    its checksum, with one ``reader.read`` call: neighbouring locations share a request (on
+    object storage one round trip for all the values at the end of a data file, instead of one
+    each).
+
+    A location with no checksum (an imported DCP checkpoint) is not checked.
+    ``what`` names the entry and ``rank`` the file's writing rank in the
+    :class:`ChecksumError` raised on a mismatch.
+    """
+    bufs = [bytearray(loc.nbytes) for loc, _, _, _ in reads]
+    reader.read([Segment(r[0].file, r[0].start, memoryview(b)) for r, b in zip(reads, bufs)])
+    for (location, path, what, rank), buf in zip(reads, bufs):
+        if location.xxh3:
+            digest = xxhash.xxh3_64_hexdigest(buf)
+            if digest != location.xxh3:
+                raise ChecksumError(path, what, location.xxh3, digest, rank)
+    return [bytes(b) for b in bufs]
 
 
 def chunk_what(fqn: str, offsets: Sequence[int]) -> str:

@@ -73,20 +73,6 @@ class DataFileSpec:
     progress: Progress | None = None
 
 
-class _Counted:
-    """A streamed write that feeds ``progress`` the bytes of every write."""
-
-    def __init__(self, out: Any, progress: Progress) -> None:
-        self.out = out
-        self.progress = progress
-
-    def write(self, data: Any) -> int:
-        """Append ``data`` to the stream, then count it."""
-        n: int = self.out.write(data)
-        self.progress.add(memoryview(data).nbytes)
-        return n
-
-
 class ModelDir(ABC):
     """The files of one checkpoint or model directory, local or in object storage: what finding and
     reading its files needs, and what writing a checkpoint there needs.
@@ -473,7 +459,7 @@ class StoreDir(ModelDir):
 
         def fill(out: Any) -> WrittenFile:
             done = stream_data_file(
-                out if spec.progress is None else _Counted(out, spec.progress),
+                out,
                 entries,
                 pieces,
                 path=self.path_of(name),
@@ -481,6 +467,7 @@ class StoreDir(ModelDir):
                 world_size=spec.world_size,
                 save_id=spec.save_id,
                 align=spec.align,
+                progress=spec.progress,
             )
             return WrittenFile(*done)
 

@@ -27,7 +27,6 @@ __all__ = [
     "ObjectAccess",
     "ObjectRangeReader",
     "OBJECT_GAP_BYTES",
-    "fetch_heads",
 ]
 
 
@@ -95,16 +94,6 @@ class ObjectAccess:
     def release(self) -> None:
         """Forget the prefix held (the bytes parsed from it are no longer read)."""
         self._head = b""
-
-
-def fetch_heads(objects: Sequence[ObjectAccess]) -> None:
-    """Fetch the prefix of every object of ``objects`` (of one store) not held yet, in one batch
-    of concurrent requests (:meth:`ObjectStore.read_ranges`): a source reads the headers of every
-    object a load reads at once, not one round trip after another."""
-    todo = [o for o in objects if not o.head and o.size]
-    if todo:
-        for o, data in zip(todo, todo[0].store.read_ranges([o.first_request() for o in todo])):
-            o.hold_head(data)
 
 
 OBJECT_GAP_BYTES = 32 << 10

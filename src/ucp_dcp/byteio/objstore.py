@@ -18,7 +18,6 @@ place is :mod:`ucp_dcp.byteio.objrange`'s.
 from __future__ import annotations
 
 import asyncio
-import builtins
 import os
 import threading
 from collections import deque
@@ -204,7 +203,6 @@ class ObjectStore:
     async def _get_one(self, name: str, start: int | None, end: int | None) -> bytes:
         """One scheduled GET of bytes ``[start, end)`` of ``name`` (all of it by default)."""
         path = self.path(name)
-        ranged = start is not None and end is not None
         n = end - start if start is not None and end is not None else None
 
         def check(data: bytes) -> str | None:
@@ -217,7 +215,7 @@ class ObjectStore:
             n,
             where=self.url_of(name),
             what=f"reading bytes [{start}, {end})" if start is not None else "reading the object",
-            hedge=ranged,
+            hedge=n is not None,  # a ranged GET
             check=check,
         )
 
@@ -276,25 +274,21 @@ class ObjectStore:
             return []
         return list(self._sync(self._get_all, ranges))
 
-    def list(self) -> list[str]:
-        """Names of the objects directly under the checkpoint's URL (none if it does not exist)."""
-        return list(self.list_sizes())
-
     def list_sizes(self, under: str = "") -> dict[str, int]:
         """Name -> size of the objects directly under the checkpoint's URL (or under its folder
-        ``under``), from one listing."""
+        ``under``), from one listing (none if it does not exist)."""
         return self._list(under)[0]
 
-    def list_folders(self, under: str = "") -> builtins.list[str]:
+    def list_folders(self, under: str = "") -> list[str]:
         """Names of the folders (prefixes) directly under the checkpoint's URL (or under its folder
         ``under``), from one listing."""
         return self._list(under)[1]
 
-    def _list(self, under: str) -> tuple[dict[str, int], builtins.list[str]]:
+    def _list(self, under: str) -> tuple[dict[str, int], list[str]]:
         """One listing of folder ``under``: its objects' sizes by name, and its folders."""
         path = self.path(under)
 
-        async def ls() -> tuple[dict[str, int], builtins.list[str]]:
+        async def ls() -> tuple[dict[str, int], list[str]]:
             self.fs.invalidate_cache(path)  # a retry must not answer from a cache
             try:
                 entries = await self._afs._ls(path, detail=True)
@@ -542,18 +536,18 @@ class ParallelUpload(StreamedWrite):
         fs: Any,
         path: str,
         *,
-        part_bytes: int = 16 << 20,
-        parallel: int = 4,
+        part_bytes: int,
+        parallel: int,
         scheduler: RequestScheduler,
-        where: str = "",
+        where: str,
     ) -> None:
         self.scheduler = scheduler
-        self.where = where or path
+        self.where = where
         self.fs = fs
         self.path = path
         self.bucket, self.key, _ = fs.split_path(path)
         self.part_bytes = max(part_bytes, _MIN_PART)
-        self.parallel = max(parallel, 1)
+        self.parallel = parallel
         self.closed = False
         self._pending: list[memoryview] = []  # written, not yet cut into a part
         self._pending_bytes = 0
@@ -684,9 +678,6 @@ class ParallelUpload(StreamedWrite):
     def _collect(self) -> None:
         self._etags.append(self._inflight.popleft().result())
 
-    def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.fs.loop).result()
-
     def _s3(self, method: str, nbytes: int | None, what: str, **kwargs: Any) -> Any:
         """S3 call ``method`` (of ``nbytes`` bytes: 0 for a create or abort, None (the deadline
         cap) for a complete), under the scheduler's deadline and retries; its answer. A small
@@ -696,9 +687,8 @@ class ParallelUpload(StreamedWrite):
         def make(_: Any = None) -> Any:
             return self.fs._call_s3(method, **kwargs)
 
-        return self._run(
-            self.scheduler.run(make, nbytes, where=self.where, what=what, observe=bool(nbytes))
-        )
+        coro = self.scheduler.run(make, nbytes, where=self.where, what=what, observe=bool(nbytes))
+        return asyncio.run_coroutine_threadsafe(coro, self.fs.loop).result()
 
 
 async def _tagged(coro: Any, number: int) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from ..format.header import (
 from .progress import Progress
 from .requests import RequestPolicy
 from .segments import Request, Segment, coalesce, spread
-from .workers import Abandoned, IOWorkers
+from .workers import IOWorkers
 
 __all__ = [
     "ByteSource",
@@ -602,8 +602,7 @@ class RangeReader(ByteSource):
                 off += got
                 left -= got
                 if left:  # short read: drop what was filled and go on
-                    if workers.failed is not None:  # left behind: fd may be closed by now
-                        raise Abandoned(str(workers.failed))
+                    workers.check()  # left behind: fd may be closed by now
                     while got >= len(bufs[0]):
                         got -= len(bufs[0])
                         bufs = bufs[1:]

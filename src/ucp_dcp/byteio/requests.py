@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..errors import StorageError, UCPError
+from ..errors import InvalidArgumentError, StorageError, UCPError
 
 __all__ = [
     "RequestPolicy",
@@ -123,8 +123,6 @@ class RequestPolicy:
         return out
 
     def __post_init__(self) -> None:
-        from ..errors import InvalidArgumentError
-
         if not 0 < self.deadline_floor_s <= self.deadline_cap_s:
             raise InvalidArgumentError(
                 f"RequestPolicy: needs 0 < deadline_floor_s <= deadline_cap_s, got "

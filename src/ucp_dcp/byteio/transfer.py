@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from ..core.boxes import row_major_strides, runs, slabs
 from ..core.sharding import Box
@@ -24,7 +23,6 @@ from ..core.spans import prefer_span, region_starts, span_of, span_slabs
 from ..errors import UnsupportedValueError
 from ..format import Location
 from .blocksums import ChunkCheck, read_verified
-from .integrity import ChecksumError
 from .rangeio import MAX_REQUEST_BYTES, ByteSource, Extents, MappedSpan, storage_view
 from .segments import Segment
 
@@ -37,7 +35,6 @@ __all__ = [
     "permuted",
     "segments_into",
     "StagingBuffers",
-    "read_checked_many",
     "spanned",
     "staging_plan",
 ]
@@ -112,9 +109,7 @@ def extents(parts: Iterable[ChunkRegion]) -> Extents:
     return {f: (np.concatenate(starts[f]), np.concatenate(lengths[f])) for f in starts}
 
 
-def needs_staging(
-    dest: torch.Tensor, src_dtype: torch.dtype, location: Location | None = None
-) -> bool:
+def needs_staging(dest: torch.Tensor, src_dtype: torch.dtype, location: Location) -> bool:
     """Whether ``dest`` cannot be filled in place from bytes of ``src_dtype`` stored at
     ``location``.
 
@@ -128,7 +123,7 @@ def needs_staging(
         or dest.dtype != src_dtype
         or dest.is_conj()
         or dest.is_neg()
-        or bool(location is not None and location.dim_order)
+        or bool(location.dim_order)
     )
 
 
@@ -272,10 +267,8 @@ class StagingBuffers:
         self._view: memoryview | None = None
         self._pinned = False
         self._next = 0  # the half the next double-buffered slab goes into
-        self._events: list[Any] = [
-            None,
-            None,
-        ]  # per half: its last copy's event, not yet waited for
+        # Per half: its last copy's event, not yet waited for.
+        self._events: list[Any] = [None, None]
 
     # ------------------------------------------------------------ state
     @property
@@ -466,9 +459,8 @@ class StagingBuffers:
                     check, location, self._buf[shift : shift + b0 - a0].numpy(), a0, blocks
                 )
                 prev = (a0, b0, shift)
-            first = (
-                shift + a - a0
-            )  # a multiple of the itemsize: the buffer can be viewed as src_dtype there
+            # A multiple of the itemsize: the buffer can be viewed as src_dtype there.
+            first = shift + a - a0
             typed = self._buf[first : first + b - a].view(src_dtype)
             src = torch.as_strided(typed, sizes, strides, first // es)
             _narrowed(dest, offs, sizes).copy_(src)
@@ -622,25 +614,3 @@ def _copy_to_cuda(target: torch.Tensor, buf: torch.Tensor) -> Any:
     ev.record(stream)
     target.copy_(tmp)
     return ev
-
-
-def read_checked_many(
-    reader: ByteSource, reads: Sequence[tuple[Location, str, str, int | None]]
-) -> list[bytes]:
-    """The bytes at each ``(location, path, what, rank)`` (in file ``path``), checked against
-    its checksum, with one ``reader.read`` call: neighbouring locations share a request (on
-    object storage one round trip for all the values at the end of a data file, instead of one
-    each).
-
-    A location with no checksum (an imported DCP checkpoint) is not checked.
-    ``what`` names the entry and ``rank`` the file's writing rank in the
-    :class:`~ucp_dcp.byteio.integrity.ChecksumError` raised on a mismatch.
-    """
-    bufs = [bytearray(loc.nbytes) for loc, _, _, _ in reads]
-    reader.read([Segment(r[0].file, r[0].start, memoryview(b)) for r, b in zip(reads, bufs)])
-    for (location, path, what, rank), buf in zip(reads, bufs):
-        if location.xxh3:
-            digest = xxhash.xxh3_64_hexdigest(buf)
-            if digest != location.xxh3:
-                raise ChecksumError(path, what, location.xxh3, digest, rank)
-    return [bytes(b) for b in bufs]

@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..byteio.location import ModelDir, StoreDir, open_location
-from ..byteio.objstore import ObjectStore, RequestPolicy, is_url, local_path
+from ..byteio.objstore import ObjectStore, is_url, local_path
+from ..byteio.requests import RequestPolicy
 from ..errors import CheckpointFormatError, NotACheckpointError
 from ..format.names import save_id_of
 from .base import Source, SourceOptions, read_value, read_values, register, source_types

@@ -28,7 +28,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from ..byteio.rangeio import ByteSource, Extents
+from ..byteio.rangeio import ByteSource, Extents, storage_view
 from ..byteio.segments import Segment
 from ..core.boxes import row_major_strides
 from ..core.sharding import Box
@@ -161,7 +161,7 @@ class _MergeReader(ByteSource):
     def _slice(self, t: MergedTensor, chunks: tuple[tuple[Box, Location], ...]) -> torch.Tensor:
         """One rank's slice, read from its chunks (each a run of the slice's row-major order)."""
         out = torch.empty(t.shape, dtype=t.dtype)
-        raw = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        raw = storage_view(out)
         size = t.dtype.itemsize
         strides = row_major_strides(t.shape)
         segs = []

@@ -31,12 +31,12 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from ..byteio.blocksums import BlockSums
+from ..byteio.integrity import read_checked_many
 from ..byteio.location import ModelDir, view_of
 from ..byteio.objrange import OBJECT_GAP_BYTES, ObjectRangeReader
 from ..byteio.objstore import ObjectStore, local_path
 from ..byteio.rangeio import MAX_REQUEST_BYTES, ByteSource, RangeReader
 from ..byteio.requests import RequestPolicy
-from ..byteio.transfer import read_checked_many
 from ..core.sharding import Box, Grid
 from ..errors import CheckpointFormatError
 from ..format import ChunkRecord, Index, Location, split_rank_local_key

@@ -17,7 +17,7 @@ import xxhash
 
 from ..byteio.blocksums import BlockSums
 from ..byteio.location import ModelDir, write_index
-from ..byteio.objrange import ObjectAccess, fetch_heads
+from ..byteio.objrange import ObjectAccess
 from ..byteio.rangeio import FileAccess, read_header
 from ..errors import CheckpointExistsError, CheckpointFormatError, ChecksumError
 from ..format import (
@@ -131,7 +131,9 @@ class NativeSource(Source):
         header is not parsed yet, in one batch of concurrent requests: one after the other, each
         a round trip, they would keep the store idle before the first byte of data is asked
         for."""
-        fetch_heads(self._accesses(self.first_requests(chunks, values)))
+        files = self.first_requests(chunks, values)
+        if files:
+            self.hold_first_requests(self.fetch_first_requests(files))
 
     def _accesses(self, files: Sequence[int]) -> list[ObjectAccess]:
         """The objects of ``files`` (in object storage), made if need be."""
