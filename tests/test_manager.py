@@ -210,6 +210,9 @@ def test_bad_arguments_are_named_and_leave_the_manager_usable(tmp_path) -> None:
             (lambda: mgr.save(1, None), InvalidArgumentTypeError, "state must be a mapping"),
             (lambda: mgr.save(1, make_state(1), extra=[("a", 1), "b"]), InvalidArgumentTypeError, "extra must be"),
             (lambda: mgr.save(1, make_state(1), extra={"a": object()}), InvalidArgumentError, "extra is not JSON"),
+            # The marker is strict JSON: a NaN loss used to pass save() and fail the save in the background.
+            (lambda: mgr.save(1, make_state(1), extra={"loss": float("nan")}), InvalidArgumentError,
+             "extra is not JSON (Out of range float values are not JSON compliant"),
             (lambda: mgr.save(1, {**make_state(1), "g": (x for x in ())}), UnsupportedValueError, "g: a generator"),
             (lambda: mgr.save(1, {**make_state(1), "t": torch.empty(2, device="meta")}), UnsupportedValueError,
              "t: a meta tensor"),

@@ -14,6 +14,7 @@ deadline, far below s3fs's own read timeout, and the restore is bit-exact.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -230,6 +231,33 @@ def test_download_restore_commits_a_checked_copy_locally_first(s3_bucket, tmp_pa
         target = empty_like_state(make_state(1, scale=8))
         assert mgr.load(target, 1) == 1 and mgr.last_restore.tier == "local"
         assert_state_equal(target, make_state(1, scale=8))
+
+
+def test_download_restore_without_local_tier_removes_a_failed_copy(s3_bucket, tmp_path, monkeypatch) -> None:
+    """``direct_restore=False`` and no local tier: each step is downloaded to a temporary
+    directory. A step that fails falls back to the previous one, and its directory goes at once,
+    whether the download fails (an object gone) or the load of what it fetched does (an object
+    shorter than its marker says): a process that restores many times leaks none."""
+    url, options = s3_bucket
+    root = f"{url}/nolocal-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with CheckpointManager(root, storage_options=options, direct_restore=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, make_state(step, scale=8))
+        mgr.wait()
+        name = _change_data_object(mgr, 2, lambda data: data[:-100])
+        fs = mgr.persistent.store.fs
+        for case in ("truncated", "gone"):
+            if case == "gone":
+                fs.rm_file(fs._strip_protocol(f"{mgr.persistent.step_path(2)}/{name}"))
+                fs.invalidate_cache()
+            for _ in range(3):
+                target = empty_like_state(make_state(1, scale=8))
+                assert mgr.load(target) == 1
+                assert_state_equal(target, make_state(1, scale=8))
+                (attempt,) = mgr.last_restore.failed_attempts
+                assert name in attempt and case in attempt.replace("missing", "gone"), attempt
+            assert not [n for n in os.listdir(tmp_path) if n.startswith("ucp-restore-")], (case, os.listdir(tmp_path))
 
 
 def log_s3_requests(monkeypatch: Any) -> dict[str, list[Any]]:

@@ -220,13 +220,17 @@ class Restorer(GroupWorker):
             path = self.local.step_path(cand.step)  # the next restore of it is local
         else:
             tmp = tempfile.mkdtemp(prefix=f"ucp-restore-{cand.step}-")
-            self._agree(
-                f"fetching step {cand.step} from {self.persistent.url}",
-                lambda: self.persistent.fetch(cand.step, cand.marker.names, tmp),
-                cand,
-            )
             done = functools.partial(shutil.rmtree, tmp, ignore_errors=True)
-            return _Loadable(tmp, self._check_index(tmp, cand), done=done)
+            try:  # a failed fetch or index falls back to an older step: its copy goes now
+                self._agree(
+                    f"fetching step {cand.step} from {self.persistent.url}",
+                    lambda: self.persistent.fetch(cand.step, cand.marker.names, tmp),
+                    cand,
+                )
+                return _Loadable(tmp, self._check_index(tmp, cand), done=done)
+            except BaseException:
+                done()
+                raise
         return _Loadable(path, self._check_index(path, cand))
 
     def _check_remote(self, cand: Candidate) -> tuple[str, bytes]:

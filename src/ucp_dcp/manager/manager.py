@@ -184,8 +184,8 @@ class CheckpointManager:
                 f"{type(extra).__name__}"
             )
         extras = dict(extra or {})
-        try:  # it goes into the commit marker: refused now, not once the save has run
-            json.dumps(extras)
+        try:  # it goes into the commit marker (strict JSON): refused now, not once the save has run
+            json.dumps(extras, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise InvalidArgumentError(f"CheckpointManager.save: extra is not JSON ({e})") from None
         cfg = self.config
