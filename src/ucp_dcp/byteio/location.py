@@ -25,7 +25,7 @@ from ..errors import (
 )
 from ..format import INDEX_FILE, Index, PlannedEntry, index_bytes
 from ..format.header import RandomAccess
-from ..format.names import save_id_of
+from ..format.names import FILE_SUFFIXES, save_id_of
 from ..format.schema import check_relative_name
 from .datafile import DataFileWriter, stream_data_file
 from .durable import atomic_write, copy_durable, fsync_file, write_remedy
@@ -511,9 +511,6 @@ def view_of(where: str | os.PathLike[str] | ModelDir) -> ModelDir:
     return LocalDir(path)
 
 
-_FILE_SUFFIXES = (".safetensors", ".safetensors.index.json")
-
-
 def open_location(
     path: str | os.PathLike[str],
     storage_options: dict[str, Any] | None = None,
@@ -530,7 +527,7 @@ def open_location(
     if is_url(path):
         url = os.fspath(path)
         parent, _, last = url.rstrip("/").rpartition("/")
-        if "://" in parent and last.endswith(_FILE_SUFFIXES):
+        if "://" in parent and last.endswith(FILE_SUFFIXES):
             return StoreDir(ObjectStore(parent, storage_options, requests=requests), last)
         return location_at(url, storage_options, requests)
     local = local_path(path)

@@ -31,6 +31,9 @@ BLOCK_SUMS_ENTRY = "__ucp_block_sums__"
 BLOCK_BYTES = 4096
 """Bytes per checksummed block of a tensor chunk: one page, so checking a read costs no extra
 I/O."""
+FILE_SUFFIXES = (".safetensors", ".safetensors.index.json")
+"""The endings of a location that names one file directly: a safetensors file or a Hugging Face
+index, read as the view of its directory with that file named."""
 LAYOUT_KEY = "__ucp_layout__"
 """Top-level state-dict key under which ``LayoutSpec.apply(record=True)`` stores the spec."""
 

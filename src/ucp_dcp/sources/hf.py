@@ -27,6 +27,7 @@ from ..format import (
     TensorRecord,
     dtype_from_st,
 )
+from ..format.names import FILE_SUFFIXES
 from ..format.schema import check_relative_name, parse_json
 from .base import Source, SourceOptions, register
 
@@ -187,7 +188,7 @@ class HFSource(Source):
         """``model.safetensors``, a ``*.safetensors.index.json``, or one such file named
         directly (by names alone)."""
         if d.named is not None:
-            return d.named.endswith((".safetensors", ".safetensors.index.json"))
+            return d.named.endswith(FILE_SUFFIXES)
         if d.is_file(HF_WEIGHTS_NAME) or d.is_file(HF_INDEX_NAME):
             return True
         names = d.list()
