@@ -65,7 +65,7 @@ class ChunkRegion:
     @property
     def whole(self) -> bool:
         """Whether the region is the whole chunk."""
-        return self.region == Box((0,) * len(self.chunk_sizes), tuple(self.chunk_sizes))
+        return self.region == Box.whole(self.chunk_sizes)
 
     def fields(self) -> tuple[Location, tuple[int, ...], Box, torch.dtype]:
         """``(location, chunk_sizes, region, dtype)``, for code that uses all four."""

@@ -226,7 +226,7 @@ class Checkpoint:
                 dest = out
                 for d, (o, s) in enumerate(zip(box.offsets, box.sizes)):
                     dest = dest.narrow(d, o, s)
-                whole = Box((0,) * len(box.sizes), box.sizes)
+                whole = Box.whole(box.sizes)
                 engine.add(
                     ChunkRegion(loc, box.sizes, whole, rec.dtype),
                     dest,
