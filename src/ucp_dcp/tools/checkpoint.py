@@ -124,7 +124,7 @@ class Checkpoint:
         self.max_buffer_bytes = opts.buffer_bytes
         self._reader = opts.open_reader(self.source)
         self.verify_reads = opts.verify
-        self._ranks = [self.source.file_rank(i) for i in range(len(self.source.paths))]
+        self._ranks = self.source.file_ranks()
         self._verified = 0
         # close(), or when collected unclosed (``Checkpoint(path).verify()``): nothing is kept.
         self._release = weakref.finalize(self, _release, self._reader, self.source)
