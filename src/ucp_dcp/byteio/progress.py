@@ -1,7 +1,7 @@
 """Progress of long work: a load or save logged per rank (:class:`Progress`), a command drawn as a
-bar (:class:`ProgressBar`, tqdm, only on a terminal unless forced); :func:`format_bytes` and
-:func:`size_bytes` write and read the byte counts people type and read. What the lines say and
-when: docs/storage-speed.md ("The slow rank named").
+bar (:class:`ProgressBar`, tqdm, only on a terminal unless forced); :func:`format_bytes` writes
+byte counts for people to read. What the lines say and when: docs/storage-speed.md ("The slow rank
+named").
 
 Why logging and not tqdm for loads and saves: a job of many ranks writes log files, not terminals;
 one line per rank per interval is what an operator can grep for the rank that lags, and the
@@ -14,7 +14,6 @@ wait.
 from __future__ import annotations
 
 import logging
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -33,7 +32,6 @@ __all__ = [
     "ProgressFn",
     "ProgressBar",
     "format_bytes",
-    "size_bytes",
 ]
 
 log = logging.getLogger("ucp_dcp.progress")
@@ -161,31 +159,6 @@ def format_bytes(n: int | float) -> str:
             return f"{value:.3g} {unit}" if abs(value) < 100 else f"{value:.0f} {unit}"
         value /= 1000
     raise AssertionError("unreachable")
-
-
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-
-def size_bytes(text: str) -> int | None:
-    """Bytes in ``'5GB'`` (decimal, as Hugging Face counts), ``'512MiB'`` (binary) or ``'1000'``
-    (any case, blanks around); None when ``text`` is not a size. Callers check the sign."""
-    m = _SIZE_RE.fullmatch(text)
-    scale = _SIZE_UNITS.get(m.group(2).upper()) if m else None
-    if m is None or scale is None:
-        return None
-    return int(float(m.group(1)) * scale)
 
 
 class ProgressBar:

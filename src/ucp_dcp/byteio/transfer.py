@@ -31,6 +31,7 @@ __all__ = [
     "extents",
     "needs_staging",
     "check_writable",
+    "narrowed",
     "shares_elements",
     "permuted",
     "segments_into",
@@ -65,7 +66,7 @@ class ChunkRegion:
     @property
     def whole(self) -> bool:
         """Whether the region is the whole chunk."""
-        return self.region == Box((0,) * len(self.chunk_sizes), tuple(self.chunk_sizes))
+        return self.region == Box.whole(self.chunk_sizes)
 
     def fields(self) -> tuple[Location, tuple[int, ...], Box, torch.dtype]:
         """``(location, chunk_sizes, region, dtype)``, for code that uses all four."""
@@ -391,7 +392,7 @@ class StagingBuffers:
                 reader.read(list(segments_into(location, chunk_sizes, sub, buf, self._view)))
             else:  # checked in the staging buffer, before it is copied anywhere
                 read_verified(reader, location, chunk_sizes, sub, buf, check, self._view)
-            target = _narrowed(dest, offs, sizes)
+            target = narrowed(dest, offs, sizes)
             self.slabs += 1
             self.bytes_staged += n
             if not halves:
@@ -463,7 +464,7 @@ class StagingBuffers:
             first = shift + a - a0
             typed = self._buf[first : first + b - a].view(src_dtype)
             src = torch.as_strided(typed, sizes, strides, first // es)
-            _narrowed(dest, offs, sizes).copy_(src)
+            narrowed(dest, offs, sizes).copy_(src)
             self.slabs += 1
             self.spans += 1
             self.bytes_staged += b0 - a0
@@ -496,7 +497,7 @@ def read_spans_mapped(
             # of the same mapping.
             blocks = blocks[blocks > last]
             last = int(blocks[-1]) if len(blocks) else last
-        target = _narrowed(dest, offs, sizes)
+        target = narrowed(dest, offs, sizes)
 
         def copy_out(
             view: memoryview,
@@ -521,7 +522,7 @@ def read_spans_mapped(
     return len(spans) if reader.read_mapped(location.file, spans) else 0
 
 
-def _narrowed(t: torch.Tensor, offs: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+def narrowed(t: torch.Tensor, offs: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
     """The sub-box of ``t`` at ``offs`` of ``sizes`` (a view)."""
     for d, (o, n) in enumerate(zip(offs, sizes)):
         t = t.narrow(d, o, n)

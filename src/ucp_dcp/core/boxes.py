@@ -29,6 +29,11 @@ class Box:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
 
+    @classmethod
+    def whole(cls, shape: Sequence[int]) -> Box:
+        """The box of a whole tensor of ``shape``: zero offsets, sizes ``shape``."""
+        return cls((0,) * len(shape), tuple(shape))
+
     @property
     def numel(self) -> int:
         """Number of elements in the box (0 for an empty shard)."""

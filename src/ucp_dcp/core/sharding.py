@@ -191,7 +191,7 @@ def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
     if start == stop:
         return []
     if not shape:
-        return [Box((), ())]
+        return [Box.whole(shape)]
     strides = row_major_strides(shape)
     out: list[Box] = []
 

@@ -332,7 +332,7 @@ class UCPStorageReader(StorageReader):
         engine = ChunkReads(
             reader,
             src.paths,
-            [src.file_rank(i) for i in range(len(src.paths))],
+            src.file_ranks(),
             verify=opts.verify,
             max_buffer_bytes=self._buffer_bytes,
             reread_block=opts.max_request_bytes,
@@ -449,9 +449,9 @@ class UCPStorageReader(StorageReader):
         if rounds is None:
             return everything
         assert needs is not None
-        paths = src.paths
-        ranks = [src.file_rank(i) for i in range(len(paths))]
-        report.exchange = run_exchange(rounds, needs, reader, paths, ranks, self._wire)
+        report.exchange = run_exchange(
+            rounds, needs, reader, src.paths, src.file_ranks(), self._wire
+        )
         exchanged = set(taken)
         return [i for i in everything if i not in exchanged]
 

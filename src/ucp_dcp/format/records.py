@@ -279,7 +279,7 @@ def _layout_grid(layout: Layout, shape: tuple[int, ...]) -> Grid:
     # A parameter and its optimizer moments share layout and shape, and so do
     # the layers of a model: the grid is computed once per distinct pair.
     if not layout.mesh:
-        grid = Grid.from_boxes([Box((0,) * len(shape), shape)] if math.prod(shape) else [], shape)
+        grid = Grid.from_boxes([Box.whole(shape)] if math.prod(shape) else [], shape)
         assert grid is not None  # one box covering the tensor, or none for an empty one
         return grid
     return layout_grid(

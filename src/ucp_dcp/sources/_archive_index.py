@@ -127,7 +127,7 @@ class ArchiveIndex:
     ) -> None:
         """The key at ``path`` is tensor ``t`` itself (viewed as ``shape``)."""
         loc = self.location(archive, t, 0, math.prod(shape), what)
-        self.add(path, t.dtype, shape, [ChunkRecord(Box((0,) * len(shape), shape), loc)])
+        self.add(path, t.dtype, shape, [ChunkRecord(Box.whole(shape), loc)])
 
     def flat(
         self,
@@ -171,7 +171,7 @@ class ArchiveIndex:
     ) -> None:
         """Tensor ``t``, a tensor-parallel slice (laid out as ``place.local``), put where
         ``place`` says in the key at ``path``."""
-        box = Box((0,) * len(place.local), tuple(place.local))
+        box = Box.whole(place.local)
         chunks = self._chunk(archive, t, box, 0, what, place)
         self._record(path, t.dtype, place.local, chunks, place)
 
@@ -226,7 +226,7 @@ class ArchiveIndex:
             )
             merged = MergedTensor(key, offset, dtype, shape, op, ops)
             tensors.append(merged)
-            box = Box((0,) * len(shape), shape)
+            box = Box.whole(shape)
             loc = Location(file, offset, merged.nbytes, "")
             chunks = [ChunkRecord(box, loc)] if merged.nbytes else []
             self.add(self.paths[key], dtype, shape, chunks)

@@ -363,7 +363,7 @@ class TPSlice:
     def cut(local: tuple[int, ...], rows: int) -> TPSlice:
         """A tensor of shape ``local`` whose first ``rows`` rows are kept (vocabulary padding
         stripped)."""
-        box = Box((0,) * len(local), local)
+        box = Box.whole(local)
         return _with_rows(TPSlice(0, local, local, ((box, box),), "vocabulary padding"), rows)
 
 
@@ -373,7 +373,7 @@ def _joined(
     """Slices of equal shape ``local`` joined along ``dim``."""
     full = list(local)
     full[dim] *= degree
-    box = Box((0,) * len(local), local)
+    box = Box.whole(local)
     return TPSlice(
         rank, local, tuple(full), ((box, _shift(box, dim, rank * local[dim])),), rule, cat_dim=cat
     )
@@ -412,7 +412,7 @@ def _sub_params(
 def _with_rows(sl: TPSlice, rows: int) -> TPSlice:
     """``sl`` with the merged tensor cut to its first ``rows`` rows (``param[:rows]``)."""
     full = (min(rows, sl.full_shape[0]),) + sl.full_shape[1:]
-    keep = Box((0,) * len(full), full)
+    keep = Box.whole(full)
     pieces = []
     for src, dst in sl.pieces:
         d = intersect(dst, keep)
@@ -445,7 +445,7 @@ class TPRule:
     ) -> TPSlice:
         """Where ``rank``'s slice (shape ``local``) of ``name`` goes by this rule."""
         rule = f"tp_rules' {self.text}"
-        box = Box((0,) * len(local), local)
+        box = Box.whole(local)
         if self.kind == "Averaged":
             return TPSlice(rank, local, local, (), rule, averaged=True)
         if self.kind == "Replicated":
@@ -630,7 +630,7 @@ class TPRules:
         self, name: str, rank: int, degree: int, local: tuple[int, ...], total: int | None
     ) -> TPSlice:
         """ds_to_universal's merge of ``name``, before the vocabulary cut (its branch order)."""
-        box = Box((0,) * len(local), local)
+        box = Box.whole(local)
         amap = next((m for p, m in self.affine if re.match(p, name)), None)
         if amap is not None:
             return _affine_slice(self.where, name, amap, rank, local)
@@ -736,9 +736,7 @@ def _affine_slice(
         )
     mine = tuple((p.src, p.dst) for p in pieces if min(p.holders) == rank)
     for src, dst in mine:
-        if not Box((0,) * len(shape), shape).contains(src) or not Box(
-            (0,) * len(amap.shape), amap.shape
-        ).contains(dst):
+        if not Box.whole(shape).contains(src) or not Box.whole(amap.shape).contains(dst):
             raise CheckpointFormatError(
                 f"{where}: {_INFO}[{_AFFINE!r}]: a piece of {name!r} on rank {rank} lies outside "
                 f"its slice {list(shape)} or the merged shape {list(amap.shape)}"

@@ -231,6 +231,10 @@ class Source(ABC):
         """The rank that wrote data file ``file`` (None where the format does not say)."""
         return self.index.files[file].rank
 
+    def file_ranks(self) -> list[int | None]:
+        """:meth:`file_rank` of every file in :attr:`paths`, in order."""
+        return [self.file_rank(i) for i in range(len(self.paths))]
+
     # ------------------------------------------------------------ bytes
     def locate(self, fqn: str, idx: int) -> Location:
         """Where the bytes of chunk ``idx`` of tensor ``fqn`` are.

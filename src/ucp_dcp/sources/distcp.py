@@ -186,7 +186,7 @@ class DCPSource(Source):
                 raise CheckpointFormatError(f"{mdpath}: malformed tensor metadata for {fqn!r}")
             shape = tuple(dims)
             check_tensor_bytes(shape, dtype, available, f"{mdpath}: tensor {fqn!r}")
-            whole = Box((0,) * len(shape), shape)
+            whole = Box.whole(shape)
             empty_tensor = math.prod(shape) == 0
             chunks, items = [], []
             seen: set[Box] = set()

@@ -164,7 +164,7 @@ class HFSource(Source):
                         f"{directory}: the index puts {e.name!r} in {weight_map[e.name]}, but it "
                         f"is in {fname}"
                     )
-                box = Box((0,) * len(e.shape), e.shape)
+                box = Box.whole(e.shape)
                 loc = Location(fi, e.start, e.nbytes, "")
                 tensors[key] = TensorRecord(
                     dtype, e.shape, None, False, chunks=[ChunkRecord(box, loc)]

@@ -30,7 +30,7 @@ from ..byteio.integrity import HASH_BLOCK, chunk_what, hash_range
 from ..byteio.location import path_arg
 from ..byteio.progress import ProgressFn
 from ..byteio.rangeio import ByteSource
-from ..byteio.transfer import ChunkRegion, check_writable
+from ..byteio.transfer import ChunkRegion, check_writable, narrowed
 from ..core.placement_digest import box_share, digest_hex
 from ..core.sharding import Box
 from ..core.values import decode_value
@@ -124,7 +124,7 @@ class Checkpoint:
         self.max_buffer_bytes = opts.buffer_bytes
         self._reader = opts.open_reader(self.source)
         self.verify_reads = opts.verify
-        self._ranks = [self.source.file_rank(i) for i in range(len(self.source.paths))]
+        self._ranks = self.source.file_ranks()
         self._verified = 0
         # close(), or when collected unclosed (``Checkpoint(path).verify()``): nothing is kept.
         self._release = weakref.finalize(self, _release, self._reader, self.source)
@@ -223,13 +223,9 @@ class Checkpoint:
         engine = self._chunk_reads(self.max_buffer_bytes)
         try:
             for i, (box, loc) in enumerate(chunks):
-                dest = out
-                for d, (o, s) in enumerate(zip(box.offsets, box.sizes)):
-                    dest = dest.narrow(d, o, s)
-                whole = Box((0,) * len(box.sizes), box.sizes)
                 engine.add(
-                    ChunkRegion(loc, box.sizes, whole, rec.dtype),
-                    dest,
+                    ChunkRegion(loc, box.sizes, Box.whole(box.sizes), rec.dtype),
+                    narrowed(out, box.offsets, box.sizes),
                     name=name,
                     chunk_offsets=box.offsets,
                     sums=self.source.block_sums(name, i, loc) if engine.verify else None,

@@ -236,7 +236,7 @@ def _copy_chunk(
         # reads it whole, bounded by that one item.
         out.write(i, tensor_view(source.materialize(engine.source, fqn, idx)))
         return
-    whole = ChunkRegion(location, box.sizes, Box((0,) * len(box.sizes), box.sizes), dtype)
+    whole = ChunkRegion(location, box.sizes, Box.whole(box.sizes), dtype)
     sums = source.block_sums(fqn, idx, location) if engine.verify else None
     if sums is None:  # no block checksums: the whole chunk, read again (from the page cache)
         engine.check_chunk(whole, fqn, box.offsets)

@@ -46,7 +46,7 @@ import torch
 from ..adapters.layout_spec import LayoutSpec
 from ..byteio.durable import commit_dir, temp_dir_for, write_all
 from ..byteio.objstore import is_url, local_path
-from ..byteio.progress import ProgressFn, size_bytes
+from ..byteio.progress import ProgressFn
 from ..byteio.rangeio import tensor_view
 from ..dcp.options import ReadOptions
 from ..errors import (
@@ -72,11 +72,27 @@ RenameRules = Sequence[tuple[str, str]] | Mapping[str, str]
 # ====================================================================== helpers
 
 
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
 def parse_size(size: int | str) -> int:
     """Bytes in ``size``: an int, or a string like ``"5GB"``, ``"500MB"``, ``"2GiB"``, ``"1000"``.
 
     Decimal units follow Hugging Face (``1GB = 10**9`` bytes, ``KB``/``MB``/
-    ``GB``/``TB``); binary ``KiB``/``MiB``/``GiB``/``TiB`` are accepted too.
+    ``GB``/``TB``); binary ``KiB``/``MiB``/``GiB``/``TiB`` are accepted too, in any case, with
+    blanks around.
     """
     if isinstance(size, bool) or not isinstance(size, (int, str)):
         raise InvalidArgumentError(
@@ -85,13 +101,14 @@ def parse_size(size: int | str) -> int:
     if isinstance(size, int):
         value = size
     else:
-        parsed = size_bytes(size)
-        if parsed is None:
+        m = _SIZE_RE.fullmatch(size)
+        scale = _SIZE_UNITS.get(m.group(2).upper()) if m else None
+        if m is None or scale is None:
             raise InvalidArgumentError(
                 f"invalid size {size!r} for max_shard_size: write bytes or a number with KB, MB, "
                 "GB, TB (powers of 1000, as Hugging Face) or KiB, MiB, GiB, TiB"
             )
-        value = parsed
+        value = int(float(m.group(1)) * scale)
     if value <= 0:
         raise InvalidArgumentError(
             f"invalid size {size!r} for max_shard_size: must be at least 1 byte"
