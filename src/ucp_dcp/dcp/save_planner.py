@@ -29,6 +29,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from .._compat import ShardedTensor, create_write_items, dtensor_local, is_checkpointable
 from ..byteio.rangeio import tensor_view
+from ..byteio.requests import rank_and_world
 from ..core.pieces import Piece, TensorPieces
 from ..core.sharding import Box, placement_to_str
 from ..core.values import RankLocal, encode_value
@@ -47,7 +48,6 @@ from ._plan_records import (
     PieceKey,
     SaveRankReport,
     SaveReply,
-    rank_and_world,
     tensor_data,
 )
 from ._save_global import create_global_save_plan
