@@ -317,7 +317,7 @@ def local_boxes(fqn: str, obj: torch.Tensor) -> list[Box]:
     holds none.
     """
     if is_checkpointable(obj):
-        inner = dtensor_local(obj) if isinstance(obj, DTensor) else obj
+        inner = dtensor_local(obj)
         if not hasattr(inner, "__create_chunk_list__"):
             raise UnsupportedValueError(
                 f"{fqn!r}: its {type(inner).__name__} has __create_write_items__ but no "

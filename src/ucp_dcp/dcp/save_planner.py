@@ -375,7 +375,7 @@ def _checkpointable_items(fqn: str, obj: torch.Tensor) -> list[WriteItem]:
     Every item must be a tensor chunk inside the tensor's global shape; the
     empty shard of a rank that holds none is dropped.
     """
-    kind = type(dtensor_local(obj) if isinstance(obj, DTensor) else obj).__name__
+    kind = type(dtensor_local(obj)).__name__
     if not hasattr(obj, "__create_write_items__"):
         raise UnsupportedValueError(
             f"tensor {fqn!r}: its {kind} has __create_chunk_list__ but no __create_write_items__; "
