@@ -112,13 +112,14 @@ __all__ = [
 # --------------------------------------------------------------------- DTensor
 
 
-def dtensor_local(t: DTensor) -> torch.Tensor:
-    """The local shard of ``t`` (``_local_tensor``), without autograd or collectives.
+def dtensor_local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of ``t`` (``_local_tensor``) if it is a DTensor, without autograd or
+    collectives; any other tensor is returned as it is.
 
-    ``to_local()`` goes through autograd; this is read from a background
-    thread and one rank at a time.
+    ``to_local()`` goes through autograd, and a DTensor op could issue a collective; this is
+    read from a background thread and one rank at a time.
     """
-    return t._local_tensor
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def dtensor_like(local: torch.Tensor, src: DTensor) -> DTensor:

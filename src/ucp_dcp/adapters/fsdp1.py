@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .._compat import (
@@ -45,6 +44,7 @@ from .._compat import (
     module_parameters,
     module_persistent_buffers,
 )
+from ..byteio.requests import rank_and_world
 from ..core.pieces import Piece, TensorPieces
 from ..errors import TorchInternalsError, UnsupportedModelError
 from .flat import FlatParam, FlatShard
@@ -115,7 +115,7 @@ def _units(model: nn.Module) -> list[_Unit]:
             "whole model "
             f"with FullyShardedDataParallel (nested units via auto_wrap_policy are fine)"
         )
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = rank_and_world()[1]
     units: list[_Unit] = []
     for mod_name, mod in model.named_modules():
         if not isinstance(mod, fsdp):

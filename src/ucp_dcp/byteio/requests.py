@@ -14,9 +14,12 @@ import statistics
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from ..errors import InvalidArgumentError, StorageError, UCPError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "RequestPolicy",
@@ -30,6 +33,7 @@ __all__ = [
     "no_credentials",
     "storage_error",
     "current_rank",
+    "rank_and_world",
 ]
 
 
@@ -278,8 +282,17 @@ def storage_error(where: str, what: str, e: BaseException, tries: int = 1) -> St
     return StorageError(code, msg) if code else StorageError(msg)
 
 
-def current_rank() -> int:
-    """This process's rank in the default process group (0 outside one)."""
+def rank_and_world(group: ProcessGroup | None = None) -> tuple[int, int]:
+    """``(rank, world_size)`` of this process in ``group`` (the default process group when
+    ``None``); ``(0, 1)`` where torch.distributed is not initialized. Every rank and group
+    size ucp_dcp reads comes from here."""
     import torch.distributed as dist  # the store itself needs no torch
 
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def current_rank() -> int:
+    """This process's rank in the default process group (0 outside one)."""
+    return rank_and_world()[0]

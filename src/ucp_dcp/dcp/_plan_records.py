@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem
 
@@ -31,22 +30,11 @@ __all__ = [
     "SaveSummary",
     "LoadRankReport",
     "LoadSourceInfo",
-    "rank_and_world",
     "tensor_data",
 ]
 
 PieceKey = tuple[str, tuple[int, ...]]
 """A saved box named by its logical tensor and global offsets: ``(fqn, offsets)``."""
-
-
-def rank_and_world() -> tuple[int, int]:
-    """``(rank, world_size)`` of the default process group; ``(0, 1)`` without one.
-
-    The rank is what the rank reports name; both planners take it in ``set_up_planner``.
-    """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def tensor_data(item: WriteItem) -> TensorWriteData:

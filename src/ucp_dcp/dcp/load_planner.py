@@ -37,12 +37,13 @@ from .._compat import (
     flatten_state_dict,
     is_checkpointable,
 )
+from ..byteio.requests import rank_and_world
 from ..core.pieces import TensorPieces
 from ..core.sharding import Box, Grid, arith_box, intersect
 from ..core.values import RankLocal, ReshardFn, decode_value, set_in_place
 from ..errors import CheckpointKeyError, UCPWarning, UnsupportedValueError
 from ..format import LAYOUT_KEY, dtype_name, rank_local_key, split_rank_local_key
-from ._plan_records import LoadRankReport, LoadSourceInfo, rank_and_world
+from ._plan_records import LoadRankReport, LoadSourceInfo
 
 __all__ = ["UCPLoadPlanner"]
 
@@ -316,7 +317,7 @@ def local_boxes(fqn: str, obj: torch.Tensor) -> list[Box]:
     holds none.
     """
     if is_checkpointable(obj):
-        inner = dtensor_local(obj) if isinstance(obj, DTensor) else obj
+        inner = dtensor_local(obj)
         if not hasattr(inner, "__create_chunk_list__"):
             raise UnsupportedValueError(
                 f"{fqn!r}: its {type(inner).__name__} has __create_write_items__ but no "

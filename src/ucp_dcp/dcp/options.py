@@ -17,9 +17,8 @@ from ..byteio.engine import ReadTotals
 from ..byteio.progress import ProgressConfig
 from ..byteio.rangeio import IO_THREADS, MAX_REQUEST_BYTES, ByteSource, ReadStats, check_access
 from ..byteio.requests import RequestPolicy
-from ..errors import InvalidArgumentError
 from ..sources import Source, SourceOptions, open_source
-from ..sources.distcp import DCP_VALUES_MODES
+from ..sources.distcp import check_dcp_values
 from .placement import PlacementReport
 from .read_once import ReadOnceCosts, ReadOnceDecision, check_read_once
 from .read_once.exchange import ExchangeTotals
@@ -112,10 +111,7 @@ class ReadOptions:
         """What an entry point opens its checkpoint with: its ``dcp_values`` and ``prefix`` and
         these options' ``tp_rules``; :class:`~ucp_dcp.errors.InvalidArgumentError` for a
         ``dcp_values`` that is none of its choices (checked before anything is opened)."""
-        if dcp_values not in DCP_VALUES_MODES:
-            raise InvalidArgumentError(
-                f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}"
-            )
+        check_dcp_values(dcp_values)
         return SourceOptions(dcp_values=dcp_values, prefix=prefix, tp_rules=self.tp_rules)
 
     def open_source(

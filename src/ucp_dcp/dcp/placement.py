@@ -27,6 +27,7 @@ from .._compat import (
     flatten_state_dict,
     is_checkpointable,
 )
+from ..byteio.requests import rank_and_world
 from ..core.pieces import TensorPieces
 from ..core.placement_digest import MASK64, box_share, digest_hex
 from ..errors import PlacementError
@@ -208,7 +209,7 @@ def check_placement(
             i = pos[fqn] * _SLOTS
             # Halves of 32 bits: an int64 sum of them cannot overflow below 2^31 ranks.
             vec[i : i + _SLOTS] = torch.tensor([s.share & _LO, s.share >> 32, s.count, int(s.cast)])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if rank_and_world(group)[1] > 1:
         on = wire_for(group, allow_device)
         wire = vec.to(on.device)
         dist.all_reduce(wire, group=on.group)

@@ -47,7 +47,7 @@ from torch.futures import Future
 from ..byteio.engine import ChunkReads
 from ..byteio.progress import Progress
 from ..byteio.rangeio import ByteSource
-from ..byteio.requests import current_rank
+from ..byteio.requests import current_rank, rank_and_world
 from ..byteio.transfer import ChunkRegion, check_writable, extents, needs_staging
 from ..core.sharding import Box
 from ..core.spans import EXACT, may_share
@@ -466,9 +466,7 @@ class UCPStorageReader(StorageReader):
         every rank of the group is here, with the same options), unless ``device_transport``
         opts in to device memory; where no host-memory group can be had, no exchange."""
         mode = self.options.read_once
-        if mode is False or not dist.is_available() or not dist.is_initialized():
-            return False
-        if dist.get_world_size(self.process_group) < 2:
+        if mode is False or rank_and_world(self.process_group)[1] < 2:
             return False
         self._storage = shared, kind = shared_storage(self.path)
         if mode == "auto" and not shared:

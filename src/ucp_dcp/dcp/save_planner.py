@@ -29,6 +29,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from .._compat import ShardedTensor, create_write_items, dtensor_local, is_checkpointable
 from ..byteio.rangeio import tensor_view
+from ..byteio.requests import rank_and_world
 from ..core.pieces import Piece, TensorPieces
 from ..core.sharding import Box, placement_to_str
 from ..core.values import RankLocal, encode_value
@@ -47,7 +48,6 @@ from ._plan_records import (
     PieceKey,
     SaveRankReport,
     SaveReply,
-    rank_and_world,
     tensor_data,
 )
 from ._save_global import create_global_save_plan
@@ -375,7 +375,7 @@ def _checkpointable_items(fqn: str, obj: torch.Tensor) -> list[WriteItem]:
     Every item must be a tensor chunk inside the tensor's global shape; the
     empty shard of a rank that holds none is dropped.
     """
-    kind = type(dtensor_local(obj) if isinstance(obj, DTensor) else obj).__name__
+    kind = type(dtensor_local(obj)).__name__
     if not hasattr(obj, "__create_write_items__"):
         raise UnsupportedValueError(
             f"tensor {fqn!r}: its {kind} has __create_chunk_list__ but no __create_write_items__; "

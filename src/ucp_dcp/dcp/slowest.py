@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..byteio.progress import log as progress_log
 from ..byteio.progress import mb
 from ..byteio.rangeio import ReadStats
+from ..byteio.requests import rank_and_world
 from .read_once.transport import Transport, choose_transport, group_backend, wire_device
 
 __all__ = [
@@ -137,9 +138,7 @@ def gather_slowest(
     load failed too (``failing``: then an error of the gather itself is dropped, so that the
     load's own error is the one raised). Elsewhere ``own``.
     """
-    if ranks < 2 or not dist.is_available() or not dist.is_initialized():
-        return own
-    if dist.get_world_size(group) != ranks:
+    if ranks < 2 or rank_and_world(group)[1] != ranks:
         return own
     try:
         device = _wire_device(group)

@@ -25,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..byteio.location import path_arg
+from ..byteio.requests import rank_and_world
 from ..errors import (
     CheckpointRestoreError,
     CheckpointSaveError,
@@ -120,11 +121,7 @@ class CheckpointManager:
         cfg.validate()
         self.config = cfg
         distributed = dist.is_available() and dist.is_initialized()
-        self._layout = NodeLayout.detect(
-            dist.get_rank() if distributed else 0,
-            dist.get_world_size() if distributed else 1,
-            cfg.ranks_per_node,
-        )
+        self._layout = NodeLayout.detect(*rank_and_world(), cfg.ranks_per_node)
         # Two gloo groups of our own, one per thread that runs collectives (see ._collective).
         self._fg = Group(self._layout, distributed)
         self._bg = Group(self._layout, distributed)

@@ -73,7 +73,7 @@ def _walk_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]
                 yield f"{path}@{','.join(map(str, offsets))}", t
             return
         if is_checkpointable(obj):
-            kind = type(dtensor_local(obj) if isinstance(obj, DTensor) else obj).__name__
+            kind = type(dtensor_local(obj)).__name__
             raise UnsupportedValueError(
                 f"{path}: a {kind} (a tensor subclass of DCP's checkpointable protocol) cannot be "
                 "staged by CheckpointManager, which copies tensors it can read; save it with "
@@ -90,13 +90,6 @@ def _walk_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]
     if kids is not None:
         for k, v in kids:
             yield from _walk_tensors(v, _join(path, k))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # The local shard only: a DTensor op (full_tensor, isfinite on the
-    # DTensor) could issue a collective, and callers run this on one rank at
-    # a time or from a background thread.
-    return dtensor_local(t) if isinstance(t, DTensor) else t
 
 
 def _rebuild(
@@ -174,7 +167,7 @@ def find_nonfinite(state: Mapping[str, Any]) -> list[str]:
     """
     by_device: dict[torch.device, tuple[list[str], list[torch.Tensor]]] = {}
     for path, t in _walk_tensors(state):
-        loc = _local(t)
+        loc = dtensor_local(t)
         if not (loc.is_floating_point() or loc.is_complex()) or loc.numel() == 0:
             continue
         paths, flags = by_device.setdefault(loc.device, ([], []))
@@ -322,7 +315,7 @@ class Snapshotter:
         Raises :class:`~ucp_dcp.errors.InvalidStateError` (a ``RuntimeError``) if max_buffers
         staged copies are still held (not released).
         """
-        tensors = [(p, _local(t)) for p, t in _walk_tensors(state)]
+        tensors = [(p, dtensor_local(t)) for p, t in _walk_tensors(state)]
         for p, t in tensors:
             if t.device.type == "meta":
                 raise UnsupportedValueError(f"{p}: a meta tensor holds no data to save")

@@ -49,11 +49,26 @@ from ._pickle import unpickle
 from ._torch_archive import PRead, StoredTensor, dim_order, item_ends, parse_tensor_item
 from .base import Source, SourceOptions, register
 
-__all__ = ["DCPSource", "DCP_METADATA_FILE", "DCP_VALUES_MODES", "read_dcp_metadata"]
+__all__ = [
+    "DCPSource",
+    "DCP_METADATA_FILE",
+    "DCP_VALUES_MODES",
+    "check_dcp_values",
+    "read_dcp_metadata",
+]
 
 DCP_METADATA_FILE = ".metadata"
 DCP_VALUES_MODES = (None, "weights_only")
 _DISTCP_NAME = re.compile(r"__(\d+)_(\d+)\.distcp")
+
+
+def check_dcp_values(dcp_values: str | None) -> None:
+    """:class:`~ucp_dcp.errors.InvalidArgumentError` for a ``dcp_values`` that is none of
+    :data:`DCP_VALUES_MODES`."""
+    if dcp_values not in DCP_VALUES_MODES:
+        raise InvalidArgumentError(
+            f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}"
+        )
 
 
 def read_dcp_metadata(directory: str | os.PathLike[str] | ModelDir) -> Metadata:
@@ -107,10 +122,7 @@ class DCPSource(Source):
     def __init__(self, d: ModelDir, dcp_values: str | None = None) -> None:
         """The checkpoint in directory view ``d`` (local or in a store; :meth:`open` takes a
         path)."""
-        if dcp_values not in DCP_VALUES_MODES:
-            raise InvalidArgumentError(
-                f"dcp_values must be one of {DCP_VALUES_MODES}, got {dcp_values!r}"
-            )
+        check_dcp_values(dcp_values)
         self.directory = d.where
         self.dcp_values = dcp_values
         self.metadata = md = read_dcp_metadata(d)
