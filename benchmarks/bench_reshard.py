@@ -79,6 +79,7 @@ See benchmarks/README.md for the method and caveats.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import os
@@ -126,6 +127,8 @@ from harness import (
     make_reader,
     median,
     make_writer,
+    page_reporting,
+    page_reporting_held,
     paired_ratio,
     paired_ratios,
     print_failures,
@@ -1593,6 +1596,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "default: a fresh dir under /tmp, removed at the end")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     p.add_argument("--verbose", action="store_true", help="progress lines from the ranks")
+    p.add_argument("--hold-page-reporting", action="store_true",
+                   help="on a VM that reports free memory to its host (Firecracker), hold that off "
+                        "for the run (needs root; restored after): its refaults make cold reads "
+                        "slow at random, for every reader (harness.memory.page_reporting_held)")
     p.add_argument("--out", default="out/bench_reshard.json",
                    help="JSON results path (default: out/, which git ignores)")
     args = p.parse_args(argv)
@@ -1701,10 +1708,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                  for p in args.restart_pairs]
     load_avg = [os.getloadavg()]
     measured: list[dict[str, Any]] = []
+    reporting_before = page_reporting()
+    held = page_reporting_held() if args.hold_page_reporting else contextlib.nullcontext()
     try:
-        measured.append(measure_storage(workdir, args.probe_mb, "start"))
-        saves, loads = run_jobs(jobs, failures) if jobs else ({}, {})
-        measured.append(measure_storage(workdir, args.probe_mb, "end"))
+        with held:
+            measured.append(measure_storage(workdir, args.probe_mb, "start"))
+            saves, loads = run_jobs(jobs, failures) if jobs else ({}, {})
+            measured.append(measure_storage(workdir, args.probe_mb, "end"))
     finally:
         load_avg.append(os.getloadavg())
         if not args.keep and args.workdir is None:
@@ -1724,7 +1734,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config": {k: v for k, v in vars(args).items()},
         "env": {"torch": torch.__version__, "python": platform.python_version(),
                 "cpus": os.cpu_count(), "page_size": PAGE,
-                "read_ahead_kb": read_ahead_kb(os.path.dirname(os.path.abspath(workdir)))},
+                "read_ahead_kb": read_ahead_kb(os.path.dirname(os.path.abspath(workdir))),
+                # The VM's free-page reporting before and after (reported_kib grows as it runs).
+                "page_reporting": {"start": reporting_before, "end": page_reporting()}},
         "specs": [asdict(s) for s in specs],
         "state_bytes": state_bytes,
         "targets": {"read_amp_max": TARGET_READ_AMP,

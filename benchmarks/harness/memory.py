@@ -8,13 +8,14 @@ Everything here reads the calling process only. Peaks use the kernel's
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
 import resource
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -289,3 +290,54 @@ class ProcessTreeSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+# A Firecracker guest (the development VM) reports free memory to its host, which takes it back;
+# the guest's next use of such a page waits for the host to back it again, counted as the guest's
+# system time. A cold read then costs 0.39-0.61 s instead of 0.108 s for a plain 300 MB preadv
+# (benchmarks/results/vm-2026-11-29/issue36_no_page_reporting/). Machines users train on do not
+# do this. Pages freed less than min_free_ms ago are not reported.
+PAGE_REPORTING = "/sys/module/page_reporting/parameters"
+
+
+def page_reporting() -> dict[str, str] | None:
+    """The guest's free-page reporting parameters (``min_free_ms``, ``reported_kib``...), or
+    None where the kernel has none: recorded with results, whose cold reads it slows."""
+    try:
+        names = sorted(os.listdir(PAGE_REPORTING))
+    except OSError:
+        return None
+    out = {}
+    for name in names:
+        try:
+            with open(os.path.join(PAGE_REPORTING, name)) as f:
+                out[name] = f.read().strip()
+        except OSError:
+            pass
+    return out
+
+
+@contextlib.contextmanager
+def page_reporting_held(hold_ms: int = 300_000, warm_bytes: int = 4 << 30) -> Iterator[None]:
+    """Hold off the guest's free-page reporting for the block: ``min_free_ms`` raised to 5 min
+    (the most this kernel takes), restored after; needs root. First ``warm_bytes`` are touched
+    and freed, so the pages the block allocates first are ones the host backs (pages reported
+    before stay unbacked until reused). It changes the whole VM while it runs: only for an
+    opt-in benchmark flag."""
+    path = os.path.join(PAGE_REPORTING, "min_free_ms")
+    with open(path) as f:
+        before = f.read().strip()
+    with open(path, "w") as f:
+        f.write(str(hold_ms))
+    try:
+        if warm_bytes > 0:
+            import mmap
+
+            m = mmap.mmap(-1, warm_bytes)
+            for off in range(0, warm_bytes, PAGE):
+                m[off] = 1
+            m.close()
+        yield
+    finally:
+        with open(path, "w") as f:
+            f.write(before)
