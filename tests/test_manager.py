@@ -239,6 +239,14 @@ def test_retention_keep_last_and_every(tmp_path) -> None:
 def test_bad_config_is_named(tmp_path, field: str) -> None:
     with pytest.raises(InvalidArgumentError, match=f"CheckpointConfig.{field} must be an int >= 1, got 0"):
         CheckpointManager(tmp_path, **{field: 0})
+    # A bool is an int to Python, never a count here (keep_last=True kept one step).
+    with pytest.raises(InvalidArgumentError, match=f"CheckpointConfig.{field} must be an int >= 1, got True"):
+        CheckpointManager(tmp_path, **{field: True})
+
+
+def test_keep_every_refuses_a_bool(tmp_path) -> None:
+    with pytest.raises(InvalidArgumentError, match="CheckpointConfig.keep_every must be None or an int >= 1, got True"):
+        CheckpointManager(tmp_path, keep_every=True)
 
 
 @pytest.mark.parametrize("step", [-1, True, 1.0])

@@ -211,7 +211,7 @@ class CheckpointConfig:
             "max_in_flight",
         ):
             v = getattr(self, k)
-            if not isinstance(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 why = " (keep_last=0 would delete the only good checkpoint)" if "keep" in k else ""
                 raise InvalidArgumentError(
                     f"CheckpointConfig.{k} must be an int >= 1, got {v!r}{why}"
@@ -225,9 +225,7 @@ class CheckpointConfig:
             raise InvalidArgumentError(
                 f"CheckpointConfig.read.io_threads must be an int >= 1, got {threads!r}"
             )
-        if self.keep_every is not None and (
-            not isinstance(self.keep_every, int) or self.keep_every < 1
-        ):
+        if self.keep_every is not None and (not is_int(self.keep_every) or self.keep_every < 1):
             raise InvalidArgumentError(
                 f"CheckpointConfig.keep_every must be None or an int >= 1, got {self.keep_every!r}"
             )
