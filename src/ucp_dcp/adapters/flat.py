@@ -25,6 +25,7 @@ from ..core.boxes import row_major_strides
 from ..core.pieces import Piece, TensorPieces
 from ..core.sharding import flat_range_boxes
 from ..errors import InvalidArgumentError, LayoutError
+from ..format.schema import is_int
 
 __all__ = ["FlatParam", "FlatShard", "pack_flat", "flat_partition"]
 
@@ -42,9 +43,8 @@ class FlatParam:
         shape, offset = self.shape, self.offset
         if (
             not isinstance(shape, (tuple, list, torch.Size))
-            or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
-            or isinstance(offset, bool)
-            or not isinstance(offset, int)
+            or not all(is_int(n) for n in shape)
+            or not is_int(offset)
         ):
             raise InvalidArgumentError(
                 f"flat parameter {self.fqn!r}: shape must be a tuple of ints and offset an int, "

@@ -22,6 +22,7 @@ import torch
 
 from ..core.pieces import Piece, TensorPieces
 from ..errors import LayoutRuleError
+from ..format.schema import is_int
 
 __all__ = [
     "Rule",
@@ -538,7 +539,7 @@ RULES: dict[str, type[Rule]] = {
 
 def _check_dim(rule: Rule, name: str, t: torch.Tensor, dim: int) -> int:
     """``dim`` of ``t`` made non-negative; an error naming the rule if ``t`` has no such dim."""
-    if isinstance(dim, bool) or not isinstance(dim, int):
+    if not is_int(dim):
         raise LayoutRuleError(f"{rule.describe()}: dim must be an int, got {dim!r}")
     if not -t.dim() <= dim < t.dim() or t.dim() == 0:
         raise LayoutRuleError(

@@ -55,6 +55,7 @@ from ..format import (
     data_file_name,
     split_rank_local_key,
 )
+from ..format.schema import is_int
 from ._mesh_groups import compact_records
 from ._plan_records import SaveSummary, tensor_data
 from .save_planner import UCPSavePlanner, resolved_as
@@ -156,14 +157,14 @@ class UCPStorageWriter(StorageWriter):
     ) -> None:
         super().__init__()
         self.placement_digests = placement_digests
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        if not is_int(threads) or threads < 1:
             raise InvalidArgumentError(
                 f"UCPStorageWriter(threads={threads!r}): needs a whole number of writer threads, "
                 "at least 1"
             )
         # The alignment pads every entry's start: it must be a positive whole number of bytes
         # (a negative one once wrote a header no reader accepts, then committed it).
-        if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 1 << 30:
+        if not is_int(align) or not 1 <= align <= 1 << 30:
             raise InvalidArgumentError(
                 f"UCPStorageWriter(align={align!r}): needs a whole number of bytes from 1 to 2**30"
             )
