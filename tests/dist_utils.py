@@ -34,6 +34,10 @@ def _entry(
     parent: tuple[dict[str, str], str, list[str]],
 ) -> None:
     env, cwd, path = parent
+    # A rank that dies of a signal (SIGSEGV, SIGABRT) leaves every thread's Python stack here;
+    # run_ranks adds it to the error, which otherwise names only the signal.
+    fault = open(_fault_file(init_file, rank), "w")  # noqa: SIM115 - open until os._exit
+    faulthandler.enable(file=fault, all_threads=True)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -57,6 +61,10 @@ def _entry(
     os._exit(0)
 
 
+def _fault_file(init_file: str, rank: int) -> str:
+    return f"{init_file}.fault-{rank}"
+
+
 def run_ranks(world: int, fn: Callable[..., None], *args: Any) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` new processes (forked from the fork server) with a
     gloo group.
@@ -67,13 +75,23 @@ def run_ranks(world: int, fn: Callable[..., None], *args: Any) -> None:
     multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
     parent = (dict(os.environ), os.getcwd(), list(sys.path))
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(
-            _entry,
-            args=(world, os.path.join(d, "init"), fn, args, parent),
-            nprocs=world,
-            join=True,
-            start_method="forkserver",
-        )
+        init = os.path.join(d, "init")
+        try:
+            mp.start_processes(
+                _entry,
+                args=(world, init, fn, args, parent),
+                nprocs=world,
+                join=True,
+                start_method="forkserver",
+            )
+        except mp.ProcessExitedException as e:
+            stacks = "".join(
+                f"\n--- rank {r} ---\n{text}"
+                for r in range(world)
+                if os.path.exists(_fault_file(init, r))
+                and (text := open(_fault_file(init, r)).read().strip())
+            )
+            raise AssertionError(f"{e}; the ranks' stacks at the signal:{stacks or ' none'}") from e
 
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
