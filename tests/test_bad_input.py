@@ -39,7 +39,7 @@ from ucp_dcp.format import ALIGN, BLOCK_SUMS_ENTRY, INDEX_FILE, PAD_PREFIX, VALU
 from ucp_dcp.byteio.rangeio import read_header
 from ucp_dcp.sources import formats_looked_for
 from ucp_dcp.core.values import decode_value
-from ucp_dcp.errors import CheckpointWriteError, UCPError, UnsupportedValueError, unwrap
+from ucp_dcp.errors import CheckpointWriteError, UCPError, UnsupportedValueError, listed, unwrap
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
@@ -253,6 +253,19 @@ def test_empty_directory(tmp_path: Path) -> None:
         load_index(str(path))
     assert_load_fails(path, match=re.escape(f"{path} is not a checkpoint: found none of {', '.join(formats_looked_for())}; it is empty"))
     assert list(path.iterdir()) == []
+
+
+def test_a_long_listing_says_how_many_it_left_out(tmp_path: Path) -> None:
+    """A directory of 13 unrelated files: the error shows the first ten and counts the rest
+    (errors.listed, every message's one form), rather than cutting the list silently."""
+    path = tmp_path / "notes"
+    path.mkdir()
+    names = [f"note{i:02d}.txt" for i in range(13)]
+    for n in names:
+        (path / n).write_text("x")
+    assert_load_fails(path, match=re.escape(f"it holds {', '.join(names[:10])} ... (3 more)"))
+    assert sorted(p.name for p in path.iterdir()) == names
+    assert listed(["a", "b"], 2) == "a, b" and listed([1, 2, 3], 2, "; ") == "1; 2 ... (1 more)"
 
 
 def test_dcp_default_format_is_recognised(tmp_path: Path) -> None:

@@ -220,7 +220,7 @@ def test_user_rules_load_a_checkpoint_without_universal_checkpoint_info(
         "universal_checkpoint_info is missing, so it is unknown which dimension each of "
         "model.embed_tokens.weight, model.layers.0.input_layernorm.weight, "
         "model.layers.0.mlp.down_proj.weight, model.layers.0.mlp.gate_proj.weight, "
-        "model.layers.0.mlp.up_proj.weight, model.layers.0.post_attention_layernorm.weight ... "
+        "model.layers.0.mlp.up_proj.weight, model.layers.0.post_attention_layernorm.weight ... (14 more) "
         "is split along (or whether it is replicated)"
     )
     want = expected("autotp2_dp2_zero1")

@@ -259,7 +259,7 @@ def test_tensor_parallel_without_partitioning_rules_is_refused_naming_them(tmp_p
     assert str(e.value) == (
         f"{tag / 'mp_rank_00_model_states.pt'}: tensor-parallel checkpoint without partitioning "
         "rules: universal_checkpoint_info is missing, so it is unknown which dimension each of "
-        "1.fc1.bias, 1.fc1.weight, 1.fc2.bias, 1.fc2.weight, 2.fc1.bias, 2.fc1.weight ... is "
+        "1.fc1.bias, 1.fc1.weight, 1.fc2.bias, 1.fc2.weight, 2.fc1.bias, 2.fc1.weight ... (9 more) is "
         "split along (or whether it is replicated)"
     )
 

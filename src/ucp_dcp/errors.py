@@ -296,6 +296,14 @@ class UCPWarning(_OptionHint, UserWarning):
     """A warning of the library that may name an option to pass (see :class:`UCPError`)."""
 
 
+def listed(items: Sequence[object], limit: int = 10, sep: str = ", ") -> str:
+    """What a message shows of a list: the first ``limit`` of ``items`` joined by ``sep``, then
+    how many are left out (``a, b, c ... (7 more)``); one form for every message, never a cut
+    that hides that there were more."""
+    shown = sep.join(map(str, items[:limit]))
+    return shown + (f" ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
 def unwrap(exc: BaseException) -> UCPError | None:
     """The library's error behind ``exc``, or None when there is none.
 

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from ..errors import InconsistentSaveError
+from ..errors import InconsistentSaveError, listed
 from ..format import Layout, dtype_name, rank_local_key, split_rank_local_key
 from ._mesh_groups import (
     MeshGroup,
@@ -131,11 +131,6 @@ def _rank_plan(
 # ---------------------------------------------------------------------- checks
 
 
-def describe_ranks(ranks: list[int]) -> str:
-    """The first eight of ``ranks``, comma-separated, with ``...`` when there are more."""
-    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
-
-
 def _holders_by_digest(per_rank: Iterable[dict[K, str]]) -> dict[K, dict[str, list[int]]]:
     """key -> digest -> ranks that hold that digest (ranks in order)."""
     per_key: dict[K, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
@@ -161,9 +156,9 @@ def divergent_keys(reports: Sequence[SaveRankReport], allow_rank_local: bool) ->
         groups = sorted(divergent[fqn].values())
         what = "plain tensor" if fqn in tensors else "non-tensor value"
         raise InconsistentSaveError(
-            f"{what} {fqn!r} differs across ranks (ranks {describe_ranks(groups[0])} hold one "
+            f"{what} {fqn!r} differs across ranks (ranks {listed(groups[0])} hold one "
             "value, "
-            f"ranks {describe_ranks(groups[1])} another; {len(divergent)} key(s) differ in all). "
+            f"ranks {listed(groups[1])} another; {len(divergent)} key(s) differ in all). "
             "Saving one copy "
             "would hand every rank the same value on load. Wrap per-rank state in "
             "ucp_dcp.RankLocal(...)"
@@ -186,7 +181,7 @@ def check_replicated_pieces(reports: Sequence[SaveRankReport]) -> None:
         fqn, offs = bad[0]
         raise InconsistentSaveError(
             f"replicated tensor {fqn!r} (box at offsets {list(offs)}) differs across ranks: ranks "
-            f"{describe_ranks(groups[0])} hold one value, ranks {describe_ranks(groups[1])} "
+            f"{listed(groups[0])} hold one value, ranks {listed(groups[1])} "
             f"another ({len(bad)} piece(s) differ in all). A box that several ranks save (a "
             "replicated tensor: a Replicated layout rule, TensorPieces(replicated=True); replicas "
             "of a flat partition) is written once, so every rank that holds it must hold the same "
@@ -248,7 +243,7 @@ def check_groups(reports: Sequence[SaveRankReport]) -> list[MeshGroup]:
         group = described.get((first, sig))
         if group is None:
             raise InconsistentSaveError(
-                f"ranks {describe_ranks(sorted(ranks))} hold DTensors on a device mesh whose "
+                f"ranks {listed(sorted(ranks))} hold DTensors on a device mesh whose "
                 "first rank is "
                 f"{first}, but rank {first} does not hold the same ones: every rank of a mesh "
                 "must save the same "
@@ -259,9 +254,9 @@ def check_groups(reports: Sequence[SaveRankReport]) -> list[MeshGroup]:
         if sorted(ranks) != sorted(group.ranks):
             missing = sorted(set(group.ranks) - set(ranks))
             raise InconsistentSaveError(
-                f"the device mesh of ranks {describe_ranks(sorted(group.ranks))} holds "
+                f"the device mesh of ranks {listed(sorted(group.ranks))} holds "
                 f"{len(group.tensors)} "
-                f"DTensor(s), but rank(s) {describe_ranks(missing)} of it did not report the same "
+                f"DTensor(s), but rank(s) {listed(missing)} of it did not report the same "
                 "ones (or are "
                 "not saving): every rank of a mesh must save the same DTensors, in the same "
                 "process group"
@@ -407,9 +402,9 @@ def assign_owners(groups: list[MeshGroup], taken: set[str]) -> Owners:
         if fqn in taken or other is not None:
             where = (
                 f"as {spec.dtype}{list(spec.shape)} on ranks "
-                f"{describe_ranks(sorted(cands[0][0].ranks))} and as "
+                f"{listed(sorted(cands[0][0].ranks))} and as "
                 f"{other[1].dtype}{list(other[1].shape)} on ranks "
-                f"{describe_ranks(sorted(other[0].ranks))}"
+                f"{listed(sorted(other[0].ranks))}"
                 if other
                 else "as a DTensor on some ranks and a plain or irregular tensor on others"
             )

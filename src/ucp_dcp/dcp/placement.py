@@ -30,7 +30,7 @@ from .._compat import (
 from ..byteio.requests import rank_and_world
 from ..core.pieces import TensorPieces
 from ..core.placement_digest import MASK64, box_share, digest_hex
-from ..errors import PlacementError
+from ..errors import PlacementError, listed
 from ..format import TensorRecord
 from .read_once.transport import wire_for
 
@@ -248,9 +248,8 @@ def check_placement(
             checked.append(fqn)
             copies[fqn] = n
     if wrong:
-        more = f" (and {len(wrong) - 3} more tensors)" if len(wrong) > 3 else ""
         raise PlacementError(
             f"{where + ': ' if where else ''}the load did not put every element where the save "
-            f"found it, {len(wrong)} tensor(s): " + "; ".join(wrong[:3]) + more
+            f"found it, {len(wrong)} tensor(s): " + listed(wrong, 3, "; ")
         )
     return PlacementReport(tuple(checked), copies, tuple(cast), tuple(no_digest))

@@ -39,6 +39,7 @@ from ..errors import (
     InvalidArgumentTypeError,
     LayoutError,
     UnsupportedValueError,
+    listed,
 )
 from ..format import Layout, dtype_name, rank_local_key, split_rank_local_key
 from ..format.names import RANK_LOCAL_PREFIX
@@ -109,8 +110,8 @@ class UCPSavePlanner(DefaultSavePlanner):
         reserved = [k for k in self.state_dict if k.startswith(RANK_LOCAL_PREFIX)]
         if reserved:
             raise UnsupportedValueError(
-                f"state-dict key(s) {reserved[:5]} begin with {RANK_LOCAL_PREFIX!r}, the prefix "
-                "the format names rank-local values by; rename them"
+                f"state-dict key(s) {listed(reserved, 5)} begin with {RANK_LOCAL_PREFIX!r}, the "
+                "prefix the format names rank-local values by; rename them"
             )
         self.rank, self.world_size = rank_and_world()
         self._local = LocalSavePlan(SavePlan([]))

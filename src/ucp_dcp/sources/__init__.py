@@ -28,7 +28,7 @@ from typing import Any
 from ..byteio.location import ModelDir, StoreDir, open_location
 from ..byteio.objstore import ObjectStore, is_url, local_path
 from ..byteio.requests import RequestPolicy
-from ..errors import CheckpointFormatError, NotACheckpointError
+from ..errors import CheckpointFormatError, NotACheckpointError, listed
 from ..format.names import save_id_of
 from .base import Source, SourceOptions, read_value, read_values, register, source_types
 from .composite import CompositeSource
@@ -112,16 +112,14 @@ def _not_a_checkpoint(d: ModelDir) -> CheckpointFormatError:
         names: list[str] = []
     else:
         names = sorted(d.list())
-        shown = ", ".join(names[:10]) + (" ..." if len(names) > 10 else "")
-        held = f"it holds {shown}" if names else "it is empty"
+        held = f"it holds {listed(names)}" if names else "it is empty"
         if not names and isinstance(d, StoreDir):
             # A store lists folders apart from objects; subfolders read as one are read locally.
             folders = sorted(d.store.list_folders(d.under))
             if folders:
                 held = (
-                    f"it holds only folders ({', '.join(folders[:10])}"
-                    f"{' ...' if len(folders) > 10 else ''}): open a subfolder's URL, or copy the "
-                    "directory down to read its subfolders as one"
+                    f"it holds only folders ({listed(folders)}): open a subfolder's URL, or copy "
+                    "the directory down to read its subfolders as one"
                 )
     if any(save_id_of(n) is not None for n in names):
         return missing_index(d.location, local=d.store is None)

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..byteio.location import LocalDir, ModelDir, StoreDir
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, listed
 from ..format.schema import is_plain_file_name
 
 __all__ = [
@@ -218,7 +218,7 @@ def find_deepspeed_files(path: str | ModelDir) -> DSFiles:
         raise CheckpointFormatError(
             f"{folder}: not a DeepSpeed ZeRO checkpoint: no "
             "*zero_pp_rank_*_mp_rank_*_optim_states.pt files"
-            f" ({', '.join(names[:8]) or 'it is empty'})"
+            f" ({listed(names, 8) or 'it is empty'})"
         )
     mp = sorted({k[0] for k in optim} | set(model12) | {k[0] for k in model3})
     if len(bf16) > 1:
@@ -333,4 +333,4 @@ def _missing(have: set[int], world: int, pattern: str) -> str:
     gone = [
         pattern.format(r) for r in range(max(world, max(have, default=-1) + 1)) if r not in have
     ]
-    return f" (missing {', '.join(gone[:6])}{' ...' if len(gone) > 6 else ''})" if gone else ""
+    return f" (missing {listed(gone, 6)})" if gone else ""

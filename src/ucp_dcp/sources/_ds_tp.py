@@ -31,7 +31,7 @@ from typing import Any
 
 from ..core.boxes import row_major_strides
 from ..core.sharding import Box, intersect
-from ..errors import CheckpointFormatError, InvalidArgumentError
+from ..errors import CheckpointFormatError, InvalidArgumentError, listed
 from ..format.schema import is_int
 from ._ds_merge import MergeOp
 
@@ -748,7 +748,7 @@ def _unknown_split(
     where: str, missing: str, params: list[str], user: bool
 ) -> CheckpointFormatError:
     """The refusal of ``params``, whose split no rule gives (``user``: the user gave some)."""
-    shown = ", ".join(params[:6]) + (" ..." if len(params) > 6 else "")
+    shown = listed(params, 6)
     which = f"tp_rules match none of {shown}, so it is unknown which dimension each of them"
     return CheckpointFormatError(
         f"{where}: tensor-parallel checkpoint without partitioning rules: {_INFO} {missing}"

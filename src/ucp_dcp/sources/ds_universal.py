@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..byteio.location import LocalDir, ModelDir
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, listed
 from ._archive_index import ArchiveIndex, ArchiveSource
 from ._ds_files import (
     LATEST_UNIVERSAL_FILE,
@@ -297,8 +297,6 @@ def _check_groups(
             if not has.issuperset(want)
         ]
         if bad:
-            shown = "; ".join(bad[:5])
-            more = f" (and those of {len(bad) - 5} more parameter(s))" if len(bad) > 5 else ""
             why = (
                 f"ds_to_universal writes {' and '.join(f'{k}.pt' for k in _MOMENTS)} for every "
                 "parameter of a ZeRO-3 checkpoint"
@@ -307,7 +305,9 @@ def _check_groups(
                 f"or for none, and {len(fqns) - len(bad)} of the {len(fqns)} parameters of "
                 f"{where} have {', '.join(f'{k}.pt' for k in want)}"
             )
-            raise CheckpointFormatError(f"{shown}{more} ({why}; a partial copy of the folder?)")
+            raise CheckpointFormatError(
+                f"{listed(bad, 5, '; ')} ({why}; a partial copy of the folder?)"
+            )
 
 
 def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[list[str]]:

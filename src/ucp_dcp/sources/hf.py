@@ -18,7 +18,7 @@ from ..byteio.location import ModelDir
 from ..byteio.objrange import ObjectAccess
 from ..byteio.rangeio import read_safetensors
 from ..core.sharding import Box
-from ..errors import CheckpointFormatError, InvalidArgumentTypeError, StorageError
+from ..errors import CheckpointFormatError, InvalidArgumentTypeError, StorageError, listed
 from ..format import (
     ChunkRecord,
     FileRecord,
@@ -93,7 +93,7 @@ def find_hf_files(d: ModelDir, named: str | None = None) -> tuple[list[str], dic
         + (
             f" (it holds {', '.join(indexes + files)}: name the file to import)"
             if indexes or files
-            else f" and no .safetensors files ({', '.join(listing[:10]) or 'it is empty'})"
+            else f" and no .safetensors files ({listed(listing) or 'it is empty'})"
         )
     )
 

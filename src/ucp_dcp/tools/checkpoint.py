@@ -48,6 +48,7 @@ from ..errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
     ShapeMismatchError,
+    listed,
 )
 from ..format import Location, TensorRecord, rank_local_key
 from ..format.names import dtype_named
@@ -562,8 +563,8 @@ def load_into_module(
         if strict and (missing or unexpected):
             raise CheckpointKeyError(
                 f"{os.fspath(path)}: loading into {type(module).__name__} with prefix {prefix!r}: "
-                f"missing keys {missing[:20]}{' ...' if len(missing) > 20 else ''}, "
-                f"unexpected keys {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}. "
+                f"missing keys [{listed(list(map(repr, missing)), 20)}], "
+                f"unexpected keys [{listed(list(map(repr, unexpected)), 20)}]. "
                 "Pass strict=False to load the keys that match"
             )
         for key, target in targets.items():

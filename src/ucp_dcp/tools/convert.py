@@ -31,7 +31,7 @@ from ..byteio.transfer import ChunkRegion
 from ..core.boxes import slabs
 from ..core.sharding import Box
 from ..dcp.options import ReadOptions
-from ..errors import CheckpointExistsError, CheckpointFormatError, StorageError, UCPError
+from ..errors import CheckpointExistsError, CheckpointFormatError, StorageError, UCPError, listed
 from ..format import (
     INDEX_FILE,
     FileRecord,
@@ -208,7 +208,9 @@ def _convert(ckpt: Checkpoint, dst: str, on_progress: ProgressFn | None, sync_fi
     result = build_index(index.world_size, files, written)
     missing = sorted(set(index.tensors) - set(result.tensors))
     if missing:
-        raise CheckpointFormatError(f"{source.path}: tensors with no stored data: {missing[:20]}")
+        raise CheckpointFormatError(
+            f"{source.path}: tensors with no stored data: {listed(missing, 20)}"
+        )
     commit_index(dst, result)
     return result
 

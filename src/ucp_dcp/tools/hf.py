@@ -58,6 +58,7 @@ from ..errors import (
     PathNotFoundError,
     StorageError,
     UCPWarning,
+    listed,
 )
 from ..format import dtype_name, encode_header, header_entries, st_dtype
 from ..sources import checkpoint_exists
@@ -226,8 +227,7 @@ def _plan_export(
         warnings.warn(
             UCPWarning(
                 f"{ckpt.path}: {len(values)} non-tensor value(s) under {prefix!r} are not "
-                f"exported (safetensors holds tensors only): {', '.join(map(repr, values[:5]))}"
-                f"{', ...' if len(values) > 5 else ''}"
+                f"exported (safetensors holds tensors only): {listed(list(map(repr, values)), 5)}"
             ),
             stacklevel=3,
         )
@@ -241,7 +241,7 @@ def _plan_export(
         guess = "model." if "model." in tops else tops[0]
         hint = f"prefix={guess!r}"
         raise CheckpointKeyError(
-            f"{head}start with {', '.join(map(repr, tops[:10]))}. Pass the prefix the model was "
+            f"{head}start with {listed(list(map(repr, tops)))}. Pass the prefix the model was "
             f"saved under, e.g. {hint} (a model saved as {{'model': model_state_dict}} has "
             "'model.')"
         ).with_option("prefix", guess, hint)

@@ -21,7 +21,7 @@ from typing import Any
 
 from ...byteio.integrity import file_digest
 from ...byteio.location import LocalDir
-from ...errors import CheckpointFormatError, InvalidArgumentError
+from ...errors import CheckpointFormatError, InvalidArgumentError, listed
 from ...format.schema import is_int, is_plain_file_name
 from ...tools.checkpoint import Checkpoint
 
@@ -330,8 +330,7 @@ class CommitMarker:
                 return f
         raise CheckpointFormatError(
             f"commit marker of step {self.step} lists no file {name!r} (it lists "
-            f"{len(self.files)} files: "
-            f"{', '.join(f.name for f in self.files[:8])}{', ...' if len(self.files) > 8 else ''})"
+            f"{len(self.files)} files: {listed([f.name for f in self.files], 8)})"
         )
 
 
