@@ -88,6 +88,19 @@ class Group:
         self.layout = layout
         self.pg: Any = dist.new_group(backend="gloo") if distributed else None
 
+    def close(self) -> None:
+        """Destroy the group: its threads and its sockets to every rank. A process that makes
+        manager after manager (an elastic loop, a service, a notebook) keeps none of them; the
+        manager's own work on it is over (its saves waited for). Local: no rank waits on another.
+        """
+        pg, self.pg = self.pg, None
+        if pg is None or not dist.is_initialized():
+            return  # the job already destroyed every group with its default one
+        try:
+            dist.destroy_process_group(pg)
+        except (ValueError, RuntimeError):
+            pass  # destroyed with an earlier default group, which a new one has replaced
+
     def gather(self, obj: T) -> list[T]:
         """``obj`` of every rank, in rank order."""
         if self.pg is None:

@@ -122,35 +122,41 @@ class CheckpointManager:
         self.config = cfg
         distributed = dist.is_available() and dist.is_initialized()
         self._layout = NodeLayout.detect(*rank_and_world(), cfg.ranks_per_node)
-        # Two gloo groups of our own, one per thread that runs collectives (see ._collective).
-        self._fg = Group(self._layout, distributed)
-        self._bg = Group(self._layout, distributed)
-        self._session = self._fg.bcast(uuid.uuid4().hex[:6])
-        self._seq = 0
-        self.persistent: Tier = open_tier(
-            root, name="persistent", storage_options=cfg.storage_options, requests=cfg.requests
-        )
-        self.local: LocalTier | None = (
-            LocalTier(os.fspath(cfg.local).format(node=self.node), name="local")
-            if cfg.local
-            else None
-        )
-        self._on_reshard = callbacks
         self._snap = Snapshotter(max_buffers=cfg.max_in_flight)
-        self._slots = threading.Semaphore(cfg.max_in_flight)
-        self._pipeline = SavePipeline(cfg, self._layout, self._bg, self.local, self.persistent)
-        self._restorer = Restorer(cfg, self._layout, self._fg, self.local, self.persistent)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="ucp-ckpt"
         )
-        # Saves (a SaveRecord each) and local-tier refills after a restore (None), in submission
-        # order.
-        self._futures: list[concurrent.futures.Future[SaveRecord | None]] = []
-        self._lock = threading.Lock()
-        self._records: list[SaveRecord] = []
-        self.last_restore: RestoreRecord | None = None
-        self._closed = False
-        self._fg.agree("start-up cleanup", self._startup_cleanup, step=-1)
+        # Two gloo groups of our own, one per thread that runs collectives (see ._collective),
+        # destroyed by close() (or here, if the manager cannot start).
+        self._fg = Group(self._layout, distributed)
+        self._bg = Group(self._layout, distributed)
+        try:
+            self._session = self._fg.bcast(uuid.uuid4().hex[:6])
+            self._seq = 0
+            self.persistent: Tier = open_tier(
+                root, name="persistent", storage_options=cfg.storage_options, requests=cfg.requests
+            )
+            self.local: LocalTier | None = (
+                LocalTier(os.fspath(cfg.local).format(node=self.node), name="local")
+                if cfg.local
+                else None
+            )
+            self._on_reshard = callbacks
+            self._slots = threading.Semaphore(cfg.max_in_flight)
+            self._pipeline = SavePipeline(cfg, self._layout, self._bg, self.local, self.persistent)
+            self._restorer = Restorer(cfg, self._layout, self._fg, self.local, self.persistent)
+            # Saves (a SaveRecord each) and local-tier refills after a restore (None), in
+            # submission order.
+            self._futures: list[concurrent.futures.Future[SaveRecord | None]] = []
+            self._lock = threading.Lock()
+            self._records: list[SaveRecord] = []
+            self.last_restore: RestoreRecord | None = None
+            self._closed = False
+            self._fg.agree("start-up cleanup", self._startup_cleanup, step=-1)
+        except BaseException:
+            self._closed = True
+            self._release()
+            raise
 
     @property
     def node(self) -> int:
@@ -300,8 +306,13 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            self._pool.shutdown(wait=True)
-            self._snap.close()
+            self._release()
+
+    def _release(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._snap.close()
+        self._bg.close()
+        self._fg.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
