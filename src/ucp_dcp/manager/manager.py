@@ -299,7 +299,8 @@ class CheckpointManager:
 
     # -------------------------------------------------------------- lifetime
     def close(self) -> None:
-        """Wait for in-flight saves, then release threads and host buffers."""
+        """Wait for in-flight saves, then release threads, host buffers and the manager's two
+        process groups (local: call it on every rank, as the ``with`` block does)."""
         if self._closed:
             return
         try:
