@@ -498,11 +498,26 @@ class StoreDir(ModelDir):
         fsync_file(dst)
 
 
-def view_of(where: str | os.PathLike[str] | ModelDir) -> ModelDir:
-    """``where`` as a directory view: a view as it is; a local path as a :class:`LocalDir` (of the
-    file's directory, with the file :attr:`~ModelDir.named`, for a path that is a file)."""
+def view_of(
+    where: str | os.PathLike[str] | ModelDir,
+    storage_options: dict[str, Any] | None = None,
+    requests: RequestPolicy | None = None,
+) -> ModelDir:
+    """``where`` as a directory view for reading: a view as it is; an fsspec URL as a
+    :class:`StoreDir` (``storage_options`` go to fsspec); a local path as a :class:`LocalDir`.
+
+    A path that is a file, or a URL whose last part names a ``.safetensors``
+    file or index, is the view of its parent with that file
+    :attr:`~ModelDir.named`.
+    """
     if isinstance(where, ModelDir):
         return where
+    if is_url(where):
+        url = os.fspath(where)
+        parent, _, last = url.rstrip("/").rpartition("/")
+        if "://" in parent and last.endswith(FILE_SUFFIXES):
+            return StoreDir(ObjectStore(parent, storage_options, requests=requests), last)
+        return location_at(url, storage_options, requests)
     path = local_path(where)
     if os.path.isfile(path):
         d = LocalDir(os.path.dirname(path) or ".", os.path.basename(path))
@@ -516,48 +531,35 @@ def open_location(
     storage_options: dict[str, Any] | None = None,
     requests: RequestPolicy | None = None,
 ) -> ModelDir:
-    """The directory view of ``path``: a local path, or an fsspec URL (``storage_options`` go to
-    fsspec).
-
-    A URL whose last part names a ``.safetensors`` file or index is the view
-    of its parent with that file :attr:`~ModelDir.named` (as a local path may
-    name a file). A local path that does not exist is a
-    :class:`~ucp_dcp.errors.NotACheckpointError`; a URL is not asked yet.
-    """
-    if is_url(path):
-        url = os.fspath(path)
-        parent, _, last = url.rstrip("/").rpartition("/")
-        if "://" in parent and last.endswith(FILE_SUFFIXES):
-            return StoreDir(ObjectStore(parent, storage_options, requests=requests), last)
-        return location_at(url, storage_options, requests)
-    local = local_path(path)
-    if not os.path.exists(local):
+    """The directory view of ``path`` (:func:`view_of`), a local path or an fsspec URL: a local
+    path that does not exist is a :class:`~ucp_dcp.errors.NotACheckpointError`; a URL is not asked
+    yet."""
+    local = None if is_url(path) else local_path(path)
+    if local is not None and not os.path.exists(local):
         raise NotACheckpointError(f"{local}: not a checkpoint (no such directory)", local)
-    return view_of(local)
+    return view_of(path, storage_options, requests)
 
 
 def location_at(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | ModelDir,
     storage_options: dict[str, Any] | None = None,
     requests: RequestPolicy | None = None,
 ) -> ModelDir:
-    """Where a save writes checkpoint ``path``: a :class:`StoreDir` for an fsspec URL
-    (``storage_options`` go to fsspec, ``requests`` says its deadlines), else a :class:`LocalDir`
-    (created by :meth:`ModelDir.make`)."""
+    """Where a save writes checkpoint ``path``: a view as it is; a :class:`StoreDir` for an fsspec
+    URL (``storage_options`` go to fsspec, ``requests`` says its deadlines), else a
+    :class:`LocalDir` (created by :meth:`ModelDir.make`)."""
+    if isinstance(path, ModelDir):
+        return path
     if is_url(path):
         return StoreDir(ObjectStore(os.fspath(path), storage_options, requests=requests))
     return LocalDir(local_path(path))
-
-
-def _location(where: str | os.PathLike[str] | ModelDir) -> ModelDir:
-    return location_at(where) if isinstance(where, (str, os.PathLike)) else where
 
 
 def write_index(where: str | os.PathLike[str] | ModelDir, index: Index) -> None:
     """Write ``ucp_index.json`` of ``index`` (with its digest) whole into ``where`` (a directory,
     a URL or a location): readers see the previous index or the complete new one, never a partial
     file, and a failed write leaves no temp file."""
-    _location(where).write_atomic(INDEX_FILE, index_bytes(index))
+    location_at(where).write_atomic(INDEX_FILE, index_bytes(index))
 
 
 def path_arg(path: Any, what: str) -> str:
@@ -587,7 +589,7 @@ def commit_index(where: str | os.PathLike[str] | ModelDir, index: Index) -> None
     stay loadable; after it, only native data files the new index does not
     name are removed, never anything else kept in the directory.
     """
-    storage = _location(where)
+    storage = location_at(where)
     write_index(storage, index)
     remove_old_data_files(storage, (f.name for f in index.files))
 
