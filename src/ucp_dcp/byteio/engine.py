@@ -38,7 +38,7 @@ from .transfer import (
     staging_plan,
 )
 
-__all__ = ["ChunkReads", "ReadTotals"]
+__all__ = ["ChunkReads", "ReadTotals", "Region"]
 
 # Direct segments are read once this many are pending: bounds the bookkeeping memory (a strided
 # load makes tens of thousands of short segments), not just the data.
@@ -64,12 +64,19 @@ class ReadTotals:
 
 
 @dataclass(frozen=True, slots=True)
-class _Staged:
+class Region:
+    """A region of a saved chunk to read: ``part`` into ``dest`` (the region's shape). ``name`` and
+    ``chunk_offsets`` (the chunk's offsets in the tensor) name the chunk in errors; ``sums``: its
+    block checksums (None: nothing to check block by block); ``done`` runs once ``dest`` holds
+    the checked bytes (in a read-once load, once every rank succeeded). What
+    :meth:`ChunkReads.add` stages, and what a read-once load's
+    :class:`~ucp_dcp.dcp.read_once.exchange.LocalNeeds` fill."""
+
     part: ChunkRegion
     dest: torch.Tensor
     name: str
     chunk_offsets: tuple[int, ...]
-    check: ChunkCheck | None
+    sums: BlockSums | None
     done: Callable[[], None] | None
 
 
@@ -113,7 +120,7 @@ class ChunkReads:
                 self.staging_bytes -= self.blocks.scratch_limit
         self._segments: list[Segment] = []
         self._done: list[Callable[[], None]] = []
-        self._staged: list[_Staged] = []
+        self._staged: list[tuple[Region, ChunkCheck | None]] = []
         self._regions = 0
         self._n_staged = 0
         self._start = (source.stats.calls, source.stats.bytes)
@@ -144,7 +151,7 @@ class ChunkReads:
         if self.blocks is not None and sums is not None:
             check = ChunkCheck(self.blocks, sums, name, chunk_offsets)
         if needs_staging(dest, part.dtype, part.location) or spanned(self.source, part, dest):
-            self._staged.append(_Staged(part, dest, name, chunk_offsets, check, done))
+            self._staged.append((Region(part, dest, name, chunk_offsets, sums, done), check))
             return
         if check is not None:
             verifier = check.verifier
@@ -196,18 +203,18 @@ class ChunkReads:
         # How each region is read (as spans or slab by slab), decided once, and the staging it
         # takes: one buffer for all of them, sized for the largest.
         plans = [
-            staging_plan(self.source, s.part, s.dest, s.check.sums.block if s.check else 0)
-            for s in staged
+            staging_plan(self.source, r.part, r.dest, check.sums.block if check else 0)
+            for r, check in staged
         ]
         largest = max((nbytes for _, nbytes in plans), default=0)
         with StagingBuffers(self.staging_bytes, largest_bytes=largest) as staging:
-            for s, (span, _) in zip(staged, plans):
+            for (r, check), (span, _) in zip(staged, plans):
                 # With block checksums, every slab is checked in the staging buffer.
-                staging.read(self.source, s.part, s.dest, s.check, span)
-                if s.done is not None:
-                    s.done()
-                if s.check is None:  # a cast or device copy: the chunk is read again
-                    self.check_chunk(s.part, s.name, s.chunk_offsets)
+                staging.read(self.source, r.part, r.dest, check, span)
+                if r.done is not None:
+                    r.done()
+                if check is None:  # a cast or device copy: the chunk is read again
+                    self.check_chunk(r.part, r.name, r.chunk_offsets)
 
     # ------------------------------------------------------------ totals, lifetime
     @property

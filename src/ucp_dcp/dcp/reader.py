@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..byteio.engine import ChunkReads
+from ..byteio.engine import ChunkReads, Region
 from ..byteio.progress import Progress
 from ..byteio.rangeio import ByteSource
 from ..byteio.requests import current_rank, rank_and_world
@@ -63,7 +63,7 @@ from .machine import Whereabouts, machine_shared, ranks_by_machine
 from .options import LoadReport, ReadOptions
 from .placement import checked_placement
 from .read_once import ReadOnceDecision, coordinate, decide, shared_storage
-from .read_once.exchange import LocalNeeds, Region, run_exchange
+from .read_once.exchange import LocalNeeds, run_exchange
 from .read_once.first_requests import share_first_requests
 from .read_once.transport import Transport, Wire, wire_for
 from .slowest import LoadRun, gather_slowest, log_slowest, rank_record

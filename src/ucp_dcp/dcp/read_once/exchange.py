@@ -14,17 +14,17 @@ rank".
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...byteio.blocksums import BlockSums, BlockVerifier, ChunkCheck
+from ...byteio.blocksums import BlockVerifier, ChunkCheck
+from ...byteio.engine import Region
 from ...byteio.rangeio import ByteSource, storage_view
 from ...byteio.segments import Segment
-from ...byteio.transfer import ChunkRegion
 from ...core.boxes import runs
 from ...core.spans import merge_ranges
 from ...errors import ReadOnceError
@@ -42,7 +42,6 @@ __all__ = [
     "LocalNeeds",
     "PieceChecker",
     "RankRounds",
-    "Region",
     "rank_failed",
     "raise_gathered",
     "run_exchange",
@@ -94,20 +93,6 @@ def raise_gathered(error: BaseException | None, group: dist.ProcessGroup | None)
 
 
 # ---------------------------------------------------------------- where received bytes land
-
-
-@dataclass(frozen=True, slots=True)
-class Region:
-    """A region of a saved chunk to fill in place: ``part`` into CPU tensor ``dest`` (saved dtype,
-    chunk stored row-major). ``sums``: the chunk's block checksums (None: nothing to check);
-    ``name`` and ``chunk_offsets`` name it in errors; ``done`` runs once every rank succeeded."""
-
-    part: ChunkRegion
-    dest: torch.Tensor
-    name: str
-    chunk_offsets: tuple[int, ...]
-    sums: BlockSums | None
-    done: Callable[[], None] | None
 
 
 class _InPlace:
