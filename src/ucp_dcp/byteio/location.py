@@ -344,9 +344,9 @@ class LocalDir(ModelDir):
 
 
 class StoreDir(ModelDir):
-    """The objects directly under an :class:`~ucp_dcp.byteio.objstore.ObjectStore`'s URL, or under
-    its folder ``under`` (a step directory of the manager's object tier: every request through
-    the one store, so under its one bound on requests in flight).
+    """The objects directly under an :class:`~ucp_dcp.byteio.objstore.ObjectStore`'s URL (a folder
+    of another store's URL is a store of its own, :meth:`ObjectStore.child
+    <ucp_dcp.byteio.objstore.ObjectStore.child>`, sharing its requests' bound).
 
     Listed once (one request) and answered from that listing after, so
     finding the files costs no request per name; a file that disappears
@@ -355,28 +355,22 @@ class StoreDir(ModelDir):
 
     store: ObjectStore
 
-    def __init__(self, store: ObjectStore, named: str | None = None, under: str = "") -> None:
+    def __init__(self, store: ObjectStore, named: str | None = None) -> None:
         self.store = store
-        self.under = under.strip("/")
-        """The folder inside the store's URL this view holds ("": the URL itself)."""
-        self.where = store.url_of(self.under)
+        self.where = store.url
         self.named = named
-        self.location = store.url_of(self._name(named or ""))
+        self.location = store.url_of(named or "")
         self._sizes: dict[str, int] | None = None
         # Read by holds() before any listing, or handed over by the caller (keep()): no request.
         self._kept: dict[str, bytes] = {}
 
-    def _name(self, name: str) -> str:
-        """The store's name of file ``name`` of this view."""
-        return f"{self.under}/{name}" if self.under and name else name or self.under
-
     def path_of(self, name: str) -> str:
         """The object's URL."""
-        return self.store.url_of(self._name(name))
+        return self.store.url_of(name)
 
     def _listing(self) -> dict[str, int]:
         if self._sizes is None:
-            self._sizes = self.store.list_sizes(self.under)
+            self._sizes = self.store.list_sizes()
         return self._sizes
 
     def list(self) -> list[str]:
@@ -401,7 +395,7 @@ class StoreDir(ModelDir):
         if self._sizes is not None:
             return name in self._sizes
         if name not in self._kept:
-            raw = self.store.read_if_exists(self._name(name))
+            raw = self.store.read_if_exists(name)
             if raw is None:
                 return False
             self._kept[name] = raw
@@ -410,24 +404,17 @@ class StoreDir(ModelDir):
     def read(self, name: str) -> bytes:
         """The whole object (errors are :class:`~ucp_dcp.errors.StorageError` naming its URL)."""
         kept = self._kept.pop(name, None)
-        return kept if kept is not None else self.store.read(self._name(name))
+        return kept if kept is not None else self.store.read(name)
 
     def access(self, name: str) -> ObjectAccess:
         """Ranged reads of the object (its size from the listing): one request for a header under 64
         KiB."""
-        return ObjectAccess(self.store, self._name(name), self._listing().get(name))
+        return ObjectAccess(self.store, name, self._listing().get(name))
 
     def child(self, name: str) -> StoreDir:
-        """The objects under prefix ``name/`` (its own store, same options; listed when first
-        asked)."""
-        s = self.store
-        return StoreDir(
-            ObjectStore(
-                s.url_of(self._name(check_relative_name(name, self.where, "folder name"))),
-                s.storage_options,
-                requests=s.requests,
-            )
-        )
+        """The objects under prefix ``name/`` (:meth:`ObjectStore.child
+        <ucp_dcp.byteio.objstore.ObjectStore.child>`; listed when first asked)."""
+        return StoreDir(self.store.child(check_relative_name(name, self.where, "folder name")))
 
     def is_dir(self) -> bool:
         """Whether the listing holds any object (a prefix exists only through its objects)."""
@@ -439,7 +426,7 @@ class StoreDir(ModelDir):
 
     def exists(self, name: str) -> bool:
         """One request (a HEAD)."""
-        return self.store.exists(self._name(name))
+        return self.store.exists(name)
 
     def make(self) -> None:
         """Nothing: a prefix exists through its objects."""
@@ -471,30 +458,28 @@ class StoreDir(ModelDir):
             )
             return WrittenFile(*done)
 
-        return self.store.write_stream(
-            self._name(name), f"uploading rank {spec.rank}'s data file", fill
-        )
+        return self.store.write_stream(name, f"uploading rank {spec.rank}'s data file", fill)
 
     def write_atomic(self, name: str, data: bytes) -> None:
         """One PUT: the object appears whole, replacing the older one, or not at all."""
         self._sizes = None
-        self.store.put(self._name(name), data)
+        self.store.put(name, data)
 
     def remove(self, names: Sequence[str]) -> None:
         """One request per object."""
         self._sizes = None
-        self.store.remove([self._name(n) for n in names])
+        self.store.remove(names)
 
     def upload(self, name: str, src: str) -> None:
         """Local file ``src`` as object ``name``, streamed (restarted on a transient failure): it
         appears whole or not at all."""
         self._sizes = None
-        self.store.upload(self._name(name), src)
+        self.store.upload(name, src)
 
     def download(self, name: str, dst: str, size: int | None = None) -> None:
         """Object ``name`` into local file ``dst``, fsync'd (``size``: the listing's, saving a
         request)."""
-        self.store.download(self._name(name), dst, size)
+        self.store.download(name, dst, size)
         fsync_file(dst)
 
 

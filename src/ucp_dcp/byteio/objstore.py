@@ -18,6 +18,7 @@ place is :mod:`ucp_dcp.byteio.objrange`'s.
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import threading
 from collections import deque
@@ -121,6 +122,14 @@ class ObjectStore:
     def url_of(self, name: str) -> str:
         """The full URL of object ``name``, as shown in messages."""
         return f"{self.url}/{name}" if name else self.url
+
+    def child(self, name: str) -> ObjectStore:
+        """The objects under folder ``name`` as a store of that URL, sharing this store's file
+        system, options and :class:`~ucp_dcp.byteio.scheduler.RequestScheduler`: every request of
+        the rank under one bound on requests in flight, counted in one :attr:`stats`."""
+        sub = copy.copy(self)  # the same file system, event loop and scheduler
+        sub.url, sub.root = self.url_of(name), self.path(name)
+        return sub
 
     def name_of(self, url_or_path: str) -> str:
         """The object name of a full URL or store path under this checkpoint."""
@@ -274,19 +283,19 @@ class ObjectStore:
             return []
         return list(self._sync(self._get_all, ranges))
 
-    def list_sizes(self, under: str = "") -> dict[str, int]:
-        """Name -> size of the objects directly under the checkpoint's URL (or under its folder
-        ``under``), from one listing (none if it does not exist)."""
-        return self._list(under)[0]
+    def list_sizes(self) -> dict[str, int]:
+        """Name -> size of the objects directly under the checkpoint's URL, from one listing (none
+        if it does not exist)."""
+        return self._list()[0]
 
-    def list_folders(self, under: str = "") -> list[str]:
-        """Names of the folders (prefixes) directly under the checkpoint's URL (or under its folder
-        ``under``), from one listing."""
-        return self._list(under)[1]
+    def list_folders(self) -> list[str]:
+        """Names of the folders (prefixes) directly under the checkpoint's URL, from one
+        listing."""
+        return self._list()[1]
 
-    def _list(self, under: str) -> tuple[dict[str, int], list[str]]:
-        """One listing of folder ``under``: its objects' sizes by name, and its folders."""
-        path = self.path(under)
+    def _list(self) -> tuple[dict[str, int], list[str]]:
+        """One listing of the checkpoint's URL: its objects' sizes by name, and its folders."""
+        path = self.root
 
         async def ls() -> tuple[dict[str, int], list[str]]:
             self.fs.invalidate_cache(path)  # a retry must not answer from a cache
@@ -303,9 +312,7 @@ class ObjectStore:
                     files[name] = int(e.get("size") or 0)
             return files, folders
 
-        return self._run(
-            "listing the checkpoint" if not under else "listing the folder", under, ls, 0
-        )
+        return self._run("listing the checkpoint", "", ls, 0)
 
     def download(self, name: str, dst: str, size: int | None = None) -> None:
         """Object ``name`` into local file ``dst`` (created or truncated), in ranged GETs of at most

@@ -115,7 +115,7 @@ def _not_a_checkpoint(d: ModelDir) -> CheckpointFormatError:
         held = f"it holds {listed(names)}" if names else "it is empty"
         if not names and isinstance(d, StoreDir):
             # A store lists folders apart from objects; subfolders read as one are read locally.
-            folders = sorted(d.store.list_folders(d.under))
+            folders = sorted(d.store.list_folders())
             if folders:
                 held = (
                     f"it holds only folders ({listed(folders)}): open a subfolder's URL, or copy "

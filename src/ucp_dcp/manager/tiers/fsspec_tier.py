@@ -82,7 +82,7 @@ class FsspecTier(Tier):
 
     def _dir(self, name: str) -> StoreDir:
         """Step directory ``name`` as a location on the tier's store."""
-        return StoreDir(self.store, under=name)
+        return StoreDir(self.store.child(name))
 
     def _dirs(self) -> dict[int, list[str]]:
         """Step directory names under the root, by step (uncommitted ones included)."""
