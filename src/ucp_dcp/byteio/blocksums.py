@@ -27,6 +27,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from ..core.boxes import runs
 from ..core.sharding import Box
+from ..core.spans import expand
 from ..errors import ChecksumError, InvalidArgumentError
 from ..format import Location
 from .integrity import chunk_mismatch, chunk_what
@@ -490,12 +491,8 @@ class BlockVerifier:
         batch = Batch(location, check, view)
         # In place: one segment per run that holds whole blocks, one hash per block.
         da, dfb, dd = ca[direct], fb[direct], dst[direct] + (ca[direct] - a[direct])
-        cnt = -(-(dfb - da) // bs)
-        total = int(cnt.sum())
-        first = np.repeat(np.cumsum(cnt) - cnt, cnt)
-        j = np.arange(total, dtype=np.int64) - first
-        batch.dest_blocks = np.repeat(da // bs, cnt) + j
-        batch.dest_offs = np.repeat(dd, cnt) + j * bs
+        row, batch.dest_blocks = expand(da // bs, -(-dfb // bs))  # da: a block boundary
+        batch.dest_offs = dd[row] + (batch.dest_blocks - da[row] // bs) * bs
         # Through scratch: every block a piece touches, read whole; runs of neighbouring blocks in
         # one segment.
         blocks = (

@@ -19,7 +19,7 @@ import torch
 
 from ..core.boxes import row_major_strides, runs, slabs
 from ..core.sharding import Box
-from ..core.spans import prefer_span, region_starts, span_of, span_slabs
+from ..core.spans import expand, prefer_span, region_starts, span_of, span_slabs
 from ..errors import UnsupportedValueError
 from ..format import Location
 from .blocksums import ChunkCheck, read_verified
@@ -542,17 +542,9 @@ def _sub_span(
         return a, b, a, b, None
     starts, length = region_starts(part.chunk_sizes, sub, es)
     lo, hi = a // block * block, min(-(-b // block) * block, part.location.nbytes)
-    return a, b, lo, hi, _blocks_of(starts, length, block)
-
-
-def _blocks_of(starts: np.ndarray, length: int, block: int) -> np.ndarray:
-    """Every block number that a run ``[s, s + length)`` for ``s`` in ``starts`` touches, ascending,
-    once each."""
-    first = starts // block
-    count = (starts + length - 1) // block - first + 1
-    total = int(count.sum())
-    k = np.repeat(first - (np.cumsum(count) - count), count) + np.arange(total, dtype=np.int64)
-    return np.unique(k)
+    # Every block a run [s, s + length) touches, ascending, once each.
+    _, blocks = expand(starts // block, (starts + length - 1) // block + 1)
+    return a, b, lo, hi, np.unique(blocks)
 
 
 def spanned(reader: ByteSource, part: ChunkRegion, dest: torch.Tensor | None = None) -> bool:

@@ -7,7 +7,8 @@ bounded staging, then one strided copy: the cost of the gaps' pages and of the c
 :func:`read_cost` prices both with :class:`ReadCosts`; :func:`prefer_span` picks;
 :func:`span_slabs` cuts a region into sub-boxes whose span fits a staging budget;
 :func:`file_access` picks how a rank reads each file as a whole; :func:`merge_ranges` is the one
-union of byte ranges every layer above uses. Pure arithmetic, like the rest of
+union of byte ranges, and :func:`expand` the one listing of the integers of ranges, every layer
+above uses. Pure arithmetic, like the rest of
 :mod:`ucp_dcp.core`: the byte-moving code is :mod:`ucp_dcp.byteio.transfer`. When each wins, and
 the measured prices: docs/resharding.md ("Exact reads") and docs/storage-speed.md ("The prices of
 exact and span reads").
@@ -38,6 +39,7 @@ __all__ = [
     "READ_AHEAD_BYTES",
     "file_access",
     "merge_ranges",
+    "expand",
 ]
 
 SEQUENTIAL = "sequential"
@@ -312,6 +314,14 @@ def merge_ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.n
     new[1:] = s[1:] > reach[:-1]
     idx = np.flatnonzero(new)
     return s[idx], np.maximum.reduceat(e, idx)
+
+
+def expand(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each row ``i`` the integers ``lo[i]..hi[i]-1``: (row of each, the integer)."""
+    count = np.maximum(hi - lo, 0)
+    row = np.repeat(np.arange(len(lo), dtype=np.int64), count)
+    first = np.cumsum(count) - count
+    return row, lo[row] + np.arange(len(row), dtype=np.int64) - first[row]
 
 
 def _covered(

@@ -1,6 +1,7 @@
-"""Read-once planning's arithmetic on byte ranges held as int64 arrays: intersect, expand,
-group by a key (:func:`intersect_ranges`, :func:`expand`, :func:`stable_order`,
-:func:`offsets`; their union is :func:`~ucp_dcp.core.spans.merge_ranges`); the *segments* of a
+"""Read-once planning's arithmetic on byte ranges held as int64 arrays: intersect, group by a
+key (:func:`intersect_ranges`, :func:`stable_order`, :func:`offsets`; their union is
+:func:`~ucp_dcp.core.spans.merge_ranges`, their integers :func:`~ucp_dcp.core.spans.expand`); the
+*segments* of a
 file's needs, maximal runs of pages needed by one set of ranks, numbered by class
 (:func:`segments`); and :func:`water_fill`, the balancing rule that cuts a class's segments
 among its members (:mod:`~ucp_dcp.dcp.read_once.plan` builds the job's read plan from them).
@@ -13,12 +14,12 @@ from fractions import Fraction
 
 import numpy as np
 
+from ...core.spans import expand
 from ...errors import InvalidArgumentError
 
 __all__ = [
     "Segments",
     "at_least",
-    "expand",
     "intersect_ranges",
     "offsets",
     "segments",
@@ -54,14 +55,6 @@ def stable_order(key: np.ndarray) -> np.ndarray:
     if len(key) and int(key.max()) < (1 << 15):
         return np.argsort(key.astype(np.int16), kind="stable")
     return np.argsort(key, kind="stable")
-
-
-def expand(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each row ``i`` the integers ``lo[i]..hi[i]-1``: (row of each, the integer)."""
-    count = np.maximum(hi - lo, 0)
-    row = np.repeat(np.arange(len(lo), dtype=_I64), count)
-    first = np.cumsum(count) - count
-    return row, lo[row] + np.arange(len(row), dtype=_I64) - first[row]
 
 
 def at_least(name: str, value: int, minimum: int) -> int:
