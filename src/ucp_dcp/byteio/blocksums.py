@@ -27,7 +27,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from ..core.boxes import runs
 from ..core.sharding import Box
-from ..core.spans import expand
+from ..core.spans import expand, merge_ranges
 from ..errors import ChecksumError, InvalidArgumentError
 from ..format import Location
 from .integrity import chunk_mismatch, chunk_what
@@ -500,14 +500,8 @@ class BlockVerifier:
             if len(ps)
             else np.zeros(0, np.int64)
         )
-        cuts = np.flatnonzero(np.diff(blocks) != 1) + 1
-        g0 = np.concatenate([[0], cuts]).astype(np.int64) if len(blocks) else np.zeros(0, np.int64)
-        g1 = (
-            np.concatenate([cuts, [len(blocks)]]).astype(np.int64)
-            if len(blocks)
-            else np.zeros(0, np.int64)
-        )
-        gs, ge = blocks[g0] * bs, np.minimum(blocks[g1 - 1] * bs + bs, n)
+        gs, ge = merge_ranges(blocks * bs, np.minimum(blocks * bs + bs, n))
+        g0 = np.searchsorted(blocks, gs // bs)  # where each run of blocks starts in scratch
         done = None
         starts, ends = np.concatenate([da, gs]), np.concatenate([dfb, ge])
         order = np.argsort(starts, kind="stable")
