@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ...byteio.objstore import is_url
 from ...errors import InvalidArgumentError
-from .exchange import ExchangeTotals, LocalNeeds, RankRounds, rank_failed
+from .exchange import ExchangeTotals, LocalNeeds, RankRounds, first_failure
 from .rounds import GroupReadPlan, NeedGroups, needs_digest, plan_group_reads
 
 __all__ = [
@@ -322,12 +322,12 @@ def _plan(
     costs: ReadOnceCosts | None,
 ) -> tuple[list[object], SharedPart | None]:
     """On the coordinator: each rank's ``(decision, part or None)``, or the error every rank
-    raises; and what goes to every rank alike when exchanging."""
+    raises (a rank that failed raises its own); and what goes to every rank alike when
+    exchanging."""
     world = len(gathered)
-    for r, g in enumerate(gathered):
-        if isinstance(g, BaseException):
-            err = rank_failed(r, g)
-            return [g if i == r else err for i in range(world)], None
+    failed = first_failure(gathered)
+    if failed is not None:
+        return [failed] * world, None
     bodies = {r: g for r, g in enumerate(gathered) if isinstance(g, dict)}
     plan = plan_group_reads(NeedGroups.from_digests(digests, bodies))
     decision = dataclasses.replace(

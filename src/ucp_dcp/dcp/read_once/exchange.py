@@ -39,10 +39,10 @@ __all__ = [
     "mark_failed",
     "ExchangeRound",
     "ExchangeTotals",
+    "first_failure",
     "LocalNeeds",
     "PieceChecker",
     "RankRounds",
-    "rank_failed",
     "raise_gathered",
     "run_exchange",
 ]
@@ -72,12 +72,17 @@ def mark_failed(buf: np.ndarray, sizes: Sequence[int]) -> None:
         status[:] = 1  # bytes, not an int64: messages need not start 8-byte aligned
 
 
-def rank_failed(rank: int, error: object) -> ReadOnceError:
-    """What every rank raises when ``rank`` could not take part in a read-once collective
-    (``error``: what kept it)."""
-    return ReadOnceError(
-        f"rank {rank} could not take part in the read-once load: {type(error).__name__}: {error}"
-    )
+def first_failure(gathered: Sequence[object]) -> ReadOnceError | None:
+    """What every rank raises when a rank could not take part in a read-once collective: the
+    first rank whose entry of ``gathered`` (one per rank) is the error that kept it; None when
+    no entry is an error."""
+    for rank, error in enumerate(gathered):
+        if isinstance(error, BaseException):
+            return ReadOnceError(
+                f"rank {rank} could not take part in the read-once load: "
+                f"{type(error).__name__}: {error}"
+            )
+    return None
 
 
 def raise_gathered(error: BaseException | None, group: dist.ProcessGroup | None) -> None:

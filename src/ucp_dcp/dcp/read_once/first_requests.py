@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ...core.spans import merge_ranges
 from ...errors import ReadOnceError
 from ...sources import NativeSource
-from .exchange import framed, mark_failed, message_sizes, raise_gathered, rank_failed
+from .exchange import first_failure, framed, mark_failed, message_sizes, raise_gathered
 from .transport import Wire
 
 __all__ = ["share_first_requests"]
@@ -47,7 +47,9 @@ def share_first_requests(
     mine: object = failure if failure is not None else merge_ranges(files, files + 1)
     gathered: list[object] = [None] * world
     dist.all_gather_object(gathered, mine, group=group)
-    _raise_any(gathered, failure)
+    refused = failure if failure is not None else first_failure(gathered)
+    if refused is not None:  # every rank raises: its own error, else the first failed rank's
+        raise refused
     readers = _readers(gathered)
     reads = np.flatnonzero(readers == me).tolist()
     size = src.first_request_bytes
@@ -87,15 +89,6 @@ def share_first_requests(
         raise_gathered(error, group)
         raise ReadOnceError(f"rank {failed} could not fetch a data file's first request")
     src.hold_first_requests(held)
-
-
-def _raise_any(gathered: list[object], failure: BaseException | None) -> None:
-    """Raise on every rank if any rank failed before knowing what it reads."""
-    if failure is not None:
-        raise failure
-    for r, g in enumerate(gathered):
-        if isinstance(g, BaseException):
-            raise rank_failed(r, g)
 
 
 def _readers(runs: list[object]) -> np.ndarray:
