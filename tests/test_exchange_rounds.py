@@ -1,4 +1,5 @@
-"""Exchange rounds with each rank's reads for itself (read_once/rounds.py ``with_own_reads``).
+"""Exchange rounds with each rank's reads for itself (read_once/plan.py ``plan_job_reads`` with
+``own_reads=True``).
 
 What the read-once exchange (read_once/exchange.py) relies on, checked byte by byte on random and
 structured needs: every rank gets, over all rounds, exactly the bytes it needs (from itself or
@@ -26,16 +27,13 @@ from ucp_dcp.dcp.read_once import rank_shares
 from ucp_dcp.dcp.read_once.exchange import RankRounds
 from ucp_dcp.dcp.read_once.plan import plan_job_reads
 from ucp_dcp.dcp.read_once.ranges import intersect_ranges
-from ucp_dcp.dcp.read_once.rounds import (
-    plan_group_reads,
-    with_own_reads,
-)
+from ucp_dcp.dcp.read_once.rounds import plan_group_reads
 from ucp_dcp.errors import InvalidArgumentError
 
 
 def _check_own(needs: Needs, sizes: dict[int, int], align: int, min_run: int, budget: int) -> None:
     plan = plan_job_reads(needs, align=align, min_run=min_run, file_sizes=sizes)
-    full = with_own_reads(plan, needs)
+    full = plan_job_reads(needs, align=align, min_run=min_run, file_sizes=sizes, own_reads=True)
     check_rounds(full, budget)  # the rounds' rules hold with the own rows in
     want = _need_masks(needs, sizes)
     got = [{f: np.zeros(n, np.int64) for f, n in sizes.items()} for _ in needs]
@@ -98,7 +96,7 @@ def test_each_ranks_windows_cut_the_same_rounds_as_the_schedule(
     needs, sizes = case
     groups = need_groups(needs)
     assume(len(groups.extents) == len(needs))
-    full = with_own_reads(plan_job_reads(needs, align=align, file_sizes=sizes), needs)
+    full = plan_job_reads(needs, align=align, file_sizes=sizes, own_reads=True)
     world = full.world_size
     if budget < max(len(needs), 1) * 2:  # under the peers one rank exchanges with: refused
         return

@@ -24,7 +24,9 @@ The rules, in terms of *pages* (``align``-byte blocks of a file, offset a multip
    reader's piece of it is either all of it or at least ``min_run`` bytes.
 4. A receiver gets exactly the bytes it needs that another rank reads: never alignment
    padding, never a byte it reads itself. The transfers to ``r`` and ``reads(r)`` together
-   cover the bytes rank ``r`` needs, without overlap.
+   cover the bytes rank ``r`` needs, without overlap. (With ``own_reads``, what an exchange
+   runs, the bytes it reads itself are transfers too, from itself: then the transfers to ``r``
+   alone cover its needs.)
 
 Balance. A cut moves down by less than ``min_run + align`` in the first step when its
 segment has an allowed page boundary inside, by less than the segment's length (under
@@ -329,6 +331,7 @@ def plan_job_reads(
     min_run: int = DEFAULT_MIN_RUN,
     file_sizes: Mapping[int, int] | None = None,
     weights: np.ndarray | None = None,
+    own_reads: bool = False,
 ) -> JobReadPlan:
     """The job-wide read plan for ``needs[r]``, rank ``r``'s needed ranges (see the module).
 
@@ -337,8 +340,10 @@ def plan_job_reads(
     ``align``: a read there may come back short at the end of the file). ``min_run``: the least
     piece of a shared segment given to one reader. ``weights[r]`` (positive integers, default
     all ones): the ranks input ``r`` stands for (:mod:`~ucp_dcp.dcp.read_once.rounds`),
-    shared bytes balanced by bytes per weight. Raises :class:`InvalidArgumentError` for
-    negative numbers, arrays of other shapes or kinds, ranges past a known file size.
+    shared bytes balanced by bytes per weight. ``own_reads``: each rank's reads for itself (its
+    reads within its needs) among the transfers too, as rows with reader == receiver. Raises
+    :class:`InvalidArgumentError` for negative numbers, arrays of other shapes or kinds, ranges
+    past a known file size.
     """
     align = at_least("align", align, 1)
     min_run = at_least("min_run", min_run, 0)
@@ -365,7 +370,7 @@ def plan_job_reads(
         line, piece_reader, piece_start, piece_end
     )
     transfers, recv_index, recv_offsets = _transfers(
-        line, world, rank, start, end, piece_reader, piece_start, piece_end
+        line, world, rank, start, end, piece_reader, piece_start, piece_end, own_reads
     )
     return JobReadPlan(
         align=align,
@@ -510,15 +515,18 @@ def _transfers(
     p_reader: np.ndarray,
     p_start: np.ndarray,
     p_end: np.ndarray,
+    own: bool = False,
 ) -> tuple[Transfers, np.ndarray, np.ndarray]:
-    """What each rank needs (merged ``rank, start, end``) of the pieces others read: the
-    transfers, ``recv_index`` and ``recv_offsets`` (see :class:`ReadsByRank`)."""
+    """What each rank needs (merged ``rank, start, end``) of the pieces others read (``own``:
+    and of those it reads itself): the transfers, ``recv_index`` and ``recv_offsets`` (see
+    :class:`ReadsByRank`)."""
     lo = np.searchsorted(p_end, start, side="right")
     hi = np.searchsorted(p_start, end, side="left")
     row, piece = expand(lo, hi)
     reader = p_reader[piece]
-    keep = reader != rank[row]
-    row, piece, reader = row[keep], piece[keep], reader[keep]
+    if not own:
+        keep = reader != rank[row]
+        row, piece, reader = row[keep], piece[keep], reader[keep]
     receiver = rank[row]
     t_start = np.maximum(start[row], p_start[piece])
     t_end = np.minimum(end[row], p_end[piece])

@@ -11,7 +11,6 @@ the rows into rounds within a budget, each byte read once. The steps, and the pl
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,7 +18,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...byteio.rangeio import Extents
-from ...core.spans import merge_ranges
 from ...errors import InvalidArgumentError
 from .plan import (
     DEFAULT_ALIGN,
@@ -27,10 +25,9 @@ from .plan import (
     Columns,
     JobReadPlan,
     ReadsByRank,
-    Transfers,
     plan_job_reads,
 )
-from .ranges import at_least, expand, intersect_ranges, offsets
+from .ranges import at_least, expand, offsets
 
 __all__ = [
     "GroupReadPlan",
@@ -40,43 +37,9 @@ __all__ = [
     "needs_digest",
     "plan_group_reads",
     "stream_positions",
-    "with_own_reads",
 ]
 
 _I64 = np.int64
-
-
-def with_own_reads(plan: JobReadPlan, needs: Sequence[Extents]) -> JobReadPlan:
-    """``plan`` with each rank's reads for itself (its ``plan.reads`` within its ``needs``) added
-    to the transfers as rows with reader == receiver, sorted and indexed like the others."""
-    cols: list[list[np.ndarray]] = [[], [], [], [], []]
-    for r, mine in enumerate(needs):
-        reads = plan.reads(r)
-        for f, (ns, nl) in sorted(mine.items()):
-            if f not in reads:
-                continue
-            rs, rl = reads[f]
-            a, b = intersect_ranges(rs, rs + rl, *merge_ranges(ns, ns + nl))
-            k = len(a)
-            for c, v in zip(cols, (np.full(k, r), np.full(k, r), np.full(k, f), a, b - a)):
-                c.append(np.asarray(v, _I64))
-    t = plan.transfers
-    own = [np.concatenate(c) if c else np.zeros(0, _I64) for c in cols]
-    reader, receiver, file, start, length = (
-        np.concatenate([x, y])
-        for x, y in zip((t.reader, t.receiver, t.file, t.start, t.length), own)
-    )
-    order = np.lexsort((start, file, receiver, reader))
-    every = Transfers(reader[order], receiver[order], file[order], start[order], length[order])
-    world = plan.world_size
-    recv_index = np.lexsort((every.start, every.file, every.receiver)).astype(_I64)
-    return dataclasses.replace(
-        plan,
-        transfers=every,
-        send_offsets=offsets(every.reader, world),
-        recv_index=recv_index,
-        recv_offsets=offsets(every.receiver[recv_index], world),
-    )
 
 
 def stream_positions(plan: JobReadPlan) -> np.ndarray:
@@ -337,9 +300,13 @@ def plan_group_reads(
     if ngroups and int(sizes.min()) == 0:
         raise InvalidArgumentError(f"group {int(np.argmin(sizes))} has no ranks")
     base = plan_job_reads(
-        list(groups.extents), align=align, min_run=min_run, file_sizes=file_sizes, weights=sizes
+        list(groups.extents),
+        align=align,
+        min_run=min_run,
+        file_sizes=file_sizes,
+        weights=sizes,
+        own_reads=True,
     )
-    base = with_own_reads(base, list(groups.extents))
     # With its own reads in, a group receives exactly what each of its ranks needs.
     per_group = np.bincount(
         base.transfers.receiver, weights=base.transfers.length, minlength=ngroups
