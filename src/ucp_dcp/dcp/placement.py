@@ -193,13 +193,12 @@ def check_placement(
 
     Every rank of the group must call this. ``shares=None`` says this rank's load failed: the
     check is skipped on every rank (the failing rank raises its own error), so no rank waits.
+    Its callers refuse a checkpoint without digests first (:func:`no_digests_error`).
 
     Raises :class:`~ucp_dcp.errors.PlacementError` on every rank, naming the first tensors
-    (sorted) whose loaded elements do not sum to their digest, or when the checkpoint records
-    no digest at all (``where`` names it).
+    (sorted) whose loaded elements do not sum to their digest (``where`` names the checkpoint).
     """
     names = sorted(records)
-    no_digests_error(records, where)
     pos = {n: i for i, n in enumerate(names)}
     vec = torch.zeros(len(names) * _SLOTS + 1, dtype=torch.int64)
     if shares is None:
