@@ -229,12 +229,18 @@ class LocalSavePlan:
     pieces: dict[PieceKey, tuple[str, Piece]] = field(default_factory=dict)
 
 
-def tensor_digest(t: torch.Tensor) -> str:
-    """xxh3-64 of a tensor's bytes (copied to the CPU first if needed)."""
+def saved_form(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as it is saved: its values in contiguous CPU memory (copied where they are not; a
+    conjugate or negative view's memory holds other values than it reads as)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    return xxhash.xxh3_64_hexdigest(tensor_view(t.contiguous()))
+    return t.resolve_conj().resolve_neg().contiguous()
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """xxh3-64 of the bytes tensor ``t`` is saved as (:func:`saved_form`)."""
+    return xxhash.xxh3_64_hexdigest(tensor_view(saved_form(t)))
 
 
 def create_local_save_plan(

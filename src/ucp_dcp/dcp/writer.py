@@ -58,7 +58,7 @@ from ..format import (
 from ..format.schema import is_int
 from ._mesh_groups import compact_records
 from ._plan_records import SaveSummary, tensor_data
-from .save_planner import UCPSavePlanner, resolved_as
+from .save_planner import UCPSavePlanner, resolved_as, saved_form
 from .slowest import SlowestRecord, log_slowest, slowest_of
 
 __all__ = ["UCPStorageWriter", "DEFAULT_WRITE_THREADS"]
@@ -287,7 +287,7 @@ class UCPStorageWriter(StorageWriter):
         shares: dict[str, int] | None = None,
     ) -> Iterator[tuple[Any, bool]]:
         """Each item's bytes in plan order, resolved as they are taken: a value's encoding, or a
-        tensor's memory as a uint8 view (copied to the CPU first if it is elsewhere).
+        tensor's values as a uint8 view (:func:`~ucp_dcp.dcp.save_planner.saved_form`).
 
         DCP's save is synchronous: the state is not changed until ``write_data``
         returns, so tensors are ``stable`` (the writer threads may write from
@@ -298,12 +298,7 @@ class UCPStorageWriter(StorageWriter):
             if i in values:
                 yield values[i], False
                 continue
-            t = resolved_as(item, planner.resolve_data(item), torch.Tensor)
-            if t.device.type != "cpu":
-                t = t.cpu()
-            # A conjugate or negative view's memory holds other values than it reads as: the
-            # values are stored.
-            t = t.resolve_conj().resolve_neg().contiguous()
+            t = saved_form(resolved_as(item, planner.resolve_data(item), torch.Tensor))
             if shares is not None:
                 td = tensor_data(item)
                 fqn = item.index.fqn
