@@ -287,8 +287,6 @@ def plan_group_reads(
     """The compact job-wide read plan of ``groups`` (its steps: docs/read-once.md, "The compact
     plan"); ``align``, ``min_run`` and ``file_sizes`` as in
     :func:`~ucp_dcp.dcp.read_once.plan.plan_job_reads`."""
-    align = at_least("align", align, 1)
-    min_run = at_least("min_run", min_run, 0)
     ngroups, world = len(groups.extents), groups.world_size
     if len(groups.group_of) and (
         int(groups.group_of.min()) < 0 or int(groups.group_of.max()) >= ngroups
@@ -307,6 +305,7 @@ def plan_group_reads(
         weights=sizes,
         own_reads=True,
     )
+    align, min_run = base.align, base.min_run  # as plan_job_reads checked them
     # With its own reads in, a group receives exactly what each of its ranks needs.
     per_group = np.bincount(
         base.transfers.receiver, weights=base.transfers.length, minlength=ngroups
