@@ -11,7 +11,6 @@ merged tensors) are its data files, its values those read from the pickles.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -124,10 +123,17 @@ class ArchiveIndex:
         t: TensorRef,
         shape: tuple[int, ...],
         what: str,
+        place: TPSlice | None = None,
     ) -> None:
-        """The key at ``path`` is tensor ``t`` itself (viewed as ``shape``)."""
-        loc = self.location(archive, t, 0, math.prod(shape), what)
-        self.add(path, t.dtype, shape, [ChunkRecord(Box.whole(shape), loc)])
+        """The key at ``path`` is tensor ``t`` itself (viewed as ``shape``).
+
+        With ``place`` (a tensor-parallel slice, laid out as ``place.local``), ``t`` is put
+        where it says in its full tensor, added to the chunks other slices gave the key.
+        """
+        if place is not None:
+            shape = place.local
+        chunks = self._chunk(archive, t, Box.whole(shape), 0, what, place)
+        self._record(path, t.dtype, shape, chunks, place)
 
     def flat(
         self,
@@ -160,20 +166,6 @@ class ArchiveIndex:
                 chunks += self._chunk(archive, t, box, off, what, place)
         # An empty parameter has no element stored anywhere, and no chunks.
         self._record(path, dtype or torch.float32, shape, chunks, place)
-
-    def placed_whole(
-        self,
-        path: _Path,
-        archive: TorchArchive,
-        t: TensorRef,
-        place: TPSlice,
-        what: str,
-    ) -> None:
-        """Tensor ``t``, a tensor-parallel slice (laid out as ``place.local``), put where
-        ``place`` says in the key at ``path``."""
-        box = Box.whole(place.local)
-        chunks = self._chunk(archive, t, box, 0, what, place)
-        self._record(path, t.dtype, place.local, chunks, place)
 
     def _record(
         self,

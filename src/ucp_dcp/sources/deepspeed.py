@@ -282,7 +282,7 @@ def place_entries(
                 if f.rank == 0:
                     b.whole(path, f.archive, t, t.size, what)
             elif f.rank == 0 or not sl.replicated:  # a replicated vocabulary is cut from rank 0's
-                b.placed_whole(path, f.archive, t, sl, what)
+                b.whole(path, f.archive, t, t.size, what, sl)
 
 
 def check_placed(

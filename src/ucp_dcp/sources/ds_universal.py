@@ -260,11 +260,7 @@ def _record_entry(
 ) -> None:
     """The tensor of file ``e`` as the key at ``path``, of ``shape``: a ``vocab_tensor`` that
     still holds padding rows cut to ``shape`` (:func:`_padded`)."""
-    cut = _padded(e, shape)
-    if cut is not None:
-        b.placed_whole(path, e.archive, e.t, cut, what)
-    else:
-        b.whole(path, e.archive, e.t, shape, what)
+    b.whole(path, e.archive, e.t, shape, what, _padded(e, shape))
 
 
 def _check_groups(
