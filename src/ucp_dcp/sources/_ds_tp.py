@@ -590,16 +590,6 @@ class TPRules:
         """The user rules (as written) that match none of ``names``."""
         return [r.text for r in self.user if not any(re.search(r.pattern, n) for n in names)]
 
-    def is_averaged(self, name: str) -> bool:
-        """Whether the merged ``name`` is the mean of its slices (by the user's rule or the
-        checkpoint's)."""
-        rule = self.user_rule(name)
-        if rule is not None:
-            return rule.kind == "Averaged"
-        if self.missing is not None or any(re.match(p, name) for p, _ in self.affine):
-            return False
-        return not _match(self.replicated, name) and _match(self.average, name)
-
     def slice_of(
         self,
         name: str,

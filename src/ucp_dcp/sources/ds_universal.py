@@ -355,10 +355,10 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
     def merged(fqn: str, shape: tuple[int, ...]) -> TPSlice | None:
         """How the slices of ``fqn`` were joined (None: replicated, averaged, or no tensor
         parallelism: the slice's shape)."""
-        if rules is None or rules.is_averaged(fqn):
-            return None  # averaged by ds_to_universal: the slice's shape
+        if rules is None:
+            return None
         sl = rules.slice_of(fqn, 0, tp, shape, totals.get(fqn))
-        return None if sl.merge == "replica" else sl
+        return None if sl.merge else sl
 
     present: dict[str, frozenset[str]] = {}
     fulls: dict[str, tuple[int, ...]] = {}
