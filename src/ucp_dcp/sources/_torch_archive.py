@@ -135,9 +135,10 @@ def storage_records(zf: zipfile.ZipFile, prefix: str) -> dict[str, zipfile.ZipIn
 
 
 def stored_record_start(
-    read_at: Callable[[int, int], bytes], info: zipfile.ZipInfo, where: str
+    read_at: Callable[[int, int], bytes], info: zipfile.ZipInfo, where: str, size: int, of: str
 ) -> int:
-    """Offset (in the archive) of the first data byte of uncompressed zip record ``info``.
+    """Offset (in the archive) of the first data byte of uncompressed zip record ``info``, refused
+    unless the record ends inside the archive's ``size`` bytes (``of``: the file or the item).
 
     ``read_at(offset, n)`` reads from the archive. The central directory
     does not say where the data starts: the local header in front of it has
@@ -154,7 +155,11 @@ def stored_record_start(
     if len(local) != _LOCAL_HEADER or local[:4] != b"PK\x03\x04":
         raise CheckpointFormatError(f"{where}: bad local zip header for {info.filename}")
     name_len, extra_len = struct.unpack("<HH", local[26:30])
-    return info.header_offset + _LOCAL_HEADER + name_len + extra_len
+    start = info.header_offset + _LOCAL_HEADER + name_len + extra_len
+    if start + info.file_size > size:
+        record = info.filename.split("/", 1)[1]  # data/<key>
+        raise CheckpointFormatError(f"{where}: storage record {record} runs past the end of {of}")
+    return start
 
 
 def read_torch_archive(
@@ -214,12 +219,7 @@ def _read_archive(
         obj.fetch([(zi.header_offset, zi.header_offset + _LOCAL_HEADER) for zi in infos.values()])
     records: dict[str, tuple[int, int]] = {}
     for key, zi in infos.items():
-        start = stored_record_start(read_at, zi, path)
-        if start + zi.file_size > size:
-            raise CheckpointFormatError(
-                f"{path}: storage record data/{key} runs past the end of the file"
-            )
-        records[key] = (start, zi.file_size)
+        records[key] = (stored_record_start(read_at, zi, path, size, "the file"), zi.file_size)
     return TorchArchive(path, tree, size, records)
 
 
@@ -466,11 +466,7 @@ def parse_tensor_item(
         if not isinstance(t, TensorRef):
             raise CheckpointFormatError(f"{where}: the item does not hold a tensor")
         rec = records[t.storage]
-        start = stored_record_start(view.read_at, rec, where)
-    if start + rec.file_size > length:
-        raise CheckpointFormatError(
-            f"{where}: storage record data/{t.storage} runs past the end of the item"
-        )
+        start = stored_record_start(view.read_at, rec, where, length, "the item")
     return StoredTensor(t.dtype, offset + start, rec.file_size, t.storage_offset, t.size, t.stride)
 
 
