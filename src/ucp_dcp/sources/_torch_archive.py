@@ -24,7 +24,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import IO, Any, cast
+from typing import Any
 
 import torch
 
@@ -103,35 +103,40 @@ def archive_errors(where: str) -> Iterator[None]:
         raise CheckpointFormatError(f"{where}: not a readable torch.save archive ({e})") from None
 
 
-def read_pickle_record(
-    zf: zipfile.ZipFile, where: str, max_bytes: int, too_large: str
-) -> tuple[str, bytes]:
-    """``(prefix, data.pkl bytes)`` of an open ``torch.save`` archive; records are under ``prefix``.
+def _unpickle_archive(
+    f: Any, where: str, purpose: PurposeName, max_bytes: int, too_large: str
+) -> tuple[Any, dict[str, zipfile.ZipInfo]]:
+    """The object tree of the ``torch.save`` archive open as ``f`` (its ``data.pkl`` unpickled
+    for ``purpose``) and its storage records: key -> its ``<name>/data/<key>`` record.
 
     Refuses (naming ``where``) archives without exactly one ``<name>/data.pkl``,
     pickles over ``max_bytes`` (``too_large`` says why that is wrong here)
-    and big-endian data. zipfile's own errors pass through to the caller.
+    and big-endian data. An :class:`_ObjectFile` fetches the small records first, in one batch.
     """
-    pkls = [n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
-    if len(pkls) != 1:
-        raise CheckpointFormatError(
-            f"{where}: not a torch.save archive (no single <name>/data.pkl)"
-        )
-    prefix = pkls[0][: -len("data.pkl")]
-    info = zf.getinfo(pkls[0])
-    if info.file_size > max_bytes:
-        raise CheckpointFormatError(f"{where}: data.pkl of {info.file_size} bytes is {too_large}")
-    pkl = zf.read(info)
-    if prefix + "byteorder" in zf.namelist() and zf.read(prefix + "byteorder") != b"little":
-        raise CheckpointFormatError(f"{where}: big-endian tensor data is not supported")
-    return prefix, pkl
-
-
-def storage_records(zf: zipfile.ZipFile, prefix: str) -> dict[str, zipfile.ZipInfo]:
-    """The storage records of an open ``torch.save`` archive: key -> its ``<prefix>data/<key>``."""
-    return {
-        n[len(prefix) + 5 :]: zf.getinfo(n) for n in zf.namelist() if n.startswith(prefix + "data/")
-    }
+    with archive_errors(where):
+        zf = zipfile.ZipFile(f)
+        if isinstance(f, _ObjectFile):
+            f.fetch_small_records(zf)
+        pkls = [n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+        if len(pkls) != 1:
+            raise CheckpointFormatError(
+                f"{where}: not a torch.save archive (no single <name>/data.pkl)"
+            )
+        prefix = pkls[0][: -len("data.pkl")]
+        info = zf.getinfo(pkls[0])
+        if info.file_size > max_bytes:
+            raise CheckpointFormatError(
+                f"{where}: data.pkl of {info.file_size} bytes is {too_large}"
+            )
+        pkl = zf.read(info)
+        if prefix + "byteorder" in zf.namelist() and zf.read(prefix + "byteorder") != b"little":
+            raise CheckpointFormatError(f"{where}: big-endian tensor data is not supported")
+        records = {
+            n[len(prefix) + 5 :]: zf.getinfo(n)
+            for n in zf.namelist()
+            if n.startswith(prefix + "data/")
+        }
+    return unpickle(pkl, where, purpose, records), records
 
 
 def stored_record_start(
@@ -207,16 +212,9 @@ def _read_archive(
 ) -> TorchArchive:
     """The archive open as ``f``: a local file, or an :class:`_ObjectFile`, which fetches ahead
     what will be read."""
-    obj = f if isinstance(f, _ObjectFile) else None
-    with archive_errors(path):
-        zf = zipfile.ZipFile(f)
-        if obj is not None:
-            obj.fetch_small_records(zf)
-        prefix, pkl = read_pickle_record(zf, path, _MAX_PICKLE_BYTES, "too large to be state")
-        infos = storage_records(zf, prefix)
-    tree = unpickle(pkl, path, purpose, infos)
-    if obj is not None:  # every storage record's local header, in one batch
-        obj.fetch([(zi.header_offset, zi.header_offset + _LOCAL_HEADER) for zi in infos.values()])
+    tree, infos = _unpickle_archive(f, path, purpose, _MAX_PICKLE_BYTES, "too large to be state")
+    if isinstance(f, _ObjectFile):  # every storage record's local header, in one batch
+        f.fetch([(zi.header_offset, zi.header_offset + _LOCAL_HEADER) for zi in infos.values()])
     records: dict[str, tuple[int, int]] = {}
     for key, zi in infos.items():
         records[key] = (stored_record_start(read_at, zi, path, size, "the file"), zi.file_size)
@@ -458,14 +456,13 @@ def parse_tensor_item(
     if sum(len(p) for _, p in pieces) < min(length, _ITEM_HEAD_BYTES + _ITEM_TAIL_BYTES):
         raise CheckpointFormatError(f"{where}: truncated: the data file ends inside the item")
     view = _ItemView(pread, offset, length, pieces, stats)
+    t, records = _unpickle_archive(
+        view, where, "distcp_item", _ITEM_MAX_PICKLE_BYTES, "not a tensor's"
+    )
+    if not isinstance(t, TensorRef):
+        raise CheckpointFormatError(f"{where}: the item does not hold a tensor")
+    rec = records[t.storage]
     with archive_errors(where):
-        zf = zipfile.ZipFile(cast(IO[bytes], view))  # a raw file: all zipfile uses of one
-        prefix, pkl = read_pickle_record(zf, where, _ITEM_MAX_PICKLE_BYTES, "not a tensor's")
-        records = storage_records(zf, prefix)
-        t = unpickle(pkl, where, "distcp_item", records)
-        if not isinstance(t, TensorRef):
-            raise CheckpointFormatError(f"{where}: the item does not hold a tensor")
-        rec = records[t.storage]
         start = stored_record_start(view.read_at, rec, where, length, "the item")
     return StoredTensor(t.dtype, offset + start, rec.file_size, t.storage_offset, t.size, t.stride)
 
