@@ -30,7 +30,7 @@ from ..byteio.objstore import ObjectStore, is_url, local_path
 from ..byteio.requests import RequestPolicy
 from ..errors import CheckpointFormatError, NotACheckpointError, listed
 from ..format.names import save_id_of
-from .base import Source, SourceOptions, read_value, read_values, register, source_types
+from .base import Source, SourceOptions, read_values, register, source_types
 from .composite import CompositeSource
 from .deepspeed import DeepSpeedSource
 from .distcp import DCPSource
@@ -43,7 +43,6 @@ __all__ = [
     "SourceOptions",
     "open_source",
     "checkpoint_exists",
-    "read_value",
     "read_values",
     "register",
     "source_types",

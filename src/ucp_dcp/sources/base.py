@@ -41,7 +41,7 @@ from ..core.sharding import Box, Grid
 from ..errors import CheckpointFormatError
 from ..format import ChunkRecord, Index, Location, split_rank_local_key
 
-__all__ = ["Source", "SourceOptions", "register", "source_types", "read_value", "read_values"]
+__all__ = ["Source", "SourceOptions", "register", "source_types", "read_values"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -317,15 +317,10 @@ class Source(ABC):
         return None  # the default holds no open files
 
 
-def read_value(source: Source, reader: ByteSource, key: str) -> bytes:
-    """Value ``key`` of ``source`` as tagged JSON, read with ``reader`` and checked against its
-    checksum."""
-    return read_values(source, reader, [key])[0]
-
-
 def read_values(source: Source, reader: ByteSource, keys: Sequence[str]) -> list[bytes]:
-    """:func:`read_value` of each of ``keys``, read with one ``reader.read`` call (values lie
-    together at the end of a data file: one request for all of them on object storage)."""
+    """Values ``keys`` of ``source`` as tagged JSON, each checked against its checksum, read with
+    one ``reader.read`` call (values lie together at the end of a data file: one request for all
+    of them on object storage)."""
     reads = []
     for key in keys:
         loc = source.value_location(key)

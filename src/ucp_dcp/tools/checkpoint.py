@@ -52,7 +52,7 @@ from ..errors import (
 )
 from ..format import Location, TensorRecord, rank_local_key
 from ..format.names import dtype_named
-from ..sources import Source, read_value, read_values
+from ..sources import Source, read_values
 
 __all__ = ["Checkpoint", "load_state_dict", "load_into_module", "KeySelector", "ModuleLoadResult"]
 
@@ -259,7 +259,7 @@ class Checkpoint:
         """The non-tensor value ``name`` (checksum verified)."""
         if name not in self.index.values:
             raise CheckpointKeyError(_unknown(name, "value", self.index.values, self.path))
-        return decode_value(read_value(self.source, self._reader, name), name)
+        return decode_value(read_values(self.source, self._reader, [name])[0], name)
 
     def read_rank_local(self, name: str) -> dict[int, Any]:
         """Every rank's copy of rank-local value ``name``, by rank."""
