@@ -337,10 +337,13 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
         )
     local: dict[str, tuple[int, ...]] = {}  # fqn -> tensor-parallel rank 0's slice shape
     groups: list[dict[str, None]] = []  # each group's fqns in stage order
+    # Each stage's optimizer groups (tensor-parallel rank 0's names, as ``local``'s).
+    stage_groups: dict[tuple[int, int], list[str]] = {}
     for mi, m in enumerate(models):
         add_groups(groups, m.param_shapes)
         if mi % tp == 0:
-            for d in m.param_shapes:
+            for g, d in enumerate(m.param_shapes):
+                stage_groups.setdefault((mi // tp, g), []).extend(d)
                 for fqn, shape in d.items():
                     local.setdefault(fqn, shape)
     totals = tp_slice_totals(models, tp)
@@ -396,11 +399,6 @@ def _parallel(b: ArchiveIndex, models: list[ModelStates], folder: str) -> list[l
         _record_entry(b, ("model", fqn), e, full, f"parameter {fqn!r}")
         fulls[fqn] = full
         present[fqn] = _moments(b, zero, fqn, one, full)
-    # Each stage's optimizer groups (tensor-parallel rank 0's names, as ``local``'s).
-    stage_groups: dict[tuple[int, int], list[str]] = {}
-    for mi in range(0, len(models), tp):
-        for g, d in enumerate(models[mi].param_shapes):
-            stage_groups.setdefault((mi // tp, g), []).extend(d)
     _check_groups(
         zero,
         [
