@@ -210,32 +210,14 @@ class CheckpointConfig:
             "local_keep_last",
             "max_in_flight",
         ):
-            v = getattr(self, k)
-            if not is_int(v) or v < 1:
-                why = " (keep_last=0 would delete the only good checkpoint)" if "keep" in k else ""
-                raise InvalidArgumentError(
-                    f"CheckpointConfig.{k} must be an int >= 1, got {v!r}{why}"
-                )
+            _check_count(k, getattr(self, k))
         if not isinstance(self.read, ReadOptions):
             raise InvalidArgumentError(
                 f"CheckpointConfig.read must be a ReadOptions, got {self.read!r}"
             )
-        threads = self.read.io_threads
-        if not is_int(threads) or threads < 1:
-            raise InvalidArgumentError(
-                f"CheckpointConfig.read.io_threads must be an int >= 1, got {threads!r}"
-            )
-        if self.keep_every is not None and (not is_int(self.keep_every) or self.keep_every < 1):
-            raise InvalidArgumentError(
-                f"CheckpointConfig.keep_every must be None or an int >= 1, got {self.keep_every!r}"
-            )
-        if self.ranks_per_node is not None and (
-            not is_int(self.ranks_per_node) or self.ranks_per_node < 1
-        ):
-            raise InvalidArgumentError(
-                "CheckpointConfig.ranks_per_node must be None or an int >= 1, got "
-                f"{self.ranks_per_node!r}"
-            )
+        _check_count("read.io_threads", self.read.io_threads)
+        _check_count("keep_every", self.keep_every, optional=True)
+        _check_count("ranks_per_node", self.ranks_per_node, optional=True)
         if self.local is not None and not isinstance(self.local, (str, os.PathLike)):
             raise InvalidArgumentTypeError(
                 "CheckpointConfig.local must be None or a directory (str or os.PathLike, "
@@ -254,6 +236,18 @@ class CheckpointConfig:
                 "CheckpointConfig.nonfinite must be 'off', 'error' or 'flag', got "
                 f"{self.nonfinite!r}"
             )
+
+
+def _check_count(name: str, v: Any, *, optional: bool = False) -> None:
+    """Field ``name`` of a :class:`CheckpointConfig` must be an int >= 1 (or None, where
+    ``optional``): :class:`~ucp_dcp.errors.InvalidArgumentError` naming it otherwise."""
+    if (optional and v is None) or (is_int(v) and v >= 1):
+        return
+    none = "None or " if optional else ""
+    why = ""
+    if name.endswith("keep_last"):
+        why = " (keep_last=0 would delete the only good checkpoint)"
+    raise InvalidArgumentError(f"CheckpointConfig.{name} must be {none}an int >= 1, got {v!r}{why}")
 
 
 # What the configuration decides, as pure functions: which tiers a step goes to, which steps a
