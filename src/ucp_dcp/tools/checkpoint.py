@@ -28,6 +28,7 @@ from ..adapters.layout_spec import LayoutSpec
 from ..byteio.engine import ChunkReads
 from ..byteio.integrity import HASH_BLOCK, chunk_what, hash_range
 from ..byteio.location import path_arg
+from ..byteio.objstore import is_url, local_path
 from ..byteio.progress import ProgressFn
 from ..byteio.rangeio import ByteSource
 from ..byteio.transfer import ChunkRegion, check_writable, narrowed
@@ -48,6 +49,7 @@ from ..errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
     ShapeMismatchError,
+    StorageError,
     listed,
 )
 from ..format import Location, TensorRecord, rank_local_key
@@ -79,6 +81,20 @@ def device_arg(device: Any, what: str) -> torch.device:
     except (RuntimeError, TypeError, AssertionError) as e:
         raise InvalidArgumentError(f"{what}: cannot place tensors on {device!r} ({e})") from None
     return dev
+
+
+def local_output(dst: str, writer: str, elsewhere: str = "") -> str:
+    """``dst``, the output directory of ``writer`` (``convert``, ``export_hf``...), as a local path
+    (a ``file://`` URL is one); :class:`~ucp_dcp.errors.StorageError` for any other URL, saying
+    to ``writer``'s first word (``export``) into a local directory and copy it there
+    (``elsewhere``: what else to do)."""
+    if is_url(dst):
+        verb = writer.split("_")[0]
+        raise StorageError(
+            f"{dst}: {writer} writes a local directory, not object storage; {verb} into a local "
+            f"directory and copy it there{elsewhere}"
+        )
+    return local_path(dst)
 
 
 class Checkpoint:

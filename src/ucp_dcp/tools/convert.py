@@ -24,14 +24,13 @@ from ..byteio.datafile import DataFileWriter, chunk_entry, value_entry
 from ..byteio.durable import write_remedy
 from ..byteio.engine import ChunkReads
 from ..byteio.location import commit_index, path_arg, view_of, write_error
-from ..byteio.objstore import is_url, local_path
 from ..byteio.progress import ProgressFn
 from ..byteio.rangeio import storage_view, tensor_view
 from ..byteio.transfer import ChunkRegion
 from ..core.boxes import slabs
 from ..core.sharding import Box
 from ..dcp.options import ReadOptions
-from ..errors import CheckpointExistsError, CheckpointFormatError, StorageError, UCPError, listed
+from ..errors import CheckpointExistsError, CheckpointFormatError, UCPError, listed
 from ..format import (
     INDEX_FILE,
     FileRecord,
@@ -44,7 +43,7 @@ from ..format import (
     split_rank_local_key,
 )
 from ..sources import Source, read_values
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, local_output
 
 __all__ = ["convert"]
 
@@ -87,14 +86,10 @@ def convert(
             full: the message names the file and the remedy, and keeps the errno); nothing is
             committed there.
     """
-    src, dst = path_arg(src, "convert: src"), path_arg(dst, "convert: dst")
-    if is_url(dst):
-        raise StorageError(
-            f"{dst}: convert writes a local directory, not object storage; convert into a local "
-            "directory "
-            "and copy it there, or save to the URL with UCPStorageWriter"
-        )
-    dst = local_path(dst)  # a file:// URL is a local path
+    src = path_arg(src, "convert: src")
+    dst = local_output(
+        path_arg(dst, "convert: dst"), "convert", ", or save to the URL with UCPStorageWriter"
+    )
     with Checkpoint(
         src,
         options=options,

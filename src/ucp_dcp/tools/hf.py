@@ -56,14 +56,13 @@ from ..errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
     PathNotFoundError,
-    StorageError,
     UCPWarning,
     listed,
 )
 from ..format import dtype_name, encode_header, header_entries, st_dtype
 from ..sources import checkpoint_exists
 from ..sources.hf import HF_CONFIG_FILES, HF_INDEX_NAME, HF_WEIGHTS_NAME
-from .checkpoint import Checkpoint, dtype_arg
+from .checkpoint import Checkpoint, dtype_arg, local_output
 
 __all__ = ["export_hf", "import_hf", "parse_size", "parse_dtype"]
 
@@ -453,16 +452,7 @@ def export_hf(
         raise InvalidArgumentTypeError(
             f"layout must be a LayoutSpec or None, got {type(layout).__name__}"
         )
-    if is_url(dst):
-        raise StorageError(
-            f"{dst}: export_hf writes a local directory, not object storage; export into a local "
-            "directory "
-            "and copy it there"
-        )
-    src, dst = (
-        (src if is_url(src) else local_path(src)),
-        local_path(dst),
-    )  # file:// URLs are local paths
+    src, dst = local_path(src), local_output(dst, "export_hf")  # file:// URLs are local paths
     if not checkpoint_exists(src, storage_options):
         raise PathNotFoundError(f"{src}: not a checkpoint (no such file or directory)")
     _check_empty_dst(dst)
@@ -598,12 +588,7 @@ def import_hf(
     src, dst = os.fspath(src), os.fspath(dst)
     if not isinstance(prefix, str):
         raise InvalidArgumentTypeError(f"prefix must be a string, got {prefix!r}")
-    if is_url(dst):
-        raise StorageError(
-            f"{dst}: import_hf writes a local directory, not object storage; import into a local "
-            "directory and copy it there"
-        )
-    dst = local_path(dst)  # a file:// URL is a local path
+    dst = local_output(dst, "import_hf")
     if not os.path.exists(src):
         raise PathNotFoundError(f"{src}: no such Hugging Face model directory or file")
     if NativeSource.detect(src):
