@@ -202,7 +202,7 @@ class Tier(ABC):
                 f"{self._where(step)}: marker is for step {marker.step} but staging {staging} is "
                 f"for step {step}"
             )
-        self._commit(step, path, marker, None if held is None else frozenset(held))
+        self._commit(step, path, marker, self._check_staged(step, path, marker, held))
 
     @abstractmethod
     def delete(self, step: int) -> None:
@@ -241,10 +241,10 @@ class Tier(ABC):
 
     @abstractmethod
     def _commit(
-        self, step: int, staging: str, marker: CommitMarker, held: frozenset[str] | None
+        self, step: int, staging: str, marker: CommitMarker, staged: Mapping[str, int]
     ) -> None:
         """:meth:`commit` of ``marker`` (of ``step``) from checked ``staging``, which holds the
-        files ``held`` (None: all of them)."""
+        files ``staged`` (name -> size)."""
 
     @staticmethod
     def _step_files(d: ModelDir) -> dict[str, int]:
@@ -262,19 +262,17 @@ class Tier(ABC):
             )
 
     def _check_staged(
-        self,
-        step: int,
-        staging: str,
-        marker: CommitMarker,
-        sizes: Mapping[str, int],
-        held: frozenset[str] | None = None,
-    ) -> None:
-        """Every file ``marker`` lists (of ``held``, where given) is in ``staging`` (``sizes``:
-        name -> size) with its recorded size; so is any other file of the marker that is
-        there."""
+        self, step: int, staging: str, marker: CommitMarker, held: Collection[str] | None
+    ) -> dict[str, int]:
+        """The files in ``staging`` (name -> size, one listing), once every file ``marker`` lists
+        (of ``held``, where given) is there with its recorded size; so is any other file of the
+        marker that is there."""
+        d = self._dir(staging)
+        sizes = self._step_files(d)
         marker.check_sizes(
             sizes,
-            held,
+            None if held is None else frozenset(held),
             where=lambda name: f"{self._where(step, name)}: cannot commit",
-            holder=f"staging {staging}",
+            holder=f"staging {d.where}",
         )
+        return sizes

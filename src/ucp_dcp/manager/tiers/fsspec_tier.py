@@ -15,6 +15,7 @@ manager's :class:`~ucp_dcp.byteio.requests.RequestPolicy` (see docs/manager.md).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from ...byteio.location import StoreDir
@@ -224,11 +225,10 @@ class FsspecTier(Tier):
         return int(m.group(1)), base
 
     def _commit(
-        self, step: int, name: str, marker: CommitMarker, held: frozenset[str] | None
+        self, step: int, name: str, marker: CommitMarker, staged: Mapping[str, int]
     ) -> None:
         """Upload the marker last (one atomic PUT commits), then remove older copies of the step."""
         d = self._dir(name)
-        self._check_staged(step, d.where, marker, self._step_files(d), held)
         # The commit point: until this PUT completes the directory is not
         # listed; after it, it is (and, being newest, wins over older copies).
         d.write_atomic(MARKER_FILE, marker.encode())

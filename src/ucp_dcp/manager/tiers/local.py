@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Mapping
 
 from ...byteio.durable import fsync_file, fsync_path, swap_paths
 from ...byteio.location import LocalDir
@@ -179,7 +180,7 @@ class LocalTier(Tier):
         return int(m.group(2)), staging
 
     def _commit(
-        self, step: int, staging: str, marker: CommitMarker, held: frozenset[str] | None
+        self, step: int, staging: str, marker: CommitMarker, staged: Mapping[str, int]
     ) -> None:
         """Make ``staging`` the committed ``step-N`` (see the module docstring for the layout).
 
@@ -187,17 +188,11 @@ class LocalTier(Tier):
         still listed and loadable, or (only step N itself, in the fallback
         without an atomic swap) restored by :meth:`cleanup`.
         """
-        # Every listed file present with its size, and durable: dcp.save may
-        # have written them without fsync. Nothing visible has changed yet.
-        sizes = {}
-        for f in marker.files:
-            try:
-                sizes[f.name] = os.stat(os.path.join(staging, f.name)).st_size
-            except FileNotFoundError:
-                pass
-        self._check_staged(step, staging, marker, sizes, held)
-        for name in sizes:
-            fsync_file(os.path.join(staging, name))
+        # Every listed file present with its size (checked), and durable: dcp.save
+        # may have written them without fsync. Nothing visible has changed yet.
+        for name in marker.names:
+            if name in staged:
+                fsync_file(os.path.join(staging, name))
         # 1. Marker into staging: temp file + fsync + rename, then fsync the
         #    staging dir: the marker's and the data files' directory entries
         #    are durable before the directory can become visible, so a power
