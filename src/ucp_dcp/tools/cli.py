@@ -69,9 +69,10 @@ FLAGS = {
 """The flag of each keyword argument a library message may name (``option`` of an error)."""
 
 
-def _error_line(reason: str) -> None:
+def _error_line(reason: str, kind: str = "error") -> None:
+    """``reason`` on stderr as one line ``ucp-dcp: <kind>: ...`` (its lines joined by ``; ``)."""
     one_line = "; ".join(part.strip() for part in str(reason).splitlines() if part.strip())
-    print(f"{PROG}: error: {one_line}", file=sys.stderr)
+    print(f"{PROG}: {kind}: {one_line}", file=sys.stderr)
 
 
 def in_cli_words(e: BaseException | Warning) -> str:
@@ -127,9 +128,7 @@ def _one_line_warnings() -> None:
     warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
 
     def show(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
-        said = in_cli_words(message) if isinstance(message, Warning) else message
-        text = "; ".join(line.strip() for line in said.splitlines() if line.strip())
-        print(f"{PROG}: warning: {text}", file=sys.stderr)
+        _error_line(in_cli_words(message) if isinstance(message, Warning) else message, "warning")
 
     warnings.showwarning = show
 
