@@ -18,7 +18,7 @@ keyword argument would fix records it (:class:`~ucp_dcp.errors.UCPError`'s
 :func:`in_cli_words` rewrites the message to name it.
 
 The conversion functions are looked up when their command runs
-(:func:`_optional_module`): a missing one fails that command only, in one line.
+(:func:`_optional_function`): a missing one fails that command only, in one line.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from types import ModuleType
 from typing import Any, NoReturn, TextIO
 
 from ..byteio.progress import ProgressBar, format_bytes
@@ -716,10 +715,11 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_OK if same else EXIT_FAILED
 
 
-def _optional_module(name: str, command: str) -> ModuleType:
-    """Import module ``name`` on demand; a missing module or dependency is a one-line error."""
+def _optional_function(name: str, attr: str, command: str) -> Callable[..., Any]:
+    """Function ``attr`` of module ``name``, imported on demand; a missing module, dependency or
+    function is a one-line error naming ``command``."""
     try:
-        return importlib.import_module(name)
+        module = importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name == name:
             raise CLIError(
@@ -728,9 +728,6 @@ def _optional_module(name: str, command: str) -> ModuleType:
         raise CLIError(
             f"{command} needs the Python package {e.name!r}, which is not installed"
         ) from None
-
-
-def _function(module: ModuleType, attr: str, command: str) -> Callable[..., Any]:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise CLIError(f"{command} is not available: {module.__name__} has no function {attr}()")
@@ -738,9 +735,7 @@ def _function(module: ModuleType, attr: str, command: str) -> Callable[..., Any]
 
 
 def _cmd_export_hf(args: argparse.Namespace) -> int:
-    export_hf = _function(
-        _optional_module("ucp_dcp.tools.hf", "export-hf"), "export_hf", "export-hf"
-    )
+    export_hf = _optional_function("ucp_dcp.tools.hf", "export_hf", "export-hf")
     # convert and export_hf refuse a URL output themselves.
     kwargs: dict[str, Any] = _reading_kwargs(args, args.src)
     if args.dtype is not None:
@@ -761,9 +756,7 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    convert = _function(
-        _optional_module("ucp_dcp.tools.convert", args.command), "convert", args.command
-    )
+    convert = _optional_function("ucp_dcp.tools.convert", "convert", args.command)
     kwargs: dict[str, Any] = {"overwrite": args.overwrite, **_reading_kwargs(args, args.src)}
     if args.prefix is not None:
         kwargs["prefix"] = args.prefix
@@ -774,9 +767,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_import_hf(args: argparse.Namespace) -> int:
-    import_hf = _function(
-        _optional_module("ucp_dcp.tools.hf", "import-hf"), "import_hf", "import-hf"
-    )
+    import_hf = _optional_function("ucp_dcp.tools.hf", "import_hf", "import-hf")
     kwargs: dict[str, Any] = {} if args.prefix is None else {"prefix": args.prefix}
     _require_checkpoint(args.src, None)
     with _progress(args, "importing") as bar:
