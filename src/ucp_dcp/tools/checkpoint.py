@@ -132,15 +132,13 @@ class Checkpoint:
             raise InvalidArgumentTypeError(
                 f"Checkpoint: options must be a ReadOptions, got {type(options).__name__}"
             )
-        opts = options if options is not None else ReadOptions()
+        self.options = opts = options if options is not None else ReadOptions()
         self.path = path_arg(path, "Checkpoint: path")
         self.source = opts.open_source(
             self.path, opts.source_options(dcp_values, prefix), storage_options
         )
         self.index = self.source.index
-        self.max_buffer_bytes = opts.buffer_bytes
         self._reader = opts.open_reader(self.source)
-        self.verify_reads = opts.verify
         self._ranks = self.source.file_ranks()
         self._verified = 0
         # close(), or when collected unclosed (``Checkpoint(path).verify()``): nothing is kept.
@@ -237,7 +235,7 @@ class Checkpoint:
             )
         chunks = self.chunks(name)
         # Made per call, so that a failed read leaves nothing pending for the next.
-        engine = self._chunk_reads(self.max_buffer_bytes)
+        engine = self._chunk_reads(self.options.buffer_bytes)
         try:
             for i, (box, loc) in enumerate(chunks):
                 engine.add(
@@ -259,7 +257,7 @@ class Checkpoint:
             self._reader,
             self.source.paths,
             self._ranks,
-            verify=self.verify_reads,
+            verify=self.options.verify,
             max_buffer_bytes=max_buffer_bytes,
             scratch_in_buffer=False,
         )

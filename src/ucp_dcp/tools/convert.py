@@ -153,7 +153,7 @@ def _entry(source: Source, item: _Item, value: bytes | None) -> PlannedEntry:
 
 def _convert(ckpt: Checkpoint, dst: str, on_progress: ProgressFn | None, sync_files: bool) -> Index:
     source, reader = ckpt.source, ckpt._reader
-    index, budget = source.index, ckpt.max_buffer_bytes
+    index, budget = source.index, ckpt.options.buffer_bytes
     per_file = _items_by_file(source)
     buf = torch.empty(budget, dtype=torch.uint8)
     # A chunk stored in another dimension order is read through staging memory as well: each of
