@@ -16,7 +16,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ...byteio.integrity import file_digest
@@ -221,16 +221,7 @@ class CommitMarker:
                 "markers of version "
                 f"{MARKER_VERSION}), got {doc.get('version')!r}"
             )
-        expected = {
-            "format",
-            "version",
-            "step",
-            "world_size",
-            "created",
-            "files",
-            "nonfinite",
-            "extra",
-        }
+        expected = {"format", "version", *(f.name for f in fields(CommitMarker))}
         missing = sorted(expected - doc.keys())
         if missing:
             raise CheckpointFormatError(
@@ -245,7 +236,7 @@ class CommitMarker:
         if not isinstance(raw_files, list):
             raise CheckpointFormatError(f"{where}: field 'files' must be a list, got {raw_files!r}")
         files = []
-        fkeys = {"name", "size", "xxh3", "rank"}
+        fkeys = {f.name for f in fields(FileDigest)}
         for i, fd in enumerate(raw_files):
             if not isinstance(fd, dict) or fd.keys() != fkeys:
                 raise CheckpointFormatError(
