@@ -33,7 +33,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, TextIO
+from typing import Any, NoReturn
 
 from ..byteio.progress import ProgressBar, format_bytes
 from ..errors import CLIError, InvalidArgumentError, NotACheckpointError, StorageError
@@ -551,9 +551,8 @@ def _reading_kwargs(args: argparse.Namespace, *paths: str) -> dict[str, Any]:
 # ====================================================================== output helpers
 
 
-def _print_json(doc: Any, out: TextIO | None = None) -> None:
-    json.dump(doc, out or sys.stdout, indent=2)
-    (out or sys.stdout).write("\n")
+def _print_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2))
 
 
 def _progress(args: argparse.Namespace, label: str) -> ProgressBar:
