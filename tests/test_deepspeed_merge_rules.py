@@ -179,11 +179,17 @@ def test_user_rules_state_the_same_merges(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "key", ["parameters_with_2_sub_params_cat_dim_0", "expert_parameter_patterns", "affine_params"]
+    "key",
+    [
+        "parameters_with_2_sub_params_cat_dim_0",
+        "expert_parameter_patterns",
+        "affine_params",
+        "universal_checkpoint_info",
+    ],
 )
 def test_a_key_the_reader_does_not_know_is_refused_naming_it(tmp_path: Path, key: str) -> None:
-    """The misspelled key the reader once looked for, a key of a newer DeepSpeed, an old name:
-    never ignored."""
+    """The misspelled key the reader once looked for, a key of a newer DeepSpeed, an old name,
+    the info's own name nested in it: never ignored. The message lists every key it knows."""
     d = _rewritten(tmp_path, lambda i: {**i, key: [r"\d+\.fc1\.weight$"]})
     with pytest.raises(CheckpointFormatError) as e:
         open_source(d)
@@ -191,6 +197,9 @@ def test_a_key_the_reader_does_not_know_is_refused_naming_it(tmp_path: Path, key
         e.value
     )
     assert str(d / "step2" / "mp_rank_00_model_states.pt") in str(e.value)
+    known = str(e.value).split("(it knows ")[1].split(")")[0].split(", ")
+    own = "universal_checkpoint_info"
+    assert sorted(known) == sorted(v for v in INFO_KEYS.values() if v != own)
 
 
 def test_the_pinned_key_table_spells_deepspeeds_constants() -> None:

@@ -82,6 +82,8 @@ _SUB = _K["PARAMETER_WITH_SUB_PARAMS"]
 _WIDTHS = _K["SUB_PARAM_SHARD_WIDTHS"]
 _AFFINE = _K["AFFINE_MAP"]
 _AUTOTP_UNSUPPORTED = _K["AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS"]
+# The keys universal_checkpoint_info may hold (all but its own name).
+_KNOWN = tuple(sorted(v for v in INFO_KEYS.values() if v != _INFO))
 # Keys that say how slices merge: any of them makes the checkpoint's rules complete.
 _RULE_KEYS = (_REPLICATED, _ROW, _VOCAB, _AVERAGE, _TWO_SUB, _SUB, _AFFINE)
 
@@ -274,11 +276,11 @@ def check_info_keys(info: Any, where: str) -> None:
     change how slices merge), naming it and the keys it knows."""
     if not isinstance(info, dict):
         return
-    unknown = sorted(str(k) for k in info if k not in INFO_KEYS.values())
+    unknown = sorted(str(k) for k in info if k not in _KNOWN)
     if unknown:
         raise CheckpointFormatError(
             f"{where}: {_INFO} has key(s) {', '.join(repr(k) for k in unknown)} that this "
-            f"reader does not know (it knows {', '.join(sorted(INFO_KEYS.values())[1:])}); an "
+            f"reader does not know (it knows {', '.join(_KNOWN)}); an "
             "unread key could change how the tensor-parallel slices merge"
         )
 
