@@ -24,7 +24,7 @@ from ucp_dcp import (
     load_state_dict,
 )
 from ucp_dcp.byteio.rangeio import IO_THREADS
-from ucp_dcp.errors import InvalidArgumentError
+from ucp_dcp.errors import CheckpointKeyError, InvalidArgumentError, InvalidArgumentTypeError
 
 ENTRY_POINTS = [UCPStorageReader, Checkpoint, load_state_dict, load_into_module, export_hf, convert]
 
@@ -58,6 +58,46 @@ def test_a_bad_dcp_values_is_refused_by_every_entry_point(tmp_path: Path) -> Non
         with pytest.raises(InvalidArgumentError) as ei:
             make()
         assert str(ei.value) == "dcp_values must be one of (None, 'weights_only'), got 'pickle'"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "says"),
+    [
+        ("io_threads", 0, InvalidArgumentError, "ReadOptions.io_threads must be >= 1, got 0"),
+        ("io_threads", 1.5, InvalidArgumentTypeError, "ReadOptions.io_threads must be an int"),
+        ("io_threads", True, InvalidArgumentTypeError, "ReadOptions.io_threads must be an int"),
+        ("max_buffer_bytes", -1, InvalidArgumentError, "must be >= 0, got -1"),
+        ("gap_bytes", -1, InvalidArgumentError, "ReadOptions.gap_bytes must be >= 0"),
+        ("max_request_bytes", 0, InvalidArgumentError, "ReadOptions.max_request_bytes must be"),
+        ("verify", "no", InvalidArgumentTypeError, "ReadOptions.verify must be True or False"),
+        ("requests", {}, InvalidArgumentTypeError, "must be a RequestPolicy or None, got dict"),
+        ("progress", None, InvalidArgumentTypeError, "ReadOptions.progress must be a Progress"),
+    ],
+)
+def test_a_bad_option_is_refused_when_made_naming_it(
+    field: str, value: object, error: type[Exception], says: str
+) -> None:
+    """Not deep in a load, as a raw TypeError from a thread pool (io_threads=1.5 once was), nor
+    taken silently (io_threads=0 once was)."""
+    with pytest.raises(error) as ei:
+        ReadOptions(**{field: value})  # type: ignore[arg-type]
+    assert says in str(ei.value)
+
+
+def test_options_that_are_not_read_options_are_refused_by_the_reader(tmp_path: Path) -> None:
+    for make, who in ((UCPStorageReader, "UCPStorageReader"), (Checkpoint, "Checkpoint")):
+        with pytest.raises(InvalidArgumentTypeError) as ei:
+            make(tmp_path, options={"verify": False})  # type: ignore[arg-type]
+        assert str(ei.value) == f"{who}: options must be a ReadOptions, got dict"
+
+
+def test_load_state_dict_names_an_unmatched_key_given_by_a_generator(tmp_path: Path) -> None:
+    sd = {"w": torch.arange(16, dtype=torch.float32), "b": torch.ones(3)}
+    dcp.save(sd, storage_writer=UCPStorageWriter(tmp_path), planner=UCPSavePlanner(), no_dist=True)
+    got = load_state_dict(tmp_path, keys=(k for k in ["w"]))
+    assert list(got) == ["w"] and torch.equal(got["w"], sd["w"])
+    with pytest.raises(CheckpointKeyError, match="no key matches \\['nope'\\]"):
+        load_state_dict(tmp_path, keys=(k for k in ["w", "nope"]))
 
 
 def test_last_load_is_replaced_by_each_load(tmp_path: Path) -> None:

@@ -17,6 +17,8 @@ from ..byteio.engine import ReadTotals
 from ..byteio.progress import ProgressConfig
 from ..byteio.rangeio import IO_THREADS, MAX_REQUEST_BYTES, ByteSource, ReadStats, check_access
 from ..byteio.requests import RequestPolicy
+from ..errors import InvalidArgumentError, InvalidArgumentTypeError
+from ..format.schema import is_int
 from ..sources import Source, SourceOptions, open_source
 from ..sources.distcp import check_dcp_values
 from .placement import PlacementReport
@@ -81,7 +83,9 @@ class ReadOptions:
             default None.
 
     Raises :class:`~ucp_dcp.errors.InvalidArgumentError` for an ``access`` or ``read_once``
-    that is none of its choices.
+    that is none of its choices or a count out of its range, and
+    :class:`~ucp_dcp.errors.InvalidArgumentTypeError` for a field of the wrong type, naming the
+    field: when the options are made, not deep in a load.
     """
 
     io_threads: int = IO_THREADS
@@ -99,8 +103,32 @@ class ReadOptions:
     tp_rules: object = None
 
     def __post_init__(self) -> None:
+        _at_least("io_threads", self.io_threads, 1)
+        _at_least("max_buffer_bytes", self.max_buffer_bytes, 0)
+        if self.gap_bytes is not None:
+            _at_least("gap_bytes", self.gap_bytes, 0)
+        _at_least("max_request_bytes", self.max_request_bytes, 1)
+        for name, (kind, said) in _FIELD_TYPES.items():
+            v = getattr(self, name)
+            if not isinstance(v, kind):
+                raise InvalidArgumentTypeError(
+                    f"ReadOptions.{name} must be {said}, got {type(v).__name__}"
+                )
         check_access(self.access)
         check_read_once(self.read_once)
+
+    @classmethod
+    def given(cls, options: object, who: str) -> ReadOptions:
+        """``options`` as an entry point ``who`` takes them: its defaults for None, else a
+        :class:`ReadOptions` (:class:`~ucp_dcp.errors.InvalidArgumentTypeError` naming ``who``
+        for anything else, such as a dict)."""
+        if options is None:
+            return cls()
+        if not isinstance(options, cls):
+            raise InvalidArgumentTypeError(
+                f"{who}: options must be a ReadOptions, got {type(options).__name__}"
+            )
+        return options
 
     @property
     def buffer_bytes(self) -> int:
@@ -142,6 +170,26 @@ class ReadOptions:
             requests=self.requests,
             verify=self.verify,
         )
+
+
+def _at_least(name: str, v: object, low: int) -> None:
+    """Field ``name`` of :class:`ReadOptions` must be an int >= ``low``."""
+    if not is_int(v):
+        raise InvalidArgumentTypeError(f"ReadOptions.{name} must be an int, got {v!r}"[:200])
+    if v < low:
+        raise InvalidArgumentError(f"ReadOptions.{name} must be >= {low}, got {v}")
+
+
+# The fields whose type a mistake could get wrong without failing until deep in a load (a
+# truthy string for a bool, a dict for a policy): each with its types and how a message says them.
+_FIELD_TYPES: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "verify": (bool, "True or False"),
+    "device_transport": (bool, "True or False"),
+    "verify_placement": (bool, "True or False"),
+    "requests": ((RequestPolicy, type(None)), "a RequestPolicy or None"),
+    "read_once_costs": ((ReadOnceCosts, type(None)), "a ReadOnceCosts or None"),
+    "progress": (ProgressConfig, "a ProgressConfig"),
+}
 
 
 @dataclass

@@ -129,7 +129,7 @@ class UCPStorageReader(StorageReader):
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        self.options = opts = options if options is not None else ReadOptions()
+        self.options = opts = ReadOptions.given(options, "UCPStorageReader")
         self.process_group = process_group
         self.path = os.fspath(path)
         self.storage_options = storage_options

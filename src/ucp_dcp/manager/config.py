@@ -215,7 +215,6 @@ class CheckpointConfig:
             raise InvalidArgumentError(
                 f"CheckpointConfig.read must be a ReadOptions, got {self.read!r}"
             )
-        _check_count("read.io_threads", self.read.io_threads)
         _check_count("keep_every", self.keep_every, optional=True)
         _check_count("ranks_per_node", self.ranks_per_node, optional=True)
         if self.local is not None and not isinstance(self.local, (str, os.PathLike)):

@@ -128,11 +128,7 @@ class Checkpoint:
         prefix: str = "",
         dcp_values: str | None = None,
     ) -> None:
-        if options is not None and not isinstance(options, ReadOptions):
-            raise InvalidArgumentTypeError(
-                f"Checkpoint: options must be a ReadOptions, got {type(options).__name__}"
-            )
-        self.options = opts = options if options is not None else ReadOptions()
+        self.options = opts = ReadOptions.given(options, "Checkpoint")
         self.path = path_arg(path, "Checkpoint: path")
         self.source = opts.open_source(
             self.path, opts.source_options(dcp_values, prefix), storage_options
@@ -479,6 +475,8 @@ def load_state_dict(
     ``"optim.state.embed.weight.exp_avg"``). Tensors are read one at a
     time, so peak memory is the result plus a fixed staging buffer.
     """
+    if isinstance(keys, Iterable) and not isinstance(keys, str) and not callable(keys):
+        keys = list(keys)  # read twice: to select, then to name those that matched nothing
     select = _selector(keys)
     dtype = dtype_arg(dtype, "load_state_dict: dtype")
     out: dict[str, Any] = {}
