@@ -24,7 +24,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ucp_dcp.byteio.location
 from ucp_dcp import (
     Checkpoint,
+    ProgressConfig,
+    ReadOnceCosts,
     ReadOptions,
+    RequestPolicy,
     CheckpointFormatError,
     RankLocal,
     UCPLoadPlanner,
@@ -898,6 +901,11 @@ def _loaded(path: Path) -> dict[str, Any]:
         ({"align": True}, "align=True): needs a whole number of bytes"),
         ({"threads": "2"}, "threads='2'): needs a whole number of writer threads"),
         ({"progress": 5}, "progress=...) takes a ProgressConfig, got int"),
+        ({"requests": {}}, "requests=...) takes a RequestPolicy, got dict"),
+        # A truthy string once meant True: overwrite="no" replaced the committed checkpoint.
+        ({"overwrite": "no"}, "overwrite='no'): takes True or False, got str"),
+        ({"sync_files": "false"}, "sync_files='false'): takes True or False"),
+        ({"placement_digests": 1}, "placement_digests=1): takes True or False, got int"),
     ],
 )
 def test_writer_arguments_are_checked_before_anything_is_written(
@@ -942,3 +950,32 @@ def test_keys_a_save_cannot_keep_apart_are_refused(tmp_path: Path, sd: dict[str,
     err = unwrap(e.value)
     assert isinstance(err, UnsupportedValueError) and says in str(err), e.value
     assert not (tmp_path / "c" / "ucp_index.json").exists()
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (lambda: RequestPolicy(attempts=1.5), "RequestPolicy.attempts must be an int, got float"),
+        (lambda: RequestPolicy(hedge=1), "RequestPolicy.hedge must be True or False, got int"),
+        (lambda: RequestPolicy(backoff_s="1"), "RequestPolicy.backoff_s must be a number, got str"),
+        (lambda: RequestPolicy(first_bytes_per_s=0), "RequestPolicy(first_bytes_per_s=0): needs more"),
+        (lambda: RequestPolicy(hedge_factor=float("nan")), "RequestPolicy(hedge_factor=nan): needs"),
+        (lambda: RequestPolicy(throttle_pause_s=-1), "RequestPolicy(throttle_pause_s=-1): needs at"),
+        (lambda: ProgressConfig(interval="10"), "ProgressConfig.interval must be a number, got str"),
+        (lambda: ReadOnceCosts(storage_bytes_per_s=0), "ReadOnceCosts(storage_bytes_per_s=0): needs"),
+        (lambda: ReadOnceCosts(round_seconds=-1.0), "ReadOnceCosts(round_seconds=-1.0): needs a"),
+        (lambda: ReadOnceCosts(network_bytes_per_s=None), "network_bytes_per_s must be a number"),
+    ],
+)
+def test_an_options_record_refuses_a_bad_field_when_made(make: Callable[[], object], says: str) -> None:
+    """Each record names the field, instead of a raw TypeError deep in a load (ProgressConfig's
+    interval="10" once was one) or a division by a zero rate."""
+    with pytest.raises(UCPError, match=re.escape(says)):
+        make()
+
+
+def test_every_options_record_accepts_its_defaults_and_ints_for_floats() -> None:
+    for record in (RequestPolicy, ProgressConfig, ReadOnceCosts, ReadOptions):
+        record()
+    assert RequestPolicy(backoff_s=1, first_bytes_per_s=1).backoff_s == 1
+    assert ProgressConfig(interval=1, threshold=float("inf")).interval == 1

@@ -23,6 +23,7 @@ from typing import TextIO
 from tqdm import tqdm
 
 from ..errors import InvalidArgumentError
+from ..format.schema import check_field_types
 
 __all__ = [
     "ProgressConfig",
@@ -50,6 +51,7 @@ class ProgressConfig:
     ``math.inf`` turns the lines off."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if not self.interval > 0 or not self.threshold >= 0:
             raise InvalidArgumentError(
                 f"ProgressConfig(interval={self.interval}, threshold={self.threshold}): the "

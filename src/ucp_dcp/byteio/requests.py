@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from ..errors import InvalidArgumentError, StorageError, UCPError
+from ..format.schema import check_field_types
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -35,6 +36,23 @@ __all__ = [
     "current_rank",
     "rank_and_world",
 ]
+
+
+# RequestPolicy's rates and factors, which must be more than 0 (True), and its waits and
+# allowances, which may be 0 (False); the counts and deadlines are checked in pairs below.
+_AMOUNTS = {
+    "backoff_s": False,
+    "max_backoff_s": False,
+    "first_bytes_per_s": True,
+    "deadline_factor": True,
+    "hedge_factor": True,
+    "first_hedge_s": False,
+    "hedge_floor_s": False,
+    "hedge_fraction": False,
+    "hedge_allowance_bytes": False,
+    "throttle_pause_s": False,
+    "throttle_max_pause_s": False,
+}
 
 
 @dataclass(frozen=True)
@@ -127,6 +145,13 @@ class RequestPolicy:
         return out
 
     def __post_init__(self) -> None:
+        check_field_types(self)
+        for name, positive in _AMOUNTS.items():
+            v = getattr(self, name)
+            if not (v > 0 if positive else v >= 0):  # a NaN is neither
+                raise InvalidArgumentError(
+                    f"RequestPolicy({name}={v}): needs {'more than' if positive else 'at least'} 0"
+                )
         if not 0 < self.deadline_floor_s <= self.deadline_cap_s:
             raise InvalidArgumentError(
                 f"RequestPolicy: needs 0 < deadline_floor_s <= deadline_cap_s, got "

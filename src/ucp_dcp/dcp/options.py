@@ -18,7 +18,7 @@ from ..byteio.progress import ProgressConfig
 from ..byteio.rangeio import IO_THREADS, MAX_REQUEST_BYTES, ByteSource, ReadStats, check_access
 from ..byteio.requests import RequestPolicy
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError
-from ..format.schema import is_int
+from ..format.schema import check_field_types
 from ..sources import Source, SourceOptions, open_source
 from ..sources.distcp import check_dcp_values
 from .placement import PlacementReport
@@ -103,17 +103,12 @@ class ReadOptions:
     tp_rules: object = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         _at_least("io_threads", self.io_threads, 1)
         _at_least("max_buffer_bytes", self.max_buffer_bytes, 0)
         if self.gap_bytes is not None:
             _at_least("gap_bytes", self.gap_bytes, 0)
         _at_least("max_request_bytes", self.max_request_bytes, 1)
-        for name, (kind, said) in _FIELD_TYPES.items():
-            v = getattr(self, name)
-            if not isinstance(v, kind):
-                raise InvalidArgumentTypeError(
-                    f"ReadOptions.{name} must be {said}, got {type(v).__name__}"
-                )
         check_access(self.access)
         check_read_once(self.read_once)
 
@@ -172,24 +167,10 @@ class ReadOptions:
         )
 
 
-def _at_least(name: str, v: object, low: int) -> None:
-    """Field ``name`` of :class:`ReadOptions` must be an int >= ``low``."""
-    if not is_int(v):
-        raise InvalidArgumentTypeError(f"ReadOptions.{name} must be an int, got {v!r}"[:200])
+def _at_least(name: str, v: int, low: int) -> None:
+    """Count ``name`` of :class:`ReadOptions` must be at least ``low``."""
     if v < low:
         raise InvalidArgumentError(f"ReadOptions.{name} must be >= {low}, got {v}")
-
-
-# The fields whose type a mistake could get wrong without failing until deep in a load (a
-# truthy string for a bool, a dict for a policy): each with its types and how a message says them.
-_FIELD_TYPES: dict[str, tuple[type | tuple[type, ...], str]] = {
-    "verify": (bool, "True or False"),
-    "device_transport": (bool, "True or False"),
-    "verify_placement": (bool, "True or False"),
-    "requests": ((RequestPolicy, type(None)), "a RequestPolicy or None"),
-    "read_once_costs": ((ReadOnceCosts, type(None)), "a ReadOnceCosts or None"),
-    "progress": (ProgressConfig, "a ProgressConfig"),
-}
 
 
 @dataclass

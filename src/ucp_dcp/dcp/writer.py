@@ -173,6 +173,23 @@ class UCPStorageWriter(StorageWriter):
                 "UCPStorageWriter(progress=...) takes a ProgressConfig, got "
                 f"{type(progress).__name__}"
             )
+        if requests is not None and not isinstance(requests, RequestPolicy):
+            raise InvalidArgumentTypeError(
+                "UCPStorageWriter(requests=...) takes a RequestPolicy, got "
+                f"{type(requests).__name__}"
+            )
+        # A truthy string ("no") must not mean overwrite=True.
+        flags = {
+            "overwrite": overwrite,
+            "sync_files": sync_files,
+            "placement_digests": placement_digests,
+        }
+        for name, flag in flags.items():
+            if not isinstance(flag, bool):
+                raise InvalidArgumentTypeError(
+                    f"UCPStorageWriter({name}={flag!r}): takes True or False, got "
+                    f"{type(flag).__name__}"
+                )
         self.threads = threads
         self.path = path_arg(path, "UCPStorageWriter: path")
         self.storage_options = storage_options

@@ -4,13 +4,19 @@ Every check raises :class:`~ucp_dcp.CheckpointFormatError` naming ``where``
 (the file and the record) and the field, so a damaged or hostile checkpoint
 fails with a library error, never with a raw ``KeyError``/``TypeError`` or
 an allocation of whatever size a field claims.
+
+The options records users build (``ReadOptions``, ``RequestPolicy``, ...) are checked by the
+same rules of what an int is: :func:`check_field_types`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
+import types
+import typing
 from collections.abc import Collection, Sequence
 from typing import Any, TypeGuard
 
@@ -19,7 +25,7 @@ import torch
 from ..core.boxes import Box
 from ..core.sharding import tiles
 from ..core.values import dtype_from_name
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, InvalidArgumentTypeError
 from .names import dtype_name
 
 __all__ = [
@@ -41,6 +47,7 @@ __all__ = [
     "check_chunk_box",
     "check_chunk_bytes",
     "check_paths",
+    "check_field_types",
 ]
 
 MAX_DIMS = 64
@@ -262,3 +269,39 @@ def check_paths(doc: Any, where: str, keys: Collection[str]) -> dict[str, tuple[
             raise CheckpointFormatError(f"{where}: {k!r}: malformed path {path!r}"[:300])
         out[k] = tuple(path)
     return out
+
+
+def check_field_types(record: Any) -> None:
+    """Refuse a dataclass ``record`` (an options record: ``ReadOptions``, ``RequestPolicy``, ...)
+    a field of which holds another type than its annotation, with
+    :class:`~ucp_dcp.errors.InvalidArgumentTypeError` naming the class and field.
+
+    An ``int`` field takes an int, not a bool; a ``float`` field any int or float, not a bool; a
+    ``bool`` field True or False (a truthy ``"no"`` is refused); ``X | None`` None too; a class
+    an instance of it. Other annotations (``object``, ``Any``, generics) accept anything.
+    """
+    cls = type(record)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(record):
+        hint, v = hints[f.name], getattr(record, f.name)
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        kinds = typing.get_args(hint) if union else (hint,)
+        if not all(isinstance(k, type) for k in kinds) or object in kinds:
+            continue
+        if not any(_holds(k, v) for k in kinds):
+            said = " or ".join(_KIND_WORDS.get(k, f"a {k.__name__}") for k in kinds)
+            raise InvalidArgumentTypeError(
+                f"{cls.__name__}.{f.name} must be {said}, got {type(v).__name__}"
+            )
+
+
+_KIND_WORDS = {bool: "True or False", int: "an int", float: "a number", type(None): "None"}
+
+
+def _holds(kind: type, v: Any) -> bool:
+    """Whether ``v`` is of annotated type ``kind`` (an int is a float; a bool is neither)."""
+    if kind is int:
+        return is_int(v)
+    if kind is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, kind)

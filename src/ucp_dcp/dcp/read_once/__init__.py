@@ -24,6 +24,7 @@ The subpackage, in reading order:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from ...byteio.objstore import is_url
 from ...errors import InvalidArgumentError
+from ...format.schema import check_field_types
 from .exchange import ExchangeTotals, LocalNeeds, RankRounds, first_failure
 from .rounds import GroupReadPlan, NeedGroups, needs_digest, plan_group_reads
 
@@ -121,6 +123,17 @@ class ReadOnceCosts:
     """Bandwidth between ranks, per rank (what one rank can receive)."""
     round_seconds: float = 2e-3
     """Fixed cost of one exchange round (one ``all_to_all_single``)."""
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        for name in ("storage_bytes_per_s", "network_bytes_per_s"):
+            v = getattr(self, name)
+            if not 0 < v < math.inf:  # the costs divide by the rates; a NaN is refused too
+                raise InvalidArgumentError(f"ReadOnceCosts({name}={v}): needs a finite rate > 0")
+        if not 0 <= self.round_seconds < math.inf:
+            raise InvalidArgumentError(
+                f"ReadOnceCosts(round_seconds={self.round_seconds}): needs a finite time >= 0"
+            )
 
     def direct_seconds(self, needed_bytes: int) -> float:
         """Every rank reads what it needs: the job pulls ``needed_bytes`` through the storage."""
