@@ -37,6 +37,7 @@ from ..format import (
     has_block_sums,
     layout_file,
     rank_local_entry_name,
+    split_rank_local_key,
     st_dtype,
     value_entry_name,
 )
@@ -362,12 +363,13 @@ def stream_data_file(
     return entries, starts, size
 
 
-def value_entry(key: str, nbytes: int, *, rank_local: bool = False) -> PlannedEntry:
-    """The entry of a non-tensor value (tagged JSON, ``nbytes`` long) named ``key``."""
-    meta = EntryMeta(
-        "rank_local" if rank_local else "value", key, "uint8", (nbytes,), (), (), PLACEHOLDER
-    )
-    name = rank_local_entry_name(key) if rank_local else value_entry_name(key)
+def value_entry(key: str, nbytes: int) -> PlannedEntry:
+    """The entry of a non-tensor value (tagged JSON, ``nbytes`` long) saved under DCP storage key
+    ``key``: a rank-local value's key (:func:`~ucp_dcp.format.rank_local_key`) names its rank."""
+    rl = split_rank_local_key(key)
+    fqn = rl[1] if rl else key
+    meta = EntryMeta("rank_local" if rl else "value", fqn, "uint8", (nbytes,), (), (), PLACEHOLDER)
+    name = rank_local_entry_name(fqn) if rl else value_entry_name(fqn)
     return PlannedEntry(name, "U8", (nbytes,), nbytes, meta)
 
 

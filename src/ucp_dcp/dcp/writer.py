@@ -53,7 +53,6 @@ from ..format import (
     WrittenEntry,
     build_index,
     data_file_name,
-    split_rank_local_key,
 )
 from ..format.schema import is_int
 from ._mesh_groups import compact_records
@@ -376,10 +375,7 @@ class UCPStorageWriter(StorageWriter):
             if item.type == WriteItemType.BYTE_IO:
                 encoded = resolved_as(item, planner.resolve_data(item), io.BytesIO)
                 values[i] = data = encoded.getvalue()
-                rl = split_rank_local_key(fqn)
-                entries.append(
-                    value_entry(rl[1] if rl else fqn, len(data), rank_local=rl is not None)
-                )
+                entries.append(value_entry(fqn, len(data)))
             else:
                 td = tensor_data(item)
                 entries.append(

@@ -40,7 +40,6 @@ from ..format import (
     build_index,
     data_file_name,
     rank_local_key,
-    split_rank_local_key,
 )
 from ..sources import Source, read_values
 from .checkpoint import Checkpoint, local_output
@@ -143,8 +142,7 @@ def _items_by_file(source: Source) -> dict[int, list[_Item]]:
 def _entry(source: Source, item: _Item, value: bytes | None) -> PlannedEntry:
     if item[0] == "v":
         assert value is not None
-        rl = split_rank_local_key(item[1])
-        return value_entry(rl[1] if rl else item[1], len(value), rank_local=rl is not None)
+        return value_entry(item[1], len(value))
     _, fqn, idx = item
     rec = source.index.tensors[fqn]
     box = source.box(fqn, idx)
