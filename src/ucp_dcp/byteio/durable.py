@@ -8,12 +8,13 @@ renamed into place, and the directory is fsync'd after the rename.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import CheckpointExistsError, CheckpointWriteError
@@ -29,8 +30,7 @@ __all__ = [
     "fsync_path",
     "swap_paths",
     "remove_quietly",
-    "temp_dir_for",
-    "commit_dir",
+    "building_dir",
     "write_remedy",
 ]
 
@@ -204,8 +204,11 @@ def remove_quietly(path: str) -> None:
         pass
 
 
-def temp_dir_for(dst: str) -> str:
-    """A fresh hidden sibling directory of ``dst`` to build it in (see :func:`commit_dir`)."""
+@contextlib.contextmanager
+def building_dir(dst: str) -> Iterator[str]:
+    """A fresh hidden sibling directory of ``dst`` to build it in, for the ``with`` block; moved
+    to ``dst`` (absent or empty) in one rename, durably, when the block ends, and removed when
+    the block (or the move) fails."""
     parent = os.path.dirname(os.path.abspath(dst))
     tmp = os.path.join(
         parent, f".{os.path.basename(os.path.abspath(dst))}.tmp-{uuid.uuid4().hex[:8]}"
@@ -217,7 +220,19 @@ def temp_dir_for(dst: str) -> str:
         raise CheckpointWriteError(
             e.errno, f"{dst}: cannot make a directory there ({e.strerror or e}): {write_remedy(e)}"
         ) from None
-    return tmp
+    try:
+        yield tmp
+        fsync_path(tmp)
+        try:
+            os.rename(tmp, dst)  # replaces an empty directory atomically on POSIX
+        except OSError as e:
+            raise CheckpointExistsError(
+                f"{dst}: cannot move the finished output into place ({e}); is it still empty?"
+            ) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_path(parent)
 
 
 def write_remedy(e: OSError) -> str:
@@ -229,15 +244,3 @@ def write_remedy(e: OSError) -> str:
     if e.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
         return "a file is in the way: remove it or save elsewhere"
     return "fix the cause (or save elsewhere)"
-
-
-def commit_dir(tmp: str, dst: str) -> None:
-    """Move finished directory ``tmp`` to ``dst`` (absent or empty) in one rename, durably."""
-    fsync_path(tmp)
-    try:
-        os.rename(tmp, dst)  # replaces an empty directory atomically on POSIX
-    except OSError as e:
-        raise CheckpointExistsError(
-            f"{dst}: cannot move the finished output into place ({e}); is it still empty?"
-        ) from None
-    fsync_path(os.path.dirname(os.path.abspath(dst)))

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from ..adapters.layout_spec import LayoutSpec
-from ..byteio.durable import commit_dir, temp_dir_for, write_all
+from ..byteio.durable import building_dir, write_all
 from ..byteio.objstore import is_url, local_path
 from ..byteio.progress import ProgressFn
 from ..byteio.rangeio import tensor_view
@@ -475,8 +475,7 @@ def export_hf(
         )
         total = sum(p.nbytes for p in planned)
         last: dict[str, Any] = {}  # the source tensor read last, as its layout's tensors
-        tmp = temp_dir_for(dst)
-        try:
+        with building_dir(dst) as tmp:
             done = 0
             for fname, shard in zip(names, shards):
                 fd = os.open(os.path.join(tmp, fname), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -521,10 +520,6 @@ def export_hf(
                 for path in cfg_extra:
                     shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
                     written.append(os.path.basename(path))
-            commit_dir(tmp, dst)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     if cfg_doc is None:  # said once the export is done, not before a failure
         hint = "config=PATH"
         warnings.warn(
@@ -599,10 +594,5 @@ def import_hf(
     if not HFSource.detect(src):
         HFSource.open(src, SourceOptions())  # raises, saying what is missing
     _check_empty_dst(dst)
-    tmp = temp_dir_for(dst)
-    try:
+    with building_dir(dst) as tmp:
         convert(src, tmp, prefix=prefix, on_progress=on_progress)
-        commit_dir(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
