@@ -356,7 +356,7 @@ class UCPStorageReader(StorageReader):
                     dest,
                     name=fqn,
                     chunk_offsets=chunk_offsets,
-                    sums=src.block_sums(fqn, idx, part.location) if engine.verify else None,
+                    sums=src.sums_to_check(fqn, idx, part.location, engine.verify),
                     # Committed once filled and checked (planners may move the data on).
                     done=functools.partial(planner.commit_tensor, ri, dest),
                 )
@@ -422,13 +422,11 @@ class UCPStorageReader(StorageReader):
                 if dest.is_conj() or dest.is_neg():
                     continue  # its memory holds values conjugated or negated: the engine stages it
                 fqn = ri.storage_index.fqn
-                sums = src.block_sums(fqn, idx, part.location)
+                sums = src.sums_to_check(fqn, idx, part.location, verify)
                 if sums is None and part.location.xxh3 and verify:
                     continue  # checked chunk by chunk only: the engine reads it whole
-                if needs_staging(dest, part.dtype, part.location) and (sums is None or not verify):
+                if needs_staging(dest, part.dtype, part.location) and sums is None:
                     continue  # a cast or device copy needs whole elements: checked blocks are
-                if not verify:
-                    sums = None
                 done = functools.partial(planner.commit_tensor, ri, dest)
                 regions.append(Region(part, dest, fqn, chunk_offsets, sums, done))
                 taken.append(i)

@@ -259,6 +259,13 @@ class Source(ABC):
         """
         return None
 
+    def sums_to_check(
+        self, fqn: str, idx: int, location: Location, verify: bool
+    ) -> BlockSums | None:
+        """What a read that checks what it reads (``verify``) checks chunk ``idx`` of ``fqn``
+        against block by block: :meth:`block_sums`; None, nothing looked up, when not ``verify``."""
+        return self.block_sums(fqn, idx, location) if verify else None
+
     def chunk_origin(self, fqn: str, idx: int) -> tuple[int, int]:
         """``(file, byte offset)`` where chunk ``idx`` of ``fqn`` is stored, to group and order
         chunks by file."""

@@ -239,7 +239,7 @@ class Checkpoint:
                     narrowed(out, box.offsets, box.sizes),
                     name=name,
                     chunk_offsets=box.offsets,
-                    sums=self.source.block_sums(name, i, loc) if engine.verify else None,
+                    sums=self.source.sums_to_check(name, i, loc, engine.verify),
                 )
             engine.flush()
         finally:

@@ -232,7 +232,7 @@ def _copy_chunk(
         out.write(i, tensor_view(source.materialize(engine.source, fqn, idx)))
         return
     whole = ChunkRegion(location, box.sizes, Box.whole(box.sizes), dtype)
-    sums = source.block_sums(fqn, idx, location) if engine.verify else None
+    sums = source.sums_to_check(fqn, idx, location, engine.verify)
     if sums is None:  # no block checksums: the whole chunk, read again (from the page cache)
         engine.check_chunk(whole, fqn, box.offsets)
     budget = engine.staging_bytes if location.dim_order else buf.numel()
