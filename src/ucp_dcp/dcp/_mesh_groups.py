@@ -29,9 +29,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.tensor.placement_types import Placement
 
-from ..core.sharding import Box, arith_box, placement_from_str
+from ..core.sharding import Box, arith_box
 from ..core.values import dtype_from_name
 from ..errors import CheckpointFormatError
 from ..format import FileRecord, Layout, RunList, TensorRecord, decode_runs, encode_runs
@@ -235,7 +234,7 @@ def group_items(
         items = []
         for t in group.tensors:
             if t.fqn not in skip and group.writes(t, coord):
-                box = arith_box(t.shape, group.mesh, _placements(t.layout), coord)
+                box = arith_box(t.shape, group.mesh, t.layout.parsed_placements(), coord)
                 assert box is not None  # mesh groups hold arithmetic layouts only
                 if box.numel:
                     items.append(shard_item(t.fqn, box, dtype_from_name(t.dtype), t.shape))
@@ -243,11 +242,6 @@ def group_items(
             _GROUP_ITEMS.pop(next(iter(_GROUP_ITEMS)))
         _GROUP_ITEMS[key] = items
     return items
-
-
-@functools.lru_cache(maxsize=1024)
-def _placements(layout: Layout) -> tuple[Placement, ...]:
-    return tuple(placement_from_str(p) for p in layout.placements)
 
 
 def shard_item(fqn: str, box: Box, dtype: torch.dtype, shape: Sequence[int]) -> WriteItem:

@@ -17,6 +17,7 @@ from typing import Any, SupportsIndex, overload
 
 import numpy as np
 import torch
+from torch.distributed.tensor.placement_types import Placement
 
 from ..core.sharding import Box, Grid, layout_grid, placement_from_str
 from ..errors import CheckpointFormatError, LayoutError
@@ -214,6 +215,10 @@ class Layout:
         """The chunk grid of a tensor of ``shape`` saved with this layout (cached)."""
         return _layout_grid(self, tuple(shape))
 
+    def parsed_placements(self) -> tuple[Placement, ...]:
+        """The placements, parsed (:func:`~ucp_dcp.core.sharding.placement_from_str`)."""
+        return tuple(placement_from_str(p) for p in self.placements)
+
     def to_json(self) -> dict[str, Any]:
         """JSON form."""
         return {"mesh": list(self.mesh), "placements": list(self.placements)}
@@ -266,8 +271,8 @@ class Layout:
     def check_dims(self, ndim: int, where: str) -> None:
         """Refuse a placement that shards a dimension a tensor of ``ndim`` dimensions does not
         have."""
-        for p in self.placements:
-            dim = getattr(placement_from_str(p), "dim", None)
+        for p, placement in zip(self.placements, self.parsed_placements()):
+            dim = getattr(placement, "dim", None)
             if dim is not None and dim >= ndim:
                 raise CheckpointFormatError(
                     f"{where}: placement {p!r} shards dimension {dim} of a {ndim}-d tensor"
@@ -285,7 +290,7 @@ def _layout_grid(layout: Layout, shape: tuple[int, ...]) -> Grid:
     return layout_grid(
         shape,
         layout.mesh,
-        [placement_from_str(p) for p in layout.placements],
+        layout.parsed_placements(),
         max_enumerated=MAX_ENUMERATED_COORDS,
     )
 
