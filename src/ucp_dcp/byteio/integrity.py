@@ -20,7 +20,7 @@ import torch
 import xxhash
 
 from ..errors import ChecksumError, InvalidArgumentError, StorageError
-from ..format import Location
+from ..format import Location, split_rank_local_key
 from .rangeio import ByteSource, tensor_view
 from .segments import Segment
 
@@ -31,6 +31,7 @@ __all__ = [
     "hash_range",
     "read_checked_many",
     "chunk_what",
+    "value_what",
     "chunk_mismatch",
     "ChunkVerifier",
 ]
@@ -119,6 +120,13 @@ def read_checked_many(
 def chunk_what(fqn: str, offsets: Sequence[int]) -> str:
     """How errors name a chunk: ``"tensor 'layer.w' chunk at [0, 4]"``."""
     return f"tensor {fqn!r} chunk at {list(offsets)}"
+
+
+def value_what(key: str) -> str:
+    """How errors name the value saved under storage key ``key``: ``"value 'step'"``, or
+    ``"rank-local value 'rng' of rank 3"`` for a :func:`~ucp_dcp.format.rank_local_key`."""
+    rl = split_rank_local_key(key)
+    return f"rank-local value {rl[1]!r} of rank {rl[0]}" if rl else f"value {key!r}"
 
 
 class ChunkVerifier:

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from ..byteio.blocksums import BlockSums
-from ..byteio.integrity import read_checked_many
+from ..byteio.integrity import read_checked_many, value_what
 from ..byteio.location import ModelDir, view_of
 from ..byteio.objrange import OBJECT_GAP_BYTES, ObjectRangeReader
 from ..byteio.objstore import ObjectStore, local_path
@@ -331,9 +331,7 @@ def read_values(source: Source, reader: ByteSource, keys: Sequence[str]) -> list
     reads = []
     for key in keys:
         loc = source.value_location(key)
-        rl = split_rank_local_key(key)
-        what = f"rank-local value {rl[1]!r} of rank {rl[0]}" if rl else f"value {key!r}"
-        reads.append((loc, source.paths[loc.file], what, source.file_rank(loc.file)))
+        reads.append((loc, source.paths[loc.file], value_what(key), source.file_rank(loc.file)))
     raws = read_checked_many(reader, reads)
     return [source.decode_value(key, raw) for key, raw in zip(keys, raws)]
 

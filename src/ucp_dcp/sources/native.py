@@ -16,6 +16,7 @@ import numpy as np
 import xxhash
 
 from ..byteio.blocksums import BlockSums
+from ..byteio.integrity import value_what
 from ..byteio.location import ModelDir, write_index
 from ..byteio.objrange import ObjectAccess
 from ..byteio.rangeio import FileAccess, read_header
@@ -239,7 +240,7 @@ class NativeSource(Source):
         """From the index, cross-checked with the data file's header like :meth:`locate`."""
         loc = super().value_location(key)
         rl = split_rank_local_key(key)
-        what = f"rank-local value {rl[1]!r} of rank {rl[0]}" if rl else f"value {key!r}"
+        what = value_what(key)
         name = rank_local_entry_name(rl[1]) if rl else value_entry_name(key)
         start, nbytes, meta = self._entry(loc.file, name, lambda: what)
         if rl and self.header(loc.file).rank != rl[0]:

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..adapters.layout_spec import LayoutSpec
 from ..byteio.engine import ChunkReads
-from ..byteio.integrity import HASH_BLOCK, chunk_what, hash_range
+from ..byteio.integrity import HASH_BLOCK, chunk_what, hash_range, value_what
 from ..byteio.location import path_arg
 from ..byteio.objstore import is_url, local_path
 from ..byteio.progress import ProgressFn
@@ -310,15 +310,15 @@ class Checkpoint:
                 work += [(chunk_what(name, box.offsets), loc) for box, loc in self.chunks(name)]
             except CheckpointFormatError as e:
                 note(e)
-        keys = [(f"value {k!r}", k) for k in sorted(self.index.values)]
+        keys = sorted(self.index.values)
         keys += [
-            (f"rank-local value {k!r} of rank {r}", rank_local_key(r, k))
+            rank_local_key(r, k)
             for k, per_rank in sorted(self.index.rank_local.items())
             for r in sorted(per_rank)
         ]
-        for what, key in keys:
+        for key in keys:
             try:
-                work.append((what, self.source.value_location(key)))
+                work.append((value_what(key), self.source.value_location(key)))
             except CheckpointFormatError as e:
                 note(e)
         work += self.source.checksummed_records()
