@@ -35,7 +35,6 @@ import json
 import math
 import os
 import re
-import shutil
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from typing import Any
 import torch
 
 from ..adapters.layout_spec import LayoutSpec
-from ..byteio.durable import building_dir, write_all
+from ..byteio.durable import building_dir, copy_durable, write_all, write_bytes_durable
 from ..byteio.objstore import is_url, local_path
 from ..byteio.progress import ProgressFn
 from ..byteio.rangeio import tensor_view
@@ -318,6 +317,11 @@ def _st_header(entries: Iterable[_Planned]) -> bytes:
     return encode_header({"__metadata__": {"format": "pt"}, **tensors})
 
 
+def _json_file(doc: Any) -> bytes:
+    """``doc`` as the bytes of a JSON file, as transformers writes them (indented, keys sorted)."""
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
 def _load_config(config: Any) -> tuple[dict[str, Any], list[str]]:
     """``config`` as a config.json document, plus extra files to copy (paths)."""
     if isinstance(config, Mapping):
@@ -505,20 +509,16 @@ def export_hf(
                 "weight_map": {p.name: fname for fname, shard in zip(names, shards) for p in shard},
             }
             written = [*names, HF_INDEX_NAME]
-            with open(os.path.join(tmp, HF_INDEX_NAME), "w", encoding="utf-8") as f:
-                json.dump(index, f, indent=2, sort_keys=True)
-                f.write("\n")
+            write_bytes_durable(os.path.join(tmp, HF_INDEX_NAME), _json_file(index))
             if cfg_doc is not None:
                 if cast is not None:
                     for key in ("dtype", "torch_dtype"):
                         if key in cfg_doc:
                             cfg_doc[key] = dtype_name(cast)
-                with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-                    json.dump(cfg_doc, f, indent=2, sort_keys=True)
-                    f.write("\n")
+                write_bytes_durable(os.path.join(tmp, "config.json"), _json_file(cfg_doc))
                 written.append("config.json")
                 for path in cfg_extra:
-                    shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
+                    copy_durable(path, os.path.join(tmp, os.path.basename(path)))
                     written.append(os.path.basename(path))
     if cfg_doc is None:  # said once the export is done, not before a failure
         hint = "config=PATH"
