@@ -36,6 +36,7 @@ from ucp_dcp import (
     UCPStorageWriter,
     UCPWarning,
     load_index,
+    load_state_dict,
     rebuild_index,
 )
 from ucp_dcp.format import ALIGN, BLOCK_SUMS_ENTRY, INDEX_FILE, PAD_PREFIX, VALUE_PREFIX, RANK_LOCAL_PREFIX, chunk_entry_name
@@ -979,3 +980,22 @@ def test_every_options_record_accepts_its_defaults_and_ints_for_floats() -> None
         record()
     assert RequestPolicy(backoff_s=1, first_bytes_per_s=1).backoff_s == 1
     assert ProgressConfig(interval=1, threshold=float("inf")).interval == 1
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda p: UCPStorageReader(5), "UCPStorageReader: path must be a path or URL"),
+        (lambda p: load_state_dict(p, prefix=5), "SourceOptions.prefix must be a str, got int"),
+        (lambda p: load_state_dict(p, layout="tp"), "layout must be a LayoutSpec, got str"),
+        (lambda p: Checkpoint(p, dcp_values=b"x"), "dcp_values"),
+    ],
+)
+def test_an_entry_points_argument_of_the_wrong_type_is_named(
+    ckpt: tuple[Path, dict[str, Any]], call: Callable[[Path], object], says: str
+) -> None:
+    """Not a raw TypeError or AttributeError from inside (UCPStorageReader(5) and layout="tp"
+    once were), nor taken silently (prefix=5 once was)."""
+    path, _ = ckpt
+    with pytest.raises(UCPError, match=re.escape(says)):
+        call(path)

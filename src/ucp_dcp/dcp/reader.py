@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..byteio.engine import ChunkReads, Region
+from ..byteio.location import path_arg
 from ..byteio.progress import Progress
 from ..byteio.rangeio import ByteSource
 from ..byteio.requests import current_rank, rank_and_world
@@ -131,7 +132,7 @@ class UCPStorageReader(StorageReader):
         super().__init__()
         self.options = opts = ReadOptions.given(options, "UCPStorageReader")
         self.process_group = process_group
-        self.path = os.fspath(path)
+        self.path = path_arg(path, "UCPStorageReader: path")
         self.storage_options = storage_options
         self._source_options = opts.source_options(dcp_values, prefix)
         self.source: Source | None = None

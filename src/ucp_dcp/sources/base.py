@@ -40,6 +40,7 @@ from ..byteio.requests import RequestPolicy
 from ..core.sharding import Box, Grid
 from ..errors import CheckpointFormatError
 from ..format import ChunkRecord, Index, Location, split_rank_local_key
+from ..format.schema import check_field_types
 
 __all__ = ["Source", "SourceOptions", "register", "source_types", "read_values"]
 
@@ -68,6 +69,9 @@ class SourceOptions:
     DeepSpeed's parameter names; the first match wins over the checkpoint's
     patterns, which still place the parameters no rule matches. None: the
     checkpoint's patterns only."""
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
 
 
 class ComputedFile(Protocol):

@@ -479,6 +479,10 @@ def load_state_dict(
         keys = list(keys)  # read twice: to select, then to name those that matched nothing
     select = _selector(keys)
     dtype = dtype_arg(dtype, "load_state_dict: dtype")
+    if layout is not None and not isinstance(layout, LayoutSpec):
+        raise InvalidArgumentTypeError(
+            f"load_state_dict: layout must be a LayoutSpec, got {type(layout).__name__}"
+        )
     out: dict[str, Any] = {}
     with Checkpoint(
         path,
