@@ -427,7 +427,9 @@ class UCPStorageReader(StorageReader):
                 if sums is None and part.location.xxh3 and verify:
                     continue  # checked chunk by chunk only: the engine reads it whole
                 if needs_staging(dest, part.dtype, part.location) and sums is None:
-                    continue  # a cast or device copy needs whole elements: checked blocks are
+                    # A cast or device copy needs whole elements: only checked blocks arrive as
+                    # whole ones.
+                    continue
                 done = functools.partial(planner.commit_tensor, ri, dest)
                 regions.append(Region(part, dest, fqn, chunk_offsets, sums, done))
                 taken.append(i)
