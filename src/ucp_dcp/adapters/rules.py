@@ -52,6 +52,11 @@ def expand(rule: Any, m: re.Match[str], repl: str) -> str:
         raise LayoutRuleError(f"{rule.describe()}: replacement {repl!r}: {e}") from None
 
 
+def _replace_match(rule: Any, name: str, m: re.Match[str], repl: str) -> str:
+    """``name`` with match ``m`` of ``rule``'s pattern replaced by ``repl`` (:func:`expand`)."""
+    return name[: m.start()] + expand(rule, m, repl) + name[m.end() :]
+
+
 @dataclass(frozen=True)
 class Rule:
     """Base of every rule: a regular expression searched in the (renamed) DCP key.
@@ -172,12 +177,9 @@ class Shard(LayoutRule):
         self, name: str, t: torch.Tensor, rank: int, size: int, ctx: RuleContext
     ) -> TensorPieces:
         d = _check_dim(self, name, t, self.dim)
-        shape = list(t.shape)
-        local = shape[d]
-        shape[d] = local * size
-        offsets = [0] * t.dim()
-        offsets[d] = rank * local
-        return TensorPieces([Piece(name, tuple(shape), tuple(offsets), t)], source=ctx.source)
+        local = t.shape[d]
+        piece = _piece_along(name, t, d, local * size, rank * local)
+        return TensorPieces([piece], source=ctx.source)
 
 
 @dataclass(frozen=True)
@@ -249,18 +251,9 @@ class Fused(LayoutRule):
             for key, w in self.parts.items():
                 block = w // groups
                 m = self.regex.search(name)
-                part_name = (
-                    name
-                    if m is None
-                    else name[: m.start()] + expand(self, m, key) + name[m.end() :]
-                )
-                shape = list(t.shape)
-                shape[d] = w
-                offsets = [0] * t.dim()
-                offsets[d] = global_group * block
-                pieces.append(
-                    Piece(part_name, tuple(shape), tuple(offsets), t.narrow(d, pos, block))
-                )
+                part_name = name if m is None else _replace_match(self, name, m, key)
+                data = t.narrow(d, pos, block)
+                pieces.append(_piece_along(part_name, data, d, w, global_group * block))
                 pos += block
         return TensorPieces(pieces, source=ctx.source)
 
@@ -301,11 +294,8 @@ class VocabPad(LayoutRule):
             )
         start = rank * local
         keep = max(0, min(local, self.size - start))
-        shape = list(t.shape)
-        shape[d] = self.size
-        offsets = [0] * t.dim()
-        offsets[d] = min(start, self.size)
-        pieces = [Piece(name, tuple(shape), tuple(offsets), t.narrow(d, 0, keep))] if keep else []
+        kept = t.narrow(d, 0, keep)
+        pieces = [_piece_along(name, kept, d, self.size, min(start, self.size))] if keep else []
         fill = [t.narrow(d, keep, local - keep)] if keep < local else []
         return TensorPieces(pieces, fill=fill, fill_value=self.fill_value, source=ctx.source)
 
@@ -512,7 +502,7 @@ class Unstacked(StackRule):
                     f"{n + 1}, which have no dim {self.dim}"
                 )
             d = self.dim % (n + 1)
-            name = p.fqn[: m.start()] + expand(self, m, self.repl) + p.fqn[m.end() :]
+            name = _replace_match(self, p.fqn, m, self.repl)
             shape = p.shape[:d] + (self.experts,) + p.shape[d:]
             offsets = p.offsets[:d] + (e,) + p.offsets[d:]
             out.append(Piece(name, shape, offsets, p.data.unsqueeze(d)))
@@ -546,6 +536,16 @@ def _check_dim(rule: Rule, name: str, t: torch.Tensor, dim: int) -> int:
             f"{rule.describe()} matches {name!r} of shape {list(t.shape)}, which has no dim {dim}"
         )
     return dim % t.dim()
+
+
+def _piece_along(name: str, data: torch.Tensor, d: int, size: int, offset: int) -> Piece:
+    """``data`` as a box of logical tensor ``name``: at ``offset`` of ``size`` along dim ``d``,
+    whole along the others."""
+    shape = list(data.shape)
+    shape[d] = size
+    offsets = [0] * data.dim()
+    offsets[d] = offset
+    return Piece(name, tuple(shape), tuple(offsets), data)
 
 
 def full_piece(name: str, t: torch.Tensor, ctx: RuleContext) -> TensorPieces:
