@@ -13,13 +13,13 @@ of 64 Ki elements so that the temporaries stay in the CPU's cache.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 
 from ..errors import UnsupportedValueError
+from .boxes import row_major_strides
 
 __all__ = ["MASK64", "box_share", "combine", "digest_hex"]
 
@@ -52,7 +52,7 @@ def box_share(data: torch.Tensor, offsets: Sequence[int], shape: Sequence[int]) 
         offsets, shape = (0,), (1,)
     bits = _bits(t)
     sizes = tuple(t.shape)
-    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    strides = row_major_strides(shape)
     # (i * K) is linear in each coordinate: the per-dimension terms are added, never multiplied.
     outer = np.zeros(1, np.uint64)
     for d in range(len(sizes) - 1):

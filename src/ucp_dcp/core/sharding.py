@@ -25,7 +25,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement
 
 from .._compat import StridedShard, compute_shard_box_on_mesh_shape
 from ..errors import LayoutError
-from .boxes import Box, intersect, row_major_strides
+from .boxes import _EMPTY, Box, intersect, row_major_strides
 
 __all__ = [
     "Box",
@@ -225,8 +225,6 @@ def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
 
 # ---------------------------------------------------------------- chunk grids
 
-_EMPTY = np.zeros(0, dtype=np.int64)
-
 
 @dataclass(frozen=True, eq=False)
 class Grid:
@@ -373,11 +371,7 @@ def layout_grid(
     # Row-major strides over the sharding mesh dims (in mesh order): the
     # position of a chunk's first replica in mesh-coordinate order.
     shard_dims = [m for m, p in enumerate(placements) if isinstance(p, (Shard, StridedShard))]
-    mstride: dict[int, int] = {}
-    acc = 1
-    for m in reversed(shard_dims):
-        mstride[m] = acc
-        acc *= mesh_shape[m]
+    mstride = dict(zip(shard_dims, row_major_strides([mesh_shape[m] for m in shard_dims])))
     offs, sizes, lin = [], [], []
     for d, n in enumerate(shape):
         o = np.zeros(1, dtype=np.int64)
@@ -385,13 +379,11 @@ def layout_grid(
         li = np.zeros(1, dtype=np.int64)
         for m in order[d]:  # torch.chunk semantics, outermost split first
             k = mesh_shape[m]
-            full = -(-sz // k)
-            # Piece r of an interval of size s starts at min(s, full * r) >= min(s, r):
+            # Piece r of an interval of size s starts at min(s, ceil(s / k) * r) >= min(s, r):
             # pieces from r = max(sz) on are all empty, so a mesh dim far larger
             # than the tensor dim costs no more than the tensor dim.
             r = np.arange(min(k, int(sz.max())), dtype=np.int64)
-            start = np.minimum(sz[:, None], full[:, None] * r)
-            end = np.minimum(sz[:, None], full[:, None] * (r + 1))
+            start, end = _chunk_bounds(sz[:, None], k, r)
             o = (o[:, None] + start).reshape(-1)
             sz = (end - start).reshape(-1)
             li = (li[:, None] + r * mstride[m]).reshape(-1)
@@ -424,6 +416,15 @@ def layout_grid(
         cells.reshape(len(flat), len(shape)),
         flat[order_],
     )
+
+
+def _chunk_bounds(
+    size: int | np.ndarray, k: int, r: int | np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end of piece ``r`` when ``torch.chunk`` splits ``size`` elements into ``k``
+    (pieces of ``ceil(size / k)``, the last ones short or empty); element-wise on arrays."""
+    full = -(-size // k)
+    return np.minimum(size, full * r), np.minimum(size, full * (r + 1))
 
 
 def _application_order(
@@ -490,9 +491,7 @@ def arith_box(
     for d, n in enumerate(shape):
         o, sz = 0, n
         for m in order[d]:
-            k, r = mesh_shape[m], coord[m]
-            full = -(-sz // k)
-            start, end = min(sz, full * r), min(sz, full * (r + 1))
+            start, end = (int(x) for x in _chunk_bounds(sz, mesh_shape[m], coord[m]))
             o, sz = o + start, end - start
         offs.append(o if sz else 0)
         sizes.append(sz)
