@@ -299,11 +299,11 @@ class Grid:
 
     @staticmethod
     def from_boxes(boxes: Sequence[Box], shape: Sequence[int]) -> Grid | None:
-        """The grid whose chunks are ``boxes`` (numbered in that order), or
-        None when they do not tile ``shape`` as a grid."""
+        """The grid whose chunk ``k`` is ``boxes[k]`` for every ``k``, or None when the boxes do not
+        tile ``shape`` as a grid or one is empty (it would have no cell, and the chunks after it
+        would be renumbered)."""
         shape = tuple(shape)
-        boxes = [b for b in boxes if b.numel]
-        if not _tiles_grid(boxes, shape):
+        if not all(b.numel for b in boxes) or not _tiles_grid(boxes, shape):
             return None
         offs, sizes, pos = [], [], []
         for d in range(len(shape)):
@@ -315,13 +315,6 @@ class Grid:
             [[pos[d][b.offsets[d]] for d in range(len(shape))] for b in boxes], dtype=np.int64
         ).reshape(len(boxes), len(shape))
         return _grid(shape, offs, sizes, cells)
-
-    @staticmethod
-    def from_chunk_list(boxes: Sequence[Box], shape: Sequence[int]) -> Grid | None:
-        """The grid whose chunk ``k`` is ``boxes[k]`` for every ``k``, or None when the boxes do not
-        tile ``shape`` as a grid or one is empty (it would have no cell, and the chunks after it
-        would be renumbered)."""
-        return Grid.from_boxes(boxes, shape) if all(b.numel for b in boxes) else None
 
 
 def _grid(

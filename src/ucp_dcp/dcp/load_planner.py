@@ -359,7 +359,7 @@ def saved_grid(info: LoadSourceInfo, fqn: str, smd: TensorStorageMetadata) -> Gr
     one, else built from DCP's chunk list (another reader); None if irregular."""
     if callable(info.chunk_grid):
         return info.chunk_grid(fqn)
-    return Grid.from_chunk_list([_box_of(c) for c in smd.chunks], tuple(smd.size))
+    return Grid.from_boxes([_box_of(c) for c in smd.chunks], tuple(smd.size))
 
 
 def overlap_reads(

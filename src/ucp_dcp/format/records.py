@@ -372,7 +372,7 @@ class TensorRecord:
             return self._layout_grid()
         g = self.__dict__.get("_grid", False)
         if g is False:
-            g = Grid.from_chunk_list([c.box for c in self.chunks], self.shape)
+            g = Grid.from_boxes([c.box for c in self.chunks], self.shape)
             self.__dict__["_grid"] = g
         return g
 
