@@ -326,11 +326,6 @@ class TensorRecord:
         assert self.layout is not None
         return [ChunkRecord(b, None) for b in self.layout.chunks(self.shape)]
 
-    def listed_chunks(self) -> list[ChunkRecord] | None:
-        """The chunks as the index lists them one by one (explicit records), or None when they
-        derive from the layout (compact records)."""
-        return None if self.compact else self.chunks
-
     def chunk_count(self) -> int:
         """How many chunks were saved."""
         return self._layout_grid().n_chunks if self.compact else len(self.chunks)

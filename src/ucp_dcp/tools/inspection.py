@@ -52,9 +52,8 @@ def describe_sharding(rec: TensorRecord) -> str:
     placement per mesh dimension), ``"replicated"`` for a plain tensor saved
     once, ``"explicit 3 chunks"`` for chunks that follow no regular layout.
     """
-    listed = rec.listed_chunks()
-    if listed is not None:
-        n = len(listed)
+    if not rec.compact:
+        n = len(rec.chunks)
         return f"explicit {n} chunk{'' if n == 1 else 's'}"
     layout = rec.layout
     if layout is None or not layout.mesh:
