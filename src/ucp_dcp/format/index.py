@@ -67,14 +67,14 @@ def build_index(
     exactly the boxes written, each once. ``compact`` adds records built
     without per-chunk entries (mesh-planned tensors, :mod:`ucp_dcp.dcp._mesh_groups`).
     """
-    per_tensor: dict[str, list[tuple[int, WrittenEntry]]] = defaultdict(list)
+    per_tensor: dict[str, list[tuple[Location, WrittenEntry]]] = defaultdict(list)
     values: dict[str, Location] = {}
     rank_local: dict[str, dict[int, Location]] = defaultdict(dict)
     for fi, entries in enumerate(written):
         for e in entries:
             loc = Location(fi, e.start, e.nbytes, e.meta.xxh3)
             if e.meta.kind == "tensor":
-                per_tensor[e.meta.fqn].append((fi, e))
+                per_tensor[e.meta.fqn].append((loc, e))
             elif e.meta.kind == "value":
                 values[e.meta.fqn] = loc
             elif e.meta.kind == "rank_local":
@@ -87,15 +87,15 @@ def build_index(
     for fqn in sorted(per_tensor):
         items = per_tensor[fqn]
         first = items[0][1].meta
-        for fi, e in items:
+        for loc, e in items:
             if (e.meta.dtype, e.meta.shape) != (first.dtype, first.shape):
                 raise CheckpointFormatError(
                     f"tensor {fqn!r} is saved as {first.dtype}{list(first.shape)} in one file and "
                     "as "
-                    f"{e.meta.dtype}{list(e.meta.shape)} in {files[fi].name}"
+                    f"{e.meta.dtype}{list(e.meta.shape)} in {files[loc.file].name}"
                 )
         dtype = dtype_from_name(first.dtype)
-        chunks = {Box(e.meta.offsets, e.meta.sizes): (fi, e) for fi, e in items}
+        chunks = {Box(e.meta.offsets, e.meta.sizes): loc for loc, e in items}
         if layouts is not None and fqn in layouts:
             layout = layouts[fqn]
         else:
@@ -106,8 +106,8 @@ def build_index(
             tensors[fqn] = TensorRecord(dtype, first.shape, layout, True, compact_files)
         else:
             recs = [
-                ChunkRecord(box, Location(fi, e.start, e.nbytes, e.meta.xxh3))
-                for box, (fi, e) in sorted(chunks.items(), key=lambda kv: kv[0].offsets)
+                ChunkRecord(box, loc)
+                for box, loc in sorted(chunks.items(), key=lambda kv: kv[0].offsets)
             ]
             tensors[fqn] = TensorRecord(dtype, first.shape, layout, False, chunks=recs)
     for fqn, rec in (compact or {}).items():
@@ -122,7 +122,7 @@ def build_index(
 def _compact(
     layout: Layout | None,
     shape: tuple[int, ...],
-    chunks: dict[Box, tuple[int, WrittenEntry]],
+    chunks: dict[Box, Location],
     n_written: int,
 ) -> list[int] | None:
     if layout is None or n_written != len(chunks):
@@ -138,7 +138,7 @@ def _compact(
         hit = chunks.get(grid.box(k))
         if hit is None:
             return None
-        files.append(hit[0])
+        files.append(hit.file)
     return files
 
 
