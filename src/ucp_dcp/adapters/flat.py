@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from ..core.boxes import row_major_strides
 from ..core.pieces import Piece, TensorPieces
 from ..core.sharding import flat_range_boxes
 from ..errors import InvalidArgumentError, LayoutError
@@ -155,14 +154,11 @@ class FlatShard(TensorPieces):
                 continue
             if lo > pos:
                 fill.append(flat[pos - start : lo - start])
-            strides = row_major_strides(p.shape)
+            first = lo - start  # the boxes come in flat order, each a contiguous range of it
             for box in flat_range_boxes(p.shape, lo - p.offset, hi - p.offset):
-                first = p.offset + sum(o * s for o, s in zip(box.offsets, strides)) - start
-                pieces.append(
-                    Piece(
-                        name, p.shape, box.offsets, flat[first : first + box.numel].view(box.sizes)
-                    )
-                )
+                data = flat[first : first + box.numel].view(box.sizes)
+                pieces.append(Piece(name, p.shape, box.offsets, data))
+                first += box.numel
             pos = hi
         if pos < stop:
             fill.append(flat[pos - start :])
