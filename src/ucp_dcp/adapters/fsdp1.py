@@ -86,9 +86,9 @@ class _Unit:
     intra_start: list[int]
     orig_params: list[nn.Parameter] | None
 
-    @property
-    def fqns(self) -> list[str]:
-        return [p.fqn for p in self.params]
+    def fqns(self, i: int | None = None) -> list[str]:
+        """The fqn of parameter ``i`` (None: of every parameter of the unit)."""
+        return [p.fqn for p in self.params] if i is None else [self.params[i].fqn]
 
 
 def _fsdp_class() -> type[FullyShardedDataParallel]:
@@ -237,10 +237,7 @@ def _optim_index(
 
 
 def _group_fqns(row: list[tuple[_Unit, int | None]]) -> list[str]:
-    fqns: list[str] = []
-    for u, i in row:
-        fqns.extend(u.fqns if i is None else [u.params[i].fqn])
-    return fqns
+    return [f for u, i in row for f in u.fqns(i)]
 
 
 def fsdp1_state_dict(
@@ -300,7 +297,7 @@ def fsdp1_state_dict(
             if not state:
                 continue
             if i is None:
-                fqns, layout, start = u.fqns, u.params, u.start
+                fqns, layout, start = u.fqns(), u.params, u.start
                 tag = f"__fsdp1_flat__/{unit_no[id(u)]}"
             else:
                 if not u.in_shard[i]:
@@ -384,7 +381,7 @@ def fsdp1_apply_loaded(
     if plain:
         for row, group in zip(index, optim.param_groups):
             for (u, i), p in zip(row, group["params"]):
-                fqns = u.fqns if i is None else [u.params[i].fqn]
+                fqns = u.fqns(i)
                 st = optim.state.get(p)
                 if st is None:
                     continue
