@@ -123,7 +123,7 @@ def _encode(obj: Any, path: str) -> Any:
             "v": [[_encode(k, path), _encode(v, f"{path}[{k!r}]")] for k, v in obj.items()],
         }
     if isinstance(obj, torch.dtype):
-        return {_TAG: "dtype", "v": str(obj).removeprefix("torch.")}
+        return {_TAG: "dtype", "v": dtype_name(obj)}
     if isinstance(obj, torch.device):
         return {_TAG: "device", "v": str(obj)}
     if isinstance(obj, torch.Tensor):
@@ -134,7 +134,7 @@ def _encode(obj: Any, path: str) -> Any:
             )
         return {
             _TAG: "tensor",
-            "dtype": str(obj.dtype).removeprefix("torch."),
+            "dtype": dtype_name(obj.dtype),
             "shape": list(obj.shape),
             "data": base64.b64encode(_tensor_bytes(obj)).decode("ascii"),
         }
@@ -164,9 +164,12 @@ def _numpy() -> Any:
     return numpy
 
 
-_DTYPES = {
-    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
-}
+def dtype_name(dtype: torch.dtype) -> str:
+    """``'float32'`` for ``torch.float32``: the name used in every record."""
+    return str(dtype).removeprefix("torch.")
+
+
+_DTYPES = {dtype_name(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -9,6 +9,7 @@ rebuilding the index: :mod:`~ucp_dcp.sources.native`). The names most
 callers need are re-exported here.
 """
 
+from ..core.values import dtype_name
 from .header import (
     BlockSumsRecord,
     EntryMeta,
@@ -40,7 +41,6 @@ from .names import (
     chunk_entry_name,
     data_file_name,
     dtype_from_st,
-    dtype_name,
     rank_local_entry_name,
     rank_local_key,
     split_rank_local_key,

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..core.values import dtype_name
 from ..errors import CheckpointFormatError
 from .names import (
     ALIGN,
@@ -23,7 +24,6 @@ from .names import (
     PAD_PREFIX,
     chunk_entry_name,
     dtype_from_st,
-    dtype_name,
     rank_local_entry_name,
     value_entry_name,
 )

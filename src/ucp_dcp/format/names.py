@@ -93,11 +93,6 @@ def dtype_named(name: str) -> torch.dtype | None:
     return DTYPE_ALIASES.get(name.strip().lower().removeprefix("torch."))
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``'float32'`` for ``torch.float32``: the name used in every record."""
-    return str(dtype).removeprefix("torch.")
-
-
 def chunk_entry_name(fqn: str, offsets: Sequence[int]) -> str:
     """Data-file entry name of a tensor chunk: ``fqn`` plus its global offsets."""
     return f"{fqn}@{','.join(map(str, offsets))}" if offsets else f"{fqn}@"

@@ -20,8 +20,9 @@ import torch
 from torch.distributed.tensor.placement_types import Placement
 
 from ..core.sharding import Box, Grid, layout_grid, placement_from_str
+from ..core.values import dtype_name
 from ..errors import CheckpointFormatError, LayoutError
-from .names import FORMAT_NAME, FORMAT_VERSION, MAX_ENUMERATED_COORDS, MAX_MESH_DEVICES, dtype_name
+from .names import FORMAT_NAME, FORMAT_VERSION, MAX_ENUMERATED_COORDS, MAX_MESH_DEVICES
 from .schema import (
     MAX_INT,
     check_chunk_box,

@@ -24,9 +24,8 @@ import torch
 
 from ..core.boxes import Box
 from ..core.sharding import tiles
-from ..core.values import dtype_from_name
+from ..core.values import dtype_from_name, dtype_name
 from ..errors import CheckpointFormatError, InvalidArgumentTypeError
-from .names import dtype_name
 
 __all__ = [
     "MAX_DIMS",
