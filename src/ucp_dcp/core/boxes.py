@@ -160,28 +160,39 @@ def runs(
 
 
 def slabs(
-    lengths: Sequence[int], itemsize: int, budget: int
+    lengths: Sequence[int], itemsize: int, budget: int, strides: Sequence[int] | None = None
 ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Split a box of ``lengths`` into sub-boxes of at most ``budget`` bytes.
 
     Yields ``(offsets, sizes)`` relative to the box, outermost dims first, so
     that a bounded staging buffer can carry any box, however large. Only the
     outermost dim that has to be cut is cut in several places; the dims
-    before it are taken one index at a time.
+    before it are taken one index at a time. ``strides``: the bytes per index
+    of each dim where the box lies (a region of a larger row-major chunk,
+    :func:`~ucp_dcp.core.spans.span_slabs`); then what is bounded is each
+    sub-box's span there, from its first byte to its last. A single element
+    more than ``budget`` is a sub-box of its own.
     """
     ndim = len(lengths)
-    if ndim == 0 or math.prod(lengths) * itemsize <= budget:
+    if strides is None:
+        strides = [s * itemsize for s in row_major_strides(lengths)]
+
+    def span(d: int) -> int:
+        """Span in bytes of one index of dims ``<= d`` and all of dims ``> d``."""
+        return sum((lengths[i] - 1) * strides[i] for i in range(d + 1, ndim)) + itemsize
+
+    if ndim == 0 or math.prod(lengths) == 0 or span(-1) <= budget:
         yield (0,) * ndim, tuple(lengths)
         return
     d = 0
-    while d < ndim - 1 and math.prod(lengths[d + 1 :]) * itemsize > budget:
+    while d < ndim - 1 and span(d) > budget:
         d += 1
-    inner = math.prod(lengths[d + 1 :]) * itemsize
-    step = max(1, budget // inner)
-    rest = tuple(lengths[d + 1 :])
+    rest = span(d)
+    step = max(1, (budget - rest) // strides[d] + 1) if budget >= rest else 1
+    tail = tuple(lengths[d + 1 :])
     for outer in itertools.product(*(range(n) for n in lengths[:d])):
         for start in range(0, lengths[d], step):
             yield (
-                tuple(outer) + (start,) + (0,) * len(rest),
-                (1,) * d + (min(step, lengths[d] - start),) + rest,
+                tuple(outer) + (start,) + (0,) * len(tail),
+                (1,) * d + (min(step, lengths[d] - start),) + tail,
             )

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .boxes import _contiguous_from, row_major_strides, runs
+from .boxes import _contiguous_from, row_major_strides, runs, slabs
 from .sharding import Box
 
 __all__ = [
@@ -204,39 +204,12 @@ def span_slabs(
     chunk_sizes: Sequence[int], region: Box, itemsize: int, budget: int
 ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Split ``region`` into sub-boxes (``(offsets, sizes)`` relative to it) whose span in the chunk
-    is at most ``budget`` bytes, or a single element where even that is more.
-
-    Like :func:`~ucp_dcp.core.boxes.slabs`, outermost dims first: the
-    outermost dim whose single index still fits is cut into steps as long as
-    the budget allows, the dims before it taken one index at a time.
-    """
-    nd = len(region.sizes)
-    if nd == 0 or region.numel == 0:
-        if region.numel:
-            yield (), ()
-        return
+    is at most ``budget`` bytes, or a single element where even that is more: the slabs of
+    :func:`~ucp_dcp.core.boxes.slabs` with the chunk's strides. An empty region has none."""
+    if region.numel == 0:
+        return iter(())
     strides = [s * itemsize for s in row_major_strides(chunk_sizes)]
-    sizes = region.sizes
-
-    def inner_span(d: int) -> int:
-        """Span of one index of dims ``< d`` and dim ``d``, all of dims ``> d``, in bytes."""
-        return sum((sizes[i] - 1) * strides[i] for i in range(d + 1, nd)) + itemsize
-
-    if inner_span(-1) <= budget:
-        yield (0,) * nd, tuple(sizes)
-        return
-    d = 0
-    while d < nd - 1 and inner_span(d) > budget:
-        d += 1
-    rest = inner_span(d)
-    step = max(1, (budget - rest) // strides[d] + 1) if budget >= rest else 1
-    tail = tuple(sizes[d + 1 :])
-    for outer in np.ndindex(*sizes[:d]) if d else [()]:
-        for start in range(0, sizes[d], step):
-            yield (
-                tuple(int(o) for o in outer) + (start,) + (0,) * len(tail),
-                (1,) * d + (min(step, sizes[d] - start),) + tail,
-            )
+    return slabs(region.sizes, itemsize, budget, strides)
 
 
 def file_access(
