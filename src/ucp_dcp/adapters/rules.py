@@ -105,8 +105,6 @@ class Rule:
         cls = RULES.get(kind)
         if cls is None:
             raise LayoutRuleError(f"unknown layout rule {kind!r} (known: {sorted(RULES)})")
-        if cls is Fused and isinstance(data.get("parts"), list):
-            data["parts"] = {str(k): int(w) for k, w in data["parts"]}
         return cls(**data)
 
 
