@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 
 from .._compat import compute_local_shape_and_global_offset, flatten_state_dict
+from ..byteio.transfer import narrowed
 from ..core.pieces import Piece, TensorPieces
 from ..core.sharding import Box, intersect
 from ..core.values import RankLocal, copy_containers, set_in_place
@@ -228,8 +229,7 @@ class LayoutSpec:
                 if t is None:
                     t = out[p.fqn] = torch.empty(p.shape, dtype=p.data.dtype, device=p.data.device)
                     covered[p.fqn] = 0
-                box = tuple(slice(o, o + n) for o, n in zip(p.offsets, p.data.shape))
-                t[box].copy_(p.data)
+                narrowed(t, p.offsets, p.data.shape).copy_(p.data)
                 covered[p.fqn] += p.data.numel()
         short = [
             f"{k} ({n} of {out[k].numel()} elements)"
