@@ -182,11 +182,9 @@ class LayoutSpec:
             new = self._pieces(key, name, value, used, record)
             if isinstance(new, TensorPieces):
                 for p in new.pieces:
-                    produced.setdefault(p.fqn, []).append(
-                        (key, p.shape, p.offsets, tuple(p.data.shape))
-                    )
+                    produced.setdefault(p.fqn, []).append((key, p.shape, p.box))
             else:
-                produced.setdefault(name, []).append((key, tuple(value.shape), None, None))
+                produced.setdefault(name, []).append((key, tuple(value.shape), None))
             set_in_place(out, paths[key], new)
         _check_collisions(produced)
         if self.strict and not self.allow_unused_rules:
@@ -366,9 +364,7 @@ def _dtensor_pieces(name: str, value: Any, source: str) -> TensorPieces:
     return TensorPieces(pieces, replicated=replicated, source=source)
 
 
-_Produced = dict[
-    str, list[tuple[str, tuple[int, ...], tuple[int, ...] | None, tuple[int, ...] | None]]
-]
+_Produced = dict[str, list[tuple[str, tuple[int, ...], Box | None]]]
 
 
 def _check_collisions(produced: _Produced) -> None:
@@ -377,15 +373,15 @@ def _check_collisions(produced: _Produced) -> None:
         keys = list(dict.fromkeys(k for k, *_ in items))
         if len(keys) < 2:
             continue
-        if any(off is None for _, _, off, _ in items):  # a DTensor left as it is
+        if any(box is None for _, _, box in items):  # a DTensor left as it is
             raise LayoutRuleError(f"keys {keys} all map to the logical tensor {fqn!r}")
-        shapes = {shape for _, shape, _, _ in items}
+        shapes = {shape for _, shape, _ in items}
         if len(shapes) > 1 and not all(len(s) == 0 for s in shapes):
             raise LayoutRuleError(
                 f"keys {keys} map to the logical tensor {fqn!r} with different global shapes "
                 f"{[list(s) for s in shapes]}"
             )
-        boxes = [(k, Box(o, sz)) for k, _, o, sz in items if o is not None and sz is not None]
+        boxes = [(k, box) for k, _, box in items if box is not None]
         for i, (ka, a) in enumerate(boxes):
             for kb, b in boxes[i + 1 :]:
                 if ka != kb and intersect(a, b) is not None:

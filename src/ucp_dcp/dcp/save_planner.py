@@ -446,7 +446,7 @@ def _piece_items(
         seen[where] = (key, p)
         if world_size > 1 and (obj.replicated or check):
             piece_digests[where] = tensor_digest(p.data)
-        items.append(shard_item(p.fqn, Box(p.offsets, tuple(p.data.shape)), p.data.dtype, p.shape))
+        items.append(shard_item(p.fqn, p.box, p.data.dtype, p.shape))
     return items
 
 
