@@ -103,7 +103,6 @@ class FileHeader:
     world_size: int
     save_id: str
     ranges: dict[str, tuple[int, int]]  # entry name -> (start, nbytes), absolute
-    shapes: dict[str, tuple[int, ...]]  # entry name -> shape of the stored chunk
     meta: dict[str, EntryMeta]  # entry name -> ucp metadata (pads have none)
     block_sums: BlockSumsRecord | None = None  # None: written before block checksums
 
@@ -230,7 +229,6 @@ def parse_header(path: str, access: RandomAccess) -> FileHeader:
     save_id = field_str(ucp, "save_id", where)
     entries_meta = field_dict(ucp, "entries", where)
     ranges = {name: (e.start, e.nbytes) for name, e in st.entries.items()}
-    shapes = {name: e.shape for name, e in st.entries.items()}
     meta: dict[str, EntryMeta] = {}
     for name, m in entries_meta.items():
         e = st.entries.get(name)
@@ -251,7 +249,6 @@ def parse_header(path: str, access: RandomAccess) -> FileHeader:
         world_size,
         save_id,
         ranges,
-        shapes,
         meta,
         block_sums_record(path, ucp, st.entries),
     )
