@@ -45,13 +45,6 @@ class Box:
             o >= 0 and o + k <= n for o, k, n in zip(self.offsets, self.sizes, shape)
         )
 
-    def contains(self, other: Box) -> bool:
-        """Whether ``other`` lies entirely inside this box."""
-        return all(
-            so <= oo and oo + os <= so + ss
-            for so, ss, oo, os in zip(self.offsets, self.sizes, other.offsets, other.sizes)
-        )
-
 
 def intersect(a: Box, b: Box) -> Box | None:
     """Intersection of two boxes, or None when it is empty."""

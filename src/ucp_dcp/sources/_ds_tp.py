@@ -728,7 +728,7 @@ def _affine_slice(
         )
     mine = tuple((p.src, p.dst) for p in pieces if min(p.holders) == rank)
     for src, dst in mine:
-        if not Box.whole(shape).contains(src) or not Box.whole(amap.shape).contains(dst):
+        if not src.fits(shape) or not dst.fits(amap.shape):
             raise CheckpointFormatError(
                 f"{where}: {_INFO}[{_AFFINE!r}]: a piece of {name!r} on rank {rank} lies outside "
                 f"its slice {list(shape)} or the merged shape {list(amap.shape)}"

@@ -198,7 +198,6 @@ class DCPSource(Source):
                 raise CheckpointFormatError(f"{mdpath}: malformed tensor metadata for {fqn!r}")
             shape = tuple(dims)
             check_tensor_bytes(shape, dtype, available, f"{mdpath}: tensor {fqn!r}")
-            whole = Box.whole(shape)
             empty_tensor = math.prod(shape) == 0
             chunks, items = [], []
             seen: set[Box] = set()
@@ -210,7 +209,7 @@ class DCPSource(Source):
                 if not (is_index_list(offs) and is_index_list(sizes, len(offs))):
                     raise CheckpointFormatError(f"{mdpath}: malformed chunk of {fqn!r}")
                 box = Box(tuple(offs), tuple(sizes))
-                if len(box.offsets) != len(shape) or not whole.contains(box):
+                if not box.fits(shape):
                     raise CheckpointFormatError(
                         f"{mdpath}: chunk {list(box.offsets)}+{list(box.sizes)} of {fqn!r} "
                         f"lies outside shape {list(shape)}"
