@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._compat import set_element
@@ -85,21 +86,17 @@ def _encode(obj: Any, path: str) -> Any:
     # tuple, bool an int; each must keep its own type through a round trip.
     if obj is None:
         return None
-    np = _numpy()
-    if np is not None:
-        if isinstance(obj, np.ndarray):
-            if obj.dtype.hasobject:
-                raise UnsupportedValueError(
-                    f"{path}: numpy arrays of Python objects cannot be saved"
-                )
-            return {
-                _TAG: "ndarray",
-                "dtype": obj.dtype.str,
-                "shape": list(obj.shape),
-                "data": base64.b64encode(np.ascontiguousarray(obj).tobytes()).decode("ascii"),
-            }
-        if isinstance(obj, np.generic):
-            return {_TAG: "npscalar", "dtype": obj.dtype.str, "v": _encode(obj.item(), path)}
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject:
+            raise UnsupportedValueError(f"{path}: numpy arrays of Python objects cannot be saved")
+        return {
+            _TAG: "ndarray",
+            "dtype": obj.dtype.str,
+            "shape": list(obj.shape),
+            "data": base64.b64encode(np.ascontiguousarray(obj).tobytes()).decode("ascii"),
+        }
+    if isinstance(obj, np.generic):
+        return {_TAG: "npscalar", "dtype": obj.dtype.str, "v": _encode(obj.item(), path)}
     _check_exact(obj, path)
     if isinstance(obj, (bool, str)):
         return obj
@@ -156,14 +153,6 @@ def encode_value(obj: Any, key: str) -> bytes:
     return json.dumps(_encode(obj, key), separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
-def _numpy() -> Any:
-    try:
-        import numpy
-    except ImportError:  # numpy is optional for torch; values just cannot be arrays then
-        return None
-    return numpy
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     """``'float32'`` for ``torch.float32``: the name used in every record."""
     return str(dtype).removeprefix("torch.")
@@ -211,11 +200,10 @@ def _decode(obj: Any, key: str) -> Any:
         raw = bytearray(base64.b64decode(obj["data"]))
         flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
         return flat.reshape(obj["shape"])
-    np = _numpy()
-    if np is not None and tag == "ndarray":
+    if tag == "ndarray":
         arr = np.frombuffer(base64.b64decode(obj["data"]), dtype=np.dtype(obj["dtype"]))
         return arr.reshape(obj["shape"]).copy()
-    if np is not None and tag == "npscalar":
+    if tag == "npscalar":
         return np.dtype(obj["dtype"]).type(_decode(obj["v"], key))
     raise CheckpointFormatError(f"value {key!r}: unknown tag {tag!r} (written by a newer ucp_dcp?)")
 
