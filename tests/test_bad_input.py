@@ -43,7 +43,18 @@ from ucp_dcp.format import ALIGN, BLOCK_SUMS_ENTRY, INDEX_FILE, PAD_PREFIX, VALU
 from ucp_dcp.byteio.rangeio import read_header
 from ucp_dcp.sources import formats_looked_for
 from ucp_dcp.core.values import decode_value
-from ucp_dcp.errors import CheckpointWriteError, UCPError, UnsupportedValueError, listed, unwrap
+from ucp_dcp.errors import (
+    CheckpointWriteError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    LayoutRuleError,
+    UCPError,
+    UnsupportedModelError,
+    UnsupportedValueError,
+    listed,
+    unwrap,
+)
+from ucp_dcp import FlatShard, LayoutSpec, Shard, fsdp1_state_dict
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
@@ -999,3 +1010,23 @@ def test_an_entry_points_argument_of_the_wrong_type_is_named(
     path, _ = ckpt
     with pytest.raises(UCPError, match=re.escape(says)):
         call(path)
+
+
+@pytest.mark.parametrize(
+    "make, error, says",
+    [
+        (lambda: LayoutSpec(5), LayoutRuleError, "LayoutSpec: rules must be a list of layout rules, got int"),
+        (lambda: LayoutSpec(Shard("w", dim=0)), LayoutRuleError, "rules must be a list of layout rules, got Shard"),
+        (lambda: FlatShard("x", [], 0), InvalidArgumentTypeError, "FlatShard: local must be a torch.Tensor, got str"),
+        (lambda: FlatShard(torch.zeros(4), [], -1), InvalidArgumentError, "start must be a buffer offset (an int >= 0), got -1"),
+        (lambda: FlatShard(torch.zeros(4), [("w", (4,), 0)], 0), InvalidArgumentTypeError, "params must be FlatParams, got tuple"),
+        (lambda: fsdp1_state_dict("model"), UnsupportedModelError, "fsdp1_state_dict: the model is a str, not a"),
+    ],
+)
+def test_an_adapter_given_the_wrong_kind_of_argument_names_it(
+    make: Callable[[], object], error: type[Exception], says: str
+) -> None:
+    """Not a raw TypeError or AttributeError (each of these once was), nor a negative offset
+    taken silently."""
+    with pytest.raises(error, match=re.escape(says)):
+        make()

@@ -23,7 +23,7 @@ import torch
 
 from ..core.pieces import Piece, TensorPieces
 from ..core.sharding import flat_range_boxes
-from ..errors import InvalidArgumentError, LayoutError
+from ..errors import InvalidArgumentError, InvalidArgumentTypeError, LayoutError
 from ..format.schema import is_int
 
 __all__ = ["FlatParam", "FlatShard", "pack_flat", "flat_partition"]
@@ -128,6 +128,20 @@ class FlatShard(TensorPieces):
         prefix: str = "",
         suffix: str = "",
     ) -> None:
+        if not isinstance(local, torch.Tensor):
+            raise InvalidArgumentTypeError(
+                f"FlatShard: local must be a torch.Tensor, got {type(local).__name__}"
+            )
+        if not is_int(start) or start < 0:
+            raise InvalidArgumentError(
+                f"FlatShard: start must be a buffer offset (an int >= 0), got {start!r}"
+            )
+        bad = [p for p in params if not isinstance(p, FlatParam)]
+        if bad:
+            raise InvalidArgumentTypeError(
+                f"FlatShard at buffer offset {start}: params must be FlatParams, got "
+                f"{type(bad[0]).__name__}"
+            )
         if not local.is_contiguous():
             raise InvalidArgumentError(
                 f"FlatShard at buffer offset {start}: the local slice must be contiguous"

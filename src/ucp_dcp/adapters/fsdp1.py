@@ -102,9 +102,10 @@ def _units(model: nn.Module) -> list[_Unit]:
     fsdp = _fsdp_class()
     if not isinstance(model, fsdp):
         hint = ""
-        if any(
-            type(m).__name__.startswith("FSDP") for m in model.modules()
-        ) or looks_like_fully_shard(model):
+        if isinstance(model, nn.Module) and (
+            any(type(m).__name__.startswith("FSDP") for m in model.modules())
+            or looks_like_fully_shard(model)
+        ):
             hint = (
                 " (for fully_shard/FSDP2 models use"
                 " torch.distributed.checkpoint.state_dict.get_state_dict)"

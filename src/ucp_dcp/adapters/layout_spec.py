@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +94,10 @@ class LayoutSpec:
     allow_unused_rules: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.rules, (str, bytes, Rule)) or not isinstance(self.rules, Iterable):
+            raise LayoutRuleError(
+                f"LayoutSpec: rules must be a list of layout rules, got {type(self.rules).__name__}"
+            )
         self.rules = list(self.rules)
         bad = [r for r in self.rules if not isinstance(r, Rule)]
         if bad:
