@@ -54,7 +54,8 @@ from ucp_dcp.errors import (
     listed,
     unwrap,
 )
-from ucp_dcp import FlatShard, LayoutSpec, Shard, fsdp1_state_dict
+from ucp_dcp import FlatShard, LayoutSpec, Shard, convert, export_hf, fsdp1_state_dict, import_hf, load_into_module
+from ucp_dcp.tools.inspection import diff_checkpoints
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
@@ -1030,3 +1031,32 @@ def test_an_adapter_given_the_wrong_kind_of_argument_names_it(
     taken silently."""
     with pytest.raises(error, match=re.escape(says)):
         make()
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda p: Checkpoint(p).read_value(5), "a value name must be a string, got int"),
+        (lambda p: Checkpoint(p).read_rank_local(["x"]), "a rank-local value name must be a string, got list"),
+        (lambda p: Checkpoint(p).read_tensor(["w"]), "a tensor name must be a string, got list"),
+        (lambda p: Checkpoint(p).verify("bar"), "verify: on_progress must be a function of (done_bytes, total_bytes), got str"),
+        (lambda p: convert(p, p.parent / "out", on_progress=1), "convert: on_progress must be a function"),
+        (lambda p: export_hf(p, p.parent / "hf", on_progress=1), "export_hf: on_progress must be a function"),
+        (lambda p: diff_checkpoints(p, p, on_progress=1), "diff_checkpoints: on_progress must be a function"),
+        (lambda p: export_hf(5, p.parent / "hf"), "export_hf: src must be a path or URL (str or os.PathLike), got int"),
+        (lambda p: import_hf(p, 5), "import_hf: dst must be a path or URL"),
+        (lambda p: load_into_module(torch.nn.Linear(2, 2), p, strict="no"), "strict must be True or False, got 'no'"),
+        (lambda p: UCPStorageReader(p, process_group="world"), "process_group must be a torch.distributed ProcessGroup"),
+    ],
+)
+def test_a_call_given_the_wrong_kind_of_argument_names_it_before_working(
+    ckpt: tuple[Path, dict[str, Any]], call: Callable[[Path], object], says: str
+) -> None:
+    """Each of these once raised a raw TypeError (read_value(5), verify("bar") after the first
+    chunk, export_hf(5, ...)) or took the argument silently (strict="no" meant strict=True);
+    nothing is written."""
+    path, _ = ckpt
+    before = snapshot(path.parent)
+    with pytest.raises(UCPError, match=re.escape(says)):
+        call(path)
+    assert snapshot(path.parent) == before

@@ -22,7 +22,7 @@ from typing import TextIO
 
 from tqdm import tqdm
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, InvalidArgumentTypeError
 from ..format.schema import check_field_types
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "log",
     "mb",
     "ProgressFn",
+    "progress_fn",
     "ProgressBar",
     "format_bytes",
 ]
@@ -147,6 +148,21 @@ class Progress:
 ProgressFn = Callable[[int, int], None]
 """``on_progress(done_bytes, total_bytes)``: called as work proceeds (a :class:`ProgressBar` draws
 it)."""
+
+
+def progress_fn(on_progress: object, who: str) -> ProgressFn:
+    """``on_progress`` as an entry point ``who`` takes it: a call that does nothing for None,
+    :class:`~ucp_dcp.errors.InvalidArgumentTypeError` naming ``who`` for what cannot be
+    called (checked before the work starts, not after its first chunk)."""
+    if on_progress is None:
+        return lambda done, total: None
+    if not callable(on_progress):
+        raise InvalidArgumentTypeError(
+            f"{who}: on_progress must be a function of (done_bytes, total_bytes), got "
+            f"{type(on_progress).__name__}"
+        )
+    return on_progress
+
 
 _UNITS = ("B", "KB", "MB", "GB", "TB", "PB")
 

@@ -53,7 +53,7 @@ from ..byteio.transfer import ChunkRegion, check_writable, extents, needs_stagin
 from ..core.sharding import Box
 from ..core.spans import EXACT, may_share
 from ..core.values import decode_value
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, InvalidArgumentTypeError
 from ..format import TensorRecord
 from ..format.names import save_id_of
 from ..sources import NativeSource, Source, read_values, source_types
@@ -131,6 +131,11 @@ class UCPStorageReader(StorageReader):
     ) -> None:
         super().__init__()
         self.options = opts = ReadOptions.given(options, "UCPStorageReader")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise InvalidArgumentTypeError(
+                "UCPStorageReader: process_group must be a torch.distributed ProcessGroup or "
+                f"None, got {type(process_group).__name__}"
+            )
         self.process_group = process_group
         self.path = path_arg(path, "UCPStorageReader: path")
         self.storage_options = storage_options

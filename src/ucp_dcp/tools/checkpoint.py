@@ -18,7 +18,7 @@ import difflib
 import os
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from ..byteio.engine import ChunkReads
 from ..byteio.integrity import HASH_BLOCK, chunk_what, hash_range, value_what
 from ..byteio.location import path_arg
 from ..byteio.objstore import is_url, local_path
-from ..byteio.progress import ProgressFn
+from ..byteio.progress import ProgressFn, progress_fn
 from ..byteio.rangeio import ByteSource
 from ..byteio.transfer import ChunkRegion, check_writable, narrowed
 from ..core.placement_digest import box_share, digest_hex
@@ -171,16 +171,7 @@ class Checkpoint:
 
     def tensor_record(self, name: str) -> TensorRecord:
         """The index record (dtype, shape, layout) of tensor ``name``."""
-        if not isinstance(name, str):
-            raise InvalidArgumentTypeError(
-                f"a tensor name must be a string, got {type(name).__name__}"
-            )
-        try:
-            return self.index.tensors[name]
-        except KeyError:
-            raise CheckpointKeyError(
-                _unknown(name, "tensor", self.index.tensors, self.path)
-            ) from None
+        return _named(name, "tensor", self.index.tensors, self.path)
 
     @property
     def bytes_read(self) -> int:
@@ -267,18 +258,12 @@ class Checkpoint:
 
     def read_value(self, name: str) -> Any:
         """The non-tensor value ``name`` (checksum verified)."""
-        if name not in self.index.values:
-            raise CheckpointKeyError(_unknown(name, "value", self.index.values, self.path))
+        _named(name, "value", self.index.values, self.path)
         return decode_value(read_values(self.source, self._reader, [name])[0], name)
 
     def read_rank_local(self, name: str) -> dict[int, Any]:
         """Every rank's copy of rank-local value ``name``, by rank."""
-        try:
-            per_rank = self.index.rank_local[name]
-        except KeyError:
-            raise CheckpointKeyError(
-                _unknown(name, "rank-local value", self.index.rank_local, self.path)
-            ) from None
+        per_rank = _named(name, "rank-local value", self.index.rank_local, self.path)
         ranks = sorted(per_rank)
         raws = read_values(self.source, self._reader, [rank_local_key(r, name) for r in ranks])
         return {r: decode_value(raw, name) for r, raw in zip(ranks, raws)}
@@ -297,6 +282,7 @@ class Checkpoint:
         an empty list means the checkpoint is intact. Reads every byte once,
         in blocks of 16 MiB; ``on_progress(done_bytes, total_bytes)`` after each chunk and value.
         """
+        progress = progress_fn(on_progress, "verify")
         problems: list[str] = self.source.check_files()
         work: list[tuple[str, Location]] = []
 
@@ -348,8 +334,7 @@ class Checkpoint:
                     f"{digest})"
                 )
             done += loc.nbytes
-            if on_progress is not None:
-                on_progress(done, total)
+            progress(done, total)
         return problems
 
     def _check_digests(self) -> list[str]:
@@ -411,10 +396,21 @@ def _release(reader: ByteSource, source: Source) -> None:
     source.close()
 
 
-def _unknown(name: str, what: str, known: Any, path: str) -> str:
-    close = difflib.get_close_matches(name, list(known), n=3)
-    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-    return f"{path}: no {what} named {name!r}{hint}"
+_T = TypeVar("_T")
+
+
+def _named(name: Any, what: str, known: Mapping[str, _T], path: str) -> _T:
+    """``known[name]``, the checkpoint's ``what`` called ``name``: an
+    :class:`~ucp_dcp.errors.InvalidArgumentTypeError` for a name that is not a string, a
+    :class:`~ucp_dcp.errors.CheckpointKeyError` naming the closest names for one not there."""
+    if not isinstance(name, str):
+        raise InvalidArgumentTypeError(f"a {what} name must be a string, got {type(name).__name__}")
+    try:
+        return known[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, list(known), n=3)
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise CheckpointKeyError(f"{path}: no {what} named {name!r}{hint}") from None
 
 
 # ---------------------------------------------- hand-off: into one process, or a plain module
@@ -566,6 +562,10 @@ def load_into_module(
         )
     if not isinstance(prefix, str):
         raise InvalidArgumentTypeError(f"load_into_module: prefix must be a string, got {prefix!r}")
+    if not isinstance(strict, bool):
+        raise InvalidArgumentTypeError(
+            f"load_into_module: strict must be True or False, got {strict!r}"
+        )
     targets = module.state_dict(keep_vars=True)
     with Checkpoint(path, options=options, storage_options=storage_options) as ckpt:
         available = {n[len(prefix) :] for n in ckpt.tensor_names() if n.startswith(prefix)}

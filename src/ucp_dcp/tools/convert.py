@@ -24,7 +24,7 @@ from ..byteio.datafile import DataFileWriter, chunk_entry, value_entry
 from ..byteio.durable import write_remedy
 from ..byteio.engine import ChunkReads
 from ..byteio.location import commit_index, path_arg, view_of, write_error
-from ..byteio.progress import ProgressFn
+from ..byteio.progress import ProgressFn, progress_fn
 from ..byteio.rangeio import storage_view, tensor_view
 from ..byteio.transfer import ChunkRegion
 from ..core.boxes import slabs
@@ -86,6 +86,7 @@ def convert(
             committed there.
     """
     src = path_arg(src, "convert: src")
+    progress = progress_fn(on_progress, "convert")
     dst = local_output(
         path_arg(dst, "convert: dst"), "convert", ", or save to the URL with UCPStorageWriter"
     )
@@ -107,7 +108,7 @@ def convert(
             ).with_option("overwrite", True, "overwrite=True")
         view_of(dst).make()
         try:
-            return _convert(ckpt, dst, on_progress, sync_files)
+            return _convert(ckpt, dst, progress, sync_files)
         except UCPError:
             raise
         except OSError as e:  # writing dst: reads fail as the library's own errors
@@ -149,7 +150,7 @@ def _entry(source: Source, item: _Item, value: bytes | None) -> PlannedEntry:
     return chunk_entry(fqn, rec.dtype, rec.shape, box.offsets, box.sizes)
 
 
-def _convert(ckpt: Checkpoint, dst: str, on_progress: ProgressFn | None, sync_files: bool) -> Index:
+def _convert(ckpt: Checkpoint, dst: str, progress: ProgressFn, sync_files: bool) -> Index:
     source, reader = ckpt.source, ckpt._reader
     index, budget = source.index, ckpt.options.buffer_bytes
     per_file = _items_by_file(source)
@@ -192,8 +193,7 @@ def _convert(ckpt: Checkpoint, dst: str, on_progress: ProgressFn | None, sync_fi
                     else:
                         _copy_chunk(source, engine, it[1], it[2], out, i, buf)
                     done += entries[i].nbytes
-                    if on_progress is not None:
-                        on_progress(done, total)
+                    progress(done, total)
             files.append(FileRecord(name, rank, out.size))
             written.append([WrittenEntry.of(e, s) for e, s in zip(out.entries, out.starts)])
     finally:

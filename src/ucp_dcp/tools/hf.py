@@ -44,8 +44,9 @@ import torch
 
 from ..adapters.layout_spec import LayoutSpec
 from ..byteio.durable import building_dir, copy_durable, write_all, write_bytes_durable
+from ..byteio.location import path_arg
 from ..byteio.objstore import is_url, local_path
-from ..byteio.progress import ProgressFn
+from ..byteio.progress import ProgressFn, progress_fn
 from ..byteio.rangeio import tensor_view
 from ..dcp.options import ReadOptions
 from ..errors import (
@@ -446,7 +447,7 @@ def export_hf(
         ValueError: bad ``dtype``, ``max_shard_size`` or ``rename``, or two
             tensors renamed to the same name.
     """
-    src, dst = os.fspath(src), os.fspath(dst)
+    src, dst = path_arg(src, "export_hf: src"), path_arg(dst, "export_hf: dst")
     cast = parse_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
     rules = _compile_rename(rename)
@@ -456,6 +457,7 @@ def export_hf(
         raise InvalidArgumentTypeError(
             f"layout must be a LayoutSpec or None, got {type(layout).__name__}"
         )
+    progress = progress_fn(on_progress, "export_hf")
     src, dst = local_path(src), local_output(dst, "export_hf")  # file:// URLs are local paths
     if not checkpoint_exists(src, storage_options):
         raise PathNotFoundError(f"{src}: not a checkpoint (no such file or directory)")
@@ -496,8 +498,7 @@ def export_hf(
                         write_all(fd, tensor_view(t.contiguous()))
                         del t
                         done += p.nbytes
-                        if on_progress is not None:
-                            on_progress(done, total)
+                        progress(done, total)
                     os.fsync(fd)
                 finally:
                     os.close(fd)
@@ -580,10 +581,11 @@ def import_hf(
     from ..sources import HFSource, NativeSource, SourceOptions
     from .convert import convert
 
-    src, dst = os.fspath(src), os.fspath(dst)
+    src, dst = path_arg(src, "import_hf: src"), path_arg(dst, "import_hf: dst")
     if not isinstance(prefix, str):
         raise InvalidArgumentTypeError(f"prefix must be a string, got {prefix!r}")
     dst = local_output(dst, "import_hf")
+    progress = progress_fn(on_progress, "import_hf")
     if not os.path.exists(src):
         raise PathNotFoundError(f"{src}: no such Hugging Face model directory or file")
     if NativeSource.detect(src):
@@ -595,4 +597,4 @@ def import_hf(
         HFSource.open(src, SourceOptions())  # raises, saying what is missing
     _check_empty_dst(dst)
     with building_dir(dst) as tmp:
-        convert(src, tmp, prefix=prefix, on_progress=on_progress)
+        convert(src, tmp, prefix=prefix, on_progress=progress)

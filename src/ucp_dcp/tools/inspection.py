@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..byteio.progress import ProgressFn
+from ..byteio.progress import ProgressFn, progress_fn
 from ..errors import CheckpointFormatError, InvalidArgumentError
 from ..format import TensorRecord, dtype_name
 from ..format.schema import short_repr
@@ -388,6 +388,7 @@ def diff_checkpoints(
     (one ``storage_options=`` among ``open_kw`` serves both). Raises
     :class:`~ucp_dcp.CheckpointFormatError` when either side cannot be read.
     """
+    progress = progress_fn(on_progress, "diff_checkpoints")
     with Checkpoint(a, **open_kw) as ca, Checkpoint(b, **open_kw) as cb:
         report = DiffReport(ca.path, cb.path)
         names = _diff_structure(ca, cb, report)
@@ -400,7 +401,6 @@ def diff_checkpoints(
             report.tensors.append(compare_tensors(ta, tb, name))
             done += ta.nbytes + tb.nbytes
             del ta, tb
-            if on_progress is not None:
-                on_progress(done, total)
+            progress(done, total)
         _diff_values(ca, cb, report)
         return report
