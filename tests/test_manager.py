@@ -200,6 +200,7 @@ def test_bad_arguments_are_named_and_leave_the_manager_usable(tmp_path) -> None:
         ({"on_reshard": None}, InvalidArgumentTypeError, "on_reshard must be a sequence of callables"),
         ({"ranks_per_node": "2"}, InvalidArgumentError, "ranks_per_node must be None or an int >= 1"),
         ({"local": "/x/{nod}"}, InvalidArgumentError, "the only placeholder is '{node}'"),
+        ({"async_save": "no"}, InvalidArgumentTypeError, "CheckpointConfig.async_save must be True or False"),
     ]:
         root = kw.pop("root", tmp_path)
         with pytest.raises(err, match=re.escape(says)):
@@ -208,6 +209,12 @@ def test_bad_arguments_are_named_and_leave_the_manager_usable(tmp_path) -> None:
     with CheckpointManager(tmp_path, local=tmp_path / "loc-{node}", max_in_flight=1) as mgr:
         for call, err, says in [
             (lambda: mgr.save(1, None), InvalidArgumentTypeError, "state must be a mapping"),
+            # Each once went through the restore: a list failed inside it as an AttributeError
+            # wrapped in CheckpointRestoreError, step="1" as "nothing to restore".
+            (lambda: mgr.load([1]), InvalidArgumentTypeError, "CheckpointManager.load: state must be a mapping"),
+            (lambda: mgr.load(make_state(1), step="1"), InvalidArgumentError,
+             "CheckpointManager.load: step must be a non-negative integer, got '1'"),
+            (lambda: mgr.load(make_state(1), step=-1), InvalidArgumentError, "step must be a non-negative integer"),
             (lambda: mgr.save(1, make_state(1), extra=[("a", 1), "b"]), InvalidArgumentTypeError, "extra must be"),
             (lambda: mgr.save(1, make_state(1), extra={"a": object()}), InvalidArgumentError, "extra is not JSON"),
             # The marker is strict JSON: a NaN loss used to pass save() and fail the save in the background.

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ucp_dcp.byteio.durable import copy_durable, replace_via_temp, swap_paths
 from ucp_dcp import ReadOptions
-from ucp_dcp.errors import InvalidArgumentError
+from ucp_dcp.errors import InvalidArgumentError, InvalidArgumentTypeError
 from ucp_dcp.manager._collective import NodeLayout
 from ucp_dcp.manager.config import steps_to_delete, tiers_due
 from ucp_dcp.manager._restore import Candidate, order_candidates
@@ -171,6 +171,27 @@ def test_config_validate(field: str, value: object, match: str) -> None:
     cfg = dataclasses.replace(CheckpointConfig(), **{field: value})
     with pytest.raises(InvalidArgumentError, match=match):
         cfg.validate()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        # A truthy string once meant True: async_save="no" saved in the background.
+        ("async_save", "no", "CheckpointConfig.async_save must be True or False, got str"),
+        ("peer_replication", "false", "CheckpointConfig.peer_replication must be True or False"),
+        ("placement_digests", 1, "CheckpointConfig.placement_digests must be True or False, got int"),
+        ("storage_options", 5, "CheckpointConfig.storage_options must be a dict or None, got int"),
+        ("requests", {}, "CheckpointConfig.requests must be a RequestPolicy or None, got dict"),
+    ],
+)
+def test_config_validate_refuses_a_field_of_the_wrong_type(field: str, value: object, says: str) -> None:
+    cfg = dataclasses.replace(CheckpointConfig(), **{field: value})
+    with pytest.raises(InvalidArgumentTypeError, match=says):
+        cfg.validate()
+
+
+def test_config_local_takes_a_path_like() -> None:
+    dataclasses.replace(CheckpointConfig(), local=Path("/tmp/node{node}")).validate()
 
 
 def test_config_defaults_valid() -> None:

@@ -277,14 +277,17 @@ def check_field_types(record: Any) -> None:
 
     An ``int`` field takes an int, not a bool; a ``float`` field any int or float, not a bool; a
     ``bool`` field True or False (a truthy ``"no"`` is refused); ``X | None`` None too; a class
-    an instance of it. Other annotations (``object``, ``Any``, generics) accept anything.
+    an instance of it, a generic (``dict[str, Any]``) an instance of its class. Other
+    annotations (``object``, ``Any``, ``Literal``) accept anything.
     """
     cls = type(record)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(record):
         hint, v = hints[f.name], getattr(record, f.name)
         union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-        kinds = typing.get_args(hint) if union else (hint,)
+        kinds = tuple(
+            typing.get_origin(k) or k for k in (typing.get_args(hint) if union else (hint,))
+        )
         if not all(isinstance(k, type) for k in kinds) or object in kinds:
             continue
         if not any(_holds(k, v) for k in kinds):

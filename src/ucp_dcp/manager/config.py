@@ -17,7 +17,7 @@ from typing import Any, Literal
 from ..byteio.requests import RequestPolicy
 from ..dcp import ReadOptions
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError
-from ..format.schema import is_int
+from ..format.schema import check_field_types, is_int
 
 __all__ = [
     "CheckpointConfig",
@@ -65,7 +65,7 @@ class CheckpointConfig:
     :class:`~ucp_dcp.ReadOptions` (``read``), as for every other reader.
     """
 
-    local: str | None = _option(
+    local: str | os.PathLike[str] | None = _option(
         None,
         """
         Fast tier: a node-local directory (NVMe, ``/dev/shm``). ``{node}`` in the
@@ -235,6 +235,7 @@ class CheckpointConfig:
                 "CheckpointConfig.nonfinite must be 'off', 'error' or 'flag', got "
                 f"{self.nonfinite!r}"
             )
+        check_field_types(self)  # the flags, requests and storage_options (counts: above)
 
 
 def _check_count(name: str, v: Any, *, optional: bool = False) -> None:

@@ -171,16 +171,14 @@ class CheckpointManager:
 
         Returns once the state is copied to host memory (True), or at once when
         no tier is due (False). ``extra`` (JSON-able) is stored in the commit
-        marker. Raises the error of an earlier background save,
-        or :class:`~ucp_dcp.manager.snapshot.NonFiniteError` (``nonfinite="error"``).
+        marker. A step already committed is replaced: the new copy is swapped in when it
+        commits, and until then the old one loads. Raises the error of an earlier background
+        save, or :class:`~ucp_dcp.manager.snapshot.NonFiniteError` (``nonfinite="error"``).
         """
         self._check_open()
         self._raise_finished_errors()
         check_step(step, "CheckpointManager.save: step")
-        if not isinstance(state, Mapping):
-            raise InvalidArgumentTypeError(
-                f"CheckpointManager.save: state must be a mapping, got {type(state).__name__}"
-            )
+        _check_state(state, "CheckpointManager.save")
         if extra is not None and not isinstance(extra, Mapping):
             raise InvalidArgumentTypeError(
                 "CheckpointManager.save: extra must be a mapping or None, got "
@@ -241,6 +239,9 @@ class CheckpointManager:
         :class:`CheckpointRestoreError` when no copy loads.
         """
         self._check_open()
+        if step is not None:
+            check_step(step, "CheckpointManager.load: step")
+        _check_state(state, "CheckpointManager.load")
         self.wait()
         token = self._token()
         cand, self.last_restore = self._restorer.restore(state, step, token)
@@ -389,3 +390,11 @@ class CheckpointManager:
             raise InvalidStateError(
                 "this CheckpointManager is closed (close() was called); create a new one"
             )
+
+
+def _check_state(state: object, who: str) -> None:
+    """The state dict ``who`` saves or loads must be a mapping (checked before any collective)."""
+    if not isinstance(state, Mapping):
+        raise InvalidArgumentTypeError(
+            f"{who}: state must be a mapping, got {type(state).__name__}"
+        )
