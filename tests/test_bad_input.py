@@ -54,7 +54,7 @@ from ucp_dcp.errors import (
     listed,
     unwrap,
 )
-from ucp_dcp import FlatShard, LayoutSpec, Shard, convert, export_hf, fsdp1_state_dict, import_hf, load_into_module
+from ucp_dcp import FlatShard, Fused, LayoutSpec, Piece, Rename, Shard, TensorPieces, convert, export_hf, fsdp1_state_dict, import_hf, load_into_module
 from ucp_dcp.tools.inspection import diff_checkpoints
 
 pytestmark = [
@@ -1022,6 +1022,17 @@ def test_an_entry_points_argument_of_the_wrong_type_is_named(
         (lambda: FlatShard(torch.zeros(4), [], -1), InvalidArgumentError, "start must be a buffer offset (an int >= 0), got -1"),
         (lambda: FlatShard(torch.zeros(4), [("w", (4,), 0)], 0), InvalidArgumentTypeError, "params must be FlatParams, got tuple"),
         (lambda: fsdp1_state_dict("model"), UnsupportedModelError, "fsdp1_state_dict: the model is a str, not a"),
+        (lambda: Shard(5, dim=0), InvalidArgumentTypeError, "Shard.pattern must be a str, got int"),
+        (lambda: Shard("w", dim="1"), InvalidArgumentTypeError, "Shard.dim must be an int, got str"),
+        (lambda: Rename(r"\.", 5), InvalidArgumentTypeError, "Rename.repl must be a str, got int"),
+        (lambda: Fused("w", dim=0, parts="qkv"), LayoutRuleError, "Fused('w'): parts must map each part's name"),
+        (lambda: LayoutSpec([], axes="tp"), LayoutRuleError, "LayoutSpec: axes must map each axis name"),
+        (lambda: Piece("w", (4,), (0,), [1.0]), InvalidArgumentTypeError, "piece of 'w': data must be a torch.Tensor"),
+        (lambda: Piece("w", ("x",), (0,), torch.ones(1)), InvalidArgumentTypeError, "shape and offsets must be"),
+        (lambda: TensorPieces(["w"]), InvalidArgumentTypeError, "TensorPieces: pieces must be Piece records, got str"),
+        (lambda: load_index(5), InvalidArgumentTypeError, "load_index: directory must be a path or URL"),
+        # os.listdir(5) lists whatever directory file descriptor 5 is.
+        (lambda: rebuild_index(5), InvalidArgumentTypeError, "rebuild_index: directory must be a path or URL"),
     ],
 )
 def test_an_adapter_given_the_wrong_kind_of_argument_names_it(

@@ -99,6 +99,11 @@ class LayoutSpec:
                 f"LayoutSpec: rules must be a list of layout rules, got {type(self.rules).__name__}"
             )
         self.rules = list(self.rules)
+        if not isinstance(self.axes, Mapping):
+            raise LayoutRuleError(
+                "LayoutSpec: axes must map each axis name to (coordinate, size), got "
+                f"{type(self.axes).__name__}"
+            )
         bad = [r for r in self.rules if not isinstance(r, Rule)]
         if bad:
             raise LayoutRuleError(f"not layout rules: {bad!r}")

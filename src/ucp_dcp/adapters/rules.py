@@ -22,7 +22,7 @@ import torch
 
 from ..core.pieces import Piece, TensorPieces
 from ..errors import LayoutRuleError
-from ..format.schema import is_int
+from ..format.schema import check_field_types, is_int
 
 __all__ = [
     "Rule",
@@ -71,6 +71,7 @@ class Rule:
     optional: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         try:
             re.compile(self.pattern)
         except re.error as e:
@@ -199,8 +200,15 @@ class Fused(LayoutRule):
     groups: int | None = None
 
     def __post_init__(self) -> None:
+        try:  # a mapping, or the [name, width] pairs of the rule's JSON
+            parts = {str(k): int(w) for k, w in dict(self.parts).items()}
+        except (TypeError, ValueError):
+            raise LayoutRuleError(
+                f"Fused({self.pattern!r}): parts must map each part's name to its width, got "
+                f"{self.parts!r}"[:300]
+            ) from None
+        object.__setattr__(self, "parts", parts)
         super().__post_init__()
-        object.__setattr__(self, "parts", {str(k): int(w) for k, w in dict(self.parts).items()})
         if not self.parts:
             raise LayoutRuleError(f"{self.describe()}: parts is empty")
         if any(w <= 0 for w in self.parts.values()):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import LayoutError
+from ..errors import InvalidArgumentTypeError, LayoutError
 from .sharding import Box
 
 __all__ = ["Piece", "TensorPieces"]
@@ -35,8 +35,19 @@ class Piece:
     data: torch.Tensor
 
     def __post_init__(self) -> None:
-        shape = tuple(int(n) for n in self.shape)
-        offsets = tuple(int(o) for o in self.offsets)
+        if not isinstance(self.data, torch.Tensor):
+            raise InvalidArgumentTypeError(
+                f"piece of {self.fqn!r}: data must be a torch.Tensor, got "
+                f"{type(self.data).__name__}"
+            )
+        try:
+            shape = tuple(int(n) for n in self.shape)
+            offsets = tuple(int(o) for o in self.offsets)
+        except (TypeError, ValueError):
+            raise InvalidArgumentTypeError(
+                f"piece of {self.fqn!r}: shape and offsets must be sequences of ints, got "
+                f"{self.shape!r} and {self.offsets!r}"[:300]
+            ) from None
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "offsets", offsets)
         sizes = tuple(self.data.shape)
@@ -88,6 +99,12 @@ class TensorPieces:
         source: str = "",
     ) -> None:
         self.pieces: tuple[Piece, ...] = tuple(pieces)
+        bad = [p for p in self.pieces if not isinstance(p, Piece)]
+        if bad:
+            raise InvalidArgumentTypeError(
+                f"TensorPieces{f' of {source}' if source else ''}: pieces must be Piece records, "
+                f"got {type(bad[0]).__name__}"
+            )
         self.replicated = replicated
         self.fill: tuple[torch.Tensor, ...] = tuple(fill)
         self.fill_value = fill_value

@@ -17,7 +17,7 @@ import xxhash
 
 from ..byteio.blocksums import BlockSums
 from ..byteio.integrity import value_what
-from ..byteio.location import ModelDir, write_index
+from ..byteio.location import ModelDir, path_arg, write_index
 from ..byteio.objrange import ObjectAccess
 from ..byteio.rangeio import FileAccess, read_header
 from ..errors import CheckpointExistsError, CheckpointFormatError, ChecksumError
@@ -415,7 +415,7 @@ def load_index(directory: str) -> Index:
     (:func:`~ucp_dcp.format.index_digest`); then every field is checked
     (:meth:`~ucp_dcp.format.Index.from_json`).
     """
-    directory = os.fspath(directory)
+    directory = path_arg(directory, "load_index: directory")
     if not os.path.isdir(directory):
         raise CheckpointFormatError(f"{directory}: not a checkpoint (no such directory)")
     path = os.path.join(directory, INDEX_FILE)
@@ -448,6 +448,7 @@ def rebuild_index(
     existing index is replaced only with ``replace=True`` (for one that is
     damaged: the data files' headers carry their own checksums and boxes).
     """
+    directory = path_arg(directory, "rebuild_index: directory")
     names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
     if not names:
         raise CheckpointFormatError(
