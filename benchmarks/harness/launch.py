@@ -10,6 +10,7 @@ the run.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import multiprocessing
 import os
@@ -65,6 +66,9 @@ def free_port() -> int:
 
 def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
                 result_dir: str, timeout_min: float) -> None:
+    # A rank killed by a signal (a C++ abort, a segfault) prints every thread's Python stack to
+    # its stderr, which the parent shows: CI once had a rank abort here with no stack at all.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(minutes=timeout_min))
