@@ -1056,7 +1056,13 @@ def test_an_adapter_given_the_wrong_kind_of_argument_names_it(
         (lambda p: diff_checkpoints(p, p, on_progress=1), "diff_checkpoints: on_progress must be a function"),
         (lambda p: export_hf(5, p.parent / "hf"), "export_hf: src must be a path or URL (str or os.PathLike), got int"),
         (lambda p: import_hf(p, 5), "import_hf: dst must be a path or URL"),
-        (lambda p: load_into_module(torch.nn.Linear(2, 2), p, strict="no"), "strict must be True or False, got 'no'"),
+        (lambda p: load_into_module(torch.nn.Linear(2, 2), p, strict="no"), "load_into_module(strict='no'): takes True or False"),
+        # allow_partial_load="no" meant True: a checkpoint lacking keys loaded without a word.
+        (lambda p: UCPLoadPlanner(allow_partial_load="no"), "UCPLoadPlanner(allow_partial_load='no'): takes True or False"),
+        (lambda p: UCPLoadPlanner(allow_dtype_cast="no"), "UCPLoadPlanner(allow_dtype_cast='no'): takes True or False"),
+        (lambda p: UCPLoadPlanner(rank_local_reshard=5), "UCPLoadPlanner(rank_local_reshard=...) takes a function or None, got int"),
+        (lambda p: UCPSavePlanner(check_replicated_tensors="no"), "UCPSavePlanner(check_replicated_tensors='no'): takes True"),
+        (lambda p: UCPSavePlanner(compact_plans=0), "UCPSavePlanner(compact_plans=0): takes True or False, got int"),
         (lambda p: UCPStorageReader(p, process_group="world"), "process_group must be a torch.distributed ProcessGroup"),
     ],
 )

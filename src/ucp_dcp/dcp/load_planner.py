@@ -41,8 +41,14 @@ from ..byteio.requests import rank_and_world
 from ..core.pieces import TensorPieces
 from ..core.sharding import Box, Grid, arith_box, intersect
 from ..core.values import RankLocal, ReshardFn, decode_value, set_in_place
-from ..errors import CheckpointKeyError, UCPWarning, UnsupportedValueError
+from ..errors import (
+    CheckpointKeyError,
+    InvalidArgumentTypeError,
+    UCPWarning,
+    UnsupportedValueError,
+)
 from ..format import LAYOUT_KEY, dtype_name, rank_local_key, split_rank_local_key
+from ..format.schema import check_flags
 from ._plan_records import LoadRankReport, LoadSourceInfo
 
 __all__ = ["UCPLoadPlanner"]
@@ -74,6 +80,17 @@ class UCPLoadPlanner(DefaultLoadPlanner):
         allow_dtype_cast: bool = True,
         rank_local_reshard: ReshardFn | None = None,
     ) -> None:
+        # allow_partial_load="no" must not load a checkpoint that lacks keys without a word.
+        check_flags(
+            "UCPLoadPlanner",
+            allow_partial_load=allow_partial_load,
+            allow_dtype_cast=allow_dtype_cast,
+        )
+        if rank_local_reshard is not None and not callable(rank_local_reshard):
+            raise InvalidArgumentTypeError(
+                "UCPLoadPlanner(rank_local_reshard=...) takes a function or None, got "
+                f"{type(rank_local_reshard).__name__}"
+            )
         super().__init__(
             flatten_state_dict=True,
             flatten_sharded_tensors=True,

@@ -43,6 +43,7 @@ from ..errors import (
 )
 from ..format import Layout, dtype_name, rank_local_key, split_rank_local_key
 from ..format.names import RANK_LOCAL_PREFIX
+from ..format.schema import check_flags
 from ._mesh_groups import MeshGroup, TensorSpec, cached_group, group_items, shard_item
 from ._plan_records import (
     MeshGroupReport,
@@ -86,6 +87,11 @@ class UCPSavePlanner(DefaultSavePlanner):
             raise InvalidArgumentError(
                 f"divergent_values must be 'error' or 'rank_local', got {divergent_values!r}"
             )
+        check_flags(
+            "UCPSavePlanner",
+            check_replicated_tensors=check_replicated_tensors,
+            compact_plans=compact_plans,
+        )
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True)
         self.divergent_values = divergent_values
         self.check_replicated_tensors = check_replicated_tensors

@@ -54,7 +54,7 @@ from ..format import (
     build_index,
     data_file_name,
 )
-from ..format.schema import is_int
+from ..format.schema import check_flags, is_int
 from ._mesh_groups import compact_records
 from ._plan_records import SaveSummary, tensor_data
 from .save_planner import UCPSavePlanner, resolved_as, saved_form
@@ -178,17 +178,12 @@ class UCPStorageWriter(StorageWriter):
                 f"{type(requests).__name__}"
             )
         # A truthy string ("no") must not mean overwrite=True.
-        flags = {
-            "overwrite": overwrite,
-            "sync_files": sync_files,
-            "placement_digests": placement_digests,
-        }
-        for name, flag in flags.items():
-            if not isinstance(flag, bool):
-                raise InvalidArgumentTypeError(
-                    f"UCPStorageWriter({name}={flag!r}): takes True or False, got "
-                    f"{type(flag).__name__}"
-                )
+        check_flags(
+            "UCPStorageWriter",
+            overwrite=overwrite,
+            sync_files=sync_files,
+            placement_digests=placement_digests,
+        )
         self.threads = threads
         self.path = path_arg(path, "UCPStorageWriter: path")
         self.storage_options = storage_options

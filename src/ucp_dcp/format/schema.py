@@ -47,6 +47,7 @@ __all__ = [
     "check_chunk_bytes",
     "check_paths",
     "check_field_types",
+    "check_flags",
 ]
 
 MAX_DIMS = 64
@@ -294,6 +295,17 @@ def check_field_types(record: Any) -> None:
             said = " or ".join(_KIND_WORDS.get(k, f"a {k.__name__}") for k in kinds)
             raise InvalidArgumentTypeError(
                 f"{cls.__name__}.{f.name} must be {said}, got {type(v).__name__}"
+            )
+
+
+def check_flags(who: str, **flags: object) -> None:
+    """Each keyword argument ``flags`` of call ``who`` must be True or False:
+    :class:`~ucp_dcp.errors.InvalidArgumentTypeError` naming it otherwise (a truthy ``"no"``
+    must not mean True)."""
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise InvalidArgumentTypeError(
+                f"{who}({name}={v!r}): takes True or False, got {type(v).__name__}"[:300]
             )
 
 

@@ -54,6 +54,7 @@ from ..errors import (
 )
 from ..format import Location, TensorRecord, rank_local_key
 from ..format.names import dtype_named
+from ..format.schema import check_flags
 from ..sources import Source, read_values
 
 __all__ = ["Checkpoint", "load_state_dict", "load_into_module", "KeySelector", "ModuleLoadResult"]
@@ -562,10 +563,7 @@ def load_into_module(
         )
     if not isinstance(prefix, str):
         raise InvalidArgumentTypeError(f"load_into_module: prefix must be a string, got {prefix!r}")
-    if not isinstance(strict, bool):
-        raise InvalidArgumentTypeError(
-            f"load_into_module: strict must be True or False, got {strict!r}"
-        )
+    check_flags("load_into_module", strict=strict)
     targets = module.state_dict(keep_vars=True)
     with Checkpoint(path, options=options, storage_options=storage_options) as ckpt:
         available = {n[len(prefix) :] for n in ckpt.tensor_names() if n.startswith(prefix)}
