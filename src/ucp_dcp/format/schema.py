@@ -12,6 +12,7 @@ same rules of what an int is: :func:`check_field_types`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -281,21 +282,32 @@ def check_field_types(record: Any) -> None:
     an instance of it, a generic (``dict[str, Any]``) an instance of its class. Other
     annotations (``object``, ``Any``, ``Literal``) accept anything.
     """
-    cls = type(record)
+    cls: Any = type(record)
+    for name, kinds in _checked_fields(cls):
+        v = getattr(record, name)
+        if not any(_holds(k, v) for k in kinds):
+            said = " or ".join(_KIND_WORDS.get(k, f"a {k.__name__}") for k in kinds)
+            raise InvalidArgumentTypeError(
+                f"{cls.__name__}.{name} must be {said}, got {type(v).__name__}"
+            )
+
+
+@functools.cache
+def _checked_fields(cls: Any) -> tuple[tuple[str, tuple[type, ...]], ...]:
+    """The fields of dataclass ``cls`` that :func:`check_field_types` checks, each with the
+    types its annotation allows: worked out once per class (``get_type_hints`` evaluates every
+    annotation, and a reader makes a ``RequestPolicy`` per load)."""
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(record):
-        hint, v = hints[f.name], getattr(record, f.name)
+    out = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
         union = typing.get_origin(hint) in (typing.Union, types.UnionType)
         kinds = tuple(
             typing.get_origin(k) or k for k in (typing.get_args(hint) if union else (hint,))
         )
-        if not all(isinstance(k, type) for k in kinds) or object in kinds:
-            continue
-        if not any(_holds(k, v) for k in kinds):
-            said = " or ".join(_KIND_WORDS.get(k, f"a {k.__name__}") for k in kinds)
-            raise InvalidArgumentTypeError(
-                f"{cls.__name__}.{f.name} must be {said}, got {type(v).__name__}"
-            )
+        if all(isinstance(k, type) for k in kinds) and object not in kinds:
+            out.append((f.name, kinds))
+    return tuple(out)
 
 
 def check_flags(who: str, **flags: object) -> None:
