@@ -63,11 +63,11 @@ def test_a_bad_dcp_values_is_refused_by_every_entry_point(tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("field", "value", "error", "says"),
     [
-        ("io_threads", 0, InvalidArgumentError, "ReadOptions.io_threads must be >= 1, got 0"),
+        ("io_threads", 0, InvalidArgumentError, "ReadOptions.io_threads must be an int >= 1, got 0"),
         ("io_threads", 1.5, InvalidArgumentTypeError, "ReadOptions.io_threads must be an int"),
         ("io_threads", True, InvalidArgumentTypeError, "ReadOptions.io_threads must be an int"),
-        ("max_buffer_bytes", -1, InvalidArgumentError, "must be >= 0, got -1"),
-        ("gap_bytes", -1, InvalidArgumentError, "ReadOptions.gap_bytes must be >= 0"),
+        ("max_buffer_bytes", -1, InvalidArgumentError, "must be an int >= 0, got -1"),
+        ("gap_bytes", -1, InvalidArgumentError, "ReadOptions.gap_bytes must be an int >= 0"),
         ("max_request_bytes", 0, InvalidArgumentError, "ReadOptions.max_request_bytes must be"),
         ("verify", "no", InvalidArgumentTypeError, "ReadOptions.verify must be True or False"),
         ("requests", {}, InvalidArgumentTypeError, "must be a RequestPolicy or None, got dict"),

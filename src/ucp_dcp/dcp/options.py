@@ -17,8 +17,8 @@ from ..byteio.engine import ReadTotals
 from ..byteio.progress import ProgressConfig
 from ..byteio.rangeio import IO_THREADS, MAX_REQUEST_BYTES, ByteSource, ReadStats, check_access
 from ..byteio.requests import RequestPolicy
-from ..errors import InvalidArgumentError, InvalidArgumentTypeError
-from ..format.schema import check_field_types
+from ..errors import InvalidArgumentTypeError
+from ..format.schema import check_count, check_field_types
 from ..sources import Source, SourceOptions, open_source
 from ..sources.distcp import check_dcp_values
 from .placement import PlacementReport
@@ -104,11 +104,11 @@ class ReadOptions:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        _at_least("io_threads", self.io_threads, 1)
-        _at_least("max_buffer_bytes", self.max_buffer_bytes, 0)
+        check_count("ReadOptions", "io_threads", self.io_threads, 1)
+        check_count("ReadOptions", "max_buffer_bytes", self.max_buffer_bytes, 0)
         if self.gap_bytes is not None:
-            _at_least("gap_bytes", self.gap_bytes, 0)
-        _at_least("max_request_bytes", self.max_request_bytes, 1)
+            check_count("ReadOptions", "gap_bytes", self.gap_bytes, 0)
+        check_count("ReadOptions", "max_request_bytes", self.max_request_bytes, 1)
         check_access(self.access)
         check_read_once(self.read_once)
 
@@ -165,12 +165,6 @@ class ReadOptions:
             requests=self.requests,
             verify=self.verify,
         )
-
-
-def _at_least(name: str, v: int, low: int) -> None:
-    """Count ``name`` of :class:`ReadOptions` must be at least ``low``."""
-    if v < low:
-        raise InvalidArgumentError(f"ReadOptions.{name} must be >= {low}, got {v}")
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch
 from ..core.boxes import Box
 from ..core.sharding import tiles
 from ..core.values import dtype_from_name, dtype_name
-from ..errors import CheckpointFormatError, InvalidArgumentTypeError
+from ..errors import CheckpointFormatError, InvalidArgumentError, InvalidArgumentTypeError
 
 __all__ = [
     "MAX_DIMS",
@@ -49,6 +49,7 @@ __all__ = [
     "check_paths",
     "check_field_types",
     "check_flags",
+    "check_count",
 ]
 
 MAX_DIMS = 64
@@ -308,6 +309,18 @@ def _checked_fields(cls: Any) -> tuple[tuple[str, tuple[type, ...]], ...]:
         if all(isinstance(k, type) for k in kinds) and object not in kinds:
             out.append((f.name, kinds))
     return tuple(out)
+
+
+def check_count(
+    owner: str, name: str, v: Any, low: int = 1, *, optional: bool = False, why: str = ""
+) -> None:
+    """Field ``name`` of options record ``owner`` must be an int >= ``low`` (or None, where
+    ``optional``): :class:`~ucp_dcp.errors.InvalidArgumentError` naming it otherwise, with
+    ``why`` (what the bound protects) after the value."""
+    if (optional and v is None) or (is_int(v) and v >= low):
+        return
+    none = "None or " if optional else ""
+    raise InvalidArgumentError(f"{owner}.{name} must be {none}an int >= {low}, got {v!r}{why}")
 
 
 def check_flags(who: str, **flags: object) -> None:

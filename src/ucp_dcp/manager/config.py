@@ -17,7 +17,7 @@ from typing import Any, Literal
 from ..byteio.requests import RequestPolicy
 from ..dcp import ReadOptions
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError
-from ..format.schema import check_field_types, is_int
+from ..format.schema import check_count, check_field_types
 
 __all__ = [
     "CheckpointConfig",
@@ -210,13 +210,13 @@ class CheckpointConfig:
             "local_keep_last",
             "max_in_flight",
         ):
-            _check_count(k, getattr(self, k))
+            check_count("CheckpointConfig", k, getattr(self, k), why=_WHY.get(k, ""))
         if not isinstance(self.read, ReadOptions):
             raise InvalidArgumentError(
                 f"CheckpointConfig.read must be a ReadOptions, got {self.read!r}"
             )
-        _check_count("keep_every", self.keep_every, optional=True)
-        _check_count("ranks_per_node", self.ranks_per_node, optional=True)
+        for k in ("keep_every", "ranks_per_node"):
+            check_count("CheckpointConfig", k, getattr(self, k), optional=True)
         if self.local is not None and not isinstance(self.local, (str, os.PathLike)):
             raise InvalidArgumentTypeError(
                 "CheckpointConfig.local must be None or a directory (str or os.PathLike, "
@@ -238,16 +238,8 @@ class CheckpointConfig:
         check_field_types(self)  # the flags, requests and storage_options (counts: above)
 
 
-def _check_count(name: str, v: Any, *, optional: bool = False) -> None:
-    """Field ``name`` of a :class:`CheckpointConfig` must be an int >= 1 (or None, where
-    ``optional``): :class:`~ucp_dcp.errors.InvalidArgumentError` naming it otherwise."""
-    if (optional and v is None) or (is_int(v) and v >= 1):
-        return
-    none = "None or " if optional else ""
-    why = ""
-    if name.endswith("keep_last"):
-        why = " (keep_last=0 would delete the only good checkpoint)"
-    raise InvalidArgumentError(f"CheckpointConfig.{name} must be {none}an int >= 1, got {v!r}{why}")
+# What a count's lower bound protects, said after a value below it.
+_WHY = {"keep_last": " (keep_last=0 would delete the only good checkpoint)"}
 
 
 # What the configuration decides, as pure functions: which tiers a step goes to, which steps a
