@@ -23,9 +23,10 @@ from torch.distributed.fsdp import ShardingStrategy
 
 from dist_utils import bit_equal, run_ranks
 from fsdp1_utils import build_fsdp1, fsdp1_full_reference, piece_sets, scramble_pieces
-from layouts import build, check_against, full_reference, scramble, train_state, train_step
+from layouts import Block, build, check_against, full_reference, scramble, train_state, train_step
 from ucp_dcp import TensorPieces, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.adapters.fsdp1 import fsdp1_apply_loaded, fsdp1_state_dict
+from ucp_dcp.adapters.flat import FlatShard
 from ucp_dcp.errors import UnsupportedModelError
 
 pytestmark = pytest.mark.multiproc
@@ -202,3 +203,92 @@ def test_wrapper_components_are_stripped_from_names() -> None:
     name = "_orig_mod._fsdp_wrapped_module.blocks.0._fsdp_wrapped_module._checkpoint_wrapped_module.q.weight"
     assert _clean(name) == "blocks.0.q.weight"
     assert _clean("_fsdp_wrapped_module.tiny") == "tiny" and _clean("") == ""
+
+
+class _Edges(nn.Module):
+    """A root that manages no parameter itself (all are in the wrapped Block), with a persistent
+    and a non-persistent buffer and a module FSDP is told to ignore."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+        self.side = nn.Linear(2, 3)
+        self.register_buffer("count", torch.arange(3.0))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+
+def _edges(rank: int, world: int, root: str) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    def wrap(**kw: Any) -> FSDP:
+        torch.manual_seed(0)
+        inner = _Edges()
+        return FSDP(inner, auto_wrap_policy=ModuleWrapPolicy({Block}), ignored_states=[inner.side],
+                    device_id=torch.device("cpu"), **kw)
+
+    # A unit over a subgroup: ranks 0 and 1 share one, rank 2 is alone (FSDP makes that NO_SHARD).
+    pair, alone = dist.new_group([0, 1]), dist.new_group([2])
+    sub = wrap(process_group=pair if rank < 2 else alone)
+    expect = r"FSDP unit 'block' shards over a process group of 2 ranks, but the default process group has 3"
+    with pytest.raises(UnsupportedModelError, match=expect if rank < 2 else r"uses sharding strategy NO_SHARD"):
+        fsdp1_state_dict(sub)
+
+    model = wrap()
+    with FSDP.summon_full_params(model), pytest.raises(
+        UnsupportedModelError, match=r"FSDP unit 'block''s FlatParameter is not in its sharded state"
+    ):
+        fsdp1_state_dict(model)
+    # No optimizer: only "model"; the root holds no FlatParameter, so there is one FlatShard; the
+    # persistent buffer and the ignored module's parameters are plain tensors.
+    sd = fsdp1_state_dict(model)
+    assert list(sd) == ["model"]
+    msd = sd["model"]
+    assert sorted(msd) == ["__fsdp1_flat__/0", "count", "side.bias", "side.weight"]
+    assert msd["count"] is model.count and bit_equal(msd["side.weight"], model.side.weight)
+    assert isinstance(msd["__fsdp1_flat__/0"], FlatShard)
+
+    # A stateless optimizer (SGD) contributes its param groups only.
+    sgd = torch.optim.SGD(model.block.parameters(), lr=0.25)
+    osd = fsdp1_state_dict(model, sgd)["optim"]
+    assert list(osd) == ["param_groups"] and osd["param_groups"][0]["lr"] == 0.25
+
+    optim = torch.optim.AdamW(model.block.parameters(), lr=1e-2)
+    sd = fsdp1_state_dict(model, optim)  # creates the state
+    (flat,) = optim.param_groups[0]["params"]
+    fqns = sd["optim"]["param_groups"][0]["params"]
+    optim.state[flat]["bad"] = torch.zeros(2)
+    with pytest.raises(UnsupportedModelError, match=rf"optimizer state 'bad' of __fsdp1_flat__/0 \({fqns[0]}, {fqns[1]}, "
+                                                     rf"{fqns[2]}, \.\.\.\) has shape \[2\], not the parameter's \[{flat.numel()}\]"):
+        fsdp1_state_dict(model, optim)
+    del optim.state[flat]["bad"]
+
+    # A plain (non-tensor) state value is saved per original parameter and applied on load.
+    optim.state[flat]["note"] = 7
+    sd = fsdp1_state_dict(model, optim)
+    assert sd["optim"]["state"] == {f: {"note": 7} for f in fqns}
+    path = os.path.join(root, "edges")
+    dcp.save(sd, storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())
+    optim.state[flat]["note"] = 0
+    optim.param_groups[0]["lr"] = 0.5
+    sd = fsdp1_state_dict(model, optim)
+    dcp.load(sd, storage_reader=UCPStorageReader(path), planner=UCPLoadPlanner())
+    fsdp1_apply_loaded(model, optim, sd)
+    assert optim.state[flat]["note"] == 7 and optim.param_groups[0]["lr"] == 1e-2
+
+    sd["optim"]["state"][fqns[1]]["note"] = 8
+    with pytest.raises(UnsupportedModelError, match=rf"optimizer state 'note' differs between parameters .*'{fqns[1]}'.* "
+                                                     r"that share one FlatParameter: \[7, 8, 7"):
+        fsdp1_apply_loaded(model, optim, sd)
+    with pytest.raises(UnsupportedModelError, match=r"state has 0 param groups, the optimizer 1"):
+        fsdp1_apply_loaded(model, optim, {"optim": {"param_groups": []}})
+    with pytest.raises(UnsupportedModelError, match=r"loaded param group 0 holds \['block.q.bias', 'block.q.weight'\] that the "
+                                                     r"optimizer's group 0 does not share"):
+        fsdp1_apply_loaded(model, optim, {"optim": {"param_groups": [{"params": fqns[2:]}]}})
+
+
+def test_edges_of_the_fsdp1_state(tmp_path: Any) -> None:
+    """A root without a FlatParameter, buffers, ignored modules, no or stateless optimizer, plain
+    optimizer state saved and applied; subgroups, unsharded FlatParameters, state of another shape
+    and param groups that do not match are refused, naming the unit, state or group."""
+    run_ranks(3, _edges, str(tmp_path))

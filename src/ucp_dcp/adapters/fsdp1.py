@@ -121,7 +121,9 @@ def _units(model: nn.Module) -> list[_Unit]:
     for mod_name, mod in model.named_modules():
         if not isinstance(mod, fsdp):
             continue
-        where = f"FSDP unit {mod_name!r}" if mod_name else "the root FSDP unit"
+        # Named as the checkpoint names it: without the wrapper components FSDP1 inserts.
+        unit_name = _clean(mod_name)
+        where = f"FSDP unit {unit_name!r}" if unit_name else "the root FSDP unit"
         strategy = mod.sharding_strategy.name
         if strategy not in SUPPORTED_SHARDING_STRATEGIES:
             raise UnsupportedModelError(
