@@ -472,6 +472,64 @@ def test_export_bad_input(small_ckpt: Path, tmp_path: Path, monkeypatch: pytest.
     assert (tmp_path / "empty" / "model.safetensors").exists()
 
 
+def test_export_refusals_name_the_argument(small_ckpt: Path, tmp_path: Path) -> None:
+    """A dtype safetensors cannot store, malformed rename pairs and replacements, names
+    safetensors cannot hold, a checkpoint without tensors, configs that are no JSON object:
+    each refused by the library's error naming the tensor, rule or file, with no output."""
+    from ucp_dcp.errors import InvalidArgumentError, InvalidArgumentTypeError, PathNotFoundError
+
+    out = tmp_path / "out"
+    refusals: list[tuple[Any, type[Exception], str]] = [
+        (dict(dtype=torch.int32), InvalidArgumentError,
+         r"^dtype must be a floating dtype that safetensors stores, got torch\.int32$"),
+        (dict(rename=[("a",)]), InvalidArgumentError,
+         r"^rename\[0\] must be a \(regex pattern, replacement\) pair of strings, got \('a',\)$"),
+        (dict(rename=[("(weight)", r"\2")]), InvalidArgumentError,
+         r"^rename '\(weight\)' -> '\\\\2': bad replacement for '0\.bias' \(invalid group reference 2"),
+        (dict(rename=[("^0\\.weight$", "")]), InvalidArgumentError,
+         r"^tensor 'model\.0\.weight' gets an empty name after stripping 'model\.' and renaming$"),
+        (dict(rename=[("^0\\.weight$", "__metadata__")]), InvalidArgumentError,
+         r"^tensor 'model\.0\.weight' would be named '__metadata__', which safetensors reserves$"),
+        (dict(prefix=None), InvalidArgumentTypeError, r"^prefix must be a string, got None$"),
+        (dict(config=tmp_path / "none.json"), PathNotFoundError, r"none\.json: no such file or directory$"),
+        (dict(config=5), InvalidArgumentTypeError, r"^config must be a path .*, got int$"),
+    ]
+    (tmp_path / "bad.json").write_text("{nope")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    refusals += [
+        (dict(config=tmp_path / "bad.json"), InvalidArgumentError, r"bad\.json is not valid JSON \(Expecting"),
+        (dict(config=tmp_path / "list.json"), InvalidArgumentError, r"list\.json is not a JSON object$"),
+    ]
+    for kw, cls, says in refusals:
+        with pytest.raises(cls, match=says):
+            export_hf(small_ckpt, out, **kw)
+        assert not out.exists() and _leftovers(tmp_path) == [], kw
+    # A complex tensor has no safetensors dtype; a checkpoint of values only has no tensor at all.
+    state = {"model": {"c": torch.ones(2, dtype=torch.complex64)}, "step": 1}
+    dcp.save(state, storage_writer=UCPStorageWriter(tmp_path / "cplx"), planner=UCPSavePlanner())
+    with pytest.raises(InvalidArgumentError, match=r"^tensor 'model\.c' has dtype complex64, which safetensors cannot store$"):
+        export_hf(tmp_path / "cplx", out)
+    dcp.save({"step": 1}, storage_writer=UCPStorageWriter(tmp_path / "bare"), planner=UCPSavePlanner())
+    with pytest.raises(CheckpointKeyError, match=r"bare: no tensor name starts with prefix 'model\.'; the checkpoint's "
+                                                 r"tensors start with nothing \(it holds no tensors\)$"):
+        export_hf(tmp_path / "bare", out)
+    with pytest.raises(InvalidArgumentTypeError, match=r"^prefix must be a string, got 5$"):
+        import_hf(tmp_path, out, prefix=5)
+    assert not out.exists()
+
+
+def test_export_config_as_a_dict_or_a_file_takes_the_cast_dtype(small_ckpt: Path, tmp_path: Path) -> None:
+    """A config given as a dict or as a config.json path is written as it is, except that its
+    dtype keys name the dtype the export casts to."""
+    doc = {"model_type": "x", "torch_dtype": "float32", "dtype": "float32", "n": 3}
+    (tmp_path / "config.json").write_text(json.dumps(doc))
+    for config in (doc, tmp_path / "config.json"):
+        out = tmp_path / f"out-{type(config).__name__}"
+        export_hf(small_ckpt, out, dtype="bf16", config=config)
+        assert json.loads((out / "config.json").read_text()) == {**doc, "torch_dtype": "bfloat16", "dtype": "bfloat16"}
+    assert doc["torch_dtype"] == "float32"  # the caller's dict is not changed
+
+
 def test_import_bad_input(small_ckpt: Path, tmp_path: Path) -> None:
     """Missing or non-HF src, broken files and indexes, non-empty dst: errors name the file or key."""
     good = tmp_path / "good"
