@@ -489,12 +489,6 @@ def export_hf(
                     write_all(fd, _st_header(shard))
                     for p in shard:
                         t = _read_part(ckpt, p, prefix, layout, last)
-                        if (
-                            t.dtype != p.dtype or tuple(t.shape) != p.shape
-                        ):  # cannot happen: the index said so
-                            raise AssertionError(
-                                f"{src}: {p.src!r} read as {t.dtype}{list(t.shape)}"
-                            )
                         write_all(fd, tensor_view(t.contiguous()))
                         del t
                         done += p.nbytes
