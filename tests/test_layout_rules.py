@@ -326,3 +326,74 @@ def test_bad_rules_and_arguments_are_the_librarys_errors() -> None:
         cases["Rename"]()
     with pytest.raises(UCPError, match=r"malformed layout spec JSON \(KeyError: 'rules'\)"):
         cases["no rules"]()
+
+
+def test_spec_and_rule_arguments_are_refused_by_name() -> None:
+    """Rules, axes and rule fields that make no layout are refused when the spec or rule is
+    built, each naming the rule or axis and what was expected."""
+    from ucp_dcp import Stacked
+
+    refusals = [
+        (lambda: LayoutSpec([Shard("w"), "x"]), r"^not layout rules: \['x'\]$"),
+        (lambda: LayoutSpec([], axes={"tp": 3}), r"^axis 'tp': expected \(coordinate, size\), got 3$"),
+        (lambda: LayoutSpec([], axes={"tp": (2, 2)}), r"^axis 'tp': coordinate 2 is outside size 2$"),
+        (lambda: Reindex(r"(\d+)", axis="pp"), r"^Reindex\('\(\\\\d\+\)', axis='pp'\): give axis and per_rank together"),
+        (lambda: Fused("x", parts={}), r"^Fused\('x', parts=\{\}\): parts is empty$"),
+        (lambda: Fused("x", parts={"a": 2, "b": 0}), r"^Fused\('x', parts=.*\): every part width must be positive$"),
+        (lambda: Fused("x", parts={"a": 2}, groups=0), r"^Fused\('x', .*groups=0\): groups must be >= 1$"),
+        (lambda: VocabPad("emb", size=0), r"^VocabPad\('emb'\): size \(the true, unpadded size\) must be positive$"),
+        (lambda: Stacked(r"\.e$", repl=".{}", experts=-1), r"^Stacked\(.*experts=-1\): experts must be >= 0$"),
+        (lambda: LayoutSpec.from_json({"version": 2, "rules": []}), r"^layout spec JSON version 2; this code reads 1$"),
+        # A rule the JSON names but this code lacks is said as such, not as "malformed".
+        (lambda: LayoutSpec.from_json({"version": 1, "rules": [{"rule": "Nope", "pattern": "w"}]}),
+         r"^unknown layout rule 'Nope' \(known: \['Averaged', "),
+    ]
+    for call, says in refusals:
+        with pytest.raises(LayoutRuleError, match=says):
+            call()
+
+
+def test_applying_rules_refuses_what_they_cannot_describe() -> None:
+    """Reindex groups that are not integers, fused groups that do not split over the axis, an
+    integer tensor to average, an expert index that is not one, two keys of one logical tensor
+    with different shapes, the base classes used as rules, and pieces that leave part of a
+    logical tensor uncovered: each a LayoutRuleError naming the key and the rule."""
+    from ucp_dcp import Unstacked
+    from ucp_dcp.adapters.rules import LayoutRule, StackRule
+
+    t = torch.zeros(4, 2)
+    refusals = [
+        (lambda: LayoutSpec([Reindex(r"layers\.(\w+)\."), Replicated("w")]).apply({"layers.x.w": t}),
+         r"^Reindex\('layers\\\\\.\(\\\\w\+\)\\\\\.'\): group 1 of the match in 'layers\.x\.w' is 'x', not an integer$"),
+        (lambda: LayoutSpec([Fused("qkv", parts={".q.": 4, ".k.": 4}, groups=3, axis="tp")], axes={"tp": (0, 2)})
+         .apply({"qkv": t}), r"^fused split of 'qkv' by Fused\(.*\): 3 groups do not split evenly over tp size 2$"),
+        (lambda: LayoutSpec([Averaged("n", axis="dp")], axes={"dp": (0, 2)}).apply(
+            {"n": torch.zeros(2, dtype=torch.int64)}, record=True),
+         r"^Averaged\('n', axis='dp'\): cannot average 'n' of dtype torch\.int64$"),
+        (lambda: LayoutSpec([Unstacked(r"\.experts\.(\w+)\.w$", repl=".experts.w", experts=2)])
+         .apply({"m.experts.a.w": t}),
+         r"^Unstacked\(.*\): group 1 of the match in 'm\.experts\.a\.w' is 'a', not an expert index$"),
+        (lambda: LayoutSpec([Rename(r"^[ab]\.", "c."), Replicated("w")]).apply(
+            {"a.w": torch.zeros(2), "b.w": torch.zeros(3)}),
+         r"^keys \['a\.w', 'b\.w'\] map to the logical tensor 'c\.w' with different global shapes \[\[2\], \[3\]\]"),
+        (lambda: LayoutSpec([LayoutRule("w")]).apply({"w": t}),
+         r"^LayoutRule\('w'\) matches 'w', but LayoutRule does not cut tensors \(LayoutRule is a base class\)"),
+        (lambda: LayoutSpec([StackRule("w")]).apply({"w": t}),
+         r"^StackRule\('w'\) matches 'w', but StackRule does not restack tensors \(StackRule is a base class\)"),
+        (lambda: LayoutSpec([Unstacked(r"\.experts\.(\d+)\.w$", repl=".experts.w", experts=4)])
+         .logical({"m.experts.1.w": t}),
+         r"^the layout's pieces do not cover m\.experts\.w \(8 of 32 elements\)$"),
+    ]
+    for call, says in refusals:
+        with pytest.raises(LayoutRuleError, match=says):
+            call()
+    # A Reindex whose group 1 is optional leaves a match without it as it is.
+    spec = LayoutSpec([Reindex(r"layers\.(\d+)?w", offset=1)])
+    assert spec.canonical_name("layers.w") == "layers.w" and spec.canonical_name("layers.2w") == "layers.3w"
+
+
+def test_logical_keeps_non_tensor_values() -> None:
+    """LayoutSpec.logical assembles the tensors and passes any other value through as it is."""
+    w = torch.arange(6.0).reshape(3, 2)
+    got = LayoutSpec([Replicated("w")]).logical({"w": w, "step": 3})
+    assert got["step"] == 3 and bit_equal(got["w"], w) and sorted(got) == ["step", "w"]

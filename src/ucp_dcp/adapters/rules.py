@@ -22,7 +22,7 @@ import torch
 
 from ..core.pieces import Piece, TensorPieces
 from ..errors import LayoutRuleError
-from ..format.schema import check_field_types, is_int
+from ..format.schema import check_field_types
 
 __all__ = [
     "Rule",
@@ -159,7 +159,12 @@ class LayoutRule(Rule):
     ) -> TensorPieces:
         """The pieces of local tensor ``t`` (logical name ``name``) at coordinate ``rank`` of
         ``size``."""
-        raise NotImplementedError
+        # A LayoutRule itself (or a subclass without pieces()) in a LayoutSpec: name it.
+        raise LayoutRuleError(
+            f"{self.describe()} matches {ctx.key!r}, but {type(self).__name__} does not cut "
+            "tensors (LayoutRule is a base class): use Shard, Fused, VocabPad, Replicated or "
+            "Averaged"
+        )
 
 
 @dataclass(frozen=True)
@@ -386,7 +391,11 @@ class StackRule(Rule):
     def restack(self, pieces: TensorPieces, rank: int, size: int, ctx: RuleContext) -> TensorPieces:
         """``pieces`` (what the layout rule or DTensor made of the key) re-expressed; ``rank`` of
         ``size``: this rank's place on the rule's axis."""
-        raise NotImplementedError
+        # A StackRule itself (or a subclass without restack()) in a LayoutSpec: name it.
+        raise LayoutRuleError(
+            f"{self.describe()} matches {ctx.key!r}, but {type(self).__name__} does not restack "
+            "tensors (StackRule is a base class): use Stacked or Unstacked"
+        )
 
     def _match(self, fqn: str, ctx: RuleContext) -> re.Match[str]:
         m = self.regex.search(fqn)
@@ -534,9 +543,8 @@ RULES: dict[str, type[Rule]] = {
 
 
 def _check_dim(rule: Rule, name: str, t: torch.Tensor, dim: int) -> int:
-    """``dim`` of ``t`` made non-negative; an error naming the rule if ``t`` has no such dim."""
-    if not is_int(dim):
-        raise LayoutRuleError(f"{rule.describe()}: dim must be an int, got {dim!r}")
+    """``dim`` of ``t`` made non-negative; an error naming the rule if ``t`` has no such dim.
+    (That ``dim`` is an int, every rule's constructor checks: ``check_field_types``.)"""
     if not -t.dim() <= dim < t.dim() or t.dim() == 0:
         raise LayoutRuleError(
             f"{rule.describe()} matches {name!r} of shape {list(t.shape)}, which has no dim {dim}"
