@@ -202,3 +202,41 @@ def _load_tp3(rank: int, world: int, path: str, group: Any) -> None:
 def test_tp2_pp2_to_tp3(tmp_path: os.PathLike) -> None:
     """4 ranks as TP 2 x PP 2 -> 3 ranks as TP 3 x PP 1 (renaming and fusing at once)."""
     run_ranks(4, _phases, str(tmp_path / "tp2pp2"), [(4, _save_tp_pp), (3, _load_tp3)])
+
+
+def _dtensor_refusals(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+    from ucp_dcp import LayoutRuleError
+    from ucp_dcp import Shard as ShardRule
+
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    w = distribute_tensor(torch.arange(8.0).view(4, 2), mesh, [Shard(0)])
+    partial = DTensor.from_local(torch.ones(3), mesh, [Partial()])
+    # Global 5 rows over 2 ranks: rank 0 should hold 3 of them, here it holds 2.
+    short = DTensor.from_local(torch.zeros(2, 2), mesh, [Shard(0)], run_check=False, shape=(5, 2), stride=(2, 1))
+    refusals = [
+        (lambda: LayoutSpec([ShardRule("w", axis="tp")], axes={"tp": (rank, 2)}).apply({"w": w}),
+         r"^Shard\('w', axis='tp'\) matches 'w', a DTensor: a DTensor describes its own layout"),
+        (lambda: LayoutSpec([Rename("^p$", "q")]).apply({"p": partial}),
+         r"^p -> q: a renamed DTensor with placements \(Partial\(sum\),\) \(only Shard and Replicate can be renamed\)$"),
+        (lambda: LayoutSpec([Rename(r"^b\.", "a.")]).apply({"a.w": w, "b.w": w}),
+         r"^keys \['a\.w', 'b\.w'\] all map to the logical tensor 'a\.w'$"),
+        (lambda: LayoutSpec([Averaged("s", axis="tp")], axes={"tp": (rank, 4)}, groups={"tp": dist.group.WORLD})
+         .apply({"s": torch.ones(2)}, record=True),
+         r"^Averaged\('s', axis='tp'\): the process group of axis 'tp' has 2 ranks, but axes says its size is 4$"),
+    ]
+    if rank == 0:
+        refusals.append((lambda: LayoutSpec([Rename("^s$", "t")]).apply({"s": short}),
+                         r"^s -> t: DTensor local shape \[2, 2\] is not the expected \[3, 2\]$"))
+    for call, says in refusals:
+        with pytest.raises(LayoutRuleError, match=says):
+            call()
+
+
+def test_dtensors_the_layout_cannot_take_are_refused() -> None:
+    """A layout rule matching a DTensor, a renamed Partial DTensor or one whose local shard is not
+    the shape its spec gives, two DTensors on one logical tensor, one of them as it is, an Averaged axis
+    whose process group is not the axis size: each a LayoutRuleError naming the key and rule."""
+    run_ranks(2, _dtensor_refusals)
