@@ -99,6 +99,20 @@ def test_flat_shard_errors() -> None:
         TensorPieces([Piece("x", (4,), (0,), torch.zeros(2)), Piece("x", (4,), (0,), torch.zeros(1))])
 
 
+
+def test_flat_layout_arguments_out_of_range() -> None:
+    """A negative offset or dimension, an alignment below 1, a rank outside the world: each an
+    InvalidArgumentError naming the value."""
+    with pytest.raises(InvalidArgumentError, match=r"^flat parameter 'a': negative offset -1 or shape \[2\]$"):
+        FlatParam("a", (2,), -1)
+    with pytest.raises(InvalidArgumentError, match=r"^flat parameter 'b': negative offset 0 or shape \[2, -3\]$"):
+        FlatParam("b", (2, -3), 0)
+    with pytest.raises(InvalidArgumentError, match=r"^align must be >= 1, got 0$"):
+        pack_flat([("a", (2,))], align=0)
+    with pytest.raises(InvalidArgumentError, match=r"^rank 4 is outside world size 4$"):
+        flat_partition(10, 4, 4)
+
+
 # --------------------------------------------- random partitions, one process
 
 
