@@ -25,6 +25,7 @@ from ucp_dcp import (
     load_into_module,
     load_state_dict,
 )
+from ucp_dcp.errors import InvalidArgumentTypeError, ShapeMismatchError
 
 
 def _model() -> nn.Module:
@@ -106,6 +107,25 @@ def test_verify_finds_a_flipped_byte(trained: tuple[Path, nn.Module]) -> None:
     assert len(problems) == 1 and "tensor 'model.2.weight'" in problems[0] and name in problems[0], problems
 
 
+def test_checkpoint_names_the_missing_name_and_the_wrong_shape(trained: tuple[Path, nn.Module]) -> None:
+    """A tensor or value not in the checkpoint is named with the closest names, if any; read_into a
+    tensor of another shape names both shapes."""
+    path, _ = trained
+    with Checkpoint(path) as ck:
+        with pytest.raises(CheckpointKeyError, match=rf"^{re.escape(str(path))}: no tensor named 'model\.0\.weigth'; "
+                                                     r"did you mean 'model\.0\.weight'"):
+            ck.read_tensor("model.0.weigth")
+        with pytest.raises(CheckpointKeyError, match=r": no value named 'stpe'; did you mean 'step'\?$"):
+            ck.read_value("stpe")
+        with pytest.raises(CheckpointKeyError, match=r": no rank-local value named 'zzz'$"):
+            ck.read_rank_local("zzz")
+        out = torch.zeros(5)
+        with pytest.raises(ShapeMismatchError, match=r"^size mismatch for 'model\.0\.bias': the checkpoint has shape \[512\], "
+                                                     r"the target has \[5\]$"):
+            ck.read_into("model.0.bias", out)
+        assert not out.any()
+
+
 def _save_fsdp(rank: int, world: int, path: str) -> None:
     model, optim = build("dp2")
     train_step(model, optim, 0)
@@ -115,6 +135,11 @@ def _save_fsdp(rank: int, world: int, path: str) -> None:
     if rank == 0:
         torch.save(ref, os.path.join(os.path.dirname(path), "ref.pt"))
     dist.barrier()
+    # The sharded model itself is not a load_into_module target: its first DTensor is named.
+    first = next(iter(model.state_dict()))
+    with pytest.raises(InvalidArgumentTypeError, match=rf"^'{re.escape(first)}' is a DTensor: use dcp\.load with "
+                                                         r"UCPStorageReader/UCPLoadPlanner for sharded modules$"):
+        load_into_module(model, path, prefix="model.")
 
 
 @pytest.mark.multiproc

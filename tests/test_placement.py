@@ -228,6 +228,27 @@ def test_verify_reports_a_digest_that_does_not_match_the_data(
         ]
 
 
+
+def test_verify_reports_damaged_data_once_not_as_a_digest_mismatch(tmp_path: Path) -> None:
+    """A flipped byte in a tensor with a placement digest: verify names the file, tensor and
+    chunk once, as a checksum mismatch; the tensor whose data cannot be read is not hashed again
+    for its placement digest."""
+    ckpt = tmp_path / "ckpt"
+    dcp.save(_small_state(), storage_writer=UCPStorageWriter(ckpt, placement_digests=True),
+             planner=UCPSavePlanner())
+    with Checkpoint(ckpt) as ck:
+        ((_, loc),) = ck.chunks("w")
+        name, recorded = ck.index.files[loc.file].name, loc.xxh3
+    with open(ckpt / name, "r+b") as f:
+        f.seek(loc.start + 5)
+        b = f.read(1)
+        f.seek(loc.start + 5)
+        f.write(bytes([b[0] ^ 1]))
+    with Checkpoint(ckpt) as ck:
+        (problem,) = ck.verify()
+    assert problem.startswith(f"{ckpt / name}: tensor 'w' chunk at [0, 0]: checksum mismatch (recorded {recorded}, ")
+
+
 # ---------------------------------------------------------------- real ranks
 
 
