@@ -649,3 +649,56 @@ def test_os_errors_are_words_after_the_path(capsys: pytest.CaptureFixture[str], 
     _fake_module(monkeypatch, "ucp_dcp.tools.convert", convert=denied)
     rc, _, err = run_cli(capsys, "convert", good, "out")
     assert rc == 2 and one_error_line(err) == "ucp-dcp: error: /out/x: permission denied"
+
+
+# ====================================================================== stdout gone, Ctrl-C, conversions
+
+
+class _Stdout(io.TextIOBase):
+    """A stdout whose every write raises ``exc`` (the reader left, Ctrl-C); ``fd``: its file
+    descriptor, None for one without (as under pytest)."""
+
+    def __init__(self, exc: type[BaseException], fd: int | None = None) -> None:
+        self.exc, self.fd = exc, fd
+
+    def write(self, s: str) -> int:
+        raise self.exc()
+
+    def fileno(self) -> int:
+        if self.fd is None:
+            raise io.UnsupportedOperation("fileno")
+        return self.fd
+
+
+def test_stdout_closed_or_interrupted(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                      good: Path, tmp_path: Path) -> None:
+    """`ucp-dcp inspect PATH | head`: when the reader leaves, the status is 2 with nothing said
+    and stdout is pointed at /dev/null (when it has a descriptor); Ctrl-C is 'interrupted', 130."""
+    monkeypatch.setattr(sys, "stdout", _Stdout(BrokenPipeError))
+    rc, _, err = run_cli(capsys, "inspect", good)
+    assert rc == 2 and err == ""
+    with open(tmp_path / "out.txt", "w") as f:
+        monkeypatch.setattr(sys, "stdout", _Stdout(BrokenPipeError, f.fileno()))
+        rc, _, err = run_cli(capsys, "inspect", good)
+        assert rc == 2 and err == "" and os.path.samefile(f"/proc/self/fd/{f.fileno()}", os.devnull)
+    monkeypatch.setattr(sys, "stdout", _Stdout(KeyboardInterrupt))
+    rc, _, err = run_cli(capsys, "inspect", good)
+    assert rc == 130 and one_error_line(err) == "ucp-dcp: error: interrupted"
+
+
+def test_diff_tolerance_that_is_not_a_number(capsys: pytest.CaptureFixture[str], good: Path) -> None:
+    rc, out, err = run_cli(capsys, "diff", good, good, "--atol", "tiny")
+    line = one_error_line(err)
+    assert rc == 2 and out == "" and "argument --atol: invalid tolerance 'tiny'; write a number such as 1e-6" in line
+
+
+def test_convert_prefix_names_a_hugging_face_models_tensors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    w = torch.arange(6.0).reshape(2, 3)
+    (tmp_path / "hf").mkdir()
+    save_file({"layer.weight": w}, str(tmp_path / "hf" / "model.safetensors"))
+    rc, _, _ = run_cli(capsys, "convert", tmp_path / "hf", tmp_path / "out", "--prefix", "net.", "-q")
+    assert rc == 0
+    with Checkpoint(tmp_path / "out") as ck:
+        assert ck.tensor_names() == ["net.layer.weight"] and torch.equal(ck.read_tensor("net.layer.weight"), w)
