@@ -316,6 +316,26 @@ def test_disk_full_save_fails_cleanly(tmp_path: Path, monkeypatch: pytest.Monkey
         assert_same(out, old_sd)
 
 
+def test_disk_full_convert_commits_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC while convert writes: a CheckpointWriteError (errno kept) naming the file, that
+    nothing is committed and the remedy; the destination holds no index."""
+    from ucp_dcp import convert
+    from ucp_dcp.errors import CheckpointWriteError
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    save(make_state(0), src)
+    failing_pwrite(monkeypatch, FAIL_AT["first_write"])
+    with pytest.raises(CheckpointWriteError) as ei:
+        convert(src, dst)
+    assert ei.value.errno == errno.ENOSPC
+    assert re.fullmatch(
+        r"\[Errno 28\] " + re.escape(str(dst)) + r"/rank00000-[0-9a-f]{8}\.safetensors: convert could not write \(No space left on device\); "
+        r"nothing is committed in " + re.escape(str(dst)) + r": free space \(or save elsewhere\), and convert again",
+        str(ei.value),
+    ), str(ei.value)
+    assert not (dst / INDEX_FILE).exists()
+
+
 def test_disk_full_at_index_commit_keeps_previous_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ENOSPC while writing the index: the save raises, the previous index and its data files
     are untouched and no index temp file remains. The new save's (complete) data files stay

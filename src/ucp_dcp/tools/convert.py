@@ -178,22 +178,29 @@ def _convert(ckpt: Checkpoint, dst: str, progress: ProgressFn, sync_files: bool)
             per_rank[rank] = n + 1
             name = data_file_name(rank, save_id if n == 0 else f"{save_id}-{n}")
             items, entries = per_file[fi], planned[fi]
+            path = os.path.join(dst, name)
             out = DataFileWriter(
-                os.path.join(dst, name),
+                path,
                 entries,
                 rank=rank,
                 world_size=index.world_size,
                 save_id=save_id,
                 sync=sync_files,
             )
-            with out:
-                for i, it in enumerate(items):
-                    if it[0] == "v":
-                        out.write(i, values[it[1]])
-                    else:
-                        _copy_chunk(source, engine, it[1], it[2], out, i, buf)
-                    done += entries[i].nbytes
-                    progress(done, total)
+            try:
+                with out:
+                    for i, it in enumerate(items):
+                        if it[0] == "v":
+                            out.write(i, values[it[1]])
+                        else:
+                            _copy_chunk(source, engine, it[1], it[2], out, i, buf)
+                        done += entries[i].nbytes
+                        progress(done, total)
+            except OSError as e:
+                # A write to the open file (pwrite, fsync) names no file: the error names this one.
+                if e.filename is None:
+                    e.filename = path
+                raise
             files.append(FileRecord(name, rank, out.size))
             written.append([WrittenEntry.of(e, s) for e, s in zip(out.entries, out.starts)])
     finally:
