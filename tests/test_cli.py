@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 
 from cli_utils import one_error_line, run_cli
 from ucp_dcp import CheckpointFormatError, RankLocal, UCPSavePlanner, UCPStorageWriter
+from ucp_dcp.errors import InvalidArgumentError
 from ucp_dcp.tools.checkpoint import Checkpoint
 from ucp_dcp.tools.cli import parse_size
 from ucp_dcp.format import INDEX_FILE, ChunkRecord, Layout, Location, TensorRecord
@@ -702,3 +703,25 @@ def test_convert_prefix_names_a_hugging_face_models_tensors(capsys: pytest.Captu
     assert rc == 0
     with Checkpoint(tmp_path / "out") as ck:
         assert ck.tensor_names() == ["net.layer.weight"] and torch.equal(ck.read_tensor("net.layer.weight"), w)
+
+
+def test_diff_of_numpy_nan_and_tensor_values_and_of_infinities(tmp_path: Path) -> None:
+    """Values compare by type and content: numpy scalars and arrays (NaN equal to NaN), NaN
+    floats, tuples holding tensors; 1 and 1.0 differ. An infinite difference is "inf" in JSON.
+    A numpy step counts as the step; a step that is no number is none."""
+    import numpy as np
+
+    def values(kind: Any, step: Any, x: float) -> dict[str, Any]:
+        return {"x": torch.tensor([0.0, x]), "v.np": np.float32(1.5), "v.arr": np.array([np.nan, 1.0]),
+                "v.nan": float("nan"), "v.tup": (torch.ones(2), 3), "v.kind": kind, "step": step}
+
+    a = _save(tmp_path / "a", values(1, np.int64(9), 0.0))
+    b = _save(tmp_path / "b", values(1.0, "nine", float("inf")))
+    assert (inspect_checkpoint(a)["step"], inspect_checkpoint(b)["step"]) == (9, None)
+    report = diff_checkpoints(a, b)
+    assert [(m.name, m.a, m.b) for m in report.value_mismatches] == [("step", "np.int64(9)", "'nine'"),
+                                                                     ("v.kind", "1", "1.0")]
+    (x,) = report.to_json()["tensors"]
+    assert x == {"name": "x", "numel": 2, "max_abs_diff": "inf", "num_different": 1, "nan_mismatches": 0}
+    with pytest.raises(InvalidArgumentError, match=r"^x: cannot compare shapes \[2\] and \[3\]$"):
+        compare_tensors(torch.zeros(2), torch.zeros(3), "x")
