@@ -947,6 +947,28 @@ def test_a_save_where_a_file_is_in_the_way_is_named(tmp_path: Path) -> None:
         UCPStorageWriter(None)  # type: ignore[arg-type]
 
 
+def test_unwrap_finds_no_library_error_behind_other_errors() -> None:
+    """unwrap looks at each cause once ('raise X from e' makes e both the cause and the context)
+    and gives None when no error in the chain is the library's."""
+    try:
+        try:
+            raise ValueError("inner")
+        except ValueError as inner:
+            raise RuntimeError("outer") from inner
+    except RuntimeError as outer:
+        err = outer
+    assert err.__cause__ is err.__context__
+    assert unwrap(err) is None
+    try:
+        try:
+            raise CheckpointWriteError("/ck: cannot write")
+        except CheckpointWriteError as inner:
+            raise RuntimeError("outer") from inner
+    except RuntimeError as outer:
+        found = unwrap(outer)
+    assert isinstance(found, CheckpointWriteError) and str(found) == "/ck: cannot write"
+
+
 @pytest.mark.parametrize(
     "sd, says",
     [

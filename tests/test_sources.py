@@ -217,6 +217,18 @@ def test_not_a_checkpoint_names_what_is_missing(tmp_path: Path) -> None:
     assert e.value.formats == tuple(formats_looked_for())
 
 
+
+def test_not_a_checkpoint_error_pickles_with_its_path_and_formats(tmp_path: Path) -> None:
+    """DCP pickles a rank's failure to gather it: the message, path and formats survive."""
+    import pickle
+
+    with pytest.raises(NotACheckpointError) as e:
+        open_source(tmp_path)
+    back = pickle.loads(pickle.dumps(e.value))
+    assert type(back) is NotACheckpointError and str(back) == str(e.value)
+    assert (back.path, back.formats) == (str(tmp_path), tuple(formats_looked_for()))
+
+
 # ---------------------------------------------------------------- single-process entry points
 
 
