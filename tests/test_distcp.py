@@ -288,6 +288,28 @@ def test_import_dcp_then_load_bit_exact(tmp_path: Path) -> None:
     assert reader.source.format == "ucp_dcp" and bit_equal(out["channels_last"], ODD["channels_last"])
 
 
+def test_import_an_empty_tensor_listed_with_no_chunk(tmp_path: Path) -> None:
+    """A DCP .metadata may list a tensor of no elements with no chunk at all (there is nothing to
+    store): it loads directly, and converts to a checkpoint that records it (one empty chunk, as a
+    save does), also when the source has no data file at all."""
+    for name, sd in (("mixed", {"e": torch.zeros(0, 5), "w": torch.arange(3.0)}), ("alone", {"e": torch.zeros(0, 5)})):
+        src = tmp_path / name
+        dcp.save(sd, checkpoint_id=src, no_dist=True)
+        md = pickle.loads((src / ".metadata").read_bytes())
+        md.state_dict_metadata["e"].chunks.clear()
+        md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != "e"}
+        (src / ".metadata").write_bytes(pickle.dumps(md))
+        convert(src, tmp_path / f"{name}-out")
+        for path in (src, tmp_path / f"{name}-out"):
+            with Checkpoint(path) as ck:
+                assert ck.tensor_names() == sorted(sd), path
+                for k, v in sd.items():
+                    got = ck.read_tensor(k)
+                    assert got.dtype == v.dtype and bit_equal(got, v), (path, k)
+        with Checkpoint(tmp_path / f"{name}-out") as ck:
+            assert len(ck.chunks("e")) == 1 and ck.verify() == []
+
+
 def test_large_item_sub_box_reads_only_needed_bytes(tmp_path: Path) -> None:
     """Rows of a big stored item are read as exact byte ranges, far less than the item."""
     big = torch.randn(512, 256)

@@ -30,7 +30,7 @@ from ..byteio.transfer import ChunkRegion
 from ..core.boxes import slabs
 from ..core.sharding import Box
 from ..dcp.options import ReadOptions
-from ..errors import CheckpointExistsError, CheckpointFormatError, UCPError, listed
+from ..errors import CheckpointExistsError, CheckpointFormatError, UCPError
 from ..format import (
     INDEX_FILE,
     FileRecord,
@@ -119,15 +119,20 @@ def convert(
             ) from e
 
 
-# What one output file holds, in source order: ("t", fqn, idx) or ("v", key).
+# What one output file holds, in source order: ("t", fqn, idx), ("v", key), or ("e", fqn) for a
+# tensor of no elements the source lists with no chunk at all.
 _Item = tuple[Any, ...]
 
 
 def _items_by_file(source: Source) -> dict[int, list[_Item]]:
     """Every chunk and value of ``source``, grouped by source file and ordered by position."""
     per_file: dict[int, list[tuple[int, _Item]]] = {}
+    chunkless = []
     for fqn in source.index.tensors:
-        for idx in range(len(source.chunks(fqn))):
+        n = len(source.chunks(fqn))
+        if n == 0:  # only a tensor of no elements passes the source's coverage check so
+            chunkless.append(fqn)
+        for idx in range(n):
             file, start = source.chunk_origin(fqn, idx)
             per_file.setdefault(file, []).append((start, ("t", fqn, idx)))
     keys = [
@@ -137,6 +142,9 @@ def _items_by_file(source: Source) -> dict[int, list[_Item]]:
     for key in keys:
         loc = source.value_location(key)
         per_file.setdefault(loc.file, []).append((loc.start, ("v", key)))
+    # One empty chunk each (no bytes), in the first file, as a save records such a tensor.
+    first = per_file.setdefault(min(per_file, default=0), [])
+    first += [(-1, ("e", fqn)) for fqn in chunkless]
     return {f: [it for _, it in sorted(items, key=lambda x: x[0])] for f, items in per_file.items()}
 
 
@@ -144,8 +152,10 @@ def _entry(source: Source, item: _Item, value: bytes | None) -> PlannedEntry:
     if item[0] == "v":
         assert value is not None
         return value_entry(item[1], len(value))
+    rec = source.index.tensors[item[1]]
+    if item[0] == "e":
+        return chunk_entry(item[1], rec.dtype, rec.shape, (0,) * len(rec.shape), rec.shape)
     _, fqn, idx = item
-    rec = source.index.tensors[fqn]
     box = source.box(fqn, idx)
     return chunk_entry(fqn, rec.dtype, rec.shape, box.offsets, box.sizes)
 
@@ -173,7 +183,8 @@ def _convert(ckpt: Checkpoint, dst: str, progress: ProgressFn, sync_files: bool)
         total = sum(e.nbytes for entries in planned.values() for e in entries)
         done = 0
         for fi in sorted(per_file):
-            rank = source.file_rank(fi) or 0
+            # (A source of no data file at all gets one, of rank 0, for its empty tensors.)
+            rank = (source.file_rank(fi) if fi < len(source.paths) else None) or 0
             n = per_rank.get(rank, 0)
             per_rank[rank] = n + 1
             name = data_file_name(rank, save_id if n == 0 else f"{save_id}-{n}")
@@ -192,7 +203,7 @@ def _convert(ckpt: Checkpoint, dst: str, progress: ProgressFn, sync_files: bool)
                     for i, it in enumerate(items):
                         if it[0] == "v":
                             out.write(i, values[it[1]])
-                        else:
+                        elif it[0] == "t":
                             _copy_chunk(source, engine, it[1], it[2], out, i, buf)
                         done += entries[i].nbytes
                         progress(done, total)
@@ -206,11 +217,6 @@ def _convert(ckpt: Checkpoint, dst: str, progress: ProgressFn, sync_files: bool)
     finally:
         engine.close()
     result = build_index(index.world_size, files, written)
-    missing = sorted(set(index.tensors) - set(result.tensors))
-    if missing:
-        raise CheckpointFormatError(
-            f"{source.path}: tensors with no stored data: {listed(missing, 20)}"
-        )
     commit_index(dst, result)
     return result
 
