@@ -78,6 +78,24 @@ def test_save_and_load_succeed_through_transient_faults(s3_proxy: Any) -> None:
     assert proxy.count(fault="reset_mid") == 2 and proxy.count(fault="503") == 3 and proxy.count(fault="slow") == 1
 
 
+def test_cli_says_how_to_give_credentials_when_the_store_denies(s3_proxy: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """A store that answers 403 (access denied) to the reads: the CLI's one error line names the
+    object and says how to give the store's credentials."""
+    from cli_utils import one_error_line, run_cli
+
+    base, options, proxy = s3_proxy
+    url = f"{base}/cli-denied-{uuid.uuid4().hex[:8]}"
+    _save(state(4, mib=1), url, options)
+    proxy.deny(_is_ranged_get)
+    rc, out, err = run_cli(capsys, "verify", url, "--storage-options", json.dumps(options))
+    line = one_error_line(err)
+    assert rc == 2 and out == ""
+    assert line.startswith(f"ucp-dcp: error: {url}/") and "PermissionError" in line, line
+    assert line.endswith("; give the store's credentials with --storage-options JSON (e.g. "
+                         "'{\"key\": \"...\", \"secret\": \"...\"}' for s3://) or the environment variable "
+                         "UCP_DCP_STORAGE_OPTIONS"), line
+
+
 def test_permanent_errors_name_the_url_and_leave_nothing_loadable(s3_proxy: Any) -> None:
     base, options, proxy = s3_proxy
     url = f"{base}/denied-{uuid.uuid4().hex[:8]}"
