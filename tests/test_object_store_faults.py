@@ -96,6 +96,28 @@ def test_cli_says_how_to_give_credentials_when_the_store_denies(s3_proxy: Any, c
                          "UCP_DCP_STORAGE_OPTIONS"), line
 
 
+def test_verify_reports_data_the_store_stops_serving(s3_proxy: Any) -> None:
+    """Reads denied once a checkpoint is open: verify reports each chunk and value it could not
+    read (file, tensor or value, byte range and the store's error) as a problem, not a crash."""
+    from ucp_dcp import Checkpoint
+
+    base, options, proxy = s3_proxy
+    url = f"{base}/verify-denied-{uuid.uuid4().hex[:8]}"
+    _save(state(5, mib=1), url, options)
+    with Checkpoint(url, storage_options=options) as ck:
+        # Headers (read from byte 0) still come; the data after them does not.
+        proxy.deny(lambda m, p, h: _is_ranged_get(m, p, h) and not h["Range"].startswith("bytes=0-"))
+        problems = ck.verify()
+        (f,) = ck.source.paths
+    whats = []
+    for line in problems:
+        m = re.fullmatch(rf"{re.escape(f)}: (.+): cannot read bytes \[\d+, \d+\): {re.escape(f)}: reading bytes "
+                         r"\[\d+, \d+\) failed: PermissionError: Access Denied", line)
+        assert m, line
+        whats.append(m.group(1))
+    assert sorted(whats) == ["tensor 'b' chunk at [0]", "tensor 'w' chunk at [0, 0]", "the block checksums", "value 'step'"]
+
+
 def test_permanent_errors_name_the_url_and_leave_nothing_loadable(s3_proxy: Any) -> None:
     base, options, proxy = s3_proxy
     url = f"{base}/denied-{uuid.uuid4().hex[:8]}"
