@@ -27,7 +27,7 @@ from layouts import Block, build, check_against, full_reference, scramble, train
 from ucp_dcp import TensorPieces, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.adapters.fsdp1 import fsdp1_apply_loaded, fsdp1_state_dict
 from ucp_dcp.adapters.flat import FlatShard
-from ucp_dcp.errors import UnsupportedModelError
+from ucp_dcp.errors import TorchInternalsError, UnsupportedModelError
 
 pytestmark = pytest.mark.multiproc
 
@@ -286,9 +286,31 @@ def _edges(rank: int, world: int, root: str) -> None:
                                                      r"optimizer's group 0 does not share"):
         fsdp1_apply_loaded(model, optim, {"optim": {"param_groups": [{"params": fqns[2:]}]}})
 
+    # FlatParameter metadata laid out otherwise than this code understands (another torch
+    # version's): each disagreement is a TorchInternalsError naming the unit, not a wrong layout.
+    first = next(i for i, info in enumerate(flat._shard_param_infos) if info.in_shard)
+    shifted = list(flat._shard_param_infos)
+    shifted[first] = shifted[first]._replace(offset_in_shard=shifted[first].offset_in_shard + 1)
+    for attr, value, says in (
+        ("_numels", (flat._numels[0] + 1, *flat._numels[1:]), r"FSDP unit 'block': numel of 'q\.weight' disagrees"),
+        ("_fqns", (*flat._fqns, "extra"), rf"FSDP unit 'block': FlatParameter metadata lists {len(fqns) + 1} "
+                                          rf"parameters, found {len(fqns)}$"),
+        ("_shard_param_infos", tuple(shifted), rf"FSDP unit 'block': computed layout of '{fqns[first]}' disagrees "
+                                               r"with FSDP's shard metadata"),
+    ):
+        real = getattr(flat, attr)
+        setattr(flat, attr, value)
+        try:
+            with pytest.raises(TorchInternalsError, match=says):
+                fsdp1_state_dict(model)
+        finally:
+            setattr(flat, attr, real)
+    assert list(fsdp1_state_dict(model)) == ["model"]  # the real metadata is understood again
+
 
 def test_edges_of_the_fsdp1_state(tmp_path: Any) -> None:
     """A root without a FlatParameter, buffers, ignored modules, no or stateless optimizer, plain
-    optimizer state saved and applied; subgroups, unsharded FlatParameters, state of another shape
-    and param groups that do not match are refused, naming the unit, state or group."""
+    optimizer state saved and applied; subgroups, unsharded FlatParameters, state of another shape,
+    param groups that do not match and FlatParameter metadata laid out otherwise are refused,
+    naming the unit, state or group."""
     run_ranks(3, _edges, str(tmp_path))
