@@ -147,22 +147,26 @@ def _compile_rename(rename: RenameRules | None) -> list[tuple[re.Pattern[str], s
                 f"rename[{i}] must be a (regex pattern, replacement) pair of strings, got {pair!r}"
             )
         try:
-            rules.append((re.compile(pair[0]), pair[1]))
+            pattern = re.compile(pair[0])
         except re.error as e:
             raise InvalidArgumentError(
                 f"rename[{i}]: {pair[0]!r} is not a valid regular expression ({e})"
             ) from None
+        try:
+            # re parses the replacement before it looks for a match: refused here, for the
+            # rule, not later against whichever tensor happened to be renamed first.
+            pattern.sub(pair[1], "")
+        except (re.error, IndexError) as e:
+            raise InvalidArgumentError(
+                f"rename[{i}]: {pair[1]!r} is not a valid replacement for {pair[0]!r} ({e})"
+            ) from None
+        rules.append((pattern, pair[1]))
     return rules
 
 
 def _apply_rename(name: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
     for pat, repl in rules:
-        try:
-            name = pat.sub(repl, name)
-        except (re.error, IndexError) as e:
-            raise InvalidArgumentError(
-                f"rename {pat.pattern!r} -> {repl!r}: bad replacement for {name!r} ({e})"
-            ) from None
+        name = pat.sub(repl, name)
     return name
 
 
