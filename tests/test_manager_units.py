@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import ucp_dcp.byteio.durable as durable
 from ucp_dcp.byteio.durable import copy_durable, replace_via_temp, swap_paths
 from ucp_dcp import ReadOptions
-from ucp_dcp.errors import InvalidArgumentError, InvalidArgumentTypeError
+from ucp_dcp.errors import (
+    CheckpointExistsError,
+    CheckpointWriteError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+)
 from ucp_dcp.manager._collective import NodeLayout
 from ucp_dcp.manager.config import steps_to_delete, tiers_due
 from ucp_dcp.manager._restore import Candidate, order_candidates
@@ -242,3 +250,63 @@ def test_swap_paths(tmp_path: Path) -> None:
     if not swap_paths(str(tmp_path / "a"), str(tmp_path / "b")):
         pytest.skip("no renameat2(RENAME_EXCHANGE) here")
     assert os.listdir(tmp_path / "a") == [] and os.listdir(tmp_path / "b") == ["x"]
+
+
+def test_swap_paths_missing_side_is_a_write_error(tmp_path: Path) -> None:
+    """renameat2 failing for a reason other than "unsupported" names both paths and the errno."""
+    (tmp_path / "b").mkdir()
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    if durable._libc("renameat2", []) is False:
+        pytest.skip("no renameat2 here")
+    with pytest.raises(CheckpointWriteError, match=f"renameat2.*{a} and {b} failed") as info:
+        swap_paths(a, b)
+    assert info.value.errno == errno.ENOENT and os.listdir(tmp_path) == ["b"]
+
+
+def test_swap_paths_across_file_systems_is_refused(tmp_path: Path) -> None:
+    """Paths on two file systems (EXDEV) give False, nothing moved, for the caller's fallback."""
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("no second file system here")
+    (tmp_path / "a").write_bytes(b"a")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as other:
+        Path(other, "b").write_bytes(b"b")
+        if durable._libc("renameat2", []) is False:
+            pytest.skip("no renameat2 here")
+        assert swap_paths(str(tmp_path / "a"), os.path.join(other, "b")) is False
+        assert Path(other, "b").read_bytes() == b"b"
+    assert (tmp_path / "a").read_bytes() == b"a"
+
+
+def test_libc_missing_function_is_false() -> None:
+    assert durable._libc("ucp_dcp_no_such_libc_function", []) is False
+
+
+def test_write_all_zero_progress_is_a_write_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that returns 0 (it never does for a regular file) raises instead of spinning."""
+    monkeypatch.setattr(durable, "_pwrite", lambda fd, view, offset: 0)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        with pytest.raises(CheckpointWriteError, match="write made no progress at offset 7") as info:
+            durable.write_all(fd, b"abc", 7)
+    finally:
+        os.close(fd)
+    assert info.value.errno == errno.EIO
+
+
+def test_fsync_path_and_remove_quietly_are_best_effort(tmp_path: Path) -> None:
+    """A missing path, or one whose fsync is refused (a character device), is no error."""
+    assert durable.fsync_path(str(tmp_path / "missing")) is None
+    assert durable.fsync_path(os.devnull) is None  # fsync(/dev/null) is EINVAL
+    assert durable.remove_quietly(str(tmp_path / "missing")) is None
+    assert os.listdir(tmp_path) == []
+
+
+def test_building_dir_into_non_empty_dst(tmp_path: Path) -> None:
+    """A destination that filled up meanwhile refuses the move and the build directory goes."""
+    dst = tmp_path / "out"
+    with pytest.raises(CheckpointExistsError, match=f"{dst}: cannot move the finished output into place"):
+        with durable.building_dir(str(dst)) as tmp:
+            Path(tmp, "x").write_bytes(b"x")
+            dst.mkdir()
+            (dst / "other").write_bytes(b"o")
+    assert os.listdir(tmp_path) == ["out"] and os.listdir(dst) == ["other"]
