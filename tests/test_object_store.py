@@ -545,3 +545,74 @@ def test_the_headers_of_a_load_are_fetched_at_once_and_what_they_hold_costs_no_r
     assert bit_equal(got["w"], full("w", (64, 256))) and got["step"] == 3
     heads = [(n, 0, s) for n, s in zip(data, sizes)]
     assert [b for b in batches if b[0][0] != "ucp_index.json"] == [heads], batches
+
+
+def test_a_url_fsspec_cannot_open_is_a_storage_error() -> None:
+    with pytest.raises(StorageError, match=r"^nosuchproto://b/x: cannot open this URL with fsspec: Protocol not known"):
+        ObjectStore("nosuchproto://b/x")
+
+
+def test_an_s3_client_that_cannot_be_made_fails_the_request_naming_the_object() -> None:
+    """An endpoint the client refuses: the throttling hook lets it be, and the request itself says why."""
+    store = ObjectStore("s3://b/x", {"endpoint_url": "not a url", "key": "k", "secret": "s"},
+                        requests=RequestPolicy(attempts=1))
+    with pytest.raises(StorageError, match=r"^s3://b/x/y: reading the object failed: ValueError: Invalid endpoint: not a url$"):
+        store.read("y")
+
+
+def test_name_of_a_path_outside_the_checkpoint_is_its_last_part() -> None:
+    store = ObjectStore(f"memory://ucp-{uuid.uuid4().hex[:8]}/x")
+    assert store.name_of(store.url_of("a/b.bin")) == "a/b.bin" and store.name_of(store.path("c")) == "c"
+    assert store.name_of("memory://elsewhere/d/e.bin") == "e.bin"
+
+
+def _joined_composite_threads() -> None:
+    for t in threading.enumerate():
+        if t.name == "ucp-composite":
+            t.join(5)
+
+
+def test_a_composite_operation_ending_after_its_waiter_left_is_dropped(monkeypatch: Any) -> None:
+    """Its waiter cancelled (the future is done), or its loop closed meanwhile: the thread's result
+    is dropped, and the thread ends without an error."""
+    import asyncio
+
+    from ucp_dcp.byteio.objstore import _in_own_thread
+
+    errors: list[Any] = []
+    monkeypatch.setattr(threading, "excepthook", errors.append)
+    release = threading.Event()
+
+    async def cancelled() -> None:
+        task = asyncio.ensure_future(_in_own_thread(lambda: release.wait(5)))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        release.set()
+        await asyncio.sleep(0.05)  # the thread settles on this loop: the future is already done
+        assert task.cancelled()
+
+    asyncio.run(cancelled())
+    _joined_composite_threads()
+    release.clear()
+
+    async def timed_out() -> None:
+        await asyncio.wait_for(_in_own_thread(lambda: release.wait(5)), 0.01)
+
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(timed_out())  # the loop is closed before the thread ends
+    release.set()
+    _joined_composite_threads()
+    assert errors == [] and not [t for t in threading.enumerate() if t.name == "ucp-composite"]
+
+
+def test_discard_never_raises() -> None:
+    """A file whose abandon fails (and that takes no attributes) is left as it is, quietly."""
+    from ucp_dcp.byteio.objstore import discard
+
+    class Refusing:
+        __slots__ = ()
+
+        def discard(self) -> None:
+            raise OSError("connection gone")
+
+    assert discard(Refusing()) is None

@@ -213,3 +213,26 @@ def test_parts_upload_in_parallel_and_a_discard_aborts(s3_proxy: Any, parallel: 
     bucket = base.split("://", 1)[1]
     uploads = store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
     assert not [u for u in uploads if u["Key"].endswith("/gone")]
+
+
+def test_a_discard_after_a_failed_part_still_aborts(s3_proxy: Any) -> None:
+    """A part that failed is waited for and its error dropped by the discard (which reports
+    nothing), the upload is aborted, and closing or discarding again does nothing."""
+    from ucp_dcp.byteio.objstore import discard
+
+    base, options, proxy = s3_proxy
+    store = ObjectStore(f"{base}/failed-part-{uuid.uuid4().hex[:8]}", options, write_block_bytes=5 << 20,
+                        upload_parallel=2)
+    proxy.deny(_is_part)
+    out = store.open_write("gone")
+    out.write(bytes(6 << 20))  # one 5 MiB part goes out (and is denied), 1 MiB stays pending
+    discard(out)
+    discard(out)
+    out.close()  # already abandoned: no PUT of what was pending, no completion
+    proxy.clear()
+    assert "gone" not in store.list_sizes()
+    bucket = base.split("://", 1)[1]
+    uploads = store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+    assert not [u for u in uploads if u["Key"].endswith("/gone")]
+    assert not [r for r in proxy.select("PUT") if "partNumber" not in r.params]
+    assert len(proxy.select("POST")) == 1  # the create; no complete
