@@ -616,3 +616,110 @@ def test_discard_never_raises() -> None:
             raise OSError("connection gone")
 
     assert discard(Refusing()) is None
+
+
+# ---------------------------------------------------------------- the request scheduler on its own
+
+
+def test_slots_a_waiter_cancelled_queued_or_after_being_served_loses_no_slot() -> None:
+    import asyncio
+
+    from ucp_dcp.byteio.scheduler import Slots
+
+    async def go() -> None:
+        slots = Slots(1)
+        await slots.acquire()
+        queued = asyncio.ensure_future(slots.acquire())
+        await asyncio.sleep(0)
+        queued.cancel()  # cancelled while queued: it leaves the queue
+        served = asyncio.ensure_future(slots.acquire(hedge=True))
+        await asyncio.sleep(0)
+        slots.release()  # hands the slot to `served`...
+        served.cancel()  # ...cancelled before it ran: it passes the slot on
+        for task in (queued, served):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        await asyncio.wait_for(slots.acquire(), 1)  # the one slot is free again
+        late = asyncio.ensure_future(slots.acquire())
+        await asyncio.sleep(0.01)
+        assert not late.done()  # and it was the only one
+        late.cancel()
+
+    asyncio.run(go())
+
+
+def test_received_cost() -> None:
+    from ucp_dcp.byteio.scheduler import Received
+
+    assert Received(bytes=5, counted=True, sent=False).cost(100) == 0  # never sent: costs nothing
+    assert Received(bytes=5, counted=True, sent=True).cost(100) == 5
+    assert Received(bytes=5, counted=False, sent=True).cost(100) == 100
+
+
+def test_throttling_answers_seen_through_the_clients_event_hook_pause_the_stream() -> None:
+    """botocore's needs-retry event: a 503 or a SlowDown code counts as a throttle; an event without
+    a response (a connection error) or another error does not; a client without events is not hooked."""
+    import types
+
+    from botocore.hooks import HierarchicalEmitter
+
+    from ucp_dcp.byteio.scheduler import RequestScheduler
+
+    sched = RequestScheduler(RequestPolicy(throttle_pause_s=0.01))
+    sched.hook(object())
+    sched.hook(None)
+    events = HierarchicalEmitter()
+    client = types.SimpleNamespace(meta=types.SimpleNamespace(events=events))
+    sched.hook(client)
+    sched.hook(client)  # once per client
+    events.emit("needs-retry.s3.GetObject", response=None)
+    events.emit("needs-retry.s3.GetObject", response=(types.SimpleNamespace(status_code=500), {"Error": {"Code": "InternalError"}}))
+    assert sched.stats.throttles == 0
+    events.emit("needs-retry.s3.GetObject", response=(types.SimpleNamespace(status_code=503), {}))
+    events.emit("needs-retry.s3.PutObject", response=(types.SimpleNamespace(status_code=400), {"Error": {"Code": "SlowDown"}}))
+    assert sched.stats.throttles == 2
+
+
+def test_a_throttling_error_pauses_and_a_short_answer_on_the_one_try_is_truncated() -> None:
+    import asyncio
+
+    from ucp_dcp.byteio.scheduler import RequestScheduler
+
+    sched = RequestScheduler(RequestPolicy(attempts=1, throttle_pause_s=0.01))
+
+    async def slow_down(got: Any) -> bytes:
+        raise OSError("SlowDown: please reduce your request rate")
+
+    with pytest.raises(StorageError, match=r"^s3://b/o: reading bytes \[0, 8\) failed: OSError: SlowDown"):
+        asyncio.run(sched.run(slow_down, 8, where="s3://b/o", what="reading bytes [0, 8)"))
+    assert sched.stats.throttles == 1
+
+    async def short(got: Any) -> bytes:
+        return b"abc"
+
+    with pytest.raises(TruncatedFileError) as e:
+        asyncio.run(sched.run(short, 8, where="s3://b/o", what="reading bytes [0, 8)",
+                              check=lambda b: f"got {len(b)} of 8 bytes" if len(b) != 8 else None))
+    assert str(e.value) == "s3://b/o: got 3 of 8 bytes: truncated object"
+
+
+def test_a_request_cancelled_while_paused_by_a_throttle_frees_its_slot() -> None:
+    import asyncio
+
+    from ucp_dcp.byteio.scheduler import RequestScheduler
+
+    sched = RequestScheduler(RequestPolicy(max_in_flight=1, throttle_pause_s=0.2))
+
+    async def answer(got: Any) -> bytes:
+        return b"ok"
+
+    async def go() -> bytes:
+        sched.throttled()
+        waiting = asyncio.ensure_future(sched.run(answer, 2, where="s3://b/o", what="reading"))
+        await asyncio.sleep(0.02)  # it holds the one slot, waiting for the pause to end
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        return await asyncio.wait_for(sched.run(answer, 2, where="s3://b/o", what="reading"), 2)
+
+    assert asyncio.run(go()) == b"ok"
