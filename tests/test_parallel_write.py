@@ -20,6 +20,7 @@ block sizes.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import math
 import os
@@ -44,6 +45,7 @@ from ucp_dcp import UCPSavePlanner, UCPStorageWriter
 from ucp_dcp.byteio.datafile import DataFileWriter, chunk_entry, value_entry
 from ucp_dcp.byteio.rangeio import tensor_view
 from ucp_dcp.byteio.rangeio import read_header
+from ucp_dcp.errors import CheckpointWriteError, InvalidArgumentError
 from ucp_dcp.format import INDEX_FILE
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -198,3 +200,42 @@ def test_stable_views_keep_tensors_alive(tmp_path: Path) -> None:
     raw = (tmp_path / "f").read_bytes()
     for k, s in enumerate(out.starts):
         assert raw[s : s + math.prod(ts[k].shape) * 4] == want[k]
+
+
+def test_a_file_size_over_the_limit_fails_the_save_naming_file_and_rank(tmp_path: Path) -> None:
+    """The data file cannot be sized (ftruncate: EFBIG under a file size limit): the save fails
+    naming the file and the rank, and the file it created is removed."""
+    import resource
+
+    path = tmp_path / "ckpt"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))  # Python ignores SIGXFSZ: an error
+    try:
+        with pytest.raises(CheckpointException) as ei:
+            _save({"big": torch.randn(100_000)}, path, 1)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    (err, _), = ei.value.failures.values()
+    assert isinstance(err, CheckpointWriteError) and err.errno == errno.EFBIG
+    assert re.search(rf"rank 0 could not write checkpoint data file {re.escape(str(path))}/rank00000-\w+\.safetensors: "
+                     r"File too large; its partial file was removed", str(err)), str(err)
+    assert os.listdir(path) == []
+
+
+def test_a_writer_refuses_more_or_fewer_bytes_than_an_entry_has(tmp_path: Path) -> None:
+    """A caller's miscount is an InvalidArgumentError naming the file and the entry, and no file is left."""
+    from ucp_dcp.byteio.datafile import stream_data_file
+
+    f = str(tmp_path / "f")
+    entries = [value_entry("a", 4), value_entry("b", 2)]
+    with pytest.raises(InvalidArgumentError, match=re.escape(f"{f}: entry '__ucp_value__/a' gets more than its 4 bytes")):
+        with DataFileWriter(f, entries, rank=0, world_size=1, save_id="00000000") as out:
+            out.write(0, b"abc")
+            out.write(0, b"de")
+    with pytest.raises(InvalidArgumentError, match=re.escape(f"{f}: entries ['__ucp_value__/b'] were not written in full")):
+        with DataFileWriter(f, entries, rank=0, world_size=1, save_id="00000000") as out:
+            out.write(0, b"abcd")
+            out.write(1, b"e")
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(InvalidArgumentError, match=re.escape("obj: entry '__ucp_value__/b' has 1 bytes, not 2")):
+        stream_data_file(io.BytesIO(), entries, [b"abcd", b"e"], path="obj", rank=0, world_size=1, save_id="00000000")
