@@ -244,9 +244,7 @@ class DataFileWriter:
                 raise InvalidArgumentError(
                     f"{self.path}: entries {short[:5]} were not written in full"
                 )
-            self.entries, final, raw = _finished(
-                self.path, self.entries, self._hashes, self._args, len(self.header)
-            )
+            self.entries, final, raw = _finished(self.entries, self._hashes, self._args)
             if raw is not None:
                 # The block checksums' entry is the first one, right after the header.
                 write_all(self._fd, raw, len(self.header))
@@ -274,13 +272,12 @@ class DataFileWriter:
 
 
 def _finished(
-    path: str,
     entries: list[PlannedEntry],
     hashes: _Hashes,
     args: tuple[int, int, str, int],
-    header_len: int,
 ) -> tuple[list[PlannedEntry], bytes, memoryview | None]:
-    """Once every entry is hashed: the entries with their checksums, the final header, the block
+    """Once every entry is hashed: the entries with their checksums, the final header (as long as
+    the first: every checksum in it is 16 hex digits, as its placeholder was), the block
     checksums' bytes."""
     entries = [
         dataclasses.replace(e, meta=dataclasses.replace(e.meta, xxh3=h.hexdigest()))
@@ -296,8 +293,6 @@ def _finished(
         raw = sums.data.cast("B")
         sums_xxh3 = xxhash.xxh3_64_hexdigest(raw)
     final, _, _ = layout(entries, *args, block=hashes.block, block_sums_xxh3=sums_xxh3)
-    if len(final) != header_len:  # cannot happen: checksums are fixed-width
-        raise AssertionError(f"{path}: header length changed while writing")
     return entries, final, raw
 
 
@@ -337,7 +332,7 @@ def stream_data_file(
             )
         hashes.update(i, view)
         views.append(view)
-    entries, final, raw = _finished(path, entries, hashes, args, len(header))
+    entries, final, raw = _finished(entries, hashes, args)
     at = 0
 
     def emit(data: Any) -> None:
