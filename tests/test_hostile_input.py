@@ -32,7 +32,7 @@ from ucp_dcp import (
 )
 from ucp_dcp.core.values import decode_value
 from ucp_dcp.byteio.rangeio import read_header
-from ucp_dcp.format import INDEX_FILE, index_digest
+from ucp_dcp.format import BLOCK_SUMS_ENTRY, INDEX_FILE, index_digest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -166,6 +166,73 @@ def test_block_size_out_of_range_in_header(ckpt: Path, block: Any) -> None:
         with pytest.raises(CheckpointFormatError) as e:
             attempt()
         assert str(e.value).startswith(f"{f}: malformed block_sums metadata {{'block': {block!r}, ")
+
+
+def rewrite_header(f: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
+    """Replace the whole safetensors header of ``f`` by ``edit(doc)`` of it (its ``__metadata__``
+    as written), JSON-encoded and space-padded to the old length."""
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    doc = json.loads(raw[8:8 + n])
+    new = json.dumps(edit(doc)).encode()
+    assert len(new) <= n
+    f.write_bytes(raw[:8] + new + b" " * (n - len(new)) + raw[8 + n:])
+
+
+def _overlap(doc: dict[str, Any]) -> dict[str, Any]:
+    doc["model.b@0"]["data_offsets"] = list(doc["model.w@0,0"]["data_offsets"])
+    doc["model.b@0"]["data_offsets"][1] = doc["model.b@0"]["data_offsets"][0] + 64
+    return doc
+
+
+def _metadata(edit: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def run(doc: dict[str, Any]) -> dict[str, Any]:
+        edit(doc["__metadata__"])
+        return doc
+    return run
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda doc: ["not", "an", "object"], "header is not a JSON object"),
+        (lambda doc: {**doc, "__metadata__": "ucp_dcp"}, "__metadata__ is not a JSON object"),
+        (_overlap, "entries 'model.w@0,0' and 'model.b@0' overlap"),
+        (_metadata(lambda md: md.pop("ucp_dcp")), "safetensors file without ucp_dcp metadata"),
+        (_metadata(lambda md: md.update(ucp_dcp="[1]")), "safetensors file without ucp_dcp metadata"),
+        (_metadata(lambda md: md.update(ucp_dcp=json.dumps({**json.loads(md["ucp_dcp"]), "version": 99}))),
+         "unsupported format version 99"),
+        (lambda doc: {**doc, BLOCK_SUMS_ENTRY: {**doc[BLOCK_SUMS_ENTRY], "dtype": "I64"}},
+         f"block_sums metadata without a U64 {BLOCK_SUMS_ENTRY} entry"),
+    ],
+    ids=["list", "metadata", "overlap", "no_ucp", "ucp_list", "version", "block_sums_dtype"],
+)
+def test_header_structure(ckpt: Path, edit: Callable[[dict[str, Any]], Any], message: str) -> None:
+    """A header that is not the structure written is refused naming the file, by itself and in a load."""
+    f = data_file(ckpt)
+    rewrite_header(f, edit)
+    for attempt in (lambda: read_header(str(f)), lambda: load_state_dict(ckpt)):
+        with pytest.raises(CheckpointFormatError) as e:
+            attempt()
+        assert str(e.value) == f"{f}: {message}"
+
+
+def test_header_chunk_stored_under_another_name(ckpt: Path) -> None:
+    f = data_file(ckpt)
+    edit_header(f, lambda doc, md: md["entries"]["model.b@0"].update(fqn="model.c"))
+    with pytest.raises(CheckpointFormatError) as e:
+        read_header(str(f))
+    assert str(e.value) == (f"{f}: metadata of entry 'model.b@0': a chunk of 'model.c' at [0] must be stored "
+                            "as entry 'model.c@0'")
+
+
+def test_a_file_shorter_than_the_header_length(ckpt: Path) -> None:
+    f = data_file(ckpt)
+    f.write_bytes(f.read_bytes()[:5])
+    for attempt in (lambda: read_header(str(f)), lambda: load_state_dict(ckpt)):
+        with pytest.raises(CheckpointFormatError) as e:
+            attempt()
+        assert str(e.value) == f"{f}: truncated (5 bytes; a safetensors file starts with 8)"
 
 
 # ---------------------------------------------------------------- offsets
