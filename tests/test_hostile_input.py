@@ -29,10 +29,14 @@ from ucp_dcp import (
     UCPStorageWriter,
     load_index,
     load_state_dict,
+    rebuild_index,
 )
 from ucp_dcp.core.values import decode_value
 from ucp_dcp.byteio.rangeio import read_header
-from ucp_dcp.format import BLOCK_SUMS_ENTRY, INDEX_FILE, index_digest
+from ucp_dcp.errors import InvalidArgumentError
+from ucp_dcp.format import BLOCK_SUMS_ENTRY, INDEX_FILE, WrittenEntry, build_index, index_digest
+from ucp_dcp.format.header import EntryMeta, PlannedEntry
+from ucp_dcp.format.records import FileRecord, Layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -387,3 +391,57 @@ def test_hf_header_shape_larger_than_its_bytes(tmp_path: Path) -> None:
     with pytest.raises(CheckpointFormatError) as e:
         load_state_dict(tmp_path)
     assert str(e.value) == f"{f}: entry 'w' holds 16 bytes, but F32[1000000000] needs 4000000000"
+
+
+# ---------------------------------------------------------------- building the index
+
+
+@pytest.mark.parametrize("layout", [{"mesh": [131072], "placements": ["SS(0,2)"]}, {"mesh": [2], "placements": ["S(0)"]}],
+                         ids=["too_irregular_to_enumerate", "more_chunks_than_written"])
+def test_rebuild_index_lists_the_chunks_a_recorded_layout_does_not_match(ckpt: Path, layout: dict[str, Any]) -> None:
+    """A header's layout whose chunk grid cannot be enumerated, or is not the chunks written: the
+    rebuilt index lists the chunks written instead of the layout's grid."""
+    edit_header(data_file(ckpt), lambda doc, md: md["entries"]["model.w@0,0"].update(layout=layout))
+    committed = load_index(str(ckpt)).to_json()["tensors"]["model.w"]
+    rec = rebuild_index(str(ckpt)).to_json()["tensors"]["model.w"]
+    (loc,) = committed["files"]
+    assert "files" not in rec and rec["layout"] == layout
+    assert [(c["offsets"], c["sizes"], c["file"]) for c in rec["chunks"]] == [([0, 0], [8, 16], loc[0])]
+
+
+def _written(fqn: str, dtype: str, shape: tuple[int, ...], start: int) -> WrittenEntry:
+    meta = EntryMeta("tensor", fqn, dtype, shape, (0,) * len(shape), shape, "0" * 16)
+    return WrittenEntry(f"{fqn}@0", meta, start, 4 * shape[0])
+
+
+def test_build_index_refuses_records_that_disagree() -> None:
+    files = [FileRecord("rank00000-a.safetensors", 0, 100), FileRecord("rank00001-a.safetensors", 1, 100)]
+    with pytest.raises(CheckpointFormatError) as e:
+        build_index(2, files, [[_written("w", "float32", (4,), 8)], [_written("w", "int32", (4,), 8)]])
+    assert str(e.value) == "tensor 'w' is saved as float32[4] in one file and as int32[4] in rank00001-a.safetensors"
+    compact = build_index(1, files[:1], [[_written("w", "float32", (4,), 8)]]).tensors
+    with pytest.raises(CheckpointFormatError) as e:
+        build_index(1, files[:1], [[_written("w", "float32", (4,), 8)]], compact=compact)
+    assert str(e.value) == "tensor 'w' was written both per chunk and through its mesh group"
+    # Rows written, the layout's grid in columns: as many chunks, other boxes; listed as written.
+    rows = [WrittenEntry(f"m@{r},0", EntryMeta("tensor", "m", "float32", (4, 4), (r, 0), (2, 4), "0" * 16), 8 + 32 * r, 32)
+            for r in (0, 2)]
+    index = build_index(1, files[:1], [rows], layouts={"m": Layout((2,), ("S(1)",))})
+    assert not index.tensors["m"].compact
+    assert [(c.box.offsets, c.box.sizes) for c in index.tensors["m"].chunks] == [((0, 0), (2, 4)), ((2, 0), (2, 4))]
+
+
+def test_written_entry_of_padding_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"^entry '__pad__' is padding or block checksums, not a tensor"):
+        WrittenEntry.of(PlannedEntry("__pad__", "U8", (4,), 4, None), 0)
+
+
+def test_an_index_json_cannot_hold_fails_its_digest(ckpt: Path) -> None:
+    """A NaN (Python's JSON reads it; canonical JSON has none) cannot match any digest."""
+    doc = doc_of(ckpt)
+    raw = (ckpt / INDEX_FILE).read_text().replace('"world_size":1', '"world_size":NaN')
+    assert raw != json.dumps(doc, separators=(",", ":"))
+    (ckpt / INDEX_FILE).write_text(raw)
+    with pytest.raises(CheckpointFormatError, match=r"ucp_index\.json: the index does not match its digest "
+                       rf"\(recorded '{doc['digest']}', its content hashes to \(not canonical JSON\)\)"):
+        load_index(str(ckpt))
