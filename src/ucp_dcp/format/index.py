@@ -77,12 +77,8 @@ def build_index(
                 per_tensor[e.meta.fqn].append((loc, e))
             elif e.meta.kind == "value":
                 values[e.meta.fqn] = loc
-            elif e.meta.kind == "rank_local":
+            else:  # "rank_local": the only other kind a header may name (header._KINDS)
                 rank_local[e.meta.fqn][files[fi].rank] = loc
-            else:
-                raise CheckpointFormatError(
-                    f"{files[fi].name}: entry {e.name!r} has unknown kind {e.meta.kind!r}"
-                )
     tensors: dict[str, TensorRecord] = {}
     for fqn in sorted(per_tensor):
         items = per_tensor[fqn]
