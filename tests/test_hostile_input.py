@@ -36,7 +36,7 @@ from ucp_dcp.byteio.rangeio import read_header
 from ucp_dcp.errors import InvalidArgumentError
 from ucp_dcp.format import BLOCK_SUMS_ENTRY, INDEX_FILE, WrittenEntry, build_index, index_digest
 from ucp_dcp.format.header import EntryMeta, PlannedEntry
-from ucp_dcp.format.records import FileRecord, Layout
+from ucp_dcp.format.records import FileRecord, Layout, decode_runs
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -127,6 +127,38 @@ def test_index_fields(ckpt: Path, edit: Callable[[dict[str, Any]], Any], message
     """Wrong types and values anywhere in the index are refused naming the field."""
     edit_index(ckpt, edit)
     fails(ckpt, f"{ckpt / INDEX_FILE}: {message}")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d["tensors"]["model.w"].update(files=[[0, 1 << 41, 0]]),
+         "tensor 'model.w': malformed file runs [[0, 2199023255552, 0]]"),
+        (lambda d: d["tensors"]["model.w"].update(files=[[0, 1 << 40, 0], [0, 1, 0]]),
+         "tensor 'model.w': file runs list more than 1099511627776 chunks"),
+        (lambda d: d["tensors"]["model.w"].update(layout={"mesh": [1], "placements": ["SS(0,0)"]}),
+         "tensor 'model.w': placement 'SS(0,0)' has a split factor below 1"),
+        (lambda d: d["tensors"]["model.w"].update(layout={"mesh": [131072], "placements": ["SS(0,2)"]}),
+         "tensor 'model.w': layout {'mesh': [131072], 'placements': ['SS(0,2)']} does not apply to shape [8, 16]: "
+         "layout mesh=[131072] placements=['SS(0,2)'] is irregular and has 131072 mesh coordinates, more than the "
+         "65536 enumerated one by one"),
+        (lambda d: d["files"].append(dict(d["files"][0])),
+         "files[1]: data file '{file}' is listed twice"),
+        (lambda d: d["rank_local"]["rng"].update({"5": d["rank_local"]["rng"]["0"]}),
+         "rank-local value 'rng' of rank 5: rank 5 is outside world size 1"),
+    ],
+    ids=["run_range", "run_total", "split_factor", "layout_grid", "file_twice", "rank_local_rank"],
+)
+def test_index_structure(ckpt: Path, edit: Callable[[dict[str, Any]], Any], message: str) -> None:
+    """Run lists, layouts, file lists and rank-local ranks that no save writes are refused naming the field."""
+    name = doc_of(ckpt)["files"][0]["name"]
+    edit_index(ckpt, edit)
+    fails(ckpt, f"{ckpt / INDEX_FILE}: {message.replace('{file}', name)}")
+
+
+def test_run_list_slices() -> None:
+    runs = decode_runs([[3, 2, 1], [9, 3, -2]], "here")
+    assert list(runs) == [3, 4, 9, 7, 5] and runs[1:4] == [4, 9, 7] and runs[::-2] == [5, 9, 3]
 
 
 @pytest.mark.parametrize("raw", [b"[" * 100_000, b'{"world_size": ' + b"9" * 5000 + b"}"], ids=["deep", "digits"])
