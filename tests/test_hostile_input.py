@@ -129,6 +129,14 @@ def test_index_fields(ckpt: Path, edit: Callable[[dict[str, Any]], Any], message
     fails(ckpt, f"{ckpt / INDEX_FILE}: {message}")
 
 
+def _two_chunks_at(rec: dict[str, Any], a: list[int], b: list[int]) -> dict[str, Any]:
+    """``rec`` (of the 8x16 float32 ``model.w``) as an explicit list of two 4x16 chunks at offsets ``a`` and ``b``."""
+    chunk = {"sizes": [4, 16], "file": 0, "start": 8, "nbytes": 256, "xxh3": "0" * 16}
+    out = {k: v for k, v in rec.items() if k != "files"}
+    out["chunks"] = [{**chunk, "offsets": a}, {**chunk, "offsets": b}]
+    return out
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -146,8 +154,17 @@ def test_index_fields(ckpt: Path, edit: Callable[[dict[str, Any]], Any], message
          "files[1]: data file '{file}' is listed twice"),
         (lambda d: d["rank_local"]["rng"].update({"5": d["rank_local"]["rng"]["0"]}),
          "rank-local value 'rng' of rank 5: rank 5 is outside world size 1"),
+        (lambda d: d["tensors"]["model.w"].update(dtype="qint8"), "tensor 'model.w': dtype 'qint8' is not one a checkpoint holds"),
+        (lambda d: d["tensors"]["model.w"].update(shape=[0, 1 << 62]),
+         "tensor 'model.w': shape [0, 4611686018427387904] is too large to address"),
+        (lambda d: d["tensors"].update({"model.w": _two_chunks_at(d["tensors"]["model.w"], [0, 0], [0, 0])}),
+         "tensor 'model.w': its chunks hold as many elements as the tensor but overlap, so some elements "
+         "are in none"),
+        (lambda d: d.update(paths=[]), "paths: must be an object of key -> path"),
+        (lambda d: d.update(paths={"model.w": ["model", "v"]}), "paths: 'model.w': malformed path ['model', 'v']"),
     ],
-    ids=["run_range", "run_total", "split_factor", "layout_grid", "file_twice", "rank_local_rank"],
+    ids=["run_range", "run_total", "split_factor", "layout_grid", "file_twice", "rank_local_rank", "dtype_not_stored",
+         "shape_unaddressable", "chunks_overlap", "paths_list", "path_other_key"],
 )
 def test_index_structure(ckpt: Path, edit: Callable[[dict[str, Any]], Any], message: str) -> None:
     """Run lists, layouts, file lists and rank-local ranks that no save writes are refused naming the field."""
