@@ -97,6 +97,20 @@ def test_flat_shard_errors() -> None:
         Piece("x", (4,), (3,), torch.zeros(2))
     with pytest.raises(LayoutError, match=r"two pieces of 'x' start at offsets \[0\]"):
         TensorPieces([Piece("x", (4,), (0,), torch.zeros(2)), Piece("x", (4,), (0,), torch.zeros(1))])
+    with pytest.raises(LayoutError, match=re.escape(
+            "piece of 'x': global shape [4, 2], offsets [0] and data shape [2] must have the same number of dimensions")):
+        Piece("x", (4, 2), (0,), torch.zeros(2))
+    with pytest.raises(LayoutError, match=re.escape(
+            "TensorPieces(opt): pieces of 'x' disagree on shape/dtype: [4] torch.float32 and [4] torch.float16")):
+        TensorPieces([Piece("x", (4,), (0,), torch.zeros(2)), Piece("x", (4,), (2,), torch.zeros(2, dtype=torch.float16))],
+                     source="opt")
+
+
+def test_tensor_pieces_size_and_repr() -> None:
+    pieces = [Piece(f"p{k}", (4, 3), (0, 0), torch.zeros(2, 3, dtype=torch.float16)) for k in range(5)]
+    assert TensorPieces(pieces[:2], source="zero").nbytes == 2 * 12
+    assert repr(TensorPieces(pieces[:2], source="zero")) == "TensorPieces(zero)[2 piece(s) of p0, p1]"
+    assert repr(TensorPieces(pieces)) == "TensorPieces[5 piece(s) of p0, p1, p2, p3, ...]"
 
 
 
