@@ -18,7 +18,6 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from ..errors import UnsupportedValueError
 from .boxes import row_major_strides
 
 __all__ = ["MASK64", "box_share", "combine", "digest_hex"]
@@ -71,11 +70,10 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     """The value bits of contiguous CPU tensor ``t`` as unsigned integers, shaped like ``t``."""
     t = t.resolve_conj().resolve_neg()  # the values, not a view's memory
     size = t.element_size()
+    # Every torch dtype's elements are 1, 2, 4, 8 or 16 bytes.
     if size == 16:  # complex128: two 64-bit words per element, folded into one
         words = t.view(torch.int64).numpy().view(np.uint64).reshape(*t.shape, 2)
         return np.bitwise_xor(words[..., 0], words[..., 1] * _M2)
-    if size not in _SIGNED:
-        raise UnsupportedValueError(f"no placement digest for elements of {size} bytes ({t.dtype})")
     if t.dtype == torch.bool:
         t = t.view(torch.uint8)
     return t.view(_SIGNED[size]).numpy().view(_UNSIGNED[size])
