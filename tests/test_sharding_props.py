@@ -767,3 +767,41 @@ def test_a_grid_with_a_box_listed_twice_and_one_missing_does_not_tile() -> None:
     assert tiles(grid, (4, 6)) and Grid.from_boxes(grid, (4, 6)) is not None
     twice = [grid[0], grid[0], grid[1], grid[2]]
     assert not tiles(twice, (4, 6)) and Grid.from_boxes(twice, (4, 6)) is None
+
+
+@pytest.mark.parametrize(
+    "shape, mesh, pls",
+    [
+        ((8, 4), (2, 2), (_StridedShard(0, split_factor=2), _StridedShard(0, split_factor=2))),  # two pending on dim 0
+        ((6, 4), (2, 4), (_StridedShard(0, split_factor=4), Shard(0))),  # 6 rows do not split in 4
+        ((8, 4), (2, 3), (_StridedShard(0, split_factor=2), Shard(0))),  # split factor 2 not a multiple of 3
+        ((8, 4), (2, 2), (Replicate(), Shard(0))),
+    ],
+)
+def test_layouts_outside_the_arithmetic_path_match_dtensor(shape: tuple[int, ...], mesh: tuple[int, ...],
+                                                             pls: tuple[Any, ...]) -> None:
+    """Strided layouts the vectorised path does not handle go through DTensor's own arithmetic:
+    the same boxes, or the same LayoutError."""
+    if not isinstance(pls[0], Replicate):
+        assert _application_order(shape, mesh, pls) is None
+    boxes = try_chunks(shape, (mesh, pls))
+    if boxes is None:
+        with pytest.raises(LayoutError):
+            layout_grid(shape, mesh, pls)
+    else:
+        assert layout_grid(shape, mesh, pls).boxes() == boxes
+
+
+def test_application_order_of_a_dim_the_tensor_lacks_or_another_placement_is_none() -> None:
+    assert _application_order((4,), (2,), (Shard(1),)) is None
+    assert _application_order((4,), (2,), (Placement(),)) is None
+
+
+def test_grid_find_offsets_that_start_no_chunk() -> None:
+    grid = layout_grid((8, 4), (2,), (Shard(0),))
+    assert grid.find((4, 0)) == 1 and grid.find((3, 0)) is None and grid.find((9, 0)) is None
+
+
+def test_placement_to_str_of_an_unknown_placement() -> None:
+    with pytest.raises(LayoutError, match=r"^unsupported DTensor placement"):
+        placement_to_str(Placement())
