@@ -30,7 +30,7 @@ from ucp_dcp.byteio.blocksums import BlockVerifier, ChunkCheck
 from ucp_dcp.byteio.rangeio import RangeReader
 from ucp_dcp.byteio.transfer import ChunkRegion, StagingBuffers
 from ucp_dcp.core.sharding import Box
-from ucp_dcp.core.spans import ReadCosts, prefer_span, read_cost, region_starts, span_of, span_slabs
+from ucp_dcp.core.spans import ReadCost, ReadCosts, prefer_span, read_cost, region_starts, span_of, span_slabs
 from ucp_dcp.errors import ChecksumError
 from ucp_dcp.format import Location
 from ucp_dcp import ReadOptions
@@ -355,3 +355,10 @@ def test_a_destination_in_another_order_counts_its_runs() -> None:
     chunk, region = (256, 256), Box((0, 0), (256, 256))
     assert not prefer_span(chunk, region, 4)
     assert prefer_span(chunk, region, 4, dst_strides=(1, 256))
+
+
+def test_no_runs_or_empty_runs_cost_nothing_and_an_empty_region_has_no_slab() -> None:
+    zero = ReadCost(0, 0, 0.0)
+    assert read_cost(np.array([], dtype=np.int64), 8) == (zero, zero)
+    assert read_cost(np.array([0, 64], dtype=np.int64), 0) == (zero, zero)
+    assert list(span_slabs((4, 4), Box((1, 0), (0, 4)), 4, 1 << 20)) == []
