@@ -104,9 +104,7 @@ def span_of(
 
 
 def _pages(starts: np.ndarray, length: int, page: int) -> int:
-    """Distinct pages that ``[s, s + length)`` for ascending ``starts`` touch."""
-    if not len(starts):
-        return 0
+    """Distinct pages that ``[s, s + length)`` for ascending ``starts`` (non-empty) touch."""
     first = starts // page
     last = (starts + length - 1) // page
     total = int((last - first + 1).sum())
@@ -189,9 +187,8 @@ def prefer_span(
         j = max(j, _contiguous_from(region.sizes, dst_strides))
     if math.prod(region.sizes[:j]) < min_runs:
         return False
+    # As many runs as counted above: region_starts splits at the same dimension j.
     starts, length = region_starts(chunk_sizes, region, itemsize, dst_strides)
-    if len(starts) < min_runs:
-        return False
     if gap_bytes <= 0 and int(starts.max()) + length - int(starts.min()) > len(starts) * length:
         return False  # gap_bytes=0 asks for exactly the needed bytes: no span that reads a gap
     exact, span = read_cost(
