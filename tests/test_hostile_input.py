@@ -408,8 +408,9 @@ def test_swapped_value_locations(ckpt: Path) -> None:
          "value 'k' is not valid ucp_dcp JSON (RuntimeError: shape '[3]' is invalid for input of size 1)"),
         (b"\xff", "value 'k' is not valid ucp_dcp JSON (UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff "
                   "in position 0: invalid start byte)"),
+        (b'{"__ucp__": "frozenset", "v": []}', "value 'k': unknown tag 'frozenset' (written by a newer ucp_dcp?)"),
     ],
-    ids=["tag_field", "tensor_shape", "utf8"],
+    ids=["tag_field", "tensor_shape", "utf8", "unknown_tag"],
 )
 def test_malformed_value(raw: bytes, message: str) -> None:
     """A value whose bytes pass their checksum but do not decode is a format error, not a KeyError."""

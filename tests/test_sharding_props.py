@@ -805,3 +805,18 @@ def test_grid_find_offsets_that_start_no_chunk() -> None:
 def test_placement_to_str_of_an_unknown_placement() -> None:
     with pytest.raises(LayoutError, match=r"^unsupported DTensor placement"):
         placement_to_str(Placement())
+
+
+def test_object_arrays_and_nested_tensor_subclasses_are_refused() -> None:
+    import numpy as np
+
+    with pytest.raises(UnsupportedValueError, match=r"^opt\.a: numpy arrays of Python objects cannot be saved$"):
+        encode_value({"a": np.array([1, "x"], dtype=object)}, "opt")
+
+    class Tagged(torch.Tensor):
+        pass
+
+    t = torch.Tensor._make_subclass(Tagged, torch.zeros(2))
+    with pytest.raises(UnsupportedValueError, match=r"^opt\.a\[0\]: a Tagged nested inside a non-tensor value cannot "
+                       r"be saved; put it directly in the state dict so it is saved as a tensor$"):
+        encode_value({"a": [t]}, "opt")
