@@ -151,3 +151,29 @@ def test_a_local_read_gets_the_time_of_every_try(tmp_path: Path) -> None:
         os.preadv = real  # type: ignore[assignment]
         os.write(end, b"x" * 64)
         os.close(end)
+
+
+@pytest.mark.parametrize("deadlines", [True, False])
+def test_a_read_past_the_end_of_a_data_file_is_truncated_naming_what_was_needed(tmp_path: Path, deadlines: bool) -> None:
+    """A range that starts inside the file and ends past it: the bytes that are there come (a short
+    read), then the read fails naming the file, the bytes still needed and the file's size; on the
+    calling thread as on an I/O thread."""
+    from ucp_dcp.errors import TruncatedFileError
+
+    path = tmp_path / "f.bin"
+    _data(path, 4096)
+    with RangeReader([str(path)], gap_bytes=0, requests=RequestPolicy(local_deadlines=deadlines)) as reader:
+        with pytest.raises(TruncatedFileError) as e:
+            # Two buffers in one read call: the short read fills the first and part of the second.
+            reader.read([Segment(0, 4000, memoryview(bytearray(50))), Segment(0, 4050, memoryview(bytearray(950)))])
+    assert str(e.value) == f"{path}: needed bytes [4096, 5000) but the file ends at 4096: truncated data file"
+
+
+def test_a_data_file_that_cannot_be_opened_is_named(tmp_path: Path) -> None:
+    from ucp_dcp.errors import CheckpointFormatError
+
+    loop = tmp_path / "loop.bin"
+    loop.symlink_to(loop)
+    with pytest.raises(CheckpointFormatError) as e:
+        RangeReader([str(loop)]).read([Segment(0, 0, memoryview(bytearray(8)))])
+    assert str(e.value) == f"{loop}: cannot open (Too many levels of symbolic links)"
