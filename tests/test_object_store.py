@@ -723,3 +723,30 @@ def test_a_request_cancelled_while_paused_by_a_throttle_frees_its_slot() -> None
         return await asyncio.wait_for(sched.run(answer, 2, where="s3://b/o", what="reading"), 2)
 
     assert asyncio.run(go()) == b"ok"
+
+
+@pytest.mark.parametrize("kind", ["local", "object"])
+def test_a_model_dir_answers_for_missing_files(kind: str, tmp_path: Any) -> None:
+    """A missing file has no size and removing it is no error, on both storages; the sizes come
+    from the file system or the store's listing."""
+    from ucp_dcp.byteio.location import location_at
+
+    where = str(tmp_path / "ck") if kind == "local" else f"memory://ucp-{uuid.uuid4().hex[:8]}/ckpt"
+    storage = location_at(where)
+    storage.make()
+    storage.write_atomic("a.bin", b"abc")
+    storage = location_at(where)  # a fresh view: an object store lists again
+    assert storage.size("a.bin") == 3 and storage.size("gone.bin") is None
+    assert storage.holds("a.bin") and not storage.holds("gone.bin")  # an object store: from its listing
+    storage.remove(["gone.bin", "a.bin"])
+    assert storage.list() == []
+
+
+def test_a_local_file_that_cannot_be_read_is_named(tmp_path: Any) -> None:
+    from ucp_dcp.byteio.location import location_at
+
+    storage = location_at(str(tmp_path))
+    (tmp_path / "ucp_index.json").mkdir()  # a directory where the file should be
+    with pytest.raises(CheckpointFormatError) as e:
+        storage.read("ucp_index.json")
+    assert str(e.value) == f"{tmp_path}/ucp_index.json: cannot read (Is a directory)"
