@@ -432,6 +432,29 @@ def test_object_access_extends_its_prefix_in_one_request() -> None:
     assert b.pread(8, 0) == _BLOB[:8] and store.reads[-1] == ("f", 0, len(_BLOB))
     c = ObjectAccess(store, "f", len(_BLOB), head_bytes=16)
     assert c.pread(4, 100) == _BLOB[100:104] and store.reads[-1] == ("f", 100, 104)
+    n = len(store.reads)
+    assert c.pread(4, len(_BLOB)) == b"" and c.pread(4, len(_BLOB) + 9) == b"" and len(store.reads) == n  # past the end
+
+
+def test_an_error_placing_a_window_stops_the_read_before_later_windows_are_placed() -> None:
+    """A segment's callback that fails (as a block check does) fails the read with its own error;
+    the windows fetched ahead are dropped, none of their segments completed."""
+    store = ObjectStore(f"memory://ucp-{uuid.uuid4().hex[:8]}/blob")
+    store.put("f", _BLOB)
+    done: list[int] = []
+
+    def check(k: int) -> Any:
+        def fn(n: int) -> None:
+            if k == 0:
+                raise CheckpointFormatError(f"block {k} of f differs")
+            done.append(k)
+        return fn
+
+    segments = [Segment(0, 2048 * k, memoryview(bytearray(1024)), check(k)) for k in range(4)]
+    with ObjectRangeReader(store, ["f"], gap_bytes=0, max_request_bytes=1024, window_bytes=1024) as reader:
+        with pytest.raises(CheckpointFormatError, match=r"^block 0 of f differs$"):
+            reader.read(segments)
+    assert done == []
 
 
 def test_object_range_reader_reads_to_a_near_end_and_keeps_it() -> None:
