@@ -576,6 +576,18 @@ def test_progress_bar() -> None:
     assert throttled.getvalue().count("\r") == 1
 
 
+def test_progress_bar_follows_a_growing_total_and_a_closed_stream_is_no_terminal() -> None:
+    stream = io.StringIO()
+    with ProgressBar("loading", stream=stream, enabled=True, min_interval=0) as bar:
+        bar(5, 10)
+        bar(6, 20)  # more work was found: the bar's total follows
+        assert stream.getvalue().split("\r")[-1].startswith("loading:  30%|###       | 6.00/20.0 [")
+    assert stream.getvalue().endswith("\n")  # leaving the block ended the line
+    closed = io.StringIO()
+    closed.close()
+    assert not ProgressBar(stream=closed).enabled
+
+
 def test_progress_bar_last_frame_leaves_no_stale_characters() -> None:
     """A shorter frame after a longer one is padded over (the hand-written bar left "807 MBB")."""
     stream = io.StringIO()
