@@ -170,13 +170,13 @@ _UNITS = ("B", "KB", "MB", "GB", "TB", "PB")
 def format_bytes(n: int | float) -> str:
     """``'1.5 GB'`` for 1.5e9: decimal units, three significant digits."""
     value = float(n)
-    for unit in _UNITS:
-        if abs(value) < 1000 or unit == _UNITS[-1]:
-            if unit == "B":
-                return f"{int(value)} B"
-            return f"{value:.3g} {unit}" if abs(value) < 100 else f"{value:.0f} {unit}"
+    if abs(value) < 1000:
+        return f"{int(value)} B"
+    for unit in _UNITS[1:]:
         value /= 1000
-    raise AssertionError("unreachable")
+        if abs(value) < 1000 or unit == _UNITS[-1]:
+            break
+    return f"{value:.3g} {unit}" if abs(value) < 100 else f"{value:.0f} {unit}"
 
 
 class ProgressBar:
