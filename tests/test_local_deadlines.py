@@ -177,3 +177,20 @@ def test_a_data_file_that_cannot_be_opened_is_named(tmp_path: Path) -> None:
     with pytest.raises(CheckpointFormatError) as e:
         RangeReader([str(loop)]).read([Segment(0, 0, memoryview(bytearray(8)))])
     assert str(e.value) == f"{loop}: cannot open (Too many levels of symbolic links)"
+
+
+def test_io_workers_skip_a_task_cancelled_before_it_ran_and_wait_untimed_without_deadlines() -> None:
+    """A queued task whose future was cancelled is not run, and the thread goes on to the next;
+    without local deadlines the waiting thread waits for several futures with no timeout."""
+    from ucp_dcp.byteio.workers import IOWorkers
+
+    workers = IOWorkers(1, RequestPolicy(local_deadlines=False))
+    release, ran = threading.Event(), []
+    first = workers.submit(lambda _: release.wait(5), None)
+    skipped = workers.submit(ran.append, "cancelled")
+    assert skipped.cancel()
+    rest = [workers.submit(ran.append, k) for k in range(3)]
+    release.set()
+    workers.wait([first, *rest])
+    workers.close()
+    assert ran == [0, 1, 2] and first.result() is True and skipped.cancelled()
