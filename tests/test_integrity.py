@@ -174,6 +174,24 @@ def test_hash_range_matches_xxh3_64(tmp_path: Path, start: int, nbytes: int, buf
     assert got == xxhash.xxh3_64_hexdigest(data[start : start + nbytes])
 
 
+def test_hash_range_needs_a_buffer_and_a_chunk_is_checked_once_if_it_has_a_checksum(tmp_path: Path) -> None:
+    from ucp_dcp.byteio.integrity import ChunkVerifier
+
+    f = tmp_path / "blob"
+    f.write_bytes(bytes(64))
+    with RangeReader([str(f)]) as reader:
+        with pytest.raises(InvalidArgumentError, match="^hash_range needs a non-empty buffer$"):
+            hash_range(reader, Location(0, 0, 8, ""), bytearray())
+        verifier = ChunkVerifier(reader, [str(f)], [0])
+        verifier.add(Location(0, 0, 64, ""), "w", (0,))  # an imported DCP chunk: no checksum
+        verifier.add(Location(0, 0, 64, "0" * 16), "v", (0,), torch.ones(16))
+        with pytest.raises(ChecksumError, match="tensor 'v'"):
+            verifier.check()
+        verifier.add(Location(0, 0, 64, "0" * 16), "v", (0,))  # checked already: once per load
+        verifier.check()
+    assert verifier.bytes == 64  # v's bytes, once
+
+
 def test_checksum_error_names_everything_and_pickles() -> None:
     """DCP pickles rank failures to gather them: the error must survive that, attributes and all."""
     e = ChecksumError("/ck/rank00001-ab.safetensors", "tensor 'layer.w' chunk at [0, 4]", "00ff", "1234", 1)
