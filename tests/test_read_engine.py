@@ -239,3 +239,33 @@ def test_storage_view_covers_the_storage_and_keeps_it_alive() -> None:
     torch.randn(1 << 16)  # other allocations do not reuse the memory the view holds
     assert np.frombuffer(mv, dtype=np.float32)[:3].tolist() == [7.5, 1.0, 2.0]
     assert storage_view(torch.empty(0)).nbytes == 0
+
+
+def test_pending_reads_are_bounded_by_scratch_and_segment_count(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strided regions are read before more are planned once the block verifier's scratch reaches
+    its bound, or once the segments pending reach MAX_PENDING_SEGMENTS; the bytes are the same."""
+    import ucp_dcp.byteio.engine as engine_mod
+
+    full = _full((16, 100), torch.float32, 3)
+    path = str(tmp_path / "data.bin")
+    stored = _write_chunks(path, [full[:8], full[8:]], (), 16)
+    monkeypatch.setattr(engine_mod, "MAX_PENDING_SEGMENTS", 4)
+    regions = [Box((1, 3), (6, 2)), Box((0, 50), (8, 3))]  # 6 and 8 runs
+    for verify in (True, False):
+        with RangeReader([path], threads=2, gap_bytes=0) as reader:
+            engine = ChunkReads(reader, [path], [0], verify=verify, max_buffer_bytes=1 << 10)
+            if engine.blocks is not None:
+                engine.blocks.scratch_limit = 64  # a run's two edge blocks and a little more
+            dests = []
+            for k, ((loc, sums), region) in enumerate(zip(stored, regions)):
+                dest = torch.full(region.sizes, 7.0)
+                dests.append(dest)
+                engine.add(ChunkRegion(loc, (8, 100), region, torch.float32), dest, name="w",
+                           chunk_offsets=(8 * k, 0), sums=sums)
+            engine.flush()
+            engine.close()
+        for k, (dest, r) in enumerate(zip(dests, regions)):
+            base = 8 * k + r.offsets[0]
+            assert bit_equal(dest, full[base: base + r.sizes[0], r.offsets[1]: r.offsets[1] + r.sizes[1]]), (verify, k)
+        assert engine.stats.staged == 0
+        assert (engine.stats.verified_bytes >= sum(r.numel for r in regions) * 4) is verify
