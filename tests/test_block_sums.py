@@ -167,6 +167,13 @@ def test_block_hasher_is_blockwise_xxh3_however_the_stream_is_cut(data: bytes, b
     assert h.digests().tolist() == want
 
 
+def test_block_hasher_fed_too_few_bytes_refuses_its_digests() -> None:
+    h = BlockHasher(10, 4)
+    h.update(b"abcde")  # one block whole, one begun: blocks 0 and 1 of 3
+    with pytest.raises(InvalidArgumentError, match=r"^block hasher fed 2 of 3 blocks$"):
+        h.digests()
+
+
 # ---------------------------------------------------------------- the property
 
 

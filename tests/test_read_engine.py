@@ -9,6 +9,7 @@ import os
 import tempfile
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -24,7 +25,7 @@ from ucp_dcp.byteio.rangeio import ByteSource, RangeReader, ReadStats
 from ucp_dcp.byteio.segments import Segment
 from ucp_dcp.byteio.transfer import ChunkRegion
 from ucp_dcp.core.sharding import Box
-from ucp_dcp.errors import ChecksumError
+from ucp_dcp.errors import ChecksumError, InvalidArgumentError
 from ucp_dcp.format import Location
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8]
@@ -269,3 +270,75 @@ def test_pending_reads_are_bounded_by_scratch_and_segment_count(tmp_path: Any, m
             assert bit_equal(dest, full[base: base + r.sizes[0], r.offsets[1]: r.offsets[1] + r.sizes[1]]), (verify, k)
         assert engine.stats.staged == 0
         assert (engine.stats.verified_bytes >= sum(r.numel for r in regions) * 4) is verify
+
+
+def test_block_verifier_refuses_reads_outside_the_chunk_and_spans_that_miss_their_blocks(tmp_path: Any) -> None:
+    """Its callers' regions lie inside the chunk and spans cover their blocks; one that did not is
+    an InvalidArgumentError naming the bytes, not a read of other bytes. An empty region plans nothing."""
+    from ucp_dcp.byteio.blocksums import BlockVerifier, ChunkCheck
+
+    full = _full((4, 8), torch.float32, 5)
+    path = str(tmp_path / "data.bin")
+    ((loc, sums),) = _write_chunks(path, [full], (), 16)
+    verifier = BlockVerifier([path], [0])
+    check = ChunkCheck(verifier, sums, "w", (0, 0))
+    view = memoryview(bytearray(256))
+    with pytest.raises(InvalidArgumentError, match=r"^read \[120, 136\) outside a chunk of 128 bytes$"):
+        verifier._batch_one(loc, check, 120, 0, 16, view)
+    with pytest.raises(InvalidArgumentError, match=r"^read \[-4, 76\) outside a chunk of 128 bytes$"):
+        verifier._batch(loc, check, np.array([-4, 60]), np.array([0, 16]), 16, view)
+    mem = np.zeros(64, np.uint8)
+    with pytest.raises(InvalidArgumentError, match=r"^blocks 1\.\.5 are not inside the span read at 16$"):
+        verifier.check_span(check, loc, mem, 16, np.array([1, 5]))  # blocks 1..5 need 80 bytes from 16
+    with pytest.raises(InvalidArgumentError, match=r"^blocks 0\.\.1 are not inside the span read at 16$"):
+        verifier.check_span(check, loc, mem, 16, np.array([0, 1]))
+    assert list(verifier.plan(loc, check, (4, 8), Box((2, 0), (0, 8)), torch.empty(0, 8))) == []
+
+
+class _NoCallbacks(ByteSource):
+    """A ByteSource that fills the buffers but never calls the segments' callbacks."""
+
+    def __init__(self, inner: RangeReader) -> None:
+        self.inner = inner
+        self.gap_bytes = inner.gap_bytes
+        self.stats = inner.stats
+
+    def read(self, segments: Any) -> None:
+        self.inner.read([Segment(s.file, s.offset, s.dest) for s in segments])
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __enter__(self) -> _NoCallbacks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def test_blocks_a_source_read_without_their_callbacks_are_checked_at_the_end(tmp_path: Any) -> None:
+    """No callback ran, so no batch was checked during the read: the engine's flush checks them all,
+    and a flipped byte is still caught."""
+    full = _full((16, 100), torch.float32, 4)
+    path = str(tmp_path / "data.bin")
+    ((loc, sums),) = _write_chunks(path, [full], (), 64)
+    region = Box((2, 10), (5, 30))
+    for flipped in (False, True):
+        if flipped:
+            at = loc.start + (2 * 100 + 10) * 4
+            with open(path, "r+b") as f:
+                f.seek(at)
+                b = f.read(1)[0]
+                f.seek(at)
+                f.write(bytes([b ^ 1]))
+        dest = torch.zeros(region.sizes)
+        with _NoCallbacks(RangeReader([path], gap_bytes=0)) as source, ChunkReads(source, [path], [2]) as engine:
+            engine.add(ChunkRegion(loc, (16, 100), region, torch.float32), dest, name="w", chunk_offsets=(0, 0), sums=sums)
+            if not flipped:
+                engine.flush()
+                assert bit_equal(dest, full[2:7, 10:40]) and engine.stats.verified_bytes > 0
+            else:
+                # Byte (2 * 100 + 10) * 4 = 840 of the chunk is in block 13 of 64 bytes.
+                match = r"tensor 'w' chunk at \[0, 0\], block 13 \(bytes \[832, 896\) of the chunk\): the file is corrupt "
+                with pytest.raises(ChecksumError, match=match):
+                    engine.flush()
