@@ -232,9 +232,8 @@ def _digests(
 
 
 def _arith(x: np.ndarray) -> int | None:
-    """The common step of ``x`` when it is an arithmetic progression of 2+ values, else None."""
-    if len(x) < 2:
-        return None
+    """The common step of ``x`` (2+ values: its callers' have more than one) when it is an
+    arithmetic progression, else None."""
     step = int(x[1] - x[0])
     return step if step > 0 and bool(np.all(np.diff(x) == step)) else None
 
@@ -361,11 +360,10 @@ class BlockVerifier:
         if not grid.count:
             return
         view = storage_view(dest) if view is None else view
+        # Ascending: runs() lists them in row-major order of the region, which is row-major in the
+        # chunk too.
         src, dst = grid.src * es, grid.dst * es
         length = grid.count * es
-        if len(src) > 1 and not bool(np.all(np.diff(src) > 0)):
-            order = np.argsort(src, kind="stable")
-            src, dst = src[order], dst[order]
         # Each run's edges take at most two scratch blocks.
         bs = check.sums.block
         step = max(1, self.scratch_limit // (2 * bs))
@@ -678,10 +676,9 @@ class BlockVerifier:
         ``batch.dest[off:]``, and compare; the bytes hashed.
 
         One pass of the hash over rows of a reshaped view and one comparison
-        of the whole run: no per-block offsets, lengths or index arrays.
+        of the whole run: no per-block offsets, lengths or index arrays. ``k0 < k1``: a run and
+        each piece of it hold a whole block at least.
         """
-        if k0 >= k1:
-            return 0
         bs, n = batch.check.sums.block, batch.location.nbytes
         nbytes = min(k1 * bs, n) - k0 * bs
         nfull = nbytes // bs  # only the chunk's last block may be short
@@ -737,9 +734,7 @@ class BlockVerifier:
 
     @staticmethod
     def _copy(batch: Batch) -> None:
-        so, do, ln = batch.copies
-        if not len(so):
-            return
+        so, do, ln = batch.copies  # one piece at least: the batch has scratch blocks
         # Few pieces: a slice copy each costs less than finding the strides.
         sstep, dstep = (None, None) if len(so) <= _FEW else (_arith(so), _arith(do))
         if sstep is not None and dstep is not None and bool(np.all(ln == ln[0])):
