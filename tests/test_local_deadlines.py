@@ -27,7 +27,7 @@ from dist_utils import watchdog  # noqa: F401 (an autouse fixture)
 from stall import deadline_error, stall_reads_of
 
 from ucp_dcp import RequestPolicy
-from ucp_dcp.byteio.rangeio import RangeReader
+from ucp_dcp.byteio.rangeio import MappedSpan, RangeReader
 from ucp_dcp.byteio.segments import Segment
 from ucp_dcp.errors import StorageError
 
@@ -68,6 +68,10 @@ def test_a_blocked_read_fails_at_its_deadline_naming_file_range_and_rank(tmp_pat
         with pytest.raises(StorageError) as again:
             reader.read([Segment(0, 0, memoryview(bytearray(16)))])
         assert again.value is e.value
+        copied: list[bytes] = []  # and so does a read of mapped spans, which copies nothing
+        with pytest.raises(StorageError) as mapped:
+            reader.read_mapped(0, [MappedSpan(0, 16, lambda v: copied.append(bytes(v)))])
+        assert mapped.value is e.value and copied == []
         left = list(reader._workers._threads)
         assert len(left) == 2 and all(t.daemon for t in left)
         t0 = time.monotonic()
