@@ -178,6 +178,7 @@ def test_double_buffered_path_on_cpu_same_dtype(saved: tuple[Path, dict[str, tor
             outs[k] = out
         assert buffers.allocations == 1 and buffers.capacity <= max(max_bytes, 32)
         assert buffers.double_buffered(torch.empty(0))
+        assert not buffers.pinned  # CPU destinations never ask for page-locked memory
     for k in sd:
         assert bit_equal(outs[k], sd[k]), k
 
