@@ -235,3 +235,92 @@ def test_clean_partials(tmp_path) -> None:
     assert clean_partials(str(d)) == [".__0_0.distcp.0123456789abcdef.part"]
     assert sorted(os.listdir(d)) == [".hidden", "__0_0.distcp", "x.part"]
     assert clean_partials(str(tmp_path / "missing")) == []
+
+
+def test_single_process_bad_arguments_and_local_failures(tmp_path) -> None:
+    _make_originals(str(tmp_path))
+    src, name = str(tmp_path / "local" / "rank1"), _name(1)
+    with pytest.raises(InvalidArgumentError, match="block_bytes must be positive, got 0"):
+        exchange_files(None, src, [name], src, [name], block_bytes=0)
+    with pytest.raises(InvalidArgumentError, match=r"rank 0: files offered as available but src_dir is None"):
+        exchange_files(None, None, [name], None, [])
+    with pytest.raises(InvalidArgumentError, match=r"rank 0: files wanted but dest_dir is None"):
+        exchange_files(None, src, [name], None, [name])
+
+    # the destination's final name is a directory: the copy fails, its .part file is removed
+    dest = tmp_path / "dest"
+    (dest / name / "sub").mkdir(parents=True)
+    with pytest.raises(PeerTransferError, match=rf"rank 0: copying '{name}' locally: .*Is a directory"):
+        exchange_files(None, src, [name], str(dest), [name])
+    assert sorted(os.listdir(dest)) == [name] and os.path.isdir(dest / name)
+
+    # dest_dir cannot be created (a file is in its way): both failures are reported
+    blocked = tmp_path / "file"
+    blocked.write_bytes(b"x")
+    with pytest.raises(PeerTransferError) as ei:
+        exchange_files(None, src, [name], str(blocked / "d"), [name])
+    msg = str(ei.value)
+    assert msg.startswith(f"rank 0: {blocked / 'd'}: ") and "Not a directory" in msg, msg
+    assert f"copying '{name}' locally: " in msg, msg
+
+
+# --- a file that changed after it was offered, a receiver that cannot write, a non-member ---
+
+
+def _sender_and_receiver_failures(rank: int, world: int, root: str) -> None:
+    mine = os.path.join(root, "local", f"rank{rank}")
+    dest = os.path.join(root, "dest", f"rank{rank}")
+    os.makedirs(dest)
+    fresh, stale = _name(2), _name(1)  # rank 1 holds both: 3 MiB + 12345 bytes, and 1 byte
+
+    # rank 1 offers `link`, a symlink to its dest/<fresh> (1 byte when offered), and replaces
+    # that file by a local copy of <fresh> before it sends `link`: the size changed in between
+    if rank == 1:
+        shutil.copy(os.path.join(root, "orig", fresh), mine)
+        shutil.copy(os.path.join(root, "orig", stale), os.path.join(dest, fresh))
+        os.symlink(os.path.join(dest, fresh), os.path.join(mine, "link"))
+        avail, want = [fresh, "link"], [fresh]
+    else:
+        avail, want = [], ["link"]
+    dist.barrier()
+    with pytest.raises(PeerTransferError) as ei:
+        exchange_files(None, mine, avail, dest, want, block_bytes=BLOCK)
+    if rank == 1:
+        expected = (
+            f"rank 1: sending 'link' to rank 0: {mine}/link: size changed from "
+            f"{SIZES[1]} to {SIZES[2]} bytes"
+        )
+        assert str(ei.value) == expected
+        assert _same(root, dest, fresh)  # the local copy before it was done
+    else:
+        assert str(ei.value) == "rank 0: receiving 'link' from rank 1: rank 1 could not read 'link' it offered"
+        assert os.listdir(dest) == []
+
+    # rank 0 cannot write: its dest/<name> is a non-empty directory (the rename fails), then
+    # its dest_dir cannot be created; the sender completes, only the receiver raises
+    name = _name(1)
+    if rank == 0:
+        os.makedirs(os.path.join(dest, name, "sub"))
+        blocked = os.path.join(root, "blocked")
+        with open(blocked, "wb"):
+            pass
+        for d, why in ((dest, rf"{dest}/{name}: .*Is a directory"), (os.path.join(blocked, "d"), "cannot create a file for")):
+            with pytest.raises(PeerTransferError, match=rf"rank 0: .*receiving '{name}' from rank 1: .*{why}"):
+                exchange_files(None, mine, [], d, [name], block_bytes=BLOCK)
+        assert sorted(os.listdir(dest)) == [name] and os.path.isdir(os.path.join(dest, name))
+    else:
+        for _ in range(2):
+            rep = exchange_files(None, mine, [name], dest, [], block_bytes=BLOCK)
+            assert rep.sent == [(name, 0)] and rep.bytes_sent == SIZES[1]
+
+    # a process outside the group is refused (new_group is collective: every rank calls it)
+    only0 = dist.new_group([0])
+    if rank == 1:
+        with pytest.raises(InvalidArgumentError, match="this process is not a member of the given group"):
+            exchange_files(only0, mine, [], dest, [])
+
+
+@pytest.mark.multiproc
+def test_sender_and_receiver_failures(tmp_path) -> None:
+    _make_originals(str(tmp_path))
+    run_ranks(2, _sender_and_receiver_failures, str(tmp_path))

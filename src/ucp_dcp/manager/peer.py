@@ -335,7 +335,8 @@ def exchange_files(
     (:class:`~ucp_dcp.errors.InvalidArgumentError`, a ``ValueError``) and for a wanted name
     nobody holds (:class:`PeerTransferError`), before anything moves. A provider that cannot
     read a file it offered, or a receiver that cannot write, still completes the schedule (the
-    data is dropped), then raises :class:`PeerTransferError` on both ranks.
+    data is dropped), then raises :class:`PeerTransferError`: a provider's failure on both
+    ranks (the receiver is told), a receiver's on the receiver alone (the sender is not).
 
     Without an initialized process group this is a world of one: every wanted file must be in
     ``available`` and is copied from ``src_dir`` to ``dest_dir`` (nothing to do where they are
