@@ -25,7 +25,7 @@ from dist_utils import bit_equal, run_ranks
 from layouts import build, full_reference, scramble, train_state, train_step
 from ucp_dcp import RankLocal, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.manager.snapshot import NonFiniteError, Snapshotter, StagedState, find_nonfinite
-from ucp_dcp.errors import InvalidArgumentError, InvalidStateError
+from ucp_dcp.errors import InvalidArgumentError, InvalidStateError, UnsupportedValueError
 
 Pair = namedtuple("Pair", ["a", "b"])
 
@@ -178,6 +178,37 @@ def test_max_buffers() -> None:
         Snapshotter().release(c)
     with pytest.raises(InvalidArgumentError):
         Snapshotter(max_buffers=0)
+
+
+
+class _Seq(list):
+    """A list subclass with state of its own, as a training loop might keep."""
+
+    tag = "seq"
+
+
+def test_list_subclass_unstageable_tensors_and_failed_allocation() -> None:
+    """A list subclass keeps its type; sparse and meta tensors are refused by path; a buffer
+    that cannot be allocated leaves no slot held behind."""
+    snap = Snapshotter(max_buffers=1)
+    seq = _Seq([torch.arange(3.0), 5])
+    seq.tag = "mine"
+    got = snap.stage({"seq": seq}).state["seq"]
+    assert type(got) is _Seq and got.tag == "mine" and got[1] == 5
+    assert bit_equal(got[0], torch.arange(3.0)) and got[0].data_ptr() != seq[0].data_ptr()
+    snap.close()
+
+    snap = Snapshotter(max_buffers=1)
+    with pytest.raises(UnsupportedValueError, match=r"^opt\.m: cannot stage a torch\.sparse_coo tensor; only dense"):
+        snap.stage({"opt": {"m": torch.eye(3).to_sparse()}})
+    with pytest.raises(UnsupportedValueError, match=r"^w: a meta tensor holds no data to save$"):
+        snap.stage({"w": torch.empty(2, device="meta")})
+    # 4 PiB for an expanded (stride 0) view: the allocation fails, its reserved slot is freed
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        snap.stage({"huge": torch.zeros(1).expand(2**50)})
+    assert snap.buffer_bytes == 0
+    staged = snap.stage({"w": torch.ones(4)})  # max_buffers=1: the failed set holds nothing
+    assert bit_equal(staged.state["w"], torch.ones(4))
 
 
 @pytest.mark.cuda
