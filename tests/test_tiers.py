@@ -36,7 +36,7 @@ from ucp_dcp.manager.tiers import (
     open_tier,
     step_dir_name,
 )
-from ucp_dcp.errors import CheckpointFormatError, InvalidArgumentError
+from ucp_dcp.errors import CheckpointFormatError, InvalidArgumentError, StorageError
 
 KINDS = ["local", "memory", "s3"]
 s3_bucket = s3_server.s3_bucket  # the session fixture, made visible to this module
@@ -742,3 +742,49 @@ def test_open_tier(tmp_path: Path) -> None:
     assert isinstance(f, LocalTier) and f.url == f"{tmp_path}/c" and os.path.isdir(f.url)
     mem = open_tier("memory://ucp-open-tier/x", name="m")
     assert isinstance(mem, FsspecTier) and not mem.local and mem.name == "m"
+
+
+def test_local_tier_odd_paths(tmp_path: Path) -> None:
+    """A root that cannot be created, a root removed under the tier, leftovers at a staging
+    path that are a file or a symlink (removed, the link's target untouched), a commit of a
+    staging directory that was never begun, verify of a step that is not there."""
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"x")
+    with pytest.raises(StorageError, match=rf"^tier 'local' \({blocker}/root\): cannot create the tier directory {blocker}/root: Not a directory$"):
+        LocalTier(blocker / "root", name="local")
+    with pytest.raises(StorageError, match=rf"cannot create the tier directory {blocker}: File exists"):
+        LocalTier(blocker, name="local")
+
+    tier = LocalTier(tmp_path / "tier", name="local")
+    assert repr(tier) == f"LocalTier(name='local', url='{tmp_path}/tier')"
+    staging = tier.staging_path(5, "tok")
+    Path(staging).write_bytes(b"leftover")
+    assert tier.begin(5, "tok") == staging and os.listdir(staging) == []
+    os.rmdir(staging)
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / MARKER_FILE).write_bytes(b"kept")
+    os.symlink(target, staging)
+    assert tier.begin(5, "tok") == staging
+    assert not os.path.islink(staging) and os.listdir(staging) == []
+    assert (target / MARKER_FILE).read_bytes() == b"kept"
+
+    never = tier.staging_path(6, "tok")
+    with pytest.raises(StorageError, match=f"staging directory {never} does not exist \\(call begin\\(\\) first\\)"):
+        tier.commit(never, _marker(6, {}))
+    assert tier.verify(6) == [
+        f"step 6 in the local tier ({tier.url}): tier 'local' ({tier.url}), step 6: no such step "
+        f"(expected a committed step directory {tier.step_path(6)})"
+    ]
+
+    for p in (staging, tier.url):
+        os.rmdir(p)
+    assert tier.markers() == {} and tier.steps() == []  # the root is gone: nothing committed
+    assert open_tier("file://", name="n").url == "/"
+
+
+def test_marker_constructor_refusals() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"field 'files' must be a sequence of FileDigest, got \('a',\)"):
+        CommitMarker(1, 1, 0.0, ("a",), {}, {})  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="field 'nonfinite': tensor names must be strings, got 3"):
+        CommitMarker(1, 1, 0.0, (), {3: [0]}, {})  # type: ignore[dict-item]

@@ -75,11 +75,6 @@ class LocalTier(Tier):
                 e.errno,
                 f"{self._where()}: cannot create the tier directory {self.url}: {e.strerror}",
             ) from e
-        if not os.path.isdir(self.url):
-            raise StorageError(
-                errno.ENOTDIR,
-                f"{self._where()}: expected a directory at {self.url}, found a file",
-            )
 
     # -- reading
 
