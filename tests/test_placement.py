@@ -15,6 +15,7 @@ import dataclasses
 import faulthandler
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +32,16 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from ucp_dcp import (
     ReadOptions,
     Checkpoint,
+    Piece,
     PlacementError,
+    TensorPieces,
     UCPLoadPlanner,
     UCPSavePlanner,
     UCPStorageReader,
     UCPStorageWriter,
 )
 from ucp_dcp.core.placement_digest import K, M1, M2, MASK64, box_share, combine, digest_hex
+from ucp_dcp.dcp.placement import PlacementReport
 from ucp_dcp.errors import CheckpointFormatError, unwrap
 from ucp_dcp.format import index_digest
 
@@ -174,6 +178,60 @@ def test_one_process_save_load_and_a_wrong_placement(tmp_path: Path) -> None:
         report = ck.verify_loaded({"w": target["w"].double(), "n": state["n"]})
         assert report.cast == ("w",) and report.checked == ("n",)
         assert ck.verify() == []
+
+
+
+def test_partial_loads_pieces_and_tensors_without_a_digest(tmp_path: Path) -> None:
+    """A load of part of the checkpoint checks what it loaded; a failed load raises its own
+    error, not a placement one; pieces are placed by their offsets; a tensor held in part is
+    named; a tensor the index records no digest for is listed as unchecked."""
+    ckpt = tmp_path / "ckpt"
+    state = _small_state()
+    dcp.save(state, storage_writer=UCPStorageWriter(ckpt, placement_digests=True),
+             planner=UCPSavePlanner())
+    options = ReadOptions(verify_placement=True)
+
+    only_w = {"w": torch.zeros(8, 6)}
+    reader = UCPStorageReader(ckpt, options=options)
+    dcp.load(only_w, storage_reader=reader, planner=UCPLoadPlanner())
+    assert torch.equal(only_w["w"], state["w"])
+    assert reader.last_load.placement == PlacementReport(checked=("w",), copies={"w": 1})
+
+    # the reads fail (a data file cut short): that error, not a placement check's
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    (data,) = broken.glob("*.safetensors")
+    size = data.stat().st_size
+    os.truncate(data, size - 8)
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(_blank(), storage_reader=UCPStorageReader(broken, options=options),
+                 planner=UCPLoadPlanner())
+    err = unwrap(ei.value)
+    assert type(err) is CheckpointFormatError
+    assert str(err) == f"{data}: truncated: entries need {size} bytes but the file has {size - 8}"
+
+    with Checkpoint(ckpt) as ck:
+        top, bottom = state["w"][:3].clone(), state["w"][3:].clone()
+        pieces = TensorPieces([Piece("w", (8, 6), (0, 0), top), Piece("w", (8, 6), (3, 0), bottom)])
+        assert ck.verify_loaded({"p": pieces}).checked == ("w",)
+        with pytest.raises(PlacementError) as e2:
+            ck.verify_loaded({"w": state["w"][:4]})
+    assert str(e2.value) == (
+        f"{ckpt}: the load did not put every element where the save found it, 1 tensor(s): "
+        "'w': the ranks hold 24 of its elements in all, not a whole number of copies of its 48 "
+        "(elements missing or held twice)"
+    )
+
+    path = ckpt / "ucp_index.json"
+    doc = json.loads(path.read_bytes())
+    del doc["tensors"]["n"]["placement_digest"], doc["digest"]
+    doc["digest"] = index_digest(doc)
+    path.write_text(json.dumps(doc))
+    reader = UCPStorageReader(ckpt, options=options)
+    dcp.load(_blank(), storage_reader=reader, planner=UCPLoadPlanner())
+    assert reader.last_load.placement == PlacementReport(
+        checked=("w",), copies={"w": 1}, no_digest=("n",)
+    )
 
 
 def test_without_digests_a_load_says_so_and_old_checkpoints_load(
