@@ -19,6 +19,7 @@ DCP itself loaded, on gloo ranks:
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -40,7 +41,9 @@ from hypothesis import strategies as st
 from dist_utils import bit_equal, run_ranks
 from ucp_dcp import (
     CheckpointManager,
+    Piece,
     ReadOptions,
+    TensorPieces,
     UCPLoadPlanner,
     UCPSavePlanner,
     UCPStorageReader,
@@ -49,7 +52,7 @@ from ucp_dcp import (
     load_state_dict,
 )
 from ucp_dcp.byteio.transfer import shares_elements
-from ucp_dcp.errors import LayoutError, unwrap
+from ucp_dcp.errors import InvalidArgumentError, InvalidArgumentTypeError, LayoutError, unwrap
 from ucp_dcp.manager.snapshot import Snapshotter
 
 ROWS, COLS = 8, 6
@@ -359,6 +362,77 @@ def test_unsupported_checkpointable_tensors_are_refused(tmp_path: Path) -> None:
             mgr.save(1, {"model": {"emb": Checkpointable(torch.ones(2, COLS), (0, 0), (ROWS, COLS))}})
     finally:
         mgr.close()
+
+
+
+class _ChunksOnly(torch.Tensor):
+    """Has a chunk list but no ``__create_write_items__``: cannot be saved."""
+
+    @staticmethod
+    def __new__(cls, size: tuple[int, ...]) -> _ChunksOnly:
+        return torch.Tensor._make_wrapper_subclass(cls, size, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise NotImplementedError(f"{func} is not supported on _ChunksOnly")
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:  # pragma: no cover - never asked
+        return []
+
+
+class _PlansBytes(Checkpointable):
+    """Plans its chunk as a BYTE_IO item."""
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)]
+
+
+class _ShardNotATensor(Checkpointable):
+    """Hands DCP a list for its chunk."""
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> Any:
+        return [1.0] * COLS
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_checkpointable_protocol_refusals(tmp_path: Path) -> None:
+    """A checkpointable tensor without write items, with a non-tensor item, or whose shard is
+    not a tensor: the library's error naming the key and what was expected."""
+    cases = [
+        (_ChunksOnly((ROWS, COLS)), UnsupportedValueError,
+         "tensor 'emb': its _ChunksOnly has __create_chunk_list__ but no __create_write_items__; "
+         "a checkpointable tensor must implement both (and __get_tensor_shard__) to be saved"),
+        (_PlansBytes(torch.ones(2, COLS), (0, 0), (ROWS, COLS)), UnsupportedValueError,
+         "tensor 'emb': its _PlansBytes plans a non-tensor write item (BYTE_IO); only tensor "
+         "chunks can be saved from a checkpointable tensor"),
+        (_ShardNotATensor(torch.ones(ROWS, COLS), (0, 0), (ROWS, COLS)), InvalidArgumentTypeError,
+         "'emb': the save planner resolved its SHARD write item to a list, not a Tensor"),
+    ]
+    for i, (obj, cls, message) in enumerate(cases):
+        with pytest.raises(CheckpointException) as info:
+            dcp.save({"emb": obj}, storage_writer=UCPStorageWriter(str(tmp_path / str(i))),
+                     planner=UCPSavePlanner())
+        err = _rank_error(info.value)
+        assert type(err) is cls and str(err) == message, repr(err)
+    with pytest.raises(InvalidArgumentError, match="^divergent_values must be 'error' or 'rank_local', got 'warn'$"):
+        UCPSavePlanner(divergent_values="warn")
+
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_empty_shards_and_pieces_write_no_chunk(tmp_path: Path) -> None:
+    """A checkpointable tensor's empty shard and an empty piece of a non-empty tensor hold no
+    bytes: no chunk is written for them (a tensor no rank holds any of is not recorded)."""
+    full = _full(3)
+    pieces = TensorPieces([Piece("w", (ROWS, COLS), (0, 0), full), Piece("w", (ROWS, COLS), (ROWS, 0), torch.zeros(0, COLS))])
+    state = {"p": pieces, "e": Checkpointable(torch.zeros(0, COLS), (0, 0), (ROWS, COLS))}
+    dcp.save(state, storage_writer=UCPStorageWriter(str(tmp_path)), planner=UCPSavePlanner())
+    tensors = json.loads((tmp_path / "ucp_index.json").read_bytes())["tensors"]
+    assert list(tensors) == ["w"]
+    assert [(c["offsets"], c["sizes"]) for c in tensors["w"]["chunks"]] == [([0, 0], [ROWS, COLS])]
+    got = {"w": torch.zeros(ROWS, COLS)}
+    dcp.load(got, storage_reader=UCPStorageReader(str(tmp_path)), planner=UCPLoadPlanner())
+    assert bit_equal(got["w"], full)
 
 
 # ------------------------------------------------------------ views whose memory is not their values
