@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dist_utils import bit_equal
 from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
+from ucp_dcp.errors import InvalidArgumentTypeError
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -212,3 +213,32 @@ def test_load_pauses_the_garbage_collector_and_restores_it(tmp_path: Path) -> No
         finally:
             gc.enable()
     assert seen == [False, False]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_checkpoint_id_redirects_a_writer_and_a_reader(tmp_path: Path) -> None:
+    """``checkpoint_id`` given to dcp.save / dcp.load overrides the path a writer or reader was
+    made with (DCP resets them to it); a reader set up without read_metadata opens the source
+    itself; a planner other than UCPSavePlanner is refused by name."""
+    a, b = _rand((3, 5), torch.float32, 1), _rand((3, 5), torch.float32, 2)
+    _save({"w": a}, tmp_path / "a")
+    dcp.save({"w": b}, storage_writer=UCPStorageWriter(tmp_path / "unused"), planner=UCPSavePlanner(),
+             checkpoint_id=tmp_path / "b")
+    assert not (tmp_path / "unused").exists()
+    reader = UCPStorageReader(tmp_path / "a")
+    got = {"w": torch.zeros(3, 5)}
+    dcp.load(got, storage_reader=reader, planner=UCPLoadPlanner(), checkpoint_id=tmp_path / "b")
+    assert bit_equal(got["w"], b) and reader.checkpoint_id == str(tmp_path / "b")
+
+    reader = UCPStorageReader(tmp_path / "a")
+    metadata = reader.read_metadata()
+    reader.reset()  # a new load: the source is opened again where DCP gives metadata alone
+    reader.set_up_storage_reader(metadata, True)
+    assert reader.source is not None and reader.source.path == str(tmp_path / "a")
+
+    assert UCPStorageWriter.validate_checkpoint_id(tmp_path) and not UCPStorageWriter.validate_checkpoint_id(3)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointException) as ei:
+        dcp.save({"w": a}, storage_writer=UCPStorageWriter(tmp_path / "c"))
+    (err, _), = ei.value.failures.values()
+    assert isinstance(err, InvalidArgumentTypeError), repr(err)
+    assert str(err).startswith("UCPStorageWriter needs planner=UCPSavePlanner(): other planners pickle ")
