@@ -387,6 +387,10 @@ class _PlansBytes(Checkpointable):
         return [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)]
 
 
+class _OutOfBoundsChunks(Checkpointable):
+    """Its chunk list (which loads read) reaches past the end of the tensor."""
+
+
 class _ShardNotATensor(Checkpointable):
     """Hands DCP a list for its chunk."""
 
@@ -416,6 +420,17 @@ def test_checkpointable_protocol_refusals(tmp_path: Path) -> None:
         assert type(err) is cls and str(err) == message, repr(err)
     with pytest.raises(InvalidArgumentError, match="^divergent_values must be 'error' or 'rank_local', got 'warn'$"):
         UCPSavePlanner(divergent_values="warn")
+
+    # a load target whose chunk list reaches past its shape
+    dcp.save({"emb": _full(1)}, storage_writer=UCPStorageWriter(str(tmp_path / "ok")), planner=UCPSavePlanner())
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"emb": _OutOfBoundsChunks(torch.zeros(2, COLS), (ROWS - 1, 0), (ROWS, COLS))},
+                 storage_reader=UCPStorageReader(str(tmp_path / "ok")), planner=UCPLoadPlanner())
+    err = _rank_error(info.value)
+    assert type(err) is UnsupportedValueError and str(err) == (
+        f"'emb': its _OutOfBoundsChunks lists a chunk at offsets [{ROWS - 1}, 0] of size [2, {COLS}], "
+        f"outside the tensor's shape [{ROWS}, {COLS}]"
+    )
 
 
 
