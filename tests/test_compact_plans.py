@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -220,3 +221,15 @@ def _default_planner_reads_lazy_chunks(rank: int, world: int, root: str) -> None
 def test_default_load_planner_sees_chunk_lists(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Chunk lists in DCP's metadata are built lazily, and only for planners that read them."""
     run_ranks(2, _default_planner_reads_lazy_chunks, str(tmp_path / "ckpt"))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lazy_chunks_compare_and_print_as_their_list(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A tool comparing or printing a tensor's chunk list first (no len, no iteration) sees the
+    real list."""
+    dcp.save({"w": torch.ones(4, 3)}, storage_writer=UCPStorageWriter(str(tmp_path)), planner=UCPSavePlanner())
+    whole = [ChunkStorageMetadata(torch.Size((0, 0)), torch.Size((4, 3)))]
+    md = UCPStorageReader(str(tmp_path)).read_metadata()
+    assert md.state_dict_metadata["w"].chunks == whole
+    md = UCPStorageReader(str(tmp_path)).read_metadata()
+    assert repr(md.state_dict_metadata["w"].chunks) == repr(whole)
