@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.dcp import read_once as read_once_module
 from ucp_dcp.dcp import reader as reader_module
-from ucp_dcp.errors import ChecksumError, StorageError, unwrap
+from ucp_dcp.errors import CheckpointFormatError, ChecksumError, ReadOnceError, StorageError, unwrap
 from ucp_dcp.sources import open_source
 
 pytestmark = pytest.mark.multiproc
@@ -245,3 +245,33 @@ def test_a_flipped_byte_or_a_failing_rank_fails_every_rank_without_hanging(
     corrupt = str(tmp_path / "ckpt")
     path = _corrupt_copy(saved, corrupt)
     run_ranks(WORLD, _load_fails, corrupt, path, saved)
+
+
+def _one_rank_cannot_plan(rank: int, world: int, good: str, broken: str) -> None:
+    """Rank 1 loads a copy whose data file is cut short: it fails before it can say what it
+    needs, raises its own error, and rank 0 raises a ReadOnceError naming rank 1."""
+    _watchdog()
+    sd = {"w": torch.zeros(64, 32)}
+    reader = UCPStorageReader(broken if rank == 1 else good, options=ReadOptions(read_once=True))
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
+    assert sorted(ei.value.failures) == [0, 1]
+    err = ei.value.failures[rank][0]  # this rank's own (unwrap gives the lowest rank's)
+    (data,) = Path(broken).glob("*.safetensors")
+    own = f"{data}: truncated: entries need {data.stat().st_size + 8} bytes but the file has {data.stat().st_size}"
+    if rank == 1:
+        assert type(err) is CheckpointFormatError and str(err) == own, repr(err)
+    else:
+        assert type(err) is ReadOnceError, repr(err)
+        assert str(err) == f"rank 1 could not take part in the read-once load: CheckpointFormatError: {own}"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_rank_that_fails_before_its_needs_are_known_fails_the_others_naming_it(tmp_path: Path) -> None:
+    good, broken = str(tmp_path / "good"), str(tmp_path / "broken")
+    full = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+    dcp.save({"w": full}, storage_writer=UCPStorageWriter(good), planner=UCPSavePlanner())
+    shutil.copytree(good, broken)
+    (data,) = Path(broken).glob("*.safetensors")
+    os.truncate(data, data.stat().st_size - 8)
+    run_ranks(2, _one_rank_cannot_plan, good, broken)
