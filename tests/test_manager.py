@@ -499,3 +499,29 @@ def test_s3_tier_round_trip_and_restore_into_local(tmp_path, s3_bucket) -> None:
     with CheckpointManager(root, storage_options=options) as mgr:
         step, target = _load(mgr)
         assert_state_equal(target, make_state(4))
+
+
+def test_a_manager_that_cannot_start_leaves_no_thread_and_a_closed_one_refuses(tmp_path) -> None:
+    """A local tier that cannot be created fails the constructor with the tier's StorageError and
+    no worker thread left running; close() twice is harmless; a closed manager refuses work;
+    verify names a step that no tier holds."""
+    import threading
+
+    from ucp_dcp.errors import InvalidStateError, StorageError
+
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"x")
+    before = {t for t in threading.enumerate() if t.name.startswith("ucp-ckpt")}
+    with pytest.raises(StorageError, match=rf"^tier 'local' \({blocker}/loc\): cannot create the tier directory"):
+        CheckpointManager(tmp_path / "ckpt", local=blocker / "loc")
+    assert {t for t in threading.enumerate() if t.name.startswith("ucp-ckpt")} == before
+
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    mgr.save(1, make_state(1))
+    mgr.wait()
+    assert mgr.verify(2) == ["step 2: not committed in persistent"]
+    assert mgr.verify(1, tier="local") == ["step 1: not committed in any tier"]
+    mgr.close()
+    mgr.close()
+    with pytest.raises(InvalidStateError, match=r"^this CheckpointManager is closed \(close\(\) was called\); create a new one$"):
+        mgr.save(2, make_state(2))
