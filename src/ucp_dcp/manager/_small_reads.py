@@ -58,12 +58,9 @@ def _eligible(value: Any, path: tuple[Any, ...], state: Mapping[str, Any]) -> bo
         return type(value) in (torch.Tensor, torch.nn.Parameter)
     if isinstance(value, RankLocal):
         return False  # one value per saving rank, gathered by the planner
-    cur: Any = state
+    cur: Any = state  # ``path`` is the leaf's flatten_state_dict path in this very state
     for p in path[:-1]:
-        try:
-            cur = cur[p]
-        except (KeyError, IndexError, TypeError):
-            return False
+        cur = cur[p]
     return isinstance(cur, dict)
 
 
