@@ -42,7 +42,7 @@ from ._collective import GroupWorker, describe
 from ._small_reads import SmallReads, fill, put_back, serve, small_keys, without
 from .peer import exchange_files
 from .records import RestoreRecord
-from .tiers import CommitMarker, FsspecTier
+from .tiers import CommitMarker, FsspecTier, Tier
 from .tiers.marker import check_copy
 
 __all__ = ["Candidate", "order_candidates", "Restorer"]
@@ -120,6 +120,14 @@ class _Loadable:
     rank; None: none, on any rank)."""
 
 
+def _listed(tier: Tier) -> dict[int, CommitMarker] | str:
+    """``tier``'s markers, or why they could not be listed (to be sent to the other ranks)."""
+    try:
+        return tier.markers()
+    except Exception as e:
+        return f"listing the {tier.name} tier: {describe(e)}"
+
+
 class Restorer(GroupWorker):
     """Loads the newest restorable copy into a state; collective over the foreground group."""
 
@@ -176,10 +184,21 @@ class Restorer(GroupWorker):
     def candidates(self, step: int | None) -> list[Candidate]:
         """:func:`order_candidates` of the markers every node's local tier and the persistent tier
         hold."""
+        # One rank lists each tier for the others: its failure is sent, not raised, so that no
+        # rank is left waiting in the collective. A node-local tier is a cache (the node's disk
+        # may be gone): unlistable, it holds nothing, and the persistent copies are restored.
         local = None
         if self.local is not None:
-            local = self.group.gather(self.local.markers() if self.layout.is_leader else {})
-        persistent = self.group.bcast(self.persistent.markers() if self.layout.rank == 0 else {})
+            mine = _listed(self.local) if self.layout.is_leader else {}
+            if isinstance(mine, str):
+                log.warning(
+                    "node %d: %s; restoring from the other copies", self.layout.node, mine
+                )
+                mine = {}
+            local = self.group.gather(mine)
+        persistent = self.group.bcast(_listed(self.persistent) if self.layout.rank == 0 else {})
+        if isinstance(persistent, str):
+            raise CheckpointRestoreError(f"rank 0: {persistent}")
         return order_candidates(
             local,
             persistent,

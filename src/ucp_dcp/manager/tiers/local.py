@@ -109,6 +109,10 @@ class LocalTier(Tier):
             return sorted(os.listdir(self.url))
         except FileNotFoundError:
             return []
+        except OSError as e:  # the root replaced by a file, unreadable, a failing disk
+            raise StorageError(
+                e.errno, f"{self._where()}: cannot list {self.url}: {e.strerror}"
+            ) from e
 
     def markers(self) -> dict[int, CommitMarker]:
         """The marker of every committed step, from one listing (see :meth:`Tier.markers`)."""
