@@ -58,6 +58,13 @@ def test_bad_inputs_are_named() -> None:
         young_interval(1.0, -5.0)
     with pytest.raises(InvalidArgumentError, match="save at least once"):
         estimate([], [], [], mtbf_s=3600.0)
+    # zero is finite and >= 0, but no interval follows from a zero MTBF, nor a ratio from zero
+    with pytest.raises(InvalidArgumentError, match=r"^daly_interval: mtbf_s must be > 0, got 0$"):
+        daly_interval(1.0, 0.0)
+    with pytest.raises(InvalidArgumentError, match=r"^effective_ratio: interval_s and mtbf_s must be > 0, got interval_s=0, mtbf_s=3600.0$"):
+        effective_ratio(0, 1.0, 3600.0)
+    with pytest.raises(InvalidArgumentError, match=r"got interval_s=60.0, mtbf_s=0$"):
+        effective_ratio(60.0, 1.0, 0)
 
 
 def test_estimate_uses_means() -> None:

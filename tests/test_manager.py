@@ -201,6 +201,8 @@ def test_bad_arguments_are_named_and_leave_the_manager_usable(tmp_path) -> None:
         ({"ranks_per_node": "2"}, InvalidArgumentError, "ranks_per_node must be None or an int >= 1"),
         ({"local": "/x/{nod}"}, InvalidArgumentError, "the only placeholder is '{node}'"),
         ({"async_save": "no"}, InvalidArgumentTypeError, "CheckpointConfig.async_save must be True or False"),
+        ({"local": 3}, InvalidArgumentTypeError,
+         "CheckpointConfig.local must be None or a directory (str or os.PathLike, '{node}' standing for the node), got int"),
     ]:
         root = kw.pop("root", tmp_path)
         with pytest.raises(err, match=re.escape(says)):
@@ -525,3 +527,68 @@ def test_a_manager_that_cannot_start_leaves_no_thread_and_a_closed_one_refuses(t
     mgr.close()
     with pytest.raises(InvalidStateError, match=r"^this CheckpointManager is closed \(close\(\) was called\); create a new one$"):
         mgr.save(2, make_state(2))
+
+
+def test_a_failed_refill_or_retention_is_logged_not_raised(tmp_path, caplog, monkeypatch) -> None:
+    """Restored straight from an object store, a local tier that cannot be listed nor take the
+    copy (its root replaced by a file) only logs; a retention whose delete fails (EIO) logs, and
+    the save it follows stays committed; a persistent tier that cannot be listed fails the
+    restore with the library's error (a raw NotADirectoryError escaped before, raised by the one
+    rank that lists the tier while the others waited for its answer)."""
+    import logging
+
+    import ucp_dcp.manager.tiers.local as local_tier
+
+    root = f"memory://ucp-mgr-{uuid.uuid4().hex[:8]}/ckpt"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, make_state(1))
+    local = tmp_path / "local"
+    caplog.set_level(logging.INFO, logger="ucp_dcp.manager.manager")
+    with CheckpointManager(root, local=local) as mgr:
+        os.rmdir(local)
+        local.write_bytes(b"not a directory")
+        step, target = _load(mgr)
+        assert (step, mgr.last_restore.tier) == (1, "persistent")
+        assert_state_equal(target, make_state(1))
+        mgr.wait()  # the refill failed in the background: not raised
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned[0] == (
+        f"node 0: listing the local tier: StorageError: tier 'local' ({local}): cannot list "
+        f"{local}: Not a directory; restoring from the other copies"
+    ), warned
+    assert len(warned) == 2 and warned[1].startswith(
+        f"node 0: refilling the local tier {local} with step 1 failed: "
+    ), warned
+
+    caplog.clear()
+    with CheckpointManager(tmp_path / "ckpt", keep_last=1) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.wait()
+
+        def broken_rmtree(path, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+
+        monkeypatch.setattr(local_tier.shutil, "rmtree", broken_rmtree)
+        mgr.save(2, make_state(2))
+        mgr.wait()
+        monkeypatch.undo()
+        assert mgr.steps() == [2]  # step 1's marker went first: it is no longer committed
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and re.fullmatch(  # step 1 was renamed out of view, then removed
+        re.escape(f"retention in the persistent tier ({tmp_path / 'ckpt'}) failed: [Errno 5] "
+                  f"Input/output error: '{tmp_path / 'ckpt'}/.del-step-000000000001-") + "[0-9a-z]+'",
+        warned[0],
+    ), warned
+
+    from ucp_dcp.errors import CheckpointRestoreError
+
+    gone = tmp_path / "gone"
+    with CheckpointManager(gone) as mgr:
+        os.rmdir(gone)
+        gone.write_bytes(b"not a directory")
+        with pytest.raises(CheckpointRestoreError) as ei:
+            _load(mgr)
+    assert str(ei.value) == (
+        f"rank 0: listing the persistent tier: StorageError: tier 'persistent' ({gone}): cannot list "
+        f"{gone}: Not a directory"
+    )
