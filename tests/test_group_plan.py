@@ -218,6 +218,10 @@ def test_bad_groups_are_refused_by_name() -> None:
         NeedGroups.from_digests([b"x", b"x", b"y"], {0: {}})
     with pytest.raises(InvalidArgumentError, match="group 1 has no ranks"):
         plan_group_reads(NeedGroups(({}, {}), np.array([0, 0])))
+    with pytest.raises(InvalidArgumentError, match=r"^group_of must name groups 0\.\.1, got \[0, 2\]$"):
+        plan_group_reads(NeedGroups(({}, {}), np.array([0, 2])))
+    with pytest.raises(InvalidArgumentError, match=r"^group_of must name groups 0\.\.1, got \[-1, 1\]$"):
+        plan_group_reads(NeedGroups(({}, {}), np.array([-1, 1])))
     with pytest.raises(InvalidArgumentError, match="weights must be 2 positive integers"):
         plan_job_reads([{}, {}], weights=np.array([1, 0]))
     plan = plan_group_reads(need_groups([{0: _ranges([(0, 10)])}]))

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from readplan_reference import exchange_windows, receives, schedule_rounds, sends
 
 from ucp_dcp.dcp.read_once.plan import JobReadPlan, Transfers, plan_job_reads
+from ucp_dcp.dcp.read_once.rounds import stream_positions
 from ucp_dcp.errors import InvalidArgumentError
 
 A = np.array
@@ -516,3 +517,30 @@ def test_benchmark_shapes_at_16_ranks() -> None:
         # HSDP: each byte to its one other replica; replicated: to the 15 other ranks.
         copies = 1 if target == "hsdp" else 15
         assert row["exchanged_GB"] == pytest.approx(row["unique_GB"] * copies, rel=1e-3), row
+
+
+def test_offsets_too_far_apart_for_one_sort_key_plan_the_same() -> None:
+    """Ranges 2**61 bytes into a file: a rank's ranges (and a reader's stream positions) no
+    longer fit one int64 sort key per rank and are merged rank by rank; the plan is the one of
+    the same ranges at offset 0, moved up."""
+    from ucp_dcp.dcp.read_once.rounds import stream_positions
+
+    far = 1 << 61
+
+    def needs(base: int) -> list[dict[int, tuple[np.ndarray, np.ndarray]]]:
+        return [
+            {0: _ranges([(base, 10000), (base + 20000, 5000)]), 1: _ranges([(0, 8192)])},
+            {0: _ranges([(base + 4096, 30000)]), 1: _ranges([(4096, 8192)])},
+        ]
+
+    near, moved = plan_job_reads(needs(0)), plan_job_reads(needs(far))
+    up = np.where(near.read_file == 0, far, 0)
+    assert np.array_equal(moved.read_start, near.read_start + up)
+    assert np.array_equal(moved.read_file, near.read_file)
+    assert np.array_equal(moved.read_length, near.read_length)
+    t, u = near.transfers, moved.transfers
+    assert np.array_equal(u.start, t.start + np.where(t.file == 0, far, 0))
+    for f in ("reader", "receiver", "file", "length"):
+        assert np.array_equal(getattr(u, f), getattr(t, f)), f
+    assert np.array_equal(stream_positions(moved), stream_positions(near))
+    assert stream_positions(near).tolist() == [4096, 7712, 24576]
