@@ -30,6 +30,7 @@ from dist_utils import bit_equal, run_ranks
 from layouts import build, full_reference, scramble, train_state, train_step
 from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter, load_index
 from ucp_dcp.dcp._mesh_groups import LazyChunks
+from ucp_dcp.errors import CheckpointKeyError
 
 pytestmark = pytest.mark.multiproc
 
@@ -233,3 +234,8 @@ def test_lazy_chunks_compare_and_print_as_their_list(tmp_path) -> None:  # type:
     assert md.state_dict_metadata["w"].chunks == whole
     md = UCPStorageReader(str(tmp_path)).read_metadata()
     assert repr(md.state_dict_metadata["w"].chunks) == repr(whole)
+    # planner_data answers as DCP's map from flattened keys to their paths
+    assert "w" in md.planner_data and md.planner_data["w"] == ("w",)
+    with pytest.raises(CheckpointKeyError) as ei:
+        md.planner_data["nope"]
+    assert ei.value.args == ("'nope' is not a key of the checkpoint",)

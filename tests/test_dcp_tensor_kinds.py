@@ -439,7 +439,8 @@ def test_empty_shards_and_pieces_write_no_chunk(tmp_path: Path) -> None:
     """A checkpointable tensor's empty shard and an empty piece of a non-empty tensor hold no
     bytes: no chunk is written for them (a tensor no rank holds any of is not recorded)."""
     full = _full(3)
-    pieces = TensorPieces([Piece("w", (ROWS, COLS), (0, 0), full), Piece("w", (ROWS, COLS), (ROWS, 0), torch.zeros(0, COLS))])
+    pieces = TensorPieces([Piece("w", (ROWS, COLS), (0, 0), full), Piece("w", (ROWS, COLS), (ROWS, 0), torch.zeros(0, COLS)),
+                           Piece("z", (2, 2), (2, 0), torch.zeros(0, 2))])
     state = {"p": pieces, "e": Checkpointable(torch.zeros(0, COLS), (0, 0), (ROWS, COLS))}
     dcp.save(state, storage_writer=UCPStorageWriter(str(tmp_path)), planner=UCPSavePlanner())
     tensors = json.loads((tmp_path / "ucp_index.json").read_bytes())["tensors"]
