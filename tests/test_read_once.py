@@ -30,7 +30,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
 from ucp_dcp.dcp import read_once as read_once_module
 from ucp_dcp.dcp import reader as reader_module
-from ucp_dcp.errors import CheckpointFormatError, ChecksumError, ReadOnceError, StorageError, unwrap
+from ucp_dcp.errors import (
+    CheckpointFormatError,
+    ChecksumError,
+    ReadOnceError,
+    StorageError,
+    UnsupportedValueError,
+    unwrap,
+)
 from ucp_dcp.sources import open_source
 
 pytestmark = pytest.mark.multiproc
@@ -248,8 +255,9 @@ def test_a_flipped_byte_or_a_failing_rank_fails_every_rank_without_hanging(
 
 
 def _one_rank_cannot_plan(rank: int, world: int, good: str, broken: str) -> None:
-    """Rank 1 loads a copy whose data file is cut short: it fails before it can say what it
-    needs, raises its own error, and rank 0 raises a ReadOnceError naming rank 1."""
+    """Rank 1 loads a copy whose data file is cut short, then into an expanded view: each time it
+    fails before it can say what it needs, raises its own error, and rank 0 raises a
+    ReadOnceError naming rank 1."""
     _watchdog()
     sd = {"w": torch.zeros(64, 32)}
     reader = UCPStorageReader(broken if rank == 1 else good, options=ReadOptions(read_once=True))
@@ -264,6 +272,24 @@ def _one_rank_cannot_plan(rank: int, world: int, good: str, broken: str) -> None
     else:
         assert type(err) is ReadOnceError, repr(err)
         assert str(err) == f"rank 1 could not take part in the read-once load: CheckpointFormatError: {own}"
+
+    # rank 1's target is an expanded view, refused while it lists what it needs: the same
+    sd = {"w": torch.zeros(1, 32).expand(64, 32) if rank == 1 else torch.zeros(64, 32)}
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(sd, storage_reader=UCPStorageReader(good, options=ReadOptions(read_once=True)),
+                 planner=UCPLoadPlanner())
+    assert sorted(ei.value.failures) == [0, 1]
+    err = ei.value.failures[rank][0]
+    own = (
+        "'w': the state dict's tensor is an expanded or overlapping view (shape [64, 32], strides "
+        "[0, 1]): several of its elements are one place in memory, so no load can give each its "
+        "own value; load into a tensor of its own (.clone() it)"
+    )
+    if rank == 1:
+        assert type(err) is UnsupportedValueError and str(err) == own, repr(err)
+    else:
+        assert type(err) is ReadOnceError, repr(err)
+        assert str(err) == f"rank 1 could not take part in the read-once load: UnsupportedValueError: {own}"
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -11,10 +12,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType
 
 from dist_utils import bit_equal
 from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter
-from ucp_dcp.errors import InvalidArgumentTypeError
+from ucp_dcp.errors import InvalidArgumentError, InvalidArgumentTypeError
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -242,3 +245,28 @@ def test_checkpoint_id_redirects_a_writer_and_a_reader(tmp_path: Path) -> None:
     (err, _), = ei.value.failures.values()
     assert isinstance(err, InvalidArgumentTypeError), repr(err)
     assert str(err).startswith("UCPStorageWriter needs planner=UCPSavePlanner(): other planners pickle ")
+
+
+class _NoOffsets(UCPLoadPlanner):
+    """A planner whose tensor read items do not say which saved chunk they read."""
+
+    def finish_plan(self, new_plan):  # type: ignore[no-untyped-def]
+        plan = super().finish_plan(new_plan)
+        items = [
+            dataclasses.replace(ri, storage_index=MetadataIndex(ri.storage_index.fqn))
+            if ri.type != LoadItemType.BYTE_IO else ri
+            for ri in plan.items
+        ]
+        return dataclasses.replace(plan, items=items)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_read_item_without_offsets_is_refused_by_name(tmp_path: Path) -> None:
+    _save({"w": torch.ones(3)}, tmp_path)
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load({"w": torch.zeros(3)}, storage_reader=UCPStorageReader(tmp_path), planner=_NoOffsets())
+    (err, _), = ei.value.failures.values()
+    assert type(err) is InvalidArgumentError and str(err) == (
+        "tensor 'w': the load plan reads a chunk of it without its offsets (MetadataIndex.offset); "
+        "a tensor read item must name the saved chunk it reads"
+    )
