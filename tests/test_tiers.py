@@ -788,3 +788,27 @@ def test_marker_constructor_refusals() -> None:
         CommitMarker(1, 1, 0.0, ("a",), {}, {})  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="field 'nonfinite': tensor names must be strings, got 3"):
         CommitMarker(1, 1, 0.0, (), {3: [0]}, {})  # type: ignore[dict-item]
+
+
+def test_fsspec_file_missing_from_a_copy_and_a_marker_that_is_a_directory(tmp_path: Path) -> None:
+    """read_at of a file gone from a copy names the object expected; a commit marker that is a
+    directory (a file:// tier) is 'not a file', and the step is not listed."""
+    tier = FsspecTier(f"file://{tmp_path}/root", name="f")
+    _, _, files = _save(tier, 4, "b", tmp_path)
+    copy = tier.copy_of(4)
+    name = sorted(files)[1]
+    step_dir = copy.url.removeprefix("file://")
+    os.unlink(f"{step_dir}/{name}")
+    with pytest.raises(CheckpointFormatError) as ei:
+        tier.read_at(copy, name)
+    assert str(ei.value) == f"tier 'f' ({tier.url}), step 4, file '{name}': missing (expected an object {copy.url}/{name})"
+
+    os.unlink(f"{step_dir}/{MARKER_FILE}")
+    os.mkdir(f"{step_dir}/{MARKER_FILE}")
+    with pytest.raises(CheckpointFormatError) as ei:
+        tier.marker(4)
+    assert str(ei.value) == (
+        f"tier 'f' ({tier.url}), step 4, file '{MARKER_FILE}' ({copy.url}/{MARKER_FILE}): not a file "
+        f"([Errno 21] Is a directory: '{step_dir}/{MARKER_FILE}')"
+    )
+    assert tier.steps() == []
