@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -812,3 +813,16 @@ def test_fsspec_file_missing_from_a_copy_and_a_marker_that_is_a_directory(tmp_pa
         f"([Errno 21] Is a directory: '{step_dir}/{MARKER_FILE}')"
     )
     assert tier.steps() == []
+
+
+def test_fsspec_cleanup_removes_an_older_copy_of_a_step(tmp_path: Path) -> None:
+    """Two committed copies of one step (a crash between a re-save's commit and the old copy's
+    removal): cleanup removes the older one, the step stays listed with the newer copy."""
+    tier = FsspecTier(f"file://{tmp_path}/root", name="f")
+    _save(tier, 5, "a", tmp_path)
+    old = tier.copy_of(5).url.removeprefix("file://")
+    new = old.replace("step-000000000005-a", "step-000000000005-z")
+    shutil.copytree(old, new)  # same marker: the later name wins the tie
+    assert tier.copy_of(5).url == f"file://{new}"
+    assert tier.cleanup() == [f"removed file://{old} (older copy of step 5)"]
+    assert not os.path.exists(old) and tier.steps() == [5] and tier.verify(5) == []
