@@ -270,3 +270,25 @@ def test_a_read_item_without_offsets_is_refused_by_name(tmp_path: Path) -> None:
         "tensor 'w': the load plan reads a chunk of it without its offsets (MetadataIndex.offset); "
         "a tensor read item must name the saved chunk it reads"
     )
+
+
+def _planned_results(sd: dict[str, Any], path: Path) -> list[Any]:
+    """UCPStorageWriter.planned_results of a one-rank save of ``sd`` (DCP's steps, no write)."""
+    planner = UCPSavePlanner()
+    planner.set_up_planner(sd, None, True)
+    writer = UCPStorageWriter(path)
+    writer.set_up_storage_writer(True)
+    (plan,), _ = planner.create_global_plan([writer.prepare_local_plan(planner.create_local_plan())])
+    (plan,) = writer.prepare_global_plan([plan])
+    return writer.planned_results(planner.finish_plan(plan), planner)
+
+
+def test_planned_results_of_an_empty_and_a_one_tensor_rank(tmp_path: Path) -> None:
+    """What the scale simulator builds its index from: nothing for a rank with nothing to save;
+    one file holding the tensor's bytes otherwise; nothing is written."""
+    assert _planned_results({}, tmp_path / "empty") == []
+    (res,) = _planned_results({"w": torch.ones(2)}, tmp_path / "one")
+    (entry,) = res.storage_data.entries
+    assert (entry.meta.fqn, entry.meta.shape, entry.nbytes) == ("w", (2,), 8)
+    assert res.storage_data.file == res.index.fqn and res.size_in_bytes == entry.start + 8
+    assert not any(p.exists() and any(p.iterdir()) for p in (tmp_path / "empty", tmp_path / "one"))
