@@ -112,3 +112,22 @@ def test_peer_copy_and_persistent_fallback(tmp_path) -> None:
     # Every node's local tier is gone: restore from the persistent tier (step 2).
     shutil.rmtree(os.path.join(base, "local"))
     run_ranks(4, _peer_restore, base, "persistent", 2)
+
+
+def _close_after_a_new_default_group(rank: int, world: int, root: str, init: str) -> None:
+    """A job that destroyed its default group (and the manager's groups with it) and made a new
+    one: close() still returns, and the new group works."""
+    mgr = CheckpointManager(root)
+    mgr.save(1, {"w": torch.ones(4)})
+    mgr.wait()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    mgr.close()
+    assert mgr._fg.pg is None and mgr._bg.pg is None  # noqa: SLF001  (nothing left to destroy)
+    got = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(got, torch.full((1,), float(rank)))
+    assert [int(t.item()) for t in got] == list(range(world))
+
+
+def test_close_after_the_job_replaced_its_default_group(tmp_path) -> None:
+    run_ranks(2, _close_after_a_new_default_group, str(tmp_path / "ckpt"), str(tmp_path / "init2"))
