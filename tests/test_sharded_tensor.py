@@ -18,7 +18,7 @@ from torch.distributed._shard import sharded_tensor
 from torch.distributed._shard.sharding_spec import ChunkShardingSpec
 
 from dist_utils import bit_equal, run_ranks
-from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter, load_state_dict
+from ucp_dcp import ReadOptions, UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter, load_state_dict
 
 SHAPE = (10, 7)  # uneven over 2 and 3 ranks
 
@@ -50,13 +50,18 @@ def _check(st: Any) -> None:
 
 def _save_rowwise(rank: int, world: int, path: str) -> None:
     sd = {"emb": _sharded(world, 0, _full()), "plain": _full() * 2, "step": 3}
-    dcp.save(sd, storage_writer=UCPStorageWriter(path), planner=UCPSavePlanner())
+    dcp.save(sd, storage_writer=UCPStorageWriter(path, placement_digests=True), planner=UCPSavePlanner())
 
 
 def _load_colwise(rank: int, world: int, path: str, back: str) -> None:
     sd: dict[str, Any] = {"emb": _sharded(world, 1, None), "plain": torch.zeros(SHAPE), "step": 0}
-    dcp.load(sd, storage_reader=UCPStorageReader(path), planner=UCPLoadPlanner())
+    reader = UCPStorageReader(path, options=ReadOptions(verify_placement=True))
+    dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
     _check(sd["emb"])
+    # the shards' placement proven from their own metadata: one copy of emb, plain on each rank
+    assert reader.last_load.placement is not None
+    assert reader.last_load.placement.checked == ("emb", "plain")
+    assert reader.last_load.placement.copies == {"emb": 1, "plain": world}
     assert bit_equal(sd["plain"], _full() * 2) and sd["step"] == 3
     # The ShardedTensor into a plain tensor, and a plain tensor into a ShardedTensor.
     swap: dict[str, Any] = {"emb": torch.zeros(SHAPE), "plain": _sharded(world, 0, None)}
