@@ -191,9 +191,7 @@ class Restorer(GroupWorker):
         if self.local is not None:
             mine = _listed(self.local) if self.layout.is_leader else {}
             if isinstance(mine, str):
-                log.warning(
-                    "node %d: %s; restoring from the other copies", self.layout.node, mine
-                )
+                log.warning("node %d: %s; restoring from the other copies", self.layout.node, mine)
                 mine = {}
             local = self.group.gather(mine)
         persistent = self.group.bcast(_listed(self.persistent) if self.layout.rank == 0 else {})
