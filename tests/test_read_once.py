@@ -215,6 +215,18 @@ def _corrupt_copy(saved: str, dest: str) -> str:
     return path
 
 
+def _corrupt_first_byte(saved: str, dest: str) -> None:
+    """A copy of the checkpoint with the first byte of its first tensor's data flipped."""
+    shutil.copytree(saved, dest)
+    src = open_source(dest)
+    loc = src.locate(next(iter(src.index.tensors)), 0)
+    with open(src.paths[loc.file], "r+b") as f:
+        f.seek(loc.start)
+        b = f.read(1)
+        f.seek(loc.start)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
 def _load_fails(rank: int, world: int, corrupt: str, path: str, root: str) -> None:
     """A flipped byte in ``corrupt``'s file ``path``, then a rank (2) whose reads fail: every rank
     raises, none hangs."""
@@ -254,7 +266,7 @@ def test_a_flipped_byte_or_a_failing_rank_fails_every_rank_without_hanging(
     run_ranks(WORLD, _load_fails, corrupt, path, saved)
 
 
-def _one_rank_cannot_plan(rank: int, world: int, good: str, broken: str) -> None:
+def _one_rank_cannot_plan(rank: int, world: int, good: str, broken: str, corrupt: str) -> None:
     """Rank 1 loads a copy whose data file is cut short, then into an expanded view: each time it
     fails before it can say what it needs, raises its own error, and rank 0 raises a
     ReadOnceError naming rank 1."""
@@ -291,6 +303,19 @@ def _one_rank_cannot_plan(rank: int, world: int, good: str, broken: str) -> None
         assert type(err) is ReadOnceError, repr(err)
         assert str(err) == f"rank 1 could not take part in the read-once load: UnsupportedValueError: {own}"
 
+    # a flipped byte in the first of many small rounds: every rank stops after the round that
+    # told it, and raises the ChecksumError naming the file and the rank that read the bytes
+    reader_module._ROUND_BYTES = 2048
+    try:
+        with pytest.raises(CheckpointException) as ei:
+            dcp.load({"w": torch.zeros(64, 32)}, planner=UCPLoadPlanner(),
+                     storage_reader=UCPStorageReader(corrupt, options=ReadOptions(read_once=True)))
+    finally:
+        reader_module._ROUND_BYTES = None
+    err = ei.value.failures[rank][0]
+    (data,) = Path(corrupt).glob("*.safetensors")
+    assert isinstance(err, ChecksumError) and err.path == str(data) and "read by rank" in err.what, repr(err)
+
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_rank_that_fails_before_its_needs_are_known_fails_the_others_naming_it(tmp_path: Path) -> None:
@@ -300,4 +325,6 @@ def test_a_rank_that_fails_before_its_needs_are_known_fails_the_others_naming_it
     shutil.copytree(good, broken)
     (data,) = Path(broken).glob("*.safetensors")
     os.truncate(data, data.stat().st_size - 8)
-    run_ranks(2, _one_rank_cannot_plan, good, broken)
+    corrupt = str(tmp_path / "corrupt")
+    _corrupt_first_byte(good, corrupt)
+    run_ranks(2, _one_rank_cannot_plan, good, broken, corrupt)
