@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dist_utils import bit_equal, run_ranks
 from layouts import build, full_reference, scramble, train_state, train_step
-from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter, load_index
+from ucp_dcp import UCPLoadPlanner, UCPSavePlanner, UCPStorageReader, UCPStorageWriter, load_index, load_state_dict
 from ucp_dcp.dcp._mesh_groups import LazyChunks
 from ucp_dcp.errors import CheckpointKeyError
 
@@ -239,3 +239,25 @@ def test_lazy_chunks_compare_and_print_as_their_list(tmp_path) -> None:  # type:
     with pytest.raises(CheckpointKeyError) as ei:
         md.planner_data["nope"]
     assert ei.value.args == ("'nope' is not a key of the checkpoint",)
+
+
+def _many_mesh_groups(rank: int, world: int, root: str) -> None:
+    from ucp_dcp.dcp import _mesh_groups
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(24.0).reshape(6, 4)
+    for i in range(66):  # 66 mesh groups (a different tensor name each), planned
+        planner = UCPSavePlanner()
+        planner.set_up_planner({f"w{i}": distribute_tensor(full + i, mesh, [Shard(0)])}, None, rank == 0)
+        planner.create_local_plan()
+        assert len(_mesh_groups._GROUPS) == min(i + 1, 64)  # bounded: the oldest went first
+    sd = {"w0": distribute_tensor(full, mesh, [Shard(0)])}  # the first group again: planned anew
+    dcp.save(sd, storage_writer=UCPStorageWriter(root), planner=UCPSavePlanner())
+    assert bit_equal(load_state_dict(root)["w0"], full)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_more_mesh_groups_than_the_cache_holds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Past 64 distinct mesh groups in a process the oldest cached one is dropped; a save that
+    needs it again plans it anew, and every checkpoint loads back exactly."""
+    run_ranks(1, _many_mesh_groups, str(tmp_path))
