@@ -63,7 +63,7 @@ from .load_planner import UCPLoadPlanner
 from .machine import Whereabouts, machine_shared, ranks_by_machine
 from .options import LoadReport, ReadOptions
 from .placement import checked_placement
-from .read_once import ReadOnceDecision, coordinate, decide, shared_storage
+from .read_once import ReadOnceDecision, checkpoint_identity, coordinate, decide, shared_storage
 from .read_once.exchange import LocalNeeds, run_exchange
 from .read_once.first_requests import share_first_requests
 from .read_once.transport import Transport, Wire, wire_for
@@ -451,6 +451,7 @@ class UCPStorageReader(StorageReader):
             self._wire.group,
             budget,
             self.options.read_once_costs,
+            (self.path, checkpoint_identity([(f.name, f.size) for f in src.index.files])),
         )
         if rounds is None:
             return everything

@@ -24,6 +24,7 @@ The subpackage, in reading order:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ import numpy as np
 import torch.distributed as dist
 
 from ...byteio.objstore import is_url
-from ...errors import InvalidArgumentError
+from ...errors import InvalidArgumentError, ReadOnceError
 from ...format.schema import check_field_types
 from .exchange import ExchangeTotals, LocalNeeds, RankRounds, first_failure
 from .rounds import GroupReadPlan, NeedGroups, needs_digest, plan_group_reads
@@ -44,6 +45,7 @@ __all__ = [
     "ReadOnceCosts",
     "ReadOnceDecision",
     "check_read_once",
+    "checkpoint_identity",
     "coordinate",
     "RankPart",
     "SharedPart",
@@ -242,21 +244,28 @@ def coordinate(
     group: dist.ProcessGroup | None,
     budget: int,
     costs: ReadOnceCosts | None = None,
+    checkpoint: tuple[str, bytes] = ("", b""),
 ) -> tuple[ReadOnceDecision, RankRounds | None]:
     """This rank's rounds (None: read directly), agreed with every rank of ``group``.
 
     Collective: call it on every rank of a load that may exchange (``read_once`` True, or
     ``"auto"`` on ``shared`` storage, :func:`shared_storage`), with this rank's needs, or with
     the ``failure`` that kept it from knowing them; then every rank raises (a
-    :class:`~ucp_dcp.errors.ReadOnceError` naming the rank).
+    :class:`~ucp_dcp.errors.ReadOnceError` naming the rank). ``checkpoint``: the path this rank
+    loads and what identifies its checkpoint (:func:`checkpoint_identity`); ranks that load
+    different checkpoints cannot exchange their bytes: every rank raises, naming both.
     """
     me, world = dist.get_rank(group), dist.get_world_size(group)
     mine: object = failure if failure is not None else (needs.needs() if needs else {})
     # Ranks with identical needs (replicas) send them once: every rank learns the needs'
     # digests, and only the lowest rank of each digest (and any rank that failed) sends more.
-    digests: list[bytes] = [b""] * world
     digest = needs_digest(mine) if isinstance(mine, dict) else b""
-    dist.all_gather_object(digests, digest, group=group)
+    sent: list[tuple[bytes, str, bytes]] = [(b"", "", b"")] * world
+    dist.all_gather_object(sent, (digest, *checkpoint), group=group)
+    digests = [d for d, _, _ in sent]
+    other = _other_checkpoint(sent)
+    if other is not None:  # every rank saw it: all leave here
+        raise failure if failure is not None else other
     body = mine if failure is not None or digests.index(digests[me]) == me else None
     gathered: list[object] | None = [None] * world if me == 0 else None
     dist.gather_object(body, gathered, group=group, group_dst=0)
@@ -284,6 +293,31 @@ def coordinate(
     dist.broadcast_object_list(common, group=group, group_src=0)
     assert isinstance(common[0], SharedPart) and isinstance(part, RankPart)
     return decision, common[0].rounds(part, me)
+
+
+def checkpoint_identity(files: Sequence[tuple[str, int]]) -> bytes:
+    """What tells a checkpoint from another without reading its data: its files' names (relative
+    to the checkpoint) and sizes, digested. Copies of one checkpoint at different paths (each
+    node's local copy) agree."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, size in files:
+        h.update(f"{name}\0{size}\0".encode())
+    return h.digest()
+
+
+def _other_checkpoint(sent: Sequence[tuple[bytes, str, bytes]]) -> ReadOnceError | None:
+    """The error for the first rank that loads another checkpoint than the first rank that said
+    which it loads (a rank that failed says nothing); None when they all load one."""
+    told = [(r, path, ident) for r, (_, path, ident) in enumerate(sent) if ident]
+    for r, path, ident in told[1:]:
+        r0, path0, ident0 = told[0]
+        if ident != ident0:
+            return ReadOnceError(
+                f"rank {r} loads another checkpoint than rank {r0}: {path} holds other files than "
+                f"{path0}; a read-once load exchanges the bytes of one checkpoint between its "
+                "ranks (load each checkpoint with read_once=False, or the same one everywhere)"
+            )
+    return None
 
 
 @dataclass(frozen=True)
