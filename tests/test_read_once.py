@@ -266,7 +266,9 @@ def test_a_flipped_byte_or_a_failing_rank_fails_every_rank_without_hanging(
     run_ranks(WORLD, _load_fails, corrupt, path, saved)
 
 
-def _one_rank_cannot_plan(rank: int, world: int, good: str, broken: str, corrupt: str) -> None:
+def _one_rank_cannot_plan(
+    rank: int, world: int, good: str, broken: str, corrupt: str, other: str, copy: str
+) -> None:
     """Rank 1 loads a copy whose data file is cut short, then into an expanded view: each time it
     fails before it can say what it needs, raises its own error, and rank 0 raises a
     ReadOnceError naming rank 1."""
@@ -316,6 +318,25 @@ def _one_rank_cannot_plan(rank: int, world: int, good: str, broken: str, corrupt
     (data,) = Path(corrupt).glob("*.safetensors")
     assert isinstance(err, ChecksumError) and err.path == str(data) and "read by rank" in err.what, repr(err)
 
+    # rank 1 loads another checkpoint (same tensor, other values): refused on every rank, naming
+    # both paths; before, its bytes came from rank 0's checkpoint (silently with verify=False)
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load({"w": torch.zeros(64, 32)}, planner=UCPLoadPlanner(), storage_reader=UCPStorageReader(
+            other if rank == 1 else good, options=ReadOptions(read_once=True, verify=False)))
+    assert sorted(ei.value.failures) == [0, 1]
+    err = ei.value.failures[rank][0]
+    assert type(err) is ReadOnceError and str(err) == (
+        f"rank 1 loads another checkpoint than rank 0: {other} holds other files than {good}; a "
+        "read-once load exchanges the bytes of one checkpoint between its ranks (load each "
+        "checkpoint with read_once=False, or the same one everywhere)"
+    ), repr(err)
+    # a copy of the same checkpoint at another path (a node's local copy) is one checkpoint
+    sd = {"w": torch.zeros(64, 32)}
+    reader = UCPStorageReader(copy if rank == 1 else good, options=ReadOptions(read_once=True))
+    dcp.load(sd, storage_reader=reader, planner=UCPLoadPlanner())
+    assert reader.last_load.read_once is not None and reader.last_load.read_once.exchange
+    assert bit_equal(sd["w"], torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32))
+
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_rank_that_fails_before_its_needs_are_known_fails_the_others_naming_it(tmp_path: Path) -> None:
@@ -327,4 +348,7 @@ def test_a_rank_that_fails_before_its_needs_are_known_fails_the_others_naming_it
     os.truncate(data, data.stat().st_size - 8)
     corrupt = str(tmp_path / "corrupt")
     _corrupt_first_byte(good, corrupt)
-    run_ranks(2, _one_rank_cannot_plan, good, broken, corrupt)
+    other, copy = str(tmp_path / "other"), str(tmp_path / "copy")
+    dcp.save({"w": full + 1}, storage_writer=UCPStorageWriter(other), planner=UCPSavePlanner())
+    shutil.copytree(good, copy)
+    run_ranks(2, _one_rank_cannot_plan, good, broken, corrupt, other, copy)
