@@ -49,7 +49,7 @@ from ucp_dcp import (
     UCPStorageWriter,
 )
 from ucp_dcp.byteio.objstore import ObjectStore
-from ucp_dcp.errors import unwrap
+from ucp_dcp.errors import ReadOnceError, unwrap
 from ucp_dcp.manager import _restore
 from ucp_dcp.sources import open_source
 
@@ -416,3 +416,33 @@ def test_manager_restore_from_object_store_exchanges(
     # checksums (about 0.2 MiB here); a restore without read-once fetches every byte WORLD times.
     fetched = sum(r["s3"] for r in ranks)
     assert fetched < unique + WORLD * (1 << 20), (fetched, unique)
+
+
+def _load_two_checkpoints(rank: int, world: int, a: str, b: str, options: dict[str, Any]) -> None:
+    """Rank 0 loads checkpoint ``a``, rank 1 ``b``, from the object store, read-once: every rank
+    raises the ReadOnceError naming both."""
+    _watchdog()
+    reader = UCPStorageReader(a if rank == 0 else b, storage_options=options,
+                              options=ReadOptions(read_once=True, verify=False))
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load({"w": torch.zeros(16, 8)}, storage_reader=reader, planner=UCPLoadPlanner())
+    assert sorted(ei.value.failures) == [0, 1]
+    err = ei.value.failures[rank][0]
+    assert type(err) is ReadOnceError and str(err).startswith(
+        f"rank 1 loads another checkpoint than rank 0: {b} holds other files than {a}; "
+    ), repr(err)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_ranks_loading_two_checkpoints_from_an_object_store_are_refused(
+    s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    """The object-store path of a read-once load (first requests shared, then the plan): ranks
+    that load different checkpoints are refused, not handed each other's bytes."""
+    base, options = s3_bucket
+    a, b = (f"{base}/two-{uuid.uuid4().hex[:8]}" for _ in range(2))
+    for i, url in enumerate((a, b)):
+        full = torch.arange(128, dtype=torch.float32).reshape(16, 8) + i
+        dcp.save({"w": full}, storage_writer=UCPStorageWriter(url, storage_options=options),
+                 planner=UCPSavePlanner())
+    run_ranks(2, _load_two_checkpoints, a, b, options)
