@@ -240,6 +240,9 @@ def test_checkpoint_id_redirects_a_writer_and_a_reader(tmp_path: Path) -> None:
     assert reader.source is not None and reader.source.path == str(tmp_path / "a")
 
     assert UCPStorageWriter.validate_checkpoint_id(tmp_path) and not UCPStorageWriter.validate_checkpoint_id(3)  # type: ignore[arg-type]
+    # a reader recognises a checkpoint some source format can open, not a path holding none
+    assert UCPStorageReader.validate_checkpoint_id(tmp_path / "a")
+    assert not UCPStorageReader.validate_checkpoint_id(tmp_path / "unused-too")
     with pytest.raises(CheckpointException) as ei:
         dcp.save({"w": a}, storage_writer=UCPStorageWriter(tmp_path / "c"))
     (err, _), = ei.value.failures.values()
