@@ -509,7 +509,7 @@ def test_a_manager_that_cannot_start_leaves_no_thread_and_a_closed_one_refuses(t
     verify names a step that no tier holds."""
     import threading
 
-    from ucp_dcp.errors import InvalidStateError, StorageError
+    from ucp_dcp.errors import InvalidArgumentError, InvalidStateError, StorageError
 
     blocker = tmp_path / "file"
     blocker.write_bytes(b"x")
@@ -522,7 +522,9 @@ def test_a_manager_that_cannot_start_leaves_no_thread_and_a_closed_one_refuses(t
     mgr.save(1, make_state(1))
     mgr.wait()
     assert mgr.verify(2) == ["step 2: not committed in persistent"]
-    assert mgr.verify(1, tier="local") == ["step 1: not committed in any tier"]
+    assert mgr.verify(1, tier="local") == ["step 1: this manager has no local tier (made without local=)"]
+    with pytest.raises(InvalidArgumentError, match=r"^tier must be 'local', 'persistent' or None, got 'remote'$"):
+        mgr.verify(1, tier="remote")
     mgr.close()
     mgr.close()
     with pytest.raises(InvalidStateError, match=r"^this CheckpointManager is closed \(close\(\) was called\); create a new one$"):

@@ -265,8 +265,12 @@ class CheckpointManager:
         Not collective: a node-local tier is checked for this node's files only. ``tier``
         (``"local"`` or ``"persistent"``): check that tier only.
         """
+        if tier not in (None, "local", "persistent"):
+            raise InvalidArgumentError(f"tier must be 'local', 'persistent' or None, got {tier!r}")
         problems: list[str] = []
         tiers = [t for t in self._tiers() if tier is None or t.name == tier]
+        if not tiers:
+            return [f"step {step}: this manager has no {tier} tier (made without local=)"]
         found = False
         for t in tiers:
             if step not in t.steps():
@@ -276,9 +280,7 @@ class CheckpointManager:
             held = partial(self._layout.held_files, peer=self.config.peer_replication)
             problems += t.verify(step, held=held if t is self.local else None)
         if not found:
-            problems.append(
-                f"step {step}: not committed in {', '.join(t.name for t in tiers) or 'any tier'}"
-            )
+            problems.append(f"step {step}: not committed in {', '.join(t.name for t in tiers)}")
         return problems
 
     # ------------------------------------------------------------- measuring
