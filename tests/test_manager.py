@@ -525,6 +525,13 @@ def test_a_manager_that_cannot_start_leaves_no_thread_and_a_closed_one_refuses(t
     assert mgr.verify(1, tier="local") == ["step 1: this manager has no local tier (made without local=)"]
     with pytest.raises(InvalidArgumentError, match=r"^tier must be 'local', 'persistent' or None, got 'remote'$"):
         mgr.verify(1, tier="remote")
+    # torch cannot allocate the staging copy (4 PiB for an expanded view): the step's save error,
+    # the backpressure slot given back, so the next save runs
+    with pytest.raises(CheckpointSaveError, match=r"^checkpoint save of step 3 failed: staging the state's copy failed: .*can't allocate memory"):
+        mgr.save(3, {"huge": torch.zeros(1).expand(2**50)})
+    mgr.save(4, make_state(4))
+    mgr.wait()
+    assert mgr.verify(4) == []
     mgr.close()
     mgr.close()
     with pytest.raises(InvalidStateError, match=r"^this CheckpointManager is closed \(close\(\) was called\); create a new one$"):

@@ -33,6 +33,7 @@ from ..errors import (
     InvalidArgumentTypeError,
     InvalidStateError,
     NoCheckpointError,
+    UCPError,
 )
 from ._collective import Group, NodeLayout
 from ._pipeline import SaveJob, SavePipeline
@@ -202,9 +203,13 @@ class CheckpointManager:
         self._slots.acquire()  # backpressure: wait until an in-flight save finishes
         try:
             staged = self._snap.stage(state)
-        except BaseException:
+        except BaseException as e:
             self._slots.release()
-            raise
+            if isinstance(e, UCPError) or not isinstance(e, RuntimeError):
+                raise
+            # torch's own failure while copying (host memory for the copy, a device error):
+            # named as this step's save failing, as every other save error is.
+            raise CheckpointSaveError(step, f"staging the state's copy failed: {e}") from e
         self._seq += 1
         job = SaveJob(step, staged, due, nonfinite, extras, self._token(), time.perf_counter() - t0)
         if not cfg.async_save:
