@@ -239,3 +239,161 @@ def _averaged_into_3(rank: int, world: int, root: str, read_once: Any) -> None:
 def test_averaged_tensors_load_on_3_ranks(tmp_path: Path, read_once: bool) -> None:
     d = _rewritten(tmp_path, lambda i: {**i, "parameter_to_average_patterns": [r"\d+\.fc1\.bias$"]})
     run_ranks(3, _averaged_into_3, str(d), read_once)
+
+
+def test_two_sub_params_split_by_a_zero_partition_boundary(tmp_path: Path) -> None:
+    """1.fc2.weight's fp32 master straddles the two data-parallel partitions (row 6, column 5):
+    each partition's piece of row 6 lies in one sub-parameter only, and still lands where
+    merge_tp_slices puts it."""
+    d = _rewritten(
+        tmp_path,
+        lambda i: {**i, INFO_KEYS["PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0"]: [r"1\.fc2\.weight$"]},
+    )
+    _check(load_state_dict(d), {"1.fc2.weight": _two_sub})
+
+
+def test_a_vocabulary_cut_inside_rank_0s_slice_drops_rank_1s(tmp_path: Path) -> None:
+    """original_vocab_size 5 of 12 padded rows: the merged embedding is rank 0's first 5 rows;
+    rank 1's slice is all padding and places nothing."""
+    d = _rewritten(tmp_path, lambda i: {**i, "original_vocab_size": 5})
+    _check(load_state_dict(d), {"tied_modules.embed.weight": lambda s: s[0][:5]})
+
+
+def test_a_sub_param_shape_of_minus_one_is_sized_from_the_slices(tmp_path: Path) -> None:
+    """A SubparamShape dimension of -1 takes the size its slices' elements leave (98 / 14)."""
+    sub = {"patterns": [r"1\.fc1\.weight$"], "shape": [[8, 6], -1], "partition_dim": 0}
+    widths = [[4, 4], [3, 3]]
+    d = _rewritten(
+        tmp_path,
+        lambda i: {
+            **i,
+            "universal_checkpoint_version": 0.4,
+            "parameter_with_sub_params": [sub],
+            "sub_param_shard_widths": {r"1\.fc1\.weight$": widths},
+        },
+    )
+    assert open_source(d).index.tensors["model.1.fc1.weight"].shape == (14, 7)
+    _check(load_state_dict(d), {"1.fc1.weight": _sub_params(widths)})
+
+
+def _sub(shape: list[Any], version: float = 0.4, widths: Any = ((4, 4), (3, 3))) -> Any:
+    """An edit putting 1.fc1.weight under one SubparamShape of ``shape`` (along 0)."""
+    pattern = r"1\.fc1\.weight$"
+    sub = {"patterns": [pattern], "shape": shape, "partition_dim": 0}
+    extra = {"sub_param_shard_widths": {pattern: [list(w) for w in widths]}} if widths else {}
+    return lambda i: {
+        **i,
+        "universal_checkpoint_version": version,
+        "parameter_with_sub_params": [sub],
+        **extra,
+    }
+
+
+_INFO = "universal_checkpoint_info"
+_SUBS = f"{_INFO}['parameter_with_sub_params']"
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda i: {**i, "tp_replicated_parameter_patterns": r"\d+\.gain$"},
+            f"{_INFO}['tp_replicated_parameter_patterns'] is not a list of patterns",
+        ),
+        (
+            lambda i: {**i, "parameter_with_row_parallelism_patterns": [1]},
+            f"{_INFO}['parameter_with_row_parallelism_patterns']: [1] are not patterns (strings)",
+        ),
+        (
+            lambda i: {**i, "parameter_with_row_parallelism_patterns": ["fc2(weight"]},
+            f"{_INFO}['parameter_with_row_parallelism_patterns']: 'fc2(weight': missing ), "
+            "unterminated subpattern at position 3",
+        ),
+        (
+            lambda i: {**i, "parameter_with_sub_params": "1.fc1.weight"},
+            f"{_SUBS} is not a list or ['sub_param_shard_widths'] not a dict",
+        ),
+        (
+            lambda i: {**i, "parameter_with_sub_params": [{"patterns": ["x"]}]},
+            f"{_SUBS}[0] is not a SubparamShape (patterns, shape, partition_dim): "
+            "{'patterns': ['x']}",
+        ),
+        (
+            lambda i: {
+                **i,
+                "parameter_with_sub_params": [
+                    {"patterns": ["x"], "shape": [1, 7], "partition_dim": 2}
+                ],
+            },
+            f"{_SUBS}[0]: shape [1, 7] with partition_dim 2 is not a shape and one of its "
+            "dimensions",
+        ),
+        (_sub([1, 0], 0.2, None), f"{_SUBS}[0]: shape [1, 0] has a dimension not a size"),
+        (
+            _sub([2, 7]),
+            f"{_SUBS}[0]: shape[0] 2 is neither the sub-parameters' sizes nor (before version "
+            "0.4) their number",
+        ),
+        (_sub([[8, -1], 7], 0.2, None), f"{_SUBS}[0]: sub-parameter sizes [8, -1] are not sizes"),
+        (
+            _sub([[8, 6], 7], 0.4, None),
+            f"{_SUBS}[0]: universal checkpoint version 0.4 records no 'sub_param_shard_widths' "
+            "for its patterns ['1\\\\.fc1\\\\.weight$']",
+        ),
+        (
+            _sub([[8, 6], 7], 0.4, ("x",)),
+            f"{_SUBS}[0]: 'sub_param_shard_widths' [['x']] is not a list of widths",
+        ),
+        (
+            lambda i: {**i, "universal_checkpoint_version": "0.4"},
+            f"{_INFO}['universal_checkpoint_version'] '0.4' is not a number",
+        ),
+        (
+            lambda i: {**i, "original_vocab_size": 0},
+            f"{_INFO}['original_vocab_size'] 0 is not a positive integer",
+        ),
+        (
+            lambda i: {**i, "autotp_unsupported_parameter_patterns": ["1.gain"]},
+            f"{_INFO}['autotp_unsupported_parameter_patterns'] is not a dict of patterns",
+        ),
+        (
+            lambda i: {k: v for k, v in i.items() if k != "original_vocab_size"},
+            f"'tied_modules.embed.weight' matches vocabulary_parameter_patterns but {_INFO} has "
+            "no original_vocab_size",
+        ),
+        (
+            lambda i: {**i, "parameter_with_row_parallelism_patterns": [r"1\.fc1\.bias$"]},
+            "'1.fc1.bias' of shape (7,) cannot be joined along dimension 1",
+        ),
+        (
+            _sub([3, 7], 0.2, None),
+            "'1.fc1.weight': 3 sub-parameters do not evenly divide its 14 elements along "
+            "dimension 0",
+        ),
+        (
+            _sub([[8, 6], 7], 0.4, ((4, 4), (3, 2))),
+            f"'1.fc1.weight': {_INFO}['sub_param_shard_widths'] [[4, 4], [3, 2]] does not give "
+            "each of the sub-parameters of sizes [8, 6] one width per tensor-parallel rank (2), "
+            "adding up to its size",
+        ),
+        (
+            _sub([[9, 6], -1], 0.4, ((5, 4), (3, 3))),
+            "'1.fc1.weight': sub-parameter shape [-1, -1] does not fit its 98 elements",
+        ),
+        (
+            _sub([[8, 6], 8]),
+            "tensor-parallel rank 0 holds 49 elements of '1.fc1.weight' (shape [7, 7]), but its "
+            "parameter_with_sub_params widths describe a shape of [7, 8]",
+        ),
+    ],
+)
+def test_a_malformed_universal_checkpoint_info_is_refused_naming_the_entry(
+    tmp_path: Path, edit: Callable[[dict[str, Any]], dict[str, Any]], message: str
+) -> None:
+    """Each entry of universal_checkpoint_info that is not what ds_to_universal reads (a wrong
+    type, a pattern that does not compile, sizes and widths that do not fit the slices) is
+    refused naming the model states file and the entry, not read as some other merge."""
+    d = _rewritten(tmp_path, edit)
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == f"{d / 'step2' / 'mp_rank_00_model_states.pt'}: {message}"
