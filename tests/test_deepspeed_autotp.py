@@ -363,3 +363,155 @@ def test_parameters_autotp_could_not_describe_are_refused_unless_a_rule_places_t
     got = _read_all(src, monkeypatch)
     for k, v in expected("autotp2_dp2_zero1").items():
         assert bit_equal(got[k], v), k
+
+
+_EMBED = r"^model\.embed_tokens\.weight$"
+_AMAP = "universal_checkpoint_info['affine_map']"
+
+
+def _amap(edit: Any) -> Any:
+    """An edit of universal_checkpoint_info applying ``edit`` to (a copy of) its affine map."""
+    import copy
+
+    def apply(info: dict[str, Any]) -> dict[str, Any]:
+        info = copy.deepcopy(info)
+        out = edit(info["affine_map"])
+        return {**info, "affine_map": info["affine_map"] if out is None else out}
+
+    return apply
+
+
+def _piece(rank: int, **fields: Any) -> Any:
+    """An affine-map edit setting ``fields`` of the embedding's one piece on ``rank``."""
+    return _amap(lambda m: m["params"][_EMBED]["ranks"][rank]["pieces"][0].update(fields))
+
+
+def _shard(m: dict[str, Any]) -> None:
+    r0 = m["params"][_EMBED]["ranks"][0]
+    r0["shard_shape"] = [31, 32]
+    r0["pieces"][0]["shape"] = [31, 32]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (_amap(lambda m: ["v1"]), f"{_AMAP} has keys ['v1']; expected version and params"),
+        (
+            _amap(lambda m: {**m, "dtype": "fp32"}),
+            f"{_AMAP} has keys ['dtype', 'params', 'version']; expected version and params",
+        ),
+        (_amap(lambda m: {**m, "version": 2}), f"{_AMAP}: format version 2; this reader knows (1,)"),
+        (
+            _piece(0, stride=[32, 1]),
+            f"{_AMAP}['^model\\\\.embed_tokens\\\\.weight$']: a piece has keys "
+            "['dest', 'locations', 'shape', 'source', 'stride']",
+        ),
+        (
+            _piece(1, scale=0.5),
+            f"{_AMAP}['^model\\\\.embed_tokens\\\\.weight$']: a piece on rank 1 is scaled by 0.5: "
+            "the merged tensor is no byte range of the slices (and DeepSpeed refuses its "
+            "optimizer moments)",
+        ),
+        (
+            _amap(lambda m: m["params"][_EMBED].pop("logical_shape") and None),
+            f"{_AMAP}['^model\\\\.embed_tokens\\\\.weight$'] is not an affine map entry "
+            "(KeyError('logical_shape'))",
+        ),
+        (
+            _amap(lambda m: m["params"][_EMBED]["ranks"].pop(1) and None),
+            f"{_AMAP} for 'model.embed_tokens.weight' has no tensor-parallel rank 1",
+        ),
+        (
+            _amap(_shard),
+            f"{_AMAP} gives tensor-parallel rank 0's slice of 'model.embed_tokens.weight' the "
+            "shape [31, 32], but it holds [32, 32]",
+        ),
+        (
+            _piece(0, dest=[32, [32, 1]]),
+            f"{_AMAP}: a piece of 'model.embed_tokens.weight' on rank 0 lies outside its slice "
+            "[32, 32] or the merged shape [64, 32]",
+        ),
+    ],
+)
+def test_a_malformed_affine_map_is_refused_naming_the_entry(
+    tmp_path: Path, edit: Any, message: str
+) -> None:
+    """An affine map this reader cannot place in place (an unknown key or version, a scaled
+    piece, a piece outside its tensors, a rank without an entry) is refused naming the model
+    states file and the entry."""
+    d = _stripped(tmp_path, edit)
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == f"{d / 'step2' / 'mp_rank_00_model_states.pt'}: {message}"
+
+
+@pytest.mark.parametrize(
+    "at",
+    [
+        "row 0",  # not [offset, strides]
+        [0.5, [32, 1]],  # an offset not an integer
+        [0, [1, 32]],  # column-major: a strided piece
+    ],
+)
+def test_an_affine_piece_that_is_no_box_is_refused(tmp_path: Path, at: Any) -> None:
+    """A piece whose source is not a row-major box of the merged tensor is not read in place."""
+    d = _stripped(tmp_path, _piece(0, source=at))
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{d / 'step2' / 'mp_rank_00_model_states.pt'}: {_AMAP}['^model\\\\.embed_tokens\\\\."
+        "weight$']: a piece on rank 0 is not a box of the slice and of the merged tensor "
+        "(strided pieces are not read in place): "
+        f"{ {'shape': [32, 32], 'source': at, 'dest': [0, [32, 1]], 'locations': [0]}!r}"
+    )
+
+
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        (42, "42 is not a layout rule (Shard, VocabPad, Replicated, Averaged, Fused) or its JSON"),
+        (
+            {"rule": "Mirror", "pattern": "x"},
+            "Mirror('x') is not a tensor-parallel partitioning rule: expected one of Shard, "
+            "VocabPad, Replicated, Averaged, Fused",
+        ),
+        (
+            {"rule": "Shard", "pattern": "proj("},
+            "Shard('proj('): missing ), unterminated subpattern at position 4",
+        ),
+        (
+            {"rule": "Shard", "pattern": "proj", "dim": "1"},
+            "Shard('proj', dim='1'): dim and size must be integers",
+        ),
+        (
+            {"rule": "Fused", "pattern": "proj", "parts": [8]},
+            "Fused('proj', parts=[8]): parts must be [name, width] pairs",
+        ),
+        (
+            {"rule": "Fused", "pattern": "proj", "parts": [["a", 0]]},
+            "Fused('proj', parts=[['a', 0]]): parts need positive widths",
+        ),
+        (
+            {"rule": "Fused", "pattern": "proj", "parts": [["a", 8]], "groups": -1},
+            "Fused('proj', parts=[['a', 8]], groups=-1): groups must be a positive integer",
+        ),
+    ],
+)
+def test_a_malformed_user_rule_is_refused_naming_it(rule: Any, message: str) -> None:
+    """A rule given as JSON that is not one this reader places is refused before anything is
+    read, written as the rule."""
+    with pytest.raises(InvalidArgumentError) as e:
+        DeepSpeedSource.open(str(AUTOTP / "autotp2_dp2_zero1"), SourceOptions(tp_rules=[rule]))
+    assert str(e.value) == f"tp_rules: {message}"
+
+
+def test_fused_parts_that_do_not_split_over_the_ranks_are_refused(tmp_path: Path) -> None:
+    d = _stripped(tmp_path)
+    rules = [Fused(r"gate_proj", dim=0, parts={"a": 25, "b": 23}), *RULES]
+    with pytest.raises(CheckpointFormatError) as e:
+        DeepSpeedSource.open(str(d), SourceOptions(tp_rules=rules))
+    assert str(e.value) == (
+        f"{d / 'step2' / 'mp_rank_00_model_states.pt'}: 'model.layers.0.mlp.gate_proj.weight': "
+        "tp_rules' Fused('gate_proj', parts={'a': 25, 'b': 23}) has parts of widths [25, 23], "
+        "which do not split evenly over 2 tensor-parallel ranks"
+    )

@@ -397,3 +397,39 @@ def test_a_malformed_universal_checkpoint_info_is_refused_naming_the_entry(
     with pytest.raises(CheckpointFormatError) as e:
         open_source(d)
     assert str(e.value) == f"{d / 'step2' / 'mp_rank_00_model_states.pt'}: {message}"
+
+
+def test_a_buffer_no_user_rule_places_is_refused_naming_it(tmp_path: Path) -> None:
+    """Without universal_checkpoint_info, user rules that place every trainable parameter but
+    not a module entry (the frozen 3.frozen, the buffer 3.scale) are refused naming it."""
+    from ucp_dcp import Replicated, Shard, VocabPad
+
+    d = _rewritten(tmp_path, lambda i: None)  # type: ignore[arg-type,return-value]
+    rules = [
+        Shard(r"fc2\.weight$", dim=1),
+        Replicated(r"(gain|fc2\.bias|^3\.proj\.bias)$"),
+        Shard(r"(fc1|^3\.proj)\."),
+        VocabPad(r"embed\.weight$", size=11),
+    ]
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d, tp_rules=rules)
+    assert str(e.value) == (
+        f"{d / 'step2' / 'mp_rank_00_model_states.pt'}: tensor-parallel checkpoint without "
+        "partitioning rules: universal_checkpoint_info is missing and tp_rules match none of "
+        "3.frozen, so it is unknown which dimension each of them is split along (or whether it "
+        "is replicated)"
+    )
+
+
+def test_a_scalar_under_the_two_sub_params_rule_is_refused() -> None:
+    """A 0-d parameter (no fixture has one under tensor parallelism: the rules' own function)
+    matched by parameter_with_2_sub_params_cat_dim_0 has no dimension 0 to cut in two."""
+    from ucp_dcp.sources._ds_tp import tp_rules
+
+    info = {INFO_KEYS["PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0"]: [r"layer\.scale$"]}
+    rules = tp_rules(info, "states.pt", ["layer.scale"])
+    with pytest.raises(CheckpointFormatError) as e:
+        rules.slice_of("layer.scale", 0, 2, ())
+    assert str(e.value) == (
+        "states.pt: 'layer.scale' matches parameter_with_2_sub_params_cat_dim_0 but is a scalar"
+    )
