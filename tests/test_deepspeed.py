@@ -452,3 +452,187 @@ def test_cli_inspect_verify_convert_export_on_a_deepspeed_checkpoint(tmp_path: P
     assert set(exported) == set(want)
     for k, v in want.items():
         assert bit_equal(exported[k], v), k
+
+
+# ---------------------------------------------------------------- damaged entries
+
+
+def _deepspeed_standins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Importable stand-ins for the DeepSpeed classes the fixtures' pickles name, so that a test
+    can load a file with ``torch.load``, change an entry and save it back without DeepSpeed."""
+    import enum
+    import sys
+    import types
+
+    class ZeroStageEnum(int, enum.Enum):
+        disabled = 0
+        optimizer_states = 1
+        gradients = 2
+        weights = 3
+        max_stage = 4
+
+    classes: list[type] = [ZeroStageEnum]
+    for name in ("LossScaler", "fragment_address", "SubparamShape"):
+        classes.append(type(name, (), {}))
+    modules = (
+        "deepspeed.runtime.zero.config",
+        "deepspeed.runtime.fp16.loss_scaler",
+        "deepspeed.utils.tensor_fragment",
+        "deepspeed.checkpoint.universal_checkpoint",
+    )
+    for cls, module in zip(classes, modules):
+        cls.__module__, cls.__qualname__ = module, cls.__name__
+        parts = module.split(".")
+        for i in range(1, len(parts) + 1):
+            name = ".".join(parts[:i])
+            if name not in sys.modules:
+                m = types.ModuleType(name)
+                m.__path__ = []  # type: ignore[attr-defined]  # a package: its children import
+                monkeypatch.setitem(sys.modules, name, m)
+            if i > 1:
+                parent = sys.modules[".".join(parts[: i - 1])]
+                monkeypatch.setattr(parent, parts[i - 1], sys.modules[name], raising=False)
+        monkeypatch.setattr(sys.modules[module], cls.__name__, cls, raising=False)
+
+
+def _edited(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file: str, edit: Any) -> Path:
+    """A copy of zero2_fp32_w2 whose ``step2/<file>`` holds ``edit(its object)``."""
+    _deepspeed_standins(monkeypatch)
+    d = _copy("zero2_fp32_w2", tmp_path)
+    f = d / "step2" / file
+    obj = torch.load(f, weights_only=False)
+    out = edit(obj)
+    torch.save(obj if out is None else out, f)
+    return d
+
+
+_M = "mp_rank_00_model_states.pt"
+_O = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+
+def _osd(edit: Any) -> Any:
+    """An edit of an optimizer file's optimizer_state_dict (in place)."""
+
+    def apply(o: dict[str, Any]) -> None:
+        edit(o["optimizer_state_dict"])
+
+    return apply
+
+
+def _inner(edit: Any) -> Any:
+    """An edit of an optimizer file's inner optimizer state dict."""
+    return _osd(lambda s: edit(s["base_optimizer_state"]))
+
+
+@pytest.mark.parametrize(
+    "file, edit, message",
+    [
+        (_M, lambda sd: [1], "holds a list, not DeepSpeed's model states dict"),
+        (_M, lambda sd: sd.pop("param_shapes") and None, "no 'param_shapes' entry"),
+        (_M, lambda sd: sd.update(param_shapes={}), "'param_shapes' is a dict, expected list"),
+        (
+            _M,
+            lambda sd: sd["param_shapes"].__setitem__(0, ["embed.weight"]),
+            "param_shapes[0] is a list, expected a dict",
+        ),
+        (
+            _M,
+            lambda sd: sd["param_shapes"][0].update({"fc1.weight": "13x7"}),
+            "param_shapes[0]['fc1.weight']: '13x7' is not a shape",
+        ),
+        (
+            _M,
+            lambda sd: sd.update(module={"embed.weight": 1}),
+            "'module': expected a dict of name -> tensor",
+        ),
+        (
+            _M,
+            lambda sd: sd.update(shared_params={"lm_head.weight": 1}),
+            "'shared_params' is not a dict of name -> name",
+        ),
+        (
+            _M,
+            lambda sd: sd.update(buffer_names="running_mean"),
+            "'buffer_names' is not a list of names",
+        ),
+        (_M, lambda sd: sd.update(dp_world_size=0), "dp_world_size 0 is not a positive integer"),
+        (
+            _M,
+            lambda sd: sd.update(checkpoint_parallel_dimensions={"tp_degree": 0}),
+            "checkpoint_parallel_dimensions['tp_degree'] 0 is not a positive integer",
+        ),
+        (
+            _M,
+            lambda sd: sd["param_shapes"][0].update({"embed.weight": (110, 7)}),
+            "group 0: 973 parameter elements do not fit in partitions of 280",
+        ),
+        (
+            _M,
+            lambda sd: sd["param_shapes"].append({}),
+            "param_shapes has 3 groups, the optimizer files 2",
+        ),
+        (_O, lambda o: o.pop("optimizer_state_dict") and None, "no 'optimizer_state_dict' entry"),
+        (_O, _osd(lambda s: s.update(zero_stage=5)), "optimizer_state_dict: zero_stage 5 is not 1, 2 or 3"),
+        (
+            _O,
+            _osd(lambda s: s.update(group_paddings=[0])),
+            "optimizer_state_dict: group_paddings [0] does not give one count per group",
+        ),
+        (
+            _O,
+            _osd(lambda s: s.update(param_alignment_paddings=[[0, 4], [0]])),
+            "optimizer_state_dict: per-parameter alignment padding (param_alignment_paddings "
+            "[[0, 4], [0]]) is not supported",
+        ),
+        (
+            _O,
+            _osd(lambda s: s["single_partition_of_fp32_groups"].__setitem__(
+                0, s["single_partition_of_fp32_groups"][0].reshape(1, -1)
+            )),
+            "optimizer_state_dict: the fp32 buffers are not all 1-D tensors",
+        ),
+        (
+            _O,
+            _inner(lambda i: i["state"].update({7: {}})),
+            "optimizer_state_dict: inner optimizer state key 7 is not a flat buffer number",
+        ),
+        (
+            _O,
+            _inner(lambda i: i["param_groups"][0].pop("params") and None),
+            "optimizer_state_dict: inner optimizer param_groups[0] has no list of 'params'",
+        ),
+        (
+            _O,
+            _inner(lambda i: i["param_groups"][1].update(params=[0])),
+            "optimizer_state_dict: inner optimizer groups cover flat buffers [0, 0], expected 0..1",
+        ),
+        (
+            _O,
+            _inner(lambda i: i["state"][0].update(exp_avg=i["state"][0]["exp_avg"][:5])),
+            "optimizer state of flat buffer 0: exp_avg is not a 1-D tensor of at least 140 "
+            "elements",
+        ),
+    ],
+)
+def test_a_damaged_deepspeed_entry_is_refused_naming_the_file_and_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file: str, edit: Any, message: str
+) -> None:
+    """Each entry of a real ZeRO-2 checkpoint's model states and optimizer files, replaced by
+    something DeepSpeed never writes there, is refused naming the file and the entry."""
+    d = _edited(tmp_path, monkeypatch, file, edit)
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == f"{d / 'step2' / file}: {message}"
+
+
+
+def test_a_moment_one_rank_lacks_is_refused_naming_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's flat buffer 0 has exp_avg, rank 1's not: refused naming rank 1's file, the
+    buffer and the moment, not read as zeros or from rank 0."""
+    file = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    d = _edited(tmp_path, monkeypatch, file, _inner(lambda i: i["state"][0].pop("exp_avg")))
+    with pytest.raises(CheckpointFormatError) as e:
+        load_state_dict(d)
+    assert str(e.value) == f"{d / 'step2' / file}: flat buffer 0 has no 'exp_avg' state"
