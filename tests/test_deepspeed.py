@@ -495,14 +495,18 @@ def _deepspeed_standins(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(sys.modules[module], cls.__name__, cls, raising=False)
 
 
-def _edited(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file: str, edit: Any) -> Path:
-    """A copy of zero2_fp32_w2 whose ``step2/<file>`` holds ``edit(its object)``."""
+def _edited(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edits: dict[str, Any], variant: str = "zero2_fp32_w2"
+) -> Path:
+    """A copy of ``variant`` whose ``step2/<file>`` holds ``edit(its object)`` (in place where
+    ``edit`` returns None), for each ``file: edit`` of ``edits``."""
     _deepspeed_standins(monkeypatch)
-    d = _copy("zero2_fp32_w2", tmp_path)
-    f = d / "step2" / file
-    obj = torch.load(f, weights_only=False)
-    out = edit(obj)
-    torch.save(obj if out is None else out, f)
+    d = _copy(variant, tmp_path)
+    for file, edit in edits.items():
+        f = d / "step2" / file
+        obj = torch.load(f, weights_only=False)
+        out = edit(obj)
+        torch.save(obj if out is None else out, f)
     return d
 
 
@@ -571,6 +575,27 @@ def _inner(edit: Any) -> Any:
             lambda sd: sd["param_shapes"].append({}),
             "param_shapes has 3 groups, the optimizer files 2",
         ),
+        (
+            _M,
+            lambda sd: sd["frozen_param_fragments"].clear(),
+            "no frozen_param_fragments entry for 'frozen'",
+        ),
+        (
+            _M,
+            lambda sd: sd.update(module=None),
+            "'module' is None (a pipeline-parallel engine's model states) but <tag> holds no "
+            "layer_XX-model_YY-model_states.pt files",
+        ),
+        (
+            _O,
+            _inner(lambda i: i["state"][0].update(step=2)),
+            "optimizer state 'step' of flat buffer 0 is a int, not a tensor",
+        ),
+        (
+            _O,
+            _inner(lambda i: i.update(param_groups=[{**i["param_groups"][0], "params": [0, 1]}])),
+            "1 inner optimizer groups for 2 parameter groups",
+        ),
         (_O, lambda o: o.pop("optimizer_state_dict") and None, "no 'optimizer_state_dict' entry"),
         (_O, _osd(lambda s: s.update(zero_stage=5)), "optimizer_state_dict: zero_stage 5 is not 1, 2 or 3"),
         (
@@ -619,10 +644,10 @@ def test_a_damaged_deepspeed_entry_is_refused_naming_the_file_and_entry(
 ) -> None:
     """Each entry of a real ZeRO-2 checkpoint's model states and optimizer files, replaced by
     something DeepSpeed never writes there, is refused naming the file and the entry."""
-    d = _edited(tmp_path, monkeypatch, file, edit)
+    d = _edited(tmp_path, monkeypatch, {file: edit})
     with pytest.raises(CheckpointFormatError) as e:
         open_source(d)
-    assert str(e.value) == f"{d / 'step2' / file}: {message}"
+    assert str(e.value) == f"{d / 'step2' / file}: {message.replace('<tag>', str(d / 'step2'))}"
 
 
 
@@ -632,7 +657,99 @@ def test_a_moment_one_rank_lacks_is_refused_naming_its_file(
     """Rank 0's flat buffer 0 has exp_avg, rank 1's not: refused naming rank 1's file, the
     buffer and the moment, not read as zeros or from rank 0."""
     file = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    d = _edited(tmp_path, monkeypatch, file, _inner(lambda i: i["state"][0].pop("exp_avg")))
+    d = _edited(tmp_path, monkeypatch, {file: _inner(lambda i: i["state"][0].pop("exp_avg"))})
     with pytest.raises(CheckpointFormatError) as e:
         load_state_dict(d)
     assert str(e.value) == f"{d / 'step2' / file}: flat buffer 0 has no 'exp_avg' state"
+
+
+def _stage(n: int) -> Any:
+    return _osd(lambda s: s.update(zero_stage=n))
+
+
+_Z3 = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
+_O3 = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+_P = "zero_pp_rank_{}_mp_rank_0{}_optim_states.pt"
+
+
+@pytest.mark.parametrize(
+    "variant, edits, message",
+    [
+        (
+            "zero2_fp32_w2",
+            {_O: _stage(3), _O3.format(1): _stage(3)},
+            "<tag>: ZeRO stage 3 optimizer files with one model states file(s)",
+        ),
+        (
+            "zero2_fp32_w2",
+            {_O3.format(1): _stage(1)},
+            "<tag>/zero_pp_rank_1_mp_rank_00_optim_states.pt: ZeRO stage 1 with 2 flat buffers; "
+            "<tag>/zero_pp_rank_0_mp_rank_00_optim_states.pt has stage 2 with 2",
+        ),
+        (
+            "zero3_fp32_w2",
+            {_O3.format(1): _osd(lambda s: s["fp32_flat_groups"].__setitem__(0, s["fp32_flat_groups"][0][:-1]))},
+            "<tag>/zero_pp_rank_1_mp_rank_00_optim_states.pt: fp32_flat_groups of [84, 57, 15] "
+            "elements; rank 0 has [85, 57, 15]",
+        ),
+        (
+            "zero3_fp32_w2",
+            {_Z3.format(0): lambda sd: sd["param_shapes"][0].update({"fc1.weight": (130, 7)})},
+            "<tag>/zero_pp_rank_0_mp_rank_00_model_states.pt: parameter slices of 566 elements per "
+            "rank do not fit in buffers of 157",
+        ),
+        (
+            "zero3_fp32_w2",
+            {_Z3.format(0): lambda sd: sd["module"].update(extra=torch.zeros(1))},
+            "<tag>/zero_pp_rank_0_mp_rank_00_model_states.pt: module entry 'extra' is neither in "
+            "param_shapes, frozen_param_shapes, shared_params nor buffer_names; under ZeRO-3 its "
+            "module copy is a placeholder",
+        ),
+        (
+            "pipe/tp2_dp2_zero1",
+            {_P.format(dp, mp): _stage(3) for dp in (0, 1) for mp in (0, 1)},
+            "<tag>/mp_rank_00_model_states.pt: ZeRO-3 optimizer files in a pipeline- or "
+            "tensor-parallel checkpoint",
+        ),
+        (
+            "pipe/tp2_dp2_zero1",
+            {"mp_rank_01_model_states.pt": lambda sd: sd["param_shapes"][0].update({"1.fc1.weight": (6, 7)})},
+            "<tag>/mp_rank_01_model_states.pt: '1.fc1.weight' is a (6, 7) slice; model-parallel rank "
+            "0 holds a (7, 7) one (uneven tensor-parallel slices are not supported by its rule, "
+            "column-parallel)",
+        ),
+    ],
+)
+def test_deepspeed_files_that_disagree_are_refused_naming_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str, edits: dict[str, Any], message: str
+) -> None:
+    """Optimizer and model states files of one real checkpoint edited to disagree with each
+    other (ZeRO stage, buffer sizes, groups, slice shapes, module entries) are refused naming
+    the file (``<tag>``: the tag folder) and what it disagrees with."""
+    d = _edited(tmp_path, monkeypatch, edits, variant)
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == message.replace("<tag>", str(d / "step2"))
+
+
+def test_optimizer_groups_that_differ_between_model_parallel_ranks_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensor-parallel rank 1's optimizer groups with another learning rate than rank 0's: the
+    merged state would have no one value; refused naming both files and the groups."""
+    d = _edited(
+        tmp_path,
+        monkeypatch,
+        {_P.format(0, 1): _inner(lambda i: i["param_groups"][0].update(lr=0.5))},
+        "pipe/tp2_dp2_zero1",
+    )
+    tag = d / "step2"
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    msg = str(e.value)
+    assert msg.startswith(
+        f"{tag / _P.format(0, 1)}: model-parallel rank 1's optimizer groups [{{'weight_decay': 0.1, "
+        "'lr': 0.5, "
+    )
+    assert "differ from rank 0's [{'weight_decay': 0.1, 'lr': 0.01, " in msg
+    assert msg.endswith(f"({tag / _P.format(0, 0)})")
