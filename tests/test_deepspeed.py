@@ -753,3 +753,23 @@ def test_optimizer_groups_that_differ_between_model_parallel_ranks_are_refused(
     )
     assert "differ from rank 0's [{'weight_decay': 0.1, 'lr': 0.01, " in msg
     assert msg.endswith(f"({tag / _P.format(0, 0)})")
+
+
+def test_a_layer_file_two_tied_modules_could_be_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pipeline run whose stages name a second tied module with the embedding's entry
+    (tied_modules.head.weight, a buffer here): layer 0's file could be either; refused naming
+    it and both, not read as the first."""
+    d = _edited(
+        tmp_path,
+        monkeypatch,
+        {"mp_rank_00_model_states.pt": lambda sd: sd["buffer_names"].append("tied_modules.head.weight")},
+        "pipe/pp2_dp2_zero1",
+    )
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{d / 'step2' / 'layer_00-model_00-model_states.pt'}: layer 0's entries ['weight'] match "
+        "tied modules embed, head alike; cannot tell which one this layer is"
+    )

@@ -433,3 +433,22 @@ def test_a_scalar_under_the_two_sub_params_rule_is_refused() -> None:
     assert str(e.value) == (
         "states.pt: 'layer.scale' matches parameter_with_2_sub_params_cat_dim_0 but is a scalar"
     )
+
+
+def test_a_replicated_vocabulary_cut_is_read_from_rank_0(tmp_path: Path) -> None:
+    """The embedding both tensor-parallel replicated and a vocabulary cut to 5 of its 6 rows:
+    ds_to_universal takes slice 0 and cuts it; rank 1's slice is not read (nor checked
+    equal: the cut keeps rank 0's rows only)."""
+    d = _rewritten(
+        tmp_path,
+        lambda i: {
+            **i,
+            "original_vocab_size": 5,
+            "tp_replicated_parameter_patterns": [
+                *i["tp_replicated_parameter_patterns"],
+                r"tied_modules\.embed\.weight$",
+            ],
+        },
+    )
+    assert open_source(d).index.tensors["model.tied_modules.embed.weight"].shape == (5, 7)
+    _check(load_state_dict(d), {"tied_modules.embed.weight": lambda s: s[0][:5]})
