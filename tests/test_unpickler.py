@@ -221,3 +221,140 @@ def test_dcp_metadata_purpose_accepts_dcps_records(tmp_path: Path) -> None:
     assert md.state_dict_metadata["w"].properties.dtype == torch.bfloat16
     plain = [torch.Size([2]), torch.strided, torch.float16, Path("a/b")]
     assert unpickle(pickle.dumps(plain), ".metadata", "dcp_metadata") == plain
+
+
+# ---------------------------------------------------------------- damaged archives
+
+
+def _rezip(raw: bytes, replace: dict[str, bytes] | None = None, compress: str = "") -> bytes:
+    """``raw`` (a torch.save archive) written again by zipfile: members named in ``replace``
+    with those bytes, those whose name ends with ``compress`` (if given) deflated."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(raw)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            data = (replace or {}).get(info.filename, src.read(info))
+            method = zipfile.ZIP_DEFLATED if compress and info.filename.endswith(compress) else zipfile.ZIP_STORED
+            dst.writestr(info.filename, data, compress_type=method)
+    return out.getvalue()
+
+
+def _central_sizes(raw: bytes, member: str, size: int, field: int = 20) -> bytes:
+    """``raw`` with ``member``'s central directory entry recording ``size`` bytes (stored and
+    uncompressed alike; ``field`` 42: its local header at offset ``size`` instead), its data
+    untouched."""
+    at = 0
+    while True:
+        at = raw.index(b"PK\x01\x02", at)
+        name_len = int.from_bytes(raw[at + 28 : at + 30], "little")
+        if raw[at + 46 : at + 46 + name_len].decode() == member:
+            break
+        at += 4
+    if field == 42:
+        return raw[: at + 42] + size.to_bytes(4, "little") + raw[at + 46 :]
+    sizes = size.to_bytes(4, "little") * 2
+    return raw[: at + 20] + sizes + raw[at + 28 :]
+
+
+def _w() -> bytes:
+    return _torch_save({"w": torch.arange(6.0)})
+
+
+def _bad_local_header(raw: bytes) -> bytes:
+    with zipfile.ZipFile(io.BytesIO(raw)) as z:
+        at = z.getinfo("archive/data/0").header_offset
+    return raw[:at] + b"XX" + raw[at + 2 :]
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            lambda raw: raw.replace(b"data.pkl", b"data.pkx"),
+            "not a torch.save archive (no single <name>/data.pkl)",
+        ),
+        (
+            lambda raw: _rezip(raw, {"archive/byteorder": b"big"}),
+            "big-endian tensor data is not supported",
+        ),
+        (
+            lambda raw: _rezip(raw, compress="data/0"),
+            "record archive/data/0 is compressed or encrypted",
+        ),
+        (_bad_local_header, "bad local zip header for archive/data/0"),
+        (
+            lambda raw: _central_sizes(raw, "archive/data/0", 1 << 20),
+            "storage record data/0 runs past the end of the file",
+        ),
+    ],
+)
+def test_a_damaged_archive_is_refused_naming_the_file_and_record(
+    tmp_path: Path, damage: Any, message: str
+) -> None:
+    """A real torch.save archive damaged in its zip structure (the pickle renamed, big-endian
+    data, a compressed or misplaced storage record, one said to run past the end) is refused
+    naming the file and the record, before any tensor is read."""
+    path = tmp_path / "states.pt"
+    path.write_bytes(damage(_w()))
+    with pytest.raises(CheckpointFormatError) as e:
+        read_torch_archive(str(path), "deepspeed")
+    assert str(e.value) == f"{path}: {message}"
+
+
+def test_a_pickle_over_the_limit_is_refused_before_it_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """data.pkl's size (from the zip directory) over the limit for state: refused unread."""
+    import ucp_dcp.sources._torch_archive as ta
+
+    path = tmp_path / "states.pt"
+    path.write_bytes(_w())
+    size = len(_data_pkl(_w()))
+    monkeypatch.setattr(ta, "_MAX_PICKLE_BYTES", size - 1)
+    with pytest.raises(CheckpointFormatError) as e:
+        read_torch_archive(str(path), "deepspeed")
+    assert str(e.value) == f"{path}: data.pkl of {size} bytes is too large to be state"
+
+
+def test_a_storage_record_shorter_than_its_tensor_and_a_strided_tensor(tmp_path: Path) -> None:
+    """A record the directory says is 8 bytes, holding a tensor of 24, and a transposed tensor:
+    neither is a byte range to read, each refused naming the file and the tensor."""
+    path = tmp_path / "states.pt"
+    raw = _torch_save({"w": torch.arange(6.0), "t": torch.ones(2, 3).t()})
+    path.write_bytes(_central_sizes(raw, "archive/data/0", 8))
+    a = read_torch_archive(str(path), "deepspeed")
+    with pytest.raises(CheckpointFormatError) as e:
+        a.byte_range(a.obj["w"], "fp32 weight 'w'")
+    assert str(e.value) == (
+        f"{path}: fp32 weight 'w' (24 bytes at element 0) runs past its storage record data/0 "
+        "of 8 bytes"
+    )
+    with pytest.raises(CheckpointFormatError) as e:
+        a.byte_range(a.obj["t"], "moment 't'")
+    assert str(e.value) == f"{path}: moment 't' is not stored row-major (stride [1, 3])"
+
+
+def test_a_file_that_cannot_be_opened_is_refused_naming_it(tmp_path: Path) -> None:
+    """A model states file that is a directory (or unreadable): named, with the reason."""
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    path.mkdir()
+    with pytest.raises(CheckpointFormatError) as e:
+        read_torch_archive(str(path), "deepspeed")
+    assert str(e.value) == f"{path}: cannot open (Is a directory)"
+
+
+def test_a_distcp_item_past_the_end_of_its_file_or_too_short_is_refused() -> None:
+    """An item whose file ends early (pread returns nothing), and one too short to hold a
+    zip's end records: refused naming the item, not read as zeros or raised raw."""
+    raw = _torch_save(torch.arange(6.0))
+    with pytest.raises(CheckpointFormatError) as e:
+        parse_tensor_item(lambda n, off: raw[off : off + n], 0, len(raw) + 4096, "item", ReadStats())
+    assert str(e.value) == "item: truncated: the data file ends inside the item"
+    with pytest.raises(CheckpointFormatError) as e:
+        parse_tensor_item(lambda n, off: raw[off : off + n], 0, 10, "item", ReadStats())
+    # zipfile's seek to the end record before the item's start is an OSError: not an archive
+    assert str(e.value) == "item: not a readable torch.save archive (File is not a zip file)"
+    # A storage record whose local header the directory puts past the item's end.
+    bad = _central_sizes(raw, "archive/data/0", len(raw) + 100, field=42)
+    with pytest.raises(CheckpointFormatError) as e:
+        parse_tensor_item(lambda n, off: bad[off : off + n], 0, len(bad), "item", ReadStats())
+    assert str(e.value) == "item: bad local zip header for archive/data/0"
