@@ -362,3 +362,138 @@ def _load_all_3(rank: int, world: int, paths: dict[str, str]) -> None:
 @pytest.mark.multiproc
 def test_dcp_load_every_source_on_3_ranks(sources: dict[str, Path]) -> None:
     run_ranks(3, _load_all_3, {k: str(v) for k, v in sources.items()})
+
+
+# ---------------------------------------------------------------- Hugging Face directories
+
+
+def _hf_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"a.weight": torch.randn(3, 4, generator=g), "b.bias": torch.randn(5, generator=g).bfloat16()}
+
+
+def test_one_safetensors_file_or_index_of_any_name_is_the_model(tmp_path: Path) -> None:
+    """A directory holding one ``*.safetensors`` file not named model.safetensors (an adapter),
+    or one ``*.safetensors.index.json`` of another name, is that model: read bit-exact."""
+    from safetensors.torch import save_file
+
+    want = _hf_tensors()
+    one = tmp_path / "one"
+    one.mkdir()
+    save_file(want, str(one / "adapter_model.safetensors"))
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    save_file({"a.weight": want["a.weight"]}, str(sharded / "w-1.safetensors"))
+    save_file({"b.bias": want["b.bias"]}, str(sharded / "w-2.safetensors"))
+    weight_map = {"a.weight": "w-1.safetensors", "b.bias": "w-2.safetensors"}
+    (sharded / "weights.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for d in (one, sharded):
+        assert isinstance(open_source(d), HFSource)
+        got = load_state_dict(d)
+        assert set(got) == set(want) and all(bit_equal(got[k], v) for k, v in want.items()), d
+
+
+def _hf_dir(tmp_path: Path, files: dict[str, dict[str, torch.Tensor]], weight_map: Any) -> Path:
+    """A model directory of safetensors ``files`` and a model.safetensors.index.json whose
+    weight_map is ``weight_map``."""
+    from safetensors.torch import save_file
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    for name, tensors in files.items():
+        save_file(tensors, str(d / name))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return d
+
+
+@pytest.mark.parametrize(
+    "files, weight_map, message",
+    [
+        ({}, ["a.weight"], '<index>: no "weight_map" object of tensor name -> file name'),
+        ({}, {"a.weight": 1}, '<index>: no "weight_map" object of tensor name -> file name'),
+        ({}, {}, "<index>: the weight_map is empty"),
+        (
+            {"w-1.safetensors": {"a": torch.ones(2), "b": torch.ones(1)}, "w-2.safetensors": {"a": torch.ones(2)}},
+            {"a": "w-2.safetensors", "b": "w-1.safetensors"},
+            "<dir>: tensor 'a' is in both w-2.safetensors and w-1.safetensors",
+        ),
+        (
+            {"w-1.safetensors": {"a": torch.ones(2), "b": torch.ones(1)}, "w-2.safetensors": {"c": torch.ones(1)}},
+            {"b": "w-1.safetensors", "a": "w-2.safetensors", "c": "w-2.safetensors"},
+            "<dir>: the index puts 'a' in w-2.safetensors, but it is in w-1.safetensors",
+        ),
+    ],
+)
+def test_a_bad_hf_index_is_refused_naming_it(
+    tmp_path: Path, files: dict[str, dict[str, torch.Tensor]], weight_map: Any, message: str
+) -> None:
+    """An index whose weight_map is not a map of names to files, is empty, or disagrees with
+    the files (a tensor in two of them, or in another than the index says) is refused naming
+    the index or the directory and the tensor."""
+    d = _hf_dir(tmp_path, files, weight_map)
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    index = d / "model.safetensors.index.json"
+    assert str(e.value) == message.replace("<index>", str(index)).replace("<dir>", str(d))
+
+
+def test_an_hf_file_without_tensors_or_with_a_dtype_torch_lacks_is_refused(tmp_path: Path) -> None:
+    """A model.safetensors holding no tensor, and one whose tensor has a dtype code torch has
+    no dtype for (complex 64-bit here): refused naming the file (and the tensor)."""
+    from safetensors.torch import save_file
+
+    d = tmp_path / "empty"
+    d.mkdir()
+    save_file({}, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == f"{d}: holds no tensors"
+    d = tmp_path / "odd"
+    d.mkdir()
+    header = json.dumps({"z": {"dtype": "C64", "shape": [2], "data_offsets": [0, 16]}}).encode()
+    (d / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{d / 'model.safetensors'}: tensor 'z' has dtype 'C64', which torch cannot hold"
+    )
+
+
+def test_hf_check_files_reports_a_file_changed_damaged_or_gone_since_open(tmp_path: Path) -> None:
+    """check_files (verify) names each file whose size changed, whose header no longer parses
+    or that is gone, instead of raising on the first."""
+    from safetensors.torch import save_file
+
+    want = _hf_tensors()
+    d = _hf_dir(
+        tmp_path,
+        {f"w-{i}.safetensors": {k: v} for i, (k, v) in enumerate(want.items())},
+        {k: f"w-{i}.safetensors" for i, k in enumerate(want)},
+    )
+    src = open_source(d)
+    assert src.check_files() == []
+    grown = d / "w-0.safetensors"
+    size = grown.stat().st_size
+    with open(grown, "ab") as f:
+        f.write(b"\0" * 8)
+    (d / "w-1.safetensors").unlink()
+    problems = src.check_files()
+    assert problems[0] == f"{grown}: {size + 8} bytes on disk, {size} when opened"
+    assert problems[1:] == [f"data file {d / 'w-1.safetensors'} is missing"]
+    save_file({"b.bias": want["b.bias"]}, str(d / "w-1.safetensors"))
+    grown.write_bytes(b"\xff" * 8)
+    assert src.check_files()[0].startswith(f"{grown}: ")
+
+
+def test_hfsource_refuses_a_prefix_that_is_not_a_string(tmp_path: Path) -> None:
+    """HFSource built directly (SourceOptions checks its own fields' types): the prefix
+    prepended to every name must be a string."""
+    from safetensors.torch import save_file
+
+    from ucp_dcp.byteio.location import view_of
+    from ucp_dcp.errors import InvalidArgumentTypeError
+
+    save_file(_hf_tensors(), str(tmp_path / "model.safetensors"))
+    with pytest.raises(InvalidArgumentTypeError) as e:
+        HFSource(view_of(tmp_path), prefix=1)  # type: ignore[arg-type]
+    assert str(e.value) == f"HFSource({str(tmp_path)!r}): prefix must be a string, got 1"
