@@ -28,7 +28,7 @@ from test_hf_into_layouts import CONFIG  # the same tiny untied Llama
 from ucp_dcp import Checkpoint, load_into_module, load_state_dict, ReadOptions, UCPLoadPlanner, UCPStorageReader
 from ucp_dcp.byteio.objstore import ObjectStore
 from ucp_dcp.errors import CheckpointFormatError
-from ucp_dcp.sources import formats_looked_for
+from ucp_dcp.sources import formats_looked_for, open_source
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model comes from a local config
 transformers = pytest.importorskip("transformers")
@@ -217,3 +217,17 @@ def test_s3_sharded_model_into_row_shards_on_3_ranks(
         # The default merges gaps up to 32 KiB (other ranks' rows between this rank's pieces of
         # neighbouring tensors, all under 32 KiB in this tiny model): more bytes, never fewer.
         assert default["requested"] >= exact["needed"], (r, got)
+
+
+def test_check_files_names_a_shard_removed_from_the_store(hf_dirs: dict[str, Path]) -> None:
+    """A shard deleted from the store after the open is a finding of check_files (the store
+    answered: no such object), not an error that stops the check."""
+    url = _memory_url()
+    upload(hf_dirs["sharded"], url)
+    src = open_source(url)
+    assert src.check_files() == []
+    fs, root = fsspec.core.url_to_fs(url)
+    gone = sorted(n for n in os.listdir(hf_dirs["sharded"]) if n.endswith(".safetensors"))[0]
+    fs.rm(f"{root}/{gone}")
+    problems = src.check_files()
+    assert len(problems) == 1 and f"{url}/{gone}" in problems[0], problems
