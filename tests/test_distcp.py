@@ -491,3 +491,143 @@ def _save_rows(path: Path, w: torch.Tensor) -> None:
 def _save_rows_rank(rank: int, world: int, path: str, w: torch.Tensor) -> None:
     mesh = init_device_mesh("cpu", (world,))
     dcp.save({"w": distribute_tensor(w, mesh, [Shard(0)])}, checkpoint_id=path)
+
+
+def _md_edit(path: Path, edit: Any) -> None:
+    """Rewrite ``path``'s ``.metadata`` with ``edit(Metadata)`` done on it (in place where
+    ``edit`` returns None)."""
+    md = pickle.loads((path / ".metadata").read_bytes())
+    out = edit(md)
+    (path / ".metadata").write_bytes(pickle.dumps(md if out is None else out))
+
+
+def _info(md: Any, fqn: str = "w") -> tuple[Any, Any]:
+    """``(key, _StorageInfo)`` of ``fqn``'s first stored item."""
+    return next((k, v) for k, v in md.storage_data.items() if k.fqn == fqn)
+
+
+def _replace_info(md: Any, **fields: Any) -> None:
+    import dataclasses
+
+    key, info = _info(md)
+    md.storage_data[key] = dataclasses.replace(info, **fields)
+
+
+def _chunk(md: Any, offsets: Any, sizes: Any) -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    md.state_dict_metadata["w"].chunks[0] = ChunkStorageMetadata(offsets, sizes)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda md: {"w": 1}, "<md>: holds a dict, not DCP Metadata"),
+        (
+            lambda md: setattr(md, "state_dict_metadata", None),
+            "<md>: DCP metadata without state_dict_metadata/storage_data",
+        ),
+        (lambda md: md.storage_data.pop(_info(md)[0]) and None, "<md>: no stored item for chunk [0, 0] of 'w'"),
+        (
+            lambda md: _replace_info(md, offset=-1),
+            "<md>: chunk [0, 0] of 'w': malformed byte range -1+<len>",
+        ),
+        (
+            lambda md: md.state_dict_metadata.update(w="a tensor"),
+            "<md>: 'w' has unknown storage metadata str",
+        ),
+        (
+            lambda md: setattr(md.state_dict_metadata["w"], "size", "8x8"),
+            "<md>: malformed tensor metadata for 'w'",
+        ),
+        (lambda md: _chunk(md, [0], [8, 8]), "<md>: malformed chunk of 'w'"),
+        (
+            lambda md: _chunk(md, torch.Size([4, 0]), torch.Size([8, 8])),
+            "<md>: chunk [4, 0]+[8, 8] of 'w' lies outside shape [8, 8]",
+        ),
+    ],
+)
+def test_malformed_dcp_metadata_is_refused_naming_the_entry(
+    tmp_path: Path, edit: Any, message: str
+) -> None:
+    """A real .metadata whose records are not DCP's (another object, a missing or malformed
+    storage entry, an unknown storage kind, a malformed size or chunk, a chunk outside the
+    tensor) is refused at open, naming the file and the key."""
+    dcp.save({"w": torch.arange(64.0).reshape(8, 8), "step": torch.tensor(3)}, checkpoint_id=str(tmp_path))
+    length = _info(read_dcp_metadata(tmp_path))[1].length
+    _md_edit(tmp_path, edit)
+    with pytest.raises(CheckpointFormatError) as e:
+        DCPSource.open(tmp_path, SourceOptions())
+    want = message.replace("<md>", str(tmp_path / ".metadata")).replace("<len>", str(length))
+    assert str(e.value) == want
+
+
+def test_a_storage_entry_that_is_not_dcps_is_refused_naming_it(tmp_path: Path) -> None:
+    """A storage_data key that is no MetadataIndex (a plain name): refused naming it."""
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path))
+    md = read_dcp_metadata(tmp_path)
+    (key, info), = md.storage_data.items()
+    md.storage_data = {"w": info}
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointFormatError) as e:
+        DCPSource.open(tmp_path, SourceOptions())
+    assert str(e.value) == f"{tmp_path / '.metadata'}: storage_data entry 'w' -> {info!r} is malformed"
+
+
+def _load_error(path: Path, state: dict[str, Any], **options: Any) -> str:
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(state, storage_reader=UCPStorageReader(path, options=ReadOptions(**options)), planner=UCPLoadPlanner())
+    err = unwrap(e.value)
+    assert isinstance(err, CheckpointFormatError), e.value
+    return str(err)
+
+
+def test_items_that_disagree_with_the_metadata_are_refused_at_load(tmp_path: Path) -> None:
+    """An item written with stream transforms, one whose tensor is not the dtype .metadata
+    says, one whose storage record is shorter than its tensor: each refused naming the data
+    file, key, chunk and byte range."""
+    import shutil
+
+    w = torch.arange(64.0).reshape(8, 8)
+    dcp.save({"w": w}, checkpoint_id=str(tmp_path / "saved"))
+    (data,) = (tmp_path / "saved").glob("*.distcp")
+    info = _info(read_dcp_metadata(tmp_path / "saved"))[1]
+    where = f"item of 'w' chunk [0, 0] at [{info.offset}, {info.offset + info.length})"
+
+    d = shutil.copytree(tmp_path / "saved", tmp_path / "transforms")
+    _md_edit(d, lambda md: _replace_info(md, transform_descriptors=["zstd"]))
+    assert _load_error(d, {"w": torch.zeros(8, 8)}) == (
+        f"{d / data.name}: {where}: written with DCP stream transforms ['zstd'] (e.g. "
+        "compression); such items cannot be byte-addressed and are not supported"
+    )
+    d = shutil.copytree(tmp_path / "saved", tmp_path / "dtype")
+    _md_edit(d, lambda md: setattr(md.state_dict_metadata["w"].properties, "dtype", torch.float64))
+    mismatch = f"{d / data.name}: {where}: holds a float32[8, 8] tensor, but .metadata says float64[8, 8]"
+    assert _load_error(d, {"w": torch.zeros(8, 8, dtype=torch.float64)}) == mismatch
+    assert DCPSource.open(d, SourceOptions()).check_files() == [mismatch]  # verify: a finding
+    d = shutil.copytree(tmp_path / "saved", tmp_path / "short")
+    raw = bytearray((d / data.name).read_bytes())
+    at = raw.find(b"PK\x01\x02")  # the item's first central directory entry: its data/0 record
+    while not raw[at + 46 : at + 46 + 40].split(b"/", 1)[-1].startswith(b"data/0"):
+        at = raw.find(b"PK\x01\x02", at + 4)
+    raw[at + 20 : at + 28] = (128).to_bytes(4, "little") * 2  # 128 of the 256 bytes
+    (d / data.name).write_bytes(bytes(raw))
+    assert _load_error(d, {"w": torch.zeros(8, 8)}) == (
+        f"{d / data.name}: {where}: the tensor runs past its storage (128 bytes)"
+    )
+
+
+def test_a_value_written_with_stream_transforms_is_refused_naming_it(tmp_path: Path) -> None:
+    """Even with dcp_values='weights_only', a value item written with stream transforms is
+    not unpickled: refused naming the key."""
+    dcp.save({"w": torch.ones(2), "cfg": "adamw"}, checkpoint_id=str(tmp_path))
+    import dataclasses
+
+    def transformed(md: Any) -> None:
+        key, info = _info(md, "cfg")
+        md.storage_data[key] = dataclasses.replace(info, transform_descriptors=["zstd"])
+
+    _md_edit(tmp_path, transformed)
+    with pytest.raises(CheckpointFormatError) as e:
+        Checkpoint(tmp_path, dcp_values="weights_only").read_value("cfg")
+    assert str(e.value) == f"{tmp_path}: value 'cfg' was written with DCP stream transforms ['zstd']; not supported"
