@@ -1,4 +1,5 @@
-"""The DeepSpeed fixtures' generator scripts (tests/fixtures/deepspeed/generate*.py) as modules.
+"""The DeepSpeed fixtures' generator scripts (tests/fixtures/deepspeed/generate*.py) as modules,
+and a way to rewrite one of their files without DeepSpeed (:func:`resave`).
 
 The tests rebuild the fixtures' models, batches and losses from them; each script imports
 deepspeed only inside its worker, so they load without it.
@@ -6,10 +7,16 @@ deepspeed only inside its worker, so they load without it.
 
 from __future__ import annotations
 
+import enum
 import importlib.util
 import sys
+import types
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
 
 DEEPSPEED_FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 
@@ -26,3 +33,47 @@ def generator(script: str) -> ModuleType:
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return mod
+
+
+def _standins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Importable stand-ins for the DeepSpeed classes the fixtures' pickles name, so that a test
+    can load a file with ``torch.load``, change an entry and save it back without DeepSpeed."""
+
+    class ZeroStageEnum(int, enum.Enum):
+        disabled = 0
+        optimizer_states = 1
+        gradients = 2
+        weights = 3
+        max_stage = 4
+
+    classes: list[type] = [ZeroStageEnum]
+    for name in ("LossScaler", "fragment_address", "SubparamShape"):
+        classes.append(type(name, (), {}))
+    modules = (
+        "deepspeed.runtime.zero.config",
+        "deepspeed.runtime.fp16.loss_scaler",
+        "deepspeed.utils.tensor_fragment",
+        "deepspeed.checkpoint.universal_checkpoint",
+    )
+    for cls, module in zip(classes, modules):
+        cls.__module__, cls.__qualname__ = module, cls.__name__
+        parts = module.split(".")
+        for i in range(1, len(parts) + 1):
+            name = ".".join(parts[:i])
+            if name not in sys.modules:
+                m = types.ModuleType(name)
+                m.__path__ = []  # type: ignore[attr-defined]  # a package: its children import
+                monkeypatch.setitem(sys.modules, name, m)
+            if i > 1:
+                parent = sys.modules[".".join(parts[: i - 1])]
+                monkeypatch.setattr(parent, parts[i - 1], sys.modules[name], raising=False)
+        monkeypatch.setattr(sys.modules[module], cls.__name__, cls, raising=False)
+
+
+def resave(path: Path, edit: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rewrite the DeepSpeed file ``path`` as ``edit(its object)``, or the object as ``edit``
+    changed it in place where ``edit`` returns None (DeepSpeed's classes: stand-ins)."""
+    _standins(monkeypatch)
+    obj = torch.load(path, weights_only=False)
+    out = edit(obj)
+    torch.save(obj if out is None else out, path)

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import bit_equal, flatten, run_ranks
-from ds_fixtures import generator
+from ds_fixtures import generator, resave
 from safetensors.torch import load_file
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -457,56 +457,14 @@ def test_cli_inspect_verify_convert_export_on_a_deepspeed_checkpoint(tmp_path: P
 # ---------------------------------------------------------------- damaged entries
 
 
-def _deepspeed_standins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Importable stand-ins for the DeepSpeed classes the fixtures' pickles name, so that a test
-    can load a file with ``torch.load``, change an entry and save it back without DeepSpeed."""
-    import enum
-    import sys
-    import types
-
-    class ZeroStageEnum(int, enum.Enum):
-        disabled = 0
-        optimizer_states = 1
-        gradients = 2
-        weights = 3
-        max_stage = 4
-
-    classes: list[type] = [ZeroStageEnum]
-    for name in ("LossScaler", "fragment_address", "SubparamShape"):
-        classes.append(type(name, (), {}))
-    modules = (
-        "deepspeed.runtime.zero.config",
-        "deepspeed.runtime.fp16.loss_scaler",
-        "deepspeed.utils.tensor_fragment",
-        "deepspeed.checkpoint.universal_checkpoint",
-    )
-    for cls, module in zip(classes, modules):
-        cls.__module__, cls.__qualname__ = module, cls.__name__
-        parts = module.split(".")
-        for i in range(1, len(parts) + 1):
-            name = ".".join(parts[:i])
-            if name not in sys.modules:
-                m = types.ModuleType(name)
-                m.__path__ = []  # type: ignore[attr-defined]  # a package: its children import
-                monkeypatch.setitem(sys.modules, name, m)
-            if i > 1:
-                parent = sys.modules[".".join(parts[: i - 1])]
-                monkeypatch.setattr(parent, parts[i - 1], sys.modules[name], raising=False)
-        monkeypatch.setattr(sys.modules[module], cls.__name__, cls, raising=False)
-
-
 def _edited(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edits: dict[str, Any], variant: str = "zero2_fp32_w2"
 ) -> Path:
     """A copy of ``variant`` whose ``step2/<file>`` holds ``edit(its object)`` (in place where
     ``edit`` returns None), for each ``file: edit`` of ``edits``."""
-    _deepspeed_standins(monkeypatch)
     d = _copy(variant, tmp_path)
     for file, edit in edits.items():
-        f = d / "step2" / file
-        obj = torch.load(f, weights_only=False)
-        out = edit(obj)
-        torch.save(obj if out is None else out, f)
+        resave(d / "step2" / file, edit, monkeypatch)
     return d
 
 

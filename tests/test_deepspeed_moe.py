@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import bit_equal, run_ranks
-from ds_fixtures import generator
+from ds_fixtures import generator, resave
 from safetensors.torch import load_file
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -285,3 +285,206 @@ def test_moe_checkpoints_this_does_not_read_are_refused(tmp_path: Path) -> None:
         f"{tag}: layer_0_expert_0_mp_rank_01_model_states.pt: MoE checkpoints with tensor or pipeline "
         "parallelism (mp_rank other than 00) are not supported"
     )
+
+
+_M = "mp_rank_00_model_states.pt"
+_O = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+_X = EXPERT  # the experts' name prefix of MoE layer 0 (module "moe")
+
+
+def _inner(edit: Any) -> Any:
+    """An edit of an optimizer file's inner optimizer state dict (in place)."""
+
+    def apply(o: dict[str, Any]) -> None:
+        edit(o["optimizer_state_dict"]["base_optimizer_state"])
+
+    return apply
+
+
+def _renamed(g: int, old: str, new: str) -> Any:
+    """An edit of the model states renaming ``old`` to ``new`` in param_shapes[g] (in place,
+    keeping the order)."""
+
+    def apply(sd: dict[str, Any]) -> None:
+        shapes = sd["param_shapes"][g]
+        items = [(new if k == old else k, v) for k, v in shapes.items()]
+        shapes.clear()
+        shapes.update(items)
+
+    return apply
+
+
+def _partition_count(g: int, n: int) -> Any:
+    def apply(o: dict[str, Any]) -> None:
+        o["optimizer_state_dict"]["partition_count"][g] = n
+
+    return apply
+
+
+@pytest.mark.parametrize(
+    "variant, edits, message",
+    [
+        (
+            "moe_zero2_ep2_w4",
+            {_M: lambda sd: sd.update(num_experts="4")},
+            "<tag>/mp_rank_00_model_states.pt: num_experts '4' is not a list of expert counts",
+        ),
+        (
+            "moe_zero2_ep2_w4",
+            {_M: lambda sd: sd.update(num_experts=[])},
+            "<tag>: expert files of MoE layers [0], but num_experts in "
+            "<tag>/mp_rank_00_model_states.pt lists 0 MoE layer(s): []",
+        ),
+        (
+            "moe_zero2_ep2_w4",
+            {_O: _partition_count(2, 3)},
+            f"<tag>/{_O}: optimizer group 2 is marked moe, but its partition_count 3 does not "
+            "divide the 4 data-parallel ranks",
+        ),
+        (
+            "moe_zero2_ep2_w4",
+            {_O: _inner(lambda i: i["param_groups"][2].update(name="ep_size_4"))},
+            f"<tag>/{_O}: optimizer group 2 is named 'ep_size_4' but is partitioned over 2 of 4 "
+            "ranks (expert-parallel size 2)",
+        ),
+        (
+            "moe_zero2_ep2_w4",
+            {_M: _renamed(2, f"{_X}0.fc1.weight", "dense.weight")},
+            "<tag>/mp_rank_00_model_states.pt: optimizer group 2 is marked moe, but "
+            "'dense.weight' is not an expert parameter of a MoE layer with expert files (['moe'])",
+        ),
+        (
+            "moe_zero2_ep2_w4",
+            {_M: _renamed(1, "head.bias", f"{_X}0.scale")},
+            f"<tag>/mp_rank_00_model_states.pt: expert parameter '{_X}0.scale' is in optimizer "
+            "group 1, which is not marked moe",
+        ),
+        (
+            "moe_zero2_ep2_w4",
+            {_M: _renamed(2, f"{_X}1.fc1.weight", f"{_X}2.fc1.weight")},
+            f"<tag>: '{_X}2.fc1.weight' in param_shapes is local expert 2, but MoE layer 0 has 4 "
+            "experts over 2 expert-parallel ranks (2 each)",
+        ),
+        (
+            "moe_zero2_ep2_w4",
+            {
+                "layer_0_expert_0_mp_rank_00_model_states.pt": lambda sd: sd.update(
+                    {f"{_X}0.fc1.weight": torch.zeros(5, 6)}
+                )
+            },
+            f"<tag>/layer_0_expert_0_mp_rank_00_model_states.pt: expected '{_X}0.fc1.weight' of "
+            "shape (5, 7) (param_shapes of the model states, local expert name renumbered), "
+            "found a (5, 6) entry",
+        ),
+        (
+            "moe_zero2_ep2_w4",
+            {"layer_0_expert_1_mp_rank_00_model_states.pt": lambda sd: (sd.pop(f"{_X}1.fc2.bias"), None)[1]},
+            f"<tag>/layer_0_expert_1_mp_rank_00_model_states.pt: expected '{_X}1.fc2.bias' of "
+            "shape (7,) (param_shapes of the model states, local expert name renumbered), "
+            "found no such entry",
+        ),
+        (
+            "moe2_zero2_w4",
+            {
+                _O: lambda o: (
+                    _partition_count(3, 2)(o),
+                    _inner(lambda i: i["param_groups"][3].update(name="ep_size_2"))(o),
+                )[-1]
+            },
+            "<tag>/mp_rank_00_model_states.pt: the experts of MoE layer 1 are in moe optimizer "
+            "groups of expert-parallel sizes 2 and 4",
+        ),
+    ],
+)
+def test_moe_files_that_disagree_are_refused_naming_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str, edits: dict[str, Any], message: str
+) -> None:
+    """Model states, optimizer and expert files of a real MoE checkpoint edited to disagree
+    (num_experts, partition counts, group names, an expert in the wrong group, an expert file's
+    entry) are refused naming the file (``<tag>``: the tag folder) and what it disagrees
+    with."""
+    tag = _copy(tmp_path, variant)
+    for file, edit in edits.items():
+        resave(tag / file, edit, monkeypatch)
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(tag.parent)
+    assert str(e.value) == message.replace("<tag>", str(tag))
+
+
+def test_expert_files_that_do_not_fit_num_experts_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An expert file beyond num_experts, one of DeepSpeed's older naming, an expert count
+    that expert parallelism does not divide, and one module's experts in two layers' files."""
+    tag = _copy(tmp_path)
+    models = tag / _M
+    extra = tag / "layer_0_expert_4_mp_rank_00_model_states.pt"
+    shutil.copy(tag / "layer_0_expert_3_mp_rank_00_model_states.pt", extra)
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(tag.parent)
+    assert str(e.value) == (
+        f"{tag}: layer_0_expert_4_mp_rank_00_model_states.pt is beyond the [4] experts per MoE "
+        f"layer of num_experts in {models}"
+    )
+    extra.rename(tag / "expert_4_mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(tag.parent)
+    assert str(e.value) == (
+        f"{tag}: expert_4_mp_rank_00_model_states.pt is an expert file of DeepSpeed's older "
+        "naming (no MoE layer id); only layer_<L>_expert_<G>_mp_rank_00_model_states.pt files "
+        "are read"
+    )
+    (tag / "expert_4_mp_rank_00_model_states.pt").unlink()
+    (tag / "layer_0_expert_3_mp_rank_00_model_states.pt").unlink()
+    resave(models, lambda sd: sd.update(num_experts=[3]), monkeypatch)
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(tag.parent)
+    assert str(e.value) == (
+        f"{tag}: MoE layer 0 has 3 experts, not a multiple of its expert-parallel size 2"
+    )
+    tag = _copy(tmp_path, "moe2_zero2_w4")
+    shutil.copy(
+        tag / "layer_0_expert_0_mp_rank_00_model_states.pt",
+        tag / "layer_1_expert_0_mp_rank_00_model_states.pt",
+    )
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(tag.parent)
+    assert str(e.value) == (
+        f"{tag / 'layer_1_expert_0_mp_rank_00_model_states.pt'}: MoE module 'moe' is in the "
+        "files of MoE layers 0 and 1"
+    )
+
+
+def test_experts_load_without_num_experts_counted_from_their_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Model states that record no num_experts (older DeepSpeed): the expert files say how
+    many; every tensor loads as with it."""
+    tag = _copy(tmp_path)
+    resave(tag / _M, lambda sd: sd.pop("num_experts") and None, monkeypatch)
+    got, want = load_state_dict(tag.parent), load_state_dict(MOE / "moe_zero2_ep2_w4")
+    assert set(got) == set(want)
+    assert [k for k, v in want.items() if isinstance(v, torch.Tensor) and not bit_equal(got[k], v)] == []
+
+
+def test_a_zero3_or_pipeline_moe_checkpoint_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Optimizer files of ZeRO stage 3, or a pipeline layer file next to the expert files:
+    layouts of MoE this reader does not place, refused naming the tag folder."""
+    tag = _copy(tmp_path / "z3")
+    for r in range(4):
+        resave(
+            tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+            lambda o: o["optimizer_state_dict"].update(zero_stage=3),
+            monkeypatch,
+        )
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(tag.parent)
+    assert str(e.value) == (
+        f"{tag}: a ZeRO-3 MoE checkpoint is not supported (DeepSpeed's native MoE trains under "
+        "ZeRO-1/2)"
+    )
+    tag = _copy(tmp_path / "pp")
+    shutil.copy(tag / "layer_0_expert_0_mp_rank_00_model_states.pt", tag / "layer_01-model_00-model_states.pt")
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(tag.parent)
+    assert str(e.value) == f"{tag}: a MoE checkpoint with tensor or pipeline parallelism is not supported"
