@@ -495,3 +495,72 @@ def test_an_index_json_cannot_hold_fails_its_digest(ckpt: Path) -> None:
     with pytest.raises(CheckpointFormatError, match=r"ucp_index\.json: the index does not match its digest "
                        rf"\(recorded '{doc['digest']}', its content hashes to \(not canonical JSON\)\)"):
         load_index(str(ckpt))
+
+
+# ---------------------------------------------------------------- index and headers disagree
+
+
+def test_a_header_of_another_world_size_is_refused(ckpt: Path) -> None:
+    """A data file whose header says it was written in a save of 2 ranks, where the index
+    says 1: another save's file put in its place."""
+    f = data_file(ckpt)
+    edit_header(f, lambda doc, md: md.update(world_size=2))
+    with pytest.raises(CheckpointFormatError) as e:
+        load_state_dict(ckpt)
+    assert str(e.value) == f"{f}: written by rank 0 of world size 2, but the index says rank 0 of 1"
+
+
+def test_a_header_entry_of_another_shape_is_refused(ckpt: Path) -> None:
+    """The entry the index's chunk names holds, by its header, a chunk of a tensor of another
+    global shape (32 elements, where the index says 16)."""
+    f = data_file(ckpt)
+    edit_header(f, lambda doc, md: md["entries"]["model.b@0"].update(shape=[32]))
+    with pytest.raises(CheckpointFormatError) as e:
+        load_state_dict(ckpt)
+    assert str(e.value) == (
+        f"{f}: entry 'model.b@0' is a float32[16] chunk of 'model.b' [32], but the index has "
+        "chunk [0] of 'model.b' as float32[16] of [16]"
+    )
+
+
+def test_block_checksums_of_another_block_size_are_refused(ckpt: Path) -> None:
+    """A header whose block size does not give the blocks its checksum entry holds: refused
+    naming the counts, not read as checksums of other bytes."""
+    f = data_file(ckpt)
+    edit_header(f, lambda doc, md: md["block_sums"].update(block=64))
+    with pytest.raises(CheckpointFormatError) as e:
+        load_state_dict(ckpt)
+    assert str(e.value) == f"{f}: 2 block checksums recorded for the 9 blocks of its tensor chunks"
+
+
+def test_verify_names_a_rank_local_value_the_index_leaves_out(ckpt: Path) -> None:
+    f = data_file(ckpt)
+    edit_index(ckpt, lambda d: d.update(rank_local={}))
+    assert Checkpoint(ckpt).verify() == [
+        f"{f}: entry '__ucp_rank_local__/rng' holds rank 0's rank-local value 'rng', which the "
+        "index does not list there"
+    ]
+
+
+def test_an_index_that_cannot_be_read_is_refused_naming_it(ckpt: Path) -> None:
+    (ckpt / INDEX_FILE).unlink()
+    (ckpt / INDEX_FILE).mkdir()
+    with pytest.raises(CheckpointFormatError) as e:
+        load_index(str(ckpt))
+    assert str(e.value) == f"{ckpt / INDEX_FILE}: cannot read the index (Is a directory)"
+
+
+def test_rebuild_index_refuses_headers_that_do_not_cover_a_tensor(ckpt: Path) -> None:
+    """Data files whose headers give model.w a global shape of 16 x 16 but hold 8 x 16 of it:
+    one of the save's data files is missing, and the rebuilt index would have a hole."""
+    from ucp_dcp.sources.native import rebuild_index
+
+    f = data_file(ckpt)
+    save_id = read_header(str(f)).save_id
+    edit_header(f, lambda doc, md: md["entries"]["model.w@0,0"].update(shape=[16, 16]))
+    with pytest.raises(CheckpointFormatError) as e:
+        rebuild_index(str(ckpt))
+    assert str(e.value) == (
+        f"{ckpt}: the data files of save {save_id} cover 128 of the 256 elements of 'model.w': "
+        "a data file is missing"
+    )

@@ -214,8 +214,8 @@ class NativeSource(Source):
         box = self.box(fqn, idx)
         loc = rec.chunk_location(idx)  # None for compact records: the header says
         file = rec.chunk_file(idx)
-        if file is None:
-            return super().locate(fqn, idx)  # raises: an explicit chunk listed without its bytes
+        # parse_index gives every explicit chunk its location, and a compact one its file.
+        assert file is not None, (fqn, idx)
         name = chunk_entry_name(fqn, box.offsets)
 
         def what() -> str:  # made only for an error: a load locates every chunk it reads
