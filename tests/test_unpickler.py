@@ -15,6 +15,7 @@ import pickle
 import sys
 import types
 import zipfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -358,3 +359,95 @@ def test_a_distcp_item_past_the_end_of_its_file_or_too_short_is_refused() -> Non
     with pytest.raises(CheckpointFormatError) as e:
         parse_tensor_item(lambda n, off: bad[off : off + n], 0, len(bad), "item", ReadStats())
     assert str(e.value) == "item: bad local zip header for archive/data/0"
+
+
+# ---------------------------------------------------------------- tensors that are not torch.save's
+
+
+class _Stor:
+    """Pickled as torch.save's persistent id of storage record ``data/0`` of class ``cls``."""
+
+    def __init__(self, cls: Any) -> None:
+        self.cls = cls
+
+
+class _Call:
+    """Pickled as a REDUCE of ``func(*args)`` (what torch.save writes for a tensor)."""
+
+    def __init__(self, func: Any, *args: Any) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.func, self.args)
+
+
+def _hand_pickle(obj: Any) -> bytes:
+    """``obj`` pickled as torch.save pickles (protocol 2, storages as persistent ids)."""
+
+    class _P(pickle.Pickler):
+        def persistent_id(self, o: Any) -> Any:
+            return ("storage", o.cls, "0", "cpu", 6) if isinstance(o, _Stor) else None
+
+    buf = io.BytesIO()
+    _P(buf, protocol=2).dump(obj)
+    return buf.getvalue()
+
+
+_V2, _V3 = torch._utils._rebuild_tensor_v2, torch._utils._rebuild_tensor_v3
+_F = _Stor(torch.FloatStorage)
+_U = _Stor(torch.UntypedStorage)
+
+
+def _v2(storage: Any = _F, size: Any = (6,), stride: Any = (1,), *meta: Any) -> _Call:
+    return _Call(_V2, storage, 0, size, stride, False, OrderedDict(), *meta)
+
+
+@pytest.mark.parametrize(
+    "obj, message",
+    [
+        (_v2(_F, "6"), "a tensor with malformed geometry 0, '6', (1,)"),
+        (_v2(_F, (6,), (1,), "x"), "a tensor with malformed metadata 'x'"),
+        (_v2(_F, (6,), (1,), {"layout": 1}), "a tensor with metadata 'layout', which this reader does not know"),
+        (_v2(5), "a tensor whose storage is int, not a storage record"),
+        (_v2(_U), "a tensor (torch._utils._rebuild_tensor_v2) over an untyped storage"),
+        (
+            _Call(_V3, _F, 0, (6,), (1,), False, OrderedDict(), torch.float32),
+            "a tensor (torch._utils._rebuild_tensor_v3) whose storage is not an untyped storage record",
+        ),
+        (
+            _Call(_V3, _U, 0, (6,), (1,), False, OrderedDict(), "float32"),
+            "a tensor of unknown dtype 'float32'",
+        ),
+        (_Call(torch._utils._rebuild_parameter, 5, False, OrderedDict()), "a Parameter around int"),
+        (
+            _Call(torch._tensor._rebuild_from_type_v2, torch._utils._rebuild_parameter, torch.Tensor, (), {}),
+            "a tensor subclass (torch._tensor._rebuild_from_type_v2 of another type)",
+        ),
+    ],
+    ids=["geometry", "metadata", "metadata_key", "storage", "v2_untyped", "v3_typed", "v3_dtype", "parameter", "subclass"],
+)
+def test_a_tensor_record_torch_save_does_not_write_is_refused(obj: Any, message: str) -> None:
+    """The calls torch.save pickles for a tensor, with arguments it never writes (hand-made:
+    no writer makes them), are refused naming the file and what is wrong, never built."""
+    with pytest.raises(CheckpointFormatError) as e:
+        unpickle(_hand_pickle({"t": obj}), "a.pt", "deepspeed", {"0"})
+    assert str(e.value) == f"a.pt: {message}"
+
+
+def test_view_bits_that_are_false_and_slotted_state_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.save's metadata {'conj': False, 'neg': False} is a plain tensor; a DeepSpeed
+    record whose state is (dict, slots) gives fields from both."""
+    import copyreg
+
+    t = unpickle(_hand_pickle(_v2(_F, (2, 3), (3, 1), {"conj": False, "neg": False})), "a.pt", "deepspeed", {"0"})
+    assert t == TensorRef("0", torch.float32, 0, (2, 3), (3, 1))
+
+    scaler = _standin(monkeypatch, "deepspeed.runtime.fp16.loss_scaler", "LossScaler")
+    state = ({"cur_scale": 2.0}, {"cur_iter": 4})  # what pickle saves of a class with __slots__
+    scaler.__reduce_ex__ = lambda self, protocol: (copyreg.__newobj__, (type(self),), state)  # type: ignore[method-assign]
+    a = unpickle(pickle.dumps(scaler(), protocol=2), "a.pt", "deepspeed")
+    assert isinstance(a, Inert) and (a.field("cur_scale"), a.field("cur_iter")) == (2.0, 4)
+    assert repr(a) == (
+        "<deepspeed.runtime.fp16.loss_scaler.LossScaler args=() state=({'cur_scale': 2.0}, "
+        "{'cur_iter': 4})>"
+    )
