@@ -42,7 +42,7 @@ from ucp_dcp import (
 )
 from ucp_dcp.adapters.flat import flat_partition, pack_flat
 from ucp_dcp.core.pieces import Piece, TensorPieces
-from ucp_dcp.sources import DeepSpeedSource, DeepSpeedUniversalSource, open_source
+from ucp_dcp.sources import DeepSpeedSource, DeepSpeedUniversalSource, SourceOptions, open_source
 from ucp_dcp.tools.cli import main as cli_main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
@@ -730,4 +730,89 @@ def test_a_layer_file_two_tied_modules_could_be_is_refused(
     assert str(e.value) == (
         f"{d / 'step2' / 'layer_00-model_00-model_states.pt'}: layer 0's entries ['weight'] match "
         "tied modules embed, head alike; cannot tell which one this layer is"
+    )
+
+
+@pytest.mark.parametrize(
+    "variant, damage, message",
+    [
+        (
+            "zero2_fp32_w2",
+            lambda d: (d / "latest").write_bytes(b"\xffstep2"),
+            "<d>/latest: cannot read the tag ('utf-8' codec can't decode byte 0xff in position 0: "
+            "invalid start byte)",
+        ),
+        (
+            "zero2_fp32_w2",
+            lambda d: (d / "latest").write_text("../step2"),
+            "<d>/latest: '../step2' is not a tag folder name",
+        ),
+        (
+            "zero2_fp32_w2",
+            lambda d: shutil.copy(
+                d / "step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                d / "step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+            ),
+            "<d>/step2: holds both bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files",
+        ),
+        (
+            "zero2_fp32_w2",
+            lambda d: (d / "step2" / "mp_rank_00_model_states.pt").unlink(),
+            "<d>/step2: no mp_rank_00_model_states.pt (or zero_pp_rank_*_model_states.pt)",
+        ),
+        (
+            "pipe/pp2_tp2_dp2_zero1",
+            lambda d: (d / "step2" / "layer_03-model_01-model_states.pt").unlink(),
+            "<d>/step2: no layer_03-model_01-model_states.pt, though other tensor-parallel ranks "
+            "of layer 3 have one",
+        ),
+        (
+            "pipe/pp2_dp2_zero1",
+            lambda d: shutil.copy(
+                d / "step2" / "mp_rank_00_model_states.pt",
+                d / "step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+            ),
+            "<d>/step2: ZeRO-3 model files (zero_pp_rank_0_mp_rank_00_model_states.pt) of a "
+            "pipeline- or tensor-parallel checkpoint are not supported",
+        ),
+        (
+            "zero3_fp32_w2_universal",
+            lambda d: shutil.copy(
+                d / "step2_universal" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                d / "step2_universal" / "zero_pp_rank_0_mp_rank_01_model_states.pt",
+            ),
+            "<d>/step2_universal: zero_pp_rank_0_mp_rank_01_model_states.pt: tensor- or "
+            "pipeline-parallel Universal folders are not supported",
+        ),
+    ],
+    ids=["latest_bytes", "latest_path", "bf16_mixed", "no_model_states", "layer_file", "zero3_pipeline", "universal_tp"],
+)
+def test_a_deepspeed_folder_with_wrong_files_is_refused_naming_them(
+    tmp_path: Path, variant: str, damage: Any, message: str
+) -> None:
+    """A real checkpoint whose ``latest`` is not a tag name, or whose tag folder mixes, lacks
+    or adds files DeepSpeed writes together, is refused naming the folder and the file."""
+    d = _copy(variant, tmp_path)
+    damage(d)
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == message.replace("<d>", str(d))
+
+
+def test_opening_a_folder_without_deepspeed_files_as_deepspeed_is_refused(tmp_path: Path) -> None:
+    """DeepSpeedSource.open and DeepSpeedUniversalSource on folders detection would not offer
+    them: named, with what is missing."""
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(CheckpointFormatError) as e:
+        DeepSpeedSource.open(str(tmp_path), SourceOptions())
+    assert str(e.value) == (
+        f"{tmp_path}: not a DeepSpeed ZeRO checkpoint: no "
+        "*zero_pp_rank_*_mp_rank_*_optim_states.pt files (notes.txt)"
+    )
+    gone = tmp_path / "gone"
+    with pytest.raises(CheckpointFormatError) as e:
+        DeepSpeedUniversalSource(str(gone))
+    assert str(e.value) == (
+        f"{gone}: a DeepSpeed Universal folder without model states (expected "
+        "mp_rank_00_model_states.pt or zero_pp_rank_<R>_mp_rank_00_model_states.pt)"
     )
