@@ -816,3 +816,51 @@ def test_opening_a_folder_without_deepspeed_files_as_deepspeed_is_refused(tmp_pa
         f"{gone}: a DeepSpeed Universal folder without model states (expected "
         "mp_rank_00_model_states.pt or zero_pp_rank_<R>_mp_rank_00_model_states.pt)"
     )
+
+
+def _zero_file(edit: Any, fqn: str = "fc1.weight") -> Any:
+    """A damage to zero/<fqn>/fp32.pt of a copied Universal folder: saved as ``edit(its
+    dict)``."""
+
+    def damage(d: Path) -> Path:
+        f = _universal_param(d, fqn) / "fp32.pt"
+        torch.save(edit(torch.load(f, weights_only=True)), f)
+        return f
+
+    return damage
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (_zero_file(lambda sd: {"x": 1}), "<f>: holds no tensor (expected a dict with 'param', or a tensor)"),
+        (
+            _zero_file(lambda sd: {**sd, "optimizer": 1}),
+            "<f>: holds key(s) 'optimizer' this reader does not know (it knows param, cat_dim, "
+            "param_n_sub_params, sub_param_shape, vocab_tensor); an unread key could change what "
+            "the tensor is",
+        ),
+        (
+            _zero_file(lambda sd: {**sd, "param": torch.zeros(3)}),
+            "<f>: a tensor of shape [3], expected [13, 7] from param_shapes",
+        ),
+    ],
+    ids=["no_tensor", "unknown_key", "shape"],
+)
+def test_a_damaged_universal_file_is_refused_naming_it(tmp_path: Path, damage: Any, message: str) -> None:
+    """A zero/<fqn>/fp32.pt that holds no tensor, a key ds_to_universal does not write, or a
+    tensor of another shape than param_shapes gives: refused naming the file."""
+    d = _copy(UNIVERSAL, tmp_path)
+    f = damage(d)
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == message.replace("<f>", str(f))
+
+
+def test_a_universal_parameter_without_fp32_is_refused(tmp_path: Path) -> None:
+    d = _copy(UNIVERSAL, tmp_path)
+    (_universal_param(d, "fc1.weight") / "fp32.pt").unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    zero = d / "step2_universal" / "zero"
+    assert str(e.value) == f"{zero}: no fc1.weight/fp32.pt for parameter 'fc1.weight'"

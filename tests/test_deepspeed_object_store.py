@@ -249,3 +249,15 @@ def test_a_url_holding_only_checkpoint_folders_says_what_to_do() -> None:
         open_source(url)
     assert "it holds only folders (other, pytorch_model): open a subfolder's URL" in str(e.value)
     assert isinstance(open_source(f"{url}/pytorch_model"), DeepSpeedSource)
+
+
+def test_a_universal_folder_in_the_store_is_refused_naming_it() -> None:
+    """A ds_to_universal folder is read from a local directory only: at a URL, refused saying so."""
+    url = _memory_url()
+    upload(FIXTURES / "zero2_fp32_w2_universal", url)
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(url)
+    assert str(e.value) == (
+        f"{url}: a DeepSpeed Universal checkpoint is read from a local directory only; copy it "
+        "to one first"
+    )

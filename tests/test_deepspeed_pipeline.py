@@ -666,3 +666,52 @@ def test_damaged_universal_folders_name_the_file_and_what_is_missing(tmp_path: P
         f"{tag}: model states of model-parallel ranks [0, 2, 3]; expected mp_rank_00..mp_rank_03 "
         "(missing mp_rank_01_model_states.pt)"
     )
+
+
+def test_a_tag_folder_beside_a_universal_folder_lacking_a_model_states_file_is_not_read(
+    tmp_path: Path,
+) -> None:
+    """The tag folder beside step2_universal without one of the model states files
+    ds_to_universal copied from it: not the one it was converted from."""
+    d = _copy("pp2_dp2_zero1_universal", tmp_path)
+    shutil.copytree(PIPE / "pp2_dp2_zero1" / "step2", d / "step2")
+    (d / "step2" / "mp_rank_01_model_states.pt").unlink()
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{d / 'step2'}: not the checkpoint {d / 'step2_universal'} was converted from (it has "
+        "no mp_rank_01_model_states.pt), so its layer files are not read"
+    )
+
+
+@pytest.mark.parametrize(
+    "degrees, message",
+    [
+        (
+            (2, None),
+            "<u>/mp_rank_01_model_states.pt: checkpoint_parallel_dimensions['tp_degree'] is None "
+            "(<u>/mp_rank_00_model_states.pt: 2); a Universal folder of 2 model-parallel ranks "
+            "needs it to tell stages from tensor-parallel ranks",
+        ),
+        (
+            (3, 3),
+            "<u>/mp_rank_00_model_states.pt: 2 model states files (mp_rank_XX) are not a multiple "
+            "of tp_degree 3",
+        ),
+    ],
+)
+def test_a_universal_folder_whose_tp_degree_is_missing_or_wrong_is_refused(
+    tmp_path: Path, degrees: tuple[Any, Any], message: str
+) -> None:
+    """Model states of a TP=2 Universal folder whose checkpoint_parallel_dimensions lose their
+    tp_degree, or give one that does not divide the model-parallel ranks: which file is which
+    rank is unknown, refused naming the file."""
+    d = _copy("tp2_dp2_zero1_universal", tmp_path)
+    u = d / "step2_universal"
+    for mp, tp in enumerate(degrees):
+        f = u / f"mp_rank_{mp:02d}_model_states.pt"
+        dims = torch.load(f, weights_only=True)["checkpoint_parallel_dimensions"]
+        _resave(f, checkpoint_parallel_dimensions={**dims, "tp_degree": tp})
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == message.replace("<u>", str(u))
