@@ -497,3 +497,24 @@ def test_hfsource_refuses_a_prefix_that_is_not_a_string(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentTypeError) as e:
         HFSource(view_of(tmp_path), prefix=1)  # type: ignore[arg-type]
     assert str(e.value) == f"HFSource({str(tmp_path)!r}): prefix must be a string, got 1"
+
+
+def test_subfolders_holding_an_unaddressable_item_convert_and_name_missing_keys(tmp_path: Path) -> None:
+    """accelerate's layout (DCP checkpoints in subfolders), one item of which has overlapping
+    strides: convert reads it whole through its own subfolder's files, with two subfolders
+    and with one; a key no subfolder holds is refused naming it."""
+    from ucp_dcp.tools.convert import convert
+
+    ov = torch.arange(4.0).as_strided((2, 2), (1, 1))  # DCP keeps the strides: no byte range
+    w = torch.arange(6.0).reshape(2, 3)
+    for root, parts in (("two", {"model": {"w": w}, "optim": {"ov": ov}}), ("one", {"optim": {"ov": ov}})):
+        for sub, state in parts.items():
+            dcp.save(state, checkpoint_id=str(tmp_path / root / sub))
+        assert isinstance(open_source(tmp_path / root), CompositeSource)
+        convert(tmp_path / root, tmp_path / f"{root}_ucp")
+        got = load_state_dict(tmp_path / f"{root}_ucp")
+        want = {k: v for state in parts.values() for k, v in state.items()}
+        assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items()), root
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(tmp_path / "two").value_location("nope")
+    assert str(e.value) == f"{tmp_path / 'two'}: no saved tensor or value 'nope'"
