@@ -645,6 +645,24 @@ _P = "zero_pp_rank_{}_mp_rank_0{}_optim_states.pt"
             "<tag>/zero_pp_rank_0_mp_rank_00_optim_states.pt has stage 2 with 2",
         ),
         (
+            "zero2_fp32_w2",
+            {_O: _osd(lambda s: s.update(group_paddings=[10, 0]))},
+            "<tag>/zero_pp_rank_0_mp_rank_00_optim_states.pt: fp32 weight 'fc1.weight' needs "
+            "elements [77, 147) of a buffer of 140",
+        ),
+        (
+            "zero2_fp32_w2",
+            {
+                _O3.format(1): _osd(
+                    lambda s: s["single_partition_of_fp32_groups"].__setitem__(
+                        0, s["single_partition_of_fp32_groups"][0].double()
+                    )
+                )
+            },
+            "<tag>/zero_pp_rank_1_mp_rank_00_optim_states.pt: fp32 weight 'fc1.weight' is stored "
+            "as both torch.float32 and torch.float64",
+        ),
+        (
             "zero3_fp32_w2",
             {_O3.format(1): _osd(lambda s: s["fp32_flat_groups"].__setitem__(0, s["fp32_flat_groups"][0][:-1]))},
             "<tag>/zero_pp_rank_1_mp_rank_00_optim_states.pt: fp32_flat_groups of [84, 57, 15] "
@@ -864,3 +882,20 @@ def test_a_universal_parameter_without_fp32_is_refused(tmp_path: Path) -> None:
         open_source(d)
     zero = d / "step2_universal" / "zero"
     assert str(e.value) == f"{zero}: no fc1.weight/fp32.pt for parameter 'fc1.weight'"
+
+
+def test_check_files_names_a_deepspeed_file_gone_or_resized_since_open(tmp_path: Path) -> None:
+    """check_files (verify) of a DeepSpeed checkpoint: one line per file deleted or grown since
+    it was opened."""
+    d = _copy("zero2_fp32_w2", tmp_path)
+    src = open_source(d)
+    assert src.check_files() == []
+    gone = d / "step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    grown = d / "step2" / "mp_rank_00_model_states.pt"
+    size = grown.stat().st_size
+    gone.unlink()
+    with open(grown, "ab") as f:
+        f.write(b"\0" * 3)
+    assert sorted(src.check_files()) == sorted(
+        [f"{gone}: No such file or directory", f"{grown}: {size + 3} bytes on disk, {size} when opened"]
+    )
