@@ -564,3 +564,35 @@ def test_rebuild_index_refuses_headers_that_do_not_cover_a_tensor(ckpt: Path) ->
         f"{ckpt}: the data files of save {save_id} cover 128 of the 256 elements of 'model.w': "
         "a data file is missing"
     )
+
+
+def test_verify_names_a_header_entry_at_offsets_the_index_has_no_chunk_at(ckpt: Path) -> None:
+    """A header whose model.b entry is moved to offsets [16] of a 32-element tensor: the index
+    has no chunk there; verify names the entry it cannot place and the chunk it cannot find,
+    and convert fails naming the chunk."""
+    from ucp_dcp.tools.convert import convert
+
+    f = data_file(ckpt)
+
+    def move(doc: dict[str, Any], md: dict[str, Any]) -> None:
+        doc["model.b@16"] = doc.pop("model.b@0")
+        md["entries"]["model.b@16"] = {**md["entries"].pop("model.b@0"), "shape": [32], "offsets": [16]}
+
+    edit_header(f, move)
+    missing = f"{f}: the index says it holds chunk [0] of 'model.b' (entry 'model.b@0'), but it does not"
+    assert sorted(Checkpoint(ckpt).verify()) == sorted([
+        f"{f}: entry 'model.b@16' holds chunk [16] of tensor 'model.b', which the index does not list there",
+        missing,
+    ])
+    with pytest.raises(CheckpointFormatError) as e:
+        convert(ckpt, ckpt.parent / "out")
+    assert str(e.value) == missing
+
+
+def test_a_value_the_index_does_not_hold_is_refused_naming_it(ckpt: Path) -> None:
+    from ucp_dcp.sources import NativeSource, open_source
+
+    assert not NativeSource.detect(ckpt.parent / "gone")
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(ckpt).value_location("epoch")
+    assert str(e.value) == f"{ckpt}: no saved value for 'epoch'"
