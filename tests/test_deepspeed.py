@@ -899,3 +899,31 @@ def test_check_files_names_a_deepspeed_file_gone_or_resized_since_open(tmp_path:
     assert sorted(src.check_files()) == sorted(
         [f"{gone}: No such file or directory", f"{grown}: {size + 3} bytes on disk, {size} when opened"]
     )
+
+
+def test_tensor_parallel_slices_of_two_dtypes_are_refused_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensor-parallel rank 1's fp32 partitions saved as float64, rank 0's as float32: the
+    merged tensor has no one dtype. Refused naming rank 1's file and rank; the message once
+    named only the key, leaving which of the files to look at unsaid."""
+    d = _edited(
+        tmp_path,
+        monkeypatch,
+        {
+            _P.format(dp, 1): _osd(
+                lambda s: s.update(
+                    single_partition_of_fp32_groups=[t.double() for t in s["single_partition_of_fp32_groups"]]
+                )
+            )
+            for dp in (0, 1)
+        },
+        "pipe/tp2_dp2_zero1",
+    )
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{d / 'step2' / _P.format(0, 1)}: tensor-parallel rank 1's slice of "
+        "model.tied_modules.embed.weight is torch.float64, merged shape (11, 7); other ranks' "
+        "slices are torch.float32, merged shape (11, 7)"
+    )

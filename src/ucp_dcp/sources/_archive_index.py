@@ -133,7 +133,7 @@ class ArchiveIndex:
         if place is not None:
             shape = place.local
         chunks = self._chunk(archive, t, Box.whole(shape), 0, what, place)
-        self._record(path, t.dtype, shape, chunks, place)
+        self._record(path, t.dtype, shape, chunks, place, archive.path)
 
     def flat(
         self,
@@ -155,8 +155,10 @@ class ArchiveIndex:
             shape = place.local
         chunks: list[ChunkRecord] = []
         dtype = None
+        first = ""  # the file of the first segment, to name the slice in an error
         for seg in segs:
             archive, t = buffer_of(seg)
+            first = first or archive.path
             dtype = t.dtype if dtype is None else dtype
             if t.dtype != dtype:
                 raise CheckpointFormatError(
@@ -165,7 +167,7 @@ class ArchiveIndex:
             for box, off in segment_boxes(shape, seg):
                 chunks += self._chunk(archive, t, box, off, what, place)
         # An empty parameter has no element stored anywhere, and no chunks.
-        self._record(path, dtype or torch.float32, shape, chunks, place)
+        self._record(path, dtype or torch.float32, shape, chunks, place, first)
 
     def _record(
         self,
@@ -174,11 +176,13 @@ class ArchiveIndex:
         shape: tuple[int, ...],
         chunks: list[ChunkRecord],
         place: TPSlice | None,
+        where: str,
     ) -> None:
         """``chunks`` of the key at ``path`` (of ``shape``): the whole tensor, or with ``place`` a
         slice's, added to the chunks other slices gave the key; where the key is merged from all
         its slices (``place.merge``), the chunks (boxes of the slice) are slice ``place.rank``'s
-        operand, recorded by :meth:`finish_merges`."""
+        operand, recorded by :meth:`finish_merges`. ``where``: the file the slice is read from
+        (for an error)."""
         if place is None:
             self.add(path, dtype, shape, chunks)
         elif place.merge:
@@ -187,7 +191,7 @@ class ArchiveIndex:
             )
             self.paths[_key(path)] = path
         else:
-            self.extend(path, dtype, place.full_shape, chunks)
+            self._extend(path, dtype, place.full_shape, chunks, place.rank, where)
 
     def finish_merges(self, degree: int, where: str) -> None:
         """Record each merged tensor (computed from its ``degree`` slices) as a byte range of
@@ -242,14 +246,17 @@ class ArchiveIndex:
             if full.numel
         ]
 
-    def extend(
+    def _extend(
         self,
         path: _Path,
         dtype: torch.dtype,
         shape: tuple[int, ...],
         chunks: list[ChunkRecord],
+        rank: int,
+        where: str,
     ) -> None:
-        """Add ``chunks`` to the key at ``path`` (recorded with ``dtype`` and ``shape`` if new)."""
+        """Add ``chunks`` (tensor-parallel rank ``rank``'s slice, read from file ``where``) to the
+        key at ``path`` (recorded with ``dtype`` and ``shape`` if new)."""
         key = _key(path)
         rec = self.tensors.get(key)
         if rec is None:
@@ -257,8 +264,9 @@ class ArchiveIndex:
             return
         if rec.dtype != dtype or tuple(rec.shape) != tuple(shape):
             raise CheckpointFormatError(
-                f"{key}: tensor-parallel slices of {rec.dtype} {tuple(rec.shape)} and {dtype} "
-                f"{tuple(shape)}"
+                f"{where or key}: tensor-parallel rank {rank}'s slice of {key} is {dtype}, merged "
+                f"shape {tuple(shape)}; other ranks' slices are {rec.dtype}, merged shape "
+                f"{tuple(rec.shape)}"
             )
         rec.chunks.extend(chunks)
 
