@@ -452,3 +452,20 @@ def test_a_replicated_vocabulary_cut_is_read_from_rank_0(tmp_path: Path) -> None
     )
     assert open_source(d).index.tensors["model.tied_modules.embed.weight"].shape == (5, 7)
     _check(load_state_dict(d), {"tied_modules.embed.weight": lambda s: s[0][:5]})
+
+
+def test_an_averaged_parameter_one_rank_does_not_hold_is_refused(tmp_path: Path) -> None:
+    """1.fc1.bias averaged over the tensor-parallel ranks, but rank 1's model states no longer
+    list it: its mean cannot be computed; refused naming the parameter and the rank."""
+    d = _rewritten(tmp_path, lambda i: {**i, "parameter_to_average_patterns": [r"1\.fc1\.bias$"]})
+    f = d / "step2" / "mp_rank_01_model_states.pt"
+    sd = torch.load(f, weights_only=True)
+    for shapes in sd["param_shapes"]:
+        shapes.pop("1.fc1.bias", None)
+    torch.save(sd, f)
+    with pytest.raises(CheckpointFormatError) as e:
+        open_source(d)
+    assert str(e.value) == (
+        f"{d / 'step2'}: model.1.fc1.bias is merged from its tensor-parallel slices, but "
+        "tensor-parallel rank(s) [1] hold none"
+    )
