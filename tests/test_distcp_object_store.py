@@ -28,7 +28,7 @@ import s3_server
 from cli_utils import run_cli
 from dist_utils import bit_equal, run_ranks
 from ucp_dcp import Checkpoint, load_state_dict, ReadOptions, UCPLoadPlanner, UCPStorageReader
-from ucp_dcp.errors import CheckpointFormatError, DCPValueError
+from ucp_dcp.errors import CheckpointFormatError, DCPValueError, unwrap
 from ucp_dcp.sources import DCPSource, SourceOptions, open_source
 from ucp_dcp.sources._torch_archive import item_ends
 from ucp_dcp.sources.distcp import read_dcp_metadata
@@ -261,3 +261,27 @@ def test_fsspecwriter_on_s3_2_ranks_loads_on_3(s3_bucket: tuple[str, dict[str, A
     for r in range(3):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert got["needed"] <= got["requested"] <= MAX_RATIO * got["needed"], (r, got)
+
+
+def test_an_item_written_with_stream_transforms_is_refused_on_a_store(tmp_path: Path) -> None:
+    """On a store the items' ends are fetched in one batch; an item written with DCP stream
+    transforms is left out of it and refused when parsed, naming it."""
+    import dataclasses
+    import pickle
+
+    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=str(tmp_path))
+    md = read_dcp_metadata(tmp_path)
+    ((key, info),) = md.storage_data.items()
+    md.storage_data[key] = dataclasses.replace(info, transform_descriptors=["zstd"])
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
+    url = _memory_url()
+    upload(tmp_path, url)
+    with pytest.raises(CheckpointException) as e:
+        dcp.load({"w": torch.zeros(6)}, storage_reader=UCPStorageReader(url), planner=UCPLoadPlanner())
+    err = unwrap(e.value)
+    assert isinstance(err, CheckpointFormatError), e.value
+    assert str(err) == (
+        f"{url}/{info.relative_path}: item of 'w' chunk [0] at [{info.offset}, "
+        f"{info.offset + info.length}): written with DCP stream transforms ['zstd'] (e.g. "
+        "compression); such items cannot be byte-addressed and are not supported"
+    )
