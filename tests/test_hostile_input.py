@@ -596,3 +596,21 @@ def test_a_value_the_index_does_not_hold_is_refused_naming_it(ckpt: Path) -> Non
     with pytest.raises(CheckpointFormatError) as e:
         open_source(ckpt).value_location("epoch")
     assert str(e.value) == f"{ckpt}: no saved value for 'epoch'"
+
+
+def test_a_rank_local_value_in_the_file_of_another_rank_is_refused(ckpt: Path) -> None:
+    """An index (of a 2-rank save, as is the file's header) that puts rank 1's rank-local
+    value in rank 0's file: refused naming the file and both ranks, not read as rank 1's."""
+    f = data_file(ckpt)
+    edit_header(f, lambda doc, md: md.update(world_size=2))
+
+    def to_rank_1(d: dict[str, Any]) -> None:
+        d["world_size"] = 2
+        d["rank_local"]["rng"] = {"1": d["rank_local"]["rng"]["0"]}
+
+    edit_index(ckpt, to_rank_1)
+    with pytest.raises(CheckpointFormatError) as e:
+        Checkpoint(ckpt).read_rank_local("rng")
+    assert str(e.value) == (
+        f"{f}: the index has rank-local value 'rng' of rank 1 in the file of rank 0"
+    )
