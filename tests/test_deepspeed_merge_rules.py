@@ -378,7 +378,8 @@ _SUBS = f"{_INFO}['parameter_with_sub_params']"
         ),
         (
             _sub([[9, 6], -1], 0.4, ((5, 4), (3, 3))),
-            "'1.fc1.weight': sub-parameter shape [-1, -1] does not fit its 98 elements",
+            "'1.fc1.weight': sub-parameter shape [15, -1] (sub-parameters of sizes [9, 6] along "
+            "dimension 0) does not fit its 98 elements",
         ),
         (
             _sub([[8, 6], 8]),

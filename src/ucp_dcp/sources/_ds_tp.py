@@ -696,8 +696,8 @@ def _sub_param_slice(
         known = math.prod(s for s in shape if s != -1)
         if known <= 0 or numel % known:
             raise CheckpointFormatError(
-                f"{where}: {name!r}: sub-parameter shape {list(sub.shape)} does not fit its "
-                f"{numel} elements"
+                f"{where}: {name!r}: sub-parameter shape {shape} (sub-parameters of sizes "
+                f"{list(sizes)} along dimension {sub.dim}) does not fit its {numel} elements"
             )
         shape[shape.index(-1)] = numel // known
     view = list(shape)
