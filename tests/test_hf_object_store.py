@@ -231,3 +231,25 @@ def test_check_files_names_a_shard_removed_from_the_store(hf_dirs: dict[str, Pat
     fs.rm(f"{root}/{gone}")
     problems = src.check_files()
     assert len(problems) == 1 and f"{url}/{gone}" in problems[0], problems
+
+
+def test_check_files_raises_when_the_store_fails_rather_than_answering(
+    hf_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that fails (access denied here) says nothing about the files: check_files
+    raises its error, naming the URL, instead of reporting the file as a finding."""
+    import errno
+
+    from ucp_dcp.errors import StorageError
+
+    url = _memory_url()
+    upload(hf_dirs["single"], url)
+    src = open_source(url)
+
+    def denied(self: ObjectStore, name: str) -> int:
+        raise StorageError(errno.EACCES, f"{url}/{name}: access denied")
+
+    monkeypatch.setattr(ObjectStore, "size", denied)
+    with pytest.raises(StorageError) as e:
+        src.check_files()
+    assert str(e.value) == f"{url}/model.safetensors: access denied"
