@@ -551,6 +551,11 @@ def _inner(edit: Any) -> Any:
         ),
         (
             _O,
+            _inner(lambda i: i["state"][0].update(betas_used=(0.9, 0.95))),
+            "optimizer state 'betas_used' of flat buffer 0 is a tuple, not a tensor",
+        ),
+        (
+            _O,
             _inner(lambda i: i.update(param_groups=[{**i["param_groups"][0], "params": [0, 1]}])),
             "1 inner optimizer groups for 2 parameter groups",
         ),

@@ -111,16 +111,15 @@ def record_param(
     st0 = optims[0].state.get(first_buffer, {})
     for name, v in st0.items():
         path = ("optim", "state", fqn, name)
-        if name in _SCALAR_STATE or (isinstance(v, TensorRef) and not v.size):
-            if not isinstance(v, TensorRef):
-                raise CheckpointFormatError(
-                    f"{optims[0].archive.path}: optimizer state {name!r} of flat buffer "
-                    f"{first_buffer} is a "
-                    f"{type(v).__name__}, not a tensor"
-                )
-            b.whole(path, optims[0].archive, v, (), f"{name} of flat buffer {first_buffer}")
-            continue
+        # Every entry is a tensor: a per-element moment or a scalar (the step). Anything else
+        # is state this reader does not know how to place: refused, never dropped.
         if not isinstance(v, TensorRef):
+            raise CheckpointFormatError(
+                f"{optims[0].archive.path}: optimizer state {name!r} of flat buffer "
+                f"{first_buffer} is a {type(v).__name__}, not a tensor"
+            )
+        if name in _SCALAR_STATE or not v.size:
+            b.whole(path, optims[0].archive, v, (), f"{name} of flat buffer {first_buffer}")
             continue
 
         def buffer_of(seg: Segment, name: str = name) -> tuple[TorchArchive, TensorRef]:
