@@ -35,28 +35,37 @@ def generator(script: str) -> ModuleType:
     return mod
 
 
+def _standin(module: str, name: str) -> type:
+    cls = type(name, (), {})
+    cls.__module__, cls.__qualname__ = module, name
+    return cls
+
+
+class _ZeroStageEnum(int, enum.Enum):
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+    max_stage = 4
+
+
+_ZeroStageEnum.__module__, _ZeroStageEnum.__qualname__ = "deepspeed.runtime.zero.config", "ZeroStageEnum"
+
+STANDINS: list[type] = [
+    _standin("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    _standin("deepspeed.utils.tensor_fragment", "fragment_address"),
+    _standin("deepspeed.checkpoint.universal_checkpoint", "SubparamShape"),
+    _ZeroStageEnum,
+]
+"""Stand-ins for the DeepSpeed classes the fixtures' pickles name (module and name as
+DeepSpeed's): ``torch.load(weights_only=True)`` reads the files with them as safe globals."""
+
+
 def _standins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Importable stand-ins for the DeepSpeed classes the fixtures' pickles name, so that a test
-    can load a file with ``torch.load``, change an entry and save it back without DeepSpeed."""
-
-    class ZeroStageEnum(int, enum.Enum):
-        disabled = 0
-        optimizer_states = 1
-        gradients = 2
-        weights = 3
-        max_stage = 4
-
-    classes: list[type] = [ZeroStageEnum]
-    for name in ("LossScaler", "fragment_address", "SubparamShape"):
-        classes.append(type(name, (), {}))
-    modules = (
-        "deepspeed.runtime.zero.config",
-        "deepspeed.runtime.fp16.loss_scaler",
-        "deepspeed.utils.tensor_fragment",
-        "deepspeed.checkpoint.universal_checkpoint",
-    )
-    for cls, module in zip(classes, modules):
-        cls.__module__, cls.__qualname__ = module, cls.__name__
+    """Make :data:`STANDINS` importable under DeepSpeed's module names, so that a test can load a
+    file with ``torch.load``, change an entry and save it back without DeepSpeed."""
+    for cls in STANDINS:
+        module = cls.__module__
         parts = module.split(".")
         for i in range(1, len(parts) + 1):
             name = ".".join(parts[:i])
@@ -67,7 +76,7 @@ def _standins(monkeypatch: pytest.MonkeyPatch) -> None:
             if i > 1:
                 parent = sys.modules[".".join(parts[: i - 1])]
                 monkeypatch.setattr(parent, parts[i - 1], sys.modules[name], raising=False)
-        monkeypatch.setattr(sys.modules[module], cls.__name__, cls, raising=False)
+        monkeypatch.setattr(sys.modules[module], cls.__qualname__, cls, raising=False)
 
 
 def resave(path: Path, edit: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,6 @@ rules and compared bit-exactly with DeepSpeed's own full tensors
 
 from __future__ import annotations
 
-import enum
 import json
 import math
 import pickletools
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ds_fixtures import generator
+from ds_fixtures import STANDINS, generator
 from safetensors.torch import load_file
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
@@ -41,31 +40,8 @@ DOCUMENTED_GLOBALS = {
 }
 
 
-def _standin(module: str, name: str) -> type:
-    cls = type(name, (), {})
-    cls.__module__, cls.__qualname__ = module, name
-    return cls
-
-
-class _ZeroStageEnum(int, enum.Enum):
-    disabled = 0
-    optimizer_states = 1
-    gradients = 2
-    weights = 3
-    max_stage = 4
-
-
-_ZeroStageEnum.__module__, _ZeroStageEnum.__qualname__ = "deepspeed.runtime.zero.config", "ZeroStageEnum"
-_STANDINS = [
-    _standin("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-    _standin("deepspeed.utils.tensor_fragment", "fragment_address"),
-    _standin("deepspeed.checkpoint.universal_checkpoint", "SubparamShape"),
-    _ZeroStageEnum,
-]
-
-
 def _load(path: Path):
-    with torch.serialization.safe_globals(_STANDINS):
+    with torch.serialization.safe_globals(STANDINS):
         return torch.load(path, weights_only=True, map_location="cpu")
 
 
