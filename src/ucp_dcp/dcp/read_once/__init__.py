@@ -309,8 +309,10 @@ def _other_checkpoint(sent: Sequence[tuple[bytes, str, bytes]]) -> ReadOnceError
     """The error for the first rank that loads another checkpoint than the first rank that said
     which it loads (a rank that failed says nothing); None when they all load one."""
     told = [(r, path, ident) for r, (_, path, ident) in enumerate(sent) if ident]
+    if not told:
+        return None
+    r0, path0, ident0 = told[0]
     for r, path, ident in told[1:]:
-        r0, path0, ident0 = told[0]
         if ident != ident0:
             return ReadOnceError(
                 f"rank {r} loads another checkpoint than rank {r0}: {path} holds other files than "
