@@ -1,7 +1,8 @@
 """Read-once A/B: per tree, per target, the median over rounds of once/dcp and ucp/dcp cold load
-time (each run's median of 5 paired repeats), and once's storage bytes over unique bytes."""
-import glob, json, os, statistics
-here = os.path.dirname(os.path.abspath(__file__))
+time (each run's median of 5 paired repeats), and once's storage bytes over unique bytes.
+python3 ro_summary.py [FOLDER]: the runs in FOLDER (default: this script's own folder)."""
+import glob, json, os, statistics, sys
+here = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
 rows = {}
 for f in sorted(glob.glob(os.path.join(here, '*_r*.read_once.json'))):
     tree, rnd = os.path.basename(f).split('.')[0].split('_')
